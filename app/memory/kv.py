@@ -1,0 +1,210 @@
+"""KV cache geometry: bytes per token, the block pool, blocks per request, block hashes.
+
+Mirrors vLLM v1 (``vllm/v1/kv_cache_interface.py`` for page sizes and per-spec
+maximum usage, ``vllm/v1/core/kv_cache_utils.py`` for ``get_num_blocks``, the
+hybrid grouping and ``get_max_concurrency_for_kv_cache_config``), so that our
+numbers equal the ones vLLM logs at start-up and exports in ``cache_config_info``.
+
+Hybrid models (full + sliding-window layers, e.g. Gemma 2/3): vLLM splits layers
+into KV cache groups of ``group_size = min(layers per attention type)`` layers;
+every group draws block ids from ONE shared pool, and one pool block is
+``group_size`` layer pages. So ``num_blocks = memory // page // group_size`` and a
+request holds, per group, the blocks its attention type needs. All block counts
+here are in that unit: blocks of the shared pool, summed over groups.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.memory.geometry import FULL_ATTENTION, ModelGeometry, dtype_bytes
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes per KV element for vLLM's ``--kv-cache-dtype``."""
+    if kv_cache_dtype == "auto":
+        return model_dtype_bytes
+    if kv_cache_dtype.startswith("fp8"):
+        return 1
+    return dtype_bytes(kv_cache_dtype)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What vLLM logs after sizing the pool, plus the per-request block count behind it."""
+
+    bytes_per_token: int
+    num_blocks: int
+    kv_cache_tokens: int  # as vLLM >= 0.11 logs it: int(max_concurrency * max_model_len)
+    max_concurrency: float
+    blocks_per_request: int = 0  # blocks one max_model_len request needs
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One deployment's KV cache geometry, per GPU."""
+
+    geometry: ModelGeometry
+    block_size: int = 16
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """AttentionSpec.page_size_bytes / block_size (MLAAttentionSpec: one latent, not split by TP)."""
+        g = self.geometry
+        dt = kv_cache_dtype_bytes(self.kv_cache_dtype, g.dtype_bytes)
+        if g.is_mla:
+            return (g.kv_lora_rank + g.qk_rope_head_dim) * dt
+        kv_heads = max(1, g.num_kv_heads // self.tensor_parallel_size)
+        return 2 * kv_heads * g.head_dim * dt
+
+    @property
+    def stage_layer_types(self) -> tuple[str, ...]:
+        """Attention types of the largest pipeline stage (vLLM ``get_pp_indices`` split).
+
+        vLLM gives the remainder layers to the stages before the last, one each;
+        every rank then uses the smallest block count, which the largest stage sets.
+        """
+        types = self.geometry.attention_types
+        pp = self.pipeline_parallel_size
+        sizes = [len(types) // pp] * pp
+        for i in range(2, len(types) % pp + 2):
+            sizes[-i] += 1
+        start = 0
+        largest = max(sizes)
+        for size in sizes:
+            if size == largest:
+                return types[start:start + size]
+            start += size
+        raise AssertionError("unreachable")
+
+    @property
+    def layers_per_stage(self) -> int:
+        return len(self.stage_layer_types)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.bytes_per_token_per_layer * self.layers_per_stage
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token_per_layer
+
+    @property
+    def groups(self) -> dict[str, int]:
+        """KV cache groups per attention type (``_get_kv_cache_config_uniform_page_size``)."""
+        counts = Counter(self.stage_layer_types)
+        if len(counts) == 1:
+            return {next(iter(counts)): 1}
+        size = self.group_size
+        return {kind: cdiv(n, size) for kind, n in counts.items()}
+
+    @property
+    def group_size(self) -> int:
+        """Layers per KV cache group: all layers if uniform, else the rarest type's count."""
+        return min(Counter(self.stage_layer_types).values())
+
+    def num_blocks(self, kv_cache_memory_bytes: int) -> int:
+        """``get_num_blocks``: memory // page_size // num_layers (per group)."""
+        return max(0, kv_cache_memory_bytes // self.page_bytes // self.group_size)
+
+    def capacity(
+        self,
+        kv_cache_memory_bytes: int,
+        max_model_len: int,
+        max_num_batched_tokens: int | None = None,
+    ) -> Capacity:
+        """The pool vLLM builds from ``kv_cache_memory_bytes`` and its logged concurrency.
+
+        ``max_num_batched_tokens`` only matters for sliding-window layers (their
+        per-request maximum); None assumes it is at least ``max_model_len``.
+        """
+        num_blocks = self.num_blocks(kv_cache_memory_bytes)
+        batched = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+        per_request = sum(
+            n * self._max_blocks(kind, max_model_len, batched) for kind, n in self.groups.items()
+        )
+        concurrency = num_blocks / per_request
+        return Capacity(
+            bytes_per_token=self.bytes_per_token,
+            num_blocks=num_blocks,
+            kv_cache_tokens=int(concurrency * max_model_len),
+            max_concurrency=concurrency,
+            blocks_per_request=per_request,
+        )
+
+    def blocks_for_tokens(self, num_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
+        """Pool blocks one sequence holds once ``num_tokens`` tokens are in the cache.
+
+        Full-attention groups hold every block; sliding-window groups at most the
+        ``SlidingWindowSpec`` maximum (the window, one chunk in flight, +1 for a
+        window that does not start on a block boundary).
+        """
+        full = cdiv(num_tokens, self.block_size)
+        total = 0
+        for kind, n in self.groups.items():
+            cap = full if kind == FULL_ATTENTION else self._max_blocks(kind, max_model_len, max_num_batched_tokens)
+            total += n * min(full, cap)
+        return total
+
+    def blocks_for_request(
+        self,
+        prompt_tokens: int,
+        total_tokens: int,
+        n: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        share_prompt: bool = True,
+    ) -> int:
+        """Blocks for ``n`` samples of one prompt grown to ``total_tokens`` each.
+
+        With prefix caching the samples share the prompt's full blocks in the
+        full-attention groups; each keeps its own tail. Sliding-window groups are
+        counted per sample, since each sample's window moves past the prompt.
+        """
+        full_per_sample = cdiv(total_tokens, self.block_size)
+        shared = prompt_tokens // self.block_size if share_prompt and n > 1 else 0
+        total = 0
+        for kind, groups in self.groups.items():
+            if kind == FULL_ATTENTION:
+                total += groups * (shared + n * (full_per_sample - shared))
+            else:
+                cap = self._max_blocks(kind, max_model_len, max_num_batched_tokens)
+                total += groups * n * min(full_per_sample, cap)
+        return total
+
+    def _max_blocks(self, kind: str, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """``max_memory_usage_bytes / page_size_bytes`` of one layer of this type."""
+        if kind == FULL_ATTENTION:
+            return cdiv(max_model_len, self.block_size)
+        window = self.geometry.sliding_window or max_model_len
+        tokens = min(window - 1 + max_num_batched_tokens, max_model_len)
+        return cdiv(tokens, self.block_size) + 1
+
+
+_ROOT_HASH = 0x6B7667617465  # parent of the first block; any constant works within a process
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: object = None) -> list[int]:
+    """Chained hashes of the full blocks, like vLLM's prefix cache keys.
+
+    Block i hashes ``(hash of block i-1, its token ids, extra_key)``, so equal
+    hashes mean equal prefixes. Partial trailing blocks are not hashed (vLLM
+    never caches them). Python's builtin ``hash`` is used for speed: values are
+    only comparable within one process, which is all the ledger needs.
+    """
+    tokens = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
+    hashes: list[int] = []
+    parent = _ROOT_HASH
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start:start + block_size]), extra_key))
+        hashes.append(parent)
+    return hashes
