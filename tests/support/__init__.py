@@ -1,0 +1,1 @@
+"""Test helpers: an offline tiny model and a real vLLM server launcher."""
