@@ -1,6 +1,7 @@
-"""Session fixtures shared by the test suite: the tiny model and a real vLLM."""
+"""Session fixtures shared by the test suite: the tiny model and a real vLLM.
 
 Helpers live in tests/support/ and import as `support.*` (pytest puts tests/ on sys.path).
+"""
 
 from __future__ import annotations
 
