@@ -1,0 +1,314 @@
+"""Transient (activation) memory of one request's worst step, term by term.
+
+vLLM reserves, before sizing the KV pool, the activation peak of one *profile
+run* (``vllm/v1/worker/gpu_model_runner.py: profile_run``): ``_dummy_run`` with
+``max_num_batched_tokens`` tokens over ``min(tokens, max_num_seqs)`` requests and
+``skip_attn=True`` (no attention kernel, no computed context), then
+``_dummy_sampler_run`` over those rows with top-p 0.9 / top-k V-1 (a full-vocab
+sort), no logprobs, no penalties. A term marked ``profiled`` fits inside that
+reservation; any other term must fit in the GPU memory left free.
+
+Terms are grouped by ``stage``: forward-pass terms run one after another (their
+peak is the largest), sampler-stage terms are alive together, prompt logprobs
+run after the sampler, and ``workspace`` terms are engine-wide buffers allocated
+once and kept (``shared=True``: count them once per engine, not per request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.memory.geometry import ModelGeometry
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# vllm/v1/attention/backends/flashinfer.py: FLASHINFER_WORKSPACE_BUFFER_SIZE
+FLASHINFER_WORKSPACE_BYTES = 256 * MiB
+# vllm/model_executor/layers/fused_moe: VLLM_FUSED_MOE_CHUNK_SIZE default
+FUSED_MOE_CHUNK_TOKENS = 32768
+# vllm/v1/attention/backends/mla/common.py: determine_chunked_prefill_workspace_size cap
+MLA_WORKSPACE_CAP_TOKENS = 64 * 1024
+
+# Bytes per (row x vocab entry) of the sampler stages; see _sampler_terms.
+SORT_BYTES_PER_LOGIT = 22
+LOGPROBS_BYTES_PER_LOGIT = 5
+PENALTY_BYTES_PER_LOGIT = 22
+FP32 = 4
+
+BACKENDS = ("flash-attn", "flashinfer", "mla", "materializing")
+STAGES = ("forward", "sampler", "prompt_logprobs", "workspace")
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """vLLM's memory-relevant scheduler settings (vLLM flag names)."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "flash-attn"  # "flash-attn" | "flashinfer" | "mla" | "materializing"
+    enable_chunked_prefill: bool = True
+    block_size: int = 16  # sizes the MLA context workspace
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r} not in {BACKENDS}")
+
+
+@dataclass(frozen=True)
+class SamplingShape:
+    """What one request asks of the sampler."""
+
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    penalties: bool = False  # presence/frequency/repetition set
+
+    @property
+    def rows(self) -> int:
+        """Sampler rows: vLLM v1 fans ``n`` out into ``n`` child requests."""
+        return max(self.n, self.best_of or 0, 1)
+
+
+@dataclass(frozen=True)
+class TransientTerm:
+    name: str
+    bytes: int
+    profiled: bool
+    phase: str  # "prefill" (ends when the first token is out) | "decode" (whole request)
+    detail: str
+    stage: str = "forward"  # one of STAGES; decides what is alive at the same time
+    shared: bool = False  # one buffer per engine, allocated on first use and kept
+
+
+@dataclass(frozen=True)
+class TransientEstimate:
+    terms: tuple[TransientTerm, ...]
+
+    def _sum(self, profiled: bool | None = None, phase: str | None = None) -> int:
+        return sum(
+            t.bytes for t in self.terms
+            if (profiled is None or t.profiled == profiled) and (phase is None or t.phase == phase)
+        )
+
+    @property
+    def unprofiled_bytes(self) -> int:
+        return self._sum(profiled=False)
+
+    @property
+    def unprofiled_prefill_bytes(self) -> int:
+        return self._sum(profiled=False, phase="prefill")
+
+    @property
+    def unprofiled_decode_bytes(self) -> int:
+        return self._sum(profiled=False, phase="decode")
+
+    @property
+    def profiled_bytes(self) -> int:
+        return self._sum(profiled=True)
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms if t.shared)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Workspaces + the largest of: biggest forward term, sampler stage, prompt logprobs."""
+        by_stage = {s: [t.bytes for t in self.terms if t.stage == s] for s in STAGES}
+        return sum(by_stage["workspace"]) + max(
+            max(by_stage["forward"], default=0),
+            sum(by_stage["sampler"]),
+            sum(by_stage["prompt_logprobs"]),
+        )
+
+    def term(self, name: str) -> TransientTerm | None:
+        return next((t for t in self.terms if t.name == name), None)
+
+
+def prefill_chunk(engine: EngineShape, new_tokens: int) -> int:
+    """Prompt tokens one step schedules for this request (vLLM v1 scheduler)."""
+    chunk = new_tokens
+    if engine.enable_chunked_prefill:
+        chunk = min(chunk, engine.max_num_batched_tokens)
+        if engine.long_prefill_token_threshold > 0:
+            chunk = min(chunk, engine.long_prefill_token_threshold)
+    return max(1, chunk)
+
+
+def estimate_transient(
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    prompt_tokens: int,
+    sampling: SamplingShape,
+    cached_prefix_tokens: int = 0,
+) -> TransientEstimate:
+    """Every activation term of this request's worst step.
+
+    The worst prefill step is a full-size chunk that ends at the prompt's end: it
+    has the most context before it (the last chunk), and no chunk is larger.
+    A full prefix-cache hit still recomputes the last prompt token.
+    """
+    cached = min(cached_prefix_tokens, max(0, prompt_tokens - 1))
+    chunk = prefill_chunk(engine, prompt_tokens - cached)
+    context = prompt_tokens - chunk
+    terms = [
+        *_attention_terms(geometry, engine, chunk, context),
+        _mlp_term(geometry, engine, chunk),
+        *_sampler_terms(geometry, engine, prompt_tokens, sampling),
+    ]
+    if sampling.prompt_logprobs is not None:
+        terms.append(_prompt_logprobs_term(geometry, chunk))
+    return TransientEstimate(tuple(t for t in terms if t is not None))
+
+
+def _attention_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int) -> list[TransientTerm]:
+    """Context-dependent attention memory: the profile run never has any (skip_attn=True)."""
+    heads = max(1, g.num_attention_heads // e.tensor_parallel_size)
+    dt = g.dtype_bytes
+    backend = e.attention_backend
+    if backend == "flash-attn":
+        # vllm/v1/attention/backends/flash_attn.py: varlen kernel reads paged KV in place.
+        return [TransientTerm("attention_context", 0, True, "prefill",
+                              "flash-attn reads the paged KV cache in place: no context-sized buffer")]
+    if backend == "flashinfer":
+        return [TransientTerm(
+            "flashinfer_workspace", FLASHINFER_WORKSPACE_BYTES, False, "decode",
+            "FLASHINFER_WORKSPACE_BUFFER_SIZE 256 MiB (v1/attention/backends/flashinfer.py), "
+            "allocated on first use after the profile run", stage="workspace", shared=True)]
+    if backend == "materializing":
+        # Eager attention that materialises fp32 scores [chunk, heads, context + chunk].
+        scores = chunk * (context + chunk) * heads * FP32
+        return [TransientTerm("attention_context", scores, False, "prefill",
+                              f"chunk {chunk} x (context {context} + chunk) x {heads} heads x 4 B scores")]
+    return _mla_terms(g, e, chunk, context, heads, dt)
+
+
+def mla_workspace_tokens(e: EngineShape) -> int:
+    """``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size``."""
+    tokens = min(max(8 * e.max_model_len, 4 * e.max_num_seqs * e.block_size), MLA_WORKSPACE_CAP_TOKENS)
+    return max(tokens, e.max_num_seqs * e.block_size)
+
+
+def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads: int, dt: int) -> list[TransientTerm]:
+    """vllm/v1/attention/backends/mla/common.py: ``_compute_prefill_context``.
+
+    The latent context is gathered into the workspace ``[W, kv_lora + rope]`` in
+    pieces of at most W tokens (W rounded down to the block size, one prefill
+    with context); each piece is up-projected: ``kv_nope = kv_b_proj(kv_c)``
+    ``[toks, heads, nope + v]`` and ``k = cat(k_nope, k_pe)`` ``[toks, heads,
+    nope + rope]``, then attended. The code comment's "~3 GB" (DeepSeek-V3, 128
+    heads, 64Ki tokens) counts K alone; with kv_nope it is ~7 GiB at TP=1.
+    """
+    latent = (g.kv_lora_rank or 0) + g.qk_rope_head_dim
+    window = mla_workspace_tokens(e)
+    workspace = TransientTerm(
+        "mla_workspace", window * latent * dt, False, "decode",
+        f"workspace {window} tokens x {latent} latent x {dt} B, allocated with the "
+        "attention metadata builders after the profile run", stage="workspace", shared=True)
+    piece = min(context, window // e.block_size * e.block_size)
+    if piece <= 0:
+        return [workspace]
+    per_token = heads * ((g.qk_nope_head_dim + g.v_head_dim) + (g.qk_nope_head_dim + g.qk_rope_head_dim)) * dt
+    # attention output + merge_attn_states copy [chunk, heads, v] and fp32 LSEs
+    outputs = 2 * chunk * heads * (g.v_head_dim * dt + FP32)
+    return [workspace, TransientTerm(
+        "mla_context_upproject", piece * per_token + outputs, False, "prefill",
+        f"context piece {piece} of {context} x {heads} heads x (nope+v + nope+rope) x {dt} B "
+        f"+ outputs for chunk {chunk}")]
+
+
+def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
+    """Dense MLP or fused MoE intermediates for ``tokens`` tokens of one step.
+
+    Always profiled: a request's chunk never exceeds ``max_num_batched_tokens``,
+    the size the profile run used.
+    """
+    tp, dt = e.tensor_parallel_size, g.dtype_bytes
+    dense = 3 * tokens * (g.intermediate_size // tp) * dt  # gate_up [T, 2I/TP] + act [T, I/TP]
+    if not g.is_moe:
+        return TransientTerm("mlp", dense, True, "prefill",
+                             f"3 x {tokens} tokens x {g.intermediate_size}/{tp} x {dt} B (gate_up + act)")
+    # vllm/model_executor/layers/fused_moe/fused_moe.py: intermediate_cache13 [M*topk*max(N,K)]
+    # and intermediate_cache2 [M*topk, N/2], M = min(T, chunk size), N = 2*I_moe/TP.
+    m = min(tokens, FUSED_MOE_CHUNK_TOKENS)
+    n = 2 * g.moe_intermediate_size // tp
+    fused = m * g.experts_per_token * (max(n, g.hidden_size) + n // 2) * dt
+    shared = 3 * tokens * (g.shared_expert_intermediate_size // tp) * dt
+    moe = fused + shared
+    detail = f"M {m} x top{g.experts_per_token} x (max({n}, {g.hidden_size}) + {n // 2}) x {dt} B"
+    if shared:
+        detail += f" + shared experts 3 x {tokens} x {g.shared_expert_intermediate_size}/{tp} x {dt} B"
+    if g.num_dense_layers and dense > moe:
+        return TransientTerm("mlp", dense, True, "prefill", f"dense layers: 3 x {tokens} x {g.intermediate_size}/{tp} x {dt} B")
+    return TransientTerm("moe", moe, True, "prefill", detail)
+
+
+def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: SamplingShape) -> list[TransientTerm]:
+    """vllm/v1/sample/sampler.py and ops/, per sampled row (``rows`` = n fan-out).
+
+    logits: lm_head output [B, V] in model dtype, then ``logits.to(float32)``.
+    sampler: ``apply_top_k_top_p`` sorts: values fp32 (4) + int64 indices (8) +
+    top-k and top-p bool masks (2) + softmax/cumsum (4) + scatter result (4) = 22 B.
+    logprobs: ``log_softmax`` fp32 (4) + ``batched_count_greater_than`` mask (1).
+    penalties: ``get_token_bin_counts_and_mask`` twice, int64 [B, V+1] (16) + bool
+    masks (2) + the fp32 product it subtracts (4) = 22 B, plus the padded int64
+    prompt ids the penalties keep on the GPU.
+    """
+    rows, v, dt = s.rows, g.vocab_size, g.dtype_bytes
+    # The profile sampled min(max_num_batched_tokens, max_num_seqs) rows the same way.
+    within_profile = rows <= min(e.max_num_batched_tokens, e.max_num_seqs)
+    terms = [
+        TransientTerm("logits", rows * v * (dt + FP32), within_profile, "decode",
+                      f"{rows} rows x {v} vocab x ({dt} + 4) B", stage="sampler"),
+        TransientTerm("sampler", rows * v * SORT_BYTES_PER_LOGIT, within_profile, "decode",
+                      f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort", stage="sampler"),
+    ]
+    if s.logprobs is not None:
+        terms.append(TransientTerm("logprobs", rows * v * LOGPROBS_BYTES_PER_LOGIT, False, "decode",
+                                   f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax", stage="sampler"))
+    if s.penalties:
+        bins = rows * v * PENALTY_BYTES_PER_LOGIT + rows * prompt_tokens * 8
+        terms.append(TransientTerm("penalties", bins, False, "decode",
+                                   f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts/masks "
+                                   f"+ {prompt_tokens} prompt ids x 8 B", stage="sampler"))
+    return terms
+
+
+def _prompt_logprobs_term(g: ModelGeometry, chunk: int) -> TransientTerm:
+    """gpu_model_runner ``_get_prompt_logprobs_dict``: logits then log_softmax for every
+    prompt token of the step, ``[chunk, V]`` in model dtype + fp32. Never profiled."""
+    v, dt = g.vocab_size, g.dtype_bytes
+    return TransientTerm("prompt_logprobs", chunk * v * (dt + FP32), False, "prefill",
+                         f"chunk {chunk} x {v} vocab x ({dt} + 4) B", stage="prompt_logprobs")
+
+
+def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
+    """The activation peak vLLM's profile run measures (v1 ``profile_run``).
+
+    Forward: hidden states + residual ``2 x T x H x dt`` plus the largest layer
+    intermediate (QKV + attention output, or the MLP/MoE), ``T = max_num_batched_tokens``.
+    Sampler: the hidden states still referenced, plus logits and the sort over
+    ``B = min(T, max_num_seqs)`` rows. The peak is the larger of the two.
+
+    Public comparison (vLLM PR #10511): ``vllm serve meta-llama/Meta-Llama-3-8B``
+    on H100 80GB logged "PyTorch activation peak memory 1.26GiB" (also at TP=2,
+    so the sampler, not the TP-split MLP, set it). That was the V0 engine:
+    chunked prefill off, T = 8192, 256 seqs, and a V0 sampler that always kept
+    probs and logprobs (about 8 B more per logit). This v1 model gives 0.92 GiB
+    for that shape (sampler stage; forward 0.78 GiB); with V0's extra 8 B it is
+    1.16 GiB. The test pins it between 0.65x and 1.05x of the public figure.
+    """
+    g, e = geometry, engine
+    t, dt, tp = e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
+    hidden = t * g.hidden_size * dt
+    heads, kv_heads = max(1, g.num_attention_heads // tp), max(1, g.num_kv_heads // tp)
+    qkv = t * (2 * heads + 2 * kv_heads) * g.head_dim * dt  # qkv projection + attention output
+    forward = 2 * hidden + max(qkv, _mlp_term(g, e, t).bytes)
+    rows = min(t, e.max_num_seqs)
+    sampler = hidden + rows * g.vocab_size * (dt + FP32 + SORT_BYTES_PER_LOGIT)
+    return max(forward, sampler)
+
