@@ -1,0 +1,78 @@
+"""``kvgate capacity``: the KV pool vLLM will build, computed offline.
+
+Prints the same figures vLLM logs at start-up ("GPU KV cache size: N tokens",
+"Maximum concurrency for L tokens per request: X.XXx") from a model folder and
+``--kv-cache-memory-bytes``, so a deployment can be sized before a GPU is booked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from app.memory.geometry import ModelGeometry, dtype_bytes
+from app.memory.kv import KVLayout
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-config", required=True, metavar="DIR",
+                        help="folder holding the model's config.json")
+    parser.add_argument("--kv-cache-memory-bytes", required=True, type=int, metavar="N",
+                        help="bytes vLLM gives the KV cache per GPU (vLLM --kv-cache-memory-bytes)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="P")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="D",
+                        help="auto | fp8 | fp8_e4m3 | fp8_e5m2 | bfloat16 | float16 | float32")
+    parser.add_argument("--dtype", default="auto", metavar="D",
+                        help="model dtype, overriding config.json (vLLM on GPU runs float32 checkpoints in 16 bit)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="B")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="L",
+                        help="default: the model's max_position_embeddings")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
+                        help="only affects sliding-window models; default: max-model-len")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the pool's size; 1 if vLLM would refuse to start, 2 on bad input."""
+    try:
+        geometry = ModelGeometry.from_folder(args.model_config)
+        if args.dtype != "auto":
+            geometry = replace(geometry, dtype_bytes=dtype_bytes(args.dtype))
+        max_model_len = args.max_model_len or geometry.max_position_embeddings
+        if not max_model_len:
+            raise ValueError("config.json has no max_position_embeddings; pass --max-model-len")
+        layout = KVLayout(
+            geometry,
+            block_size=args.block_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        cap = layout.capacity(args.kv_cache_memory_bytes, max_model_len, args.max_num_batched_tokens)
+    except ValueError as exc:
+        print(f"kvgate capacity: {exc}", file=sys.stderr)
+        return 2
+
+    fits = cap.max_concurrency >= 1
+    if not fits:
+        print(f"kvgate capacity: one {max_model_len:,}-token request needs {cap.blocks_per_request:,} "
+              f"blocks but the pool has {cap.num_blocks:,}; vLLM would refuse to start "
+              "(lower --max-model-len or give the KV cache more memory)", file=sys.stderr)
+    if args.json:
+        print(json.dumps({
+            "bytes_per_token": cap.bytes_per_token,
+            "num_blocks": cap.num_blocks,
+            "kv_cache_tokens": cap.kv_cache_tokens,
+            "max_concurrency": cap.max_concurrency,
+        }))
+        return 0 if fits else 1
+    print(f"KV cache bytes per token per GPU: {cap.bytes_per_token:,} "
+          f"({layout.layers_per_stage} layers x {layout.bytes_per_token_per_layer:,} B)")
+    print(f"Num GPU blocks: {cap.num_blocks:,} (block size {layout.block_size}, "
+          f"{cap.blocks_per_request:,} blocks per max-length request)")
+    print(f"GPU KV cache size: {cap.kv_cache_tokens:,} tokens")
+    print(f"Maximum concurrency for {max_model_len:,} tokens per request: {cap.max_concurrency:.2f}x")
+    return 0 if fits else 1
