@@ -1,0 +1,112 @@
+"""`kvgate serve | capacity | explain | sim`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import httpx
+
+from app import capacity
+from app.settings import Settings, add_settings_arguments, settings_from_args
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"--listen must be HOST:PORT, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.server import create_app
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level)
+    host, port = parse_listen(settings.listen)
+    uvicorn.run(
+        create_app(settings), host=host, port=port, log_level=settings.log_level,
+        access_log=False, timeout_keep_alive=30,
+    )
+    return 0
+
+
+def explain_command(args: argparse.Namespace) -> int:
+    raw = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    if args.url:
+        params = {"endpoint": args.endpoint} if args.endpoint else None
+        response = httpx.post(args.url.rstrip("/") + "/kvgate/explain", content=raw, params=params, timeout=30)
+        print(json.dumps(response.json(), indent=2))
+        return 0 if response.status_code == 200 else 1
+    return asyncio.run(_explain_offline(settings_from_args(args), raw, args.endpoint))
+
+
+async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
+    from app.explain import explain
+    from app.openai import ApiError
+    from app.runtime import Runtime
+
+    runtime = Runtime(settings)
+    try:
+        runtime.configure_offline()
+        print(json.dumps(await explain(runtime, raw, endpoint), indent=2))
+        return 0
+    except ApiError as error:
+        print(json.dumps(error.body(), indent=2))
+        return 1
+    finally:
+        await runtime.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_parser = commands.add_parser(
+        "serve", help="Run the admission-control proxy in front of vLLM.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_settings_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve)
+
+    capacity_parser = commands.add_parser("capacity", help="KV cache capacity as vLLM computes it.")
+    capacity.add_arguments(capacity_parser)
+    capacity_parser.set_defaults(run=capacity.run)
+
+    explain_parser = commands.add_parser(
+        "explain", help="Show a request's footprint and the decision kvgate would take now."
+    )
+    explain_parser.add_argument("body", help="JSON body file, or - for standard input.")
+    explain_parser.add_argument("--url", help="A running kvgate to ask; without it, computed offline from flags.")
+    explain_parser.add_argument("--endpoint", choices=["chat", "completions"], help="Default: chat if the body has messages.")
+    add_settings_arguments(explain_parser)
+    explain_parser.set_defaults(run=explain_command)
+
+    try:
+        from app.sim import cli as sim_cli
+    except ImportError:
+        sim_cli = None
+    if sim_cli is not None:
+        sim_parser = commands.add_parser("sim", help="Run the simulated vLLM with a GPU memory model.")
+        sim_cli.add_arguments(sim_parser)
+        sim_parser.set_defaults(run=sim_cli.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

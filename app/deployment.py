@@ -1,0 +1,143 @@
+"""The vLLM deployment kvgate guards: flags merged with what the backend itself reports.
+
+What vLLM publishes (cache_config_info on /metrics, max_model_len on /v1/models) is the truth
+about the running server and wins over kvgate's flags; each disagreement is logged as a warning
+so the operator can fix the flags they copied.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from app.memory.activation import EngineShape, profile_peak_bytes
+from app.memory.budget import Budget
+from app.memory.geometry import ModelGeometry
+from app.memory.kv import KVLayout
+from app.predict import Predictor
+from app.settings import Settings
+from app.telemetry.vllm import CacheConfig, ServedModel
+
+log = logging.getLogger("kvgate.deployment")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    long_prefill_token_threshold: int
+    enable_prefix_caching: bool
+    attention_backend: str
+    num_gpu_blocks: int | None
+
+    def engine_shape(self) -> EngineShape:
+        return EngineShape(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            tensor_parallel_size=self.tensor_parallel_size,
+            attention_backend=self.attention_backend,
+            block_size=self.block_size,
+        )
+
+
+def _prefer(name: str, flag: object, reported: object, flag_given: bool) -> object:
+    if reported is None:
+        return flag
+    if flag_given and flag != reported:
+        log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
+    return reported
+
+
+def _cache_dtype(reported: str | None) -> str | None:
+    return None if reported in (None, "None") else reported
+
+
+def resolve(
+    settings: Settings,
+    geometry: ModelGeometry,
+    cache: CacheConfig | None,
+    served: ServedModel | None,
+) -> Deployment:
+    """Flags, overridden by the backend's own report where it has one."""
+    given = settings.model_fields_set
+    cache = cache or CacheConfig(None, None, None, None, None, None, None)
+    max_model_len = _prefer(
+        "max_model_len", settings.max_model_len, served.max_model_len if served else None,
+        "max_model_len" in given,
+    ) or geometry.max_position_embeddings
+    if not max_model_len:
+        raise ValueError("max_model_len is unknown: pass --max-model-len")
+    backend = settings.attention_backend
+    if backend == "auto":
+        backend = "mla" if geometry.is_mla else "flash-attn"
+    return Deployment(
+        max_model_len=int(max_model_len),
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        block_size=int(_prefer("block_size", settings.block_size, cache.block_size, "block_size" in given)),
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        kv_cache_dtype=str(
+            _prefer("kv_cache_dtype", settings.kv_cache_dtype, _cache_dtype(cache.cache_dtype), "kv_cache_dtype" in given)
+        ),
+        gpu_memory_utilization=float(
+            _prefer(
+                "gpu_memory_utilization", settings.gpu_memory_utilization,
+                cache.gpu_memory_utilization, "gpu_memory_utilization" in given,
+            )
+        ),
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        enable_prefix_caching=bool(
+            _prefer(
+                "enable_prefix_caching", settings.enable_prefix_caching,
+                cache.enable_prefix_caching, "enable_prefix_caching" in given,
+            )
+        ),
+        attention_backend=backend,
+        num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given),
+    )
+
+
+def build_predictor(deployment: Deployment, geometry: ModelGeometry, settings: Settings) -> Predictor:
+    layout = KVLayout(
+        geometry=geometry,
+        block_size=deployment.block_size,
+        tensor_parallel_size=deployment.tensor_parallel_size,
+        pipeline_parallel_size=deployment.pipeline_parallel_size,
+        kv_cache_dtype=deployment.kv_cache_dtype,
+    )
+    engine = deployment.engine_shape()
+    profiled = settings.profiled_activation_bytes or profile_peak_bytes(geometry, engine)
+    return Predictor(
+        layout, engine, deployment.enable_prefix_caching, profiled, settings.default_max_tokens
+    )
+
+
+def static_budget(
+    deployment: Deployment, settings: Settings, profiled_peak_bytes: int, shared_workspace_bytes: int
+) -> Budget:
+    """The budget before any live reading: the pool from vLLM, headroom from flags.
+
+    vLLM reserves block 0 of the pool as its null block, so num_gpu_blocks - 1 are usable.
+    Workspaces one engine allocates once (FlashInfer's) come off the headroom once, not per request.
+    """
+    headroom = settings.free_memory_bytes
+    if headroom is None and settings.gpu_memory_bytes is not None:
+        headroom = int(settings.gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
+    if headroom is not None:
+        headroom = max(0, headroom - shared_workspace_bytes)
+    return Budget(
+        kv_blocks=None if deployment.num_gpu_blocks is None else max(0, deployment.num_gpu_blocks - 1),
+        transient_headroom_bytes=headroom,
+        max_transient_headroom_bytes=headroom,
+        transient_margin=settings.transient_safety_margin,
+        profiled_peak_bytes=profiled_peak_bytes,
+    )

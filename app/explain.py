@@ -1,0 +1,59 @@
+"""What kvgate would do with a request right now, and why, without sending it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from app.openai import ApiError, Endpoint, parse_json_object
+from app.runtime import Runtime
+
+
+def endpoint_for(body: dict[str, Any], hint: str | None) -> Endpoint:
+    if hint in ("chat", "completions"):
+        return hint  # type: ignore[return-value]
+    return "chat" if "messages" in body else "completions"
+
+
+async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str, Any]:
+    """The footprint, each transient term, the budget and the decision that would be taken now."""
+    endpoint = endpoint_for(parse_json_object(raw), hint)
+    evaluation = await rt.predict(endpoint, raw)
+    prediction, demand = evaluation.prediction, evaluation.prediction.demand
+    assert rt.predictor is not None
+    try:
+        rt.predictor.check_fits_ever(prediction, rt.budget)
+        reason = rt.gate.would_wait(demand, evaluation.spec.priority)
+        decision, message = ("admit", "fits now") if reason is None else ("queue", reason)
+    except ApiError as error:
+        decision, reason, message = "reject", error.code, error.message
+    budget = rt.budget
+    return {
+        "endpoint": endpoint,
+        "prompt_tokens": prediction.prompt_tokens,
+        "max_new_tokens": prediction.max_new_tokens,
+        "kv": {
+            "blocks": demand.kv_blocks,
+            "new_blocks": rt.gate.ledger.new_blocks(demand),
+            "shared_prefix_blocks": len(set(demand.shared_block_hashes)),
+            "block_size": rt.predictor.layout.block_size,
+        },
+        "transient": {
+            "peak_bytes": prediction.transient_peak_bytes,
+            "unprofiled_prefill_bytes": demand.transient_prefill_bytes,
+            "unprofiled_decode_bytes": demand.transient_decode_bytes,
+            "terms": [asdict(term) for term in prediction.transient_terms],
+        },
+        "budget": {
+            "kv_blocks_limit": budget.kv_limit(),
+            "kv_blocks_reserved": rt.gate.ledger.kv_blocks,
+            "transient_limit_bytes": budget.transient_limit(),
+            "transient_reserved_bytes": rt.gate.ledger.transient_bytes,
+            "max_transient_limit_bytes": budget.max_transient_limit(),
+            "profiled_peak_bytes": budget.profiled_peak_bytes,
+            "queue_depth": len(rt.gate.queue),
+        },
+        "decision": decision,
+        "reason": reason if decision != "admit" else "fits",
+        "message": message,
+    }

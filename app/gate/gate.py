@@ -1,0 +1,173 @@
+"""The gate: admit now, wait in the queue, or refuse, and hand out tickets released exactly once.
+
+It is the mechanism; the budget is the policy. Whenever the ledger shrinks or the budget moves,
+the gate admits from the head of the queue for as long as the head fits. The head is not bypassed
+by smaller requests behind it, so a large request is never starved by a stream of small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from app.gate.drain import DrainRate
+from app.gate.ledger import Ledger, Reservation
+from app.gate.queue import AdmissionQueue, QueueFull, Waiter
+from app.memory.budget import Budget
+from app.memory.demand import Demand
+from app.metrics import KvgateMetrics
+from app.openai import ApiError
+
+BEHIND_QUEUE = "behind_queue"
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited in the queue."""
+
+
+class Ticket:
+    """An admitted request's reservation; release() is safe to call any number of times."""
+
+    def __init__(self, gate: "Gate", reservation: Reservation, queue_wait_s: float) -> None:
+        self._gate = gate
+        self.reservation = reservation
+        self.queue_wait_s = queue_wait_s
+
+    @property
+    def released(self) -> bool:
+        return self.reservation.released
+
+    def end_prefill(self) -> None:
+        """The first output token arrived: prefill-only transient memory is free again."""
+        if self._gate.ledger.end_prefill(self.reservation):
+            self._gate.changed()
+
+    def release(self, outcome: str = "completed") -> None:
+        if self._gate.ledger.release(self.reservation):
+            self._gate.released(outcome)
+
+
+class Gate:
+    def __init__(
+        self,
+        budget: Budget,
+        metrics: KvgateMetrics,
+        max_queue: int,
+        max_queue_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.budget = budget
+        self.ledger = Ledger()
+        self.queue = AdmissionQueue(max_queue)
+        self.drain = DrainRate(clock=clock)
+        self.metrics = metrics
+        self.max_queue_wait_s = max_queue_wait_s
+        self._clock = clock
+        budget.subscribe(self.changed)
+
+    def would_wait(self, demand: Demand, priority: int) -> str | None:
+        """Why this demand would wait if it arrived now, or None if it would be admitted."""
+        head = self.queue.peek()
+        if head is not None and head.priority <= priority:
+            return BEHIND_QUEUE
+        return self.budget.shortfall(demand, self.ledger)
+
+    async def acquire(
+        self, demand: Demand, priority: int, tenant: str, gone: asyncio.Future | None = None
+    ) -> Ticket:
+        """Admit now or wait in line; raises ApiError 429 when the queue is full or time runs out.
+
+        `gone` resolves when the client disconnects: the waiter then leaves the queue at once.
+        """
+        reason = self.would_wait(demand, priority)
+        if reason is None:
+            self.metrics.decisions.labels("admit", "fits").inc()
+            return self._admit(demand, waited_s=0.0)
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(demand, priority, tenant, self._clock(), loop.create_future(), reason=reason)
+        try:
+            self.queue.push(waiter)
+        except QueueFull:
+            self.metrics.decisions.labels("reject", "queue_full").inc()
+            raise self._too_busy(
+                "queue_full",
+                f"kvgate's admission queue is full ({self.queue.max_size} requests waiting).",
+                ahead=len(self.queue),
+            ) from None
+        self.metrics.decisions.labels("queue", reason).inc()
+        self.metrics.queue_depth.set(len(self.queue))
+        return await self._wait(waiter, gone)
+
+    async def _wait(self, waiter: Waiter, gone: asyncio.Future | None) -> Ticket:
+        waits: set[asyncio.Future] = {waiter.future}
+        if gone is not None:
+            waits.add(gone)
+        try:
+            await asyncio.wait(waits, timeout=self.max_queue_wait_s, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._abandon(waiter)
+            raise
+        if gone is not None and gone.done():
+            self._abandon(waiter)
+            self.metrics.disconnects.labels("queued").inc()
+            raise ClientGone()
+        if waiter.future.done():
+            return waiter.future.result()
+        ahead = self.queue.position(waiter)
+        self._abandon(waiter)
+        self.metrics.decisions.labels("reject", "queue_timeout").inc()
+        raise self._too_busy(
+            "queue_timeout",
+            f"Waited {self.max_queue_wait_s:g} s for GPU memory ({waiter.reason}) without admission.",
+            ahead=ahead,
+        )
+
+    def _abandon(self, waiter: Waiter) -> None:
+        """The waiter gives up: leave the queue, or hand back a ticket granted in the meantime."""
+        if waiter.future.done():
+            waiter.future.result().release("abandoned")
+            return
+        self.queue.remove(waiter)
+        waiter.future.cancel()
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def _too_busy(self, code: str, message: str, ahead: int) -> ApiError:
+        retry_after = self.drain.retry_after(ahead, fallback_s=self.max_queue_wait_s)
+        return ApiError(
+            429, f"{message} Retry after {retry_after} s.", code,
+            headers={"Retry-After": str(retry_after)},
+        )
+
+    def _admit(self, demand: Demand, waited_s: float) -> Ticket:
+        ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
+        self.metrics.queue_wait.observe(waited_s)
+        self._publish()
+        return ticket
+
+    def released(self, outcome: str) -> None:
+        self.drain.record()
+        self.metrics.releases.labels(outcome).inc()
+        self.changed()
+
+    def changed(self) -> None:
+        """The ledger shrank or the budget moved: admit from the head while it fits."""
+        while (head := self.queue.peek()) is not None:
+            if self.budget.shortfall(head.demand, self.ledger) is not None:
+                break
+            self.queue.pop_head()
+            self.metrics.decisions.labels("admit", "dequeued").inc()
+            head.future.set_result(self._admit(head.demand, self._clock() - head.enqueued_at))
+        self.metrics.queue_depth.set(len(self.queue))
+        self._publish()
+
+    def _publish(self) -> None:
+        self.metrics.in_flight.set(self.ledger.in_flight)
+        self.metrics.reserved_kv_blocks.set(self.ledger.kv_blocks)
+        self.metrics.reserved_transient.set(self.ledger.transient_bytes)
+        kv_limit = self.budget.kv_limit()
+        transient_limit = self.budget.transient_limit()
+        if kv_limit is not None:
+            self.metrics.budget_kv_blocks.set(kv_limit)
+        if transient_limit is not None:
+            self.metrics.budget_transient.set(transient_limit)

@@ -1,0 +1,90 @@
+"""The ledger: every admitted request's reservation of KV blocks and transient memory.
+
+It mirrors vLLM's prefix cache vocabulary: a prompt's full blocks are known by their chained
+block hashes and reference-counted, so a shared system prompt held by many in-flight requests is
+counted once, exactly as vLLM's block pool would hold it once. The ledger is the only owner of
+reservations; the gate asks it what is reserved and tells it what to reserve or release.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from app.memory.demand import Demand
+
+
+@dataclass
+class Reservation:
+    """One admitted request's hold on the ledger; released exactly once."""
+
+    id: int
+    demand: Demand
+    prefill_open: bool = True
+    released: bool = False
+    hashes: frozenset[int] = field(default_factory=frozenset)
+
+
+class Ledger:
+    """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
+
+    def __init__(self) -> None:
+        self._refcounts: dict[int, int] = {}
+        self._private_blocks = 0
+        self._transient_bytes = 0
+        self._reservations: dict[int, Reservation] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def kv_blocks(self) -> int:
+        return len(self._refcounts) + self._private_blocks
+
+    @property
+    def transient_bytes(self) -> int:
+        return self._transient_bytes
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._reservations)
+
+    def new_blocks(self, demand: Demand) -> int:
+        """Blocks the pool would have to give this request beyond what in-flight ones already hold."""
+        unseen = sum(1 for h in set(demand.shared_block_hashes) if h not in self._refcounts)
+        return unseen + demand.private_blocks
+
+    def reserve(self, demand: Demand) -> Reservation:
+        hashes = frozenset(demand.shared_block_hashes)
+        for h in hashes:
+            self._refcounts[h] = self._refcounts.get(h, 0) + 1
+        self._private_blocks += demand.private_blocks
+        self._transient_bytes += demand.transient_bytes
+        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
+        self._reservations[reservation.id] = reservation
+        return reservation
+
+    def end_prefill(self, reservation: Reservation) -> bool:
+        """The first token is out: the prefill-only transient terms are gone. True if it changed."""
+        if reservation.released or not reservation.prefill_open:
+            return False
+        reservation.prefill_open = False
+        self._transient_bytes -= reservation.demand.transient_prefill_bytes
+        return True
+
+    def release(self, reservation: Reservation) -> bool:
+        """Give everything back; a second call is a no-op and returns False."""
+        if reservation.released:
+            return False
+        reservation.released = True
+        for h in reservation.hashes:
+            count = self._refcounts[h] - 1
+            if count:
+                self._refcounts[h] = count
+            else:
+                del self._refcounts[h]
+        self._private_blocks -= reservation.demand.private_blocks
+        self._transient_bytes -= reservation.demand.transient_decode_bytes
+        if reservation.prefill_open:
+            self._transient_bytes -= reservation.demand.transient_prefill_bytes
+            reservation.prefill_open = False
+        del self._reservations[reservation.id]
+        return True

@@ -1,0 +1,98 @@
+"""The bounded admission queue: priority first, then round-robin across tenants, then arrival.
+
+Priority follows vLLM's convention (a lower value is served earlier). Inside one priority level
+each tenant has its own FIFO and tenants take turns, so one tenant's burst cannot starve another
+tenant's single request. The queue only orders; the gate decides when the head may go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from app.memory.demand import Demand
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request waiting for admission; its future resolves when the gate admits it."""
+
+    demand: Demand
+    priority: int
+    tenant: str
+    enqueued_at: float
+    future: asyncio.Future = field(repr=False)
+    seq: int = 0
+    reason: str = ""
+
+
+class QueueFull(Exception):
+    """The queue already holds max_queue requests."""
+
+
+class AdmissionQueue:
+    def __init__(self, max_size: int) -> None:
+        self.max_size = max_size
+        self._levels: dict[int, OrderedDict[str, deque[Waiter]]] = {}
+        self._size = 0
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def push(self, waiter: Waiter) -> None:
+        if self._size >= self.max_size:
+            raise QueueFull()
+        waiter.seq = next(self._seq)
+        tenants = self._levels.setdefault(waiter.priority, OrderedDict())
+        tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        self._size += 1
+
+    def peek(self) -> Waiter | None:
+        """The next waiter to admit: best priority level, the tenant whose turn it is, oldest."""
+        if not self._levels:
+            return None
+        tenants = self._levels[min(self._levels)]
+        return next(iter(tenants.values()))[0]
+
+    def pop_head(self) -> Waiter:
+        """Remove the peeked waiter and pass the turn to the next tenant of its level."""
+        priority = min(self._levels)
+        tenants = self._levels[priority]
+        tenant, waiters = next(iter(tenants.items()))
+        waiter = waiters.popleft()
+        if waiters:
+            tenants.move_to_end(tenant)
+        else:
+            del tenants[tenant]
+        if not tenants:
+            del self._levels[priority]
+        self._size -= 1
+        return waiter
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take out a waiter that gave up (deadline, disconnect); False if it is not queued."""
+        tenants = self._levels.get(waiter.priority)
+        waiters = tenants.get(waiter.tenant) if tenants else None
+        if not waiters or waiter not in waiters:
+            return False
+        waiters.remove(waiter)
+        if not waiters:
+            del tenants[waiter.tenant]
+            if not tenants:
+                del self._levels[waiter.priority]
+        self._size -= 1
+        return True
+
+    def position(self, waiter: Waiter) -> int:
+        """Waiters of better or equal priority queued before this one (for Retry-After)."""
+        ahead = 0
+        for priority, tenants in self._levels.items():
+            for waiters in tenants.values():
+                ahead += sum(
+                    1 for other in waiters
+                    if priority < waiter.priority or (priority == waiter.priority and other.seq < waiter.seq)
+                )
+        return ahead

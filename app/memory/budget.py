@@ -1,0 +1,87 @@
+"""What may be spent now: KV blocks of vLLM's pool and transient bytes of GPU headroom.
+
+The budget is the policy half of admission (the gate is the mechanism): it says whether a demand
+fits beside what the ledger already holds, and whether it could ever fit. Its numbers start from
+flags and the backend's cache_config_info; the telemetry loops move them later, and every move
+notifies the gate so it can re-check its queue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from app.memory.demand import Demand
+
+KV_BUSY = "kv_cache_busy"
+TRANSIENT_BUSY = "transient_memory_busy"
+
+
+class Holdings(Protocol):
+    """What the ledger holds; the budget only reads it."""
+
+    @property
+    def transient_bytes(self) -> int: ...
+
+    def new_blocks(self, demand: Demand) -> int: ...
+
+    @property
+    def kv_blocks(self) -> int: ...
+
+
+@dataclass
+class Budget:
+    """The live limits. `None` means unknown: that dimension is not gated (and /readyz says so)."""
+
+    kv_blocks: int | None = None
+    transient_headroom_bytes: int | None = None
+    max_transient_headroom_bytes: int | None = None
+    transient_margin: float = 0.1
+    kv_overcommit: float = 1.0
+    profiled_peak_bytes: int = 0
+    _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def update(self, **changes: object) -> None:
+        """Change some limits and tell the gate; unknown names are a programming error."""
+        for name, value in changes.items():
+            if name.startswith("_") or not hasattr(self, name):
+                raise AttributeError(name)
+            setattr(self, name, value)
+        for listener in self._listeners:
+            listener()
+
+    @property
+    def known(self) -> bool:
+        return self.kv_blocks is not None
+
+    def kv_limit(self) -> int | None:
+        if self.kv_blocks is None:
+            return None
+        return math.floor(self.kv_blocks * self.kv_overcommit)
+
+    def transient_limit(self) -> int | None:
+        if self.transient_headroom_bytes is None:
+            return None
+        return math.floor(self.transient_headroom_bytes * (1.0 - self.transient_margin))
+
+    def max_transient_limit(self) -> int | None:
+        headroom = self.max_transient_headroom_bytes
+        if headroom is None:
+            headroom = self.transient_headroom_bytes
+        if headroom is None:
+            return None
+        return math.floor(headroom * (1.0 - self.transient_margin))
+
+    def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
+        """Why the demand cannot be admitted beside current holdings, or None if it fits now."""
+        kv_limit = self.kv_limit()
+        if kv_limit is not None and holdings.kv_blocks + holdings.new_blocks(demand) > kv_limit:
+            return KV_BUSY
+        transient_limit = self.transient_limit()
+        if transient_limit is not None and holdings.transient_bytes + demand.transient_bytes > transient_limit:
+            return TRANSIENT_BUSY
+        return None

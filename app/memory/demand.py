@@ -1,0 +1,27 @@
+"""A request's demand on the GPU, in the units the ledger and the budget count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one request asks of the GPU if admitted."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    shared_block_hashes: tuple[int, ...]
+    private_blocks: int
+    transient_prefill_bytes: int
+    transient_decode_bytes: int
+
+    @property
+    def kv_blocks(self) -> int:
+        """Blocks this request holds at full growth, counting its shared prefix as its own."""
+        return len(set(self.shared_block_hashes)) + self.private_blocks
+
+    @property
+    def transient_bytes(self) -> int:
+        """Unprofiled transient memory at this request's worst step (its prefill)."""
+        return self.transient_prefill_bytes + self.transient_decode_bytes

@@ -1,0 +1,163 @@
+"""From a parsed request and its token ids to the demand the gate weighs, or a 400 if it never fits.
+
+This is the glue between the pure memory model and the gate: it applies the max_tokens policy,
+sums the footprints of a batched completions prompt, and turns each never-fits case into an
+error that names the numbers and what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from app.memory.activation import EngineShape, SamplingShape, TransientTerm, estimate_transient
+from app.memory.budget import Budget
+from app.memory.demand import Demand
+from app.memory.footprint import Footprint, predict_footprint
+from app.memory.kv import KVLayout
+from app.openai import ApiError, RequestSpec
+
+GIB = 1024**3
+
+_ADVICE = {
+    "prompt_logprobs": "drop prompt_logprobs or send a shorter prompt",
+    "logprobs": "ask for fewer logprobs or a smaller n",
+    "sampler": "lower n / best_of",
+    "penalties": "drop the penalties or lower n",
+}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    prompt_tokens: int
+    max_new_tokens: int
+    footprints: tuple[Footprint, ...]
+    demand: Demand
+
+    @property
+    def transient_terms(self) -> list[TransientTerm]:
+        return [term for fp in self.footprints for term in fp.transient.terms]
+
+    @property
+    def transient_peak_bytes(self) -> int:
+        return sum(fp.transient.peak_bytes for fp in self.footprints)
+
+
+class Predictor:
+    """Memory model settings of one deployment, applied to one request at a time."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        engine: EngineShape,
+        enable_prefix_caching: bool,
+        profiled_peak_bytes: int,
+        default_max_tokens: int | None = None,
+    ) -> None:
+        self.layout = layout
+        self.engine = engine
+        self.enable_prefix_caching = enable_prefix_caching
+        self.profiled_peak_bytes = profiled_peak_bytes
+        self.default_max_tokens = default_max_tokens
+        # Engine-wide workspaces (one per engine, kept once allocated) do not grow per request.
+        self.shared_workspace_bytes = estimate_transient(
+            layout.geometry, engine, 1, SamplingShape()
+        ).shared_bytes
+
+    def max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
+        """max_tokens if given; else what vLLM would allow (or the configured reservation)."""
+        room = self.engine.max_model_len - prompt_tokens
+        if spec.max_tokens is not None:
+            return spec.max_tokens
+        if self.default_max_tokens is not None:
+            return max(1, min(self.default_max_tokens, room))
+        return max(1, room)
+
+    def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]]) -> Prediction:
+        sampling = SamplingShape(
+            n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
+            prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
+        )
+        footprints = []
+        longest_prompt = max(len(ids) for ids in prompts)
+        max_new = self.max_new_tokens(spec, longest_prompt)
+        for ids in prompts:
+            self._check_context_length(spec, len(ids), max_new)
+            footprints.append(
+                predict_footprint(
+                    self.layout, self.engine, ids, max_new, sampling,
+                    enable_prefix_caching=self.enable_prefix_caching,
+                )
+            )
+        return Prediction(
+            prompt_tokens=sum(len(ids) for ids in prompts),
+            max_new_tokens=max_new,
+            footprints=tuple(footprints),
+            demand=self._demand(footprints, max_new),
+        )
+
+    def _demand(self, footprints: list[Footprint], max_new: int) -> Demand:
+        shared: list[int] = []
+        private = prefill = decode = profiled = 0
+        for fp in footprints:
+            hashes = fp.block_hashes if self.enable_prefix_caching else ()
+            shared.extend(hashes)
+            private += fp.kv_blocks - len(set(hashes))
+            per_request = [t for t in fp.transient.terms if not t.profiled and not t.shared]
+            prefill += sum(t.bytes for t in per_request if t.phase == "prefill")
+            decode += sum(t.bytes for t in per_request if t.phase == "decode")
+            profiled = max(profiled, fp.transient.profiled_bytes)
+        # A profiled term larger than the profile's own peak spills into the free headroom.
+        prefill += max(0, profiled - self.profiled_peak_bytes)
+        return Demand(
+            prompt_tokens=sum(fp.prompt_tokens for fp in footprints),
+            max_new_tokens=max_new,
+            shared_block_hashes=tuple(shared),
+            private_blocks=private,
+            transient_prefill_bytes=prefill,
+            transient_decode_bytes=decode,
+        )
+
+    def _check_context_length(self, spec: RequestSpec, prompt_tokens: int, max_new: int) -> None:
+        limit = self.engine.max_model_len
+        if prompt_tokens + max_new <= limit and prompt_tokens < limit:
+            return
+        where = "messages" if spec.endpoint == "chat" else "prompt"
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_new} tokens ({prompt_tokens} in the {where}, {max_new} in the "
+            f"completion). Please reduce the length of the {where} or max_tokens.",
+            "context_length_exceeded",
+            param="max_tokens" if spec.max_tokens is not None and prompt_tokens < limit else where,
+        )
+
+    def check_fits_ever(self, prediction: Prediction, budget: Budget) -> None:
+        """400 when no amount of waiting would let this request in."""
+        demand = prediction.demand
+        pool = budget.kv_blocks
+        if pool is not None and demand.kv_blocks > pool:
+            block = self.layout.block_size
+            raise ApiError(
+                400,
+                f"This request needs {demand.kv_blocks:,} KV blocks ({prediction.prompt_tokens:,} "
+                f"prompt tokens + {prediction.max_new_tokens:,} new tokens x n={len(prediction.footprints) and prediction.footprints[0].n}), "
+                f"but vLLM's whole KV cache holds {pool:,} blocks of {block} tokens: lower "
+                f"max_tokens or n, or shorten the prompt.",
+                "kv_cache_never_fits",
+            )
+        limit = budget.max_transient_limit()
+        if limit is not None and demand.transient_bytes > limit:
+            worst = max(
+                (t for t in prediction.transient_terms if not t.profiled),
+                key=lambda t: t.bytes,
+                default=None,
+            )
+            what = f"{worst.name} ({worst.detail})" if worst else "its transient tensors"
+            advice = _ADVICE.get(worst.name if worst else "", "send a shorter prompt")
+            raise ApiError(
+                400,
+                f"{what} needs {demand.transient_bytes / GIB:.1f} GiB of transient GPU memory, at "
+                f"most {limit / GIB:.1f} GiB is available even on an idle server: {advice}.",
+                "transient_memory_never_fits",
+            )

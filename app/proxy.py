@@ -1,0 +1,160 @@
+"""Talking to the backend: one pooled keep-alive client, bytes relayed as they arrive.
+
+Responses are never buffered: each chunk vLLM sends is passed on at once, so time to first byte
+is vLLM's plus a few hundred microseconds. A relay owns its ticket from the moment the upstream
+answers and releases it exactly once however the exchange ends: completion, upstream failure,
+or the client going away (which closes the upstream connection, and vLLM aborts the request).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator, Callable, Mapping
+
+import anyio
+import httpx
+from starlette.types import Receive, Scope, Send
+
+from app.openai import ApiError
+
+log = logging.getLogger("kvgate.proxy")
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+        "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    }
+)
+
+
+class Backend:
+    """The vLLM server behind kvgate."""
+
+    def __init__(self, base_url: str, timeout_s: float, max_connections: int = 1024) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=5.0, pool=timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=256),
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def open(
+        self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes
+    ) -> httpx.Response:
+        """Send a request and return once the response head is in; ApiError when it cannot be."""
+        request = self.client.build_request(
+            method, httpx.URL(path=path, query=query), headers=headers, content=body
+        )
+        try:
+            return await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise ApiError(
+                503, f"The backend at {self.base_url} is unavailable ({type(exc).__name__}).",
+                "backend_unavailable", headers={"Retry-After": "5"},
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise ApiError(
+                504, "The backend did not answer in time.", "backend_timeout"
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise ApiError(
+                502, f"The backend broke the exchange ({type(exc).__name__}).", "backend_error"
+            ) from exc
+
+
+def forward_headers(headers: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
+    """Client headers minus hop-by-hop ones, with the request id kvgate uses."""
+    out = [(k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id"]
+    out.append(("x-request-id", request_id))
+    return out
+
+
+def response_headers(upstream: httpx.Response, extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    kept = [
+        (k, v) for k, v in upstream.headers.raw
+        if k.decode("latin-1").lower() not in HOP_BY_HOP
+    ]
+    if "content-length" in upstream.headers and "content-encoding" not in upstream.headers:
+        kept.append((b"content-length", upstream.headers["content-length"].encode()))
+    kept.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
+    return kept
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    """An error event in vLLM's streaming shape, then the end of the stream."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class Relay:
+    """An ASGI response that relays the upstream body and always runs `on_end(outcome)` once.
+
+    Written as a plain ASGI callable rather than StreamingResponse so that the release happens
+    even when the client has gone before the first byte could be sent.
+    """
+
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        headers: Mapping[str, str],
+        on_first_chunk: Callable[[], None],
+        on_end: Callable[[str], None],
+    ) -> None:
+        self.upstream = upstream
+        self.status_code = upstream.status_code
+        self.raw_headers = response_headers(upstream, headers)
+        self._on_first_chunk = on_first_chunk
+        self._on_end = on_end
+        self._is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome = "disconnected"
+        try:
+            async with anyio.create_task_group() as tasks:
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(watch_disconnect)
+                outcome = await self._relay(send)
+                tasks.cancel_scope.cancel()
+        finally:
+            self._on_end(outcome)
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+
+    async def _relay(self, send: Send) -> str:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        started = False
+        try:
+            async for chunk in self._chunks():
+                if not started:
+                    started = True
+                    self._on_first_chunk()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            log.warning("backend stream broke: %s", type(exc).__name__)
+            if self._is_sse:
+                event = sse_error_event(f"The backend stream broke ({type(exc).__name__}).", "backend_stream_broken")
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+                return "upstream_error"
+            raise
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return "completed" if self.status_code < 400 else "upstream_error"
+
+    def _chunks(self) -> AsyncIterator[bytes]:
+        return self.upstream.aiter_raw()
+
+
+async def passthrough(
+    backend: Backend, method: str, path: str, query: bytes, headers: Mapping[str, str],
+    body: bytes, request_id: str,
+) -> Any:
+    """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
+    upstream = await backend.open(method, path, query, forward_headers(headers, request_id), body)
+    return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome: None)

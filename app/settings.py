@@ -1,0 +1,120 @@
+"""Every knob of `kvgate serve` in one place: flags, `KVGATE_*` environment variables, defaults.
+
+vLLM's memory-relevant settings keep vLLM's own flag names and defaults so an operator can copy
+them from the vLLM command line. Values the backend reveals in `vllm:cache_config_info` win over
+these at start-up (see `app.backend_info`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing"]
+
+
+class Settings(BaseSettings):
+    """kvgate's configuration; flags beat environment variables, which beat defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid")
+
+    backend: str = Field("http://127.0.0.1:8000", description="Base URL of the vLLM server.")
+    model: str | None = Field(
+        None, description="Model folder (config.json and tokenizer), the one vLLM serves."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model name clients send; default: read from the backend's /v1/models."
+    )
+    listen: str = Field("0.0.0.0:8080", description="Address kvgate listens on, HOST:PORT.")
+
+    max_model_len: int | None = Field(
+        None, description="vLLM --max-model-len; default: the backend's, else the model's."
+    )
+    max_num_batched_tokens: int = Field(
+        2048,
+        description="vLLM --max-num-batched-tokens (vLLM's API-server default is 2048, 8192 on "
+        "GPUs with 70 GiB or more: copy yours).",
+    )
+    max_num_seqs: int = Field(256, description="vLLM --max-num-seqs.")
+    block_size: int = Field(16, description="vLLM --block-size (tokens per KV block).")
+    tensor_parallel_size: int = Field(1, description="vLLM --tensor-parallel-size.")
+    pipeline_parallel_size: int = Field(1, description="vLLM --pipeline-parallel-size.")
+    kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype (auto, fp8, ...).")
+    gpu_memory_utilization: float = Field(0.9, description="vLLM --gpu-memory-utilization.")
+    long_prefill_token_threshold: int = Field(
+        0, description="vLLM --long-prefill-token-threshold (0: chunks of max-num-batched-tokens)."
+    )
+    enable_prefix_caching: bool = Field(True, description="vLLM --enable-prefix-caching.")
+    attention_backend: AttentionBackend = Field(
+        "auto",
+        description="Attention backend vLLM runs (VLLM_ATTENTION_BACKEND): auto picks mla for "
+        "MLA models, else flash-attn; 'materializing' for backends that build chunk x context "
+        "score tensors.",
+    )
+
+    num_gpu_blocks: int | None = Field(
+        None, description="KV pool size in blocks when the backend's /metrics does not say."
+    )
+    gpu_memory_bytes: int | None = Field(
+        None, description="Total memory of one GPU, for the static transient budget."
+    )
+    free_memory_bytes: int | None = Field(
+        None,
+        description="GPU memory left outside vLLM's pools for transient tensors the profile never "
+        "saw; default: gpu-memory-bytes x (1 - gpu-memory-utilization).",
+    )
+    profiled_activation_bytes: int | None = Field(
+        None,
+        description="Activation peak of vLLM's start-up profile (its log line); default: kvgate's "
+        "estimate from the model geometry.",
+    )
+    transient_safety_margin: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Fraction of the transient headroom kept unspent."
+    )
+    default_max_tokens: int | None = Field(
+        None,
+        description="Output tokens reserved when a request has no max_tokens; default: what vLLM "
+        "allows, max-model-len minus the prompt.",
+    )
+
+    max_queue: int = Field(1024, ge=0, description="Requests that may wait for admission.")
+    max_queue_wait: float = Field(30.0, gt=0, description="Seconds a request may wait, at most.")
+    tenant_header: str = Field(
+        "x-kvgate-tenant", description="Header naming the tenant; default tenant: the API key."
+    )
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
+    )
+    upstream_timeout: float = Field(
+        600.0, gt=0, description="Seconds to wait for the backend's next byte."
+    )
+    log_level: str = Field("info", description="Python log level.")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field, defaulting to 'unset' so environment variables still apply."""
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        help_text = f"{field.description} [env KVGATE_{name.upper()}; default: {default}]"
+        if field.annotation is bool:
+            parser.add_argument(
+                _flag(name), dest=name, action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS, help=help_text,
+            )
+        else:
+            parser.add_argument(
+                _flag(name), dest=name, default=argparse.SUPPRESS, help=help_text,
+            )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from parsed flags; pydantic validates and converts the strings."""
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return Settings(**given)

@@ -1,0 +1,205 @@
+"""The ledger, the queue and the gate, without any network."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.gate.drain import DrainRate
+from app.gate.gate import ClientGone, Gate
+from app.gate.ledger import Ledger
+from app.gate.queue import AdmissionQueue, QueueFull, Waiter
+from app.memory.budget import KV_BUSY, TRANSIENT_BUSY, Budget
+from app.memory.demand import Demand
+from app.metrics import KvgateMetrics
+from app.openai import ApiError
+
+
+def demand(blocks: int = 1, shared: tuple[int, ...] = (), prefill: int = 0, decode: int = 0) -> Demand:
+    return Demand(
+        prompt_tokens=16 * len(shared), max_new_tokens=16, shared_block_hashes=shared,
+        private_blocks=blocks, transient_prefill_bytes=prefill, transient_decode_bytes=decode,
+    )
+
+
+def sample(metrics: KvgateMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+class TestLedger:
+    def test_shared_prefix_blocks_count_once(self) -> None:
+        ledger = Ledger()
+        first = ledger.reserve(demand(blocks=2, shared=(1, 2, 3)))
+        assert ledger.kv_blocks == 5
+        second_demand = demand(blocks=2, shared=(1, 2, 3, 4))
+        assert ledger.new_blocks(second_demand) == 3  # only hash 4 and its 2 private blocks
+        second = ledger.reserve(second_demand)
+        assert ledger.kv_blocks == 8
+        ledger.release(first)
+        assert ledger.kv_blocks == 6  # hashes 1-3 still held by the second request
+        ledger.release(second)
+        assert ledger.kv_blocks == 0
+
+    def test_release_is_exactly_once(self) -> None:
+        ledger = Ledger()
+        reservation = ledger.reserve(demand(blocks=3, prefill=100, decode=10))
+        assert ledger.release(reservation) is True
+        assert ledger.release(reservation) is False
+        assert (ledger.kv_blocks, ledger.transient_bytes, ledger.in_flight) == (0, 0, 0)
+
+    def test_end_prefill_frees_only_prefill_bytes(self) -> None:
+        ledger = Ledger()
+        reservation = ledger.reserve(demand(prefill=100, decode=10))
+        assert ledger.transient_bytes == 110
+        assert ledger.end_prefill(reservation) is True
+        assert ledger.end_prefill(reservation) is False
+        assert ledger.transient_bytes == 10
+        ledger.release(reservation)
+        assert ledger.transient_bytes == 0
+
+
+class TestQueue:
+    def _waiter(self, priority: int, tenant: str) -> Waiter:
+        return Waiter(demand(), priority, tenant, 0.0, asyncio.get_running_loop().create_future())
+
+    async def test_priority_then_round_robin_across_tenants(self) -> None:
+        queue = AdmissionQueue(max_size=10)
+        a1, a2, a3 = (self._waiter(0, "a") for _ in range(3))
+        b1 = self._waiter(0, "b")
+        urgent = self._waiter(-1, "c")
+        for w in (a1, a2, a3, b1, urgent):
+            queue.push(w)
+        order = [queue.pop_head() for _ in range(5)]
+        assert order == [urgent, a1, b1, a2, a3]
+
+    async def test_bounded_and_removable(self) -> None:
+        queue = AdmissionQueue(max_size=2)
+        first, second = self._waiter(0, "a"), self._waiter(0, "b")
+        queue.push(first)
+        queue.push(second)
+        with pytest.raises(QueueFull):
+            queue.push(self._waiter(0, "a"))
+        assert queue.position(second) == 1
+        assert queue.remove(first) is True
+        assert queue.remove(first) is False
+        assert queue.peek() is second and len(queue) == 1
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestDrainRate:
+    def test_retry_after_follows_the_observed_rate(self) -> None:
+        clock = FakeClock()
+        drain = DrainRate(window_s=10.0, clock=clock)
+        assert drain.retry_after(ahead=5, fallback_s=30) == 30  # nothing drained yet
+        clock.now += 10
+        for _ in range(20):  # 2 completions per second
+            drain.record()
+        assert drain.retry_after(ahead=9, fallback_s=30) == 5  # (9 + 1) / 2
+        assert drain.retry_after(ahead=99, fallback_s=30) == 50
+
+
+def make_gate(kv_blocks: int = 10, transient: int | None = None, max_queue: int = 8, wait_s: float = 5.0) -> Gate:
+    budget = Budget(kv_blocks=kv_blocks, transient_headroom_bytes=transient, transient_margin=0.0)
+    return Gate(budget, KvgateMetrics(), max_queue=max_queue, max_queue_wait_s=wait_s)
+
+
+class TestGate:
+    async def test_admits_when_it_fits_and_queues_when_kv_is_busy(self) -> None:
+        gate = make_gate(kv_blocks=10)
+        first = await gate.acquire(demand(blocks=8), 0, "a")
+        assert gate.would_wait(demand(blocks=3), 0) == KV_BUSY
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        await asyncio.sleep(0)
+        assert len(gate.queue) == 1 and not waiting.done()
+        first.release()
+        second = await asyncio.wait_for(waiting, 1)
+        assert gate.ledger.kv_blocks == 3 and second.queue_wait_s >= 0
+        second.release()
+        assert sample(gate.metrics, "kvgate_decisions_total", decision="queue", reason=KV_BUSY) == 1
+        assert sample(gate.metrics, "kvgate_decisions_total", decision="admit", reason="dequeued") == 1
+
+    async def test_transient_headroom_gates_and_prefill_end_frees_it(self) -> None:
+        gate = make_gate(kv_blocks=100, transient=1000)
+        first = await gate.acquire(demand(prefill=700, decode=100), 0, "a")
+        assert gate.would_wait(demand(prefill=300), 0) == TRANSIENT_BUSY
+        waiting = asyncio.create_task(gate.acquire(demand(prefill=300), 0, "a"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        first.end_prefill()  # 700 B of prefill-only tensors are gone: 100 + 300 fits
+        await asyncio.wait_for(waiting, 1)
+        assert gate.ledger.transient_bytes == 400
+
+    async def test_queue_full_is_a_429_with_retry_after(self) -> None:
+        gate = make_gate(kv_blocks=1, max_queue=1)
+        await gate.acquire(demand(blocks=1), 0, "a")
+        queued = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a"))
+        await asyncio.sleep(0)
+        with pytest.raises(ApiError) as refused:
+            await gate.acquire(demand(blocks=1), 0, "b")
+        assert refused.value.status == 429 and refused.value.code == "queue_full"
+        assert int(refused.value.headers["Retry-After"]) >= 1
+        queued.cancel()
+
+    async def test_wait_expiry_is_a_429_and_leaves_nothing_behind(self) -> None:
+        gate = make_gate(kv_blocks=1, wait_s=0.05)
+        holder = await gate.acquire(demand(blocks=1), 0, "a")
+        with pytest.raises(ApiError) as expired:
+            await gate.acquire(demand(blocks=1), 0, "a")
+        assert expired.value.status == 429 and expired.value.code == "queue_timeout"
+        assert len(gate.queue) == 0
+        holder.release()
+        assert gate.ledger.kv_blocks == 0
+
+    async def test_client_gone_leaves_the_queue(self) -> None:
+        gate = make_gate(kv_blocks=1)
+        holder = await gate.acquire(demand(blocks=1), 0, "a")
+        gone = asyncio.get_running_loop().create_future()
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a", gone))
+        await asyncio.sleep(0)
+        gone.set_result(None)
+        with pytest.raises(ClientGone):
+            await waiting
+        assert len(gate.queue) == 0
+        holder.release()
+        assert gate.ledger.in_flight == 0
+
+    async def test_cancelled_waiter_never_leaks_a_ticket(self) -> None:
+        gate = make_gate(kv_blocks=1)
+        holder = await gate.acquire(demand(blocks=1), 0, "a")
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a"))
+        await asyncio.sleep(0)
+        holder.release()  # admits the waiter...
+        waiting.cancel()  # ...which is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert gate.ledger.in_flight == 0 and gate.ledger.kv_blocks == 0
+
+    async def test_higher_priority_goes_first_and_budget_growth_admits(self) -> None:
+        gate = make_gate(kv_blocks=0)
+        low = asyncio.create_task(gate.acquire(demand(blocks=1), 5, "a"))
+        await asyncio.sleep(0)
+        high = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "b"))
+        await asyncio.sleep(0)
+        gate.budget.update(kv_blocks=1)
+        first = await asyncio.wait_for(high, 1)
+        assert not low.done()
+        first.release()
+        (await asyncio.wait_for(low, 1)).release()
+
+    async def test_behind_queue_requests_do_not_jump_the_line(self) -> None:
+        gate = make_gate(kv_blocks=4)
+        holder = await gate.acquire(demand(blocks=3), 0, "a")
+        big = asyncio.create_task(gate.acquire(demand(blocks=4), 0, "a"))
+        await asyncio.sleep(0)
+        assert gate.would_wait(demand(blocks=1), 0) == "behind_queue"
+        holder.release()
+        (await asyncio.wait_for(big, 1)).release()
