@@ -155,13 +155,13 @@ def _first(config: dict, *keys: str, default: object = None) -> object:
 
 
 def _parse(text: dict, outer: dict) -> ModelGeometry:
-    num_layers = int(_first(text, "num_hidden_layers", "n_layer", "num_layers") or _missing("num_hidden_layers"))
-    heads = int(_first(text, "num_attention_heads", "n_head") or _missing("num_attention_heads"))
-    hidden = int(_first(text, "hidden_size", "n_embd", "d_model") or _missing("hidden_size"))
+    num_layers = _required(text, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _required(text, "num_attention_heads", "n_head")
+    hidden = _required(text, "hidden_size", "n_embd", "d_model")
     kv_heads = int(_first(text, "num_key_value_heads", default=1 if text.get("multi_query") else heads))
     head_dim = int(_first(text, "head_dim", default=hidden // heads))
     intermediate = int(_first(text, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden))
-    vocab = int(_first(text, "vocab_size", default=outer.get("vocab_size")) or _missing("vocab_size"))
+    vocab = _required({**outer, **text}, "vocab_size")
     dtype = dtype_bytes(_first(text, "torch_dtype", "dtype", default=_first(outer, "torch_dtype", "dtype")))
     max_pos = _first(text, "max_position_embeddings", "n_positions", "max_sequence_length")
 
@@ -209,8 +209,11 @@ def _parse(text: dict, outer: dict) -> ModelGeometry:
     )
 
 
-def _missing(key: str) -> int:
-    raise KeyError(key)
+def _required(config: dict, *keys: str) -> int:
+    value = _first(config, *keys)
+    if value is None:
+        raise KeyError(keys[0])
+    return int(value)
 
 
 def _sliding_window(text: dict, num_layers: int) -> tuple[int | None, tuple[str, ...]]:

