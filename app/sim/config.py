@@ -1,0 +1,58 @@
+"""The simulator's configuration: vLLM's engine flags (names and defaults) plus the GPU and the
+simulation knobs (speed-up, restart time, co-tenants) that a real deployment gets from the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing"]
+
+
+@dataclass(frozen=True)
+class CoTenant:
+    """Another process on the same GPU: takes `bytes` from `start_s` to `end_s` (sim seconds)."""
+
+    name: str
+    bytes: int
+    start_s: float = 0.0
+    end_s: float | None = None
+
+
+@dataclass
+class SimConfig:
+    """Everything one simulated vLLM server needs. Field names are vLLM's `EngineArgs` names."""
+
+    model: str = "llama-3.1-8b"
+    gpu: str = "h100-80gb"
+    served_model_name: str | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    num_gpu_blocks_override: int | None = None
+    attention_backend: AttentionBackend = "auto"
+    # vLLM >= 0.21 subtracts its CUDA-graph memory estimate from the KV budget; before, the
+    # graphs were captured after the KV pool was sized and came on top of it.
+    cudagraph_memory_in_budget: bool = True
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    expandable_segments: bool = False
+    # Measured non-torch memory (CUDA context increase, NCCL, cuBLAS); None: calibrated default.
+    non_torch_bytes: int | None = None
+    seed: int = 0
+    speedup: float = 1.0
+    restart_seconds: float = 60.0
+    startup_seconds: float = 0.0
+    cotenants: list[CoTenant] = field(default_factory=list)
+    vllm_version: str = "0.32.0"

@@ -1,0 +1,254 @@
+"""The engine core: start-up, the step loop, CUDA OOM -> engine death -> restart.
+
+A step: the scheduler picks the batch, the step's tensors are played on the caching allocator,
+the loop sleeps the step time, then every request that computed all its known tokens samples
+one. An allocation that fails kills the engine as it kills vLLM's EngineCore: every request,
+running or waiting, fails; the process's memory goes back to the device; after the restart
+time the engine starts afresh (profile, KV pool, empty queues, new counters), or stays down
+while start-up fails (e.g. a co-tenant took the memory), retrying each restart period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from app.memory.geometry import ModelGeometry
+from app.sim import startup
+from app.sim.blocks import BlockPool, KVCacheManager
+from app.sim.config import SimConfig
+from app.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Device
+from app.sim.metrics import SimMetrics, cache_config_labels
+from app.sim.request import Request, Status
+from app.sim.scheduler import Scheduler, SchedulerOutput
+from app.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
+from app.sim.timing import StepTimer, now
+
+log = logging.getLogger("kvgate.sim")
+
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+PROCESS = "vllm"
+
+Sampler = Callable[[Request], tuple[int, bool]]  # -> (token id, is end of sequence)
+
+
+class Engine:
+    """One simulated vLLM engine on one simulated GPU (TP ranks are identical; rank 0 is played)."""
+
+    def __init__(self, cfg: SimConfig, geometry: ModelGeometry, device: Device,
+                 sampler: Sampler, model_name: str) -> None:
+        self.cfg = cfg
+        self.geometry = geometry
+        self.device = device
+        self.sampler = sampler
+        self.model_name = model_name
+        self.state = "down"
+        self.error: str | None = None
+        self.boot_time = self._t0 = now()
+        self.restart_at: float | None = None
+        self.restarts = 0
+        self.ooms: list[str] = []
+        self.log_lines: list[str] = []
+        self.cotenant_override: dict[str, int] = {}
+        self._wake = asyncio.Event()
+        self._retained: list[Block] = []
+
+    # ----- lifecycle --------------------------------------------------------------------------
+    def boot(self) -> None:
+        """Start (or restart) the engine; raises startup.StartupError as vLLM would exit."""
+        self.state = "starting"
+        self.device.set_usage(PROCESS, 0)
+        self.alloc = CachingAllocator(self.device, PROCESS, self.cfg.expandable_segments)
+        try:
+            self.resolved, self.report = startup.start(self.cfg, self.geometry, self.device,
+                                                       self.alloc)
+        except startup.StartupError as exc:
+            self.device.set_usage(PROCESS, 0)
+            self.state, self.error = "failed", str(exc)
+            self._log(logging.ERROR, f"EngineCore failed to start. {exc}")
+            raise
+        r, rep = self.resolved, self.report
+        for line in rep.log:
+            self._log(logging.INFO, line)
+        self.steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens)
+        self.kv = KVCacheManager(BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching),
+                                 r.block_size)
+        self.scheduler = Scheduler(self.kv, r.max_num_batched_tokens, r.max_num_seqs,
+                                   r.max_model_len, self.cfg.long_prefill_token_threshold)
+        self.timer = StepTimer(rep.weights, self.cfg.speedup)
+        self.metrics = SimMetrics(self.model_name, cache_config_labels(
+            block_size=r.block_size, cache_dtype=self.cfg.kv_cache_dtype,
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.cfg.kv_cache_memory_bytes,
+            num_gpu_blocks=rep.num_gpu_blocks,
+            num_gpu_blocks_override=self.cfg.num_gpu_blocks_override,
+            max_model_len=r.max_model_len, sliding_window=self.geometry.sliding_window))
+        self._retained = []
+        self._prefix_seen = (0, 0)
+        self.state, self.error, self.boot_time = "ready", None, now()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def sim_time(self) -> float:
+        """Simulated seconds since the simulator started (drives co-tenant schedules)."""
+        return (now() - self._t0) * self.cfg.speedup
+
+    async def run(self) -> None:
+        """The engine loop; runs until cancelled."""
+        while True:
+            self.apply_cotenants()
+            if self.state in ("dead", "failed") and self.restart_at and now() >= self.restart_at:
+                self._restart()
+            if not self.ready or not self.scheduler.has_work():
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.05)
+                except TimeoutError:
+                    pass
+                continue
+            await self.step()
+
+    def _restart(self) -> None:
+        self.restarts += 1
+        try:
+            self.boot()
+        except startup.StartupError:
+            self.restart_at = now() + self.cfg.restart_seconds / self.cfg.speedup
+
+    # ----- requests ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+        self._gauges()
+        self._wake.set()
+
+    def abort(self, req: Request) -> None:
+        if self.ready and req.status != Status.FINISHED:
+            self.scheduler.abort(req)
+            self.metrics.success["abort"].inc()
+            self._gauges()
+
+    # ----- one step ---------------------------------------------------------------------------
+    async def step(self) -> None:
+        start = now()
+        out = self.scheduler.schedule()
+        self._count_preemptions(out)
+        if not out.scheduled:
+            await asyncio.sleep(0.001)
+            return
+        for block in self._retained:
+            self.alloc.free(block)
+        try:
+            self._retained = run_tape(self.alloc, self.steps.plan(self.shape(out)))
+        except CudaOutOfMemory as exc:
+            self.die(exc)
+            return
+        context = sum(s.num_context for s in out.scheduled)
+        await asyncio.sleep(self.timer.wall_seconds(out.num_tokens, context))
+        if self.ready:
+            self._update(out, start)
+
+    def shape(self, out: SchedulerOutput) -> StepShape:
+        """What the scheduled batch asks of the GPU."""
+        reqs = []
+        for s in out.scheduled:
+            req, sp = s.request, s.request.sampling
+            samples = s.num_context + s.num_new_tokens >= req.num_tokens
+            prompt_lp = 0
+            if sp.prompt_logprobs is not None:
+                prompt_lp = max(0, min(s.num_new_tokens, req.num_prompt_tokens - s.num_context))
+            reqs.append(ReqSlice(s.num_new_tokens, s.num_context, samples, prompt_lp,
+                                 sp.logprobs, sp.penalties, sp.top_p_k, sp.random,
+                                 sp.structured))
+        return StepShape(tuple(reqs))
+
+    def _update(self, out: SchedulerOutput, start: float) -> None:
+        t = now()
+        m = self.metrics
+        for s in out.scheduled:
+            req = s.request
+            if req.status != Status.RUNNING:
+                continue
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+            req.num_computed_tokens += s.num_new_tokens
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            token, eos = self.sampler(req)
+            req.output_token_ids.append(token)
+            m.generation_tokens.inc()
+            if req.first_token_time is None:
+                req.first_token_time = t
+                m.prompt_tokens.inc(req.num_prompt_tokens)
+                m.ttft.observe(t - req.arrival_time)
+            req.sink("token", token)
+            sp = req.sampling
+            if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= (
+                    self.resolved.max_model_len):
+                self._finish(req, "length", t)
+            elif eos and not sp.ignore_eos:
+                self._finish(req, "stop", t)
+        self._gauges()
+
+    def _finish(self, req: Request, reason: str, t: float) -> None:
+        self.scheduler.finish(req)
+        req.finish_reason = reason
+        m = self.metrics
+        m.success[reason].inc()
+        m.e2e.observe(t - req.arrival_time)
+        m.queue.observe((req.first_scheduled_time or t) - req.arrival_time)
+        req.sink("finish", reason)
+
+    def _count_preemptions(self, out: SchedulerOutput) -> None:
+        if out.preempted:
+            self.metrics.preemptions.inc(len(out.preempted))
+        q, h = self.scheduler.prefix.queries, self.scheduler.prefix.hits
+        dq, dh = q - self._prefix_seen[0], h - self._prefix_seen[1]
+        if dq > 0:
+            self.metrics.prefix_queries.inc(dq)
+        if dh > 0:
+            self.metrics.prefix_hits.inc(dh)
+        self._prefix_seen = (q, h)
+
+    def _gauges(self) -> None:
+        m, s = self.metrics, self.scheduler
+        m.running.set(len(s.running))
+        m.waiting.set(len(s.waiting))
+        m.kv_usage.set(self.kv.pool.usage())
+
+    # ----- death ------------------------------------------------------------------------------
+    def die(self, exc: CudaOutOfMemory) -> None:
+        """CUDA OOM inside a step: fail everything, free the process's memory, plan a restart."""
+        msg = f"torch.OutOfMemoryError: {exc}"
+        self.ooms.append(msg)
+        self._log(logging.ERROR, "EngineCore encountered a fatal error.")
+        self._log(logging.ERROR, msg)
+        victims = list(self.scheduler.running) + list(self.scheduler.waiting)
+        self.state, self.error = "dead", msg
+        self.device.set_usage(PROCESS, 0)
+        self._retained = []
+        self.restart_at = now() + self.cfg.restart_seconds / self.cfg.speedup
+        for req in victims:
+            req.status = Status.FINISHED
+            req.finish_reason = "error"
+            req.sink("error", ENGINE_DEAD_MESSAGE)
+
+    # ----- co-tenants -------------------------------------------------------------------------
+    def apply_cotenants(self) -> None:
+        """Other processes take and release memory on their schedule (if the device has it)."""
+        t = self.sim_time()
+        wanted = dict(self.cotenant_override)
+        for c in self.cfg.cotenants:
+            active = c.start_s <= t and (c.end_s is None or t < c.end_s)
+            wanted[c.name] = wanted.get(c.name, 0) + (c.bytes if active else 0)
+        for name, nbytes in wanted.items():
+            held = self.device.processes.get(name, 0)
+            if nbytes <= held or nbytes - held <= self.device.free():
+                self.device.set_usage(name, nbytes)
+
+    def _log(self, level: int, line: str) -> None:
+        self.log_lines.append(line)
+        log.log(level, line)

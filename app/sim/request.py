@@ -1,0 +1,69 @@
+"""A request inside the simulated engine: its tokens, progress and sampling needs."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling parameters that change what a step allocates."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    penalties: bool = False
+    structured: bool = False
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def random(self) -> bool:
+        return self.temperature > 1e-5
+
+    @property
+    def top_p_k(self) -> bool:
+        return self.random and (self.top_p < 1.0 or self.top_k > 0)
+
+
+@dataclass
+class Request:
+    """One sequence; `n > 1` requests are fanned out into n of these, as vLLM v1 does."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    arrival_time: float
+    sink: Callable[[str, Any], None] = lambda kind, data: None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

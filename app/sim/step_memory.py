@@ -1,0 +1,283 @@
+"""The transient tensors of one engine step, allocation by allocation, in the order vLLM makes them.
+
+A step is described by what the scheduler put in it (`StepShape`); `StepMemory.plan` turns it into
+a tape of allocations and frees; `run_tape` plays the tape on a `CachingAllocator`. Shapes follow
+vLLM's code (paths in vllm-project/vllm):
+
+- decoder layer (model_executor/models/llama.py): hidden and residual `T x H`; `qkv_proj` output
+  `T x (q + 2 kv) x head_dim`; attention output `T x q x head_dim`; `o_proj` `T x H`; MLP
+  `gate_up_proj` `T x 2I/TP`, `SiluAndMul` `T x I/TP`, `down_proj` `T x H`. Every layer frees what
+  it made, so one layer is played for all of them.
+- fused MoE (model_executor/layers/fused_moe/fused_moe.py): per chunk of `M = min(T, 32768)`
+  tokens one buffer `M x topk x max(N, H)` shared by intermediate caches 1 and 3, and
+  `M x topk x N/2` for cache 2, with `N = 2 x I_moe / TP`; shared experts are a dense MLP.
+- attention, only when the step has attention metadata (the profile run has none):
+  `flash-attn` and `flashinfer` need no context-sized transient (FlashInfer's 256 MiB workspace
+  is resident, allocated when the KV cache is); `materializing` builds fp32 scores and their
+  softmax, `heads x q_len x kv_len`, one request at a time (a non-flash path); `mla`
+  (v1/attention/backends/mla/common.py) up-projects the new tokens' K/V and then, per
+  chunked-prefill workspace pass, `chunk x heads x (nope + v)` and `chunk x heads x (nope + rope)`.
+- logits and sampler (v1/sample/sampler.py, ops/topk_topp_sampler.py, ops/penalties.py): logits
+  `B x V` in the model dtype, an fp32 copy, raw logprobs `B x V x 4` when any row wants logprobs,
+  penalties' bin counts `B x (V+1)` int64 and masks, the top-k/top-p sort (values fp32, indices
+  int64, softmax, cumsum, masks, scatter), then softmax and exponential noise for random rows.
+- prompt logprobs (v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`): per request,
+  logits `n x V` in the model dtype and their log_softmax in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.sim.gpu import Block, CachingAllocator
+
+FUSED_MOE_CHUNK = 32768
+FLASHINFER_WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ReqSlice:
+    """One request's part of a step."""
+
+    num_new_tokens: int
+    num_context: int = 0
+    samples: bool = True
+    prompt_logprob_tokens: int = 0
+    logprobs: int | None = None
+    penalties: bool = False
+    top_p_k: bool = False
+    random: bool = False
+    structured: bool = False
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one forward pass computes; `attention=False` is the profile run's dummy batch."""
+
+    reqs: tuple[ReqSlice, ...]
+    attention: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.reqs)
+
+
+Tape = list[tuple[str, str, int]]  # ("alloc" | "free", name, bytes)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Per-GPU dimensions of the model (already divided by tensor parallelism)."""
+
+    hidden: int
+    intermediate: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype_bytes: int
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    shared_intermediate: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+class _Tape:
+    def __init__(self) -> None:
+        self.ops: Tape = []
+
+    def alloc(self, name: str, nbytes: int) -> None:
+        if nbytes > 0:
+            self.ops.append(("alloc", name, nbytes))
+
+    def free(self, *names: str) -> None:
+        for name in names:
+            self.ops.append(("free", name, 0))
+
+
+class StepMemory:
+    """Builds the allocation tape of a step for one model, backend and TP degree."""
+
+    def __init__(self, dims: ModelDims, backend: str, mla_workspace_tokens: int = 0) -> None:
+        self.d = dims
+        self.backend = backend
+        self.mla_workspace_tokens = mla_workspace_tokens
+
+    def plan(self, shape: StepShape) -> Tape:
+        d, t = self.d, _Tape()
+        n_tok = shape.num_tokens
+        dt = d.dtype_bytes
+        if n_tok:
+            t.alloc("input_ids", n_tok * 4)
+            t.alloc("positions", n_tok * 8)
+            t.alloc("hidden", n_tok * d.hidden * dt)
+            t.alloc("residual", n_tok * d.hidden * dt)
+            self._attention_block(t, shape)
+            self._mlp(t, n_tok)
+            t.free("residual", "positions", "input_ids")
+        self._sampler(t, shape)
+        self._prompt_logprobs(t, shape)
+        t.free("hidden")
+        return t.ops
+
+    def _attention_block(self, t: _Tape, shape: StepShape) -> None:
+        d, dt, n_tok = self.d, self.d.dtype_bytes, shape.num_tokens
+        if d.is_mla:
+            t.alloc("q", n_tok * d.q_heads * (d.qk_nope_head_dim + d.qk_rope_head_dim) * dt)
+            t.alloc("kv_c", n_tok * (d.kv_lora_rank + d.qk_rope_head_dim) * dt)
+        else:
+            t.alloc("qkv", n_tok * (d.q_heads + 2 * d.kv_heads) * d.head_dim * dt)
+        v_dim = d.v_head_dim if d.is_mla else d.head_dim
+        t.alloc("attn_out", n_tok * d.q_heads * v_dim * dt)
+        if shape.attention:
+            self._attention_transients(t, shape)
+        t.free("q", "kv_c") if d.is_mla else t.free("qkv")
+        t.alloc("o_proj", n_tok * d.hidden * dt)
+        t.free("attn_out", "hidden")
+        t.ops.append(("rename", "o_proj", 0))
+
+    def _attention_transients(self, t: _Tape, shape: StepShape) -> None:
+        d, dt = self.d, self.d.dtype_bytes
+        if self.backend == "materializing":
+            worst = max(r.num_new_tokens * (r.num_context + r.num_new_tokens) for r in shape.reqs)
+            t.alloc("attn_scores", d.q_heads * worst * 4)
+            t.alloc("attn_probs", d.q_heads * worst * dt)
+            t.free("attn_scores", "attn_probs")
+        elif self.backend == "mla" and d.is_mla:
+            prefills = [r for r in shape.reqs if r.num_new_tokens > 1]
+            if not prefills:
+                return
+            new = sum(r.num_new_tokens for r in prefills)
+            per_tok = d.q_heads * (2 * d.qk_nope_head_dim + d.v_head_dim + d.qk_rope_head_dim)
+            t.alloc("mla_new_kv", new * per_tok * dt)
+            context = sum(r.num_context for r in prefills)
+            chunk = min(context, self.mla_workspace_tokens or context)
+            if chunk:
+                t.alloc("mla_ctx_kv", chunk * per_tok * dt)
+                t.alloc("mla_ctx_out", new * d.q_heads * (d.v_head_dim * dt + 4))
+                t.free("mla_ctx_kv", "mla_ctx_out")
+            t.free("mla_new_kv")
+
+    def _mlp(self, t: _Tape, n_tok: int) -> None:
+        d, dt = self.d, self.d.dtype_bytes
+        if not d.is_moe:
+            self._dense_mlp(t, n_tok, d.intermediate, "mlp")
+            t.free("hidden")
+            t.ops.append(("rename", "mlp_down", 0))
+            return
+        t.alloc("moe_out", n_tok * d.hidden * dt)
+        if d.shared_intermediate:
+            self._dense_mlp(t, n_tok, d.shared_intermediate, "shared")
+            t.free("shared_down")
+        t.alloc("router_logits", n_tok * d.num_experts * dt)
+        t.alloc("topk", n_tok * d.experts_per_token * 8)
+        m = min(n_tok, FUSED_MOE_CHUNK)
+        n = 2 * d.moe_intermediate
+        t.alloc("moe_cache13", m * d.experts_per_token * max(n, d.hidden) * dt)
+        t.alloc("moe_cache2", m * d.experts_per_token * (n // 2) * dt)
+        t.free("moe_cache13", "moe_cache2", "router_logits", "topk", "hidden")
+        t.ops.append(("rename", "moe_out", 0))
+
+    def _dense_mlp(self, t: _Tape, n_tok: int, inter: int, tag: str) -> None:
+        dt = self.d.dtype_bytes
+        t.alloc(f"{tag}_gate_up", n_tok * 2 * inter * dt)
+        t.alloc(f"{tag}_act", n_tok * inter * dt)
+        t.free(f"{tag}_gate_up")
+        t.alloc(f"{tag}_down", n_tok * self.d.hidden * dt)
+        t.free(f"{tag}_act")
+
+    def _sampler(self, t: _Tape, shape: StepShape) -> None:
+        d, dt = self.d, self.d.dtype_bytes
+        rows = [r for r in shape.reqs if r.samples]
+        b, v = len(rows), d.vocab
+        if not b:
+            return
+        bv = b * v
+        t.alloc("sample_hidden", b * d.hidden * dt)
+        t.alloc("logits", bv * dt)
+        t.free("sample_hidden")
+        t.alloc("logits_f32", bv * 4)
+        if any(r.logprobs is not None for r in rows):
+            t.alloc("raw_logprobs", bv * 4)
+        if any(r.structured for r in rows):
+            t.alloc("grammar_bitmask", b * -(-v // 32) * 4)
+        if any(r.penalties for r in rows):
+            t.alloc("output_bin_counts", b * (v + 1) * 8)
+            t.alloc("prompt_bin_counts", b * (v + 1) * 8)
+            t.alloc("prompt_mask", bv)
+            t.free("prompt_bin_counts")
+            t.alloc("output_mask", bv)
+            t.alloc("repetition_penalties", bv * 4)
+            t.alloc("penalty_mask", bv)
+            t.alloc("penalty_scale", bv * 4)
+            t.free("penalty_scale", "penalty_mask", "repetition_penalties")
+            t.free("output_mask", "prompt_mask", "output_bin_counts")
+        if any(r.top_p_k for r in rows):
+            t.alloc("sorted_logits", bv * 4)
+            t.alloc("sorted_idx", bv * 8)
+            t.alloc("top_k_mask", bv)
+            t.alloc("probs_sort", bv * 4)
+            t.alloc("probs_sum", bv * 4)
+            t.alloc("top_p_mask", bv)
+            t.alloc("scattered_logits", bv * 4)
+            t.free("top_p_mask", "probs_sum", "probs_sort", "top_k_mask", "sorted_idx")
+            t.free("sorted_logits", "logits_f32")
+            t.ops.append(("rename_to", "scattered_logits", 0))
+        if any(r.random for r in rows):
+            t.alloc("probs", bv * 4)
+            t.alloc("exponential_q", bv * 4)
+            t.free("exponential_q", "probs")
+        k = max((r.logprobs or 0) for r in rows)
+        t.alloc("retained:sampled_ids", b * 4)
+        if any(r.logprobs is not None for r in rows):
+            t.alloc("retained:logprobs", b * (k + 1) * 12)
+        t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "logits")
+
+    def _prompt_logprobs(self, t: _Tape, shape: StepShape) -> None:
+        d, dt = self.d, self.d.dtype_bytes
+        for i, r in enumerate(shape.reqs):
+            n = r.prompt_logprob_tokens
+            if n:
+                t.alloc(f"pl_hidden{i}", n * d.hidden * dt)
+                t.alloc(f"pl_logits{i}", n * d.vocab * dt)
+                t.alloc(f"pl_logprobs{i}", n * d.vocab * 4)
+                t.free(f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
+
+
+def run_tape(alloc: CachingAllocator, tape: Tape) -> list[Block]:
+    """Play a tape; returns the blocks it retains past the step (sampler outputs).
+
+    `rename` makes the named tensor the new `hidden`; `rename_to` makes it the new `logits_f32`.
+    Raises CudaOutOfMemory from the allocator, leaving the live blocks allocated, as a dying
+    process does.
+    """
+    live: dict[str, Block] = {}
+    for op, name, nbytes in tape:
+        if op == "alloc":
+            live[name] = alloc.malloc(nbytes)
+        elif op == "free":
+            block = live.pop(name, None)
+            if block is not None:
+                alloc.free(block)
+        elif op == "rename":
+            if name in live:
+                live["hidden"] = live.pop(name)
+        elif op == "rename_to" and name in live:
+            live["logits_f32"] = live.pop(name)
+    retained = [b for n, b in live.items() if n.startswith("retained:")]
+    for n, b in list(live.items()):
+        if not n.startswith("retained:"):
+            alloc.free(b)
+    return retained
