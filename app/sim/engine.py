@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from app.memory.geometry import ModelGeometry
@@ -88,6 +89,8 @@ class Engine:
         self._retained = []
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
+        self.boot_wall_time = time.time()
+        self.metrics.process_start.set(self.boot_wall_time)
 
     @property
     def ready(self) -> bool:

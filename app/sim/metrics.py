@@ -59,6 +59,9 @@ class SimMetrics:
         self.queue = hist("vllm:request_queue_time_seconds",
                           "Histogram of time spent in WAITING phase for request.",
                           _LATENCY_BUCKETS)
+        self.process_start = Gauge("process_start_time_seconds",
+                                   "Start time of the process since unix epoch in seconds.",
+                                   registry=r)
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      sorted([*cache_config, "engine"]), registry=r)
         info.labels(**{**cache_config, "engine": engine}).set(1)

@@ -48,6 +48,7 @@ class Request:
     sampling: Sampling
     arrival_time: float
     sink: Callable[[str, Any], None] = lambda kind, data: None
+    stream_seed: int = 0  # picks the deterministic output text
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
