@@ -99,6 +99,17 @@ def _corpus(rng: random.Random, sentences: int = 6000) -> list[str]:
     return lines
 
 
+def english_text(words: int, seed: int = 0) -> str:
+    """Deterministic prose in the tokenizer's own vocabulary: about 1.1 tokens a word."""
+    rng = random.Random(seed)
+    sentences, left = [], words
+    while left > 0:
+        n = min(left, rng.randint(6, 14))
+        sentences.append(" ".join(rng.choice(_WORDS) for _ in range(n)).capitalize() + ".")
+        left -= n
+    return " ".join(sentences)
+
+
 def _train_tokenizer() -> Tokenizer:
     """Byte-level BPE whose encode adds BOS, like Llama's tokenizer."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

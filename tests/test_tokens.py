@@ -1,0 +1,295 @@
+"""app.tokens against the real vLLM: local and backend token ids must equal vLLM's /tokenize.
+
+Each case is a raw /tokenize body as a client would write it (vLLM's defaults
+apply to what it leaves out); the same body becomes a ChatRequest for kvgate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.tokens import (
+    BackendTokenizeError,
+    BackendTokenizer,
+    ChatRequest,
+    LocalTokenizer,
+    TokenizationError,
+    Tokenizer,
+    _template_info,
+    load_tokenizer,
+)
+from support.tiny_model import english_text
+
+_CHAT_FIELDS = {f.name for f in dataclasses.fields(ChatRequest)}
+LONG = english_text(800, seed=7)  # ~900 tokens, over the 4000-char off-loop threshold
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": True,
+        "x-vendor": "dropped by vLLM's pydantic model",
+    },
+}
+# An "openai"-format template: it iterates over content parts, so vLLM keeps them as dicts.
+PARTS_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}[{{ part['text'] }}]{% endfor %}{% endif %}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{{ greeting }}{% endif %}"
+)
+
+PROMPTS = {
+    "short": {"prompt": "Hello world, the model memory."},
+    "long": {"prompt": LONG},
+    "unicode": {"prompt": "Grüße aus Köln — 東京タワー, naïve café 🚀\n\ttabs\u00a0nbsp"},
+    "no_bos": {"prompt": "Hello world", "add_special_tokens": False},
+}
+CHATS = {
+    "system_user": {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is a KV cache?"},
+        ]
+    },
+    "multi_turn": {
+        "messages": [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Count to three."},
+        ]
+    },
+    "content_parts": {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be kind."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "First part."},
+                    {"type": "text", "text": ""},
+                    {"type": "input_text", "text": "Second part."},
+                ],
+            },
+        ]
+    },
+    "tools": {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "18 C"}]},
+        ],
+        "tools": [TOOL, {"type": "function", "function": {"name": "noop"}}],
+    },
+    "no_generation_prompt": {
+        "messages": [{"role": "user", "content": "Just the history."}],
+        "add_generation_prompt": False,
+    },
+    "continue_final": {
+        "messages": [
+            {"role": "user", "content": "Finish my sentence."},
+            {"role": "assistant", "content": "The memory of the model"},
+        ],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    "developer_role": {
+        "messages": [
+            {"role": "system", "content": "Base rules."},
+            {"role": "developer", "content": "Extra rules."},
+            {"role": "user", "content": "Go."},
+        ]
+    },
+    "documents_kwarg": {
+        "messages": [{"role": "user", "content": "Summarise."}],
+        "chat_template_kwargs": {"documents": [{"title": "A", "text": "Queues drain."}]},
+    },
+    "bos_twice": {"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True},
+    "openai_format_template": {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}
+        ],
+        "chat_template": PARTS_TEMPLATE,
+        "chat_template_kwargs": {"greeting": "Sure:", "unused": 1},
+    },
+    "long_chat": {"messages": [{"role": "user", "content": LONG}]},
+}
+
+
+async def _encode(tokenizer: Tokenizer, body: dict) -> list[int]:
+    if "prompt" in body:
+        return await tokenizer.encode_prompt(body["prompt"], body.get("add_special_tokens", True))
+    return await tokenizer.encode_chat(ChatRequest(**{k: body[k] for k in body if k in _CHAT_FIELDS}))
+
+
+@pytest.fixture(scope="session")
+def local_tokenizer(tiny_model_dir: Path) -> LocalTokenizer:
+    return LocalTokenizer(tiny_model_dir)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("body", [*PROMPTS.values(), *CHATS.values()], ids=[*PROMPTS, *CHATS])
+async def test_local_and_backend_match_vllm(body, vllm_server, local_tokenizer):
+    async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=60) as client:
+        reply = await client.post("/tokenize", json={"model": vllm_server.served_name, **body})
+        assert reply.status_code == 200, reply.text
+        expected = reply.json()["tokens"]
+        backend = await _encode(BackendTokenizer(client, vllm_server.served_name), body)
+    assert await _encode(local_tokenizer, body) == expected
+    assert backend == expected
+
+
+@pytest.mark.vllm
+async def test_long_cases_are_about_900_tokens(vllm_server, local_tokenizer):
+    assert 850 <= len(await local_tokenizer.encode_prompt(LONG)) <= 1000
+
+
+@pytest.mark.vllm
+async def test_backend_bad_request_is_tokenization_error(vllm_server):
+    async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=60) as client:
+        backend = BackendTokenizer(client, vllm_server.served_name)
+        chat = ChatRequest(messages=[{"role": "user", "content": "x"}], continue_final_message=True)
+        with pytest.raises(TokenizationError, match="continue_final_message"):
+            await backend.encode_chat(chat)
+
+
+# ---------------------------------------------------------------- offline
+
+
+@pytest.mark.parametrize(
+    "chat",
+    [
+        ChatRequest(messages=["not an object"]),
+        ChatRequest(messages=[{"content": "no role"}]),
+        ChatRequest(messages=[{"role": "user", "content": 42}]),
+        ChatRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        ChatRequest(messages=[{"role": "user", "content": [{"text": "no type"}]}]),
+        ChatRequest(messages=[{"role": "user", "content": "x"}], continue_final_message=True),
+        ChatRequest(messages=[{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]),
+        ChatRequest(messages=[{"role": "user", "content": "x"}], tools=[{"function": {}}]),
+        ChatRequest(messages=[{"role": "assistant", "tool_calls": [{"type": "custom"}]}]),
+        ChatRequest(messages=[{"role": "user", "content": "x"}], chat_template="{% if %}"),
+    ],
+    ids=[
+        "message_not_object", "missing_role", "content_int", "image_part", "part_without_type",
+        "both_generation_flags", "template_raises", "tool_without_name", "non_function_tool_call",
+        "template_syntax",
+    ],
+)  # fmt: skip
+async def test_malformed_chat_raises_tokenization_error(chat, local_tokenizer):
+    with pytest.raises(TokenizationError):
+        await local_tokenizer.encode_chat(chat)
+
+
+async def test_template_error_keeps_the_templates_reason(local_tokenizer):
+    chat = ChatRequest(messages=[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
+    with pytest.raises(TokenizationError, match="only allowed first"):
+        await local_tokenizer.encode_chat(chat)
+
+
+async def test_caller_messages_are_not_mutated(local_tokenizer):
+    messages = CHATS["tools"]["messages"]
+    before = json.dumps(messages)
+    await local_tokenizer.encode_chat(ChatRequest(messages=messages, tools=[TOOL]))
+    assert json.dumps(messages) == before
+
+
+async def test_long_texts_are_encoded_off_the_event_loop(tiny_model_dir, monkeypatch):
+    tokenizer = LocalTokenizer(tiny_model_dir, offload_threshold_chars=100)
+    threads: list[threading.Thread] = []
+    encode = tokenizer._encode_now
+
+    def spy(text: str, add_special_tokens: bool) -> list[int]:
+        threads.append(threading.current_thread())
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "_encode_now", spy)
+    short = await tokenizer.encode_prompt("x" * 100)
+    long = await tokenizer.encode_chat(ChatRequest(messages=[{"role": "user", "content": "y" * 101}]))
+    assert threads[0] is threading.main_thread()
+    assert threads[1] is not threading.main_thread()
+    assert short == encode("x" * 100, True) and long
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+        ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+        ("{% set msgs = messages[1:] %}{% for m in msgs %}{% for p in m.content %}{% endfor %}{% endfor %}", "openai"),
+        (
+            "{% macro render(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+            "{% for m in messages %}{{ render(m.content) }}{% endfor %}",
+            "openai",
+        ),
+    ],
+    ids=["string", "loop_over_content", "alias_of_messages", "macro_parameter"],
+)
+def test_content_format_detection(template, expected):
+    assert _template_info(template).content_format == expected
+
+
+def _backend(handler) -> BackendTokenizer:
+    client = httpx.AsyncClient(base_url="http://backend", transport=httpx.MockTransport(handler))
+    return BackendTokenizer(client, "tiny-llama")
+
+
+async def test_backend_error_mapping():
+    bad = _backend(lambda r: httpx.Response(400, json={"error": {"message": "too long", "code": 400}}))
+    with pytest.raises(TokenizationError, match="too long"):
+        await bad.encode_prompt("x")
+    flat = _backend(lambda r: httpx.Response(400, json={"object": "error", "message": "flat"}))
+    with pytest.raises(TokenizationError, match="flat"):
+        await flat.encode_prompt("x")
+    with pytest.raises(BackendTokenizeError):
+        await _backend(lambda r: httpx.Response(503, text="down")).encode_prompt("x")
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    with pytest.raises(BackendTokenizeError):
+        await _backend(refuse).encode_prompt("x")
+
+
+async def test_backend_sends_vllm_tokenize_body():
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json={"tokens": [1, 2], "count": 2, "max_model_len": 1024})
+
+    chat = ChatRequest(messages=[{"role": "user", "content": "x"}], documents=[{"text": "d"}])
+    assert await _backend(handler).encode_chat(chat) == [1, 2]
+    assert seen == [
+        {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "x"}],
+            "add_generation_prompt": True,
+            "continue_final_message": False,
+            "add_special_tokens": False,
+            "chat_template_kwargs": {"documents": [{"text": "d"}]},
+        }
+    ]
+
+
+def test_load_tokenizer_prefers_the_local_folder(tiny_model_dir, tmp_path):
+    client = httpx.AsyncClient(base_url="http://backend")
+    assert load_tokenizer(tiny_model_dir, client, "m").source == "local"
+    assert load_tokenizer(tmp_path, client, "m").source == "backend"
+    assert load_tokenizer(None, client, "m").source == "backend"
