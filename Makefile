@@ -1,0 +1,22 @@
+# `make test` builds what is missing, then runs the whole suite (real vLLM included).
+# kvgate's venv never gets torch; vLLM (CPU build) lives in its own venv.
+
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV := .venv-vllm
+
+.PHONY: test venv vllm-venv
+
+test: venv vllm-venv
+	$(VENV)/bin/pytest -q
+
+venv: $(VENV)/.kvgate-installed
+
+# Reinstalled when pyproject.toml changes, so new dependencies arrive.
+$(VENV)/.kvgate-installed: pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+vllm-venv:
+	PYTHON=$(PYTHON) scripts/setup_vllm_venv.sh $(VLLM_VENV)
