@@ -67,7 +67,7 @@ class Device:
             self.processes[name] = nbytes
 
 
-@dataclass
+@dataclass(eq=False)
 class Block:
     segment: Segment
     offset: int
@@ -76,7 +76,7 @@ class Block:
     requested: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
     size: int
     pool: str

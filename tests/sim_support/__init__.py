@@ -1,0 +1,86 @@
+"""Helpers for the simulator tests: drive an engine without HTTP, as fast as it will go."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from app.sim.config import SimConfig
+from app.sim.engine import Engine
+from app.sim.gpu import Device
+from app.sim.presets import gpu_total_bytes
+from app.sim.request import Request, Sampling
+from app.sim.server import load_geometry
+from app.sim.tokens import StandInTokenizer, TextModel
+
+
+@dataclass
+class Job:
+    """`count` requests of `prompt_len` tokens, each fanned out `n` ways."""
+
+    prompt_len: int
+    sampling: Sampling
+    count: int = 1
+    n: int = 1
+    shared_prefix: int = 0
+
+
+@dataclass
+class Outcome:
+    engine: Engine
+    finished: dict[str, int] = field(default_factory=dict)
+    errors: int = 0
+    steps: int = 0
+
+    @property
+    def oom(self) -> str | None:
+        return self.engine.ooms[0] if self.engine.ooms else None
+
+
+def make_engine(cfg: SimConfig) -> Engine:
+    geometry = load_geometry(cfg.model)
+    engine = Engine(cfg, geometry, Device(gpu_total_bytes(cfg.gpu)),
+                    TextModel(StandInTokenizer(geometry.vocab_size), cfg.seed), "sim")
+    engine.boot()
+    return engine
+
+
+def prompt(i: int, length: int, shared: int = 0) -> list[int]:
+    """Distinct token ids per request, the first `shared` common to all."""
+    return [7 + (j % 1000) for j in range(shared)] + [
+        10_000 + (i * 7919 + j) % 100_000 for j in range(length - shared)]
+
+
+async def _play(engine: Engine, jobs: list[Job], max_steps: int,
+                cotenant_after_steps: tuple[int, int] | None) -> Outcome:
+    out = Outcome(engine)
+
+    def sink(kind: str, data: object) -> None:
+        if kind == "finish":
+            out.finished[str(data)] = out.finished.get(str(data), 0) + 1
+        elif kind == "error":
+            out.errors += 1
+
+    k = 0
+    for job in jobs:
+        for _ in range(job.count):
+            ids = prompt(k, job.prompt_len, job.shared_prefix)
+            for j in range(job.n):
+                engine.add(Request(f"r{k}-{j}", list(ids), job.sampling, 0.0, sink=sink,
+                                   stream_seed=k * 31 + j))
+            k += 1
+    while engine.ready and engine.scheduler.has_work() and out.steps < max_steps:
+        if cotenant_after_steps and out.steps == cotenant_after_steps[0]:
+            engine.cotenant_override["cotenant"] = cotenant_after_steps[1]
+            engine.apply_cotenants()
+        await engine.step()
+        out.steps += 1
+    return out
+
+
+def play(cfg: SimConfig, jobs: list[Job], max_steps: int = 5000,
+         cotenant_after_steps: tuple[int, int] | None = None) -> Outcome:
+    """Boot an engine for `cfg`, submit every job at once, step until done or dead."""
+    cfg.speedup = 1e9
+    engine = make_engine(cfg)
+    return asyncio.run(_play(engine, jobs, max_steps, cotenant_after_steps))

@@ -1,0 +1,120 @@
+"""Each failure mode of ../shared/CONTEXT.md section 2 as an OOM, and the same workload surviving
+under a safe configuration. The engine is driven without HTTP at full speed."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.sim.config import GiB, MiB, SimConfig
+from app.sim.request import Sampling
+from app.sim.startup import StartupError
+from sim_support import Job, make_engine, play
+
+SHORT = Sampling(max_tokens=8)
+
+
+def _fully_utilized_kv(cfg: SimConfig, margin: int) -> int:
+    """The `--kv-cache-memory-bytes` vLLM suggests "to fully utilize gpu memory", less `margin`."""
+    r = make_engine(cfg).report
+    return r.total - r.weights - r.activation_peak - r.non_torch - r.cudagraph - margin
+
+
+def _assert_oom(outcome) -> None:
+    assert outcome.oom and "CUDA out of memory. Tried to allocate" in outcome.oom
+    assert outcome.engine.state == "dead"
+    assert outcome.errors > 0 and not outcome.finished
+
+
+def _assert_survives(outcome, count: int) -> None:
+    assert outcome.oom is None, outcome.oom
+    assert sum(outcome.finished.values()) == count and outcome.errors == 0
+
+
+def _long_context(backend: str) -> SimConfig:
+    return SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=65536,
+                     max_num_batched_tokens=2048, max_num_seqs=256, attention_backend=backend)
+
+
+def test_1_chunked_prefill_over_long_context_materializing_backend() -> None:
+    """Later chunks attend over the whole prefix: heads x chunk x context fp32 scores."""
+    _assert_oom(play(_long_context("materializing"), [Job(60000, SHORT)]))
+    _assert_survives(play(_long_context("flash-attn"), [Job(60000, SHORT)]), 1)
+
+
+def test_1_chunked_prefill_over_long_context_mla() -> None:
+    """MLA up-projects each chunked-prefill workspace pass of context (DeepSeek-V2-Lite)."""
+    def cfg(util: float) -> SimConfig:
+        return SimConfig(model="deepseek-v2-lite", gpu="h100-80gb", gpu_memory_utilization=util,
+                         max_num_seqs=128, max_model_len=163840, max_num_batched_tokens=2048)
+    outcome = play(cfg(0.99), [Job(150000, SHORT)])
+    _assert_oom(outcome)
+    assert outcome.steps > 1  # the first chunks (little context) passed
+    _assert_survives(play(cfg(0.9), [Job(150000, SHORT)]), 1)
+
+
+def test_2_prompt_logprobs() -> None:
+    """n x V x (2 + 4) bytes for the prompt tokens of a chunk, never profiled."""
+    def cfg(mnbt: int) -> SimConfig:
+        return SimConfig(model="llama-3.1-8b", gpu="h100-80gb", gpu_memory_utilization=0.95,
+                         max_model_len=16384, max_num_seqs=256, max_num_batched_tokens=mnbt)
+    job = [Job(8000, Sampling(max_tokens=4, prompt_logprobs=1))]
+    _assert_oom(play(cfg(8192), job))
+    _assert_survives(play(cfg(2048), job), 1)
+
+
+def test_3_huge_max_num_batched_tokens_dies_instead_of_lowering_concurrency() -> None:
+    """The profile materialises tokens x intermediate at once and dies at start-up."""
+    def cfg(mnbt: int) -> SimConfig:
+        return SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=8192,
+                         max_num_batched_tokens=mnbt)
+    with pytest.raises(StartupError, match=r"CUDA out of memory. Tried to allocate 1.75 GiB"):
+        play(cfg(65536), [Job(8000, SHORT, count=4)])
+    _assert_survives(play(cfg(8192), [Job(8000, SHORT, count=4)]), 4)
+
+
+def test_4_cuda_graphs_outside_the_budget() -> None:
+    """Before v0.21 graphs came on top of total x 0.99: no room left for the warm-up."""
+    def cfg(in_budget: bool) -> SimConfig:
+        return SimConfig(model="llama-3.1-8b", gpu="a100-40gb", gpu_memory_utilization=0.99,
+                         max_model_len=8192, max_num_batched_tokens=8192,
+                         cudagraph_memory_in_budget=in_budget)
+    with pytest.raises(StartupError, match="CUDA out of memory") as exc:
+        play(cfg(False), [Job(8000, SHORT, count=2)])
+    assert "allocated in private pools (e.g., CUDA Graphs)" in str(exc.value)
+    assert "670.00 MiB allocated in private pools" in str(exc.value)
+    _assert_survives(play(cfg(True), [Job(8000, SHORT, count=2)]), 2)
+
+
+def test_6_sampling_fan_out_with_logprobs_and_penalties() -> None:
+    """1024 rows of logprobs + penalties over a 152k vocabulary, with the KV pool sized by
+    vLLM's "fully utilize" suggestion; 256 rows fit in the same pool."""
+    base = dict(model="qwen2.5-7b", gpu="h100-80gb", max_model_len=4096)
+    kv = _fully_utilized_kv(SimConfig(**base, max_num_seqs=1024), 256 * MiB)
+    job = [Job(200, Sampling(max_tokens=16, logprobs=20, penalties=True, top_p=0.9),
+               count=256, n=4)]
+    _assert_oom(play(SimConfig(**base, max_num_seqs=1024, kv_cache_memory_bytes=kv), job))
+    _assert_survives(play(SimConfig(**base, max_num_seqs=256, kv_cache_memory_bytes=kv), job),
+                     1024)
+
+
+def test_7_co_tenant_takes_the_headroom() -> None:
+    """Another process takes memory after start-up, while only the sampler warm-up is cached:
+    the first full prefill step finds neither cache nor free memory for its MLP."""
+    def cfg(util: float) -> SimConfig:
+        return SimConfig(model="llama-3.1-8b", gpu="h100-80gb", gpu_memory_utilization=util,
+                         max_model_len=8192, max_num_seqs=64)
+    job = [Job(8000, SHORT, count=4)]
+    cotenant = (0, int(7.75 * GiB))
+    outcome = play(cfg(0.9), job, cotenant_after_steps=cotenant)
+    _assert_oom(outcome)
+    assert "Process cotenant has 7.75 GiB memory in use" in outcome.oom
+    _assert_survives(play(cfg(0.8), job, cotenant_after_steps=cotenant), 4)
+
+
+def test_7_co_tenant_present_at_start_up_is_refused() -> None:
+    cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb",
+                    cotenants=[], max_model_len=8192)
+    engine = make_engine(cfg)
+    engine.device.set_usage("cotenant", 20 * GiB)
+    with pytest.raises(StartupError, match="on startup is less than desired GPU memory"):
+        engine.boot()
