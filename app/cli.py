@@ -24,6 +24,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -37,6 +38,8 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(
         create_app(settings), host=host, port=port, log_level=settings.log_level,
         access_log=False, timeout_keep_alive=30,
+        # The backend's own Date and Server headers pass through untouched; do not add ours.
+        server_header=False, date_header=False,
     )
     return 0
 

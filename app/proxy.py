@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 import anyio
 import httpx
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.openai import ApiError
@@ -46,9 +47,8 @@ class Backend:
         self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes
     ) -> httpx.Response:
         """Send a request and return once the response head is in; ApiError when it cannot be."""
-        request = self.client.build_request(
-            method, httpx.URL(path=path, query=query), headers=headers, content=body
-        )
+        url = httpx.URL(path=path, query=query) if query else path
+        request = self.client.build_request(method, url, headers=headers, content=body)
         try:
             return await self.client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
@@ -90,11 +90,11 @@ def sse_error_event(message: str, code: str) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
-class Relay:
+class Relay(Response):
     """An ASGI response that relays the upstream body and always runs `on_end(outcome)` once.
 
-    Written as a plain ASGI callable rather than StreamingResponse so that the release happens
-    even when the client has gone before the first byte could be sent.
+    It overrides Response's ASGI call rather than using StreamingResponse so that the release
+    happens even when the client has gone before the first byte could be sent.
     """
 
     def __init__(
@@ -106,6 +106,7 @@ class Relay:
     ) -> None:
         self.upstream = upstream
         self.status_code = upstream.status_code
+        self.background = None
         self.raw_headers = response_headers(upstream, headers)
         self._on_first_chunk = on_first_chunk
         self._on_end = on_end

@@ -78,8 +78,10 @@ class Runtime:
                 await self.sync_once()
                 return
             except (httpx.HTTPError, ValueError, KeyError) as exc:
-                self.startup_error = f"backend not synchronised yet: {type(exc).__name__}: {exc}"
-                log.warning(self.startup_error)
+                problem = f"backend not synchronised yet: {type(exc).__name__}: {exc}"
+                if problem != self.startup_error:
+                    log.warning("%s (retrying every %g s)", problem, retry_s)
+                self.startup_error = problem
                 await asyncio.sleep(retry_s)
 
     async def sync_once(self) -> None:

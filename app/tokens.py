@@ -53,7 +53,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 class TokenizationError(ValueError):
-    """The request cannot be tokenized (bad messages, template failure): a client error, HTTP 400."""
+    """Bad messages or a failing template: the client's fault, answered with HTTP 400."""
 
 
 class BackendTokenizeError(RuntimeError):
@@ -250,9 +250,7 @@ def _tool_calls(calls: Any) -> list[dict]:
     out = []
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or call.get("type", "function") != "function" or not (
-            isinstance(function, dict)
-        ):
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
             raise TokenizationError("assistant tool_calls entries must be function objects")
         args = function.get("arguments")
         if isinstance(args, str) and args:
@@ -260,7 +258,8 @@ def _tool_calls(calls: Any) -> list[dict]:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 args = None  # vLLM coerces bad history to {} rather than fail every later turn
-        out.append({**call, "function": {**function, "arguments": args if isinstance(args, dict) else {}}})
+        args = args if isinstance(args, dict) else {}
+        out.append({**call, "function": {**function, "arguments": args}})
     return out
 
 
@@ -335,12 +334,14 @@ def _tool(tool: Any) -> dict:
         value = function.get(key, defer if key == "defer_loading" else None)
         if value is not None:
             out[key] = value
-    return {"type": "function", "function": out} | ({"defer_loading": defer} if defer is not None else {})
+    dumped = {"type": "function", "function": out}
+    return dumped if defer is None else dumped | {"defer_loading": defer}
 
 
 def _merge(defaults: dict | None, overrides: dict | None) -> dict:
     """vllm.renderers.params.merge_kwargs: None and "auto" do not override."""
-    return (defaults or {}) | {k: v for k, v in (overrides or {}).items() if v not in (None, "auto")}
+    overrides = overrides or {}
+    return (defaults or {}) | {k: v for k, v in overrides.items() if v not in (None, "auto")}
 
 
 def _template_error(exc: BaseException) -> str:

