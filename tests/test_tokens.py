@@ -129,6 +129,29 @@ CHATS = {
         "chat_template_kwargs": {"greeting": "Sure:", "unused": 1},
     },
     "long_chat": {"messages": [{"role": "user", "content": LONG}]},
+    "flags_beat_kwargs": {
+        "messages": [{"role": "user", "content": "Hi", "name": "ann"}],
+        "chat_template_kwargs": {"add_generation_prompt": False},
+    },
+    "bad_tool_arguments": {
+        "messages": [
+            {"role": "user", "content": "Call them."},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "f", "arguments": ""}},
+                    {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{oops"}},
+                    {"id": "c", "type": "function", "function": {"name": "h", "arguments": "[1]"}},
+                ],
+            },
+        ]
+    },
+    "billing_header": {
+        "messages": [
+            {"role": "system", "content": "x-anthropic-billing-header: cch=42\nReal rules."},
+            {"role": "user", "content": "Hi"},
+        ]
+    },
 }
 
 
