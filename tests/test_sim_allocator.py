@@ -1,0 +1,77 @@
+"""The caching-allocator model: rounding, caching, splitting, merging, the OOM message, and the
+fragmentation of ../shared/seeds/fragmentation-buffer-pr.txt (mode 5 of CONTEXT.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device, MiB, format_size
+
+
+def test_rounding_and_pools() -> None:
+    a = CachingAllocator(Device(1 << 34), "p")
+    small = a.malloc(100)
+    assert small.size == 512 and a.reserved() == 2 * MiB  # 2 MiB small segment
+    mid = a.malloc(3 * MiB)
+    assert a.reserved() == 2 * MiB + 20 * MiB  # 20 MiB large buffer for < 10 MiB
+    assert a.malloc(11 * MiB).segment is mid.segment  # fits in the 20 MiB segment's rest
+    big = a.malloc(30 * MiB + 1)
+    assert big.segment.size == 32 * MiB  # its own segment, rounded up to 2 MiB
+    for b in (small, mid, big):
+        a.free(b)
+    assert a.reserved() == 54 * MiB  # cached, not returned
+    a.empty_cache()
+    assert a.reserved() == 20 * MiB  # the segment still holding the 11 MiB tensor stays
+
+
+def test_split_then_merge_reuses_the_segment() -> None:
+    a = CachingAllocator(Device(1 << 34), "p")
+    x = a.malloc(100 * MiB)
+    a.free(x)
+    y, z = a.malloc(40 * MiB), a.malloc(50 * MiB)
+    assert y.segment is z.segment and a.reserved() == 100 * MiB
+    a.free(y)
+    a.free(z)
+    assert len(x.segment.blocks) == 1 and a.malloc(100 * MiB).segment is x.segment
+
+
+def test_fragmentation_fails_with_reserved_but_unallocated_memory() -> None:
+    """A 384 MiB request fails with 330 MiB free and 370 MiB cached: the cached bytes sit in a
+    segment that also holds a live tensor, so they can be neither used nor released."""
+    dev = Device(400 * MiB + 330 * MiB)
+    a = CachingAllocator(dev, "vllm")
+    a.free(a.malloc(400 * MiB))
+    live = a.malloc(30 * MiB)  # best fit: carved out of the cached 400 MiB segment
+    with pytest.raises(CudaOutOfMemory) as exc:
+        a.malloc(384 * MiB)
+    msg = str(exc.value)
+    assert "Tried to allocate 384.00 MiB" in msg
+    assert "of which 330.00 MiB is free" in msg
+    assert "370.00 MiB is reserved by PyTorch but unallocated" in msg
+    assert "expandable_segments:True" in msg
+    a.free(live)
+
+
+def test_expandable_segments_do_not_strand_free_bytes() -> None:
+    dev = Device(400 * MiB + 330 * MiB)
+    a = CachingAllocator(dev, "vllm", expandable_segments=True)
+    a.free(a.malloc(400 * MiB))
+    a.malloc(30 * MiB)
+    assert a.malloc(384 * MiB).size >= 384 * MiB
+
+
+def test_oom_names_other_processes_and_private_pools() -> None:
+    dev = Device(1024 * MiB)
+    dev.set_usage("cotenant", 512 * MiB)
+    a = CachingAllocator(dev, "vllm")
+    a.malloc(100 * MiB, pool="private")
+    with pytest.raises(CudaOutOfMemory) as exc:
+        a.malloc(500 * MiB)
+    assert "Process cotenant has 512.00 MiB memory in use." in str(exc.value)
+    assert "with 100.00 MiB allocated in private pools (e.g., CUDA Graphs)" in str(exc.value)
+
+
+def test_format_size_units() -> None:
+    assert format_size(100) == "100 bytes"
+    assert format_size(5 * 1024) == "5.00 KiB"
+    assert format_size(int(5.34 * (1 << 30))) == "5.34 GiB"
