@@ -1,0 +1,72 @@
+"""`kvgate sim`: serve a simulated vLLM. vLLM's flags keep vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from app.sim.config import CoTenant, SimConfig
+from app.sim.startup import StartupError
+
+
+def _cotenant(spec: str) -> CoTenant:
+    """NAME:BYTES[:START_S[:END_S]] in simulated seconds."""
+    parts = spec.split(":")
+    end = float(parts[3]) if len(parts) > 3 else None
+    return CoTenant(parts[0], int(float(parts[1])), float(parts[2]) if len(parts) > 2 else 0.0,
+                    end)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-3.1-8b", help="model preset or config.json folder")
+    p.add_argument("--gpu", default="h100-80gb", help="GPU preset or total bytes ('80GiB')")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "flash-attn", "flashinfer", "mla", "materializing"])
+    p.add_argument("--cudagraph-memory-in-budget", action=argparse.BooleanOptionalAction,
+                   default=True, help="vLLM >= 0.21 behaviour (off: graphs on top of the budget)")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    p.add_argument("--non-torch-bytes", type=int, default=None)
+    p.add_argument("--cotenant", action="append", type=_cotenant, default=[],
+                   metavar="NAME:BYTES[:START[:END]]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per second")
+    p.add_argument("--restart-seconds", type=float, default=60.0)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    names = set(SimConfig.__dataclass_fields__)
+    kw = {k: v for k, v in vars(args).items() if k in names and k != "cotenants"}
+    return SimConfig(**kw, cotenants=list(args.cotenant))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    from app.sim.server import create_sim_app
+
+    try:
+        app = create_sim_app(config_from_args(args))
+    except StartupError:
+        return 1  # the engine has logged vLLM's message
+    except (KeyError, ValueError) as exc:
+        logging.getLogger("kvgate.sim").error("%s", exc)
+        return 2
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
