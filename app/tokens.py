@@ -2,7 +2,7 @@
 
 Admission is only as good as the token counts behind it, so chat requests go
 through the preprocessing of vLLM's OpenAI server (vllm/renderers/chat_utils.py
-and hf.py, 0.10 to 0.32): content parts are joined with "\\n" or kept as parts
+and hf.py of vLLM 0.32): content parts are joined with "\\n" or kept as parts
 depending on the template's detected content format, tool definitions are
 normalised as vLLM's pydantic models dump them, tool-call arguments become
 dicts, the template is rendered to text, and the text is encoded with
