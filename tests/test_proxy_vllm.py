@@ -141,7 +141,7 @@ def test_burst_larger_than_kv_pool_is_queued_without_preemption(vllm_server: Vll
 
 def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
     released_before = kvgate.metric("kvgate_reservations_released_total", outcome="disconnected")
-    aborted_before = vllm_metric(vllm_server, "vllm:request_success_total", finished_reason="abort")
+    generated_before = vllm_metric(vllm_server, "vllm:generation_tokens_total")
     # logprobs make vLLM's stream take many seconds, so the client surely leaves mid-stream.
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
             "logprobs": 5}
@@ -161,7 +161,8 @@ def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServe
     while vllm_metric(vllm_server, "vllm:num_requests_running") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert vllm_metric(vllm_server, "vllm:num_requests_running") == 0
-    assert vllm_metric(vllm_server, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
+    # vLLM stopped generating when kvgate closed the upstream: far fewer than 900 tokens came out.
+    assert vllm_metric(vllm_server, "vllm:generation_tokens_total") - generated_before < 900
 
 
 def test_metrics_and_probes(kvgate: KvgateServer) -> None:
