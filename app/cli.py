@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 
 from app import capacity
+from app.sim import cli as sim_cli
 from app.settings import Settings, add_settings_arguments, settings_from_args
 
 
@@ -95,14 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(explain_parser)
     explain_parser.set_defaults(run=explain_command)
 
-    try:
-        from app.sim import cli as sim_cli
-    except ImportError:
-        sim_cli = None
-    if sim_cli is not None:
-        sim_parser = commands.add_parser("sim", help="Run the simulated vLLM with a GPU memory model.")
-        sim_cli.add_arguments(sim_parser)
-        sim_parser.set_defaults(run=sim_cli.run)
+    sim_parser = commands.add_parser(
+        "sim", help="Run the simulated vLLM whose GPU memory really runs out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sim_cli.add_arguments(sim_parser)
+    sim_parser.set_defaults(run=sim_cli.run)
     return parser
 
 
