@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing"]
@@ -109,12 +109,22 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                 default=argparse.SUPPRESS, help=help_text,
             )
         else:
+            choices = getattr(field.annotation, "__args__", None) if name == "attention_backend" else None
             parser.add_argument(
-                _flag(name), dest=name, default=argparse.SUPPRESS, help=help_text,
+                _flag(name), dest=name, default=argparse.SUPPRESS, help=help_text, choices=choices,
             )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from parsed flags; pydantic validates and converts the strings."""
+    """Settings from parsed flags; pydantic validates and converts the strings.
+
+    A bad value exits with pydantic's message naming the field, not a traceback.
+    """
     given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return Settings(**given)
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+        )
+        raise SystemExit(f"kvgate: invalid configuration: {problems}") from None

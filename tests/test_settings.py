@@ -1,0 +1,74 @@
+"""Configuration: flags beat KVGATE_* variables beat defaults; the backend's report beats flags."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from app.cli import build_parser
+from app.deployment import resolve
+from app.memory.geometry import ModelGeometry
+from app.settings import Settings, settings_from_args
+from app.telemetry.vllm import CacheConfig, ServedModel
+
+
+def settings_for(*argv: str) -> Settings:
+    return settings_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_flag_beats_environment_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert settings_for().max_queue == 1024
+    monkeypatch.setenv("KVGATE_MAX_QUEUE", "7")
+    monkeypatch.setenv("KVGATE_ENABLE_PREFIX_CACHING", "false")
+    assert settings_for().max_queue == 7
+    assert settings_for().enable_prefix_caching is False
+    assert settings_for("--max-queue", "5").max_queue == 5
+    assert settings_for("--enable-prefix-caching").enable_prefix_caching is True
+
+
+def test_bad_values_exit_with_the_flag_named() -> None:
+    with pytest.raises(SystemExit) as bad:
+        settings_for("--max-queue", "lots")
+    assert "--max-queue" in str(bad.value)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "magic"])
+
+
+def test_help_documents_every_setting_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        assert f"KVGATE_{name.upper()}; default: {field.default}]" in text, name
+
+
+def test_backend_report_wins_over_flags_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    geometry = ModelGeometry.from_config(
+        {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+         "intermediate_size": 256, "vocab_size": 2048, "max_position_embeddings": 4096}
+    )
+    settings = settings_for("--block-size", "16", "--no-enable-prefix-caching", "--max-model-len", "2048")
+    cache = CacheConfig(
+        num_gpu_blocks=100, block_size=128, cache_dtype="auto", enable_prefix_caching=True,
+        gpu_memory_utilization=0.92, kv_cache_memory_bytes=None, kv_cache_size_tokens=None,
+    )
+    with caplog.at_level(logging.WARNING):
+        deployment = resolve(settings, geometry, cache, ServedModel("tiny", 1024))
+    assert (deployment.block_size, deployment.enable_prefix_caching, deployment.max_model_len) == (128, True, 1024)
+    assert deployment.num_gpu_blocks == 100 and deployment.gpu_memory_utilization == 0.92
+    warned = caplog.text
+    assert "block_size=128" in warned and "max_model_len=1024" in warned and "enable_prefix_caching=True" in warned
+    assert "gpu_memory_utilization" not in warned  # not given as a flag: nothing to disagree with
+
+
+def test_without_a_backend_report_flags_and_model_apply() -> None:
+    geometry = ModelGeometry.from_config(
+        {"hidden_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 256,
+         "vocab_size": 2048, "max_position_embeddings": 4096}
+    )
+    deployment = resolve(settings_for("--block-size", "32"), geometry, None, None)
+    assert (deployment.block_size, deployment.max_model_len, deployment.num_gpu_blocks) == (32, 4096, None)
+    assert deployment.attention_backend == "flash-attn"
