@@ -79,9 +79,8 @@ class Predictor:
             prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
         )
         footprints = []
-        longest_prompt = max(len(ids) for ids in prompts)
-        max_new = self.max_new_tokens(spec, longest_prompt)
         for ids in prompts:
+            max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), max_new)
             footprints.append(
                 predict_footprint(
@@ -91,12 +90,12 @@ class Predictor:
             )
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
-            max_new_tokens=max_new,
+            max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=self._demand(footprints, max_new),
+            demand=self._demand(footprints),
         )
 
-    def _demand(self, footprints: list[Footprint], max_new: int) -> Demand:
+    def _demand(self, footprints: list[Footprint]) -> Demand:
         shared: list[int] = []
         private = prefill = decode = profiled = 0
         for fp in footprints:
@@ -111,7 +110,7 @@ class Predictor:
         prefill += max(0, profiled - self.profiled_peak_bytes)
         return Demand(
             prompt_tokens=sum(fp.prompt_tokens for fp in footprints),
-            max_new_tokens=max_new,
+            max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             shared_block_hashes=tuple(shared),
             private_blocks=private,
             transient_prefill_bytes=prefill,
@@ -140,10 +139,10 @@ class Predictor:
             block = self.layout.block_size
             raise ApiError(
                 400,
-                f"This request needs {demand.kv_blocks:,} KV blocks ({prediction.prompt_tokens:,} "
-                f"prompt tokens + {prediction.max_new_tokens:,} new tokens x n={len(prediction.footprints) and prediction.footprints[0].n}), "
-                f"but vLLM's whole KV cache holds {pool:,} blocks of {block} tokens: lower "
-                f"max_tokens or n, or shorten the prompt.",
+                f"This request needs {demand.kv_blocks:,} KV blocks of {block} tokens "
+                f"({prediction.prompt_tokens:,} prompt tokens, up to {prediction.max_new_tokens:,} new "
+                f"tokens for each of {sum(fp.n for fp in prediction.footprints)} sequences), but vLLM's "
+                f"whole KV cache holds {pool:,} blocks: lower max_tokens or n, or shorten the prompt.",
                 "kv_cache_never_fits",
             )
         limit = budget.max_transient_limit()

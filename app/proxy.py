@@ -146,7 +146,9 @@ class Relay(Response):
                 return "upstream_error"
             raise
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return "completed" if self.status_code < 400 else "upstream_error"
+        if self.status_code >= 500:
+            return "upstream_error"
+        return "refused_by_backend" if self.status_code >= 400 else "completed"
 
     def _chunks(self) -> AsyncIterator[bytes]:
         return self.upstream.aiter_raw()

@@ -98,7 +98,6 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
         started = time.perf_counter()
         request_id = request_id_of(request)
         rid_header = {"x-request-id": request_id}
-        gone: asyncio.Future | None = None
         try:
             raw = await read_body(request, settings.max_body_bytes)
             evaluation = await rt.evaluate(endpoint, raw)
@@ -106,19 +105,18 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
             rt.metrics.predicted_transient.observe(evaluation.prediction.transient_peak_bytes)
             rt.metrics.predicted_kv_blocks.observe(demand.kv_blocks)
             priority = priority_of(request, evaluation.spec.priority)
-            gone = disconnect_future(request)
-            ticket = await rt.gate.acquire(demand, priority, tenant_of(request, settings.tenant_header), gone)
+            ticket = await rt.gate.acquire(
+                demand, priority, tenant_of(request, settings.tenant_header),
+                lambda: disconnect_future(request),
+            )
         except ClientGone:
             log_decision(request_id, "abandon", "client_disconnected")
             return Response(status_code=499)
         except ApiError as error:
-            if error.status == 400 or error.status == 404 or error.status == 413 or error.status == 424:
+            if error.status != 429:  # the gate counts its own refusals
                 rt.metrics.decisions.labels("reject", error.code).inc()
             log_decision(request_id, "reject", error.code, status=error.status, message=error.message)
             return error.response(rid_header)
-        finally:
-            if gone is not None:
-                gone.cancel()
         rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.queue_wait_s)
         log_decision(
             request_id, "admit", "fits", prompt_tokens=demand.prompt_tokens,

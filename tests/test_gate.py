@@ -163,7 +163,7 @@ class TestGate:
         gate = make_gate(kv_blocks=1)
         holder = await gate.acquire(demand(blocks=1), 0, "a")
         gone = asyncio.get_running_loop().create_future()
-        waiting = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a", gone))
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a", lambda: gone))
         await asyncio.sleep(0)
         gone.set_result(None)
         with pytest.raises(ClientGone):

@@ -74,11 +74,16 @@ class Gate:
         return self.budget.shortfall(demand, self.ledger)
 
     async def acquire(
-        self, demand: Demand, priority: int, tenant: str, gone: asyncio.Future | None = None
+        self,
+        demand: Demand,
+        priority: int,
+        tenant: str,
+        watch_client: Callable[[], asyncio.Future] | None = None,
     ) -> Ticket:
         """Admit now or wait in line; raises ApiError 429 when the queue is full or time runs out.
 
-        `gone` resolves when the client disconnects: the waiter then leaves the queue at once.
+        `watch_client` is called only if the request has to wait: the future it returns resolves
+        when the client disconnects, and the waiter then leaves the queue at once.
         """
         reason = self.would_wait(demand, priority)
         if reason is None:
@@ -97,7 +102,12 @@ class Gate:
             ) from None
         self.metrics.decisions.labels("queue", reason).inc()
         self.metrics.queue_depth.set(len(self.queue))
-        return await self._wait(waiter, gone)
+        gone = watch_client() if watch_client is not None else None
+        try:
+            return await self._wait(waiter, gone)
+        finally:
+            if gone is not None:
+                gone.cancel()
 
     async def _wait(self, waiter: Waiter, gone: asyncio.Future | None) -> Ticket:
         waits: set[asyncio.Future] = {waiter.future}
