@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 
-from app.tokens import ChatRequest
+from app.chat_template import ChatRequest
 
 Endpoint = Literal["completions", "chat"]
 

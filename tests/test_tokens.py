@@ -14,14 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.chat_template import ChatRequest, TokenizationError, _template_info
 from app.tokens import (
     BackendTokenizeError,
     BackendTokenizer,
-    ChatRequest,
     LocalTokenizer,
-    TokenizationError,
     Tokenizer,
-    _template_info,
     load_tokenizer,
 )
 from support.tiny_model import english_text

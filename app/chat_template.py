@@ -1,0 +1,390 @@
+"""vLLM's chat preprocessing, ported so kvgate renders exactly the prompt vLLM will tokenize.
+
+Follows vllm/renderers/chat_utils.py and hf.py of vLLM 0.32: content parts are joined with "\\n"
+or kept as parts depending on the template's detected content format, tool definitions are
+normalised as vLLM's pydantic models dump them, tool-call arguments become dicts, developer
+messages become system messages for templates that do not know the role, and the template is
+rendered to text (the caller encodes it with add_special_tokens=False by default: the template
+writes BOS itself).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import jinja2
+import jinja2.meta
+from jinja2 import nodes
+
+ContentFormat = Literal["string", "openai"]
+
+# Content-part types vLLM reads as text, and the key holding their text.
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+# Keys of vLLM's content-part TypedDicts; any other key of a text part is kept
+# on the part for "openai"-format templates (vllm _collect_extra_fields).
+_KNOWN_PART_FIELDS = frozenset(
+    "audio_embeds audio_url closed data file image_embeds image_pil image_url input_audio "
+    "name prompt_cache_breakpoint refusal text thinking type uuid video_embeds video_url".split()
+)
+# transformers' named apply_chat_template parameters as vLLM 0.32 lets them
+# through (transformers 5.19); any other chat_template_kwargs must be template variables.
+_HF_CHAT_PARAMS = frozenset(
+    "add_generation_prompt chat_template continue_final_message conversation documents "
+    "max_length padding return_assistant_tokens_mask return_dict return_tensors self "
+    "tokenize tokenizer_kwargs tools truncation".split()
+)
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+class TokenizationError(ValueError):
+    """Bad messages or a failing template: the client's fault, answered with HTTP 400."""
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """The fields of a chat completion that decide its prompt tokens."""
+
+    messages: list[dict]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool = False
+    documents: list[dict] | None = None
+
+
+# ---------------------------------------------------------------- template analysis
+
+
+def _accesses(node: nodes.Node, var: str, key: str | None = None) -> bool:
+    """`var` (or `var[key]` / `var.key`), possibly sliced, filtered or tested."""
+    if isinstance(node, nodes.Filter):
+        return node.node is not None and _accesses(node.node, var, key)
+    if isinstance(node, nodes.Test):
+        return _accesses(node.node, var, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _accesses(node.node, var, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == var
+    if isinstance(node, nodes.Getitem):
+        return (
+            _accesses(node.node, var)
+            and isinstance(node.arg, nodes.Const)
+            and node.arg.value == key
+        )
+    return isinstance(node, nodes.Getattr) and _accesses(node.node, var) and node.attr == key
+
+
+def _loop_target(loop: nodes.For) -> str:
+    if not isinstance(loop.target, nodes.Name):
+        raise TypeError("tuple loop target")  # vLLM gives up on these: "string" format
+    return loop.target.name
+
+
+def _aliases(root: nodes.Template, var: str) -> set[str]:
+    """`var` and every name assigned from it, transitively."""
+    found, todo = {var}, deque([var])
+    while todo:
+        current = todo.popleft()
+        for assign in root.find_all(nodes.Assign):
+            if _accesses(assign.node, current) and isinstance(assign.target, nodes.Name):
+                if assign.target.name not in found:
+                    found.add(assign.target.name)
+                    todo.append(assign.target.name)
+    return found
+
+
+def _content_loops(root: nodes.Template) -> Iterator[nodes.For]:
+    """Loops over a message's content: vllm/renderers/hf.py _iter_nodes_assign_content_item."""
+    message_lists = _aliases(root, "messages")
+    message_vars = {
+        _loop_target(loop)
+        for loop in root.find_all(nodes.For)
+        if any(_accesses(loop.iter, v) for v in message_lists)
+    }
+
+    def is_content(node: nodes.Node) -> bool:
+        return any(_accesses(node, v, "content") for v in message_vars)
+
+    in_macros: set[int] = set()
+    macro_params: dict[int, set[str]] = {}  # loop id -> macro parameters bound to content
+    for macro in root.find_all(nodes.Macro):
+        names = [arg.name for arg in macro.args]
+        bound: set[str] = set()
+        for call in root.find_all(nodes.Call):
+            if isinstance(call.node, nodes.Name) and call.node.name == macro.name:
+                bound |= {names[i] for i, a in enumerate(call.args[: len(names)]) if is_content(a)}
+                bound |= {k.key for k in call.kwargs if k.key in names and is_content(k.value)}
+        for loop in macro.find_all(nodes.For):
+            in_macros.add(id(loop))
+            if bound:
+                macro_params[id(loop)] = bound
+
+    for loop in root.find_all(nodes.For):
+        name = loop.iter.name if isinstance(loop.iter, nodes.Name) else None
+        if (
+            is_content(loop.iter)
+            or (name is not None and name in macro_params.get(id(loop), ()))
+            or (id(loop) not in in_macros and name == "content")
+        ):
+            _loop_target(loop)
+            yield loop
+
+
+@dataclass(frozen=True)
+class _TemplateInfo:
+    content_format: ContentFormat
+    variables: frozenset[str]
+    has_developer: bool
+
+
+@lru_cache(maxsize=32)
+def _template_info(template: str) -> _TemplateInfo:
+    """Parsed once per template text; the hot path only looks it up."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        ast = _compile_jinja_template(template).environment.parse(template)
+    except (jinja2.TemplateError, ImportError) as e:
+        raise TokenizationError(f"chat template does not parse: {e}") from e
+    try:
+        fmt: ContentFormat = "openai" if next(_content_loops(ast), None) else "string"
+    except TypeError:
+        fmt = "string"
+    return _TemplateInfo(
+        content_format=fmt,
+        variables=frozenset(jinja2.meta.find_undeclared_variables(ast)),
+        has_developer='"developer"' in template or "'developer'" in template,
+    )
+
+
+# ---------------------------------------------------------------- messages
+
+
+def _strip_billing_header(parts: list[Any]) -> list[Any]:
+    """vLLM drops the first line of Claude Code's per-request system header part."""
+    out = []
+    for part in parts:
+        text = part if isinstance(part, str) else None
+        if isinstance(part, dict) and part.get("type") == "text":
+            text = part.get("text")
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+        elif rest := text.partition("\n")[2]:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
+
+
+def _part(part: Any, wrap: bool) -> Any:
+    """One content part as vLLM keeps it: text (or a dict for "openai" templates), or None."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part} if wrap else part
+    if not isinstance(part, dict):
+        raise TokenizationError("content parts must be objects or strings")
+    kind = part.get("type")
+    if kind in _TEXT_PARTS:
+        text = part.get(_TEXT_PARTS[kind])
+        if text is None:
+            return None
+        if not isinstance(text, str):
+            raise TokenizationError(f"content part {kind!r} needs a string")
+        if not wrap:
+            return text
+        extra = {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}
+        return {"type": "text", "text": text, **extra}
+    if kind == "tool_reference":
+        return {"type": "tool_reference", "name": part.get("name")} if wrap else part.get("name")
+    if kind is None:
+        raise TokenizationError("Missing 'type' field in content part.")
+    raise TokenizationError(f"Unsupported content part type for a text model: {kind!r}")
+
+
+def _content(role: str, content: Any, wrap: bool) -> str | list[Any]:
+    if content is None:
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        raise TokenizationError("message content must be a string, a list of parts or null")
+    if role == "system":
+        parts = _strip_billing_header(parts)
+    kept = [p for p in (_part(p, wrap) for p in parts) if p]
+    return kept if wrap else "\n".join(kept)
+
+
+def _tool_calls(calls: Any) -> list[dict]:
+    """Copies with arguments parsed to dicts, as templates expect (vllm _postprocess_messages)."""
+    if not isinstance(calls, list):
+        raise TokenizationError("assistant tool_calls must be a list")
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise TokenizationError("assistant tool_calls entries must be function objects")
+        args = function.get("arguments")
+        if isinstance(args, str) and args:
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None  # vLLM coerces bad history to {} rather than fail every later turn
+        args = args if isinstance(args, dict) else {}
+        out.append({**call, "function": {**function, "arguments": args}})
+    return out
+
+
+def _message(msg: Any, wrap: bool) -> dict:
+    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+        raise TokenizationError("each message must be an object with a string 'role'")
+    role = msg["role"]
+    out: dict[str, Any] = {"role": role, "content": _content(role, msg.get("content"), wrap)}
+    if role == "assistant":
+        if msg.get("tool_calls") is not None:
+            calls = _tool_calls(msg["tool_calls"])
+            if calls:  # an empty list would steer templates off the plain assistant path
+                out["tool_calls"] = calls
+        if msg.get("reasoning") is not None:
+            out["reasoning"] = out["reasoning_content"] = msg["reasoning"]
+    elif role == "tool":
+        if "tool_call_id" in msg:
+            out["tool_call_id"] = msg["tool_call_id"]
+        parts = out["content"]
+        if isinstance(parts, list) and all(p.get("type") == "text" for p in parts):
+            out["content"] = "\n".join(p.get("text", "") for p in parts)
+    for key in ("name", "task"):
+        if isinstance(msg.get(key), str):
+            out[key] = msg[key]
+    if role == "developer":
+        out["tools"] = msg.get("tools")
+    return out
+
+
+def _developer_as_system(conversation: list[dict]) -> list[dict]:
+    """For templates without a developer role: developer -> system, systems merged first."""
+    conversation = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in conversation
+    ]
+    systems, others, merge = [], [], False
+    for i, m in enumerate(conversation):
+        if m["role"] != "system":
+            others.append(m)
+            continue
+        merge = merge or i > 0 or bool(systems)
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "\n".join(
+                p if isinstance(p, str) else p["text"]
+                for p in content
+                if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
+            )
+        if content:
+            systems.append(content)
+    return [{"role": "system", "content": "\n\n".join(systems)}, *others] if merge else conversation
+
+
+def _tool(tool: Any) -> dict:
+    """A tool as vLLM's ChatCompletionToolsParam dumps it: fixed keys and order, None defaults."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise TokenizationError("each tool needs a 'function' object with a string 'name'")
+    if tool.get("type", "function") != "function":
+        raise TokenizationError("only tools of type 'function' are supported")
+    if not isinstance(function.get("parameters"), dict | None):
+        raise TokenizationError("tool parameters must be an object")
+    defer = tool.get("defer_loading")
+    out = {
+        "name": function["name"],
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    for key in ("strict", "defer_loading"):
+        value = function.get(key, defer if key == "defer_loading" else None)
+        if value is not None:
+            out[key] = value
+    dumped = {"type": "function", "function": out}
+    return dumped if defer is None else dumped | {"defer_loading": defer}
+
+
+def _merge(defaults: dict | None, overrides: dict | None) -> dict:
+    """vllm.renderers.params.merge_kwargs: None and "auto" do not override."""
+    overrides = overrides or {}
+    return (defaults or {}) | {k: v for k, v in overrides.items() if v not in (None, "auto")}
+
+
+def _template_error(exc: BaseException) -> str:
+    """The template's own reason (e.g. raise_exception text), as vLLM reports it."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, jinja2.TemplateError):
+            return str(current)
+        current = current.__cause__ or current.__context__
+    return str(exc)
+
+
+def _template(tokenizer: Any, name_or_text: str | None, tools: list[dict] | None) -> str:
+    try:
+        return tokenizer.get_chat_template(name_or_text, tools=tools)
+    except ValueError as e:
+        raise TokenizationError(str(e)) from e
+
+
+def render_chat(tokenizer: Any, chat: ChatRequest) -> str | list[int]:
+    """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
+    if not isinstance(chat.messages, list):
+        raise TokenizationError("messages must be a list")
+    if chat.add_generation_prompt and chat.continue_final_message:
+        raise TokenizationError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    if chat.tools is not None and not isinstance(chat.tools, list):
+        raise TokenizationError("tools must be a list")
+    tools = None if chat.tools is None else [_tool(t) for t in chat.tools]
+    request_kwargs = _merge(
+        chat.chat_template_kwargs,
+        {
+            "add_generation_prompt": chat.add_generation_prompt,
+            "continue_final_message": chat.continue_final_message,
+            "documents": chat.documents,
+        },
+    )
+    kwargs = _merge(_merge(None, {"tools": tools, "tokenize": False}), request_kwargs)
+    kwargs = _merge(kwargs, {"chat_template": chat.chat_template, "return_dict": False})
+    tools, tokenize = kwargs.pop("tools", None), kwargs.pop("tokenize", True)
+
+    # vLLM picks the content format from the request's template, renders with kwargs'.
+    fmt = _template_info(_template(tokenizer, chat.chat_template, tools)).content_format
+    template = _template(tokenizer, kwargs.pop("chat_template", None), tools)
+    info = _template_info(template)
+    conversation = [_message(m, fmt == "openai") for m in chat.messages]
+    if not info.has_developer and any(m["role"] == "developer" for m in conversation):
+        conversation = _developer_as_system(conversation)
+    accepted = info.variables | _HF_CHAT_PARAMS
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    try:
+        return tokenizer.apply_chat_template(
+            conversation=conversation,
+            tools=tools,
+            chat_template=template,
+            tokenize=tokenize,
+            **kwargs,
+        )
+    except Exception as e:  # template code raises anything; all of it is the request's fault
+        raise TokenizationError(_template_error(e)) from e
