@@ -1,8 +1,9 @@
 """Reading vLLM's /metrics and /v1/models: what the backend says about its KV cache and load.
 
 Parsed with prometheus-client's own exposition-format parser. Old and new metric names are both
-accepted (vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc), and samples of several
-engines (data parallel, the `engine` label) are combined.
+accepted (vLLM 0.10 `gpu_cache_usage_perc` / `gpu_prefix_cache_*`, later `kv_cache_usage_perc` /
+`prefix_cache_*`), and every engine (the `engine` label, data parallel) is read on its own, then
+summed: each engine has its own KV pool, so blocks in use add up across engines.
 """
 
 from __future__ import annotations
@@ -12,12 +13,23 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# New name first: vLLM 0.11 still exposes the old one (hidden) beside the new.
+_ALIASES = {
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "preemptions": ("vllm:num_preemptions_total",),
+    "generation_tokens": ("vllm:generation_tokens_total",),
+    "prompt_tokens": ("vllm:prompt_tokens_total",),
+    "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+}
+COUNTERS = ("preemptions", "generation_tokens", "prompt_tokens", "prefix_queries", "prefix_hits")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The fields of vllm:cache_config_info kvgate uses (per engine; engines agree)."""
+    """The fields of vllm:cache_config_info kvgate uses (the smallest engine's pool)."""
 
     num_gpu_blocks: int | None
     block_size: int | None
@@ -30,8 +42,26 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class EngineStats:
+    """One engine's figures; None where its page lacks the family."""
+
+    num_gpu_blocks: int | None = None
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kv_blocks_used(self) -> float | None:
+        """vLLM's usage = 1 - free/(num_gpu_blocks - 1): the null block is never in the pool."""
+        if self.kv_usage is None or not self.num_gpu_blocks:
+            return None
+        return self.kv_usage * (self.num_gpu_blocks - 1)
+
+
+@dataclass(frozen=True)
 class BackendSnapshot:
-    """One scrape of vLLM's /metrics, summed over engines."""
+    """One scrape of vLLM's /metrics: per engine, and summed over engines."""
 
     cache_config: CacheConfig | None
     kv_usage: float | None
@@ -39,6 +69,23 @@ class BackendSnapshot:
     waiting: float | None
     preemptions: float | None
     samples: dict[str, float] = field(default_factory=dict)
+    engines: dict[str, EngineStats] = field(default_factory=dict)
+    process_start: float | None = None
+
+    @property
+    def kv_blocks_used(self) -> float | None:
+        used = [e.kv_blocks_used for e in self.engines.values()]
+        return None if not used or None in used else sum(u for u in used if u is not None)
+
+    @property
+    def kv_blocks_usable(self) -> int | None:
+        """Blocks the engines can hand out (num_gpu_blocks - 1 each)."""
+        pools = [e.num_gpu_blocks for e in self.engines.values()]
+        return None if not pools or None in pools else sum(p - 1 for p in pools if p)
+
+    def counter(self, name: str) -> float | None:
+        values = [e.counters[name] for e in self.engines.values() if name in e.counters]
+        return sum(values) if values else None
 
 
 def _int(value: str | None) -> int | None:
@@ -75,30 +122,57 @@ def _cache_config(labels: list[dict[str, str]]) -> CacheConfig:
     )
 
 
+def _first(per_name: dict[str, float], key: str) -> float | None:
+    return next((per_name[n] for n in _ALIASES[key] if n in per_name), None)
+
+
+def _sum(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
 def parse_metrics(text: str) -> BackendSnapshot:
     """Summarise a vLLM /metrics page; absent families come back as None."""
     cache_labels: list[dict[str, str]] = []
+    per_engine: dict[str, dict[str, float]] = {}
     sums: dict[str, float] = {}
+    process_start: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
                 cache_labels.append(dict(sample.labels))
             elif sample.name.startswith("vllm:"):
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    usage_name = next((n for n in _KV_USAGE if n in sums), None)
-    engines = max(1, len(cache_labels))
+                engine = per_engine.setdefault(sample.labels.get("engine", "0"), {})
+                engine[sample.name] = engine.get(sample.name, 0.0) + sample.value
+            elif sample.name == "process_start_time_seconds":
+                process_start = sample.value
+    blocks = {lbl.get("engine", "0"): _int(lbl.get("num_gpu_blocks")) for lbl in cache_labels}
+    engines = {
+        name: EngineStats(
+            num_gpu_blocks=blocks.get(name),
+            kv_usage=_first(values, "kv_usage"),
+            running=_first(values, "running"),
+            waiting=_first(values, "waiting"),
+            counters={k: v for k in COUNTERS if (v := _first(values, k)) is not None},
+        )
+        for name, values in sorted({**{e: {} for e in blocks}, **per_engine}.items())
+    }
+    usages = [e.kv_usage for e in engines.values() if e.kv_usage is not None]
     return BackendSnapshot(
         cache_config=_cache_config(cache_labels) if cache_labels else None,
-        kv_usage=sums[usage_name] / engines if usage_name else None,
-        running=sums.get("vllm:num_requests_running"),
-        waiting=sums.get("vllm:num_requests_waiting"),
-        preemptions=sums.get("vllm:num_preemptions_total"),
+        kv_usage=sum(usages) / len(usages) if usages else None,
+        running=_sum([e.running for e in engines.values()]),
+        waiting=_sum([e.waiting for e in engines.values()]),
+        preemptions=_sum([e.counters.get("preemptions") for e in engines.values()]),
         samples=sums,
+        engines=engines,
+        process_start=process_start,
     )
 
 
-async def fetch_snapshot(client: httpx.AsyncClient) -> BackendSnapshot:
-    response = await client.get("/metrics")
+async def fetch_snapshot(client: httpx.AsyncClient, timeout: float | None = None) -> BackendSnapshot:
+    response = await client.get("/metrics", timeout=timeout) if timeout else await client.get("/metrics")
     response.raise_for_status()
     return parse_metrics(response.text)
 
