@@ -15,6 +15,7 @@ from app.gate.drain import DrainRate
 from app.gate.ledger import Ledger, Reservation
 from app.gate.queue import AdmissionQueue, QueueFull, Waiter
 from app.memory.budget import Budget
+from app.memory.calibration import InFlight
 from app.memory.demand import Demand
 from app.metrics import KvgateMetrics
 from app.openai import ApiError
@@ -45,7 +46,7 @@ class Ticket:
 
     def release(self, outcome: str = "completed") -> None:
         if self._gate.ledger.release(self.reservation):
-            self._gate.released(outcome)
+            self._gate.released(outcome, self.reservation.id)
 
 
 class Gate:
@@ -64,6 +65,8 @@ class Gate:
         self.metrics = metrics
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
+        # What telemetry's KV reconciliation needs of each in-flight request (by reservation id).
+        self.admitted: dict[int, InFlight] = {}
         budget.subscribe(self.changed)
 
     def would_wait(self, demand: Demand, priority: int) -> str | None:
@@ -151,11 +154,13 @@ class Gate:
 
     def _admit(self, demand: Demand, waited_s: float) -> Ticket:
         ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
+        self.admitted[ticket.reservation.id] = InFlight(demand, self._clock())
         self.metrics.queue_wait.observe(waited_s)
         self._publish()
         return ticket
 
-    def released(self, outcome: str) -> None:
+    def released(self, outcome: str, reservation_id: int | None = None) -> None:
+        self.admitted.pop(reservation_id, None)
         self.drain.record()
         self.metrics.releases.labels(outcome).inc()
         self.changed()

@@ -2,8 +2,9 @@
 
 The budget is the policy half of admission (the gate is the mechanism): it says whether a demand
 fits beside what the ledger already holds, and whether it could ever fit. Its numbers start from
-flags and the backend's cache_config_info; the telemetry loops move them later, and every move
-notifies the gate so it can re-check its queue.
+flags and the backend's cache_config_info; the telemetry loop moves them later (live headroom,
+calibrated factors, conservative scale, hold while the backend is down), and every move notifies
+the gate so it can re-check its queue.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from app.memory.demand import Demand
 
 KV_BUSY = "kv_cache_busy"
 TRANSIENT_BUSY = "transient_memory_busy"
+BACKEND_DOWN = "backend_down"
 
 
 class Holdings(Protocol):
@@ -40,6 +42,10 @@ class Budget:
     transient_margin: float = 0.1
     kv_overcommit: float = 1.0
     profiled_peak_bytes: int = 0
+    # While set (the backend is down or restarting) nothing is admitted: arrivals wait in the queue.
+    hold: str | None = None
+    # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
+    scale: float = 1.0
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
@@ -61,12 +67,12 @@ class Budget:
     def kv_limit(self) -> int | None:
         if self.kv_blocks is None:
             return None
-        return math.floor(self.kv_blocks * self.kv_overcommit)
+        return math.floor(self.kv_blocks * self.kv_overcommit * self.scale)
 
     def transient_limit(self) -> int | None:
         if self.transient_headroom_bytes is None:
             return None
-        return math.floor(self.transient_headroom_bytes * (1.0 - self.transient_margin))
+        return math.floor(self.transient_headroom_bytes * (1.0 - self.transient_margin) * self.scale)
 
     def max_transient_limit(self) -> int | None:
         headroom = self.max_transient_headroom_bytes
@@ -78,6 +84,8 @@ class Budget:
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
         """Why the demand cannot be admitted beside current holdings, or None if it fits now."""
+        if self.hold is not None:
+            return self.hold
         kv_limit = self.kv_limit()
         if kv_limit is not None and holdings.kv_blocks + holdings.new_blocks(demand) > kv_limit:
             return KV_BUSY

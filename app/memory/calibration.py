@@ -1,0 +1,161 @@
+"""Calibration: correct the budget from what vLLM and the GPU were seen doing.
+
+Pure: observations and the time come in as numbers, factors and reasons go out.
+
+Two allowances, each adjusted AIMD-style (additive increase, multiplicative decrease, bounded):
+
+- `kv_overcommit` (pool x factor = KV blocks kvgate may reserve). The ledger reserves every
+  request's full growth to max_tokens; most requests stop early, so reserving 100 % of the pool
+  under-admits. Backed off (x 0.8, floor 1.0) when vLLM preempts or its KV usage passes the
+  target; raised (+0.05 per second, at most `max_overcommit`) only while requests wait for KV
+  and vLLM's usage is well below the target, and not within `hold_s` of the last back-off.
+- `transient_spendable` = 1 - transient safety margin (fraction of the live headroom kvgate may
+  reserve). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
+  steps, and when the server's memory grew beyond what kvgate predicted; raised (+0.01 per 2 s,
+  at most 1 - the configured margin) only while requests wait for transient memory and nothing
+  went wrong for `hold_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from app.memory.demand import Demand
+
+
+@dataclass
+class Aimd:
+    """A bounded allowance: additive increase at most every `interval_s`, multiplicative decrease."""
+
+    value: float
+    low: float
+    high: float
+    step: float
+    factor: float
+    hold_s: float
+    interval_s: float
+    last_backoff: float = -math.inf
+    last_raise: float = -math.inf
+
+    def backoff(self, now: float) -> bool:
+        """Multiplicative decrease; True if the value moved."""
+        self.last_backoff = now
+        old, self.value = self.value, max(self.low, self.value * self.factor)
+        return self.value != old
+
+    def raise_(self, now: float) -> bool:
+        """Additive increase, unless backed off lately or raised too recently; True if it moved."""
+        if now - self.last_backoff < self.hold_s or now - self.last_raise < self.interval_s:
+            return False
+        self.last_raise = now
+        old, self.value = self.value, min(self.high, self.value + self.step)
+        return self.value != old
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """One admitted request as the KV estimate sees it."""
+
+    demand: Demand
+    admitted_at: float
+
+
+def blocks_in_use(
+    requests: Iterable[InFlight], block_size: int, now: float, decode_tokens_per_s: float | None
+) -> int:
+    """Blocks vLLM should hold now for these requests (kvgate's prediction of its usage).
+
+    Shared prompt blocks count once (as vLLM's prefix cache holds them once). A request's other
+    blocks grow with its output: `g` tokens generated so far is estimated as time since admission
+    x the per-sequence decode rate vLLM reports, capped at max_new_tokens; its private blocks are
+    its full-growth private blocks scaled by how far its token count has grown into them.
+    """
+    shared: set[int] = set()
+    private = 0.0
+    for r in requests:
+        d = r.demand
+        hashes = set(d.shared_block_hashes)
+        shared |= hashes
+        rate = decode_tokens_per_s or 0.0
+        generated = min(d.max_new_tokens, max(0.0, now - r.admitted_at) * rate)
+        full_prompt = len(hashes) if hashes else 0
+        grown = math.ceil((d.prompt_tokens + generated) / block_size) - full_prompt
+        at_end = math.ceil((d.prompt_tokens + d.max_new_tokens) / block_size) - full_prompt
+        private += d.private_blocks * (min(grown, at_end) / at_end if at_end > 0 else 1.0)
+    return len(shared) + round(private)
+
+
+@dataclass
+class CalibrationConfig:
+    margin: float  # the configured transient safety margin (the floor)
+    max_margin: float = 0.6
+    max_overcommit: float = 1.5
+    kv_target: float = 0.9  # fraction of vLLM's pool kvgate aims to keep in use at most
+    hold_s: float = 10.0
+
+
+@dataclass
+class Calibration:
+    """The two allowances and the last prediction errors; each method returns why it moved."""
+
+    config: CalibrationConfig
+    kv: Aimd = field(init=False)
+    transient: Aimd = field(init=False)
+    kv_error_blocks: float = 0.0
+    kv_abs_error_blocks: float = 0.0  # exponentially smoothed |predicted - observed|
+    transient_error_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.kv = Aimd(1.0, 1.0, max(1.0, c.max_overcommit), 0.05, 0.8, c.hold_s, 1.0)
+        top = 1.0 - c.margin
+        self.transient = Aimd(top, min(top, 1.0 - c.max_margin), top, 0.01, 0.8, c.hold_s * 3, 2.0)
+
+    @property
+    def kv_overcommit(self) -> float:
+        return self.kv.value
+
+    @property
+    def transient_margin(self) -> float:
+        return 1.0 - self.transient.value
+
+    def observe_kv(
+        self, now: float, predicted: int, observed: float, usable: int, preempted: float,
+        waiting_for_kv: bool,
+    ) -> str | None:
+        """Reconcile predicted and observed blocks in use; adjust the overcommit factor."""
+        self.kv_error_blocks = predicted - observed
+        self.kv_abs_error_blocks += 0.2 * (abs(self.kv_error_blocks) - self.kv_abs_error_blocks)
+        usage = observed / usable if usable > 0 else 0.0
+        if preempted > 0 or usage > self.config.kv_target:
+            what = f"{preempted:g} preemptions" if preempted > 0 else f"KV usage {usage:.0%}"
+            if self.kv.backoff(now):
+                return f"{what}: KV overcommit down to {self.kv.value:.2f}"
+            return None
+        if waiting_for_kv and usage < self.config.kv_target - 0.2 and self.kv.raise_(now):
+            return f"requests wait for KV at usage {usage:.0%}: KV overcommit up to {self.kv.value:.2f}"
+        return None
+
+    def observe_transient(
+        self, now: float, server_growth: int, predicted_peak: int, tolerance: int,
+        waiting_for_transient: bool,
+    ) -> str | None:
+        """Compare the server's memory growth with kvgate's predicted transient peak."""
+        self.transient_error_bytes = server_growth - predicted_peak
+        if self.transient_error_bytes > tolerance:
+            if self.transient.backoff(now):
+                return (
+                    f"server memory grew {server_growth / 2**20:.0f} MiB, kvgate predicted at most "
+                    f"{predicted_peak / 2**20:.0f} MiB: transient margin up to {self.transient_margin:.2f}"
+                )
+            return None
+        if waiting_for_transient and self.transient.raise_(now):
+            return f"requests wait for transient memory: margin down to {self.transient_margin:.2f}"
+        return None
+
+    def oom_restart(self, now: float) -> float:
+        """The backend died after admitted steps: spend less of the headroom from now on."""
+        self.transient.backoff(now)
+        return self.transient_margin
