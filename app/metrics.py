@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from app.telemetry.metrics import TelemetryMetrics
+
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(20, 38, 2))
@@ -72,3 +74,4 @@ class KvgateMetrics:
             "kvgate_reservations_released", "Reservations released, by how the request ended.",
             ["outcome"], registry=r,
         )
+        self.telemetry = TelemetryMetrics(r)
