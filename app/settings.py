@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+GpuProbeMode = Literal["auto", "nvml", "sim", "none"]
 AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing"]
 
 
@@ -80,6 +81,36 @@ class Settings(BaseSettings):
         "allows, max-model-len minus the prompt.",
     )
 
+    scrape_interval: float = Field(
+        0.25, gt=0, description="Seconds between scrapes of vLLM's /metrics and GPU readings."
+    )
+    max_staleness: float = Field(
+        2.0, gt=0,
+        description="Readings older than this put the budget in conservative mode (see "
+        "--stale-budget-fraction); never admit blind at full speed.",
+    )
+    stale_budget_fraction: float = Field(
+        0.5, gt=0, le=1.0,
+        description="Share of the KV and transient limits kvgate may reserve while its readings are "
+        "stale (overcommit off).",
+    )
+    gpu_probe: GpuProbeMode = Field(
+        "auto",
+        description="GPU memory readings: nvml (nvidia-ml-py), sim (the simulator's /sim/gpu), none; "
+        "auto: sim if the backend has /sim/gpu, else nvml if a GPU is visible, else none.",
+    )
+    gpu_devices: str | None = Field(
+        None,
+        description="GPUs the backend runs on, as NVIDIA_VISIBLE_DEVICES names them (UUIDs, MIG- "
+        "UUIDs or indices, comma-separated); default: NVIDIA_VISIBLE_DEVICES, else all.",
+    )
+    max_kv_overcommit: float = Field(
+        1.5, ge=1.0, description="Upper bound of the calibrated KV overcommit factor."
+    )
+    max_transient_safety_margin: float = Field(
+        0.6, gt=0.0, lt=1.0, description="Upper bound of the calibrated transient safety margin."
+    )
+
     max_queue: int = Field(1024, ge=0, description="Requests that may wait for admission.")
     max_queue_wait: float = Field(30.0, gt=0, description="Seconds a request may wait, at most.")
     tenant_header: str = Field(
@@ -109,7 +140,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
                 default=argparse.SUPPRESS, help=help_text,
             )
         else:
-            choices = getattr(field.annotation, "__args__", None) if name == "attention_backend" else None
+            choices = getattr(field.annotation, "__args__", None) if name in ("attention_backend", "gpu_probe") else None
             parser.add_argument(
                 _flag(name), dest=name, default=argparse.SUPPRESS, help=help_text, choices=choices,
             )
