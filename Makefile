@@ -5,10 +5,15 @@ PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 
-.PHONY: test venv vllm-venv
+.PHONY: test venv vllm-venv demo
 
 test: venv vllm-venv
 	$(VENV)/bin/pytest -q
+
+# The README demo: the simulated vLLM dies of CUDA OOM, then survives behind kvgate (no GPU,
+# no real vLLM needed, under a minute).
+demo: venv
+	$(VENV)/bin/python -m app.demo
 
 venv: $(VENV)/.kvgate-installed
 

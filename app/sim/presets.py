@@ -8,6 +8,8 @@ as it reads a Hugging Face config.json. GPU totals are what `torch.cuda.mem_get_
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 GiB = 1 << 30
@@ -154,3 +156,15 @@ def gpu_total_bytes(spec: str) -> int:
         return int(key)
     except ValueError:
         raise KeyError(f"unknown GPU {spec!r}; presets: {', '.join(sorted(GPUS))}") from None
+
+
+def write_model_folder(name: str, folder: str | Path) -> Path:
+    """Write a preset's config.json into `folder` (created) and return the folder.
+
+    kvgate's `--model` wants a folder with config.json; without tokenizer files it counts tokens
+    through the backend's `/tokenize`, which the simulator serves with its stand-in tokenizer.
+    """
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(name), indent=2) + "\n")
+    return path

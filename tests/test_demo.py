@@ -1,0 +1,44 @@
+"""The README demo's scenarios at reduced size: the simulated vLLM dies of OOM without kvgate and
+lives with it, and every request through kvgate completes or gets a clean 4xx/429."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from app.demo import SCENARIOS, Call, document, run_scenario
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.key for s in SCENARIOS])
+def test_demo_scenario_dies_without_kvgate_and_survives_with_it(scenario) -> None:
+    res = run_scenario(scenario, quick=True)
+    assert res.direct_oom and "CUDA out of memory. Tried to allocate" in res.direct_oom
+    assert any(o.status != 200 for o in res.direct)  # requests failed with the engine
+    if not res.direct_startup_failed:
+        assert any(o.status == 500 for o in res.direct)
+    assert res.gated_ooms == []
+    assert all(o.status in (200, 400, 429) for o in res.gated), [
+        (o.call.label, o.status, o.message) for o in res.gated if o.status not in (200, 400, 429)]
+    assert any(o.status == 200 for o in res.gated)
+    for o in res.gated:
+        if o.status in (400, 429):
+            assert o.message  # vLLM-shaped error body with a message
+    assert any(dec == "admit" for dec, _ in res.decisions)
+    assert any(dec == "reject" for dec, _ in res.decisions)
+
+
+def _prompt_in_the_materializing_gap(rng: random.Random, quick: bool) -> list[Call]:
+    return [document(rng, 0.0, "llama-3.1-8b", 27000)]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "kvgate's materializing-attention term counts the fp32 scores (chunk x kv_len x heads x 4 B) "
+    "but not their softmax, which is alive at the same time (the simulator allocates it in the "
+    "model dtype: x 6 B in all). Prompts of ~25k-29k tokens on Llama-3.1-8B / H100 / 2048-token "
+    "chunks are admitted by kvgate and OOM the simulator."))
+def test_materializing_prompt_between_the_two_estimates_is_held_back() -> None:
+    scenario = replace(SCENARIOS[0], workload=_prompt_in_the_materializing_gap)
+    res = run_scenario(scenario, quick=True)
+    assert res.gated_ooms == []
