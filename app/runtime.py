@@ -3,6 +3,7 @@
 Start-up loads the model geometry and the tokenizer, then learns the backend's real
 configuration (served names, max_model_len, cache_config_info) in the background, retrying
 until the backend answers. Until then kvgate is not ready and gated requests get a 503.
+Then the live loop (app.telemetry.live) keeps the budget true every --scrape-interval.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from app.openai import ApiError, Endpoint, RequestSpec, parse_request
 from app.predict import Prediction, Predictor
 from app.proxy import Backend
 from app.settings import Settings
+from app.telemetry.gpu import detect_probe
+from app.telemetry.live import LiveBudget
 from app.telemetry.vllm import fetch_models, fetch_snapshot
 from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
 
@@ -53,6 +56,7 @@ class Runtime:
         self.served_names: set[str] = set()
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
+        self.live: LiveBudget | None = None
 
     async def start(self) -> None:
         model_dir = self.settings.model
@@ -76,13 +80,32 @@ class Runtime:
         while True:
             try:
                 await self.sync_once()
-                return
+                break
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 problem = f"backend not synchronised yet: {type(exc).__name__}: {exc}"
                 if problem != self.startup_error:
                     log.warning("%s (retrying every %g s)", problem, retry_s)
                 self.startup_error = problem
                 await asyncio.sleep(retry_s)
+        await self._watch_backend()
+
+    async def _watch_backend(self) -> None:
+        """Keep the budget true: one LiveBudget tick every --scrape-interval, forever."""
+        client = self.backend.client
+        probe = await detect_probe(self.settings.gpu_probe, client, self.settings.gpu_devices)
+        log.info("GPU probe: %s%s", probe.kind, f" ({probe.problem})" if probe.problem else "")
+        self.live = LiveBudget(
+            self.settings, client, self.gate, self.metrics.telemetry, probe, self.sync_once,
+            lambda: self.deployment.block_size if self.deployment else 16,
+        )
+        interval = self.settings.scrape_interval
+        while True:
+            started = time.monotonic()
+            try:
+                await self.live.tick()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one bad reading
+                log.exception("telemetry tick failed; the budget keeps its last values")
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def sync_once(self) -> None:
         assert self.geometry is not None

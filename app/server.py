@@ -179,6 +179,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> FastAPI:
             "transient_bytes": rt.budget.transient_limit(),
             "transient_gated": rt.budget.transient_headroom_bytes is not None,
             "problem": rt.startup_error,
+            "telemetry": rt.live.detail() if rt.live else None,
         }
         ok = reachable and rt.ready
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)

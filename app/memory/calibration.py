@@ -119,7 +119,7 @@ class Calibration:
 
     @property
     def transient_margin(self) -> float:
-        return 1.0 - self.transient.value
+        return round(1.0 - self.transient.value, 6)
 
     def observe_kv(
         self, now: float, predicted: int, observed: float, usable: int, preempted: float,

@@ -1,0 +1,60 @@
+"""The live transient headroom, derived from GPU readings.
+
+vLLM has already taken its KV pool, weights, CUDA graphs and the profiled activation region when
+it starts serving, so memory NVML shows free is memory its unprofiled tensors can still get.
+Per device, over one engine life:
+
+    headroom_d = free_d + max(0, server_used_d - server_used_at_start_d)
+
+where the server is the process holding the most memory at the first reading of the life (vLLM's
+engine: its KV pool dominates). The second term is what PyTorch's caching allocator has reserved
+since start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
+tensor reuses it, so without it every large request would shrink the headroom for good. Memory
+a co-tenant takes lowers `free_d` and nothing gives it back: the headroom shrinks at once.
+The budget's headroom is the minimum over the devices (tensor parallel ranks run the same step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.telemetry.gpu import DeviceMemory, GpuReading
+
+
+@dataclass(frozen=True)
+class Headroom:
+    bytes: int  # min over devices of free + server growth
+    server_growth: int  # max over devices of the server's growth since its start
+    min_free: int
+
+
+@dataclass
+class HeadroomTracker:
+    """Remembers the server's footprint at the start of each engine life."""
+
+    _start: dict[str, tuple[int, int]] = field(default_factory=dict)  # gpu -> (pid, used)
+
+    def reset(self) -> None:
+        """A new engine life (restart): the next reading sets the baseline again."""
+        self._start.clear()
+
+    def _growth(self, device: DeviceMemory) -> int:
+        known = [p for p in device.processes if p.used_bytes is not None]
+        if device.gpu not in self._start:
+            if not known:
+                return 0
+            server = max(known, key=lambda p: p.used_bytes or 0)
+            self._start[device.gpu] = (server.pid, server.used_bytes or 0)
+        pid, start = self._start[device.gpu]
+        now = next((p.used_bytes for p in known if p.pid == pid), None)
+        return 0 if now is None else max(0, now - start)
+
+    def update(self, reading: GpuReading) -> Headroom | None:
+        if not reading.devices:
+            return None
+        growth = {d.gpu: self._growth(d) for d in reading.devices}
+        return Headroom(
+            bytes=min(d.free + growth[d.gpu] for d in reading.devices),
+            server_growth=max(growth.values()),
+            min_free=min(d.free for d in reading.devices),
+        )

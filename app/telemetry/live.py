@@ -1,0 +1,291 @@
+"""The loop that keeps the budget true: scrape vLLM, read the GPU, reconcile, survive restarts.
+
+Every `--scrape-interval` it reads vLLM's /metrics and the GPU probe, then sets the budget:
+
+- live: readings fresh; KV limit = pool x calibrated overcommit, transient limit = live headroom
+  x (1 - calibrated margin).
+- conservative: the last good scrape (or GPU reading) is older than `--max-staleness`. kvgate does
+  not stop (the backend may be fine and only /metrics slow) but spends only
+  `--stale-budget-fraction` of both limits with overcommit off, so it is never blind at full speed.
+- down: /metrics and /health both fail. New arrivals wait in the queue (up to their deadline);
+  in-flight requests fail as their connections do and release their reservations. When /metrics
+  answers again kvgate re-reads the backend's configuration before admitting anything.
+
+A restart is a new process start time, a counter that went backwards or a changed set of engines.
+A restart that follows steps kvgate admitted (requests running when it went down) is taken as an
+OOM: the transient margin is backed off and the log says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Awaitable, Callable
+
+import httpx
+
+from app.gate.gate import Gate
+from app.memory.budget import BACKEND_DOWN, KV_BUSY, TRANSIENT_BUSY, Budget
+from app.memory.calibration import Calibration, CalibrationConfig, blocks_in_use
+from app.settings import Settings
+from app.telemetry.gpu import GpuProbe, GpuReading
+from app.telemetry.headroom import HeadroomTracker
+from app.telemetry.metrics import TelemetryMetrics
+from app.telemetry.vllm import COUNTERS, BackendSnapshot, fetch_snapshot
+
+log = logging.getLogger("kvgate.telemetry")
+MiB = 1 << 20
+
+
+class LiveBudget:
+    def __init__(
+        self,
+        settings: Settings,
+        client: httpx.AsyncClient,
+        gate: Gate,
+        metrics: TelemetryMetrics,
+        probe: GpuProbe,
+        resync: Callable[[], Awaitable[None]],
+        block_size: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.gate = gate
+        self.budget: Budget = gate.budget
+        self.metrics = metrics
+        self.probe = probe
+        self.resync = resync
+        self.block_size = block_size
+        self.clock = clock
+        self.calibration = Calibration(CalibrationConfig(
+            margin=settings.transient_safety_margin, max_margin=settings.max_transient_safety_margin,
+            max_overcommit=settings.max_kv_overcommit,
+        ))
+        self.mode = "live"
+        self.problem: str | None = None
+        self.static_headroom = self.budget.transient_headroom_bytes
+        self.headroom = HeadroomTracker()
+        self.headroom_bytes: int | None = None
+        self.headroom_max = 0
+        self.last_scrape = self.last_gpu = clock()
+        self.snapshot: BackendSnapshot | None = None
+        self.decode_rate: float | None = None
+        self._busy_at_down = False
+        self._life_peak_reserved = 0
+        self._needs_resync = False
+        self._preempted = 0.0
+        metrics.scrape_age.set_function(lambda: self.clock() - self.last_scrape)
+        metrics.gpu_probe_up.set(1 if probe.available else 0)
+        metrics.set_mode(self.mode)
+
+    # ----- the loop ---------------------------------------------------------------------------
+    async def tick(self) -> None:
+        """One round: scrape, read the GPU, set the budget."""
+        now = self.clock()
+        started = time.perf_counter()
+        try:
+            snapshot = await fetch_snapshot(self.client, timeout=self.settings.max_staleness)
+        except (httpx.HTTPError, ValueError) as exc:
+            await self._scrape_failed(exc)
+        else:
+            self.metrics.scrape_duration.observe(time.perf_counter() - started)
+            await self._scraped(snapshot, now)
+        if self.probe.available and self.mode != "down":
+            self._gpu(await self.probe.read(), self.clock())
+        self._apply(self.clock())
+
+    async def _scrape_failed(self, exc: Exception) -> None:
+        kind = _failure_kind(exc)
+        self.metrics.scrape_errors.labels(kind).inc()
+        self.problem = f"scrape of /metrics failed: {type(exc).__name__}: {exc}"
+        if kind in ("connect", "status") and not await self._healthy():
+            self._enter_down(self.problem)
+
+    async def _healthy(self) -> bool:
+        try:
+            return (await self.client.get("/health", timeout=1.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _enter_down(self, why: str) -> None:
+        if self.mode == "down":
+            return
+        running = self.snapshot.running if self.snapshot else 0
+        self._busy_at_down = bool(running) or self.gate.ledger.in_flight > 0
+        log.warning("backend down (%s): holding new admissions in the queue", why)
+        self._set_mode("down")
+
+    async def _scraped(self, snapshot: BackendSnapshot, now: float) -> None:
+        previous = self.snapshot
+        restarted = previous is not None and _restarted(previous, snapshot)
+        if restarted:
+            self._on_restart(now)
+        changed = previous is not None and previous.cache_config != snapshot.cache_config
+        if restarted or changed or self.mode == "down" or self._needs_resync:
+            try:
+                await self.resync()
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                self._needs_resync = True
+                self.problem = f"backend answered but resynchronising failed: {exc}"
+                return
+            self._needs_resync = False
+            if changed and not restarted:
+                log.info("backend's cache_config_info changed: configuration re-read")
+        if self.mode == "down":
+            log.info("backend back%s: resynchronised, admitting again", " after a restart" if restarted else "")
+            self._set_mode("live")
+        self._count(previous, snapshot, now)
+        self.snapshot, self.last_scrape, self.problem = snapshot, now, None
+        self._reconcile_kv(snapshot, now)
+
+    def _on_restart(self, now: float) -> None:
+        self.metrics.restarts.inc()
+        busy = self._busy_at_down if self.mode == "down" else bool(self.snapshot and self.snapshot.running)
+        if busy:
+            before = self.budget.transient_margin
+            after = self.calibration.oom_restart(now)
+            log.warning(
+                "backend restarted after steps kvgate admitted (likely a CUDA OOM): transient safety "
+                "margin %.2f -> %.2f; highest transient reservation this life %d MiB, headroom %s MiB",
+                before, after, self._life_peak_reserved // MiB,
+                "?" if self.headroom_bytes is None else self.headroom_bytes // MiB,
+            )
+        else:
+            log.warning("backend restarted (no admitted step was running): resynchronising")
+        self.headroom.reset()
+        self._life_peak_reserved = 0
+        self._busy_at_down = False
+
+    def _count(self, previous: BackendSnapshot | None, snapshot: BackendSnapshot, now: float) -> None:
+        m = self.metrics
+        if snapshot.kv_usage is not None:
+            m.kv_usage.set(snapshot.kv_usage)
+        if snapshot.kv_blocks_used is not None:
+            m.kv_blocks_used.set(snapshot.kv_blocks_used)
+        m.running.set(snapshot.running or 0)
+        m.waiting.set(snapshot.waiting or 0)
+        if previous is None:
+            return
+        before, after = previous.counter("preemptions") or 0, snapshot.counter("preemptions") or 0
+        self._preempted = after - before if after >= before else after
+        if self._preempted > 0:
+            m.preemptions.inc(self._preempted)
+        generated = (snapshot.counter("generation_tokens") or 0) - (previous.counter("generation_tokens") or 0)
+        dt = now - self.last_scrape
+        if generated > 0 and dt > 0 and snapshot.running:
+            rate = generated / dt / snapshot.running
+            self.decode_rate = rate if self.decode_rate is None else self.decode_rate + 0.3 * (rate - self.decode_rate)
+
+    def _waiting_for(self) -> str | None:
+        head = self.gate.queue.peek()
+        return None if head is None else self.budget.shortfall(head.demand, self.gate.ledger)
+
+    def _reconcile_kv(self, snapshot: BackendSnapshot, now: float) -> None:
+        observed, usable = snapshot.kv_blocks_used, snapshot.kv_blocks_usable
+        if observed is None or usable is None:
+            return
+        predicted = blocks_in_use(self.gate.admitted.values(), self.block_size(), now, self.decode_rate)
+        reason = self.calibration.observe_kv(
+            now, predicted, observed, usable, self._preempted, self._waiting_for() == KV_BUSY,
+        )
+        self._preempted = 0
+        m, c = self.metrics, self.calibration
+        m.predicted_kv_in_use.set(predicted)
+        m.kv_error.set(c.kv_error_blocks)
+        m.kv_abs_error.set(c.kv_abs_error_blocks)
+        if reason:
+            log.info("calibration: %s", reason)
+
+    def _gpu(self, reading: GpuReading, now: float) -> None:
+        if reading.error is not None:
+            self.metrics.gpu_probe_up.set(0)
+            self.problem = self.problem or reading.error
+            return
+        self.metrics.gpu_probe_up.set(1)
+        for device in reading.devices:
+            self.metrics.gpu_free.labels(device.gpu).set(device.free)
+        headroom = self.headroom.update(reading)
+        if headroom is None:
+            return
+        self.last_gpu = now
+        self.headroom_bytes = headroom.bytes
+        self.headroom_max = max(self.headroom_max, headroom.bytes)
+        self.metrics.transient_headroom.set(headroom.bytes)
+        self._life_peak_reserved = max(self._life_peak_reserved, self.gate.ledger.transient_bytes)
+        tolerance = max(64 * MiB, headroom.bytes // 20) + self.budget.profiled_peak_bytes
+        reason = self.calibration.observe_transient(
+            now, headroom.server_growth, self._life_peak_reserved, tolerance,
+            self._waiting_for() == TRANSIENT_BUSY,
+        )
+        self.metrics.transient_error.set(self.calibration.transient_error_bytes)
+        if reason:
+            log.warning("calibration: %s", reason)
+
+    def detail(self) -> dict[str, object]:
+        """What /readyz says about the live budget (GPU readings present or not, and why)."""
+        return {
+            "budget_mode": self.mode,
+            "scrape_age_s": round(self.clock() - self.last_scrape, 3),
+            "gpu_probe": self.probe.kind,
+            "gpu_readings": self.probe.available and self.headroom_bytes is not None,
+            "gpu_problem": self.probe.problem,
+            "transient_headroom_bytes": self.headroom_bytes,
+            "kv_overcommit": round(self.calibration.kv_overcommit, 3),
+            "transient_margin": round(self.calibration.transient_margin, 3),
+            "problem": self.problem,
+        }
+
+    # ----- the budget -------------------------------------------------------------------------
+    def age(self, now: float) -> float:
+        """Age of the oldest source the budget relies on."""
+        age = now - self.last_scrape
+        return max(age, now - self.last_gpu) if self.probe.available else age
+
+    def _set_mode(self, mode: str) -> None:
+        if mode != self.mode:
+            if "down" not in (mode, self.mode):
+                log.warning("budget mode %s -> %s (readings %.2f s old)", self.mode, mode, self.age(self.clock()))
+            self.mode = mode
+            self.metrics.set_mode(mode)
+
+    def _apply(self, now: float) -> None:
+        if self.mode != "down":
+            self._set_mode("conservative" if self.age(now) > self.settings.max_staleness else "live")
+        conservative = self.mode == "conservative"
+        c = self.calibration
+        wanted: dict[str, object] = {
+            "hold": BACKEND_DOWN if self.mode == "down" else None,
+            "scale": self.settings.stale_budget_fraction if conservative else 1.0,
+            "kv_overcommit": min(1.0, c.kv_overcommit) if conservative else c.kv_overcommit,
+            "transient_margin": c.transient_margin,
+        }
+        if self.headroom_bytes is not None:
+            wanted["transient_headroom_bytes"] = self.headroom_bytes
+            wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
+        changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}
+        if changes:
+            self.budget.update(**changes)
+        self.metrics.kv_overcommit.set(self.budget.kv_overcommit)
+        self.metrics.transient_margin.set(self.budget.transient_margin)
+
+
+def _failure_kind(exc: Exception) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.HTTPStatusError):
+        return "status"
+    if isinstance(exc, httpx.TransportError):
+        return "connect"
+    return "parse"
+
+
+def _restarted(previous: BackendSnapshot, snapshot: BackendSnapshot) -> bool:
+    """A new process, a counter that went backwards, or engines that came or went."""
+    if previous.process_start is not None and snapshot.process_start != previous.process_start:
+        return True
+    if set(previous.engines) != set(snapshot.engines):
+        return True
+    return any(
+        (snapshot.counter(name) or 0) < (previous.counter(name) or 0) for name in COUNTERS
+    )
