@@ -36,7 +36,9 @@ def test_backend_never_reachable(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_backend_down_mid_run(tiny_model_dir: Path, tmp_path: Path) -> None:
     backend_cm = running_fake_backend()
     backend = backend_cm.__enter__()
-    with running_kvgate(backend.base_url, tiny_model_dir, tmp_path) as kvgate:
+    # A scrape interval longer than the test: kvgate has not noticed yet and forwards the request.
+    # (test_telemetry_sim covers what happens once it notices: requests are held.)
+    with running_kvgate(backend.base_url, tiny_model_dir, tmp_path, "--scrape-interval", "600") as kvgate:
         backend_cm.__exit__(None, None, None)
         response = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert response.status_code == 503

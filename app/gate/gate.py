@@ -129,6 +129,12 @@ class Gate:
             return waiter.future.result()
         ahead = self.queue.position(waiter)
         self._abandon(waiter)
+        if self.budget.hold is not None:
+            self.metrics.decisions.labels("reject", "backend_unavailable").inc()
+            raise ApiError(
+                503, f"Waited {self.max_queue_wait_s:g} s for the backend to come back ({self.budget.hold}).",
+                "backend_unavailable", headers={"Retry-After": "5"},
+            )
         self.metrics.decisions.labels("reject", "queue_timeout").inc()
         raise self._too_busy(
             "queue_timeout",
