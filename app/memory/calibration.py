@@ -42,7 +42,7 @@ class Aimd:
     def backoff(self, now: float) -> bool:
         """Multiplicative decrease; True if the value moved."""
         self.last_backoff = now
-        old, self.value = self.value, max(self.low, self.value * self.factor)
+        old, self.value = self.value, round(max(self.low, self.value * self.factor), 6)
         return self.value != old
 
     def raise_(self, now: float) -> bool:
@@ -50,7 +50,7 @@ class Aimd:
         if now - self.last_backoff < self.hold_s or now - self.last_raise < self.interval_s:
             return False
         self.last_raise = now
-        old, self.value = self.value, min(self.high, self.value + self.step)
+        old, self.value = self.value, round(min(self.high, self.value + self.step), 6)
         return self.value != old
 
 

@@ -1,0 +1,67 @@
+"""Calibration, pure: the AIMD bounds and triggers, and the blocks-in-use estimate."""
+
+from __future__ import annotations
+
+from app.memory.calibration import Aimd, Calibration, CalibrationConfig, InFlight, blocks_in_use
+from app.memory.demand import Demand
+
+MiB = 1 << 20
+
+
+def demand(prompt: int, max_new: int, hashes: tuple[int, ...], private: int) -> Demand:
+    return Demand(prompt, max_new, hashes, private, 0, 0)
+
+
+def test_aimd_is_bounded_and_holds_after_a_backoff() -> None:
+    a = Aimd(1.0, 1.0, 1.5, 0.05, 0.8, hold_s=10, interval_s=1)
+    assert a.raise_(0) and a.value == 1.05
+    assert not a.raise_(0.5)  # too soon
+    for t in range(1, 20):
+        a.raise_(t)
+    assert a.value == 1.5  # ceiling
+    a.backoff(20)
+    assert a.value == 1.2 and not a.raise_(25)  # held for 10 s
+    for _ in range(10):
+        a.backoff(30)
+    assert a.value == 1.0  # floor
+
+
+def test_kv_overcommit_rises_only_while_requests_wait_at_low_usage_and_falls_on_preemption() -> None:
+    c = Calibration(CalibrationConfig(margin=0.1, max_overcommit=1.5))
+    assert c.observe_kv(0, 10, 10, 100, 0, waiting_for_kv=False) is None
+    assert c.kv_overcommit == 1.0
+    assert "up to 1.05" in (c.observe_kv(1, 50, 50, 100, 0, waiting_for_kv=True) or "")
+    assert c.observe_kv(2, 80, 80, 100, 0, waiting_for_kv=True) is None  # 80 % is near the target
+    assert "preemptions" in (c.observe_kv(3, 80, 95, 100, 3, waiting_for_kv=True) or "")
+    assert c.kv_overcommit == 1.0 and c.kv_error_blocks == -15
+
+
+def test_transient_margin_backs_off_on_oom_and_unpredicted_growth_then_relaxes_to_the_floor() -> None:
+    c = Calibration(CalibrationConfig(margin=0.1, max_margin=0.6, hold_s=1))
+    assert c.transient_margin == 0.1
+    assert c.oom_restart(0) == 0.28  # 1 - 0.9 x 0.8
+    why = c.observe_transient(1, server_growth=900 * MiB, predicted_peak=100 * MiB,
+                              tolerance=200 * MiB, waiting_for_transient=False)
+    assert why and "grew 900 MiB" in why and c.transient_error_bytes == 800 * MiB
+    for t in range(2, 40):
+        c.oom_restart(t)
+    assert c.transient_margin == 0.6  # bounded
+    for t in range(100, 400, 2):
+        c.observe_transient(t, 0, 0, 1, waiting_for_transient=True)
+    assert c.transient_margin == 0.1  # never below the configured margin
+    c.observe_transient(500, 0, 0, 1, waiting_for_transient=False)
+    assert c.transient_margin == 0.1
+
+
+def test_blocks_in_use_counts_shared_prefixes_once_and_grows_with_output() -> None:
+    # 200-token prompt, block 128: one full (shared) prompt block; 300 new tokens -> 4 blocks in all.
+    a = InFlight(demand(200, 300, (11,), 3), admitted_at=0.0)
+    b = InFlight(demand(200, 300, (11,), 3), admitted_at=0.0)
+    assert blocks_in_use([a, b], 128, now=0.0, decode_tokens_per_s=None) == 1 + 2 * 1
+    # 100 tokens/s for 1 s: 300 tokens -> 3 blocks each, the prefix still once.
+    assert blocks_in_use([a, b], 128, now=1.0, decode_tokens_per_s=100) == 1 + 2 * 2
+    assert blocks_in_use([a, b], 128, now=60.0, decode_tokens_per_s=100) == 1 + 2 * 3
+    # Without prefix caching every block is private: ceil(200/128) = 2 now, 4 at the end.
+    c = InFlight(demand(200, 300, (), 4), admitted_at=0.0)
+    assert blocks_in_use([c, c], 128, now=0.0, decode_tokens_per_s=None) == 4
+    assert blocks_in_use([], 128, 0.0, None) == 0
