@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per second")
     p.add_argument("--restart-seconds", type=float, default=60.0)
+    p.add_argument("--metrics-clock", choices=["wall", "sim"], default="wall",
+                   help="seconds of the latency histograms: wall clock, or simulated (step) time")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:

@@ -52,6 +52,9 @@ class SimConfig:
     non_torch_bytes: int | None = None
     seed: int = 0
     speedup: float = 1.0
+    # "wall": latency histograms in wall-clock seconds (as a real vLLM); "sim": in simulated
+    # seconds (the sum of step times), for benchmarks that play minutes of traffic in seconds.
+    metrics_clock: Literal["wall", "sim"] = "wall"
     restart_seconds: float = 60.0
     startup_seconds: float = 0.0
     cotenants: list[CoTenant] = field(default_factory=list)

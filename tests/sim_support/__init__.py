@@ -79,8 +79,11 @@ async def _play(engine: Engine, jobs: list[Job], max_steps: int,
 
 
 def play(cfg: SimConfig, jobs: list[Job], max_steps: int = 5000,
-         cotenant_after_steps: tuple[int, int] | None = None) -> Outcome:
-    """Boot an engine for `cfg`, submit every job at once, step until done or dead."""
-    cfg.speedup = 1e9
+         cotenant_after_steps: tuple[int, int] | None = None,
+         keep_speedup: bool = False) -> Outcome:
+    """Boot an engine for `cfg`, submit every job at once, step until done or dead (at full
+    speed unless `keep_speedup`)."""
+    if not keep_speedup:
+        cfg.speedup = 1e9
     engine = make_engine(cfg)
     return asyncio.run(_play(engine, jobs, max_steps, cotenant_after_steps))
