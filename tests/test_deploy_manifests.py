@@ -360,6 +360,7 @@ def test_kvgate_environment_is_valid_settings(name: str) -> None:
     assert settings.backend == "http://127.0.0.1:8000"
     assert settings.gpu_memory_bytes and settings.gpu_memory_bytes > 8 * 2**30
     assert settings.enable_prefix_caching is True
+    assert settings.gpu_probe == "nvml"
 
 
 @pytest.mark.parametrize("name", ["base", "example"])
@@ -429,7 +430,7 @@ def test_the_containers_scripts_pass_flags_and_gpu_uuids(tmp_path: Path, smi: st
     (tmp_path / "smi.txt").write_text(smi)
     _fake(bin_dir, "nvidia-smi", f'cat "{tmp_path}/smi.txt"\n')
     _fake(bin_dir, "vllm", 'printf "%s\\n" "$@"\n')
-    _fake(bin_dir, "kvgate", 'printf "%s %s\\n" "$*" "$NVIDIA_VISIBLE_DEVICES"\n')
+    _fake(bin_dir, "kvgate", 'printf "%s %s\\n" "$*" "$KVGATE_GPU_DEVICES"\n')
 
     vllm = container(objects, "vllm")
     ran = _run_script(script(vllm), handoff, bin_dir, resolved_env(objects, vllm))
