@@ -195,6 +195,11 @@ class Runtime:
         except TokenizationError as exc:
             raise ApiError(400, f"Could not tokenize the request: {exc}", "tokenization_failed") from exc
         except BackendTokenizeError as exc:
+            if self.budget.hold is not None:
+                raise ApiError(
+                    503, f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
+                    "backend_unavailable", headers={"Retry-After": "5"},
+                ) from exc
             raise ApiError(
                 424,
                 f"kvgate has no local tokenizer and the backend's /tokenize failed: {exc}. "

@@ -209,6 +209,12 @@ class LiveBudget:
         if headroom is None:
             return
         self.last_gpu = now
+        if self.headroom_bytes is None or abs(headroom.bytes - self.headroom_bytes) > self.headroom_bytes // 20:
+            log.info(
+                "transient headroom %s -> %d MiB (min free %d MiB, server growth %d MiB)",
+                "?" if self.headroom_bytes is None else self.headroom_bytes // MiB,
+                headroom.bytes // MiB, headroom.min_free // MiB, headroom.server_growth // MiB,
+            )
         self.headroom_bytes = headroom.bytes
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)

@@ -1,0 +1,194 @@
+"""The live budget against the simulated vLLM: a co-tenant shrinks the headroom and kvgate holds
+instead of letting the engine OOM; an OOM restart is detected, requests sent meanwhile complete
+after it and the transient margin tightens; stale metrics switch kvgate to conservative and back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from app.sim.config import SimConfig
+from app.sim.presets import model_config
+from app.sim.runner import SimRunner
+from support.kvgate_server import KvgateServer, running_kvgate
+from support.vllm_server import free_port
+
+GiB = 1 << 30
+MODEL = "llama-3.1-8b"
+# 6001 tokens with the tiny tokenizer, one prefill chunk: prompt_logprobs allocates
+# 6001 x 128256 x 6 B = 4.3 GiB the start-up profile never saw.
+LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(1500))
+LOGPROBS_BODY = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "prompt_logprobs": 1}
+# The simulator's batch defaults on an H100 (vLLM's): kvgate is told them, as an operator would.
+ENGINE_FLAGS = ("--max-num-batched-tokens", "8192", "--max-num-seqs", "1024")
+LEFT = GiB // 4  # free memory a co-tenant leaves: too little for that request (beside torch's cache)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama-3.1-8B's config.json with the tiny model's tokenizer, for the simulator and kvgate
+    alike: kvgate tokenizes locally, so it can hold requests while the backend is down."""
+    folder = tmp_path_factory.mktemp("sim-model")
+    for f in tiny_model_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    (folder / "config.json").write_text(json.dumps(model_config(MODEL)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sim_config(model_dir: Path) -> Callable[..., SimConfig]:
+    def make(**kw: object) -> SimConfig:
+        return SimConfig(model=str(model_dir), served_model_name=MODEL, gpu="h100-80gb",
+                         max_model_len=8192, speedup=50, **kw)  # type: ignore[arg-type]
+    return make
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float = 15, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def readyz(kvgate: KvgateServer) -> dict:
+    return httpx.get(kvgate.base_url + "/readyz", timeout=5).json()
+
+
+def mode(kvgate: KvgateServer) -> str:
+    return readyz(kvgate)["telemetry"]["budget_mode"]
+
+
+def set_cotenant(sim: SimRunner, nbytes: int) -> None:
+    httpx.post(sim.url + "/sim/cotenant", json={"name": "trainer", "bytes": nbytes}).raise_for_status()
+
+
+def test_cotenant_makes_kvgate_hold_instead_of_oom(model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path) -> None:
+    with SimRunner(sim_config()) as sim, running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
+        free = httpx.get(sim.url + "/sim/gpu").json()["free"]
+        assert readyz(kvgate)["telemetry"]["gpu_probe"] == "sim"
+        set_cotenant(sim, free - LEFT)
+        wait_for(lambda: kvgate.metric("kvgate_transient_headroom_bytes") == LEFT, what="headroom")
+        assert kvgate.metric("kvgate_gpu_free_bytes", gpu="GPU-51510000-0000-0000-0000-000000000000") == LEFT
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=LOGPROBS_BODY, timeout=60)
+            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1, what="the request to queue")
+            time.sleep(0.5)
+            assert not pending.done() and sim.engine.ooms == []
+            set_cotenant(sim, 0)  # the co-tenant leaves: the next reading lets the request in
+            response = pending.result()
+        assert response.status_code == 200, response.text
+        assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="transient_memory_busy") == 1
+        assert sim.engine.ooms == []
+        assert "transient headroom" in kvgate.log()
+    # Control: the same request sent straight to a fresh simulator with the same co-tenant dies.
+    with SimRunner(sim_config()) as sim:
+        set_cotenant(sim, free - LEFT)
+        direct = httpx.post(sim.url + "/v1/completions", json=LOGPROBS_BODY, timeout=60)
+        assert direct.status_code == 500 and len(sim.engine.ooms) == 1
+
+
+def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
+    model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
+) -> None:
+    cfg = sim_config(restart_seconds=150)  # 3 s down at speedup 50
+    with SimRunner(cfg) as sim, running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
+        margin = kvgate.metric("kvgate_transient_safety_margin")
+        long_body = {"model": MODEL, "prompt": "a long story", "max_tokens": 4000, "ignore_eos": True}
+        with ThreadPoolExecutor(8) as pool:
+            in_flight = [pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=long_body, timeout=60)
+                         for _ in range(2)]
+            wait_for(lambda: kvgate.metric("kvgate_backend_running_requests") == 2, what="running requests")
+            # Someone else's request, straight to vLLM, kills the engine (a co-tenant squeezed it).
+            set_cotenant(sim, httpx.get(sim.url + "/sim/gpu").json()["free"] - LEFT)
+            assert httpx.post(sim.url + "/v1/completions", json=LOGPROBS_BODY, timeout=60).status_code == 500
+            set_cotenant(sim, 0)
+            assert [f.result().status_code for f in in_flight] == [500, 500]  # failed cleanly
+            wait_for(lambda: mode(kvgate) == "down", what="kvgate to see the backend down")
+            body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8}
+            queued = [pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60)
+                      for _ in range(3)]
+            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 3, what="requests held in the queue")
+            assert sim.engine.state == "dead"
+            assert [f.result().status_code for f in queued] == [200, 200, 200]
+        assert sim.engine.restarts == 1
+        assert kvgate.metric("kvgate_backend_restarts_total") == 1
+        held = kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down")
+        assert held >= 1 and held + kvgate.metric("kvgate_decisions_total", decision="queue", reason="behind_queue") == 3
+        assert kvgate.metric("kvgate_transient_safety_margin") > margin
+        assert "likely a CUDA OOM" in kvgate.log() and mode(kvgate) == "live"
+        assert kvgate.metric("kvgate_in_flight_requests") == 0 and kvgate.metric("kvgate_reserved_kv_blocks") == 0
+
+
+class FreezableProxy:
+    """Forwards everything to the simulator; while `frozen`, /metrics never answers."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.frozen = False
+
+    def app(self) -> Starlette:
+        async def forward(request: Request) -> Response:
+            if self.frozen and request.url.path == "/metrics":
+                await asyncio.sleep(30)
+            async with httpx.AsyncClient(base_url=self.target, timeout=60) as client:
+                upstream = await client.request(
+                    request.method, request.url.path, content=await request.body(),
+                    headers={"content-type": request.headers.get("content-type", "application/json")},
+                )
+            return Response(upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+        return Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+
+
+@contextlib.contextmanager
+def running_proxy(target: str) -> Iterator[tuple[FreezableProxy, str]]:
+    proxy, port = FreezableProxy(target), free_port()
+    server = uvicorn.Server(uvicorn.Config(proxy.app(), host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 10, "the proxy")
+    try:
+        yield proxy, f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_stale_metrics_switch_to_conservative_mode_and_back(
+    model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
+) -> None:
+    with SimRunner(sim_config()) as sim, running_proxy(sim.url) as (proxy, url):
+        with running_kvgate(url, model_dir, tmp_path, *ENGINE_FLAGS, "--max-staleness", "0.5") as kvgate:
+            wait_for(lambda: mode(kvgate) == "live", what="live mode")
+            full = kvgate.metric("kvgate_budget_kv_blocks")
+            proxy.frozen = True
+            wait_for(lambda: mode(kvgate) == "conservative", what="conservative mode")
+            assert kvgate.metric("kvgate_budget_mode", mode="conservative") == 1
+            assert kvgate.metric("kvgate_scrape_age_seconds") > 0.5
+            assert kvgate.metric("kvgate_scrape_errors_total", kind="timeout") >= 1
+            assert kvgate.metric("kvgate_budget_kv_blocks") == full // 2
+            body = {"model": MODEL, "prompt": "still serving", "max_tokens": 4}
+            assert httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+            proxy.frozen = False
+            wait_for(lambda: mode(kvgate) == "live", what="live mode again")
+            assert kvgate.metric("kvgate_budget_kv_blocks") == full
+            assert "budget mode live -> conservative" in kvgate.log()
+            assert "budget mode conservative -> live" in kvgate.log()
