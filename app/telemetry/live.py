@@ -98,7 +98,8 @@ class LiveBudget:
     async def _scrape_failed(self, exc: Exception) -> None:
         kind = _failure_kind(exc)
         self.metrics.scrape_errors.labels(kind).inc()
-        self.problem = f"scrape of /metrics failed: {type(exc).__name__}: {exc}"
+        detail = f"answered {exc.response.status_code}" if isinstance(exc, httpx.HTTPStatusError) else f"{type(exc).__name__}: {exc}"
+        self.problem = f"scrape of /metrics failed ({detail})"
         if kind in ("connect", "status") and not await self._healthy():
             self._enter_down(self.problem)
 
