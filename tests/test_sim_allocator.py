@@ -75,3 +75,34 @@ def test_format_size_units() -> None:
     assert format_size(100) == "100 bytes"
     assert format_size(5 * 1024) == "5.00 KiB"
     assert format_size(int(5.34 * (1 << 30))) == "5.34 GiB"
+
+
+def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
+    """vLLM's persistent batch keeps `[num_reqs, max_prompt_len]` int64 prompt ids on the GPU
+    while any request has penalties, rebuilt only when the batch's requests change."""
+    import asyncio
+
+    from app.sim.config import SimConfig
+    from app.sim.request import Request, Sampling
+    from sim_support import make_engine
+
+    engine = make_engine(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192,
+                                   max_num_seqs=64, speedup=1e9))
+    sp = Sampling(max_tokens=4, penalties=True, ignore_eos=True)
+    for i, n in enumerate((3000, 1000)):
+        engine.add(Request(f"r{i}", [10 + i] * n, sp, 0.0))
+
+    async def steps(k: int) -> None:
+        for _ in range(k):
+            await engine.step()
+
+    asyncio.run(steps(1))
+    held = engine._penalty_ids
+    assert held is not None and held.requested == 2 * 3000 * 8 and held.allocated
+    asyncio.run(steps(1))
+    assert engine._penalty_ids is held  # same batch, same tensor
+    asyncio.run(steps(10))
+    assert not engine.scheduler.has_work() and held.allocated  # idle: metadata not rebuilt
+    engine.add(Request("r2", [7] * 500, Sampling(max_tokens=2), 0.0))
+    asyncio.run(steps(1))
+    assert engine._penalty_ids is None  # new batch without penalties: freed (block may be reused)

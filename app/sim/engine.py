@@ -89,6 +89,8 @@ class Engine:
             num_gpu_blocks_override=self.cfg.num_gpu_blocks_override,
             max_model_len=r.max_model_len, sliding_window=self.geometry.sliding_window))
         self._retained = []
+        self._penalty_ids: Block | None = None
+        self._batch_key: tuple[str, ...] = ()
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
         self.boot_wall_time = time.time()
@@ -154,6 +156,7 @@ class Engine:
         for block in self._retained:
             self.alloc.free(block)
         try:
+            self._refresh_sampling_metadata(out)
             self._retained = run_tape(self.alloc, self.steps.plan(self.shape(out)))
         except CudaOutOfMemory as exc:
             self.die(exc)
@@ -163,6 +166,29 @@ class Engine:
         self.sim_clock += self.timer.sim_seconds(out.num_tokens, context)
         if self.ready:
             self._update(out, start)
+
+    def _refresh_sampling_metadata(self, out: SchedulerOutput) -> None:
+        """The persistent batch's penalty tensor, kept across steps.
+
+        vLLM v1 (v1/worker/gpu_input_batch.py) rebuilds its SamplingMetadata only when the
+        batch's requests change (`refresh_metadata`); with any penalty in the batch it holds
+        `prompt_token_ids` on the GPU, `[num_reqs, max_prompt_len]` int64
+        (`_make_prompt_token_ids_tensor`), until the next rebuild. The new tensor is made
+        while the old one is still referenced. So a long-lived tensor whose size follows the
+        batch's shape lands, by best fit, in whatever cached block it finds, between steps
+        whose transients come and go around it: the allocator's fragmentation.
+        """
+        reqs = [s.request for s in out.scheduled]
+        key = tuple(r.request_id for r in reqs)
+        if key == self._batch_key:
+            return
+        self._batch_key = key
+        old, self._penalty_ids = self._penalty_ids, None
+        if any(r.sampling.penalties for r in reqs):
+            longest = max(r.num_prompt_tokens for r in reqs)
+            self._penalty_ids = self.alloc.malloc(len(reqs) * longest * 8)
+        if old is not None:
+            self.alloc.free(old)
 
     def shape(self, out: SchedulerOutput) -> StepShape:
         """What the scheduled batch asks of the GPU."""
@@ -243,6 +269,7 @@ class Engine:
         self.state, self.error = "dead", msg
         self.device.set_usage(PROCESS, 0)
         self._retained = []
+        self._penalty_ids = None
         self.restart_at = now() + self.cfg.restart_seconds / self.cfg.speedup
         for req in victims:
             req.status = Status.FINISHED
