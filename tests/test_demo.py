@@ -33,12 +33,8 @@ def _prompt_in_the_materializing_gap(rng: random.Random, quick: bool) -> list[Ca
     return [document(rng, 0.0, "llama-3.1-8b", 27000)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvgate's materializing-attention term counts the fp32 scores (chunk x kv_len x heads x 4 B) "
-    "but not their softmax, which is alive at the same time (the simulator allocates it in the "
-    "model dtype: x 6 B in all). Prompts of ~25k-29k tokens on Llama-3.1-8B / H100 / 2048-token "
-    "chunks are admitted by kvgate and OOM the simulator."))
 def test_materializing_prompt_between_the_two_estimates_is_held_back() -> None:
+    """A 27k-token prompt: fp32 scores alone fit, scores + their bf16 softmax do not."""
     scenario = replace(SCENARIOS[0], workload=_prompt_in_the_materializing_gap)
     res = run_scenario(scenario, quick=True)
     assert res.gated_ooms == []

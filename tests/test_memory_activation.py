@@ -81,12 +81,13 @@ def test_materializing_scores_for_last_chunk() -> None:
     est = estimate_transient(LLAMA, engine(max_num_batched_tokens=2048, attention_backend="materializing"),
                              32_768, SamplingShape())
     term = est.term("attention_context")
-    # last chunk 2048 over context 30720: 2048 x 32768 x 32 heads x 4 B fp32 scores = 8 GiB
-    assert term.bytes == 2048 * 32_768 * 32 * 4 == 8 * GiB
+    # last chunk 2048 over context 30720: 2048 x 32768 x 32 heads x (4 B fp32 scores + 2 B bf16
+    # probabilities) = 12 GiB
+    assert term.bytes == 2048 * 32_768 * 32 * 6 == 12 * GiB
     assert not term.profiled
     tp4 = estimate_transient(LLAMA, engine(max_num_batched_tokens=2048, attention_backend="materializing",
                                            tensor_parallel_size=4), 32_768, SamplingShape())
-    assert tp4.term("attention_context").bytes == 2 * GiB
+    assert tp4.term("attention_context").bytes == 3 * GiB
 
 
 def test_mla_context_upprojection_deepseek_v2_lite() -> None:
@@ -125,9 +126,9 @@ def test_worst_chunk_is_the_last_one() -> None:
     est = estimate_transient(LLAMA, e, 10_000, SamplingShape())
     assert "context 7952" in est.term("attention_context").detail  # 10000 - 2048
     cached = estimate_transient(LLAMA, e, 10_000, SamplingShape(), cached_prefix_tokens=9_000)
-    assert cached.term("attention_context").bytes == 1000 * 10_000 * 32 * 4  # one 1000-token chunk
+    assert cached.term("attention_context").bytes == 1000 * 10_000 * 32 * 6  # one 1000-token chunk
     full_hit = estimate_transient(LLAMA, e, 10_000, SamplingShape(), cached_prefix_tokens=10_000)
-    assert full_hit.term("attention_context").bytes == 1 * 10_000 * 32 * 4  # last token recomputed
+    assert full_hit.term("attention_context").bytes == 1 * 10_000 * 32 * 6  # last token recomputed
 
 
 def test_chunk_size_rules() -> None:

@@ -180,10 +180,15 @@ def _attention_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int)
             "FLASHINFER_WORKSPACE_BUFFER_SIZE 256 MiB (v1/attention/backends/flashinfer.py), "
             "allocated on first use after the profile run", stage="workspace", shared=True)]
     if backend == "materializing":
-        # Eager attention that materialises fp32 scores [chunk, heads, context + chunk].
-        scores = chunk * (context + chunk) * heads * FP32
-        return [TransientTerm("attention_context", scores, False, "prefill",
-                              f"chunk {chunk} x (context {context} + chunk) x {heads} heads x 4 B scores")]
+        # Eager attention that materialises [chunk, heads, context + chunk] scores: softmax runs in
+        # fp32 and is cast back to the model dtype (torch's SDPA math path, transformers' eager
+        # attention), so fp32 scores and dtype probabilities are alive together.
+        per_score = FP32 + dt
+        scores = chunk * (context + chunk) * heads * per_score
+        return [TransientTerm(
+            "attention_context", scores, False, "prefill",
+            f"chunk {chunk} x (context {context} + chunk) x {heads} heads x (4 + {dt}) B scores",
+        )]
     return _mla_terms(g, e, chunk, context, heads, dt)
 
 
