@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from app.memory.activation import EngineShape, SamplingShape, TransientTerm, estimate_transient
+from app.memory.activation import (
+    EngineShape,
+    SamplingShape,
+    TransientEstimate,
+    TransientTerm,
+    estimate_transient,
+)
 from app.memory.budget import Budget
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint
@@ -25,6 +31,11 @@ _ADVICE = {
     "sampler": "lower n / best_of",
     "penalties": "drop the penalties or lower n",
 }
+
+
+def peak_of(terms: Sequence[TransientTerm]) -> int:
+    """The most of these terms alive at once, by the estimate's own stage rules."""
+    return TransientEstimate(tuple(terms)).peak_bytes
 
 
 @dataclass(frozen=True)
@@ -103,9 +114,9 @@ class Predictor:
             shared.extend(hashes)
             private += fp.kv_blocks - len(set(hashes))
             per_request = [t for t in fp.transient.terms if not t.profiled and not t.shared]
-            prefill += sum(t.bytes for t in per_request if t.phase == "prefill")
-            decode += sum(t.bytes for t in per_request if t.phase == "decode")
-            profiled = max(profiled, fp.transient.profiled_bytes)
+            prefill += peak_of([t for t in per_request if t.phase == "prefill"])
+            decode += peak_of([t for t in per_request if t.phase == "decode"])
+            profiled = max(profiled, peak_of([t for t in fp.transient.terms if t.profiled]))
         # A profiled term larger than the profile's own peak spills into the free headroom.
         prefill += max(0, profiled - self.profiled_peak_bytes)
         return Demand(
