@@ -49,6 +49,16 @@ class TestLedger:
         assert ledger.release(reservation) is False
         assert (ledger.kv_blocks, ledger.transient_bytes, ledger.in_flight) == (0, 0, 0)
 
+    def test_prefill_terms_count_the_largest_decode_terms_add_up(self) -> None:
+        """One step schedules at most a full chunk of prompt tokens across all requests."""
+        ledger = Ledger()
+        ledger.reserve(demand(prefill=700, decode=10))
+        second = ledger.reserve(demand(prefill=300, decode=20))
+        assert ledger.transient_bytes == 700 + 10 + 20
+        assert ledger.transient_bytes_with(demand(prefill=900, decode=5)) == 900 + 35
+        ledger.release(second)
+        assert ledger.transient_bytes == 710
+
     def test_end_prefill_frees_only_prefill_bytes(self) -> None:
         ledger = Ledger()
         reservation = ledger.reserve(demand(prefill=100, decode=10))
@@ -129,14 +139,14 @@ class TestGate:
 
     async def test_transient_headroom_gates_and_prefill_end_frees_it(self) -> None:
         gate = make_gate(kv_blocks=100, transient=1000)
-        first = await gate.acquire(demand(prefill=700, decode=100), 0, "a")
-        assert gate.would_wait(demand(prefill=300), 0) == TRANSIENT_BUSY
-        waiting = asyncio.create_task(gate.acquire(demand(prefill=300), 0, "a"))
+        first = await gate.acquire(demand(prefill=900), 0, "a")
+        assert gate.would_wait(demand(prefill=100, decode=150), 0) == TRANSIENT_BUSY  # 900 + 150
+        waiting = asyncio.create_task(gate.acquire(demand(prefill=100, decode=150), 0, "a"))
         await asyncio.sleep(0)
         assert not waiting.done()
-        first.end_prefill()  # 700 B of prefill-only tensors are gone: 100 + 300 fits
+        first.end_prefill()  # 900 B of prefill-only tensors are gone: 100 + 150 fits
         await asyncio.wait_for(waiting, 1)
-        assert gate.ledger.transient_bytes == 400
+        assert gate.ledger.transient_bytes == 250
 
     async def test_queue_full_is_a_429_with_retry_after(self) -> None:
         gate = make_gate(kv_blocks=1, max_queue=1)

@@ -4,10 +4,17 @@ It mirrors vLLM's prefix cache vocabulary: a prompt's full blocks are known by t
 block hashes and reference-counted, so a shared system prompt held by many in-flight requests is
 counted once, exactly as vLLM's block pool would hold it once. The ledger is the only owner of
 reservations; the gate asks it what is reserved and tells it what to reserve or release.
+
+Transient bytes aggregate in two ways. Prefill-phase terms (attention over the computed prefix,
+prompt_logprobs, oversized MLP chunks) grow with the prompt tokens a step schedules, and one
+step schedules at most max_num_batched_tokens of them across all requests, each term already
+sized for a full chunk: the worst step holds at most the largest such term, not their sum.
+Decode-phase terms (logprobs, penalties) grow with sampled rows, which add up across requests.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 
@@ -31,7 +38,8 @@ class Ledger:
     def __init__(self) -> None:
         self._refcounts: dict[int, int] = {}
         self._private_blocks = 0
-        self._transient_bytes = 0
+        self._open_prefills: list[int] = []  # sorted prefill bytes of requests still prefilling
+        self._decode_bytes = 0
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
 
@@ -41,7 +49,14 @@ class Ledger:
 
     @property
     def transient_bytes(self) -> int:
-        return self._transient_bytes
+        """Transient memory the worst step of the in-flight requests can take."""
+        largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
+        return largest_prefill + self._decode_bytes
+
+    def transient_bytes_with(self, demand: Demand) -> int:
+        """What transient_bytes would be with this demand admitted too."""
+        largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, demand.transient_prefill_bytes)
+        return largest_prefill + self._decode_bytes + demand.transient_decode_bytes
 
     @property
     def in_flight(self) -> int:
@@ -57,7 +72,8 @@ class Ledger:
         for h in hashes:
             self._refcounts[h] = self._refcounts.get(h, 0) + 1
         self._private_blocks += demand.private_blocks
-        self._transient_bytes += demand.transient_bytes
+        bisect.insort(self._open_prefills, demand.transient_prefill_bytes)
+        self._decode_bytes += demand.transient_decode_bytes
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         self._reservations[reservation.id] = reservation
         return reservation
@@ -67,8 +83,11 @@ class Ledger:
         if reservation.released or not reservation.prefill_open:
             return False
         reservation.prefill_open = False
-        self._transient_bytes -= reservation.demand.transient_prefill_bytes
+        self._close_prefill(reservation.demand)
         return True
+
+    def _close_prefill(self, demand: Demand) -> None:
+        del self._open_prefills[bisect.bisect_left(self._open_prefills, demand.transient_prefill_bytes)]
 
     def release(self, reservation: Reservation) -> bool:
         """Give everything back; a second call is a no-op and returns False."""
@@ -82,9 +101,9 @@ class Ledger:
             else:
                 del self._refcounts[h]
         self._private_blocks -= reservation.demand.private_blocks
-        self._transient_bytes -= reservation.demand.transient_decode_bytes
+        self._decode_bytes -= reservation.demand.transient_decode_bytes
         if reservation.prefill_open:
-            self._transient_bytes -= reservation.demand.transient_prefill_bytes
+            self._close_prefill(reservation.demand)
             reservation.prefill_open = False
         del self._reservations[reservation.id]
         return True

@@ -26,6 +26,8 @@ class Holdings(Protocol):
     @property
     def transient_bytes(self) -> int: ...
 
+    def transient_bytes_with(self, demand: Demand) -> int: ...
+
     def new_blocks(self, demand: Demand) -> int: ...
 
     @property
@@ -90,6 +92,6 @@ class Budget:
         if kv_limit is not None and holdings.kv_blocks + holdings.new_blocks(demand) > kv_limit:
             return KV_BUSY
         transient_limit = self.transient_limit()
-        if transient_limit is not None and holdings.transient_bytes + demand.transient_bytes > transient_limit:
+        if transient_limit is not None and holdings.transient_bytes_with(demand) > transient_limit:
             return TRANSIENT_BUSY
         return None
