@@ -7,14 +7,14 @@ references count as free), so blocks in use = usage x 15 on the 16-block test po
 
 from __future__ import annotations
 
-import statistics
-import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.vllm_server import SERVED_NAME, VllmServer, running_vllm
@@ -22,8 +22,9 @@ from support.vllm_server import SERVED_NAME, VllmServer, running_vllm
 pytestmark = pytest.mark.vllm
 
 CLIENTS = 6
-# 128 shared tokens (one full block, shared with prefix caching) + a private tail: 189-199 prompt
-# tokens, and 50 output tokens keep every request inside its second 128-token block for its life.
+# 32 words = 129 tokens with BOS: one full 128-token block every request shares (with prefix
+# caching), then a private tail: 140 prompt tokens + 110 output tokens stay inside the second
+# block for a request's whole life, so "steady" means: all of a wave's requests are running.
 SHARED = " ".join(f"word{i}" for i in range(32))
 KVGATE_FLAGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--scrape-interval", "0.1")
 
@@ -35,44 +36,39 @@ def vllm_without_prefix_caching(tiny_model_dir: Path, tmp_path_factory: pytest.T
         yield server
 
 
-def load(kvgate: KvgateServer, stop: threading.Event, client: int) -> None:
-    n = 0
-    with httpx.Client(base_url=kvgate.base_url, timeout=60) as http:
-        while not stop.is_set():
-            tail = " ".join(f"c{client}r{n}w{i}" for i in range(10))
-            body = {"model": SERVED_NAME, "prompt": f"{SHARED} {tail}", "max_tokens": 50, "ignore_eos": True}
-            assert http.post("/v1/completions", json=body).status_code == 200
-            n += 1
+def wave(kvgate: KvgateServer, n: int) -> tuple[list[float], list[float]]:
+    """CLIENTS requests at once; sample vLLM's blocks in use and kvgate's reported error."""
+    def one(client: int) -> int:
+        body = {"model": SERVED_NAME, "prompt": f"{SHARED} client{client} wave{n}", "max_tokens": 110,
+                "ignore_eos": True}
+        return httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120).status_code
 
-
-def steady_state_errors(kvgate: KvgateServer, seconds: float = 8.0) -> tuple[list[float], list[float]]:
-    """Run CLIENTS closed-loop clients; sample (observed blocks, predicted - observed) after warm-up."""
-    stop = threading.Event()
-    threads = [threading.Thread(target=load, args=(kvgate, stop, c), daemon=True) for c in range(CLIENTS)]
-    for t in threads:
-        t.start()
     observed, errors = [], []
-    try:
-        time.sleep(2.0)
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            observed.append(kvgate.metric("kvgate_backend_kv_blocks_used"))
-            errors.append(kvgate.metric("kvgate_kv_prediction_error_blocks"))
-            time.sleep(0.1)
-        abs_error = kvgate.metric("kvgate_kv_prediction_abs_error_blocks")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(60)
-    return observed, errors + [abs_error]
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        done = [pool.submit(one, c) for c in range(CLIENTS)]
+        while not all(f.done() for f in done):
+            text = httpx.get(kvgate.base_url + "/metrics", timeout=10).text
+            m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+            if m["kvgate_kv_reconciled_requests"] >= 4:  # compared with 4+ running: sharing shows
+                observed.append(m["kvgate_backend_kv_blocks_used"])
+                errors.append(m["kvgate_kv_prediction_error_blocks"])
+            time.sleep(0.05)
+        assert [f.result() for f in done] == [200] * CLIENTS
+    return observed, errors
 
 
-def check(kvgate: KvgateServer, blocks_per_request: float) -> None:
-    observed, errors = steady_state_errors(kvgate)
-    *samples, smoothed = errors
-    assert statistics.median(observed) >= CLIENTS * blocks_per_request - 3  # really loaded
-    assert statistics.median(abs(e) for e in samples) <= 2, samples
-    assert smoothed <= 2, f"reported smoothed |error| {smoothed}"
+def check(kvgate: KvgateServer) -> None:
+    """kvgate reports the error at settled scrapes only (vLLM runs exactly its in-flight set)."""
+    observed, errors = [], []
+    for n in range(20):  # on a busy machine few moments are settled with 4+ running: keep going
+        o, e = wave(kvgate, n)
+        observed += o
+        errors += e
+        if len(errors) >= 3:
+            break
+    assert len(errors) >= 3, "no settled comparison with 4 or more requests running"
+    assert max(abs(e) for e in errors) <= 2, errors
+    assert kvgate.metric("kvgate_kv_prediction_abs_error_blocks") <= 2
     assert kvgate.metric("kvgate_backend_preemptions_total") == 0
 
 
@@ -80,12 +76,15 @@ def test_predicted_kv_blocks_match_vllm_with_prefix_caching(
     vllm_server: VllmServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     with running_kvgate(vllm_server.base_url, tiny_model_dir, tmp_path, *KVGATE_FLAGS) as kvgate:
-        assert httpx.get(kvgate.base_url + "/readyz").json()["telemetry"]["gpu_readings"] is False
-        check(kvgate, blocks_per_request=1 + 1 / CLIENTS)  # one private block each, the prefix once
+        # No GPU here: kvgate runs without readings and says so.
+        telemetry = httpx.get(kvgate.base_url + "/readyz").json()["telemetry"]
+        assert telemetry["gpu_readings"] is False and "NVML unavailable" in telemetry["gpu_problem"]
+        assert kvgate.metric("kvgate_gpu_probe_available") == 0
+        check(kvgate)
 
 
 def test_predicted_kv_blocks_match_vllm_without_prefix_caching(
     vllm_without_prefix_caching: VllmServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     with running_kvgate(vllm_without_prefix_caching.base_url, tiny_model_dir, tmp_path, *KVGATE_FLAGS) as kvgate:
-        check(kvgate, blocks_per_request=2)
+        check(kvgate)

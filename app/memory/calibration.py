@@ -123,11 +123,12 @@ class Calibration:
 
     def observe_kv(
         self, now: float, predicted: int, observed: float, usable: int, preempted: float,
-        waiting_for_kv: bool,
+        waiting_for_kv: bool, settled: bool = True,
     ) -> str | None:
-        """Reconcile predicted and observed blocks in use; adjust the overcommit factor."""
-        self.kv_error_blocks = predicted - observed
-        self.kv_abs_error_blocks += 0.2 * (abs(self.kv_error_blocks) - self.kv_abs_error_blocks)
+        """Adjust the overcommit factor; record the prediction error if the moment is settled."""
+        if settled:
+            self.kv_error_blocks = predicted - observed
+            self.kv_abs_error_blocks += 0.2 * (abs(self.kv_error_blocks) - self.kv_abs_error_blocks)
         usage = observed / usable if usable > 0 else 0.0
         if preempted > 0 or usage > self.config.kv_target:
             what = f"{preempted:g} preemptions" if preempted > 0 else f"KV usage {usage:.0%}"

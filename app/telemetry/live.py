@@ -84,13 +84,14 @@ class LiveBudget:
         """One round: scrape, read the GPU, set the budget."""
         now = self.clock()
         started = time.perf_counter()
+        admitted = set(self.gate.admitted)
         try:
             snapshot = await fetch_snapshot(self.client, timeout=self.settings.max_staleness)
         except (httpx.HTTPError, ValueError) as exc:
             await self._scrape_failed(exc)
         else:
             self.metrics.scrape_duration.observe(time.perf_counter() - started)
-            await self._scraped(snapshot, now)
+            await self._scraped(snapshot, now, admitted == set(self.gate.admitted))
         if self.probe.available and self.mode != "down":
             self._gpu(await self.probe.read(), self.clock())
         self._apply(self.clock())
@@ -117,7 +118,7 @@ class LiveBudget:
         log.warning("backend down (%s): holding new admissions in the queue", why)
         self._set_mode("down")
 
-    async def _scraped(self, snapshot: BackendSnapshot, now: float) -> None:
+    async def _scraped(self, snapshot: BackendSnapshot, now: float, admissions_still: bool) -> None:
         previous = self.snapshot
         restarted = previous is not None and _restarted(previous, snapshot)
         if restarted:
@@ -138,7 +139,7 @@ class LiveBudget:
             self._set_mode("live")
         self._count(previous, snapshot, now)
         self.snapshot, self.last_scrape, self.problem = snapshot, now, None
-        self._reconcile_kv(snapshot, now)
+        self._reconcile_kv(snapshot, now, admissions_still)
 
     def _on_restart(self, now: float) -> None:
         self.metrics.restarts.inc()
@@ -182,19 +183,29 @@ class LiveBudget:
         head = self.gate.queue.peek()
         return None if head is None else self.budget.shortfall(head.demand, self.gate.ledger)
 
-    def _reconcile_kv(self, snapshot: BackendSnapshot, now: float) -> None:
+    def _reconcile_kv(self, snapshot: BackendSnapshot, now: float, admissions_still: bool) -> None:
+        """Predicted vs observed blocks in use; the error counts only at settled moments.
+
+        Settled: nothing was admitted or released while the page was fetched, and vLLM runs
+        exactly the requests kvgate has in flight with none waiting. Otherwise some are in
+        transit between the two (tokenizing, on the wire, being answered) and the difference
+        says nothing about the memory model.
+        """
         observed, usable = snapshot.kv_blocks_used, snapshot.kv_blocks_usable
         if observed is None or usable is None:
             return
         predicted = blocks_in_use(self.gate.admitted.values(), self.block_size(), now, self.decode_rate)
+        settled = admissions_still and snapshot.running == len(self.gate.admitted) and not snapshot.waiting
         reason = self.calibration.observe_kv(
-            now, predicted, observed, usable, self._preempted, self._waiting_for() == KV_BUSY,
+            now, predicted, observed, usable, self._preempted, self._waiting_for() == KV_BUSY, settled,
         )
         self._preempted = 0
         m, c = self.metrics, self.calibration
         m.predicted_kv_in_use.set(predicted)
-        m.kv_error.set(c.kv_error_blocks)
-        m.kv_abs_error.set(c.kv_abs_error_blocks)
+        if settled:
+            m.kv_error.set(c.kv_error_blocks)
+            m.kv_abs_error.set(c.kv_abs_error_blocks)
+            m.kv_reconciled_requests.set(len(self.gate.admitted))
         if reason:
             log.info("calibration: %s", reason)
 

@@ -60,11 +60,15 @@ class TelemetryMetrics:
         )
         self.kv_error = Gauge(
             "kvgate_kv_prediction_error_blocks",
-            "Predicted minus observed KV blocks in use at the last scrape.", registry=r,
+            "Predicted minus observed KV blocks in use at the last settled scrape.", registry=r,
         )
         self.kv_abs_error = Gauge(
             "kvgate_kv_prediction_abs_error_blocks",
             "Smoothed |predicted - observed| KV blocks in use.", registry=r,
+        )
+        self.kv_reconciled_requests = Gauge(
+            "kvgate_kv_reconciled_requests",
+            "Requests in flight at the last settled comparison (the KV error's sample size).", registry=r,
         )
         self.predicted_kv_in_use = Gauge(
             "kvgate_predicted_kv_blocks_in_use", "kvgate's estimate of the KV blocks vLLM holds now.",
