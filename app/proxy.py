@@ -8,11 +8,12 @@ or the client going away (which closes the upstream connection, and vLLM aborts 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, Callable, Mapping
 
-import anyio
+import aiohttp
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -27,40 +28,61 @@ HOP_BY_HOP = frozenset(
         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
     }
 )
+# aiohttp adds these unless told not to; the client's own (or none) must go upstream instead.
+_NO_AUTO_HEADERS = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
 
 
 class Backend:
-    """The vLLM server behind kvgate."""
+    """The vLLM server behind kvgate: a pooled keep-alive aiohttp session for proxied requests,
+    and an httpx client for the control plane (scrapes, probes, the /tokenize fallback).
+
+    aiohttp on the request path: measured on the 2-core machine against a zero-cost backend, an
+    httpx round trip cost about 2 ms of CPU and aiohttp's about 0.4 ms, and kvgate's whole budget
+    for added latency is 0.7 ms. The control plane runs a few requests a second, off that path.
+    """
 
     def __init__(self, base_url: str, timeout_s: float, max_connections: int = 1024) -> None:
         self.base_url = base_url.rstrip("/")
-        self.client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout_s, connect=5.0, pool=timeout_s),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=256),
-        )
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10.0))
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """Created on first use, inside the running event loop as aiohttp requires."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                base_url=self.base_url,
+                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30),
+                timeout=self._timeout,
+                auto_decompress=False,
+                skip_auto_headers=_NO_AUTO_HEADERS,
+            )
+        return self._session
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def open(
         self, method: str, path: str, query: bytes, headers: list[tuple[str, str]], body: bytes
-    ) -> httpx.Response:
+    ) -> aiohttp.ClientResponse:
         """Send a request and return once the response head is in; ApiError when it cannot be."""
-        url = httpx.URL(path=path, query=query) if query else path
-        request = self.client.build_request(method, url, headers=headers, content=body)
+        url = f"{path}?{query.decode('latin-1')}" if query else path
         try:
-            return await self.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            return await self.session.request(
+                method, url, headers=headers, data=body or None, allow_redirects=False
+            )
+        except aiohttp.ClientConnectorError as exc:
             raise ApiError(
                 503, f"The backend at {self.base_url} is unavailable ({type(exc).__name__}).",
                 "backend_unavailable", headers={"Retry-After": "5"},
             ) from exc
-        except httpx.TimeoutException as exc:
-            raise ApiError(
-                504, "The backend did not answer in time.", "backend_timeout"
-            ) from exc
-        except httpx.HTTPError as exc:
+        except asyncio.TimeoutError as exc:
+            raise ApiError(504, "The backend did not answer in time.", "backend_timeout") from exc
+        except aiohttp.ClientError as exc:
             raise ApiError(
                 502, f"The backend broke the exchange ({type(exc).__name__}).", "backend_error"
             ) from exc
@@ -73,9 +95,9 @@ def forward_headers(headers: Mapping[str, str], request_id: str) -> list[tuple[s
     return out
 
 
-def response_headers(upstream: httpx.Response, extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+def response_headers(upstream: aiohttp.ClientResponse, extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     kept = [
-        (k, v) for k, v in upstream.headers.raw
+        (k, v) for k, v in upstream.raw_headers
         if k.decode("latin-1").lower() not in HOP_BY_HOP
     ]
     if "content-length" in upstream.headers and "content-encoding" not in upstream.headers:
@@ -99,59 +121,61 @@ class Relay(Response):
 
     def __init__(
         self,
-        upstream: httpx.Response,
+        upstream: aiohttp.ClientResponse,
         headers: Mapping[str, str],
         on_first_chunk: Callable[[], None],
         on_end: Callable[[str], None],
     ) -> None:
         self.upstream = upstream
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.background = None
         self.raw_headers = response_headers(upstream, headers)
         self._on_first_chunk = on_first_chunk
         self._on_end = on_end
         self._is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self._client_gone = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "disconnected"
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive))
         try:
-            async with anyio.create_task_group() as tasks:
-                async def watch_disconnect() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    tasks.cancel_scope.cancel()
-
-                tasks.start_soon(watch_disconnect)
-                outcome = await self._relay(send)
-                tasks.cancel_scope.cancel()
+            outcome = await self._relay(send)
         finally:
+            watcher.cancel()
             self._on_end(outcome)
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
+            self.upstream.close()
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        """The client left: closing the upstream connection makes vLLM abort the request."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_gone = True
+        self.upstream.close()
 
     async def _relay(self, send: Send) -> str:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         started = False
         try:
-            async for chunk in self._chunks():
+            async for chunk in self.upstream.content.iter_any():
                 if not started:
                     started = True
                     self._on_first_chunk()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if self._client_gone:
+                return "disconnected"
             log.warning("backend stream broke: %s", type(exc).__name__)
             if self._is_sse:
                 event = sse_error_event(f"The backend stream broke ({type(exc).__name__}).", "backend_stream_broken")
                 await send({"type": "http.response.body", "body": event, "more_body": False})
                 return "upstream_error"
             raise
+        if self._client_gone:
+            return "disconnected"
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         if self.status_code >= 500:
             return "upstream_error"
         return "refused_by_backend" if self.status_code >= 400 else "completed"
-
-    def _chunks(self) -> AsyncIterator[bytes]:
-        return self.upstream.aiter_raw()
 
 
 async def passthrough(
