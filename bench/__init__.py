@@ -1,0 +1,1 @@
+"""kvgate's benchmark harness: `python -m bench` (see docs/benchmarks.md)."""

@@ -1,0 +1,208 @@
+"""`python -m bench [--quick]`: kvgate's benchmarks, one command (see docs/benchmarks.md).
+
+Part 1 (safety and goodput): scenarios S1-S7 on the simulated vLLM, five arms on identical
+seeded traffic (no gate, best static concurrency cap from a sweep, the Inference Gateway's
+saturation rule, kvgate, a memory oracle). Part 2 (overhead): direct vs kvgate vs nginx in front
+of a zero-cost backend. Writes bench/results/latest.json, latest.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem = next(int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text()
+                   .splitlines() if x.startswith("MemTotal"))
+    except (OSError, StopIteration):
+        mem = 0
+    return {"cpu_model": cpu, "cpus": os.cpu_count(), "memory_bytes": mem,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "gpu": "none (simulated)"}
+
+
+def _bar(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
+    except ImportError:  # pragma: no cover
+        class Lines:
+            n = 0
+
+            def update(self, k: int = 1) -> None:
+                self.n += k
+                print(f"[{desc}] {self.n}/{total}", file=sys.stderr, flush=True)
+
+            def set_postfix_str(self, s: str) -> None:
+                print(f"[{desc}] {s}", file=sys.stderr, flush=True)
+
+            def close(self) -> None:
+                pass
+        return Lines()
+
+
+def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from bench import safety
+    from bench.safety import pick_cap, run_arm
+    from bench.scenarios import SCENARIOS
+
+    safety.quiet()
+    chosen = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
+    caps0 = [8, 32] if args.quick else [4, 16, 64]
+    per = len(caps0) + 4
+    bar = _bar(per * len(chosen), "safety")
+    rows, sweeps, described = [], {}, []
+    with safety.tmpdir() as tmp:
+        for i, scn in enumerate(chosen):
+            calls = scn.traffic(random.Random(args.seed * 1000 + i), args.scale)
+            cfg = safety.scaled_config(scn, args.scale)
+            described.append({"key": scn.key, "title": scn.title, "sim": _sim_desc(cfg),
+                              "traffic": (scn.traffic.__doc__ or "").strip(),
+                              "requests": len(calls), "speedup": scn.speedup,
+                              "kvgate_flags": " ".join(scn.kvgate_flags)})
+
+            def arm(name: str, cap: int | None = None) -> safety.ArmResult:
+                bar.set_postfix_str(f"{scn.key} {name}{'' if cap is None else f' {cap}'}")
+                r = run_arm(scn, "cap" if cap else name, calls, args.scale, Path(tmp), cap=cap)
+                bar.update(1)
+                return r
+
+            none = arm("none")
+            sweep = [arm("cap", c) for c in caps0]
+            sweeps[scn.key] = [{"cap": r.cap, "goodput_tokens_per_s": r.goodput_tokens_per_s,
+                                "oom_crashes": r.oom_crashes, "failed": r.failed}
+                               for r in sorted(sweep, key=lambda r: r.cap)]
+            best = pick_cap(sweep)
+            if best is None:  # every cap OOMed: report the smallest, honestly
+                best = min(sweep, key=lambda r: r.cap)
+                best.notes["no_surviving_cap"] = True
+            sat = arm("saturation")
+            kvg = arm("kvgate")
+            orc = arm("oracle")
+            for r in (none, best, sat, kvg, orc):
+                rows.append(r.row())
+    bar.close()
+    out["safety"] = rows
+    out["cap_sweep"] = sweeps
+    out["scenarios"] = described
+
+
+def _sim_desc(cfg: Any) -> str:
+    from app.sim.config import SimConfig
+    parts = []
+    for k, v in vars(cfg).items():
+        if k in ("cotenants",):
+            if v:
+                parts.append("cotenants=" + ",".join(
+                    f"{c.name}:{c.bytes / 2**30:.0f}GiB@{c.start_s:g}s" for c in v))
+            continue
+        if v != getattr(SimConfig, k, None) and k not in ("speedup",):
+            parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
+def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
+    t: list[dict[str, Any]] = []
+    by = {(r["scenario"], r["arm"]): r for r in out.get("safety", [])}
+    scen = sorted({r["scenario"] for r in out.get("safety", [])})
+    none_oom = [s for s in scen if s != "S7" and by[(s, "none")]["oom_crashes"] > 0]
+    if scen:
+        t.append({"scenario": "S1-S6", "check": "no-gate arm OOMs in at least one",
+                  "value": ", ".join(none_oom) or "none", "met": bool(none_oom)})
+    for s in scen:
+        k, c, o = by[(s, "kvgate")], by[(s, "static-cap")], by[(s, "oracle")]
+        t.append({"scenario": s, "check": "kvgate: 0 OOM crashes",
+                  "value": k["oom_crashes"], "met": k["oom_crashes"] == 0})
+        rc = k["goodput_tokens_per_s"] / c["goodput_tokens_per_s"] if c[
+            "goodput_tokens_per_s"] else float("inf")
+        t.append({"scenario": s, "check": "kvgate goodput >= 1.1 x best static cap",
+                  "value": f"{rc:.2f} x (cap {c['cap']})", "met": rc >= 1.1})
+        ro = k["goodput_tokens_per_s"] / o["goodput_tokens_per_s"] if o[
+            "goodput_tokens_per_s"] else float("inf")
+        t.append({"scenario": s, "check": "kvgate goodput >= 0.9 x oracle",
+                  "value": f"{ro:.2f} x", "met": ro >= 0.9})
+    ov = {(r["arm"], r["scenario"]): r for r in out.get("overhead", [])}
+    if ("kvgate", "non-streaming, concurrency 1") in ov:
+        a = ov[("kvgate", "non-streaming, concurrency 1")]["added_p50_ms"]
+        t.append({"scenario": "overhead", "check": "added p50 at concurrency 1 <= 0.7 ms",
+                  "value": f"{a} ms", "met": a <= 0.7})
+        f = ov[("kvgate", "streaming 16 tokens, concurrency 1, TTFB")]["added_p50_ms"]
+        t.append({"scenario": "overhead", "check": "streaming added TTFB p50 <= 0.7 ms",
+                  "value": f"{f} ms", "met": f <= 0.7})
+        q = ov[("kvgate", "max throughput, concurrency 64")]["requests_per_s"]
+        t.append({"scenario": "overhead", "check": ">= 2000 req/s at concurrency 64",
+                  "value": f"{q} req/s", "met": q >= 2000})
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="~2-minute smoke run (smaller traffic, "
+                   "2-value cap sweep, short overhead phases)")
+    p.add_argument("--scale", type=float, default=None,
+                   help="traffic scale (arrival window x scale); default 1, 0.5 with --quick")
+    p.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
+                   help="comma-separated subset, e.g. S1,S5")
+    p.add_argument("--skip-safety", action="store_true")
+    p.add_argument("--skip-overhead", action="store_true")
+    p.add_argument("--no-profile", action="store_true", help="skip py-spy")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    if args.scale is None:
+        args.scale = 0.5 if args.quick else 1.0
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    out: dict[str, Any] = {
+        "machine": machine(),
+        "command": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "quick": args.quick, "scale": args.scale, "seed": args.seed,
+        "safety": [], "overhead": [],
+    }
+    if not args.skip_safety:
+        run_safety(args, out)
+    if not args.skip_overhead:
+        from bench.overhead import run_overhead
+        bar = _bar(2 * 3 if args.quick else 3 * 3, "overhead")
+        ov = run_overhead(args.out, quick=args.quick, profile=not args.no_profile,
+                          progress=bar)
+        bar.close()
+        out["overhead"] = ov.pop("rows", [])
+        out["overhead_detail"] = ov
+    out["targets"] = targets(out)
+    out["duration_s"] = round(time.monotonic() - started, 1)
+    from bench.report import markdown, plots
+    try:
+        out["plots"] = plots(out, args.out)
+    except ImportError as exc:
+        out["plots"] = []
+        print(f"no plots ({exc}); pip install -e '.[bench]'", file=sys.stderr)
+    (args.out / "latest.json").write_text(json.dumps(out, indent=2) + "\n")
+    (args.out / "latest.md").write_text(markdown(out))
+    print(markdown(out))
+    print(f"wrote {args.out / 'latest.json'}, latest.md, {', '.join(out['plots'])} in "
+          f"{out['duration_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

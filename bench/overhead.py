@@ -1,0 +1,427 @@
+"""Part 2: what kvgate adds in front of a zero-cost backend, beside nginx.
+
+Processes and cores (2-core machine): the proxy under test (kvgate, or nginx with one worker)
+is pinned to core 0 with `taskset -c 0`; the zero-cost backend (bench/zero_backend.py, raw
+asyncio + uvloop) and this load generator are pinned to core 1 (taskset / sched_setaffinity).
+The load generator is a raw asyncio HTTP/1.1 client over keep-alive connections (tens of
+microseconds a request, so it is not what limits the request rate). Arms are interleaved: every
+repetition runs direct, kvgate and nginx in turn, for each measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.sim.runner import free_port
+
+PROXY_CORE, LOAD_CORE = "0", "1"
+# The tiny offline tokenizer the test suite builds (tests/support/tiny_model.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+# ----- a minimal HTTP/1.1 client ------------------------------------------------------------------
+class Conn:
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.r: asyncio.StreamReader | None = None
+        self.w: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.r, self.w = await asyncio.open_connection(self.host, self.port)
+
+    def close(self) -> None:
+        if self.w:
+            self.w.close()
+
+    async def post(self, path: str, body: bytes) -> tuple[int, float, float]:
+        """(status, seconds to the first body byte, seconds to the end of the response)."""
+        assert self.r and self.w
+        t0 = time.perf_counter()
+        self.w.write(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     b"content-type: application/json\r\ncontent-length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        head = await self.r.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        low = head.lower()
+        if b"transfer-encoding: chunked" in low:
+            first = None
+            while True:
+                size = int((await self.r.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+                if first is None:
+                    first = time.perf_counter() - t0
+                if size == 0:
+                    await self.r.readuntil(b"\r\n")
+                    break
+                await self.r.readexactly(size + 2)
+            return status, first, time.perf_counter() - t0
+        i = low.find(b"content-length:")
+        n = int(low[i + 15:low.index(b"\r\n", i)]) if i >= 0 else 0
+        if n:
+            await self.r.readexactly(1)
+            first = time.perf_counter() - t0
+            await self.r.readexactly(n - 1)
+        else:
+            first = time.perf_counter() - t0
+        return status, first, time.perf_counter() - t0
+
+
+async def _closed_loop(port: int, body: bytes, conc: int, total: int | None = None,
+                       seconds: float | None = None) -> tuple[list[tuple[float, float]], int, float]:
+    """`conc` connections in a closed loop; latencies (ttfb, total), non-200 count, wall time."""
+    conns = [Conn("127.0.0.1", port) for _ in range(conc)]
+    await asyncio.gather(*(c.open() for c in conns))
+    lat: list[tuple[float, float]] = []
+    bad = 0
+    left = [total or 10**9]
+    start = time.perf_counter()
+    stop_at = start + (seconds or 1e9)
+
+    async def worker(c: Conn) -> None:
+        nonlocal bad
+        while left[0] > 0 and time.perf_counter() < stop_at:
+            left[0] -= 1
+            status, ttfb, t = await c.post("/v1/completions", body)
+            if status != 200:
+                bad += 1
+            lat.append((ttfb, t))
+
+    await asyncio.gather(*(worker(c) for c in conns))
+    wall = time.perf_counter() - start
+    for c in conns:
+        c.close()
+    return lat, bad, wall
+
+
+# ----- processes ------------------------------------------------------------------------------------
+def _wait_http(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}): {log.read_text()[-2000:]}")
+        with suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+
+
+@contextmanager
+def _proc(cmd: list[str], log: Path, ready_url: str, what: str) -> Iterator[subprocess.Popen]:
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    try:
+        _wait_http(ready_url, proc, what, log)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def taskset(core: str) -> list[str]:
+    return ["taskset", "-c", core] if shutil.which("taskset") else []
+
+
+def model_folder(dest: Path) -> Path:
+    """Llama-3.1-8B's config.json with the test suite's tiny offline BPE tokenizer (2048 ids,
+    Llama-3-style chat template): kvgate tokenizes locally, as with a real model folder."""
+    from support.tiny_model import build_tiny_model  # noqa: PLC0415
+
+    from app.sim.presets import write_model_folder
+    build_tiny_model(dest)
+    (dest / "model.safetensors").unlink(missing_ok=True)
+    cfg = json.loads((write_model_folder("llama-3.1-8b", dest.parent / "preset") / "config.json")
+                     .read_text())
+    tok_cfg = json.loads((dest / "config.json").read_text())
+    cfg.update({k: tok_cfg[k] for k in ("bos_token_id", "eos_token_id") if k in tok_cfg})
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+NGINX_CONF = """
+worker_processes 1;
+worker_cpu_affinity 01;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body;
+  proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi;
+  scgi_temp_path {dir}/scgi;
+  upstream backend {{ server 127.0.0.1:{backend}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    keepalive_requests 1000000;
+    location / {{
+      proxy_pass http://backend;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()),
+                                         None)
+
+
+# ----- measurements -----------------------------------------------------------------------------------
+def _pcts(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    if not xs:
+        return {"p50": float("nan"), "p99": float("nan")}
+    return {"p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+
+
+def _cpu_seconds(pid: int) -> float:
+    parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def prompt_of(tokens: int) -> str:
+    """English-like prose in the tiny tokenizer's vocabulary, about `tokens` tokens long."""
+    from support.tiny_model import english_text  # noqa: PLC0415 (tests/ is on sys.path)
+    return english_text(max(1, int(tokens / 1.1)), seed=tokens)
+
+
+def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000),
+                  reps: int = 30) -> list[dict[str, Any]]:
+    """Tokenization + memory estimate, in process, as kvgate runs them per request
+    (Runtime.predict: parse, local tokenizer, Predictor.predict)."""
+    from app.runtime import Runtime
+    from app.settings import Settings
+
+    rt = Runtime(Settings(model=str(folder), max_num_batched_tokens=8192, max_model_len=32768,
+                          gpu_memory_bytes=85520809984))
+    rt.configure_offline()
+    out = []
+
+    async def run() -> None:
+        for n in sizes:
+            # words of <= 6 letters: about one token each in the tiny BPE; measure the real count
+            text = prompt_of(n)
+            raw = json.dumps({"model": "llama-3.1-8b", "prompt": text, "max_tokens": 16}).encode()
+            ev = await rt.predict("completions", raw)
+            tok_s, tot_s = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                ev = await rt.predict("completions", raw)
+                tot_s.append(time.perf_counter() - t0)
+                tok_s.append(ev.tokenize_s)
+            out.append({"target_tokens": n, "prompt_tokens": ev.prediction.prompt_tokens,
+                        "tokenize_ms_p50": round(statistics.median(tok_s) * 1e3, 3),
+                        "tokenize_plus_estimate_ms_p50": round(statistics.median(tot_s) * 1e3, 3),
+                        "estimate_ms_p50": round((statistics.median(tot_s)
+                                                  - statistics.median(tok_s)) * 1e3, 3)})
+
+    asyncio.run(run())
+    return out
+
+
+def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
+                 progress: Any = None, log: Any = print) -> dict[str, Any]:
+    reps = 2 if quick else 3
+    n1, n32, nstream = (150, 600, 100) if quick else (500, 3000, 400)
+    rps_s = 1.0 if quick else 3.0
+    old_aff = os.sched_getaffinity(0)
+    with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as tmp:
+        d = Path(tmp)
+        folder = model_folder(d / "model")
+        os.sched_setaffinity(0, {int(LOAD_CORE)})
+        bport, kport, nport = free_port(), free_port(), free_port()
+        backend_cmd = [*taskset(LOAD_CORE), sys.executable, "-m", "bench.zero_backend",
+                       "--port", str(bport)]
+        kvgate_cmd = [*taskset(PROXY_CORE), sys.executable, "-m", "app.cli", "serve",
+                      "--backend", f"http://127.0.0.1:{bport}", "--model", str(folder),
+                      "--listen", f"127.0.0.1:{kport}", "--max-num-batched-tokens", "8192",
+                      "--gpu-memory-bytes", "85520809984", "--gpu-probe", "none",
+                      "--log-level", "warning"]
+        arms = ["direct", "kvgate"]
+        nginx = nginx_binary()
+        result: dict[str, Any] = {"pinning": {
+            "proxy_under_test": f"core {PROXY_CORE} (taskset -c {PROXY_CORE}; nginx: 1 worker, "
+                                "worker_cpu_affinity)",
+            "backend_and_load_generator": f"core {LOAD_CORE}"},
+            "kvgate_command": " ".join(kvgate_cmd[3:] if kvgate_cmd[0] == "taskset" else kvgate_cmd)}
+        with _proc(backend_cmd, d / "backend.log", f"http://127.0.0.1:{bport}/health", "backend"), \
+                _proc(kvgate_cmd, d / "kvgate.log", f"http://127.0.0.1:{kport}/readyz",
+                      "kvgate") as kproc:
+            ports = {"direct": bport, "kvgate": kport}
+            nginx_proc = None
+            if nginx:
+                for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+                    (d / sub).mkdir()
+                (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, backend=bport, port=nport))
+                nginx_cm = _proc([*taskset(PROXY_CORE), nginx, "-c", str(d / "nginx.conf"),
+                                  "-p", str(d)], d / "nginx.log",
+                                 f"http://127.0.0.1:{nport}/health", "nginx")
+                nginx_proc = nginx_cm.__enter__()
+                ports["nginx"] = nport
+                arms.append("nginx")
+                result["nginx_version"] = subprocess.run(
+                    [nginx, "-v"], capture_output=True, text=True).stderr.strip()
+            else:
+                result["nginx_version"] = "not installed (apt-get install -y nginx)"
+            try:
+                body = json.dumps({"model": "llama-3.1-8b", "prompt": prompt_of(100),
+                                   "max_tokens": 16}).encode()
+                sbody = json.dumps({"model": "llama-3.1-8b", "prompt": prompt_of(100),
+                                    "max_tokens": 16, "stream": True}).encode()
+                lat: dict[tuple[str, str], list[float]] = {}
+                ttfb: dict[str, list[float]] = {a: [] for a in arms}
+                stotal: dict[str, list[float]] = {a: [] for a in arms}
+                rps: dict[str, list[float]] = {a: [] for a in arms}
+                errors: dict[str, int] = {a: 0 for a in arms}
+                kv_cpu = kv_reqs = 0.0
+                # warm-up
+                for a in arms:
+                    asyncio.run(_closed_loop(ports[a], body, 8, total=400))
+                for rep in range(reps):
+                    order = arms if rep % 2 == 0 else arms[::-1]
+                    for a in order:
+                        for conc, n in ((1, n1), (32, n32)):
+                            ls, bad, _ = asyncio.run(_closed_loop(ports[a], body, conc, total=n))
+                            lat.setdefault((a, str(conc)), []).extend(t for _, t in ls)
+                            errors[a] += bad
+                        ls, bad, _ = asyncio.run(_closed_loop(ports[a], sbody, 1, total=nstream))
+                        ttfb[a].extend(f for f, _ in ls)
+                        stotal[a].extend(t for _, t in ls)
+                        errors[a] += bad
+                        cpu0 = _cpu_seconds(kproc.pid)
+                        ls, bad, wall = asyncio.run(_closed_loop(ports[a], body, 64,
+                                                                 seconds=rps_s))
+                        if a == "kvgate":
+                            kv_cpu += _cpu_seconds(kproc.pid) - cpu0
+                            kv_reqs += len(ls)
+                        rps[a].append(len(ls) / wall)
+                        errors[a] += bad
+                        if progress is not None:
+                            progress.update(1)
+                rss = _rss_bytes(kproc.pid)
+                rows = []
+                base = {c: _pcts(lat[("direct", c)]) for c in ("1", "32")}
+                sbase_f, sbase_t = _pcts(ttfb["direct"]), _pcts(stotal["direct"])
+                for a in arms:
+                    for c in ("1", "32"):
+                        p = _pcts(lat[(a, c)])
+                        rows.append({"arm": a, "scenario": f"non-streaming, concurrency {c}",
+                                     "added_p50_ms": round((p["p50"] - base[c]["p50"]) * 1e3, 3),
+                                     "added_p99_ms": round((p["p99"] - base[c]["p99"]) * 1e3, 3),
+                                     "latency_p50_ms": round(p["p50"] * 1e3, 3),
+                                     "latency_p99_ms": round(p["p99"] * 1e3, 3),
+                                     "requests_per_s": None, "samples": len(lat[(a, c)])})
+                    f, t = _pcts(ttfb[a]), _pcts(stotal[a])
+                    rows.append({"arm": a, "scenario": "streaming 16 tokens, concurrency 1, TTFB",
+                                 "added_p50_ms": round((f["p50"] - sbase_f["p50"]) * 1e3, 3),
+                                 "added_p99_ms": round((f["p99"] - sbase_f["p99"]) * 1e3, 3),
+                                 "latency_p50_ms": round(f["p50"] * 1e3, 3),
+                                 "latency_p99_ms": round(f["p99"] * 1e3, 3),
+                                 "requests_per_s": None, "samples": len(ttfb[a])})
+                    rows.append({"arm": a, "scenario": "streaming 16 tokens, concurrency 1, total",
+                                 "added_p50_ms": round((t["p50"] - sbase_t["p50"]) * 1e3, 3),
+                                 "added_p99_ms": round((t["p99"] - sbase_t["p99"]) * 1e3, 3),
+                                 "latency_p50_ms": round(t["p50"] * 1e3, 3),
+                                 "latency_p99_ms": round(t["p99"] * 1e3, 3),
+                                 "requests_per_s": None, "samples": len(stotal[a])})
+                    rows.append({"arm": a, "scenario": "max throughput, concurrency 64",
+                                 "added_p50_ms": None, "added_p99_ms": None,
+                                 "requests_per_s": round(statistics.median(rps[a]), 1),
+                                 "requests_per_s_each_rep": [round(x, 1) for x in rps[a]]})
+                result.update({
+                    "rows": rows, "errors": errors, "repetitions": reps,
+                    "kvgate_cpu_ms_per_request": round(kv_cpu / max(1.0, kv_reqs) * 1e3, 4),
+                    "kvgate_rss_bytes": rss,
+                    "requests": {"concurrency_1": n1, "concurrency_32": n32, "stream": nstream,
+                                 "throughput_seconds": rps_s}})
+                if profile:
+                    result["profile"] = profile_kvgate(kproc.pid, ports["kvgate"], body,
+                                                       results_dir, 2.0 if quick else 8.0, log)
+            finally:
+                if nginx_proc is not None:
+                    nginx_cm.__exit__(None, None, None)
+        os.sched_setaffinity(0, old_aff)
+        result["estimate_cost"] = estimate_cost(folder, reps=5 if quick else 30)
+    return result
+
+
+# ----- py-spy -------------------------------------------------------------------------------------------
+def _pyspy() -> str | None:
+    return shutil.which("py-spy") or next(
+        (p for p in (str(Path(sys.executable).parent / "py-spy"),) if Path(p).exists()), None)
+
+
+def profile_kvgate(pid: int, port: int, body: bytes, results_dir: Path, seconds: float,
+                   log: Any = print) -> dict[str, Any]:
+    """py-spy record (raw collapsed stacks) of kvgate under concurrency-64 load; top frames."""
+    spy = _pyspy()
+    if spy is None:
+        return {"error": "py-spy not installed (pip install py-spy)"}
+    raw = results_dir / "pyspy-kvgate.txt"
+    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                             "--rate", "250", "--format", "raw", "--output", str(raw),
+                             "--nonblocking"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    time.sleep(0.5)
+    ls, _, wall = asyncio.run(_closed_loop(port, body, 64, seconds=seconds))
+    _, err = proc.communicate(timeout=60)
+    if proc.returncode != 0 or not raw.exists():
+        return {"error": f"py-spy failed: {err.decode()[-500:]}"}
+    return summarise_profile(raw, requests=len(ls))
+
+
+def summarise_profile(raw: Path, requests: int, top: int = 25) -> dict[str, Any]:
+    self_s: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(n)
+        frames = stack.split(";")
+        total += count
+        leaf = frames[-1]
+        self_s[leaf] = self_s.get(leaf, 0) + count
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + count
+
+    def tbl(d: dict[str, int]) -> list[dict[str, Any]]:
+        return [{"frame": f, "share": round(c / total, 4), "samples": c}
+                for f, c in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"samples": total, "requests": requests, "file": str(raw.name),
+            "top_self": tbl(self_s), "top_inclusive": tbl(incl)}

@@ -1,0 +1,154 @@
+"""bench/results/latest.md (tables) and PNG plots from the results dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _f(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _rej(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "0"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    m = res["machine"]
+    out = [f"# kvgate benchmark results\n",
+           f"`{res['command']}` on {m.get('cpu_model', '?')} ({m.get('cpus')} cores), "
+           f"Python {m.get('python')}, {res['started_at']}, {res['duration_s']:.0f} s.\n"]
+    if res.get("safety"):
+        out += ["## Safety and goodput (simulated vLLM; times in simulated seconds)\n",
+                "| scenario | arm | OOM crashes | failed | completed | goodput tok/s | "
+                "TTFT p50 s | TTFT p99 s | rejected | preemptions |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["safety"]:
+            arm = r["arm"] + (f" (cap {r['cap']})" if r.get("cap") else "")
+            out.append(f"| {r['scenario']} | {arm} | {r['oom_crashes']} | {r['failed']} | "
+                       f"{r['completed']} | {_f(r['goodput_tokens_per_s'])} | "
+                       f"{_f(r['ttft_p50_s'], 2)} | {_f(r['ttft_p99_s'], 2)} | "
+                       f"{_rej(r['rejected'])} | {r['preemptions']} |")
+        out.append("")
+        if res.get("targets"):
+            out += ["### Targets\n", "| scenario | check | value | met |", "|---|---|---|---|"]
+            for t in res["targets"]:
+                out.append(f"| {t['scenario']} | {t['check']} | {t['value']} | "
+                           f"{'yes' if t['met'] else '**no**'} |")
+            out.append("")
+        if res.get("cap_sweep"):
+            out += ["### Static cap sweep (goodput tok/s, OOM crashes)\n"]
+            for k, rows in res["cap_sweep"].items():
+                out.append(f"- {k}: " + ", ".join(
+                    f"cap {r['cap']}: {_f(r['goodput_tokens_per_s'])} ({r['oom_crashes']} OOM)"
+                    for r in rows))
+            out.append("")
+        out += ["### Scenarios\n"]
+        for s in res.get("scenarios", []):
+            out.append(f"- **{s['key']}** {s['title']}: `{s['sim']}`; traffic: {s['traffic']}; "
+                       f"{s['requests']} requests, speed-up {s['speedup']}")
+        out.append("")
+    ov = res.get("overhead_detail")
+    if ov:
+        out += ["## Overhead in front of a zero-cost backend\n",
+                f"Pinning: proxy under test on {ov['pinning']['proxy_under_test']}; backend and "
+                f"load generator on {ov['pinning']['backend_and_load_generator']}. "
+                f"{ov.get('repetitions')} interleaved repetitions; {ov.get('nginx_version')}.\n",
+                "| arm | measurement | added p50 ms | added p99 ms | p50 ms | p99 ms | req/s |",
+                "|---|---|---|---|---|---|---|"]
+        for r in res["overhead"]:
+            out.append(f"| {r['arm']} | {r['scenario']} | {_f(r['added_p50_ms'], 3)} | "
+                       f"{_f(r['added_p99_ms'], 3)} | {_f(r.get('latency_p50_ms'), 3)} | "
+                       f"{_f(r.get('latency_p99_ms'), 3)} | {_f(r['requests_per_s'], 0)} |")
+        out.append("")
+        out.append(f"kvgate CPU per request (concurrency 64): "
+                   f"{ov.get('kvgate_cpu_ms_per_request')} ms; RSS after the load: "
+                   f"{ov.get('kvgate_rss_bytes', 0) / 2**20:.0f} MiB.\n")
+        out += ["| prompt tokens | tokenize ms p50 | tokenize + estimate ms p50 |",
+                "|---|---|---|"]
+        for e in ov.get("estimate_cost", []):
+            out.append(f"| {e['prompt_tokens']} | {e['tokenize_ms_p50']} | "
+                       f"{e['tokenize_plus_estimate_ms_p50']} |")
+        out.append("")
+        prof = ov.get("profile") or {}
+        if prof.get("top_self"):
+            out += [f"### py-spy: kvgate under concurrency-64 load ({prof['samples']} samples, "
+                    f"{prof['requests']} requests)\n", "| self share | frame |", "|---|---|"]
+            for t in prof["top_self"][:15]:
+                out.append(f"| {t['share'] * 100:.1f}% | `{t['frame']}` |")
+            out.append("")
+        elif prof.get("error"):
+            out.append(f"py-spy: {prof['error']}\n")
+    return "\n".join(out) + "\n"
+
+
+def plots(res: dict[str, Any], outdir: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    safety = res.get("safety") or []
+    if safety:
+        scen = sorted({r["scenario"] for r in safety})
+        arms = ["none", "static-cap", "saturation", "kvgate", "oracle"]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        w = 0.16
+        for i, arm in enumerate(arms):
+            g = [next((r["goodput_tokens_per_s"] for r in safety if r["scenario"] == s
+                       and r["arm"] == arm), 0) for s in scen]
+            o = [next((r["oom_crashes"] for r in safety if r["scenario"] == s
+                       and r["arm"] == arm), 0) for s in scen]
+            x = [j + (i - 2) * w for j in range(len(scen))]
+            axes[0].bar(x, g, w, label=arm)
+            axes[1].bar(x, o, w, label=arm)
+        for ax, title in zip(axes, ("goodput (output tok/s of completed requests, sim time)",
+                                    "backend OOM crashes"), strict=True):
+            ax.set_xticks(range(len(scen)), scen)
+            ax.set_title(title, fontsize=10)
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        p = outdir / "safety.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p.name)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, arm in enumerate(arms):
+            v = [next((r["ttft_p99_s"] or 0 for r in safety if r["scenario"] == s
+                       and r["arm"] == arm), 0) for s in scen]
+            ax.bar([j + (i - 2) * w for j in range(len(scen))], v, w, label=arm)
+        ax.set_xticks(range(len(scen)), scen)
+        ax.set_title("TTFT p99 of completed requests (simulated s)", fontsize=10)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = outdir / "ttft.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p.name)
+    ov = res.get("overhead") or []
+    if ov:
+        lat = [r for r in ov if r["added_p50_ms"] is not None and r["arm"] != "direct"]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+        labels = sorted({r["scenario"] for r in lat})
+        arms = sorted({r["arm"] for r in lat})
+        for i, arm in enumerate(arms):
+            v = [next((r["added_p50_ms"] for r in lat if r["arm"] == arm
+                       and r["scenario"] == s), 0) for s in labels]
+            axes[0].barh([j + i * 0.35 for j in range(len(labels))], v, 0.35, label=arm)
+        axes[0].set_yticks([j + 0.17 for j in range(len(labels))], labels, fontsize=7)
+        axes[0].set_title("added latency p50 (ms) vs direct", fontsize=10)
+        axes[0].legend(fontsize=8)
+        thr = [r for r in ov if r["requests_per_s"] is not None]
+        axes[1].bar([r["arm"] for r in thr], [r["requests_per_s"] for r in thr])
+        axes[1].set_title("requests/s at concurrency 64 (non-streaming)", fontsize=10)
+        fig.tight_layout()
+        p = outdir / "overhead.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        made.append(p.name)
+    return made

@@ -1,0 +1,297 @@
+"""Part 1: safety and goodput on the simulator, five arms on identical traffic.
+
+Arms (all drive the same seeded `Call` list, streaming, from one asyncio load generator; the
+simulator runs in this process on its own thread and event loop (SimRunner), kvgate in a
+subprocess):
+
+- `none`: straight at the simulator.
+- `cap-N`: a static concurrency cap, an asyncio.Semaphore(N) in the load generator held from
+  send until the response ends (no proxy hop: the cap costs nothing). N is swept per scenario;
+  the arm reported as `static-cap` is the best-goodput N that had no OOM.
+- `saturation`: the Inference Gateway's rule, in the load generator: a task scrapes the
+  simulator's /metrics every 50 ms; a request is refused 429 when kv usage >= 0.8, or waiting >=
+  5, or the last good scrape is older than 200 ms (wall).
+- `kvgate`: `kvgate serve` (subprocess, app.demo.kvgate) with the flags that match the
+  simulator, GPU probe auto (= sim), everything else at its defaults.
+- `oracle`: bench/oracle.py, inside the simulator.
+
+Times: the simulator runs `speedup` times faster than the wall clock; every latency and
+goodput is reported in simulated seconds (wall x speedup), so overheads outside the simulator
+(the load generator, kvgate's hop) are magnified by the speed-up, against the gated arms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.demo import Call, decisions, kvgate
+from app.sim.config import SimConfig
+from app.sim.presets import gpu_total_bytes, write_model_folder
+from app.sim.runner import SimRunner
+
+from bench import oracle as oracle_mod
+from bench.scenarios import Scenario
+
+ARMS = ("none", "static-cap", "saturation", "kvgate", "oracle")
+
+
+@dataclass
+class Outcome:
+    label: str
+    status: int  # 0: no HTTP answer / timeout
+    kind: str  # completed | failed | rejected
+    reason: str = ""
+    ttft_s: float | None = None  # wall
+    end_s: float = 0.0  # wall, since the run's start
+    tokens: int = 0
+
+
+@dataclass
+class ArmResult:
+    scenario: str
+    arm: str
+    oom_crashes: int
+    failed: int
+    completed: int
+    goodput_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    rejected: dict[str, int]
+    preemptions: int
+    requests: int = 0
+    cap: int | None = None
+    span_s: float = 0.0
+    output_tokens: int = 0
+    failed_by_reason: dict[str, int] = field(default_factory=dict)
+    completed_by_label: dict[str, int] = field(default_factory=dict)
+    oom_messages: list[str] = field(default_factory=list)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[k]
+
+
+# ----- the simulator ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def simulator(cfg: SimConfig, with_oracle: bool = False, oracle_wait_s: float = 30.0):
+    runner = SimRunner(cfg)
+    eng = runner.engine
+    counts = {"preemptions": 0}
+    original = eng._count_preemptions
+
+    def count(out: Any) -> None:  # preemptions across engine lives (counters reset at restart)
+        counts["preemptions"] += len(out.preempted)
+        original(out)
+
+    eng._count_preemptions = count  # type: ignore[method-assign]
+    stats = oracle_mod.install(runner.app, oracle_wait_s) if with_oracle else None
+    runner.start()
+    try:
+        yield runner, counts, stats
+    finally:
+        runner.stop()
+
+
+# ----- the load generator ---------------------------------------------------------------------
+class SaturationGate:
+    """Inference Gateway's saturation rule on the backend's /metrics."""
+
+    _KV = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.eE+-]+)', re.M)
+    _WAIT = re.compile(r'^vllm:num_requests_waiting\{[^}]*\} ([0-9.eE+-]+)', re.M)
+
+    def __init__(self, url: str, interval: float = 0.05, max_age: float = 0.2) -> None:
+        self.url, self.interval, self.max_age = url, interval, max_age
+        self.kv, self.waiting, self.at = 1.0, 0.0, -1e9
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                r = await client.get(self.url + "/metrics", timeout=1.0)
+                if r.status_code == 200:
+                    kv, w = self._KV.search(r.text), self._WAIT.search(r.text)
+                    self.kv = float(kv.group(1)) if kv else 1.0
+                    self.waiting = float(w.group(1)) if w else 0.0
+                    self.at = time.monotonic()
+            await asyncio.sleep(self.interval)
+
+    def refuse(self) -> str | None:
+        if time.monotonic() - self.at > self.max_age:
+            return "saturated_stale_metrics"
+        if self.kv >= 0.8:
+            return "saturated_kv"
+        if self.waiting >= 5:
+            return "saturated_waiting"
+        return None
+
+
+async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None = None,
+                 gate: SaturationGate | None = None, prefix: str = "",
+                 drain_s: float = 60.0, progress: Any = None) -> tuple[list[Outcome], float]:
+    """Send every call at at/speedup wall seconds; returns outcomes and the wall span."""
+    sem = asyncio.Semaphore(cap) if cap else None
+    start = time.monotonic()
+    last_at = max(c.at for c in calls) / speedup
+    deadline = last_at + drain_s / speedup
+
+    async def one(client: httpx.AsyncClient, call: Call) -> Outcome:
+        await asyncio.sleep(max(0.0, call.at / speedup - (time.monotonic() - start)))
+        sent = time.monotonic()
+        if gate is not None and (why := gate.refuse()):
+            return Outcome(call.label, 429, "rejected", why, end_s=sent - start)
+        async with (sem if sem is not None else contextlib.nullcontext()):
+            return await send(client, call, sent)
+
+    async def send(client: httpx.AsyncClient, call: Call, sent: float) -> Outcome:
+        ttft = None
+        tokens = 0
+        try:
+            async with client.stream("POST", prefix + call.path, json=call.body) as r:
+                if r.status_code != 200:
+                    raw = await r.aread()
+                    code: Any = None
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        code = json.loads(raw)["error"]["code"]
+                    now = time.monotonic() - start
+                    if isinstance(code, str) or r.status_code in (400, 413, 429):
+                        reason = code if isinstance(code, str) else f"http_{r.status_code}"
+                        return Outcome(call.label, r.status_code, "rejected", reason, end_s=now)
+                    return Outcome(call.label, r.status_code, "failed", f"http_{r.status_code}",
+                                   end_s=now)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if ttft is None:
+                        ttft = time.monotonic() - sent
+                    if '"error"' in line:
+                        return Outcome(call.label, 200, "failed", "stream_error", ttft,
+                                       time.monotonic() - start)
+                    if '"usage"' in line and '"completion_tokens"' in line:
+                        with contextlib.suppress(ValueError, KeyError, TypeError):
+                            tokens = int(json.loads(line[6:])["usage"]["completion_tokens"] or 0)
+            return Outcome(call.label, 200, "completed", "", ttft, time.monotonic() - start,
+                           tokens)
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            return Outcome(call.label, 0, "failed", type(exc).__name__, ttft,
+                           time.monotonic() - start)
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(drain_s / speedup + 60),
+                                 limits=limits) as client:
+        scraper = asyncio.create_task(gate.run(client)) if gate else None
+        if gate:
+            await asyncio.sleep(0.1)
+            start = time.monotonic()
+        tasks = [asyncio.create_task(one(client, c)) for c in calls]
+        if progress is not None:
+            for t in tasks:
+                t.add_done_callback(lambda _: progress.update(1))
+        done, pending = await asyncio.wait(tasks, timeout=deadline + 1)
+        for t in pending:
+            t.cancel()
+        outs = []
+        for t, c in zip(tasks, calls, strict=True):
+            if t in done and not t.cancelled() and t.exception() is None:
+                outs.append(t.result())
+            else:
+                outs.append(Outcome(c.label, 0, "failed", "timeout", end_s=deadline))
+        if scraper:
+            scraper.cancel()
+    span = max([last_at] + [o.end_s for o in outs if o.kind == "completed"])
+    return outs, span
+
+
+def summarise(scn: Scenario, arm: str, outs: list[Outcome], span_wall: float, speedup: float,
+              ooms: list[str], preemptions: int) -> ArmResult:
+    done = [o for o in outs if o.kind == "completed"]
+    ttfts = [o.ttft_s * speedup for o in done if o.ttft_s is not None]
+    tokens = sum(o.tokens for o in done)
+    span = span_wall * speedup
+    rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    return ArmResult(
+        scenario=scn.key, arm=arm, oom_crashes=len(ooms),
+        failed=sum(o.kind == "failed" for o in outs), completed=len(done),
+        goodput_tokens_per_s=round(tokens / span, 1) if span else 0.0,
+        ttft_p50_s=rnd(percentile(ttfts, 0.5)), ttft_p99_s=rnd(percentile(ttfts, 0.99)),
+        rejected=dict(Counter(o.reason for o in outs if o.kind == "rejected")),
+        preemptions=preemptions, requests=len(outs), span_s=round(span, 2),
+        output_tokens=tokens,
+        failed_by_reason=dict(Counter(o.reason for o in outs if o.kind == "failed")),
+        completed_by_label=dict(Counter(o.label for o in done)),
+        oom_messages=[m[:600] for m in ooms[:3]])
+
+
+def scaled_config(scn: Scenario, scale: float) -> SimConfig:
+    cfg = replace(scn.sim, speedup=scn.speedup)
+    cfg.cotenants = [replace(c, start_s=c.start_s * scale,
+                             end_s=None if c.end_s is None else c.end_s * scale)
+                     for c in scn.sim.cotenants]
+    return cfg
+
+
+def run_arm(scn: Scenario, arm: str, calls: list[Call], scale: float, workdir: Path,
+            cap: int | None = None, progress: Any = None) -> ArmResult:
+    cfg = scaled_config(scn, scale)
+    sp = scn.speedup
+    notes: dict[str, Any] = {}
+    with simulator(cfg, with_oracle=(arm == "oracle")) as (sim, counts, ostats):
+        if arm in ("none", "cap", "saturation"):
+            gate = SaturationGate(sim.url) if arm == "saturation" else None
+            outs, span = asyncio.run(replay(sim.url, calls, sp, cap=cap, gate=gate,
+                                            progress=progress))
+        elif arm == "oracle":
+            outs, span = asyncio.run(replay(sim.url, calls, sp, prefix="/oracle",
+                                            progress=progress))
+            notes["oracle"] = dict(ostats or {})
+        elif arm == "kvgate":
+            model_dir = write_model_folder(cfg.model, workdir / cfg.model)
+            with kvgate(sim.url, model_dir, scn.kvgate_flags, gpu_total_bytes(cfg.gpu),
+                        workdir / f"kvgate-{scn.key}.log") as (url, cmd):
+                outs, span = asyncio.run(replay(url, calls, sp, progress=progress))
+                with contextlib.suppress(httpx.HTTPError):
+                    notes["kvgate_decisions"] = {f"{d}/{r}": n for (d, r), n in
+                                                 decisions(url).items()}
+                notes["kvgate_command"] = " ".join(cmd[3:])
+        else:
+            raise ValueError(arm)
+        ooms = list(sim.engine.ooms)
+        notes["engine_busy_sim_s"] = round(sim.engine.sim_clock, 1)
+        notes["engine_restarts"] = sim.engine.restarts
+        res = summarise(scn, "static-cap" if arm == "cap" else arm, outs, span, sp, ooms,
+                        counts["preemptions"])
+    res.cap = cap
+    res.notes = notes
+    return res
+
+
+def pick_cap(results: list[ArmResult]) -> ArmResult | None:
+    ok = [r for r in results if r.oom_crashes == 0]
+    return max(ok, key=lambda r: (r.goodput_tokens_per_s, -r.cap)) if ok else None
+
+
+def quiet() -> None:
+    logging.getLogger("kvgate.sim").setLevel(logging.CRITICAL)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def tmpdir() -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix="kvgate-bench-")

@@ -1,0 +1,158 @@
+"""S1-S7: a simulated vLLM configuration each, the kvgate flags that match it, and seeded traffic.
+
+Times in the traffic are simulated seconds; the harness sends each call at `at / speedup` wall
+seconds. `scale` shrinks the traffic for `--quick` and the smoke test (fewer arrivals, shorter
+window; the same mix).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.demo import Call
+from app.sim.config import GiB, CoTenant, SimConfig
+
+from bench.workloads import chat_call, document_call, poisson_times, streaming
+
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant for the support desk of a large retailer. " * 40,
+    "You are a careful code reviewer. Answer with short and precise remarks. " * 55,
+    "You translate between English and French, keeping the tone of the source. " * 30,
+]
+
+
+@dataclass
+class Scenario:
+    key: str
+    title: str
+    sim: SimConfig
+    kvgate_flags: list[str]
+    traffic: Callable[[random.Random, float], list[Call]]
+    duration_s: float  # simulated seconds of arrivals (at scale 1)
+    speedup: float
+    caps: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64, 128])
+    note: str = ""
+
+
+def _chat_stream(rng: random.Random, rate: float, duration: float, **kw) -> list[Call]:
+    return [chat_call(rng, t, i, **kw) for i, t in enumerate(poisson_times(rng, rate, duration))]
+
+
+# ----- S1 ----------------------------------------------------------------------------------------
+def s1_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s plus long documents (8k-48k tokens, summarisation) at 0.25/s."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 2.0, d)
+    for t in poisson_times(rng, 0.25, d):
+        calls.append(document_call(rng, t, rng.choice([8000, 16000, 24000, 32000, 48000]),
+                                   "long document", max_tokens=256))
+    return streaming(calls)
+
+
+# ----- S2 ----------------------------------------------------------------------------------------
+def s2_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s; at 10 s a burst of 16 long prompts (6k-16k tokens) within one second."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 2.0, d)
+    burst = max(4, int(16 * scale))
+    for k in range(burst):
+        calls.append(document_call(rng, 10 * scale + rng.random(), rng.choice(
+            [6000, 8000, 12000, 16000]), "burst prompt", max_tokens=256))
+    return streaming(calls)
+
+
+# ----- S3 ----------------------------------------------------------------------------------------
+def s3_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Busy chat (3/s) with some long prompts (2k-8k tokens) at 0.5/s."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 3.0, d)
+    for t in poisson_times(rng, 0.5, d):
+        calls.append(document_call(rng, t, rng.choice([2000, 4000, 8000]), "long prompt"))
+    return streaming(calls)
+
+
+# ----- S4 ----------------------------------------------------------------------------------------
+def s4_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """High-concurrency mixed batches: chat at 5/s, a third with penalties (persistent
+    penalty tensor), prompts from 16 to 6k tokens."""
+    d = 30 * scale
+    calls = []
+    for i, t in enumerate(poisson_times(rng, 5.0, d)):
+        extra = {"presence_penalty": 0.5} if rng.random() < 0.33 else {}
+        calls.append(chat_call(rng, t, i, median_prompt=600, max_prompt=6000, **extra))
+    return streaming(calls)
+
+
+# ----- S5 ----------------------------------------------------------------------------------------
+def s5_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s; an evaluation job scores long prompts (prompt_logprobs, 2k-8k) at 0.3/s."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 2.0, d)
+    for t in poisson_times(rng, 0.3, d):
+        calls.append(document_call(rng, t, rng.choice([2000, 4000, 8000]), "scored prompt",
+                                   max_tokens=1, prompt_logprobs=1))
+    return streaming(calls)
+
+
+# ----- S6 ----------------------------------------------------------------------------------------
+def s6_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2.5/s with long prompts (4k-8k) at 0.4/s, while a co-tenant grows."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 2.5, d)
+    for t in poisson_times(rng, 0.4, d):
+        calls.append(document_call(rng, t, rng.choice([4000, 6000, 8000]), "long prompt"))
+    return streaming(calls)
+
+
+# ----- S7 ----------------------------------------------------------------------------------------
+def s7_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 4/s, each with one of three long shared system prompts (~500-700 tokens)."""
+    d = 30 * scale
+    calls = [chat_call(rng, t, i, system=rng.choice(SYSTEM_PROMPTS), median_prompt=300,
+                       max_tokens=(256, 512, 1024, 2048))
+             for i, t in enumerate(poisson_times(rng, 4.0, d))]
+    return streaming(calls)
+
+
+def _flags(mnbt: int, seqs: int, **extra: str) -> list[str]:
+    out = ["--max-num-batched-tokens", str(mnbt), "--max-num-seqs", str(seqs)]
+    for k, v in extra.items():
+        out += [f"--{k.replace('_', '-')}", v]
+    return out
+
+
+def _sim(**kw) -> SimConfig:
+    base = dict(model="llama-3.1-8b", gpu="h100-80gb", restart_seconds=60.0,
+                metrics_clock="sim")
+    return SimConfig(**{**base, **kw})
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("S1", "Chunked prefill over long prefixes, materializing attention",
+             _sim(max_model_len=65536, max_num_batched_tokens=2048, max_num_seqs=256,
+                  attention_backend="materializing"),
+             _flags(2048, 256, attention_backend="materializing"), s1_traffic, 30, 4),
+    Scenario("S2", "max_num_batched_tokens=200000, max_num_seqs=200, a burst of long prompts",
+             _sim(max_model_len=32768, max_num_batched_tokens=200000, max_num_seqs=200),
+             _flags(200000, 200), s2_traffic, 30, 4),
+    Scenario("S3", "gpu_memory_utilization 0.99, CUDA graphs outside the budget (vLLM < 0.21)",
+             _sim(max_model_len=16384, gpu_memory_utilization=0.99,
+                  cudagraph_memory_in_budget=False),
+             _flags(8192, 1024, gpu_memory_utilization="0.99"), s3_traffic, 30, 4),
+    Scenario("S4", "Allocator fragmentation under mixed high-concurrency batches",
+             _sim(max_model_len=16384, gpu_memory_utilization=0.95),
+             _flags(8192, 1024, gpu_memory_utilization="0.95"), s4_traffic, 30, 4),
+    Scenario("S5", "prompt_logprobs on long prompts mixed into chat",
+             _sim(max_model_len=16384, gpu_memory_utilization=0.95, max_num_seqs=256),
+             _flags(8192, 256, gpu_memory_utilization="0.95"), s5_traffic, 30, 4),
+    Scenario("S6", "A co-tenant process growing on the same GPU",
+             _sim(max_model_len=16384, cotenants=[
+                 CoTenant("trainer-1", 3 * GiB, 6.0), CoTenant("trainer-2", 3 * GiB, 14.0),
+                 CoTenant("trainer-3", 1 * GiB, 22.0)]),
+             _flags(8192, 1024), s6_traffic, 30, 4),
+    Scenario("S7", "KV-bound chat with shared system prompts (preemption, not OOM)",
+             _sim(gpu="l4-24gb", max_model_len=8192),
+             _flags(2048, 256), s7_traffic, 30, 4),
+]
