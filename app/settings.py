@@ -105,7 +105,9 @@ class Settings(BaseSettings):
         "UUIDs or indices, comma-separated); default: NVIDIA_VISIBLE_DEVICES, else all.",
     )
     max_kv_overcommit: float = Field(
-        1.5, ge=1.0, description="Upper bound of the calibrated KV overcommit factor."
+        1.0, ge=1.0,
+        description="Upper bound of the calibrated KV overcommit factor; above 1 kvgate may "
+        "reserve more than the pool while vLLM's usage stays low (risking preemptions, never OOM).",
     )
     max_transient_safety_margin: float = Field(
         0.6, gt=0.0, lt=1.0, description="Upper bound of the calibrated transient safety margin."

@@ -7,8 +7,9 @@ Two allowances, each adjusted AIMD-style (additive increase, multiplicative decr
 - `kv_overcommit` (pool x factor = KV blocks kvgate may reserve). The ledger reserves every
   request's full growth to max_tokens; most requests stop early, so reserving 100 % of the pool
   under-admits. Backed off (x 0.8, floor 1.0) when vLLM preempts or its KV usage passes the
-  target; raised (+0.05 per second, at most `max_overcommit`) only while requests wait for KV
-  and vLLM's usage is well below the target, and not within `hold_s` of the last back-off.
+  target; raised (+0.05 per second, at most `max_overcommit`, default 1 = off) only while
+  requests wait for KV and vLLM's usage at a settled moment is well below the target, and not
+  within `hold_s` of the last back-off.
 - `transient_spendable` = 1 - transient safety margin (fraction of the live headroom kvgate may
   reserve). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
   steps, and when the server's memory grew beyond what kvgate predicted; raised (+0.01 per 2 s,
@@ -91,7 +92,7 @@ def blocks_in_use(
 class CalibrationConfig:
     margin: float  # the configured transient safety margin (the floor)
     max_margin: float = 0.6
-    max_overcommit: float = 1.5
+    max_overcommit: float = 1.0
     kv_target: float = 0.9  # fraction of vLLM's pool kvgate aims to keep in use at most
     hold_s: float = 10.0
 
@@ -135,7 +136,7 @@ class Calibration:
             if self.kv.backoff(now):
                 return f"{what}: KV overcommit down to {self.kv.value:.2f}"
             return None
-        if waiting_for_kv and usage < self.config.kv_target - 0.2 and self.kv.raise_(now):
+        if settled and waiting_for_kv and usage < self.config.kv_target - 0.2 and self.kv.raise_(now):
             return f"requests wait for KV at usage {usage:.0%}: KV overcommit up to {self.kv.value:.2f}"
         return None
 
