@@ -23,7 +23,7 @@ pytestmark = pytest.mark.vllm
 
 CLIENTS = 6
 # 32 words = 129 tokens with BOS: one full 128-token block every request shares (with prefix
-# caching), then a private tail: 140 prompt tokens + 110 output tokens stay inside the second
+# caching), then a private tail: 131-132 prompt tokens + 124 output tokens stay inside the second
 # block for a request's whole life, so "steady" means: all of a wave's requests are running.
 SHARED = " ".join(f"word{i}" for i in range(32))
 KVGATE_FLAGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--scrape-interval", "0.1")
@@ -36,37 +36,36 @@ def vllm_without_prefix_caching(tiny_model_dir: Path, tmp_path_factory: pytest.T
         yield server
 
 
-def wave(kvgate: KvgateServer, n: int) -> tuple[list[float], list[float]]:
-    """CLIENTS requests at once; sample vLLM's blocks in use and kvgate's reported error."""
+def wave(kvgate: KvgateServer, n: int) -> list[float]:
+    """CLIENTS requests at once; kvgate's reported errors from settled scrapes with 4+ running."""
     def one(client: int) -> int:
-        body = {"model": SERVED_NAME, "prompt": f"{SHARED} client{client} wave{n}", "max_tokens": 110,
+        body = {"model": SERVED_NAME, "prompt": f"{SHARED} {chr(97 + client)}{n}", "max_tokens": 124,
                 "ignore_eos": True}
         return httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120).status_code
 
-    observed, errors = [], []
+    errors = []
     with ThreadPoolExecutor(CLIENTS) as pool:
         done = [pool.submit(one, c) for c in range(CLIENTS)]
         while not all(f.done() for f in done):
             text = httpx.get(kvgate.base_url + "/metrics", timeout=10).text
             m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
             if m["kvgate_kv_reconciled_requests"] >= 4:  # compared with 4+ running: sharing shows
-                observed.append(m["kvgate_backend_kv_blocks_used"])
                 errors.append(m["kvgate_kv_prediction_error_blocks"])
             time.sleep(0.05)
         assert [f.result() for f in done] == [200] * CLIENTS
-    return observed, errors
+    return errors
 
 
 def check(kvgate: KvgateServer) -> None:
     """kvgate reports the error at settled scrapes only (vLLM runs exactly its in-flight set)."""
-    observed, errors = [], []
-    for n in range(20):  # on a busy machine few moments are settled with 4+ running: keep going
-        o, e = wave(kvgate, n)
-        observed += o
-        errors += e
-        if len(errors) >= 3:
-            break
-    assert len(errors) >= 3, "no settled comparison with 4 or more requests running"
+    errors: list[float] = []
+    deadline = time.monotonic() + 180
+    n = 0
+    # On a busy machine few scrapes are settled with 4+ running: keep sending waves until 3 were.
+    while len(errors) < 3 and time.monotonic() < deadline:
+        errors += wave(kvgate, n)
+        n += 1
+    assert len(errors) >= 3, "fewer than 3 settled comparisons with 4 or more requests running"
     assert max(abs(e) for e in errors) <= 2, errors
     assert kvgate.metric("kvgate_kv_prediction_abs_error_blocks") <= 2
     assert kvgate.metric("kvgate_backend_preemptions_total") == 0
