@@ -66,8 +66,8 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     safety.quiet()
     chosen = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
-    caps0 = [8, 32] if args.quick else [4, 16, 64]
-    per = len(caps0) + 4
+    caps0 = [8] if args.tiny else [8, 32] if args.quick else [4, 16, 64]
+    per = len(caps0) + (0 if args.quick else 1) + 4
     bar = _bar(per * len(chosen), "safety")
     rows, sweeps, described = [], {}, []
     with safety.tmpdir() as tmp:
@@ -87,6 +87,18 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
             none = arm("none")
             sweep = [arm("cap", c) for c in caps0]
+            if not args.quick:  # one refinement: between the best survivor and the next OOM
+                best = pick_cap(sweep)
+                tried = {r.cap for r in sweep}
+                if best is None:
+                    nxt = max(1, min(tried) // 2)
+                else:
+                    above = sorted(r.cap for r in sweep if r.oom_crashes and r.cap > best.cap)
+                    nxt = (best.cap + above[0]) // 2 if above else best.cap * 2
+                if nxt in tried:
+                    bar.update(1)
+                else:
+                    sweep.append(arm("cap", nxt))
             sweeps[scn.key] = [{"cap": r.cap, "goodput_tokens_per_s": r.goodput_tokens_per_s,
                                 "oom_crashes": r.oom_crashes, "failed": r.failed}
                                for r in sorted(sweep, key=lambda r: r.cap)]
@@ -165,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--no-profile", action="store_true", help="skip py-spy")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--tiny", action="store_true", help="smoke-test size: one cap value, the shortest overhead phases")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.scale is None:
@@ -182,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         run_safety(args, out)
     if not args.skip_overhead:
         from bench.overhead import run_overhead
-        bar = _bar(2 * 3 if args.quick else 3 * 3, "overhead")
+        bar = _bar((1 if args.tiny else 2 if args.quick else 3) * 3, "overhead")
         ov = run_overhead(args.out, quick=args.quick, profile=not args.no_profile,
-                          progress=bar)
+                          progress=bar, tiny=args.tiny)
         bar.close()
         out["overhead"] = ov.pop("rows", [])
         out["overhead_detail"] = ov

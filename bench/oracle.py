@@ -5,7 +5,7 @@ It runs *inside* the simulator process, on the simulator's own event loop, as ex
 before it starts. For each request, first come first served, it parses the body with the
 simulator's own parser (exact token ids, sampling, n) and asks: if this request joined the
 engine now, would any step until it has produced its first tokens hit CUDA OOM? It answers by a
-dry run: a deep copy of the live engine state (scheduler queues, PyTorch caching allocator with its real fragmentation, the device with its co-tenants at their size
+dry run: a deep copy of the live engine state, advanced past the step in flight (scheduler queues, PyTorch caching allocator with its real fragmentation, the device with its co-tenants at their size
 `LOOKAHEAD_S` simulated seconds ahead), the candidate added, then the engine's own step code
 (scheduler.schedule, Engine.shape, StepMemory.plan, run_tape on the copied allocator, the same
 deterministic sampler) for up to `MAX_STEPS` steps, until the candidate has sampled `DECODE_STEPS` tokens. Steps
@@ -13,8 +13,9 @@ that carry no candidate are scheduled but not played on the allocator (they run 
 not it is admitted), and sequences in the dry run do not stop early (a conservative
 simplification: the sampler's stop point is not consulted). No OOM: it forwards the request to the simulator's own
 handler in the same loop turn (nothing runs in between, so the check and the admission are
-atomic). OOM: the request waits and the check is repeated after the engine's next step; a
-request that would OOM an idle engine is refused 400 `oracle_never_fits`; one that waited
+atomic). OOM: if it would OOM an idle engine too (a second dry run without the other requests) it is
+refused 400 `oracle_never_fits`; else it waits and the check is repeated when a request leaves
+the engine (or every `RECHECK_S`); one that waited
 `max_wait_s` wall seconds gets 429 `oracle_queue_timeout`.
 
 The copy leaves out the KV block pool (copying it per check is too slow): in the dry run
@@ -87,8 +88,14 @@ class _Shadow:
         self.alloc, self._batch_key, self._penalty_ids = alloc, batch_key, penalty
 
 
-def would_oom(engine: Engine, candidates: list[Request]) -> str | None:
-    """Dry-run the engine with `candidates` added; the OOM message, or None if it survives."""
+def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
+              idle: bool = False) -> str | None:
+    """Dry-run the engine with `candidates` added; the OOM message, or None if it survives.
+
+    `in_flight`: the scheduler output of the step the engine is running now (its tape has run,
+    its tokens are not yet counted): the copy counts them first, so the dry run starts at the
+    engine's next step. `idle`: dry-run the candidates on an engine with no other request.
+    """
     memo: dict[int, Any] = {}
     null = _Null()
     reqs = list(engine.scheduler.running) + list(engine.scheduler.waiting)
@@ -99,6 +106,20 @@ def would_oom(engine: Engine, candidates: list[Request]) -> str | None:
     state = copy.deepcopy((engine.scheduler, engine.alloc, engine._retained,
                            engine._penalty_ids), memo)
     sched, alloc, retained, penalty = state
+    sched.__dict__.pop("schedule", None)  # the live scheduler's tracking wrapper: not for the copy
+    if in_flight is not None:
+        for sr in in_flight.scheduled:
+            req = memo.get(id(sr.request))
+            if req is None or req.status != Status.RUNNING:
+                continue
+            req.num_computed_tokens += sr.num_new_tokens
+            if req.num_computed_tokens >= req.num_tokens:
+                req.output_token_ids.append(0)
+                if len(req.output_token_ids) >= req.sampling.max_tokens:
+                    _finish(sched, req)
+    if idle:
+        sched.running.clear()
+        sched.waiting.clear()
     device = alloc.device
     t_ahead = engine.sim_time() + LOOKAHEAD_S
     for c in engine.cfg.cotenants:
@@ -143,8 +164,14 @@ def would_oom(engine: Engine, candidates: list[Request]) -> str | None:
             sp = req.sampling
             if (len(req.output_token_ids) >= sp.max_tokens
                     or req.num_tokens >= engine.resolved.max_model_len):
-                sched.finish(req)
+                _finish(sched, req)
     return None
+
+
+def _finish(sched: Any, req: Request) -> None:
+    if any(r is req for r in sched.running):
+        sched.finish(req)
+    req.status = Status.FINISHED
 
 
 def _membership(engine: Engine) -> tuple[str, ...]:
@@ -158,6 +185,26 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
     endpoints = {r.path: r.endpoint for r in app.routes if hasattr(r, "endpoint")}
     lock = asyncio.Lock()
     stats = {"checks": 0, "held": 0, "never_fits": 0, "timeouts": 0}
+    flight: dict[str, Any] = {"out": None}
+    schedule, update = engine.scheduler.schedule, engine._update
+
+    def track_schedule() -> Any:  # the step in flight: scheduled, tokens not yet counted
+        flight["out"] = schedule()
+        return flight["out"]
+
+    def track_update(out: Any, start: float) -> None:
+        flight["out"] = None
+        update(out, start)
+
+    def rebind() -> None:  # after a restart the engine has a new scheduler
+        if getattr(engine.scheduler.schedule, "__name__", "") != "track_schedule":
+            nonlocal schedule
+            schedule = engine.scheduler.schedule
+            engine.scheduler.schedule = track_schedule  # type: ignore[method-assign]
+            flight["out"] = None
+
+    engine._update = track_update  # type: ignore[method-assign]
+    rebind()
 
     async def gated(http: HttpRequest, path: str) -> Response:
         chat = path.endswith("chat/completions")
@@ -176,8 +223,15 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                 cands = [Request(f"oracle-{i}", list(p.prompt_token_ids), p.sampling, 0.0,
                                  stream_seed=i) for i in range(p.n)]
                 stats["checks"] += 1
+                rebind()
                 t0 = time.perf_counter()
-                oom = would_oom(engine, cands)
+                oom = would_oom(engine, cands, flight["out"])
+                if oom is not None and would_oom(engine, cands, idle=True) is not None:
+                    stats["never_fits"] += 1
+                    return JSONResponse({"error": {
+                        "message": f"oracle: would OOM even on an idle engine: {oom[:200]}",
+                        "type": "BadRequestError", "param": None,
+                        "code": "oracle_never_fits"}}, status_code=400)
                 took = time.perf_counter() - t0
                 stats["check_ms_total"] = stats.get("check_ms_total", 0) + int(took * 1000)
                 stats["check_ms_max"] = max(stats.get("check_ms_max", 0), int(took * 1000))

@@ -253,10 +253,12 @@ def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000),
 
 
 def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
-                 progress: Any = None, log: Any = print) -> dict[str, Any]:
+                 progress: Any = None, log: Any = print, tiny: bool = False) -> dict[str, Any]:
     reps = 2 if quick else 3
     n1, n32, nstream = (150, 600, 100) if quick else (500, 3000, 400)
     rps_s = 1.0 if quick else 3.0
+    if tiny:  # the smoke test
+        reps, n1, n32, nstream, rps_s = 1, 40, 200, 30, 0.5
     old_aff = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as tmp:
         d = Path(tmp)
@@ -374,7 +376,7 @@ def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
                 if nginx_proc is not None:
                     nginx_cm.__exit__(None, None, None)
         os.sched_setaffinity(0, old_aff)
-        result["estimate_cost"] = estimate_cost(folder, reps=5 if quick else 30)
+        result["estimate_cost"] = estimate_cost(folder, reps=2 if tiny else 5 if quick else 30)
     return result
 
 
@@ -396,16 +398,44 @@ def profile_kvgate(pid: int, port: int, body: bytes, results_dir: Path, seconds:
                              "--nonblocking"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     time.sleep(0.5)
+    cpu0 = _cpu_seconds(pid)
     ls, _, wall = asyncio.run(_closed_loop(port, body, 64, seconds=seconds))
+    cpu_ms = (_cpu_seconds(pid) - cpu0) / max(1, len(ls)) * 1e3
     _, err = proc.communicate(timeout=60)
     if proc.returncode != 0 or not raw.exists():
         return {"error": f"py-spy failed: {err.decode()[-500:]}"}
-    return summarise_profile(raw, requests=len(ls))
+    out = summarise_profile(raw, requests=len(ls), cpu_ms_per_request=cpu_ms)
+    out["cpu_ms_per_request_while_sampled"] = round(cpu_ms, 4)
+    out["rate_hz"] = 250
+    return out
 
 
-def summarise_profile(raw: Path, requests: int, top: int = 25) -> dict[str, Any]:
+# Components, matched from the leaf of each sampled stack upwards: a sample counts for the
+# first (deepest) frame that belongs to one of them.
+COMPONENTS = (
+    ("tokenization (transformers/tokenizers, app/tokens.py)",
+     ("tokenization_utils", "tokenizers", "app/tokens.py", "app/chat_template.py")),
+    ("memory estimate (app/predict.py, app/memory/)", ("app/predict.py", "app/memory/")),
+    ("admission gate (app/gate/)", ("app/gate/",)),
+    ("request parsing (app/openai.py)", ("app/openai.py",)),
+    ("kvgate proxy/server code (app/proxy.py, app/server.py, app/runtime.py)",
+     ("app/proxy.py", "app/server.py", "app/runtime.py")),
+    ("upstream HTTP client (aiohttp/httpx)", ("aiohttp/", "httpx/", "httpcore/", "yarl/",
+                                              "multidict/")),
+    ("metrics (prometheus_client)", ("prometheus_client/",)),
+    ("telemetry loop (app/telemetry/)", ("app/telemetry/",)),
+    ("JSON (json/)", ("json/",)),
+    ("HTTP server (uvicorn, starlette, fastapi)", ("uvicorn/", "starlette/", "fastapi/",
+                                                   "h11/", "httptools")),
+    ("asyncio event loop", ("asyncio/", "uvloop")),
+)
+
+
+def summarise_profile(raw: Path, requests: int, top: int = 25,
+                      cpu_ms_per_request: float | None = None) -> dict[str, Any]:
     self_s: dict[str, int] = {}
     incl: dict[str, int] = {}
+    comp: dict[str, int] = {}
     total = 0
     for line in raw.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
@@ -418,10 +448,23 @@ def summarise_profile(raw: Path, requests: int, top: int = 25) -> dict[str, Any]
         self_s[leaf] = self_s.get(leaf, 0) + count
         for f in set(frames):
             incl[f] = incl.get(f, 0) + count
+        name = "other"
+        for f in reversed(frames):
+            hit = next((c for c, keys in COMPONENTS if any(k in f for k in keys)), None)
+            if hit:
+                name = hit
+                break
+        comp[name] = comp.get(name, 0) + count
 
-    def tbl(d: dict[str, int]) -> list[dict[str, Any]]:
+    def tbl(d: dict[str, int], n: int = top) -> list[dict[str, Any]]:
         return [{"frame": f, "share": round(c / total, 4), "samples": c}
-                for f, c in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+                for f, c in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
 
+    kv_incl = {f: c for f, c in incl.items() if "(app/" in f}
+    components = [{"component": c, "share": round(v / total, 4),
+                   "ms_per_request": None if cpu_ms_per_request is None
+                   else round(v / total * cpu_ms_per_request, 4)}
+                  for c, v in sorted(comp.items(), key=lambda kv: -kv[1])]
     return {"samples": total, "requests": requests, "file": str(raw.name),
-            "top_self": tbl(self_s), "top_inclusive": tbl(incl)}
+            "components": components, "top_self": tbl(self_s),
+            "top_inclusive_kvgate": tbl(kv_incl, 20), "top_inclusive": tbl(incl)}

@@ -76,9 +76,19 @@ def markdown(res: dict[str, Any]) -> str:
                        f"{e['tokenize_plus_estimate_ms_p50']} |")
         out.append("")
         prof = ov.get("profile") or {}
+        if prof.get("components"):
+            out += [f"### py-spy: where kvgate's CPU goes under concurrency-64 load "
+                    f"({prof['samples']} samples at {prof.get('rate_hz', '?')} Hz, "
+                    f"{prof['requests']} requests, "
+                    f"{prof.get('cpu_ms_per_request_while_sampled')} ms CPU a request)\n",
+                    "| component (deepest matching frame) | share | ms CPU per request |",
+                    "|---|---|---|"]
+            for c in prof["components"]:
+                out.append(f"| {c['component']} | {c['share'] * 100:.1f}% | "
+                           f"{_f(c['ms_per_request'], 3)} |")
+            out.append("")
         if prof.get("top_self"):
-            out += [f"### py-spy: kvgate under concurrency-64 load ({prof['samples']} samples, "
-                    f"{prof['requests']} requests)\n", "| self share | frame |", "|---|---|"]
+            out += ["Top frames by self time:\n", "| self share | frame |", "|---|---|"]
             for t in prof["top_self"][:15]:
                 out.append(f"| {t['share'] * 100:.1f}% | `{t['frame']}` |")
             out.append("")

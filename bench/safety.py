@@ -45,6 +45,7 @@ from bench import oracle as oracle_mod
 from bench.scenarios import Scenario
 
 ARMS = ("none", "static-cap", "saturation", "kvgate", "oracle")
+DRAIN_S = 60.0  # simulated seconds after the last arrival before outstanding requests time out
 
 
 @dataclass
@@ -146,7 +147,7 @@ class SaturationGate:
 
 async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None = None,
                  gate: SaturationGate | None = None, prefix: str = "",
-                 drain_s: float = 60.0, progress: Any = None) -> tuple[list[Outcome], float]:
+                 drain_s: float = DRAIN_S, progress: Any = None) -> tuple[list[Outcome], float]:
     """Send every call at at/speedup wall seconds; returns outcomes and the wall span."""
     sem = asyncio.Semaphore(cap) if cap else None
     start = time.monotonic()
@@ -253,7 +254,9 @@ def run_arm(scn: Scenario, arm: str, calls: list[Call], scale: float, workdir: P
     cfg = scaled_config(scn, scale)
     sp = scn.speedup
     notes: dict[str, Any] = {}
-    with simulator(cfg, with_oracle=(arm == "oracle")) as (sim, counts, ostats):
+    # The oracle holds a request at most as long as the run drains (kvgate: --max-queue-wait 30).
+    with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=min(30.0, DRAIN_S / sp)) \
+            as (sim, counts, ostats):
         if arm in ("none", "cap", "saturation"):
             gate = SaturationGate(sim.url) if arm == "saturation" else None
             outs, span = asyncio.run(replay(sim.url, calls, sp, cap=cap, gate=gate,
@@ -270,6 +273,16 @@ def run_arm(scn: Scenario, arm: str, calls: list[Call], scale: float, workdir: P
                 with contextlib.suppress(httpx.HTTPError):
                     notes["kvgate_decisions"] = {f"{d}/{r}": n for (d, r), n in
                                                  decisions(url).items()}
+                    text = httpx.get(url + "/metrics", timeout=5).text
+                    notes["kvgate_gauges"] = {
+                        m.group(1): float(m.group(2)) for m in re.finditer(
+                            r"^(kvgate_(?:kv_overcommit_factor|transient_safety_margin|"
+                            r"transient_headroom_bytes|backend_restarts_total|"
+                            r"transient_prediction_error_bytes))(?:\{\})? ([0-9.eE+-]+)$",
+                            text, re.M)}
+                log_text = (workdir / f"kvgate-{scn.key}.log").read_text(errors="replace")
+                notes["kvgate_warnings"] = [ln[24:300] for ln in log_text.splitlines()
+                                            if " WARNING " in ln or " ERROR " in ln][:12]
                 notes["kvgate_command"] = " ".join(cmd[3:])
         else:
             raise ValueError(arm)

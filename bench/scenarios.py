@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.demo import Call
-from app.sim.config import GiB, CoTenant, SimConfig
+from app.sim.config import GiB, MiB, CoTenant, SimConfig
 
 from bench.workloads import chat_call, document_call, poisson_times, streaming
 
@@ -40,6 +40,13 @@ def _chat_stream(rng: random.Random, rate: float, duration: float, **kw) -> list
     return [chat_call(rng, t, i, **kw) for i, t in enumerate(poisson_times(rng, rate, duration))]
 
 
+def _with_logprobs(rng: random.Random, calls: list[Call], share: float) -> None:
+    """OpenAI clients asking for token logprobs (raw logprobs B x V fp32: never profiled)."""
+    for c in calls:
+        if rng.random() < share:
+            c.body.update(logprobs=True, top_logprobs=5)
+
+
 # ----- S1 ----------------------------------------------------------------------------------------
 def s1_traffic(rng: random.Random, scale: float) -> list[Call]:
     """Chat at 2/s plus long documents (8k-48k tokens, summarisation) at 0.25/s."""
@@ -65,9 +72,11 @@ def s2_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 # ----- S3 ----------------------------------------------------------------------------------------
 def s3_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """Busy chat (3/s) with some long prompts (2k-8k tokens) at 0.5/s."""
+    """Busy chat (3/s), a fifth asking for top-5 logprobs, with long prompts (2k-8k tokens)
+    at 0.5/s."""
     d = 30 * scale
     calls = _chat_stream(rng, 3.0, d)
+    _with_logprobs(rng, calls, 0.2)
     for t in poisson_times(rng, 0.5, d):
         calls.append(document_call(rng, t, rng.choice([2000, 4000, 8000]), "long prompt"))
     return streaming(calls)
@@ -98,9 +107,11 @@ def s5_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 # ----- S6 ----------------------------------------------------------------------------------------
 def s6_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """Chat at 2.5/s with long prompts (4k-8k) at 0.4/s, while a co-tenant grows."""
+    """Chat at 2.5/s (a fifth with top-5 logprobs), long prompts (4k-8k) at 0.4/s, while a
+    co-tenant grows."""
     d = 30 * scale
     calls = _chat_stream(rng, 2.5, d)
+    _with_logprobs(rng, calls, 0.2)
     for t in poisson_times(rng, 0.4, d):
         calls.append(document_call(rng, t, rng.choice([4000, 6000, 8000]), "long prompt"))
     return streaming(calls)
@@ -148,9 +159,9 @@ SCENARIOS: list[Scenario] = [
              _sim(max_model_len=16384, gpu_memory_utilization=0.95, max_num_seqs=256),
              _flags(8192, 256, gpu_memory_utilization="0.95"), s5_traffic, 30, 4),
     Scenario("S6", "A co-tenant process growing on the same GPU",
-             _sim(max_model_len=16384, cotenants=[
-                 CoTenant("trainer-1", 3 * GiB, 6.0), CoTenant("trainer-2", 3 * GiB, 14.0),
-                 CoTenant("trainer-3", 1 * GiB, 22.0)]),
+             _sim(max_model_len=16384, expandable_segments=True, cotenants=[
+                 CoTenant("trainer-1", 3 * GiB, 6.0), CoTenant("trainer-2", 4 * GiB, 14.0),
+                 CoTenant("trainer-3", 4608 * MiB, 22.0)]),
              _flags(8192, 1024), s6_traffic, 30, 4),
     Scenario("S7", "KV-bound chat with shared system prompts (preemption, not OOM)",
              _sim(gpu="l4-24gb", max_model_len=8192),
