@@ -18,7 +18,12 @@ def endpoint_for(body: dict[str, Any], hint: str | None) -> Endpoint:
 async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str, Any]:
     """The footprint, each transient term, the budget and the decision that would be taken now."""
     endpoint = endpoint_for(parse_json_object(raw), hint)
-    evaluation = await rt.predict(endpoint, raw)
+    try:
+        evaluation = await rt.predict(endpoint, raw)
+    except ApiError as error:
+        if error.code != "context_length_exceeded":
+            raise
+        return {"endpoint": endpoint, "decision": "reject", "reason": error.code, "message": error.message}
     prediction, demand = evaluation.prediction, evaluation.prediction.demand
     assert rt.predictor is not None
     try:
