@@ -124,7 +124,7 @@ def _sim_desc(cfg: Any) -> str:
         if k in ("cotenants",):
             if v:
                 parts.append("cotenants=" + ",".join(
-                    f"{c.name}:{c.bytes / 2**30:.0f}GiB@{c.start_s:g}s" for c in v))
+                    f"{c.name}:{c.bytes / 2**30:g}GiB@{c.start_s:g}s" for c in v))
             continue
         if v != getattr(SimConfig, k, None) and k not in ("speedup",):
             parts.append(f"{k}={v}")
