@@ -66,7 +66,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     safety.quiet()
     chosen = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
-    caps0 = [8] if args.tiny else [8, 32] if args.quick else [4, 16, 64]
+    caps0 = [8] if args.tiny else [16] if args.quick else [4, 16, 64]
     per = len(caps0) + (0 if args.quick else 1) + 4
     bar = _bar(per * len(chosen), "safety")
     rows, sweeps, described = [], {}, []
@@ -167,10 +167,10 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="~2-minute smoke run (smaller traffic, "
+    p.add_argument("--quick", action="store_true", help="~2.5-minute smoke run (smaller traffic, "
                    "2-value cap sweep, short overhead phases)")
     p.add_argument("--scale", type=float, default=None,
-                   help="traffic scale (arrival window x scale); default 1, 0.5 with --quick")
+                   help="traffic scale (arrival window x scale); default 1, 0.3 with --quick")
     p.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
                    help="comma-separated subset, e.g. S1,S5")
     p.add_argument("--skip-safety", action="store_true")
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     if args.scale is None:
-        args.scale = 0.5 if args.quick else 1.0
+        args.scale = 0.3 if args.quick else 1.0
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     out: dict[str, Any] = {

@@ -255,8 +255,8 @@ def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000),
 def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
                  progress: Any = None, log: Any = print, tiny: bool = False) -> dict[str, Any]:
     reps = 2 if quick else 3
-    n1, n32, nstream = (150, 600, 100) if quick else (500, 3000, 400)
-    rps_s = 1.0 if quick else 3.0
+    n1, n32, nstream = (100, 400, 60) if quick else (500, 3000, 400)
+    rps_s = 0.7 if quick else 3.0
     if tiny:  # the smoke test
         reps, n1, n32, nstream, rps_s = 1, 40, 200, 30, 0.5
     old_aff = os.sched_getaffinity(0)
