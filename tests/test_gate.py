@@ -59,6 +59,17 @@ class TestLedger:
         ledger.release(second)
         assert ledger.transient_bytes == 710
 
+    def test_high_water_mark_sees_short_lived_prefills(self) -> None:
+        ledger = Ledger()
+        short = ledger.reserve(demand(prefill=900, decode=10))
+        ledger.end_prefill(short)
+        ledger.release(short)
+        assert ledger.transient_bytes == 0 and ledger.peak_transient_bytes == 910
+        kept = ledger.reserve(demand(prefill=0, decode=50))
+        ledger.reset_peak()  # a new engine life starts from what is held now
+        assert ledger.peak_transient_bytes == 50
+        ledger.release(kept)
+
     def test_end_prefill_frees_only_prefill_bytes(self) -> None:
         ledger = Ledger()
         reservation = ledger.reserve(demand(prefill=100, decode=10))

@@ -65,3 +65,18 @@ def test_blocks_in_use_counts_shared_prefixes_once_and_grows_with_output() -> No
     c = InFlight(demand(200, 300, (), 4), admitted_at=0.0)
     assert blocks_in_use([c, c], 128, now=0.0, decode_tokens_per_s=None) == 4
     assert blocks_in_use([], 128, 0.0, None) == 0
+
+
+def test_one_unexplained_growth_backs_off_once_not_at_every_reading() -> None:
+    """The growth is cumulative over an engine life: the allocator keeps what one step took."""
+    c = Calibration(CalibrationConfig(margin=0.1, max_margin=0.6))
+    seen = dict(predicted_peak=100 * MiB, tolerance=200 * MiB, waiting_for_transient=False)
+    assert c.observe_transient(1, server_growth=900 * MiB, **seen)
+    once = c.transient_margin
+    for t in range(2, 10):
+        assert c.observe_transient(t, server_growth=900 * MiB, **seen) is None
+    assert c.transient_margin == once
+    assert c.observe_transient(10, server_growth=1500 * MiB, **seen)  # new, larger growth
+    assert c.transient_margin > once
+    c.new_life()  # a restart: its allocator starts empty, so the same growth is news again
+    assert c.observe_transient(11, server_growth=900 * MiB, **seen)

@@ -40,6 +40,7 @@ class Ledger:
         self._private_blocks = 0
         self._open_prefills: list[int] = []  # sorted prefill bytes of requests still prefilling
         self._decode_bytes = 0
+        self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
 
@@ -74,9 +75,14 @@ class Ledger:
         self._private_blocks += demand.private_blocks
         bisect.insort(self._open_prefills, demand.transient_prefill_bytes)
         self._decode_bytes += demand.transient_decode_bytes
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         self._reservations[reservation.id] = reservation
         return reservation
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark (a new engine life) from what is reserved now."""
+        self.peak_transient_bytes = self.transient_bytes
 
     def end_prefill(self, reservation: Reservation) -> bool:
         """The first token is out: the prefill-only transient terms are gone. True if it changed."""

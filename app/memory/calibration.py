@@ -107,6 +107,7 @@ class Calibration:
     kv_error_blocks: float = 0.0
     kv_abs_error_blocks: float = 0.0  # exponentially smoothed |predicted - observed|
     transient_error_bytes: int = 0
+    growth_at_backoff: int = 0  # server growth already answered by a back-off this engine life
 
     def __post_init__(self) -> None:
         c = self.config
@@ -147,6 +148,11 @@ class Calibration:
         """Compare the server's memory growth with kvgate's predicted transient peak."""
         self.transient_error_bytes = server_growth - predicted_peak
         if self.transient_error_bytes > tolerance:
+            # The growth is cumulative over the engine life: back off once per new growth, not
+            # again at every reading of the same allocator cache.
+            if server_growth <= self.growth_at_backoff:
+                return None
+            self.growth_at_backoff = server_growth
             if self.transient.backoff(now):
                 return (
                     f"server memory grew {server_growth / 2**20:.0f} MiB, kvgate predicted at most "
@@ -156,6 +162,10 @@ class Calibration:
         if waiting_for_transient and self.transient.raise_(now):
             return f"requests wait for transient memory: margin down to {self.transient_margin:.2f}"
         return None
+
+    def new_life(self) -> None:
+        """The backend restarted: its allocator cache, and so its growth, start from zero."""
+        self.growth_at_backoff = 0
 
     def oom_restart(self, now: float) -> float:
         """The backend died after admitted steps: spend less of the headroom from now on."""

@@ -1,17 +1,24 @@
 """The live transient headroom, derived from GPU readings.
 
-vLLM has already taken its KV pool, weights, CUDA graphs and the profiled activation region when
-it starts serving, so memory NVML shows free is memory its unprofiled tensors can still get.
-Per device, over one engine life:
+vLLM has already taken its KV pool, weights and CUDA graphs when it starts serving. It empties
+its allocator cache after the start-up profile, so part of the profiled activation region may
+show as free: that part belongs to every step's profiled tensors (MLP, logits, the sampler's
+sort), which come back for it, not to the unprofiled ones this headroom is for. Per device, over
+one engine life:
 
-    headroom_d = free_d + max(0, server_used_d - server_used_at_start_d)
+    headroom_d = free_d + growth_d - unclaimed_d
+    growth_d    = max(0, server_used_d - server_used_at_start_d)
+    unclaimed_d = min(profile peak, max(0, gpu_memory_utilization x total_d - server_used_at_start_d))
 
 where the server is the process holding the most memory at the first reading of the life (vLLM's
-engine: its KV pool dominates). The second term is what PyTorch's caching allocator has reserved
-since start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
-tensor reuses it, so without it every large request would shrink the headroom for good. Memory
-a co-tenant takes lowers `free_d` and nothing gives it back: the headroom shrinks at once.
-The budget's headroom is the minimum over the devices (tensor parallel ranks run the same step).
+engine: its KV pool dominates). `growth` is what PyTorch's caching allocator has reserved since
+start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
+tensor reuses it, so without it every large request would shrink the headroom for good.
+`unclaimed` is the part of vLLM's own envelope (utilization x total) its engine did not hold at
+start-up: the profile region it emptied and has not re-reserved (a sampler warm-up re-reserves
+some). Memory a co-tenant takes lowers `free_d` and nothing gives it back: the headroom shrinks
+at once. The budget's headroom is the minimum over the devices (tensor parallel ranks run the
+same step).
 """
 
 from __future__ import annotations
@@ -49,12 +56,24 @@ class HeadroomTracker:
         now = next((p.used_bytes for p in known if p.pid == pid), None)
         return 0 if now is None else max(0, now - start)
 
-    def update(self, reading: GpuReading) -> Headroom | None:
+    def _unclaimed(self, device: DeviceMemory, utilization: float | None, profile_peak: int) -> int:
+        start = self._start.get(device.gpu)
+        if utilization is None or start is None:
+            return 0
+        return min(profile_peak, max(0, int(utilization * device.total) - start[1]))
+
+    def update(
+        self, reading: GpuReading, utilization: float | None = None, profile_peak: int = 0
+    ) -> Headroom | None:
+        """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known."""
         if not reading.devices:
             return None
         growth = {d.gpu: self._growth(d) for d in reading.devices}
         return Headroom(
-            bytes=min(d.free + growth[d.gpu] for d in reading.devices),
+            bytes=min(
+                max(0, d.free + growth[d.gpu] - self._unclaimed(d, utilization, profile_peak))
+                for d in reading.devices
+            ),
             server_growth=max(growth.values()),
             min_free=min(d.free for d in reading.devices),
         )

@@ -72,7 +72,6 @@ class LiveBudget:
         self.snapshot: BackendSnapshot | None = None
         self.decode_rate: float | None = None
         self._busy_at_down = False
-        self._life_peak_reserved = 0
         self._needs_resync = False
         self._preempted = 0.0
         metrics.scrape_age.set_function(lambda: self.clock() - self.last_scrape)
@@ -150,13 +149,14 @@ class LiveBudget:
             log.warning(
                 "backend restarted after steps kvgate admitted (likely a CUDA OOM): transient safety "
                 "margin %.2f -> %.2f; highest transient reservation this life %d MiB, headroom %s MiB",
-                before, after, self._life_peak_reserved // MiB,
+                before, after, self.gate.ledger.peak_transient_bytes // MiB,
                 "?" if self.headroom_bytes is None else self.headroom_bytes // MiB,
             )
         else:
             log.warning("backend restarted (no admitted step was running): resynchronising")
         self.headroom.reset()
-        self._life_peak_reserved = 0
+        self.gate.ledger.reset_peak()
+        self.calibration.new_life()
         self._busy_at_down = False
 
     def _count(self, previous: BackendSnapshot | None, snapshot: BackendSnapshot, now: float) -> None:
@@ -209,6 +209,13 @@ class LiveBudget:
         if reason:
             log.info("calibration: %s", reason)
 
+    def utilization(self) -> float:
+        """vLLM's gpu_memory_utilization (its cache_config_info, else the flag): the envelope its
+        engine sizes itself to, the profile region included."""
+        cache = self.snapshot.cache_config if self.snapshot else None
+        reported = cache.gpu_memory_utilization if cache else None
+        return reported or self.settings.gpu_memory_utilization
+
     def _gpu(self, reading: GpuReading, now: float) -> None:
         if reading.error is not None:
             self.metrics.gpu_probe_up.set(0)
@@ -217,7 +224,7 @@ class LiveBudget:
         self.metrics.gpu_probe_up.set(1)
         for device in reading.devices:
             self.metrics.gpu_free.labels(device.gpu).set(device.free)
-        headroom = self.headroom.update(reading)
+        headroom = self.headroom.update(reading, self.utilization(), self.budget.profiled_peak_bytes)
         if headroom is None:
             return
         self.last_gpu = now
@@ -230,10 +237,9 @@ class LiveBudget:
         self.headroom_bytes = headroom.bytes
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
-        self._life_peak_reserved = max(self._life_peak_reserved, self.gate.ledger.transient_bytes)
         tolerance = max(64 * MiB, headroom.bytes // 20) + self.budget.profiled_peak_bytes
         reason = self.calibration.observe_transient(
-            now, headroom.server_growth, self._life_peak_reserved, tolerance,
+            now, headroom.server_growth, self.gate.ledger.peak_transient_bytes, tolerance,
             self._waiting_for() == TRANSIENT_BUSY,
         )
         self.metrics.transient_error.set(self.calibration.transient_error_bytes)
