@@ -143,7 +143,10 @@ class Relay(Response):
         finally:
             watcher.cancel()
             self._on_end(outcome)
-            self.upstream.close()
+            if outcome in ("completed", "refused_by_backend"):
+                self.upstream.release()  # read to the end: the connection goes back to the pool
+            else:
+                self.upstream.close()  # abandoned mid-body: closing it makes vLLM abort
 
     async def _watch_disconnect(self, receive: Receive) -> None:
         """The client left: closing the upstream connection makes vLLM abort the request."""

@@ -39,8 +39,10 @@ def vllm_without_prefix_caching(tiny_model_dir: Path, tmp_path_factory: pytest.T
 def wave(kvgate: KvgateServer, n: int) -> list[float]:
     """CLIENTS requests at once; kvgate's reported errors from settled scrapes with 4+ running."""
     def one(client: int) -> int:
+        # logprobs make each of vLLM's steps slow (their serialisation), so a wave stays steady
+        # for seconds even on an idle machine, where plain 124-token answers finish in 0.2 s.
         body = {"model": SERVED_NAME, "prompt": f"{SHARED} {chr(97 + client)}{n}", "max_tokens": 124,
-                "ignore_eos": True}
+                "ignore_eos": True, "logprobs": 20}
         return httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120).status_code
 
     errors = []
