@@ -20,7 +20,7 @@ venv: $(VENV)/.kvgate-installed
 # Reinstalled when pyproject.toml changes, so new dependencies arrive.
 $(VENV)/.kvgate-installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
 	touch $@
 
 vllm-venv:

@@ -10,11 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` package
 
-pytest.importorskip("matplotlib")
 
 SAFETY_KEYS = {"scenario", "arm", "oom_crashes", "failed", "completed", "goodput_tokens_per_s",
                "ttft_p50_s", "ttft_p99_s", "rejected", "preemptions"}
