@@ -20,7 +20,7 @@ def _rej(d: dict[str, int]) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
-    out = [f"# kvgate benchmark results\n",
+    out = ["# kvgate benchmark results\n",
            f"`{res['command']}` on {m.get('cpu_model', '?')} ({m.get('cpus')} cores), "
            f"Python {m.get('python')}, {res['started_at']}, {res['duration_s']:.0f} s.\n"]
     if res.get("safety"):

@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import httpx
-import pytest
 
 from support.fake_backend import running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate

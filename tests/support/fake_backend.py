@@ -52,7 +52,6 @@ class FakeBackend:
         async def tokenize(request: Request) -> Response:
             if self.tokenize_fails:
                 return JSONResponse({"error": {"message": "tokenizer disabled", "code": 500}}, status_code=500)
-            body = await request.json()
             return JSONResponse({"count": 3, "max_model_len": 1024, "tokens": [1, 2, 3], "token_strs": None})
 
         async def completions(request: Request) -> Response:
