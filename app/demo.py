@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.process import stop_process
 from app.sim.config import SimConfig
 from app.sim.presets import gpu_total_bytes, write_model_folder
 from app.sim.runner import SimRunner, free_port
@@ -238,12 +239,7 @@ def kvgate(backend: str, model_dir: Path, flags: list[str], total_bytes: int,
             time.sleep(0.1)
         yield url, cmd
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def decisions(url: str) -> dict[tuple[str, str], int]:

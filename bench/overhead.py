@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from app.process import stop_process
 from app.sim.runner import free_port
 
 PROXY_CORE, LOAD_CORE = "0", "1"
@@ -129,12 +130,7 @@ def _proc(cmd: list[str], log: Path, ready_url: str, what: str) -> Iterator[subp
         _wait_http(ready_url, proc, what, log)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def taskset(core: str) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.process import stop_process
 from support.vllm_server import free_port
 
 
@@ -66,9 +67,4 @@ def running_kvgate(
             time.sleep(0.2)
         yield KvgateServer(url, log_path)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
