@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from app.sim.blocks import BlockPool, KVCacheManager
 from app.sim.request import Request, Sampling, Status
-from app.sim.scheduler import Scheduler
+from app.sim.scheduler import Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int = 1000, mnbt: int = 64, mns: int = 4, caching: bool = True,
@@ -18,8 +18,8 @@ def req(i: int, n: int, max_tokens: int = 4, prefix: list[int] | None = None) ->
     return Request(f"r{i}", ids, Sampling(max_tokens=max_tokens), 0.0)
 
 
-def advance(s: Scheduler) -> list[tuple[str, int, int]]:
-    """One step as the engine does it: schedule, compute, sample, finish."""
+def step(s: Scheduler) -> SchedulerOutput:
+    """One step as the engine does it: schedule, compute, sample, finish; the schedule."""
     out = s.schedule()
     for x in out.scheduled:
         r = x.request
@@ -28,7 +28,12 @@ def advance(s: Scheduler) -> list[tuple[str, int, int]]:
             r.output_token_ids.append(7)
             if len(r.output_token_ids) >= r.sampling.max_tokens:
                 s.finish(r)
-    return [(x.request.request_id, x.num_new_tokens, x.num_context) for x in out.scheduled]
+    return out
+
+
+def advance(s: Scheduler) -> list[tuple[str, int, int]]:
+    """One step; what it scheduled as (request, new tokens, context)."""
+    return [(x.request.request_id, x.num_new_tokens, x.num_context) for x in step(s).scheduled]
 
 
 def test_budget_and_max_num_seqs_are_never_exceeded() -> None:
@@ -59,15 +64,7 @@ def test_preemption_when_blocks_run_out() -> None:
     for _ in range(80):
         if not s.has_work():
             break
-        out = s.schedule()
-        preempted += len(out.preempted)
-        for x in out.scheduled:
-            r = x.request
-            r.num_computed_tokens += x.num_new_tokens
-            if r.num_computed_tokens >= r.num_tokens:
-                r.output_token_ids.append(7)
-                if len(r.output_token_ids) >= r.sampling.max_tokens:
-                    s.finish(r)
+        preempted += len(step(s).preempted)
         assert s.kv.pool.num_free >= 0
     assert preempted > 0 and s.num_preemptions == preempted
     assert not s.has_work()
