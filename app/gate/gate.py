@@ -35,10 +35,6 @@ class Ticket:
         self.reservation = reservation
         self.queue_wait_s = queue_wait_s
 
-    @property
-    def released(self) -> bool:
-        return self.reservation.released
-
     def end_prefill(self) -> None:
         """The first output token arrived: prefill-only transient memory is free again."""
         if self._gate.ledger.end_prefill(self.reservation):
