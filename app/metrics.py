@@ -36,7 +36,8 @@ class KvgateMetrics:
             registry=r,
         )
         self.reserved_transient = Gauge(
-            "kvgate_reserved_transient_bytes", "Unprofiled transient memory reserved by in-flight requests.",
+            "kvgate_reserved_transient_bytes",
+            "Transient memory in-flight requests hold of the transient budget (profiled terms too when it comes from GPU readings).",
             registry=r,
         )
         self.predicted_transient = Histogram(

@@ -108,7 +108,7 @@ class Predictor:
 
     def _demand(self, footprints: list[Footprint]) -> Demand:
         shared: list[int] = []
-        private = prefill = decode = profiled = 0
+        private = prefill = decode = profiled = profiled_prefill = profiled_decode = 0
         for fp in footprints:
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
             shared.extend(hashes)
@@ -116,7 +116,10 @@ class Predictor:
             per_request = [t for t in fp.transient.terms if not t.profiled and not t.shared]
             prefill += peak_of([t for t in per_request if t.phase == "prefill"])
             decode += peak_of([t for t in per_request if t.phase == "decode"])
-            profiled = max(profiled, peak_of([t for t in fp.transient.terms if t.profiled]))
+            in_profile = [t for t in fp.transient.terms if t.profiled]
+            profiled = max(profiled, peak_of(in_profile))
+            profiled_prefill += peak_of([t for t in in_profile if t.phase == "prefill"])
+            profiled_decode += peak_of([t for t in in_profile if t.phase == "decode"])
         # A profiled term larger than the profile's own peak spills into the free headroom.
         prefill += max(0, profiled - self.profiled_peak_bytes)
         return Demand(
@@ -126,6 +129,8 @@ class Predictor:
             private_blocks=private,
             transient_prefill_bytes=prefill,
             transient_decode_bytes=decode,
+            profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
+            profiled_decode_bytes=min(profiled_decode, self.profiled_peak_bytes),
         )
 
     def _check_context_length(self, spec: RequestSpec, prompt_tokens: int, max_new: int) -> None:
@@ -157,7 +162,8 @@ class Predictor:
                 "kv_cache_never_fits",
             )
         limit = budget.max_transient_limit()
-        if limit is not None and demand.transient_bytes > limit:
+        needed = budget.transient_charge_alone(demand)
+        if limit is not None and needed > limit:
             worst = max(
                 (t for t in prediction.transient_terms if not t.profiled),
                 key=lambda t: t.bytes,
@@ -167,7 +173,7 @@ class Predictor:
             advice = _ADVICE.get(worst.name if worst else "", "send a shorter prompt")
             raise ApiError(
                 400,
-                f"{what} needs {demand.transient_bytes / GIB:.1f} GiB of transient GPU memory, at "
+                f"{what} needs {needed / GIB:.1f} GiB of transient GPU memory, at "
                 f"most {limit / GIB:.1f} GiB is available even on an idle server: {advice}.",
                 "transient_memory_never_fits",
             )

@@ -16,10 +16,14 @@ from app.metrics import KvgateMetrics
 from app.openai import ApiError
 
 
-def demand(blocks: int = 1, shared: tuple[int, ...] = (), prefill: int = 0, decode: int = 0) -> Demand:
+def demand(
+    blocks: int = 1, shared: tuple[int, ...] = (), prefill: int = 0, decode: int = 0,
+    profiled_prefill: int = 0, profiled_decode: int = 0,
+) -> Demand:
     return Demand(
         prompt_tokens=16 * len(shared), max_new_tokens=16, shared_block_hashes=shared,
         private_blocks=blocks, transient_prefill_bytes=prefill, transient_decode_bytes=decode,
+        profiled_prefill_bytes=profiled_prefill, profiled_decode_bytes=profiled_decode,
     )
 
 
@@ -79,6 +83,40 @@ class TestLedger:
         assert ledger.transient_bytes == 10
         ledger.release(reservation)
         assert ledger.transient_bytes == 0
+
+    def test_profiled_terms_add_up_over_open_prefills_and_decodes(self) -> None:
+        """Chunks of several prefills share a step's MLP, so their profiled terms add up."""
+        ledger = Ledger()
+        first = ledger.reserve(demand(profiled_prefill=500, profiled_decode=5))
+        second = ledger.reserve(demand(profiled_prefill=300, profiled_decode=5))
+        assert ledger.profiled_bytes == 810
+        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 910
+        ledger.end_prefill(first)
+        assert ledger.profiled_bytes == 310
+        ledger.release(second)
+        ledger.release(first)
+        assert ledger.profiled_bytes == 0
+
+
+class TestBudgetCharges:
+    def test_profiled_terms_are_free_beside_a_headroom_from_flags(self) -> None:
+        budget = Budget(kv_blocks=10, transient_headroom_bytes=100, transient_margin=0.0)
+        assert budget.shortfall(demand(profiled_prefill=10**9), Ledger()) is None
+
+    def test_profiled_terms_are_charged_up_to_the_emptied_region(self) -> None:
+        """A live headroom includes the profile region: a co-tenant that took it leaves the MLP of
+        a long prefill nowhere to go, though the request has no unprofiled term at all."""
+        budget = Budget(kv_blocks=10, transient_headroom_bytes=100, transient_margin=0.0, profiled_cap_bytes=400)
+        ledger = Ledger()
+        assert budget.shortfall(demand(profiled_prefill=150), ledger) == TRANSIENT_BUSY
+        assert budget.shortfall(demand(profiled_prefill=60, prefill=40), ledger) is None
+        budget.update(transient_headroom_bytes=1000)
+        ledger.reserve(demand(profiled_prefill=900, prefill=100))
+        assert budget.transient_charge(ledger) == 100 + 400  # the region is never charged twice
+        # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
+        assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
+        assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
+        assert budget.transient_charge_alone(demand(profiled_prefill=900, decode=7)) == 407
 
 
 class TestQueue:

@@ -111,26 +111,26 @@ def test_headroom_is_free_plus_server_growth_and_cotenants_shrink_it() -> None:
     assert h and h.bytes == 4 * GiB and h.server_growth == 0
 
 
-def test_the_emptied_profile_region_is_not_headroom_for_unprofiled_tensors() -> None:
+def test_the_emptied_profile_region_is_counted_and_capped_for_profiled_terms() -> None:
     """vLLM (utilization 0.9 of 80 GiB = 72 GiB) emptied a 3 GiB profile region after start-up;
     a 1 GiB sampler warm-up re-reserved part of it, so its engine holds 70 GiB at the first
-    reading and 10 GiB look free. 2 GiB of that are its profiled tensors' (MLP, logits)."""
+    reading and 10 GiB look free. 2 GiB of that are where its profiled tensors (MLP, logits) go."""
     t = HeadroomTracker()
     h = t.update(reading(("a", 10 * GiB, {1: 70 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 8 * GiB
-    # A co-tenant takes 3 GiB, then vLLM re-reserves its 2 GiB for a big batch: 3 GiB are left.
+    assert h and h.bytes == 10 * GiB and h.profiled_cap == 2 * GiB
+    # A co-tenant takes 3 GiB, then vLLM re-reserves its 2 GiB for a big batch: 5 GiB are left.
     h = t.update(reading(("a", 7 * GiB, {1: 70 * GiB, 99: 3 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 5 * GiB
+    assert h and h.bytes == 7 * GiB and h.profiled_cap == 2 * GiB
     h = t.update(reading(("a", 5 * GiB, {1: 72 * GiB, 99: 3 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 5 * GiB and h.server_growth == 2 * GiB
-    # Never more than the profile peak is set aside, and an engine already past its envelope
-    # (CUDA graphs outside the budget, allocator cache) sets nothing aside.
+    assert h and h.bytes == 7 * GiB and h.server_growth == 2 * GiB
+    # Never more than the profile peak is capped, and an engine already past its envelope
+    # (CUDA graphs outside the budget, allocator cache) emptied nothing.
     fresh = HeadroomTracker()
     h = fresh.update(reading(("a", 20 * GiB, {1: 60 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 17 * GiB
+    assert h and h.bytes == 20 * GiB and h.profiled_cap == 3 * GiB
     full = HeadroomTracker()
     h = full.update(reading(("a", 7 * GiB, {1: 73 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 7 * GiB
+    assert h and h.bytes == 7 * GiB and h.profiled_cap == 0
 
 
 def test_headroom_takes_the_tightest_tensor_parallel_rank() -> None:

@@ -35,6 +35,10 @@ MODEL = "llama-3.1-8b"
 # 6001 x 128256 x 6 B = 4.3 GiB the start-up profile never saw.
 LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(1500))
 LOGPROBS_BODY = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "prompt_logprobs": 1}
+# The same prompt plain: only terms the profile measured (hidden states 94 MiB, MLP 492 MiB). With
+# expandable segments the engine keeps no cache after its warm-up, so they need the profile region
+# vLLM emptied after start-up: the region a co-tenant takes.
+PLAIN_BODY = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4}
 # The simulator's batch defaults on an H100 (vLLM's): kvgate is told them, as an operator would.
 ENGINE_FLAGS = ("--max-num-batched-tokens", "8192", "--max-num-seqs", "1024")
 LEFT = GiB // 4  # free memory a co-tenant leaves: too little for that request (beside torch's cache)
@@ -80,15 +84,20 @@ def set_cotenant(sim: SimRunner, nbytes: int) -> None:
     httpx.post(sim.url + "/sim/cotenant", json={"name": "trainer", "bytes": nbytes}).raise_for_status()
 
 
-def test_cotenant_makes_kvgate_hold_instead_of_oom(model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path) -> None:
-    with SimRunner(sim_config()) as sim, running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
+@pytest.mark.parametrize(("body", "allocator"), [
+    (LOGPROBS_BODY, {}), (PLAIN_BODY, {"expandable_segments": True}),
+], ids=["unprofiled-terms", "profiled-terms-only"])
+def test_cotenant_makes_kvgate_hold_instead_of_oom(
+    body: dict, allocator: dict, model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
+) -> None:
+    with SimRunner(sim_config(**allocator)) as sim, running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
         free = httpx.get(sim.url + "/sim/gpu").json()["free"]
         assert readyz(kvgate)["telemetry"]["gpu_probe"] == "sim"
         set_cotenant(sim, free - LEFT)
         wait_for(lambda: kvgate.metric("kvgate_transient_headroom_bytes") == LEFT, what="headroom")
         assert kvgate.metric("kvgate_gpu_free_bytes", gpu="GPU-51510000-0000-0000-0000-000000000000") == LEFT
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=LOGPROBS_BODY, timeout=60)
+            pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60)
             wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1, what="the request to queue")
             time.sleep(0.5)
             assert not pending.done() and sim.engine.ooms == []
@@ -99,9 +108,9 @@ def test_cotenant_makes_kvgate_hold_instead_of_oom(model_dir: Path, sim_config: 
         assert sim.engine.ooms == []
         assert "transient headroom" in kvgate.log()
     # Control: the same request sent straight to a fresh simulator with the same co-tenant dies.
-    with SimRunner(sim_config()) as sim:
+    with SimRunner(sim_config(**allocator)) as sim:
         set_cotenant(sim, free - LEFT)
-        direct = httpx.post(sim.url + "/v1/completions", json=LOGPROBS_BODY, timeout=60)
+        direct = httpx.post(sim.url + "/v1/completions", json=body, timeout=60)
         assert direct.status_code == 500 and len(sim.engine.ooms) == 1
 
 

@@ -181,7 +181,7 @@ class Gate:
     def _publish(self) -> None:
         self.metrics.in_flight.set(self.ledger.in_flight)
         self.metrics.reserved_kv_blocks.set(self.ledger.kv_blocks)
-        self.metrics.reserved_transient.set(self.ledger.transient_bytes)
+        self.metrics.reserved_transient.set(self.budget.transient_charge(self.ledger))
         kv_limit = self.budget.kv_limit()
         transient_limit = self.budget.transient_limit()
         if kv_limit is not None:

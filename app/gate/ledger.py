@@ -40,6 +40,8 @@ class Ledger:
         self._private_blocks = 0
         self._open_prefills: list[int] = []  # sorted prefill bytes of requests still prefilling
         self._decode_bytes = 0
+        self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
+        self._profiled_decode_bytes = 0
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
@@ -60,6 +62,14 @@ class Ledger:
         return largest_prefill + self._decode_bytes + demand.transient_decode_bytes
 
     @property
+    def profiled_bytes(self) -> int:
+        """Profiled terms of the in-flight requests if all ran in one step (the budget caps it)."""
+        return self._profiled_prefill_bytes + self._profiled_decode_bytes
+
+    def profiled_bytes_with(self, demand: Demand) -> int:
+        return self.profiled_bytes + demand.profiled_bytes
+
+    @property
     def in_flight(self) -> int:
         return len(self._reservations)
 
@@ -75,6 +85,8 @@ class Ledger:
         self._private_blocks += demand.private_blocks
         bisect.insort(self._open_prefills, demand.transient_prefill_bytes)
         self._decode_bytes += demand.transient_decode_bytes
+        self._profiled_prefill_bytes += demand.profiled_prefill_bytes
+        self._profiled_decode_bytes += demand.profiled_decode_bytes
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         self._reservations[reservation.id] = reservation
@@ -94,6 +106,7 @@ class Ledger:
 
     def _close_prefill(self, demand: Demand) -> None:
         del self._open_prefills[bisect.bisect_left(self._open_prefills, demand.transient_prefill_bytes)]
+        self._profiled_prefill_bytes -= demand.profiled_prefill_bytes
 
     def release(self, reservation: Reservation) -> bool:
         """Give everything back; a second call is a no-op and returns False."""
@@ -108,6 +121,7 @@ class Ledger:
                 del self._refcounts[h]
         self._private_blocks -= reservation.demand.private_blocks
         self._decode_bytes -= reservation.demand.transient_decode_bytes
+        self._profiled_decode_bytes -= reservation.demand.profiled_decode_bytes
         if reservation.prefill_open:
             self._close_prefill(reservation.demand)
             reservation.prefill_open = False

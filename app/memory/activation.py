@@ -10,7 +10,8 @@ reservation; any other term must fit in the GPU memory left free.
 
 Terms are grouped by ``stage``: forward-pass terms run one after another (their
 peak is the largest), sampler-stage terms are alive together, prompt logprobs
-run after the sampler, and ``workspace`` terms are engine-wide buffers allocated
+run after the sampler, ``residual`` terms (the step's hidden states) are alive
+through all of those, and ``workspace`` terms are engine-wide buffers allocated
 once and kept (``shared=True``: count them once per engine, not per request).
 """
 
@@ -37,7 +38,7 @@ PENALTY_BYTES_PER_LOGIT = 22
 FP32 = 4
 
 BACKENDS = ("flash-attn", "flashinfer", "mla", "materializing")
-STAGES = ("forward", "sampler", "prompt_logprobs", "workspace")
+STAGES = ("forward", "sampler", "prompt_logprobs", "residual", "workspace")
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,10 @@ class TransientEstimate:
 
     @property
     def peak_bytes(self) -> int:
-        """Workspaces + the largest of: biggest forward term, sampler stage, prompt logprobs."""
+        """Workspaces + hidden states + the largest of: biggest forward term, sampler stage,
+        prompt logprobs."""
         by_stage = {s: [t.bytes for t in self.terms if t.stage == s] for s in STAGES}
-        return sum(by_stage["workspace"]) + max(
+        return sum(by_stage["workspace"]) + sum(by_stage["residual"]) + max(
             max(by_stage["forward"], default=0),
             sum(by_stage["sampler"]),
             sum(by_stage["prompt_logprobs"]),
@@ -156,6 +158,7 @@ def estimate_transient(
     chunk = prefill_chunk(engine, prompt_tokens - cached)
     context = prompt_tokens - chunk
     terms = [
+        _hidden_states_term(geometry, chunk),
         *_attention_terms(geometry, engine, chunk, context),
         _mlp_term(geometry, engine, chunk),
         *_sampler_terms(geometry, engine, prompt_tokens, sampling),
@@ -224,6 +227,15 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
         "mla_context_upproject", piece * per_token + outputs, False, "prefill",
         f"context piece {piece} of {context} x {heads} heads x (nope+v + nope+rope) x {dt} B "
         f"+ outputs for chunk {chunk}")]
+
+
+def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
+    """The decoder's hidden states and residual ``[T, H]`` each (model_executor/models/llama.py),
+    alive through every layer and the sampler. Profiled: the profile run carried them for
+    ``max_num_batched_tokens`` tokens."""
+    dt = g.dtype_bytes
+    return TransientTerm("hidden_states", 2 * tokens * g.hidden_size * dt, True, "prefill",
+                         f"hidden + residual 2 x {tokens} tokens x {g.hidden_size} x {dt} B", stage="residual")
 
 
 def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:

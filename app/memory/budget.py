@@ -28,6 +28,11 @@ class Holdings(Protocol):
 
     def transient_bytes_with(self, demand: Demand) -> int: ...
 
+    @property
+    def profiled_bytes(self) -> int: ...
+
+    def profiled_bytes_with(self, demand: Demand) -> int: ...
+
     def new_blocks(self, demand: Demand) -> int: ...
 
     @property
@@ -44,6 +49,10 @@ class Budget:
     transient_margin: float = 0.1
     kv_overcommit: float = 1.0
     profiled_peak_bytes: int = 0
+    # Set when the headroom comes from GPU readings: then it includes whatever of the profile region
+    # vLLM emptied after start-up, so profiled terms are charged against it too, up to this cap (the
+    # part of the region the engine did not hold). None: a headroom from flags, beside the region.
+    profiled_cap_bytes: int | None = None
     # While set (the backend is down or restarting) nothing is admitted: arrivals wait in the queue.
     hold: str | None = None
     # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
@@ -84,6 +93,19 @@ class Budget:
             return None
         return math.floor(headroom * (1.0 - self.transient_margin))
 
+    def _charge(self, unprofiled: int, profiled: int) -> int:
+        if self.profiled_cap_bytes is None:
+            return unprofiled
+        return unprofiled + min(self.profiled_cap_bytes, profiled)
+
+    def transient_charge(self, holdings: Holdings) -> int:
+        """What the in-flight requests hold of the transient limit."""
+        return self._charge(holdings.transient_bytes, holdings.profiled_bytes)
+
+    def transient_charge_alone(self, demand: Demand) -> int:
+        """What this demand would hold of the transient limit on an idle server."""
+        return self._charge(demand.transient_bytes, demand.profiled_bytes)
+
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
         """Why the demand cannot be admitted beside current holdings, or None if it fits now."""
         if self.hold is not None:
@@ -92,6 +114,7 @@ class Budget:
         if kv_limit is not None and holdings.kv_blocks + holdings.new_blocks(demand) > kv_limit:
             return KV_BUSY
         transient_limit = self.transient_limit()
-        if transient_limit is not None and holdings.transient_bytes_with(demand) > transient_limit:
+        charge = self._charge(holdings.transient_bytes_with(demand), holdings.profiled_bytes_with(demand))
+        if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY
         return None

@@ -15,6 +15,10 @@ class Demand:
     private_blocks: int
     transient_prefill_bytes: int
     transient_decode_bytes: int
+    # Terms the start-up profile measured (MLP, hidden states, the sampler's sort): they live in the
+    # profile region, which only a live GPU reading can show taken by someone else.
+    profiled_prefill_bytes: int = 0
+    profiled_decode_bytes: int = 0
 
     @property
     def kv_blocks(self) -> int:
@@ -25,3 +29,7 @@ class Demand:
     def transient_bytes(self) -> int:
         """Unprofiled transient memory at this request's worst step (its prefill)."""
         return self.transient_prefill_bytes + self.transient_decode_bytes
+
+    @property
+    def profiled_bytes(self) -> int:
+        return self.profiled_prefill_bytes + self.profiled_decode_bytes

@@ -2,23 +2,26 @@
 
 vLLM has already taken its KV pool, weights and CUDA graphs when it starts serving. It empties
 its allocator cache after the start-up profile, so part of the profiled activation region may
-show as free: that part belongs to every step's profiled tensors (MLP, logits, the sampler's
-sort), which come back for it, not to the unprofiled ones this headroom is for. Per device, over
-one engine life:
+show as free. That part is every step's working memory: the profiled tensors (MLP, hidden states,
+the sampler's sort) come back for it, and a co-tenant that takes it leaves them nothing. So the
+headroom counts it, and the budget charges the in-flight requests' profiled terms against it, up
+to the size of the emptied region. Per device, over one engine life:
 
-    headroom_d = free_d + growth_d - unclaimed_d
-    growth_d    = max(0, server_used_d - server_used_at_start_d)
-    unclaimed_d = min(profile peak, max(0, gpu_memory_utilization x total_d - server_used_at_start_d))
+    headroom_d    = free_d + growth_d
+    growth_d      = max(0, server_used_d - server_used_at_start_d)
+    profiled_cap  = max over devices of
+                    min(profile peak, max(0, gpu_memory_utilization x total_d - server_used_at_start_d))
 
 where the server is the process holding the most memory at the first reading of the life (vLLM's
 engine: its KV pool dominates). `growth` is what PyTorch's caching allocator has reserved since
 start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
 tensor reuses it, so without it every large request would shrink the headroom for good.
-`unclaimed` is the part of vLLM's own envelope (utilization x total) its engine did not hold at
-start-up: the profile region it emptied and has not re-reserved (a sampler warm-up re-reserves
-some). Memory a co-tenant takes lowers `free_d` and nothing gives it back: the headroom shrinks
-at once. The budget's headroom is the minimum over the devices (tensor parallel ranks run the
-same step).
+`profiled_cap` is the part of vLLM's own envelope (utilization x total) its engine did not hold
+at start-up: the profile region it emptied (a sampler warm-up re-reserves some; what the engine
+holds already serves its profiled tensors without new memory). Memory a co-tenant takes lowers
+`free_d` and nothing gives it back: the headroom shrinks at once, and a request whose only
+transient memory is profiled (the MLP of a long prefill) now waits for it like any other. The
+budget's headroom is the minimum over the devices (tensor parallel ranks run the same step).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Headroom:
     bytes: int  # min over devices of free + server growth
     server_growth: int  # max over devices of the server's growth since its start
     min_free: int
+    profiled_cap: int  # max over devices of the profile region the engine emptied
 
 
 @dataclass
@@ -56,7 +60,7 @@ class HeadroomTracker:
         now = next((p.used_bytes for p in known if p.pid == pid), None)
         return 0 if now is None else max(0, now - start)
 
-    def _unclaimed(self, device: DeviceMemory, utilization: float | None, profile_peak: int) -> int:
+    def _profiled_cap(self, device: DeviceMemory, utilization: float | None, profile_peak: int) -> int:
         start = self._start.get(device.gpu)
         if utilization is None or start is None:
             return 0
@@ -70,10 +74,8 @@ class HeadroomTracker:
             return None
         growth = {d.gpu: self._growth(d) for d in reading.devices}
         return Headroom(
-            bytes=min(
-                max(0, d.free + growth[d.gpu] - self._unclaimed(d, utilization, profile_peak))
-                for d in reading.devices
-            ),
+            bytes=min(d.free + growth[d.gpu] for d in reading.devices),
             server_growth=max(growth.values()),
             min_free=min(d.free for d in reading.devices),
+            profiled_cap=max(self._profiled_cap(d, utilization, profile_peak) for d in reading.devices),
         )

@@ -67,6 +67,7 @@ class LiveBudget:
         self.static_headroom = self.budget.transient_headroom_bytes
         self.headroom = HeadroomTracker()
         self.headroom_bytes: int | None = None
+        self.profiled_cap_bytes = 0
         self.headroom_max = 0
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
@@ -235,6 +236,7 @@ class LiveBudget:
                 headroom.bytes // MiB, headroom.min_free // MiB, headroom.server_growth // MiB,
             )
         self.headroom_bytes = headroom.bytes
+        self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
         tolerance = max(64 * MiB, headroom.bytes // 20) + self.budget.profiled_peak_bytes
@@ -286,6 +288,7 @@ class LiveBudget:
         }
         if self.headroom_bytes is not None:
             wanted["transient_headroom_bytes"] = self.headroom_bytes
+            wanted["profiled_cap_bytes"] = self.profiled_cap_bytes
             wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
         changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}
         if changes:
