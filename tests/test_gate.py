@@ -197,6 +197,33 @@ class TestGate:
         await asyncio.wait_for(waiting, 1)
         assert gate.ledger.transient_bytes == 250
 
+    async def test_a_head_the_headroom_shrank_under_waits_aside_without_blocking_the_line(self) -> None:
+        """A co-tenant took memory: the big request cannot run even alone, the small ones can."""
+        gate = make_gate(kv_blocks=100, transient=1000)
+        running = await gate.acquire(demand(decode=600), 0, "a")
+        big = asyncio.create_task(gate.acquire(demand(decode=900), 0, "a"))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(gate.acquire(demand(decode=300), 0, "b"))
+        await asyncio.sleep(0)
+        assert not big.done() and not small.done()  # 600 + 300 fits, but the big one leads the line
+        gate.budget.update(transient_headroom_bytes=500)  # the co-tenant grows
+        running.release()
+        second = await asyncio.wait_for(small, 1)  # the big one no longer holds up the line
+        assert not big.done() and len(gate.queue) == 1
+        gate.budget.update(transient_headroom_bytes=1000)  # the co-tenant leaves
+        assert not big.done()  # back at the front, waiting for the 300 B in flight
+        second.release()
+        (await asyncio.wait_for(big, 1)).release()
+        assert len(gate.queue) == 0 and gate.ledger.in_flight == 0
+
+    async def test_a_set_aside_request_still_expires_and_leaves_the_queue(self) -> None:
+        gate = make_gate(kv_blocks=100, transient=100, wait_s=0.05)
+        with pytest.raises(ApiError) as expired:
+            await gate.acquire(demand(prefill=900), 0, "a")
+        assert expired.value.status == 429 and expired.value.code == "queue_timeout"
+        assert len(gate.queue) == 0
+        (await gate.acquire(demand(prefill=50), 0, "a")).release()
+
     async def test_queue_full_is_a_429_with_retry_after(self) -> None:
         gate = make_gate(kv_blocks=1, max_queue=1)
         await gate.acquire(demand(blocks=1), 0, "a")

@@ -2,7 +2,9 @@
 
 It is the mechanism; the budget is the policy. Whenever the ledger shrinks or the budget moves,
 the gate admits from the head of the queue for as long as the head fits. The head is not bypassed
-by smaller requests behind it, so a large request is never starved by a stream of small ones.
+by smaller requests behind it, so a large request is never starved by a stream of small ones;
+the one exception is a head that could not fit even on an idle server (the headroom shrank under
+it): it is set aside, so that it does not hold up a line it cannot lead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from app.metrics import KvgateMetrics
 from app.openai import ApiError
 
 BEHIND_QUEUE = "behind_queue"
+_IDLE = Ledger()  # never reserved from: the holdings of an idle server
 
 
 class ClientGone(Exception):
@@ -100,7 +103,7 @@ class Gate:
                 ahead=len(self.queue),
             ) from None
         self.metrics.decisions.labels("queue", reason).inc()
-        self.metrics.queue_depth.set(len(self.queue))
+        self.changed()  # sets it aside at once if it could not fit even alone
         gone = watch_client() if watch_client is not None else None
         try:
             return await self._wait(waiter, gone)
@@ -168,15 +171,28 @@ class Gate:
         self.changed()
 
     def changed(self) -> None:
-        """The ledger shrank or the budget moved: admit from the head while it fits."""
+        """The ledger shrank or the budget moved: admit from the head while it fits.
+
+        A head that would not fit even on an idle server is set aside instead of blocking the
+        line: nothing kvgate admits or releases makes it fit, only the headroom coming back does
+        (a co-tenant leaving), and until then it waits for its deadline beside the line.
+        """
+        self.queue.restore(keep_aside=self._stranded)
         while (head := self.queue.peek()) is not None:
-            if self.budget.shortfall(head.demand, self.ledger) is not None:
+            if self.budget.shortfall(head.demand, self.ledger) is None:
+                self.queue.pop_head()
+                self.metrics.decisions.labels("admit", "dequeued").inc()
+                head.future.set_result(self._admit(head.demand, self._clock() - head.enqueued_at))
+            elif self._stranded(head):
+                self.queue.set_aside_head()
+            else:
                 break
-            self.queue.pop_head()
-            self.metrics.decisions.labels("admit", "dequeued").inc()
-            head.future.set_result(self._admit(head.demand, self._clock() - head.enqueued_at))
         self.metrics.queue_depth.set(len(self.queue))
         self._publish()
+
+    def _stranded(self, waiter: Waiter) -> bool:
+        """It would wait even with nothing in flight (and not because the backend is down)."""
+        return self.budget.hold is None and self.budget.shortfall(waiter.demand, _IDLE) is not None
 
     def _publish(self) -> None:
         self.metrics.in_flight.set(self.ledger.in_flight)

@@ -2,7 +2,9 @@
 
 Priority follows vLLM's convention (a lower value is served earlier). Inside one priority level
 each tenant has its own FIFO and tenants take turns, so one tenant's burst cannot starve another
-tenant's single request. The queue only orders; the gate decides when the head may go.
+tenant's single request. The queue only orders; the gate decides when the head may go, and
+sets aside a head that could not go even on an idle server (a co-tenant took the memory it needs):
+such a waiter blocks nobody, and goes back to the front of the line once it could fit again.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from app.memory.demand import Demand
 
@@ -36,7 +39,8 @@ class AdmissionQueue:
     def __init__(self, max_size: int) -> None:
         self.max_size = max_size
         self._levels: dict[int, OrderedDict[str, deque[Waiter]]] = {}
-        self._size = 0
+        self._size = 0  # set-aside waiters included
+        self._aside: list[Waiter] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
@@ -72,8 +76,27 @@ class AdmissionQueue:
         self._size -= 1
         return waiter
 
+    def set_aside_head(self) -> None:
+        """Move the head out of the line; it stays counted until it leaves or is restored."""
+        self._aside.append(self.pop_head())
+        self._size += 1
+
+    def restore(self, keep_aside: Callable[[Waiter], bool]) -> None:
+        """Put set-aside waiters back at the front of their tenant's line, oldest first."""
+        for waiter in reversed(list(self._aside)):
+            if keep_aside(waiter):
+                continue
+            self._aside.remove(waiter)
+            tenants = self._levels.setdefault(waiter.priority, OrderedDict())
+            tenants.setdefault(waiter.tenant, deque()).appendleft(waiter)
+            tenants.move_to_end(waiter.tenant, last=False)
+
     def remove(self, waiter: Waiter) -> bool:
         """Take out a waiter that gave up (deadline, disconnect); False if it is not queued."""
+        if waiter in self._aside:
+            self._aside.remove(waiter)
+            self._size -= 1
+            return True
         tenants = self._levels.get(waiter.priority)
         waiters = tenants.get(waiter.tenant) if tenants else None
         if not waiters or waiter not in waiters:
