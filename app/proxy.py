@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import aiohttp
 import httpx
@@ -28,6 +28,7 @@ HOP_BY_HOP = frozenset(
         "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
     }
 )
+_NOT_FORWARDED = HOP_BY_HOP | {"x-request-id"}
 # aiohttp adds these unless told not to; the client's own (or none) must go upstream instead.
 _NO_AUTO_HEADERS = frozenset({"User-Agent", "Accept", "Accept-Encoding", "Content-Type"})
 
@@ -88,9 +89,13 @@ class Backend:
             ) from exc
 
 
-def forward_headers(headers: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
-    """Client headers minus hop-by-hop ones, with the request id kvgate uses."""
-    out = [(k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() != "x-request-id"]
+def forward_headers(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
+    """The client's headers (ASGI's lower-case byte pairs) minus hop-by-hop ones, with the
+    request id kvgate uses."""
+    out = [
+        (name, v.decode("latin-1")) for k, v in raw
+        if (name := k.decode("latin-1")) not in _NOT_FORWARDED
+    ]
     out.append(("x-request-id", request_id))
     return out
 
@@ -182,9 +187,9 @@ class Relay(Response):
 
 
 async def passthrough(
-    backend: Backend, method: str, path: str, query: bytes, headers: Mapping[str, str],
+    backend: Backend, method: str, path: str, query: bytes, headers: Iterable[tuple[bytes, bytes]],
     body: bytes, request_id: str,
-) -> Any:
+) -> Relay:
     """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
     upstream = await backend.open(method, path, query, forward_headers(headers, request_id), body)
     return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome: None)

@@ -1,11 +1,13 @@
 """A scriptable stand-in for vLLM, used only to inject faults the real one cannot be made to show
-on demand (a broken stream, a failing /tokenize). Everything else is tested against real vLLM.
+on demand (a broken stream, a failing /tokenize, a slow answer) and to record exactly what kvgate
+forwarded. Everything else is tested against real vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -32,12 +34,24 @@ class BrokenStream(Exception):
     """Raised mid-body so the server drops the connection, as a dying backend would."""
 
 
+@dataclass(frozen=True)
+class Received:
+    """A completions request as the backend saw it."""
+
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
 @dataclass
 class FakeBackend:
     base_url: str = ""
     tokenize_fails: bool = False
     completion_mode: str = "ok"  # ok | broken_stream | slow
+    slow_s: float = 30.0
     seen: list[str] = field(default_factory=list)
+    received: list[Received] = field(default_factory=list)
 
     def app(self) -> Starlette:
         async def models(_: Request) -> Response:
@@ -55,8 +69,10 @@ class FakeBackend:
             return JSONResponse({"count": 3, "max_model_len": 1024, "tokens": [1, 2, 3], "token_strs": None})
 
         async def completions(request: Request) -> Response:
-            body = await request.json()
+            raw = await request.body()
+            body = json.loads(raw)
             self.seen.append(request.url.path)
+            self.received.append(Received(request.url.path, request.url.query, request.headers.items(), raw))
             if self.completion_mode == "broken_stream":
                 async def chunks():
                     yield b'data: {"choices": [{"text": "a"}]}\n\n'
@@ -64,7 +80,7 @@ class FakeBackend:
                     raise BrokenStream()
                 return StreamingResponse(chunks(), media_type="text/event-stream")
             if self.completion_mode == "slow":
-                await asyncio.sleep(30)
+                await asyncio.sleep(self.slow_s)
             return JSONResponse({"choices": [{"text": "ok"}], "echo": body})
 
         return Starlette(routes=[
