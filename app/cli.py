@@ -41,6 +41,8 @@ def serve(args: argparse.Namespace) -> int:
         access_log=False, timeout_keep_alive=30,
         # The backend's own Date and Server headers pass through untouched; do not add ours.
         server_header=False, date_header=False,
+        # X-Forwarded-* go to vLLM untouched; kvgate never reads the client's address itself.
+        proxy_headers=False,
     )
     return 0
 

@@ -314,3 +314,35 @@ def test_load_tokenizer_prefers_the_local_folder(tiny_model_dir, tmp_path):
     assert load_tokenizer(tiny_model_dir, client, "m").source == "local"
     assert load_tokenizer(tmp_path, client, "m").source == "backend"
     assert load_tokenizer(None, client, "m").source == "backend"
+
+
+# ---------------------------------------------------------------- the direct Rust call
+
+
+@pytest.mark.parametrize("text", [*(p["prompt"] for p in PROMPTS.values()), "<s>hi</s> <unk>", " ", "a\n\n  b"])
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_direct_rust_encode_equals_transformers(local_tokenizer, text, add_special_tokens):
+    assert local_tokenizer._rust is not None  # the tiny model's tokenizer takes the direct path
+    direct = local_tokenizer._encode_now(text, add_special_tokens)
+    assert direct == local_tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_tokenizer_classes_that_change_encode_are_not_bypassed(tiny_model_dir):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from app.tokens import rust_backend
+
+    class Prefixing(PreTrainedTokenizerFast):
+        def _encode_plus(self, text, *args, **kwargs):  # type: ignore[override]
+            return super()._encode_plus("prefix " + text, *args, **kwargs)
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    assert rust_backend(tok) is tok._tokenizer
+    tok.__class__ = type("Prefixing", (Prefixing, type(tok)), {})
+    assert rust_backend(tok) is None
+
+
+def test_truncation_left_by_a_template_call_is_not_applied(tiny_model_dir):
+    tokenizer = LocalTokenizer(tiny_model_dir)
+    tokenizer._rust.enable_truncation(max_length=3)  # as apply_chat_template(truncation=True) leaves it
+    assert len(tokenizer._encode_now(LONG, True)) > 800
