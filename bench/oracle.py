@@ -81,13 +81,6 @@ class _UnboundedKV:
         pass
 
 
-class _Shadow:
-    """Just enough of an Engine for Engine._refresh_sampling_metadata and Engine.shape."""
-
-    def __init__(self, alloc: Any, batch_key: tuple, penalty: Any) -> None:
-        self.alloc, self._batch_key, self._penalty_ids = alloc, batch_key, penalty
-
-
 def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
               idle: bool = False) -> str | None:
     """Dry-run the engine with `candidates` added; the OOM message, or None if it survives.
@@ -103,9 +96,7 @@ def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
     for r in reqs:
         memo[id(r.sink)] = null
         memo[id(r.prompt_token_ids)] = r.prompt_token_ids  # never mutated: share, don't copy
-    state = copy.deepcopy((engine.scheduler, engine.alloc, engine._retained,
-                           engine._penalty_ids), memo)
-    sched, alloc, retained, penalty = state
+    sched, alloc, carry = copy.deepcopy((engine.scheduler, engine.alloc, engine.carry), memo)
     sched.__dict__.pop("schedule", None)  # the live scheduler's tracking wrapper: not for the copy
     if in_flight is not None:
         for sr in in_flight.scheduled:
@@ -134,7 +125,6 @@ def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
         c2.sink = null
         sched.add(c2)
         watch.append(c2)
-    shadow = _Shadow(alloc, engine._batch_key, penalty)
     mine = {id(c) for c in watch[len(watch) - len(candidates):]}
     for _ in range(MAX_STEPS):
         if all(r.status == Status.FINISHED or len(r.output_token_ids) >= DECODE_STEPS
@@ -146,11 +136,9 @@ def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
         # Only steps that carry a candidate are played on the allocator copy (the others would
         # run whether or not it is admitted; playing every step is too slow for a live gate).
         if any(id(s.request) in mine for s in out.scheduled):
-            for b in retained:
-                alloc.free(b)
             try:
-                Engine._refresh_sampling_metadata(shadow, out)  # type: ignore[arg-type]
-                retained = run_tape(alloc, engine.steps.plan(Engine.shape(shadow, out)))  # type: ignore[arg-type]
+                carry.start_step([s.request for s in out.scheduled])
+                carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out))))
             except CudaOutOfMemory as exc:
                 return str(exc)
         for s in out.scheduled:

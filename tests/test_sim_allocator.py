@@ -35,6 +35,17 @@ def test_split_then_merge_reuses_the_segment() -> None:
     assert len(x.segment.blocks) == 1 and a.malloc(100 * MiB).segment is x.segment
 
 
+def test_large_blocks_split_only_when_more_than_1_mib_is_left() -> None:
+    """PyTorch's should_split: a large-pool rest of exactly 1 MiB stays with the tensor."""
+    a = CachingAllocator(Device(1 << 34), "p")
+    a.free(a.malloc(12 * MiB))
+    whole = a.malloc(11 * MiB)
+    assert whole.size == 12 * MiB and len(whole.segment.blocks) == 1
+    a.free(whole)
+    part = a.malloc(10 * MiB + MiB // 2)
+    assert part.size == 10 * MiB + MiB // 2 and len(part.segment.blocks) == 2
+
+
 def test_fragmentation_fails_with_reserved_but_unallocated_memory() -> None:
     """A 384 MiB request fails with 330 MiB free and 370 MiB cached: the cached bytes sit in a
     segment that also holds a live tensor, so they can be neither used nor released."""
@@ -97,12 +108,12 @@ def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
             await engine.step()
 
     asyncio.run(steps(1))
-    held = engine._penalty_ids
+    held = engine.carry.penalty_prompt_ids
     assert held is not None and held.requested == 2 * 3000 * 8 and held.allocated
     asyncio.run(steps(1))
-    assert engine._penalty_ids is held  # same batch, same tensor
+    assert engine.carry.penalty_prompt_ids is held  # same batch, same tensor
     asyncio.run(steps(10))
     assert not engine.scheduler.has_work() and held.allocated  # idle: metadata not rebuilt
     engine.add(Request("r2", [7] * 500, Sampling(max_tokens=2), 0.0))
     asyncio.run(steps(1))
-    assert engine._penalty_ids is None  # new batch without penalties: freed (block may be reused)
+    assert engine.carry.penalty_prompt_ids is None  # new batch without penalties: freed (block may be reused)

@@ -19,7 +19,8 @@ from app.memory.geometry import ModelGeometry
 from app.sim import startup
 from app.sim.blocks import BlockPool, KVCacheManager
 from app.sim.config import SimConfig
-from app.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Device
+from app.sim.carryover import CrossStepTensors
+from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.metrics import SimMetrics, cache_config_labels
 from app.sim.request import Request, Status
 from app.sim.scheduler import Scheduler, SchedulerOutput
@@ -53,7 +54,6 @@ class Engine:
         self.log_lines: list[str] = []
         self.cotenant_override: dict[str, int] = {}
         self._wake = asyncio.Event()
-        self._retained: list[Block] = []
         # Simulated seconds: the sum of every step's simulated duration (advances only by steps).
         self.sim_clock = 0.0
 
@@ -88,9 +88,7 @@ class Engine:
             num_gpu_blocks=rep.num_gpu_blocks,
             num_gpu_blocks_override=self.cfg.num_gpu_blocks_override,
             max_model_len=r.max_model_len, sliding_window=self.geometry.sliding_window))
-        self._retained = []
-        self._penalty_ids: Block | None = None
-        self._batch_key: tuple[str, ...] = ()
+        self.carry = CrossStepTensors(self.alloc)
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
         self.boot_wall_time = time.time()
@@ -153,11 +151,9 @@ class Engine:
         if not out.scheduled:
             await asyncio.sleep(0.001)
             return
-        for block in self._retained:
-            self.alloc.free(block)
         try:
-            self._refresh_sampling_metadata(out)
-            self._retained = run_tape(self.alloc, self.steps.plan(self.shape(out)))
+            self.carry.start_step([s.request for s in out.scheduled])
+            self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(self.shape(out))))
         except CudaOutOfMemory as exc:
             self.die(exc)
             return
@@ -167,30 +163,8 @@ class Engine:
         if self.ready:
             self._update(out, start)
 
-    def _refresh_sampling_metadata(self, out: SchedulerOutput) -> None:
-        """The persistent batch's penalty tensor, kept across steps.
-
-        vLLM v1 (v1/worker/gpu_input_batch.py) rebuilds its SamplingMetadata only when the
-        batch's requests change (`refresh_metadata`); with any penalty in the batch it holds
-        `prompt_token_ids` on the GPU, `[num_reqs, max_prompt_len]` int64
-        (`_make_prompt_token_ids_tensor`), until the next rebuild. The new tensor is made
-        while the old one is still referenced. So a long-lived tensor whose size follows the
-        batch's shape lands, by best fit, in whatever cached block it finds, between steps
-        whose transients come and go around it: the allocator's fragmentation.
-        """
-        reqs = [s.request for s in out.scheduled]
-        key = tuple(r.request_id for r in reqs)
-        if key == self._batch_key:
-            return
-        self._batch_key = key
-        old, self._penalty_ids = self._penalty_ids, None
-        if any(r.sampling.penalties for r in reqs):
-            longest = max(r.num_prompt_tokens for r in reqs)
-            self._penalty_ids = self.alloc.malloc(len(reqs) * longest * 8)
-        if old is not None:
-            self.alloc.free(old)
-
-    def shape(self, out: SchedulerOutput) -> StepShape:
+    @staticmethod
+    def shape(out: SchedulerOutput) -> StepShape:
         """What the scheduled batch asks of the GPU."""
         reqs = []
         for s in out.scheduled:
@@ -268,8 +242,6 @@ class Engine:
         victims = list(self.scheduler.running) + list(self.scheduler.waiting)
         self.state, self.error = "dead", msg
         self.device.set_usage(PROCESS, 0)
-        self._retained = []
-        self._penalty_ids = None
         self.restart_at = now() + self.cfg.restart_seconds / self.cfg.speedup
         for req in victims:
             req.status = Status.FINISHED

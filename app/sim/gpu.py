@@ -1,15 +1,28 @@
 """One simulated GPU: the device (processes and their memory) and PyTorch's caching allocator.
 
-The allocator follows c10/cuda/CUDACachingAllocator.cpp closely enough to fail where it fails:
-requests round up to 512 bytes; requests of at most 1 MiB come from 2 MiB segments (small pool),
-requests under 10 MiB from 20 MiB segments, larger ones from segments rounded up to 2 MiB; a
-request takes the best-fitting free block and splits it (large pool: when more than 1 MiB is
-left); freed blocks merge with free neighbours in the same segment; when cudaMalloc fails every
-fully free cached segment is released and the call retried once, then it raises OOM with the
-numbers PyTorch prints. So a request can fail while "reserved but unallocated" exceeds it: the
-free bytes sit in segments that also hold live tensors (fragmentation). With
-`expandable_segments` the reserved memory behaves as growable mappings of 2 MiB pages whose
-free pages go back at once, so free bytes never strand (no fragmentation, page rounding only).
+The allocator follows c10/cuda/CUDACachingAllocator.cpp (`DeviceCachingAllocator`) closely
+enough to fail where it fails, with its default configuration (no `max_split_size_mb`, no
+garbage-collection threshold, one stream):
+
+- `round_size`: requests round up to a multiple of 512 bytes;
+- `get_pool` / `get_allocation_size`: requests of at most 1 MiB live in the small pool, in
+  2 MiB segments; larger ones in the large pool, in a 20 MiB segment under 10 MiB, else in a
+  segment of their own size rounded up to 2 MiB; the pools never share a segment;
+- `get_free_block`: the smallest cached free block of the pool that fits (best fit);
+- `should_split`: the block is split when the rest is at least 512 bytes (small pool) or more
+  than 1 MiB (large pool); otherwise the request keeps the whole block;
+- `free_block` / `try_merge_blocks`: a freed block merges with free neighbours of its segment,
+  never across segments;
+- `malloc`: when no cached block fits, cudaMalloc a new segment; when that fails,
+  `release_cached_blocks` gives back every segment that is entirely free and retries once, then
+  raises with the numbers of its OOM message.
+
+So a request can fail while "reserved but unallocated" exceeds it: the free bytes sit in
+segments that also hold a live tensor, and a segment is only ever given back whole
+(fragmentation). With `expandable_segments` the reserved memory behaves as growable mappings
+of 2 MiB pages whose free pages are unmapped and mapped again where needed
+(`ExpandableSegment`, `release_cached_blocks` -> `unmap_block`), so free bytes never strand:
+the model gives each tensor its own page-rounded mapping and returns it on free.
 """
 
 from __future__ import annotations
@@ -183,8 +196,8 @@ class CachingAllocator:
 
     def _split(self, block: Block, size: int, pool: str) -> None:
         remaining = block.size - size
-        threshold = _MIN_BLOCK if pool == "small" else _SMALL_SIZE
-        if remaining >= threshold and not self.expandable:
+        worth_it = remaining >= _MIN_BLOCK if pool == "small" else remaining > _SMALL_SIZE
+        if worth_it and not self.expandable:
             blocks = block.segment.blocks
             rest = Block(block.segment, block.offset + size, remaining)
             blocks.insert(blocks.index(block) + 1, rest)
