@@ -257,7 +257,8 @@ class StepMemory:
 
 
 def run_tape(alloc: CachingAllocator, tape: Tape) -> list[Block]:
-    """Play a tape; returns the blocks it retains past the step (sampler outputs).
+    """Play a tape; returns the blocks it retains past the step (the sampler outputs that
+    app/sim/carryover.py holds until the next step).
 
     `rename` makes the named tensor the new `hidden`; `rename_to` makes it the new `logits_f32`.
     Raises CudaOutOfMemory from the allocator, leaving the live blocks allocated, as a dying
