@@ -56,3 +56,10 @@ def disconnect_future(receive: Receive) -> asyncio.Future:
         while (await receive())["type"] != "http.disconnect":
             pass
     return asyncio.ensure_future(watch())
+
+
+def request_target(scope: Scope) -> bytes:
+    """The path and query as the client sent them (still percent-encoded), to forward as they are."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope["query_string"]
+    return path + b"?" + query if query else path

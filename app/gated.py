@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.asgi import disconnect_future, header, read_body
+from app.asgi import disconnect_future, header, read_body, request_target
 from app.gate.gate import ClientGone, Ticket
 from app.openai import ApiError, Endpoint, bad_request
 from app.proxy import Relay, forward_headers
@@ -128,8 +128,7 @@ class GatedRoutes:
         ticket = admitted.ticket
         try:
             upstream = await self.rt.backend.open(
-                "POST", scope["path"], scope["query_string"],
-                forward_headers(scope["headers"], request_id), admitted.body,
+                "POST", request_target(scope), forward_headers(scope["headers"], request_id), admitted.body,
             )
         except ApiError as error:
             ticket.release("upstream_error")

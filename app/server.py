@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from app.asgi import read_body
+from app.asgi import read_body, request_target
 from app.explain import explain
 from app.gate.gate import ClientGone
 from app.gated import GATED_PATHS, GatedRoutes, request_id_of
@@ -98,8 +98,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
         try:
             body = await read_body(request.scope, request.receive, settings.max_body_bytes)
             return await passthrough(
-                rt.backend, request.method, request.url.path, request.url.query.encode(),
-                request.headers.raw, body, request_id,
+                rt.backend, request.method, request_target(request.scope), request.headers.raw, body, request_id,
             )
         except ClientGone:
             return Response(status_code=499)

@@ -1,0 +1,281 @@
+"""A minimal HTTP/1.1 client for the backend: pooled keep-alive connections, httptools parsing.
+
+Why not aiohttp: measured on the 2-core machine against a zero-cost backend, an aiohttp round trip
+cost about 0.3 ms of CPU and this client's about 0.08 ms, out of kvgate's 0.7 ms budget for
+added latency. It does only what a proxy to one vLLM needs: send a request whose body is already
+in memory, hand back the status and raw headers as soon as they arrive, then the body chunk by
+chunk as it comes (no buffering beyond a high-water mark: reading pauses until the client
+catches up). One exchange per connection at a time; a connection goes back to the pool only when
+its response was read to the end and the backend keeps it alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from urllib.parse import urlsplit
+
+import httptools
+
+# Idle connections older than this are not reused: vLLM's server closes them after 5 s
+# (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a request sent as the close arrives would be lost.
+IDLE_REUSE_S = 4.0
+HIGH_WATER_BYTES = 256 * 1024
+
+
+class UpstreamError(Exception):
+    """The backend broke the exchange: connection lost, malformed HTTP, or silent too long."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """Nothing arrived from the backend within the read timeout."""
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection: the transport, its response parser and what has arrived."""
+
+    def __init__(self, read_timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._read_timeout_s = read_timeout_s
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._start_exchange(head_only=False)
+
+    def _start_exchange(self, head_only: bool) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._head_only = head_only  # a HEAD request: the response has no body whatever it says
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
+        self.complete = False
+        self.keep_alive = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future | None = None
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.complete:  # bytes after a finished response: the connection cannot be trusted
+            self.close()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamError(f"malformed response from the backend ({exc})"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # let the transport close; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.complete:
+            return
+        if self.status and not self._has_length():  # a body delimited by the end of the connection
+            self.complete = True
+            self._wake()
+        else:
+            self._fail(UpstreamError(f"the backend closed the connection ({type(exc).__name__ if exc else 'EOF'})"))
+
+    # -- httptools callbacks -----------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim response: the real one follows
+            self.raw_headers = []
+            return
+        self.status = status
+        self.keep_alive = self._parser.should_keep_alive()
+        if self._head_only:
+            self.complete = True
+            self.keep_alive = False  # the parser still expects the body the headers announced
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        if self._head_only:
+            return
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER_BYTES and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.status:  # not the end of an interim response
+            self.complete = True
+            self._wake()
+
+    # -- the exchange ------------------------------------------------------------------------
+    def send(self, head: bytes, body: bytes, head_only: bool) -> None:
+        assert self._transport is not None
+        self._start_exchange(head_only)
+        self._transport.writelines((head, body))
+
+    async def read_head(self) -> None:
+        while not self.status:
+            await self._wait()
+
+    async def read(self) -> bytes | None:
+        """The next body chunk as it arrived, or None at the end of the response."""
+        while not self._chunks:
+            if self.complete:
+                return None
+            await self._wait()
+        chunk = self._chunks.popleft()
+        self._buffered -= len(chunk)
+        if self._paused and self._buffered <= HIGH_WATER_BYTES // 4 and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return chunk
+
+    @property
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and not self.closed
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+        self._fail(UpstreamError("the connection to the backend was closed"))
+
+    def _has_length(self) -> bool:
+        return any(k.lower() in (b"content-length", b"transfer-encoding") for k, _ in self.raw_headers)
+
+    async def _wait(self) -> None:
+        if self._error is not None:
+            raise self._error
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(self._read_timeout_s, self._time_out, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _time_out(self, waiter: asyncio.Future) -> None:
+        if not waiter.done():
+            waiter.set_exception(UpstreamTimeout(f"no answer from the backend in {self._read_timeout_s:g} s"))
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, error: UpstreamError) -> None:
+        if self._error is None and not self.complete:
+            self._error = error
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(error)
+
+
+class UpstreamResponse:
+    """The backend's answer: status and raw headers now, the body through read()."""
+
+    def __init__(self, pool: ConnectionPool, conn: Connection) -> None:
+        self._pool = pool
+        self._conn = conn
+        self.status = conn.status
+        self.raw_headers = conn.raw_headers
+        self._done = False
+
+    def header(self, name: bytes) -> str | None:
+        """The first value of a header, `name` in lower case."""
+        for key, value in self.raw_headers:
+            if key.lower() == name:
+                return value.decode("latin-1")
+        return None
+
+    async def read(self) -> bytes | None:
+        return await self._conn.read()
+
+    def release(self) -> None:
+        """Done with the response: its connection goes back to the pool if it can be reused."""
+        if not self._done:
+            self._done = True
+            self._pool.put(self._conn)
+
+    def close(self) -> None:
+        """Abandon the response: the connection is closed, which makes vLLM abort the request."""
+        self._conn.close()
+        self.release()
+
+
+class ConnectionPool:
+    """Keep-alive connections to one backend, at most `max_connections` in use at once."""
+
+    def __init__(self, base_url: str, read_timeout_s: float, connect_timeout_s: float = 5.0,
+                 max_connections: int = 1024) -> None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"the backend URL must be http(s)://HOST[:PORT], got {base_url!r}")
+        self.host = url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self._ssl = url.scheme == "https"
+        self._prefix = url.path.rstrip("/").encode()
+        self._host_line = b"host: " + url.netloc.encode("idna") + b"\r\n"
+        self._read_timeout_s = read_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._idle: list[Connection] = []
+        self._slots = asyncio.Semaphore(max_connections)
+
+    async def request(
+        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> UpstreamResponse:
+        """Send a request and return once the response head is in; OSError if it cannot connect,
+        asyncio.TimeoutError if connecting takes too long, UpstreamError for anything after."""
+        await self._slots.acquire()
+        conn: Connection | None = None
+        try:
+            conn = await self._connection()
+            conn.send(self._head(method, target, headers, body), body, method == "HEAD")
+            await conn.read_head()
+            return UpstreamResponse(self, conn)
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            self._slots.release()
+            raise
+
+    def put(self, conn: Connection) -> None:
+        if conn.reusable:
+            conn.idle_since = asyncio.get_running_loop().time()
+            self._idle.append(conn)
+        else:
+            conn.close()
+        self._slots.release()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+    async def _connection(self) -> Connection:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < IDLE_REUSE_S:
+                return conn
+            conn.close()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(
+                lambda: Connection(self._read_timeout_s), self.host, self.port, ssl=self._ssl or None,
+            ),
+            self._connect_timeout_s,
+        )
+        return conn
+
+    def _head(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+        lines = [method.encode(), b" ", self._prefix, target, b" HTTP/1.1\r\n", self._host_line]
+        for name, value in headers:
+            lines += (name, b": ", value, b"\r\n")
+        if body or method in ("POST", "PUT", "PATCH"):
+            lines += (b"content-length: ", str(len(body)).encode(), b"\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)

@@ -1,0 +1,218 @@
+"""app.upstream, kvgate's HTTP/1.1 client to the backend, against scripted raw-socket servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from app import upstream
+from app.openai import ApiError
+from app.proxy import Backend
+from app.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+@asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A server on a free port running `handler` per connection; yields its URL and a list that
+    grows by one per connection accepted."""
+    connections: list[int] = []
+
+    async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", connections
+    finally:
+        srv.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head, await reader.readexactly(length)
+
+
+def answering(*responses: bytes, then_hang: bool = False, then_close: bool = False) -> Handler:
+    """Answer each request with the next of `responses`, then hang, close, or answer OK forever."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for response in responses:
+            await read_request(reader)
+            writer.write(response)
+            await writer.drain()
+        if then_hang:
+            await asyncio.sleep(3600)
+        elif not then_close:
+            while True:
+                await read_request(reader)
+                writer.write(OK)
+    return handle
+
+
+async def body_of(response: upstream.UpstreamResponse) -> bytes:
+    chunks = []
+    while (chunk := await response.read()) is not None:
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def test_request_head_and_keep_alive_reuse() -> None:
+    seen: list[tuple[bytes, bytes]] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            seen.append(await read_request(reader))
+            writer.write(OK)
+
+    async with server(handle) as (url, connections):
+        pool = ConnectionPool(url + "/prefix/", read_timeout_s=5)
+        for _ in range(3):
+            response = await pool.request("POST", b"/v1/completions?a=%20b", [(b"x-one", b"1")], b'{"p": 1}')
+            assert (response.status, await body_of(response)) == (200, b"{}")
+            assert response.header(b"content-type") == "application/json"
+            response.release()
+        pool.close()
+    assert len(connections) == 1
+    head, body = seen[0]
+    assert head.startswith(b"POST /prefix/v1/completions?a=%20b HTTP/1.1\r\n")
+    assert f"host: {url.removeprefix('http://')}\r\n".encode() in head
+    assert b"x-one: 1\r\n" in head and b"content-length: 8\r\n" in head
+    assert body == b'{"p": 1}'
+
+
+async def test_chunks_are_handed_over_as_they_arrive() -> None:
+    more = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await more.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await asyncio.sleep(3600)
+
+    async with server(handle) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("POST", b"/", [], b"{}")
+        assert await response.read() == b"first"
+        more.set()
+        assert await body_of(response) == b"second"
+        response.release()
+        pool.close()
+
+
+async def test_body_until_close_and_head_requests_are_complete() -> None:
+    async with server(answering(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it", then_close=True)) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("GET", b"/", [], b"")
+        assert await body_of(response) == b"all of it"
+        response.release()
+    async with server(answering(b"HTTP/1.1 200 OK\r\ncontent-length: 99\r\n\r\n")) as (url, connections):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        for _ in range(2):
+            response = await pool.request("HEAD", b"/", [], b"")
+            assert response.status == 200 and await response.read() is None
+            response.release()
+        assert len(connections) == 2  # a HEAD's connection is not reused
+        pool.close()
+
+
+async def test_interim_responses_are_skipped() -> None:
+    async with server(answering(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("POST", b"/", [(b"expect", b"100-continue")], b"{}")
+        assert (response.status, await body_of(response)) == (200, b"{}")
+        response.release()
+        pool.close()
+
+
+async def test_broken_and_silent_backends() -> None:
+    cut = b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npart"
+    async with server(answering(cut, then_close=True)) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("POST", b"/", [], b"{}")
+        assert await response.read() == b"part"
+        with pytest.raises(UpstreamError):
+            await response.read()
+        response.close()
+    async with server(answering(then_hang=True)) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=0.2)
+        with pytest.raises(UpstreamTimeout):
+            await pool.request("POST", b"/", [], b"{}")
+    async with server(answering(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n", then_hang=True)) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("POST", b"/", [], b"{}")
+        reading = asyncio.ensure_future(response.read())
+        await asyncio.sleep(0.05)
+        response.close()  # the client left: the reader wakes at once
+        with pytest.raises(UpstreamError):
+            await reading
+    async with server(answering(b"not http\r\n\r\n")) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        with pytest.raises(UpstreamError, match="malformed"):
+            await pool.request("POST", b"/", [], b"{}")
+
+
+async def test_backend_maps_failures_to_api_errors() -> None:
+    async with server(answering()) as (url, _):
+        pass  # closed: nothing listens on that port any more
+    backend = Backend(url, timeout_s=5)
+    with pytest.raises(ApiError) as refused:
+        await backend.open("POST", b"/v1/completions", [], b"{}")
+    assert (refused.value.status, refused.value.code) == (503, "backend_unavailable")
+    async with server(answering(then_hang=True)) as (url, _):
+        backend = Backend(url, timeout_s=0.2)
+        with pytest.raises(ApiError) as silent:
+            await backend.open("POST", b"/v1/completions", [], b"{}")
+        assert (silent.value.status, silent.value.code) == (504, "backend_timeout")
+        await backend.aclose()
+
+
+async def test_stale_idle_connections_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upstream, "IDLE_REUSE_S", 0.0)
+    async with server(answering()) as (url, connections):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        for _ in range(2):
+            response = await pool.request("GET", b"/", [], b"")
+            await body_of(response)
+            response.release()
+        pool.close()
+    assert len(connections) == 2
+
+
+async def test_reading_pauses_above_the_high_water_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upstream, "HIGH_WATER_BYTES", 1000)
+    sent = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 200000\r\n\r\n")
+        for _ in range(100):
+            writer.write(b"x" * 2000)
+            await writer.drain()
+        sent.set()
+
+    async with server(handle) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("GET", b"/", [], b"")
+        await asyncio.sleep(0.2)
+        assert response._conn._paused
+        assert len(await body_of(response)) == 200000
+        await asyncio.wait_for(sent.wait(), 5)
+        response.release()
+        pool.close()
