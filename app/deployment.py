@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 
 from app.memory.activation import EngineShape, profile_peak_bytes
+from app.memory.outputs import OutputLengths
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
@@ -106,7 +107,9 @@ def resolve(
     )
 
 
-def build_predictor(deployment: Deployment, geometry: ModelGeometry, settings: Settings) -> Predictor:
+def build_predictor(
+    deployment: Deployment, geometry: ModelGeometry, settings: Settings, outputs: OutputLengths | None = None
+) -> Predictor:
     layout = KVLayout(
         geometry=geometry,
         block_size=deployment.block_size,
@@ -117,7 +120,7 @@ def build_predictor(deployment: Deployment, geometry: ModelGeometry, settings: S
     engine = deployment.engine_shape()
     profiled = settings.profiled_activation_bytes or profile_peak_bytes(geometry, engine)
     return Predictor(
-        layout, engine, deployment.enable_prefix_caching, profiled, settings.default_max_tokens
+        layout, engine, deployment.enable_prefix_caching, profiled, settings.default_max_tokens, outputs
     )
 
 

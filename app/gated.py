@@ -100,9 +100,11 @@ class GatedRoutes:
             demand = evaluation.prediction.demand
             rt.metrics.predicted_transient.observe(evaluation.prediction.transient_peak_bytes)
             rt.metrics.predicted_kv_blocks.observe(demand.kv_blocks)
+            predictor, prediction = rt.predictor, evaluation.prediction
             ticket = await rt.gate.acquire(
                 demand, priority_of(scope, evaluation.spec.priority),
                 tenant_of(scope, self._tenant_header), lambda: disconnect_future(receive),
+                refresh=(lambda: predictor.refreshed(prediction)) if predictor else None,
             )
         except ApiError as error:
             if error.status != 429:  # the gate counts its own refusals
@@ -110,6 +112,7 @@ class GatedRoutes:
             log_decision(request_id, "reject", error.code, status=error.status, message=error.message)
             raise
         rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.queue_wait_s)
+        demand = ticket.reservation.demand  # refreshed if it waited
         log_decision(
             request_id, "admit", "fits", prompt_tokens=demand.prompt_tokens,
             max_new_tokens=demand.max_new_tokens, kv_blocks=demand.kv_blocks,
@@ -138,4 +141,4 @@ class GatedRoutes:
             ticket.release("upstream_error")
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
-        return Relay(upstream, admitted.headers, on_first, ticket.release)
+        return Relay(upstream, admitted.headers, on_first, ticket.release, count_output=True)

@@ -19,7 +19,8 @@ from app.memory.activation import (
 )
 from app.memory.budget import Budget
 from app.memory.demand import Demand
-from app.memory.footprint import Footprint, predict_footprint
+from app.memory.footprint import Footprint, predict_footprint, with_reservation
+from app.memory.outputs import OutputLengths
 from app.memory.kv import KVLayout
 from app.openai import ApiError, RequestSpec
 
@@ -53,6 +54,11 @@ class Prediction:
     def transient_peak_bytes(self) -> int:
         return sum(fp.transient.peak_bytes for fp in self.footprints)
 
+    @property
+    def max_kv_blocks(self) -> int:
+        """KV blocks at full growth to max_tokens (the reservation may expect less)."""
+        return self.demand.kv_blocks + sum(fp.max_kv_blocks - fp.kv_blocks for fp in self.footprints)
+
 
 class Predictor:
     """Memory model settings of one deployment, applied to one request at a time."""
@@ -64,8 +70,10 @@ class Predictor:
         enable_prefix_caching: bool,
         profiled_peak_bytes: int,
         default_max_tokens: int | None = None,
+        outputs: OutputLengths | None = None,
     ) -> None:
         self.layout = layout
+        self.outputs = outputs
         self.engine = engine
         self.enable_prefix_caching = enable_prefix_caching
         self.profiled_peak_bytes = profiled_peak_bytes
@@ -97,6 +105,7 @@ class Predictor:
                 predict_footprint(
                     self.layout, self.engine, ids, max_new, sampling,
                     enable_prefix_caching=self.enable_prefix_caching,
+                    reserved_new_tokens=self.outputs.reserve(max_new) if self.outputs else None,
                 )
             )
         return Prediction(
@@ -106,7 +115,21 @@ class Predictor:
             demand=self._demand(footprints),
         )
 
-    def _demand(self, footprints: list[Footprint]) -> Demand:
+    def refreshed(self, prediction: Prediction) -> Demand:
+        """The demand with the output reservation learned since it was predicted: a request that
+        waited in the queue is admitted with what kvgate knows at admission, not at arrival."""
+        if self.outputs is None:
+            return prediction.demand
+        footprints = [
+            with_reservation(fp, self.layout, self.engine, self.outputs.reserve(fp.max_new_tokens),
+                             self.enable_prefix_caching)
+            for fp in prediction.footprints
+        ]
+        if all(new is old for new, old in zip(footprints, prediction.footprints)):
+            return prediction.demand
+        return self._demand(footprints)
+
+    def _demand(self, footprints: Sequence[Footprint]) -> Demand:
         shared: list[int] = []
         private = prefill = decode = profiled = profiled_prefill = profiled_decode = 0
         for fp in footprints:
@@ -131,6 +154,8 @@ class Predictor:
             transient_decode_bytes=decode,
             profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
             profiled_decode_bytes=min(profiled_decode, self.profiled_peak_bytes),
+            reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
+            sequences=sum(fp.n for fp in footprints),
         )
 
     def _check_context_length(self, spec: RequestSpec, prompt_tokens: int, max_new: int) -> None:
@@ -151,11 +176,11 @@ class Predictor:
         """400 when no amount of waiting would let this request in."""
         demand = prediction.demand
         pool = budget.kv_blocks
-        if pool is not None and demand.kv_blocks > pool:
+        if pool is not None and prediction.max_kv_blocks > pool:
             block = self.layout.block_size
             raise ApiError(
                 400,
-                f"This request needs {demand.kv_blocks:,} KV blocks of {block} tokens "
+                f"This request needs {prediction.max_kv_blocks:,} KV blocks of {block} tokens "
                 f"({prediction.prompt_tokens:,} prompt tokens, up to {prediction.max_new_tokens:,} new "
                 f"tokens for each of {sum(fp.n for fp in prediction.footprints)} sequences), but vLLM's "
                 f"whole KV cache holds {pool:,} blocks: lower max_tokens or n, or shorten the prompt.",

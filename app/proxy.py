@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.openai import ApiError
+from app.output_count import OutputTokenCounter
 from app.upstream import ConnectionPool, UpstreamError, UpstreamResponse, UpstreamTimeout
 
 log = logging.getLogger("kvgate.proxy")
@@ -88,7 +89,8 @@ def sse_error_event(message: str, code: str) -> bytes:
 
 
 class Relay(Response):
-    """An ASGI response that relays the upstream body and always runs `on_end(outcome)` once.
+    """An ASGI response that relays the upstream body and always runs `on_end(outcome, tokens)`
+    once; `tokens` is the output token count read off the body when `count_output` is set.
 
     It overrides Response's ASGI call rather than using StreamingResponse so that the release
     happens even when the client has gone before the first byte could be sent.
@@ -99,7 +101,8 @@ class Relay(Response):
         upstream: UpstreamResponse,
         headers: Mapping[str, str],
         on_first_chunk: Callable[[], None],
-        on_end: Callable[[str], None],
+        on_end: Callable[[str, int | None], None],
+        count_output: bool = False,
     ) -> None:
         self.upstream = upstream
         self.status_code = upstream.status
@@ -108,6 +111,7 @@ class Relay(Response):
         self._on_first_chunk = on_first_chunk
         self._on_end = on_end
         self._is_sse = (upstream.header(b"content-type") or "").startswith("text/event-stream")
+        self._counter = OutputTokenCounter(self._is_sse) if count_output else None
         self._client_gone = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -117,7 +121,7 @@ class Relay(Response):
             outcome = await self._relay(send)
         finally:
             watcher.cancel()
-            self._on_end(outcome)
+            self._on_end(outcome, self._counter.tokens() if self._counter else None)
             if outcome in ("completed", "refused_by_backend"):
                 self.upstream.release()  # read to the end: the connection goes back to the pool
             else:
@@ -138,6 +142,8 @@ class Relay(Response):
                 if not started:
                     started = True
                     self._on_first_chunk()
+                if self._counter is not None:
+                    self._counter.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as exc:
             if self._client_gone:
@@ -162,4 +168,4 @@ async def passthrough(
 ) -> Relay:
     """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
     upstream = await backend.open(method, target, forward_headers(headers, request_id), body)
-    return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome: None)
+    return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome, tokens: None)

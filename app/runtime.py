@@ -9,6 +9,7 @@ Then the live loop (app.telemetry.live) keeps the budget true every --scrape-int
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from app.deployment import Deployment, build_predictor, resolve, static_budget
 from app.gate.gate import Gate
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
+from app.memory.outputs import OutputLengths
 from app.metrics import KvgateMetrics
 from app.openai import ApiError, Endpoint, RequestSpec, parse_request
 from app.predict import Prediction, Predictor
@@ -31,6 +33,14 @@ from app.telemetry.vllm import fetch_models, fetch_snapshot
 from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
+
+
+def freeze_start_up_heap() -> None:
+    """Exempt what start-up loaded (modules, tokenizer, templates: ~110k objects) from the
+    garbage collector. A full collection walked them all, ~40 ms on the 2-core machine, stalling
+    every request in flight; frozen, collections walk only what requests created since."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,10 @@ class Runtime:
         self.metrics = KvgateMetrics()
         self.backend = Backend(settings.backend, settings.upstream_timeout)
         self.budget = Budget(transient_margin=settings.transient_safety_margin)
-        self.gate = Gate(self.budget, self.metrics, settings.max_queue, settings.max_queue_wait)
+        self.gate = Gate(
+            self.budget, self.metrics, settings.max_queue, settings.max_queue_wait,
+            outputs=OutputLengths(settings.kv_output_quantile),
+        )
         self.geometry: ModelGeometry | None = None
         self.tokenizer: Tokenizer | None = None
         self.deployment: Deployment | None = None
@@ -117,8 +130,10 @@ class Runtime:
         self.served_names.update(m.name for m in models)
         deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served)
         model_name = self.settings.served_model_name or (served.name if served else "")
-        self.tokenizer = self.tokenizer or load_tokenizer(self.settings.model, client, model_name)
-        predictor = build_predictor(deployment, self.geometry, self.settings)
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.settings.model, client, model_name)
+            freeze_start_up_heap()
+        predictor = build_predictor(deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(deployment, self.settings, predictor.profiled_peak_bytes, predictor.shared_workspace_bytes)
         self.deployment, self.predictor = deployment, predictor
         self.startup_error = None
@@ -145,7 +160,7 @@ class Runtime:
         self.geometry = ModelGeometry.from_folder(self.settings.model)
         self.deployment = resolve(self.settings, self.geometry, None, None)
         self.tokenizer = load_tokenizer(self.settings.model, self.backend.client, self.settings.served_model_name or "")
-        self.predictor = build_predictor(self.deployment, self.geometry, self.settings)
+        self.predictor = build_predictor(self.deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(
             self.deployment, self.settings, self.predictor.profiled_peak_bytes,
             self.predictor.shared_workspace_bytes,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -12,6 +13,7 @@ from app.gate.ledger import Ledger
 from app.gate.queue import AdmissionQueue, QueueFull, Waiter
 from app.memory.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from app.memory.demand import Demand
+from app.memory.outputs import OutputLengths
 from app.metrics import KvgateMetrics
 from app.openai import ApiError
 
@@ -223,6 +225,31 @@ class TestGate:
         assert expired.value.status == 429 and expired.value.code == "queue_timeout"
         assert len(gate.queue) == 0
         (await gate.acquire(demand(prefill=50), 0, "a")).release()
+
+    async def test_completed_requests_teach_output_lengths(self) -> None:
+        gate = make_gate(kv_blocks=100)
+        gate.outputs = OutputLengths(0.99, min_samples=2, refresh_every=1)
+        for outcome, tokens in [("completed", 240), ("disconnected", 3), ("completed", 2 * 100), ("completed", None)]:
+            ticket = await gate.acquire(replace(demand(), max_new_tokens=1000, sequences=2), 0, "a")
+            ticket.release(outcome, tokens)
+        assert gate.outputs.samples == 2  # per sequence: 120 and 100; the cut and unknown ones teach nothing
+        assert gate.outputs.reserve(1000) == 120
+
+    async def test_a_waiting_request_is_admitted_with_its_refreshed_demand(self) -> None:
+        """Output lengths learned while it waited shrink its KV reservation."""
+        gate = make_gate(kv_blocks=10)
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        learned = {"blocks": 5}
+        waiting = asyncio.create_task(
+            gate.acquire(demand(blocks=5), 0, "a", refresh=lambda: demand(blocks=learned["blocks"])))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        learned["blocks"] = 2
+        gate.changed()
+        ticket = await asyncio.wait_for(waiting, 1)
+        assert ticket.reservation.demand.private_blocks == 2 and gate.ledger.kv_blocks == 10
+        ticket.release()
+        holder.release()
 
     async def test_queue_full_is_a_429_with_retry_after(self) -> None:
         gate = make_gate(kv_blocks=1, max_queue=1)

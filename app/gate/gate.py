@@ -19,6 +19,7 @@ from app.gate.queue import AdmissionQueue, QueueFull, Waiter
 from app.memory.budget import Budget
 from app.memory.calibration import InFlight
 from app.memory.demand import Demand
+from app.memory.outputs import OutputLengths
 from app.metrics import KvgateMetrics
 from app.openai import ApiError
 
@@ -43,9 +44,11 @@ class Ticket:
         if self._gate.ledger.end_prefill(self.reservation):
             self._gate.changed()
 
-    def release(self, outcome: str = "completed") -> None:
+    def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:
+        """Give the reservation back; `output_tokens` (all sequences), when known, teaches the
+        gate how long answers really are."""
         if self._gate.ledger.release(self.reservation):
-            self._gate.released(outcome, self.reservation.id)
+            self._gate.released(outcome, self.reservation, output_tokens)
 
 
 class Gate:
@@ -56,8 +59,10 @@ class Gate:
         max_queue: int,
         max_queue_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
+        outputs: OutputLengths | None = None,
     ) -> None:
         self.budget = budget
+        self.outputs = outputs  # learned output lengths: the predictor reads, releases teach
         self.ledger = Ledger()
         self.queue = AdmissionQueue(max_queue)
         self.drain = DrainRate(clock=clock)
@@ -81,18 +86,20 @@ class Gate:
         priority: int,
         tenant: str,
         watch_client: Callable[[], asyncio.Future] | None = None,
+        refresh: Callable[[], Demand] | None = None,
     ) -> Ticket:
         """Admit now or wait in line; raises ApiError 429 when the queue is full or time runs out.
 
         `watch_client` is called only if the request has to wait: the future it returns resolves
-        when the client disconnects, and the waiter then leaves the queue at once.
+        when the client disconnects, and the waiter then leaves the queue at once. `refresh`, if
+        given, recomputes the demand of a waiting request before each admission check.
         """
         reason = self.would_wait(demand, priority)
         if reason is None:
             self.metrics.decisions.labels("admit", "fits").inc()
             return self._admit(demand, waited_s=0.0)
         loop = asyncio.get_running_loop()
-        waiter = Waiter(demand, priority, tenant, self._clock(), loop.create_future(), reason=reason)
+        waiter = Waiter(demand, priority, tenant, self._clock(), loop.create_future(), reason=reason, refresh=refresh)
         try:
             self.queue.push(waiter)
         except QueueFull:
@@ -164,8 +171,11 @@ class Gate:
         self._publish()
         return ticket
 
-    def released(self, outcome: str, reservation_id: int | None = None) -> None:
-        self.admitted.pop(reservation_id, None)
+    def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
+        self.admitted.pop(reservation.id, None)
+        if outcome == "completed" and output_tokens is not None and self.outputs is not None:
+            demand = reservation.demand
+            self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
         self.drain.record()
         self.metrics.releases.labels(outcome).inc()
         self.changed()
@@ -179,7 +189,7 @@ class Gate:
         """
         self.queue.restore(keep_aside=self._stranded)
         while (head := self.queue.peek()) is not None:
-            if self.budget.shortfall(head.demand, self.ledger) is None:
+            if self.budget.shortfall(_refreshed(head), self.ledger) is None:
                 self.queue.pop_head()
                 self.metrics.decisions.labels("admit", "dequeued").inc()
                 head.future.set_result(self._admit(head.demand, self._clock() - head.enqueued_at))
@@ -192,7 +202,7 @@ class Gate:
 
     def _stranded(self, waiter: Waiter) -> bool:
         """It would wait even with nothing in flight (and not because the backend is down)."""
-        return self.budget.hold is None and self.budget.shortfall(waiter.demand, _IDLE) is not None
+        return self.budget.hold is None and self.budget.shortfall(_refreshed(waiter), _IDLE) is not None
 
     def _publish(self) -> None:
         self.metrics.in_flight.set(self.ledger.in_flight)
@@ -204,3 +214,10 @@ class Gate:
             self.metrics.budget_kv_blocks.set(kv_limit)
         if transient_limit is not None:
             self.metrics.budget_transient.set(transient_limit)
+
+
+def _refreshed(waiter: Waiter) -> Demand:
+    """The waiter's demand as kvgate would predict it now (see Waiter.refresh)."""
+    if waiter.refresh is not None:
+        waiter.demand = waiter.refresh()
+    return waiter.demand

@@ -29,6 +29,8 @@ class Waiter:
     future: asyncio.Future = field(repr=False)
     seq: int = 0
     reason: str = ""
+    # Recomputes the demand with what kvgate learned while it waited (output lengths).
+    refresh: Callable[[], Demand] | None = field(default=None, repr=False)
 
 
 class QueueFull(Exception):

@@ -70,7 +70,7 @@ def blocks_in_use(
 
     Shared prompt blocks count once (as vLLM's prefix cache holds them once). A request's other
     blocks grow with its output: `g` tokens generated so far is estimated as time since admission
-    x the per-sequence decode rate vLLM reports, capped at max_new_tokens; its private blocks are
+    x the per-sequence decode rate vLLM reports, capped at the tokens reserved; its private blocks are
     its full-growth private blocks scaled by how far its token count has grown into them.
     """
     shared: set[int] = set()
@@ -80,10 +80,10 @@ def blocks_in_use(
         hashes = set(d.shared_block_hashes)
         shared |= hashes
         rate = decode_tokens_per_s or 0.0
-        generated = min(d.max_new_tokens, max(0.0, now - r.admitted_at) * rate)
+        generated = min(d.reserved_tokens, max(0.0, now - r.admitted_at) * rate)
         full_prompt = len(hashes) if hashes else 0
         grown = math.ceil((d.prompt_tokens + generated) / block_size) - full_prompt
-        at_end = math.ceil((d.prompt_tokens + d.max_new_tokens) / block_size) - full_prompt
+        at_end = math.ceil((d.prompt_tokens + d.reserved_tokens) / block_size) - full_prompt
         private += d.private_blocks * (min(grown, at_end) / at_end if at_end > 0 else 1.0)
     return len(shared) + round(private)
 

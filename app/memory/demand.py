@@ -19,11 +19,18 @@ class Demand:
     # profile region, which only a live GPU reading can show taken by someone else.
     profiled_prefill_bytes: int = 0
     profiled_decode_bytes: int = 0
+    # Output tokens per sequence the KV reservation covers (learned, see outputs.py); None: all.
+    reserved_new_tokens: int | None = None
+    sequences: int = 1  # prompts x n: how the output token count splits when it finishes
 
     @property
     def kv_blocks(self) -> int:
         """Blocks this request holds at full growth, counting its shared prefix as its own."""
         return len(set(self.shared_block_hashes)) + self.private_blocks
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.max_new_tokens if self.reserved_new_tokens is None else self.reserved_new_tokens
 
     @property
     def transient_bytes(self) -> int:

@@ -1,14 +1,15 @@
 """One request's memory footprint: the glue the gate calls per request.
 
-KV blocks at full growth (prompt + max_new_tokens, capped at max_model_len) for
-all n samples, the prompt's block hashes (so the ledger can count a shared
+KV blocks at full growth (prompt + max_new_tokens, capped at max_model_len) and
+at the growth kvgate reserves (prompt + the output it expects, see outputs.py)
+for all n samples, the prompt's block hashes (so the ledger can count a shared
 prefix once), and the transient estimate of its worst step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from app.memory.activation import EngineShape, SamplingShape, TransientEstimate, estimate_transient
 from app.memory.kv import KVLayout, block_hashes
@@ -18,9 +19,11 @@ from app.memory.kv import KVLayout, block_hashes
 class Footprint:
     prompt_tokens: int
     max_new_tokens: int
+    reserved_new_tokens: int  # output tokens the KV reservation covers (<= max_new_tokens)
     n: int
     block_hashes: tuple[int, ...]  # full prompt blocks (shared-prefix detection)
-    kv_blocks: int  # pool blocks at full growth for all n samples, sliding-window aware
+    kv_blocks: int  # pool blocks reserved for all n samples, sliding-window aware
+    max_kv_blocks: int  # pool blocks at full growth (max_new_tokens)
     transient: TransientEstimate
 
 
@@ -32,6 +35,7 @@ def predict_footprint(
     sampling: SamplingShape,
     enable_prefix_caching: bool = True,
     cached_prefix_tokens: int = 0,
+    reserved_new_tokens: int | None = None,
 ) -> Footprint:
     """Predict what admitting this request costs.
 
@@ -42,17 +46,41 @@ def predict_footprint(
     """
     prompt = len(prompt_token_ids)
     n = sampling.rows
-    total = min(prompt + max_new_tokens, engine.max_model_len)
+    reserved = max_new_tokens if reserved_new_tokens is None else min(reserved_new_tokens, max_new_tokens)
     hashes = tuple(block_hashes(prompt_token_ids, layout.block_size)) if enable_prefix_caching else ()
-    kv_blocks = layout.blocks_for_request(
-        prompt, total, n, engine.max_num_batched_tokens, engine.max_model_len,
-        share_prompt=enable_prefix_caching,
-    )
+    max_kv_blocks = kv_blocks_for(layout, engine, prompt, max_new_tokens, n, enable_prefix_caching)
     return Footprint(
         prompt_tokens=prompt,
         max_new_tokens=max_new_tokens,
+        reserved_new_tokens=reserved,
         n=n,
         block_hashes=hashes,
-        kv_blocks=kv_blocks,
+        kv_blocks=max_kv_blocks if reserved == max_new_tokens else kv_blocks_for(
+            layout, engine, prompt, reserved, n, enable_prefix_caching),
+        max_kv_blocks=max_kv_blocks,
         transient=estimate_transient(layout.geometry, engine, prompt, sampling, cached_prefix_tokens),
     )
+
+
+def kv_blocks_for(
+    layout: KVLayout, engine: EngineShape, prompt_tokens: int, new_tokens: int, n: int,
+    enable_prefix_caching: bool,
+) -> int:
+    """Pool blocks for n samples of a prompt grown by `new_tokens` each (capped at max_model_len)."""
+    total = min(prompt_tokens + new_tokens, engine.max_model_len)
+    return layout.blocks_for_request(
+        prompt_tokens, total, n, engine.max_num_batched_tokens, engine.max_model_len,
+        share_prompt=enable_prefix_caching,
+    )
+
+
+def with_reservation(
+    fp: Footprint, layout: KVLayout, engine: EngineShape, reserved_new_tokens: int,
+    enable_prefix_caching: bool,
+) -> Footprint:
+    """The same footprint reserving a different output length (learned since it was made)."""
+    reserved = min(reserved_new_tokens, fp.max_new_tokens)
+    if reserved == fp.reserved_new_tokens:
+        return fp
+    blocks = kv_blocks_for(layout, engine, fp.prompt_tokens, reserved, fp.n, enable_prefix_caching)
+    return replace(fp, reserved_new_tokens=reserved, kv_blocks=blocks)
