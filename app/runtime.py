@@ -21,6 +21,7 @@ from app.deployment import Deployment, build_predictor, resolve, static_budget
 from app.gate.gate import Gate
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
+from app.memory.outputs import OutputLengths
 from app.metrics import KvgateMetrics
 from app.openai import ApiError, Endpoint, RequestSpec, parse_request
 from app.predict import Prediction, Predictor
@@ -57,7 +58,10 @@ class Runtime:
         self.metrics = KvgateMetrics()
         self.backend = Backend(settings.backend, settings.upstream_timeout)
         self.budget = Budget(transient_margin=settings.transient_safety_margin)
-        self.gate = Gate(self.budget, self.metrics, settings.max_queue, settings.max_queue_wait)
+        self.gate = Gate(
+            self.budget, self.metrics, settings.max_queue, settings.max_queue_wait,
+            outputs=OutputLengths(settings.kv_output_quantile),
+        )
         self.geometry: ModelGeometry | None = None
         self.tokenizer: Tokenizer | None = None
         self.deployment: Deployment | None = None
@@ -129,7 +133,7 @@ class Runtime:
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.settings.model, client, model_name)
             freeze_start_up_heap()
-        predictor = build_predictor(deployment, self.geometry, self.settings)
+        predictor = build_predictor(deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(deployment, self.settings, predictor.profiled_peak_bytes, predictor.shared_workspace_bytes)
         self.deployment, self.predictor = deployment, predictor
         self.startup_error = None
@@ -156,7 +160,7 @@ class Runtime:
         self.geometry = ModelGeometry.from_folder(self.settings.model)
         self.deployment = resolve(self.settings, self.geometry, None, None)
         self.tokenizer = load_tokenizer(self.settings.model, self.backend.client, self.settings.served_model_name or "")
-        self.predictor = build_predictor(self.deployment, self.geometry, self.settings)
+        self.predictor = build_predictor(self.deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(
             self.deployment, self.settings, self.predictor.profiled_peak_bytes,
             self.predictor.shared_workspace_bytes,
