@@ -10,10 +10,11 @@ releases the ticket exactly once.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass
 
 from starlette.responses import Response
@@ -30,8 +31,14 @@ GATED_PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/
 decision_log = logging.getLogger("kvgate.decision")
 
 
+_ID_PREFIX = os.urandom(8).hex()
+_id_counter = itertools.count()
+
+
 def request_id_of(scope: Scope) -> str:
-    return header(scope, b"x-request-id") or uuid.uuid4().hex
+    """The client's x-request-id, else 32 hex digits unique to this process's requests (a random
+    prefix and a counter: uuid4 read the kernel's random source on every request)."""
+    return header(scope, b"x-request-id") or f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
 def tenant_of(scope: Scope, tenant_header: bytes) -> str:

@@ -116,11 +116,14 @@ class Relay(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "disconnected"
-        watcher = asyncio.ensure_future(self._watch_disconnect(receive))
+        # A body that has already arrived whole (vLLM's non-streaming answers come at once) is
+        # relayed without waiting on the backend: no client to watch for, no task to start.
+        watcher = None if self.upstream.complete else asyncio.ensure_future(self._watch_disconnect(receive))
         try:
             outcome = await self._relay(send)
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             self._on_end(outcome, self._counter.tokens() if self._counter else None)
             if outcome in ("completed", "refused_by_backend"):
                 self.upstream.release()  # read to the end: the connection goes back to the pool

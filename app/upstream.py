@@ -192,6 +192,11 @@ class UpstreamResponse:
                 return value.decode("latin-1")
         return None
 
+    @property
+    def complete(self) -> bool:
+        """The whole response has arrived: read() will not wait."""
+        return self._conn.complete
+
     async def read(self) -> bytes | None:
         return await self._conn.read()
 

@@ -84,6 +84,7 @@ async def test_request_head_and_keep_alive_reuse() -> None:
         pool = ConnectionPool(url + "/prefix/", read_timeout_s=5)
         for _ in range(3):
             response = await pool.request("POST", b"/v1/completions?a=%20b", [(b"x-one", b"1")], b'{"p": 1}')
+            assert response.complete  # the body came with the head
             assert (response.status, await body_of(response)) == (200, b"{}")
             assert response.header(b"content-type") == "application/json"
             response.release()
@@ -110,6 +111,7 @@ async def test_chunks_are_handed_over_as_they_arrive() -> None:
         pool = ConnectionPool(url, read_timeout_s=5)
         response = await pool.request("POST", b"/", [], b"{}")
         assert await response.read() == b"first"
+        assert not response.complete
         more.set()
         assert await body_of(response) == b"second"
         response.release()
