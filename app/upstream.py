@@ -224,7 +224,8 @@ class ConnectionPool:
         self.port = url.port or (443 if url.scheme == "https" else 80)
         self._ssl = url.scheme == "https"
         self._prefix = url.path.rstrip("/").encode()
-        self._host_line = b"host: " + url.netloc.encode("idna") + b"\r\n"
+        host = url.netloc.rpartition("@")[2]  # credentials in the URL are not a Host header
+        self._host_line = b"host: " + host.encode("idna") + b"\r\n"
         self._read_timeout_s = read_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._idle: list[Connection] = []

@@ -81,7 +81,7 @@ async def test_request_head_and_keep_alive_reuse() -> None:
             writer.write(OK)
 
     async with server(handle) as (url, connections):
-        pool = ConnectionPool(url + "/prefix/", read_timeout_s=5)
+        pool = ConnectionPool(url.replace("://", "://user:secret@") + "/prefix/", read_timeout_s=5)
         for _ in range(3):
             response = await pool.request("POST", b"/v1/completions?a=%20b", [(b"x-one", b"1")], b'{"p": 1}')
             assert response.complete  # the body came with the head
@@ -92,7 +92,7 @@ async def test_request_head_and_keep_alive_reuse() -> None:
     assert len(connections) == 1
     head, body = seen[0]
     assert head.startswith(b"POST /prefix/v1/completions?a=%20b HTTP/1.1\r\n")
-    assert f"host: {url.removeprefix('http://')}\r\n".encode() in head
+    assert f"host: {url.removeprefix('http://')}\r\n".encode() in head and b"secret" not in head
     assert b"x-one: 1\r\n" in head and b"content-length: 8\r\n" in head
     assert body == b'{"p": 1}'
 
