@@ -46,6 +46,10 @@ from bench.scenarios import Scenario
 
 ARMS = ("none", "static-cap", "saturation", "kvgate", "oracle")
 DRAIN_S = 60.0  # simulated seconds after the last arrival before outstanding requests time out
+# Calls sharing one HTTP client, each with a connection of its own: httpcore's pool matches every
+# queued request against every connection whenever one changes, quadratic in one big pool (a
+# burst of 1,500 streams spent its whole drain window there).
+CALLS_PER_CLIENT = 64
 
 
 @dataclass
@@ -195,14 +199,18 @@ async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None
             return Outcome(call.label, 0, "failed", type(exc).__name__, ttft,
                            time.monotonic() - start)
 
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(drain_s / speedup + 60),
-                                 limits=limits) as client:
-        scraper = asyncio.create_task(gate.run(client)) if gate else None
+    limits = httpx.Limits(max_connections=CALLS_PER_CLIENT,
+                          max_keepalive_connections=CALLS_PER_CLIENT)
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            base_url=url, timeout=httpx.Timeout(drain_s / speedup + 60), limits=limits))
+            for _ in range(-(-len(calls) // CALLS_PER_CLIENT))]
+        scraper = asyncio.create_task(gate.run(clients[0])) if gate else None
         if gate:
             await asyncio.sleep(0.1)
             start = time.monotonic()
-        tasks = [asyncio.create_task(one(client, c)) for c in calls]
+        tasks = [asyncio.create_task(one(clients[k % len(clients)], c))
+                 for k, c in enumerate(calls)]
         if progress is not None:
             for t in tasks:
                 t.add_done_callback(lambda _: progress.update(1))

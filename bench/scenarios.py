@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from app.demo import Call
+from app.sim import startup
 from app.sim.config import GiB, MiB, CoTenant, SimConfig
+from app.sim.gpu import CachingAllocator, Device
+from app.sim.presets import gpu_total_bytes
+from app.sim.server import load_geometry
 
 from bench.workloads import chat_call, document_call, poisson_times, streaming
 
@@ -84,13 +88,14 @@ def s3_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 # ----- S4 ----------------------------------------------------------------------------------------
 def s4_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """High-concurrency mixed batches: chat at 5/s, a third with penalties (persistent
-    penalty tensor), prompts from 16 to 6k tokens."""
-    d = 30 * scale
+    """A spike of mixed chat: 300 requests/s for 5 s, prompts 16-6k tokens (median 250), 16-256
+    output tokens, top-p 0.9, a third with a presence penalty (penalties' prompt ids held across
+    steps)."""
     calls = []
-    for i, t in enumerate(poisson_times(rng, 5.0, d)):
-        extra = {"presence_penalty": 0.5} if rng.random() < 0.33 else {}
-        calls.append(chat_call(rng, t, i, median_prompt=600, max_prompt=6000, **extra))
+    for i, t in enumerate(poisson_times(rng, 300.0, 5 * scale)):
+        extra = {"presence_penalty": 0.5} if rng.random() < 1 / 3 else {}
+        calls.append(chat_call(rng, t, i, median_prompt=250, max_prompt=6000,
+                               max_tokens=(16, 64, 128, 256), top_p=0.9, **extra))
     return streaming(calls)
 
 
@@ -140,6 +145,15 @@ def _sim(**kw) -> SimConfig:
     return SimConfig(**{**base, **kw})
 
 
+def _fully_utilized(cfg: SimConfig) -> SimConfig:
+    """`cfg` with the `--kv-cache-memory-bytes` vLLM suggests "to fully utilize gpu memory"
+    (its 150 MiB buffer), from the start-up numbers of the same engine on an empty GPU."""
+    device = Device(gpu_total_bytes(cfg.gpu))
+    alloc = CachingAllocator(device, "vllm", cfg.expandable_segments)
+    _, report = startup.start(cfg, load_geometry(cfg.model), device, alloc)
+    return replace(cfg, kv_cache_memory_bytes=report.kv_to_fully_utilize())
+
+
 SCENARIOS: list[Scenario] = [
     Scenario("S1", "Chunked prefill over long prefixes, materializing attention",
              _sim(max_model_len=65536, max_num_batched_tokens=2048, max_num_seqs=256,
@@ -153,8 +167,7 @@ SCENARIOS: list[Scenario] = [
                   cudagraph_memory_in_budget=False),
              _flags(8192, 1024, gpu_memory_utilization="0.99"), s3_traffic, 30, 4),
     Scenario("S4", "Allocator fragmentation under mixed high-concurrency batches",
-             _sim(max_model_len=16384, gpu_memory_utilization=0.95),
-             _flags(8192, 1024, gpu_memory_utilization="0.95"), s4_traffic, 30, 4),
+             _fully_utilized(_sim(max_model_len=16384)), _flags(8192, 1024), s4_traffic, 5, 2),
     Scenario("S5", "prompt_logprobs on long prompts mixed into chat",
              _sim(max_model_len=16384, gpu_memory_utilization=0.95, max_num_seqs=256),
              _flags(8192, 256, gpu_memory_utilization="0.95"), s5_traffic, 30, 4),

@@ -10,19 +10,16 @@ import pytest
 
 from app.sim.config import GiB, MiB, SimConfig
 from app.sim.request import Sampling
-from app.sim.startup import StartupError
+from app.sim.startup import REDUNDANCY_BUFFER, StartupError
 from sim_support import Job, make_engine, play
 
 SHORT = Sampling(max_tokens=8)
-# gpu_worker.py `compile_or_warm_up_model`: the buffer vLLM leaves in the `--kv-cache-memory`
-# it suggests "to fully utilize gpu memory" (the 150 MiB that the fragmentation PR questions).
-VLLM_REDUNDANCY_BUFFER = 150 * MiB
 
 
 def _fully_utilized_kv(cfg: SimConfig, margin: int) -> int:
-    """The `--kv-cache-memory-bytes` vLLM suggests "to fully utilize gpu memory", less `margin`."""
-    r = make_engine(cfg).report
-    return r.total - r.weights - r.activation_peak - r.non_torch - r.cudagraph - margin
+    """The `--kv-cache-memory-bytes` vLLM suggests "to fully utilize gpu memory", with `margin`
+    instead of its 150 MiB buffer."""
+    return make_engine(cfg).report.kv_to_fully_utilize(margin)
 
 
 def _assert_oom(outcome) -> None:
@@ -119,7 +116,7 @@ def test_5_allocator_fragmentation_under_mixed_high_concurrency_batches() -> Non
     fragmentation-buffer-pr.txt). Expandable segments strand nothing: the same traffic
     completes in the same KV budget."""
     base = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384)
-    kv = _fully_utilized_kv(SimConfig(**base), VLLM_REDUNDANCY_BUFFER)
+    kv = _fully_utilized_kv(SimConfig(**base), REDUNDANCY_BUFFER)
     jobs = _chat_burst(seed=0, count=1500)
     outcome = play(SimConfig(**base, kv_cache_memory_bytes=kv), jobs)
     msg = outcome.oom

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import kv_cache_dtype_bytes
-from app.sim.config import GiB, SimConfig
+from app.sim.config import GiB, MiB, SimConfig
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.step_memory import (
     FLASHINFER_WORKSPACE_BYTES,
@@ -37,6 +37,9 @@ NON_TORCH_PER_TP_RANK = int(1.79 * GiB)
 # gemma-3-4b (34 layers) and ~1.3 GB for Llama-4-Maverick (48 layers), 67 sizes each
 # (../shared/seeds/kv-cache-memory-pr.txt).
 CUDAGRAPH_BYTES_PER_SIZE_LAYER = 320 << 10
+# v1/worker/gpu_worker.py `compile_or_warm_up_model`: the margin vLLM leaves in the
+# `--kv-cache-memory` it suggests "to fully utilize gpu memory" (`redundancy_buffer_memory`).
+REDUNDANCY_BUFFER = 150 * MiB
 
 
 class StartupError(RuntimeError):
@@ -75,6 +78,13 @@ class StartupReport:
     kv_tokens: int
     max_concurrency: float
     log: list[str] = field(default_factory=list)
+
+    def kv_to_fully_utilize(self, buffer: int = REDUNDANCY_BUFFER) -> int:
+        """The `--kv-cache-memory` vLLM suggests "to fully utilize gpu memory": the GPU (free at
+        start-up: the simulator's GPU starts empty) less weights, profile peak, non-torch memory,
+        CUDA graphs and `buffer`."""
+        return (self.total - self.weights - self.activation_peak - self.non_torch
+                - self.cudagraph - buffer)
 
 
 def resolve(cfg: SimConfig, geometry: ModelGeometry, total: int) -> Resolved:
