@@ -30,21 +30,32 @@ HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
+# Concurrent /tokenize calls when kvgate tokenizes through the backend (no tokenizer files in the
+# model folder): enough to keep vLLM's API server busy, few enough to leave it room for the rest.
+TOKENIZE_CONNECTIONS = 32
 
 
 class Backend:
     """The vLLM server behind kvgate: pooled keep-alive connections for proxied requests
-    (app.upstream, a few tens of microseconds a round trip), and an httpx client for the control
-    plane (scrapes, probes, the /tokenize fallback: a few requests a second, off the hot path).
+    (app.upstream, a few tens of microseconds a round trip), an httpx client for the control
+    plane (scrapes, probes: a few requests a second, off the hot path), and one for the /tokenize
+    fallback. The last has its own pool, and its requests wait for a connection as long as they
+    must: a burst of arrivals tokenized through the backend queues there instead of failing, and
+    never starves the scrapes the budget depends on.
     """
 
     def __init__(self, base_url: str, timeout_s: float, max_connections: int = 1024) -> None:
         self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10.0))
+        self.tokenize_client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(30.0, pool=None),
+            limits=httpx.Limits(max_connections=TOKENIZE_CONNECTIONS),
+        )
         self.pool = ConnectionPool(self.base_url, read_timeout_s=timeout_s, max_connections=max_connections)
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        await self.tokenize_client.aclose()
         self.pool.close()
 
     async def open(

@@ -131,7 +131,7 @@ class Runtime:
         deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served)
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self.settings.model, client, model_name)
+            self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
             freeze_start_up_heap()
         predictor = build_predictor(deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(deployment, self.settings, predictor.profiled_peak_bytes, predictor.shared_workspace_bytes)
@@ -159,7 +159,7 @@ class Runtime:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
         self.geometry = ModelGeometry.from_folder(self.settings.model)
         self.deployment = resolve(self.settings, self.geometry, None, None)
-        self.tokenizer = load_tokenizer(self.settings.model, self.backend.client, self.settings.served_model_name or "")
+        self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "")
         self.predictor = build_predictor(self.deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(
             self.deployment, self.settings, self.predictor.profiled_peak_bytes,

@@ -5,6 +5,7 @@ These use a scripted stand-in for vLLM because the real one cannot be made to br
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -71,4 +72,34 @@ def test_no_tokenizer_anywhere_is_a_clear_4xx(tiny_model_dir: Path, tmp_path: Pa
             error = response.json()["error"]
             assert error["code"] == "tokenizer_unavailable" and "--model" in error["message"]
             assert backend.seen == []  # never forwarded
+            assert_ledger_empty(kvgate)
+
+
+def test_a_burst_tokenized_through_the_backend_queues_and_scrapes_go_on(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """110 arrivals at once, each waiting 2 s for the backend's /tokenize: they queue for its
+    connections instead of failing, and the scrapes the budget needs are not stuck behind them."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", config_only / "config.json")
+    with running_fake_backend(tokenize_delay_s=2.0) as backend:
+        with running_kvgate(backend.base_url, config_only, tmp_path, "--max-staleness", "1.0") as kvgate:
+            async def burst() -> list[httpx.Response]:
+                limits = httpx.Limits(max_connections=200)
+                async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60, limits=limits) as client:
+                    sent = [client.post("/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 4})
+                            for i in range(110)]
+                    modes = []
+
+                    async def watch() -> None:
+                        for _ in range(12):
+                            await asyncio.sleep(0.5)
+                            ready = (await client.get("/readyz")).json()
+                            modes.append(ready["telemetry"]["budget_mode"])
+
+                    *responses, _ = await asyncio.gather(*sent, watch())
+                    assert modes and set(modes) == {"live"}, modes
+                    return responses
+
+            responses = asyncio.run(burst())
+            assert [r.status_code for r in responses] == [200] * 110
             assert_ledger_empty(kvgate)

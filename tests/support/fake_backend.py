@@ -48,6 +48,7 @@ class Received:
 class FakeBackend:
     base_url: str = ""
     tokenize_fails: bool = False
+    tokenize_delay_s: float = 0.0
     completion_mode: str = "ok"  # ok | broken_stream | slow
     slow_s: float = 30.0
     seen: list[str] = field(default_factory=list)
@@ -66,6 +67,7 @@ class FakeBackend:
         async def tokenize(request: Request) -> Response:
             if self.tokenize_fails:
                 return JSONResponse({"error": {"message": "tokenizer disabled", "code": 500}}, status_code=500)
+            await asyncio.sleep(self.tokenize_delay_s)
             return JSONResponse({"count": 3, "max_model_len": 1024, "tokens": [1, 2, 3], "token_strs": None})
 
         async def completions(request: Request) -> Response:
