@@ -173,8 +173,8 @@ SCENARIOS: list[Scenario] = [
              _flags(8192, 256, gpu_memory_utilization="0.95"), s5_traffic, 30, 4),
     Scenario("S6", "A co-tenant process growing on the same GPU",
              _sim(max_model_len=16384, expandable_segments=True, cotenants=[
-                 CoTenant("trainer-1", 3 * GiB, 6.0), CoTenant("trainer-2", 4 * GiB, 14.0),
-                 CoTenant("trainer-3", 4608 * MiB, 22.0)]),
+                 CoTenant("trainer-1", 3 * GiB, 4.0), CoTenant("trainer-2", 4 * GiB, 9.0),
+                 CoTenant("trainer-3", 4608 * MiB, 14.0)]),
              _flags(8192, 1024), s6_traffic, 30, 4),
     Scenario("S7", "KV-bound chat with shared system prompts (preemption, not OOM)",
              _sim(gpu="l4-24gb", max_model_len=8192),
