@@ -120,12 +120,17 @@ class TransientEstimate:
     def peak_bytes(self) -> int:
         """Workspaces + hidden states + the largest of: biggest forward term, sampler stage,
         prompt logprobs."""
-        by_stage = {s: [t.bytes for t in self.terms if t.stage == s] for s in STAGES}
-        return sum(by_stage["workspace"]) + sum(by_stage["residual"]) + max(
-            max(by_stage["forward"], default=0),
-            sum(by_stage["sampler"]),
-            sum(by_stage["prompt_logprobs"]),
-        )
+        kept = forward = sampler = prompt_logprobs = 0  # one pass: this runs per request
+        for t in self.terms:
+            if t.stage == "forward":
+                forward = max(forward, t.bytes)
+            elif t.stage == "sampler":
+                sampler += t.bytes
+            elif t.stage == "prompt_logprobs":
+                prompt_logprobs += t.bytes
+            else:  # residual and workspace terms are alive through every stage
+                kept += t.bytes
+        return kept + max(forward, sampler, prompt_logprobs)
 
     def term(self, name: str) -> TransientTerm | None:
         return next((t for t in self.terms if t.name == name), None)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from app.memory.geometry import FULL_ATTENTION, ModelGeometry, dtype_bytes
 
@@ -66,7 +67,7 @@ class KVLayout:
         kv_heads = max(1, g.num_kv_heads // self.tensor_parallel_size)
         return 2 * kv_heads * g.head_dim * dt
 
-    @property
+    @cached_property
     def stage_layer_types(self) -> tuple[str, ...]:
         """Attention types of the largest pipeline stage (vLLM ``get_pp_indices`` split).
 
@@ -94,7 +95,7 @@ class KVLayout:
     def page_bytes(self) -> int:
         return self.block_size * self.bytes_per_token_per_layer
 
-    @property
+    @cached_property
     def groups(self) -> dict[str, int]:
         """KV cache groups per attention type (``_get_kv_cache_config_uniform_page_size``)."""
         counts = Counter(self.stage_layer_types)
