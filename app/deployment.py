@@ -11,10 +11,10 @@ import logging
 from dataclasses import dataclass
 
 from app.memory.activation import EngineShape, profile_peak_bytes
-from app.memory.outputs import OutputLengths
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
+from app.memory.outputs import OutputLengths
 from app.predict import Predictor
 from app.settings import Settings
 from app.telemetry.vllm import CacheConfig, ServedModel

@@ -20,8 +20,8 @@ from app.memory.activation import (
 from app.memory.budget import Budget
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
-from app.memory.outputs import OutputLengths
 from app.memory.kv import KVLayout
+from app.memory.outputs import OutputLengths
 from app.openai import ApiError, RequestSpec
 
 GIB = 1024**3

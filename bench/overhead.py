@@ -196,6 +196,17 @@ def _pcts(xs: list[float]) -> dict[str, float]:
     return {"p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
 
 
+def _latency_row(arm: str, scenario: str, samples: list[float], direct: dict[str, float]) -> dict[str, Any]:
+    """One latency result, with what it adds over the direct arm's percentiles."""
+    p = _pcts(samples)
+    return {"arm": arm, "scenario": scenario,
+            "added_p50_ms": round((p["p50"] - direct["p50"]) * 1e3, 3),
+            "added_p99_ms": round((p["p99"] - direct["p99"]) * 1e3, 3),
+            "latency_p50_ms": round(p["p50"] * 1e3, 3),
+            "latency_p99_ms": round(p["p99"] * 1e3, 3),
+            "requests_per_s": None, "samples": len(samples)}
+
+
 def _cpu_seconds(pid: int) -> float:
     parts = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
@@ -335,26 +346,9 @@ def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
                 sbase_f, sbase_t = _pcts(ttfb["direct"]), _pcts(stotal["direct"])
                 for a in arms:
                     for c in ("1", "32"):
-                        p = _pcts(lat[(a, c)])
-                        rows.append({"arm": a, "scenario": f"non-streaming, concurrency {c}",
-                                     "added_p50_ms": round((p["p50"] - base[c]["p50"]) * 1e3, 3),
-                                     "added_p99_ms": round((p["p99"] - base[c]["p99"]) * 1e3, 3),
-                                     "latency_p50_ms": round(p["p50"] * 1e3, 3),
-                                     "latency_p99_ms": round(p["p99"] * 1e3, 3),
-                                     "requests_per_s": None, "samples": len(lat[(a, c)])})
-                    f, t = _pcts(ttfb[a]), _pcts(stotal[a])
-                    rows.append({"arm": a, "scenario": "streaming 16 tokens, concurrency 1, TTFB",
-                                 "added_p50_ms": round((f["p50"] - sbase_f["p50"]) * 1e3, 3),
-                                 "added_p99_ms": round((f["p99"] - sbase_f["p99"]) * 1e3, 3),
-                                 "latency_p50_ms": round(f["p50"] * 1e3, 3),
-                                 "latency_p99_ms": round(f["p99"] * 1e3, 3),
-                                 "requests_per_s": None, "samples": len(ttfb[a])})
-                    rows.append({"arm": a, "scenario": "streaming 16 tokens, concurrency 1, total",
-                                 "added_p50_ms": round((t["p50"] - sbase_t["p50"]) * 1e3, 3),
-                                 "added_p99_ms": round((t["p99"] - sbase_t["p99"]) * 1e3, 3),
-                                 "latency_p50_ms": round(t["p50"] * 1e3, 3),
-                                 "latency_p99_ms": round(t["p99"] * 1e3, 3),
-                                 "requests_per_s": None, "samples": len(stotal[a])})
+                        rows.append(_latency_row(a, f"non-streaming, concurrency {c}", lat[(a, c)], base[c]))
+                    rows.append(_latency_row(a, "streaming 16 tokens, concurrency 1, TTFB", ttfb[a], sbase_f))
+                    rows.append(_latency_row(a, "streaming 16 tokens, concurrency 1, total", stotal[a], sbase_t))
                     rows.append({"arm": a, "scenario": "max throughput, concurrency 64",
                                  "added_p50_ms": None, "added_p99_ms": None,
                                  "requests_per_s": round(statistics.median(rps[a]), 1),

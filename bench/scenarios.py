@@ -51,6 +51,16 @@ def _with_logprobs(rng: random.Random, calls: list[Call], share: float) -> None:
             c.body.update(logprobs=True, top_logprobs=5)
 
 
+def _chat_with_long_prompts(rng: random.Random, duration: float, chat_rate: float, long_rate: float,
+                            lengths: list[int]) -> list[Call]:
+    """Chat (a fifth asking for top-5 logprobs) with long prompts of `lengths` tokens mixed in."""
+    calls = _chat_stream(rng, chat_rate, duration)
+    _with_logprobs(rng, calls, 0.2)
+    for t in poisson_times(rng, long_rate, duration):
+        calls.append(document_call(rng, t, rng.choice(lengths), "long prompt"))
+    return streaming(calls)
+
+
 # ----- S1 ----------------------------------------------------------------------------------------
 def s1_traffic(rng: random.Random, scale: float) -> list[Call]:
     """Chat at 2/s plus long documents (8k-48k tokens, summarisation) at 0.25/s."""
@@ -78,12 +88,7 @@ def s2_traffic(rng: random.Random, scale: float) -> list[Call]:
 def s3_traffic(rng: random.Random, scale: float) -> list[Call]:
     """Busy chat (3/s), a fifth asking for top-5 logprobs, with long prompts (2k-8k tokens)
     at 0.5/s."""
-    d = 30 * scale
-    calls = _chat_stream(rng, 3.0, d)
-    _with_logprobs(rng, calls, 0.2)
-    for t in poisson_times(rng, 0.5, d):
-        calls.append(document_call(rng, t, rng.choice([2000, 4000, 8000]), "long prompt"))
-    return streaming(calls)
+    return _chat_with_long_prompts(rng, 30 * scale, 3.0, 0.5, [2000, 4000, 8000])
 
 
 # ----- S4 ----------------------------------------------------------------------------------------
@@ -114,12 +119,7 @@ def s5_traffic(rng: random.Random, scale: float) -> list[Call]:
 def s6_traffic(rng: random.Random, scale: float) -> list[Call]:
     """Chat at 2.5/s (a fifth with top-5 logprobs), long prompts (4k-8k) at 0.4/s, while a
     co-tenant grows."""
-    d = 30 * scale
-    calls = _chat_stream(rng, 2.5, d)
-    _with_logprobs(rng, calls, 0.2)
-    for t in poisson_times(rng, 0.4, d):
-        calls.append(document_call(rng, t, rng.choice([4000, 6000, 8000]), "long prompt"))
-    return streaming(calls)
+    return _chat_with_long_prompts(rng, 30 * scale, 2.5, 0.4, [4000, 6000, 8000])
 
 
 # ----- S7 ----------------------------------------------------------------------------------------

@@ -99,7 +99,9 @@ class Gate:
             self.metrics.decisions.labels("admit", "fits").inc()
             return self._admit(demand, waited_s=0.0)
         loop = asyncio.get_running_loop()
-        waiter = Waiter(demand, priority, tenant, self._clock(), loop.create_future(), reason=reason, refresh=refresh)
+        waiter = Waiter(
+            demand, priority, tenant, self._clock(), loop.create_future(), reason=reason, refresh=refresh
+        )
         try:
             self.queue.push(waiter)
         except QueueFull:
@@ -187,22 +189,23 @@ class Gate:
         line: nothing kvgate admits or releases makes it fit, only the headroom coming back does
         (a co-tenant leaving), and until then it waits for its deadline beside the line.
         """
-        self.queue.restore(keep_aside=self._stranded)
+        self.queue.restore(keep_aside=lambda waiter: self._stranded(_refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
-            if self.budget.shortfall(_refreshed(head), self.ledger) is None:
+            demand = _refreshed(head)
+            if self.budget.shortfall(demand, self.ledger) is None:
                 self.queue.pop_head()
                 self.metrics.decisions.labels("admit", "dequeued").inc()
-                head.future.set_result(self._admit(head.demand, self._clock() - head.enqueued_at))
-            elif self._stranded(head):
+                head.future.set_result(self._admit(demand, self._clock() - head.enqueued_at))
+            elif self._stranded(demand):
                 self.queue.set_aside_head()
             else:
                 break
         self.metrics.queue_depth.set(len(self.queue))
         self._publish()
 
-    def _stranded(self, waiter: Waiter) -> bool:
+    def _stranded(self, demand: Demand) -> bool:
         """It would wait even with nothing in flight (and not because the backend is down)."""
-        return self.budget.hold is None and self.budget.shortfall(_refreshed(waiter), _IDLE) is not None
+        return self.budget.hold is None and self.budget.shortfall(demand, _IDLE) is not None
 
     def _publish(self) -> None:
         self.metrics.in_flight.set(self.ledger.in_flight)
