@@ -48,7 +48,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         "transient": {
             "peak_bytes": prediction.transient_peak_bytes,
             "unprofiled_prefill_bytes": demand.transient_prefill_bytes,
-            "unprofiled_decode_bytes": demand.transient_decode_bytes,
+            "sampler_stage_with_in_flight": asdict(rt.gate.ledger.sampler_with(demand)),
             "profiled_bytes": demand.profiled_bytes,
             "terms": [asdict(term) for term in prediction.transient_terms],
         },

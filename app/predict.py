@@ -16,12 +16,14 @@ from app.memory.activation import (
     TransientEstimate,
     TransientTerm,
     estimate_transient,
+    sampler_cost,
 )
 from app.memory.budget import Budget
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
 from app.memory.kv import KVLayout
 from app.memory.outputs import OutputLengths
+from app.memory.sampler import SamplerUse
 from app.openai import ApiError, RequestSpec
 
 GIB = 1024**3
@@ -29,8 +31,7 @@ GIB = 1024**3
 _ADVICE = {
     "prompt_logprobs": "drop prompt_logprobs or send a shorter prompt",
     "logprobs": "ask for fewer logprobs or a smaller n",
-    "sampler": "lower n / best_of",
-    "penalties": "drop the penalties or lower n",
+    "penalty_prompt_ids": "drop the penalties or lower n",
 }
 
 
@@ -78,6 +79,7 @@ class Predictor:
         self.enable_prefix_caching = enable_prefix_caching
         self.profiled_peak_bytes = profiled_peak_bytes
         self.default_max_tokens = default_max_tokens
+        self.sampler_cost = sampler_cost(layout.geometry, engine)
         # Engine-wide workspaces (one per engine, kept once allocated) do not grow per request.
         self.shared_workspace_bytes = estimate_transient(
             layout.geometry, engine, 1, SamplingShape()
@@ -108,11 +110,16 @@ class Predictor:
                     reserved_new_tokens=self.outputs.reserve(max_new) if self.outputs else None,
                 )
             )
+        sampler = SamplerUse(
+            self.sampler_cost, rows=sum(fp.n for fp in footprints),
+            longest_prompt=max(fp.prompt_tokens for fp in footprints),
+            logprobs=spec.logprobs is not None, penalties=spec.penalties,
+        )
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=self._demand(footprints),
+            demand=self._demand(footprints, sampler),
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:
@@ -127,22 +134,22 @@ class Predictor:
         ]
         if all(new is old for new, old in zip(footprints, prediction.footprints)):
             return prediction.demand
-        return self._demand(footprints)
+        return self._demand(footprints, prediction.demand.sampler)
 
-    def _demand(self, footprints: Sequence[Footprint]) -> Demand:
+    def _demand(self, footprints: Sequence[Footprint], sampler: SamplerUse | None) -> Demand:
+        """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
+        ledger sizes with the rest of the batch."""
         shared: list[int] = []
-        private = prefill = decode = profiled = profiled_prefill = profiled_decode = 0
+        private = prefill = profiled = profiled_prefill = 0
         for fp in footprints:
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
             shared.extend(hashes)
             private += fp.kv_blocks - len(set(hashes))
             per_request = [t for t in fp.transient.terms if not t.profiled and not t.shared]
             prefill += peak_of([t for t in per_request if t.phase == "prefill"])
-            decode += peak_of([t for t in per_request if t.phase == "decode"])
             in_profile = [t for t in fp.transient.terms if t.profiled]
             profiled = max(profiled, peak_of(in_profile))
             profiled_prefill += peak_of([t for t in in_profile if t.phase == "prefill"])
-            profiled_decode += peak_of([t for t in in_profile if t.phase == "decode"])
         # A profiled term larger than the profile's own peak spills into the free headroom.
         prefill += max(0, profiled - self.profiled_peak_bytes)
         return Demand(
@@ -151,9 +158,8 @@ class Predictor:
             shared_block_hashes=tuple(shared),
             private_blocks=private,
             transient_prefill_bytes=prefill,
-            transient_decode_bytes=decode,
             profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
-            profiled_decode_bytes=min(profiled_decode, self.profiled_peak_bytes),
+            sampler=sampler,
             reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
             sequences=sum(fp.n for fp in footprints),
         )

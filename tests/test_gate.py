@@ -14,18 +14,24 @@ from app.gate.queue import AdmissionQueue, QueueFull, Waiter
 from app.memory.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from app.memory.demand import Demand
 from app.memory.outputs import OutputLengths
+from app.memory.sampler import SamplerCost, SamplerUse
 from app.metrics import KvgateMetrics
 from app.openai import ApiError
 
 
+# Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 22 = 44 B (profiled), logprobs 2 x 5 = 10 B.
+COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
+
+
 def demand(
-    blocks: int = 1, shared: tuple[int, ...] = (), prefill: int = 0, decode: int = 0,
-    profiled_prefill: int = 0, profiled_decode: int = 0,
+    blocks: int = 1, shared: tuple[int, ...] = (), prefill: int = 0, rows: int = 0,
+    profiled_prefill: int = 0, logprobs: bool = True, penalties: bool = False, prompt: int = 0,
 ) -> Demand:
+    """`rows` sampled rows, asking for logprobs unless told otherwise (10 B of headroom a row)."""
     return Demand(
-        prompt_tokens=16 * len(shared), max_new_tokens=16, shared_block_hashes=shared,
-        private_blocks=blocks, transient_prefill_bytes=prefill, transient_decode_bytes=decode,
-        profiled_prefill_bytes=profiled_prefill, profiled_decode_bytes=profiled_decode,
+        prompt_tokens=prompt or 16 * len(shared), max_new_tokens=16, shared_block_hashes=shared,
+        private_blocks=blocks, transient_prefill_bytes=prefill, profiled_prefill_bytes=profiled_prefill,
+        sampler=SamplerUse(COST, rows, prompt, logprobs=logprobs, penalties=penalties) if rows else None,
     )
 
 
@@ -50,35 +56,73 @@ class TestLedger:
 
     def test_release_is_exactly_once(self) -> None:
         ledger = Ledger()
-        reservation = ledger.reserve(demand(blocks=3, prefill=100, decode=10))
+        reservation = ledger.reserve(demand(blocks=3, prefill=100, rows=1))
         assert ledger.release(reservation) is True
         assert ledger.release(reservation) is False
         assert (ledger.kv_blocks, ledger.transient_bytes, ledger.in_flight) == (0, 0, 0)
 
-    def test_prefill_terms_count_the_largest_decode_terms_add_up(self) -> None:
+    def test_prefill_terms_count_the_largest_sampled_rows_add_up(self) -> None:
         """One step schedules at most a full chunk of prompt tokens across all requests."""
         ledger = Ledger()
-        ledger.reserve(demand(prefill=700, decode=10))
-        second = ledger.reserve(demand(prefill=300, decode=20))
-        assert ledger.transient_bytes == 700 + 10 + 20
-        assert ledger.transient_bytes_with(demand(prefill=900, decode=5)) == 900 + 35
+        ledger.reserve(demand(prefill=700, rows=1))
+        second = ledger.reserve(demand(prefill=300, rows=2))
+        assert ledger.transient_bytes == 700 + 3 * 10
+        assert ledger.transient_bytes_with(demand(prefill=900, rows=1)) == 900 + 4 * 10
         ledger.release(second)
         assert ledger.transient_bytes == 710
 
+    def test_one_row_asking_for_logprobs_makes_the_whole_batch_pay(self) -> None:
+        """vLLM's compute_logprobs runs over every row once one row asks."""
+        ledger = Ledger()
+        plain = ledger.reserve(demand(rows=30, logprobs=False))
+        assert ledger.transient_bytes == 0 and ledger.profiled_bytes == 30 * 54
+        assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 10
+        asking = ledger.reserve(demand(rows=1))
+        ledger.release(plain)
+        assert ledger.transient_bytes == 10
+        ledger.release(asking)
+
+    def test_one_penalty_request_makes_every_request_hold_prompt_ids(self) -> None:
+        """[requests, longest prompt] int64, twice while the batch changes, for the whole batch."""
+        ledger = Ledger()
+        long_plain = ledger.reserve(demand(rows=9, logprobs=False, prompt=4000))
+        assert ledger.transient_bytes == 0
+        penalised = demand(rows=1, logprobs=False, penalties=True, prompt=10)
+        assert penalised.transient_bytes == 2 * 1 * 10 * 8  # alone: its own row and prompt
+        assert ledger.transient_bytes_with(penalised) == 2 * 10 * 4000 * 8
+        held = ledger.reserve(penalised)
+        ledger.release(long_plain)
+        assert ledger.transient_bytes == 2 * 1 * 10 * 8
+        ledger.release(held)
+        assert (ledger.transient_bytes, ledger.profiled_bytes) == (0, 0)
+
+    def test_sampled_rows_stop_at_what_one_step_can_sample(self) -> None:
+        """No step samples more than max_num_seqs rows: the profile's dummy sampler run covered
+        exactly that many, so the profiled part of the stage never outgrows it."""
+        ledger = Ledger()
+        for _ in range(3):
+            ledger.reserve(demand(rows=400))
+        assert ledger.profiled_bytes == 1000 * 54 and ledger.transient_bytes == 1000 * 10
+
+    def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
+        d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
+        assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 30 + 2 * 3 * 40 * 8
+        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * 54
+
     def test_high_water_mark_sees_short_lived_prefills(self) -> None:
         ledger = Ledger()
-        short = ledger.reserve(demand(prefill=900, decode=10))
+        short = ledger.reserve(demand(prefill=900, rows=1))
         ledger.end_prefill(short)
         ledger.release(short)
         assert ledger.transient_bytes == 0 and ledger.peak_transient_bytes == 910
-        kept = ledger.reserve(demand(prefill=0, decode=50))
+        kept = ledger.reserve(demand(prefill=0, rows=5))
         ledger.reset_peak()  # a new engine life starts from what is held now
         assert ledger.peak_transient_bytes == 50
         ledger.release(kept)
 
     def test_end_prefill_frees_only_prefill_bytes(self) -> None:
         ledger = Ledger()
-        reservation = ledger.reserve(demand(prefill=100, decode=10))
+        reservation = ledger.reserve(demand(prefill=100, rows=1))
         assert ledger.transient_bytes == 110
         assert ledger.end_prefill(reservation) is True
         assert ledger.end_prefill(reservation) is False
@@ -86,15 +130,15 @@ class TestLedger:
         ledger.release(reservation)
         assert ledger.transient_bytes == 0
 
-    def test_profiled_terms_add_up_over_open_prefills_and_decodes(self) -> None:
+    def test_profiled_terms_add_up_over_open_prefills_and_sampled_rows(self) -> None:
         """Chunks of several prefills share a step's MLP, so their profiled terms add up."""
         ledger = Ledger()
-        first = ledger.reserve(demand(profiled_prefill=500, profiled_decode=5))
-        second = ledger.reserve(demand(profiled_prefill=300, profiled_decode=5))
-        assert ledger.profiled_bytes == 810
-        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 910
+        first = ledger.reserve(demand(profiled_prefill=500, rows=1))
+        second = ledger.reserve(demand(profiled_prefill=300, rows=1))
+        assert ledger.profiled_bytes == 800 + 2 * 54
+        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * 54
         ledger.end_prefill(first)
-        assert ledger.profiled_bytes == 310
+        assert ledger.profiled_bytes == 300 + 2 * 54
         ledger.release(second)
         ledger.release(first)
         assert ledger.profiled_bytes == 0
@@ -118,7 +162,7 @@ class TestBudgetCharges:
         # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
         assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
-        assert budget.transient_charge_alone(demand(profiled_prefill=900, decode=7)) == 407
+        assert budget.transient_charge_alone(demand(profiled_prefill=900, rows=1)) == 10 + 400
 
 
 class TestQueue:
@@ -191,8 +235,8 @@ class TestGate:
     async def test_transient_headroom_gates_and_prefill_end_frees_it(self) -> None:
         gate = make_gate(kv_blocks=100, transient=1000)
         first = await gate.acquire(demand(prefill=900), 0, "a")
-        assert gate.would_wait(demand(prefill=100, decode=150), 0) == TRANSIENT_BUSY  # 900 + 150
-        waiting = asyncio.create_task(gate.acquire(demand(prefill=100, decode=150), 0, "a"))
+        assert gate.would_wait(demand(prefill=100, rows=15), 0) == TRANSIENT_BUSY  # 900 + 150
+        waiting = asyncio.create_task(gate.acquire(demand(prefill=100, rows=15), 0, "a"))
         await asyncio.sleep(0)
         assert not waiting.done()
         first.end_prefill()  # 900 B of prefill-only tensors are gone: 100 + 150 fits
@@ -202,10 +246,10 @@ class TestGate:
     async def test_a_head_the_headroom_shrank_under_waits_aside_without_blocking_the_line(self) -> None:
         """A co-tenant took memory: the big request cannot run even alone, the small ones can."""
         gate = make_gate(kv_blocks=100, transient=1000)
-        running = await gate.acquire(demand(decode=600), 0, "a")
-        big = asyncio.create_task(gate.acquire(demand(decode=900), 0, "a"))
+        running = await gate.acquire(demand(rows=60), 0, "a")
+        big = asyncio.create_task(gate.acquire(demand(rows=90), 0, "a"))
         await asyncio.sleep(0)
-        small = asyncio.create_task(gate.acquire(demand(decode=300), 0, "b"))
+        small = asyncio.create_task(gate.acquire(demand(rows=30), 0, "b"))
         await asyncio.sleep(0)
         assert not big.done() and not small.done()  # 600 + 300 fits, but the big one leads the line
         gate.budget.update(transient_headroom_bytes=500)  # the co-tenant grows

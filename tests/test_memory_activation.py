@@ -138,23 +138,26 @@ def test_chunk_size_rules() -> None:
     assert prefill_chunk(engine(enable_chunked_prefill=False), 10_000) == 10_000
 
 
-def test_sampler_terms_scale_with_fan_out() -> None:
+def test_sampler_terms_scale_with_fan_out_up_to_one_step() -> None:
     est = estimate_transient(LLAMA, engine(), 1000, SamplingShape(n=4))
     assert est.term("logits").bytes == 4 * V * (2 + 4)
     assert est.term("sampler").bytes == 4 * V * 22
     assert est.term("logits").profiled and est.term("sampler").profiled
     best_of = estimate_transient(LLAMA, engine(), 1000, SamplingShape(n=1, best_of=3))
     assert best_of.term("sampler").bytes == 3 * V * 22
+    # a step samples at most max_num_seqs rows, as many as the profile's dummy sampler run did
     over = estimate_transient(LLAMA, engine(max_num_seqs=4), 1000, SamplingShape(n=8))
-    assert not over.term("sampler").profiled  # more rows than the profile sampled
+    assert over.term("sampler").bytes == 4 * V * 22 and over.term("sampler").profiled
 
 
-def test_logprobs_and_penalties_are_unprofiled_decode_terms() -> None:
+def test_logprobs_and_penalty_prompt_ids_are_unprofiled() -> None:
     est = estimate_transient(LLAMA, engine(), 1000, SamplingShape(logprobs=5, penalties=True))
-    logprobs, penalties = est.term("logprobs"), est.term("penalties")
+    logprobs, prompt_ids = est.term("logprobs"), est.term("penalty_prompt_ids")
     assert logprobs.bytes == V * 5  # fp32 log_softmax + bool rank mask
-    assert penalties.bytes == V * 22 + 1000 * 8  # two int64 bin counts, masks, product; prompt ids
-    assert est.unprofiled_decode_bytes == logprobs.bytes + penalties.bytes
+    assert prompt_ids.bytes == 2 * 1000 * 8  # int64 prompt ids, old and new copy while the batch changes
+    # penalties' bin counts run before the sort and are no larger: the sort's profiled bytes hold them
+    assert est.term("sampler").bytes == V * 22 and est.term("penalties") is None
+    assert est.unprofiled_decode_bytes == logprobs.bytes + prompt_ids.bytes
     assert est.unprofiled_prefill_bytes == 0
     assert est.profiled_bytes == (est.term("hidden_states").bytes + est.term("mlp").bytes
                                   + est.term("logits").bytes + est.term("sampler").bytes)

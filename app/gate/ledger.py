@@ -9,7 +9,8 @@ Transient bytes aggregate in two ways. Prefill-phase terms (attention over the c
 prompt_logprobs, oversized MLP chunks) grow with the prompt tokens a step schedules, and one
 step schedules at most max_num_batched_tokens of them across all requests, each term already
 sized for a full chunk: the worst step holds at most the largest such term, not their sum.
-Decode-phase terms (logprobs, penalties) grow with sampled rows, which add up across requests.
+The sampler stage is one per step, sized by the whole batch (app/memory/sampler.py): the ledger
+keeps what the in-flight requests put in it, and asks what the stage takes with a candidate added.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from app.memory.demand import Demand
+from app.memory.sampler import SamplerBatch, SamplerStage
 
 
 @dataclass
@@ -39,9 +41,8 @@ class Ledger:
         self._refcounts: dict[int, int] = {}
         self._private_blocks = 0
         self._open_prefills: list[int] = []  # sorted prefill bytes of requests still prefilling
-        self._decode_bytes = 0
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
-        self._profiled_decode_bytes = 0
+        self._sampler = SamplerBatch()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
@@ -54,20 +55,24 @@ class Ledger:
     def transient_bytes(self) -> int:
         """Transient memory the worst step of the in-flight requests can take."""
         largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
-        return largest_prefill + self._decode_bytes
+        return largest_prefill + self._sampler.stage().unprofiled
 
     def transient_bytes_with(self, demand: Demand) -> int:
         """What transient_bytes would be with this demand admitted too."""
         largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, demand.transient_prefill_bytes)
-        return largest_prefill + self._decode_bytes + demand.transient_decode_bytes
+        return largest_prefill + self.sampler_with(demand).unprofiled
 
     @property
     def profiled_bytes(self) -> int:
         """Profiled terms of the in-flight requests if all ran in one step (the budget caps it)."""
-        return self._profiled_prefill_bytes + self._profiled_decode_bytes
+        return self._profiled_prefill_bytes + self._sampler.stage().profiled
 
     def profiled_bytes_with(self, demand: Demand) -> int:
-        return self.profiled_bytes + demand.profiled_bytes
+        return self._profiled_prefill_bytes + demand.profiled_prefill_bytes + self.sampler_with(demand).profiled
+
+    def sampler_with(self, demand: Demand) -> SamplerStage:
+        """The sampler stage of the in-flight batch with this demand joining it."""
+        return self._sampler.stage(demand.sampler) if demand.sampler else self._sampler.stage()
 
     @property
     def in_flight(self) -> int:
@@ -84,9 +89,9 @@ class Ledger:
             self._refcounts[h] = self._refcounts.get(h, 0) + 1
         self._private_blocks += demand.private_blocks
         bisect.insort(self._open_prefills, demand.transient_prefill_bytes)
-        self._decode_bytes += demand.transient_decode_bytes
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
-        self._profiled_decode_bytes += demand.profiled_decode_bytes
+        if demand.sampler:
+            self._sampler.add(demand.sampler)
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         self._reservations[reservation.id] = reservation
@@ -120,8 +125,8 @@ class Ledger:
             else:
                 del self._refcounts[h]
         self._private_blocks -= reservation.demand.private_blocks
-        self._decode_bytes -= reservation.demand.transient_decode_bytes
-        self._profiled_decode_bytes -= reservation.demand.profiled_decode_bytes
+        if reservation.demand.sampler:
+            self._sampler.remove(reservation.demand.sampler)
         if reservation.prefill_open:
             self._close_prefill(reservation.demand)
             reservation.prefill_open = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.memory.geometry import ModelGeometry
+from app.memory.sampler import FP32, LOGPROBS_BYTES_PER_LOGIT, PROMPT_ID_COPIES, SamplerCost
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -31,11 +32,6 @@ FUSED_MOE_CHUNK_TOKENS = 32768
 # vllm/v1/attention/backends/mla/common.py: determine_chunked_prefill_workspace_size cap
 MLA_WORKSPACE_CAP_TOKENS = 64 * 1024
 
-# Bytes per (row x vocab entry) of the sampler stages; see _sampler_terms.
-SORT_BYTES_PER_LOGIT = 22
-LOGPROBS_BYTES_PER_LOGIT = 5
-PENALTY_BYTES_PER_LOGIT = 22
-FP32 = 4
 
 BACKENDS = ("flash-attn", "flashinfer", "mla", "materializing")
 STAGES = ("forward", "sampler", "prompt_logprobs", "residual", "workspace")
@@ -269,34 +265,31 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
     return TransientTerm("moe", moe, True, "prefill", detail)
 
 
-def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: SamplingShape) -> list[TransientTerm]:
-    """vllm/v1/sample/sampler.py and ops/, per sampled row (``rows`` = n fan-out).
+def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
+    return SamplerCost(g.vocab_size, g.dtype_bytes, e.max_num_seqs, e.max_num_batched_tokens)
 
-    logits: lm_head output [B, V] in model dtype, then ``logits.to(float32)``.
-    sampler: ``apply_top_k_top_p`` sorts: values fp32 (4) + int64 indices (8) +
-    top-k and top-p bool masks (2) + softmax/cumsum (4) + scatter result (4) = 22 B.
-    logprobs: ``log_softmax`` fp32 (4) + ``batched_count_greater_than`` mask (1).
-    penalties: ``get_token_bin_counts_and_mask`` twice, int64 [B, V+1] (16) + bool
-    masks (2) + the fp32 product it subtracts (4) = 22 B, plus the padded int64
-    prompt ids the penalties keep on the GPU.
-    """
-    rows, v, dt = s.rows, g.vocab_size, g.dtype_bytes
-    # The profile sampled min(max_num_batched_tokens, max_num_seqs) rows the same way.
-    within_profile = rows <= min(e.max_num_batched_tokens, e.max_num_seqs)
+
+def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: SamplingShape) -> list[TransientTerm]:
+    """The sampler stage of a batch holding only this request (app/memory/sampler.py: in flight,
+    the ledger sizes it for the whole batch)."""
+    cost = sampler_cost(g, e)
+    rows, v = min(s.rows, cost.max_sampled_rows), g.vocab_size
+    stage = cost.stage(s.rows, s.logprobs is not None, s.penalties, prompt_tokens)
+    sort = "top-p/top-k sort or penalties' bin counts" if s.penalties else "top-p/top-k sort"
     terms = [
-        TransientTerm("logits", rows * v * (dt + FP32), within_profile, "decode",
-                      f"{rows} rows x {v} vocab x ({dt} + 4) B", stage="sampler"),
-        TransientTerm("sampler", rows * v * SORT_BYTES_PER_LOGIT, within_profile, "decode",
-                      f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort", stage="sampler"),
+        TransientTerm("logits", stage.logits, True, "decode",
+                      f"{rows} rows x {v} vocab x ({g.dtype_bytes} + 4) B", stage="sampler"),
+        TransientTerm("sampler", stage.sort, True, "decode",
+                      f"{rows} rows x {v} vocab x {stage.sort // max(1, rows * v)} B {sort}", stage="sampler"),
     ]
-    if s.logprobs is not None:
-        terms.append(TransientTerm("logprobs", rows * v * LOGPROBS_BYTES_PER_LOGIT, False, "decode",
-                                   f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax", stage="sampler"))
-    if s.penalties:
-        bins = rows * v * PENALTY_BYTES_PER_LOGIT + rows * prompt_tokens * 8
-        terms.append(TransientTerm("penalties", bins, False, "decode",
-                                   f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts/masks "
-                                   f"+ {prompt_tokens} prompt ids x 8 B", stage="sampler"))
+    if stage.logprobs:
+        terms.append(TransientTerm("logprobs", stage.logprobs, False, "decode",
+                                   f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax",
+                                   stage="sampler"))
+    if stage.prompt_ids:
+        terms.append(TransientTerm("penalty_prompt_ids", stage.prompt_ids, False, "decode",
+                                   f"{PROMPT_ID_COPIES} x {rows} rows x {prompt_tokens} prompt ids x 8 B, "
+                                   "held across steps", stage="residual"))
     return terms
 
 
@@ -330,7 +323,7 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     heads, kv_heads = max(1, g.num_attention_heads // tp), max(1, g.num_kv_heads // tp)
     qkv = t * (2 * heads + 2 * kv_heads) * g.head_dim * dt  # qkv projection + attention output
     forward = 2 * hidden + max(qkv, _mlp_term(g, e, t).bytes)
-    rows = min(t, e.max_num_seqs)
-    sampler = hidden + rows * g.vocab_size * (dt + FP32 + SORT_BYTES_PER_LOGIT)
+    cost = sampler_cost(g, e)
+    sampler = hidden + cost.stage(cost.max_sampled_rows, False, False, 0).profiled
     return max(forward, sampler)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.memory.sampler import SamplerUse
+
 
 @dataclass(frozen=True)
 class Demand:
@@ -14,11 +16,11 @@ class Demand:
     shared_block_hashes: tuple[int, ...]
     private_blocks: int
     transient_prefill_bytes: int
-    transient_decode_bytes: int
-    # Terms the start-up profile measured (MLP, hidden states, the sampler's sort): they live in the
-    # profile region, which only a live GPU reading can show taken by someone else.
+    # Terms the start-up profile measured (MLP, hidden states): they live in the profile region,
+    # which only a live GPU reading can show taken by someone else.
     profiled_prefill_bytes: int = 0
-    profiled_decode_bytes: int = 0
+    # Its part of every step's sampler stage, which the ledger sizes for the whole batch.
+    sampler: SamplerUse | None = None
     # Output tokens per sequence the KV reservation covers (learned, see outputs.py); None: all.
     reserved_new_tokens: int | None = None
     sequences: int = 1  # prompts x n: how the output token count splits when it finishes
@@ -34,9 +36,9 @@ class Demand:
 
     @property
     def transient_bytes(self) -> int:
-        """Unprofiled transient memory at this request's worst step (its prefill)."""
-        return self.transient_prefill_bytes + self.transient_decode_bytes
+        """Unprofiled transient memory at this request's worst step (its prefill), alone."""
+        return self.transient_prefill_bytes + (self.sampler.alone.unprofiled if self.sampler else 0)
 
     @property
     def profiled_bytes(self) -> int:
-        return self.profiled_prefill_bytes + self.profiled_decode_bytes
+        return self.profiled_prefill_bytes + (self.sampler.alone.profiled if self.sampler else 0)

@@ -1,0 +1,149 @@
+"""The sampler's memory: one stage per step, sized by the whole batch, not by each request.
+
+vLLM v1 samples every running row together (vllm/v1/sample/sampler.py ``Sampler.forward``):
+the lm_head logits ``[B, V]`` and their fp32 copy; ``compute_logprobs`` over the *whole* batch as
+soon as one row asks for logprobs; ``apply_penalties`` (ops/penalties.py, two int64 bin counts
+``[B, V+1]`` and masks) over the whole batch as soon as one row has a presence, frequency or
+repetition penalty; then the top-k/top-p sort. Penalties finish before the sort starts, so the
+stage's peak holds the larger of the two, not both. And while any row has a penalty,
+``InputBatch._make_prompt_token_ids_cpu_tensor`` (v1/worker/gpu_input_batch.py) puts
+``[num_reqs, longest prompt]`` int64 on the GPU, for *every* request of the batch, and rebuilds it
+beside the old one whenever the batch changes (two alive at once).
+
+So a request's sampler cost depends on what else is in flight: one penalty request makes a batch
+of 500 pay for 500 rows of prompt ids. The ledger keeps a `SamplerBatch` of what is in flight and
+asks `SamplerCost` what the whole stage takes, with and without the candidate.
+
+Which part the start-up profile already reserved: ``_dummy_sampler_run`` sampled
+``min(max_num_batched_tokens, max_num_seqs)`` rows with a full-vocab top-p/top-k sort, and no step
+samples more rows than that; so the logits and the sort (or the penalties, which are no larger)
+live in the profile region. The logprobs and the prompt ids were never profiled.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+FP32 = 4
+INT64 = 8
+# Bytes per (row x vocab entry); see SamplerCost.
+SORT_BYTES_PER_LOGIT = 22
+LOGPROBS_BYTES_PER_LOGIT = 5
+PENALTY_BYTES_PER_LOGIT = 22
+PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
+
+
+@dataclass(frozen=True)
+class SamplerStage:
+    """Bytes of one step's sampler stage, split as the budget charges them."""
+
+    logits: int  # lm_head output in the model dtype + its fp32 copy (profiled)
+    sort: int  # the top-k/top-p sort, or the penalties' bin counts if larger (profiled)
+    logprobs: int  # log_softmax of the whole batch (never profiled)
+    prompt_ids: int  # the penalties' prompt ids, held across steps (never profiled)
+
+    @property
+    def profiled(self) -> int:
+        return self.logits + self.sort
+
+    @property
+    def unprofiled(self) -> int:
+        return self.logprobs + self.prompt_ids
+
+
+@dataclass(frozen=True)
+class SamplerCost:
+    """The deployment's constants: vocabulary, dtype, and how many rows one step can sample.
+
+    logits: ``[B, V]`` model dtype + fp32. Sort (ops/topk_topp_sampler.py): values fp32 (4) + int64
+    indices (8) + top-k and top-p bool masks (2) + softmax/cumsum (4) + scatter result (4) = 22 B.
+    Logprobs: ``log_softmax`` fp32 (4) + ``batched_count_greater_than`` mask (1). Penalties:
+    ``get_token_bin_counts_and_mask`` twice, int64 ``[B, V+1]`` (16) + bool masks (2) + the fp32
+    product it subtracts (4) = 22 B.
+    """
+
+    vocab_size: int
+    dtype_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    @property
+    def max_sampled_rows(self) -> int:
+        """Rows one step samples at most: one token each, at most max_num_seqs requests. The
+        profile's dummy sampler run sampled exactly this many."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs)
+
+    def stage(self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int) -> SamplerStage:
+        """The sampler stage of a step whose batch holds `rows` rows with these flags."""
+        sampled = min(rows, self.max_sampled_rows) * self.vocab_size
+        per_logit = max(SORT_BYTES_PER_LOGIT, PENALTY_BYTES_PER_LOGIT if penalties else 0)
+        prompt_ids = 0
+        if penalties:
+            prompt_ids = PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64
+        return SamplerStage(
+            logits=sampled * (self.dtype_bytes + FP32),
+            sort=sampled * per_logit,
+            logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT if logprobs else 0,
+            prompt_ids=prompt_ids,
+        )
+
+
+
+@dataclass(frozen=True)
+class SamplerUse:
+    """What one request adds to the sampler's batch: its rows (n fan-out, all prompts), its
+    longest prompt, its flags, and the deployment's constants it was predicted with."""
+
+    cost: SamplerCost
+    rows: int
+    longest_prompt: int
+    logprobs: bool = False
+    penalties: bool = False
+
+    @property
+    def alone(self) -> SamplerStage:
+        """The stage of a batch that holds only this request (an idle server)."""
+        return self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt)
+
+
+class SamplerBatch:
+    """What the in-flight requests put in the sampler's batch: row count, how many ask for
+    logprobs or penalties, and their prompt lengths (the longest sizes the prompt ids)."""
+
+    def __init__(self) -> None:
+        self._cost: SamplerCost | None = None  # the newest request's (a restarted backend may differ)
+        self._rows = 0
+        self._logprobs = 0
+        self._penalties = 0
+        self._prompts: list[int] = []  # sorted
+
+    def add(self, use: SamplerUse) -> None:
+        self._cost = use.cost
+        self._rows += use.rows
+        self._logprobs += use.logprobs
+        self._penalties += use.penalties
+        bisect.insort(self._prompts, use.longest_prompt)
+
+    def remove(self, use: SamplerUse) -> None:
+        self._rows -= use.rows
+        self._logprobs -= use.logprobs
+        self._penalties -= use.penalties
+        del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
+
+    def stage(self, extra: SamplerUse | None = None) -> SamplerStage:
+        """The stage of the in-flight batch, with `extra` joining it if given."""
+        longest = self._prompts[-1] if self._prompts else 0
+        if extra is None:
+            if self._cost is None or not self._rows:
+                return _EMPTY
+            return self._cost.stage(self._rows, self._logprobs > 0, self._penalties > 0, longest)
+        return extra.cost.stage(
+            self._rows + extra.rows,
+            self._logprobs > 0 or extra.logprobs,
+            self._penalties > 0 or extra.penalties,
+            max(longest, extra.longest_prompt),
+        )
+
+
+_EMPTY = SamplerStage(0, 0, 0, 0)
