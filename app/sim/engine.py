@@ -56,6 +56,8 @@ class Engine:
         self._wake = asyncio.Event()
         # Simulated seconds: the sum of every step's simulated duration (advances only by steps).
         self.sim_clock = 0.0
+        # When the last step's simulated GPU time ended (wall); None while the engine idles.
+        self._gpu_done_at: float | None = None
 
     # ----- lifecycle --------------------------------------------------------------------------
     def boot(self) -> None:
@@ -115,6 +117,7 @@ class Engine:
             if self.state in ("dead", "failed") and self.restart_at and now() >= self.restart_at:
                 self._restart()
             if not self.ready or not self.scheduler.has_work():
+                self._gpu_done_at = None
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), 0.05)
@@ -145,7 +148,12 @@ class Engine:
 
     # ----- one step ---------------------------------------------------------------------------
     async def step(self) -> None:
+        """Schedule, play the step's memory, then wait out its simulated GPU time. The CPU work
+        since the last step's GPU time ended (emitting its tokens, scheduling this one) counts
+        toward that wait, as vLLM overlaps it with the GPU (async scheduling): a big batch's
+        Python cost does not slow the simulated GPU down as long as the step outlasts it."""
         start = self.clock()
+        cpu_from = self._gpu_done_at or now()
         out = self.scheduler.schedule()
         self._count_preemptions(out)
         if not out.scheduled:
@@ -158,7 +166,8 @@ class Engine:
             self.die(exc)
             return
         context = sum(s.num_context for s in out.scheduled)
-        await asyncio.sleep(self.timer.wall_seconds(out.num_tokens, context))
+        await asyncio.sleep(max(0.0, self.timer.wall_seconds(out.num_tokens, context) - (now() - cpu_from)))
+        self._gpu_done_at = now()
         self.sim_clock += self.timer.sim_seconds(out.num_tokens, context)
         if self.ready:
             self._update(out, start)
