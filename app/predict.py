@@ -31,6 +31,7 @@ GIB = 1024**3
 _ADVICE = {
     "prompt_logprobs": "drop prompt_logprobs or send a shorter prompt",
     "logprobs": "ask for fewer logprobs or a smaller n",
+    "penalties": "drop the penalties or lower n",
     "penalty_prompt_ids": "drop the penalties or lower n",
 }
 

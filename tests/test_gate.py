@@ -82,8 +82,8 @@ class TestLedger:
         assert ledger.transient_bytes == 10
         ledger.release(asking)
 
-    def test_one_penalty_request_makes_every_request_hold_prompt_ids(self) -> None:
-        """[requests, longest prompt] int64, twice while the batch changes, for the whole batch."""
+    def test_one_penalty_request_makes_the_whole_batch_hold_prompt_ids(self) -> None:
+        """[requests, longest prompt] int64, twice while the batch changes, for every request."""
         ledger = Ledger()
         long_plain = ledger.reserve(demand(rows=9, logprobs=False, prompt=4000))
         assert ledger.transient_bytes == 0
@@ -95,6 +95,18 @@ class TestLedger:
         assert ledger.transient_bytes == 2 * 1 * 10 * 8
         ledger.release(held)
         assert (ledger.transient_bytes, ledger.profiled_bytes) == (0, 0)
+
+    def test_penalty_bin_counts_of_more_than_half_the_profiled_rows_need_free_memory(self) -> None:
+        """Two int64 [B, V+1] bin counts fit in the sampler warm-up's cached fp32 [R, V] blocks
+        only while B <= R / 2 (R = 1000 rows here); above that all of them (22 B a row here) are
+        charged against the headroom."""
+        ledger = Ledger()
+        ledger.reserve(demand(rows=499, logprobs=False))
+        penalised = demand(rows=1, logprobs=False, penalties=True)
+        assert ledger.transient_bytes_with(penalised) == 0
+        ledger.reserve(demand(rows=1, logprobs=False))
+        assert ledger.transient_bytes_with(penalised) == 501 * 44
+        assert ledger.transient_bytes_with(demand(rows=1, logprobs=False)) == 0  # no penalty, no bins
 
     def test_sampled_rows_stop_at_what_one_step_can_sample(self) -> None:
         """No step samples more than max_num_seqs rows: the profile's dummy sampler run covered

@@ -150,17 +150,19 @@ def test_sampler_terms_scale_with_fan_out_up_to_one_step() -> None:
     assert over.term("sampler").bytes == 4 * V * 22 and over.term("sampler").profiled
 
 
-def test_logprobs_and_penalty_prompt_ids_are_unprofiled() -> None:
+def test_logprobs_penalties_and_prompt_ids_are_unprofiled() -> None:
     est = estimate_transient(LLAMA, engine(), 1000, SamplingShape(logprobs=5, penalties=True))
     logprobs, prompt_ids = est.term("logprobs"), est.term("penalty_prompt_ids")
     assert logprobs.bytes == V * 5  # fp32 log_softmax + bool rank mask
     assert prompt_ids.bytes == 2 * 1000 * 8  # int64 prompt ids, old and new copy while the batch changes
-    # penalties' bin counts run before the sort and are no larger: the sort's profiled bytes hold them
-    assert est.term("sampler").bytes == V * 22 and est.term("penalties") is None
+    assert est.term("penalties") is None  # one row's bin counts fit in the cached sort blocks
     assert est.unprofiled_decode_bytes == logprobs.bytes + prompt_ids.bytes
     assert est.unprofiled_prefill_bytes == 0
     assert est.profiled_bytes == (est.term("hidden_states").bytes + est.term("mlp").bytes
                                   + est.term("logits").bytes + est.term("sampler").bytes)
+    # more rows than half of what the profile sampled (max_num_seqs 4 here): bin counts need free memory
+    wide = estimate_transient(LLAMA, engine(max_num_seqs=4), 1000, SamplingShape(n=3, penalties=True))
+    assert wide.term("penalties").bytes == 3 * V * 22 and not wide.term("penalties").profiled
 
 
 def test_peak_takes_stages_not_a_blind_sum() -> None:

@@ -20,7 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.memory.geometry import ModelGeometry
-from app.memory.sampler import FP32, LOGPROBS_BYTES_PER_LOGIT, PROMPT_ID_COPIES, SamplerCost
+from app.memory.sampler import (
+    FP32,
+    LOGPROBS_BYTES_PER_LOGIT,
+    PENALTY_BYTES_PER_LOGIT,
+    PROMPT_ID_COPIES,
+    SORT_BYTES_PER_LOGIT,
+    SamplerCost,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -275,16 +282,19 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
     cost = sampler_cost(g, e)
     rows, v = min(s.rows, cost.max_sampled_rows), g.vocab_size
     stage = cost.stage(s.rows, s.logprobs is not None, s.penalties, prompt_tokens)
-    sort = "top-p/top-k sort or penalties' bin counts" if s.penalties else "top-p/top-k sort"
     terms = [
         TransientTerm("logits", stage.logits, True, "decode",
                       f"{rows} rows x {v} vocab x ({g.dtype_bytes} + 4) B", stage="sampler"),
         TransientTerm("sampler", stage.sort, True, "decode",
-                      f"{rows} rows x {v} vocab x {stage.sort // max(1, rows * v)} B {sort}", stage="sampler"),
+                      f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort", stage="sampler"),
     ]
     if stage.logprobs:
         terms.append(TransientTerm("logprobs", stage.logprobs, False, "decode",
                                    f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax",
+                                   stage="sampler"))
+    if stage.penalties:
+        terms.append(TransientTerm("penalties", stage.penalties, False, "decode",
+                                   f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts and masks",
                                    stage="sampler"))
     if stage.prompt_ids:
         terms.append(TransientTerm("penalty_prompt_ids", stage.prompt_ids, False, "decode",

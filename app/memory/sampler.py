@@ -4,20 +4,27 @@ vLLM v1 samples every running row together (vllm/v1/sample/sampler.py ``Sampler.
 the lm_head logits ``[B, V]`` and their fp32 copy; ``compute_logprobs`` over the *whole* batch as
 soon as one row asks for logprobs; ``apply_penalties`` (ops/penalties.py, two int64 bin counts
 ``[B, V+1]`` and masks) over the whole batch as soon as one row has a presence, frequency or
-repetition penalty; then the top-k/top-p sort. Penalties finish before the sort starts, so the
-stage's peak holds the larger of the two, not both. And while any row has a penalty,
+repetition penalty; then the top-k/top-p sort. And while any row has a penalty,
 ``InputBatch._make_prompt_token_ids_cpu_tensor`` (v1/worker/gpu_input_batch.py) puts
 ``[num_reqs, longest prompt]`` int64 on the GPU, for *every* request of the batch, and rebuilds it
 beside the old one whenever the batch changes (two alive at once).
 
 So a request's sampler cost depends on what else is in flight: one penalty request makes a batch
-of 500 pay for 500 rows of prompt ids. The ledger keeps a `SamplerBatch` of what is in flight and
-asks `SamplerCost` what the whole stage takes, with and without the candidate.
+of 500 pay for 500 rows of bin counts and prompt ids. The ledger keeps a `SamplerBatch` of what
+is in flight and asks `SamplerCost` what the whole stage takes, with and without the candidate.
 
 Which part the start-up profile already reserved: ``_dummy_sampler_run`` sampled
 ``min(max_num_batched_tokens, max_num_seqs)`` rows with a full-vocab top-p/top-k sort, and no step
-samples more rows than that; so the logits and the sort (or the penalties, which are no larger)
-live in the profile region. The logprobs and the prompt ids were never profiled.
+samples more rows than that; so the logits and the sort live in the profile region. vLLM runs
+that sampler pass again after the KV cache is allocated (gpu_worker ``compile_or_warm_up_model``,
+"to avoid memory fragmentation issue"), so its blocks stay cached in the engine: one int64 and
+four fp32 ``[R, V]`` blocks the sort frees, for ``R`` profiled rows. PyTorch's caching allocator
+serves a tensor from one cached block at least its size, not from a byte total. The penalties'
+two int64 ``[B, V+1]`` bin counts (alive together) fit in those fp32 blocks while ``B <= R / 2``;
+beyond that the second one needs fresh memory, or fails among the fragments the prompt ids leave
+(the S4 benchmark reproduced that OOM when they were counted inside the profile at ~860 rows). So
+the penalties are free up to half the profiled rows and charged in full against the free
+headroom above it. The logprobs and the prompt ids were never profiled.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ class SamplerStage:
     """Bytes of one step's sampler stage, split as the budget charges them."""
 
     logits: int  # lm_head output in the model dtype + its fp32 copy (profiled)
-    sort: int  # the top-k/top-p sort, or the penalties' bin counts if larger (profiled)
+    sort: int  # the top-k/top-p sort (profiled)
     logprobs: int  # log_softmax of the whole batch (never profiled)
+    penalties: int  # the penalties' bin counts and masks, when the cached sort blocks cannot hold them
     prompt_ids: int  # the penalties' prompt ids, held across steps (never profiled)
 
     @property
@@ -49,7 +57,7 @@ class SamplerStage:
 
     @property
     def unprofiled(self) -> int:
-        return self.logprobs + self.prompt_ids
+        return self.logprobs + self.penalties + self.prompt_ids
 
 
 @dataclass(frozen=True)
@@ -77,15 +85,12 @@ class SamplerCost:
     def stage(self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int) -> SamplerStage:
         """The sampler stage of a step whose batch holds `rows` rows with these flags."""
         sampled = min(rows, self.max_sampled_rows) * self.vocab_size
-        per_logit = max(SORT_BYTES_PER_LOGIT, PENALTY_BYTES_PER_LOGIT if penalties else 0)
-        prompt_ids = 0
-        if penalties:
-            prompt_ids = PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64
         return SamplerStage(
             logits=sampled * (self.dtype_bytes + FP32),
-            sort=sampled * per_logit,
+            sort=sampled * SORT_BYTES_PER_LOGIT,
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT if logprobs else 0,
-            prompt_ids=prompt_ids,
+            penalties=sampled * PENALTY_BYTES_PER_LOGIT if penalties and 2 * sampled > self.max_sampled_rows * self.vocab_size else 0,
+            prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
         )
 
 
@@ -146,4 +151,4 @@ class SamplerBatch:
         )
 
 
-_EMPTY = SamplerStage(0, 0, 0, 0)
+_EMPTY = SamplerStage(0, 0, 0, 0, 0)
