@@ -2,53 +2,94 @@
 
 It runs *inside* the simulator process, on the simulator's own event loop, as extra routes
 `/oracle/v1/completions` and `/oracle/v1/chat/completions` added to the simulator's FastAPI app
-before it starts. For each request, first come first served, it parses the body with the
-simulator's own parser (exact token ids, sampling, n) and asks: if this request joined the
-engine now, would any step until it has produced its first tokens hit CUDA OOM? It answers by a
-dry run: a deep copy of the live engine state, advanced past the step in flight (scheduler queues, PyTorch caching allocator with its real fragmentation, the device with its co-tenants at their size
-`LOOKAHEAD_S` simulated seconds ahead), the candidate added, then the engine's own step code
-(scheduler.schedule, Engine.shape, StepMemory.plan, run_tape on the copied allocator, the same
-deterministic sampler) for up to `MAX_STEPS` steps, until the candidate has sampled `DECODE_STEPS` tokens. Steps
-that carry no candidate are scheduled but not played on the allocator (they run whether or
-not it is admitted), and sequences in the dry run do not stop early (a conservative
-simplification: the sampler's stop point is not consulted). No OOM: it forwards the request to the simulator's own
-handler in the same loop turn (nothing runs in between, so the check and the admission are
-atomic). OOM: if it would OOM an idle engine too (a second dry run without the other requests) it is
-refused 400 `oracle_never_fits`; else it waits and the check is repeated when a request leaves
-the engine (or every `RECHECK_S`); one that waited
-`max_wait_s` wall seconds gets 429 `oracle_queue_timeout`.
+before it starts. Each request is parsed with the simulator's own parser (exact token ids,
+sampling, n) and joins one FIFO queue. One admitter task checks the *whole queue at once* and
+admits its longest prefix that a dry run shows cannot OOM:
 
-The copy leaves out the KV block pool (copying it per check is too slow): in the dry run
-every KV allocation succeeds, so it batches at least as much as the real scheduler (the safe
-side). It does not plan KV capacity (a full pool means preemption, not OOM: the scheduler copes) and it
-cannot see steps beyond its horizon, so it is a ceiling for memory knowledge, not for
-scheduling.
+- The question for a prefix of k requests: if they joined the engine now, in order, would any
+  step until each of them has produced its first `DECODE_STEPS` tokens hit CUDA OOM? A dry run
+  answers it on a private copy of the live engine, advanced past the step in flight (scheduler
+  queues, PyTorch caching allocator with its real fragmentation, the device with its co-tenants
+  at their size `LOOKAHEAD_S` simulated seconds ahead), with the k requests added, by the
+  engine's own step code (scheduler.schedule, Engine.shape, StepMemory.plan, run_tape on the
+  copied allocator, and the simulator's deterministic sampler for where each sequence stops)
+  for up to `MAX_STEPS` steps. Every step is played on the allocator, those that carry none of
+  the k too: they move blocks (the penalties' prompt ids follow the batch) under the steps
+  that follow. (Playing only the candidates' steps, and letting every sequence run to
+  max_tokens, let S4's fragmentation through: the real next step, with fewer rows and a moved
+  tensor, OOMed where the dry run had passed.)
+- The search: the scheduler admits FIFO, so the dry run of k requests is step for step the dry
+  run of any longer prefix until the longer one first schedules a request past k. An OOM at a
+  step therefore condemns every prefix that has scheduled the same requests by then and is not
+  yet done: the failing dry run returns that bound, and the next probe starts under it. Probes:
+  the whole window first (after a check that admitted nothing: the head alone), then one below
+  the bound, then bisection. Only a k whose own dry run survived is ever admitted, so the
+  search needs no monotonicity: fragmentation may make k + 1 fail where k + 2 would not, and
+  then the oracle admits k. A check costs one to a few dry runs, where S4's spike of 1,500
+  arrivals cost one deep copy and dry run each, and starved the engine.
+- The window: the oracle keeps about `WINDOW_STEPS` engine steps of work queued inside the
+  engine (tokens still to compute of its running and waiting requests, prefix-cache hits
+  excepted) and holds the rest in its own FIFO queue, re-checked after every engine step. That
+  changes no batch, because the scheduler could not start them sooner, and it bounds a dry run
+  to a few steps and a few dozen candidates, instead of a backlog of hundreds behind which the
+  last candidate gets its first token.
+- Atomic: the k requests enter the engine (the simulator's own request objects, `_Run`, the
+  same that its handler makes) in the same event-loop turn as the dry run that passed them;
+  nothing runs in between. Their clients' coroutines only stream what the engine produces.
+- When the queue's head does not fit: if it would OOM an idle engine too (a dry run without
+  the other requests) it is refused 400 `oracle_never_fits`; else the whole queue waits (FIFO,
+  no overtaking) and is checked again when the engine's membership changes (a request started
+  or left: memory can only come back then) or every `RECHECK_S`. A request still queued after
+  `max_wait_s` wall seconds gets 429 `oracle_queue_timeout`.
+
+The copy is made per dry run, by hand and only of what a dry run mutates: each queued or running
+request is a shallow copy with its own output list (prompt token ids shared), the scheduler a
+shallow copy with its own queues, the allocator its segments and blocks (a few hundred small
+objects; the carried-over tensors mapped onto the copies). `copy.deepcopy` of a thousand running
+requests per arrival was what made the arm unmeasurable under S4's spike.
+
+The copy leaves out the KV block pool (copying it per check is too slow): in the dry run every
+KV allocation succeeds and no prefix is cached, so it batches and computes at least as much as
+the real scheduler (the safe side). It does not plan KV capacity (a full pool means preemption,
+not OOM: the scheduler copes) and it cannot see steps beyond its horizon (a step after the
+candidates' first tokens is checked only as part of later checks' dry runs, while requests
+wait), so it is a ceiling for memory knowledge, not for scheduling: it admits whatever memory
+allows, however many sequences that makes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import itertools
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.sim.api import SimApiError, parse
+from app.sim.api import Parsed, SimApiError, parse
+from app.sim.blocks import chained_hashes
+from app.sim.carryover import CrossStepTensors
 from app.sim.engine import Engine
-from app.sim.gpu import CudaOutOfMemory
+from app.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
 from app.sim.request import Request, Status
+from app.sim.scheduler import PrefixStats, Scheduler
+from app.sim.server import _Run as SimRun  # what the simulator's handler makes of a request
 from app.sim.step_memory import run_tape
 
 MAX_STEPS = 400
 DECODE_STEPS = 2  # the candidate's prefill, first decode step
 LOOKAHEAD_S = 30.0
 RECHECK_S = 0.25
+WINDOW_STEPS = 2  # engine steps of work the oracle keeps queued inside the engine
 
 
 class _Null:
-    """Stands in for the copied engine's metrics and callbacks."""
+    """Stands in for the copied requests' sinks."""
 
     def __getattr__(self, name: str) -> Any:
         return self
@@ -58,6 +99,9 @@ class _Null:
 
     def __getitem__(self, k: Any) -> Any:
         return self
+
+
+_NULL = _Null()
 
 
 class _UnboundedKV:
@@ -81,66 +125,163 @@ class _UnboundedKV:
         pass
 
 
-def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
-              idle: bool = False) -> str | None:
-    """Dry-run the engine with `candidates` added; the OOM message, or None if it survives.
+# ----- the copy a dry run works on ---------------------------------------------------------------
+class _DryRequest(Request):
+    """A request in a dry run. Its KV manager (_UnboundedKV) never reads token ids, and the
+    scheduler only takes their number, so `all_token_ids` need not build prompt + output."""
 
-    `in_flight`: the scheduler output of the step the engine is running now (its tape has run,
-    its tokens are not yet counted): the copy counts them first, so the dry run starts at the
-    engine's next step. `idle`: dry-run the candidates on an engine with no other request.
-    """
-    memo: dict[int, Any] = {}
-    null = _Null()
-    reqs = list(engine.scheduler.running) + list(engine.scheduler.waiting)
-    memo[id(engine.scheduler.kv)] = _UnboundedKV(engine.scheduler.kv.block_size)
-    for r in reqs:
-        memo[id(r.sink)] = null
-        memo[id(r.prompt_token_ids)] = r.prompt_token_ids  # never mutated: share, don't copy
-    sched, alloc, carry = copy.deepcopy((engine.scheduler, engine.alloc, engine.carry), memo)
+    @property
+    def all_token_ids(self) -> range:  # type: ignore[override]
+        return range(self.num_tokens)
+
+
+def _fork_request(req: Request) -> Request:
+    """What a dry run mutates of a request: progress, output list, status (prompt shared)."""
+    c = object.__new__(_DryRequest)
+    c.__dict__.update(req.__dict__)
+    c.output_token_ids = list(req.output_token_ids)
+    c.sink = _NULL
+    return c
+
+
+def _fork_memory(alloc: CachingAllocator, carry: CrossStepTensors
+                 ) -> tuple[CachingAllocator, CrossStepTensors]:
+    """The allocator (device, segments, blocks) and the tensors carried across steps, copied."""
+    device = copy.copy(alloc.device)
+    device.processes = dict(alloc.device.processes)
+    a = copy.copy(alloc)
+    a.device, a.segments = device, []
+    twin: dict[int, Block] = {}
+    for seg in alloc.segments:
+        s = Segment(seg.size, seg.pool)
+        for b in seg.blocks:
+            twin[id(b)] = nb = Block(s, b.offset, b.size, b.allocated, b.requested)
+            s.blocks.append(nb)
+        a.segments.append(s)
+    c = copy.copy(carry)
+    c.alloc = a
+    c.outputs = [twin[id(b)] for b in carry.outputs]
+    if carry.penalty_prompt_ids is not None:
+        c.penalty_prompt_ids = twin[id(carry.penalty_prompt_ids)]
+    return a, c
+
+
+def _fork(engine: Engine, in_flight: Any, idle: bool, stops: Stops | None
+          ) -> tuple[Scheduler, CachingAllocator, CrossStepTensors]:
+    """A private copy of the engine at its next step: the step in flight counted, co-tenants at
+    their size LOOKAHEAD_S ahead; `idle`: without its requests."""
+    live = engine.scheduler
+    sched = copy.copy(live)
     sched.__dict__.pop("schedule", None)  # the live scheduler's tracking wrapper: not for the copy
-    if in_flight is not None:
-        for sr in in_flight.scheduled:
-            req = memo.get(id(sr.request))
+    sched.kv = _UnboundedKV(live.kv.block_size)
+    sched.prefix = PrefixStats()
+    if idle:
+        sched.running, sched.waiting = [], deque()
+    else:
+        twins = {id(r): _fork_request(r) for r in (*live.running, *live.waiting)}
+        sched.running = [twins[id(r)] for r in live.running]
+        sched.waiting = deque(twins[id(r)] for r in live.waiting)
+        for sr in in_flight.scheduled if in_flight is not None else ():
+            req = twins.get(id(sr.request))
             if req is None or req.status != Status.RUNNING:
                 continue
             req.num_computed_tokens += sr.num_new_tokens
-            if req.num_computed_tokens >= req.num_tokens:
-                req.output_token_ids.append(0)
-                if len(req.output_token_ids) >= req.sampling.max_tokens:
-                    _finish(sched, req)
-    if idle:
-        sched.running.clear()
-        sched.waiting.clear()
-    device = alloc.device
-    t_ahead = engine.sim_time() + LOOKAHEAD_S
+            if req.num_computed_tokens >= req.num_tokens and _sample(engine, req, stops):
+                _finish(sched, req)
+    alloc, carry = _fork_memory(engine.alloc, engine.carry)
+    device, t = alloc.device, engine.sim_time()
     for c in engine.cfg.cotenants:
-        if c.start_s <= t_ahead and (c.end_s is None or c.end_s > engine.sim_time()):
+        if c.start_s <= t + LOOKAHEAD_S and (c.end_s is None or c.end_s > t):
             held = device.processes.get(c.name, 0)
             if c.bytes > held and c.bytes - held <= device.free():
                 device.set_usage(c.name, c.bytes)
-    watch = [r for r in sched.running] + list(sched.waiting)
-    for c in candidates:
-        c2 = copy.copy(c)
-        c2.output_token_ids = []
-        c2.sink = null
-        sched.add(c2)
-        watch.append(c2)
-    mine = {id(c) for c in watch[len(watch) - len(candidates):]}
+    return sched, alloc, carry
+
+
+Stops = dict[tuple[str, int], tuple[int, int | None]]
+
+
+def _eos(engine: Engine, req: Request, stops: Stops | None) -> bool:
+    """Whether the simulator's sampler (deterministic in the request's state) ends the sequence
+    at its next token. `stops` remembers per sequence the positions already asked (none of them
+    an end) or its first end, so that a check asks about a position or two per sequence, not
+    every position of its horizon."""
+    pos = len(req.output_token_ids)
+    key = (req.request_id, req.stream_seed)
+    asked, first = stops.get(key, (0, None)) if stops is not None else (0, None)
+    if first is not None:
+        return pos >= first
+    if pos < asked:
+        return False
+    eos = engine.sampler(req)[1]
+    if stops is not None and pos == asked:
+        stops[key] = (pos, pos) if eos else (pos + 1, None)
+    return eos
+
+
+def _sample(engine: Engine, req: Request, stops: Stops | None) -> bool:
+    """Engine._update for a sequence that computed all its tokens: one more output token; True
+    if the sequence ends there (max_tokens, max_model_len, or its end of sequence)."""
+    eos = _eos(engine, req, stops)
+    req.output_token_ids.append(0)
+    sp = req.sampling
+    return (len(req.output_token_ids) >= sp.max_tokens
+            or req.num_tokens >= engine.resolved.max_model_len or (eos and not sp.ignore_eos))
+
+
+def _finish(sched: Scheduler, req: Request) -> None:
+    if any(r is req for r in sched.running):
+        sched.finish(req)
+    req.status = Status.FINISHED
+
+
+# ----- the dry run and the search ----------------------------------------------------------------
+def dry_run(engine: Engine, groups: list[list[Request]], in_flight: Any = None,
+            idle: bool = False, stops: Stops | None = None) -> tuple[str | None, int]:
+    """Dry-run the engine with `groups` (one per client request: its n sequences) added in
+    order: `(None, len(groups))` if it survives, else `(OOM message, bound)`, where every prefix
+    of at least `bound` groups would hit the very same OOM.
+
+    `in_flight`: the scheduler output of the step the engine is running now (its tape has run,
+    its tokens are not yet counted): the copy counts them first, so the dry run starts at the
+    engine's next step. `idle`: dry-run the groups on an engine with no other request.
+    `stops`: a memo of end-of-sequence positions kept across dry runs (see _eos).
+    """
+    sched, alloc, carry = _fork(engine, in_flight, idle, stops)
+    n = len(groups)
+    group_of: dict[int, int] = {}
+    left = []  # per group: its sequences still short of DECODE_STEPS tokens
+    for g, cands in enumerate(groups):
+        left.append(len(cands))
+        for c in cands:
+            c2 = _fork_request(c)
+            c2.output_token_ids = []
+            sched.add(c2)
+            group_of[id(c2)] = g
+    done = 0  # leading groups whose every sequence has its first tokens
+    seen = -1  # the last group scheduled so far (FIFO: every earlier one was too)
     for _ in range(MAX_STEPS):
-        if all(r.status == Status.FINISHED or len(r.output_token_ids) >= DECODE_STEPS
-               for r in watch if id(r) in mine):
-            return None
+        while done < n and not left[done]:
+            done += 1
+        if done == n:
+            return None, n
         out = sched.schedule()
         if not out.scheduled:
-            return None
-        # Only steps that carry a candidate are played on the allocator copy (the others would
-        # run whether or not it is admitted; playing every step is too slow for a live gate).
-        if any(id(s.request) in mine for s in out.scheduled):
-            try:
-                carry.start_step([s.request for s in out.scheduled])
-                carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out))))
-            except CudaOutOfMemory as exc:
-                return str(exc)
+            return None, n
+        for s in out.scheduled:
+            g = group_of.get(id(s.request))
+            if g is not None and g > seen:
+                seen = g
+        # Every step is played, those without a probed request too: they move the allocator's
+        # blocks (the penalties' prompt ids follow the batch) under the steps that follow.
+        try:
+            carry.start_step([s.request for s in out.scheduled])
+            carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out))))
+        except CudaOutOfMemory as exc:
+            # A prefix of k groups plays these very steps while it has scheduled the same
+            # groups (k > seen) and is not done yet (k > done).
+            return str(exc), max(seen, done) + 1
+        finished = False
         for s in out.scheduled:
             req = s.request
             if req.status != Status.RUNNING:
@@ -148,103 +289,258 @@ def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
             req.num_computed_tokens += s.num_new_tokens
             if req.num_computed_tokens < req.num_tokens:
                 continue
-            req.output_token_ids.append(0)
-            sp = req.sampling
-            if (len(req.output_token_ids) >= sp.max_tokens
-                    or req.num_tokens >= engine.resolved.max_model_len):
-                _finish(sched, req)
-    return None
+            ends = _sample(engine, req, stops)
+            if ends:
+                req.status = Status.FINISHED
+                finished = True
+            g = group_of.get(id(req))
+            if g is not None and (ends or len(req.output_token_ids) == DECODE_STEPS):
+                left[g] -= 1
+        if finished:  # Scheduler.finish one by one is a list.remove with dataclass __eq__
+            sched.running = [r for r in sched.running if r.status != Status.FINISHED]
+    return None, n
 
 
-def _finish(sched: Any, req: Request) -> None:
-    if any(r is req for r in sched.running):
-        sched.finish(req)
-    req.status = Status.FINISHED
+def _to_compute(engine: Engine, token_ids: list[int], sampling: Any,
+                hashes: list[int] | None = None) -> int:
+    """The tokens the scheduler would compute to start this prompt now: those of its prefix
+    already in the KV cache are not (a read-only lookup of the chained block hashes that
+    KVCacheManager.get_computed_blocks walks; `hashes`: the prompt's, if known)."""
+    kv = engine.scheduler.kv
+    if sampling.prompt_logprobs is not None or not kv.pool.enable_caching:
+        return len(token_ids)
+    if hashes is None:
+        hashes = chained_hashes(token_ids, kv.block_size, 0, 0)
+    hit = 0
+    for h in hashes[:(len(token_ids) - 1) // kv.block_size]:
+        if h not in kv.pool.cached:
+            break
+        hit += 1
+    return len(token_ids) - hit * kv.block_size
 
 
-def _membership(engine: Engine) -> tuple[str, ...]:
-    return tuple(r.request_id for r in engine.scheduler.running) + (
-        str(len(engine.scheduler.waiting)),)
+def window(engine: Engine, entries: Any, in_flight: Any = None) -> int:
+    """How many leading `entries` (objects with `.parsed`, maybe `.hashes`) fit in the engine's
+    next WINDOW_STEPS steps: the work it already has (tokens not yet computed, of the running
+    and waiting requests, after the step in flight) plus theirs (prefix-cache hits excepted), at
+    most WINDOW_STEPS x max_num_batched_tokens. The first entry is in as soon as there is room."""
+    s = engine.scheduler
+    room = WINDOW_STEPS * s.max_num_batched_tokens + (in_flight.num_tokens if in_flight else 0)
+    for r in s.running:
+        room -= r.num_tokens - r.num_computed_tokens
+    for r in s.waiting:
+        room -= _to_compute(engine, r.all_token_ids, r.sampling)
+    k = 0
+    for e in entries:
+        if room <= 0:
+            break
+        p = e.parsed
+        room -= _to_compute(engine, p.prompt_token_ids, p.sampling,
+                            getattr(e, "hashes", None)) * p.n
+        k += 1
+    return k
+
+
+def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
+              idle: bool = False) -> str | None:
+    """The OOM message if `candidates` (one request's sequences) joined the engine now."""
+    return dry_run(engine, [candidates], in_flight, idle)[0]
+
+
+def longest_prefix(engine: Engine, groups: list[list[Request]], in_flight: Any = None,
+                   first: int | None = None, stops: Stops | None = None
+                   ) -> tuple[int, str | None, int]:
+    """The most leading groups whose own dry run survives: `(k, OOM message that stopped the
+    search or None, dry runs)`. Probes `first` (default: all), then one under the bound the
+    failing dry run gives (or all, after a first probe that passed), then bisects."""
+    lo, hi = 0, len(groups) + 1  # lo: passed (0 trivially); every k >= hi fails
+    probe = len(groups) if first is None else first
+    oom, runs = None, 0
+    while hi - lo > 1:
+        runs += 1
+        msg, bound = dry_run(engine, groups[:probe], in_flight, stops=stops)
+        if msg is None:
+            lo = probe
+        else:
+            hi, oom = bound, msg
+        probe = hi - 1 if runs == 1 else (lo + hi) // 2
+    return lo, oom, runs
+
+
+# ----- the routes --------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Entry:
+    path: str
+    parsed: Parsed
+    cands: list[Request]
+    start: float
+    verdict: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
+                                    .create_future())
+    held: bool = False
+    hashes: list[int] | None = None  # the prompt's chained block hashes (prefix-cache lookup)
+
+
+def _sequences(p: Parsed, rid: str) -> list[Request]:
+    """The request's n sequences, seeded as the simulator's _Run seeds them (the sampler's end
+    of sequence depends on the seed)."""
+    seed = p.sampling.seed if p.sampling.seed is not None else hash(tuple(p.prompt_token_ids))
+    return [Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0,
+                    stream_seed=hash((seed, i))) for i in range(p.n)]
+
+
+def _refusal(status: int, kind: str, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": code}}, status_code=status)
 
 
 def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
     """Add the oracle routes to a simulator app (before it starts); returns its counters."""
     engine: Engine = app.state.engine
     endpoints = {r.path: r.endpoint for r in app.routes if hasattr(r, "endpoint")}
-    lock = asyncio.Lock()
-    stats = {"checks": 0, "held": 0, "never_fits": 0, "timeouts": 0}
-    flight: dict[str, Any] = {"out": None}
+    stats = {"checks": 0, "held": 0, "never_fits": 0, "timeouts": 0, "check_ms_total": 0,
+             "check_ms_max": 0, "dry_runs": 0, "admitted": 0, "batches": 0, "batch_max": 0,
+             "queue_max": 0}
+    queue: deque[_Entry] = deque()
+    stops: Stops = {}
+    # hold: why the queue's head waits: "window" (the engine has enough work queued), "oom"
+    # (the head would OOM now), None (the queue is empty)
+    state: dict[str, Any] = {"out": None, "task": None, "hold": None, "seen": None, "n": 0}
+    arrived, changed = asyncio.Event(), asyncio.Event()
     schedule, update = engine.scheduler.schedule, engine._update
 
+    def membership() -> tuple[int, int]:
+        return len(engine.scheduler.running), len(engine.scheduler.waiting)
+
     def track_schedule() -> Any:  # the step in flight: scheduled, tokens not yet counted
-        flight["out"] = schedule()
-        return flight["out"]
+        state["out"] = schedule()
+        return state["out"]
 
     def track_update(out: Any, start: float) -> None:
-        flight["out"] = None
+        state["out"] = None
         update(out, start)
+        if state["hold"] == "window" or (state["hold"] == "oom"
+                                         and membership() != state["seen"]):
+            changed.set()
 
     def rebind() -> None:  # after a restart the engine has a new scheduler
         if getattr(engine.scheduler.schedule, "__name__", "") != "track_schedule":
             nonlocal schedule
             schedule = engine.scheduler.schedule
             engine.scheduler.schedule = track_schedule  # type: ignore[method-assign]
-            flight["out"] = None
+            state["out"] = None
 
     engine._update = track_update  # type: ignore[method-assign]
     rebind()
 
+    def settle(entry: _Entry, verdict: Any) -> None:
+        if not entry.verdict.done():
+            entry.verdict.set_result(verdict)
+
+    def check() -> None:
+        """One admission decision over the whole queue, in one event-loop turn."""
+        rebind()
+        stats["checks"] += 1
+        stats["queue_max"] = max(stats["queue_max"], len(queue))
+        t0 = time.perf_counter()
+        admitted, hold = 0, None
+        while queue and engine.ready:
+            take = window(engine, queue, state["out"])
+            if not take:
+                hold = "window"
+                break
+            groups = [e.cands for e in itertools.islice(queue, take)]
+            k, oom, runs = longest_prefix(engine, groups, state["out"],
+                                          1 if state["hold"] == "oom" else None, stops)
+            stats["dry_runs"] += runs
+            if k == 0:
+                head = queue[0]
+                if engine.scheduler.has_work():  # else that dry run was on an idle engine
+                    stats["dry_runs"] += 1
+                    if would_oom(engine, head.cands, idle=True) is None:
+                        hold = "oom"
+                        break  # it fits once memory comes back: the queue waits
+                queue.popleft()
+                stats["never_fits"] += 1
+                why = (oom or "")[:200]
+                settle(head, _refusal(400, "BadRequestError", "oracle_never_fits",
+                                      f"oracle: would OOM even on an idle engine: {why}"))
+                continue
+            for _ in range(k):  # into the engine now, before anything else runs
+                e = queue.popleft()
+                settle(e, SimRun(engine, e.parsed))
+            admitted, hold = k, "oom" if k < take else "window"
+            break
+        if not engine.ready:  # the simulator answers (503) itself
+            while queue:
+                settle(queue.popleft(), None)
+        now = time.monotonic()
+        while queue and now - queue[0].start > max_wait_s:
+            stats["timeouts"] += 1
+            settle(queue.popleft(), _refusal(429, "RateLimitError", "oracle_queue_timeout",
+                                             "oracle: waited too long"))
+        for e in queue:
+            if not e.held:
+                e.held = True
+                stats["held"] += 1
+        if admitted:
+            stats["admitted"] += admitted
+            stats["batches"] += 1
+            stats["batch_max"] = max(stats["batch_max"], admitted)
+        state["hold"] = hold if queue else None
+        state["seen"] = membership()
+        took = int((time.perf_counter() - t0) * 1000)
+        stats["check_ms_total"] += took
+        stats["check_ms_max"] = max(stats["check_ms_max"], took)
+
+    async def admitter() -> None:
+        while True:
+            if not queue:
+                arrived.clear()
+                await arrived.wait()
+                continue
+            check()
+            if queue:  # held: re-check after the next engine step (window) or when a request
+                # starts or leaves (oom: memory can only come back then), or every RECHECK_S
+                changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), RECHECK_S)
+            else:
+                await asyncio.sleep(0)
+
     async def gated(http: HttpRequest, path: str) -> Response:
         chat = path.endswith("chat/completions")
         body = await http.json()  # cached on the request: the real handler re-reads it
-        start = time.monotonic()
-        async with lock:
-            held = False
-            while True:
-                if not engine.ready:
-                    break  # the simulator answers 503 itself
-                try:
-                    p = parse(body, chat=chat, tok=app.state.tokenizer, served=engine.model_name,
-                              max_model_len=engine.resolved.max_model_len)
-                except SimApiError:
-                    break  # the simulator answers the 400 itself
-                cands = [Request(f"oracle-{i}", list(p.prompt_token_ids), p.sampling, 0.0,
-                                 stream_seed=i) for i in range(p.n)]
-                stats["checks"] += 1
-                rebind()
-                t0 = time.perf_counter()
-                oom = would_oom(engine, cands, flight["out"])
-                if oom is not None and would_oom(engine, cands, idle=True) is not None:
-                    stats["never_fits"] += 1
-                    return JSONResponse({"error": {
-                        "message": f"oracle: would OOM even on an idle engine: {oom[:200]}",
-                        "type": "BadRequestError", "param": None,
-                        "code": "oracle_never_fits"}}, status_code=400)
-                took = time.perf_counter() - t0
-                stats["check_ms_total"] = stats.get("check_ms_total", 0) + int(took * 1000)
-                stats["check_ms_max"] = max(stats.get("check_ms_max", 0), int(took * 1000))
-                if oom is None:
-                    break
-                if not engine.scheduler.has_work():
-                    stats["never_fits"] += 1
-                    return JSONResponse({"error": {
-                        "message": f"oracle: would OOM even on an idle engine: {oom[:200]}",
-                        "type": "BadRequestError", "param": None,
-                        "code": "oracle_never_fits"}}, status_code=400)
-                if time.monotonic() - start > max_wait_s:
-                    stats["timeouts"] += 1
-                    return JSONResponse({"error": {
-                        "message": "oracle: waited too long", "type": "RateLimitError",
-                        "param": None, "code": "oracle_queue_timeout"}}, status_code=429)
-                held = held or not stats.__setitem__("held", stats["held"] + 1)
-                # Re-check when a request leaves the engine (memory can only come back then),
-                # or every RECHECK_S: a dry run per engine step would stall the engine.
-                key = _membership(engine)
-                since = time.monotonic()
-                while (_membership(engine) == key and engine.ready
-                       and time.monotonic() - since < RECHECK_S):
-                    await asyncio.sleep(0.002)
+        try:
+            p = parse(body, chat=chat, tok=app.state.tokenizer, served=engine.model_name,
+                      max_model_len=engine.resolved.max_model_len) if engine.ready else None
+        except SimApiError:
+            p = None  # the simulator answers the 400 itself
+        if p is None:
             return await endpoints[path](http)
+        state["n"] += 1
+        entry = _Entry(path, p, _sequences(p, f"oracle-{state['n']}"), time.monotonic(),
+                       hashes=chained_hashes(p.prompt_token_ids, engine.scheduler.kv.block_size,
+                                             0, 0))
+        queue.append(entry)
+        arrived.set()
+        if state["task"] is None or state["task"].done():
+            state["task"] = asyncio.create_task(admitter())
+        try:
+            verdict = await entry.verdict
+        except asyncio.CancelledError:  # the client went away
+            if entry in queue:
+                queue.remove(entry)
+            elif entry.verdict.done() and not entry.verdict.cancelled():
+                if isinstance(entry.verdict.result(), SimRun):
+                    entry.verdict.result().abort()
+            raise
+        if verdict is None:
+            return await endpoints[path](http)
+        if isinstance(verdict, Response):
+            return verdict
+        if p.stream:  # as the simulator's handler does with its _Run
+            return StreamingResponse(verdict.sse(), media_type="text/event-stream")
+        return await verdict.complete(http)
 
     async def completions(http: HttpRequest) -> Response:
         return await gated(http, "/v1/completions")

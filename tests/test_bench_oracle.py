@@ -1,0 +1,148 @@
+"""The benchmark's memory oracle (bench/oracle.py): the whole queue is checked at once, its
+longest prefix that survives a dry run is admitted as a batch, an over-large request is refused,
+and a dry run never touches the live engine."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+
+from app.sim.config import SimConfig
+from app.sim.engine import Engine
+from app.sim.request import Request, Sampling
+from app.sim.runner import SimRunner
+from sim_support import make_engine, prompt
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` package
+
+from bench import oracle  # noqa: E402
+
+CHAT = Sampling(max_tokens=8, temperature=0.7)
+
+
+def _long_context(**kw) -> SimConfig:
+    """Chunked prefill over a long prefix on a materializing backend: a 60k-token prompt OOMs
+    an idle engine (chunk x context fp32 scores), 2k-token prompts do not."""
+    return SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=65536,
+                     max_num_batched_tokens=2048, max_num_seqs=256,
+                     attention_backend="materializing", **kw)
+
+
+def _engine(cfg: SimConfig) -> Engine:
+    cfg.speedup = 1e9
+    return make_engine(cfg)
+
+
+def _groups(lengths: list[int]) -> list[list[Request]]:
+    return [[Request(f"q{i}", prompt(i, n), CHAT, 0.0, stream_seed=i)]
+            for i, n in enumerate(lengths)]
+
+
+def _admit_and_run(engine: Engine, groups: list[list[Request]]) -> int:
+    """Add the groups to the live engine, as the oracle does, and step it until it is done;
+    returns the number of finished sequences."""
+    finished: list[str] = []
+    for g in groups:
+        for r in g:
+            engine.add(Request(r.request_id, list(r.prompt_token_ids), r.sampling, 0.0,
+                               sink=lambda kind, data: finished.append(kind) if kind ==
+                               "finish" else None, stream_seed=r.stream_seed))
+
+    async def run() -> None:
+        while engine.ready and engine.scheduler.has_work():
+            await engine.step()
+    asyncio.run(run())
+    return len(finished)
+
+
+def test_a_queue_is_admitted_as_one_batch_and_runs_without_oom() -> None:
+    engine = _engine(_long_context())
+    groups = _groups([2000, 300, 1500, 800, 2000, 64, 1200, 900, 2000, 400, 700, 1800])
+    k, oom, runs = oracle.longest_prefix(engine, groups)
+    assert (k, oom, runs) == (len(groups), None, 1)  # one dry run for the whole queue
+    assert _admit_and_run(engine, groups) == len(groups)
+    assert engine.ooms == []
+
+
+def test_an_over_large_request_stops_the_prefix_and_never_fits() -> None:
+    engine = _engine(_long_context())
+    groups = _groups([2000, 1500, 60000, 300, 300])
+    k, oom, runs = oracle.longest_prefix(engine, groups)
+    assert k == 2 and oom is not None and "CUDA out of memory" in oom
+    assert runs <= 3  # all, then under the bound the failing dry run gave
+    # the head of what is left would OOM an idle engine too: refused, not queued
+    assert oracle.would_oom(engine, groups[2], idle=True) is not None
+    assert oracle.would_oom(engine, groups[3], idle=True) is None
+    assert _admit_and_run(engine, groups[:k]) == k
+    assert engine.ooms == []
+
+
+def test_a_failing_dry_run_condemns_every_longer_prefix() -> None:
+    engine = _engine(_long_context())
+    groups = _groups([2000, 1500, 60000, 300, 300, 2000])
+    msg, bound = oracle.dry_run(engine, groups)
+    assert msg is not None and 1 <= bound <= 3
+    for k in range(bound, len(groups) + 1):  # the same steps up to the same OOM
+        assert oracle.dry_run(engine, groups[:k]) == (msg, bound)
+    assert oracle.dry_run(engine, groups[:2]) == (None, 2)
+
+
+def test_a_dry_run_leaves_the_live_engine_alone() -> None:
+    engine = _engine(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384))
+    running = _groups([3000, 500, 100])
+    for g in running:
+        for r in g:
+            engine.add(r)
+    out = engine.scheduler.schedule()  # a step in flight: its tape has run, tokens uncounted
+    engine.carry.start_step([s.request for s in out.scheduled])
+    engine.carry.keep_outputs(oracle.run_tape(engine.alloc, engine.steps.plan(
+        Engine.shape(out))))
+
+    def state() -> tuple:
+        a = engine.alloc
+        return (tuple((s.size, tuple((b.offset, b.size, b.allocated) for b in s.blocks))
+                      for s in a.segments), dict(engine.device.processes),
+                [(r.request_id, r.num_computed_tokens, len(r.output_token_ids), r.status)
+                 for r in (*engine.scheduler.running, *engine.scheduler.waiting)],
+                engine.carry.penalty_prompt_ids, list(engine.carry.outputs))
+
+    before = state()
+    stops: oracle.Stops = {}
+    assert oracle.dry_run(engine, _groups([2000] * 8), out, stops=stops) == (None, 8)
+    assert oracle.dry_run(engine, _groups([2000] * 8), out, idle=True) == (None, 8)
+    assert state() == before
+    assert stops  # end-of-sequence positions remembered for the next check
+
+
+def test_the_window_keeps_about_two_steps_of_work_in_the_engine() -> None:
+    engine = _engine(_long_context())
+    entries = [SimpleNamespace(parsed=SimpleNamespace(prompt_token_ids=[1] * 1000, n=1,
+                                                       sampling=CHAT))
+               for _ in range(10)]
+    assert oracle.window(engine, entries) == 5  # 2 x 2048 tokens: the 5th is let in at 96 left
+    engine.add(Request("doc", prompt(0, 30000), CHAT, 0.0))
+    assert oracle.window(engine, entries) == 0  # a long prefill ahead: nothing would start
+
+
+def test_the_routes_admit_a_burst_and_refuse_what_never_fits() -> None:
+    cfg = _long_context(speedup=50.0)
+    runner = SimRunner(cfg)
+    stats = oracle.install(runner.app, max_wait_s=30.0)
+    with runner as sim:
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=sim.url, timeout=60) as client:
+                bodies = [{"model": "llama-3.1-8b", "prompt": " ".join(["tok"] * n),
+                           "max_tokens": 4} for n in [300] * 12 + [62000]]
+                return await asyncio.gather(*(client.post("/oracle/v1/completions", json=b)
+                                              for b in bodies))
+        responses = asyncio.run(burst())
+        assert [r.status_code for r in responses] == [200] * 12 + [400]
+        assert responses[-1].json()["error"]["code"] == "oracle_never_fits"
+        assert sim.engine.ooms == []
+    assert stats["admitted"] == 12 and stats["never_fits"] == 1
+    assert stats["batches"] <= 12 and stats["dry_runs"] >= 1
+    assert stats["check_ms_total"] >= 0 and stats["checks"] >= 1
