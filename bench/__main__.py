@@ -66,9 +66,10 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     safety.quiet()
     chosen = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
-    caps0 = [8] if args.tiny else [16] if args.quick else [4, 16, 64]
-    per = len(caps0) + (0 if args.quick else 1) + 4
-    bar = _bar(per * len(chosen), "safety")
+    def caps0(scn: Any) -> list[int]:
+        return [8] if args.tiny else [16] if args.quick else scn.caps
+
+    bar = _bar(sum(len(caps0(s)) + (0 if args.quick else 1) + 4 for s in chosen), "safety")
     rows, sweeps, described = [], {}, []
     with safety.tmpdir() as tmp:
         for i, scn in enumerate(chosen):
@@ -86,7 +87,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 return r
 
             none = arm("none")
-            sweep = [arm("cap", c) for c in caps0]
+            sweep = [arm("cap", c) for c in caps0(scn)]
             if not args.quick:  # one refinement: between the best survivor and the next OOM
                 best = pick_cap(sweep)
                 tried = {r.cap for r in sweep}
