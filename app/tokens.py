@@ -64,11 +64,14 @@ class LocalTokenizer:
         return self._encode_now(text, add_special_tokens)
 
     def _encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
-        # tokenizer.encode is the call vLLM itself makes; the Rust call under it gives the same
-        # ids without transformers' per-call bookkeeping (a third of a short prompt's cost).
+        # tokenizer.encode is the call vLLM itself makes: transformers runs it as the Rust
+        # `encode_batch([text])`. `encode_batch_fast` is the same pipeline (added tokens,
+        # normalizer, pre-tokenizer, model, post-processor) without the character offsets nobody
+        # reads here: same ids, a quarter less time on a short prompt (the offsets cost a
+        # byte-to-char map of the whole text), and none of transformers' per-call bookkeeping.
         rust = self._rust
         if rust is not None and _in_encode_state(rust, self._tok):
-            return rust.encode(text, add_special_tokens=add_special_tokens).ids
+            return rust.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(self, chat: ChatRequest) -> str | list[int]:
