@@ -8,6 +8,7 @@ error that names the numbers and what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from app.memory.activation import (
@@ -34,9 +35,37 @@ _ADVICE = {
 }
 
 
+# Distinct (prompt length, sampling shape) pairs whose transient estimate a predictor keeps.
+TRANSIENT_MEMO_SIZE = 4096
+
+
 def peak_of(terms: Sequence[TransientTerm]) -> int:
     """The most of these terms alive at once, by the estimate's own stage rules."""
     return TransientEstimate(tuple(terms)).peak_bytes
+
+
+@dataclass(frozen=True)
+class TransientSplit:
+    """One footprint's transient terms as the demand counts them: the peak of the unprofiled
+    per-request terms in each phase, of the profiled terms overall and in each phase."""
+
+    prefill: int
+    decode: int
+    profiled: int
+    profiled_prefill: int
+    profiled_decode: int
+
+    @classmethod
+    def of(cls, transient: TransientEstimate) -> TransientSplit:
+        per_request = [t for t in transient.terms if not t.profiled and not t.shared]
+        in_profile = [t for t in transient.terms if t.profiled]
+        return cls(
+            prefill=peak_of([t for t in per_request if t.phase == "prefill"]),
+            decode=peak_of([t for t in per_request if t.phase == "decode"]),
+            profiled=peak_of(in_profile),
+            profiled_prefill=peak_of([t for t in in_profile if t.phase == "prefill"]),
+            profiled_decode=peak_of([t for t in in_profile if t.phase == "decode"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -82,6 +111,13 @@ class Predictor:
         self.shared_workspace_bytes = estimate_transient(
             layout.geometry, engine, 1, SamplingShape()
         ).shared_bytes
+        # A request's transient estimate is a pure function of its prompt length and sampling
+        # shape here (geometry and engine are this predictor's): each pair is estimated once.
+        self.transient = lru_cache(maxsize=TRANSIENT_MEMO_SIZE)(self._transient)
+
+    def _transient(self, prompt_tokens: int, sampling: SamplingShape) -> tuple[TransientEstimate, TransientSplit]:
+        estimate = estimate_transient(self.layout.geometry, self.engine, prompt_tokens, sampling)
+        return estimate, TransientSplit.of(estimate)
 
     def max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
         """max_tokens if given; else what vLLM would allow (or the configured reservation)."""
@@ -97,22 +133,25 @@ class Predictor:
             n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
             prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
         )
-        footprints = []
+        footprints, splits = [], []
         for ids in prompts:
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), max_new)
+            transient, split = self.transient(len(ids), sampling)
             footprints.append(
                 predict_footprint(
                     self.layout, self.engine, ids, max_new, sampling,
                     enable_prefix_caching=self.enable_prefix_caching,
                     reserved_new_tokens=self.outputs.reserve(max_new) if self.outputs else None,
+                    transient=transient,
                 )
             )
+            splits.append(split)
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=self._demand(footprints),
+            demand=self._demand(footprints, splits),
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:
@@ -129,20 +168,19 @@ class Predictor:
             return prediction.demand
         return self._demand(footprints)
 
-    def _demand(self, footprints: Sequence[Footprint]) -> Demand:
+    def _demand(self, footprints: Sequence[Footprint], splits: Sequence[TransientSplit] | None = None) -> Demand:
         shared: list[int] = []
         private = prefill = decode = profiled = profiled_prefill = profiled_decode = 0
-        for fp in footprints:
+        for i, fp in enumerate(footprints):
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
             shared.extend(hashes)
             private += fp.kv_blocks - len(set(hashes))
-            per_request = [t for t in fp.transient.terms if not t.profiled and not t.shared]
-            prefill += peak_of([t for t in per_request if t.phase == "prefill"])
-            decode += peak_of([t for t in per_request if t.phase == "decode"])
-            in_profile = [t for t in fp.transient.terms if t.profiled]
-            profiled = max(profiled, peak_of(in_profile))
-            profiled_prefill += peak_of([t for t in in_profile if t.phase == "prefill"])
-            profiled_decode += peak_of([t for t in in_profile if t.phase == "decode"])
+            split = splits[i] if splits is not None else TransientSplit.of(fp.transient)
+            prefill += split.prefill
+            decode += split.decode
+            profiled = max(profiled, split.profiled)
+            profiled_prefill += split.profiled_prefill
+            profiled_decode += split.profiled_decode
         # A profiled term larger than the profile's own peak spills into the free headroom.
         prefill += max(0, profiled - self.profiled_peak_bytes)
         return Demand(
