@@ -124,17 +124,21 @@ class Connection(asyncio.Protocol):
             await self._wait()
 
     async def read(self) -> bytes | None:
-        """The next body chunk as it arrived, or None at the end of the response."""
-        while not self._chunks:
+        """All the body that has arrived and not been read yet, or None at the end of the
+        response. Chunks that came in together leave together: a stream whose events arrived
+        in one segment is relayed with one write, not one per event."""
+        chunks = self._chunks
+        while not chunks:
             if self.complete:
                 return None
             await self._wait()
-        chunk = self._chunks.popleft()
-        self._buffered -= len(chunk)
-        if self._paused and self._buffered <= HIGH_WATER_BYTES // 4 and self._transport is not None:
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self._transport is not None:
             self._paused = False
             self._transport.resume_reading()
-        return chunk
+        return data
 
     @property
     def reusable(self) -> bool:
@@ -194,7 +198,8 @@ class UpstreamResponse:
 
     @property
     def complete(self) -> bool:
-        """The whole response has arrived: read() will not wait."""
+        """The whole response has arrived: read() will not wait, and after a read() that
+        returned bytes it has nothing more to give."""
         return self._conn.complete
 
     async def read(self) -> bytes | None:
