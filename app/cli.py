@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,36 @@ def parse_listen(listen: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise SystemExit(f"--listen must be HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port)
+
+
+# glibc keeps at most 7 freed chunks of each size in a thread's cache; the Rust tokenizer allocates
+# and frees a few hundred small ones per prompt, so most of them went through the arena's locked
+# bins (malloc and free were a fifth of kvgate's CPU under load). With 256 they stay in the
+# thread cache: about 15% less CPU per request, a few MiB more resident memory.
+MALLOC_TUNABLE = "glibc.malloc.tcache_count=256"
+
+
+def malloc_tuned_env(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment `kvgate serve` re-executes itself with, or None: not on glibc, or
+    GLIBC_TUNABLES already sets a tcache count (the operator's choice is kept)."""
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError, AttributeError):
+        libc = ""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if not libc.startswith("glibc") or "glibc.malloc.tcache_count" in tunables:
+        return None
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{MALLOC_TUNABLE}" if tunables else MALLOC_TUNABLE}
+
+
+def exec_with_malloc_tuning() -> None:
+    """Replace this process (same pid, same command line) by one with the malloc tunable set:
+    glibc reads it only at start-up. Does nothing if it is set already."""
+    env = malloc_tuned_env(os.environ)
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def configure_logging(level: str) -> None:
@@ -109,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.run is serve:  # a `kvgate serve` command line, not a call from Python
+        exec_with_malloc_tuning()
     return args.run(args)
 
 
