@@ -55,3 +55,13 @@ def test_only_a_serve_command_line_re_executes(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(cli.capacity, "run", lambda args: 0)
     monkeypatch.setattr(sys, "argv", ["kvgate", "capacity", "--model-config", "/m", "--kv-cache-memory-bytes", "1"])
     assert cli.main() == 0 and len(execs) == 1  # other commands run as they are
+
+
+def test_log_records_skip_caller_thread_and_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    for name in ("_srcfile", "logThreads", "logProcesses", "logMultiprocessing"):
+        monkeypatch.setattr(logging, name, getattr(logging, name))  # restored after the test
+    cli.configure_logging("info")
+    record = logging.getLogger("kvgate.decision").makeRecord("kvgate.decision", logging.INFO, "f", 1, "m", (), None)
+    assert logging._srcfile is None and (record.thread, record.process, record.processName) == (None, None, None)
