@@ -247,6 +247,25 @@ async def test_backend_maps_failures_to_api_errors() -> None:
         await backend.aclose()
 
 
+async def test_a_reused_connection_does_not_look_up_the_running_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """asyncio.get_running_loop() is a getpid system call on CPython 3.11: not one per request."""
+    async with server(answering()) as (url, connections):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("GET", b"/", [], b"")
+        await body_of(response)
+        response.release()
+        lookups: list[int] = []
+        real = asyncio.get_running_loop
+        monkeypatch.setattr(asyncio, "get_running_loop", lambda: lookups.append(1) or real())
+        for _ in range(3):
+            response = await pool.request("GET", b"/", [], b"")
+            await body_of(response)
+            response.release()
+        monkeypatch.undo()
+        pool.close()
+    assert lookups == [] and len(connections) == 1
+
+
 async def test_stale_idle_connections_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(upstream, "IDLE_REUSE_S", 0.0)
     async with server(answering()) as (url, connections):
