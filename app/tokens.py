@@ -44,6 +44,8 @@ class LocalTokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self._rust = rust_backend(self._tok)
+        # tokenizers >= 0.21 has the offset-free batch call; with an older one, plain `encode`.
+        self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
         self._threshold = offload_threshold_chars
 
     async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -71,7 +73,9 @@ class LocalTokenizer:
         # byte-to-char map of the whole text), and none of transformers' per-call bookkeeping.
         rust = self._rust
         if rust is not None and _in_encode_state(rust, self._tok):
-            return rust.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            if self._batch_fast is not None:
+                return self._batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+            return rust.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def render_chat(self, chat: ChatRequest) -> str | list[int]:

@@ -341,8 +341,16 @@ ENCODE_TEXTS = [
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_direct_rust_encode_equals_transformers(local_tokenizer, text, add_special_tokens):
     assert local_tokenizer._rust is not None  # the tiny model's tokenizer takes the direct path
+    assert local_tokenizer._batch_fast is not None  # tokenizers >= 0.21: the offset-free call
     direct = local_tokenizer._encode_now(text, add_special_tokens)
     assert direct == local_tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_without_the_offset_free_call_the_direct_path_is_plain_encode(tiny_model_dir):
+    tokenizer = LocalTokenizer(tiny_model_dir)
+    tokenizer._batch_fast = None  # as with tokenizers 0.20
+    for text in ENCODE_TEXTS:
+        assert tokenizer._encode_now(text, True) == tokenizer._tok.encode(text, add_special_tokens=True)
 
 
 def _variant_tokenizer(dest: Path, kind: str) -> Path:
