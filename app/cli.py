@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -23,8 +25,43 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# glibc keeps at most 7 freed chunks of each size in a thread's cache; the Rust tokenizer allocates
+# and frees a few hundred small ones per prompt, so most of them went through the arena's locked
+# bins (malloc and free were a fifth of kvgate's CPU under load). With 256 they stay in the
+# thread cache: about 15% less CPU per request, a few MiB more resident memory.
+MALLOC_TUNABLE = "glibc.malloc.tcache_count=256"
+
+
+def malloc_tuned_env(environ: Mapping[str, str]) -> dict[str, str] | None:
+    """The environment `kvgate serve` re-executes itself with, or None: not on glibc, or
+    GLIBC_TUNABLES already sets a tcache count (the operator's choice is kept)."""
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError, AttributeError):
+        libc = ""
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if not libc.startswith("glibc") or "glibc.malloc.tcache_count" in tunables:
+        return None
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{MALLOC_TUNABLE}" if tunables else MALLOC_TUNABLE}
+
+
+def exec_with_malloc_tuning() -> None:
+    """Replace this process (same pid, same command line) by one with the malloc tunable set:
+    glibc reads it only at start-up. Does nothing if it is set already."""
+    env = malloc_tuned_env(os.environ)
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # The format shows neither the caller nor the thread or process: do not collect them for
+    # every record (the caller is a walk up the stack, the process id a system call). At
+    # --log-level info that is a quarter of each decision line's cost.
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
@@ -109,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.run is serve:  # a `kvgate serve` command line, not a call from Python
+        exec_with_malloc_tuning()
     return args.run(args)
 
 

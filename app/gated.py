@@ -120,15 +120,17 @@ class GatedRoutes:
             raise
         rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.queue_wait_s)
         demand = ticket.reservation.demand  # refreshed if it waited
-        log_decision(
-            request_id, "admit", "fits", prompt_tokens=demand.prompt_tokens,
-            max_new_tokens=demand.max_new_tokens, kv_blocks=demand.kv_blocks,
-            transient_bytes=demand.transient_bytes, queue_wait_s=round(ticket.queue_wait_s, 4),
-        )
+        kv_blocks, transient_bytes = demand.kv_blocks, demand.transient_bytes
+        if decision_log.isEnabledFor(logging.INFO):
+            log_decision(
+                request_id, "admit", "fits", prompt_tokens=demand.prompt_tokens,
+                max_new_tokens=demand.max_new_tokens, kv_blocks=kv_blocks,
+                transient_bytes=transient_bytes, queue_wait_s=round(ticket.queue_wait_s, 4),
+            )
         headers = {
             "x-request-id": request_id,
-            "x-kvgate-kv-blocks": str(demand.kv_blocks),
-            "x-kvgate-transient-bytes": str(demand.transient_bytes),
+            "x-kvgate-kv-blocks": str(kv_blocks),
+            "x-kvgate-transient-bytes": str(transient_bytes),
             "x-kvgate-queue-wait": f"{ticket.queue_wait_s:.4f}",
         }
         return Admitted(ticket, raw, headers, evaluation.spec.stream)

@@ -8,6 +8,7 @@ error that names the numbers and what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from app.memory.activation import (
@@ -36,9 +37,34 @@ _ADVICE = {
 }
 
 
+# Distinct (prompt length, sampling shape) pairs whose transient estimate a predictor keeps.
+TRANSIENT_MEMO_SIZE = 4096
+
+
 def peak_of(terms: Sequence[TransientTerm]) -> int:
     """The most of these terms alive at once, by the estimate's own stage rules."""
     return TransientEstimate(tuple(terms)).peak_bytes
+
+
+@dataclass(frozen=True)
+class TransientSplit:
+    """One footprint's transient terms as the demand counts them: the peak of its unprofiled
+    prefill terms, of its profiled terms overall and in the prefill phase. (Its decode terms are
+    the sampler's, which the ledger sizes per batch from the demand's SamplerUse.)"""
+
+    prefill: int
+    profiled: int
+    profiled_prefill: int
+
+    @classmethod
+    def of(cls, transient: TransientEstimate) -> TransientSplit:
+        per_request = [t for t in transient.terms if not t.profiled and not t.shared]
+        in_profile = [t for t in transient.terms if t.profiled]
+        return cls(
+            prefill=peak_of([t for t in per_request if t.phase == "prefill"]),
+            profiled=peak_of(in_profile),
+            profiled_prefill=peak_of([t for t in in_profile if t.phase == "prefill"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,13 @@ class Predictor:
         self.shared_workspace_bytes = estimate_transient(
             layout.geometry, engine, 1, SamplingShape()
         ).shared_bytes
+        # A request's transient estimate is a pure function of its prompt length and sampling
+        # shape here (geometry and engine are this predictor's): each pair is estimated once.
+        self.transient = lru_cache(maxsize=TRANSIENT_MEMO_SIZE)(self._transient)
+
+    def _transient(self, prompt_tokens: int, sampling: SamplingShape) -> tuple[TransientEstimate, TransientSplit]:
+        estimate = estimate_transient(self.layout.geometry, self.engine, prompt_tokens, sampling)
+        return estimate, TransientSplit.of(estimate)
 
     def max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
         """max_tokens if given; else what vLLM would allow (or the configured reservation)."""
@@ -100,27 +133,33 @@ class Predictor:
             n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
             prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
         )
-        footprints = []
+        footprints, splits = [], []
         for ids in prompts:
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), max_new)
+            transient, split = self.transient(len(ids), sampling)
             footprints.append(
                 predict_footprint(
                     self.layout, self.engine, ids, max_new, sampling,
                     enable_prefix_caching=self.enable_prefix_caching,
                     reserved_new_tokens=self.outputs.reserve(max_new) if self.outputs else None,
+                    transient=transient,
                 )
             )
-        sampler = SamplerUse(
-            self.sampler_cost, rows=sum(fp.n for fp in footprints),
-            longest_prompt=max(fp.prompt_tokens for fp in footprints),
-            logprobs=spec.logprobs is not None, penalties=spec.penalties,
-        )
+            splits.append(split)
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=self._demand(footprints, sampler),
+            demand=self._demand(footprints, self.sampler_use(spec, footprints), splits),
+        )
+
+    def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
+        """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt."""
+        return SamplerUse(
+            self.sampler_cost, rows=sum(fp.n for fp in footprints),
+            longest_prompt=max(fp.prompt_tokens for fp in footprints),
+            logprobs=spec.logprobs is not None, penalties=spec.penalties,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:
@@ -137,20 +176,22 @@ class Predictor:
             return prediction.demand
         return self._demand(footprints, prediction.demand.sampler)
 
-    def _demand(self, footprints: Sequence[Footprint], sampler: SamplerUse | None) -> Demand:
+    def _demand(
+        self, footprints: Sequence[Footprint], sampler: SamplerUse | None,
+        splits: Sequence[TransientSplit] | None = None,
+    ) -> Demand:
         """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
         ledger sizes with the rest of the batch."""
         shared: list[int] = []
         private = prefill = profiled = profiled_prefill = 0
-        for fp in footprints:
+        for i, fp in enumerate(footprints):
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
             shared.extend(hashes)
             private += fp.kv_blocks - len(set(hashes))
-            per_request = [t for t in fp.transient.terms if not t.profiled and not t.shared]
-            prefill += peak_of([t for t in per_request if t.phase == "prefill"])
-            in_profile = [t for t in fp.transient.terms if t.profiled]
-            profiled = max(profiled, peak_of(in_profile))
-            profiled_prefill += peak_of([t for t in in_profile if t.phase == "prefill"])
+            split = splits[i] if splits is not None else TransientSplit.of(fp.transient)
+            prefill += split.prefill
+            profiled = max(profiled, split.profiled)
+            profiled_prefill += split.profiled_prefill
         # A profiled term larger than the profile's own peak spills into the free headroom.
         prefill += max(0, profiled - self.profiled_peak_bytes)
         return Demand(

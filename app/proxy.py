@@ -150,15 +150,18 @@ class Relay(Response):
 
     async def _relay(self, send: Send) -> str:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        started = False
+        started = ended = False
         try:
-            while (chunk := await self.upstream.read()) is not None:
+            while not ended and (chunk := await self.upstream.read()) is not None:
                 if not started:
                     started = True
                     self._on_first_chunk()
                 if self._counter is not None:
                     self._counter.feed(chunk)
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                # read() handed over all that had arrived: if the response is complete this is
+                # its last chunk, and the end of the body goes out with it (one write, not two).
+                ended = self.upstream.complete
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
         except UpstreamError as exc:
             if self._client_gone:
                 return "disconnected"
@@ -170,7 +173,8 @@ class Relay(Response):
             raise
         if self._client_gone:
             return "disconnected"
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         if self.status_code >= 500:
             return "upstream_error"
         return "refused_by_backend" if self.status_code >= 400 else "completed"

@@ -44,6 +44,8 @@ class LocalTokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self._rust = rust_backend(self._tok)
+        # tokenizers >= 0.21 has the offset-free batch call; with an older one, plain `encode`.
+        self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
         self._threshold = offload_threshold_chars
 
     async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
@@ -64,10 +66,15 @@ class LocalTokenizer:
         return self._encode_now(text, add_special_tokens)
 
     def _encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
-        # tokenizer.encode is the call vLLM itself makes; the Rust call under it gives the same
-        # ids without transformers' per-call bookkeeping (a third of a short prompt's cost).
+        # tokenizer.encode is the call vLLM itself makes: transformers runs it as the Rust
+        # `encode_batch([text])`. `encode_batch_fast` is the same pipeline (added tokens,
+        # normalizer, pre-tokenizer, model, post-processor) without the character offsets nobody
+        # reads here: same ids, a quarter less time on a short prompt (the offsets cost a
+        # byte-to-char map of the whole text), and none of transformers' per-call bookkeeping.
         rust = self._rust
         if rust is not None and _in_encode_state(rust, self._tok):
+            if self._batch_fast is not None:
+                return self._batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
             return rust.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 

@@ -55,6 +55,15 @@ def test_body_query_and_headers_reach_the_backend(kvgate: KvgateServer, backend:
     assert [k for k, _ in seen.headers].count("x-request-id") == 1
 
 
+def test_serve_runs_with_the_malloc_tunable(kvgate: KvgateServer) -> None:
+    from app.cli import MALLOC_TUNABLE, malloc_tuned_env
+
+    if malloc_tuned_env({}) is None:
+        pytest.skip("not glibc")
+    environ = Path(f"/proc/{kvgate.pid}/environ").read_bytes().split(b"\0")
+    assert any(v.startswith(b"GLIBC_TUNABLES=") and MALLOC_TUNABLE.encode() in v for v in environ)
+
+
 def test_request_id_generated_and_forwarded(kvgate: KvgateServer, backend: FakeBackend) -> None:
     response = httpx.post(kvgate.base_url + "/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})

@@ -244,6 +244,36 @@ class TestGate:
         assert sample(gate.metrics, "kvgate_decisions_total", decision="queue", reason=KV_BUSY) == 1
         assert sample(gate.metrics, "kvgate_decisions_total", decision="admit", reason="dequeued") == 1
 
+    async def test_gauges_read_the_queue_ledger_and_budget_when_scraped(self, monkeypatch) -> None:
+        from prometheus_client import Gauge
+
+        budget = Budget(transient_margin=0.0)  # unknown until the backend is synchronised
+        gate = Gate(budget, KvgateMetrics(), max_queue=8, max_queue_wait_s=5.0)
+        writes: list[float] = []  # a request pays no gauge write
+        monkeypatch.setattr(Gauge, "set", lambda gauge, value: writes.append(value))
+
+        def gauges() -> tuple[float, ...]:
+            names = ("kvgate_queue_depth", "kvgate_in_flight_requests", "kvgate_reserved_kv_blocks",
+                     "kvgate_reserved_transient_bytes", "kvgate_budget_kv_blocks", "kvgate_budget_transient_bytes")
+            return tuple(sample(gate.metrics, name) for name in names)
+
+        assert gauges() == (0, 0, 0, 0, 0, 0)
+        budget.update(kv_blocks=10, transient_headroom_bytes=1000)
+        assert gauges() == (0, 0, 0, 0, 10, 1000)
+        first = await gate.acquire(demand(blocks=8, prefill=300), 0, "a")
+        assert gauges() == (0, 1, 8, 300, 10, 1000)
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        await asyncio.sleep(0)
+        assert gauges() == (1, 1, 8, 300, 10, 1000)
+        budget.update(kv_blocks=None, transient_headroom_bytes=None)  # unknown again: the last values stay
+        assert gauges()[4:] == (10, 1000)
+        first.release()
+        second = await asyncio.wait_for(waiting, 1)
+        assert gauges() == (0, 1, 3, 0, 10, 1000)
+        second.release()
+        assert gauges() == (0, 0, 0, 0, 10, 1000)
+        assert writes == []
+
     async def test_transient_headroom_gates_and_prefill_end_frees_it(self) -> None:
         gate = make_gate(kv_blocks=100, transient=1000)
         first = await gate.acquire(demand(prefill=900), 0, "a")

@@ -319,12 +319,102 @@ def test_load_tokenizer_prefers_the_local_folder(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------- the direct Rust call
 
 
-@pytest.mark.parametrize("text", [*(p["prompt"] for p in PROMPTS.values()), "<s>hi</s> <unk>", " ", "a\n\n  b"])
+# Texts where an offset-free encode could plausibly part ways with `tokenizer.encode`: special
+# and added tokens (glued, spaced, repeated, half-written), unicode that changes length under
+# normalization, whitespace runs of every kind, control characters, and the empty string.
+ENCODE_TEXTS = [
+    *(p["prompt"] for p in PROMPTS.values()),
+    "", " ", "a\n\n  b", "  leading and trailing  ", "\t\t\ttabs\r\nCRLF\r\n", " " * 300,
+    "<s>hi</s> <unk>", "<s><s></s></s>", "x<s>y", "<s", "s>", "</s><pad>",
+    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>", "<|eot_id|><|eot_id|> <|eot_id|>",
+    "Ünïcödé ﬁ ligatures ＦＵＬＬＷＩＤＴＨ ½ ㎏ e\u0301 vs é, İstanbul ß ΣΑΣ",
+    "emoji 👩\u200d👩\u200d👧\u200d👦 🇫🇷 family, ZWJ\u200d and ZWNJ\u200c, BOM\ufeff",
+    "控制字符\x00\x01\x1f\x7f and 日本語のテキスト، العربية עברית",
+    "numbers 1234567890 3.14159 -42 1e-9 0x1F 007",
+    'json {"name": "f", "arguments": {"x": [1, 2, 3]}} \\ back\\slash',
+    "line one\n\n\n\nline two\u2028line three\u2029end\u00a0\u3000",
+    english_text(120, seed=3),
+]
+
+
+@pytest.mark.parametrize("text", ENCODE_TEXTS)
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 def test_direct_rust_encode_equals_transformers(local_tokenizer, text, add_special_tokens):
     assert local_tokenizer._rust is not None  # the tiny model's tokenizer takes the direct path
+    assert local_tokenizer._batch_fast is not None  # tokenizers >= 0.21: the offset-free call
     direct = local_tokenizer._encode_now(text, add_special_tokens)
     assert direct == local_tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def test_without_the_offset_free_call_the_direct_path_is_plain_encode(tiny_model_dir):
+    tokenizer = LocalTokenizer(tiny_model_dir)
+    tokenizer._batch_fast = None  # as with tokenizers 0.20
+    for text in ENCODE_TEXTS:
+        assert tokenizer._encode_now(text, True) == tokenizer._tok.encode(text, add_special_tokens=True)
+
+
+def _variant_tokenizer(dest: Path, kind: str) -> Path:
+    """A small tokenizer folder unlike the tiny model's: another normalizer, pre-tokenizer,
+    model or added-token setup, to check the offset-free direct call beyond one pipeline."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from support.tiny_model import _corpus
+
+    corpus = _corpus(__import__("random").Random(5), sentences=800) + ENCODE_TEXTS
+    specials = ["<unk>", "<s>", "</s>"]
+    if kind == "metaspace":  # Llama-2 / sentencepiece style, byte fallback
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False)
+    elif kind == "wordpiece":  # BERT style: lower-casing, accent stripping, [CLS] x [SEP]
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=600, special_tokens=specials, show_progress=False)
+    else:  # Llama-3 style: NFKC, a split regex, then byte-level without its own regex
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.normalizer = normalizers.NFKC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(
+                __import__("tokenizers").Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+                behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=700, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.add_special_tokens([AddedToken("<|eot_id|>", special=True, normalized=False)])
+    tok.add_tokens([
+        AddedToken("<|start_header_id|>", lstrip=True, rstrip=True, normalized=False),
+        AddedToken("json", single_word=True, normalized=True),
+    ])
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        split_special_tokens=kind == "wordpiece",
+    ).save_pretrained(dest)
+    return dest
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "wordpiece", "split_regex"])
+def test_direct_rust_encode_equals_transformers_for_other_pipelines(tmp_path, kind):
+    tokenizer = LocalTokenizer(_variant_tokenizer(tmp_path, kind))
+    assert tokenizer._rust is not None
+    if kind == "wordpiece":  # special tokens are split: the direct path keeps that setting
+        assert tokenizer._rust.encode_special_tokens
+    for text in ENCODE_TEXTS:
+        for add_special_tokens in (True, False):
+            expected = tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
+            assert tokenizer._encode_now(text, add_special_tokens) == expected, (kind, text)
 
 
 def test_tokenizer_classes_that_change_encode_are_not_bypassed(tiny_model_dir):

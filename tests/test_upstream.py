@@ -118,6 +118,68 @@ async def test_chunks_are_handed_over_as_they_arrive() -> None:
         pool.close()
 
 
+async def test_chunks_that_arrived_together_are_read_together() -> None:
+    events = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"))
+    stream = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    async with server(answering(stream + events + b"0\r\n\r\n", then_hang=True)) as (url, _):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("POST", b"/", [], b"{}")
+        await asyncio.sleep(0.1)  # the whole stream is in
+        assert await response.read() == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+        assert response.complete and await response.read() is None
+        response.release()
+        pool.close()
+
+
+async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
+    """One body message per read, the last one closing the body: a stream that arrived whole
+    leaves in one write, a non-streaming answer without a separate empty end."""
+    from app.proxy import Relay
+
+    class Upstream:  # what Relay uses of an UpstreamResponse
+        status, raw_headers = 200, [(b"content-type", b"text/event-stream")]
+        complete, released = False, False
+
+        def __init__(self, reads: list[bytes]) -> None:
+            self.reads = reads
+
+        def header(self, name: bytes) -> str | None:
+            return dict(self.raw_headers).get(name, b"").decode() or None
+
+        async def read(self) -> bytes | None:
+            if not self.reads:
+                return None
+            self.complete = len(self.reads) == 1  # the last read takes what is left
+            return self.reads.pop(0)
+
+        def release(self) -> None:
+            self.released = True
+
+    async def relayed(reads: list[bytes]) -> tuple[list[tuple[bytes, bool]], list[object]]:
+        sent: list[dict] = []
+        ends: list[object] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            await asyncio.sleep(3600)
+            return {}
+
+        source = Upstream(reads)
+        await Relay(source, {}, lambda: None, lambda outcome, tokens: ends.append((outcome, tokens)),
+                    count_output=True)({"type": "http"}, receive, send)
+        assert source.released
+        return [(m["body"], m["more_body"]) for m in sent[1:]], ends
+
+    body, ends = await relayed([b"data: {}\n\ndata: {}\n\n"])
+    assert body == [(b"data: {}\n\ndata: {}\n\n", False)] and ends == [("completed", 2)]
+    body, ends = await relayed([b"data: {}\n\n", b"data: {}\n\n"])
+    assert body == [(b"data: {}\n\n", True), (b"data: {}\n\n", False)] and ends == [("completed", 2)]
+    body, ends = await relayed([])
+    assert body == [(b"", False)] and ends == [("completed", 0)]
+
+
 async def test_body_until_close_and_head_requests_are_complete() -> None:
     async with server(answering(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it", then_close=True)) as (url, _):
         pool = ConnectionPool(url, read_timeout_s=5)
@@ -183,6 +245,25 @@ async def test_backend_maps_failures_to_api_errors() -> None:
             await backend.open("POST", b"/v1/completions", [], b"{}")
         assert (silent.value.status, silent.value.code) == (504, "backend_timeout")
         await backend.aclose()
+
+
+async def test_a_reused_connection_does_not_look_up_the_running_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """asyncio.get_running_loop() is a getpid system call on CPython 3.11: not one per request."""
+    async with server(answering()) as (url, connections):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("GET", b"/", [], b"")
+        await body_of(response)
+        response.release()
+        lookups: list[int] = []
+        real = asyncio.get_running_loop
+        monkeypatch.setattr(asyncio, "get_running_loop", lambda: lookups.append(1) or real())
+        for _ in range(3):
+            response = await pool.request("GET", b"/", [], b"")
+            await body_of(response)
+            response.release()
+        monkeypatch.undo()
+        pool.close()
+    assert lookups == [] and len(connections) == 1
 
 
 async def test_stale_idle_connections_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:

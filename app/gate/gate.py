@@ -71,7 +71,20 @@ class Gate:
         self._clock = clock
         # What telemetry's KV reconciliation needs of each in-flight request (by reservation id).
         self.admitted: dict[int, InFlight] = {}
+        self._admit_fits = metrics.decisions.labels("admit", "fits")
+        self._bind_gauges()
         budget.subscribe(self.changed)
+
+    def _bind_gauges(self) -> None:
+        """The gauges of the queue, the ledger and the budget read them when /metrics is
+        scraped: written on every admission and release they cost ten gauge writes a request."""
+        m = self.metrics
+        m.queue_depth.set_function(lambda: len(self.queue))
+        m.in_flight.set_function(lambda: self.ledger.in_flight)
+        m.reserved_kv_blocks.set_function(lambda: self.ledger.kv_blocks)
+        m.reserved_transient.set_function(lambda: self.budget.transient_charge(self.ledger))
+        m.budget_kv_blocks.set_function(_last_known(self.budget.kv_limit))
+        m.budget_transient.set_function(_last_known(self.budget.transient_limit))
 
     def would_wait(self, demand: Demand, priority: int) -> str | None:
         """Why this demand would wait if it arrived now, or None if it would be admitted."""
@@ -96,7 +109,7 @@ class Gate:
         """
         reason = self.would_wait(demand, priority)
         if reason is None:
-            self.metrics.decisions.labels("admit", "fits").inc()
+            self._admit_fits.inc()
             return self._admit(demand, waited_s=0.0)
         loop = asyncio.get_running_loop()
         waiter = Waiter(
@@ -157,7 +170,6 @@ class Gate:
             return
         self.queue.remove(waiter)
         waiter.future.cancel()
-        self.metrics.queue_depth.set(len(self.queue))
 
     def _too_busy(self, code: str, message: str, ahead: int) -> ApiError:
         retry_after = self.drain.retry_after(ahead, fallback_s=self.max_queue_wait_s)
@@ -170,7 +182,6 @@ class Gate:
         ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
         self.admitted[ticket.reservation.id] = InFlight(demand, self._clock())
         self.metrics.queue_wait.observe(waited_s)
-        self._publish()
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
@@ -200,23 +211,25 @@ class Gate:
                 self.queue.set_aside_head()
             else:
                 break
-        self.metrics.queue_depth.set(len(self.queue))
-        self._publish()
 
     def _stranded(self, demand: Demand) -> bool:
         """It would wait even with nothing in flight (and not because the backend is down)."""
         return self.budget.hold is None and self.budget.shortfall(demand, _IDLE) is not None
 
-    def _publish(self) -> None:
-        self.metrics.in_flight.set(self.ledger.in_flight)
-        self.metrics.reserved_kv_blocks.set(self.ledger.kv_blocks)
-        self.metrics.reserved_transient.set(self.budget.transient_charge(self.ledger))
-        kv_limit = self.budget.kv_limit()
-        transient_limit = self.budget.transient_limit()
-        if kv_limit is not None:
-            self.metrics.budget_kv_blocks.set(kv_limit)
-        if transient_limit is not None:
-            self.metrics.budget_transient.set(transient_limit)
+
+
+def _last_known(read: Callable[[], int | None]) -> Callable[[], float]:
+    """`read()` when it is known, else the last value it had (0 before the first)."""
+    last = 0.0
+
+    def value() -> float:
+        nonlocal last
+        current = read()
+        if current is not None:
+            last = current
+        return last
+
+    return value
 
 
 def _refreshed(waiter: Waiter) -> Demand:

@@ -36,6 +36,7 @@ def predict_footprint(
     enable_prefix_caching: bool = True,
     cached_prefix_tokens: int = 0,
     reserved_new_tokens: int | None = None,
+    transient: TransientEstimate | None = None,
 ) -> Footprint:
     """Predict what admitting this request costs.
 
@@ -43,6 +44,7 @@ def predict_footprint(
     (vLLM v1 runs them as n child requests that meet in the prefix cache).
     ``cached_prefix_tokens`` (known to the ledger, not here) shrinks the worst
     prefill chunk's new tokens, never the KV need: cached blocks are held too.
+    ``transient``, if given, is this request's ``estimate_transient`` computed beforehand.
     """
     prompt = len(prompt_token_ids)
     n = sampling.rows
@@ -56,7 +58,7 @@ def predict_footprint(
         block_hashes=hashes,
         kv_blocks=max_kv_blocks,
         max_kv_blocks=max_kv_blocks,
-        transient=estimate_transient(layout.geometry, engine, prompt, sampling, cached_prefix_tokens),
+        transient=transient or estimate_transient(layout.geometry, engine, prompt, sampling, cached_prefix_tokens),
     )
     if reserved_new_tokens is None:
         return full

@@ -22,6 +22,7 @@ from support.vllm_server import free_port
 class KvgateServer:
     base_url: str
     log_path: Path
+    pid: int = 0
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of kvgate's /metrics (0 when absent)."""
@@ -65,6 +66,6 @@ def running_kvgate(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvgate not {probe} after {timeout_s} s:\n{log_path.read_text()}")
             time.sleep(0.2)
-        yield KvgateServer(url, log_path)
+        yield KvgateServer(url, log_path, proc.pid)
     finally:
         stop_process(proc)

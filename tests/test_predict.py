@@ -1,0 +1,89 @@
+"""Predictor: the transient estimate is computed once per (prompt length, sampling shape), and
+the demand it gives is the one a fresh estimate gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import app.predict
+from app.memory.activation import EngineShape, SamplingShape
+from app.memory.footprint import predict_footprint
+from app.memory.outputs import OutputLengths
+from app.openai import RequestSpec, parse_request
+from app.predict import Predictor
+from test_memory_footprint import layout
+
+ENGINES = {
+    "flash-attn": EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=256),
+    "materializing": EngineShape(32768, 2048, 256, attention_backend="materializing"),
+    "flashinfer": EngineShape(32768, 8192, 64, attention_backend="flashinfer"),
+}
+BODIES = [
+    {},
+    {"n": 4},
+    {"n": 2, "best_of": 3},
+    {"logprobs": 5},
+    {"prompt_logprobs": 1},
+    {"presence_penalty": 0.5, "n": 2},
+]
+PROMPT_LENGTHS = [[1], [100], [101], [2048], [4097], [20000], [100, 101, 3000]]
+
+
+def spec_of(body: dict) -> RequestSpec:
+    return parse_request("completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 500, **body}).encode())
+
+
+def fresh_demand(predictor: Predictor, spec: RequestSpec, prompts: list[list[int]]):
+    """The demand with every footprint's transient terms estimated and split afresh."""
+    sampling = SamplingShape(
+        n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
+        prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
+    )
+    footprints = [
+        predict_footprint(
+            predictor.layout, predictor.engine, ids, predictor.max_new_tokens(spec, len(ids)), sampling,
+            enable_prefix_caching=predictor.enable_prefix_caching,
+            reserved_new_tokens=predictor.outputs.reserve(predictor.max_new_tokens(spec, len(ids))),
+        )
+        for ids in prompts
+    ]
+    return footprints, predictor._demand(footprints, predictor.sampler_use(spec, footprints))
+
+
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_memoised_estimate_gives_the_fresh_demand(engine, prefix_caching) -> None:
+    predictor = Predictor(layout("llama-3-8b"), engine, prefix_caching, 2 * 1024**3, outputs=OutputLengths(0.99))
+    for _ in range(2):  # the second round comes from the memo
+        for body in BODIES:
+            for lengths in PROMPT_LENGTHS:
+                spec = spec_of(body)
+                prompts = [[(7 * i + k) % 5000 for i in range(n)] for k, n in enumerate(lengths)]
+                prediction = predictor.predict(spec, prompts)
+                footprints, demand = fresh_demand(predictor, spec, prompts)
+                assert prediction.demand == demand, (body, lengths)
+                assert [fp.transient for fp in prediction.footprints] == [fp.transient for fp in footprints]
+
+
+def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) -> None:
+    calls: list[tuple] = []
+    real = app.predict.estimate_transient
+
+    def counting(geometry, engine, prompt_tokens, sampling, *rest):
+        calls.append((prompt_tokens, sampling))
+        return real(geometry, engine, prompt_tokens, sampling, *rest)
+
+    monkeypatch.setattr(app.predict, "estimate_transient", counting)
+    predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 10**9)
+    calls.clear()  # the engine-wide workspace estimate at construction
+    first = predictor.predict(spec_of({}), [list(range(100))])
+    other_tokens = predictor.predict(spec_of({}), [list(range(1000, 1100))])
+    predictor.predict(spec_of({}), [list(range(101))])
+    predictor.predict(spec_of({"n": 2}), [list(range(100))])
+    predictor.predict(spec_of({"n": 2}), [list(range(100))])
+    assert calls == [(100, SamplingShape()), (101, SamplingShape()), (100, SamplingShape(n=2))]
+    # Same length, other tokens: the estimate is shared, the prefix-cache hashes are not.
+    assert other_tokens.footprints[0].transient is first.footprints[0].transient
+    assert other_tokens.demand.shared_block_hashes != first.demand.shared_block_hashes
