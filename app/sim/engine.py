@@ -1,7 +1,7 @@
 """The engine core: start-up, the step loop, CUDA OOM -> engine death -> restart.
 
 A step: the scheduler picks the batch, the step's tensors are played on the caching allocator,
-the loop sleeps the step time, then every request that computed all its known tokens samples
+the loop waits out the step time (less the CPU work since the last step), then every request that computed all its known tokens samples
 one. An allocation that fails kills the engine as it kills vLLM's EngineCore: every request,
 running or waiting, fails; the process's memory goes back to the device; after the restart
 time the engine starts afresh (profile, KV pool, empty queues, new counters), or stays down
