@@ -171,7 +171,7 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="~2.5-minute smoke run (smaller traffic, "
+    p.add_argument("--quick", action="store_true", help="~4-minute smoke run (smaller traffic, "
                    "2-value cap sweep, short overhead phases)")
     p.add_argument("--scale", type=float, default=None,
                    help="traffic scale (arrival window x scale); default 1, 0.3 with --quick")
