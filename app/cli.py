@@ -32,15 +32,19 @@ def parse_listen(listen: str) -> tuple[str, int]:
 MALLOC_TUNABLE = "glibc.malloc.tcache_count=256"
 
 
+def on_glibc() -> bool:
+    """GLIBC_TUNABLES means something only to glibc (musl, e.g. in Alpine images, ignores it)."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
 def malloc_tuned_env(environ: Mapping[str, str]) -> dict[str, str] | None:
     """The environment `kvgate serve` re-executes itself with, or None: not on glibc, or
     GLIBC_TUNABLES already sets a tcache count (the operator's choice is kept)."""
-    try:
-        libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (ValueError, OSError, AttributeError):
-        libc = ""
     tunables = environ.get("GLIBC_TUNABLES", "")
-    if not libc.startswith("glibc") or "glibc.malloc.tcache_count" in tunables:
+    if not on_glibc() or "glibc.malloc.tcache_count" in tunables:
         return None
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{MALLOC_TUNABLE}" if tunables else MALLOC_TUNABLE}
 

@@ -33,7 +33,7 @@ admits its longest prefix that a dry run shows cannot OOM:
   changes no batch, because the scheduler could not start them sooner, and it bounds a dry run
   to a few steps and a few dozen candidates, instead of a backlog of hundreds behind which the
   last candidate gets its first token.
-- Atomic: the k requests enter the engine (the simulator's own request objects, `_Run`, the
+- Atomic: the k requests enter the engine (the simulator's own request objects, `RequestRun`, the
   same that its handler makes) in the same event-loop turn as the dry run that passed them;
   nothing runs in between. Their clients' coroutines only stream what the engine produces.
 - When the queue's head does not fit: if it would OOM an idle engine too (a dry run without
@@ -78,7 +78,7 @@ from app.sim.engine import Engine
 from app.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
 from app.sim.request import Request, Status
 from app.sim.scheduler import PrefixStats, Scheduler
-from app.sim.server import _Run as SimRun  # what the simulator's handler makes of a request
+from app.sim.server import RequestRun, sequence_seeds
 from app.sim.step_memory import run_tape
 
 MAX_STEPS = 400
@@ -381,11 +381,10 @@ class _Entry:
 
 
 def _sequences(p: Parsed, rid: str) -> list[Request]:
-    """The request's n sequences, seeded as the simulator's _Run seeds them (the sampler's end
-    of sequence depends on the seed)."""
-    seed = p.sampling.seed if p.sampling.seed is not None else hash(tuple(p.prompt_token_ids))
-    return [Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0,
-                    stream_seed=hash((seed, i))) for i in range(p.n)]
+    """The request's n sequences, seeded as the simulator's RequestRun seeds them (the sampler's
+    end of sequence depends on the seed)."""
+    return [Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed)
+            for i, seed in enumerate(sequence_seeds(p))]
 
 
 def _refusal(status: int, kind: str, code: str, message: str) -> JSONResponse:
@@ -467,7 +466,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                 continue
             for _ in range(k):  # into the engine now, before anything else runs
                 e = queue.popleft()
-                settle(e, SimRun(engine, e.parsed))
+                settle(e, RequestRun(engine, e.parsed))
             admitted, hold = k, "oom" if k < take else "window"
             break
         if not engine.ready:  # the simulator answers (503) itself
@@ -531,14 +530,14 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
             if entry in queue:
                 queue.remove(entry)
             elif entry.verdict.done() and not entry.verdict.cancelled():
-                if isinstance(entry.verdict.result(), SimRun):
+                if isinstance(entry.verdict.result(), RequestRun):
                     entry.verdict.result().abort()
             raise
         if verdict is None:
             return await endpoints[path](http)
         if isinstance(verdict, Response):
             return verdict
-        if p.stream:  # as the simulator's handler does with its _Run
+        if p.stream:  # as the simulator's handler does with its RequestRun
             return StreamingResponse(verdict.sse(), media_type="text/event-stream")
         return await verdict.complete(http)
 

@@ -8,10 +8,12 @@ import sys
 import pytest
 
 from app import cli
-from app.cli import MALLOC_TUNABLE, malloc_tuned_env
+from app.cli import MALLOC_TUNABLE, malloc_tuned_env, on_glibc
 
+# On another C library (musl) kvgate never re-executes: test_not_on_other_c_libraries checks that.
 glibc_only = pytest.mark.skipif(
-    not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="the tunable is glibc's"
+    not on_glibc(), reason="GLIBC_TUNABLES is read only by glibc; this C library is not glibc, so "
+    "kvgate serve does not re-execute (test_not_on_other_c_libraries covers that case)",
 )
 
 

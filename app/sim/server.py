@@ -121,7 +121,7 @@ def create_sim_app(config: SimConfig) -> FastAPI:
             return exc.response()
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
             return SimApiError(400, f"Invalid request body: {exc}").response()
-        run = _Run(engine, p)
+        run = RequestRun(engine, p)
         if p.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
         return await run.complete(http)
@@ -170,7 +170,13 @@ def gpu_view(engine: Engine) -> dict[str, Any]:
             "processes": procs, "torch": torch, "engine_state": engine.state}
 
 
-class _Run:
+def sequence_seeds(p: Parsed) -> list[int]:
+    """The sampler seed of each of the request's n sequences (where a sequence ends depends on it)."""
+    seed = p.sampling.seed if p.sampling.seed is not None else hash(tuple(p.prompt_token_ids))
+    return [hash((seed, i)) for i in range(p.n)]
+
+
+class RequestRun:
     """One client request: its n sequences in the engine, gathered or streamed."""
 
     def __init__(self, engine: Engine, p: Parsed) -> None:
@@ -178,11 +184,10 @@ class _Run:
         self.out = ResponseBuilder(p)
         self.queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
         self.reqs: list[Request] = []
-        seed = p.sampling.seed if p.sampling.seed is not None else hash(tuple(p.prompt_token_ids))
-        for i in range(p.n):
+        for i, seed in enumerate(sequence_seeds(p)):
             req = Request(f"{self.out.id}-{i}", list(p.prompt_token_ids), p.sampling, now(),
                           sink=lambda kind, data, i=i: self.queue.put_nowait((i, kind, data)),
-                          stream_seed=hash((seed, i)))
+                          stream_seed=seed)
             self.reqs.append(req)
             engine.add(req)
 
