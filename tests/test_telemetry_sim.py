@@ -59,8 +59,8 @@ def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="module")
 def sim_config(model_dir: Path) -> Callable[..., SimConfig]:
     def make(**kw: object) -> SimConfig:
-        return SimConfig(model=str(model_dir), served_model_name=MODEL, gpu="h100-80gb",
-                         max_model_len=8192, speedup=50, **kw)  # type: ignore[arg-type]
+        return SimConfig(**{"model": str(model_dir), "served_model_name": MODEL, "gpu": "h100-80gb",
+                            "max_model_len": 8192, "speedup": 50, **kw})  # type: ignore[arg-type]
     return make
 
 
@@ -117,10 +117,12 @@ def test_cotenant_makes_kvgate_hold_instead_of_oom(
 def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
     model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
 ) -> None:
-    cfg = sim_config(restart_seconds=150)  # 3 s down at speedup 50
+    # Speed-up 10: the two long requests need ~10 wall seconds, so they are still running when the
+    # engine is killed however slowly this machine gets there (at 50 they could finish first).
+    cfg = sim_config(restart_seconds=30, speedup=10)  # 3 s down
     with SimRunner(cfg) as sim, running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
         margin = kvgate.metric("kvgate_transient_safety_margin")
-        long_body = {"model": MODEL, "prompt": "a long story", "max_tokens": 4000, "ignore_eos": True}
+        long_body = {"model": MODEL, "prompt": "a long story", "max_tokens": 8000, "ignore_eos": True}
         with ThreadPoolExecutor(8) as pool:
             in_flight = [pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=long_body, timeout=60)
                          for _ in range(2)]
