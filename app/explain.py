@@ -55,6 +55,8 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         "budget": {
             "kv_blocks_limit": budget.kv_limit(),
             "kv_blocks_reserved": rt.gate.ledger.kv_blocks,
+            "kv_margin_blocks_with_in_flight": budget.kv_margin(
+                rt.gate.ledger.kv_variance_blocks + demand.kv_variance_blocks),
             "transient_limit_bytes": budget.transient_limit(),
             "transient_reserved_bytes": budget.transient_charge(rt.gate.ledger),
             "max_transient_limit_bytes": budget.max_transient_limit(),

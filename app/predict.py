@@ -142,7 +142,7 @@ class Predictor:
                 predict_footprint(
                     self.layout, self.engine, ids, max_new, sampling,
                     enable_prefix_caching=self.enable_prefix_caching,
-                    reserved_new_tokens=self.outputs.reserve(max_new) if self.outputs else None,
+                    reservation=self.outputs.reserve(max_new) if self.outputs else None,
                     transient=transient,
                 )
             )
@@ -184,10 +184,12 @@ class Predictor:
         ledger sizes with the rest of the batch."""
         shared: list[int] = []
         private = prefill = profiled = profiled_prefill = 0
+        variance = 0.0
         for i, fp in enumerate(footprints):
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
             shared.extend(hashes)
             private += fp.kv_blocks - len(set(hashes))
+            variance += fp.n * fp.reserved_variance
             split = splits[i] if splits is not None else TransientSplit.of(fp.transient)
             prefill += split.prefill
             profiled = max(profiled, split.profiled)
@@ -203,6 +205,7 @@ class Predictor:
             profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
             sampler=sampler,
             reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
+            kv_variance_blocks=variance / self.layout.block_size**2,
             sequences=sum(fp.n for fp in footprints),
         )
 

@@ -57,10 +57,10 @@ class Runtime:
         self.settings = settings
         self.metrics = KvgateMetrics()
         self.backend = Backend(settings.backend, settings.upstream_timeout)
-        self.budget = Budget(transient_margin=settings.transient_safety_margin)
+        outputs = OutputLengths(settings.kv_output_quantile)
+        self.budget = Budget(transient_margin=settings.transient_safety_margin, kv_margin_z=outputs.z)
         self.gate = Gate(
-            self.budget, self.metrics, settings.max_queue, settings.max_queue_wait,
-            outputs=OutputLengths(settings.kv_output_quantile),
+            self.budget, self.metrics, settings.max_queue, settings.max_queue_wait, outputs=outputs,
         )
         self.geometry: ModelGeometry | None = None
         self.tokenizer: Tokenizer | None = None

@@ -105,9 +105,10 @@ class Settings(BaseSettings):
         "UUIDs or indices, comma-separated); default: NVIDIA_VISIBLE_DEVICES, else all.",
     )
     max_kv_overcommit: float = Field(
-        1.0, ge=1.0,
-        description="Upper bound of the calibrated KV overcommit factor; above 1 kvgate may "
-        "reserve more than the pool while vLLM's usage stays low (risking preemptions, never OOM).",
+        1.2, ge=1.0,
+        description="Upper bound of the calibrated KV overcommit factor: while requests wait for "
+        "KV, kvgate may reserve up to this many times vLLM's pool, backing off when vLLM preempts "
+        "(a preemption costs latency, never an OOM); 1 never reserves more than the pool.",
     )
     kv_output_quantile: float = Field(
         0.99, gt=0.0, le=1.0,

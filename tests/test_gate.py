@@ -176,6 +176,21 @@ class TestBudgetCharges:
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
         assert budget.transient_charge_alone(demand(profiled_prefill=900, rows=1)) == 10 + 400
 
+    def test_kv_keeps_room_for_the_spread_of_the_in_flight_outputs(self) -> None:
+        """Each request reserves its mean output; z standard deviations of their sum stay free."""
+        budget, ledger = Budget(kv_blocks=100, kv_margin_z=2.0), Ledger()
+        spread = replace(demand(blocks=20), kv_variance_blocks=9.0)  # 3 blocks of deviation each
+        held = [ledger.reserve(spread) for _ in range(3)]
+        assert ledger.kv_variance_blocks == 27.0
+        # 60 held + 20 new + 2 x sqrt(36) = 92 fits; a fifth request: 100 + 2 x sqrt(45) does not
+        assert budget.shortfall(spread, ledger) is None
+        ledger.reserve(spread)
+        assert budget.shortfall(spread, ledger) == KV_BUSY
+        assert budget.shortfall(demand(blocks=6), ledger) is None  # 80 + 6 + 2 x 6 = 98
+        for reservation in held:
+            ledger.release(reservation)
+        assert ledger.kv_variance_blocks == 9.0
+
 
 class TestQueue:
     def _waiter(self, priority: int, tenant: str) -> Waiter:
@@ -319,7 +334,7 @@ class TestGate:
             ticket = await gate.acquire(replace(demand(), max_new_tokens=1000, sequences=2), 0, "a")
             ticket.release(outcome, tokens)
         assert gate.outputs.samples == 2  # per sequence: 120 and 100; the cut and unknown ones teach nothing
-        assert gate.outputs.reserve(1000) == 120
+        assert gate.outputs.reserve(1000).tokens == 110  # the mean of 120 and 100
 
     async def test_a_waiting_request_is_admitted_with_its_refreshed_demand(self) -> None:
         """Output lengths learned while it waited shrink its KV reservation."""

@@ -7,7 +7,8 @@ import random
 
 from app.memory.activation import EngineShape, SamplingShape
 from app.memory.footprint import predict_footprint
-from app.memory.outputs import OutputLengths
+from app.memory.budget import Budget
+from app.memory.outputs import OutputLengths, OutputReservation
 from app.openai import parse_request
 from app.output_count import OutputTokenCounter
 from app.predict import Predictor
@@ -18,21 +19,40 @@ def test_full_max_tokens_until_enough_answers_are_seen() -> None:
     lengths = OutputLengths(0.99, min_samples=32, refresh_every=1)
     for _ in range(31):
         lengths.observe(2048, 100)
-    assert lengths.reserve(2048) == 2048
+    assert lengths.reserve(2048) == OutputReservation(2048, 0.0)
     lengths.observe(2048, 100)
-    assert lengths.reserve(2048) == 100
+    assert lengths.reserve(2048) == OutputReservation(100, 0.0)
 
 
 def test_chat_answers_shorter_than_their_max_tokens_are_learned() -> None:
-    """Answers of 16-255 tokens whatever max_tokens (256 to 2048) the clients send."""
+    """Answers of 16-255 tokens whatever max_tokens (256 to 2048) the clients send: the mean
+    (~135) and the variance of a uniform spread (240^2 / 12 = 4800)."""
     rng = random.Random(7)
     lengths = OutputLengths(0.99, refresh_every=1)
     for _ in range(400):
         allowed = rng.choice([256, 512, 1024, 2048])
         lengths.observe(allowed, rng.randint(16, 255))
-    assert 240 <= lengths.reserve(2048) <= 255
-    assert 240 <= lengths.reserve(700) <= 255
-    assert lengths.reserve(100) == 100  # never above max_tokens
+    for allowed in (2048, 700):
+        learned = lengths.reserve(allowed)
+        assert 125 <= learned.tokens <= 145 and 4000 <= learned.variance <= 5600
+    capped = lengths.reserve(100)  # never above max_tokens: the longer answers count as 100
+    assert 78 <= capped.tokens <= 92 and capped.variance < 900  # 0.35 x 57.5 + 0.65 x 100
+
+
+def test_the_margin_grows_with_the_square_root_of_the_requests_in_flight() -> None:
+    """q = 0.99 keeps room for 2.33 standard deviations of the summed outputs: for one request
+    about its own 99th percentile, for a hundred far less than a hundred of them."""
+    lengths = OutputLengths(0.99, refresh_every=1)
+    for i in range(480):  # two of each length 16..255
+        lengths.observe(2048, 16 + i % 240)
+    learned = lengths.reserve(2048)
+    budget = Budget(kv_margin_z=lengths.z)
+    one = learned.tokens + budget.kv_margin(learned.variance)
+    hundred = 100 * learned.tokens + budget.kv_margin(100 * learned.variance)
+    assert learned == OutputReservation(136, 4799.916666666667)  # mean 135.5, variance (240^2 - 1) / 12
+    assert one == 136 + 162  # 2.33 x 69.3: near the 99th percentile of the lengths (253)
+    assert hundred == 13_600 + 1612  # 2.33 x 10 x 69.3
+    assert hundred < 100 * 240  # what a per-request 0.99-quantile would hold
 
 
 def test_answers_that_fill_max_tokens_keep_full_reservations() -> None:
@@ -41,8 +61,8 @@ def test_answers_that_fill_max_tokens_keep_full_reservations() -> None:
     for i in range(200):
         allowed = [128, 300, 900][i % 3]
         lengths.observe(allowed, allowed)
-    assert (lengths.reserve(128), lengths.reserve(300), lengths.reserve(900)) == (128, 300, 900)
-    assert lengths.reserve(200) == 200  # the 300 and 900 answers went past 200
+    assert [lengths.reserve(m) for m in (128, 300, 900)] == [OutputReservation(m, 0.0) for m in (128, 300, 900)]
+    assert lengths.reserve(200) == OutputReservation(200, 0.0)  # the 300 and 900 answers went past 200
 
 
 def test_answers_cut_at_their_limit_could_have_gone_on() -> None:
@@ -51,24 +71,26 @@ def test_answers_cut_at_their_limit_could_have_gone_on() -> None:
     lengths = OutputLengths(0.99, refresh_every=1)
     for _ in range(100):
         lengths.observe(512, 512)
-    assert lengths.reserve(4096) == 4096
+    assert lengths.reserve(4096) == OutputReservation(4096, 0.0)
     stopped = OutputLengths(0.99, refresh_every=1)
     for _ in range(100):
         stopped.observe(512, 100)
-    assert stopped.reserve(4096) == 100
+    assert stopped.reserve(4096) == OutputReservation(100, 0.0)
 
 
 def test_quantile_one_turns_learning_off() -> None:
     lengths = OutputLengths(1.0, refresh_every=1)
     for _ in range(100):
         lengths.observe(2048, 10)
-    assert not lengths.enabled and lengths.reserve(2048) == 2048
+    assert not lengths.enabled and lengths.reserve(2048) == OutputReservation(2048, 0.0)
+    assert lengths.z == 0.0
 
 
 def test_footprint_reserves_the_expected_output_but_keeps_full_growth() -> None:
     fp = predict_footprint(layout("llama-3-8b"), EngineShape(8192, 2048, 256), list(range(100)), 2000,
-                           SamplingShape(), reserved_new_tokens=60)
+                           SamplingShape(), reservation=OutputReservation(60, 400.0))
     assert (fp.kv_blocks, fp.max_kv_blocks) == (10, 132)  # cdiv(160, 16), cdiv(2100, 16)
+    assert fp.reserved_variance == 400.0
 
 
 def sse(text: str) -> bytes:
@@ -108,4 +130,8 @@ def test_a_prediction_is_refreshed_with_lengths_learned_since() -> None:
         lengths.observe(2000, 60)
     refreshed = predictor.refreshed(prediction)
     assert refreshed.kv_blocks == 10 and refreshed.reserved_tokens == 60 and refreshed.max_new_tokens == 2000
+    assert refreshed.kv_variance_blocks == 0.0  # four answers of exactly 60: no spread
+    lengths.observe(2000, 100)  # now 60, 60, 60, 60, 100: mean 68, variance 256 tokens^2 = 1 block^2
+    spread = predictor.refreshed(prediction)
+    assert spread.reserved_tokens == 68 and spread.kv_variance_blocks == 1.0
     assert prediction.max_kv_blocks == 132  # "never fits" is still judged at max_tokens

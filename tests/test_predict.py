@@ -45,7 +45,7 @@ def fresh_demand(predictor: Predictor, spec: RequestSpec, prompts: list[list[int
         predict_footprint(
             predictor.layout, predictor.engine, ids, predictor.max_new_tokens(spec, len(ids)), sampling,
             enable_prefix_caching=predictor.enable_prefix_caching,
-            reserved_new_tokens=predictor.outputs.reserve(predictor.max_new_tokens(spec, len(ids))),
+            reservation=predictor.outputs.reserve(predictor.max_new_tokens(spec, len(ids))),
         )
         for ids in prompts
     ]

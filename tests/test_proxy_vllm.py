@@ -133,13 +133,11 @@ def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: Kv
     assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="context_length_exceeded") == rejected_before + 1
 
 
-def test_burst_larger_than_kv_pool_is_queued_without_preemption(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
-    """14 requests of ~200 prompt + 300 output tokens need 56 blocks; the pool has 16 blocks."""
-    preempted_before = vllm_metric(vllm_server, "vllm:num_preemptions_total")
-    queued_before = kvgate.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy")
+def kv_burst(base_url: str) -> list[httpx.Response]:
+    """14 requests of ~200 prompt + 300 output tokens (ignore_eos): 56 blocks; the pool has 15."""
 
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=180) as client:
+        async with httpx.AsyncClient(base_url=base_url, timeout=180) as client:
             bodies = [
                 {"model": "tiny-llama", "prompt": f"Request {i}: " + PROMPT * 18, "max_tokens": 300,
                  "ignore_eos": True, "temperature": 0}
@@ -150,7 +148,35 @@ def test_burst_larger_than_kv_pool_is_queued_without_preemption(vllm_server: Vll
     responses = asyncio.run(burst())
     assert [r.status_code for r in responses] == [200] * 14
     assert all(r.json()["usage"]["completion_tokens"] == 300 for r in responses)
-    assert vllm_metric(vllm_server, "vllm:num_preemptions_total") == preempted_before
+    return responses
+
+
+def test_burst_larger_than_kv_pool_is_queued_without_preemption_when_overcommit_is_off(
+    vllm_server: VllmServer, tmp_path: Path,
+) -> None:
+    preempted_before = vllm_metric(vllm_server, "vllm:num_preemptions_total")
+    with running_kvgate(
+        vllm_server.base_url, vllm_server.model_dir, tmp_path, "--max-queue-wait", "120",
+        "--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--free-memory-bytes", str(8 * 1024**3),
+        "--max-kv-overcommit", "1",
+    ) as strict:
+        kv_burst(strict.base_url)
+        assert vllm_metric(vllm_server, "vllm:num_preemptions_total") == preempted_before
+        assert strict.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy") > 0
+        assert strict.metric("kvgate_reserved_kv_blocks") == 0
+        assert strict.metric("kvgate_in_flight_requests") == 0
+
+
+def test_burst_larger_than_kv_pool_backs_the_default_overcommit_off_after_a_preemption(
+    vllm_server: VllmServer, kvgate: KvgateServer,
+) -> None:
+    """Reservations of 1.2 x the pool run four of these at once where three fit: vLLM preempts
+    one (a recompute, no error), and kvgate backs off to the pool."""
+    preempted_before = vllm_metric(vllm_server, "vllm:num_preemptions_total")
+    queued_before = kvgate.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy")
+    kv_burst(kvgate.base_url)
+    assert vllm_metric(vllm_server, "vllm:num_preemptions_total") > preempted_before
+    assert "preemptions: KV overcommit down to 1.00" in kvgate.log()
     assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy") > queued_before
     assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
     assert kvgate.metric("kvgate_in_flight_requests") == 0

@@ -26,14 +26,26 @@ def test_aimd_is_bounded_and_holds_after_a_backoff() -> None:
     assert a.value == 1.0  # floor
 
 
-def test_kv_overcommit_rises_only_while_requests_wait_at_low_usage_and_falls_on_preemption() -> None:
-    c = Calibration(CalibrationConfig(margin=0.1, max_overcommit=1.5))
-    assert c.observe_kv(0, 10, 10, 100, 0, waiting_for_kv=False) is None
+def test_kv_overcommit_starts_high_falls_on_preemption_and_rises_while_requests_wait() -> None:
+    c = Calibration(CalibrationConfig(margin=0.1, max_overcommit=1.2, hold_s=10))
+    assert c.kv_overcommit == 1.2
+    assert c.observe_kv(0, 95, 99, 100, 0, waiting_for_kv=True) is None  # a full pool is no reason
+    assert "preemptions" in (c.observe_kv(1, 80, 95, 100, 3, waiting_for_kv=True) or "")
+    assert c.kv_overcommit == 1.0 and c.kv_error_blocks == -15  # floor 1.0 (1.2 x 0.8 = 0.96)
+    assert c.observe_kv(5, 80, 80, 100, 0, waiting_for_kv=True) is None  # held after the preemption
+    assert "up to 1.05" in (c.observe_kv(11, 90, 90, 100, 0, waiting_for_kv=True) or "")
+    assert c.observe_kv(13, 90, 90, 100, 0, waiting_for_kv=False) is None  # nobody waits
+    assert c.kv_overcommit == 1.05
+    for t in range(20, 30):
+        c.observe_kv(t, 90, 99, 100, 0, waiting_for_kv=True)
+    assert c.kv_overcommit == 1.2  # the ceiling
+
+
+def test_kv_overcommit_one_never_reserves_beyond_the_pool() -> None:
+    c = Calibration(CalibrationConfig(margin=0.1, max_overcommit=1.0))
+    for t in range(30):
+        c.observe_kv(t, 50, 50, 100, 0, waiting_for_kv=True)
     assert c.kv_overcommit == 1.0
-    assert "up to 1.05" in (c.observe_kv(1, 50, 50, 100, 0, waiting_for_kv=True) or "")
-    assert c.observe_kv(2, 80, 80, 100, 0, waiting_for_kv=True) is None  # 80 % is near the target
-    assert "preemptions" in (c.observe_kv(3, 80, 95, 100, 3, waiting_for_kv=True) or "")
-    assert c.kv_overcommit == 1.0 and c.kv_error_blocks == -15
 
 
 def test_transient_margin_backs_off_on_oom_and_unpredicted_growth_then_relaxes_to_the_floor() -> None:

@@ -38,10 +38,11 @@ def test_cache_config_change_is_applied(
 ) -> None:
     with fake.running_fake_backend() as backend:
         with running_kvgate(backend.base_url, tiny_model_dir, tmp_path) as kvgate:
-            assert kvgate.metric("kvgate_budget_kv_blocks") == 63  # 64 blocks, the null block out
+            # 64 blocks, the null block out, times the default KV overcommit (1.2)
+            assert kvgate.metric("kvgate_budget_kv_blocks") == int(63 * 1.2)
             monkeypatch.setattr(fake, "METRICS", fake.METRICS.replace('num_gpu_blocks="64"', 'num_gpu_blocks="128"'))
             deadline = time.monotonic() + 10
-            while kvgate.metric("kvgate_budget_kv_blocks") != 127:
+            while kvgate.metric("kvgate_budget_kv_blocks") != int(127 * 1.2):
                 assert time.monotonic() < deadline, kvgate.log()
                 time.sleep(0.1)
             assert "cache_config_info changed" in kvgate.log()

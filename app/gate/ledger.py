@@ -40,6 +40,7 @@ class Ledger:
     def __init__(self) -> None:
         self._refcounts: dict[int, int] = {}
         self._private_blocks = 0
+        self._kv_variance = 0.0
         self._open_prefills: list[int] = []  # sorted prefill bytes of requests still prefilling
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
         self._sampler = SamplerBatch()
@@ -50,6 +51,11 @@ class Ledger:
     @property
     def kv_blocks(self) -> int:
         return len(self._refcounts) + self._private_blocks
+
+    @property
+    def kv_variance_blocks(self) -> float:
+        """Summed variances of the in-flight requests' KV growth (blocks^2; see outputs.py)."""
+        return self._kv_variance
 
     @property
     def transient_bytes(self) -> int:
@@ -88,6 +94,7 @@ class Ledger:
         for h in hashes:
             self._refcounts[h] = self._refcounts.get(h, 0) + 1
         self._private_blocks += demand.private_blocks
+        self._kv_variance += demand.kv_variance_blocks
         bisect.insort(self._open_prefills, demand.transient_prefill_bytes)
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
         if demand.sampler:
@@ -125,10 +132,13 @@ class Ledger:
             else:
                 del self._refcounts[h]
         self._private_blocks -= reservation.demand.private_blocks
+        self._kv_variance -= reservation.demand.kv_variance_blocks
         if reservation.demand.sampler:
             self._sampler.remove(reservation.demand.sampler)
         if reservation.prefill_open:
             self._close_prefill(reservation.demand)
             reservation.prefill_open = False
         del self._reservations[reservation.id]
+        if not self._reservations:
+            self._kv_variance = 0.0  # no float drift carried from one busy period to the next
         return True

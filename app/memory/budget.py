@@ -38,6 +38,9 @@ class Holdings(Protocol):
     @property
     def kv_blocks(self) -> int: ...
 
+    @property
+    def kv_variance_blocks(self) -> float: ...
+
 
 @dataclass
 class Budget:
@@ -48,6 +51,8 @@ class Budget:
     max_transient_headroom_bytes: int | None = None
     transient_margin: float = 0.1
     kv_overcommit: float = 1.0
+    # Standard deviations of the in-flight requests' summed KV growth kept free (outputs.py).
+    kv_margin_z: float = 0.0
     profiled_peak_bytes: int = 0
     # Set when the headroom comes from GPU readings: then it includes whatever of the profile region
     # vLLM emptied after start-up, so profiled terms are charged against it too, up to this cap (the
@@ -85,6 +90,10 @@ class Budget:
             return None
         return math.floor(self.transient_headroom_bytes * (1.0 - self.transient_margin) * self.scale)
 
+    def kv_margin(self, variance_blocks: float) -> int:
+        """Blocks kept free for output lengths beyond their means, whose variances sum to this."""
+        return math.ceil(self.kv_margin_z * math.sqrt(max(0.0, variance_blocks)))
+
     def max_transient_limit(self) -> int | None:
         headroom = self.max_transient_headroom_bytes
         if headroom is None:
@@ -111,8 +120,10 @@ class Budget:
         if self.hold is not None:
             return self.hold
         kv_limit = self.kv_limit()
-        if kv_limit is not None and holdings.kv_blocks + holdings.new_blocks(demand) > kv_limit:
-            return KV_BUSY
+        if kv_limit is not None:
+            margin = self.kv_margin(holdings.kv_variance_blocks + demand.kv_variance_blocks)
+            if holdings.kv_blocks + holdings.new_blocks(demand) + margin > kv_limit:
+                return KV_BUSY
         transient_limit = self.transient_limit()
         charge = self._charge(holdings.transient_bytes_with(demand), holdings.profiled_bytes_with(demand))
         if transient_limit is not None and charge > transient_limit:

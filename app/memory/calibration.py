@@ -4,12 +4,15 @@ Pure: observations and the time come in as numbers, factors and reasons go out.
 
 Two allowances, each adjusted AIMD-style (additive increase, multiplicative decrease, bounded):
 
-- `kv_overcommit` (pool x factor = KV blocks kvgate may reserve). The ledger reserves every
-  request's full growth to max_tokens; most requests stop early, so reserving 100 % of the pool
-  under-admits. Backed off (x 0.8, floor 1.0) when vLLM preempts or its KV usage passes the
-  target; raised (+0.05 per second, at most `max_overcommit`, default 1 = off) only while
-  requests wait for KV and vLLM's usage at a settled moment is well below the target, and not
-  within `hold_s` of the last back-off.
+- `kv_overcommit` (pool x factor = KV blocks kvgate may reserve). The ledger reserves each
+  request's expected growth, and a pool held to 100 % of those reservations still runs fewer
+  requests than vLLM would alone: vLLM admits on the blocks a prompt needs now and preempts
+  (recomputes) when the pool runs dry, which costs a little latency, never an OOM. So the factor
+  starts at `max_overcommit` (where reservations are most cautious: full max_tokens until output
+  lengths are learned), backs off (x 0.8, floor 1.0) when vLLM preempts and holds for `hold_s`,
+  then rises again (+0.05 per second, up to `max_overcommit`) while requests wait for KV: kvgate
+  runs the pool about as full as vLLM itself would, with a preemption now and then instead of a
+  queue.
 - `transient_spendable` = 1 - transient safety margin (fraction of the live headroom kvgate may
   reserve). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
   steps, and when the server's memory grew beyond what kvgate predicted; raised (+0.01 per 2 s,
@@ -93,7 +96,6 @@ class CalibrationConfig:
     margin: float  # the configured transient safety margin (the floor)
     max_margin: float = 0.6
     max_overcommit: float = 1.0
-    kv_target: float = 0.9  # fraction of vLLM's pool kvgate aims to keep in use at most
     hold_s: float = 10.0
 
 
@@ -111,7 +113,8 @@ class Calibration:
 
     def __post_init__(self) -> None:
         c = self.config
-        self.kv = Aimd(1.0, 1.0, max(1.0, c.max_overcommit), 0.05, 0.8, c.hold_s, 1.0)
+        top_kv = max(1.0, c.max_overcommit)
+        self.kv = Aimd(top_kv, 1.0, top_kv, 0.05, 0.8, c.hold_s, 1.0)
         top = 1.0 - c.margin
         self.transient = Aimd(top, min(top, 1.0 - c.max_margin), top, 0.01, 0.8, c.hold_s * 3, 2.0)
 
@@ -131,13 +134,12 @@ class Calibration:
         if settled:
             self.kv_error_blocks = predicted - observed
             self.kv_abs_error_blocks += 0.2 * (abs(self.kv_error_blocks) - self.kv_abs_error_blocks)
-        usage = observed / usable if usable > 0 else 0.0
-        if preempted > 0 or usage > self.config.kv_target:
-            what = f"{preempted:g} preemptions" if preempted > 0 else f"KV usage {usage:.0%}"
+        if preempted > 0:
             if self.kv.backoff(now):
-                return f"{what}: KV overcommit down to {self.kv.value:.2f}"
+                return f"{preempted:g} preemptions: KV overcommit down to {self.kv.value:.2f}"
             return None
-        if settled and waiting_for_kv and usage < self.config.kv_target - 0.2 and self.kv.raise_(now):
+        if waiting_for_kv and self.kv.raise_(now):
+            usage = observed / usable if usable > 0 else 0.0
             return f"requests wait for KV at usage {usage:.0%}: KV overcommit up to {self.kv.value:.2f}"
         return None
 

@@ -23,6 +23,9 @@ class Demand:
     sampler: SamplerUse | None = None
     # Output tokens per sequence the KV reservation covers (learned, see outputs.py); None: all.
     reserved_new_tokens: int | None = None
+    # Variance of its KV blocks at the end, from the spread of learned output lengths (blocks^2):
+    # the budget keeps a margin for the sum over the in-flight requests.
+    kv_variance_blocks: float = 0.0
     sequences: int = 1  # prompts x n: how the output token count splits when it finishes
 
     @property

@@ -1,8 +1,8 @@
 """One request's memory footprint: the glue the gate calls per request.
 
 KV blocks at full growth (prompt + max_new_tokens, capped at max_model_len) and
-at the growth kvgate reserves (prompt + the output it expects, see outputs.py)
-for all n samples, the prompt's block hashes (so the ledger can count a shared
+at the growth kvgate reserves (prompt + the output it expects, and that
+output's variance, see outputs.py) for all n samples, the prompt's block hashes (so the ledger can count a shared
 prefix once), and the transient estimate of its worst step.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from app.memory.activation import EngineShape, SamplingShape, TransientEstimate, estimate_transient
 from app.memory.kv import KVLayout, block_hashes
+from app.memory.outputs import OutputReservation
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Footprint:
     prompt_tokens: int
     max_new_tokens: int
     reserved_new_tokens: int  # output tokens the KV reservation covers (<= max_new_tokens)
+    reserved_variance: float  # of each sample's output length around it (tokens^2)
     n: int
     block_hashes: tuple[int, ...]  # full prompt blocks (shared-prefix detection)
     kv_blocks: int  # pool blocks reserved for all n samples, sliding-window aware
@@ -35,7 +37,7 @@ def predict_footprint(
     sampling: SamplingShape,
     enable_prefix_caching: bool = True,
     cached_prefix_tokens: int = 0,
-    reserved_new_tokens: int | None = None,
+    reservation: OutputReservation | None = None,
     transient: TransientEstimate | None = None,
 ) -> Footprint:
     """Predict what admitting this request costs.
@@ -54,15 +56,16 @@ def predict_footprint(
         prompt_tokens=prompt,
         max_new_tokens=max_new_tokens,
         reserved_new_tokens=max_new_tokens,
+        reserved_variance=0.0,
         n=n,
         block_hashes=hashes,
         kv_blocks=max_kv_blocks,
         max_kv_blocks=max_kv_blocks,
         transient=transient or estimate_transient(layout.geometry, engine, prompt, sampling, cached_prefix_tokens),
     )
-    if reserved_new_tokens is None:
+    if reservation is None:
         return full
-    return with_reservation(full, layout, engine, reserved_new_tokens, enable_prefix_caching)
+    return with_reservation(full, layout, engine, reservation, enable_prefix_caching)
 
 
 def kv_blocks_for(
@@ -78,12 +81,12 @@ def kv_blocks_for(
 
 
 def with_reservation(
-    fp: Footprint, layout: KVLayout, engine: EngineShape, reserved_new_tokens: int,
+    fp: Footprint, layout: KVLayout, engine: EngineShape, reservation: OutputReservation,
     enable_prefix_caching: bool,
 ) -> Footprint:
     """The same footprint reserving a different output length (learned since it was made)."""
-    reserved = min(reserved_new_tokens, fp.max_new_tokens)
-    if reserved == fp.reserved_new_tokens:
+    reserved = min(reservation.tokens, fp.max_new_tokens)
+    if reserved == fp.reserved_new_tokens and reservation.variance == fp.reserved_variance:
         return fp
     blocks = kv_blocks_for(layout, engine, fp.prompt_tokens, reserved, fp.n, enable_prefix_caching)
-    return replace(fp, reserved_new_tokens=reserved, kv_blocks=blocks)
+    return replace(fp, reserved_new_tokens=reserved, reserved_variance=reservation.variance, kv_blocks=blocks)
