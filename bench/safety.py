@@ -272,8 +272,10 @@ def run_arm(scn: Scenario, arm: str, calls: list[Call], scale: float, workdir: P
     cfg = scaled_config(scn, scale)
     sp = scn.speedup
     notes: dict[str, Any] = {}
-    # The oracle holds a request at most as long as the run drains (kvgate: --max-queue-wait 30).
-    with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=min(30.0, DRAIN_S / sp)) \
+    # kvgate and the oracle hold a request at most 30 s, and no longer than the run drains: a
+    # deadline in wall seconds would otherwise outlast the drain at speed-ups above 2.
+    queue_wait_s = min(30.0, DRAIN_S / sp)
+    with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=queue_wait_s) \
             as (sim, counts, ostats):
         if arm in ("none", "cap", "saturation"):
             gate = SaturationGate(sim.url) if arm == "saturation" else None
@@ -285,7 +287,8 @@ def run_arm(scn: Scenario, arm: str, calls: list[Call], scale: float, workdir: P
             notes["oracle"] = dict(ostats or {})
         elif arm == "kvgate":
             model_dir = write_model_folder(cfg.model, workdir / cfg.model)
-            with kvgate(sim.url, model_dir, scn.kvgate_flags, gpu_total_bytes(cfg.gpu),
+            flags = [*scn.kvgate_flags, "--max-queue-wait", f"{queue_wait_s:g}"]
+            with kvgate(sim.url, model_dir, flags, gpu_total_bytes(cfg.gpu),
                         workdir / f"kvgate-{scn.key}.log") as (url, cmd):
                 outs, span = asyncio.run(replay(url, calls, sp, progress=progress))
                 with contextlib.suppress(httpx.HTTPError):
