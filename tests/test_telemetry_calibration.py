@@ -26,6 +26,24 @@ def test_aimd_is_bounded_and_holds_after_a_backoff() -> None:
     assert a.value == 1.0  # floor
 
 
+def test_a_probe_that_fails_soon_doubles_the_hold_and_a_late_one_resets_it() -> None:
+    a = Aimd(1.2, 1.0, 1.2, 0.05, 0.8, hold_s=10, interval_s=1, max_hold_s=35)
+    a.backoff(0)
+    a.backoff(0.25)  # the same episode (no rise in between): the hold stays
+    assert a.hold == 10 and not a.raise_(10) and a.raise_(10.25)
+    a.backoff(15)  # the probe failed within 2 x 10 s
+    assert a.hold == 20 and not a.raise_(34) and a.raise_(35)
+    a.backoff(40)
+    assert a.hold == 35  # at most max_hold_s
+    assert a.raise_(75)
+    a.backoff(200)  # the pool held for long after the probe: back to the base hold
+    assert a.hold == 10
+    plain = Aimd(1.0, 1.0, 1.5, 0.05, 0.8, hold_s=10, interval_s=1)
+    plain.raise_(0)
+    plain.backoff(1)
+    assert plain.hold == 10  # without max_hold_s the hold never grows
+
+
 def test_kv_overcommit_starts_high_falls_on_preemption_and_rises_while_requests_wait() -> None:
     c = Calibration(CalibrationConfig(margin=0.1, max_overcommit=1.2, hold_s=10))
     assert c.kv_overcommit == 1.2

@@ -10,9 +10,9 @@ Two allowances, each adjusted AIMD-style (additive increase, multiplicative decr
   (recomputes) when the pool runs dry, which costs a little latency, never an OOM. So the factor
   starts at `max_overcommit` (where reservations are most cautious: full max_tokens until output
   lengths are learned), backs off (x 0.8, floor 1.0) when vLLM preempts and holds for `hold_s`,
-  then rises again (+0.05 per second, up to `max_overcommit`) while requests wait for KV: kvgate
-  runs the pool about as full as vLLM itself would, with a preemption now and then instead of a
-  queue.
+  then rises again (+0.05 per second, up to `max_overcommit`) while requests wait for KV; each
+  rise that ends in a preemption soon after doubles the hold, up to `max_kv_hold_s`: kvgate runs
+  the pool about as full as vLLM itself would, with a rare preemption instead of a queue.
 - `transient_spendable` = 1 - transient safety margin (fraction of the live headroom kvgate may
   reserve). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
   steps, and when the server's memory grew beyond what kvgate predicted; raised (+0.01 per 2 s,
@@ -31,7 +31,13 @@ from app.memory.demand import Demand
 
 @dataclass
 class Aimd:
-    """A bounded allowance: additive increase at most every `interval_s`, multiplicative decrease."""
+    """A bounded allowance: additive increase at most every `interval_s`, multiplicative decrease.
+
+    After a decrease it holds `hold_s` before rising again. With `max_hold_s` above `hold_s`, a
+    rise that ends in another decrease within twice the hold doubles the hold (up to
+    `max_hold_s`), and a later one resets it: a limit found by probing (a KV pool found by
+    preemptions) is probed ever less often while it stays where it was found.
+    """
 
     value: float
     low: float
@@ -40,18 +46,26 @@ class Aimd:
     factor: float
     hold_s: float
     interval_s: float
+    max_hold_s: float = 0.0
     last_backoff: float = -math.inf
     last_raise: float = -math.inf
+    hold: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hold = self.hold_s
 
     def backoff(self, now: float) -> bool:
         """Multiplicative decrease; True if the value moved."""
+        if self.last_raise > self.last_backoff:  # it rose since the last decrease: a failed probe
+            soon = now - self.last_backoff < 2 * self.hold
+            self.hold = min(max(self.hold_s, self.max_hold_s), 2 * self.hold) if soon else self.hold_s
         self.last_backoff = now
         old, self.value = self.value, round(max(self.low, self.value * self.factor), 6)
         return self.value != old
 
     def raise_(self, now: float) -> bool:
         """Additive increase, unless backed off lately or raised too recently; True if it moved."""
-        if now - self.last_backoff < self.hold_s or now - self.last_raise < self.interval_s:
+        if now - self.last_backoff < self.hold or now - self.last_raise < self.interval_s:
             return False
         self.last_raise = now
         old, self.value = self.value, round(min(self.high, self.value + self.step), 6)
@@ -96,6 +110,7 @@ class CalibrationConfig:
     margin: float  # the configured transient safety margin (the floor)
     max_margin: float = 0.6
     max_overcommit: float = 1.0
+    max_kv_hold_s: float = 300.0  # the longest wait between two probes of the KV pool
     hold_s: float = 10.0
 
 
@@ -114,7 +129,7 @@ class Calibration:
     def __post_init__(self) -> None:
         c = self.config
         top_kv = max(1.0, c.max_overcommit)
-        self.kv = Aimd(top_kv, 1.0, top_kv, 0.05, 0.8, c.hold_s, 1.0)
+        self.kv = Aimd(top_kv, 1.0, top_kv, 0.05, 0.8, c.hold_s, 1.0, max_hold_s=c.max_kv_hold_s)
         top = 1.0 - c.margin
         self.transient = Aimd(top, min(top, 1.0 - c.max_margin), top, 0.01, 0.8, c.hold_s * 3, 2.0)
 
