@@ -30,7 +30,7 @@ headroom above it. The logprobs and the prompt ids were never profiled.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 FP32 = 4
@@ -106,12 +106,13 @@ class SamplerUse:
     longest_prompt: int
     logprobs: bool = False
     penalties: bool = False
+    # The stage of a batch that holds only this request (an idle server): every admission reads
+    # it twice (its transient and profiled bytes), so it is computed once, with the use.
+    alone: SamplerStage = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def alone(self) -> SamplerStage:
-        """The stage of a batch that holds only this request (an idle server); read twice per
-        admission (its transient and profiled bytes), computed once."""
-        return self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt)
+    def __post_init__(self) -> None:
+        alone = self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt)
+        object.__setattr__(self, "alone", alone)
 
 
 class SamplerBatch:
