@@ -203,10 +203,11 @@ class Runtime:
         try:
             if spec.chat is not None:
                 return [await self.tokenizer.encode_chat(spec.chat)]
-            return [
-                p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens)
-                for p in spec.prompts
-            ]
+            # A loop, not a comprehension: one with an await inside is a coroutine of its own.
+            prompts: list[list[int]] = []
+            for p in spec.prompts:
+                prompts.append(p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens))
+            return prompts
         except TokenizationError as exc:
             raise ApiError(400, f"Could not tokenize the request: {exc}", "tokenization_failed") from exc
         except BackendTokenizeError as exc:

@@ -40,6 +40,10 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        # The read timeout: one timer per connection, pushed back by each wait rather than a
+        # timer made and cancelled per wait (per response, per stream chunk).
+        self._deadline = 0.0
+        self._timer: asyncio.TimerHandle | None = None
         self._start_exchange(head_only=False)
 
     def _start_exchange(self, head_only: bool) -> None:
@@ -146,6 +150,9 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._transport is not None:
             self._transport.close()
         self._fail(UpstreamError("the connection to the backend was closed"))
@@ -157,16 +164,25 @@ class Connection(asyncio.Protocol):
         if self._error is not None:
             raise self._error
         waiter = self._waiter = self.loop.create_future()
-        timer = self.loop.call_later(self._read_timeout_s, self._time_out, waiter)
+        self._deadline = self.loop.time() + self._read_timeout_s
+        if self._timer is None:
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
 
-    def _time_out(self, waiter: asyncio.Future) -> None:
-        if not waiter.done():
+    def _check_deadline(self) -> None:
+        """The timer is due: time out the wait if it has lasted the read timeout, else wait on
+        for what is left of it (a later wait pushed the deadline back); nothing if none waits."""
+        self._timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        if self.loop.time() >= self._deadline:
             waiter.set_exception(UpstreamTimeout(f"no answer from the backend in {self._read_timeout_s:g} s"))
+        else:
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

@@ -18,17 +18,25 @@ class DrainRate:
         self._started = clock()
 
     def record(self) -> None:
-        self._releases.append(self._clock())
+        """One release. Releases older than the window go as new ones come, not only when a
+        refusal asks for the rate: the window holds ~30 s of releases, not all since start-up."""
+        now = self._clock()
+        self._forget_before(now)
+        self._releases.append(now)
 
     def rate(self) -> float | None:
         """Releases per second seen lately, or None before any was seen."""
         now = self._clock()
-        while self._releases and now - self._releases[0] > self.window_s:
-            self._releases.popleft()
+        self._forget_before(now)
         if not self._releases:
             return None
         span = min(self.window_s, max(now - self._started, 1e-3))
         return len(self._releases) / span
+
+    def _forget_before(self, now: float) -> None:
+        releases = self._releases
+        while releases and now - releases[0] > self.window_s:
+            releases.popleft()
 
     def retry_after(self, ahead: int, fallback_s: float, cap_s: float = 600.0) -> int:
         """Whole seconds until `ahead` more requests have drained at the observed rate."""

@@ -13,6 +13,8 @@ import asyncio
 import time
 from typing import Callable
 
+from prometheus_client import Counter
+
 from app.gate.drain import DrainRate
 from app.gate.ledger import Ledger, Reservation
 from app.gate.queue import AdmissionQueue, QueueFull, Waiter
@@ -72,6 +74,7 @@ class Gate:
         # What telemetry's KV reconciliation needs of each in-flight request (by reservation id).
         self.admitted: dict[int, InFlight] = {}
         self._admit_fits = metrics.decisions.labels("admit", "fits")
+        self._releases: dict[str, Counter] = {}  # bound per outcome: labels() is a locked lookup
         self._bind_gauges()
         budget.subscribe(self.changed)
 
@@ -190,7 +193,10 @@ class Gate:
             demand = reservation.demand
             self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
         self.drain.record()
-        self.metrics.releases.labels(outcome).inc()
+        released = self._releases.get(outcome)
+        if released is None:
+            released = self._releases[outcome] = self.metrics.releases.labels(outcome)
+        released.inc()
         self.changed()
 
     def changed(self) -> None:
@@ -200,6 +206,8 @@ class Gate:
         line: nothing kvgate admits or releases makes it fit, only the headroom coming back does
         (a co-tenant leaving), and until then it waits for its deadline beside the line.
         """
+        if not self.queue:  # nothing waits, set aside or not (every release comes here)
+            return
         self.queue.restore(keep_aside=lambda waiter: self._stranded(_refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
             demand = _refreshed(head)

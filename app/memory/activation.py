@@ -18,6 +18,7 @@ once and kept (``shared=True``: count them once per engine, not per request).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import (
@@ -119,10 +120,10 @@ class TransientEstimate:
     def shared_bytes(self) -> int:
         return sum(t.bytes for t in self.terms if t.shared)
 
-    @property
+    @cached_property
     def peak_bytes(self) -> int:
         """Workspaces + hidden states + the largest of: biggest forward term, sampler stage,
-        prompt logprobs."""
+        prompt logprobs. Kept: a predictor's estimates are memoised and read per request."""
         kept = forward = sampler = prompt_logprobs = 0  # one pass: this runs per request
         for t in self.terms:
             if t.stage == "forward":

@@ -52,20 +52,22 @@ def predict_footprint(
     n = sampling.rows
     hashes = tuple(block_hashes(prompt_token_ids, layout.block_size)) if enable_prefix_caching else ()
     max_kv_blocks = kv_blocks_for(layout, engine, prompt, max_new_tokens, n, enable_prefix_caching)
-    full = Footprint(
+    # Built once with its reservation (this runs per request): not the full footprint, then a copy.
+    reserved = max_new_tokens if reservation is None else min(reservation.tokens, max_new_tokens)
+    kv_blocks = max_kv_blocks if reserved == max_new_tokens else kv_blocks_for(
+        layout, engine, prompt, reserved, n, enable_prefix_caching
+    )
+    return Footprint(
         prompt_tokens=prompt,
         max_new_tokens=max_new_tokens,
-        reserved_new_tokens=max_new_tokens,
-        reserved_variance=0.0,
+        reserved_new_tokens=reserved,
+        reserved_variance=0.0 if reservation is None else reservation.variance,
         n=n,
         block_hashes=hashes,
-        kv_blocks=max_kv_blocks,
+        kv_blocks=kv_blocks,
         max_kv_blocks=max_kv_blocks,
         transient=transient or estimate_transient(layout.geometry, engine, prompt, sampling, cached_prefix_tokens),
     )
-    if reservation is None:
-        return full
-    return with_reservation(full, layout, engine, reservation, enable_prefix_caching)
 
 
 def kv_blocks_for(

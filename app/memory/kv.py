@@ -198,10 +198,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: object = 
     never caches them). Python's builtin ``hash`` is used for speed: values are
     only comparable within one process, which is all the ledger needs.
     """
-    tokens = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
+    tokens = tuple(token_ids)  # one copy: a tuple's slices are the tuples hashed, no copy each
     hashes: list[int] = []
     parent = _ROOT_HASH
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start:start + block_size]), extra_key))
+        parent = hash((parent, tokens[start:start + block_size], extra_key))
         hashes.append(parent)
     return hashes

@@ -30,7 +30,8 @@ headroom above it. The logprobs and the prompt ids were never profiled.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 FP32 = 4
 INT64 = 8
@@ -76,7 +77,7 @@ class SamplerCost:
     max_num_seqs: int
     max_num_batched_tokens: int
 
-    @property
+    @cached_property
     def max_sampled_rows(self) -> int:
         """Rows one step samples at most: one token each, at most max_num_seqs requests. The
         profile's dummy sampler run sampled exactly this many."""
@@ -105,16 +106,23 @@ class SamplerUse:
     longest_prompt: int
     logprobs: bool = False
     penalties: bool = False
+    # The stage of a batch that holds only this request (an idle server): every admission reads
+    # it twice (its transient and profiled bytes), so it is computed once, with the use.
+    alone: SamplerStage = field(init=False, repr=False, compare=False)
 
-    @property
-    def alone(self) -> SamplerStage:
-        """The stage of a batch that holds only this request (an idle server)."""
-        return self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt)
+    def __post_init__(self) -> None:
+        alone = self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt)
+        object.__setattr__(self, "alone", alone)
 
 
 class SamplerBatch:
     """What the in-flight requests put in the sampler's batch: row count, how many ask for
-    logprobs or penalties, and their prompt lengths (the longest sizes the prompt ids)."""
+    logprobs or penalties, and their prompt lengths (the longest sizes the prompt ids).
+
+    An admission asks for the stage with the same candidate twice (transient and profiled
+    bytes) and for the stage without one after it joins: each is computed once per change of
+    the batch, and kept until the next add() or remove().
+    """
 
     def __init__(self) -> None:
         self._cost: SamplerCost | None = None  # the newest request's (a restarted backend may differ)
@@ -122,6 +130,7 @@ class SamplerBatch:
         self._logprobs = 0
         self._penalties = 0
         self._prompts: list[int] = []  # sorted
+        self._changed()
 
     def add(self, use: SamplerUse) -> None:
         self._cost = use.cost
@@ -129,15 +138,30 @@ class SamplerBatch:
         self._logprobs += use.logprobs
         self._penalties += use.penalties
         bisect.insort(self._prompts, use.longest_prompt)
+        self._changed()
 
     def remove(self, use: SamplerUse) -> None:
         self._rows -= use.rows
         self._logprobs -= use.logprobs
         self._penalties -= use.penalties
         del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
+        self._changed()
+
+    def _changed(self) -> None:
+        self._stage: SamplerStage | None = None
+        self._with: tuple[SamplerUse, SamplerStage] | None = None
 
     def stage(self, extra: SamplerUse | None = None) -> SamplerStage:
         """The stage of the in-flight batch, with `extra` joining it if given."""
+        if extra is None:
+            if self._stage is None:
+                self._stage = self._compute(None)
+            return self._stage
+        if self._with is None or self._with[0] is not extra:
+            self._with = (extra, self._compute(extra))
+        return self._with[1]
+
+    def _compute(self, extra: SamplerUse | None) -> SamplerStage:
         longest = self._prompts[-1] if self._prompts else 0
         if extra is None:
             if self._cost is None or not self._rows:
