@@ -112,10 +112,11 @@ class Settings(BaseSettings):
     )
     kv_output_quantile: float = Field(
         0.99, gt=0.0, le=1.0,
-        description="Reserve KV for this quantile of recent output lengths (an answer that used "
-        "its whole max_tokens counts as needing all of the new request's; full max_tokens until 16 "
-        "have finished); 1: always reserve max_tokens. A request that outgrows its reservation "
-        "can be preempted, never OOM.",
+        description="Each request reserves KV for the mean of recent output lengths (an answer "
+        "that used its whole max_tokens counts as needing all of the new request's; full "
+        "max_tokens until 16 have finished), and the pool keeps room for this normal quantile of "
+        "the in-flight outputs' summed spread; 1: always reserve max_tokens. A request that "
+        "outgrows its reservation can be preempted, never OOM.",
     )
     max_transient_safety_margin: float = Field(
         0.6, gt=0.0, lt=1.0, description="Upper bound of the calibrated transient safety margin."
