@@ -135,3 +135,14 @@ def test_a_prediction_is_refreshed_with_lengths_learned_since() -> None:
     spread = predictor.refreshed(prediction)
     assert spread.reserved_tokens == 68 and spread.kv_variance_blocks == 1.0
     assert prediction.max_kv_blocks == 132  # "never fits" is still judged at max_tokens
+
+
+def test_every_sample_of_a_request_adds_its_spread() -> None:
+    """n = 3 answers of one prompt: three mean outputs reserved, three variances to the margin."""
+    lengths = OutputLengths(0.99, min_samples=4, refresh_every=1)
+    for produced in (60, 60, 60, 60, 100):  # mean 68, variance 256 tokens^2 = 1 block^2
+        lengths.observe(2000, produced)
+    predictor = Predictor(layout("llama-3-8b"), EngineShape(8192, 2048, 256), True, 10**9, outputs=lengths)
+    body = {"model": "m", "prompt": "x", "max_tokens": 2000, "n": 3}
+    demand = predictor.predict(parse_request("completions", json.dumps(body).encode()), [list(range(100))]).demand
+    assert demand.reserved_tokens == 68 and demand.kv_variance_blocks == 3.0
