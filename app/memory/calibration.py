@@ -53,12 +53,13 @@ class Aimd:
 
     def __post_init__(self) -> None:
         self.hold = self.hold_s
+        self.max_hold_s = max(self.hold_s, self.max_hold_s)  # 0 (the default): the hold never grows
 
     def backoff(self, now: float) -> bool:
         """Multiplicative decrease; True if the value moved."""
         if self.last_raise > self.last_backoff:  # it rose since the last decrease: a failed probe
             soon = now - self.last_backoff < 2 * self.hold
-            self.hold = min(max(self.hold_s, self.max_hold_s), 2 * self.hold) if soon else self.hold_s
+            self.hold = min(self.max_hold_s, 2 * self.hold) if soon else self.hold_s
         self.last_backoff = now
         old, self.value = self.value, round(max(self.low, self.value * self.factor), 6)
         return self.value != old

@@ -53,9 +53,9 @@ def predict_footprint(
     hashes = tuple(block_hashes(prompt_token_ids, layout.block_size)) if enable_prefix_caching else ()
     max_kv_blocks = kv_blocks_for(layout, engine, prompt, max_new_tokens, n, enable_prefix_caching)
     # Built once with its reservation (this runs per request): not the full footprint, then a copy.
-    reserved = max_new_tokens if reservation is None else min(reservation.tokens, max_new_tokens)
-    kv_blocks = max_kv_blocks if reserved == max_new_tokens else kv_blocks_for(
-        layout, engine, prompt, reserved, n, enable_prefix_caching
+    reserved, kv_blocks = _reserved_blocks(
+        layout, engine, prompt, n, max_new_tokens, max_kv_blocks,
+        max_new_tokens if reservation is None else reservation.tokens, enable_prefix_caching,
     )
     return Footprint(
         prompt_tokens=prompt,
@@ -87,8 +87,22 @@ def with_reservation(
     enable_prefix_caching: bool,
 ) -> Footprint:
     """The same footprint reserving a different output length (learned since it was made)."""
-    reserved = min(reservation.tokens, fp.max_new_tokens)
-    if reserved == fp.reserved_new_tokens and reservation.variance == fp.reserved_variance:
+    unchanged = min(reservation.tokens, fp.max_new_tokens) == fp.reserved_new_tokens
+    if unchanged and reservation.variance == fp.reserved_variance:
         return fp
-    blocks = kv_blocks_for(layout, engine, fp.prompt_tokens, reserved, fp.n, enable_prefix_caching)
+    reserved, blocks = _reserved_blocks(
+        layout, engine, fp.prompt_tokens, fp.n, fp.max_new_tokens, fp.max_kv_blocks, reservation.tokens,
+        enable_prefix_caching,
+    )
     return replace(fp, reserved_new_tokens=reserved, reserved_variance=reservation.variance, kv_blocks=blocks)
+
+
+def _reserved_blocks(
+    layout: KVLayout, engine: EngineShape, prompt_tokens: int, n: int, max_new_tokens: int,
+    max_kv_blocks: int, reserved_tokens: int, enable_prefix_caching: bool,
+) -> tuple[int, int]:
+    """Output tokens reserved (never above max_new_tokens) and the pool blocks they take."""
+    reserved = min(reserved_tokens, max_new_tokens)
+    if reserved == max_new_tokens:
+        return reserved, max_kv_blocks
+    return reserved, kv_blocks_for(layout, engine, prompt_tokens, reserved, n, enable_prefix_caching)

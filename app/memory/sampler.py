@@ -95,7 +95,6 @@ class SamplerCost:
         )
 
 
-
 @dataclass(frozen=True)
 class SamplerUse:
     """What one request adds to the sampler's batch: its rows (n fan-out, all prompts), its
