@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto | fp8 | fp8_e4m3 | fp8_e5m2 | bfloat16 | float16 | float32")
     parser.add_argument("--dtype", default="auto", metavar="D",
                         help="model dtype, overriding config.json (vLLM on GPU runs float32 checkpoints in 16 bit)")
-    parser.add_argument("--block-size", type=int, default=16, metavar="B")
+    parser.add_argument("--block-size", type=int, default=None, metavar="B",
+                        help="default 16; models with recurrent-state layers (Mamba, linear "
+                             "attention) need the block size vLLM chose, which it logs")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="L",
                         help="default: the model's max_position_embeddings")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
@@ -44,9 +46,14 @@ def run(args: argparse.Namespace) -> int:
         max_model_len = args.max_model_len or geometry.max_position_embeddings
         if not max_model_len:
             raise ValueError("config.json has no max_position_embeddings; pass --max-model-len")
+        if args.block_size is None and geometry.is_hybrid_state:
+            raise ValueError(
+                "this model keeps a recurrent state in some layers, and vLLM sizes its blocks to "
+                "fit one state page: pass the block size vLLM logs (--block-size)"
+            )
         layout = KVLayout(
             geometry,
-            block_size=args.block_size,
+            block_size=args.block_size or 16,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             kv_cache_dtype=args.kv_cache_dtype,

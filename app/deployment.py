@@ -36,6 +36,7 @@ class Deployment:
     enable_prefix_caching: bool
     attention_backend: str
     num_gpu_blocks: int | None
+    mamba_cache_mode: str = "none"
 
     def engine_shape(self) -> EngineShape:
         return EngineShape(
@@ -76,6 +77,12 @@ def resolve(
     ) or geometry.max_position_embeddings
     if not max_model_len:
         raise ValueError("max_model_len is unknown: pass --max-model-len")
+    if geometry.is_hybrid_state and cache.block_size is None and "block_size" not in given:
+        log.warning(
+            "this model keeps a recurrent state in some layers, so vLLM raises its block size to fit "
+            "a state page, and the backend does not report it: pass the block size vLLM logs "
+            "(--block-size), or kvgate counts blocks of %s tokens", settings.block_size,
+        )
     backend = settings.attention_backend
     if backend == "auto":
         backend = "mla" if geometry.is_mla else "flash-attn"
@@ -104,6 +111,7 @@ def resolve(
         ),
         attention_backend=backend,
         num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given),
+        mamba_cache_mode=cache.mamba_cache_mode or "none",
     )
 
 
@@ -116,6 +124,7 @@ def build_predictor(
         tensor_parallel_size=deployment.tensor_parallel_size,
         pipeline_parallel_size=deployment.pipeline_parallel_size,
         kv_cache_dtype=deployment.kv_cache_dtype,
+        mamba_cache_mode=deployment.mamba_cache_mode,
     )
     engine = deployment.engine_shape()
     profiled = settings.profiled_activation_bytes or profile_peak_bytes(geometry, engine)

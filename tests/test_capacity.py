@@ -96,3 +96,14 @@ def test_agrees_with_the_live_vllm_start_up_log(vllm_server, capsys: pytest.Capt
     out = json.loads(capsys.readouterr().out)
     assert out["kv_cache_tokens"] == int(tokens.replace(",", ""))
     assert f"{out['max_concurrency']:.2f}" == concurrency
+
+
+def test_hybrid_state_models_need_vllms_block_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(model_dir(tmp_path, "qwen3-next-80b-a3b"))
+    assert run("--model-config", folder, "--kv-cache-memory-bytes", str(10 << 30)) == 2
+    assert "--block-size" in capsys.readouterr().err
+    assert run("--model-config", folder, "--kv-cache-memory-bytes", str(10 << 30), "--block-size", "544",
+               "--json") == 0
+    out = json.loads(capsys.readouterr().out)
+    # 10 GiB // (544 x 2,048 B page) // 12 layers a group = 803 blocks; 485 per 262,144-token request
+    assert out["num_blocks"] == 803 and out["kv_cache_tokens"] == int(803 / 485 * 262_144)

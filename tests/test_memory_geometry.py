@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from app.memory.geometry import FULL_ATTENTION, SLIDING_ATTENTION, ModelGeometry
+from app.memory.geometry import (
+    ATTENTION_AND_STATE,
+    CHUNKED_ATTENTION,
+    FULL_ATTENTION,
+    NO_CACHE,
+    RECURRENT_STATE,
+    SLIDING_ATTENTION,
+    ModelGeometry,
+)
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -92,3 +100,63 @@ def test_unreadable_configs_raise_clear_errors(tmp_path: Path) -> None:
 def test_from_folder_reads_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text((CONFIGS / "llama-3-8b.json").read_text())
     assert ModelGeometry.from_folder(tmp_path) == load("llama-3-8b")
+
+
+# Hybrid models: tests/configs holds the fields kvgate reads from each published config.json.
+
+
+def base(**fields: object) -> dict:
+    return {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+            "vocab_size": 1000, **fields}
+
+
+def test_qwen3_next_linear_attention_layers_keep_a_state() -> None:
+    g = load("qwen3-next-80b-a3b")
+    assert g.is_hybrid_state
+    assert [i for i, kind in enumerate(g.layer_types) if kind == FULL_ATTENTION] == list(range(3, 48, 4))
+    assert g.layer_types.count(RECURRENT_STATE) == 36
+    # Qwen3.5-style configs list the same pattern explicitly
+    listed = ["linear_attention"] * 3 + ["full_attention"]
+    assert ModelGeometry.from_config(base(layer_types=listed)).layer_types == (
+        RECURRENT_STATE, RECURRENT_STATE, RECURRENT_STATE, FULL_ATTENTION)
+
+
+def test_nemotron_h_pattern_and_attention_head_dim() -> None:
+    g = load("nemotron-h-8b-base-8k")
+    kinds = g.layer_types
+    assert (kinds.count(RECURRENT_STATE), kinds.count(FULL_ATTENTION), kinds.count(NO_CACHE)) == (24, 4, 24)
+    assert g.head_dim == 128
+    small = ModelGeometry.from_config({**json.loads((CONFIGS / "nemotron-h-8b-base-8k.json").read_text()),
+                                       "hidden_size": 3136, "num_attention_heads": 40})
+    assert small.head_dim == 128  # attention_head_dim, not 3136 // 40
+
+
+def test_jamba_bamba_minimax_and_falcon_h1_patterns() -> None:
+    jamba = load("jamba-v0.1")
+    assert [i for i, kind in enumerate(jamba.layer_types) if kind == FULL_ATTENTION] == [4, 12, 20, 28]
+    bamba = ModelGeometry.from_config(base(model_type="bamba", attn_layer_indices=[1]))
+    assert bamba.layer_types == (RECURRENT_STATE, FULL_ATTENTION, RECURRENT_STATE, RECURRENT_STATE)
+    minimax = ModelGeometry.from_config(base(attn_type_list=[0, 0, 0, 1]))
+    assert minimax.layer_types == (RECURRENT_STATE,) * 3 + (FULL_ATTENTION,)
+    falcon = ModelGeometry.from_config(base(model_type="falcon_h1"))
+    assert falcon.layer_types == (ATTENTION_AND_STATE,) * 4 and falcon.is_hybrid_state
+    lfm2 = ModelGeometry.from_config(base(layer_types=["conv", "conv", "full_attention", "conv"]))
+    assert lfm2.layer_types.count(RECURRENT_STATE) == 3
+
+
+def test_llama4_chunked_local_layers() -> None:
+    g = load("llama-4-scout-17b-16e")
+    assert g.attention_chunk_size == 8192 and not g.is_hybrid_state
+    assert [i for i, kind in enumerate(g.layer_types) if kind == FULL_ATTENTION] == list(range(3, 48, 4))
+    assert g.layer_types.count(CHUNKED_ATTENTION) == 36
+
+
+def test_plain_models_stay_uniform() -> None:
+    qwen3 = ModelGeometry.from_config(base(layer_types=["full_attention"] * 4))
+    assert qwen3.layer_types == () and not qwen3.is_hybrid_state
+    # Qwen2/3 list sliding layers but ignore them when use_sliding_window is false
+    off = ModelGeometry.from_config(base(sliding_window=4096, use_sliding_window=False,
+                                         layer_types=["sliding_attention"] * 4))
+    assert off.layer_types == () and off.sliding_window is None
+    with pytest.raises(ValueError, match="3 entries for 4 layers"):
+        ModelGeometry.from_config(base(layer_types=["mamba", "attention", "mamba"]))

@@ -145,3 +145,61 @@ def _timed(fn) -> float:
 def test_zero_memory_gives_zero_blocks() -> None:
     cap = KVLayout(load("llama-3-8b")).capacity(0, max_model_len=8192)
     assert cap.num_blocks == 0 and cap.max_concurrency == 0.0
+
+
+def test_recurrent_state_groups_hold_one_page_per_sequence() -> None:
+    # Qwen3-Next: 36 gated-delta-net + 12 full layers -> groups of 12: 3 state groups, 1 full.
+    # vLLM raises the block size until an attention page holds a state page; take 544 as that.
+    layout = KVLayout(load("qwen3-next-80b-a3b"), block_size=544)
+    assert layout.groups == {"mamba": 3, "full_attention": 1}
+    assert layout.layers_per_stage == 12  # only the full layers grow with the tokens
+    assert layout.bytes_per_token == 12 * 2 * 2 * 256 * 2
+    # 1,000 tokens: cdiv(1000, 544) = 2 full blocks + one state page in each of 3 groups
+    assert layout.blocks_for_tokens(1_000, 8192, 262_144) == 2 + 3
+    assert layout.blocks_for_tokens(200_000, 8192, 262_144) == 368 + 3
+    # n = 2 samples share the prompt's one full block; each has its own states
+    assert layout.blocks_for_request(1_000, 1_500, 2, 8192, 262_144) == (1 + 2 * (3 - 1)) + 2 * 3
+    cap = layout.capacity(10 * GiB, max_model_len=262_144, max_num_batched_tokens=8192)
+    # page 544 x 2,048 B = 1,114,112; 10 GiB // page // 12 layers per group = 803 blocks
+    assert cap.num_blocks == 803
+    assert cap.blocks_per_request == 482 + 3  # MambaSpec: one page per group
+    # "align" mode (prefix caching on a hybrid) keeps up to two pages per group
+    aligned = KVLayout(load("qwen3-next-80b-a3b"), block_size=544, mamba_cache_mode="align")
+    assert aligned.blocks_for_tokens(1_000, 8192, 262_144) == 2 + 3 * 2
+
+
+def test_mlp_only_layers_cache_nothing_and_pipeline_stages_split_blocks() -> None:
+    layout = KVLayout(load("nemotron-h-8b-base-8k"), block_size=256)
+    # 24 Mamba-2 + 4 attention + 24 MLP-only layers: groups of 4 -> 6 state groups, 1 full
+    assert layout.groups == {"mamba": 6, "full_attention": 1}
+    assert layout.blocks_for_tokens(300, 8192, 8192) == 2 + 6
+    # Jamba, 2 pipeline stages of 16 layers: 2 attention + 14 Mamba each -> groups of 2
+    jamba = KVLayout(load("jamba-v0.1"), pipeline_parallel_size=2)
+    assert jamba.groups == {"mamba": 7, "full_attention": 1}
+
+
+def test_parallel_hybrid_blocks_count_both_mixers() -> None:
+    falcon = KVLayout(ModelGeometry.from_config(
+        {"model_type": "falcon_h1", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 6, "vocab_size": 1000}), block_size=64)
+    assert falcon.groups == {"full_attention": 1, "mamba": 1}
+    assert falcon.layers_per_stage == 6
+    assert falcon.blocks_for_tokens(100, 2048, 4096) == 2 + 1
+
+
+def test_llama4_chunked_local_layers_cap_at_chunk_plus_batch() -> None:
+    layout = KVLayout(load("llama-4-scout-17b-16e"))
+    assert layout.groups == {"chunked_local_attention": 3, "full_attention": 1}
+    # ChunkedLocalAttentionSpec: cdiv(min(8192 + 8192, 131072), 16) = 1,024 blocks at most
+    assert layout.blocks_for_tokens(100_000, 8192, 131_072) == 6_250 + 3 * 1_024
+    assert layout.blocks_for_tokens(1_000, 8192, 131_072) == 4 * 63
+
+
+def test_near_equal_layer_counts_pad_to_the_larger_group() -> None:
+    # 12 sliding + 13 full (gpt-oss-20b plus a drafter layer): vLLM pads to groups of 13
+    types = ["sliding_attention", "full_attention"] * 12 + ["full_attention"]
+    g = ModelGeometry.from_config({"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 25,
+                                   "vocab_size": 1000, "sliding_window": 128, "layer_types": types})
+    layout = KVLayout(g)
+    assert layout.group_size == 13
+    assert layout.groups == {"sliding_attention": 1, "full_attention": 1}

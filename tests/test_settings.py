@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from app.cli import build_parser
-from app.deployment import resolve
+from app.deployment import build_predictor, resolve
 from app.memory.geometry import ModelGeometry
 from app.settings import Settings, settings_from_args
 from app.telemetry.vllm import CacheConfig, ServedModel
@@ -72,3 +72,27 @@ def test_without_a_backend_report_flags_and_model_apply() -> None:
     deployment = resolve(settings_for("--block-size", "32"), geometry, None, None)
     assert (deployment.block_size, deployment.max_model_len, deployment.num_gpu_blocks) == (32, 4096, None)
     assert deployment.attention_backend == "flash-attn"
+
+
+def test_hybrid_state_models_take_the_backends_block_size_and_cache_mode(caplog: pytest.LogCaptureFixture) -> None:
+    geometry = ModelGeometry.from_config(
+        {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+         "intermediate_size": 256, "vocab_size": 2048, "max_position_embeddings": 4096,
+         "layer_types": ["mamba", "mamba", "mamba", "attention"]}
+    )
+    with caplog.at_level(logging.WARNING):
+        resolve(settings_for(), geometry, None, None)
+    assert "recurrent state" in caplog.text and "--block-size" in caplog.text
+    caplog.clear()
+    cache = CacheConfig(
+        num_gpu_blocks=100, block_size=400, cache_dtype="auto", enable_prefix_caching=True,
+        gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, kv_cache_size_tokens=None,
+        mamba_cache_mode="align",
+    )
+    with caplog.at_level(logging.WARNING):
+        deployment = resolve(settings_for(), geometry, cache, None)
+    assert caplog.text == ""
+    layout = build_predictor(deployment, geometry, settings_for()).layout
+    assert (layout.block_size, layout.mamba_cache_mode) == (400, "align")
+    # 3 state groups of one layer, two pages each in align mode, + the attention layer's blocks
+    assert layout.blocks_for_tokens(1_000, 2048, 4096) == 3 * 2 + 3

@@ -1,8 +1,9 @@
 """Model geometry read from a Hugging Face ``config.json``.
 
 Only the shapes that decide GPU memory: layers, heads, widths, vocabulary, dtype,
-MoE and MLA dimensions, and which layers use sliding-window attention. Everything
-downstream (KV bytes, activation terms, weights) is arithmetic on these numbers.
+MoE and MLA dimensions, and what each layer caches (full, sliding-window or chunked
+attention, a fixed-size recurrent state, nothing). Everything downstream (KV bytes,
+activation terms, weights) is arithmetic on these numbers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,25 @@ from app.memory.presets import with_defaults
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_local_attention"  # Llama 4's local layers
+# A fixed-size state per sequence, whatever its length: Mamba/Mamba-2 mixers, gated delta-net
+# and lightning linear attention, short convolutions. vLLM gives them all a MambaSpec.
+RECURRENT_STATE = "mamba"
+NO_CACHE = "no_cache"  # MLP- or MoE-only blocks of Nemotron-H's pattern
+# A block with an attention and a state mixer side by side (Falcon-H1, Zamba2's hybrid blocks).
+ATTENTION_AND_STATE = f"{FULL_ATTENTION}+{RECURRENT_STATE}"
+
+# Layer-kind names as configs spell them (layer_types, layers_block_type).
+_LAYER_KINDS = {
+    "full_attention": FULL_ATTENTION, "attention": FULL_ATTENTION,
+    "sliding_attention": SLIDING_ATTENTION,
+    "linear_attention": RECURRENT_STATE, "mamba": RECURRENT_STATE, "mamba2": RECURRENT_STATE,
+    "conv": RECURRENT_STATE, "short_conv": RECURRENT_STATE,
+    "mlp": NO_CACHE, "moe": NO_CACHE,
+    "hybrid": ATTENTION_AND_STATE,
+}
+# Nemotron-H's hybrid_override_pattern: one character per layer.
+_PATTERN_KINDS = {"M": RECURRENT_STATE, "*": FULL_ATTENTION, "-": NO_CACHE, "E": NO_CACHE}
 
 _DTYPE_BYTES = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
@@ -57,7 +77,8 @@ class ModelGeometry:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None
+    layer_types: tuple[str, ...] = ()  # per decoder layer, one of the kinds above; () if uniform
     # Beyond the shared interface: needed for weights and the MoE shared-expert term.
     shared_expert_intermediate_size: int = 0  # all shared experts of one layer together
     num_dense_layers: int = 0  # MoE models: layers that keep a dense MLP
@@ -74,11 +95,16 @@ class ModelGeometry:
 
     @property
     def attention_types(self) -> tuple[str, ...]:
-        """Per-layer attention type; no explicit list means one type for every layer."""
+        """Per-layer cache kind; no explicit list means one type for every layer."""
         if self.layer_types:
             return self.layer_types
         kind = SLIDING_ATTENTION if self.sliding_window else FULL_ATTENTION
         return (kind,) * self.num_layers
+
+    @property
+    def is_hybrid_state(self) -> bool:
+        """Some layers keep a recurrent state instead of (or beside) a KV cache."""
+        return any(RECURRENT_STATE in kind for kind in self.layer_types)
 
     @classmethod
     def from_config(cls, config: dict) -> ModelGeometry:
@@ -159,7 +185,7 @@ def _parse(text: dict, outer: dict) -> ModelGeometry:
     heads = _required(text, "num_attention_heads", "n_head")
     hidden = _required(text, "hidden_size", "n_embd", "d_model")
     kv_heads = int(_first(text, "num_key_value_heads", default=1 if text.get("multi_query") else heads))
-    head_dim = int(_first(text, "head_dim", default=hidden // heads))
+    head_dim = int(_first(text, "head_dim", "attention_head_dim", default=hidden // heads))
     intermediate = int(_first(text, "intermediate_size", "ffn_dim", "n_inner", default=4 * hidden))
     vocab = _required({**outer, **text}, "vocab_size")
     dtype = dtype_bytes(_first(text, "torch_dtype", "dtype", default=_first(outer, "torch_dtype", "dtype")))
@@ -190,7 +216,7 @@ def _parse(text: dict, outer: dict) -> ModelGeometry:
             q_lora_rank=text.get("q_lora_rank"),
         )
 
-    window, layer_types = _sliding_window(text, num_layers)
+    window, layer_types = _layer_kinds(text, num_layers)
     return ModelGeometry(
         num_layers=num_layers,
         num_attention_heads=heads,
@@ -202,6 +228,7 @@ def _parse(text: dict, outer: dict) -> ModelGeometry:
         dtype_bytes=dtype,
         max_position_embeddings=int(max_pos) if max_pos else None,
         sliding_window=window,
+        attention_chunk_size=int(text["attention_chunk_size"]) if CHUNKED_ATTENTION in layer_types else None,
         layer_types=layer_types,
         tie_word_embeddings=bool(_first(text, "tie_word_embeddings", default=outer.get("tie_word_embeddings", False))),
         **moe_kwargs,
@@ -216,30 +243,65 @@ def _required(config: dict, *keys: str) -> int:
     return int(value)
 
 
-def _sliding_window(text: dict, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """The window and, for hybrid models, which layers use it.
+def _layer_kinds(text: dict, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window, if any layer uses one, and what each layer caches (() if all alike).
 
-    Cases, as vLLM's model code reads them: an explicit ``layer_types`` list (new
-    transformers configs, gpt-oss); Gemma 3's ``sliding_window_pattern`` (layer i
-    slides unless (i+1) % pattern == 0); Gemma 2 (even layers slide); Qwen2's
-    ``use_sliding_window: false`` (window ignored); Mistral-7B-v0.1 (every layer).
+    Read the way vLLM's model code reads each family: an explicit ``layer_types`` or
+    ``layers_block_type`` list (Gemma 3, gpt-oss, Qwen3-Next, Granite-4.0-H, LFM2, Zamba2);
+    Nemotron-H's ``hybrid_override_pattern``; Jamba's ``attn_layer_period``/``offset``;
+    Bamba's ``attn_layer_indices``; MiniMax's ``attn_type_list``; Qwen3-Next's
+    ``full_attention_interval``; Falcon-H1 (attention and Mamba-2 in every block); Llama 4's
+    ``no_rope_layers`` (chunked local attention on the RoPE layers); Gemma 3's
+    ``sliding_window_pattern``; Gemma 2 (even layers slide); Qwen2's ``use_sliding_window:
+    false`` (window ignored); Mistral-7B-v0.1 (every layer slides).
     """
     window = text.get("sliding_window")
-    if not window or text.get("use_sliding_window") is False:
-        return None, ()
-    window = int(window)
-    types = text.get("layer_types")
-    if types:
-        if len(types) != num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-        kinds = tuple(SLIDING_ATTENTION if t == SLIDING_ATTENTION else FULL_ATTENTION for t in types)
-    elif text.get("sliding_window_pattern"):
-        pattern = int(text["sliding_window_pattern"])
-        kinds = tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in range(num_layers))
-    elif str(text.get("model_type", "")).startswith("gemma2"):
-        kinds = tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers))
-    else:
+    window = int(window) if window and text.get("use_sliding_window") is not False else None
+    kinds = _declared_kinds(text, num_layers, window)
+    if kinds is None:
         return window, ()
+    if len(kinds) != num_layers:
+        raise ValueError(f"the layer pattern has {len(kinds)} entries for {num_layers} layers")
     if SLIDING_ATTENTION not in kinds:
-        return None, ()
+        window = None
+    if set(kinds) == {FULL_ATTENTION}:
+        return window, ()
     return window, kinds
+
+
+def _declared_kinds(text: dict, num_layers: int, window: int | None) -> tuple[str, ...] | None:
+    """Per-layer kinds from whichever field this family uses; None when every layer is alike."""
+    layers = range(num_layers)
+    listed = text.get("layer_types") or text.get("layers_block_type")
+    if listed:
+        kinds = tuple(_LAYER_KINDS.get(str(t), FULL_ATTENTION) for t in listed)
+        # Qwen2/3 list sliding layers but ignore them unless use_sliding_window is on.
+        return tuple(FULL_ATTENTION if k == SLIDING_ATTENTION and not window else k for k in kinds)
+    if text.get("hybrid_override_pattern"):
+        return tuple(_PATTERN_KINDS.get(c, FULL_ATTENTION) for c in text["hybrid_override_pattern"])
+    if text.get("attn_layer_period"):
+        period, offset = int(text["attn_layer_period"]), int(text.get("attn_layer_offset") or 0)
+        return tuple(FULL_ATTENTION if i % period == offset else RECURRENT_STATE for i in layers)
+    if text.get("attn_layer_indices") is not None:
+        attention = set(text["attn_layer_indices"])
+        return tuple(FULL_ATTENTION if i in attention else RECURRENT_STATE for i in layers)
+    if text.get("attn_type_list"):
+        return tuple(FULL_ATTENTION if t == 1 else RECURRENT_STATE for t in text["attn_type_list"])
+    if text.get("full_attention_interval"):
+        interval = int(text["full_attention_interval"])
+        return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else RECURRENT_STATE for i in layers)
+    if str(text.get("model_type", "")).startswith("falcon_h1"):
+        return (ATTENTION_AND_STATE,) * num_layers
+    if text.get("attention_chunk_size"):
+        # transformers' Llama4TextConfig default: every no_rope_layer_interval-th layer is global.
+        interval = int(text.get("no_rope_layer_interval") or 4)
+        no_rope = text.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in layers]
+        return tuple(CHUNKED_ATTENTION if no_rope[i] else FULL_ATTENTION for i in layers)
+    if window is None:
+        return None
+    if text.get("sliding_window_pattern"):
+        pattern = int(text["sliding_window_pattern"])
+        return tuple(FULL_ATTENTION if (i + 1) % pattern == 0 else SLIDING_ATTENTION for i in layers)
+    if str(text.get("model_type", "")).startswith("gemma2"):
+        return tuple(SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in layers)
+    return None

@@ -5,12 +5,16 @@ maximum usage, ``vllm/v1/core/kv_cache_utils.py`` for ``get_num_blocks``, the
 hybrid grouping and ``get_max_concurrency_for_kv_cache_config``), so that our
 numbers equal the ones vLLM logs at start-up and exports in ``cache_config_info``.
 
-Hybrid models (full + sliding-window layers, e.g. Gemma 2/3): vLLM splits layers
-into KV cache groups of ``group_size = min(layers per attention type)`` layers;
-every group draws block ids from ONE shared pool, and one pool block is
-``group_size`` layer pages. So ``num_blocks = memory // page // group_size`` and a
-request holds, per group, the blocks its attention type needs. All block counts
-here are in that unit: blocks of the shared pool, summed over groups.
+Hybrid models (full attention beside sliding-window or chunked attention, e.g. Gemma 2/3,
+gpt-oss, Llama 4; or beside recurrent-state layers, e.g. Qwen3-Next, Jamba, Nemotron-H):
+vLLM splits layers into KV cache groups of ``group_size`` layers of one type (the rarest
+type's count, or the commonest's when all counts are within 1.5x); every group draws block
+ids from ONE shared pool, and one pool block is ``group_size`` layer pages. So
+``num_blocks = memory // page // group_size`` and a request holds, per group, the blocks its
+type needs: every block of its tokens (full), a window's worth (sliding, chunked), or one
+state page whatever its length (recurrent state, vLLM's MambaSpec). vLLM raises the block
+size of such models until an attention page holds a state page; kvgate reads that block
+size from the backend. All block counts here are in pool blocks, summed over groups.
 """
 
 from __future__ import annotations
@@ -20,7 +24,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from app.memory.geometry import FULL_ATTENTION, ModelGeometry, dtype_bytes
+from app.memory.geometry import (
+    CHUNKED_ATTENTION,
+    FULL_ATTENTION,
+    NO_CACHE,
+    RECURRENT_STATE,
+    SLIDING_ATTENTION,
+    ModelGeometry,
+    dtype_bytes,
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,6 +68,7 @@ class KVLayout:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
+    mamba_cache_mode: str = "none"  # vLLM's --mamba-cache-mode: none | align | all
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -69,10 +82,11 @@ class KVLayout:
 
     @cached_property
     def stage_layer_types(self) -> tuple[str, ...]:
-        """Attention types of the largest pipeline stage (vLLM ``get_pp_indices`` split).
+        """Cache kinds of the largest pipeline stage's layers (vLLM ``get_pp_indices`` split).
 
         vLLM gives the remainder layers to the stages before the last, one each;
         every rank then uses the smallest block count, which the largest stage sets.
+        A block with two mixers counts as two cache layers; one with none as zero.
         """
         types = self.geometry.attention_types
         pp = self.pipeline_parallel_size
@@ -81,11 +95,13 @@ class KVLayout:
             sizes[-i] += 1
         first_largest = sizes.index(max(sizes))
         start = sum(sizes[:first_largest])
-        return types[start:start + sizes[first_largest]]
+        stage = types[start:start + sizes[first_largest]]
+        return tuple(kind for layer in stage for kind in layer.split("+") if kind != NO_CACHE)
 
     @property
     def layers_per_stage(self) -> int:
-        return len(self.stage_layer_types)
+        """Layers whose cache grows with the tokens (recurrent states do not)."""
+        return sum(1 for kind in self.stage_layer_types if kind != RECURRENT_STATE)
 
     @property
     def bytes_per_token(self) -> int:
@@ -106,8 +122,11 @@ class KVLayout:
 
     @property
     def group_size(self) -> int:
-        """Layers per KV cache group: all layers if uniform, else the rarest type's count."""
-        return min(Counter(self.stage_layer_types).values())
+        """Layers per KV cache group: the rarest type's count, or the commonest's when it is
+        under 1.5x the rarest (vLLM pads a few layers rather than split into more groups)."""
+        counts = Counter(self.stage_layer_types).values()
+        smallest, largest = min(counts), max(counts)
+        return largest if largest < smallest * 1.5 else smallest
 
     def num_blocks(self, kv_cache_memory_bytes: int) -> int:
         """``get_num_blocks``: memory // page_size // num_layers (per group)."""
@@ -141,16 +160,14 @@ class KVLayout:
     def blocks_for_tokens(self, num_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
         """Pool blocks one sequence holds once ``num_tokens`` tokens are in the cache.
 
-        Full-attention groups hold every block; sliding-window groups at most the
-        ``SlidingWindowSpec`` maximum (the window, one chunk in flight, +1 for a
-        window that does not start on a block boundary).
+        Full-attention groups hold every block; the others at most their type's
+        maximum (``_max_blocks``).
         """
         full = cdiv(num_tokens, self.block_size)
-        total = 0
-        for kind, n in self.groups.items():
-            cap = full if kind == FULL_ATTENTION else self._max_blocks(kind, max_model_len, max_num_batched_tokens)
-            total += n * min(full, cap)
-        return total
+        return sum(
+            n * min(full, self._max_blocks(kind, max_model_len, max_num_batched_tokens))
+            for kind, n in self.groups.items()
+        )
 
     def blocks_for_request(
         self,
@@ -164,8 +181,8 @@ class KVLayout:
         """Blocks for ``n`` samples of one prompt grown to ``total_tokens`` each.
 
         With prefix caching the samples share the prompt's full blocks in the
-        full-attention groups; each keeps its own tail. Sliding-window groups are
-        counted per sample, since each sample's window moves past the prompt.
+        full-attention groups; each keeps its own tail. The other groups are counted
+        per sample: each sample's window moves past the prompt, and each has its own state.
         """
         full_per_sample = cdiv(total_tokens, self.block_size)
         shared = prompt_tokens // self.block_size if share_prompt and n > 1 else 0
@@ -179,8 +196,21 @@ class KVLayout:
         return total
 
     def _max_blocks(self, kind: str, max_model_len: int, max_num_batched_tokens: int) -> int:
-        """``max_memory_usage_bytes / page_size_bytes`` of one layer of this type."""
-        if kind == FULL_ATTENTION:
+        """``max_memory_usage_bytes / page_size_bytes`` of one layer of this type.
+
+        Sliding window: the window, one chunk in flight, +1 for a window that does not
+        start on a block boundary. Chunked local attention: the chunk and one batch in
+        flight. Recurrent state: one page (two while "align" mode checkpoints it, a page
+        per block in "all" mode).
+        """
+        if kind == RECURRENT_STATE:
+            if self.mamba_cache_mode == "all":
+                return cdiv(max_model_len, self.block_size)
+            return 2 if self.mamba_cache_mode == "align" else 1
+        if kind == CHUNKED_ATTENTION:
+            chunk = self.geometry.attention_chunk_size or max_model_len
+            return cdiv(min(chunk + max_num_batched_tokens, max_model_len), self.block_size)
+        if kind != SLIDING_ATTENTION:
             return cdiv(max_model_len, self.block_size)
         window = self.geometry.sliding_window or max_model_len
         tokens = min(window - 1 + max_num_batched_tokens, max_model_len)

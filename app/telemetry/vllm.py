@@ -43,6 +43,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None
     kv_cache_size_tokens: int | None
     engines: int = 1
+    mamba_cache_mode: str | None = None  # hybrid state-space models: none | align | all
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,10 @@ def _float(value: str | None) -> float | None:
         return None
 
 
+def _str(value: str | None) -> str | None:
+    return None if value in (None, "", "None") else value
+
+
 def _bool(value: str | None) -> bool | None:
     return None if value in (None, "", "None") else value == "True"
 
@@ -122,6 +127,7 @@ def _cache_config(labels: list[dict[str, str]]) -> CacheConfig:
         kv_cache_memory_bytes=_int(first.get("kv_cache_memory_bytes")),
         kv_cache_size_tokens=_int(first.get("kv_cache_size_tokens")),
         engines=len(labels),
+        mamba_cache_mode=_str(first.get("mamba_cache_mode")),
     )
 
 
