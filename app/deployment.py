@@ -8,7 +8,8 @@ so the operator can fix the flags they copied.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from app.memory.activation import EngineShape, profile_peak_bytes
 from app.memory.budget import Budget
@@ -37,6 +38,7 @@ class Deployment:
     attention_backend: str
     num_gpu_blocks: int | None
     mamba_cache_mode: str = "none"
+    reported_request_blocks: float | None = None  # vLLM's blocks per max_model_len request
 
     def engine_shape(self) -> EngineShape:
         return EngineShape(
@@ -112,6 +114,7 @@ def resolve(
         attention_backend=backend,
         num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
+        reported_request_blocks=cache.max_request_blocks,
     )
 
 
@@ -126,11 +129,44 @@ def build_predictor(
         kv_cache_dtype=deployment.kv_cache_dtype,
         mamba_cache_mode=deployment.mamba_cache_mode,
     )
+    layout = checked_against_backend(layout, deployment)
     engine = deployment.engine_shape()
     profiled = settings.profiled_activation_bytes or profile_peak_bytes(geometry, engine)
     return Predictor(
         layout, engine, deployment.enable_prefix_caching, profiled, settings.default_max_tokens, outputs
     )
+
+
+def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:
+    """The layout, never counting fewer blocks per sequence than vLLM's own capacity report.
+
+    vLLM states its pool as num_gpu_blocks / (blocks of one max_model_len request). When that
+    count exceeds the layout's, kvgate's reading of this architecture misses something vLLM
+    allocates (a layer kind it does not know, a grouping of a newer vLLM): every sequence then
+    reserves the difference too. The gap between vLLM's count and the layout's can only grow
+    with the length for the layer kinds vLLM has, so the gap at max_model_len covers any
+    shorter request. A layout that counts more than vLLM is left as it is (cautious), with a
+    warning, since it admits fewer requests than fit.
+    """
+    reported = deployment.reported_request_blocks
+    if reported is None:
+        return layout
+    ours = layout.max_request_blocks(deployment.max_model_len, deployment.max_num_batched_tokens)
+    gap = math.floor(reported + 1e-6) - ours
+    if gap > 0:
+        log.warning(
+            "vLLM counts %.1f KV blocks for one %s-token request where kvgate's layout of this model "
+            "counts %s: kvgate reserves %s more blocks for every sequence", reported,
+            deployment.max_model_len, ours, gap,
+        )
+        return replace(layout, extra_blocks_per_sequence=gap)
+    if reported < ours - 1:
+        log.warning(
+            "vLLM counts %.1f KV blocks for one %s-token request where kvgate's layout of this model "
+            "counts %s: kvgate will admit fewer requests than fit (check --max-num-batched-tokens)",
+            reported, deployment.max_model_len, ours,
+        )
+    return layout
 
 
 def static_budget(

@@ -96,3 +96,34 @@ def test_hybrid_state_models_take_the_backends_block_size_and_cache_mode(caplog:
     assert (layout.block_size, layout.mamba_cache_mode) == (400, "align")
     # 3 state groups of one layer, two pages each in align mode, + the attention layer's blocks
     assert layout.blocks_for_tokens(1_000, 2048, 4096) == 3 * 2 + 3
+
+
+def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.LogCaptureFixture) -> None:
+    geometry = ModelGeometry.from_config(
+        {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+         "intermediate_size": 256, "vocab_size": 2048, "max_position_embeddings": 4096}
+    )
+
+    def layout_when_vllm_reports(blocks_per_request: float):
+        cache = CacheConfig(
+            num_gpu_blocks=1000, block_size=16, cache_dtype="auto", enable_prefix_caching=True,
+            gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, kv_cache_size_tokens=None,
+            max_request_blocks=blocks_per_request,
+        )
+        deployment = resolve(settings_for(), geometry, cache, ServedModel("m", 4096))
+        return build_predictor(deployment, geometry, settings_for()).layout
+
+    with caplog.at_level(logging.WARNING):
+        same = layout_when_vllm_reports(256.0)  # 4096 / 16: the layout agrees
+    assert same.extra_blocks_per_sequence == 0 and caplog.text == ""
+    # vLLM counts 3 more blocks per request (e.g. state groups kvgate does not know of):
+    # every sequence reserves them, a 100-token one included
+    with caplog.at_level(logging.WARNING):
+        more = layout_when_vllm_reports(259.0000000001)
+    assert more.extra_blocks_per_sequence == 3 and "reserves 3 more blocks" in caplog.text
+    assert more.blocks_for_tokens(100, 2048, 4096) == 7 + 3
+    assert more.blocks_for_request(100, 150, 2, 2048, 4096) == (6 + 2 * (10 - 6)) + 2 * 3
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        fewer = layout_when_vllm_reports(128.0)
+    assert fewer.extra_blocks_per_sequence == 0 and "admit fewer requests than fit" in caplog.text

@@ -45,7 +45,7 @@ def test_real_vllm_cpu_pages(page: str) -> None:
     assert cc is not None
     assert (cc.num_gpu_blocks, cc.block_size, cc.cache_dtype, cc.enable_prefix_caching) == (8192, 128, "auto", True)
     assert (cc.gpu_memory_utilization, cc.kv_cache_memory_bytes, cc.kv_cache_size_tokens) == (0.92, 1 << 30, 1048576)
-    assert cc.mamba_cache_mode == "none"
+    assert cc.mamba_cache_mode == "none" and cc.max_request_blocks == 8.0  # 8192 blocks / 1024.0 requests
     assert list(s.engines) == ["0"] and s.kv_usage == 0.0 and s.running == 0.0 and s.waiting == 0.0
     assert s.preemptions == 0.0 and s.kv_blocks_used == 0.0 and s.kv_blocks_usable == 8191
     assert s.process_start == pytest.approx(1.79533027221e9)

@@ -69,6 +69,9 @@ class KVLayout:
     pipeline_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
     mamba_cache_mode: str = "none"  # vLLM's --mamba-cache-mode: none | align | all
+    # Blocks every sequence holds beyond this layout's count: set when vLLM's own capacity
+    # report says a max_model_len request takes more blocks than the layout does.
+    extra_blocks_per_sequence: int = 0
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -145,9 +148,7 @@ class KVLayout:
         """
         num_blocks = self.num_blocks(kv_cache_memory_bytes)
         batched = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
-        per_request = sum(
-            n * self._max_blocks(kind, max_model_len, batched) for kind, n in self.groups.items()
-        )
+        per_request = self.max_request_blocks(max_model_len, batched)
         concurrency = num_blocks / per_request
         return Capacity(
             bytes_per_token=self.bytes_per_token,
@@ -157,6 +158,12 @@ class KVLayout:
             blocks_per_request=per_request,
         )
 
+    def max_request_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Blocks one max_model_len request holds at most (``get_max_concurrency_for_kv_cache_config``)."""
+        return self.extra_blocks_per_sequence + sum(
+            n * self._max_blocks(kind, max_model_len, max_num_batched_tokens) for kind, n in self.groups.items()
+        )
+
     def blocks_for_tokens(self, num_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
         """Pool blocks one sequence holds once ``num_tokens`` tokens are in the cache.
 
@@ -164,7 +171,7 @@ class KVLayout:
         maximum (``_max_blocks``).
         """
         full = cdiv(num_tokens, self.block_size)
-        return sum(
+        return self.extra_blocks_per_sequence + sum(
             n * min(full, self._max_blocks(kind, max_model_len, max_num_batched_tokens))
             for kind, n in self.groups.items()
         )
@@ -186,7 +193,7 @@ class KVLayout:
         """
         full_per_sample = cdiv(total_tokens, self.block_size)
         shared = prompt_tokens // self.block_size if share_prompt and n > 1 else 0
-        total = 0
+        total = n * self.extra_blocks_per_sequence
         for kind, groups in self.groups.items():
             if kind == FULL_ATTENTION:
                 total += groups * (shared + n * (full_per_sample - shared))

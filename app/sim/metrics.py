@@ -71,8 +71,10 @@ def cache_config_labels(*, block_size: int, cache_dtype: str, enable_prefix_cach
                         gpu_memory_utilization: float, kv_cache_memory_bytes: int | None,
                         num_gpu_blocks: int, num_gpu_blocks_override: int | None,
                         max_model_len: int, sliding_window: int | None) -> dict[str, str]:
-    """The label set vLLM 0.32 puts on `vllm:cache_config_info` (every value a string)."""
-    tokens = num_gpu_blocks * block_size
+    """The label set vLLM 0.32 puts on `vllm:cache_config_info` (every value a string); the
+    capacity as vLLM's get_kv_cache_capacity states it (pool blocks / blocks of one
+    max_model_len request, and that many requests' tokens)."""
+    concurrency = num_gpu_blocks / -(-max_model_len // block_size)
     return {
         "_block_size_resolved": "True",
         "block_size": str(block_size),
@@ -86,9 +88,9 @@ def cache_config_labels(*, block_size: int, cache_dtype: str, enable_prefix_cach
         "is_attention_free": "False",
         "kv_cache_dtype_skip_layers": "[]",
         "kv_cache_layout": "None",
-        "kv_cache_max_concurrency": str(round(tokens / max_model_len, 2)),
+        "kv_cache_max_concurrency": str(concurrency),
         "kv_cache_memory_bytes": str(kv_cache_memory_bytes),
-        "kv_cache_size_tokens": str(tokens),
+        "kv_cache_size_tokens": str(int(concurrency * max_model_len)),
         "kv_offloading_backend": "native",
         "kv_offloading_size": "None",
         "kv_sharing_fast_prefill": "False",

@@ -44,6 +44,9 @@ class CacheConfig:
     kv_cache_size_tokens: int | None
     engines: int = 1
     mamba_cache_mode: str | None = None  # hybrid state-space models: none | align | all
+    # Pool blocks one max_model_len request takes by vLLM's own count (vLLM >= 0.11 states its
+    # capacity as num_gpu_blocks / that); kvgate checks its layout of the model against it.
+    max_request_blocks: float | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,12 @@ def _cache_config(labels: list[dict[str, str]]) -> CacheConfig:
         kv_cache_size_tokens=_int(first.get("kv_cache_size_tokens")),
         engines=len(labels),
         mamba_cache_mode=_str(first.get("mamba_cache_mode")),
+        max_request_blocks=_ratio(_int(first.get("num_gpu_blocks")), _float(first.get("kv_cache_max_concurrency"))),
     )
+
+
+def _ratio(blocks: int | None, concurrency: float | None) -> float | None:
+    return blocks / concurrency if blocks and concurrency else None
 
 
 def _first(per_name: dict[str, float], key: str) -> float | None:
