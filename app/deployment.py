@@ -60,10 +60,6 @@ def _prefer(name: str, flag: object, reported: object, flag_given: bool) -> obje
     return reported
 
 
-def _cache_dtype(reported: str | None) -> str | None:
-    return None if reported in (None, "None") else reported
-
-
 def resolve(
     settings: Settings,
     geometry: ModelGeometry,
@@ -96,7 +92,7 @@ def resolve(
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
         kv_cache_dtype=str(
-            _prefer("kv_cache_dtype", settings.kv_cache_dtype, _cache_dtype(cache.cache_dtype), "kv_cache_dtype" in given)
+            _prefer("kv_cache_dtype", settings.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given)
         ),
         gpu_memory_utilization=float(
             _prefer(

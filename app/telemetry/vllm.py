@@ -124,7 +124,7 @@ def _cache_config(labels: list[dict[str, str]]) -> CacheConfig:
     return CacheConfig(
         num_gpu_blocks=min(known) if known else None,
         block_size=_int(first.get("block_size")),
-        cache_dtype=first.get("cache_dtype"),
+        cache_dtype=_str(first.get("cache_dtype")),
         enable_prefix_caching=_bool(first.get("enable_prefix_caching")),
         gpu_memory_utilization=_float(first.get("gpu_memory_utilization")),
         kv_cache_memory_bytes=_int(first.get("kv_cache_memory_bytes")),
