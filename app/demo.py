@@ -1,6 +1,6 @@
 """`make demo`: the simulated vLLM dies of CUDA OOM under a short workload; behind kvgate it lives.
 
-For each scenario (a failure mode from ../shared/seeds/), on 127.0.0.1 and free ports:
+For each scenario (a failure mode from docs/sources.md), on 127.0.0.1 and free ports:
 
 1. start the simulator (`app.sim`, a realistic preset) with a configuration that OOMs, replay a
    seeded workload straight at it, and show how it died (the CUDA message, the failed requests);
@@ -144,7 +144,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         key="long-context",
         title="Chunked prefill over a long computed prefix, materializing attention backend",
-        seed="seeds/profile-run-question.txt",
+        seed="docs/sources.md#profile-run-question",
         sim=SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=65536,
                       max_num_batched_tokens=2048, max_num_seqs=256,
                       attention_backend="materializing", speedup=25, restart_seconds=600),
@@ -155,7 +155,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         key="prompt-logprobs",
         title="prompt_logprobs over a full 8192-token chunk (an evaluation job), never profiled",
-        seed="CONTEXT.md section 2, mode 2",
+        seed="docs/sources.md#failure-modes, mode 2",
         sim=SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384,
                       max_num_seqs=256, gpu_memory_utilization=0.95, speedup=25,
                       restart_seconds=600),
@@ -165,7 +165,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         key="big-batch",
         title="A large --max-num-batched-tokens meant to cap concurrency",
-        seed="seeds/large-max-num-batched-tokens.txt",
+        seed="docs/sources.md#large-max-num-batched-tokens",
         sim=SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=8192,
                       max_num_batched_tokens=65536, max_num_seqs=200, speedup=25,
                       restart_seconds=600),

@@ -1,7 +1,7 @@
 """Every metric the dashboard and the alerts query exists in kvgate's or vLLM's /metrics.
 
 kvgate's side is its live registry (`app.metrics.KvgateMetrics`), vLLM's the real /metrics pages
-in ../shared/data/. A metric renamed or not yet exported fails here, by name, instead of leaving
+in tests/data/. A metric renamed or not yet exported fails here, by name, instead of leaving
 an empty panel or an alert that can never fire. Label matchers are checked too: a selector on a
 label the metric does not carry matches nothing.
 """
@@ -21,7 +21,7 @@ from app.metrics import KvgateMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "deploy" / "kubernetes" / "base"
-VLLM_PAGES = sorted((ROOT.parent / "shared" / "data").glob("*metrics*.txt"))
+VLLM_PAGES = sorted((ROOT / "tests" / "data").glob("*metrics*.txt"))
 
 # Labels Prometheus (target labels set by the Prometheus Operator) or PromQL add to every series.
 TARGET_LABELS = {"namespace", "pod", "service", "container", "endpoint", "job", "instance"}
@@ -164,7 +164,7 @@ def kvgate_series() -> dict[str, set[str]]:
 
 
 def vllm_series() -> dict[str, set[str]]:
-    assert VLLM_PAGES, "the real vLLM /metrics pages are missing from ../shared/data/"
+    assert VLLM_PAGES, "the real vLLM /metrics pages are missing from tests/data/"
     series: dict[str, set[str]] = {}
     for page in VLLM_PAGES:
         for family in text_string_to_metric_families(page.read_text()):

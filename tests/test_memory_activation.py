@@ -50,7 +50,7 @@ def test_dense_mlp_is_profiled() -> None:
 def test_huge_max_num_batched_tokens_mlp() -> None:
     mistral = load("mistral-7b-v0.1")
     term = estimate_transient(mistral, engine(max_num_batched_tokens=200_000), 200_000, SamplingShape()).term("mlp")
-    # seeds/large-max-num-batched-tokens.txt: one [200000, 14336] bf16 buffer = 5.34 GiB; ours has three
+    # docs/sources.md#large-max-num-batched-tokens: one [200000, 14336] bf16 buffer = 5.34 GiB; ours has three
     assert 200_000 * 14336 * 2 / GiB == pytest.approx(5.34, abs=0.01)
     assert term.bytes == 3 * 200_000 * 14336 * 2
 

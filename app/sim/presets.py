@@ -3,7 +3,7 @@
 Model configs are trimmed to the fields that shape memory; `ModelGeometry.from_config` reads them
 as it reads a Hugging Face config.json. GPU totals are what `torch.cuda.mem_get_info` reports
 (slightly below the marketing size: e.g. 79.25 GiB on an H100 80GB, as in the OOM message of
-../shared/seeds/large-max-num-batched-tokens.txt).
+docs/sources.md#large-max-num-batched-tokens).
 """
 
 from __future__ import annotations

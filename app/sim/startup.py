@@ -35,7 +35,7 @@ from app.sim.step_memory import (
 NON_TORCH_PER_TP_RANK = int(1.79 * GiB)
 # CUDA graph pool per captured size and decoder layer (piecewise graphs): fitted to 0.65 GB for
 # gemma-3-4b (34 layers) and ~1.3 GB for Llama-4-Maverick (48 layers), 67 sizes each
-# (../shared/seeds/kv-cache-memory-pr.txt).
+# (docs/sources.md#kv-cache-memory-pr).
 CUDAGRAPH_BYTES_PER_SIZE_LAYER = 320 << 10
 # v1/worker/gpu_worker.py `compile_or_warm_up_model`: the margin vLLM leaves in the
 # `--kv-cache-memory` it suggests "to fully utilize gpu memory" (`redundancy_buffer_memory`).
