@@ -15,8 +15,8 @@ from app.demo import Call
 from app.sim import startup
 from app.sim.config import GiB, MiB, CoTenant, SimConfig
 from app.sim.gpu import CachingAllocator, Device
+from app.sim.model import load_model
 from app.sim.presets import gpu_total_bytes
-from app.sim.server import load_geometry
 
 from bench.workloads import chat_call, document_call, poisson_times, streaming
 
@@ -152,7 +152,7 @@ def _fully_utilized(cfg: SimConfig) -> SimConfig:
     (its 150 MiB buffer), from the start-up numbers of the same engine on an empty GPU."""
     device = Device(gpu_total_bytes(cfg.gpu))
     alloc = CachingAllocator(device, "vllm", cfg.expandable_segments)
-    _, report = startup.start(cfg, load_geometry(cfg.model), device, alloc)
+    _, report = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
     return replace(cfg, kv_cache_memory_bytes=report.kv_to_fully_utilize())
 
 

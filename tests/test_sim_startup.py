@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from app.memory.geometry import ModelGeometry
 from app.sim import startup
 from app.sim.config import GiB, SimConfig
 from app.sim.gpu import CachingAllocator, Device
-from app.sim.presets import gpu_total_bytes, model_config
+from app.sim.model import load_model
+from app.sim.presets import gpu_total_bytes
 
 
 def boot(**kw) -> tuple[startup.Resolved, startup.StartupReport, Device]:
     cfg = SimConfig(**kw)
-    g = ModelGeometry.from_config(model_config(cfg.model))
+    g = load_model(cfg.model, cfg.dtype)
     dev = Device(gpu_total_bytes(cfg.gpu))
     r, rep = startup.start(cfg, g, dev, CachingAllocator(dev, "vllm"))
     return r, rep, dev
@@ -38,10 +38,10 @@ def test_kv_pool_is_sized_as_vllm_sizes_it() -> None:
     assert rep.kv_available == expected
     page = 2 * 16 * 8 * 128 * 2 * 32  # K and V, block 16, 8 KV heads, dim 128, bf16, 32 layers
     assert r.page_bytes == page and rep.num_gpu_blocks == expected // page
-    assert rep.kv_tokens == rep.num_gpu_blocks * 16
-    assert f"GPU KV cache size: {rep.kv_tokens:,} tokens" in rep.log
-    assert any(line.startswith("Maximum concurrency for 8,192 tokens per request: ")
-               for line in rep.log)
+    assert rep.max_concurrency == rep.num_gpu_blocks / (8192 // 16)
+    assert rep.kv_tokens == int(rep.max_concurrency * 8192)
+    assert (f"GPU KV cache size: {rep.kv_tokens:,} tokens, Maximum concurrency for 8,192 tokens "
+            f"per request: {rep.max_concurrency:.2f}x") in rep.log
 
 
 def test_explicit_kv_cache_memory_bytes_and_graphs_outside_budget() -> None:
@@ -75,7 +75,7 @@ def test_fp8_kv_halves_the_page() -> None:
 
 def test_refuses_max_model_len_that_does_not_fit() -> None:
     with pytest.raises(startup.StartupError, match=r"To serve at least one request with the "
-                       r"models's max seq len \(131072\)"):
+                       r"model's max seq len \(131072\)"):
         boot(model="llama-3.1-8b", gpu="l4-24gb")
 
 

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_sim_app(config_from_args(args))
     except StartupError:
         return 1  # the engine has logged vLLM's message
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError) as exc:  # unknown preset, unreadable config.json
         logging.getLogger("kvgate.sim").error("%s", exc)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

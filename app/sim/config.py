@@ -39,6 +39,8 @@ class SimConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
+    # vLLM's --dtype: auto runs a float32 (or unset) checkpoint in bfloat16 on a CUDA GPU.
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     num_gpu_blocks_override: int | None = None

@@ -15,13 +15,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from app.memory.geometry import ModelGeometry
 from app.sim import startup
 from app.sim.blocks import BlockPool, KVCacheManager
 from app.sim.config import SimConfig
 from app.sim.carryover import CrossStepTensors
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.metrics import SimMetrics, cache_config_labels
+from app.sim.model import SimModel
 from app.sim.request import Request, Status
 from app.sim.scheduler import Scheduler, SchedulerOutput
 from app.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
@@ -38,10 +38,10 @@ Sampler = Callable[[Request], tuple[int, bool]]  # -> (token id, is end of seque
 class Engine:
     """One simulated vLLM engine on one simulated GPU (TP ranks are identical; rank 0 is played)."""
 
-    def __init__(self, cfg: SimConfig, geometry: ModelGeometry, device: Device,
+    def __init__(self, cfg: SimConfig, model: SimModel, device: Device,
                  sampler: Sampler, model_name: str) -> None:
         self.cfg = cfg
-        self.geometry = geometry
+        self.model = model
         self.device = device
         self.sampler = sampler
         self.model_name = model_name
@@ -66,11 +66,13 @@ class Engine:
         self.device.set_usage(PROCESS, 0)
         self.alloc = CachingAllocator(self.device, PROCESS, self.cfg.expandable_segments)
         try:
-            self.resolved, self.report = startup.start(self.cfg, self.geometry, self.device,
+            self.resolved, self.report = startup.start(self.cfg, self.model, self.device,
                                                        self.alloc)
         except startup.StartupError as exc:
             self.device.set_usage(PROCESS, 0)
             self.state, self.error = "failed", str(exc)
+            for line in exc.log:
+                self._log(logging.INFO, line)
             self._log(logging.ERROR, f"EngineCore failed to start. {exc}")
             raise
         r, rep = self.resolved, self.report
@@ -78,7 +80,7 @@ class Engine:
             self._log(logging.INFO, line)
         self.steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens)
         self.kv = KVCacheManager(BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching),
-                                 r.block_size)
+                                 r.block_size, r.layout.groups)
         self.scheduler = Scheduler(self.kv, r.max_num_batched_tokens, r.max_num_seqs,
                                    r.max_model_len, self.cfg.long_prefill_token_threshold)
         self.timer = StepTimer(rep.weights, self.cfg.speedup)
@@ -89,7 +91,8 @@ class Engine:
             kv_cache_memory_bytes=self.cfg.kv_cache_memory_bytes,
             num_gpu_blocks=rep.num_gpu_blocks,
             num_gpu_blocks_override=self.cfg.num_gpu_blocks_override,
-            max_model_len=r.max_model_len, sliding_window=self.geometry.sliding_window))
+            max_model_len=r.max_model_len, sliding_window=self.model.sliding_window,
+            concurrency=rep.max_concurrency))
         self.carry = CrossStepTensors(self.alloc)
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
