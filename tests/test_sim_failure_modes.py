@@ -45,11 +45,13 @@ def test_1_chunked_prefill_over_long_context_materializing_backend() -> None:
 
 
 def test_1_chunked_prefill_over_long_context_mla() -> None:
-    """MLA up-projects each chunked-prefill workspace pass of context (DeepSeek-V2-Lite)."""
+    """MLA up-projects each chunked-prefill workspace pass of context (DeepSeek-V2-Lite): with
+    vLLM 0.32's 64k-token workspace, 64k x 16 heads x (2 x 128 + 128 + 64) x 2 B = 0.88 GiB that
+    the profile (no attention metadata) never saw; 0.5 % of an H100 is too little for it."""
     def cfg(util: float) -> SimConfig:
         return SimConfig(model="deepseek-v2-lite", gpu="h100-80gb", gpu_memory_utilization=util,
                          max_num_seqs=128, max_model_len=163840, max_num_batched_tokens=2048)
-    outcome = play(cfg(0.99), [Job(150000, SHORT)])
+    outcome = play(cfg(0.995), [Job(150000, SHORT)])
     _assert_oom(outcome)
     assert outcome.steps > 1  # the first chunks (little context) passed
     _assert_survives(play(cfg(0.9), [Job(150000, SHORT)]), 1)
