@@ -78,7 +78,8 @@ class Engine:
         r, rep = self.resolved, self.report
         for line in rep.log:
             self._log(logging.INFO, line)
-        self.steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens)
+        self.steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner,
+                           r.flavor.sampler_sorts)
         self.kv = KVCacheManager(BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching),
                                  r.block_size, r.layout.groups)
         self.scheduler = Scheduler(self.kv, r.max_num_batched_tokens, r.max_num_seqs,
@@ -186,8 +187,8 @@ class Engine:
             if sp.prompt_logprobs is not None:
                 prompt_lp = max(0, min(s.num_new_tokens, req.num_prompt_tokens - s.num_context))
             reqs.append(ReqSlice(s.num_new_tokens, s.num_context, samples, prompt_lp,
-                                 sp.logprobs, sp.penalties, sp.top_p_k, sp.random,
-                                 sp.structured))
+                                 sp.prompt_logprobs or 0, sp.logprobs, sp.penalties,
+                                 sp.top_p_k, sp.random, sp.structured))
         return StepShape(tuple(reqs))
 
     def _update(self, out: SchedulerOutput, start: float) -> None:

@@ -133,6 +133,7 @@ GPUS: dict[str, int] = {
     "h100-80gb": int(79.25 * GiB),
     "h200-141gb": int(139.8 * GiB),
     "l4-24gb": int(22.05 * GiB),
+    "rtx-4090-24gb": int(23.64 * GiB),
 }
 
 

@@ -108,7 +108,8 @@ def create_sim_app(config: SimConfig) -> FastAPI:
         try:
             body = await http.json()
             p = parse(body, chat=chat, tok=tok, served=name,
-                      max_model_len=engine.resolved.max_model_len)
+                      max_model_len=engine.resolved.max_model_len,
+                      max_logprobs=config.max_logprobs)
         except SimApiError as exc:
             return exc.response()
         except (json.JSONDecodeError, ValueError, TypeError) as exc:

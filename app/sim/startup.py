@@ -1,5 +1,13 @@
 """Start-up as vLLM does it: resolve defaults, load weights, profile, size the KV pool, capture
-CUDA graphs, warm up the sampler; refuse or die where vLLM refuses or dies.
+CUDA graphs, warm up the sampler (V1 only); refuse or die where vLLM refuses or dies.
+
+Model Runner V2 (vllm/v1/worker/gpu/model_runner.py `profile_run`): the same dummy batch, then
+`_dummy_sampler_run` on a dummy input batch whose requests are greedy (no logits processing, no
+top-k/top-p, no logprobs: "the sampler may skip top_k, top_p, and logprobs"), and no sampler
+warm-up after the KV cache; its penalty counts are allocated when the runner is built
+(sample/penalties.py `PenaltiesState`), so they count as consumed memory in the profile.
+The CUDA context (and, from 0.32, the distributed set-up) sits outside the budget from vLLM 0.7
+on (app/sim/flavor.py).
 
 Grounded in vllm/engine/arg_utils.py (`get_batch_defaults`: 8192 batched tokens and 1024
 sequences on GPUs of 70 GiB or more that are not A100s, else 2048 and 256),
@@ -18,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from app.sim.config import GiB, MiB, SimConfig
+from app.sim.flavor import Flavor
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.kv_layout import KVLayout, build_layout, cdiv
 from app.sim.model import SimModel
@@ -30,9 +39,6 @@ from app.sim.step_memory import (
     run_tape,
 )
 
-# Non-torch memory per GPU (CUDA context growth, NCCL, cuBLAS workspaces): 1.79 GiB at TP 1 and
-# 3.58 GiB at TP 2 for Llama-3-8B on H100 (vLLM PR #10511); linear in TP through both points.
-NON_TORCH_PER_TP_RANK = int(1.79 * GiB)
 # CUDA graph pool per captured size and decoder layer (piecewise graphs): fitted to 0.65 GB for
 # gemma-3-4b (34 layers) and ~1.3 GB for Llama-4-Maverick (48 layers), 67 sizes each
 # (docs/sources.md#kv-cache-memory-pr).
@@ -60,6 +66,7 @@ class Resolved:
     """The engine parameters after vLLM's defaults are applied."""
 
     model: SimModel
+    flavor: Flavor
     layout: KVLayout
     dims: ModelDims
     max_model_len: int
@@ -83,7 +90,9 @@ class StartupReport:
     total: int
     requested: int
     weights: int
-    non_torch: int
+    persistent: int  # runner state allocated before the profile (V2's penalty counts)
+    non_torch: int  # inside the budget ("non-torch forward increase memory")
+    context: int  # outside it (CUDA context, communicators), held before the profile
     activation_peak: int
     cudagraph: int
     kv_available: int
@@ -93,11 +102,11 @@ class StartupReport:
     log: list[str] = field(default_factory=list)
 
     def kv_to_fully_utilize(self, buffer: int = REDUNDANCY_BUFFER) -> int:
-        """The `--kv-cache-memory` vLLM suggests "to fully utilize gpu memory": the GPU (free at
-        start-up: the simulator's GPU starts empty) less weights, profile peak, non-torch memory,
-        CUDA graphs and `buffer`."""
-        return (self.total - self.weights - self.activation_peak - self.non_torch
-                - self.cudagraph - buffer)
+        """The `--kv-cache-memory` vLLM suggests "to fully utilize gpu memory": the GPU's free
+        memory at start-up (the simulator's GPU starts empty but for the process's context) less
+        weights, profile peak, non-torch memory, CUDA graphs and `buffer`."""
+        return (self.total - self.context - self.weights - self.persistent - self.activation_peak
+                - self.non_torch - self.cudagraph - buffer)
 
 
 def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
@@ -150,19 +159,26 @@ def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
         block = layout.block_size
         workspace = cdiv(max(min(max(8 * max_len, 4 * mns * block), MLA_WORKSPACE_CAP), block),
                          block) * block
-    return Resolved(m, layout, dims, max_len, mnbt, mns, layout.block_size, backend, sizes,
-                    workspace)
+    return Resolved(m, Flavor.of(cfg), layout, dims, max_len, mnbt, mns, layout.block_size,
+                    backend, sizes, workspace)
 
 
 def profile_shape(r: Resolved) -> StepShape:
-    """The profile run's dummy batch: tokens split over min(tokens, max_num_seqs) requests."""
+    """The profile run's dummy batch: tokens split over min(tokens, max_num_seqs) requests; V1
+    samples them with top-p 0.9 / top-k V-1, V2 greedily."""
     n_tok = r.max_num_batched_tokens
     n_req = min(n_tok, r.max_num_seqs)
     base, extra = divmod(n_tok, n_req)
-    reqs = tuple(
-        ReqSlice(base + (1 if i < extra else 0), top_p_k=True, random=True) for i in range(n_req)
-    )
+    v1 = not r.flavor.v2
+    reqs = tuple(ReqSlice(base + (1 if i < extra else 0), top_p_k=v1, random=v1)
+                 for i in range(n_req))
     return StepShape(reqs, attention=False)
+
+
+def v2_penalty_state_bytes(r: Resolved) -> int:
+    """`PenaltiesState`: output_bin_counts `max_num_reqs x V` and prompt_bin_mask
+    `max_num_reqs x V/32`, int32, allocated with the V2 runner whatever the requests ask."""
+    return r.max_num_seqs * (r.dims.vocab + cdiv(r.dims.vocab, 32)) * 4
 
 
 def sampler_warmup_shape(r: Resolved) -> StepShape:
@@ -178,7 +194,9 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
     r = resolve(cfg, model, total)
     tp = cfg.tensor_parallel_size
     log: list[str] = []
-    requested = int(total * cfg.gpu_memory_utilization)
+    requested = math.ceil(total * cfg.gpu_memory_utilization)
+    context = r.flavor.non_torch_outside_budget(cfg)
+    alloc.set_non_torch(context)
     free0 = device.free()
     if cfg.kv_cache_memory_bytes is None and free0 < requested:
         raise StartupError(
@@ -188,13 +206,14 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
             "used by other processes."
         )
     weights = math.ceil(model.parameter_count() * model.dtype_bytes / tp)
-    non_torch = cfg.non_torch_bytes if cfg.non_torch_bytes is not None else (
-        NON_TORCH_PER_TP_RANK * tp)
-    steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens)
+    non_torch = r.flavor.non_torch_in_budget(cfg)
+    steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner,
+                           r.flavor.sampler_sorts)
     try:
         alloc.malloc(weights)
         log.append(f"Model loading took {weights / GiB:.4f} GiB memory")
-        alloc.set_non_torch(non_torch)
+        persistent = alloc.malloc(v2_penalty_state_bytes(r)).size if r.flavor.v2 else 0
+        alloc.set_non_torch(context + non_torch)
         alloc.reset_peak()
         before = alloc.allocated()
         run_tape(alloc, steps.plan(profile_shape(r)))
@@ -206,13 +225,13 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
     if cfg.kv_cache_memory_bytes is not None:
         available = cfg.kv_cache_memory_bytes
     else:
-        available = requested - weights - activation - non_torch
+        available = requested - weights - persistent - activation - non_torch
         if cfg.cudagraph_memory_in_budget:
             available -= graphs
     log.append(
         f"Memory profiling takes 1.00 seconds. Total non-KV cache memory: "
-        f"{(weights + activation + non_torch) / GiB:.2f}GiB; torch peak memory increase: "
-        f"{activation / GiB:.2f}GiB; non-torch forward increase memory: "
+        f"{(weights + persistent + activation + non_torch) / GiB:.2f}GiB; torch peak memory "
+        f"increase: {activation / GiB:.2f}GiB; non-torch forward increase memory: "
         f"{non_torch / GiB:.2f}GiB; weights memory: {weights / GiB:.2f}GiB."
     )
     log.append(f"Available KV cache memory: {available / GiB:.2f} GiB")
@@ -240,11 +259,12 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
         if graphs:
             alloc.malloc(graphs, pool="private")
             log.append(f"Graph capturing finished in 5 secs, took {graphs / GiB:.2f} GiB")
-        run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
+        if not r.flavor.v2:
+            run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
     except CudaOutOfMemory as exc:
         raise StartupError(f"torch.OutOfMemoryError: {exc}", log) from exc
-    report = StartupReport(total, requested, weights, non_torch, activation, graphs, available,
-                           num_blocks, kv_tokens, concurrency, log)
+    report = StartupReport(total, requested, weights, persistent, non_torch, context, activation,
+                           graphs, available, num_blocks, kv_tokens, concurrency, log)
     return r, report
 
 
