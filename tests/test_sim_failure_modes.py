@@ -168,3 +168,47 @@ def test_7_co_tenant_present_at_start_up_is_refused() -> None:
     engine.device.set_usage("cotenant", 20 * GiB)
     with pytest.raises(StartupError, match="on startup is less than desired GPU memory"):
         engine.boot()
+
+
+# ----- Model Runner V2 (vLLM 0.32's default) running out by itself ---------------------------
+def test_v2_temperature_batch_whose_fp32_logits_the_greedy_profile_never_saw() -> None:
+    """V2 profiles its sampler greedily (bf16 logits only); 1,024 decoding rows at temperature 1
+    need an fp32 copy besides, 1024 x 152,064 x 4 B = 0.58 GiB, more than the 2,048-token
+    profile's peak and vLLM's 150 MiB "fully utilize" buffer leave. Greedy rows fit."""
+    base = dict(model="qwen2.5-7b", gpu="h100-80gb", max_model_len=4096, max_num_seqs=1024,
+                max_num_batched_tokens=2048)
+    kv = _fully_utilized_kv(SimConfig(**base), REDUNDANCY_BUFFER)
+    cfg = SimConfig(**base, kv_cache_memory_bytes=kv)
+    assert make_engine(cfg).resolved.flavor.runner == "v2"
+    hot = [Job(64, Sampling(max_tokens=128, temperature=1.0), count=1024)]
+    greedy = [Job(64, Sampling(max_tokens=128, temperature=0.0), count=1024)]
+    _assert_oom(play(cfg, hot))
+    _assert_survives(play(SimConfig(**base, kv_cache_memory_bytes=kv), greedy), 1024)
+
+
+def test_v2_prompt_logprobs_minus_one_on_a_server_that_allows_it() -> None:
+    """`prompt_logprobs: -1` (vLLM accepts it only with `--max-logprobs -1`): V2 keeps fp32
+    scores and int64 ids for the whole vocabulary per prompt token, n x V x 12 B for the chunk
+    (8,192 x 128,256 x 12 B = 11.7 GiB) and twice that when the 1,024-row pieces are joined.
+    A handful of prompt logprobs per token stays within 1,024-row pieces and fits."""
+    cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384,
+                    max_logprobs=-1)
+    _assert_oom(play(cfg, [Job(8000, Sampling(max_tokens=4, prompt_logprobs=-1))]))
+    _assert_survives(play(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384),
+                          [Job(8000, Sampling(max_tokens=4, prompt_logprobs=5))]), 1)
+
+
+def test_v2_speculative_decoding_with_many_running_requests() -> None:
+    """Each decoding request verifies 1 + 4 tokens: 1,024 greedy requests bring 5,120 logits
+    rows (5120 x 128,256 x 2 B = 1.22 GiB) where the profile's dummy batch had 1,024 (0.24
+    GiB); a KV budget that leaves 512 MiB beyond the profile does not hold them. Without
+    speculation the same traffic fits the same budget."""
+    base = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=4096,
+                max_num_batched_tokens=8192, max_num_seqs=1024)
+    spec = dict(base, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    kv = _fully_utilized_kv(SimConfig(**spec), 512 * MiB)
+    jobs = [Job(32, Sampling(max_tokens=64, temperature=0.0), count=1024)]
+    outcome = play(SimConfig(**spec, kv_cache_memory_bytes=kv), jobs)
+    _assert_oom(outcome)
+    assert "Tried to allocate" in outcome.oom
+    _assert_survives(play(SimConfig(**base, kv_cache_memory_bytes=kv), jobs), 1024)

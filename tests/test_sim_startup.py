@@ -153,3 +153,22 @@ def test_refuses_max_model_len_that_does_not_fit() -> None:
 def test_tp_must_divide_heads() -> None:
     with pytest.raises(startup.StartupError, match="divisible by tensor parallel size"):
         boot(model="qwen2.5-7b", gpu="h100-80gb", tensor_parallel_size=3)
+
+
+def test_speculative_draft_model_shares_weights_budget_and_kv_pool() -> None:
+    """A draft model's weights load beside the target's and its layers join the KV pool with a
+    block size that makes their page the target's (`unify_kv_cache_spec_page_size`)."""
+    spec = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3}
+    plain, base, _ = boot(**PR_10511)
+    r, rep, _ = boot(**PR_10511, speculative_config=spec)
+    assert r.num_speculative_tokens == 3 and r.draft is not None
+    assert rep.weights - base.weights == pytest.approx(r.draft.parameter_count() * 2, abs=512)
+    # tiny-llama: 2 layers x 2 KV heads x 32 dims x 2 (K, V) x 2 B = 256 B per token and layer;
+    # the target's page is 16 tokens x 4 KiB, so the draft's block holds 256 tokens.
+    assert {(g.kind, g.block_size, g.copies) for g in r.layout.groups} == {
+        ("full", 16, 16), ("full", 256, 1)}
+    assert r.layout.layers_per_group == 2 and plain.layout.layers_per_group == 32
+    with pytest.raises(startup.StartupError, match="num_speculative_tokens"):
+        boot(**PR_10511, speculative_config={"method": "ngram"})
+    with pytest.raises(startup.StartupError, match="draft model 'nope'"):
+        boot(**PR_10511, speculative_config={"model": "nope", "num_speculative_tokens": 2})

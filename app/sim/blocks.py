@@ -98,10 +98,11 @@ class KVCacheManager:
     """Block tables per request: prefix lookup, slot allocation, freeing."""
 
     def __init__(self, pool: BlockPool, block_size: int,
-                 groups: tuple[GroupRule, ...] = (GroupRule("full", None, 1),)) -> None:
+                 groups: tuple[GroupRule, ...] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
-        hashed = groups[0].kind in ("full", "mla")
+        groups = groups or (GroupRule("full", None, block_size, 1),)
+        hashed = groups[0].kind in ("full", "mla") and groups[0].block_size == block_size
         # The block table prefix caching hashes (one full-attention group), and the other groups.
         self.table_group = groups[0] if hashed else None
         self.other_groups = groups[1:] if hashed else groups
@@ -139,7 +140,7 @@ class KVCacheManager:
         if self.table_group is not None:
             need = -(-total // self.block_size) - len(blocks) - len(new_computed)
         others = self.group_blocks.setdefault(req_id, [])
-        target = sum(g.copies * g.blocks(total, num_new, self.block_size)
+        target = sum(g.copies * g.blocks(total, num_new)
                      for g in self.other_groups)
         if len(others) > target:  # blocks that fell out of a window go back to the pool
             self.pool.free_blocks(others[: len(others) - target])

@@ -24,7 +24,7 @@ from app.sim.metrics import SimMetrics, cache_config_labels
 from app.sim.model import SimModel
 from app.sim.request import Request, Status
 from app.sim.scheduler import Scheduler, SchedulerOutput
-from app.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
+from app.sim.step_memory import ReqSlice, StepShape, run_tape
 from app.sim.timing import StepTimer, now
 
 log = logging.getLogger("kvgate.sim")
@@ -78,12 +78,12 @@ class Engine:
         r, rep = self.resolved, self.report
         for line in rep.log:
             self._log(logging.INFO, line)
-        self.steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner,
-                           r.flavor.sampler_sorts)
+        self.steps, self.draft_steps = startup.step_memories(r)
         self.kv = KVCacheManager(BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching),
                                  r.block_size, r.layout.groups)
         self.scheduler = Scheduler(self.kv, r.max_num_batched_tokens, r.max_num_seqs,
-                                   r.max_model_len, self.cfg.long_prefill_token_threshold)
+                                   r.max_model_len, self.cfg.long_prefill_token_threshold,
+                                   r.num_speculative_tokens)
         self.timer = StepTimer(rep.weights, self.cfg.speedup)
         self.metrics = SimMetrics(self.model_name, cache_config_labels(
             block_size=r.block_size, cache_dtype=self.cfg.kv_cache_dtype,
@@ -165,7 +165,11 @@ class Engine:
             return
         try:
             self.carry.start_step([s.request for s in out.scheduled])
-            self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(self.shape(out))))
+            shape = self.shape(out)
+            self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(shape)))
+            if self.draft_steps:  # its proposals go straight to the next step's input ids
+                for block in run_tape(self.alloc, self.draft_steps.plan(startup.draft_shape(shape))):
+                    self.alloc.free(block)
         except CudaOutOfMemory as exc:
             self.die(exc)
             return
@@ -186,9 +190,9 @@ class Engine:
             prompt_lp = 0
             if sp.prompt_logprobs is not None:
                 prompt_lp = max(0, min(s.num_new_tokens, req.num_prompt_tokens - s.num_context))
-            reqs.append(ReqSlice(s.num_new_tokens, s.num_context, samples, prompt_lp,
-                                 sp.prompt_logprobs or 0, sp.logprobs, sp.penalties,
-                                 sp.top_p_k, sp.random, sp.structured))
+            reqs.append(ReqSlice(s.num_new_tokens + s.num_draft_tokens, s.num_context, samples,
+                                 prompt_lp, sp.prompt_logprobs or 0, sp.logprobs, sp.penalties,
+                                 sp.top_p_k, sp.random, sp.structured, s.num_draft_tokens))
         return StepShape(tuple(reqs))
 
     def _update(self, out: SchedulerOutput, start: float) -> None:

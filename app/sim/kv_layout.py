@@ -22,6 +22,8 @@ from app.sim.model import LayerKind, SimModel
 KERNEL_BLOCK = 16  # FlashAttention's smallest kernel block, the hybrid alignment step
 MLA_BLOCK = 64  # FlashMLA's block on Hopper, vLLM's MLA default
 
+LayerSpec = tuple[LayerKind, "int | None", int]  # kind, window, block size
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -44,25 +46,27 @@ class GroupRule:
 
     kind: LayerKind
     window: int | None  # sliding window or attention chunk, tokens
+    block_size: int  # tokens per block in this group
     copies: int
 
-    def blocks(self, num_tokens: int, num_new: int, block_size: int) -> int:
+    def blocks(self, num_tokens: int, num_new: int) -> int:
         """Blocks one request holds in one group of this kind with `num_tokens` computed or
         scheduled, `num_new` of them in the current step: the window's blocks for sliding and
         chunked layers (vLLM frees the ones that fell out), one state block for recurrent ones."""
-        return min(cdiv(num_tokens, block_size),
-                   max_admission_blocks(self.kind, self.window, block_size, num_tokens, num_new))
+        return min(cdiv(num_tokens, self.block_size),
+                   max_admission_blocks(self.kind, self.window, self.block_size, num_tokens,
+                                        num_new))
 
 
 @dataclass(frozen=True)
 class KVLayout:
     """The pool's block size, its groups, and the bytes of one pool block."""
 
-    block_size: int
+    block_size: int  # the target model's attention block (the hashed block table's)
     groups: tuple[GroupRule, ...]
     layers_per_group: int
     page_bytes: int  # one layer's page, uniform across groups (recurrent pages padded to it)
-    layers: tuple[tuple[LayerKind, int | None], ...]  # each cached layer's kind and window
+    layers: tuple[LayerSpec, ...]  # each cached layer (a draft model's included)
 
     @property
     def block_bytes(self) -> int:
@@ -75,18 +79,18 @@ class KVLayout:
 
     def request_blocks(self, num_tokens: int, num_new: int) -> int:
         """Pool blocks one request holds over all groups."""
-        return sum(g.copies * g.blocks(num_tokens, num_new, self.block_size) for g in self.groups)
+        return sum(g.copies * g.blocks(num_tokens, num_new) for g in self.groups)
 
     def max_request_bytes(self, max_model_len: int, in_flight: int) -> int:
         """`max_memory_usage_bytes` summed over the cached layers: one max_model_len request."""
         return self.page_bytes * sum(
-            max_admission_blocks(kind, window, self.block_size, max_model_len, in_flight)
-            for kind, window in self.layers)
+            max_admission_blocks(kind, window, block, max_model_len, in_flight)
+            for kind, window, block in self.layers)
 
     def max_request_blocks(self, max_model_len: int, in_flight: int) -> int:
         """Pool blocks one max_model_len request takes over all groups
         (`get_max_concurrency_for_kv_cache_config`)."""
-        return sum(g.copies * max_admission_blocks(g.kind, g.window, self.block_size,
+        return sum(g.copies * max_admission_blocks(g.kind, g.window, g.block_size,
                                                    max_model_len, in_flight)
                    for g in self.groups)
 
@@ -104,35 +108,55 @@ def max_admission_blocks(kind: LayerKind, window: int | None, block_size: int, m
     return cdiv(max_len, block_size)
 
 
-def build_layout(model: SimModel, tp: int, kv_cache_dtype: str,
-                 block_size: int | None) -> KVLayout:
-    """vLLM's KV cache groups for `model` at tensor parallelism `tp`."""
+def build_layout(model: SimModel, tp: int, kv_cache_dtype: str, block_size: int | None,
+                 draft: SimModel | None = None) -> KVLayout:
+    """vLLM's KV cache groups for `model` (and a speculative draft model's layers, which share
+    the pool) at tensor parallelism `tp`."""
     kv_dt = kv_dtype_bytes(kv_cache_dtype, model.dtype_bytes)
-    if model.is_mla:
-        per_token = (model.kv_lora_rank + model.qk_rope_head_dim) * kv_dt
-        default_block = MLA_BLOCK
-    else:
-        per_token = 2 * max(1, model.kv_heads // tp) * model.head_dim * kv_dt
-        default_block = KERNEL_BLOCK
-    block = block_size or default_block
+    per_token = _per_token(model, tp, kv_dt)
+    block = block_size or (MLA_BLOCK if model.is_mla else KERNEL_BLOCK)
     mamba_page = model.mamba.state_bytes(tp, model.dtype_bytes) if model.mamba else 0
     if mamba_page and model.attention_layers:
         block = max(block, KERNEL_BLOCK * cdiv(mamba_page, KERNEL_BLOCK * per_token))
     page = block * per_token if model.attention_layers else mamba_page
-    layers = tuple((kind, {"sliding": model.sliding_window, "chunked": model.attention_chunk}
-                    .get(kind)) for kind in model.layer_kinds if kind != "none")
-    buckets: dict[tuple[LayerKind, int | None], int] = {}
+    layers = _layer_specs(model, block)
+    if draft is not None:
+        layers += _layer_specs(draft, _draft_block(draft, tp, kv_dt, page))
+    buckets: dict[LayerSpec, int] = {}
     for spec in layers:
         buckets[spec] = buckets.get(spec, 0) + 1
     if not buckets:
         raise ValueError(f"{model.name} caches nothing per token; the simulator plays decoders")
     smallest, largest = min(buckets.values()), max(buckets.values())
     size = largest if largest < 1.5 * smallest else smallest
-    groups = tuple(GroupRule(kind, window, cdiv(n, size))
-                   for (kind, window), n in sorted(buckets.items(), key=_full_first))
+    groups = tuple(GroupRule(kind, window, blk, cdiv(n, size))
+                   for (kind, window, blk), n in sorted(buckets.items(), key=_full_first))
     return KVLayout(block, groups, size, page, layers)
 
 
-def _full_first(item: tuple[tuple[LayerKind, int | None], int]) -> int:
+def _per_token(model: SimModel, tp: int, kv_dt: int) -> int:
+    """One attention layer's KV bytes per token (MLA: the latent and rope key, not split)."""
+    if model.is_mla:
+        return (model.kv_lora_rank + model.qk_rope_head_dim) * kv_dt
+    return 2 * max(1, model.kv_heads // tp) * model.head_dim * kv_dt
+
+
+def _layer_specs(model: SimModel, block: int) -> tuple[LayerSpec, ...]:
+    windows = {"sliding": model.sliding_window, "chunked": model.attention_chunk}
+    return tuple((kind, windows.get(kind), block) for kind in model.layer_kinds if kind != "none")
+
+
+def _draft_block(draft: SimModel, tp: int, kv_dt: int, page: int) -> int:
+    """`unify_kv_cache_spec_page_size`: a layer with a smaller page gets a block size that many
+    times larger, so every page is the same; a page that does not divide evenly is refused."""
+    per_token = _per_token(draft, tp, kv_dt)
+    if draft.mamba is not None or page % per_token:
+        raise ValueError(f"draft model {draft.name}: its KV page ({per_token} B per token) does "
+                         f"not divide the target's ({page} B); vLLM cannot unify the page sizes")
+    return page // per_token
+
+
+def _full_first(item: tuple[LayerSpec, int]) -> tuple[int, int]:
     """Full-attention (or MLA) groups first: the block table prefix caching hashes."""
-    return 0 if item[0][0] in ("full", "mla") else 1
+    (kind, _, block), _ = item
+    return (0 if kind in ("full", "mla") else 1, block)

@@ -29,7 +29,7 @@ from app.sim.config import GiB, MiB, SimConfig
 from app.sim.flavor import Flavor
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.kv_layout import KVLayout, build_layout, cdiv
-from app.sim.model import SimModel
+from app.sim.model import ModelConfigError, SimModel, load_model
 from app.sim.step_memory import (
     FLASHINFER_WORKSPACE_BYTES,
     ModelDims,
@@ -76,6 +76,9 @@ class Resolved:
     backend: str
     capture_sizes: list[int]
     mla_workspace_tokens: int
+    num_speculative_tokens: int = 0
+    draft: SimModel | None = None  # the speculative draft model, when one is loaded
+    draft_dims: ModelDims | None = None
 
     @property
     def page_bytes(self) -> int:
@@ -131,11 +134,27 @@ def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
     backend = cfg.attention_backend
     if backend == "auto":
         backend = "mla" if m.is_mla else "flash-attn"
+    spec_tokens, draft = speculative(cfg)
     try:
-        layout = build_layout(m, tp, cfg.kv_cache_dtype, cfg.block_size)
+        layout = build_layout(m, tp, cfg.kv_cache_dtype, cfg.block_size, draft)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    dims = ModelDims(
+    dims = model_dims(m, tp)
+    max_capture = min(mns * 2, 512)
+    sizes = [] if cfg.enforce_eager else [1, 2, 4, *range(8, max_capture + 1, 8)]
+    workspace = 0
+    if m.is_mla:
+        block = layout.block_size
+        workspace = cdiv(max(min(max(8 * max_len, 4 * mns * block), MLA_WORKSPACE_CAP), block),
+                         block) * block
+    return Resolved(m, Flavor.of(cfg), layout, dims, max_len, mnbt, mns, layout.block_size,
+                    backend, sizes, workspace, spec_tokens, draft,
+                    model_dims(draft, tp) if draft else None)
+
+
+def model_dims(m: SimModel, tp: int) -> ModelDims:
+    """Per-GPU widths of `m` at tensor parallelism `tp`."""
+    return ModelDims(
         hidden=m.hidden,
         intermediate=m.intermediate // tp,
         q_heads=m.heads // tp,
@@ -152,15 +171,25 @@ def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
         qk_nope_head_dim=m.qk_nope_head_dim,
         v_head_dim=m.v_head_dim,
     )
-    max_capture = min(mns * 2, 512)
-    sizes = [] if cfg.enforce_eager else [1, 2, 4, *range(8, max_capture + 1, 8)]
-    workspace = 0
-    if m.is_mla:
-        block = layout.block_size
-        workspace = cdiv(max(min(max(8 * max_len, 4 * mns * block), MLA_WORKSPACE_CAP), block),
-                         block) * block
-    return Resolved(m, Flavor.of(cfg), layout, dims, max_len, mnbt, mns, layout.block_size,
-                    backend, sizes, workspace)
+
+
+def speculative(cfg: SimConfig) -> tuple[int, SimModel | None]:
+    """`--speculative-config`: the draft tokens per step and the draft model, if the method
+    runs one (`draft_model`, EAGLE, MTP heads given as `model`; n-gram and suffix look-ups need
+    none)."""
+    spec = cfg.speculative_config
+    if not spec:
+        return 0, None
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise StartupError("speculative_config: num_speculative_tokens must be a positive integer")
+    name = spec.get("model")
+    if spec.get("method") in ("ngram", "suffix") or not name:
+        return k, None
+    try:
+        return k, load_model(str(name), cfg.dtype)
+    except (KeyError, ModelConfigError) as exc:
+        raise StartupError(f"speculative_config: draft model {name!r}: {exc}") from None
 
 
 def profile_shape(r: Resolved) -> StepShape:
@@ -173,6 +202,22 @@ def profile_shape(r: Resolved) -> StepShape:
     reqs = tuple(ReqSlice(base + (1 if i < extra else 0), top_p_k=v1, random=v1)
                  for i in range(n_req))
     return StepShape(reqs, attention=False)
+
+
+def step_memories(r: Resolved) -> tuple[StepMemory, StepMemory | None]:
+    """The step tapes of the target model and of the speculative draft model, if any."""
+    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner,
+                        r.flavor.sampler_sorts)
+    if r.draft_dims is None:
+        return target, None
+    return target, StepMemory(r.draft_dims, "flash-attn", 0, r.flavor.runner)
+
+
+def draft_shape(shape: StepShape) -> StepShape:
+    """The draft model's pass over the step (one pass standing for its k proposal steps): the
+    same tokens, one greedy proposal row per sampling request."""
+    return StepShape(tuple(ReqSlice(r.num_new_tokens, r.num_context, r.samples)
+                           for r in shape.reqs), shape.attention)
 
 
 def v2_penalty_state_bytes(r: Resolved) -> int:
@@ -205,10 +250,10 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
             f"{requested / GiB:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory "
             "used by other processes."
         )
-    weights = math.ceil(model.parameter_count() * model.dtype_bytes / tp)
+    params = model.parameter_count() + (r.draft.parameter_count() if r.draft else 0)
+    weights = math.ceil(params * model.dtype_bytes / tp)
     non_torch = r.flavor.non_torch_in_budget(cfg)
-    steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner,
-                           r.flavor.sampler_sorts)
+    steps, draft_steps = step_memories(r)
     try:
         alloc.malloc(weights)
         log.append(f"Model loading took {weights / GiB:.4f} GiB memory")
@@ -217,6 +262,8 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
         alloc.reset_peak()
         before = alloc.allocated()
         run_tape(alloc, steps.plan(profile_shape(r)))
+        if draft_steps:
+            run_tape(alloc, draft_steps.plan(draft_shape(profile_shape(r))))
         activation = alloc.peak_allocated - before
         alloc.empty_cache()
     except CudaOutOfMemory as exc:

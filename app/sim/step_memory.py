@@ -65,6 +65,7 @@ class ReqSlice:
     top_p_k: bool = False
     random: bool = False
     structured: bool = False
+    draft_tokens: int = 0  # speculative tokens verified with it: 1 + this many logits rows
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ class StepMemory:
     def _sampler(self, t: _Tape, shape: StepShape) -> None:
         d, dt = self.d, self.d.dtype_bytes
         rows = [r for r in shape.reqs if r.samples]
-        b, v = len(rows), d.vocab
+        b, v = sum(1 + r.draft_tokens for r in rows), d.vocab
         if not b:
             return
         bv = b * v
