@@ -17,12 +17,11 @@ from dataclasses import dataclass, field, replace
 
 from app.demo import Call
 from app.sim import startup
-from app.sim.config import GiB, MiB, CoTenant, SimConfig
+from app.sim.config import CoTenant, GiB, MiB, SimConfig
 from app.sim.flavor import parse_version
 from app.sim.gpu import CachingAllocator, Device
 from app.sim.model import load_model
 from app.sim.presets import gpu_total_bytes
-
 from bench.workloads import chat_call, document_call, poisson_times, streaming
 
 SYSTEM_PROMPTS = [

@@ -7,11 +7,11 @@ import random
 import re
 
 import pytest
+from sim_support import Job, make_engine, play
 
 from app.sim.config import GiB, MiB, SimConfig
 from app.sim.request import Sampling
 from app.sim.startup import REDUNDANCY_BUFFER, StartupError
-from sim_support import Job, make_engine, play
 
 SHORT = Sampling(max_tokens=8)
 

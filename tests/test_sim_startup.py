@@ -134,7 +134,7 @@ def test_defaults_follow_the_gpu() -> None:
 
 
 def test_mla_page_and_block_size() -> None:
-    r, rep, _ = boot(model="deepseek-v2-lite", gpu="h100-80gb", max_model_len=32768)
+    r, _, _ = boot(model="deepseek-v2-lite", gpu="h100-80gb", max_model_len=32768)
     assert r.block_size == 64 and r.backend == "mla"
     assert r.page_bytes == 64 * (512 + 64) * 2 * 27  # no factor 2 for K and V
 

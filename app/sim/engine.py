@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 from app.sim import startup
 from app.sim.blocks import BlockPool, KVCacheManager
-from app.sim.config import SimConfig
 from app.sim.carryover import CrossStepTensors
+from app.sim.config import SimConfig
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.metrics import SimMetrics, cache_config_labels
 from app.sim.model import SimModel

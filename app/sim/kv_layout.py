@@ -73,10 +73,6 @@ class KVLayout:
         """What one pool block costs: every layer slot of one group (padding included)."""
         return self.layers_per_group * self.page_bytes
 
-    @property
-    def num_groups(self) -> int:
-        return sum(g.copies for g in self.groups)
-
     def request_blocks(self, num_tokens: int, num_new: int) -> int:
         """Pool blocks one request holds over all groups."""
         return sum(g.copies * g.blocks(num_tokens, num_new) for g in self.groups)

@@ -126,9 +126,6 @@ class SimModel:
     def padded_vocab(self) -> int:
         return -(-self.vocab // VOCAB_PADDING) * VOCAB_PADDING
 
-    def count(self, kind: LayerKind) -> int:
-        return sum(1 for k in self.layer_kinds if k == kind)
-
     @property
     def attention_layers(self) -> int:
         return sum(1 for k in self.layer_kinds if k not in ("mamba", "none"))
@@ -218,7 +215,10 @@ def read_config(config: dict[str, Any], name: str, dtype: str = "auto") -> SimMo
     """Read a Hugging Face config dict (plain, or multimodal with a text config)."""
     outer = _auto_config(config)
     text = outer.get_text_config()
-    get = lambda key, default=None: _attr(text, key, default)  # noqa: E731
+
+    def get(key: str, default: Any = None) -> Any:
+        return _attr(text, key, default)
+
     try:
         layers = int(text.num_hidden_layers)
         hidden, heads = int(text.hidden_size), int(text.num_attention_heads)

@@ -15,7 +15,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
