@@ -166,6 +166,7 @@ def model_dims(m: SimModel, tp: int) -> ModelDims:
         experts_per_token=m.experts_per_token,
         moe_intermediate=m.moe_intermediate // tp,
         shared_intermediate=m.shared_intermediate // tp,
+        dense_layers=m.num_experts > 0 and "dense" in m.mlp_kinds,
         kv_lora_rank=m.kv_lora_rank,
         qk_rope_head_dim=m.qk_rope_head_dim,
         qk_nope_head_dim=m.qk_nope_head_dim,

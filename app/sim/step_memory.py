@@ -10,7 +10,9 @@ vLLM's code (paths in vllm-project/vllm):
   it made, so one layer is played for all of them.
 - fused MoE (model_executor/layers/fused_moe/fused_moe.py): per chunk of `M = min(T, 32768)`
   tokens one buffer `M x topk x max(N, H)` shared by intermediate caches 1 and 3, and
-  `M x topk x N/2` for cache 2, with `N = 2 x I_moe / TP`; shared experts are a dense MLP.
+  `M x topk x N/2` for cache 2, with `N = 2 x I_moe / TP`; shared experts are a dense MLP; the
+  dense layers of an MoE model (DeepSeek's `first_k_dense_replace`, Jamba's, Llama 4's) are
+  played too, so a step's peak is the larger layer's.
 - attention, only when the step has attention metadata (the profile run has none):
   `flash-attn` and `flashinfer` need no context-sized transient (FlashInfer's 256 MiB workspace
   is resident, allocated when the KV cache is); `materializing` builds fp32 scores and their
@@ -98,6 +100,7 @@ class ModelDims:
     experts_per_token: int = 0
     moe_intermediate: int = 0
     shared_intermediate: int = 0
+    dense_layers: bool = False  # an MoE model that keeps dense MLPs on some layers
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
@@ -198,6 +201,9 @@ class StepMemory:
             t.free("hidden")
             t.ops.append(("rename", "mlp_down", 0))
             return
+        if d.dense_layers:  # played before the MoE: the step's peak is the larger of the two
+            self._dense_mlp(t, n_tok, d.intermediate, "dense")
+            t.free("dense_down")
         t.alloc("moe_out", n_tok * d.hidden * dt)
         if d.shared_intermediate:
             self._dense_mlp(t, n_tok, d.shared_intermediate, "shared")
