@@ -178,7 +178,7 @@ def test_moe_models_play_their_dense_layers_too() -> None:
     """DeepSeek-V2-Lite's first layer keeps a 10,944-wide dense MLP beside 64 routed experts;
     Mixtral has none."""
     def allocations(model: str) -> set[str]:
-        r, _, _ = boot(model=model, gpu="h100-80gb", max_model_len=8192)
+        r, _, _ = boot(model=model, gpu="h200-141gb", max_model_len=8192)
         tape = startup.step_memories(r)[0].plan(startup.profile_shape(r))
         return {name for op, name, _ in tape if op == "alloc"}
     assert {"dense_gate_up", "moe_cache13"} <= allocations("deepseek-v2-lite")
