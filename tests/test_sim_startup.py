@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -184,3 +185,15 @@ def test_moe_models_play_their_dense_layers_too() -> None:
     assert {"dense_gate_up", "moe_cache13"} <= allocations("deepseek-v2-lite")
     mixtral = allocations("mixtral-8x7b")
     assert "moe_cache13" in mixtral and "dense_gate_up" not in mixtral
+
+
+def test_materializing_scores_stop_at_the_window_when_every_layer_slides(tmp_path) -> None:
+    """Mistral-7B-v0.1 slides every layer over 4,096 tokens: a 2,048-token chunk at 20,000
+    tokens of context scores 2,048 x (4,096 + 2,048) keys, not 2,048 x 22,048."""
+    config = Path(__file__).parent / "configs" / "mistral-7b-v0.1.json"
+    (tmp_path / "config.json").write_text(config.read_text())
+    r, _, _ = boot(model=str(tmp_path), gpu="h100-80gb", max_model_len=32768,
+                   max_num_batched_tokens=2048, attention_backend="materializing")
+    chunk = startup.StepShape((startup.ReqSlice(2048, 20000),))
+    scores = {n: b for op, n, b in startup.step_memories(r)[0].plan(chunk) if op == "alloc"}
+    assert scores["attn_scores"] == r.dims.q_heads * 2048 * (4096 + 2048) * 4

@@ -167,11 +167,21 @@ def model_dims(m: SimModel, tp: int) -> ModelDims:
         moe_intermediate=m.moe_intermediate // tp,
         shared_intermediate=m.shared_intermediate // tp,
         dense_layers=m.num_experts > 0 and "dense" in m.mlp_kinds,
+        attention_span=attention_span(m),
         kv_lora_rank=m.kv_lora_rank,
         qk_rope_head_dim=m.qk_rope_head_dim,
         qk_nope_head_dim=m.qk_nope_head_dim,
         v_head_dim=m.v_head_dim,
     )
+
+
+def attention_span(m: SimModel) -> int:
+    """How far back the widest attention layer looks: the window (or chunk) when no layer
+    attends to the whole context, else 0 (unbounded)."""
+    kinds = {k for k in m.layer_kinds if k not in ("mamba", "none")}
+    if kinds <= {"sliding", "chunked"} and kinds:
+        return max(m.sliding_window or 0, m.attention_chunk or 0)
+    return 0
 
 
 def speculative(cfg: SimConfig) -> tuple[int, SimModel | None]:

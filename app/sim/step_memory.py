@@ -16,7 +16,8 @@ vLLM's code (paths in vllm-project/vllm):
 - attention, only when the step has attention metadata (the profile run has none):
   `flash-attn` and `flashinfer` need no context-sized transient (FlashInfer's 256 MiB workspace
   is resident, allocated when the KV cache is); `materializing` builds fp32 scores and their
-  softmax, `heads x q_len x kv_len`, one request at a time (a non-flash path); `mla`
+  softmax, `heads x q_len x kv_len`, one request at a time (a non-flash path; when every
+  attention layer is sliding or chunked, kv_len stops at the window); `mla`
   (v1/attention/backends/mla/common.py) up-projects the new tokens' K/V and then, per
   chunked-prefill workspace pass, `chunk x heads x (nope + v)` and `chunk x heads x (nope + rope)`.
 - logits and sampler, vLLM 0.32 on CUDA. Top-k/top-p never sort the vocabulary: FlashInfer
@@ -101,6 +102,7 @@ class ModelDims:
     moe_intermediate: int = 0
     shared_intermediate: int = 0
     dense_layers: bool = False  # an MoE model that keeps dense MLPs on some layers
+    attention_span: int = 0  # tokens a query attends back at most, when no layer is full; 0: all
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
@@ -175,7 +177,7 @@ class StepMemory:
     def _attention_transients(self, t: _Tape, shape: StepShape) -> None:
         d, dt = self.d, self.d.dtype_bytes
         if self.backend == "materializing":
-            worst = max(r.num_new_tokens * (r.num_context + r.num_new_tokens) for r in shape.reqs)
+            worst = max(r.num_new_tokens * self._kv_len(r) for r in shape.reqs)
             t.alloc("attn_scores", d.q_heads * worst * 4)
             t.alloc("attn_probs", d.q_heads * worst * dt)
             t.free("attn_scores", "attn_probs")
@@ -193,6 +195,12 @@ class StepMemory:
                 t.alloc("mla_ctx_out", new * d.q_heads * (d.v_head_dim * dt + 4))
                 t.free("mla_ctx_kv", "mla_ctx_out")
             t.free("mla_new_kv")
+
+    def _kv_len(self, r: ReqSlice) -> int:
+        """Keys one of the request's new tokens attends to at most."""
+        kv = r.num_context + r.num_new_tokens
+        span = self.d.attention_span
+        return min(kv, span + r.num_new_tokens) if span else kv
 
     def _mlp(self, t: _Tape, n_tok: int) -> None:
         d, dt = self.d, self.d.dtype_bytes
