@@ -36,7 +36,8 @@ vLLM's code (paths in vllm-project/vllm):
   `compute_topk_scores` (an fp32 log-softmax `B x V`), penalties applied in place on counts
   preallocated at start-up (sample/penalties.py `PenaltiesState`: `max_num_reqs x V` int32).
 - prompt logprobs. V1 (v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`): per request,
-  the chunk's logits `n x V` in the model dtype and their log_softmax in fp32. V2
+  the chunk's logits `n x V` in the model dtype, their log_softmax in fp32 and
+  `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). V2
   (v1/worker/gpu/sample/prompt_logprob.py `compute_prompt_logprobs_with_chunking`): 1,024 rows at
   a time (logits, then an fp32 log-softmax), keeping `k + 1` scores and ids per row; with
   `prompt_logprobs: -1` k is the vocabulary, so `n x V` fp32 scores and int64 ids pile up over
@@ -295,12 +296,13 @@ class StepMemory:
             if not n:
                 continue
             t.alloc(f"pl_hidden{i}", n * d.hidden * dt)
-            if not self.v2:
+            k = d.vocab if r.prompt_logprobs == -1 else r.prompt_logprobs + 1
+            if not self.v2:  # gather_logprobs: top-k values and ids of the whole chunk
                 t.alloc(f"pl_logits{i}", n * d.vocab * dt)
                 t.alloc(f"pl_logprobs{i}", n * d.vocab * 4)
-                t.free(f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
+                t.alloc(f"pl_topk{i}", n * k * 12)
+                t.free(f"pl_topk{i}", f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
                 continue
-            k = d.vocab if r.prompt_logprobs == -1 else r.prompt_logprobs + 1
             chunks = []
             for c in range(-(-n // PROMPT_LOGPROB_CHUNK)):
                 rows = min(PROMPT_LOGPROB_CHUNK, n - c * PROMPT_LOGPROB_CHUNK)
