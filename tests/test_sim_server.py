@@ -81,6 +81,21 @@ def test_metric_families_types_and_labels_match_real_vllm(sim: SimRunner) -> Non
     assert re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="\d+"', info)
 
 
+def test_version_and_logprob_limits_as_vllm(sim: SimRunner) -> None:
+    """GET /version answers the release played; `prompt_logprobs: -1` needs `--max-logprobs -1`
+    (vllm/sampling_params.py `_validate_logprobs`), else a 400 naming the limit."""
+    assert httpx.get(sim.url + "/version").json() == {"version": "0.32.0"}
+    model = httpx.get(sim.url + "/v1/models").json()["data"][0]["id"]
+    for field, value, wanted in (("prompt_logprobs", -1, None), ("logprobs", 21, 21)):
+        r = httpx.post(sim.url + "/v1/completions", json={
+            "model": model, "prompt": "a b", "max_tokens": 1, field: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "greater than max allowed: 20" in err["message"]
+        if wanted:
+            assert f"logprobs of {wanted}," in err["message"]
+
+
 def test_sim_gpu_is_an_nvml_like_view(sim: SimRunner) -> None:
     g = httpx.get(sim.url + "/sim/gpu").json()
     assert g["total"] == g["free"] + g["used"]
@@ -88,9 +103,10 @@ def test_sim_gpu_is_an_nvml_like_view(sim: SimRunner) -> None:
 
 
 def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
+    # V1's whole-chunk prompt logprobs (failure mode 2) kill the engine.
     cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384,
                     max_num_seqs=256, gpu_memory_utilization=0.95, speedup=1000,
-                    restart_seconds=200)
+                    restart_seconds=200, model_runner="v1")
     with SimRunner(cfg) as sim, httpx.Client(base_url=sim.url, timeout=30) as c:
         c.post("/v1/completions", json={"model": "llama-3.1-8b", "prompt": "a b", "max_tokens": 2})
         r = c.post("/v1/completions", json={"model": "llama-3.1-8b", "prompt": "go " * 8000,

@@ -60,7 +60,7 @@ def _num(body: dict[str, Any], key: str, default: float) -> float:
 
 
 def parse(body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str,
-          max_model_len: int) -> Parsed:
+          max_model_len: int, max_logprobs: int = 20) -> Parsed:
     """Validate and tokenize; raises SimApiError (400/404) as vLLM would."""
     model = body.get("model", served)
     if model != served:
@@ -107,17 +107,35 @@ def parse(body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str,
                                            "guided_grammar", "structured_outputs")) or (
         isinstance(body.get("response_format"), dict)
         and body["response_format"].get("type") in ("json_object", "json_schema"))
+    prompt_logprobs = body.get("prompt_logprobs")
+    _check_logprobs(logprobs, "logprobs", max_logprobs, tok.vocab_size)
+    _check_logprobs(prompt_logprobs, "prompt_logprobs", max_logprobs, tok.vocab_size)
     n = int(body.get("n") or 1)
     if n < 1:
         raise SimApiError(400, "n must be at least 1.", "n")
     sampling = Sampling(
         max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
         top_p=_num(body, "top_p", 1.0), top_k=int(_num(body, "top_k", 0)),
-        logprobs=logprobs, prompt_logprobs=body.get("prompt_logprobs"), penalties=penalties,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, penalties=penalties,
         structured=structured, seed=body.get("seed"), ignore_eos=bool(body.get("ignore_eos")))
     opts = body.get("stream_options") or {}
     return Parsed(chat, ids, sampling, n, bool(body.get("stream")),
                   bool(opts.get("include_usage")), served)
+
+
+def _check_logprobs(value: object, key: str, max_logprobs: int, vocab_size: int) -> None:
+    """vllm/sampling_params.py `_validate_logprobs`: -1 means the whole vocabulary, allowed only
+    when the server runs with `--max-logprobs -1` (or a limit of at least the vocabulary)."""
+    if value is None or value is False:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise SimApiError(400, f"{key} must be a non-negative integer or -1, got {value!r}", key)
+    wanted = vocab_size if value == -1 else value
+    allowed = vocab_size if max_logprobs == -1 else max_logprobs
+    if wanted > allowed:
+        what = "prompt logprobs" if key == "prompt_logprobs" else "sample logprobs"
+        raise SimApiError(400, f"Requested {what} of {wanted}, which is greater than max "
+                          f"allowed: {allowed}", key)
 
 
 class ResponseBuilder:

@@ -7,6 +7,14 @@ physical blocks. A freed block keeps its hash and stays findable until it is evi
 blocks sit in a queue and are reused from the front; a request's blocks are freed tail first,
 so the end of a prompt is evicted before its beginning. A cached block with no reference counts
 as free (`kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)`).
+
+Hybrid models (app/sim/kv_layout.py) draw several KV cache groups from the one pool, as vLLM's
+hybrid KV cache manager does (v1/core/kv_cache_coordinator.py `HybridKVCacheCoordinator`): the
+first full-attention group keeps the hashed block table; every other group holds the blocks its
+kind needs (a window's worth for sliding and chunked layers, whose older blocks are freed; one
+state block for recurrent layers). Prefix-cache hits are taken only on single-group layouts:
+a hybrid hit needs every group to hit, which the simulator does not model (it recomputes, using
+more KV, never less).
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from app.sim.kv_layout import GroupRule
 
 _NONE_HASH = 0
 
@@ -87,10 +97,18 @@ class BlockPool:
 class KVCacheManager:
     """Block tables per request: prefix lookup, slot allocation, freeing."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int,
+                 groups: tuple[GroupRule, ...] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        groups = groups or (GroupRule("full", None, block_size, 1),)
+        hashed = groups[0].kind in ("full", "mla") and groups[0].block_size == block_size
+        # The block table prefix caching hashes (one full-attention group), and the other groups.
+        self.table_group = groups[0] if hashed else None
+        self.other_groups = groups[1:] if hashed else groups
+        self.caching = pool.enable_caching and hashed and not self.other_groups
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.group_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached: dict[str, int] = {}
         self.hashes: dict[str, list[int]] = {}
 
@@ -102,7 +120,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute."""
-        if not self.pool.enable_caching:
+        if not self.caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         hit: list[KVBlock] = []
@@ -118,15 +136,26 @@ class KVCacheManager:
         """Give the request blocks for `num_new` more tokens, or False if the pool is short."""
         blocks = self.req_blocks.setdefault(req_id, [])
         total = num_computed + len(new_computed) * self.block_size + num_new
-        need = -(-total // self.block_size) - len(blocks) - len(new_computed)
+        need = 0
+        if self.table_group is not None:
+            need = -(-total // self.block_size) - len(blocks) - len(new_computed)
+        others = self.group_blocks.setdefault(req_id, [])
+        target = sum(g.copies * g.blocks(total, num_new)
+                     for g in self.other_groups)
+        if len(others) > target:  # blocks that fell out of a window go back to the pool
+            self.pool.free_blocks(others[: len(others) - target])
+            del others[: len(others) - target]
+        need_others = target - len(others)
         evictable = sum(1 for b in new_computed if b.ref_cnt == 0)
-        if need > self.pool.num_free - evictable:
+        if max(0, need) + need_others > self.pool.num_free - evictable:
             return False
         self.pool.touch(new_computed)
         blocks.extend(new_computed)
         if need > 0:
             blocks.extend(self.pool.get_new_blocks(need))
-        if self.pool.enable_caching:
+        if need_others > 0:
+            others.extend(self.pool.get_new_blocks(need_others))
+        if self.caching:
             full = min(total, len(token_ids)) // self.block_size
             hs = self._hashes(req_id, token_ids[: full * self.block_size])
             start = self.num_cached.get(req_id, 0)
@@ -136,7 +165,7 @@ class KVCacheManager:
         return True
 
     def free(self, req_id: str) -> None:
-        blocks = self.req_blocks.pop(req_id, [])
+        blocks = self.req_blocks.pop(req_id, []) + self.group_blocks.pop(req_id, [])
         self.pool.free_blocks(list(reversed(blocks)))
         self.num_cached.pop(req_id, None)
 

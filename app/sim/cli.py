@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from typing import Any
 
 import uvicorn
 
@@ -17,6 +19,17 @@ def _cotenant(spec: str) -> CoTenant:
     end = float(parts[3]) if len(parts) > 3 else None
     return CoTenant(parts[0], int(float(parts[1])), float(parts[2]) if len(parts) > 2 else 0.0,
                     end)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """--speculative-config: a JSON object, as vLLM takes it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -43,7 +58,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=True, help="vLLM >= 0.21 behaviour (off: graphs on top of the budget)")
     p.add_argument("--expandable-segments", action="store_true",
                    help="as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    p.add_argument("--non-torch-bytes", type=int, default=None)
+    p.add_argument("--non-torch-bytes", type=int, default=None,
+                   help="measured 'non-torch forward increase memory' (inside the budget)")
+    p.add_argument("--cuda-context-bytes", type=int, default=None,
+                   help="device memory held before the profile (outside the budget, vLLM >= 0.7)")
+    p.add_argument("--vllm-version", default="0.32.0", help="the vLLM release to play")
+    p.add_argument("--model-runner", choices=["auto", "v1", "v2"], default="auto",
+                   help="auto: the release's default (V2 from 0.32)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="largest logprobs / prompt_logprobs a request may ask (-1: vocabulary)")
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--cotenant", action="append", type=_cotenant, default=[],
                    metavar="NAME:BYTES[:START[:END]]")
     p.add_argument("--seed", type=int, default=0)
@@ -67,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_sim_app(config_from_args(args))
     except StartupError:
         return 1  # the engine has logged vLLM's message
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError) as exc:  # unknown preset, unreadable config.json
         logging.getLogger("kvgate.sim").error("%s", exc)
         return 2
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

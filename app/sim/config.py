@@ -5,7 +5,7 @@ simulation knobs (speed-up, restart time, co-tenants) that a real deployment get
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -39,6 +39,8 @@ class SimConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
+    # vLLM's --dtype: auto runs a float32 (or unset) checkpoint in bfloat16 on a CUDA GPU.
+    dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
     num_gpu_blocks_override: int | None = None
@@ -48,8 +50,10 @@ class SimConfig:
     cudagraph_memory_in_budget: bool = True
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     expandable_segments: bool = False
-    # Measured non-torch memory (CUDA context increase, NCCL, cuBLAS); None: calibrated default.
+    # Measured "non-torch forward increase memory" (inside the budget); None: app/sim/flavor.py.
     non_torch_bytes: int | None = None
+    # Device memory held before the profile's baseline (CUDA context); None: app/sim/flavor.py.
+    cuda_context_bytes: int | None = None
     seed: int = 0
     speedup: float = 1.0
     # "wall": latency histograms in wall-clock seconds (as a real vLLM); "sim": in simulated
@@ -59,3 +63,10 @@ class SimConfig:
     startup_seconds: float = 0.0
     cotenants: list[CoTenant] = field(default_factory=list)
     vllm_version: str = "0.32.0"
+    # "auto": the runner that release picks (V2 from 0.32 on, app/sim/flavor.py).
+    model_runner: Literal["auto", "v1", "v2"] = "auto"
+    # --max-logprobs (vLLM's default 20; -1 allows the whole vocabulary).
+    max_logprobs: int = 20
+    # --speculative-config, e.g. {"method": "draft_model", "model": "<preset or folder>",
+    # "num_speculative_tokens": 4} or {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: dict[str, Any] | None = None

@@ -15,16 +15,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from app.memory.geometry import ModelGeometry
 from app.sim import startup
 from app.sim.blocks import BlockPool, KVCacheManager
-from app.sim.config import SimConfig
 from app.sim.carryover import CrossStepTensors
+from app.sim.config import SimConfig
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.metrics import SimMetrics, cache_config_labels
+from app.sim.model import SimModel
 from app.sim.request import Request, Status
 from app.sim.scheduler import Scheduler, SchedulerOutput
-from app.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
+from app.sim.step_memory import ReqSlice, StepShape, run_tape
 from app.sim.timing import StepTimer, now
 
 log = logging.getLogger("kvgate.sim")
@@ -38,10 +38,10 @@ Sampler = Callable[[Request], tuple[int, bool]]  # -> (token id, is end of seque
 class Engine:
     """One simulated vLLM engine on one simulated GPU (TP ranks are identical; rank 0 is played)."""
 
-    def __init__(self, cfg: SimConfig, geometry: ModelGeometry, device: Device,
+    def __init__(self, cfg: SimConfig, model: SimModel, device: Device,
                  sampler: Sampler, model_name: str) -> None:
         self.cfg = cfg
-        self.geometry = geometry
+        self.model = model
         self.device = device
         self.sampler = sampler
         self.model_name = model_name
@@ -66,21 +66,24 @@ class Engine:
         self.device.set_usage(PROCESS, 0)
         self.alloc = CachingAllocator(self.device, PROCESS, self.cfg.expandable_segments)
         try:
-            self.resolved, self.report = startup.start(self.cfg, self.geometry, self.device,
+            self.resolved, self.report = startup.start(self.cfg, self.model, self.device,
                                                        self.alloc)
         except startup.StartupError as exc:
             self.device.set_usage(PROCESS, 0)
             self.state, self.error = "failed", str(exc)
+            for line in exc.log:
+                self._log(logging.INFO, line)
             self._log(logging.ERROR, f"EngineCore failed to start. {exc}")
             raise
         r, rep = self.resolved, self.report
         for line in rep.log:
             self._log(logging.INFO, line)
-        self.steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens)
+        self.steps, self.draft_steps = startup.step_memories(r)
         self.kv = KVCacheManager(BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching),
-                                 r.block_size)
+                                 r.block_size, r.layout.groups)
         self.scheduler = Scheduler(self.kv, r.max_num_batched_tokens, r.max_num_seqs,
-                                   r.max_model_len, self.cfg.long_prefill_token_threshold)
+                                   r.max_model_len, self.cfg.long_prefill_token_threshold,
+                                   r.num_speculative_tokens)
         self.timer = StepTimer(rep.weights, self.cfg.speedup)
         self.metrics = SimMetrics(self.model_name, cache_config_labels(
             block_size=r.block_size, cache_dtype=self.cfg.kv_cache_dtype,
@@ -89,7 +92,8 @@ class Engine:
             kv_cache_memory_bytes=self.cfg.kv_cache_memory_bytes,
             num_gpu_blocks=rep.num_gpu_blocks,
             num_gpu_blocks_override=self.cfg.num_gpu_blocks_override,
-            max_model_len=r.max_model_len, sliding_window=self.geometry.sliding_window))
+            max_model_len=r.max_model_len, sliding_window=self.model.sliding_window,
+            concurrency=rep.max_concurrency))
         self.carry = CrossStepTensors(self.alloc)
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
@@ -161,7 +165,11 @@ class Engine:
             return
         try:
             self.carry.start_step([s.request for s in out.scheduled])
-            self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(self.shape(out))))
+            shape = self.shape(out)
+            self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(shape)))
+            if self.draft_steps:  # its proposals go straight to the next step's input ids
+                for block in run_tape(self.alloc, self.draft_steps.plan(startup.draft_shape(shape))):
+                    self.alloc.free(block)
         except CudaOutOfMemory as exc:
             self.die(exc)
             return
@@ -182,9 +190,9 @@ class Engine:
             prompt_lp = 0
             if sp.prompt_logprobs is not None:
                 prompt_lp = max(0, min(s.num_new_tokens, req.num_prompt_tokens - s.num_context))
-            reqs.append(ReqSlice(s.num_new_tokens, s.num_context, samples, prompt_lp,
-                                 sp.logprobs, sp.penalties, sp.top_p_k, sp.random,
-                                 sp.structured))
+            reqs.append(ReqSlice(s.num_new_tokens + s.num_draft_tokens, s.num_context, samples,
+                                 prompt_lp, sp.prompt_logprobs or 0, sp.logprobs, sp.penalties,
+                                 sp.top_p_k, sp.random, sp.structured, s.num_draft_tokens))
         return StepShape(tuple(reqs))
 
     def _update(self, out: SchedulerOutput, start: float) -> None:

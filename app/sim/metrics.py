@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from app.memory.kv import cdiv
-
 _LABELS = ["engine", "model_name"]
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -72,11 +70,11 @@ class SimMetrics:
 def cache_config_labels(*, block_size: int, cache_dtype: str, enable_prefix_caching: bool,
                         gpu_memory_utilization: float, kv_cache_memory_bytes: int | None,
                         num_gpu_blocks: int, num_gpu_blocks_override: int | None,
-                        max_model_len: int, sliding_window: int | None) -> dict[str, str]:
+                        max_model_len: int, sliding_window: int | None,
+                        concurrency: float) -> dict[str, str]:
     """The label set vLLM 0.32 puts on `vllm:cache_config_info` (every value a string); the
     capacity as vLLM's get_kv_cache_capacity states it (pool blocks / blocks of one
-    max_model_len request, and that many requests' tokens)."""
-    concurrency = num_gpu_blocks / cdiv(max_model_len, block_size)
+    max_model_len request over every KV cache group, and that many requests' tokens)."""
     return {
         "_block_size_resolved": "True",
         "block_size": str(block_size),

@@ -1,6 +1,6 @@
 """Real models (their public config.json values) and GPUs (the capacity CUDA reports).
 
-Model configs are trimmed to the fields that shape memory; `ModelGeometry.from_config` reads them
+Model configs are trimmed to the fields that shape memory; `app.sim.model.read_config` reads them
 as it reads a Hugging Face config.json. GPU totals are what `torch.cuda.mem_get_info` reports
 (slightly below the marketing size: e.g. 79.25 GiB on an H100 80GB, as in the OOM message of
 docs/sources.md#large-max-num-batched-tokens).
@@ -133,6 +133,7 @@ GPUS: dict[str, int] = {
     "h100-80gb": int(79.25 * GiB),
     "h200-141gb": int(139.8 * GiB),
     "l4-24gb": int(22.05 * GiB),
+    "rtx-4090-24gb": int(23.64 * GiB),
 }
 
 

@@ -6,6 +6,11 @@ cut into chunks (chunked prefill, optionally capped by `long_prefill_token_thres
 running request needs a block and the pool has none, the last running request is preempted
 (recompute: its blocks are freed, its progress reset, it goes back to the front of the queue);
 no waiting request is admitted in a step that preempted.
+
+With speculative decoding each decoding request is scheduled with its draft tokens as well
+(`num_lookahead_tokens`, v1/core/sched/scheduler.py: slots for `1 + num_speculative_tokens`
+tokens, verified in one target forward); the simulator then advances it by the one token it
+always keeps (every draft rejected: the memory of the step, not the speed-up, is what it plays).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class ScheduledReq:
     request: Request
     num_new_tokens: int
     num_context: int
+    num_draft_tokens: int = 0  # speculative tokens verified with the new ones
 
 
 @dataclass
@@ -31,7 +37,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_draft_tokens for s in self.scheduled)
 
 
 @dataclass
@@ -44,8 +50,10 @@ class Scheduler:
     """Continuous batching over one KV cache manager."""
 
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, long_prefill_token_threshold: int = 0) -> None:
+                 max_model_len: int, long_prefill_token_threshold: int = 0,
+                 num_speculative_tokens: int = 0) -> None:
         self.kv = kv
+        self.num_speculative_tokens = num_speculative_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -85,9 +93,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = self._chunk(remaining, budget)
+            drafts = min(self.num_speculative_tokens, budget - n,
+                         self.max_model_len - req.num_tokens) if remaining == 1 else 0
             while not self.kv.allocate_slots(req.request_id, req.all_token_ids,
-                                             req.num_computed_tokens, n):
+                                             req.num_computed_tokens, n + max(0, drafts)):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
@@ -95,8 +106,9 @@ class Scheduler:
                     break
             if not n:
                 break
-            out.scheduled.append(ScheduledReq(req, n, req.num_computed_tokens))
-            budget -= n
+            drafts = max(0, drafts)
+            out.scheduled.append(ScheduledReq(req, n, req.num_computed_tokens, drafts))
+            budget -= n + drafts
             i += 1
         if not out.preempted:
             self._admit(out, budget)

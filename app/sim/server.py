@@ -13,19 +13,19 @@ import contextlib
 import json
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from app.memory.geometry import ModelGeometry
 from app.sim.api import Parsed, ResponseBuilder, SimApiError, error_body, parse
 from app.sim.config import SimConfig
 from app.sim.engine import ENGINE_DEAD_MESSAGE, PROCESS, Engine
 from app.sim.gpu import Device
-from app.sim.presets import gpu_total_bytes, model_config
+from app.sim.model import load_model
+from app.sim.presets import gpu_total_bytes
 from app.sim.request import Request
 from app.sim.timing import now
 from app.sim.tokens import TextModel, load_tokenizer
@@ -33,20 +33,13 @@ from app.sim.tokens import TextModel, load_tokenizer
 _UNAVAILABLE = "The simulated vLLM engine is down (restarting after a fatal error)."
 
 
-def load_geometry(model: str) -> ModelGeometry:
-    """A preset name or a folder with config.json."""
-    if Path(model).is_dir():
-        return ModelGeometry.from_folder(model)
-    return ModelGeometry.from_config(model_config(model))
-
-
 def create_sim_app(config: SimConfig) -> FastAPI:
     """Build the simulator: device, engine (started now), tokenizer, routes."""
-    geometry = load_geometry(config.model)
+    model = load_model(config.model, config.dtype)
     name = config.served_model_name or config.model
-    tok = load_tokenizer(config.model, geometry.vocab_size)
+    tok = load_tokenizer(config.model, model.vocab)
     device = Device(gpu_total_bytes(config.gpu))
-    engine = Engine(config, geometry, device, TextModel(tok, config.seed), name)
+    engine = Engine(config, model, device, TextModel(tok, config.seed), name)
     engine.apply_cotenants()
     engine.boot()
 
@@ -116,7 +109,8 @@ def create_sim_app(config: SimConfig) -> FastAPI:
         try:
             body = await http.json()
             p = parse(body, chat=chat, tok=tok, served=name,
-                      max_model_len=engine.resolved.max_model_len)
+                      max_model_len=engine.resolved.max_model_len,
+                      max_logprobs=config.max_logprobs)
         except SimApiError as exc:
             return exc.response()
         except (json.JSONDecodeError, ValueError, TypeError) as exc:

@@ -1,5 +1,13 @@
 """Start-up as vLLM does it: resolve defaults, load weights, profile, size the KV pool, capture
-CUDA graphs, warm up the sampler; refuse or die where vLLM refuses or dies.
+CUDA graphs, warm up the sampler (V1 only); refuse or die where vLLM refuses or dies.
+
+Model Runner V2 (vllm/v1/worker/gpu/model_runner.py `profile_run`): the same dummy batch, then
+`_dummy_sampler_run` on a dummy input batch whose requests are greedy (no logits processing, no
+top-k/top-p, no logprobs: "the sampler may skip top_k, top_p, and logprobs"), and no sampler
+warm-up after the KV cache; its penalty counts are allocated when the runner is built
+(sample/penalties.py `PenaltiesState`), so they count as consumed memory in the profile.
+The CUDA context (and, from 0.32, the distributed set-up) sits outside the budget from vLLM 0.7
+on (app/sim/flavor.py).
 
 Grounded in vllm/engine/arg_utils.py (`get_batch_defaults`: 8192 batched tokens and 1024
 sequences on GPUs of 70 GiB or more that are not A100s, else 2048 and 256),
@@ -17,10 +25,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from app.memory.geometry import ModelGeometry
-from app.memory.kv import kv_cache_dtype_bytes
 from app.sim.config import GiB, MiB, SimConfig
+from app.sim.flavor import Flavor
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from app.sim.kv_layout import KVLayout, build_layout, cdiv
+from app.sim.model import ModelConfigError, SimModel, load_model
 from app.sim.step_memory import (
     FLASHINFER_WORKSPACE_BYTES,
     ModelDims,
@@ -30,9 +39,6 @@ from app.sim.step_memory import (
     run_tape,
 )
 
-# Non-torch memory per GPU (CUDA context growth, NCCL, cuBLAS workspaces): 1.79 GiB at TP 1 and
-# 3.58 GiB at TP 2 for Llama-3-8B on H100 (vLLM PR #10511); linear in TP through both points.
-NON_TORCH_PER_TP_RANK = int(1.79 * GiB)
 # CUDA graph pool per captured size and decoder layer (piecewise graphs): fitted to 0.65 GB for
 # gemma-3-4b (34 layers) and ~1.3 GB for Llama-4-Maverick (48 layers), 67 sizes each
 # (docs/sources.md#kv-cache-memory-pr).
@@ -42,25 +48,42 @@ CUDAGRAPH_BYTES_PER_SIZE_LAYER = 320 << 10
 REDUNDANCY_BUFFER = 150 * MiB
 
 
+# mla_attention.py `determine_chunked_prefill_workspace_size`: at most 64k tokens (vLLM 0.32).
+MLA_WORKSPACE_CAP = 64 * 1024
+
+
 class StartupError(RuntimeError):
-    """vLLM refused to start (ValueError) or died starting (CUDA OOM)."""
+    """vLLM refused to start (ValueError) or died starting (CUDA OOM); `log` holds the lines
+    vLLM had logged before (e.g. "Available KV cache memory" before the max_model_len check)."""
+
+    def __init__(self, message: str, log: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.log = log or []
 
 
 @dataclass
 class Resolved:
     """The engine parameters after vLLM's defaults are applied."""
 
-    geometry: ModelGeometry
+    model: SimModel
+    flavor: Flavor
+    layout: KVLayout
     dims: ModelDims
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
     block_size: int
-    kv_dtype_bytes: int
     backend: str
     capture_sizes: list[int]
     mla_workspace_tokens: int
-    page_bytes: int  # one block, all layers
+    num_speculative_tokens: int = 0
+    draft: SimModel | None = None  # the speculative draft model, when one is loaded
+    draft_dims: ModelDims | None = None
+
+    @property
+    def page_bytes(self) -> int:
+        """One pool block: a page in every layer slot of one KV cache group."""
+        return self.layout.block_bytes
 
 
 @dataclass
@@ -70,7 +93,9 @@ class StartupReport:
     total: int
     requested: int
     weights: int
-    non_torch: int
+    persistent: int  # runner state allocated before the profile (V2's penalty counts)
+    non_torch: int  # inside the budget ("non-torch forward increase memory")
+    context: int  # outside it (CUDA context, communicators), held before the profile
     activation_peak: int
     cudagraph: int
     kv_available: int
@@ -80,26 +105,26 @@ class StartupReport:
     log: list[str] = field(default_factory=list)
 
     def kv_to_fully_utilize(self, buffer: int = REDUNDANCY_BUFFER) -> int:
-        """The `--kv-cache-memory` vLLM suggests "to fully utilize gpu memory": the GPU (free at
-        start-up: the simulator's GPU starts empty) less weights, profile peak, non-torch memory,
-        CUDA graphs and `buffer`."""
-        return (self.total - self.weights - self.activation_peak - self.non_torch
-                - self.cudagraph - buffer)
+        """The `--kv-cache-memory` vLLM suggests "to fully utilize gpu memory": the GPU's free
+        memory at start-up (the simulator's GPU starts empty but for the process's context) less
+        weights, profile peak, non-torch memory, CUDA graphs and `buffer`."""
+        return (self.total - self.context - self.weights - self.persistent - self.activation_peak
+                - self.non_torch - self.cudagraph - buffer)
 
 
-def resolve(cfg: SimConfig, geometry: ModelGeometry, total: int) -> Resolved:
+def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
     """Apply vLLM's defaults and checks to the configuration."""
-    g, tp = geometry, cfg.tensor_parallel_size
-    if g.num_attention_heads % tp:
+    m, tp = model, cfg.tensor_parallel_size
+    if m.heads % tp:
         raise StartupError(
-            f"Total number of attention heads ({g.num_attention_heads}) must be divisible by "
+            f"Total number of attention heads ({m.heads}) must be divisible by "
             f"tensor parallel size ({tp})."
         )
-    max_len = cfg.max_model_len or g.max_position_embeddings
-    if max_len > g.max_position_embeddings:
+    max_len = cfg.max_model_len or m.max_position_embeddings
+    if max_len > m.max_position_embeddings:
         raise StartupError(
             f"User-specified max_model_len ({max_len}) is greater than the derived "
-            f"max_model_len (max_position_embeddings={g.max_position_embeddings} in model's "
+            f"max_model_len (max_position_embeddings={m.max_position_embeddings} in model's "
             "config.json). To allow overriding this maximum, set the env var "
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
         )
@@ -108,50 +133,108 @@ def resolve(cfg: SimConfig, geometry: ModelGeometry, total: int) -> Resolved:
     mns = cfg.max_num_seqs or (1024 if big else 256)
     backend = cfg.attention_backend
     if backend == "auto":
-        backend = "mla" if g.is_mla else "flash-attn"
-    block = cfg.block_size or (64 if g.is_mla else 16)
-    kv_dt = kv_cache_dtype_bytes(cfg.kv_cache_dtype, g.dtype_bytes)
-    dims = ModelDims(
-        hidden=g.hidden_size,
-        intermediate=g.intermediate_size // tp,
-        q_heads=g.num_attention_heads // tp,
-        kv_heads=max(1, g.num_kv_heads // tp),
-        head_dim=g.head_dim,
-        vocab=g.vocab_size,
-        dtype_bytes=g.dtype_bytes,
-        num_experts=g.num_experts if g.is_moe else 0,
-        experts_per_token=g.experts_per_token if g.is_moe else 0,
-        moe_intermediate=(g.moe_intermediate_size or 0) // tp,
-        shared_intermediate=g.shared_expert_intermediate_size // tp,
-        kv_lora_rank=g.kv_lora_rank or 0,
-        qk_rope_head_dim=g.qk_rope_head_dim or 0,
-        qk_nope_head_dim=g.qk_nope_head_dim or 0,
-        v_head_dim=g.v_head_dim or 0,
-    )
-    if g.is_mla:
-        per_layer = block * (dims.kv_lora_rank + dims.qk_rope_head_dim) * kv_dt
-    else:
-        per_layer = 2 * block * dims.kv_heads * dims.head_dim * kv_dt
+        backend = "mla" if m.is_mla else "flash-attn"
+    spec_tokens, draft = speculative(cfg)
+    try:
+        layout = build_layout(m, tp, cfg.kv_cache_dtype, cfg.block_size, draft)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    dims = model_dims(m, tp)
     max_capture = min(mns * 2, 512)
     sizes = [] if cfg.enforce_eager else [1, 2, 4, *range(8, max_capture + 1, 8)]
     workspace = 0
-    if g.is_mla:
-        workspace = max(min(max(8 * max_len, 4 * mns * block), 128 * 1024), mns * block)
-    return Resolved(
-        g, dims, max_len, mnbt, mns, block, kv_dt, backend, sizes, workspace,
-        per_layer * g.num_layers,
+    if m.is_mla:
+        block = layout.block_size
+        workspace = cdiv(max(min(max(8 * max_len, 4 * mns * block), MLA_WORKSPACE_CAP), block),
+                         block) * block
+    return Resolved(m, Flavor.of(cfg), layout, dims, max_len, mnbt, mns, layout.block_size,
+                    backend, sizes, workspace, spec_tokens, draft,
+                    model_dims(draft, tp) if draft else None)
+
+
+def model_dims(m: SimModel, tp: int) -> ModelDims:
+    """Per-GPU widths of `m` at tensor parallelism `tp`."""
+    return ModelDims(
+        hidden=m.hidden,
+        intermediate=m.intermediate // tp,
+        q_heads=m.heads // tp,
+        kv_heads=max(1, m.kv_heads // tp),
+        head_dim=m.head_dim,
+        vocab=m.vocab,
+        dtype_bytes=m.dtype_bytes,
+        num_experts=m.num_experts,
+        experts_per_token=m.experts_per_token,
+        moe_intermediate=m.moe_intermediate // tp,
+        shared_intermediate=m.shared_intermediate // tp,
+        dense_layers=m.num_experts > 0 and "dense" in m.mlp_kinds,
+        attention_span=attention_span(m),
+        kv_lora_rank=m.kv_lora_rank,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        v_head_dim=m.v_head_dim,
     )
+
+
+def attention_span(m: SimModel) -> int:
+    """How far back the widest attention layer looks: the window (or chunk) when no layer
+    attends to the whole context, else 0 (unbounded)."""
+    kinds = {k for k in m.layer_kinds if k not in ("mamba", "none")}
+    if kinds <= {"sliding", "chunked"} and kinds:
+        return max(m.sliding_window or 0, m.attention_chunk or 0)
+    return 0
+
+
+def speculative(cfg: SimConfig) -> tuple[int, SimModel | None]:
+    """`--speculative-config`: the draft tokens per step and the draft model, if the method
+    runs one (`draft_model`, EAGLE, MTP heads given as `model`; n-gram and suffix look-ups need
+    none)."""
+    spec = cfg.speculative_config
+    if not spec:
+        return 0, None
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise StartupError("speculative_config: num_speculative_tokens must be a positive integer")
+    name = spec.get("model")
+    if spec.get("method") in ("ngram", "suffix") or not name:
+        return k, None
+    try:
+        return k, load_model(str(name), cfg.dtype)
+    except (KeyError, ModelConfigError) as exc:
+        raise StartupError(f"speculative_config: draft model {name!r}: {exc}") from None
 
 
 def profile_shape(r: Resolved) -> StepShape:
-    """The profile run's dummy batch: tokens split over min(tokens, max_num_seqs) requests."""
+    """The profile run's dummy batch: tokens split over min(tokens, max_num_seqs) requests; V1
+    samples them with top-p 0.9 / top-k V-1, V2 greedily."""
     n_tok = r.max_num_batched_tokens
     n_req = min(n_tok, r.max_num_seqs)
     base, extra = divmod(n_tok, n_req)
-    reqs = tuple(
-        ReqSlice(base + (1 if i < extra else 0), top_p_k=True, random=True) for i in range(n_req)
-    )
+    v1 = not r.flavor.v2
+    reqs = tuple(ReqSlice(base + (1 if i < extra else 0), top_p_k=v1, random=v1)
+                 for i in range(n_req))
     return StepShape(reqs, attention=False)
+
+
+def step_memories(r: Resolved) -> tuple[StepMemory, StepMemory | None]:
+    """The step tapes of the target model and of the speculative draft model, if any."""
+    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner,
+                        r.flavor.sampler_sorts)
+    if r.draft_dims is None:
+        return target, None
+    return target, StepMemory(r.draft_dims, "flash-attn", 0, r.flavor.runner)
+
+
+def draft_shape(shape: StepShape) -> StepShape:
+    """The draft model's pass over the step (one pass standing for its k proposal steps): the
+    same tokens, one greedy proposal row per sampling request."""
+    return StepShape(tuple(ReqSlice(r.num_new_tokens, r.num_context, r.samples)
+                           for r in shape.reqs), shape.attention)
+
+
+def v2_penalty_state_bytes(r: Resolved) -> int:
+    """`PenaltiesState`: output_bin_counts `max_num_reqs x V` and prompt_bin_mask
+    `max_num_reqs x V/32`, int32, allocated with the V2 runner whatever the requests ask."""
+    return r.max_num_seqs * (r.dims.vocab + cdiv(r.dims.vocab, 32)) * 4
 
 
 def sampler_warmup_shape(r: Resolved) -> StepShape:
@@ -160,14 +243,16 @@ def sampler_warmup_shape(r: Resolved) -> StepShape:
     return StepShape(tuple(ReqSlice(1, top_p_k=True, random=True) for _ in range(n_req)), False)
 
 
-def start(cfg: SimConfig, geometry: ModelGeometry, device: Device,
+def start(cfg: SimConfig, model: SimModel, device: Device,
           alloc: CachingAllocator) -> tuple[Resolved, StartupReport]:
     """Bring the engine up on `device`; raises StartupError with vLLM's message on failure."""
     total = device.total
-    r = resolve(cfg, geometry, total)
+    r = resolve(cfg, model, total)
     tp = cfg.tensor_parallel_size
     log: list[str] = []
-    requested = int(total * cfg.gpu_memory_utilization)
+    requested = math.ceil(total * cfg.gpu_memory_utilization)
+    context = r.flavor.non_torch_outside_budget(cfg)
+    alloc.set_non_torch(context)
     free0 = device.free()
     if cfg.kv_cache_memory_bytes is None and free0 < requested:
         raise StartupError(
@@ -176,57 +261,52 @@ def start(cfg: SimConfig, geometry: ModelGeometry, device: Device,
             f"{requested / GiB:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory "
             "used by other processes."
         )
-    weights = math.ceil(geometry.parameter_count() * geometry.dtype_bytes / tp)
-    non_torch = cfg.non_torch_bytes if cfg.non_torch_bytes is not None else (
-        NON_TORCH_PER_TP_RANK * tp)
-    steps = StepMemory(r.dims, r.backend, r.mla_workspace_tokens)
+    params = model.parameter_count() + (r.draft.parameter_count() if r.draft else 0)
+    weights = math.ceil(params * model.dtype_bytes / tp)
+    non_torch = r.flavor.non_torch_in_budget(cfg)
+    steps, draft_steps = step_memories(r)
     try:
         alloc.malloc(weights)
         log.append(f"Model loading took {weights / GiB:.4f} GiB memory")
-        alloc.set_non_torch(non_torch)
+        persistent = alloc.malloc(v2_penalty_state_bytes(r)).size if r.flavor.v2 else 0
+        alloc.set_non_torch(context + non_torch)
         alloc.reset_peak()
         before = alloc.allocated()
         run_tape(alloc, steps.plan(profile_shape(r)))
+        if draft_steps:
+            run_tape(alloc, draft_steps.plan(draft_shape(profile_shape(r))))
         activation = alloc.peak_allocated - before
         alloc.empty_cache()
     except CudaOutOfMemory as exc:
-        raise StartupError(f"torch.OutOfMemoryError: {exc}") from exc
-    graphs = len(r.capture_sizes) * geometry.num_layers * CUDAGRAPH_BYTES_PER_SIZE_LAYER
+        raise StartupError(f"torch.OutOfMemoryError: {exc}", log) from exc
+    graphs = len(r.capture_sizes) * r.model.attention_layers * CUDAGRAPH_BYTES_PER_SIZE_LAYER
     if cfg.kv_cache_memory_bytes is not None:
         available = cfg.kv_cache_memory_bytes
     else:
-        available = requested - weights - activation - non_torch
+        available = requested - weights - persistent - activation - non_torch
         if cfg.cudagraph_memory_in_budget:
             available -= graphs
     log.append(
         f"Memory profiling takes 1.00 seconds. Total non-KV cache memory: "
-        f"{(weights + activation + non_torch) / GiB:.2f}GiB; torch peak memory increase: "
-        f"{activation / GiB:.2f}GiB; non-torch forward increase memory: "
+        f"{(weights + persistent + activation + non_torch) / GiB:.2f}GiB; torch peak memory "
+        f"increase: {activation / GiB:.2f}GiB; non-torch forward increase memory: "
         f"{non_torch / GiB:.2f}GiB; weights memory: {weights / GiB:.2f}GiB."
     )
     log.append(f"Available KV cache memory: {available / GiB:.2f} GiB")
     num_blocks = max(0, available) // r.page_bytes
+    check_kv_fits(r, available, log)
     if cfg.num_gpu_blocks_override is not None:
         log.append(f"Overriding num_gpu_blocks={num_blocks} with "
                    f"num_gpu_blocks_override={cfg.num_gpu_blocks_override}")
         num_blocks = cfg.num_gpu_blocks_override
-    if num_blocks <= 0:
-        raise StartupError("No available memory for the cache blocks. Try increasing "
-                           "`gpu_memory_utilization` when initializing the engine.")
-    per_req_blocks = -(-r.max_model_len // r.block_size)
-    if num_blocks < per_req_blocks:
-        needed = per_req_blocks * r.page_bytes
-        est = num_blocks * r.block_size
-        raise StartupError(
-            f"To serve at least one request with the models's max seq len "
-            f"({r.max_model_len}), ({needed / GiB:.2f} GiB KV cache is needed, which is larger "
-            f"than the available KV cache memory ({available / GiB:.2f} GiB). Based on the "
-            f"available memory, the estimated maximum model length is {est}. Try increasing "
-            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
-        )
+    concurrency = num_blocks / r.layout.max_request_blocks(r.max_model_len,
+                                                           r.max_num_batched_tokens)
+    kv_tokens = int(concurrency * r.max_model_len)
+    log.append(f"GPU KV cache size: {kv_tokens:,} tokens, Maximum concurrency for "
+               f"{r.max_model_len:,} tokens per request: {concurrency:.2f}x")
     try:
-        layer_bytes = num_blocks * r.page_bytes // geometry.num_layers
-        for _ in range(geometry.num_layers):
+        layer_bytes = num_blocks * r.layout.page_bytes
+        for _ in range(r.layout.layers_per_group):
             alloc.malloc(layer_bytes)
         if r.backend == "flashinfer":
             alloc.malloc(FLASHINFER_WORKSPACE_BYTES)
@@ -237,14 +317,40 @@ def start(cfg: SimConfig, geometry: ModelGeometry, device: Device,
         if graphs:
             alloc.malloc(graphs, pool="private")
             log.append(f"Graph capturing finished in 5 secs, took {graphs / GiB:.2f} GiB")
-        run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
+        if not r.flavor.v2:
+            run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
     except CudaOutOfMemory as exc:
-        raise StartupError(f"torch.OutOfMemoryError: {exc}") from exc
-    kv_tokens = num_blocks * r.block_size
-    concurrency = kv_tokens / r.max_model_len
-    log.append(f"GPU KV cache size: {kv_tokens:,} tokens")
-    log.append(f"Maximum concurrency for {r.max_model_len:,} tokens per request: "
-               f"{concurrency:.2f}x")
-    report = StartupReport(total, requested, weights, non_torch, activation, graphs, available,
-                           num_blocks, kv_tokens, concurrency, log)
+        raise StartupError(f"torch.OutOfMemoryError: {exc}", log) from exc
+    report = StartupReport(total, requested, weights, persistent, non_torch, context, activation,
+                           graphs, available, num_blocks, kv_tokens, concurrency, log)
     return r, report
+
+
+def check_kv_fits(r: Resolved, available: int, log: list[str]) -> None:
+    """kv_cache_utils.py `check_enough_kv_cache_memory`: after the null block, the pool must hold
+    one request of max_model_len in every layer (sliding and chunked layers only their window
+    plus the in-flight tokens); else vLLM raises, after it logged the available memory."""
+    usable = available - r.page_bytes
+    if available <= 0:
+        raise StartupError(
+            "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+            "when initializing the engine.", log)
+    in_flight = r.max_num_batched_tokens
+    needed = r.layout.max_request_bytes(r.max_model_len, in_flight)
+    if needed <= usable:
+        return
+    lo, hi, best = 1, r.max_model_len, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if r.layout.max_request_bytes(mid, in_flight) <= usable:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    estimate = (f"Based on the available memory, the estimated maximum model length is "
+                f"{best}. " if best else "")
+    raise StartupError(
+        f"To serve at least one request with the model's max seq len ({r.max_model_len}), "
+        f"({needed / GiB:.2f} GiB KV cache is needed, which is larger than the available KV "
+        f"cache memory ({usable / GiB:.2f} GiB). {estimate}Try increasing "
+        "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
+        log)

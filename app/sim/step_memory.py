@@ -10,19 +10,38 @@ vLLM's code (paths in vllm-project/vllm):
   it made, so one layer is played for all of them.
 - fused MoE (model_executor/layers/fused_moe/fused_moe.py): per chunk of `M = min(T, 32768)`
   tokens one buffer `M x topk x max(N, H)` shared by intermediate caches 1 and 3, and
-  `M x topk x N/2` for cache 2, with `N = 2 x I_moe / TP`; shared experts are a dense MLP.
+  `M x topk x N/2` for cache 2, with `N = 2 x I_moe / TP`; shared experts are a dense MLP; the
+  dense layers of an MoE model (DeepSeek's `first_k_dense_replace`, Jamba's, Llama 4's) are
+  played too, so a step's peak is the larger layer's.
 - attention, only when the step has attention metadata (the profile run has none):
   `flash-attn` and `flashinfer` need no context-sized transient (FlashInfer's 256 MiB workspace
   is resident, allocated when the KV cache is); `materializing` builds fp32 scores and their
-  softmax, `heads x q_len x kv_len`, one request at a time (a non-flash path); `mla`
+  softmax, `heads x q_len x kv_len`, one request at a time (a non-flash path; when every
+  attention layer is sliding or chunked, kv_len stops at the window); `mla`
   (v1/attention/backends/mla/common.py) up-projects the new tokens' K/V and then, per
   chunked-prefill workspace pass, `chunk x heads x (nope + v)` and `chunk x heads x (nope + rope)`.
-- logits and sampler (v1/sample/sampler.py, ops/topk_topp_sampler.py, ops/penalties.py): logits
-  `B x V` in the model dtype, an fp32 copy, raw logprobs `B x V x 4` when any row wants logprobs,
-  penalties' bin counts `B x (V+1)` int64 and masks, the top-k/top-p sort (values fp32, indices
-  int64, softmax, cumsum, masks, scatter), then softmax and exponential noise for random rows.
-- prompt logprobs (v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`): per request,
-  logits `n x V` in the model dtype and their log_softmax in fp32.
+- logits and sampler, vLLM 0.32 on CUDA. Top-k/top-p never sort the vocabulary: FlashInfer
+  samples from the logits (V1: v1/sample/ops/topk_topp_sampler.py `forward_cuda`), or a Triton
+  kernel masks them (`apply_top_k_top_p_triton`; V2: v1/worker/gpu/sample/sampler.py).
+  V1 (v1/sample/sampler.py `Sampler.forward`): logits `B x V` in the model dtype, always an fp32
+  copy, raw logprobs `B x V x 4` when a row wants logprobs, penalties' bin counts `B x (V+1)`
+  int64 and their masks each step (v1/sample/ops/penalties.py), and for random rows without
+  top-k/top-p `forward_native`'s softmax and exponential noise (`B x V x 4` each). With
+  `sorts` (the V1 releases before 0.32 the simulator was first calibrated on, app/sim/flavor.py)
+  top-k/top-p take `apply_top_k_top_p_pytorch`'s sort path and every random row the softmax
+  and noise.
+  V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`): the fp32 copy only when some row needs
+  logits processing (temperature > 0, penalties, top-k/top-p: `apply_sampling_params`), Gumbel
+  sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs through
+  `compute_topk_scores` (an fp32 log-softmax `B x V`), penalties applied in place on counts
+  preallocated at start-up (sample/penalties.py `PenaltiesState`: `max_num_reqs x V` int32).
+- prompt logprobs. V1 (v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`): per request,
+  the chunk's logits `n x V` in the model dtype, their log_softmax in fp32 and
+  `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). V2
+  (v1/worker/gpu/sample/prompt_logprob.py `compute_prompt_logprobs_with_chunking`): 1,024 rows at
+  a time (logits, then an fp32 log-softmax), keeping `k + 1` scores and ids per row; with
+  `prompt_logprobs: -1` k is the vocabulary, so `n x V` fp32 scores and int64 ids pile up over
+  the chunks and are concatenated (twice that at the `torch.cat`).
 """
 
 from __future__ import annotations
@@ -33,6 +52,7 @@ from app.sim.gpu import Block, CachingAllocator
 
 FUSED_MOE_CHUNK = 32768
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
+PROMPT_LOGPROB_CHUNK = 1024  # v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE
 
 
 @dataclass(frozen=True)
@@ -43,11 +63,13 @@ class ReqSlice:
     num_context: int = 0
     samples: bool = True
     prompt_logprob_tokens: int = 0
+    prompt_logprobs: int = 0  # k per prompt token; -1: the whole vocabulary
     logprobs: int | None = None
     penalties: bool = False
     top_p_k: bool = False
     random: bool = False
     structured: bool = False
+    draft_tokens: int = 0  # speculative tokens verified with it: 1 + this many logits rows
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,8 @@ class ModelDims:
     experts_per_token: int = 0
     moe_intermediate: int = 0
     shared_intermediate: int = 0
+    dense_layers: bool = False  # an MoE model that keeps dense MLPs on some layers
+    attention_span: int = 0  # tokens a query attends back at most, when no layer is full; 0: all
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     qk_nope_head_dim: int = 0
@@ -110,10 +134,13 @@ class _Tape:
 class StepMemory:
     """Builds the allocation tape of a step for one model, backend and TP degree."""
 
-    def __init__(self, dims: ModelDims, backend: str, mla_workspace_tokens: int = 0) -> None:
+    def __init__(self, dims: ModelDims, backend: str, mla_workspace_tokens: int = 0,
+                 runner: str = "v2", sorts: bool = False) -> None:
         self.d = dims
         self.backend = backend
         self.mla_workspace_tokens = mla_workspace_tokens
+        self.v2 = runner == "v2"
+        self.sorts = sorts and not self.v2
 
     def plan(self, shape: StepShape) -> Tape:
         d, t = self.d, _Tape()
@@ -151,7 +178,7 @@ class StepMemory:
     def _attention_transients(self, t: _Tape, shape: StepShape) -> None:
         d, dt = self.d, self.d.dtype_bytes
         if self.backend == "materializing":
-            worst = max(r.num_new_tokens * (r.num_context + r.num_new_tokens) for r in shape.reqs)
+            worst = max(r.num_new_tokens * self._kv_len(r) for r in shape.reqs)
             t.alloc("attn_scores", d.q_heads * worst * 4)
             t.alloc("attn_probs", d.q_heads * worst * dt)
             t.free("attn_scores", "attn_probs")
@@ -170,6 +197,12 @@ class StepMemory:
                 t.free("mla_ctx_kv", "mla_ctx_out")
             t.free("mla_new_kv")
 
+    def _kv_len(self, r: ReqSlice) -> int:
+        """Keys one of the request's new tokens attends to at most."""
+        kv = r.num_context + r.num_new_tokens
+        span = self.d.attention_span
+        return min(kv, span + r.num_new_tokens) if span else kv
+
     def _mlp(self, t: _Tape, n_tok: int) -> None:
         d, dt = self.d, self.d.dtype_bytes
         if not d.is_moe:
@@ -177,6 +210,9 @@ class StepMemory:
             t.free("hidden")
             t.ops.append(("rename", "mlp_down", 0))
             return
+        if d.dense_layers:  # played before the MoE: the step's peak is the larger of the two
+            self._dense_mlp(t, n_tok, d.intermediate, "dense")
+            t.free("dense_down")
         t.alloc("moe_out", n_tok * d.hidden * dt)
         if d.shared_intermediate:
             self._dense_mlp(t, n_tok, d.shared_intermediate, "shared")
@@ -201,19 +237,22 @@ class StepMemory:
     def _sampler(self, t: _Tape, shape: StepShape) -> None:
         d, dt = self.d, self.d.dtype_bytes
         rows = [r for r in shape.reqs if r.samples]
-        b, v = len(rows), d.vocab
+        b, v = sum(1 + r.draft_tokens for r in rows), d.vocab
         if not b:
             return
         bv = b * v
         t.alloc("sample_hidden", b * d.hidden * dt)
         t.alloc("logits", bv * dt)
         t.free("sample_hidden")
-        t.alloc("logits_f32", bv * 4)
-        if any(r.logprobs is not None for r in rows):
+        logprobs = any(r.logprobs is not None for r in rows)
+        processed = any(r.random or r.penalties or r.top_p_k for r in rows)
+        if not self.v2 or processed:
+            t.alloc("logits_f32", bv * 4)
+        if logprobs:
             t.alloc("raw_logprobs", bv * 4)
         if any(r.structured for r in rows):
             t.alloc("grammar_bitmask", b * -(-v // 32) * 4)
-        if any(r.penalties for r in rows):
+        if not self.v2 and any(r.penalties for r in rows):
             t.alloc("output_bin_counts", b * (v + 1) * 8)
             t.alloc("prompt_bin_counts", b * (v + 1) * 8)
             t.alloc("prompt_mask", bv)
@@ -224,43 +263,64 @@ class StepMemory:
             t.alloc("penalty_scale", bv * 4)
             t.free("penalty_scale", "penalty_mask", "repetition_penalties")
             t.free("output_mask", "prompt_mask", "output_bin_counts")
-        if any(r.top_p_k for r in rows):
-            t.alloc("sorted_logits", bv * 4)
-            t.alloc("sorted_idx", bv * 8)
-            t.alloc("top_k_mask", bv)
-            t.alloc("probs_sort", bv * 4)
-            t.alloc("probs_sum", bv * 4)
-            t.alloc("top_p_mask", bv)
-            t.alloc("scattered_logits", bv * 4)
-            t.free("top_p_mask", "probs_sum", "probs_sort", "top_k_mask", "sorted_idx")
-            t.free("sorted_logits", "logits_f32")
-            t.ops.append(("rename_to", "scattered_logits", 0))
-        if any(r.random for r in rows):
+        if self.sorts and any(r.top_p_k for r in rows):
+            self._sort_top_k_top_p(t, bv)
+        if not self.v2 and any(r.random and (self.sorts or not r.top_p_k) for r in rows):
             t.alloc("probs", bv * 4)
             t.alloc("exponential_q", bv * 4)
             t.free("exponential_q", "probs")
         k = max((r.logprobs or 0) for r in rows)
         t.alloc("retained:sampled_ids", b * 4)
-        if any(r.logprobs is not None for r in rows):
+        if logprobs:
             t.alloc("retained:logprobs", b * (k + 1) * 12)
-        t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "logits")
+        t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits")
+
+    @staticmethod
+    def _sort_top_k_top_p(t: _Tape, bv: int) -> None:
+        """`apply_top_k_top_p_pytorch`: sort (values fp32, indices int64), top-k mask, softmax,
+        cumsum, top-p mask, scatter back; the scattered logits replace the fp32 copy."""
+        t.alloc("sorted_logits", bv * 4)
+        t.alloc("sorted_idx", bv * 8)
+        t.alloc("top_k_mask", bv)
+        t.alloc("probs_sort", bv * 4)
+        t.alloc("probs_sum", bv * 4)
+        t.alloc("top_p_mask", bv)
+        t.alloc("scattered_logits", bv * 4)
+        t.free("top_p_mask", "probs_sum", "probs_sort", "top_k_mask", "sorted_idx")
+        t.free("sorted_logits", "logits_f32")
 
     def _prompt_logprobs(self, t: _Tape, shape: StepShape) -> None:
         d, dt = self.d, self.d.dtype_bytes
         for i, r in enumerate(shape.reqs):
             n = r.prompt_logprob_tokens
-            if n:
-                t.alloc(f"pl_hidden{i}", n * d.hidden * dt)
+            if not n:
+                continue
+            t.alloc(f"pl_hidden{i}", n * d.hidden * dt)
+            k = d.vocab if r.prompt_logprobs == -1 else r.prompt_logprobs + 1
+            if not self.v2:  # gather_logprobs: top-k values and ids of the whole chunk
                 t.alloc(f"pl_logits{i}", n * d.vocab * dt)
                 t.alloc(f"pl_logprobs{i}", n * d.vocab * 4)
-                t.free(f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
+                t.alloc(f"pl_topk{i}", n * k * 12)
+                t.free(f"pl_topk{i}", f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
+                continue
+            chunks = []
+            for c in range(-(-n // PROMPT_LOGPROB_CHUNK)):
+                rows = min(PROMPT_LOGPROB_CHUNK, n - c * PROMPT_LOGPROB_CHUNK)
+                t.alloc(f"pl_logits{i}", rows * d.vocab * dt)
+                t.alloc(f"pl_logprobs{i}", rows * d.vocab * 4)
+                t.alloc(f"pl_scores{i}.{c}", rows * k * 12)
+                t.free(f"pl_logprobs{i}", f"pl_logits{i}")
+                chunks.append(f"pl_scores{i}.{c}")
+            if len(chunks) > 1:
+                t.alloc(f"pl_cat{i}", n * k * 12)
+            t.free(*chunks, f"pl_cat{i}", f"pl_hidden{i}")
 
 
 def run_tape(alloc: CachingAllocator, tape: Tape) -> list[Block]:
     """Play a tape; returns the blocks it retains past the step (the sampler outputs that
     app/sim/carryover.py holds until the next step).
 
-    `rename` makes the named tensor the new `hidden`; `rename_to` makes it the new `logits_f32`.
+    `rename` makes the named tensor the new `hidden`.
     Raises CudaOutOfMemory from the allocator, leaving the live blocks allocated, as a dying
     process does.
     """
@@ -272,11 +332,8 @@ def run_tape(alloc: CachingAllocator, tape: Tape) -> list[Block]:
             block = live.pop(name, None)
             if block is not None:
                 alloc.free(block)
-        elif op == "rename":
-            if name in live:
-                live["hidden"] = live.pop(name)
-        elif op == "rename_to" and name in live:
-            live["logits_f32"] = live.pop(name)
+        elif op == "rename" and name in live:
+            live["hidden"] = live.pop(name)
     retained = [b for n, b in live.items() if n.startswith("retained:")]
     for n, b in list(live.items()):
         if not n.startswith("retained:"):

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from app.sim.config import SimConfig
 from app.sim.engine import Engine
 from app.sim.gpu import Device
+from app.sim.model import load_model
 from app.sim.presets import gpu_total_bytes
 from app.sim.request import Request, Sampling
-from app.sim.server import load_geometry
 from app.sim.tokens import StandInTokenizer, TextModel
 
 
@@ -38,9 +38,9 @@ class Outcome:
 
 
 def make_engine(cfg: SimConfig) -> Engine:
-    geometry = load_geometry(cfg.model)
-    engine = Engine(cfg, geometry, Device(gpu_total_bytes(cfg.gpu)),
-                    TextModel(StandInTokenizer(geometry.vocab_size), cfg.seed), "sim")
+    model = load_model(cfg.model, cfg.dtype)
+    engine = Engine(cfg, model, Device(gpu_total_bytes(cfg.gpu)),
+                    TextModel(StandInTokenizer(model.vocab), cfg.seed), "sim")
     engine.boot()
     return engine
 

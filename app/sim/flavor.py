@@ -1,0 +1,95 @@
+"""Which vLLM the simulator plays: the release (`--vllm-version`) and the model runner
+(`--model-runner`), and the start-up memory that differs between them.
+
+- Model runner: vLLM 0.32.0 runs Model Runner V2 on CUDA unless a feature it lacks is asked for
+  (vllm/config/vllm.py `VllmConfig.use_v2_model_runner`, `_get_v2_model_runner_unsupported_features`);
+  `auto` plays V2 from 0.32 on and V1 before (the release that first made V2 the default is not
+  pinned down here; pass `--model-runner` to choose).
+- Non-torch memory. Since vLLM 0.7 (PR #12126) the profile's baseline snapshot is taken after the
+  CUDA context and, in 0.32, after the distributed set-up (vllm/v1/worker/gpu_worker.py
+  `init_device`: `init_worker_distributed_environment` runs before `MemorySnapshot`), so the CUDA
+  context, NCCL communicators and custom all-reduce buffers take device memory outside the
+  `gpu_memory_utilization` budget; only what grows during the profile (cuBLAS workspaces, lazily
+  loaded kernels) is "non-torch forward increase memory" inside it (vllm/utils/mem_utils.py
+  `memory_profiling`: `non_kv_cache_memory = total_consumed + transient_peak_headroom`, both
+  measured from that baseline). Before 0.7 the baseline preceded CUDA initialisation and the whole
+  non-torch footprint counted against the budget. Figures and sources: docs/calibration.md.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from app.sim.config import GiB, MiB, SimConfig
+
+Runner = Literal["v1", "v2"]
+
+# Inside the budget since 0.7: PR #12126's H100 log, "non_torch_memory takes 0.16GiB" (TP 1).
+NON_TORCH_INCREASE = int(0.16 * GiB)
+# Before 0.7: PR #10511's H100 logs, "non_torch_memory 1.79GiB" at TP 1 and 3.58 GiB at TP 2.
+LEGACY_NON_TORCH_PER_RANK = int(1.79 * GiB)
+# Outside the budget since 0.7 (device memory only): the CUDA context of a CUDA 12 process. Not
+# isolated by any public vLLM log; an assumption (set `--cuda-context-bytes` to a measurement).
+CUDA_CONTEXT = 500 * MiB
+# Outside the budget at TP > 1: NCCL communicator buffers and vLLM's custom all-reduce IPC
+# buffers (distributed/device_communicators/custom_all_reduce.py, 8 MiB max size x 2 plus
+# NCCL's per-peer channels); an assumption as above.
+TP_COMMUNICATION = 256 * MiB
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """'0.32.0' -> (0, 32, 0); a suffix such as '.dev3+g1234' or 'rc1' is ignored."""
+    match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    if match is None:
+        raise ValueError(f"--vllm-version {text!r}: expected MAJOR.MINOR[.PATCH]")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """The vLLM release and model runner a simulated engine plays."""
+
+    version: tuple[int, int, int]
+    runner: Runner
+
+    @classmethod
+    def of(cls, cfg: SimConfig) -> Flavor:
+        version = parse_version(cfg.vllm_version)
+        runner = cfg.model_runner
+        if runner == "auto":
+            runner = "v2" if version >= (0, 32, 0) else "v1"
+        return cls(version, runner)
+
+    @property
+    def v2(self) -> bool:
+        return self.runner == "v2"
+
+    @property
+    def sampler_sorts(self) -> bool:
+        """V1's top-k/top-p through the PyTorch sort path. vLLM 0.32 on CUDA never sorts (FlashInfer
+        or a Triton kernel); the V1 releases before it are played with the sort path the simulator
+        was first calibrated with (when vLLM switched is not pinned down here)."""
+        return not self.v2 and self.version < (0, 32, 0)
+
+    @property
+    def context_in_budget(self) -> bool:
+        """Before vLLM 0.7 the whole non-torch footprint counted against the budget."""
+        return self.version < (0, 7, 0)
+
+    def non_torch_in_budget(self, cfg: SimConfig) -> int:
+        """'non-torch forward increase memory' as vLLM logs it, per GPU."""
+        if cfg.non_torch_bytes is not None:
+            return cfg.non_torch_bytes
+        if self.context_in_budget:
+            return LEGACY_NON_TORCH_PER_RANK * cfg.tensor_parallel_size
+        return NON_TORCH_INCREASE
+
+    def non_torch_outside_budget(self, cfg: SimConfig) -> int:
+        """Device memory the process holds before the profile's baseline (none before 0.7)."""
+        if self.context_in_budget:
+            return 0
+        context = CUDA_CONTEXT if cfg.cuda_context_bytes is None else cfg.cuda_context_bytes
+        return context + (TP_COMMUNICATION if cfg.tensor_parallel_size > 1 else 0)
