@@ -51,6 +51,7 @@ class SamplerStage:
     logprobs: int  # log_softmax of the whole batch (never profiled)
     penalties: int  # the penalties' bin counts and masks, when the cached sort blocks cannot hold them
     prompt_ids: int  # the penalties' prompt ids, held across steps (never profiled)
+    output_ids: int = 0  # the penalties' output ids of this step (never profiled)
 
     @property
     def profiled(self) -> int:
@@ -58,7 +59,7 @@ class SamplerStage:
 
     @property
     def unprofiled(self) -> int:
-        return self.logprobs + self.penalties + self.prompt_ids
+        return self.logprobs + self.penalties + self.prompt_ids + self.output_ids
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,13 @@ class SamplerCost:
         profile's dummy sampler run sampled exactly this many."""
         return min(self.max_num_batched_tokens, self.max_num_seqs)
 
-    def stage(self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int) -> SamplerStage:
-        """The sampler stage of a step whose batch holds `rows` rows with these flags."""
+    def stage(self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int,
+              longest_output: int = 0) -> SamplerStage:
+        """The sampler stage of a step whose batch holds `rows` rows with these flags.
+
+        With penalties, ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
+        builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
+        batch's longest output: charged at the longest `max_tokens` in flight."""
         sampled = min(rows, self.max_sampled_rows) * self.vocab_size
         return SamplerStage(
             logits=sampled * (self.dtype_bytes + FP32),
@@ -92,6 +98,7 @@ class SamplerCost:
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT if logprobs else 0,
             penalties=sampled * PENALTY_BYTES_PER_LOGIT if penalties and 2 * sampled > self.max_sampled_rows * self.vocab_size else 0,
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
+            output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,
         )
 
 
@@ -105,18 +112,20 @@ class SamplerUse:
     longest_prompt: int
     logprobs: bool = False
     penalties: bool = False
+    longest_output: int = 0  # its largest max_tokens: sizes the penalties' output ids
     # The stage of a batch that holds only this request (an idle server): every admission reads
     # it twice (its transient and profiled bytes), so it is computed once, with the use.
     alone: SamplerStage = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        alone = self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt)
+        alone = self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt, self.longest_output)
         object.__setattr__(self, "alone", alone)
 
 
 class SamplerBatch:
     """What the in-flight requests put in the sampler's batch: row count, how many ask for
-    logprobs or penalties, and their prompt lengths (the longest sizes the prompt ids).
+    logprobs or penalties, and their prompt and output lengths (the longest size the penalties'
+    prompt and output ids).
 
     An admission asks for the stage with the same candidate twice (transient and profiled
     bytes) and for the stage without one after it joins: each is computed once per change of
@@ -129,6 +138,7 @@ class SamplerBatch:
         self._logprobs = 0
         self._penalties = 0
         self._prompts: list[int] = []  # sorted
+        self._outputs: list[int] = []  # sorted
         self._changed()
 
     def add(self, use: SamplerUse) -> None:
@@ -137,6 +147,7 @@ class SamplerBatch:
         self._logprobs += use.logprobs
         self._penalties += use.penalties
         bisect.insort(self._prompts, use.longest_prompt)
+        bisect.insort(self._outputs, use.longest_output)
         self._changed()
 
     def remove(self, use: SamplerUse) -> None:
@@ -144,6 +155,7 @@ class SamplerBatch:
         self._logprobs -= use.logprobs
         self._penalties -= use.penalties
         del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
+        del self._outputs[bisect.bisect_left(self._outputs, use.longest_output)]
         self._changed()
 
     def _changed(self) -> None:
@@ -162,15 +174,17 @@ class SamplerBatch:
 
     def _compute(self, extra: SamplerUse | None) -> SamplerStage:
         longest = self._prompts[-1] if self._prompts else 0
+        output = self._outputs[-1] if self._outputs else 0
         if extra is None:
             if self._cost is None or not self._rows:
                 return _EMPTY
-            return self._cost.stage(self._rows, self._logprobs > 0, self._penalties > 0, longest)
+            return self._cost.stage(self._rows, self._logprobs > 0, self._penalties > 0, longest, output)
         return extra.cost.stage(
             self._rows + extra.rows,
             self._logprobs > 0 or extra.logprobs,
             self._penalties > 0 or extra.penalties,
             max(longest, extra.longest_prompt),
+            max(output, extra.longest_output),
         )
 
 
