@@ -19,7 +19,7 @@ from app.metrics import KvgateMetrics
 from app.openai import ApiError
 
 
-# Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 22 = 44 B (profiled), logprobs 2 x 5 = 10 B.
+# Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 5 = 10 B.
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
 
 
@@ -75,7 +75,7 @@ class TestLedger:
         """vLLM's compute_logprobs runs over every row once one row asks."""
         ledger = Ledger()
         plain = ledger.reserve(demand(rows=30, logprobs=False))
-        assert ledger.transient_bytes == 0 and ledger.profiled_bytes == 30 * 54
+        assert ledger.transient_bytes == 0 and ledger.profiled_bytes == 30 * 46
         assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 10
         asking = ledger.reserve(demand(rows=1))
         ledger.release(plain)
@@ -114,12 +114,12 @@ class TestLedger:
         ledger = Ledger()
         for _ in range(3):
             ledger.reserve(demand(rows=400))
-        assert ledger.profiled_bytes == 1000 * 54 and ledger.transient_bytes == 1000 * 10
+        assert ledger.profiled_bytes == 1000 * 46 and ledger.transient_bytes == 1000 * 10
 
     def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
         d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
         assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 30 + 2 * 3 * 40 * 8
-        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * 54
+        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * 46
 
     def test_high_water_mark_sees_short_lived_prefills(self) -> None:
         ledger = Ledger()
@@ -147,10 +147,10 @@ class TestLedger:
         ledger = Ledger()
         first = ledger.reserve(demand(profiled_prefill=500, rows=1))
         second = ledger.reserve(demand(profiled_prefill=300, rows=1))
-        assert ledger.profiled_bytes == 800 + 2 * 54
-        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * 54
+        assert ledger.profiled_bytes == 800 + 2 * 46
+        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * 46
         ledger.end_prefill(first)
-        assert ledger.profiled_bytes == 300 + 2 * 54
+        assert ledger.profiled_bytes == 300 + 2 * 46
         ledger.release(second)
         ledger.release(first)
         assert ledger.profiled_bytes == 0

