@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,18 @@ def engine(**kw) -> EngineShape:
 def test_prompt_logprobs_8192_chunk() -> None:
     est = estimate_transient(LLAMA, engine(), 8192, SamplingShape(prompt_logprobs=1))
     term = est.term("prompt_logprobs")
-    assert term.bytes == 8192 * V * 6 == 6_304_038_912  # bf16 logits + fp32 log_softmax: 6.3 GB
+    # bf16 logits + log_softmax's fp32 cast of them + its fp32 output (measured: bench/fidelity)
+    assert term.bytes == 8192 * V * 10 == 10_506_731_520
     assert (term.profiled, term.phase) == (False, "prefill")
     assert est.unprofiled_prefill_bytes == term.bytes  # flash-attn adds no context term
+
+
+def test_prompt_logprobs_of_the_whole_vocabulary_keep_topk_and_cat_copies() -> None:
+    """k = -1: topk over all V (fp32 + int64), cat with the target (int64 + fp32), int32 ids."""
+    every = estimate_transient(LLAMA, engine(), 8192, SamplingShape(prompt_logprobs=-1)).term("prompt_logprobs")
+    assert every.bytes == 8192 * V * (2 + 32) == 35_722_887_168  # 33 GiB for one 8k chunk
+    fp32 = replace(LLAMA, dtype_bytes=4)  # no cast copy before log_softmax
+    assert estimate_transient(fp32, engine(), 100, SamplingShape(prompt_logprobs=5)).term("prompt_logprobs").bytes == 100 * V * 8
 
 
 def test_dense_mlp_is_profiled() -> None:
