@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.memory.geometry import ModelGeometry
-from bench.fidelity.harness import Row, compare, run_probe, table
+from bench.fidelity.harness import Row, compare, geometry_of, run_probe, table
 from bench.fidelity.grid import Case, small_grid
 from support.vllm_server import VLLM_PYTHON
 
@@ -27,7 +26,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], 
     probe = run_probe(SMALL, device="cpu", runner="v1", dtype="bfloat16", model_dir=scratch / "model",
                       vllm_python=VLLM_PYTHON, scratch=scratch)
     assert probe["vllm_version"] == "0.32.0" and not probe["missing_scopes"]
-    geometry = ModelGeometry.from_folder(scratch / "model")
+    geometry = geometry_of(scratch / "model", "bfloat16")
     assert geometry.vocab_size >= 128_000
     rows = compare(SMALL, probe, geometry)
     return {r.case.id: r for r in rows}, table(rows, geometry)
@@ -39,6 +38,7 @@ def test_term_within_band_of_vllms_allocation(case: Case, measured: tuple[dict[s
     rows, text = measured
     row = rows[case.id]
     assert row.transferable > 0, f"{case.id}: vLLM allocated nothing for the term\n{text}"
+    assert row.rows_together, f"{case.id}: only {row.sampled_rows} rows were sampled in one step\n{text}"
     assert row.in_band, f"{case.id}: kvgate {row.estimate:,} B vs vLLM {row.transferable:,} B\n{text}"
 
 
@@ -50,4 +50,4 @@ def test_term_within_band_of_vllms_allocation(case: Case, measured: tuple[dict[s
 ])
 def test_the_band_refuses_under_and_far_over(estimate: int, measured: int, in_band: bool) -> None:
     case = Case("logprobs", rows=8, prompt_len=32)
-    assert Row(case, measured=measured + 40, cpu_only=40, estimate=estimate).in_band is in_band
+    assert Row(case, measured=measured + 40, cpu_only=40, estimate=estimate, sampled_rows=8).in_band is in_band

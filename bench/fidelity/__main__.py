@@ -23,9 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from app.memory.geometry import ModelGeometry
 from bench.fidelity.grid import full_grid, small_grid
-from bench.fidelity.harness import BAND, DEFAULT_VLLM_PYTHON, ENGINE, RESULTS, compare, run_probe, table
+from bench.fidelity.harness import BAND, DEFAULT_VLLM_PYTHON, ENGINE, RESULTS, compare, geometry_of, run_probe, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         probe = run_probe(cases, device=args.device, runner=args.runner, dtype=args.dtype,
                           model_dir=model_dir, vllm_python=args.vllm_python, scratch=scratch,
                           gpu_memory_utilization=args.gpu_memory_utilization)
-        geometry = ModelGeometry.from_folder(model_dir)
+        geometry = geometry_of(model_dir, args.dtype)
     rows = compare(cases, probe, geometry)
     header = (f"vLLM {probe['vllm_version']} ({probe['runner'].upper()} runner, {probe['device_name']}), "
               f"torch {probe['torch_version']}; model: Llama, vocab {geometry.vocab_size:,}, "

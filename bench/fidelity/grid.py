@@ -7,12 +7,14 @@ scope that holds the term. Plain data: the probe side (vLLM's venv) never import
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 FULL_VOCAB_TOP_K = 128_000  # top-k below the vocabulary forces the sort, like vLLM's profile
 SORT = {"temperature": 1.0, "top_p": 0.9, "top_k": FULL_VOCAB_TOP_K}
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+MAX_NUM_BATCHED_TOKENS = 1024  # the probe engine's step budget
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,7 @@ class Case:
     rows: int
     prompt_len: int
     params: dict[str, Any] = field(default_factory=dict)
-    max_tokens: int = 3  # two decode steps with every row in the batch
+    max_tokens: int | None = None  # default: enough for every row to decode in one batch
     label: str = ""  # the grid point, as the table shows it
     base: dict[str, Any] | None = None  # the baseline's sampling parameters when not greedy
 
@@ -40,9 +42,19 @@ class Case:
         return Case("logits", self.rows, self.prompt_len, {"temperature": 0.0}, self.max_tokens,
                     f"rows={self.rows} prompt={self.prompt_len}")
 
+    @property
+    def output_tokens(self) -> int:
+        """The prompts prefill over several steps when they exceed one step's token budget, and
+        the first rows keep decoding meanwhile (their decode tokens take some of each step's
+        budget): with four tokens more than the prompts' steps, every row is in the batch
+        together for at least one step."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return 4 + math.ceil(self.rows * self.prompt_len / MAX_NUM_BATCHED_TOKENS)
+
     def spec(self) -> dict[str, Any]:
         return {"id": self.id, "rows": self.rows, "prompt_len": self.prompt_len,
-                "max_tokens": self.max_tokens, "params": self.params}
+                "max_tokens": self.output_tokens, "params": self.params}
 
 
 def _scope(scopes: dict[str, dict[str, int]], name: str, key: str) -> int:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from app.memory.activation import EngineShape
-from app.memory.geometry import ModelGeometry
+from app.memory.geometry import ModelGeometry, dtype_bytes
 from bench.fidelity.estimate import cpu_only_bytes, kvgate_bytes
-from bench.fidelity.grid import Case, measured_bytes, with_baselines
+from bench.fidelity.grid import MAX_NUM_BATCHED_TOKENS, Case, measured_bytes, with_baselines
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
@@ -27,7 +27,7 @@ BAND = (1.0, 1.15)
 # parameters: [rows] tensors of a few bytes a row) are not modelled; "never under" allows them.
 SLACK_PER_ROW = 64
 SLACK_BYTES = 1024
-ENGINE = EngineShape(max_model_len=4096, max_num_batched_tokens=1024, max_num_seqs=256)
+ENGINE = EngineShape(max_model_len=4096, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=256)
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,14 @@ class Row:
     measured: int  # what vLLM's code allocated on this device
     cpu_only: int  # of which the CPU run alone allocates (0 on CUDA)
     estimate: int  # kvgate's V1 charge
+    sampled_rows: int  # rows of the largest logits the step computed (0 for prompt terms)
+
+    @property
+    def rows_together(self) -> bool:
+        """Every row the estimate counts was in one step's batch (else the grid point is wrong)."""
+        if self.case.term in ("prompt_logprobs", "prompt_ids"):
+            return True
+        return self.sampled_rows == self.case.rows * self.case.params.get("n", 1)
 
     @property
     def transferable(self) -> int:
@@ -93,12 +101,20 @@ def run_probe(cases: list[Case], *, device: str, runner: str, dtype: str, model_
     return result
 
 
+def geometry_of(model_dir: Path, dtype: str) -> ModelGeometry:
+    """The probe model's geometry, in the dtype vLLM ran it in (--dtype overrides config.json)."""
+    return replace(ModelGeometry.from_folder(model_dir), dtype_bytes=dtype_bytes(dtype))
+
+
 def compare(cases: list[Case], probe: dict[str, Any], geometry: ModelGeometry) -> list[Row]:
     """Each case's measurement beside kvgate's estimate."""
     by_id, on_cpu = probe["by_id"], probe["device"] == "cpu"
+    logits_row = geometry.vocab_size * geometry.dtype_bytes
     return [Row(case, measured_bytes(case, by_id[case.id], by_id[case.baseline.id]),
                 cpu_only_bytes(case, geometry) if on_cpu else 0,
-                kvgate_bytes(case, geometry, ENGINE)) for case in cases]
+                kvgate_bytes(case, geometry, ENGINE),
+                by_id[case.id].get("compute_logits", {}).get("net", 0) // logits_row
+                if case.term != "prompt_logprobs" else 0) for case in cases]
 
 
 def table(rows: list[Row], geometry: ModelGeometry) -> str:
@@ -108,6 +124,8 @@ def table(rows: list[Row], geometry: ModelGeometry) -> str:
     for r in rows:
         elements = _elements(r.case, geometry)
         flag = "" if r.in_band else " **out of band**"
+        if not r.rows_together:
+            flag += f" (only {r.sampled_rows} rows in one step)"
         lines.append(f"| {r.case.term} | {r.case.label} | {r.measured:,} | {r.cpu_only:,} | {r.estimate:,} | "
                      f"{r.ratio:.3f}{flag} | {r.transferable / elements:.2f} / {r.estimate / elements:.2f} |")
     return "\n".join(lines)
