@@ -43,11 +43,13 @@ def test_term_within_band_of_vllms_allocation(case: Case, measured: tuple[dict[s
 
 
 @pytest.mark.parametrize(("estimate", "measured", "in_band"), [
-    (1000, 1000, True),
-    (1150, 1000, True),
-    (1151, 1000, False),  # more than 15 % over
-    (1000, 1000 + 1024 + 64 * 8 + 1, False),  # under by more than the per-row bookkeeping
+    (1_000_000, 1_000_000, True),
+    (1_150_000, 1_000_000, True),
+    (1_150_001, 1_000_000, False),  # more than 15 % over
+    (998_000, 1_000_000, True),  # under by [rows]-sized tensors only: 1 KiB + 0.1 % allowed
+    (997_900, 1_000_000, False),  # under by more
 ])
 def test_the_band_refuses_under_and_far_over(estimate: int, measured: int, in_band: bool) -> None:
     case = Case("logprobs", rows=8, prompt_len=32)
-    assert Row(case, measured=measured + 40, cpu_only=40, estimate=estimate, sampled_rows=8).in_band is in_band
+    row = Row(case, measured=measured + 40, cpu_only=40, estimate=estimate, sampled_rows=8)
+    assert row.in_band is in_band

@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
               f"hidden {geometry.hidden_size}, {args.dtype}; engine: max_num_seqs {ENGINE.max_num_seqs}, "
               f"max_num_batched_tokens {ENGINE.max_num_batched_tokens}")
     text = f"{header}\n\n{table(rows, geometry)}\n"
-    outside = [r for r in rows if not r.in_band]
-    text += f"\n{len(rows) - len(outside)} of {len(rows)} grid points within {BAND[0]:.2f}-{BAND[1]:.2f}.\n"
+    judged = [r for r in rows if r.case.transfers]
+    inside = [r for r in judged if r.in_band]
+    text += f"\n{len(inside)} of {len(judged)} judged grid points within {BAND[0]:.2f}-{BAND[1]:.2f}"
+    text += f" (1 KiB + 0.1 % below allowed for [rows]-sized tensors); {len(rows) - len(judged)} not judged.\n"
     if probe["missing_scopes"]:
         text += f"Scopes not found in this vLLM: {probe['missing_scopes']}\n"
     print(text)

@@ -52,7 +52,16 @@ def cpu_only_bytes(case: Case, geometry: ModelGeometry) -> int:
     operations"); CUDA kernels cast as they load. ``[rows, V]`` x 4 B.
     (The CPU-only repetition-penalty fallback is replaced in the probe itself, see
     probe.emulate_cuda_repetition_penalty.)
+
+    Sort: the CPU ``aten::sort`` sorts each row through a one-row int64 scratch (``aten::resize_``
+    inside ``aten::sort`` in the profile: ``V x 8`` B whatever the rows), alive beside the sorted
+    values and indices (12 B a logit); it outweighs the masks and softmax that follow (6 B a
+    logit) only below 2 rows. CUDA sorts with its own kernels (not measured here; the sort is a
+    profiled term, so the profile run reserved whatever it takes at the profiled rows).
     """
+    rows, v = case.rows * case.params.get("n", 1), geometry.vocab_size
     if case.term == "penalties":
-        return case.rows * case.params.get("n", 1) * geometry.vocab_size * 4
+        return rows * v * 4
+    if case.term in ("sort", "n") and "top_p" in case.params:
+        return max(0, v * 8 - 6 * rows * v)
     return 0

@@ -28,6 +28,7 @@ class Case:
     max_tokens: int | None = None  # default: enough for every row to decode in one batch
     label: str = ""  # the grid point, as the table shows it
     base: dict[str, Any] | None = None  # the baseline's sampling parameters when not greedy
+    transfers: bool = True  # False: the CPU takes a code path CUDA does not, shown but not judged
 
     @property
     def id(self) -> str:
@@ -116,7 +117,8 @@ def small_grid() -> list[Case]:
 def full_grid() -> list[Case]:
     """`python -m bench.fidelity`: 1-256 rows, n, prompt lengths, prompt_logprobs 1, 5, -1."""
     cases = [c for rows in (1, 16, 64, 256) for c in _sampler_cases(rows, 16)]
-    cases += [Case("sort", 64, 16, {"temperature": 1.0, "top_k": 50}, label="rows=64 top-k 50"),
+    # top-k alone: the CPU takes apply_top_k_only (allow_cpu_sync), CUDA's PyTorch path still sorts
+    cases += [Case("sort", 64, 16, {"temperature": 1.0, "top_k": 50}, label="rows=64 top-k 50", transfers=False),
               Case("logprobs", 64, 16, {**SORT, "logprobs": 5}, label="rows=64 logprobs=5 + top-p/top-k",
                    base=SORT)]
     cases += [Case("prompt_ids", 16, p, {"temperature": 0.0, **PENALTIES}, label=f"rows=16 prompt={p}")

@@ -23,10 +23,10 @@ RESULTS = REPO / "bench" / "results"
 PROBE = Path(__file__).resolve().parent / "probe.py"
 DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BAND = (1.0, 1.15)
-# Allocations that do not scale with the vocabulary (sampled ids, argmax outputs, per-row
-# parameters: [rows] tensors of a few bytes a row) are not modelled; "never under" allows them.
-SLACK_PER_ROW = 64
+# Allocations that do not scale with the vocabulary (sampled ids, per-row parameters, the
+# [rows, k + 1] top logprobs) are not modelled; "never under" allows them: 1 KiB + 0.1 %.
 SLACK_BYTES = 1024
+SLACK_FRACTION = 0.001
 ENGINE = EngineShape(max_model_len=4096, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=256)
 
 
@@ -59,8 +59,7 @@ class Row:
     @property
     def in_band(self) -> bool:
         """Never under (but for the per-row bookkeeping kvgate does not model), at most 15 % over."""
-        rows = self.case.rows * self.case.params.get("n", 1)
-        slack = SLACK_BYTES + SLACK_PER_ROW * rows
+        slack = SLACK_BYTES + SLACK_FRACTION * self.transferable
         return self.estimate >= self.transferable - slack and self.ratio <= BAND[1]
 
 
@@ -123,7 +122,9 @@ def table(rows: list[Row], geometry: ModelGeometry) -> str:
              "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         elements = _elements(r.case, geometry)
-        flag = "" if r.in_band else " **out of band**"
+        flag = "" if r.in_band or not r.case.transfers else " **out of band**"
+        if not r.case.transfers:
+            flag += " (CPU-only path, not judged)"
         if not r.rows_together:
             flag += f" (only {r.sampled_rows} rows in one step)"
         lines.append(f"| {r.case.term} | {r.case.label} | {r.measured:,} | {r.cpu_only:,} | {r.estimate:,} | "

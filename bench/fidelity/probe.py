@@ -81,7 +81,7 @@ class CudaScopes:
             yield
         finally:
             self._fold_peak()
-            self.open.remove(frame)
+            self.open.pop()  # scopes nest: this frame is the innermost
             self.records.append((name, frame[2] - frame[1], torch.cuda.memory_allocated() - frame[1]))
 
     @contextlib.contextmanager
