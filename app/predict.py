@@ -155,11 +155,13 @@ class Predictor:
         )
 
     def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
-        """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt."""
+        """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
+        and output."""
         return SamplerUse(
             self.sampler_cost, rows=sum(fp.n for fp in footprints),
             longest_prompt=max(fp.prompt_tokens for fp in footprints),
             logprobs=spec.logprobs is not None, penalties=spec.penalties,
+            longest_output=max(fp.max_new_tokens for fp in footprints),
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:

@@ -19,7 +19,7 @@ from app.metrics import KvgateMetrics
 from app.openai import ApiError
 
 
-# Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 22 = 44 B (profiled), logprobs 2 x 5 = 10 B.
+# Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 4 = 8 B.
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
 
 
@@ -27,7 +27,7 @@ def demand(
     blocks: int = 1, shared: tuple[int, ...] = (), prefill: int = 0, rows: int = 0,
     profiled_prefill: int = 0, logprobs: bool = True, penalties: bool = False, prompt: int = 0,
 ) -> Demand:
-    """`rows` sampled rows, asking for logprobs unless told otherwise (10 B of headroom a row)."""
+    """`rows` sampled rows, asking for logprobs unless told otherwise (8 B of headroom a row)."""
     return Demand(
         prompt_tokens=prompt or 16 * len(shared), max_new_tokens=16, shared_block_hashes=shared,
         private_blocks=blocks, transient_prefill_bytes=prefill, profiled_prefill_bytes=profiled_prefill,
@@ -66,20 +66,20 @@ class TestLedger:
         ledger = Ledger()
         ledger.reserve(demand(prefill=700, rows=1))
         second = ledger.reserve(demand(prefill=300, rows=2))
-        assert ledger.transient_bytes == 700 + 3 * 10
-        assert ledger.transient_bytes_with(demand(prefill=900, rows=1)) == 900 + 4 * 10
+        assert ledger.transient_bytes == 700 + 3 * 8
+        assert ledger.transient_bytes_with(demand(prefill=900, rows=1)) == 900 + 4 * 8
         ledger.release(second)
-        assert ledger.transient_bytes == 710
+        assert ledger.transient_bytes == 708
 
     def test_one_row_asking_for_logprobs_makes_the_whole_batch_pay(self) -> None:
         """vLLM's compute_logprobs runs over every row once one row asks."""
         ledger = Ledger()
         plain = ledger.reserve(demand(rows=30, logprobs=False))
-        assert ledger.transient_bytes == 0 and ledger.profiled_bytes == 30 * 54
-        assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 10
+        assert ledger.transient_bytes == 0 and ledger.profiled_bytes == 30 * 46
+        assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 8
         asking = ledger.reserve(demand(rows=1))
         ledger.release(plain)
-        assert ledger.transient_bytes == 10
+        assert ledger.transient_bytes == 8
         ledger.release(asking)
 
     def test_one_penalty_request_makes_the_whole_batch_hold_prompt_ids(self) -> None:
@@ -114,31 +114,31 @@ class TestLedger:
         ledger = Ledger()
         for _ in range(3):
             ledger.reserve(demand(rows=400))
-        assert ledger.profiled_bytes == 1000 * 54 and ledger.transient_bytes == 1000 * 10
+        assert ledger.profiled_bytes == 1000 * 46 and ledger.transient_bytes == 1000 * 8
 
     def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
         d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
-        assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 30 + 2 * 3 * 40 * 8
-        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * 54
+        assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 24 + 2 * 3 * 40 * 8
+        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * 46
 
     def test_high_water_mark_sees_short_lived_prefills(self) -> None:
         ledger = Ledger()
         short = ledger.reserve(demand(prefill=900, rows=1))
         ledger.end_prefill(short)
         ledger.release(short)
-        assert ledger.transient_bytes == 0 and ledger.peak_transient_bytes == 910
+        assert ledger.transient_bytes == 0 and ledger.peak_transient_bytes == 908
         kept = ledger.reserve(demand(prefill=0, rows=5))
         ledger.reset_peak()  # a new engine life starts from what is held now
-        assert ledger.peak_transient_bytes == 50
+        assert ledger.peak_transient_bytes == 40
         ledger.release(kept)
 
     def test_end_prefill_frees_only_prefill_bytes(self) -> None:
         ledger = Ledger()
         reservation = ledger.reserve(demand(prefill=100, rows=1))
-        assert ledger.transient_bytes == 110
+        assert ledger.transient_bytes == 108
         assert ledger.end_prefill(reservation) is True
         assert ledger.end_prefill(reservation) is False
-        assert ledger.transient_bytes == 10
+        assert ledger.transient_bytes == 8
         ledger.release(reservation)
         assert ledger.transient_bytes == 0
 
@@ -147,10 +147,10 @@ class TestLedger:
         ledger = Ledger()
         first = ledger.reserve(demand(profiled_prefill=500, rows=1))
         second = ledger.reserve(demand(profiled_prefill=300, rows=1))
-        assert ledger.profiled_bytes == 800 + 2 * 54
-        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * 54
+        assert ledger.profiled_bytes == 800 + 2 * 46
+        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * 46
         ledger.end_prefill(first)
-        assert ledger.profiled_bytes == 300 + 2 * 54
+        assert ledger.profiled_bytes == 300 + 2 * 46
         ledger.release(second)
         ledger.release(first)
         assert ledger.profiled_bytes == 0
@@ -174,7 +174,7 @@ class TestBudgetCharges:
         # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
         assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
-        assert budget.transient_charge_alone(demand(profiled_prefill=900, rows=1)) == 10 + 400
+        assert budget.transient_charge_alone(demand(profiled_prefill=900, rows=1)) == 8 + 400
 
     def test_kv_keeps_room_for_the_spread_of_the_in_flight_outputs(self) -> None:
         """Each request reserves its mean output; z standard deviations of their sum stay free."""
@@ -292,13 +292,13 @@ class TestGate:
     async def test_transient_headroom_gates_and_prefill_end_frees_it(self) -> None:
         gate = make_gate(kv_blocks=100, transient=1000)
         first = await gate.acquire(demand(prefill=900), 0, "a")
-        assert gate.would_wait(demand(prefill=100, rows=15), 0) == TRANSIENT_BUSY  # 900 + 150
+        assert gate.would_wait(demand(prefill=100, rows=15), 0) == TRANSIENT_BUSY  # 900 + 120
         waiting = asyncio.create_task(gate.acquire(demand(prefill=100, rows=15), 0, "a"))
         await asyncio.sleep(0)
         assert not waiting.done()
-        first.end_prefill()  # 900 B of prefill-only tensors are gone: 100 + 150 fits
+        first.end_prefill()  # 900 B of prefill-only tensors are gone: 100 + 120 fits
         await asyncio.wait_for(waiting, 1)
-        assert gate.ledger.transient_bytes == 250
+        assert gate.ledger.transient_bytes == 220
 
     async def test_a_head_the_headroom_shrank_under_waits_aside_without_blocking_the_line(self) -> None:
         """A co-tenant took memory: the big request cannot run even alone, the small ones can."""
@@ -308,13 +308,13 @@ class TestGate:
         await asyncio.sleep(0)
         small = asyncio.create_task(gate.acquire(demand(rows=30), 0, "b"))
         await asyncio.sleep(0)
-        assert not big.done() and not small.done()  # 600 + 300 fits, but the big one leads the line
+        assert not big.done() and not small.done()  # 480 + 240 fits, but the big one leads the line
         gate.budget.update(transient_headroom_bytes=500)  # the co-tenant grows
         running.release()
         second = await asyncio.wait_for(small, 1)  # the big one no longer holds up the line
         assert not big.done() and len(gate.queue) == 1
-        gate.budget.update(transient_headroom_bytes=1000)  # the co-tenant leaves
-        assert not big.done()  # back at the front, waiting for the 300 B in flight
+        gate.budget.update(transient_headroom_bytes=900)  # the co-tenant shrinks
+        assert not big.done()  # back at the front, waiting for the 240 B in flight (720 + 240 > 900)
         second.release()
         (await asyncio.wait_for(big, 1)).release()
         assert len(gate.queue) == 0 and gate.ledger.in_flight == 0

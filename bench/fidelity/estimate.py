@@ -1,0 +1,67 @@
+"""kvgate's V1 estimate of each grid term, from the memory model's public functions.
+
+The estimate is taken the way kvgate charges it for a batch holding only this request, with two
+exceptions that compare the term itself rather than kvgate's budgeting rules around it:
+penalties are read as charged in full (kvgate books them free up to half the profiled rows,
+where the profile's cached sort blocks hold them), and the prompt ids as one copy (kvgate
+charges two because vLLM rebuilds the tensor beside the old one, which a single step cannot show).
+"""
+
+from __future__ import annotations
+
+from app.memory.activation import EngineShape, SamplingShape, estimate_transient
+from app.memory.geometry import ModelGeometry
+from app.memory.sampler import PROMPT_ID_COPIES, SamplerCost
+from bench.fidelity.grid import Case
+
+
+def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape) -> int:
+    """What kvgate's V1 model charges for `case.term`."""
+    p = case.params
+    rows = case.rows * p.get("n", 1)
+    v, dt = geometry.vocab_size, geometry.dtype_bytes
+    # max_num_seqs = rows: every row of this request is above half the profiled rows, so the
+    # penalties are charged in full (see the module docstring).
+    cost = SamplerCost(v, dt, max_num_seqs=rows, max_num_batched_tokens=max(rows, engine.max_num_batched_tokens))
+    stage = cost.stage(rows, logprobs="logprobs" in p, penalties=case.term in ("penalties", "prompt_ids"),
+                       longest_prompt=case.prompt_len, longest_output=case.output_tokens)
+    if case.term == "logits":
+        return stage.logits
+    if case.term in ("sort", "n"):
+        return stage.logits + stage.sort if case.term == "n" else stage.sort
+    if case.term == "logprobs":
+        return stage.logprobs
+    if case.term == "penalties":
+        return stage.penalties
+    if case.term == "prompt_ids":
+        return stage.prompt_ids // PROMPT_ID_COPIES
+    if case.term == "prompt_logprobs":
+        sampling = SamplingShape(prompt_logprobs=p["prompt_logprobs"])
+        term = estimate_transient(geometry, engine, case.prompt_len, sampling).term("prompt_logprobs")
+        return term.bytes if term else 0
+    raise ValueError(f"unknown term {case.term!r}")
+
+
+def cpu_only_bytes(case: Case, geometry: ModelGeometry) -> int:
+    """Bytes the CPU run allocates that the CUDA run does not, for the same vLLM code.
+
+    Penalties: ``frequency_penalties.unsqueeze(1) * output_bin_counts`` (fp32 x int64,
+    vllm/model_executor/layers/utils.py ``apply_penalties``). PyTorch's TensorIterator promotes
+    the int64 input to a fp32 temporary only when the common device is the CPU
+    (aten/src/ATen/TensorIterator.cpp ``compute_types``: "Creates temporaries for CPU
+    operations"); CUDA kernels cast as they load. ``[rows, V]`` x 4 B.
+    (The CPU-only repetition-penalty fallback is replaced in the probe itself, see
+    probe.emulate_cuda_repetition_penalty.)
+
+    Sort: the CPU ``aten::sort`` sorts each row through a one-row int64 scratch (``aten::resize_``
+    inside ``aten::sort`` in the profile: ``V x 8`` B whatever the rows), alive beside the sorted
+    values and indices (12 B a logit); it outweighs the masks and softmax that follow (6 B a
+    logit) only below 2 rows. CUDA sorts with its own kernels (not measured here; the sort is a
+    profiled term, so the profile run reserved whatever it takes at the profiled rows).
+    """
+    rows, v = case.rows * case.params.get("n", 1), geometry.vocab_size
+    if case.term == "penalties":
+        return rows * v * 4
+    if case.term in ("sort", "n") and "top_p" in case.params:
+        return max(0, v * 8 - 6 * rows * v)
+    return 0

