@@ -7,22 +7,39 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from app import capacity
 from app.sim import cli as sim_cli
+from app.model_folder import ModelFolderError, resolve_model_folder
 from app.settings import Settings, add_settings_arguments, settings_from_args
+
+if TYPE_CHECKING:
+    from app.sim.engine import Engine
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
-        raise SystemExit(f"--listen must be HOST:PORT, got {listen!r}")
+        raise SystemExit(f"kvgate: --listen must be HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port)
+
+
+def with_model_folder(settings: Settings) -> Settings:
+    """Settings whose --model is the local folder it names (a hub cache entry or model id
+    resolved), or exit with one line saying what is wrong."""
+    try:
+        folder = resolve_model_folder(settings.model)
+    except ModelFolderError as exc:
+        raise SystemExit(f"kvgate: {exc}") from None
+    return settings.model_copy(update={"model": str(folder)})
 
 
 # glibc keeps at most 7 freed chunks of each size in a thread's cache; the Rust tokenizer allocates
@@ -70,15 +87,20 @@ def configure_logging(level: str) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    settings = with_model_folder(settings_from_args(args))
+    host, port = parse_listen(settings.listen)
+    configure_logging(settings.log_level)
+
     import uvicorn
 
     from app.server import create_app
 
-    settings = settings_from_args(args)
-    configure_logging(settings.log_level)
-    host, port = parse_listen(settings.listen)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a backend URL that is no URL
+        raise SystemExit(f"kvgate: {exc}") from None
     uvicorn.run(
-        create_app(settings), host=host, port=port, log_level=settings.log_level,
+        app, host=host, port=port, log_level=settings.log_level,
         access_log=False, timeout_keep_alive=30,
         # The backend's own Date and Server headers pass through untouched; do not add ours.
         server_header=False, date_header=False,
@@ -115,6 +137,57 @@ async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None)
         await runtime.stop()
 
 
+def sim_model_folder(args: argparse.Namespace) -> Path:
+    """The folder `kvgate serve --model` needs in front of this simulator: the simulator's own
+    folder, or a preset's config.json written out (no tokenizer files: kvgate then counts
+    tokens through the simulator's /tokenize, which uses the simulator's stand-in tokenizer)."""
+    from app.sim.presets import write_model_folder
+
+    if (Path(args.model) / "config.json").is_file():
+        return Path(args.model).resolve()
+    folder = args.model_folder or Path(tempfile.gettempdir()) / "kvgate-sim" / args.model
+    return write_model_folder(args.model, folder).resolve()
+
+
+def serve_command_for(engine: Engine, args: argparse.Namespace, folder: Path) -> list[str]:
+    """The `kvgate serve` command line that matches a started simulator: its address, model
+    folder, GPU size and the engine limits it resolved (vLLM's defaults applied)."""
+    from app.sim.presets import gpu_total_bytes
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    resolved = engine.resolved
+    command = [
+        "kvgate", "serve", "--backend", f"http://{host}:{args.port}", "--model", str(folder),
+        "--listen", "127.0.0.1:8080", "--gpu-memory-bytes", str(gpu_total_bytes(args.gpu)),
+        "--max-num-batched-tokens", str(resolved.max_num_batched_tokens),
+        "--max-num-seqs", str(resolved.max_num_seqs),
+    ]
+    if args.served_model_name:
+        command += ["--served-model-name", args.served_model_name]
+    if args.attention_backend != "auto":
+        command += ["--attention-backend", args.attention_backend]
+    if args.tensor_parallel_size != 1:
+        command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.long_prefill_token_threshold:
+        command += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    return command
+
+
+def sim_command(args: argparse.Namespace) -> int:
+    """`kvgate sim`, telling the user how to put kvgate in front of it."""
+    try:
+        folder = sim_model_folder(args)
+    except KeyError as exc:
+        raise SystemExit(f"kvgate sim: {exc.args[0]}") from None
+
+    def announce(engine: Engine) -> None:
+        print(f"kvgate sim: model folder for kvgate: {folder}\n"
+              f"put kvgate in front of this simulator with:\n"
+              f"  {shlex.join(serve_command_for(engine, args, folder))}", flush=True)
+
+    return sim_cli.run(args, announce)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -144,7 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sim_cli.add_arguments(sim_parser)
-    sim_parser.set_defaults(run=sim_cli.run)
+    sim_parser.add_argument(
+        "--model-folder", type=Path, default=None,
+        help="where to write a preset's config.json for `kvgate serve --model` "
+        "(default: TMPDIR/kvgate-sim/PRESET)",
+    )
+    sim_parser.set_defaults(run=sim_command)
     return parser
 
 

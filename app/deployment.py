@@ -7,6 +7,7 @@ so the operator can fix the flags they copied.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from app.memory.kv import KVLayout
 from app.memory.outputs import OutputLengths
 from app.predict import Predictor
 from app.settings import Settings
-from app.telemetry.vllm import CacheConfig, ServedModel
+from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
 
 log = logging.getLogger("kvgate.deployment")
 
@@ -56,7 +57,24 @@ def _prefer(name: str, flag: object, reported: object, flag_given: bool) -> obje
     if reported is None:
         return flag
     if flag_given and flag != reported:
-        log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
+        _warn_disagreement(name, flag, reported)
+    return reported
+
+
+@functools.cache
+def _warn_disagreement(name: str, flag: object, reported: object) -> None:
+    """Once per process and disagreement: every re-synchronisation resolves the flags again."""
+    log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
+
+
+def _prefer_engine(name: str, settings: Settings, reported: int | None) -> int:
+    """An engine limit: the backend's when it states it, with a warning when it differs from
+    kvgate's flag, given or default (a default copied from no vLLM is still a wrong guess)."""
+    flag = getattr(settings, name)
+    if reported is None:
+        return int(flag)
+    if flag != reported:
+        _warn_disagreement(name, flag, reported)
     return reported
 
 
@@ -65,10 +83,12 @@ def resolve(
     geometry: ModelGeometry,
     cache: CacheConfig | None,
     served: ServedModel | None,
+    limits: EngineLimits | None = None,
 ) -> Deployment:
     """Flags, overridden by the backend's own report where it has one."""
     given = settings.model_fields_set
     cache = cache or CacheConfig(None, None, None, None, None, None, None)
+    limits = limits or EngineLimits(None, None, None, None, None)
     max_model_len = _prefer(
         "max_model_len", settings.max_model_len, served.max_model_len if served else None,
         "max_model_len" in given,
@@ -86,11 +106,14 @@ def resolve(
         backend = "mla" if geometry.is_mla else "flash-attn"
     return Deployment(
         max_model_len=int(max_model_len),
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=_prefer_engine(
+            "max_num_batched_tokens", settings, limits.max_num_batched_tokens),
+        max_num_seqs=_prefer_engine("max_num_seqs", settings, limits.max_num_seqs),
         block_size=int(_prefer("block_size", settings.block_size, cache.block_size, "block_size" in given)),
-        tensor_parallel_size=settings.tensor_parallel_size,
-        pipeline_parallel_size=settings.pipeline_parallel_size,
+        tensor_parallel_size=_prefer_engine(
+            "tensor_parallel_size", settings, limits.tensor_parallel_size),
+        pipeline_parallel_size=_prefer_engine(
+            "pipeline_parallel_size", settings, limits.pipeline_parallel_size),
         kv_cache_dtype=str(
             _prefer("kv_cache_dtype", settings.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given)
         ),
@@ -100,7 +123,8 @@ def resolve(
                 cache.gpu_memory_utilization, "gpu_memory_utilization" in given,
             )
         ),
-        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        long_prefill_token_threshold=_prefer_engine(
+            "long_prefill_token_threshold", settings, limits.long_prefill_token_threshold),
         enable_prefix_caching=bool(
             _prefer(
                 "enable_prefix_caching", settings.enable_prefix_caching,

@@ -1,0 +1,145 @@
+"""What a new user meets first: start-up errors as one line and an exit code, `--model` as a folder,
+a hub cache entry or a cached model id, and `kvgate sim` telling them the `kvgate serve` to run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import huggingface_hub.constants
+import pytest
+
+from app.deployment import _warn_disagreement, resolve
+from app.memory.geometry import ModelGeometry
+from app.model_folder import ModelFolderError, resolve_model_folder
+from app.process import stop_process
+from app.settings import Settings
+from app.sim.presets import model_config, write_model_folder
+from app.sim.runner import free_port
+from app.telemetry.vllm import EngineLimits
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kvgate(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], cwd=REPO, capture_output=True, text=True,
+        timeout=timeout, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
+    )
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    return write_model_folder("llama-3.1-8b", tmp_path / "llama")
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ([], "--model is required"),
+    (["--model", "{tmp}"], "is a folder without config.json"),
+    (["--model", "llama-3.1-8b"], "nor a model in the local Hugging Face hub cache"),
+    (["--model", "{model}", "--backend", "localhost:8000"], "the backend URL must be http(s)://"),
+    (["--model", "{model}", "--max-num-seqs", "many"], "--max-num-seqs: Input should be a valid integer"),
+    (["--model", "{model}", "--listen", "8080"], "--listen must be HOST:PORT"),
+], ids=["no-model", "no-config", "unknown-id", "bad-backend", "bad-int", "bad-listen"])
+def test_start_up_errors_are_one_line_and_an_exit_code(
+    args: list[str], says: str, tmp_path: Path, model_dir: Path
+) -> None:
+    filled = [a.format(tmp=tmp_path, model=model_dir) for a in args]
+    done = kvgate("serve", *filled, env={"HF_HUB_CACHE": str(tmp_path / "empty-cache")})
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvgate: ") and says in lines[0], done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def _hub_cache(root: Path, repo_id: str) -> Path:
+    """A hub cache entry laid out as huggingface_hub writes it: refs/main -> snapshots/<commit>."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    entry = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = entry / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(model_config("llama-3.1-8b")))
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_model_resolves_from_the_local_hub_cache_and_never_downloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "hub"
+    snapshot = _hub_cache(cache, "acme/tiny-llama")
+    # HF_HUB_CACHE as huggingface_hub read it at import (the variable is read only then).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert resolve_model_folder("acme/tiny-llama") == snapshot  # a model id
+    assert resolve_model_folder(str(cache / "models--acme--tiny-llama")) == snapshot  # the entry
+    assert resolve_model_folder(str(snapshot)) == snapshot  # the snapshot itself
+    with pytest.raises(ModelFolderError, match="never downloads"):
+        resolve_model_folder("acme/not-cached")  # offline: no network call is made for it
+
+
+def test_backend_engine_limits_win_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    geometry = ModelGeometry.from_config(model_config("llama-3.1-8b"))
+    limits = EngineLimits(8192, 1024, None, None, None)
+    _warn_disagreement.cache_clear()
+    with caplog.at_level(logging.WARNING, "kvgate.deployment"):
+        for _ in range(3):  # every re-synchronisation resolves again
+            deployment = resolve(Settings(), geometry, None, None, limits)
+    assert (deployment.max_num_batched_tokens, deployment.max_num_seqs) == (8192, 1024)
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [
+        "backend reports max_num_batched_tokens=8192 but kvgate was given 2048; using the backend's",
+        "backend reports max_num_seqs=1024 but kvgate was given 256; using the backend's",
+    ]
+    assert resolve(Settings(), geometry, None, None, None).max_num_seqs == 256  # not published
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[str], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tmp_path: Path) -> None:
+    sim_port, kvgate_port = free_port(), free_port()
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "sim", "--port", str(sim_port), "--speedup", "50",
+         "--model-folder", str(tmp_path / "model")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    serve = None
+    try:
+        assert sim.stdout is not None
+        printed = [sim.stdout.readline() for _ in range(3)]
+        command = shlex.split(printed[2])
+        assert command[:2] == ["kvgate", "serve"] and str(tmp_path / "model") in command
+        assert command[command.index("--max-num-batched-tokens") + 1] == "8192"  # the H100 default
+        listen = command.index("--listen") + 1
+        command[listen] = f"127.0.0.1:{kvgate_port}"
+        serve = subprocess.Popen([sys.executable, "-m", "app.cli", *command[1:]], cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{kvgate_port}"
+        _wait_ready(url + "/readyz", serve)
+        answer = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "llama-3.1-8b", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Hello there"}]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] <= 8
+    finally:
+        if serve is not None:
+            stop_process(serve)
+        stop_process(sim)
