@@ -20,6 +20,7 @@ from app import capacity
 from app.sim import cli as sim_cli
 from app.model_folder import ModelFolderError, resolve_model_folder
 from app.settings import Settings, add_settings_arguments, settings_from_args
+from app.tokens import has_local_tokenizer
 
 if TYPE_CHECKING:
     from app.sim.engine import Engine
@@ -110,6 +111,18 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# The settings that change `kvgate explain`'s answer offline; the others (listening, scraping,
+# queue and live calibration) mean something only to a running kvgate.
+EXPLAIN_SETTINGS = (
+    "backend", "model", "served_model_name", "max_model_len", "max_num_batched_tokens",
+    "max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
+    "kv_cache_dtype", "gpu_memory_utilization", "long_prefill_token_threshold",
+    "enable_prefix_caching", "attention_backend", "num_gpu_blocks", "gpu_memory_bytes",
+    "free_memory_bytes", "profiled_activation_bytes", "transient_safety_margin",
+    "default_max_tokens", "kv_output_quantile",
+)
+
+
 def explain_command(args: argparse.Namespace) -> int:
     raw = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
     if args.url:
@@ -117,7 +130,14 @@ def explain_command(args: argparse.Namespace) -> int:
         response = httpx.post(args.url.rstrip("/") + "/kvgate/explain", content=raw, params=params, timeout=30)
         print(json.dumps(response.json(), indent=2))
         return 0 if response.status_code == 200 else 1
-    return asyncio.run(_explain_offline(settings_from_args(args), raw, args.endpoint))
+    settings = with_model_folder(settings_from_args(args))
+    if not has_local_tokenizer(settings.model) and "backend" not in settings.model_fields_set:
+        raise SystemExit(
+            f"kvgate: the model folder {settings.model} has no tokenizer files; offline, kvgate "
+            "calls no backend: give --backend URL to count tokens with vLLM's /tokenize, or --url "
+            "to ask a running kvgate"
+        )
+    return asyncio.run(_explain_offline(settings, raw, args.endpoint))
 
 
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
@@ -204,12 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     capacity_parser.set_defaults(run=capacity.run)
 
     explain_parser = commands.add_parser(
-        "explain", help="Show a request's footprint and the decision kvgate would take now."
+        "explain", help="Show a request's footprint and the decision kvgate would take now.",
+        description="Without --url, computed offline from the flags below; no backend is called "
+        "unless --backend is given (for /tokenize, when the model folder has no tokenizer).",
     )
     explain_parser.add_argument("body", help="JSON body file, or - for standard input.")
     explain_parser.add_argument("--url", help="A running kvgate to ask; without it, computed offline from flags.")
     explain_parser.add_argument("--endpoint", choices=["chat", "completions"], help="Default: chat if the body has messages.")
-    add_settings_arguments(explain_parser)
+    add_settings_arguments(explain_parser, only=EXPLAIN_SETTINGS)
     explain_parser.set_defaults(run=explain_command)
 
     sim_parser = commands.add_parser(

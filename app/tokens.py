@@ -6,6 +6,7 @@ Chat requests are rendered by app.chat_template (vLLM's preprocessing) and then 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -14,6 +15,8 @@ import httpx
 from app.chat_template import ChatRequest, TokenizationError, render_chat
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+log = logging.getLogger("kvgate.tokens")
 
 
 class BackendTokenizeError(RuntimeError):
@@ -179,6 +182,15 @@ def load_tokenizer(
     model_dir: str | Path | None, client: httpx.AsyncClient, model_name: str
 ) -> Tokenizer:
     """Local when the model folder holds a tokenizer (no network per request), else the backend."""
-    if model_dir is not None and any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
+    if has_local_tokenizer(model_dir):
+        assert model_dir is not None
         return LocalTokenizer(model_dir)
+    log.warning(
+        "the model folder %s has no tokenizer files (%s): kvgate counts tokens through the "
+        "backend's /tokenize, one round trip per request", model_dir, ", ".join(_TOKENIZER_FILES),
+    )
     return BackendTokenizer(client, model_name)
+
+
+def has_local_tokenizer(model_dir: str | Path | None) -> bool:
+    return model_dir is not None and any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES)
