@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import shlex
 import sys
@@ -18,6 +17,7 @@ import httpx
 
 from app import capacity
 from app.sim import cli as sim_cli
+from app.logs import configure_logging
 from app.model_folder import ModelFolderError, resolve_model_folder
 from app.settings import Settings, add_settings_arguments, settings_from_args
 from app.tokens import has_local_tokenizer
@@ -77,16 +77,6 @@ def exec_with_malloc_tuning() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # The format shows neither the caller nor the thread or process: do not collect them for
-    # every record (the caller is a walk up the stack, the process id a system call). At
-    # --log-level info that is a quarter of each decision line's cost.
-    logging._srcfile = None
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def serve(args: argparse.Namespace) -> int:
     settings = with_model_folder(settings_from_args(args))
     host, port = parse_listen(settings.listen)
@@ -101,7 +91,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a backend URL that is no URL
         raise SystemExit(f"kvgate: {exc}") from None
     uvicorn.run(
-        app, host=host, port=port, log_level=settings.log_level,
+        app, host=host, port=port, log_level=settings.log_level, log_config=None,
         access_log=False, timeout_keep_alive=30,
         # The backend's own Date and Server headers pass through untouched; do not add ours.
         server_header=False, date_header=False,

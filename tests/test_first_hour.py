@@ -3,9 +3,11 @@ a hub cache entry or a cached model id, and `kvgate sim` telling them the `kvgat
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -17,9 +19,11 @@ import huggingface_hub.constants
 import pytest
 
 from app.deployment import _warn_disagreement, resolve
+from app.gated import request_id_of
 from app.memory.geometry import ModelGeometry
 from app.model_folder import ModelFolderError, resolve_model_folder
 from app.process import stop_process
+from app.server import create_app
 from app.settings import Settings
 from app.sim.presets import model_config, write_model_folder
 from app.sim.runner import free_port
@@ -130,8 +134,10 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
         assert command[command.index("--max-num-batched-tokens") + 1] == "8192"  # the H100 default
         listen = command.index("--listen") + 1
         command[listen] = f"127.0.0.1:{kvgate_port}"
-        serve = subprocess.Popen([sys.executable, "-m", "app.cli", *command[1:]], cwd=REPO,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = tmp_path / "kvgate.log"
+        with log.open("w") as out:
+            serve = subprocess.Popen([sys.executable, "-m", "app.cli", *command[1:]], cwd=REPO,
+                                     stdout=out, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{kvgate_port}"
         _wait_ready(url + "/readyz", serve)
         answer = httpx.post(url + "/v1/chat/completions", timeout=30, json={
@@ -143,3 +149,42 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
         if serve is not None:
             stop_process(serve)
         stop_process(sim)
+    # One log format, uvicorn's lines included; the /tokenize fallback said at start-up; no
+    # disagreement with the simulator's engine limits (the printed command copied them).
+    lines = log.read_text().splitlines()
+    assert lines and all(KVGATE_LINE.match(line) for line in lines), lines
+    assert any(" uvicorn.error Application startup complete." in line for line in lines)
+    assert any("kvgate counts tokens through the backend's /tokenize" in line for line in lines)
+    assert not any("backend reports" in line for line in lines)
+
+
+KVGATE_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [\w.]+ ")
+
+
+def test_transformers_does_not_advise_installing_torch() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import app.tokens; from transformers import AutoTokenizer"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0 and "PyTorch was not found" not in done.stderr, done.stderr
+
+
+def test_wrong_method_on_a_gated_path_gets_openais_error_shape(model_dir: Path) -> None:
+    app = create_app(Settings(model=str(model_dir), backend="http://127.0.0.1:9"))
+
+    async def get() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://kvgate") as client:
+            return await client.get("/v1/chat/completions")
+
+    response = asyncio.run(get())
+    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.json()["error"]["code"] == "method_not_allowed"
+    assert "GET" in response.json()["error"]["message"]
+
+
+def test_request_ids_are_unguessable_from_earlier_ones() -> None:
+    scope = {"type": "http", "headers": []}
+    ids = [request_id_of(scope) for _ in range(1000)]
+    assert len(set(ids)) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert len({i[:8] for i in ids}) > 990  # no shared prefix, no visible counter
+    assert request_id_of({"type": "http", "headers": [(b"x-request-id", b"mine")]}) == "mine"
