@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import httpx
 
 from app import capacity
-from app.sim import cli as sim_cli
 from app.logs import configure_logging
 from app.model_folder import ModelFolderError, resolve_model_folder
 from app.settings import Settings, add_settings_arguments, settings_from_args
+from app.sim import cli as sim_cli
 from app.tokens import has_local_tokenizer
 
 if TYPE_CHECKING:

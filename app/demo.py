@@ -277,7 +277,7 @@ def kvgate(backend: str, model_dir: Path, flags: list[str], total_bytes: int,
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--backend", backend,
            "--model", str(model_dir), "--listen", f"127.0.0.1:{port}",
-           "--gpu-memory-bytes", str(total_bytes), "--log-level", "warning", *STEADY_FLAGS, *flags]
+           "--gpu-memory-bytes", str(total_bytes), "--log-level", "warning", *flags]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=os.environ | {"HF_HUB_OFFLINE": "1"})
@@ -336,7 +336,7 @@ def run_scenario(s: Scenario, quick: bool = False, seed: int = 7) -> Result:
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp, \
             SimRunner(replace(cfg, cotenants=list(cfg.cotenants))) as sim:
         model_dir = write_model_folder(cfg.model, Path(tmp) / cfg.model)
-        with kvgate(sim.url, model_dir, s.kvgate_flags, gpu_total_bytes(cfg.gpu),
+        with kvgate(sim.url, model_dir, [*STEADY_FLAGS, *s.kvgate_flags], gpu_total_bytes(cfg.gpu),
                     Path(tmp) / "kvgate.log") as (url, cmd):
             res.kvgate_command = cmd
             res.gated = asyncio.run(replay(url, calls, sim.engine, queue_depth))

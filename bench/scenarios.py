@@ -11,14 +11,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from app.demo import Call
 from app.sim import startup
 from app.sim.config import GiB, MiB, CoTenant, SimConfig
 from app.sim.gpu import CachingAllocator, Device
 from app.sim.presets import gpu_total_bytes
 from app.sim.server import load_geometry
 
-from bench.workloads import chat_call, document_call, poisson_times, streaming
+from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant for the support desk of a large retailer. " * 40,
