@@ -5,24 +5,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
+import shlex
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from app import capacity
-from app.sim import cli as sim_cli
+from app.logs import configure_logging
+from app.model_folder import ModelFolderError, resolve_model_folder
 from app.settings import Settings, add_settings_arguments, settings_from_args
+from app.sim import cli as sim_cli
+from app.tokens import has_local_tokenizer
+
+if TYPE_CHECKING:
+    from app.sim.engine import Engine
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
-        raise SystemExit(f"--listen must be HOST:PORT, got {listen!r}")
+        raise SystemExit(f"kvgate: --listen must be HOST:PORT, got {listen!r}")
     return host.strip("[]"), int(port)
+
+
+def with_model_folder(settings: Settings) -> Settings:
+    """Settings whose --model is the local folder it names (a hub cache entry or model id
+    resolved), or exit with one line saying what is wrong."""
+    try:
+        folder = resolve_model_folder(settings.model)
+    except ModelFolderError as exc:
+        raise SystemExit(f"kvgate: {exc}") from None
+    return settings.model_copy(update={"model": str(folder)})
 
 
 # glibc keeps at most 7 freed chunks of each size in a thread's cache; the Rust tokenizer allocates
@@ -59,26 +77,21 @@ def exec_with_malloc_tuning() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # The format shows neither the caller nor the thread or process: do not collect them for
-    # every record (the caller is a walk up the stack, the process id a system call). At
-    # --log-level info that is a quarter of each decision line's cost.
-    logging._srcfile = None
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def serve(args: argparse.Namespace) -> int:
+    settings = with_model_folder(settings_from_args(args))
+    host, port = parse_listen(settings.listen)
+    configure_logging(settings.log_level)
+
     import uvicorn
 
     from app.server import create_app
 
-    settings = settings_from_args(args)
-    configure_logging(settings.log_level)
-    host, port = parse_listen(settings.listen)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a backend URL that is no URL
+        raise SystemExit(f"kvgate: {exc}") from None
     uvicorn.run(
-        create_app(settings), host=host, port=port, log_level=settings.log_level,
+        app, host=host, port=port, log_level=settings.log_level, log_config=None,
         access_log=False, timeout_keep_alive=30,
         # The backend's own Date and Server headers pass through untouched; do not add ours.
         server_header=False, date_header=False,
@@ -88,6 +101,18 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# The settings that change `kvgate explain`'s answer offline; the others (listening, scraping,
+# queue and live calibration) mean something only to a running kvgate.
+EXPLAIN_SETTINGS = (
+    "backend", "model", "served_model_name", "max_model_len", "max_num_batched_tokens",
+    "max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
+    "kv_cache_dtype", "gpu_memory_utilization", "long_prefill_token_threshold",
+    "enable_prefix_caching", "attention_backend", "num_gpu_blocks", "gpu_memory_bytes",
+    "free_memory_bytes", "profiled_activation_bytes", "transient_safety_margin",
+    "default_max_tokens", "kv_output_quantile",
+)
+
+
 def explain_command(args: argparse.Namespace) -> int:
     raw = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
     if args.url:
@@ -95,7 +120,14 @@ def explain_command(args: argparse.Namespace) -> int:
         response = httpx.post(args.url.rstrip("/") + "/kvgate/explain", content=raw, params=params, timeout=30)
         print(json.dumps(response.json(), indent=2))
         return 0 if response.status_code == 200 else 1
-    return asyncio.run(_explain_offline(settings_from_args(args), raw, args.endpoint))
+    settings = with_model_folder(settings_from_args(args))
+    if not has_local_tokenizer(settings.model) and "backend" not in settings.model_fields_set:
+        raise SystemExit(
+            f"kvgate: the model folder {settings.model} has no tokenizer files; offline, kvgate "
+            "calls no backend: give --backend URL to count tokens with vLLM's /tokenize, or --url "
+            "to ask a running kvgate"
+        )
+    return asyncio.run(_explain_offline(settings, raw, args.endpoint))
 
 
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
@@ -115,6 +147,57 @@ async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None)
         await runtime.stop()
 
 
+def sim_model_folder(args: argparse.Namespace) -> Path:
+    """The folder `kvgate serve --model` needs in front of this simulator: the simulator's own
+    folder, or a preset's config.json written out (no tokenizer files: kvgate then counts
+    tokens through the simulator's /tokenize, which uses the simulator's stand-in tokenizer)."""
+    from app.sim.presets import write_model_folder
+
+    if (Path(args.model) / "config.json").is_file():
+        return Path(args.model).resolve()
+    folder = args.model_folder or Path(tempfile.gettempdir()) / "kvgate-sim" / args.model
+    return write_model_folder(args.model, folder).resolve()
+
+
+def serve_command_for(engine: Engine, args: argparse.Namespace, folder: Path) -> list[str]:
+    """The `kvgate serve` command line that matches a started simulator: its address, model
+    folder, GPU size and the engine limits it resolved (vLLM's defaults applied)."""
+    from app.sim.presets import gpu_total_bytes
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    resolved = engine.resolved
+    command = [
+        "kvgate", "serve", "--backend", f"http://{host}:{args.port}", "--model", str(folder),
+        "--listen", "127.0.0.1:8080", "--gpu-memory-bytes", str(gpu_total_bytes(args.gpu)),
+        "--max-num-batched-tokens", str(resolved.max_num_batched_tokens),
+        "--max-num-seqs", str(resolved.max_num_seqs),
+    ]
+    if args.served_model_name:
+        command += ["--served-model-name", args.served_model_name]
+    if args.attention_backend != "auto":
+        command += ["--attention-backend", args.attention_backend]
+    if args.tensor_parallel_size != 1:
+        command += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.long_prefill_token_threshold:
+        command += ["--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    return command
+
+
+def sim_command(args: argparse.Namespace) -> int:
+    """`kvgate sim`, telling the user how to put kvgate in front of it."""
+    try:
+        folder = sim_model_folder(args)
+    except KeyError as exc:
+        raise SystemExit(f"kvgate sim: {exc.args[0]}") from None
+
+    def announce(engine: Engine) -> None:
+        print(f"kvgate sim: model folder for kvgate: {folder}\n"
+              f"put kvgate in front of this simulator with:\n"
+              f"  {shlex.join(serve_command_for(engine, args, folder))}", flush=True)
+
+    return sim_cli.run(args, announce)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -131,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     capacity_parser.set_defaults(run=capacity.run)
 
     explain_parser = commands.add_parser(
-        "explain", help="Show a request's footprint and the decision kvgate would take now."
+        "explain", help="Show a request's footprint and the decision kvgate would take now.",
+        description="Without --url, computed offline from the flags below; no backend is called "
+        "unless --backend is given (for /tokenize, when the model folder has no tokenizer).",
     )
     explain_parser.add_argument("body", help="JSON body file, or - for standard input.")
     explain_parser.add_argument("--url", help="A running kvgate to ask; without it, computed offline from flags.")
     explain_parser.add_argument("--endpoint", choices=["chat", "completions"], help="Default: chat if the body has messages.")
-    add_settings_arguments(explain_parser)
+    add_settings_arguments(explain_parser, only=EXPLAIN_SETTINGS)
     explain_parser.set_defaults(run=explain_command)
 
     sim_parser = commands.add_parser(
@@ -144,7 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sim_cli.add_arguments(sim_parser)
-    sim_parser.set_defaults(run=sim_cli.run)
+    sim_parser.add_argument(
+        "--model-folder", type=Path, default=None,
+        help="where to write a preset's config.json for `kvgate serve --model` "
+        "(default: TMPDIR/kvgate-sim/PRESET)",
+    )
+    sim_parser.set_defaults(run=sim_command)
     return parser
 
 

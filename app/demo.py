@@ -8,6 +8,11 @@ For each scenario (a failure mode from docs/sources.md), on 127.0.0.1 and free p
    same workload through kvgate, and show that it survived: how many requests completed, kvgate's
    admit / queue / reject counts from its /metrics and an example of each refusal.
 
+The outcome is a function of the seed alone, never of the wall clock: the simulated engine is
+held while the workload is submitted one request at a time (each waits until the simulator or
+kvgate has taken the one before), then released; kvgate's queue deadline is longer than the
+slowest machine needs, so what completes, fails or is refused is the same on every run.
+
 The simulator is kvgate's adversary, not its accomplice: it plays every allocation on its own
 model of PyTorch's caching allocator and never imports kvgate's estimator. Run with `--quick`
 for a smaller workload (tests/test_demo.py).
@@ -25,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.process import stop_process
 from app.sim.config import SimConfig
+from app.sim.engine import Engine
 from app.sim.presets import gpu_total_bytes, write_model_folder
 from app.sim.runner import SimRunner, free_port
 from app.sim.startup import StartupError
@@ -47,9 +53,8 @@ _WORDS = ("the cache block token batch model server queue memory budget prompt g
 
 @dataclass(frozen=True)
 class Call:
-    """One request of the workload: when it is sent (wall seconds), where, and what."""
+    """One request of the workload (workloads list them in the order they are sent)."""
 
-    at: float
     path: str
     body: dict[str, Any]
     label: str
@@ -94,51 +99,57 @@ def text(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(tokens))
 
 
-def chat(rng: random.Random, at: float, model: str, i: int, max_tokens: int) -> Call:
+def chat(rng: random.Random, model: str, i: int, max_tokens: int) -> Call:
     words = rng.randint(150, 1200)
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.7, "seed": i,
             "messages": [{"role": "user", "content": f"Question {i}: " + text(rng, words)}]}
-    return Call(at, "/v1/chat/completions", body, "chat")
+    return Call("/v1/chat/completions", body, "chat")
 
 
-def document(rng: random.Random, at: float, model: str, tokens: int, **extra: Any) -> Call:
+def document(rng: random.Random, model: str, tokens: int, **extra: Any) -> Call:
     body = {"model": model, "prompt": text(rng, tokens - 1), "max_tokens": 64, **extra}
-    return Call(at, "/v1/completions", body, f"document of {tokens // 1000}k tokens")
+    return Call("/v1/completions", body, f"document of {tokens // 1000}k tokens")
 
 
 def long_context_workload(rng: random.Random, quick: bool) -> list[Call]:
     """Chat traffic, and long documents (8k to 64k tokens) for summarisation arriving early."""
     model = "llama-3.1-8b"
     docs = [8000, 16000, 24000, 32000, 48000, 64000] if not quick else [8000, 24000, 48000]
-    calls = [document(rng, 0.05 * i, model, n) for i, n in enumerate(docs)]
+    calls = [document(rng, model, n) for n in docs]
     chats = 18 if not quick else 6
-    calls += [chat(rng, 0.3 + 0.05 * i, model, i, rng.choice([32, 64, 128])) for i in range(chats)]
+    calls += [chat(rng, model, i, rng.choice([32, 64, 128])) for i in range(chats)]
     return calls
 
 
 def eval_workload(rng: random.Random, quick: bool) -> list[Call]:
     """Chat traffic beside an evaluation job scoring prompts (prompt_logprobs, 2k to 8k tokens)."""
     model = "llama-3.1-8b"
-    sizes = [2000, 8000, 4000, 8000] if not quick else [2000, 8000]
-    calls = [document(rng, 0.1 + 0.1 * i, model, n, prompt_logprobs=1, max_tokens=1)
-             for i, n in enumerate(sizes)]
-    calls = [replace(c, label=c.label.replace("document", "scored prompt")) for c in calls]
+    sizes = [2000, 8000, 4000, 8000] if not quick else [4000, 8000]
+    scored = [document(rng, model, n, prompt_logprobs=1, max_tokens=1) for n in sizes]
+    scored = [replace(c, label=c.label.replace("document", "scored prompt")) for c in scored]
     chats = 12 if not quick else 4
-    calls += [chat(rng, 0.05 * i, model, i, rng.choice([32, 64])) for i in range(chats)]
-    return calls
+    return [chat(rng, model, i, rng.choice([32, 64])) for i in range(chats)] + scored
 
 
 def big_batch_workload(rng: random.Random, quick: bool) -> list[Call]:
     """A burst of RAG-style requests (3k to 6k-token prompts), more than the KV cache holds."""
     model = "llama-3.1-8b"
     count = 24 if not quick else 10
-    calls = [document(rng, 0.02 * i, model, rng.choice([3000, 4000, 6000])) for i in range(count)]
+    calls = [document(rng, model, rng.choice([3000, 4000, 6000])) for _ in range(count)]
     for c in calls:
         c.body["max_tokens"] = 256
     # One caller asks for 8 samples of a long answer: more KV than the whole cache.
-    greedy = document(rng, 0.01, model, 3000, n=8, max_tokens=4000)
+    greedy = document(rng, model, 3000, n=8, max_tokens=4000)
     return [replace(greedy, label="n=8 x 4000-token answers"), *calls]
 
+
+# Longer than the slowest machine takes to play any scenario: a queued request is refused only
+# when the queue is full (decided while the engine is held), never by a wall-clock deadline.
+QUEUE_WAIT_S = 300
+ANSWER_TIMEOUT_S = QUEUE_WAIT_S + 60
+# The held engine's readings do not change however late a scrape comes on a busy machine: they
+# must not count as stale (which halves the budget) while the workload is submitted.
+STEADY_FLAGS = ["--max-staleness", "60"]
 
 SCENARIOS: list[Scenario] = [
     Scenario(
@@ -147,7 +158,8 @@ SCENARIOS: list[Scenario] = [
         seed="docs/sources.md#profile-run-question",
         sim=SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=65536,
                       max_num_batched_tokens=2048, max_num_seqs=256,
-                      attention_backend="materializing", speedup=25, restart_seconds=600),
+                      attention_backend="materializing", speedup=25, restart_seconds=600,
+                      vllm_version="0.31.0", model_runner="v1"),
         kvgate_flags=["--max-num-batched-tokens", "2048", "--max-num-seqs", "256",
                       "--attention-backend", "materializing"],
         workload=long_context_workload,
@@ -158,7 +170,7 @@ SCENARIOS: list[Scenario] = [
         seed="docs/sources.md#failure-modes, mode 2",
         sim=SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384,
                       max_num_seqs=256, gpu_memory_utilization=0.95, speedup=25,
-                      restart_seconds=600),
+                      restart_seconds=600, vllm_version="0.31.0", model_runner="v1"),
         kvgate_flags=["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"],
         workload=eval_workload,
     ),
@@ -168,11 +180,12 @@ SCENARIOS: list[Scenario] = [
         seed="docs/sources.md#large-max-num-batched-tokens",
         sim=SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=8192,
                       max_num_batched_tokens=65536, max_num_seqs=200, speedup=25,
-                      restart_seconds=600),
+                      restart_seconds=600, vllm_version="0.31.0", model_runner="v1"),
         sim_gated=SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=8192,
-                            max_num_seqs=200, speedup=25, restart_seconds=600),
+                            max_num_seqs=200, speedup=25, restart_seconds=600,
+                            vllm_version="0.31.0", model_runner="v1"),
         kvgate_flags=["--max-num-batched-tokens", "2048", "--max-num-seqs", "200",
-                      "--max-queue", "12", "--max-queue-wait", "10"],
+                      "--max-queue", "12", "--max-queue-wait", str(QUEUE_WAIT_S)],
         workload=big_batch_workload,
         note="vLLM dies in its start-up profile; kvgate cannot fix a profile that does not fit, "
              "so vLLM keeps its default batch and kvgate caps the concurrency instead.",
@@ -193,12 +206,25 @@ def sim_flags(cfg: SimConfig) -> str:
     return " ".join(parts)
 
 
-async def replay(base_url: str, calls: list[Call], timeout_s: float = 60.0) -> list[Outcome]:
-    """Send every call at its time, concurrently; collect status and error message."""
-    start = time.monotonic()
+def client_requests_in(engine: Engine | None) -> int:
+    """Client requests the simulated engine holds (its n sequences are ids -0, -1, ...)."""
+    if engine is None or not engine.ready:
+        return 0
+    held = [*engine.scheduler.waiting, *engine.scheduler.running]
+    return sum(r.request_id.endswith("-0") for r in held)
 
+
+async def replay(base_url: str, calls: list[Call], engine: Engine | None,
+                 queued: Callable[[httpx.AsyncClient], Awaitable[int]] | None = None
+                 ) -> list[Outcome]:
+    """Submit every call, one at a time, to a held engine, then release it and collect each
+    status and error message.
+
+    A call is sent once the one before it is settled: answered, waiting in kvgate's queue
+    (`queued` counts those), or taken in by the engine. So the engine and kvgate see the same
+    arrivals in the same order on every run, and the engine starts stepping with all of them.
+    """
     async def one(client: httpx.AsyncClient, call: Call) -> Outcome:
-        await asyncio.sleep(max(0.0, call.at - (time.monotonic() - start)))
         try:
             r = await client.post(call.path, json=call.body)
         except httpx.HTTPError as exc:
@@ -210,14 +236,46 @@ async def replay(base_url: str, calls: list[Call], timeout_s: float = 60.0) -> l
         return Outcome(call, r.status_code, message)
 
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
-        return list(await asyncio.gather(*(one(client, c) for c in calls)))
+    if engine is not None:
+        engine.held = True
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=ANSWER_TIMEOUT_S,
+                                     limits=limits) as client:
+            tasks: list[asyncio.Task[Outcome]] = []
+            for sent, call in enumerate(calls, 1):
+                tasks.append(asyncio.create_task(one(client, call)))
+                deadline = time.monotonic() + ANSWER_TIMEOUT_S
+                while True:
+                    waiting = await queued(client) if queued is not None else 0
+                    answered = sum(t.done() for t in tasks)
+                    if answered + waiting + client_requests_in(engine) >= sent:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"request {sent} ({call.label}) was never taken in")
+                    await asyncio.sleep(0.005)
+            if engine is not None:
+                engine.held = False
+            return list(await asyncio.gather(*tasks))
+    finally:
+        if engine is not None:
+            engine.held = False
+
+
+async def queue_depth(client: httpx.AsyncClient) -> int:
+    """Requests waiting in kvgate's admission queue, from its /metrics."""
+    page = (await client.get("/metrics")).text
+    for s in _samples(page):
+        if s.name == "kvgate_queue_depth":
+            return int(s.value)
+    raise ValueError("kvgate's /metrics has no kvgate_queue_depth")
 
 
 @contextlib.contextmanager
 def kvgate(backend: str, model_dir: Path, flags: list[str], total_bytes: int,
            log_path: Path) -> Iterator[tuple[str, list[str]]]:
-    """`kvgate serve` as a user runs it, on a free port; yields its URL once /readyz says ready."""
+    """`kvgate serve` as a user runs it, on a free port; yields its URL once /readyz says ready
+    and its budget is live (a first scrape of the backend has set it), so the first request meets
+    the same budget on every run."""
     port = free_port()
     cmd = [sys.executable, "-m", "app.cli", "serve", "--backend", backend,
            "--model", str(model_dir), "--listen", f"127.0.0.1:{port}",
@@ -232,7 +290,7 @@ def kvgate(backend: str, model_dir: Path, flags: list[str], total_bytes: int,
             if proc.poll() is not None:
                 raise RuntimeError(f"kvgate exited ({proc.returncode}):\n{log_path.read_text()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200 and budget_live(url):
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvgate not ready after 30 s:\n{log_path.read_text()}")
@@ -242,13 +300,21 @@ def kvgate(backend: str, model_dir: Path, flags: list[str], total_bytes: int,
         stop_process(proc)
 
 
+def _samples(page: str) -> Iterator[Any]:
+    for family in text_string_to_metric_families(page):
+        yield from family.samples
+
+
+def budget_live(url: str) -> bool:
+    page = httpx.get(url + "/metrics", timeout=5).text
+    return any(s.name == "kvgate_budget_mode" and s.labels["mode"] == "live" and s.value == 1
+               for s in _samples(page))
+
+
 def decisions(url: str) -> dict[tuple[str, str], int]:
-    out: dict[tuple[str, str], int] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-        for s in family.samples:
-            if s.name == "kvgate_decisions_total" and s.value:
-                out[(s.labels["decision"], s.labels["reason"])] = int(s.value)
-    return out
+    page = httpx.get(url + "/metrics", timeout=5).text
+    return {(s.labels["decision"], s.labels["reason"]): int(s.value) for s in _samples(page)
+            if s.name == "kvgate_decisions_total" and s.value}
 
 
 def run_scenario(s: Scenario, quick: bool = False, seed: int = 7) -> Result:
@@ -259,10 +325,10 @@ def run_scenario(s: Scenario, quick: bool = False, seed: int = 7) -> Result:
         runner = SimRunner(s.sim).start()
     except StartupError as exc:
         res.direct_startup_failed, res.direct_oom = True, str(exc)
-        res.direct = asyncio.run(replay(f"http://127.0.0.1:{free_port()}", calls))
+        res.direct = asyncio.run(replay(f"http://127.0.0.1:{free_port()}", calls, None))
     else:
         try:
-            res.direct = asyncio.run(replay(runner.url, calls))
+            res.direct = asyncio.run(replay(runner.url, calls, runner.engine))
             ooms = runner.engine.ooms
             res.direct_oom = ooms[0] if ooms else None
         finally:
@@ -272,10 +338,10 @@ def run_scenario(s: Scenario, quick: bool = False, seed: int = 7) -> Result:
     with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp, \
             SimRunner(replace(cfg, cotenants=list(cfg.cotenants))) as sim:
         model_dir = write_model_folder(cfg.model, Path(tmp) / cfg.model)
-        with kvgate(sim.url, model_dir, s.kvgate_flags, gpu_total_bytes(cfg.gpu),
+        with kvgate(sim.url, model_dir, [*STEADY_FLAGS, *s.kvgate_flags], gpu_total_bytes(cfg.gpu),
                     Path(tmp) / "kvgate.log") as (url, cmd):
             res.kvgate_command = cmd
-            res.gated = asyncio.run(replay(url, calls))
+            res.gated = asyncio.run(replay(url, calls, sim.engine, queue_depth))
             res.decisions = decisions(url)
         res.gated_ooms = list(sim.engine.ooms)
     return res
@@ -319,7 +385,7 @@ def report(res: Result, index: int) -> list[str]:
         lines.append(f"    {s.note}")
     if s.sim_gated:
         lines.append(f"    simulated vLLM: {sim_flags(s.sim_gated)}")
-    flags = " ".join(s.kvgate_flags)
+    flags = " ".join([*STEADY_FLAGS, *s.kvgate_flags])
     lines.append(f"    with kvgate (kvgate serve --model <config.json folder> --gpu-memory-bytes "
                  f"{gpu_total_bytes((s.sim_gated or s.sim).gpu)} {flags}):")
     survived = "no OOM" if not res.gated_ooms else f"OOM: {_oom_summary(res.gated_ooms[0])}"

@@ -18,7 +18,7 @@ from app.memory.kv import KVLayout
 from app.memory.outputs import OutputLengths
 from app.predict import Predictor
 from app.settings import Settings
-from app.telemetry.vllm import CacheConfig, ServedModel
+from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
 
 log = logging.getLogger("kvgate.deployment")
 
@@ -52,11 +52,36 @@ class Deployment:
         )
 
 
-def _prefer(name: str, flag: object, reported: object, flag_given: bool) -> object:
+class Disagreements:
+    """Warns once per disagreement between a flag and the backend's report, for one kvgate:
+    every re-synchronisation (a backend restart) resolves the flags again."""
+
+    def __init__(self) -> None:
+        self._said: set[tuple[str, str, str]] = set()
+
+    def warn(self, name: str, flag: object, reported: object) -> None:
+        key = (name, str(flag), str(reported))
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
+
+
+def _prefer(name: str, flag: object, reported: object, flag_given: bool, said: Disagreements) -> object:
     if reported is None:
         return flag
     if flag_given and flag != reported:
-        log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
+        said.warn(name, flag, reported)
+    return reported
+
+
+def _prefer_engine(name: str, settings: Settings, reported: int | None, said: Disagreements) -> int:
+    """An engine limit: the backend's when it states it, with a warning when it differs from
+    kvgate's flag, given or default (a default copied from no vLLM is still a wrong guess)."""
+    flag = getattr(settings, name)
+    if reported is None:
+        return int(flag)
+    if flag != reported:
+        said.warn(name, flag, reported)
     return reported
 
 
@@ -65,13 +90,17 @@ def resolve(
     geometry: ModelGeometry,
     cache: CacheConfig | None,
     served: ServedModel | None,
+    limits: EngineLimits | None = None,
+    said: Disagreements | None = None,
 ) -> Deployment:
     """Flags, overridden by the backend's own report where it has one."""
+    said = said or Disagreements()
     given = settings.model_fields_set
     cache = cache or CacheConfig(None, None, None, None, None, None, None)
+    limits = limits or EngineLimits(None, None, None, None, None)
     max_model_len = _prefer(
         "max_model_len", settings.max_model_len, served.max_model_len if served else None,
-        "max_model_len" in given,
+        "max_model_len" in given, said,
     ) or geometry.max_position_embeddings
     if not max_model_len:
         raise ValueError("max_model_len is unknown: pass --max-model-len")
@@ -86,29 +115,33 @@ def resolve(
         backend = "mla" if geometry.is_mla else "flash-attn"
     return Deployment(
         max_model_len=int(max_model_len),
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        block_size=int(_prefer("block_size", settings.block_size, cache.block_size, "block_size" in given)),
-        tensor_parallel_size=settings.tensor_parallel_size,
-        pipeline_parallel_size=settings.pipeline_parallel_size,
+        max_num_batched_tokens=_prefer_engine(
+            "max_num_batched_tokens", settings, limits.max_num_batched_tokens, said),
+        max_num_seqs=_prefer_engine("max_num_seqs", settings, limits.max_num_seqs, said),
+        block_size=int(_prefer("block_size", settings.block_size, cache.block_size, "block_size" in given, said)),
+        tensor_parallel_size=_prefer_engine(
+            "tensor_parallel_size", settings, limits.tensor_parallel_size, said),
+        pipeline_parallel_size=_prefer_engine(
+            "pipeline_parallel_size", settings, limits.pipeline_parallel_size, said),
         kv_cache_dtype=str(
-            _prefer("kv_cache_dtype", settings.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given)
+            _prefer("kv_cache_dtype", settings.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given, said)
         ),
         gpu_memory_utilization=float(
             _prefer(
                 "gpu_memory_utilization", settings.gpu_memory_utilization,
-                cache.gpu_memory_utilization, "gpu_memory_utilization" in given,
+                cache.gpu_memory_utilization, "gpu_memory_utilization" in given, said,
             )
         ),
-        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        long_prefill_token_threshold=_prefer_engine(
+            "long_prefill_token_threshold", settings, limits.long_prefill_token_threshold, said),
         enable_prefix_caching=bool(
             _prefer(
                 "enable_prefix_caching", settings.enable_prefix_caching,
-                cache.enable_prefix_caching, "enable_prefix_caching" in given,
+                cache.enable_prefix_caching, "enable_prefix_caching" in given, said,
             )
         ),
         attention_backend=backend,
-        num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given),
+        num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
         reported_request_blocks=cache.max_request_blocks,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from app.memory.budget import Budget
 from app.openai import ApiError, Endpoint, parse_json_object
 from app.runtime import Runtime
 
@@ -26,13 +27,20 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         return {"endpoint": endpoint, "decision": "reject", "reason": error.code, "message": error.message}
     prediction, demand = evaluation.prediction, evaluation.prediction.demand
     assert rt.predictor is not None
+    budget = rt.budget
+    unknown = unknown_limits(budget)
     try:
-        rt.predictor.check_fits_ever(prediction, rt.budget)
+        rt.predictor.check_fits_ever(prediction, budget)
         reason = rt.gate.would_wait(demand, evaluation.spec.priority)
-        decision, message = ("admit", "fits now") if reason is None else ("queue", reason)
+        if reason is not None:
+            decision, message = "queue", reason
+        elif unknown:
+            decision, reason = "unknown", "budget_unknown"
+            message = "fits what is known, but " + "; ".join(unknown)
+        else:
+            decision, reason, message = "admit", "fits", "fits now"
     except ApiError as error:
         decision, reason, message = "reject", error.code, error.message
-    budget = rt.budget
     return {
         "endpoint": endpoint,
         "prompt_tokens": prediction.prompt_tokens,
@@ -64,6 +72,18 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             "queue_depth": len(rt.gate.queue),
         },
         "decision": decision,
-        "reason": reason if decision != "admit" else "fits",
+        "reason": reason,
         "message": message,
     }
+
+
+def unknown_limits(budget: Budget) -> list[str]:
+    """What the budget cannot judge (offline, from flags alone): no limit means no verdict."""
+    missing = []
+    if budget.kv_limit() is None:
+        missing.append("the KV pool size is unknown (give --num-gpu-blocks, or ask a running "
+                       "kvgate with --url)")
+    if budget.transient_limit() is None:
+        missing.append("the transient headroom is unknown (give --gpu-memory-bytes or "
+                       "--free-memory-bytes)")
+    return missing

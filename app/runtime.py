@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from app.deployment import Deployment, build_predictor, resolve, static_budget
+from app.deployment import Deployment, Disagreements, build_predictor, resolve, static_budget
 from app.gate.gate import Gate
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
@@ -29,7 +29,7 @@ from app.proxy import Backend
 from app.settings import Settings
 from app.telemetry.gpu import detect_probe
 from app.telemetry.live import LiveBudget
-from app.telemetry.vllm import fetch_models, fetch_snapshot
+from app.telemetry.vllm import fetch_engine_limits, fetch_models, fetch_snapshot
 from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
@@ -67,6 +67,7 @@ class Runtime:
         self.deployment: Deployment | None = None
         self.predictor: Predictor | None = None
         self.served_names: set[str] = set()
+        self.disagreements = Disagreements()  # flags the backend contradicts, each said once
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
         self.live: LiveBudget | None = None
@@ -95,7 +96,7 @@ class Runtime:
                 await self.sync_once()
                 break
             except (httpx.HTTPError, ValueError, KeyError) as exc:
-                problem = f"backend not synchronised yet: {type(exc).__name__}: {exc}"
+                problem = f"backend {self.settings.backend} not synchronised yet: {type(exc).__name__}: {exc}"
                 if problem != self.startup_error:
                     log.warning("%s (retrying every %g s)", problem, retry_s)
                 self.startup_error = problem
@@ -125,10 +126,14 @@ class Runtime:
         client = self.backend.client
         models = await fetch_models(client)
         snapshot = await fetch_snapshot(client)
+        limits = await fetch_engine_limits(client)
+        if limits is None and self.deployment is None:
+            self._note_unpublished_limits()
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
         served = served or (models[0] if models else None)
         self.served_names.update(m.name for m in models)
-        deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served)
+        deployment = resolve(
+            self.settings, self.geometry, snapshot.cache_config, served, limits, self.disagreements)
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
@@ -147,6 +152,17 @@ class Runtime:
             "backend synchronised: max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
             deployment.max_model_len, deployment.block_size, deployment.num_gpu_blocks,
             deployment.enable_prefix_caching,
+        )
+
+    def _note_unpublished_limits(self) -> None:
+        """Say once which engine limits kvgate predicts for when the backend cannot tell it."""
+        s = self.settings
+        copied = {"max_num_batched_tokens", "max_num_seqs"} <= s.model_fields_set
+        (log.info if copied else log.warning)(
+            "the backend does not publish its engine limits (vLLM serves /server_info only with "
+            "VLLM_SERVER_DEV_MODE=1): kvgate predicts for --max-num-batched-tokens %s "
+            "--max-num-seqs %s%s", s.max_num_batched_tokens, s.max_num_seqs,
+            "" if copied else " (kvgate's defaults: copy vLLM's values)",
         )
 
     @property

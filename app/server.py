@@ -35,10 +35,15 @@ class Kvgate:
         self.runtime = gated.rt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
             endpoint = GATED_PATHS.get(scope["path"])
-            if endpoint is not None:
+            if endpoint is not None and scope["method"] == "POST":
                 await self.gated(endpoint, scope, receive, send)
+                return
+            if endpoint is not None:  # OpenAI's error shape, not the backend's {"detail": ...}
+                error = ApiError(405, f"Method {scope['method']} is not allowed on {scope['path']}: "
+                                 "send a POST.", "method_not_allowed", headers={"Allow": "POST"})
+                await error.response()(scope, receive, send)
                 return
         await self.rest(scope, receive, send)
 

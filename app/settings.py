@@ -8,6 +8,7 @@ these at start-up (see `app.backend_info`).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Collection
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
@@ -140,9 +141,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field, defaulting to 'unset' so environment variables still apply."""
+def add_settings_arguments(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
+    """One flag per Settings field (or per field in `only`), defaulting to 'unset' so environment
+    variables still apply."""
     for name, field in Settings.model_fields.items():
+        if only is not None and name not in only:
+            continue
         default = field.default
         help_text = f"{field.description} [env KVGATE_{name.upper()}; default: {default}]"
         if field.annotation is bool:

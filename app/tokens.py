@@ -6,14 +6,18 @@ Chat requests are rendered by app.chat_template (vLLM's preprocessing) and then 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
 from app.chat_template import ChatRequest, TokenizationError, render_chat
+from app.multimodal import MediaCounting, image_tokens_of
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+log = logging.getLogger("kvgate.tokens")
 
 
 class BackendTokenizeError(RuntimeError):
@@ -178,7 +182,18 @@ def _error_message(response: httpx.Response) -> str:
 def load_tokenizer(
     model_dir: str | Path | None, client: httpx.AsyncClient, model_name: str
 ) -> Tokenizer:
-    """Local when the model folder holds a tokenizer (no network per request), else the backend."""
-    if model_dir is not None and any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
-        return LocalTokenizer(model_dir)
-    return BackendTokenizer(client, model_name)
+    """Local when the model folder holds a tokenizer (no network per request), else the backend;
+    either way images are counted (or refused) by app.multimodal, never passed through uncounted."""
+    images = image_tokens_of(model_dir)
+    if has_local_tokenizer(model_dir):
+        assert model_dir is not None
+        return MediaCounting(LocalTokenizer(model_dir), images)
+    log.warning(
+        "the model folder %s has no tokenizer files (%s): kvgate counts tokens through the "
+        "backend's /tokenize, one round trip per request", model_dir, ", ".join(_TOKENIZER_FILES),
+    )
+    return MediaCounting(BackendTokenizer(client, model_name), images)
+
+
+def has_local_tokenizer(model_dir: str | Path | None) -> bool:
+    return model_dir is not None and any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES)

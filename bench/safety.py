@@ -36,13 +36,14 @@ from typing import Any
 
 import httpx
 
-from app.demo import Call, decisions, kvgate
+from app.demo import decisions, kvgate
 from app.sim.config import SimConfig
 from app.sim.presets import gpu_total_bytes, write_model_folder
 from app.sim.runner import SimRunner
 
 from bench import oracle as oracle_mod
 from bench.scenarios import Scenario
+from bench.workloads import Call
 
 ARMS = ("none", "static-cap", "saturation", "kvgate", "oracle")
 DRAIN_S = 60.0  # simulated seconds after the last arrival before outstanding requests time out

@@ -15,14 +15,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from app.demo import Call
 from app.sim import startup
 from app.sim.config import CoTenant, GiB, MiB, SimConfig
 from app.sim.flavor import parse_version
 from app.sim.gpu import CachingAllocator, Device
 from app.sim.model import load_model
 from app.sim.presets import gpu_total_bytes
-from bench.workloads import chat_call, document_call, poisson_times, streaming
+from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant for the support desk of a large retailer. " * 40,

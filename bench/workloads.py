@@ -1,6 +1,6 @@
 """Seeded traffic: Poisson arrivals in simulated seconds, realistic prompt and output mixes.
 
-Every arm of a scenario replays the very same list of `Call`s (app.demo's type): the list is
+Every arm of a scenario replays the very same list of `Call`s (defined here): the list is
 built once from the scenario's seed. Prompts are words of at most six letters, which the
 simulator's stand-in tokenizer (and kvgate's /tokenize fallback) count as one token each.
 """
@@ -9,9 +9,19 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 from typing import Any
 
-from app.demo import Call
+
+@dataclass(frozen=True)
+class Call:
+    """One request of a benchmark's traffic: when it is sent (seconds from the start), where,
+    and what. (app.demo sends its workloads in list order to a held engine instead.)"""
+
+    at: float
+    path: str
+    body: dict[str, Any]
+    label: str
 
 MODEL = "llama-3.1-8b"
 _WORDS = ("the cache block token batch model server queue memory budget prompt graph tensor "

@@ -4,11 +4,15 @@ lives with it, and every request through kvgate completes or gets a clean 4xx/42
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from app.demo import SCENARIOS, Call, document, run_scenario
+from app.demo import SCENARIOS, Call, document, main, run_scenario
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.key for s in SCENARIOS])
@@ -30,7 +34,7 @@ def test_demo_scenario_dies_without_kvgate_and_survives_with_it(scenario) -> Non
 
 
 def _prompt_in_the_materializing_gap(rng: random.Random, quick: bool) -> list[Call]:
-    return [document(rng, 0.0, "llama-3.1-8b", 27000)]
+    return [document(rng, "llama-3.1-8b", 27000)]
 
 
 def test_materializing_prompt_between_the_two_estimates_is_held_back() -> None:
@@ -38,3 +42,19 @@ def test_materializing_prompt_between_the_two_estimates_is_held_back() -> None:
     scenario = replace(SCENARIOS[0], workload=_prompt_in_the_materializing_gap)
     res = run_scenario(scenario, quick=True)
     assert res.gated_ooms == []
+
+
+def _readme_demo_block() -> str:
+    section = README.read_text().split("## The demo", 1)[1]
+    return section.split("```\n", 2)[1]
+
+
+def _timing_aside(printout: str) -> str:
+    return re.sub(r"^done in [0-9.]+ s", "done in <time> s", printout, flags=re.M)
+
+
+def test_make_demo_prints_exactly_what_the_readme_shows(capsys) -> None:
+    """The whole demo, as `make demo` runs it: same counts, same messages, every run."""
+    assert main([]) == 0
+    printed = capsys.readouterr().out
+    assert _timing_aside(printed) == _timing_aside(_readme_demo_block())

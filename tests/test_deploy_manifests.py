@@ -32,6 +32,7 @@ from app.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "deploy" / "kubernetes" / "base"
 EXAMPLE = ROOT / "deploy" / "kubernetes" / "overlays" / "example"
+SIDECAR = ROOT / "deploy" / "kubernetes" / "overlays" / "sidecar-example"
 SCHEMAS = ROOT / "deploy" / "schemas"
 DOCS = ROOT / "docs" / "deploy.md"
 
@@ -48,8 +49,8 @@ CRD_SCHEMAS = {
 # ---------------------------------------------------------------------------------------------
 
 _KNOWN_FIELDS = {
-    "apiVersion", "kind", "resources", "namespace", "images", "replicas", "configMapGenerator",
-    "generatorOptions", "patches",
+    "apiVersion", "kind", "resources", "components", "namespace", "images", "replicas",
+    "configMapGenerator", "generatorOptions", "patches",
 }
 # Strategic-merge keys of the lists deploy/ patches (from the Kubernetes API's patchMergeKey).
 _MERGE_KEYS = {
@@ -126,11 +127,54 @@ def _pod_containers(obj: dict) -> Iterator[dict]:
     yield from spec.get("containers", [])
 
 
-def render(folder: Path) -> list[dict]:
-    """The objects `kubectl kustomize folder` prints, for the kustomize features deploy/ uses."""
+def _kustomization(folder: Path, kind: str = "Kustomization") -> dict:
     k = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert k["kind"] == kind, f"{folder}: a {k['kind']}, not a {kind}"
     unknown = set(k) - _KNOWN_FIELDS
     assert not unknown, f"{folder}: the test's kustomize does not implement {sorted(unknown)}"
+    return k
+
+
+def _json_patch(target: dict, operations: list[dict]) -> None:
+    """RFC 6902, the one operation deploy/ uses: replace an existing value."""
+    for op in operations:
+        assert op["op"] == "replace", f"JSON patch op {op['op']} is not implemented"
+        *parents, last = [p for p in op["path"].split("/")[1:]]
+        node = target
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = int(last) if isinstance(node, list) else last
+        assert key in range(len(node)) if isinstance(node, list) else key in node, op["path"]
+        node[key] = copy.deepcopy(op["value"])
+
+
+def _apply_patches(folder: Path, k: dict, objects: list[dict]) -> None:
+    """File patches: strategic merges naming their object, or with a `target` (kind, optional
+    name) a strategic merge or JSON patch applied to every object it selects."""
+    for entry in k.get("patches", []):
+        assert set(entry) <= {"path", "target"}, f"only file patches are implemented: {entry}"
+        if "target" not in entry:
+            for patch in _load_yaml_docs(folder / entry["path"]):
+                target = _find(objects, patch["kind"], patch["metadata"]["name"])
+                assert target is not None, f"patch {entry['path']} targets a missing {patch['kind']}"
+                _strategic_merge(target, patch)
+            continue
+        selector = entry["target"]
+        assert set(selector) <= {"kind", "name"}, f"target selectors implemented: kind, name: {selector}"
+        chosen = [o for o in objects if o["kind"] == selector["kind"]
+                  and selector.get("name", o["metadata"]["name"]) == o["metadata"]["name"]]
+        assert chosen, f"patch {entry['path']} selects nothing"
+        patch = yaml.safe_load((folder / entry["path"]).read_text())
+        for target in chosen:
+            if isinstance(patch, list):
+                _json_patch(target, patch)
+            else:
+                _strategic_merge(target, {k: v for k, v in patch.items() if k != "metadata"})
+
+
+def render(folder: Path) -> list[dict]:
+    """The objects `kubectl kustomize folder` prints, for the kustomize features deploy/ uses."""
+    k = _kustomization(folder)
     objects: list[dict] = []
     for resource in k.get("resources", []):
         path = (folder / resource).resolve()
@@ -154,12 +198,9 @@ def render(folder: Path) -> list[dict]:
         else:
             raise AssertionError(f"configMapGenerator behavior {behavior} is not implemented")
 
-    for entry in k.get("patches", []):
-        assert set(entry) == {"path"}, f"only file patches without target are implemented: {entry}"
-        for patch in _load_yaml_docs(folder / entry["path"]):
-            target = _find(objects, patch["kind"], patch["metadata"]["name"])
-            assert target is not None, f"patch {entry['path']} targets a missing {patch['kind']}"
-            _strategic_merge(target, patch)
+    for component in k.get("components", []):
+        _apply_patches(folder / component, _kustomization(folder / component, "Component"), objects)
+    _apply_patches(folder, k, objects)
 
     for entry in k.get("replicas", []):
         target = next(o for o in objects if o["metadata"]["name"] == entry["name"] and "replicas" in o.get("spec", {}))
@@ -188,8 +229,8 @@ def by_key(objects: list[dict]) -> dict[tuple[str, str], dict]:
     return {(o["kind"], o["metadata"]["name"]): o for o in objects}
 
 
-RENDERED = {"base": render(BASE), "example": render(EXAMPLE)}
-FOLDERS = {"base": BASE, "example": EXAMPLE}
+RENDERED = {"base": render(BASE), "example": render(EXAMPLE), "sidecar": render(SIDECAR)}
+FOLDERS = {"base": BASE, "example": EXAMPLE, "sidecar": SIDECAR}
 
 
 def kind(objects: list[dict], name: str) -> list[dict]:
@@ -238,7 +279,7 @@ def script(c: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["base", "example"])
+@pytest.mark.parametrize("name", ["base", "example", "sidecar"])
 def test_python_rendering_equals_kubectl_kustomize(name: str) -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -593,3 +634,95 @@ def test_docs_explain_every_knob() -> None:
         if needle not in text:
             missing.append(needle)
     assert missing == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The kvgate-sidecar component, added to an existing vLLM Deployment
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_sidecar_example_validates_against_its_schema(version: str) -> None:
+    objects = RENDERED["sidecar"]
+    assert sorted(o["kind"] for o in objects) == ["Deployment", "Service"]
+    for obj in objects:
+        validate(obj, version)
+
+
+def _vllm_args(c: dict) -> dict[str, str]:
+    return dict(a.removeprefix("--").split("=", 1) for a in c["args"])
+
+
+def test_sidecar_joins_the_existing_vllm_unchanged_and_takes_its_service() -> None:
+    objects = RENDERED["sidecar"]
+    original = {(o["kind"], o["metadata"]["name"]): o for o in _load_yaml_docs(SIDECAR / "vllm.yaml")}
+    spec = pod_spec(objects)
+    assert [c["name"] for c in spec["containers"]] == ["kvgate", "vllm"]
+    vllm = container(objects, "vllm")
+    assert vllm == original[("Deployment", "vllm")]["spec"]["template"]["spec"]["containers"][0]
+    kvgate = container(objects, "kvgate")
+    assert kvgate["image"] == "registry.example.com/kvgate:0.1.0"
+    (service,) = kind(objects, "Service")
+    assert service["spec"]["ports"][0]["targetPort"] == "kvgate"
+    assert any(p["name"] == "kvgate" for p in kvgate["ports"])
+    assert "nvidia.com/gpu" not in kvgate["resources"]["limits"]
+
+
+def test_sidecar_settings_match_the_vllm_it_joins() -> None:
+    objects = RENDERED["sidecar"]
+    vllm, kvgate = container(objects, "vllm"), container(objects, "kvgate")
+    env = resolved_env(objects, kvgate)
+    given = {k.removeprefix("KVGATE_").lower(): v for k, v in env.items() if k.startswith("KVGATE_")}
+    settings = Settings(**given)
+    flags = _vllm_args(vllm)
+    assert settings.backend == f"http://127.0.0.1:{flags['port']}"
+    assert settings.model == flags["model"]
+    for field in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization"):
+        assert str(getattr(settings, field)) == flags[field.replace("_", "-")], field
+    # kvgate's hub cache is vLLM's: the same volume, HF_HOME/hub on each side.
+    vllm_home = env_of(vllm)["HF_HOME"]["value"]
+    vllm_mount = next(m for m in vllm["volumeMounts"] if vllm_home.startswith(m["mountPath"]))
+    kvgate_mount = next(m for m in kvgate["volumeMounts"] if m["name"] == vllm_mount["name"])
+    inside = vllm_home.removeprefix(vllm_mount["mountPath"])
+    assert env["HF_HUB_CACHE"] == f"{kvgate_mount['mountPath']}{inside}/hub" and kvgate_mount["readOnly"]
+
+
+def test_sidecar_waits_for_the_model_then_serves_it_from_the_hub_cache(tmp_path: Path) -> None:
+    """The sidecar's script, run: it waits for config.json in vLLM's hub cache, then starts
+    kvgate, whose --model (the id) resolves there."""
+    from app.model_folder import resolve_model_folder
+
+    objects = RENDERED["sidecar"]
+    kvgate = container(objects, "kvgate")
+    env = resolved_env(objects, kvgate)
+    cache = tmp_path / "hub"
+    snapshot = cache / ("models--" + env["KVGATE_MODEL"].replace("/", "--")) / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _fake(bin_dir, "kvgate", 'echo "kvgate $*"\n')
+    done = subprocess.run(["sh", "-c", script(kvgate)], capture_output=True, text=True, timeout=30,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env, "HF_HUB_CACHE": str(cache)})
+    assert done.returncode == 0 and done.stdout == "kvgate serve\n", done.stderr
+    import huggingface_hub.constants
+
+    saved = huggingface_hub.constants.HF_HUB_CACHE
+    huggingface_hub.constants.HF_HUB_CACHE = str(cache)
+    try:
+        assert resolve_model_folder(env["KVGATE_MODEL"]) == snapshot
+    finally:
+        huggingface_hub.constants.HF_HUB_CACHE = saved
+
+
+@pytest.mark.parametrize("name", ["base", "example", "sidecar"])
+def test_gpu_memory_examples_are_no_larger_than_the_gpu_they_name(name: str) -> None:
+    """Every example names an L4 (or A10G): its GPU_MEMORY_BYTES must not exceed an L4's 22.05
+    GiB total as CUDA reports it (the simulator's l4-24gb preset); larger is the unsafe side."""
+    from app.sim.presets import GPUS
+
+    objects = RENDERED[name]
+    env = resolved_env(objects, container(objects, "kvgate"))
+    assert 0 < int(env["KVGATE_GPU_MEMORY_BYTES"]) <= GPUS["l4-24gb"]

@@ -47,3 +47,39 @@ def test_explains_a_context_length_refusal(tiny_model_dir: Path, tmp_path: Path)
     code, out = explain(tmp_path, tiny_model_dir, {"prompt": "hi", "max_tokens": 5000})
     assert code == 0
     assert out["decision"] == "reject" and out["reason"] == "context_length_exceeded"
+
+
+def test_without_a_known_pool_the_verdict_is_unknown_not_fits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    code, out = explain(tmp_path, tiny_model_dir, {"prompt": "hi", "max_tokens": 10})
+    assert code == 0
+    assert out["budget"]["kv_blocks_limit"] is None
+    assert out["decision"] == "unknown" and out["reason"] == "budget_unknown"
+    assert "KV pool size is unknown" in out["message"] and "transient headroom is unknown" in out["message"]
+    code, out = explain(tmp_path, tiny_model_dir, {"prompt": "hi", "max_tokens": 10},
+                        "--num-gpu-blocks", "64", "--gpu-memory-bytes", str(8 * 1024**3))
+    assert out["decision"] == "admit"
+
+
+def test_offline_never_calls_a_backend_it_was_not_given(tmp_path: Path) -> None:
+    from app.sim.presets import write_model_folder
+
+    folder = write_model_folder("llama-3.1-8b", tmp_path / "no-tokenizer")  # config.json only
+    (tmp_path / "body.json").write_text(json.dumps({"prompt": "hi", "max_tokens": 5}))
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "explain", str(tmp_path / "body.json"), "--model", str(folder),
+         "--num-gpu-blocks", "100"], capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode != 0 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        f"kvgate: the model folder {folder} has no tokenizer files; offline, kvgate calls no backend: "
+        "give --backend URL to count tokens with vLLM's /tokenize, or --url to ask a running kvgate"
+    ]
+
+
+def test_help_lists_only_the_flags_that_change_the_answer() -> None:
+    shown = subprocess.run([sys.executable, "-m", "app.cli", "explain", "--help"],
+                           capture_output=True, text=True, timeout=60).stdout
+    for flag in ("--num-gpu-blocks", "--max-num-batched-tokens", "--gpu-memory-bytes", "--backend", "--url"):
+        assert flag in shown
+    for flag in ("--listen", "--max-queue", "--scrape-interval", "--log-level", "--upstream-timeout"):
+        assert flag not in shown

@@ -98,11 +98,13 @@ def test_oversized_body_without_content_length_is_413(kvgate: KvgateServer) -> N
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT", "DELETE"])
-def test_other_methods_on_gated_paths_pass_through(kvgate: KvgateServer, backend: FakeBackend, method: str) -> None:
+def test_other_methods_on_gated_paths_get_openais_405(kvgate: KvgateServer, backend: FakeBackend, method: str) -> None:
     direct = httpx.request(method, backend.base_url + "/v1/completions")
-    proxied = httpx.request(method, kvgate.base_url + "/v1/completions")
-    assert proxied.status_code == direct.status_code == 405
-    assert proxied.content == direct.content
+    answered = httpx.request(method, kvgate.base_url + "/v1/completions")
+    assert answered.status_code == direct.status_code == 405
+    assert answered.headers["allow"] == "POST"
+    error = answered.json()["error"]  # OpenAI's shape, not the backend's {"detail": ...}
+    assert error["code"] == "method_not_allowed" and method in error["message"]
 
 
 def test_decisions_metrics_and_log(kvgate: KvgateServer) -> None:

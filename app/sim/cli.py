@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from app.sim.config import CoTenant, SimConfig
 from app.sim.startup import StartupError
+
+if TYPE_CHECKING:
+    from app.sim.engine import Engine
 
 
 def _cotenant(spec: str) -> CoTenant:
@@ -84,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(**kw, cotenants=list(args.cotenant))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, announce: Callable[[Engine], None] | None = None) -> int:
+    """Serve until stopped; `announce` sees the started engine before the port opens."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     from app.sim.server import create_sim_app
 
@@ -95,5 +100,7 @@ def run(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as exc:  # unknown preset, unreadable config.json
         logging.getLogger("kvgate.sim").error("%s", exc)
         return 2
+    if announce is not None:
+        announce(app.state.engine)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -58,6 +58,10 @@ class Engine:
         self.sim_clock = 0.0
         # When the last step's simulated GPU time ended (wall); None while the engine idles.
         self._gpu_done_at: float | None = None
+        # Held: requests are taken in but no step runs. The demo holds the engine while it
+        # submits a workload one request at a time, so every run starts from the same state
+        # whatever the wall clock did.
+        self.held = False
 
     # ----- lifecycle --------------------------------------------------------------------------
     def boot(self) -> None:
@@ -120,7 +124,7 @@ class Engine:
             self.apply_cotenants()
             if self.state in ("dead", "failed") and self.restart_at and now() >= self.restart_at:
                 self._restart()
-            if not self.ready or not self.scheduler.has_work():
+            if not self.ready or self.held or not self.scheduler.has_work():
                 self._gpu_done_at = None
                 self._wake.clear()
                 try:

@@ -128,6 +128,20 @@ def create_sim_app(config: SimConfig) -> FastAPI:
     async def chat_completions(http: HttpRequest) -> Response:
         return await generate(http, chat=True)
 
+    @app.get("/server_info")
+    async def server_info() -> Any:
+        """vLLM's dev-mode view of its config (VLLM_SERVER_DEV_MODE=1), the engine limits part."""
+        resolved = getattr(engine, "resolved", None)
+        if resolved is None:
+            return down()
+        return {"vllm_config": {
+            "scheduler_config": {
+                "max_num_batched_tokens": resolved.max_num_batched_tokens,
+                "max_num_seqs": resolved.max_num_seqs,
+                "long_prefill_token_threshold": config.long_prefill_token_threshold},
+            "parallel_config": {"tensor_parallel_size": config.tensor_parallel_size,
+                                "pipeline_parallel_size": 1}}}
+
     @app.get("/sim/gpu")
     async def sim_gpu() -> dict[str, Any]:
         return gpu_view(engine)

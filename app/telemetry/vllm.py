@@ -219,3 +219,46 @@ async def fetch_models(client: httpx.AsyncClient) -> list[ServedModel]:
         ServedModel(name=m["id"], max_model_len=m.get("max_model_len"))
         for m in response.json().get("data", [])
     ]
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """vLLM's scheduler and parallel limits, which its /metrics and /v1/models never state.
+
+    Only vLLM's `GET /server_info?config_format=json` has them (vLLM 0.32.0:
+    vllm/entrypoints/serve/dev/server_info/api_router.py, show_server_info: the VllmConfig dumped
+    by pydantic), and vLLM serves it only with VLLM_SERVER_DEV_MODE=1.
+    """
+
+    max_num_batched_tokens: int | None
+    max_num_seqs: int | None
+    long_prefill_token_threshold: int | None
+    tensor_parallel_size: int | None
+    pipeline_parallel_size: int | None
+
+
+async def fetch_engine_limits(client: httpx.AsyncClient) -> EngineLimits | None:
+    """The backend's engine limits, or None where it does not publish them (404 without dev
+    mode; any other answer that is not vLLM's JSON counts the same: kvgate then keeps its flags)."""
+    response = await client.get("/server_info", params={"config_format": "json"})
+    if response.status_code != 200:
+        return None
+    try:
+        config = response.json().get("vllm_config")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    scheduler = config.get("scheduler_config") or {}
+    parallel = config.get("parallel_config") or {}
+    return EngineLimits(
+        max_num_batched_tokens=_int(_text(scheduler.get("max_num_batched_tokens"))),
+        max_num_seqs=_int(_text(scheduler.get("max_num_seqs"))),
+        long_prefill_token_threshold=_int(_text(scheduler.get("long_prefill_token_threshold"))),
+        tensor_parallel_size=_int(_text(parallel.get("tensor_parallel_size"))),
+        pipeline_parallel_size=_int(_text(parallel.get("pipeline_parallel_size"))),
+    )
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)

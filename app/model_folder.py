@@ -1,0 +1,53 @@
+"""Where `--model` points: a folder with config.json, a Hugging Face hub cache entry, or a model id
+found in the local hub cache.
+
+kvgate never downloads: a model id resolves only from files already in the hub cache (the same
+cache vLLM fills when it downloads the model; `HF_HUB_CACHE`/`HF_HOME` choose it), through
+huggingface_hub's own `snapshot_download(local_files_only=True)`, so the cache layout
+(refs/main -> snapshots/<commit>) is read the way the library writes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+_HUB_REPO_PREFIX = "models--"
+
+
+class ModelFolderError(ValueError):
+    """`--model` names nothing kvgate can read a config.json from."""
+
+
+def resolve_model_folder(model: str | None) -> Path:
+    """The local folder holding the model's config.json (and tokenizer files, if any)."""
+    if not model:
+        raise ModelFolderError(
+            "--model is required: the folder vLLM serves (config.json and tokenizer), a Hugging "
+            "Face hub cache entry, or a model id already in the local hub cache"
+        )
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if path.is_dir() and path.name.startswith(_HUB_REPO_PREFIX):
+        repo_id = path.name[len(_HUB_REPO_PREFIX):].replace("--", "/")
+        return _cached_snapshot(repo_id, cache_dir=path.parent, shown=model)
+    if path.is_dir():
+        raise ModelFolderError(f"--model {model!r} is a folder without config.json")
+    return _cached_snapshot(model, cache_dir=None, shown=model)
+
+
+def _cached_snapshot(repo_id: str, cache_dir: Path | None, shown: str) -> Path:
+    try:
+        folder = Path(snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise ModelFolderError(
+            f"--model {shown!r} is neither a folder with config.json nor a model in the local "
+            "Hugging Face hub cache (kvgate never downloads: point it at the folder vLLM serves; "
+            "in front of `kvgate sim`, at the folder it prints)"
+        ) from None
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(f"--model {shown!r}: the hub cache snapshot {folder} has no config.json")
+    return folder
