@@ -100,7 +100,8 @@ def explain_command(args: argparse.Namespace) -> int:
 
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
     from app.explain import explain
-    from app.openai import ApiError
+    from app.errors import KvgateError
+    from app.http_errors import error_body
     from app.runtime import Runtime
 
     runtime = Runtime(settings)
@@ -108,8 +109,8 @@ async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None)
         runtime.configure_offline()
         print(json.dumps(await explain(runtime, raw, endpoint), indent=2))
         return 0
-    except ApiError as error:
-        print(json.dumps(error.body(), indent=2))
+    except KvgateError as error:
+        print(json.dumps(error_body(error), indent=2))
         return 1
     finally:
         await runtime.stop()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from app.openai import ApiError, Endpoint, parse_json_object
+from app.errors import ContextTooLong, KvgateError
+from app.openai import Endpoint, parse_json_object
 from app.runtime import Runtime
 
 
@@ -20,9 +21,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
     endpoint = endpoint_for(parse_json_object(raw), hint)
     try:
         evaluation = await rt.predict(endpoint, raw)
-    except ApiError as error:
-        if error.code != "context_length_exceeded":
-            raise
+    except ContextTooLong as error:
         return {"endpoint": endpoint, "decision": "reject", "reason": error.code, "message": error.message}
     prediction, demand = evaluation.prediction, evaluation.prediction.demand
     assert rt.predictor is not None
@@ -30,7 +29,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         rt.predictor.check_fits_ever(prediction, rt.budget)
         reason = rt.gate.would_wait(demand, evaluation.spec.priority)
         decision, message = ("admit", "fits now") if reason is None else ("queue", reason)
-    except ApiError as error:
+    except KvgateError as error:
         decision, reason, message = "reject", error.code, error.message
     budget = rt.budget
     return {

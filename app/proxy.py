@@ -17,7 +17,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.openai import ApiError
+from app.errors import BackendBroke, BackendDown, BackendTimedOut
 from app.output_count import OutputTokenCounter
 from app.upstream import ConnectionPool, UpstreamError, UpstreamResponse, UpstreamTimeout
 
@@ -62,18 +62,17 @@ class Backend:
         self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> UpstreamResponse:
         """Send a request (`target`: raw path and query) and return once the response head is
-        in; ApiError when it cannot be."""
+        in; BackendTimedOut, BackendDown or BackendBroke when it cannot be."""
         try:
             return await self.pool.request(method, target, headers, body)
         except (UpstreamTimeout, asyncio.TimeoutError) as exc:  # before OSError: TimeoutError is one
-            raise ApiError(504, "The backend did not answer in time.", "backend_timeout") from exc
+            raise BackendTimedOut() from exc
         except OSError as exc:
-            raise ApiError(
-                503, f"The backend at {self.base_url} is unavailable ({type(exc).__name__}).",
-                "backend_unavailable", headers={"Retry-After": "5"},
+            raise BackendDown(
+                f"The backend at {self.base_url} is unavailable ({type(exc).__name__})."
             ) from exc
         except UpstreamError as exc:
-            raise ApiError(502, f"The backend broke the exchange ({exc}).", "backend_error") from exc
+            raise BackendBroke(str(exc)) from exc
 
 
 def forward_headers(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:

@@ -17,17 +17,22 @@ from pathlib import Path
 
 import httpx
 
+from app.decision_log import DecisionLog
 from app.deployment import Deployment, build_predictor, resolve, static_budget
+from app.errors import BackendDown, ModelNotFound, NotReady, TokenizationFailed, TokenizerUnavailable
 from app.gate.gate import Gate
+from app.gate.observer import Observers
+from app.gate.view import GateView
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
 from app.memory.outputs import OutputLengths
-from app.metrics import KvgateMetrics
-from app.openai import ApiError, Endpoint, RequestSpec, parse_request
+from app.metrics import GateMetrics, KvgateMetrics
+from app.openai import Endpoint, RequestSpec, parse_request
 from app.predict import Prediction, Predictor
 from app.proxy import Backend
 from app.settings import Settings
 from app.telemetry.gpu import detect_probe
+from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.live import LiveBudget
 from app.telemetry.vllm import fetch_models, fetch_snapshot
 from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
@@ -59,9 +64,13 @@ class Runtime:
         self.backend = Backend(settings.backend, settings.upstream_timeout)
         outputs = OutputLengths(settings.kv_output_quantile)
         self.budget = Budget(transient_margin=settings.transient_safety_margin, kv_margin_z=outputs.z)
+        gate_metrics = GateMetrics(self.metrics)
+        self.in_flight = InFlightRequests()
         self.gate = Gate(
-            self.budget, self.metrics, settings.max_queue, settings.max_queue_wait, outputs=outputs,
+            self.budget, Observers(gate_metrics, DecisionLog(), self.in_flight),
+            settings.max_queue, settings.max_queue_wait, outputs=outputs,
         )
+        gate_metrics.watch(self.gate)
         self.geometry: ModelGeometry | None = None
         self.tokenizer: Tokenizer | None = None
         self.deployment: Deployment | None = None
@@ -108,7 +117,8 @@ class Runtime:
         probe = await detect_probe(self.settings.gpu_probe, client, self.settings.gpu_devices)
         log.info("GPU probe: %s%s", probe.kind, f" ({probe.problem})" if probe.problem else "")
         self.live = LiveBudget(
-            self.settings, client, self.gate, self.metrics.telemetry, probe, self.sync_once,
+            self.settings, client, GateView(self.gate), self.in_flight, self.budget,
+            self.metrics.telemetry, probe, self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
         )
         interval = self.settings.scrape_interval
@@ -116,7 +126,7 @@ class Runtime:
             started = time.monotonic()
             try:
                 await self.live.tick()
-            except Exception:  # noqa: BLE001 - the loop must outlive any one bad reading
+            except Exception:  # the loop must outlive any one bad reading
                 log.exception("telemetry tick failed; the budget keeps its last values")
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
@@ -173,7 +183,7 @@ class Runtime:
         )
 
     async def evaluate(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
-        """Parse, tokenize and predict a request; ApiError for anything that can never go through."""
+        """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through."""
         evaluation = await self.predict(endpoint, raw)
         assert self.predictor is not None
         self.predictor.check_fits_ever(evaluation.prediction, self.budget)
@@ -183,14 +193,9 @@ class Runtime:
         """Parse, tokenize and predict, without judging whether it could ever fit."""
         spec = parse_request(endpoint, raw)
         if self.predictor is None or self.tokenizer is None:
-            raise ApiError(
-                503, f"kvgate is starting and does not know the backend yet ({self.startup_error}).",
-                "kvgate_not_ready", headers={"Retry-After": "2"},
-            )
+            raise NotReady(self.startup_error)
         if spec.model is not None and self.served_names and spec.model not in self.served_names:
-            raise ApiError(
-                404, f"The model `{spec.model}` does not exist.", "model_not_found", param="model"
-            )
+            raise ModelNotFound(spec.model)
         started = time.perf_counter()
         prompts = await self._token_ids(spec)
         tokenize_s = time.perf_counter() - started
@@ -209,16 +214,10 @@ class Runtime:
                 prompts.append(p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens))
             return prompts
         except TokenizationError as exc:
-            raise ApiError(400, f"Could not tokenize the request: {exc}", "tokenization_failed") from exc
+            raise TokenizationFailed(str(exc)) from exc
         except BackendTokenizeError as exc:
             if self.budget.hold is not None:
-                raise ApiError(
-                    503, f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
-                    "backend_unavailable", headers={"Retry-After": "5"},
+                raise BackendDown(
+                    f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it."
                 ) from exc
-            raise ApiError(
-                424,
-                f"kvgate has no local tokenizer and the backend's /tokenize failed: {exc}. "
-                "Give kvgate the model folder with its tokenizer files (--model).",
-                "tokenizer_unavailable",
-            ) from exc
+            raise TokenizerUnavailable(str(exc)) from exc

@@ -7,8 +7,8 @@ metrics, probes, and the pass-through of any other path to the backend.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -17,10 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from app.asgi import read_body, request_target
+from app.errors import KvgateError
 from app.explain import explain
-from app.gate.gate import ClientGone
 from app.gated import GATED_PATHS, GatedRoutes, request_id_of
-from app.openai import ApiError
+from app.http_errors import error_response
 from app.proxy import passthrough
 from app.runtime import Runtime
 from app.settings import Settings
@@ -60,10 +60,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
         try:
             raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
             return JSONResponse(await explain(rt, raw, request.query_params.get("endpoint")))
-        except ClientGone:
-            return Response(status_code=499)
-        except ApiError as error:
-            return error.response()
+        except KvgateError as error:
+            return error_response(error)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -100,9 +98,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             return await passthrough(
                 rt.backend, request.method, request_target(request.scope), request.headers.raw, body, request_id,
             )
-        except ClientGone:
-            return Response(status_code=499)
-        except ApiError as error:
-            return error.response({"x-request-id": request_id})
+        except KvgateError as error:
+            return error_response(error, {"x-request-id": request_id})
 
     return Kvgate(GatedRoutes(rt), app)
