@@ -8,7 +8,6 @@ against `scope`, `receive` and `send` only.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from starlette.types import Receive, Scope
 
@@ -32,7 +31,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
-        message: dict[str, Any] = await receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from app.memory.activation import EngineShape, profile_peak_bytes
 from app.memory.budget import Budget
@@ -21,6 +22,7 @@ from app.settings import Settings
 from app.telemetry.vllm import CacheConfig, ServedModel
 
 log = logging.getLogger("kvgate.deployment")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Deployment:
         )
 
 
-def _prefer(name: str, flag: object, reported: object, flag_given: bool) -> object:
+def _prefer(name: str, flag: T, reported: T | None, flag_given: bool) -> T:
     if reported is None:
         return flag
     if flag_given and flag != reported:
