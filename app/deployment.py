@@ -70,7 +70,7 @@ def resolve(
 ) -> Deployment:
     """Flags, overridden by the backend's own report where it has one."""
     given = settings.model_fields_set
-    cache = cache or CacheConfig(None, None, None, None, None, None, None)
+    cache = cache or CacheConfig(None, None, None, None, None)
     max_model_len = _prefer(
         "max_model_len", settings.max_model_len, served.max_model_len if served else None,
         "max_model_len" in given,

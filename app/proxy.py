@@ -103,7 +103,8 @@ class Relay(Response):
     once; `tokens` is the output token count read off the body when `count_output` is set.
 
     It overrides Response's ASGI call rather than using StreamingResponse so that the release
-    happens even when the client has gone before the first byte could be sent.
+    happens even when the client has gone before the first byte could be sent. It is a Response
+    so that the FastAPI routes (the pass-through) can return it as they return any other.
     """
 
     def __init__(
@@ -114,10 +115,9 @@ class Relay(Response):
         on_end: Callable[[str, int | None], None],
         count_output: bool = False,
     ) -> None:
+        super().__init__(status_code=upstream.status)
+        self.raw_headers = response_headers(upstream, headers)  # the upstream's, not Response's
         self.upstream = upstream
-        self.status_code = upstream.status
-        self.background = None
-        self.raw_headers = response_headers(upstream, headers)
         self._on_first_chunk = on_first_chunk
         self._on_end = on_end
         self._is_sse = (upstream.header(b"content-type") or "").startswith("text/event-stream")
