@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from app.gate.budget import Budget
 from app.memory.activation import EngineShape, profile_peak_bytes
-from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.memory.outputs import OutputLengths

@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits
+from app.gate.budget import Budget
 from app.memory.activation import (
     EngineShape,
     SamplingShape,
@@ -20,7 +21,6 @@ from app.memory.activation import (
     estimate_transient,
     sampler_cost,
 )
-from app.memory.budget import Budget
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
 from app.memory.kv import KVLayout

@@ -20,10 +20,10 @@ import httpx
 from app.decision_log import DecisionLog
 from app.deployment import Deployment, build_predictor, resolve, static_budget
 from app.errors import BackendDown, ModelNotFound, NotReady, TokenizationFailed, TokenizerUnavailable
+from app.gate.budget import Budget
 from app.gate.gate import Gate
 from app.gate.observer import Observers
 from app.gate.view import GateView
-from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
 from app.memory.outputs import OutputLengths
 from app.metrics import GateMetrics, KvgateMetrics

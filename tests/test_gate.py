@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from app.errors import ClientGone, QueueFull, QueueTimeout
+from app.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from app.gate.drain import DrainRate
 from app.gate.gate import Gate
 from app.gate.ledger import Ledger
@@ -15,7 +16,6 @@ from app.gate.observer import Observers
 from app.gate.queue import AdmissionQueue, Waiter
 from app.gate.queue import QueueFull as QueueAtCapacity
 from app.http_errors import error_headers, status_of
-from app.memory.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from app.memory.demand import Demand
 from app.memory.outputs import OutputLengths
 from app.memory.sampler import SamplerCost, SamplerUse

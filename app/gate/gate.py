@@ -17,12 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from app.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
+from app.gate.budget import Budget
 from app.gate.drain import DrainRate
 from app.gate.ledger import Ledger, Reservation
 from app.gate.observer import Decision, Observers, Release
 from app.gate.queue import AdmissionQueue, Waiter
 from app.gate.queue import QueueFull as QueueAtCapacity
-from app.memory.budget import Budget
 from app.memory.demand import Demand
 from app.memory.outputs import OutputLengths
 

@@ -1,6 +1,6 @@
 """The requests kvgate has in flight, as the KV reconciliation needs them: an observer of the gate.
 
-The budget loop compares the blocks these requests should hold (app.memory.calibration's
+The budget loop compares the blocks these requests should hold (app.telemetry.calibration's
 blocks_in_use) with what vLLM reports; it learns of admissions and releases from the gate's
 events instead of reading the gate's ledger.
 """
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from app.gate.observer import Decision, Release
-from app.memory.calibration import InFlight
+from app.telemetry.calibration import InFlight
 
 
 class InFlightRequests:

@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from app.gate.budget import BACKEND_DOWN, KV_BUSY, TRANSIENT_BUSY, Budget
 from app.gate.view import GateView
-from app.memory.budget import BACKEND_DOWN, KV_BUSY, TRANSIENT_BUSY, Budget
-from app.memory.calibration import Calibration, CalibrationConfig, blocks_in_use
 from app.settings import Settings
+from app.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use
 from app.telemetry.gpu import GpuProbe, GpuReading
 from app.telemetry.headroom import HeadroomTracker
 from app.telemetry.in_flight import InFlightRequests
