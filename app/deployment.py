@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from app.gate.budget import Budget
+from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, profile_peak_bytes
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
-from app.memory.outputs import OutputLengths
 from app.predict import Predictor
 from app.settings import Settings
 from app.telemetry.vllm import CacheConfig, ServedModel

@@ -13,6 +13,7 @@ from typing import Sequence
 
 from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits
 from app.gate.budget import Budget
+from app.gate.output_lengths import OutputLengths
 from app.memory.activation import (
     EngineShape,
     SamplingShape,
@@ -24,7 +25,6 @@ from app.memory.activation import (
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
 from app.memory.kv import KVLayout
-from app.memory.outputs import OutputLengths
 from app.memory.sampler import SamplerUse
 from app.openai import RequestSpec
 

@@ -23,9 +23,9 @@ from app.errors import BackendDown, ModelNotFound, NotReady, TokenizationFailed,
 from app.gate.budget import Budget
 from app.gate.gate import Gate
 from app.gate.observer import Observers
+from app.gate.output_lengths import OutputLengths
 from app.gate.view import GateView
 from app.memory.geometry import ModelGeometry
-from app.memory.outputs import OutputLengths
 from app.metrics import GateMetrics, KvgateMetrics
 from app.openai import Endpoint, RequestSpec, parse_request
 from app.predict import Prediction, Predictor

@@ -21,10 +21,10 @@ from app.gate.budget import Budget
 from app.gate.drain import DrainRate
 from app.gate.ledger import Ledger, Reservation
 from app.gate.observer import Decision, Observers, Release
+from app.gate.output_lengths import OutputLengths
 from app.gate.queue import AdmissionQueue, Waiter
 from app.gate.queue import QueueFull as QueueAtCapacity
 from app.memory.demand import Demand
-from app.memory.outputs import OutputLengths
 
 BEHIND_QUEUE = "behind_queue"
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
