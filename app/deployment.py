@@ -3,6 +3,9 @@
 What vLLM publishes (cache_config_info on /metrics, max_model_len on /v1/models) is the truth
 about the running server and wins over kvgate's flags; each disagreement is logged as a warning
 so the operator can fix the flags they copied.
+
+It takes plain values (EngineFlags, the backend's report), not the CLI's settings: the
+composition root (app.runtime) translates one into the other.
 """
 
 from __future__ import annotations
@@ -12,17 +15,45 @@ import math
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from app.gate.budget import Budget
 from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, profile_peak_bytes
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.predict import Predictor
-from app.settings import Settings
 from app.telemetry.vllm import CacheConfig, ServedModel
 
 log = logging.getLogger("kvgate.deployment")
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """What the operator told kvgate about vLLM's engine, by vLLM's flag names; `given` names the
+    flags set explicitly (a default the backend contradicts is no cause for a warning)."""
+
+    max_model_len: int | None
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    long_prefill_token_threshold: int
+    enable_prefix_caching: bool
+    attention_backend: str
+    num_gpu_blocks: int | None
+    given: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StaticLimits:
+    """The budget's numbers before any live reading (see static_limits)."""
+
+    kv_blocks: int | None
+    transient_headroom_bytes: int | None
+    max_transient_headroom_bytes: int | None
+    profiled_peak_bytes: int
 
 
 @dataclass(frozen=True)
@@ -63,16 +94,16 @@ def _prefer(name: str, flag: T, reported: T | None, flag_given: bool) -> T:
 
 
 def resolve(
-    settings: Settings,
+    flags: EngineFlags,
     geometry: ModelGeometry,
     cache: CacheConfig | None,
     served: ServedModel | None,
 ) -> Deployment:
     """Flags, overridden by the backend's own report where it has one."""
-    given = settings.model_fields_set
+    given = flags.given
     cache = cache or CacheConfig(None, None, None, None, None)
     max_model_len = _prefer(
-        "max_model_len", settings.max_model_len, served.max_model_len if served else None,
+        "max_model_len", flags.max_model_len, served.max_model_len if served else None,
         "max_model_len" in given,
     ) or geometry.max_position_embeddings
     if not max_model_len:
@@ -81,44 +112,50 @@ def resolve(
         log.warning(
             "this model keeps a recurrent state in some layers, so vLLM raises its block size to fit "
             "a state page, and the backend does not report it: pass the block size vLLM logs "
-            "(--block-size), or kvgate counts blocks of %s tokens", settings.block_size,
+            "(--block-size), or kvgate counts blocks of %s tokens", flags.block_size,
         )
-    backend = settings.attention_backend
+    backend = flags.attention_backend
     if backend == "auto":
         backend = "mla" if geometry.is_mla else "flash-attn"
     return Deployment(
         max_model_len=int(max_model_len),
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        block_size=int(_prefer("block_size", settings.block_size, cache.block_size, "block_size" in given)),
-        tensor_parallel_size=settings.tensor_parallel_size,
-        pipeline_parallel_size=settings.pipeline_parallel_size,
+        max_num_batched_tokens=flags.max_num_batched_tokens,
+        max_num_seqs=flags.max_num_seqs,
+        block_size=int(_prefer("block_size", flags.block_size, cache.block_size, "block_size" in given)),
+        tensor_parallel_size=flags.tensor_parallel_size,
+        pipeline_parallel_size=flags.pipeline_parallel_size,
         kv_cache_dtype=str(
-            _prefer("kv_cache_dtype", settings.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given)
+            _prefer("kv_cache_dtype", flags.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given)
         ),
         gpu_memory_utilization=float(
             _prefer(
-                "gpu_memory_utilization", settings.gpu_memory_utilization,
+                "gpu_memory_utilization", flags.gpu_memory_utilization,
                 cache.gpu_memory_utilization, "gpu_memory_utilization" in given,
             )
         ),
-        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        long_prefill_token_threshold=flags.long_prefill_token_threshold,
         enable_prefix_caching=bool(
             _prefer(
-                "enable_prefix_caching", settings.enable_prefix_caching,
+                "enable_prefix_caching", flags.enable_prefix_caching,
                 cache.enable_prefix_caching, "enable_prefix_caching" in given,
             )
         ),
         attention_backend=backend,
-        num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given),
+        num_gpu_blocks=_prefer("num_gpu_blocks", flags.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
         reported_request_blocks=cache.max_request_blocks,
     )
 
 
 def build_predictor(
-    deployment: Deployment, geometry: ModelGeometry, settings: Settings, outputs: OutputLengths | None = None
+    deployment: Deployment,
+    geometry: ModelGeometry,
+    profiled_activation_bytes: int | None = None,
+    default_max_tokens: int | None = None,
+    outputs: OutputLengths | None = None,
 ) -> Predictor:
+    """The predictor for this deployment; `profiled_activation_bytes` overrides kvgate's own
+    estimate of vLLM's start-up profile when the operator read it off vLLM's log."""
     layout = KVLayout(
         geometry=geometry,
         block_size=deployment.block_size,
@@ -129,10 +166,8 @@ def build_predictor(
     )
     layout = checked_against_backend(layout, deployment)
     engine = deployment.engine_shape()
-    profiled = settings.profiled_activation_bytes or profile_peak_bytes(geometry, engine)
-    return Predictor(
-        layout, engine, deployment.enable_prefix_caching, profiled, settings.default_max_tokens, outputs
-    )
+    profiled = profiled_activation_bytes or profile_peak_bytes(geometry, engine)
+    return Predictor(layout, engine, deployment.enable_prefix_caching, profiled, default_max_tokens, outputs)
 
 
 def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:
@@ -167,23 +202,22 @@ def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayou
     return layout
 
 
-def static_budget(
-    deployment: Deployment, settings: Settings, profiled_peak_bytes: int, shared_workspace_bytes: int
-) -> Budget:
+def static_limits(
+    deployment: Deployment, predictor: Predictor, free_memory_bytes: int | None, gpu_memory_bytes: int | None
+) -> StaticLimits:
     """The budget before any live reading: the pool from vLLM, headroom from flags.
 
     vLLM reserves block 0 of the pool as its null block, so num_gpu_blocks - 1 are usable.
     Workspaces one engine allocates once (FlashInfer's) come off the headroom once, not per request.
     """
-    headroom = settings.free_memory_bytes
-    if headroom is None and settings.gpu_memory_bytes is not None:
-        headroom = int(settings.gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
+    headroom = free_memory_bytes
+    if headroom is None and gpu_memory_bytes is not None:
+        headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
     if headroom is not None:
-        headroom = max(0, headroom - shared_workspace_bytes)
-    return Budget(
+        headroom = max(0, headroom - predictor.shared_workspace_bytes)
+    return StaticLimits(
         kv_blocks=None if deployment.num_gpu_blocks is None else max(0, deployment.num_gpu_blocks - 1),
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
-        transient_margin=settings.transient_safety_margin,
-        profiled_peak_bytes=profiled_peak_bytes,
+        profiled_peak_bytes=predictor.profiled_peak_bytes,
     )

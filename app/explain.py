@@ -20,13 +20,13 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
     """The footprint, each transient term, the budget and the decision that would be taken now."""
     endpoint = endpoint_for(parse_json_object(raw), hint)
     try:
-        evaluation = await rt.predict(endpoint, raw)
+        evaluation = await rt.pipeline.predict(endpoint, raw)
     except ContextTooLong as error:
         return {"endpoint": endpoint, "decision": "reject", "reason": error.code, "message": error.message}
     prediction, demand = evaluation.prediction, evaluation.prediction.demand
-    assert rt.predictor is not None
+    assert rt.pipeline.predictor is not None
     try:
-        rt.predictor.check_fits_ever(prediction, rt.budget)
+        rt.pipeline.predictor.check_fits_ever(prediction, rt.budget)
         reason = rt.gate.would_wait(demand, evaluation.spec.priority)
         decision, message = ("admit", "fits now") if reason is None else ("queue", reason)
     except KvgateError as error:
@@ -42,7 +42,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             "blocks_at_max_tokens": prediction.max_kv_blocks,
             "new_blocks": rt.gate.ledger.new_blocks(demand),
             "shared_prefix_blocks": len(set(demand.shared_block_hashes)),
-            "block_size": rt.predictor.layout.block_size,
+            "block_size": rt.pipeline.predictor.layout.block_size,
         },
         "transient": {
             "peak_bytes": prediction.transient_peak_bytes,

@@ -97,7 +97,7 @@ class GatedRoutes:
         rt = self.rt
         try:
             raw = await read_body(scope, receive, rt.settings.max_body_bytes)
-            evaluation = await rt.evaluate(endpoint, raw)
+            evaluation = await rt.pipeline.evaluate(endpoint, raw)
             priority = priority_of(scope, evaluation.spec.priority)
         except ClientGone:
             rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="request_body"))
@@ -105,7 +105,7 @@ class GatedRoutes:
         except KvgateError as error:
             rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
             raise
-        predictor, prediction = rt.predictor, evaluation.prediction
+        predictor, prediction = rt.pipeline.predictor, evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
         ticket = await rt.gate.acquire(

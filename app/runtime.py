@@ -1,4 +1,4 @@
-"""The pieces of one running kvgate and the evaluation every gated request goes through.
+"""The composition root: builds the pieces of one running kvgate and wires them together.
 
 Start-up loads the model geometry and the tokenizer, then learns the backend's real
 configuration (served names, max_model_len, cache_config_info) in the background, retrying
@@ -12,14 +12,13 @@ import asyncio
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
 from app.decision_log import DecisionLog
-from app.deployment import Deployment, build_predictor, resolve, static_budget
-from app.errors import BackendDown, ModelNotFound, NotReady, TokenizationFailed, TokenizerUnavailable
+from app.deployment import Deployment, EngineFlags, build_predictor, resolve, static_limits
 from app.gate.budget import Budget
 from app.gate.gate import Gate
 from app.gate.observer import Observers
@@ -27,15 +26,14 @@ from app.gate.output_lengths import OutputLengths
 from app.gate.view import GateView
 from app.memory.geometry import ModelGeometry
 from app.metrics import GateMetrics, KvgateMetrics
-from app.openai import Endpoint, RequestSpec, parse_request
-from app.predict import Prediction, Predictor
+from app.pipeline import RequestPipeline
 from app.proxy import Backend
 from app.settings import Settings
 from app.telemetry.gpu import detect_probe
 from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.live import LiveBudget
 from app.telemetry.vllm import fetch_models, fetch_snapshot
-from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
+from app.tokens import load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
 
@@ -46,13 +44,6 @@ def freeze_start_up_heap() -> None:
     every request in flight; frozen, collections walk only what requests created since."""
     gc.collect()
     gc.freeze()
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    spec: RequestSpec
-    prediction: Prediction
-    tokenize_s: float
 
 
 class Runtime:
@@ -71,11 +62,9 @@ class Runtime:
             settings.max_queue, settings.max_queue_wait, outputs=outputs,
         )
         gate_metrics.watch(self.gate)
+        self.pipeline = RequestPipeline(self.budget, lambda: self.startup_error, self.metrics.tokenization.observe)
         self.geometry: ModelGeometry | None = None
-        self.tokenizer: Tokenizer | None = None
         self.deployment: Deployment | None = None
-        self.predictor: Predictor | None = None
-        self.served_names: set[str] = set()
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
         self.live: LiveBudget | None = None
@@ -89,7 +78,7 @@ class Runtime:
             )
         self.geometry = ModelGeometry.from_folder(model_dir)
         if self.settings.served_model_name:
-            self.served_names.add(self.settings.served_model_name)
+            self.pipeline.served_names.add(self.settings.served_model_name)
         self._sync_task = asyncio.create_task(self._sync_backend())
 
     async def stop(self) -> None:
@@ -131,93 +120,70 @@ class Runtime:
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def sync_once(self) -> None:
+        """Learn the backend's configuration (served names, max_model_len, cache_config_info)
+        and configure the pipeline and the budget from it."""
         assert self.geometry is not None
         client = self.backend.client
         models = await fetch_models(client)
         snapshot = await fetch_snapshot(client)
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
         served = served or (models[0] if models else None)
-        self.served_names.update(m.name for m in models)
-        deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served)
+        self.pipeline.served_names.update(m.name for m in models)
+        deployment = resolve(engine_flags(self.settings), self.geometry, snapshot.cache_config, served)
         model_name = self.settings.served_model_name or (served.name if served else "")
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
+        if self.pipeline.tokenizer is None:
+            self.pipeline.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
             freeze_start_up_heap()
-        predictor = build_predictor(deployment, self.geometry, self.settings, self.gate.outputs)
-        budget = static_budget(deployment, self.settings, predictor.profiled_peak_bytes, predictor.shared_workspace_bytes)
-        self.deployment, self.predictor = deployment, predictor
+        self._configure(deployment)
         self.startup_error = None
-        self.budget.update(
-            kv_blocks=budget.kv_blocks,
-            transient_headroom_bytes=budget.transient_headroom_bytes,
-            max_transient_headroom_bytes=budget.max_transient_headroom_bytes,
-            profiled_peak_bytes=budget.profiled_peak_bytes,
-        )
         log.info(
             "backend synchronised: max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
             deployment.max_model_len, deployment.block_size, deployment.num_gpu_blocks,
             deployment.enable_prefix_caching,
         )
 
+    def _configure(self, deployment: Deployment) -> None:
+        """The predictor for `deployment`, and the budget's static limits from it: the one place
+        either is set, online or offline."""
+        assert self.geometry is not None
+        settings = self.settings
+        predictor = build_predictor(
+            deployment, self.geometry, settings.profiled_activation_bytes, settings.default_max_tokens,
+            self.gate.outputs,
+        )
+        limits = static_limits(deployment, predictor, settings.free_memory_bytes, settings.gpu_memory_bytes)
+        self.deployment, self.pipeline.predictor = deployment, predictor
+        self.budget.update(**asdict(limits))
+
     @property
     def ready(self) -> bool:
-        return self.predictor is not None and self.tokenizer is not None and self.budget.known
+        return self.pipeline.predictor is not None and self.pipeline.tokenizer is not None and self.budget.known
 
     def configure_offline(self) -> None:
         """Build the predictor from flags alone (no backend), for `kvgate explain` without --url."""
         if self.settings.model is None:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
         self.geometry = ModelGeometry.from_folder(self.settings.model)
-        self.deployment = resolve(self.settings, self.geometry, None, None)
-        self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "")
-        self.predictor = build_predictor(self.deployment, self.geometry, self.settings, self.gate.outputs)
-        budget = static_budget(
-            self.deployment, self.settings, self.predictor.profiled_peak_bytes,
-            self.predictor.shared_workspace_bytes,
+        self.pipeline.tokenizer = load_tokenizer(
+            self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or ""
         )
-        self.budget.update(
-            kv_blocks=budget.kv_blocks,
-            transient_headroom_bytes=budget.transient_headroom_bytes,
-            max_transient_headroom_bytes=budget.max_transient_headroom_bytes,
-            profiled_peak_bytes=budget.profiled_peak_bytes,
-        )
+        self._configure(resolve(engine_flags(self.settings), self.geometry, None, None))
 
-    async def evaluate(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
-        """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through."""
-        evaluation = await self.predict(endpoint, raw)
-        assert self.predictor is not None
-        self.predictor.check_fits_ever(evaluation.prediction, self.budget)
-        return evaluation
 
-    async def predict(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
-        """Parse, tokenize and predict, without judging whether it could ever fit."""
-        spec = parse_request(endpoint, raw)
-        if self.predictor is None or self.tokenizer is None:
-            raise NotReady(self.startup_error)
-        if spec.model is not None and self.served_names and spec.model not in self.served_names:
-            raise ModelNotFound(spec.model)
-        started = time.perf_counter()
-        prompts = await self._token_ids(spec)
-        tokenize_s = time.perf_counter() - started
-        self.metrics.tokenization.observe(tokenize_s)
-        prediction = self.predictor.predict(spec, prompts)
-        return Evaluation(spec, prediction, tokenize_s)
-
-    async def _token_ids(self, spec: RequestSpec) -> list[list[int]]:
-        assert self.tokenizer is not None
-        try:
-            if spec.chat is not None:
-                return [await self.tokenizer.encode_chat(spec.chat)]
-            # A loop, not a comprehension: one with an await inside is a coroutine of its own.
-            prompts: list[list[int]] = []
-            for p in spec.prompts:
-                prompts.append(p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens))
-            return prompts
-        except TokenizationError as exc:
-            raise TokenizationFailed(str(exc)) from exc
-        except BackendTokenizeError as exc:
-            if self.budget.hold is not None:
-                raise BackendDown(
-                    f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it."
-                ) from exc
-            raise TokenizerUnavailable(str(exc)) from exc
+def engine_flags(settings: Settings) -> EngineFlags:
+    """The engine flags as deployment resolution takes them (plain values, and which were given)."""
+    return EngineFlags(
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        block_size=settings.block_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        attention_backend=settings.attention_backend,
+        num_gpu_blocks=settings.num_gpu_blocks,
+        given=frozenset(settings.model_fields_set),
+    )

@@ -79,7 +79,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             reachable = False
         detail = {
             "backend_reachable": reachable,
-            "tokenizer": rt.tokenizer.source if rt.tokenizer else None,
+            "tokenizer": rt.pipeline.tokenizer.source if rt.pipeline.tokenizer else None,
             "budget_known": rt.budget.known,
             "kv_blocks": rt.budget.kv_limit(),
             "transient_bytes": rt.budget.transient_limit(),
