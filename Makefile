@@ -17,7 +17,7 @@ test: venv vllm-venv check
 check: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports
+	$(VENV)/bin/lint-imports --no-cache
 
 # The README demo: the simulated vLLM dies of CUDA OOM, then survives behind kvgate (no GPU,
 # no real vLLM needed, under a minute).
