@@ -2,8 +2,8 @@
 
 It is the mechanism; the budget is the policy. It reports each decision and release to its
 observers (app.gate.observer) and raises domain errors (app.errors): counting, logging and HTTP
-are other layers' business. Whenever the ledger shrinks or the budget moves,
-the gate admits from the head of the queue for as long as the head fits. The head is not bypassed
+are other layers' business. Whenever the ledger shrinks or the budget moves, the gate admits
+from the head of the queue for as long as the head fits. The head is not bypassed
 by smaller requests behind it, so a large request is never starved by a stream of small ones;
 the one exception is a head that could not fit even on an idle server (the headroom shrank under
 it): it is set aside, so that it does not hold up a line it cannot lead.
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from app.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
+from app.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
 from app.gate.budget import Budget
 from app.gate.drain import DrainRate
 from app.gate.ledger import Ledger, Reservation
@@ -143,7 +143,7 @@ class Gate:
         retry_after = self.drain.retry_after(ahead, fallback_s=self.max_queue_wait_s)
         raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
 
-    def _refuse(self, waiter: Waiter, error: BackendDown | QueueFull | QueueTimeout) -> Exception:
+    def _refuse(self, waiter: Waiter, error: Refused) -> Refused:
         """Report the refusal to the observers and hand back the error to raise."""
         self.observers.decided(Decision("reject", error.code, waiter.request_id, waiter.demand, error=error))
         return error
