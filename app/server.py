@@ -1,6 +1,6 @@
 """kvgate's ASGI app: the gated routes on a bare fast path, everything else through FastAPI.
 
-POST /v1/completions and /v1/chat/completions go straight to app.gated (no routing, no
+POST /v1/completions and /v1/chat/completions go straight to app.http.gated_routes (no routing, no
 middleware); every other request, and the lifespan, goes to the FastAPI app built here: explain,
 metrics, probes, and the pass-through of any other path to the backend.
 """
@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from app.asgi import read_body, request_target
 from app.errors import KvgateError
 from app.explain import explain
-from app.gated import GATED_PATHS, GatedRoutes, request_id_of
+from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from app.http_errors import error_response
 from app.proxy import passthrough
 from app.runtime import Runtime
