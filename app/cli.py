@@ -101,7 +101,7 @@ def explain_command(args: argparse.Namespace) -> int:
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
     from app.explain import explain
     from app.errors import KvgateError
-    from app.http_errors import error_body
+    from app.http.errors import error_body
     from app.runtime import Runtime
 
     runtime = Runtime(settings)

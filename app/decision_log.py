@@ -7,7 +7,7 @@ import json
 import logging
 
 from app.gate.observer import Decision, Release
-from app.http_errors import status_of
+from app.http.errors import status_of
 
 decision_log = logging.getLogger("kvgate.decision")
 

@@ -1,7 +1,7 @@
 """Why kvgate will not forward a request: domain errors that carry their numbers.
 
 The parser, the predictor and the gate raise these and know nothing of HTTP; the HTTP edge
-(app.http_errors) maps each one, once, to a status, OpenAI's error body and its headers. The
+(app.http.errors) maps each one, once, to a status, OpenAI's error body and its headers. The
 same split as TGI's router (`ValidationError` variants mapped to a status in
 router/src/server.rs) and the Inference Gateway's flow control (sentinel errors such as
 `ErrQueueAtCapacity`, mapped at the edge).

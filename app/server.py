@@ -19,8 +19,8 @@ from starlette.types import Receive, Scope, Send
 from app.asgi import read_body, request_target
 from app.errors import KvgateError
 from app.explain import explain
+from app.http.errors import error_response
 from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
-from app.http_errors import error_response
 from app.proxy import passthrough
 from app.runtime import Runtime
 from app.settings import Settings

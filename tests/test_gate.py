@@ -16,7 +16,7 @@ from app.gate.observer import Observers
 from app.gate.output_lengths import OutputLengths
 from app.gate.queue import AdmissionQueue, Waiter
 from app.gate.queue import QueueFull as QueueAtCapacity
-from app.http_errors import error_headers, status_of
+from app.http.errors import error_headers, status_of
 from app.memory.demand import Demand
 from app.memory.sampler import SamplerCost, SamplerUse
 from app.metrics import GateMetrics, KvgateMetrics
