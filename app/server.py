@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from app.asgi import read_body, request_target
 from app.errors import KvgateError
 from app.explain import explain
+from app.http.asgi import read_body, request_target
 from app.http.errors import error_response
 from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from app.proxy import passthrough

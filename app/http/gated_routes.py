@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.asgi import disconnect_future, header, read_body, request_target
 from app.errors import ClientGone, KvgateError
 from app.gate.gate import Ticket
 from app.gate.observer import Decision
+from app.http.asgi import disconnect_future, header, read_body, request_target
 from app.http.errors import error_response
 from app.openai import Endpoint, bad_request
 from app.proxy import Relay, forward_headers
