@@ -17,13 +17,13 @@ from pathlib import Path
 
 import httpx
 
-from app.decision_log import DecisionLog
 from app.deployment import Deployment, EngineFlags, build_predictor, resolve, static_limits
 from app.gate.budget import Budget
 from app.gate.gate import Gate
 from app.gate.observer import Observers
 from app.gate.output_lengths import OutputLengths
 from app.gate.view import GateView
+from app.http.decision_log import DecisionLog
 from app.memory.geometry import ModelGeometry
 from app.metrics import GateMetrics, KvgateMetrics
 from app.pipeline import RequestPipeline
