@@ -72,7 +72,7 @@ def configure_logging(level: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from app.server import create_app
+    from app.http.server import create_app
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level)
