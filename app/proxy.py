@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import httpx
 from starlette.responses import Response
@@ -65,7 +65,7 @@ class Backend:
         in; BackendTimedOut, BackendDown or BackendBroke when it cannot be."""
         try:
             return await self.pool.request(method, target, headers, body)
-        except (UpstreamTimeout, asyncio.TimeoutError) as exc:  # before OSError: TimeoutError is one
+        except (TimeoutError, UpstreamTimeout) as exc:  # before OSError: TimeoutError is one
             raise BackendTimedOut() from exc
         except OSError as exc:
             raise BackendDown(
