@@ -52,13 +52,10 @@ class GateObserver(Protocol):
 
 
 class Observers:
-    """Fans each event out to every observer, in the order they were added."""
+    """Fans each event out to every observer, in the order they were given."""
 
     def __init__(self, *observers: GateObserver) -> None:
-        self._observers: list[GateObserver] = list(observers)
-
-    def add(self, observer: GateObserver) -> None:
-        self._observers.append(observer)
+        self._observers = observers
 
     def decided(self, decision: Decision) -> None:
         for observer in self._observers:
