@@ -1,14 +1,23 @@
-# `make test` builds what is missing, then runs the whole suite (real vLLM included).
+# `make test` builds what is missing, runs the static checks (lint, types, layer contracts), then
+# the whole suite (real vLLM included).
 # kvgate's venv never gets torch; vLLM (CPU build) lives in its own venv.
 
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 
-.PHONY: test venv vllm-venv demo
+.PHONY: test check venv vllm-venv demo
 
-test: venv vllm-venv
+test: venv vllm-venv check
 	$(VENV)/bin/pytest -q
+
+# Seconds, not minutes: ruff (rules in pyproject.toml), mypy (strict on app.memory and app.gate)
+# and the import contracts of docs/architecture.md. `ruff format --check` joins once the tree
+# has been formatted.
+check: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 # The README demo: the simulated vLLM dies of CUDA OOM, then survives behind kvgate (no GPU,
 # no real vLLM needed, under a minute).

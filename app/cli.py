@@ -84,7 +84,7 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from app.server import create_app
+    from app.http.server import create_app
 
     try:
         app = create_app(settings)
@@ -132,7 +132,8 @@ def explain_command(args: argparse.Namespace) -> int:
 
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
     from app.explain import explain
-    from app.openai import ApiError
+    from app.errors import KvgateError
+    from app.http.errors import error_body
     from app.runtime import Runtime
 
     runtime = Runtime(settings)
@@ -140,8 +141,8 @@ async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None)
         runtime.configure_offline()
         print(json.dumps(await explain(runtime, raw, endpoint), indent=2))
         return 0
-    except ApiError as error:
-        print(json.dumps(error.body(), indent=2))
+    except KvgateError as error:
+        print(json.dumps(error_body(error), indent=2))
         return 1
     finally:
         await runtime.stop()

@@ -3,6 +3,9 @@
 What vLLM publishes (cache_config_info on /metrics, max_model_len on /v1/models) is the truth
 about the running server and wins over kvgate's flags; each disagreement is logged as a warning
 so the operator can fix the flags they copied.
+
+It takes plain values (EngineFlags, the backend's report), not the CLI's settings: the
+composition root (app.runtime) translates one into the other.
 """
 
 from __future__ import annotations
@@ -10,17 +13,47 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
+from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, profile_peak_bytes
-from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
-from app.memory.outputs import OutputLengths
 from app.predict import Predictor
-from app.settings import Settings
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
 
 log = logging.getLogger("kvgate.deployment")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """What the operator told kvgate about vLLM's engine, by vLLM's flag names; `given` names the
+    flags set explicitly (a default the backend contradicts is no cause for a warning)."""
+
+    max_model_len: int | None
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    long_prefill_token_threshold: int
+    enable_prefix_caching: bool
+    attention_backend: str
+    num_gpu_blocks: int | None
+    given: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StaticLimits:
+    """The budget's numbers before any live reading (see static_limits)."""
+
+    kv_blocks: int | None
+    transient_headroom_bytes: int | None
+    max_transient_headroom_bytes: int | None
+    profiled_peak_bytes: int
 
 
 @dataclass(frozen=True)
@@ -65,8 +98,7 @@ class Disagreements:
             self._said.add(key)
             log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
 
-
-def _prefer(name: str, flag: object, reported: object, flag_given: bool, said: Disagreements) -> object:
+def _prefer(name: str, flag: T, reported: T | None, flag_given: bool, said: Disagreements) -> T:
     if reported is None:
         return flag
     if flag_given and flag != reported:
@@ -74,10 +106,9 @@ def _prefer(name: str, flag: object, reported: object, flag_given: bool, said: D
     return reported
 
 
-def _prefer_engine(name: str, settings: Settings, reported: int | None, said: Disagreements) -> int:
+def _prefer_engine(name: str, flag: int, reported: int | None, said: Disagreements) -> int:
     """An engine limit: the backend's when it states it, with a warning when it differs from
     kvgate's flag, given or default (a default copied from no vLLM is still a wrong guess)."""
-    flag = getattr(settings, name)
     if reported is None:
         return int(flag)
     if flag != reported:
@@ -86,7 +117,7 @@ def _prefer_engine(name: str, settings: Settings, reported: int | None, said: Di
 
 
 def resolve(
-    settings: Settings,
+    flags: EngineFlags,
     geometry: ModelGeometry,
     cache: CacheConfig | None,
     served: ServedModel | None,
@@ -95,11 +126,11 @@ def resolve(
 ) -> Deployment:
     """Flags, overridden by the backend's own report where it has one."""
     said = said or Disagreements()
-    given = settings.model_fields_set
-    cache = cache or CacheConfig(None, None, None, None, None, None, None)
+    given = flags.given
+    cache = cache or CacheConfig(None, None, None, None, None)
     limits = limits or EngineLimits(None, None, None, None, None)
     max_model_len = _prefer(
-        "max_model_len", settings.max_model_len, served.max_model_len if served else None,
+        "max_model_len", flags.max_model_len, served.max_model_len if served else None,
         "max_model_len" in given, said,
     ) or geometry.max_position_embeddings
     if not max_model_len:
@@ -108,48 +139,56 @@ def resolve(
         log.warning(
             "this model keeps a recurrent state in some layers, so vLLM raises its block size to fit "
             "a state page, and the backend does not report it: pass the block size vLLM logs "
-            "(--block-size), or kvgate counts blocks of %s tokens", settings.block_size,
+            "(--block-size), or kvgate counts blocks of %s tokens", flags.block_size,
         )
-    backend = settings.attention_backend
+    backend = flags.attention_backend
     if backend == "auto":
         backend = "mla" if geometry.is_mla else "flash-attn"
     return Deployment(
         max_model_len=int(max_model_len),
         max_num_batched_tokens=_prefer_engine(
-            "max_num_batched_tokens", settings, limits.max_num_batched_tokens, said),
-        max_num_seqs=_prefer_engine("max_num_seqs", settings, limits.max_num_seqs, said),
-        block_size=int(_prefer("block_size", settings.block_size, cache.block_size, "block_size" in given, said)),
+            "max_num_batched_tokens", flags.max_num_batched_tokens, limits.max_num_batched_tokens, said),
+        max_num_seqs=_prefer_engine("max_num_seqs", flags.max_num_seqs, limits.max_num_seqs, said),
+        block_size=int(_prefer("block_size", flags.block_size, cache.block_size, "block_size" in given, said)),
         tensor_parallel_size=_prefer_engine(
-            "tensor_parallel_size", settings, limits.tensor_parallel_size, said),
+            "tensor_parallel_size", flags.tensor_parallel_size, limits.tensor_parallel_size, said),
         pipeline_parallel_size=_prefer_engine(
-            "pipeline_parallel_size", settings, limits.pipeline_parallel_size, said),
+            "pipeline_parallel_size", flags.pipeline_parallel_size, limits.pipeline_parallel_size, said),
         kv_cache_dtype=str(
-            _prefer("kv_cache_dtype", settings.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given, said)
+            _prefer("kv_cache_dtype", flags.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given, said)
         ),
         gpu_memory_utilization=float(
             _prefer(
-                "gpu_memory_utilization", settings.gpu_memory_utilization,
+                "gpu_memory_utilization", flags.gpu_memory_utilization,
                 cache.gpu_memory_utilization, "gpu_memory_utilization" in given, said,
             )
         ),
         long_prefill_token_threshold=_prefer_engine(
-            "long_prefill_token_threshold", settings, limits.long_prefill_token_threshold, said),
+            "long_prefill_token_threshold", flags.long_prefill_token_threshold,
+            limits.long_prefill_token_threshold, said),
         enable_prefix_caching=bool(
             _prefer(
-                "enable_prefix_caching", settings.enable_prefix_caching,
+                "enable_prefix_caching", flags.enable_prefix_caching,
                 cache.enable_prefix_caching, "enable_prefix_caching" in given, said,
             )
         ),
         attention_backend=backend,
-        num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said),
+        num_gpu_blocks=_prefer(
+            "num_gpu_blocks", flags.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
         reported_request_blocks=cache.max_request_blocks,
     )
 
 
 def build_predictor(
-    deployment: Deployment, geometry: ModelGeometry, settings: Settings, outputs: OutputLengths | None = None
+    deployment: Deployment,
+    geometry: ModelGeometry,
+    profiled_activation_bytes: int | None = None,
+    default_max_tokens: int | None = None,
+    outputs: OutputLengths | None = None,
 ) -> Predictor:
+    """The predictor for this deployment; `profiled_activation_bytes` overrides kvgate's own
+    estimate of vLLM's start-up profile when the operator read it off vLLM's log."""
     layout = KVLayout(
         geometry=geometry,
         block_size=deployment.block_size,
@@ -160,10 +199,8 @@ def build_predictor(
     )
     layout = checked_against_backend(layout, deployment)
     engine = deployment.engine_shape()
-    profiled = settings.profiled_activation_bytes or profile_peak_bytes(geometry, engine)
-    return Predictor(
-        layout, engine, deployment.enable_prefix_caching, profiled, settings.default_max_tokens, outputs
-    )
+    profiled = profiled_activation_bytes or profile_peak_bytes(geometry, engine)
+    return Predictor(layout, engine, deployment.enable_prefix_caching, profiled, default_max_tokens, outputs)
 
 
 def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:
@@ -198,23 +235,22 @@ def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayou
     return layout
 
 
-def static_budget(
-    deployment: Deployment, settings: Settings, profiled_peak_bytes: int, shared_workspace_bytes: int
-) -> Budget:
+def static_limits(
+    deployment: Deployment, predictor: Predictor, free_memory_bytes: int | None, gpu_memory_bytes: int | None
+) -> StaticLimits:
     """The budget before any live reading: the pool from vLLM, headroom from flags.
 
     vLLM reserves block 0 of the pool as its null block, so num_gpu_blocks - 1 are usable.
     Workspaces one engine allocates once (FlashInfer's) come off the headroom once, not per request.
     """
-    headroom = settings.free_memory_bytes
-    if headroom is None and settings.gpu_memory_bytes is not None:
-        headroom = int(settings.gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
+    headroom = free_memory_bytes
+    if headroom is None and gpu_memory_bytes is not None:
+        headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
     if headroom is not None:
-        headroom = max(0, headroom - shared_workspace_bytes)
-    return Budget(
+        headroom = max(0, headroom - predictor.shared_workspace_bytes)
+    return StaticLimits(
         kv_blocks=None if deployment.num_gpu_blocks is None else max(0, deployment.num_gpu_blocks - 1),
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
-        transient_margin=settings.transient_safety_margin,
-        profiled_peak_bytes=profiled_peak_bytes,
+        profiled_peak_bytes=predictor.profiled_peak_bytes,
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from app.memory.budget import Budget
-from app.openai import ApiError, Endpoint, parse_json_object
+from app.errors import ContextTooLong, KvgateError
+from app.gate.budget import Budget
+from app.openai import Endpoint, parse_json_object
 from app.runtime import Runtime
 
 
@@ -20,17 +21,15 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
     """The footprint, each transient term, the budget and the decision that would be taken now."""
     endpoint = endpoint_for(parse_json_object(raw), hint)
     try:
-        evaluation = await rt.predict(endpoint, raw)
-    except ApiError as error:
-        if error.code != "context_length_exceeded":
-            raise
+        evaluation = await rt.pipeline.predict(endpoint, raw)
+    except ContextTooLong as error:
         return {"endpoint": endpoint, "decision": "reject", "reason": error.code, "message": error.message}
     prediction, demand = evaluation.prediction, evaluation.prediction.demand
-    assert rt.predictor is not None
+    assert rt.pipeline.predictor is not None
     budget = rt.budget
     unknown = unknown_limits(budget)
     try:
-        rt.predictor.check_fits_ever(prediction, budget)
+        rt.pipeline.predictor.check_fits_ever(prediction, budget)
         reason = rt.gate.would_wait(demand, evaluation.spec.priority)
         if reason is not None:
             decision, message = "queue", reason
@@ -39,7 +38,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             message = "fits what is known, but " + "; ".join(unknown)
         else:
             decision, reason, message = "admit", "fits", "fits now"
-    except ApiError as error:
+    except KvgateError as error:
         decision, reason, message = "reject", error.code, error.message
     return {
         "endpoint": endpoint,
@@ -51,7 +50,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             "blocks_at_max_tokens": prediction.max_kv_blocks,
             "new_blocks": rt.gate.ledger.new_blocks(demand),
             "shared_prefix_blocks": len(set(demand.shared_block_hashes)),
-            "block_size": rt.predictor.layout.block_size,
+            "block_size": rt.pipeline.predictor.layout.block_size,
         },
         "transient": {
             "peak_bytes": prediction.transient_peak_bytes,

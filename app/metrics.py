@@ -1,13 +1,18 @@
 """kvgate's own Prometheus metrics: `kvgate_` prefix, base units, low-cardinality labels.
 
 Each server gets its own registry so several kvgate apps (tests, benchmarks) can live in one
-process without colliding.
+process without colliding. The gate's decisions and releases arrive as events (GateMetrics is one
+of the gate's observers); its queue, ledger and budget are read only when /metrics is scraped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from app.gate.gate import Gate
+from app.gate.observer import Decision, Release
 from app.telemetry.metrics import TelemetryMetrics
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -76,3 +81,57 @@ class KvgateMetrics:
             ["outcome"], registry=r,
         )
         self.telemetry = TelemetryMetrics(r)
+
+
+class GateMetrics:
+    """The gate's observer that counts: decisions by kind and reason, releases by outcome, queue
+    waits, clients that left; and the gauges that read the gate when /metrics is scraped."""
+
+    def __init__(self, metrics: KvgateMetrics) -> None:
+        self.metrics = metrics
+        # Bound label children, one per (kind, reason) and outcome: labels() is a locked lookup.
+        self._decisions: dict[tuple[str, str], Counter] = {}
+        self._releases: dict[str, Counter] = {}
+
+    def decided(self, decision: Decision) -> None:
+        if decision.kind == "abandon":
+            self.metrics.disconnects.labels(decision.stage).inc()
+            return
+        key = (decision.kind, decision.reason)
+        counter = self._decisions.get(key)
+        if counter is None:
+            counter = self._decisions[key] = self.metrics.decisions.labels(*key)
+        counter.inc()
+        if decision.kind == "admit":
+            self.metrics.queue_wait.observe(decision.queue_wait_s)
+
+    def released(self, release: Release) -> None:
+        counter = self._releases.get(release.outcome)
+        if counter is None:
+            counter = self._releases[release.outcome] = self.metrics.releases.labels(release.outcome)
+        counter.inc()
+
+    def watch(self, gate: Gate) -> None:
+        """The gauges of the queue, the ledger and the budget read them when /metrics is
+        scraped: written on every admission and release they cost ten gauge writes a request."""
+        m, ledger, budget = self.metrics, gate.ledger, gate.budget
+        m.queue_depth.set_function(lambda: len(gate.queue))
+        m.in_flight.set_function(lambda: ledger.in_flight)
+        m.reserved_kv_blocks.set_function(lambda: ledger.kv_blocks)
+        m.reserved_transient.set_function(lambda: budget.transient_charge(ledger))
+        m.budget_kv_blocks.set_function(_last_known(budget.kv_limit))
+        m.budget_transient.set_function(_last_known(budget.transient_limit))
+
+
+def _last_known(read: Callable[[], int | None]) -> Callable[[], float]:
+    """`read()` when it is known, else the last value it had (0 before the first)."""
+    last = 0.0
+
+    def value() -> float:
+        nonlocal last
+        current = read()
+        if current is not None:
+            last = current
+        return last
+
+    return value

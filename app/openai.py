@@ -1,8 +1,8 @@
-"""OpenAI request parsing and OpenAI-shaped errors.
+"""OpenAI request parsing.
 
 Parsing is hand-written rather than a pydantic model of the whole body because kvgate forwards the
 body byte for byte and reads only the fields that change memory; everything else is vLLM's to
-judge. Each bad field gets a 400 that names it.
+judge. Each bad field raises an InvalidField that names it.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastapi.responses import JSONResponse
-
 from app.chat_template import ChatRequest
+from app.errors import InvalidField
 
 Endpoint = Literal["completions", "chat"]
 
@@ -21,55 +20,8 @@ Endpoint = Literal["completions", "chat"]
 MAX_LOGPROBS = 20
 
 
-class ApiError(Exception):
-    """An error the client sees, in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        *,
-        param: str | None = None,
-        error_type: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.error_type = error_type or _default_type(status)
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self, extra_headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(
-            self.body(), status_code=self.status, headers={**self.headers, **(extra_headers or {})}
-        )
-
-
-def _default_type(status: int) -> str:
-    if status == 429:
-        return "rate_limit_error"
-    if status >= 500:
-        return "server_error"
-    if status == 404:
-        return "not_found_error"
-    return "invalid_request_error"
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> ApiError:
-    return ApiError(400, message, code, param=param)
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> InvalidField:
+    return InvalidField(message, param, code)
 
 
 @dataclass

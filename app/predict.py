@@ -1,4 +1,4 @@
-"""From a parsed request and its token ids to the demand the gate weighs, or a 400 if it never fits.
+"""From a parsed request and its token ids to the demand the gate weighs, or NeverFits.
 
 This is the glue between the pure memory model and the gate: it applies the max_tokens policy,
 sums the footprints of a batched completions prompt, and turns each never-fits case into an
@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits
+from app.gate.budget import Budget
+from app.gate.output_lengths import OutputLengths
 from app.memory.activation import (
     EngineShape,
     SamplingShape,
@@ -19,15 +22,11 @@ from app.memory.activation import (
     estimate_transient,
     sampler_cost,
 )
-from app.memory.budget import Budget
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
 from app.memory.kv import KVLayout
-from app.memory.outputs import OutputLengths
 from app.memory.sampler import SamplerUse
-from app.openai import ApiError, RequestSpec
-
-GIB = 1024**3
+from app.openai import RequestSpec
 
 _ADVICE = {
     "prompt_logprobs": "drop prompt_logprobs or send a shorter prompt",
@@ -216,28 +215,17 @@ class Predictor:
         if prompt_tokens + max_new <= limit and prompt_tokens < limit:
             return
         where = "messages" if spec.endpoint == "chat" else "prompt"
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_tokens + max_new} tokens ({prompt_tokens} in the {where}, {max_new} in the "
-            f"completion). Please reduce the length of the {where} or max_tokens.",
-            "context_length_exceeded",
-            param="max_tokens" if spec.max_tokens is not None and prompt_tokens < limit else where,
-        )
+        param = "max_tokens" if spec.max_tokens is not None and prompt_tokens < limit else where
+        raise ContextTooLong(limit, prompt_tokens, max_new, where, param)
 
     def check_fits_ever(self, prediction: Prediction, budget: Budget) -> None:
-        """400 when no amount of waiting would let this request in."""
+        """NeverFits when no amount of waiting would let this request in."""
         demand = prediction.demand
         pool = budget.kv_blocks
         if pool is not None and prediction.max_kv_blocks > pool:
-            block = self.layout.block_size
-            raise ApiError(
-                400,
-                f"This request needs {prediction.max_kv_blocks:,} KV blocks of {block} tokens "
-                f"({prediction.prompt_tokens:,} prompt tokens, up to {prediction.max_new_tokens:,} new "
-                f"tokens for each of {sum(fp.n for fp in prediction.footprints)} sequences), but vLLM's "
-                f"whole KV cache holds {pool:,} blocks: lower max_tokens or n, or shorten the prompt.",
-                "kv_cache_never_fits",
+            raise KvNeverFits(
+                prediction.max_kv_blocks, pool, self.layout.block_size, prediction.prompt_tokens,
+                prediction.max_new_tokens, sum(fp.n for fp in prediction.footprints),
             )
         limit = budget.max_transient_limit()
         needed = budget.transient_charge_alone(demand)
@@ -249,9 +237,4 @@ class Predictor:
             )
             what = f"{worst.name} ({worst.detail})" if worst else "its transient tensors"
             advice = _ADVICE.get(worst.name if worst else "", "send a shorter prompt")
-            raise ApiError(
-                400,
-                f"{what} needs {needed / GIB:.1f} GiB of transient GPU memory, at "
-                f"most {limit / GIB:.1f} GiB is available even on an idle server: {advice}.",
-                "transient_memory_never_fits",
-            )
+            raise TransientNeverFits(needed, limit, what, advice)

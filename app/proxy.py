@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.openai import ApiError
+from app.errors import BackendBroke, BackendDown, BackendTimedOut
 from app.output_count import OutputTokenCounter
 from app.upstream import ConnectionPool, UpstreamError, UpstreamResponse, UpstreamTimeout
 
@@ -62,18 +62,17 @@ class Backend:
         self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> UpstreamResponse:
         """Send a request (`target`: raw path and query) and return once the response head is
-        in; ApiError when it cannot be."""
+        in; BackendTimedOut, BackendDown or BackendBroke when it cannot be."""
         try:
             return await self.pool.request(method, target, headers, body)
-        except (UpstreamTimeout, asyncio.TimeoutError) as exc:  # before OSError: TimeoutError is one
-            raise ApiError(504, "The backend did not answer in time.", "backend_timeout") from exc
+        except (TimeoutError, UpstreamTimeout) as exc:  # before OSError: TimeoutError is one
+            raise BackendTimedOut() from exc
         except OSError as exc:
-            raise ApiError(
-                503, f"The backend at {self.base_url} is unavailable ({type(exc).__name__}).",
-                "backend_unavailable", headers={"Retry-After": "5"},
+            raise BackendDown(
+                f"The backend at {self.base_url} is unavailable ({type(exc).__name__})."
             ) from exc
         except UpstreamError as exc:
-            raise ApiError(502, f"The backend broke the exchange ({exc}).", "backend_error") from exc
+            raise BackendBroke(str(exc)) from exc
 
 
 def forward_headers(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
@@ -104,7 +103,8 @@ class Relay(Response):
     once; `tokens` is the output token count read off the body when `count_output` is set.
 
     It overrides Response's ASGI call rather than using StreamingResponse so that the release
-    happens even when the client has gone before the first byte could be sent.
+    happens even when the client has gone before the first byte could be sent. It is a Response
+    so that the FastAPI routes (the pass-through) can return it as they return any other.
     """
 
     def __init__(
@@ -115,10 +115,9 @@ class Relay(Response):
         on_end: Callable[[str, int | None], None],
         count_output: bool = False,
     ) -> None:
+        super().__init__(status_code=upstream.status)
+        self.raw_headers = response_headers(upstream, headers)  # the upstream's, not Response's
         self.upstream = upstream
-        self.status_code = upstream.status
-        self.background = None
-        self.raw_headers = response_headers(upstream, headers)
         self._on_first_chunk = on_first_chunk
         self._on_end = on_end
         self._is_sse = (upstream.header(b"content-type") or "").startswith("text/event-stream")

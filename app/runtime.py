@@ -1,4 +1,4 @@
-"""The pieces of one running kvgate and the evaluation every gated request goes through.
+"""The composition root: builds the pieces of one running kvgate and wires them together.
 
 Start-up loads the model geometry and the tokenizer, then learns the backend's real
 configuration (served names, max_model_len, cache_config_info) in the background, retrying
@@ -12,25 +12,28 @@ import asyncio
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
-from app.deployment import Deployment, Disagreements, build_predictor, resolve, static_budget
+from app.deployment import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from app.gate.budget import Budget
 from app.gate.gate import Gate
-from app.memory.budget import Budget
+from app.gate.observer import Observers
+from app.gate.output_lengths import OutputLengths
+from app.gate.view import GateView
+from app.http.decision_log import DecisionLog
 from app.memory.geometry import ModelGeometry
-from app.memory.outputs import OutputLengths
-from app.metrics import KvgateMetrics
-from app.openai import ApiError, Endpoint, RequestSpec, parse_request
-from app.predict import Prediction, Predictor
+from app.metrics import GateMetrics, KvgateMetrics
+from app.pipeline import RequestPipeline
 from app.proxy import Backend
 from app.settings import Settings
 from app.telemetry.gpu import detect_probe
+from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.live import LiveBudget
 from app.telemetry.vllm import fetch_engine_limits, fetch_models, fetch_snapshot
-from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
+from app.tokens import load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
 
@@ -43,13 +46,6 @@ def freeze_start_up_heap() -> None:
     gc.freeze()
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    spec: RequestSpec
-    prediction: Prediction
-    tokenize_s: float
-
-
 class Runtime:
     """Everything a kvgate process holds, built once at start-up."""
 
@@ -59,14 +55,16 @@ class Runtime:
         self.backend = Backend(settings.backend, settings.upstream_timeout)
         outputs = OutputLengths(settings.kv_output_quantile)
         self.budget = Budget(transient_margin=settings.transient_safety_margin, kv_margin_z=outputs.z)
+        gate_metrics = GateMetrics(self.metrics)
+        self.in_flight = InFlightRequests()
         self.gate = Gate(
-            self.budget, self.metrics, settings.max_queue, settings.max_queue_wait, outputs=outputs,
+            self.budget, Observers(gate_metrics, DecisionLog(), self.in_flight),
+            settings.max_queue, settings.max_queue_wait, outputs=outputs,
         )
+        gate_metrics.watch(self.gate)
+        self.pipeline = RequestPipeline(self.budget, lambda: self.startup_error, self.metrics.tokenization.observe)
         self.geometry: ModelGeometry | None = None
-        self.tokenizer: Tokenizer | None = None
         self.deployment: Deployment | None = None
-        self.predictor: Predictor | None = None
-        self.served_names: set[str] = set()
         self.disagreements = Disagreements()  # flags the backend contradicts, each said once
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
@@ -81,7 +79,7 @@ class Runtime:
             )
         self.geometry = ModelGeometry.from_folder(model_dir)
         if self.settings.served_model_name:
-            self.served_names.add(self.settings.served_model_name)
+            self.pipeline.served_names.add(self.settings.served_model_name)
         self._sync_task = asyncio.create_task(self._sync_backend())
 
     async def stop(self) -> None:
@@ -109,7 +107,8 @@ class Runtime:
         probe = await detect_probe(self.settings.gpu_probe, client, self.settings.gpu_devices)
         log.info("GPU probe: %s%s", probe.kind, f" ({probe.problem})" if probe.problem else "")
         self.live = LiveBudget(
-            self.settings, client, self.gate, self.metrics.telemetry, probe, self.sync_once,
+            self.settings, client, GateView(self.gate), self.in_flight, self.budget,
+            self.metrics.telemetry, probe, self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
         )
         interval = self.settings.scrape_interval
@@ -117,11 +116,13 @@ class Runtime:
             started = time.monotonic()
             try:
                 await self.live.tick()
-            except Exception:  # noqa: BLE001 - the loop must outlive any one bad reading
+            except Exception:  # the loop must outlive any one bad reading
                 log.exception("telemetry tick failed; the budget keeps its last values")
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def sync_once(self) -> None:
+        """Learn the backend's configuration (served names, max_model_len, cache_config_info)
+        and configure the pipeline and the budget from it."""
         assert self.geometry is not None
         client = self.backend.client
         models = await fetch_models(client)
@@ -131,23 +132,16 @@ class Runtime:
             self._note_unpublished_limits()
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
         served = served or (models[0] if models else None)
-        self.served_names.update(m.name for m in models)
+        self.pipeline.served_names.update(m.name for m in models)
         deployment = resolve(
-            self.settings, self.geometry, snapshot.cache_config, served, limits, self.disagreements)
+            engine_flags(self.settings), self.geometry, snapshot.cache_config, served, limits,
+            self.disagreements)
         model_name = self.settings.served_model_name or (served.name if served else "")
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
+        if self.pipeline.tokenizer is None:
+            self.pipeline.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
             freeze_start_up_heap()
-        predictor = build_predictor(deployment, self.geometry, self.settings, self.gate.outputs)
-        budget = static_budget(deployment, self.settings, predictor.profiled_peak_bytes, predictor.shared_workspace_bytes)
-        self.deployment, self.predictor = deployment, predictor
+        self._configure(deployment)
         self.startup_error = None
-        self.budget.update(
-            kv_blocks=budget.kv_blocks,
-            transient_headroom_bytes=budget.transient_headroom_bytes,
-            max_transient_headroom_bytes=budget.max_transient_headroom_bytes,
-            profiled_peak_bytes=budget.profiled_peak_bytes,
-        )
         log.info(
             "backend synchronised: max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
             deployment.max_model_len, deployment.block_size, deployment.num_gpu_blocks,
@@ -165,76 +159,48 @@ class Runtime:
             "" if copied else " (kvgate's defaults: copy vLLM's values)",
         )
 
+    def _configure(self, deployment: Deployment) -> None:
+        """The predictor for `deployment`, and the budget's static limits from it: the one place
+        either is set, online or offline."""
+        assert self.geometry is not None
+        settings = self.settings
+        predictor = build_predictor(
+            deployment, self.geometry, settings.profiled_activation_bytes, settings.default_max_tokens,
+            self.gate.outputs,
+        )
+        limits = static_limits(deployment, predictor, settings.free_memory_bytes, settings.gpu_memory_bytes)
+        self.deployment, self.pipeline.predictor = deployment, predictor
+        self.budget.update(**asdict(limits))
+
     @property
     def ready(self) -> bool:
-        return self.predictor is not None and self.tokenizer is not None and self.budget.known
+        return self.pipeline.predictor is not None and self.pipeline.tokenizer is not None and self.budget.known
 
     def configure_offline(self) -> None:
         """Build the predictor from flags alone (no backend), for `kvgate explain` without --url."""
         if self.settings.model is None:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
         self.geometry = ModelGeometry.from_folder(self.settings.model)
-        self.deployment = resolve(self.settings, self.geometry, None, None)
-        self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "")
-        self.predictor = build_predictor(self.deployment, self.geometry, self.settings, self.gate.outputs)
-        budget = static_budget(
-            self.deployment, self.settings, self.predictor.profiled_peak_bytes,
-            self.predictor.shared_workspace_bytes,
+        self.pipeline.tokenizer = load_tokenizer(
+            self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or ""
         )
-        self.budget.update(
-            kv_blocks=budget.kv_blocks,
-            transient_headroom_bytes=budget.transient_headroom_bytes,
-            max_transient_headroom_bytes=budget.max_transient_headroom_bytes,
-            profiled_peak_bytes=budget.profiled_peak_bytes,
-        )
+        self._configure(resolve(engine_flags(self.settings), self.geometry, None, None))
 
-    async def evaluate(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
-        """Parse, tokenize and predict a request; ApiError for anything that can never go through."""
-        evaluation = await self.predict(endpoint, raw)
-        assert self.predictor is not None
-        self.predictor.check_fits_ever(evaluation.prediction, self.budget)
-        return evaluation
 
-    async def predict(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
-        """Parse, tokenize and predict, without judging whether it could ever fit."""
-        spec = parse_request(endpoint, raw)
-        if self.predictor is None or self.tokenizer is None:
-            raise ApiError(
-                503, f"kvgate is starting and does not know the backend yet ({self.startup_error}).",
-                "kvgate_not_ready", headers={"Retry-After": "2"},
-            )
-        if spec.model is not None and self.served_names and spec.model not in self.served_names:
-            raise ApiError(
-                404, f"The model `{spec.model}` does not exist.", "model_not_found", param="model"
-            )
-        started = time.perf_counter()
-        prompts = await self._token_ids(spec)
-        tokenize_s = time.perf_counter() - started
-        self.metrics.tokenization.observe(tokenize_s)
-        prediction = self.predictor.predict(spec, prompts)
-        return Evaluation(spec, prediction, tokenize_s)
-
-    async def _token_ids(self, spec: RequestSpec) -> list[list[int]]:
-        assert self.tokenizer is not None
-        try:
-            if spec.chat is not None:
-                return [await self.tokenizer.encode_chat(spec.chat)]
-            # A loop, not a comprehension: one with an await inside is a coroutine of its own.
-            prompts: list[list[int]] = []
-            for p in spec.prompts:
-                prompts.append(p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens))
-            return prompts
-        except TokenizationError as exc:
-            raise ApiError(400, f"Could not tokenize the request: {exc}", "tokenization_failed") from exc
-        except BackendTokenizeError as exc:
-            if self.budget.hold is not None:
-                raise ApiError(
-                    503, f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
-                    "backend_unavailable", headers={"Retry-After": "5"},
-                ) from exc
-            raise ApiError(
-                424,
-                f"kvgate has no local tokenizer and the backend's /tokenize failed: {exc}. "
-                "Give kvgate the model folder with its tokenizer files (--model).",
-                "tokenizer_unavailable",
-            ) from exc
+def engine_flags(settings: Settings) -> EngineFlags:
+    """The engine flags as deployment resolution takes them (plain values, and which were given)."""
+    return EngineFlags(
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        block_size=settings.block_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        attention_backend=settings.attention_backend,
+        num_gpu_blocks=settings.num_gpu_blocks,
+        given=frozenset(settings.model_fields_set),
+    )

@@ -228,7 +228,7 @@ def prompt_of(tokens: int) -> str:
 def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000),
                   reps: int = 30) -> list[dict[str, Any]]:
     """Tokenization + memory estimate, in process, as kvgate runs them per request
-    (Runtime.predict: parse, local tokenizer, Predictor.predict)."""
+    (RequestPipeline.predict: parse, local tokenizer, Predictor.predict)."""
     from app.runtime import Runtime
     from app.settings import Settings
 
@@ -242,11 +242,11 @@ def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000),
             # words of <= 6 letters: about one token each in the tiny BPE; measure the real count
             text = prompt_of(n)
             raw = json.dumps({"model": "llama-3.1-8b", "prompt": text, "max_tokens": 16}).encode()
-            ev = await rt.predict("completions", raw)
+            ev = await rt.pipeline.predict("completions", raw)
             tok_s, tot_s = [], []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                ev = await rt.predict("completions", raw)
+                ev = await rt.pipeline.predict("completions", raw)
                 tot_s.append(time.perf_counter() - t0)
                 tok_s.append(ev.tokenize_s)
             out.append({"target_tokens": n, "prompt_tokens": ev.prediction.prompt_tokens,
@@ -408,8 +408,8 @@ COMPONENTS = (
     ("memory estimate (app/predict.py, app/memory/)", ("app/predict.py", "app/memory/")),
     ("admission gate (app/gate/)", ("app/gate/",)),
     ("request parsing (app/openai.py)", ("app/openai.py",)),
-    ("kvgate proxy/server code (app/proxy.py, app/server.py, app/runtime.py)",
-     ("app/proxy.py", "app/server.py", "app/runtime.py")),
+    ("kvgate proxy/server code (app/proxy.py, app/http/, app/runtime.py, app/pipeline.py)",
+     ("app/proxy.py", "app/http/", "app/runtime.py", "app/pipeline.py")),
     ("upstream HTTP client (app/upstream.py, httpx)", ("app/upstream.py", "httpx/", "httpcore/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),
     ("telemetry loop (app/telemetry/)", ("app/telemetry/",)),

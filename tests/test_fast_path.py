@@ -7,8 +7,10 @@ A scripted backend records what kvgate forwards; kvgate runs as `kvgate serve`, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -151,3 +153,23 @@ def test_client_leaving_the_queue_is_noticed(tiny_model_dir: Path, tmp_path: Pat
             assert kvgate.metric("kvgate_in_flight_requests") == 0
             assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
             assert len(backend.received) == 1
+
+
+def test_a_request_held_while_the_backend_is_down_is_refused_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A request queued while the backend is down and refused at its deadline is one decision:
+    one 503 for the client, one `reject` in the metrics and one in the decision log."""
+    with contextlib.ExitStack() as backend_running:
+        backend = backend_running.enter_context(running_fake_backend())
+        with running_kvgate(backend.base_url, tiny_model_dir, tmp_path, "--max-queue-wait", "0.5") as kvgate:
+            backend_running.close()  # the backend goes away; kvgate tokenizes locally
+            deadline = time.monotonic() + 30
+            while httpx.get(kvgate.base_url + "/readyz", timeout=5).json()["telemetry"]["budget_mode"] != "down":
+                assert time.monotonic() < deadline, kvgate.log()
+                time.sleep(0.05)
+            response = httpx.post(kvgate.base_url + "/v1/completions", json=BODY, headers={"x-request-id": "held"})
+            assert response.status_code == 503 and response.json()["error"]["code"] == "backend_unavailable"
+            assert response.headers["retry-after"] == "5"
+            assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
+            assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="backend_unavailable") == 1
+            logged = [line for line in kvgate.log().splitlines() if '"request_id": "held"' in line]
+            assert len(logged) == 1 and '"decision": "reject"' in logged[0]

@@ -19,11 +19,11 @@ import huggingface_hub.constants
 import pytest
 
 from app.deployment import Disagreements, resolve
-from app.gated import request_id_of
+from app.http.gated_routes import request_id_of
 from app.memory.geometry import ModelGeometry
 from app.model_folder import ModelFolderError, resolve_model_folder
 from app.process import stop_process
-from app.server import create_app
+from app.http.server import create_app
 from app.settings import Settings
 from app.sim.presets import model_config, write_model_folder
 from app.sim.runner import free_port

@@ -7,17 +7,19 @@ from dataclasses import replace
 
 import pytest
 
+from app.errors import ClientGone, QueueFull, QueueTimeout
+from app.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from app.gate.drain import DrainRate
-from app.gate.gate import ClientGone, Gate
+from app.gate.gate import Gate
 from app.gate.ledger import Ledger
-from app.gate.queue import AdmissionQueue, QueueFull, Waiter
-from app.memory.budget import KV_BUSY, TRANSIENT_BUSY, Budget
+from app.gate.observer import Observers
+from app.gate.output_lengths import OutputLengths
+from app.gate.queue import AdmissionQueue, Waiter
+from app.gate.queue import QueueFull as QueueAtCapacity
+from app.http.errors import error_headers, status_of
 from app.memory.demand import Demand
-from app.memory.outputs import OutputLengths
 from app.memory.sampler import SamplerCost, SamplerUse
-from app.metrics import KvgateMetrics
-from app.openai import ApiError
-
+from app.metrics import GateMetrics, KvgateMetrics
 
 # Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 4 = 8 B.
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
@@ -211,7 +213,7 @@ class TestQueue:
         first, second = self._waiter(0, "a"), self._waiter(0, "b")
         queue.push(first)
         queue.push(second)
-        with pytest.raises(QueueFull):
+        with pytest.raises(QueueAtCapacity):
             queue.push(self._waiter(0, "a"))
         assert queue.position(second) == 1
         assert queue.remove(first) is True
@@ -239,14 +241,23 @@ class TestDrainRate:
         assert drain.retry_after(ahead=99, fallback_s=30) == 50
 
 
+def metered_gate(budget: Budget, max_queue: int = 8, wait_s: float = 5.0) -> tuple[Gate, KvgateMetrics]:
+    """A gate whose decisions are counted as kvgate counts them (GateMetrics observes it)."""
+    metrics = KvgateMetrics()
+    observer = GateMetrics(metrics)
+    gate = Gate(budget, Observers(observer), max_queue=max_queue, max_queue_wait_s=wait_s)
+    observer.watch(gate)
+    return gate, metrics
+
+
 def make_gate(kv_blocks: int = 10, transient: int | None = None, max_queue: int = 8, wait_s: float = 5.0) -> Gate:
     budget = Budget(kv_blocks=kv_blocks, transient_headroom_bytes=transient, transient_margin=0.0)
-    return Gate(budget, KvgateMetrics(), max_queue=max_queue, max_queue_wait_s=wait_s)
+    return metered_gate(budget, max_queue, wait_s)[0]
 
 
 class TestGate:
     async def test_admits_when_it_fits_and_queues_when_kv_is_busy(self) -> None:
-        gate = make_gate(kv_blocks=10)
+        gate, metrics = metered_gate(Budget(kv_blocks=10, transient_margin=0.0))
         first = await gate.acquire(demand(blocks=8), 0, "a")
         assert gate.would_wait(demand(blocks=3), 0) == KV_BUSY
         waiting = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
@@ -256,21 +267,21 @@ class TestGate:
         second = await asyncio.wait_for(waiting, 1)
         assert gate.ledger.kv_blocks == 3 and second.queue_wait_s >= 0
         second.release()
-        assert sample(gate.metrics, "kvgate_decisions_total", decision="queue", reason=KV_BUSY) == 1
-        assert sample(gate.metrics, "kvgate_decisions_total", decision="admit", reason="dequeued") == 1
+        assert sample(metrics, "kvgate_decisions_total", decision="queue", reason=KV_BUSY) == 1
+        assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="dequeued") == 1
 
     async def test_gauges_read_the_queue_ledger_and_budget_when_scraped(self, monkeypatch) -> None:
         from prometheus_client import Gauge
 
         budget = Budget(transient_margin=0.0)  # unknown until the backend is synchronised
-        gate = Gate(budget, KvgateMetrics(), max_queue=8, max_queue_wait_s=5.0)
+        gate, metrics = metered_gate(budget)
         writes: list[float] = []  # a request pays no gauge write
         monkeypatch.setattr(Gauge, "set", lambda gauge, value: writes.append(value))
 
         def gauges() -> tuple[float, ...]:
             names = ("kvgate_queue_depth", "kvgate_in_flight_requests", "kvgate_reserved_kv_blocks",
                      "kvgate_reserved_transient_bytes", "kvgate_budget_kv_blocks", "kvgate_budget_transient_bytes")
-            return tuple(sample(gate.metrics, name) for name in names)
+            return tuple(sample(metrics, name) for name in names)
 
         assert gauges() == (0, 0, 0, 0, 0, 0)
         budget.update(kv_blocks=10, transient_headroom_bytes=1000)
@@ -321,9 +332,9 @@ class TestGate:
 
     async def test_a_set_aside_request_still_expires_and_leaves_the_queue(self) -> None:
         gate = make_gate(kv_blocks=100, transient=100, wait_s=0.05)
-        with pytest.raises(ApiError) as expired:
+        with pytest.raises(QueueTimeout) as expired:
             await gate.acquire(demand(prefill=900), 0, "a")
-        assert expired.value.status == 429 and expired.value.code == "queue_timeout"
+        assert status_of(expired.value) == 429 and expired.value.code == "queue_timeout"
         assert len(gate.queue) == 0
         (await gate.acquire(demand(prefill=50), 0, "a")).release()
 
@@ -357,18 +368,18 @@ class TestGate:
         await gate.acquire(demand(blocks=1), 0, "a")
         queued = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a"))
         await asyncio.sleep(0)
-        with pytest.raises(ApiError) as refused:
+        with pytest.raises(QueueFull) as refused:
             await gate.acquire(demand(blocks=1), 0, "b")
-        assert refused.value.status == 429 and refused.value.code == "queue_full"
-        assert int(refused.value.headers["Retry-After"]) >= 1
+        assert status_of(refused.value) == 429 and refused.value.code == "queue_full"
+        assert int(error_headers(refused.value)["Retry-After"]) >= 1
         queued.cancel()
 
     async def test_wait_expiry_is_a_429_and_leaves_nothing_behind(self) -> None:
         gate = make_gate(kv_blocks=1, wait_s=0.05)
         holder = await gate.acquire(demand(blocks=1), 0, "a")
-        with pytest.raises(ApiError) as expired:
+        with pytest.raises(QueueTimeout) as expired:
             await gate.acquire(demand(blocks=1), 0, "a")
-        assert expired.value.status == 429 and expired.value.code == "queue_timeout"
+        assert status_of(expired.value) == 429 and expired.value.code == "queue_timeout"
         assert len(gate.queue) == 0
         holder.release()
         assert gate.ledger.kv_blocks == 0
@@ -417,3 +428,12 @@ class TestGate:
         assert gate.would_wait(demand(blocks=1), 0) == "behind_queue"
         holder.release()
         (await asyncio.wait_for(big, 1)).release()
+
+
+def test_importing_the_gate_loads_no_http_metrics_or_template_library() -> None:
+    """The gate is the mechanism: FastAPI, Starlette, Prometheus and jinja2 belong to other layers."""
+    import subprocess
+    import sys
+
+    probe = "import sys, app.gate.gate; print(sorted(m for m in ('fastapi', 'starlette', 'prometheus_client', 'jinja2') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"

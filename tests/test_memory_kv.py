@@ -82,8 +82,8 @@ def test_tiny_model_matches_vllm_cpu_log() -> None:
 def test_sliding_window_caps_blocks() -> None:
     layout = KVLayout(load("mistral-7b-v0.1"))  # window 4096 on all 32 layers
     # SlidingWindowSpec: cdiv(min(4096 - 1 + 2048, 32768), 16) + 1 = 384 + 1 = 385
-    assert layout.blocks_for_tokens(32_768, max_num_batched_tokens=2048, max_model_len=32_768) == 385
-    assert layout.blocks_for_tokens(1_000, max_num_batched_tokens=2048, max_model_len=32_768) == 63
+    assert layout.blocks_for_request(32_768, 32_768, 1, max_num_batched_tokens=2048, max_model_len=32_768) == 385
+    assert layout.blocks_for_request(1_000, 1_000, 1, max_num_batched_tokens=2048, max_model_len=32_768) == 63
     cap = layout.capacity(GiB, max_model_len=32_768, max_num_batched_tokens=2048)
     assert cap.num_blocks == 512  # 2^30 // 65,536 // 32
     assert cap.blocks_per_request == 385
@@ -102,8 +102,8 @@ def test_hybrid_gemma3_groups_share_one_pool() -> None:
     # full: 8192 / 16 = 512; sliding: cdiv(min(1023 + 2048, 8192), 16) + 1 = 193, six groups
     assert cap.blocks_per_request == 512 + 6 * 193
     assert cap.max_concurrency == pytest.approx(3_276 / 1_670)
-    assert layout.blocks_for_tokens(100, 2048, 8192) == 7 + 6 * 7
-    assert layout.blocks_for_tokens(8_000, 2048, 8192) == 500 + 6 * 193
+    assert layout.blocks_for_request(100, 100, 1, 2048, 8192) == 7 + 6 * 7
+    assert layout.blocks_for_request(8_000, 8_000, 1, 2048, 8192) == 500 + 6 * 193
 
 
 def test_blocks_for_request_shares_full_prompt_blocks() -> None:
@@ -155,8 +155,8 @@ def test_recurrent_state_groups_hold_one_page_per_sequence() -> None:
     assert layout.layers_per_stage == 12  # only the full layers grow with the tokens
     assert layout.bytes_per_token == 12 * 2 * 2 * 256 * 2
     # 1,000 tokens: cdiv(1000, 544) = 2 full blocks + one state page in each of 3 groups
-    assert layout.blocks_for_tokens(1_000, 8192, 262_144) == 2 + 3
-    assert layout.blocks_for_tokens(200_000, 8192, 262_144) == 368 + 3
+    assert layout.blocks_for_request(1_000, 1_000, 1, 8192, 262_144) == 2 + 3
+    assert layout.blocks_for_request(200_000, 200_000, 1, 8192, 262_144) == 368 + 3
     # n = 2 samples share the prompt's one full block; each has its own states
     assert layout.blocks_for_request(1_000, 1_500, 2, 8192, 262_144) == (1 + 2 * (3 - 1)) + 2 * 3
     cap = layout.capacity(10 * GiB, max_model_len=262_144, max_num_batched_tokens=8192)
@@ -165,14 +165,14 @@ def test_recurrent_state_groups_hold_one_page_per_sequence() -> None:
     assert cap.blocks_per_request == 482 + 3  # MambaSpec: one page per group
     # "align" mode (prefix caching on a hybrid) keeps up to two pages per group
     aligned = KVLayout(load("qwen3-next-80b-a3b"), block_size=544, mamba_cache_mode="align")
-    assert aligned.blocks_for_tokens(1_000, 8192, 262_144) == 2 + 3 * 2
+    assert aligned.blocks_for_request(1_000, 1_000, 1, 8192, 262_144) == 2 + 3 * 2
 
 
 def test_mlp_only_layers_cache_nothing_and_pipeline_stages_split_blocks() -> None:
     layout = KVLayout(load("nemotron-h-8b-base-8k"), block_size=256)
     # 24 Mamba-2 + 4 attention + 24 MLP-only layers: groups of 4 -> 6 state groups, 1 full
     assert layout.groups == {"mamba": 6, "full_attention": 1}
-    assert layout.blocks_for_tokens(300, 8192, 8192) == 2 + 6
+    assert layout.blocks_for_request(300, 300, 1, 8192, 8192) == 2 + 6
     # Jamba, 2 pipeline stages of 16 layers: 2 attention + 14 Mamba each -> groups of 2
     jamba = KVLayout(load("jamba-v0.1"), pipeline_parallel_size=2)
     assert jamba.groups == {"mamba": 7, "full_attention": 1}
@@ -184,15 +184,15 @@ def test_parallel_hybrid_blocks_count_both_mixers() -> None:
          "num_hidden_layers": 6, "vocab_size": 1000}), block_size=64)
     assert falcon.groups == {"full_attention": 1, "mamba": 1}
     assert falcon.layers_per_stage == 6
-    assert falcon.blocks_for_tokens(100, 2048, 4096) == 2 + 1
+    assert falcon.blocks_for_request(100, 100, 1, 2048, 4096) == 2 + 1
 
 
 def test_llama4_chunked_local_layers_cap_at_chunk_plus_batch() -> None:
     layout = KVLayout(load("llama-4-scout-17b-16e"))
     assert layout.groups == {"chunked_local_attention": 3, "full_attention": 1}
     # ChunkedLocalAttentionSpec: cdiv(min(8192 + 8192, 131072), 16) = 1,024 blocks at most
-    assert layout.blocks_for_tokens(100_000, 8192, 131_072) == 6_250 + 3 * 1_024
-    assert layout.blocks_for_tokens(1_000, 8192, 131_072) == 4 * 63
+    assert layout.blocks_for_request(100_000, 100_000, 1, 8192, 131_072) == 6_250 + 3 * 1_024
+    assert layout.blocks_for_request(1_000, 1_000, 1, 8192, 131_072) == 4 * 63
 
 
 def test_near_equal_layer_counts_pad_to_the_larger_group() -> None:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import random
 
+from test_memory_footprint import layout
+
+from app.gate.budget import Budget
+from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, SamplingShape
 from app.memory.footprint import predict_footprint
-from app.memory.budget import Budget
-from app.memory.outputs import OutputLengths, OutputReservation
+from app.memory.outputs import OutputReservation
 from app.openai import parse_request
 from app.output_count import OutputTokenCounter
 from app.predict import Predictor
-from test_memory_footprint import layout
 
 
 def test_full_max_tokens_until_enough_answers_are_seen() -> None:

@@ -96,5 +96,5 @@ def test_capacity_report_covers_a_grouping_kvgate_does_not_know(vllm_grouping: l
     checked = checked_against_backend(layout, deployment)
     assert checked.max_request_blocks(MAX_MODEL_LEN, BATCHED) == vllm["max_request_blocks"]
     # a 1,000-token request: vLLM holds its 63 attention blocks and 36 state pages
-    assert checked.blocks_for_tokens(1_000, BATCHED, MAX_MODEL_LEN) == cdiv(1_000, 16) + 36
+    assert checked.blocks_for_request(1_000, 1_000, 1, BATCHED, MAX_MODEL_LEN) == cdiv(1_000, 16) + 36
     assert replace(checked, extra_blocks_per_sequence=0) == layout

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_memory_footprint import layout
 
 import app.predict
+from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, SamplingShape
 from app.memory.footprint import predict_footprint
-from app.memory.outputs import OutputLengths
 from app.openai import RequestSpec, parse_request
 from app.predict import Predictor
-from test_memory_footprint import layout
 
 ENGINES = {
     "flash-attn": EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=256),

@@ -9,6 +9,7 @@ import pytest
 from app.cli import build_parser
 from app.deployment import build_predictor, resolve
 from app.memory.geometry import ModelGeometry
+from app.runtime import engine_flags
 from app.settings import Settings, settings_from_args
 from app.telemetry.vllm import CacheConfig, ServedModel
 
@@ -53,10 +54,10 @@ def test_backend_report_wins_over_flags_with_a_warning(caplog: pytest.LogCapture
     settings = settings_for("--block-size", "16", "--no-enable-prefix-caching", "--max-model-len", "2048")
     cache = CacheConfig(
         num_gpu_blocks=100, block_size=128, cache_dtype="auto", enable_prefix_caching=True,
-        gpu_memory_utilization=0.92, kv_cache_memory_bytes=None, kv_cache_size_tokens=None,
+        gpu_memory_utilization=0.92,
     )
     with caplog.at_level(logging.WARNING):
-        deployment = resolve(settings, geometry, cache, ServedModel("tiny", 1024))
+        deployment = resolve(engine_flags(settings), geometry, cache, ServedModel("tiny", 1024))
     assert (deployment.block_size, deployment.enable_prefix_caching, deployment.max_model_len) == (128, True, 1024)
     assert deployment.num_gpu_blocks == 100 and deployment.gpu_memory_utilization == 0.92
     warned = caplog.text
@@ -69,7 +70,7 @@ def test_without_a_backend_report_flags_and_model_apply() -> None:
         {"hidden_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 256,
          "vocab_size": 2048, "max_position_embeddings": 4096}
     )
-    deployment = resolve(settings_for("--block-size", "32"), geometry, None, None)
+    deployment = resolve(engine_flags(settings_for("--block-size", "32")), geometry, None, None)
     assert (deployment.block_size, deployment.max_model_len, deployment.num_gpu_blocks) == (32, 4096, None)
     assert deployment.attention_backend == "flash-attn"
 
@@ -81,21 +82,21 @@ def test_hybrid_state_models_take_the_backends_block_size_and_cache_mode(caplog:
          "layer_types": ["mamba", "mamba", "mamba", "attention"]}
     )
     with caplog.at_level(logging.WARNING):
-        resolve(settings_for(), geometry, None, None)
+        resolve(engine_flags(settings_for()), geometry, None, None)
     assert "recurrent state" in caplog.text and "--block-size" in caplog.text
     caplog.clear()
     cache = CacheConfig(
         num_gpu_blocks=100, block_size=400, cache_dtype="auto", enable_prefix_caching=True,
-        gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, kv_cache_size_tokens=None,
+        gpu_memory_utilization=0.9,
         mamba_cache_mode="align",
     )
     with caplog.at_level(logging.WARNING):
-        deployment = resolve(settings_for(), geometry, cache, None)
+        deployment = resolve(engine_flags(settings_for()), geometry, cache, None)
     assert caplog.text == ""
-    layout = build_predictor(deployment, geometry, settings_for()).layout
+    layout = build_predictor(deployment, geometry).layout
     assert (layout.block_size, layout.mamba_cache_mode) == (400, "align")
     # 3 state groups of one layer, two pages each in align mode, + the attention layer's blocks
-    assert layout.blocks_for_tokens(1_000, 2048, 4096) == 3 * 2 + 3
+    assert layout.blocks_for_request(1_000, 1_000, 1, 2048, 4096) == 3 * 2 + 3
 
 
 def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.LogCaptureFixture) -> None:
@@ -107,11 +108,11 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
     def layout_when_vllm_reports(blocks_per_request: float):
         cache = CacheConfig(
             num_gpu_blocks=1000, block_size=16, cache_dtype="auto", enable_prefix_caching=True,
-            gpu_memory_utilization=0.9, kv_cache_memory_bytes=None, kv_cache_size_tokens=None,
+            gpu_memory_utilization=0.9,
             max_request_blocks=blocks_per_request,
         )
-        deployment = resolve(settings_for(), geometry, cache, ServedModel("m", 4096))
-        return build_predictor(deployment, geometry, settings_for()).layout
+        deployment = resolve(engine_flags(settings_for()), geometry, cache, ServedModel("m", 4096))
+        return build_predictor(deployment, geometry).layout
 
     with caplog.at_level(logging.WARNING):
         same = layout_when_vllm_reports(256.0)  # 4096 / 16: the layout agrees
@@ -121,7 +122,7 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
     with caplog.at_level(logging.WARNING):
         more = layout_when_vllm_reports(259.0000000001)
     assert more.extra_blocks_per_sequence == 3 and "reserves 3 more blocks" in caplog.text
-    assert more.blocks_for_tokens(100, 2048, 4096) == 7 + 3
+    assert more.blocks_for_request(100, 100, 1, 2048, 4096) == 7 + 3
     assert more.blocks_for_request(100, 150, 2, 2048, 4096) == (6 + 2 * (10 - 6)) + 2 * 3
     caplog.clear()
     with caplog.at_level(logging.WARNING):

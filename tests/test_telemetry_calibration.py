@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from app.memory.calibration import Aimd, Calibration, CalibrationConfig, InFlight, blocks_in_use
 from app.memory.demand import Demand
+from app.telemetry.calibration import Aimd, Calibration, CalibrationConfig, InFlight, blocks_in_use
 
 MiB = 1 << 20
 

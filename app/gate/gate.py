@@ -1,7 +1,9 @@
 """The gate: admit now, wait in the queue, or refuse, and hand out tickets released exactly once.
 
-It is the mechanism; the budget is the policy. Whenever the ledger shrinks or the budget moves,
-the gate admits from the head of the queue for as long as the head fits. The head is not bypassed
+It is the mechanism; the budget is the policy. It reports each decision and release to its
+observers (app.gate.observer) and raises domain errors (app.errors): counting, logging and HTTP
+are other layers' business. Whenever the ledger shrinks or the budget moves, the gate admits
+from the head of the queue for as long as the head fits. The head is not bypassed
 by smaller requests behind it, so a large request is never starved by a stream of small ones;
 the one exception is a head that could not fit even on an idle server (the headroom shrank under
 it): it is set aside, so that it does not hold up a line it cannot lead.
@@ -11,32 +13,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
-from prometheus_client import Counter
-
+from app.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
+from app.gate.budget import Budget
 from app.gate.drain import DrainRate
 from app.gate.ledger import Ledger, Reservation
-from app.gate.queue import AdmissionQueue, QueueFull, Waiter
-from app.memory.budget import Budget
-from app.memory.calibration import InFlight
+from app.gate.observer import Decision, Observers, Release
+from app.gate.output_lengths import OutputLengths
+from app.gate.queue import AdmissionQueue, Waiter
+from app.gate.queue import QueueFull as QueueAtCapacity
 from app.memory.demand import Demand
-from app.memory.outputs import OutputLengths
-from app.metrics import KvgateMetrics
-from app.openai import ApiError
 
 BEHIND_QUEUE = "behind_queue"
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 
 
-class ClientGone(Exception):
-    """The client disconnected while its request waited in the queue."""
-
-
 class Ticket:
     """An admitted request's reservation; release() is safe to call any number of times."""
 
-    def __init__(self, gate: "Gate", reservation: Reservation, queue_wait_s: float) -> None:
+    def __init__(self, gate: Gate, reservation: Reservation, queue_wait_s: float) -> None:
         self._gate = gate
         self.reservation = reservation
         self.queue_wait_s = queue_wait_s
@@ -57,7 +54,7 @@ class Gate:
     def __init__(
         self,
         budget: Budget,
-        metrics: KvgateMetrics,
+        observers: Observers,
         max_queue: int,
         max_queue_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
@@ -68,26 +65,10 @@ class Gate:
         self.ledger = Ledger()
         self.queue = AdmissionQueue(max_queue)
         self.drain = DrainRate(clock=clock)
-        self.metrics = metrics
+        self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
-        # What telemetry's KV reconciliation needs of each in-flight request (by reservation id).
-        self.admitted: dict[int, InFlight] = {}
-        self._admit_fits = metrics.decisions.labels("admit", "fits")
-        self._releases: dict[str, Counter] = {}  # bound per outcome: labels() is a locked lookup
-        self._bind_gauges()
         budget.subscribe(self.changed)
-
-    def _bind_gauges(self) -> None:
-        """The gauges of the queue, the ledger and the budget read them when /metrics is
-        scraped: written on every admission and release they cost ten gauge writes a request."""
-        m = self.metrics
-        m.queue_depth.set_function(lambda: len(self.queue))
-        m.in_flight.set_function(lambda: self.ledger.in_flight)
-        m.reserved_kv_blocks.set_function(lambda: self.ledger.kv_blocks)
-        m.reserved_transient.set_function(lambda: self.budget.transient_charge(self.ledger))
-        m.budget_kv_blocks.set_function(_last_known(self.budget.kv_limit))
-        m.budget_transient.set_function(_last_known(self.budget.transient_limit))
 
     def would_wait(self, demand: Demand, priority: int) -> str | None:
         """Why this demand would wait if it arrived now, or None if it would be admitted."""
@@ -101,33 +82,32 @@ class Gate:
         demand: Demand,
         priority: int,
         tenant: str,
-        watch_client: Callable[[], asyncio.Future] | None = None,
+        watch_client: Callable[[], asyncio.Future[None]] | None = None,
         refresh: Callable[[], Demand] | None = None,
+        request_id: str = "",
     ) -> Ticket:
-        """Admit now or wait in line; raises ApiError 429 when the queue is full or time runs out.
+        """Admit now or wait in line; raises QueueFull, QueueTimeout or BackendDown when refused,
+        ClientGone when the client leaves the queue.
 
         `watch_client` is called only if the request has to wait: the future it returns resolves
         when the client disconnects, and the waiter then leaves the queue at once. `refresh`, if
         given, recomputes the demand of a waiting request before each admission check.
+        `request_id` only labels the decisions observers see.
         """
         reason = self.would_wait(demand, priority)
         if reason is None:
-            self._admit_fits.inc()
-            return self._admit(demand, waited_s=0.0)
+            return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
         loop = asyncio.get_running_loop()
         waiter = Waiter(
-            demand, priority, tenant, self._clock(), loop.create_future(), reason=reason, refresh=refresh
+            demand, priority, tenant, self._clock(), loop.create_future(), reason=reason,
+            refresh=refresh, request_id=request_id,
         )
         try:
             self.queue.push(waiter)
-        except QueueFull:
-            self.metrics.decisions.labels("reject", "queue_full").inc()
-            raise self._too_busy(
-                "queue_full",
-                f"kvgate's admission queue is full ({self.queue.max_size} requests waiting).",
-                ahead=len(self.queue),
-            ) from None
-        self.metrics.decisions.labels("queue", reason).inc()
+        except QueueAtCapacity:
+            retry_after = self.drain.retry_after(len(self.queue), fallback_s=self.max_queue_wait_s)
+            raise self._refuse(waiter, QueueFull(self.queue.max_size, retry_after)) from None
+        self.observers.decided(Decision("queue", reason, request_id, demand))
         self.changed()  # sets it aside at once if it could not fit even alone
         gone = watch_client() if watch_client is not None else None
         try:
@@ -136,8 +116,8 @@ class Gate:
             if gone is not None:
                 gone.cancel()
 
-    async def _wait(self, waiter: Waiter, gone: asyncio.Future | None) -> Ticket:
-        waits: set[asyncio.Future] = {waiter.future}
+    async def _wait(self, waiter: Waiter, gone: asyncio.Future[None] | None) -> Ticket:
+        waits: set[asyncio.Future[Any]] = {waiter.future}
         if gone is not None:
             waits.add(gone)
         try:
@@ -147,24 +127,26 @@ class Gate:
             raise
         if gone is not None and gone.done():
             self._abandon(waiter)
-            self.metrics.disconnects.labels("queued").inc()
+            self.observers.decided(
+                Decision("abandon", ClientGone.code, waiter.request_id, waiter.demand, stage="queued")
+            )
             raise ClientGone()
         if waiter.future.done():
-            return waiter.future.result()
+            result: Ticket = waiter.future.result()
+            return result
         ahead = self.queue.position(waiter)
         self._abandon(waiter)
         if self.budget.hold is not None:
-            self.metrics.decisions.labels("reject", "backend_unavailable").inc()
-            raise ApiError(
-                503, f"Waited {self.max_queue_wait_s:g} s for the backend to come back ({self.budget.hold}).",
-                "backend_unavailable", headers={"Retry-After": "5"},
-            )
-        self.metrics.decisions.labels("reject", "queue_timeout").inc()
-        raise self._too_busy(
-            "queue_timeout",
-            f"Waited {self.max_queue_wait_s:g} s for GPU memory ({waiter.reason}) without admission.",
-            ahead=ahead,
-        )
+            raise self._refuse(waiter, BackendDown(
+                f"Waited {self.max_queue_wait_s:g} s for the backend to come back ({self.budget.hold})."
+            ))
+        retry_after = self.drain.retry_after(ahead, fallback_s=self.max_queue_wait_s)
+        raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
+
+    def _refuse(self, waiter: Waiter, error: Refused) -> Refused:
+        """Report the refusal to the observers and hand back the error to raise."""
+        self.observers.decided(Decision("reject", error.code, waiter.request_id, waiter.demand, error=error))
+        return error
 
     def _abandon(self, waiter: Waiter) -> None:
         """The waiter gives up: leave the queue, or hand back a ticket granted in the meantime."""
@@ -174,29 +156,17 @@ class Gate:
         self.queue.remove(waiter)
         waiter.future.cancel()
 
-    def _too_busy(self, code: str, message: str, ahead: int) -> ApiError:
-        retry_after = self.drain.retry_after(ahead, fallback_s=self.max_queue_wait_s)
-        return ApiError(
-            429, f"{message} Retry after {retry_after} s.", code,
-            headers={"Retry-After": str(retry_after)},
-        )
-
-    def _admit(self, demand: Demand, waited_s: float) -> Ticket:
+    def _admit(self, demand: Demand, reason: str, waited_s: float, request_id: str) -> Ticket:
         ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
-        self.admitted[ticket.reservation.id] = InFlight(demand, self._clock())
-        self.metrics.queue_wait.observe(waited_s)
+        self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, waited_s))
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
-        self.admitted.pop(reservation.id, None)
         if outcome == "completed" and output_tokens is not None and self.outputs is not None:
             demand = reservation.demand
             self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
         self.drain.record()
-        released = self._releases.get(outcome)
-        if released is None:
-            released = self._releases[outcome] = self.metrics.releases.labels(outcome)
-        released.inc()
+        self.observers.released(Release(outcome, reservation, output_tokens))
         self.changed()
 
     def changed(self) -> None:
@@ -213,8 +183,8 @@ class Gate:
             demand = _refreshed(head)
             if self.budget.shortfall(demand, self.ledger) is None:
                 self.queue.pop_head()
-                self.metrics.decisions.labels("admit", "dequeued").inc()
-                head.future.set_result(self._admit(demand, self._clock() - head.enqueued_at))
+                waited_s = self._clock() - head.enqueued_at
+                head.future.set_result(self._admit(demand, "dequeued", waited_s, head.request_id))
             elif self._stranded(demand):
                 self.queue.set_aside_head()
             else:
@@ -223,21 +193,6 @@ class Gate:
     def _stranded(self, demand: Demand) -> bool:
         """It would wait even with nothing in flight (and not because the backend is down)."""
         return self.budget.hold is None and self.budget.shortfall(demand, _IDLE) is not None
-
-
-
-def _last_known(read: Callable[[], int | None]) -> Callable[[], float]:
-    """`read()` when it is known, else the last value it had (0 before the first)."""
-    last = 0.0
-
-    def value() -> float:
-        nonlocal last
-        current = read()
-        if current is not None:
-            last = current
-        return last
-
-    return value
 
 
 def _refreshed(waiter: Waiter) -> Demand:

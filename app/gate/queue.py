@@ -31,6 +31,7 @@ class Waiter:
     reason: str = ""
     # Recomputes the demand with what kvgate learned while it waited (output lengths).
     refresh: Callable[[], Demand] | None = field(default=None, repr=False)
+    request_id: str = ""  # labels the gate's decisions for observers (the decision log)
 
 
 class QueueFull(Exception):

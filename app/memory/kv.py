@@ -164,18 +164,6 @@ class KVLayout:
             n * self._max_blocks(kind, max_model_len, max_num_batched_tokens) for kind, n in self.groups.items()
         )
 
-    def blocks_for_tokens(self, num_tokens: int, max_num_batched_tokens: int, max_model_len: int) -> int:
-        """Pool blocks one sequence holds once ``num_tokens`` tokens are in the cache.
-
-        Full-attention groups hold every block; the others at most their type's
-        maximum (``_max_blocks``).
-        """
-        full = cdiv(num_tokens, self.block_size)
-        return self.extra_blocks_per_sequence + sum(
-            n * min(full, self._max_blocks(kind, max_model_len, max_num_batched_tokens))
-            for kind, n in self.groups.items()
-        )
-
     def blocks_for_request(
         self,
         prompt_tokens: int,

@@ -47,11 +47,6 @@ class GpuReading:
     devices: tuple[DeviceMemory, ...] = ()
     error: str | None = None
 
-    @property
-    def min_free(self) -> int | None:
-        """The tightest device: with tensor parallelism every rank must fit the same step."""
-        return min((d.free for d in self.devices), default=None)
-
 
 class GpuProbe(Protocol):
     kind: str

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
-from app.gate.gate import Gate
-from app.memory.budget import BACKEND_DOWN, KV_BUSY, TRANSIENT_BUSY, Budget
-from app.memory.calibration import Calibration, CalibrationConfig, blocks_in_use
+from app.gate.budget import BACKEND_DOWN, KV_BUSY, TRANSIENT_BUSY, Budget
+from app.gate.view import GateView
 from app.settings import Settings
+from app.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use
 from app.telemetry.gpu import GpuProbe, GpuReading
 from app.telemetry.headroom import HeadroomTracker
+from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.metrics import TelemetryMetrics
 from app.telemetry.vllm import COUNTERS, BackendSnapshot, fetch_snapshot
 
@@ -42,7 +43,9 @@ class LiveBudget:
         self,
         settings: Settings,
         client: httpx.AsyncClient,
-        gate: Gate,
+        gate: GateView,
+        in_flight: InFlightRequests,
+        budget: Budget,
         metrics: TelemetryMetrics,
         probe: GpuProbe,
         resync: Callable[[], Awaitable[None]],
@@ -52,7 +55,8 @@ class LiveBudget:
         self.settings = settings
         self.client = client
         self.gate = gate
-        self.budget: Budget = gate.budget
+        self.in_flight = in_flight
+        self.budget = budget
         self.metrics = metrics
         self.probe = probe
         self.resync = resync
@@ -84,14 +88,14 @@ class LiveBudget:
         """One round: scrape, read the GPU, set the budget."""
         now = self.clock()
         started = time.perf_counter()
-        admitted = set(self.gate.admitted)
+        admitted = set(self.in_flight.requests)
         try:
             snapshot = await fetch_snapshot(self.client, timeout=self.settings.max_staleness)
         except (httpx.HTTPError, ValueError) as exc:
             await self._scrape_failed(exc)
         else:
             self.metrics.scrape_duration.observe(time.perf_counter() - started)
-            await self._scraped(snapshot, now, admitted == set(self.gate.admitted))
+            await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
         if self.probe.available and self.mode != "down":
             self._gpu(await self.probe.read(), self.clock())
         self._apply(self.clock())
@@ -114,7 +118,7 @@ class LiveBudget:
         if self.mode == "down":
             return
         running = self.snapshot.running if self.snapshot else 0
-        self._busy_at_down = bool(running) or self.gate.ledger.in_flight > 0
+        self._busy_at_down = bool(running) or self.gate.in_flight > 0
         log.warning("backend down (%s): holding new admissions in the queue", why)
         self._set_mode("down")
 
@@ -150,13 +154,13 @@ class LiveBudget:
             log.warning(
                 "backend restarted after steps kvgate admitted (likely a CUDA OOM): transient safety "
                 "margin %.2f -> %.2f; highest transient reservation this life %d MiB, headroom %s MiB",
-                before, after, self.gate.ledger.peak_transient_bytes // MiB,
+                before, after, self.gate.peak_transient_bytes // MiB,
                 "?" if self.headroom_bytes is None else self.headroom_bytes // MiB,
             )
         else:
             log.warning("backend restarted (no admitted step was running): resynchronising")
         self.headroom.reset()
-        self.gate.ledger.reset_peak()
+        self.gate.reset_peak()
         self.calibration.new_life()
         self._busy_at_down = False
 
@@ -180,10 +184,6 @@ class LiveBudget:
             rate = generated / dt / snapshot.running
             self.decode_rate = rate if self.decode_rate is None else self.decode_rate + 0.3 * (rate - self.decode_rate)
 
-    def _waiting_for(self) -> str | None:
-        head = self.gate.queue.peek()
-        return None if head is None else self.budget.shortfall(head.demand, self.gate.ledger)
-
     def _reconcile_kv(self, snapshot: BackendSnapshot, now: float, admissions_still: bool) -> None:
         """Predicted vs observed blocks in use; the error counts only at settled moments.
 
@@ -195,10 +195,10 @@ class LiveBudget:
         observed, usable = snapshot.kv_blocks_used, snapshot.kv_blocks_usable
         if observed is None or usable is None:
             return
-        predicted = blocks_in_use(self.gate.admitted.values(), self.block_size(), now, self.decode_rate)
-        settled = admissions_still and snapshot.running == len(self.gate.admitted) and not snapshot.waiting
+        predicted = blocks_in_use(self.in_flight.requests.values(), self.block_size(), now, self.decode_rate)
+        settled = admissions_still and snapshot.running == len(self.in_flight.requests) and not snapshot.waiting
         reason = self.calibration.observe_kv(
-            now, predicted, observed, usable, self._preempted, self._waiting_for() == KV_BUSY, settled,
+            now, predicted, observed, usable, self._preempted, self.gate.head_shortfall() == KV_BUSY, settled,
         )
         self._preempted = 0
         m, c = self.metrics, self.calibration
@@ -206,7 +206,7 @@ class LiveBudget:
         if settled:
             m.kv_error.set(c.kv_error_blocks)
             m.kv_abs_error.set(c.kv_abs_error_blocks)
-            m.kv_reconciled_requests.set(len(self.gate.admitted))
+            m.kv_reconciled_requests.set(len(self.in_flight.requests))
         if reason:
             log.info("calibration: %s", reason)
 
@@ -241,8 +241,8 @@ class LiveBudget:
         self.metrics.transient_headroom.set(headroom.bytes)
         tolerance = max(64 * MiB, headroom.bytes // 20) + self.budget.profiled_peak_bytes
         reason = self.calibration.observe_transient(
-            now, headroom.server_growth, self.gate.ledger.peak_transient_bytes, tolerance,
-            self._waiting_for() == TRANSIENT_BUSY,
+            now, headroom.server_growth, self.gate.peak_transient_bytes, tolerance,
+            self.gate.head_shortfall() == TRANSIENT_BUSY,
         )
         self.metrics.transient_error.set(self.calibration.transient_error_bytes)
         if reason:

@@ -40,9 +40,6 @@ class CacheConfig:
     cache_dtype: str | None
     enable_prefix_caching: bool | None
     gpu_memory_utilization: float | None
-    kv_cache_memory_bytes: int | None
-    kv_cache_size_tokens: int | None
-    engines: int = 1
     mamba_cache_mode: str | None = None  # hybrid state-space models: none | align | all
     # Pool blocks one max_model_len request takes by vLLM's own count (vLLM >= 0.11 states its
     # capacity as num_gpu_blocks / that); kvgate checks its layout of the model against it.
@@ -127,9 +124,6 @@ def _cache_config(labels: list[dict[str, str]]) -> CacheConfig:
         cache_dtype=_str(first.get("cache_dtype")),
         enable_prefix_caching=_bool(first.get("enable_prefix_caching")),
         gpu_memory_utilization=_float(first.get("gpu_memory_utilization")),
-        kv_cache_memory_bytes=_int(first.get("kv_cache_memory_bytes")),
-        kv_cache_size_tokens=_int(first.get("kv_cache_size_tokens")),
-        engines=len(labels),
         mamba_cache_mode=_str(first.get("mamba_cache_mode")),
         max_request_blocks=_ratio(_int(first.get("num_gpu_blocks")), _float(first.get("kv_cache_max_concurrency"))),
     )

@@ -8,12 +8,10 @@ against `scope`, `receive` and `send` only.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from starlette.types import Receive, Scope
 
-from app.gate.gate import ClientGone
-from app.openai import ApiError
+from app.errors import BodyTooLarge, ClientGone
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -24,27 +22,22 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def too_large(limit: int) -> ApiError:
-    return ApiError(
-        413, f"The request body exceeds kvgate's limit of {limit:,} bytes.", "request_too_large"
-    )
-
-
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body; 413 as soon as it is known to exceed `limit`, ClientGone if the client left."""
+    """The whole body; BodyTooLarge as soon as it is known to exceed `limit`, ClientGone if the
+    client left."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
+        raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
-        message: dict[str, Any] = await receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large(limit)
+            raise BodyTooLarge(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

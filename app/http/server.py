@@ -1,14 +1,14 @@
 """kvgate's ASGI app: the gated routes on a bare fast path, everything else through FastAPI.
 
-POST /v1/completions and /v1/chat/completions go straight to app.gated (no routing, no
+POST /v1/completions and /v1/chat/completions go straight to app.http.gated_routes (no routing, no
 middleware); every other request, and the lifespan, goes to the FastAPI app built here: explain,
 metrics, probes, and the pass-through of any other path to the backend.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from app.asgi import read_body, request_target
+from app.errors import KvgateError, MethodNotAllowed
 from app.explain import explain
-from app.gate.gate import ClientGone
-from app.gated import GATED_PATHS, GatedRoutes, request_id_of
-from app.openai import ApiError
+from app.http.asgi import read_body, request_target
+from app.http.errors import error_response
+from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from app.proxy import passthrough
 from app.runtime import Runtime
 from app.settings import Settings
@@ -41,9 +41,8 @@ class Kvgate:
                 await self.gated(endpoint, scope, receive, send)
                 return
             if endpoint is not None:  # OpenAI's error shape, not the backend's {"detail": ...}
-                error = ApiError(405, f"Method {scope['method']} is not allowed on {scope['path']}: "
-                                 "send a POST.", "method_not_allowed", headers={"Allow": "POST"})
-                await error.response()(scope, receive, send)
+                error = MethodNotAllowed(scope["method"], scope["path"])
+                await error_response(error)(scope, receive, send)
                 return
         await self.rest(scope, receive, send)
 
@@ -65,10 +64,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
         try:
             raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
             return JSONResponse(await explain(rt, raw, request.query_params.get("endpoint")))
-        except ClientGone:
-            return Response(status_code=499)
-        except ApiError as error:
-            return error.response()
+        except KvgateError as error:
+            return error_response(error)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -86,7 +83,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             reachable = False
         detail = {
             "backend_reachable": reachable,
-            "tokenizer": rt.tokenizer.source if rt.tokenizer else None,
+            "tokenizer": rt.pipeline.tokenizer.source if rt.pipeline.tokenizer else None,
             "budget_known": rt.budget.known,
             "kv_blocks": rt.budget.kv_limit(),
             "transient_bytes": rt.budget.transient_limit(),
@@ -105,9 +102,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             return await passthrough(
                 rt.backend, request.method, request_target(request.scope), request.headers.raw, body, request_id,
             )
-        except ClientGone:
-            return Response(status_code=499)
-        except ApiError as error:
-            return error.response({"x-request-id": request_id})
+        except KvgateError as error:
+            return error_response(error, {"x-request-id": request_id})
 
     return Kvgate(GatedRoutes(rt), app)

@@ -10,8 +10,9 @@ the gate so it can re-check its queue.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from app.memory.demand import Demand
 

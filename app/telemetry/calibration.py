@@ -23,8 +23,8 @@ Two allowances, each adjusted AIMD-style (additive increase, multiplicative decr
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from app.memory.demand import Demand
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -20,15 +18,16 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.asgi import disconnect_future, header, read_body, request_target
-from app.gate.gate import ClientGone, Ticket
-from app.openai import ApiError, Endpoint, bad_request
+from app.errors import ClientGone, KvgateError
+from app.gate.gate import Ticket
+from app.gate.observer import Decision
+from app.http.asgi import disconnect_future, header, read_body, request_target
+from app.http.errors import error_response
+from app.openai import Endpoint, bad_request
 from app.proxy import Relay, forward_headers
 from app.runtime import Runtime
 
 GATED_PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
-
-decision_log = logging.getLogger("kvgate.decision")
 
 
 _ID_KEY = os.urandom(32)
@@ -62,11 +61,6 @@ def priority_of(scope: Scope, body_priority: int) -> int:
         raise bad_request("x-kvgate-priority must be an integer.", "x-kvgate-priority") from None
 
 
-def log_decision(request_id: str, decision: str, reason: str, **fields: object) -> None:
-    if decision_log.isEnabledFor(logging.INFO):
-        decision_log.info(json.dumps({"request_id": request_id, "decision": decision, "reason": reason, **fields}))
-
-
 @dataclass(frozen=True)
 class Admitted:
     """A request the gate let through: what the upstream exchange needs."""
@@ -89,11 +83,8 @@ class GatedRoutes:
         request_id = request_id_of(scope)
         try:
             admitted = await self._admit(endpoint, scope, receive, started, request_id)
-        except ClientGone:
-            log_decision(request_id, "abandon", "client_disconnected")
-            response: Response = Response(status_code=499)
-        except ApiError as error:
-            response = error.response({"x-request-id": request_id})
+        except KvgateError as error:
+            response: Response = error_response(error, {"x-request-id": request_id})
         else:
             response = await self._forward(admitted, scope, request_id)
         await response(scope, receive, send)
@@ -101,34 +92,33 @@ class GatedRoutes:
     async def _admit(
         self, endpoint: Endpoint, scope: Scope, receive: Receive, started: float, request_id: str
     ) -> Admitted:
-        """Read, evaluate and wait for the gate; ApiError if refused, ClientGone if the client left."""
+        """Read, evaluate and wait for the gate; a KvgateError if refused or the client left.
+
+        Refusals before the gate (body, parse, prediction) are reported to the gate's observers
+        here; the gate reports its own (queue full, timeout, backend down, left the queue)."""
         rt = self.rt
         try:
             raw = await read_body(scope, receive, rt.settings.max_body_bytes)
-            evaluation = await rt.evaluate(endpoint, raw)
-            demand = evaluation.prediction.demand
-            rt.metrics.predicted_transient.observe(evaluation.prediction.transient_peak_bytes)
-            rt.metrics.predicted_kv_blocks.observe(demand.kv_blocks)
-            predictor, prediction = rt.predictor, evaluation.prediction
-            ticket = await rt.gate.acquire(
-                demand, priority_of(scope, evaluation.spec.priority),
-                tenant_of(scope, self._tenant_header), lambda: disconnect_future(receive),
-                refresh=(lambda: predictor.refreshed(prediction)) if predictor else None,
-            )
-        except ApiError as error:
-            if error.status != 429:  # the gate counts its own refusals
-                rt.metrics.decisions.labels("reject", error.code).inc()
-            log_decision(request_id, "reject", error.code, status=error.status, message=error.message)
+            evaluation = await rt.pipeline.evaluate(endpoint, raw)
+            priority = priority_of(scope, evaluation.spec.priority)
+        except ClientGone:
+            rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="request_body"))
             raise
+        except KvgateError as error:
+            rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
+            raise
+        predictor, prediction = rt.pipeline.predictor, evaluation.prediction
+        rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
+        rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
+        ticket = await rt.gate.acquire(
+            prediction.demand, priority, tenant_of(scope, self._tenant_header),
+            lambda: disconnect_future(receive),
+            refresh=(lambda: predictor.refreshed(prediction)) if predictor else None,
+            request_id=request_id,
+        )
         rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.queue_wait_s)
         demand = ticket.reservation.demand  # refreshed if it waited
         kv_blocks, transient_bytes = demand.kv_blocks, demand.transient_bytes
-        if decision_log.isEnabledFor(logging.INFO):
-            log_decision(
-                request_id, "admit", "fits", prompt_tokens=demand.prompt_tokens,
-                max_new_tokens=demand.max_new_tokens, kv_blocks=kv_blocks,
-                transient_bytes=transient_bytes, queue_wait_s=round(ticket.queue_wait_s, 4),
-            )
         headers = {
             "x-request-id": request_id,
             "x-kvgate-kv-blocks": str(kv_blocks),
@@ -144,10 +134,10 @@ class GatedRoutes:
             upstream = await self.rt.backend.open(
                 "POST", request_target(scope), forward_headers(scope["headers"], request_id), admitted.body,
             )
-        except ApiError as error:
+        except KvgateError as error:
             ticket.release("upstream_error")
             self.rt.metrics.upstream_errors.labels(error.code).inc()
-            return error.response({"x-request-id": request_id})
+            return error_response(error, {"x-request-id": request_id})
         except BaseException:  # cancelled, or a bug: the reservation must not outlive the request
             ticket.release("upstream_error")
             raise

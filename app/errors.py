@@ -1,0 +1,204 @@
+"""Why kvgate will not forward a request: domain errors that carry their numbers.
+
+The parser, the predictor and the gate raise these and know nothing of HTTP; the HTTP edge
+(app.http.errors) maps each one, once, to a status, OpenAI's error body and its headers. The
+same split as TGI's router (`ValidationError` variants mapped to a status in
+router/src/server.rs) and the Inference Gateway's flow control (sentinel errors such as
+`ErrQueueAtCapacity`, mapped at the edge).
+
+`code` is the machine-readable reason clients and the `kvgate_decisions` metric see; `message`
+is built here from the numbers so that every edge (HTTP, `kvgate explain`) says the same thing.
+"""
+
+from __future__ import annotations
+
+GIB = 1024**3
+
+
+class KvgateError(Exception):
+    """A request kvgate refuses or cannot serve; `param` names the request field at fault."""
+
+    code: str = "kvgate_error"
+    param: str | None = None
+    retry_after_s: int | None = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidField(KvgateError):
+    """A malformed body or request field (`param` names it; None for the body as a whole)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class BodyTooLarge(KvgateError):
+    code = "request_too_large"
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(f"The request body exceeds kvgate's limit of {limit_bytes:,} bytes.")
+        self.limit_bytes = limit_bytes
+
+
+class MethodNotAllowed(KvgateError):
+    """A gated path asked with another method than POST (OpenAI's shape, not Starlette's)."""
+
+    code = "method_not_allowed"
+
+    def __init__(self, method: str, path: str) -> None:
+        super().__init__(f"Method {method} is not allowed on {path}: send a POST.")
+        self.method = method
+
+
+class ModelNotFound(KvgateError):
+    code = "model_not_found"
+    param = "model"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
+        self.model = model
+
+
+class ContextTooLong(KvgateError):
+    """Prompt plus max_tokens exceed max_model_len, worded as vLLM words it."""
+
+    code = "context_length_exceeded"
+
+    def __init__(
+        self, limit: int, prompt_tokens: int, max_new_tokens: int, where: str, param: str
+    ) -> None:
+        requested = prompt_tokens + max_new_tokens
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{requested} tokens ({prompt_tokens} in the {where}, {max_new_tokens} in the "
+            f"completion). Please reduce the length of the {where} or max_tokens."
+        )
+        self.limit, self.requested, self.param = limit, requested, param
+
+
+class NeverFits(KvgateError):
+    """No amount of waiting would let this request in: it exceeds what an idle server holds."""
+
+    def __init__(self, message: str, needed: int, limit: int) -> None:
+        super().__init__(message)
+        self.needed, self.limit = needed, limit
+
+
+class KvNeverFits(NeverFits):
+    code = "kv_cache_never_fits"
+
+    def __init__(
+        self, needed_blocks: int, pool_blocks: int, block_size: int, prompt_tokens: int,
+        max_new_tokens: int, sequences: int,
+    ) -> None:
+        super().__init__(
+            f"This request needs {needed_blocks:,} KV blocks of {block_size} tokens "
+            f"({prompt_tokens:,} prompt tokens, up to {max_new_tokens:,} new tokens for each of "
+            f"{sequences} sequences), but vLLM's whole KV cache holds {pool_blocks:,} blocks: "
+            "lower max_tokens or n, or shorten the prompt.",
+            needed_blocks, pool_blocks,
+        )
+
+
+class TransientNeverFits(NeverFits):
+    code = "transient_memory_never_fits"
+
+    def __init__(self, needed_bytes: int, limit_bytes: int, what: str, advice: str) -> None:
+        super().__init__(
+            f"{what} needs {needed_bytes / GIB:.1f} GiB of transient GPU memory, at most "
+            f"{limit_bytes / GIB:.1f} GiB is available even on an idle server: {advice}.",
+            needed_bytes, limit_bytes,
+        )
+
+
+class TokenizationFailed(KvgateError):
+    code = "tokenization_failed"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Could not tokenize the request: {detail}")
+
+
+class TokenizerUnavailable(KvgateError):
+    """No local tokenizer and the backend's /tokenize failed: a deployment problem, not load."""
+
+    code = "tokenizer_unavailable"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            f"kvgate has no local tokenizer and the backend's /tokenize failed: {detail}. "
+            "Give kvgate the model folder with its tokenizer files (--model)."
+        )
+
+
+class NotReady(KvgateError):
+    """kvgate has not learned the backend's configuration yet."""
+
+    code = "kvgate_not_ready"
+    retry_after_s = 2
+
+    def __init__(self, problem: str | None) -> None:
+        super().__init__(f"kvgate is starting and does not know the backend yet ({problem}).")
+
+
+class Refused(KvgateError):
+    """Turned away for load, not for what the request is: retrying later can succeed."""
+
+    retry_after_s: int
+
+
+class QueueFull(Refused):
+    code = "queue_full"
+
+    def __init__(self, max_size: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"kvgate's admission queue is full ({max_size} requests waiting). "
+            f"Retry after {retry_after_s} s."
+        )
+        self.max_size, self.retry_after_s = max_size, retry_after_s
+
+
+class QueueTimeout(Refused):
+    code = "queue_timeout"
+
+    def __init__(self, waited_s: float, reason: str, retry_after_s: int) -> None:
+        super().__init__(
+            f"Waited {waited_s:g} s for GPU memory ({reason}) without admission. "
+            f"Retry after {retry_after_s} s."
+        )
+        self.waited_s, self.reason, self.retry_after_s = waited_s, reason, retry_after_s
+
+
+class BackendDown(Refused):
+    """The backend is unreachable (or held down by telemetry); `message` says where it showed."""
+
+    code = "backend_unavailable"
+    retry_after_s = 5
+
+
+class BackendTimedOut(KvgateError):
+    code = "backend_timeout"
+
+    def __init__(self) -> None:
+        super().__init__("The backend did not answer in time.")
+
+
+class BackendBroke(KvgateError):
+    """The backend took the request but broke the exchange (a malformed or cut response)."""
+
+    code = "backend_error"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"The backend broke the exchange ({detail}).")
+
+
+class ClientGone(KvgateError):
+    """The client disconnected before kvgate could answer (while sending or queued)."""
+
+    code = "client_disconnected"
+
+    def __init__(self) -> None:
+        super().__init__("The client disconnected.")

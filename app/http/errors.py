@@ -1,0 +1,78 @@
+"""The one place a domain error (app.errors) becomes an HTTP status, OpenAI's error body and headers.
+
+OpenAI's shape is {"error": {message, type, param, code}}; `type` follows from the status as in
+OpenAI's API (429 rate_limit_error, 5xx server_error, 404 not_found_error, else
+invalid_request_error). A refusal for load carries Retry-After. A client that went away gets 499
+(nginx's "client closed request") with no body: nobody is left to read one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+
+from app import errors
+
+_STATUS: dict[type[errors.KvgateError], int] = {
+    errors.InvalidField: 400,
+    errors.ContextTooLong: 400,
+    errors.NeverFits: 400,
+    errors.TokenizationFailed: 400,
+    errors.ModelNotFound: 404,
+    errors.MethodNotAllowed: 405,
+    errors.BodyTooLarge: 413,
+    errors.TokenizerUnavailable: 424,
+    errors.QueueFull: 429,
+    errors.QueueTimeout: 429,
+    errors.ClientGone: 499,
+    errors.BackendBroke: 502,
+    errors.NotReady: 503,
+    errors.BackendDown: 503,
+    errors.BackendTimedOut: 504,
+}
+
+
+def status_of(error: errors.KvgateError) -> int:
+    """The HTTP status of `error` (its nearest mapped class; 500 for one nobody mapped)."""
+    for cls in type(error).__mro__:
+        status = _STATUS.get(cls)
+        if status is not None:
+            return status
+    return 500
+
+
+def _error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    if status == 404:
+        return "not_found_error"
+    return "invalid_request_error"
+
+
+def error_body(error: errors.KvgateError) -> dict[str, Any]:
+    """OpenAI's error object for `error`."""
+    return {
+        "error": {
+            "message": error.message,
+            "type": _error_type(status_of(error)),
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def error_headers(error: errors.KvgateError) -> dict[str, str]:
+    if isinstance(error, errors.MethodNotAllowed):
+        return {"Allow": "POST"}
+    return {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+
+
+def error_response(error: errors.KvgateError, extra_headers: dict[str, str] | None = None) -> Response:
+    """The response a client sees for `error`, with `extra_headers` (the request id) added."""
+    if isinstance(error, errors.ClientGone):
+        return Response(status_code=status_of(error))
+    headers = {**error_headers(error), **(extra_headers or {})}
+    return JSONResponse(error_body(error), status_code=status_of(error), headers=headers)
