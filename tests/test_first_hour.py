@@ -25,6 +25,7 @@ from app.model_folder import ModelFolderError, resolve_model_folder
 from app.process import stop_process
 from app.http.server import create_app
 from app.settings import Settings
+from app.runtime import engine_flags
 from app.sim.presets import model_config, write_model_folder
 from app.sim.runner import free_port
 from app.telemetry.vllm import EngineLimits
@@ -95,14 +96,14 @@ def test_backend_engine_limits_win_with_one_warning(caplog: pytest.LogCaptureFix
     said = Disagreements()  # one kvgate's
     with caplog.at_level(logging.WARNING, "kvgate.deployment"):
         for _ in range(3):  # every re-synchronisation resolves again
-            deployment = resolve(Settings(), geometry, None, None, limits, said)
+            deployment = resolve(engine_flags(Settings()), geometry, None, None, limits, said)
     assert (deployment.max_num_batched_tokens, deployment.max_num_seqs) == (8192, 1024)
     warned = [r.getMessage() for r in caplog.records]
     assert warned == [
         "backend reports max_num_batched_tokens=8192 but kvgate was given 2048; using the backend's",
         "backend reports max_num_seqs=1024 but kvgate was given 256; using the backend's",
     ]
-    assert resolve(Settings(), geometry, None, None, None).max_num_seqs == 256  # not published
+    assert resolve(engine_flags(Settings()), geometry, None, None, None).max_num_seqs == 256  # not published
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[str], seconds: float = 60) -> None:
