@@ -13,12 +13,18 @@ from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 
-from app.chat_template import ChatRequest
+from app.chat_template import ChatRequest, UntrustedChatTemplate
 
 Endpoint = Literal["completions", "chat"]
 
 # vLLM's default --max-logprobs; larger values are rejected by vLLM itself.
 MAX_LOGPROBS = 20
+# Integer fields end up in vLLM's int64 tensors; beyond this they can only be a client's mistake,
+# and the predictor's float arithmetic would overflow on them (1e309 has no float).
+MAX_INT = 2**63 - 1
+# Prompts in one completions body (vLLM sets no limit): each is tokenized and predicted, so the
+# count bounds a request's CPU time; a million one-word prompts took 10 s of the event loop.
+MAX_PROMPTS = 1024
 
 
 class ApiError(Exception):
@@ -92,7 +98,7 @@ class RequestSpec:
     chat: ChatRequest | None = None
 
 
-def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int | None = None) -> int | None:
+def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -100,7 +106,7 @@ def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int | None =
         raise bad_request(f"'{name}' must be an integer, got {json.dumps(value)[:40]}.", name)
     if value < minimum:
         raise bad_request(f"'{name}' must be at least {minimum}, got {value}.", name)
-    if maximum is not None and value > maximum:
+    if value > maximum:
         raise bad_request(f"'{name}' must be at most {maximum}, got {value}.", name)
     return value
 
@@ -124,14 +130,37 @@ def _optional_list_of_dicts(body: dict[str, Any], name: str) -> list[dict[str, A
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    """The body as a JSON object, or a 400 that says what is wrong with it.
+
+    Python's parser takes bodies no client should send: nesting past the recursion limit
+    (RecursionError), integers past 4,300 digits (ValueError) and lone UTF-16 surrogates
+    (`"\\ud800"`, a str no encoder accepts). Each is the client's fault and answered 400 here
+    rather than failing later in the tokenizer, the predictor or the error response itself.
+    """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"The body is not valid JSON: {exc}.", code="invalid_json") from exc
+    except RecursionError:
+        raise bad_request("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the digit limit
+        raise bad_request(f"The body is not valid JSON: {str(exc)[:200]}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.", code="invalid_json")
+    if b"\\ud" in raw or b"\\uD" in raw:  # surrogates can only come from escapes
+        _refuse_lone_surrogates(body)
     return body
+
+
+def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
+    """400 if any string holds an unpaired surrogate (json.loads joins the paired ones)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(
+            "The body is not valid JSON: a string holds an unpaired UTF-16 surrogate escape.",
+            code="invalid_json",
+        ) from None
+    except RecursionError:
+        raise bad_request("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
 
 
 def _penalties(body: dict[str, Any]) -> bool:
@@ -166,14 +195,19 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
         raise bad_request(message, "prompt")
     if any(p == "" for p in prompts):
         raise bad_request("'prompt' must not be empty.", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(
+            f"'prompt' holds {len(prompts):,} prompts; kvgate accepts at most {MAX_PROMPTS:,} in one request.",
+            "prompt",
+        )
     return prompts
 
 
 def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT
 
 
-def _chat(body: dict[str, Any]) -> ChatRequest:
+def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages.", "messages")
@@ -188,7 +222,7 @@ def _chat(body: dict[str, Any]) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
-    return ChatRequest(
+    chat = ChatRequest(
         messages=messages,
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         continue_final_message=_bool(body, "continue_final_message", False),
@@ -198,10 +232,16 @@ def _chat(body: dict[str, Any]) -> ChatRequest:
         add_special_tokens=_bool(body, "add_special_tokens", False),
         documents=_optional_list_of_dicts(body, "documents"),
     )
+    if chat.carries_template and not trust_request_chat_template:
+        raise bad_request(UntrustedChatTemplate.MESSAGE, "chat_template", code="untrusted_chat_template")
+    return chat
 
 
-def parse_request(endpoint: Endpoint, raw: bytes) -> RequestSpec:
-    """Read what matters to memory from a completions or chat body; 400 on anything malformed."""
+def parse_request(endpoint: Endpoint, raw: bytes, *, trust_request_chat_template: bool = False) -> RequestSpec:
+    """Read what matters to memory from a completions or chat body; 400 on anything malformed.
+
+    A chat request's own template is refused unless trusted, as vLLM refuses it without
+    --trust-request-chat-template: it is code, run by kvgate as well as by vLLM."""
     body = parse_json_object(raw)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -235,7 +275,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> RequestSpec:
         priority=priority or 0,
     )
     if endpoint == "chat":
-        spec.chat = _chat(body)
+        spec.chat = _chat(body, trust_request_chat_template)
     else:
         spec.prompts = _prompts(body)
         spec.add_special_tokens = _bool(body, "add_special_tokens", True)

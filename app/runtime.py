@@ -30,7 +30,7 @@ from app.settings import Settings
 from app.telemetry.gpu import detect_probe
 from app.telemetry.live import LiveBudget
 from app.telemetry.vllm import fetch_models, fetch_snapshot
-from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
+from app.tokens import BackendTokenizeError, PromptTooLong, TokenizationError, Tokenizer, load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
 
@@ -131,7 +131,10 @@ class Runtime:
         deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served)
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
+            self.tokenizer = load_tokenizer(
+                self.settings.model, self.backend.tokenize_client, model_name,
+                self.settings.request_chat_template_timeout,
+            )
             freeze_start_up_heap()
         predictor = build_predictor(deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(deployment, self.settings, predictor.profiled_peak_bytes, predictor.shared_workspace_bytes)
@@ -181,7 +184,9 @@ class Runtime:
 
     async def predict(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
         """Parse, tokenize and predict, without judging whether it could ever fit."""
-        spec = parse_request(endpoint, raw)
+        spec = parse_request(
+            endpoint, raw, trust_request_chat_template=self.settings.trust_request_chat_template
+        )
         if self.predictor is None or self.tokenizer is None:
             raise ApiError(
                 503, f"kvgate is starting and does not know the backend yet ({self.startup_error}).",
@@ -199,15 +204,19 @@ class Runtime:
         return Evaluation(spec, prediction, tokenize_s)
 
     async def _token_ids(self, spec: RequestSpec) -> list[list[int]]:
-        assert self.tokenizer is not None
+        assert self.tokenizer is not None and self.deployment is not None
+        limit = self.deployment.max_model_len
         try:
             if spec.chat is not None:
-                return [await self.tokenizer.encode_chat(spec.chat)]
+                return [await self.tokenizer.encode_chat(spec.chat, limit)]
             # A loop, not a comprehension: one with an await inside is a coroutine of its own.
             prompts: list[list[int]] = []
             for p in spec.prompts:
-                prompts.append(p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens))
+                prompts.append(p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens, limit))
             return prompts
+        except PromptTooLong as exc:
+            where = "messages" if spec.chat is not None else "prompt"
+            raise ApiError(400, str(exc), "context_length_exceeded", param=where) from exc
         except TokenizationError as exc:
             raise ApiError(400, f"Could not tokenize the request: {exc}", "tokenization_failed") from exc
         except BackendTokenizeError as exc:

@@ -135,6 +135,17 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="Python log level.")
 
+    # Hostile clients (issue 15): what one request may cost kvgate.
+    trust_request_chat_template: bool = Field(
+        False,
+        description="vLLM --trust-request-chat-template: accept a request's own chat_template "
+        "(refused with 400 otherwise, as vLLM does); set it when vLLM has it. Rendered in a "
+        "sandbox under --request-chat-template-timeout.",
+    )
+    request_chat_template_timeout: float = Field(
+        1.0, gt=0, description="Seconds a request's own chat template may take to render (400 beyond)."
+    )
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")

@@ -6,12 +6,20 @@ Chat requests are rendered by app.chat_template (vLLM's preprocessing) and then 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from app.chat_template import ChatRequest, TokenizationError, render_chat
+from app.chat_template import (
+    ChatRequest,
+    TemplateBudget,
+    TokenizationError,
+    render_chat,
+    render_within_budget,
+)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -20,13 +28,53 @@ class BackendTokenizeError(RuntimeError):
     """The backend's /tokenize failed for reasons other than a bad request."""
 
 
+class PromptTooLong(TokenizationError):
+    """The text has more tokens than `max_tokens` for certain, known without tokenizing it all."""
+
+    def __init__(self, tokens_at_least: int, max_tokens: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_tokens} tokens. However, the prompt "
+            f"has at least {tokens_at_least:,} tokens. Please reduce the length of the prompt."
+        )
+        self.tokens_at_least = tokens_at_least
+
+
 class Tokenizer(Protocol):
     source: str  # "local" | "backend"
 
-    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]: ...
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]: ...
 
-    async def encode_chat(self, chat: ChatRequest) -> list[int]: ...
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]: ...
 
+
+# Normalizers that never make a text shorter: with them (or none) a token covers at most the
+# characters of its longest vocabulary entry, so len(text) / longest bounds the token count below.
+# Others (NFC, accent stripping, whitespace stripping) can shrink text and get no character bound.
+_NON_SHRINKING_NORMALIZERS = frozenset({"Prepend", "Replace", "Lowercase"})
+# Output budget of a request template when the tokenizer gives no character bound.
+DEFAULT_TEMPLATE_CHARS = 4 * 1024 * 1024
+
+
+def longest_token_chars(rust: Any) -> int | None:
+    """Most characters of text one token can stand for, or None when the normalizer may shrink
+    text (then no count of characters says anything certain about the count of tokens).
+
+    Byte-level vocabularies spell each byte as one character, so an entry's length is its bytes,
+    never fewer than the characters it decodes to; SentencePiece-style entries spell characters
+    one for one ("▁" for a space); byte-fallback entries (<0x0A>) are longer than the byte.
+    """
+    normalizer = json.loads(rust.to_str()).get("normalizer")
+    parts = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
+    for part in parts:
+        if part.get("type") not in _NON_SHRINKING_NORMALIZERS:
+            return None
+        if part.get("type") == "Replace" and (
+            not part.get("content") or len(part.get("pattern", {}).get("String") or "xx") != 1
+        ):
+            return None  # only single characters replaced by something
+    return max(len(entry) for entry in rust.get_vocab(with_added_tokens=True))
 
 
 
@@ -39,7 +87,9 @@ class LocalTokenizer:
 
     source = "local"
 
-    def __init__(self, model_dir: str | Path, offload_threshold_chars: int = 4000) -> None:
+    def __init__(
+        self, model_dir: str | Path, offload_threshold_chars: int = 4000, template_seconds: float = 1.0,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -47,17 +97,42 @@ class LocalTokenizer:
         # tokenizers >= 0.21 has the offset-free batch call; with an older one, plain `encode`.
         self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
         self._threshold = offload_threshold_chars
+        self._template_seconds = template_seconds
+        self.longest_token_chars = longest_token_chars(self._rust) if self._rust is not None else None
 
-    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
         if not isinstance(prompt, str):
             raise TokenizationError("prompt must be a string")
+        self._refuse_certainly_too_long(prompt, max_tokens)
         return await self._encode(prompt, add_special_tokens)
 
-    async def encode_chat(self, chat: ChatRequest) -> list[int]:
-        rendered = self.render_chat(chat)
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
+        """A request's own template renders in a thread under a time and output budget; the
+        model's template (the operator's) renders inline."""
+        if chat.carries_template:
+            budget = TemplateBudget(self._template_seconds, self._char_bound(max_tokens) or DEFAULT_TEMPLATE_CHARS)
+            rendered = await render_within_budget(lambda: self.render_chat(chat), budget)
+        else:
+            rendered = self.render_chat(chat)
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize
             return rendered
+        self._refuse_certainly_too_long(rendered, max_tokens)
         return await self._encode(rendered, chat.add_special_tokens)
+
+    def _char_bound(self, max_tokens: int | None) -> int | None:
+        """Characters beyond which a text has more than `max_tokens` tokens for certain."""
+        if max_tokens is None or self.longest_token_chars is None:
+            return None
+        return max_tokens * self.longest_token_chars
+
+    def _refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """Refuse before tokenizing a text that cannot fit: a 30 MiB prompt took 22 s and 6 GiB
+        to tokenize only to be refused for its length."""
+        bound = self._char_bound(max_tokens)
+        if bound is not None and max_tokens is not None and len(text) > bound:
+            raise PromptTooLong(math.ceil(len(text) / self.longest_token_chars), max_tokens)  # type: ignore[operator]
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Long texts go to a worker thread: BPE on 100k characters takes tens of ms."""
@@ -119,12 +194,16 @@ class BackendTokenizer:
         self._client = client
         self._model = model_name
 
-    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        """`max_tokens` is vLLM's to enforce here: without the tokenizer files kvgate has no
+        bound on characters per token."""
         return await self._tokenize(
             {"model": self._model, "prompt": prompt, "add_special_tokens": add_special_tokens}
         )
 
-    async def encode_chat(self, chat: ChatRequest) -> list[int]:
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
         # /tokenize has no `documents` field; the template sees it as a kwarg either way.
         kwargs = chat.chat_template_kwargs
         if chat.documents is not None:
@@ -176,9 +255,9 @@ def _error_message(response: httpx.Response) -> str:
 
 
 def load_tokenizer(
-    model_dir: str | Path | None, client: httpx.AsyncClient, model_name: str
+    model_dir: str | Path | None, client: httpx.AsyncClient, model_name: str, template_seconds: float = 1.0,
 ) -> Tokenizer:
     """Local when the model folder holds a tokenizer (no network per request), else the backend."""
     if model_dir is not None and any((Path(model_dir) / f).is_file() for f in _TOKENIZER_FILES):
-        return LocalTokenizer(model_dir)
+        return LocalTokenizer(model_dir, template_seconds=template_seconds)
     return BackendTokenizer(client, model_name)

@@ -1,0 +1,176 @@
+"""Hostile bodies (issue 15, findings 1, 2 and 4): each costs kvgate bounded memory and event-loop
+time, and each is answered with a 400 in OpenAI's shape, never a 500.
+
+The parsing and tokenizing layers are tested directly here; tests/test_hostile_server.py sends
+the same bodies through a running kvgate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from app.chat_template import ChatRequest, TokenizationError
+from app.openai import MAX_PROMPTS, ApiError, parse_request
+from app.tokens import LocalTokenizer, PromptTooLong
+
+CHAT = [{"role": "user", "content": "hi"}]
+VLLM_UNTRUSTED = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def refusal(endpoint: str, raw: bytes, **kwargs: bool) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse_request(endpoint, raw, **kwargs)  # type: ignore[arg-type]
+    assert caught.value.status == 400
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # RecursionError in json
+        b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",  # over Python's 4,300 digits
+        b'{"prompt": "\\ud800"}',  # lone surrogate: no encoder takes it
+        b'{"prompt": "hi", "model": "\\udfff"}',
+        b'{"prompt": ["ok", "\\uDBFF x"]}',
+    ],
+    ids=["nested", "digits", "surrogate-prompt", "surrogate-model", "surrogate-upper"],
+)
+def test_bodies_python_cannot_use_are_invalid_json(raw: bytes) -> None:
+    assert refusal("completions", raw).code == "invalid_json"
+
+
+def test_surrogates_in_messages_and_paired_ones() -> None:
+    raw = json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode()
+    assert refusal("chat", raw).code == "invalid_json"
+    paired = json.dumps({"prompt": "\U0001f600"}).encode()  # escaped as a surrogate pair: fine
+    assert b"\\ud83d" in paired and parse_request("completions", paired).prompts == ["\U0001f600"]
+
+
+@pytest.mark.parametrize("name", ["n", "best_of", "max_tokens"])
+def test_huge_integers_are_refused_naming_the_field(name: str) -> None:
+    body = {"prompt": "hi", name: 10**400}
+    error = refusal("completions", json.dumps(body).encode())
+    assert error.param == name and "at most" in error.message
+
+
+def test_huge_token_ids_are_not_a_prompt() -> None:
+    assert refusal("completions", json.dumps({"prompt": [1, 10**400]}).encode()).param == "prompt"
+
+
+def test_prompt_count_is_bounded_before_any_work() -> None:
+    body = json.dumps({"prompt": ["a"] * (MAX_PROMPTS + 1)}).encode()
+    error = refusal("completions", body)
+    assert error.param == "prompt" and f"{MAX_PROMPTS:,}" in error.message
+    assert len(parse_request("completions", json.dumps({"prompt": ["a"] * MAX_PROMPTS}).encode()).prompts) == MAX_PROMPTS
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": CHAT, "chat_template": "{{ 'x' }}"},
+        {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}},
+    ],
+    ids=["field", "kwargs"],
+)
+def test_request_chat_template_refused_unless_trusted(body: dict) -> None:
+    raw = json.dumps(body).encode()
+    error = refusal("chat", raw)
+    assert (error.code, error.param, error.message) == ("untrusted_chat_template", "chat_template", VLLM_UNTRUSTED)
+    assert parse_request("chat", raw, trust_request_chat_template=True).chat is not None
+
+
+# ------------------------------------------------------------------ tokenization, bounded
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> LocalTokenizer:
+    return LocalTokenizer(tiny_model_dir, template_seconds=0.5)
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tokenizer: LocalTokenizer) -> None:
+    longest = tokenizer.longest_token_chars
+    assert longest is not None and longest >= max(len(t) for t in tokenizer._tok.get_vocab())
+    prompt = "x" * (30 * 1024 * 1024)
+    started = time.perf_counter()
+    with pytest.raises(PromptTooLong) as caught:
+        await tokenizer.encode_prompt(prompt, max_tokens=1024)
+    assert time.perf_counter() - started < 0.05  # tokenizing 30 MiB took 22 s before
+    assert caught.value.tokens_at_least > 1024 and "maximum context length is 1024" in str(caught.value)
+
+
+async def test_the_character_bound_never_refuses_a_prompt_that_fits(tokenizer: LocalTokenizer) -> None:
+    """At the bound the text is still tokenized exactly; the bound only skips hopeless texts."""
+    longest = tokenizer.longest_token_chars
+    assert longest is not None
+    text = ("hello world " * 100_000)[: 64 * longest]
+    ids = await tokenizer.encode_prompt(text, max_tokens=64)
+    assert ids == await tokenizer.encode_prompt(text)
+    assert len(ids) < 64 * longest  # tokenized, and far fewer tokens than the bound's worst case
+
+
+async def max_loop_gap(work: Callable[[], Awaitable[object]]) -> tuple[float, float, object]:
+    """Run `work` while a 10 ms ticker measures the longest the event loop was held."""
+    gaps: list[float] = []
+    done = False
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    started = time.perf_counter()
+    try:
+        result: object = await work()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        result = exc
+    elapsed = time.perf_counter() - started
+    done = True
+    await ticker
+    return elapsed, max(gaps, default=0.0), result
+
+
+@pytest.mark.parametrize(
+    "template,reason",
+    [
+        ("{% for i in range(100) %}{{ 'ab ' * 33333 }}{% endfor %}", "budget of"),  # 1.9 GiB before
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "0.5 s"),
+        ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}", "budget"),
+        ("{% for i in range(100000) %}{{ messages[0]['content'] }}{% endfor %}", "output passed its budget"),
+    ],
+    ids=["multiply", "nested-loops", "doubling", "output"],
+)
+async def test_a_trusted_request_template_renders_within_budget(
+    tokenizer: LocalTokenizer, template: str, reason: str
+) -> None:
+    chat = ChatRequest(messages=[{"role": "user", "content": "y" * 1000}], chat_template=template)
+    threads = threading.active_count()
+    elapsed, gap, result = await max_loop_gap(lambda: tokenizer.encode_chat(chat, max_tokens=1024))
+    assert isinstance(result, TokenizationError) and reason in str(result), result
+    assert elapsed < 1.0 and gap < 0.2  # nested loops held the loop 3 s before
+    for _ in range(100):  # the rendering thread was stopped, not left spinning
+        if threading.active_count() <= threads:
+            break
+        await asyncio.sleep(0.01)
+    assert threading.active_count() <= threads
+
+
+async def test_a_trusted_request_template_renders_as_the_model_template_would(tokenizer: LocalTokenizer) -> None:
+    own = tokenizer._tok.chat_template
+    plain = await tokenizer.encode_chat(ChatRequest(messages=CHAT))
+    budgeted = await tokenizer.encode_chat(ChatRequest(messages=CHAT, chat_template=own), max_tokens=1024)
+    assert budgeted == plain
+
