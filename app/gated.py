@@ -41,23 +41,27 @@ def request_id_of(scope: Scope) -> str:
     return header(scope, b"x-request-id") or f"{_ID_PREFIX}{next(_id_counter):016x}"
 
 
-def tenant_of(scope: Scope, tenant_header: bytes) -> str:
-    """The tenant header if set, else a digest of the API key (never the key itself)."""
-    tenant = header(scope, tenant_header)
+def tenant_of(scope: Scope, tenant_header: bytes | None) -> str:
+    """The trusted gateway's tenant header if one is configured and set, else a digest of the API
+    key (never the key itself)."""
+    tenant = header(scope, tenant_header) if tenant_header else None
     if tenant:
         return tenant
     auth = header(scope, b"authorization")
     return hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else "anonymous"
 
 
-def priority_of(scope: Scope, body_priority: int) -> int:
-    value = header(scope, b"x-kvgate-priority")
+def priority_of(scope: Scope, body_priority: int, priority_header: bytes | None, trust_body: bool) -> int:
+    """Only trusted sources order the queue: the gateway's header if configured, the body's field
+    if the operator trusts it, else 0 for everyone."""
+    value = header(scope, priority_header) if priority_header else None
     if value is None:
-        return body_priority
+        return body_priority if trust_body else 0
     try:
         return int(value)
     except ValueError:
-        raise bad_request("x-kvgate-priority must be an integer.", "x-kvgate-priority") from None
+        name = priority_header.decode("latin-1")  # type: ignore[union-attr]
+        raise bad_request(f"{name} must be an integer.", name) from None
 
 
 def log_decision(request_id: str, decision: str, reason: str, **fields: object) -> None:
@@ -80,7 +84,9 @@ class GatedRoutes:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self._tenant_header = rt.settings.tenant_header.lower().encode("latin-1")
+        settings = rt.settings
+        self._tenant_header = settings.tenant_header.lower().encode("latin-1") if settings.tenant_header else None
+        self._priority_header = settings.priority_header.lower().encode("latin-1") if settings.priority_header else None
 
     async def __call__(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -109,7 +115,8 @@ class GatedRoutes:
             rt.metrics.predicted_kv_blocks.observe(demand.kv_blocks)
             predictor, prediction = rt.predictor, evaluation.prediction
             ticket = await rt.gate.acquire(
-                demand, priority_of(scope, evaluation.spec.priority),
+                demand,
+                priority_of(scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority),
                 tenant_of(scope, self._tenant_header), lambda: disconnect_future(receive),
                 refresh=(lambda: predictor.refreshed(prediction)) if predictor else None,
             )

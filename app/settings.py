@@ -124,8 +124,11 @@ class Settings(BaseSettings):
 
     max_queue: int = Field(1024, ge=0, description="Requests that may wait for admission.")
     max_queue_wait: float = Field(30.0, gt=0, description="Seconds a request may wait, at most.")
-    tenant_header: str = Field(
-        "x-kvgate-tenant", description="Header naming the tenant; default tenant: the API key."
+    tenant_header: str | None = Field(
+        None,
+        description="Header a trusted gateway in front of kvgate sets to name the tenant; unset: "
+        "the tenant is a digest of the API key and no client header is read (a client naming its "
+        "own tenant could take every turn).",
     )
     max_body_bytes: int = Field(
         32 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
@@ -144,6 +147,16 @@ class Settings(BaseSettings):
     )
     request_chat_template_timeout: float = Field(
         1.0, gt=0, description="Seconds a request's own chat template may take to render (400 beyond)."
+    )
+    priority_header: str | None = Field(
+        None,
+        description="Header a trusted gateway sets to give a request's queue priority (an integer, "
+        "lower first); unset: no header is read.",
+    )
+    trust_request_priority: bool = Field(
+        False,
+        description="Order kvgate's queue by the body's `priority` field; off: every request has "
+        "priority 0 in kvgate's queue (the field still reaches vLLM), so no client can jump the line.",
     )
 
 
