@@ -125,7 +125,7 @@ class Gate:
             raise self._too_busy(
                 "queue_full",
                 f"kvgate's admission queue is full ({self.queue.max_size} requests waiting).",
-                ahead=len(self.queue),
+                blocks_ahead=self.queue.blocks_ahead(priority) + demand.kv_blocks,
             ) from None
         self.metrics.decisions.labels("queue", reason).inc()
         self.changed()  # sets it aside at once if it could not fit even alone
@@ -151,7 +151,7 @@ class Gate:
             raise ClientGone()
         if waiter.future.done():
             return waiter.future.result()
-        ahead = self.queue.position(waiter)
+        ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
             self.metrics.decisions.labels("reject", "backend_unavailable").inc()
@@ -163,7 +163,7 @@ class Gate:
         raise self._too_busy(
             "queue_timeout",
             f"Waited {self.max_queue_wait_s:g} s for GPU memory ({waiter.reason}) without admission.",
-            ahead=ahead,
+            blocks_ahead=ahead,
         )
 
     def _abandon(self, waiter: Waiter) -> None:
@@ -174,8 +174,10 @@ class Gate:
         self.queue.remove(waiter)
         waiter.future.cancel()
 
-    def _too_busy(self, code: str, message: str, ahead: int) -> ApiError:
-        retry_after = self.drain.retry_after(ahead, fallback_s=self.max_queue_wait_s)
+    def _too_busy(self, code: str, message: str, blocks_ahead: int) -> ApiError:
+        retry_after = self.drain.retry_after(
+            blocks_ahead, busy=self.ledger.in_flight > 0, fallback_s=self.max_queue_wait_s
+        )
         return ApiError(
             429, f"{message} Retry after {retry_after} s.", code,
             headers={"Retry-After": str(retry_after)},
@@ -192,7 +194,7 @@ class Gate:
         if outcome == "completed" and output_tokens is not None and self.outputs is not None:
             demand = reservation.demand
             self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
-        self.drain.record()
+        self.drain.record(reservation.demand.kv_blocks)
         released = self._releases.get(outcome)
         if released is None:
             released = self._releases[outcome] = self.metrics.releases.labels(outcome)
