@@ -19,7 +19,14 @@ from starlette.types import Receive, Scope, Send
 
 from app.openai import ApiError
 from app.output_count import OutputTokenCounter
-from app.upstream import ConnectionPool, UpstreamError, UpstreamResponse, UpstreamTimeout
+from app.upstream import (
+    ConnectionPool,
+    InvalidRequestHeader,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -44,14 +51,20 @@ class Backend:
     never starves the scrapes the budget depends on.
     """
 
-    def __init__(self, base_url: str, timeout_s: float, max_connections: int = 1024) -> None:
+    def __init__(
+        self, base_url: str, timeout_s: float, max_connections: int = 1024,
+        connect_timeout_s: float = 5.0, pool_timeout_s: float = 30.0,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10.0))
         self.tokenize_client = httpx.AsyncClient(
             base_url=self.base_url, timeout=httpx.Timeout(30.0, pool=None),
             limits=httpx.Limits(max_connections=TOKENIZE_CONNECTIONS),
         )
-        self.pool = ConnectionPool(self.base_url, read_timeout_s=timeout_s, max_connections=max_connections)
+        self.pool = ConnectionPool(
+            self.base_url, read_timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections, pool_timeout_s=pool_timeout_s,
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -62,9 +75,16 @@ class Backend:
         self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> UpstreamResponse:
         """Send a request (`target`: raw path and query) and return once the response head is
-        in; ApiError when it cannot be."""
+        in; ApiError when it cannot be: 400 for a header that cannot be sent, 503 when nothing
+        reached the backend (refused, no connection in time), 504 when it was sent and the
+        backend stayed silent, 502 when it broke the exchange."""
         try:
             return await self.pool.request(method, target, headers, body)
+        except InvalidRequestHeader as exc:
+            raise ApiError(400, f"A request header cannot be forwarded: {exc}.", "invalid_header") from None
+        except UpstreamUnavailable as exc:
+            raise ApiError(503, f"The backend is unavailable: {exc}.", "backend_unavailable",
+                           headers={"Retry-After": "5"}) from exc
         except (UpstreamTimeout, asyncio.TimeoutError) as exc:  # before OSError: TimeoutError is one
             raise ApiError(504, "The backend did not answer in time.", "backend_timeout") from exc
         except OSError as exc:

@@ -56,7 +56,10 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = KvgateMetrics()
-        self.backend = Backend(settings.backend, settings.upstream_timeout)
+        self.backend = Backend(
+            settings.backend, settings.upstream_timeout, connect_timeout_s=settings.upstream_connect_timeout,
+            pool_timeout_s=settings.upstream_pool_timeout,
+        )
         outputs = OutputLengths(settings.kv_output_quantile)
         self.budget = Budget(transient_margin=settings.transient_safety_margin, kv_margin_z=outputs.z)
         self.gate = Gate(

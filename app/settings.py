@@ -153,6 +153,13 @@ class Settings(BaseSettings):
         description="Header a trusted gateway sets to give a request's queue priority (an integer, "
         "lower first); unset: no header is read.",
     )
+    upstream_connect_timeout: float = Field(
+        5.0, gt=0, description="Seconds to wait for the backend to accept a connection (503 beyond)."
+    )
+    upstream_pool_timeout: float = Field(
+        30.0, gt=0,
+        description="Seconds a request may wait for one of kvgate's 1,024 backend connections (503 beyond).",
+    )
     trust_request_priority: bool = Field(
         False,
         description="Order kvgate's queue by the body's `priority` field; off: every request has "

@@ -299,3 +299,47 @@ async def test_reading_pauses_above_the_high_water_mark(monkeypatch: pytest.Monk
         await asyncio.wait_for(sent.wait(), 5)
         response.release()
         pool.close()
+
+
+async def test_unsendable_headers_are_refused_before_anything_is_sent() -> None:
+    """Issue 15, finding 10: a header value with CR/LF would split the request kvgate writes."""
+    async with server(answering()) as (url, connections):
+        backend = Backend(url, timeout_s=5)
+        for header in [(b"x-a", b"1\r\nx-evil: 1"), (b"x-a", b"1\n"), (b"x-a", b"\0"), (b"bad name", b"1"), (b"", b"1")]:
+            with pytest.raises(ApiError) as refused:
+                await backend.open("POST", b"/v1/completions", [header], b"{}")
+            assert (refused.value.status, refused.value.code) == (400, "invalid_header")
+        assert connections == []
+        response = await backend.open("POST", b"/v1/completions", [(b"x-fine", b"a\tb c")], b"{}")
+        assert response.status == 200
+        response.release()
+        await backend.aclose()
+
+
+async def test_connect_timeout_is_configurable_and_a_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing reached the backend: 503 with Retry-After (it was a 504 after a fixed 5 s)."""
+    async def never_connects(*args: object, **kwargs: object) -> None:
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "create_connection", never_connects)
+    backend = Backend("http://127.0.0.1:9", timeout_s=5, connect_timeout_s=0.1)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ApiError) as refused:
+        await backend.open("POST", b"/v1/completions", [], b"{}")
+    assert asyncio.get_running_loop().time() - started < 1
+    assert (refused.value.status, refused.value.code) == (503, "backend_unavailable")
+    assert "0.1 s" in refused.value.message and refused.value.headers["Retry-After"]
+    await backend.aclose()
+
+
+async def test_waiting_for_a_pooled_connection_times_out_as_a_503() -> None:
+    async with server(answering(then_hang=True)) as (url, _):
+        backend = Backend(url, timeout_s=5, max_connections=1, pool_timeout_s=0.1)
+        hanging = asyncio.ensure_future(backend.open("POST", b"/v1/completions", [], b"{}"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as refused:
+            await backend.open("POST", b"/v1/completions", [], b"{}")
+        assert (refused.value.status, refused.value.code) == (503, "backend_unavailable")
+        assert "1 connections" in refused.value.message
+        hanging.cancel()
+        await backend.aclose()
