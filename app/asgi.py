@@ -30,15 +30,40 @@ def too_large(limit: int) -> ApiError:
     )
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body; 413 as soon as it is known to exceed `limit`, ClientGone if the client left."""
+def check_head(scope: Scope, *, reads_body: bool) -> None:
+    """400 unless an HTTP/1.1 request names exactly one Host (RFC 9112 3.2: a proxy would
+    otherwise forward a request whose target it cannot know); 415 for an encoded body kvgate
+    must read (`reads_body`): it parses JSON, not gzip."""
+    if scope.get("http_version") == "1.1":
+        hosts = sum(1 for key, _ in scope["headers"] if key == b"host")
+        if hosts != 1:
+            raise ApiError(400, f"An HTTP/1.1 request needs exactly one Host header, not {hosts}.", "invalid_host")
+    encoding = header(scope, b"content-encoding")
+    if reads_body and encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise ApiError(
+            415, f"kvgate reads request bodies as plain JSON; Content-Encoding {encoding[:40]!r} is not supported.",
+            "unsupported_content_encoding",
+        )
+
+
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, idle_timeout_s: float | None = None, *, reads_body: bool = True,
+) -> bytes:
+    """The whole body, once the head passed check_head; 413 as soon as it is known to exceed
+    `limit`, 408 if the client sends nothing for `idle_timeout_s`, ClientGone if it left."""
+    check_head(scope, reads_body=reads_body)
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
-        message: dict[str, Any] = await receive()
+        try:
+            message: dict[str, Any] = await asyncio.wait_for(receive(), idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408, f"The request body stalled: nothing arrived for {idle_timeout_s:g} s.", "request_timeout"
+            ) from None
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")

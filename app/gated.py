@@ -108,7 +108,7 @@ class GatedRoutes:
         """Read, evaluate and wait for the gate; ApiError if refused, ClientGone if the client left."""
         rt = self.rt
         try:
-            raw = await read_body(scope, receive, rt.settings.max_body_bytes)
+            raw = await read_body(scope, receive, rt.settings.max_body_bytes, rt.settings.client_body_timeout)
             evaluation = await rt.evaluate(endpoint, raw)
             demand = evaluation.prediction.demand
             rt.metrics.predicted_transient.observe(evaluation.prediction.transient_peak_bytes)
@@ -147,7 +147,8 @@ class GatedRoutes:
         ticket = admitted.ticket
         try:
             upstream = await self.rt.backend.open(
-                "POST", request_target(scope), forward_headers(scope["headers"], request_id), admitted.body,
+                "POST", request_target(scope), forward_headers(scope["headers"], request_id, scope.get("client")),
+                admitted.body,
             )
         except ApiError as error:
             ticket.release("upstream_error")

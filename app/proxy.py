@@ -96,10 +96,23 @@ class Backend:
             raise ApiError(502, f"The backend broke the exchange ({exc}).", "backend_error") from exc
 
 
-def forward_headers(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
-    """The client's headers (ASGI's lower-case byte pairs) minus hop-by-hop ones, with the
-    request id kvgate uses."""
-    out = [(k, v) for k, v in raw if k not in _NOT_FORWARDED]
+def forward_headers(
+    raw: Iterable[tuple[bytes, bytes]], request_id: str, client: tuple[str, int] | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The client's headers (ASGI's lower-case byte pairs) minus hop-by-hop ones and those its
+    Connection header names (RFC 9110 7.6.1), with the request id kvgate uses and the client's
+    address appended to X-Forwarded-For."""
+    raw = list(raw)
+    named = {
+        token.strip().lower()
+        for key, value in raw if key == b"connection"
+        for token in value.split(b",")
+    }
+    dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
+    out = [(k, v) for k, v in raw if k not in dropped and k != b"x-forwarded-for"]
+    if client is not None:
+        chain = [v for k, v in raw if k == b"x-forwarded-for"]
+        out.append((b"x-forwarded-for", b", ".join([*chain, client[0].encode("latin-1")])))
     out.append((b"x-request-id", request_id.encode("latin-1")))
     return out
 
@@ -202,8 +215,8 @@ class Relay(Response):
 
 async def passthrough(
     backend: Backend, method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]],
-    body: bytes, request_id: str,
+    body: bytes, request_id: str, client: tuple[str, int] | None = None,
 ) -> Relay:
     """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
-    upstream = await backend.open(method, target, forward_headers(headers, request_id), body)
+    upstream = await backend.open(method, target, forward_headers(headers, request_id, client), body)
     return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome, tokens: None)

@@ -58,7 +58,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
     @app.post("/kvgate/explain")
     async def explain_route(request: Request) -> Response:
         try:
-            raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
+            raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout)
             return JSONResponse(await explain(rt, raw, request.query_params.get("endpoint")))
         except ClientGone:
             return Response(status_code=499)
@@ -96,9 +96,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
     async def other(path: str, request: Request) -> Response:
         request_id = request_id_of(request.scope)
         try:
-            body = await read_body(request.scope, request.receive, settings.max_body_bytes)
+            body = await read_body(
+                request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout, reads_body=False,
+            )
             return await passthrough(
                 rt.backend, request.method, request_target(request.scope), request.headers.raw, body, request_id,
+                request.scope.get("client"),
             )
         except ClientGone:
             return Response(status_code=499)

@@ -153,6 +153,16 @@ class Settings(BaseSettings):
         description="Header a trusted gateway sets to give a request's queue priority (an integer, "
         "lower first); unset: no header is read.",
     )
+    max_header_bytes: int = Field(
+        64 * 1024, gt=0, description="Largest request head (request line and headers) accepted (431 beyond)."
+    )
+    max_headers: int = Field(100, gt=0, description="Most headers a request may carry (431 beyond).")
+    client_header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a client may take to send a request head (408 beyond)."
+    )
+    client_body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a client may leave between two parts of a request body (408 beyond)."
+    )
     upstream_connect_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for the backend to accept a connection (503 beyond)."
     )
