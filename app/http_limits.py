@@ -34,6 +34,7 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
             self._head_bytes = 0
             self._head_count = 0
             self._in_head = True
+            self._heads_parsed = 0
             self._refusal: tuple[int, str] | None = None
             self._head_timer: asyncio.TimerHandle | None = None
 
@@ -48,10 +49,18 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
         def data_received(self, data: bytes) -> None:
             if self._in_head:
                 self._arm_head_timer()
-                self._head_bytes += len(data)
-                if self._head_bytes > max_bytes:
-                    self._refuse(431, f"The request head exceeds kvgate's limit of {max_bytes:,} bytes.")
-                    return
+                room = max_bytes - self._head_bytes
+                if len(data) > room:  # the head must end within `room`; the rest may be body
+                    heads = self._heads_parsed
+                    self._head_bytes = max_bytes
+                    super().data_received(data[:room])
+                    if self._heads_parsed == heads:
+                        if not self.transport.is_closing():
+                            self._refuse(431, f"The request head exceeds kvgate's limit of {max_bytes:,} bytes.")
+                        return
+                    data = data[room:]
+                else:
+                    self._head_bytes += len(data)
             super().data_received(data)
 
         def on_header(self, name: bytes, value: bytes) -> None:
@@ -63,6 +72,7 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
 
         def on_headers_complete(self) -> None:
             self._in_head = False
+            self._heads_parsed += 1
             self._disarm_head_timer()
             super().on_headers_complete()
 

@@ -55,6 +55,9 @@ class Tokenizer(Protocol):
 _NON_SHRINKING_NORMALIZERS = frozenset({"Prepend", "Replace", "Lowercase"})
 # Output budget of a request template when the tokenizer gives no character bound.
 DEFAULT_TEMPLATE_CHARS = 4 * 1024 * 1024
+# Messages beyond which the model's template renders in a worker thread: rendering is Python,
+# which gives the event loop its turn every few milliseconds from a thread, never inline.
+RENDER_OFFLOAD_MESSAGES = 64
 
 
 def longest_token_chars(rust: Any) -> int | None:
@@ -114,6 +117,8 @@ class LocalTokenizer:
         if chat.carries_template:
             budget = TemplateBudget(self._template_seconds, self._char_bound(max_tokens) or DEFAULT_TEMPLATE_CHARS)
             rendered = await render_within_budget(lambda: self.render_chat(chat), budget)
+        elif len(chat.messages) > RENDER_OFFLOAD_MESSAGES:
+            rendered = await asyncio.to_thread(self.render_chat, chat)
         else:
             rendered = self.render_chat(chat)
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from app.chat_template import ChatRequest, TokenizationError
-from app.openai import MAX_PROMPTS, ApiError, parse_request
+from app.openai import MAX_JSON_VALUES, MAX_PROMPTS, ApiError, parse_request
 from app.tokens import LocalTokenizer, PromptTooLong
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -65,6 +65,31 @@ def test_huge_integers_are_refused_naming_the_field(name: str) -> None:
 
 def test_huge_token_ids_are_not_a_prompt() -> None:
     assert refusal("completions", json.dumps({"prompt": [1, 10**400]}).encode()).param == "prompt"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": [' + b"1," * (15 * 2**20) + b"1]}",  # 30 MiB of token ids: 11 s before
+        b'{"prompt": [' + b"[1]," * (7 * 2**20) + b"[1]]}",  # 7 million prompts: 38 s before
+        json.dumps({"messages": [{"role": "user", "content": "a"}] * 2**20}).encode(),
+    ],
+    ids=["token-ids", "prompt-lists", "messages"],
+)
+def test_bodies_of_too_many_values_are_413_before_parsing(raw: bytes) -> None:
+    started = time.perf_counter()
+    with pytest.raises(ApiError) as caught:
+        parse_request("chat" if raw.startswith(b'{"messages"') else "completions", raw)
+    assert time.perf_counter() - started < 0.5
+    assert (caught.value.status, caught.value.code) == (413, "request_too_large")
+    assert f"{MAX_JSON_VALUES:,}" in caught.value.message
+
+
+def test_commas_inside_a_text_are_not_values() -> None:
+    text = "a," * MAX_JSON_VALUES
+    assert parse_request("completions", json.dumps({"prompt": text}).encode()).prompts == [text]
+    ids = list(range(MAX_JSON_VALUES - 10))
+    assert parse_request("completions", json.dumps({"prompt": ids}).encode()).prompts == [ids]
 
 
 def test_prompt_count_is_bounded_before_any_work() -> None:

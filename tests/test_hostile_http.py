@@ -143,3 +143,9 @@ def test_connection_named_headers_dropped_and_forwarded_for_appended(
     assert "x-secret" not in names and dict(forwarded)["x-kept"] == "1"
     assert names.count("x-forwarded-for") == 1
     assert dict(forwarded)["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+
+
+def test_a_large_body_sent_with_its_head_is_not_taken_for_a_large_head(kvgate: KvgateServer) -> None:
+    body = json.dumps({"model": "tiny-llama", "prompt": "hello " * 20_000, "max_tokens": 2}).encode()
+    assert len(body) > 16384  # the head limit of this kvgate
+    assert status_and_error(exchange(kvgate, post([HOST], body)))[0] == 200
