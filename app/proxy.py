@@ -213,6 +213,22 @@ class Relay(Response):
         return "refused_by_backend" if self.status_code >= 400 else "completed"
 
 
+def passthrough_allowed(setting: str) -> frozenset[str]:
+    """--passthrough-paths as the set of paths it names."""
+    return frozenset(path.strip() for path in setting.split(",") if path.strip())
+
+
+def check_passthrough(path: str, allowed: frozenset[str]) -> None:
+    """404 for a path kvgate neither gates nor was told to forward. Forwarding everything let
+    vLLM's other generation routes (/invocations, /v1/responses, ...) and its admin routes
+    bypass the gate, and `/v1/completions/` came back as a redirect to vLLM's own address."""
+    if path not in allowed:
+        raise ApiError(
+            404, f"kvgate does not forward {path[:200]!r}: only the gated completions and chat routes "
+            "and --passthrough-paths reach the backend.", "route_not_forwarded",
+        )
+
+
 async def passthrough(
     backend: Backend, method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]],
     body: bytes, request_id: str, client: tuple[str, int] | None = None,

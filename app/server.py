@@ -21,7 +21,7 @@ from app.explain import explain
 from app.gate.gate import ClientGone
 from app.gated import GATED_PATHS, GatedRoutes, request_id_of
 from app.openai import ApiError
-from app.proxy import passthrough
+from app.proxy import check_passthrough, passthrough, passthrough_allowed
 from app.runtime import Runtime
 from app.settings import Settings
 
@@ -92,10 +92,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
         ok = reachable and rt.ready
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
+    forwarded_paths = passthrough_allowed(settings.passthrough_paths)
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def other(path: str, request: Request) -> Response:
         request_id = request_id_of(request.scope)
         try:
+            check_passthrough(request.scope["path"], forwarded_paths)
             body = await read_body(
                 request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout, reads_body=False,
             )

@@ -170,6 +170,13 @@ class Settings(BaseSettings):
         30.0, gt=0,
         description="Seconds a request may wait for one of kvgate's 1,024 backend connections (503 beyond).",
     )
+    passthrough_paths: str = Field(
+        "/v1/models,/health,/ping,/version,/load,/tokenize,/detokenize",
+        description="Paths forwarded to vLLM untouched, comma-separated, matched exactly; any other "
+        "path but the gated completions and chat routes gets 404. vLLM 0.32 also serves generation "
+        "kvgate does not gate (/invocations, /v1/responses, /v1/messages, /inference/v1/generate, "
+        "embeddings, pooling) and admin routes (/sleep, /pause, /collective_rpc, ...).",
+    )
     trust_request_priority: bool = Field(
         False,
         description="Order kvgate's queue by the body's `priority` field; off: every request has "

@@ -150,3 +150,24 @@ def test_a_large_body_sent_with_its_head_is_not_taken_for_a_large_head(kvgate: K
     assert len(body) > 16384  # the head limit of this kvgate
     # Read and judged as a body: too long a prompt for the tiny model, not too large a head.
     assert status_and_error(exchange(kvgate, post([HOST], body))) == (400, "context_length_exceeded")
+
+
+@pytest.mark.parametrize(
+    "method,path",
+    [("POST", "/v1/completions/"), ("POST", "/invocations"), ("POST", "/v1/responses"),
+     ("POST", "/v1/messages"), ("POST", "/inference/v1/generate"), ("POST", "/v1/embeddings"),
+     ("POST", "/sim/cotenant"), ("POST", "/sleep"), ("POST", "/collective_rpc"), ("GET", "/v1/models/")],
+)
+def test_routes_neither_gated_nor_allowed_are_404(kvgate: KvgateServer, backend: FakeBackend, method: str, path: str) -> None:
+    """Issue 15, finding 7: they reached vLLM unchecked; `/v1/completions/` came back as a 307
+    to the backend's own address."""
+    seen = len(backend.received)
+    response = httpx.request(method, kvgate.base_url + path, content=BODY, follow_redirects=False)
+    assert response.status_code == 404 and "location" not in response.headers
+    assert response.json()["error"]["code"] == "route_not_forwarded"
+    assert len(backend.received) == seen
+
+
+def test_allowed_paths_pass_through(kvgate: KvgateServer) -> None:
+    response = httpx.get(kvgate.base_url + "/v1/models")
+    assert response.status_code == 200 and response.json()["data"][0]["id"] == "tiny-llama"
