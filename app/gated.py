@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from app.asgi import disconnect_future, header, read_body, request_target
 from app.gate.gate import ClientGone, Ticket
 from app.openai import ApiError, Endpoint, bad_request
-from app.proxy import Relay, forward_headers
+from app.proxy import Relay, forward_headers, open_while_client_waits
 from app.runtime import Runtime
 
 GATED_PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -99,7 +99,7 @@ class GatedRoutes:
         except ApiError as error:
             response = error.response({"x-request-id": request_id})
         else:
-            response = await self._forward(admitted, scope, request_id)
+            response = await self._forward(admitted, scope, receive, request_id)
         await response(scope, receive, send)
 
     async def _admit(
@@ -142,14 +142,22 @@ class GatedRoutes:
         }
         return Admitted(ticket, raw, headers, evaluation.spec.stream)
 
-    async def _forward(self, admitted: Admitted, scope: Scope, request_id: str) -> Response:
-        """Open the upstream exchange; from here on the Relay owns the ticket."""
+    async def _forward(self, admitted: Admitted, scope: Scope, receive: Receive, request_id: str) -> Response:
+        """Open the upstream exchange; from here on the Relay owns the ticket. A non-streaming
+        request is watched for its client leaving until the head arrives (with the answer)."""
         ticket = admitted.ticket
+        target, headers = request_target(scope), forward_headers(scope["headers"], request_id, scope.get("client"))
         try:
-            upstream = await self.rt.backend.open(
-                "POST", request_target(scope), forward_headers(scope["headers"], request_id, scope.get("client")),
-                admitted.body,
-            )
+            if admitted.stream:  # vLLM sends a stream's head at once: the Relay watches from there
+                upstream = await self.rt.backend.open("POST", target, headers, admitted.body)
+            else:
+                opened = await open_while_client_waits(self.rt.backend, receive, "POST", target, headers, admitted.body)
+                if opened is None:
+                    ticket.release("disconnected")
+                    self.rt.metrics.disconnects.labels("awaiting_response").inc()
+                    log_decision(request_id, "abandon", "client_disconnected")
+                    return Response(status_code=499)
+                upstream = opened
         except ApiError as error:
             ticket.release("upstream_error")
             self.rt.metrics.upstream_errors.labels(error.code).inc()

@@ -17,6 +17,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.asgi import disconnect_future
 from app.openai import ApiError
 from app.output_count import OutputTokenCounter
 from app.upstream import (
@@ -94,6 +95,30 @@ class Backend:
             ) from exc
         except UpstreamError as exc:
             raise ApiError(502, f"The backend broke the exchange ({exc}).", "backend_error") from exc
+
+
+async def open_while_client_waits(
+    backend: Backend, receive: Receive, method: str, target: bytes,
+    headers: list[tuple[bytes, bytes]], body: bytes,
+) -> UpstreamResponse | None:
+    """Backend.open, or None if the client leaves first: the half-open exchange is then
+    cancelled, which closes its connection, and vLLM aborts the request.
+
+    vLLM sends a non-streaming answer's head only when the answer is complete, so a client that
+    hangs up meanwhile would otherwise keep its reservation, and vLLM its generation, to the end.
+    """
+    opening = asyncio.ensure_future(backend.open(method, target, headers, body))
+    gone = disconnect_future(receive)
+    try:
+        await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not opening.done():
+            opening.cancel()
+            await asyncio.wait((opening,))  # its connection is closed once it has unwound
+    if opening.cancelled():
+        return None
+    return opening.result()
 
 
 def forward_headers(

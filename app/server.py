@@ -92,7 +92,8 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
         ok = reachable and rt.ready
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
-    forwarded_paths = passthrough_allowed(settings.passthrough_paths)
+    # The gated paths' other methods too: vLLM answers them 405, as a client expects.
+    forwarded_paths = passthrough_allowed(settings.passthrough_paths) | GATED_PATHS.keys()
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def other(path: str, request: Request) -> Response:

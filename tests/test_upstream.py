@@ -10,7 +10,7 @@ import pytest
 
 from app import upstream
 from app.openai import ApiError
-from app.proxy import Backend
+from app.proxy import Backend, open_while_client_waits
 from app.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -342,4 +342,25 @@ async def test_waiting_for_a_pooled_connection_times_out_as_a_503() -> None:
         assert (refused.value.status, refused.value.code) == (503, "backend_unavailable")
         assert "1 connections" in refused.value.message
         hanging.cancel()
+        await backend.aclose()
+
+
+async def test_a_client_leaving_before_the_head_closes_the_backend_connection() -> None:
+    """vLLM aborts a request whose connection closes: that is how it learns the client left."""
+    closed = asyncio.Event()
+
+    async def generate_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if await reader.read() == b"":  # EOF: kvgate closed the connection
+            closed.set()
+
+    async def client_leaves_after_a_while() -> dict:
+        await asyncio.sleep(0.1)
+        return {"type": "http.disconnect"}
+
+    async with server(generate_slowly) as (url, _):
+        backend = Backend(url, timeout_s=30)
+        opened = await open_while_client_waits(backend, client_leaves_after_a_while, "POST", b"/", [], b"{}")
+        assert opened is None
+        await asyncio.wait_for(closed.wait(), 2)
         await backend.aclose()
