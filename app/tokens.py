@@ -46,6 +46,10 @@ class Tokenizer(Protocol):
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
     ) -> list[int]: ...
 
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[list[int]]: ...
+
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]: ...
 
 
@@ -106,10 +110,18 @@ class LocalTokenizer:
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
     ) -> list[int]:
-        if not isinstance(prompt, str):
-            raise TokenizationError("prompt must be a string")
-        self._refuse_certainly_too_long(prompt, max_tokens)
-        return await self._encode(prompt, add_special_tokens)
+        return (await self.encode_prompts([prompt], add_special_tokens, max_tokens))[0]
+
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[list[int]]:
+        """All of a request's text prompts in one batch: 1,024 prompts encoded one by one on the
+        event loop held it for seconds."""
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                raise TokenizationError("prompt must be a string")
+            self._refuse_certainly_too_long(prompt, max_tokens)
+        return await self._encode(prompts, add_special_tokens)
 
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
         """A request's own template renders in a thread under a time and output budget; the
@@ -124,7 +136,7 @@ class LocalTokenizer:
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize
             return rendered
         self._refuse_certainly_too_long(rendered, max_tokens)
-        return await self._encode(rendered, chat.add_special_tokens)
+        return (await self._encode([rendered], chat.add_special_tokens))[0]
 
     def _char_bound(self, max_tokens: int | None) -> int | None:
         """Characters beyond which a text has more than `max_tokens` tokens for certain."""
@@ -139,13 +151,14 @@ class LocalTokenizer:
         if bound is not None and max_tokens is not None and len(text) > bound:
             raise PromptTooLong(math.ceil(len(text) / self.longest_token_chars), max_tokens)  # type: ignore[operator]
 
-    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Long texts go to a worker thread: BPE on 100k characters takes tens of ms."""
-        if len(text) > self._threshold:
-            return await asyncio.to_thread(self._encode_now, text, add_special_tokens)
-        return self._encode_now(text, add_special_tokens)
+    async def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Long texts go to a worker thread (the Rust tokenizer lets go of the GIL): BPE on 100k
+        characters takes tens of ms."""
+        if sum(len(text) for text in texts) > self._threshold:
+            return await asyncio.to_thread(self._encode_now, texts, add_special_tokens)
+        return self._encode_now(texts, add_special_tokens)
 
-    def _encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode_now(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         # tokenizer.encode is the call vLLM itself makes: transformers runs it as the Rust
         # `encode_batch([text])`. `encode_batch_fast` is the same pipeline (added tokens,
         # normalizer, pre-tokenizer, model, post-processor) without the character offsets nobody
@@ -154,9 +167,9 @@ class LocalTokenizer:
         rust = self._rust
         if rust is not None and _in_encode_state(rust, self._tok):
             if self._batch_fast is not None:
-                return self._batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-            return rust.encode(text, add_special_tokens=add_special_tokens).ids
-        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+                return [e.ids for e in self._batch_fast(texts, add_special_tokens=add_special_tokens)]
+            return [rust.encode(text, add_special_tokens=add_special_tokens).ids for text in texts]
+        return [self._tok.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
     def render_chat(self, chat: ChatRequest) -> str | list[int]:
         """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
@@ -207,6 +220,13 @@ class BackendTokenizer:
         return await self._tokenize(
             {"model": self._model, "prompt": prompt, "add_special_tokens": add_special_tokens}
         )
+
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[list[int]]:
+        """One /tokenize call a prompt (it takes one prompt), one after the other: a batch never
+        takes more than its share of the backend's tokenizer connections."""
+        return [await self.encode_prompt(prompt, add_special_tokens, max_tokens) for prompt in prompts]
 
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
         # /tokenize has no `documents` field; the template sees it as a kwarg either way.

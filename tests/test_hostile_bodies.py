@@ -199,3 +199,10 @@ async def test_a_trusted_request_template_renders_as_the_model_template_would(to
     budgeted = await tokenizer.encode_chat(ChatRequest(messages=CHAT, chat_template=own), max_tokens=1024)
     assert budgeted == plain
 
+
+
+async def test_a_batch_of_prompts_is_one_encode_with_the_same_ids(tokenizer: LocalTokenizer) -> None:
+    prompts = ["hello world", "x" * 50, "Grüße \U0001f680"]
+    batch = await tokenizer.encode_prompts(prompts, max_tokens=1024)
+    assert batch == [await tokenizer.encode_prompt(p) for p in prompts]
+    assert batch == [tokenizer._tok.encode(p) for p in prompts]

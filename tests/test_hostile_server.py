@@ -176,8 +176,10 @@ def healthz_worst_latency(kvgate: KvgateServer, send: callable) -> tuple[float, 
         {"messages": [{"role": "user", "content": "hi"}],
          "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"},
         {"prompt": "x" * (8 * 1024 * 1024)},
+        {"prompt": ["word " * 600] * 1024, "max_tokens": 2000},
+        {"messages": [{"role": "user", "content": "hello there"}] * 50_000},
     ],
-    ids=["template-loops", "8-MiB-prompt"],
+    ids=["template-loops", "8-MiB-prompt", "1024-text-prompts", "50k-messages"],
 )
 def test_healthz_stays_fast_while_a_request_is_expensive(kvgate: KvgateServer, body: dict) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -185,6 +187,7 @@ def test_healthz_stays_fast_while_a_request_is_expensive(kvgate: KvgateServer, b
     worst, response = healthz_worst_latency(
         kvgate, lambda: httpx.post(kvgate.base_url + path, content=raw, timeout=30)
     )
-    assert response.status_code == 400, response.text
-    assert worst < 0.25, f"/healthz took {worst * 1000:.0f} ms"
+    assert response.status_code in (400, 413), response.text
+    # Generous for a shared 2-core machine; before, these held the loop 3 s to over 10 s.
+    assert worst < 1.0, f"/healthz took {worst * 1000:.0f} ms"
     assert_ledger_empty(kvgate)
