@@ -59,8 +59,9 @@ async def read_body(
     size = 0
     while True:
         try:
-            message: dict[str, Any] = await asyncio.wait_for(receive(), idle_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(idle_timeout_s):  # a timer, not a task per message
+                message: dict[str, Any] = await receive()
+        except TimeoutError:
             raise ApiError(
                 408, f"The request body stalled: nothing arrived for {idle_timeout_s:g} s.", "request_timeout"
             ) from None
