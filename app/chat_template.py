@@ -58,17 +58,12 @@ class TokenizationError(ValueError):
     """Bad messages or a failing template: the client's fault, answered with HTTP 400."""
 
 
-class UntrustedChatTemplate(TokenizationError):
-    """A request carried its own chat template and kvgate was not told to trust such templates."""
-
-    # vLLM 0.32.0's words (vllm/renderers/online_renderer.py, OnlineRenderer.validate_chat_template).
-    MESSAGE = (
-        "Chat template is passed with request, but --trust-request-chat-template is not set. "
-        "Refused request with untrusted chat template."
-    )
-
-    def __init__(self) -> None:
-        super().__init__(self.MESSAGE)
+# vLLM 0.32.0's refusal of a request's own template without --trust-request-chat-template
+# (vllm/renderers/online_renderer.py, OnlineRenderer.validate_chat_template), word for word.
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
 
 
 class TemplateBudgetExceeded(TokenizationError):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 
-from app.chat_template import ChatRequest, UntrustedChatTemplate
+from app.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, ChatRequest
 
 Endpoint = Literal["completions", "chat"]
 
@@ -280,7 +280,7 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatReques
         documents=_optional_list_of_dicts(body, "documents"),
     )
     if chat.carries_template and not trust_request_chat_template:
-        raise bad_request(UntrustedChatTemplate.MESSAGE, "chat_template", code="untrusted_chat_template")
+        raise bad_request(UNTRUSTED_TEMPLATE_MESSAGE, "chat_template", code="untrusted_chat_template")
     return chat
 
 
