@@ -171,7 +171,7 @@ class Settings(BaseSettings):
         description="Seconds a request may wait for one of kvgate's 1,024 backend connections (503 beyond).",
     )
     passthrough_paths: str = Field(
-        "/v1/models,/health,/ping,/version,/load,/tokenize,/detokenize",
+        "/v1/models, /health, /ping, /version, /load, /tokenize, /detokenize",
         description="Paths forwarded to vLLM untouched, comma-separated, matched exactly; any other "
         "path but the gated completions and chat routes gets 404. vLLM 0.32 also serves generation "
         "kvgate does not gate (/invocations, /v1/responses, /v1/messages, /inference/v1/generate, "
