@@ -157,9 +157,11 @@ class BudgetedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
                     )
         elif operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise TemplateBudgetExceeded("the chat template raises a number to a power above 64")
-        elif operator == "+" and isinstance(left, (str, list)) and isinstance(right, (str, list)):
-            if len(left) + len(right) > self.budget_chars:
-                raise TemplateBudgetExceeded("the chat template builds a value over its output budget")
+        elif (
+            operator == "+" and isinstance(left, (str, list)) and isinstance(right, (str, list))
+            and len(left) + len(right) > self.budget_chars
+        ):
+            raise TemplateBudgetExceeded("the chat template builds a value over its output budget")
         return super().call_binop(context, operator, left, right)
 
     def concat(self, pieces: Any) -> str:  # type: ignore[override]
@@ -242,7 +244,7 @@ async def render_within_budget(render: Callable[[], _T], budget: TemplateBudget)
     thread.start()
     try:
         return await asyncio.wait_for(asyncio.shield(done), budget.seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         if thread.is_alive() and thread.ident is not None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Overrun))
         raise TemplateBudgetExceeded(

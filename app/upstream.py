@@ -302,7 +302,7 @@ class ConnectionPool:
         head = self._head(method, target, headers, body)
         try:
             await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamUnavailable(
                 f"all {self._max_connections} connections to the backend stayed busy for {self._pool_timeout_s:g} s"
             ) from None
@@ -346,7 +346,7 @@ class ConnectionPool:
                 ),
                 self._connect_timeout_s,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamUnavailable(
                 f"the backend did not accept a connection in {self._connect_timeout_s:g} s"
             ) from None

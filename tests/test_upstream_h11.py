@@ -92,7 +92,7 @@ async def by_upstream(segments: list[bytes], end: str) -> Seen:
         if conn.status:
             while (chunk := await asyncio.wait_for(conn.read(), 0.2)) is not None:
                 body += chunk
-    except (UpstreamError, asyncio.TimeoutError):
+    except (TimeoutError, UpstreamError):
         pass
     return Seen(conn.status or None, tuple((k.lower(), v) for k, v in conn.raw_headers), body,
                 conn.complete, conn.reusable and not transport.closed)
