@@ -123,7 +123,9 @@ class GatedRoutes:
         except ApiError as error:
             if error.status != 429:  # the gate counts its own refusals
                 rt.metrics.decisions.labels("reject", error.code).inc()
-            log_decision(request_id, "reject", error.code, status=error.status, message=error.message)
+            # A template's error can quote the conversation: prompts stay out of the log.
+            message = None if error.code == "tokenization_failed" else error.message
+            log_decision(request_id, "reject", error.code, status=error.status, message=message)
             raise
         rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.queue_wait_s)
         demand = ticket.reservation.demand  # refreshed if it waited

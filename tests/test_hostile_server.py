@@ -190,3 +190,12 @@ def test_healthz_stays_fast_while_a_request_is_expensive(kvgate: KvgateServer, b
     # Generous for a shared 2-core machine; before, these held the loop 3 s to over 10 s.
     assert worst < 1.0, f"/healthz took {worst * 1000:.0f} ms"
     assert_ledger_empty(kvgate)
+
+
+def test_template_errors_keep_the_prompt_out_of_the_decision_log(kvgate: KvgateServer, client: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "SECRET-PROMPT-TEXT"}],
+            "chat_template": "{{ raise_exception('refused: ' + messages[0]['content']) }}"}
+    response = client.post("/v1/chat/completions", json=body, headers={"x-request-id": "template-leak"})
+    assert response.status_code == 400 and "SECRET-PROMPT-TEXT" in response.json()["error"]["message"]
+    logged = [line for line in kvgate.log().splitlines() if "template-leak" in line]
+    assert logged and not any("SECRET-PROMPT-TEXT" in line for line in logged)
