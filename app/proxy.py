@@ -134,8 +134,10 @@ def forward_headers(
         for token in value.split(b",")
     }
     dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
-    out = [(k, v) for k, v in raw if k not in dropped and k != b"x-forwarded-for"]
-    if client is not None:
+    if client is None:  # no peer address (a Unix socket): the chain goes on as it came
+        out = [(k, v) for k, v in raw if k not in dropped]
+    else:
+        out = [(k, v) for k, v in raw if k not in dropped and k != b"x-forwarded-for"]
         chain = [v for k, v in raw if k == b"x-forwarded-for"]
         out.append((b"x-forwarded-for", b", ".join([*chain, client[0].encode("latin-1")])))
     out.append((b"x-request-id", request_id.encode("latin-1")))

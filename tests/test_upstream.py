@@ -10,7 +10,7 @@ import pytest
 
 from app import upstream
 from app.openai import ApiError
-from app.proxy import Backend, open_while_client_waits
+from app.proxy import Backend, forward_headers, open_while_client_waits
 from app.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -364,3 +364,11 @@ async def test_a_client_leaving_before_the_head_closes_the_backend_connection() 
         assert opened is None
         await asyncio.wait_for(closed.wait(), 2)
         await backend.aclose()
+
+
+def test_connection_named_headers_dropped_and_forwarded_for_appended() -> None:
+    raw = [(b"connection", b"close, X-Hop"), (b"x-hop", b"1"), (b"x-forwarded-for", b"203.0.113.7"),
+           (b"x-kept", b"1"), (b"host", b"kvgate"), (b"keep-alive", b"5")]
+    out = forward_headers(raw, "rid", ("10.0.0.2", 5555))
+    assert out == [(b"x-kept", b"1"), (b"x-forwarded-for", b"203.0.113.7, 10.0.0.2"), (b"x-request-id", b"rid")]
+    assert (b"x-forwarded-for", b"203.0.113.7") in forward_headers(raw, "rid", None)
