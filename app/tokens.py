@@ -53,10 +53,12 @@ class Tokenizer(Protocol):
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]: ...
 
 
-# Normalizers that never make a text shorter: with them (or none) a token covers at most the
-# characters of its longest vocabulary entry, so len(text) / longest bounds the token count below.
-# Others (NFC, accent stripping, whitespace stripping) can shrink text and get no character bound.
-_NON_SHRINKING_NORMALIZERS = frozenset({"Prepend", "Replace", "Lowercase"})
+# How many characters of input one character of a normalizer's output can stand for, at most.
+# Prepend, Lowercase, single-character Replace and the decompositions never shorten a text; the
+# compositions (NFC, NFKC) join at most 4 code points into one (the longest canonical
+# decomposition, e.g. U+1FAF). Others (accent or whitespace stripping, regex Replace) can drop
+# any amount, and a tokenizer with them gets no character bound.
+_NORMALIZER_SHRINK = {"Prepend": 1, "Lowercase": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Replace": 1}
 # Output budget of a request template when the tokenizer gives no character bound.
 DEFAULT_TEMPLATE_CHARS = 4 * 1024 * 1024
 # Messages beyond which the model's template renders in a worker thread: rendering is Python,
@@ -64,25 +66,26 @@ DEFAULT_TEMPLATE_CHARS = 4 * 1024 * 1024
 RENDER_OFFLOAD_MESSAGES = 64
 
 
-def longest_token_chars(rust: Any) -> int | None:
-    """Most characters of text one token can stand for, or None when the normalizer may shrink
-    text (then no count of characters says anything certain about the count of tokens).
+def max_chars_per_token(rust: Any) -> int | None:
+    """Most characters of input text one token can stand for, or None when the normalizer may
+    drop text (then no count of characters says anything certain about the count of tokens).
 
     Byte-level vocabularies spell each byte as one character, so an entry's length is its bytes,
     never fewer than the characters it decodes to; SentencePiece-style entries spell characters
-    one for one ("▁" for a space); byte-fallback entries (<0x0A>) are longer than the byte.
+    one for one ("\u2581" for a space); byte-fallback entries (<0x0A>) are longer than the byte.
     """
     normalizer = json.loads(rust.to_str()).get("normalizer")
-    parts = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
-    for part in parts:
-        if part.get("type") not in _NON_SHRINKING_NORMALIZERS:
+    shrink = 1
+    for part in [] if normalizer is None else normalizer.get("normalizers", [normalizer]):
+        kind = part.get("type")
+        if kind not in _NORMALIZER_SHRINK:
             return None
-        if part.get("type") == "Replace" and (
+        if kind == "Replace" and (
             not part.get("content") or len(part.get("pattern", {}).get("String") or "xx") != 1
         ):
             return None  # only single characters replaced by something
-    return max(len(entry) for entry in rust.get_vocab(with_added_tokens=True))
-
+        shrink *= _NORMALIZER_SHRINK[kind]
+    return shrink * max(len(entry) for entry in rust.get_vocab(with_added_tokens=True))
 
 
 class LocalTokenizer:
@@ -105,7 +108,7 @@ class LocalTokenizer:
         self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
         self._threshold = offload_threshold_chars
         self._template_seconds = template_seconds
-        self.longest_token_chars = longest_token_chars(self._rust) if self._rust is not None else None
+        self.max_chars_per_token = max_chars_per_token(self._rust) if self._rust is not None else None
 
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
@@ -140,16 +143,16 @@ class LocalTokenizer:
 
     def _char_bound(self, max_tokens: int | None) -> int | None:
         """Characters beyond which a text has more than `max_tokens` tokens for certain."""
-        if max_tokens is None or self.longest_token_chars is None:
+        if max_tokens is None or self.max_chars_per_token is None:
             return None
-        return max_tokens * self.longest_token_chars
+        return max_tokens * self.max_chars_per_token
 
     def _refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
         """Refuse before tokenizing a text that cannot fit: a 30 MiB prompt took 22 s and 6 GiB
         to tokenize only to be refused for its length."""
         bound = self._char_bound(max_tokens)
         if bound is not None and max_tokens is not None and len(text) > bound:
-            raise PromptTooLong(math.ceil(len(text) / self.longest_token_chars), max_tokens)  # type: ignore[operator]
+            raise PromptTooLong(math.ceil(len(text) / self.max_chars_per_token), max_tokens)  # type: ignore[operator]
 
     async def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """Long texts go to a worker thread (the Rust tokenizer lets go of the GIL): BPE on 100k

@@ -11,14 +11,16 @@ import asyncio
 import json
 import threading
 import time
+import unicodedata
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, normalizers
 
 from app.chat_template import ChatRequest, TokenizationError
 from app.openai import MAX_JSON_VALUES, MAX_PROMPTS, ApiError, parse_request
-from app.tokens import LocalTokenizer, PromptTooLong
+from app.tokens import LocalTokenizer, PromptTooLong, max_chars_per_token
 
 CHAT = [{"role": "user", "content": "hi"}]
 VLLM_UNTRUSTED = (
@@ -123,7 +125,7 @@ def tokenizer(tiny_model_dir: Path) -> LocalTokenizer:
 
 
 async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tokenizer: LocalTokenizer) -> None:
-    longest = tokenizer.longest_token_chars
+    longest = tokenizer.max_chars_per_token
     assert longest is not None and longest >= max(len(t) for t in tokenizer._tok.get_vocab())
     prompt = "x" * (30 * 1024 * 1024)
     started = time.perf_counter()
@@ -135,7 +137,7 @@ async def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(tokenizer:
 
 async def test_the_character_bound_never_refuses_a_prompt_that_fits(tokenizer: LocalTokenizer) -> None:
     """At the bound the text is still tokenized exactly; the bound only skips hopeless texts."""
-    longest = tokenizer.longest_token_chars
+    longest = tokenizer.max_chars_per_token
     assert longest is not None
     text = ("hello world " * 100_000)[: 64 * longest]
     ids = await tokenizer.encode_prompt(text, max_tokens=64)
@@ -206,3 +208,27 @@ async def test_a_batch_of_prompts_is_one_encode_with_the_same_ids(tokenizer: Loc
     batch = await tokenizer.encode_prompts(prompts, max_tokens=1024)
     assert batch == [await tokenizer.encode_prompt(p) for p in prompts]
     assert batch == [tokenizer._tok.encode(p) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    "normalizer,factor",
+    [
+        (None, 1),
+        (normalizers.NFC(), 4),
+        (normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]), 1),
+        (normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]), 4),
+        (normalizers.StripAccents(), None),
+        (normalizers.Strip(), None),
+        (normalizers.Replace(" ", ""), None),
+    ],
+    ids=["none", "nfc", "sentencepiece", "nfkc-lower", "strip-accents", "strip", "replace-to-nothing"],
+)
+def test_the_character_bound_follows_the_normalizer(tiny_model_dir: Path, normalizer: object, factor: int | None) -> None:
+    rust = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    rust.normalizer = normalizer
+    longest = max(len(entry) for entry in rust.get_vocab(with_added_tokens=True))
+    bound = max_chars_per_token(rust)
+    assert bound == (None if factor is None else factor * longest)
+    if bound is not None:  # what NFC composes most: 4 code points into one (U+1FAF)
+        text = unicodedata.normalize("NFD", "\u1faf") * 2000
+        assert len(rust.encode(text).ids) >= len(text) / bound
