@@ -10,16 +10,23 @@ writes BOS itself).
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import json
+import threading
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import jinja2
 import jinja2.meta
+import jinja2.sandbox
 from jinja2 import nodes
+from transformers.utils import chat_template_utils
 
 ContentFormat = Literal["string", "openai"]
 
@@ -51,6 +58,18 @@ class TokenizationError(ValueError):
     """Bad messages or a failing template: the client's fault, answered with HTTP 400."""
 
 
+# vLLM 0.32.0's refusal of a request's own template without --trust-request-chat-template
+# (vllm/renderers/online_renderer.py, OnlineRenderer.validate_chat_template), word for word.
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+class TemplateBudgetExceeded(TokenizationError):
+    """A request's chat template ran past its time or output budget."""
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """The fields of a chat completion that decide its prompt tokens."""
@@ -63,6 +82,174 @@ class ChatRequest:
     chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
     documents: list[dict] | None = None
+
+    @property
+    def carries_template(self) -> bool:
+        """The request brings its own template (`chat_template`, or one in its kwargs)."""
+        kwargs = self.chat_template_kwargs or {}
+        return self.chat_template is not None or kwargs.get("chat_template") is not None
+
+
+# ---------------------------------------------------------------- request templates, sandboxed
+
+
+@dataclass(frozen=True)
+class TemplateBudget:
+    """What one render of a request's own template may spend: wall time and output characters.
+
+    A trusted request template is still code from a client: a 146-byte one rendered 100 x 100 kB
+    (1.9 GiB of peak memory) and nested loops held the event loop for seconds.
+    """
+
+    seconds: float
+    chars: int
+
+
+# The budget and deadline of the render running in this thread (render_within_budget sets it).
+_active_budget: ContextVar[tuple[TemplateBudget, float] | None] = ContextVar("kvgate_template_budget", default=None)
+_T = TypeVar("_T")
+
+
+class _Overrun(BaseException):
+    """Raised inside the rendering thread when its time is up (BaseException: templates catch
+    nothing, but library code may catch Exception)."""
+
+
+class _TimedRange:
+    """jinja2's sandboxed range, but a loop over it gives up when the render's time is up: an
+    empty nested loop calls nothing else the sandbox could check."""
+
+    def __init__(self, *args: int) -> None:
+        active = _active_budget.get()
+        self._range = jinja2.sandbox.safe_range(*args)
+        self._deadline = active[1] if active else float("inf")
+
+    def __len__(self) -> int:
+        return len(self._range)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._range[index]
+
+    def __iter__(self) -> Iterator[int]:
+        for count, value in enumerate(self._range):
+            if count % 1024 == 0 and time.monotonic() > self._deadline:
+                raise _Overrun()
+            yield value
+
+
+class BudgetedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' chat-template sandbox with a size check on the operators that multiply
+    memory (`*`, `**`, `+`) and on the rendered output; the time limit is enforced by
+    render_within_budget, which runs the render in a thread of its own."""
+
+    intercepted_binops = frozenset({"*", "**", "+"})
+
+    def __init__(self, *args: Any, budget_chars: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.budget_chars = budget_chars
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > self.budget_chars:
+                    raise TemplateBudgetExceeded(
+                        f"the chat template builds a value of {len(seq) * count:,} items, over its budget of {self.budget_chars:,}"
+                    )
+        elif operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise TemplateBudgetExceeded("the chat template raises a number to a power above 64")
+        elif (
+            operator == "+" and isinstance(left, (str, list)) and isinstance(right, (str, list))
+            and len(left) + len(right) > self.budget_chars
+        ):
+            raise TemplateBudgetExceeded("the chat template builds a value over its output budget")
+        return super().call_binop(context, operator, left, right)
+
+    def concat(self, pieces: Any) -> str:  # type: ignore[override]
+        """Template.render's join of the output, stopped once it passes the output budget."""
+        out: list[str] = []
+        size = 0
+        for piece in pieces:
+            size += len(piece)
+            if size > self.budget_chars:
+                raise TemplateBudgetExceeded(
+                    f"the chat template's output passed its budget of {self.budget_chars:,} characters"
+                )
+            out.append(piece)
+        return "".join(out)
+
+
+@lru_cache(maxsize=32)
+def _budgeted_template(template: str, budget_chars: int) -> jinja2.Template:
+    """`template` compiled as transformers compiles chat templates (its extensions, filters and
+    globals, read off transformers' own environment), in a BudgetedSandbox."""
+    reference = _transformers_compile("").environment
+    env = BudgetedSandbox(
+        trim_blocks=True, lstrip_blocks=True, budget_chars=budget_chars,
+        extensions=[type(ext) for ext in reference.extensions.values()],
+    )
+    env.filters["tojson"] = reference.filters["tojson"]
+    for name in ("raise_exception", "strftime_now", "dict", "namespace"):
+        env.globals[name] = reference.globals[name]
+    env.globals["range"] = _TimedRange
+    return env.from_string(template)
+
+
+_transformers_compile = chat_template_utils._compile_jinja_template
+
+
+def _compile_for_render(template: str) -> jinja2.Template:
+    """transformers' template compiler, unless a budgeted render is running in this context.
+
+    transformers compiles in `render_jinja_template` (chat_template_utils, transformers 5.x)
+    through this module-level name; replacing it is the one hook that keeps transformers' own
+    rendering (generation tracking, continue_final_message) for a budgeted template.
+    """
+    active = _active_budget.get()
+    if active is None:
+        return _transformers_compile(template)
+    return _budgeted_template(template, active[0].chars)
+
+
+chat_template_utils._compile_jinja_template = _compile_for_render
+
+
+async def render_within_budget(render: Callable[[], _T], budget: TemplateBudget) -> _T:
+    """`render()` in a thread of its own under `budget`: the event loop stays free, and a render
+    still running when the time is up is stopped by an exception raised in that thread (Python's
+    PyThreadState_SetAsyncExc; it lands at the next bytecode, and the size checks keep each
+    single operation short)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        _active_budget.set((budget, time.monotonic() + budget.seconds))
+        try:
+            result = render()
+        except _Overrun:
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, None, exc)
+            return
+        loop.call_soon_threadsafe(settle, result, None)
+
+    thread = threading.Thread(target=run, name="kvgate-template", daemon=True)
+    thread.start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), budget.seconds)
+    except TimeoutError:
+        if thread.is_alive() and thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Overrun))
+        raise TemplateBudgetExceeded(
+            f"the chat template ran past its budget of {budget.seconds:g} s"
+        ) from None
 
 
 # ---------------------------------------------------------------- template analysis

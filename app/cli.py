@@ -85,6 +85,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.http.server import create_app
+    from app.http_limits import limited_http_protocol
 
     try:
         app = create_app(settings)
@@ -93,9 +94,11 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(
         app, host=host, port=port, log_level=settings.log_level, log_config=None,
         access_log=False, timeout_keep_alive=30,
+        http=limited_http_protocol(settings.max_header_bytes, settings.max_headers, settings.client_header_timeout),
         # The backend's own Date and Server headers pass through untouched; do not add ours.
         server_header=False, date_header=False,
-        # X-Forwarded-* go to vLLM untouched; kvgate never reads the client's address itself.
+        # The client's address is the socket's: app.proxy appends it to X-Forwarded-For, and a
+        # client's own X-Forwarded-For must not rewrite it.
         proxy_headers=False,
     )
     return 0

@@ -54,6 +54,48 @@ class MethodNotAllowed(KvgateError):
         self.method = method
 
 
+class UnsupportedEncoding(KvgateError):
+    """A body kvgate must read arrived compressed: it parses JSON, not gzip."""
+
+    code = "unsupported_content_encoding"
+
+    def __init__(self, encoding: str) -> None:
+        super().__init__(
+            f"kvgate reads request bodies as plain JSON; Content-Encoding {encoding[:40]!r} is not supported."
+        )
+
+
+class ClientTooSlow(KvgateError):
+    """The client stopped sending its body: the connection is not worth holding."""
+
+    code = "request_timeout"
+
+    def __init__(self, idle_s: float) -> None:
+        super().__init__(f"The request body stalled: nothing arrived for {idle_s:g} s.")
+
+
+class RouteNotForwarded(KvgateError):
+    """A path kvgate neither gates nor was told to pass through (--passthrough-paths)."""
+
+    code = "route_not_forwarded"
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"kvgate does not forward {path[:200]!r}: only the gated completions and chat routes "
+            "and --passthrough-paths reach the backend."
+        )
+
+
+class TooManyJsonValues(BodyTooLarge):
+    """A body with more JSON values than kvgate parses: the parse alone would hold the loop."""
+
+    def __init__(self, values: int, limit: int) -> None:
+        KvgateError.__init__(
+            self, f"The body holds about {values:,} JSON values; kvgate parses at most {limit:,} in one request."
+        )
+        self.values, self.limit = values, limit
+
+
 class ModelNotFound(KvgateError):
     code = "model_not_found"
     param = "model"
@@ -78,6 +120,15 @@ class ContextTooLong(KvgateError):
             f"completion). Please reduce the length of the {where} or max_tokens."
         )
         self.limit, self.requested, self.param = limit, requested, param
+
+
+class PromptExceedsContext(ContextTooLong):
+    """The prompt alone is longer than max_model_len, known before tokenizing all of it (a bound
+    on characters per token, app.tokens)."""
+
+    def __init__(self, message: str, limit: int, tokens_at_least: int, param: str) -> None:
+        KvgateError.__init__(self, message)
+        self.limit, self.requested, self.param = limit, tokens_at_least, param
 
 
 class NeverFits(KvgateError):

@@ -126,12 +126,20 @@ class MediaCounting:
         self._images = images
         self.source = inner.source
 
-    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._inner.encode_prompt(prompt, add_special_tokens)
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        return await self._inner.encode_prompt(prompt, add_special_tokens, max_tokens)
 
-    async def encode_chat(self, chat: ChatRequest) -> list[int]:
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[list[int]]:
+        return await self._inner.encode_prompts(prompts, add_special_tokens, max_tokens)
+
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
+        # The text's bound holds with images too: their tokens only add to the text's.
         text_chat, keys = with_placeholders(chat, self._images)
-        ids = await self._inner.encode_chat(text_chat)
+        ids = await self._inner.encode_chat(text_chat, max_tokens)
         if not keys:
             return ids
         assert self._images is not None

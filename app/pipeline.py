@@ -7,15 +7,27 @@ once it has learned the backend. Each step raises a domain error (app.errors), n
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.errors import BackendDown, ModelNotFound, NotReady, TokenizationFailed, TokenizerUnavailable
+from app.errors import (
+    BackendDown,
+    ModelNotFound,
+    NotReady,
+    PromptExceedsContext,
+    TokenizationFailed,
+    TokenizerUnavailable,
+)
 from app.gate.budget import Budget
 from app.openai import Endpoint, RequestSpec, parse_request
 from app.predict import Prediction, Predictor
-from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer
+from app.tokens import BackendTokenizeError, PromptTooLong, TokenizationError, Tokenizer
+
+# Prompts beyond which a completions request is predicted in a worker thread: the prediction is
+# Python, so from a thread the event loop still gets its turn every few milliseconds.
+PREDICT_OFFLOAD_PROMPTS = 16
 
 
 @dataclass(frozen=True)
@@ -27,12 +39,15 @@ class Evaluation:
 
 class RequestPipeline:
     def __init__(
-        self, budget: Budget, why_not_ready: Callable[[], str | None], on_tokenized: Callable[[float], None]
+        self, budget: Budget, why_not_ready: Callable[[], str | None], on_tokenized: Callable[[float], None],
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.budget = budget
         self.tokenizer: Tokenizer | None = None
         self.predictor: Predictor | None = None
+        self.max_model_len: int | None = None  # tokenization stops once a prompt is known to pass it
         self.served_names: set[str] = set()
+        self.trust_request_chat_template = trust_request_chat_template
         self._why_not_ready = why_not_ready
         self._on_tokenized = on_tokenized
 
@@ -45,7 +60,7 @@ class RequestPipeline:
 
     async def predict(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
         """Parse, tokenize and predict, without judging whether it could ever fit."""
-        spec = parse_request(endpoint, raw)
+        spec = parse_request(endpoint, raw, trust_request_chat_template=self.trust_request_chat_template)
         if self.predictor is None or self.tokenizer is None:
             raise NotReady(self._why_not_ready())
         if spec.model is not None and self.served_names and spec.model not in self.served_names:
@@ -54,19 +69,24 @@ class RequestPipeline:
         prompts = await self._token_ids(spec)
         tokenize_s = time.perf_counter() - started
         self._on_tokenized(tokenize_s)
-        prediction = self.predictor.predict(spec, prompts)
+        if len(prompts) > PREDICT_OFFLOAD_PROMPTS:
+            prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts)
+        else:
+            prediction = self.predictor.predict(spec, prompts)
         return Evaluation(spec, prediction, tokenize_s)
 
     async def _token_ids(self, spec: RequestSpec) -> list[list[int]]:
         assert self.tokenizer is not None
+        limit = self.max_model_len
         try:
             if spec.chat is not None:
-                return [await self.tokenizer.encode_chat(spec.chat)]
-            # A loop, not a comprehension: one with an await inside is a coroutine of its own.
-            prompts: list[list[int]] = []
-            for p in spec.prompts:
-                prompts.append(p if isinstance(p, list) else await self.tokenizer.encode_prompt(p, spec.add_special_tokens))
-            return prompts
+                return [await self.tokenizer.encode_chat(spec.chat, limit)]
+            texts = [p for p in spec.prompts if isinstance(p, str)]
+            encoded = iter(await self.tokenizer.encode_prompts(texts, spec.add_special_tokens, limit) if texts else ())
+            return [p if isinstance(p, list) else next(encoded) for p in spec.prompts]
+        except PromptTooLong as exc:
+            where = "messages" if spec.chat is not None else "prompt"
+            raise PromptExceedsContext(str(exc), exc.max_tokens, exc.tokens_at_least, where) from exc
         except TokenizationError as exc:
             raise TokenizationFailed(str(exc)) from exc
         except BackendTokenizeError as exc:

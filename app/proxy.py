@@ -17,9 +17,17 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.errors import BackendBroke, BackendDown, BackendTimedOut
+from app.errors import BackendBroke, BackendDown, BackendTimedOut, InvalidField, RouteNotForwarded
+from app.http.asgi import disconnect_future
 from app.output_count import OutputTokenCounter
-from app.upstream import ConnectionPool, UpstreamError, UpstreamResponse, UpstreamTimeout
+from app.upstream import (
+    ConnectionPool,
+    InvalidRequestHeader,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -44,14 +52,20 @@ class Backend:
     never starves the scrapes the budget depends on.
     """
 
-    def __init__(self, base_url: str, timeout_s: float, max_connections: int = 1024) -> None:
+    def __init__(
+        self, base_url: str, timeout_s: float, max_connections: int = 1024,
+        connect_timeout_s: float = 5.0, pool_timeout_s: float = 30.0,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10.0))
         self.tokenize_client = httpx.AsyncClient(
             base_url=self.base_url, timeout=httpx.Timeout(30.0, pool=None),
             limits=httpx.Limits(max_connections=TOKENIZE_CONNECTIONS),
         )
-        self.pool = ConnectionPool(self.base_url, read_timeout_s=timeout_s, max_connections=max_connections)
+        self.pool = ConnectionPool(
+            self.base_url, read_timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections, pool_timeout_s=pool_timeout_s,
+        )
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -62,10 +76,17 @@ class Backend:
         self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> UpstreamResponse:
         """Send a request (`target`: raw path and query) and return once the response head is
-        in; BackendTimedOut, BackendDown or BackendBroke when it cannot be."""
+        in, or the domain error that says why it cannot be: InvalidField for a header that cannot
+        be sent, BackendDown when nothing reached the backend (refused, no connection in time),
+        BackendTimedOut when it was sent and the backend stayed silent, BackendBroke when it broke
+        the exchange."""
         try:
             return await self.pool.request(method, target, headers, body)
-        except (TimeoutError, UpstreamTimeout) as exc:  # before OSError: TimeoutError is one
+        except InvalidRequestHeader as exc:
+            raise InvalidField(f"A request header cannot be forwarded: {exc}.", code="invalid_header") from None
+        except UpstreamUnavailable as exc:
+            raise BackendDown(f"The backend is unavailable: {exc}.") from exc
+        except (UpstreamTimeout, asyncio.TimeoutError) as exc:  # before OSError: TimeoutError is one
             raise BackendTimedOut() from exc
         except OSError as exc:
             raise BackendDown(
@@ -75,10 +96,49 @@ class Backend:
             raise BackendBroke(str(exc)) from exc
 
 
-def forward_headers(raw: Iterable[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
-    """The client's headers (ASGI's lower-case byte pairs) minus hop-by-hop ones, with the
-    request id kvgate uses."""
-    out = [(k, v) for k, v in raw if k not in _NOT_FORWARDED]
+async def open_while_client_waits(
+    backend: Backend, receive: Receive, method: str, target: bytes,
+    headers: list[tuple[bytes, bytes]], body: bytes,
+) -> UpstreamResponse | None:
+    """Backend.open, or None if the client leaves first: the half-open exchange is then
+    cancelled, which closes its connection, and vLLM aborts the request.
+
+    vLLM sends a non-streaming answer's head only when the answer is complete, so a client that
+    hangs up meanwhile would otherwise keep its reservation, and vLLM its generation, to the end.
+    """
+    opening = asyncio.ensure_future(backend.open(method, target, headers, body))
+    gone = disconnect_future(receive)
+    try:
+        await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not opening.done():
+            opening.cancel()
+            await asyncio.wait((opening,))  # its connection is closed once it has unwound
+    if opening.cancelled():
+        return None
+    return opening.result()
+
+
+def forward_headers(
+    raw: Iterable[tuple[bytes, bytes]], request_id: str, client: tuple[str, int] | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The client's headers (ASGI's lower-case byte pairs) minus hop-by-hop ones and those its
+    Connection header names (RFC 9110 7.6.1), with the request id kvgate uses and the client's
+    address appended to X-Forwarded-For."""
+    raw = list(raw)
+    named = {
+        token.strip().lower()
+        for key, value in raw if key == b"connection"
+        for token in value.split(b",")
+    }
+    dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
+    if client is None:  # no peer address (a Unix socket): the chain goes on as it came
+        out = [(k, v) for k, v in raw if k not in dropped]
+    else:
+        out = [(k, v) for k, v in raw if k not in dropped and k != b"x-forwarded-for"]
+        chain = [v for k, v in raw if k == b"x-forwarded-for"]
+        out.append((b"x-forwarded-for", b", ".join([*chain, client[0].encode("latin-1")])))
     out.append((b"x-request-id", request_id.encode("latin-1")))
     return out
 
@@ -179,10 +239,23 @@ class Relay(Response):
         return "refused_by_backend" if self.status_code >= 400 else "completed"
 
 
+def passthrough_allowed(setting: str) -> frozenset[str]:
+    """--passthrough-paths as the set of paths it names."""
+    return frozenset(path.strip() for path in setting.split(",") if path.strip())
+
+
+def check_passthrough(path: str, allowed: frozenset[str]) -> None:
+    """404 for a path kvgate neither gates nor was told to forward. Forwarding everything let
+    vLLM's other generation routes (/invocations, /v1/responses, ...) and its admin routes
+    bypass the gate, and `/v1/completions/` came back as a redirect to vLLM's own address."""
+    if path not in allowed:
+        raise RouteNotForwarded(path)
+
+
 async def passthrough(
     backend: Backend, method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]],
-    body: bytes, request_id: str,
+    body: bytes, request_id: str, client: tuple[str, int] | None = None,
 ) -> Relay:
     """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
-    upstream = await backend.open(method, target, forward_headers(headers, request_id), body)
+    upstream = await backend.open(method, target, forward_headers(headers, request_id, client), body)
     return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome, tokens: None)

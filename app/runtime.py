@@ -37,6 +37,10 @@ from app.tokens import load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
 
+# Prompts beyond which a request is predicted in a worker thread: 1,024 prompts of 400 token ids
+# took 0.3 s of prediction (prefix-block hashing), too long to hold the event loop.
+PREDICT_OFFLOAD_PROMPTS = 16
+
 
 def freeze_start_up_heap() -> None:
     """Exempt what start-up loaded (modules, tokenizer, templates: ~110k objects) from the
@@ -52,7 +56,10 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.metrics = KvgateMetrics()
-        self.backend = Backend(settings.backend, settings.upstream_timeout)
+        self.backend = Backend(
+            settings.backend, settings.upstream_timeout, connect_timeout_s=settings.upstream_connect_timeout,
+            pool_timeout_s=settings.upstream_pool_timeout,
+        )
         outputs = OutputLengths(settings.kv_output_quantile)
         self.budget = Budget(transient_margin=settings.transient_safety_margin, kv_margin_z=outputs.z)
         gate_metrics = GateMetrics(self.metrics)
@@ -62,7 +69,10 @@ class Runtime:
             settings.max_queue, settings.max_queue_wait, outputs=outputs,
         )
         gate_metrics.watch(self.gate)
-        self.pipeline = RequestPipeline(self.budget, lambda: self.startup_error, self.metrics.tokenization.observe)
+        self.pipeline = RequestPipeline(
+            self.budget, lambda: self.startup_error, self.metrics.tokenization.observe,
+            trust_request_chat_template=settings.trust_request_chat_template,
+        )
         self.geometry: ModelGeometry | None = None
         self.deployment: Deployment | None = None
         self.disagreements = Disagreements()  # flags the backend contradicts, each said once
@@ -138,7 +148,10 @@ class Runtime:
             self.disagreements)
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.pipeline.tokenizer is None:
-            self.pipeline.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
+            self.pipeline.tokenizer = load_tokenizer(
+                self.settings.model, self.backend.tokenize_client, model_name,
+                self.settings.request_chat_template_timeout,
+            )
             freeze_start_up_heap()
         self._configure(deployment)
         self.startup_error = None
@@ -170,6 +183,7 @@ class Runtime:
         )
         limits = static_limits(deployment, predictor, settings.free_memory_bytes, settings.gpu_memory_bytes)
         self.deployment, self.pipeline.predictor = deployment, predictor
+        self.pipeline.max_model_len = deployment.max_model_len
         self.budget.update(**asdict(limits))
 
     @property
@@ -182,7 +196,8 @@ class Runtime:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
         self.geometry = ModelGeometry.from_folder(self.settings.model)
         self.pipeline.tokenizer = load_tokenizer(
-            self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or ""
+            self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "",
+            self.settings.request_chat_template_timeout,
         )
         self._configure(resolve(engine_flags(self.settings), self.geometry, None, None))
 

@@ -125,8 +125,11 @@ class Settings(BaseSettings):
 
     max_queue: int = Field(1024, ge=0, description="Requests that may wait for admission.")
     max_queue_wait: float = Field(30.0, gt=0, description="Seconds a request may wait, at most.")
-    tenant_header: str = Field(
-        "x-kvgate-tenant", description="Header naming the tenant; default tenant: the API key."
+    tenant_header: str | None = Field(
+        None,
+        description="Header a trusted gateway in front of kvgate sets to name the tenant; unset: "
+        "the tenant is a digest of the API key and no client header is read (a client naming its "
+        "own tenant could take every turn).",
     )
     max_body_bytes: int = Field(
         32 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
@@ -135,6 +138,51 @@ class Settings(BaseSettings):
         600.0, gt=0, description="Seconds to wait for the backend's next byte."
     )
     log_level: str = Field("info", description="Python log level.")
+
+    # Hostile clients (issue 15): what one request may cost kvgate.
+    trust_request_chat_template: bool = Field(
+        False,
+        description="vLLM --trust-request-chat-template: accept a request's own chat_template "
+        "(refused with 400 otherwise, as vLLM does); set it when vLLM has it. Rendered in a "
+        "sandbox under --request-chat-template-timeout.",
+    )
+    request_chat_template_timeout: float = Field(
+        1.0, gt=0, description="Seconds a request's own chat template may take to render (400 beyond)."
+    )
+    priority_header: str | None = Field(
+        None,
+        description="Header a trusted gateway sets to give a request's queue priority (an integer, "
+        "lower first); unset: no header is read.",
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, gt=0, description="Largest request head (request line and headers) accepted (431 beyond)."
+    )
+    max_headers: int = Field(100, gt=0, description="Most headers a request may carry (431 beyond).")
+    client_header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a client may take to send a request head (408 beyond)."
+    )
+    client_body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a client may leave between two parts of a request body (408 beyond)."
+    )
+    upstream_connect_timeout: float = Field(
+        5.0, gt=0, description="Seconds to wait for the backend to accept a connection (503 beyond)."
+    )
+    upstream_pool_timeout: float = Field(
+        30.0, gt=0,
+        description="Seconds a request may wait for one of kvgate's 1,024 backend connections (503 beyond).",
+    )
+    passthrough_paths: str = Field(
+        "/v1/models, /health, /ping, /version, /load, /tokenize, /detokenize",
+        description="Paths forwarded to vLLM untouched, comma-separated, matched exactly; any other "
+        "path but the gated completions and chat routes gets 404. vLLM 0.32 also serves generation "
+        "kvgate does not gate (/invocations, /v1/responses, /v1/messages, /inference/v1/generate, "
+        "embeddings, pooling) and admin routes (/sleep, /pause, /collective_rpc, ...).",
+    )
+    trust_request_priority: bool = Field(
+        False,
+        description="Order kvgate's queue by the body's `priority` field; off: every request has "
+        "priority 0 in kvgate's queue (the field still reaches vLLM), so no client can jump the line.",
+    )
 
 
 def _flag(name: str) -> str:

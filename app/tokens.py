@@ -6,13 +6,21 @@ Chat requests are rendered by app.chat_template (vLLM's preprocessing) and then 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from app.chat_template import ChatRequest, TokenizationError, render_chat
+from app.chat_template import (
+    ChatRequest,
+    TemplateBudget,
+    TokenizationError,
+    render_chat,
+    render_within_budget,
+)
 from app.multimodal import MediaCounting, image_tokens_of
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -24,14 +32,64 @@ class BackendTokenizeError(RuntimeError):
     """The backend's /tokenize failed for reasons other than a bad request."""
 
 
+class PromptTooLong(TokenizationError):
+    """The text has more tokens than `max_tokens` for certain, known without tokenizing it all."""
+
+    def __init__(self, tokens_at_least: int, max_tokens: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_tokens} tokens. However, the prompt "
+            f"has at least {tokens_at_least:,} tokens. Please reduce the length of the prompt."
+        )
+        self.tokens_at_least, self.max_tokens = tokens_at_least, max_tokens
+
+
 class Tokenizer(Protocol):
     source: str  # "local" | "backend"
 
-    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]: ...
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]: ...
 
-    async def encode_chat(self, chat: ChatRequest) -> list[int]: ...
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[list[int]]: ...
+
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]: ...
 
 
+# How many characters of input one character of a normalizer's output can stand for, at most.
+# Prepend, Lowercase, single-character Replace and the decompositions never shorten a text; the
+# compositions (NFC, NFKC) join at most 4 code points into one (the longest canonical
+# decomposition, e.g. U+1FAF). Others (accent or whitespace stripping, regex Replace) can drop
+# any amount, and a tokenizer with them gets no character bound.
+_NORMALIZER_SHRINK = {"Prepend": 1, "Lowercase": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Replace": 1}
+# Output budget of a request template when the tokenizer gives no character bound.
+DEFAULT_TEMPLATE_CHARS = 4 * 1024 * 1024
+# Messages beyond which the model's template renders in a worker thread: rendering is Python,
+# which gives the event loop its turn every few milliseconds from a thread, never inline.
+RENDER_OFFLOAD_MESSAGES = 64
+
+
+def max_chars_per_token(rust: Any) -> int | None:
+    """Most characters of input text one token can stand for, or None when the normalizer may
+    drop text (then no count of characters says anything certain about the count of tokens).
+
+    Byte-level vocabularies spell each byte as one character, so an entry's length is its bytes,
+    never fewer than the characters it decodes to; SentencePiece-style entries spell characters
+    one for one ("\u2581" for a space); byte-fallback entries (<0x0A>) are longer than the byte.
+    """
+    normalizer = json.loads(rust.to_str()).get("normalizer")
+    shrink = 1
+    for part in [] if normalizer is None else normalizer.get("normalizers", [normalizer]):
+        kind = part.get("type")
+        if kind not in _NORMALIZER_SHRINK:
+            return None
+        if kind == "Replace" and (
+            not part.get("content") or len(part.get("pattern", {}).get("String") or "xx") != 1
+        ):
+            return None  # only single characters replaced by something
+        shrink *= _NORMALIZER_SHRINK[kind]
+    return shrink * max(len(entry) for entry in rust.get_vocab(with_added_tokens=True))
 
 
 class LocalTokenizer:
@@ -43,7 +101,9 @@ class LocalTokenizer:
 
     source = "local"
 
-    def __init__(self, model_dir: str | Path, offload_threshold_chars: int = 4000) -> None:
+    def __init__(
+        self, model_dir: str | Path, offload_threshold_chars: int = 4000, template_seconds: float = 1.0,
+    ) -> None:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -51,25 +111,61 @@ class LocalTokenizer:
         # tokenizers >= 0.21 has the offset-free batch call; with an older one, plain `encode`.
         self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
         self._threshold = offload_threshold_chars
+        self._template_seconds = template_seconds
+        self.max_chars_per_token = max_chars_per_token(self._rust) if self._rust is not None else None
 
-    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        if not isinstance(prompt, str):
-            raise TokenizationError("prompt must be a string")
-        return await self._encode(prompt, add_special_tokens)
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        return (await self.encode_prompts([prompt], add_special_tokens, max_tokens))[0]
 
-    async def encode_chat(self, chat: ChatRequest) -> list[int]:
-        rendered = self.render_chat(chat)
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[list[int]]:
+        """All of a request's text prompts in one batch: 1,024 prompts encoded one by one on the
+        event loop held it for seconds."""
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                raise TokenizationError("prompt must be a string")
+            self._refuse_certainly_too_long(prompt, max_tokens)
+        return await self._encode(prompts, add_special_tokens)
+
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
+        """A request's own template renders in a thread under a time and output budget; the
+        model's template (the operator's) renders inline."""
+        if chat.carries_template:
+            budget = TemplateBudget(self._template_seconds, self._char_bound(max_tokens) or DEFAULT_TEMPLATE_CHARS)
+            rendered = await render_within_budget(lambda: self.render_chat(chat), budget)
+        elif len(chat.messages) > RENDER_OFFLOAD_MESSAGES:
+            rendered = await asyncio.to_thread(self.render_chat, chat)
+        else:
+            rendered = self.render_chat(chat)
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize
             return rendered
-        return await self._encode(rendered, chat.add_special_tokens)
+        self._refuse_certainly_too_long(rendered, max_tokens)
+        return (await self._encode([rendered], chat.add_special_tokens))[0]
 
-    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Long texts go to a worker thread: BPE on 100k characters takes tens of ms."""
-        if len(text) > self._threshold:
-            return await asyncio.to_thread(self._encode_now, text, add_special_tokens)
-        return self._encode_now(text, add_special_tokens)
+    def _char_bound(self, max_tokens: int | None) -> int | None:
+        """Characters beyond which a text has more than `max_tokens` tokens for certain."""
+        if max_tokens is None or self.max_chars_per_token is None:
+            return None
+        return max_tokens * self.max_chars_per_token
 
-    def _encode_now(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """Refuse before tokenizing a text that cannot fit: a 30 MiB prompt took 22 s and 6 GiB
+        to tokenize only to be refused for its length."""
+        bound = self._char_bound(max_tokens)
+        if bound is not None and max_tokens is not None and len(text) > bound:
+            raise PromptTooLong(math.ceil(len(text) / self.max_chars_per_token), max_tokens)  # type: ignore[operator]
+
+    async def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Long texts go to a worker thread (the Rust tokenizer lets go of the GIL): BPE on 100k
+        characters takes tens of ms."""
+        if sum(len(text) for text in texts) > self._threshold:
+            return await asyncio.to_thread(self._encode_now, texts, add_special_tokens)
+        return self._encode_now(texts, add_special_tokens)
+
+    def _encode_now(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         # tokenizer.encode is the call vLLM itself makes: transformers runs it as the Rust
         # `encode_batch([text])`. `encode_batch_fast` is the same pipeline (added tokens,
         # normalizer, pre-tokenizer, model, post-processor) without the character offsets nobody
@@ -78,9 +174,9 @@ class LocalTokenizer:
         rust = self._rust
         if rust is not None and _in_encode_state(rust, self._tok):
             if self._batch_fast is not None:
-                return self._batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-            return rust.encode(text, add_special_tokens=add_special_tokens).ids
-        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+                return [e.ids for e in self._batch_fast(texts, add_special_tokens=add_special_tokens)]
+            return [rust.encode(text, add_special_tokens=add_special_tokens).ids for text in texts]
+        return [self._tok.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
     def render_chat(self, chat: ChatRequest) -> str | list[int]:
         """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
@@ -123,12 +219,23 @@ class BackendTokenizer:
         self._client = client
         self._model = model_name
 
-    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[int]:
+        """`max_tokens` is vLLM's to enforce here: without the tokenizer files kvgate has no
+        bound on characters per token."""
         return await self._tokenize(
             {"model": self._model, "prompt": prompt, "add_special_tokens": add_special_tokens}
         )
 
-    async def encode_chat(self, chat: ChatRequest) -> list[int]:
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> list[list[int]]:
+        """One /tokenize call a prompt (it takes one prompt), one after the other: a batch never
+        takes more than its share of the backend's tokenizer connections."""
+        return [await self.encode_prompt(prompt, add_special_tokens, max_tokens) for prompt in prompts]
+
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
         # /tokenize has no `documents` field; the template sees it as a kwarg either way.
         kwargs = chat.chat_template_kwargs
         if chat.documents is not None:
@@ -180,14 +287,14 @@ def _error_message(response: httpx.Response) -> str:
 
 
 def load_tokenizer(
-    model_dir: str | Path | None, client: httpx.AsyncClient, model_name: str
+    model_dir: str | Path | None, client: httpx.AsyncClient, model_name: str, template_seconds: float = 1.0,
 ) -> Tokenizer:
     """Local when the model folder holds a tokenizer (no network per request), else the backend;
     either way images are counted (or refused) by app.multimodal, never passed through uncounted."""
     images = image_tokens_of(model_dir)
     if has_local_tokenizer(model_dir):
         assert model_dir is not None
-        return MediaCounting(LocalTokenizer(model_dir), images)
+        return MediaCounting(LocalTokenizer(model_dir, template_seconds=template_seconds), images)
     log.warning(
         "the model folder %s has no tokenizer files (%s): kvgate counts tokens through the "
         "backend's /tokenize, one round trip per request", model_dir, ", ".join(_TOKENIZER_FILES),

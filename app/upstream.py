@@ -31,6 +31,28 @@ class UpstreamTimeout(UpstreamError):
     """Nothing arrived from the backend within the read timeout."""
 
 
+class UpstreamUnavailable(Exception):
+    """Nothing was sent: the backend did not accept a connection in time, or every pooled
+    connection stayed busy past the pool timeout. The request may be tried again unchanged."""
+
+
+class InvalidRequestHeader(ValueError):
+    """A header kvgate was asked to send could split or forge the request (CR, LF, NUL, or a
+    name that is not an HTTP token)."""
+
+
+# RFC 9110 token characters, the only ones a header name may hold.
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+def check_header(name: bytes, value: bytes) -> None:
+    """Refuse what would change the meaning of the request head kvgate writes."""
+    if not name or not _TOKEN.issuperset(name):
+        raise InvalidRequestHeader(f"header name {name[:40]!r} is not an HTTP token")
+    if b"\r" in value or b"\n" in value or b"\0" in value:
+        raise InvalidRequestHeader(f"header {name[:40]!r} holds CR, LF or NUL")
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection: the transport, its response parser and what has arrived."""
 
@@ -54,8 +76,10 @@ class Connection(asyncio.Protocol):
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
+        self._interim = False  # parsing a 1xx response, to be skipped
         self.complete = False
         self.keep_alive = False
+        self._extra = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
 
@@ -72,6 +96,10 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamError(f"malformed response from the backend ({exc})"))
             self.close()
+            return
+        if self._extra:  # a second response in the same segment: answers nothing kvgate asked
+            self.keep_alive = False
+            self.close()
 
     def eof_received(self) -> bool:
         return False  # let the transport close; connection_lost follows
@@ -80,19 +108,30 @@ class Connection(asyncio.Protocol):
         self.closed = True
         if self.complete:
             return
-        if self.status and not self._has_length():  # a body delimited by the end of the connection
+        # A body delimited by the end of the connection ends with a clean close (EOF); a reset
+        # cuts it short, and what arrived must not be relayed as the whole answer.
+        if self.status and not self._has_length() and exc is None:
             self.complete = True
             self._wake()
         else:
             self._fail(UpstreamError(f"the backend closed the connection ({type(exc).__name__ if exc else 'EOF'})"))
 
     # -- httptools callbacks -----------------------------------------------------------------
+    # Once the response is complete, llhttp goes on parsing whatever else the same data held as
+    # a next response; `_extra` notes it and the callbacks leave this response alone.
+    def on_message_begin(self) -> None:
+        self._extra = self.complete
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers.append((name, value))
+        if not self._extra:
+            self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._extra:
+            return
         status = self._parser.get_status_code()
-        if 100 <= status < 200:  # an interim response: the real one follows
+        self._interim = 100 <= status < 200
+        if self._interim:  # an interim response: the real one follows
             self.raw_headers = []
             return
         self.status = status
@@ -103,7 +142,7 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self._head_only:
+        if self._head_only or self._extra:
             return
         self._chunks.append(body)
         self._buffered += len(body)
@@ -113,7 +152,7 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if self.status:  # not the end of an interim response
+        if not self._interim and not self._extra and self.status:
             self.complete = True
             self._wake()
 
@@ -237,7 +276,7 @@ class ConnectionPool:
     """Keep-alive connections to one backend, at most `max_connections` in use at once."""
 
     def __init__(self, base_url: str, read_timeout_s: float, connect_timeout_s: float = 5.0,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, pool_timeout_s: float = 30.0) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"the backend URL must be http(s)://HOST[:PORT], got {base_url!r}")
@@ -249,19 +288,28 @@ class ConnectionPool:
         self._host_line = b"host: " + host.encode("idna") + b"\r\n"
         self._read_timeout_s = read_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        self._pool_timeout_s = pool_timeout_s
+        self._max_connections = max_connections
         self._idle: list[Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
 
     async def request(
         self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> UpstreamResponse:
-        """Send a request and return once the response head is in; OSError if it cannot connect,
-        asyncio.TimeoutError if connecting takes too long, UpstreamError for anything after."""
-        await self._slots.acquire()
+        """Send a request and return once the response head is in. InvalidRequestHeader before
+        anything is sent; OSError if the backend refuses the connection; UpstreamUnavailable if
+        no connection could be had in time (nothing sent either); UpstreamError after sending."""
+        head = self._head(method, target, headers, body)
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
+        except TimeoutError:
+            raise UpstreamUnavailable(
+                f"all {self._max_connections} connections to the backend stayed busy for {self._pool_timeout_s:g} s"
+            ) from None
         conn: Connection | None = None
         try:
             conn = await self._connection()
-            conn.send(self._head(method, target, headers, body), body, method == "HEAD")
+            conn.send(head, body, method == "HEAD")
             await conn.read_head()
             return UpstreamResponse(self, conn)
         except BaseException:
@@ -291,17 +339,23 @@ class ConnectionPool:
                 return conn
             conn.close()
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(
-                lambda: Connection(self._read_timeout_s), self.host, self.port, ssl=self._ssl or None,
-            ),
-            self._connect_timeout_s,
-        )
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: Connection(self._read_timeout_s), self.host, self.port, ssl=self._ssl or None,
+                ),
+                self._connect_timeout_s,
+            )
+        except TimeoutError:
+            raise UpstreamUnavailable(
+                f"the backend did not accept a connection in {self._connect_timeout_s:g} s"
+            ) from None
         return conn
 
     def _head(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
         lines = [method.encode(), b" ", self._prefix, target, b" HTTP/1.1\r\n", self._host_line]
         for name, value in headers:
+            check_header(name, value)
             lines += (name, b": ", value, b"\r\n")
         if body or method in ("POST", "PUT", "PATCH"):
             lines += (b"content-length: ", str(len(body)).encode(), b"\r\n")

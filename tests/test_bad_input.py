@@ -22,7 +22,8 @@ def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) ->
     with running_kvgate(
         vllm_server.base_url, vllm_server.model_dir, tmp_path_factory.mktemp("kvgate-bad"),
         "--max-body-bytes", "65536", "--free-memory-bytes", str(8 * 1024**2),
-        "--transient-safety-margin", "0",
+        "--transient-safety-margin", "0", "--trust-request-chat-template",
+        "--priority-header", "x-kvgate-priority",
     ) as server:
         yield server
 

@@ -9,7 +9,7 @@ import pytest
 
 from app.errors import ClientGone, QueueFull, QueueTimeout
 from app.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
-from app.gate.drain import DrainRate
+from app.gate.drain import RETRY_AFTER_CAP_S, DrainRate
 from app.gate.gate import Gate
 from app.gate.ledger import Ledger
 from app.gate.observer import Observers
@@ -215,7 +215,8 @@ class TestQueue:
         queue.push(second)
         with pytest.raises(QueueAtCapacity):
             queue.push(self._waiter(0, "a"))
-        assert queue.position(second) == 1
+        assert queue.blocks_ahead(0, second.seq) == 1  # the first's one block
+        assert queue.blocks_ahead(0) == 2 and queue.blocks_ahead(-1) == 0
         assert queue.remove(first) is True
         assert queue.remove(first) is False
         assert queue.peek() is second and len(queue) == 1
@@ -233,12 +234,31 @@ class TestDrainRate:
     def test_retry_after_follows_the_observed_rate(self) -> None:
         clock = FakeClock()
         drain = DrainRate(window_s=10.0, clock=clock)
-        assert drain.retry_after(ahead=5, fallback_s=30) == 30  # nothing drained yet
+        assert drain.retry_after(50, busy=False, fallback_s=30) == 30  # nothing drained yet
         clock.now += 10
-        for _ in range(20):  # 2 completions per second
-            drain.record()
-        assert drain.retry_after(ahead=9, fallback_s=30) == 5  # (9 + 1) / 2
-        assert drain.retry_after(ahead=99, fallback_s=30) == 50
+        for _ in range(20):  # 2 completions of 4 blocks per second: 8 blocks/s
+            drain.record(4)
+        assert drain.retry_after(40, busy=True, fallback_s=30) == 5
+        assert drain.retry_after(800, busy=True, fallback_s=30) == 100
+
+    def test_small_completions_do_not_promise_a_long_line_a_short_wait(self) -> None:
+        """Issue 15, finding 6: many small answers drained, the line ahead holds big requests."""
+        clock = FakeClock()
+        drain = DrainRate(window_s=30.0, clock=clock)
+        clock.now += 30
+        for _ in range(60):  # 2 small (1-block) answers a second
+            drain.record(1)
+        # 20 requests of 900 blocks in front: 18,000 blocks at 2 blocks/s, capped at ten minutes.
+        assert drain.retry_after(20 * 900, busy=True, fallback_s=30) == RETRY_AFTER_CAP_S
+        assert drain.retry_after(900, busy=True, fallback_s=30) == 450
+
+    def test_nothing_drained_while_work_runs_is_the_cap(self) -> None:
+        clock = FakeClock()
+        drain = DrainRate(window_s=30.0, clock=clock)
+        drain.record(10)
+        clock.now += 31  # the last release left the window
+        assert drain.retry_after(10, busy=True, fallback_s=30) == RETRY_AFTER_CAP_S
+        assert drain.retry_after(10, busy=False, fallback_s=30) == 30
 
 
 def metered_gate(budget: Budget, max_queue: int = 8, wait_s: float = 5.0) -> tuple[Gate, KvgateMetrics]:

@@ -236,16 +236,16 @@ async def test_long_texts_are_encoded_off_the_event_loop(tiny_model_dir, monkeyp
     threads: list[threading.Thread] = []
     encode = tokenizer._encode_now
 
-    def spy(text: str, add_special_tokens: bool) -> list[int]:
+    def spy(texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         threads.append(threading.current_thread())
-        return encode(text, add_special_tokens)
+        return encode(texts, add_special_tokens)
 
     monkeypatch.setattr(tokenizer, "_encode_now", spy)
     short = await tokenizer.encode_prompt("x" * 100)
     long = await tokenizer.encode_chat(ChatRequest(messages=[{"role": "user", "content": "y" * 101}]))
     assert threads[0] is threading.main_thread()
     assert threads[1] is not threading.main_thread()
-    assert short == encode("x" * 100, True) and long
+    assert [short] == encode(["x" * 100], True) and long
 
 
 @pytest.mark.parametrize(
@@ -342,7 +342,7 @@ ENCODE_TEXTS = [
 def test_direct_rust_encode_equals_transformers(local_tokenizer, text, add_special_tokens):
     assert local_tokenizer._rust is not None  # the tiny model's tokenizer takes the direct path
     assert local_tokenizer._batch_fast is not None  # tokenizers >= 0.21: the offset-free call
-    direct = local_tokenizer._encode_now(text, add_special_tokens)
+    [direct] = local_tokenizer._encode_now([text], add_special_tokens)
     assert direct == local_tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -350,7 +350,7 @@ def test_without_the_offset_free_call_the_direct_path_is_plain_encode(tiny_model
     tokenizer = LocalTokenizer(tiny_model_dir)
     tokenizer._batch_fast = None  # as with tokenizers 0.20
     for text in ENCODE_TEXTS:
-        assert tokenizer._encode_now(text, True) == tokenizer._tok.encode(text, add_special_tokens=True)
+        assert tokenizer._encode_now([text], True) == [tokenizer._tok.encode(text, add_special_tokens=True)]
 
 
 def _variant_tokenizer(dest: Path, kind: str) -> Path:
@@ -414,7 +414,7 @@ def test_direct_rust_encode_equals_transformers_for_other_pipelines(tmp_path, ki
     for text in ENCODE_TEXTS:
         for add_special_tokens in (True, False):
             expected = tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
-            assert tokenizer._encode_now(text, add_special_tokens) == expected, (kind, text)
+            assert tokenizer._encode_now([text], add_special_tokens) == [expected], (kind, text)
 
 
 def test_tokenizer_classes_that_change_encode_are_not_bypassed(tiny_model_dir):
@@ -435,4 +435,4 @@ def test_tokenizer_classes_that_change_encode_are_not_bypassed(tiny_model_dir):
 def test_truncation_left_by_a_template_call_is_not_applied(tiny_model_dir):
     tokenizer = LocalTokenizer(tiny_model_dir)
     tokenizer._rust.enable_truncation(max_length=3)  # as apply_chat_template(truncation=True) leaves it
-    assert len(tokenizer._encode_now(LONG, True)) > 800
+    assert len(tokenizer._encode_now([LONG], True)[0]) > 800

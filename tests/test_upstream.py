@@ -9,8 +9,9 @@ from contextlib import asynccontextmanager
 import pytest
 
 from app import upstream
-from app.errors import BackendDown, BackendTimedOut
-from app.proxy import Backend
+from app.errors import BackendDown, BackendTimedOut, InvalidField
+from app.http.errors import error_headers, status_of
+from app.proxy import Backend, forward_headers, open_while_client_waits
 from app.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -299,3 +300,76 @@ async def test_reading_pauses_above_the_high_water_mark(monkeypatch: pytest.Monk
         await asyncio.wait_for(sent.wait(), 5)
         response.release()
         pool.close()
+
+
+async def test_unsendable_headers_are_refused_before_anything_is_sent() -> None:
+    """Issue 15, finding 10: a header value with CR/LF would split the request kvgate writes."""
+    async with server(answering()) as (url, connections):
+        backend = Backend(url, timeout_s=5)
+        for header in [(b"x-a", b"1\r\nx-evil: 1"), (b"x-a", b"1\n"), (b"x-a", b"\0"), (b"bad name", b"1"), (b"", b"1")]:
+            with pytest.raises(InvalidField) as refused:
+                await backend.open("POST", b"/v1/completions", [header], b"{}")
+            assert (status_of(refused.value), refused.value.code) == (400, "invalid_header")
+        assert connections == []
+        response = await backend.open("POST", b"/v1/completions", [(b"x-fine", b"a\tb c")], b"{}")
+        assert response.status == 200
+        response.release()
+        await backend.aclose()
+
+
+async def test_connect_timeout_is_configurable_and_a_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing reached the backend: 503 with Retry-After (it was a 504 after a fixed 5 s)."""
+    async def never_connects(*args: object, **kwargs: object) -> None:
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "create_connection", never_connects)
+    backend = Backend("http://127.0.0.1:9", timeout_s=5, connect_timeout_s=0.1)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(BackendDown) as refused:
+        await backend.open("POST", b"/v1/completions", [], b"{}")
+    assert asyncio.get_running_loop().time() - started < 1
+    assert (status_of(refused.value), refused.value.code) == (503, "backend_unavailable")
+    assert "0.1 s" in refused.value.message and error_headers(refused.value)["Retry-After"]
+    await backend.aclose()
+
+
+async def test_waiting_for_a_pooled_connection_times_out_as_a_503() -> None:
+    async with server(answering(then_hang=True)) as (url, _):
+        backend = Backend(url, timeout_s=5, max_connections=1, pool_timeout_s=0.1)
+        hanging = asyncio.ensure_future(backend.open("POST", b"/v1/completions", [], b"{}"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(BackendDown) as refused:
+            await backend.open("POST", b"/v1/completions", [], b"{}")
+        assert (status_of(refused.value), refused.value.code) == (503, "backend_unavailable")
+        assert "1 connections" in refused.value.message
+        hanging.cancel()
+        await backend.aclose()
+
+
+async def test_a_client_leaving_before_the_head_closes_the_backend_connection() -> None:
+    """vLLM aborts a request whose connection closes: that is how it learns the client left."""
+    closed = asyncio.Event()
+
+    async def generate_slowly(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        if await reader.read() == b"":  # EOF: kvgate closed the connection
+            closed.set()
+
+    async def client_leaves_after_a_while() -> dict:
+        await asyncio.sleep(0.1)
+        return {"type": "http.disconnect"}
+
+    async with server(generate_slowly) as (url, _):
+        backend = Backend(url, timeout_s=30)
+        opened = await open_while_client_waits(backend, client_leaves_after_a_while, "POST", b"/", [], b"{}")
+        assert opened is None
+        await asyncio.wait_for(closed.wait(), 2)
+        await backend.aclose()
+
+
+def test_connection_named_headers_dropped_and_forwarded_for_appended() -> None:
+    raw = [(b"connection", b"close, X-Hop"), (b"x-hop", b"1"), (b"x-forwarded-for", b"203.0.113.7"),
+           (b"x-kept", b"1"), (b"host", b"kvgate"), (b"keep-alive", b"5")]
+    out = forward_headers(raw, "rid", ("10.0.0.2", 5555))
+    assert out == [(b"x-kept", b"1"), (b"x-forwarded-for", b"203.0.113.7, 10.0.0.2"), (b"x-request-id", b"rid")]
+    assert (b"x-forwarded-for", b"203.0.113.7") in forward_headers(raw, "rid", None)

@@ -1,4 +1,10 @@
-"""How fast admitted requests finish, so Retry-After tells the truth instead of a constant."""
+"""How fast admitted work drains, so Retry-After tells the wait a refused request really faces.
+
+Work is counted in KV blocks, the currency of admission: a line of long requests behind the
+head needs as many seconds as its blocks take to free at the rate blocks have been freed lately.
+Counting completions instead made a stream of small, unrelated answers promise `Retry-After: 1`
+to a line that needed 15 minutes.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +13,51 @@ import time
 from collections import deque
 from typing import Callable
 
+# Longest Retry-After kvgate sends: past ten minutes an estimate says only "much later", and a
+# client told to wait longer may as well be told to go elsewhere.
+RETRY_AFTER_CAP_S = 600.0
+
 
 class DrainRate:
-    """Completions per second over a sliding window of recent releases."""
+    """KV blocks freed per second over a sliding window of recent releases."""
 
     def __init__(self, window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self._clock = clock
-        self._releases: deque[float] = deque()
+        self._releases: deque[tuple[float, int]] = deque()
+        self._blocks = 0  # freed by the releases in the window
         self._started = clock()
 
-    def record(self) -> None:
-        """One release. Releases older than the window go as new ones come, not only when a
-        refusal asks for the rate: the window holds ~30 s of releases, not all since start-up."""
+    def record(self, kv_blocks: int) -> None:
+        """One release of `kv_blocks`. Releases older than the window go as new ones come, not
+        only when a refusal asks for the rate: the window holds ~30 s of releases."""
         now = self._clock()
         self._forget_before(now)
-        self._releases.append(now)
+        self._releases.append((now, kv_blocks))
+        self._blocks += kv_blocks
 
-    def rate(self) -> float | None:
-        """Releases per second seen lately, or None before any was seen."""
+    def blocks_per_s(self) -> float | None:
+        """Blocks freed per second lately, or None when none were freed within the window."""
         now = self._clock()
         self._forget_before(now)
-        if not self._releases:
+        if not self._blocks:
             return None
         span = min(self.window_s, max(now - self._started, 1e-3))
-        return len(self._releases) / span
+        return self._blocks / span
 
     def _forget_before(self, now: float) -> None:
         releases = self._releases
-        while releases and now - releases[0] > self.window_s:
-            releases.popleft()
+        while releases and now - releases[0][0] > self.window_s:
+            self._blocks -= releases.popleft()[1]
 
-    def retry_after(self, ahead: int, fallback_s: float, cap_s: float = 600.0) -> int:
-        """Whole seconds until `ahead` more requests have drained at the observed rate."""
-        rate = self.rate()
-        seconds = fallback_s if rate is None else (ahead + 1) / rate
+    def retry_after(self, blocks_ahead: int, *, busy: bool, fallback_s: float, cap_s: float = RETRY_AFTER_CAP_S) -> int:
+        """Whole seconds until `blocks_ahead` (the demand queued in front of a request, plus its
+        own) have drained at the observed rate, at most `cap_s`. Nothing drained within the
+        window: the cap if requests are in flight (`busy`: work runs and none finishes), else
+        `fallback_s` (nothing learned yet)."""
+        rate = self.blocks_per_s()
+        if rate is None:
+            seconds = cap_s if busy else fallback_s
+        else:
+            seconds = max(blocks_ahead, 1) / rate
         return max(1, min(math.ceil(seconds), math.ceil(cap_s)))

@@ -105,7 +105,7 @@ class Gate:
         try:
             self.queue.push(waiter)
         except QueueAtCapacity:
-            retry_after = self.drain.retry_after(len(self.queue), fallback_s=self.max_queue_wait_s)
+            retry_after = self._retry_after(self.queue.blocks_ahead(priority) + demand.kv_blocks)
             raise self._refuse(waiter, QueueFull(self.queue.max_size, retry_after)) from None
         self.observers.decided(Decision("queue", reason, request_id, demand))
         self.changed()  # sets it aside at once if it could not fit even alone
@@ -134,19 +134,23 @@ class Gate:
         if waiter.future.done():
             result: Ticket = waiter.future.result()
             return result
-        ahead = self.queue.position(waiter)
+        ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
             raise self._refuse(waiter, BackendDown(
                 f"Waited {self.max_queue_wait_s:g} s for the backend to come back ({self.budget.hold})."
             ))
-        retry_after = self.drain.retry_after(ahead, fallback_s=self.max_queue_wait_s)
+        retry_after = self._retry_after(ahead)
         raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
 
     def _refuse(self, waiter: Waiter, error: Refused) -> Refused:
         """Report the refusal to the observers and hand back the error to raise."""
         self.observers.decided(Decision("reject", error.code, waiter.request_id, waiter.demand, error=error))
         return error
+
+    def _retry_after(self, blocks_ahead: int) -> int:
+        """Seconds until `blocks_ahead` KV blocks have drained at the observed rate (app.gate.drain)."""
+        return self.drain.retry_after(blocks_ahead, busy=self.ledger.in_flight > 0, fallback_s=self.max_queue_wait_s)
 
     def _abandon(self, waiter: Waiter) -> None:
         """The waiter gives up: leave the queue, or hand back a ticket granted in the meantime."""
@@ -165,7 +169,7 @@ class Gate:
         if outcome == "completed" and output_tokens is not None and self.outputs is not None:
             demand = reservation.demand
             self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
-        self.drain.record()
+        self.drain.record(reservation.demand.kv_blocks)
         self.observers.released(Release(outcome, reservation, output_tokens))
         self.changed()
 

@@ -112,13 +112,14 @@ class AdmissionQueue:
         self._size -= 1
         return True
 
-    def position(self, waiter: Waiter) -> int:
-        """Waiters of better or equal priority queued before this one (for Retry-After)."""
+    def blocks_ahead(self, priority: int, seq: int | None = None) -> int:
+        """KV blocks demanded by the waiters that go before a request of `priority` queued as
+        number `seq` (None: one arriving now, behind all of its level), for Retry-After."""
         ahead = 0
-        for priority, tenants in self._levels.items():
+        for level, tenants in self._levels.items():
             for waiters in tenants.values():
                 ahead += sum(
-                    1 for other in waiters
-                    if priority < waiter.priority or (priority == waiter.priority and other.seq < waiter.seq)
+                    other.demand.kv_blocks for other in waiters
+                    if level < priority or (level == priority and (seq is None or other.seq < seq))
                 )
         return ahead

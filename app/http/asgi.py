@@ -8,10 +8,11 @@ against `scope`, `receive` and `send` only.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from starlette.types import Receive, Scope
 
-from app.errors import BodyTooLarge, ClientGone
+from app.errors import BodyTooLarge, ClientGone, ClientTooSlow, InvalidField, UnsupportedEncoding
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -22,16 +23,37 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body; BodyTooLarge as soon as it is known to exceed `limit`, ClientGone if the
-    client left."""
+def check_head(scope: Scope, *, reads_body: bool) -> None:
+    """400 unless an HTTP/1.1 request names exactly one Host (RFC 9112 3.2: a proxy would
+    otherwise forward a request whose target it cannot know); 415 for an encoded body kvgate
+    must read (`reads_body`): it parses JSON, not gzip."""
+    if scope.get("http_version") == "1.1":
+        hosts = sum(1 for key, _ in scope["headers"] if key == b"host")
+        if hosts != 1:
+            raise InvalidField(f"An HTTP/1.1 request needs exactly one Host header, not {hosts}.", code="invalid_host")
+    encoding = header(scope, b"content-encoding")
+    if reads_body and encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        raise UnsupportedEncoding(encoding)
+
+
+async def read_body(
+    scope: Scope, receive: Receive, limit: int, idle_timeout_s: float | None = None, *, reads_body: bool = True,
+) -> bytes:
+    """The whole body, once the head passed check_head; BodyTooLarge as soon as it is known to
+    exceed `limit`, ClientTooSlow if the client sends nothing for `idle_timeout_s`, ClientGone if
+    it left."""
+    check_head(scope, reads_body=reads_body)
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(idle_timeout_s):  # a timer, not a task per message
+                message: dict[str, Any] = await receive()
+        except TimeoutError:
+            raise ClientTooSlow(idle_timeout_s or 0) from None
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")

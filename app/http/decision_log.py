@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+from app.errors import TokenizationFailed
 from app.gate.observer import Decision, Release
 from app.http.errors import status_of
 
@@ -32,9 +33,9 @@ class DecisionLog:
             )
         elif decision.kind == "reject" and decision.error is not None:
             error = decision.error
-            log_decision(
-                decision.request_id, "reject", error.code, status=status_of(error), message=error.message
-            )
+            # A template's error can quote the conversation: prompts stay out of the log.
+            message = None if isinstance(error, TokenizationFailed) else error.message
+            log_decision(decision.request_id, "reject", error.code, status=status_of(error), message=message)
         else:
             log_decision(decision.request_id, decision.kind, decision.reason)
 

@@ -24,7 +24,7 @@ from app.gate.observer import Decision
 from app.http.asgi import disconnect_future, header, read_body, request_target
 from app.http.errors import error_response
 from app.openai import Endpoint, bad_request
-from app.proxy import Relay, forward_headers
+from app.proxy import Relay, forward_headers, open_while_client_waits
 from app.runtime import Runtime
 
 GATED_PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -42,23 +42,27 @@ def request_id_of(scope: Scope) -> str:
         next(_id_counter).to_bytes(8, "little"), key=_ID_KEY, digest_size=16).hexdigest()
 
 
-def tenant_of(scope: Scope, tenant_header: bytes) -> str:
-    """The tenant header if set, else a digest of the API key (never the key itself)."""
-    tenant = header(scope, tenant_header)
+def tenant_of(scope: Scope, tenant_header: bytes | None) -> str:
+    """The trusted gateway's tenant header if one is configured and set, else a digest of the API
+    key (never the key itself)."""
+    tenant = header(scope, tenant_header) if tenant_header else None
     if tenant:
         return tenant
     auth = header(scope, b"authorization")
     return hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else "anonymous"
 
 
-def priority_of(scope: Scope, body_priority: int) -> int:
-    value = header(scope, b"x-kvgate-priority")
+def priority_of(scope: Scope, body_priority: int, priority_header: bytes | None, trust_body: bool) -> int:
+    """Only trusted sources order the queue: the gateway's header if configured, the body's field
+    if the operator trusts it, else 0 for everyone."""
+    value = header(scope, priority_header) if priority_header else None
     if value is None:
-        return body_priority
+        return body_priority if trust_body else 0
     try:
         return int(value)
     except ValueError:
-        raise bad_request("x-kvgate-priority must be an integer.", "x-kvgate-priority") from None
+        name = priority_header.decode("latin-1")  # type: ignore[union-attr]
+        raise bad_request(f"{name} must be an integer.", name) from None
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,9 @@ class GatedRoutes:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self._tenant_header = rt.settings.tenant_header.lower().encode("latin-1")
+        settings = rt.settings
+        self._tenant_header = settings.tenant_header.lower().encode("latin-1") if settings.tenant_header else None
+        self._priority_header = settings.priority_header.lower().encode("latin-1") if settings.priority_header else None
 
     async def __call__(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -86,7 +92,7 @@ class GatedRoutes:
         except KvgateError as error:
             response: Response = error_response(error, {"x-request-id": request_id})
         else:
-            response = await self._forward(admitted, scope, request_id)
+            response = await self._forward(admitted, scope, receive, request_id)
         await response(scope, receive, send)
 
     async def _admit(
@@ -98,9 +104,10 @@ class GatedRoutes:
         here; the gate reports its own (queue full, timeout, backend down, left the queue)."""
         rt = self.rt
         try:
-            raw = await read_body(scope, receive, rt.settings.max_body_bytes)
+            raw = await read_body(scope, receive, rt.settings.max_body_bytes, rt.settings.client_body_timeout)
             evaluation = await rt.pipeline.evaluate(endpoint, raw)
-            priority = priority_of(scope, evaluation.spec.priority)
+            priority = priority_of(
+                scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority)
         except ClientGone:
             rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="request_body"))
             raise
@@ -127,13 +134,22 @@ class GatedRoutes:
         }
         return Admitted(ticket, raw, headers, evaluation.spec.stream)
 
-    async def _forward(self, admitted: Admitted, scope: Scope, request_id: str) -> Response:
-        """Open the upstream exchange; from here on the Relay owns the ticket."""
+    async def _forward(self, admitted: Admitted, scope: Scope, receive: Receive, request_id: str) -> Response:
+        """Open the upstream exchange; from here on the Relay owns the ticket. A non-streaming
+        request is watched for its client leaving until the head arrives (with the answer)."""
         ticket = admitted.ticket
+        target, headers = request_target(scope), forward_headers(scope["headers"], request_id, scope.get("client"))
         try:
-            upstream = await self.rt.backend.open(
-                "POST", request_target(scope), forward_headers(scope["headers"], request_id), admitted.body,
-            )
+            if admitted.stream:  # vLLM sends a stream's head at once: the Relay watches from there
+                upstream = await self.rt.backend.open("POST", target, headers, admitted.body)
+            else:
+                opened = await open_while_client_waits(self.rt.backend, receive, "POST", target, headers, admitted.body)
+                if opened is None:
+                    ticket.release("disconnected")
+                    self.rt.gate.observers.decided(
+                        Decision("abandon", ClientGone.code, request_id, stage="awaiting_response"))
+                    return error_response(ClientGone())
+                upstream = opened
         except KvgateError as error:
             ticket.release("upstream_error")
             self.rt.metrics.upstream_errors.labels(error.code).inc()

@@ -21,7 +21,7 @@ from app.explain import explain
 from app.http.asgi import read_body, request_target
 from app.http.errors import error_response
 from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
-from app.proxy import passthrough
+from app.proxy import check_passthrough, passthrough, passthrough_allowed
 from app.runtime import Runtime
 from app.settings import Settings
 
@@ -62,7 +62,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
     @app.post("/kvgate/explain")
     async def explain_route(request: Request) -> Response:
         try:
-            raw = await read_body(request.scope, request.receive, settings.max_body_bytes)
+            raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout)
             return JSONResponse(await explain(rt, raw, request.query_params.get("endpoint")))
         except KvgateError as error:
             return error_response(error)
@@ -94,13 +94,20 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
         ok = reachable and rt.ready
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
+    # The gated paths' other methods too: vLLM answers them 405, as a client expects.
+    forwarded_paths = passthrough_allowed(settings.passthrough_paths) | GATED_PATHS.keys()
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def other(path: str, request: Request) -> Response:
         request_id = request_id_of(request.scope)
         try:
-            body = await read_body(request.scope, request.receive, settings.max_body_bytes)
+            check_passthrough(request.scope["path"], forwarded_paths)
+            body = await read_body(
+                request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout, reads_body=False,
+            )
             return await passthrough(
                 rt.backend, request.method, request_target(request.scope), request.headers.raw, body, request_id,
+                request.scope.get("client"),
             )
         except KvgateError as error:
             return error_response(error, {"x-request-id": request_id})

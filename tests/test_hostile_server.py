@@ -1,0 +1,201 @@
+"""Hostile bodies through a running kvgate (issue 15, findings 2 and 4): a property-based fuzz over
+the request schema and raw bytes, and the event loop kept free while one request is expensive.
+
+A scripted backend answers what gets through; kvgate runs as `kvgate serve`, as users run it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from support.fake_backend import FakeBackend, running_fake_backend
+from support.kvgate_server import KvgateServer, running_kvgate
+
+PATHS = ["/v1/completions", "/v1/chat/completions"]
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[FakeBackend]:
+    with running_fake_backend() as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def kvgate(backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
+    with running_kvgate(
+        backend.base_url, tiny_model_dir, tmp_path_factory.mktemp("kvgate-hostile"),
+        "--trust-request-chat-template", "--request-chat-template-timeout", "0.3",
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(kvgate: KvgateServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=kvgate.base_url, timeout=10) as client:
+        yield client
+
+
+def assert_ledger_empty(kvgate: KvgateServer) -> None:
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert kvgate.metric("kvgate_in_flight_requests") == 0
+    assert kvgate.metric("kvgate_queue_depth") == 0
+
+
+def assert_answered(response: httpx.Response) -> None:
+    """Not a kvgate failure: a success, or a 4xx in OpenAI's error shape."""
+    assert response.status_code < 500, response.text[:500]
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, error
+        assert isinstance(error["message"], str) and error["message"]
+
+
+# ------------------------------------------------------------------ strategies
+
+HOSTILE_TEXT = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(["\ud800", "a\udfff", "\U0001f600", "", " ", "\x00"]),
+    st.sampled_from(["\ud800", "a\udfff"]),  # lone surrogates: the issue's TypeError and 404 failure
+)
+HOSTILE_NUMBER = st.one_of(
+    st.integers(min_value=-(10**20), max_value=10**20),
+    st.integers(min_value=10**300, max_value=10**400),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 1, -1, 2**31, 2**63, 2**64]),
+)
+JSON_VALUE = st.recursive(
+    st.one_of(st.none(), st.booleans(), HOSTILE_NUMBER, HOSTILE_TEXT),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer"]) | HOSTILE_TEXT},
+    optional={"content": HOSTILE_TEXT | JSON_VALUE, "tool_calls": JSON_VALUE, "name": JSON_VALUE},
+)
+TEMPLATES = st.sampled_from([
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    "{% for i in range(100) %}{{ 'ab ' * 33333 }}{% endfor %}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{{ raise_exception('no') }}",
+    "{% for %}",
+])
+SMALL = st.integers(min_value=1, max_value=8)
+
+
+def field(valid: st.SearchStrategy, hostile: st.SearchStrategy) -> st.SearchStrategy:
+    """Mostly valid values: a body whose every field is hostile is refused at its first field
+    and never reaches the tokenizer or the predictor, where the failures hid."""
+    return st.one_of(valid, valid, valid, hostile)
+
+
+BODY = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": field(st.just("tiny-llama"), HOSTILE_TEXT | JSON_VALUE),
+        "prompt": field(st.text(min_size=1, max_size=20), HOSTILE_TEXT | st.lists(HOSTILE_TEXT, max_size=3) | st.lists(HOSTILE_NUMBER, max_size=3) | JSON_VALUE),
+        "messages": field(st.just([{"role": "user", "content": "hi"}]), st.lists(MESSAGE, max_size=3) | JSON_VALUE),
+        "max_tokens": field(SMALL, HOSTILE_NUMBER | JSON_VALUE),
+        "max_completion_tokens": field(SMALL, HOSTILE_NUMBER),
+        "n": field(SMALL, HOSTILE_NUMBER),
+        "best_of": field(SMALL, HOSTILE_NUMBER),
+        "logprobs": field(st.booleans(), HOSTILE_NUMBER),
+        "top_logprobs": field(SMALL, HOSTILE_NUMBER),
+        "prompt_logprobs": field(SMALL, HOSTILE_NUMBER),
+        "presence_penalty": field(st.floats(-2, 2), HOSTILE_NUMBER | JSON_VALUE),
+        "priority": field(st.integers(-10, 10), HOSTILE_NUMBER | JSON_VALUE),
+        "stream": field(st.booleans(), JSON_VALUE),
+        "add_special_tokens": field(st.booleans(), JSON_VALUE),
+        "tools": JSON_VALUE,
+        "chat_template": field(TEMPLATES, JSON_VALUE),
+        "chat_template_kwargs": JSON_VALUE,
+        "documents": JSON_VALUE,
+    },
+)
+NESTED = st.integers(min_value=1, max_value=5000).map(lambda depth: b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
+RAW = st.one_of(
+    st.binary(max_size=300),
+    NESTED,
+    BODY.map(lambda body: json.dumps(body).encode()),
+    st.text(max_size=100).map(lambda text: text.encode("utf-8", "surrogatepass")),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(path=st.sampled_from(PATHS), body=BODY)
+# The failures the issue found, always tried first; the strategy searches around them.
+@example(path=PATHS[0], body={"prompt": "\ud800"})
+@example(path=PATHS[0], body={"prompt": "hi", "model": "\ud800"})
+@example(path=PATHS[1], body={"messages": [{"role": "user", "content": "\ud800"}]})
+@example(path=PATHS[0], body={"prompt": "hi", "n": 10**309})
+@example(path=PATHS[0], body={"prompt": "hi", "best_of": 10**309})
+def test_fuzzed_schema_never_fails_kvgate(client: httpx.Client, path: str, body: dict) -> None:
+    assert_answered(client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(path=st.sampled_from(PATHS), raw=RAW)
+@example(path=PATHS[0], raw=b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}")
+@example(path=PATHS[0], raw=b'{"prompt": "hi", "max_tokens": 1' + b"0" * 4300 + b"}")
+def test_fuzzed_bytes_never_fail_kvgate(client: httpx.Client, path: str, raw: bytes) -> None:
+    assert_answered(client.post(path, content=raw, headers={"content-type": "application/json"}))
+
+
+def test_after_the_fuzz_nothing_is_reserved(kvgate: KvgateServer, client: httpx.Client) -> None:
+    """Runs after the fuzz tests (file order): every request they sent has been answered."""
+    assert_ledger_empty(kvgate)
+
+
+def healthz_worst_latency(kvgate: KvgateServer, send: callable) -> tuple[float, httpx.Response]:
+    """The slowest /healthz answer while `send()` runs in a thread."""
+    result: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: result.append(send()))
+    worst = 0.0
+    with httpx.Client(base_url=kvgate.base_url, timeout=30) as probe:
+        worker.start()
+        while worker.is_alive():
+            started = time.perf_counter()
+            assert probe.get("/healthz").status_code == 200
+            worst = max(worst, time.perf_counter() - started)
+            time.sleep(0.005)
+    worker.join()
+    return worst, result[0]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [{"role": "user", "content": "hi"}],
+         "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"},
+        {"prompt": "x" * (8 * 1024 * 1024)},
+        {"prompt": ["word " * 600] * 1024, "max_tokens": 2000},
+        {"messages": [{"role": "user", "content": "hello there"}] * 50_000},
+    ],
+    ids=["template-loops", "8-MiB-prompt", "1024-text-prompts", "50k-messages"],
+)
+def test_healthz_stays_fast_while_a_request_is_expensive(kvgate: KvgateServer, body: dict) -> None:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    raw = json.dumps(body).encode()
+    worst, response = healthz_worst_latency(
+        kvgate, lambda: httpx.post(kvgate.base_url + path, content=raw, timeout=30)
+    )
+    assert response.status_code in (400, 413), response.text
+    # Generous for a shared 2-core machine; before, these held the loop 3 s to over 10 s.
+    assert worst < 1.0, f"/healthz took {worst * 1000:.0f} ms"
+    assert_ledger_empty(kvgate)
+
+
+def test_template_errors_keep_the_prompt_out_of_the_decision_log(kvgate: KvgateServer, client: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "SECRET-PROMPT-TEXT"}],
+            "chat_template": "{{ raise_exception('refused: ' + messages[0]['content']) }}"}
+    response = client.post("/v1/chat/completions", json=body, headers={"x-request-id": "template-leak"})
+    assert response.status_code == 400 and "SECRET-PROMPT-TEXT" in response.json()["error"]["message"]
+    logged = [line for line in kvgate.log().splitlines() if "template-leak" in line]
+    assert logged and not any("SECRET-PROMPT-TEXT" in line for line in logged)
