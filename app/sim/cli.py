@@ -9,6 +9,14 @@ import uvicorn
 
 from app.sim.config import CoTenant, SimConfig
 from app.sim.startup import StartupError
+from app.vllm_flags import add_vllm_arguments
+
+# vLLM's flags the simulator plays, declared once in app.vllm_flags.
+SIM_VLLM_FLAGS = (
+    "gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "max_num_batched_tokens",
+    "max_num_seqs", "block_size", "enable_prefix_caching", "long_prefill_token_threshold",
+    "tensor_parallel_size", "kv_cache_dtype", "enforce_eager", "num_gpu_blocks_override",
+)
 
 
 def _cotenant(spec: str) -> CoTenant:
@@ -25,18 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    add_vllm_arguments(p, SIM_VLLM_FLAGS, typed=True)
+    # The simulator picks these as vLLM does (by GPU size, by model) when they are not given.
+    p.set_defaults(max_num_batched_tokens=None, max_num_seqs=None, block_size=None)
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash-attn", "flashinfer", "mla", "materializing"])
     p.add_argument("--cudagraph-memory-in-budget", action=argparse.BooleanOptionalAction,
