@@ -7,15 +7,18 @@ so the operator can fix the flags they copied.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from app.memory.activation import EngineShape, profile_peak_bytes
 from app.memory.budget import Budget
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.memory.outputs import OutputLengths
+from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.predict import Predictor
 from app.settings import Settings
 from app.telemetry.vllm import CacheConfig, ServedModel
@@ -39,6 +42,9 @@ class Deployment:
     num_gpu_blocks: int | None
     mamba_cache_mode: str = "none"
     reported_request_blocks: float | None = None  # vLLM's blocks per max_model_len request
+    runtime: VllmRuntime = field(default_factory=lambda: resolve_runtime(None))
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20
 
     def engine_shape(self) -> EngineShape:
         return EngineShape(
@@ -49,6 +55,9 @@ class Deployment:
             tensor_parallel_size=self.tensor_parallel_size,
             attention_backend=self.attention_backend,
             block_size=self.block_size,
+            runner=self.runtime.runner,
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_logprobs=self.max_logprobs,
         )
 
 
@@ -60,11 +69,35 @@ def _prefer(name: str, flag: object, reported: object, flag_given: bool) -> obje
     return reported
 
 
+def _model_config(settings: Settings) -> dict:
+    """The model's config.json, for what vLLM's runner rule reads beyond the geometry."""
+    path = Path(settings.model) / "config.json" if settings.model else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+
+def vllm_runtime(settings: Settings, geometry: ModelGeometry, reported_version: str | None) -> VllmRuntime:
+    """The vLLM behind kvgate: --vllm-version, else the backend's GET /version; its runner by
+    vLLM's rule for that version unless --model-runner says."""
+    config = _model_config(settings)
+    spec = settings.speculative_config
+    runtime = resolve_runtime(
+        settings.vllm_version or reported_version, settings.model_runner,
+        architectures=config.get("architectures") or (), is_moe=geometry.is_moe,
+        is_hybrid=geometry.is_hybrid_state, quantized="quantization_config" in config,
+        speculative_method=spec.method if spec else None,
+    )
+    if settings.vllm_version and reported_version and settings.vllm_version != reported_version:
+        log.warning("backend reports vLLM %s but kvgate was given --vllm-version %s; using the flag",
+                    reported_version, settings.vllm_version)
+    return runtime
+
+
 def resolve(
     settings: Settings,
     geometry: ModelGeometry,
     cache: CacheConfig | None,
     served: ServedModel | None,
+    reported_version: str | None = None,
 ) -> Deployment:
     """Flags, overridden by the backend's own report where it has one."""
     given = settings.model_fields_set
@@ -111,6 +144,9 @@ def resolve(
         num_gpu_blocks=_prefer("num_gpu_blocks", settings.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
         reported_request_blocks=cache.max_request_blocks,
+        runtime=vllm_runtime(settings, geometry, reported_version),
+        num_speculative_tokens=settings.speculative_config.num_speculative_tokens if settings.speculative_config else 0,
+        max_logprobs=settings.max_logprobs,
     )
 
 

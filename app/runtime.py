@@ -29,7 +29,7 @@ from app.proxy import Backend
 from app.settings import Settings
 from app.telemetry.gpu import detect_probe
 from app.telemetry.live import LiveBudget
-from app.telemetry.vllm import fetch_models, fetch_snapshot
+from app.telemetry.vllm import fetch_models, fetch_snapshot, fetch_version
 from app.tokens import BackendTokenizeError, TokenizationError, Tokenizer, load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
@@ -125,10 +125,11 @@ class Runtime:
         client = self.backend.client
         models = await fetch_models(client)
         snapshot = await fetch_snapshot(client)
+        version = await fetch_version(client)
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
         served = served or (models[0] if models else None)
         self.served_names.update(m.name for m in models)
-        deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served)
+        deployment = resolve(self.settings, self.geometry, snapshot.cache_config, served, version)
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
@@ -143,8 +144,14 @@ class Runtime:
             max_transient_headroom_bytes=budget.max_transient_headroom_bytes,
             profiled_peak_bytes=budget.profiled_peak_bytes,
         )
+        if deployment.runtime.warning and (self.deployment is None or self.deployment.runtime != deployment.runtime):
+            log.warning("%s", deployment.runtime.warning)
+        self.metrics.telemetry.set_backend_info(deployment.runtime.labels())
         log.info(
-            "backend synchronised: max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
+            "backend synchronised: vLLM %s (modelled as %s), %s model runner (%s), %s sampler; "
+            "max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
+            deployment.runtime.version, deployment.runtime.model_version, deployment.runtime.runner.upper(),
+            deployment.runtime.runner_source, deployment.runtime.sampler_backend,
             deployment.max_model_len, deployment.block_size, deployment.num_gpu_blocks,
             deployment.enable_prefix_caching,
         )
@@ -159,6 +166,8 @@ class Runtime:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
         self.geometry = ModelGeometry.from_folder(self.settings.model)
         self.deployment = resolve(self.settings, self.geometry, None, None)
+        if self.deployment.runtime.warning:
+            log.warning("%s", self.deployment.runtime.warning)
         self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "")
         self.predictor = build_predictor(self.deployment, self.geometry, self.settings, self.gate.outputs)
         budget = static_budget(

@@ -219,3 +219,19 @@ async def fetch_models(client: httpx.AsyncClient) -> list[ServedModel]:
         ServedModel(name=m["id"], max_model_len=m.get("max_model_len"))
         for m in response.json().get("data", [])
     ]
+
+
+async def fetch_version(client: httpx.AsyncClient) -> str | None:
+    """vLLM's GET /version ({"version": "0.32.0"}, vllm/entrypoints/serve/...: show_version);
+    None from a backend that has no such route (a proxy, an old simulator)."""
+    try:
+        response = await client.get("/version")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        version = response.json().get("version")
+    except ValueError:
+        return None
+    return version if isinstance(version, str) and version else None
