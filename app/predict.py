@@ -147,7 +147,7 @@ class Predictor:
         sampling = SamplingShape(
             n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
             prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
-            random=not spec.sampling.greedy,
+            random=not spec.sampling.greedy, structured=spec.sampling.structured_outputs,
         )
         footprints, splits = [], []
         for ids in prompts:
@@ -177,6 +177,7 @@ class Predictor:
             longest_prompt=max(fp.prompt_tokens for fp in footprints),
             logprobs=spec.logprobs is not None, penalties=spec.penalties,
             random=not spec.sampling.greedy, all_vocab_logprobs=spec.logprobs == -1,
+            structured=spec.sampling.structured_outputs,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:

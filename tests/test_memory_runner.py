@@ -119,3 +119,9 @@ def test_v2_profile_peak_has_no_fp32_logits_or_sort() -> None:
 
 def test_materializing_keeps_its_old_name_as_an_alias() -> None:
     assert engine("v1", attention_backend="materializing").attention_backend == "materializing-eager"
+
+
+def test_structured_outputs_copy_a_bitmask_per_step_on_v1_only() -> None:
+    v1 = estimate_transient(LLAMA, engine("v1"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask")
+    assert v1.bytes == 4 * (V // 32) * 4 and not v1.profiled
+    assert estimate_transient(LLAMA, engine("v2"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask") is None

@@ -95,6 +95,7 @@ class SamplingShape:
     prompt_logprobs: int | None = None  # k, or -1 for the whole vocabulary
     penalties: bool = False  # presence/frequency/repetition set
     random: bool = True  # temperature > 0 (or not known to be 0)
+    structured: bool = False  # a structured-output constraint
 
     @property
     def rows(self) -> int:
@@ -312,7 +313,9 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
     the ledger sizes it for the whole batch). Profiled terms are only the part of the profile's
     rows; rows beyond them (speculative decoding) and V2's random-batch buffers are not."""
     cost = sampler_cost(g, e)
-    stage = cost.stage(s.rows, s.logprobs is not None, s.penalties, prompt_tokens, s.random, s.logprobs == -1)
+    stage = cost.stage(
+        s.rows, s.logprobs is not None, s.penalties, prompt_tokens, s.random, s.logprobs == -1, s.structured
+    )
     rows = min(s.rows * (1 + cost.num_speculative_tokens), cost.max_sampled_rows)
     v, dt = g.vocab_size, g.dtype_bytes
     spec = f" ({s.rows} x (1 + {cost.num_speculative_tokens} speculative))" if cost.num_speculative_tokens else ""
@@ -348,6 +351,11 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
         if s.logprobs == -1:
             detail += f" + {rows} rows x {v} vocab x {ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B (logprobs -1: the whole vocabulary)"
         terms.append(TransientTerm("logprobs", stage.logprobs, False, "decode", detail, stage="sampler"))
+    if stage.grammar_bitmask:
+        terms.append(TransientTerm(
+            "grammar_bitmask", stage.grammar_bitmask, False, "decode",
+            f"{rows} rows x ceil({v} / 32) x 4 B structured-output bitmask (v1/structured_output/utils.py "
+            "apply_grammar_bitmask)", stage="sampler"))
     if stage.penalties:
         terms.append(TransientTerm("penalties", stage.penalties, False, "decode",
                                    f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts and masks",

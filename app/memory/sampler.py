@@ -70,6 +70,10 @@ FLASHINFER_BYTES_PER_LOGIT = 4
 ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT = 24
 # V2's [rows, k + 1] logprob token ids (int64) and scores (fp32) per row and column.
 TOPK_LOGPROBS_BYTES = 12
+# Structured outputs on V1 (v1/structured_output/utils.py apply_grammar_bitmask): the step's
+# [rows, ceil(V / 32)] int32 grammar bitmask copied to the GPU; V2 preallocates it at start-up
+# (v1/worker/gpu/structured_outputs.py: grammar_bitmask).
+BITMASK_TOKENS_PER_WORD = 32
 
 
 @dataclass(frozen=True)
@@ -83,12 +87,13 @@ class SamplerStage:
     prompt_ids: int  # V1's penalty prompt ids, held across steps
     logits_fp32: int = 0  # V2: the fp32 copy of a random batch's logits
     top_k_top_p: int = 0  # V2: FlashInfer's fp32 probabilities
+    grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
     profiled: int = 0  # the part of the above the start-up profile reserved
 
     @property
     def unprofiled(self) -> int:
         total = self.logits + self.sort + self.logprobs + self.penalties + self.prompt_ids
-        return total + self.logits_fp32 + self.top_k_top_p - self.profiled
+        return total + self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask - self.profiled
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class SamplerCost:
 
     def stage(
         self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int,
-        random: bool = True, all_vocab_logprobs: bool = False,
+        random: bool = True, all_vocab_logprobs: bool = False, structured: bool = False,
     ) -> SamplerStage:
         """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
         (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`)."""
@@ -146,6 +151,7 @@ class SamplerCost:
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT + whole_vocab if logprobs else 0,
             penalties=sampled * PENALTY_BYTES_PER_LOGIT if penalties and 2 * sampled > self.profiled_rows * self.vocab_size else 0,
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
+            grammar_bitmask=rows_sampled * -(-self.vocab_size // BITMASK_TOKENS_PER_WORD) * FP32 if structured else 0,
             profiled=in_profile * (self.dtype_bytes + FP32 + SORT_BYTES_PER_LOGIT),
         )
 
@@ -162,13 +168,15 @@ class SamplerUse:
     penalties: bool = False
     random: bool = True  # temperature > 0 (or unknown): V2 copies its logits to fp32 and filters them
     all_vocab_logprobs: bool = False  # logprobs: -1
+    structured: bool = False  # a structured-output (guided decoding) constraint
     # The stage of a batch that holds only this request (an idle server): every admission reads
     # it twice (its transient and profiled bytes), so it is computed once, with the use.
     alone: SamplerStage = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         alone = self.cost.stage(
-            self.rows, self.logprobs, self.penalties, self.longest_prompt, self.random, self.all_vocab_logprobs
+            self.rows, self.logprobs, self.penalties, self.longest_prompt, self.random, self.all_vocab_logprobs,
+            self.structured,
         )
         object.__setattr__(self, "alone", alone)
 
@@ -189,6 +197,7 @@ class SamplerBatch:
         self._penalties = 0
         self._random = 0
         self._all_vocab = 0
+        self._structured = 0
         self._prompts: list[int] = []  # sorted
         self._changed()
 
@@ -199,6 +208,7 @@ class SamplerBatch:
         self._penalties += use.penalties
         self._random += use.random
         self._all_vocab += use.all_vocab_logprobs
+        self._structured += use.structured
         bisect.insort(self._prompts, use.longest_prompt)
         self._changed()
 
@@ -208,6 +218,7 @@ class SamplerBatch:
         self._penalties -= use.penalties
         self._random -= use.random
         self._all_vocab -= use.all_vocab_logprobs
+        self._structured -= use.structured
         del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
         self._changed()
 
@@ -231,7 +242,8 @@ class SamplerBatch:
             if self._cost is None or not self._rows:
                 return _EMPTY
             return self._cost.stage(
-                self._rows, self._logprobs > 0, self._penalties > 0, longest, self._random > 0, self._all_vocab > 0
+                self._rows, self._logprobs > 0, self._penalties > 0, longest, self._random > 0, self._all_vocab > 0,
+                self._structured > 0,
             )
         return extra.cost.stage(
             self._rows + extra.rows,
@@ -240,6 +252,7 @@ class SamplerBatch:
             max(longest, extra.longest_prompt),
             self._random > 0 or extra.random,
             self._all_vocab > 0 or extra.all_vocab_logprobs,
+            self._structured > 0 or extra.structured,
         )
 
 
