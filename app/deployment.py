@@ -201,23 +201,45 @@ def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayou
     return layout
 
 
-def static_budget(
-    deployment: Deployment, settings: Settings, profiled_peak_bytes: int, shared_workspace_bytes: int
-) -> Budget:
+def static_budget(deployment: Deployment, settings: Settings, predictor: Predictor) -> Budget:
     """The budget before any live reading: the pool from vLLM, headroom from flags.
 
     vLLM reserves block 0 of the pool as its null block, so num_gpu_blocks - 1 are usable.
     Workspaces one engine allocates once (FlashInfer's) come off the headroom once, not per request.
+    With --kv-cache-memory-bytes the pool is that size (vLLM ignores gpu_memory_utilization then:
+    vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
+    the weights, that pool and the profiled activation peak.
     """
+    blocks = deployment.num_gpu_blocks
+    fixed_pool = settings.kv_cache_memory_bytes
+    if blocks is None and fixed_pool is not None:
+        blocks = predictor.layout.capacity(
+            fixed_pool, deployment.max_model_len, deployment.max_num_batched_tokens
+        ).num_blocks
     headroom = settings.free_memory_bytes
     if headroom is None and settings.gpu_memory_bytes is not None:
-        headroom = int(settings.gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
+        if fixed_pool is not None:
+            headroom = settings.gpu_memory_bytes - fixed_pool - weights_bytes(predictor.layout) - predictor.profiled_peak_bytes
+            log.warning(
+                "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
+                "the pool and the profile peak; CUDA graphs and non-torch memory are not known to "
+                "kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
+                max(0, headroom) / 2**30,
+            )
+        else:
+            headroom = int(settings.gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
     if headroom is not None:
-        headroom = max(0, headroom - shared_workspace_bytes)
+        headroom = max(0, headroom - predictor.shared_workspace_bytes)
     return Budget(
-        kv_blocks=None if deployment.num_gpu_blocks is None else max(0, deployment.num_gpu_blocks - 1),
+        kv_blocks=None if blocks is None else max(0, blocks - 1),
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
         transient_margin=settings.transient_safety_margin,
-        profiled_peak_bytes=profiled_peak_bytes,
+        profiled_peak_bytes=predictor.profiled_peak_bytes,
     )
+
+
+def weights_bytes(layout: KVLayout) -> int:
+    """One GPU's share of the weights (biases ignored): parameters x dtype / (TP x PP)."""
+    g = layout.geometry
+    return math.ceil(g.parameter_count() * g.dtype_bytes / (layout.tensor_parallel_size * layout.pipeline_parallel_size))

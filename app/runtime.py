@@ -135,7 +135,7 @@ class Runtime:
             self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, model_name)
             freeze_start_up_heap()
         predictor = build_predictor(deployment, self.geometry, self.settings, self.gate.outputs)
-        budget = static_budget(deployment, self.settings, predictor.profiled_peak_bytes, predictor.shared_workspace_bytes)
+        budget = static_budget(deployment, self.settings, predictor)
         self.deployment, self.predictor = deployment, predictor
         self.startup_error = None
         self.budget.update(
@@ -170,10 +170,7 @@ class Runtime:
             log.warning("%s", self.deployment.runtime.warning)
         self.tokenizer = load_tokenizer(self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "")
         self.predictor = build_predictor(self.deployment, self.geometry, self.settings, self.gate.outputs)
-        budget = static_budget(
-            self.deployment, self.settings, self.predictor.profiled_peak_bytes,
-            self.predictor.shared_workspace_bytes,
-        )
+        budget = static_budget(self.deployment, self.settings, self.predictor)
         self.budget.update(
             kv_blocks=budget.kv_blocks,
             transient_headroom_bytes=budget.transient_headroom_bytes,
