@@ -16,7 +16,6 @@ from app.memory.geometry import ModelGeometry, dtype_bytes
 from app.memory.kv import KVLayout
 from app.vllm_flags import add_vllm_arguments
 
-
 # vLLM's flags that size the pool (declared once in app.vllm_flags).
 POOL_FLAGS = (
     "kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size", "kv_cache_dtype",

@@ -14,9 +14,14 @@ from pathlib import Path
 import httpx
 
 from app import capacity
-from app.sim import cli as sim_cli
 from app.settings import Settings, add_settings_arguments, settings_from_args
-from app.vllm_flags import UnknownFlagError, ignored_line, ignored_vllm_options, split_vllm_command
+from app.sim import cli as sim_cli
+from app.vllm_flags import (
+    UnknownFlagError,
+    ignored_line,
+    ignored_vllm_options,
+    split_vllm_command,
+)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from app.memory.activation import EngineShape, SamplingShape, estimate_transient, profile_peak_bytes
+from app.memory.activation import (
+    EngineShape,
+    SamplingShape,
+    estimate_transient,
+    profile_peak_bytes,
+)
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
 from app.memory.vllm_runner import NEWEST_KNOWN, resolve_runtime
