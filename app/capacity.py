@@ -14,32 +14,31 @@ from dataclasses import replace
 
 from app.memory.geometry import ModelGeometry, dtype_bytes
 from app.memory.kv import KVLayout
+from app.vllm_flags import add_vllm_arguments
+
+# vLLM's flags that size the pool (declared once in app.vllm_flags).
+POOL_FLAGS = (
+    "kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size", "kv_cache_dtype",
+    "dtype", "block_size", "max_model_len", "max_num_batched_tokens",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-config", required=True, metavar="DIR",
-                        help="folder holding the model's config.json")
-    parser.add_argument("--kv-cache-memory-bytes", required=True, type=int, metavar="N",
-                        help="bytes vLLM gives the KV cache per GPU (vLLM --kv-cache-memory-bytes)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="P")
-    parser.add_argument("--kv-cache-dtype", default="auto", metavar="D",
-                        help="auto | fp8 | fp8_e4m3 | fp8_e5m2 | bfloat16 | float16 | float32")
-    parser.add_argument("--dtype", default="auto", metavar="D",
-                        help="model dtype, overriding config.json (vLLM on GPU runs float32 checkpoints in 16 bit)")
-    parser.add_argument("--block-size", type=int, default=None, metavar="B",
-                        help="default 16; models with recurrent-state layers (Mamba, linear "
-                             "attention) need the block size vLLM chose, which it logs")
-    parser.add_argument("--max-model-len", type=int, default=None, metavar="L",
-                        help="default: the model's max_position_embeddings")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
-                        help="only affects sliding-window models; default: max-model-len")
+    parser.add_argument("--model-config", "--model", dest="model_config", metavar="DIR",
+                        help="folder holding the model's config.json (also vLLM's --model or MODEL)")
+    add_vllm_arguments(parser, POOL_FLAGS, typed=True)
+    # capacity's own defaults: block size and batch size only matter for some models (see run)
+    parser.set_defaults(block_size=None, max_num_batched_tokens=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the pool's size; 1 if vLLM would refuse to start, 2 on bad input."""
     try:
+        if args.model_config is None:
+            raise ValueError("the model folder is needed: --model-config DIR (or vLLM's --model / MODEL)")
+        if args.kv_cache_memory_bytes is None:
+            raise ValueError("the KV cache size is needed: --kv-cache-memory-bytes (vLLM's flag, e.g. 49.94GiB)")
         geometry = ModelGeometry.from_folder(args.model_config)
         if args.dtype != "auto":
             geometry = replace(geometry, dtype_bytes=dtype_bytes(args.dtype))

@@ -21,6 +21,12 @@ from app.model_folder import ModelFolderError, resolve_model_folder
 from app.settings import Settings, add_settings_arguments, settings_from_args
 from app.sim import cli as sim_cli
 from app.tokens import has_local_tokenizer
+from app.vllm_flags import (
+    UnknownFlagError,
+    ignored_line,
+    ignored_vllm_options,
+    split_vllm_command,
+)
 
 if TYPE_CHECKING:
     from app.sim.engine import Engine
@@ -242,10 +248,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that take a pasted vLLM command line (its other options are ignored, not errors).
+VLLM_COMMANDS = ("serve", "explain", "capacity")
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """kvgate's arguments, with vLLM's own command line accepted inline or after `--`.
+
+    Options that are `vllm serve`'s but change nothing kvgate predicts are logged once and
+    dropped; anything that is neither kvgate's nor vLLM's is an error, as before."""
+    parser = build_parser()
+    ours, pasted, model = split_vllm_command(argv)
+    args, rest = parser.parse_known_args(ours + pasted)
+    if rest and args.command not in VLLM_COMMANDS:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        args.ignored_vllm_options = ignored_vllm_options(rest)
+    except UnknownFlagError as exc:
+        parser.error(str(exc))
+    model_dest = "model_config" if args.command == "capacity" else "model"
+    if model is not None and getattr(args, model_dest, None) is None and Path(model).is_dir():
+        setattr(args, model_dest, model)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(sys.argv[1:] if argv is None else argv)
     if argv is None and args.run is serve:  # a `kvgate serve` command line, not a call from Python
         exec_with_malloc_tuning()
+    if args.ignored_vllm_options:
+        print(ignored_line(args.ignored_vllm_options), file=sys.stderr)
     return args.run(args)
 
 

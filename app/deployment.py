@@ -10,15 +10,18 @@ composition root (app.runtime) translates one into the other.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
 
 from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, profile_peak_bytes
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
+from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.predict import Predictor
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
 
@@ -44,6 +47,13 @@ class EngineFlags:
     attention_backend: str
     num_gpu_blocks: int | None
     given: frozenset[str] = frozenset()
+    model: str | None = None  # the model folder: its config.json feeds vLLM's runner rule
+    vllm_version: str | None = None  # --vllm-version: overrides the backend's GET /version
+    model_runner: str = "auto"
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20
+    kv_cache_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,9 @@ class Deployment:
     num_gpu_blocks: int | None
     mamba_cache_mode: str = "none"
     reported_request_blocks: float | None = None  # vLLM's blocks per max_model_len request
+    runtime: VllmRuntime = field(default_factory=lambda: resolve_runtime(None))
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20
 
     def engine_shape(self) -> EngineShape:
         return EngineShape(
@@ -82,6 +95,9 @@ class Deployment:
             tensor_parallel_size=self.tensor_parallel_size,
             attention_backend=self.attention_backend,
             block_size=self.block_size,
+            runner=self.runtime.runner,
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_logprobs=self.max_logprobs,
         )
 
 
@@ -116,6 +132,29 @@ def _prefer_engine(name: str, flag: int, reported: int | None, said: Disagreemen
     return reported
 
 
+def _model_config(model: str | None) -> dict[str, Any]:
+    """The model's config.json, for what vLLM's runner rule reads beyond the geometry."""
+    path = Path(model) / "config.json" if model else None
+    config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    return config if isinstance(config, dict) else {}
+
+
+def vllm_runtime(flags: EngineFlags, geometry: ModelGeometry, reported_version: str | None) -> VllmRuntime:
+    """The vLLM behind kvgate: --vllm-version, else the backend's GET /version; its runner by
+    vLLM's rule for that version unless --model-runner says."""
+    config = _model_config(flags.model)
+    runtime = resolve_runtime(
+        flags.vllm_version or reported_version, flags.model_runner,
+        architectures=config.get("architectures") or (), is_moe=geometry.is_moe,
+        is_hybrid=geometry.is_hybrid_state, quantized="quantization_config" in config,
+        speculative_method=flags.speculative_method,
+    )
+    if flags.vllm_version and reported_version and flags.vllm_version != reported_version:
+        log.warning("backend reports vLLM %s but kvgate was given --vllm-version %s; using the flag",
+                    reported_version, flags.vllm_version)
+    return runtime
+
+
 def resolve(
     flags: EngineFlags,
     geometry: ModelGeometry,
@@ -123,6 +162,7 @@ def resolve(
     served: ServedModel | None,
     limits: EngineLimits | None = None,
     said: Disagreements | None = None,
+    reported_version: str | None = None,
 ) -> Deployment:
     """Flags, overridden by the backend's own report where it has one."""
     said = said or Disagreements()
@@ -177,6 +217,9 @@ def resolve(
             "num_gpu_blocks", flags.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
         reported_request_blocks=cache.max_request_blocks,
+        runtime=vllm_runtime(flags, geometry, reported_version),
+        num_speculative_tokens=flags.num_speculative_tokens,
+        max_logprobs=flags.max_logprobs,
     )
 
 
@@ -236,21 +279,46 @@ def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayou
 
 
 def static_limits(
-    deployment: Deployment, predictor: Predictor, free_memory_bytes: int | None, gpu_memory_bytes: int | None
+    deployment: Deployment, predictor: Predictor, free_memory_bytes: int | None, gpu_memory_bytes: int | None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> StaticLimits:
     """The budget before any live reading: the pool from vLLM, headroom from flags.
 
     vLLM reserves block 0 of the pool as its null block, so num_gpu_blocks - 1 are usable.
     Workspaces one engine allocates once (FlashInfer's) come off the headroom once, not per request.
+    With --kv-cache-memory-bytes the pool is that size (vLLM ignores gpu_memory_utilization then:
+    vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
+    the weights, that pool and the profiled activation peak.
     """
+    blocks = deployment.num_gpu_blocks
+    fixed_pool = kv_cache_memory_bytes
+    if blocks is None and fixed_pool is not None:
+        blocks = predictor.layout.capacity(
+            fixed_pool, deployment.max_model_len, deployment.max_num_batched_tokens
+        ).num_blocks
     headroom = free_memory_bytes
     if headroom is None and gpu_memory_bytes is not None:
-        headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
+        if fixed_pool is not None:
+            headroom = gpu_memory_bytes - fixed_pool - weights_bytes(predictor.layout) - predictor.profiled_peak_bytes
+            log.warning(
+                "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
+                "the pool and the profile peak; CUDA graphs and non-torch memory are not known to "
+                "kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
+                max(0, headroom) / 2**30,
+            )
+        else:
+            headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
     if headroom is not None:
         headroom = max(0, headroom - predictor.shared_workspace_bytes)
     return StaticLimits(
-        kv_blocks=None if deployment.num_gpu_blocks is None else max(0, deployment.num_gpu_blocks - 1),
+        kv_blocks=None if blocks is None else max(0, blocks - 1),
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
         profiled_peak_bytes=predictor.profiled_peak_bytes,
     )
+
+
+def weights_bytes(layout: KVLayout) -> int:
+    """One GPU's share of the weights (biases ignored): parameters x dtype / (TP x PP)."""
+    g = layout.geometry
+    return math.ceil(g.parameter_count() * g.dtype_bytes / (layout.tensor_parallel_size * layout.pipeline_parallel_size))

@@ -13,11 +13,10 @@ from typing import Any, Literal
 
 from app.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, ChatRequest
 from app.errors import InvalidField, TooManyJsonValues
+from app.sampling_params import SamplingParams, vllm_sampling_params
 
 Endpoint = Literal["completions", "chat"]
 
-# vLLM's default --max-logprobs; larger values are rejected by vLLM itself.
-MAX_LOGPROBS = 20
 # Integer fields end up in vLLM's int64 tensors; beyond this they can only be a client's mistake,
 # and the predictor's float arithmetic would overflow on them (1e309 has no float).
 MAX_INT = 2**63 - 1
@@ -50,6 +49,7 @@ class RequestSpec:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     penalties: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # as vLLM derives them
     priority: int = 0
     prompts: list[str | list[int]] = field(default_factory=list)
     add_special_tokens: bool = True
@@ -242,32 +242,42 @@ def parse_request(endpoint: Endpoint, raw: bytes, *, trust_request_chat_template
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string.", "model")
+    # Type checks only: the values are read as vLLM reads them (app/sampling_params.py), and the
+    # logprob limits are the server's --max-logprobs (app/predict.py).
+    echo = _bool(body, "echo", False)
     if endpoint == "chat":
-        max_tokens = _int(body, "max_completion_tokens", minimum=1)
-        if max_tokens is None:
-            max_tokens = _int(body, "max_tokens", minimum=1)
-        logprobs = None
-        if _bool(body, "logprobs", False):
-            logprobs = _int(body, "top_logprobs", minimum=0, maximum=MAX_LOGPROBS) or 0
+        _int(body, "max_completion_tokens", minimum=1)
+        _int(body, "max_tokens", minimum=1)
+        _bool(body, "logprobs", False)
+        _int(body, "top_logprobs", minimum=-1)
     else:
-        max_tokens = _int(body, "max_tokens", minimum=1)
-        logprobs = _int(body, "logprobs", minimum=0, maximum=MAX_LOGPROBS)
+        _int(body, "max_tokens", minimum=0 if echo else 1)
+        _int(body, "logprobs", minimum=-1)
+    _int(body, "min_tokens", minimum=0)
+    _bool(body, "ignore_eos", False)
+    temperature = body.get("temperature")
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
+        raise bad_request("'temperature' must be a number.", "temperature")
     n = _int(body, "n", minimum=1)
     best_of = _int(body, "best_of", minimum=1)
     if best_of is not None and best_of < (n or 1):
         raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n}).", "best_of")
     priority = _int(body, "priority", minimum=-(2**31))
+    _int(body, "prompt_logprobs", minimum=-1)
+    _penalties(body)
+    sampling = vllm_sampling_params(endpoint, body)
     spec = RequestSpec(
         endpoint=endpoint,
         raw=raw,
         model=model,
         stream=_bool(body, "stream", False),
-        max_tokens=max_tokens,
+        max_tokens=sampling.max_tokens,
         n=n or 1,
         best_of=best_of,
-        logprobs=logprobs,
-        prompt_logprobs=_int(body, "prompt_logprobs", minimum=-1),
-        penalties=_penalties(body),
+        logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
+        penalties=sampling.penalties,
+        sampling=sampling,
         priority=priority or 0,
     )
     if endpoint == "chat":

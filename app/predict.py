@@ -26,7 +26,7 @@ from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
 from app.memory.kv import KVLayout
 from app.memory.sampler import SamplerUse
-from app.openai import RequestSpec
+from app.openai import RequestSpec, bad_request
 
 _ADVICE = {
     "prompt_logprobs": "drop prompt_logprobs or send a shorter prompt",
@@ -127,10 +127,26 @@ class Predictor:
             return max(1, min(self.default_max_tokens, room))
         return max(1, room)
 
+    def check_logprobs(self, spec: RequestSpec) -> None:
+        """400 where vLLM's `SamplingParams._validate_logprobs` (vllm/sampling_params.py) refuses:
+        more logprobs or prompt logprobs than the server's --max-logprobs (-1: the vocabulary)."""
+        vocab = self.layout.geometry.vocab_size
+        limit = vocab if self.engine.max_logprobs == -1 else self.engine.max_logprobs
+        sample = "top_logprobs" if spec.endpoint == "chat" else "logprobs"
+        for name, kind, asked in ((sample, "sample", spec.logprobs), ("prompt_logprobs", "prompt", spec.prompt_logprobs)):
+            wanted = vocab if asked == -1 else asked
+            if wanted and wanted > limit:
+                raise bad_request(
+                    f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit} "
+                    f"(vLLM's --max-logprobs is {self.engine.max_logprobs}).", name,
+                )
+
     def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]]) -> Prediction:
+        self.check_logprobs(spec)
         sampling = SamplingShape(
             n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
             prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
+            random=not spec.sampling.greedy, structured=spec.sampling.structured_outputs,
         )
         footprints, splits = [], []
         for ids in prompts:
@@ -161,6 +177,8 @@ class Predictor:
             longest_prompt=max(fp.prompt_tokens for fp in footprints),
             logprobs=spec.logprobs is not None, penalties=spec.penalties,
             longest_output=max(fp.max_new_tokens for fp in footprints),
+            random=not spec.sampling.greedy, all_vocab_logprobs=spec.logprobs == -1,
+            structured=spec.sampling.structured_outputs,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:

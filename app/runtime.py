@@ -32,7 +32,7 @@ from app.settings import Settings
 from app.telemetry.gpu import detect_probe
 from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.live import LiveBudget
-from app.telemetry.vllm import fetch_engine_limits, fetch_models, fetch_snapshot
+from app.telemetry.vllm import fetch_engine_limits, fetch_models, fetch_snapshot, fetch_version
 from app.tokens import load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
@@ -138,6 +138,7 @@ class Runtime:
         models = await fetch_models(client)
         snapshot = await fetch_snapshot(client)
         limits = await fetch_engine_limits(client)
+        version = await fetch_version(client)
         if limits is None and self.deployment is None:
             self._note_unpublished_limits()
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
@@ -145,7 +146,7 @@ class Runtime:
         self.pipeline.served_names.update(m.name for m in models)
         deployment = resolve(
             engine_flags(self.settings), self.geometry, snapshot.cache_config, served, limits,
-            self.disagreements)
+            self.disagreements, version)
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.pipeline.tokenizer is None:
             self.pipeline.tokenizer = load_tokenizer(
@@ -153,10 +154,16 @@ class Runtime:
                 self.settings.request_chat_template_timeout,
             )
             freeze_start_up_heap()
+        if deployment.runtime.warning and (self.deployment is None or self.deployment.runtime != deployment.runtime):
+            log.warning("%s", deployment.runtime.warning)
         self._configure(deployment)
         self.startup_error = None
+        self.metrics.telemetry.set_backend_info(deployment.runtime.labels())
         log.info(
-            "backend synchronised: max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
+            "backend synchronised: vLLM %s (modelled as %s), %s model runner (%s), %s sampler; "
+            "max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
+            deployment.runtime.version, deployment.runtime.model_version, deployment.runtime.runner.upper(),
+            deployment.runtime.runner_source, deployment.runtime.sampler_backend,
             deployment.max_model_len, deployment.block_size, deployment.num_gpu_blocks,
             deployment.enable_prefix_caching,
         )
@@ -181,7 +188,9 @@ class Runtime:
             deployment, self.geometry, settings.profiled_activation_bytes, settings.default_max_tokens,
             self.gate.outputs,
         )
-        limits = static_limits(deployment, predictor, settings.free_memory_bytes, settings.gpu_memory_bytes)
+        limits = static_limits(
+            deployment, predictor, settings.free_memory_bytes, settings.gpu_memory_bytes, settings.kv_cache_memory_bytes
+        )
         self.deployment, self.pipeline.predictor = deployment, predictor
         self.pipeline.max_model_len = deployment.max_model_len
         self.budget.update(**asdict(limits))
@@ -199,11 +208,15 @@ class Runtime:
             self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "",
             self.settings.request_chat_template_timeout,
         )
-        self._configure(resolve(engine_flags(self.settings), self.geometry, None, None))
+        deployment = resolve(engine_flags(self.settings), self.geometry, None, None)
+        if deployment.runtime.warning:
+            log.warning("%s", deployment.runtime.warning)
+        self._configure(deployment)
 
 
 def engine_flags(settings: Settings) -> EngineFlags:
     """The engine flags as deployment resolution takes them (plain values, and which were given)."""
+    spec = settings.speculative_config
     return EngineFlags(
         max_model_len=settings.max_model_len,
         max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -218,4 +231,11 @@ def engine_flags(settings: Settings) -> EngineFlags:
         attention_backend=settings.attention_backend,
         num_gpu_blocks=settings.num_gpu_blocks,
         given=frozenset(settings.model_fields_set),
+        model=settings.model,
+        vllm_version=settings.vllm_version,
+        model_runner=settings.model_runner,
+        speculative_method=spec.method if spec else None,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        max_logprobs=settings.max_logprobs,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
     )

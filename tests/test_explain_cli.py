@@ -7,13 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def explain(tmp_path: Path, model_dir: Path, body: dict, *flags: str) -> tuple[int, dict]:
     path = tmp_path / "body.json"
     path.write_text(json.dumps(body))
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "explain", str(path), "--model", str(model_dir), *flags],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, check=False,
     )
     return done.returncode, json.loads(done.stdout)
 
@@ -83,3 +85,89 @@ def test_help_lists_only_the_flags_that_change_the_answer() -> None:
         assert flag in shown
     for flag in ("--listen", "--max-queue", "--scrape-interval", "--log-level", "--upstream-timeout"):
         assert flag not in shown
+
+
+# Llama-3.1-8B on one H100 80GB (NVML's 81,559 MiB) at --gpu-memory-utilization 0.95, vLLM 0.32.0's
+# H100 defaults (8,192 batched tokens, 1,024 sequences), as a new user would ask kvgate offline.
+H100_BYTES = 81559 * 2**20
+LLAMA_31_FLAGS = (
+    "--vllm-version", "0.32.0", "--gpu-memory-utilization", "0.95", "--gpu-memory-bytes", str(H100_BYTES),
+    "--max-num-batched-tokens", "8192", "--max-num-seqs", "1024", "--num-gpu-blocks", "30000",
+    "--max-model-len", "16384",
+)
+EIGHT_K_PROMPT = list(range(1000, 9000))  # 8,000 token ids: no tokenizer needed
+
+
+@pytest.fixture(scope="module")
+def llama_31_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = json.loads((Path(__file__).parent / "configs" / "llama-3-8b.json").read_text())
+    config["max_position_embeddings"] = 131072  # Llama-3.1-8B's context; otherwise the same geometry
+    folder = tmp_path_factory.mktemp("llama-3.1-8b")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def terms_of(out: dict) -> dict[str, dict]:
+    return {t["name"]: t for t in out["transient"]["terms"]}
+
+
+def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(llama_31_dir: Path, tmp_path: Path) -> None:
+    body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": 1}
+    code, v2 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
+    assert code == 0 and v2["decision"] == "admit", v2
+    # V2 (vllm 0.32.0 gpu/sample/prompt_logprob.py): logits of 1,024 rows x 128,256 x 2 B at a time
+    assert terms_of(v2)["prompt_logprobs"]["bytes"] == 1024 * 128256 * 2 + 2 * 8000 * 2 * 12
+    code, v1 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--model-runner", "v1")
+    assert code == 0 and v1["decision"] == "reject" and v1["reason"] == "transient_memory_never_fits"
+    # the whole chunk at once: bf16 logits, their fp32 copy and log_softmax (bench/fidelity measured 10 B)
+    assert terms_of(v1)["prompt_logprobs"]["bytes"] == 8000 * 128256 * (2 + 4 + 4)
+
+
+def test_echo_with_logprobs_is_read_as_prompt_logprobs(llama_31_dir: Path, tmp_path: Path) -> None:
+    body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
+    code, v1 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--model-runner", "v1")
+    assert code == 0 and v1["decision"] == "reject" and "prompt_logprobs" in v1["message"]
+    code, v2 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
+    assert v2["decision"] == "admit" and v2["max_new_tokens"] == 1 and "prompt_logprobs" in terms_of(v2)
+
+
+def test_all_vocabulary_prompt_logprobs_needs_max_logprobs_minus_one_and_its_real_size(
+    llama_31_dir: Path, tmp_path: Path,
+) -> None:
+    body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": -1}
+    code, refused = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
+    assert code == 1 and refused["error"]["param"] == "prompt_logprobs"
+    assert "greater than max allowed: 20" in refused["error"]["message"]
+    code, out = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--max-logprobs", "-1")
+    assert code == 0 and out["decision"] == "reject" and out["reason"] == "transient_memory_never_fits"
+    # every prompt row keeps 128,257 int64 ids and fp32 scores: tens of GiB
+    assert terms_of(out)["prompt_logprobs"]["bytes"] > 20 * 2**30
+
+
+def test_speculative_decoding_raises_the_sampler_stage(llama_31_dir: Path, tmp_path: Path) -> None:
+    body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 10, "n": 4}
+    _, plain = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    _, speculative = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--speculative-config", spec)
+    before, after = plain["transient"]["sampler_stage_with_in_flight"], speculative["transient"]["sampler_stage_with_in_flight"]
+    assert after["logits"] == 5 * before["logits"] == 5 * 4 * 128256 * 2  # 4 rows x (1 + 4 tokens)
+    assert after["top_k_top_p"] == 5 * before["top_k_top_p"] > 0
+
+
+def test_vllms_whole_command_line_pastes(llama_31_dir: Path, tmp_path: Path) -> None:
+    body = {"prompt": [1, 2, 3], "max_tokens": 5}
+    path = tmp_path / "body.json"
+    path.write_text(json.dumps(body))
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "explain", str(path), "--vllm-version", "0.32.0",
+         "--gpu-memory-bytes", str(H100_BYTES), "--num-gpu-blocks", "30000", "--",
+         "vllm", "serve", str(llama_31_dir), "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16",
+         "--max-model-len", "16384", "--gpu-memory-utilization", "0.95", "--max-num-seqs", "1024",
+         "--max-num-batched-tokens", "8192", "--enable-chunked-prefill", "--enforce-eager",
+         "--max-logprobs", "50", "--kv-cache-dtype", "auto", "--trust-remote-code", "--seed", "0",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["decision"] == "admit"
+    assert "ignored: --host --port --enable-chunked-prefill --trust-remote-code --seed" in done.stderr

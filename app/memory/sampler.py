@@ -25,6 +25,28 @@ beyond that the second one needs fresh memory, or fails among the fragments the 
 (the S4 benchmark reproduced that OOM when they were counted inside the profile at ~860 rows). So
 the penalties are free up to half the profiled rows and charged in full against the free
 headroom above it. The logprobs and the prompt ids were never profiled.
+
+That is Model Runner V1 (vllm/v1/worker/gpu_model_runner.py). vLLM's CUDA default from 0.29.0,
+Model Runner V2 (vllm/v1/worker/gpu/, see app/memory/vllm_runner.py), samples differently
+(vllm 0.32.0 ``vllm/v1/worker/gpu/sample/sampler.py: Sampler``):
+
+- logits ``[B, V]`` in the model dtype; the fp32 copy is made only when a row needs logits
+  processing (``apply_sampling_params``: temperature not 0 and not all-default), i.e. a random row;
+- top-k/top-p: FlashInfer's rejection sampler (``flashinfer_sample``: fp32 softmax ``[B, V]``,
+  no sort) or Triton's in-place kernel (``apply_top_k_top_p_triton``: one cached ``[SMs, V]``
+  buffer); kvgate charges FlashInfer's 4 B per logit, the larger;
+- logprobs: ``compute_topk_scores`` (gpu/sample/logprob.py) never materialises ``[B, V]`` log-probs:
+  ``[B, k + 1]`` ids and scores only, unless k is the whole vocabulary (``logprobs: -1``);
+- penalties: ``PenaltiesState`` (gpu/sample/penalties.py) preallocates ``output_bin_counts`` and
+  the prompt mask for max_num_seqs rows at start-up: nothing per step, no prompt ids tensor.
+
+And V2's profile batch is greedy (gpu/model_runner.py ``_dummy_sampler_run``: "the sampler may
+skip top_k, top_p, and logprobs"): only the model-dtype logits are in the profile region; the
+fp32 copy and the top-k/top-p buffers of a random batch are charged against the free headroom.
+
+Speculative decoding samples ``1 + num_speculative_tokens`` rows per request (the target model
+verifies every draft token: v1/sample/rejection_sampler.py); the profile sampled one per request,
+so rows beyond ``min(max_num_batched_tokens, max_num_seqs)`` are outside it on both runners.
 """
 
 from __future__ import annotations
@@ -40,26 +62,39 @@ SORT_BYTES_PER_LOGIT = 18
 LOGPROBS_BYTES_PER_LOGIT = 4
 PENALTY_BYTES_PER_LOGIT = 22
 PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
+# V2 (vllm 0.32.0 v1/sample/ops/topk_topp_sampler.py flashinfer_sample): fp32 softmax probs.
+FLASHINFER_BYTES_PER_LOGIT = 4
+# Logprobs over the whole vocabulary (k = V, logprobs or prompt_logprobs -1): torch.topk's values
+# (fp32, 4) and int64 indices (8), the ids with the sampled/prompt token prepended (int64, 8) and
+# their scores (fp32, 4): v1/sample/sampler.py gather_logprobs, gpu/sample/logprob.py compute_topk_scores.
+ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT = 24
+# V2's [rows, k + 1] logprob token ids (int64) and scores (fp32) per row and column.
+TOPK_LOGPROBS_BYTES = 12
+# Structured outputs on V1 (v1/structured_output/utils.py apply_grammar_bitmask): the step's
+# [rows, ceil(V / 32)] int32 grammar bitmask copied to the GPU; V2 preallocates it at start-up
+# (v1/worker/gpu/structured_outputs.py: grammar_bitmask).
+BITMASK_TOKENS_PER_WORD = 32
 
 
 @dataclass(frozen=True)
 class SamplerStage:
     """Bytes of one step's sampler stage, split as the budget charges them."""
 
-    logits: int  # lm_head output in the model dtype + its fp32 copy (profiled)
-    sort: int  # the top-k/top-p sort (profiled)
-    logprobs: int  # log_softmax of the whole batch (never profiled)
-    penalties: int  # the penalties' bin counts and masks, when the cached sort blocks cannot hold them
-    prompt_ids: int  # the penalties' prompt ids, held across steps (never profiled)
-    output_ids: int = 0  # the penalties' output ids of this step (never profiled)
-
-    @property
-    def profiled(self) -> int:
-        return self.logits + self.sort
+    logits: int  # lm_head output (V1: + its fp32 copy), for every sampled row
+    sort: int  # V1's top-k/top-p sort
+    logprobs: int  # log_softmax of the whole batch (V1), top-k ids and scores (V2)
+    penalties: int  # V1's bin counts and masks, when the cached sort blocks cannot hold them
+    prompt_ids: int  # V1's penalty prompt ids, held across steps
+    output_ids: int = 0  # V1's penalty output ids of this step
+    logits_fp32: int = 0  # V2: the fp32 copy of a random batch's logits
+    top_k_top_p: int = 0  # V2: FlashInfer's fp32 probabilities
+    grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
+    profiled: int = 0  # the part of the above the start-up profile reserved
 
     @property
     def unprofiled(self) -> int:
-        return self.logprobs + self.penalties + self.prompt_ids + self.output_ids
+        total = self.logits + self.sort + self.logprobs + self.penalties + self.prompt_ids + self.output_ids
+        return total + self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask - self.profiled
 
 
 @dataclass(frozen=True)
@@ -81,28 +116,54 @@ class SamplerCost:
     dtype_bytes: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    runner: str = "v1"  # "v1" | "v2" (app/memory/vllm_runner.py)
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20  # the server's --max-logprobs: bounds V2's [rows, k + 1] logprobs
+
+    @cached_property
+    def profiled_rows(self) -> int:
+        """Rows the profile's dummy sampler run sampled: one per request, at most max_num_seqs."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs)
 
     @cached_property
     def max_sampled_rows(self) -> int:
-        """Rows one step samples at most: one token each, at most max_num_seqs requests. The
-        profile's dummy sampler run sampled exactly this many."""
-        return min(self.max_num_batched_tokens, self.max_num_seqs)
+        """Rows one step samples at most: 1 + num_speculative_tokens per request."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
-    def stage(self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int,
-              longest_output: int = 0) -> SamplerStage:
-        """The sampler stage of a step whose batch holds `rows` rows with these flags.
+    def stage(
+        self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int,
+        random: bool = True, all_vocab_logprobs: bool = False, structured: bool = False,
+        longest_output: int = 0,
+    ) -> SamplerStage:
+        """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
+        (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`).
 
-        With penalties, ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
+        V1 with penalties: ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
         builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
         batch's longest output: charged at the longest `max_tokens` in flight."""
-        sampled = min(rows, self.max_sampled_rows) * self.vocab_size
+        rows_sampled = min(rows * (1 + self.num_speculative_tokens), self.max_sampled_rows)
+        sampled = rows_sampled * self.vocab_size
+        in_profile = min(rows_sampled, self.profiled_rows) * self.vocab_size
+        whole_vocab = sampled * ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT if all_vocab_logprobs else 0
+        if self.runner == "v2":
+            topk = rows_sampled * (max(self.max_logprobs, 0) + 1) * TOPK_LOGPROBS_BYTES
+            return SamplerStage(
+                logits=sampled * self.dtype_bytes, sort=0,
+                logprobs=(whole_vocab or topk) if logprobs else 0,
+                penalties=0, prompt_ids=0,
+                logits_fp32=sampled * FP32 if random else 0,
+                top_k_top_p=sampled * FLASHINFER_BYTES_PER_LOGIT if random else 0,
+                profiled=in_profile * self.dtype_bytes,
+            )
         return SamplerStage(
             logits=sampled * (self.dtype_bytes + FP32),
             sort=sampled * SORT_BYTES_PER_LOGIT,
-            logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT if logprobs else 0,
-            penalties=sampled * PENALTY_BYTES_PER_LOGIT if penalties and 2 * sampled > self.max_sampled_rows * self.vocab_size else 0,
+            logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT + whole_vocab if logprobs else 0,
+            penalties=sampled * PENALTY_BYTES_PER_LOGIT if penalties and 2 * sampled > self.profiled_rows * self.vocab_size else 0,
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
             output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,
+            grammar_bitmask=rows_sampled * -(-self.vocab_size // BITMASK_TOKENS_PER_WORD) * FP32 if structured else 0,
+            profiled=in_profile * (self.dtype_bytes + FP32 + SORT_BYTES_PER_LOGIT),
         )
 
 
@@ -116,13 +177,19 @@ class SamplerUse:
     longest_prompt: int
     logprobs: bool = False
     penalties: bool = False
+    random: bool = True  # temperature > 0 (or unknown): V2 copies its logits to fp32 and filters them
+    all_vocab_logprobs: bool = False  # logprobs: -1
+    structured: bool = False  # a structured-output (guided decoding) constraint
     longest_output: int = 0  # its largest max_tokens: sizes the penalties' output ids
     # The stage of a batch that holds only this request (an idle server): every admission reads
     # it twice (its transient and profiled bytes), so it is computed once, with the use.
     alone: SamplerStage = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        alone = self.cost.stage(self.rows, self.logprobs, self.penalties, self.longest_prompt, self.longest_output)
+        alone = self.cost.stage(
+            self.rows, self.logprobs, self.penalties, self.longest_prompt, self.random, self.all_vocab_logprobs,
+            self.structured, self.longest_output,
+        )
         object.__setattr__(self, "alone", alone)
 
 
@@ -141,6 +208,9 @@ class SamplerBatch:
         self._rows = 0
         self._logprobs = 0
         self._penalties = 0
+        self._random = 0
+        self._all_vocab = 0
+        self._structured = 0
         self._prompts: list[int] = []  # sorted
         self._outputs: list[int] = []  # sorted
         self._changed()
@@ -150,6 +220,9 @@ class SamplerBatch:
         self._rows += use.rows
         self._logprobs += use.logprobs
         self._penalties += use.penalties
+        self._random += use.random
+        self._all_vocab += use.all_vocab_logprobs
+        self._structured += use.structured
         bisect.insort(self._prompts, use.longest_prompt)
         bisect.insort(self._outputs, use.longest_output)
         self._changed()
@@ -158,6 +231,9 @@ class SamplerBatch:
         self._rows -= use.rows
         self._logprobs -= use.logprobs
         self._penalties -= use.penalties
+        self._random -= use.random
+        self._all_vocab -= use.all_vocab_logprobs
+        self._structured -= use.structured
         del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
         del self._outputs[bisect.bisect_left(self._outputs, use.longest_output)]
         self._changed()
@@ -182,12 +258,18 @@ class SamplerBatch:
         if extra is None:
             if self._cost is None or not self._rows:
                 return _EMPTY
-            return self._cost.stage(self._rows, self._logprobs > 0, self._penalties > 0, longest, output)
+            return self._cost.stage(
+                self._rows, self._logprobs > 0, self._penalties > 0, longest, self._random > 0, self._all_vocab > 0,
+                self._structured > 0, output,
+            )
         return extra.cost.stage(
             self._rows + extra.rows,
             self._logprobs > 0 or extra.logprobs,
             self._penalties > 0 or extra.penalties,
             max(longest, extra.longest_prompt),
+            self._random > 0 or extra.random,
+            self._all_vocab > 0 or extra.all_vocab_logprobs,
+            self._structured > 0 or extra.structured,
             max(output, extra.longest_output),
         )
 

@@ -12,6 +12,15 @@ import uvicorn
 
 from app.sim.config import CoTenant, SimConfig
 from app.sim.startup import StartupError
+from app.vllm_flags import add_vllm_arguments
+
+# vLLM's flags the simulator plays, declared once in app.vllm_flags.
+SIM_VLLM_FLAGS = (
+    "gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "max_num_batched_tokens",
+    "max_num_seqs", "block_size", "enable_prefix_caching", "long_prefill_token_threshold",
+    "tensor_parallel_size", "kv_cache_dtype", "enforce_eager", "num_gpu_blocks_override", "dtype",
+    "max_logprobs",
+)
 
 if TYPE_CHECKING:
     from app.sim.engine import Engine
@@ -42,20 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--dtype", default="auto",
-                   choices=["auto", "bfloat16", "float16", "half", "float32", "float"])
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    add_vllm_arguments(p, SIM_VLLM_FLAGS, typed=True)
+    # The simulator picks these as vLLM does (by GPU size, by model) when they are not given.
+    p.set_defaults(max_num_batched_tokens=None, max_num_seqs=None, block_size=None)
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "flash-attn", "flashinfer", "mla", "materializing"])
     p.add_argument("--cudagraph-memory-in-budget", action=argparse.BooleanOptionalAction,
@@ -69,8 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-version", default="0.32.0", help="the vLLM release to play")
     p.add_argument("--model-runner", choices=["auto", "v1", "v2"], default="auto",
                    help="auto: the release's default (V2 from 0.32)")
-    p.add_argument("--max-logprobs", type=int, default=20,
-                   help="largest logprobs / prompt_logprobs a request may ask (-1: vocabulary)")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--cotenant", action="append", type=_cotenant, default=[],

@@ -79,8 +79,19 @@ class TelemetryMetrics:
             "Server memory growth since its start minus kvgate's highest predicted transient reservation.",
             registry=r,
         )
+        self.backend_info = Gauge(
+            "kvgate_backend_info",
+            "1 for the vLLM kvgate models: its version, the known version it is modelled as, its model "
+            "runner and sampler backend.",
+            ["version", "model_version", "runner", "sampler"], registry=r,
+        )
         for mode in MODES:
             self.mode.labels(mode).set(0)
+
+    def set_backend_info(self, labels: dict[str, str]) -> None:
+        """One series at 1: the backend's current identity (a restart may change it)."""
+        self.backend_info.clear()
+        self.backend_info.labels(**labels).set(1)
 
     def set_mode(self, mode: str) -> None:
         for m in MODES:

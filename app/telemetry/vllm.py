@@ -256,3 +256,19 @@ async def fetch_engine_limits(client: httpx.AsyncClient) -> EngineLimits | None:
 
 def _text(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+async def fetch_version(client: httpx.AsyncClient) -> str | None:
+    """vLLM's GET /version ({"version": "0.32.0"}, vllm/entrypoints/serve/...: show_version);
+    None from a backend that has no such route (a proxy, an old simulator)."""
+    try:
+        response = await client.get("/version")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        version = response.json().get("version")
+    except ValueError:
+        return None
+    return version if isinstance(version, str) and version else None

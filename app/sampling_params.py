@@ -1,0 +1,116 @@
+"""An OpenAI body read as vLLM reads it: the sampling parameters its server derives.
+
+vLLM 0.32.0 builds `SamplingParams` with `CompletionRequest.to_sampling_params`
+(vllm/entrypoints/openai/completion/protocol.py) and `ChatCompletionRequest.to_sampling_params`
+(vllm/entrypoints/openai/chat_completion/protocol.py), with `max_tokens` from `get_max_tokens`
+(vllm/entrypoints/serve/utils/api_utils.py). What changes memory is mapped here, once:
+
+- `echo: true` turns the request's logprobs into prompt logprobs when `prompt_logprobs` is unset
+  (completions: `logprobs`; chat: `top_logprobs`, whose default is 0);
+- completions: `max_tokens` absent (or null) is 16, and `echo` with `max_tokens: 0` generates 1;
+  chat: `max_completion_tokens`, else `max_tokens`; absent: what the context leaves;
+- chat: sample logprobs are `top_logprobs` only when `logprobs` is true;
+- temperature 0 is greedy (Model Runner V2 then skips its fp32 logits copy and top-k/top-p).
+
+The fields are assumed type-checked (app/openai.py answers a malformed one with a 400).
+`tests/test_sampling_params.py` compares this mapping with vLLM's own, field by field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# vllm/entrypoints/openai/completion/protocol.py: CompletionRequest.max_tokens default.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The memory-relevant part of the `SamplingParams` vLLM builds for one request."""
+
+    n: int = 1
+    max_tokens: int | None = None  # None: what max_model_len leaves after the prompt
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    structured_outputs: bool = False  # a guided decoding constraint (bitmask per step)
+    logit_bias: bool = False
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
+
+    @property
+    def penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def greedy(self) -> bool:
+        """vllm/sampling_params.py: a temperature under _SAMPLING_EPS (1e-5) samples greedily."""
+        return self.temperature < 1e-5
+
+
+# vllm 0.32.0 protocol.py extract_structured_outputs: the fields that set a constraint.
+_STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_STRUCTURED_FORMATS = ("json_schema", "json_object", "structural_tag")
+
+
+def _structured(body: Mapping[str, Any]) -> bool:
+    if any(body.get(name) for name in _STRUCTURED_FIELDS):
+        return True
+    response_format = body.get("response_format")
+    return isinstance(response_format, Mapping) and response_format.get("type") in _STRUCTURED_FORMATS
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    return default if value is None else float(value)
+
+
+def vllm_sampling_params(endpoint: Literal["completions", "chat"], body: Mapping[str, Any]) -> SamplingParams:
+    """What vLLM's `to_sampling_params` makes of this body (before the server's defaults from
+    generation_config, which only change temperature, top-k/p and the penalties)."""
+    echo = bool(body.get("echo") or False)
+    if endpoint == "chat":
+        top_logprobs = body.get("top_logprobs")
+        top_logprobs = 0 if top_logprobs is None else top_logprobs
+        logprobs = top_logprobs if body.get("logprobs") else None
+        echoed = top_logprobs
+        max_tokens = body.get("max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+    else:
+        logprobs = body.get("logprobs")
+        echoed = logprobs
+        max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        if echo and max_tokens == 0:
+            max_tokens = 1
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is None and echo:
+        prompt_logprobs = echoed
+    allowed = body.get("allowed_token_ids")
+    bad_words = body.get("bad_words")
+    return SamplingParams(
+        n=body.get("n") or 1,
+        max_tokens=max_tokens,
+        min_tokens=body.get("min_tokens") or 0,
+        ignore_eos=bool(body.get("ignore_eos") or False),
+        temperature=_number(body, "temperature", 1.0),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        structured_outputs=_structured(body),
+        logit_bias=bool(body.get("logit_bias")),
+        allowed_token_ids=tuple(allowed) if allowed is not None else None,
+        bad_words=tuple(bad_words) if bad_words else None,
+    )

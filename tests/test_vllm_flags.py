@@ -1,0 +1,81 @@
+"""vLLM's command line, pasted: its memory flags under vLLM's names, the rest accepted and ignored."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.cli import parse_command_line
+from app.settings import settings_from_args
+from app.vllm_flags import parse_size
+
+# A real `vllm serve` command line for Llama-3.1-8B on one H100, as an operator would paste it.
+VLLM_COMMAND = [
+    "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--host", "0.0.0.0", "--port", "8000",
+    "--api-key", "secret", "--dtype", "bfloat16", "--max-model-len", "16k", "-tp", "1",
+    "--gpu-memory-utilization", "0.95", "--max-num-seqs", "512", "--max-num-batched-tokens", "8K",
+    "--enable-prefix-caching", "--enforce-eager", "--max-logprobs", "50", "--logprobs-mode",
+    "processed_logprobs", "--kv-cache-memory-bytes", "49.94GiB", "--cudagraph-capture-sizes", "1", "2",
+    "4", "--max-cudagraph-capture-size", "256", "--trust-remote-code", "--enable-log-requests",
+    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+    "--uvicorn-log-level", "warning",
+]
+
+
+def test_vllm_size_suffixes_read_as_vllm_reads_them_and_as_it_logs_them() -> None:
+    assert parse_size("1k") == 1000 and parse_size("1K") == 1024 and parse_size("25.6k") == 25600
+    assert parse_size("49.94GiB") == int(49.94 * 2**30) == parse_size("49.94 GiB")
+    assert parse_size("2G") == 2 * 2**30 and parse_size("123") == "123"
+
+
+def test_a_whole_vllm_command_line_pastes_after_a_double_dash() -> None:
+    args = parse_command_line(["serve", "--max-queue", "9", "--", *VLLM_COMMAND])
+    settings = settings_from_args(args)
+    assert settings.max_queue == 9
+    assert settings.max_model_len == 16000 and settings.max_num_batched_tokens == 8192
+    assert settings.max_num_seqs == 512 and settings.gpu_memory_utilization == 0.95
+    assert settings.kv_cache_memory_bytes == int(49.94 * 2**30)
+    assert settings.enforce_eager is True and settings.max_logprobs == 50
+    assert settings.logprobs_mode == "processed_logprobs" and settings.dtype == "bfloat16"
+    assert settings.cudagraph_capture_sizes == [1, 2, 4] and settings.max_cudagraph_capture_size == 256
+    assert settings.speculative_config is not None and settings.speculative_config.num_speculative_tokens == 4
+    assert args.ignored_vllm_options == [
+        "--host", "--port", "--api-key", "--trust-remote-code", "--enable-log-requests", "--uvicorn-log-level",
+    ]
+
+
+def test_vllm_flags_inline_and_a_model_folder_as_vllms_positional(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = parse_command_line(["explain", "body.json", "--host", "0.0.0.0", "--", "serve", str(tmp_path), "-tp", "2"])
+    assert args.model == str(tmp_path) and args.ignored_vllm_options == ["--host"]
+    assert settings_from_args(args).tensor_parallel_size == 2
+
+
+def test_a_flag_neither_kvgates_nor_vllms_is_still_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_command_line(["serve", "--max-queu", "5"])
+    assert "--max-queu" in capsys.readouterr().err
+
+
+def test_an_unparsable_speculative_config_stops_start_up_naming_the_flag() -> None:
+    with pytest.raises(SystemExit) as bad:
+        settings_from_args(parse_command_line(["serve", "--speculative-config", "{num_speculative_tokens: 4}"]))
+    assert "--speculative-config" in str(bad.value) and "JSON" in str(bad.value)
+
+
+def test_the_ignored_options_are_named_in_one_info_line(tmp_path: Path) -> None:
+    config = Path(__file__).parent / "configs" / "llama-3-8b.json"
+    (tmp_path / "config.json").write_text(config.read_text())
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "capacity", "--json", "--", "vllm", "serve", str(tmp_path),
+         "--kv-cache-memory-bytes", "8GiB", "--port", "8001", "--enforce-eager", "--api-key", "k"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["kv_cache_tokens"] == 8 * 2**30 // (32 * 2 * 8 * 128 * 2) // 16 * 16
+    info = [line for line in done.stderr.splitlines() if "ignored" in line]
+    assert info == ["kvgate: info: vLLM options that do not change what kvgate predicts, ignored: --port --enforce-eager --api-key"]
