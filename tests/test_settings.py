@@ -131,7 +131,8 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
 
 
 def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilization() -> None:
-    from app.deployment import static_budget, weights_bytes
+    from app.deployment import static_limits, weights_bytes
+    from app.runtime import engine_flags
 
     geometry = ModelGeometry.from_config(
         {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
@@ -139,9 +140,11 @@ def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilizati
     )
     settings = settings_for("--kv-cache-memory-bytes", "40GiB", "--gpu-memory-bytes", str(80 * 2**30),
                             "--gpu-memory-utilization", "0.5")
-    deployment = resolve(settings, geometry, None, None)
-    predictor = build_predictor(deployment, geometry, settings)
-    budget = static_budget(deployment, settings, predictor)
+    deployment = resolve(engine_flags(settings), geometry, None, None)
+    predictor = build_predictor(deployment, geometry)
+    budget = static_limits(
+        deployment, predictor, settings.free_memory_bytes, settings.gpu_memory_bytes, settings.kv_cache_memory_bytes
+    )
     # 40 GiB / (32 layers x 2 x 8 heads x 128 x 2 B = 128 KiB per token) = 327,680 tokens = 20,480 blocks
     assert budget.kv_blocks == 20480 - 1
     expected = 80 * 2**30 - 40 * 2**30 - weights_bytes(predictor.layout) - predictor.profiled_peak_bytes
