@@ -41,15 +41,12 @@ _TEXT_PARTS = {
 # Keys of vLLM's content-part TypedDicts; any other key of a text part is kept
 # on the part for "openai"-format templates (vllm _collect_extra_fields).
 _KNOWN_PART_FIELDS = frozenset(
-    "audio_embeds audio_url closed data file image_embeds image_pil image_url input_audio "
-    "name prompt_cache_breakpoint refusal text thinking type uuid video_embeds video_url".split()
+    ["audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url", "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid", "video_embeds", "video_url"]
 )
 # transformers' named apply_chat_template parameters as vLLM 0.32 lets them
 # through (transformers 5.19); any other chat_template_kwargs must be template variables.
 _HF_CHAT_PARAMS = frozenset(
-    "add_generation_prompt chat_template continue_final_message conversation documents "
-    "max_length padding return_assistant_tokens_mask return_dict return_tensors self "
-    "tokenize tokenizer_kwargs tools truncation".split()
+    ["add_generation_prompt", "chat_template", "continue_final_message", "conversation", "documents", "max_length", "padding", "return_assistant_tokens_mask", "return_dict", "return_tensors", "self", "tokenize", "tokenizer_kwargs", "tools", "truncation"]
 )
 _BILLING_HEADER = "x-anthropic-billing-header"
 
@@ -164,7 +161,7 @@ class BudgetedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
             raise TemplateBudgetExceeded("the chat template builds a value over its output budget")
         return super().call_binop(context, operator, left, right)
 
-    def concat(self, pieces: Any) -> str:  # type: ignore[override]
+    def concat(self, pieces: Any) -> str:
         """Template.render's join of the output, stopped once it passes the output budget."""
         out: list[str] = []
         size = 0
@@ -210,7 +207,7 @@ def _compile_for_render(template: str) -> jinja2.Template:
     return _budgeted_template(template, active[0].chars)
 
 
-chat_template_utils._compile_jinja_template = _compile_for_render
+chat_template_utils._compile_jinja_template = _compile_for_render  # type: ignore[assignment]  # transformers' cached compiler, replaced on purpose
 
 
 async def render_within_budget(render: Callable[[], _T], budget: TemplateBudget) -> _T:
@@ -286,10 +283,10 @@ def _aliases(root: nodes.Template, var: str) -> set[str]:
     while todo:
         current = todo.popleft()
         for assign in root.find_all(nodes.Assign):
-            if _accesses(assign.node, current) and isinstance(assign.target, nodes.Name):
-                if assign.target.name not in found:
-                    found.add(assign.target.name)
-                    todo.append(assign.target.name)
+            if (_accesses(assign.node, current) and isinstance(assign.target, nodes.Name)
+                    and assign.target.name not in found):
+                found.add(assign.target.name)
+                todo.append(assign.target.name)
     return found
 
 
@@ -467,7 +464,9 @@ def _developer_as_system(conversation: list[dict]) -> list[dict]:
         else m
         for m in conversation
     ]
-    systems, others, merge = [], [], False
+    systems: list[Any] = []
+    others: list[Any] = []
+    merge = False
     for i, m in enumerate(conversation):
         if m["role"] != "system":
             others.append(m)

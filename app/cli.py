@@ -91,8 +91,8 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from app.http.server import create_app
     from app.http.limits import limited_http_protocol
+    from app.http.server import create_app
 
     try:
         app = create_app(settings)
@@ -154,8 +154,8 @@ def _only_token_ids(raw: bytes) -> bool:
 
 
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
-    from app.explain import explain
     from app.errors import KvgateError
+    from app.explain import explain
     from app.http.errors import error_body
     from app.runtime import Runtime
 

@@ -46,9 +46,7 @@ from app.sim.runner import SimRunner, free_port
 from app.sim.startup import StartupError
 
 # Words of at most six letters: the simulator's stand-in tokenizer makes each one token.
-_WORDS = ("the cache block token batch model server queue memory budget prompt graph tensor "
-          "chunk layer head value key query fast slow long short river stone cloud light "
-          "north south paper glass music water field story night green table window").split()
+_WORDS = ["the", "cache", "block", "token", "batch", "model", "server", "queue", "memory", "budget", "prompt", "graph", "tensor", "chunk", "layer", "head", "value", "key", "query", "fast", "slow", "long", "short", "river", "stone", "cloud", "light", "north", "south", "paper", "glass", "music", "water", "field", "story", "night", "green", "table", "window"]
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def expand_images(ids: list[int], images: ImageTokens, keys: list[str]) -> list[
         )
     out: list[int] = []
     start = 0
-    for position, key in zip(at, keys):
+    for position, key in zip(at, keys, strict=True):
         stand_in = -1 - int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
         out += ids[start:position]
         out += [stand_in] * images.per_image

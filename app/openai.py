@@ -178,7 +178,7 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
     elif _is_token_ids(prompt):
-        prompts = [list(prompt)]
+        prompts = [list(prompt or ())]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
     elif (

@@ -7,9 +7,9 @@ error that names the numbers and what to change.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
 
 from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits
 from app.gate.budget import Budget
@@ -191,7 +191,7 @@ class Predictor:
                              self.enable_prefix_caching)
             for fp in prediction.footprints
         ]
-        if all(new is old for new, old in zip(footprints, prediction.footprints)):
+        if all(new is old for new, old in zip(footprints, prediction.footprints, strict=True)):
             return prediction.demand
         return self._demand(footprints, prediction.demand.sampler)
 

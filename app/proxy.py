@@ -86,7 +86,7 @@ class Backend:
             raise InvalidField(f"A request header cannot be forwarded: {exc}.", code="invalid_header") from None
         except UpstreamUnavailable as exc:
             raise BackendDown(f"The backend is unavailable: {exc}.") from exc
-        except (UpstreamTimeout, asyncio.TimeoutError) as exc:  # before OSError: TimeoutError is one
+        except (TimeoutError, UpstreamTimeout) as exc:  # before OSError: TimeoutError is one
             raise BackendTimedOut() from exc
         except OSError as exc:
             raise BackendDown(

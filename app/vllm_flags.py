@@ -174,7 +174,8 @@ def add_vllm_arguments(
 def _converter(name: str):
     """argparse type= for one field: pydantic's own validation of that field."""
     info = VllmFlags.model_fields[name]
-    adapter = TypeAdapter(Annotated[info.annotation, *info.metadata]) if info.metadata else TypeAdapter(info.annotation)
+    form: Any = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation  # built at run time
+    adapter: TypeAdapter[Any] = TypeAdapter(form)
     item = TypeAdapter(int) if name == "cudagraph_capture_sizes" else adapter
 
     def convert(value: str) -> Any:

@@ -62,7 +62,7 @@ def _bar(total: int, desc: str) -> Any:
 def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     from bench import safety
     from bench.safety import pick_cap, run_arm
-    from bench.scenarios import SCENARIOS
+    from bench.scenarios import SCENARIOS, Scenario
 
     safety.quiet()
     chosen = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
@@ -80,7 +80,9 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                               "requests": len(calls), "speedup": scn.speedup,
                               "kvgate_flags": " ".join(scn.kvgate_flags)})
 
-            def arm(name: str, cap: int | None = None) -> safety.ArmResult:
+            def arm(
+                name: str, cap: int | None = None, scn: Scenario = scn, calls: list = calls,
+            ) -> safety.ArmResult:
                 bar.set_postfix_str(f"{scn.key} {name}{'' if cap is None else f' {cap}'}")
                 r = run_arm(scn, "cap" if cap else name, calls, args.scale, Path(tmp), cap=cap)
                 bar.update(1)

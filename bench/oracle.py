@@ -68,7 +68,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.sim.api import Parsed, SimApiError, parse
@@ -529,9 +530,9 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
         except asyncio.CancelledError:  # the client went away
             if entry in queue:
                 queue.remove(entry)
-            elif entry.verdict.done() and not entry.verdict.cancelled():
-                if isinstance(entry.verdict.result(), RequestRun):
-                    entry.verdict.result().abort()
+            elif (entry.verdict.done() and not entry.verdict.cancelled()
+                    and isinstance(entry.verdict.result(), RequestRun)):
+                entry.verdict.result().abort()
             raise
         if verdict is None:
             return await endpoints[path](http)

@@ -140,9 +140,8 @@ def taskset(core: str) -> list[str]:
 def model_folder(dest: Path) -> Path:
     """Llama-3.1-8B's config.json with the test suite's tiny offline BPE tokenizer (2048 ids,
     Llama-3-style chat template): kvgate tokenizes locally, as with a real model folder."""
-    from support.tiny_model import build_tiny_model  # noqa: PLC0415
-
     from app.sim.presets import write_model_folder
+    from support.tiny_model import build_tiny_model
     build_tiny_model(dest)
     (dest / "model.safetensors").unlink(missing_ok=True)
     cfg = json.loads((write_model_folder("llama-3.1-8b", dest.parent / "preset") / "config.json")
@@ -221,7 +220,7 @@ def _rss_bytes(pid: int) -> int:
 
 def prompt_of(tokens: int) -> str:
     """English-like prose in the tiny tokenizer's vocabulary, about `tokens` tokens long."""
-    from support.tiny_model import english_text  # noqa: PLC0415 (tests/ is on sys.path)
+    from support.tiny_model import english_text
     return english_text(max(1, int(tokens / 1.1)), seed=tokens)
 
 
@@ -389,7 +388,7 @@ def profile_kvgate(pid: int, port: int, body: bytes, results_dir: Path, seconds:
                             stderr=subprocess.PIPE)
     time.sleep(0.5)
     cpu0 = _cpu_seconds(pid)
-    ls, _, wall = asyncio.run(_closed_loop(port, body, 64, seconds=seconds))
+    ls, _, _wall = asyncio.run(_closed_loop(port, body, 64, seconds=seconds))
     cpu_ms = (_cpu_seconds(pid) - cpu0) / max(1, len(ls)) * 1e3
     _, err = proc.communicate(timeout=60)
     if proc.returncode != 0 or not raw.exists():

@@ -40,7 +40,6 @@ from app.demo import decisions, kvgate
 from app.sim.config import SimConfig
 from app.sim.presets import gpu_total_bytes, write_model_folder
 from app.sim.runner import SimRunner
-
 from bench import oracle as oracle_mod
 from bench.scenarios import Scenario
 from bench.workloads import Call
@@ -93,7 +92,7 @@ def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
     return xs[k]
 
 
@@ -197,7 +196,7 @@ async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None
                 tokens = _usage_tokens(tail)
             return Outcome(call.label, 200, "completed", "", ttft, time.monotonic() - start,
                            tokens)
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, httpx.HTTPError) as exc:
             return Outcome(call.label, 0, "failed", type(exc).__name__, ttft,
                            time.monotonic() - start)
 

@@ -91,7 +91,7 @@ def s2_traffic(rng: random.Random, scale: float) -> list[Call]:
     d = 30 * scale
     calls = _chat_stream(rng, 2.0, d)
     burst = max(4, int(16 * scale))
-    for k in range(burst):
+    for _k in range(burst):
         calls.append(document_call(rng, 10 * scale + rng.random(), rng.choice(
             [6000, 8000, 12000, 16000]), "burst prompt", max_tokens=256))
     return streaming(calls)

@@ -24,9 +24,7 @@ class Call:
     label: str
 
 MODEL = "llama-3.1-8b"
-_WORDS = ("the cache block token batch model server queue memory budget prompt graph tensor "
-          "chunk layer head value key query fast slow long short river stone cloud light "
-          "north south paper glass music water field story night green table window").split()
+_WORDS = ["the", "cache", "block", "token", "batch", "model", "server", "queue", "memory", "budget", "prompt", "graph", "tensor", "chunk", "layer", "head", "value", "key", "query", "fast", "slow", "long", "short", "river", "stone", "cloud", "light", "north", "south", "paper", "glass", "music", "water", "field", "story", "night", "green", "table", "window"]
 
 
 def words(rng: random.Random, n: int) -> str:

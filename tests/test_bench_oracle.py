@@ -10,16 +10,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+from sim_support import make_engine, prompt
 
 from app.sim.config import SimConfig
 from app.sim.engine import Engine
 from app.sim.request import Request, Sampling
 from app.sim.runner import SimRunner
-from sim_support import make_engine, prompt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` package
 
-from bench import oracle  # noqa: E402
+from bench import oracle
 
 CHAT = Sampling(max_tokens=8, temperature=0.7)
 

@@ -258,7 +258,7 @@ def built(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV", "PYTHON"))}
     bin_dir = root / "usr-local-bin"  # the base image's `python`
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys._base_executable)  # noqa: SLF001 - the interpreter, not this venv
+    (bin_dir / "python").symlink_to(sys._base_executable)
     env["PATH"] = f"{bin_dir}:/usr/bin:/bin"
     env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(wheelhouse))
     for instruction, argument in BUILD["steps"]:

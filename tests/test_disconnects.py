@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+
 from support.fake_backend import running_fake_backend
 from support.kvgate_server import running_kvgate
 

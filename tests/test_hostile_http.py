@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate
 
@@ -39,10 +41,8 @@ def exchange(kvgate: KvgateServer, request: bytes, timeout_s: float = 10) -> byt
     """Send `request` and read until the server closes or has answered."""
     host, port = kvgate.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
-        try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             sock.sendall(request)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
         data = b""
         try:
             while chunk := sock.recv(65536):

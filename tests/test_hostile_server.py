@@ -16,6 +16,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate
 

@@ -90,7 +90,7 @@ def test_unreadable_configs_raise_clear_errors(tmp_path: Path) -> None:
         ModelGeometry.from_config({"model_type": "bert-ish", "num_hidden_layers": 2, "num_attention_heads": 2})
     with pytest.raises(ValueError, match="dtype"):
         ModelGeometry.from_config({**json.loads((CONFIGS / "llama-3-8b.json").read_text()), "torch_dtype": "int3"})
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         ModelGeometry.from_folder(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):

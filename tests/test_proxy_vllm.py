@@ -110,7 +110,7 @@ def test_other_paths_pass_through(vllm_server: VllmServer, kvgate: KvgateServer,
         {"model": "tiny-llama", "prompt": PROMPT * 5},
         {"model": "tiny-llama", "prompt": "Ünïcödé — 東京 🚀 " * 10, "add_special_tokens": False},
         {"model": "tiny-llama", "messages": CHAT},
-        {"model": "tiny-llama", "messages": CHAT + [{"role": "assistant", "content": "Red,"}],
+        {"model": "tiny-llama", "messages": [*CHAT, {"role": "assistant", "content": "Red,"}],
          "add_generation_prompt": False, "continue_final_message": True},
     ],
 )

@@ -93,9 +93,10 @@ def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
     while any request has penalties, rebuilt only when the batch's requests change."""
     import asyncio
 
+    from sim_support import make_engine
+
     from app.sim.config import SimConfig
     from app.sim.request import Request, Sampling
-    from sim_support import make_engine
 
     engine = make_engine(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192,
                                    max_num_seqs=64, speedup=1e9))

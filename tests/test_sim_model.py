@@ -92,7 +92,7 @@ def test_unreadable_config_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelConfigError, match="not valid JSON"):
         load_model(str(tmp_path))
     (tmp_path / "config.json").unlink()
-    with pytest.raises(ModelConfigError, match="no config.json"):
+    with pytest.raises(ModelConfigError, match=r"no config\.json"):
         load_model(str(tmp_path))
 
 

@@ -9,7 +9,13 @@ import pytest
 from app.sim.config import SimConfig
 from app.sim.runner import SimRunner
 from app.telemetry.gpu import (
-    DeviceMemory, GpuProcess, GpuReading, NvmlProbe, detect_probe, make_probe, visible_devices,
+    DeviceMemory,
+    GpuProcess,
+    GpuReading,
+    NvmlProbe,
+    detect_probe,
+    make_probe,
+    visible_devices,
 )
 from app.telemetry.headroom import HeadroomTracker
 from support.fake_pynvml import FakeDevice, FakeNvml

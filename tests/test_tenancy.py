@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 # Longest Retry-After kvgate sends: past ten minutes an estimate says only "much later", and a
 # client told to wait longer may as well be told to go elsewhere.
@@ -56,8 +56,5 @@ class DrainRate:
         window: the cap if requests are in flight (`busy`: work runs and none finishes), else
         `fallback_s` (nothing learned yet)."""
         rate = self.blocks_per_s()
-        if rate is None:
-            seconds = cap_s if busy else fallback_s
-        else:
-            seconds = max(blocks_ahead, 1) / rate
+        seconds = (cap_s if busy else fallback_s) if rate is None else max(blocks_ahead, 1) / rate
         return max(1, min(math.ceil(seconds), math.ceil(cap_s)))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 from app.memory.demand import Demand
 
@@ -26,7 +27,7 @@ class Waiter:
     priority: int
     tenant: str
     enqueued_at: float
-    future: asyncio.Future = field(repr=False)
+    future: asyncio.Future[Any] = field(repr=False)
     seq: int = 0
     reason: str = ""
     # Recomputes the demand with what kvgate learned while it waited (output lengths).
@@ -102,7 +103,7 @@ class AdmissionQueue:
             return True
         tenants = self._levels.get(waiter.priority)
         waiters = tenants.get(waiter.tenant) if tenants else None
-        if not waiters or waiter not in waiters:
+        if not tenants or not waiters or waiter not in waiters:
             return False
         waiters.remove(waiter)
         if not waiters:

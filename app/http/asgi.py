@@ -8,9 +8,8 @@ against `scope`, `receive` and `send` only.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-from starlette.types import Receive, Scope
+from starlette.types import Message, Receive, Scope
 
 from app.errors import BodyTooLarge, ClientGone, ClientTooSlow, InvalidField, UnsupportedEncoding
 
@@ -51,7 +50,7 @@ async def read_body(
     while True:
         try:
             async with asyncio.timeout(idle_timeout_s):  # a timer, not a task per message
-                message: dict[str, Any] = await receive()
+                message: Message = await receive()
         except TimeoutError:
             raise ClientTooSlow(idle_timeout_s or 0) from None
         if message["type"] == "http.disconnect":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from app.memory.presets import with_defaults
 
@@ -107,7 +108,7 @@ class ModelGeometry:
         return any(RECURRENT_STATE in kind for kind in self.layer_types)
 
     @classmethod
-    def from_config(cls, config: dict) -> ModelGeometry:
+    def from_config(cls, config: dict[str, Any]) -> ModelGeometry:
         """Read a transformers config dict (plain, or multimodal with a nested text config)."""
         text = _text_config(config)
         try:
@@ -165,7 +166,7 @@ class ModelGeometry:
         return q_and_o + 2 * h * self.num_kv_heads * self.head_dim
 
 
-def _text_config(config: dict) -> dict:
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     for key in _NESTED_TEXT_KEYS:
         nested = config.get(key)
         if isinstance(nested, dict):
@@ -173,14 +174,14 @@ def _text_config(config: dict) -> dict:
     return with_defaults(config)
 
 
-def _first(config: dict, *keys: str, default: object = None) -> object:
+def _first(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
     for key in keys:
         if config.get(key) is not None:
             return config[key]
     return default
 
 
-def _parse(text: dict, outer: dict) -> ModelGeometry:
+def _parse(text: dict[str, Any], outer: dict[str, Any]) -> ModelGeometry:
     num_layers = _required(text, "num_hidden_layers", "n_layer", "num_layers")
     heads = _required(text, "num_attention_heads", "n_head")
     hidden = _required(text, "hidden_size", "n_embd", "d_model")
@@ -192,7 +193,7 @@ def _parse(text: dict, outer: dict) -> ModelGeometry:
     max_pos = _first(text, "max_position_embeddings", "n_positions", "max_sequence_length")
 
     experts = int(_first(text, "n_routed_experts", "num_local_experts", "num_experts", default=0))
-    moe_kwargs: dict = {}
+    moe_kwargs: dict[str, Any] = {}
     if experts:
         moe_inter = int(_first(text, "moe_intermediate_size", default=intermediate))
         n_shared = int(_first(text, "n_shared_experts", default=0))
@@ -206,7 +207,7 @@ def _parse(text: dict, outer: dict) -> ModelGeometry:
             num_dense_layers=int(text.get("first_k_dense_replace") or 0) + len(text.get("mlp_only_layers") or ()),
         )
 
-    mla_kwargs: dict = {}
+    mla_kwargs: dict[str, Any] = {}
     if text.get("kv_lora_rank"):
         mla_kwargs = dict(
             kv_lora_rank=int(text["kv_lora_rank"]),
@@ -236,14 +237,14 @@ def _parse(text: dict, outer: dict) -> ModelGeometry:
     )
 
 
-def _required(config: dict, *keys: str) -> int:
+def _required(config: dict[str, Any], *keys: str) -> int:
     value = _first(config, *keys)
     if value is None:
         raise KeyError(keys[0])
     return int(value)
 
 
-def _layer_kinds(text: dict, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+def _layer_kinds(text: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window, if any layer uses one, and what each layer caches (() if all alike).
 
     Read the way vLLM's model code reads each family: an explicit ``layer_types`` or
@@ -269,7 +270,7 @@ def _layer_kinds(text: dict, num_layers: int) -> tuple[int | None, tuple[str, ..
     return window, kinds
 
 
-def _declared_kinds(text: dict, num_layers: int, window: int | None) -> tuple[str, ...] | None:
+def _declared_kinds(text: dict[str, Any], num_layers: int, window: int | None) -> tuple[str, ...] | None:
     """Per-layer kinds from whichever field this family uses; None when every layer is alike."""
     layers = range(num_layers)
     listed = text.get("layer_types") or text.get("layers_block_type")

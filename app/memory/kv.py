@@ -79,6 +79,7 @@ class KVLayout:
         g = self.geometry
         dt = kv_cache_dtype_bytes(self.kv_cache_dtype, g.dtype_bytes)
         if g.is_mla:
+            assert g.kv_lora_rank is not None  # is_mla says so
             return (g.kv_lora_rank + g.qk_rope_head_dim) * dt
         kv_heads = max(1, g.num_kv_heads // self.tensor_parallel_size)
         return 2 * kv_heads * g.head_dim * dt

@@ -9,6 +9,8 @@ configs omit defaults as well (Gemma 2 never states that it ties embeddings).
 
 from __future__ import annotations
 
+from typing import Any
+
 TEXT_CONFIG_DEFAULTS: dict[str, dict[str, object]] = {
     # transformers LlamaConfig.__init__ defaults
     "llama": {
@@ -52,7 +54,7 @@ TEXT_CONFIG_DEFAULTS: dict[str, dict[str, object]] = {
 }
 
 
-def with_defaults(text_config: dict) -> dict:
+def with_defaults(text_config: dict[str, Any]) -> dict[str, Any]:
     """The (text) config with its model type's class defaults filled in."""
     defaults = TEXT_CONFIG_DEFAULTS.get(str(text_config.get("model_type", "")), {})
     return {**defaults, **text_config}

@@ -97,10 +97,7 @@ def parse(body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str,
             400, f"'{key}' is too large: {max_tokens}. This model's maximum context length is "
             f"{max_model_len} tokens and your request has {n_in} input tokens "
             f"({max_tokens} > {max_model_len} - {n_in}).", key)
-    if chat:
-        logprobs = int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
-    else:
-        logprobs = body.get("logprobs")
+    logprobs = (int(body.get("top_logprobs") or 0) if body.get("logprobs") else None) if chat else body.get("logprobs")
     penalties = any(_num(body, k, d) != d for k, d in (
         ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)))
     structured = any(body.get(k) for k in ("guided_json", "guided_regex", "guided_choice",

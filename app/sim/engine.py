@@ -11,6 +11,7 @@ while start-up fails (e.g. a co-tenant took the memory), retrying each restart p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -127,10 +128,8 @@ class Engine:
             if not self.ready or self.held or not self.scheduler.has_work():
                 self._gpu_done_at = None
                 self._wake.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.05)
-                except TimeoutError:
-                    pass
                 continue
             await self.step()
 

@@ -136,7 +136,7 @@ class SimModel:
         layer's mixer and MLP by its kind, norms, and a multimodal checkpoint's vision tower."""
         h = self.hidden
         total = self.padded_vocab * h * (1 if self.tie_word_embeddings else 2) + h
-        for kind, mlp in zip(self.layer_kinds, self.mlp_kinds):
+        for kind, mlp in zip(self.layer_kinds, self.mlp_kinds, strict=True):
             total += 2 * h + self._mixer_params(kind) + self._mlp_params(mlp)
         return total + self.extra_parameters
 
@@ -274,17 +274,18 @@ def _layer_kinds(text: Any, layers: int, mla: bool) -> tuple[LayerKind, ...]:
     layer is alike: MLA, sliding window (Mistral-7B-v0.1's config window) or full attention."""
     listed = _attr(text, "layer_types") or _attr(text, "layers_block_type")
     if listed:
-        kinds = tuple(_KINDS.get(str(t), "full") for t in listed)
+        kinds: tuple[LayerKind, ...] = tuple(_KINDS.get(str(t), "full") for t in listed)
         if len(kinds) != layers:
             raise ModelConfigError(f"layer_types has {len(kinds)} entries for {layers} layers")
         if _attr(text, "use_sliding_window") is False:  # Qwen2/3: listed but switched off
             kinds = tuple("full" if k == "sliding" else k for k in kinds)
         return kinds
+    every: LayerKind = "full"
     if mla:
-        return ("mla",) * layers
-    if _attr(text, "sliding_window") and _attr(text, "use_sliding_window", True) is not False:
-        return ("sliding",) * layers
-    return ("full",) * layers
+        every = "mla"
+    elif _attr(text, "sliding_window") and _attr(text, "use_sliding_window", True) is not False:
+        every = "sliding"
+    return (every,) * layers
 
 
 def _mlp_kinds(text: Any, kinds: tuple[LayerKind, ...], experts: int) -> tuple[MlpKind, ...]:
@@ -294,7 +295,8 @@ def _mlp_kinds(text: Any, kinds: tuple[LayerKind, ...], experts: int) -> tuple[M
         pattern = str(_attr(text, "hybrid_override_pattern", ""))
         return tuple("relu2" if c == "-" else "moe" if c == "E" else "none" for c in pattern)
     if not experts:
-        return ("dense",) * n
+        dense: MlpKind = "dense"
+        return (dense,) * n
     if mt == "jamba":  # jamba.py: every expert_layer_period-th layer from the offset is MoE
         period, offset = int(text.expert_layer_period), int(text.expert_layer_offset)
         return tuple("moe" if i % period == offset else "dense" for i in range(n))

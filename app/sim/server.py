@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 from collections.abc import AsyncIterator
@@ -194,10 +195,13 @@ class RequestRun:
         self.reqs: list[Request] = []
         for i, seed in enumerate(sequence_seeds(p)):
             req = Request(f"{self.out.id}-{i}", list(p.prompt_token_ids), p.sampling, now(),
-                          sink=lambda kind, data, i=i: self.queue.put_nowait((i, kind, data)),
-                          stream_seed=seed)
+                          sink=functools.partial(self._put, i), stream_seed=seed)
             self.reqs.append(req)
             engine.add(req)
+
+    def _put(self, i: int, kind: str, data: Any) -> None:
+        """A sequence's event, handed to whoever gathers or streams the answer."""
+        self.queue.put_nowait((i, kind, data))
 
     def abort(self) -> None:
         if self.engine.ready:

@@ -23,17 +23,7 @@ from app.sim.request import Request
 
 _PIECE = re.compile(r" ?[A-Za-z]{1,6}| ?\d{1,3}| ?[^\sA-Za-z\d]|\s")
 _SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
-_WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which "
-    "but have an they you were her she there one all we their been has when who will more no "
-    "if out so said what up its about into than them can only other new some could time these "
-    "two may then do first any my now such like our over man me even most made after also did "
-    "many before must through back years where much your way well down should because each "
-    "just those people how too little state good very make world still own see men work long "
-    "get here between both life being under never day same another know while last might us "
-    "great old year off come since against go came right used take three memory cache block "
-    "token batch model server request queue budget"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "one", "all", "we", "their", "been", "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "memory", "cache", "block", "token", "batch", "model", "server", "request", "queue", "budget"]
 
 
 def _h(*parts: object) -> int:
@@ -103,14 +93,14 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return str(self._tok.decode(ids, skip_special_tokens=True))
 
     def token_strs(self, ids: list[int]) -> list[str]:
         return list(self._tok.convert_ids_to_tokens(ids))
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self._tok.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return str(self._tok.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt))
 
 
 def _content(m: dict[str, Any]) -> str:

@@ -94,14 +94,14 @@ class BackendSnapshot:
 
 def _int(value: str | None) -> int | None:
     try:
-        return int(float(value)) if value not in (None, "", "None") else None
+        return None if value is None or value in ("", "None") else int(float(value))
     except ValueError:
         return None
 
 
 def _float(value: str | None) -> float | None:
     try:
-        return float(value) if value not in (None, "", "None") else None
+        return None if value is None or value in ("", "None") else float(value)
     except ValueError:
         return None
 

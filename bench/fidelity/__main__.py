@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         stem = RESULTS / f"fidelity-{args.device}-{args.runner}"
         command = "python -m bench.fidelity " + shlex.join(argv if argv is not None else sys.argv[1:])
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         stem.with_suffix(".md").write_text(f"# Fidelity: {args.device}, {args.runner}\n\n"
                                            f"Command: `{command.strip()}` ({stamp})\n\n{text}")
         stem.with_suffix(".json").write_text(json.dumps(

@@ -36,7 +36,7 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import torch  # noqa: E402
+import torch
 
 # Scope name -> (module, attribute path) per runner. Missing attributes are reported, not fatal:
 # a newer vLLM may move them.

@@ -73,13 +73,7 @@ CHAT_TEMPLATE = """\
 {%- endif %}
 """
 
-_WORDS = (
-    "the of and to in is was for on that with as by at from it be this are or an which "
-    "model memory request token server cache block queue admit reject batch prompt "
-    "system user assistant tool function call result answer question time data value "
-    "first last small large fast slow high low new old long short good great other "
-    "people city water light world house river mountain market number report system"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "it", "be", "this", "are", "or", "an", "which", "model", "memory", "request", "token", "server", "cache", "block", "queue", "admit", "reject", "batch", "prompt", "system", "user", "assistant", "tool", "function", "call", "result", "answer", "question", "time", "data", "value", "first", "last", "small", "large", "fast", "slow", "high", "low", "new", "old", "long", "short", "good", "great", "other", "people", "city", "water", "light", "world", "house", "river", "mountain", "market", "number", "report", "system"]
 
 
 def _corpus(rng: random.Random, sentences: int = 6000) -> list[str]:
