@@ -12,10 +12,10 @@ test: venv vllm-venv check
 	$(VENV)/bin/pytest -q
 
 # Seconds, not minutes: ruff (rules in pyproject.toml), mypy (strict on app.memory and app.gate)
-# and the import contracts of docs/architecture.md. `ruff format --check` joins once the tree
-# has been formatted.
+# and the import contracts of docs/architecture.md.
 check: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 

@@ -18,14 +18,25 @@ from app.vllm_flags import add_vllm_arguments
 
 # vLLM's flags that size the pool (declared once in app.vllm_flags).
 POOL_FLAGS = (
-    "kv_cache_memory_bytes", "tensor_parallel_size", "pipeline_parallel_size", "kv_cache_dtype",
-    "dtype", "block_size", "max_model_len", "max_num_batched_tokens",
+    "kv_cache_memory_bytes",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "kv_cache_dtype",
+    "dtype",
+    "block_size",
+    "max_model_len",
+    "max_num_batched_tokens",
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-config", "--model", dest="model_config", metavar="DIR",
-                        help="folder holding the model's config.json (also vLLM's --model or MODEL)")
+    parser.add_argument(
+        "--model-config",
+        "--model",
+        dest="model_config",
+        metavar="DIR",
+        help="folder holding the model's config.json (also vLLM's --model or MODEL)",
+    )
     add_vllm_arguments(parser, POOL_FLAGS, typed=True)
     # capacity's own defaults: block size and batch size only matter for some models (see run)
     parser.set_defaults(block_size=None, max_num_batched_tokens=None)
@@ -64,21 +75,32 @@ def run(args: argparse.Namespace) -> int:
 
     fits = cap.max_concurrency >= 1
     if not fits:
-        print(f"kvgate capacity: one {max_model_len:,}-token request needs {cap.blocks_per_request:,} "
-              f"blocks but the pool has {cap.num_blocks:,}; vLLM would refuse to start "
-              "(lower --max-model-len or give the KV cache more memory)", file=sys.stderr)
+        print(
+            f"kvgate capacity: one {max_model_len:,}-token request needs {cap.blocks_per_request:,} "
+            f"blocks but the pool has {cap.num_blocks:,}; vLLM would refuse to start "
+            "(lower --max-model-len or give the KV cache more memory)",
+            file=sys.stderr,
+        )
     if args.json:
-        print(json.dumps({
-            "bytes_per_token": cap.bytes_per_token,
-            "num_blocks": cap.num_blocks,
-            "kv_cache_tokens": cap.kv_cache_tokens,
-            "max_concurrency": cap.max_concurrency,
-        }))
+        print(
+            json.dumps(
+                {
+                    "bytes_per_token": cap.bytes_per_token,
+                    "num_blocks": cap.num_blocks,
+                    "kv_cache_tokens": cap.kv_cache_tokens,
+                    "max_concurrency": cap.max_concurrency,
+                }
+            )
+        )
         return 0 if fits else 1
-    print(f"KV cache bytes per token per GPU: {cap.bytes_per_token:,} "
-          f"({layout.layers_per_stage} layers x {layout.bytes_per_token_per_layer:,} B)")
-    print(f"Num GPU blocks: {cap.num_blocks:,} (block size {layout.block_size}, "
-          f"{cap.blocks_per_request:,} blocks per max-length request)")
+    print(
+        f"KV cache bytes per token per GPU: {cap.bytes_per_token:,} "
+        f"({layout.layers_per_stage} layers x {layout.bytes_per_token_per_layer:,} B)"
+    )
+    print(
+        f"Num GPU blocks: {cap.num_blocks:,} (block size {layout.block_size}, "
+        f"{cap.blocks_per_request:,} blocks per max-length request)"
+    )
     print(f"GPU KV cache size: {cap.kv_cache_tokens:,} tokens")
     print(f"Maximum concurrency for {max_model_len:,} tokens per request: {cap.max_concurrency:.2f}x")
     return 0 if fits else 1

@@ -41,12 +41,47 @@ _TEXT_PARTS = {
 # Keys of vLLM's content-part TypedDicts; any other key of a text part is kept
 # on the part for "openai"-format templates (vllm _collect_extra_fields).
 _KNOWN_PART_FIELDS = frozenset(
-    ["audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url", "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid", "video_embeds", "video_url"]
+    [
+        "audio_embeds",
+        "audio_url",
+        "closed",
+        "data",
+        "file",
+        "image_embeds",
+        "image_pil",
+        "image_url",
+        "input_audio",
+        "name",
+        "prompt_cache_breakpoint",
+        "refusal",
+        "text",
+        "thinking",
+        "type",
+        "uuid",
+        "video_embeds",
+        "video_url",
+    ]
 )
 # transformers' named apply_chat_template parameters as vLLM 0.32 lets them
 # through (transformers 5.19); any other chat_template_kwargs must be template variables.
 _HF_CHAT_PARAMS = frozenset(
-    ["add_generation_prompt", "chat_template", "continue_final_message", "conversation", "documents", "max_length", "padding", "return_assistant_tokens_mask", "return_dict", "return_tensors", "self", "tokenize", "tokenizer_kwargs", "tools", "truncation"]
+    [
+        "add_generation_prompt",
+        "chat_template",
+        "continue_final_message",
+        "conversation",
+        "documents",
+        "max_length",
+        "padding",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "self",
+        "tokenize",
+        "tokenizer_kwargs",
+        "tools",
+        "truncation",
+    ]
 )
 _BILLING_HEADER = "x-anthropic-billing-header"
 
@@ -148,14 +183,20 @@ class BudgetedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > self.budget_chars:
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(count, int)
+                    and len(seq) * count > self.budget_chars
+                ):
                     raise TemplateBudgetExceeded(
                         f"the chat template builds a value of {len(seq) * count:,} items, over its budget of {self.budget_chars:,}"
                     )
         elif operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise TemplateBudgetExceeded("the chat template raises a number to a power above 64")
         elif (
-            operator == "+" and isinstance(left, (str, list)) and isinstance(right, (str, list))
+            operator == "+"
+            and isinstance(left, (str, list))
+            and isinstance(right, (str, list))
             and len(left) + len(right) > self.budget_chars
         ):
             raise TemplateBudgetExceeded("the chat template builds a value over its output budget")
@@ -181,7 +222,9 @@ def _budgeted_template(template: str, budget_chars: int) -> jinja2.Template:
     globals, read off transformers' own environment), in a BudgetedSandbox."""
     reference = _transformers_compile("").environment
     env = BudgetedSandbox(
-        trim_blocks=True, lstrip_blocks=True, budget_chars=budget_chars,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        budget_chars=budget_chars,
         extensions=[type(ext) for ext in reference.extensions.values()],
     )
     env.filters["tojson"] = reference.filters["tojson"]
@@ -244,9 +287,7 @@ async def render_within_budget(render: Callable[[], _T], budget: TemplateBudget)
     except TimeoutError:
         if thread.is_alive() and thread.ident is not None:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(_Overrun))
-        raise TemplateBudgetExceeded(
-            f"the chat template ran past its budget of {budget.seconds:g} s"
-        ) from None
+        raise TemplateBudgetExceeded(f"the chat template ran past its budget of {budget.seconds:g} s") from None
 
 
 # ---------------------------------------------------------------- template analysis
@@ -263,11 +304,7 @@ def _accesses(node: nodes.Node, var: str, key: str | None = None) -> bool:
     if key is None:
         return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == var
     if isinstance(node, nodes.Getitem):
-        return (
-            _accesses(node.node, var)
-            and isinstance(node.arg, nodes.Const)
-            and node.arg.value == key
-        )
+        return _accesses(node.node, var) and isinstance(node.arg, nodes.Const) and node.arg.value == key
     return isinstance(node, nodes.Getattr) and _accesses(node.node, var) and node.attr == key
 
 
@@ -283,8 +320,11 @@ def _aliases(root: nodes.Template, var: str) -> set[str]:
     while todo:
         current = todo.popleft()
         for assign in root.find_all(nodes.Assign):
-            if (_accesses(assign.node, current) and isinstance(assign.target, nodes.Name)
-                    and assign.target.name not in found):
+            if (
+                _accesses(assign.node, current)
+                and isinstance(assign.target, nodes.Name)
+                and assign.target.name not in found
+            ):
                 found.add(assign.target.name)
                 todo.append(assign.target.name)
     return found
@@ -294,9 +334,7 @@ def _content_loops(root: nodes.Template) -> Iterator[nodes.For]:
     """Loops over a message's content: vllm/renderers/hf.py _iter_nodes_assign_content_item."""
     message_lists = _aliases(root, "messages")
     message_vars = {
-        _loop_target(loop)
-        for loop in root.find_all(nodes.For)
-        if any(_accesses(loop.iter, v) for v in message_lists)
+        _loop_target(loop) for loop in root.find_all(nodes.For) if any(_accesses(loop.iter, v) for v in message_lists)
     }
 
     def is_content(node: nodes.Node) -> bool:
@@ -459,9 +497,7 @@ def _message(msg: Any, wrap: bool) -> dict:
 def _developer_as_system(conversation: list[dict]) -> list[dict]:
     """For templates without a developer role: developer -> system, systems merged first."""
     conversation = [
-        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
-        if m["role"] == "developer"
-        else m
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer" else m
         for m in conversation
     ]
     systems: list[Any] = []
@@ -537,9 +573,7 @@ def render_chat(tokenizer: Any, chat: ChatRequest) -> str | list[int]:
     if not isinstance(chat.messages, list):
         raise TokenizationError("messages must be a list")
     if chat.add_generation_prompt and chat.continue_final_message:
-        raise TokenizationError(
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
-        )
+        raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     if chat.tools is not None and not isinstance(chat.tools, list):
         raise TokenizationError("tools must be a list")
     tools = None if chat.tools is None else [_tool(t) for t in chat.tools]

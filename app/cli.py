@@ -99,11 +99,17 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a backend URL that is no URL
         raise SystemExit(f"kvgate: {exc}") from None
     uvicorn.run(
-        app, host=host, port=port, log_level=settings.log_level, log_config=None,
-        access_log=False, timeout_keep_alive=30,
+        app,
+        host=host,
+        port=port,
+        log_level=settings.log_level,
+        log_config=None,
+        access_log=False,
+        timeout_keep_alive=30,
         http=limited_http_protocol(settings.max_header_bytes, settings.max_headers, settings.client_header_timeout),
         # The backend's own Date and Server headers pass through untouched; do not add ours.
-        server_header=False, date_header=False,
+        server_header=False,
+        date_header=False,
         # The client's address is the socket's: app.proxy appends it to X-Forwarded-For, and a
         # client's own X-Forwarded-For must not rewrite it.
         proxy_headers=False,
@@ -117,9 +123,17 @@ def serve(args: argparse.Namespace) -> int:
 # the verdict.
 EXPLAIN_SETTINGS = (
     *VllmFlags.model_fields,
-    "backend", "model", "served_model_name", "num_gpu_blocks", "gpu_memory_bytes",
-    "free_memory_bytes", "profiled_activation_bytes", "transient_safety_margin",
-    "default_max_tokens", "kv_output_quantile", "trust_request_chat_template",
+    "backend",
+    "model",
+    "served_model_name",
+    "num_gpu_blocks",
+    "gpu_memory_bytes",
+    "free_memory_bytes",
+    "profiled_activation_bytes",
+    "transient_safety_margin",
+    "default_max_tokens",
+    "kv_output_quantile",
+    "trust_request_chat_template",
 )
 
 
@@ -131,8 +145,11 @@ def explain_command(args: argparse.Namespace) -> int:
         print(json.dumps(response.json(), indent=2))
         return 0 if response.status_code == 200 else 1
     settings = with_model_folder(settings_from_args(args))
-    if (not has_local_tokenizer(settings.model) and "backend" not in settings.model_fields_set
-            and not _only_token_ids(raw)):
+    if (
+        not has_local_tokenizer(settings.model)
+        and "backend" not in settings.model_fields_set
+        and not _only_token_ids(raw)
+    ):
         raise SystemExit(
             f"kvgate: the model folder {settings.model} has no tokenizer files; offline, kvgate "
             "calls no backend: give --backend URL to count tokens with vLLM's /tokenize, or --url "
@@ -191,10 +208,20 @@ def serve_command_for(engine: Engine, args: argparse.Namespace, folder: Path) ->
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     resolved = engine.resolved
     command = [
-        "kvgate", "serve", "--backend", f"http://{host}:{args.port}", "--model", str(folder),
-        "--listen", "127.0.0.1:8080", "--gpu-memory-bytes", str(gpu_total_bytes(args.gpu)),
-        "--max-num-batched-tokens", str(resolved.max_num_batched_tokens),
-        "--max-num-seqs", str(resolved.max_num_seqs),
+        "kvgate",
+        "serve",
+        "--backend",
+        f"http://{host}:{args.port}",
+        "--model",
+        str(folder),
+        "--listen",
+        "127.0.0.1:8080",
+        "--gpu-memory-bytes",
+        str(gpu_total_bytes(args.gpu)),
+        "--max-num-batched-tokens",
+        str(resolved.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(resolved.max_num_seqs),
     ]
     if args.served_model_name:
         command += ["--served-model-name", args.served_model_name]
@@ -215,9 +242,12 @@ def sim_command(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvgate sim: {exc.args[0]}") from None
 
     def announce(engine: Engine) -> None:
-        print(f"kvgate sim: model folder for kvgate: {folder}\n"
-              f"put kvgate in front of this simulator with:\n"
-              f"  {shlex.join(serve_command_for(engine, args, folder))}", flush=True)
+        print(
+            f"kvgate sim: model folder for kvgate: {folder}\n"
+            f"put kvgate in front of this simulator with:\n"
+            f"  {shlex.join(serve_command_for(engine, args, folder))}",
+            flush=True,
+        )
 
     return sim_cli.run(args, announce)
 
@@ -227,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_parser = commands.add_parser(
-        "serve", help="Run the admission-control proxy in front of vLLM.",
+        "serve",
+        help="Run the admission-control proxy in front of vLLM.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_settings_arguments(serve_parser)
@@ -238,25 +269,30 @@ def build_parser() -> argparse.ArgumentParser:
     capacity_parser.set_defaults(run=capacity.run)
 
     explain_parser = commands.add_parser(
-        "explain", help="Show a request's footprint and the decision kvgate would take now.",
+        "explain",
+        help="Show a request's footprint and the decision kvgate would take now.",
         description="Without --url, computed offline from the flags below; no backend is called "
         "unless --backend is given (for /tokenize, when the model folder has no tokenizer).",
     )
     explain_parser.add_argument("body", help="JSON body file, or - for standard input.")
     explain_parser.add_argument("--url", help="A running kvgate to ask; without it, computed offline from flags.")
-    explain_parser.add_argument("--endpoint", choices=["chat", "completions"], help="Default: chat if the body has messages.")
+    explain_parser.add_argument(
+        "--endpoint", choices=["chat", "completions"], help="Default: chat if the body has messages."
+    )
     add_settings_arguments(explain_parser, only=EXPLAIN_SETTINGS)
     explain_parser.set_defaults(run=explain_command)
 
     sim_parser = commands.add_parser(
-        "sim", help="Run the simulated vLLM whose GPU memory really runs out.",
+        "sim",
+        help="Run the simulated vLLM whose GPU memory really runs out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sim_cli.add_arguments(sim_parser)
     sim_parser.add_argument(
-        "--model-folder", type=Path, default=None,
-        help="where to write a preset's config.json for `kvgate serve --model` "
-        "(default: TMPDIR/kvgate-sim/PRESET)",
+        "--model-folder",
+        type=Path,
+        default=None,
+        help="where to write a preset's config.json for `kvgate serve --model` (default: TMPDIR/kvgate-sim/PRESET)",
     )
     sim_parser.set_defaults(run=sim_command)
     return parser

@@ -46,7 +46,47 @@ from app.sim.runner import SimRunner, free_port
 from app.sim.startup import StartupError
 
 # Words of at most six letters: the simulator's stand-in tokenizer makes each one token.
-_WORDS = ["the", "cache", "block", "token", "batch", "model", "server", "queue", "memory", "budget", "prompt", "graph", "tensor", "chunk", "layer", "head", "value", "key", "query", "fast", "slow", "long", "short", "river", "stone", "cloud", "light", "north", "south", "paper", "glass", "music", "water", "field", "story", "night", "green", "table", "window"]
+_WORDS = [
+    "the",
+    "cache",
+    "block",
+    "token",
+    "batch",
+    "model",
+    "server",
+    "queue",
+    "memory",
+    "budget",
+    "prompt",
+    "graph",
+    "tensor",
+    "chunk",
+    "layer",
+    "head",
+    "value",
+    "key",
+    "query",
+    "fast",
+    "slow",
+    "long",
+    "short",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "north",
+    "south",
+    "paper",
+    "glass",
+    "music",
+    "water",
+    "field",
+    "story",
+    "night",
+    "green",
+    "table",
+    "window",
+]
 
 
 @dataclass(frozen=True)
@@ -99,8 +139,13 @@ def text(rng: random.Random, tokens: int) -> str:
 
 def chat(rng: random.Random, model: str, i: int, max_tokens: int) -> Call:
     words = rng.randint(150, 1200)
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.7, "seed": i,
-            "messages": [{"role": "user", "content": f"Question {i}: " + text(rng, words)}]}
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": i,
+        "messages": [{"role": "user", "content": f"Question {i}: " + text(rng, words)}],
+    }
     return Call("/v1/chat/completions", body, "chat")
 
 
@@ -154,21 +199,43 @@ SCENARIOS: list[Scenario] = [
         key="long-context",
         title="Chunked prefill over a long computed prefix, materializing attention backend",
         seed="docs/sources.md#profile-run-question",
-        sim=SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=65536,
-                      max_num_batched_tokens=2048, max_num_seqs=256,
-                      attention_backend="materializing", speedup=25, restart_seconds=600,
-                      vllm_version="0.31.0", model_runner="v1"),
-        kvgate_flags=["--max-num-batched-tokens", "2048", "--max-num-seqs", "256",
-                      "--attention-backend", "materializing"],
+        sim=SimConfig(
+            model="llama-3.1-8b",
+            gpu="h100-80gb",
+            max_model_len=65536,
+            max_num_batched_tokens=2048,
+            max_num_seqs=256,
+            attention_backend="materializing",
+            speedup=25,
+            restart_seconds=600,
+            vllm_version="0.31.0",
+            model_runner="v1",
+        ),
+        kvgate_flags=[
+            "--max-num-batched-tokens",
+            "2048",
+            "--max-num-seqs",
+            "256",
+            "--attention-backend",
+            "materializing",
+        ],
         workload=long_context_workload,
     ),
     Scenario(
         key="prompt-logprobs",
         title="prompt_logprobs over a full 8192-token chunk (an evaluation job), never profiled",
         seed="docs/sources.md#failure-modes, mode 2",
-        sim=SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384,
-                      max_num_seqs=256, gpu_memory_utilization=0.95, speedup=25,
-                      restart_seconds=600, vllm_version="0.31.0", model_runner="v1"),
+        sim=SimConfig(
+            model="llama-3.1-8b",
+            gpu="h100-80gb",
+            max_model_len=16384,
+            max_num_seqs=256,
+            gpu_memory_utilization=0.95,
+            speedup=25,
+            restart_seconds=600,
+            vllm_version="0.31.0",
+            model_runner="v1",
+        ),
         kvgate_flags=["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"],
         workload=eval_workload,
     ),
@@ -176,17 +243,40 @@ SCENARIOS: list[Scenario] = [
         key="big-batch",
         title="A large --max-num-batched-tokens meant to cap concurrency",
         seed="docs/sources.md#large-max-num-batched-tokens",
-        sim=SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=8192,
-                      max_num_batched_tokens=65536, max_num_seqs=200, speedup=25,
-                      restart_seconds=600, vllm_version="0.31.0", model_runner="v1"),
-        sim_gated=SimConfig(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=8192,
-                            max_num_seqs=200, speedup=25, restart_seconds=600,
-                            vllm_version="0.31.0", model_runner="v1"),
-        kvgate_flags=["--max-num-batched-tokens", "2048", "--max-num-seqs", "200",
-                      "--max-queue", "12", "--max-queue-wait", str(QUEUE_WAIT_S)],
+        sim=SimConfig(
+            model="llama-3.1-8b",
+            gpu="l4-24gb",
+            max_model_len=8192,
+            max_num_batched_tokens=65536,
+            max_num_seqs=200,
+            speedup=25,
+            restart_seconds=600,
+            vllm_version="0.31.0",
+            model_runner="v1",
+        ),
+        sim_gated=SimConfig(
+            model="llama-3.1-8b",
+            gpu="l4-24gb",
+            max_model_len=8192,
+            max_num_seqs=200,
+            speedup=25,
+            restart_seconds=600,
+            vllm_version="0.31.0",
+            model_runner="v1",
+        ),
+        kvgate_flags=[
+            "--max-num-batched-tokens",
+            "2048",
+            "--max-num-seqs",
+            "200",
+            "--max-queue",
+            "12",
+            "--max-queue-wait",
+            str(QUEUE_WAIT_S),
+        ],
         workload=big_batch_workload,
         note="vLLM dies in its start-up profile; kvgate cannot fix a profile that does not fit, "
-             "so vLLM keeps its default batch and kvgate caps the concurrency instead.",
+        "so vLLM keeps its default batch and kvgate caps the concurrency instead.",
     ),
 ]
 
@@ -194,8 +284,7 @@ SCENARIOS: list[Scenario] = [
 # ----- running ----------------------------------------------------------------------------------
 def sim_flags(cfg: SimConfig) -> str:
     parts = [f"--model {cfg.model}", f"--gpu {cfg.gpu}"]
-    for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs",
-                 "gpu_memory_utilization"):
+    for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization"):
         value = getattr(cfg, name)
         if value is not None and value != getattr(SimConfig, name, None):
             parts.append(f"--{name.replace('_', '-')} {value}")
@@ -212,9 +301,12 @@ def client_requests_in(engine: Engine | None) -> int:
     return sum(r.request_id.endswith("-0") for r in held)
 
 
-async def replay(base_url: str, calls: list[Call], engine: Engine | None,
-                 queued: Callable[[httpx.AsyncClient], Awaitable[int]] | None = None
-                 ) -> list[Outcome]:
+async def replay(
+    base_url: str,
+    calls: list[Call],
+    engine: Engine | None,
+    queued: Callable[[httpx.AsyncClient], Awaitable[int]] | None = None,
+) -> list[Outcome]:
     """Submit every call, one at a time, to a held engine, then release it and collect each
     status and error message.
 
@@ -222,6 +314,7 @@ async def replay(base_url: str, calls: list[Call], engine: Engine | None,
     (`queued` counts those), or taken in by the engine. So the engine and kvgate see the same
     arrivals in the same order on every run, and the engine starts stepping with all of them.
     """
+
     async def one(client: httpx.AsyncClient, call: Call) -> Outcome:
         try:
             r = await client.post(call.path, json=call.body)
@@ -237,8 +330,7 @@ async def replay(base_url: str, calls: list[Call], engine: Engine | None,
     if engine is not None:
         engine.held = True
     try:
-        async with httpx.AsyncClient(base_url=base_url, timeout=ANSWER_TIMEOUT_S,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(base_url=base_url, timeout=ANSWER_TIMEOUT_S, limits=limits) as client:
             tasks: list[asyncio.Task[Outcome]] = []
             for sent, call in enumerate(calls, 1):
                 tasks.append(asyncio.create_task(one(client, call)))
@@ -269,18 +361,32 @@ async def queue_depth(client: httpx.AsyncClient) -> int:
 
 
 @contextlib.contextmanager
-def kvgate(backend: str, model_dir: Path, flags: list[str], total_bytes: int,
-           log_path: Path) -> Iterator[tuple[str, list[str]]]:
+def kvgate(
+    backend: str, model_dir: Path, flags: list[str], total_bytes: int, log_path: Path
+) -> Iterator[tuple[str, list[str]]]:
     """`kvgate serve` as a user runs it, on a free port; yields its URL once /readyz says ready
     and its budget is live (a first scrape of the backend has set it), so the first request meets
     the same budget on every run."""
     port = free_port()
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--backend", backend,
-           "--model", str(model_dir), "--listen", f"127.0.0.1:{port}",
-           "--gpu-memory-bytes", str(total_bytes), "--log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        "--backend",
+        backend,
+        "--model",
+        str(model_dir),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--gpu-memory-bytes",
+        str(total_bytes),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -305,14 +411,16 @@ def _samples(page: str) -> Iterator[Any]:
 
 def budget_live(url: str) -> bool:
     page = httpx.get(url + "/metrics", timeout=5).text
-    return any(s.name == "kvgate_budget_mode" and s.labels["mode"] == "live" and s.value == 1
-               for s in _samples(page))
+    return any(s.name == "kvgate_budget_mode" and s.labels["mode"] == "live" and s.value == 1 for s in _samples(page))
 
 
 def decisions(url: str) -> dict[tuple[str, str], int]:
     page = httpx.get(url + "/metrics", timeout=5).text
-    return {(s.labels["decision"], s.labels["reason"]): int(s.value) for s in _samples(page)
-            if s.name == "kvgate_decisions_total" and s.value}
+    return {
+        (s.labels["decision"], s.labels["reason"]): int(s.value)
+        for s in _samples(page)
+        if s.name == "kvgate_decisions_total" and s.value
+    }
 
 
 def run_scenario(s: Scenario, quick: bool = False, seed: int = 7) -> Result:
@@ -333,11 +441,14 @@ def run_scenario(s: Scenario, quick: bool = False, seed: int = 7) -> Result:
             runner.stop()
     # 2. A fresh simulator, kvgate in front.
     cfg = s.sim_gated or s.sim
-    with tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp, \
-            SimRunner(replace(cfg, cotenants=list(cfg.cotenants))) as sim:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvgate-demo-") as tmp,
+        SimRunner(replace(cfg, cotenants=list(cfg.cotenants))) as sim,
+    ):
         model_dir = write_model_folder(cfg.model, Path(tmp) / cfg.model)
-        with kvgate(sim.url, model_dir, [*STEADY_FLAGS, *s.kvgate_flags], gpu_total_bytes(cfg.gpu),
-                    Path(tmp) / "kvgate.log") as (url, cmd):
+        with kvgate(
+            sim.url, model_dir, [*STEADY_FLAGS, *s.kvgate_flags], gpu_total_bytes(cfg.gpu), Path(tmp) / "kvgate.log"
+        ) as (url, cmd):
             res.kvgate_command = cmd
             res.gated = asyncio.run(replay(url, calls, sim.engine, queue_depth))
             res.decisions = decisions(url)
@@ -350,17 +461,23 @@ def _oom_summary(msg: str) -> str:
     head = msg.split(" Including non-PyTorch memory")[0]
     tail = ""
     if "reserved by PyTorch but unallocated" in msg:
-        tail = " ... " + msg.split("allocated in private pools (e.g., CUDA Graphs), and ")[-1] \
-            .split(" If reserved")[0]
+        tail = " ... " + msg.split("allocated in private pools (e.g., CUDA Graphs), and ")[-1].split(" If reserved")[0]
     return head.replace("torch.OutOfMemoryError: ", "torch.OutOfMemoryError: ") + tail
 
 
 def _counts(outcomes: list[Outcome]) -> str:
     c = Counter(o.status for o in outcomes)
-    names = {200: "completed", 0: "no answer", 400: "rejected 400", 429: "refused 429",
-             500: "failed 500", 503: "failed 503"}
-    return ", ".join(f"{n} {names.get(code, f'HTTP {code}')}" for code, n in sorted(
-        c.items(), key=lambda kv: (kv[0] != 200, kv[0])))
+    names = {
+        200: "completed",
+        0: "no answer",
+        400: "rejected 400",
+        429: "refused 429",
+        500: "failed 500",
+        503: "failed 503",
+    }
+    return ", ".join(
+        f"{n} {names.get(code, f'HTTP {code}')}" for code, n in sorted(c.items(), key=lambda kv: (kv[0] != 200, kv[0]))
+    )
 
 
 def _clip(text: str, width: int = 150) -> str:
@@ -373,8 +490,7 @@ def report(res: Result, index: int) -> list[str]:
     lines.append(f"    simulated vLLM: {sim_flags(s.sim)}")
     n = len(res.direct)
     if res.direct_startup_failed:
-        lines.append(f"    without kvgate: vLLM died in its start-up profile; {n} requests, "
-                     f"{_counts(res.direct)}")
+        lines.append(f"    without kvgate: vLLM died in its start-up profile; {n} requests, {_counts(res.direct)}")
     else:
         lines.append(f"    without kvgate: {n} requests -> {_counts(res.direct)}")
     if res.direct_oom:
@@ -384,8 +500,10 @@ def report(res: Result, index: int) -> list[str]:
     if s.sim_gated:
         lines.append(f"    simulated vLLM: {sim_flags(s.sim_gated)}")
     flags = " ".join([*STEADY_FLAGS, *s.kvgate_flags])
-    lines.append(f"    with kvgate (kvgate serve --model <config.json folder> --gpu-memory-bytes "
-                 f"{gpu_total_bytes((s.sim_gated or s.sim).gpu)} {flags}):")
+    lines.append(
+        f"    with kvgate (kvgate serve --model <config.json folder> --gpu-memory-bytes "
+        f"{gpu_total_bytes((s.sim_gated or s.sim).gpu)} {flags}):"
+    )
     survived = "no OOM" if not res.gated_ooms else f"OOM: {_oom_summary(res.gated_ooms[0])}"
     lines.append(f"      {len(res.gated)} requests -> {_counts(res.gated)}; simulator: {survived}")
     d = res.decisions
@@ -410,15 +528,18 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     failed = False
     chosen = [s for s in SCENARIOS if not args.scenario or s.key in args.scenario]
-    print("kvgate demo: a simulated vLLM (GPU memory played allocation by allocation) without "
-          "and with kvgate in front.\n")
+    print(
+        "kvgate demo: a simulated vLLM (GPU memory played allocation by allocation) without and with kvgate in front.\n"
+    )
     for i, s in enumerate(chosen, 1):
         res = run_scenario(s, quick=args.quick)
         print("\n".join(report(res, i)) + "\n", flush=True)
         clean = all(o.status in (200, 400, 429) for o in res.gated)
         failed |= bool(res.gated_ooms) or not clean or res.direct_oom is None
-    print(f"done in {time.monotonic() - started:.1f} s"
-          + ("" if not failed else " -- kvgate did NOT protect every scenario (see above)"))
+    print(
+        f"done in {time.monotonic() - started:.1f} s"
+        + ("" if not failed else " -- kvgate did NOT protect every scenario (see above)")
+    )
     return 1 if failed else 0
 
 

@@ -114,6 +114,7 @@ class Disagreements:
             self._said.add(key)
             log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
 
+
 def _prefer(name: str, flag: T, reported: T | None, flag_given: bool, said: Disagreements) -> T:
     if reported is None:
         return flag
@@ -144,14 +145,20 @@ def vllm_runtime(flags: EngineFlags, geometry: ModelGeometry, reported_version: 
     vLLM's rule for that version unless --model-runner says."""
     config = _model_config(flags.model)
     runtime = resolve_runtime(
-        flags.vllm_version or reported_version, flags.model_runner,
-        architectures=config.get("architectures") or (), is_moe=geometry.is_moe,
-        is_hybrid=geometry.is_hybrid_state, quantized="quantization_config" in config,
+        flags.vllm_version or reported_version,
+        flags.model_runner,
+        architectures=config.get("architectures") or (),
+        is_moe=geometry.is_moe,
+        is_hybrid=geometry.is_hybrid_state,
+        quantized="quantization_config" in config,
         speculative_method=flags.speculative_method,
     )
     if flags.vllm_version and reported_version and flags.vllm_version != reported_version:
-        log.warning("backend reports vLLM %s but kvgate was given --vllm-version %s; using the flag",
-                    reported_version, flags.vllm_version)
+        log.warning(
+            "backend reports vLLM %s but kvgate was given --vllm-version %s; using the flag",
+            reported_version,
+            flags.vllm_version,
+        )
     return runtime
 
 
@@ -169,17 +176,24 @@ def resolve(
     given = flags.given
     cache = cache or CacheConfig(None, None, None, None, None)
     limits = limits or EngineLimits(None, None, None, None, None)
-    max_model_len = _prefer(
-        "max_model_len", flags.max_model_len, served.max_model_len if served else None,
-        "max_model_len" in given, said,
-    ) or geometry.max_position_embeddings
+    max_model_len = (
+        _prefer(
+            "max_model_len",
+            flags.max_model_len,
+            served.max_model_len if served else None,
+            "max_model_len" in given,
+            said,
+        )
+        or geometry.max_position_embeddings
+    )
     if not max_model_len:
         raise ValueError("max_model_len is unknown: pass --max-model-len")
     if geometry.is_hybrid_state and cache.block_size is None and "block_size" not in given:
         log.warning(
             "this model keeps a recurrent state in some layers, so vLLM raises its block size to fit "
             "a state page, and the backend does not report it: pass the block size vLLM logs "
-            "(--block-size), or kvgate counts blocks of %s tokens", flags.block_size,
+            "(--block-size), or kvgate counts blocks of %s tokens",
+            flags.block_size,
         )
     backend = flags.attention_backend
     if backend == "auto":
@@ -187,34 +201,47 @@ def resolve(
     return Deployment(
         max_model_len=int(max_model_len),
         max_num_batched_tokens=_prefer_engine(
-            "max_num_batched_tokens", flags.max_num_batched_tokens, limits.max_num_batched_tokens, said),
+            "max_num_batched_tokens", flags.max_num_batched_tokens, limits.max_num_batched_tokens, said
+        ),
         max_num_seqs=_prefer_engine("max_num_seqs", flags.max_num_seqs, limits.max_num_seqs, said),
         block_size=int(_prefer("block_size", flags.block_size, cache.block_size, "block_size" in given, said)),
         tensor_parallel_size=_prefer_engine(
-            "tensor_parallel_size", flags.tensor_parallel_size, limits.tensor_parallel_size, said),
+            "tensor_parallel_size", flags.tensor_parallel_size, limits.tensor_parallel_size, said
+        ),
         pipeline_parallel_size=_prefer_engine(
-            "pipeline_parallel_size", flags.pipeline_parallel_size, limits.pipeline_parallel_size, said),
+            "pipeline_parallel_size", flags.pipeline_parallel_size, limits.pipeline_parallel_size, said
+        ),
         kv_cache_dtype=str(
             _prefer("kv_cache_dtype", flags.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given, said)
         ),
         gpu_memory_utilization=float(
             _prefer(
-                "gpu_memory_utilization", flags.gpu_memory_utilization,
-                cache.gpu_memory_utilization, "gpu_memory_utilization" in given, said,
+                "gpu_memory_utilization",
+                flags.gpu_memory_utilization,
+                cache.gpu_memory_utilization,
+                "gpu_memory_utilization" in given,
+                said,
             )
         ),
         long_prefill_token_threshold=_prefer_engine(
-            "long_prefill_token_threshold", flags.long_prefill_token_threshold,
-            limits.long_prefill_token_threshold, said),
+            "long_prefill_token_threshold",
+            flags.long_prefill_token_threshold,
+            limits.long_prefill_token_threshold,
+            said,
+        ),
         enable_prefix_caching=bool(
             _prefer(
-                "enable_prefix_caching", flags.enable_prefix_caching,
-                cache.enable_prefix_caching, "enable_prefix_caching" in given, said,
+                "enable_prefix_caching",
+                flags.enable_prefix_caching,
+                cache.enable_prefix_caching,
+                "enable_prefix_caching" in given,
+                said,
             )
         ),
         attention_backend=backend,
         num_gpu_blocks=_prefer(
-            "num_gpu_blocks", flags.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said),
+            "num_gpu_blocks", flags.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said
+        ),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
         reported_request_blocks=cache.max_request_blocks,
         runtime=vllm_runtime(flags, geometry, reported_version),
@@ -265,21 +292,29 @@ def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayou
     if gap > 0:
         log.warning(
             "vLLM counts %.1f KV blocks for one %s-token request where kvgate's layout of this model "
-            "counts %s: kvgate reserves %s more blocks for every sequence", reported,
-            deployment.max_model_len, ours, gap,
+            "counts %s: kvgate reserves %s more blocks for every sequence",
+            reported,
+            deployment.max_model_len,
+            ours,
+            gap,
         )
         return replace(layout, extra_blocks_per_sequence=gap)
     if reported < ours - 1:
         log.warning(
             "vLLM counts %.1f KV blocks for one %s-token request where kvgate's layout of this model "
             "counts %s: kvgate will admit fewer requests than fit (check --max-num-batched-tokens)",
-            reported, deployment.max_model_len, ours,
+            reported,
+            deployment.max_model_len,
+            ours,
         )
     return layout
 
 
 def static_limits(
-    deployment: Deployment, predictor: Predictor, free_memory_bytes: int | None, gpu_memory_bytes: int | None,
+    deployment: Deployment,
+    predictor: Predictor,
+    free_memory_bytes: int | None,
+    gpu_memory_bytes: int | None,
     kv_cache_memory_bytes: int | None = None,
 ) -> StaticLimits:
     """The budget before any live reading: the pool from vLLM, headroom from flags.
@@ -321,4 +356,6 @@ def static_limits(
 def weights_bytes(layout: KVLayout) -> int:
     """One GPU's share of the weights (biases ignored): parameters x dtype / (TP x PP)."""
     g = layout.geometry
-    return math.ceil(g.parameter_count() * g.dtype_bytes / (layout.tensor_parallel_size * layout.pipeline_parallel_size))
+    return math.ceil(
+        g.parameter_count() * g.dtype_bytes / (layout.tensor_parallel_size * layout.pipeline_parallel_size)
+    )

@@ -110,9 +110,7 @@ class ContextTooLong(KvgateError):
 
     code = "context_length_exceeded"
 
-    def __init__(
-        self, limit: int, prompt_tokens: int, max_new_tokens: int, where: str, param: str
-    ) -> None:
+    def __init__(self, limit: int, prompt_tokens: int, max_new_tokens: int, where: str, param: str) -> None:
         requested = prompt_tokens + max_new_tokens
         super().__init__(
             f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -143,15 +141,21 @@ class KvNeverFits(NeverFits):
     code = "kv_cache_never_fits"
 
     def __init__(
-        self, needed_blocks: int, pool_blocks: int, block_size: int, prompt_tokens: int,
-        max_new_tokens: int, sequences: int,
+        self,
+        needed_blocks: int,
+        pool_blocks: int,
+        block_size: int,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        sequences: int,
     ) -> None:
         super().__init__(
             f"This request needs {needed_blocks:,} KV blocks of {block_size} tokens "
             f"({prompt_tokens:,} prompt tokens, up to {max_new_tokens:,} new tokens for each of "
             f"{sequences} sequences), but vLLM's whole KV cache holds {pool_blocks:,} blocks: "
             "lower max_tokens or n, or shorten the prompt.",
-            needed_blocks, pool_blocks,
+            needed_blocks,
+            pool_blocks,
         )
 
 
@@ -162,7 +166,8 @@ class TransientNeverFits(NeverFits):
         super().__init__(
             f"{what} needs {needed_bytes / GIB:.1f} GiB of transient GPU memory, at most "
             f"{limit_bytes / GIB:.1f} GiB is available even on an idle server: {advice}.",
-            needed_bytes, limit_bytes,
+            needed_bytes,
+            limit_bytes,
         )
 
 
@@ -206,8 +211,7 @@ class QueueFull(Refused):
 
     def __init__(self, max_size: int, retry_after_s: int) -> None:
         super().__init__(
-            f"kvgate's admission queue is full ({max_size} requests waiting). "
-            f"Retry after {retry_after_s} s."
+            f"kvgate's admission queue is full ({max_size} requests waiting). Retry after {retry_after_s} s."
         )
         self.max_size, self.retry_after_s = max_size, retry_after_s
 
@@ -217,8 +221,7 @@ class QueueTimeout(Refused):
 
     def __init__(self, waited_s: float, reason: str, retry_after_s: int) -> None:
         super().__init__(
-            f"Waited {waited_s:g} s for GPU memory ({reason}) without admission. "
-            f"Retry after {retry_after_s} s."
+            f"Waited {waited_s:g} s for GPU memory ({reason}) without admission. Retry after {retry_after_s} s."
         )
         self.waited_s, self.reason, self.retry_after_s = waited_s, reason, retry_after_s
 

@@ -63,7 +63,8 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             "kv_blocks_limit": budget.kv_limit(),
             "kv_blocks_reserved": rt.gate.ledger.kv_blocks,
             "kv_margin_blocks_with_in_flight": budget.kv_margin(
-                rt.gate.ledger.kv_variance_blocks + demand.kv_variance_blocks),
+                rt.gate.ledger.kv_variance_blocks + demand.kv_variance_blocks
+            ),
             "transient_limit_bytes": budget.transient_limit(),
             "transient_reserved_bytes": budget.transient_charge(rt.gate.ledger),
             "max_transient_limit_bytes": budget.max_transient_limit(),
@@ -80,9 +81,7 @@ def unknown_limits(budget: Budget) -> list[str]:
     """What the budget cannot judge (offline, from flags alone): no limit means no verdict."""
     missing = []
     if budget.kv_limit() is None:
-        missing.append("the KV pool size is unknown (give --num-gpu-blocks, or ask a running "
-                       "kvgate with --url)")
+        missing.append("the KV pool size is unknown (give --num-gpu-blocks, or ask a running kvgate with --url)")
     if budget.transient_limit() is None:
-        missing.append("the transient headroom is unknown (give --gpu-memory-bytes or "
-                       "--free-memory-bytes)")
+        missing.append("the transient headroom is unknown (give --gpu-memory-bytes or --free-memory-bytes)")
     return missing

@@ -27,17 +27,22 @@ class KvgateMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
-            "kvgate_decisions", "Admission decisions by outcome and reason.",
-            ["decision", "reason"], registry=r,
+            "kvgate_decisions",
+            "Admission decisions by outcome and reason.",
+            ["decision", "reason"],
+            registry=r,
         )
         self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission.", registry=r)
         self.queue_wait = Histogram(
-            "kvgate_queue_wait_seconds", "Time admitted requests waited in the queue.",
-            buckets=_WAIT_BUCKETS, registry=r,
+            "kvgate_queue_wait_seconds",
+            "Time admitted requests waited in the queue.",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
         )
         self.in_flight = Gauge("kvgate_in_flight_requests", "Admitted requests not yet finished.", registry=r)
         self.reserved_kv_blocks = Gauge(
-            "kvgate_reserved_kv_blocks", "KV blocks reserved by in-flight requests (shared prefixes once).",
+            "kvgate_reserved_kv_blocks",
+            "KV blocks reserved by in-flight requests (shared prefixes once).",
             registry=r,
         )
         self.reserved_transient = Gauge(
@@ -46,39 +51,56 @@ class KvgateMetrics:
             registry=r,
         )
         self.predicted_transient = Histogram(
-            "kvgate_predicted_transient_peak_bytes", "Predicted transient peak per request (all terms).",
-            buckets=_BYTES_BUCKETS, registry=r,
+            "kvgate_predicted_transient_peak_bytes",
+            "Predicted transient peak per request (all terms).",
+            buckets=_BYTES_BUCKETS,
+            registry=r,
         )
         self.predicted_kv_blocks = Histogram(
-            "kvgate_predicted_kv_blocks", "Predicted KV blocks per request at full growth.",
-            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r,
+            "kvgate_predicted_kv_blocks",
+            "Predicted KV blocks per request at full growth.",
+            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
+            registry=r,
         )
         self.budget_kv_blocks = Gauge(
-            "kvgate_budget_kv_blocks", "KV blocks kvgate may reserve (pool x overcommit).", registry=r,
+            "kvgate_budget_kv_blocks",
+            "KV blocks kvgate may reserve (pool x overcommit).",
+            registry=r,
         )
         self.budget_transient = Gauge(
-            "kvgate_budget_transient_bytes", "Transient bytes kvgate may reserve now (after the margin).",
+            "kvgate_budget_transient_bytes",
+            "Transient bytes kvgate may reserve now (after the margin).",
             registry=r,
         )
         self.tokenization = Histogram(
-            "kvgate_tokenization_seconds", "Time to tokenize a request.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "kvgate_tokenization_seconds",
+            "Time to tokenize a request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.added_latency = Histogram(
             "kvgate_added_latency_seconds",
             "Time kvgate spends on a request before forwarding it, queue wait excluded.",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.upstream_errors = Counter(
-            "kvgate_upstream_errors", "Failures talking to the backend.", ["kind"], registry=r,
+            "kvgate_upstream_errors",
+            "Failures talking to the backend.",
+            ["kind"],
+            registry=r,
         )
         self.disconnects = Counter(
-            "kvgate_client_disconnects", "Clients that went away, by where they were.", ["stage"],
+            "kvgate_client_disconnects",
+            "Clients that went away, by where they were.",
+            ["stage"],
             registry=r,
         )
         self.releases = Counter(
-            "kvgate_reservations_released", "Reservations released, by how the request ended.",
-            ["outcome"], registry=r,
+            "kvgate_reservations_released",
+            "Reservations released, by how the request ended.",
+            ["outcome"],
+            registry=r,
         )
         self.telemetry = TelemetryMetrics(r)
 

@@ -32,7 +32,7 @@ def resolve_model_folder(model: str | None) -> Path:
     if (path / "config.json").is_file():
         return path
     if path.is_dir() and path.name.startswith(_HUB_REPO_PREFIX):
-        repo_id = path.name[len(_HUB_REPO_PREFIX):].replace("--", "/")
+        repo_id = path.name[len(_HUB_REPO_PREFIX) :].replace("--", "/")
         return _cached_snapshot(repo_id, cache_dir=path.parent, shown=model)
     if path.is_dir():
         raise ModelFolderError(f"--model {model!r} is a folder without config.json")

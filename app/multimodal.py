@@ -43,8 +43,12 @@ def image_tokens(config: dict[str, Any]) -> ImageTokens | None:
     """A Llava config's image expansion, or None where kvgate does not know it."""
     vision = config.get("vision_config") or {}
     strategy = config.get("vision_feature_select_strategy", "default")
-    if (config.get("model_type") != "llava" or vision.get("model_type") != "clip_vision_model"
-            or strategy not in _SELECTED or "image_token_index" not in config):
+    if (
+        config.get("model_type") != "llava"
+        or vision.get("model_type") != "clip_vision_model"
+        or strategy not in _SELECTED
+        or "image_token_index" not in config
+    ):
         return None
     image_size, patch_size = vision.get("image_size"), vision.get("patch_size")
     if not image_size or not patch_size or image_size % patch_size:
@@ -105,9 +109,7 @@ def expand_images(ids: list[int], images: ImageTokens, keys: list[str]) -> list[
     vLLM's block hashes, which include each image's hash, decide."""
     at = [i for i, token in enumerate(ids) if token == images.token_id]
     if len(at) != len(keys):
-        raise TokenizationError(
-            f"the prompt has {len(at)} {images.placeholder} placeholders for {len(keys)} images"
-        )
+        raise TokenizationError(f"the prompt has {len(at)} {images.placeholder} placeholders for {len(keys)} images")
     out: list[int] = []
     start = 0
     for position, key in zip(at, keys, strict=True):
@@ -144,4 +146,3 @@ class MediaCounting:
             return ids
         assert self._images is not None
         return expand_images(ids, self._images, keys)
-

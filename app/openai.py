@@ -181,11 +181,7 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
         prompts = [list(prompt or ())]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif (
-        isinstance(prompt, list)
-        and prompt
-        and all(_is_token_ids(p) for p in prompt)
-    ):
+    elif isinstance(prompt, list) and prompt and all(_is_token_ids(p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
         raise bad_request(message, "prompt")
@@ -198,8 +194,11 @@ def _is_token_ids(value: Any) -> bool:
     """A non-empty list of token ids (ints, not bools, in vLLM's int64 range). Checked with
     C-level builtins: 1,024 prompts of 400 ids took 0.23 s item by item."""
     return (
-        isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
-        and min(value) >= 0 and max(value) <= MAX_INT
+        isinstance(value, list)
+        and bool(value)
+        and set(map(type, value)) == {int}
+        and min(value) >= 0
+        and max(value) <= MAX_INT
     )
 
 
@@ -209,9 +208,7 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatReques
         raise bad_request("'messages' must be a non-empty list of messages.", "messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(
-                f"messages[{index}] must be an object with a string 'role'.", "messages"
-            )
+            raise bad_request(f"messages[{index}] must be an object with a string 'role'.", "messages")
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise bad_request("'chat_template' must be a string.", "chat_template")

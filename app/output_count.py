@@ -27,7 +27,7 @@ class OutputTokenCounter:
     def feed(self, chunk: bytes) -> None:
         if self.stream:
             # fewer bytes than the marker carried over: a marker split across chunks counts once
-            self.events += (self._tail[1 - len(_EVENT):] + chunk).count(_EVENT)
+            self.events += (self._tail[1 - len(_EVENT) :] + chunk).count(_EVENT)
         self._tail = (self._tail + chunk)[-_TAIL:]
 
     def tokens(self) -> int | None:

@@ -39,7 +39,10 @@ class Evaluation:
 
 class RequestPipeline:
     def __init__(
-        self, budget: Budget, why_not_ready: Callable[[], str | None], on_tokenized: Callable[[float], None],
+        self,
+        budget: Budget,
+        why_not_ready: Callable[[], str | None],
+        on_tokenized: Callable[[float], None],
         trust_request_chat_template: bool = False,
     ) -> None:
         self.budget = budget
@@ -91,7 +94,5 @@ class RequestPipeline:
             raise TokenizationFailed(str(exc)) from exc
         except BackendTokenizeError as exc:
             if self.budget.hold is not None:
-                raise BackendDown(
-                    f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it."
-                ) from exc
+                raise BackendDown(f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.") from exc
             raise TokenizerUnavailable(str(exc)) from exc

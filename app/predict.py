@@ -107,9 +107,7 @@ class Predictor:
         self.default_max_tokens = default_max_tokens
         self.sampler_cost = sampler_cost(layout.geometry, engine)
         # Engine-wide workspaces (one per engine, kept once allocated) do not grow per request.
-        self.shared_workspace_bytes = estimate_transient(
-            layout.geometry, engine, 1, SamplingShape()
-        ).shared_bytes
+        self.shared_workspace_bytes = estimate_transient(layout.geometry, engine, 1, SamplingShape()).shared_bytes
         # A request's transient estimate is a pure function of its prompt length and sampling
         # shape here (geometry and engine are this predictor's): each pair is estimated once.
         self.transient = lru_cache(maxsize=TRANSIENT_MEMO_SIZE)(self._transient)
@@ -133,20 +131,28 @@ class Predictor:
         vocab = self.layout.geometry.vocab_size
         limit = vocab if self.engine.max_logprobs == -1 else self.engine.max_logprobs
         sample = "top_logprobs" if spec.endpoint == "chat" else "logprobs"
-        for name, kind, asked in ((sample, "sample", spec.logprobs), ("prompt_logprobs", "prompt", spec.prompt_logprobs)):
+        for name, kind, asked in (
+            (sample, "sample", spec.logprobs),
+            ("prompt_logprobs", "prompt", spec.prompt_logprobs),
+        ):
             wanted = vocab if asked == -1 else asked
             if wanted and wanted > limit:
                 raise bad_request(
                     f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit} "
-                    f"(vLLM's --max-logprobs is {self.engine.max_logprobs}).", name,
+                    f"(vLLM's --max-logprobs is {self.engine.max_logprobs}).",
+                    name,
                 )
 
     def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]]) -> Prediction:
         self.check_logprobs(spec)
         sampling = SamplingShape(
-            n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
-            prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
-            random=not spec.sampling.greedy, structured=spec.sampling.structured_outputs,
+            n=spec.n,
+            best_of=spec.best_of,
+            logprobs=spec.logprobs,
+            prompt_logprobs=spec.prompt_logprobs,
+            penalties=spec.penalties,
+            random=not spec.sampling.greedy,
+            structured=spec.sampling.structured_outputs,
         )
         footprints, splits = [], []
         for ids in prompts:
@@ -155,7 +161,11 @@ class Predictor:
             transient, split = self.transient(len(ids), sampling)
             footprints.append(
                 predict_footprint(
-                    self.layout, self.engine, ids, max_new, sampling,
+                    self.layout,
+                    self.engine,
+                    ids,
+                    max_new,
+                    sampling,
                     enable_prefix_caching=self.enable_prefix_caching,
                     reservation=self.outputs.reserve(max_new) if self.outputs else None,
                     transient=transient,
@@ -173,11 +183,14 @@ class Predictor:
         """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
         and output."""
         return SamplerUse(
-            self.sampler_cost, rows=sum(fp.n for fp in footprints),
+            self.sampler_cost,
+            rows=sum(fp.n for fp in footprints),
             longest_prompt=max(fp.prompt_tokens for fp in footprints),
-            logprobs=spec.logprobs is not None, penalties=spec.penalties,
+            logprobs=spec.logprobs is not None,
+            penalties=spec.penalties,
             longest_output=max(fp.max_new_tokens for fp in footprints),
-            random=not spec.sampling.greedy, all_vocab_logprobs=spec.logprobs == -1,
+            random=not spec.sampling.greedy,
+            all_vocab_logprobs=spec.logprobs == -1,
             structured=spec.sampling.structured_outputs,
         )
 
@@ -187,8 +200,9 @@ class Predictor:
         if self.outputs is None:
             return prediction.demand
         footprints = [
-            with_reservation(fp, self.layout, self.engine, self.outputs.reserve(fp.max_new_tokens),
-                             self.enable_prefix_caching)
+            with_reservation(
+                fp, self.layout, self.engine, self.outputs.reserve(fp.max_new_tokens), self.enable_prefix_caching
+            )
             for fp in prediction.footprints
         ]
         if all(new is old for new, old in zip(footprints, prediction.footprints, strict=True)):
@@ -196,7 +210,9 @@ class Predictor:
         return self._demand(footprints, prediction.demand.sampler)
 
     def _demand(
-        self, footprints: Sequence[Footprint], sampler: SamplerUse | None,
+        self,
+        footprints: Sequence[Footprint],
+        sampler: SamplerUse | None,
         splits: Sequence[TransientSplit] | None = None,
     ) -> Demand:
         """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
@@ -242,8 +258,12 @@ class Predictor:
         pool = budget.kv_blocks
         if pool is not None and prediction.max_kv_blocks > pool:
             raise KvNeverFits(
-                prediction.max_kv_blocks, pool, self.layout.block_size, prediction.prompt_tokens,
-                prediction.max_new_tokens, sum(fp.n for fp in prediction.footprints),
+                prediction.max_kv_blocks,
+                pool,
+                self.layout.block_size,
+                prediction.prompt_tokens,
+                prediction.max_new_tokens,
+                sum(fp.n for fp in prediction.footprints),
             )
         limit = budget.max_transient_limit()
         needed = budget.transient_charge_alone(demand)

@@ -33,8 +33,17 @@ log = logging.getLogger("kvgate.proxy")
 
 HOP_BY_HOP = frozenset(
     {
-        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-        b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
     }
 )
 _NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
@@ -53,18 +62,26 @@ class Backend:
     """
 
     def __init__(
-        self, base_url: str, timeout_s: float, max_connections: int = 1024,
-        connect_timeout_s: float = 5.0, pool_timeout_s: float = 30.0,
+        self,
+        base_url: str,
+        timeout_s: float,
+        max_connections: int = 1024,
+        connect_timeout_s: float = 5.0,
+        pool_timeout_s: float = 30.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10.0))
         self.tokenize_client = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(30.0, pool=None),
+            base_url=self.base_url,
+            timeout=httpx.Timeout(30.0, pool=None),
             limits=httpx.Limits(max_connections=TOKENIZE_CONNECTIONS),
         )
         self.pool = ConnectionPool(
-            self.base_url, read_timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-            max_connections=max_connections, pool_timeout_s=pool_timeout_s,
+            self.base_url,
+            read_timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections,
+            pool_timeout_s=pool_timeout_s,
         )
 
     async def aclose(self) -> None:
@@ -89,16 +106,18 @@ class Backend:
         except (TimeoutError, UpstreamTimeout) as exc:  # before OSError: TimeoutError is one
             raise BackendTimedOut() from exc
         except OSError as exc:
-            raise BackendDown(
-                f"The backend at {self.base_url} is unavailable ({type(exc).__name__})."
-            ) from exc
+            raise BackendDown(f"The backend at {self.base_url} is unavailable ({type(exc).__name__}).") from exc
         except UpstreamError as exc:
             raise BackendBroke(str(exc)) from exc
 
 
 async def open_while_client_waits(
-    backend: Backend, receive: Receive, method: str, target: bytes,
-    headers: list[tuple[bytes, bytes]], body: bytes,
+    backend: Backend,
+    receive: Receive,
+    method: str,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
 ) -> UpstreamResponse | None:
     """Backend.open, or None if the client leaves first: the half-open exchange is then
     cancelled, which closes its connection, and vLLM aborts the request.
@@ -127,11 +146,7 @@ def forward_headers(
     Connection header names (RFC 9110 7.6.1), with the request id kvgate uses and the client's
     address appended to X-Forwarded-For."""
     raw = list(raw)
-    named = {
-        token.strip().lower()
-        for key, value in raw if key == b"connection"
-        for token in value.split(b",")
-    }
+    named = {token.strip().lower() for key, value in raw if key == b"connection" for token in value.split(b",")}
     dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
     if client is None:  # no peer address (a Unix socket): the chain goes on as it came
         out = [(k, v) for k, v in raw if k not in dropped]
@@ -253,8 +268,13 @@ def check_passthrough(path: str, allowed: frozenset[str]) -> None:
 
 
 async def passthrough(
-    backend: Backend, method: str, target: bytes, headers: Iterable[tuple[bytes, bytes]],
-    body: bytes, request_id: str, client: tuple[str, int] | None = None,
+    backend: Backend,
+    method: str,
+    target: bytes,
+    headers: Iterable[tuple[bytes, bytes]],
+    body: bytes,
+    request_id: str,
+    client: tuple[str, int] | None = None,
 ) -> Relay:
     """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
     upstream = await backend.open(method, target, forward_headers(headers, request_id, client), body)

@@ -57,7 +57,9 @@ class Runtime:
         self.settings = settings
         self.metrics = KvgateMetrics()
         self.backend = Backend(
-            settings.backend, settings.upstream_timeout, connect_timeout_s=settings.upstream_connect_timeout,
+            settings.backend,
+            settings.upstream_timeout,
+            connect_timeout_s=settings.upstream_connect_timeout,
             pool_timeout_s=settings.upstream_pool_timeout,
         )
         outputs = OutputLengths(settings.kv_output_quantile)
@@ -65,12 +67,17 @@ class Runtime:
         gate_metrics = GateMetrics(self.metrics)
         self.in_flight = InFlightRequests()
         self.gate = Gate(
-            self.budget, Observers(gate_metrics, DecisionLog(), self.in_flight),
-            settings.max_queue, settings.max_queue_wait, outputs=outputs,
+            self.budget,
+            Observers(gate_metrics, DecisionLog(), self.in_flight),
+            settings.max_queue,
+            settings.max_queue_wait,
+            outputs=outputs,
         )
         gate_metrics.watch(self.gate)
         self.pipeline = RequestPipeline(
-            self.budget, lambda: self.startup_error, self.metrics.tokenization.observe,
+            self.budget,
+            lambda: self.startup_error,
+            self.metrics.tokenization.observe,
             trust_request_chat_template=settings.trust_request_chat_template,
         )
         self.geometry: ModelGeometry | None = None
@@ -117,8 +124,14 @@ class Runtime:
         probe = await detect_probe(self.settings.gpu_probe, client, self.settings.gpu_devices)
         log.info("GPU probe: %s%s", probe.kind, f" ({probe.problem})" if probe.problem else "")
         self.live = LiveBudget(
-            self.settings, client, GateView(self.gate), self.in_flight, self.budget,
-            self.metrics.telemetry, probe, self.sync_once,
+            self.settings,
+            client,
+            GateView(self.gate),
+            self.in_flight,
+            self.budget,
+            self.metrics.telemetry,
+            probe,
+            self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
         )
         interval = self.settings.scrape_interval
@@ -145,12 +158,20 @@ class Runtime:
         served = served or (models[0] if models else None)
         self.pipeline.served_names.update(m.name for m in models)
         deployment = resolve(
-            engine_flags(self.settings), self.geometry, snapshot.cache_config, served, limits,
-            self.disagreements, version)
+            engine_flags(self.settings),
+            self.geometry,
+            snapshot.cache_config,
+            served,
+            limits,
+            self.disagreements,
+            version,
+        )
         model_name = self.settings.served_model_name or (served.name if served else "")
         if self.pipeline.tokenizer is None:
             self.pipeline.tokenizer = load_tokenizer(
-                self.settings.model, self.backend.tokenize_client, model_name,
+                self.settings.model,
+                self.backend.tokenize_client,
+                model_name,
                 self.settings.request_chat_template_timeout,
             )
             freeze_start_up_heap()
@@ -162,9 +183,14 @@ class Runtime:
         log.info(
             "backend synchronised: vLLM %s (modelled as %s), %s model runner (%s), %s sampler; "
             "max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
-            deployment.runtime.version, deployment.runtime.model_version, deployment.runtime.runner.upper(),
-            deployment.runtime.runner_source, deployment.runtime.sampler_backend,
-            deployment.max_model_len, deployment.block_size, deployment.num_gpu_blocks,
+            deployment.runtime.version,
+            deployment.runtime.model_version,
+            deployment.runtime.runner.upper(),
+            deployment.runtime.runner_source,
+            deployment.runtime.sampler_backend,
+            deployment.max_model_len,
+            deployment.block_size,
+            deployment.num_gpu_blocks,
             deployment.enable_prefix_caching,
         )
 
@@ -175,7 +201,9 @@ class Runtime:
         (log.info if copied else log.warning)(
             "the backend does not publish its engine limits (vLLM serves /server_info only with "
             "VLLM_SERVER_DEV_MODE=1): kvgate predicts for --max-num-batched-tokens %s "
-            "--max-num-seqs %s%s", s.max_num_batched_tokens, s.max_num_seqs,
+            "--max-num-seqs %s%s",
+            s.max_num_batched_tokens,
+            s.max_num_seqs,
             "" if copied else " (kvgate's defaults: copy vLLM's values)",
         )
 
@@ -185,7 +213,10 @@ class Runtime:
         assert self.geometry is not None
         settings = self.settings
         predictor = build_predictor(
-            deployment, self.geometry, settings.profiled_activation_bytes, settings.default_max_tokens,
+            deployment,
+            self.geometry,
+            settings.profiled_activation_bytes,
+            settings.default_max_tokens,
             self.gate.outputs,
         )
         limits = static_limits(
@@ -205,7 +236,9 @@ class Runtime:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
         self.geometry = ModelGeometry.from_folder(self.settings.model)
         self.pipeline.tokenizer = load_tokenizer(
-            self.settings.model, self.backend.tokenize_client, self.settings.served_model_name or "",
+            self.settings.model,
+            self.backend.tokenize_client,
+            self.settings.served_model_name or "",
             self.settings.request_chat_template_timeout,
         )
         deployment = resolve(engine_flags(self.settings), self.geometry, None, None)

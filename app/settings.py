@@ -26,9 +26,7 @@ class Settings(BaseSettings, VllmFlags):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid")
 
     backend: str = Field("http://127.0.0.1:8000", description="Base URL of the vLLM server.")
-    model: str | None = Field(
-        None, description="Model folder (config.json and tokenizer), the one vLLM serves."
-    )
+    model: str | None = Field(None, description="Model folder (config.json and tokenizer), the one vLLM serves.")
     served_model_name: str | None = Field(
         None, description="Model name clients send; default: read from the backend's /v1/models."
     )
@@ -37,9 +35,7 @@ class Settings(BaseSettings, VllmFlags):
     num_gpu_blocks: int | None = Field(
         None, description="KV pool size in blocks when the backend's /metrics does not say."
     )
-    gpu_memory_bytes: int | None = Field(
-        None, description="Total memory of one GPU, for the static transient budget."
-    )
+    gpu_memory_bytes: int | None = Field(None, description="Total memory of one GPU, for the static transient budget.")
     free_memory_bytes: int | None = Field(
         None,
         description="GPU memory left outside vLLM's pools for transient tensors the profile never "
@@ -63,12 +59,15 @@ class Settings(BaseSettings, VllmFlags):
         0.25, gt=0, description="Seconds between scrapes of vLLM's /metrics and GPU readings."
     )
     max_staleness: float = Field(
-        2.0, gt=0,
+        2.0,
+        gt=0,
         description="Readings older than this put the budget in conservative mode (see "
         "--stale-budget-fraction); never admit blind at full speed.",
     )
     stale_budget_fraction: float = Field(
-        0.5, gt=0, le=1.0,
+        0.5,
+        gt=0,
+        le=1.0,
         description="Share of the KV and transient limits kvgate may reserve while its readings are "
         "stale (overcommit off).",
     )
@@ -83,13 +82,16 @@ class Settings(BaseSettings, VllmFlags):
         "UUIDs or indices, comma-separated); default: NVIDIA_VISIBLE_DEVICES, else all.",
     )
     max_kv_overcommit: float = Field(
-        1.2, ge=1.0,
+        1.2,
+        ge=1.0,
         description="Upper bound of the calibrated KV overcommit factor: while requests wait for "
         "KV, kvgate may reserve up to this many times vLLM's pool, backing off when vLLM preempts "
         "(a preemption costs latency, never an OOM); 1 never reserves more than the pool.",
     )
     kv_output_quantile: float = Field(
-        0.99, gt=0.0, le=1.0,
+        0.99,
+        gt=0.0,
+        le=1.0,
         description="Each request reserves KV for the mean of recent output lengths (an answer "
         "that used its whole max_tokens counts as needing all of the new request's; full "
         "max_tokens until 16 have finished), and the pool keeps room for this normal quantile of "
@@ -108,12 +110,8 @@ class Settings(BaseSettings, VllmFlags):
         "the tenant is a digest of the API key and no client header is read (a client naming its "
         "own tenant could take every turn).",
     )
-    max_body_bytes: int = Field(
-        32 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond)."
-    )
-    upstream_timeout: float = Field(
-        600.0, gt=0, description="Seconds to wait for the backend's next byte."
-    )
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
+    upstream_timeout: float = Field(600.0, gt=0, description="Seconds to wait for the backend's next byte.")
     log_level: str = Field("info", description="Python log level.")
 
     # Hostile clients (issue 15): what one request may cost kvgate.
@@ -145,7 +143,8 @@ class Settings(BaseSettings, VllmFlags):
         5.0, gt=0, description="Seconds to wait for the backend to accept a connection (503 beyond)."
     )
     upstream_pool_timeout: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="Seconds a request may wait for one of kvgate's 1,024 backend connections (503 beyond).",
     )
     passthrough_paths: str = Field(
@@ -178,13 +177,20 @@ def add_settings_arguments(parser: argparse.ArgumentParser, only: Collection[str
         help_text = f"{field.description} [env KVGATE_{name.upper()}; default: {default}]"
         if field.annotation is bool:
             parser.add_argument(
-                _flag(name), dest=name, action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS, help=help_text,
+                _flag(name),
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
             )
         else:
             choices = getattr(field.annotation, "__args__", None) if name == "gpu_probe" else None
             parser.add_argument(
-                _flag(name), dest=name, default=argparse.SUPPRESS, help=help_text, choices=choices,
+                _flag(name),
+                dest=name,
+                default=argparse.SUPPRESS,
+                help=help_text,
+                choices=choices,
             )
 
 

@@ -84,9 +84,7 @@ def max_chars_per_token(rust: Any) -> int | None:
         kind = part.get("type")
         if kind not in _NORMALIZER_SHRINK:
             return None
-        if kind == "Replace" and (
-            not part.get("content") or len(part.get("pattern", {}).get("String") or "xx") != 1
-        ):
+        if kind == "Replace" and (not part.get("content") or len(part.get("pattern", {}).get("String") or "xx") != 1):
             return None  # only single characters replaced by something
         shrink *= _NORMALIZER_SHRINK[kind]
     return shrink * max(len(entry) for entry in rust.get_vocab(with_added_tokens=True))
@@ -102,7 +100,10 @@ class LocalTokenizer:
     source = "local"
 
     def __init__(
-        self, model_dir: str | Path, offload_threshold_chars: int = 4000, template_seconds: float = 1.0,
+        self,
+        model_dir: str | Path,
+        offload_threshold_chars: int = 4000,
+        template_seconds: float = 1.0,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -224,9 +225,7 @@ class BackendTokenizer:
     ) -> list[int]:
         """`max_tokens` is vLLM's to enforce here: without the tokenizer files kvgate has no
         bound on characters per token."""
-        return await self._tokenize(
-            {"model": self._model, "prompt": prompt, "add_special_tokens": add_special_tokens}
-        )
+        return await self._tokenize({"model": self._model, "prompt": prompt, "add_special_tokens": add_special_tokens})
 
     async def encode_prompts(
         self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
@@ -260,9 +259,7 @@ class BackendTokenizer:
         if response.status_code in (400, 422):
             raise TokenizationError(_error_message(response))
         if response.status_code != 200:
-            raise BackendTokenizeError(
-                f"backend /tokenize answered {response.status_code}: {response.text[:200]}"
-            )
+            raise BackendTokenizeError(f"backend /tokenize answered {response.status_code}: {response.text[:200]}")
         try:
             return response.json()["tokens"]
         except (ValueError, KeyError, TypeError) as e:
@@ -287,7 +284,10 @@ def _error_message(response: httpx.Response) -> str:
 
 
 def load_tokenizer(
-    model_dir: str | Path | None, client: httpx.AsyncClient, model_name: str, template_seconds: float = 1.0,
+    model_dir: str | Path | None,
+    client: httpx.AsyncClient,
+    model_name: str,
+    template_seconds: float = 1.0,
 ) -> Tokenizer:
     """Local when the model folder holds a tokenizer (no network per request), else the backend;
     either way images are counted (or refused) by app.multimodal, never passed through uncounted."""
@@ -297,7 +297,9 @@ def load_tokenizer(
         return MediaCounting(LocalTokenizer(model_dir, template_seconds=template_seconds), images)
     log.warning(
         "the model folder %s has no tokenizer files (%s): kvgate counts tokens through the "
-        "backend's /tokenize, one round trip per request", model_dir, ", ".join(_TOKENIZER_FILES),
+        "backend's /tokenize, one round trip per request",
+        model_dir,
+        ", ".join(_TOKENIZER_FILES),
     )
     return MediaCounting(BackendTokenizer(client, model_name), images)
 

@@ -275,8 +275,14 @@ class UpstreamResponse:
 class ConnectionPool:
     """Keep-alive connections to one backend, at most `max_connections` in use at once."""
 
-    def __init__(self, base_url: str, read_timeout_s: float, connect_timeout_s: float = 5.0,
-                 max_connections: int = 1024, pool_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        read_timeout_s: float,
+        connect_timeout_s: float = 5.0,
+        max_connections: int = 1024,
+        pool_timeout_s: float = 30.0,
+    ) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"the backend URL must be http(s)://HOST[:PORT], got {base_url!r}")
@@ -342,7 +348,10 @@ class ConnectionPool:
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: Connection(self._read_timeout_s), self.host, self.port, ssl=self._ssl or None,
+                    lambda: Connection(self._read_timeout_s),
+                    self.host,
+                    self.port,
+                    ssl=self._ssl or None,
                 ),
                 self._connect_timeout_s,
             )

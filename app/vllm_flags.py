@@ -24,8 +24,17 @@ LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "proc
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS = {
+    "B": 1,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+}
 
 
 def parse_size(value: Any) -> Any:
@@ -86,7 +95,9 @@ class VllmFlags(BaseModel):
     kv_cache_dtype: str = Field("auto", description="vLLM --kv-cache-dtype (auto, fp8, ...).")
     dtype: str = Field("auto", description="vLLM --dtype: the model's dtype, overriding config.json.")
     gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1,
+        0.9,
+        gt=0,
+        le=1,
         description="vLLM --gpu-memory-utilization (vLLM 0.32.0's own default is 0.92, older ones "
         "0.9: copy yours; a backend's vllm:cache_config_info overrides it).",
     )
@@ -107,16 +118,16 @@ class VllmFlags(BaseModel):
         "chunk x context score tensors (no vLLM 0.32 GPU decoder backend does).",
     )
     max_logprobs: int = Field(
-        20, ge=-1, description="vLLM --max-logprobs: the most logprobs/prompt_logprobs a request may ask (-1: vocabulary)."
+        20,
+        ge=-1,
+        description="vLLM --max-logprobs: the most logprobs/prompt_logprobs a request may ask (-1: vocabulary).",
     )
     logprobs_mode: LogprobsMode = Field("raw_logprobs", description="vLLM --logprobs-mode.")
     speculative_config: Annotated[SpeculativeConfig | None, BeforeValidator(_json_object)] = Field(
         None, description="vLLM --speculative-config (-sc), a JSON object."
     )
     enforce_eager: bool = Field(False, description="vLLM --enforce-eager (no CUDA graphs).")
-    cudagraph_capture_sizes: list[int] | None = Field(
-        None, description="vLLM --cudagraph-capture-sizes."
-    )
+    cudagraph_capture_sizes: list[int] | None = Field(None, description="vLLM --cudagraph-capture-sizes.")
     max_cudagraph_capture_size: int | None = Field(None, description="vLLM --max-cudagraph-capture-size.")
     vllm_version: str | None = Field(
         None, description="vLLM version behind kvgate; default: the backend's GET /version (offline: the newest known)."
@@ -129,7 +140,9 @@ class VllmFlags(BaseModel):
 
 # Short option strings vLLM also accepts (vllm/engine/arg_utils.py).
 ALIASES = {
-    "tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "speculative_config": ("-sc",),
+    "tensor_parallel_size": ("-tp",),
+    "pipeline_parallel_size": ("-pp",),
+    "speculative_config": ("-sc",),
 }
 # vLLM's old name, still accepted: the backend the simulator and demo used before the rename.
 ATTENTION_BACKEND_ALIASES = {"materializing": "materializing-eager"}
@@ -140,7 +153,10 @@ def flag_name(field: str) -> str:
 
 
 def add_vllm_arguments(
-    parser: argparse.ArgumentParser, names: Iterable[str] | None = None, *, typed: bool = False,
+    parser: argparse.ArgumentParser,
+    names: Iterable[str] | None = None,
+    *,
+    typed: bool = False,
     env_prefix: str | None = None,
 ) -> None:
     """One option per VllmFlags field (or the named ones).
@@ -157,13 +173,18 @@ def add_vllm_arguments(
         env = f"env {env_prefix}{name.upper()}; " if env_prefix else ""
         help_text = f"{info.description} [{env}default: {info.default}]"
         if info.annotation is bool:
-            parser.add_argument(*options, dest=name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_text)
+            parser.add_argument(
+                *options, dest=name, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
             continue
         kwargs: dict[str, Any] = {"dest": name, "default": default, "help": help_text}
         if name == "cudagraph_capture_sizes":
             kwargs["nargs"] = "+"
-        choices = getattr(info.annotation, "__args__", None) if name in ("attention_backend", "model_runner", "logprobs_mode") else None
+        choices = (
+            getattr(info.annotation, "__args__", None)
+            if name in ("attention_backend", "model_runner", "logprobs_mode")
+            else None
+        )
         if choices:
             kwargs["choices"] = choices
         if typed:
@@ -237,7 +258,7 @@ def split_vllm_command(argv: Sequence[str]) -> tuple[list[str], list[str], str |
     if "--" not in argv:
         return list(argv), [], None
     cut = list(argv).index("--")
-    ours, pasted = list(argv[:cut]), list(argv[cut + 1:])
+    ours, pasted = list(argv[:cut]), list(argv[cut + 1 :])
     if pasted[:1] == ["vllm"]:
         pasted = pasted[1:]
     if pasted[:1] == ["serve"]:

@@ -30,20 +30,28 @@ def machine() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-        mem = next(int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text()
-                   .splitlines() if x.startswith("MemTotal"))
+        mem = next(
+            int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")
+        )
     except (OSError, StopIteration):
         mem = 0
-    return {"cpu_model": cpu, "cpus": os.cpu_count(), "memory_bytes": mem,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "gpu": "none (simulated)"}
+    return {
+        "cpu_model": cpu,
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gpu": "none (simulated)",
+    }
 
 
 def _bar(total: int, desc: str) -> Any:
     try:
         from tqdm import tqdm
+
         return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, file=sys.stderr)
     except ImportError:  # pragma: no cover
+
         class Lines:
             n = 0
 
@@ -56,6 +64,7 @@ def _bar(total: int, desc: str) -> Any:
 
             def close(self) -> None:
                 pass
+
         return Lines()
 
 
@@ -66,6 +75,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     safety.quiet()
     chosen = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
+
     def caps0(scn: Any) -> list[int]:
         return [8] if args.tiny else [16] if args.quick else scn.caps
 
@@ -75,13 +85,23 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
         for i, scn in enumerate(chosen):
             calls = scn.traffic(random.Random(args.seed * 1000 + i), args.scale)
             cfg = safety.scaled_config(scn, args.scale)
-            described.append({"key": scn.key, "title": scn.title, "sim": _sim_desc(cfg),
-                              "traffic": (scn.traffic.__doc__ or "").strip(),
-                              "requests": len(calls), "speedup": scn.speedup,
-                              "kvgate_flags": " ".join(scn.kvgate_flags)})
+            described.append(
+                {
+                    "key": scn.key,
+                    "title": scn.title,
+                    "sim": _sim_desc(cfg),
+                    "traffic": (scn.traffic.__doc__ or "").strip(),
+                    "requests": len(calls),
+                    "speedup": scn.speedup,
+                    "kvgate_flags": " ".join(scn.kvgate_flags),
+                }
+            )
 
             def arm(
-                name: str, cap: int | None = None, scn: Scenario = scn, calls: list = calls,
+                name: str,
+                cap: int | None = None,
+                scn: Scenario = scn,
+                calls: list = calls,
             ) -> safety.ArmResult:
                 bar.set_postfix_str(f"{scn.key} {name}{'' if cap is None else f' {cap}'}")
                 r = run_arm(scn, "cap" if cap else name, calls, args.scale, Path(tmp), cap=cap)
@@ -102,9 +122,15 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                     bar.update(1)
                 else:
                     sweep.append(arm("cap", nxt))
-            sweeps[scn.key] = [{"cap": r.cap, "goodput_tokens_per_s": r.goodput_tokens_per_s,
-                                "oom_crashes": r.oom_crashes, "failed": r.failed}
-                               for r in sorted(sweep, key=lambda r: r.cap)]
+            sweeps[scn.key] = [
+                {
+                    "cap": r.cap,
+                    "goodput_tokens_per_s": r.goodput_tokens_per_s,
+                    "oom_crashes": r.oom_crashes,
+                    "failed": r.failed,
+                }
+                for r in sorted(sweep, key=lambda r: r.cap)
+            ]
             best = pick_cap(sweep)
             if best is None:  # every cap OOMed: report the smallest, honestly
                 best = min(sweep, key=lambda r: r.cap)
@@ -122,12 +148,12 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def _sim_desc(cfg: Any) -> str:
     from app.sim.config import SimConfig
+
     parts = []
     for k, v in vars(cfg).items():
         if k in ("cotenants",):
             if v:
-                parts.append("cotenants=" + ",".join(
-                    f"{c.name}:{c.bytes / 2**30:g}GiB@{c.start_s:g}s" for c in v))
+                parts.append("cotenants=" + ",".join(f"{c.name}:{c.bytes / 2**30:g}GiB@{c.start_s:g}s" for c in v))
             continue
         if v != getattr(SimConfig, k, None) and k not in ("speedup",):
             parts.append(f"{k}={v}")
@@ -140,45 +166,78 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     scen = sorted({r["scenario"] for r in out.get("safety", [])})
     none_oom = [s for s in scen if s != "S7" and by[(s, "none")]["oom_crashes"] > 0]
     if scen:
-        t.append({"scenario": "S1-S6", "check": "no-gate arm OOMs in at least one",
-                  "value": ", ".join(none_oom) or "none", "met": bool(none_oom)})
+        t.append(
+            {
+                "scenario": "S1-S6",
+                "check": "no-gate arm OOMs in at least one",
+                "value": ", ".join(none_oom) or "none",
+                "met": bool(none_oom),
+            }
+        )
     for s in scen:
         k, c, o = by[(s, "kvgate")], by[(s, "static-cap")], by[(s, "oracle")]
-        t.append({"scenario": s, "check": "kvgate: 0 OOM crashes",
-                  "value": k["oom_crashes"], "met": k["oom_crashes"] == 0})
-        rc = k["goodput_tokens_per_s"] / c["goodput_tokens_per_s"] if c[
-            "goodput_tokens_per_s"] else float("inf")
-        t.append({"scenario": s, "check": "kvgate goodput >= 1.1 x best static cap",
-                  "value": f"{rc:.2f} x (cap {c['cap']})", "met": rc >= 1.1})
+        t.append(
+            {"scenario": s, "check": "kvgate: 0 OOM crashes", "value": k["oom_crashes"], "met": k["oom_crashes"] == 0}
+        )
+        rc = k["goodput_tokens_per_s"] / c["goodput_tokens_per_s"] if c["goodput_tokens_per_s"] else float("inf")
+        t.append(
+            {
+                "scenario": s,
+                "check": "kvgate goodput >= 1.1 x best static cap",
+                "value": f"{rc:.2f} x (cap {c['cap']})",
+                "met": rc >= 1.1,
+            }
+        )
         if o["completed"] == 0:  # the oracle could not keep up: nothing to compare with
-            t.append({"scenario": s, "check": "kvgate goodput >= 0.9 x oracle",
-                      "value": f"not measured (oracle completed 0 of {o['requests']})", "met": False})
+            t.append(
+                {
+                    "scenario": s,
+                    "check": "kvgate goodput >= 0.9 x oracle",
+                    "value": f"not measured (oracle completed 0 of {o['requests']})",
+                    "met": False,
+                }
+            )
             continue
         ro = k["goodput_tokens_per_s"] / o["goodput_tokens_per_s"]
-        t.append({"scenario": s, "check": "kvgate goodput >= 0.9 x oracle",
-                  "value": f"{ro:.2f} x", "met": ro >= 0.9})
+        t.append({"scenario": s, "check": "kvgate goodput >= 0.9 x oracle", "value": f"{ro:.2f} x", "met": ro >= 0.9})
     ov = {(r["arm"], r["scenario"]): r for r in out.get("overhead", [])}
     if ("kvgate", "non-streaming, concurrency 1") in ov:
         a = ov[("kvgate", "non-streaming, concurrency 1")]["added_p50_ms"]
-        t.append({"scenario": "overhead", "check": "added p50 at concurrency 1 <= 0.7 ms",
-                  "value": f"{a} ms", "met": a <= 0.7})
+        t.append(
+            {
+                "scenario": "overhead",
+                "check": "added p50 at concurrency 1 <= 0.7 ms",
+                "value": f"{a} ms",
+                "met": a <= 0.7,
+            }
+        )
         f = ov[("kvgate", "streaming 16 tokens, concurrency 1, TTFB")]["added_p50_ms"]
-        t.append({"scenario": "overhead", "check": "streaming added TTFB p50 <= 0.7 ms",
-                  "value": f"{f} ms", "met": f <= 0.7})
+        t.append(
+            {"scenario": "overhead", "check": "streaming added TTFB p50 <= 0.7 ms", "value": f"{f} ms", "met": f <= 0.7}
+        )
         q = ov[("kvgate", "max throughput, concurrency 64")]["requests_per_s"]
-        t.append({"scenario": "overhead", "check": ">= 2000 req/s at concurrency 64",
-                  "value": f"{q} req/s", "met": q >= 2000})
+        t.append(
+            {
+                "scenario": "overhead",
+                "check": ">= 2000 req/s at concurrency 64",
+                "value": f"{q} req/s",
+                "met": q >= 2000,
+            }
+        )
     return t
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="~4-minute smoke run (smaller traffic, "
-                   "2-value cap sweep, short overhead phases)")
-    p.add_argument("--scale", type=float, default=None,
-                   help="traffic scale (arrival window x scale); default 1, 0.3 with --quick")
-    p.add_argument("--scenarios", type=lambda s: s.split(","), default=None,
-                   help="comma-separated subset, e.g. S1,S5")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="~4-minute smoke run (smaller traffic, 2-value cap sweep, short overhead phases)",
+    )
+    p.add_argument(
+        "--scale", type=float, default=None, help="traffic scale (arrival window x scale); default 1, 0.3 with --quick"
+    )
+    p.add_argument("--scenarios", type=lambda s: s.split(","), default=None, help="comma-separated subset, e.g. S1,S5")
     p.add_argument("--skip-safety", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--no-profile", action="store_true", help="skip py-spy")
@@ -194,22 +253,26 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(),
         "command": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "quick": args.quick, "scale": args.scale, "seed": args.seed,
-        "safety": [], "overhead": [],
+        "quick": args.quick,
+        "scale": args.scale,
+        "seed": args.seed,
+        "safety": [],
+        "overhead": [],
     }
     if not args.skip_safety:
         run_safety(args, out)
     if not args.skip_overhead:
         from bench.overhead import run_overhead
+
         bar = _bar((1 if args.tiny else 2 if args.quick else 3) * 3, "overhead")
-        ov = run_overhead(args.out, quick=args.quick, profile=not args.no_profile,
-                          progress=bar, tiny=args.tiny)
+        ov = run_overhead(args.out, quick=args.quick, profile=not args.no_profile, progress=bar, tiny=args.tiny)
         bar.close()
         out["overhead"] = ov.pop("rows", [])
         out["overhead_detail"] = ov
     out["targets"] = targets(out)
     out["duration_s"] = round(time.monotonic() - started, 1)
     from bench.report import markdown, plots
+
     try:
         out["plots"] = plots(out, args.out)
     except ImportError as exc:
@@ -218,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "latest.json").write_text(json.dumps(out, indent=2) + "\n")
     (args.out / "latest.md").write_text(markdown(out))
     print(markdown(out))
-    print(f"wrote {args.out / 'latest.json'}, latest.md, {', '.join(out['plots'])} in "
-          f"{out['duration_s']:.0f} s", file=sys.stderr)
+    print(
+        f"wrote {args.out / 'latest.json'}, latest.md, {', '.join(out['plots'])} in {out['duration_s']:.0f} s",
+        file=sys.stderr,
+    )
     return 0
 
 

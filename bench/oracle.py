@@ -145,8 +145,7 @@ def _fork_request(req: Request) -> Request:
     return c
 
 
-def _fork_memory(alloc: CachingAllocator, carry: CrossStepTensors
-                 ) -> tuple[CachingAllocator, CrossStepTensors]:
+def _fork_memory(alloc: CachingAllocator, carry: CrossStepTensors) -> tuple[CachingAllocator, CrossStepTensors]:
     """The allocator (device, segments, blocks) and the tensors carried across steps, copied."""
     device = copy.copy(alloc.device)
     device.processes = dict(alloc.device.processes)
@@ -167,8 +166,9 @@ def _fork_memory(alloc: CachingAllocator, carry: CrossStepTensors
     return a, c
 
 
-def _fork(engine: Engine, in_flight: Any, idle: bool, stops: Stops | None
-          ) -> tuple[Scheduler, CachingAllocator, CrossStepTensors]:
+def _fork(
+    engine: Engine, in_flight: Any, idle: bool, stops: Stops | None
+) -> tuple[Scheduler, CachingAllocator, CrossStepTensors]:
     """A private copy of the engine at its next step: the step in flight counted, co-tenants at
     their size LOOKAHEAD_S ahead; `idle`: without its requests."""
     live = engine.scheduler
@@ -226,8 +226,11 @@ def _sample(engine: Engine, req: Request, stops: Stops | None) -> bool:
     eos = _eos(engine, req, stops)
     req.output_token_ids.append(0)
     sp = req.sampling
-    return (len(req.output_token_ids) >= sp.max_tokens
-            or req.num_tokens >= engine.resolved.max_model_len or (eos and not sp.ignore_eos))
+    return (
+        len(req.output_token_ids) >= sp.max_tokens
+        or req.num_tokens >= engine.resolved.max_model_len
+        or (eos and not sp.ignore_eos)
+    )
 
 
 def _finish(sched: Scheduler, req: Request) -> None:
@@ -237,8 +240,9 @@ def _finish(sched: Scheduler, req: Request) -> None:
 
 
 # ----- the dry run and the search ----------------------------------------------------------------
-def dry_run(engine: Engine, groups: list[list[Request]], in_flight: Any = None,
-            idle: bool = False, stops: Stops | None = None) -> tuple[str | None, int]:
+def dry_run(
+    engine: Engine, groups: list[list[Request]], in_flight: Any = None, idle: bool = False, stops: Stops | None = None
+) -> tuple[str | None, int]:
     """Dry-run the engine with `groups` (one per client request: its n sequences) added in
     order: `(None, len(groups))` if it survives, else `(OOM message, bound)`, where every prefix
     of at least `bound` groups would hit the very same OOM.
@@ -302,8 +306,7 @@ def dry_run(engine: Engine, groups: list[list[Request]], in_flight: Any = None,
     return None, n
 
 
-def _to_compute(engine: Engine, token_ids: list[int], sampling: Any,
-                hashes: list[int] | None = None) -> int:
+def _to_compute(engine: Engine, token_ids: list[int], sampling: Any, hashes: list[int] | None = None) -> int:
     """The tokens the scheduler would compute to start this prompt now: those of its prefix
     already in the KV cache are not (a read-only lookup of the chained block hashes that
     KVCacheManager.get_computed_blocks walks; `hashes`: the prompt's, if known)."""
@@ -313,7 +316,7 @@ def _to_compute(engine: Engine, token_ids: list[int], sampling: Any,
     if hashes is None:
         hashes = chained_hashes(token_ids, kv.block_size, 0, 0)
     hit = 0
-    for h in hashes[:(len(token_ids) - 1) // kv.block_size]:
+    for h in hashes[: (len(token_ids) - 1) // kv.block_size]:
         if h not in kv.pool.cached:
             break
         hit += 1
@@ -336,21 +339,23 @@ def window(engine: Engine, entries: Any, in_flight: Any = None) -> int:
         if room <= 0:
             break
         p = e.parsed
-        room -= _to_compute(engine, p.prompt_token_ids, p.sampling,
-                            getattr(e, "hashes", None)) * p.n
+        room -= _to_compute(engine, p.prompt_token_ids, p.sampling, getattr(e, "hashes", None)) * p.n
         k += 1
     return k
 
 
-def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None,
-              idle: bool = False) -> str | None:
+def would_oom(engine: Engine, candidates: list[Request], in_flight: Any = None, idle: bool = False) -> str | None:
     """The OOM message if `candidates` (one request's sequences) joined the engine now."""
     return dry_run(engine, [candidates], in_flight, idle)[0]
 
 
-def longest_prefix(engine: Engine, groups: list[list[Request]], in_flight: Any = None,
-                   first: int | None = None, stops: Stops | None = None
-                   ) -> tuple[int, str | None, int]:
+def longest_prefix(
+    engine: Engine,
+    groups: list[list[Request]],
+    in_flight: Any = None,
+    first: int | None = None,
+    stops: Stops | None = None,
+) -> tuple[int, str | None, int]:
     """The most leading groups whose own dry run survives: `(k, OOM message that stopped the
     search or None, dry runs)`. Probes `first` (default: all), then one under the bound the
     failing dry run gives (or all, after a first probe that passed), then bisects."""
@@ -375,8 +380,7 @@ class _Entry:
     parsed: Parsed
     cands: list[Request]
     start: float
-    verdict: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
-                                    .create_future())
+    verdict: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     held: bool = False
     hashes: list[int] | None = None  # the prompt's chained block hashes (prefix-cache lookup)
 
@@ -384,22 +388,33 @@ class _Entry:
 def _sequences(p: Parsed, rid: str) -> list[Request]:
     """The request's n sequences, seeded as the simulator's RequestRun seeds them (the sampler's
     end of sequence depends on the seed)."""
-    return [Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed)
-            for i, seed in enumerate(sequence_seeds(p))]
+    return [
+        Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed)
+        for i, seed in enumerate(sequence_seeds(p))
+    ]
 
 
 def _refusal(status: int, kind: str, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": code}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 
 
 def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
     """Add the oracle routes to a simulator app (before it starts); returns its counters."""
     engine: Engine = app.state.engine
     endpoints = {r.path: r.endpoint for r in app.routes if hasattr(r, "endpoint")}
-    stats = {"checks": 0, "held": 0, "never_fits": 0, "timeouts": 0, "check_ms_total": 0,
-             "check_ms_max": 0, "dry_runs": 0, "admitted": 0, "batches": 0, "batch_max": 0,
-             "queue_max": 0}
+    stats = {
+        "checks": 0,
+        "held": 0,
+        "never_fits": 0,
+        "timeouts": 0,
+        "check_ms_total": 0,
+        "check_ms_max": 0,
+        "dry_runs": 0,
+        "admitted": 0,
+        "batches": 0,
+        "batch_max": 0,
+        "queue_max": 0,
+    }
     queue: deque[_Entry] = deque()
     stops: Stops = {}
     # hold: why the queue's head waits: "window" (the engine has enough work queued), "oom"
@@ -418,8 +433,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
     def track_update(out: Any, start: float) -> None:
         state["out"] = None
         update(out, start)
-        if state["hold"] == "window" or (state["hold"] == "oom"
-                                         and membership() != state["seen"]):
+        if state["hold"] == "window" or (state["hold"] == "oom" and membership() != state["seen"]):
             changed.set()
 
     def rebind() -> None:  # after a restart the engine has a new scheduler
@@ -449,8 +463,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                 hold = "window"
                 break
             groups = [e.cands for e in itertools.islice(queue, take)]
-            k, oom, runs = longest_prefix(engine, groups, state["out"],
-                                          1 if state["hold"] == "oom" else None, stops)
+            k, oom, runs = longest_prefix(engine, groups, state["out"], 1 if state["hold"] == "oom" else None, stops)
             stats["dry_runs"] += runs
             if k == 0:
                 head = queue[0]
@@ -462,8 +475,12 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                 queue.popleft()
                 stats["never_fits"] += 1
                 why = (oom or "")[:200]
-                settle(head, _refusal(400, "BadRequestError", "oracle_never_fits",
-                                      f"oracle: would OOM even on an idle engine: {why}"))
+                settle(
+                    head,
+                    _refusal(
+                        400, "BadRequestError", "oracle_never_fits", f"oracle: would OOM even on an idle engine: {why}"
+                    ),
+                )
                 continue
             for _ in range(k):  # into the engine now, before anything else runs
                 e = queue.popleft()
@@ -476,8 +493,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
         now = time.monotonic()
         while queue and now - queue[0].start > max_wait_s:
             stats["timeouts"] += 1
-            settle(queue.popleft(), _refusal(429, "RateLimitError", "oracle_queue_timeout",
-                                             "oracle: waited too long"))
+            settle(queue.popleft(), _refusal(429, "RateLimitError", "oracle_queue_timeout", "oracle: waited too long"))
         for e in queue:
             if not e.held:
                 e.held = True
@@ -511,16 +527,29 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
         chat = path.endswith("chat/completions")
         body = await http.json()  # cached on the request: the real handler re-reads it
         try:
-            p = parse(body, chat=chat, tok=app.state.tokenizer, served=engine.model_name,
-                      max_model_len=engine.resolved.max_model_len) if engine.ready else None
+            p = (
+                parse(
+                    body,
+                    chat=chat,
+                    tok=app.state.tokenizer,
+                    served=engine.model_name,
+                    max_model_len=engine.resolved.max_model_len,
+                )
+                if engine.ready
+                else None
+            )
         except SimApiError:
             p = None  # the simulator answers the 400 itself
         if p is None:
             return await endpoints[path](http)
         state["n"] += 1
-        entry = _Entry(path, p, _sequences(p, f"oracle-{state['n']}"), time.monotonic(),
-                       hashes=chained_hashes(p.prompt_token_ids, engine.scheduler.kv.block_size,
-                                             0, 0))
+        entry = _Entry(
+            path,
+            p,
+            _sequences(p, f"oracle-{state['n']}"),
+            time.monotonic(),
+            hashes=chained_hashes(p.prompt_token_ids, engine.scheduler.kv.block_size, 0, 0),
+        )
         queue.append(entry)
         arrived.set()
         if state["task"] is None or state["task"].done():
@@ -530,8 +559,11 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
         except asyncio.CancelledError:  # the client went away
             if entry in queue:
                 queue.remove(entry)
-            elif (entry.verdict.done() and not entry.verdict.cancelled()
-                    and isinstance(entry.verdict.result(), RequestRun)):
+            elif (
+                entry.verdict.done()
+                and not entry.verdict.cancelled()
+                and isinstance(entry.verdict.result(), RequestRun)
+            ):
                 entry.verdict.result().abort()
             raise
         if verdict is None:

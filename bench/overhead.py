@@ -52,9 +52,10 @@ class Conn:
         """(status, seconds to the first body byte, seconds to the end of the response)."""
         assert self.r and self.w
         t0 = time.perf_counter()
-        self.w.write(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-                     b"content-type: application/json\r\ncontent-length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.w.write(
+            b"POST " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         head = await self.r.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         low = head.lower()
@@ -70,7 +71,7 @@ class Conn:
                 await self.r.readexactly(size + 2)
             return status, first, time.perf_counter() - t0
         i = low.find(b"content-length:")
-        n = int(low[i + 15:low.index(b"\r\n", i)]) if i >= 0 else 0
+        n = int(low[i + 15 : low.index(b"\r\n", i)]) if i >= 0 else 0
         if n:
             await self.r.readexactly(1)
             first = time.perf_counter() - t0
@@ -80,8 +81,9 @@ class Conn:
         return status, first, time.perf_counter() - t0
 
 
-async def _closed_loop(port: int, body: bytes, conc: int, total: int | None = None,
-                       seconds: float | None = None) -> tuple[list[tuple[float, float]], int, float]:
+async def _closed_loop(
+    port: int, body: bytes, conc: int, total: int | None = None, seconds: float | None = None
+) -> tuple[list[tuple[float, float]], int, float]:
     """`conc` connections in a closed loop; latencies (ttfb, total), non-200 count, wall time."""
     conns = [Conn("127.0.0.1", port) for _ in range(conc)]
     await asyncio.gather(*(c.open() for c in conns))
@@ -124,8 +126,7 @@ def _wait_http(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: 
 @contextmanager
 def _proc(cmd: list[str], log: Path, ready_url: str, what: str) -> Iterator[subprocess.Popen]:
     with log.open("wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
     try:
         _wait_http(ready_url, proc, what, log)
         yield proc
@@ -142,10 +143,10 @@ def model_folder(dest: Path) -> Path:
     Llama-3-style chat template): kvgate tokenizes locally, as with a real model folder."""
     from app.sim.presets import write_model_folder
     from support.tiny_model import build_tiny_model
+
     build_tiny_model(dest)
     (dest / "model.safetensors").unlink(missing_ok=True)
-    cfg = json.loads((write_model_folder("llama-3.1-8b", dest.parent / "preset") / "config.json")
-                     .read_text())
+    cfg = json.loads((write_model_folder("llama-3.1-8b", dest.parent / "preset") / "config.json").read_text())
     tok_cfg = json.loads((dest / "config.json").read_text())
     cfg.update({k: tok_cfg[k] for k in ("bos_token_id", "eos_token_id") if k in tok_cfg})
     (dest / "config.json").write_text(json.dumps(cfg))
@@ -183,8 +184,7 @@ http {{
 
 
 def nginx_binary() -> str | None:
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()),
-                                         None)
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
 
 
 # ----- measurements -----------------------------------------------------------------------------------
@@ -198,12 +198,16 @@ def _pcts(xs: list[float]) -> dict[str, float]:
 def _latency_row(arm: str, scenario: str, samples: list[float], direct: dict[str, float]) -> dict[str, Any]:
     """One latency result, with what it adds over the direct arm's percentiles."""
     p = _pcts(samples)
-    return {"arm": arm, "scenario": scenario,
-            "added_p50_ms": round((p["p50"] - direct["p50"]) * 1e3, 3),
-            "added_p99_ms": round((p["p99"] - direct["p99"]) * 1e3, 3),
-            "latency_p50_ms": round(p["p50"] * 1e3, 3),
-            "latency_p99_ms": round(p["p99"] * 1e3, 3),
-            "requests_per_s": None, "samples": len(samples)}
+    return {
+        "arm": arm,
+        "scenario": scenario,
+        "added_p50_ms": round((p["p50"] - direct["p50"]) * 1e3, 3),
+        "added_p99_ms": round((p["p99"] - direct["p99"]) * 1e3, 3),
+        "latency_p50_ms": round(p["p50"] * 1e3, 3),
+        "latency_p99_ms": round(p["p99"] * 1e3, 3),
+        "requests_per_s": None,
+        "samples": len(samples),
+    }
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -221,18 +225,19 @@ def _rss_bytes(pid: int) -> int:
 def prompt_of(tokens: int) -> str:
     """English-like prose in the tiny tokenizer's vocabulary, about `tokens` tokens long."""
     from support.tiny_model import english_text
+
     return english_text(max(1, int(tokens / 1.1)), seed=tokens)
 
 
-def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000),
-                  reps: int = 30) -> list[dict[str, Any]]:
+def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000), reps: int = 30) -> list[dict[str, Any]]:
     """Tokenization + memory estimate, in process, as kvgate runs them per request
     (RequestPipeline.predict: parse, local tokenizer, Predictor.predict)."""
     from app.runtime import Runtime
     from app.settings import Settings
 
-    rt = Runtime(Settings(model=str(folder), max_num_batched_tokens=8192, max_model_len=32768,
-                          gpu_memory_bytes=85520809984))
+    rt = Runtime(
+        Settings(model=str(folder), max_num_batched_tokens=8192, max_model_len=32768, gpu_memory_bytes=85520809984)
+    )
     rt.configure_offline()
     out = []
 
@@ -248,18 +253,28 @@ def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000),
                 ev = await rt.pipeline.predict("completions", raw)
                 tot_s.append(time.perf_counter() - t0)
                 tok_s.append(ev.tokenize_s)
-            out.append({"target_tokens": n, "prompt_tokens": ev.prediction.prompt_tokens,
-                        "tokenize_ms_p50": round(statistics.median(tok_s) * 1e3, 3),
-                        "tokenize_plus_estimate_ms_p50": round(statistics.median(tot_s) * 1e3, 3),
-                        "estimate_ms_p50": round((statistics.median(tot_s)
-                                                  - statistics.median(tok_s)) * 1e3, 3)})
+            out.append(
+                {
+                    "target_tokens": n,
+                    "prompt_tokens": ev.prediction.prompt_tokens,
+                    "tokenize_ms_p50": round(statistics.median(tok_s) * 1e3, 3),
+                    "tokenize_plus_estimate_ms_p50": round(statistics.median(tot_s) * 1e3, 3),
+                    "estimate_ms_p50": round((statistics.median(tot_s) - statistics.median(tok_s)) * 1e3, 3),
+                }
+            )
 
     asyncio.run(run())
     return out
 
 
-def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
-                 progress: Any = None, log: Any = print, tiny: bool = False) -> dict[str, Any]:
+def run_overhead(
+    results_dir: Path,
+    quick: bool = False,
+    profile: bool = True,
+    progress: Any = None,
+    log: Any = print,
+    tiny: bool = False,
+) -> dict[str, Any]:
     reps = 2 if quick else 3
     n1, n32, nstream = (100, 400, 60) if quick else (500, 3000, 400)
     rps_s = 0.7 if quick else 3.0
@@ -271,44 +286,65 @@ def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
         folder = model_folder(d / "model")
         os.sched_setaffinity(0, {int(LOAD_CORE)})
         bport, kport, nport = free_port(), free_port(), free_port()
-        backend_cmd = [*taskset(LOAD_CORE), sys.executable, "-m", "bench.zero_backend",
-                       "--port", str(bport)]
-        kvgate_cmd = [*taskset(PROXY_CORE), sys.executable, "-m", "app.cli", "serve",
-                      "--backend", f"http://127.0.0.1:{bport}", "--model", str(folder),
-                      "--listen", f"127.0.0.1:{kport}", "--max-num-batched-tokens", "8192",
-                      "--gpu-memory-bytes", "85520809984", "--gpu-probe", "none",
-                      "--log-level", "warning"]
+        backend_cmd = [*taskset(LOAD_CORE), sys.executable, "-m", "bench.zero_backend", "--port", str(bport)]
+        kvgate_cmd = [
+            *taskset(PROXY_CORE),
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--backend",
+            f"http://127.0.0.1:{bport}",
+            "--model",
+            str(folder),
+            "--listen",
+            f"127.0.0.1:{kport}",
+            "--max-num-batched-tokens",
+            "8192",
+            "--gpu-memory-bytes",
+            "85520809984",
+            "--gpu-probe",
+            "none",
+            "--log-level",
+            "warning",
+        ]
         arms = ["direct", "kvgate"]
         nginx = nginx_binary()
-        result: dict[str, Any] = {"pinning": {
-            "proxy_under_test": f"core {PROXY_CORE} (taskset -c {PROXY_CORE}; nginx: 1 worker, "
-                                "worker_cpu_affinity)",
-            "backend_and_load_generator": f"core {LOAD_CORE}"},
-            "kvgate_command": " ".join(kvgate_cmd[3:] if kvgate_cmd[0] == "taskset" else kvgate_cmd)}
-        with _proc(backend_cmd, d / "backend.log", f"http://127.0.0.1:{bport}/health", "backend"), \
-                _proc(kvgate_cmd, d / "kvgate.log", f"http://127.0.0.1:{kport}/readyz",
-                      "kvgate") as kproc:
+        result: dict[str, Any] = {
+            "pinning": {
+                "proxy_under_test": f"core {PROXY_CORE} (taskset -c {PROXY_CORE}; nginx: 1 worker, "
+                "worker_cpu_affinity)",
+                "backend_and_load_generator": f"core {LOAD_CORE}",
+            },
+            "kvgate_command": " ".join(kvgate_cmd[3:] if kvgate_cmd[0] == "taskset" else kvgate_cmd),
+        }
+        with (
+            _proc(backend_cmd, d / "backend.log", f"http://127.0.0.1:{bport}/health", "backend"),
+            _proc(kvgate_cmd, d / "kvgate.log", f"http://127.0.0.1:{kport}/readyz", "kvgate") as kproc,
+        ):
             ports = {"direct": bport, "kvgate": kport}
             nginx_proc = None
             if nginx:
                 for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
                     (d / sub).mkdir()
                 (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, backend=bport, port=nport))
-                nginx_cm = _proc([*taskset(PROXY_CORE), nginx, "-c", str(d / "nginx.conf"),
-                                  "-p", str(d)], d / "nginx.log",
-                                 f"http://127.0.0.1:{nport}/health", "nginx")
+                nginx_cm = _proc(
+                    [*taskset(PROXY_CORE), nginx, "-c", str(d / "nginx.conf"), "-p", str(d)],
+                    d / "nginx.log",
+                    f"http://127.0.0.1:{nport}/health",
+                    "nginx",
+                )
                 nginx_proc = nginx_cm.__enter__()
                 ports["nginx"] = nport
                 arms.append("nginx")
-                result["nginx_version"] = subprocess.run(
-                    [nginx, "-v"], capture_output=True, text=True).stderr.strip()
+                result["nginx_version"] = subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip()
             else:
                 result["nginx_version"] = "not installed (apt-get install -y nginx)"
             try:
-                body = json.dumps({"model": "llama-3.1-8b", "prompt": prompt_of(100),
-                                   "max_tokens": 16}).encode()
-                sbody = json.dumps({"model": "llama-3.1-8b", "prompt": prompt_of(100),
-                                    "max_tokens": 16, "stream": True}).encode()
+                body = json.dumps({"model": "llama-3.1-8b", "prompt": prompt_of(100), "max_tokens": 16}).encode()
+                sbody = json.dumps(
+                    {"model": "llama-3.1-8b", "prompt": prompt_of(100), "max_tokens": 16, "stream": True}
+                ).encode()
                 lat: dict[tuple[str, str], list[float]] = {}
                 ttfb: dict[str, list[float]] = {a: [] for a in arms}
                 stotal: dict[str, list[float]] = {a: [] for a in arms}
@@ -330,8 +366,7 @@ def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
                         stotal[a].extend(t for _, t in ls)
                         errors[a] += bad
                         cpu0 = _cpu_seconds(kproc.pid)
-                        ls, bad, wall = asyncio.run(_closed_loop(ports[a], body, 64,
-                                                                 seconds=rps_s))
+                        ls, bad, wall = asyncio.run(_closed_loop(ports[a], body, 64, seconds=rps_s))
                         if a == "kvgate":
                             kv_cpu += _cpu_seconds(kproc.pid) - cpu0
                             kv_reqs += len(ls)
@@ -348,19 +383,35 @@ def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
                         rows.append(_latency_row(a, f"non-streaming, concurrency {c}", lat[(a, c)], base[c]))
                     rows.append(_latency_row(a, "streaming 16 tokens, concurrency 1, TTFB", ttfb[a], sbase_f))
                     rows.append(_latency_row(a, "streaming 16 tokens, concurrency 1, total", stotal[a], sbase_t))
-                    rows.append({"arm": a, "scenario": "max throughput, concurrency 64",
-                                 "added_p50_ms": None, "added_p99_ms": None,
-                                 "requests_per_s": round(statistics.median(rps[a]), 1),
-                                 "requests_per_s_each_rep": [round(x, 1) for x in rps[a]]})
-                result.update({
-                    "rows": rows, "errors": errors, "repetitions": reps,
-                    "kvgate_cpu_ms_per_request": round(kv_cpu / max(1.0, kv_reqs) * 1e3, 4),
-                    "kvgate_rss_bytes": rss,
-                    "requests": {"concurrency_1": n1, "concurrency_32": n32, "stream": nstream,
-                                 "throughput_seconds": rps_s}})
+                    rows.append(
+                        {
+                            "arm": a,
+                            "scenario": "max throughput, concurrency 64",
+                            "added_p50_ms": None,
+                            "added_p99_ms": None,
+                            "requests_per_s": round(statistics.median(rps[a]), 1),
+                            "requests_per_s_each_rep": [round(x, 1) for x in rps[a]],
+                        }
+                    )
+                result.update(
+                    {
+                        "rows": rows,
+                        "errors": errors,
+                        "repetitions": reps,
+                        "kvgate_cpu_ms_per_request": round(kv_cpu / max(1.0, kv_reqs) * 1e3, 4),
+                        "kvgate_rss_bytes": rss,
+                        "requests": {
+                            "concurrency_1": n1,
+                            "concurrency_32": n32,
+                            "stream": nstream,
+                            "throughput_seconds": rps_s,
+                        },
+                    }
+                )
                 if profile:
-                    result["profile"] = profile_kvgate(kproc.pid, ports["kvgate"], body,
-                                                       results_dir, 2.0 if quick else 8.0, log)
+                    result["profile"] = profile_kvgate(
+                        kproc.pid, ports["kvgate"], body, results_dir, 2.0 if quick else 8.0, log
+                    )
             finally:
                 if nginx_proc is not None:
                     nginx_cm.__exit__(None, None, None)
@@ -372,20 +423,37 @@ def run_overhead(results_dir: Path, quick: bool = False, profile: bool = True,
 # ----- py-spy -------------------------------------------------------------------------------------------
 def _pyspy() -> str | None:
     return shutil.which("py-spy") or next(
-        (p for p in (str(Path(sys.executable).parent / "py-spy"),) if Path(p).exists()), None)
+        (p for p in (str(Path(sys.executable).parent / "py-spy"),) if Path(p).exists()), None
+    )
 
 
-def profile_kvgate(pid: int, port: int, body: bytes, results_dir: Path, seconds: float,
-                   log: Any = print) -> dict[str, Any]:
+def profile_kvgate(
+    pid: int, port: int, body: bytes, results_dir: Path, seconds: float, log: Any = print
+) -> dict[str, Any]:
     """py-spy record (raw collapsed stacks) of kvgate under concurrency-64 load; top frames."""
     spy = _pyspy()
     if spy is None:
         return {"error": "py-spy not installed (pip install py-spy)"}
     raw = results_dir / "pyspy-kvgate.txt"
-    proc = subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                             "--rate", "250", "--format", "raw", "--output", str(raw),
-                             "--nonblocking"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            spy,
+            "record",
+            "--pid",
+            str(pid),
+            "--duration",
+            str(int(seconds)),
+            "--rate",
+            "250",
+            "--format",
+            "raw",
+            "--output",
+            str(raw),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     time.sleep(0.5)
     cpu0 = _cpu_seconds(pid)
     ls, _, _wall = asyncio.run(_closed_loop(port, body, 64, seconds=seconds))
@@ -402,25 +470,29 @@ def profile_kvgate(pid: int, port: int, body: bytes, results_dir: Path, seconds:
 # Components, matched from the leaf of each sampled stack upwards: a sample counts for the
 # first (deepest) frame that belongs to one of them.
 COMPONENTS = (
-    ("tokenization (transformers/tokenizers, app/tokens.py)",
-     ("tokenization_utils", "tokenizers", "app/tokens.py", "app/chat_template.py")),
+    (
+        "tokenization (transformers/tokenizers, app/tokens.py)",
+        ("tokenization_utils", "tokenizers", "app/tokens.py", "app/chat_template.py"),
+    ),
     ("memory estimate (app/predict.py, app/memory/)", ("app/predict.py", "app/memory/")),
     ("admission gate (app/gate/)", ("app/gate/",)),
     ("request parsing (app/openai.py)", ("app/openai.py",)),
-    ("kvgate proxy/server code (app/proxy.py, app/http/, app/runtime.py, app/pipeline.py)",
-     ("app/proxy.py", "app/http/", "app/runtime.py", "app/pipeline.py")),
+    (
+        "kvgate proxy/server code (app/proxy.py, app/http/, app/runtime.py, app/pipeline.py)",
+        ("app/proxy.py", "app/http/", "app/runtime.py", "app/pipeline.py"),
+    ),
     ("upstream HTTP client (app/upstream.py, httpx)", ("app/upstream.py", "httpx/", "httpcore/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),
     ("telemetry loop (app/telemetry/)", ("app/telemetry/",)),
     ("JSON (json/)", ("json/",)),
-    ("HTTP server (uvicorn, starlette, fastapi)", ("uvicorn/", "starlette/", "fastapi/",
-                                                   "h11/", "httptools")),
+    ("HTTP server (uvicorn, starlette, fastapi)", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools")),
     ("asyncio event loop", ("asyncio/", "uvloop")),
 )
 
 
-def summarise_profile(raw: Path, requests: int, top: int = 25,
-                      cpu_ms_per_request: float | None = None) -> dict[str, Any]:
+def summarise_profile(
+    raw: Path, requests: int, top: int = 25, cpu_ms_per_request: float | None = None
+) -> dict[str, Any]:
     self_s: dict[str, int] = {}
     incl: dict[str, int] = {}
     comp: dict[str, int] = {}
@@ -445,14 +517,26 @@ def summarise_profile(raw: Path, requests: int, top: int = 25,
         comp[name] = comp.get(name, 0) + count
 
     def tbl(d: dict[str, int], n: int = top) -> list[dict[str, Any]]:
-        return [{"frame": f, "share": round(c / total, 4), "samples": c}
-                for f, c in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
+        return [
+            {"frame": f, "share": round(c / total, 4), "samples": c}
+            for f, c in sorted(d.items(), key=lambda kv: -kv[1])[:n]
+        ]
 
     kv_incl = {f: c for f, c in incl.items() if "(app/" in f}
-    components = [{"component": c, "share": round(v / total, 4),
-                   "ms_per_request": None if cpu_ms_per_request is None
-                   else round(v / total * cpu_ms_per_request, 4)}
-                  for c, v in sorted(comp.items(), key=lambda kv: -kv[1])]
-    return {"samples": total, "requests": requests, "file": str(raw.name),
-            "components": components, "top_self": tbl(self_s),
-            "top_inclusive_kvgate": tbl(kv_incl, 20), "top_inclusive": tbl(incl)}
+    components = [
+        {
+            "component": c,
+            "share": round(v / total, 4),
+            "ms_per_request": None if cpu_ms_per_request is None else round(v / total * cpu_ms_per_request, 4),
+        }
+        for c, v in sorted(comp.items(), key=lambda kv: -kv[1])
+    ]
+    return {
+        "samples": total,
+        "requests": requests,
+        "file": str(raw.name),
+        "components": components,
+        "top_self": tbl(self_s),
+        "top_inclusive_kvgate": tbl(kv_incl, 20),
+        "top_inclusive": tbl(incl),
+    }

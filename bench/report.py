@@ -20,72 +20,87 @@ def _rej(d: dict[str, int]) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     m = res["machine"]
-    out = ["# kvgate benchmark results\n",
-           f"`{res['command']}` on {m.get('cpu_model', '?')} ({m.get('cpus')} cores), "
-           f"Python {m.get('python')}, {res['started_at']}, {res['duration_s']:.0f} s.\n"]
+    out = [
+        "# kvgate benchmark results\n",
+        f"`{res['command']}` on {m.get('cpu_model', '?')} ({m.get('cpus')} cores), "
+        f"Python {m.get('python')}, {res['started_at']}, {res['duration_s']:.0f} s.\n",
+    ]
     if res.get("safety"):
-        out += ["## Safety and goodput (simulated vLLM; times in simulated seconds)\n",
-                "| scenario | arm | OOM crashes | failed | completed | goodput tok/s | "
-                "TTFT p50 s | TTFT p99 s | rejected | preemptions |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "## Safety and goodput (simulated vLLM; times in simulated seconds)\n",
+            "| scenario | arm | OOM crashes | failed | completed | goodput tok/s | "
+            "TTFT p50 s | TTFT p99 s | rejected | preemptions |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in res["safety"]:
             arm = r["arm"] + (f" (cap {r['cap']})" if r.get("cap") else "")
-            out.append(f"| {r['scenario']} | {arm} | {r['oom_crashes']} | {r['failed']} | "
-                       f"{r['completed']} | {_f(r['goodput_tokens_per_s'])} | "
-                       f"{_f(r['ttft_p50_s'], 2)} | {_f(r['ttft_p99_s'], 2)} | "
-                       f"{_rej(r['rejected'])} | {r['preemptions']} |")
+            out.append(
+                f"| {r['scenario']} | {arm} | {r['oom_crashes']} | {r['failed']} | "
+                f"{r['completed']} | {_f(r['goodput_tokens_per_s'])} | "
+                f"{_f(r['ttft_p50_s'], 2)} | {_f(r['ttft_p99_s'], 2)} | "
+                f"{_rej(r['rejected'])} | {r['preemptions']} |"
+            )
         out.append("")
         if res.get("targets"):
             out += ["### Targets\n", "| scenario | check | value | met |", "|---|---|---|---|"]
             for t in res["targets"]:
-                out.append(f"| {t['scenario']} | {t['check']} | {t['value']} | "
-                           f"{'yes' if t['met'] else '**no**'} |")
+                out.append(f"| {t['scenario']} | {t['check']} | {t['value']} | {'yes' if t['met'] else '**no**'} |")
             out.append("")
         if res.get("cap_sweep"):
             out += ["### Static cap sweep (goodput tok/s, OOM crashes)\n"]
             for k, rows in res["cap_sweep"].items():
-                out.append(f"- {k}: " + ", ".join(
-                    f"cap {r['cap']}: {_f(r['goodput_tokens_per_s'])} ({r['oom_crashes']} OOM)"
-                    for r in rows))
+                out.append(
+                    f"- {k}: "
+                    + ", ".join(
+                        f"cap {r['cap']}: {_f(r['goodput_tokens_per_s'])} ({r['oom_crashes']} OOM)" for r in rows
+                    )
+                )
             out.append("")
         out += ["### Scenarios\n"]
         for s in res.get("scenarios", []):
-            out.append(f"- **{s['key']}** {s['title']}: `{s['sim']}`; traffic: {s['traffic']}; "
-                       f"{s['requests']} requests, speed-up {s['speedup']}")
+            out.append(
+                f"- **{s['key']}** {s['title']}: `{s['sim']}`; traffic: {s['traffic']}; "
+                f"{s['requests']} requests, speed-up {s['speedup']}"
+            )
         out.append("")
     ov = res.get("overhead_detail")
     if ov:
-        out += ["## Overhead in front of a zero-cost backend\n",
-                f"Pinning: proxy under test on {ov['pinning']['proxy_under_test']}; backend and "
-                f"load generator on {ov['pinning']['backend_and_load_generator']}. "
-                f"{ov.get('repetitions')} interleaved repetitions; {ov.get('nginx_version')}.\n",
-                "| arm | measurement | added p50 ms | added p99 ms | p50 ms | p99 ms | req/s |",
-                "|---|---|---|---|---|---|---|"]
+        out += [
+            "## Overhead in front of a zero-cost backend\n",
+            f"Pinning: proxy under test on {ov['pinning']['proxy_under_test']}; backend and "
+            f"load generator on {ov['pinning']['backend_and_load_generator']}. "
+            f"{ov.get('repetitions')} interleaved repetitions; {ov.get('nginx_version')}.\n",
+            "| arm | measurement | added p50 ms | added p99 ms | p50 ms | p99 ms | req/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in res["overhead"]:
-            out.append(f"| {r['arm']} | {r['scenario']} | {_f(r['added_p50_ms'], 3)} | "
-                       f"{_f(r['added_p99_ms'], 3)} | {_f(r.get('latency_p50_ms'), 3)} | "
-                       f"{_f(r.get('latency_p99_ms'), 3)} | {_f(r['requests_per_s'], 0)} |")
+            out.append(
+                f"| {r['arm']} | {r['scenario']} | {_f(r['added_p50_ms'], 3)} | "
+                f"{_f(r['added_p99_ms'], 3)} | {_f(r.get('latency_p50_ms'), 3)} | "
+                f"{_f(r.get('latency_p99_ms'), 3)} | {_f(r['requests_per_s'], 0)} |"
+            )
         out.append("")
-        out.append(f"kvgate CPU per request (concurrency 64): "
-                   f"{ov.get('kvgate_cpu_ms_per_request')} ms; RSS after the load: "
-                   f"{ov.get('kvgate_rss_bytes', 0) / 2**20:.0f} MiB.\n")
-        out += ["| prompt tokens | tokenize ms p50 | tokenize + estimate ms p50 |",
-                "|---|---|---|"]
+        out.append(
+            f"kvgate CPU per request (concurrency 64): "
+            f"{ov.get('kvgate_cpu_ms_per_request')} ms; RSS after the load: "
+            f"{ov.get('kvgate_rss_bytes', 0) / 2**20:.0f} MiB.\n"
+        )
+        out += ["| prompt tokens | tokenize ms p50 | tokenize + estimate ms p50 |", "|---|---|---|"]
         for e in ov.get("estimate_cost", []):
-            out.append(f"| {e['prompt_tokens']} | {e['tokenize_ms_p50']} | "
-                       f"{e['tokenize_plus_estimate_ms_p50']} |")
+            out.append(f"| {e['prompt_tokens']} | {e['tokenize_ms_p50']} | {e['tokenize_plus_estimate_ms_p50']} |")
         out.append("")
         prof = ov.get("profile") or {}
         if prof.get("components"):
-            out += [f"### py-spy: where kvgate's CPU goes under concurrency-64 load "
-                    f"({prof['samples']} samples at {prof.get('rate_hz', '?')} Hz, "
-                    f"{prof['requests']} requests, "
-                    f"{prof.get('cpu_ms_per_request_while_sampled')} ms CPU a request)\n",
-                    "| component (deepest matching frame) | share | ms CPU per request |",
-                    "|---|---|---|"]
+            out += [
+                f"### py-spy: where kvgate's CPU goes under concurrency-64 load "
+                f"({prof['samples']} samples at {prof.get('rate_hz', '?')} Hz, "
+                f"{prof['requests']} requests, "
+                f"{prof.get('cpu_ms_per_request_while_sampled')} ms CPU a request)\n",
+                "| component (deepest matching frame) | share | ms CPU per request |",
+                "|---|---|---|",
+            ]
             for c in prof["components"]:
-                out.append(f"| {c['component']} | {c['share'] * 100:.1f}% | "
-                           f"{_f(c['ms_per_request'], 3)} |")
+                out.append(f"| {c['component']} | {c['share'] * 100:.1f}% | {_f(c['ms_per_request'], 3)} |")
             out.append("")
         if prof.get("top_self"):
             out += ["Top frames by self time:\n", "| self share | frame |", "|---|---|"]
@@ -99,6 +114,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 def plots(res: dict[str, Any], outdir: Path) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -110,15 +126,17 @@ def plots(res: dict[str, Any], outdir: Path) -> list[str]:
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
         w = 0.16
         for i, arm in enumerate(arms):
-            g = [next((r["goodput_tokens_per_s"] for r in safety if r["scenario"] == s
-                       and r["arm"] == arm), 0) for s in scen]
-            o = [next((r["oom_crashes"] for r in safety if r["scenario"] == s
-                       and r["arm"] == arm), 0) for s in scen]
+            g = [
+                next((r["goodput_tokens_per_s"] for r in safety if r["scenario"] == s and r["arm"] == arm), 0)
+                for s in scen
+            ]
+            o = [next((r["oom_crashes"] for r in safety if r["scenario"] == s and r["arm"] == arm), 0) for s in scen]
             x = [j + (i - 2) * w for j in range(len(scen))]
             axes[0].bar(x, g, w, label=arm)
             axes[1].bar(x, o, w, label=arm)
-        for ax, title in zip(axes, ("goodput (output tok/s of completed requests, sim time)",
-                                    "backend OOM crashes"), strict=True):
+        for ax, title in zip(
+            axes, ("goodput (output tok/s of completed requests, sim time)", "backend OOM crashes"), strict=True
+        ):
             ax.set_xticks(range(len(scen)), scen)
             ax.set_title(title, fontsize=10)
         axes[0].legend(fontsize=8)
@@ -129,8 +147,9 @@ def plots(res: dict[str, Any], outdir: Path) -> list[str]:
         made.append(p.name)
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for i, arm in enumerate(arms):
-            v = [next((r["ttft_p99_s"] or 0 for r in safety if r["scenario"] == s
-                       and r["arm"] == arm), 0) for s in scen]
+            v = [
+                next((r["ttft_p99_s"] or 0 for r in safety if r["scenario"] == s and r["arm"] == arm), 0) for s in scen
+            ]
             ax.bar([j + (i - 2) * w for j in range(len(scen))], v, w, label=arm)
         ax.set_xticks(range(len(scen)), scen)
         ax.set_title("TTFT p99 of completed requests (simulated s)", fontsize=10)
@@ -147,8 +166,7 @@ def plots(res: dict[str, Any], outdir: Path) -> list[str]:
         labels = sorted({r["scenario"] for r in lat})
         arms = sorted({r["arm"] for r in lat})
         for i, arm in enumerate(arms):
-            v = [next((r["added_p50_ms"] for r in lat if r["arm"] == arm
-                       and r["scenario"] == s), 0) for s in labels]
+            v = [next((r["added_p50_ms"] for r in lat if r["arm"] == arm and r["scenario"] == s), 0) for s in labels]
             axes[0].barh([j + i * 0.35 for j in range(len(labels))], v, 0.35, label=arm)
         axes[0].set_yticks([j + 0.17 for j in range(len(labels))], labels, fontsize=7)
         axes[0].set_title("added latency p50 (ms) vs direct", fontsize=10)

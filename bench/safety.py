@@ -121,8 +121,8 @@ def simulator(cfg: SimConfig, with_oracle: bool = False, oracle_wait_s: float = 
 class SaturationGate:
     """Inference Gateway's saturation rule on the backend's /metrics."""
 
-    _KV = re.compile(r'^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.eE+-]+)', re.M)
-    _WAIT = re.compile(r'^vllm:num_requests_waiting\{[^}]*\} ([0-9.eE+-]+)', re.M)
+    _KV = re.compile(r"^vllm:kv_cache_usage_perc\{[^}]*\} ([0-9.eE+-]+)", re.M)
+    _WAIT = re.compile(r"^vllm:num_requests_waiting\{[^}]*\} ([0-9.eE+-]+)", re.M)
 
     def __init__(self, url: str, interval: float = 0.05, max_age: float = 0.2) -> None:
         self.url, self.interval, self.max_age = url, interval, max_age
@@ -149,9 +149,17 @@ class SaturationGate:
         return None
 
 
-async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None = None,
-                 gate: SaturationGate | None = None, prefix: str = "",
-                 drain_s: float = DRAIN_S, progress: Any = None) -> tuple[list[Outcome], float]:
+async def replay(
+    url: str,
+    calls: list[Call],
+    speedup: float,
+    *,
+    cap: int | None = None,
+    gate: SaturationGate | None = None,
+    prefix: str = "",
+    drain_s: float = DRAIN_S,
+    progress: Any = None,
+) -> tuple[list[Outcome], float]:
     """Send every call at at/speedup wall seconds; returns outcomes and the wall span."""
     sem = asyncio.Semaphore(cap) if cap else None
     start = time.monotonic()
@@ -163,7 +171,7 @@ async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None
         sent = time.monotonic()
         if gate is not None and (why := gate.refuse()):
             return Outcome(call.label, 429, "rejected", why, end_s=sent - start)
-        async with (sem if sem is not None else contextlib.nullcontext()):
+        async with sem if sem is not None else contextlib.nullcontext():
             return await send(client, call, sent)
 
     async def send(client: httpx.AsyncClient, call: Call, sent: float) -> Outcome:
@@ -180,8 +188,7 @@ async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None
                     if isinstance(code, str) or r.status_code in (400, 413, 429):
                         reason = code if isinstance(code, str) else f"http_{r.status_code}"
                         return Outcome(call.label, r.status_code, "rejected", reason, end_s=now)
-                    return Outcome(call.label, r.status_code, "failed", f"http_{r.status_code}",
-                                   end_s=now)
+                    return Outcome(call.label, r.status_code, "failed", f"http_{r.status_code}", end_s=now)
                 # Raw chunks, not lines: with a thousand streams in flight, httpx's line
                 # splitting was a quarter of this process's CPU, shared with the simulator.
                 tail = b""
@@ -190,28 +197,26 @@ async def replay(url: str, calls: list[Call], speedup: float, *, cap: int | None
                         ttft = time.monotonic() - sent
                     window = tail[-16:] + chunk  # a marker may straddle two chunks
                     if b'"error"' in window:
-                        return Outcome(call.label, 200, "failed", "stream_error", ttft,
-                                       time.monotonic() - start)
+                        return Outcome(call.label, 200, "failed", "stream_error", ttft, time.monotonic() - start)
                     tail = (tail + chunk)[-4096:]
                 tokens = _usage_tokens(tail)
-            return Outcome(call.label, 200, "completed", "", ttft, time.monotonic() - start,
-                           tokens)
+            return Outcome(call.label, 200, "completed", "", ttft, time.monotonic() - start, tokens)
         except (TimeoutError, httpx.HTTPError) as exc:
-            return Outcome(call.label, 0, "failed", type(exc).__name__, ttft,
-                           time.monotonic() - start)
+            return Outcome(call.label, 0, "failed", type(exc).__name__, ttft, time.monotonic() - start)
 
-    limits = httpx.Limits(max_connections=CALLS_PER_CLIENT,
-                          max_keepalive_connections=CALLS_PER_CLIENT)
+    limits = httpx.Limits(max_connections=CALLS_PER_CLIENT, max_keepalive_connections=CALLS_PER_CLIENT)
     async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(httpx.AsyncClient(
-            base_url=url, timeout=httpx.Timeout(drain_s / speedup + 60), limits=limits))
-            for _ in range(-(-len(calls) // CALLS_PER_CLIENT))]
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(drain_s / speedup + 60), limits=limits)
+            )
+            for _ in range(-(-len(calls) // CALLS_PER_CLIENT))
+        ]
         scraper = asyncio.create_task(gate.run(clients[0])) if gate else None
         if gate:
             await asyncio.sleep(0.1)
             start = time.monotonic()
-        tasks = [asyncio.create_task(one(clients[k % len(clients)], c))
-                 for k, c in enumerate(calls)]
+        tasks = [asyncio.create_task(one(clients[k % len(clients)], c)) for k, c in enumerate(calls)]
         if progress is not None:
             for t in tasks:
                 t.add_done_callback(lambda _: progress.update(1))
@@ -239,79 +244,97 @@ def _usage_tokens(tail: bytes) -> int:
     return 0
 
 
-def summarise(scn: Scenario, arm: str, outs: list[Outcome], span_wall: float, speedup: float,
-              ooms: list[str], preemptions: int) -> ArmResult:
+def summarise(
+    scn: Scenario, arm: str, outs: list[Outcome], span_wall: float, speedup: float, ooms: list[str], preemptions: int
+) -> ArmResult:
     done = [o for o in outs if o.kind == "completed"]
     ttfts = [o.ttft_s * speedup for o in done if o.ttft_s is not None]
     tokens = sum(o.tokens for o in done)
     span = span_wall * speedup
     rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
     return ArmResult(
-        scenario=scn.key, arm=arm, oom_crashes=len(ooms),
-        failed=sum(o.kind == "failed" for o in outs), completed=len(done),
+        scenario=scn.key,
+        arm=arm,
+        oom_crashes=len(ooms),
+        failed=sum(o.kind == "failed" for o in outs),
+        completed=len(done),
         goodput_tokens_per_s=round(tokens / span, 1) if span else 0.0,
-        ttft_p50_s=rnd(percentile(ttfts, 0.5)), ttft_p99_s=rnd(percentile(ttfts, 0.99)),
+        ttft_p50_s=rnd(percentile(ttfts, 0.5)),
+        ttft_p99_s=rnd(percentile(ttfts, 0.99)),
         rejected=dict(Counter(o.reason for o in outs if o.kind == "rejected")),
-        preemptions=preemptions, requests=len(outs), span_s=round(span, 2),
+        preemptions=preemptions,
+        requests=len(outs),
+        span_s=round(span, 2),
         output_tokens=tokens,
         failed_by_reason=dict(Counter(o.reason for o in outs if o.kind == "failed")),
         completed_by_label=dict(Counter(o.label for o in done)),
-        oom_messages=[m[:600] for m in ooms[:3]])
+        oom_messages=[m[:600] for m in ooms[:3]],
+    )
 
 
 def scaled_config(scn: Scenario, scale: float) -> SimConfig:
     cfg = replace(scn.sim, speedup=scn.speedup)
-    cfg.cotenants = [replace(c, start_s=c.start_s * scale,
-                             end_s=None if c.end_s is None else c.end_s * scale)
-                     for c in scn.sim.cotenants]
+    cfg.cotenants = [
+        replace(c, start_s=c.start_s * scale, end_s=None if c.end_s is None else c.end_s * scale)
+        for c in scn.sim.cotenants
+    ]
     return cfg
 
 
-def run_arm(scn: Scenario, arm: str, calls: list[Call], scale: float, workdir: Path,
-            cap: int | None = None, progress: Any = None) -> ArmResult:
+def run_arm(
+    scn: Scenario,
+    arm: str,
+    calls: list[Call],
+    scale: float,
+    workdir: Path,
+    cap: int | None = None,
+    progress: Any = None,
+) -> ArmResult:
     cfg = scaled_config(scn, scale)
     sp = scn.speedup
     notes: dict[str, Any] = {}
     # kvgate and the oracle hold a request at most 30 s, and no longer than the run drains: a
     # deadline in wall seconds would otherwise outlast the drain at speed-ups above 2.
     queue_wait_s = min(30.0, DRAIN_S / sp)
-    with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=queue_wait_s) \
-            as (sim, counts, ostats):
+    with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=queue_wait_s) as (sim, counts, ostats):
         if arm in ("none", "cap", "saturation"):
             gate = SaturationGate(sim.url) if arm == "saturation" else None
-            outs, span = asyncio.run(replay(sim.url, calls, sp, cap=cap, gate=gate,
-                                            progress=progress))
+            outs, span = asyncio.run(replay(sim.url, calls, sp, cap=cap, gate=gate, progress=progress))
         elif arm == "oracle":
-            outs, span = asyncio.run(replay(sim.url, calls, sp, prefix="/oracle",
-                                            progress=progress))
+            outs, span = asyncio.run(replay(sim.url, calls, sp, prefix="/oracle", progress=progress))
             notes["oracle"] = dict(ostats or {})
         elif arm == "kvgate":
             model_dir = write_model_folder(cfg.model, workdir / cfg.model)
             flags = [*scn.kvgate_flags, "--max-queue-wait", f"{queue_wait_s:g}"]
-            with kvgate(sim.url, model_dir, flags, gpu_total_bytes(cfg.gpu),
-                        workdir / f"kvgate-{scn.key}.log") as (url, cmd):
+            with kvgate(sim.url, model_dir, flags, gpu_total_bytes(cfg.gpu), workdir / f"kvgate-{scn.key}.log") as (
+                url,
+                cmd,
+            ):
                 outs, span = asyncio.run(replay(url, calls, sp, progress=progress))
                 with contextlib.suppress(httpx.HTTPError):
-                    notes["kvgate_decisions"] = {f"{d}/{r}": n for (d, r), n in
-                                                 decisions(url).items()}
+                    notes["kvgate_decisions"] = {f"{d}/{r}": n for (d, r), n in decisions(url).items()}
                     text = httpx.get(url + "/metrics", timeout=5).text
                     notes["kvgate_gauges"] = {
-                        m.group(1): float(m.group(2)) for m in re.finditer(
+                        m.group(1): float(m.group(2))
+                        for m in re.finditer(
                             r"^(kvgate_(?:kv_overcommit_factor|transient_safety_margin|"
                             r"transient_headroom_bytes|backend_restarts_total|"
                             r"transient_prediction_error_bytes))(?:\{\})? ([0-9.eE+-]+)$",
-                            text, re.M)}
+                            text,
+                            re.M,
+                        )
+                    }
                 log_text = (workdir / f"kvgate-{scn.key}.log").read_text(errors="replace")
-                notes["kvgate_warnings"] = [ln[24:300] for ln in log_text.splitlines()
-                                            if " WARNING " in ln or " ERROR " in ln][:12]
+                notes["kvgate_warnings"] = [
+                    ln[24:300] for ln in log_text.splitlines() if " WARNING " in ln or " ERROR " in ln
+                ][:12]
                 notes["kvgate_command"] = " ".join(cmd[3:])
         else:
             raise ValueError(arm)
         ooms = list(sim.engine.ooms)
         notes["engine_busy_sim_s"] = round(sim.engine.sim_clock, 1)
         notes["engine_restarts"] = sim.engine.restarts
-        res = summarise(scn, "static-cap" if arm == "cap" else arm, outs, span, sp, ooms,
-                        counts["preemptions"])
+        res = summarise(scn, "static-cap" if arm == "cap" else arm, outs, span, sp, ooms, counts["preemptions"])
     res.cap = cap
     res.notes = notes
     return res

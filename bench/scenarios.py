@@ -64,8 +64,9 @@ def _with_logprobs(rng: random.Random, calls: list[Call], share: float) -> None:
             c.body.update(logprobs=True, top_logprobs=5)
 
 
-def _chat_with_long_prompts(rng: random.Random, duration: float, chat_rate: float, long_rate: float,
-                            lengths: list[int]) -> list[Call]:
+def _chat_with_long_prompts(
+    rng: random.Random, duration: float, chat_rate: float, long_rate: float, lengths: list[int]
+) -> list[Call]:
     """Chat (a fifth asking for top-5 logprobs) with long prompts of `lengths` tokens mixed in."""
     calls = _chat_stream(rng, chat_rate, duration)
     _with_logprobs(rng, calls, 0.2)
@@ -80,8 +81,9 @@ def s1_traffic(rng: random.Random, scale: float) -> list[Call]:
     d = 30 * scale
     calls = _chat_stream(rng, 2.0, d)
     for t in poisson_times(rng, 0.25, d):
-        calls.append(document_call(rng, t, rng.choice([8000, 16000, 24000, 32000, 48000]),
-                                   "long document", max_tokens=256))
+        calls.append(
+            document_call(rng, t, rng.choice([8000, 16000, 24000, 32000, 48000]), "long document", max_tokens=256)
+        )
     return streaming(calls)
 
 
@@ -92,8 +94,11 @@ def s2_traffic(rng: random.Random, scale: float) -> list[Call]:
     calls = _chat_stream(rng, 2.0, d)
     burst = max(4, int(16 * scale))
     for _k in range(burst):
-        calls.append(document_call(rng, 10 * scale + rng.random(), rng.choice(
-            [6000, 8000, 12000, 16000]), "burst prompt", max_tokens=256))
+        calls.append(
+            document_call(
+                rng, 10 * scale + rng.random(), rng.choice([6000, 8000, 12000, 16000]), "burst prompt", max_tokens=256
+            )
+        )
     return streaming(calls)
 
 
@@ -112,8 +117,9 @@ def s4_traffic(rng: random.Random, scale: float) -> list[Call]:
     calls = []
     for i, t in enumerate(poisson_times(rng, 300.0, 5 * scale)):
         extra = {"presence_penalty": 0.5} if rng.random() < 1 / 3 else {}
-        calls.append(chat_call(rng, t, i, median_prompt=250, max_prompt=6000,
-                               max_tokens=(16, 64, 128, 256), top_p=0.9, **extra))
+        calls.append(
+            chat_call(rng, t, i, median_prompt=250, max_prompt=6000, max_tokens=(16, 64, 128, 256), top_p=0.9, **extra)
+        )
     return streaming(calls)
 
 
@@ -123,8 +129,9 @@ def s5_traffic(rng: random.Random, scale: float) -> list[Call]:
     d = 30 * scale
     calls = _chat_stream(rng, 2.0, d)
     for t in poisson_times(rng, 0.3, d):
-        calls.append(document_call(rng, t, rng.choice([2000, 4000, 8000]), "scored prompt",
-                                   max_tokens=1, prompt_logprobs=1))
+        calls.append(
+            document_call(rng, t, rng.choice([2000, 4000, 8000]), "scored prompt", max_tokens=1, prompt_logprobs=1)
+        )
     return streaming(calls)
 
 
@@ -139,9 +146,10 @@ def s6_traffic(rng: random.Random, scale: float) -> list[Call]:
 def s7_traffic(rng: random.Random, scale: float) -> list[Call]:
     """Chat at 4/s, each with one of three long shared system prompts (~500-700 tokens)."""
     d = 30 * scale
-    calls = [chat_call(rng, t, i, system=rng.choice(SYSTEM_PROMPTS), median_prompt=300,
-                       max_tokens=(256, 512, 1024, 2048))
-             for i, t in enumerate(poisson_times(rng, 4.0, d))]
+    calls = [
+        chat_call(rng, t, i, system=rng.choice(SYSTEM_PROMPTS), median_prompt=300, max_tokens=(256, 512, 1024, 2048))
+        for i, t in enumerate(poisson_times(rng, 4.0, d))
+    ]
     return streaming(calls)
 
 
@@ -153,8 +161,14 @@ def _flags(mnbt: int, seqs: int, **extra: str) -> list[str]:
 
 
 def _sim(**kw) -> SimConfig:
-    base = dict(model="llama-3.1-8b", gpu="h100-80gb", restart_seconds=60.0,
-                metrics_clock="sim", vllm_version="0.31.0", model_runner="v1")
+    base = dict(
+        model="llama-3.1-8b",
+        gpu="h100-80gb",
+        restart_seconds=60.0,
+        metrics_clock="sim",
+        vllm_version="0.31.0",
+        model_runner="v1",
+    )
     return SimConfig(**{**base, **kw})
 
 
@@ -168,31 +182,80 @@ def _fully_utilized(cfg: SimConfig) -> SimConfig:
 
 
 SCENARIOS: list[Scenario] = [
-    Scenario("S1", "Chunked prefill over long prefixes, materializing attention",
-             _sim(max_model_len=65536, max_num_batched_tokens=2048, max_num_seqs=256,
-                  attention_backend="materializing"),
-             _flags(2048, 256, attention_backend="materializing"), s1_traffic, 30, 4),
-    Scenario("S2", "max_num_batched_tokens=200000, max_num_seqs=200, a burst of long prompts",
-             _sim(max_model_len=32768, max_num_batched_tokens=200000, max_num_seqs=200),
-             _flags(200000, 200), s2_traffic, 30, 4),
+    Scenario(
+        "S1",
+        "Chunked prefill over long prefixes, materializing attention",
+        _sim(max_model_len=65536, max_num_batched_tokens=2048, max_num_seqs=256, attention_backend="materializing"),
+        _flags(2048, 256, attention_backend="materializing"),
+        s1_traffic,
+        30,
+        4,
+    ),
+    Scenario(
+        "S2",
+        "max_num_batched_tokens=200000, max_num_seqs=200, a burst of long prompts",
+        _sim(max_model_len=32768, max_num_batched_tokens=200000, max_num_seqs=200),
+        _flags(200000, 200),
+        s2_traffic,
+        30,
+        4,
+    ),
     # 0.985, not 0.99: with the CUDA context outside the budget (vLLM >= 0.7) 0.99 leaves the
     # 670 MiB of graphs no room and the engine dies in its start-up warm-up (failure mode 4).
-    Scenario("S3", "gpu_memory_utilization 0.985, CUDA graphs outside the budget (vLLM < 0.21)",
-             _sim(max_model_len=16384, gpu_memory_utilization=0.985,
-                  cudagraph_memory_in_budget=False, vllm_version="0.20.0"),
-             _flags(8192, 1024, gpu_memory_utilization="0.985"), s3_traffic, 30, 4),
-    Scenario("S4", "Allocator fragmentation under mixed high-concurrency batches",
-             _fully_utilized(_sim(max_model_len=16384)), _flags(8192, 1024), s4_traffic, 5, 1,
-             caps=[64, 256]),
-    Scenario("S5", "prompt_logprobs on long prompts mixed into chat",
-             _sim(max_model_len=16384, gpu_memory_utilization=0.95, max_num_seqs=256),
-             _flags(8192, 256, gpu_memory_utilization="0.95"), s5_traffic, 30, 4),
-    Scenario("S6", "A co-tenant process growing on the same GPU",
-             _sim(max_model_len=16384, expandable_segments=True, cotenants=[
-                 CoTenant("trainer-1", 3 * GiB, 4.0), CoTenant("trainer-2", 4 * GiB, 9.0),
-                 CoTenant("trainer-3", 4608 * MiB, 14.0)]),
-             _flags(8192, 1024), s6_traffic, 30, 4),
-    Scenario("S7", "KV-bound chat with shared system prompts (preemption, not OOM)",
-             _sim(gpu="l4-24gb", max_model_len=8192),
-             _flags(2048, 256), s7_traffic, 30, 4),
+    Scenario(
+        "S3",
+        "gpu_memory_utilization 0.985, CUDA graphs outside the budget (vLLM < 0.21)",
+        _sim(
+            max_model_len=16384, gpu_memory_utilization=0.985, cudagraph_memory_in_budget=False, vllm_version="0.20.0"
+        ),
+        _flags(8192, 1024, gpu_memory_utilization="0.985"),
+        s3_traffic,
+        30,
+        4,
+    ),
+    Scenario(
+        "S4",
+        "Allocator fragmentation under mixed high-concurrency batches",
+        _fully_utilized(_sim(max_model_len=16384)),
+        _flags(8192, 1024),
+        s4_traffic,
+        5,
+        1,
+        caps=[64, 256],
+    ),
+    Scenario(
+        "S5",
+        "prompt_logprobs on long prompts mixed into chat",
+        _sim(max_model_len=16384, gpu_memory_utilization=0.95, max_num_seqs=256),
+        _flags(8192, 256, gpu_memory_utilization="0.95"),
+        s5_traffic,
+        30,
+        4,
+    ),
+    Scenario(
+        "S6",
+        "A co-tenant process growing on the same GPU",
+        _sim(
+            max_model_len=16384,
+            expandable_segments=True,
+            cotenants=[
+                CoTenant("trainer-1", 3 * GiB, 4.0),
+                CoTenant("trainer-2", 4 * GiB, 9.0),
+                CoTenant("trainer-3", 4608 * MiB, 14.0),
+            ],
+        ),
+        _flags(8192, 1024),
+        s6_traffic,
+        30,
+        4,
+    ),
+    Scenario(
+        "S7",
+        "KV-bound chat with shared system prompts (preemption, not OOM)",
+        _sim(gpu="l4-24gb", max_model_len=8192),
+        _flags(2048, 256),
+        s7_traffic,
+        30,
+        4,
+    ),
 ]

@@ -23,16 +23,56 @@ class Call:
     body: dict[str, Any]
     label: str
 
+
 MODEL = "llama-3.1-8b"
-_WORDS = ["the", "cache", "block", "token", "batch", "model", "server", "queue", "memory", "budget", "prompt", "graph", "tensor", "chunk", "layer", "head", "value", "key", "query", "fast", "slow", "long", "short", "river", "stone", "cloud", "light", "north", "south", "paper", "glass", "music", "water", "field", "story", "night", "green", "table", "window"]
+_WORDS = [
+    "the",
+    "cache",
+    "block",
+    "token",
+    "batch",
+    "model",
+    "server",
+    "queue",
+    "memory",
+    "budget",
+    "prompt",
+    "graph",
+    "tensor",
+    "chunk",
+    "layer",
+    "head",
+    "value",
+    "key",
+    "query",
+    "fast",
+    "slow",
+    "long",
+    "short",
+    "river",
+    "stone",
+    "cloud",
+    "light",
+    "north",
+    "south",
+    "paper",
+    "glass",
+    "music",
+    "water",
+    "field",
+    "story",
+    "night",
+    "green",
+    "table",
+    "window",
+]
 
 
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
 
 
-def poisson_times(rng: random.Random, rate_per_s: float, duration_s: float,
-                  start_s: float = 0.0) -> list[float]:
+def poisson_times(rng: random.Random, rate_per_s: float, duration_s: float, start_s: float = 0.0) -> list[float]:
     """Arrival times (simulated seconds) of a Poisson process."""
     out, t = [], start_s
     while True:
@@ -46,23 +86,36 @@ def lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: 
     return int(min(hi, max(lo, rng.lognormvariate(math.log(median), sigma))))
 
 
-def chat_call(rng: random.Random, at: float, i: int, *, system: str | None = None,
-              median_prompt: int = 400, max_prompt: int = 3000,
-              max_tokens: tuple[int, ...] = (128, 256, 512, 1024),
-              **extra: Any) -> Call:
+def chat_call(
+    rng: random.Random,
+    at: float,
+    i: int,
+    *,
+    system: str | None = None,
+    median_prompt: int = 400,
+    max_prompt: int = 3000,
+    max_tokens: tuple[int, ...] = (128, 256, 512, 1024),
+    **extra: Any,
+) -> Call:
     """A chat turn: a lognormal prompt length (ShareGPT-like), a max_tokens users pick."""
     n = lognormal_int(rng, median_prompt, 0.8, 16, max_prompt)
     msgs = [{"role": "system", "content": system}] if system else []
     msgs.append({"role": "user", "content": f"Question {i}: " + words(rng, n)})
-    body = {"model": MODEL, "messages": msgs, "max_tokens": rng.choice(max_tokens),
-            "temperature": 0.7, "seed": i, **extra}
+    body = {
+        "model": MODEL,
+        "messages": msgs,
+        "max_tokens": rng.choice(max_tokens),
+        "temperature": 0.7,
+        "seed": i,
+        **extra,
+    }
     return Call(at, "/v1/chat/completions", body, "chat")
 
 
-def document_call(rng: random.Random, at: float, tokens: int, label: str = "document",
-                  max_tokens: int = 128, **extra: Any) -> Call:
-    body = {"model": MODEL, "prompt": words(rng, tokens - 1), "max_tokens": max_tokens,
-            "temperature": 0.0, **extra}
+def document_call(
+    rng: random.Random, at: float, tokens: int, label: str = "document", max_tokens: int = 128, **extra: Any
+) -> Call:
+    body = {"model": MODEL, "prompt": words(rng, tokens - 1), "max_tokens": max_tokens, "temperature": 0.0, **extra}
     return Call(at, "/v1/completions", body, label)
 
 

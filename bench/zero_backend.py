@@ -33,17 +33,36 @@ def _metrics(blocks: int) -> bytes:
 
 
 def _response(status: str, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + ctype
-            + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 "
+        + status.encode()
+        + b"\r\ncontent-type: "
+        + ctype
+        + b"\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
 
 
 def _chunked_stream() -> bytes:
-    out = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-           b"transfer-encoding: chunked\r\n\r\n"]
+    out = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"]
     for i in range(TOKENS):
-        ev = json.dumps({"id": "cmpl-zero", "object": "text_completion", "model": MODEL,
-                         "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None,
-                                      "finish_reason": None if i < TOKENS - 1 else "length"}]})
+        ev = json.dumps(
+            {
+                "id": "cmpl-zero",
+                "object": "text_completion",
+                "model": MODEL,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": f" tok{i}",
+                        "logprobs": None,
+                        "finish_reason": None if i < TOKENS - 1 else "length",
+                    }
+                ],
+            }
+        )
         data = f"data: {ev}\n\n".encode()
         out.append(f"{len(data):x}\r\n".encode() + data + b"\r\n")
     done = b"data: [DONE]\n\n"
@@ -52,21 +71,28 @@ def _chunked_stream() -> bytes:
 
 
 def build(blocks: int, max_model_len: int) -> dict[tuple[bytes, bytes], bytes]:
-    completion = json.dumps({
-        "id": "cmpl-zero", "object": "text_completion", "created": 0, "model": MODEL,
-        "choices": [{"index": 0, "text": " ok" * TOKENS, "logprobs": None,
-                     "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": TOKENS, "total_tokens": 26}}).encode()
-    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model",
-                                                      "max_model_len": max_model_len}]}).encode()
+    completion = json.dumps(
+        {
+            "id": "cmpl-zero",
+            "object": "text_completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "text": " ok" * TOKENS, "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": TOKENS, "total_tokens": 26},
+        }
+    ).encode()
+    models = json.dumps(
+        {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": max_model_len}]}
+    ).encode()
     return {
         (b"GET", b"/v1/models"): _response("200 OK", models),
         (b"GET", b"/metrics"): _response("200 OK", _metrics(blocks), b"text/plain"),
         (b"GET", b"/health"): _response("200 OK", b""),
         (b"POST", b"completion"): _response("200 OK", completion),
         (b"POST", b"stream"): _chunked_stream(),
-        (b"POST", b"/tokenize"): _response("200 OK", json.dumps(
-            {"count": 3, "max_model_len": max_model_len, "tokens": [1, 2, 3]}).encode()),
+        (b"POST", b"/tokenize"): _response(
+            "200 OK", json.dumps({"count": 3, "max_model_len": max_model_len, "tokens": [1, 2, 3]}).encode()
+        ),
     }
 
 
@@ -84,11 +110,10 @@ async def serve(port: int, blocks: int, max_model_len: int) -> None:
                 low = rest.lower()
                 i = low.find(b"content-length:")
                 if i >= 0:
-                    length = int(low[i + 15:low.index(b"\r\n", i)])
+                    length = int(low[i + 15 : low.index(b"\r\n", i)])
                 body = await reader.readexactly(length) if length else b""
                 if method == b"POST" and path.startswith(b"/v1/"):
-                    key = (b"POST", b"stream" if b'"stream":true' in body.replace(b" ", b"")
-                           else b"completion")
+                    key = (b"POST", b"stream" if b'"stream":true' in body.replace(b" ", b"") else b"completion")
                 else:
                     key = (method, path.split(b"?")[0])
                 writer.write(table.get(key, not_found))
@@ -113,6 +138,7 @@ def main() -> None:
     a = p.parse_args()
     try:
         import uvloop  # uvicorn[standard] brings it
+
         uvloop.install()
     except ImportError:
         pass

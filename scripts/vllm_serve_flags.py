@@ -25,10 +25,7 @@ def arity(nargs: object) -> str:
 
 def main() -> int:
     parser = make_arg_parser(FlexibleArgumentParser())
-    rows = sorted({
-        f"{option} {arity(action.nargs)}"
-        for action in parser._actions for option in action.option_strings
-    })
+    rows = sorted({f"{option} {arity(action.nargs)}" for action in parser._actions for option in action.option_strings})
     out = Path(__file__).resolve().parents[1] / "app" / "data" / f"vllm-{vllm.__version__}-serve-flags.txt"
     out.write_text(HEADER.format(v=vllm.__version__) + "\n" + "\n".join(rows) + "\n")
     print(out, len(rows), file=sys.stderr)

@@ -83,11 +83,13 @@ def test_a_burst_tokenized_through_the_backend_queues_and_scrapes_go_on(tiny_mod
     shutil.copy(tiny_model_dir / "config.json", config_only / "config.json")
     with running_fake_backend(tokenize_delay_s=2.0) as backend:
         with running_kvgate(backend.base_url, config_only, tmp_path, "--max-staleness", "1.0") as kvgate:
+
             async def burst() -> list[httpx.Response]:
                 limits = httpx.Limits(max_connections=200)
                 async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60, limits=limits) as client:
-                    sent = [client.post("/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 4})
-                            for i in range(110)]
+                    sent = [
+                        client.post("/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 4}) for i in range(110)
+                    ]
                     modes = []
 
                     async def watch() -> None:

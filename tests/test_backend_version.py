@@ -16,6 +16,7 @@ def version_of(handler) -> str | None:
     async def ask() -> str | None:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm") as client:
             return await fetch_version(client)
+
     return asyncio.run(ask())
 
 
@@ -36,4 +37,6 @@ def test_backend_info_gauge_names_version_runner_and_sampler() -> None:
     metrics.set_backend_info(resolve_runtime("0.32.0").labels())  # a restart onto another version
     text = generate_latest(registry).decode()
     lines = [line for line in text.splitlines() if line.startswith("kvgate_backend_info{")]
-    assert lines == ['kvgate_backend_info{model_version="0.32.0",runner="v2",sampler="flashinfer",version="0.32.0"} 1.0']
+    assert lines == [
+        'kvgate_backend_info{model_version="0.32.0",runner="v2",sampler="flashinfer",version="0.32.0"} 1.0'
+    ]

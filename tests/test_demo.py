@@ -24,7 +24,8 @@ def test_demo_scenario_dies_without_kvgate_and_survives_with_it(scenario) -> Non
         assert any(o.status == 500 for o in res.direct)
     assert res.gated_ooms == []
     assert all(o.status in (200, 400, 429) for o in res.gated), [
-        (o.call.label, o.status, o.message) for o in res.gated if o.status not in (200, 400, 429)]
+        (o.call.label, o.status, o.message) for o in res.gated if o.status not in (200, 400, 429)
+    ]
     assert any(o.status == 200 for o in res.gated)
     for o in res.gated:
         if o.status in (400, 429):

@@ -132,8 +132,10 @@ def build_context() -> list[str]:
         rel_folder = os.path.relpath(folder, ROOT)
         rel_folder = "" if rel_folder == "." else rel_folder + "/"
         dirs[:] = [
-            d for d in dirs
-            if not excluded(rel_folder + d) or any(n.startswith(rel_folder + d + "/") or n == rel_folder + d for n in negations)
+            d
+            for d in dirs
+            if not excluded(rel_folder + d)
+            or any(n.startswith(rel_folder + d + "/") or n == rel_folder + d for n in negations)
         ]
         files += [rel_folder + n for n in names if not excluded(rel_folder + n)]
     return sorted(files)
@@ -281,8 +283,12 @@ def built(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
                     shutil.copy2(ROOT / f, into)
         elif instruction == "RUN":
             ran = subprocess.run(
-                ["/bin/sh", "-c", _move(argument, root)], cwd=root / workdir.as_posix().lstrip("/"),
-                env=env, capture_output=True, text=True, timeout=600,
+                ["/bin/sh", "-c", _move(argument, root)],
+                cwd=root / workdir.as_posix().lstrip("/"),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
             )
             assert ran.returncode == 0, f"RUN {argument}\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}"
         else:
@@ -293,7 +299,10 @@ def built(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_build_installs_kvgate_and_only_its_runtime_dependencies(built: Path) -> None:
     python = built / "opt/kvgate/bin/python"
     listing = subprocess.run(
-        [str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True,
+        [str(python), "-m", "pip", "list", "--format=json"],
+        capture_output=True,
+        text=True,
+        check=True,
         env={"PATH": "/usr/bin:/bin", "PIP_NO_INDEX": "1"},
     ).stdout
     installed = {canonicalize_name(p["name"]): p["version"] for p in json.loads(listing)}
@@ -303,8 +312,9 @@ def test_the_build_installs_kvgate_and_only_its_runtime_dependencies(built: Path
     check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
     # Installed as a package, not pointing back at the repository.
-    where = subprocess.run([str(python), "-c", "import app; print(app.__file__)"], capture_output=True,
-                           text=True, check=True, cwd=built).stdout
+    where = subprocess.run(
+        [str(python), "-c", "import app; print(app.__file__)"], capture_output=True, text=True, check=True, cwd=built
+    ).stdout
     assert where.startswith(str(built / "opt/kvgate")), where
 
 
@@ -323,12 +333,14 @@ def test_entrypoint_serves_and_the_healthcheck_sees_it(built: Path, tiny_model_d
     env["HF_HOME"] = str(tmp_path / "hf")
     port = _free_port()
     env.update(
-        KVGATE_LISTEN=f"127.0.0.1:{port}", KVGATE_MODEL=str(tiny_model_dir),
-        KVGATE_BACKEND=f"http://127.0.0.1:{_free_port()}", KVGATE_GPU_PROBE="none",
+        KVGATE_LISTEN=f"127.0.0.1:{port}",
+        KVGATE_MODEL=str(tiny_model_dir),
+        KVGATE_BACKEND=f"http://127.0.0.1:{_free_port()}",
+        KVGATE_GPU_PROBE="none",
     )
     entrypoint = json.loads(steps(RUNTIME, "ENTRYPOINT")[-1])
     healthcheck = steps(RUNTIME, "HEALTHCHECK")[-1]
-    check = json.loads(healthcheck[healthcheck.index("CMD") + 3:].strip())
+    check = json.loads(healthcheck[healthcheck.index("CMD") + 3 :].strip())
 
     def healthy() -> bool:
         return subprocess.run(check, env=env, capture_output=True, timeout=10).returncode == 0

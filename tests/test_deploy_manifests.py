@@ -49,13 +49,26 @@ CRD_SCHEMAS = {
 # ---------------------------------------------------------------------------------------------
 
 _KNOWN_FIELDS = {
-    "apiVersion", "kind", "resources", "components", "namespace", "images", "replicas",
-    "configMapGenerator", "generatorOptions", "patches",
+    "apiVersion",
+    "kind",
+    "resources",
+    "components",
+    "namespace",
+    "images",
+    "replicas",
+    "configMapGenerator",
+    "generatorOptions",
+    "patches",
 }
 # Strategic-merge keys of the lists deploy/ patches (from the Kubernetes API's patchMergeKey).
 _MERGE_KEYS = {
-    "containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-    "volumeMounts": "mountPath", "ports": "containerPort", "imagePullSecrets": "name",
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+    "imagePullSecrets": "name",
 }
 
 
@@ -161,8 +174,11 @@ def _apply_patches(folder: Path, k: dict, objects: list[dict]) -> None:
             continue
         selector = entry["target"]
         assert set(selector) <= {"kind", "name"}, f"target selectors implemented: kind, name: {selector}"
-        chosen = [o for o in objects if o["kind"] == selector["kind"]
-                  and selector.get("name", o["metadata"]["name"]) == o["metadata"]["name"]]
+        chosen = [
+            o
+            for o in objects
+            if o["kind"] == selector["kind"] and selector.get("name", o["metadata"]["name"]) == o["metadata"]["name"]
+        ]
         assert chosen, f"patch {entry['path']} selects nothing"
         patch = yaml.safe_load((folder / entry["path"]).read_text())
         for target in chosen:
@@ -313,8 +329,13 @@ def validate(obj: dict, version: str) -> None:
 def test_every_object_validates_against_its_schema(name: str, version: str) -> None:
     objects = RENDERED[name]
     assert {o["kind"] for o in objects} >= {
-        "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy", "ConfigMap",
-        "ServiceMonitor", "PrometheusRule",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "ConfigMap",
+        "ServiceMonitor",
+        "PrometheusRule",
     }
     problems = []
     for obj in objects:
@@ -360,9 +381,16 @@ def test_shell_scripts_and_init_code_parse() -> None:
 # ---------------------------------------------------------------------------------------------
 
 ENGINE_FLAGS = [  # kvgate settings that must equal vLLM's flags of the same name
-    "served_model_name", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
-    "tensor_parallel_size", "kv_cache_dtype", "gpu_memory_utilization",
-    "long_prefill_token_threshold", "enable_prefix_caching",
+    "served_model_name",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "block_size",
+    "tensor_parallel_size",
+    "kv_cache_dtype",
+    "gpu_memory_utilization",
+    "long_prefill_token_threshold",
+    "enable_prefix_caching",
 ]
 
 
@@ -439,7 +467,10 @@ def test_gpu_goes_to_vllm_and_nvml_to_kvgate_without_a_second_gpu(name: str) -> 
 def _run_script(text: str, handoff: Path, bin_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["sh", "-c", text.replace("/run/kvgate", str(handoff))],
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=60,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -478,9 +509,14 @@ def test_the_containers_scripts_pass_flags_and_gpu_uuids(tmp_path: Path, smi: st
     args = ran.stdout.split("\n")
     config = engine_config(objects)
     assert args[:2] == ["serve", "/models/model"]
-    for flag, key in [("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS"), ("--max-model-len", "MAX_MODEL_LEN"),
-                      ("--served-model-name", "SERVED_MODEL_NAME"), ("--gpu-memory-utilization", "GPU_MEMORY_UTILIZATION"),
-                      ("--block-size", "BLOCK_SIZE"), ("--max-num-seqs", "MAX_NUM_SEQS")]:
+    for flag, key in [
+        ("--max-num-batched-tokens", "MAX_NUM_BATCHED_TOKENS"),
+        ("--max-model-len", "MAX_MODEL_LEN"),
+        ("--served-model-name", "SERVED_MODEL_NAME"),
+        ("--gpu-memory-utilization", "GPU_MEMORY_UTILIZATION"),
+        ("--block-size", "BLOCK_SIZE"),
+        ("--max-num-seqs", "MAX_NUM_SEQS"),
+    ]:
         assert args[args.index(flag) + 1] == config[key]
     assert "--enable-prefix-caching" in args
     assert (handoff / "nvidia-visible-devices").read_text().strip() == expected
@@ -559,7 +595,10 @@ def test_service_monitor_scrapes_kvgate_and_vllm(name: str) -> None:
 
 
 REQUIRED_ALERTS = {
-    "KvgateBackendRestarted", "KvgateQueueWaitHigh", "KvgateRejectionRateHigh", "KvgateScrapeStale",
+    "KvgateBackendRestarted",
+    "KvgateQueueWaitHigh",
+    "KvgateRejectionRateHigh",
+    "KvgateScrapeStale",
     "KvgateGpuHeadroomLow",
 }
 
@@ -629,8 +668,15 @@ def test_docs_explain_every_knob() -> None:
     missing = [k for k in engine_config(objects) if k not in text]
     missing += [k for k in env_of(container(objects, "kvgate")) if k not in text]
     missing += [r["alert"] for r in alert_rules(objects) if f"`{r['alert']}`" not in text]
-    for needle in ("runtimeClassName", "NVIDIA_VISIBLE_DEVICES", "MIG", "host PID", "release:",
-                   "kubectl apply -k deploy/kubernetes/overlays/example", "docker build"):
+    for needle in (
+        "runtimeClassName",
+        "NVIDIA_VISIBLE_DEVICES",
+        "MIG",
+        "host PID",
+        "release:",
+        "kubectl apply -k deploy/kubernetes/overlays/example",
+        "docker build",
+    ):
         if needle not in text:
             missing.append(needle)
     assert missing == []
@@ -704,8 +750,13 @@ def test_sidecar_waits_for_the_model_then_serves_it_from_the_hub_cache(tmp_path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _fake(bin_dir, "kvgate", 'echo "kvgate $*"\n')
-    done = subprocess.run(["sh", "-c", script(kvgate)], capture_output=True, text=True, timeout=30,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env, "HF_HUB_CACHE": str(cache)})
+    done = subprocess.run(
+        ["sh", "-c", script(kvgate)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env, "HF_HUB_CACHE": str(cache)},
+    )
     assert done.returncode == 0 and done.stdout == "kvgate serve\n", done.stderr
     import huggingface_hub.constants
 

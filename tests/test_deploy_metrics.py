@@ -27,9 +27,13 @@ VLLM_PAGES = sorted((ROOT / "tests" / "data").glob("*metrics*.txt"))
 TARGET_LABELS = {"namespace", "pod", "service", "container", "endpoint", "job", "instance"}
 # The telemetry metrics (issue 4) the alerts and dashboard rely on, by the names agreed for them.
 TELEMETRY = {
-    "kvgate_backend_kv_usage_ratio", "kvgate_backend_running_requests",
-    "kvgate_backend_waiting_requests", "kvgate_backend_preemptions_total",
-    "kvgate_gpu_free_bytes", "kvgate_scrape_age_seconds", "kvgate_backend_restarts_total",
+    "kvgate_backend_kv_usage_ratio",
+    "kvgate_backend_running_requests",
+    "kvgate_backend_waiting_requests",
+    "kvgate_backend_preemptions_total",
+    "kvgate_gpu_free_bytes",
+    "kvgate_scrape_age_seconds",
+    "kvgate_backend_restarts_total",
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -50,12 +54,35 @@ _TOKEN = re.compile(
     re.VERBOSE,
 )
 _KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "inf", "nan",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
 }
 _AGGREGATIONS = {
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk",
-    "topk", "quantile", "limitk", "limit_ratio",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
 }
 
 
@@ -66,7 +93,7 @@ def selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
     while pos < len(expr):
         m = _TOKEN.match(expr, pos)
         if m is None:
-            raise ValueError(f"cannot read PromQL at {expr[pos:pos + 20]!r} in {expr!r}")
+            raise ValueError(f"cannot read PromQL at {expr[pos : pos + 20]!r} in {expr!r}")
         pos = m.end()
         if m.lastgroup != "space":
             tokens.append((m.lastgroup, m.group()))
@@ -103,7 +130,7 @@ def selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
 def test_selectors_reads_promql() -> None:
     expr = (
         'sum by (namespace, reason) (rate(kvgate_decisions_total{decision="reject", pod=~"$pod"}[5m]))'
-        ' / ignoring (reason) group_left sum by (namespace) (rate(vllm:num_preemptions_total[$__rate_interval]))'
+        " / ignoring (reason) group_left sum by (namespace) (rate(vllm:num_preemptions_total[$__rate_interval]))"
         ' > 0.05 and on (pod) histogram_quantile(0.95, sum by (le) (rate(x_bucket{le!="1"}[1h] offset 5m)))'
     )
     assert selectors(expr) == [
@@ -150,8 +177,15 @@ def kvgate_series() -> dict[str, set[str]]:
     """Series name -> label names, from a fresh KvgateMetrics registry."""
     metrics = KvgateMetrics()
     # Label names of metrics that have no child yet (collect() shows no sample for them).
-    objects = [*vars(metrics).values(), *(v for o in vars(metrics).values() if hasattr(o, "__dict__")
-                                          and not isinstance(o, MetricWrapperBase) for v in vars(o).values())]
+    objects = [
+        *vars(metrics).values(),
+        *(
+            v
+            for o in vars(metrics).values()
+            if hasattr(o, "__dict__") and not isinstance(o, MetricWrapperBase)
+            for v in vars(o).values()
+        ),
+    ]
     labels_of = {m._name: set(m._labelnames) for m in objects if isinstance(m, MetricWrapperBase)}
     series: dict[str, set[str]] = {}
     for family in metrics.registry.collect():

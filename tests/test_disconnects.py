@@ -21,11 +21,10 @@ def test_a_client_leaving_before_the_answer_frees_its_reservation(tiny_model_dir
         running_fake_backend(completion_mode="slow", slow_s=30) as backend,
         running_kvgate(backend.base_url, tiny_model_dir, tmp_path) as kvgate,
     ):
+
         async def leave_early() -> None:
             async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60) as client:
-                waiting = asyncio.create_task(
-                    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500})
-                )
+                waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500}))
                 while not backend.received:
                     await asyncio.sleep(0.02)
                 assert kvgate.metric("kvgate_in_flight_requests") == 1

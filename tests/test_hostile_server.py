@@ -30,10 +30,16 @@ def backend() -> Iterator[FakeBackend]:
 
 
 @pytest.fixture(scope="module")
-def kvgate(backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
+def kvgate(
+    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KvgateServer]:
     with running_kvgate(
-        backend.base_url, tiny_model_dir, tmp_path_factory.mktemp("kvgate-hostile"),
-        "--trust-request-chat-template", "--request-chat-template-timeout", "0.3",
+        backend.base_url,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("kvgate-hostile"),
+        "--trust-request-chat-template",
+        "--request-chat-template-timeout",
+        "0.3",
     ) as server:
         yield server
 
@@ -81,13 +87,15 @@ MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer"]) | HOSTILE_TEXT},
     optional={"content": HOSTILE_TEXT | JSON_VALUE, "tool_calls": JSON_VALUE, "name": JSON_VALUE},
 )
-TEMPLATES = st.sampled_from([
-    "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-    "{% for i in range(100) %}{{ 'ab ' * 33333 }}{% endfor %}",
-    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-    "{{ raise_exception('no') }}",
-    "{% for %}",
-])
+TEMPLATES = st.sampled_from(
+    [
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "{% for i in range(100) %}{{ 'ab ' * 33333 }}{% endfor %}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{{ raise_exception('no') }}",
+        "{% for %}",
+    ]
+)
 SMALL = st.integers(min_value=1, max_value=8)
 
 
@@ -101,7 +109,10 @@ BODY = st.fixed_dictionaries(
     {},
     optional={
         "model": field(st.just("tiny-llama"), HOSTILE_TEXT | JSON_VALUE),
-        "prompt": field(st.text(min_size=1, max_size=20), HOSTILE_TEXT | st.lists(HOSTILE_TEXT, max_size=3) | st.lists(HOSTILE_NUMBER, max_size=3) | JSON_VALUE),
+        "prompt": field(
+            st.text(min_size=1, max_size=20),
+            HOSTILE_TEXT | st.lists(HOSTILE_TEXT, max_size=3) | st.lists(HOSTILE_NUMBER, max_size=3) | JSON_VALUE,
+        ),
         "messages": field(st.just([{"role": "user", "content": "hi"}]), st.lists(MESSAGE, max_size=3) | JSON_VALUE),
         "max_tokens": field(SMALL, HOSTILE_NUMBER | JSON_VALUE),
         "max_completion_tokens": field(SMALL, HOSTILE_NUMBER),
@@ -173,8 +184,10 @@ def healthz_worst_latency(kvgate: KvgateServer, send: callable) -> tuple[float, 
 @pytest.mark.parametrize(
     "body",
     [
-        {"messages": [{"role": "user", "content": "hi"}],
-         "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"},
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        },
         {"prompt": "x" * (8 * 1024 * 1024)},
         {"prompt": ["word " * 600] * 1024, "max_tokens": 2000},
         {"messages": [{"role": "user", "content": "hello there"}] * 50_000},
@@ -184,9 +197,7 @@ def healthz_worst_latency(kvgate: KvgateServer, send: callable) -> tuple[float, 
 def test_healthz_stays_fast_while_a_request_is_expensive(kvgate: KvgateServer, body: dict) -> None:
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     raw = json.dumps(body).encode()
-    worst, response = healthz_worst_latency(
-        kvgate, lambda: httpx.post(kvgate.base_url + path, content=raw, timeout=30)
-    )
+    worst, response = healthz_worst_latency(kvgate, lambda: httpx.post(kvgate.base_url + path, content=raw, timeout=30))
     assert response.status_code in (400, 413), response.text
     # Generous for a shared 2-core machine; before, these held the loop 3 s to over 10 s.
     assert worst < 1.0, f"/healthz took {worst * 1000:.0f} ms"
@@ -194,8 +205,10 @@ def test_healthz_stays_fast_while_a_request_is_expensive(kvgate: KvgateServer, b
 
 
 def test_template_errors_keep_the_prompt_out_of_the_decision_log(kvgate: KvgateServer, client: httpx.Client) -> None:
-    body = {"messages": [{"role": "user", "content": "SECRET-PROMPT-TEXT"}],
-            "chat_template": "{{ raise_exception('refused: ' + messages[0]['content']) }}"}
+    body = {
+        "messages": [{"role": "user", "content": "SECRET-PROMPT-TEXT"}],
+        "chat_template": "{{ raise_exception('refused: ' + messages[0]['content']) }}",
+    }
     response = client.post("/v1/chat/completions", json=body, headers={"x-request-id": "template-leak"})
     assert response.status_code == 400 and "SECRET-PROMPT-TEXT" in response.json()["error"]["message"]
     logged = [line for line in kvgate.log().splitlines() if "template-leak" in line]

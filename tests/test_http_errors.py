@@ -17,8 +17,11 @@ def all_subclasses(cls: type) -> set[type]:
 def test_every_domain_error_has_a_status_of_its_own() -> None:
     """A new error left out of the mapping would reach clients as a 500. (Refused is only the
     common base of the refusals for load.)"""
-    unmapped = [cls.__name__ for cls in all_subclasses(errors.KvgateError)
-                if cls is not errors.Refused and not any(c in STATUS for c in cls.__mro__)]
+    unmapped = [
+        cls.__name__
+        for cls in all_subclasses(errors.KvgateError)
+        if cls is not errors.Refused and not any(c in STATUS for c in cls.__mro__)
+    ]
     assert unmapped == []
 
 
@@ -26,14 +29,20 @@ def test_a_refusal_for_load_is_openai_shaped_with_retry_after() -> None:
     response = error_response(errors.QueueFull(max_size=7, retry_after_s=3), {"x-request-id": "r"})
     assert response.status_code == 429
     assert response.headers["retry-after"] == "3" and response.headers["x-request-id"] == "r"
-    assert json.loads(response.body) == {"error": {
-        "message": "kvgate's admission queue is full (7 requests waiting). Retry after 3 s.",
-        "type": "rate_limit_error", "param": None, "code": "queue_full",
-    }}
+    assert json.loads(response.body) == {
+        "error": {
+            "message": "kvgate's admission queue is full (7 requests waiting). Retry after 3 s.",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "queue_full",
+        }
+    }
 
 
 def test_a_context_error_names_the_field_and_the_numbers() -> None:
-    error = errors.ContextTooLong(limit=1024, prompt_tokens=1000, max_new_tokens=100, where="prompt", param="max_tokens")
+    error = errors.ContextTooLong(
+        limit=1024, prompt_tokens=1000, max_new_tokens=100, where="prompt", param="max_tokens"
+    )
     body = json.loads(error_response(error).body)["error"]
     assert status_of(error) == 400 and (body["param"], body["code"]) == ("max_tokens", "context_length_exceeded")
     assert "maximum context length is 1024 tokens" in body["message"] and "1100 tokens" in body["message"]

@@ -48,7 +48,10 @@ def test_prompt_logprobs_of_the_whole_vocabulary_keep_topk_and_cat_copies() -> N
     every = estimate_transient(LLAMA, engine(), 8192, SamplingShape(prompt_logprobs=-1)).term("prompt_logprobs")
     assert every.bytes == 8192 * V * (2 + 32) == 35_722_887_168  # 33 GiB for one 8k chunk
     fp32 = replace(LLAMA, dtype_bytes=4)  # no cast copy before log_softmax
-    assert estimate_transient(fp32, engine(), 100, SamplingShape(prompt_logprobs=5)).term("prompt_logprobs").bytes == 100 * V * 8
+    assert (
+        estimate_transient(fp32, engine(), 100, SamplingShape(prompt_logprobs=5)).term("prompt_logprobs").bytes
+        == 100 * V * 8
+    )
 
 
 def test_dense_mlp_is_profiled() -> None:
@@ -87,27 +90,35 @@ def test_flashinfer_workspace_is_shared_and_unprofiled() -> None:
     # 512 MiB) plus the global 394 MiB TRT-LLM buffer
     assert term.bytes == (512 + 394) * MiB and term.shared and not term.profiled
     assert est.shared_bytes == (512 + 394) * MiB
-    small = estimate_transient(LLAMA, engine(attention_backend="flashinfer", max_num_batched_tokens=2048), 1000, SamplingShape())
+    small = estimate_transient(
+        LLAMA, engine(attention_backend="flashinfer", max_num_batched_tokens=2048), 1000, SamplingShape()
+    )
     assert small.shared_bytes == 2 * 394 * MiB  # 128 MiB of prefill buffers: the 394 MiB floor holds
 
 
 def test_materializing_scores_for_last_chunk() -> None:
-    est = estimate_transient(LLAMA, engine(max_num_batched_tokens=2048, attention_backend="materializing"),
-                             32_768, SamplingShape())
+    est = estimate_transient(
+        LLAMA, engine(max_num_batched_tokens=2048, attention_backend="materializing"), 32_768, SamplingShape()
+    )
     term = est.term("attention_context")
     # last chunk 2048 over context 30720: 2048 x 32768 x 32 heads x (4 B fp32 scores + 2 B bf16
     # probabilities) = 12 GiB
     assert term.bytes == 2048 * 32_768 * 32 * 6 == 12 * GiB
     assert not term.profiled
-    tp4 = estimate_transient(LLAMA, engine(max_num_batched_tokens=2048, attention_backend="materializing",
-                                           tensor_parallel_size=4), 32_768, SamplingShape())
+    tp4 = estimate_transient(
+        LLAMA,
+        engine(max_num_batched_tokens=2048, attention_backend="materializing", tensor_parallel_size=4),
+        32_768,
+        SamplingShape(),
+    )
     assert tp4.term("attention_context").bytes == 3 * GiB
 
 
 def test_mla_context_upprojection_deepseek_v2_lite() -> None:
     g = load("deepseek-v2-lite")
-    e = EngineShape(max_model_len=163_840, max_num_batched_tokens=8192, max_num_seqs=256,
-                    attention_backend="mla", block_size=64)
+    e = EngineShape(
+        max_model_len=163_840, max_num_batched_tokens=8192, max_num_seqs=256, attention_backend="mla", block_size=64
+    )
     # min(max(8 x 163840, 4 x 256 x 64), 64Ki) = 65,536 tokens
     assert mla_workspace_tokens(e) == 65_536
     est = estimate_transient(g, e, 100_000, SamplingShape())
@@ -123,12 +134,24 @@ def test_mla_context_upprojection_deepseek_v2_lite() -> None:
 
 
 def test_mla_deepseek_v3_shape_exceeds_the_3gb_comment() -> None:
-    v3 = ModelGeometry(num_layers=61, num_attention_heads=128, num_kv_heads=128, head_dim=128,
-                       hidden_size=7168, intermediate_size=18432, vocab_size=129_280, dtype_bytes=2,
-                       max_position_embeddings=163_840, kv_lora_rank=512, qk_rope_head_dim=64,
-                       qk_nope_head_dim=128, v_head_dim=128)
-    e = EngineShape(max_model_len=163_840, max_num_batched_tokens=8192, max_num_seqs=256,
-                    attention_backend="mla", block_size=64)
+    v3 = ModelGeometry(
+        num_layers=61,
+        num_attention_heads=128,
+        num_kv_heads=128,
+        head_dim=128,
+        hidden_size=7168,
+        intermediate_size=18432,
+        vocab_size=129_280,
+        dtype_bytes=2,
+        max_position_embeddings=163_840,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+    )
+    e = EngineShape(
+        max_model_len=163_840, max_num_batched_tokens=8192, max_num_seqs=256, attention_backend="mla", block_size=64
+    )
     up = estimate_transient(v3, e, 100_000, SamplingShape()).term("mla_context_upproject")
     k_only = 65_536 * 128 * 192 * 2  # the code comment's 2*(192*128)*(64*1024) = 3 GiB
     assert k_only == 3 * GiB
@@ -172,8 +195,9 @@ def test_logprobs_penalties_and_prompt_ids_are_unprofiled() -> None:
     assert est.term("penalties") is None  # one row's bin counts fit in the cached sort blocks
     assert est.unprofiled_decode_bytes == logprobs.bytes + prompt_ids.bytes
     assert est.unprofiled_prefill_bytes == 0
-    assert est.profiled_bytes == (est.term("hidden_states").bytes + est.term("mlp").bytes
-                                  + est.term("logits").bytes + est.term("sampler").bytes)
+    assert est.profiled_bytes == (
+        est.term("hidden_states").bytes + est.term("mlp").bytes + est.term("logits").bytes + est.term("sampler").bytes
+    )
     # more rows than half of what the profile sampled (max_num_seqs 4 here): bin counts need free memory
     wide = estimate_transient(LLAMA, engine(max_num_seqs=4), 1000, SamplingShape(n=3, penalties=True))
     assert wide.term("penalties").bytes == 3 * V * 22 and not wide.term("penalties").profiled

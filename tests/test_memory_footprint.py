@@ -34,8 +34,9 @@ def test_samples_share_prompt_blocks_only_with_prefix_caching() -> None:
     prompt = list(range(100))
     shared = predict_footprint(layout("llama-3-8b"), ENGINE, prompt, 50, SamplingShape(n=3))
     assert shared.kv_blocks == 6 + 3 * 4  # 6 shared prompt blocks + 3 tails of 10 - 6
-    private = predict_footprint(layout("llama-3-8b"), ENGINE, prompt, 50, SamplingShape(n=3),
-                                enable_prefix_caching=False)
+    private = predict_footprint(
+        layout("llama-3-8b"), ENGINE, prompt, 50, SamplingShape(n=3), enable_prefix_caching=False
+    )
     assert private.kv_blocks == 30 and private.block_hashes == ()
 
 
@@ -53,8 +54,9 @@ def test_sliding_window_footprint_is_capped() -> None:
 def test_cached_prefix_shrinks_the_worst_chunk_not_the_kv_need() -> None:
     engine = EngineShape(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256)
     cold = predict_footprint(layout("llama-3-8b"), engine, [1] * 4000, 10, SamplingShape(prompt_logprobs=0))
-    warm = predict_footprint(layout("llama-3-8b"), engine, [1] * 4000, 10, SamplingShape(prompt_logprobs=0),
-                             cached_prefix_tokens=3500)
+    warm = predict_footprint(
+        layout("llama-3-8b"), engine, [1] * 4000, 10, SamplingShape(prompt_logprobs=0), cached_prefix_tokens=3500
+    )
     assert cold.kv_blocks == warm.kv_blocks
     assert cold.transient.term("prompt_logprobs").bytes == 2048 * 128_256 * 10
     assert warm.transient.term("prompt_logprobs").bytes == 500 * 128_256 * 10

@@ -106,8 +106,14 @@ def test_from_folder_reads_config_json(tmp_path: Path) -> None:
 
 
 def base(**fields: object) -> dict:
-    return {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
-            "vocab_size": 1000, **fields}
+    return {
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 4,
+        "vocab_size": 1000,
+        **fields,
+    }
 
 
 def test_qwen3_next_linear_attention_layers_keep_a_state() -> None:
@@ -118,7 +124,11 @@ def test_qwen3_next_linear_attention_layers_keep_a_state() -> None:
     # Qwen3.5-style configs list the same pattern explicitly
     listed = ["linear_attention"] * 3 + ["full_attention"]
     assert ModelGeometry.from_config(base(layer_types=listed)).layer_types == (
-        RECURRENT_STATE, RECURRENT_STATE, RECURRENT_STATE, FULL_ATTENTION)
+        RECURRENT_STATE,
+        RECURRENT_STATE,
+        RECURRENT_STATE,
+        FULL_ATTENTION,
+    )
 
 
 def test_nemotron_h_pattern_and_attention_head_dim() -> None:
@@ -126,8 +136,13 @@ def test_nemotron_h_pattern_and_attention_head_dim() -> None:
     kinds = g.layer_types
     assert (kinds.count(RECURRENT_STATE), kinds.count(FULL_ATTENTION), kinds.count(NO_CACHE)) == (24, 4, 24)
     assert g.head_dim == 128
-    small = ModelGeometry.from_config({**json.loads((CONFIGS / "nemotron-h-8b-base-8k.json").read_text()),
-                                       "hidden_size": 3136, "num_attention_heads": 40})
+    small = ModelGeometry.from_config(
+        {
+            **json.loads((CONFIGS / "nemotron-h-8b-base-8k.json").read_text()),
+            "hidden_size": 3136,
+            "num_attention_heads": 40,
+        }
+    )
     assert small.head_dim == 128  # attention_head_dim, not 3136 // 40
 
 
@@ -155,8 +170,9 @@ def test_plain_models_stay_uniform() -> None:
     qwen3 = ModelGeometry.from_config(base(layer_types=["full_attention"] * 4))
     assert qwen3.layer_types == () and not qwen3.is_hybrid_state
     # Qwen2/3 list sliding layers but ignore them when use_sliding_window is false
-    off = ModelGeometry.from_config(base(sliding_window=4096, use_sliding_window=False,
-                                         layer_types=["sliding_attention"] * 4))
+    off = ModelGeometry.from_config(
+        base(sliding_window=4096, use_sliding_window=False, layer_types=["sliding_attention"] * 4)
+    )
     assert off.layer_types == () and off.sliding_window is None
     with pytest.raises(ValueError, match="3 entries for 4 layers"):
         ModelGeometry.from_config(base(layer_types=["mamba", "attention", "mamba"]))

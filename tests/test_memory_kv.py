@@ -179,9 +179,19 @@ def test_mlp_only_layers_cache_nothing_and_pipeline_stages_split_blocks() -> Non
 
 
 def test_parallel_hybrid_blocks_count_both_mixers() -> None:
-    falcon = KVLayout(ModelGeometry.from_config(
-        {"model_type": "falcon_h1", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "num_hidden_layers": 6, "vocab_size": 1000}), block_size=64)
+    falcon = KVLayout(
+        ModelGeometry.from_config(
+            {
+                "model_type": "falcon_h1",
+                "hidden_size": 256,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 6,
+                "vocab_size": 1000,
+            }
+        ),
+        block_size=64,
+    )
     assert falcon.groups == {"full_attention": 1, "mamba": 1}
     assert falcon.layers_per_stage == 6
     assert falcon.blocks_for_request(100, 100, 1, 2048, 4096) == 2 + 1
@@ -198,8 +208,16 @@ def test_llama4_chunked_local_layers_cap_at_chunk_plus_batch() -> None:
 def test_near_equal_layer_counts_pad_to_the_larger_group() -> None:
     # 12 sliding + 13 full (gpt-oss-20b plus a drafter layer): vLLM pads to groups of 13
     types = ["sliding_attention", "full_attention"] * 12 + ["full_attention"]
-    g = ModelGeometry.from_config({"hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 25,
-                                   "vocab_size": 1000, "sliding_window": 128, "layer_types": types})
+    g = ModelGeometry.from_config(
+        {
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 25,
+            "vocab_size": 1000,
+            "sliding_window": 128,
+            "layer_types": types,
+        }
+    )
     layout = KVLayout(g)
     assert layout.group_size == 13
     assert layout.groups == {"sliding_attention": 1, "full_attention": 1}

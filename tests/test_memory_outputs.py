@@ -89,8 +89,14 @@ def test_quantile_one_turns_learning_off() -> None:
 
 
 def test_footprint_reserves_the_expected_output_but_keeps_full_growth() -> None:
-    fp = predict_footprint(layout("llama-3-8b"), EngineShape(8192, 2048, 256), list(range(100)), 2000,
-                           SamplingShape(), reservation=OutputReservation(60, 400.0))
+    fp = predict_footprint(
+        layout("llama-3-8b"),
+        EngineShape(8192, 2048, 256),
+        list(range(100)),
+        2000,
+        SamplingShape(),
+        reservation=OutputReservation(60, 400.0),
+    )
     assert (fp.kv_blocks, fp.max_kv_blocks) == (10, 132)  # cdiv(160, 16), cdiv(2100, 16)
     assert fp.reserved_variance == 400.0
 
@@ -103,7 +109,7 @@ def test_stream_counts_events_even_split_across_chunks() -> None:
     body = b"".join(sse(t) for t in ["a", "b", "c", "d"]) + b"data: [DONE]\n\n"
     counter = OutputTokenCounter(stream=True)
     for i in range(0, len(body), 5):  # markers cut at every position
-        counter.feed(body[i:i + 5])
+        counter.feed(body[i : i + 5])
     assert counter.tokens() == 4
 
 
@@ -116,7 +122,7 @@ def test_stream_usage_chunk_and_json_usage_are_exact() -> None:
     body = json.dumps({"choices": [{"text": "x" * 3000}], "usage": {"completion_tokens": 42}}).encode()
     plain = OutputTokenCounter(stream=False)
     for i in range(0, len(body), 700):
-        plain.feed(body[i:i + 700])
+        plain.feed(body[i : i + 700])
     assert plain.tokens() == 42
     assert OutputTokenCounter(stream=False).tokens() is None
 

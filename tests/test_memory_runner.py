@@ -15,26 +15,37 @@ from app.memory.geometry import ModelGeometry
 from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
 from app.memory.vllm_runner import NEWEST_KNOWN, resolve_runtime
 
-LLAMA = ModelGeometry.from_config({
-    "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
-    "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-})
+LLAMA = ModelGeometry.from_config(
+    {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+    }
+)
 V = 128256
 
 
-@pytest.mark.parametrize(("version", "kwargs", "runner"), [
-    ("0.32.0", {}, "v2"),  # CUDA default since 0.29.0
-    ("0.29.0", {"is_moe": True}, "v2"),
-    ("0.28.0", {"is_moe": True}, "v1"),  # 0.25 - 0.28: MoE models stay on V1 unless listed
-    ("0.28.0", {"is_moe": True, "architectures": ["Qwen2MoeForCausalLM"]}, "v2"),
-    ("0.26.0", {"is_hybrid": True}, "v1"),
-    ("0.25.0", {}, "v2"),
-    ("0.22.0", {"architectures": ["LlamaForCausalLM"]}, "v1"),  # 0.22: only Qwen3 dense
-    ("0.22.0", {"architectures": ["Qwen3ForCausalLM"]}, "v2"),
-    ("0.22.0", {"architectures": ["Qwen3ForCausalLM"], "quantized": True}, "v1"),
-    ("0.32.0", {"speculative_method": "medusa"}, "v1"),  # unsupported by V2: vLLM falls back
-    ("0.32.0", {"speculative_method": "ngram"}, "v2"),
-])
+@pytest.mark.parametrize(
+    ("version", "kwargs", "runner"),
+    [
+        ("0.32.0", {}, "v2"),  # CUDA default since 0.29.0
+        ("0.29.0", {"is_moe": True}, "v2"),
+        ("0.28.0", {"is_moe": True}, "v1"),  # 0.25 - 0.28: MoE models stay on V1 unless listed
+        ("0.28.0", {"is_moe": True, "architectures": ["Qwen2MoeForCausalLM"]}, "v2"),
+        ("0.26.0", {"is_hybrid": True}, "v1"),
+        ("0.25.0", {}, "v2"),
+        ("0.22.0", {"architectures": ["LlamaForCausalLM"]}, "v1"),  # 0.22: only Qwen3 dense
+        ("0.22.0", {"architectures": ["Qwen3ForCausalLM"]}, "v2"),
+        ("0.22.0", {"architectures": ["Qwen3ForCausalLM"], "quantized": True}, "v1"),
+        ("0.32.0", {"speculative_method": "medusa"}, "v1"),  # unsupported by V2: vLLM falls back
+        ("0.32.0", {"speculative_method": "ngram"}, "v2"),
+    ],
+)
 def test_the_runner_follows_vllms_rule_for_that_version(version: str, kwargs: dict, runner: str) -> None:
     runtime = resolve_runtime(version, **kwargs)
     assert runtime.runner == runner and runtime.warning is None
@@ -130,4 +141,7 @@ def test_materializing_keeps_its_old_name_as_an_alias() -> None:
 def test_structured_outputs_copy_a_bitmask_per_step_on_v1_only() -> None:
     v1 = estimate_transient(LLAMA, engine("v1"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask")
     assert v1.bytes == 4 * (V // 32) * 4 and not v1.profiled
-    assert estimate_transient(LLAMA, engine("v2"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask") is None
+    assert (
+        estimate_transient(LLAMA, engine("v2"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask")
+        is None
+    )

@@ -20,8 +20,12 @@ pytestmark = pytest.mark.vllm
 
 CONFIGS = Path(__file__).parent / "configs"
 SCRIPT = Path(__file__).parent / "support" / "vllm_kv_groups.py"
-KIND_OF_SPEC = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_attention",
-                "ChunkedLocalAttentionSpec": "chunked_local_attention", "MambaSpec": "mamba"}
+KIND_OF_SPEC = {
+    "FullAttentionSpec": "full_attention",
+    "SlidingWindowSpec": "sliding_attention",
+    "ChunkedLocalAttentionSpec": "chunked_local_attention",
+    "MambaSpec": "mamba",
+}
 # Gated delta-net state of Qwen3-Next at TP 1 (conv: 3 x (2 x 16 x 128 + 32 x 128); recurrent:
 # 32 heads x 128 x 128), bf16: 1,097,728 B, more than an attention page of 16 tokens. Where vLLM
 # pads the state page to the attention page (it raised the block size to fit it), a small state
@@ -52,20 +56,39 @@ def layout_of(name: str, block_size: int) -> KVLayout:
 
 def vllm_case(layout: KVLayout, vllm_layout: str, padded: bool) -> dict:
     g = layout.geometry
-    layers = [{
-        "kind": kind, "block_size": layout.block_size, "num_kv_heads": g.num_kv_heads, "head_size": g.head_dim,
-        "window": g.sliding_window, "chunk": g.attention_chunk_size, "state_shapes": SMALL_STATE if padded else QWEN3_NEXT_STATE,
-        "state_page_padded": layout.page_bytes if padded else None,
-    } for kind in layout.stage_layer_types]
-    return {"layout": vllm_layout, "max_model_len": MAX_MODEL_LEN, "max_in_flight_tokens": BATCHED,
-            "mamba_cache_mode": "none", "layers": layers}
+    layers = [
+        {
+            "kind": kind,
+            "block_size": layout.block_size,
+            "num_kv_heads": g.num_kv_heads,
+            "head_size": g.head_dim,
+            "window": g.sliding_window,
+            "chunk": g.attention_chunk_size,
+            "state_shapes": SMALL_STATE if padded else QWEN3_NEXT_STATE,
+            "state_page_padded": layout.page_bytes if padded else None,
+        }
+        for kind in layout.stage_layer_types
+    ]
+    return {
+        "layout": vllm_layout,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_in_flight_tokens": BATCHED,
+        "mamba_cache_mode": "none",
+        "layers": layers,
+    }
 
 
 @pytest.fixture(scope="module")
 def vllm_grouping() -> list[dict]:
     cases = [vllm_case(layout_of(name, bs), vllm_layout, padded) for name, bs, vllm_layout, padded in CASES]
-    done = subprocess.run([str(VLLM_PYTHON), str(SCRIPT)], input=json.dumps(cases), capture_output=True,
-                          text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(SCRIPT)],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -88,10 +111,19 @@ def test_capacity_report_covers_a_grouping_kvgate_does_not_know(vllm_grouping: l
     layout = layout_of("qwen3-next-80b-a3b", 16)
     assert layout.max_request_blocks(MAX_MODEL_LEN, BATCHED) < vllm["max_request_blocks"]
     deployment = Deployment(
-        max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED, max_num_seqs=256, block_size=16,
-        tensor_parallel_size=1, pipeline_parallel_size=1, kv_cache_dtype="auto", gpu_memory_utilization=0.9,
-        long_prefill_token_threshold=0, enable_prefix_caching=False, attention_backend="flash-attn",
-        num_gpu_blocks=100_000, reported_request_blocks=float(vllm["max_request_blocks"]),
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=BATCHED,
+        max_num_seqs=256,
+        block_size=16,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        kv_cache_dtype="auto",
+        gpu_memory_utilization=0.9,
+        long_prefill_token_threshold=0,
+        enable_prefix_caching=False,
+        attention_backend="flash-attn",
+        num_gpu_blocks=100_000,
+        reported_request_blocks=float(vllm["max_request_blocks"]),
     )
     checked = checked_against_backend(layout, deployment)
     assert checked.max_request_blocks(MAX_MODEL_LEN, BATCHED) == vllm["max_request_blocks"]

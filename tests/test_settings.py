@@ -48,12 +48,22 @@ def test_help_documents_every_setting_with_its_default(capsys: pytest.CaptureFix
 
 def test_backend_report_wins_over_flags_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     geometry = ModelGeometry.from_config(
-        {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-         "intermediate_size": 256, "vocab_size": 2048, "max_position_embeddings": 4096}
+        {
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "intermediate_size": 256,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+        }
     )
     settings = settings_for("--block-size", "16", "--no-enable-prefix-caching", "--max-model-len", "2048")
     cache = CacheConfig(
-        num_gpu_blocks=100, block_size=128, cache_dtype="auto", enable_prefix_caching=True,
+        num_gpu_blocks=100,
+        block_size=128,
+        cache_dtype="auto",
+        enable_prefix_caching=True,
         gpu_memory_utilization=0.92,
     )
     with caplog.at_level(logging.WARNING):
@@ -67,8 +77,14 @@ def test_backend_report_wins_over_flags_with_a_warning(caplog: pytest.LogCapture
 
 def test_without_a_backend_report_flags_and_model_apply() -> None:
     geometry = ModelGeometry.from_config(
-        {"hidden_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 256,
-         "vocab_size": 2048, "max_position_embeddings": 4096}
+        {
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 256,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+        }
     )
     deployment = resolve(engine_flags(settings_for("--block-size", "32")), geometry, None, None)
     assert (deployment.block_size, deployment.max_model_len, deployment.num_gpu_blocks) == (32, 4096, None)
@@ -77,16 +93,26 @@ def test_without_a_backend_report_flags_and_model_apply() -> None:
 
 def test_hybrid_state_models_take_the_backends_block_size_and_cache_mode(caplog: pytest.LogCaptureFixture) -> None:
     geometry = ModelGeometry.from_config(
-        {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
-         "intermediate_size": 256, "vocab_size": 2048, "max_position_embeddings": 4096,
-         "layer_types": ["mamba", "mamba", "mamba", "attention"]}
+        {
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 4,
+            "intermediate_size": 256,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+            "layer_types": ["mamba", "mamba", "mamba", "attention"],
+        }
     )
     with caplog.at_level(logging.WARNING):
         resolve(engine_flags(settings_for()), geometry, None, None)
     assert "recurrent state" in caplog.text and "--block-size" in caplog.text
     caplog.clear()
     cache = CacheConfig(
-        num_gpu_blocks=100, block_size=400, cache_dtype="auto", enable_prefix_caching=True,
+        num_gpu_blocks=100,
+        block_size=400,
+        cache_dtype="auto",
+        enable_prefix_caching=True,
         gpu_memory_utilization=0.9,
         mamba_cache_mode="align",
     )
@@ -101,13 +127,23 @@ def test_hybrid_state_models_take_the_backends_block_size_and_cache_mode(caplog:
 
 def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.LogCaptureFixture) -> None:
     geometry = ModelGeometry.from_config(
-        {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-         "intermediate_size": 256, "vocab_size": 2048, "max_position_embeddings": 4096}
+        {
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "intermediate_size": 256,
+            "vocab_size": 2048,
+            "max_position_embeddings": 4096,
+        }
     )
 
     def layout_when_vllm_reports(blocks_per_request: float):
         cache = CacheConfig(
-            num_gpu_blocks=1000, block_size=16, cache_dtype="auto", enable_prefix_caching=True,
+            num_gpu_blocks=1000,
+            block_size=16,
+            cache_dtype="auto",
+            enable_prefix_caching=True,
             gpu_memory_utilization=0.9,
             max_request_blocks=blocks_per_request,
         )
@@ -135,11 +171,20 @@ def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilizati
     from app.runtime import engine_flags
 
     geometry = ModelGeometry.from_config(
-        {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
-         "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192, "torch_dtype": "bfloat16"}
+        {
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_hidden_layers": 32,
+            "intermediate_size": 14336,
+            "vocab_size": 128256,
+            "max_position_embeddings": 8192,
+            "torch_dtype": "bfloat16",
+        }
     )
-    settings = settings_for("--kv-cache-memory-bytes", "40GiB", "--gpu-memory-bytes", str(80 * 2**30),
-                            "--gpu-memory-utilization", "0.5")
+    settings = settings_for(
+        "--kv-cache-memory-bytes", "40GiB", "--gpu-memory-bytes", str(80 * 2**30), "--gpu-memory-utilization", "0.5"
+    )
     deployment = resolve(engine_flags(settings), geometry, None, None)
     predictor = build_predictor(deployment, geometry)
     budget = static_limits(

@@ -98,8 +98,9 @@ def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
     from app.sim.config import SimConfig
     from app.sim.request import Request, Sampling
 
-    engine = make_engine(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192,
-                                   max_num_seqs=64, speedup=1e9))
+    engine = make_engine(
+        SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192, max_num_seqs=64, speedup=1e9)
+    )
     sp = Sampling(max_tokens=4, penalties=True, ignore_eos=True)
     for i, n in enumerate((3000, 1000)):
         engine.add(Request(f"r{i}", [10 + i] * n, sp, 0.0))

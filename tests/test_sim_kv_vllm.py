@@ -20,12 +20,28 @@ pytestmark = pytest.mark.vllm
 CONFIGS = Path(__file__).parent / "configs"
 SCRIPT = Path(__file__).parent / "support" / "vllm_kv_groups.py"
 MAX_MODEL_LEN, IN_FLIGHT = 131_072, 8192
-VLLM_KIND = {"full": "full_attention", "sliding": "sliding_attention",
-             "chunked": "chunked_local_attention", "mamba": "mamba"}
-SPEC_KIND = {"FullAttentionSpec": "full", "SlidingWindowSpec": "sliding",
-             "ChunkedLocalAttentionSpec": "chunked", "MambaSpec": "mamba"}
-MODELS = ["llama-3-8b", "gemma-2-9b", "gemma-3-4b-it", "llama-4-scout-17b-16e",
-          "qwen3-next-80b-a3b", "nemotron-h-8b-base-8k", "jamba-v0.1", "mistral-7b-v0.1"]
+VLLM_KIND = {
+    "full": "full_attention",
+    "sliding": "sliding_attention",
+    "chunked": "chunked_local_attention",
+    "mamba": "mamba",
+}
+SPEC_KIND = {
+    "FullAttentionSpec": "full",
+    "SlidingWindowSpec": "sliding",
+    "ChunkedLocalAttentionSpec": "chunked",
+    "MambaSpec": "mamba",
+}
+MODELS = [
+    "llama-3-8b",
+    "gemma-2-9b",
+    "gemma-3-4b-it",
+    "llama-4-scout-17b-16e",
+    "qwen3-next-80b-a3b",
+    "nemotron-h-8b-base-8k",
+    "jamba-v0.1",
+    "mistral-7b-v0.1",
+]
 
 
 def model(name: str) -> SimModel:
@@ -36,21 +52,42 @@ def vllm_case(m: SimModel, layout: KVLayout) -> dict:
     """The simulator's layers as vLLM layer specs: its block size, its recurrent state shape
     (conv and temporal, bf16) padded to its page."""
     state = m.mamba
-    shapes = [] if state is None else [[state.conv_dim, state.conv_kernel - 1],
-                                       [state.heads, state.head_dim, state.state]]
-    layers = [{"kind": VLLM_KIND[kind], "block_size": block, "num_kv_heads": m.kv_heads,
-               "head_size": m.head_dim, "window": window, "chunk": window, "state_shapes": shapes,
-               "state_page_padded": layout.page_bytes if kind == "mamba" else None}
-              for kind, window, block in layout.layers]
-    return {"layout": "LBHNC", "max_model_len": MAX_MODEL_LEN, "max_in_flight_tokens": IN_FLIGHT,
-            "mamba_cache_mode": "none", "layers": layers}
+    shapes = (
+        [] if state is None else [[state.conv_dim, state.conv_kernel - 1], [state.heads, state.head_dim, state.state]]
+    )
+    layers = [
+        {
+            "kind": VLLM_KIND[kind],
+            "block_size": block,
+            "num_kv_heads": m.kv_heads,
+            "head_size": m.head_dim,
+            "window": window,
+            "chunk": window,
+            "state_shapes": shapes,
+            "state_page_padded": layout.page_bytes if kind == "mamba" else None,
+        }
+        for kind, window, block in layout.layers
+    ]
+    return {
+        "layout": "LBHNC",
+        "max_model_len": MAX_MODEL_LEN,
+        "max_in_flight_tokens": IN_FLIGHT,
+        "mamba_cache_mode": "none",
+        "layers": layers,
+    }
 
 
 @pytest.fixture(scope="module")
 def vllm_groups() -> list[dict]:
     cases = [vllm_case(m, build_layout(m, 1, "auto", None)) for m in map(model, MODELS)]
-    done = subprocess.run([str(VLLM_PYTHON), str(SCRIPT)], input=json.dumps(cases),
-                          capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(SCRIPT)],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -58,7 +95,6 @@ def vllm_groups() -> list[dict]:
 def test_groups_and_blocks_per_request_match_vllm(vllm_groups: list[dict], index: int) -> None:
     layout = build_layout(model(MODELS[index]), 1, "auto", None)
     vllm = vllm_groups[index]
-    assert Counter({g.kind: g.copies for g in layout.groups}) == Counter(
-        SPEC_KIND[spec] for spec, _ in vllm["groups"])
+    assert Counter({g.kind: g.copies for g in layout.groups}) == Counter(SPEC_KIND[spec] for spec, _ in vllm["groups"])
     assert max(n for _, n in vllm["groups"]) == layout.layers_per_group
     assert layout.max_request_blocks(MAX_MODEL_LEN, IN_FLIGHT) == vllm["max_request_blocks"]

@@ -16,14 +16,22 @@ from app.telemetry import vllm as telemetry
 READ_BY_KVGATE: list[tuple[str, ...]] = [
     *getattr(telemetry, "_ALIASES", {}).values(),
     ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    ("vllm:num_requests_running",), ("vllm:num_requests_waiting",),
-    ("vllm:num_preemptions_total",), ("vllm:prompt_tokens_total",),
-    ("vllm:generation_tokens_total",), ("vllm:cache_config_info",),
+    ("vllm:num_requests_running",),
+    ("vllm:num_requests_waiting",),
+    ("vllm:num_preemptions_total",),
+    ("vllm:prompt_tokens_total",),
+    ("vllm:generation_tokens_total",),
+    ("vllm:cache_config_info",),
     ("process_start_time_seconds",),
 ]
-PROMISED = ["vllm:request_success_total", "vllm:time_to_first_token_seconds",
-            "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]
+PROMISED = [
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+]
 
 
 def shapes(text: str) -> dict[str, tuple[str, frozenset[str]]]:
@@ -40,14 +48,18 @@ def shapes(text: str) -> dict[str, tuple[str, frozenset[str]]]:
 def sim_page() -> str:
     cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192, speedup=500)
     with SimRunner(cfg) as sim:
-        httpx.post(sim.url + "/v1/completions", json={"model": "llama-3.1-8b", "prompt": "hi",
-                   "max_tokens": 2}, timeout=30)
+        httpx.post(
+            sim.url + "/v1/completions", json={"model": "llama-3.1-8b", "prompt": "hi", "max_tokens": 2}, timeout=30
+        )
         return httpx.get(sim.url + "/metrics", timeout=10).text
 
 
 def test_sim_metrics_match_live_vllm_for_what_kvgate_reads(vllm_server, sim_page: str) -> None:
-    httpx.post(vllm_server.base_url + "/v1/completions", json={
-        "model": vllm_server.served_name, "prompt": "hi", "max_tokens": 2}, timeout=120)
+    httpx.post(
+        vllm_server.base_url + "/v1/completions",
+        json={"model": vllm_server.served_name, "prompt": "hi", "max_tokens": 2},
+        timeout=120,
+    )
     live = shapes(httpx.get(vllm_server.base_url + "/metrics", timeout=30).text)
     ours = shapes(sim_page)
     wanted: list[str] = list(PROMISED)
@@ -55,6 +67,5 @@ def test_sim_metrics_match_live_vllm_for_what_kvgate_reads(vllm_server, sim_page
         present = [n for n in aliases if n in live]
         assert present, f"live vLLM exposes none of {aliases}: kvgate's scraper reads nothing"
         wanted += present
-    diffs = {n: {"vllm": live.get(n), "sim": ours.get(n)} for n in dict.fromkeys(wanted)
-             if live.get(n) != ours.get(n)}
+    diffs = {n: {"vllm": live.get(n), "sim": ours.get(n)} for n in dict.fromkeys(wanted) if live.get(n) != ours.get(n)}
     assert not diffs, diffs

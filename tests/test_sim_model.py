@@ -23,10 +23,18 @@ def config(name: str) -> SimModel:
 
 # Total parameters as the model cards state them (billions), vision towers included.
 PUBLIC_PARAMETERS = [
-    ("llama-3-8b", 8.03), ("mistral-7b-v0.1", 7.24), ("qwen2.5-7b-instruct", 7.61),
-    ("mixtral-8x7b-v0.1", 46.7), ("deepseek-v2-lite", 15.7), ("gemma-2-9b", 9.24),
-    ("gemma-3-4b-it", 4.3), ("jamba-v0.1", 51.6), ("qwen3-next-80b-a3b", 80.0),
-    ("llama-4-scout-17b-16e", 109.0), ("llava-1.5-7b-hf", 7.06), ("nemotron-h-8b-base-8k", 8.1),
+    ("llama-3-8b", 8.03),
+    ("mistral-7b-v0.1", 7.24),
+    ("qwen2.5-7b-instruct", 7.61),
+    ("mixtral-8x7b-v0.1", 46.7),
+    ("deepseek-v2-lite", 15.7),
+    ("gemma-2-9b", 9.24),
+    ("gemma-3-4b-it", 4.3),
+    ("jamba-v0.1", 51.6),
+    ("qwen3-next-80b-a3b", 80.0),
+    ("llama-4-scout-17b-16e", 109.0),
+    ("llava-1.5-7b-hf", 7.06),
+    ("nemotron-h-8b-base-8k", 8.1),
 ]
 
 
@@ -41,8 +49,7 @@ def test_layer_kinds_by_family() -> None:
     assert Counter(config("llama-4-scout-17b-16e").layer_kinds) == {"chunked": 36, "full": 12}
     assert Counter(config("jamba-v0.1").layer_kinds) == {"mamba": 28, "full": 4}
     assert Counter(config("qwen3-next-80b-a3b").layer_kinds) == {"mamba": 36, "full": 12}
-    assert Counter(config("nemotron-h-8b-base-8k").layer_kinds) == {
-        "mamba": 24, "none": 24, "full": 4}
+    assert Counter(config("nemotron-h-8b-base-8k").layer_kinds) == {"mamba": 24, "none": 24, "full": 4}
     assert set(config("deepseek-v2-lite").layer_kinds) == {"mla"}
     assert set(config("mistral-7b-v0.1").layer_kinds) == {"sliding"}
     assert set(config("qwen2.5-7b-instruct").layer_kinds) == {"full"}  # use_sliding_window off
@@ -120,17 +127,22 @@ def _package(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
 
 
-def _offending(files: list[Path], forbidden: tuple[str, ...], package: str | None = None
-               ) -> list[str]:
-    return sorted(f"{p.name} imports {m}" for p in files
-                  for m in _imports(p, package or _package(p))
-                  if any(m == f or m.startswith(f + ".") for f in forbidden))
+def _offending(files: list[Path], forbidden: tuple[str, ...], package: str | None = None) -> list[str]:
+    return sorted(
+        f"{p.name} imports {m}"
+        for p in files
+        for m in _imports(p, package or _package(p))
+        if any(m == f or m.startswith(f + ".") for f in forbidden)
+    )
 
 
 def test_simulator_imports_no_estimator_and_the_estimator_no_simulator() -> None:
     sim = sorted((ROOT / "app" / "sim").rglob("*.py"))
-    estimator = [*sorted((ROOT / "app" / "memory").rglob("*.py")),
-                 *sorted((ROOT / "app" / "gate").rglob("*.py")), ROOT / "app" / "predict.py"]
+    estimator = [
+        *sorted((ROOT / "app" / "memory").rglob("*.py")),
+        *sorted((ROOT / "app" / "gate").rglob("*.py")),
+        ROOT / "app" / "predict.py",
+    ]
     assert sim and estimator
     assert _offending(sim, FORBIDDEN) == []
     assert _offending(estimator, ("app.sim",)) == []

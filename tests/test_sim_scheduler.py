@@ -7,8 +7,7 @@ from app.sim.request import Request, Sampling, Status
 from app.sim.scheduler import Scheduler, SchedulerOutput
 
 
-def make(num_blocks: int = 1000, mnbt: int = 64, mns: int = 4, caching: bool = True,
-         threshold: int = 0) -> Scheduler:
+def make(num_blocks: int = 1000, mnbt: int = 64, mns: int = 4, caching: bool = True, threshold: int = 0) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, caching), 16)
     return Scheduler(kv, mnbt, mns, 4096, threshold)
 

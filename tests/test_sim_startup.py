@@ -22,8 +22,7 @@ def boot(**kw) -> tuple[startup.Resolved, startup.StartupReport, Device]:
     return r, rep, dev
 
 
-PR_10511 = dict(model="llama-3-8b", gpu="h100-80gb", max_num_seqs=256,
-                max_num_batched_tokens=8192)
+PR_10511 = dict(model="llama-3-8b", gpu="h100-80gb", max_num_seqs=256, max_num_batched_tokens=8192)
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,16 @@ class LoggedStartup:
 
 
 CALIBRATION = [
-    LoggedStartup("vLLM PR #10511, H100, TP 1 (vLLM 0.6.5)",
-                  dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5"), 14.96, 53.29),
+    LoggedStartup(
+        "vLLM PR #10511, H100, TP 1 (vLLM 0.6.5)", dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5"), 14.96, 53.29
+    ),
     # The TP 2 log's last line is cut in the PR; 71.29 - 7.48 - 3.58 - 1.26 from its own lines.
-    LoggedStartup("vLLM PR #10511, H100, TP 2 (vLLM 0.6.5)",
-                  dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5", tensor_parallel_size=2),
-                  7.48, 58.97),
+    LoggedStartup(
+        "vLLM PR #10511, H100, TP 2 (vLLM 0.6.5)",
+        dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5", tensor_parallel_size=2),
+        7.48,
+        58.97,
+    ),
 ]
 
 
@@ -73,8 +76,13 @@ def test_llama_3_1_8b_starts_on_a_24_gib_card_at_20000_tokens() -> None:
     """`--max-model-len 20000 --max-num-batched-tokens 20000` on an RTX 4090 (23.64 GiB): 20,000
     tokens of KV (2.44 GiB) fit, as vLLM starts it."""
     for runner in ("v1", "v2"):
-        r, rep, _ = boot(model="llama-3.1-8b", gpu="rtx-4090-24gb", max_model_len=20000,
-                         max_num_batched_tokens=20000, model_runner=runner)
+        r, rep, _ = boot(
+            model="llama-3.1-8b",
+            gpu="rtx-4090-24gb",
+            max_model_len=20000,
+            max_num_batched_tokens=20000,
+            model_runner=runner,
+        )
         assert r.flavor.runner == runner
         assert rep.kv_available > 20000 * 2 * 8 * 128 * 2 * 32 and rep.max_concurrency > 1
 
@@ -82,8 +90,7 @@ def test_llama_3_1_8b_starts_on_a_24_gib_card_at_20000_tokens() -> None:
 def test_refusal_logs_available_memory_first() -> None:
     """vLLM logs "Available KV cache memory" and only then raises the max_model_len error."""
     with pytest.raises(startup.StartupError) as info:
-        boot(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=20000,
-             max_num_batched_tokens=20000)
+        boot(model="llama-3.1-8b", gpu="l4-24gb", max_model_len=20000, max_num_batched_tokens=20000)
     assert info.value.log[-1].startswith("Available KV cache memory: ")
     assert "max seq len (20000)" in str(info.value)
 
@@ -105,15 +112,16 @@ def test_default_plays_vllm_0_32_model_runner_v2() -> None:
 
 def test_kv_pool_is_sized_as_vllm_sizes_it() -> None:
     r, rep, _ = boot(**PR_10511)
-    expected = (rep.requested - rep.weights - rep.persistent - rep.activation_peak - rep.non_torch
-                - rep.cudagraph)
+    expected = rep.requested - rep.weights - rep.persistent - rep.activation_peak - rep.non_torch - rep.cudagraph
     assert rep.kv_available == expected
     page = 2 * 16 * 8 * 128 * 2 * 32  # K and V, block 16, 8 KV heads, dim 128, bf16, 32 layers
     assert r.page_bytes == page and rep.num_gpu_blocks == expected // page
     assert rep.max_concurrency == rep.num_gpu_blocks / (8192 // 16)
     assert rep.kv_tokens == int(rep.max_concurrency * 8192)
-    assert (f"GPU KV cache size: {rep.kv_tokens:,} tokens, Maximum concurrency for 8,192 tokens "
-            f"per request: {rep.max_concurrency:.2f}x") in rep.log
+    assert (
+        f"GPU KV cache size: {rep.kv_tokens:,} tokens, Maximum concurrency for 8,192 tokens "
+        f"per request: {rep.max_concurrency:.2f}x"
+    ) in rep.log
 
 
 def test_explicit_kv_cache_memory_bytes_and_graphs_outside_budget() -> None:
@@ -146,8 +154,11 @@ def test_fp8_kv_halves_the_page() -> None:
 
 
 def test_refuses_max_model_len_that_does_not_fit() -> None:
-    with pytest.raises(startup.StartupError, match=r"To serve at least one request with the "
-                       r"model's max seq len \(131072\)"):
+    with pytest.raises(
+        startup.StartupError,
+        match=r"To serve at least one request with the "
+        r"model's max seq len \(131072\)",
+    ):
         boot(model="llama-3.1-8b", gpu="l4-24gb")
 
 
@@ -166,8 +177,7 @@ def test_speculative_draft_model_shares_weights_budget_and_kv_pool() -> None:
     assert rep.weights - base.weights == pytest.approx(r.draft.parameter_count() * 2, abs=512)
     # tiny-llama: 2 layers x 2 KV heads x 32 dims x 2 (K, V) x 2 B = 256 B per token and layer;
     # the target's page is 16 tokens x 4 KiB, so the draft's block holds 256 tokens.
-    assert {(g.kind, g.block_size, g.copies) for g in r.layout.groups} == {
-        ("full", 16, 16), ("full", 256, 1)}
+    assert {(g.kind, g.block_size, g.copies) for g in r.layout.groups} == {("full", 16, 16), ("full", 256, 1)}
     assert r.layout.layers_per_group == 2 and plain.layout.layers_per_group == 32
     with pytest.raises(startup.StartupError, match="num_speculative_tokens"):
         boot(**PR_10511, speculative_config={"method": "ngram"})
@@ -178,10 +188,12 @@ def test_speculative_draft_model_shares_weights_budget_and_kv_pool() -> None:
 def test_moe_models_play_their_dense_layers_too() -> None:
     """DeepSeek-V2-Lite's first layer keeps a 10,944-wide dense MLP beside 64 routed experts;
     Mixtral has none."""
+
     def allocations(model: str) -> set[str]:
         r, _, _ = boot(model=model, gpu="h200-141gb", max_model_len=8192)
         tape = startup.step_memories(r)[0].plan(startup.profile_shape(r))
         return {name for op, name, _ in tape if op == "alloc"}
+
     assert {"dense_gate_up", "moe_cache13"} <= allocations("deepseek-v2-lite")
     mixtral = allocations("mixtral-8x7b")
     assert "moe_cache13" in mixtral and "dense_gate_up" not in mixtral
@@ -192,8 +204,13 @@ def test_materializing_scores_stop_at_the_window_when_every_layer_slides(tmp_pat
     tokens of context scores 2,048 x (4,096 + 2,048) keys, not 2,048 x 22,048."""
     config = Path(__file__).parent / "configs" / "mistral-7b-v0.1.json"
     (tmp_path / "config.json").write_text(config.read_text())
-    r, _, _ = boot(model=str(tmp_path), gpu="h100-80gb", max_model_len=32768,
-                   max_num_batched_tokens=2048, attention_backend="materializing")
+    r, _, _ = boot(
+        model=str(tmp_path),
+        gpu="h100-80gb",
+        max_model_len=32768,
+        max_num_batched_tokens=2048,
+        attention_backend="materializing",
+    )
     chunk = startup.StepShape((startup.ReqSlice(2048, 20000),))
     scores = {n: b for op, n, b in startup.step_memories(r)[0].plan(chunk) if op == "alloc"}
     assert scores["attn_scores"] == r.dims.q_heads * 2048 * (4096 + 2048) * 4

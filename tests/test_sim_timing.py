@@ -34,14 +34,14 @@ def test_step_time_scales_with_weights_per_gpu_and_speedup_divides_it() -> None:
 
 
 def _cfg(**kw) -> SimConfig:
-    return SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192,
-                     max_num_seqs=64, metrics_clock="sim", **kw)
+    return SimConfig(
+        model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192, max_num_seqs=64, metrics_clock="sim", **kw
+    )
 
 
 def _hist_sum(engine, name: str) -> float:
     text = generate_latest(engine.metrics.registry).decode()
-    return next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith(name + "_sum"))
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "_sum"))
 
 
 def test_speedup_plays_simulated_seconds_in_a_fraction_of_wall_time() -> None:
@@ -61,6 +61,7 @@ def test_latency_histograms_are_in_simulated_seconds_and_deterministic() -> None
     def run():
         out = play(_cfg(), [Job(8000, Sampling(max_tokens=20, ignore_eos=True))])
         return out.engine
+
     a, b = run(), run()
     assert a.sim_clock == b.sim_clock  # same workload, same simulated time
     # one request from time 0: its e2e latency is the whole simulated run

@@ -70,8 +70,9 @@ def test_transient_margin_backs_off_on_oom_and_unpredicted_growth_then_relaxes_t
     c = Calibration(CalibrationConfig(margin=0.1, max_margin=0.6, hold_s=1))
     assert c.transient_margin == 0.1
     assert c.oom_restart(0) == 0.28  # 1 - 0.9 x 0.8
-    why = c.observe_transient(1, server_growth=900 * MiB, predicted_peak=100 * MiB,
-                              tolerance=200 * MiB, waiting_for_transient=False)
+    why = c.observe_transient(
+        1, server_growth=900 * MiB, predicted_peak=100 * MiB, tolerance=200 * MiB, waiting_for_transient=False
+    )
     assert why and "grew 900 MiB" in why and c.transient_error_bytes == 800 * MiB
     for t in range(2, 40):
         c.oom_restart(t)

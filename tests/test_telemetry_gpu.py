@@ -28,10 +28,10 @@ def gpu(n: int, used: int = 70 * GiB, **kw: object) -> FakeDevice:
     return FakeDevice(f"GPU-{n:08d}-aaaa", 80 * GiB, processes={1000 + n: used}, **kw)
 
 
-
 def tightest(reading: GpuReading) -> int:
     """The free bytes of the fullest device read (the headroom follows that one)."""
     return min(d.free for d in reading.devices)
+
 
 def test_visible_devices_spec() -> None:
     assert visible_devices(None) is None and visible_devices("all") is None
@@ -100,11 +100,14 @@ async def test_nvml_errors_mid_run_are_a_reading_error() -> None:
 
 
 def reading(*devices: tuple[str, int, dict[int, int | None]]) -> GpuReading:
-    return GpuReading(tuple(
-        DeviceMemory(uuid, "gpu", 80 * GiB, free, 80 * GiB - free,
-                     tuple(GpuProcess(p, b) for p, b in procs.items()))
-        for uuid, free, procs in devices
-    ))
+    return GpuReading(
+        tuple(
+            DeviceMemory(
+                uuid, "gpu", 80 * GiB, free, 80 * GiB - free, tuple(GpuProcess(p, b) for p, b in procs.items())
+            )
+            for uuid, free, procs in devices
+        )
+    )
 
 
 def test_headroom_is_free_plus_server_growth_and_cotenants_shrink_it() -> None:

@@ -33,9 +33,7 @@ def test_what_counts_as_a_restart() -> None:
     assert _restarted(before, parse_metrics(page(two_engines=True)))  # an engine came
 
 
-def test_cache_config_change_is_applied(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cache_config_change_is_applied(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with fake.running_fake_backend() as backend:
         with running_kvgate(backend.base_url, tiny_model_dir, tmp_path) as kvgate:
             # 64 blocks, the null block out, times the default KV overcommit (1.2)

@@ -55,7 +55,9 @@ def test_real_vllm_cpu_pages(page: str) -> None:
 
 def test_old_names_and_two_engines() -> None:
     s = parse_metrics(OLD_NAMES_TWO_ENGINES)
-    assert s.cache_config and list(s.engines) == ["0", "1"] and s.cache_config.num_gpu_blocks == 1001  # the smaller pool
+    assert (
+        s.cache_config and list(s.engines) == ["0", "1"] and s.cache_config.num_gpu_blocks == 1001
+    )  # the smaller pool
     assert s.kv_usage == pytest.approx(0.375)  # mean of the engines' ratios
     assert s.engines["0"].kv_blocks_used == 500 and s.engines["1"].kv_blocks_used == 500
     assert s.kv_blocks_used == 1000 and s.kv_blocks_usable == 1000 + 2000

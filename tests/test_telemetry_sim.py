@@ -60,8 +60,17 @@ def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="module")
 def sim_config(model_dir: Path) -> Callable[..., SimConfig]:
     def make(**kw: object) -> SimConfig:
-        return SimConfig(**{"model": str(model_dir), "served_model_name": MODEL, "gpu": "h100-80gb",
-                            "max_model_len": 8192, "speedup": 50, **kw})  # type: ignore[arg-type]
+        return SimConfig(
+            **{
+                "model": str(model_dir),
+                "served_model_name": MODEL,
+                "gpu": "h100-80gb",
+                "max_model_len": 8192,
+                "speedup": 50,
+                **kw,
+            }
+        )  # type: ignore[arg-type]
+
     return make
 
 
@@ -85,13 +94,21 @@ def set_cotenant(sim: SimRunner, nbytes: int) -> None:
     httpx.post(sim.url + "/sim/cotenant", json={"name": "trainer", "bytes": nbytes}).raise_for_status()
 
 
-@pytest.mark.parametrize(("body", "allocator"), [
-    (LOGPROBS_BODY, {}), (PLAIN_BODY, {"expandable_segments": True}),
-], ids=["unprofiled-terms", "profiled-terms-only"])
+@pytest.mark.parametrize(
+    ("body", "allocator"),
+    [
+        (LOGPROBS_BODY, {}),
+        (PLAIN_BODY, {"expandable_segments": True}),
+    ],
+    ids=["unprofiled-terms", "profiled-terms-only"],
+)
 def test_cotenant_makes_kvgate_hold_instead_of_oom(
     body: dict, allocator: dict, model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
 ) -> None:
-    with SimRunner(sim_config(**allocator)) as sim, running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
+    with (
+        SimRunner(sim_config(**allocator)) as sim,
+        running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate,
+    ):
         free = httpx.get(sim.url + "/sim/gpu").json()["free"]
         assert readyz(kvgate)["telemetry"]["gpu_probe"] == "sim"
         set_cotenant(sim, free - LEFT)
@@ -125,8 +142,10 @@ def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
         margin = kvgate.metric("kvgate_transient_safety_margin")
         long_body = {"model": MODEL, "prompt": "a long story", "max_tokens": 8000, "ignore_eos": True}
         with ThreadPoolExecutor(8) as pool:
-            in_flight = [pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=long_body, timeout=60)
-                         for _ in range(2)]
+            in_flight = [
+                pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=long_body, timeout=60)
+                for _ in range(2)
+            ]
             wait_for(lambda: kvgate.metric("kvgate_backend_running_requests") == 2, what="running requests")
             # Someone else's request, straight to vLLM, kills the engine (a co-tenant squeezed it).
             set_cotenant(sim, httpx.get(sim.url + "/sim/gpu").json()["free"] - LEFT)
@@ -135,15 +154,18 @@ def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
             assert [f.result().status_code for f in in_flight] == [500, 500]  # failed cleanly
             wait_for(lambda: mode(kvgate) == "down", what="kvgate to see the backend down")
             body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8}
-            queued = [pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60)
-                      for _ in range(3)]
+            queued = [
+                pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60) for _ in range(3)
+            ]
             wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 3, what="requests held in the queue")
             assert sim.engine.state == "dead"
             assert [f.result().status_code for f in queued] == [200, 200, 200]
         assert sim.engine.restarts == 1
         assert kvgate.metric("kvgate_backend_restarts_total") == 1
         held = kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down")
-        assert held >= 1 and held + kvgate.metric("kvgate_decisions_total", decision="queue", reason="behind_queue") == 3
+        assert (
+            held >= 1 and held + kvgate.metric("kvgate_decisions_total", decision="queue", reason="behind_queue") == 3
+        )
         assert kvgate.metric("kvgate_transient_safety_margin") > margin
         assert "likely a CUDA OOM" in kvgate.log() and mode(kvgate) == "live"
         assert kvgate.metric("kvgate_in_flight_requests") == 0 and kvgate.metric("kvgate_reserved_kv_blocks") == 0
@@ -162,7 +184,9 @@ class FreezableProxy:
                 await asyncio.sleep(30)
             async with httpx.AsyncClient(base_url=self.target, timeout=60) as client:
                 upstream = await client.request(
-                    request.method, request.url.path, content=await request.body(),
+                    request.method,
+                    request.url.path,
+                    content=await request.body(),
                     headers={"content-type": request.headers.get("content-type", "application/json")},
                 )
             return Response(upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type"))
@@ -195,8 +219,9 @@ def test_stale_metrics_switch_to_conservative_mode_and_back(
             wait_for(lambda: "num_gpu_blocks=" in kvgate.log(), what="the backend's pool")
             pool = int(re.search(r"num_gpu_blocks=(\d+)", kvgate.log()).group(1)) - 1
             live = int(pool * 1.2)
-            wait_for(lambda: mode(kvgate) == "live" and kvgate.metric("kvgate_budget_kv_blocks") == live,
-                     what="live mode")
+            wait_for(
+                lambda: mode(kvgate) == "live" and kvgate.metric("kvgate_budget_kv_blocks") == live, what="live mode"
+            )
             proxy.frozen = True
             wait_for(lambda: mode(kvgate) == "conservative", what="conservative mode")
             assert kvgate.metric("kvgate_budget_mode", mode="conservative") == 1
@@ -206,7 +231,9 @@ def test_stale_metrics_switch_to_conservative_mode_and_back(
             body = {"model": MODEL, "prompt": "still serving", "max_tokens": 4}
             assert httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
             proxy.frozen = False
-            wait_for(lambda: mode(kvgate) == "live" and kvgate.metric("kvgate_budget_kv_blocks") == live,
-                     what="live mode again")
+            wait_for(
+                lambda: mode(kvgate) == "live" and kvgate.metric("kvgate_budget_kv_blocks") == live,
+                what="live mode again",
+            )
             assert "budget mode live -> conservative" in kvgate.log()
             assert "budget mode conservative -> live" in kvgate.log()

@@ -31,18 +31,25 @@ KVGATE_FLAGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--sc
 
 @pytest.fixture(scope="module")
 def vllm_without_prefix_caching(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-nopc"),
-                      extra_args=("--no-enable-prefix-caching",)) as server:
+    with running_vllm(
+        tiny_model_dir, tmp_path_factory.mktemp("vllm-nopc"), extra_args=("--no-enable-prefix-caching",)
+    ) as server:
         yield server
 
 
 def wave(kvgate: KvgateServer, n: int) -> list[float]:
     """CLIENTS requests at once; kvgate's reported errors from settled scrapes with 4+ running."""
+
     def one(client: int) -> int:
         # logprobs make each of vLLM's steps slow (their serialisation), so a wave stays steady
         # for seconds even on an idle machine, where plain 124-token answers finish in 0.2 s.
-        body = {"model": SERVED_NAME, "prompt": f"{SHARED} {chr(97 + client)}{n}", "max_tokens": 124,
-                "ignore_eos": True, "logprobs": 20}
+        body = {
+            "model": SERVED_NAME,
+            "prompt": f"{SHARED} {chr(97 + client)}{n}",
+            "max_tokens": 124,
+            "ignore_eos": True,
+            "logprobs": 20,
+        }
         return httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120).status_code
 
     errors = []

@@ -29,8 +29,16 @@ def backend() -> Iterator[FakeBackend]:
 
 def kvgate_with(backend: FakeBackend, scratch: Path, tiny_model_dir: Path, *flags: str):
     return running_kvgate(
-        backend.base_url, tiny_model_dir, scratch, "--kv-output-quantile", "1", "--max-kv-overcommit", "1",
-        "--max-queue-wait", "60", *flags,
+        backend.base_url,
+        tiny_model_dir,
+        scratch,
+        "--kv-output-quantile",
+        "1",
+        "--max-kv-overcommit",
+        "1",
+        "--max-queue-wait",
+        "60",
+        *flags,
     )
 
 
@@ -46,10 +54,13 @@ async def finish_times(kvgate: KvgateServer) -> tuple[list[float], list[float]]:
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60, limits=limits) as client:
         flood = [
-            asyncio.create_task(send(
-                client, {**BODY, "priority": -10},
-                {"authorization": "Bearer flooder", "x-kvgate-priority": "-10", "x-kvgate-tenant": f"t{i}"},
-            ))
+            asyncio.create_task(
+                send(
+                    client,
+                    {**BODY, "priority": -10},
+                    {"authorization": "Bearer flooder", "x-kvgate-priority": "-10", "x-kvgate-tenant": f"t{i}"},
+                )
+            )
             for i in range(FLOOD)
         ]
         await asyncio.sleep(0.3)  # the flood is queued first
@@ -73,7 +84,13 @@ async def test_a_trusted_gateway_header_names_tenant_and_priority(
     """With the gateway's headers trusted, its priorities order the queue again: the flood's
     -10 goes first, the honest requests (priority 0) after all of it."""
     with kvgate_with(
-        backend, tmp_path, tiny_model_dir, "--tenant-header", "x-kvgate-tenant", "--priority-header", "x-kvgate-priority",
+        backend,
+        tmp_path,
+        tiny_model_dir,
+        "--tenant-header",
+        "x-kvgate-tenant",
+        "--priority-header",
+        "x-kvgate-priority",
     ) as kvgate:
         flood, honest = await finish_times(kvgate)
     assert min(honest) > max(flood) - 0.3, (sorted(flood), honest)

@@ -120,9 +120,7 @@ CHATS = {
     },
     "bos_twice": {"messages": [{"role": "user", "content": "Hi"}], "add_special_tokens": True},
     "openai_format_template": {
-        "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}
-        ],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}],
         "chat_template": PARTS_TEMPLATE,
         "chat_template_kwargs": {"greeting": "Sure:", "unused": 1},
     },
@@ -324,9 +322,20 @@ def test_load_tokenizer_prefers_the_local_folder(tiny_model_dir, tmp_path):
 # normalization, whitespace runs of every kind, control characters, and the empty string.
 ENCODE_TEXTS = [
     *(p["prompt"] for p in PROMPTS.values()),
-    "", " ", "a\n\n  b", "  leading and trailing  ", "\t\t\ttabs\r\nCRLF\r\n", " " * 300,
-    "<s>hi</s> <unk>", "<s><s></s></s>", "x<s>y", "<s", "s>", "</s><pad>",
-    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>", "<|eot_id|><|eot_id|> <|eot_id|>",
+    "",
+    " ",
+    "a\n\n  b",
+    "  leading and trailing  ",
+    "\t\t\ttabs\r\nCRLF\r\n",
+    " " * 300,
+    "<s>hi</s> <unk>",
+    "<s><s></s></s>",
+    "x<s>y",
+    "<s",
+    "s>",
+    "</s><pad>",
+    "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>",
+    "<|eot_id|><|eot_id|> <|eot_id|>",
     "Ünïcödé ﬁ ligatures ＦＵＬＬＷＩＤＴＨ ½ ㎏ e\u0301 vs é, İstanbul ß ΣΑΣ",
     "emoji 👩\u200d👩\u200d👧\u200d👦 🇫🇷 family, ZWJ\u200d and ZWNJ\u200c, BOM\ufeff",
     "控制字符\x00\x01\x1f\x7f and 日本語のテキスト، العربية עברית",
@@ -377,29 +386,41 @@ def _variant_tokenizer(dest: Path, kind: str) -> Path:
     else:  # Llama-3 style: NFKC, a split regex, then byte-level without its own regex
         tok = Tokenizer(models.BPE(unk_token="<unk>"))
         tok.normalizer = normalizers.NFKC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(
-                __import__("tokenizers").Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-                behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(
+                    __import__("tokenizers").Regex(
+                        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+                    ),
+                    behavior="isolated",
+                ),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=700, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            vocab_size=700,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
             show_progress=False,
         )
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.add_special_tokens([AddedToken("<|eot_id|>", special=True, normalized=False)])
-    tok.add_tokens([
-        AddedToken("<|start_header_id|>", lstrip=True, rstrip=True, normalized=False),
-        AddedToken("json", single_word=True, normalized=True),
-    ])
+    tok.add_tokens(
+        [
+            AddedToken("<|start_header_id|>", lstrip=True, rstrip=True, normalized=False),
+            AddedToken("json", single_word=True, normalized=True),
+        ]
+    )
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1", special_tokens=[("<s>", bos), ("</s>", eos)]
     )
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         split_special_tokens=kind == "wordpiece",
     ).save_pretrained(dest)
     return dest

@@ -52,6 +52,7 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 
 def answering(*responses: bytes, then_hang: bool = False, then_close: bool = False) -> Handler:
     """Answer each request with the next of `responses`, then hang, close, or answer OK forever."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for response in responses:
             await read_request(reader)
@@ -63,6 +64,7 @@ def answering(*responses: bytes, then_hang: bool = False, then_close: bool = Fal
             while True:
                 await read_request(reader)
                 writer.write(OK)
+
     return handle
 
 
@@ -168,8 +170,9 @@ async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
             return {}
 
         source = Upstream(reads)
-        await Relay(source, {}, lambda: None, lambda outcome, tokens: ends.append((outcome, tokens)),
-                    count_output=True)({"type": "http"}, receive, send)
+        await Relay(
+            source, {}, lambda: None, lambda outcome, tokens: ends.append((outcome, tokens)), count_output=True
+        )({"type": "http"}, receive, send)
         assert source.released
         return [(m["body"], m["more_body"]) for m in sent[1:]], ends
 
@@ -306,7 +309,13 @@ async def test_unsendable_headers_are_refused_before_anything_is_sent() -> None:
     """Issue 15, finding 10: a header value with CR/LF would split the request kvgate writes."""
     async with server(answering()) as (url, connections):
         backend = Backend(url, timeout_s=5)
-        for header in [(b"x-a", b"1\r\nx-evil: 1"), (b"x-a", b"1\n"), (b"x-a", b"\0"), (b"bad name", b"1"), (b"", b"1")]:
+        for header in [
+            (b"x-a", b"1\r\nx-evil: 1"),
+            (b"x-a", b"1\n"),
+            (b"x-a", b"\0"),
+            (b"bad name", b"1"),
+            (b"", b"1"),
+        ]:
             with pytest.raises(InvalidField) as refused:
                 await backend.open("POST", b"/v1/completions", [header], b"{}")
             assert (status_of(refused.value), refused.value.code) == (400, "invalid_header")
@@ -319,6 +328,7 @@ async def test_unsendable_headers_are_refused_before_anything_is_sent() -> None:
 
 async def test_connect_timeout_is_configurable_and_a_503(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing reached the backend: 503 with Retry-After (it was a 504 after a fixed 5 s)."""
+
     async def never_connects(*args: object, **kwargs: object) -> None:
         await asyncio.sleep(3600)
 
@@ -368,8 +378,14 @@ async def test_a_client_leaving_before_the_head_closes_the_backend_connection() 
 
 
 def test_connection_named_headers_dropped_and_forwarded_for_appended() -> None:
-    raw = [(b"connection", b"close, X-Hop"), (b"x-hop", b"1"), (b"x-forwarded-for", b"203.0.113.7"),
-           (b"x-kept", b"1"), (b"host", b"kvgate"), (b"keep-alive", b"5")]
+    raw = [
+        (b"connection", b"close, X-Hop"),
+        (b"x-hop", b"1"),
+        (b"x-forwarded-for", b"203.0.113.7"),
+        (b"x-kept", b"1"),
+        (b"host", b"kvgate"),
+        (b"keep-alive", b"5"),
+    ]
     out = forward_headers(raw, "rid", ("10.0.0.2", 5555))
     assert out == [(b"x-kept", b"1"), (b"x-forwarded-for", b"203.0.113.7, 10.0.0.2"), (b"x-request-id", b"rid")]
     assert (b"x-forwarded-for", b"203.0.113.7") in forward_headers(raw, "rid", None)

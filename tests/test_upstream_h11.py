@@ -94,8 +94,13 @@ async def by_upstream(segments: list[bytes], end: str) -> Seen:
                 body += chunk
     except (TimeoutError, UpstreamError):
         pass
-    return Seen(conn.status or None, tuple((k.lower(), v) for k, v in conn.raw_headers), body,
-                conn.complete, conn.reusable and not transport.closed)
+    return Seen(
+        conn.status or None,
+        tuple((k.lower(), v) for k, v in conn.raw_headers),
+        body,
+        conn.complete,
+        conn.reusable and not transport.closed,
+    )
 
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"

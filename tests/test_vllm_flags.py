@@ -15,14 +15,47 @@ from app.vllm_flags import parse_size
 
 # A real `vllm serve` command line for Llama-3.1-8B on one H100, as an operator would paste it.
 VLLM_COMMAND = [
-    "vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--host", "0.0.0.0", "--port", "8000",
-    "--api-key", "secret", "--dtype", "bfloat16", "--max-model-len", "16k", "-tp", "1",
-    "--gpu-memory-utilization", "0.95", "--max-num-seqs", "512", "--max-num-batched-tokens", "8K",
-    "--enable-prefix-caching", "--enforce-eager", "--max-logprobs", "50", "--logprobs-mode",
-    "processed_logprobs", "--kv-cache-memory-bytes", "49.94GiB", "--cudagraph-capture-sizes", "1", "2",
-    "4", "--max-cudagraph-capture-size", "256", "--trust-remote-code", "--enable-log-requests",
-    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
-    "--uvicorn-log-level", "warning",
+    "vllm",
+    "serve",
+    "meta-llama/Llama-3.1-8B-Instruct",
+    "--host",
+    "0.0.0.0",
+    "--port",
+    "8000",
+    "--api-key",
+    "secret",
+    "--dtype",
+    "bfloat16",
+    "--max-model-len",
+    "16k",
+    "-tp",
+    "1",
+    "--gpu-memory-utilization",
+    "0.95",
+    "--max-num-seqs",
+    "512",
+    "--max-num-batched-tokens",
+    "8K",
+    "--enable-prefix-caching",
+    "--enforce-eager",
+    "--max-logprobs",
+    "50",
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--kv-cache-memory-bytes",
+    "49.94GiB",
+    "--cudagraph-capture-sizes",
+    "1",
+    "2",
+    "4",
+    "--max-cudagraph-capture-size",
+    "256",
+    "--trust-remote-code",
+    "--enable-log-requests",
+    "--speculative-config",
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}',
+    "--uvicorn-log-level",
+    "warning",
 ]
 
 
@@ -44,7 +77,12 @@ def test_a_whole_vllm_command_line_pastes_after_a_double_dash() -> None:
     assert settings.cudagraph_capture_sizes == [1, 2, 4] and settings.max_cudagraph_capture_size == 256
     assert settings.speculative_config is not None and settings.speculative_config.num_speculative_tokens == 4
     assert args.ignored_vllm_options == [
-        "--host", "--port", "--api-key", "--trust-remote-code", "--enable-log-requests", "--uvicorn-log-level",
+        "--host",
+        "--port",
+        "--api-key",
+        "--trust-remote-code",
+        "--enable-log-requests",
+        "--uvicorn-log-level",
     ]
 
 
@@ -71,11 +109,32 @@ def test_the_ignored_options_are_named_in_one_info_line(tmp_path: Path) -> None:
     config = Path(__file__).parent / "configs" / "llama-3-8b.json"
     (tmp_path / "config.json").write_text(config.read_text())
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "capacity", "--json", "--", "vllm", "serve", str(tmp_path),
-         "--kv-cache-memory-bytes", "8GiB", "--port", "8001", "--enforce-eager", "--api-key", "k"],
-        capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "capacity",
+            "--json",
+            "--",
+            "vllm",
+            "serve",
+            str(tmp_path),
+            "--kv-cache-memory-bytes",
+            "8GiB",
+            "--port",
+            "8001",
+            "--enforce-eager",
+            "--api-key",
+            "k",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["kv_cache_tokens"] == 8 * 2**30 // (32 * 2 * 8 * 128 * 2) // 16 * 16
     info = [line for line in done.stderr.splitlines() if "ignored" in line]
-    assert info == ["kvgate: info: vLLM options that do not change what kvgate predicts, ignored: --port --enforce-eager --api-key"]
+    assert info == [
+        "kvgate: info: vLLM options that do not change what kvgate predicts, ignored: --port --enforce-eager --api-key"
+    ]

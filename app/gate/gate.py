@@ -99,8 +99,14 @@ class Gate:
             return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
         loop = asyncio.get_running_loop()
         waiter = Waiter(
-            demand, priority, tenant, self._clock(), loop.create_future(), reason=reason,
-            refresh=refresh, request_id=request_id,
+            demand,
+            priority,
+            tenant,
+            self._clock(),
+            loop.create_future(),
+            reason=reason,
+            refresh=refresh,
+            request_id=request_id,
         )
         try:
             self.queue.push(waiter)
@@ -137,9 +143,10 @@ class Gate:
         ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
-            raise self._refuse(waiter, BackendDown(
-                f"Waited {self.max_queue_wait_s:g} s for the backend to come back ({self.budget.hold})."
-            ))
+            raise self._refuse(
+                waiter,
+                BackendDown(f"Waited {self.max_queue_wait_s:g} s for the backend to come back ({self.budget.hold})."),
+            )
         retry_after = self._retry_after(ahead)
         raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
 

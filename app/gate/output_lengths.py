@@ -36,9 +36,7 @@ from app.memory.outputs import OutputReservation
 class OutputLengths:
     """Recent (allowed, produced) output lengths and the reservation they justify."""
 
-    def __init__(
-        self, quantile: float, window: int = 512, min_samples: int = 16, refresh_every: int = 16
-    ) -> None:
+    def __init__(self, quantile: float, window: int = 512, min_samples: int = 16, refresh_every: int = 16) -> None:
         if not 0 < quantile <= 1:
             raise ValueError(f"quantile {quantile} not in (0, 1]")
         self.quantile = quantile

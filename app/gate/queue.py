@@ -120,7 +120,8 @@ class AdmissionQueue:
         for level, tenants in self._levels.items():
             for waiters in tenants.values():
                 ahead += sum(
-                    other.demand.kv_blocks for other in waiters
+                    other.demand.kv_blocks
+                    for other in waiters
                     if level < priority or (level == priority and (seq is None or other.seq < seq))
                 )
         return ahead

@@ -36,7 +36,12 @@ def check_head(scope: Scope, *, reads_body: bool) -> None:
 
 
 async def read_body(
-    scope: Scope, receive: Receive, limit: int, idle_timeout_s: float | None = None, *, reads_body: bool = True,
+    scope: Scope,
+    receive: Receive,
+    limit: int,
+    idle_timeout_s: float | None = None,
+    *,
+    reads_body: bool = True,
 ) -> bytes:
     """The whole body, once the head passed check_head; BodyTooLarge as soon as it is known to
     exceed `limit`, ClientTooSlow if the client sends nothing for `idle_timeout_s`, ClientGone if
@@ -66,9 +71,11 @@ async def read_body(
 
 def disconnect_future(receive: Receive) -> asyncio.Future:
     """Resolves when the client goes away; call only once the body has been read."""
+
     async def watch() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+
     return asyncio.ensure_future(watch())
 
 

@@ -27,9 +27,14 @@ class DecisionLog:
         if decision.kind == "admit" and decision.demand is not None:
             demand = decision.demand
             log_decision(
-                decision.request_id, "admit", "fits", prompt_tokens=demand.prompt_tokens,
-                max_new_tokens=demand.max_new_tokens, kv_blocks=demand.kv_blocks,
-                transient_bytes=demand.transient_bytes, queue_wait_s=round(decision.queue_wait_s, 4),
+                decision.request_id,
+                "admit",
+                "fits",
+                prompt_tokens=demand.prompt_tokens,
+                max_new_tokens=demand.max_new_tokens,
+                kv_blocks=demand.kv_blocks,
+                transient_bytes=demand.transient_bytes,
+                queue_wait_s=round(decision.queue_wait_s, 4),
             )
         elif decision.kind == "reject" and decision.error is not None:
             error = decision.error

@@ -38,8 +38,10 @@ def request_id_of(scope: Scope) -> str:
     """The client's x-request-id, else 32 hex digits unique to this process's requests and
     unguessable from the ones seen before: a counter keyed-hashed with a per-process secret
     (BLAKE2b, about a microsecond; uuid4 read the kernel's random source on every request)."""
-    return header(scope, b"x-request-id") or hashlib.blake2b(
-        next(_id_counter).to_bytes(8, "little"), key=_ID_KEY, digest_size=16).hexdigest()
+    return (
+        header(scope, b"x-request-id")
+        or hashlib.blake2b(next(_id_counter).to_bytes(8, "little"), key=_ID_KEY, digest_size=16).hexdigest()
+    )
 
 
 def tenant_of(scope: Scope, tenant_header: bytes | None) -> str:
@@ -107,7 +109,8 @@ class GatedRoutes:
             raw = await read_body(scope, receive, rt.settings.max_body_bytes, rt.settings.client_body_timeout)
             evaluation = await rt.pipeline.evaluate(endpoint, raw)
             priority = priority_of(
-                scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority)
+                scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority
+            )
         except ClientGone:
             rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="request_body"))
             raise
@@ -118,7 +121,9 @@ class GatedRoutes:
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
         ticket = await rt.gate.acquire(
-            prediction.demand, priority, tenant_of(scope, self._tenant_header),
+            prediction.demand,
+            priority,
+            tenant_of(scope, self._tenant_header),
             lambda: disconnect_future(receive),
             refresh=(lambda: predictor.refreshed(prediction)) if predictor else None,
             request_id=request_id,
@@ -147,7 +152,8 @@ class GatedRoutes:
                 if opened is None:
                     ticket.release("disconnected")
                     self.rt.gate.observers.decided(
-                        Decision("abandon", ClientGone.code, request_id, stage="awaiting_response"))
+                        Decision("abandon", ClientGone.code, request_id, stage="awaiting_response")
+                    )
                     return error_response(ClientGone())
                 upstream = opened
         except KvgateError as error:

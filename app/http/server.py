@@ -104,10 +104,19 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
         try:
             check_passthrough(request.scope["path"], forwarded_paths)
             body = await read_body(
-                request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout, reads_body=False,
+                request.scope,
+                request.receive,
+                settings.max_body_bytes,
+                settings.client_body_timeout,
+                reads_body=False,
             )
             return await passthrough(
-                rt.backend, request.method, request_target(request.scope), request.headers.raw, body, request_id,
+                rt.backend,
+                request.method,
+                request_target(request.scope),
+                request.headers.raw,
+                body,
+                request_id,
                 request.scope.get("client"),
             )
         except KvgateError as error:

@@ -120,7 +120,8 @@ class TransientEstimate:
 
     def _sum(self, profiled: bool | None = None, phase: str | None = None) -> int:
         return sum(
-            t.bytes for t in self.terms
+            t.bytes
+            for t in self.terms
             if (profiled is None or t.profiled == profiled) and (phase is None or t.phase == phase)
         )
 
@@ -208,27 +209,47 @@ def _attention_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int)
     backend = e.attention_backend
     if backend == "flash-attn":
         # vllm/v1/attention/backends/flash_attn.py: varlen kernel reads paged KV in place.
-        return [TransientTerm("attention_context", 0, True, "prefill",
-                              "flash-attn reads the paged KV cache in place: no context-sized buffer")]
+        return [
+            TransientTerm(
+                "attention_context",
+                0,
+                True,
+                "prefill",
+                "flash-attn reads the paged KV cache in place: no context-sized buffer",
+            )
+        ]
     if backend == "flashinfer":
         prefill = e.max_num_batched_tokens * heads * g.head_dim * FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM
         builder = max(FLASHINFER_WORKSPACE_BYTES, prefill)
-        return [TransientTerm(
-            "flashinfer_workspace", builder + FLASHINFER_WORKSPACE_BYTES, False, "decode",
-            f"max(394 MiB, {e.max_num_batched_tokens} tokens x {heads} q heads x {g.head_dim} x 16 B) "
-            "for the metadata builder (v1/attention/backends/flashinfer.py _get_workspace_buffer) + "
-            "the global 394 MiB TRT-LLM buffer (_get_trtllm_workspace_buffer), allocated on first use "
-            "after the profile run", stage="workspace", shared=True)]
+        return [
+            TransientTerm(
+                "flashinfer_workspace",
+                builder + FLASHINFER_WORKSPACE_BYTES,
+                False,
+                "decode",
+                f"max(394 MiB, {e.max_num_batched_tokens} tokens x {heads} q heads x {g.head_dim} x 16 B) "
+                "for the metadata builder (v1/attention/backends/flashinfer.py _get_workspace_buffer) + "
+                "the global 394 MiB TRT-LLM buffer (_get_trtllm_workspace_buffer), allocated on first use "
+                "after the profile run",
+                stage="workspace",
+                shared=True,
+            )
+        ]
     if backend == "materializing-eager":
         # Eager attention that materialises [chunk, heads, context + chunk] scores: softmax runs in
         # fp32 and is cast back to the model dtype (torch's SDPA math path, transformers' eager
         # attention), so fp32 scores and dtype probabilities are alive together.
         per_score = FP32 + dt
         scores = chunk * (context + chunk) * heads * per_score
-        return [TransientTerm(
-            "attention_context", scores, False, "prefill",
-            f"chunk {chunk} x (context {context} + chunk) x {heads} heads x (4 + {dt}) B scores",
-        )]
+        return [
+            TransientTerm(
+                "attention_context",
+                scores,
+                False,
+                "prefill",
+                f"chunk {chunk} x (context {context} + chunk) x {heads} heads x (4 + {dt}) B scores",
+            )
+        ]
     return _mla_terms(g, e, chunk, context, heads, dt)
 
 
@@ -251,19 +272,32 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
     latent = (g.kv_lora_rank or 0) + g.qk_rope_head_dim
     window = mla_workspace_tokens(e)
     workspace = TransientTerm(
-        "mla_workspace", window * latent * dt, False, "decode",
+        "mla_workspace",
+        window * latent * dt,
+        False,
+        "decode",
         f"workspace {window} tokens x {latent} latent x {dt} B, allocated with the "
-        "attention metadata builders after the profile run", stage="workspace", shared=True)
+        "attention metadata builders after the profile run",
+        stage="workspace",
+        shared=True,
+    )
     piece = min(context, window // e.block_size * e.block_size)
     if piece <= 0:
         return [workspace]
     per_token = heads * ((g.qk_nope_head_dim + g.v_head_dim) + (g.qk_nope_head_dim + g.qk_rope_head_dim)) * dt
     # attention output + merge_attn_states copy [chunk, heads, v] and fp32 LSEs
     outputs = 2 * chunk * heads * (g.v_head_dim * dt + FP32)
-    return [workspace, TransientTerm(
-        "mla_context_upproject", piece * per_token + outputs, False, "prefill",
-        f"context piece {piece} of {context} x {heads} heads x (nope+v + nope+rope) x {dt} B "
-        f"+ outputs for chunk {chunk}")]
+    return [
+        workspace,
+        TransientTerm(
+            "mla_context_upproject",
+            piece * per_token + outputs,
+            False,
+            "prefill",
+            f"context piece {piece} of {context} x {heads} heads x (nope+v + nope+rope) x {dt} B "
+            f"+ outputs for chunk {chunk}",
+        ),
+    ]
 
 
 def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
@@ -271,8 +305,14 @@ def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
     alive through every layer and the sampler. Profiled: the profile run carried them for
     ``max_num_batched_tokens`` tokens."""
     dt = g.dtype_bytes
-    return TransientTerm("hidden_states", 2 * tokens * g.hidden_size * dt, True, "prefill",
-                         f"hidden + residual 2 x {tokens} tokens x {g.hidden_size} x {dt} B", stage="residual")
+    return TransientTerm(
+        "hidden_states",
+        2 * tokens * g.hidden_size * dt,
+        True,
+        "prefill",
+        f"hidden + residual 2 x {tokens} tokens x {g.hidden_size} x {dt} B",
+        stage="residual",
+    )
 
 
 def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
@@ -284,8 +324,9 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
     tp, dt = e.tensor_parallel_size, g.dtype_bytes
     dense = 3 * tokens * (g.intermediate_size // tp) * dt  # gate_up [T, 2I/TP] + act [T, I/TP]
     if not g.is_moe:
-        return TransientTerm("mlp", dense, True, "prefill",
-                             f"3 x {tokens} tokens x {g.intermediate_size}/{tp} x {dt} B (gate_up + act)")
+        return TransientTerm(
+            "mlp", dense, True, "prefill", f"3 x {tokens} tokens x {g.intermediate_size}/{tp} x {dt} B (gate_up + act)"
+        )
     # vllm/model_executor/layers/fused_moe/fused_moe.py: intermediate_cache13 [M*topk*max(N,K)]
     # and intermediate_cache2 [M*topk, N/2], M = min(T, chunk size), N = 2*I_moe/TP.
     m = min(tokens, FUSED_MOE_CHUNK_TOKENS)
@@ -297,14 +338,21 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
     if shared:
         detail += f" + shared experts 3 x {tokens} x {g.shared_expert_intermediate_size}/{tp} x {dt} B"
     if g.num_dense_layers and dense > moe:
-        return TransientTerm("mlp", dense, True, "prefill", f"dense layers: 3 x {tokens} x {g.intermediate_size}/{tp} x {dt} B")
+        return TransientTerm(
+            "mlp", dense, True, "prefill", f"dense layers: 3 x {tokens} x {g.intermediate_size}/{tp} x {dt} B"
+        )
     return TransientTerm("moe", moe, True, "prefill", detail)
 
 
 def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
     return SamplerCost(
-        g.vocab_size, g.dtype_bytes, e.max_num_seqs, e.max_num_batched_tokens, e.runner,
-        e.num_speculative_tokens, e.max_logprobs,
+        g.vocab_size,
+        g.dtype_bytes,
+        e.max_num_seqs,
+        e.max_num_batched_tokens,
+        e.runner,
+        e.num_speculative_tokens,
+        e.max_logprobs,
     )
 
 
@@ -323,53 +371,109 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
     in_profile = min(rows, cost.profiled_rows)
     logits = stage.logits * in_profile // rows if rows else 0
     sort = stage.sort * in_profile // rows if rows else 0
-    terms = [TransientTerm(
-        "logits", logits, True, "decode",
-        f"{in_profile} rows{spec} x {v} vocab x ({dt}{' + 4' if e.runner == 'v1' else ''}) B ({where})",
-        stage="sampler")]
+    terms = [
+        TransientTerm(
+            "logits",
+            logits,
+            True,
+            "decode",
+            f"{in_profile} rows{spec} x {v} vocab x ({dt}{' + 4' if e.runner == 'v1' else ''}) B ({where})",
+            stage="sampler",
+        )
+    ]
     if sort:
-        terms.append(TransientTerm("sampler", sort, True, "decode",
-                                   f"{in_profile} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort",
-                                   stage="sampler"))
+        terms.append(
+            TransientTerm(
+                "sampler",
+                sort,
+                True,
+                "decode",
+                f"{in_profile} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort",
+                stage="sampler",
+            )
+        )
     if rows > in_profile:
-        terms.append(TransientTerm(
-            "logits_beyond_profile", stage.logits + stage.sort - logits - sort, False, "decode",
-            f"{rows - in_profile} sampled rows beyond the profile's {cost.profiled_rows}", stage="sampler"))
+        terms.append(
+            TransientTerm(
+                "logits_beyond_profile",
+                stage.logits + stage.sort - logits - sort,
+                False,
+                "decode",
+                f"{rows - in_profile} sampled rows beyond the profile's {cost.profiled_rows}",
+                stage="sampler",
+            )
+        )
     if stage.logits_fp32:
-        terms.append(TransientTerm(
-            "logits_fp32", stage.logits_fp32, False, "decode",
-            f"{rows} rows x {v} vocab x 4 B fp32 copy of a random batch (apply_sampling_params); "
-            "V2's profile batch is greedy", stage="sampler"))
+        terms.append(
+            TransientTerm(
+                "logits_fp32",
+                stage.logits_fp32,
+                False,
+                "decode",
+                f"{rows} rows x {v} vocab x 4 B fp32 copy of a random batch (apply_sampling_params); "
+                "V2's profile batch is greedy",
+                stage="sampler",
+            )
+        )
     if stage.top_k_top_p:
-        terms.append(TransientTerm(
-            "top_k_top_p", stage.top_k_top_p, False, "decode",
-            f"{rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B FlashInfer fp32 probabilities "
-            "(topk_topp_sampler.py flashinfer_sample); not in V2's greedy profile", stage="sampler"))
+        terms.append(
+            TransientTerm(
+                "top_k_top_p",
+                stage.top_k_top_p,
+                False,
+                "decode",
+                f"{rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B FlashInfer fp32 probabilities "
+                "(topk_topp_sampler.py flashinfer_sample); not in V2's greedy profile",
+                stage="sampler",
+            )
+        )
     if stage.logprobs:
-        detail = (f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax" if e.runner == "v1"
-                  else f"{rows} rows x ({cost.max_logprobs} + 1) x {TOPK_LOGPROBS_BYTES} B top-k ids and scores")
+        detail = (
+            f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax"
+            if e.runner == "v1"
+            else f"{rows} rows x ({cost.max_logprobs} + 1) x {TOPK_LOGPROBS_BYTES} B top-k ids and scores"
+        )
         if s.logprobs == -1:
             detail += f" + {rows} rows x {v} vocab x {ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B (logprobs -1: the whole vocabulary)"
         terms.append(TransientTerm("logprobs", stage.logprobs, False, "decode", detail, stage="sampler"))
     if stage.grammar_bitmask:
-        terms.append(TransientTerm(
-            "grammar_bitmask", stage.grammar_bitmask, False, "decode",
-            f"{rows} rows x ceil({v} / 32) x 4 B structured-output bitmask (v1/structured_output/utils.py "
-            "apply_grammar_bitmask)", stage="sampler"))
+        terms.append(
+            TransientTerm(
+                "grammar_bitmask",
+                stage.grammar_bitmask,
+                False,
+                "decode",
+                f"{rows} rows x ceil({v} / 32) x 4 B structured-output bitmask (v1/structured_output/utils.py "
+                "apply_grammar_bitmask)",
+                stage="sampler",
+            )
+        )
     if stage.penalties:
-        terms.append(TransientTerm("penalties", stage.penalties, False, "decode",
-                                   f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts and masks",
-                                   stage="sampler"))
+        terms.append(
+            TransientTerm(
+                "penalties",
+                stage.penalties,
+                False,
+                "decode",
+                f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts and masks",
+                stage="sampler",
+            )
+        )
     if stage.prompt_ids:
-        terms.append(TransientTerm("penalty_prompt_ids", stage.prompt_ids, False, "decode",
-                                   f"{PROMPT_ID_COPIES} x {rows} rows x {prompt_tokens} prompt ids x 8 B, "
-                                   "held across steps", stage="residual"))
+        terms.append(
+            TransientTerm(
+                "penalty_prompt_ids",
+                stage.prompt_ids,
+                False,
+                "decode",
+                f"{PROMPT_ID_COPIES} x {rows} rows x {prompt_tokens} prompt ids x 8 B, held across steps",
+                stage="residual",
+            )
+        )
     return terms
 
 
-def _prompt_logprobs_term(
-    g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int
-) -> TransientTerm:
+def _prompt_logprobs_term(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> TransientTerm:
     """Prompt logprobs of the worst step's `chunk` prompt tokens. Never profiled.
 
     V1 ``GPUModelRunner._get_prompt_logprobs_dict`` (vLLM 0.32.0), for every prompt token of
@@ -395,8 +499,14 @@ def _prompt_logprobs_term(
         else:
             cast = FP32 if dt < FP32 else 0
             per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
-        return TransientTerm("prompt_logprobs", chunk * v * per_logit, False, "prefill",
-                             f"chunk {chunk} x {v} vocab x ({what}) B", stage="prompt_logprobs")
+        return TransientTerm(
+            "prompt_logprobs",
+            chunk * v * per_logit,
+            False,
+            "prefill",
+            f"chunk {chunk} x {v} vocab x ({what}) B",
+            stage="prompt_logprobs",
+        )
     width = v + 1 if k == -1 else k + 1
     rows = min(chunk, V2_PROMPT_LOGPROBS_CHUNK)
     per_chunk = rows * v * dt
@@ -404,8 +514,10 @@ def _prompt_logprobs_term(
     if k == -1:
         per_chunk += rows * v * (dt + INT64_BYTES)  # torch.topk's values and int64 indices
         kept = (prompt_tokens + chunk) * width * TOPK_LOGPROBS_BYTES
-        detail += (f" + topk {rows} x {v} x ({dt} + 8) B + (prompt {prompt_tokens} + step {chunk}) x "
-                   f"{width} x {TOPK_LOGPROBS_BYTES} B ids and scores kept and concatenated")
+        detail += (
+            f" + topk {rows} x {v} x ({dt} + 8) B + (prompt {prompt_tokens} + step {chunk}) x "
+            f"{width} x {TOPK_LOGPROBS_BYTES} B ids and scores kept and concatenated"
+        )
     else:
         kept = 2 * chunk * width * TOPK_LOGPROBS_BYTES
         detail += f" + 2 x {chunk} x {width} x {TOPK_LOGPROBS_BYTES} B ids and scores"
@@ -438,4 +550,3 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     # V1 profiles a random full-vocab top-k/top-p sort; V2's dummy batch is greedy (logits only).
     sampler = hidden + cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1").profiled
     return max(forward, sampler)
-

@@ -54,8 +54,14 @@ def predict_footprint(
     max_kv_blocks = kv_blocks_for(layout, engine, prompt, max_new_tokens, n, enable_prefix_caching)
     # Built once with its reservation (this runs per request): not the full footprint, then a copy.
     reserved, kv_blocks = _reserved_blocks(
-        layout, engine, prompt, n, max_new_tokens, max_kv_blocks,
-        max_new_tokens if reservation is None else reservation.tokens, enable_prefix_caching,
+        layout,
+        engine,
+        prompt,
+        n,
+        max_new_tokens,
+        max_kv_blocks,
+        max_new_tokens if reservation is None else reservation.tokens,
+        enable_prefix_caching,
     )
     return Footprint(
         prompt_tokens=prompt,
@@ -71,19 +77,30 @@ def predict_footprint(
 
 
 def kv_blocks_for(
-    layout: KVLayout, engine: EngineShape, prompt_tokens: int, new_tokens: int, n: int,
+    layout: KVLayout,
+    engine: EngineShape,
+    prompt_tokens: int,
+    new_tokens: int,
+    n: int,
     enable_prefix_caching: bool,
 ) -> int:
     """Pool blocks for n samples of a prompt grown by `new_tokens` each (capped at max_model_len)."""
     total = min(prompt_tokens + new_tokens, engine.max_model_len)
     return layout.blocks_for_request(
-        prompt_tokens, total, n, engine.max_num_batched_tokens, engine.max_model_len,
+        prompt_tokens,
+        total,
+        n,
+        engine.max_num_batched_tokens,
+        engine.max_model_len,
         share_prompt=enable_prefix_caching,
     )
 
 
 def with_reservation(
-    fp: Footprint, layout: KVLayout, engine: EngineShape, reservation: OutputReservation,
+    fp: Footprint,
+    layout: KVLayout,
+    engine: EngineShape,
+    reservation: OutputReservation,
     enable_prefix_caching: bool,
 ) -> Footprint:
     """The same footprint reserving a different output length (learned since it was made)."""
@@ -91,15 +108,27 @@ def with_reservation(
     if unchanged and reservation.variance == fp.reserved_variance:
         return fp
     reserved, blocks = _reserved_blocks(
-        layout, engine, fp.prompt_tokens, fp.n, fp.max_new_tokens, fp.max_kv_blocks, reservation.tokens,
+        layout,
+        engine,
+        fp.prompt_tokens,
+        fp.n,
+        fp.max_new_tokens,
+        fp.max_kv_blocks,
+        reservation.tokens,
         enable_prefix_caching,
     )
     return replace(fp, reserved_new_tokens=reserved, reserved_variance=reservation.variance, kv_blocks=blocks)
 
 
 def _reserved_blocks(
-    layout: KVLayout, engine: EngineShape, prompt_tokens: int, n: int, max_new_tokens: int,
-    max_kv_blocks: int, reserved_tokens: int, enable_prefix_caching: bool,
+    layout: KVLayout,
+    engine: EngineShape,
+    prompt_tokens: int,
+    n: int,
+    max_new_tokens: int,
+    max_kv_blocks: int,
+    reserved_tokens: int,
+    enable_prefix_caching: bool,
 ) -> tuple[int, int]:
     """Output tokens reserved (never above max_new_tokens) and the pool blocks they take."""
     reserved = min(reserved_tokens, max_new_tokens)

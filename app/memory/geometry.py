@@ -27,19 +27,30 @@ ATTENTION_AND_STATE = f"{FULL_ATTENTION}+{RECURRENT_STATE}"
 
 # Layer-kind names as configs spell them (layer_types, layers_block_type).
 _LAYER_KINDS = {
-    "full_attention": FULL_ATTENTION, "attention": FULL_ATTENTION,
+    "full_attention": FULL_ATTENTION,
+    "attention": FULL_ATTENTION,
     "sliding_attention": SLIDING_ATTENTION,
-    "linear_attention": RECURRENT_STATE, "mamba": RECURRENT_STATE, "mamba2": RECURRENT_STATE,
-    "conv": RECURRENT_STATE, "short_conv": RECURRENT_STATE,
-    "mlp": NO_CACHE, "moe": NO_CACHE,
+    "linear_attention": RECURRENT_STATE,
+    "mamba": RECURRENT_STATE,
+    "mamba2": RECURRENT_STATE,
+    "conv": RECURRENT_STATE,
+    "short_conv": RECURRENT_STATE,
+    "mlp": NO_CACHE,
+    "moe": NO_CACHE,
     "hybrid": ATTENTION_AND_STATE,
 }
 # Nemotron-H's hybrid_override_pattern: one character per layer.
 _PATTERN_KINDS = {"M": RECURRENT_STATE, "*": FULL_ATTENTION, "-": NO_CACHE, "E": NO_CACHE}
 
 _DTYPE_BYTES = {
-    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
 }
 
 # Keys under which multimodal wrappers nest their language model's config.

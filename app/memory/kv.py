@@ -99,7 +99,7 @@ class KVLayout:
             sizes[-i] += 1
         first_largest = sizes.index(max(sizes))
         start = sum(sizes[:first_largest])
-        stage = types[start:start + sizes[first_largest]]
+        stage = types[start : start + sizes[first_largest]]
         return tuple(kind for layer in stage for kind in layer.split("+") if kind != NO_CACHE)
 
     @property
@@ -228,6 +228,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: object = 
     hashes: list[int] = []
     parent = _ROOT_HASH
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tokens[start:start + block_size], extra_key))
+        parent = hash((parent, tokens[start : start + block_size], extra_key))
         hashes.append(parent)
     return hashes

@@ -131,8 +131,14 @@ class SamplerCost:
         return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
     def stage(
-        self, rows: int, logprobs: bool, penalties: bool, longest_prompt: int,
-        random: bool = True, all_vocab_logprobs: bool = False, structured: bool = False,
+        self,
+        rows: int,
+        logprobs: bool,
+        penalties: bool,
+        longest_prompt: int,
+        random: bool = True,
+        all_vocab_logprobs: bool = False,
+        structured: bool = False,
         longest_output: int = 0,
     ) -> SamplerStage:
         """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
@@ -148,9 +154,11 @@ class SamplerCost:
         if self.runner == "v2":
             topk = rows_sampled * (max(self.max_logprobs, 0) + 1) * TOPK_LOGPROBS_BYTES
             return SamplerStage(
-                logits=sampled * self.dtype_bytes, sort=0,
+                logits=sampled * self.dtype_bytes,
+                sort=0,
                 logprobs=(whole_vocab or topk) if logprobs else 0,
-                penalties=0, prompt_ids=0,
+                penalties=0,
+                prompt_ids=0,
                 logits_fp32=sampled * FP32 if random else 0,
                 top_k_top_p=sampled * FLASHINFER_BYTES_PER_LOGIT if random else 0,
                 profiled=in_profile * self.dtype_bytes,
@@ -159,7 +167,9 @@ class SamplerCost:
             logits=sampled * (self.dtype_bytes + FP32),
             sort=sampled * SORT_BYTES_PER_LOGIT,
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT + whole_vocab if logprobs else 0,
-            penalties=sampled * PENALTY_BYTES_PER_LOGIT if penalties and 2 * sampled > self.profiled_rows * self.vocab_size else 0,
+            penalties=sampled * PENALTY_BYTES_PER_LOGIT
+            if penalties and 2 * sampled > self.profiled_rows * self.vocab_size
+            else 0,
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
             output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,
             grammar_bitmask=rows_sampled * -(-self.vocab_size // BITMASK_TOKENS_PER_WORD) * FP32 if structured else 0,
@@ -187,8 +197,14 @@ class SamplerUse:
 
     def __post_init__(self) -> None:
         alone = self.cost.stage(
-            self.rows, self.logprobs, self.penalties, self.longest_prompt, self.random, self.all_vocab_logprobs,
-            self.structured, self.longest_output,
+            self.rows,
+            self.logprobs,
+            self.penalties,
+            self.longest_prompt,
+            self.random,
+            self.all_vocab_logprobs,
+            self.structured,
+            self.longest_output,
         )
         object.__setattr__(self, "alone", alone)
 
@@ -259,8 +275,14 @@ class SamplerBatch:
             if self._cost is None or not self._rows:
                 return _EMPTY
             return self._cost.stage(
-                self._rows, self._logprobs > 0, self._penalties > 0, longest, self._random > 0, self._all_vocab > 0,
-                self._structured > 0, output,
+                self._rows,
+                self._logprobs > 0,
+                self._penalties > 0,
+                longest,
+                self._random > 0,
+                self._all_vocab > 0,
+                self._structured > 0,
+                output,
             )
         return extra.cost.stage(
             self._rows + extra.rows,

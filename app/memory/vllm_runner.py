@@ -83,8 +83,12 @@ class VllmRuntime:
     warning: str | None = None
 
     def labels(self) -> dict[str, str]:
-        return {"version": self.version, "model_version": self.model_version, "runner": self.runner,
-                "sampler": self.sampler_backend}
+        return {
+            "version": self.version,
+            "model_version": self.model_version,
+            "runner": self.runner,
+            "sampler": self.sampler_backend,
+        }
 
 
 def _known_version(version: str) -> tuple[str, str | None]:
@@ -92,14 +96,18 @@ def _known_version(version: str) -> tuple[str, str | None]:
     try:
         wanted = Version(version)
     except InvalidVersion:
-        return NEWEST_KNOWN, (f"vLLM version {version!r} is not a version number: kvgate models "
-                              f"vLLM {NEWEST_KNOWN}, the newest it knows")
+        return NEWEST_KNOWN, (
+            f"vLLM version {version!r} is not a version number: kvgate models vLLM {NEWEST_KNOWN}, the newest it knows"
+        )
     if wanted > Version(NEWEST_KNOWN):
-        return NEWEST_KNOWN, (f"vLLM {version} is newer than any kvgate knows: it models it as vLLM "
-                              f"{NEWEST_KNOWN}, the newest it knows (check its memory model still holds)")
+        return NEWEST_KNOWN, (
+            f"vLLM {version} is newer than any kvgate knows: it models it as vLLM "
+            f"{NEWEST_KNOWN}, the newest it knows (check its memory model still holds)"
+        )
     if wanted < Version(OLDEST_KNOWN):
-        return OLDEST_KNOWN, (f"vLLM {version} is older than any kvgate knows: it models it as vLLM "
-                              f"{OLDEST_KNOWN}, the oldest it knows")
+        return OLDEST_KNOWN, (
+            f"vLLM {version} is older than any kvgate knows: it models it as vLLM {OLDEST_KNOWN}, the oldest it knows"
+        )
     return max((v for v in READ_VERSIONS if Version(v) <= wanted), key=Version), None
 
 
@@ -124,7 +132,10 @@ def resolve_runtime(
     if version is None:
         runner: Runner = model_runner if model_runner in ("v1", "v2") else "v1"  # type: ignore[assignment]
         return VllmRuntime(
-            "unknown", "unknown", runner, "--model-runner" if model_runner != "auto" else "version unknown",
+            "unknown",
+            "unknown",
+            runner,
+            "--model-runner" if model_runner != "auto" else "version unknown",
             "flashinfer" if runner == "v2" else "pytorch",
             "the vLLM version is unknown (the backend has no GET /version and no --vllm-version was "
             f"given): kvgate models the {runner.upper()} model runner; pass --vllm-version",

@@ -16,8 +16,7 @@ from fastapi.responses import JSONResponse
 from app.sim.request import Sampling
 from app.sim.tokens import Tokenizer
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-          503: "ServiceUnavailableError"}
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class SimApiError(Exception):
@@ -33,8 +32,9 @@ class SimApiError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "InternalServerError"),
-                      "param": param, "code": status}}
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "InternalServerError"), "param": param, "code": status}
+    }
 
 
 @dataclass
@@ -59,8 +59,9 @@ def _num(body: dict[str, Any], key: str, default: float) -> float:
     return float(v)
 
 
-def parse(body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str,
-          max_model_len: int, max_logprobs: int = 20) -> Parsed:
+def parse(
+    body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str, max_model_len: int, max_logprobs: int = 20
+) -> Parsed:
     """Validate and tokenize; raises SimApiError (400/404) as vLLM would."""
     model = body.get("model", served)
     if model != served:
@@ -83,9 +84,11 @@ def parse(body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str,
     n_in = len(ids)
     if n_in >= max_model_len:
         raise SimApiError(
-            400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
             f"request has {n_in} input tokens. Please reduce the length of the input messages.",
-            "input_tokens")
+            "input_tokens",
+        )
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
     max_tokens = body.get(key)
     if max_tokens is None:
@@ -94,16 +97,23 @@ def parse(body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str,
         raise SimApiError(400, f"{key} must be at least 1, got {max_tokens}.", key)
     elif n_in + max_tokens > max_model_len:
         raise SimApiError(
-            400, f"'{key}' is too large: {max_tokens}. This model's maximum context length is "
+            400,
+            f"'{key}' is too large: {max_tokens}. This model's maximum context length is "
             f"{max_model_len} tokens and your request has {n_in} input tokens "
-            f"({max_tokens} > {max_model_len} - {n_in}).", key)
+            f"({max_tokens} > {max_model_len} - {n_in}).",
+            key,
+        )
     logprobs = (int(body.get("top_logprobs") or 0) if body.get("logprobs") else None) if chat else body.get("logprobs")
-    penalties = any(_num(body, k, d) != d for k, d in (
-        ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)))
-    structured = any(body.get(k) for k in ("guided_json", "guided_regex", "guided_choice",
-                                           "guided_grammar", "structured_outputs")) or (
+    penalties = any(
+        _num(body, k, d) != d
+        for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+    )
+    structured = any(
+        body.get(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    ) or (
         isinstance(body.get("response_format"), dict)
-        and body["response_format"].get("type") in ("json_object", "json_schema"))
+        and body["response_format"].get("type") in ("json_object", "json_schema")
+    )
     prompt_logprobs = body.get("prompt_logprobs")
     _check_logprobs(logprobs, "logprobs", max_logprobs, tok.vocab_size)
     _check_logprobs(prompt_logprobs, "prompt_logprobs", max_logprobs, tok.vocab_size)
@@ -111,13 +121,19 @@ def parse(body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str,
     if n < 1:
         raise SimApiError(400, "n must be at least 1.", "n")
     sampling = Sampling(
-        max_tokens=max_tokens, temperature=_num(body, "temperature", 1.0),
-        top_p=_num(body, "top_p", 1.0), top_k=int(_num(body, "top_k", 0)),
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, penalties=penalties,
-        structured=structured, seed=body.get("seed"), ignore_eos=bool(body.get("ignore_eos")))
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 1.0),
+        top_p=_num(body, "top_p", 1.0),
+        top_k=int(_num(body, "top_k", 0)),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        penalties=penalties,
+        structured=structured,
+        seed=body.get("seed"),
+        ignore_eos=bool(body.get("ignore_eos")),
+    )
     opts = body.get("stream_options") or {}
-    return Parsed(chat, ids, sampling, n, bool(body.get("stream")),
-                  bool(opts.get("include_usage")), served)
+    return Parsed(chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served)
 
 
 def _check_logprobs(value: object, key: str, max_logprobs: int, vocab_size: int) -> None:
@@ -131,8 +147,7 @@ def _check_logprobs(value: object, key: str, max_logprobs: int, vocab_size: int)
     allowed = vocab_size if max_logprobs == -1 else max_logprobs
     if wanted > allowed:
         what = "prompt logprobs" if key == "prompt_logprobs" else "sample logprobs"
-        raise SimApiError(400, f"Requested {what} of {wanted}, which is greater than max "
-                          f"allowed: {allowed}", key)
+        raise SimApiError(400, f"Requested {what} of {wanted}, which is greater than max allowed: {allowed}", key)
 
 
 class ResponseBuilder:
@@ -149,30 +164,35 @@ class ResponseBuilder:
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         n_in = len(self.p.prompt_token_ids)
-        return {"prompt_tokens": n_in, "total_tokens": n_in + completion_tokens,
-                "completion_tokens": completion_tokens}
+        return {"prompt_tokens": n_in, "total_tokens": n_in + completion_tokens, "completion_tokens": completion_tokens}
 
     def full(self, texts: list[str], reasons: list[str], completion_tokens: int) -> dict:
         if self.p.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                        "logprobs": None, "finish_reason": r, "stop_reason": None}
-                       for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": t},
+                    "logprobs": None,
+                    "finish_reason": r,
+                    "stop_reason": None,
+                }
+                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            ]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r,
-                        "stop_reason": None}
-                       for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
-        return {**self._base(self.object), "choices": choices,
-                "usage": self.usage(completion_tokens)}
+            choices = [
+                {"index": i, "text": t, "logprobs": None, "finish_reason": r, "stop_reason": None}
+                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            ]
+        return {**self._base(self.object), "choices": choices, "usage": self.usage(completion_tokens)}
 
-    def chunk(self, index: int, text: str | None, reason: str | None,
-              first: bool = False) -> dict:
+    def chunk(self, index: int, text: str | None, reason: str | None, first: bool = False) -> dict:
         if self.p.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
-                {"content": text} if text is not None else {})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            )
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason,
-                  "stop_reason": None}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason, "stop_reason": None}
         return {**self._base("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, completion_tokens: int) -> dict:

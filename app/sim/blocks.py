@@ -28,12 +28,13 @@ from app.sim.kv_layout import GroupRule
 _NONE_HASH = 0
 
 
-def chained_hashes(token_ids: Sequence[int], block_size: int, start: int, parent: int,
-                   extra_key: object = None) -> list[int]:
+def chained_hashes(
+    token_ids: Sequence[int], block_size: int, start: int, parent: int, extra_key: object = None
+) -> list[int]:
     """Hashes of the full blocks of `token_ids` from block index `start` on."""
     out: list[int] = []
     for i in range(start, len(token_ids) // block_size):
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_key))
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra_key))
         out.append(parent)
     return out
 
@@ -52,9 +53,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[int, KVBlock] = {}
 
     @property
@@ -97,8 +96,7 @@ class BlockPool:
 class KVCacheManager:
     """Block tables per request: prefix lookup, slot allocation, freeing."""
 
-    def __init__(self, pool: BlockPool, block_size: int,
-                 groups: tuple[GroupRule, ...] | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, groups: tuple[GroupRule, ...] | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         groups = groups or (GroupRule("full", None, block_size, 1),)
@@ -131,8 +129,14 @@ class KVCacheManager:
             hit.append(block)
         return hit
 
-    def allocate_slots(self, req_id: str, token_ids: Sequence[int], num_computed: int,
-                       num_new: int, new_computed: Sequence[KVBlock] = ()) -> bool:
+    def allocate_slots(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        num_computed: int,
+        num_new: int,
+        new_computed: Sequence[KVBlock] = (),
+    ) -> bool:
         """Give the request blocks for `num_new` more tokens, or False if the pool is short."""
         blocks = self.req_blocks.setdefault(req_id, [])
         total = num_computed + len(new_computed) * self.block_size + num_new
@@ -140,8 +144,7 @@ class KVCacheManager:
         if self.table_group is not None:
             need = -(-total // self.block_size) - len(blocks) - len(new_computed)
         others = self.group_blocks.setdefault(req_id, [])
-        target = sum(g.copies * g.blocks(total, num_new)
-                     for g in self.other_groups)
+        target = sum(g.copies * g.blocks(total, num_new) for g in self.other_groups)
         if len(others) > target:  # blocks that fell out of a window go back to the pool
             self.pool.free_blocks(others[: len(others) - target])
             del others[: len(others) - target]

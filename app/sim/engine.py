@@ -39,8 +39,7 @@ Sampler = Callable[[Request], tuple[int, bool]]  # -> (token id, is end of seque
 class Engine:
     """One simulated vLLM engine on one simulated GPU (TP ranks are identical; rank 0 is played)."""
 
-    def __init__(self, cfg: SimConfig, model: SimModel, device: Device,
-                 sampler: Sampler, model_name: str) -> None:
+    def __init__(self, cfg: SimConfig, model: SimModel, device: Device, sampler: Sampler, model_name: str) -> None:
         self.cfg = cfg
         self.model = model
         self.device = device
@@ -71,8 +70,7 @@ class Engine:
         self.device.set_usage(PROCESS, 0)
         self.alloc = CachingAllocator(self.device, PROCESS, self.cfg.expandable_segments)
         try:
-            self.resolved, self.report = startup.start(self.cfg, self.model, self.device,
-                                                       self.alloc)
+            self.resolved, self.report = startup.start(self.cfg, self.model, self.device, self.alloc)
         except startup.StartupError as exc:
             self.device.set_usage(PROCESS, 0)
             self.state, self.error = "failed", str(exc)
@@ -84,21 +82,33 @@ class Engine:
         for line in rep.log:
             self._log(logging.INFO, line)
         self.steps, self.draft_steps = startup.step_memories(r)
-        self.kv = KVCacheManager(BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching),
-                                 r.block_size, r.layout.groups)
-        self.scheduler = Scheduler(self.kv, r.max_num_batched_tokens, r.max_num_seqs,
-                                   r.max_model_len, self.cfg.long_prefill_token_threshold,
-                                   r.num_speculative_tokens)
+        self.kv = KVCacheManager(
+            BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching), r.block_size, r.layout.groups
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            r.max_num_batched_tokens,
+            r.max_num_seqs,
+            r.max_model_len,
+            self.cfg.long_prefill_token_threshold,
+            r.num_speculative_tokens,
+        )
         self.timer = StepTimer(rep.weights, self.cfg.speedup)
-        self.metrics = SimMetrics(self.model_name, cache_config_labels(
-            block_size=r.block_size, cache_dtype=self.cfg.kv_cache_dtype,
-            enable_prefix_caching=self.cfg.enable_prefix_caching,
-            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            kv_cache_memory_bytes=self.cfg.kv_cache_memory_bytes,
-            num_gpu_blocks=rep.num_gpu_blocks,
-            num_gpu_blocks_override=self.cfg.num_gpu_blocks_override,
-            max_model_len=r.max_model_len, sliding_window=self.model.sliding_window,
-            concurrency=rep.max_concurrency))
+        self.metrics = SimMetrics(
+            self.model_name,
+            cache_config_labels(
+                block_size=r.block_size,
+                cache_dtype=self.cfg.kv_cache_dtype,
+                enable_prefix_caching=self.cfg.enable_prefix_caching,
+                gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.cfg.kv_cache_memory_bytes,
+                num_gpu_blocks=rep.num_gpu_blocks,
+                num_gpu_blocks_override=self.cfg.num_gpu_blocks_override,
+                max_model_len=r.max_model_len,
+                sliding_window=self.model.sliding_window,
+                concurrency=rep.max_concurrency,
+            ),
+        )
         self.carry = CrossStepTensors(self.alloc)
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
@@ -193,9 +203,21 @@ class Engine:
             prompt_lp = 0
             if sp.prompt_logprobs is not None:
                 prompt_lp = max(0, min(s.num_new_tokens, req.num_prompt_tokens - s.num_context))
-            reqs.append(ReqSlice(s.num_new_tokens + s.num_draft_tokens, s.num_context, samples,
-                                 prompt_lp, sp.prompt_logprobs or 0, sp.logprobs, sp.penalties,
-                                 sp.top_p_k, sp.random, sp.structured, s.num_draft_tokens))
+            reqs.append(
+                ReqSlice(
+                    s.num_new_tokens + s.num_draft_tokens,
+                    s.num_context,
+                    samples,
+                    prompt_lp,
+                    sp.prompt_logprobs or 0,
+                    sp.logprobs,
+                    sp.penalties,
+                    sp.top_p_k,
+                    sp.random,
+                    sp.structured,
+                    s.num_draft_tokens,
+                )
+            )
         return StepShape(tuple(reqs))
 
     def _update(self, out: SchedulerOutput, start: float) -> None:
@@ -219,8 +241,7 @@ class Engine:
                 m.ttft.observe(t - req.arrival_time)
             req.sink("token", token)
             sp = req.sampling
-            if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= (
-                    self.resolved.max_model_len):
+            if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= (self.resolved.max_model_len):
                 self._finish(req, "length", t)
             elif eos and not sp.ignore_eos:
                 self._finish(req, "stop", t)

@@ -113,13 +113,7 @@ class CachingAllocator:
 
     # ----- accounting -------------------------------------------------------------------------
     def allocated(self, pool: str | None = None) -> int:
-        return sum(
-            b.size
-            for s in self.segments
-            if pool is None or s.pool == pool
-            for b in s.blocks
-            if b.allocated
-        )
+        return sum(b.size for s in self.segments if pool is None or s.pool == pool for b in s.blocks if b.allocated)
 
     def reserved(self) -> int:
         return sum(s.size for s in self.segments)

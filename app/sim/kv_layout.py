@@ -53,9 +53,10 @@ class GroupRule:
         """Blocks one request holds in one group of this kind with `num_tokens` computed or
         scheduled, `num_new` of them in the current step: the window's blocks for sliding and
         chunked layers (vLLM frees the ones that fell out), one state block for recurrent ones."""
-        return min(cdiv(num_tokens, self.block_size),
-                   max_admission_blocks(self.kind, self.window, self.block_size, num_tokens,
-                                        num_new))
+        return min(
+            cdiv(num_tokens, self.block_size),
+            max_admission_blocks(self.kind, self.window, self.block_size, num_tokens, num_new),
+        )
 
 
 @dataclass(frozen=True)
@@ -80,19 +81,19 @@ class KVLayout:
     def max_request_bytes(self, max_model_len: int, in_flight: int) -> int:
         """`max_memory_usage_bytes` summed over the cached layers: one max_model_len request."""
         return self.page_bytes * sum(
-            max_admission_blocks(kind, window, block, max_model_len, in_flight)
-            for kind, window, block in self.layers)
+            max_admission_blocks(kind, window, block, max_model_len, in_flight) for kind, window, block in self.layers
+        )
 
     def max_request_blocks(self, max_model_len: int, in_flight: int) -> int:
         """Pool blocks one max_model_len request takes over all groups
         (`get_max_concurrency_for_kv_cache_config`)."""
-        return sum(g.copies * max_admission_blocks(g.kind, g.window, g.block_size,
-                                                   max_model_len, in_flight)
-                   for g in self.groups)
+        return sum(
+            g.copies * max_admission_blocks(g.kind, g.window, g.block_size, max_model_len, in_flight)
+            for g in self.groups
+        )
 
 
-def max_admission_blocks(kind: LayerKind, window: int | None, block_size: int, max_len: int,
-                         in_flight: int) -> int:
+def max_admission_blocks(kind: LayerKind, window: int | None, block_size: int, max_len: int, in_flight: int) -> int:
     """A layer's most blocks per request (`max_admission_blocks_per_request`; `in_flight` is
     `VllmConfig.max_in_flight_tokens`, one batch of max_num_batched_tokens per step in flight)."""
     if kind == "sliding" and window:
@@ -104,8 +105,9 @@ def max_admission_blocks(kind: LayerKind, window: int | None, block_size: int, m
     return cdiv(max_len, block_size)
 
 
-def build_layout(model: SimModel, tp: int, kv_cache_dtype: str, block_size: int | None,
-                 draft: SimModel | None = None) -> KVLayout:
+def build_layout(
+    model: SimModel, tp: int, kv_cache_dtype: str, block_size: int | None, draft: SimModel | None = None
+) -> KVLayout:
     """vLLM's KV cache groups for `model` (and a speculative draft model's layers, which share
     the pool) at tensor parallelism `tp`."""
     kv_dt = kv_dtype_bytes(kv_cache_dtype, model.dtype_bytes)
@@ -125,8 +127,10 @@ def build_layout(model: SimModel, tp: int, kv_cache_dtype: str, block_size: int 
         raise ValueError(f"{model.name} caches nothing per token; the simulator plays decoders")
     smallest, largest = min(buckets.values()), max(buckets.values())
     size = largest if largest < 1.5 * smallest else smallest
-    groups = tuple(GroupRule(kind, window, blk, cdiv(n, size))
-                   for (kind, window, blk), n in sorted(buckets.items(), key=_full_first))
+    groups = tuple(
+        GroupRule(kind, window, blk, cdiv(n, size))
+        for (kind, window, blk), n in sorted(buckets.items(), key=_full_first)
+    )
     return KVLayout(block, groups, size, page, layers)
 
 
@@ -147,8 +151,10 @@ def _draft_block(draft: SimModel, tp: int, kv_dt: int, page: int) -> int:
     times larger, so every page is the same; a page that does not divide evenly is refused."""
     per_token = _per_token(draft, tp, kv_dt)
     if draft.mamba is not None or page % per_token:
-        raise ValueError(f"draft model {draft.name}: its KV page ({per_token} B per token) does "
-                         f"not divide the target's ({page} B); vLLM cannot unify the page sizes")
+        raise ValueError(
+            f"draft model {draft.name}: its KV page ({per_token} B per token) does "
+            f"not divide the target's ({page} B); vLLM cannot unify the page sizes"
+        )
     return page // per_token
 
 

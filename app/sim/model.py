@@ -40,9 +40,15 @@ VOCAB_PADDING = 64  # vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 # transformers' spellings of a layer's mixer, as `layer_types` lists them.
 _KINDS: dict[str, LayerKind] = {
-    "full_attention": "full", "attention": "full", "sliding_attention": "sliding",
-    "chunked_attention": "chunked", "linear_attention": "mamba", "mamba": "mamba",
-    "mamba2": "mamba", "mlp": "none", "moe": "none",
+    "full_attention": "full",
+    "attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "mamba2": "mamba",
+    "mlp": "none",
+    "moe": "none",
 }
 
 
@@ -75,14 +81,26 @@ class MambaShape:
         h, inner, k = hidden, self.inner, self.conv_kernel
         if self.family == "mamba1":  # in_proj, conv, x_proj, dt_proj, A, D, out_proj
             dt_rank = -(-h // 16)
-            return (h * 2 * inner + inner * k + inner * (dt_rank + 2 * self.state)
-                    + dt_rank * inner + inner * self.state + inner + inner * h)
+            return (
+                h * 2 * inner
+                + inner * k
+                + inner * (dt_rank + 2 * self.state)
+                + dt_rank * inner
+                + inner * self.state
+                + inner
+                + inner * h
+            )
         if self.family == "mamba2":  # in_proj (z, xBC, dt), conv, A/D/dt_bias, norm, out_proj
-            return (h * (inner + self.conv_dim + self.heads) + self.conv_dim * k
-                    + 3 * self.heads + inner + inner * h)
+            return h * (inner + self.conv_dim + self.heads) + self.conv_dim * k + 3 * self.heads + inner + inner * h
         # gated delta net: in_proj_qkvz, in_proj_ba, conv, A/dt_bias, norm, out_proj
-        return (h * (self.conv_dim + inner) + h * 2 * self.heads + self.conv_dim * k
-                + 2 * self.heads + self.head_dim + inner * h)
+        return (
+            h * (self.conv_dim + inner)
+            + h * 2 * self.heads
+            + self.conv_dim * k
+            + 2 * self.heads
+            + self.head_dim
+            + inner * h
+        )
 
 
 @dataclass(frozen=True)
@@ -149,8 +167,7 @@ class SimModel:
             return self.mamba.parameter_count(h)
         if kind == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            q = (h * self.q_lora_rank + self.q_lora_rank * self.heads * qk if self.q_lora_rank
-                 else h * self.heads * qk)
+            q = h * self.q_lora_rank + self.q_lora_rank * self.heads * qk if self.q_lora_rank else h * self.heads * qk
             kv_a = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
             kv_b = self.kv_lora_rank * self.heads * (self.qk_nope_head_dim + self.v_head_dim)
             return q + kv_a + kv_b + self.heads * self.v_head_dim * h
@@ -165,8 +182,11 @@ class SimModel:
         if kind == "relu2":
             return 2 * h * self.intermediate
         if kind == "moe":
-            return (self.num_experts * 3 * h * self.moe_intermediate + h * self.num_experts
-                    + 3 * h * self.shared_intermediate)
+            return (
+                self.num_experts * 3 * h * self.moe_intermediate
+                + h * self.num_experts
+                + 3 * h * self.shared_intermediate
+            )
         return 0
 
 
@@ -257,8 +277,7 @@ def read_config(config: dict[str, Any], name: str, dtype: str = "auto") -> SimMo
         v_head_dim=int(get("v_head_dim", 0) or 0),
         attn_output_gate=bool(get("attn_output_gate", False)) or text.model_type == "qwen3_next",
         mamba=_mamba_shape(text, hidden) if "mamba" in kinds else None,
-        tie_word_embeddings=bool(_attr(outer, "tie_word_embeddings", False)
-                                 or get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(_attr(outer, "tie_word_embeddings", False) or get("tie_word_embeddings", False)),
         extra_parameters=_vision_parameters(outer, hidden),
     )
 
@@ -306,8 +325,7 @@ def _mlp_kinds(text: Any, kinds: tuple[LayerKind, ...], experts: int) -> tuple[M
     dense_first = int(_attr(text, "first_k_dense_replace", 0))  # deepseek_v2.py
     step = int(_attr(text, "decoder_sparse_step", 1))  # qwen2_moe.py / qwen3_next.py
     only_mlp = set(_attr(text, "mlp_only_layers", []))
-    return tuple("dense" if i < dense_first or i in only_mlp or (i + 1) % step else "moe"
-                 for i in range(n))
+    return tuple("dense" if i < dense_first or i in only_mlp or (i + 1) % step else "moe" for i in range(n))
 
 
 def _moe_intermediate(text: Any) -> int:
@@ -333,13 +351,11 @@ def _mamba_shape(text: Any, hidden: int) -> MambaShape:
     mt = str(text.model_type)
     if mt == "jamba":
         inner = int(text.mamba_expand) * hidden
-        return MambaShape("mamba1", inner, inner, int(text.mamba_d_conv), inner, 1,
-                          int(text.mamba_d_state))
+        return MambaShape("mamba1", inner, inner, int(text.mamba_d_conv), inner, 1, int(text.mamba_d_state))
     if mt == "qwen3_next":
         nk, nv = int(text.linear_num_key_heads), int(text.linear_num_value_heads)
         dk, dv = int(text.linear_key_head_dim), int(text.linear_value_head_dim)
-        return MambaShape("gdn", nv * dv, 2 * nk * dk + nv * dv, int(text.linear_conv_kernel_dim),
-                          nv, dv, dk)
+        return MambaShape("gdn", nv * dv, 2 * nk * dk + nv * dv, int(text.linear_conv_kernel_dim), nv, dv, dk)
     heads = int(_attr(text, "mamba_num_heads") or _attr(text, "mamba_n_heads"))
     head_dim = int(_attr(text, "mamba_head_dim") or _attr(text, "mamba_d_head"))
     groups = int(_attr(text, "n_groups") or _attr(text, "mamba_n_groups") or 1)

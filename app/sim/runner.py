@@ -1,7 +1,7 @@
 """Run a simulator on a free port in a background thread, for tests, benchmarks and the demo.
 
-    with SimRunner(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", speedup=50)) as sim:
-        httpx.get(sim.url + "/health")
+with SimRunner(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", speedup=50)) as sim:
+    httpx.get(sim.url + "/health")
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ class SimRunner:
     def __init__(self, config: SimConfig, host: str = "127.0.0.1", port: int | None = None):
         self.app: FastAPI = create_sim_app(config)
         self.host, self.port = host, port or free_port(host)
-        self._server = uvicorn.Server(uvicorn.Config(
-            self.app, host=self.host, port=self.port, log_level="warning", lifespan="on"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="on")
+        )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     @property
@@ -59,6 +60,7 @@ class SimRunner:
     def __enter__(self) -> SimRunner:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -49,9 +49,15 @@ class PrefixStats:
 class Scheduler:
     """Continuous batching over one KV cache manager."""
 
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, long_prefill_token_threshold: int = 0,
-                 num_speculative_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int = 0,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         self.kv = kv
         self.num_speculative_tokens = num_speculative_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,10 +101,14 @@ class Scheduler:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             n = self._chunk(remaining, budget)
-            drafts = min(self.num_speculative_tokens, budget - n,
-                         self.max_model_len - req.num_tokens) if remaining == 1 else 0
-            while not self.kv.allocate_slots(req.request_id, req.all_token_ids,
-                                             req.num_computed_tokens, n + max(0, drafts)):
+            drafts = (
+                min(self.num_speculative_tokens, budget - n, self.max_model_len - req.num_tokens)
+                if remaining == 1
+                else 0
+            )
+            while not self.kv.allocate_slots(
+                req.request_id, req.all_token_ids, req.num_computed_tokens, n + max(0, drafts)
+            ):
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:

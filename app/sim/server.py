@@ -71,9 +71,15 @@ def create_sim_app(config: SimConfig) -> FastAPI:
     async def models() -> Any:
         if not engine.ready:
             return down()
-        card = {"id": name, "object": "model", "created": int(engine.boot_wall_time),
-                "owned_by": "vllm", "root": config.model, "parent": None,
-                "max_model_len": engine.resolved.max_model_len}
+        card = {
+            "id": name,
+            "object": "model",
+            "created": int(engine.boot_wall_time),
+            "owned_by": "vllm",
+            "root": config.model,
+            "parent": None,
+            "max_model_len": engine.resolved.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -91,11 +97,9 @@ def create_sim_app(config: SimConfig) -> FastAPI:
             text = tok.chat_prompt(body["messages"], bool(body.get("add_generation_prompt", True)))
             ids = tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False)))
         else:
-            ids = tok.encode(str(body.get("prompt", "")),
-                             add_special_tokens=bool(body.get("add_special_tokens", True)))
+            ids = tok.encode(str(body.get("prompt", "")), add_special_tokens=bool(body.get("add_special_tokens", True)))
         strs = tok.token_strs(ids) if body.get("return_token_strs") else None
-        return {"count": len(ids), "max_model_len": engine.resolved.max_model_len,
-                "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": engine.resolved.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(http: HttpRequest) -> Any:
@@ -109,9 +113,14 @@ def create_sim_app(config: SimConfig) -> FastAPI:
             return down()
         try:
             body = await http.json()
-            p = parse(body, chat=chat, tok=tok, served=name,
-                      max_model_len=engine.resolved.max_model_len,
-                      max_logprobs=config.max_logprobs)
+            p = parse(
+                body,
+                chat=chat,
+                tok=tok,
+                served=name,
+                max_model_len=engine.resolved.max_model_len,
+                max_logprobs=config.max_logprobs,
+            )
         except SimApiError as exc:
             return exc.response()
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
@@ -135,13 +144,16 @@ def create_sim_app(config: SimConfig) -> FastAPI:
         resolved = getattr(engine, "resolved", None)
         if resolved is None:
             return down()
-        return {"vllm_config": {
-            "scheduler_config": {
-                "max_num_batched_tokens": resolved.max_num_batched_tokens,
-                "max_num_seqs": resolved.max_num_seqs,
-                "long_prefill_token_threshold": config.long_prefill_token_threshold},
-            "parallel_config": {"tensor_parallel_size": config.tensor_parallel_size,
-                                "pipeline_parallel_size": 1}}}
+        return {
+            "vllm_config": {
+                "scheduler_config": {
+                    "max_num_batched_tokens": resolved.max_num_batched_tokens,
+                    "max_num_seqs": resolved.max_num_seqs,
+                    "long_prefill_token_threshold": config.long_prefill_token_threshold,
+                },
+                "parallel_config": {"tensor_parallel_size": config.tensor_parallel_size, "pipeline_parallel_size": 1},
+            }
+        }
 
     @app.get("/sim/gpu")
     async def sim_gpu() -> dict[str, Any]:
@@ -157,10 +169,14 @@ def create_sim_app(config: SimConfig) -> FastAPI:
     @app.get("/sim/state")
     async def sim_state() -> dict[str, Any]:
         rep = getattr(engine, "report", None)
-        return {"state": engine.state, "error": engine.error, "restarts": engine.restarts,
-                "ooms": engine.ooms, "log": engine.log_lines[-50:],
-                "startup": None if rep is None else {k: v for k, v in vars(rep).items()
-                                                     if k != "log"}}
+        return {
+            "state": engine.state,
+            "error": engine.error,
+            "restarts": engine.restarts,
+            "ooms": engine.ooms,
+            "log": engine.log_lines[-50:],
+            "startup": None if rep is None else {k: v for k, v in vars(rep).items() if k != "log"},
+        }
 
     return app
 
@@ -168,15 +184,27 @@ def create_sim_app(config: SimConfig) -> FastAPI:
 def gpu_view(engine: Engine) -> dict[str, Any]:
     """NVML's view of the simulated GPU (nvmlDeviceGetMemoryInfo + running processes)."""
     dev = engine.device
-    procs = [{"pid": os.getpid() if n == PROCESS else 100000 + i, "name": n,
-              "used_gpu_memory": b} for i, (n, b) in enumerate(sorted(dev.processes.items()))]
+    procs = [
+        {"pid": os.getpid() if n == PROCESS else 100000 + i, "name": n, "used_gpu_memory": b}
+        for i, (n, b) in enumerate(sorted(dev.processes.items()))
+    ]
     alloc = getattr(engine, "alloc", None)
-    torch = None if alloc is None or not engine.ready else {
-        "allocated": alloc.allocated(), "reserved": alloc.reserved(),
-        "non_torch": alloc.non_torch}
-    return {"index": dev.index, "uuid": f"GPU-5151{dev.index:04d}-0000-0000-0000-000000000000",
-            "name": engine.cfg.gpu, "total": dev.total, "free": dev.free(), "used": dev.used(),
-            "processes": procs, "torch": torch, "engine_state": engine.state}
+    torch = (
+        None
+        if alloc is None or not engine.ready
+        else {"allocated": alloc.allocated(), "reserved": alloc.reserved(), "non_torch": alloc.non_torch}
+    )
+    return {
+        "index": dev.index,
+        "uuid": f"GPU-5151{dev.index:04d}-0000-0000-0000-000000000000",
+        "name": engine.cfg.gpu,
+        "total": dev.total,
+        "free": dev.free(),
+        "used": dev.used(),
+        "processes": procs,
+        "torch": torch,
+        "engine_state": engine.state,
+    }
 
 
 def sequence_seeds(p: Parsed) -> list[int]:
@@ -194,8 +222,14 @@ class RequestRun:
         self.queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
         self.reqs: list[Request] = []
         for i, seed in enumerate(sequence_seeds(p)):
-            req = Request(f"{self.out.id}-{i}", list(p.prompt_token_ids), p.sampling, now(),
-                          sink=functools.partial(self._put, i), stream_seed=seed)
+            req = Request(
+                f"{self.out.id}-{i}",
+                list(p.prompt_token_ids),
+                p.sampling,
+                now(),
+                sink=functools.partial(self._put, i),
+                stream_seed=seed,
+            )
             self.reqs.append(req)
             engine.add(req)
 
@@ -248,7 +282,7 @@ class RequestRun:
                     break
                 if kind == "token":
                     text = self._text(i)
-                    yield _sse(self.out.chunk(i, text[sent[i]:], None))
+                    yield _sse(self.out.chunk(i, text[sent[i] :], None))
                     sent[i] = len(text)
                 elif kind == "finish":
                     done += 1

@@ -108,8 +108,16 @@ class StartupReport:
         """The `--kv-cache-memory` vLLM suggests "to fully utilize gpu memory": the GPU's free
         memory at start-up (the simulator's GPU starts empty but for the process's context) less
         weights, profile peak, non-torch memory, CUDA graphs and `buffer`."""
-        return (self.total - self.context - self.weights - self.persistent - self.activation_peak
-                - self.non_torch - self.cudagraph - buffer)
+        return (
+            self.total
+            - self.context
+            - self.weights
+            - self.persistent
+            - self.activation_peak
+            - self.non_torch
+            - self.cudagraph
+            - buffer
+        )
 
 
 def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
@@ -117,8 +125,7 @@ def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
     m, tp = model, cfg.tensor_parallel_size
     if m.heads % tp:
         raise StartupError(
-            f"Total number of attention heads ({m.heads}) must be divisible by "
-            f"tensor parallel size ({tp})."
+            f"Total number of attention heads ({m.heads}) must be divisible by tensor parallel size ({tp})."
         )
     max_len = cfg.max_model_len or m.max_position_embeddings
     if max_len > m.max_position_embeddings:
@@ -145,11 +152,23 @@ def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
     workspace = 0
     if m.is_mla:
         block = layout.block_size
-        workspace = cdiv(max(min(max(8 * max_len, 4 * mns * block), MLA_WORKSPACE_CAP), block),
-                         block) * block
-    return Resolved(m, Flavor.of(cfg), layout, dims, max_len, mnbt, mns, layout.block_size,
-                    backend, sizes, workspace, spec_tokens, draft,
-                    model_dims(draft, tp) if draft else None)
+        workspace = cdiv(max(min(max(8 * max_len, 4 * mns * block), MLA_WORKSPACE_CAP), block), block) * block
+    return Resolved(
+        m,
+        Flavor.of(cfg),
+        layout,
+        dims,
+        max_len,
+        mnbt,
+        mns,
+        layout.block_size,
+        backend,
+        sizes,
+        workspace,
+        spec_tokens,
+        draft,
+        model_dims(draft, tp) if draft else None,
+    )
 
 
 def model_dims(m: SimModel, tp: int) -> ModelDims:
@@ -210,15 +229,13 @@ def profile_shape(r: Resolved) -> StepShape:
     n_req = min(n_tok, r.max_num_seqs)
     base, extra = divmod(n_tok, n_req)
     v1 = not r.flavor.v2
-    reqs = tuple(ReqSlice(base + (1 if i < extra else 0), top_p_k=v1, random=v1)
-                 for i in range(n_req))
+    reqs = tuple(ReqSlice(base + (1 if i < extra else 0), top_p_k=v1, random=v1) for i in range(n_req))
     return StepShape(reqs, attention=False)
 
 
 def step_memories(r: Resolved) -> tuple[StepMemory, StepMemory | None]:
     """The step tapes of the target model and of the speculative draft model, if any."""
-    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner,
-                        r.flavor.sampler_sorts)
+    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner, r.flavor.sampler_sorts)
     if r.draft_dims is None:
         return target, None
     return target, StepMemory(r.draft_dims, "flash-attn", 0, r.flavor.runner)
@@ -227,8 +244,7 @@ def step_memories(r: Resolved) -> tuple[StepMemory, StepMemory | None]:
 def draft_shape(shape: StepShape) -> StepShape:
     """The draft model's pass over the step (one pass standing for its k proposal steps): the
     same tokens, one greedy proposal row per sampling request."""
-    return StepShape(tuple(ReqSlice(r.num_new_tokens, r.num_context, r.samples)
-                           for r in shape.reqs), shape.attention)
+    return StepShape(tuple(ReqSlice(r.num_new_tokens, r.num_context, r.samples) for r in shape.reqs), shape.attention)
 
 
 def v2_penalty_state_bytes(r: Resolved) -> int:
@@ -243,8 +259,7 @@ def sampler_warmup_shape(r: Resolved) -> StepShape:
     return StepShape(tuple(ReqSlice(1, top_p_k=True, random=True) for _ in range(n_req)), False)
 
 
-def start(cfg: SimConfig, model: SimModel, device: Device,
-          alloc: CachingAllocator) -> tuple[Resolved, StartupReport]:
+def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocator) -> tuple[Resolved, StartupReport]:
     """Bring the engine up on `device`; raises StartupError with vLLM's message on failure."""
     total = device.total
     r = resolve(cfg, model, total)
@@ -296,14 +311,14 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
     num_blocks = max(0, available) // r.page_bytes
     check_kv_fits(r, available, log)
     if cfg.num_gpu_blocks_override is not None:
-        log.append(f"Overriding num_gpu_blocks={num_blocks} with "
-                   f"num_gpu_blocks_override={cfg.num_gpu_blocks_override}")
+        log.append(f"Overriding num_gpu_blocks={num_blocks} with num_gpu_blocks_override={cfg.num_gpu_blocks_override}")
         num_blocks = cfg.num_gpu_blocks_override
-    concurrency = num_blocks / r.layout.max_request_blocks(r.max_model_len,
-                                                           r.max_num_batched_tokens)
+    concurrency = num_blocks / r.layout.max_request_blocks(r.max_model_len, r.max_num_batched_tokens)
     kv_tokens = int(concurrency * r.max_model_len)
-    log.append(f"GPU KV cache size: {kv_tokens:,} tokens, Maximum concurrency for "
-               f"{r.max_model_len:,} tokens per request: {concurrency:.2f}x")
+    log.append(
+        f"GPU KV cache size: {kv_tokens:,} tokens, Maximum concurrency for "
+        f"{r.max_model_len:,} tokens per request: {concurrency:.2f}x"
+    )
     try:
         layer_bytes = num_blocks * r.layout.page_bytes
         for _ in range(r.layout.layers_per_group):
@@ -312,8 +327,7 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
             alloc.malloc(FLASHINFER_WORKSPACE_BYTES)
         if r.mla_workspace_tokens:
             d = r.dims
-            alloc.malloc(r.mla_workspace_tokens * (d.kv_lora_rank + d.qk_rope_head_dim)
-                         * d.dtype_bytes)
+            alloc.malloc(r.mla_workspace_tokens * (d.kv_lora_rank + d.qk_rope_head_dim) * d.dtype_bytes)
         if graphs:
             alloc.malloc(graphs, pool="private")
             log.append(f"Graph capturing finished in 5 secs, took {graphs / GiB:.2f} GiB")
@@ -321,8 +335,21 @@ def start(cfg: SimConfig, model: SimModel, device: Device,
             run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
     except CudaOutOfMemory as exc:
         raise StartupError(f"torch.OutOfMemoryError: {exc}", log) from exc
-    report = StartupReport(total, requested, weights, persistent, non_torch, context, activation,
-                           graphs, available, num_blocks, kv_tokens, concurrency, log)
+    report = StartupReport(
+        total,
+        requested,
+        weights,
+        persistent,
+        non_torch,
+        context,
+        activation,
+        graphs,
+        available,
+        num_blocks,
+        kv_tokens,
+        concurrency,
+        log,
+    )
     return r, report
 
 
@@ -334,7 +361,9 @@ def check_kv_fits(r: Resolved, available: int, log: list[str]) -> None:
     if available <= 0:
         raise StartupError(
             "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
-            "when initializing the engine.", log)
+            "when initializing the engine.",
+            log,
+        )
     in_flight = r.max_num_batched_tokens
     needed = r.layout.max_request_bytes(r.max_model_len, in_flight)
     if needed <= usable:
@@ -346,11 +375,11 @@ def check_kv_fits(r: Resolved, available: int, log: list[str]) -> None:
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
-    estimate = (f"Based on the available memory, the estimated maximum model length is "
-                f"{best}. " if best else "")
+    estimate = f"Based on the available memory, the estimated maximum model length is {best}. " if best else ""
     raise StartupError(
         f"To serve at least one request with the model's max seq len ({r.max_model_len}), "
         f"({needed / GiB:.2f} GiB KV cache is needed, which is larger than the available KV "
         f"cache memory ({usable / GiB:.2f} GiB). {estimate}Try increasing "
         "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.",
-        log)
+        log,
+    )

@@ -137,8 +137,9 @@ class _Tape:
 class StepMemory:
     """Builds the allocation tape of a step for one model, backend and TP degree."""
 
-    def __init__(self, dims: ModelDims, backend: str, mla_workspace_tokens: int = 0,
-                 runner: str = "v2", sorts: bool = False) -> None:
+    def __init__(
+        self, dims: ModelDims, backend: str, mla_workspace_tokens: int = 0, runner: str = "v2", sorts: bool = False
+    ) -> None:
         self.d = dims
         self.backend = backend
         self.mla_workspace_tokens = mla_workspace_tokens

@@ -26,8 +26,7 @@ class StepTimer:
     def sim_seconds(self, num_tokens: int, context_tokens: int) -> float:
         """Simulated duration of one step."""
         scale = max(0.05, self.weight_bytes_per_gpu / _REF_WEIGHT_BYTES)
-        return scale * (self.fixed_s + self.per_token_s * num_tokens
-                        + self.per_context_token_s * context_tokens)
+        return scale * (self.fixed_s + self.per_token_s * num_tokens + self.per_context_token_s * context_tokens)
 
     def wall_seconds(self, num_tokens: int, context_tokens: int) -> float:
         """What the event loop sleeps for the step."""

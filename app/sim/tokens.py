@@ -23,7 +23,162 @@ from app.sim.request import Request
 
 _PIECE = re.compile(r" ?[A-Za-z]{1,6}| ?\d{1,3}| ?[^\sA-Za-z\d]|\s")
 _SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
-_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "one", "all", "we", "their", "been", "has", "when", "who", "will", "more", "no", "if", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could", "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did", "many", "before", "must", "through", "back", "years", "where", "much", "your", "way", "well", "down", "should", "because", "each", "just", "those", "people", "how", "too", "little", "state", "good", "very", "make", "world", "still", "own", "see", "men", "work", "long", "get", "here", "between", "both", "life", "being", "under", "never", "day", "same", "another", "know", "while", "last", "might", "us", "great", "old", "year", "off", "come", "since", "against", "go", "came", "right", "used", "take", "three", "memory", "cache", "block", "token", "batch", "model", "server", "request", "queue", "budget"]
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "one",
+    "all",
+    "we",
+    "their",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "no",
+    "if",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+    "memory",
+    "cache",
+    "block",
+    "token",
+    "batch",
+    "model",
+    "server",
+    "request",
+    "queue",
+    "budget",
+]
 
 
 def _h(*parts: object) -> int:
@@ -71,8 +226,9 @@ class StandInTokenizer:
         return [self._pieces.get(i, f"<{i}>") for i in ids]
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(s for i, s in zip(ids, self.token_strs(ids), strict=True)
-                       if i not in (self.bos_token_id, self.eos_token_id))
+        return "".join(
+            s for i, s in zip(ids, self.token_strs(ids), strict=True) if i not in (self.bos_token_id, self.eos_token_id)
+        )
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         text = "<s>" + "".join(f"<|{m.get('role', 'user')}|>\n{_content(m)}\n" for m in messages)
@@ -99,8 +255,7 @@ class HFTokenizer:
         return list(self._tok.convert_ids_to_tokens(ids))
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return str(self._tok.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt))
+        return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt))
 
 
 def _content(m: dict[str, Any]) -> str:
@@ -113,8 +268,7 @@ def _content(m: dict[str, Any]) -> str:
 def load_tokenizer(model: str, vocab_size: int) -> Tokenizer:
     """The folder's tokenizer if `model` is a folder with one, else the stand-in."""
     folder = Path(model)
-    if folder.is_dir() and any((folder / f).exists()
-                               for f in ("tokenizer.json", "tokenizer_config.json")):
+    if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return HFTokenizer(folder)
     return StandInTokenizer(vocab_size)
 

@@ -81,9 +81,7 @@ class InFlight:
     admitted_at: float
 
 
-def blocks_in_use(
-    requests: Iterable[InFlight], block_size: int, now: float, decode_tokens_per_s: float | None
-) -> int:
+def blocks_in_use(requests: Iterable[InFlight], block_size: int, now: float, decode_tokens_per_s: float | None) -> int:
     """Blocks vLLM should hold now for these requests (kvgate's prediction of its usage).
 
     Shared prompt blocks count once (as vLLM's prefix cache holds them once). A request's other
@@ -143,8 +141,14 @@ class Calibration:
         return round(1.0 - self.transient.value, 6)
 
     def observe_kv(
-        self, now: float, predicted: int, observed: float, usable: int, preempted: float,
-        waiting_for_kv: bool, settled: bool = True,
+        self,
+        now: float,
+        predicted: int,
+        observed: float,
+        usable: int,
+        preempted: float,
+        waiting_for_kv: bool,
+        settled: bool = True,
     ) -> str | None:
         """Adjust the overcommit factor; record the prediction error if the moment is settled."""
         if settled:
@@ -160,7 +164,11 @@ class Calibration:
         return None
 
     def observe_transient(
-        self, now: float, server_growth: int, predicted_peak: int, tolerance: int,
+        self,
+        now: float,
+        server_growth: int,
+        predicted_peak: int,
+        tolerance: int,
         waiting_for_transient: bool,
     ) -> str | None:
         """Compare the server's memory growth with kvgate's predicted transient peak."""

@@ -135,7 +135,10 @@ class NvmlProbe:
         """A whole GPU in MIG mode says nothing useful about one instance: read each instance."""
         nv = self._nvml
         try:
-            if nv.nvmlDeviceIsMigDeviceHandle(handle) or nv.nvmlDeviceGetMigMode(handle)[0] != nv.NVML_DEVICE_MIG_ENABLE:
+            if (
+                nv.nvmlDeviceIsMigDeviceHandle(handle)
+                or nv.nvmlDeviceGetMigMode(handle)[0] != nv.NVML_DEVICE_MIG_ENABLE
+            ):
                 return []
             count = nv.nvmlDeviceGetMaxMigDeviceCount(handle)
         except nv.NVMLError:  # MIG not supported on this GPU
@@ -150,7 +153,8 @@ class NvmlProbe:
             log.warning(
                 "GPU %s is in MIG mode; reading all %d of its instances (the tightest wins): "
                 "name the server's instance by its MIG- UUID in NVIDIA_VISIBLE_DEVICES to read only it",
-                _text(nv.nvmlDeviceGetUUID(handle)), len(instances),
+                _text(nv.nvmlDeviceGetUUID(handle)),
+                len(instances),
             )
         return instances
 
@@ -165,8 +169,12 @@ class NvmlProbe:
         except nv.NVMLError:  # no permission (MIG without admin rights): memory is enough
             processes = ()
         return DeviceMemory(
-            _text(nv.nvmlDeviceGetUUID(handle)), _text(nv.nvmlDeviceGetName(handle)),
-            int(memory.total), int(memory.free), int(memory.used), processes,
+            _text(nv.nvmlDeviceGetUUID(handle)),
+            _text(nv.nvmlDeviceGetName(handle)),
+            int(memory.total),
+            int(memory.free),
+            int(memory.used),
+            processes,
         )
 
     def _read(self) -> GpuReading:
@@ -189,8 +197,9 @@ def _import_pynvml() -> ModuleType:
     return pynvml
 
 
-def make_probe(mode: str, client: httpx.AsyncClient, devices_spec: str | None = None,
-               nvml: ModuleType | None = None) -> GpuProbe:
+def make_probe(
+    mode: str, client: httpx.AsyncClient, devices_spec: str | None = None, nvml: ModuleType | None = None
+) -> GpuProbe:
     """The probe for `--gpu-probe` (nvml, sim, none; auto is resolved by `detect_probe`)."""
     if mode == "none":
         return NoGpuProbe("GPU probe disabled (--gpu-probe none)")
@@ -205,8 +214,9 @@ def make_probe(mode: str, client: httpx.AsyncClient, devices_spec: str | None = 
         return NoGpuProbe(problem)
 
 
-async def detect_probe(mode: str, client: httpx.AsyncClient, devices_spec: str | None = None,
-                       nvml: ModuleType | None = None) -> GpuProbe:
+async def detect_probe(
+    mode: str, client: httpx.AsyncClient, devices_spec: str | None = None, nvml: ModuleType | None = None
+) -> GpuProbe:
     """`auto`: the simulator's endpoint if the backend has one, else NVML, else none."""
     if mode != "auto":
         return make_probe(mode, client, devices_spec, nvml)

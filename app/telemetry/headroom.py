@@ -66,9 +66,7 @@ class HeadroomTracker:
             return 0
         return min(profile_peak, max(0, int(utilization * device.total) - start[1]))
 
-    def update(
-        self, reading: GpuReading, utilization: float | None = None, profile_peak: int = 0
-    ) -> Headroom | None:
+    def update(self, reading: GpuReading, utilization: float | None = None, profile_peak: int = 0) -> Headroom | None:
         """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known."""
         if not reading.devices:
             return None

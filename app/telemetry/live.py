@@ -62,10 +62,13 @@ class LiveBudget:
         self.resync = resync
         self.block_size = block_size
         self.clock = clock
-        self.calibration = Calibration(CalibrationConfig(
-            margin=settings.transient_safety_margin, max_margin=settings.max_transient_safety_margin,
-            max_overcommit=settings.max_kv_overcommit,
-        ))
+        self.calibration = Calibration(
+            CalibrationConfig(
+                margin=settings.transient_safety_margin,
+                max_margin=settings.max_transient_safety_margin,
+                max_overcommit=settings.max_kv_overcommit,
+            )
+        )
         self.mode = "live"
         self.problem: str | None = None
         self.static_headroom = self.budget.transient_headroom_bytes
@@ -103,7 +106,11 @@ class LiveBudget:
     async def _scrape_failed(self, exc: Exception) -> None:
         kind = _failure_kind(exc)
         self.metrics.scrape_errors.labels(kind).inc()
-        detail = f"answered {exc.response.status_code}" if isinstance(exc, httpx.HTTPStatusError) else f"{type(exc).__name__}: {exc}"
+        detail = (
+            f"answered {exc.response.status_code}"
+            if isinstance(exc, httpx.HTTPStatusError)
+            else f"{type(exc).__name__}: {exc}"
+        )
         self.problem = f"scrape of /metrics failed ({detail})"
         if kind in ("connect", "status") and not await self._healthy():
             self._enter_down(self.problem)
@@ -154,7 +161,9 @@ class LiveBudget:
             log.warning(
                 "backend restarted after steps kvgate admitted (likely a CUDA OOM): transient safety "
                 "margin %.2f -> %.2f; highest transient reservation this life %d MiB, headroom %s MiB",
-                before, after, self.gate.peak_transient_bytes // MiB,
+                before,
+                after,
+                self.gate.peak_transient_bytes // MiB,
                 "?" if self.headroom_bytes is None else self.headroom_bytes // MiB,
             )
         else:
@@ -198,7 +207,13 @@ class LiveBudget:
         predicted = blocks_in_use(self.in_flight.requests.values(), self.block_size(), now, self.decode_rate)
         settled = admissions_still and snapshot.running == len(self.in_flight.requests) and not snapshot.waiting
         reason = self.calibration.observe_kv(
-            now, predicted, observed, usable, self._preempted, self.gate.head_shortfall() == KV_BUSY, settled,
+            now,
+            predicted,
+            observed,
+            usable,
+            self._preempted,
+            self.gate.head_shortfall() == KV_BUSY,
+            settled,
         )
         self._preempted = 0
         m, c = self.metrics, self.calibration
@@ -233,7 +248,9 @@ class LiveBudget:
             log.info(
                 "transient headroom %s -> %d MiB (min free %d MiB, server growth %d MiB)",
                 "?" if self.headroom_bytes is None else self.headroom_bytes // MiB,
-                headroom.bytes // MiB, headroom.min_free // MiB, headroom.server_growth // MiB,
+                headroom.bytes // MiB,
+                headroom.min_free // MiB,
+                headroom.server_growth // MiB,
             )
         self.headroom_bytes = headroom.bytes
         self.profiled_cap_bytes = headroom.profiled_cap
@@ -241,7 +258,10 @@ class LiveBudget:
         self.metrics.transient_headroom.set(headroom.bytes)
         tolerance = max(64 * MiB, headroom.bytes // 20) + self.budget.profiled_peak_bytes
         reason = self.calibration.observe_transient(
-            now, headroom.server_growth, self.gate.peak_transient_bytes, tolerance,
+            now,
+            headroom.server_growth,
+            self.gate.peak_transient_bytes,
+            tolerance,
             self.gate.head_shortfall() == TRANSIENT_BUSY,
         )
         self.metrics.transient_error.set(self.calibration.transient_error_bytes)
@@ -313,6 +333,4 @@ def _restarted(previous: BackendSnapshot, snapshot: BackendSnapshot) -> bool:
         return True
     if set(previous.engines) != set(snapshot.engines):
         return True
-    return any(
-        (snapshot.counter(name) or 0) < (previous.counter(name) or 0) for name in COUNTERS
-    )
+    return any((snapshot.counter(name) or 0) < (previous.counter(name) or 0) for name in COUNTERS)

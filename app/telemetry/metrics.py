@@ -15,21 +15,28 @@ MODES = ("live", "conservative", "down")
 class TelemetryMetrics:
     def __init__(self, r: CollectorRegistry) -> None:
         self.kv_usage = Gauge(
-            "kvgate_backend_kv_usage_ratio", "vLLM's KV cache usage (0-1) at the last scrape.", registry=r,
+            "kvgate_backend_kv_usage_ratio",
+            "vLLM's KV cache usage (0-1) at the last scrape.",
+            registry=r,
         )
         self.kv_blocks_used = Gauge(
-            "kvgate_backend_kv_blocks_used", "KV blocks vLLM holds: usage x (num_gpu_blocks - 1), all engines.",
+            "kvgate_backend_kv_blocks_used",
+            "KV blocks vLLM holds: usage x (num_gpu_blocks - 1), all engines.",
             registry=r,
         )
         self.running = Gauge("kvgate_backend_running_requests", "vLLM's running requests.", registry=r)
         self.waiting = Gauge("kvgate_backend_waiting_requests", "vLLM's waiting requests.", registry=r)
         self.preemptions = Counter(
-            "kvgate_backend_preemptions", "vLLM preemptions seen (kept across backend restarts).", registry=r,
+            "kvgate_backend_preemptions",
+            "vLLM preemptions seen (kept across backend restarts).",
+            registry=r,
         )
         self.restarts = Counter("kvgate_backend_restarts", "Backend restarts detected.", registry=r)
         self.gpu_free = Gauge("kvgate_gpu_free_bytes", "Free memory NVML reports per GPU.", ["gpu"], registry=r)
         self.gpu_probe_up = Gauge(
-            "kvgate_gpu_probe_available", "1 while GPU memory readings are available, else 0.", registry=r,
+            "kvgate_gpu_probe_available",
+            "1 while GPU memory readings are available, else 0.",
+            registry=r,
         )
         self.transient_headroom = Gauge(
             "kvgate_transient_headroom_bytes",
@@ -37,41 +44,56 @@ class TelemetryMetrics:
             registry=r,
         )
         self.scrape_age = Gauge(
-            "kvgate_scrape_age_seconds", "Seconds since the last good scrape of vLLM's /metrics.", registry=r,
+            "kvgate_scrape_age_seconds",
+            "Seconds since the last good scrape of vLLM's /metrics.",
+            registry=r,
         )
         self.scrape_duration = Histogram(
-            "kvgate_scrape_duration_seconds", "Cost of one scrape of vLLM's /metrics (fetch + parse).",
-            buckets=_SCRAPE_BUCKETS, registry=r,
+            "kvgate_scrape_duration_seconds",
+            "Cost of one scrape of vLLM's /metrics (fetch + parse).",
+            buckets=_SCRAPE_BUCKETS,
+            registry=r,
         )
         self.scrape_errors = Counter(
-            "kvgate_scrape_errors", "Failed scrapes of vLLM's /metrics.", ["kind"], registry=r,
+            "kvgate_scrape_errors",
+            "Failed scrapes of vLLM's /metrics.",
+            ["kind"],
+            registry=r,
         )
         self.mode = Gauge(
-            "kvgate_budget_mode", "1 for the budget mode in force: live, conservative (stale) or down.",
-            ["mode"], registry=r,
+            "kvgate_budget_mode",
+            "1 for the budget mode in force: live, conservative (stale) or down.",
+            ["mode"],
+            registry=r,
         )
         self.kv_overcommit = Gauge(
-            "kvgate_kv_overcommit_factor", "Calibrated KV overcommit factor (pool x factor may be reserved).",
+            "kvgate_kv_overcommit_factor",
+            "Calibrated KV overcommit factor (pool x factor may be reserved).",
             registry=r,
         )
         self.transient_margin = Gauge(
-            "kvgate_transient_safety_margin", "Calibrated share of the transient headroom kept unspent.",
+            "kvgate_transient_safety_margin",
+            "Calibrated share of the transient headroom kept unspent.",
             registry=r,
         )
         self.kv_error = Gauge(
             "kvgate_kv_prediction_error_blocks",
-            "Predicted minus observed KV blocks in use at the last settled scrape.", registry=r,
+            "Predicted minus observed KV blocks in use at the last settled scrape.",
+            registry=r,
         )
         self.kv_abs_error = Gauge(
             "kvgate_kv_prediction_abs_error_blocks",
-            "Smoothed |predicted - observed| KV blocks in use.", registry=r,
+            "Smoothed |predicted - observed| KV blocks in use.",
+            registry=r,
         )
         self.kv_reconciled_requests = Gauge(
             "kvgate_kv_reconciled_requests",
-            "Requests in flight at the last settled comparison (the KV error's sample size).", registry=r,
+            "Requests in flight at the last settled comparison (the KV error's sample size).",
+            registry=r,
         )
         self.predicted_kv_in_use = Gauge(
-            "kvgate_predicted_kv_blocks_in_use", "kvgate's estimate of the KV blocks vLLM holds now.",
+            "kvgate_predicted_kv_blocks_in_use",
+            "kvgate's estimate of the KV blocks vLLM holds now.",
             registry=r,
         )
         self.transient_error = Gauge(
@@ -83,7 +105,8 @@ class TelemetryMetrics:
             "kvgate_backend_info",
             "1 for the vLLM kvgate models: its version, the known version it is modelled as, its model "
             "runner and sampler backend.",
-            ["version", "model_version", "runner", "sampler"], registry=r,
+            ["version", "model_version", "runner", "sampler"],
+            registry=r,
         )
         for mode in MODES:
             self.mode.labels(mode).set(0)

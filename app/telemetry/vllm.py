@@ -26,7 +26,8 @@ _ALIASES = {
 }
 COUNTERS = ("preemptions", "generation_tokens", "prompt_tokens", "prefix_queries", "prefix_hits")
 _WANTED = {n for names in _ALIASES.values() for n in names} | {
-    "vllm:cache_config_info", "process_start_time_seconds",
+    "vllm:cache_config_info",
+    "process_start_time_seconds",
 }
 _FAMILIES = {n.removesuffix("_total") for n in _WANTED}
 
@@ -209,10 +210,7 @@ async def fetch_models(client: httpx.AsyncClient) -> list[ServedModel]:
     """The backend's /v1/models: served names and vLLM's max_model_len."""
     response = await client.get("/v1/models")
     response.raise_for_status()
-    return [
-        ServedModel(name=m["id"], max_model_len=m.get("max_model_len"))
-        for m in response.json().get("data", [])
-    ]
+    return [ServedModel(name=m["id"], max_model_len=m.get("max_model_len")) for m in response.json().get("data", [])]
 
 
 @dataclass(frozen=True)

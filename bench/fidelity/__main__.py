@@ -30,12 +30,20 @@ from bench.fidelity.harness import BAND, DEFAULT_VLLM_PYTHON, ENGINE, RESULTS, c
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fidelity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
-                        help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); the CPU build runs V1 only")
+    parser.add_argument(
+        "--runner",
+        choices=("v1", "v2"),
+        default="v1",
+        help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); the CPU build runs V1 only",
+    )
     parser.add_argument("--grid", choices=("small", "full"), default="full")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
-                        help="the interpreter of a venv with vLLM (default: .venv-vllm)")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=DEFAULT_VLLM_PYTHON,
+        help="the interpreter of a venv with vLLM (default: .venv-vllm)",
+    )
     parser.add_argument("--model-dir", type=Path, help="where the random-weight model is built/reused")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing under bench/results")
@@ -46,15 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-") as tmp:
         scratch = Path(tmp)
         model_dir = args.model_dir or scratch / "model"
-        probe = run_probe(cases, device=args.device, runner=args.runner, dtype=args.dtype,
-                          model_dir=model_dir, vllm_python=args.vllm_python, scratch=scratch,
-                          gpu_memory_utilization=args.gpu_memory_utilization)
+        probe = run_probe(
+            cases,
+            device=args.device,
+            runner=args.runner,
+            dtype=args.dtype,
+            model_dir=model_dir,
+            vllm_python=args.vllm_python,
+            scratch=scratch,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
         geometry = geometry_of(model_dir, args.dtype)
     rows = compare(cases, probe, geometry)
-    header = (f"vLLM {probe['vllm_version']} ({probe['runner'].upper()} runner, {probe['device_name']}), "
-              f"torch {probe['torch_version']}; model: Llama, vocab {geometry.vocab_size:,}, "
-              f"hidden {geometry.hidden_size}, {args.dtype}; engine: max_num_seqs {ENGINE.max_num_seqs}, "
-              f"max_num_batched_tokens {ENGINE.max_num_batched_tokens}")
+    header = (
+        f"vLLM {probe['vllm_version']} ({probe['runner'].upper()} runner, {probe['device_name']}), "
+        f"torch {probe['torch_version']}; model: Llama, vocab {geometry.vocab_size:,}, "
+        f"hidden {geometry.hidden_size}, {args.dtype}; engine: max_num_seqs {ENGINE.max_num_seqs}, "
+        f"max_num_batched_tokens {ENGINE.max_num_batched_tokens}"
+    )
     text = f"{header}\n\n{table(rows, geometry)}\n"
     judged = [r for r in rows if r.case.transfers]
     inside = [r for r in judged if r.in_band]
@@ -68,13 +85,31 @@ def main(argv: list[str] | None = None) -> int:
         stem = RESULTS / f"fidelity-{args.device}-{args.runner}"
         command = "python -m bench.fidelity " + shlex.join(argv if argv is not None else sys.argv[1:])
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        stem.with_suffix(".md").write_text(f"# Fidelity: {args.device}, {args.runner}\n\n"
-                                           f"Command: `{command.strip()}` ({stamp})\n\n{text}")
-        stem.with_suffix(".json").write_text(json.dumps(
-            {"command": command.strip(), "when": stamp, "probe": {k: v for k, v in probe.items() if k != "by_id"},
-             "rows": [{"term": r.case.term, "grid_point": r.case.label, "measured": r.measured,
-                       "cpu_only": r.cpu_only, "kvgate": r.estimate, "ratio": round(r.ratio, 4)} for r in rows]},
-            indent=1) + "\n")
+        stem.with_suffix(".md").write_text(
+            f"# Fidelity: {args.device}, {args.runner}\n\nCommand: `{command.strip()}` ({stamp})\n\n{text}"
+        )
+        stem.with_suffix(".json").write_text(
+            json.dumps(
+                {
+                    "command": command.strip(),
+                    "when": stamp,
+                    "probe": {k: v for k, v in probe.items() if k != "by_id"},
+                    "rows": [
+                        {
+                            "term": r.case.term,
+                            "grid_point": r.case.label,
+                            "measured": r.measured,
+                            "cpu_only": r.cpu_only,
+                            "kvgate": r.estimate,
+                            "ratio": round(r.ratio, 4),
+                        }
+                        for r in rows
+                    ],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

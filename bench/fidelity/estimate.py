@@ -23,8 +23,13 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape) -> in
     # max_num_seqs = rows: every row of this request is above half the profiled rows, so the
     # penalties are charged in full (see the module docstring).
     cost = SamplerCost(v, dt, max_num_seqs=rows, max_num_batched_tokens=max(rows, engine.max_num_batched_tokens))
-    stage = cost.stage(rows, logprobs="logprobs" in p, penalties=case.term in ("penalties", "prompt_ids"),
-                       longest_prompt=case.prompt_len, longest_output=case.output_tokens)
+    stage = cost.stage(
+        rows,
+        logprobs="logprobs" in p,
+        penalties=case.term in ("penalties", "prompt_ids"),
+        longest_prompt=case.prompt_len,
+        longest_output=case.output_tokens,
+    )
     if case.term == "logits":
         return stage.logits
     if case.term in ("sort", "n"):

@@ -38,10 +38,17 @@ class Case:
     def baseline(self) -> Case:
         """The same request without the feature: greedy, or `base` (then the sort case)."""
         if self.base is not None:
-            return Case("sort", self.rows, self.prompt_len, self.base, self.max_tokens,
-                        f"rows={self.rows} top-p 0.9 + top-k")
-        return Case("logits", self.rows, self.prompt_len, {"temperature": 0.0}, self.max_tokens,
-                    f"rows={self.rows} prompt={self.prompt_len}")
+            return Case(
+                "sort", self.rows, self.prompt_len, self.base, self.max_tokens, f"rows={self.rows} top-p 0.9 + top-k"
+            )
+        return Case(
+            "logits",
+            self.rows,
+            self.prompt_len,
+            {"temperature": 0.0},
+            self.max_tokens,
+            f"rows={self.rows} prompt={self.prompt_len}",
+        )
 
     @property
     def output_tokens(self) -> int:
@@ -54,8 +61,13 @@ class Case:
         return 4 + math.ceil(self.rows * self.prompt_len / MAX_NUM_BATCHED_TOKENS)
 
     def spec(self) -> dict[str, Any]:
-        return {"id": self.id, "rows": self.rows, "prompt_len": self.prompt_len,
-                "max_tokens": self.output_tokens, "params": self.params}
+        return {
+            "id": self.id,
+            "rows": self.rows,
+            "prompt_len": self.prompt_len,
+            "max_tokens": self.output_tokens,
+            "params": self.params,
+        }
 
 
 def _scope(scopes: dict[str, dict[str, int]], name: str, key: str) -> int:
@@ -95,14 +107,25 @@ def _sampler_cases(rows: int, prompt_len: int) -> list[Case]:
         Case("sort", rows, prompt_len, {"temperature": 1.0, "top_p": 0.9}, label=f"{at} top-p 0.9"),
         Case("logprobs", rows, prompt_len, {"temperature": 0.0, "logprobs": 5}, label=f"{at} logprobs=5 greedy"),
         Case("logprobs", rows, prompt_len, {"temperature": 0.0, "logprobs": 1}, label=f"{at} logprobs=1 greedy"),
-        Case("penalties", rows, prompt_len, {"temperature": 0.0, **PENALTIES}, label=f"{at} presence+frequency+repetition"),
+        Case(
+            "penalties",
+            rows,
+            prompt_len,
+            {"temperature": 0.0, **PENALTIES},
+            label=f"{at} presence+frequency+repetition",
+        ),
         Case("prompt_ids", rows, prompt_len, {"temperature": 0.0, **PENALTIES}, label=f"{at} prompt={prompt_len}"),
     ]
 
 
 def _prompt_logprobs_cases(prompt_lens: tuple[int, ...], ks: tuple[int, ...]) -> list[Case]:
-    return [Case("prompt_logprobs", 1, p, {"temperature": 0.0, "prompt_logprobs": k}, max_tokens=1,
-                 label=f"prompt={p} k={k}") for p in prompt_lens for k in ks]
+    return [
+        Case(
+            "prompt_logprobs", 1, p, {"temperature": 0.0, "prompt_logprobs": k}, max_tokens=1, label=f"prompt={p} k={k}"
+        )
+        for p in prompt_lens
+        for k in ks
+    ]
 
 
 def small_grid() -> list[Case]:
@@ -118,11 +141,13 @@ def full_grid() -> list[Case]:
     """`python -m bench.fidelity`: 1-256 rows, n, prompt lengths, prompt_logprobs 1, 5, -1."""
     cases = [c for rows in (1, 16, 64, 256) for c in _sampler_cases(rows, 16)]
     # top-k alone: the CPU takes apply_top_k_only (allow_cpu_sync), CUDA's PyTorch path still sorts
-    cases += [Case("sort", 64, 16, {"temperature": 1.0, "top_k": 50}, label="rows=64 top-k 50", transfers=False),
-              Case("logprobs", 64, 16, {**SORT, "logprobs": 5}, label="rows=64 logprobs=5 + top-p/top-k",
-                   base=SORT)]
-    cases += [Case("prompt_ids", 16, p, {"temperature": 0.0, **PENALTIES}, label=f"rows=16 prompt={p}")
-              for p in (256, 1024)]
+    cases += [
+        Case("sort", 64, 16, {"temperature": 1.0, "top_k": 50}, label="rows=64 top-k 50", transfers=False),
+        Case("logprobs", 64, 16, {**SORT, "logprobs": 5}, label="rows=64 logprobs=5 + top-p/top-k", base=SORT),
+    ]
+    cases += [
+        Case("prompt_ids", 16, p, {"temperature": 0.0, **PENALTIES}, label=f"rows=16 prompt={p}") for p in (256, 1024)
+    ]
     cases += [Case("n", 1, 16, {**SORT, "n": n}, label=f"n={n} top-p 0.9 + top-k") for n in (2, 8, 32)]
     cases += _prompt_logprobs_cases((64, 512, 1024), (1, 5))
     cases += _prompt_logprobs_cases((64, 256), (-1,))

@@ -68,9 +68,13 @@ def probe_env(scratch: Path, device: str, runner: str) -> dict[str, str]:
     for name in ("cache", "inductor", "tmp"):
         (scratch / name).mkdir(parents=True, exist_ok=True)
     env = os.environ | {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": str(scratch / "cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"), "TMPDIR": str(scratch / "tmp"),
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CACHE_ROOT": str(scratch / "cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
+        "TMPDIR": str(scratch / "tmp"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
         "VLLM_USE_V2_MODEL_RUNNER": "1" if runner == "v2" else "0",
     }
     if device == "cpu":
@@ -78,20 +82,41 @@ def probe_env(scratch: Path, device: str, runner: str) -> dict[str, str]:
     return env
 
 
-def run_probe(cases: list[Case], *, device: str, runner: str, dtype: str, model_dir: Path,
-              vllm_python: Path, scratch: Path, gpu_memory_utilization: float = 0.5) -> dict[str, Any]:
+def run_probe(
+    cases: list[Case],
+    *,
+    device: str,
+    runner: str,
+    dtype: str,
+    model_dir: Path,
+    vllm_python: Path,
+    scratch: Path,
+    gpu_memory_utilization: float = 0.5,
+) -> dict[str, Any]:
     """Run the probe in vLLM's interpreter; its result (see probe.py) keyed by case id."""
-    spec = {"device": device, "runner": runner, "dtype": dtype, "model_dir": str(model_dir),
-            "gpu_memory_utilization": gpu_memory_utilization,
-            "engine": {"max_model_len": ENGINE.max_model_len, "max_num_seqs": ENGINE.max_num_seqs,
-                       "max_num_batched_tokens": ENGINE.max_num_batched_tokens},
-            "cases": [c.spec() for c in with_baselines(cases)]}
+    spec = {
+        "device": device,
+        "runner": runner,
+        "dtype": dtype,
+        "model_dir": str(model_dir),
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "engine": {
+            "max_model_len": ENGINE.max_model_len,
+            "max_num_seqs": ENGINE.max_num_seqs,
+            "max_num_batched_tokens": ENGINE.max_num_batched_tokens,
+        },
+        "cases": [c.spec() for c in with_baselines(cases)],
+    }
     spec_path, out_path = scratch / "spec.json", scratch / "probe.json"
     spec_path.write_text(json.dumps(spec, indent=1))
     log = scratch / "probe.log"
     with log.open("w") as sink:
-        proc = subprocess.run([str(vllm_python), str(PROBE), str(spec_path), str(out_path)],
-                              env=probe_env(scratch, device, runner), stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            [str(vllm_python), str(PROBE), str(spec_path), str(out_path)],
+            env=probe_env(scratch, device, runner),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"the probe exited with {proc.returncode}:\n{tail}")
@@ -109,17 +134,26 @@ def compare(cases: list[Case], probe: dict[str, Any], geometry: ModelGeometry) -
     """Each case's measurement beside kvgate's estimate."""
     by_id, on_cpu = probe["by_id"], probe["device"] == "cpu"
     logits_row = geometry.vocab_size * geometry.dtype_bytes
-    return [Row(case, measured_bytes(case, by_id[case.id], by_id[case.baseline.id]),
-                cpu_only_bytes(case, geometry) if on_cpu else 0,
-                kvgate_bytes(case, geometry, ENGINE),
-                by_id[case.id].get("compute_logits", {}).get("net", 0) // logits_row
-                if case.term != "prompt_logprobs" else 0) for case in cases]
+    return [
+        Row(
+            case,
+            measured_bytes(case, by_id[case.id], by_id[case.baseline.id]),
+            cpu_only_bytes(case, geometry) if on_cpu else 0,
+            kvgate_bytes(case, geometry, ENGINE),
+            by_id[case.id].get("compute_logits", {}).get("net", 0) // logits_row
+            if case.term != "prompt_logprobs"
+            else 0,
+        )
+        for case in cases
+    ]
 
 
 def table(rows: list[Row], geometry: ModelGeometry) -> str:
     """Markdown: term, grid point, measured, CPU-only, kvgate, ratio, per-element bytes."""
-    lines = ["| term | grid point | measured peak B | CPU-only B | kvgate V1 B | ratio | B per logit (measured / kvgate) |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        "| term | grid point | measured peak B | CPU-only B | kvgate V1 B | ratio | B per logit (measured / kvgate) |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         elements = _elements(r.case, geometry)
         flag = "" if r.in_band or not r.case.transfers else " **out of band**"
@@ -127,8 +161,10 @@ def table(rows: list[Row], geometry: ModelGeometry) -> str:
             flag += " (CPU-only path, not judged)"
         if not r.rows_together:
             flag += f" (only {r.sampled_rows} rows in one step)"
-        lines.append(f"| {r.case.term} | {r.case.label} | {r.measured:,} | {r.cpu_only:,} | {r.estimate:,} | "
-                     f"{r.ratio:.3f}{flag} | {r.transferable / elements:.2f} / {r.estimate / elements:.2f} |")
+        lines.append(
+            f"| {r.case.term} | {r.case.label} | {r.measured:,} | {r.cpu_only:,} | {r.estimate:,} | "
+            f"{r.ratio:.3f}{flag} | {r.transferable / elements:.2f} / {r.estimate / elements:.2f} |"
+        )
     return "\n".join(lines)
 
 

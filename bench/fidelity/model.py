@@ -39,8 +39,12 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        pad_token="<pad>", model_max_length=MAX_POSITIONS,
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=MAX_POSITIONS,
     )
 
 
@@ -80,13 +84,26 @@ def build_model(dest: Path) -> Path:
     tokenizer = _tokenizer()
     tokenizer.save_pretrained(dest)
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-        "hidden_act": "silu", "max_position_embeddings": MAX_POSITIONS, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "vocab_size": VOCAB_SIZE,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "vocab_size": VOCAB_SIZE,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        "torch_dtype": "bfloat16",
     }
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file(_weights(np.random.default_rng(0)), str(dest / "model.safetensors.part"), metadata={"format": "pt"})

@@ -160,8 +160,9 @@ def emulate_cuda_repetition_penalty() -> None:
     rows x 1,024 x ~10 B)."""
     import vllm._custom_ops as ops
 
-    def in_place(logits: torch.Tensor, prompt_mask: torch.Tensor, output_mask: torch.Tensor,
-                 repetition_penalties: torch.Tensor) -> None:
+    def in_place(
+        logits: torch.Tensor, prompt_mask: torch.Tensor, output_mask: torch.Tensor, repetition_penalties: torch.Tensor
+    ) -> None:
         penalty = repetition_penalties.unsqueeze(1)
         for start in range(0, logits.shape[1], 1024):
             cols = slice(start, start + 1024)
@@ -190,20 +191,25 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     engine = spec["engine"]
     started = time.monotonic()
     llm = LLM(
-        model=spec["model_dir"], dtype=spec["dtype"], seed=0, enforce_eager=True,
-        max_model_len=engine["max_model_len"], max_num_seqs=engine["max_num_seqs"],
-        max_num_batched_tokens=engine["max_num_batched_tokens"], max_logprobs=-1,
-        enable_prefix_caching=False, **({"gpu_memory_utilization": spec["gpu_memory_utilization"]}
-                                         if device == "cuda" else {}),
+        model=spec["model_dir"],
+        dtype=spec["dtype"],
+        seed=0,
+        enforce_eager=True,
+        max_model_len=engine["max_model_len"],
+        max_num_seqs=engine["max_num_seqs"],
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        max_logprobs=-1,
+        enable_prefix_caching=False,
+        **({"gpu_memory_utilization": spec["gpu_memory_utilization"]} if device == "cuda" else {}),
     )
     startup_s = time.monotonic() - started
     # Warm-up: torch.compile'd helpers (batched_count_greater_than) compile on first use.
-    llm.generate(prompts(2, 8, 0), SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1,
-                                                   detokenize=False), use_tqdm=False)
+    llm.generate(
+        prompts(2, 8, 0), SamplingParams(max_tokens=2, logprobs=1, prompt_logprobs=1, detokenize=False), use_tqdm=False
+    )
     cases = []
     for case in spec["cases"]:
-        params = SamplingParams(max_tokens=case["max_tokens"], ignore_eos=True, detokenize=False,
-                                **case["params"])
+        params = SamplingParams(max_tokens=case["max_tokens"], ignore_eos=True, detokenize=False, **case["params"])
         batch = prompts(case["rows"], case["prompt_len"], seed=len(cases) + 1)
         started = time.monotonic()
         with tracker.recording():
@@ -217,9 +223,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import vllm
 
     return {
-        "vllm_version": vllm.__version__, "torch_version": torch.__version__, "device": device,
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "runner": runner, "missing_scopes": missing, "startup_s": round(startup_s, 1), "cases": cases,
+        "runner": runner,
+        "missing_scopes": missing,
+        "startup_s": round(startup_s, 1),
+        "cases": cases,
     }
 
 

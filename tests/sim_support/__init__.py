@@ -39,20 +39,21 @@ class Outcome:
 
 def make_engine(cfg: SimConfig) -> Engine:
     model = load_model(cfg.model, cfg.dtype)
-    engine = Engine(cfg, model, Device(gpu_total_bytes(cfg.gpu)),
-                    TextModel(StandInTokenizer(model.vocab), cfg.seed), "sim")
+    engine = Engine(
+        cfg, model, Device(gpu_total_bytes(cfg.gpu)), TextModel(StandInTokenizer(model.vocab), cfg.seed), "sim"
+    )
     engine.boot()
     return engine
 
 
 def prompt(i: int, length: int, shared: int = 0) -> list[int]:
     """Distinct token ids per request, the first `shared` common to all."""
-    return [7 + (j % 1000) for j in range(shared)] + [
-        10_000 + (i * 7919 + j) % 100_000 for j in range(length - shared)]
+    return [7 + (j % 1000) for j in range(shared)] + [10_000 + (i * 7919 + j) % 100_000 for j in range(length - shared)]
 
 
-async def _play(engine: Engine, jobs: list[Job], max_steps: int,
-                cotenant_after_steps: tuple[int, int] | None) -> Outcome:
+async def _play(
+    engine: Engine, jobs: list[Job], max_steps: int, cotenant_after_steps: tuple[int, int] | None
+) -> Outcome:
     out = Outcome(engine)
 
     def sink(kind: str, data: object) -> None:
@@ -66,8 +67,7 @@ async def _play(engine: Engine, jobs: list[Job], max_steps: int,
         for _ in range(job.count):
             ids = prompt(k, job.prompt_len, job.shared_prefix)
             for j in range(job.n):
-                engine.add(Request(f"r{k}-{j}", list(ids), job.sampling, 0.0, sink=sink,
-                                   stream_seed=k * 31 + j))
+                engine.add(Request(f"r{k}-{j}", list(ids), job.sampling, 0.0, sink=sink, stream_seed=k * 31 + j))
             k += 1
     while engine.ready and engine.scheduler.has_work() and out.steps < max_steps:
         if cotenant_after_steps and out.steps == cotenant_after_steps[0]:
@@ -78,9 +78,13 @@ async def _play(engine: Engine, jobs: list[Job], max_steps: int,
     return out
 
 
-def play(cfg: SimConfig, jobs: list[Job], max_steps: int = 5000,
-         cotenant_after_steps: tuple[int, int] | None = None,
-         keep_speedup: bool = False) -> Outcome:
+def play(
+    cfg: SimConfig,
+    jobs: list[Job],
+    max_steps: int = 5000,
+    cotenant_after_steps: tuple[int, int] | None = None,
+    keep_speedup: bool = False,
+) -> Outcome:
     """Boot an engine for `cfg`, submit every job at once, step until done or dead (at full
     speed unless `keep_speedup`)."""
     if not keep_speedup:

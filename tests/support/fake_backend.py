@@ -76,21 +76,27 @@ class FakeBackend:
             self.seen.append(request.url.path)
             self.received.append(Received(request.url.path, request.url.query, request.headers.items(), raw))
             if self.completion_mode == "broken_stream":
+
                 async def chunks():
                     yield b'data: {"choices": [{"text": "a"}]}\n\n'
                     await asyncio.sleep(0.05)
                     raise BrokenStream()
+
                 return StreamingResponse(chunks(), media_type="text/event-stream")
             if self.completion_mode == "slow":
                 await asyncio.sleep(self.slow_s)
             return JSONResponse({"choices": [{"text": "ok"}], "echo": body})
 
-        return Starlette(routes=[
-            Route("/v1/models", models), Route("/metrics", metrics), Route("/health", health),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", completions, methods=["POST"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/models", models),
+                Route("/metrics", metrics),
+                Route("/health", health),
+                Route("/tokenize", tokenize, methods=["POST"]),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", completions, methods=["POST"]),
+            ]
+        )
 
 
 @contextlib.contextmanager

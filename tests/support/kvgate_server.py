@@ -39,7 +39,11 @@ class KvgateServer:
 
 @contextlib.contextmanager
 def running_kvgate(
-    backend_url: str, model_dir: Path, scratch: Path, *args: str, wait_ready: bool = True,
+    backend_url: str,
+    model_dir: Path,
+    scratch: Path,
+    *args: str,
+    wait_ready: bool = True,
     timeout_s: float = 60,
 ) -> Iterator[KvgateServer]:
     """`kvgate serve` on a free 127.0.0.1 port, ready (or just alive) before the block runs."""
@@ -47,8 +51,17 @@ def running_kvgate(
     scratch.mkdir(parents=True, exist_ok=True)
     log_path = scratch / f"kvgate-{port}.log"
     cmd = [
-        sys.executable, "-m", "app.cli", "serve", "--backend", backend_url, "--model", str(model_dir),
-        "--listen", f"127.0.0.1:{port}", *args,
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        "--backend",
+        backend_url,
+        "--model",
+        str(model_dir),
+        "--listen",
+        f"127.0.0.1:{port}",
+        *args,
     ]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with log_path.open("wb") as log:

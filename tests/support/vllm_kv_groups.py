@@ -22,8 +22,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 
 def spec_of(layer: dict) -> object:
-    attention = dict(block_size=layer["block_size"], num_kv_heads=layer["num_kv_heads"],
-                     head_size=layer["head_size"], dtype=torch.bfloat16)
+    attention = dict(
+        block_size=layer["block_size"],
+        num_kv_heads=layer["num_kv_heads"],
+        head_size=layer["head_size"],
+        dtype=torch.bfloat16,
+    )
     if layer["kind"] == "full_attention":
         return FullAttentionSpec(**attention)
     if layer["kind"] == "sliding_attention":
@@ -31,24 +35,33 @@ def spec_of(layer: dict) -> object:
     if layer["kind"] == "chunked_local_attention":
         return ChunkedLocalAttentionSpec(**attention, attention_chunk_size=layer["chunk"])
     shapes = tuple(tuple(s) for s in layer["state_shapes"])
-    return MambaSpec(block_size=layer["block_size"], shapes=shapes, dtypes=(torch.bfloat16,) * len(shapes),
-                     page_size_padded=layer["state_page_padded"])
+    return MambaSpec(
+        block_size=layer["block_size"],
+        shapes=shapes,
+        dtypes=(torch.bfloat16,) * len(shapes),
+        page_size_padded=layer["state_page_padded"],
+    )
 
 
 def grouped(case: dict) -> dict:
-    cache = SimpleNamespace(mamba_cache_mode=case["mamba_cache_mode"],
-                            get_resolved_kv_cache_layout=lambda: KVCacheLayout[case["layout"]])
+    cache = SimpleNamespace(
+        mamba_cache_mode=case["mamba_cache_mode"], get_resolved_kv_cache_layout=lambda: KVCacheLayout[case["layout"]]
+    )
     config = SimpleNamespace(
-        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False), cache_config=cache,
-        speculative_config=None, model_config=SimpleNamespace(max_model_len=case["max_model_len"]),
-        max_in_flight_tokens=case["max_in_flight_tokens"], attention_config=SimpleNamespace(hisparse_config=None),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        cache_config=cache,
+        speculative_config=None,
+        model_config=SimpleNamespace(max_model_len=case["max_model_len"]),
+        max_in_flight_tokens=case["max_in_flight_tokens"],
+        attention_config=SimpleNamespace(hisparse_config=None),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
     )
     specs = {f"layers.{i}": spec_of(layer) for i, layer in enumerate(case["layers"])}
     groups = get_kv_cache_groups(config, specs)
     return {
-        "groups": [[type(getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec)).__name__, len(g.layer_names)]
-                   for g in groups],
+        "groups": [
+            [type(getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec)).__name__, len(g.layer_names)] for g in groups
+        ],
         "max_request_blocks": sum(
             cdiv(g.kv_cache_spec.max_memory_usage_bytes(config), g.kv_cache_spec.page_size_bytes) for g in groups
         ),

