@@ -218,6 +218,8 @@ SCENARIOS: list[Scenario] = [
             "256",
             "--attention-backend",
             "materializing",
+            "--model-runner",
+            "v1",
         ],
         workload=long_context_workload,
     ),
@@ -236,7 +238,7 @@ SCENARIOS: list[Scenario] = [
             vllm_version="0.31.0",
             model_runner="v1",
         ),
-        kvgate_flags=["--max-num-batched-tokens", "8192", "--max-num-seqs", "256"],
+        kvgate_flags=["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--model-runner", "v1"],
         workload=eval_workload,
     ),
     Scenario(
@@ -273,6 +275,8 @@ SCENARIOS: list[Scenario] = [
             "12",
             "--max-queue-wait",
             str(QUEUE_WAIT_S),
+            "--model-runner",
+            "v1",
         ],
         workload=big_batch_workload,
         note="vLLM dies in its start-up profile; kvgate cannot fix a profile that does not fit, "
@@ -284,7 +288,15 @@ SCENARIOS: list[Scenario] = [
 # ----- running ----------------------------------------------------------------------------------
 def sim_flags(cfg: SimConfig) -> str:
     parts = [f"--model {cfg.model}", f"--gpu {cfg.gpu}"]
-    for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "gpu_memory_utilization"):
+    names = (
+        "max_model_len",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "gpu_memory_utilization",
+        "vllm_version",
+        "model_runner",
+    )
+    for name in names:
         value = getattr(cfg, name)
         if value is not None and value != getattr(SimConfig, name, None):
             parts.append(f"--{name.replace('_', '-')} {value}")

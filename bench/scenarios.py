@@ -154,7 +154,9 @@ def s7_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 
 def _flags(mnbt: int, seqs: int, **extra: str) -> list[str]:
-    out = ["--max-num-batched-tokens", str(mnbt), "--max-num-seqs", str(seqs)]
+    # The simulator plays the V1 runner (_sim); kvgate is told so, as an operator running vLLM with
+    # VLLM_USE_V2_MODEL_RUNNER=0 would tell it (vLLM's /version does not say which runner runs).
+    out = ["--max-num-batched-tokens", str(mnbt), "--max-num-seqs", str(seqs), "--model-runner", "v1"]
     for k, v in extra.items():
         out += [f"--{k.replace('_', '-')}", v]
     return out
