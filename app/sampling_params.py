@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from app.errors import InvalidField
+
 # vllm/entrypoints/openai/completion/protocol.py: CompletionRequest.max_tokens default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -68,8 +70,15 @@ def _structured(body: Mapping[str, Any]) -> bool:
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    """A float field as vLLM's pydantic model reads it (lax: numeric strings too); a 400 for what it
+    would refuse (a list, a word, an integer past float range)."""
     value = body.get(name)
-    return default if value is None else float(value)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidField(f"'{name}' must be a number within float range.", name) from None
 
 
 def vllm_sampling_params(endpoint: Literal["completions", "chat"], body: Mapping[str, Any]) -> SamplingParams:

@@ -240,3 +240,10 @@ def test_the_character_bound_follows_the_normalizer(
     if bound is not None:  # what NFC composes most: 4 code points into one (U+1FAF)
         text = unicodedata.normalize("NFD", "\u1faf") * 2000
         assert len(rust.encode(text).ids) >= len(text) / bound
+
+
+@pytest.mark.parametrize("value", [10**400, "many", [1.0]])
+def test_a_float_sampling_field_out_of_float_range_or_not_a_number_is_400(value: object) -> None:
+    """Found by the fuzz: presence_penalty of a 400-digit integer overflowed float() into a 500."""
+    error = refusal("completions", json.dumps({"prompt": "hi", "presence_penalty": value}).encode())
+    assert error.param == "presence_penalty"
