@@ -46,7 +46,7 @@ from app.sim.runner import SimRunner, free_port
 from app.sim.startup import StartupError
 
 # Words of at most six letters: the simulator's stand-in tokenizer makes each one token.
-_WORDS = [
+WORDS = [
     "the",
     "cache",
     "block",
@@ -134,7 +134,7 @@ class Result:
 
 # ----- workloads --------------------------------------------------------------------------------
 def text(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(tokens))
+    return " ".join(rng.choice(WORDS) for _ in range(tokens))
 
 
 def chat(rng: random.Random, model: str, i: int, max_tokens: int) -> Call:

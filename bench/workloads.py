@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from app.demo import WORDS  # one token each for the simulator's stand-in tokenizer
+
 
 @dataclass(frozen=True)
 class Call:
@@ -25,51 +27,10 @@ class Call:
 
 
 MODEL = "llama-3.1-8b"
-_WORDS = [
-    "the",
-    "cache",
-    "block",
-    "token",
-    "batch",
-    "model",
-    "server",
-    "queue",
-    "memory",
-    "budget",
-    "prompt",
-    "graph",
-    "tensor",
-    "chunk",
-    "layer",
-    "head",
-    "value",
-    "key",
-    "query",
-    "fast",
-    "slow",
-    "long",
-    "short",
-    "river",
-    "stone",
-    "cloud",
-    "light",
-    "north",
-    "south",
-    "paper",
-    "glass",
-    "music",
-    "water",
-    "field",
-    "story",
-    "night",
-    "green",
-    "table",
-    "window",
-]
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, n)))
 
 
 def poisson_times(rng: random.Random, rate_per_s: float, duration_s: float, start_s: float = 0.0) -> list[float]:
