@@ -42,7 +42,8 @@ vLLM's code (paths in vllm-project/vllm):
   bench/results/fidelity-cpu-v1.md) and
   `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). V2
   (v1/worker/gpu/sample/prompt_logprob.py `compute_prompt_logprobs_with_chunking`): 1,024 rows at
-  a time (logits, then an fp32 log-softmax), keeping `k + 1` scores and ids per row; with
+  a time (logits, `torch.topk`'s values and ids, no [rows, V] log-softmax: gpu/sample/logprob.py
+  `compute_token_logprobs` computes max + logsumexp per row), keeping `k + 1` scores and ids per row; with
   `prompt_logprobs: -1` k is the vocabulary, so `n x V` fp32 scores and int64 ids pile up over
   the chunks and are concatenated (twice that at the `torch.cat`).
 """
@@ -314,10 +315,13 @@ class StepMemory:
             chunks = []
             for c in range(-(-n // PROMPT_LOGPROB_CHUNK)):
                 rows = min(PROMPT_LOGPROB_CHUNK, n - c * PROMPT_LOGPROB_CHUNK)
+                # compute_topk_scores (gpu/sample/logprob.py): torch.topk's values and int64 ids,
+                # then the [rows, k + 1] ids and the Triton kernel's fp32 scores; the kernel takes
+                # max + logsumexp per row and never makes a [rows, V] log-softmax.
                 t.alloc(f"pl_logits{i}", rows * d.vocab * dt)
-                t.alloc(f"pl_logprobs{i}", rows * d.vocab * 4)
+                t.alloc(f"pl_topk{i}", rows * (k - 1) * (dt + 8))
                 t.alloc(f"pl_scores{i}.{c}", rows * k * 12)
-                t.free(f"pl_logprobs{i}", f"pl_logits{i}")
+                t.free(f"pl_topk{i}", f"pl_logits{i}")
                 chunks.append(f"pl_scores{i}.{c}")
             if len(chunks) > 1:
                 t.alloc(f"pl_cat{i}", n * k * 12)
