@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from support.fake_backend import FakeBackend, running_fake_backend
 from support.tiny_model import build_tiny_model
 from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
 
@@ -31,3 +32,11 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         )
     with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm")) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[FakeBackend]:
+    """A scripted OpenAI backend (tests/support/fake_backend.py), one per test module; a module
+    that needs another behaviour (test_tenancy's slow answers) defines its own."""
+    with running_fake_backend() as backend:
+        yield backend

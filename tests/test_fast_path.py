@@ -24,12 +24,6 @@ BODY = {"model": "tiny-llama", "prompt": "hello there", "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def backend() -> Iterator[FakeBackend]:
-    with running_fake_backend() as backend:
-        yield backend
-
-
-@pytest.fixture(scope="module")
 def kvgate(
     backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[KvgateServer]:

@@ -15,16 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.fake_backend import FakeBackend, running_fake_backend
+from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateServer, running_kvgate
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
-
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[FakeBackend]:
-    with running_fake_backend() as backend:
-        yield backend
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from support.fake_backend import FakeBackend, running_fake_backend
+from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateServer, running_kvgate
 
 PATHS = ["/v1/completions", "/v1/chat/completions"]
-
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[FakeBackend]:
-    with running_fake_backend() as backend:
-        yield backend
 
 
 @pytest.fixture(scope="module")
