@@ -39,6 +39,7 @@ class LoggedStartup:
     weights_gib: float
     available_gib: float  # "Available KV cache memory" (or available_kv_cache_memory)
     config_file: str | None = None  # the model's config.json in tests/configs, if not a preset
+    misses: str | None = None  # why the simulator misses this row today (a strict xfail)
 
 
 CALIBRATION = [
@@ -107,10 +108,33 @@ CALIBRATION = [
         14.99,
         4.95,
     ),
+    # "GPU KV cache size: 89,040 tokens" = 5,565 blocks x 16 x 144 KiB; 31.36 GiB is what PyTorch
+    # reports for an RTX 5090. A later boot of the same command logged 95,936 tokens (13.17 GiB).
+    LoggedStartup(
+        "Qwen3-8B, RTX 5090, TP 1 (vLLM 0.24.0, V1)",
+        dict(
+            SERVE_2025,
+            gpu="31.36GiB",
+            vllm_version="0.24.0",
+            max_model_len=32768,
+            gpu_memory_utilization=0.92,
+        ),
+        15.27,
+        5565 * 16 * 147456 / GiB,
+        "qwen3-8b",
+        misses="vLLM 0.24 samples top-k/top-p with a Triton kernel (no sort); the simulator sorts "
+        "for every V1 release before 0.32 (docs/calibration.md, known gaps)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("row", CALIBRATION, ids=[r.source for r in CALIBRATION])
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(r, id=r.source, marks=[pytest.mark.xfail(strict=True, reason=r.misses)] if r.misses else [])
+        for r in CALIBRATION
+    ],
+)
 def test_available_kv_memory_matches_public_logs(row: LoggedStartup, tmp_path: Path) -> None:
     """Every row of the calibration table within max(0.6 GiB, 4 %) of vLLM's logged figure.
     Weights within 2 %: vLLM's also hold the RoPE cos/sin cache (max_position x rotary_dim x
