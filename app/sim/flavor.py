@@ -79,7 +79,10 @@ class Flavor:
     def sampler_sorts(self) -> bool:
         """V1's top-k/top-p through the PyTorch sort path. vLLM 0.32 on CUDA never sorts (FlashInfer
         or a Triton kernel); the V1 releases before it are played with the sort path the simulator
-        was first calibrated with (when vLLM switched is not pinned down here)."""
+        was first calibrated with. vLLM itself stopped sorting batches of 8 rows or more in 0.17.0
+        (v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p` -> `topk_topp_triton.py`), so
+        0.17-0.31 are played too high; the benchmark scenarios that play "0.31.0" rest on the sort
+        (docs/calibration.md, known gaps)."""
         return not self.v2 and self.version < (0, 32, 0)
 
     @property
