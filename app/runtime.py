@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from app.deployment import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from app.gate.backend_state import BackendState
 from app.gate.budget import Budget
 from app.gate.gate import Gate
 from app.gate.observer import Observers
@@ -63,7 +64,11 @@ class Runtime:
             pool_timeout_s=settings.upstream_pool_timeout,
         )
         outputs = OutputLengths(settings.kv_output_quantile)
-        self.budget = Budget(transient_margin=settings.transient_safety_margin, kv_margin_z=outputs.z)
+        self.budget = Budget(
+            transient_margin=settings.transient_safety_margin,
+            kv_margin_z=outputs.z,
+            backend=BackendState("starting"),  # the one view of the backend: the gate's and /readyz's
+        )
         gate_metrics = GateMetrics(self.metrics)
         self.in_flight = InFlightRequests()
         self.gate = Gate(
@@ -115,7 +120,9 @@ class Runtime:
                 if problem != self.startup_error:
                     log.warning("%s (retrying every %g s)", problem, retry_s)
                 self.startup_error = problem
+                self.budget.set_backend("starting", problem)
                 await asyncio.sleep(retry_s)
+        self.budget.set_backend("up")
         await self._watch_backend()
 
     async def _watch_backend(self) -> None:
