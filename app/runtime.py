@@ -122,7 +122,6 @@ class Runtime:
                 self.startup_error = problem
                 self.budget.set_backend("starting", problem)
                 await asyncio.sleep(retry_s)
-        self.budget.set_backend("up")
         await self._watch_backend()
 
     async def _watch_backend(self) -> None:
@@ -141,6 +140,7 @@ class Runtime:
             self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
         )
+        self.budget.set_backend("up")  # from here on the live loop keeps the view true
         interval = self.settings.scrape_interval
         while True:
             started = time.monotonic()
