@@ -140,4 +140,5 @@ def _assumed(method: str, model: str | None, target: ModelGeometry) -> Drafter:
         model,
         what,
     )
-    return Drafter(method, target, layers, target.vocab_size, f"assumed: {what}")
+    aux = EAGLE3_AUX_LAYERS if method == "eagle3" else 0
+    return Drafter(method, target, layers, target.vocab_size, f"assumed: {what}", aux)
