@@ -55,6 +55,7 @@ class EngineFlags:
     model_runner: str = "auto"
     speculative_method: str | None = None
     speculative_model: str | None = None
+    draft_sample_method: str = "greedy"
     num_speculative_tokens: int = 0
     max_logprobs: int = 20
     kv_cache_memory_bytes: int | None = None
@@ -257,7 +258,11 @@ def resolve(
         max_logprobs=flags.max_logprobs,
         enforce_eager=flags.enforce_eager,
         drafter=resolve_drafter(
-            flags.speculative_method, flags.speculative_model, geometry, _model_config(flags.model)
+            flags.speculative_method,
+            flags.speculative_model,
+            geometry,
+            _model_config(flags.model),
+            flags.draft_sample_method,
         ),
     )
 

@@ -274,6 +274,7 @@ def engine_flags(settings: Settings) -> EngineFlags:
         model_runner=settings.model_runner,
         speculative_method=spec.method if spec else None,
         speculative_model=spec.model if spec else None,
+        draft_sample_method=spec.draft_sample_method if spec else "greedy",
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         max_logprobs=settings.max_logprobs,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,

@@ -70,9 +70,22 @@ EAGLE3_AUX_LAYERS = 3
 
 
 def resolve_drafter(
-    method: str | None, model: str | None, target: ModelGeometry, target_config: dict[str, Any]
+    method: str | None,
+    model: str | None,
+    target: ModelGeometry,
+    target_config: dict[str, Any],
+    draft_sample_method: str = "greedy",
 ) -> Drafter | None:
     """The draft model vLLM runs for this `--speculative-config`, or None when it has none."""
+    drafter = _drafter(method, model, target, target_config)
+    if drafter is None or draft_sample_method != "probabilistic":
+        return drafter
+    return replace(drafter, probabilistic=True)
+
+
+def _drafter(
+    method: str | None, model: str | None, target: ModelGeometry, target_config: dict[str, Any]
+) -> Drafter | None:
     if method is None and model is None:
         return None
     config = _draft_config(model) if model else None

@@ -139,3 +139,23 @@ def test_the_communicator_sizes_are_vllms_own() -> None:
         mnnvl = 6 * max(vllm["mnnvl_all_gather"][str(world_size)] * world_size, vllm["reduce_scatter"])
         assert custom_all_reduce_bytes(world_size) == meta + legacy + 8 * MiB + mnnvl
     assert custom_all_reduce_bytes(3) == 0  # vLLM disables it at unsupported world sizes
+
+
+def test_a_probabilistic_draft_keeps_its_probabilities_on_v1_only() -> None:
+    from app.memory.activation import EngineShape, SamplingShape, estimate_transient, sampler_cost
+
+    eagle = resolve_drafter("eagle", "nobody/not-on-this-disk", LLAMA, {}, "probabilistic")
+    assert eagle is not None and eagle.probabilistic
+    shape = dict(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=256, num_speculative_tokens=4)
+    v1 = EngineShape(**shape, runner="v1", draft=eagle)
+    # listed per step, then stacked into [requests, 4, V] fp32 and kept for the next verification
+    term = estimate_transient(LLAMA, v1, 100, SamplingShape(n=2)).term("draft_probs")
+    assert term is not None and not term.profiled and term.bytes == 2 * 2 * 4 * 128_256 * 4
+    # the whole batch's: 10 requests sampling at random, none when every row is greedy
+    assert sampler_cost(LLAMA, v1).stage(10, False, False, 0).draft_probs == 10 * 2 * 4 * 128_256 * 4
+    assert sampler_cost(LLAMA, v1).stage(10, False, False, 0, random=False).draft_probs == 0
+    # V2 preallocates its draft logits cache at start-up; a greedy draft keeps nothing
+    v2 = EngineShape(**shape, runner="v2", draft=eagle)
+    assert estimate_transient(LLAMA, v2, 100, SamplingShape(n=2)).term("draft_probs") is None
+    greedy = EngineShape(**shape, runner="v1", draft=replace(eagle, probabilistic=False))
+    assert estimate_transient(LLAMA, greedy, 100, SamplingShape(n=2)).term("draft_probs") is None

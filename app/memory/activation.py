@@ -442,6 +442,8 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
 
 
 def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
+    d = e.draft
+    probabilistic = d is not None and d.probabilistic and e.runner == "v1"
     return SamplerCost(
         g.vocab_size,
         g.dtype_bytes,
@@ -450,6 +452,7 @@ def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
         e.runner,
         e.num_speculative_tokens,
         e.max_logprobs,
+        2 * e.num_speculative_tokens * d.vocab_size * FP32 if probabilistic and d is not None else 0,
     )
 
 
@@ -543,6 +546,19 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
                 f"{rows} rows x ceil({v} / 32) x 4 B structured-output bitmask (v1/structured_output/utils.py "
                 "apply_grammar_bitmask)",
                 stage="sampler",
+            )
+        )
+    if stage.draft_probs:
+        terms.append(
+            TransientTerm(
+                "draft_probs",
+                stage.draft_probs,
+                False,
+                "decode",
+                f"2 x {s.rows} requests x {cost.num_speculative_tokens} draft steps x "
+                f"{e.draft.vocab_size if e.draft else 0} draft vocab x 4 B fp32 "
+                "probabilities, listed and stacked (v1/spec_decode/llm_base_proposer.py propose)",
+                stage="residual",
             )
         )
     if stage.penalties:

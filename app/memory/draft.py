@@ -29,3 +29,4 @@ class Drafter:
     vocab_size: int  # columns of the draft's logits (EAGLE-3: draft_vocab_size)
     basis: str  # "config.json in DIR", or the assumption kvgate made
     aux_hidden_states: int = 0  # EAGLE-3: target layers whose hidden states the draft reads
+    probabilistic: bool = False  # draft_sample_method "probabilistic": V1 keeps its probabilities
