@@ -11,9 +11,11 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from app.memory.geometry import ModelGeometry, dtype_bytes
 from app.memory.kv import KVLayout
+from app.speculative import resolve_drafter
 from app.vllm_flags import add_vllm_arguments
 
 # vLLM's flags that size the pool (declared once in app.vllm_flags).
@@ -26,6 +28,7 @@ POOL_FLAGS = (
     "block_size",
     "max_model_len",
     "max_num_batched_tokens",
+    "speculative_config",
 )
 
 
@@ -61,12 +64,16 @@ def run(args: argparse.Namespace) -> int:
                 "this model keeps a recurrent state in some layers, and vLLM sizes its blocks to "
                 "fit one state page: pass the block size vLLM logs (--block-size)"
             )
+        spec = args.speculative_config
+        target_config = json.loads((Path(args.model_config) / "config.json").read_text())
+        drafter = resolve_drafter(spec.method, spec.model, geometry, target_config) if spec else None
         layout = KVLayout(
             geometry,
             block_size=args.block_size or 16,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             kv_cache_dtype=args.kv_cache_dtype,
+            draft=drafter,
         )
         cap = layout.capacity(args.kv_cache_memory_bytes, max_model_len, args.max_num_batched_tokens)
     except ValueError as exc:
@@ -93,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0 if fits else 1
+    draft = f", the {drafter.method} draft's {layout.draft_layers} included" if drafter else ""
     print(
         f"KV cache bytes per token per GPU: {cap.bytes_per_token:,} "
-        f"({layout.layers_per_stage} layers x {layout.bytes_per_token_per_layer:,} B)"
+        f"({layout.layers_per_stage} layers x {layout.bytes_per_token_per_layer:,} B{draft})"
     )
     print(
         f"Num GPU blocks: {cap.num_blocks:,} (block size {layout.block_size}, "

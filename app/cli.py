@@ -129,6 +129,7 @@ EXPLAIN_SETTINGS = (
     "num_gpu_blocks",
     "gpu_memory_bytes",
     "free_memory_bytes",
+    "cuda_context_bytes",
     "profiled_activation_bytes",
     "transient_safety_margin",
     "default_max_tokens",

@@ -19,10 +19,13 @@ from typing import Any, TypeVar
 
 from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, profile_peak_bytes
+from app.memory.draft import Drafter
+from app.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.predict import Predictor
+from app.speculative import resolve_drafter
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
 
 log = logging.getLogger("kvgate.deployment")
@@ -51,9 +54,12 @@ class EngineFlags:
     vllm_version: str | None = None  # --vllm-version: overrides the backend's GET /version
     model_runner: str = "auto"
     speculative_method: str | None = None
+    speculative_model: str | None = None
+    draft_sample_method: str = "greedy"
     num_speculative_tokens: int = 0
     max_logprobs: int = 20
     kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,8 @@ class Deployment:
     runtime: VllmRuntime = field(default_factory=lambda: resolve_runtime(None))
     num_speculative_tokens: int = 0
     max_logprobs: int = 20
+    enforce_eager: bool = False
+    drafter: Drafter | None = None  # --speculative-config's draft model (app/speculative.py)
 
     def engine_shape(self) -> EngineShape:
         return EngineShape(
@@ -98,6 +106,7 @@ class Deployment:
             runner=self.runtime.runner,
             num_speculative_tokens=self.num_speculative_tokens,
             max_logprobs=self.max_logprobs,
+            draft=self.drafter,
         )
 
 
@@ -247,6 +256,14 @@ def resolve(
         runtime=vllm_runtime(flags, geometry, reported_version),
         num_speculative_tokens=flags.num_speculative_tokens,
         max_logprobs=flags.max_logprobs,
+        enforce_eager=flags.enforce_eager,
+        drafter=resolve_drafter(
+            flags.speculative_method,
+            flags.speculative_model,
+            geometry,
+            _model_config(flags.model),
+            flags.draft_sample_method,
+        ),
     )
 
 
@@ -266,6 +283,7 @@ def build_predictor(
         pipeline_parallel_size=deployment.pipeline_parallel_size,
         kv_cache_dtype=deployment.kv_cache_dtype,
         mamba_cache_mode=deployment.mamba_cache_mode,
+        draft=deployment.drafter,
     )
     layout = checked_against_backend(layout, deployment)
     engine = deployment.engine_shape()
@@ -316,14 +334,18 @@ def static_limits(
     free_memory_bytes: int | None,
     gpu_memory_bytes: int | None,
     kv_cache_memory_bytes: int | None = None,
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
 ) -> StaticLimits:
     """The budget before any live reading: the pool from vLLM, headroom from flags.
 
     vLLM reserves block 0 of the pool as its null block, so num_gpu_blocks - 1 are usable.
     Workspaces one engine allocates once (FlashInfer's) come off the headroom once, not per request.
+    The CUDA context and, at TP > 1, the communicators' buffers sit outside vLLM's
+    ``total x gpu_memory_utilization`` (app/memory/envelope.py), so they come off the rest.
     With --kv-cache-memory-bytes the pool is that size (vLLM ignores gpu_memory_utilization then:
     vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
-    the weights, that pool and the profiled activation peak.
+    the weights, that pool, the profiled activation peak, the profile's non-torch increase and
+    the memory outside the envelope; only CUDA graphs (unless --enforce-eager) stay unknown.
     """
     blocks = deployment.num_gpu_blocks
     fixed_pool = kv_cache_memory_bytes
@@ -331,18 +353,22 @@ def static_limits(
         blocks = predictor.layout.capacity(
             fixed_pool, deployment.max_model_len, deployment.max_num_batched_tokens
         ).num_blocks
+    outside = outside_envelope(deployment.tensor_parallel_size, cuda_context_bytes, deployment.runtime.version)
     headroom = free_memory_bytes
     if headroom is None and gpu_memory_bytes is not None:
         if fixed_pool is not None:
-            headroom = gpu_memory_bytes - fixed_pool - weights_bytes(predictor.layout) - predictor.profiled_peak_bytes
-            log.warning(
-                "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
-                "the pool and the profile peak; CUDA graphs and non-torch memory are not known to "
-                "kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
-                max(0, headroom) / 2**30,
-            )
+            used = fixed_pool + weights_bytes(predictor.layout) + predictor.profiled_peak_bytes
+            headroom = gpu_memory_bytes - used - NON_TORCH_INCREASE_BYTES - outside.total
+            if not deployment.enforce_eager:
+                log.warning(
+                    "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
+                    "the pool, the profile peak, non-torch memory and %s; the CUDA graphs' memory is not "
+                    "known to kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
+                    max(0, headroom) / 2**30,
+                    outside.describe(),
+                )
         else:
-            headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))
+            headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization)) - outside.total
     if headroom is not None:
         headroom = max(0, headroom - predictor.shared_workspace_bytes)
     return StaticLimits(

@@ -227,7 +227,12 @@ class Runtime:
             self.gate.outputs,
         )
         limits = static_limits(
-            deployment, predictor, settings.free_memory_bytes, settings.gpu_memory_bytes, settings.kv_cache_memory_bytes
+            deployment,
+            predictor,
+            settings.free_memory_bytes,
+            settings.gpu_memory_bytes,
+            settings.kv_cache_memory_bytes,
+            settings.cuda_context_bytes,
         )
         self.deployment, self.pipeline.predictor = deployment, predictor
         self.pipeline.max_model_len = deployment.max_model_len
@@ -275,7 +280,10 @@ def engine_flags(settings: Settings) -> EngineFlags:
         vllm_version=settings.vllm_version,
         model_runner=settings.model_runner,
         speculative_method=spec.method if spec else None,
+        speculative_model=spec.model if spec else None,
+        draft_sample_method=spec.draft_sample_method if spec else "greedy",
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         max_logprobs=settings.max_logprobs,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        enforce_eager=settings.enforce_eager,
     )

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.memory.envelope import CUDA_CONTEXT_BYTES
 from app.vllm_flags import VllmFlags, add_vllm_arguments
 
 GpuProbeMode = Literal["auto", "nvml", "sim", "none"]
@@ -39,7 +40,15 @@ class Settings(BaseSettings, VllmFlags):
     free_memory_bytes: int | None = Field(
         None,
         description="GPU memory left outside vLLM's pools for transient tensors the profile never "
-        "saw; default: gpu-memory-bytes x (1 - gpu-memory-utilization).",
+        "saw; default: gpu-memory-bytes x (1 - gpu-memory-utilization) less the CUDA context and, "
+        "at TP > 1, the communicators' buffers (both outside vLLM's utilization envelope).",
+    )
+    cuda_context_bytes: int = Field(
+        CUDA_CONTEXT_BYTES,
+        ge=0,
+        description="Device memory of vLLM's CUDA context, held outside gpu-memory-utilization "
+        "(vLLM takes its memory snapshot after creating it); not readable from vLLM's code: "
+        "500 MiB, above PyTorch's ~300 MB figure (pytorch/pytorch#107667).",
     )
     profiled_activation_bytes: int | None = Field(
         None,

@@ -61,6 +61,7 @@ class SpeculativeConfig(BaseModel):
     method: str | None = None
     model: str | None = None
     num_speculative_tokens: int = Field(1, ge=1)
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
 
 
 def _json_object(value: Any) -> Any:

@@ -258,3 +258,61 @@ def test_vllms_whole_command_line_pastes(llama_31_dir: Path, tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["decision"] == "admit"
     assert "ignored: --host --port --enable-chunked-prefill --trust-remote-code --seed" in done.stderr
+
+
+def eagle_head(tmp_path: Path) -> Path:
+    """An EAGLE head for Llama-3.1-8B: one decoder layer of the target's shape (the layout of the
+    EAGLE-LLaMA3 heads' config.json: LlamaForCausalLM, num_hidden_layers 1)."""
+    config = json.loads((Path(__file__).parent / "configs" / "llama-3-8b.json").read_text())
+    config["num_hidden_layers"] = 1
+    folder = tmp_path / "eagle-head"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_an_eagle_draft_reports_its_own_terms(llama_31_dir: Path, tmp_path: Path) -> None:
+    body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 10, "n": 2}
+    spec = json.dumps({"method": "eagle", "model": str(eagle_head(tmp_path)), "num_speculative_tokens": 4})
+    code, out = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--speculative-config", spec)
+    assert code == 0, out
+    terms = terms_of(out)
+    # the draft's pass over the 8,000-token chunk: hidden + residual 2 x 8000 x 4096 x 2 B and its
+    # MLP 3 x 8000 x 14336 x 2 B; profiled (V2's profile runs speculator.propose)
+    assert terms["draft_forward"]["bytes"] == 2 * 8000 * 4096 * 2 + 3 * 8000 * 14336 * 2
+    assert terms["draft_forward"]["profiled"] is True and "config.json of" in terms["draft_forward"]["detail"]
+    # its logits, 2 rows x 128,256 x 2 B per draft step
+    assert terms["draft_logits"]["bytes"] == 2 * 128256 * 2 and terms["draft_logits"]["profiled"] is True
+    _, plain = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
+    assert "draft_forward" not in terms_of(plain)
+    assert out["budget"]["profiled_peak_bytes"] > plain["budget"]["profiled_peak_bytes"]  # the draft's dummy pass
+
+
+def test_an_unreadable_draft_config_is_said_once_and_assumed_cautiously(llama_31_dir: Path, tmp_path: Path) -> None:
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"prompt": [1, 2, 3], "max_tokens": 5}))
+    spec = '{"method": "eagle3", "model": "nobody/EAGLE3-not-on-this-disk", "num_speculative_tokens": 2}'
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "explain",
+            str(body),
+            "--model",
+            str(llama_31_dir),
+            *LLAMA_31_FLAGS,
+            "--speculative-config",
+            spec,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("cannot read the config.json of the draft model") == 1
+    terms = terms_of(json.loads(done.stdout))
+    assert "assumed: one layer shaped like the target's" in terms["draft_forward"]["detail"]
+    assert terms["draft_forward"]["bytes"] > 0  # never silently zero
+    assert terms["draft_aux_hidden_states"]["bytes"] == 3 * 3 * 4096 * 2  # EAGLE-3 reads 3 layers

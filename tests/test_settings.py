@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -192,6 +194,48 @@ def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilizati
     )
     # 40 GiB / (32 layers x 2 x 8 heads x 128 x 2 B = 128 KiB per token) = 327,680 tokens = 20,480 blocks
     assert budget.kv_blocks == 20480 - 1
-    expected = 80 * 2**30 - 40 * 2**30 - weights_bytes(predictor.layout) - predictor.profiled_peak_bytes
+    # less the profile's non-torch increase (0.16 GiB, vLLM PR #12126) and the CUDA context (500 MiB)
+    used = 40 * 2**30 + weights_bytes(predictor.layout) + predictor.profiled_peak_bytes
+    expected = 80 * 2**30 - used - int(0.16 * 2**30) - 500 * 2**20
     assert budget.transient_headroom_bytes == expected  # not 80 GiB x (1 - 0.5)
     assert 20 * 2**30 < expected < 30 * 2**30  # ~16 GB of weights, ~1 GiB of profile peak
+
+
+def llama_3_8b() -> ModelGeometry:
+    return ModelGeometry.from_config(json.loads((Path(__file__).parent / "configs" / "llama-3-8b.json").read_text()))
+
+
+def flags_mode_headroom(*flags: str) -> int:
+    """kvgate's static transient headroom from flags alone (no backend, no --free-memory-bytes)."""
+    from app.deployment import static_limits
+    from app.runtime import engine_flags
+
+    geometry = llama_3_8b()
+    settings = settings_for("--gpu-memory-bytes", str(80 * 2**30), "--gpu-memory-utilization", "0.9", *flags)
+    deployment = resolve(engine_flags(settings), geometry, None, None)
+    predictor = build_predictor(deployment, geometry)
+    limits = static_limits(
+        deployment,
+        predictor,
+        settings.free_memory_bytes,
+        settings.gpu_memory_bytes,
+        settings.kv_cache_memory_bytes,
+        settings.cuda_context_bytes,
+    )
+    assert limits.transient_headroom_bytes is not None
+    return limits.transient_headroom_bytes
+
+
+def test_the_cuda_context_and_tp_buffers_come_off_the_utilizations_rest() -> None:
+    """vLLM 0.32 takes its memory snapshot after the CUDA context and the distributed set-up, so
+    both sit outside total x gpu_memory_utilization (app/memory/envelope.py)."""
+    rest = int(80 * 2**30 * (1 - 0.9))
+    tp1 = flags_mode_headroom()
+    assert tp1 == rest - 500 * 2**20  # the CUDA context, --cuda-context-bytes' default
+    assert flags_mode_headroom("--cuda-context-bytes", str(300 * 2**20)) == rest - 300 * 2**20
+    # TP 2: NCCL (128 MiB, assumed) + symmetric memory (64 MiB) + custom all-reduce (meta 1 + 8,
+    # buffer 16, rank data 8, MNNVL 6 x 16 MiB) per GPU
+    tp2 = flags_mode_headroom("--tensor-parallel-size", "2")
+    assert tp1 - tp2 == (128 + 64 + 9 + 16 + 8 + 96) * 2**20
+    # vLLM 0.10 allocated the communicators before its snapshot: inside the envelope then
+    assert flags_mode_headroom("--tensor-parallel-size", "2", "--vllm-version", "0.10.1") == tp1

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from app.memory.draft import Drafter
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import (
     ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
@@ -75,6 +76,7 @@ class EngineShape:
     runner: str = "v1"  # vLLM's model runner, "v1" | "v2" (app/memory/vllm_runner.py)
     num_speculative_tokens: int = 0  # --speculative-config num_speculative_tokens
     max_logprobs: int = 20  # --max-logprobs
+    draft: Drafter | None = None  # --speculative-config's draft model (app/memory/draft.py)
 
     def __post_init__(self) -> None:
         backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)
@@ -199,7 +201,65 @@ def estimate_transient(
     ]
     if sampling.prompt_logprobs is not None:
         terms.append(_prompt_logprobs_term(geometry, engine, chunk, prompt_tokens, sampling.prompt_logprobs))
+    if engine.draft is not None:
+        terms.extend(_draft_terms(geometry, engine, engine.draft, chunk, sampling.rows))
     return TransientEstimate(tuple(t for t in terms if t is not None))
+
+
+def _draft_pass_bytes(g: ModelGeometry, d: Drafter, tp: int, tokens: int) -> int:
+    """One forward pass of the draft over `tokens` tokens: its hidden states and residual plus its
+    largest layer intermediate (QKV and attention output, or its MLP)."""
+    dg, dt = d.geometry, g.dtype_bytes
+    heads, kv_heads = max(1, dg.num_attention_heads // tp), max(1, dg.num_kv_heads // tp)
+    qkv = tokens * (2 * heads + 2 * kv_heads) * dg.head_dim * dt
+    mlp = 3 * tokens * (dg.intermediate_size // tp) * dt
+    return 2 * tokens * dg.hidden_size * dt + max(qkv, mlp)
+
+
+def _draft_terms(g: ModelGeometry, e: EngineShape, d: Drafter, chunk: int, rows: int) -> list[TransientTerm]:
+    """The draft model's activations in one step (vLLM 0.32.0), after the target's sampler.
+
+    ``propose`` (V1 v1/spec_decode/llm_base_proposer.py; V2 v1/worker/gpu/spec_decode/
+    target_dependent_ar/speculator.py) runs the draft over the step's tokens, then computes its
+    logits ``[requests, draft vocab]`` (``_greedy_sample`` / ``sample_draft``: argmax by default,
+    ``draft_sample_method`` "greedy") and repeats one token per request for each further
+    speculative token. Profiled on both runners: V1's ``profile_run`` -> ``_dummy_run`` calls
+    ``drafter.dummy_run(max_num_batched_tokens)`` (``num_speculative_tokens`` passes, no logits)
+    and V2's ``_dummy_run`` calls ``speculator.propose(dummy_run=True)`` (passes and logits). V1's
+    profile never made the draft's logits, but they come after the sampler has freed the
+    profile's larger ``[rows, V]`` stage (no more requests than the profile's rows, a draft
+    vocabulary no wider than the target's), so they fit in what the profile reserved. EAGLE-3
+    reads ``aux_hidden_states`` target layers' hidden states, kept from the forward pass.
+    """
+    dt, tp = g.dtype_bytes, e.tensor_parallel_size
+    terms = [
+        TransientTerm(
+            "draft_forward",
+            _draft_pass_bytes(g, d, tp, chunk),
+            True,
+            "prefill",
+            f"{d.method} draft over {chunk} tokens ({d.basis})",
+        ),
+        TransientTerm(
+            "draft_logits",
+            rows * d.vocab_size * dt,
+            True,
+            "decode",
+            f"{rows} rows x {d.vocab_size} draft vocab x {dt} B, each of {e.num_speculative_tokens} draft steps",
+        ),
+    ]
+    if d.aux_hidden_states:
+        terms.append(
+            TransientTerm(
+                "draft_aux_hidden_states",
+                d.aux_hidden_states * chunk * g.hidden_size * dt,
+                True,
+                "prefill",
+                f"{d.aux_hidden_states} target layers' hidden states x {chunk} tokens x {g.hidden_size} x {dt} B",
+                stage="residual",
+            )
+        )
+    return terms
 
 
 def _attention_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int) -> list[TransientTerm]:
@@ -259,15 +319,38 @@ def mla_workspace_tokens(e: EngineShape) -> int:
     return max(tokens, e.max_num_seqs * e.block_size)
 
 
-def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads: int, dt: int) -> list[TransientTerm]:
-    """vllm/v1/attention/backends/mla/common.py: ``_compute_prefill_context``.
+def mla_profile_dummy_bytes(g: ModelGeometry, e: EngineShape) -> int:
+    """The buffer vLLM's profile allocates in each MLA layer: ``[W, heads, nope + v]``.
 
-    The latent context is gathered into the workspace ``[W, kv_lora + rope]`` in
-    pieces of at most W tokens (W rounded down to the block size, one prefill
-    with context); each piece is up-projected: ``kv_nope = kv_b_proj(kv_c)``
-    ``[toks, heads, nope + v]`` and ``k = cat(k_nope, k_pe)`` ``[toks, heads,
-    nope + rope]``, then attended. The code comment's "~3 GB" (DeepSeek-V3, 128
-    heads, 64Ki tokens) counts K alone; with kv_nope it is ~7 GiB at TP=1.
+    vllm 0.32.0 model_executor/layers/attention/mla_attention.py ``MLAAttention.forward``: with
+    no attention metadata ("During the profile run try to simulate to worse case output size for
+    `self.kv_b_proj(kv_c_normed)` in `_compute_prefill_context`") it allocates this tensor and
+    frees it. Both runners profile with no metadata (V1 ``profile_run`` -> ``_dummy_run`` builds
+    none without ``force_attention``; V2 ``_dummy_run(skip_attn=True)``), so the profile's peak
+    holds it. Read in 0.12.0 (v1/attention/backends/mla/common.py), 0.21.0, 0.31.0 and 0.32.0;
+    0.10.1.1 had no such buffer.
+    """
+    if not g.is_mla:
+        return 0
+    heads = max(1, g.num_attention_heads // e.tensor_parallel_size)
+    return mla_workspace_tokens(e) * heads * (g.qk_nope_head_dim + g.v_head_dim) * g.dtype_bytes
+
+
+def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads: int, dt: int) -> list[TransientTerm]:
+    """MLA prefill, vllm 0.32.0 model_executor/layers/attention/mla_attention.py (both runners).
+
+    ``forward_mha`` up-projects the chunk's new tokens, ``kv_nope = kv_b_proj(kv_c_normed)``
+    ``[chunk, heads, nope + v]`` and ``k = _concat_k_nope_k_pe(...)`` ``[chunk, heads, nope +
+    rope]``, alive until it returns, plus the new tokens' attention output (and its fp32 LSE when
+    there is context). With context, ``_compute_prefill_context`` gathers it into the workspace
+    ``[W, kv_lora + rope]`` in pieces of at most W tokens (W rounded down to the block size) and
+    up-projects each piece the same way, beside its attention output and the running output
+    and LSE (``init_mla_context_partial``). The file's "~3 GB" (DeepSeek-V3, 128 heads, 64Ki
+    tokens) counts K alone.
+
+    The profile's dummy ``[W, heads, nope + v]`` (mla_profile_dummy_bytes) reserved part of
+    this: the layer's need up to that size is profiled, only the rest is charged against the
+    free headroom, so nothing is counted twice and nothing is missing.
     """
     latent = (g.kv_lora_rank or 0) + g.qk_rope_head_dim
     window = mla_workspace_tokens(e)
@@ -281,23 +364,37 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
         stage="workspace",
         shared=True,
     )
-    piece = min(context, window // e.block_size * e.block_size)
-    if piece <= 0:
-        return [workspace]
     per_token = heads * ((g.qk_nope_head_dim + g.v_head_dim) + (g.qk_nope_head_dim + g.qk_rope_head_dim)) * dt
-    # attention output + merge_attn_states copy [chunk, heads, v] and fp32 LSEs
-    outputs = 2 * chunk * heads * (g.v_head_dim * dt + FP32)
-    return [
+    output = chunk * heads * (g.v_head_dim * dt + FP32)  # one attention output and its fp32 LSE
+    piece = min(context, window // e.block_size * e.block_size)
+    need = chunk * per_token + output
+    detail = f"new tokens {chunk} x {heads} heads x (nope+v + nope+rope) x {dt} B + output"
+    if piece > 0:
+        need += piece * per_token + 2 * output  # the piece's attention output + the running output
+        detail += f"; context piece {piece} of {context} x the same + 2 outputs"
+    dummy = mla_profile_dummy_bytes(g, e)
+    in_profile = min(need, dummy)
+    terms = [
         workspace,
         TransientTerm(
-            "mla_context_upproject",
-            piece * per_token + outputs,
-            False,
+            "mla_prefill_upproject",
+            in_profile,
+            True,
             "prefill",
-            f"context piece {piece} of {context} x {heads} heads x (nope+v + nope+rope) x {dt} B "
-            f"+ outputs for chunk {chunk}",
+            f"{detail}, up to the profile's [{window}, {heads}, nope+v] dummy ({dummy / MiB:.0f} MiB)",
         ),
     ]
+    if need > in_profile:
+        terms.append(
+            TransientTerm(
+                "mla_upproject_beyond_profile",
+                need - in_profile,
+                False,
+                "prefill",
+                f"{detail}: {need / MiB:.0f} MiB, beyond the profile's {dummy / MiB:.0f} MiB dummy",
+            )
+        )
+    return terms
 
 
 def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
@@ -345,6 +442,8 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
 
 
 def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
+    d = e.draft
+    probabilistic = d is not None and d.probabilistic and e.runner == "v1"
     return SamplerCost(
         g.vocab_size,
         g.dtype_bytes,
@@ -353,6 +452,7 @@ def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
         e.runner,
         e.num_speculative_tokens,
         e.max_logprobs,
+        2 * e.num_speculative_tokens * d.vocab_size * FP32 if probabilistic and d is not None else 0,
     )
 
 
@@ -448,6 +548,19 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
                 stage="sampler",
             )
         )
+    if stage.draft_probs:
+        terms.append(
+            TransientTerm(
+                "draft_probs",
+                stage.draft_probs,
+                False,
+                "decode",
+                f"2 x {s.rows} requests x {cost.num_speculative_tokens} draft steps x "
+                f"{e.draft.vocab_size if e.draft else 0} draft vocab x 4 B fp32 "
+                "probabilities, listed and stacked (v1/spec_decode/llm_base_proposer.py propose)",
+                stage="residual",
+            )
+        )
     if stage.penalties:
         terms.append(
             TransientTerm(
@@ -528,7 +641,9 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     """The activation peak vLLM's profile run measures (v1 ``profile_run``).
 
     Forward: hidden states + residual ``2 x T x H x dt`` plus the largest layer
-    intermediate (QKV + attention output, or the MLP/MoE), ``T = max_num_batched_tokens``.
+    intermediate (QKV + attention output, with MLA the profile's ``[W, h, nope + v]`` dummy, or
+    the MLP/MoE), ``T = max_num_batched_tokens``; with a draft model, its own pass over ``T``
+    tokens (V1 ``drafter.dummy_run``, V2 ``speculator.propose``) beside the target's hidden states.
     Sampler: the hidden states still referenced, plus logits and the sort over
     ``B = min(T, max_num_seqs)`` rows. The peak is the larger of the two.
 
@@ -545,7 +660,11 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     hidden = t * g.hidden_size * dt
     heads, kv_heads = max(1, g.num_attention_heads // tp), max(1, g.num_kv_heads // tp)
     qkv = t * (2 * heads + 2 * kv_heads) * g.head_dim * dt  # qkv projection + attention output
-    forward = 2 * hidden + max(qkv, _mlp_term(g, e, t).bytes)
+    attention = qkv + mla_profile_dummy_bytes(g, e)  # MLA: the profile's [W, h, nope + v] buffer
+    forward = 2 * hidden + max(attention, _mlp_term(g, e, t).bytes)
+    if e.draft is not None:  # the draft's dummy pass over T tokens, the target's states alive
+        aux = e.draft.aux_hidden_states * hidden
+        forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))
     cost = sampler_cost(g, e)
     # V1 profiles a random full-vocab top-k/top-p sort; V2's dummy batch is greedy (logits only).
     sampler = hidden + cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1").profiled

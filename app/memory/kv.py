@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from app.memory.draft import Drafter
 from app.memory.geometry import (
     CHUNKED_ATTENTION,
     FULL_ATTENTION,
@@ -72,11 +73,15 @@ class KVLayout:
     # Blocks every sequence holds beyond this layout's count: set when vLLM's own capacity
     # report says a max_model_len request takes more blocks than the layout does.
     extra_blocks_per_sequence: int = 0
+    draft: Drafter | None = None  # speculative decoding's draft model (app/memory/draft.py)
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """AttentionSpec.page_size_bytes / block_size (MLAAttentionSpec: one latent, not split by TP)."""
-        g = self.geometry
+        """AttentionSpec.page_size_bytes / block_size of one target layer."""
+        return self._layer_bytes(self.geometry)
+
+    def _layer_bytes(self, g: ModelGeometry) -> int:
+        """One attention layer's KV bytes per token per GPU (MLAAttentionSpec: one latent, not split by TP)."""
         dt = kv_cache_dtype_bytes(self.kv_cache_dtype, g.dtype_bytes)
         if g.is_mla:
             assert g.kv_lora_rank is not None  # is_mla says so
@@ -84,9 +89,24 @@ class KVLayout:
         kv_heads = max(1, g.num_kv_heads // self.tensor_parallel_size)
         return 2 * kv_heads * g.head_dim * dt
 
+    @property
+    def draft_bytes_per_token(self) -> int:
+        """The draft's attention layers' KV bytes per token per GPU (0 without a draft)."""
+        return 0 if self.draft is None else self.draft.num_layers * self._layer_bytes(self.draft.geometry)
+
+    @property
+    def draft_layers(self) -> int:
+        """The draft's KV as full-attention layers of the target's page size, rounded up.
+
+        vLLM sums the pages exactly (one group per attention type); counting the draft in whole
+        target layers is exact when its layers are shaped like the target's (EAGLE heads, MTP)
+        and over by less than one layer's page otherwise."""
+        return cdiv(self.draft_bytes_per_token, self.bytes_per_token_per_layer)
+
     @cached_property
     def stage_layer_types(self) -> tuple[str, ...]:
-        """Cache kinds of the largest pipeline stage's layers (vLLM ``get_pp_indices`` split).
+        """Cache kinds of the largest pipeline stage's layers (vLLM ``get_pp_indices`` split), and
+        the draft model's layers (``draft_layers``) as full attention.
 
         vLLM gives the remainder layers to the stages before the last, one each;
         every rank then uses the smallest block count, which the largest stage sets.
@@ -100,7 +120,9 @@ class KVLayout:
         first_largest = sizes.index(max(sizes))
         start = sum(sizes[:first_largest])
         stage = types[start : start + sizes[first_largest]]
-        return tuple(kind for layer in stage for kind in layer.split("+") if kind != NO_CACHE)
+        kinds = tuple(kind for layer in stage for kind in layer.split("+") if kind != NO_CACHE)
+        # The draft's layers live with the last stage's; adding them to the largest is cautious.
+        return kinds + (FULL_ATTENTION,) * self.draft_layers
 
     @property
     def layers_per_stage(self) -> int:

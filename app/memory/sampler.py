@@ -89,12 +89,14 @@ class SamplerStage:
     logits_fp32: int = 0  # V2: the fp32 copy of a random batch's logits
     top_k_top_p: int = 0  # V2: FlashInfer's fp32 probabilities
     grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
+    draft_probs: int = 0  # V1: a probabilistic draft's kept probabilities
     profiled: int = 0  # the part of the above the start-up profile reserved
 
     @property
     def unprofiled(self) -> int:
         total = self.logits + self.sort + self.logprobs + self.penalties + self.prompt_ids + self.output_ids
-        return total + self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask - self.profiled
+        extra = self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask + self.draft_probs
+        return total + extra - self.profiled
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,12 @@ class SamplerCost:
     runner: str = "v1"  # "v1" | "v2" (app/memory/vllm_runner.py)
     num_speculative_tokens: int = 0
     max_logprobs: int = 20  # the server's --max-logprobs: bounds V2's [rows, k + 1] logprobs
+    # V1 with draft_sample_method "probabilistic" (vllm 0.32.0 v1/spec_decode/llm_base_proposer.py
+    # propose): every draft step's fp32 probabilities [requests, draft vocab] (compute_probs_and_
+    # sample_next_token) are listed, then torch.stack-ed into [requests, k, draft vocab] and kept
+    # (_last_draft_probs) for the next step's rejection sampler: 2 x k x draft vocab x 4 B per
+    # request sampling at random. V2 preallocates its draft_logits cache at start-up.
+    draft_probs_per_request: int = 0
 
     @cached_property
     def profiled_rows(self) -> int:
@@ -173,6 +181,7 @@ class SamplerCost:
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
             output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,
             grammar_bitmask=rows_sampled * -(-self.vocab_size // BITMASK_TOKENS_PER_WORD) * FP32 if structured else 0,
+            draft_probs=min(rows, self.max_num_seqs) * self.draft_probs_per_request if random else 0,
             profiled=in_profile * (self.dtype_bytes + FP32 + SORT_BYTES_PER_LOGIT),
         )
 

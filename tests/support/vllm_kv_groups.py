@@ -3,8 +3,10 @@
 Reads a list of cases {"layout", "max_model_len", "max_in_flight_tokens", "mamba_cache_mode",
 "layers": [...]} on stdin (one process for all: importing vLLM takes seconds), each layer {"kind", "block_size", "num_kv_heads", "head_size", "window", "chunk",
 "state_shapes", "state_page_padded"}, and prints, per case, {"groups": [[spec class, layers], ...],
-"max_request_blocks": N}: what vLLM's get_kv_cache_groups makes of them and the blocks one
-max_model_len request takes (get_max_concurrency_for_kv_cache_config's sum over groups).
+"block_bytes": B, "max_request_blocks": N}: what vLLM's get_kv_cache_groups makes of them,
+the bytes of one pool block (_get_kv_cache_bytes_per_block, the divisor of the pool's memory)
+and the blocks one max_model_len request takes
+(get_max_concurrency_for_kv_cache_config's sum over groups).
 Only the VllmConfig fields these functions read are filled in.
 """
 
@@ -16,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+from vllm.v1.core.kv_cache_utils import _get_kv_cache_bytes_per_block, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -62,6 +64,7 @@ def grouped(case: dict) -> dict:
         "groups": [
             [type(getattr(g.kv_cache_spec, "first_spec", g.kv_cache_spec)).__name__, len(g.layer_names)] for g in groups
         ],
+        "block_bytes": _get_kv_cache_bytes_per_block(groups, KVCacheLayout[case["layout"]]),
         "max_request_blocks": sum(
             cdiv(g.kv_cache_spec.max_memory_usage_bytes(config), g.kv_cache_spec.page_size_bytes) for g in groups
         ),
