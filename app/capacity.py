@@ -12,8 +12,9 @@ import json
 import sys
 from dataclasses import replace
 
-from app.memory.geometry import ModelGeometry, dtype_bytes
+from app.memory.geometry import dtype_bytes
 from app.memory.kv import KVLayout
+from app.model_folder import load_geometry
 from app.vllm_flags import add_vllm_arguments
 
 # vLLM's flags that size the pool (declared once in app.vllm_flags).
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the model folder is needed: --model-config DIR (or vLLM's --model / MODEL)")
         if args.kv_cache_memory_bytes is None:
             raise ValueError("the KV cache size is needed: --kv-cache-memory-bytes (vLLM's flag, e.g. 49.94GiB)")
-        geometry = ModelGeometry.from_folder(args.model_config)
+        geometry = load_geometry(args.model_config)
         if args.dtype != "auto":
             geometry = replace(geometry, dtype_bytes=dtype_bytes(args.dtype))
         max_model_len = args.max_model_len or geometry.max_position_embeddings
