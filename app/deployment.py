@@ -24,6 +24,7 @@ from app.memory.kv import KVLayout
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.predict import Predictor
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
+from app.units import GiB
 
 log = logging.getLogger("kvgate.deployment")
 T = TypeVar("T")
@@ -339,7 +340,7 @@ def static_limits(
                 "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
                 "the pool and the profile peak; CUDA graphs and non-torch memory are not known to "
                 "kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
-                max(0, headroom) / 2**30,
+                max(0, headroom) / GiB,
             )
         else:
             headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization))

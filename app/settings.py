@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.units import KiB, MiB
 from app.vllm_flags import VllmFlags, add_vllm_arguments
 
 GpuProbeMode = Literal["auto", "nvml", "sim", "none"]
@@ -110,7 +111,7 @@ class Settings(BaseSettings, VllmFlags):
         "the tenant is a digest of the API key and no client header is read (a client naming its "
         "own tenant could take every turn).",
     )
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
+    max_body_bytes: int = Field(32 * MiB, gt=0, description="Largest request body accepted (413 beyond).")
     upstream_timeout: float = Field(600.0, gt=0, description="Seconds to wait for the backend's next byte.")
     log_level: str = Field("info", description="Python log level.")
 
@@ -130,7 +131,7 @@ class Settings(BaseSettings, VllmFlags):
         "lower first); unset: no header is read.",
     )
     max_header_bytes: int = Field(
-        64 * 1024, gt=0, description="Largest request head (request line and headers) accepted (431 beyond)."
+        64 * KiB, gt=0, description="Largest request head (request line and headers) accepted (431 beyond)."
     )
     max_headers: int = Field(100, gt=0, description="Most headers a request may carry (431 beyond).")
     client_header_timeout: float = Field(

@@ -18,23 +18,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, TypeAdapter, ValidationError
 
+from app.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB
+
 AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing-eager", "materializing"]
 ModelRunner = Literal["auto", "v1", "v2"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_UNITS = {
-    "B": 1,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-}
+_DECIMAL = {"k": KB, "m": MB, "g": GB, "t": TB}
+_BINARY = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}
+_UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB, "KB": KB, "MB": MB, "GB": GB, "TB": TB}
 
 
 def parse_size(value: Any) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.units import MiB
+
 
 def _f(x: Any, nd: int = 1) -> str:
     if x is None:
@@ -83,7 +85,7 @@ def markdown(res: dict[str, Any]) -> str:
         out.append(
             f"kvgate CPU per request (concurrency 64): "
             f"{ov.get('kvgate_cpu_ms_per_request')} ms; RSS after the load: "
-            f"{ov.get('kvgate_rss_bytes', 0) / 2**20:.0f} MiB.\n"
+            f"{ov.get('kvgate_rss_bytes', 0) / MiB:.0f} MiB.\n"
         )
         out += ["| prompt tokens | tokenize ms p50 | tokenize + estimate ms p50 |", "|---|---|---|"]
         for e in ov.get("estimate_cost", []):

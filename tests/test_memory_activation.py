@@ -17,9 +17,9 @@ from app.memory.activation import (
     profile_peak_bytes,
 )
 from app.memory.geometry import ModelGeometry
+from app.units import GiB, MiB
 
 CONFIGS = Path(__file__).parent / "configs"
-GiB, MiB = 1 << 30, 1 << 20
 V = 128_256  # Llama-3 vocabulary
 
 

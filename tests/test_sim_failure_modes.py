@@ -9,9 +9,10 @@ import re
 import pytest
 from sim_support import Job, make_engine, play
 
-from app.sim.config import GiB, MiB, SimConfig
+from app.sim.config import SimConfig
 from app.sim.request import Sampling
 from app.sim.startup import REDUNDANCY_BUFFER, StartupError
+from app.units import GiB, MiB
 
 SHORT = Sampling(max_tokens=8)
 

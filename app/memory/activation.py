@@ -32,9 +32,8 @@ from app.memory.sampler import (
     TOPK_LOGPROBS_BYTES,
     SamplerCost,
 )
+from app.units import MiB
 
-GiB = 1 << 30
-MiB = 1 << 20
 INT64_BYTES = 8
 
 # vllm 0.32.0 envs.py VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default, the floor of each FlashInfer

@@ -7,9 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-GiB = 1 << 30
-MiB = 1 << 20
-
 AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing"]
 
 

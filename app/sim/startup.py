@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from app.sim.config import GiB, MiB, SimConfig
+from app.sim.config import SimConfig
 from app.sim.flavor import Flavor
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.kv_layout import KVLayout, build_layout, cdiv
@@ -38,6 +38,7 @@ from app.sim.step_memory import (
     StepShape,
     run_tape,
 )
+from app.units import GiB, MiB
 
 # CUDA graph pool per captured size and decoder layer (piecewise graphs): fitted to 0.65 GB for
 # gemma-3-4b (34 layers) and ~1.3 GB for Llama-4-Maverick (48 layers), 67 sizes each

@@ -33,9 +33,9 @@ from app.telemetry.headroom import HeadroomTracker
 from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.metrics import TelemetryMetrics
 from app.telemetry.vllm import COUNTERS, BackendSnapshot, fetch_snapshot
+from app.units import MiB
 
 log = logging.getLogger("kvgate.telemetry")
-MiB = 1 << 20
 
 
 class LiveBudget:
