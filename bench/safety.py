@@ -41,6 +41,7 @@ from app.sim.config import SimConfig
 from app.sim.presets import gpu_total_bytes, write_model_folder
 from app.sim.runner import SimRunner
 from bench import oracle as oracle_mod
+from bench.percentile import percentile
 from bench.scenarios import Scenario
 from bench.workloads import Call
 
@@ -86,14 +87,6 @@ class ArmResult:
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
-    return xs[k]
 
 
 # ----- the simulator ---------------------------------------------------------------------------
