@@ -38,9 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="folder holding the model's config.json (also vLLM's --model or MODEL)",
     )
-    add_vllm_arguments(parser, POOL_FLAGS, typed=True)
     # capacity's own defaults: block size and batch size only matter for some models (see run)
-    parser.set_defaults(block_size=None, max_num_batched_tokens=None)
+    add_vllm_arguments(parser, POOL_FLAGS, typed=True, defaults={"block_size": None, "max_num_batched_tokens": None})
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from importlib import resources
 from typing import Annotated, Any, Literal
@@ -122,7 +122,8 @@ class VllmFlags(BaseModel):
     cudagraph_capture_sizes: list[int] | None = Field(None, description="vLLM --cudagraph-capture-sizes.")
     max_cudagraph_capture_size: int | None = Field(None, description="vLLM --max-cudagraph-capture-size.")
     vllm_version: str | None = Field(
-        None, description="vLLM version behind kvgate; default: the backend's GET /version (offline: the newest known)."
+        None,
+        description="The vLLM release behind kvgate (that the simulator plays); kvgate's default: the backend's GET /version (offline: the newest known).",
     )
     model_runner: ModelRunner = Field(
         "auto",
@@ -150,20 +151,25 @@ def add_vllm_arguments(
     *,
     typed: bool = False,
     env_prefix: str | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """One option per VllmFlags field (or the named ones).
 
     typed: each value is converted and defaulted here (capacity, sim); otherwise it defaults to
     'unset' and stays a string for Settings (pydantic) to convert, so environment variables
     (`env_prefix` + the name, shown in the help) apply.
+    defaults: a command's own defaults where it differs from kvgate's (typed only; shown in the
+    help): the simulator plays a fixed vLLM release and picks batch sizes by GPU, as vLLM does.
     """
     fields = VllmFlags.model_fields
+    own = dict(defaults or {})
     for name in names if names is not None else fields:
         info = fields[name]
-        default = info.default if typed else argparse.SUPPRESS
+        shown = own.get(name, info.default)
+        default = shown if typed else argparse.SUPPRESS
         options = (flag_name(name), *ALIASES.get(name, ()))
         env = f"env {env_prefix}{name.upper()}; " if env_prefix else ""
-        help_text = f"{info.description} [{env}default: {info.default}]"
+        help_text = f"{info.description} [{env}default: {shown}]"
         if info.annotation is bool:
             parser.add_argument(
                 *options, dest=name, action=argparse.BooleanOptionalAction, default=default, help=help_text

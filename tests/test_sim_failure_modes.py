@@ -45,9 +45,10 @@ def _long_context(backend: str) -> SimConfig:
     )
 
 
-def test_1_chunked_prefill_over_long_context_materializing_backend() -> None:
+@pytest.mark.parametrize("materializing", ["materializing-eager", "materializing"])  # its current and old name
+def test_1_chunked_prefill_over_long_context_materializing_backend(materializing: str) -> None:
     """Later chunks attend over the whole prefix: heads x chunk x context fp32 scores."""
-    _assert_oom(play(_long_context("materializing"), [Job(60000, SHORT)]))
+    _assert_oom(play(_long_context(materializing), [Job(60000, SHORT)]))
     _assert_survives(play(_long_context("flash-attn"), [Job(60000, SHORT)]), 1)
 
 
