@@ -5,7 +5,7 @@ about the running server and wins over kvgate's flags; each disagreement is logg
 so the operator can fix the flags they copied.
 
 It takes plain values (EngineFlags, the backend's report), not the CLI's settings: the
-composition root (app.runtime) translates one into the other.
+composition root (app.composition) translates one into the other.
 """
 
 from __future__ import annotations

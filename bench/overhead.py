@@ -235,7 +235,7 @@ def prompt_of(tokens: int) -> str:
 def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000), reps: int = 30) -> list[dict[str, Any]]:
     """Tokenization + memory estimate, in process, as kvgate runs them per request
     (RequestPipeline.predict: parse, local tokenizer, Predictor.predict)."""
-    from app.runtime import Runtime
+    from app.composition import Runtime
     from app.settings import Settings
 
     rt = Runtime(
@@ -481,8 +481,8 @@ COMPONENTS = (
     ("admission gate (app/gate/)", ("app/gate/",)),
     ("request parsing (app/openai.py)", ("app/openai.py",)),
     (
-        "kvgate proxy/server code (app/proxy.py, app/http/, app/runtime.py, app/pipeline.py)",
-        ("app/proxy.py", "app/http/", "app/runtime.py", "app/pipeline.py"),
+        "kvgate proxy/server code (app/proxy.py, app/http/, app/composition.py, app/pipeline.py)",
+        ("app/proxy.py", "app/http/", "app/composition.py", "app/pipeline.py"),
     ),
     ("upstream HTTP client (app/upstream.py, httpx)", ("app/upstream.py", "httpx/", "httpcore/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),

@@ -18,13 +18,13 @@ import httpx
 import huggingface_hub.constants
 import pytest
 
+from app.composition import engine_flags
 from app.deployment import Disagreements, resolve
 from app.http.gated_routes import request_id_of
 from app.http.server import create_app
 from app.memory.geometry import ModelGeometry
 from app.model_folder import ModelFolderError, resolve_model_folder
 from app.process import stop_process
-from app.runtime import engine_flags
 from app.settings import Settings
 from app.sim.presets import model_config, write_model_folder
 from app.sim.runner import free_port

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.composition import Runtime
 from app.errors import ClientGone, KvgateError
 from app.gate.gate import Ticket
 from app.gate.observer import Decision
@@ -25,7 +26,6 @@ from app.http.asgi import disconnect_future, header, read_body, request_target
 from app.http.errors import error_response
 from app.openai import Endpoint, bad_request
 from app.proxy import Relay, forward_headers, open_while_client_waits
-from app.runtime import Runtime
 
 GATED_PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
