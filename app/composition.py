@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from app.deployment import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from app.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
 from app.gate.budget import Budget
 from app.gate.gate import Gate
 from app.gate.observer import Observers

@@ -2,7 +2,7 @@
 
 vLLM's memory-relevant settings keep vLLM's own flag names and defaults so an operator can copy
 them from the vLLM command line. Values the backend reveals in `vllm:cache_config_info` win over
-these at start-up (see `app.deployment.resolve`).
+these at start-up (see `app.engine_config.resolve`).
 """
 
 from __future__ import annotations

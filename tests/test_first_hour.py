@@ -19,7 +19,7 @@ import huggingface_hub.constants
 import pytest
 
 from app.composition import engine_flags
-from app.deployment import Disagreements, resolve
+from app.engine_config import Disagreements, resolve
 from app.http.gated_routes import request_id_of
 from app.http.server import create_app
 from app.memory.geometry import ModelGeometry

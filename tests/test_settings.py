@@ -8,7 +8,7 @@ import pytest
 
 from app.cli import build_parser
 from app.composition import engine_flags
-from app.deployment import build_predictor, resolve
+from app.engine_config import build_predictor, resolve
 from app.memory.geometry import ModelGeometry
 from app.settings import Settings, settings_from_args
 from app.telemetry.vllm import CacheConfig, ServedModel
@@ -168,7 +168,7 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
 
 def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilization() -> None:
     from app.composition import engine_flags
-    from app.deployment import static_limits, weights_bytes
+    from app.engine_config import static_limits, weights_bytes
 
     geometry = ModelGeometry.from_config(
         {

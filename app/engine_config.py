@@ -1,4 +1,4 @@
-"""The vLLM deployment kvgate guards: flags merged with what the backend itself reports.
+"""The engine kvgate guards, resolved: vLLM flags merged with what the backend itself reports.
 
 What vLLM publishes (cache_config_info on /metrics, max_model_len on /v1/models) is the truth
 about the running server and wins over kvgate's flags; each disagreement is logged as a warning
