@@ -25,9 +25,9 @@ from typing import Any
 
 import httpx
 
-from app.process import stop_process
 from app.sim.runner import free_port
 from bench.percentile import percentile
+from demo.processes import stop_process
 
 PROXY_CORE, LOAD_CORE = "0", "1"
 # The tiny offline tokenizer the test suite builds (tests/support/tiny_model.py).

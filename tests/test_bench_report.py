@@ -3,14 +3,11 @@ run has (not a hard-coded five)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` package
 
 from bench.percentile import percentile
 from bench.report import plots
