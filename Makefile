@@ -22,7 +22,7 @@ check: venv
 # The README demo: the simulated vLLM dies of CUDA OOM, then survives behind kvgate (no GPU,
 # no real vLLM needed, under a minute).
 demo: venv
-	$(VENV)/bin/python -m app.demo
+	$(VENV)/bin/python -m demo
 
 venv: $(VENV)/.kvgate-installed
 

@@ -13,8 +13,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from app.memory.geometry import ModelGeometry, dtype_bytes
+from app.memory.geometry import dtype_bytes
 from app.memory.kv import KVLayout
+from app.model_folder import load_geometry
 from app.speculative import resolve_drafter
 from app.vllm_flags import add_vllm_arguments
 
@@ -40,9 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="folder holding the model's config.json (also vLLM's --model or MODEL)",
     )
-    add_vllm_arguments(parser, POOL_FLAGS, typed=True)
     # capacity's own defaults: block size and batch size only matter for some models (see run)
-    parser.set_defaults(block_size=None, max_num_batched_tokens=None)
+    add_vllm_arguments(parser, POOL_FLAGS, typed=True, defaults={"block_size": None, "max_num_batched_tokens": None})
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the model folder is needed: --model-config DIR (or vLLM's --model / MODEL)")
         if args.kv_cache_memory_bytes is None:
             raise ValueError("the KV cache size is needed: --kv-cache-memory-bytes (vLLM's flag, e.g. 49.94GiB)")
-        geometry = ModelGeometry.from_folder(args.model_config)
+        geometry = load_geometry(args.model_config)
         if args.dtype != "auto":
             geometry = replace(geometry, dtype_bytes=dtype_bytes(args.dtype))
         max_model_len = args.max_model_len or geometry.max_position_embeddings

@@ -172,10 +172,10 @@ def _only_token_ids(raw: bytes) -> bool:
 
 
 async def _explain_offline(settings: Settings, raw: bytes, endpoint: str | None) -> int:
+    from app.composition import Runtime
     from app.errors import KvgateError
     from app.explain import explain
     from app.http.errors import error_body
-    from app.runtime import Runtime
 
     runtime = Runtime(settings)
     try:

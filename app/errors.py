@@ -12,7 +12,7 @@ is built here from the numbers so that every edge (HTTP, `kvgate explain`) says 
 
 from __future__ import annotations
 
-GIB = 1024**3
+from app.units import GiB
 
 
 class KvgateError(Exception):
@@ -164,8 +164,8 @@ class TransientNeverFits(NeverFits):
 
     def __init__(self, needed_bytes: int, limit_bytes: int, what: str, advice: str) -> None:
         super().__init__(
-            f"{what} needs {needed_bytes / GIB:.1f} GiB of transient GPU memory, at most "
-            f"{limit_bytes / GIB:.1f} GiB is available even on an idle server: {advice}.",
+            f"{what} needs {needed_bytes / GiB:.1f} GiB of transient GPU memory, at most "
+            f"{limit_bytes / GiB:.1f} GiB is available even on an idle server: {advice}.",
             needed_bytes,
             limit_bytes,
         )

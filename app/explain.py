@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from app.composition import Runtime
 from app.errors import ContextTooLong, KvgateError
 from app.gate.budget import Budget
 from app.openai import Endpoint, parse_json_object
-from app.runtime import Runtime
 
 
 def endpoint_for(body: dict[str, Any], hint: str | None) -> Endpoint:

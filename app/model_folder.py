@@ -5,14 +5,21 @@ kvgate never downloads: a model id resolves only from files already in the hub c
 cache vLLM fills when it downloads the model; `HF_HUB_CACHE`/`HF_HOME` choose it), through
 huggingface_hub's own `snapshot_download(local_files_only=True)`, so the cache layout
 (refs/main -> snapshots/<commit>) is read the way the library writes it.
+
+Reading `config.json` happens here too, so the memory model (app.memory) takes plain dicts and
+does no I/O of its own.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+from app.memory.geometry import ModelGeometry
 
 _HUB_REPO_PREFIX = "models--"
 
@@ -51,3 +58,22 @@ def _cached_snapshot(repo_id: str, cache_dir: Path | None, shown: str) -> Path:
     if not (folder / "config.json").is_file():
         raise ModelFolderError(f"--model {shown!r}: the hub cache snapshot {folder} has no config.json")
     return folder
+
+
+def read_model_config(folder: str | Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict; ValueError naming the file when missing or not JSON."""
+    file = Path(folder) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no config.json in {folder}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    return config
+
+
+def load_geometry(folder: str | Path) -> ModelGeometry:
+    """The memory-relevant shape of the model whose config.json is in `folder`."""
+    return ModelGeometry.from_config(read_model_config(folder))

@@ -1,6 +1,6 @@
 """One request's way to a demand: parse -> token ids -> prediction -> never-fits check.
 
-Apart from the composition root (app.runtime) so that the path every gated request takes reads
+Apart from the composition root (app.composition) so that the path every gated request takes reads
 top to bottom in one place; the runtime only configures it (tokenizer, predictor, served names)
 once it has learned the backend. Each step raises a domain error (app.errors), never HTTP.
 """

@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.errors import BackendBroke, BackendDown, BackendTimedOut, InvalidField, RouteNotForwarded
 from app.http.asgi import disconnect_future
-from app.output_count import OutputTokenCounter
+from app.http.output_tokens import OutputTokenCounter
 from app.upstream import (
     ConnectionPool,
     InvalidRequestHeader,

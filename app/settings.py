@@ -2,7 +2,7 @@
 
 vLLM's memory-relevant settings keep vLLM's own flag names and defaults so an operator can copy
 them from the vLLM command line. Values the backend reveals in `vllm:cache_config_info` win over
-these at start-up (see `app.backend_info`).
+these at start-up (see `app.engine_config.resolve`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.memory.envelope import CUDA_CONTEXT_BYTES
+from app.units import KiB, MiB
 from app.vllm_flags import VllmFlags, add_vllm_arguments
 
 GpuProbeMode = Literal["auto", "nvml", "sim", "none"]
@@ -119,7 +120,7 @@ class Settings(BaseSettings, VllmFlags):
         "the tenant is a digest of the API key and no client header is read (a client naming its "
         "own tenant could take every turn).",
     )
-    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest request body accepted (413 beyond).")
+    max_body_bytes: int = Field(32 * MiB, gt=0, description="Largest request body accepted (413 beyond).")
     upstream_timeout: float = Field(600.0, gt=0, description="Seconds to wait for the backend's next byte.")
     log_level: str = Field("info", description="Python log level.")
 
@@ -139,7 +140,7 @@ class Settings(BaseSettings, VllmFlags):
         "lower first); unset: no header is read.",
     )
     max_header_bytes: int = Field(
-        64 * 1024, gt=0, description="Largest request head (request line and headers) accepted (431 beyond)."
+        64 * KiB, gt=0, description="Largest request head (request line and headers) accepted (431 beyond)."
     )
     max_headers: int = Field(100, gt=0, description="Most headers a request may carry (431 beyond).")
     client_header_timeout: float = Field(

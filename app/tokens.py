@@ -22,6 +22,7 @@ from app.chat_template import (
     render_within_budget,
 )
 from app.multimodal import MediaCounting, image_tokens_of
+from app.units import MiB
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -64,7 +65,7 @@ class Tokenizer(Protocol):
 # any amount, and a tokenizer with them gets no character bound.
 _NORMALIZER_SHRINK = {"Prepend": 1, "Lowercase": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Replace": 1}
 # Output budget of a request template when the tokenizer gives no character bound.
-DEFAULT_TEMPLATE_CHARS = 4 * 1024 * 1024
+DEFAULT_TEMPLATE_CHARS = 4 * MiB
 # Messages beyond which the model's template renders in a worker thread: rendering is Python,
 # which gives the event loop its turn every few milliseconds from a thread, never inline.
 RENDER_OFFLOAD_MESSAGES = 64

@@ -11,30 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from importlib import resources
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, TypeAdapter, ValidationError
 
+from app.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB
+
 AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing-eager", "materializing"]
 ModelRunner = Literal["auto", "v1", "v2"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_UNITS = {
-    "B": 1,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-}
+_DECIMAL = {"k": KB, "m": MB, "g": GB, "t": TB}
+_BINARY = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}
+_UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB, "KB": KB, "MB": MB, "GB": GB, "TB": TB}
 
 
 def parse_size(value: Any) -> Any:
@@ -131,7 +123,8 @@ class VllmFlags(BaseModel):
     cudagraph_capture_sizes: list[int] | None = Field(None, description="vLLM --cudagraph-capture-sizes.")
     max_cudagraph_capture_size: int | None = Field(None, description="vLLM --max-cudagraph-capture-size.")
     vllm_version: str | None = Field(
-        None, description="vLLM version behind kvgate; default: the backend's GET /version (offline: the newest known)."
+        None,
+        description="The vLLM release behind kvgate (that the simulator plays); kvgate's default: the backend's GET /version (offline: the newest known).",
     )
     model_runner: ModelRunner = Field(
         "auto",
@@ -159,20 +152,25 @@ def add_vllm_arguments(
     *,
     typed: bool = False,
     env_prefix: str | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> None:
     """One option per VllmFlags field (or the named ones).
 
     typed: each value is converted and defaulted here (capacity, sim); otherwise it defaults to
     'unset' and stays a string for Settings (pydantic) to convert, so environment variables
     (`env_prefix` + the name, shown in the help) apply.
+    defaults: a command's own defaults where it differs from kvgate's (typed only; shown in the
+    help): the simulator plays a fixed vLLM release and picks batch sizes by GPU, as vLLM does.
     """
     fields = VllmFlags.model_fields
+    own = dict(defaults or {})
     for name in names if names is not None else fields:
         info = fields[name]
-        default = info.default if typed else argparse.SUPPRESS
+        shown = own.get(name, info.default)
+        default = shown if typed else argparse.SUPPRESS
         options = (flag_name(name), *ALIASES.get(name, ()))
         env = f"env {env_prefix}{name.upper()}; " if env_prefix else ""
-        help_text = f"{info.description} [{env}default: {info.default}]"
+        help_text = f"{info.description} [{env}default: {shown}]"
         if info.annotation is bool:
             parser.add_argument(
                 *options, dest=name, action=argparse.BooleanOptionalAction, default=default, help=help_text

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.units import GiB
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -153,7 +155,7 @@ def _sim_desc(cfg: Any) -> str:
     for k, v in vars(cfg).items():
         if k in ("cotenants",):
             if v:
-                parts.append("cotenants=" + ",".join(f"{c.name}:{c.bytes / 2**30:g}GiB@{c.start_s:g}s" for c in v))
+                parts.append("cotenants=" + ",".join(f"{c.name}:{c.bytes / GiB:g}GiB@{c.start_s:g}s" for c in v))
             continue
         if v != getattr(SimConfig, k, None) and k not in ("speedup",):
             parts.append(f"{k}={v}")

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,8 +25,9 @@ from typing import Any
 
 import httpx
 
-from app.process import stop_process
 from app.sim.runner import free_port
+from bench.percentile import percentile
+from demo.processes import stop_process
 
 PROXY_CORE, LOAD_CORE = "0", "1"
 # The tiny offline tokenizer the test suite builds (tests/support/tiny_model.py).
@@ -189,10 +189,13 @@ def nginx_binary() -> str | None:
 
 # ----- measurements -----------------------------------------------------------------------------------
 def _pcts(xs: list[float]) -> dict[str, float]:
-    xs = sorted(xs)
-    if not xs:
-        return {"p50": float("nan"), "p99": float("nan")}
-    return {"p50": xs[len(xs) // 2], "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+    """p50 and p99 by the benchmarks' one definition; NaN without samples."""
+    return {name: _p(xs, q) for name, q in (("p50", 0.5), ("p99", 0.99))}
+
+
+def _p(xs: list[float], q: float) -> float:
+    value = percentile(xs, q)
+    return float("nan") if value is None else value
 
 
 def _latency_row(arm: str, scenario: str, samples: list[float], direct: dict[str, float]) -> dict[str, Any]:
@@ -232,7 +235,7 @@ def prompt_of(tokens: int) -> str:
 def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000), reps: int = 30) -> list[dict[str, Any]]:
     """Tokenization + memory estimate, in process, as kvgate runs them per request
     (RequestPipeline.predict: parse, local tokenizer, Predictor.predict)."""
-    from app.runtime import Runtime
+    from app.composition import Runtime
     from app.settings import Settings
 
     rt = Runtime(
@@ -257,9 +260,9 @@ def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000), reps
                 {
                     "target_tokens": n,
                     "prompt_tokens": ev.prediction.prompt_tokens,
-                    "tokenize_ms_p50": round(statistics.median(tok_s) * 1e3, 3),
-                    "tokenize_plus_estimate_ms_p50": round(statistics.median(tot_s) * 1e3, 3),
-                    "estimate_ms_p50": round((statistics.median(tot_s) - statistics.median(tok_s)) * 1e3, 3),
+                    "tokenize_ms_p50": round(_p(tok_s, 0.5) * 1e3, 3),
+                    "tokenize_plus_estimate_ms_p50": round(_p(tot_s, 0.5) * 1e3, 3),
+                    "estimate_ms_p50": round((_p(tot_s, 0.5) - _p(tok_s, 0.5)) * 1e3, 3),
                 }
             )
 
@@ -389,7 +392,7 @@ def run_overhead(
                             "scenario": "max throughput, concurrency 64",
                             "added_p50_ms": None,
                             "added_p99_ms": None,
-                            "requests_per_s": round(statistics.median(rps[a]), 1),
+                            "requests_per_s": round(_p(rps[a], 0.5), 1),
                             "requests_per_s_each_rep": [round(x, 1) for x in rps[a]],
                         }
                     )
@@ -478,8 +481,8 @@ COMPONENTS = (
     ("admission gate (app/gate/)", ("app/gate/",)),
     ("request parsing (app/openai.py)", ("app/openai.py",)),
     (
-        "kvgate proxy/server code (app/proxy.py, app/http/, app/runtime.py, app/pipeline.py)",
-        ("app/proxy.py", "app/http/", "app/runtime.py", "app/pipeline.py"),
+        "kvgate proxy/server code (app/proxy.py, app/http/, app/composition.py, app/pipeline.py)",
+        ("app/proxy.py", "app/http/", "app/composition.py", "app/pipeline.py"),
     ),
     ("upstream HTTP client (app/upstream.py, httpx)", ("app/upstream.py", "httpx/", "httpcore/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),

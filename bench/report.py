@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.units import MiB
+
 
 def _f(x: Any, nd: int = 1) -> str:
     if x is None:
@@ -83,7 +85,7 @@ def markdown(res: dict[str, Any]) -> str:
         out.append(
             f"kvgate CPU per request (concurrency 64): "
             f"{ov.get('kvgate_cpu_ms_per_request')} ms; RSS after the load: "
-            f"{ov.get('kvgate_rss_bytes', 0) / 2**20:.0f} MiB.\n"
+            f"{ov.get('kvgate_rss_bytes', 0) / MiB:.0f} MiB.\n"
         )
         out += ["| prompt tokens | tokenize ms p50 | tokenize + estimate ms p50 |", "|---|---|---|"]
         for e in ov.get("estimate_cost", []):
@@ -112,6 +114,18 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def arms_of(rows: list[dict[str, Any]]) -> list[str]:
+    """The arms the results hold, in the order they were run (however many a run had)."""
+    return list(dict.fromkeys(r["arm"] for r in rows))
+
+
+def _bar_positions(groups: int, i: int, n: int) -> tuple[list[float], float]:
+    """Where arm `i` of `n` draws its bar in each group, and the bar's width: the arms share
+    0.8 of each group's slot, centred on the group's tick."""
+    width = 0.8 / n
+    return [g + (i - (n - 1) / 2) * width for g in range(groups)], width
+
+
 def plots(res: dict[str, Any], outdir: Path) -> list[str]:
     import matplotlib
 
@@ -122,16 +136,15 @@ def plots(res: dict[str, Any], outdir: Path) -> list[str]:
     safety = res.get("safety") or []
     if safety:
         scen = sorted({r["scenario"] for r in safety})
-        arms = ["none", "static-cap", "saturation", "kvgate", "oracle"]
+        arms = arms_of(safety)
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-        w = 0.16
         for i, arm in enumerate(arms):
             g = [
                 next((r["goodput_tokens_per_s"] for r in safety if r["scenario"] == s and r["arm"] == arm), 0)
                 for s in scen
             ]
             o = [next((r["oom_crashes"] for r in safety if r["scenario"] == s and r["arm"] == arm), 0) for s in scen]
-            x = [j + (i - 2) * w for j in range(len(scen))]
+            x, w = _bar_positions(len(scen), i, len(arms))
             axes[0].bar(x, g, w, label=arm)
             axes[1].bar(x, o, w, label=arm)
         for ax, title in zip(
@@ -150,7 +163,8 @@ def plots(res: dict[str, Any], outdir: Path) -> list[str]:
             v = [
                 next((r["ttft_p99_s"] or 0 for r in safety if r["scenario"] == s and r["arm"] == arm), 0) for s in scen
             ]
-            ax.bar([j + (i - 2) * w for j in range(len(scen))], v, w, label=arm)
+            x, w = _bar_positions(len(scen), i, len(arms))
+            ax.bar(x, v, w, label=arm)
         ax.set_xticks(range(len(scen)), scen)
         ax.set_title("TTFT p99 of completed requests (simulated s)", fontsize=10)
         ax.legend(fontsize=8)
@@ -164,11 +178,12 @@ def plots(res: dict[str, Any], outdir: Path) -> list[str]:
         lat = [r for r in ov if r["added_p50_ms"] is not None and r["arm"] != "direct"]
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
         labels = sorted({r["scenario"] for r in lat})
-        arms = sorted({r["arm"] for r in lat})
+        arms = arms_of(lat)
         for i, arm in enumerate(arms):
             v = [next((r["added_p50_ms"] for r in lat if r["arm"] == arm and r["scenario"] == s), 0) for s in labels]
-            axes[0].barh([j + i * 0.35 for j in range(len(labels))], v, 0.35, label=arm)
-        axes[0].set_yticks([j + 0.17 for j in range(len(labels))], labels, fontsize=7)
+            y, h = _bar_positions(len(labels), i, len(arms))
+            axes[0].barh(y, v, h, label=arm)
+        axes[0].set_yticks(range(len(labels)), labels, fontsize=7)
         axes[0].set_title("added latency p50 (ms) vs direct", fontsize=10)
         axes[0].legend(fontsize=8)
         thr = [r for r in ov if r["requests_per_s"] is not None]

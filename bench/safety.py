@@ -11,7 +11,7 @@ subprocess):
 - `saturation`: the Inference Gateway's rule, in the load generator: a task scrapes the
   simulator's /metrics every 50 ms; a request is refused 429 when kv usage >= 0.8, or waiting >=
   5, or the last good scrape is older than 200 ms (wall).
-- `kvgate`: `kvgate serve` (subprocess, app.demo.kvgate) with the flags that match the
+- `kvgate`: `kvgate serve` (subprocess, demo.replay.kvgate) with the flags that match the
   simulator, GPU probe auto (= sim), everything else at its defaults.
 - `oracle`: bench/oracle.py, inside the simulator.
 
@@ -36,13 +36,14 @@ from typing import Any
 
 import httpx
 
-from app.demo import decisions, kvgate
 from app.sim.config import SimConfig
 from app.sim.presets import gpu_total_bytes, write_model_folder
 from app.sim.runner import SimRunner
 from bench import oracle as oracle_mod
+from bench.percentile import percentile
 from bench.scenarios import Scenario
 from bench.workloads import Call
+from demo.replay import decisions, kvgate
 
 ARMS = ("none", "static-cap", "saturation", "kvgate", "oracle")
 DRAIN_S = 60.0  # simulated seconds after the last arrival before outstanding requests time out
@@ -86,14 +87,6 @@ class ArmResult:
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
-    return xs[k]
 
 
 # ----- the simulator ---------------------------------------------------------------------------

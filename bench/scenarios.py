@@ -16,11 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from app.sim import startup
-from app.sim.config import CoTenant, GiB, MiB, SimConfig
+from app.sim.config import CoTenant, SimConfig
 from app.sim.flavor import parse_version
 from app.sim.gpu import CachingAllocator, Device
 from app.sim.model import load_model
 from app.sim.presets import gpu_total_bytes
+from app.units import GiB, MiB
 from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
 
 SYSTEM_PROMPTS = [

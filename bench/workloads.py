@@ -12,13 +12,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from app.demo import WORDS  # one token each for the simulator's stand-in tokenizer
+from demo.replay import WORDS  # one token each for the simulator's stand-in tokenizer
 
 
 @dataclass(frozen=True)
 class Call:
     """One request of a benchmark's traffic: when it is sent (seconds from the start), where,
-    and what. (app.demo sends its workloads in list order to a held engine instead.)"""
+    and what. (the demo sends its workloads in list order to a held engine instead.)"""
 
     at: float
     path: str

@@ -5,8 +5,6 @@ and a dry run never touches the live engine."""
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -16,9 +14,6 @@ from app.sim.config import SimConfig
 from app.sim.engine import Engine
 from app.sim.request import Request, Sampling
 from app.sim.runner import SimRunner
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` package
-
 from bench import oracle
 
 CHAT = Sampling(max_tokens=8, temperature=0.7)

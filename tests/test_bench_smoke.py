@@ -7,11 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` package
-
 
 SAFETY_KEYS = {
     "scenario",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.demo import SCENARIOS, Call, document, main, run_scenario
+from demo.replay import SCENARIOS, Call, document, main, run_scenario
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

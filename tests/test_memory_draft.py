@@ -16,12 +16,12 @@ from app.memory.envelope import MNNVL_ALL_GATHER_MAX_SIZES, SYMM_MEM_MAX_SIZES, 
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.speculative import resolve_drafter
+from app.units import MiB
 from support.vllm_server import VLLM_PYTHON
 
 CONFIGS = Path(__file__).parent / "configs"
 SUPPORT = Path(__file__).parent / "support"
 LLAMA = ModelGeometry.from_config(json.loads((CONFIGS / "llama-3-8b.json").read_text()))
-MiB = 1 << 20
 
 
 def draft_folder(tmp_path: Path, name: str, **shape: int) -> Path:

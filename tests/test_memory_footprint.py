@@ -49,14 +49,3 @@ def test_sliding_window_footprint_is_capped() -> None:
     engine = EngineShape(max_model_len=32_768, max_num_batched_tokens=2048, max_num_seqs=256)
     fp = predict_footprint(layout("mistral-7b-v0.1"), engine, [1] * 10_000, 10_000, SamplingShape())
     assert fp.kv_blocks == 385  # cdiv(min(4095 + 2048, 32768), 16) + 1, not cdiv(20000, 16) = 1250
-
-
-def test_cached_prefix_shrinks_the_worst_chunk_not_the_kv_need() -> None:
-    engine = EngineShape(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256)
-    cold = predict_footprint(layout("llama-3-8b"), engine, [1] * 4000, 10, SamplingShape(prompt_logprobs=0))
-    warm = predict_footprint(
-        layout("llama-3-8b"), engine, [1] * 4000, 10, SamplingShape(prompt_logprobs=0), cached_prefix_tokens=3500
-    )
-    assert cold.kv_blocks == warm.kv_blocks
-    assert cold.transient.term("prompt_logprobs").bytes == 2048 * 128_256 * 10
-    assert warm.transient.term("prompt_logprobs").bytes == 500 * 128_256 * 10

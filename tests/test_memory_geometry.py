@@ -16,6 +16,7 @@ from app.memory.geometry import (
     SLIDING_ATTENTION,
     ModelGeometry,
 )
+from app.model_folder import load_geometry
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -91,15 +92,18 @@ def test_unreadable_configs_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="dtype"):
         ModelGeometry.from_config({**json.loads((CONFIGS / "llama-3-8b.json").read_text()), "torch_dtype": "int3"})
     with pytest.raises(ValueError, match=r"no config\.json"):
-        ModelGeometry.from_folder(tmp_path)
+        load_geometry(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        ModelGeometry.from_folder(tmp_path)
+        load_geometry(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        load_geometry(tmp_path)
 
 
-def test_from_folder_reads_config_json(tmp_path: Path) -> None:
+def test_load_geometry_reads_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text((CONFIGS / "llama-3-8b.json").read_text())
-    assert ModelGeometry.from_folder(tmp_path) == load("llama-3-8b")
+    assert load_geometry(tmp_path) == load("llama-3-8b")
 
 
 # Hybrid models: tests/configs holds the fields kvgate reads from each published config.json.

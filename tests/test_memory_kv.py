@@ -11,9 +11,9 @@ import pytest
 
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout, block_hashes, kv_cache_dtype_bytes
+from app.units import GiB
 
 CONFIGS = Path(__file__).parent / "configs"
-GiB = 1 << 30
 
 
 def load(name: str) -> ModelGeometry:

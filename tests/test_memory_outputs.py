@@ -9,11 +9,11 @@ from test_memory_footprint import layout
 
 from app.gate.budget import Budget
 from app.gate.output_lengths import OutputLengths
+from app.http.output_tokens import OutputTokenCounter
 from app.memory.activation import EngineShape, SamplingShape
 from app.memory.footprint import predict_footprint
 from app.memory.outputs import OutputReservation
 from app.openai import parse_request
-from app.output_count import OutputTokenCounter
 from app.predict import Predictor
 
 

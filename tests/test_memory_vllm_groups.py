@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.deployment import Deployment, checked_against_backend
+from app.engine_config import Deployment, checked_against_backend
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout, cdiv
 from support.vllm_server import VLLM_PYTHON

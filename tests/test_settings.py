@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from app.cli import build_parser
-from app.deployment import build_predictor, resolve
+from app.composition import engine_flags
+from app.engine_config import build_predictor, resolve
 from app.memory.geometry import ModelGeometry
-from app.runtime import engine_flags
 from app.settings import Settings, settings_from_args
 from app.telemetry.vllm import CacheConfig, ServedModel
 
@@ -169,8 +169,8 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
 
 
 def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilization() -> None:
-    from app.deployment import static_limits, weights_bytes
-    from app.runtime import engine_flags
+    from app.composition import engine_flags
+    from app.engine_config import static_limits, weights_bytes
 
     geometry = ModelGeometry.from_config(
         {
@@ -207,8 +207,8 @@ def llama_3_8b() -> ModelGeometry:
 
 def flags_mode_headroom(*flags: str) -> int:
     """kvgate's static transient headroom from flags alone (no backend, no --free-memory-bytes)."""
-    from app.deployment import static_limits
-    from app.runtime import engine_flags
+    from app.composition import engine_flags
+    from app.engine_config import static_limits
 
     geometry = llama_3_8b()
     settings = settings_for("--gpu-memory-bytes", str(80 * 2**30), "--gpu-memory-utilization", "0.9", *flags)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device, MiB, format_size
+from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device, format_size
+from app.units import MiB
 
 
 def test_rounding_and_pools() -> None:

@@ -9,9 +9,10 @@ import re
 import pytest
 from sim_support import Job, make_engine, play
 
-from app.sim.config import GiB, MiB, SimConfig
+from app.sim.config import SimConfig
 from app.sim.request import Sampling
 from app.sim.startup import REDUNDANCY_BUFFER, StartupError
+from app.units import GiB, MiB
 
 SHORT = Sampling(max_tokens=8)
 
@@ -44,9 +45,10 @@ def _long_context(backend: str) -> SimConfig:
     )
 
 
-def test_1_chunked_prefill_over_long_context_materializing_backend() -> None:
+@pytest.mark.parametrize("materializing", ["materializing-eager", "materializing"])  # its current and old name
+def test_1_chunked_prefill_over_long_context_materializing_backend(materializing: str) -> None:
     """Later chunks attend over the whole prefix: heads x chunk x context fp32 scores."""
-    _assert_oom(play(_long_context("materializing"), [Job(60000, SHORT)]))
+    _assert_oom(play(_long_context(materializing), [Job(60000, SHORT)]))
     _assert_survives(play(_long_context("flash-attn"), [Job(60000, SHORT)]), 1)
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from app.sim import startup
-from app.sim.config import GiB, SimConfig
+from app.sim.config import SimConfig
 from app.sim.gpu import CachingAllocator, Device
 from app.sim.model import load_model
 from app.sim.presets import gpu_total_bytes
+from app.units import GiB
 
 
 def boot(**kw) -> tuple[startup.Resolved, startup.StartupReport, Device]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from app.memory.demand import Demand
 from app.telemetry.calibration import Aimd, Calibration, CalibrationConfig, InFlight, blocks_in_use
-
-MiB = 1 << 20
+from app.units import MiB
 
 
 def demand(prompt: int, max_new: int, hashes: tuple[int, ...], private: int) -> Demand:

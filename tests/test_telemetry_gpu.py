@@ -18,9 +18,9 @@ from app.telemetry.gpu import (
     visible_devices,
 )
 from app.telemetry.headroom import HeadroomTracker
+from app.units import GiB
 from support.fake_pynvml import FakeDevice, FakeNvml
 
-GiB = 1 << 30
 CLIENT = httpx.AsyncClient(base_url="http://127.0.0.1:9")  # never reached by the NVML probes
 
 

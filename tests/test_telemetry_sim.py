@@ -27,10 +27,10 @@ from starlette.routing import Route
 from app.sim.config import SimConfig
 from app.sim.presets import model_config
 from app.sim.runner import SimRunner
+from app.units import GiB
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.vllm_server import free_port
 
-GiB = 1 << 30
 MODEL = "llama-3.1-8b"
 # 6001 tokens with the tiny tokenizer, one prefill chunk: prompt_logprobs allocates
 # 6001 x 128256 x 6 B = 4.3 GiB the start-up profile never saw.

@@ -138,3 +138,32 @@ def test_the_ignored_options_are_named_in_one_info_line(tmp_path: Path) -> None:
     assert info == [
         "kvgate: info: vLLM options that do not change what kvgate predicts, ignored: --port --enforce-eager --api-key"
     ]
+
+
+def test_the_simulator_takes_vllms_flags_from_the_one_declaration() -> None:
+    """`kvgate sim` reads vLLM's names, aliases and values as `serve` does (app.vllm_flags), and
+    keeps only its own defaults: the release it plays, batch sizes picked by GPU."""
+    from app.sim.cli import config_from_args
+
+    args = parse_command_line(
+        [
+            "sim",
+            "--attention-backend",
+            "materializing-eager",
+            "-sc",
+            '{"method": "ngram", "num_speculative_tokens": "4", "prompt_lookup_max": 4}',
+            "--model-runner",
+            "v1",
+            "--max-num-batched-tokens",
+            "8K",
+        ]
+    )
+    cfg = config_from_args(args)
+    assert (cfg.attention_backend, cfg.model_runner, cfg.max_num_batched_tokens) == ("materializing-eager", "v1", 8192)
+    assert cfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    plain = config_from_args(parse_command_line(["sim"]))
+    assert (plain.vllm_version, plain.max_num_batched_tokens, plain.speculative_config) == ("0.32.0", None, None)
+    # the fields as given: no num_speculative_tokens is the simulator's start-up error, as vLLM's
+    assert config_from_args(parse_command_line(["sim", "-sc", '{"method": "ngram"}'])).speculative_config == {
+        "method": "ngram"
+    }

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from app.composition import Runtime
 from app.errors import BackendDown, ClientGone, KvgateError
 from app.gate.gate import Ticket
 from app.gate.observer import Decision
@@ -28,7 +29,6 @@ from app.http.errors import error_response
 from app.openai import Endpoint, bad_request
 from app.pipeline import Evaluation
 from app.proxy import Relay, forward_headers, open_while_client_waits
-from app.runtime import Runtime
 
 log = logging.getLogger("kvgate.proxy")
 

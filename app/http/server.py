@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
+from app.composition import Runtime
 from app.errors import KvgateError, MethodNotAllowed
 from app.explain import explain
 from app.http.asgi import answer_refusal, read_body, request_target
 from app.http.errors import error_response
 from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from app.proxy import check_passthrough, passthrough, passthrough_allowed
-from app.runtime import Runtime
 from app.settings import Settings
 
 

@@ -33,9 +33,8 @@ from app.memory.sampler import (
     TOPK_LOGPROBS_BYTES,
     SamplerCost,
 )
+from app.units import MiB
 
-GiB = 1 << 30
-MiB = 1 << 20
 INT64_BYTES = 8
 
 # vllm 0.32.0 envs.py VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default, the floor of each FlashInfer
@@ -120,29 +119,6 @@ class TransientTerm:
 class TransientEstimate:
     terms: tuple[TransientTerm, ...]
 
-    def _sum(self, profiled: bool | None = None, phase: str | None = None) -> int:
-        return sum(
-            t.bytes
-            for t in self.terms
-            if (profiled is None or t.profiled == profiled) and (phase is None or t.phase == phase)
-        )
-
-    @property
-    def unprofiled_bytes(self) -> int:
-        return self._sum(profiled=False)
-
-    @property
-    def unprofiled_prefill_bytes(self) -> int:
-        return self._sum(profiled=False, phase="prefill")
-
-    @property
-    def unprofiled_decode_bytes(self) -> int:
-        return self._sum(profiled=False, phase="decode")
-
-    @property
-    def profiled_bytes(self) -> int:
-        return self._sum(profiled=True)
-
     @property
     def shared_bytes(self) -> int:
         return sum(t.bytes for t in self.terms if t.shared)
@@ -182,16 +158,16 @@ def estimate_transient(
     engine: EngineShape,
     prompt_tokens: int,
     sampling: SamplingShape,
-    cached_prefix_tokens: int = 0,
 ) -> TransientEstimate:
     """Every activation term of this request's worst step.
 
     The worst prefill step is a full-size chunk that ends at the prompt's end: it
     has the most context before it (the last chunk), and no chunk is larger.
-    A full prefix-cache hit still recomputes the last prompt token.
+    No prefix-cache hit is assumed: a hit would only shrink that chunk, and whether a cached
+    prefix is still there is known to vLLM's scheduler when it schedules the request, not to
+    kvgate when it admits it.
     """
-    cached = min(cached_prefix_tokens, max(0, prompt_tokens - 1))
-    chunk = prefill_chunk(engine, prompt_tokens - cached)
+    chunk = prefill_chunk(engine, prompt_tokens)
     context = prompt_tokens - chunk
     terms = [
         _hidden_states_term(geometry, chunk),

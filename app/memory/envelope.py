@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 from packaging.version import Version
 
-MiB = 1 << 20
-GiB = 1 << 30
+from app.units import GiB, MiB
 
 # The CUDA context of one process (driver state, lazily loaded kernels, cuBLAS handles) is not
 # readable from vLLM's code. PyTorch's ptrblck put it at "~300MB" with CUDA >= 11.7's lazy module

@@ -36,7 +36,6 @@ def predict_footprint(
     max_new_tokens: int,
     sampling: SamplingShape,
     enable_prefix_caching: bool = True,
-    cached_prefix_tokens: int = 0,
     reservation: OutputReservation | None = None,
     transient: TransientEstimate | None = None,
 ) -> Footprint:
@@ -44,8 +43,6 @@ def predict_footprint(
 
     The n samples share the prompt's full blocks only with prefix caching on
     (vLLM v1 runs them as n child requests that meet in the prefix cache).
-    ``cached_prefix_tokens`` (known to the ledger, not here) shrinks the worst
-    prefill chunk's new tokens, never the KV need: cached blocks are held too.
     ``transient``, if given, is this request's ``estimate_transient`` computed beforehand.
     """
     prompt = len(prompt_token_ids)
@@ -72,7 +69,7 @@ def predict_footprint(
         block_hashes=hashes,
         kv_blocks=kv_blocks,
         max_kv_blocks=max_kv_blocks,
-        transient=transient or estimate_transient(layout.geometry, engine, prompt, sampling, cached_prefix_tokens),
+        transient=transient or estimate_transient(layout.geometry, engine, prompt, sampling),
     )
 
 

@@ -1,4 +1,4 @@
-"""Model geometry read from a Hugging Face ``config.json``.
+"""Model geometry read from a Hugging Face ``config.json`` dict (app.model_folder reads the file).
 
 Only the shapes that decide GPU memory: layers, heads, widths, vocabulary, dtype,
 MoE and MLA dimensions, and what each layer caches (full, sliding-window or chunked
@@ -8,9 +8,7 @@ activation terms, weights) is arithmetic on these numbers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from app.memory.presets import with_defaults
@@ -130,18 +128,6 @@ class ModelGeometry:
                 f"config.json ({arch}, model_type={text.get('model_type')!r}) lacks "
                 f"{exc.args[0]!r}; kvgate reads decoder-only language models"
             ) from None
-
-    @classmethod
-    def from_folder(cls, path: str | Path) -> ModelGeometry:
-        """Read ``path/config.json`` (the only I/O in the memory model)."""
-        file = Path(path) / "config.json"
-        try:
-            config = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"no config.json in {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file} is not valid JSON: {exc}") from None
-        return cls.from_config(config)
 
     def parameter_count(self) -> int:
         """Approximate parameter count (biases ignored), for the weights' footprint."""

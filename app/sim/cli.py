@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from app.sim.config import CoTenant, SimConfig
 from app.sim.startup import StartupError
-from app.vllm_flags import add_vllm_arguments
+from app.vllm_flags import SpeculativeConfig, add_vllm_arguments
 
-# vLLM's flags the simulator plays, declared once in app.vllm_flags.
+# vLLM's flags the simulator plays: names, aliases, parsers and help are their one declaration in
+# app.vllm_flags (shared with serve, explain and capacity); only some defaults are the simulator's.
 SIM_VLLM_FLAGS = (
     "gpu_memory_utilization",
     "kv_cache_memory_bytes",
@@ -30,7 +30,19 @@ SIM_VLLM_FLAGS = (
     "num_gpu_blocks_override",
     "dtype",
     "max_logprobs",
+    "attention_backend",
+    "vllm_version",
+    "model_runner",
+    "speculative_config",
 )
+# The simulator plays one vLLM release (kvgate asks the backend which), and picks batch sizes and
+# the block size as vLLM does (by GPU size, by model) when they are not given.
+SIM_DEFAULTS = {
+    "vllm_version": "0.32.0",
+    "max_num_batched_tokens": None,
+    "max_num_seqs": None,
+    "block_size": None,
+}
 
 if TYPE_CHECKING:
     from app.sim.engine import Engine
@@ -43,29 +55,13 @@ def _cotenant(spec: str) -> CoTenant:
     return CoTenant(parts[0], int(float(parts[1])), float(parts[2]) if len(parts) > 2 else 0.0, end)
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    """--speculative-config: a JSON object, as vLLM takes it."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3.1-8b", help="model preset or config.json folder")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset or total bytes ('80GiB')")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    add_vllm_arguments(p, SIM_VLLM_FLAGS, typed=True)
-    # The simulator picks these as vLLM does (by GPU size, by model) when they are not given.
-    p.set_defaults(max_num_batched_tokens=None, max_num_seqs=None, block_size=None)
-    p.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "flash-attn", "flashinfer", "mla", "materializing"]
-    )
+    add_vllm_arguments(p, SIM_VLLM_FLAGS, typed=True, defaults=SIM_DEFAULTS)
     p.add_argument(
         "--cudagraph-memory-in-budget",
         action=argparse.BooleanOptionalAction,
@@ -87,19 +83,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="device memory held before the profile (outside the budget, vLLM >= 0.7)",
     )
-    p.add_argument("--vllm-version", default="0.32.0", help="the vLLM release to play")
-    p.add_argument(
-        "--model-runner",
-        choices=["auto", "v1", "v2"],
-        default="auto",
-        help="auto: the release's default (V2 from 0.32)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=_json_object,
-        default=None,
-        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
     p.add_argument("--cotenant", action="append", type=_cotenant, default=[], metavar="NAME:BYTES[:START[:END]]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per second")
@@ -115,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     names = set(SimConfig.__dataclass_fields__)
     kw = {k: v for k, v in vars(args).items() if k in names and k != "cotenants"}
+    spec: SpeculativeConfig | None = args.speculative_config
+    # the fields as given: the simulator checks them as vLLM does (no kvgate default filled in)
+    kw["speculative_config"] = spec.model_dump(exclude_unset=True) if spec else None
     return SimConfig(**kw, cotenants=list(args.cotenant))
 
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-GiB = 1 << 30
-MiB = 1 << 20
-
-AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing"]
+from app.vllm_flags import AttentionBackend, ModelRunner
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ class SimConfig:
     cotenants: list[CoTenant] = field(default_factory=list)
     vllm_version: str = "0.32.0"
     # "auto": the runner that release picks (V2 from 0.32 on, app/sim/flavor.py).
-    model_runner: Literal["auto", "v1", "v2"] = "auto"
+    model_runner: ModelRunner = "auto"
     # --max-logprobs (vLLM's default 20; -1 allows the whole vocabulary).
     max_logprobs: int = 20
     # --speculative-config, e.g. {"method": "draft_model", "model": "<preset or folder>",

@@ -22,7 +22,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from app.sim.config import GiB, MiB, SimConfig
+from app.sim.config import SimConfig
+from app.units import GiB, MiB
 
 Runner = Literal["v1", "v2"]
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MiB = 1 << 20
-GiB = 1 << 30
+from app.units import GiB, KiB, MiB
+
 _MIN_BLOCK = 512
 _SMALL_SIZE = 1 * MiB
 _SMALL_BUFFER = 2 * MiB
@@ -42,10 +42,10 @@ _PAGE = 2 * MiB
 
 def format_size(n: int) -> str:
     """PyTorch's format_size: the unit strings its OOM message uses."""
-    if n < 1024:
+    if n < KiB:
         return f"{n} bytes"
     if n < MiB:
-        return f"{n / 1024:.2f} KiB"
+        return f"{n / KiB:.2f} KiB"
     if n < GiB:
         return f"{n / MiB:.2f} MiB"
     return f"{n / GiB:.2f} GiB"

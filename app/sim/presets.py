@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-GiB = 1 << 30
+from app.units import GB, GiB, MiB
 
 _LLAMA_3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -150,7 +150,7 @@ def gpu_total_bytes(spec: str) -> int:
     key = spec.lower()
     if key in GPUS:
         return GPUS[key]
-    for suffix, unit in (("gib", GiB), ("gb", 10**9), ("mib", 1 << 20)):
+    for suffix, unit in (("gib", GiB), ("gb", GB), ("mib", MiB)):
         if key.endswith(suffix):
             return int(float(key[: -len(suffix)]) * unit)
     try:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from app.sim.config import GiB, MiB, SimConfig
+from app.sim.config import SimConfig
 from app.sim.flavor import Flavor
 from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from app.sim.kv_layout import KVLayout, build_layout, cdiv
@@ -38,6 +38,8 @@ from app.sim.step_memory import (
     StepShape,
     run_tape,
 )
+from app.units import GiB, MiB
+from app.vllm_flags import attention_backend
 
 # CUDA graph pool per captured size and decoder layer (piecewise graphs): fitted to 0.65 GB for
 # gemma-3-4b (34 layers) and ~1.3 GB for Llama-4-Maverick (48 layers), 67 sizes each
@@ -73,7 +75,7 @@ class Resolved:
     max_num_batched_tokens: int
     max_num_seqs: int
     block_size: int
-    backend: str
+    backend: str  # the attention backend's current name (app.vllm_flags.attention_backend)
     capture_sizes: list[int]
     mla_workspace_tokens: int
     num_speculative_tokens: int = 0
@@ -138,7 +140,7 @@ def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
     big = total >= 70 * GiB and "a100" not in cfg.gpu.lower()
     mnbt = cfg.max_num_batched_tokens or (8192 if big else 2048)
     mns = cfg.max_num_seqs or (1024 if big else 256)
-    backend = cfg.attention_backend
+    backend = attention_backend(cfg.attention_backend)  # "materializing" is the old name
     if backend == "auto":
         backend = "mla" if m.is_mla else "flash-attn"
     spec_tokens, draft = speculative(cfg)

@@ -15,8 +15,9 @@ vLLM's code (paths in vllm-project/vllm):
   played too, so a step's peak is the larger layer's.
 - attention, only when the step has attention metadata (the profile run has none):
   `flash-attn` and `flashinfer` need no context-sized transient (FlashInfer's 256 MiB workspace
-  is resident, allocated when the KV cache is); `materializing` builds fp32 scores and their
-  softmax, `heads x q_len x kv_len`, one request at a time (a non-flash path; when every
+  is resident, allocated when the KV cache is); `materializing-eager` (old name `materializing`)
+  builds fp32 scores and their softmax, `heads x q_len x kv_len`, one request at a time (a
+  non-flash path; when every
   attention layer is sliding or chunked, kv_len stops at the window); `mla`
   (v1/attention/backends/mla/common.py) up-projects the new tokens' K/V and then, per
   chunked-prefill workspace pass, `chunk x heads x (nope + v)` and `chunk x heads x (nope + rope)`.
@@ -182,7 +183,7 @@ class StepMemory:
 
     def _attention_transients(self, t: _Tape, shape: StepShape) -> None:
         d, dt = self.d, self.d.dtype_bytes
-        if self.backend == "materializing":
+        if self.backend == "materializing-eager":
             worst = max(r.num_new_tokens * self._kv_len(r) for r in shape.reqs)
             t.alloc("attn_scores", d.q_heads * worst * 4)
             t.alloc("attn_probs", d.q_heads * worst * dt)

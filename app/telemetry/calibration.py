@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from app.memory.demand import Demand
+from app.units import MiB
 
 
 @dataclass
@@ -181,8 +182,8 @@ class Calibration:
             self.growth_at_backoff = server_growth
             if self.transient.backoff(now):
                 return (
-                    f"server memory grew {server_growth / 2**20:.0f} MiB, kvgate predicted at most "
-                    f"{predicted_peak / 2**20:.0f} MiB: transient margin up to {self.transient_margin:.2f}"
+                    f"server memory grew {server_growth / MiB:.0f} MiB, kvgate predicted at most "
+                    f"{predicted_peak / MiB:.0f} MiB: transient margin up to {self.transient_margin:.2f}"
                 )
             return None
         if waiting_for_transient and self.transient.raise_(now):

@@ -42,9 +42,9 @@ from app.telemetry.headroom import HeadroomTracker
 from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.metrics import TelemetryMetrics
 from app.telemetry.vllm import COUNTERS, BackendSnapshot, fetch_snapshot
+from app.units import MiB
 
 log = logging.getLogger("kvgate.telemetry")
-MiB = 1 << 20
 HEALTH_TIMEOUT_S = 1.0  # /health is vLLM's cheapest route: a server that misses this is not answering
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from app.memory.activation import EngineShape
 from app.memory.geometry import ModelGeometry, dtype_bytes
+from app.model_folder import load_geometry
 from bench.fidelity.estimate import cpu_only_bytes, kvgate_bytes
 from bench.fidelity.grid import MAX_NUM_BATCHED_TOKENS, Case, measured_bytes, with_baselines
 
@@ -127,7 +128,7 @@ def run_probe(
 
 def geometry_of(model_dir: Path, dtype: str) -> ModelGeometry:
     """The probe model's geometry, in the dtype vLLM ran it in (--dtype overrides config.json)."""
-    return replace(ModelGeometry.from_folder(model_dir), dtype_bytes=dtype_bytes(dtype))
+    return replace(load_geometry(model_dir), dtype_bytes=dtype_bytes(dtype))
 
 
 def compare(cases: list[Case], probe: dict[str, Any], geometry: ModelGeometry) -> list[Row]:

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.process import stop_process
+from demo.processes import stop_process
 from support.vllm_server import free_port
 
 METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig

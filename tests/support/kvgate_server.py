@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.process import stop_process
+from demo.processes import stop_process
 from support.vllm_server import free_port
 
 

@@ -38,12 +38,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.process import stop_process
 from app.sim.config import SimConfig
 from app.sim.engine import Engine
 from app.sim.presets import gpu_total_bytes, write_model_folder
 from app.sim.runner import SimRunner, free_port
 from app.sim.startup import StartupError
+from demo.processes import stop_process
 
 # Words of at most six letters: the simulator's stand-in tokenizer makes each one token.
 WORDS = [
@@ -553,7 +553,3 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if not failed else " -- kvgate did NOT protect every scenario (see above)")
     )
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

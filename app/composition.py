@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from app.deployment import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from app.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
 from app.gate.backend_state import BackendState
 from app.gate.budget import Budget
 from app.gate.gate import Gate
@@ -27,6 +27,7 @@ from app.gate.view import GateView
 from app.http.decision_log import DecisionLog
 from app.memory.geometry import ModelGeometry
 from app.metrics import GateMetrics, KvgateMetrics
+from app.model_folder import load_geometry
 from app.pipeline import RequestPipeline
 from app.proxy import Backend
 from app.settings import Settings
@@ -99,7 +100,7 @@ class Runtime:
                 f"kvgate needs the model folder vLLM serves (config.json and tokenizer): "
                 f"--model {model_dir!r} has no config.json"
             )
-        self.geometry = ModelGeometry.from_folder(model_dir)
+        self.geometry = load_geometry(model_dir)
         if self.settings.served_model_name:
             self.pipeline.served_names.add(self.settings.served_model_name)
         self._sync_task = asyncio.create_task(self._sync_backend())
@@ -246,7 +247,7 @@ class Runtime:
         """Build the predictor from flags alone (no backend), for `kvgate explain` without --url."""
         if self.settings.model is None:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
-        self.geometry = ModelGeometry.from_folder(self.settings.model)
+        self.geometry = load_geometry(self.settings.model)
         self.pipeline.tokenizer = load_tokenizer(
             self.settings.model,
             self.backend.tokenize_client,

@@ -1,4 +1,4 @@
-"""Stopping the child processes kvgate's demo, benchmarks and tests start."""
+"""Stopping the child processes the demo, the benchmarks and the tests start."""
 
 from __future__ import annotations
 

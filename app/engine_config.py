@@ -1,11 +1,11 @@
-"""The vLLM deployment kvgate guards: flags merged with what the backend itself reports.
+"""The engine kvgate guards, resolved: vLLM flags merged with what the backend itself reports.
 
 What vLLM publishes (cache_config_info on /metrics, max_model_len on /v1/models) is the truth
 about the running server and wins over kvgate's flags; each disagreement is logged as a warning
 so the operator can fix the flags they copied.
 
 It takes plain values (EngineFlags, the backend's report), not the CLI's settings: the
-composition root (app.runtime) translates one into the other.
+composition root (app.composition) translates one into the other.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.predict import Predictor
 from app.speculative import resolve_drafter
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
+from app.units import GiB
 
 log = logging.getLogger("kvgate.deployment")
 T = TypeVar("T")
@@ -364,7 +365,7 @@ def static_limits(
                     "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
                     "the pool, the profile peak, non-torch memory and %s; the CUDA graphs' memory is not "
                     "known to kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
-                    max(0, headroom) / 2**30,
+                    max(0, headroom) / GiB,
                     outside.describe(),
                 )
         else:
