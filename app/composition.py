@@ -258,6 +258,8 @@ class Runtime:
         if deployment.runtime.warning:
             log.warning("%s", deployment.runtime.warning)
         self._configure(deployment)
+        # No backend to watch: the decision is the one a running backend in these flags would get.
+        self.budget.set_backend("up", "offline: judged from flags")
 
 
 def engine_flags(settings: Settings) -> EngineFlags:
