@@ -55,7 +55,8 @@ class RequestSpec:
     prompts: list[str | list[int]] = field(default_factory=list)
     add_special_tokens: bool = True
     chat: ChatRequest | None = None
-    unseen_history: bool = False  # see app/vllm_routes.py Translated
+    unseen_history: bool = False  # these two: see app/vllm_routes.py Translated
+    context_caps_output: bool = False
 
 
 def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
@@ -302,6 +303,7 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         sampling=sampling,
         priority=priority or 0,
         unseen_history=translated.unseen_history,
+        context_caps_output=translated.context_caps_output,
     )
     if endpoint == "chat":
         spec.chat = _chat(body, trust_request_chat_template)

@@ -75,6 +75,10 @@ class Translated:
     # /v1/responses with previous_response_id: vLLM prepends a stored conversation kvgate never
     # saw, so the prompt is taken to fill the context (the most it can be).
     unseen_history: bool = False
+    # /inference/v1/generate: vLLM's engine takes max_tokens as sent and stops the request at
+    # max_model_len (vllm/v1/core/sched/utils.py check_stop), where the OpenAI routes refuse a
+    # prompt plus max_tokens past the context.
+    context_caps_output: bool = False
 
 
 def _bad(message: str, param: str | None = None) -> InvalidField:
@@ -264,7 +268,7 @@ def _anthropic_messages(body: dict[str, Any]) -> Translated:
             out[name] = body[name]
     output = body.get("output_config")
     fmt = output.get("format") if isinstance(output, dict) else None
-    if isinstance(fmt, dict) and fmt.get("json_schema"):
+    if isinstance(fmt, dict) and fmt.get("schema"):  # AnthropicJsonOutputFormat.json_schema's alias
         out["response_format"] = {"type": "json_schema"}
     tools = body.get("tools")
     if tools is not None:
@@ -364,7 +368,7 @@ def _generate(body: dict[str, Any]) -> Translated:
         raise _bad("'token_ids' is required: a non-empty list of token ids.", "token_ids")
     out = params | _common(body) | {"prompt": body["token_ids"]}
     out.pop("echo", None)
-    return Translated("completions", out, "engine")
+    return Translated("completions", out, "engine", context_caps_output=True)
 
 
 # ---------------------------------------------------------------- pooling: embeddings, pooling, classify, score, rerank
