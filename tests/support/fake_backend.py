@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.vllm_routes import ROUTE_PATHS
 from support.vllm_server import free_port
 
 METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
@@ -93,8 +94,7 @@ class FakeBackend:
                 Route("/metrics", metrics),
                 Route("/health", health),
                 Route("/tokenize", tokenize, methods=["POST"]),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/chat/completions", completions, methods=["POST"]),
+                *(Route(path, completions, methods=["POST"]) for path in ROUTE_PATHS),
             ]
         )
 
