@@ -349,7 +349,9 @@ def _tool_result_text(block: dict[str, Any]) -> str:
         return content
     if isinstance(content, list):
         return "\n".join(
-            item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text"
+            item["text"]
+            for item in content
+            if isinstance(item, dict) and item.get("type") == "text" and isinstance(item.get("text"), str)
         )
     return ""
 
