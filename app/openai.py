@@ -243,7 +243,11 @@ def parse_request(route: Route, raw: bytes, *, trust_request_chat_template: bool
     generative model; a pooling model's request types are not tried)."""
     body = parse_json_object(raw)
     if route != "invocations":
-        return _parse(translate(route, body), raw, trust_request_chat_template)
+        translated = translate(route, body)
+        try:
+            return _parse(translated, raw, trust_request_chat_template)
+        except InvalidField as error:
+            raise _renamed(error, dict(translated.renames)) from None
     if "messages" in body:
         try:
             return _parse(Translated("chat", body, "chat"), raw, trust_request_chat_template)
@@ -255,6 +259,15 @@ def parse_request(route: Route, raw: bytes, *, trust_request_chat_template: bool
             "/invocations takes a chat completions body ('messages') or a completions body ('prompt').", "messages"
         )
     return _parse(Translated("completions", body, "completions"), raw, trust_request_chat_template)
+
+
+def _renamed(error: InvalidField, renames: dict[str, str]) -> InvalidField:
+    """The error in the words of the route's own body: it names the field the client sent
+    (`token_ids`, `input`, `max_output_tokens`), not the one kvgate translated it to."""
+    sent = renames.get(error.param or "")
+    if sent is None:
+        return error
+    return InvalidField(error.message.replace(f"'{error.param}'", f"'{sent}'"), sent, error.code)
 
 
 def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool) -> RequestSpec:

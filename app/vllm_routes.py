@@ -79,6 +79,8 @@ class Translated:
     # max_model_len (vllm/v1/core/sched/utils.py check_stop), where the OpenAI routes refuse a
     # prompt plus max_tokens past the context.
     context_caps_output: bool = False
+    # Translated field -> the field the client sent, for error messages that name what they sent.
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 def _bad(message: str, param: str | None = None) -> InvalidField:
@@ -173,7 +175,13 @@ def _responses(body: dict[str, Any]) -> Translated:
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _bad("'previous_response_id' must be a string.", "previous_response_id")
-    return Translated("chat", out, "chat", unseen_history=previous is not None)
+    return Translated(
+        "chat",
+        out,
+        "chat",
+        unseen_history=previous is not None,
+        renames=(("max_completion_tokens", "max_output_tokens"),),
+    )
 
 
 _RESPONSES_SAMPLING = (
@@ -370,7 +378,7 @@ def _generate(body: dict[str, Any]) -> Translated:
         raise _bad("'token_ids' is required: a non-empty list of token ids.", "token_ids")
     out = params | _common(body) | {"prompt": body["token_ids"]}
     out.pop("echo", None)
-    return Translated("completions", out, "engine", context_caps_output=True)
+    return Translated("completions", out, "engine", context_caps_output=True, renames=(("prompt", "token_ids"),))
 
 
 # ---------------------------------------------------------------- pooling: embeddings, pooling, classify, score, rerank
@@ -388,7 +396,12 @@ def _pooling(body: dict[str, Any]) -> Translated:
     if isinstance(source, list) and source and all(isinstance(item, dict) for item in source):
         # EmbeddingChatInputRequest: `input` is a list of chat messages
         return Translated("chat", _common(body) | {"messages": source}, "pooling")
-    return Translated("completions", _common(body) | {"prompt": source}, "pooling")
+    return Translated(
+        "completions",
+        _common(body) | {"prompt": source},
+        "pooling",
+        renames=(("prompt", "input" if "input" in body else "texts"),),
+    )
 
 
 def _scoring(route: Route, body: dict[str, Any]) -> Translated:

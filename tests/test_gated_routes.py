@@ -48,7 +48,7 @@ BAD = [
     ("/v1/responses", {"model": "tiny-llama"}, "input"),
     ("/v1/responses", {"input": 7}, "input"),
     ("/v1/responses", {"input": [{"type": "no_such_item"}]}, "input"),
-    ("/v1/responses", {"input": "hi", "max_output_tokens": "many"}, "max_completion_tokens"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": "many"}, "max_output_tokens"),
     ("/v1/responses", {"input": "hi", "previous_response_id": 3}, "previous_response_id"),
     ("/v1/messages", {"model": "tiny-llama", "messages": USER}, "max_tokens"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5}, "model"),
@@ -59,10 +59,10 @@ BAD = [
     ),
     ("/v1/messages", {"model": "tiny-llama", "system": 5, "messages": USER, "max_tokens": 5}, "system"),
     ("/inference/v1/generate", {"token_ids": [1, 2]}, "sampling_params"),
-    ("/inference/v1/generate", {"token_ids": [-1], "sampling_params": {}}, "prompt"),
+    ("/inference/v1/generate", {"token_ids": [-1], "sampling_params": {}}, "token_ids"),
     ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"n": 0}}, "n"),
     ("/v1/embeddings", {"model": "tiny-llama"}, "input"),
-    ("/v1/embeddings", {"input": [True]}, "prompt"),
+    ("/v1/embeddings", {"input": [True]}, "input"),
     ("/score", {"text_1": "a"}, "text_2"),
     ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
     ("/rerank", {"query": 5, "documents": ["a"]}, "query"),
@@ -110,6 +110,7 @@ def test_bad_bodies_are_refused_before_the_backend(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert f"'{param}'" in error["message"] or param in ("messages", "text_1", "text_2", "query", "input"), error
     assert len(backend.received) == before
     assert_ledger_empty(kvgate)
 
