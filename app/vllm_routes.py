@@ -125,6 +125,16 @@ def _responses(body: dict[str, Any]) -> Translated:
     built-in tools (--tool-server) is not modelled."""
     if "input" not in body:
         raise _bad("'input' is required: a string or a list of input items.", "input")
+    if body.get("background"):
+        # vllm/entrypoints/openai/responses/serving.py _create_responses: a background request
+        # answers at once and generates in a task that outlives the exchange, and the client's
+        # hanging up does not abort it: no reservation kvgate holds could cover it.
+        raise InvalidField(
+            "kvgate does not admit background Responses requests ('background': true): vLLM would "
+            "go on generating after the answer, outside any reservation. Send it without 'background'.",
+            "background",
+            "background_not_gated",
+        )
     source = body["input"]
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):

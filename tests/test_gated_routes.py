@@ -50,6 +50,7 @@ BAD = [
     ("/v1/responses", {"input": [{"type": "no_such_item"}]}, "input"),
     ("/v1/responses", {"input": "hi", "max_output_tokens": "many"}, "max_output_tokens"),
     ("/v1/responses", {"input": "hi", "previous_response_id": 3}, "previous_response_id"),
+    ("/v1/responses", {"input": "hi", "background": True}, "background"),  # would outlive its reservation
     ("/v1/messages", {"model": "tiny-llama", "messages": USER}, "max_tokens"),
     ("/v1/messages", {"messages": USER, "max_tokens": 5}, "model"),
     (
