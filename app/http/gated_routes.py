@@ -31,8 +31,8 @@ from app.vllm_routes import ROUTE_PATHS, Route
 
 GATED_PATHS: dict[str, Route] = ROUTE_PATHS
 # Routes whose answers app/output_count.py reads (OpenAI's usage block and one stream event per
-# token); the others (Responses and Anthropic events, pooling) teach the output lengths nothing.
-OUTPUT_COUNTED: frozenset[Route] = frozenset({"completions", "chat", "invocations"})
+# token; /inference/v1/generate answers in the same shape); the others (Responses and Anthropic events, pooling) teach the output lengths nothing.
+OUTPUT_COUNTED: frozenset[Route] = frozenset({"completions", "chat", "invocations", "generate"})
 
 
 _ID_KEY = os.urandom(32)
