@@ -396,11 +396,14 @@ def _generate(body: dict[str, Any]) -> Translated:
 
 def _pooling(body: dict[str, Any]) -> Translated:
     """vllm/entrypoints/pooling/{embed,pooling,classify}/protocol.py: `input` (a string, strings,
-    token ids or lists of them), chat `messages`, or /v2/embed's `texts`. Gated as prefill-only
+    token ids or lists of them), chat `messages`, or /v2/embed's `texts` or `inputs` (text parts
+    only). Gated as prefill-only
     requests (app/sampling_params.py)."""
     if body.get("messages") is not None:
         return Translated("chat", _common(body) | {"messages": body["messages"]}, "pooling")
     source = body["input"] if "input" in body else body.get("texts")
+    if source is None and body.get("inputs") is not None:  # /v2/embed's CohereEmbedInput list
+        source = _texts(body["inputs"], "inputs")
     if source is None:
         raise _bad("'input' is required: a string, a list of strings or of token ids.", "input")
     if isinstance(source, list) and source and all(isinstance(item, dict) for item in source):

@@ -195,3 +195,8 @@ def test_pooling_requests_are_prefill_only(client: httpx.Client) -> None:
     found = explain(client, "rerank", {"query": "hello", "documents": ["a", "b", "c"]})
     pairs = explain(client, "completions", {"prompt": ["hello a", "hello b", "hello c"], "max_tokens": 1})
     assert found["prompt_tokens"] == pairs["prompt_tokens"] and found["max_new_tokens"] == 1
+    cohere = {"inputs": [{"content": [{"type": "text", "text": "hello there"}]}]}
+    assert (
+        explain(client, "embeddings", cohere)["prompt_tokens"]
+        == explain(client, "completions", {"prompt": "hello there"})["prompt_tokens"]
+    )
