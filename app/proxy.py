@@ -206,11 +206,14 @@ class Relay(Response):
         watcher = None if self.upstream.complete else asyncio.ensure_future(self._watch_disconnect(receive))
         try:
             outcome = await self._relay(send)
+        except UpstreamError:  # cut mid-body: the client's connection is dropped (uvicorn) too
+            outcome = "upstream_error"
+            raise
         finally:
             if watcher is not None:
                 watcher.cancel()
             self._on_end(outcome, self._counter.tokens() if self._counter else None)
-            if outcome in ("completed", "refused_by_backend"):
+            if outcome in ("completed", "refused_by_backend", "backend_error"):
                 self.upstream.release()  # read to the end: the connection goes back to the pool
             else:
                 self.upstream.close()  # abandoned mid-body: closing it makes vLLM abort
@@ -250,7 +253,7 @@ class Relay(Response):
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         if self.status_code >= 500:
-            return "upstream_error"
+            return "backend_error"  # the backend answered, with an error (vLLM: its engine died)
         return "refused_by_backend" if self.status_code >= 400 else "completed"
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from app.deployment import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from app.gate.backend_state import BackendState
 from app.gate.budget import Budget
 from app.gate.gate import Gate
 from app.gate.observer import Observers
@@ -63,7 +64,11 @@ class Runtime:
             pool_timeout_s=settings.upstream_pool_timeout,
         )
         outputs = OutputLengths(settings.kv_output_quantile)
-        self.budget = Budget(transient_margin=settings.transient_safety_margin, kv_margin_z=outputs.z)
+        self.budget = Budget(
+            transient_margin=settings.transient_safety_margin,
+            kv_margin_z=outputs.z,
+            backend=BackendState("starting"),  # the one view of the backend: the gate's and /readyz's
+        )
         gate_metrics = GateMetrics(self.metrics)
         self.in_flight = InFlightRequests()
         self.gate = Gate(
@@ -115,6 +120,7 @@ class Runtime:
                 if problem != self.startup_error:
                     log.warning("%s (retrying every %g s)", problem, retry_s)
                 self.startup_error = problem
+                self.budget.set_backend("starting", problem)
                 await asyncio.sleep(retry_s)
         await self._watch_backend()
 
@@ -134,6 +140,7 @@ class Runtime:
             self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
         )
+        self.budget.set_backend("up")  # from here on the live loop keeps the view true
         interval = self.settings.scrape_interval
         while True:
             started = time.monotonic()

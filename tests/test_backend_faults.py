@@ -6,14 +6,30 @@ These use a scripted stand-in for vLLM because the real one cannot be made to br
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
-from support.fake_backend import running_fake_backend
+from support.fake_backend import fake_backend_process, running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.vllm_server import free_port
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def readyz(kvgate: KvgateServer) -> dict:
+    return httpx.get(kvgate.base_url + "/readyz", timeout=5).json()
 
 
 def assert_ledger_empty(kvgate: KvgateServer) -> None:
@@ -33,19 +49,86 @@ def test_backend_never_reachable(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert int(response.headers["retry-after"]) >= 1
 
 
-def test_backend_down_mid_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_refused_connection_goes_back_to_the_queue_until_its_deadline(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 15, finding 9: the backend died and kvgate's scrape has not noticed yet (an interval
+    longer than the test), so the request is admitted and its connection refused. Nothing reached
+    vLLM: it waits in the queue for the backend instead of an immediate 503, and /readyz, which
+    reads the same view of the backend, says 503 from that moment."""
     backend_cm = running_fake_backend()
     backend = backend_cm.__enter__()
-    # A scrape interval longer than the test: kvgate has not noticed yet and forwards the request.
-    # (test_telemetry_sim covers what happens once it notices: requests are held.)
-    with running_kvgate(backend.base_url, tiny_model_dir, tmp_path, "--scrape-interval", "600") as kvgate:
+    args = ("--scrape-interval", "600", "--max-queue-wait", "2")
+    with running_kvgate(backend.base_url, tiny_model_dir, tmp_path, *args) as kvgate:
         backend_cm.__exit__(None, None, None)
-        response = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        started = time.monotonic()
+        response = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert time.monotonic() - started >= 1.9  # it waited for its deadline (it was 503 at once)
         assert response.status_code == 503
-        assert response.json()["error"]["code"] == "backend_unavailable"
-        assert kvgate.metric("kvgate_reservations_released_total", outcome="upstream_error") == 1
+        error = response.json()["error"]
+        assert error["code"] == "backend_unavailable" and "has been down" in error["message"], error
+        assert int(response.headers["retry-after"]) >= 1
+        assert kvgate.metric("kvgate_reservations_released_total", outcome="requeued") == 1
+        assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
         assert_ledger_empty(kvgate)
-        assert httpx.get(kvgate.base_url + "/readyz").status_code == 503
+        ready = httpx.get(kvgate.base_url + "/readyz")
+        assert ready.status_code == 503 and ready.json()["backend"]["status"] == "down"
+
+
+def test_readyz_and_the_gate_share_one_view_of_the_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The moment /readyz says 503 after the backend died, a new request is held in the queue,
+    not forwarded to a dead socket (/readyz used to probe /health on its own and say 503 while
+    the budget still admitted); it is admitted once the backend is back."""
+    port = free_port()
+    backend_cm = running_fake_backend(port)
+    backend_cm.__enter__()
+    with running_kvgate(f"http://127.0.0.1:{port}", tiny_model_dir, tmp_path, "--scrape-interval", "1") as kvgate:
+        backend_cm.__exit__(None, None, None)
+        wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503, "/readyz to say 503")
+        with ThreadPoolExecutor(1) as pool:
+            body = {"prompt": "hi", "max_tokens": 4}
+            pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=30)
+            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1 or pending.done(), "the request to queue")
+            assert not pending.done(), pending.result().text
+            with running_fake_backend(port) as back:
+                response = pending.result()
+                assert response.status_code == 200, response.text
+                assert len(back.received) == 1
+        assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
+        assert httpx.get(kvgate.base_url + "/readyz").status_code == 200
+        assert_ledger_empty(kvgate)
+
+
+def test_a_hung_backend_holds_new_arrivals_in_the_queue(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 15, finding 9: a SIGSTOPped backend accepts connections and answers nothing. kvgate
+    declares it hung (a scrape timed out and /health stayed silent) and holds new arrivals in
+    the queue instead of forwarding them to wait out the upstream timeout: refused at their
+    deadline with Retry-After, or admitted once the backend answers again."""
+    with fake_backend_process() as (proc, url):
+        args = ("--max-staleness", "1", "--max-queue-wait", "4")
+        with running_kvgate(url, tiny_model_dir, tmp_path, *args) as kvgate:
+            body = {"prompt": "hi", "max_tokens": 4}
+            assert httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                wait_for(
+                    lambda: readyz(kvgate)["telemetry"]["budget_mode"] == "hung", "the backend to be declared hung"
+                )
+                assert httpx.get(kvgate.base_url + "/readyz").status_code == 503
+                assert readyz(kvgate)["backend"]["status"] == "hung"
+                refused = httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30)
+                assert refused.status_code == 503, refused.text
+                assert "has been hung" in refused.json()["error"]["message"]
+                assert int(refused.headers["retry-after"]) >= 1
+                with ThreadPoolExecutor(1) as pool:
+                    pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=30)
+                    wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1, "the request to queue")
+                    os.kill(proc.pid, signal.SIGCONT)
+                    assert pending.result().status_code == 200
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_hung") == 2
+            assert kvgate.metric("kvgate_upstream_errors_total", kind="backend_timeout") == 0
+            wait_for(lambda: readyz(kvgate)["backend"]["status"] == "up", "the backend to be up again")
+            assert_ledger_empty(kvgate)
 
 
 def test_broken_stream_ends_with_an_error_event(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -105,3 +188,31 @@ def test_a_burst_tokenized_through_the_backend_queues_and_scrapes_go_on(tiny_mod
             responses = asyncio.run(burst())
             assert [r.status_code for r in responses] == [200] * 110
             assert_ledger_empty(kvgate)
+
+
+def test_a_killed_backend_is_not_taken_for_an_oom(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 15, finding 11: a SIGKILL restart while requests ran was read as a CUDA OOM and the
+    transient margin went 0.10 -> 0.28. A killed server answers nothing: its connections are
+    cut. vLLM's engine OOM is answered (500, /health 503) by its surviving API server; that
+    case is test_telemetry_sim's test_oom_restart_is_detected_and_queued_requests_complete_after_it."""
+    port = free_port()
+    with fake_backend_process(port, completion_mode="slow") as (proc, url):
+        with running_kvgate(url, tiny_model_dir, tmp_path, "--max-queue-wait", "20") as kvgate:
+            margin = kvgate.metric("kvgate_transient_safety_margin")
+            body = {"prompt": "hi", "max_tokens": 4}
+            with ThreadPoolExecutor(2) as pool:
+                running = [
+                    pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=30)
+                    for _ in range(2)
+                ]
+                wait_for(lambda: kvgate.metric("kvgate_backend_running_requests") == 2, "two requests running")
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                assert [f.result().status_code for f in running] == [502, 502]  # cut, not retried
+            with fake_backend_process(port):  # the pod restarts it
+                wait_for(lambda: kvgate.metric("kvgate_backend_restarts_total") == 1, "the restart to be seen")
+                wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 200, "kvgate to be ready again")
+                assert httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+            assert kvgate.metric("kvgate_transient_safety_margin") == margin
+            assert "likely a CUDA OOM" not in kvgate.log()
+            assert "vanished without an answer" in kvgate.log()

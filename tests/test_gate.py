@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from app.errors import ClientGone, QueueFull, QueueTimeout
-from app.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
+from app.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
+from app.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
 from app.gate.drain import RETRY_AFTER_CAP_S, DrainRate
 from app.gate.gate import Gate
 from app.gate.ledger import Ledger
@@ -420,6 +420,23 @@ class TestGate:
         assert len(gate.queue) == 0
         holder.release()
         assert gate.ledger.kv_blocks == 0
+
+    async def test_a_backend_not_up_holds_arrivals_until_it_is_back_or_their_deadline(self) -> None:
+        """The budget's view of the backend (shared with /readyz): while it is hung or down
+        nothing is admitted; a request keeps the deadline it arrived with when it queues again."""
+        gate = make_gate(kv_blocks=10, wait_s=5.0)
+        gate.budget.set_backend("hung", "no answer")
+        assert gate.would_wait(demand(), 0) == BACKEND_HUNG
+        waiting = asyncio.create_task(gate.acquire(demand(), 0, "a"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and len(gate.queue) == 1
+        gate.budget.set_backend("up")  # the next scrape answered
+        (await asyncio.wait_for(waiting, 1)).release()
+        gate.budget.set_backend("down", "connection refused")
+        with pytest.raises(BackendDown) as refused:  # its deadline has passed: no wait at all
+            await asyncio.wait_for(gate.acquire(demand(), 0, "a", deadline=gate.deadline() - 5.0), 1)
+        assert status_of(refused.value) == 503 and "has been down" in refused.value.message
+        assert error_headers(refused.value) == {"Retry-After": "5"} and len(gate.queue) == 0
 
     async def test_client_gone_leaves_the_queue(self) -> None:
         gate = make_gate(kv_blocks=1)

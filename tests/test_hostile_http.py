@@ -37,6 +37,8 @@ def kvgate(
         "0.5",
         "--client-body-timeout",
         "0.5",
+        "--max-body-bytes",
+        "1000000",
     ) as server:
         yield server
 
@@ -159,6 +161,33 @@ def test_a_large_body_sent_with_its_head_is_not_taken_for_a_large_head(kvgate: K
     assert len(body) > 16384  # the head limit of this kvgate
     # Read and judged as a body: too long a prompt for the tiny model, not too large a head.
     assert status_and_error(exchange(kvgate, post([HOST], body))) == (400, "context_length_exceeded")
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_413_reaches_a_client_still_uploading(kvgate: KvgateServer, framing: str) -> None:
+    """Issue 15, finding 11: a body over --max-body-bytes, sent in pieces by a client that asked
+    for `Connection: close`. kvgate answered 413 and closed at once over the unread upload; the
+    client's send failed (EPIPE, or a reset) before it could read the answer. Now the rest of the
+    body is read and dropped (bounded, as nginx's lingering close), so the client reads the 413."""
+    piece, total = b"x" * 65536, 4 * 1024 * 1024
+    host, port = kvgate.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        framing_header = b"content-length: %d" % total if framing == "content-length" else b"transfer-encoding: chunked"
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: kvgate\r\nconnection: close\r\n" + framing_header + b"\r\n\r\n"
+        )
+        for _ in range(total // len(piece)):  # raises if kvgate resets the connection meanwhile
+            sock.sendall(piece if framing == "content-length" else b"%x\r\n%s\r\n" % (len(piece), piece))
+        if framing == "chunked":
+            sock.sendall(b"0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert "1,000,000 bytes" in error["message"]
 
 
 @pytest.mark.parametrize(

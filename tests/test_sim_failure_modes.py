@@ -103,9 +103,9 @@ def test_3_huge_max_num_batched_tokens_dies_instead_of_lowering_concurrency() ->
 
 
 def test_4_cuda_graphs_outside_the_budget() -> None:
-    """Before v0.21 graphs came on top of total x utilization: at 0.98 of an A100-40GB (0.99
+    """Before v0.20 graphs came on top of total x utilization: at 0.98 of an A100-40GB (0.99
     no longer passes the start-up check once the CUDA context sits outside the budget) the
-    670 MiB of graphs leave V1's sampler warm-up no room (vLLM 0.20)."""
+    670 MiB of graphs leave V1's sampler warm-up no room (vLLM 0.19)."""
 
     def cfg(in_budget: bool) -> SimConfig:
         return SimConfig(
@@ -115,7 +115,7 @@ def test_4_cuda_graphs_outside_the_budget() -> None:
             max_model_len=8192,
             max_num_batched_tokens=8192,
             cudagraph_memory_in_budget=in_budget,
-            vllm_version="0.20.0",
+            vllm_version="0.19.0",
         )
 
     with pytest.raises(StartupError, match="CUDA out of memory") as exc:

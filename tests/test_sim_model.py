@@ -35,6 +35,9 @@ PUBLIC_PARAMETERS = [
     ("llama-4-scout-17b-16e", 109.0),
     ("llava-1.5-7b-hf", 7.06),
     ("nemotron-h-8b-base-8k", 8.1),
+    ("llama-3.2-1b", 1.24),
+    ("qwen2.5-1.5b-instruct", 1.54),
+    ("deepseek-r1-0528-qwen3-8b", 8.2),  # Qwen3-8B's card
 ]
 
 

@@ -3,8 +3,9 @@
 The budget is the policy half of admission (the gate is the mechanism): it says whether a demand
 fits beside what the ledger already holds, and whether it could ever fit. Its numbers start from
 flags and the backend's cache_config_info; the telemetry loop moves them later (live headroom,
-calibrated factors, conservative scale, hold while the backend is down), and every move notifies
-the gate so it can re-check its queue.
+calibrated factors, conservative scale), it holds every admission while its shared view of the
+backend (app.gate.backend_state, also read by /readyz) says the backend is not up, and every
+move notifies the gate so it can re-check its queue.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from app.gate.backend_state import BackendState, Status
 from app.memory.demand import Demand
 
 KV_BUSY = "kv_cache_busy"
 TRANSIENT_BUSY = "transient_memory_busy"
 BACKEND_DOWN = "backend_down"
+BACKEND_HUNG = "backend_hung"
+_HOLDS: dict[Status, str] = {"starting": BACKEND_DOWN, "down": BACKEND_DOWN, "hung": BACKEND_HUNG}
 
 
 class Holdings(Protocol):
@@ -59,8 +63,8 @@ class Budget:
     # vLLM emptied after start-up, so profiled terms are charged against it too, up to this cap (the
     # part of the region the engine did not hold). None: a headroom from flags, beside the region.
     profiled_cap_bytes: int | None = None
-    # While set (the backend is down or restarting) nothing is admitted: arrivals wait in the queue.
-    hold: str | None = None
+    # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
+    backend: BackendState = field(default_factory=BackendState)
     # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
     scale: float = 1.0
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -76,6 +80,19 @@ class Budget:
             setattr(self, name, value)
         for listener in self._listeners:
             listener()
+
+    def set_backend(self, status: Status, why: str | None = None) -> bool:
+        """The backend's status, seen again or changed; on a change (True) the gate re-checks its queue."""
+        changed = self.backend.set(status, why)
+        if changed:
+            for listener in self._listeners:
+                listener()
+        return changed
+
+    @property
+    def hold(self) -> str | None:
+        """Why nothing may be admitted now (the backend is not up), or None."""
+        return _HOLDS.get(self.backend.status)
 
     @property
     def known(self) -> bool:

@@ -70,6 +70,10 @@ class Gate:
         self._clock = clock
         budget.subscribe(self.changed)
 
+    def deadline(self) -> float:
+        """When a request arriving now must have been admitted (the gate's clock)."""
+        return self._clock() + self.max_queue_wait_s
+
     def would_wait(self, demand: Demand, priority: int) -> str | None:
         """Why this demand would wait if it arrived now, or None if it would be admitted."""
         head = self.queue.peek()
@@ -85,6 +89,7 @@ class Gate:
         watch_client: Callable[[], asyncio.Future[None]] | None = None,
         refresh: Callable[[], Demand] | None = None,
         request_id: str = "",
+        deadline: float | None = None,
     ) -> Ticket:
         """Admit now or wait in line; raises QueueFull, QueueTimeout or BackendDown when refused,
         ClientGone when the client leaves the queue.
@@ -92,7 +97,9 @@ class Gate:
         `watch_client` is called only if the request has to wait: the future it returns resolves
         when the client disconnects, and the waiter then leaves the queue at once. `refresh`, if
         given, recomputes the demand of a waiting request before each admission check.
-        `request_id` only labels the decisions observers see.
+        `request_id` only labels the decisions observers see. `deadline` (the gate's clock) ends
+        the wait instead of --max-queue-wait from now: a request that comes back to the queue
+        (the backend refused its connection) keeps the deadline it arrived with.
         """
         reason = self.would_wait(demand, priority)
         if reason is None:
@@ -116,18 +123,19 @@ class Gate:
         self.observers.decided(Decision("queue", reason, request_id, demand))
         self.changed()  # sets it aside at once if it could not fit even alone
         gone = watch_client() if watch_client is not None else None
+        timeout = self.max_queue_wait_s if deadline is None else max(0.0, deadline - self._clock())
         try:
-            return await self._wait(waiter, gone)
+            return await self._wait(waiter, gone, timeout)
         finally:
             if gone is not None:
                 gone.cancel()
 
-    async def _wait(self, waiter: Waiter, gone: asyncio.Future[None] | None) -> Ticket:
+    async def _wait(self, waiter: Waiter, gone: asyncio.Future[None] | None, timeout: float) -> Ticket:
         waits: set[asyncio.Future[Any]] = {waiter.future}
         if gone is not None:
             waits.add(gone)
         try:
-            await asyncio.wait(waits, timeout=self.max_queue_wait_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             self._abandon(waiter)
             raise
@@ -143,9 +151,13 @@ class Gate:
         ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
+            backend = self.budget.backend
             raise self._refuse(
                 waiter,
-                BackendDown(f"Waited {self.max_queue_wait_s:g} s for the backend to come back ({self.budget.hold})."),
+                BackendDown(
+                    f"Waited {timeout:g} s for the backend to come back: it has been {backend.status} for "
+                    f"{backend.clock() - backend.since:.0f} s ({backend.why or self.budget.hold})."
+                ),
             )
         retry_after = self._retry_after(ahead)
         raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
@@ -176,7 +188,8 @@ class Gate:
         if outcome == "completed" and output_tokens is not None and self.outputs is not None:
             demand = reservation.demand
             self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
-        self.drain.record(reservation.demand.kv_blocks)
+        if outcome != "requeued":  # never reached the backend: nothing drained
+            self.drain.record(reservation.demand.kv_blocks)
         self.observers.released(Release(outcome, reservation, output_tokens))
         self.changed()
 

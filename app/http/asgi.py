@@ -8,10 +8,19 @@ against `scope`, `receive` and `send` only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-from starlette.types import Message, Receive, Scope
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from app.errors import BodyTooLarge, ClientGone, ClientTooSlow, InvalidField, UnsupportedEncoding
+
+# Set in the scope while read_body has refused a body the client is still sending.
+_BODY_UNREAD = "kvgate.body_unread"
+# nginx's lingering close (ngx_http_core_module: lingering_time 30 s, lingering_timeout 5 s): how
+# long, at most, the rest of a refused body is read and thrown away so the client gets the answer.
+LINGER_S = 30.0
+LINGER_IDLE_S = 5.0
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -45,9 +54,10 @@ async def read_body(
 ) -> bytes:
     """The whole body, once the head passed check_head; BodyTooLarge as soon as it is known to
     exceed `limit`, ClientTooSlow if the client sends nothing for `idle_timeout_s`, ClientGone if
-    it left."""
-    check_head(scope, reads_body=reads_body)
+    it left. When it refuses a body still on its way, body_unread(scope) says so."""
     declared = header(scope, b"content-length")
+    scope[_BODY_UNREAD] = declared not in (None, "0") or header(scope, b"transfer-encoding") is not None
+    check_head(scope, reads_body=reads_body)
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit)
     chunks: list[bytes] = []
@@ -57,7 +67,10 @@ async def read_body(
             async with asyncio.timeout(idle_timeout_s):  # a timer, not a task per message
                 message: Message = await receive()
         except TimeoutError:
+            scope[_BODY_UNREAD] = False  # a client that stalled is not waited for again
             raise ClientTooSlow(idle_timeout_s or 0) from None
+        more = message["type"] != "http.disconnect" and message.get("more_body", False)
+        scope[_BODY_UNREAD] = more
         if message["type"] == "http.disconnect":
             raise ClientGone()
         chunk = message.get("body", b"")
@@ -65,8 +78,43 @@ async def read_body(
         if size > limit:
             raise BodyTooLarge(limit)
         chunks.append(chunk)
-        if not message.get("more_body", False):
+        if not more:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def answer_refusal(scope: Scope, response: Response) -> Response:
+    """`response` (an error), sent so that the client reads it even if read_body refused its
+    body while it was still arriving (AnswerThenDiscardBody)."""
+    return AnswerThenDiscardBody(response) if scope.get(_BODY_UNREAD, False) else response
+
+
+class AnswerThenDiscardBody(Response):
+    """An error answered while the client is still uploading (413 for a body over the limit):
+    the answer goes out at once, then the rest of the body is read and thrown away until it
+    ends, the client goes, LINGER_IDLE_S pass without data or LINGER_S in all, and only then is
+    the connection closed (`Connection: close`).
+
+    Closing at once, as uvicorn does after the answer when the client asked for
+    `Connection: close`, made the kernel reset the connection over the unread upload: the client
+    got EPIPE or ECONNRESET while sending and never read the 413. nginx does the same
+    (lingering close); uvicorn keeps reading a keep-alive connection's unread body forever, which
+    the close after LINGER_S bounds."""
+
+    def __init__(self, answer: Response) -> None:
+        super().__init__(answer.body, answer.status_code)
+        self.raw_headers = [*answer.raw_headers, (b"connection", b"close")]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LINGER_S):
+                while True:
+                    async with asyncio.timeout(LINGER_IDLE_S):
+                        message = await receive()
+                    if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                        break
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def disconnect_future(receive: Receive) -> asyncio.Future:

@@ -5,13 +5,15 @@ Every request to them pays for whatever sits between the socket and the gate, so
 FastAPI and Starlette entirely (routing, middleware, Request objects: about a third of kvgate's
 CPU per request when they went through them). The flow: read the raw body (forwarded byte for
 byte), evaluate it, wait for the gate, then hand the upstream response to a Relay, which
-releases the ticket exactly once.
+releases the ticket exactly once. A request the backend refused before anything was sent waits
+for the gate again, with the deadline it arrived with.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -19,19 +21,23 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from app.errors import ClientGone, KvgateError
+from app.errors import BackendDown, ClientGone, KvgateError
 from app.gate.gate import Ticket
 from app.gate.observer import Decision
-from app.http.asgi import disconnect_future, header, read_body, request_target
+from app.http.asgi import answer_refusal, disconnect_future, header, read_body, request_target
 from app.http.errors import error_response
 from app.openai import bad_request
+from app.pipeline import Evaluation
 from app.proxy import Relay, forward_headers, open_while_client_waits
 from app.runtime import Runtime
 from app.vllm_routes import ROUTE_PATHS, Route
 
+log = logging.getLogger("kvgate.proxy")
+
 GATED_PATHS: dict[str, Route] = ROUTE_PATHS
 # Routes whose answers app/output_count.py reads (OpenAI's usage block and one stream event per
-# token; /inference/v1/generate answers in the same shape); the others (Responses and Anthropic events, pooling) teach the output lengths nothing.
+# token; /inference/v1/generate answers in the same shape); the others (Responses and Anthropic
+# events, pooling) teach the output lengths nothing.
 OUTPUT_COUNTED: frozenset[Route] = frozenset({"completions", "chat", "invocations", "generate"})
 
 
@@ -73,6 +79,17 @@ def priority_of(scope: Scope, body_priority: int, priority_header: bytes | None,
 
 
 @dataclass(frozen=True)
+class Evaluated:
+    """A request read and evaluated, ready to wait for the gate (again, if its first try found
+    the backend gone)."""
+
+    body: bytes
+    evaluation: Evaluation
+    priority: int
+    count_output: bool  # app/output_count.py can read its answer
+
+
+@dataclass(frozen=True)
 class Admitted:
     """A request the gate let through: what the upstream exchange needs."""
 
@@ -95,16 +112,24 @@ class GatedRoutes:
     async def __call__(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         request_id = request_id_of(scope)
+        response: Response | None = None
         try:
-            admitted = await self._admit(route, scope, receive, started, request_id)
+            evaluated = await self._evaluate(route, scope, receive, request_id)
         except KvgateError as error:
-            response: Response = error_response(error, {"x-request-id": request_id})
+            response = answer_refusal(scope, error_response(error, {"x-request-id": request_id}))
         else:
-            response = await self._forward(admitted, scope, receive, request_id)
+            deadline = self.rt.gate.deadline()
+            while response is None:  # None: the backend refused the connection, nothing was sent
+                try:
+                    admitted = await self._admit(evaluated, scope, receive, started, request_id, deadline)
+                except KvgateError as error:
+                    response = error_response(error, {"x-request-id": request_id})
+                else:
+                    response = await self._forward(admitted, scope, receive, request_id)
         await response(scope, receive, send)
 
-    async def _admit(self, route: Route, scope: Scope, receive: Receive, started: float, request_id: str) -> Admitted:
-        """Read, evaluate and wait for the gate; a KvgateError if refused or the client left.
+    async def _evaluate(self, route: Route, scope: Scope, receive: Receive, request_id: str) -> Evaluated:
+        """Read and evaluate the request; a KvgateError if it is refused or the client left.
 
         Refusals before the gate (body, parse, prediction) are reported to the gate's observers
         here; the gate reports its own (queue full, timeout, backend down, left the queue)."""
@@ -121,16 +146,25 @@ class GatedRoutes:
         except KvgateError as error:
             rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
             raise
-        predictor, prediction = rt.pipeline.predictor, evaluation.prediction
+        prediction = evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
+        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED)
+
+    async def _admit(
+        self, evaluated: Evaluated, scope: Scope, receive: Receive, started: float, request_id: str, deadline: float
+    ) -> Admitted:
+        """Wait for the gate until `deadline`; a KvgateError if refused or the client left."""
+        rt = self.rt
+        predictor, prediction = rt.pipeline.predictor, evaluated.evaluation.prediction
         ticket = await rt.gate.acquire(
             prediction.demand,
-            priority,
+            evaluated.priority,
             tenant_of(scope, self._tenant_header),
             lambda: disconnect_future(receive),
             refresh=(lambda: predictor.refreshed(prediction)) if predictor else None,
             request_id=request_id,
+            deadline=deadline,
         )
         rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.queue_wait_s)
         demand = ticket.reservation.demand  # refreshed if it waited
@@ -141,11 +175,17 @@ class GatedRoutes:
             "x-kvgate-transient-bytes": str(transient_bytes),
             "x-kvgate-queue-wait": f"{ticket.queue_wait_s:.4f}",
         }
-        return Admitted(ticket, raw, headers, evaluation.spec.stream, route in OUTPUT_COUNTED)
+        return Admitted(ticket, evaluated.body, headers, evaluated.evaluation.spec.stream, evaluated.count_output)
 
-    async def _forward(self, admitted: Admitted, scope: Scope, receive: Receive, request_id: str) -> Response:
+    async def _forward(self, admitted: Admitted, scope: Scope, receive: Receive, request_id: str) -> Response | None:
         """Open the upstream exchange; from here on the Relay owns the ticket. A non-streaming
-        request is watched for its client leaving until the head arrives (with the answer)."""
+        request is watched for its client leaving until the head arrives (with the answer).
+
+        None when nothing reached the backend (the connection was refused or could not be had in
+        time): the backend is marked down in the view the budget and /readyz share, and the
+        caller puts the request back in the queue, where it waits until its deadline for the
+        backend to come back. Sending it again is safe: vLLM never saw it. Once bytes were
+        sent, a failure is answered, never retried."""
         ticket = admitted.ticket
         target, headers = request_target(scope), forward_headers(scope["headers"], request_id, scope.get("client"))
         try:
@@ -160,6 +200,12 @@ class GatedRoutes:
                     )
                     return error_response(ClientGone())
                 upstream = opened
+        except BackendDown as error:
+            ticket.release("requeued")
+            self.rt.metrics.upstream_errors.labels(error.code).inc()
+            if self.rt.budget.set_backend("down", error.message):
+                log.warning("backend down (%s): holding new admissions in the queue", error.message)
+            return None
         except KvgateError as error:
             ticket.release("upstream_error")
             self.rt.metrics.upstream_errors.labels(error.code).inc()

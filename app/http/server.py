@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -18,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.errors import KvgateError, MethodNotAllowed
 from app.explain import explain
-from app.http.asgi import read_body, request_target
+from app.http.asgi import answer_refusal, read_body, request_target
 from app.http.errors import error_response
 from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from app.proxy import check_passthrough, passthrough, passthrough_allowed
@@ -65,7 +64,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout)
             return JSONResponse(await explain(rt, raw, request.query_params.get("endpoint")))
         except KvgateError as error:
-            return error_response(error)
+            return answer_refusal(request.scope, error_response(error))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -77,12 +76,12 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        try:
-            reachable = (await rt.backend.client.get("/health", timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
-            reachable = False
+        # The budget's own view of the backend, not a probe of /health of its own: /readyz says
+        # 503 exactly while the gate holds new arrivals in the queue.
+        backend = rt.budget.backend
         detail = {
-            "backend_reachable": reachable,
+            "backend_reachable": backend.up,
+            "backend": backend.detail(),
             "tokenizer": rt.pipeline.tokenizer.source if rt.pipeline.tokenizer else None,
             "budget_known": rt.budget.known,
             "kv_blocks": rt.budget.kv_limit(),
@@ -92,7 +91,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             "vllm": rt.deployment.runtime.labels() if rt.deployment else None,
             "telemetry": rt.live.detail() if rt.live else None,
         }
-        ok = reachable and rt.ready
+        ok = backend.up and rt.ready
         return JSONResponse({"ready": ok, **detail}, status_code=200 if ok else 503)
 
     # The gated paths' other methods too: vLLM answers them 405, as a client expects.
@@ -120,6 +119,6 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 request.scope.get("client"),
             )
         except KvgateError as error:
-            return error_response(error, {"x-request-id": request_id})
+            return answer_refusal(request.scope, error_response(error, {"x-request-id": request_id}))
 
     return Kvgate(GatedRoutes(rt), app)

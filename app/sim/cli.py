@@ -69,8 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cudagraph-memory-in-budget",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="vLLM >= 0.21 behaviour (off: graphs on top of the budget)",
+        default=None,
+        help="CUDA graphs inside the KV budget (default: as --vllm-version does; off: on top of it)",
     )
     p.add_argument(
         "--expandable-segments", action="store_true", help="as PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"

@@ -45,9 +45,10 @@ class SimConfig:
     enforce_eager: bool = False
     num_gpu_blocks_override: int | None = None
     attention_backend: AttentionBackend = "auto"
-    # vLLM >= 0.21 subtracts its CUDA-graph memory estimate from the KV budget; before, the
-    # graphs were captured after the KV pool was sized and came on top of it.
-    cudagraph_memory_in_budget: bool = True
+    # Whether the CUDA-graph memory estimate comes out of the KV budget (newer V1 releases) or
+    # the graphs are captured on top of it (V0 and older V1); None: as the release does
+    # (app/sim/flavor.py `Flavor.cudagraphs_in_budget`).
+    cudagraph_memory_in_budget: bool | None = None
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     expandable_segments: bool = False
     # Measured "non-torch forward increase memory" (inside the budget); None: app/sim/flavor.py.

@@ -33,6 +33,14 @@ LEGACY_NON_TORCH_PER_RANK = int(1.79 * GiB)
 # Outside the budget since 0.7 (device memory only): the CUDA context of a CUDA 12 process. Not
 # isolated by any public vLLM log; an assumption (set `--cuda-context-bytes` to a measurement).
 CUDA_CONTEXT = 500 * MiB
+# The first release whose `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` defaults to on: from it,
+# v1/worker/gpu_worker.py `determine_available_memory` subtracts `profile_cudagraph_memory()`
+# from the KV budget (vllm/envs.py: absent in 0.16.0, "0" in 0.18.0 and 0.19.0, "1" in 0.20.0,
+# 0.21.0 and 0.32.0). Before it, and in V0
+# (worker/worker.py `determine_num_available_blocks`), the graphs are captured after the KV
+# pool is sized and come on top of total x utilization, as the public logs of
+# docs/calibration.md show (available = requested - weights - peak - non-torch, to 0.01 GiB).
+CUDAGRAPH_ESTIMATE_DEFAULT_ON = (0, 20, 0)
 # Outside the budget at TP > 1: NCCL communicator buffers and vLLM's custom all-reduce IPC
 # buffers (distributed/device_communicators/custom_all_reduce.py, 8 MiB max size x 2 plus
 # NCCL's per-peer channels); an assumption as above.
@@ -71,13 +79,23 @@ class Flavor:
     def sampler_sorts(self) -> bool:
         """V1's top-k/top-p through the PyTorch sort path. vLLM 0.32 on CUDA never sorts (FlashInfer
         or a Triton kernel); the V1 releases before it are played with the sort path the simulator
-        was first calibrated with (when vLLM switched is not pinned down here)."""
+        was first calibrated with. vLLM itself stopped sorting batches of 8 rows or more in 0.17.0
+        (v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p` -> `topk_topp_triton.py`), so
+        0.17-0.31 are played too high; the benchmark scenarios that play "0.31.0" rest on the sort
+        (docs/calibration.md, known gaps)."""
         return not self.v2 and self.version < (0, 32, 0)
 
     @property
     def context_in_budget(self) -> bool:
         """Before vLLM 0.7 the whole non-torch footprint counted against the budget."""
         return self.version < (0, 7, 0)
+
+    def cudagraphs_in_budget(self, cfg: SimConfig) -> bool:
+        """Whether the CUDA-graph estimate comes out of the KV budget (`--cudagraph-memory-in-budget`
+        overrides the release's default, as `VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS` does)."""
+        if cfg.cudagraph_memory_in_budget is not None:
+            return cfg.cudagraph_memory_in_budget
+        return self.version >= CUDAGRAPH_ESTIMATE_DEFAULT_ON
 
     def non_torch_in_budget(self, cfg: SimConfig) -> int:
         """'non-torch forward increase memory' as vLLM logs it, per GPU."""

@@ -12,7 +12,7 @@ on (app/sim/flavor.py).
 Grounded in vllm/engine/arg_utils.py (`get_batch_defaults`: 8192 batched tokens and 1024
 sequences on GPUs of 70 GiB or more that are not A100s, else 2048 and 256),
 v1/worker/gpu_worker.py (`determine_available_memory`: KV bytes = total x utilization - weights
-- torch peak increase of the profile - non-torch increase [- CUDA graph estimate from v0.21], or
+- torch peak increase of the profile - non-torch increase [- CUDA graph estimate, app/sim/flavor.py], or
 exactly `--kv-cache-memory-bytes`; the start-up check that free memory covers the request),
 v1/worker/gpu_model_runner.py (`profile_run`: `_dummy_run(max_num_batched_tokens)` over
 `min(tokens, max_num_seqs)` requests with no attention metadata, then `_dummy_sampler_run` with
@@ -299,7 +299,7 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
         available = cfg.kv_cache_memory_bytes
     else:
         available = requested - weights - persistent - activation - non_torch
-        if cfg.cudagraph_memory_in_budget:
+        if r.flavor.cudagraphs_in_budget(cfg):
             available -= graphs
     log.append(
         f"Memory profiling takes 1.00 seconds. Total non-KV cache memory: "

@@ -7,6 +7,7 @@ events instead of reading the gate's ledger.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -18,6 +19,11 @@ class InFlightRequests:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self.requests: dict[int, InFlight] = {}  # by reservation id
+        # When an admitted request last ended with a 5xx answer from the backend (how vLLM's API
+        # server reports its engine's death), and with its connection cut (how a killed server
+        # goes): what tells an OOM restart from a kill (LiveBudget._on_restart).
+        self.last_backend_error = -math.inf
+        self.last_cut = -math.inf
 
     def decided(self, decision: Decision) -> None:
         if decision.kind == "admit" and decision.reservation is not None:
@@ -25,3 +31,7 @@ class InFlightRequests:
 
     def released(self, release: Release) -> None:
         self.requests.pop(release.reservation.id, None)
+        if release.outcome == "backend_error":
+            self.last_backend_error = self._clock()
+        elif release.outcome == "upstream_error":
+            self.last_cut = self._clock()

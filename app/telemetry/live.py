@@ -7,13 +7,21 @@ Every `--scrape-interval` it reads vLLM's /metrics and the GPU probe, then sets 
 - conservative: the last good scrape (or GPU reading) is older than `--max-staleness`. kvgate does
   not stop (the backend may be fine and only /metrics slow) but spends only
   `--stale-budget-fraction` of both limits with overcommit off, so it is never blind at full speed.
-- down: /metrics and /health both fail. New arrivals wait in the queue (up to their deadline);
-  in-flight requests fail as their connections do and release their reservations. When /metrics
-  answers again kvgate re-reads the backend's configuration before admitting anything.
+- down: /metrics and /health both fail to connect or answer 5xx (or the proxy found a
+  connection refused). New arrivals wait in the queue (up to their deadline); in-flight requests
+  fail as their connections do and release their reservations. When /metrics answers again
+  kvgate re-reads the backend's configuration before admitting anything.
+- hung: the scrape of /metrics timed out (`--max-staleness`) and /health did not answer within
+  HEALTH_TIMEOUT_S either: the backend accepts connections and answers nothing (SIGSTOP, a
+  wedged server). New arrivals wait in the queue as when it is down, instead of piling onto it
+  for the upstream timeout; they are admitted once a scrape answers again.
+The status is the budget's shared view of the backend (app.gate.backend_state), which /readyz
+reports.
 
 A restart is a new process start time, a counter that went backwards or a changed set of engines.
 A restart that follows steps kvgate admitted (requests running when it went down) is taken as an
-OOM: the transient margin is backed off and the log says why.
+OOM, the transient margin backed off and the log says why, unless the backend vanished without a
+word: see _on_restart.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from app.gate.budget import BACKEND_DOWN, KV_BUSY, TRANSIENT_BUSY, Budget
+from app.gate.backend_state import Status
+from app.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from app.gate.view import GateView
 from app.settings import Settings
 from app.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use
@@ -36,6 +45,7 @@ from app.telemetry.vllm import COUNTERS, BackendSnapshot, fetch_snapshot
 
 log = logging.getLogger("kvgate.telemetry")
 MiB = 1 << 20
+HEALTH_TIMEOUT_S = 1.0  # /health is vLLM's cheapest route: a server that misses this is not answering
 
 
 class LiveBudget:
@@ -69,6 +79,7 @@ class LiveBudget:
                 max_overcommit=settings.max_kv_overcommit,
             )
         )
+        self.backend = budget.backend  # the shared view: this loop keeps it true, /readyz reads it
         self.mode = "live"
         self.problem: str | None = None
         self.static_headroom = self.budget.transient_headroom_bytes
@@ -79,7 +90,7 @@ class LiveBudget:
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
         self.decode_rate: float | None = None
-        self._busy_at_down = False
+        self._engine_reported = False  # /metrics or /health answered 5xx as the backend went away
         self._needs_resync = False
         self._preempted = 0.0
         metrics.scrape_age.set_function(lambda: self.clock() - self.last_scrape)
@@ -99,7 +110,7 @@ class LiveBudget:
         else:
             self.metrics.scrape_duration.observe(time.perf_counter() - started)
             await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
-        if self.probe.available and self.mode != "down":
+        if self.probe.available and self.backend.up:
             self._gpu(await self.probe.read(), self.clock())
         self._apply(self.clock())
 
@@ -112,22 +123,29 @@ class LiveBudget:
             else f"{type(exc).__name__}: {exc}"
         )
         self.problem = f"scrape of /metrics failed ({detail})"
-        if kind in ("connect", "status") and not await self._healthy():
-            self._enter_down(self.problem)
-
-    async def _healthy(self) -> bool:
-        try:
-            return (await self.client.get("/health", timeout=1.0)).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def _enter_down(self, why: str) -> None:
-        if self.mode == "down":
+        if kind == "parse":
             return
-        running = self.snapshot.running if self.snapshot else 0
-        self._busy_at_down = bool(running) or self.gate.in_flight > 0
-        log.warning("backend down (%s): holding new admissions in the queue", why)
-        self._set_mode("down")
+        health = await self._health()
+        if health == 200:  # /metrics alone is slow or failing: conservative mode (by age) covers it
+            return
+        self._engine_reported |= kind == "status" or (isinstance(health, int) and health >= 500)
+        if kind == "timeout" and health == "timeout":
+            self._enter("hung", f"{self.problem}; /health silent for {HEALTH_TIMEOUT_S:g} s")
+        else:
+            self._enter("down", f"{self.problem}; /health {health}")
+
+    async def _health(self) -> int | str:
+        """/health's status code, or why there is none: "timeout" or "unreachable"."""
+        try:
+            return (await self.client.get("/health", timeout=HEALTH_TIMEOUT_S)).status_code
+        except httpx.TimeoutException:
+            return "timeout"
+        except httpx.HTTPError:
+            return "unreachable"
+
+    def _enter(self, status: Status, why: str) -> None:
+        if self.budget.set_backend(status, why):
+            log.warning("backend %s (%s): holding new admissions in the queue", status, why)
 
     async def _scraped(self, snapshot: BackendSnapshot, now: float, admissions_still: bool) -> None:
         previous = self.snapshot
@@ -135,7 +153,7 @@ class LiveBudget:
         if restarted:
             self._on_restart(now)
         changed = previous is not None and previous.cache_config != snapshot.cache_config
-        if restarted or changed or self.mode == "down" or self._needs_resync:
+        if restarted or changed or not self.backend.up or self._needs_resync:
             try:
                 await self.resync()
             except (httpx.HTTPError, ValueError, KeyError) as exc:
@@ -145,17 +163,45 @@ class LiveBudget:
             self._needs_resync = False
             if changed and not restarted:
                 log.info("backend's cache_config_info changed: configuration re-read")
-        if self.mode == "down":
-            log.info("backend back%s: resynchronised, admitting again", " after a restart" if restarted else "")
-            self._set_mode("live")
+        if not self.backend.up:
+            was = self.backend.status
+            self.budget.set_backend("up")
+            log.info(
+                "backend back (was %s)%s: resynchronised, admitting again", was, " after a restart" if restarted else ""
+            )
+        self._engine_reported = False
         self._count(previous, snapshot, now)
         self.snapshot, self.last_scrape, self.problem = snapshot, now, None
         self._reconcile_kv(snapshot, now, admissions_still)
 
     def _on_restart(self, now: float) -> None:
+        """Count the restart; back the transient margin off if it was likely a CUDA OOM.
+
+        A sidecar does not see how vLLM's process ended, only how it went away. vLLM 0.32 raises
+        a CUDA OOM inside its engine core; its API server outlives the engine long enough to say
+        so: in-flight requests are answered 500 (`engine_error_handler` for EngineDeadError,
+        vllm/entrypoints/serve/exception_handling/handlers/vllm_error.py) or get an error event,
+        and /health answers 503 (vllm/entrypoints/serve/instrumentator/health.py) until the
+        server exits. A SIGKILL (or a container or node lost) answers nothing: every in-flight
+        connection is cut. So: the restart is taken as an OOM when the backend was busy (vLLM ran
+        requests at the last scrape, or kvgate had some in flight) unless it vanished without a
+        word: since the last scrape that answered before it went, an admitted request's
+        connection was cut, and neither a request, /metrics nor /health got a 5xx answer.
+        Anything else busy stays an OOM, the safe side (see docs/telemetry.md for the limits).
+        """
         self.metrics.restarts.inc()
-        busy = self._busy_at_down if self.mode == "down" else bool(self.snapshot and self.snapshot.running)
-        if busy:
+        since = self.last_scrape  # when the last scrape that answered before the restart began
+        ended = self.in_flight
+        reported = self._engine_reported or ended.last_backend_error >= since
+        cut = ended.last_cut >= since
+        busy = bool(self.snapshot and self.snapshot.running) or self.gate.in_flight > 0 or cut or reported
+        if busy and cut and not reported:
+            log.warning(
+                "backend restarted after it vanished without an answer (connections cut, no 5xx: killed, "
+                "not an engine OOM): transient safety margin stays %.2f; resynchronising",
+                self.budget.transient_margin,
+            )
+        elif busy:
             before = self.budget.transient_margin
             after = self.calibration.oom_restart(now)
             log.warning(
@@ -171,7 +217,6 @@ class LiveBudget:
         self.headroom.reset()
         self.gate.reset_peak()
         self.calibration.new_life()
-        self._busy_at_down = False
 
     def _count(self, previous: BackendSnapshot | None, snapshot: BackendSnapshot, now: float) -> None:
         m = self.metrics
@@ -290,18 +335,19 @@ class LiveBudget:
 
     def _set_mode(self, mode: str) -> None:
         if mode != self.mode:
-            if "down" not in (mode, self.mode):
+            if {mode, self.mode}.isdisjoint(("down", "hung")):  # those moves are logged with their reason
                 log.warning("budget mode %s -> %s (readings %.2f s old)", self.mode, mode, self.age(self.clock()))
             self.mode = mode
             self.metrics.set_mode(mode)
 
     def _apply(self, now: float) -> None:
-        if self.mode != "down":
+        if not self.backend.up:
+            self._set_mode(self.backend.status)
+        else:
             self._set_mode("conservative" if self.age(now) > self.settings.max_staleness else "live")
         conservative = self.mode == "conservative"
         c = self.calibration
         wanted: dict[str, object] = {
-            "hold": BACKEND_DOWN if self.mode == "down" else None,
             "scale": self.settings.stale_budget_fraction if conservative else 1.0,
             "kv_overcommit": min(1.0, c.kv_overcommit) if conservative else c.kv_overcommit,
             "transient_margin": c.transient_margin,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _SCRAPE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-MODES = ("live", "conservative", "down")
+MODES = ("live", "conservative", "down", "hung")
 
 
 class TelemetryMetrics:
@@ -62,7 +62,7 @@ class TelemetryMetrics:
         )
         self.mode = Gauge(
             "kvgate_budget_mode",
-            "1 for the budget mode in force: live, conservative (stale) or down.",
+            "1 for the budget mode in force: live, conservative (stale), down or hung.",
             ["mode"],
             registry=r,
         )

@@ -8,17 +8,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.process import stop_process
 from app.vllm_routes import ROUTE_PATHS
 from support.vllm_server import free_port
 
@@ -52,6 +58,8 @@ class FakeBackend:
     tokenize_delay_s: float = 0.0
     completion_mode: str = "ok"  # ok | broken_stream | slow
     slow_s: float = 30.0
+    started: float = field(default_factory=time.time)  # process_start_time_seconds: a new one is a restart
+    running: int = 0  # slow completions being answered: vllm:num_requests_running
     seen: list[str] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
 
@@ -60,7 +68,9 @@ class FakeBackend:
             return JSONResponse({"object": "list", "data": [{"id": "tiny-llama", "max_model_len": 1024}]})
 
         async def metrics(_: Request) -> Response:
-            return PlainTextResponse(METRICS)
+            running = f'model_name="tiny-llama"}} {self.running}.0'
+            page = METRICS.replace('model_name="tiny-llama"} 0.0', running)
+            return PlainTextResponse(page + f"process_start_time_seconds {self.started}\n")
 
         async def health(_: Request) -> Response:
             return Response(status_code=200)
@@ -85,7 +95,11 @@ class FakeBackend:
 
                 return StreamingResponse(chunks(), media_type="text/event-stream")
             if self.completion_mode == "slow":
-                await asyncio.sleep(self.slow_s)
+                self.running += 1
+                try:
+                    await asyncio.sleep(self.slow_s)
+                finally:
+                    self.running -= 1
             return JSONResponse({"choices": [{"text": "ok"}], "echo": body})
 
         return Starlette(
@@ -100,9 +114,11 @@ class FakeBackend:
 
 
 @contextlib.contextmanager
-def running_fake_backend(**options: object) -> Iterator[FakeBackend]:
+def running_fake_backend(port: int | None = None, **options: object) -> Iterator[FakeBackend]:
+    """A FakeBackend on `port` (a free one if None: give the same port again to bring a
+    stopped backend back at the address kvgate knows)."""
     backend = FakeBackend(**options)  # type: ignore[arg-type]
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(backend.app(), host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -117,3 +133,36 @@ def running_fake_backend(**options: object) -> Iterator[FakeBackend]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def fake_backend_process(
+    port: int | None = None, completion_mode: str = "ok"
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A FakeBackend in a process of its own, for faults a thread cannot show: it can be
+    stopped (SIGSTOP: it accepts connections and answers nothing) and killed (SIGKILL)."""
+    port = port or free_port()
+    tests = Path(__file__).resolve().parents[1]
+    env = os.environ | {"PYTHONPATH": str(tests.parent)}  # this checkout's app, whatever is installed
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "support.fake_backend", str(port), completion_mode], cwd=tests, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise TimeoutError("fake backend process did not start")
+            time.sleep(0.05)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+
+
+if __name__ == "__main__":
+    app = FakeBackend(completion_mode=sys.argv[2]).app()
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="critical")
