@@ -28,6 +28,7 @@ from app.vllm_flags import (
     ignored_vllm_options,
     split_vllm_command,
 )
+from app.vllm_routes import ROUTE_PATHS
 
 if TYPE_CHECKING:
     from app.sim.engine import Engine
@@ -278,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain_parser.add_argument("body", help="JSON body file, or - for standard input.")
     explain_parser.add_argument("--url", help="A running kvgate to ask; without it, computed offline from flags.")
     explain_parser.add_argument(
-        "--endpoint", choices=["chat", "completions"], help="Default: chat if the body has messages."
+        "--endpoint",
+        choices=sorted(set(ROUTE_PATHS.values())),
+        help="The route the body is for. Default: chat if the body has messages, else completions.",
     )
     add_settings_arguments(explain_parser, only=EXPLAIN_SETTINGS)
     explain_parser.set_defaults(run=explain_command)

@@ -81,8 +81,9 @@ class RouteNotForwarded(KvgateError):
 
     def __init__(self, path: str) -> None:
         super().__init__(
-            f"kvgate does not forward {path[:200]!r}: only the gated completions and chat routes "
-            "and --passthrough-paths reach the backend."
+            f"kvgate does not forward {path[:200]!r}: only the gated generation routes (completions, "
+            "chat, /invocations, /v1/responses, /v1/messages, /inference/v1/generate, pooling) and "
+            "--passthrough-paths reach the backend."
         )
 
 

@@ -8,11 +8,16 @@ from typing import Any
 from app.composition import Runtime
 from app.errors import ContextTooLong, KvgateError
 from app.gate.budget import Budget
-from app.openai import Endpoint, parse_json_object
+from app.openai import parse_json_object
+from app.vllm_routes import ROUTE_PATHS, Route
+
+ROUTES: frozenset[str] = frozenset(ROUTE_PATHS.values())
 
 
-def endpoint_for(body: dict[str, Any], hint: str | None) -> Endpoint:
-    if hint in ("chat", "completions"):
+def endpoint_for(body: dict[str, Any], hint: str | None) -> Route:
+    """The route named by `hint` (completions, chat, responses, messages, ...), else chat or
+    completions by the body's shape."""
+    if hint in ROUTES:
         return hint  # type: ignore[return-value]
     return "chat" if "messages" in body else "completions"
 

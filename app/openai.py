@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from app.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, ChatRequest
 from app.errors import InvalidField, TooManyJsonValues
 from app.sampling_params import SamplingParams, vllm_sampling_params
+from app.vllm_routes import Route, Shape, Translated, translate
 
-Endpoint = Literal["completions", "chat"]
+Endpoint = Shape
 
 # Integer fields end up in vLLM's int64 tensors; beyond this they can only be a client's mistake,
 # and the predictor's float arithmetic would overflow on them (1e309 has no float).
@@ -54,6 +55,8 @@ class RequestSpec:
     prompts: list[str | list[int]] = field(default_factory=list)
     add_special_tokens: bool = True
     chat: ChatRequest | None = None
+    unseen_history: bool = False  # these two: see app/vllm_routes.py Translated
+    context_caps_output: bool = False
 
 
 def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
@@ -230,12 +233,48 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatReques
     return chat
 
 
-def parse_request(endpoint: Endpoint, raw: bytes, *, trust_request_chat_template: bool = False) -> RequestSpec:
-    """Read what matters to memory from a completions or chat body; 400 on anything malformed.
+def parse_request(route: Route, raw: bytes, *, trust_request_chat_template: bool = False) -> RequestSpec:
+    """Read what matters to memory from a body of one of the gated routes; 400 on anything
+    malformed. Every route is first translated to the completions or chat body it amounts to
+    (app/vllm_routes.py).
 
-    A chat request's own template is refused unless trusted, as vLLM refuses it without
-    --trust-request-chat-template: it is code, run by kvgate as well as by vLLM."""
+    /invocations is dispatched by shape as vllm/entrypoints/serve/sagemaker/api_router.py does:
+    the first of ChatCompletionRequest, CompletionRequest that the body validates as (for a
+    generative model; a pooling model's request types are not tried)."""
     body = parse_json_object(raw)
+    if route != "invocations":
+        translated = translate(route, body)
+        try:
+            return _parse(translated, raw, trust_request_chat_template)
+        except InvalidField as error:
+            raise _renamed(error, dict(translated.renames)) from None
+    if "messages" in body:
+        try:
+            return _parse(Translated("chat", body, "chat"), raw, trust_request_chat_template)
+        except InvalidField:
+            if "prompt" not in body:
+                raise
+    if "prompt" not in body:
+        raise bad_request(
+            "/invocations takes a chat completions body ('messages') or a completions body ('prompt').", "messages"
+        )
+    return _parse(Translated("completions", body, "completions"), raw, trust_request_chat_template)
+
+
+def _renamed(error: InvalidField, renames: dict[str, str]) -> InvalidField:
+    """The error in the words of the route's own body: it names the field the client sent
+    (`token_ids`, `input`, `max_output_tokens`), not the one kvgate translated it to."""
+    sent = renames.get(error.param or "")
+    if sent is None:
+        return error
+    return InvalidField(error.message.replace(f"'{error.param}'", f"'{sent}'"), sent, error.code)
+
+
+def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool) -> RequestSpec:
+    """A completions or chat body's memory fields. A chat request's own template is refused unless
+    trusted, as vLLM refuses it without --trust-request-chat-template: it is code, run by kvgate as
+    well as by vLLM."""
+    endpoint, body, reading = translated.shape, translated.body, translated.sampling
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string.", "model")
@@ -262,20 +301,22 @@ def parse_request(endpoint: Endpoint, raw: bytes, *, trust_request_chat_template
     priority = _int(body, "priority", minimum=-(2**31))
     _int(body, "prompt_logprobs", minimum=-1)
     _penalties(body)
-    sampling = vllm_sampling_params(endpoint, body)
+    sampling = vllm_sampling_params(reading, body)
     spec = RequestSpec(
         endpoint=endpoint,
         raw=raw,
         model=model,
         stream=_bool(body, "stream", False),
         max_tokens=sampling.max_tokens,
-        n=n or 1,
+        n=sampling.n,
         best_of=best_of,
         logprobs=sampling.logprobs,
         prompt_logprobs=sampling.prompt_logprobs,
         penalties=sampling.penalties,
         sampling=sampling,
         priority=priority or 0,
+        unseen_history=translated.unseen_history,
+        context_caps_output=translated.context_caps_output,
     )
     if endpoint == "chat":
         spec.chat = _chat(body, trust_request_chat_template)

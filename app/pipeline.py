@@ -8,6 +8,7 @@ once it has learned the backend. Each step raises a domain error (app.errors), n
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ from app.errors import (
     TokenizerUnavailable,
 )
 from app.gate.budget import Budget
-from app.openai import Endpoint, RequestSpec, parse_request
+from app.openai import RequestSpec, parse_request
 from app.predict import Prediction, Predictor
 from app.tokens import BackendTokenizeError, PromptTooLong, TokenizationError, Tokenizer
+from app.vllm_routes import Route
 
 # Prompts beyond which a completions request is predicted in a worker thread: the prediction is
 # Python, so from a thread the event loop still gets its turn every few milliseconds.
@@ -54,16 +56,16 @@ class RequestPipeline:
         self._why_not_ready = why_not_ready
         self._on_tokenized = on_tokenized
 
-    async def evaluate(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
+    async def evaluate(self, route: Route, raw: bytes) -> Evaluation:
         """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through."""
-        evaluation = await self.predict(endpoint, raw)
+        evaluation = await self.predict(route, raw)
         assert self.predictor is not None
         self.predictor.check_fits_ever(evaluation.prediction, self.budget)
         return evaluation
 
-    async def predict(self, endpoint: Endpoint, raw: bytes) -> Evaluation:
+    async def predict(self, route: Route, raw: bytes) -> Evaluation:
         """Parse, tokenize and predict, without judging whether it could ever fit."""
-        spec = parse_request(endpoint, raw, trust_request_chat_template=self.trust_request_chat_template)
+        spec = parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
         if self.predictor is None or self.tokenizer is None:
             raise NotReady(self._why_not_ready())
         if spec.model is not None and self.served_names and spec.model not in self.served_names:
@@ -72,11 +74,25 @@ class RequestPipeline:
         prompts = await self._token_ids(spec)
         tokenize_s = time.perf_counter() - started
         self._on_tokenized(tokenize_s)
+        if spec.unseen_history:
+            prompts = [self._with_unseen_history(ids, spec.max_tokens) for ids in prompts]
         if len(prompts) > PREDICT_OFFLOAD_PROMPTS:
             prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts)
         else:
             prediction = self.predictor.predict(spec, prompts)
         return Evaluation(spec, prediction, tokenize_s)
+
+    def _with_unseen_history(self, ids: list[int], max_tokens: int | None) -> list[int]:
+        """The prompt grown to fill what the context leaves after the output budget: vLLM prepends
+        a stored conversation kvgate never saw (a Responses request's previous_response_id), and
+        the context bounds it. The filler starts with a random id so that its blocks are never
+        taken for another request's cached prefix."""
+        assert self.predictor is not None
+        length = self.predictor.engine.max_model_len - (max_tokens or 1)
+        if len(ids) >= length:
+            return ids
+        filler = [-1 - secrets.randbits(62)] + [-1] * (length - len(ids) - 1)
+        return filler + ids
 
     async def _token_ids(self, spec: RequestSpec) -> list[list[int]]:
         assert self.tokenizer is not None

@@ -119,6 +119,8 @@ class Predictor:
     def max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
         """max_tokens if given; else what vLLM would allow (or the configured reservation)."""
         room = self.engine.max_model_len - prompt_tokens
+        if spec.max_tokens is not None and spec.context_caps_output:
+            return max(1, min(spec.max_tokens, room))
         if spec.max_tokens is not None:
             return spec.max_tokens
         if self.default_max_tokens is not None:

@@ -10,7 +10,15 @@ vLLM 0.32.0 builds `SamplingParams` with `CompletionRequest.to_sampling_params`
 - completions: `max_tokens` absent (or null) is 16, and `echo` with `max_tokens: 0` generates 1;
   chat: `max_completion_tokens`, else `max_tokens`; absent: what the context leaves;
 - chat: sample logprobs are `top_logprobs` only when `logprobs` is true;
-- temperature 0 is greedy (Model Runner V2 then skips its fp32 logits copy and top-k/top-p).
+- temperature 0 is greedy (Model Runner V2 then skips its fp32 logits copy and top-k/top-p);
+- /inference/v1/generate sends vLLM's SamplingParams itself (`engine`): its fields as they are,
+  a missing max_tokens is what the context leaves
+  (vllm/entrypoints/scale_out/token_in_token_out/serving.py);
+- pooling requests (embeddings, classify, score, rerank) never decode: one greedy step is what
+  kvgate reserves for them, a conservative bound on a prefill-only request.
+
+The other routes (/v1/responses, /v1/messages, /invocations) are translated to a completions or
+chat body first (app/vllm_routes.py).
 
 The fields are assumed type-checked (app/openai.py answers a malformed one with a 400).
 `tests/test_sampling_params.py` compares this mapping with vLLM's own, field by field.
@@ -20,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from app.errors import InvalidField
+from app.vllm_routes import Sampling
 
 # vllm/entrypoints/openai/completion/protocol.py: CompletionRequest.max_tokens default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -81,11 +90,19 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
         raise InvalidField(f"'{name}' must be a number within float range.", name) from None
 
 
-def vllm_sampling_params(endpoint: Literal["completions", "chat"], body: Mapping[str, Any]) -> SamplingParams:
+# A pooling request's footprint: its prompt and one greedy step (it never samples).
+POOLING = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def vllm_sampling_params(endpoint: Sampling, body: Mapping[str, Any]) -> SamplingParams:
     """What vLLM's `to_sampling_params` makes of this body (before the server's defaults from
     generation_config, which only change temperature, top-k/p and the penalties)."""
+    if endpoint == "pooling":
+        return POOLING
     echo = bool(body.get("echo") or False)
-    if endpoint == "chat":
+    if endpoint == "engine":
+        logprobs, echoed, max_tokens = body.get("logprobs"), None, body.get("max_tokens")
+    elif endpoint == "chat":
         top_logprobs = body.get("top_logprobs")
         top_logprobs = 0 if top_logprobs is None else top_logprobs
         logprobs = top_logprobs if body.get("logprobs") else None

@@ -17,10 +17,15 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from app.vllm_routes import ROUTE_PATHS
 from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateServer, running_kvgate
 
-PATHS = ["/v1/completions", "/v1/chat/completions"]
+PATHS = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    *(p for p in ROUTE_PATHS if p not in ("/v1/completions", "/v1/chat/completions")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,23 @@ BODY = st.fixed_dictionaries(
         "chat_template": field(TEMPLATES, JSON_VALUE),
         "chat_template_kwargs": JSON_VALUE,
         "documents": JSON_VALUE,
+        # the other routes' fields (app/vllm_routes.py)
+        "input": field(st.text(min_size=1, max_size=20), st.lists(MESSAGE, max_size=3) | JSON_VALUE),
+        "instructions": field(st.text(max_size=20), JSON_VALUE),
+        "max_output_tokens": field(SMALL, HOSTILE_NUMBER | JSON_VALUE),
+        "previous_response_id": JSON_VALUE,
+        "include": JSON_VALUE,
+        "text": JSON_VALUE,
+        "system": field(st.text(max_size=20), JSON_VALUE),
+        "output_config": JSON_VALUE,
+        "token_ids": field(
+            st.lists(st.integers(0, 2000), min_size=1, max_size=8), st.lists(HOSTILE_NUMBER) | JSON_VALUE
+        ),
+        "sampling_params": field(st.fixed_dictionaries({}, optional={"max_tokens": SMALL, "n": SMALL}), JSON_VALUE),
+        "query": field(st.text(min_size=1, max_size=20), JSON_VALUE),
+        "texts": JSON_VALUE,
+        "text_1": field(st.text(min_size=1, max_size=20), JSON_VALUE),
+        "text_2": field(st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3), JSON_VALUE),
     },
 )
 NESTED = st.integers(min_value=1, max_value=5000).map(lambda depth: b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
@@ -142,7 +164,15 @@ RAW = st.one_of(
 @example(path=PATHS[1], body={"messages": [{"role": "user", "content": "\ud800"}]})
 @example(path=PATHS[0], body={"prompt": "hi", "n": 10**309})
 @example(path=PATHS[0], body={"prompt": "hi", "best_of": 10**309})
+@example(path="/v1/responses", body={"input": "\ud800"})
+@example(
+    path="/v1/messages",
+    body={"model": "tiny-llama", "max_tokens": 10**309, "messages": [{"role": "user", "content": "hi"}]},
+)
+@example(path="/inference/v1/generate", body={"token_ids": [2**64], "sampling_params": {"n": 10**309}})
+@example(path="/rerank", body={"query": "hi", "documents": [{"content": 5}]})
 def test_fuzzed_schema_never_fails_kvgate(client: httpx.Client, path: str, body: dict) -> None:
+    """Every gated route (app/vllm_routes.py), with the fields of all of them mixed in."""
     assert_answered(client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}))
 
 

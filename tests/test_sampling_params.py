@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.sampling_params import vllm_sampling_params
+from app.vllm_routes import translate
 from support.vllm_server import VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,29 @@ CORPUS: list[tuple[str, dict]] = [
     ("chat", {"prompt_logprobs": 1, "min_tokens": 3, "ignore_eos": True, "repetition_penalty": 1.1}),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
     ("chat", {"logit_bias": {"7": -100}, "bad_words": ["no"], "allowed_token_ids": [4, 5]}),
+    ("responses", {}),
+    ("responses", {"max_output_tokens": 30, "temperature": 0}),
+    ("responses", {"max_output_tokens": 9000, "top_logprobs": 4}),  # logprobs only when included
+    ("responses", {"include": ["message.output_text.logprobs"], "top_logprobs": 4, "repetition_penalty": 1.3}),
+    ("responses", {"text": {"format": {"type": "json_object"}}, "presence_penalty": 0.5, "ignore_eos": True}),
+    ("responses", {"logit_bias": {"3": 2.0}, "frequency_penalty": -0.5}),
+    ("messages", {"max_tokens": 64}),
+    ("messages", {"max_tokens": 9000, "temperature": 0, "top_k": 5, "stop_sequences": ["x"]}),
+    ("messages", {"max_tokens": 5, "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}),
+    ("generate", {"sampling_params": {}}),
+    ("generate", {"sampling_params": {"max_tokens": 7, "n": 3, "temperature": 0.4, "logprobs": 2}}),
+    ("generate", {"sampling_params": {"max_tokens": 9000, "temperature": 0.0}}),
+    ("generate", {"sampling_params": {"prompt_logprobs": 1, "min_tokens": 2, "ignore_eos": True}}),
+    ("generate", {"sampling_params": {"repetition_penalty": 1.2, "allowed_token_ids": [1, 2], "bad_words": ["b"]}}),
 ]
+
+
+# What each route's body must hold besides the sampling fields (the vLLM side adds the same).
+REQUIRED: dict[str, dict] = {
+    "responses": {"input": "hi"},
+    "messages": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    "generate": {"token_ids": [1]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +82,17 @@ def vllms_reading() -> list[dict]:
 
 @pytest.mark.parametrize("index", range(len(CORPUS)))
 def test_each_body_reads_as_vllm_reads_it(index: int, vllms_reading: list[dict]) -> None:
-    endpoint, body = CORPUS[index]
-    ours = asdict(vllm_sampling_params(endpoint, body))
+    route, body = CORPUS[index]
+    translated = translate(route, REQUIRED.get(route, {}) | body)  # type: ignore[arg-type]
+    ours = asdict(vllm_sampling_params(translated.sampling, translated.body))
     ours["allowed_token_ids"] = list(ours["allowed_token_ids"]) if ours["allowed_token_ids"] else None
     ours["bad_words"] = list(ours["bad_words"]) if ours["bad_words"] else None
     room = MAX_MODEL_LEN - PROMPT_LEN
-    ours["max_tokens"] = room if ours["max_tokens"] is None else min(ours["max_tokens"], room)
-    assert ours == vllms_reading[index], (endpoint, body)
+    if ours["max_tokens"] is None:
+        ours["max_tokens"] = room
+    elif route != "generate":  # vLLM's engine takes a SamplingParams' max_tokens as it is
+        ours["max_tokens"] = min(ours["max_tokens"], room)
+    assert ours == vllms_reading[index], (route, body)
 
 
 def test_echo_with_logprobs_is_a_prompt_logprobs_request() -> None:

@@ -1,4 +1,5 @@
-"""The gated routes (POST /v1/completions, /v1/chat/completions) as a bare ASGI handler.
+"""The gated routes (POST /v1/completions, /v1/chat/completions and vLLM's other generation routes,
+app/vllm_routes.py) as a bare ASGI handler.
 
 Every request to them pays for whatever sits between the socket and the gate, so they skip
 FastAPI and Starlette entirely (routing, middleware, Request objects: about a third of kvgate's
@@ -26,13 +27,18 @@ from app.gate.gate import Ticket
 from app.gate.observer import Decision
 from app.http.asgi import answer_refusal, disconnect_future, header, read_body, request_target
 from app.http.errors import error_response
-from app.openai import Endpoint, bad_request
+from app.openai import bad_request
 from app.pipeline import Evaluation
 from app.proxy import Relay, forward_headers, open_while_client_waits
+from app.vllm_routes import ROUTE_PATHS, Route
 
 log = logging.getLogger("kvgate.proxy")
 
-GATED_PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+GATED_PATHS: dict[str, Route] = ROUTE_PATHS
+# Routes whose answers app/http/output_tokens.py reads (OpenAI's usage block and one stream event per
+# token; /inference/v1/generate answers in the same shape); the others (Responses and Anthropic
+# events, pooling) teach the output lengths nothing.
+OUTPUT_COUNTED: frozenset[Route] = frozenset({"completions", "chat", "invocations", "generate"})
 
 
 _ID_KEY = os.urandom(32)
@@ -80,6 +86,7 @@ class Evaluated:
     body: bytes
     evaluation: Evaluation
     priority: int
+    count_output: bool  # app/http/output_tokens.py can read its answer
 
 
 @dataclass(frozen=True)
@@ -90,10 +97,11 @@ class Admitted:
     body: bytes
     headers: dict[str, str]  # the ones kvgate adds to the response
     stream: bool
+    count_output: bool
 
 
 class GatedRoutes:
-    """Admission for one kvgate: `await routes(endpoint, scope, receive, send)` per request."""
+    """Admission for one kvgate: `await routes(route, scope, receive, send)` per request."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -101,12 +109,12 @@ class GatedRoutes:
         self._tenant_header = settings.tenant_header.lower().encode("latin-1") if settings.tenant_header else None
         self._priority_header = settings.priority_header.lower().encode("latin-1") if settings.priority_header else None
 
-    async def __call__(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         request_id = request_id_of(scope)
         response: Response | None = None
         try:
-            evaluated = await self._evaluate(endpoint, scope, receive, request_id)
+            evaluated = await self._evaluate(route, scope, receive, request_id)
         except KvgateError as error:
             response = answer_refusal(scope, error_response(error, {"x-request-id": request_id}))
         else:
@@ -120,7 +128,7 @@ class GatedRoutes:
                     response = await self._forward(admitted, scope, receive, request_id)
         await response(scope, receive, send)
 
-    async def _evaluate(self, endpoint: Endpoint, scope: Scope, receive: Receive, request_id: str) -> Evaluated:
+    async def _evaluate(self, route: Route, scope: Scope, receive: Receive, request_id: str) -> Evaluated:
         """Read and evaluate the request; a KvgateError if it is refused or the client left.
 
         Refusals before the gate (body, parse, prediction) are reported to the gate's observers
@@ -128,7 +136,7 @@ class GatedRoutes:
         rt = self.rt
         try:
             raw = await read_body(scope, receive, rt.settings.max_body_bytes, rt.settings.client_body_timeout)
-            evaluation = await rt.pipeline.evaluate(endpoint, raw)
+            evaluation = await rt.pipeline.evaluate(route, raw)
             priority = priority_of(
                 scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority
             )
@@ -141,7 +149,7 @@ class GatedRoutes:
         prediction = evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
-        return Evaluated(raw, evaluation, priority)
+        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED)
 
     async def _admit(
         self, evaluated: Evaluated, scope: Scope, receive: Receive, started: float, request_id: str, deadline: float
@@ -167,7 +175,7 @@ class GatedRoutes:
             "x-kvgate-transient-bytes": str(transient_bytes),
             "x-kvgate-queue-wait": f"{ticket.queue_wait_s:.4f}",
         }
-        return Admitted(ticket, evaluated.body, headers, evaluated.evaluation.spec.stream)
+        return Admitted(ticket, evaluated.body, headers, evaluated.evaluation.spec.stream, evaluated.count_output)
 
     async def _forward(self, admitted: Admitted, scope: Scope, receive: Receive, request_id: str) -> Response | None:
         """Open the upstream exchange; from here on the Relay owns the ticket. A non-streaming
@@ -206,4 +214,4 @@ class GatedRoutes:
             ticket.release("upstream_error")
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
-        return Relay(upstream, admitted.headers, on_first, ticket.release, count_output=True)
+        return Relay(upstream, admitted.headers, on_first, ticket.release, count_output=admitted.count_output)

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.vllm_routes import ROUTE_PATHS
 from demo.processes import stop_process
 from support.vllm_server import free_port
 
@@ -107,8 +108,7 @@ class FakeBackend:
                 Route("/metrics", metrics),
                 Route("/health", health),
                 Route("/tokenize", tokenize, methods=["POST"]),
-                Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/chat/completions", completions, methods=["POST"]),
+                *(Route(path, completions, methods=["POST"]) for path in ROUTE_PATHS),
             ]
         )
 

@@ -32,6 +32,8 @@ SERVER_ARGS = (
     "--num-gpu-blocks-override", "16",
     # Lets tests send their own chat_template, as a client of a trusting server may.
     "--trust-request-chat-template",
+    # Serves /inference/v1/generate (vLLM answers it 403 otherwise), which kvgate gates.
+    "--enable-scale-out",
 )  # fmt: skip
 
 
