@@ -30,6 +30,7 @@ SIM_VLLM_FLAGS = (
     "num_gpu_blocks_override",
     "dtype",
     "max_logprobs",
+    "sampler",
 )
 
 if TYPE_CHECKING:
