@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 
 from app.sim.config import SimConfig
+from app.sim.engine import Engine
 from app.sim.flavor import Flavor, top_k_top_p
 from app.sim.gpu import CachingAllocator, Device, GiB
 from app.sim.model import load_model
+from app.sim.request import Request, Sampling
+from app.sim.scheduler import ScheduledReq, SchedulerOutput
 from app.sim.startup import resolve, triton_buffer_bytes
 from app.sim.step_memory import ModelDims, ReqSlice, StepMemory, StepShape, TopKTopP, run_tape
 
@@ -92,12 +95,22 @@ def flashinfer_allocations(shape: StepShape) -> list[str]:
 
 @pytest.mark.parametrize(
     ("version", "runner", "rows"),
-    [("0.16.0", "v1", 0), ("0.20.0", "v1", 132), ("0.31.0", "v1", 132), ("0.32.0", "v2", 132)],
+    [("0.16.0", "v1", 0), ("0.20.0", "v1", 132), ("0.31.0", "v1", 132), ("0.32.0", "v2", 0)],
 )
 def test_the_triton_buffer_is_held_from_start_up(version: str, runner: str, rows: int) -> None:
     """[min(next_pow2(min(SMs, B)), SMs), V] fp32 at max_num_seqs = 256 rows, 132 SMs: V1 caches
-    it in the profile (Triton at 0.20; the seeded warm-up of forward_native from 0.21), V2 after
-    it; 0.16.0 has no Triton kernel."""
+    it in the profile (Triton at 0.20; the seeded warm-up of forward_native from 0.21); 0.16.0
+    has no Triton kernel; V2's greedy profile makes none (not played after it)."""
     cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", vllm_version=version, model_runner=runner, max_num_seqs=256)
     r = resolve(cfg, load_model("llama-3.1-8b"), 80 * GiB)
     assert triton_buffer_bytes(r) == rows * V * 4
+
+
+def test_a_requests_seed_reaches_the_step() -> None:
+    """bench traffic sends `seed` with every chat turn: FlashInfer cannot take such a batch."""
+
+    def slice_of(seed: int | None) -> ReqSlice:
+        req = Request("r", [1, 2, 3], Sampling(max_tokens=4, top_p=0.9, seed=seed), 0.0)
+        return Engine.shape(SchedulerOutput([ScheduledReq(req, 3, 0)])).reqs[0]
+
+    assert slice_of(7).seeded and not slice_of(None).seeded

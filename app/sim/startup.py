@@ -260,11 +260,12 @@ def sampler_warmup_shape(r: Resolved, seeded: bool = False) -> StepShape:
 
 
 def triton_buffer_bytes(r: Resolved) -> int:
-    """Triton's cached top-k/top-p buffer (step_memory.TopKTopP.buffer_bytes) at the most rows a
-    step samples, when the release can take Triton (V1: the profile's rows take it, or its seeded
-    warm-up of forward_native does; V2: FlashInfer's fallback for a greedy or seeded row)."""
+    """V1's cached Triton top-k/top-p buffer (step_memory.TopKTopP.buffer_bytes), made by the
+    profile's rows (or its seeded warm-up of forward_native) and kept for good. V2's greedy profile
+    never makes it: vLLM allocates it with the first batch that leaves FlashInfer, which the
+    simulator does not play (at most SMs x V x 4 B, 66 MB for Llama 3 on an H100)."""
     path, rows = r.flavor.top_k_top_p, min(r.max_num_seqs, r.max_num_batched_tokens)
-    if path.backend == "sort" or rows < path.sort_below_rows:
+    if r.flavor.v2 or path.backend == "sort" or rows < path.sort_below_rows:
         return 0
     return path.buffer_bytes(rows, r.dims.vocab)
 
@@ -306,7 +307,7 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
         alloc.set_non_torch(context + non_torch)
         alloc.reset_peak()
         before = alloc.allocated()
-        if not r.flavor.v2 and (triton := triton_buffer_bytes(r)):
+        if triton := triton_buffer_bytes(r):
             alloc.malloc(triton)  # cached by the profile's top-k/top-p, kept for good
         run_tape(alloc, steps.plan(profile_shape(r)))
         if (native := native_sampler_warmup(r)) is not None:
@@ -348,8 +349,6 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
             alloc.malloc(layer_bytes)
         if r.backend == "flashinfer":
             alloc.malloc(FLASHINFER_WORKSPACE_BYTES)
-        if r.flavor.v2 and (triton := triton_buffer_bytes(r)):
-            alloc.malloc(triton)  # V2's greedy profile never ran it: the first random batch's
         if r.mla_workspace_tokens:
             d = r.dims
             alloc.malloc(r.mla_workspace_tokens * (d.kv_lora_rank + d.qk_rope_head_dim) * d.dtype_bytes)
