@@ -118,6 +118,7 @@ CALIBRATION = [
             vllm_version="0.24.0",
             max_model_len=32768,
             gpu_memory_utilization=0.92,
+            sampler="triton",  # the log's VLLM_USE_FLASHINFER_SAMPLER=0
         ),
         15.27,
         5565 * 16 * 147456 / GiB,
