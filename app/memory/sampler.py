@@ -156,6 +156,12 @@ class SamplerCost:
         """Rows one step samples at most: 1 + num_speculative_tokens per request."""
         return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
+    @staticmethod
+    def triton_buffer_rows(rows: int) -> int:
+        """Rows of Triton's cached buffer after a batch of `rows`: vLLM's
+        ``min(next_pow2(min(SMs, rows)), SMs)``, bounded for any SM count by MAX_SMS."""
+        return min(1 << max(0, rows - 1).bit_length(), MAX_SMS)
+
     def top_k_top_p(self, rows: int) -> tuple[int, bool]:
         """Bytes of the top-k/top-p step for `rows` sampled rows (V1: with the native path's
         softmax and noise), and whether that is the sort. FlashInfer: the larger of its own and
@@ -163,7 +169,7 @@ class SamplerCost:
         logits = rows * self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
             return logits * SORT_BYTES_PER_LOGIT, True
-        buffer = min(1 << max(0, rows - 1).bit_length(), MAX_SMS) * self.vocab_size * FP32
+        buffer = self.triton_buffer_rows(rows) * self.vocab_size * FP32
         native = buffer + (logits * NATIVE_SAMPLE_BYTES_PER_LOGIT if self.runner == "v1" else 0)
         if self.sampler == "flashinfer":
             return max(native, logits * FLASHINFER_BYTES_PER_LOGIT), False
@@ -174,8 +180,7 @@ class SamplerCost:
         v = self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
             return f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort (apply_top_k_top_p_pytorch)"
-        buffer = min(1 << max(0, rows - 1).bit_length(), MAX_SMS)
-        native = f"Triton: [{buffer}, {v}] fp32 cached buffer (apply_top_k_top_p_triton)"
+        native = f"Triton: [{self.triton_buffer_rows(rows)}, {v}] fp32 cached buffer (apply_top_k_top_p_triton)"
         if self.runner == "v1":
             native += (
                 f" + {rows} rows x {v} vocab x {NATIVE_SAMPLE_BYTES_PER_LOGIT} B softmax and noise (random_sample)"
