@@ -189,13 +189,14 @@ class Runtime:
         self.startup_error = None
         self.metrics.telemetry.set_backend_info(deployment.runtime.labels())
         log.info(
-            "backend synchronised: vLLM %s (modelled as %s), %s model runner (%s), %s sampler; "
+            "backend synchronised: vLLM %s (modelled as %s), %s model runner (%s), %s sampler (%s); "
             "max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
             deployment.runtime.version,
             deployment.runtime.model_version,
             deployment.runtime.runner.upper(),
             deployment.runtime.runner_source,
             deployment.runtime.sampler_backend,
+            deployment.runtime.sampler_source,
             deployment.max_model_len,
             deployment.block_size,
             deployment.num_gpu_blocks,
@@ -289,4 +290,6 @@ def engine_flags(settings: Settings) -> EngineFlags:
         max_logprobs=settings.max_logprobs,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         enforce_eager=settings.enforce_eager,
+        sampler=settings.sampler,
+        logprobs_mode=settings.logprobs_mode,
     )

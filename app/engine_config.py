@@ -61,6 +61,8 @@ class EngineFlags:
     max_logprobs: int = 20
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
+    sampler: str = "auto"  # --sampler: the top-k/top-p backend, else vLLM's rule
+    logprobs_mode: str = "raw_logprobs"  # processed_* modes keep vLLM off FlashInfer's sampler
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ class Deployment:
             num_speculative_tokens=self.num_speculative_tokens,
             max_logprobs=self.max_logprobs,
             draft=self.drafter,
+            sampler=self.runtime.sampler_backend,
+            sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
         )
 
 
@@ -162,6 +166,8 @@ def vllm_runtime(flags: EngineFlags, geometry: ModelGeometry, reported_version: 
         is_hybrid=geometry.is_hybrid_state,
         quantized="quantization_config" in config,
         speculative_method=flags.speculative_method,
+        sampler=flags.sampler,
+        logprobs_mode=flags.logprobs_mode,
     )
     if flags.vllm_version and reported_version and flags.vllm_version != reported_version:
         log.warning(

@@ -47,6 +47,8 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         decision, reason, message = "reject", error.code, error.message
     return {
         "endpoint": endpoint,
+        # The vLLM modelled: version, runner and sampler backend (app/memory/vllm_runner.py).
+        "vllm": rt.deployment.runtime.labels() if rt.deployment else None,
         "prompt_tokens": prediction.prompt_tokens,
         "max_new_tokens": prediction.max_new_tokens,
         "reserved_new_tokens": demand.reserved_tokens,

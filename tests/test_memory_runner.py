@@ -73,16 +73,17 @@ def engine(runner: str, **kw: object) -> EngineShape:
 
 
 def test_v2_profiles_greedy_logits_only_and_charges_a_random_batchs_buffers() -> None:
-    cost = SamplerCost(V, 2, 1024, 8192, "v2")
+    cost = SamplerCost(V, 2, 1024, 8192, "v2", sampler="flashinfer")
     random = cost.stage(100, False, False, 0, random=True)
     assert random.profiled == random.logits == 100 * V * 2
-    assert random.unprofiled == random.logits_fp32 + random.top_k_top_p == 100 * V * (4 + 4)
+    # fp32 copy + FlashInfer top-k + top-p from logits (masked logits + probs, fp32)
+    assert random.unprofiled == random.logits_fp32 + random.top_k_top_p == 100 * V * (4 + 8)
     greedy = cost.stage(100, False, False, 0, random=False)
     assert greedy.unprofiled == 0
 
 
 def test_v2_penalties_cost_nothing_per_step_and_logprobs_no_vocab_sized_tensor() -> None:
-    cost = SamplerCost(V, 2, 1024, 8192, "v2")
+    cost = SamplerCost(V, 2, 1024, 8192, "v2", sampler="flashinfer")
     plain = cost.stage(500, False, False, 4000)
     with_both = cost.stage(500, True, True, 4000)
     assert with_both.penalties == with_both.prompt_ids == 0  # preallocated at start-up (penalties.py)
@@ -109,7 +110,7 @@ def test_speculative_rows_beyond_the_profile_are_unprofiled() -> None:
 
 
 def test_the_in_flight_batch_turns_random_when_one_request_is() -> None:
-    cost = SamplerCost(V, 2, 1024, 8192, "v2")
+    cost = SamplerCost(V, 2, 1024, 8192, "v2", sampler="flashinfer")
     batch = SamplerBatch()
     batch.add(SamplerUse(cost, rows=10, longest_prompt=5, random=False))
     assert batch.stage().unprofiled == 0

@@ -148,7 +148,10 @@ def _chat_burst(seed: int, count: int) -> list[Job]:
 
 
 def test_5_allocator_fragmentation_under_mixed_high_concurrency_batches() -> None:
-    """V1 with the sort-path sampler (vLLM before 0.32, app/sim/flavor.py). Steps sampling ~900-1024 rows cut the sampler warm-up's 1024-row segments, and the
+    """V1 with the sort-path sampler: vLLM 0.16.0, the last release that sorts every batch (from
+    0.17 Triton masks batches of 8 rows or more in place, app/sim/flavor.py); the same traffic on
+    0.31.0 OOMs too, but without the stranded-cache signature. Steps sampling ~900-1024 rows cut
+    the sampler warm-up's 1024-row segments, and the
     segments the allocator adds after each failed best fit, for tensors of other sizes; the
     remainders (over 1 MiB, so split off) and the penalties' prompt ids held from one batch
     change to the next sit in segments that also hold live tensors and are never given back.
@@ -156,7 +159,7 @@ def test_5_allocator_fragmentation_under_mixed_high_concurrency_batches() -> Non
     although the free bytes add up to more than it asks (docs/sources.md
     fragmentation-buffer-pr.txt). Expandable segments strand nothing: the same traffic
     completes in the same KV budget."""
-    base = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384, vllm_version="0.31.0")
+    base = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384, vllm_version="0.16.0")
     kv = _fully_utilized_kv(SimConfig(**base), REDUNDANCY_BUFFER)
     jobs = _chat_burst(seed=0, count=1500)
     outcome = play(SimConfig(**base, kv_cache_memory_bytes=kv), jobs)

@@ -24,12 +24,10 @@ from app.memory.draft import Drafter
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import (
     ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
-    FLASHINFER_BYTES_PER_LOGIT,
     FP32,
     LOGPROBS_BYTES_PER_LOGIT,
     PENALTY_BYTES_PER_LOGIT,
     PROMPT_ID_COPIES,
-    SORT_BYTES_PER_LOGIT,
     TOPK_LOGPROBS_BYTES,
     SamplerCost,
 )
@@ -76,6 +74,8 @@ class EngineShape:
     num_speculative_tokens: int = 0  # --speculative-config num_speculative_tokens
     max_logprobs: int = 20  # --max-logprobs
     draft: Drafter | None = None  # --speculative-config's draft model (app/memory/draft.py)
+    sampler: str = "pytorch"  # top-k/top-p backend (app/memory/vllm_runner.py resolve_sampler)
+    sampler_sort_below_rows: int = 0
 
     def __post_init__(self) -> None:
         backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)
@@ -429,6 +429,8 @@ def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
         e.num_speculative_tokens,
         e.max_logprobs,
         2 * e.num_speculative_tokens * d.vocab_size * FP32 if probabilistic and d is not None else 0,
+        e.sampler,
+        e.sampler_sort_below_rows,
     )
 
 
@@ -446,7 +448,7 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
     where = "v1/sample/sampler.py" if e.runner == "v1" else "v1/worker/gpu/sample/sampler.py"
     in_profile = min(rows, cost.profiled_rows)
     logits = stage.logits * in_profile // rows if rows else 0
-    sort = stage.sort * in_profile // rows if rows else 0
+    top_k_top_p = stage.profiled - logits if e.runner == "v1" else 0  # V2's profile batch is greedy
     terms = [
         TransientTerm(
             "logits",
@@ -457,22 +459,24 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
             stage="sampler",
         )
     ]
-    if sort:
+    if top_k_top_p:
         terms.append(
             TransientTerm(
                 "sampler",
-                sort,
+                top_k_top_p,
                 True,
                 "decode",
-                f"{in_profile} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort",
+                f"{cost.sampler} sampler, {cost.describe_top_k_top_p(in_profile)}",
                 stage="sampler",
             )
         )
     if rows > in_profile:
+        # V1's top-k/top-p beyond the profiled rows; V2's is its own unprofiled term below.
+        beyond_top_k_top_p = stage.sort + stage.top_k_top_p - top_k_top_p if e.runner == "v1" else 0
         terms.append(
             TransientTerm(
                 "logits_beyond_profile",
-                stage.logits + stage.sort - logits - sort,
+                stage.logits - logits + beyond_top_k_top_p,
                 False,
                 "decode",
                 f"{rows - in_profile} sampled rows beyond the profile's {cost.profiled_rows}",
@@ -491,15 +495,14 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
                 stage="sampler",
             )
         )
-    if stage.top_k_top_p:
+    if e.runner == "v2" and stage.top_k_top_p + stage.sort:
         terms.append(
             TransientTerm(
                 "top_k_top_p",
-                stage.top_k_top_p,
+                stage.top_k_top_p + stage.sort,
                 False,
                 "decode",
-                f"{rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B FlashInfer fp32 probabilities "
-                "(topk_topp_sampler.py flashinfer_sample); not in V2's greedy profile",
+                f"{cost.sampler} sampler, {cost.describe_top_k_top_p(rows)}; not in V2's greedy profile",
                 stage="sampler",
             )
         )
@@ -642,6 +645,6 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
         aux = e.draft.aux_hidden_states * hidden
         forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))
     cost = sampler_cost(g, e)
-    # V1 profiles a random full-vocab top-k/top-p sort; V2's dummy batch is greedy (logits only).
+    # V1 profiles a random full-vocab top-k/top-p (its resolved path); V2's dummy batch is greedy.
     sampler = hidden + cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1").profiled
     return max(forward, sampler)

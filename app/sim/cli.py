@@ -34,6 +34,7 @@ SIM_VLLM_FLAGS = (
     "vllm_version",
     "model_runner",
     "speculative_config",
+    "sampler",
 )
 # The simulator plays one vLLM release (kvgate asks the backend which), and picks batch sizes and
 # the block size as vLLM does (by GPU size, by model) when they are not given.

@@ -63,6 +63,8 @@ class SimConfig:
     vllm_version: str = "0.32.0"
     # "auto": the runner that release picks (V2 from 0.32 on, app/sim/flavor.py).
     model_runner: ModelRunner = "auto"
+    # --sampler: the top-k/top-p path; "auto": the release's on CUDA (app/sim/flavor.py).
+    sampler: Literal["auto", "flashinfer", "triton", "pytorch"] = "auto"
     # --max-logprobs (vLLM's default 20; -1 allows the whole vocabulary).
     max_logprobs: int = 20
     # --speculative-config, e.g. {"method": "draft_model", "model": "<preset or folder>",

@@ -216,6 +216,7 @@ class Engine:
                     sp.random,
                     sp.structured,
                     s.num_draft_tokens,
+                    sp.seed is not None,
                 )
             )
         return StepShape(tuple(reqs))

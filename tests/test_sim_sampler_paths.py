@@ -1,0 +1,116 @@
+"""The simulator's top-k/top-p path per vLLM release (app/sim/flavor.py) and what each path
+allocates in a step (app/sim/step_memory.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.sim.config import SimConfig
+from app.sim.engine import Engine
+from app.sim.flavor import Flavor, top_k_top_p
+from app.sim.gpu import CachingAllocator, Device, GiB
+from app.sim.model import load_model
+from app.sim.request import Request, Sampling
+from app.sim.scheduler import ScheduledReq, SchedulerOutput
+from app.sim.startup import resolve, triton_buffer_bytes
+from app.sim.step_memory import ModelDims, ReqSlice, StepMemory, StepShape, TopKTopP, run_tape
+
+V = 128256
+DIMS = ModelDims(
+    hidden=4096,
+    intermediate=14336,
+    q_heads=32,
+    kv_heads=8,
+    head_dim=128,
+    vocab=V,
+    dtype_bytes=2,
+)
+
+
+@pytest.mark.parametrize(
+    ("version", "path"),
+    [
+        ((0, 10, 1), TopKTopP("sort")),
+        ((0, 16, 0), TopKTopP("sort")),  # no topk_topp_triton.py yet
+        ((0, 17, 0), TopKTopP("triton", 8)),  # HAS_TRITON and logits.shape[0] >= 8
+        ((0, 20, 0), TopKTopP("triton", 8)),
+        ((0, 21, 0), TopKTopP("flashinfer", 8)),  # VLLM_USE_FLASHINFER_SAMPLER on by default
+        ((0, 30, 0), TopKTopP("flashinfer")),  # Triton for every batch
+        ((0, 32, 0), TopKTopP("flashinfer")),
+    ],
+)
+def test_each_release_plays_its_own_top_k_top_p_path(version: tuple[int, int, int], path: TopKTopP) -> None:
+    assert top_k_top_p(version) == path
+
+
+def test_the_sampler_flag_picks_the_path() -> None:
+    flavor = Flavor.of(SimConfig(vllm_version="0.31.0", model_runner="v1", sampler="pytorch"))
+    assert flavor.top_k_top_p == TopKTopP("sort")
+    assert Flavor.of(SimConfig(vllm_version="0.24.0", sampler="triton")).top_k_top_p == TopKTopP("triton", 8)
+
+
+def sampler_peak(path: TopKTopP, rows: int, runner: str = "v1", **req: bool) -> int:
+    """Peak bytes of a step of `rows` one-token random top-p/top-k requests, above the step's
+    forward (the same step without top-k/top-p is subtracted)."""
+
+    def peak(top_p_k: bool) -> int:
+        alloc = CachingAllocator(Device(200 * GiB), "sim")
+        shape = StepShape(tuple(ReqSlice(1, top_p_k=top_p_k, random=True, **req) for _ in range(rows)))
+        run_tape(alloc, StepMemory(DIMS, "flash-attn", runner=runner, top_k_top_p=path).plan(shape))
+        return alloc.peak_allocated
+
+    return peak(True) - peak(False)
+
+
+def test_v1_sort_triton_and_flashinfer_allocate_per_vllms_code() -> None:
+    rows = 256
+    # sort (18 B a logit at its peak) replaces the fp32 copy by the scattered logits, then samples
+    # from the softmax and noise the plain batch also makes
+    assert sampler_peak(TopKTopP("sort"), rows) == pytest.approx(rows * V * 18, rel=0.01)
+    # Triton masks in place (its cached buffer is held from start-up: see the test below)
+    assert sampler_peak(TopKTopP("triton"), rows) == 0
+    # FlashInfer: masked logits + probs (8 B), instead of the softmax and noise (8 B)
+    assert sampler_peak(TopKTopP("flashinfer"), rows) == pytest.approx(0, abs=0.01 * rows * V)
+
+
+def test_small_batches_sort_and_seeded_batches_leave_flashinfer() -> None:
+    assert sampler_peak(TopKTopP("triton", 8), 7) == pytest.approx(7 * V * 18, rel=0.01)
+    assert sampler_peak(TopKTopP("triton", 8), 8) == 0
+    seeded = sampler_peak(TopKTopP("flashinfer"), 64, seeded=True)
+    assert seeded == sampler_peak(TopKTopP("triton"), 64)
+
+
+def test_v2_triton_masks_in_place_and_flashinfer_keeps_its_probabilities() -> None:
+    assert sampler_peak(TopKTopP("triton"), 256, "v2") == 0
+    assert sampler_peak(TopKTopP("flashinfer"), 256, "v2") == pytest.approx(256 * V * 8, rel=0.01)
+    # a greedy row keeps V2 off FlashInfer (fused_sampler_eligible): Triton, in place
+    mixed = StepShape((ReqSlice(1), *(ReqSlice(1, top_p_k=True, random=True) for _ in range(255))))
+    assert not flashinfer_allocations(mixed) and flashinfer_allocations(StepShape(mixed.reqs[1:]))
+
+
+def flashinfer_allocations(shape: StepShape) -> list[str]:
+    tape = StepMemory(DIMS, "flash-attn", runner="v2").plan(shape)
+    return [name for op, name, _ in tape if op == "alloc" and name.startswith("flashinfer")]
+
+
+@pytest.mark.parametrize(
+    ("version", "runner", "rows"),
+    [("0.16.0", "v1", 0), ("0.20.0", "v1", 132), ("0.31.0", "v1", 132), ("0.32.0", "v2", 0)],
+)
+def test_the_triton_buffer_is_held_from_start_up(version: str, runner: str, rows: int) -> None:
+    """[min(next_pow2(min(SMs, B)), SMs), V] fp32 at max_num_seqs = 256 rows, 132 SMs: V1 caches
+    it in the profile (Triton at 0.20; the seeded warm-up of forward_native from 0.21); 0.16.0
+    has no Triton kernel; V2's greedy profile makes none (not played after it)."""
+    cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", vllm_version=version, model_runner=runner, max_num_seqs=256)
+    r = resolve(cfg, load_model("llama-3.1-8b"), 80 * GiB)
+    assert triton_buffer_bytes(r) == rows * V * 4
+
+
+def test_a_requests_seed_reaches_the_step() -> None:
+    """bench traffic sends `seed` with every chat turn: FlashInfer cannot take such a batch."""
+
+    def slice_of(seed: int | None) -> ReqSlice:
+        req = Request("r", [1, 2, 3], Sampling(max_tokens=4, top_p=0.9, seed=seed), 0.0)
+        return Engine.shape(SchedulerOutput([ScheduledReq(req, 3, 0)])).reqs[0]
+
+    assert slice_of(7).seeded and not slice_of(None).seeded
