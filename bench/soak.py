@@ -32,12 +32,14 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,7 +155,7 @@ class Backend:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, timeout_s: float = 180.0) -> None:
         with self.log_path.open("ab") as log:
             # Below kvgate's priority: on a small shared machine the stand-in for a GPU server
             # should not take kvgate's CPU (vLLM runs on its own cores), or /healthz would
@@ -169,6 +171,7 @@ class Backend:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             time.sleep(0.1)
+        self.stop()  # not left running behind the error
         raise TimeoutError(f"simulator not up after {timeout_s:g} s:\n{self.log_path.read_text()}")
 
     def signal(self, sig: signal.Signals) -> None:
@@ -254,10 +257,13 @@ def _hostile(rng: random.Random, index: int) -> Shot:
     method = "POST"
     if name == "gzip":
         headers = (("content-encoding", "gzip"),)
-    elif name == "too_many_headers":
-        headers = tuple((f"x-filler-{k}", "1") for k in range(300))
-    elif name == "huge_header":
-        headers = (("x-filler", "a" * (256 * 1024)),)
+    elif name in ("too_many_headers", "huge_header"):  # raw: see exchange_raw
+        many = "".join(f"x-filler-{k}: 1\r\n" for k in range(300))
+        head = many if name == "too_many_headers" else f"x-filler: {'a' * (256 * 1024)}\r\n"
+        body = bodies[name]()
+        return Shot(
+            index, "hostile", name, path=path, raw=_raw_post(path, f"{head}Content-Length: {len(body)}\r\n", body)
+        )
     elif name == "wrong_method":
         method = "GET"
     elif name == "trailing_slash":
@@ -380,22 +386,37 @@ async def _send(client: httpx.AsyncClient, shot: Shot, answer: Answer) -> None:
             answer.code = next(iter(re.findall(rb'"code":\s*"([a-z_]+)"', tail)), b"").decode() or None
 
 
-async def _send_raw(url: str, shot: Shot, answer: Answer) -> None:
-    """Writes `shot.raw` and reads whatever comes back until kvgate closes or answers."""
+def exchange_raw(url: str, raw: bytes, timeout_s: float) -> bytes:
+    """Writes `raw` on a blocking socket and reads until kvgate closes or has answered.
+
+    Blocking, in a thread: when kvgate answers a head it refuses and closes while the client is
+    still writing, asyncio's and anyio's streams close themselves on the failed write and never
+    read the answer that did arrive (httpx reported a ReadError for a 431 that was there)."""
     host, port = url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        assert shot.raw is not None
-        writer.write(shot.raw)
-        await writer.drain()
-        data = await reader.read(65536)
-        m = re.match(rb"HTTP/1\.[01] (\d{3})", data)
-        answer.outcome = m.group(1).decode() if m else "closed without an answer" if not data else "garbled answer"
-        answer.code = _error_code(data.partition(b"\r\n\r\n")[2])
-    finally:
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+    data = b""
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(raw)
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                data += chunk
+                head, sep, body = data.partition(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+                if sep and length and len(body) >= int(length.group(1)):
+                    break
+    return data
+
+
+# Raw exchanges block a thread each (a stalled upload for kvgate's 30 s body timeout).
+_RAW_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="soak-raw")
+
+
+async def _send_raw(url: str, shot: Shot, answer: Answer) -> None:
+    assert shot.raw is not None
+    data = await asyncio.get_running_loop().run_in_executor(_RAW_THREADS, exchange_raw, url, shot.raw, CLIENT_TIMEOUT_S)
+    m = re.match(rb"HTTP/1\.[01] (\d{3})", data)
+    answer.outcome = m.group(1).decode() if m else "closed without an answer" if not data else "garbled answer"
+    answer.code = _error_code(data.partition(b"\r\n\r\n")[2])
 
 
 def client_for(url: str) -> httpx.AsyncClient:
@@ -603,8 +624,8 @@ def run_soak(
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         model_dir = write_model(Path(tmp) / MODEL)
         backend = Backend(model_dir, Path(tmp) / "sim.log", seed)
-        backend.start()
         try:
+            backend.start()
             log_path = Path(tmp) / "kvgate.log"
             with kvgate(backend.url, model_dir, KVGATE_FLAGS, gpu_total_bytes(GPU), log_path) as (url, cmd, proc):
                 stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
