@@ -88,6 +88,7 @@ TARGETS = {
     "ledger_after": "0",
     "rss_growth": "< 5 %",
     "fd_growth": "< 5 %",
+    "hang_queued": "> 0",
     "healthz_p99_hostile_ms": "< 50 ms",
     "no_answer": "0",
 }
@@ -525,7 +526,8 @@ class SoakResult:
     answers: list[Answer]
     faults: Faults
     healthz: list[tuple[float, float]]
-    usage: list[tuple[float, int, int]]  # (time, rss, fds)
+    usage: list[tuple[float, int, int, float]]  # (time, rss, fds, the machine's 1-minute load average)
+    idle_usage: tuple[int, int]  # before the first request
     warm_usage: tuple[int, int]
     end_usage: tuple[int, int]
     ledger_after: dict[str, float]
@@ -538,10 +540,10 @@ class SoakResult:
 
 async def _drive(
     url: str, backend: Backend, shots: list[Shot], concurrency: int, hang_s: float, pid: int
-) -> tuple[list[Answer], Faults, list[tuple[float, int, int]], tuple[int, int]]:
+) -> tuple[list[Answer], Faults, list[tuple[float, int, int, float]], tuple[int, int]]:
     answers: list[Answer] = []
     faults = Faults()
-    usage: list[tuple[float, int, int]] = []
+    usage: list[tuple[float, int, int, float]] = []
     warm: list[tuple[int, int]] = []
     sent = 0
     kill_now, hang_now, warm_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -588,7 +590,7 @@ async def _drive(
     async def sampler() -> None:
         while True:
             rss, fds = proc_usage(pid)
-            usage.append((time.monotonic(), rss, fds))
+            usage.append((time.monotonic(), rss, fds, os.getloadavg()[0]))
             if warm_now.is_set() and not warm:
                 warm.append((rss, fds))
             await asyncio.sleep(0.5)
@@ -631,6 +633,7 @@ def run_soak(
                 stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
                 poller = ctx.Process(target=poll_healthz, args=(url, stop, tx), daemon=True)
                 poller.start()
+                idle = proc_usage(proc.pid)
                 started = time.monotonic()
                 answers, faults, usage, warm = asyncio.run(_drive(url, backend, shots, concurrency, hang_s, proc.pid))
                 load_s = time.monotonic() - started
@@ -662,6 +665,7 @@ def run_soak(
         faults,
         healthz,
         usage,
+        idle,
         warm,
         end,
         ledger,
@@ -722,6 +726,7 @@ def summary(r: SoakResult) -> dict[str, Any]:
     hostile = [(a.started, a.ended) for a in r.answers if a.kind == "hostile"]
     lat = [s for t, s in r.healthz]
     lat_hostile = [s for t, s in r.healthz if _in(t, hostile)]
+    lat_calm = [s for t, s in r.healthz if not _in(t, hostile)]
     hang_arrivals = [
         a
         for a in r.answers
@@ -773,16 +778,19 @@ def summary(r: SoakResult) -> dict[str, Any]:
         },
         "rss_growth_pct": _growth(r.warm_usage[0], r.end_usage[0]),
         "fds": {
+            "idle_before": r.idle_usage[1],
             "after_warmup": r.warm_usage[1],
             "end": r.end_usage[1],
             "peak": max((u[2] for u in r.usage), default=0),
         },
-        "fd_growth_pct": _growth(r.warm_usage[1], r.end_usage[1]),
+        "fd_growth_pct": _growth(r.idle_usage[1], r.end_usage[1]),
         "healthz_polls": len(lat),
         "healthz_p50_ms": ms(percentile(lat, 0.5)),
         "healthz_p99_ms": ms(percentile(lat, 0.99)),
         "healthz_polls_hostile": len(lat_hostile),
         "healthz_p99_hostile_ms": ms(percentile(lat_hostile, 0.99)),
+        "healthz_p99_no_hostile_ms": ms(percentile(lat_calm, 0.99)),
+        "load_average_mean": round(sum(u[3] for u in r.usage) / len(r.usage), 2) if r.usage else None,
         "healthz_max_ms": ms(max(lat, default=None)),
         "kill": {
             "restart_s": r.faults.restart_s,
@@ -796,6 +804,7 @@ def summary(r: SoakResult) -> dict[str, Any]:
             "outcomes": dict(Counter(a.outcome for a in hang_arrivals)),
             "admitted_queue_wait_p50_s": percentile(hang_waits, 0.5),
             "max_queue_depth": r.faults.hang_queue_depth_max,
+            "kvgate_5xx": sum(is_kvgate_5xx(a, windows) for a in hang_arrivals),
         },
         "kvgate_log_errors": r.kvgate_log_errors,
         "kvgate_command": " ".join(r.kvgate_command[3:]),
@@ -816,7 +825,12 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
             TARGETS["ledger_after"],
         ),
         ("RSS growth, warm-up to end", f"{s['rss_growth_pct']} %", s["rss_growth_pct"] < 5, TARGETS["rss_growth"]),
-        ("fd growth, warm-up to end", f"{s['fd_growth_pct']} %", s["fd_growth_pct"] < 5, TARGETS["fd_growth"]),
+        (
+            "open fds growth, idle before the load to idle after",
+            f"{s['fd_growth_pct']} %",
+            s["fd_growth_pct"] < 5,
+            TARGETS["fd_growth"],
+        ),
         (
             "/healthz p99 while hostile bodies were in flight",
             f"{hz} ms",
@@ -824,6 +838,12 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
             TARGETS["healthz_p99_hostile_ms"],
         ),
         ("requests with no answer", s["no_answer"], s["no_answer"] == 0, TARGETS["no_answer"]),
+        (
+            "backend hung: new arrivals held in kvgate's queue (its depth at most)",
+            f"{s['hang']['max_queue_depth']:g}",
+            s["hang"]["max_queue_depth"] > 0 and s["hang"]["kvgate_5xx"] == 0,
+            TARGETS["hang_queued"],
+        ),
     ]
     return [{"check": c, "value": v, "target": t, "met": bool(m)} for c, v, m, t in rows]
 
@@ -858,9 +878,12 @@ def markdown(s: dict[str, Any], command: str, machine: dict[str, Any]) -> str:
         f"({', '.join(f'{k} {v:g}' for k, v in s['releases_by_outcome'].items())}); "
         f"disconnects kvgate saw: {', '.join(f'{k} {v:g}' for k, v in s['client_disconnects_seen_by_kvgate'].items())}.",
         f"- RSS MiB after warm-up / end / peak: {s['rss_mib']['after_warmup']} / {s['rss_mib']['end']} / "
-        f"{s['rss_mib']['peak']}; fds: {s['fds']['after_warmup']} / {s['fds']['end']} / {s['fds']['peak']}.",
+        f"{s['rss_mib']['peak']}; open fds idle before / after warm-up / idle after / peak: {s['fds']['idle_before']} / "
+        f"{s['fds']['after_warmup']} / {s['fds']['end']} / {s['fds']['peak']}.",
         f"- /healthz: {s['healthz_polls']} polls, p50 {s['healthz_p50_ms']} ms, p99 {s['healthz_p99_ms']} ms, "
-        f"max {s['healthz_max_ms']} ms; {s['healthz_polls_hostile']} while a hostile body was in flight.",
+        f"max {s['healthz_max_ms']} ms; {s['healthz_polls_hostile']} while a hostile body was in flight; p99 of the "
+        f"others {s['healthz_p99_no_hostile_ms']} ms. The machine's 1-minute load average over the run: "
+        f"{s['load_average_mean']} (other work shares it).",
         f"- Hang: {hang['arrivals']} arrivals while the backend was stopped "
         f"({', '.join(f'{k}: {v}' for k, v in hang['outcomes'].items())}); kvgate's queue held up to "
         f"{hang['max_queue_depth']:g}; median queue wait of those admitted: {hang['admitted_queue_wait_p50_s']} s.",
