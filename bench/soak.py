@@ -18,6 +18,13 @@ FAULT_GRACE_S, and from the SIGSTOP until SIGCONT plus FAULT_GRACE_S) with one o
 backend-fault codes in BACKEND_FAULT_CODES. A plain-text 500, a 5xx to a hostile body, or a
 backend-fault code outside those windows all count. A 5xx relayed from the backend (admitted, so
 it carries kvgate's headers) is counted apart as "backend 5xx, relayed".
+
+The other measures: RSS from the end of the warm-up (the first WARMUP_SHARE of the answers) to
+the end, once drained; open fds idle before the first request to idle after the drain (under
+load they count the clients' connections); /healthz p99 over the polls made while a hostile
+request was in flight (and, to compare, over the others); the ledger (kvgate's in-flight,
+reserved and queue gauges) once drained. The hang's target is issue 15's: while the backend
+does not answer, new arrivals wait in kvgate's queue instead of piling onto it.
 """
 
 from __future__ import annotations
