@@ -1,5 +1,8 @@
 """`python -m bench [--quick]`: kvgate's benchmarks, one command (see docs/benchmarks.md).
 
+`python -m bench --soak [--requests N --concurrency C --seed S]` runs the soak instead
+(bench/soak.py): writes bench/results/soak.json and soak.md.
+
 Part 1 (safety and goodput): scenarios S1-S7 on the simulated vLLM, five arms on identical
 seeded traffic (no gate, best static concurrency cap from a sweep, the Inference Gateway's
 saturation rule, kvgate, a memory oracle). Part 2 (overhead): direct vs kvgate vs nginx in front
@@ -246,14 +249,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--tiny", action="store_true", help="smoke-test size: one cap value, the shortest overhead phases")
     p.add_argument("--out", type=Path, default=RESULTS)
+    soak = p.add_argument_group("soak (bench/soak.py)")
+    soak.add_argument("--soak", action="store_true", help="run the soak instead of the benchmarks")
+    soak.add_argument("--requests", type=int, default=20_000)
+    soak.add_argument("--concurrency", type=int, default=64)
+    soak.add_argument("--hang-seconds", type=float, default=5.0, help="how long the backend is SIGSTOPped")
     args = p.parse_args(argv)
+    command = "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    if args.soak:
+        from bench import soak as soak_mod
+
+        s = soak_mod.main(args.requests, args.concurrency, args.seed, args.hang_seconds, args.out, command, machine())
+        return 0 if all(t["met"] for t in s["targets"]) else 1
     if args.scale is None:
         args.scale = 0.3 if args.quick else 1.0
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     out: dict[str, Any] = {
         "machine": machine(),
-        "command": "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "quick": args.quick,
         "scale": args.scale,

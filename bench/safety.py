@@ -302,6 +302,7 @@ def run_arm(
             with kvgate(sim.url, model_dir, flags, gpu_total_bytes(cfg.gpu), workdir / f"kvgate-{scn.key}.log") as (
                 url,
                 cmd,
+                _,
             ):
                 outs, span = asyncio.run(replay(url, calls, sp, progress=progress))
                 with contextlib.suppress(httpx.HTTPError):

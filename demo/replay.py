@@ -375,10 +375,10 @@ async def queue_depth(client: httpx.AsyncClient) -> int:
 @contextlib.contextmanager
 def kvgate(
     backend: str, model_dir: Path, flags: list[str], total_bytes: int, log_path: Path
-) -> Iterator[tuple[str, list[str]]]:
-    """`kvgate serve` as a user runs it, on a free port; yields its URL once /readyz says ready
-    and its budget is live (a first scrape of the backend has set it), so the first request meets
-    the same budget on every run."""
+) -> Iterator[tuple[str, list[str], subprocess.Popen]]:
+    """`kvgate serve` as a user runs it, on a free port; yields its URL, command and process
+    (the soak reads its RSS and fds) once /readyz says ready and its budget is live (a first
+    scrape of the backend has set it), so the first request meets the same budget on every run."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -411,7 +411,7 @@ def kvgate(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvgate not ready after 30 s:\n{log_path.read_text()}")
             time.sleep(0.1)
-        yield url, cmd
+        yield url, cmd, proc
     finally:
         stop_process(proc)
 
@@ -460,7 +460,7 @@ def run_scenario(s: Scenario, quick: bool = False, seed: int = 7) -> Result:
         model_dir = write_model_folder(cfg.model, Path(tmp) / cfg.model)
         with kvgate(
             sim.url, model_dir, [*STEADY_FLAGS, *s.kvgate_flags], gpu_total_bytes(cfg.gpu), Path(tmp) / "kvgate.log"
-        ) as (url, cmd):
+        ) as (url, cmd, _):
             res.kvgate_command = cmd
             res.gated = asyncio.run(replay(url, calls, sim.engine, queue_depth))
             res.decisions = decisions(url)

@@ -1,0 +1,45 @@
+"""The soak (bench/soak.py), short: the same mix of normal, disconnecting and hostile clients, with
+the backend SIGKILLed and SIGSTOPped, through kvgate and a simulator started as subprocesses.
+
+It asserts what a short run on a shared machine can assert honestly: no 5xx of kvgate's own,
+every request answered or hung up by its client, every hostile body a 4xx, the ledger back to 0
+and every admission released. RSS and fd growth and /healthz latency need the long run
+(`python -m bench --soak`, docs/benchmarks.md): a few hundred requests are all warm-up.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from bench import soak
+
+
+@pytest.fixture(scope="module")
+def short_soak() -> dict:
+    return soak.summary(soak.run_soak(requests=400, concurrency=16, seed=3, hang_s=2.0))
+
+
+def test_no_kvgate_5xx_and_every_request_answered(short_soak: dict) -> None:
+    assert short_soak["kvgate_5xx"] == 0, short_soak["kvgate_5xx_examples"]
+    assert short_soak["no_answer"] == 0, short_soak["no_answer_examples"]
+    answered = {k: v for k, v in short_soak["by_outcome"].items() if k.isdigit() or k == "client disconnect"}
+    assert sum(answered.values()) == 400, short_soak["by_outcome"]
+    assert short_soak["by_outcome"].get("200", 0) > 100  # it did serve, between the faults
+
+
+def test_every_hostile_body_gets_a_4xx(short_soak: dict) -> None:
+    outcomes = Counter(o for v in short_soak["hostile_by_variant"].values() for o in v)
+    assert outcomes and all(o.isdigit() and 400 <= int(o) < 500 for o in outcomes), short_soak["hostile_by_variant"]
+
+
+def test_ledger_is_empty_after_the_soak(short_soak: dict) -> None:
+    assert short_soak["ledger_after"] == dict.fromkeys(soak.LEDGER, 0.0)
+    assert short_soak["admitted"] == short_soak["released"] > 0
+    assert short_soak["releases_by_outcome"].get("disconnected", 0) > 0
+
+
+def test_both_faults_happened_during_the_load(short_soak: dict) -> None:
+    assert short_soak["kill"]["restart_s"] is not None
+    assert short_soak["hang"]["arrivals"] > 0
