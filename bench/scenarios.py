@@ -19,14 +19,12 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from app.sim import startup
-from app.sim.config import CoTenant, GiB, MiB, SimConfig
+from app.demo import fully_utilized
+from app.sim.config import CoTenant, GiB, SimConfig
 from app.sim.flavor import Flavor
-from app.sim.gpu import CachingAllocator, Device
 from app.sim.model import load_model
-from app.sim.presets import gpu_total_bytes
 from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
 
 SYSTEM_PROMPTS = [
@@ -229,15 +227,6 @@ def _sim_v2(**kw) -> SimConfig:
     return _sim(**{"vllm_version": "0.32.0", "model_runner": "auto", **kw})
 
 
-def _fully_utilized(cfg: SimConfig) -> SimConfig:
-    """`cfg` with the `--kv-cache-memory-bytes` vLLM suggests "to fully utilize gpu memory"
-    (its 150 MiB buffer), from the start-up numbers of the same engine on an empty GPU."""
-    device = Device(gpu_total_bytes(cfg.gpu))
-    alloc = CachingAllocator(device, "vllm", cfg.expandable_segments)
-    _, report = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
-    return replace(cfg, kv_cache_memory_bytes=report.kv_to_fully_utilize())
-
-
 SCENARIOS: list[Scenario] = [
     # vLLM's own advice at start-up ("--kv-cache-memory=... to fully utilize gpu memory") leaves
     # the profile's peak and a 150 MiB buffer: the context up-projection beyond the profile's
@@ -245,7 +234,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "S1",
         "Chunked prefill over long prefixes, MLA context up-projection (DeepSeek-V2-Lite)",
-        _fully_utilized(_sim_v2(model=DEEPSEEK, max_model_len=131072, max_num_batched_tokens=2048, max_num_seqs=256)),
+        fully_utilized(_sim_v2(model=DEEPSEEK, max_model_len=131072, max_num_batched_tokens=2048, max_num_seqs=256)),
         _flags(2048, 256, v1=False),
         s1_traffic,
         30,
@@ -276,7 +265,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "S4",
         "Allocator fragmentation under mixed high-concurrency batches",
-        _fully_utilized(_sim(max_model_len=16384)),
+        fully_utilized(_sim(max_model_len=16384)),
         _flags(8192, 1024),
         s4_traffic,
         5,
@@ -324,7 +313,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "S8",
         "A temperature > 0 batch whose fp32 logits V2's greedy profile never saw (n=16 sampling)",
-        _fully_utilized(_sim_v2(model=QWEN, max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=1024)),
+        fully_utilized(_sim_v2(model=QWEN, max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=1024)),
         _flags(2048, 1024, v1=False),
         s8_traffic,
         30,
@@ -333,7 +322,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "S9",
         "Speculative decoding (n-gram, 5 draft tokens) with many running requests",
-        _fully_utilized(
+        fully_utilized(
             _sim_v2(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256, speculative_config=NGRAM_5)
         ),
         _flags(2048, 256, v1=False, speculative_config=json.dumps(NGRAM_5)),
