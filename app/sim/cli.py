@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-runner",
         choices=["auto", "v1", "v2"],
         default="auto",
-        help="auto: the release's default (V2 from 0.32)",
+        help="auto: the runner that release picks for the model by its own rule",
     )
     p.add_argument(
         "--speculative-config",

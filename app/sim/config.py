@@ -63,7 +63,7 @@ class SimConfig:
     startup_seconds: float = 0.0
     cotenants: list[CoTenant] = field(default_factory=list)
     vllm_version: str = "0.32.0"
-    # "auto": the runner that release picks (V2 from 0.32 on, app/sim/flavor.py).
+    # "auto": the runner that release picks for this model by its own rule (app/sim/flavor.py).
     model_runner: Literal["auto", "v1", "v2"] = "auto"
     # --max-logprobs (vLLM's default 20; -1 allows the whole vocabulary).
     max_logprobs: int = 20
