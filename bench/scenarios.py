@@ -191,9 +191,9 @@ NGRAM_5 = {"method": "ngram", "num_speculative_tokens": 5}
 
 
 def s9_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """Busy chat at 5/s (temperature 0.7, 128-512 tokens) on a server verifying 5 n-gram draft
+    """Busy chat at 6/s (temperature 0.7, 128-512 tokens) on a server verifying 5 n-gram draft
     tokens per decoding request."""
-    return streaming(_chat_stream(rng, 5.0, 30 * scale, max_tokens=(128, 256, 512)))
+    return streaming(_chat_stream(rng, 6.0, 30 * scale, max_tokens=(128, 256, 512)))
 
 
 # ----- S10 ---------------------------------------------------------------------------------------
