@@ -20,7 +20,7 @@ check: venv
 	$(VENV)/bin/lint-imports --no-cache
 
 # The README demo: the simulated vLLM dies of CUDA OOM, then survives behind kvgate (no GPU,
-# no real vLLM needed, under a minute).
+# no real vLLM needed, about two minutes).
 demo: venv
 	$(VENV)/bin/python -m demo
 

@@ -3,7 +3,7 @@
 `python -m bench --soak [--requests N --concurrency C --seed S]` runs the soak instead
 (bench/soak.py): writes bench/results/soak.json and soak.md.
 
-Part 1 (safety and goodput): scenarios S1-S7 on the simulated vLLM, five arms on identical
+Part 1 (safety and goodput): scenarios S1-S10 on the simulated vLLM, five arms on identical
 seeded traffic (no gate, best static concurrency cap from a sweep, the Inference Gateway's
 saturation rule, kvgate, a memory oracle). Part 2 (overhead): direct vs kvgate vs nginx in front
 of a zero-cost backend. Writes bench/results/latest.json, latest.md and PNG plots.
@@ -173,7 +173,7 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     if scen:
         t.append(
             {
-                "scenario": "S1-S6",
+                "scenario": "all but S7",
                 "check": "no-gate arm OOMs in at least one",
                 "value": ", ".join(none_oom) or "none",
                 "met": bool(none_oom),

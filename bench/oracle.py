@@ -534,6 +534,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                     tok=app.state.tokenizer,
                     served=engine.model_name,
                     max_model_len=engine.resolved.max_model_len,
+                    max_logprobs=engine.cfg.max_logprobs,
                 )
                 if engine.ready
                 else None

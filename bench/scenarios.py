@@ -1,8 +1,13 @@
-"""S1-S7: a simulated vLLM configuration each, the kvgate flags that match it, and seeded traffic.
+"""S1-S10: a simulated vLLM configuration each, the kvgate flags that match it, and seeded traffic.
 
-Every scenario names the vLLM release and model runner its simulator plays (`engine`). S1-S7
+Every scenario names the vLLM release and model runner its simulator plays (`engine`). S2-S7
 were built on the V1 runner with the sort-path sampler the simulator first played, so they play
-V1 of a release before 0.32 (app/sim/flavor.py); S3's graphs outside the budget are vLLM < 0.21.
+V1 of a release before 0.32 (app/sim/flavor.py); S3's graphs outside the budget are vLLM < 0.21;
+S5's prompt logprobs over a whole chunk exist only on V1. S1 and S8-S10 play vLLM 0.32.0 with
+the runner its own rule picks (V2 for their models), where V2 itself runs out: MLA's context
+up-projection (S1), the fp32 logits of a temperature > 0 batch its greedy profile never saw
+(S8), 1 + k sampled rows per request under speculative decoding (S9), and `prompt_logprobs: -1`
+on a server that allows it (S10).
 
 Times in the traffic are simulated seconds; the harness sends each call at `at / speedup` wall
 seconds. `scale` shrinks the traffic for `--quick` and the smoke test (fewer arrivals, shorter
@@ -11,18 +16,17 @@ window; the same mix).
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from app.sim import startup
 from app.sim.config import CoTenant, SimConfig
-from app.sim.flavor import parse_version
-from app.sim.gpu import CachingAllocator, Device
+from app.sim.flavor import Flavor
 from app.sim.model import load_model
-from app.sim.presets import gpu_total_bytes
-from app.units import GiB, MiB
+from app.units import GiB
 from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
+from demo.replay import fully_utilized
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant for the support desk of a large retailer. " * 40,
@@ -48,9 +52,7 @@ class Scenario:
     @property
     def engine(self) -> str:
         """The vLLM release and model runner the simulator plays, e.g. "vLLM 0.31.0, V1"."""
-        runner = self.sim.model_runner
-        if runner == "auto":
-            runner = "v2" if parse_version(self.sim.vllm_version) >= (0, 32, 0) else "v1"
+        runner = Flavor.of(self.sim, load_model(self.sim.model, self.sim.dtype)).runner
         return f"vLLM {self.sim.vllm_version}, {runner.upper()}"
 
 
@@ -77,14 +79,17 @@ def _chat_with_long_prompts(
 
 
 # ----- S1 ----------------------------------------------------------------------------------------
+DEEPSEEK = "deepseek-v2-lite"
+
+
 def s1_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """Chat at 2/s plus long documents (8k-48k tokens, summarisation) at 0.25/s."""
+    """Chat at 2/s plus long documents (16k-120k tokens, summarisation) at 0.25/s, on a
+    DeepSeek-V2-Lite-shaped MLA model."""
     d = 30 * scale
-    calls = _chat_stream(rng, 2.0, d)
+    calls = _chat_stream(rng, 2.0, d, model=DEEPSEEK)
     for t in poisson_times(rng, 0.25, d):
-        calls.append(
-            document_call(rng, t, rng.choice([8000, 16000, 24000, 32000, 48000]), "long document", max_tokens=256)
-        )
+        n = rng.choice([16000, 32000, 48000, 64000, 96000, 120000])
+        calls.append(document_call(rng, t, n, "long document", max_tokens=256, model=DEEPSEEK))
     return streaming(calls)
 
 
@@ -154,10 +159,62 @@ def s7_traffic(rng: random.Random, scale: float) -> list[Call]:
     return streaming(calls)
 
 
-def _flags(mnbt: int, seqs: int, **extra: str) -> list[str]:
-    # The simulator plays the V1 runner (_sim); kvgate is told so, as an operator running vLLM with
-    # VLLM_USE_V2_MODEL_RUNNER=0 would tell it (vLLM's /version does not say which runner runs).
-    out = ["--max-num-batched-tokens", str(mnbt), "--max-num-seqs", str(seqs), "--model-runner", "v1"]
+# ----- S8 ----------------------------------------------------------------------------------------
+QWEN = "qwen2.5-7b"
+
+
+def s8_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s (temperature 0.7) and greedy classification calls at 2/s; at 10 s a
+    self-consistency job sends 40 questions (200-600 tokens) within two seconds, each asking
+    n=16 samples at temperature 1.0 (640 sequences sampling at once)."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 2.0, d, model=QWEN)
+    for i, t in enumerate(poisson_times(rng, 2.0, d)):
+        c = chat_call(rng, t, 20_000 + i, median_prompt=300, max_tokens=(8, 16), model=QWEN, temperature=0.0)
+        calls.append(Call(c.at, c.path, c.body, "greedy label"))
+    for i in range(max(4, int(40 * scale))):
+        c = chat_call(
+            rng,
+            10 * scale + 2 * rng.random(),
+            10_000 + i,
+            median_prompt=350,
+            max_prompt=600,
+            max_tokens=(192, 256),
+            model=QWEN,
+        )
+        c.body.update(n=16, temperature=1.0)
+        calls.append(Call(c.at, c.path, c.body, "n=16 samples"))
+    return streaming(calls)
+
+
+# ----- S9 ----------------------------------------------------------------------------------------
+NGRAM_5 = {"method": "ngram", "num_speculative_tokens": 5}
+
+
+def s9_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Busy chat at 6/s (temperature 0.7, 128-512 tokens) on a server verifying 5 n-gram draft
+    tokens per decoding request."""
+    return streaming(_chat_stream(rng, 6.0, 30 * scale, max_tokens=(128, 256, 512)))
+
+
+# ----- S10 ---------------------------------------------------------------------------------------
+def s10_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s; an evaluation harness scores passages (500-4,000 tokens) with
+    `prompt_logprobs: -1`, the whole vocabulary per prompt token, at 0.4/s."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 2.0, d)
+    for t in poisson_times(rng, 0.4, d):
+        n = rng.choice([500, 1000, 1500, 2000, 3000, 4000])
+        calls.append(document_call(rng, t, n, "scored passage", max_tokens=1, prompt_logprobs=-1))
+    return streaming(calls)
+
+
+def _flags(mnbt: int, seqs: int, v1: bool = True, **extra: str) -> list[str]:
+    # A V1 simulator (_sim) plays VLLM_USE_V2_MODEL_RUNNER=0; kvgate is told so, as the operator
+    # would tell it (vLLM's /version does not say which runner runs). On vLLM 0.32.0's own choice
+    # (_sim_v2) kvgate applies vLLM's rule to the version the backend reports.
+    out = ["--max-num-batched-tokens", str(mnbt), "--max-num-seqs", str(seqs)]
+    out += ["--model-runner", "v1"] if v1 else []
     for k, v in extra.items():
         out += [f"--{k.replace('_', '-')}", v]
     return out
@@ -175,21 +232,20 @@ def _sim(**kw) -> SimConfig:
     return SimConfig(**{**base, **kw})
 
 
-def _fully_utilized(cfg: SimConfig) -> SimConfig:
-    """`cfg` with the `--kv-cache-memory-bytes` vLLM suggests "to fully utilize gpu memory"
-    (its 150 MiB buffer), from the start-up numbers of the same engine on an empty GPU."""
-    device = Device(gpu_total_bytes(cfg.gpu))
-    alloc = CachingAllocator(device, "vllm", cfg.expandable_segments)
-    _, report = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
-    return replace(cfg, kv_cache_memory_bytes=report.kv_to_fully_utilize())
+def _sim_v2(**kw) -> SimConfig:
+    """vLLM 0.32.0 as users get it: the runner its own rule picks on CUDA (V2 for these models)."""
+    return _sim(**{"vllm_version": "0.32.0", "model_runner": "auto", **kw})
 
 
 SCENARIOS: list[Scenario] = [
+    # vLLM's own advice at start-up ("--kv-cache-memory=... to fully utilize gpu memory") leaves
+    # the profile's peak and a 150 MiB buffer: the context up-projection beyond the profile's
+    # [W, heads, nope + v] stand-in does not fit in it.
     Scenario(
         "S1",
-        "Chunked prefill over long prefixes, materializing attention",
-        _sim(max_model_len=65536, max_num_batched_tokens=2048, max_num_seqs=256, attention_backend="materializing"),
-        _flags(2048, 256, attention_backend="materializing"),
+        "Chunked prefill over long prefixes, MLA context up-projection (DeepSeek-V2-Lite)",
+        fully_utilized(_sim_v2(model=DEEPSEEK, max_model_len=131072, max_num_batched_tokens=2048, max_num_seqs=256)),
+        _flags(2048, 256, v1=False),
         s1_traffic,
         30,
         4,
@@ -219,7 +275,7 @@ SCENARIOS: list[Scenario] = [
     Scenario(
         "S4",
         "Allocator fragmentation under mixed high-concurrency batches",
-        _fully_utilized(_sim(max_model_len=16384)),
+        fully_utilized(_sim(max_model_len=16384)),
         _flags(8192, 1024),
         s4_traffic,
         5,
@@ -235,6 +291,9 @@ SCENARIOS: list[Scenario] = [
         30,
         4,
     ),
+    # With the CUDA context outside the budget (vLLM >= 0.7) this engine leaves 11.36 GiB of the
+    # GPU free after start-up; the co-tenant grows to 11 GiB of it (a 4.5 GiB third step no longer
+    # fit and never started, so the scenario stopped OOMing), leaving less than a long prefill.
     Scenario(
         "S6",
         "A co-tenant process growing on the same GPU",
@@ -244,7 +303,7 @@ SCENARIOS: list[Scenario] = [
             cotenants=[
                 CoTenant("trainer-1", 3 * GiB, 4.0),
                 CoTenant("trainer-2", 4 * GiB, 9.0),
-                CoTenant("trainer-3", 4608 * MiB, 14.0),
+                CoTenant("trainer-3", 4 * GiB, 14.0),
             ],
         ),
         _flags(8192, 1024),
@@ -258,6 +317,35 @@ SCENARIOS: list[Scenario] = [
         _sim(gpu="l4-24gb", max_model_len=8192),
         _flags(2048, 256),
         s7_traffic,
+        30,
+        4,
+    ),
+    Scenario(
+        "S8",
+        "A temperature > 0 batch whose fp32 logits V2's greedy profile never saw (n=16 sampling)",
+        fully_utilized(_sim_v2(model=QWEN, max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=1024)),
+        _flags(2048, 1024, v1=False),
+        s8_traffic,
+        30,
+        2,  # 640 sequences at once: at 4 this 2-core machine could not drive them
+    ),
+    Scenario(
+        "S9",
+        "Speculative decoding (n-gram, 5 draft tokens) with many running requests",
+        fully_utilized(
+            _sim_v2(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256, speculative_config=NGRAM_5)
+        ),
+        _flags(2048, 256, v1=False, speculative_config=json.dumps(NGRAM_5)),
+        s9_traffic,
+        30,
+        4,
+    ),
+    Scenario(
+        "S10",
+        "prompt_logprobs: -1 from an evaluation harness, on a server started with --max-logprobs -1",
+        _sim_v2(max_model_len=16384, max_logprobs=-1),
+        _flags(8192, 1024, v1=False, max_logprobs="-1"),
+        s10_traffic,
         30,
         4,
     ),

@@ -56,10 +56,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from demo.replay import WORDS, kvgate
-from demo.processes import stop_process
 from app.sim.presets import gpu_total_bytes, model_config
 from app.sim.runner import free_port
+from demo.processes import stop_process
+from demo.replay import WORDS, kvgate
 
 MODEL = "tiny-llama"
 GPU = "l4-24gb"

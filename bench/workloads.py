@@ -56,6 +56,7 @@ def chat_call(
     median_prompt: int = 400,
     max_prompt: int = 3000,
     max_tokens: tuple[int, ...] = (128, 256, 512, 1024),
+    model: str = MODEL,
     **extra: Any,
 ) -> Call:
     """A chat turn: a lognormal prompt length (ShareGPT-like), a max_tokens users pick."""
@@ -63,7 +64,7 @@ def chat_call(
     msgs = [{"role": "system", "content": system}] if system else []
     msgs.append({"role": "user", "content": f"Question {i}: " + words(rng, n)})
     body = {
-        "model": MODEL,
+        "model": model,
         "messages": msgs,
         "max_tokens": rng.choice(max_tokens),
         "temperature": 0.7,
@@ -74,9 +75,15 @@ def chat_call(
 
 
 def document_call(
-    rng: random.Random, at: float, tokens: int, label: str = "document", max_tokens: int = 128, **extra: Any
+    rng: random.Random,
+    at: float,
+    tokens: int,
+    label: str = "document",
+    max_tokens: int = 128,
+    model: str = MODEL,
+    **extra: Any,
 ) -> Call:
-    body = {"model": MODEL, "prompt": words(rng, tokens - 1), "max_tokens": max_tokens, "temperature": 0.0, **extra}
+    body = {"model": model, "prompt": words(rng, tokens - 1), "max_tokens": max_tokens, "temperature": 0.0, **extra}
     return Call(at, "/v1/completions", body, label)
 
 

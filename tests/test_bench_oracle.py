@@ -161,3 +161,18 @@ def test_the_routes_admit_a_burst_and_refuse_what_never_fits() -> None:
     assert stats["admitted"] == 12 and stats["never_fits"] == 1
     assert stats["batches"] <= 12 and stats["dry_runs"] >= 1
     assert stats["check_ms_total"] >= 0 and stats["checks"] >= 1
+
+
+def test_the_routes_check_whole_vocabulary_prompt_logprobs_where_the_server_allows_them() -> None:
+    """On a server started with `--max-logprobs -1`, `prompt_logprobs: -1` is a valid request:
+    the oracle must dry-run it like any other (it once parsed with vLLM's default limit of 20,
+    let the request through unchecked, and the engine died of it)."""
+    cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384, max_logprobs=-1, speedup=50.0)
+    runner = SimRunner(cfg)
+    stats = oracle.install(runner.app, max_wait_s=30.0)
+    with runner as sim:
+        body = {"model": "llama-3.1-8b", "prompt": " ".join(["tok"] * 4000), "max_tokens": 1, "prompt_logprobs": -1}
+        r = httpx.post(sim.url + "/oracle/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "oracle_never_fits"
+        assert sim.engine.ooms == []
+    assert stats["never_fits"] == 1

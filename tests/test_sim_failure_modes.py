@@ -159,7 +159,7 @@ def test_5_allocator_fragmentation_under_mixed_high_concurrency_batches() -> Non
     although the free bytes add up to more than it asks (docs/sources.md
     fragmentation-buffer-pr.txt). Expandable segments strand nothing: the same traffic
     completes in the same KV budget."""
-    base = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384, vllm_version="0.16.0")
+    base = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=16384, vllm_version="0.16.0", model_runner="v1")
     kv = _fully_utilized_kv(SimConfig(**base), REDUNDANCY_BUFFER)
     jobs = _chat_burst(seed=0, count=1500)
     outcome = play(SimConfig(**base, kv_cache_memory_bytes=kv), jobs)

@@ -44,9 +44,10 @@ def test_each_release_plays_its_own_top_k_top_p_path(version: tuple[int, int, in
 
 
 def test_the_sampler_flag_picks_the_path() -> None:
-    flavor = Flavor.of(SimConfig(vllm_version="0.31.0", model_runner="v1", sampler="pytorch"))
+    model = load_model("llama-3.1-8b", "bfloat16")
+    flavor = Flavor.of(SimConfig(vllm_version="0.31.0", model_runner="v1", sampler="pytorch"), model)
     assert flavor.top_k_top_p == TopKTopP("sort")
-    assert Flavor.of(SimConfig(vllm_version="0.24.0", sampler="triton")).top_k_top_p == TopKTopP("triton", 8)
+    assert Flavor.of(SimConfig(vllm_version="0.24.0", sampler="triton"), model).top_k_top_p == TopKTopP("triton", 8)
 
 
 def sampler_peak(path: TopKTopP, rows: int, runner: str = "v1", **req: bool) -> int:

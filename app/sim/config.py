@@ -61,7 +61,7 @@ class SimConfig:
     startup_seconds: float = 0.0
     cotenants: list[CoTenant] = field(default_factory=list)
     vllm_version: str = "0.32.0"
-    # "auto": the runner that release picks (V2 from 0.32 on, app/sim/flavor.py).
+    # "auto": the runner that release picks for this model by its own rule (app/sim/flavor.py).
     model_runner: ModelRunner = "auto"
     # --sampler: the top-k/top-p path; "auto": the release's on CUDA (app/sim/flavor.py).
     sampler: Literal["auto", "flashinfer", "triton", "pytorch"] = "auto"

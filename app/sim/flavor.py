@@ -1,10 +1,10 @@
 """Which vLLM the simulator plays: the release (`--vllm-version`) and the model runner
 (`--model-runner`), and the start-up memory that differs between them.
 
-- Model runner: vLLM 0.32.0 runs Model Runner V2 on CUDA unless a feature it lacks is asked for
-  (vllm/config/vllm.py `VllmConfig.use_v2_model_runner`, `_get_v2_model_runner_unsupported_features`);
-  `auto` plays V2 from 0.32 on and V1 before (the release that first made V2 the default is not
-  pinned down here; pass `--model-runner` to choose).
+- Model runner: `auto` plays the runner vLLM itself picks on CUDA with Triton installed and
+  `VLLM_USE_V2_MODEL_RUNNER` unset (`default_runner`, RUNNER_RULES: vllm/config/vllm.py
+  `VllmConfig.use_v2_model_runner`, `_is_default_v2_model_runner_model`,
+  `_get_v2_model_runner_unsupported_features`, read in the wheels of every release named there).
 - Non-torch memory. Since vLLM 0.7 (PR #12126) the profile's baseline snapshot is taken after the
   CUDA context and, in 0.32, after the distributed set-up (vllm/v1/worker/gpu_worker.py
   `init_device`: `init_worker_distributed_environment` runs before `MemorySnapshot`), so the CUDA
@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from app.sim.config import SimConfig
 from app.sim.step_memory import TopKTopP
 from app.units import GiB, MiB
+
+if TYPE_CHECKING:
+    from app.sim.model import SimModel
 
 Runner = Literal["v1", "v2"]
 
@@ -85,6 +88,73 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
+class RunnerRule:
+    """How one vLLM release picks its model runner by default (CUDA, Triton installed,
+    `VLLM_USE_V2_MODEL_RUNNER` unset), as read in that release's vllm/config/vllm.py."""
+
+    since: tuple[int, int, int]
+    # `_is_default_v2_model_runner_model`: None = every model (0.29.0 on: the check is gone);
+    # else the listed architectures (DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES) ...
+    listed: frozenset[str] | None
+    dense_v2: bool = False  # ... or any model that is not MoE (0.25.0 on)
+    listed_hybrid_v2: bool = False  # a hybrid (recurrent-state) model only if listed (0.28.0)
+    # `_get_v2_model_runner_unsupported_features`, speculative methods: the ones V2 runs
+    # (an allow-list, before 0.30) or the ones it does not (a block-list, from 0.30).
+    spec_allowed: frozenset[str] | None = None
+    spec_blocked: frozenset[str] = frozenset()
+
+    def picks_v2(self, model: SimModel, method: str | None) -> bool:
+        return self._default_model(model) and self._runs_drafter(method)
+
+    def _default_model(self, model: SimModel) -> bool:
+        if self.listed is None:
+            return True
+        listed = bool(self.listed & set(model.architectures))
+        hybrid, moe = "mamba" in model.layer_kinds, model.num_experts > 0
+        if not self.dense_v2:  # 0.22.0: listed, not MoE, no inner state
+            return listed and not moe and not hybrid
+        if hybrid and not (listed and self.listed_hybrid_v2):
+            return False
+        return model.attention_layers > 0 and (listed or not moe)
+
+    def _runs_drafter(self, method: str | None) -> bool:
+        if method is None:
+            return True
+        if self.spec_allowed is not None:
+            return method in self.spec_allowed
+        return method not in self.spec_blocked
+
+
+_NGRAM = frozenset({"ngram", "ngram_gpu"})
+_EAGLE = frozenset({"eagle", "eagle3", "mtp"})
+_MOE_25 = frozenset({"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"})
+_MOE_26 = _MOE_25 | {"InklingForCausalLM", "InklingForConditionalGeneration", "LongcatFlashNgramForCausalLM"}
+_MOE_28 = _MOE_26 | {"DeepseekV4ForCausalLM", "KimiK3ForConditionalGeneration"}
+_OTHER_DRAFTERS = frozenset({"suffix", "medusa", "mlp_speculator", "custom_class"})
+# Read in the wheels of 0.21.0, 0.22.0, 0.25.0, 0.26.0, 0.28.0, 0.29.0, 0.30.0, 0.31.0, 0.32.0 and
+# 0.33.0; a release between two read ones follows the older (0.23, 0.24, 0.27 are not read).
+RUNNER_RULES = (
+    # 0.21.0 and before: V2 only on request (envs.py: VLLM_USE_V2_MODEL_RUNNER defaults to 0).
+    RunnerRule((0, 0, 0), frozenset()),
+    RunnerRule((0, 22, 0), frozenset({"Qwen3ForCausalLM"}), spec_allowed=_EAGLE),
+    RunnerRule((0, 25, 0), _MOE_25, dense_v2=True, spec_allowed=_EAGLE | {"dflash", "dspark"}),
+    RunnerRule((0, 26, 0), _MOE_26, dense_v2=True, spec_allowed=_EAGLE | {"dflash", "dspark"}),
+    RunnerRule((0, 28, 0), _MOE_28, dense_v2=True, listed_hybrid_v2=True, spec_allowed=_EAGLE | {"dflash", "dspark"}),
+    RunnerRule((0, 29, 0), None, spec_allowed=_EAGLE | {"dflash", "dspark", "extract_hidden_states"}),
+    RunnerRule((0, 30, 0), None, spec_blocked=_NGRAM | _OTHER_DRAFTERS | {"draft_model"}),
+    RunnerRule((0, 31, 0), None, spec_blocked=_NGRAM | _OTHER_DRAFTERS),
+    RunnerRule((0, 32, 0), None, spec_blocked=_OTHER_DRAFTERS),
+    RunnerRule((0, 33, 0), None, spec_blocked=frozenset({"suffix", "custom_class"})),
+)
+
+
+def default_runner(version: tuple[int, int, int], model: SimModel, speculative_method: str | None) -> Runner:
+    """The runner vLLM `version` runs `model` on by itself (no FlashInfer/ROCm/env override)."""
+    rule = max((r for r in RUNNER_RULES if r.since <= version), key=lambda r: r.since)
+    return "v2" if rule.picks_v2(model, speculative_method) else "v1"
+
+
+@dataclass(frozen=True)
 class Flavor:
     """The vLLM release and model runner a simulated engine plays."""
 
@@ -93,11 +163,12 @@ class Flavor:
     top_k_top_p: TopKTopP
 
     @classmethod
-    def of(cls, cfg: SimConfig) -> Flavor:
+    def of(cls, cfg: SimConfig, model: SimModel) -> Flavor:
         version = parse_version(cfg.vllm_version)
         runner = cfg.model_runner
         if runner == "auto":
-            runner = "v2" if version >= (0, 32, 0) else "v1"
+            method = (cfg.speculative_config or {}).get("method")
+            runner = default_runner(version, model, None if method is None else str(method))
         return cls(version, runner, top_k_top_p(version, cfg.sampler))
 
     @property

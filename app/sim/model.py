@@ -135,6 +135,7 @@ class SimModel:
     mamba: MambaShape | None = None
     tie_word_embeddings: bool = False
     extra_parameters: int = 0  # vision tower and projector of a multimodal checkpoint
+    architectures: tuple[str, ...] = ()  # config.json's, which vLLM's runner rule reads
 
     @property
     def is_mla(self) -> bool:
@@ -279,6 +280,7 @@ def read_config(config: dict[str, Any], name: str, dtype: str = "auto") -> SimMo
         mamba=_mamba_shape(text, hidden) if "mamba" in kinds else None,
         tie_word_embeddings=bool(_attr(outer, "tie_word_embeddings", False) or get("tie_word_embeddings", False)),
         extra_parameters=_vision_parameters(outer, hidden),
+        architectures=tuple(str(a) for a in config.get("architectures") or ()),
     )
 
 

@@ -157,7 +157,7 @@ def resolve(cfg: SimConfig, model: SimModel, total: int) -> Resolved:
         workspace = cdiv(max(min(max(8 * max_len, 4 * mns * block), MLA_WORKSPACE_CAP), block), block) * block
     return Resolved(
         m,
-        Flavor.of(cfg),
+        Flavor.of(cfg, m),
         layout,
         dims,
         max_len,

@@ -19,8 +19,10 @@ vLLM's code (paths in vllm-project/vllm):
   builds fp32 scores and their softmax, `heads x q_len x kv_len`, one request at a time (a
   non-flash path; when every
   attention layer is sliding or chunked, kv_len stops at the window); `mla`
-  (v1/attention/backends/mla/common.py) up-projects the new tokens' K/V and then, per
-  chunked-prefill workspace pass, `chunk x heads x (nope + v)` and `chunk x heads x (nope + rope)`.
+  (model_executor/layers/attention/mla_attention.py, `_mla_prefill`) up-projects the new tokens'
+  K/V and then, per chunked-prefill workspace pass of W tokens, `W x heads x (nope + v)` and
+  `W x heads x (nope + rope)`; the profile run, which has no attention metadata, allocates
+  `W x heads x (nope + v)` in their stead (`forward_impl`), so only the rest is unprofiled.
 - logits and sampler. Top-k/top-p take the path the release picks on CUDA (app/sim/flavor.py,
   `TopKTopP`): FlashInfer samples from the logits (v1/sample/ops/topk_topp_sampler.py
   `flashinfer_sample` -> FlashInfer's `top_k_top_p_sampling_from_logits`: an fp32 masked copy and
@@ -215,6 +217,12 @@ class StepMemory:
         t.alloc("attn_out", n_tok * d.q_heads * v_dim * dt)
         if shape.attention:
             self._attention_transients(t, shape)
+        elif self.backend == "mla" and d.is_mla and self.mla_workspace_tokens:
+            # The profile run (no attention metadata) stands in for the context up-projection:
+            # `forward_impl` allocates `[W, heads, nope + v]`, alive until the layer returns.
+            kv_nope = self.mla_workspace_tokens * d.q_heads * (d.qk_nope_head_dim + d.v_head_dim) * dt
+            t.alloc("mla_profile_kv_nope", kv_nope)
+            t.free("mla_profile_kv_nope")
         t.free("q", "kv_c") if d.is_mla else t.free("qkv")
         t.alloc("o_proj", n_tok * d.hidden * dt)
         t.free("attn_out", "hidden")
@@ -228,19 +236,32 @@ class StepMemory:
             t.alloc("attn_probs", d.q_heads * worst * dt)
             t.free("attn_scores", "attn_probs")
         elif self.backend == "mla" and d.is_mla:
-            prefills = [r for r in shape.reqs if r.num_new_tokens > 1]
-            if not prefills:
-                return
-            new = sum(r.num_new_tokens for r in prefills)
-            per_tok = d.q_heads * (2 * d.qk_nope_head_dim + d.v_head_dim + d.qk_rope_head_dim)
-            t.alloc("mla_new_kv", new * per_tok * dt)
-            context = sum(r.num_context for r in prefills)
-            chunk = min(context, self.mla_workspace_tokens or context)
-            if chunk:
-                t.alloc("mla_ctx_kv", chunk * per_tok * dt)
-                t.alloc("mla_ctx_out", new * d.q_heads * (d.v_head_dim * dt + 4))
-                t.free("mla_ctx_kv", "mla_ctx_out")
-            t.free("mla_new_kv")
+            self._mla_prefill(t, shape)
+
+    def _mla_prefill(self, t: _Tape, shape: StepShape) -> None:
+        """vLLM 0.32.0 model_executor/layers/attention/mla_attention.py, the prefill path of
+        `MLACommonBaseImpl.forward_mha`: the new tokens' `kv_b_proj` output `[new, heads, nope + v]`
+        and `k = _concat_k_nope_k_pe(...)` `[new, heads, nope + rope]` (v is a view), their
+        attention output and fp32 LSE, kept while `_compute_prefill_context` walks the computed
+        context in workspace-sized passes (`build_mla_chunked_context_metadata`: the prefills'
+        contexts packed into passes of at most W tokens), each pass up-projecting its tokens the
+        same way and producing one more output + LSE before `merge_attn_states`."""
+        d, dt = self.d, self.d.dtype_bytes
+        prefills = [r for r in shape.reqs if r.num_new_tokens > 1]
+        if not prefills:
+            return
+        new = sum(r.num_new_tokens for r in prefills)
+        per_tok = d.q_heads * ((d.qk_nope_head_dim + d.v_head_dim) + (d.qk_nope_head_dim + d.qk_rope_head_dim)) * dt
+        out_bytes = new * d.q_heads * (d.v_head_dim * dt + 4)
+        t.alloc("mla_new_kv", new * per_tok)
+        context = sum(r.num_context for r in prefills)
+        piece = min(context, self.mla_workspace_tokens or context)
+        if piece:
+            t.alloc("mla_suffix_out", out_bytes)
+            t.alloc("mla_ctx_kv", piece * per_tok)
+            t.alloc("mla_ctx_out", out_bytes)
+            t.free("mla_ctx_kv", "mla_ctx_out", "mla_suffix_out")
+        t.free("mla_new_kv")
 
     def _kv_len(self, r: ReqSlice) -> int:
         """Keys one of the request's new tokens attends to at most."""
