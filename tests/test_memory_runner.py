@@ -44,6 +44,12 @@ V = 128256
         ("0.22.0", {"architectures": ["Qwen3ForCausalLM"], "quantized": True}, "v1"),
         ("0.32.0", {"speculative_method": "medusa"}, "v1"),  # unsupported by V2: vLLM falls back
         ("0.32.0", {"speculative_method": "ngram"}, "v2"),
+        ("0.31.0", {"speculative_method": "ngram"}, "v1"),  # n-gram reached V2 in 0.32.0
+        ("0.30.0", {"speculative_method": "draft_model"}, "v1"),  # a draft model in 0.31.0
+        ("0.31.0", {"speculative_method": "draft_model"}, "v2"),
+        ("0.29.0", {"speculative_method": "eagle3"}, "v2"),  # before 0.30: an allow-list
+        ("0.29.0", {"speculative_method": "ngram"}, "v1"),
+        ("0.33.0", {"speculative_method": "medusa"}, "v2"),
     ],
 )
 def test_the_runner_follows_vllms_rule_for_that_version(version: str, kwargs: dict, runner: str) -> None:

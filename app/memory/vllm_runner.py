@@ -9,8 +9,13 @@ unset):
   ({Qwen3ForCausalLM}), and not for MoE or quantized models (``_is_default_v2_model_runner_model``).
 - 0.25.0 - 0.28.0: V2 for every generate model that is not MoE, hybrid or attention-free, and
   for the listed MoE architectures (0.28.0: listed hybrids too).
-- 0.29.0 - 0.33.0: V2 unless a feature is unsupported (``_get_v2_model_runner_unsupported_features``:
-  speculative methods suffix, medusa, mlp_speculator, custom_class) or Triton is missing.
+- 0.29.0 - 0.33.0: V2 unless a feature is unsupported (``_get_v2_model_runner_unsupported_features``)
+  or Triton is missing.
+- Speculative decoding keeps a model on V1 unless V2 runs its method: before 0.30.0 an allow-list
+  (0.22.0: eagle, eagle3, mtp; 0.25.0: + dflash, dspark; 0.29.0: + extract_hidden_states), from
+  0.30.0 a block-list (0.30.0: ngram, ngram_gpu, draft_model, suffix, medusa, mlp_speculator,
+  custom_class; 0.31.0: draft_model leaves it; 0.32.0: ngram and ngram_gpu leave it; 0.33.0:
+  suffix and custom_class only).
 
 A version between two read ones is taken to follow the older one's rule; one newer than any
 read follows the newest, with a warning naming both.
@@ -46,8 +51,11 @@ SamplerBackend = Literal["flashinfer", "triton", "pytorch"]
 SAMPLER_BACKENDS: tuple[SamplerBackend, ...] = ("flashinfer", "triton", "pytorch")
 PROCESSED_LOGPROBS_MODES = frozenset({"processed_logits", "processed_logprobs"})  # vllm/config/model.py
 
-# vllm/config/vllm.py: the speculative methods V2 does not run (0.29.0 - 0.33.0).
-V2_UNSUPPORTED_SPECULATIVE_METHODS = frozenset({"suffix", "medusa", "mlp_speculator", "custom_class"})
+# vllm/config/vllm.py `_get_v2_model_runner_unsupported_features` (and its allow-list before 0.30.0):
+# the speculative methods each release's V2 runs, or does not.
+_EAGLE = frozenset({"eagle", "eagle3", "mtp"})
+_NGRAM = frozenset({"ngram", "ngram_gpu"})
+_OTHER_DRAFTERS = frozenset({"suffix", "medusa", "mlp_speculator", "custom_class"})
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,16 @@ class RunnerRule:
     v2_architectures: frozenset[str] = frozenset()  # DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES
     dense_models_v2: bool = False  # 0.25.0+: non-MoE models default to V2 too
     listed_hybrids_v2: bool = False  # 0.28.0+: a listed architecture may be hybrid
+    spec_allowed: frozenset[str] | None = None  # before 0.30.0: the speculative methods V2 runs
+    spec_blocked: frozenset[str] = frozenset()  # from 0.30.0: the ones it does not
+
+    def runs_drafter(self, speculative_method: str | None) -> bool:
+        """Whether this release's V2 runs `speculative_method` (None: no speculative decoding)."""
+        if speculative_method is None:
+            return True
+        if self.spec_allowed is not None:
+            return speculative_method in self.spec_allowed
+        return speculative_method not in self.spec_blocked
 
     def picks_v2(self, architectures: Collection[str], is_moe: bool, is_hybrid: bool, quantized: bool) -> bool:
         if self.v2_by_default:
@@ -75,12 +93,18 @@ _MOE_25 = frozenset({"DeepseekV2ForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoe
 _MOE_26 = _MOE_25 | {"InklingForCausalLM", "InklingForConditionalGeneration", "LongcatFlashNgramForCausalLM"}
 _MOE_28 = _MOE_26 | {"DeepseekV4ForCausalLM", "KimiK3ForConditionalGeneration"}
 
+_DRAFT_HEADS = _EAGLE | {"dflash", "dspark"}
 KNOWN_RULES = (
-    RunnerRule("0.22.0", False, frozenset({"Qwen3ForCausalLM"})),
-    RunnerRule("0.25.0", False, _MOE_25, dense_models_v2=True),
-    RunnerRule("0.26.0", False, _MOE_26, dense_models_v2=True),
-    RunnerRule("0.28.0", False, _MOE_28, dense_models_v2=True, listed_hybrids_v2=True),
-    RunnerRule("0.29.0", True),  # the same in 0.30.0 - 0.33.0 (ROCm's own V1 list aside)
+    RunnerRule("0.22.0", False, frozenset({"Qwen3ForCausalLM"}), spec_allowed=_EAGLE),
+    RunnerRule("0.25.0", False, _MOE_25, dense_models_v2=True, spec_allowed=_DRAFT_HEADS),
+    RunnerRule("0.26.0", False, _MOE_26, dense_models_v2=True, spec_allowed=_DRAFT_HEADS),
+    RunnerRule("0.28.0", False, _MOE_28, dense_models_v2=True, listed_hybrids_v2=True, spec_allowed=_DRAFT_HEADS),
+    # every model from 0.29.0 (ROCm's own V1 list aside); only the speculative methods change
+    RunnerRule("0.29.0", True, spec_allowed=_DRAFT_HEADS | {"extract_hidden_states"}),
+    RunnerRule("0.30.0", True, spec_blocked=_NGRAM | _OTHER_DRAFTERS | {"draft_model"}),
+    RunnerRule("0.31.0", True, spec_blocked=_NGRAM | _OTHER_DRAFTERS),
+    RunnerRule("0.32.0", True, spec_blocked=_OTHER_DRAFTERS),
+    RunnerRule("0.33.0", True, spec_blocked=frozenset({"suffix", "custom_class"})),
 )
 # Every version whose code was read for this rule and for the runners' memory terms.
 READ_VERSIONS = ("0.22.0", "0.25.0", "0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
@@ -230,7 +254,6 @@ def resolve_runtime(
         runner = model_runner  # type: ignore[assignment]
         source = "--model-runner"
     else:
-        v2 = rule.picks_v2(architectures, is_moe, is_hybrid, quantized)
-        v2 = v2 and speculative_method not in V2_UNSUPPORTED_SPECULATIVE_METHODS
+        v2 = rule.picks_v2(architectures, is_moe, is_hybrid, quantized) and rule.runs_drafter(speculative_method)
         runner, source = ("v2" if v2 else "v1"), "vLLM's rule"
     return VllmRuntime(version, known, runner, source, path.backend, warning, path.sort_below_rows, path.source)
