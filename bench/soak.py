@@ -85,6 +85,9 @@ HOSTILE_SHARE = 0.05
 KILL_AT, HANG_AT = 0.4, 0.7  # fractions of the requests sent when each fault starts
 CLIENT_TIMEOUT_S = 90.0  # a request with no answer by then is "no answer" (a failure)
 FAULT_GRACE_S = 2.0
+HANG_PROBES = 8  # requests sent once kvgate says the backend hangs
+HANG_PROBE_HELD_S = 2.0  # how long they wait at least before the backend answers again
+HANG_GIVE_UP_S = 30.0
 # Codes of kvgate's own 5xx that are honest while the backend is dead or hung (app/errors.py).
 BACKEND_FAULT_CODES = frozenset({"backend_unavailable", "kvgate_not_ready", "backend_error", "backend_timeout"})
 WARMUP_SHARE = 0.1
@@ -513,6 +516,8 @@ class Faults:
     stop: float | None = None
     cont: float | None = None
     hang_queue_depth_max: float = 0.0
+    hang_declared: float | None = None  # when /readyz first said 503 during the hang
+    hang_probes: list[Answer] = field(default_factory=list)
     restart_s: float | None = None
 
     def windows(self) -> list[tuple[float, float]]:
@@ -543,6 +548,13 @@ class SoakResult:
     kvgate_command: list[str] = field(default_factory=list)
     sim_command: list[str] = field(default_factory=list)
     kvgate_log_errors: list[str] = field(default_factory=list)
+
+
+async def _probe(url: str, i: int) -> Answer:
+    """One short completion sent while the backend hangs (on a connection of its own)."""
+    path, body = _generation(random.Random(i), False, 8)
+    async with client_for(url) as own:
+        return await shoot(own, url, Shot(-1 - i, "probe", "hang_probe", path=path, body=_json(body)))
 
 
 async def _drive(
@@ -583,8 +595,23 @@ async def _drive(
         await hang_now.wait()
         faults.stop = time.monotonic()
         backend.signal(signal.SIGSTOP)
+        # The closed-loop clients are all stuck on requests forwarded before kvgate could tell, so
+        # once /readyz says the backend is not answering, fresh probe requests arrive: they must
+        # wait in kvgate's queue and be served once the backend is back. The hang lasts hang_s, and
+        # at least HANG_PROBE_HELD_S past the probes' arrival (never past HANG_GIVE_UP_S).
+        probes: list[asyncio.Task[Answer]] = []
         async with httpx.AsyncClient(base_url=url, timeout=5) as c:
-            while time.monotonic() - faults.stop < hang_s:
+            while True:
+                now = time.monotonic()
+                if now - faults.stop >= HANG_GIVE_UP_S:
+                    break
+                if faults.hang_declared is None:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await c.get("/readyz")).status_code == 503:
+                            faults.hang_declared = time.monotonic()
+                            probes = [asyncio.create_task(_probe(url, i)) for i in range(HANG_PROBES)]
+                elif now - faults.stop >= hang_s and now - faults.hang_declared >= HANG_PROBE_HELD_S:
+                    break
                 with contextlib.suppress(httpx.HTTPError):
                     page = (await c.get("/metrics")).text
                     m = re.search(r"^kvgate_queue_depth ([0-9.eE+-]+)$", page, re.M)
@@ -593,6 +620,7 @@ async def _drive(
                 await asyncio.sleep(0.2)
         backend.signal(signal.SIGCONT)
         faults.cont = time.monotonic()
+        faults.hang_probes = list(await asyncio.gather(*probes))
 
     async def sampler() -> None:
         while True:
@@ -811,6 +839,13 @@ def summary(r: SoakResult) -> dict[str, Any]:
             "outcomes": dict(Counter(a.outcome for a in hang_arrivals)),
             "admitted_queue_wait_p50_s": percentile(hang_waits, 0.5),
             "max_queue_depth": r.faults.hang_queue_depth_max,
+            "declared_after_s": None
+            if r.faults.hang_declared is None or r.faults.stop is None
+            else round(r.faults.hang_declared - r.faults.stop, 2),
+            "probes": dict(Counter(a.outcome for a in r.faults.hang_probes)),
+            "probe_queue_wait_p50_s": percentile(
+                [a.queue_wait_s for a in r.faults.hang_probes if a.queue_wait_s is not None], 0.5
+            ),
             "kvgate_5xx": sum(is_kvgate_5xx(a, windows) for a in hang_arrivals),
         },
         "kvgate_log_errors": r.kvgate_log_errors,
@@ -846,9 +881,12 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         ("requests with no answer", s["no_answer"], s["no_answer"] == 0, TARGETS["no_answer"]),
         (
-            "backend hung: new arrivals held in kvgate's queue (its depth at most)",
-            f"{s['hang']['max_queue_depth']:g}",
-            s["hang"]["max_queue_depth"] > 0 and s["hang"]["kvgate_5xx"] == 0,
+            "backend hung: requests sent once it is detected wait in kvgate's queue (its depth at "
+            "most; their answers once it is back)",
+            f"{s['hang']['max_queue_depth']:g}; " + ", ".join(f"{k}: {v}" for k, v in s["hang"]["probes"].items()),
+            s["hang"]["max_queue_depth"] > 0
+            and s["hang"]["kvgate_5xx"] == 0
+            and s["hang"]["probes"] == {"200": HANG_PROBES},
             TARGETS["hang_queued"],
         ),
     ]
@@ -893,7 +931,10 @@ def markdown(s: dict[str, Any], command: str, machine: dict[str, Any]) -> str:
         f"{s['load_average_mean']} (other work shares it).",
         f"- Hang: {hang['arrivals']} arrivals while the backend was stopped "
         f"({', '.join(f'{k}: {v}' for k, v in hang['outcomes'].items())}); kvgate's queue held up to "
-        f"{hang['max_queue_depth']:g}; median queue wait of those admitted: {hang['admitted_queue_wait_p50_s']} s.",
+        f"{hang['max_queue_depth']:g}; median queue wait of those admitted: {hang['admitted_queue_wait_p50_s']} s. "
+        f"kvgate declared the hang {hang['declared_after_s']} s after the SIGSTOP; the {HANG_PROBES} requests sent "
+        f"then: {', '.join(f'{k}: {v}' for k, v in hang['probes'].items())}, median queue wait "
+        f"{hang['probe_queue_wait_p50_s']} s.",
         "",
         "| hostile variant | outcomes |",
         "|---|---|",

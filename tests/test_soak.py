@@ -43,3 +43,6 @@ def test_ledger_is_empty_after_the_soak(short_soak: dict) -> None:
 def test_both_faults_happened_during_the_load(short_soak: dict) -> None:
     assert short_soak["kill"]["restart_s"] is not None
     assert short_soak["hang"]["arrivals"] > 0
+    # requests sent once kvgate saw the hang waited in its queue and were served after it
+    assert short_soak["hang"]["max_queue_depth"] > 0
+    assert short_soak["hang"]["probes"] == {"200": soak.HANG_PROBES}
