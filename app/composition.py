@@ -233,7 +233,7 @@ class Runtime:
             predictor,
             settings.free_memory_bytes,
             settings.gpu_memory_bytes,
-            settings.kv_cache_memory_bytes,
+            deployment.kv_cache_memory_bytes,
             settings.cuda_context_bytes,
         )
         self.deployment, self.pipeline.predictor = deployment, predictor

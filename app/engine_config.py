@@ -90,6 +90,7 @@ class Deployment:
     attention_backend: str
     num_gpu_blocks: int | None
     mamba_cache_mode: str = "none"
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-memory-bytes: a fixed pool
     reported_request_blocks: float | None = None  # vLLM's blocks per max_model_len request
     runtime: VllmRuntime = field(default_factory=lambda: resolve_runtime(None))
     num_speculative_tokens: int = 0
@@ -259,6 +260,13 @@ def resolve(
             "num_gpu_blocks", flags.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said
         ),
         mamba_cache_mode=cache.mamba_cache_mode or "none",
+        kv_cache_memory_bytes=_prefer(
+            "kv_cache_memory_bytes",
+            flags.kv_cache_memory_bytes,
+            cache.kv_cache_memory_bytes,
+            "kv_cache_memory_bytes" in given,
+            said,
+        ),
         reported_request_blocks=cache.max_request_blocks,
         runtime=vllm_runtime(flags, geometry, reported_version),
         num_speculative_tokens=flags.num_speculative_tokens,

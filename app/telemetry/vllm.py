@@ -45,6 +45,8 @@ class CacheConfig:
     # Pool blocks one max_model_len request takes by vLLM's own count (vLLM >= 0.11 states its
     # capacity as num_gpu_blocks / that); kvgate checks its layout of the model against it.
     max_request_blocks: float | None = None
+    # --kv-cache-memory-bytes: a fixed pool; gpu_memory_utilization then bounds nothing (vllm/config/cache.py)
+    kv_cache_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ def _cache_config(labels: list[dict[str, str]]) -> CacheConfig:
         gpu_memory_utilization=_float(first.get("gpu_memory_utilization")),
         mamba_cache_mode=_str(first.get("mamba_cache_mode")),
         max_request_blocks=_ratio(_int(first.get("num_gpu_blocks")), _float(first.get("kv_cache_max_concurrency"))),
+        kv_cache_memory_bytes=_int(first.get("kv_cache_memory_bytes")),
     )
 
 
