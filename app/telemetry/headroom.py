@@ -13,7 +13,14 @@ to the size of the emptied region. Per device, over one engine life:
                     min(profile peak, max(0, gpu_memory_utilization x total_d - server_used_at_start_d))
 
 where the server is the process holding the most memory at the first reading of the life (vLLM's
-engine: its KV pool dominates). `growth` is what PyTorch's caching allocator has reserved since
+engine: its KV pool dominates). With `--kv-cache-memory-bytes` the pool is fixed and vLLM's
+utilization envelope bounds nothing (vllm/config/cache.py `kv_cache_memory_bytes`, vLLM 0.32.0),
+so the engine usually holds more than utilization x total and the formula gives 0. On Model
+Runner V2 that would hide the whole profile region: V2 empties the allocator's cache after
+capturing its graphs and, unlike V1, warms no sampler up after it (v1/worker/gpu_worker.py
+`compile_or_warm_up_model`, v1/worker/gpu/model_runner.py `capture_model`), so every profiled
+tensor comes back out of free memory: `profiled_cap` is the whole profile peak there. On V1 the
+sampler warm-up re-reserves the sampler's blocks after capture and kvgate keeps the formula. `growth` is what PyTorch's caching allocator has reserved since
 start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
 tensor reuses it, so without it every large request would shrink the headroom for good.
 `profiled_cap` is the part of vLLM's own envelope (utilization x total) its engine did not hold
@@ -60,14 +67,25 @@ class HeadroomTracker:
         now = next((p.used_bytes for p in known if p.pid == pid), None)
         return 0 if now is None else max(0, now - start)
 
-    def _profiled_cap(self, device: DeviceMemory, utilization: float | None, profile_peak: int) -> int:
+    def _profiled_cap(
+        self, device: DeviceMemory, utilization: float | None, profile_peak: int, emptied_whole: bool
+    ) -> int:
+        if emptied_whole:
+            return profile_peak
         start = self._start.get(device.gpu)
         if utilization is None or start is None:
             return 0
         return min(profile_peak, max(0, int(utilization * device.total) - start[1]))
 
-    def update(self, reading: GpuReading, utilization: float | None = None, profile_peak: int = 0) -> Headroom | None:
-        """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known."""
+    def update(
+        self,
+        reading: GpuReading,
+        utilization: float | None = None,
+        profile_peak: int = 0,
+        profile_emptied_whole: bool = False,
+    ) -> Headroom | None:
+        """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known;
+        `profile_emptied_whole`: a fixed pool on Model Runner V2 (see the module docstring)."""
         if not reading.devices:
             return None
         growth = {d.gpu: self._growth(d) for d in reading.devices}
@@ -75,5 +93,7 @@ class HeadroomTracker:
             bytes=min(d.free + growth[d.gpu] for d in reading.devices),
             server_growth=max(growth.values()),
             min_free=min(d.free for d in reading.devices),
-            profiled_cap=max(self._profiled_cap(d, utilization, profile_peak) for d in reading.devices),
+            profiled_cap=max(
+                self._profiled_cap(d, utilization, profile_peak, profile_emptied_whole) for d in reading.devices
+            ),
         )

@@ -60,6 +60,7 @@ class LiveBudget:
         probe: GpuProbe,
         resync: Callable[[], Awaitable[None]],
         block_size: Callable[[], int],
+        runner: Callable[[], str] = lambda: "v1",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -71,6 +72,7 @@ class LiveBudget:
         self.probe = probe
         self.resync = resync
         self.block_size = block_size
+        self.runner = runner
         self.clock = clock
         self.calibration = Calibration(
             CalibrationConfig(
@@ -277,6 +279,13 @@ class LiveBudget:
         reported = cache.gpu_memory_utilization if cache else None
         return reported or self.settings.gpu_memory_utilization
 
+    def fixed_pool(self) -> bool:
+        """Whether vLLM runs with --kv-cache-memory-bytes (its cache_config_info, else the flag)."""
+        cache = self.snapshot.cache_config if self.snapshot else None
+        return (cache is not None and cache.kv_cache_memory_bytes is not None) or (
+            self.settings.kv_cache_memory_bytes is not None
+        )
+
     def _gpu(self, reading: GpuReading, now: float) -> None:
         if reading.error is not None:
             self.metrics.gpu_probe_up.set(0)
@@ -285,7 +294,12 @@ class LiveBudget:
         self.metrics.gpu_probe_up.set(1)
         for device in reading.devices:
             self.metrics.gpu_free.labels(device.gpu).set(device.free)
-        headroom = self.headroom.update(reading, self.utilization(), self.budget.profiled_peak_bytes)
+        headroom = self.headroom.update(
+            reading,
+            self.utilization(),
+            self.budget.profiled_peak_bytes,
+            self.fixed_pool() and self.runner() == "v2",
+        )
         if headroom is None:
             return
         self.last_gpu = now
