@@ -8,12 +8,13 @@ import pytest
 from app.sim.config import SimConfig
 from app.sim.engine import Engine
 from app.sim.flavor import Flavor, top_k_top_p
-from app.sim.gpu import CachingAllocator, Device, GiB
+from app.sim.gpu import CachingAllocator, Device
 from app.sim.model import load_model
 from app.sim.request import Request, Sampling
 from app.sim.scheduler import ScheduledReq, SchedulerOutput
 from app.sim.startup import resolve, triton_buffer_bytes
 from app.sim.step_memory import ModelDims, ReqSlice, StepMemory, StepShape, TopKTopP, run_tape
+from app.units import GiB
 
 V = 128256
 DIMS = ModelDims(
