@@ -140,7 +140,7 @@ class Runtime:
             probe,
             self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
-            lambda: self.deployment.runtime.runner if self.deployment else "v1",
+            lambda: self.deployment is not None and self.deployment.profile_emptied_whole,
         )
         self.budget.set_backend("up")  # from here on the live loop keeps the view true
         interval = self.settings.scrape_interval

@@ -97,6 +97,12 @@ class Deployment:
     enforce_eager: bool = False
     drafter: Drafter | None = None  # --speculative-config's draft model (app/speculative.py)
 
+    @property
+    def profile_emptied_whole(self) -> bool:
+        """A fixed pool on Model Runner V2: the live headroom charges the whole profile peak to
+        free memory (app/telemetry/headroom.py says why)."""
+        return self.kv_cache_memory_bytes is not None and self.runtime.runner == "v2"
+
     def engine_shape(self) -> EngineShape:
         return EngineShape(
             max_model_len=self.max_model_len,

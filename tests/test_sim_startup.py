@@ -40,7 +40,6 @@ class LoggedStartup:
     weights_gib: float
     available_gib: float  # "Available KV cache memory" (or available_kv_cache_memory)
     config_file: str | None = None  # the model's config.json in tests/configs, if not a preset
-    misses: str | None = None  # why the simulator misses this row today (a strict xfail)
 
 
 CALIBRATION = [
@@ -130,10 +129,7 @@ CALIBRATION = [
 
 @pytest.mark.parametrize(
     "row",
-    [
-        pytest.param(r, id=r.source, marks=[pytest.mark.xfail(strict=True, reason=r.misses)] if r.misses else [])
-        for r in CALIBRATION
-    ],
+    [pytest.param(r, id=r.source) for r in CALIBRATION],
 )
 def test_available_kv_memory_matches_public_logs(row: LoggedStartup, tmp_path: Path) -> None:
     """Every row of the calibration table within max(0.6 GiB, 4 %) of vLLM's logged figure.

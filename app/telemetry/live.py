@@ -60,7 +60,7 @@ class LiveBudget:
         probe: GpuProbe,
         resync: Callable[[], Awaitable[None]],
         block_size: Callable[[], int],
-        runner: Callable[[], str] = lambda: "v1",
+        profile_emptied_whole: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -72,7 +72,7 @@ class LiveBudget:
         self.probe = probe
         self.resync = resync
         self.block_size = block_size
-        self.runner = runner
+        self.profile_emptied_whole = profile_emptied_whole  # app/telemetry/headroom.py
         self.clock = clock
         self.calibration = Calibration(
             CalibrationConfig(
@@ -279,13 +279,6 @@ class LiveBudget:
         reported = cache.gpu_memory_utilization if cache else None
         return reported or self.settings.gpu_memory_utilization
 
-    def fixed_pool(self) -> bool:
-        """Whether vLLM runs with --kv-cache-memory-bytes (its cache_config_info, else the flag)."""
-        cache = self.snapshot.cache_config if self.snapshot else None
-        return (cache is not None and cache.kv_cache_memory_bytes is not None) or (
-            self.settings.kv_cache_memory_bytes is not None
-        )
-
     def _gpu(self, reading: GpuReading, now: float) -> None:
         if reading.error is not None:
             self.metrics.gpu_probe_up.set(0)
@@ -298,7 +291,7 @@ class LiveBudget:
             reading,
             self.utilization(),
             self.budget.profiled_peak_bytes,
-            self.fixed_pool() and self.runner() == "v2",
+            self.profile_emptied_whole(),
         )
         if headroom is None:
             return
