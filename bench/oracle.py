@@ -49,9 +49,11 @@ objects; the carried-over tensors mapped onto the copies). `copy.deepcopy` of a 
 requests per arrival was what made the arm unmeasurable under S4's spike.
 
 The copy leaves out the KV block pool (copying it per check is too slow): in the dry run every
-KV allocation succeeds and no prefix is cached, so it batches and computes at least as much as
-the real scheduler (the safe side). It does not plan KV capacity (a full pool means preemption,
-not OOM: the scheduler copes) and it cannot see steps beyond its horizon (a step after the
+KV allocation succeeds, so it batches at least as many requests as the real scheduler (the safe
+side); prefix-cache hits are taken from the live pool's cached hashes and the blocks the dry run
+itself allocates (see _DryKV: without them, n > 1 siblings recomputed their prompt and the dry
+run sampled fewer rows per step than the engine). It does not plan KV capacity (a full pool
+means preemption, not OOM: the scheduler copes) and it cannot see steps beyond its horizon (a step after the
 candidates' first tokens is checked only as part of later checks' dry runs, while requests
 wait), so it is a ceiling for memory knowledge, not for scheduling: it admits whatever memory
 allows, however many sequences that makes.
@@ -66,14 +68,14 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.sim.api import Parsed, SimApiError, parse
-from app.sim.blocks import chained_hashes
+from app.sim.blocks import KVCacheManager, chained_hashes
 from app.sim.carryover import CrossStepTensors
 from app.sim.engine import Engine
 from app.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
@@ -105,19 +107,52 @@ class _Null:
 _NULL = _Null()
 
 
-class _UnboundedKV:
-    """The dry run's KV manager: every allocation succeeds, no prefix hits. Copying the real
-    block pool (tens of thousands of blocks) per check is too slow; without it the dry run
-    batches at least as many tokens per step as the real scheduler would (conservative)."""
+class _DryKV:
+    """The dry run's KV manager: every allocation succeeds (copying the real block pool, tens of
+    thousands of blocks, per check is too slow; without its limit the dry run batches at least
+    as many requests per step as the real scheduler would), but prefix-cache hits are taken as
+    the real one takes them: a prompt block hits if the live pool has its hash cached or an
+    earlier request of the dry run has allocated it (vLLM caches a block when it allocates it,
+    so the n sequences of one request, or requests sharing a prompt, hit in the very step the
+    first of them computes it). Without hits, the n = 16 sequences of S8's requests each
+    recomputed their prompt in the dry run, a step held a few of them, and the real engine, whose
+    siblings hit, sampled several times as many rows at once: the oracle admitted, the engine
+    OOMed."""
 
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
+    def __init__(self, live: KVCacheManager, hashes: dict[str, list[int]]) -> None:
+        self.block_size = live.block_size
+        self.caching = live.caching
+        self.live_cached = live.pool.cached
+        self.hashes = hashes  # request id -> its prompt's chained block hashes
+        self.added: set[int] = set()
 
-    def allocate_slots(self, *a: Any, **k: Any) -> bool:
+    def register(self, req: Request, live: KVCacheManager) -> None:
+        """Know `req`'s prompt hashes (a dry request's token ids are not built): the live
+        manager's if it has hashed them, else computed once and kept in the memo."""
+        rid = req.request_id
+        if self.caching and rid not in self.hashes:
+            known = live.hashes.get(rid)
+            self.hashes[rid] = (
+                known if known is not None else chained_hashes(req.prompt_token_ids, self.block_size, 0, 0)
+            )
+
+    def get_computed_blocks(self, req_id: str, token_ids: Any) -> list[None]:
+        if not self.caching:
+            return []
+        hit = 0
+        for h in self.hashes.get(req_id, ())[: (len(token_ids) - 1) // self.block_size]:
+            if h not in self.live_cached and h not in self.added:
+                break
+            hit += 1
+        return [None] * hit  # the scheduler takes only their number
+
+    def allocate_slots(
+        self, req_id: str, token_ids: Any, num_computed: int, num_new: int, new_computed: Any = ()
+    ) -> bool:
+        if self.caching:
+            full = (num_computed + len(new_computed) * self.block_size + num_new) // self.block_size
+            self.added.update(self.hashes.get(req_id, ())[:full])
         return True
-
-    def get_computed_blocks(self, *a: Any, **k: Any) -> list:
-        return []
 
     def free(self, req_id: str) -> None:
         pass
@@ -128,8 +163,9 @@ class _UnboundedKV:
 
 # ----- the copy a dry run works on ---------------------------------------------------------------
 class _DryRequest(Request):
-    """A request in a dry run. Its KV manager (_UnboundedKV) never reads token ids, and the
-    scheduler only takes their number, so `all_token_ids` need not build prompt + output."""
+    """A request in a dry run. Its KV manager (_DryKV) hashes prompts itself, and the
+    scheduler only takes the number of token ids, so `all_token_ids` need not build prompt +
+    output."""
 
     @property
     def all_token_ids(self) -> range:  # type: ignore[override]
@@ -167,14 +203,14 @@ def _fork_memory(alloc: CachingAllocator, carry: CrossStepTensors) -> tuple[Cach
 
 
 def _fork(
-    engine: Engine, in_flight: Any, idle: bool, stops: Stops | None
+    engine: Engine, in_flight: Any, idle: bool, memo: Memo
 ) -> tuple[Scheduler, CachingAllocator, CrossStepTensors]:
     """A private copy of the engine at its next step: the step in flight counted, co-tenants at
     their size LOOKAHEAD_S ahead; `idle`: without its requests."""
     live = engine.scheduler
     sched = copy.copy(live)
     sched.__dict__.pop("schedule", None)  # the live scheduler's tracking wrapper: not for the copy
-    sched.kv = _UnboundedKV(live.kv.block_size)
+    sched.kv = kv = _DryKV(live.kv, memo.hashes)
     sched.prefix = PrefixStats()
     if idle:
         sched.running, sched.waiting = [], deque()
@@ -182,12 +218,14 @@ def _fork(
         twins = {id(r): _fork_request(r) for r in (*live.running, *live.waiting)}
         sched.running = [twins[id(r)] for r in live.running]
         sched.waiting = deque(twins[id(r)] for r in live.waiting)
+        for twin in twins.values():
+            kv.register(twin, live.kv)
         for sr in in_flight.scheduled if in_flight is not None else ():
             req = twins.get(id(sr.request))
             if req is None or req.status != Status.RUNNING:
                 continue
             req.num_computed_tokens += sr.num_new_tokens
-            if req.num_computed_tokens >= req.num_tokens and _sample(engine, req, stops):
+            if req.num_computed_tokens >= req.num_tokens and _sample(engine, req, memo):
                 _finish(sched, req)
     alloc, carry = _fork_memory(engine.alloc, engine.carry)
     device, t = alloc.device, engine.sim_time()
@@ -199,31 +237,37 @@ def _fork(
     return sched, alloc, carry
 
 
-Stops = dict[tuple[str, int], tuple[int, int | None]]
+@dataclass
+class Memo:
+    """What dry runs learn that holds from one check to the next. `stops`: per sequence, the
+    positions already asked of the sampler (none of them an end) or its first end, so that a
+    check asks about a position or two per sequence, not every position of its horizon.
+    `hashes`: per request id, its prompt's chained block hashes (the prefix-cache lookup)."""
+
+    stops: dict[tuple[str, int], tuple[int, int | None]] = field(default_factory=dict)
+    hashes: dict[str, list[int]] = field(default_factory=dict)
 
 
-def _eos(engine: Engine, req: Request, stops: Stops | None) -> bool:
+def _eos(engine: Engine, req: Request, memo: Memo) -> bool:
     """Whether the simulator's sampler (deterministic in the request's state) ends the sequence
-    at its next token. `stops` remembers per sequence the positions already asked (none of them
-    an end) or its first end, so that a check asks about a position or two per sequence, not
-    every position of its horizon."""
+    at its next token (asked once per position, see Memo)."""
     pos = len(req.output_token_ids)
     key = (req.request_id, req.stream_seed)
-    asked, first = stops.get(key, (0, None)) if stops is not None else (0, None)
+    asked, first = memo.stops.get(key, (0, None))
     if first is not None:
         return pos >= first
     if pos < asked:
         return False
     eos = engine.sampler(req)[1]
-    if stops is not None and pos == asked:
-        stops[key] = (pos, pos) if eos else (pos + 1, None)
+    if pos == asked:
+        memo.stops[key] = (pos, pos) if eos else (pos + 1, None)
     return eos
 
 
-def _sample(engine: Engine, req: Request, stops: Stops | None) -> bool:
+def _sample(engine: Engine, req: Request, memo: Memo) -> bool:
     """Engine._update for a sequence that computed all its tokens: one more output token; True
     if the sequence ends there (max_tokens, max_model_len, or its end of sequence)."""
-    eos = _eos(engine, req, stops)
+    eos = _eos(engine, req, memo)
     req.output_token_ids.append(0)
     sp = req.sampling
     return (
@@ -241,7 +285,7 @@ def _finish(sched: Scheduler, req: Request) -> None:
 
 # ----- the dry run and the search ----------------------------------------------------------------
 def dry_run(
-    engine: Engine, groups: list[list[Request]], in_flight: Any = None, idle: bool = False, stops: Stops | None = None
+    engine: Engine, groups: list[list[Request]], in_flight: Any = None, idle: bool = False, memo: Memo | None = None
 ) -> tuple[str | None, int]:
     """Dry-run the engine with `groups` (one per client request: its n sequences) added in
     order: `(None, len(groups))` if it survives, else `(OOM message, bound)`, where every prefix
@@ -250,9 +294,11 @@ def dry_run(
     `in_flight`: the scheduler output of the step the engine is running now (its tape has run,
     its tokens are not yet counted): the copy counts them first, so the dry run starts at the
     engine's next step. `idle`: dry-run the groups on an engine with no other request.
-    `stops`: a memo of end-of-sequence positions kept across dry runs (see _eos).
+    `memo`: what earlier dry runs learnt (see Memo); a fresh one if None.
     """
-    sched, alloc, carry = _fork(engine, in_flight, idle, stops)
+    memo = memo if memo is not None else Memo()
+    sched, alloc, carry = _fork(engine, in_flight, idle, memo)
+    kv = cast(_DryKV, sched.kv)
     n = len(groups)
     group_of: dict[int, int] = {}
     left = []  # per group: its sequences still short of DECODE_STEPS tokens
@@ -261,6 +307,7 @@ def dry_run(
         for c in cands:
             c2 = _fork_request(c)
             c2.output_token_ids = []
+            kv.register(c2, engine.scheduler.kv)
             sched.add(c2)
             group_of[id(c2)] = g
     done = 0  # leading groups whose every sequence has its first tokens
@@ -294,7 +341,7 @@ def dry_run(
             req.num_computed_tokens += s.num_new_tokens
             if req.num_computed_tokens < req.num_tokens:
                 continue
-            ends = _sample(engine, req, stops)
+            ends = _sample(engine, req, memo)
             if ends:
                 req.status = Status.FINISHED
                 finished = True
@@ -354,7 +401,7 @@ def longest_prefix(
     groups: list[list[Request]],
     in_flight: Any = None,
     first: int | None = None,
-    stops: Stops | None = None,
+    memo: Memo | None = None,
 ) -> tuple[int, str | None, int]:
     """The most leading groups whose own dry run survives: `(k, OOM message that stopped the
     search or None, dry runs)`. Probes `first` (default: all), then one under the bound the
@@ -364,7 +411,7 @@ def longest_prefix(
     oom, runs = None, 0
     while hi - lo > 1:
         runs += 1
-        msg, bound = dry_run(engine, groups[:probe], in_flight, stops=stops)
+        msg, bound = dry_run(engine, groups[:probe], in_flight, memo=memo)
         if msg is None:
             lo = probe
         else:
@@ -416,7 +463,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
         "queue_max": 0,
     }
     queue: deque[_Entry] = deque()
-    stops: Stops = {}
+    memo = Memo()
     # hold: why the queue's head waits: "window" (the engine has enough work queued), "oom"
     # (the head would OOM now), None (the queue is empty)
     state: dict[str, Any] = {"out": None, "task": None, "hold": None, "seen": None, "n": 0}
@@ -463,7 +510,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                 hold = "window"
                 break
             groups = [e.cands for e in itertools.islice(queue, take)]
-            k, oom, runs = longest_prefix(engine, groups, state["out"], 1 if state["hold"] == "oom" else None, stops)
+            k, oom, runs = longest_prefix(engine, groups, state["out"], 1 if state["hold"] == "oom" else None, memo)
             stats["dry_runs"] += runs
             if k == 0:
                 head = queue[0]
@@ -551,6 +598,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
             time.monotonic(),
             hashes=chained_hashes(p.prompt_token_ids, engine.scheduler.kv.block_size, 0, 0),
         )
+        memo.hashes.update((c.request_id, entry.hashes or []) for c in entry.cands)
         queue.append(entry)
         arrived.set()
         if state["task"] is None or state["task"].done():

@@ -123,11 +123,11 @@ def test_a_dry_run_leaves_the_live_engine_alone() -> None:
         )
 
     before = state()
-    stops: oracle.Stops = {}
-    assert oracle.dry_run(engine, _groups([2000] * 8), out, stops=stops) == (None, 8)
+    memo = oracle.Memo()
+    assert oracle.dry_run(engine, _groups([2000] * 8), out, memo=memo) == (None, 8)
     assert oracle.dry_run(engine, _groups([2000] * 8), out, idle=True) == (None, 8)
     assert state() == before
-    assert stops  # end-of-sequence positions remembered for the next check
+    assert memo.stops  # end-of-sequence positions remembered for the next check
 
 
 def test_the_window_keeps_about_two_steps_of_work_in_the_engine() -> None:
@@ -176,3 +176,29 @@ def test_the_routes_check_whole_vocabulary_prompt_logprobs_where_the_server_allo
         assert r.status_code == 400 and r.json()["error"]["code"] == "oracle_never_fits"
         assert sim.engine.ooms == []
     assert stats["never_fits"] == 1
+
+
+def test_a_dry_run_plays_the_steps_the_engine_plays_with_shared_prompts() -> None:
+    """The n sequences of one request share its prompt: vLLM caches a block when it allocates
+    it, so the siblings hit the first one's blocks in the very step it computes them, and a step
+    samples all of them. The dry run must batch them the same way, or it sees fewer sampled rows
+    (fp32 logits) than the engine then allocates: S8's oracle admitted n = 16 requests that the
+    engine OOMed on."""
+    engine = _engine(SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192))
+    sampling = Sampling(max_tokens=4, temperature=1.0)
+    shared = prompt(0, 600)
+    siblings = [[Request(f"s{i}", list(shared), sampling, 0.0, stream_seed=i) for i in range(16)]]
+    played: list[object] = []
+    plan = engine.steps.plan
+
+    def recording(shape: object) -> object:
+        played.append(shape)
+        return plan(shape)
+
+    engine.steps.plan = recording  # type: ignore[method-assign]
+    assert oracle.dry_run(engine, siblings) == (None, 1)
+    dry = list(played)
+    played.clear()
+    assert _admit_and_run(engine, siblings) == 16
+    assert len(dry[0].reqs) == 16  # one step computes the prompt once and samples all 16
+    assert dry == played[: len(dry)]
