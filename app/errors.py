@@ -228,10 +228,14 @@ class QueueTimeout(Refused):
 
 
 class BackendDown(Refused):
-    """The backend is unreachable (or held down by telemetry); `message` says where it showed."""
+    """The backend is unreachable (or held down by telemetry); `message` says where it showed,
+    `retry_after_s` when it is likely back (app/gate/backend_state.py `retry_after_s`)."""
 
     code = "backend_unavailable"
-    retry_after_s = 5
+
+    def __init__(self, message: str, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class BackendTimedOut(KvgateError):

@@ -110,5 +110,8 @@ class RequestPipeline:
             raise TokenizationFailed(str(exc)) from exc
         except BackendTokenizeError as exc:
             if self.budget.hold is not None:
-                raise BackendDown(f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.") from exc
+                raise BackendDown(
+                    f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
+                    self.budget.backend.retry_after_s(),
+                ) from exc
             raise TokenizerUnavailable(str(exc)) from exc

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from app.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
+from app.gate.backend_state import BackendState
 from app.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
 from app.gate.drain import RETRY_AFTER_CAP_S, DrainRate
 from app.gate.gate import Gate
@@ -425,18 +426,23 @@ class TestGate:
         """The budget's view of the backend (shared with /readyz): while it is hung or down
         nothing is admitted; a request keeps the deadline it arrived with when it queues again."""
         gate = make_gate(kv_blocks=10, wait_s=5.0)
+        now = [0.0]
+        gate.budget.backend = BackendState(clock=lambda: now[0])
         gate.budget.set_backend("hung", "no answer")
         assert gate.would_wait(demand(), 0) == BACKEND_HUNG
         waiting = asyncio.create_task(gate.acquire(demand(), 0, "a"))
         await asyncio.sleep(0.01)
         assert not waiting.done() and len(gate.queue) == 1
+        now[0] += 45.0  # the backend was out for 45 s
         gate.budget.set_backend("up")  # the next scrape answered
         (await asyncio.wait_for(waiting, 1)).release()
         gate.budget.set_backend("down", "connection refused")
+        now[0] += 30.0
         with pytest.raises(BackendDown) as refused:  # its deadline has passed: no wait at all
             await asyncio.wait_for(gate.acquire(demand(), 0, "a", deadline=gate.deadline() - 5.0), 1)
-        assert status_of(refused.value) == 503 and "has been down" in refused.value.message
-        assert error_headers(refused.value) == {"Retry-After": "5"} and len(gate.queue) == 0
+        assert status_of(refused.value) == 503 and "has been down for 30 s" in refused.value.message
+        # the last outage lasted 45 s, this one 30 s so far
+        assert error_headers(refused.value) == {"Retry-After": "15"} and len(gate.queue) == 0
 
     async def test_client_gone_leaves_the_queue(self) -> None:
         gate = make_gate(kv_blocks=1)

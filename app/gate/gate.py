@@ -156,7 +156,8 @@ class Gate:
                 waiter,
                 BackendDown(
                     f"Waited {timeout:g} s for the backend to come back: it has been {backend.status} for "
-                    f"{backend.clock() - backend.since:.0f} s ({backend.why or self.budget.hold})."
+                    f"{backend.clock() - backend.since:.0f} s ({backend.why or self.budget.hold}).",
+                    backend.retry_after_s(),
                 ),
             )
         retry_after = self._retry_after(ahead)
