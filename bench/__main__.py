@@ -94,6 +94,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 {
                     "key": scn.key,
                     "title": scn.title,
+                    "engine": _engine_desc(cfg),
                     "sim": _sim_desc(cfg),
                     "traffic": (scn.traffic.__doc__ or "").strip(),
                     "requests": len(calls),
@@ -151,6 +152,16 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     out["scenarios"] = described
 
 
+def _engine_desc(cfg: Any) -> str:
+    """The vLLM release and model runner the scenario plays, as the simulator resolves them."""
+    from app.sim.flavor import Flavor
+    from app.sim.model import load_model
+
+    flavor = Flavor.of(cfg, load_model(cfg.model, cfg.dtype))
+    how = "vLLM's own choice" if cfg.model_runner == "auto" else "set"
+    return f"vLLM {cfg.vllm_version}, Model Runner {flavor.runner.upper()} ({how})"
+
+
 def _sim_desc(cfg: Any) -> str:
     from app.sim.config import SimConfig
 
@@ -160,7 +171,7 @@ def _sim_desc(cfg: Any) -> str:
             if v:
                 parts.append("cotenants=" + ",".join(f"{c.name}:{c.bytes / GiB:g}GiB@{c.start_s:g}s" for c in v))
             continue
-        if v != getattr(SimConfig, k, None) and k not in ("speedup",):
+        if v != getattr(SimConfig, k, None) and k not in ("speedup", "vllm_version", "model_runner"):
             parts.append(f"{k}={v}")
     return " ".join(parts)
 

@@ -61,7 +61,7 @@ def markdown(res: dict[str, Any]) -> str:
         out += ["### Scenarios\n"]
         for s in res.get("scenarios", []):
             out.append(
-                f"- **{s['key']}** {s['title']}: `{s['sim']}`; traffic: {s['traffic']}; "
+                f"- **{s['key']}** {s['title']}, on {s['engine']}: `{s['sim']}`; traffic: {s['traffic']}; "
                 f"{s['requests']} requests, speed-up {s['speedup']}"
             )
         out.append("")

@@ -70,5 +70,8 @@ def test_quick_bench_at_a_tiny_size(tmp_path: Path) -> None:
 
     md = (tmp_path / "latest.md").read_text()
     assert "| S3 | kvgate |" in md and "| kvgate | non-streaming, concurrency 1 |" in md
+    # every scenario names the engine it plays (S3: vLLM 0.20.0 forced onto V1)
+    assert [s["engine"] for s in res["scenarios"]] == ["vLLM 0.20.0, Model Runner V1 (set)"]
+    assert "on vLLM 0.20.0, Model Runner V1 (set):" in md
     assert {"safety.png", "overhead.png"} <= set(res["plots"])
     assert all((tmp_path / p).stat().st_size > 1000 for p in res["plots"])
