@@ -29,6 +29,10 @@ CONFIGS = Path(__file__).parent / "configs"
 SERVE_2025 = dict(max_num_batched_tokens=2048, max_num_seqs=256)
 # The first release that subtracts its CUDA-graph estimate by default (app/sim/flavor.py).
 CUDAGRAPHS_IN_BUDGET_FROM = "0.20.0"
+# llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md: `vllm serve` from the
+# vllm/vllm-openai:v0.11.0 image on an H100 (79.18 GiB), `--max-model-len=16000 --block-size=128
+# --enable-prefix-caching`, utilization 0.9, batch defaults (H100: 8,192 tokens, 1,024 seqs).
+LLMD_H100 = dict(gpu="79.18GiB", vllm_version="0.11.0", max_model_len=16000, block_size=128)
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,17 @@ class LoggedStartup:
     weights_gib: float
     available_gib: float  # "Available KV cache memory" (or available_kv_cache_memory)
     config_file: str | None = None  # the model's config.json in tests/configs, if not a preset
+    # The profile's logged torch peak, where the sampler's sort sets it (docs/calibration.md)
+    activation_gib: float | None = None
 
 
 CALIBRATION = [
     LoggedStartup(
-        "vLLM PR #10511, H100, TP 1 (vLLM 0.6.5)", dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5"), 14.96, 53.29
+        "vLLM PR #10511, H100, TP 1 (vLLM 0.6.5)",
+        dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5"),
+        14.96,
+        53.29,
+        activation_gib=1.26,
     ),
     # The TP 2 log's last line is cut in the PR; 71.29 - 7.48 - 3.58 - 1.26 from its own lines.
     LoggedStartup(
@@ -52,6 +62,7 @@ CALIBRATION = [
         dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5", tensor_parallel_size=2),
         7.48,
         58.97,
+        activation_gib=1.26,
     ),
     # Unsloth's GRPO notebook log: vLLM 0.7.2 V0, chunked prefill off, so the profile runs
     # max_model_len (32,768) tokens at once.
@@ -86,6 +97,7 @@ CALIBRATION = [
         3.85,
         14.49,
         "deepseek-r1-0528-qwen3-8b",
+        activation_gib=1.45,
     ),
     # "Requested memory: 0.90 (util), 39.88 GiB": the GPU reports 39.88 / 0.9 GiB.
     LoggedStartup(
@@ -124,6 +136,24 @@ CALIBRATION = [
         5565 * 16 * 147456 / GiB,
         "qwen3-8b",
     ),
+    # Four boots on one H100 with one image and flags (LLMD_H100); DEBUG logs give the torch peak.
+    LoggedStartup(
+        "Llama-3.1-8B-Instruct, H100, TP 1 (vLLM 0.11.0, V1)",
+        dict(LLMD_H100, model="llama-3.1-8b"),
+        14.99,
+        51.38,
+        activation_gib=4.76,
+    ),
+    LoggedStartup("Qwen3-0.6B, H100, TP 1 (vLLM 0.11.0, V1)", LLMD_H100, 1.12, 64.45, "qwen3-0.6b", 5.56),
+    LoggedStartup("Qwen3-32B, H100, TP 1 (vLLM 0.11.0, V1)", LLMD_H100, 61.03, 4.45, "qwen3-32b", 5.64),
+    LoggedStartup(
+        "Qwen3-32B, 2 x H100, TP 2 (vLLM 0.11.0, V1)",
+        dict(LLMD_H100, tensor_parallel_size=2),
+        30.59,
+        34.49,
+        "qwen3-32b",
+        5.64,
+    ),
 ]
 
 
@@ -132,7 +162,8 @@ CALIBRATION = [
     [pytest.param(r, id=r.source) for r in CALIBRATION],
 )
 def test_available_kv_memory_matches_public_logs(row: LoggedStartup, tmp_path: Path) -> None:
-    """Every row of the calibration table within max(0.6 GiB, 4 %) of vLLM's logged figure.
+    """Every row of the calibration table within max(0.6 GiB, 4 %) of vLLM's logged figure, and
+    the profile's torch peak within 0.1 GiB where the log gives it and the sampler's sort sets it.
     Weights within 2 %: vLLM's also hold the RoPE cos/sin cache (max_position x rotary_dim x
     dtype on every rank; 32 MiB, 1 % of Qwen3-8B's TP 4 shard), which the simulator leaves out."""
     config = dict(row.config)
@@ -143,6 +174,9 @@ def test_available_kv_memory_matches_public_logs(row: LoggedStartup, tmp_path: P
     assert rep.weights / GiB == pytest.approx(row.weights_gib, rel=0.02)
     tolerance = max(0.6, 0.04 * row.available_gib)
     assert rep.kv_available / GiB == pytest.approx(row.available_gib, abs=tolerance)
+    if row.activation_gib is not None:
+        # The sort's peak is inside torch.sort (its CUDA scratch: step_memory.torch_sort_scratch_bytes)
+        assert rep.activation_peak / GiB == pytest.approx(row.activation_gib, abs=0.1)
 
 
 def test_cuda_graphs_come_out_of_the_budget_only_where_the_release_does_it() -> None:
