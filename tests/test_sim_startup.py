@@ -30,9 +30,10 @@ CONFIGS = Path(__file__).parent / "configs"
 SERVE_2025 = dict(max_num_batched_tokens=2048, max_num_seqs=256)
 # The first release that subtracts its CUDA-graph estimate by default (app/sim/flavor.py).
 CUDAGRAPHS_IN_BUDGET_FROM = "0.20.0"
-# llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md: `vllm serve` from the
-# vllm/vllm-openai:v0.11.0 image on an H100 (79.18 GiB), `--max-model-len=16000 --block-size=128
-# --enable-prefix-caching`, utilization 0.9, batch defaults (H100: 8,192 tokens, 1,024 seqs).
+# llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md: `vllm serve` (0.11.0 as
+# the file names it; a sort-path profile, as 0.12 - 0.16 run by default: docs/calibration.md) on
+# an H100 (79.18 GiB), `--max-model-len=16000 --block-size=128 --enable-prefix-caching`,
+# utilization 0.9, batch defaults (H100: 8,192 tokens, 1,024 seqs).
 LLMD_H100 = dict(gpu="79.18GiB", vllm_version="0.11.0", max_model_len=16000, block_size=128)
 
 
