@@ -66,9 +66,10 @@ def sampler_peak(path: TopKTopP, rows: int, runner: str = "v1", **req: bool) -> 
 
 def test_v1_sort_triton_and_flashinfer_allocate_per_vllms_code() -> None:
     rows = 256
-    # sort (18 B a logit at its peak) replaces the fp32 copy by the scattered logits, then samples
-    # from the softmax and noise the plain batch also makes
-    assert sampler_peak(TopKTopP("sort"), rows) == pytest.approx(rows * V * 18, rel=0.01)
+    # sort: its peak is inside torch.sort, the sorted values (4 B) and int64 indices (8 B) plus
+    # the CUDA sort's scratch (20 B from 128 rows: step_memory.torch_sort_scratch_bytes) beside
+    # the logits and their fp32 copy: 24 B a logit above the plain batch's softmax and noise (8 B)
+    assert sampler_peak(TopKTopP("sort"), rows) == pytest.approx(rows * V * 24, rel=0.01)
     # Triton masks in place (its cached buffer is held from start-up: see the test below)
     assert sampler_peak(TopKTopP("triton"), rows) == 0
     # FlashInfer: masked logits + probs (8 B), instead of the softmax and noise (8 B)
@@ -76,7 +77,9 @@ def test_v1_sort_triton_and_flashinfer_allocate_per_vllms_code() -> None:
 
 
 def test_small_batches_sort_and_seeded_batches_leave_flashinfer() -> None:
-    assert sampler_peak(TopKTopP("triton", 8), 7) == pytest.approx(7 * V * 18, rel=0.01)
+    # under 128 rows PyTorch sorts the batch as one flat array: 32 B a logit of scratch (28.7 MB,
+    # which the allocator rounds up to 2 MiB: 2 % of the figure)
+    assert sampler_peak(TopKTopP("triton", 8), 7) == pytest.approx(7 * V * 36, rel=0.03)
     assert sampler_peak(TopKTopP("triton", 8), 8) == 0
     seeded = sampler_peak(TopKTopP("flashinfer"), 64, seeded=True)
     assert seeded == sampler_peak(TopKTopP("triton"), 64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,11 @@ CONFIGS = Path(__file__).parent / "configs"
 SERVE_2025 = dict(max_num_batched_tokens=2048, max_num_seqs=256)
 # The first release that subtracts its CUDA-graph estimate by default (app/sim/flavor.py).
 CUDAGRAPHS_IN_BUDGET_FROM = "0.20.0"
+# llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md: `vllm serve` (0.11.0 as
+# the file names it; a sort-path profile, as 0.12 - 0.16 run by default: docs/calibration.md) on
+# an H100 (79.18 GiB), `--max-model-len=16000 --block-size=128 --enable-prefix-caching`,
+# utilization 0.9, batch defaults (H100: 8,192 tokens, 1,024 seqs).
+LLMD_H100 = dict(gpu="79.18GiB", vllm_version="0.11.0", max_model_len=16000, block_size=128)
 
 
 @dataclass(frozen=True)
@@ -40,11 +46,18 @@ class LoggedStartup:
     weights_gib: float
     available_gib: float  # "Available KV cache memory" (or available_kv_cache_memory)
     config_file: str | None = None  # the model's config.json in tests/configs, if not a preset
+    # The profile's logged torch peak, where the sampler's sort sets it (docs/calibration.md)
+    activation_gib: float | None = None
+    refusal: str | None = None  # the error vLLM raised after logging the available memory
 
 
 CALIBRATION = [
     LoggedStartup(
-        "vLLM PR #10511, H100, TP 1 (vLLM 0.6.5)", dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5"), 14.96, 53.29
+        "vLLM PR #10511, H100, TP 1 (vLLM 0.6.5)",
+        dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5"),
+        14.96,
+        53.29,
+        activation_gib=1.26,
     ),
     # The TP 2 log's last line is cut in the PR; 71.29 - 7.48 - 3.58 - 1.26 from its own lines.
     LoggedStartup(
@@ -52,6 +65,7 @@ CALIBRATION = [
         dict(PR_10511, gpu="79.22GiB", vllm_version="0.6.5", tensor_parallel_size=2),
         7.48,
         58.97,
+        activation_gib=1.26,
     ),
     # Unsloth's GRPO notebook log: vLLM 0.7.2 V0, chunked prefill off, so the profile runs
     # max_model_len (32,768) tokens at once.
@@ -86,6 +100,7 @@ CALIBRATION = [
         3.85,
         14.49,
         "deepseek-r1-0528-qwen3-8b",
+        activation_gib=1.45,
     ),
     # "Requested memory: 0.90 (util), 39.88 GiB": the GPU reports 39.88 / 0.9 GiB.
     LoggedStartup(
@@ -124,7 +139,50 @@ CALIBRATION = [
         5565 * 16 * 147456 / GiB,
         "qwen3-8b",
     ),
+    # vLLM issue #13061: `vllm serve DeepSeek-R1-Distill-Qwen-14B --tensor_parallel_size 2
+    # --gpu_memory_utilization=0.98` on 2 x RTX 4090; V0 0.7.2 (its log lines `__init__.py:190`,
+    # `model_runner.py:1115`), chunked prefill on for a 131,072-token model: 2,048 tokens, 256
+    # seqs. It refused: "max seq len (131072) is larger than the maximum number of tokens that
+    # can be stored in KV cache (81536)". The quoted profile line is rank 1's, which samples
+    # nothing; the pool is sized by rank 0, the sampling rank: 81,536 tokens = 5,096 blocks of
+    # 16 x 96 KiB (48 layers x K, V x 4 KV heads x 128 x 2 B).
+    LoggedStartup(
+        "DeepSeek-R1-Distill-Qwen-14B, 2 x RTX 4090, TP 2 (vLLM 0.7.2, V0)",
+        dict(
+            gpu="23.55GiB",
+            vllm_version="0.7.2",
+            tensor_parallel_size=2,
+            gpu_memory_utilization=0.98,
+            max_num_batched_tokens=2048,
+            max_num_seqs=256,
+        ),
+        13.95,
+        5096 * 16 * 98304 / GiB,
+        "deepseek-r1-distill-qwen-14b",
+        refusal="max seq len (131072)",
+    ),
+    # Four boots on one H100 with one image and flags (LLMD_H100); DEBUG logs give the torch peak.
+    LoggedStartup(
+        "Llama-3.1-8B-Instruct, H100, TP 1 (vLLM 0.11.0, V1)",
+        dict(LLMD_H100, model="llama-3.1-8b"),
+        14.99,
+        51.38,
+        activation_gib=4.76,
+    ),
+    LoggedStartup("Qwen3-0.6B, H100, TP 1 (vLLM 0.11.0, V1)", LLMD_H100, 1.12, 64.45, "qwen3-0.6b", 5.56),
+    LoggedStartup("Qwen3-32B, H100, TP 1 (vLLM 0.11.0, V1)", LLMD_H100, 61.03, 4.45, "qwen3-32b", 5.64),
+    LoggedStartup(
+        "Qwen3-32B, 2 x H100, TP 2 (vLLM 0.11.0, V1)",
+        dict(LLMD_H100, tensor_parallel_size=2),
+        30.59,
+        34.49,
+        "qwen3-32b",
+        5.64,
+    ),
 ]
+
+
+_AVAILABLE = r"Available KV cache memory: ([\d.]+) GiB"
 
 
 @pytest.mark.parametrize(
@@ -132,17 +190,31 @@ CALIBRATION = [
     [pytest.param(r, id=r.source) for r in CALIBRATION],
 )
 def test_available_kv_memory_matches_public_logs(row: LoggedStartup, tmp_path: Path) -> None:
-    """Every row of the calibration table within max(0.6 GiB, 4 %) of vLLM's logged figure.
+    """Every row of the calibration table within max(0.6 GiB, 4 %) of vLLM's logged figure, and
+    the profile's torch peak within 0.1 GiB where the log gives it and the sampler's sort sets it.
     Weights within 2 %: vLLM's also hold the RoPE cos/sin cache (max_position x rotary_dim x
     dtype on every rank; 32 MiB, 1 % of Qwen3-8B's TP 4 shard), which the simulator leaves out."""
     config = dict(row.config)
     if row.config_file:
         (tmp_path / "config.json").write_text((CONFIGS / f"{row.config_file}.json").read_text())
         config["model"] = str(tmp_path)
-    _, rep, _ = boot(**config)
-    assert rep.weights / GiB == pytest.approx(row.weights_gib, rel=0.02)
+    if row.refusal is None:
+        _, rep, _ = boot(**config)
+        weights, available, peak = rep.weights / GiB, rep.kv_available / GiB, rep.activation_peak / GiB
+    else:
+        with pytest.raises(startup.StartupError, match=re.escape(row.refusal)) as refused:
+            boot(**config)
+        # vLLM logs the weights, the profile and the available memory before it refuses
+        weights, peak, available = (
+            float(re.search(pattern, "\n".join(refused.value.log)).group(1))  # type: ignore[union-attr]
+            for pattern in (r"Model loading took ([\d.]+) GiB", r"torch peak memory increase: ([\d.]+)GiB", _AVAILABLE)
+        )
+    assert weights == pytest.approx(row.weights_gib, rel=0.02)
     tolerance = max(0.6, 0.04 * row.available_gib)
-    assert rep.kv_available / GiB == pytest.approx(row.available_gib, abs=tolerance)
+    assert available == pytest.approx(row.available_gib, abs=tolerance)
+    if row.activation_gib is not None:
+        # The sort's peak is inside torch.sort (its CUDA scratch: step_memory.torch_sort_scratch_bytes)
+        assert peak == pytest.approx(row.activation_gib, abs=0.1)
 
 
 def test_cuda_graphs_come_out_of_the_budget_only_where_the_release_does_it() -> None:
@@ -323,3 +395,16 @@ def test_materializing_scores_stop_at_the_window_when_every_layer_slides(tmp_pat
     chunk = startup.StepShape((startup.ReqSlice(2048, 20000),))
     scores = {n: b for op, n, b in startup.step_memories(r)[0].plan(chunk) if op == "alloc"}
     assert scores["attn_scores"] == r.dims.q_heads * 2048 * (4096 + 2048) * 4
+
+
+def test_only_v1_from_0_9_1_refuses_a_budget_above_the_free_memory() -> None:
+    """v1/worker/gpu_worker.py `init_device` checks free >= total x utilization from 0.9.1 on;
+    V0 and earlier V1 go on, size the pool from total x utilization and run out of memory when
+    it and the warm-up do not fit (vLLM issue #13061's util 0.98 on an RTX 4090 profiled on
+    0.7.2 before its max-seq-len refusal)."""
+    over = dict(PR_10511, gpu_memory_utilization=0.995)  # the 500 MiB context leaves less free
+    with pytest.raises(startup.StartupError, match="less than desired GPU memory utilization"):
+        boot(**over, vllm_version="0.9.1")
+    with pytest.raises(startup.StartupError, match="OutOfMemoryError") as late:
+        boot(**over, vllm_version="0.9.0")
+    assert any(line.startswith("Available KV cache memory: ") for line in late.value.log)

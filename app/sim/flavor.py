@@ -46,6 +46,12 @@ CUDA_CONTEXT = 500 * MiB
 # pool is sized and come on top of total x utilization, as the public logs of
 # docs/calibration.md show (available = requested - weights - peak - non-torch, to 0.01 GiB).
 CUDAGRAPH_ESTIMATE_DEFAULT_ON = (0, 20, 0)
+# The first release that refuses to start when the device's free memory is below total x
+# utilization (v1/worker/gpu_worker.py `init_device`: "Free memory on device ... on startup is less
+# than desired GPU memory utilization"): in the wheels of 0.9.1, 0.9.2, 0.10.0 and 0.11.0, absent
+# from 0.9.0's and 0.8.5's, and V0 (worker/worker.py, 0.7.0 - 0.8.5) never checks. Before it an
+# over-committed budget starts and fails later, when the KV pool or a step does not fit.
+STARTUP_FREE_MEMORY_CHECK = (0, 9, 1)
 # Outside the budget at TP > 1: NCCL communicator buffers and vLLM's custom all-reduce IPC
 # buffers (distributed/device_communicators/custom_all_reduce.py, 8 MiB max size x 2 plus
 # NCCL's per-peer channels); an assumption as above.
@@ -179,6 +185,11 @@ class Flavor:
     def context_in_budget(self) -> bool:
         """Before vLLM 0.7 the whole non-torch footprint counted against the budget."""
         return self.version < (0, 7, 0)
+
+    @property
+    def checks_free_memory_at_startup(self) -> bool:
+        """Whether start-up refuses a budget above the free memory (STARTUP_FREE_MEMORY_CHECK)."""
+        return self.version >= STARTUP_FREE_MEMORY_CHECK
 
     def cudagraphs_in_budget(self, cfg: SimConfig) -> bool:
         """Whether the CUDA-graph estimate comes out of the KV budget (`--cudagraph-memory-in-budget`

@@ -28,8 +28,9 @@ vLLM's code (paths in vllm-project/vllm):
   `flashinfer_sample` -> FlashInfer's `top_k_top_p_sampling_from_logits`: an fp32 masked copy and
   its softmax, `B x V x 4` each); a Triton kernel masks them in place through one cached
   `[min(next_pow2(min(SMs, B)), SMs), V]` fp32 buffer (`apply_top_k_top_p_triton`); or the
-  PyTorch sort (`apply_top_k_top_p_pytorch`). A seeded row sends the batch from FlashInfer to the
-  native path (`forward_cuda`; V2 also a greedy row).
+  PyTorch sort (`apply_top_k_top_p_pytorch`), whose CUDA kernel also allocates scratch through the
+  caching allocator (`torch_sort_scratch_bytes`). A seeded row sends the batch from FlashInfer to
+  the native path (`forward_cuda`; V2 also a greedy row).
   V1 (v1/sample/sampler.py `Sampler.forward`): logits `B x V` in the model dtype, always an fp32
   copy, raw logprobs `B x V x 4` when a row wants logprobs, penalties' bin counts `B x (V+1)`
   int64 and their masks each step (v1/sample/ops/penalties.py), and off FlashInfer
@@ -64,6 +65,31 @@ FUSED_MOE_CHUNK = 32768
 NUM_SMS = 132
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
 PROMPT_LOGPROB_CHUNK = 1024  # v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE
+# PyTorch's CUDA sort of `[rows, V]` takes one CUB segmented sort from this many rows
+# (aten/src/ATen/native/cuda/Sort.cu `launch_stable_sort_kernel`); fewer rows sort as one flat array.
+SEGMENTED_SORT_MIN_ROWS = 128
+
+
+def torch_sort_scratch_bytes(rows: int, vocab: int) -> int:
+    """Scratch `logits.sort(dim=-1)` allocates on CUDA beside its fp32 values and int64 indices,
+    freed when it returns. vLLM's sort path (`apply_top_k_top_p_pytorch`, every V0 and V1 release
+    that sorts) counts it in the profile's torch peak, so it is played as vLLM's memory.
+
+    PyTorch aten/src/ATen/native/cuda/Sort.cu `launch_stable_sort_kernel` (a row longer than
+    2,048 takes it), with ATen/cuda/cub.cuh wrapping CUB's `SortPairs` without a DoubleBuffer,
+    whose temporary storage holds an alternate copy of the keys and of the values:
+    - 128 rows or more, `segmented_sort_pairs`: `reverse_indices` int64 (8 B a logit) and CUB's
+      alternate fp32 keys and int64 values (12 B): 20 B a logit;
+    - 2 - 127 rows, `segmented_sort_pairs_by_full_sort`: two int2 index-and-segment arrays (16 B),
+      `radix_sort_pairs`' own keys output (4 B) and CUB's alternate keys and int2 values (12 B):
+      32 B a logit;
+    - one row, `segmented_sort_large_segments`: an int64 iota (8 B) and CUB's alternates (12 B).
+
+    The public H100 logs of docs/calibration.md (vLLM 0.11.0, 1,024 sampled rows) put the
+    profile's torch peak at 38.4 - 38.9 B a logit: logits (2) + fp32 copy (4) + sorted values (4)
+    + indices (8) + this scratch (20) = 38."""
+    flat = 1 < rows < SEGMENTED_SORT_MIN_ROWS
+    return rows * vocab * (16 + 4 + 12 if flat else 8 + 12)
 
 
 @dataclass(frozen=True)
@@ -334,7 +360,7 @@ class StepMemory:
             unfused = any(r.seeded or (self.v2 and not r.random) for r in rows)
             path = self.top_k_top_p.path(b, seeded=unfused)
             if path == "sort":
-                self._sort_top_k_top_p(t, bv)
+                self._sort_top_k_top_p(t, b, v)
             elif path == "flashinfer":  # flashinfer_sample -> top_k_top_p_sampling_from_logits: masked logits, probs
                 t.alloc("flashinfer_masked_logits", bv * 4)
                 t.alloc("flashinfer_probs", bv * 4)
@@ -353,11 +379,15 @@ class StepMemory:
         t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits")
 
     @staticmethod
-    def _sort_top_k_top_p(t: _Tape, bv: int) -> None:
-        """`apply_top_k_top_p_pytorch`: sort (values fp32, indices int64), top-k mask, softmax,
-        cumsum, top-p mask, scatter back; the scattered logits replace the fp32 copy."""
+    def _sort_top_k_top_p(t: _Tape, b: int, v: int) -> None:
+        """`apply_top_k_top_p_pytorch`: sort (values fp32, indices int64, and the sort's scratch
+        while it runs), top-k mask, softmax, cumsum, top-p mask, scatter back; the scattered
+        logits replace the fp32 copy."""
+        bv = b * v
         t.alloc("sorted_logits", bv * 4)
         t.alloc("sorted_idx", bv * 8)
+        t.alloc("sort_scratch", torch_sort_scratch_bytes(b, v))
+        t.free("sort_scratch")
         t.alloc("top_k_mask", bv)
         t.alloc("probs_sort", bv * 4)
         t.alloc("probs_sum", bv * 4)
