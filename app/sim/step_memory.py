@@ -39,6 +39,9 @@ vLLM's code (paths in vllm-project/vllm):
   sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs through
   `compute_topk_scores` (an fp32 log-softmax `B x V`), penalties applied in place on counts
   preallocated at start-up (sample/penalties.py `PenaltiesState`: `max_num_reqs x V` int32).
+  A V2 step with draft tokens samples through the RejectionSampler instead
+  (gpu/spec_decode/rejection_sampler.py `_verify_in_chunks`): the fp32 copy one chunk of whole
+  requests at a time (at most 1 GiB of it), top-k/top-p by `apply_top_k_top_p`, never FlashInfer.
 - prompt logprobs. V1 (v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`): per request,
   the chunk's logits `n x V` in the model dtype, their log_softmax in fp32 (a 16-bit input is
   first converted to an fp32 copy: ATen `log_softmax(input, dim, dtype)` calls `toType`; the
@@ -64,6 +67,7 @@ FUSED_MOE_CHUNK = 32768
 NUM_SMS = 132
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
 PROMPT_LOGPROB_CHUNK = 1024  # v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE
+VERIFY_CHUNK_BYTES = 1 << 30  # v1/worker/gpu/spec_decode/rejection_sampler.py MAX_CHUNK_BYTES (0.32.0)
 
 
 @dataclass(frozen=True)
@@ -312,8 +316,11 @@ class StepMemory:
         t.free("sample_hidden")
         logprobs = any(r.logprobs is not None for r in rows)
         processed = any(r.random or r.penalties or r.top_p_k for r in rows)
+        # V2 verifies drafts through the RejectionSampler (gpu/model_runner.py `sample`), which
+        # copies the logits to fp32 a chunk of whole requests at a time and never fuses FlashInfer
+        verifies = self.v2 and any(r.draft_tokens for r in rows)
         if not self.v2 or processed:
-            t.alloc("logits_f32", bv * 4)
+            t.alloc("logits_f32", self._verify_chunk_rows(rows) * v * 4 if verifies else bv * 4)
         if logprobs:
             t.alloc("raw_logprobs", bv * 4)
         if any(r.structured for r in rows):
@@ -331,7 +338,7 @@ class StepMemory:
             t.free("output_mask", "prompt_mask", "output_bin_counts")
         if any(r.top_p_k for r in rows):
             # V2 leaves FlashInfer for a greedy row too (gpu/sample/sampler.py fused_sampler_eligible)
-            unfused = any(r.seeded or (self.v2 and not r.random) for r in rows)
+            unfused = verifies or any(r.seeded or (self.v2 and not r.random) for r in rows)
             path = self.top_k_top_p.path(b, seeded=unfused)
             if path == "sort":
                 self._sort_top_k_top_p(t, bv)
@@ -351,6 +358,19 @@ class StepMemory:
         if logprobs:
             t.alloc("retained:logprobs", b * (k + 1) * 12)
         t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits")
+
+    def _verify_chunk_rows(self, rows: list[ReqSlice]) -> int:
+        """The most rows one fp32 chunk of V2's verification holds (spec_decode/rejection_sampler.py
+        `_iter_request_chunks`: whole requests, at most `get_max_chunk_logits` rows unless one
+        request alone has more)."""
+        limit = max(1, VERIFY_CHUNK_BYTES // (self.d.vocab * 4))
+        worst = used = 0
+        for r in rows:
+            n = 1 + r.draft_tokens
+            if used and used + n > limit:
+                worst, used = max(worst, used), 0
+            used += n
+        return max(worst, used)
 
     @staticmethod
     def _sort_top_k_top_p(t: _Tape, bv: int) -> None:
