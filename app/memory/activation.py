@@ -460,7 +460,8 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
             stage="sampler",
         )
     ]
-    gathered = min(rows, cost.profiled_rows) * cost.hidden_size * dt
+    hidden_rows = cost.profiled_hidden_rows(rows) if cost.hidden_size else 0
+    gathered = hidden_rows * cost.hidden_size * dt
     if gathered:
         terms.append(
             TransientTerm(
@@ -468,8 +469,8 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
                 gathered,
                 True,
                 "decode",
-                f"{min(rows, cost.profiled_rows)} rows x {cost.hidden_size} x {dt} B gathered for the lm_head "
-                "(gpu/model_runner.py sample: hidden_states[logits_indices])",
+                f"({rows} + {hidden_rows - rows}) rows x {cost.hidden_size} x {dt} B: the step's hidden states "
+                "and their copy gathered for the lm_head (gpu/model_runner.py sample: hidden_states[logits_indices])",
                 stage="sampler",
             )
         )
@@ -664,5 +665,7 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
         forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))
     cost = sampler_cost(g, e)
     # V1 profiles a random full-vocab top-k/top-p (its resolved path); V2's dummy batch is greedy.
-    sampler = hidden + cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1").profiled
+    stage = cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1")
+    # V2's stage counts its rows' share of the step's hidden states, which `hidden` holds whole
+    sampler = hidden + stage.profiled - stage.sample_hidden // 2
     return max(forward, sampler)

@@ -128,7 +128,7 @@ class SamplerStage:
     top_k_top_p: int = 0  # the Triton or FlashInfer top-k/top-p path (V1: + its softmax and noise)
     grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
     draft_probs: int = 0  # V1: a probabilistic draft's kept probabilities
-    sample_hidden: int = 0  # V2: the sampled rows' hidden states, gathered for the lm_head
+    sample_hidden: int = 0  # V2: the sampled rows' hidden states and their gathered copy
     profiled: int = 0  # the part of the above the start-up profile reserved
 
     @property
@@ -169,10 +169,12 @@ class SamplerCost:
     draft_probs_per_request: int = 0
     sampler: str = "pytorch"  # "pytorch" | "triton" | "flashinfer" (vllm_runner.resolve_sampler)
     sort_below_rows: int = 0  # 0.17.0 - 0.29.0: smaller batches sort (apply_top_k_top_p)
-    # V2 (vllm 0.32.0 v1/worker/gpu/model_runner.py `sample`): `sample_hidden_states =
-    # hidden_states[input_batch.logits_indices]` is a gathered copy, [rows, hidden] in the model
-    # dtype, referenced until the sampler returns; the profile's `_dummy_sampler_run` held it for
-    # its rows too. 0: not counted (V1, whose runner was not read for it).
+    # V2 (vllm 0.32.0 v1/worker/gpu/model_runner.py `sample`): the step's `hidden_states` and
+    # `sample_hidden_states = hidden_states[input_batch.logits_indices]`, a gathered copy, both
+    # [rows, hidden] in the model dtype for a decoding batch (a verified row is a token), are
+    # referenced while the lm_head makes the logits and until the sampler returns. The profile held
+    # the hidden states of max_num_batched_tokens tokens and the gathered rows of its own batch
+    # (`profile_run`, `_dummy_sampler_run`). 0: not counted (V1, whose runner was not read for it).
     hidden_size: int = 0
 
     @cached_property
@@ -184,6 +186,11 @@ class SamplerCost:
     def max_sampled_rows(self) -> int:
         """Rows one step samples at most: 1 + num_speculative_tokens per request."""
         return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
+
+    def profiled_hidden_rows(self, rows_sampled: int) -> int:
+        """Rows of V2's `sample_hidden` term inside the profile: the step's hidden states (the
+        profile's covered every token a step can hold) and the gathered rows up to its own."""
+        return rows_sampled + min(rows_sampled, self.profiled_rows)
 
     @staticmethod
     def triton_buffer_rows(rows: int) -> int:
@@ -297,8 +304,8 @@ class SamplerCost:
                 prompt_ids=0,
                 logits_fp32=fp32,
                 top_k_top_p=0 if sorts else top_k_top_p,
-                sample_hidden=rows_sampled * hidden_row,
-                profiled=in_profile * self.dtype_bytes + min(rows_sampled, self.profiled_rows) * hidden_row,
+                sample_hidden=2 * rows_sampled * hidden_row,
+                profiled=in_profile * self.dtype_bytes + self.profiled_hidden_rows(rows_sampled) * hidden_row,
             )
         # V1 profiles a random batch: its top-k/top-p path at the profiled rows.
         profiled_top_k_top_p = min(top_k_top_p, self.top_k_top_p(self.profiled_rows)[0])

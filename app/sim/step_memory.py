@@ -34,7 +34,8 @@ vLLM's code (paths in vllm-project/vllm):
   copy, raw logprobs `B x V x 4` when a row wants logprobs, penalties' bin counts `B x (V+1)`
   int64 and their masks each step (v1/sample/ops/penalties.py), and off FlashInfer
   `forward_native`'s softmax and exponential noise (`B x V x 4` each) for random rows.
-  V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`): the fp32 copy only when some row needs
+  V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`; gpu/model_runner.py `sample` keeps the
+  gathered `sample_hidden_states` referenced until the sampler returns): the fp32 copy only when some row needs
   logits processing (temperature > 0, penalties, top-k/top-p: `apply_sampling_params`), Gumbel
   sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs through
   `compute_topk_scores` (an fp32 log-softmax `B x V`), penalties applied in place on counts
@@ -313,7 +314,8 @@ class StepMemory:
         bv = b * v
         t.alloc("sample_hidden", b * d.hidden * dt)
         t.alloc("logits", bv * dt)
-        t.free("sample_hidden")
+        if not self.v2:  # V2's `sample` holds the gathered rows until its sampler returns
+            t.free("sample_hidden")
         logprobs = any(r.logprobs is not None for r in rows)
         processed = any(r.random or r.penalties or r.top_p_k for r in rows)
         # V2 verifies drafts through the RejectionSampler (gpu/model_runner.py `sample`), which
@@ -357,7 +359,7 @@ class StepMemory:
         t.alloc("retained:sampled_ids", b * 4)
         if logprobs:
             t.alloc("retained:logprobs", b * (k + 1) * 12)
-        t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits")
+        t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits", "sample_hidden")
 
     def _verify_chunk_rows(self, rows: list[ReqSlice]) -> int:
         """The most rows one fp32 chunk of V2's verification holds (spec_decode/rejection_sampler.py
