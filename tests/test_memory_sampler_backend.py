@@ -98,3 +98,37 @@ def test_v2_triton_keeps_only_its_buffer() -> None:
     cost = SamplerCost(V, 2, 1024, 8192, "v2", sampler="triton")
     assert cost.stage(1000, False, False, 0).top_k_top_p == 192 * V * 4
     assert cost.stage(1000, False, False, 0, random=False).top_k_top_p == 0  # greedy: no top-k/top-p
+
+
+def v2_speculative(k: int, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> SamplerCost:
+    return SamplerCost(V, 2, max_num_seqs, max_num_batched_tokens, "v2", num_speculative_tokens=k, sampler="flashinfer")
+
+
+def test_v2_verification_takes_triton_not_flashinfer() -> None:
+    """vllm 0.32.0 v1/worker/gpu/model_runner.py `sample`: a step with draft tokens samples through
+    the RejectionSampler, whose `_verify` masks top-k/top-p with `apply_top_k_top_p` (Triton, in
+    place) and never calls `flashinfer_sample`. 64 requests x (1 + 5) rows: the fp32 copy and
+    Triton's buffer (192 rows at most), not FlashInfer's 8 B per verified logit."""
+    stage = v2_speculative(5).stage(64, False, False, 0)
+    assert stage.logits_fp32 == 384 * V * 4
+    assert stage.top_k_top_p == 192 * V * 4
+    assert stage.sort == 0
+    # a first-token step (no drafts: Sampler.sample, FlashInfer) has one row per request: with one
+    # draft token and more requests than Triton's buffer has rows, that step is the larger
+    first = v2_speculative(1).stage(256, False, False, 0)
+    assert first.logits_fp32 == 512 * V * 4
+    assert first.top_k_top_p == 256 * V * (4 + 8) - 512 * V * 4
+    # greedy batches copy nothing and mask nothing
+    greedy = v2_speculative(5).stage(64, False, False, 0, random=False)
+    assert greedy.logits_fp32 == greedy.top_k_top_p == 0
+
+
+def test_v2_verification_copies_its_logits_to_fp32_a_gigabyte_at_a_time() -> None:
+    """rejection_sampler.py `_verify_in_chunks`: at most MAX_CHUNK_BYTES (1 GiB) of fp32 logits,
+    `get_max_chunk_logits` = 2**30 // (V x 4) = 2,092 rows for Llama 3's vocabulary (whole
+    requests per chunk: kvgate charges that bound)."""
+    stage = v2_speculative(5, max_num_seqs=1024, max_num_batched_tokens=8192).stage(1024, False, False, 0)
+    assert stage.logits == 6144 * V * 2  # the bf16 logits are whole
+    assert stage.logits_fp32 == 2092 * V * 4 <= 2**30
+    # the first-token step of 1,024 rows (fp32 copy + FlashInfer) exceeds the chunk's copy
+    assert stage.top_k_top_p == 1024 * V * 12 - 2092 * V * 4

@@ -93,6 +93,20 @@ def test_v2_triton_masks_in_place_and_flashinfer_keeps_its_probabilities() -> No
     assert not flashinfer_allocations(mixed) and flashinfer_allocations(StepShape(mixed.reqs[1:]))
 
 
+def test_v2_verification_never_takes_flashinfer_and_copies_fp32_in_chunks() -> None:
+    """vllm 0.32.0 gpu/model_runner.py `sample`: a step with draft tokens goes to the
+    RejectionSampler, whose `_verify` applies top-k/top-p with `apply_top_k_top_p` (Triton) and
+    whose `_verify_in_chunks` copies at most 2**30 // (V x 4) = 2,092 rows to fp32 at a time, whole
+    requests: 348 requests of 1 + 5 rows."""
+    drafting = StepShape(tuple(ReqSlice(6, top_p_k=True, random=True, draft_tokens=5) for _ in range(500)))
+    assert not flashinfer_allocations(drafting)
+    tape = StepMemory(DIMS, "flash-attn", runner="v2").plan(drafting)
+    assert [n for op, name, n in tape if name == "logits_f32" and op == "alloc"] == [348 * 6 * V * 4]
+    # without drafts (first tokens only) the plain Sampler fuses FlashInfer over the whole batch
+    first_tokens = StepShape(tuple(ReqSlice(1, top_p_k=True, random=True) for _ in range(256)))
+    assert flashinfer_allocations(first_tokens)
+
+
 def flashinfer_allocations(shape: StepShape) -> list[str]:
     tape = StepMemory(DIMS, "flash-attn", runner="v2").plan(shape)
     return [name for op, name, _ in tape if op == "alloc" and name.startswith("flashinfer")]

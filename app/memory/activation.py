@@ -431,6 +431,7 @@ def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
         2 * e.num_speculative_tokens * d.vocab_size * FP32 if probabilistic and d is not None else 0,
         e.sampler,
         e.sampler_sort_below_rows,
+        g.hidden_size if e.runner == "v2" else 0,  # every TP rank holds whole hidden states
     )
 
 
@@ -459,6 +460,20 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
             stage="sampler",
         )
     ]
+    hidden_rows = cost.profiled_hidden_rows(rows) if cost.hidden_size else 0
+    gathered = hidden_rows * cost.hidden_size * dt
+    if gathered:
+        terms.append(
+            TransientTerm(
+                "sample_hidden_states",
+                gathered,
+                True,
+                "decode",
+                f"({rows} + {hidden_rows - rows}) rows x {cost.hidden_size} x {dt} B: the step's hidden states "
+                "and their copy gathered for the lm_head (gpu/model_runner.py sample: hidden_states[logits_indices])",
+                stage="sampler",
+            )
+        )
     if top_k_top_p:
         terms.append(
             TransientTerm(
@@ -476,33 +491,37 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
         terms.append(
             TransientTerm(
                 "logits_beyond_profile",
-                stage.logits - logits + beyond_top_k_top_p,
+                stage.logits - logits + beyond_top_k_top_p + stage.sample_hidden - gathered,
                 False,
                 "decode",
                 f"{rows - in_profile} sampled rows beyond the profile's {cost.profiled_rows}",
                 stage="sampler",
             )
         )
+    speculative_v2 = e.runner == "v2" and cost.num_speculative_tokens > 0
     if stage.logits_fp32:
+        copied = stage.logits_fp32 // (v * FP32)
+        chunked = " (the RejectionSampler's largest chunk, _verify_in_chunks)" if copied < rows else ""
         terms.append(
             TransientTerm(
                 "logits_fp32",
                 stage.logits_fp32,
                 False,
                 "decode",
-                f"{rows} rows x {v} vocab x 4 B fp32 copy of a random batch (apply_sampling_params); "
+                f"{copied} rows{chunked} x {v} vocab x 4 B fp32 copy of a random batch (apply_sampling_params); "
                 "V2's profile batch is greedy",
                 stage="sampler",
             )
         )
     if e.runner == "v2" and stage.top_k_top_p + stage.sort:
+        path = cost.describe_v2_speculative(s.rows, rows) if speculative_v2 else cost.describe_top_k_top_p(rows)
         terms.append(
             TransientTerm(
                 "top_k_top_p",
                 stage.top_k_top_p + stage.sort,
                 False,
                 "decode",
-                f"{cost.sampler} sampler, {cost.describe_top_k_top_p(rows)}; not in V2's greedy profile",
+                f"{cost.sampler} sampler, {path}; not in V2's greedy profile",
                 stage="sampler",
             )
         )
@@ -646,5 +665,7 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
         forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))
     cost = sampler_cost(g, e)
     # V1 profiles a random full-vocab top-k/top-p (its resolved path); V2's dummy batch is greedy.
-    sampler = hidden + cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1").profiled
+    stage = cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1")
+    # V2's stage counts its rows' share of the step's hidden states, which `hidden` holds whole
+    sampler = hidden + stage.profiled - stage.sample_hidden // 2
     return max(forward, sampler)

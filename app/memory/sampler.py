@@ -65,6 +65,18 @@ fp32 copy and the top-k/top-p buffers of a random batch are charged against the 
 Speculative decoding samples ``1 + num_speculative_tokens`` rows per request (the target model
 verifies every draft token: v1/sample/rejection_sampler.py); the profile sampled one per request,
 so rows beyond ``min(max_num_batched_tokens, max_num_seqs)`` are outside it on both runners.
+
+On V2 a step that verifies drafts does not go through ``Sampler.sample`` at all (vllm 0.32.0
+``v1/worker/gpu/model_runner.py`` ``sample``: ``input_batch.num_draft_tokens > 0`` takes the
+``RejectionSampler``, ``v1/worker/gpu/spec_decode/rejection_sampler.py``). Its ``_verify`` calls
+``apply_sampling_params`` with top-k/top-p applied by ``apply_top_k_top_p`` (Triton in place, or
+the sort without Triton), never ``flashinfer_sample``, and ``_verify_in_chunks`` copies the logits
+to fp32 at most ``MAX_CHUNK_BYTES`` (1 GiB) at a time, whole requests per chunk, deleting each
+chunk's copy before the next. Every decoding request carries its k drafts (the GPU n-gram
+speculator fills slots it found no match for with the last token: ``_ngram_finalize_kernel``), so
+only a step in which every sampling request is finishing its prefill samples through
+``Sampler.sample`` and may take FlashInfer: one row per request there. The stage is the larger
+of the two steps.
 """
 
 from __future__ import annotations
@@ -93,6 +105,9 @@ MAX_SMS = 192
 ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT = 24
 # V2's [rows, k + 1] logprob token ids (int64) and scores (fp32) per row and column.
 TOPK_LOGPROBS_BYTES = 12
+# vllm 0.32.0 v1/worker/gpu/spec_decode/rejection_sampler.py MAX_CHUNK_BYTES: V2's verification
+# step copies the target logits to fp32 at most this many bytes at a time (get_max_chunk_logits).
+V2_VERIFY_CHUNK_BYTES = 1 << 30
 # Structured outputs on V1 (v1/structured_output/utils.py apply_grammar_bitmask): the step's
 # [rows, ceil(V / 32)] int32 grammar bitmask copied to the GPU; V2 preallocates it at start-up
 # (v1/worker/gpu/structured_outputs.py: grammar_bitmask).
@@ -113,12 +128,13 @@ class SamplerStage:
     top_k_top_p: int = 0  # the Triton or FlashInfer top-k/top-p path (V1: + its softmax and noise)
     grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
     draft_probs: int = 0  # V1: a probabilistic draft's kept probabilities
+    sample_hidden: int = 0  # V2: the sampled rows' hidden states and their gathered copy
     profiled: int = 0  # the part of the above the start-up profile reserved
 
     @property
     def unprofiled(self) -> int:
         total = self.logits + self.sort + self.logprobs + self.penalties + self.prompt_ids + self.output_ids
-        extra = self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask + self.draft_probs
+        extra = self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask + self.draft_probs + self.sample_hidden
         return total + extra - self.profiled
 
 
@@ -153,6 +169,13 @@ class SamplerCost:
     draft_probs_per_request: int = 0
     sampler: str = "pytorch"  # "pytorch" | "triton" | "flashinfer" (vllm_runner.resolve_sampler)
     sort_below_rows: int = 0  # 0.17.0 - 0.29.0: smaller batches sort (apply_top_k_top_p)
+    # V2 (vllm 0.32.0 v1/worker/gpu/model_runner.py `sample`): the step's `hidden_states` and
+    # `sample_hidden_states = hidden_states[input_batch.logits_indices]`, a gathered copy, both
+    # [rows, hidden] in the model dtype for a decoding batch (a verified row is a token), are
+    # referenced while the lm_head makes the logits and until the sampler returns. The profile held
+    # the hidden states of max_num_batched_tokens tokens and the gathered rows of its own batch
+    # (`profile_run`, `_dummy_sampler_run`). 0: not counted (V1, whose runner was not read for it).
+    hidden_size: int = 0
 
     @cached_property
     def profiled_rows(self) -> int:
@@ -164,6 +187,11 @@ class SamplerCost:
         """Rows one step samples at most: 1 + num_speculative_tokens per request."""
         return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
+    def profiled_hidden_rows(self, rows_sampled: int) -> int:
+        """Rows of V2's `sample_hidden` term inside the profile: the step's hidden states (the
+        profile's covered every token a step can hold) and the gathered rows up to its own."""
+        return rows_sampled + min(rows_sampled, self.profiled_rows)
+
     @staticmethod
     def triton_buffer_rows(rows: int) -> int:
         """Rows of Triton's cached buffer after a batch of `rows`: vLLM's
@@ -174,17 +202,49 @@ class SamplerCost:
         """Bytes of the top-k/top-p step for `rows` sampled rows (V1: with the native path's
         softmax and noise), and whether that is the sort. FlashInfer: the larger of its own and
         the native path a seeded request sends the batch to."""
+        native, sorts = self._native_top_k_top_p(rows)
+        if self.sampler == "flashinfer" and not sorts:
+            return max(native, rows * self.vocab_size * FLASHINFER_BYTES_PER_LOGIT), False
+        return native, sorts
+
+    def _native_top_k_top_p(self, rows: int) -> tuple[int, bool]:
+        """``apply_top_k_top_p`` (v1/sample/ops/topk_topp_sampler.py): the sort, or Triton's
+        cached buffer (V1: with ``random_sample``'s softmax and noise)."""
         logits = rows * self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
             return logits * SORT_BYTES_PER_LOGIT, True
         buffer = self.triton_buffer_rows(rows) * self.vocab_size * FP32
-        native = buffer + (logits * NATIVE_SAMPLE_BYTES_PER_LOGIT if self.runner == "v1" else 0)
-        if self.sampler == "flashinfer":
-            return max(native, logits * FLASHINFER_BYTES_PER_LOGIT), False
-        return native, False
+        return buffer + (logits * NATIVE_SAMPLE_BYTES_PER_LOGIT if self.runner == "v1" else 0), False
 
-    def describe_top_k_top_p(self, rows: int) -> str:
-        """The path `top_k_top_p(rows)` charges, for `kvgate explain`."""
+    @cached_property
+    def verify_chunk_rows(self) -> int:
+        """Rows of one V2 verification chunk at most: ``get_max_chunk_logits``, or one request's
+        1 + k rows when they alone exceed it (``_iter_request_chunks`` never splits a request)."""
+        return max(V2_VERIFY_CHUNK_BYTES // (self.vocab_size * FP32), 1, 1 + self.num_speculative_tokens)
+
+    def v2_speculative_random(self, requests: int, rows_sampled: int) -> tuple[int, int, bool]:
+        """V2 with speculative decoding, a random batch of `requests` request rows verifying
+        `rows_sampled` rows: (the fp32 copy, the top-k/top-p bytes beyond it, whether it sorts),
+        the larger of the verification step and a step of first tokens (module docstring)."""
+        chunk = min(rows_sampled, self.verify_chunk_rows)
+        verify_fp32 = chunk * self.vocab_size * FP32
+        verify, sorts = self._native_top_k_top_p(chunk)
+        first = min(requests, self.profiled_rows)
+        first_step = first * self.vocab_size * FP32 + self.top_k_top_p(first)[0]
+        return verify_fp32, max(verify, first_step - verify_fp32), sorts
+
+    def describe_v2_speculative(self, requests: int, rows_sampled: int) -> str:
+        """What `v2_speculative_random` charges, for `kvgate explain`."""
+        chunk = min(rows_sampled, self.verify_chunk_rows)
+        first = min(requests, self.profiled_rows)
+        return (
+            f"the larger of the RejectionSampler's {chunk}-row chunk (apply_top_k_top_p: "
+            f"{self.describe_native_top_k_top_p(chunk)}; never FlashInfer) and a first-token step of "
+            f"{first} rows ({self.describe_top_k_top_p(first)} + their fp32 copy)"
+        )
+
+    def describe_native_top_k_top_p(self, rows: int) -> str:
+        """The path `_native_top_k_top_p(rows)` charges."""
         v = self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
             return f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort (apply_top_k_top_p_pytorch)"
@@ -193,7 +253,13 @@ class SamplerCost:
             native += (
                 f" + {rows} rows x {v} vocab x {NATIVE_SAMPLE_BYTES_PER_LOGIT} B softmax and noise (random_sample)"
             )
-        if self.sampler == "flashinfer":
+        return native
+
+    def describe_top_k_top_p(self, rows: int) -> str:
+        """The path `top_k_top_p(rows)` charges, for `kvgate explain`."""
+        v = self.vocab_size
+        native = self.describe_native_top_k_top_p(rows)
+        if self.sampler == "flashinfer" and rows >= self.sort_below_rows:
             return (
                 f"the larger of FlashInfer {rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B "
                 f"(top_k_top_p_sampling_from_logits) and a seeded batch's {native}"
@@ -226,15 +292,20 @@ class SamplerCost:
         top_k_top_p, sorts = self.top_k_top_p(rows_sampled) if random or self.runner == "v1" else (0, False)
         if self.runner == "v2":
             topk = rows_sampled * (max(self.max_logprobs, 0) + 1) * TOPK_LOGPROBS_BYTES
+            fp32 = sampled * FP32 if random else 0
+            if random and self.num_speculative_tokens:
+                fp32, top_k_top_p, sorts = self.v2_speculative_random(rows, rows_sampled)
+            hidden_row = self.hidden_size * self.dtype_bytes
             return SamplerStage(
                 logits=sampled * self.dtype_bytes,
                 sort=top_k_top_p if sorts else 0,
                 logprobs=(whole_vocab or topk) if logprobs else 0,
                 penalties=0,
                 prompt_ids=0,
-                logits_fp32=sampled * FP32 if random else 0,
+                logits_fp32=fp32,
                 top_k_top_p=0 if sorts else top_k_top_p,
-                profiled=in_profile * self.dtype_bytes,
+                sample_hidden=2 * rows_sampled * hidden_row,
+                profiled=in_profile * self.dtype_bytes + self.profiled_hidden_rows(rows_sampled) * hidden_row,
             )
         # V1 profiles a random batch: its top-k/top-p path at the profiled rows.
         profiled_top_k_top_p = min(top_k_top_p, self.top_k_top_p(self.profiled_rows)[0])

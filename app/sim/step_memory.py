@@ -35,11 +35,15 @@ vLLM's code (paths in vllm-project/vllm):
   copy, raw logprobs `B x V x 4` when a row wants logprobs, penalties' bin counts `B x (V+1)`
   int64 and their masks each step (v1/sample/ops/penalties.py), and off FlashInfer
   `forward_native`'s softmax and exponential noise (`B x V x 4` each) for random rows.
-  V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`): the fp32 copy only when some row needs
+  V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`; gpu/model_runner.py `sample` keeps the
+  gathered `sample_hidden_states` referenced until the sampler returns): the fp32 copy only when some row needs
   logits processing (temperature > 0, penalties, top-k/top-p: `apply_sampling_params`), Gumbel
   sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs through
   `compute_topk_scores` (an fp32 log-softmax `B x V`), penalties applied in place on counts
   preallocated at start-up (sample/penalties.py `PenaltiesState`: `max_num_reqs x V` int32).
+  A V2 step with draft tokens samples through the RejectionSampler instead
+  (gpu/spec_decode/rejection_sampler.py `_verify_in_chunks`): the fp32 copy one chunk of whole
+  requests at a time (at most 1 GiB of it), top-k/top-p by `apply_top_k_top_p`, never FlashInfer.
 - prompt logprobs. V1 (v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`): per request,
   the chunk's logits `n x V` in the model dtype, their log_softmax in fp32 (a 16-bit input is
   first converted to an fp32 copy: ATen `log_softmax(input, dim, dtype)` calls `toType`; the
@@ -90,6 +94,9 @@ def torch_sort_scratch_bytes(rows: int, vocab: int) -> int:
     + indices (8) + this scratch (20) = 38."""
     flat = 1 < rows < SEGMENTED_SORT_MIN_ROWS
     return rows * vocab * (16 + 4 + 12 if flat else 8 + 12)
+
+
+VERIFY_CHUNK_BYTES = 1 << 30  # v1/worker/gpu/spec_decode/rejection_sampler.py MAX_CHUNK_BYTES (0.32.0)
 
 
 @dataclass(frozen=True)
@@ -335,11 +342,15 @@ class StepMemory:
         bv = b * v
         t.alloc("sample_hidden", b * d.hidden * dt)
         t.alloc("logits", bv * dt)
-        t.free("sample_hidden")
+        if not self.v2:  # V2's `sample` holds the gathered rows until its sampler returns
+            t.free("sample_hidden")
         logprobs = any(r.logprobs is not None for r in rows)
         processed = any(r.random or r.penalties or r.top_p_k for r in rows)
+        # V2 verifies drafts through the RejectionSampler (gpu/model_runner.py `sample`), which
+        # copies the logits to fp32 a chunk of whole requests at a time and never fuses FlashInfer
+        verifies = self.v2 and any(r.draft_tokens for r in rows)
         if not self.v2 or processed:
-            t.alloc("logits_f32", bv * 4)
+            t.alloc("logits_f32", self._verify_chunk_rows(rows) * v * 4 if verifies else bv * 4)
         if logprobs:
             t.alloc("raw_logprobs", bv * 4)
         if any(r.structured for r in rows):
@@ -357,7 +368,7 @@ class StepMemory:
             t.free("output_mask", "prompt_mask", "output_bin_counts")
         if any(r.top_p_k for r in rows):
             # V2 leaves FlashInfer for a greedy row too (gpu/sample/sampler.py fused_sampler_eligible)
-            unfused = any(r.seeded or (self.v2 and not r.random) for r in rows)
+            unfused = verifies or any(r.seeded or (self.v2 and not r.random) for r in rows)
             path = self.top_k_top_p.path(b, seeded=unfused)
             if path == "sort":
                 self._sort_top_k_top_p(t, b, v)
@@ -376,7 +387,20 @@ class StepMemory:
         t.alloc("retained:sampled_ids", b * 4)
         if logprobs:
             t.alloc("retained:logprobs", b * (k + 1) * 12)
-        t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits")
+        t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits", "sample_hidden")
+
+    def _verify_chunk_rows(self, rows: list[ReqSlice]) -> int:
+        """The most rows one fp32 chunk of V2's verification holds (spec_decode/rejection_sampler.py
+        `_iter_request_chunks`: whole requests, at most `get_max_chunk_logits` rows unless one
+        request alone has more)."""
+        limit = max(1, VERIFY_CHUNK_BYTES // (self.d.vocab * 4))
+        worst = used = 0
+        for r in rows:
+            n = 1 + r.draft_tokens
+            if used and used + n > limit:
+                worst, used = max(worst, used), 0
+            used += n
+        return max(worst, used)
 
     @staticmethod
     def _sort_top_k_top_p(t: _Tape, b: int, v: int) -> None:
