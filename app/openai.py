@@ -55,8 +55,15 @@ class RequestSpec:
     prompts: list[str | list[int]] = field(default_factory=list)
     add_special_tokens: bool = True
     chat: ChatRequest | None = None
-    unseen_history: bool = False  # these two: see app/vllm_routes.py Translated
+    unseen_history: bool = False  # these three: see app/vllm_routes.py Translated
     context_caps_output: bool = False
+    paired: bool = False
+    # A pooling request: it never decodes, so its prompt may fill the whole context, and vLLM
+    # keeps the first (or with truncation_side "left" the last) `truncate_prompt_tokens` tokens of
+    # each prompt (-1: max_model_len); vllm/renderers/params.py TokenizeParams.
+    prefill_only: bool = False
+    truncate_prompt_tokens: int | None = None
+    truncate_left: bool = False
 
 
 def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
@@ -317,7 +324,15 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         priority=priority or 0,
         unseen_history=translated.unseen_history,
         context_caps_output=translated.context_caps_output,
+        paired=translated.paired,
     )
+    if reading == "pooling":
+        spec.prefill_only = True
+        spec.truncate_prompt_tokens = _int(body, "truncate_prompt_tokens", minimum=-1)
+        side = body.get("truncation_side")
+        if side not in (None, "left", "right"):
+            raise bad_request("'truncation_side' must be 'left' or 'right'.", "truncation_side")
+        spec.truncate_left = side == "left"
     if endpoint == "chat":
         spec.chat = _chat(body, trust_request_chat_template)
     else:
