@@ -177,12 +177,15 @@ def _penalties(body: dict[str, Any]) -> bool:
     return False
 
 
-def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+def _prompts(body: dict[str, Any], texts_per_prompt: int = 1) -> list[str | list[int]]:
+    """The prompts of a completions body; a score body's come as (query, document) pairs in a row,
+    two texts to a prompt."""
     prompt = body.get("prompt")
     message = "'prompt' must be a non-empty string, list of strings, list of token ids, or list of lists of token ids."
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+    limit = MAX_PROMPTS * texts_per_prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > limit:
         raise bad_request(
-            f"'prompt' holds {len(prompt):,} prompts; kvgate accepts at most {MAX_PROMPTS:,} in one request.",
+            f"'prompt' holds {len(prompt) // texts_per_prompt:,} prompts; kvgate accepts at most {MAX_PROMPTS:,} in one request.",
             "prompt",
         )
     if isinstance(prompt, str):
@@ -336,6 +339,6 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
     if endpoint == "chat":
         spec.chat = _chat(body, trust_request_chat_template)
     else:
-        spec.prompts = _prompts(body)
+        spec.prompts = _prompts(body, 2 if translated.paired else 1)
         spec.add_special_tokens = _bool(body, "add_special_tokens", True)
     return spec

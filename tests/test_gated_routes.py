@@ -205,6 +205,17 @@ def test_pooling_requests_are_prefill_only(client: httpx.Client) -> None:
     )
 
 
+def test_rerank_takes_as_many_documents_as_completions_takes_prompts(client: httpx.Client) -> None:
+    """Each pair is two texts to tokenize but one prompt: the 1,024-prompt cap counts pairs."""
+    found = explain(client, "rerank", {"query": "hello", "documents": ["a"] * 1024})
+    assert (
+        found["prompt_tokens"]
+        == 1024 * explain(client, "rerank", {"query": "hello", "documents": ["a"]})["prompt_tokens"]
+    )
+    too_many = client.post("/rerank", json={"model": "tiny-llama", "query": "hello", "documents": ["a"] * 1025})
+    assert too_many.status_code == 400 and "1,025 prompts" in too_many.json()["error"]["message"]
+
+
 def test_pooling_chat_has_no_generation_prompt_unless_asked(client: httpx.Client) -> None:
     """vLLM's pooling chat requests default add_generation_prompt to false (ChatRequestOptionsMixin,
     vllm/entrypoints/pooling/base/protocol.py), a chat completion's to true."""
