@@ -198,7 +198,7 @@ def _prompts(body: dict[str, Any], texts_per_prompt: int = 1) -> list[str | list
         prompts = [list(p) for p in prompt]
     else:
         raise bad_request(message, "prompt")
-    if any(p == "" for p in prompts):
+    if texts_per_prompt == 1 and any(p == "" for p in prompts):  # a pair's empty side is a text pair's
         raise bad_request("'prompt' must not be empty.", "prompt")
     return prompts
 

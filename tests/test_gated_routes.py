@@ -212,6 +212,8 @@ def test_rerank_takes_as_many_documents_as_completions_takes_prompts(client: htt
         found["prompt_tokens"]
         == 1024 * explain(client, "rerank", {"query": "hello", "documents": ["a"]})["prompt_tokens"]
     )
+    empty = explain(client, "rerank", {"query": "hello", "documents": ["", "a"]})["prompt_tokens"]
+    assert empty == 2 * explain(client, "completions", {"prompt": "hello", "max_tokens": 1})["prompt_tokens"] + 2
     too_many = client.post("/rerank", json={"model": "tiny-llama", "query": "hello", "documents": ["a"] * 1025})
     assert too_many.status_code == 400 and "1,025 prompts" in too_many.json()["error"]["message"]
 

@@ -183,13 +183,24 @@ CLASSIFY_CASES = [
     ("/v1/score", "score", {"model": MODEL, "queries": TEXTS[:2], "documents": TEXTS[1:]}),
     ("/rerank", "rerank", {"model": MODEL, "query": TEXT, "documents": TEXTS}),
     ("/v2/rerank", "rerank", {"model": MODEL, "query": TEXT, "documents": TEXTS, "top_n": 2}),
+    ("/rerank", "rerank", {"model": MODEL, "query": TEXT, "documents": ["", TEXT]}),
 ]
 
 
 @pytest.mark.parametrize(
     "path,route,body",
     CLASSIFY_CASES,
-    ids=["string", "strings", "token-ids", "pooling", "score", "score-pairwise", "rerank", "rerank-top-n"],
+    ids=[
+        "string",
+        "strings",
+        "token-ids",
+        "pooling",
+        "score",
+        "score-pairwise",
+        "rerank",
+        "rerank-top-n",
+        "rerank-empty-document",
+    ],
 )
 def test_cross_encoder_routes_answer_as_vllm_with_its_prompt(
     classify_vllm: VllmServer, classify_gate: KvgateServer, path: str, route: str, body: dict[str, Any]
