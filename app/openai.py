@@ -55,8 +55,15 @@ class RequestSpec:
     prompts: list[str | list[int]] = field(default_factory=list)
     add_special_tokens: bool = True
     chat: ChatRequest | None = None
-    unseen_history: bool = False  # these two: see app/vllm_routes.py Translated
+    unseen_history: bool = False  # these three: see app/vllm_routes.py Translated
     context_caps_output: bool = False
+    paired: bool = False
+    # A pooling request: it never decodes, so its prompt may fill the whole context, and vLLM
+    # keeps the first (or with truncation_side "left" the last) `truncate_prompt_tokens` tokens of
+    # each prompt (-1: max_model_len); vllm/renderers/params.py TokenizeParams.
+    prefill_only: bool = False
+    truncate_prompt_tokens: int | None = None
+    truncate_left: bool = False
 
 
 def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
@@ -170,12 +177,15 @@ def _penalties(body: dict[str, Any]) -> bool:
     return False
 
 
-def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+def _prompts(body: dict[str, Any], texts_per_prompt: int = 1) -> list[str | list[int]]:
+    """The prompts of a completions body; a score body's come as (query, document) pairs in a row,
+    two texts to a prompt."""
     prompt = body.get("prompt")
     message = "'prompt' must be a non-empty string, list of strings, list of token ids, or list of lists of token ids."
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+    limit = MAX_PROMPTS * texts_per_prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > limit:
         raise bad_request(
-            f"'prompt' holds {len(prompt):,} prompts; kvgate accepts at most {MAX_PROMPTS:,} in one request.",
+            f"'prompt' holds {len(prompt) // texts_per_prompt:,} prompts; kvgate accepts at most {MAX_PROMPTS:,} in one request.",
             "prompt",
         )
     if isinstance(prompt, str):
@@ -188,7 +198,7 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
         prompts = [list(p) for p in prompt]
     else:
         raise bad_request(message, "prompt")
-    if any(p == "" for p in prompts):
+    if texts_per_prompt == 1 and any(p == "" for p in prompts):  # a pair's empty side is a text pair's
         raise bad_request("'prompt' must not be empty.", "prompt")
     return prompts
 
@@ -317,10 +327,18 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         priority=priority or 0,
         unseen_history=translated.unseen_history,
         context_caps_output=translated.context_caps_output,
+        paired=translated.paired,
     )
+    if reading == "pooling":
+        spec.prefill_only = True
+        spec.truncate_prompt_tokens = _int(body, "truncate_prompt_tokens", minimum=-1)
+        side = body.get("truncation_side")
+        if side not in (None, "left", "right"):
+            raise bad_request("'truncation_side' must be 'left' or 'right'.", "truncation_side")
+        spec.truncate_left = side == "left"
     if endpoint == "chat":
         spec.chat = _chat(body, trust_request_chat_template)
     else:
-        spec.prompts = _prompts(body)
+        spec.prompts = _prompts(body, 2 if translated.paired else 1)
         spec.add_special_tokens = _bool(body, "add_special_tokens", True)
     return spec

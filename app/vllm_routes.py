@@ -79,6 +79,9 @@ class Translated:
     # max_model_len (vllm/v1/core/sched/utils.py check_stop), where the OpenAI routes refuse a
     # prompt plus max_tokens past the context.
     context_caps_output: bool = False
+    # /score and /rerank: the prompts are (query, document) pairs in a row, each pair one prompt
+    # of both texts' token ids (app/pipeline.py joins them).
+    paired: bool = False
     # Translated field -> the field the client sent, for error messages that name what they sent.
     renames: tuple[tuple[str, str], ...] = ()
 
@@ -397,31 +400,71 @@ def _generate(body: dict[str, Any]) -> Translated:
 def _pooling(body: dict[str, Any]) -> Translated:
     """vllm/entrypoints/pooling/{embed,pooling,classify}/protocol.py: `input` (a string, strings,
     token ids or lists of them), chat `messages`, or /v2/embed's `texts` or `inputs` (text parts
-    only). Gated as prefill-only
-    requests (app/sampling_params.py)."""
-    if body.get("messages") is not None:
-        return Translated("chat", _common(body) | {"messages": body["messages"]}, "pooling")
+    only). Gated as prefill-only requests (app/sampling_params.py), with the tokenizer options of
+    vllm/entrypoints/pooling/base/protocol.py: `add_special_tokens` (default true for `input`,
+    false for `messages`, `CompletionRequestMixin` / `ChatRequestOptionsMixin`), a chat's
+    `add_generation_prompt` (default false there, unlike a chat completion's), and
+    `truncate_prompt_tokens` / `truncation_side` (`PoolingBasicRequestMixin`)."""
+    truncation = {name: body[name] for name in _POOLING_TRUNCATION if name in body}
+    messages = body.get("messages")
     source = body["input"] if "input" in body else body.get("texts")
+    if messages is None and isinstance(source, list) and source and all(isinstance(item, dict) for item in source):
+        messages = source  # EmbeddingChatInputRequest: `input` is a list of chat messages
+    if messages is not None:
+        chat = {"add_generation_prompt": False} | {name: body[name] for name in _POOLING_CHAT if name in body}
+        return Translated("chat", _common(body) | chat | truncation | {"messages": messages}, "pooling")
     if source is None and body.get("inputs") is not None:  # /v2/embed's CohereEmbedInput list
         source = _texts(body["inputs"], "inputs")
+    if "texts" in body or "inputs" in body:
+        truncation = _cohere_truncation(body)
     if source is None:
         raise _bad("'input' is required: a string, a list of strings or of token ids.", "input")
-    if isinstance(source, list) and source and all(isinstance(item, dict) for item in source):
-        # EmbeddingChatInputRequest: `input` is a list of chat messages
-        return Translated("chat", _common(body) | {"messages": source}, "pooling")
+    special = {"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {}
     return Translated(
         "completions",
-        _common(body) | {"prompt": source},
+        _common(body) | special | truncation | {"prompt": source},
         "pooling",
         renames=(("prompt", "input" if "input" in body else "texts"),),
     )
 
 
+def _cohere_truncation(body: dict[str, Any]) -> dict[str, Any]:
+    """/v2/embed's `truncate` and `max_tokens` as the truncation they amount to
+    (vllm/entrypoints/pooling/embed/io_processor.py `_resolve_cohere_truncation`): by default
+    ("END") each text is cut to the context, or to `max_tokens`; "START" keeps its end; "NONE"
+    cuts nothing."""
+    truncate = body.get("truncate", "END")
+    if truncate not in ("NONE", "START", "END"):
+        raise _bad("'truncate' must be NONE, START or END.", "truncate")
+    if truncate == "NONE":
+        return {}
+    keep = body.get("max_tokens")
+    return {"truncate_prompt_tokens": -1 if keep is None else keep} | (
+        {"truncation_side": "left"} if truncate == "START" else {}
+    )
+
+
+# The chat fields of a pooling request that change its prompt (ChatRequestOptionsMixin), and the
+# truncation fields of every pooling request (PoolingBasicRequestMixin).
+_POOLING_CHAT = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+)
+_POOLING_TRUNCATION = ("truncate_prompt_tokens", "truncation_side")
+
+
 def _scoring(route: Route, body: dict[str, Any]) -> Translated:
     """vllm/entrypoints/pooling/scoring/protocol.py: ScoreRequest pairs (text_1/text_2,
     data_1/data_2, queries/documents, queries/items) and RerankRequest (query, documents).
-    Each pair is taken as one prompt of both texts: what a cross-encoder runs, and more per prompt
-    than an embedding model, which embeds each side alone."""
+    Each pair is taken as one prompt of both texts, each encoded with its special tokens: what a
+    cross-encoder runs (io_processor.py CrossEncoderIOProcessor.get_score_prompt encodes
+    `tokenizer(text=query, text_pair=document)`; a Llama-style pair template `<s> A <s> B` is
+    exactly both encodings, a BERT-style `[CLS] A [SEP] B [SEP]` one token less), and more than an
+    embedding model runs, which embeds the query once and each document alone
+    (BiEncoderIOProcessor)."""
     if route == "rerank":
         firsts: Any = [body.get("query")]
         seconds = body.get("documents")
@@ -441,8 +484,10 @@ def _scoring(route: Route, body: dict[str, Any]) -> Translated:
     seconds = _texts(seconds, "documents" if route == "rerank" else "text_2")
     if len(firsts) != 1 and len(firsts) != len(seconds):
         raise _bad("Score inputs must be one to many or pairwise of equal length.", "text_1")
-    prompts = [a + " " + b for a, b in zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds, strict=True)]
-    return Translated("completions", _common(body) | {"prompt": prompts}, "pooling")
+    pairs = zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds, strict=True)
+    prompts = [text for pair in pairs for text in pair]
+    truncation = {name: body[name] for name in _POOLING_TRUNCATION if name in body}
+    return Translated("completions", _common(body) | truncation | {"prompt": prompts}, "pooling", paired=True)
 
 
 def _texts(value: Any, param: str) -> list[str]:

@@ -192,11 +192,77 @@ def test_generate_output_is_capped_by_the_context_not_refused(client: httpx.Clie
 
 
 def test_pooling_requests_are_prefill_only(client: httpx.Client) -> None:
+    """A (query, document) pair is one prompt of both texts, each with its special tokens, as a
+    cross-encoder's `tokenizer(text, text_pair)` builds it for the tiny Llama (`<s> A <s> B`;
+    tests/test_pooling_vllm.py checks it against vLLM's usage)."""
     found = explain(client, "rerank", {"query": "hello", "documents": ["a", "b", "c"]})
-    pairs = explain(client, "completions", {"prompt": ["hello a", "hello b", "hello c"], "max_tokens": 1})
-    assert found["prompt_tokens"] == pairs["prompt_tokens"] and found["max_new_tokens"] == 1
+    sides = explain(client, "completions", {"prompt": ["hello", "a", "hello", "b", "hello", "c"], "max_tokens": 1})
+    assert found["prompt_tokens"] == sides["prompt_tokens"] and found["max_new_tokens"] == 1
     cohere = {"inputs": [{"content": [{"type": "text", "text": "hello there"}]}]}
     assert (
         explain(client, "embeddings", cohere)["prompt_tokens"]
         == explain(client, "completions", {"prompt": "hello there"})["prompt_tokens"]
     )
+
+
+def test_rerank_takes_as_many_documents_as_completions_takes_prompts(client: httpx.Client) -> None:
+    """Each pair is two texts to tokenize but one prompt: the 1,024-prompt cap counts pairs."""
+    found = explain(client, "rerank", {"query": "hello", "documents": ["a"] * 1024})
+    assert (
+        found["prompt_tokens"]
+        == 1024 * explain(client, "rerank", {"query": "hello", "documents": ["a"]})["prompt_tokens"]
+    )
+    empty = explain(client, "rerank", {"query": "hello", "documents": ["", "a"]})["prompt_tokens"]
+    assert empty == 2 * explain(client, "completions", {"prompt": "hello", "max_tokens": 1})["prompt_tokens"] + 2
+    too_many = client.post("/rerank", json={"model": "tiny-llama", "query": "hello", "documents": ["a"] * 1025})
+    assert too_many.status_code == 400 and "1,025 prompts" in too_many.json()["error"]["message"]
+
+
+def test_pooling_chat_has_no_generation_prompt_unless_asked(client: httpx.Client) -> None:
+    """vLLM's pooling chat requests default add_generation_prompt to false (ChatRequestOptionsMixin,
+    vllm/entrypoints/pooling/base/protocol.py), a chat completion's to true."""
+    plain = explain(client, "embeddings", {"messages": USER})["prompt_tokens"]
+    asked = explain(client, "embeddings", {"messages": USER, "add_generation_prompt": True})["prompt_tokens"]
+    chat = explain(client, "chat", {"messages": USER, "max_tokens": 1})["prompt_tokens"]
+    unprompted = {"messages": USER, "max_tokens": 1, "add_generation_prompt": False}
+    assert (plain, asked) == (explain(client, "chat", unprompted)["prompt_tokens"], chat)
+    assert plain < asked
+
+
+def test_pooling_input_takes_add_special_tokens(client: httpx.Client) -> None:
+    with_bos = explain(client, "embeddings", {"input": "hello there"})["prompt_tokens"]
+    without = explain(client, "embeddings", {"input": "hello there", "add_special_tokens": False})["prompt_tokens"]
+    assert without == with_bos - 1  # the tiny tokenizer adds one BOS
+
+
+@pytest.mark.parametrize(
+    "body,tokens",
+    [
+        ({"input": [7] * 2000, "truncate_prompt_tokens": 12}, 12),
+        ({"input": [7] * 2000, "truncate_prompt_tokens": -1}, MAX_MODEL_LEN),
+        ({"input": [7] * 5, "truncate_prompt_tokens": 12}, 5),
+        ({"input": [7] * 2000, "truncate_prompt_tokens": 12, "truncation_side": "left"}, 12),
+        ({"input": "hello there " * 2000, "truncate_prompt_tokens": 30}, 30),
+        ({"input": [7] * MAX_MODEL_LEN}, MAX_MODEL_LEN),  # no output: the prompt may fill the context
+        ({"texts": ["hello there " * 2000]}, MAX_MODEL_LEN),  # /v2/embed cuts to the context by default
+        ({"texts": ["hello there " * 2000], "truncate": "START", "max_tokens": 9}, 9),
+    ],
+    ids=["ids", "to-context", "shorter", "left", "text", "whole-context", "v2-embed", "v2-embed-start"],
+)
+def test_pooling_prompt_is_truncated_as_vllm_truncates_it(client: httpx.Client, body: dict, tokens: int) -> None:
+    assert explain(client, "embeddings", body)["prompt_tokens"] == tokens
+
+
+def test_pooling_prompt_past_the_context_is_refused(client: httpx.Client) -> None:
+    response = client.post("/v1/embeddings", json={"model": "tiny-llama", "input": [7] * (MAX_MODEL_LEN + 1)})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"({MAX_MODEL_LEN + 1} in the prompt, 0 in the completion)" in error["message"]
+
+
+def test_v2_embed_without_truncation_past_the_context_is_refused(client: httpx.Client) -> None:
+    body = {"model": "tiny-llama", "texts": ["hello there " * 2000], "truncate": "NONE"}
+    response = client.post("/v2/embed", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -268,4 +268,19 @@ def build_tiny_model(dest: Path) -> Path:
     (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     weights = _llama_weights(config["vocab_size"], np.random.default_rng(0))
     save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def build_tiny_classifier(dest: Path) -> Path:
+    """The tiny Llama with one label and its `score` head, for `--runner pooling --convert
+    classify`: vLLM 0.32.0's `as_seq_cls_model` (vllm/model_executor/models/adapters.py) loads the
+    head from the checkpoint's `score.weight` (num_labels rows of hidden size), and
+    vllm/entrypoints/pooling/utils.py `enable_scoring_api` serves /score and /rerank for a
+    classifier only with num_labels == 1 (a cross-encoder)."""
+    build_tiny_model(dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps(config | {"num_labels": 1}, indent=2) + "\n")
+    weights = load_file(str(dest / "model.safetensors"))
+    head = (np.random.default_rng(1).standard_normal((1, HIDDEN)) * 0.02).astype(np.float32)
+    save_file(weights | {"score.weight": head}, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
