@@ -118,6 +118,7 @@ class Deployment:
             draft=self.drafter,
             sampler=self.runtime.sampler_backend,
             sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
+            max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
         )
 
 

@@ -117,9 +117,11 @@ class Predictor:
         return estimate, TransientSplit.of(estimate)
 
     def max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
-        """max_tokens if given; else what vLLM would allow (or the configured reservation)."""
+        """max_tokens if given (at most the context the prompt leaves, where vLLM clamps it
+        rather than refusing); else what vLLM would allow (or the configured reservation)."""
         room = self.engine.max_model_len - prompt_tokens
-        if spec.max_tokens is not None and spec.context_caps_output:
+        clamped = spec.context_caps_output or not self.engine.max_tokens_past_context_refused
+        if spec.max_tokens is not None and clamped:
             return max(1, min(spec.max_tokens, room))
         if spec.max_tokens is not None:
             return spec.max_tokens
@@ -253,11 +255,21 @@ class Predictor:
             # TokenizeParams with max_output_tokens=0 (vllm/entrypoints/pooling/base/protocol.py),
             # so a prompt may fill the context; kvgate still reserves its one step's KV.
             return
-        if not spec.prefill_only and prompt_tokens + max_new <= limit and prompt_tokens < limit:
+        # max_tokens past the whole context is refused by every release, even where vLLM clamps
+        # it to what the prompt leaves (0.32.0 renderers/params.py TokenizeParams.__post_init__:
+        # "max_tokens=... cannot be greater than max_model_len"); /inference/v1/generate takes it.
+        asked_past_context = spec.max_tokens is not None and spec.max_tokens > limit and not spec.context_caps_output
+        if (
+            not spec.prefill_only
+            and not asked_past_context
+            and prompt_tokens + max_new <= limit
+            and prompt_tokens < limit
+        ):
             return
         where = "messages" if spec.endpoint == "chat" else "prompt"
         param = "max_tokens" if spec.max_tokens is not None and prompt_tokens < limit else where
-        raise ContextTooLong(limit, prompt_tokens, 0 if spec.prefill_only else max_new, where, param)
+        asked = 0 if spec.prefill_only else spec.max_tokens if asked_past_context and spec.max_tokens else max_new
+        raise ContextTooLong(limit, prompt_tokens, asked, where, param)
 
     def check_fits_ever(self, prediction: Prediction, budget: Budget) -> None:
         """NeverFits when no amount of waiting would let this request in."""

@@ -77,7 +77,8 @@ class Translated:
     unseen_history: bool = False
     # /inference/v1/generate: vLLM's engine takes max_tokens as sent and stops the request at
     # max_model_len (vllm/v1/core/sched/utils.py check_stop), where the OpenAI routes refuse a
-    # prompt plus max_tokens past the context.
+    # prompt plus max_tokens past the context (before vLLM 0.32.0; from it they clamp max_tokens
+    # but refuse a max_tokens past max_model_len: app/memory/vllm_runner.py).
     context_caps_output: bool = False
     # /score and /rerank: the prompts are (query, document) pairs in a row, each pair one prompt
     # of both texts' token ids (app/pipeline.py joins them).

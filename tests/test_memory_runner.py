@@ -13,7 +13,7 @@ from app.memory.activation import (
 )
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
-from app.memory.vllm_runner import NEWEST_KNOWN, resolve_runtime
+from app.memory.vllm_runner import NEWEST_KNOWN, refuses_max_tokens_past_context, resolve_runtime
 
 LLAMA = ModelGeometry.from_config(
     {
@@ -152,3 +152,23 @@ def test_structured_outputs_copy_a_bitmask_per_step_on_v1_only() -> None:
         estimate_transient(LLAMA, engine("v2"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask")
         is None
     )
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [
+        ("0.12.0", True),
+        ("0.21.0", True),
+        ("0.31.0", True),
+        ("0.32.0", False),
+        ("0.33.0", False),
+        (None, False),
+        ("main", False),
+    ],
+)
+def test_max_tokens_past_the_context_is_refused_only_before_0_32(version: str | None, refused: bool) -> None:
+    """vLLM <= 0.31 answers 400 to a prompt + max_tokens past max_model_len, 0.32 clamps max_tokens;
+    an unknown version is taken as clamping, so kvgate never refuses what vLLM would serve."""
+    assert refuses_max_tokens_past_context(version) is refused
+    if version is not None:
+        assert resolve_runtime(version).max_tokens_past_context_refused is refused

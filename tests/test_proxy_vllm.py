@@ -209,6 +209,26 @@ def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: Kv
     )
 
 
+def test_max_tokens_past_the_context_is_clamped_as_vllm_0_32_does(
+    vllm_server: VllmServer, kvgate: KvgateServer
+) -> None:
+    """vLLM 0.32 serves a prompt that fits with max_tokens cut to the context it leaves (older
+    releases answered 400): kvgate, told the version by GET /version, admits it and reserves the
+    context, not max_tokens; a max_tokens past the whole context is still refused by both."""
+    body = {"model": "tiny-llama", "prompt": PROMPT * 20, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    direct = httpx.post(vllm_server.base_url + "/v1/completions", json=body, timeout=120)
+    through = httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120)
+    assert direct.status_code == through.status_code == 200, through.text
+    usage = through.json()["usage"]
+    assert usage == direct.json()["usage"] and usage["total_tokens"] == 1024  # the tests' --max-model-len
+    assert int(through.headers["x-kvgate-kv-blocks"]) == 1024 // 128  # the context's blocks, not 1,000 more
+    too_many = body | {"max_tokens": 1025}
+    assert httpx.post(vllm_server.base_url + "/v1/completions", json=too_many, timeout=30).status_code == 400
+    refused = httpx.post(kvgate.base_url + "/v1/completions", json=too_many, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+
+
 def kv_burst(base_url: str) -> list[httpx.Response]:
     """14 requests of ~200 prompt + 300 output tokens (ignore_eos): 56 blocks; the pool has 15."""
 

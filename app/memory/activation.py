@@ -76,6 +76,9 @@ class EngineShape:
     draft: Drafter | None = None  # --speculative-config's draft model (app/memory/draft.py)
     sampler: str = "pytorch"  # top-k/top-p backend (app/memory/vllm_runner.py resolve_sampler)
     sampler_sort_below_rows: int = 0
+    # vLLM refuses a prompt + max_tokens past max_model_len (else it clamps max_tokens):
+    # app/memory/vllm_runner.py refuses_max_tokens_past_context.
+    max_tokens_past_context_refused: bool = True
 
     def __post_init__(self) -> None:
         backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)

@@ -183,6 +183,9 @@ class VllmRuntime:
     warning: str | None = None
     sampler_sort_below_rows: int = 0  # 0.17.0 - 0.29.0: batches under 8 rows still sort
     sampler_source: str = "vLLM's rule"  # or "--sampler", "version unknown"
+    # A prompt that fits but leaves less than max_tokens of context: refused (400) or served with
+    # max_tokens clamped to what is left (refuses_max_tokens_past_context).
+    max_tokens_past_context_refused: bool = False
 
     def labels(self) -> dict[str, str]:
         return {
@@ -191,6 +194,29 @@ class VllmRuntime:
             "runner": self.runner,
             "sampler": self.sampler_backend,
         }
+
+
+# The first release that serves a prompt + max_tokens past max_model_len, clamping max_tokens.
+CLAMPS_MAX_TOKENS_SINCE = Version("0.32.0")
+
+
+def refuses_max_tokens_past_context(version: str | None) -> bool:
+    """Whether vLLM `version` answers 400 to a completion, chat, Responses or Messages request
+    whose prompt fits max_model_len but not with max_tokens on top.
+
+    Up to 0.12 the OpenAI serving layer refused it (entrypoints/openai/serving_engine.py
+    `_validate_input`: "'max_tokens' or 'max_completion_tokens' is too large"); 0.21.0 - 0.31.0
+    refuse it while rendering (renderers/params.py `TokenizeParams.max_input_tokens` =
+    max_model_len - max_tokens). 0.32.0 and 0.33.0 take the whole context as the input limit
+    and clamp max_tokens to what the prompt leaves (`get_max_tokens`,
+    entrypoints/serve/utils/api_utils.py; vLLM issue #42474). Unknown versions: no, so kvgate
+    never refuses what the backend might serve; an older backend answers its own 400."""
+    if version is None:
+        return False
+    try:
+        return Version(version) < CLAMPS_MAX_TOKENS_SINCE
+    except InvalidVersion:
+        return False
 
 
 def _known_version(version: str) -> tuple[str, str | None]:
@@ -249,6 +275,7 @@ def resolve_runtime(
             path.source,
         )
     known, warning = _known_version(version)
+    refuses = refuses_max_tokens_past_context(version)
     rule = _rule_for(known)
     if model_runner in ("v1", "v2"):
         runner = model_runner  # type: ignore[assignment]
@@ -256,4 +283,6 @@ def resolve_runtime(
     else:
         v2 = rule.picks_v2(architectures, is_moe, is_hybrid, quantized) and rule.runs_drafter(speculative_method)
         runner, source = ("v2" if v2 else "v1"), "vLLM's rule"
-    return VllmRuntime(version, known, runner, source, path.backend, warning, path.sort_below_rows, path.source)
+    return VllmRuntime(
+        version, known, runner, source, path.backend, warning, path.sort_below_rows, path.source, refuses
+    )
