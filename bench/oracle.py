@@ -582,6 +582,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                     served=engine.model_name,
                     max_model_len=engine.resolved.max_model_len,
                     max_logprobs=engine.cfg.max_logprobs,
+                    clamps_max_tokens=engine.resolved.flavor.clamps_max_tokens,
                 )
                 if engine.ready
                 else None

@@ -60,9 +60,18 @@ def _num(body: dict[str, Any], key: str, default: float) -> float:
 
 
 def parse(
-    body: dict[str, Any], *, chat: bool, tok: Tokenizer, served: str, max_model_len: int, max_logprobs: int = 20
+    body: dict[str, Any],
+    *,
+    chat: bool,
+    tok: Tokenizer,
+    served: str,
+    max_model_len: int,
+    max_logprobs: int = 20,
+    clamps_max_tokens: bool = False,
 ) -> Parsed:
-    """Validate and tokenize; raises SimApiError (400/404) as vLLM would."""
+    """Validate and tokenize; raises SimApiError (400/404) as vLLM would. `clamps_max_tokens`:
+    the release cuts max_tokens to the context the prompt leaves (Flavor.clamps_max_tokens)
+    instead of refusing; a max_tokens past max_model_len is refused either way."""
     model = body.get("model", served)
     if model != served:
         raise SimApiError(404, f"The model `{model}` does not exist.", "model")
@@ -95,6 +104,15 @@ def parse(
         max_tokens = max_model_len - n_in
     elif not isinstance(max_tokens, int) or max_tokens < 1:
         raise SimApiError(400, f"{key} must be at least 1, got {max_tokens}.", key)
+    elif max_tokens > max_model_len and clamps_max_tokens:
+        raise SimApiError(
+            400,
+            f"{key}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            key,
+        )
+    elif clamps_max_tokens:
+        max_tokens = min(max_tokens, max_model_len - n_in)
     elif n_in + max_tokens > max_model_len:
         raise SimApiError(
             400,

@@ -182,6 +182,15 @@ class Flavor:
         return self.runner == "v2"
 
     @property
+    def clamps_max_tokens(self) -> bool:
+        """From vLLM 0.32.0 a prompt that fits is served with max_tokens cut to the context it
+        leaves (renderers/params.py `TokenizeParams.max_input_tokens` is the whole context,
+        entrypoints/serve/utils/api_utils.py `get_max_tokens` clamps); before it, prompt +
+        max_tokens past max_model_len is a 400 (0.21.0 - 0.31.0: max_input_tokens =
+        max_model_len - max_tokens; up to 0.12: serving_engine.py `_validate_input`)."""
+        return self.version >= (0, 32, 0)
+
+    @property
     def context_in_budget(self) -> bool:
         """Before vLLM 0.7 the whole non-torch footprint counted against the budget."""
         return self.version < (0, 7, 0)

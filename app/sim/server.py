@@ -120,6 +120,7 @@ def create_sim_app(config: SimConfig) -> FastAPI:
                 served=name,
                 max_model_len=engine.resolved.max_model_len,
                 max_logprobs=config.max_logprobs,
+                clamps_max_tokens=engine.resolved.flavor.clamps_max_tokens,
             )
         except SimApiError as exc:
             return exc.response()

@@ -1,0 +1,32 @@
+"""The simulator's request validation, release by release: what vLLM answers 400 to."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.sim.api import SimApiError, parse
+from app.sim.tokens import StandInTokenizer
+
+TOK = StandInTokenizer(32000)
+
+
+def _parse(max_tokens: int, clamps: bool, prompt_tokens: int = 600) -> int:
+    body = {"prompt": list(range(10, 10 + prompt_tokens)), "max_tokens": max_tokens}
+    p = parse(body, chat=False, tok=TOK, served="m", max_model_len=1024, clamps_max_tokens=clamps)
+    return p.sampling.max_tokens
+
+
+def test_before_0_32_a_prompt_plus_max_tokens_past_the_context_is_refused() -> None:
+    assert _parse(424, clamps=False) == 424
+    with pytest.raises(SimApiError) as refused:
+        _parse(500, clamps=False)
+    assert refused.value.status == 400 and "is too large" in str(refused.value)
+
+
+def test_from_0_32_max_tokens_is_cut_to_the_context_left_but_not_past_max_model_len() -> None:
+    assert _parse(500, clamps=True) == 424
+    with pytest.raises(SimApiError) as refused:
+        _parse(1025, clamps=True)
+    assert refused.value.status == 400 and "cannot be greater than max_model_len=1024" in str(refused.value)
+    with pytest.raises(SimApiError):  # a prompt that fills the context is refused by every release
+        _parse(1, clamps=True, prompt_tokens=1024)
