@@ -331,6 +331,7 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
     )
     if reading == "pooling":
         spec.prefill_only = True
+    if reading in ("pooling", "completions", "chat"):  # CompletionRequest, ChatCompletionRequest too
         spec.truncate_prompt_tokens = _int(body, "truncate_prompt_tokens", minimum=-1)
         side = body.get("truncation_side")
         if side not in (None, "left", "right"):

@@ -75,7 +75,9 @@ class RequestPipeline:
         if spec.paired:
             prompts = self._pairs(spec, prompts)
         if spec.truncate_prompt_tokens is not None:
-            prompts = [self._truncated(ids, spec.truncate_prompt_tokens, spec.truncate_left) for ids in prompts]
+            assert self.predictor is not None
+            keep = self.predictor.truncation_length(spec)
+            prompts = [self._truncated(ids, keep, spec.truncate_left) for ids in prompts]
         tokenize_s = time.perf_counter() - started
         self._on_tokenized(tokenize_s)
         if spec.unseen_history:
@@ -99,13 +101,13 @@ class RequestPipeline:
             for query, document, text in zip(sides[::2], sides[1::2], documents, strict=True)
         ]
 
-    def _truncated(self, ids: list[int], keep: int, left: bool) -> list[int]:
+    @staticmethod
+    def _truncated(ids: list[int], keep: int, left: bool) -> list[int]:
         """The prompt as vLLM truncates it (vllm/renderers/params.py TokenizeParams
-        `_truncation_slice`, vLLM 0.32.0): the first `keep` tokens, the last with truncation_side
-        "left", the context's worth for -1. vLLM falls back to the tokenizer's own side when the
-        request names none; kvgate takes the first tokens then (the count is the same)."""
-        assert self.predictor is not None
-        keep = self.predictor.engine.max_model_len if keep < 0 else keep
+        `_truncation_slice`, vLLM 0.32.0): its first `keep` tokens, its last with truncation_side
+        "left" (`keep` from Predictor.truncation_length). vLLM falls back to the tokenizer's own
+        side when the request names none; kvgate takes the first tokens then (the count is the
+        same)."""
         if len(ids) <= keep:
             return ids
         return ids[len(ids) - keep :] if left else ids[:keep]

@@ -129,6 +129,23 @@ class Predictor:
             return max(1, min(self.default_max_tokens, room))
         return max(1, room)
 
+    def truncation_length(self, spec: RequestSpec) -> int:
+        """The tokens vLLM keeps of each prompt for `truncate_prompt_tokens` (set on `spec`): k
+        as given; -1 the most the release lets a prompt have (vllm/renderers/params.py
+        TokenizeParams): max_model_len for pooling requests (they ask for no output); for
+        generation, up to 0.31.0 `max_input_tokens` = max_model_len - max_tokens, from 0.32.0
+        `max_truncation_tokens` = max_model_len - 1 when max_tokens is given (else
+        max_model_len)."""
+        keep = spec.truncate_prompt_tokens
+        assert keep is not None
+        if keep >= 0:
+            return keep
+        limit = self.engine.max_model_len
+        output = 0 if spec.prefill_only else spec.max_tokens or 0
+        if self.engine.max_tokens_past_context_refused:
+            return max(0, limit - output)
+        return limit - 1 if output else limit
+
     def check_logprobs(self, spec: RequestSpec) -> None:
         """400 where vLLM's `SamplingParams._validate_logprobs` (vllm/sampling_params.py) refuses:
         more logprobs or prompt logprobs than the server's --max-logprobs (-1: the vocabulary)."""

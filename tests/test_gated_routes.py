@@ -253,6 +253,26 @@ def test_pooling_prompt_is_truncated_as_vllm_truncates_it(client: httpx.Client, 
     assert explain(client, "embeddings", body)["prompt_tokens"] == tokens
 
 
+@pytest.mark.parametrize(
+    "route,body,tokens",
+    [
+        ("completions", {"prompt": [7] * 2000, "truncate_prompt_tokens": 12, "max_tokens": 5}, 12),
+        ("completions", {"prompt": [7] * 2000, "truncate_prompt_tokens": -1, "max_tokens": 5}, MAX_MODEL_LEN - 1),
+        # a completion's max_tokens defaults to 16 (CompletionRequest): one token of output kept
+        ("completions", {"prompt": [7] * 2000, "truncate_prompt_tokens": -1}, MAX_MODEL_LEN - 1),
+        ("chat", {"messages": [{"role": "user", "content": "hello there " * 2000}], "truncate_prompt_tokens": 20}, 20),
+    ],
+    ids=["ids", "to-context", "to-context-no-max-tokens", "chat"],
+)
+def test_generation_prompt_is_truncated_as_vllm_0_32_truncates_it(
+    client: httpx.Client, route: str, body: dict, tokens: int
+) -> None:
+    """CompletionRequest and ChatCompletionRequest take truncate_prompt_tokens too (vLLM 0.32.0
+    renderers/params.py): -1 keeps max_model_len - 1 when max_tokens is given (one token of
+    output). The scripted backend names no version: vLLM 0.32's rule."""
+    assert explain(client, route, body)["prompt_tokens"] == tokens
+
+
 def test_pooling_prompt_past_the_context_is_refused(client: httpx.Client) -> None:
     response = client.post("/v1/embeddings", json={"model": "tiny-llama", "input": [7] * (MAX_MODEL_LEN + 1)})
     assert response.status_code == 400

@@ -3,6 +3,7 @@ the demand it gives is the one a fresh estimate gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -94,3 +95,24 @@ def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) ->
     # Same length, other tokens: the estimate is shared, the prefix-cache hashes are not.
     assert other_tokens.footprints[0].transient is first.footprints[0].transient
     assert other_tokens.demand.shared_block_hashes != first.demand.shared_block_hashes
+
+
+@pytest.mark.parametrize(
+    ("refused", "max_tokens", "prefill_only", "kept"),
+    [
+        (True, 100, False, 4096 - 100),  # 0.21-0.31: max_input_tokens = max_model_len - max_tokens
+        (False, 100, False, 4096 - 1),  # 0.32: max_truncation_tokens keeps one token of output
+        (False, None, False, 4096),
+        (True, None, True, 4096),  # pooling asks for no output on every release
+    ],
+)
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_release_allows(
+    refused: bool, max_tokens: int | None, prefill_only: bool, kept: int
+) -> None:
+    engine = EngineShape(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=256)
+    engine = dataclasses.replace(engine, max_tokens_past_context_refused=refused)
+    predictor = Predictor(layout("llama-3-8b"), engine, True, 10**9)
+    spec = RequestSpec(
+        "completions", b"{}", None, False, max_tokens, truncate_prompt_tokens=-1, prefill_only=prefill_only
+    )
+    assert predictor.truncation_length(spec) == kept

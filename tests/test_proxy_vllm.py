@@ -229,6 +229,21 @@ def test_max_tokens_past_the_context_is_clamped_as_vllm_0_32_does(
     assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
 
 
+@pytest.mark.parametrize("keep", [100, -1])
+def test_truncate_prompt_tokens_on_a_completion_is_served_as_vllm_truncates_it(
+    vllm_server: VllmServer, kvgate: KvgateServer, keep: int
+) -> None:
+    """A prompt longer than the context, truncated by vLLM (truncate_prompt_tokens): kvgate counts
+    what vLLM keeps (100, or max_model_len - 1 for -1 with max_tokens) instead of refusing it."""
+    body = {"model": "tiny-llama", "prompt": PROMPT * 200, "max_tokens": 5, "truncate_prompt_tokens": keep}
+    direct = httpx.post(vllm_server.base_url + "/v1/completions", json=body, timeout=120)
+    through = httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120)
+    assert direct.status_code == through.status_code == 200, through.text
+    prompt_tokens = through.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens == direct.json()["usage"]["prompt_tokens"] == (100 if keep > 0 else 1023)
+    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+
+
 def kv_burst(base_url: str) -> list[httpx.Response]:
     """14 requests of ~200 prompt + 300 output tokens (ignore_eos): 56 blocks; the pool has 15."""
 
