@@ -22,7 +22,7 @@ from app.preparation_workers import Job, PreparationWorkers
 from app.tokens import TOKEN_ARRAY, BackendTokenizeError, Tokenizer
 from app.units import MiB
 from app.vllm_routes import Route
-from app.work_budget import WorkBudget, preparation_cost
+from app.work_budget import Grant, WorkBudget, charging, preparation_cost
 
 # Prompts beyond which a completions request is predicted in a worker thread: the prediction is
 # Python, so from a thread the event loop still gets its turn every few milliseconds.
@@ -83,12 +83,15 @@ class RequestPipeline:
             if len(raw) <= INLINE_BODY_BYTES:  # a malformed body is a 400 even before kvgate is ready
                 parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
             raise NotReady(self._why_not_ready())
-        offload = self.workers is not None and (
-            len(raw) > INLINE_BODY_BYTES or (self.trust_request_chat_template and b"chat_template" in raw)
-        )
-        cost = preparation_cost(len(raw)) + (TEMPLATE_WORK_BYTES if offload else 0)
-        async with self.work_budget.hold(cost):
-            prepared = await (self._prepare_in_worker(route, raw, cost) if offload else self._prepare_here(route, raw))
+        carries_template = self.trust_request_chat_template and b"chat_template" in raw
+        offload = self.workers is not None and (len(raw) > INLINE_BODY_BYTES or carries_template)
+        cost = preparation_cost(raw) + (TEMPLATE_WORK_BYTES if carries_template else 0)
+        async with self.work_budget.hold(cost) as grant:
+            if offload:
+                prepared = await self._prepare_in_worker(route, raw, grant)
+            else:
+                with charging(grant.grow):
+                    prepared = await self._prepare_here(route, raw)
         spec, prompts = prepared.spec, prepared.prompts
         self._on_tokenized(prepared.tokenize_s)
         if spec.truncate_prompt_tokens is not None:
@@ -121,11 +124,11 @@ class RequestPipeline:
                 ) from exc
             raise TokenizerUnavailable(str(exc)) from exc
 
-    async def _prepare_in_worker(self, route: Route, raw: bytes, cost: int) -> Prepared:
+    async def _prepare_in_worker(self, route: Route, raw: bytes, grant: Grant) -> Prepared:
         assert self.workers is not None
         job = Job(route, raw, self.trust_request_chat_template, self.max_model_len, frozenset(self.served_names))
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
-        return await self.workers.run(job, cost, seconds)
+        return await self.workers.run(job, grant, seconds)
 
     @staticmethod
     def _truncated(ids: array, keep: int, left: bool) -> array:

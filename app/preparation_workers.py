@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import time
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from app.errors import KvgateError, RequestTooCostly, TokenizationFailed
 from app.preparation import Prepared, prepare
 from app.tokens import local_tokenizer
 from app.vllm_routes import Route
+from app.work_budget import Grant, charging
 
 log = logging.getLogger("kvgate.preparation")
 
@@ -62,16 +64,17 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
         except (EOFError, OSError):
             return  # kvgate is gone
         try:
-            prepared = loop.run_until_complete(
-                prepare(
-                    job.route,
-                    job.raw,
-                    tokenizer,
-                    trust_request_chat_template=job.trust_request_chat_template,
-                    max_model_len=job.max_model_len,
-                    served_names=job.served_names,
+            with charging(partial(_ask_for_more, conn)):
+                prepared = loop.run_until_complete(
+                    prepare(
+                        job.route,
+                        job.raw,
+                        tokenizer,
+                        trust_request_chat_template=job.trust_request_chat_template,
+                        max_model_len=job.max_model_len,
+                        served_names=job.served_names,
+                    )
                 )
-            )
             reply: tuple[Any, ...] = ("ok", prepared)
         except KvgateError as error:
             reply = ("error", type(error), error.args, error.__dict__)
@@ -83,6 +86,14 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
         gc.collect()
         if libc is not None:
             libc.malloc_trim(0)  # give the request's memory back to the system, not to the next one
+
+
+async def _ask_for_more(conn: Connection, cost: int) -> None:
+    """A stage's memory, asked of kvgate's budget before the stage runs (the job waits)."""
+    conn.send(("grow", cost))
+    reply = conn.recv()
+    if reply[0] != "granted":
+        raise _rebuilt(*reply[1:])
 
 
 def _libc() -> Any | None:
@@ -128,30 +139,40 @@ class _Worker:
     def pid(self) -> int:
         return int(self.process.pid)
 
-    async def run(self, job: Job, cap_bytes: int, seconds: float) -> Prepared:
+    async def run(self, job: Job, grant: Grant, seconds: float) -> Prepared:
         """The job's result; the worker is killed (and the caller must replace it) when the job
-        passes `cap_bytes` of memory over what the worker held before it, or `seconds`."""
+        passes the memory of its grant over what the worker held before it, or `seconds`."""
         if not self._ready:
             await self._receive(_START_S, None)
             self._ready = True
         base = _rss_bytes(self.pid) or 0
         await asyncio.to_thread(self._conn.send, job)
-        reply = await self._receive(seconds, (base, cap_bytes))
-        if reply[0] == "ok":
-            prepared: Prepared = reply[1]
-            return prepared
-        raise _rebuilt(*reply[1:])
+        deadline = time.monotonic() + seconds
+        while True:
+            reply = await self._receive(deadline - time.monotonic(), (base, grant))
+            if reply[0] == "ok":
+                prepared: Prepared = reply[1]
+                return prepared
+            if reply[0] == "error":
+                raise _rebuilt(*reply[1:])
+            try:  # ("grow", bytes): the next stage's memory
+                await grant.grow(reply[1])
+            except KvgateError as error:
+                self._conn.send(("refused", type(error), error.args, error.__dict__))
+            else:
+                self._conn.send(("granted",))
 
-    async def _receive(self, seconds: float, memory: tuple[int, int] | None) -> tuple[Any, ...]:
-        """The worker's next message, watching its memory (base, cap) and time meanwhile."""
+    async def _receive(self, seconds: float, memory: tuple[int, Grant] | None) -> tuple[Any, ...]:
+        """The worker's next message, watching its memory (over `base`, within the grant) and
+        its time meanwhile."""
         deadline = time.monotonic() + seconds
         while not self._conn.poll():
             await asyncio.sleep(_RSS_POLL_S)
             if memory is not None:
-                rss = _rss_bytes(self.pid)
-                if rss is not None and rss - memory[0] > memory[1]:
+                rss, (base, grant) = _rss_bytes(self.pid), memory
+                if rss is not None and rss - base > grant.bytes:
                     self.kill()
-                    raise RequestTooCostly(rss - memory[0], memory[1], "took more than")
+                    raise RequestTooCostly(rss - base, grant.bytes, "took more than")
             if time.monotonic() > deadline and not self._conn.poll():
                 self.kill()
                 raise TokenizationFailed(f"preparing the request took longer than {seconds:g} s")
@@ -174,7 +195,7 @@ class _Worker:
 
 
 class PreparationWorkers:
-    """`count` worker processes; `await run(job, cap, seconds)` prepares a job in the next free one."""
+    """`count` worker processes; `await run(job, grant, seconds)` prepares a job in the next free one."""
 
     def __init__(self, model_dir: str | Path, template_seconds: float, count: int) -> None:
         # spawn: kvgate's process has threads and an event loop a fork would copy mid-flight.
@@ -191,10 +212,10 @@ class PreparationWorkers:
         self._all.append(worker)
         return worker
 
-    async def run(self, job: Job, cap_bytes: int, seconds: float) -> Prepared:
+    async def run(self, job: Job, grant: Grant, seconds: float) -> Prepared:
         worker = await self._idle.get()
         try:
-            return await worker.run(job, cap_bytes, seconds)
+            return await worker.run(job, grant, seconds)
         except BaseException as error:
             if not isinstance(error, KvgateError):  # cancelled mid-job: its reply would reach the next one
                 worker.kill()

@@ -25,6 +25,7 @@ from app.chat_template import (
 )
 from app.multimodal import MediaCounting, image_tokens_of
 from app.units import MiB
+from app.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
 
 # Token ids are int64 (vLLM's tensors; kvgate's image and history stand-ins are negative 63-bit).
 TOKEN_ARRAY = "q"
@@ -70,10 +71,11 @@ class Tokenizer(Protocol):
 _NORMALIZER_SHRINK = {"Prepend": 1, "Lowercase": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Replace": 1}
 # Output budget of a request template when the tokenizer gives no character bound.
 DEFAULT_TEMPLATE_CHARS = 4 * MiB
-# Characters encoded in one call to the Rust tokenizer: its encodings carry, per token, the token's
-# text, offsets and masks (about 80 bytes), so a request's prompts are encoded a slice at a time
-# and each encoding is kept only as an array of its ids.
-ENCODE_CHUNK_CHARS = 1 << 20
+# Text encoded in one call to the Rust tokenizer: it takes up to 160 bytes per byte of text
+# (app/work_budget.py TOKENIZE_BYTES_PER_TEXT_BYTE), so a request's prompts are encoded a run at
+# a time and each encoding is kept only as an array of its ids.
+ENCODE_CHUNK_BYTES = 256 * 1024
+TOKEN_BYTES = 8  # an id in its array (TOKEN_ARRAY)
 
 
 def max_chars_per_token(rust: Any) -> int | None:
@@ -169,7 +171,10 @@ class LocalTokenizer:
 
     async def _encode(self, texts: list[str], add_special_tokens: bool) -> list[array]:
         """Long texts go to a worker thread (the Rust tokenizer lets go of the GIL): BPE on 100k
-        characters takes tens of ms."""
+        characters takes tens of ms. Their memory is charged to the request first: the largest
+        run of texts encoded at once, and the arrays that keep every id."""
+        largest = max(sum(map(_text_bytes, run)) for run in _chunks(texts, ENCODE_CHUNK_BYTES)) if texts else 0
+        await charge(TOKENIZE_BYTES_PER_TEXT_BYTE * largest + TOKEN_BYTES * sum(map(_text_bytes, texts)))
         if sum(len(text) for text in texts) > self._threshold:
             return await asyncio.to_thread(self._encode_now, texts, add_special_tokens)
         return self._encode_now(texts, add_special_tokens)
@@ -183,7 +188,7 @@ class LocalTokenizer:
         # Ids are kept as arrays, a chunk of texts at a time (ENCODE_CHUNK_CHARS).
         rust = self._rust
         out: list[array] = []
-        for chunk in _chunks(texts, ENCODE_CHUNK_CHARS):
+        for chunk in _chunks(texts, ENCODE_CHUNK_BYTES):
             if rust is not None and _in_encode_state(rust, self._tok):
                 if self._batch_fast is not None:
                     encodings = self._batch_fast(chunk, add_special_tokens=add_special_tokens)
@@ -200,16 +205,21 @@ class LocalTokenizer:
         return render_chat(self._tok, chat)
 
 
-def _chunks(texts: list[str], chars: int) -> Iterator[list[str]]:
-    """`texts` in runs of about `chars` characters (a longer text is a run of its own)."""
+def _text_bytes(text: str) -> int:
+    """The UTF-8 size of `text`, or a bound on it (isascii is a flag read, encode a copy)."""
+    return len(text) if text.isascii() else 4 * len(text)
+
+
+def _chunks(texts: list[str], limit_bytes: int) -> Iterator[list[str]]:
+    """`texts` in runs of at most `limit_bytes` of text (a longer text is a run of its own)."""
     run: list[str] = []
     size = 0
     for text in texts:
-        if run and size + len(text) > chars:
+        if run and size + _text_bytes(text) > limit_bytes:
             yield run
             run, size = [], 0
         run.append(text)
-        size += len(text)
+        size += _text_bytes(text)
     if run:
         yield run
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 from app.errors import RequestTooCostly, WorkMemoryBusy
@@ -30,13 +31,41 @@ DEFAULT_PROCESS_MEMORY = 2 * GiB
 # read and relayed).
 WORK_SHARE = 0.5
 
-# Memory one body byte may take while it is prepared, at most, measured (bench/work_cost.py,
-# bench/results/work_cost.md) on the worst shapes: many small JSON objects (Responses function_call
-# items, tool calls, tools: the parsed objects dominate), many long prompts (strings, the
-# tokenizer's encodings, the token arrays) and chat messages (rendered text). The peak is in the
-# process that does the work; the request keeps its body and its token arrays after it.
-WORK_BYTES_PER_BODY_BYTE = 12
+# Memory a body takes while it is parsed and its chat rendered, at most, measured
+# (bench/work_cost.py, bench/results/work_cost.md) on the worst shapes: many small JSON objects
+# (Responses function_call items, tool calls, tools, Anthropic blocks, messages: 370-590 bytes a
+# value, where the parsed objects and the rendered pieces dominate) and long prompts (2 bytes a
+# body byte: the body and its strings). Values are counted by their commas and braces (C-speed).
+WORK_BYTES_PER_BODY_BYTE = 4
+WORK_BYTES_PER_VALUE = 640
 WORK_FIXED_BYTES = 1 * MiB  # a request's own objects, whatever its size
+# Memory the Rust tokenizer takes per UTF-8 byte of the text it encodes, at most: its encoding
+# keeps each token's text, offsets and masks, and its normalizer an alignment per byte (measured
+# 150-350 bytes with a BPE tokenizer on punctuation, CJK, English and rendered chats:
+# bench/results/work_cost.md).
+TOKENIZE_BYTES_PER_TEXT_BYTE = 400
+
+
+# The request's way to grow its grant from deep inside preparation (the tokenizer, once it knows
+# how much text it has): set by whoever runs the preparation, in kvgate's process or in a worker.
+_grow: ContextVar[Callable[[int], Awaitable[None]] | None] = ContextVar("kvgate_work_grant", default=None)
+
+
+async def charge(cost: int) -> None:
+    """Hold `cost` more bytes for the request being prepared, before spending them."""
+    grow = _grow.get()
+    if grow is not None:
+        await grow(cost)
+
+
+@contextlib.contextmanager
+def charging(grow: Callable[[int], Awaitable[None]]) -> Iterator[None]:
+    """Route charge() in this context (a request's task, a worker's job) to `grow` meanwhile."""
+    token = _grow.set(grow)
+    try:
+        yield
+    finally:
+        _grow.reset(token)
 
 
 def container_memory_limit(paths: tuple[Path, ...] = _CGROUP_LIMITS) -> int | None:
@@ -61,9 +90,27 @@ def process_memory(flag: int | None) -> int:
     return flag or container_memory_limit() or DEFAULT_PROCESS_MEMORY
 
 
-def preparation_cost(body_bytes: int) -> int:
-    """The most memory preparing a body of `body_bytes` takes (see WORK_BYTES_PER_BODY_BYTE)."""
-    return WORK_FIXED_BYTES + WORK_BYTES_PER_BODY_BYTE * body_bytes
+def preparation_cost(raw: bytes) -> int:
+    """The most memory parsing `raw` and rendering its chat take (tokenizing is charged apart,
+    once the text is known: app/tokens.py)."""
+    values = raw.count(b",") + raw.count(b"{")
+    return WORK_FIXED_BYTES + WORK_BYTES_PER_BODY_BYTE * len(raw) + WORK_BYTES_PER_VALUE * values
+
+
+class Grant:
+    """What one request holds of the budget; it grows stage by stage, before each stage runs."""
+
+    def __init__(self, budget: WorkBudget) -> None:
+        self._budget = budget
+        self.bytes = 0
+
+    async def grow(self, cost: int) -> None:
+        """Hold `cost` more bytes: at once if they are free, after a short wait, or a domain
+        error (429 work_memory_busy; 413 request_too_costly if the budget could never hold it)."""
+        if self.bytes + cost > self._budget.capacity:
+            raise RequestTooCostly(self.bytes + cost, self._budget.capacity)
+        await self._budget._acquire(cost)
+        self.bytes += cost
 
 
 class WorkBudget:
@@ -79,14 +126,14 @@ class WorkBudget:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
     @contextlib.asynccontextmanager
-    async def hold(self, cost: int) -> AsyncIterator[None]:
-        if cost > self.capacity:
-            raise RequestTooCostly(cost, self.capacity)
-        await self._acquire(cost)
+    async def hold(self, cost: int) -> AsyncIterator[Grant]:
+        """`cost` bytes held until the block ends, with what the Grant grows by."""
+        grant = Grant(self)
+        await grant.grow(cost)
         try:
-            yield
+            yield grant
         finally:
-            self.in_use -= cost
+            self.in_use -= grant.bytes
             self._wake()
 
     async def _acquire(self, cost: int) -> None:
