@@ -37,7 +37,7 @@ TEMPLATE_WORK_BYTES = 64 * MiB
 # Time a worker may take to prepare a body (a 28 MiB body of 1,024 long prompts took about 6 s of
 # tokenizing on a busy 2-core machine), beyond the request template's own time budget.
 PREPARE_SECONDS = 10.0
-PREPARE_SECONDS_PER_MIB = 1.0
+PREPARE_SECONDS_PER_MIB = 3.0
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,9 @@ class RequestPipeline:
 
     async def _prepare_in_worker(self, route: Route, raw: bytes, grant: Grant) -> Prepared:
         assert self.workers is not None
-        job = Job(route, raw, self.trust_request_chat_template, self.max_model_len, frozenset(self.served_names))
+        job = Job(route, self.trust_request_chat_template, self.max_model_len, frozenset(self.served_names))
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
-        return await self.workers.run(job, grant, seconds)
+        return await self.workers.run(job, raw, grant, seconds)
 
     @staticmethod
     def _truncated(ids: array, keep: int, left: bool) -> array:

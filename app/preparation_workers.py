@@ -19,6 +19,7 @@ import ctypes
 import gc
 import logging
 import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -35,13 +36,13 @@ from app.work_budget import Grant, charging
 log = logging.getLogger("kvgate.preparation")
 
 _RSS_POLL_S = 0.005
+WORKER_NICENESS = 10
 _START_S = 120.0  # a worker loads transformers and the tokenizer: seconds, minutes on a starved CPU
 
 
 @dataclass(frozen=True)
 class Job:
     route: Route
-    raw: bytes
     trust_request_chat_template: bool
     max_model_len: int | None
     served_names: frozenset[str]
@@ -51,7 +52,9 @@ class Job:
 
 
 def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
-    """The worker's loop: load the tokenizer, then prepare jobs until the pipe closes."""
+    """The worker's loop: load the tokenizer, then prepare jobs until the pipe closes. It runs
+    at a lower priority than kvgate's event loop, which must answer while it works."""
+    os.nice(WORKER_NICENESS)
     tokenizer = local_tokenizer(model_dir, template_seconds)
     gc.collect()
     gc.freeze()
@@ -61,6 +64,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
     while True:
         try:
             job: Job = conn.recv()
+            raw = conn.recv_bytes()  # sent apart: no pickle copies the body
         except (EOFError, OSError):
             return  # kvgate is gone
         try:
@@ -68,7 +72,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
                 prepared = loop.run_until_complete(
                     prepare(
                         job.route,
-                        job.raw,
+                        raw,
                         tokenizer,
                         trust_request_chat_template=job.trust_request_chat_template,
                         max_model_len=job.max_model_len,
@@ -80,7 +84,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
             reply = ("error", type(error), error.args, error.__dict__)
         except MemoryError:
             reply = ("error", TokenizationFailed, ("the request ran out of memory",), {})
-        del job
+        del job, raw
         conn.send(reply)
         del reply
         gc.collect()
@@ -139,14 +143,18 @@ class _Worker:
     def pid(self) -> int:
         return int(self.process.pid)
 
-    async def run(self, job: Job, grant: Grant, seconds: float) -> Prepared:
+    def _send(self, job: Job, raw: bytes) -> None:
+        self._conn.send(job)
+        self._conn.send_bytes(raw)
+
+    async def run(self, job: Job, raw: bytes, grant: Grant, seconds: float) -> Prepared:
         """The job's result; the worker is killed (and the caller must replace it) when the job
         passes the memory of its grant over what the worker held before it, or `seconds`."""
         if not self._ready:
             await self._receive(_START_S, None)
             self._ready = True
         base = _rss_bytes(self.pid) or 0
-        await asyncio.to_thread(self._conn.send, job)
+        await asyncio.to_thread(self._send, job, raw)
         deadline = time.monotonic() + seconds
         while True:
             reply = await self._receive(deadline - time.monotonic(), (base, grant))
@@ -195,7 +203,7 @@ class _Worker:
 
 
 class PreparationWorkers:
-    """`count` worker processes; `await run(job, grant, seconds)` prepares a job in the next free one."""
+    """`count` worker processes; `await run(job, raw, grant, seconds)` prepares a job in the next free one."""
 
     def __init__(self, model_dir: str | Path, template_seconds: float, count: int) -> None:
         # spawn: kvgate's process has threads and an event loop a fork would copy mid-flight.
@@ -212,10 +220,10 @@ class PreparationWorkers:
         self._all.append(worker)
         return worker
 
-    async def run(self, job: Job, grant: Grant, seconds: float) -> Prepared:
+    async def run(self, job: Job, raw: bytes, grant: Grant, seconds: float) -> Prepared:
         worker = await self._idle.get()
         try:
-            return await worker.run(job, grant, seconds)
+            return await worker.run(job, raw, grant, seconds)
         except BaseException as error:
             if not isinstance(error, KvgateError):  # cancelled mid-job: its reply would reach the next one
                 worker.kill()

@@ -61,19 +61,19 @@ def _text(chars: int, seed: int) -> str:
     return " ".join(words)[:chars]
 
 
-def hostile_bodies() -> dict[str, tuple[str, bytes]]:
+def hostile_bodies(model: str = "m") -> dict[str, tuple[str, bytes]]:
     """The issue's bodies (issue 28): route and raw JSON."""
     prompt = _text(29_000, 1)
     return {
         "1024 prompts x 29,000 chars": (
             "completions",
-            json.dumps({"model": "m", "prompt": [prompt] * 1024, "max_tokens": 4}).encode(),
+            json.dumps({"model": model, "prompt": [prompt] * 1024, "max_tokens": 4}).encode(),
         ),
         "110,000 function_call items (Responses)": (
             "responses",
             json.dumps(
                 {
-                    "model": "m",
+                    "model": model,
                     "input": [
                         {"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"}
                         for i in range(110_000)
@@ -85,7 +85,7 @@ def hostile_bodies() -> dict[str, tuple[str, bytes]]:
             "chat",
             json.dumps(
                 {
-                    "model": "m",
+                    "model": model,
                     "messages": [
                         {"role": "user", "content": "hi"},
                         {
@@ -104,7 +104,7 @@ def hostile_bodies() -> dict[str, tuple[str, bytes]]:
             "chat",
             json.dumps(
                 {
-                    "model": "m",
+                    "model": model,
                     "messages": [{"role": "user", "content": "hi"}],
                     "tools": [
                         {"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(160_000)
@@ -116,7 +116,7 @@ def hostile_bodies() -> dict[str, tuple[str, bytes]]:
             "messages",
             json.dumps(
                 {
-                    "model": "m",
+                    "model": model,
                     "max_tokens": 4,
                     "messages": [{"role": "user", "content": [{"type": "text", "text": "a b"}] * 200_000}],
                 }
@@ -124,11 +124,11 @@ def hostile_bodies() -> dict[str, tuple[str, bytes]]:
         ),
         "50,000 chat messages": (
             "chat",
-            json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}] * 50_000}).encode(),
+            json.dumps({"model": model, "messages": [{"role": "user", "content": "hello there"}] * 50_000}).encode(),
         ),
         "490,000 token ids": (
             "completions",
-            json.dumps({"model": "m", "prompt": [[7] * 478] * 1024, "max_tokens": 4}).encode(),
+            json.dumps({"model": model, "prompt": [[7] * 478] * 1024, "max_tokens": 4}).encode(),
         ),
     }
 
