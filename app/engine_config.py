@@ -21,6 +21,7 @@ from app.memory.draft import Drafter
 from app.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
+from app.memory.lora import LoraSlots
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.model_folder import read_model_config
 from app.predict import Predictor
@@ -62,6 +63,7 @@ class EngineFlags:
     enforce_eager: bool = False
     sampler: str = "auto"  # --sampler: the top-k/top-p backend, else vLLM's rule
     logprobs_mode: str = "raw_logprobs"  # processed_* modes keep vLLM off FlashInfer's sampler
+    lora: LoraSlots | None = None  # --enable-lora with --max-loras / --max-lora-rank
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Deployment:
     max_logprobs: int = 20
     enforce_eager: bool = False
     drafter: Drafter | None = None  # --speculative-config's draft model (app/speculative.py)
+    lora: LoraSlots | None = None  # --enable-lora (app/memory/lora.py)
 
     @property
     def profile_emptied_whole(self) -> bool:
@@ -119,6 +122,7 @@ class Deployment:
             sampler=self.runtime.sampler_backend,
             sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
             max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
+            lora_rank=self.lora.max_lora_rank if self.lora else 0,
         )
 
 
@@ -288,6 +292,7 @@ def resolve(
             _model_config(flags.model),
             flags.draft_sample_method,
         ),
+        lora=flags.lora,
     )
 
 
