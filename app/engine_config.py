@@ -21,7 +21,7 @@ from app.memory.draft import Drafter
 from app.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
-from app.memory.lora import LoraSlots
+from app.memory.lora import LoraSlots, slot_bytes
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.model_folder import read_model_config
 from app.predict import Predictor
@@ -373,7 +373,7 @@ def static_limits(
     ``total x gpu_memory_utilization`` (app/memory/envelope.py), so they come off the rest.
     With --kv-cache-memory-bytes the pool is that size (vLLM ignores gpu_memory_utilization then:
     vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
-    the weights, that pool, the profiled activation peak, the profile's non-torch increase and
+    the weights (with --enable-lora's slots), that pool, the profiled activation peak, the profile's non-torch increase and
     the memory outside the envelope; only CUDA graphs (unless --enforce-eager) stay unknown.
     """
     blocks = deployment.num_gpu_blocks
@@ -386,7 +386,8 @@ def static_limits(
     headroom = free_memory_bytes
     if headroom is None and gpu_memory_bytes is not None:
         if fixed_pool is not None:
-            used = fixed_pool + weights_bytes(predictor.layout) + predictor.profiled_peak_bytes
+            used = fixed_pool + weights_bytes(predictor.layout) + lora_slot_bytes(deployment, predictor.layout)
+            used += predictor.profiled_peak_bytes
             headroom = gpu_memory_bytes - used - NON_TORCH_INCREASE_BYTES - outside.total
             if not deployment.enforce_eager:
                 log.warning(
@@ -406,6 +407,13 @@ def static_limits(
         max_transient_headroom_bytes=headroom,
         profiled_peak_bytes=predictor.profiled_peak_bytes,
     )
+
+
+def lora_slot_bytes(deployment: Deployment, layout: KVLayout) -> int:
+    """One GPU's share of --enable-lora's start-up slots (app/memory/lora.py): weight memory too."""
+    if deployment.lora is None:
+        return 0
+    return slot_bytes(layout.geometry, deployment.lora, layout.tensor_parallel_size) // layout.pipeline_parallel_size
 
 
 def weights_bytes(layout: KVLayout) -> int:

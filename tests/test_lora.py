@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from app.cli import build_parser
 from app.memory.activation import EngineShape, SamplingShape, estimate_transient, profile_peak_bytes
 from app.memory.footprint import predict_footprint
+from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.memory.lora import LoraSlots, shrink_buffer_bytes, slot_bytes
 from app.model_folder import load_geometry
 from app.served_names import Served, ServedNames
-from app.settings import Settings
+from app.settings import Settings, settings_from_args
 from app.telemetry.vllm import parse_metrics
 
 MEASURED = json.loads((Path(__file__).parents[1] / "bench/results/lora-cpu-0.32.0.json").read_text())
@@ -142,3 +144,41 @@ def test_a_failed_reread_keeps_the_names_it_had() -> None:
         assert "a" in names and [s.name for s in names.adapters()] == ["a"]
 
     asyncio.run(scenario())
+
+
+def test_a_fixed_pool_leaves_less_headroom_by_the_lora_slots_and_the_buffer() -> None:
+    """Under --kv-cache-memory-bytes the headroom is the GPU less the weights: LoRA's slots are
+    weight memory, and its profiled buffer grows the profile peak."""
+    from app.composition import engine_flags
+    from app.engine_config import build_predictor, resolve, static_limits
+
+    geometry = ModelGeometry.from_config(json.loads((Path(__file__).parent / "configs/llama-3-8b.json").read_text()))
+    fixed = (
+        "--kv-cache-memory-bytes",
+        "40GiB",
+        "--gpu-memory-bytes",
+        str(80 * 2**30),
+        "--max-num-batched-tokens",
+        "8192",
+    )
+
+    def headroom_and_peak(*flags: str) -> tuple[int, int]:
+        settings = settings_from_args(build_parser().parse_args(["serve", *fixed, *flags]))
+        deployment = resolve(engine_flags(settings), geometry, None, None)
+        predictor = build_predictor(deployment, geometry)
+        limits = static_limits(deployment, predictor, None, settings.gpu_memory_bytes, settings.kv_cache_memory_bytes)
+        assert limits.transient_headroom_bytes is not None
+        return limits.transient_headroom_bytes, predictor.profiled_peak_bytes
+
+    plain, plain_peak = headroom_and_peak()
+    lora, lora_peak = headroom_and_peak("--enable-lora", "--max-loras", "4", "--max-lora-rank", "64")
+    slots = slot_bytes(geometry, LoraSlots(4, 64))
+    # Llama-3-8B, 4 slots of rank 64 in bf16: 4 x 64 x 2 x (32 x (3 x 4096 + 6144 + 8192 + 2 x 4096
+    # + 2 x 14336 + 14336 + 4096) + 2 x (128256 + 4096)) B = 1.38 GiB
+    assert slots == 4 * 64 * 2 * (
+        32 * (3 * 4096 + 6144 + 8192 + 2 * 4096 + 2 * 14336 + 14336 + 4096) + 2 * (128256 + 4096)
+    )
+    # Its profile peak is the sampler's (a 128k vocabulary): the buffer beside the forward pass
+    # does not raise it, so the headroom shrinks by the slots alone.
+    assert lora_peak == plain_peak
+    assert plain - lora == slots == 1_477_705_728
