@@ -182,3 +182,52 @@ def test_a_fixed_pool_leaves_less_headroom_by_the_lora_slots_and_the_buffer() ->
     # does not raise it, so the headroom shrinks by the slots alone.
     assert lora_peak == plain_peak
     assert plain - lora == slots == 1_477_705_728
+
+
+def test_a_pasted_vllm_lora_command_line_sets_the_lora_flags() -> None:
+    """`kvgate serve -- vllm serve M --enable-lora --lora-modules a=/x b=/y --max-loras 2 ...`:
+    the LoRA flags kvgate models are read, --lora-modules (served names come from /v1/models) ignored."""
+    from app.cli import parse_command_line
+
+    lora = ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "64"]
+    args = parse_command_line(["serve", "--", "vllm", "serve", "m", *lora, "--max-cpu-loras", "4"])
+    settings = settings_from_args(args)
+    assert (settings.enable_lora, settings.max_loras, settings.max_lora_rank, settings.max_cpu_loras) == (
+        True,
+        2,
+        64,
+        4,
+    )
+    assert args.ignored_vllm_options == ["--lora-modules"]
+
+
+def test_the_pipeline_hashes_an_adapters_prompt_apart_from_the_base_models(tiny_model_dir: Path) -> None:
+    """The same prompt named to the base model, to lora-a twice and to lora-b: only the two
+    lora-a requests share prefix blocks, as vLLM's prefix cache shares them."""
+    import httpx
+
+    from app.composition import engine_flags
+    from app.engine_config import build_predictor, resolve
+    from app.gate.budget import Budget
+    from app.pipeline import RequestPipeline
+    from app.tokens import load_tokenizer
+
+    settings = settings_from_args(build_parser().parse_args(["serve", "--model", str(tiny_model_dir)]))
+    geometry = load_geometry(tiny_model_dir)
+    pipeline = RequestPipeline(Budget(), lambda: None, lambda _s: None)
+    pipeline.predictor = build_predictor(resolve(engine_flags(settings), geometry, None, None), geometry)
+    pipeline.tokenizer = load_tokenizer(tiny_model_dir, httpx.AsyncClient(), "tiny-llama")
+    pipeline.served_names.replace(
+        [Served("tiny-llama"), Served("lora-a", "tiny-llama", "/a"), Served("lora-b", "tiny-llama", "/b")]
+    )
+    prompt = "the model memory request token server cache block " * 20
+
+    def shared(model: str) -> set[int]:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4}).encode()
+        evaluation = asyncio.run(pipeline.predict("completions", body))
+        return set(evaluation.prediction.demand.shared_block_hashes)
+
+    base, a, a_again, b = shared("tiny-llama"), shared("lora-a"), shared("lora-a"), shared("lora-b")
+    assert len(base) >= 8
+    assert a == a_again
+    assert not base & a and not a & b and not base & b
