@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog and then"
 class Adapters:
     a: Path  # served from start-up as lora-a
     b: Path  # loaded at run time through kvgate
-    c: Path  # loaded at run time straight into vLLM
+    c: Path  # loaded at run time straight into vLLM (as lora-c and lora-d)
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,21 @@ def test_lora_requests_info_is_read(stack: Stack) -> None:
     time.sleep(1.0)  # a few scrapes at 0.2 s
     assert stack.kvgate.metric("kvgate_backend_max_loras") == 2
     assert stack.kvgate.metric("kvgate_served_lora_adapters") >= 1
+
+
+def test_an_adapter_vllm_runs_that_kvgate_does_not_list_is_found_from_lora_requests_info(stack: Stack) -> None:
+    """lora-d is loaded straight into vLLM and used straight, never named to kvgate: kvgate learns
+    it from vllm:lora_requests_info's running adapters and re-reads /v1/models."""
+    vllm = stack.vllm.base_url
+    loaded = httpx.post(
+        f"{vllm}/v1/load_lora_adapter", json={"lora_name": "lora-d", "lora_path": str(stack.adapters.c)}, timeout=60
+    )
+    assert loaded.status_code == 200, loaded.text
+    before = stack.kvgate.metric("kvgate_served_lora_adapters")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, vllm, "lora-d", max_tokens=400, ignore_eos=True)
+        deadline = time.monotonic() + 30
+        while stack.kvgate.metric("kvgate_served_lora_adapters") == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running.result().status_code == 200
+    assert stack.kvgate.metric("kvgate_served_lora_adapters") == before + 1
