@@ -13,12 +13,13 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.errors import BackendDown, NotReady, TokenizerUnavailable
+from app.errors import BackendDown, ModelNotFound, NotReady, TokenizerUnavailable
 from app.gate.budget import Budget
 from app.openai import RequestSpec, parse_request
 from app.predict import Prediction, Predictor
 from app.preparation import Prepared, prepare
 from app.preparation_workers import Job, PreparationWorkers
+from app.served_names import ServedNames
 from app.tokens import TOKEN_ARRAY, BackendTokenizeError, Tokenizer
 from app.units import MiB
 from app.vllm_routes import Route
@@ -64,7 +65,7 @@ class RequestPipeline:
         self.tokenizer: Tokenizer | None = None
         self.predictor: Predictor | None = None
         self.max_model_len: int | None = None  # tokenization stops once a prompt is known to pass it
-        self.served_names: set[str] = set()
+        self.served_names = ServedNames()  # the composition root gives it the backend's /v1/models
         self.trust_request_chat_template = trust_request_chat_template
         self._why_not_ready = why_not_ready
         self._on_tokenized = on_tokenized
@@ -93,16 +94,23 @@ class RequestPipeline:
                 with charging(grant.grow):
                     prepared = await self._prepare_here(route, raw)
         spec, prompts = prepared.spec, prepared.prompts
+        if spec.model is not None and self.served_names and not await self.served_names.knows(spec.model):
+            raise ModelNotFound(spec.model)
         self._on_tokenized(prepared.tokenize_s)
+        adapter = self.served_names.get(spec.model)
+        # vLLM keys an adapter's prefix-cache blocks by its name and path (vLLM 0.32.0
+        # vllm/v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys): no block is shared with the
+        # base model or another adapter, so kvgate counts them apart too.
+        cache_key = ("lora", adapter.name, adapter.path) if adapter is not None and adapter.is_adapter else None
         if spec.truncate_prompt_tokens is not None:
             keep = self.predictor.truncation_length(spec)
             prompts = [self._truncated(ids, keep, spec.truncate_left) for ids in prompts]
         if spec.unseen_history:
             prompts = [self._with_unseen_history(ids, spec.max_tokens) for ids in prompts]
         if len(prompts) > PREDICT_OFFLOAD_PROMPTS:
-            prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts)
+            prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts, cache_key)
         else:
-            prediction = self.predictor.predict(spec, prompts)
+            prediction = self.predictor.predict(spec, prompts, cache_key)
         return Evaluation(spec, prediction, prepared.tokenize_s)
 
     async def _prepare_here(self, route: Route, raw: bytes) -> Prepared:
@@ -114,7 +122,6 @@ class RequestPipeline:
                 self.tokenizer,
                 trust_request_chat_template=self.trust_request_chat_template,
                 max_model_len=self.max_model_len,
-                served_names=frozenset(self.served_names),
             )
         except BackendTokenizeError as exc:
             if self.budget.hold is not None:
@@ -126,7 +133,7 @@ class RequestPipeline:
 
     async def _prepare_in_worker(self, route: Route, raw: bytes, grant: Grant) -> Prepared:
         assert self.workers is not None
-        job = Job(route, self.trust_request_chat_template, self.max_model_len, frozenset(self.served_names))
+        job = Job(route, self.trust_request_chat_template, self.max_model_len)
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
         return await self.workers.run(job, raw, grant, seconds)
 

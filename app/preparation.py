@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.errors import ModelNotFound, PromptExceedsContext, TokenizationFailed
+from app.errors import PromptExceedsContext, TokenizationFailed
 from app.openai import RequestSpec, parse_request
 from app.tokens import TOKEN_ARRAY, PromptTooLong, TokenizationError, Tokenizer
 from app.vllm_routes import Route
@@ -43,12 +43,10 @@ async def prepare(
     *,
     trust_request_chat_template: bool,
     max_model_len: int | None,
-    served_names: frozenset[str],
 ) -> Prepared:
-    """Parse, render and tokenize `raw`; a KvgateError for anything that cannot go through."""
+    """Parse, render and tokenize `raw`; a KvgateError for anything that cannot go through.
+    (The served model is checked by the caller, which can ask the backend for its list.)"""
     spec = parse_request(route, raw, trust_request_chat_template=trust_request_chat_template)
-    if spec.model is not None and served_names and spec.model not in served_names:
-        raise ModelNotFound(spec.model)
     started = time.perf_counter()
     prompts = await _token_ids(spec, tokenizer, max_model_len)
     if spec.paired:

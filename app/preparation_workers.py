@@ -45,7 +45,6 @@ class Job:
     route: Route
     trust_request_chat_template: bool
     max_model_len: int | None
-    served_names: frozenset[str]
 
 
 # ------------------------------------------------------------------ in the worker process
@@ -76,7 +75,6 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
                         tokenizer,
                         trust_request_chat_template=job.trust_request_chat_template,
                         max_model_len=job.max_model_len,
-                        served_names=job.served_names,
                     )
                 )
             reply: tuple[Any, ...] = ("ok", prepared)
