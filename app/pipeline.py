@@ -23,15 +23,18 @@ from app.served_names import ServedNames
 from app.tokens import TOKEN_ARRAY, BackendTokenizeError, Tokenizer
 from app.units import MiB
 from app.vllm_routes import Route
-from app.work_budget import Grant, WorkBudget, charging, preparation_cost
+from app.work_budget import Grant, WorkBudget, body_values, charging, preparation_cost
 
 # Prompts beyond which a completions request is predicted in a worker thread: the prediction is
 # Python, so from a thread the event loop still gets its turn every few milliseconds.
 PREDICT_OFFLOAD_PROMPTS = 16
-# Bodies beyond which preparation runs in a worker process: json.loads of this much (about 1,000
-# small objects) and rendering what it holds take a few milliseconds here; a request carrying its
-# own chat template always goes there (bench/results/work_cost.md).
-INLINE_BODY_BYTES = 32 * 1024
+# Bodies beyond which preparation runs in a worker process: what costs is the values (each a
+# Python object to build, each message, tool or part a pass of the template): an 8 KiB body of 144
+# tools took 20-70 ms to parse and render with the tests' Llama-3-style template, 64 values a few
+# ms; bytes alone cost little (a long prompt is tokenized in a thread, without the GIL). A request
+# carrying its own chat template always goes to a worker.
+INLINE_BODY_BYTES = 64 * 1024
+INLINE_BODY_VALUES = 64
 # A request's own template may hold more than its body's size says: its output budget
 # (app/tokens.py DEFAULT_TEMPLATE_CHARS, up to 4 bytes a character) and the values it builds.
 TEMPLATE_WORK_BYTES = 64 * MiB
@@ -85,8 +88,11 @@ class RequestPipeline:
                 parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
             raise NotReady(self._why_not_ready())
         carries_template = self.trust_request_chat_template and b"chat_template" in raw
-        offload = self.workers is not None and (len(raw) > INLINE_BODY_BYTES or carries_template)
-        cost = preparation_cost(raw) + (TEMPLATE_WORK_BYTES if carries_template else 0)
+        values = body_values(raw)
+        offload = self.workers is not None and (
+            len(raw) > INLINE_BODY_BYTES or values > INLINE_BODY_VALUES or carries_template
+        )
+        cost = preparation_cost(raw, values) + (TEMPLATE_WORK_BYTES if carries_template else 0)
         async with self.work_budget.hold(cost) as grant:
             if offload:
                 prepared = await self._prepare_in_worker(route, raw, grant)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.units import MiB
-from app.work_budget import preparation_cost
+from app.work_budget import body_values, preparation_cost
 
 WORDS = [
     "the",
@@ -207,7 +207,7 @@ def measure(model_dir: str) -> list[dict[str, Any]]:
                 "route": route,
                 "body_bytes": len(raw),
                 **result,
-                "parse_render_charge_bytes": preparation_cost(raw),
+                "parse_render_charge_bytes": preparation_cost(raw, body_values(raw)),
             }
         )
         print(json.dumps(rows[-1]), file=sys.stderr)
