@@ -135,11 +135,9 @@ class _Worker:
         )
         self.process.start()
         child.close()
+        self.pid: int = self.process.pid
         self._ready = False
-
-    @property
-    def pid(self) -> int:
-        return int(self.process.pid)
+        self._killed = False
 
     def _send(self, job: Job, raw: bytes) -> None:
         self._conn.send(job)
@@ -191,13 +189,18 @@ class _Worker:
 
     @property
     def alive(self) -> bool:
-        return bool(self.process.is_alive())
+        return not self._killed and bool(self.process.is_alive())
 
     def kill(self) -> None:
+        if self._killed:
+            return
+        self._killed = True
         with contextlib.suppress(OSError):
             self.process.kill()
         self._conn.close()
         self.process.join(timeout=5)
+        if not self.process.is_alive():
+            self.process.close()  # its sentinel fd, else one leaks per replaced worker
 
 
 class PreparationWorkers:

@@ -120,8 +120,9 @@ class Grant:
 class WorkBudget:
     """Bytes of request preparation in flight, shared by every request: `async with hold(cost)`.
 
-    Waiters are served in arrival order, so a large request is not passed over forever by small
-    ones; each waits at most `wait_s`."""
+    First fit: a request whose cost fits what is free goes at once, so a large body waiting for
+    room never holds up the small requests of ordinary clients behind it; each waits at most
+    `wait_s`, then gets a 429."""
 
     def __init__(self, capacity: int, wait_s: float = 5.0) -> None:
         self.capacity = capacity
@@ -141,7 +142,7 @@ class WorkBudget:
             self._wake()
 
     async def _acquire(self, cost: int) -> None:
-        if not self._waiters and self.in_use + cost <= self.capacity:
+        if self.in_use + cost <= self.capacity:
             self.in_use += cost
             return
         started = time.monotonic()
@@ -165,8 +166,10 @@ class WorkBudget:
             raise
 
     def _wake(self) -> None:
-        """Grant waiters in order while the head fits."""
-        while self._waiters and self.in_use + self._waiters[0][0] <= self.capacity:
-            cost, turn = self._waiters.pop(0)
-            self.in_use += cost
-            turn.set_result(None)
+        """Grant every waiter that fits, oldest first."""
+        for entry in list(self._waiters):
+            cost, turn = entry
+            if self.in_use + cost <= self.capacity:
+                self._waiters.remove(entry)
+                self.in_use += cost
+                turn.set_result(None)
