@@ -223,15 +223,18 @@ class PreparationWorkers:
 
     async def run(self, job: Job, raw: bytes, grant: Grant, seconds: float) -> Prepared:
         worker = await self._idle.get()
+        why = "cancelled"
         try:
             return await worker.run(job, raw, grant, seconds)
-        except BaseException as error:
-            if not isinstance(error, KvgateError):  # cancelled mid-job: its reply would reach the next one
-                worker.kill()
+        except KvgateError as error:
+            why = error.message
+            raise
+        except BaseException:  # cancelled mid-job: its reply would reach the next one
+            worker.kill()
             raise
         finally:
             if not worker.alive:
-                log.warning("a preparation worker was stopped (pid %s): starting another", worker.pid)
+                log.warning("a preparation worker was stopped (pid %s: %s): starting another", worker.pid, why)
                 self._all.remove(worker)
                 worker = self._start()
             self._idle.put_nowait(worker)
