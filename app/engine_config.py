@@ -22,7 +22,7 @@ from app.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, ou
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
-from app.model_folder import read_model_config
+from app.model_folder import read_model_config, read_sampling_defaults
 from app.predict import Predictor
 from app.speculative import resolve_drafter
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
@@ -61,7 +61,7 @@ class EngineFlags:
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
     sampler: str = "auto"  # --sampler: the top-k/top-p backend, else vLLM's rule
-    logprobs_mode: str = "raw_logprobs"  # processed_* modes keep vLLM off FlashInfer's sampler
+    logprobs_mode: str = "raw_logprobs"  # processed_* modes keep V1 off FlashInfer's sampler
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,8 @@ class Deployment:
     max_logprobs: int = 20
     enforce_eager: bool = False
     drafter: Drafter | None = None  # --speculative-config's draft model (app/speculative.py)
+    # The server's request defaults from generation_config.json (app/model_folder.py)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     @property
     def profile_emptied_whole(self) -> bool:
@@ -119,6 +121,8 @@ class Deployment:
             sampler=self.runtime.sampler_backend,
             sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
             max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
+            sampler_warmup_profile=self.runtime.sampler_warmup_profile,
+            processed_logprobs=self.runtime.processed_logprobs,
         )
 
 
@@ -288,6 +292,7 @@ def resolve(
             _model_config(flags.model),
             flags.draft_sample_method,
         ),
+        sampling_defaults=read_sampling_defaults(flags.model),
     )
 
 
@@ -312,7 +317,15 @@ def build_predictor(
     layout = checked_against_backend(layout, deployment)
     engine = deployment.engine_shape()
     profiled = profiled_activation_bytes or profile_peak_bytes(geometry, engine)
-    return Predictor(layout, engine, deployment.enable_prefix_caching, profiled, default_max_tokens, outputs)
+    return Predictor(
+        layout,
+        engine,
+        deployment.enable_prefix_caching,
+        profiled,
+        default_max_tokens,
+        outputs,
+        sampling_defaults=deployment.sampling_defaults,
+    )
 
 
 def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:

@@ -7,7 +7,7 @@ error that names the numbers and what to change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,6 +27,7 @@ from app.memory.footprint import Footprint, predict_footprint, with_reservation
 from app.memory.kv import KVLayout
 from app.memory.sampler import SamplerUse
 from app.openai import RequestSpec, bad_request
+from app.sampling_params import v2_sampler_needs
 
 _ADVICE = {
     "prompt_logprobs": "drop prompt_logprobs or send a shorter prompt",
@@ -98,8 +99,10 @@ class Predictor:
         profiled_peak_bytes: int,
         default_max_tokens: int | None = None,
         outputs: OutputLengths | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.layout = layout
+        self.sampling_defaults = dict(sampling_defaults or {})  # generation_config.json's
         self.outputs = outputs
         self.engine = engine
         self.enable_prefix_caching = enable_prefix_caching
@@ -166,6 +169,7 @@ class Predictor:
 
     def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]]) -> Prediction:
         self.check_logprobs(spec)
+        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
         sampling = SamplingShape(
             n=spec.n,
             best_of=spec.best_of,
@@ -174,6 +178,8 @@ class Predictor:
             penalties=spec.penalties,
             random=not spec.sampling.greedy,
             structured=spec.sampling.structured_outputs,
+            processing=processing,
+            filtered=filtered,
         )
         footprints, splits = [], []
         for ids in prompts:
@@ -203,6 +209,7 @@ class Predictor:
     def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
         """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
         and output."""
+        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
         return SamplerUse(
             self.sampler_cost,
             rows=sum(fp.n for fp in footprints),
@@ -213,6 +220,8 @@ class Predictor:
             random=not spec.sampling.greedy,
             all_vocab_logprobs=spec.logprobs == -1,
             structured=spec.sampling.structured_outputs,
+            processing=processing,
+            filtered=filtered,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:
