@@ -123,6 +123,7 @@ class Deployment:
             max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
             sampler_warmup_profile=self.runtime.sampler_warmup_profile,
             processed_logprobs=self.runtime.processed_logprobs,
+            truncation_holds_output_token=self.runtime.truncation_holds_output_token,
         )
 
 
@@ -204,6 +205,7 @@ def resolve(
     """Flags, overridden by the backend's own report where it has one."""
     said = said or Disagreements()
     given = flags.given
+    runtime = vllm_runtime(flags, geometry, reported_version)
     cache = cache or CacheConfig(None, None, None, None, None)
     limits = limits or EngineLimits(None, None, None, None, None)
     max_model_len = (
@@ -281,7 +283,7 @@ def resolve(
             said,
         ),
         reported_request_blocks=cache.max_request_blocks,
-        runtime=vllm_runtime(flags, geometry, reported_version),
+        runtime=runtime,
         num_speculative_tokens=flags.num_speculative_tokens,
         max_logprobs=flags.max_logprobs,
         enforce_eager=flags.enforce_eager,
@@ -291,6 +293,7 @@ def resolve(
             geometry,
             _model_config(flags.model),
             flags.draft_sample_method,
+            runtime.model_version if runtime.model_version != "unknown" else None,
         ),
         sampling_defaults=read_sampling_defaults(flags.model),
     )

@@ -138,7 +138,7 @@ class Predictor:
         TokenizeParams): max_model_len for pooling requests (they ask for no output); for
         generation, up to 0.31.0 `max_input_tokens` = max_model_len - max_tokens, from 0.32.0
         `max_truncation_tokens` = max_model_len - 1 when max_tokens is given (else
-        max_model_len)."""
+        max_model_len; from 0.33.0 max_model_len - 1 for a chat request without max_tokens too)."""
         keep = spec.truncate_prompt_tokens
         assert keep is not None
         if keep >= 0:
@@ -147,7 +147,8 @@ class Predictor:
         output = 0 if spec.prefill_only else spec.max_tokens or 0
         if self.engine.max_tokens_past_context_refused:
             return max(0, limit - output)
-        return limit - 1 if output else limit
+        holds_one = output or (self.engine.truncation_holds_output_token and not spec.prefill_only)
+        return limit - 1 if holds_one else limit
 
     def check_logprobs(self, spec: RequestSpec) -> None:
         """400 where vLLM's `SamplingParams._validate_logprobs` (vllm/sampling_params.py) refuses:

@@ -130,3 +130,21 @@ def test_pre_releases_follow_their_release_and_newer_ones_the_newest(version: st
     runtime = resolve_runtime(version)
     assert runtime.model_version == model and (runtime.warning is not None) == warning
     assert runtime.sampler_warmup_profile  # 0.33's profile rule
+
+
+def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
+    import json
+
+    from app.speculative import resolve_drafter
+
+    folder = tmp_path / "medusa-draft"
+    folder.mkdir()
+    config = {"model_type": "medusa", "hidden_size": 4096, "num_hidden_layers": 1, "vocab_size": V}
+    config |= {"num_attention_heads": 32, "intermediate_size": 14336, "torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(config))
+    # 0.32.0: the draft's config makes it a medusa head, which kvgate does not model
+    assert resolve_drafter(None, str(folder), LLAMA, {}, release="0.32.0") is None
+    # 0.33.0 (config/speculative.py:74-82, :1440-1480): no medusa method, so a separate draft model
+    drafter = resolve_drafter(None, str(folder), LLAMA, {}, release="0.33.0")
+    assert drafter is not None and drafter.method == "draft_model"
+    assert resolve_drafter("mlp_speculator", str(folder), LLAMA, {}, release="0.33.0") is None  # vLLM refuses it

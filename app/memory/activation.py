@@ -85,6 +85,8 @@ class EngineShape:
     sampler_warmup_profile: bool = False
     # --logprobs-mode processed_logits|processed_logprobs
     processed_logprobs: bool = False
+    # truncate_prompt_tokens -1 without max_tokens keeps max_model_len - 1 (app/memory/vllm_runner.py)
+    truncation_holds_output_token: bool = False
 
     def __post_init__(self) -> None:
         backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)

@@ -207,6 +207,9 @@ class VllmRuntime:
     # V2's start-up profile ran 0.33.0's sampler warm-up pass (V2_SAMPLER_WARMUP_PROFILE_SINCE).
     sampler_warmup_profile: bool = False
     processed_logprobs: bool = False  # --logprobs-mode processed_logits|processed_logprobs
+    # truncate_prompt_tokens -1 on a generation request without max_tokens keeps max_model_len - 1
+    # (TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE) rather than max_model_len.
+    truncation_holds_output_token: bool = False
 
     def labels(self) -> dict[str, str]:
         return {
@@ -219,6 +222,10 @@ class VllmRuntime:
 
 # The first release that serves a prompt + max_tokens past max_model_len, clamping max_tokens.
 CLAMPS_MAX_TOKENS_SINCE = Version("0.32.0")
+# vllm 0.33.0 entrypoints/openai/chat_completion/protocol.py:694 passes a chat request's missing
+# max_tokens to TokenizeParams as None (0.32.0 :667: `max_tokens or 0`, the pooling case), so
+# renderers/params.py:239-257 `max_truncation_tokens` keeps max_model_len - 1 for it too.
+TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE = Version("0.33.0")
 
 
 def refuses_max_tokens_past_context(version: str | None) -> bool:
@@ -318,4 +325,5 @@ def resolve_runtime(
         refuses,
         warmup,
         logprobs_mode in PROCESSED_LOGPROBS_MODES,
+        Version(known) >= TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE,
     )
