@@ -149,6 +149,8 @@ def parse(
         structured=structured,
         seed=body.get("seed"),
         ignore_eos=bool(body.get("ignore_eos")),
+        min_p=_num(body, "min_p", 0.0),
+        logits_processor=any(body.get(k) for k in ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")),
     )
     opts = body.get("stream_options") or {}
     return Parsed(chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served)
