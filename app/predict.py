@@ -8,7 +8,7 @@ error that names the numbers and what to change.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits
@@ -21,6 +21,7 @@ from app.memory.activation import (
     TransientTerm,
     estimate_transient,
     sampler_cost,
+    v2_prompt_logprobs_shared_step_extra,
 )
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
@@ -55,15 +56,20 @@ class TransientSplit:
     prefill: int
     profiled: int
     profiled_prefill: int
+    # Of `prefill`, what the request holds from step to step (unprofiled residual terms: V2's
+    # prompt logprobs of earlier steps): concurrent prefills each hold theirs at once.
+    held: int = 0
 
     @classmethod
     def of(cls, transient: TransientEstimate) -> TransientSplit:
         per_request = [t for t in transient.terms if not t.profiled and not t.shared]
         in_profile = [t for t in transient.terms if t.profiled]
+        prefill_terms = [t for t in per_request if t.phase == "prefill"]
         return cls(
-            prefill=peak_of([t for t in per_request if t.phase == "prefill"]),
+            prefill=peak_of(prefill_terms),
             profiled=peak_of(in_profile),
             profiled_prefill=peak_of([t for t in in_profile if t.phase == "prefill"]),
+            held=sum(t.bytes for t in prefill_terms if t.stage == "residual"),
         )
 
 
@@ -183,6 +189,7 @@ class Predictor:
             filtered=filtered,
         )
         footprints, splits = [], []
+        shared_extra = 0
         for ids in prompts:
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), max_new)
@@ -200,11 +207,16 @@ class Predictor:
                 )
             )
             splits.append(split)
+            if spec.prompt_logprobs is not None:
+                shared_extra += v2_prompt_logprobs_shared_step_extra(
+                    self.layout.geometry, self.engine, len(ids), spec.prompt_logprobs
+                )
+        demand = self._demand(footprints, self.sampler_use(spec, footprints), splits)
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=self._demand(footprints, self.sampler_use(spec, footprints), splits),
+            demand=replace(demand, transient_shared_extra_bytes=shared_extra) if shared_extra else demand,
         )
 
     def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
@@ -238,7 +250,8 @@ class Predictor:
         ]
         if all(new is old for new, old in zip(footprints, prediction.footprints, strict=True)):
             return prediction.demand
-        return self._demand(footprints, prediction.demand.sampler)
+        demand = self._demand(footprints, prediction.demand.sampler)
+        return replace(demand, transient_shared_extra_bytes=prediction.demand.transient_shared_extra_bytes)
 
     def _demand(
         self,
@@ -249,7 +262,7 @@ class Predictor:
         """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
         ledger sizes with the rest of the batch."""
         shared: list[int] = []
-        private = prefill = profiled = profiled_prefill = 0
+        private = prefill = profiled = profiled_prefill = held = 0
         variance = 0.0
         for i, fp in enumerate(footprints):
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
@@ -258,6 +271,7 @@ class Predictor:
             variance += fp.n * fp.reserved_variance
             split = splits[i] if splits is not None else TransientSplit.of(fp.transient)
             prefill += split.prefill
+            held += split.held
             profiled = max(profiled, split.profiled)
             profiled_prefill += split.profiled_prefill
         # A profiled term larger than the profile's own peak spills into the free headroom.
@@ -268,6 +282,7 @@ class Predictor:
             shared_block_hashes=tuple(shared),
             private_blocks=private,
             transient_prefill_bytes=prefill,
+            transient_held_bytes=held,
             profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
             sampler=sampler,
             reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),

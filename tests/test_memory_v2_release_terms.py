@@ -148,3 +148,26 @@ def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
     drafter = resolve_drafter(None, str(folder), LLAMA, {}, release="0.33.0")
     assert drafter is not None and drafter.method == "draft_model"
     assert resolve_drafter("mlp_speculator", str(folder), LLAMA, {}, release="0.33.0") is None  # vLLM refuses it
+
+
+def test_the_ledger_sums_what_prefills_hold_across_steps_and_the_shared_step_extra() -> None:
+    from app.gate.ledger import Ledger
+    from app.memory.activation import v2_prompt_logprobs_shared_step_extra
+    from app.memory.demand import Demand
+
+    engine = v2_engine(max_num_batched_tokens=2048)
+    # a one-step prompt alone starts on its own step; beside others it can start with one token
+    # and span two steps, the first held whole (in_progress_prompt_logprobs)
+    row = (V + 1) * 12 + 8
+    extra = v2_prompt_logprobs_shared_step_extra(LLAMA, engine, 1500, -1)
+    assert extra >= 2048 * row
+    held = Demand(10, 1, (), 1, transient_prefill_bytes=10 * row + 100, transient_held_bytes=10 * row)
+    ledger = Ledger()
+    assert ledger.transient_bytes_with(held) == 10 * row + 100
+    ledger.reserve(held)
+    assert ledger.transient_bytes_with(held) == 20 * row + 100  # held twice, one step once
+    shared = Demand(10, 1, (), 1, transient_prefill_bytes=5, transient_shared_extra_bytes=extra)
+    assert ledger.transient_bytes_with(shared) == 10 * row + 100 + extra
+    reservation = ledger.reserve(shared)
+    ledger.release(reservation)
+    assert ledger.transient_bytes == 10 * row + 100

@@ -677,6 +677,43 @@ def _prompt_logprobs_terms(
     ]
 
 
+def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, prompt_tokens: int, k: int) -> int:
+    """What V2's prompt logprobs take beyond `v2_prompt_logprobs` when the prompt starts in a step
+    other requests already use: its first piece can be a single token, so it spans
+    1 + ceil((prompt - 1) / step) steps, each earlier one held whole. A request that starts on an
+    idle server starts on a step of its own (the scheduler gives a running prefill its next piece
+    first), so `estimate_transient` counts the aligned steps; the ledger adds this when others
+    are in flight."""
+    if e.runner != "v2" or not e.enable_chunked_prefill or prompt_tokens < 2:
+        return 0
+    step, row, step_peak = _v2_step(g, e, prefill_chunk(e, prompt_tokens), k)
+
+    def total(steps: int) -> int:
+        merged = (step + prompt_tokens - 1) * row if steps > 1 else 0
+        return (steps - 1) * step * row + max(step_peak, merged)
+
+    aligned = -(-prompt_tokens // prefill_chunk(e, prompt_tokens))
+    return max(0, total(1 + -(-(prompt_tokens - 1) // step)) - total(aligned))
+
+
+def _v2_step(g: ModelGeometry, e: EngineShape, chunk: int, k: int) -> tuple[int, int, int]:
+    """(the step's tokens, bytes of one result row, the step's peak before any cross-step merge)
+    of `v2_prompt_logprobs`."""
+    v, dt = g.vocab_size, g.dtype_bytes
+    step = max(chunk, e.max_num_batched_tokens)
+    topk = v if k == -1 else k
+    row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
+    sizes = [min(V2_PROMPT_LOGPROBS_CHUNK, step - start) for start in range(0, step, V2_PROMPT_LOGPROBS_CHUNK)]
+    loop = kept_rows = 0
+    for i, rows in enumerate(sizes):
+        previous = sizes[i - 1] if i else 0
+        inner = max(rows * topk * (dt + INT64_BYTES), rows * (topk * INT64_BYTES + row))
+        loop = max(loop, (previous + rows) * v * dt + kept_rows * row + inner)
+        kept_rows += rows
+    concatenated = sizes[-1] * v * dt + (2 * step * row if len(sizes) > 1 else 0)
+    return step, row, max(loop, concatenated)
+
+
 def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:
     """Model Runner V2's prompt logprobs, vllm 0.32.0 and 0.33.0 v1/worker/gpu/sample/
     prompt_logprob.py (the file is the same in both):
@@ -691,30 +728,22 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
       ``compute_topk_scores`` (gpu/sample/logprob.py:111-189: ``torch.topk``'s values and int64
       indices, the indices kept while the ids and scores are made). After the loop the lists are
       ``torch.cat``-ed (both copies alive) with the last logits still bound.
-    - k = -1: each row keeps ``V + 1`` ids and scores. A prompt longer than one step keeps every
-      earlier step's results (``in_progress_prompt_logprobs``, :210-212; a row slice keeps its
-      step's whole tensor alive), and its last step ``LogprobsTensors.cat``s them
-      (v1/outputs.py ``LogprobsTensors.cat``): earlier steps + this step + the copy of the whole
-      prompt's rows. The earlier steps' part is held across steps (a residual term).
+    - A prompt longer than one step keeps every earlier step's results (``in_progress_prompt_
+      logprobs``, :210-212; a row slice keeps its step's whole tensor alive), and its last step
+      ``LogprobsTensors.cat``s them (v1/outputs.py): earlier steps + this step + the copy of the
+      whole prompt's rows. The earlier steps' part is held across steps (a residual term). With
+      k = -1 each row keeps ``V + 1`` ids and scores: gigabytes. A prompt that starts in a step
+      others use spans a step more: `v2_prompt_logprobs_shared_step_extra`.
     """
     v, dt = g.vocab_size, g.dtype_bytes
-    step = max(chunk, e.max_num_batched_tokens)
-    topk = v if k == -1 else k
-    width = topk + 1
-    per_row = width * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
-    sizes = [min(V2_PROMPT_LOGPROBS_CHUNK, step - start) for start in range(0, step, V2_PROMPT_LOGPROBS_CHUNK)]
-    loop = kept_rows = 0
-    for i, rows in enumerate(sizes):
-        previous = sizes[i - 1] if i else 0
-        inner = max(rows * topk * (dt + INT64_BYTES), rows * (topk * INT64_BYTES + per_row))
-        loop = max(loop, (previous + rows) * v * dt + kept_rows * per_row + inner)
-        kept_rows += rows
-    concatenated = sizes[-1] * v * dt + (2 * step * per_row if len(sizes) > 1 else 0)
+    step, per_row, step_peak = _v2_step(g, e, chunk, k)
+    width = (v if k == -1 else k) + 1
+    sub_chunks = -(-step // V2_PROMPT_LOGPROBS_CHUNK)
     steps = -(-prompt_tokens // chunk)
     merged = (step + prompt_tokens - 1) * per_row if steps > 1 else 0
-    peak = max(loop, concatenated, merged)
+    peak = max(step_peak, merged)
     detail = (
-        f"a {step}-token step in {len(sizes)} sub-chunks of {V2_PROMPT_LOGPROBS_CHUNK}: two sub-chunks' "
+        f"a {step}-token step in {sub_chunks} sub-chunks of {V2_PROMPT_LOGPROBS_CHUNK}: two sub-chunks' "
         f"logits x {v} vocab x {dt} B alive at once + {width} ids, scores and a rank per row "
         f"({per_row} B) kept, concatenated"
     )
