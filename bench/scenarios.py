@@ -374,13 +374,20 @@ SCENARIOS: list[Scenario] = [
     ),
     # Issue #27: V2 prompt logprobs as vLLM 0.32.0's code runs them (v1/worker/gpu/sample/
     # prompt_logprob.py): two 1,024-row sub-chunks of logits over the whole step, and with -1 the
-    # earlier steps' results kept and concatenated again at the last. 10 % of the H100 lies outside
-    # the budget: enough for k=5 and for a one-step -1 passage, not for a -1 passage over several steps.
+    # earlier steps' results kept and concatenated again at the last. 15 % of the H100 lies outside
+    # the budget: enough for k=5 and for a one-step -1 passage, not for -1 passages over several
+    # steps, nor for several -1 passages held at once.
     Scenario(
         "S11",
         "prompt_logprobs 5 and -1 on Model Runner V2 (two sub-chunks, -1 kept across steps)",
-        _sim_v2(max_model_len=16384, max_num_batched_tokens=2048, max_num_seqs=256, max_logprobs=-1),
-        _flags(2048, 256, v1=False, max_logprobs="-1"),
+        _sim_v2(
+            max_model_len=16384,
+            max_num_batched_tokens=2048,
+            max_num_seqs=256,
+            max_logprobs=-1,
+            gpu_memory_utilization=0.85,
+        ),
+        _flags(2048, 256, v1=False, max_logprobs="-1", gpu_memory_utilization="0.85"),
         s11_traffic,
         30,
         4,
