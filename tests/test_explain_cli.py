@@ -39,6 +39,8 @@ def test_explains_terms_and_decision(tiny_model_dir: Path, tmp_path: Path) -> No
         str(1024**3),
         "--max-num-batched-tokens",
         "1024",
+        "--model-runner",  # offline, the newest known vLLM (0.33.0) would run V2: V1's arithmetic here
+        "v1",
     )
     assert code == 0
     assert out["decision"] == "admit" and out["endpoint"] == "completions"
