@@ -57,6 +57,10 @@ class Tokenizer(Protocol):
 
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]: ...
 
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """PromptTooLong if `text` has more than `max_tokens` tokens for certain, known without
+        tokenizing it; nothing when it may fit or no bound is known."""
+
 
 # How many characters of input one character of a normalizer's output can stand for, at most.
 # Prepend, Lowercase, single-character Replace and the decompositions never shorten a text; the
@@ -129,7 +133,7 @@ class LocalTokenizer:
         for prompt in prompts:
             if not isinstance(prompt, str):
                 raise TokenizationError("prompt must be a string")
-            self._refuse_certainly_too_long(prompt, max_tokens)
+            self.refuse_certainly_too_long(prompt, max_tokens)
         return await self._encode(prompts, add_special_tokens)
 
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
@@ -144,7 +148,7 @@ class LocalTokenizer:
             rendered = self.render_chat(chat)
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize
             return rendered
-        self._refuse_certainly_too_long(rendered, max_tokens)
+        self.refuse_certainly_too_long(rendered, max_tokens)
         return (await self._encode([rendered], chat.add_special_tokens))[0]
 
     def _char_bound(self, max_tokens: int | None) -> int | None:
@@ -153,7 +157,7 @@ class LocalTokenizer:
             return None
         return max_tokens * self.max_chars_per_token
 
-    def _refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
         """Refuse before tokenizing a text that cannot fit: a 30 MiB prompt took 22 s and 6 GiB
         to tokenize only to be refused for its length."""
         bound = self._char_bound(max_tokens)
@@ -220,6 +224,9 @@ class BackendTokenizer:
     def __init__(self, client: httpx.AsyncClient, model_name: str) -> None:
         self._client = client
         self._model = model_name
+
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """Without the tokenizer files kvgate knows no bound on characters per token."""
 
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None

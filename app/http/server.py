@@ -21,6 +21,7 @@ from app.explain import explain
 from app.http.asgi import answer_refusal, read_body, request_target
 from app.http.errors import error_response
 from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
+from app.passthrough_body import check_passthrough_body
 from app.proxy import check_passthrough, passthrough, passthrough_allowed
 from app.settings import Settings
 
@@ -108,6 +109,15 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 settings.max_body_bytes,
                 settings.client_body_timeout,
                 reads_body=False,
+            )
+            pipeline = rt.pipeline
+            check_passthrough_body(
+                request.method,
+                request.scope["path"],
+                request.headers.get("content-type"),
+                body,
+                pipeline.tokenizer,
+                pipeline.max_model_len,
             )
             return await passthrough(
                 rt.backend,
