@@ -84,8 +84,12 @@ class ClientTooSlow(KvgateError):
 
     code = "request_timeout"
 
-    def __init__(self, idle_s: float) -> None:
-        super().__init__(f"The request body stalled: nothing arrived for {idle_s:g} s.")
+    def __init__(self, idle_s: float, *, deadline: bool = False) -> None:
+        super().__init__(
+            f"The request body did not arrive within kvgate's {idle_s:g} s deadline."
+            if deadline
+            else f"The request body stalled: nothing arrived for {idle_s:g} s."
+        )
 
 
 class RouteNotForwarded(KvgateError):

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from app.errors import BackendBroke, BackendDown, BackendTimedOut, InvalidField, RouteNotForwarded
+from app.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
 from app.http.asgi import disconnect_future
 from app.http.output_tokens import OutputTokenCounter
 from app.upstream import (
@@ -46,7 +47,11 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
+# Set by kvgate from what it saw of the connection, never taken from the client as sent: a client
+# could otherwise tell the backend (whose uvicorn trusts forwarding headers from 127.0.0.1) any
+# scheme or host it likes. X-Forwarded-For and Forwarded are chains: kvgate appends its hop.
+_REWRITTEN = frozenset({b"x-request-id", b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto", b"forwarded"})
+_NOT_FORWARDED = HOP_BY_HOP | _REWRITTEN
 # Concurrent /tokenize calls when kvgate tokenizes through the backend (no tokenizer files in the
 # model folder): enough to keep vLLM's API server busy, few enough to leave it room for the rest.
 TOKENIZE_CONNECTIONS = 32
@@ -140,20 +145,41 @@ async def open_while_client_waits(
 
 
 def forward_headers(
-    raw: Iterable[tuple[bytes, bytes]], request_id: str, client: tuple[str, int] | None = None
+    raw: Iterable[tuple[bytes, bytes]],
+    request_id: str,
+    client: tuple[str, int] | None = None,
+    scheme: str = "http",
 ) -> list[tuple[bytes, bytes]]:
-    """The client's headers (ASGI's lower-case byte pairs) minus hop-by-hop ones and those its
-    Connection header names (RFC 9110 7.6.1), with the request id kvgate uses and the client's
-    address appended to X-Forwarded-For."""
+    """The client's headers (ASGI's lower-case byte pairs) as a reverse proxy forwards them
+    (RFC 9110 7.6.1): hop-by-hop ones, every Proxy-* one and those its Connection header names
+    dropped; Host is the backend's (app.upstream writes it); X-Forwarded-Host and
+    X-Forwarded-Proto say what kvgate was asked (the client's Host, the scheme it spoke),
+    replacing any the client sent; the client's address appended to X-Forwarded-For and, as an
+    RFC 7239 element with host and proto, to Forwarded (without a peer address, on a Unix socket,
+    both chains go on as they came); x-request-id is the one kvgate uses."""
     raw = list(raw)
     named = {token.strip().lower() for key, value in raw if key == b"connection" for token in value.split(b",")}
-    dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
-    if client is None:  # no peer address (a Unix socket): the chain goes on as it came
-        out = [(k, v) for k, v in raw if k not in dropped]
-    else:
-        out = [(k, v) for k, v in raw if k not in dropped and k != b"x-forwarded-for"]
-        chain = [v for k, v in raw if k == b"x-forwarded-for"]
-        out.append((b"x-forwarded-for", b", ".join([*chain, client[0].encode("latin-1")])))
+    dropped = _NOT_FORWARDED | named
+    out = [(k, v) for k, v in raw if k not in dropped and not k.startswith(b"proxy-")]
+    host = next((v for k, v in raw if k == b"host"), None)
+    proto = scheme.encode("latin-1")
+    for_chain = [v for k, v in raw if k == b"x-forwarded-for"]
+    forwarded = [v for k, v in raw if k == b"forwarded"]
+    if client is not None:
+        address = client[0].encode("latin-1")
+        for_chain.append(address)
+        node = b'"[' + address + b']"' if b":" in address else address  # RFC 7239 6: IPv6 quoted, bracketed
+        element = b"for=" + node + b";proto=" + proto
+        if host is not None and b'"' not in host and b"\\" not in host:
+            element += b';host="' + host + b'"'
+        forwarded.append(element)
+    if for_chain:
+        out.append((b"x-forwarded-for", b", ".join(for_chain)))
+    if forwarded:
+        out.append((b"forwarded", b", ".join(forwarded)))
+    if host is not None:
+        out.append((b"x-forwarded-host", host))
+    out.append((b"x-forwarded-proto", proto))
     out.append((b"x-request-id", request_id.encode("latin-1")))
     return out
 
@@ -164,6 +190,9 @@ def response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> li
     if length is not None and upstream.header(b"content-encoding") is None:
         kept.append((b"content-length", length.encode("latin-1")))
     kept.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
+    if upstream.status in (502, 503) and upstream.header(b"retry-after") is None:
+        # Every 502 and 503 a client gets carries Retry-After, the backend's own ones too.
+        kept.append((b"retry-after", str(UNKNOWN_OUTAGE_RETRY_S).encode()))
     return kept
 
 
@@ -278,7 +307,9 @@ async def passthrough(
     body: bytes,
     request_id: str,
     client: tuple[str, int] | None = None,
+    scheme: str = "http",
 ) -> Relay:
-    """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
-    upstream = await backend.open(method, target, forward_headers(headers, request_id, client), body)
+    """Any path kvgate does not gate: forwarded with the headers a reverse proxy sends
+    (forward_headers), relayed as it comes."""
+    upstream = await backend.open(method, target, forward_headers(headers, request_id, client, scheme), body)
     return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome, tokens: None)

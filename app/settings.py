@@ -149,6 +149,12 @@ class Settings(BaseSettings, VllmFlags):
     client_body_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may leave between two parts of a request body (408 beyond)."
     )
+    client_body_deadline: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client may take to send a whole request body, from its head on (408 and the "
+        "connection closed beyond); 60 s lets a 32 MiB body arrive at 0.6 MB/s.",
+    )
     upstream_connect_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for the backend to accept a connection (503 beyond)."
     )

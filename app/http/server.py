@@ -62,7 +62,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
     @app.post("/kvgate/explain")
     async def explain_route(request: Request) -> Response:
         try:
-            raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout)
+            raw = await read_body(
+                request.scope,
+                request.receive,
+                settings.max_body_bytes,
+                settings.client_body_timeout,
+                settings.client_body_deadline,
+            )
             return JSONResponse(await explain(rt, raw, request.query_params.get("endpoint")))
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error))
@@ -108,6 +114,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 request.receive,
                 settings.max_body_bytes,
                 settings.client_body_timeout,
+                settings.client_body_deadline,
                 reads_body=False,
             )
             pipeline = rt.pipeline
@@ -127,6 +134,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 body,
                 request_id,
                 request.scope.get("client"),
+                request.scope.get("scheme", "http"),
             )
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error, {"x-request-id": request_id}))
