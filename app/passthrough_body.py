@@ -6,7 +6,8 @@ load the backend's API server, the process that also serves completions:
 - a JSON body holding text that is not Unicode is a 400 naming the field (app/json_text.py), the
   same answer the gated routes give; vLLM decides a JSON body by FastAPI's rule (no
   Content-Type, or `application/json` or `+json`), and so does kvgate;
-- POST /tokenize: its body is parsed as a gated body is (the JSON value limit, 413), and a `prompt`
+- POST /tokenize and /detokenize: the body is parsed as a gated body is (the JSON value limit,
+  413: 15 million token ids to detokenize fit in 32 MiB), and a /tokenize `prompt`
   certainly longer than max_model_len tokens (the characters-per-token bound, app/tokens.py) is
   refused before the backend tokenizes it. vLLM 0.32.0's /tokenize counts any length
   (TokenizeCompletionRequest.build_tok_params: max_total_tokens=None): a 30 MiB prompt cost its
@@ -25,6 +26,7 @@ from app.openai import parse_json_object
 from app.tokens import PromptTooLong, Tokenizer
 
 TOKENIZE_PATH = "/tokenize"
+PARSED_PATHS = frozenset({TOKENIZE_PATH, "/detokenize"})
 
 
 def is_json(content_type: str | None) -> bool:
@@ -49,9 +51,9 @@ def check_passthrough_body(
     """A domain error (400, 413) for a pass-through body that must not reach the backend."""
     if not body or not is_json(content_type):
         return
-    if method == "POST" and path == TOKENIZE_PATH:
+    if method == "POST" and path in PARSED_PATHS:
         prompt = parse_json_object(body).get("prompt")
-        if isinstance(prompt, str) and tokenizer is not None:
+        if path == TOKENIZE_PATH and isinstance(prompt, str) and tokenizer is not None:
             try:
                 tokenizer.refuse_certainly_too_long(prompt, max_model_len)
             except PromptTooLong as exc:

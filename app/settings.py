@@ -166,7 +166,8 @@ class Settings(BaseSettings, VllmFlags):
     passthrough_paths: str = Field(
         "/v1/models, /health, /ping, /version, /load, /tokenize, /detokenize, /v1/load_lora_adapter, "
         "/v1/unload_lora_adapter",
-        description="Paths forwarded to vLLM untouched, comma-separated, matched exactly; any other "
+        description="Paths forwarded to vLLM without gating (under the body limits and timeouts of every "
+        "route, with a reverse proxy's headers), comma-separated, matched exactly; any other "
         "path but the gated completions and chat routes gets 404. vLLM 0.32 also serves generation "
         "kvgate does not gate (/invocations, /v1/responses, /v1/messages, /inference/v1/generate, "
         "embeddings, pooling) and admin routes (/sleep, /pause, /collective_rpc, ...). A 200 from "

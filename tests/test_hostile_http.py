@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.errors import InvalidText, TooManyJsonValues
+from app.passthrough_body import check_passthrough_body
 from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateServer, running_kvgate
 
@@ -291,6 +293,21 @@ def test_a_tokenize_prompt_longer_than_any_context_is_refused_before_the_backend
     assert short.status_code == 200 and short.json()["count"] == 3
     too_big = httpx.post(kvgate.base_url + "/tokenize", content=b'{"prompt": "' + b"a" * 1_100_000 + b'"}')
     assert too_big.status_code == 413
+
+
+def test_a_detokenize_body_is_held_to_the_json_value_limit() -> None:
+    """(Unit level: the module's server takes 1 MB bodies, and 500,000 ids need more.)"""
+    check_passthrough_body(
+        "POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 499_999 + b"1]}", None, None
+    )
+    with pytest.raises(TooManyJsonValues):
+        check_passthrough_body(
+            "POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 500_000 + b"1]}", None, None
+        )
+    with pytest.raises(InvalidText):  # any pass-through JSON body: invalid text is a 400 naming the field
+        check_passthrough_body("POST", "/v1/load_lora_adapter", None, b'{"lora_name": "a\xed\xa0\x80"}', None, None)
+    # not JSON by FastAPI's rule: the backend's to judge
+    check_passthrough_body("POST", "/v1/audio/transcriptions", "multipart/form-data; boundary=x", b"\xff", None, None)
 
 
 def test_connection_named_headers_dropped_and_forwarded_for_appended(
