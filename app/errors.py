@@ -84,11 +84,12 @@ class ClientTooSlow(KvgateError):
 
     code = "request_timeout"
 
-    def __init__(self, idle_s: float, *, deadline: bool = False) -> None:
+    def __init__(self, seconds: float, *, deadline: bool = False) -> None:
+        """`seconds`: the idle timeout that ran out, or with `deadline` the whole body's deadline."""
         super().__init__(
-            f"The request body did not arrive within kvgate's {idle_s:g} s deadline."
+            f"The request body did not arrive within kvgate's {seconds:g} s deadline."
             if deadline
-            else f"The request body stalled: nothing arrived for {idle_s:g} s."
+            else f"The request body stalled: nothing arrived for {seconds:g} s."
         )
 
 

@@ -130,9 +130,9 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
                     self.transport.close()  # an idle connection: nothing to answer
 
         def _refuse(self, status: int, message: str) -> None:
-            """An OpenAI-shaped error, then the connection is half-closed and, LINGER_S later
-            or when the client closes its side (eof_received: asyncio closes), closed: the rest of the request is never parsed,
-            so nothing else on this connection can be trusted."""
+            """An OpenAI-shaped error, then the connection is half-closed, and closed LINGER_S
+            later or when the client closes its side (asyncio closes on EOF): the rest of the
+            request is never parsed, so nothing else on this connection can be trusted."""
             self._disarm_head_timer()
             self._refused = True
             error = {"message": message, "type": "invalid_request_error", "param": None, "code": _CODES[status]}
