@@ -157,14 +157,26 @@ def forward_headers(
     replacing any the client sent; the client's address appended to X-Forwarded-For and, as an
     RFC 7239 element with host and proto, to Forwarded (without a peer address, on a Unix socket,
     both chains go on as they came); x-request-id is the one kvgate uses."""
-    raw = list(raw)
-    named = {token.strip().lower() for key, value in raw if key == b"connection" for token in value.split(b",")}
-    dropped = _NOT_FORWARDED | named
-    out = [(k, v) for k, v in raw if k not in dropped and not k.startswith(b"proxy-")]
-    host = next((v for k, v in raw if k == b"host"), None)
+    # One pass (this runs for every request): what is kept, and what kvgate rewrites.
+    out: list[tuple[bytes, bytes]] = []
+    host: bytes | None = None
+    for_chain: list[bytes] = []
+    forwarded: list[bytes] = []
+    named: set[bytes] = set()
+    for key, value in raw:
+        if key not in _NOT_FORWARDED and not key.startswith(b"proxy-"):
+            out.append((key, value))
+        elif key == b"host":
+            host = value if host is None else host
+        elif key == b"x-forwarded-for":
+            for_chain.append(value)
+        elif key == b"forwarded":
+            forwarded.append(value)
+        elif key == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    if named:
+        out = [(k, v) for k, v in out if k not in named]
     proto = scheme.encode("latin-1")
-    for_chain = [v for k, v in raw if k == b"x-forwarded-for"]
-    forwarded = [v for k, v in raw if k == b"forwarded"]
     if client is not None:
         address = client[0].encode("latin-1")
         for_chain.append(address)
