@@ -92,7 +92,8 @@ class KvgateMetrics:
         )
         self.disconnects = Counter(
             "kvgate_client_disconnects",
-            "Clients that went away, by where they were.",
+            "Clients that went away, by where they were (request_body, queued, awaiting_response, "
+            "response_body); the last two are the reservations released as disconnected.",
             ["stage"],
             registry=r,
         )

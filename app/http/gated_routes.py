@@ -214,4 +214,10 @@ class GatedRoutes:
             ticket.release("upstream_error")
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
-        return Relay(upstream, admitted.headers, on_first, ticket.release, count_output=admitted.count_output)
+
+        def on_end(outcome: str, output_tokens: int | None) -> None:
+            ticket.release(outcome, output_tokens)
+            if outcome == "disconnected":  # every release as `disconnected` is a client that left
+                self.rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="response_body"))
+
+        return Relay(upstream, admitted.headers, on_first, on_end, count_output=admitted.count_output)
