@@ -18,44 +18,27 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from support.differential import Case, Verdict, compare, load_cases, request_bodies
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.differential import (
+    POOL_TOKENS,
+    ROOMY,
+    TIGHT,
+    Case,
+    Verdict,
+    compare,
+    kvgate_in_front,
+    load_cases,
+    prompt_tokens_bound,
+    request_bodies,
+)
+from support.kvgate_server import KvgateServer
 from support.vllm_server import VllmServer
 
 pytestmark = pytest.mark.vllm
-
-# vLLM's pool, less the null block: what any one request or the prompts of one body may span
-# together until multi-prompt bodies are judged per prompt (the multiprompt branch).
-POOL_TOKENS = 15 * 128
-ROOMY = "64MiB"  # a headroom every request here fits: nothing may be refused
-TIGHT = "8MiB"  # less than a 1,000-token prompt's logprobs (8.2 MB): those must be refused, and say so
-
-
-def kvgate_in_front(vllm: VllmServer, scratch: pytest.TempPathFactory, free_memory: str) -> Iterator[KvgateServer]:
-    with running_kvgate(
-        vllm.base_url,
-        vllm.model_dir,
-        scratch.mktemp("kvgate"),
-        "--max-queue-wait", "120",
-        "--max-num-batched-tokens", "1024",
-        "--max-num-seqs", "8",
-        "--gpu-probe", "none",
-        "--free-memory-bytes", free_memory,
-    ) as server:  # fmt: skip
-        yield server
 
 
 @pytest.fixture(scope="module")
 def roomy(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
     yield from kvgate_in_front(vllm_server, tmp_path_factory, ROOMY)
-
-
-def prompt_tokens_bound(case: Case) -> int:
-    """An upper bound of the body's prompt tokens together (token ids counted, a text taken as
-    one token a character)."""
-    prompt = case.body.get("prompt", case.body.get("messages"))
-    items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-    return sum(len(p) if isinstance(p, list | str) else len(str(p)) for p in items)
 
 
 CAPTURED = [

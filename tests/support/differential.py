@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import strategies as st
 
+from support.kvgate_server import KvgateServer, running_kvgate
 from support.tiny_model import _WORDS, VOCAB_SIZE
+from support.vllm_server import VllmServer
 
 SHAPES = Path(__file__).resolve().parents[1] / "data" / "client_shapes"
 VOLATILE = frozenset({"id", "created", "system_fingerprint"})
@@ -166,6 +170,35 @@ def memory_refusal(kvgate_url: str, path: str, body: dict[str, Any], proxied: ht
     )
     detail = f"{largest['name']}: {largest['bytes']:,} B past a headroom of {budget['max_transient_limit_bytes']:,} B"
     return Verdict("memory_refusal", 400, largest["name"], detail)
+
+
+# vLLM's pool, less the null block: what any one request or the prompts of one body may span
+# together until multi-prompt bodies are judged per prompt (the multiprompt branch).
+POOL_TOKENS = 15 * 128
+ROOMY = "64MiB"  # a headroom every request here fits: nothing may be refused
+TIGHT = "8MiB"  # less than a 1,000-token prompt's logprobs (8.2 MB): those must be refused, and say so
+
+
+def kvgate_in_front(vllm: VllmServer, scratch: pytest.TempPathFactory, free_memory: str) -> Iterator[KvgateServer]:
+    with running_kvgate(
+        vllm.base_url,
+        vllm.model_dir,
+        scratch.mktemp("kvgate"),
+        "--max-queue-wait", "120",
+        "--max-num-batched-tokens", "1024",
+        "--max-num-seqs", "8",
+        "--gpu-probe", "none",
+        "--free-memory-bytes", free_memory,
+    ) as server:  # fmt: skip
+        yield server
+
+
+def prompt_tokens_bound(case: Case) -> int:
+    """An upper bound of the body's prompt tokens together (token ids counted, a text taken as
+    one token a character)."""
+    prompt = case.body.get("prompt", case.body.get("messages"))
+    items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    return sum(len(p) if isinstance(p, list | str) else len(str(p)) for p in items)
 
 
 # --- Hypothesis: bodies in the shapes real clients send -------------------------------------------
