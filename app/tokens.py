@@ -30,7 +30,12 @@ log = logging.getLogger("kvgate.tokens")
 
 
 class BackendTokenizeError(RuntimeError):
-    """The backend's /tokenize failed for reasons other than a bad request."""
+    """The backend's /tokenize failed for reasons other than a bad request; `unreachable`: no
+    connection could be made (nothing reached the backend: it is down)."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class PromptTooLong(TokenizationError):
@@ -263,7 +268,8 @@ class BackendTokenizer:
         try:
             response = await self._client.post("/tokenize", json=body)
         except httpx.HTTPError as e:
-            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}") from e
+            unreachable = isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}", unreachable) from e
         if response.status_code in (400, 422):
             raise TokenizationError(_error_message(response))
         if response.status_code != 200:

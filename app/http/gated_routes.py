@@ -94,6 +94,7 @@ class Evaluated:
     evaluation: Evaluation
     priority: int
     count_output: bool  # app/http/output_tokens.py can read its answer
+    deadline: float  # when it must have been admitted (the gate's clock), set once its body is in
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class GatedRoutes:
         except KvgateError as error:
             response = answer_refusal(scope, error_response(error, {"x-request-id": request_id}))
         else:
-            deadline = self.rt.gate.deadline()
+            deadline = evaluated.deadline
             while response is None:  # None: the backend refused the connection, nothing was sent
                 try:
                     admitted = await self._admit(evaluated, scope, receive, started, request_id, deadline)
@@ -139,16 +140,14 @@ class GatedRoutes:
         """Read and evaluate the request; a KvgateError if it is refused or the client left.
 
         Refusals before the gate (body, parse, prediction) are reported to the gate's observers
-        here; the gate reports its own (queue full, timeout, backend down, left the queue)."""
+        here; the gate reports its own (queue full, timeout, backend down, left the queue). While
+        the backend kvgate tokenizes through is down, the request waits in the queue for it (until
+        its deadline, as an evaluated request would) and is evaluated once it is back."""
         rt = self.rt
         try:
             settings = rt.settings
             raw = await read_body(
                 scope, receive, settings.max_body_bytes, settings.client_body_timeout, settings.client_body_deadline
-            )
-            evaluation = await rt.pipeline.evaluate(route, raw)
-            priority = priority_of(
-                scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority
             )
         except ClientGone:
             rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="request_body"))
@@ -156,10 +155,23 @@ class GatedRoutes:
         except KvgateError as error:
             rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
             raise
+        deadline = rt.gate.deadline()
+        while True:
+            try:
+                evaluation = await rt.pipeline.evaluate(route, raw)
+                priority = priority_of(
+                    scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority
+                )
+                break
+            except BackendDown:
+                await rt.gate.wait_for_backend(deadline, lambda: disconnect_future(receive), request_id)
+            except KvgateError as error:
+                rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
+                raise
         prediction = evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
-        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED)
+        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, deadline)
 
     async def _admit(
         self, evaluated: Evaluated, scope: Scope, receive: Receive, started: float, request_id: str, deadline: float
@@ -227,4 +239,10 @@ class GatedRoutes:
             ticket.release("upstream_error")
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
-        return Relay(upstream, admitted.headers, on_first, ticket.release, count_output=admitted.count_output)
+
+        def on_end(outcome: str, output_tokens: int | None) -> None:
+            ticket.release(outcome, output_tokens)
+            if outcome == "disconnected":  # every release as `disconnected` is a client that left
+                self.rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="response_body"))
+
+        return Relay(upstream, admitted.headers, on_first, on_end, count_output=admitted.count_output)

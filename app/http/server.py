@@ -99,6 +99,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             "kv_blocks": rt.budget.kv_limit(),
             "transient_bytes": rt.budget.transient_limit(),
             "transient_gated": rt.budget.transient_headroom_bytes is not None,
+            "transient_gate_off": rt.transient_gate_off(),
             "problem": rt.startup_error,
             "vllm": rt.deployment.runtime.labels() if rt.deployment else None,
             "telemetry": rt.live.detail() if rt.live else None,
