@@ -149,6 +149,13 @@ class Settings(BaseSettings, VllmFlags):
     client_body_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may leave between two parts of a request body (408 beyond)."
     )
+    stream_stall_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client may leave its socket buffer full without reading the answer; "
+        "beyond, kvgate cuts the stream, aborts the backend request and releases its reservation "
+        "(vLLM itself waits forever, generating to max_tokens meanwhile).",
+    )
     upstream_connect_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for the backend to accept a connection (503 beyond)."
     )

@@ -214,4 +214,11 @@ class GatedRoutes:
             ticket.release("upstream_error")
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
-        return Relay(upstream, admitted.headers, on_first, ticket.release, count_output=admitted.count_output)
+        return Relay(
+            upstream,
+            admitted.headers,
+            on_first,
+            ticket.release,
+            count_output=admitted.count_output,
+            stall_timeout_s=self.rt.settings.stream_stall_timeout,
+        )
