@@ -120,6 +120,13 @@ class Settings(BaseSettings, VllmFlags):
         "the tenant is a digest of the API key and no client header is read (a client naming its "
         "own tenant could take every turn).",
     )
+    max_tenants: int = Field(
+        256,
+        ge=1,
+        description="API keys (unchecked, no --tenant-header) that may hold queue turns of their own: "
+        "a key's first request waits in one turn shared by all new keys, its later ones in its own; "
+        "beyond this many, the least recently seen key is forgotten.",
+    )
     max_body_bytes: int = Field(32 * MiB, gt=0, description="Largest request body accepted (413 beyond).")
     upstream_timeout: float = Field(600.0, gt=0, description="Seconds to wait for the backend's next byte.")
     log_level: str = Field("info", description="Python log level.")

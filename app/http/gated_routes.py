@@ -25,6 +25,7 @@ from app.composition import Runtime
 from app.errors import BackendDown, ClientGone, KvgateError
 from app.gate.gate import Ticket
 from app.gate.observer import Decision
+from app.gate.tenants import TenantTurns
 from app.http.asgi import answer_refusal, disconnect_future, header, read_body, request_target
 from app.http.errors import error_response
 from app.openai import bad_request
@@ -55,14 +56,15 @@ def request_id_of(scope: Scope) -> str:
     )
 
 
-def tenant_of(scope: Scope, tenant_header: bytes | None) -> str:
-    """The trusted gateway's tenant header if one is configured and set, else a digest of the API
-    key (never the key itself)."""
+def tenant_of(scope: Scope, tenant_header: bytes | None) -> tuple[str, bool]:
+    """The tenant and whether it is vouched for: the trusted gateway's tenant header if one is
+    configured and set (vouched), else a digest of the API key (never the key itself), which
+    nobody has checked (app/gate/tenants.py)."""
     tenant = header(scope, tenant_header) if tenant_header else None
     if tenant:
-        return tenant
+        return tenant, True
     auth = header(scope, b"authorization")
-    return hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else "anonymous"
+    return (hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else "anonymous"), False
 
 
 def priority_of(scope: Scope, body_priority: int, priority_header: bytes | None, trust_body: bool) -> int:
@@ -87,6 +89,7 @@ class Evaluated:
     evaluation: Evaluation
     priority: int
     count_output: bool  # app/http/output_tokens.py can read its answer
+    turn: str  # the tenant turn it waits for in the queue (app/gate/tenants.py)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class GatedRoutes:
         settings = rt.settings
         self._tenant_header = settings.tenant_header.lower().encode("latin-1") if settings.tenant_header else None
         self._priority_header = settings.priority_header.lower().encode("latin-1") if settings.priority_header else None
+        self._turns = TenantTurns(settings.max_tenants)
 
     async def __call__(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -149,7 +153,8 @@ class GatedRoutes:
         prediction = evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
-        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED)
+        turn = self._turns.turn(*tenant_of(scope, self._tenant_header))
+        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, turn)
 
     async def _admit(
         self, evaluated: Evaluated, scope: Scope, receive: Receive, started: float, request_id: str, deadline: float
@@ -160,7 +165,7 @@ class GatedRoutes:
         ticket = await rt.gate.acquire(
             prediction.demand,
             evaluated.priority,
-            tenant_of(scope, self._tenant_header),
+            evaluated.turn,
             lambda: disconnect_future(receive),
             refresh=(lambda: predictor.refreshed(prediction)) if predictor else None,
             request_id=request_id,
