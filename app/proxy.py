@@ -190,7 +190,8 @@ class Relay(Response):
     until max_tokens. Cut: once one send has waited `stall_timeout_s`, the relay closes the
     upstream connection (vLLM aborts the request and frees its blocks), releases the
     reservation as "stalled" and ends without completing the response, which makes uvicorn
-    close the client's connection.
+    close the client's connection (ASGI has no other way to drop it; uvicorn logs "ASGI callable
+    returned without completing response." beside kvgate's own warning).
     """
 
     def __init__(
