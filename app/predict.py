@@ -175,7 +175,13 @@ class Predictor:
                     name,
                 )
 
-    def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]]) -> Prediction:
+    def predict(
+        self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: tuple[str | None, ...] | None = None
+    ) -> Prediction:
+        """`cache_key`: what besides the token ids keys every one of vLLM's prefix-cache blocks for
+        this request (a LoRA adapter's ("lora", name, path)); with the request's cache_salt, which
+        keys its first block (app/memory/kv.py PrefixKeys), only requests vLLM lets share blocks
+        share them here."""
         self.check_logprobs(spec)
         sampling = SamplingShape(
             n=spec.n,
@@ -187,7 +193,7 @@ class Predictor:
             structured=spec.sampling.structured_outputs,
         )
         footprints, splits = [], []
-        keys = PrefixKeys.of(spec.cache_salt)
+        keys = PrefixKeys.of(spec.cache_salt, cache_key)
         for ids in prompts:
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), max_new)

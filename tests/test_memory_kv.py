@@ -126,7 +126,7 @@ def test_block_hashes_chain_full_blocks_only() -> None:
     # the chain: equal second blocks after different first blocks still differ
     c = [7] * 16 + list(range(16, 32))
     assert block_hashes(c, 16)[1] != ha[1]
-    adapter = block_hashes(a, 16, PrefixKeys.of(lora=("sql", "/adapters/sql")))
+    adapter = block_hashes(a, 16, PrefixKeys.of(request_key=("lora", "sql", "/adapters/sql")))
     assert adapter[0] != ha[0] and adapter[1] != ha[1]
 
 

@@ -248,14 +248,15 @@ class PrefixKeys:
     hash, so prompts that differ in any key share no block. Multimodal keys need no entry here:
     kvgate's image tokens already stand for the image (app/multimodal.py expand_images)."""
 
-    every_block: tuple[tuple[str, ...], ...] = ()
-    first_block: tuple[tuple[str, ...], ...] = ()
+    every_block: tuple[tuple[str | None, ...], ...] = ()
+    first_block: tuple[tuple[str | None, ...], ...] = ()
 
     @classmethod
-    def of(cls, cache_salt: str | None = None, lora: tuple[str, str] | None = None) -> PrefixKeys:
-        """The keys of a request with this ``cache_salt`` and LoRA adapter (name, path)."""
+    def of(cls, cache_salt: str | None = None, request_key: tuple[str | None, ...] | None = None) -> PrefixKeys:
+        """The keys of a request with this ``cache_salt`` and a key of all its blocks
+        (``("lora", name, path)`` for a LoRA adapter)."""
         return cls(
-            every_block=(("lora", *lora),) if lora else (),
+            every_block=(request_key,) if request_key else (),
             first_block=(("cache_salt", cache_salt),) if cache_salt else (),
         )
 
