@@ -65,6 +65,9 @@ class RequestSpec:
     prefill_only: bool = False
     truncate_prompt_tokens: int | None = None
     truncate_left: bool = False
+    # vLLM hashes it into the first KV block (app/memory/kv.py PrefixKeys): a salted prompt
+    # shares no cached prefix with the same prompt unsalted or salted differently.
+    cache_salt: str | None = None
 
 
 def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
@@ -149,6 +152,16 @@ def _commas_in_strings(raw: bytes) -> int:
                 opened = -1
         at = raw.find(b'"', at + 1)
     return inside
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM 0.32.0 `validate_cache_salt` (vllm/entrypoints/generate/base/protocol.py): absent or
+    null is no salt; anything but a non-empty string is refused with vLLM's message. (Its length
+    and character rules differ by route and are left to vLLM, which answers them with a 400.)"""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return salt
 
 
 def _penalties(body: dict[str, Any]) -> bool:
@@ -315,6 +328,7 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         unseen_history=translated.unseen_history,
         context_caps_output=translated.context_caps_output,
         paired=translated.paired,
+        cache_salt=_cache_salt(body),
     )
     if reading == "pooling":
         spec.prefill_only = True

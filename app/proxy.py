@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import httpx
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.errors import BackendBroke, BackendDown, BackendTimedOut, InvalidField, RouteNotForwarded
 from app.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
@@ -225,6 +225,18 @@ class Relay(Response):
     It overrides Response's ASGI call rather than using StreamingResponse so that the release
     happens even when the client has gone before the first byte could be sent. It is a Response
     so that the FastAPI routes (the pass-through) can return it as they return any other.
+
+    A client that stops reading is throttled, then cut. Throttled: while its socket buffer is
+    full, uvicorn's send waits (its flow control drains) and the relay reads nothing more from
+    vLLM, so vLLM's own writer blocks the same way. vLLM 0.32.0 gives a blocked writer no
+    deadline: its StreamingResponse waits in uvicorn's send for as long as the connection stays
+    open, while the engine goes on generating into the request's RequestOutputCollector
+    (vllm/v1/engine/output_processor.py, which merges the deltas no one reads) and holds its KV
+    until max_tokens. Cut: once one send has waited `stall_timeout_s`, the relay closes the
+    upstream connection (vLLM aborts the request and frees its blocks), releases the
+    reservation as "stalled" and ends without completing the response, which makes uvicorn
+    close the client's connection (ASGI has no other way to drop it; uvicorn logs "ASGI callable
+    returned without completing response." beside kvgate's own warning).
     """
 
     def __init__(
@@ -234,6 +246,7 @@ class Relay(Response):
         on_first_chunk: Callable[[], None],
         on_end: Callable[[str, int | None], None],
         count_output: bool = False,
+        stall_timeout_s: float | None = None,
     ) -> None:
         super().__init__(status_code=upstream.status)
         self.raw_headers = response_headers(upstream, headers)  # the upstream's, not Response's
@@ -244,6 +257,8 @@ class Relay(Response):
         self._counter = OutputTokenCounter(self._is_sse) if count_output else None
         self._client_gone = False
         self._sent_tail = b""  # the end of what the client was sent, to see SSE_DONE go out
+        self._stall_timeout_s = stall_timeout_s
+        self._request_id = headers.get("x-request-id", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "disconnected"
@@ -252,6 +267,14 @@ class Relay(Response):
         watcher = None if self.upstream.complete else asyncio.ensure_future(self._watch_disconnect(receive))
         try:
             outcome = await self._relay(send)
+        except ClientStalled:
+            outcome = "stalled"
+            log.warning(
+                "request %s: the client read nothing for %g s with its socket buffer full: stream cut, "
+                "backend request aborted, reservation released",
+                self._request_id,
+                self._stall_timeout_s,
+            )
         except UpstreamError:  # cut mid-body: the client's connection is dropped (uvicorn) too
             outcome = "upstream_error"
             raise
@@ -278,7 +301,7 @@ class Relay(Response):
         return "completed" if self._sent_tail == SSE_DONE else "disconnected"
 
     async def _relay(self, send: Send) -> str:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await self._send(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         started = ended = False
         try:
             while not ended and (chunk := await self.upstream.read()) is not None:
@@ -292,23 +315,36 @@ class Relay(Response):
                 ended = self.upstream.complete
                 if self._is_sse and not self._client_gone:
                     self._sent_tail = (self._sent_tail + chunk)[-len(SSE_DONE) :]
-                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": not ended})
         except UpstreamError as exc:
             if self._client_gone:
                 return self._outcome_once_client_left()
             log.warning("backend stream broke: %s", type(exc).__name__)
             if self._is_sse:
                 event = sse_error_event(f"The backend stream broke ({type(exc).__name__}).", "backend_stream_broken")
-                await send({"type": "http.response.body", "body": event, "more_body": False})
+                await self._send(send, {"type": "http.response.body", "body": event, "more_body": False})
                 return "upstream_error"
             raise
         if self._client_gone:
             return self._outcome_once_client_left()
         if not ended:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
         if self.status_code >= 500:
             return "backend_error"  # the backend answered, with an error (vLLM: its engine died)
         return "refused_by_backend" if self.status_code >= 400 else "completed"
+
+    async def _send(self, send: Send, message: Message) -> None:
+        """`send`, or ClientStalled once it has waited `stall_timeout_s` for a client that reads
+        nothing (uvicorn's send waits only while the connection's write buffer is full)."""
+        try:
+            async with asyncio.timeout(self._stall_timeout_s):
+                await send(message)
+        except TimeoutError:
+            raise ClientStalled() from None
+
+
+class ClientStalled(Exception):
+    """The client left a full socket buffer unread past the stall deadline."""
 
 
 def passthrough_allowed(setting: str) -> frozenset[str]:

@@ -123,6 +123,13 @@ class Settings(BaseSettings, VllmFlags):
         "the tenant is a digest of the API key and no client header is read (a client naming its "
         "own tenant could take every turn).",
     )
+    max_tenants: int = Field(
+        256,
+        ge=1,
+        description="API keys (unchecked, no --tenant-header) that may hold queue turns of their own: "
+        "a key's first request waits in one turn shared by all new keys, its later ones in its own; "
+        "beyond this many, the least recently seen key is forgotten.",
+    )
     max_body_bytes: ByteSize = Field(32 * MiB, gt=0, description="Largest request body accepted (413 beyond).")
     upstream_timeout: float = Field(600.0, gt=0, description="Seconds to wait for the backend's next byte.")
     log_level: str = Field("info", description="Python log level.")
@@ -157,6 +164,13 @@ class Settings(BaseSettings, VllmFlags):
         gt=0,
         description="Seconds a client may take to send a whole request body, from its head on (408 and the "
         "connection closed beyond); 60 s lets a 32 MiB body arrive at 0.6 MB/s.",
+    )
+    stream_stall_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client may leave its socket buffer full without reading the answer; "
+        "beyond, kvgate cuts the stream, aborts the backend request and releases its reservation "
+        "(vLLM itself waits forever, generating to max_tokens meanwhile).",
     )
     upstream_connect_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for the backend to accept a connection (503 beyond)."

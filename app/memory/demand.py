@@ -28,6 +28,9 @@ class Demand:
     # the budget keeps a margin for the sum over the in-flight requests.
     kv_variance_blocks: float = 0.0
     sequences: int = 1  # prompts x n: how the output token count splits when it finishes
+    # Its answers' lengths are the model's choice (no ignore_eos, no min_tokens): the learned
+    # output lengths (app/gate/output_lengths.py) may learn from them.
+    teaches_output_lengths: bool = True
 
     @cached_property
     def kv_blocks(self) -> int:
