@@ -12,7 +12,7 @@ import asyncio
 import gc
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
@@ -27,6 +27,7 @@ from app.gate.view import GateView
 from app.http.decision_log import DecisionLog
 from app.memory.geometry import ModelGeometry
 from app.memory.lora import LoraSlots
+from app.memory.vllm_runner import NEWEST_KNOWN
 from app.metrics import GateMetrics, KvgateMetrics
 from app.model_folder import load_geometry
 from app.pipeline import RequestPipeline
@@ -325,7 +326,10 @@ class Runtime:
             self.settings.served_model_name or "",
             self.settings.request_chat_template_timeout,
         )
-        deployment = resolve(engine_flags(self.settings), self.geometry, None, None)
+        flags = engine_flags(self.settings)
+        if flags.vllm_version is None:  # as --vllm-version's help says: offline, the newest known
+            flags = replace(flags, vllm_version=NEWEST_KNOWN)
+        deployment = resolve(flags, self.geometry, None, None)
         if deployment.runtime.warning:
             log.warning("%s", deployment.runtime.warning)
         self._configure(deployment)
