@@ -31,6 +31,7 @@ from app.memory.vllm_runner import NEWEST_KNOWN
 from app.metrics import GateMetrics, KvgateMetrics
 from app.model_folder import load_geometry
 from app.pipeline import RequestPipeline
+from app.preparation_workers import PreparationWorkers
 from app.proxy import Backend
 from app.served_names import Served, ServedNames
 from app.settings import Settings
@@ -46,6 +47,7 @@ from app.telemetry.vllm import (
     fetch_version,
 )
 from app.tokens import load_tokenizer
+from app.work_budget import WORK_SHARE, WorkBudget, process_memory
 
 log = logging.getLogger("kvgate.runtime")
 
@@ -95,6 +97,8 @@ class Runtime:
             lambda: self.startup_error,
             self.metrics.tokenization.observe,
             trust_request_chat_template=settings.trust_request_chat_template,
+            work_budget=WorkBudget(int(process_memory(settings.max_process_memory_bytes) * WORK_SHARE)),
+            template_seconds=settings.request_chat_template_timeout,
         )
         self.pipeline.served_names = ServedNames(self._read_served)
         self.geometry: ModelGeometry | None = None
@@ -121,6 +125,8 @@ class Runtime:
         if self._sync_task is not None:
             self._sync_task.cancel()
         await self.backend.aclose()
+        if self.pipeline.workers is not None:
+            self.pipeline.workers.close()
 
     async def _sync_backend(self, retry_s: float = 1.0) -> None:
         """Learn the backend's configuration; retry until it answers."""
@@ -214,6 +220,11 @@ class Runtime:
                 model_name,
                 self.settings.request_chat_template_timeout,
             )
+            if self.pipeline.tokenizer.source == "local":
+                assert self.settings.model is not None
+                self.pipeline.workers = PreparationWorkers(
+                    self.settings.model, self.settings.request_chat_template_timeout, self.settings.preparation_workers
+                )
             freeze_start_up_heap()
         if deployment.runtime.warning and (self.deployment is None or self.deployment.runtime != deployment.runtime):
             log.warning("%s", deployment.runtime.warning)

@@ -144,6 +144,19 @@ class Settings(BaseSettings, VllmFlags):
     request_chat_template_timeout: float = Field(
         1.0, gt=0, description="Seconds a request's own chat template may take to render (400 beyond)."
     )
+    max_process_memory_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Memory kvgate may use (its container's limit); half of it bounds the requests being "
+        "parsed, rendered and tokenized at once (429 when taken, 413 for a body that could never fit). "
+        "Unset: the cgroup's limit, else 2 GiB (the manifests' limit).",
+    )
+    preparation_workers: int = Field(
+        2,
+        ge=1,
+        description="Worker processes that parse, render and tokenize large bodies and every request's own "
+        "chat template, off the event loop, each stopped when it passes its memory or time budget.",
+    )
     priority_header: str | None = Field(
         None,
         description="Header a trusted gateway sets to give a request's queue priority (an integer, "

@@ -29,6 +29,7 @@ _STATUS: dict[type[errors.KvgateError], int] = {
     errors.TokenizerUnavailable: 424,
     errors.QueueFull: 429,
     errors.QueueTimeout: 429,
+    errors.WorkMemoryBusy: 429,
     errors.ClientGone: 499,
     errors.BackendBroke: 502,
     errors.NotReady: 503,
