@@ -25,7 +25,7 @@ from app.memory.activation import (
 )
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, predict_footprint, with_reservation
-from app.memory.kv import KVLayout
+from app.memory.kv import KVLayout, PrefixKeys
 from app.memory.sampler import SamplerUse
 from app.openai import RequestSpec, bad_request
 from app.sampling_params import v2_sampler_needs
@@ -138,6 +138,17 @@ class Predictor:
             return max(1, min(self.default_max_tokens, room))
         return max(1, room)
 
+    @staticmethod
+    def min_new_tokens(spec: RequestSpec, max_new_tokens: int) -> int:
+        """Output tokens each sequence will surely generate (vLLM 0.32.0): with ignore_eos the end
+        of sequence never stops it (vllm/v1/core/sched/utils.py check_stop), so only max_tokens or
+        the context's end does; with min_tokens nothing stops it before that many
+        (MinTokensLogitsProcessor in vllm/v1/sample/logits_processor/builtin.py masks the stop
+        tokens, and check_stop returns early)."""
+        if spec.sampling.ignore_eos:
+            return max_new_tokens
+        return min(spec.sampling.min_tokens, max_new_tokens)
+
     def truncation_length(self, spec: RequestSpec) -> int:
         """The tokens vLLM keeps of each prompt for `truncate_prompt_tokens` (set on `spec`): k
         as given; -1 the most the release lets a prompt have (vllm/renderers/params.py
@@ -174,9 +185,13 @@ class Predictor:
                     name,
                 )
 
-    def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: object = None) -> Prediction:
-        """`cache_key`: what besides the token ids keys vLLM's prefix-cache blocks for this
-        request (a LoRA adapter), so that only requests vLLM lets share blocks share them here."""
+    def predict(
+        self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: tuple[str | None, ...] | None = None
+    ) -> Prediction:
+        """`cache_key`: what besides the token ids keys every one of vLLM's prefix-cache blocks for
+        this request (a LoRA adapter's ("lora", name, path)); with the request's cache_salt, which
+        keys its first block (app/memory/kv.py PrefixKeys), only requests vLLM lets share blocks
+        share them here."""
         self.check_logprobs(spec)
         processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
         sampling = SamplingShape(
@@ -191,11 +206,13 @@ class Predictor:
             filtered=filtered,
         )
         footprints, splits = [], []
+        keys = PrefixKeys.of(spec.cache_salt, cache_key)
         shared_extra = 0
         for ids in prompts:
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), max_new)
             transient, split = self.transient(len(ids), sampling)
+            floor = self.min_new_tokens(spec, max_new)
             footprints.append(
                 predict_footprint(
                     self.layout,
@@ -204,9 +221,10 @@ class Predictor:
                     max_new,
                     sampling,
                     enable_prefix_caching=self.enable_prefix_caching,
-                    reservation=self.outputs.reserve(max_new) if self.outputs else None,
+                    reservation=self.outputs.reserve(max_new, floor) if self.outputs else None,
                     transient=transient,
-                    extra_key=cache_key,
+                    prefix_keys=keys,
+                    min_new_tokens=floor,
                 )
             )
             splits.append(split)
@@ -247,7 +265,11 @@ class Predictor:
             return prediction.demand
         footprints = [
             with_reservation(
-                fp, self.layout, self.engine, self.outputs.reserve(fp.max_new_tokens), self.enable_prefix_caching
+                fp,
+                self.layout,
+                self.engine,
+                self.outputs.reserve(fp.max_new_tokens, fp.min_new_tokens),
+                self.enable_prefix_caching,
             )
             for fp in prediction.footprints
         ]
@@ -291,6 +313,7 @@ class Predictor:
             reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
             kv_variance_blocks=variance / self.layout.block_size**2,
             sequences=sum(fp.n for fp in footprints),
+            teaches_output_lengths=all(fp.min_new_tokens == 0 for fp in footprints),
         )
 
     def _check_context_length(self, spec: RequestSpec, prompt_tokens: int, max_new: int) -> None:

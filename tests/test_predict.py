@@ -122,3 +122,33 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_release_allows(
         "completions", b"{}", None, False, max_tokens, truncate_prompt_tokens=-1, prefill_only=prefill_only
     )
     assert predictor.truncation_length(spec) == kept
+
+
+def test_a_cache_salt_shares_no_prefix_with_other_salts() -> None:
+    """8 copies of one prompt under 8 cache_salt values hold what 8 distinct prompts hold in vLLM
+    (the salt keys the first block); under one salt, or none, they share the prompt's blocks."""
+    from app.gate.ledger import Ledger
+
+    predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 2 * 1024**3)
+    prompt = list(range(3000))
+
+    def held(salts: list[str | None]) -> int:
+        ledger = Ledger()
+        for salt in salts:
+            extra = {} if salt is None else {"cache_salt": salt}
+            ledger.reserve(predictor.predict(spec_of({"max_tokens": 16, **extra}), [prompt]).demand)
+        return ledger.kv_blocks
+
+    one = held([None])
+    assert held([f"salt-{i}" for i in range(8)]) == 8 * one
+    assert held(["same"] * 8) == held([None] * 8) == one + 7 * (one - 3000 // 16)
+    assert held([None, "a"]) == 2 * one
+
+
+@pytest.mark.parametrize("salt", ["", 5, ["a"]])
+def test_a_cache_salt_that_vllm_refuses_is_a_400(salt) -> None:
+    from app.errors import InvalidField
+
+    with pytest.raises(InvalidField) as refused:
+        spec_of({"cache_salt": salt})
+    assert refused.value.param == "cache_salt" and "non-empty string" in refused.value.message

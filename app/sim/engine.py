@@ -247,7 +247,7 @@ class Engine:
             sp = req.sampling
             if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= (self.resolved.max_model_len):
                 self._finish(req, "length", t)
-            elif eos and not sp.ignore_eos:
+            elif eos and not sp.ignore_eos and len(req.output_token_ids) >= sp.min_tokens:
                 self._finish(req, "stop", t)
         self._gauges()
 

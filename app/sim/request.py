@@ -29,6 +29,7 @@ class Sampling:
     structured: bool = False
     seed: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0  # no end of sequence before this many (vllm/v1/core/sched/utils.py check_stop)
     min_p: float = 0.0
     # logit_bias, allowed_token_ids, bad_words or min_tokens: a V2 logits processor runs
     logits_processor: bool = False
@@ -61,6 +62,7 @@ class Request:
     arrival_time: float
     sink: Callable[[str, Any], None] = lambda kind, data: None
     stream_seed: int = 0  # picks the deterministic output text
+    cache_salt: str | None = None  # an extra key of its first KV block's hash (app/sim/blocks.py)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
