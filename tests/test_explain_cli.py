@@ -352,3 +352,16 @@ def test_offline_explain_without_a_version_models_the_newest_known_release(llama
     code, out = explain(tmp_path, llama_31_dir, {"prompt": [1, 2, 3], "max_tokens": 5}, *flags)
     assert code == 0 and out["vllm"]["model_version"] == NEWEST_KNOWN == "0.33.0"
     assert out["vllm"]["runner"] == "v2"
+
+
+def test_v2_fp32_copy_follows_the_rows_that_need_processing(llama_31_dir: Path, tmp_path: Path) -> None:
+    # vllm 0.32.0 gpu/sample/states.py:67-72 and penalties.py:55-64: a greedy request with a
+    # penalty gets the fp32 copy; temperature 1.0 with no top-k/top-p gets neither copy nor filter
+    greedy = {"prompt": [1, 2, 3], "max_tokens": 5, "n": 4, "temperature": 0, "repetition_penalty": 1.2}
+    _, out = explain(tmp_path, llama_31_dir, greedy, *LLAMA_31_FLAGS)
+    assert out["transient"]["sampler_stage_with_in_flight"]["logits_fp32"] == 4 * 128256 * 4
+    assert out["transient"]["sampler_stage_with_in_flight"]["top_k_top_p"] == 0
+    plain = {"prompt": [1, 2, 3], "max_tokens": 5, "n": 4, "temperature": 1.0}
+    _, out = explain(tmp_path, llama_31_dir, plain, *LLAMA_31_FLAGS)
+    stage = out["transient"]["sampler_stage_with_in_flight"]
+    assert stage["logits_fp32"] == stage["top_k_top_p"] == stage["sort"] == 0
