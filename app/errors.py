@@ -36,6 +36,20 @@ class InvalidField(KvgateError):
         self.code = code
 
 
+class InvalidText(InvalidField):
+    """A string or key of the body is not Unicode text (bytes that are not UTF-8, a lone
+    surrogate): `param` names the first such field (app/json_text.py)."""
+
+    def __init__(self, field: str | None) -> None:
+        where = f"'{field}'" if field else "the body"
+        super().__init__(
+            f"The body is not valid JSON: {where} holds text that is not valid UTF-8 "
+            "(invalid bytes, or an unpaired UTF-16 surrogate).",
+            field,
+            "invalid_json",
+        )
+
+
 class BodyTooLarge(KvgateError):
     code = "request_too_large"
 
@@ -70,8 +84,13 @@ class ClientTooSlow(KvgateError):
 
     code = "request_timeout"
 
-    def __init__(self, idle_s: float) -> None:
-        super().__init__(f"The request body stalled: nothing arrived for {idle_s:g} s.")
+    def __init__(self, seconds: float, *, deadline: bool = False) -> None:
+        """`seconds`: the idle timeout that ran out, or with `deadline` the whole body's deadline."""
+        super().__init__(
+            f"The request body did not arrive within kvgate's {seconds:g} s deadline."
+            if deadline
+            else f"The request body stalled: nothing arrived for {seconds:g} s."
+        )
 
 
 class RouteNotForwarded(KvgateError):

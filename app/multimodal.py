@@ -139,6 +139,9 @@ class MediaCounting:
     ) -> Sequence[Sequence[int]]:
         return await self._inner.encode_prompts(prompts, add_special_tokens, max_tokens)
 
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        self._inner.refuse_certainly_too_long(text, max_tokens)
+
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
         text_chat, keys = with_placeholders(chat, self._images)

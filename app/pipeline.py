@@ -130,7 +130,9 @@ class RequestPipeline:
                 max_model_len=self.max_model_len,
             )
         except BackendTokenizeError as exc:
-            if self.budget.hold is not None:
+            if exc.unreachable:  # as a refused connection for a request: the backend is down now
+                self.budget.set_backend("down", str(exc))
+            if self.budget.hold is not None:  # the caller waits for it (Gate.wait_for_backend)
                 raise BackendDown(
                     f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
                     self.budget.backend.retry_after_s(),

@@ -35,7 +35,12 @@ log = logging.getLogger("kvgate.tokens")
 
 
 class BackendTokenizeError(RuntimeError):
-    """The backend's /tokenize failed for reasons other than a bad request."""
+    """The backend's /tokenize failed for reasons other than a bad request; `unreachable`: no
+    connection could be made (nothing reached the backend: it is down)."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class PromptTooLong(TokenizationError):
@@ -61,6 +66,10 @@ class Tokenizer(Protocol):
     ) -> Sequence[Sequence[int]]: ...
 
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]: ...
+
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """PromptTooLong if `text` has more than `max_tokens` tokens for certain, known without
+        tokenizing it; nothing when it may fit or no bound is known."""
 
 
 # How many characters of input one character of a normalizer's output can stand for, at most.
@@ -136,7 +145,7 @@ class LocalTokenizer:
         for prompt in prompts:
             if not isinstance(prompt, str):
                 raise TokenizationError("prompt must be a string")
-            self._refuse_certainly_too_long(prompt, max_tokens)
+            self.refuse_certainly_too_long(prompt, max_tokens)
         return await self._encode(prompts, add_special_tokens)
 
     async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]:
@@ -149,7 +158,7 @@ class LocalTokenizer:
             rendered = self.render_chat(chat)
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize
             return rendered
-        self._refuse_certainly_too_long(rendered, max_tokens)
+        self.refuse_certainly_too_long(rendered, max_tokens)
         return (await self._encode([rendered], chat.add_special_tokens))[0]
 
     def template_budget(self, max_tokens: int | None) -> TemplateBudget:
@@ -162,7 +171,7 @@ class LocalTokenizer:
             return None
         return max_tokens * self.max_chars_per_token
 
-    def _refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
         """Refuse before tokenizing a text that cannot fit: a 30 MiB prompt took 22 s and 6 GiB
         to tokenize only to be refused for its length."""
         bound = self._char_bound(max_tokens)
@@ -260,6 +269,9 @@ class BackendTokenizer:
         self._client = client
         self._model = model_name
 
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """Without the tokenizer files kvgate knows no bound on characters per token."""
+
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
     ) -> list[int]:
@@ -295,7 +307,8 @@ class BackendTokenizer:
         try:
             response = await self._client.post("/tokenize", json=body)
         except httpx.HTTPError as e:
-            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}") from e
+            unreachable = isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}", unreachable) from e
         if response.status_code in (400, 422):
             raise TokenizationError(_error_message(response))
         if response.status_code != 200:

@@ -61,6 +61,61 @@ def test_surrogates_in_messages_and_paired_ones() -> None:
     assert b"\\ud83d" in paired and parse_request("completions", paired).prompts == ["\U0001f600"]
 
 
+# Text that is not UTF-8, as raw bytes inside a JSON string (issue 28): an encoded lone surrogate,
+# CESU-8 (a surrogate pair encoded as two 3-byte sequences), overlongs, a byte no UTF-8 holds and
+# a sequence cut short.
+INVALID_UTF8 = {
+    "lone-surrogate": b"a\xed\xa0\x80",
+    "cesu-8": b"\xed\xa0\xbd\xed\xb8\x80",
+    "overlong-2": b"\xc0\xaf",
+    "overlong-3": b"\xe0\x80\xaf",
+    "ff": b"x\xff",
+    "truncated": b"a\xe2\x82",
+}
+
+
+@pytest.mark.parametrize("bad", INVALID_UTF8.values(), ids=INVALID_UTF8.keys())
+@pytest.mark.parametrize(
+    ("route", "template", "param"),
+    [
+        ("completions", b'{"model": "m", "prompt": "%s", "max_tokens": 4}', "prompt"),
+        ("completions", b'{"model": "m%s", "prompt": "hi"}', "model"),
+        ("completions", b'{"prompt": "hi", "user": "%s"}', "user"),  # a field kvgate never reads
+        ("completions", b'{"prompt": "hi", "stop": ["ok", "%s"]}', "stop[1]"),
+        (
+            "chat",
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        ("responses", b'{"input": "%s"}', "input"),
+        ("messages", b'{"max_tokens": 4, "messages": [{"role": "user", "content": "%s"}]}', "messages[0].content"),
+        ("embeddings", b'{"input": ["ok", "%s"]}', "input[1]"),
+        ("rerank", b'{"query": "q", "documents": ["%s"]}', "documents[0]"),
+        ("generate", b'{"token_ids": [1], "sampling_params": {"stop": "%s"}}', "sampling_params.stop"),
+    ],
+)
+def test_text_that_is_not_utf8_is_a_400_naming_the_field(route: str, template: bytes, param: str, bad: bytes) -> None:
+    error = refusal(route, template % bad)
+    assert (error.code, error.param) == ("invalid_json", param)
+    assert "not valid UTF-8" in error.message
+    json.dumps(error.message).encode()  # the error body itself can be written
+
+
+def test_invalid_text_in_a_key_is_named_with_escapes() -> None:
+    error = refusal("completions", b'{"prompt": "hi", "x\xed\xa0\x80": 1}')
+    assert error.param == "x\\udced\\udca0\\udc80"  # the bytes, as the escapes an encoder can write
+    error.param.encode("utf-8")
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_bodies_in_the_encodings_vllm_reads_still_parse(encoding: str) -> None:
+    """vLLM's json.loads(bytes) reads UTF-8 with a BOM, UTF-16 and UTF-32 (json.detect_encoding)."""
+    raw = json.dumps({"prompt": "h\u00e9 \U0001f600"}, ensure_ascii=False).encode(encoding)
+    assert parse_request("completions", raw).prompts == ["h\u00e9 \U0001f600"]
+    lone = '{"prompt": "\\ud800"}'.encode(encoding)  # an escaped lone surrogate in UTF-16: refused too
+    assert refusal("completions", lone).param == "prompt"
+
+
 @pytest.mark.parametrize("name", ["n", "best_of", "max_tokens"])
 def test_huge_integers_are_refused_naming_the_field(name: str) -> None:
     body = {"prompt": "hi", name: 10**400}
