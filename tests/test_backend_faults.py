@@ -208,7 +208,9 @@ def test_a_killed_backend_is_not_taken_for_an_oom(tiny_model_dir: Path, tmp_path
                 wait_for(lambda: kvgate.metric("kvgate_backend_running_requests") == 2, "two requests running")
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
-                assert [f.result().status_code for f in running] == [502, 502]  # cut, not retried
+                cut = [f.result() for f in running]
+                assert [r.status_code for r in cut] == [502, 502]  # cut, not retried
+                assert all(r.headers["retry-after"] == "5" for r in cut)  # issue 28: it carried none
             with fake_backend_process(port):  # the pod restarts it
                 wait_for(lambda: kvgate.metric("kvgate_backend_restarts_total") == 1, "the restart to be seen")
                 wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 200, "kvgate to be ready again")

@@ -233,8 +233,13 @@ class Gate:
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
-        if outcome == "completed" and output_tokens is not None and self.outputs is not None:
-            demand = reservation.demand
+        demand = reservation.demand
+        if (
+            outcome == "completed"
+            and output_tokens is not None
+            and self.outputs is not None
+            and demand.teaches_output_lengths  # not an answer forced long (ignore_eos, min_tokens)
+        ):
             self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
         if outcome != "requeued":  # never reached the backend: nothing drained
             self.drain.record(reservation.demand.kv_blocks)
