@@ -166,6 +166,7 @@ class Runtime:
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
         served = served or (models[0] if models else None)
         self.pipeline.served_names.update(m.name for m in models)
+        self.pipeline.aliases = tuple(m.name for m in models)
         deployment = resolve(
             engine_flags(self.settings),
             self.geometry,

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from app.errors import (
     BackendDown,
+    ContextTooLong,
     ModelNotFound,
     NotReady,
-    PromptExceedsContext,
     TokenizationFailed,
     TokenizerUnavailable,
 )
@@ -52,6 +52,8 @@ class RequestPipeline:
         self.predictor: Predictor | None = None
         self.max_model_len: int | None = None  # tokenization stops once a prompt is known to pass it
         self.served_names: set[str] = set()
+        # The backend's served names as its /v1/models lists them, for vLLM's "Valid aliases".
+        self.aliases: tuple[str, ...] = ()
         self.trust_request_chat_template = trust_request_chat_template
         self._why_not_ready = why_not_ready
         self._on_tokenized = on_tokenized
@@ -69,7 +71,7 @@ class RequestPipeline:
         if self.predictor is None or self.tokenizer is None:
             raise NotReady(self._why_not_ready())
         if spec.model is not None and self.served_names and spec.model not in self.served_names:
-            raise ModelNotFound(spec.model)
+            raise ModelNotFound(spec.model, self._valid_aliases())
         started = time.perf_counter()
         prompts = await self._token_ids(spec)
         if spec.paired:
@@ -87,6 +89,14 @@ class RequestPipeline:
         else:
             prediction = self.predictor.predict(spec, prompts)
         return Evaluation(spec, prediction, tokenize_s)
+
+    def _valid_aliases(self) -> tuple[str, ...] | None:
+        """What vLLM lists after an unknown model name: from 0.32.0 its served names (the release
+        that also clamps max_tokens, VllmRuntime.max_tokens_past_context_refused); 0.31.0 none."""
+        assert self.predictor is not None
+        if self.predictor.engine.max_tokens_past_context_refused:
+            return None
+        return self.aliases or tuple(sorted(self.served_names))
 
     @staticmethod
     def _pairs(spec: RequestSpec, sides: list[list[int]]) -> list[list[int]]:
@@ -135,8 +145,11 @@ class RequestPipeline:
             encoded = iter(await self.tokenizer.encode_prompts(texts, spec.add_special_tokens, limit) if texts else ())
             return [p if isinstance(p, list) else next(encoded) for p in spec.prompts]
         except PromptTooLong as exc:
-            where = "messages" if spec.chat is not None else "prompt"
-            raise PromptExceedsContext(str(exc), exc.max_tokens, exc.tokens_at_least, where) from exc
+            # Known to pass the context before it is all tokenized: vLLM, which encodes text
+            # truncated at its input limit + 1, says "at least" that many (app.predict).
+            assert self.predictor is not None
+            output = spec.max_tokens or 0 if self.predictor.engine.max_tokens_past_context_refused else None
+            raise ContextTooLong.prompt(exc.max_tokens, exc.tokens_at_least, True, output) from exc
         except TokenizationError as exc:
             raise TokenizationFailed(str(exc)) from exc
         except BackendTokenizeError as exc:
