@@ -19,7 +19,7 @@ prompts").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits, VllmRefusal
@@ -31,7 +31,6 @@ from app.memory.activation import (
     TransientEstimate,
     TransientTerm,
     estimate_transient,
-    prefill_chunk,
     sampler_cost,
 )
 from app.memory.demand import Demand
@@ -42,7 +41,7 @@ from app.openai import RequestSpec
 
 # What helps when one prompt's own worst step is too large (by its largest term).
 _ADVICE = {
-    "prompt_logprobs": "drop prompt_logprobs or shorten that prompt",
+    "prompt_logprobs": "drop prompt_logprobs or shorten the prompt",
     "logprobs": "ask for fewer logprobs or a smaller n",
     "penalties": "drop the penalties or lower n",
     "penalty_prompt_ids": "drop the penalties or lower n",
@@ -90,6 +89,7 @@ class Prediction:
     max_new_tokens: int
     footprints: tuple[Footprint, ...]
     demand: Demand
+    sampling: SamplingShape = field(default_factory=SamplingShape)  # what every prompt asks
 
     @property
     def transient_terms(self) -> list[TransientTerm]:
@@ -221,7 +221,8 @@ class Predictor:
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=self._demand(footprints, self.sampler_use(spec, footprints), splits),
+            demand=self._demand(footprints, sampling, self.sampler_use(spec, footprints), splits),
+            sampling=sampling,
         )
 
     def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
@@ -252,11 +253,12 @@ class Predictor:
         ]
         if all(new is old for new, old in zip(footprints, prediction.footprints, strict=True)):
             return prediction.demand
-        return self._demand(footprints, prediction.demand.sampler)
+        return self._demand(footprints, prediction.sampling, prediction.demand.sampler)
 
     def _demand(
         self,
         footprints: Sequence[Footprint],
+        sampling: SamplingShape,
         sampler: SamplerUse | None,
         splits: Sequence[TransientSplit] | None = None,
     ) -> Demand:
@@ -276,7 +278,7 @@ class Predictor:
         if len(footprints) == 1:
             prefill = splits[0].prefill if splits is not None else TransientSplit.of(footprints[0].transient).prefill
         else:
-            prefill = peak_of(self.step_terms(footprints))
+            prefill = peak_of(self.step_terms(footprints, sampling))
         # A profiled term larger than the profile's own peak spills into the free headroom.
         prefill += max(0, profiled - self.profiled_peak_bytes)
         return Demand(
@@ -292,16 +294,19 @@ class Predictor:
             sequences=sum(fp.n for fp in footprints),
         )
 
-    def step_terms(self, footprints: Sequence[Footprint]) -> list[TransientTerm]:
+    def step_terms(self, footprints: Sequence[Footprint], sampling: SamplingShape) -> list[TransientTerm]:
         """The unprofiled prefill terms of the worst step vLLM can run of these prompts' requests.
 
         Each prompt's own terms are sized for its worst step (app/memory/activation.py). One step
         holds chunks of several of them, up to max_num_seqs requests and max_num_batched_tokens
-        tokens in all; each request's share of a term is at most its own worst. So a term of the
-        step is at most the sum of its largest values over as many prompts as a step holds, and,
-        for V1's prompt logprobs, of two of them (PROMPT_LOGPROBS_ALIVE_V1), never more than a
-        full step of max_num_batched_tokens prompt tokens needs (the term is linear in the
-        step's tokens: activation.py `_prompt_logprobs_term`)."""
+        tokens in all, and each request's share of a term is at most its own worst: a term of
+        the step is at most the sum of its largest values over as many prompts as a step holds.
+        Prompt logprobs are bounded tighter, as vLLM 0.32.0 computes them: V1's per-request loop
+        keeps two requests' tensors at most (PROMPT_LOGPROBS_ALIVE_V1); V2 (gpu/sample/
+        prompt_logprob.py `compute_prompt_logprobs`) runs the step's tokens at once, 1,024 rows
+        at a time; either way the step needs no more than a prompt whose chunk is a whole
+        max_num_batched_tokens step (`full_step`). V2 with prompt_logprobs -1 keeps each
+        request's whole-prompt scores on the GPU, so there the sum stands."""
         by_name: dict[str, list[TransientTerm]] = {}
         for fp in footprints:
             for term in fp.transient.terms:
@@ -311,25 +316,26 @@ class Predictor:
         step: list[TransientTerm] = []
         for name, terms in by_name.items():
             terms.sort(key=lambda t: t.bytes, reverse=True)
-            if name == "prompt_logprobs" and self.engine.runner == "v1":
-                alive = terms[:PROMPT_LOGPROBS_ALIVE_V1]
-                full_step = self._full_step_term(footprints, name)
-                total = min(sum(t.bytes for t in alive), full_step)
-            else:
-                alive = terms[:in_one_step]
-                total = sum(t.bytes for t in alive)
+            logprobs = name == "prompt_logprobs"
+            alive = terms[: PROMPT_LOGPROBS_ALIVE_V1 if logprobs and self.engine.runner == "v1" else in_one_step]
+            total = sum(t.bytes for t in alive)
             detail = terms[0].detail if len(alive) == 1 else f"{len(alive)} prompts' {terms[0].detail}, in one step"
+            full_step = self._full_step(sampling).term(name) if logprobs else None
+            if full_step is not None and full_step.bytes < total:
+                total, detail = full_step.bytes, f"{full_step.detail}: a whole step of these prompts' tokens"
             step.append(TransientTerm(name, total, False, "prefill", detail, terms[0].stage))
         return step
 
-    def _full_step_term(self, footprints: Sequence[Footprint], name: str) -> int:
-        """The term `name` of a prompt whose worst step is a whole max_num_batched_tokens chunk,
-        with the sampling of these footprints (their prompts share one request's parameters)."""
-        longest = max(footprints, key=lambda fp: fp.prompt_tokens)
-        per_token = next(t.bytes for t in longest.transient.terms if t.name == name) / prefill_chunk(
-            self.engine, longest.prompt_tokens
-        )
-        return int(per_token * self.engine.max_num_batched_tokens)
+    def _full_step(self, sampling: SamplingShape) -> TransientEstimate:
+        """The terms of a prompt whose worst step is one whole max_num_batched_tokens chunk (an
+        empty estimate where a request's chunk is capped lower, long_prefill_token_threshold,
+        while a step of several still holds max_num_batched_tokens; and for V2's whole-vocabulary
+        prompt logprobs, whose kept scores grow with each request's prompt, not the step)."""
+        engine = self.engine
+        capped = 0 < engine.long_prefill_token_threshold < engine.max_num_batched_tokens
+        if capped or (engine.runner == "v2" and sampling.prompt_logprobs == -1):
+            return TransientEstimate(())
+        return self.transient(engine.max_num_batched_tokens, sampling)[0]
 
     def _check_output_length(self, spec: RequestSpec) -> None:
         """max_tokens past the whole context is refused by every release, even where vLLM clamps
@@ -391,11 +397,12 @@ class Predictor:
             terms = [t for t in footprints[0].transient.terms if not t.profiled]
             several = False
         else:
-            terms = self.step_terms(footprints) + [
+            step = self.step_terms(footprints, prediction.sampling)
+            terms = step + [
                 t for fp in footprints for t in fp.transient.terms if not t.profiled and t.phase == "decode"
             ]
             alone = max(TransientSplit.of(fp.transient).prefill for fp in footprints)
-            several = peak_of(self.step_terms(footprints)) > alone
+            several = peak_of(step) > alone
         worst = max(terms, key=lambda t: t.bytes, default=None)
         what = f"{worst.name} ({worst.detail})" if worst else "its transient tensors"
         if several:

@@ -61,7 +61,7 @@ def fresh_demand(predictor: Predictor, spec: RequestSpec, prompts: list[list[int
         )
         for ids in prompts
     ]
-    return footprints, predictor._demand(footprints, predictor.sampler_use(spec, footprints))
+    return footprints, predictor._demand(footprints, sampling, predictor.sampler_use(spec, footprints))
 
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES)
@@ -187,7 +187,7 @@ def echo_logprobs(count: int, tokens: int) -> tuple[RequestSpec, list[list[int]]
 @pytest.mark.parametrize(("batched_tokens", "alive"), [(1024, 1024 / 1023), (4096, 2)])
 def test_prompt_logprobs_are_charged_for_the_step_vllm_runs_not_the_sum(batched_tokens: int, alive: float) -> None:
     """Four 1,023-token prompts: V1's loop keeps two requests' prompt logprobs alive at most, and
-    a step holds at most max_num_batched_tokens of their tokens."""
+    a step holds at most max_num_batched_tokens of their tokens (the term is linear in them)."""
     predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=batched_tokens))
     one = predictor.predict(*echo_logprobs(1, 1023))
     four = predictor.predict(*echo_logprobs(4, 1023))
@@ -195,6 +195,19 @@ def test_prompt_logprobs_are_charged_for_the_step_vllm_runs_not_the_sum(batched_
     assert term is not None and one.demand.transient_prefill_bytes == term.bytes
     assert four.demand.transient_prefill_bytes == pytest.approx(alive * term.bytes, abs=1)
     assert four.demand.transient_prefill_bytes < 4 * term.bytes
+
+
+@pytest.mark.parametrize("batched_tokens", [1024, 4096])
+def test_v2_prompt_logprobs_of_a_batch_cost_one_full_step(batched_tokens: int) -> None:
+    """V2 computes the step's prompt logprobs together, 1,024 rows at a time: four 1,023-token
+    prompts cost what one prompt of a whole max_num_batched_tokens chunk costs, not four."""
+    engine = dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=batched_tokens, max_model_len=8192, runner="v2")
+    predictor = small_predictor(engine)
+    four = predictor.predict(*echo_logprobs(4, 1023))
+    full_step = predictor.predict(*echo_logprobs(1, batched_tokens)).footprints[0].transient.term("prompt_logprobs")
+    one = predictor.predict(*echo_logprobs(1, 1023)).footprints[0].transient.term("prompt_logprobs")
+    assert full_step is not None and one is not None
+    assert four.demand.transient_prefill_bytes == min(full_step.bytes, 4 * one.bytes) < 4 * one.bytes
 
 
 def test_a_step_of_several_prompts_past_the_headroom_says_so_in_mib() -> None:
