@@ -26,15 +26,24 @@ from app.gate.output_lengths import OutputLengths
 from app.gate.view import GateView
 from app.http.decision_log import DecisionLog
 from app.memory.geometry import ModelGeometry
+from app.memory.lora import LoraSlots
 from app.metrics import GateMetrics, KvgateMetrics
 from app.model_folder import load_geometry
 from app.pipeline import RequestPipeline
 from app.proxy import Backend
+from app.served_names import Served, ServedNames
 from app.settings import Settings
 from app.telemetry.gpu import detect_probe
 from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.live import LiveBudget
-from app.telemetry.vllm import fetch_engine_limits, fetch_models, fetch_snapshot, fetch_version
+from app.telemetry.vllm import (
+    LoraActivity,
+    ServedModel,
+    fetch_engine_limits,
+    fetch_models,
+    fetch_snapshot,
+    fetch_version,
+)
 from app.tokens import load_tokenizer
 
 log = logging.getLogger("kvgate.runtime")
@@ -86,11 +95,13 @@ class Runtime:
             self.metrics.tokenization.observe,
             trust_request_chat_template=settings.trust_request_chat_template,
         )
+        self.pipeline.served_names = ServedNames(self._read_served)
         self.geometry: ModelGeometry | None = None
         self.deployment: Deployment | None = None
         self.disagreements = Disagreements()  # flags the backend contradicts, each said once
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
+        self._said_max_loras = False
         self.live: LiveBudget | None = None
 
     async def start(self) -> None:
@@ -141,6 +152,7 @@ class Runtime:
             self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
             lambda: self.deployment is not None and self.deployment.profile_emptied_whole,
+            lora_seen=self._lora_seen,
         )
         self.budget.set_backend("up")  # from here on the live loop keeps the view true
         interval = self.settings.scrape_interval
@@ -165,8 +177,7 @@ class Runtime:
             self._note_unpublished_limits()
         served = next((m for m in models if m.name == self.settings.served_model_name), None)
         served = served or (models[0] if models else None)
-        self.pipeline.served_names.update(m.name for m in models)
-        self.pipeline.aliases = tuple(m.name for m in models)
+        self._served(models)
         deployment = resolve(
             engine_flags(self.settings),
             self.geometry,
@@ -204,6 +215,45 @@ class Runtime:
             deployment.num_gpu_blocks,
             deployment.enable_prefix_caching,
         )
+
+    def _served(self, models: list[ServedModel]) -> None:
+        """The backend's /v1/models as the names kvgate lets through."""
+        names = self.pipeline.served_names
+        names.replace(Served(m.name, m.parent, m.root) for m in models)
+        self.metrics.telemetry.served_adapters.set(len(names.adapters()))
+
+    async def _read_served(self) -> list[Served]:
+        """Re-read /v1/models (an unknown name, a load or unload, an adapter vLLM runs that kvgate
+        did not know)."""
+        models = await fetch_models(self.backend.client)
+        self.metrics.telemetry.served_adapters.set(sum(1 for m in models if m.parent))
+        return [Served(m.name, m.parent, m.root) for m in models]
+
+    async def adapters_changed(self) -> None:
+        """A load or unload answered 200 through kvgate: follow it now."""
+        try:
+            await self.pipeline.served_names.refresh()
+        except httpx.HTTPError as exc:
+            log.warning("re-reading /v1/models after a LoRA load/unload failed: %s", exc)
+
+    async def _lora_seen(self, activity: LoraActivity) -> None:
+        """vllm:lora_requests_info names adapters in use: one kvgate does not list was loaded
+        behind its back (straight to vLLM); re-read the list (rate-limited). Its max_lora is
+        vLLM's --max-loras: said once if kvgate was given another."""
+        names = self.pipeline.served_names
+        for name in sorted(activity.live):
+            if name not in names:
+                await names.knows(name)
+        s = self.settings
+        given = s.max_loras if s.enable_lora else None
+        if activity.max_loras is not None and activity.max_loras != given and not self._said_max_loras:
+            self._said_max_loras = True
+            log.warning(
+                "vLLM runs LoRA with --max-loras %s (vllm:lora_requests_info) but kvgate was given %s: "
+                "copy vLLM's --enable-lora --max-loras --max-lora-rank so that kvgate counts LoRA's memory",
+                activity.max_loras,
+                f"--max-loras {given}" if given else "no --enable-lora",
+            )
 
     def _note_unpublished_limits(self) -> None:
         """Say once which engine limits kvgate predicts for when the backend cannot tell it."""
@@ -294,4 +344,5 @@ def engine_flags(settings: Settings) -> EngineFlags:
         enforce_eager=settings.enforce_eager,
         sampler=settings.sampler,
         logprobs_mode=settings.logprobs_mode,
+        lora=LoraSlots(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,
     )

@@ -21,6 +21,7 @@ from app.memory.draft import Drafter
 from app.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
+from app.memory.lora import LoraSlots, slot_bytes
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
 from app.model_folder import read_model_config
 from app.predict import Predictor
@@ -62,6 +63,7 @@ class EngineFlags:
     enforce_eager: bool = False
     sampler: str = "auto"  # --sampler: the top-k/top-p backend, else vLLM's rule
     logprobs_mode: str = "raw_logprobs"  # processed_* modes keep vLLM off FlashInfer's sampler
+    lora: LoraSlots | None = None  # --enable-lora with --max-loras / --max-lora-rank
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class Deployment:
     max_logprobs: int = 20
     enforce_eager: bool = False
     drafter: Drafter | None = None  # --speculative-config's draft model (app/speculative.py)
+    lora: LoraSlots | None = None  # --enable-lora (app/memory/lora.py)
 
     @property
     def profile_emptied_whole(self) -> bool:
@@ -119,6 +122,7 @@ class Deployment:
             sampler=self.runtime.sampler_backend,
             sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
             max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
+            lora_rank=self.lora.max_lora_rank if self.lora else 0,
         )
 
 
@@ -288,6 +292,7 @@ def resolve(
             _model_config(flags.model),
             flags.draft_sample_method,
         ),
+        lora=flags.lora,
     )
 
 
@@ -368,7 +373,7 @@ def static_limits(
     ``total x gpu_memory_utilization`` (app/memory/envelope.py), so they come off the rest.
     With --kv-cache-memory-bytes the pool is that size (vLLM ignores gpu_memory_utilization then:
     vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
-    the weights, that pool, the profiled activation peak, the profile's non-torch increase and
+    the weights (with --enable-lora's slots), that pool, the profiled activation peak, the profile's non-torch increase and
     the memory outside the envelope; only CUDA graphs (unless --enforce-eager) stay unknown.
     """
     blocks = deployment.num_gpu_blocks
@@ -381,7 +386,8 @@ def static_limits(
     headroom = free_memory_bytes
     if headroom is None and gpu_memory_bytes is not None:
         if fixed_pool is not None:
-            used = fixed_pool + weights_bytes(predictor.layout) + predictor.profiled_peak_bytes
+            used = fixed_pool + weights_bytes(predictor.layout) + lora_slot_bytes(deployment, predictor.layout)
+            used += predictor.profiled_peak_bytes
             headroom = gpu_memory_bytes - used - NON_TORCH_INCREASE_BYTES - outside.total
             if not deployment.enforce_eager:
                 log.warning(
@@ -401,6 +407,13 @@ def static_limits(
         max_transient_headroom_bytes=headroom,
         profiled_peak_bytes=predictor.profiled_peak_bytes,
     )
+
+
+def lora_slot_bytes(deployment: Deployment, layout: KVLayout) -> int:
+    """One GPU's share of --enable-lora's start-up slots (app/memory/lora.py): weight memory too."""
+    if deployment.lora is None:
+        return 0
+    return slot_bytes(layout.geometry, deployment.lora, layout.tensor_parallel_size) // layout.pipeline_parallel_size
 
 
 def weights_bytes(layout: KVLayout) -> int:

@@ -24,6 +24,7 @@ from app.errors import (
 from app.gate.budget import Budget
 from app.openai import RequestSpec, parse_request
 from app.predict import Prediction, Predictor
+from app.served_names import ServedNames
 from app.tokens import BackendTokenizeError, PromptTooLong, TokenizationError, Tokenizer
 from app.vllm_routes import Route
 
@@ -51,9 +52,7 @@ class RequestPipeline:
         self.tokenizer: Tokenizer | None = None
         self.predictor: Predictor | None = None
         self.max_model_len: int | None = None  # tokenization stops once a prompt is known to pass it
-        self.served_names: set[str] = set()
-        # The backend's served names as its /v1/models lists them, for vLLM's "Valid aliases".
-        self.aliases: tuple[str, ...] = ()
+        self.served_names = ServedNames()  # the composition root gives it the backend's /v1/models
         self.trust_request_chat_template = trust_request_chat_template
         self._why_not_ready = why_not_ready
         self._on_tokenized = on_tokenized
@@ -70,8 +69,13 @@ class RequestPipeline:
         spec = parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
         if self.predictor is None or self.tokenizer is None:
             raise NotReady(self._why_not_ready())
-        if spec.model is not None and self.served_names and spec.model not in self.served_names:
+        if spec.model is not None and self.served_names and not await self.served_names.knows(spec.model):
             raise ModelNotFound(spec.model, self._valid_aliases())
+        adapter = self.served_names.get(spec.model)
+        # vLLM keys an adapter's prefix-cache blocks by its name and path (vLLM 0.32.0
+        # vllm/v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys): no block is shared with the
+        # base model or another adapter, so kvgate counts them apart too.
+        cache_key = ("lora", adapter.name, adapter.path) if adapter is not None and adapter.is_adapter else None
         started = time.perf_counter()
         prompts = await self._token_ids(spec)
         if spec.paired:
@@ -85,18 +89,20 @@ class RequestPipeline:
         if spec.unseen_history:
             prompts = [self._with_unseen_history(ids, spec.max_tokens) for ids in prompts]
         if len(prompts) > PREDICT_OFFLOAD_PROMPTS:
-            prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts)
+            prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts, cache_key)
         else:
-            prediction = self.predictor.predict(spec, prompts)
+            prediction = self.predictor.predict(spec, prompts, cache_key)
         return Evaluation(spec, prediction, tokenize_s)
 
-    def _valid_aliases(self) -> tuple[str, ...] | None:
-        """What vLLM lists after an unknown model name: from 0.32.0 its served names (the release
-        that also clamps max_tokens, VllmRuntime.max_tokens_past_context_refused); 0.31.0 none."""
+    def _valid_aliases(self) -> list[str] | None:
+        """What vLLM lists after an unknown model name: from 0.32.0 its served base names, in the
+        order /v1/models lists them, adapters left out (`base_model_paths`); 0.31.0 none (the
+        release before the one that also clamps max_tokens, VllmRuntime.max_tokens_past_context_refused)."""
         assert self.predictor is not None
         if self.predictor.engine.max_tokens_past_context_refused:
             return None
-        return self.aliases or tuple(sorted(self.served_names))
+        served = (self.served_names.get(name) for name in self.served_names.names())
+        return [s.name for s in served if s is not None and not s.is_adapter]
 
     @staticmethod
     def _pairs(spec: RequestSpec, sides: list[list[int]]) -> list[list[int]]:

@@ -187,7 +187,9 @@ class Predictor:
                     asked,
                 )
 
-    def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]]) -> Prediction:
+    def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: object = None) -> Prediction:
+        """`cache_key`: what besides the token ids keys vLLM's prefix-cache blocks for this
+        request (a LoRA adapter), so that only requests vLLM lets share blocks share them here."""
         self.check_logprobs(spec)
         self._check_output_length(spec)
         sampling = SamplingShape(
@@ -214,6 +216,7 @@ class Predictor:
                     enable_prefix_caching=self.enable_prefix_caching,
                     reservation=self.outputs.reserve(max_new) if self.outputs else None,
                     transient=transient,
+                    extra_key=cache_key,
                 )
             )
             splits.append(split)

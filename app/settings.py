@@ -158,11 +158,14 @@ class Settings(BaseSettings, VllmFlags):
         description="Seconds a request may wait for one of kvgate's 1,024 backend connections (503 beyond).",
     )
     passthrough_paths: str = Field(
-        "/v1/models, /health, /ping, /version, /load, /tokenize, /detokenize",
+        "/v1/models, /health, /ping, /version, /load, /tokenize, /detokenize, /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter",
         description="Paths forwarded to vLLM untouched, comma-separated, matched exactly; any other "
         "path but the gated completions and chat routes gets 404. vLLM 0.32 also serves generation "
         "kvgate does not gate (/invocations, /v1/responses, /v1/messages, /inference/v1/generate, "
-        "embeddings, pooling) and admin routes (/sleep, /pause, /collective_rpc, ...).",
+        "embeddings, pooling) and admin routes (/sleep, /pause, /collective_rpc, ...). A 200 from "
+        "/v1/load_lora_adapter or /v1/unload_lora_adapter (vLLM serves them with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING) makes kvgate re-read /v1/models.",
     )
     trust_request_priority: bool = Field(
         False,

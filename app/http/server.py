@@ -24,6 +24,11 @@ from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from app.proxy import check_passthrough, passthrough, passthrough_allowed
 from app.settings import Settings
 
+# vLLM's routes that load and unload LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING;
+# vLLM 0.32.0 vllm/entrypoints/serve/lora/api_router.py, and SageMaker's POST /adapters beside
+# them): forwarded when --passthrough-paths names them, and followed (/v1/models re-read) on a 200.
+LORA_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/adapters"})
+
 
 class Kvgate:
     """The front ASGI app: one dictionary lookup decides between the fast path and FastAPI."""
@@ -109,7 +114,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 settings.client_body_timeout,
                 reads_body=False,
             )
-            return await passthrough(
+            relay = await passthrough(
                 rt.backend,
                 request.method,
                 request_target(request.scope),
@@ -118,6 +123,9 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 request_id,
                 request.scope.get("client"),
             )
+            if request.scope["path"] in LORA_ADMIN_PATHS and relay.status_code == 200:
+                await rt.adapters_changed()  # before the client hears 200: its next request may name it
+            return relay
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error, {"x-request-id": request_id}))
 

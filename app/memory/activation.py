@@ -22,6 +22,7 @@ from functools import cached_property
 
 from app.memory.draft import Drafter
 from app.memory.geometry import ModelGeometry
+from app.memory.lora import QKV_SLICES, shrink_buffer_bytes
 from app.memory.sampler import (
     ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     FP32,
@@ -79,6 +80,7 @@ class EngineShape:
     # vLLM refuses a prompt + max_tokens past max_model_len (else it clamps max_tokens):
     # app/memory/vllm_runner.py refuses_max_tokens_past_context.
     max_tokens_past_context_refused: bool = True
+    lora_rank: int = 0  # --max-lora-rank with --enable-lora; 0 without LoRA (app/memory/lora.py)
 
     def __post_init__(self) -> None:
         backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)
@@ -182,6 +184,8 @@ def estimate_transient(
         terms.append(_prompt_logprobs_term(geometry, engine, chunk, prompt_tokens, sampling.prompt_logprobs))
     if engine.draft is not None:
         terms.extend(_draft_terms(geometry, engine, engine.draft, chunk, sampling.rows))
+    if engine.lora_rank:
+        terms.append(_lora_term(engine, chunk))
     return TransientEstimate(tuple(t for t in terms if t is not None))
 
 
@@ -374,6 +378,20 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
             )
         )
     return terms
+
+
+def _lora_term(e: EngineShape, tokens: int) -> TransientTerm:
+    """The LoRA shrink buffer of the step's widest wrapped layer (app/memory/lora.py), counted as
+    alive through the step: exact beside the QKV output, an upper bound beside the others.
+    Profiled: the profile run allocates it at max_num_batched_tokens, adapter or not."""
+    return TransientTerm(
+        "lora_shrink",
+        shrink_buffer_bytes(tokens, e.lora_rank),
+        True,
+        "prefill",
+        f"{QKV_SLICES} slices x {tokens} tokens x rank {e.lora_rank} x 4 B (float32)",
+        stage="residual",
+    )
 
 
 def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
@@ -663,6 +681,9 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     qkv = t * (2 * heads + 2 * kv_heads) * g.head_dim * dt  # qkv projection + attention output
     attention = qkv + mla_profile_dummy_bytes(g, e)  # MLA: the profile's [W, h, nope + v] buffer
     forward = 2 * hidden + max(attention, _mlp_term(g, e, t).bytes)
+    if e.lora_rank:  # the shrink buffer beside its layer's output (app/memory/lora.py)
+        lora = shrink_buffer_bytes(t, e.lora_rank)
+        forward = 2 * hidden + max(attention + lora, _mlp_term(g, e, t).bytes + lora * 2 // QKV_SLICES)
     if e.draft is not None:  # the draft's dummy pass over T tokens, the target's states alive
         aux = e.draft.aux_hidden_states * hidden
         forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))

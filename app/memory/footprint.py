@@ -38,16 +38,18 @@ def predict_footprint(
     enable_prefix_caching: bool = True,
     reservation: OutputReservation | None = None,
     transient: TransientEstimate | None = None,
+    extra_key: object = None,
 ) -> Footprint:
     """Predict what admitting this request costs.
 
     The n samples share the prompt's full blocks only with prefix caching on
     (vLLM v1 runs them as n child requests that meet in the prefix cache).
     ``transient``, if given, is this request's ``estimate_transient`` computed beforehand.
+    ``extra_key`` joins the token ids in each block's hash (vLLM's extra keys, a LoRA adapter's).
     """
     prompt = len(prompt_token_ids)
     n = sampling.rows
-    hashes = tuple(block_hashes(prompt_token_ids, layout.block_size)) if enable_prefix_caching else ()
+    hashes = tuple(block_hashes(prompt_token_ids, layout.block_size, extra_key)) if enable_prefix_caching else ()
     max_kv_blocks = kv_blocks_for(layout, engine, prompt, max_new_tokens, n, enable_prefix_caching)
     # Built once with its reservation (this runs per request): not the full footprint, then a copy.
     reserved, kv_blocks = _reserved_blocks(

@@ -41,7 +41,7 @@ from app.telemetry.gpu import GpuProbe, GpuReading
 from app.telemetry.headroom import HeadroomTracker
 from app.telemetry.in_flight import InFlightRequests
 from app.telemetry.metrics import TelemetryMetrics
-from app.telemetry.vllm import COUNTERS, BackendSnapshot, fetch_snapshot
+from app.telemetry.vllm import COUNTERS, BackendSnapshot, LoraActivity, fetch_snapshot
 from app.units import MiB
 
 log = logging.getLogger("kvgate.telemetry")
@@ -62,6 +62,7 @@ class LiveBudget:
         block_size: Callable[[], int],
         profile_emptied_whole: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
+        lora_seen: Callable[[LoraActivity], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
@@ -73,6 +74,7 @@ class LiveBudget:
         self.resync = resync
         self.block_size = block_size
         self.profile_emptied_whole = profile_emptied_whole  # app/telemetry/headroom.py
+        self.lora_seen = lora_seen  # the adapters vLLM runs: the served names follow them
         self.clock = clock
         self.calibration = Calibration(
             CalibrationConfig(
@@ -175,6 +177,8 @@ class LiveBudget:
         self._count(previous, snapshot, now)
         self.snapshot, self.last_scrape, self.problem = snapshot, now, None
         self._reconcile_kv(snapshot, now, admissions_still)
+        if snapshot.lora is not None and self.lora_seen is not None:
+            await self.lora_seen(snapshot.lora)
 
     def _on_restart(self, now: float) -> None:
         """Count the restart; back the transient margin off if it was likely a CUDA OOM.
@@ -228,6 +232,10 @@ class LiveBudget:
             m.kv_blocks_used.set(snapshot.kv_blocks_used)
         m.running.set(snapshot.running or 0)
         m.waiting.set(snapshot.waiting or 0)
+        lora = snapshot.lora
+        m.lora_adapters.labels("running").set(len(lora.running) if lora else 0)
+        m.lora_adapters.labels("waiting").set(len(lora.waiting) if lora else 0)
+        m.max_loras.set(lora.max_loras or 0 if lora else 0)
         if previous is None:
             return
         before, after = previous.counter("preemptions") or 0, snapshot.counter("preemptions") or 0

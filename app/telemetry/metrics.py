@@ -108,6 +108,22 @@ class TelemetryMetrics:
             ["version", "model_version", "runner", "sampler"],
             registry=r,
         )
+        self.lora_adapters = Gauge(
+            "kvgate_backend_lora_adapters",
+            "Distinct LoRA adapters of vLLM's running / waiting requests (vllm:lora_requests_info).",
+            ["state"],
+            registry=r,
+        )
+        self.max_loras = Gauge(
+            "kvgate_backend_max_loras",
+            "vLLM's --max-loras: adapters one step can run (vllm:lora_requests_info max_lora; 0 without LoRA).",
+            registry=r,
+        )
+        self.served_adapters = Gauge(
+            "kvgate_served_lora_adapters",
+            "LoRA adapters kvgate lets requests name (the backend's /v1/models as last read).",
+            registry=r,
+        )
         for mode in MODES:
             self.mode.labels(mode).set(0)
 

@@ -27,6 +27,7 @@ _ALIASES = {
 COUNTERS = ("preemptions", "generation_tokens", "prompt_tokens", "prefix_queries", "prefix_hits")
 _WANTED = {n for names in _ALIASES.values() for n in names} | {
     "vllm:cache_config_info",
+    "vllm:lora_requests_info",
     "process_start_time_seconds",
 }
 _FAMILIES = {n.removesuffix("_total") for n in _WANTED}
@@ -47,6 +48,24 @@ class CacheConfig:
     max_request_blocks: float | None = None
     # --kv-cache-memory-bytes: a fixed pool; gpu_memory_utilization then bounds nothing (vllm/config/cache.py)
     kv_cache_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class LoraActivity:
+    """vllm:lora_requests_info, served only with --enable-lora (vLLM 0.32.0
+    vllm/v1/metrics/loggers.py PrometheusStatLogger: a gauge set to the time of each scrape
+    interval, labelled with the comma-joined names of the adapters of running and waiting
+    requests, and max_lora = --max-loras). Each interval adds a series; the newest one (the
+    largest value, summed over engines) is now."""
+
+    max_loras: int | None
+    running: frozenset[str]
+    waiting: frozenset[str]
+
+    @property
+    def live(self) -> frozenset[str]:
+        """Adapters some request in vLLM uses now."""
+        return self.running | self.waiting
 
 
 @dataclass(frozen=True)
@@ -78,6 +97,7 @@ class BackendSnapshot:
     preemptions: float | None
     engines: dict[str, EngineStats] = field(default_factory=dict)
     process_start: float | None = None
+    lora: LoraActivity | None = None  # None: the backend runs without --enable-lora
 
     @property
     def kv_blocks_used(self) -> float | None:
@@ -160,15 +180,38 @@ def _wanted_lines(text: str) -> str:
     return "\n".join(keep) + "\n"
 
 
+def _names(label: str | None) -> frozenset[str]:
+    return frozenset(n for n in (label or "").split(",") if n)
+
+
+def _lora_activity(samples: list[tuple[float, dict[str, str]]]) -> LoraActivity:
+    """The newest series of each engine (largest timestamp), their adapters together."""
+    newest: dict[str, tuple[float, dict[str, str]]] = {}
+    for value, labels in samples:
+        engine = labels.get("engine", "0")
+        if engine not in newest or value > newest[engine][0]:
+            newest[engine] = (value, labels)
+    latest = [labels for _, labels in newest.values()]
+    limits = [m for lbl in latest if (m := _int(lbl.get("max_lora"))) is not None]
+    return LoraActivity(
+        max_loras=min(limits) if limits else None,
+        running=frozenset().union(*(_names(lbl.get("running_lora_adapters")) for lbl in latest)),
+        waiting=frozenset().union(*(_names(lbl.get("waiting_lora_adapters")) for lbl in latest)),
+    )
+
+
 def parse_metrics(text: str) -> BackendSnapshot:
     """Summarise a vLLM /metrics page; absent families come back as None."""
     cache_labels: list[dict[str, str]] = []
+    lora_samples: list[tuple[float, dict[str, str]]] = []
     per_engine: dict[str, dict[str, float]] = {}
     process_start: float | None = None
     for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
                 cache_labels.append(dict(sample.labels))
+            elif sample.name == "vllm:lora_requests_info":
+                lora_samples.append((sample.value, dict(sample.labels)))
             elif sample.name.startswith("vllm:"):
                 engine = per_engine.setdefault(sample.labels.get("engine", "0"), {})
                 engine[sample.name] = engine.get(sample.name, 0.0) + sample.value
@@ -194,6 +237,7 @@ def parse_metrics(text: str) -> BackendSnapshot:
         preemptions=_sum([e.counters.get("preemptions") for e in engines.values()]),
         engines=engines,
         process_start=process_start,
+        lora=_lora_activity(lora_samples) if lora_samples else None,
     )
 
 
@@ -207,13 +251,26 @@ async def fetch_snapshot(client: httpx.AsyncClient, timeout: float | None = None
 class ServedModel:
     name: str
     max_model_len: int | None
+    # A LoRA adapter's base model (vLLM 0.32.0 vllm/entrypoints/openai/models/serving.py
+    # show_available_models: `parent` is the base model's served name, `root` the adapter's path);
+    # None for a base model.
+    parent: str | None = None
+    root: str | None = None
 
 
 async def fetch_models(client: httpx.AsyncClient) -> list[ServedModel]:
-    """The backend's /v1/models: served names and vLLM's max_model_len."""
+    """The backend's /v1/models: served names (base models and LoRA adapters) and vLLM's max_model_len."""
     response = await client.get("/v1/models")
     response.raise_for_status()
-    return [ServedModel(name=m["id"], max_model_len=m.get("max_model_len")) for m in response.json().get("data", [])]
+    return [
+        ServedModel(
+            name=m["id"],
+            max_model_len=m.get("max_model_len"),
+            parent=m.get("parent") if isinstance(m.get("parent"), str) else None,
+            root=m.get("root") if isinstance(m.get("root"), str) else None,
+        )
+        for m in response.json().get("data", [])
+    ]
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,7 @@ def running_vllm(
     *,
     python: Path = VLLM_PYTHON,
     extra_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
     timeout_s: float = 180,
 ) -> Iterator[VllmServer]:
     """Serve `model_dir` as SERVED_NAME on a free port until the block exits."""
@@ -123,7 +124,7 @@ def running_vllm(
     started = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(scratch),
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(scratch) | (extra_env or {}),
             cwd=scratch, start_new_session=True,
         )  # fmt: skip
     try:
