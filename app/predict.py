@@ -104,11 +104,6 @@ class Prediction:
         """KV blocks at full growth to max_tokens (the reservation may expect less)."""
         return self.demand.kv_blocks + sum(fp.max_kv_blocks - fp.kv_blocks for fp in self.footprints)
 
-    @property
-    def engine_requests(self) -> int:
-        """Requests vLLM creates for it: one per prompt and sample."""
-        return sum(fp.n for fp in self.footprints)
-
 
 class Predictor:
     """Memory model settings of one deployment, applied to one request at a time."""
@@ -408,12 +403,11 @@ class Predictor:
             several = peak_of(step) > alone
         worst = max(terms, key=lambda t: t.bytes, default=None)
         what = f"{worst.name} ({worst.detail})" if worst else "its transient tensors"
+        advice = _ADVICE.get(worst.name if worst else "", "shorten the prompt")
         if several:
             advice = f"send fewer of its {len(footprints)} prompts in one request"
-        elif worst is not None and worst.phase == "decode" and prediction.engine_requests > 1:
-            advice = f"lower n or send fewer of its {len(footprints)} prompts in one request"
-        else:
-            advice = _ADVICE.get(worst.name if worst else "", "shorten the prompt")
+        elif worst is not None and worst.phase == "decode" and len(footprints) > 1:
+            advice += f", or send fewer of its {len(footprints)} prompts in one request"
         return TransientNeverFits(needed, limit, what, advice)
 
 

@@ -141,7 +141,7 @@ def test_a_batch_of_prompts_is_judged_per_engine_request_not_on_its_sum() -> Non
     predictor = small_predictor()
     prompts = [[400 + k] * 700 for k in range(3)]
     prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 1}), prompts)
-    assert prediction.max_kv_blocks == 18 and prediction.engine_requests == 3
+    assert prediction.max_kv_blocks == 18 and prediction.demand.sequences == 3
     predictor.check_fits_ever(prediction, Budget(kv_blocks=15))  # no KvNeverFits
     # n samples are engine requests of their own too: 4 x 6 blocks, each fits alone.
     one = [[7] * 700]
