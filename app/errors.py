@@ -38,6 +38,20 @@ class InvalidField(KvgateError):
         self.code = code
 
 
+class InvalidText(InvalidField):
+    """A string or key of the body is not Unicode text (bytes that are not UTF-8, a lone
+    surrogate): `param` names the first such field (app/json_text.py)."""
+
+    def __init__(self, field: str | None) -> None:
+        where = f"'{field}'" if field else "the body"
+        super().__init__(
+            f"The body is not valid JSON: {where} holds text that is not valid UTF-8 "
+            "(invalid bytes, or an unpaired UTF-16 surrogate).",
+            field,
+            "invalid_json",
+        )
+
+
 class BodyTooLarge(KvgateError):
     code = "request_too_large"
 
@@ -72,8 +86,13 @@ class ClientTooSlow(KvgateError):
 
     code = "request_timeout"
 
-    def __init__(self, idle_s: float) -> None:
-        super().__init__(f"The request body stalled: nothing arrived for {idle_s:g} s.")
+    def __init__(self, seconds: float, *, deadline: bool = False) -> None:
+        """`seconds`: the idle timeout that ran out, or with `deadline` the whole body's deadline."""
+        super().__init__(
+            f"The request body did not arrive within kvgate's {seconds:g} s deadline."
+            if deadline
+            else f"The request body stalled: nothing arrived for {seconds:g} s."
+        )
 
 
 class RouteNotForwarded(KvgateError):
@@ -97,6 +116,22 @@ class TooManyJsonValues(BodyTooLarge):
             self, f"The body holds about {values:,} JSON values; kvgate parses at most {limit:,} in one request."
         )
         self.values, self.limit = values, limit
+
+
+class RequestTooCostly(BodyTooLarge):
+    """Preparing the body (parse, render, tokenize) would take more of kvgate's memory than all of
+    what it has for request work (app/work_budget.py), or took more than it was given."""
+
+    code = "request_too_costly"
+
+    def __init__(self, cost_bytes: int, capacity_bytes: int, what: str = "would take") -> None:
+        KvgateError.__init__(
+            self,
+            f"Parsing and tokenizing this request {what} about {cost_bytes / MiB:,.0f} MiB of kvgate's memory; "
+            f"it has {capacity_bytes / MiB:,.0f} MiB for request work (--max-process-memory-bytes). "
+            "Send fewer or shorter prompts or messages.",
+        )
+        self.cost_bytes, self.capacity_bytes = cost_bytes, capacity_bytes
 
 
 class VllmRefusal(KvgateError):
@@ -183,6 +218,18 @@ class ContextTooLong(VllmRefusal):
         then `get_max_tokens` clamps max_tokens to the 0 left and `SamplingParams._verify_args`
         refuses that ("max_tokens must be at least 1, got 0.")."""
         return cls("max_tokens must be at least 1, got 0.", limit, limit + 1, "max_tokens", 0)
+
+
+class PromptExceedsContext(ContextTooLong):
+    """A text known to pass max_model_len before it is all tokenized (a bound on characters per
+    token, app.tokens): vLLM, which encodes text truncated at its input limit + 1, counts "at
+    least" limit + 1 of it (vLLM 0.32.0's wording; the preparation that raises it runs without the
+    backend's release)."""
+
+    def __init__(self, limit: int) -> None:
+        vllm = ContextTooLong.prompt(limit, limit + 1, True, None)
+        KvgateError.__init__(self, vllm.message)
+        self.param, self.limit, self.requested = vllm.param, vllm.limit, vllm.requested
 
 
 class NeverFits(KvgateError):
@@ -292,6 +339,22 @@ class QueueTimeout(Refused):
             f"Waited {waited_s:g} s for GPU memory ({reason}) without admission. Retry after {retry_after_s} s."
         )
         self.waited_s, self.reason, self.retry_after_s = waited_s, reason, retry_after_s
+
+
+class WorkMemoryBusy(Refused):
+    """kvgate's memory for request work is taken by requests in flight: this one waited and
+    would still not fit (app/work_budget.py)."""
+
+    code = "work_memory_busy"
+    retry_after_s = 1
+
+    def __init__(self, cost_bytes: int, capacity_bytes: int, in_use_bytes: int, waited_s: float) -> None:
+        super().__init__(
+            f"kvgate is preparing other large requests: this one needs about {cost_bytes / MiB:,.0f} MiB of "
+            f"its {capacity_bytes / MiB:,.0f} MiB for request work, {in_use_bytes / MiB:,.0f} MiB are in use "
+            f"(waited {waited_s:.1f} s). Retry after {self.retry_after_s} s."
+        )
+        self.cost_bytes, self.capacity_bytes = cost_bytes, capacity_bytes
 
 
 class BackendDown(Refused):

@@ -13,6 +13,7 @@ from typing import Any
 
 from app.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, ChatRequest
 from app.errors import InvalidField, TooManyJsonValues
+from app.json_text import load_json
 from app.sampling_params import SamplingParams, vllm_sampling_params
 from app.vllm_routes import Route, Shape, Translated, translate
 
@@ -67,6 +68,9 @@ class RequestSpec:
     prefill_only: bool = False
     truncate_prompt_tokens: int | None = None
     truncate_left: bool = False
+    # vLLM hashes it into the first KV block (app/memory/kv.py PrefixKeys): a salted prompt
+    # shares no cached prefix with the same prompt unsalted or salted differently.
+    cache_salt: str | None = None
 
 
 def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
@@ -104,21 +108,20 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400 that says what is wrong with it.
 
     Python's parser takes bodies no client should send: nesting past the recursion limit
-    (RecursionError), integers past 4,300 digits (ValueError) and lone UTF-16 surrogates
-    (`"\\ud800"`, a str no encoder accepts). Each is the client's fault and answered 400 here
-    rather than failing later in the tokenizer, the predictor or the error response itself.
+    (RecursionError), integers past 4,300 digits (ValueError) and text that is not Unicode
+    (invalid UTF-8, lone surrogates: app/json_text.py, which names the field). Each is the
+    client's fault and answered 400 here rather than failing later in the tokenizer, the
+    predictor or the error response itself.
     """
     _refuse_too_many_values(raw)
     try:
-        body = json.loads(raw)
+        body = load_json(raw)
     except RecursionError:
         raise bad_request("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the digit limit
         raise bad_request(f"The body is not valid JSON: {str(exc)[:200]}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.", code="invalid_json")
-    if b"\\ud" in raw or b"\\uD" in raw:  # surrogates can only come from escapes
-        _refuse_lone_surrogates(body)
     return body
 
 
@@ -154,17 +157,14 @@ def _commas_in_strings(raw: bytes) -> int:
     return inside
 
 
-def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
-    """400 if any string holds an unpaired surrogate (json.loads joins the paired ones)."""
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(
-            "The body is not valid JSON: a string holds an unpaired UTF-16 surrogate escape.",
-            code="invalid_json",
-        ) from None
-    except RecursionError:
-        raise bad_request("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM 0.32.0 `validate_cache_salt` (vllm/entrypoints/generate/base/protocol.py): absent or
+    null is no salt; anything but a non-empty string is refused with vLLM's message. (Its length
+    and character rules differ by route and are left to vLLM, which answers them with a 400.)"""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return salt
 
 
 def _penalties(body: dict[str, Any]) -> bool:
@@ -334,6 +334,7 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         unseen_history=translated.unseen_history,
         context_caps_output=translated.context_caps_output,
         paired=translated.paired,
+        cache_salt=_cache_salt(body),
     )
     if reading == "pooling":
         spec.prefill_only = True

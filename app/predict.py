@@ -18,8 +18,8 @@ prompts").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits, VllmRefusal
@@ -32,12 +32,14 @@ from app.memory.activation import (
     TransientTerm,
     estimate_transient,
     sampler_cost,
+    v2_prompt_logprobs_shared_step_extra,
 )
 from app.memory.demand import Demand
 from app.memory.footprint import Footprint, kv_blocks_for, predict_footprint, with_reservation
-from app.memory.kv import KVLayout
+from app.memory.kv import KVLayout, PrefixKeys
 from app.memory.sampler import SamplerUse
 from app.openai import RequestSpec
+from app.sampling_params import v2_sampler_needs
 
 # What helps when one prompt's own worst step is too large (by its largest term).
 _ADVICE = {
@@ -71,15 +73,20 @@ class TransientSplit:
     prefill: int
     profiled: int
     profiled_prefill: int
+    # Of `prefill`, what the request holds from step to step (unprofiled residual terms: V2's
+    # prompt logprobs of earlier steps): concurrent prefills each hold theirs at once.
+    held: int = 0
 
     @classmethod
     def of(cls, transient: TransientEstimate) -> TransientSplit:
         per_request = [t for t in transient.terms if not t.profiled and not t.shared]
         in_profile = [t for t in transient.terms if t.profiled]
+        prefill_terms = [t for t in per_request if t.phase == "prefill"]
         return cls(
-            prefill=peak_of([t for t in per_request if t.phase == "prefill"]),
+            prefill=peak_of(prefill_terms),
             profiled=peak_of(in_profile),
             profiled_prefill=peak_of([t for t in in_profile if t.phase == "prefill"]),
+            held=sum(t.bytes for t in prefill_terms if t.stage == "residual"),
         )
 
 
@@ -116,8 +123,10 @@ class Predictor:
         profiled_peak_bytes: int,
         default_max_tokens: int | None = None,
         outputs: OutputLengths | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.layout = layout
+        self.sampling_defaults = dict(sampling_defaults or {})  # generation_config.json's
         self.outputs = outputs
         self.engine = engine
         self.enable_prefix_caching = enable_prefix_caching
@@ -147,13 +156,24 @@ class Predictor:
             return max(1, min(self.default_max_tokens, room))
         return max(1, room)
 
+    @staticmethod
+    def min_new_tokens(spec: RequestSpec, max_new_tokens: int) -> int:
+        """Output tokens each sequence will surely generate (vLLM 0.32.0): with ignore_eos the end
+        of sequence never stops it (vllm/v1/core/sched/utils.py check_stop), so only max_tokens or
+        the context's end does; with min_tokens nothing stops it before that many
+        (MinTokensLogitsProcessor in vllm/v1/sample/logits_processor/builtin.py masks the stop
+        tokens, and check_stop returns early)."""
+        if spec.sampling.ignore_eos:
+            return max_new_tokens
+        return min(spec.sampling.min_tokens, max_new_tokens)
+
     def truncation_length(self, spec: RequestSpec) -> int:
         """The tokens vLLM keeps of each prompt for `truncate_prompt_tokens` (set on `spec`): k
         as given; -1 the most the release lets a prompt have (vllm/renderers/params.py
         TokenizeParams): max_model_len for pooling requests (they ask for no output); for
         generation, up to 0.31.0 `max_input_tokens` = max_model_len - max_tokens, from 0.32.0
         `max_truncation_tokens` = max_model_len - 1 when max_tokens is given (else
-        max_model_len)."""
+        max_model_len; from 0.33.0 max_model_len - 1 for a chat request without max_tokens too)."""
         keep = spec.truncate_prompt_tokens
         assert keep is not None
         if keep >= 0:
@@ -162,7 +182,8 @@ class Predictor:
         output = 0 if spec.prefill_only else spec.max_tokens or 0
         if self.engine.max_tokens_past_context_refused:
             return max(0, limit - output)
-        return limit - 1 if output else limit
+        holds_one = output or (self.engine.truncation_holds_output_token and not spec.prefill_only)
+        return limit - 1 if holds_one else limit
 
     def check_logprobs(self, spec: RequestSpec) -> None:
         """400 where vLLM's `SamplingParams._validate_logprobs` (vllm/sampling_params.py) refuses:
@@ -183,11 +204,16 @@ class Predictor:
                     wanted,
                 )
 
-    def predict(self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: object = None) -> Prediction:
-        """`cache_key`: what besides the token ids keys vLLM's prefix-cache blocks for this
-        request (a LoRA adapter), so that only requests vLLM lets share blocks share them here."""
+    def predict(
+        self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: tuple[str | None, ...] | None = None
+    ) -> Prediction:
+        """`cache_key`: what besides the token ids keys every one of vLLM's prefix-cache blocks for
+        this request (a LoRA adapter's ("lora", name, path)); with the request's cache_salt, which
+        keys its first block (app/memory/kv.py PrefixKeys), only requests vLLM lets share blocks
+        share them here."""
         self.check_logprobs(spec)
         self._check_output_length(spec)
+        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
         sampling = SamplingShape(
             n=spec.n,
             best_of=spec.best_of,
@@ -196,12 +222,17 @@ class Predictor:
             penalties=spec.penalties,
             random=not spec.sampling.greedy,
             structured=spec.sampling.structured_outputs,
+            processing=processing,
+            filtered=filtered,
         )
         footprints, splits = [], []
+        keys = PrefixKeys.of(spec.cache_salt, cache_key)
+        shared_extra = 0
         for i, ids in enumerate(prompts):
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), _from_text(spec, i))
             transient, split = self.transient(len(ids), sampling)
+            floor = self.min_new_tokens(spec, max_new)
             footprints.append(
                 predict_footprint(
                     self.layout,
@@ -210,23 +241,30 @@ class Predictor:
                     max_new,
                     sampling,
                     enable_prefix_caching=self.enable_prefix_caching,
-                    reservation=self.outputs.reserve(max_new) if self.outputs else None,
+                    reservation=self.outputs.reserve(max_new, floor) if self.outputs else None,
                     transient=transient,
-                    extra_key=cache_key,
+                    prefix_keys=keys,
+                    min_new_tokens=floor,
                 )
             )
             splits.append(split)
+            if spec.prompt_logprobs is not None:
+                shared_extra += v2_prompt_logprobs_shared_step_extra(
+                    self.layout.geometry, self.engine, len(ids), spec.prompt_logprobs
+                )
+        demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints), splits)
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=self._demand(footprints, sampling, self.sampler_use(spec, footprints), splits),
+            demand=replace(demand, transient_shared_extra_bytes=shared_extra) if shared_extra else demand,
             sampling=sampling,
         )
 
     def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
         """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
         and output."""
+        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
         return SamplerUse(
             self.sampler_cost,
             rows=sum(fp.n for fp in footprints),
@@ -237,6 +275,8 @@ class Predictor:
             random=not spec.sampling.greedy,
             all_vocab_logprobs=spec.logprobs == -1,
             structured=spec.sampling.structured_outputs,
+            processing=processing,
+            filtered=filtered,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:
@@ -246,13 +286,18 @@ class Predictor:
             return prediction.demand
         footprints = [
             with_reservation(
-                fp, self.layout, self.engine, self.outputs.reserve(fp.max_new_tokens), self.enable_prefix_caching
+                fp,
+                self.layout,
+                self.engine,
+                self.outputs.reserve(fp.max_new_tokens, fp.min_new_tokens),
+                self.enable_prefix_caching,
             )
             for fp in prediction.footprints
         ]
         if all(new is old for new, old in zip(footprints, prediction.footprints, strict=True)):
             return prediction.demand
-        return self._demand(footprints, prediction.sampling, prediction.demand.sampler)
+        demand = self._demand(footprints, prediction.sampling, prediction.demand.sampler)
+        return replace(demand, transient_shared_extra_bytes=prediction.demand.transient_shared_extra_bytes)
 
     def _demand(
         self,
@@ -264,7 +309,7 @@ class Predictor:
         """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
         ledger sizes with the rest of the batch."""
         shared: list[int] = []
-        private = profiled = profiled_prefill = 0
+        private = profiled = profiled_prefill = held = 0
         variance = 0.0
         for i, fp in enumerate(footprints):
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
@@ -272,6 +317,7 @@ class Predictor:
             private += fp.kv_blocks - len(set(hashes))
             variance += fp.n * fp.reserved_variance
             split = splits[i] if splits is not None else TransientSplit.of(fp.transient)
+            held += split.held
             profiled = max(profiled, split.profiled)
             profiled_prefill += split.profiled_prefill
         if len(footprints) == 1:
@@ -286,11 +332,13 @@ class Predictor:
             shared_block_hashes=tuple(shared),
             private_blocks=private,
             transient_prefill_bytes=prefill,
+            transient_held_bytes=held,
             profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
             sampler=sampler,
             reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
             kv_variance_blocks=variance / self.layout.block_size**2,
             sequences=sum(fp.n for fp in footprints),
+            teaches_output_lengths=all(fp.min_new_tokens == 0 for fp in footprints),
         )
 
     def step_terms(self, footprints: Sequence[Footprint], sampling: SamplingShape) -> list[TransientTerm]:
@@ -304,8 +352,9 @@ class Predictor:
         keeps two requests' tensors at most (PROMPT_LOGPROBS_ALIVE_V1); V2 (gpu/sample/
         prompt_logprob.py `compute_prompt_logprobs`) runs the step's tokens at once, 1,024 rows
         at a time; either way the step needs no more than a prompt whose chunk is a whole
-        max_num_batched_tokens step (`full_step`). V2 with prompt_logprobs -1 keeps each
-        request's whole-prompt scores on the GPU, so there the sum stands."""
+        max_num_batched_tokens step (`full_step`). Terms held from step to step (residual: V2's
+        kept prompt-logprobs results, summed as Demand.transient_held_bytes) add up over all of
+        them."""
         by_name: dict[str, list[TransientTerm]] = {}
         for fp in footprints:
             for term in fp.transient.terms:
@@ -316,12 +365,18 @@ class Predictor:
         for name, terms in by_name.items():
             terms.sort(key=lambda t: t.bytes, reverse=True)
             logprobs = name == "prompt_logprobs"
-            alive = terms[: PROMPT_LOGPROBS_ALIVE_V1 if logprobs and self.engine.runner == "v1" else in_one_step]
+            if terms[0].stage == "residual":  # held from step to step: every started prompt holds its own
+                alive = terms
+            else:
+                alive = terms[: PROMPT_LOGPROBS_ALIVE_V1 if logprobs and self.engine.runner == "v1" else in_one_step]
             total = sum(t.bytes for t in alive)
             detail = terms[0].detail if len(alive) == 1 else f"{len(alive)} prompts' {terms[0].detail}, in one step"
             full_step = self._full_step(sampling).term(name) if logprobs else None
-            if full_step is not None and full_step.bytes < total:
-                total, detail = full_step.bytes, f"{full_step.detail}: a whole step of these prompts' tokens"
+            # Never below one prompt's own (V2's last step of a long prompt also concatenates
+            # its whole prompt's rows, activation.py v2_prompt_logprobs).
+            if full_step is not None and max(full_step.bytes, terms[0].bytes) < total:
+                total = max(full_step.bytes, terms[0].bytes)
+                detail = f"{full_step.detail}: a whole step of these prompts' tokens"
             step.append(TransientTerm(name, total, False, "prefill", detail, terms[0].stage))
         return step
 

@@ -91,8 +91,9 @@ def _bad(message: str, param: str | None = None) -> InvalidField:
     return InvalidField(message, param, "invalid_request")
 
 
-# Fields read the same way on every route (type-checked by app/openai.py).
-_COMMON = ("model", "stream", "priority")
+# Fields read the same way on every route (type-checked by app/openai.py); every route's request
+# model in vLLM 0.32.0 takes `cache_salt`.
+_COMMON = ("model", "stream", "priority", "cache_salt")
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:

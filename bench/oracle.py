@@ -200,6 +200,7 @@ def _fork_memory(alloc: CachingAllocator, carry: CrossStepTensors) -> tuple[Cach
     c.outputs = [twin[id(b)] for b in carry.outputs]
     if carry.penalty_prompt_ids is not None:
         c.penalty_prompt_ids = twin[id(carry.penalty_prompt_ids)]
+    c.held = {key: [twin[id(b)] for b in blocks] for key, blocks in carry.held.items()}
     return a, c
 
 
@@ -329,7 +330,7 @@ def dry_run(
         # blocks (the penalties' prompt ids follow the batch) under the steps that follow.
         try:
             carry.start_step([s.request for s in out.scheduled])
-            carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out))))
+            carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out)), carry.held))
         except CudaOutOfMemory as exc:
             # A prefix of k groups plays these very steps while it has scheduled the same
             # groups (k > seen) and is not done yet (k > done).

@@ -72,6 +72,36 @@ def test_malformed_bodies(kvgate: KvgateServer, path: str, content: bytes, code:
 
 
 @pytest.mark.parametrize(
+    "path,raw,param",
+    [
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": "a\xed\xa0\x80", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"model": "tiny-llama", "prompt": "a\xc0\xaf", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"model": "tiny-llama\xed\xa0\xbd\xed\xb8\x80", "prompt": "hi"}', "model"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "hi\xe0\x80\xaf"}]}',
+            "messages[0].content",
+        ),
+        ("/v1/responses", b'{"model": "tiny-llama", "input": "\xed\xa0\x80", "max_output_tokens": 2}', "input"),
+        ("/tokenize", b'{"model": "tiny-llama", "prompt": "a\xed\xa0\x80"}', "prompt"),
+        ("/tokenize", b'{"model": "tiny-llama", "prompt": "a\xff"}', "prompt"),
+    ],
+)
+def test_text_that_is_not_utf8_is_a_400_as_vllm_answers_it(
+    vllm_server: VllmServer, kvgate: KvgateServer, path: str, raw: bytes, param: str
+) -> None:
+    """Issue 28: kvgate answered these 500 (not JSON). vLLM 0.32.0 itself answers each 400 (at
+    FastAPI's parse for undecodable bytes, at its tokenizer or validation for lone surrogates);
+    kvgate answers 400 too, before tokenizing, naming the field."""
+    headers = {"content-type": "application/json"}
+    assert httpx.post(vllm_server.base_url + path, content=raw, headers=headers, timeout=30).status_code == 400
+    error = assert_openai_error(httpx.post(kvgate.base_url + path, content=raw, headers=headers), 400, "invalid_json")
+    assert error["param"] == param and "not valid UTF-8" in error["message"]
+    assert_nothing_reserved(kvgate)
+
+
+@pytest.mark.parametrize(
     "path,body,param",
     [
         ("/v1/completions", {"prompt": 42}, "prompt"),

@@ -91,3 +91,21 @@ def test_transient_numbers_read_differently() -> None:
 def test_a_client_that_left_gets_499_and_no_body() -> None:
     response = error_response(errors.ClientGone(), {"x-request-id": "r"})
     assert response.status_code == 499 and response.body == b""
+
+
+def test_every_502_and_503_carries_retry_after() -> None:
+    """Issue 28: a 502 after a backend kill carried none. Every error mapped to 502 or 503."""
+    samples = [
+        errors.BackendBroke("the backend closed the connection (EOF)"),
+        errors.BackendDown("refused"),
+        errors.NotReady("starting"),
+    ]
+    assert {type(e) for e in samples} == {cls for cls, status in STATUS.items() if status in (502, 503)}
+    for error in samples:
+        assert int(error_response(error).headers["retry-after"]) >= 1, type(error).__name__
+
+
+def test_a_408_closes_the_connection() -> None:
+    response = error_response(errors.ClientTooSlow(60, deadline=True))
+    assert response.status_code == 408 and response.headers["connection"] == "close"
+    assert "60 s deadline" in json.loads(response.body)["error"]["message"]

@@ -15,7 +15,7 @@ from app.cli import build_parser
 from app.memory.activation import EngineShape, SamplingShape, estimate_transient, profile_peak_bytes
 from app.memory.footprint import predict_footprint
 from app.memory.geometry import ModelGeometry
-from app.memory.kv import KVLayout
+from app.memory.kv import KVLayout, PrefixKeys
 from app.memory.lora import LoraSlots, shrink_buffer_bytes, slot_bytes
 from app.model_folder import load_geometry
 from app.served_names import Served, ServedNames
@@ -65,8 +65,10 @@ def test_an_adapters_prefix_blocks_are_not_the_base_models(tiny_model_dir: Path)
     engine = EngineShape(max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8)
     prompt = list(range(100, 164))
 
-    def hashes(key: object) -> tuple[int, ...]:
-        return predict_footprint(layout, engine, prompt, 4, SamplingShape(), extra_key=key).block_hashes
+    def hashes(key: tuple[str | None, ...] | None) -> tuple[int, ...]:
+        return predict_footprint(
+            layout, engine, prompt, 4, SamplingShape(), prefix_keys=PrefixKeys.of(request_key=key)
+        ).block_hashes
 
     base, a, a_again, b = (
         hashes(None),

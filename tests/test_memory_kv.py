@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.memory.geometry import ModelGeometry
-from app.memory.kv import KVLayout, block_hashes, kv_cache_dtype_bytes
+from app.memory.kv import KVLayout, PrefixKeys, block_hashes, kv_cache_dtype_bytes
 from app.units import GiB
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -126,8 +126,23 @@ def test_block_hashes_chain_full_blocks_only() -> None:
     # the chain: equal second blocks after different first blocks still differ
     c = [7] * 16 + list(range(16, 32))
     assert block_hashes(c, 16)[1] != ha[1]
-    salted = block_hashes(a, 16, extra_key="lora-1")
-    assert salted[0] != ha[0] and salted[1] != ha[1]
+    adapter = block_hashes(a, 16, PrefixKeys.of(request_key=("lora", "sql", "/adapters/sql")))
+    assert adapter[0] != ha[0] and adapter[1] != ha[1]
+
+
+def test_a_cache_salt_keys_the_first_block_and_so_the_whole_chain() -> None:
+    """vLLM 0.32.0 generate_block_hash_extra_keys: ("cache_salt", salt) is an extra key of the
+    block at token 0 only; hash_block_tokens chains it into every later block. Salted prompts
+    share nothing with the prompt unsalted or salted otherwise; the same salt shares all."""
+    a = list(range(64))
+    plain = block_hashes(a, 16)
+    salted = block_hashes(a, 16, PrefixKeys.of(cache_salt="tenant-1"))
+    assert len(salted) == 4 and not set(salted) & set(plain)
+    assert not set(salted) & set(block_hashes(a, 16, PrefixKeys.of(cache_salt="tenant-2")))
+    assert salted == block_hashes(a, 16, PrefixKeys.of(cache_salt="tenant-1"))
+    # Only the first block carries the salt: salted chains built on one first block agree.
+    assert block_hashes(a[:32] + [9] * 32, 16, PrefixKeys.of(cache_salt="tenant-1"))[:2] == salted[:2]
+    assert PrefixKeys.of(cache_salt=None) == PrefixKeys() and block_hashes(a, 16, PrefixKeys.of()) == plain
 
 
 def test_block_hashes_are_fast() -> None:

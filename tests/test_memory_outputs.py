@@ -154,3 +154,41 @@ def test_every_sample_of_a_request_adds_its_spread() -> None:
     body = {"model": "m", "prompt": "x", "max_tokens": 2000, "n": 3}
     demand = predictor.predict(parse_request("completions", json.dumps(body).encode()), [list(range(100))]).demand
     assert demand.reserved_tokens == 68 and demand.kv_variance_blocks == 3.0
+
+
+def test_a_request_that_cannot_stop_early_reserves_its_floor() -> None:
+    """After short answers taught a small reservation, ignore_eos still reserves max_tokens and
+    min_tokens at least its minimum: the learned lengths below the floor count as the floor."""
+    lengths = OutputLengths(0.99, min_samples=16, refresh_every=1)
+    for _ in range(64):
+        lengths.observe(20_000, 50)
+    assert lengths.reserve(20_000) == OutputReservation(50, 0.0)
+    assert lengths.reserve(20_000, 20_000) == OutputReservation(20_000, 0.0)  # ignore_eos
+    assert lengths.reserve(20_000, 30) == OutputReservation(50, 0.0)  # below what answers use
+    assert lengths.reserve(20_000, 1_000) == OutputReservation(1_000, 0.0)
+    assert lengths.reserve(500, 1_000) == OutputReservation(500, 0.0)  # never above max_tokens
+
+
+def test_ignore_eos_and_min_tokens_reserve_their_output_and_teach_nothing() -> None:
+    lengths = OutputLengths(0.99, min_samples=4, refresh_every=1)
+    for _ in range(8):
+        lengths.observe(2000, 60)
+    predictor = Predictor(layout("llama-3-8b"), EngineShape(8192, 2048, 256), True, 10**9, outputs=lengths)
+
+    def demand(**extra: object):
+        body = {"model": "m", "prompt": "x", "max_tokens": 2000, **extra}
+        return predictor.predict(parse_request("completions", json.dumps(body).encode()), [list(range(100))]).demand
+
+    plain, forced, at_least = demand(), demand(ignore_eos=True), demand(min_tokens=700)
+    assert (plain.reserved_tokens, plain.kv_blocks, plain.teaches_output_lengths) == (60, 10, True)
+    assert (forced.reserved_tokens, forced.kv_blocks, forced.teaches_output_lengths) == (2000, 132, False)
+    assert (at_least.reserved_tokens, at_least.kv_blocks, at_least.teaches_output_lengths) == (700, 50, False)
+    # A queued ignore_eos request refreshed after more short answers keeps its full reservation.
+    prediction = predictor.predict(
+        parse_request(
+            "completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 2000, "ignore_eos": True}).encode()
+        ),
+        [list(range(100))],
+    )
+    lengths.observe(2000, 30)
+    assert predictor.refreshed(prediction).kv_blocks == 132

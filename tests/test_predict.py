@@ -95,26 +95,32 @@ def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) ->
     predictor.predict(spec_of({}), [list(range(101))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
-    assert calls == [(100, SamplingShape()), (101, SamplingShape()), (100, SamplingShape(n=2))]
+    plain = SamplingShape(processing=False, filtered=False)  # temperature 1.0, no top-k/top-p
+    assert calls == [(100, plain), (101, plain), (100, SamplingShape(n=2, processing=False, filtered=False))]
     # Same length, other tokens: the estimate is shared, the prefix-cache hashes are not.
     assert other_tokens.footprints[0].transient is first.footprints[0].transient
     assert other_tokens.demand.shared_block_hashes != first.demand.shared_block_hashes
 
 
 @pytest.mark.parametrize(
-    ("refused", "max_tokens", "prefill_only", "kept"),
+    ("refused", "max_tokens", "prefill_only", "kept", "holds_one"),
     [
-        (True, 100, False, 4096 - 100),  # 0.21-0.31: max_input_tokens = max_model_len - max_tokens
-        (False, 100, False, 4096 - 1),  # 0.32: max_truncation_tokens keeps one token of output
-        (False, None, False, 4096),
-        (True, None, True, 4096),  # pooling asks for no output on every release
+        (True, 100, False, 4096 - 100, False),  # 0.21-0.31: max_input_tokens = max_model_len - max_tokens
+        (False, 100, False, 4096 - 1, False),  # 0.32: max_truncation_tokens keeps one token of output
+        (False, None, False, 4096, False),
+        (True, None, True, 4096, False),  # pooling asks for no output on every release
+        # 0.33.0 chat_completion/protocol.py:694: no max_tokens is None, not 0: one token held back
+        (False, None, False, 4096 - 1, True),
+        (False, None, True, 4096, True),
     ],
 )
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_release_allows(
-    refused: bool, max_tokens: int | None, prefill_only: bool, kept: int
+    refused: bool, max_tokens: int | None, prefill_only: bool, kept: int, holds_one: bool
 ) -> None:
     engine = EngineShape(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=256)
-    engine = dataclasses.replace(engine, max_tokens_past_context_refused=refused)
+    engine = dataclasses.replace(
+        engine, max_tokens_past_context_refused=refused, truncation_holds_output_token=holds_one
+    )
     predictor = Predictor(layout("llama-3-8b"), engine, True, 10**9)
     spec = RequestSpec(
         "completions", b"{}", None, False, max_tokens, truncate_prompt_tokens=-1, prefill_only=prefill_only
@@ -255,3 +261,33 @@ def test_context_errors_are_worded_as_vllm_0_32_words_them(
     with pytest.raises(ContextTooLong) as refused:
         predictor.predict(completions({"prompt": prompt, **body}), [prompt])
     assert (refused.value.param, refused.value.message) == (param, message)
+
+
+def test_a_cache_salt_shares_no_prefix_with_other_salts() -> None:
+    """8 copies of one prompt under 8 cache_salt values hold what 8 distinct prompts hold in vLLM
+    (the salt keys the first block); under one salt, or none, they share the prompt's blocks."""
+    from app.gate.ledger import Ledger
+
+    predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 2 * 1024**3)
+    prompt = list(range(3000))
+
+    def held(salts: list[str | None]) -> int:
+        ledger = Ledger()
+        for salt in salts:
+            extra = {} if salt is None else {"cache_salt": salt}
+            ledger.reserve(predictor.predict(spec_of({"max_tokens": 16, **extra}), [prompt]).demand)
+        return ledger.kv_blocks
+
+    one = held([None])
+    assert held([f"salt-{i}" for i in range(8)]) == 8 * one
+    assert held(["same"] * 8) == held([None] * 8) == one + 7 * (one - 3000 // 16)
+    assert held([None, "a"]) == 2 * one
+
+
+@pytest.mark.parametrize("salt", ["", 5, ["a"]])
+def test_a_cache_salt_that_vllm_refuses_is_a_400(salt) -> None:
+    from app.errors import InvalidField
+
+    with pytest.raises(InvalidField) as refused:
+        spec_of({"cache_salt": salt})
+    assert refused.value.param == "cache_salt" and "non-empty string" in refused.value.message

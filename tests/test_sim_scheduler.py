@@ -89,3 +89,14 @@ def test_freed_blocks_stay_cached_and_count_as_free() -> None:
     advance(s)
     assert r.status == Status.FINISHED
     assert s.kv.pool.usage() == 0.0 and len(s.kv.pool.cached) == 4
+
+
+def test_a_cache_salt_keeps_a_prompt_out_of_other_salts_prefix_cache() -> None:
+    """vLLM 0.32.0 hashes a request's cache_salt into its first block: the same 64 tokens are a
+    full prefix hit under the same salt and none under another salt or none."""
+    kv = KVCacheManager(BlockPool(64, True), 16)
+    tokens = list(range(65))
+    assert kv.allocate_slots("a", tokens, 0, 65, cache_salt="s1")
+    assert len(kv.get_computed_blocks("b", tokens, "s1")) == 4
+    assert kv.get_computed_blocks("c", tokens, "s2") == []
+    assert kv.get_computed_blocks("d", tokens) == []

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.gate.tenants import NEW_KEYS, TenantTurns
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate
 
@@ -94,3 +95,40 @@ async def test_a_trusted_gateway_header_names_tenant_and_priority(
     ) as kvgate:
         flood, honest = await finish_times(kvgate)
     assert min(honest) > max(flood) - 0.3, (sorted(flood), honest)
+
+
+async def test_made_up_keys_share_one_turn(backend: FakeBackend, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A client inventing a new API key for every request (the backend checks none) takes one
+    turn however many keys it invents: an honest key's requests after its first are served
+    long before the flood drains. The honest key's first request waits with the new keys."""
+    started = time.monotonic()
+
+    async def send(client: httpx.AsyncClient, key: str) -> float:
+        response = await client.post("/v1/completions", json=BODY, headers={"authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        return time.monotonic() - started
+
+    with kvgate_with(backend, tmp_path, tiny_model_dir) as kvgate:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60, limits=limits) as client:
+            flood = [asyncio.create_task(send(client, f"made-up-{i}")) for i in range(FLOOD)]
+            await asyncio.sleep(0.3)  # the flood is queued first
+            first = asyncio.create_task(send(client, "honest"))
+            await asyncio.sleep(0.05)
+            later = [asyncio.create_task(send(client, "honest")) for _ in range(2)]
+            flood_done, later_done = await asyncio.gather(*flood), await asyncio.gather(*later)
+            first_done = await first
+    # One turn for the flood, one for the honest key: its later requests finish among the first.
+    assert max(later_done) < sorted(flood_done)[FLOOD // 2], (sorted(flood_done), later_done)
+    assert first_done > sorted(flood_done)[FLOOD // 2]  # queued behind the new keys ahead of it
+
+
+def test_keys_earn_a_turn_on_their_second_request_and_are_bounded() -> None:
+    turns = TenantTurns(max_tenants=2)
+    assert turns.turn("gateway-tenant", vouched=True) == "gateway-tenant"  # the gateway vouches
+    assert [turns.turn("a", vouched=False) for _ in range(3)] == [NEW_KEYS, "a", "a"]
+    assert [turns.turn(f"made-up-{i}", vouched=False) for i in range(1000)] == [NEW_KEYS] * 1000
+    assert turns.turn("a", vouched=False) == "a"  # a flood of new keys does not push out "a"
+    for key in ("b", "b", "c", "c"):  # two more returning keys: "a", the least recent, is forgotten
+        turns.turn(key, vouched=False)
+    assert turns.returning == 2 and turns.turn("a", vouched=False) == NEW_KEYS

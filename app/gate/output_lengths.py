@@ -22,6 +22,13 @@ or take sqrt(N) s. Each request therefore reserves the mean and reports the vari
 budget keeps room for z standard deviations of the sum (z the normal quantile of
 `--kv-output-quantile`): N m + z sqrt(N) s instead of N times a per-request quantile, which
 over-reserves by a factor that grows with N. The "never fits" check still uses max_tokens.
+
+A request that cannot stop early is another matter: with `ignore_eos` vLLM never stops it at the
+end-of-sequence token, and with `min_tokens` not before that many tokens (vllm/sampling_params.py;
+the engine masks the stop tokens until then). Whatever others' answers taught, it reserves that
+floor (ignore_eos: all of max_tokens), and its length, being the client's choice rather than the
+model's, teaches nothing (app/gate/gate.py skips it): a few ignore_eos requests would otherwise
+read as "answers fill max_tokens" and inflate everyone's reservations.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ class OutputLengths:
         self.min_samples = min_samples
         self.refresh_every = refresh_every
         self._samples: deque[tuple[int, int]] = deque(maxlen=window)
-        self._cache: dict[int, OutputReservation] = {}  # max_new_tokens -> reservation, until the next refresh
+        # (max_new_tokens, min_new_tokens) -> reservation, until the next refresh
+        self._cache: dict[tuple[int, int], OutputReservation] = {}
         self._since_refresh = 0
 
     @property
@@ -63,20 +71,23 @@ class OutputLengths:
             self._cache.clear()
             self._since_refresh = 0
 
-    def reserve(self, max_new_tokens: int) -> OutputReservation:
+    def reserve(self, max_new_tokens: int, min_new_tokens: int = 0) -> OutputReservation:
         """Output tokens to reserve KV for (the learned mean, never above max_tokens), and the
-        variance the budget's margin covers."""
-        if not self.enabled:
+        variance the budget's margin covers. `min_new_tokens`: what the request will surely
+        generate (ignore_eos: max_tokens; else its min_tokens), reserved whatever was learned."""
+        floor = min(max(min_new_tokens, 0), max_new_tokens)
+        if not self.enabled or floor == max_new_tokens:
             return OutputReservation(max_new_tokens)
-        cached = self._cache.get(max_new_tokens)
+        key = (max_new_tokens, floor)
+        cached = self._cache.get(key)
         if cached is None:
-            cached = self._cache[max_new_tokens] = self._learn(max_new_tokens)
+            cached = self._cache[key] = self._learn(max_new_tokens, floor)
         return cached
 
-    def _learn(self, m: int) -> OutputReservation:
+    def _learn(self, m: int, floor: int) -> OutputReservation:
         if len(self._samples) < self.min_samples:
             return OutputReservation(m)
-        lengths = [min(produced, m) if produced < allowed else m for allowed, produced in self._samples]
+        lengths = [max(floor, min(produced, m) if produced < allowed else m) for allowed, produced in self._samples]
         mean = statistics.fmean(lengths)
         # Float sums, not statistics.pvariance: its exact Fraction arithmetic cost ~1% of kvgate's
         # CPU under load (py-spy), for precision integers below max_tokens never need.

@@ -14,6 +14,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from app import errors
+from app.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
 
 _STATUS: dict[type[errors.KvgateError], int] = {
     errors.InvalidField: 400,
@@ -29,6 +30,7 @@ _STATUS: dict[type[errors.KvgateError], int] = {
     errors.TokenizerUnavailable: 424,
     errors.QueueFull: 429,
     errors.QueueTimeout: 429,
+    errors.WorkMemoryBusy: 429,
     errors.ClientGone: 499,
     errors.BackendBroke: 502,
     errors.NotReady: 503,
@@ -77,9 +79,17 @@ def error_body(error: errors.KvgateError) -> dict[str, Any]:
 
 
 def error_headers(error: errors.KvgateError) -> dict[str, str]:
+    """Allow for a 405; Retry-After for a refusal for load and for every 502 and 503 (a broken
+    exchange gets the backend state's default, UNKNOWN_OUTAGE_RETRY_S); `Connection: close` with
+    a 408, as RFC 9110 15.5.9 asks: the client's body was not read to its end."""
     if isinstance(error, errors.MethodNotAllowed):
         return {"Allow": "POST"}
-    return {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, errors.ClientTooSlow):
+        return {"Connection": "close"}
+    retry_after_s = error.retry_after_s
+    if retry_after_s is None and status_of(error) in (502, 503):
+        retry_after_s = UNKNOWN_OUTAGE_RETRY_S
+    return {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
 
 
 def error_response(error: errors.KvgateError, extra_headers: dict[str, str] | None = None) -> Response:

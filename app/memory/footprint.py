@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from app.memory.activation import EngineShape, SamplingShape, TransientEstimate, estimate_transient
-from app.memory.kv import KVLayout, block_hashes
+from app.memory.kv import NO_PREFIX_KEYS, KVLayout, PrefixKeys, block_hashes
 from app.memory.outputs import OutputReservation
 
 
@@ -27,6 +27,9 @@ class Footprint:
     kv_blocks: int  # pool blocks reserved for all n samples, sliding-window aware
     max_kv_blocks: int  # pool blocks at full growth (max_new_tokens)
     transient: TransientEstimate
+    # Output tokens each sample will surely generate (ignore_eos: max_new_tokens; min_tokens):
+    # the floor of any reservation learned later (with_reservation's callers pass it on).
+    min_new_tokens: int = 0
 
 
 def predict_footprint(
@@ -38,18 +41,20 @@ def predict_footprint(
     enable_prefix_caching: bool = True,
     reservation: OutputReservation | None = None,
     transient: TransientEstimate | None = None,
-    extra_key: object = None,
+    prefix_keys: PrefixKeys = NO_PREFIX_KEYS,
+    min_new_tokens: int = 0,
 ) -> Footprint:
     """Predict what admitting this request costs.
 
     The n samples share the prompt's full blocks only with prefix caching on
     (vLLM v1 runs them as n child requests that meet in the prefix cache).
     ``transient``, if given, is this request's ``estimate_transient`` computed beforehand.
-    ``extra_key`` joins the token ids in each block's hash (vLLM's extra keys, a LoRA adapter's).
+    ``prefix_keys``: what besides the tokens vLLM hashes into its blocks (a cache_salt shares
+    nothing with another salt or none).
     """
     prompt = len(prompt_token_ids)
     n = sampling.rows
-    hashes = tuple(block_hashes(prompt_token_ids, layout.block_size, extra_key)) if enable_prefix_caching else ()
+    hashes = tuple(block_hashes(prompt_token_ids, layout.block_size, prefix_keys)) if enable_prefix_caching else ()
     max_kv_blocks = kv_blocks_for(layout, engine, prompt, max_new_tokens, n, enable_prefix_caching)
     # Built once with its reservation (this runs per request): not the full footprint, then a copy.
     reserved, kv_blocks = _reserved_blocks(
@@ -72,6 +77,7 @@ def predict_footprint(
         kv_blocks=kv_blocks,
         max_kv_blocks=max_kv_blocks,
         transient=transient or estimate_transient(layout.geometry, engine, prompt, sampling),
+        min_new_tokens=min_new_tokens,
     )
 
 

@@ -238,18 +238,46 @@ class KVLayout:
 _ROOT_HASH = 0x6B7667617465  # parent of the first block; any constant works within a process
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, extra_key: object = None) -> list[int]:
+@dataclass(frozen=True)
+class PrefixKeys:
+    """What vLLM mixes into a block's hash besides its tokens: the keys of vLLM 0.32.0
+    ``generate_block_hash_extra_keys`` (vllm/v1/core/kv_cache_utils.py). ``every_block``: keys
+    each block carries (``_gen_lora_extra_hash_keys``: the adapter's name and path);
+    ``first_block``: keys only the first block carries (``("cache_salt", salt)`` when
+    ``start_token_idx == 0``). The chain carries a first-block key into every later block's
+    hash, so prompts that differ in any key share no block. Multimodal keys need no entry here:
+    kvgate's image tokens already stand for the image (app/multimodal.py expand_images)."""
+
+    every_block: tuple[tuple[str | None, ...], ...] = ()
+    first_block: tuple[tuple[str | None, ...], ...] = ()
+
+    @classmethod
+    def of(cls, cache_salt: str | None = None, request_key: tuple[str | None, ...] | None = None) -> PrefixKeys:
+        """The keys of a request with this ``cache_salt`` and a key of all its blocks
+        (``("lora", name, path)`` for a LoRA adapter)."""
+        return cls(
+            every_block=(request_key,) if request_key else (),
+            first_block=(("cache_salt", cache_salt),) if cache_salt else (),
+        )
+
+
+NO_PREFIX_KEYS = PrefixKeys()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, keys: PrefixKeys = NO_PREFIX_KEYS) -> list[int]:
     """Chained hashes of the full blocks, like vLLM's prefix cache keys.
 
-    Block i hashes ``(hash of block i-1, its token ids, extra_key)``, so equal
-    hashes mean equal prefixes. Partial trailing blocks are not hashed (vLLM
-    never caches them). Python's builtin ``hash`` is used for speed: values are
-    only comparable within one process, which is all the ledger needs.
+    Block i hashes ``(hash of block i-1, its token ids, its extra keys)`` (``hash_block_tokens``),
+    so equal hashes mean equal prefixes under equal keys. Partial trailing blocks are not hashed
+    (vLLM never caches them). Python's builtin ``hash`` is used for speed: values are only
+    comparable within one process, which is all the ledger needs.
     """
     tokens = tuple(token_ids)  # one copy: a tuple's slices are the tuples hashed, no copy each
     hashes: list[int] = []
     parent = _ROOT_HASH
+    later = keys.every_block or None
+    first = (keys.every_block + keys.first_block) or None
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tokens[start : start + block_size], extra_key))
+        parent = hash((parent, tokens[start : start + block_size], first if start == 0 else later))
         hashes.append(parent)
     return hashes

@@ -48,6 +48,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     echo_model: str
+    cache_salt: str | None = None
 
 
 def _num(body: dict[str, Any], key: str, default: float) -> float:
@@ -149,9 +150,15 @@ def parse(
         structured=structured,
         seed=body.get("seed"),
         ignore_eos=bool(body.get("ignore_eos")),
+        min_tokens=int(body.get("min_tokens") or 0),
+        min_p=_num(body, "min_p", 0.0),
+        logits_processor=any(body.get(k) for k in ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")),
     )
     opts = body.get("stream_options") or {}
-    return Parsed(chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise SimApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return Parsed(chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served, salt)
 
 
 def _check_logprobs(value: object, key: str, max_logprobs: int, vocab_size: int) -> None:

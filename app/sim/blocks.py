@@ -29,12 +29,15 @@ _NONE_HASH = 0
 
 
 def chained_hashes(
-    token_ids: Sequence[int], block_size: int, start: int, parent: int, extra_key: object = None
+    token_ids: Sequence[int], block_size: int, start: int, parent: int, cache_salt: str | None = None
 ) -> list[int]:
-    """Hashes of the full blocks of `token_ids` from block index `start` on."""
+    """Hashes of the full blocks of `token_ids` from block index `start` on. As vLLM 0.32.0's
+    request_block_hasher (vllm/v1/core/kv_cache_utils.py), a request's `cache_salt` is an extra
+    key of its first block only (generate_block_hash_extra_keys), and the chain carries it on."""
     out: list[int] = []
     for i in range(start, len(token_ids) // block_size):
-        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra_key))
+        extra_keys = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra_keys))
         out.append(parent)
     return out
 
@@ -110,19 +113,21 @@ class KVCacheManager:
         self.num_cached: dict[str, int] = {}
         self.hashes: dict[str, list[int]] = {}
 
-    def _hashes(self, req_id: str, token_ids: Sequence[int]) -> list[int]:
+    def _hashes(self, req_id: str, token_ids: Sequence[int], cache_salt: str | None) -> list[int]:
         hs = self.hashes.setdefault(req_id, [])
         parent = hs[-1] if hs else _NONE_HASH
-        hs.extend(chained_hashes(token_ids, self.block_size, len(hs), parent))
+        hs.extend(chained_hashes(token_ids, self.block_size, len(hs), parent, cache_salt))
         return hs
 
-    def get_computed_blocks(self, req_id: str, token_ids: Sequence[int]) -> list[KVBlock]:
+    def get_computed_blocks(
+        self, req_id: str, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute."""
         if not self.caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         hit: list[KVBlock] = []
-        for h in self._hashes(req_id, token_ids)[:max_blocks]:
+        for h in self._hashes(req_id, token_ids, cache_salt)[:max_blocks]:
             block = self.pool.cached.get(h)
             if block is None:
                 break
@@ -136,6 +141,7 @@ class KVCacheManager:
         num_computed: int,
         num_new: int,
         new_computed: Sequence[KVBlock] = (),
+        cache_salt: str | None = None,
     ) -> bool:
         """Give the request blocks for `num_new` more tokens, or False if the pool is short."""
         blocks = self.req_blocks.setdefault(req_id, [])
@@ -160,7 +166,7 @@ class KVCacheManager:
             others.extend(self.pool.get_new_blocks(need_others))
         if self.caching:
             full = min(total, len(token_ids)) // self.block_size
-            hs = self._hashes(req_id, token_ids[: full * self.block_size])
+            hs = self._hashes(req_id, token_ids[: full * self.block_size], cache_salt)
             start = self.num_cached.get(req_id, 0)
             for i in range(start, full):
                 self.pool.cache_block(blocks[i], hs[i])

@@ -107,7 +107,11 @@ class Scheduler:
                 else 0
             )
             while not self.kv.allocate_slots(
-                req.request_id, req.all_token_ids, req.num_computed_tokens, n + max(0, drafts)
+                req.request_id,
+                req.all_token_ids,
+                req.num_computed_tokens,
+                n + max(0, drafts),
+                cache_salt=req.cache_salt,
             ):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -139,12 +143,12 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.all_token_ids
             skip_cache = req.sampling.prompt_logprobs is not None
-            hit = [] if skip_cache else self.kv.get_computed_blocks(req.request_id, tokens)
+            hit = [] if skip_cache else self.kv.get_computed_blocks(req.request_id, tokens, req.cache_salt)
             self.prefix.queries += len(tokens)
             self.prefix.hits += len(hit) * self.kv.block_size
             cached = len(hit) * self.kv.block_size
             n = self._chunk(len(tokens) - cached, budget)
-            if not self.kv.allocate_slots(req.request_id, tokens, 0, n, hit):
+            if not self.kv.allocate_slots(req.request_id, tokens, 0, n, hit, req.cache_salt):
                 self.prefix.queries -= len(tokens)
                 self.prefix.hits -= cached
                 break

@@ -230,6 +230,7 @@ class RequestRun:
                 now(),
                 sink=functools.partial(self._put, i),
                 stream_seed=seed,
+                cache_salt=p.cache_salt,
             )
             self.reqs.append(req)
             engine.add(req)

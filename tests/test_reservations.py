@@ -1,0 +1,205 @@
+"""Reservations follow what vLLM will really hold (issue 28, item 6), seen by a client of kvgate in
+front of the simulator: a cache_salt shares no prefix, ignore_eos and min_tokens reserve the
+output they force, and a client that stops reading is cut and released after the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_telemetry_sim import ENGINE_FLAGS, MODEL, model_dir  # noqa: F401  (model_dir: a fixture)
+
+from app.sim.config import SimConfig
+from app.sim.runner import SimRunner
+from support.kvgate_server import KvgateServer, running_kvgate
+
+STALL_S = 3  # --stream-stall-timeout for these tests (default 60)
+PROMPT = [1000 + i for i in range(2000)]  # token ids: 125 full blocks of 16
+
+
+@pytest.fixture(scope="module")
+def sim(model_dir: Path) -> Iterator[SimRunner]:  # noqa: F811
+    config = SimConfig(model=str(model_dir), served_model_name=MODEL, gpu="h100-80gb", max_model_len=8192, speedup=50)
+    with SimRunner(config) as runner:
+        yield runner
+
+
+@pytest.fixture(scope="module")
+def kvgate(sim: SimRunner, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:  # noqa: F811
+    scratch = tmp_path_factory.mktemp("kvgate")
+    with running_kvgate(sim.url, model_dir, scratch, *ENGINE_FLAGS, "--stream-stall-timeout", str(STALL_S)) as server:
+        yield server
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}: {describe()}")
+        time.sleep(0.05)
+
+
+_described: list[Callable[[], str]] = []
+
+
+def describe() -> str:
+    return "; ".join(d() for d in _described)
+
+
+def idle(kvgate: KvgateServer, sim: SimRunner) -> bool:
+    """Nothing reserved, nothing in flight, nothing in the engine."""
+    held = [*sim.engine.scheduler.waiting, *sim.engine.scheduler.running]
+    _described[:] = [
+        lambda: (
+            f"reserved {kvgate.metric('kvgate_reserved_kv_blocks')}, in flight "
+            f"{kvgate.metric('kvgate_in_flight_requests')}, engine holds {len(held)}"
+        )
+    ]
+    return (
+        kvgate.metric("kvgate_reserved_kv_blocks") == 0 and kvgate.metric("kvgate_in_flight_requests") == 0 and not held
+    )
+
+
+def explain(kvgate: KvgateServer, **body: object) -> dict:
+    response = httpx.post(
+        kvgate.base_url + "/kvgate/explain", json={"model": MODEL, "prompt": PROMPT, **body}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def reserved_while_in_flight(kvgate: KvgateServer, prompts: list[list[int]], salts: list[str | None]) -> int:
+    """kvgate's reserved KV blocks once all these requests are in flight together (long ignore_eos
+    answers, hung up on once measured)."""
+    async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60) as client:
+
+        async def one(ids: list[int], salt: str | None) -> None:
+            body = {"model": MODEL, "prompt": ids, "max_tokens": 6000, "ignore_eos": True}
+            await client.post("/v1/completions", json=body | ({} if salt is None else {"cache_salt": salt}))
+
+        tasks = [asyncio.create_task(one(ids, salt)) for ids, salt in zip(prompts, salts, strict=True)]
+        try:
+            deadline = time.monotonic() + 30
+            while kvgate.metric("kvgate_in_flight_requests") < len(prompts):
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), "not all in flight"
+                await asyncio.sleep(0.05)
+            return int(kvgate.metric("kvgate_reserved_kv_blocks"))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_cache_salts_share_no_prefix(kvgate: KvgateServer, sim: SimRunner) -> None:
+    """Eight copies of one prompt under eight cache_salt values are reserved what eight distinct
+    prompts are (vLLM hashes the salt into the first block); under one salt they share it."""
+    alone = explain(kvgate, max_tokens=6000, ignore_eos=True)["kv"]["blocks"]
+    distinct = await reserved_while_in_flight(kvgate, [[7 + i, *PROMPT] for i in range(8)], [None] * 8)
+    wait_for(lambda: idle(kvgate, sim), 30, "the distinct prompts' release")
+    salted = await reserved_while_in_flight(kvgate, [PROMPT] * 8, [f"salt-{i}" for i in range(8)])
+    wait_for(lambda: idle(kvgate, sim), 30, "the salted prompts' release")
+    shared = await reserved_while_in_flight(kvgate, [PROMPT] * 8, ["one-salt"] * 8)
+    wait_for(lambda: idle(kvgate, sim), 30, "the shared prompts' release")
+    assert salted == 8 * alone == distinct - 8  # a distinct prompt is one token longer: same blocks
+    assert shared == alone + 7 * (alone - len(PROMPT) // 16)
+
+
+async def send_all(kvgate: KvgateServer, body: dict, count: int) -> None:
+    """`count` copies of a completions request at once, each answered 200."""
+    async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=120) as client:
+        answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(count)))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers if a.status_code != 200]
+
+
+async def test_forced_outputs_reserve_their_length_and_teach_nothing(kvgate: KvgateServer, sim: SimRunner) -> None:
+    """After 64 short answers taught kvgate short outputs, an ignore_eos request still reserves
+    its max_tokens and a min_tokens one at least its minimum; 20 ignore_eos answers that filled
+    their max_tokens do not teach the plain requests long outputs (learned, they would count as
+    needing all of any max_tokens)."""
+    plain = {"model": MODEL, "prompt": "Say something short.", "max_tokens": 4000}
+    await send_all(kvgate, plain, 64)
+    learned = explain(kvgate, max_tokens=4000)
+    assert learned["reserved_new_tokens"] < 300  # the simulator's answers stop after 16-255 tokens
+    forced = explain(kvgate, max_tokens=4000, ignore_eos=True)
+    assert forced["reserved_new_tokens"] == 4000
+    assert forced["kv"]["blocks"] == forced["kv"]["blocks_at_max_tokens"] == -(-(len(PROMPT) + 4000) // 16)
+    assert explain(kvgate, max_tokens=4000, min_tokens=1500)["reserved_new_tokens"] == 1500
+    await send_all(kvgate, plain | {"max_tokens": 64, "ignore_eos": True}, 20)
+    assert explain(kvgate, max_tokens=4000)["reserved_new_tokens"] == learned["reserved_new_tokens"]
+    wait_for(lambda: idle(kvgate, sim), 30, "every release")
+
+
+def backend_streams_open(sim: SimRunner) -> int:
+    """Connections to the simulator's HTTP server with a response under way."""
+    connections = sim._server.server_state.connections
+    return sum(1 for c in connections if getattr(c, "cycle", None) is not None and not c.cycle.response_complete)
+
+
+def stalled_client(kvgate: KvgateServer, body: dict) -> socket.socket:
+    """A client that sends a streaming request and never reads: a small receive buffer, so that
+    the answer fills it and kvgate's socket buffer behind it at once."""
+    host, port = kvgate.base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    sock.connect((host, int(port)))
+    raw = json.dumps(body).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(head.encode() + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, timeout_s: float) -> bytes:
+    """Everything left to read, once kvgate has closed the connection (AssertionError if it stays open)."""
+    sock.settimeout(timeout_s)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"kvgate kept the connection open {timeout_s} s") from None
+    return got
+
+
+def test_a_client_that_stops_reading_is_cut_and_released(kvgate: KvgateServer, sim: SimRunner) -> None:
+    """A stream whose client reads nothing holds its reservation only until the stall deadline:
+    then kvgate aborts the backend request, releases the reservation ("stalled"), counts and logs
+    it and closes the client's connection. Meanwhile another client is served."""
+    wait_for(lambda: idle(kvgate, sim), 30, "a quiet start")
+    before = kvgate.metric("kvgate_reservations_released_total", outcome="stalled")
+    # 8 x 6000 events of ~180 bytes: more than kvgate's socket buffer grows to on loopback (4 MiB).
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6000, "n": 8, "ignore_eos": True, "stream": True}
+    started = time.monotonic()
+    sock = stalled_client(kvgate, body)
+    try:
+        wait_for(lambda: kvgate.metric("kvgate_in_flight_requests") == 1, 30, "the stream to start")
+        assert backend_streams_open(sim) == 1
+        honest = httpx.post(
+            kvgate.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8}, timeout=30
+        )
+        assert honest.status_code == 200, honest.text
+        assert kvgate.metric("kvgate_in_flight_requests") == 1  # throttled, still held
+        wait_for(
+            lambda: kvgate.metric("kvgate_reservations_released_total", outcome="stalled") == before + 1,
+            60,
+            "the stalled stream's release",
+        )
+        cut_after = time.monotonic() - started
+        assert kvgate.metric("kvgate_reserved_kv_blocks") == 0 and kvgate.metric("kvgate_in_flight_requests") == 0
+        read = read_until_closed(sock, 10)
+    finally:
+        sock.close()
+    assert read.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in read
+    assert STALL_S <= cut_after < 60, cut_after
+    # kvgate closed the stream's connection to the backend: the simulator's server saw it go (on
+    # it vLLM's API server aborts the request).
+    wait_for(lambda: backend_streams_open(sim) == 0, 10, "the backend connection to close")
+    assert "read nothing for 3 s" in kvgate.log()
