@@ -144,7 +144,7 @@ class Settings(BaseSettings, VllmFlags):
     request_chat_template_timeout: float = Field(
         1.0, gt=0, description="Seconds a request's own chat template may take to render (400 beyond)."
     )
-    max_process_memory_bytes: int | None = Field(
+    max_process_memory_bytes: OptionalByteSize = Field(
         None,
         gt=0,
         description="Memory kvgate may use (its container's limit); half of it bounds the requests being "

@@ -134,10 +134,12 @@ class _DryKV:
         if self.caching and rid not in self.hashes:
             known = self.live_hashes.get(rid)
             self.hashes[rid] = (
-                known if known is not None else chained_hashes(req.prompt_token_ids, self.block_size, 0, 0)
+                known
+                if known is not None
+                else chained_hashes(req.prompt_token_ids, self.block_size, 0, 0, req.cache_salt)
             )
 
-    def get_computed_blocks(self, req_id: str, token_ids: Any) -> list[None]:
+    def get_computed_blocks(self, req_id: str, token_ids: Any, cache_salt: str | None = None) -> list[None]:
         if not self.caching:
             return []
         hit = 0
@@ -148,7 +150,13 @@ class _DryKV:
         return [None] * hit  # the scheduler takes only their number
 
     def allocate_slots(
-        self, req_id: str, token_ids: Any, num_computed: int, num_new: int, new_computed: Any = ()
+        self,
+        req_id: str,
+        token_ids: Any,
+        num_computed: int,
+        num_new: int,
+        new_computed: Any = (),
+        cache_salt: str | None = None,
     ) -> bool:
         if self.caching:
             full = (num_computed + len(new_computed) * self.block_size + num_new) // self.block_size
