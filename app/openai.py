@@ -47,6 +47,9 @@ class RequestSpec:
     stream: bool
     max_tokens: int | None
     n: int = 1
+    # The field max_tokens came from, as vLLM names it in its errors (chat: max_completion_tokens
+    # when given; vllm/entrypoints/openai/chat_completion/protocol.py build_tok_params).
+    max_tokens_param: str = "max_tokens"
     best_of: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -318,6 +321,9 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         model=model,
         stream=_bool(body, "stream", False),
         max_tokens=sampling.max_tokens,
+        max_tokens_param="max_completion_tokens"
+        if endpoint == "chat" and body.get("max_completion_tokens") is not None
+        else "max_tokens",
         n=sampling.n,
         best_of=best_of,
         logprobs=sampling.logprobs,

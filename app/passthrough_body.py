@@ -57,6 +57,6 @@ def check_passthrough_body(
             try:
                 tokenizer.refuse_certainly_too_long(prompt, max_model_len)
             except PromptTooLong as exc:
-                raise PromptExceedsContext(str(exc), exc.max_tokens, exc.tokens_at_least, "prompt") from None
+                raise PromptExceedsContext(exc.max_tokens) from None
         return
     refuse_invalid_text(body)

@@ -101,7 +101,7 @@ class RequestPipeline:
                     prepared = await self._prepare_here(route, raw)
         spec, prompts = prepared.spec, prepared.prompts
         if spec.model is not None and self.served_names and not await self.served_names.knows(spec.model):
-            raise ModelNotFound(spec.model)
+            raise ModelNotFound(spec.model, self._valid_aliases())
         self._on_tokenized(prepared.tokenize_s)
         adapter = self.served_names.get(spec.model)
         # vLLM keys an adapter's prefix-cache blocks by its name and path (vLLM 0.32.0
@@ -144,6 +144,16 @@ class RequestPipeline:
         job = Job(route, self.trust_request_chat_template, self.max_model_len)
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
         return await self.workers.run(job, raw, grant, seconds)
+
+    def _valid_aliases(self) -> list[str] | None:
+        """What vLLM lists after an unknown model name: from 0.32.0 its served base names, in the
+        order /v1/models lists them, adapters left out (`base_model_paths`); 0.31.0 none (the
+        release before the one that also clamps max_tokens, VllmRuntime.max_tokens_past_context_refused)."""
+        assert self.predictor is not None
+        if self.predictor.engine.max_tokens_past_context_refused:
+            return None
+        served = (self.served_names.get(name) for name in self.served_names.names())
+        return [s.name for s in served if s is not None and not s.is_adapter]
 
     @staticmethod
     def _truncated(ids: array, keep: int, left: bool) -> array:

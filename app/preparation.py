@@ -79,7 +79,6 @@ async def _token_ids(spec: RequestSpec, tokenizer: Tokenizer, max_model_len: int
         encoded = iter(await tokenizer.encode_prompts(texts, spec.add_special_tokens, limit) if texts else ())
         return [token_array(p if isinstance(p, list) else next(encoded)) for p in spec.prompts]
     except PromptTooLong as exc:
-        where = "messages" if spec.chat is not None else "prompt"
-        raise PromptExceedsContext(str(exc), exc.max_tokens, exc.tokens_at_least, where) from exc
+        raise PromptExceedsContext(exc.max_tokens) from exc
     except TokenizationError as exc:
         raise TokenizationFailed(str(exc)) from exc

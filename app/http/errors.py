@@ -2,7 +2,8 @@
 
 OpenAI's shape is {"error": {message, type, param, code}}; `type` follows from the status as in
 OpenAI's API (429 rate_limit_error, 5xx server_error, 404 not_found_error, else
-invalid_request_error). A refusal for load carries Retry-After. A client that went away gets 499
+invalid_request_error). What vLLM itself would refuse (errors.VllmRefusal) gets vLLM's own body
+instead: `type` vLLM's exception name, `code` the status number. A refusal for load carries Retry-After. A client that went away gets 499
 (nginx's "client closed request") with no body: nobody is left to read one.
 """
 
@@ -17,7 +18,7 @@ from app.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
 
 _STATUS: dict[type[errors.KvgateError], int] = {
     errors.InvalidField: 400,
-    errors.ContextTooLong: 400,
+    errors.VllmRefusal: 400,
     errors.NeverFits: 400,
     errors.TokenizationFailed: 400,
     errors.ModelNotFound: 404,
@@ -57,12 +58,20 @@ def _error_type(status: int) -> str:
     return "invalid_request_error"
 
 
+# vLLM 0.32.0 entrypoints/serve/exception_handling/error_response.py create_error_response: the
+# error types of its client errors.
+_VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
+
+
 def error_body(error: errors.KvgateError) -> dict[str, Any]:
-    """OpenAI's error object for `error`."""
+    """OpenAI's error object for `error`, in vLLM's shape where vLLM would have refused it too."""
+    status = status_of(error)
+    if isinstance(error, errors.VllmRefusal):
+        return {"error": {"message": error.message, "type": _VLLM_TYPES[status], "param": error.param, "code": status}}
     return {
         "error": {
             "message": error.message,
-            "type": _error_type(status_of(error)),
+            "type": _error_type(status),
             "param": error.param,
             "code": error.code,
         }
