@@ -1,7 +1,8 @@
 """vLLM's chat preprocessing, ported so kvgate renders exactly the prompt vLLM will tokenize.
 
 Follows vllm/renderers/chat_utils.py and hf.py of vLLM 0.32: content parts are joined with "\\n"
-or kept as parts depending on the template's detected content format, tool definitions are
+or kept as parts depending on the template's detected content format (detected by the backend
+release's rule: 0.33.0 follows namespace aliases of `messages`), tool definitions are
 normalised as vLLM's pydantic models dump them, tool-call arguments become dicts, developer
 messages become system messages for templates that do not know the role, and the template is
 rendered to text (the caller encodes it with add_special_tokens=False by default: the template
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 import jinja2
 import jinja2.compiler
@@ -117,6 +118,9 @@ class ChatRequest:
     chat_template_kwargs: dict | None = None
     add_special_tokens: bool = False
     documents: list[dict] | None = None
+    # The backend's release follows namespace aliases of `messages` when it detects the template's
+    # content format (vLLM 0.33.0; app.memory.vllm_runner.CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE).
+    namespace_aliases: bool = False
 
     @property
     def carries_template(self) -> bool:
@@ -421,6 +425,17 @@ async def render_within_budget(render: Callable[[], _T], budget: TemplateBudget)
 # ---------------------------------------------------------------- template analysis
 
 
+def _reads(node: nodes.Node, var: str) -> bool:
+    """`node` reads `var`: a name, or a namespace attribute spelt ``ns.attr`` (only vLLM 0.33's
+    rule makes such aliases: vllm 0.33.0 renderers/hf.py:364-373 `_is_var_access`)."""
+    if isinstance(node, nodes.Name):
+        return node.ctx == "load" and node.name == var
+    if isinstance(node, nodes.Getattr) and "." in var:
+        base, _, attr = var.rpartition(".")
+        return node.attr == attr and _reads(node.node, base)
+    return False
+
+
 def _accesses(node: nodes.Node, var: str, key: str | None = None) -> bool:
     """`var` (or `var[key]` / `var.key`), possibly sliced, filtered or tested."""
     if isinstance(node, nodes.Filter):
@@ -430,10 +445,10 @@ def _accesses(node: nodes.Node, var: str, key: str | None = None) -> bool:
     if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
         return _accesses(node.node, var, key)
     if key is None:
-        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == var
+        return _reads(node, var)
     if isinstance(node, nodes.Getitem):
-        return _accesses(node.node, var) and isinstance(node.arg, nodes.Const) and node.arg.value == key
-    return isinstance(node, nodes.Getattr) and _accesses(node.node, var) and node.attr == key
+        return _reads(node.node, var) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+    return isinstance(node, nodes.Getattr) and _reads(node.node, var) and node.attr == key
 
 
 def _loop_target(loop: nodes.For) -> str:
@@ -442,25 +457,50 @@ def _loop_target(loop: nodes.For) -> str:
     return loop.target.name
 
 
-def _aliases(root: nodes.Template, var: str) -> set[str]:
-    """`var` and every name assigned from it, transitively."""
+def _calls_namespace(node: nodes.Node) -> TypeGuard[nodes.Call]:
+    return isinstance(node, nodes.Call) and isinstance(node.node, nodes.Name) and node.node.name == "namespace"
+
+
+def _assigned_aliases(assign: nodes.Assign, var: str, namespace_aliases: bool) -> list[str]:
+    """The names `assign` binds to `var` (or its elements): vLLM's `_iter_nodes_assign_var_or_elems`.
+
+    vllm 0.32.0 renderers/hf.py:364-385 follows plain names and asserts that any other target
+    (``ns.attr``, a tuple) assigned from `var` is a name: the AssertionError makes the whole
+    template "string" (hf.py:491-506, the default). vllm 0.33.0 hf.py:424-470 also follows
+    namespace aliases, ``namespace(attr=var)`` and ``{% set ns.attr = var %}``, as ``ns.attr``,
+    and passes over other targets."""
+    target, value = assign.target, assign.node
+    if isinstance(target, nodes.Name) and _accesses(value, var):
+        return [target.name]
+    if not namespace_aliases:
+        if _accesses(value, var):
+            raise TypeError("assignment to a non-name")  # 0.32.0 hf.py:380 assert: "string"
+        return []
+    if isinstance(target, nodes.Name) and _calls_namespace(value):
+        return [f"{target.name}.{kwarg.key}" for kwarg in value.kwargs if _accesses(kwarg.value, var)]
+    if isinstance(target, nodes.NSRef) and _accesses(value, var):
+        return [f"{target.name}.{target.attr}"]
+    return []
+
+
+def _aliases(root: nodes.Template, var: str, namespace_aliases: bool) -> set[str]:
+    """`var` and every name assigned from it, transitively (vLLM 0.32.0 keeps no set of the names
+    it has seen and loops for ever on ``a = b; b = a``; 0.33.0 keeps one, as this does)."""
     found, todo = {var}, deque([var])
     while todo:
         current = todo.popleft()
         for assign in root.find_all(nodes.Assign):
-            if (
-                _accesses(assign.node, current)
-                and isinstance(assign.target, nodes.Name)
-                and assign.target.name not in found
-            ):
-                found.add(assign.target.name)
-                todo.append(assign.target.name)
+            for alias in _assigned_aliases(assign, current, namespace_aliases):
+                if alias not in found:
+                    found.add(alias)
+                    todo.append(alias)
     return found
 
 
-def _content_loops(root: nodes.Template) -> Iterator[nodes.For]:
-    """Loops over a message's content: vllm/renderers/hf.py _iter_nodes_assign_content_item."""
-    message_lists = _aliases(root, "messages")
+def _content_loops(root: nodes.Template, namespace_aliases: bool) -> Iterator[nodes.For]:
+    """Loops over a message's content: vllm/renderers/hf.py _iter_nodes_assign_content_item (the
+    same in 0.32.0 :405-476 and 0.33.0 :493-564; only the aliases of `messages` differ)."""
+    message_lists = _aliases(root, "messages", namespace_aliases)
     message_vars = {
         _loop_target(loop) for loop in root.find_all(nodes.For) if any(_accesses(loop.iter, v) for v in message_lists)
     }
@@ -501,8 +541,8 @@ class _TemplateInfo:
 
 
 @lru_cache(maxsize=32)
-def _template_info(template: str) -> _TemplateInfo:
-    """Parsed once per template text; the hot path only looks it up."""
+def _template_info(template: str, namespace_aliases: bool) -> _TemplateInfo:
+    """Parsed once per template text and release rule; the hot path only looks it up."""
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
@@ -510,7 +550,7 @@ def _template_info(template: str) -> _TemplateInfo:
     except (jinja2.TemplateError, ImportError) as e:
         raise TokenizationError(f"chat template does not parse: {e}") from e
     try:
-        fmt: ContentFormat = "openai" if next(_content_loops(ast), None) else "string"
+        fmt: ContentFormat = "openai" if next(_content_loops(ast, namespace_aliases), None) else "string"
     except TypeError:
         fmt = "string"
     return _TemplateInfo(
@@ -718,9 +758,9 @@ def render_chat(tokenizer: Any, chat: ChatRequest) -> str | list[int]:
     tools, tokenize = kwargs.pop("tools", None), kwargs.pop("tokenize", True)
 
     # vLLM picks the content format from the request's template, renders with kwargs'.
-    fmt = _template_info(_template(tokenizer, chat.chat_template, tools)).content_format
+    fmt = _template_info(_template(tokenizer, chat.chat_template, tools), chat.namespace_aliases).content_format
     template = _template(tokenizer, kwargs.pop("chat_template", None), tools)
-    info = _template_info(template)
+    info = _template_info(template, chat.namespace_aliases)
     conversation = [_message(m, fmt == "openai") for m in chat.messages]
     if not info.has_developer and any(m["role"] == "developer" for m in conversation):
         conversation = _developer_as_system(conversation)

