@@ -2,8 +2,10 @@
 
 Mirrors vLLM v1 (``vllm/v1/kv_cache_interface.py`` for page sizes and per-spec
 maximum usage, ``vllm/v1/core/kv_cache_utils.py`` for ``get_num_blocks``, the
-hybrid grouping and ``get_max_concurrency_for_kv_cache_config``), so that our
-numbers equal the ones vLLM logs at start-up and exports in ``cache_config_info``.
+hybrid grouping and ``get_max_concurrency_for_kv_cache_config``; vLLM 0.33.0 moved the sizing and
+grouping to ``v1/core/kv_cache_planning.py`` with the same arithmetic, compared function by function
+in docs/memory-model.md), so that our numbers equal the ones vLLM logs at start-up and exports in
+``cache_config_info``.
 
 Hybrid models (full attention beside sliding-window or chunked attention, e.g. Gemma 2/3,
 gpt-oss, Llama 4; or beside recurrent-state layers, e.g. Qwen3-Next, Jamba, Nemotron-H):
