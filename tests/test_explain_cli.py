@@ -370,3 +370,33 @@ def test_v2_fp32_copy_follows_the_rows_that_need_processing(llama_31_dir: Path, 
     _, out = explain(tmp_path, llama_31_dir, plain, *LLAMA_31_FLAGS)
     stage = out["transient"]["sampler_stage_with_in_flight"]
     assert stage["logits_fp32"] == stage["top_k_top_p"] == stage["sort"] == 0
+
+
+def test_the_chat_content_format_follows_the_release(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A template that loops over `messages` through a Jinja namespace: vLLM 0.33.0 detects the
+    "openai" content format (parts kept), 0.32.0 "string" (parts joined). The prompt kvgate counts
+    follows the release it is told: as a plain loop over the content renders it (openai in both
+    releases), or as a template that never loops over the content does ("string": joined)."""
+    parts = [{"type": "text", "text": f"part {i} of the question"} for i in range(8)]
+    render = (
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}<{{ part.text }}>{% endfor %}{% endif %}"
+    )
+    via_namespace = "{% set ns = namespace(rest=messages) %}{% for message in ns.rest %}" + render + "{% endfor %}"
+    plain = "{% for message in messages %}" + render + "{% endfor %}"
+    no_content_loop = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+    def prompt_tokens(version: str, template: str, content: object) -> int:
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "chat_template": template}
+        code, out = explain(
+            tmp_path, tiny_model_dir, body, "--vllm-version", version, "--model-runner", "v1",
+            "--trust-request-chat-template", "--num-gpu-blocks", "64", "--free-memory-bytes", str(1024**3),
+        )  # fmt: skip
+        assert code == 0, out
+        return int(out["prompt_tokens"])
+
+    as_parts = prompt_tokens("0.33.0", plain, parts)
+    as_string = prompt_tokens("0.33.0", no_content_loop, parts)
+    assert as_parts != as_string
+    assert prompt_tokens("0.33.0", via_namespace, parts) == as_parts
+    assert prompt_tokens("0.32.0", via_namespace, parts) == as_string
