@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import re
 import threading
 import time
 from collections import deque
@@ -23,6 +24,8 @@ from functools import lru_cache
 from typing import Any, Literal, TypeVar
 
 import jinja2
+import jinja2.compiler
+import jinja2.filters
 import jinja2.meta
 import jinja2.sandbox
 from jinja2 import nodes
@@ -169,38 +172,134 @@ class _TimedRange:
             yield value
 
 
-class BudgetedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """transformers' chat-template sandbox with a size check on the operators that multiply
-    memory (`*`, `**`, `+`) and on the rendered output; the time limit is enforced by
-    render_within_budget, which runs the render in a thread of its own."""
+# printf-style conversions (`%` on a string) and str.format fields: the widths and precisions in
+# them are characters the result will hold.
+_PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_FORMAT_FIELD = re.compile(r"\{[^{}]*\}")
+# str methods that build a string from their arguments, each sized before it runs.
+_STR_BUILDERS = frozenset(
+    {"center", "ljust", "rjust", "zfill", "expandtabs", "replace", "join", "format", "format_map"}
+)
 
-    intercepted_binops = frozenset({"*", "**", "+"})
+
+class _CountingCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Compiles `a ~ b` to the environment's counted concatenation (jinja2 writes `str_join`)."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Any) -> None:
+        self.write("environment.counted_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+def _numbers(text: str) -> int:
+    return sum(int(n) for n in re.findall(r"\d+", text))
+
+
+class BudgetedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' chat-template sandbox where every operation that builds a string or a list
+    is sized before it allocates: `*`, `**`, `+`, `%`, `~`, the str methods that build strings
+    (center, ljust, join, format, replace, ...) and the filters that do (join, center, format,
+    indent, replace), each against the output budget; the rendered output is counted as it
+    grows. The time limit is enforced by render_within_budget, which runs the render in a thread
+    of its own (and kvgate runs that in a worker process whose memory it watches)."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = _CountingCodeGenerator
 
     def __init__(self, *args: Any, budget_chars: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.budget_chars = budget_chars
+        self.filters.update(
+            join=jinja2.filters.pass_environment(_counted_join),
+            center=jinja2.filters.pass_environment(lambda env, value, width=80: env.sized(str(value), "center", width)),
+            format=jinja2.filters.pass_environment(
+                lambda env, value, *args, **kwargs: env.sized(str(value), "%", args or kwargs)
+            ),
+            indent=jinja2.filters.pass_environment(_counted_indent),
+            replace=jinja2.filters.pass_eval_context(_counted_replace),
+        )
+
+    def check(self, size: int, what: str) -> None:
+        if size > self.budget_chars:
+            raise TemplateBudgetExceeded(
+                f"the chat template builds {what} of {size:,} characters, over its budget of {self.budget_chars:,}"
+            )
+
+    def sized(self, text: str, operation: str, *args: Any) -> str:
+        """`text` put through a string-building `operation`, sized first."""
+        self.check(self._result_size(text, operation, args), f"a string with {operation}")
+        if operation == "%":
+            return text % args[0]
+        return str(getattr(text, operation)(*args))
+
+    def _result_size(self, text: str, operation: str, args: tuple[Any, ...]) -> int:
+        """At least as many characters as the result of `text.<operation>(*args)` will have."""
+        if operation in ("center", "ljust", "rjust", "zfill"):
+            width = args[0] if args else 0
+            return max(len(text), width if isinstance(width, int) else 0)
+        if operation == "expandtabs":
+            size = args[0] if args and isinstance(args[0], int) else 8
+            return len(text) + text.count("\t") * max(size, 0)
+        if operation == "replace":
+            old, new = (str(a) for a in args[:2])
+            return len(text) + (text.count(old) if old else len(text) + 1) * max(len(new) - len(old), 0)
+        if operation == "%":
+            values = args[0] if isinstance(args[0], tuple) else (args[0],)
+            specs = _PRINTF_SPEC.findall(text)
+            stars = sum(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+            widths = sum(int(w) for spec in specs for w in spec if w.isdigit()) + (
+                stars if any("*" in spec for spec in specs) else 0
+            )
+            return len(text) + widths + sum(len(str(v)) for v in values)
+        if operation == "format":
+            fields = _FORMAT_FIELD.findall(text)
+            return len(text) + sum(_numbers(field) for field in fields) + sum(len(str(v)) for v in args)
+        return len(text)
+
+    def counted_concat(self, parts: tuple[Any, ...]) -> str:
+        """`a ~ b ~ ...`: the pieces as strings, their total sized before they are joined."""
+        texts = [str(part) for part in parts]
+        self.check(sum(map(len, texts)), "a string with ~")
+        return "".join(texts)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if (
-                    isinstance(seq, (str, list, tuple))
-                    and isinstance(count, int)
-                    and len(seq) * count > self.budget_chars
-                ):
-                    raise TemplateBudgetExceeded(
-                        f"the chat template builds a value of {len(seq) * count:,} items, over its budget of {self.budget_chars:,}"
-                    )
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int):
+                    self.check(len(seq) * count, "a value with *")
         elif operator == "**" and isinstance(right, int) and abs(right) > 64:
             raise TemplateBudgetExceeded("the chat template raises a number to a power above 64")
-        elif (
-            operator == "+"
-            and isinstance(left, (str, list))
-            and isinstance(right, (str, list))
-            and len(left) + len(right) > self.budget_chars
-        ):
-            raise TemplateBudgetExceeded("the chat template builds a value over its output budget")
+        elif operator == "+" and isinstance(left, (str, list)) and isinstance(right, (str, list)):
+            self.check(len(left) + len(right), "a value with +")
+        elif operator == "%" and isinstance(left, str):
+            return self.sized(left, "%", right)
         return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+        """A template's method call; the str methods that build strings are sized first."""
+        owner = getattr(__obj, "__self__", None)
+        name = getattr(__obj, "__name__", "")
+        if isinstance(owner, str) and name in _STR_BUILDERS:
+            if name == "join" and args:
+                return _counted_join(__self, args[0], owner)
+            __self.check(__self._result_size(owner, name, args), f"a string with {name}")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """str.format and format_map, which jinja2's sandbox hands its own formatter, sized first."""
+        formatter = super().wrap_str_format(value)
+        if formatter is None:
+            return None
+        text: str = value.__self__
+
+        def sized(*args: Any, **kwargs: Any) -> str:
+            values = (*args, *(a for arg in args if isinstance(arg, dict) for a in arg.values()), *kwargs.values())
+            self.check(self._result_size(text, "format", values), "a string with format")
+            return str(formatter(*args, **kwargs))
+
+        return sized
 
     def concat(self, pieces: Any) -> str:
         """Template.render's join of the output, stopped once it passes the output budget."""
@@ -214,6 +313,35 @@ class BudgetedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
                 )
             out.append(piece)
         return "".join(out)
+
+
+def _counted_join(env: BudgetedSandbox, value: Any, d: str = "", attribute: Any = None) -> str:
+    """jinja2's join filter (and str.join), each item sized as it is taken: a join of a range
+    with a long separator built gigabytes in one call."""
+    if attribute is not None:
+        value = map(jinja2.filters.make_attrgetter(env, attribute), value)
+    separator, size = str(d), 0
+    texts: list[str] = []
+    for item in value:
+        text = str(item)
+        size += len(text) + (len(separator) if texts else 0)
+        env.check(size, "a string with join")
+        texts.append(text)
+    return separator.join(texts)
+
+
+def _counted_indent(env: BudgetedSandbox, value: Any, width: Any = 4, first: bool = False, blank: bool = False) -> str:
+    text = str(value)
+    pad_size = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    env.check(len(text) + (text.count("\n") + 1) * pad_size, "a string with indent")
+    return str(jinja2.filters.do_indent(text, width, first, blank))
+
+
+def _counted_replace(eval_ctx: Any, value: Any, old: Any, new: Any, count: int | None = None) -> str:
+    env: BudgetedSandbox = eval_ctx.environment
+    text = str(value)
+    env.check(env._result_size(text, "replace", (old, new)), "a string with replace")
+    return str(jinja2.filters.do_replace(eval_ctx, text, old, new, count))
 
 
 @lru_cache(maxsize=32)

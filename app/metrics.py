@@ -32,7 +32,9 @@ class KvgateMetrics:
             ["decision", "reason"],
             registry=r,
         )
-        self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission.", registry=r)
+        self.queue_depth = Gauge(
+            "kvgate_queue_depth", "Requests waiting for admission (or for the backend, to be evaluated).", registry=r
+        )
         self.queue_wait = Histogram(
             "kvgate_queue_wait_seconds",
             "Time admitted requests waited in the queue.",
@@ -92,7 +94,8 @@ class KvgateMetrics:
         )
         self.disconnects = Counter(
             "kvgate_client_disconnects",
-            "Clients that went away, by where they were.",
+            "Clients that went away, by where they were (request_body, queued, awaiting_response, "
+            "response_body); the last two are the reservations released as disconnected.",
             ["stage"],
             registry=r,
         )
@@ -137,7 +140,7 @@ class GateMetrics:
         """The gauges of the queue, the ledger and the budget read them when /metrics is
         scraped: written on every admission and release they cost ten gauge writes a request."""
         m, ledger, budget = self.metrics, gate.ledger, gate.budget
-        m.queue_depth.set_function(lambda: len(gate.queue))
+        m.queue_depth.set_function(lambda: gate.waiting)
         m.in_flight.set_function(lambda: ledger.in_flight)
         m.reserved_kv_blocks.set_function(lambda: ledger.kv_blocks)
         m.reserved_transient.set_function(lambda: budget.transient_charge(ledger))

@@ -60,6 +60,27 @@ def _cached_snapshot(repo_id: str, cache_dir: Path | None, shown: str) -> Path:
     return folder
 
 
+def read_sampling_defaults(folder: str | Path | None) -> dict[str, float]:
+    """The request defaults vLLM takes from ``folder/generation_config.json`` with its default
+    ``--generation-config auto`` (vllm 0.32.0 config/model.py:1847-1890 get_diff_sampling_param;
+    app/sampling_params.py SAMPLING_DEFAULT_KEYS). None, no file or an unreadable one: none."""
+    from app.sampling_params import SAMPLING_DEFAULT_KEYS
+
+    if folder is None:
+        return {}
+    try:
+        config = json.loads((Path(folder) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {
+        key: float(value)
+        for key in SAMPLING_DEFAULT_KEYS
+        if isinstance(value := config.get(key), (int, float)) and not isinstance(value, bool)
+    }
+
+
 def read_model_config(folder: str | Path) -> dict[str, Any]:
     """``folder/config.json`` as a dict; ValueError naming the file when missing or not JSON."""
     file = Path(folder) / "config.json"

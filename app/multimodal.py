@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,7 +104,7 @@ def with_placeholders(chat: ChatRequest, images: ImageTokens | None) -> tuple[Ch
     return replace(chat, messages=messages), keys
 
 
-def expand_images(ids: list[int], images: ImageTokens, keys: list[str]) -> list[int]:
+def expand_images(ids: Sequence[int], images: ImageTokens, keys: list[str]) -> list[int]:
     """Each placeholder token becomes the image's tokens. Their ids stand for the image (a hash
     of its reference), so that two requests share a KV prefix only if they share the image, as
     vLLM's block hashes, which include each image's hash, decide."""
@@ -117,7 +118,7 @@ def expand_images(ids: list[int], images: ImageTokens, keys: list[str]) -> list[
         out += ids[start:position]
         out += [stand_in] * images.per_image
         start = position + 1
-    return out + ids[start:]
+    return out + list(ids[start:])
 
 
 class MediaCounting:
@@ -130,15 +131,18 @@ class MediaCounting:
 
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
-    ) -> list[int]:
+    ) -> Sequence[int]:
         return await self._inner.encode_prompt(prompt, add_special_tokens, max_tokens)
 
     async def encode_prompts(
         self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
-    ) -> list[list[int]]:
+    ) -> Sequence[Sequence[int]]:
         return await self._inner.encode_prompts(prompts, add_special_tokens, max_tokens)
 
-    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        self._inner.refuse_certainly_too_long(text, max_tokens)
+
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
         text_chat, keys = with_placeholders(chat, self._images)
         ids = await self._inner.encode_chat(text_chat, max_tokens)

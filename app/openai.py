@@ -13,6 +13,7 @@ from typing import Any
 
 from app.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, ChatRequest
 from app.errors import InvalidField, TooManyJsonValues
+from app.json_text import load_json
 from app.sampling_params import SamplingParams, vllm_sampling_params
 from app.vllm_routes import Route, Shape, Translated, translate
 
@@ -46,6 +47,9 @@ class RequestSpec:
     stream: bool
     max_tokens: int | None
     n: int = 1
+    # The field max_tokens came from, as vLLM names it in its errors (chat: max_completion_tokens
+    # when given; vllm/entrypoints/openai/chat_completion/protocol.py build_tok_params).
+    max_tokens_param: str = "max_tokens"
     best_of: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -104,21 +108,20 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object, or a 400 that says what is wrong with it.
 
     Python's parser takes bodies no client should send: nesting past the recursion limit
-    (RecursionError), integers past 4,300 digits (ValueError) and lone UTF-16 surrogates
-    (`"\\ud800"`, a str no encoder accepts). Each is the client's fault and answered 400 here
-    rather than failing later in the tokenizer, the predictor or the error response itself.
+    (RecursionError), integers past 4,300 digits (ValueError) and text that is not Unicode
+    (invalid UTF-8, lone surrogates: app/json_text.py, which names the field). Each is the
+    client's fault and answered 400 here rather than failing later in the tokenizer, the
+    predictor or the error response itself.
     """
     _refuse_too_many_values(raw)
     try:
-        body = json.loads(raw)
+        body = load_json(raw)
     except RecursionError:
         raise bad_request("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the digit limit
         raise bad_request(f"The body is not valid JSON: {str(exc)[:200]}.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.", code="invalid_json")
-    if b"\\ud" in raw or b"\\uD" in raw:  # surrogates can only come from escapes
-        _refuse_lone_surrogates(body)
     return body
 
 
@@ -152,19 +155,6 @@ def _commas_in_strings(raw: bytes) -> int:
                 opened = -1
         at = raw.find(b'"', at + 1)
     return inside
-
-
-def _refuse_lone_surrogates(body: dict[str, Any]) -> None:
-    """400 if any string holds an unpaired surrogate (json.loads joins the paired ones)."""
-    try:
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(
-            "The body is not valid JSON: a string holds an unpaired UTF-16 surrogate escape.",
-            code="invalid_json",
-        ) from None
-    except RecursionError:
-        raise bad_request("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
 
 
 def _cache_salt(body: dict[str, Any]) -> str | None:
@@ -331,6 +321,9 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         model=model,
         stream=_bool(body, "stream", False),
         max_tokens=sampling.max_tokens,
+        max_tokens_param="max_completion_tokens"
+        if endpoint == "chat" and body.get("max_completion_tokens") is not None
+        else "max_tokens",
         n=sampling.n,
         best_of=best_of,
         logprobs=sampling.logprobs,

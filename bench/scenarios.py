@@ -7,7 +7,7 @@ S5's prompt logprobs over a whole chunk exist only on V1. S1 and S8-S10 play vLL
 the runner its own rule picks (V2 for their models), where V2 itself runs out: MLA's context
 up-projection (S1), the fp32 logits of a temperature > 0 batch its greedy profile never saw
 (S8), 1 + k sampled rows per request under speculative decoding (S9), and `prompt_logprobs: -1`
-on a server that allows it (S10).
+on a server that allows it (S10); S11 plays 0.32.0's V2 prompt logprobs (k = 5 and -1).
 
 Times in the traffic are simulated seconds; the harness sends each call at `at / speedup` wall
 seconds. `scale` shrinks the traffic for `--quick` and the smoke test (fewer arrivals, shorter
@@ -209,6 +209,26 @@ def s10_traffic(rng: random.Random, scale: float) -> list[Call]:
     return streaming(calls)
 
 
+# ----- S11 ---------------------------------------------------------------------------------------
+def s11_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s; an evaluation harness scores passages at 0.6/s: a half with `prompt_logprobs: 5`
+    (1,000-4,000 tokens), a third with `-1` on passages that fit one 2,048-token step (300-1,500),
+    the rest with `-1` on passages spanning two or three steps (3,000-6,000), whose earlier steps'
+    whole-vocabulary results Model Runner V2 keeps on the GPU until the last one."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 2.0, d)
+    for t in poisson_times(rng, 0.6, d):
+        pick = rng.random()
+        if pick < 0.5:
+            n, k = rng.choice([1000, 2000, 3000, 4000]), 5
+        elif pick < 0.83:
+            n, k = rng.choice([300, 600, 1000, 1500]), -1
+        else:
+            n, k = rng.choice([3000, 4500, 6000]), -1
+        calls.append(document_call(rng, t, n, f"prompt_logprobs {k}", max_tokens=1, prompt_logprobs=k))
+    return streaming(calls)
+
+
 def _flags(mnbt: int, seqs: int, v1: bool = True, **extra: str) -> list[str]:
     # A V1 simulator (_sim) plays VLLM_USE_V2_MODEL_RUNNER=0; kvgate is told so, as the operator
     # would tell it (vLLM's /version does not say which runner runs). On vLLM 0.32.0's own choice
@@ -349,6 +369,26 @@ SCENARIOS: list[Scenario] = [
         _sim_v2(max_model_len=16384, max_logprobs=-1),
         _flags(8192, 1024, v1=False, max_logprobs="-1"),
         s10_traffic,
+        30,
+        4,
+    ),
+    # Issue #27: V2 prompt logprobs as vLLM 0.32.0's code runs them (v1/worker/gpu/sample/
+    # prompt_logprob.py): two 1,024-row sub-chunks of logits over the whole step, and with -1 the
+    # earlier steps' results kept and concatenated again at the last. 15 % of the H100 lies outside
+    # the budget: enough for k=5 and for a one-step -1 passage, not for -1 passages over several
+    # steps, nor for several -1 passages held at once.
+    Scenario(
+        "S11",
+        "prompt_logprobs 5 and -1 on Model Runner V2 (two sub-chunks, -1 kept across steps)",
+        _sim_v2(
+            max_model_len=16384,
+            max_num_batched_tokens=2048,
+            max_num_seqs=256,
+            max_logprobs=-1,
+            gpu_memory_utilization=0.85,
+        ),
+        _flags(2048, 256, v1=False, max_logprobs="-1", gpu_memory_utilization="0.85"),
+        s11_traffic,
         30,
         4,
     ),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -58,6 +59,7 @@ from transformers import PreTrainedTokenizerFast
 
 from app.sim.presets import gpu_total_bytes, model_config
 from app.sim.runner import free_port
+from bench.work_cost import hostile_bodies
 from demo.processes import stop_process
 from demo.replay import WORDS, kvgate
 
@@ -70,11 +72,17 @@ KV_CACHE_BYTES = 256 * 2**20
 # Simulated seconds per wall second: the tiny model's steps are short already; this keeps a
 # request's life in tens of milliseconds so 20,000 of them fit a few minutes on two cores.
 SPEEDUP = 100.0
+PROCESS_MEMORY = 2 * 2**30  # deploy/ gives kvgate a 2 GiB memory limit
 # kvgate's defaults otherwise (client read timeouts included: with shorter ones, a load
 # generator starved of CPU on a busy machine saw its kept-alive connections timed out).
 KVGATE_FLAGS = [
     "--served-model-name",
     MODEL,
+    # The manifests' memory limit (deploy/): issue 28's bodies must stay inside it.
+    "--max-process-memory-bytes",
+    str(PROCESS_MEMORY),
+    # Request templates are rendered (sandboxed, in a worker) rather than refused untrusted.
+    "--trust-request-chat-template",
     "--max-model-len",
     str(MAX_MODEL_LEN),
     "--kv-cache-memory-bytes",
@@ -82,6 +90,8 @@ KVGATE_FLAGS = [
 ]
 DISCONNECT_SHARE = 0.30
 HOSTILE_SHARE = 0.05
+# Issue 28's bodies (bench/work_cost.py, each up to 28 MiB) and request templates, on top.
+MEMORY_HOSTILE_SHARE = 0.02
 KILL_AT, HANG_AT = 0.4, 0.7  # fractions of the requests sent when each fault starts
 CLIENT_TIMEOUT_S = 90.0  # a request with no answer by then is "no answer" (a failure)
 FAULT_GRACE_S = 2.0
@@ -100,6 +110,8 @@ TARGETS = {
     "fd_growth": "< 5 %",
     "hang_queued": "> 0",
     "healthz_p99_hostile_ms": "< 50 ms",
+    "peak_rss_tree": f"< {PROCESS_MEMORY // 2**20:,} MiB",
+    "kvgate_restarts": "0",
     "no_answer": "0",
 }
 
@@ -322,12 +334,50 @@ HOSTILE_VARIANTS = (
 )
 
 
+# Issue 28's memory-hostile bodies, by variant name: the work_cost bodies and request templates
+# that built gigabytes (tests/test_hostile_bodies.py STRING_BUILDERS has them all).
+MEMORY_BODIES = {
+    "memory_1024_long_prompts": "1024 prompts x 29,000 chars",
+    "memory_function_calls": "110,000 function_call items (Responses)",
+    "memory_tool_calls": "120,000 tool_calls in one chat message",
+    "memory_tools": "160,000 tools",
+    "memory_anthropic_blocks": "200,000 Anthropic text blocks (/v1/messages)",
+    "memory_chat_messages": "50,000 chat messages",
+    "template_join_range": "{{ range(99999)|join('x' * 99999) }}",
+    "template_tilde_doubling": (
+        "{% set ns = namespace(s='ab') %}{% for i in range(27) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
+    ),
+    "template_percent_center_format": "{{ '%536870912s' % 'x' }}{{ 'x'|center(536870912) }}{{ '{:>536870912}'.format('x') }}",
+}
+ROUTE_PATHS_BY_NAME = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "responses": "/v1/responses",
+    "messages": "/v1/messages",
+}
+
+
+@functools.cache
+def _memory_body(name: str) -> tuple[str, bytes]:
+    """(route, body): built once, shared by every shot of the variant (a 28 MiB body each)."""
+    if name.startswith("template_"):
+        chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        return "chat", _json(chat | {"chat_template": MEMORY_BODIES[name]})
+    return hostile_bodies(MODEL)[MEMORY_BODIES[name]]
+
+
 def traffic(n: int, seed: int) -> list[Shot]:
     """The soak's requests, the same for the same (n, seed)."""
     rng = random.Random(seed)
     shots = []
     for i in range(n):
         roll = rng.random()
+        if roll < MEMORY_HOSTILE_SHARE:
+            name = rng.choice(list(MEMORY_BODIES))
+            route, raw = _memory_body(name)
+            shots.append(Shot(i, "hostile", name, path=ROUTE_PATHS_BY_NAME[route], body=raw))
+            continue
+        roll -= MEMORY_HOSTILE_SHARE
         if roll < HOSTILE_SHARE:
             shots.append(_hostile(rng, i))
             continue
@@ -487,6 +537,21 @@ def proc_usage(pid: int) -> tuple[int, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def tree_memory(pid: int, field: str = "VmRSS") -> int:
+    """`field` of `pid` and its descendants (kvgate's preparation workers), summed: what the
+    container's memory limit counts."""
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{current}/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(child) for child in (task / "children").read_text().split()]
+    return total
+
+
 def scrape(url: str) -> dict[str, float]:
     """kvgate's /metrics as {name{labels}: value} (the gauges and counters the report reads)."""
     page = httpx.get(url + "/metrics", timeout=10).text
@@ -539,6 +604,7 @@ class SoakResult:
     faults: Faults
     healthz: list[tuple[float, float]]
     usage: list[tuple[float, int, int, float]]  # (time, rss, fds, the machine's 1-minute load average)
+    tree_rss: list[tuple[float, int]]  # (time, RSS of kvgate and its preparation workers), every 50 ms
     idle_usage: tuple[int, int]  # before the first request
     warm_usage: tuple[int, int]
     end_usage: tuple[int, int]
@@ -548,6 +614,9 @@ class SoakResult:
     kvgate_command: list[str] = field(default_factory=list)
     sim_command: list[str] = field(default_factory=list)
     kvgate_log_errors: list[str] = field(default_factory=list)
+    tree_hwm_end: int = 0  # the live processes' own peaks (VmHWM), summed, at the end
+    kvgate_exited: int | None = None  # its exit status if it died during the soak
+    workers_replaced: int = 0  # preparation workers stopped past their grant or time
 
 
 async def _probe(url: str, i: int) -> Answer:
@@ -559,10 +628,11 @@ async def _probe(url: str, i: int) -> Answer:
 
 async def _drive(
     url: str, backend: Backend, shots: list[Shot], concurrency: int, hang_s: float, pid: int
-) -> tuple[list[Answer], Faults, list[tuple[float, int, int, float]], tuple[int, int]]:
+) -> tuple[list[Answer], Faults, list[tuple[float, int, int, float]], list[tuple[float, int]], tuple[int, int]]:
     answers: list[Answer] = []
     faults = Faults()
     usage: list[tuple[float, int, int, float]] = []
+    tree_rss: list[tuple[float, int]] = []
     warm: list[tuple[int, int]] = []
     sent = 0
     kill_now, hang_now, warm_now = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -630,14 +700,17 @@ async def _drive(
                 warm.append((rss, fds))
             await asyncio.sleep(0.5)
 
-    watch = [asyncio.create_task(faults_task()), asyncio.create_task(sampler())]
+    async def tree_sampler() -> None:
+        while True:
+            tree_rss.append((time.monotonic(), tree_memory(pid)))
+            await asyncio.sleep(0.05)
+
+    watch = [asyncio.create_task(faults_task()), asyncio.create_task(sampler()), asyncio.create_task(tree_sampler())]
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    for t in watch:
-        if not t.done() and t is watch[1]:
-            t.cancel()
     await asyncio.wait_for(watch[0], 60)  # a run too short to reach the faults fails here
     watch[1].cancel()
-    return answers, faults, usage, warm[0] if warm else proc_usage(pid)
+    watch[2].cancel()
+    return answers, faults, usage, tree_rss, warm[0] if warm else proc_usage(pid)
 
 
 def _wait_ledger(url: str, timeout_s: float = 30.0) -> dict[str, float]:
@@ -670,7 +743,9 @@ def run_soak(
                 poller.start()
                 idle = proc_usage(proc.pid)
                 started = time.monotonic()
-                answers, faults, usage, warm = asyncio.run(_drive(url, backend, shots, concurrency, hang_s, proc.pid))
+                answers, faults, usage, tree_rss, warm = asyncio.run(
+                    _drive(url, backend, shots, concurrency, hang_s, proc.pid)
+                )
                 load_s = time.monotonic() - started
                 stop.set()
                 healthz = rx.recv() if rx.poll(30) else []
@@ -678,7 +753,10 @@ def run_soak(
                 ledger = _wait_ledger(url)
                 time.sleep(1.0)  # kvgate closes what the last clients left
                 end = proc_usage(proc.pid)
+                tree_hwm_end = tree_memory(proc.pid, "VmHWM")
                 metrics = scrape(url)
+                kvgate_exited = proc.poll()
+                workers_replaced = log_path.read_text(errors="replace").count("a preparation worker was stopped")
                 errors = [
                     ln[:300]
                     for ln in log_path.read_text(errors="replace").splitlines()
@@ -700,6 +778,7 @@ def run_soak(
         faults,
         healthz,
         usage,
+        tree_rss,
         idle,
         warm,
         end,
@@ -709,6 +788,9 @@ def run_soak(
         cmd,
         backend.cmd,
         errors,
+        tree_hwm_end,
+        kvgate_exited,
+        workers_replaced,
     )
 
 
@@ -780,7 +862,8 @@ def summary(r: SoakResult) -> dict[str, Any]:
         "by_outcome": dict(sorted(by_outcome.items())),
         "by_kind": by_kind,
         "hostile_by_variant": {
-            v: dict(Counter(a.outcome for a in r.answers if a.variant == v)) for v in HOSTILE_VARIANTS
+            v: dict(Counter(a.outcome for a in r.answers if a.variant == v))
+            for v in (*HOSTILE_VARIANTS, *MEMORY_BODIES)
         },
         "disconnects_by_stage": {
             v: dict(Counter(a.outcome for a in r.answers if a.kind == "disconnect" and a.variant == v))
@@ -812,6 +895,12 @@ def summary(r: SoakResult) -> dict[str, Any]:
             "peak": round(max((u[1] for u in r.usage), default=0) / 2**20, 1),
         },
         "rss_growth_pct": _growth(r.warm_usage[0], r.end_usage[0]),
+        # kvgate and its preparation workers together, against the manifests' limit
+        "peak_rss_tree_mib": round(max((v for _, v in r.tree_rss), default=0) / 2**20, 1),
+        "tree_hwm_end_mib": round(r.tree_hwm_end / 2**20, 1),
+        "process_memory_limit_mib": PROCESS_MEMORY // 2**20,
+        "kvgate_restarts": 0 if r.kvgate_exited is None else 1,
+        "preparation_workers_replaced": r.workers_replaced,
         "fds": {
             "idle_before": r.idle_usage[1],
             "after_warmup": r.warm_usage[1],
@@ -880,6 +969,18 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
             TARGETS["healthz_p99_hostile_ms"],
         ),
         ("requests with no answer", s["no_answer"], s["no_answer"] == 0, TARGETS["no_answer"]),
+        (
+            "peak RSS of kvgate and its preparation workers (sampled every 50 ms; VmHWM summed at the end)",
+            f"{s['peak_rss_tree_mib']} MiB ({s['tree_hwm_end_mib']} MiB)",
+            max(s["peak_rss_tree_mib"], s["tree_hwm_end_mib"]) < s["process_memory_limit_mib"],
+            TARGETS["peak_rss_tree"],
+        ),
+        (
+            "kvgate restarts (its process exited)",
+            s["kvgate_restarts"],
+            s["kvgate_restarts"] == 0,
+            TARGETS["kvgate_restarts"],
+        ),
         (
             "backend hung: requests sent once it is detected wait in kvgate's queue (its depth at "
             "most; their answers once it is back)",

@@ -185,7 +185,8 @@ def big_batch_workload(rng: random.Random, quick: bool) -> list[Call]:
     calls = [document(rng, model, rng.choice([3000, 4000, 6000])) for _ in range(count)]
     for c in calls:
         c.body["max_tokens"] = 256
-    # One caller asks for 8 samples of a long answer: more KV than the whole cache.
+    # One caller asks for 8 samples of a long answer: more KV than the whole cache holds at once, but
+    # each sample is its own vLLM request that fits alone, so kvgate queues it for an idle pool.
     greedy = document(rng, model, 3000, n=8, max_tokens=4000)
     return [replace(greedy, label="n=8 x 4000-token answers"), *calls]
 

@@ -208,7 +208,9 @@ def test_a_killed_backend_is_not_taken_for_an_oom(tiny_model_dir: Path, tmp_path
                 wait_for(lambda: kvgate.metric("kvgate_backend_running_requests") == 2, "two requests running")
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
-                assert [f.result().status_code for f in running] == [502, 502]  # cut, not retried
+                cut = [f.result() for f in running]
+                assert [r.status_code for r in cut] == [502, 502]  # cut, not retried
+                assert all(r.headers["retry-after"] == "5" for r in cut)  # issue 28: it carried none
             with fake_backend_process(port):  # the pod restarts it
                 wait_for(lambda: kvgate.metric("kvgate_backend_restarts_total") == 1, "the restart to be seen")
                 wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 200, "kvgate to be ready again")
@@ -216,3 +218,61 @@ def test_a_killed_backend_is_not_taken_for_an_oom(tiny_model_dir: Path, tmp_path
             assert kvgate.metric("kvgate_transient_safety_margin") == margin
             assert "likely a CUDA OOM" not in kvgate.log()
             assert "vanished without an answer" in kvgate.log()
+
+
+def _config_only(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """A model folder without tokenizer files: kvgate tokenizes through the backend's /tokenize."""
+    folder = tmp_path / "config-only"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(tiny_model_dir / "config.json", folder / "config.json")
+    return folder
+
+
+def test_tokenizing_through_a_down_backend_waits_in_the_queue_until_its_deadline(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 21: without tokenizer files an arrival needs the backend's /tokenize before it can
+    be judged; the backend died and kvgate's scrape has not noticed (an interval longer than the
+    test). The refused /tokenize marks it down and the request waits in the queue, as a locally
+    tokenized one does, until its deadline: then 503 with the outage's Retry-After (it was 503 at
+    once, "kvgate tokenizes through it")."""
+    backend_cm = running_fake_backend()
+    backend = backend_cm.__enter__()
+    args = ("--scrape-interval", "600", "--max-queue-wait", "2")
+    with running_kvgate(backend.base_url, _config_only(tiny_model_dir, tmp_path), tmp_path, *args) as kvgate:
+        backend_cm.__exit__(None, None, None)
+        started = time.monotonic()
+        response = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert time.monotonic() - started >= 1.9
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["code"] == "backend_unavailable" and "has been down" in error["message"], error
+        assert int(response.headers["retry-after"]) >= 1
+        assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
+        assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="backend_unavailable") == 1
+        assert kvgate.metric("kvgate_queue_depth") == 0
+        assert_ledger_empty(kvgate)
+        assert httpx.get(kvgate.base_url + "/readyz").json()["backend"]["status"] == "down"
+
+
+def test_tokenizing_through_a_down_backend_is_served_once_it_is_back(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    backend_cm = running_fake_backend(port)
+    backend_cm.__enter__()
+    folder = _config_only(tiny_model_dir, tmp_path)
+    with running_kvgate(f"http://127.0.0.1:{port}", folder, tmp_path, "--max-queue-wait", "30") as kvgate:
+        backend_cm.__exit__(None, None, None)
+        wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503, "/readyz to say 503")
+        with ThreadPoolExecutor(1) as pool:
+            body = {"prompt": "hi", "max_tokens": 4}
+            pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60)
+            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1 or pending.done(), "the request to queue")
+            assert not pending.done(), pending.result().text
+            with running_fake_backend(port) as back:
+                response = pending.result()
+                assert response.status_code == 200, response.text
+                assert len(back.received) == 1
+        assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") >= 1
+        assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="backend_unavailable") == 0
+        assert kvgate.metric("kvgate_queue_depth") == 0
+        assert_ledger_empty(kvgate)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from app.memory.vllm_runner import NEWEST_KNOWN
+
 
 def explain(tmp_path: Path, model_dir: Path, body: dict, *flags: str) -> tuple[int, dict]:
     path = tmp_path / "body.json"
@@ -37,6 +39,8 @@ def test_explains_terms_and_decision(tiny_model_dir: Path, tmp_path: Path) -> No
         str(1024**3),
         "--max-num-batched-tokens",
         "1024",
+        "--model-runner",  # offline, the newest known vLLM (0.33.0) would run V2: V1's arithmetic here
+        "v1",
     )
     assert code == 0
     assert out["decision"] == "admit" and out["endpoint"] == "completions"
@@ -50,11 +54,16 @@ def test_explains_terms_and_decision(tiny_model_dir: Path, tmp_path: Path) -> No
 
 
 def test_explains_a_refusal(tiny_model_dir: Path, tmp_path: Path) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 900, "n": 8}
-    code, out = explain(tmp_path, tiny_model_dir, body, "--block-size", "128", "--num-gpu-blocks", "16")
+    """One sample of 2,000 tokens needs 16 blocks of 128, the pool 15: never fits. Eight samples of
+    900 tokens (8 blocks each, 64 together) are eight vLLM requests that each fit: not refused."""
+    flags = ("--block-size", "128", "--num-gpu-blocks", "16", "--max-model-len", "2048")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
+    code, out = explain(tmp_path, tiny_model_dir, body, *flags)
     assert code == 0
     assert out["endpoint"] == "chat" and out["decision"] == "reject" and out["reason"] == "kv_cache_never_fits"
     assert "15 blocks" in out["message"]
+    code, out = explain(tmp_path, tiny_model_dir, body | {"max_tokens": 900, "n": 8}, *flags)
+    assert code == 0 and out["decision"] != "reject", out
 
 
 def test_explains_a_context_length_refusal(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -160,8 +169,11 @@ def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(
     body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": 1}
     code, v2 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
     assert code == 0 and v2["decision"] == "admit", v2
-    # V2 (vllm 0.32.0 gpu/sample/prompt_logprob.py): logits of 1,024 rows x 128,256 x 2 B at a time
-    assert terms_of(v2)["prompt_logprobs"]["bytes"] == 1024 * 128256 * 2 + 2 * 8000 * 2 * 12
+    # V2 (vllm 0.32.0 gpu/sample/prompt_logprob.py:297-318): the whole 8,192-token step 1,024 rows
+    # at a time, two sub-chunks' logits x 128,256 x 2 B alive at the last, beside seven sub-chunks'
+    # (1 + 1) ids, scores and ranks (32 B a row) and this one's topk indices and results
+    v2_bytes = 2 * 1024 * 128256 * 2 + 7 * 1024 * 32 + 1024 * (8 + 32)
+    assert terms_of(v2)["prompt_logprobs"]["bytes"] == v2_bytes
     code, v1 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--model-runner", "v1")
     assert code == 0 and v1["decision"] == "reject" and v1["reason"] == "transient_memory_never_fits"
     # the whole chunk at once: bf16 logits, their fp32 copy and log_softmax (bench/fidelity measured 10 B)
@@ -191,7 +203,7 @@ def test_all_vocabulary_prompt_logprobs_needs_max_logprobs_minus_one_and_its_rea
 
 
 def test_speculative_decoding_raises_the_sampler_stage(llama_31_dir: Path, tmp_path: Path) -> None:
-    body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 10, "n": 4}
+    body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 10, "n": 4, "temperature": 0.8, "top_p": 0.9}
     _, plain = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
     _, speculative = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--speculative-config", spec)
@@ -337,3 +349,24 @@ def test_the_sampler_backend_follows_the_version_and_the_sampler_flag(llama_31_d
     sampler, stage = runs[("0.20.0",)]
     assert sampler == "triton" and stage["sort"] == 0 and stage["top_k_top_p"] == 16 * 128256 * (4 + 8)
     assert runs[("0.20.0", "--sampler", "pytorch")] == runs[("0.16.0",)]
+
+
+def test_offline_explain_without_a_version_models_the_newest_known_release(llama_31_dir: Path, tmp_path: Path) -> None:
+    # --vllm-version's help: "offline: the newest known"
+    flags = [f for i, f in enumerate(LLAMA_31_FLAGS) if i not in (0, 1)]  # without --vllm-version 0.32.0
+    code, out = explain(tmp_path, llama_31_dir, {"prompt": [1, 2, 3], "max_tokens": 5}, *flags)
+    assert code == 0 and out["vllm"]["model_version"] == NEWEST_KNOWN == "0.33.0"
+    assert out["vllm"]["runner"] == "v2"
+
+
+def test_v2_fp32_copy_follows_the_rows_that_need_processing(llama_31_dir: Path, tmp_path: Path) -> None:
+    # vllm 0.32.0 gpu/sample/states.py:67-72 and penalties.py:55-64: a greedy request with a
+    # penalty gets the fp32 copy; temperature 1.0 with no top-k/top-p gets neither copy nor filter
+    greedy = {"prompt": [1, 2, 3], "max_tokens": 5, "n": 4, "temperature": 0, "repetition_penalty": 1.2}
+    _, out = explain(tmp_path, llama_31_dir, greedy, *LLAMA_31_FLAGS)
+    assert out["transient"]["sampler_stage_with_in_flight"]["logits_fp32"] == 4 * 128256 * 4
+    assert out["transient"]["sampler_stage_with_in_flight"]["top_k_top_p"] == 0
+    plain = {"prompt": [1, 2, 3], "max_tokens": 5, "n": 4, "temperature": 1.0}
+    _, out = explain(tmp_path, llama_31_dir, plain, *LLAMA_31_FLAGS)
+    stage = out["transient"]["sampler_stage_with_in_flight"]
+    assert stage["logits_fp32"] == stage["top_k_top_p"] == stage["sort"] == 0

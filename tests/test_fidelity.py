@@ -78,3 +78,38 @@ def test_penalties_charge_the_output_ids_of_the_longest_max_tokens_in_flight() -
     batch.remove(long)
     assert batch.stage().output_ids == 2 * 50 * 8
     assert batch.stage().unprofiled == batch.stage().prompt_ids + 2 * 50 * 8
+
+
+def test_the_v2_grid_is_estimated_as_model_runner_v2_runs() -> None:
+    """The CUDA-only V2 grid (`python -m bench.fidelity --device cuda --runner v2`): the estimate
+    side here (no GPU in the suite); the probe side runs where a GPU is lent."""
+    from dataclasses import replace
+
+    from app.memory.geometry import ModelGeometry
+    from app.memory.vllm_runner import resolve_sampler
+    from bench.fidelity.estimate import kvgate_bytes
+    from bench.fidelity.grid import v2_grid, with_baselines
+    from bench.fidelity.harness import V2_ENGINE
+
+    v = 128256
+    geometry = ModelGeometry(2, 4, 2, 16, 64, 128, v, 2, 4096)
+    sampler = resolve_sampler("0.32.0", runner="v2")
+    engine = replace(V2_ENGINE, sampler=sampler.backend)
+    charged = {c.label: kvgate_bytes(c, geometry, engine, sampler) for c in v2_grid()}
+    assert charged["rows=64 greedy + penalties"] == 64 * v * 4  # gpu/sample/penalties.py:55-64
+    assert charged["rows=64 temperature 1.0 alone"] == 0  # gpu/sample/states.py:67-72
+    assert charged["rows=64 temperature 0.7"] == 64 * v * 4
+    assert charged["rows=64 logprobs=-1 greedy"] == 64 * v * 20
+    # a 4,096-token step: two 1,024-row sub-chunks' logits alive at once (prompt_logprob.py:297-318)
+    assert 2 * 1024 * v * 2 <= charged["prompt=4096 k=5"] <= 1.15 * 2 * 1024 * v * 2
+    # -1 over two steps: this step's results, their concatenation... and LogprobsTensors.cat
+    assert charged["prompt=8192 k=-1"] >= (4096 + 8191) * ((v + 1) * 12 + 8)
+    ids = [c.id for c in with_baselines(v2_grid())]
+    assert len(ids) == len(set(ids))
+
+
+def test_v2_on_cpu_is_refused_with_the_cuda_command() -> None:
+    from bench.fidelity.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--runner", "v2", "--no-write"])

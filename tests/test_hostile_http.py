@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.errors import InvalidText, TooManyJsonValues
+from app.passthrough_body import check_passthrough_body
 from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateServer, running_kvgate
 
@@ -39,6 +42,8 @@ def kvgate(
         "0.5",
         "--max-body-bytes",
         "1000000",
+        "--client-body-deadline",
+        "1.5",
     ) as server:
         yield server
 
@@ -68,7 +73,7 @@ def _complete(data: bytes) -> bool:
     return False
 
 
-def status_and_error(data: bytes) -> tuple[int, str | None]:
+def status_and_error(data: bytes) -> tuple[int, str | int | None]:
     head, _, body = data.partition(b"\r\n\r\n")
     status = int(head.split(b" ")[1])
     try:
@@ -135,6 +140,176 @@ def test_a_gzip_body_is_415(kvgate: KvgateServer) -> None:
     assert response.json()["error"]["code"] == "unsupported_content_encoding"
 
 
+def test_a_trickled_body_is_408_at_its_deadline_and_closed(kvgate: KvgateServer) -> None:
+    """Issue 28: one byte every 0.2 s never trips the 0.5 s idle timeout; the 1.5 s deadline
+    for the whole body does, and the connection is closed after the answer."""
+    host, port = kvgate.base_url.removeprefix("http://").split(":")
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: kvgate\r\ncontent-length: 1000\r\n\r\n"
+    started = time.perf_counter()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        sock.setblocking(False)
+        answer = b""
+        while time.perf_counter() - started < 8:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError, BlockingIOError):
+                sock.send(b" ")
+            time.sleep(0.2)
+            with contextlib.suppress(BlockingIOError):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break  # closed by kvgate
+                answer += chunk
+    elapsed = time.perf_counter() - started
+    assert status_and_error(answer) == (408, "request_timeout")
+    assert b"connection: close" in answer.lower() and b"1.5 s deadline" in answer
+    assert 1.4 < elapsed < 5, elapsed
+    assert kvgate.metric("kvgate_in_flight_requests") == 0
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_many_trickled_bodies_release_their_connections(kvgate: KvgateServer) -> None:
+    """The issue's 500 connections at a byte a second, scaled down: 100 connections, one byte
+    every 0.2 s each; all are answered 408 and kvgate's open files come back down."""
+    host, port = kvgate.base_url.removeprefix("http://").split(":")
+    before = open_fds(kvgate.pid)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvgate\r\ncontent-length: 100000\r\n\r\n"
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(100)]
+    answers = [b""] * len(socks)
+    stop = time.perf_counter() + 6
+    try:
+        for sock in socks:
+            sock.sendall(head)
+            sock.setblocking(False)
+        while time.perf_counter() < stop and not all(answers):
+            for index, sock in enumerate(socks):
+                with contextlib.suppress(OSError):
+                    sock.send(b" ")
+                with contextlib.suppress(BlockingIOError, ConnectionResetError):
+                    answers[index] += sock.recv(65536)
+            time.sleep(0.2)
+        assert [status_and_error(a)[0] if a else None for a in answers] == [408] * len(socks)
+    finally:
+        for sock in socks:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while open_fds(kvgate.pid) > before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_fds(kvgate.pid) <= before + 2, (before, open_fds(kvgate.pid))
+
+
+@pytest.mark.parametrize(
+    "request_id",
+    ["r" * 10_000, "bad id", "caf\u00e9", "tab\there"],
+    ids=["10000-bytes", "space", "non-ascii", "tab"],
+)
+def test_an_unusable_request_id_is_replaced_before_logs_and_headers(
+    kvgate: KvgateServer, backend: FakeBackend, request_id: str
+) -> None:
+    """Issue 28: a 60,000-byte x-request-id was written verbatim on every decision line."""
+    response = httpx.post(
+        kvgate.base_url + "/v1/completions",
+        content=BODY,
+        headers={"x-request-id": request_id.encode("latin-1", "replace"), "content-type": "application/json"},
+    )
+    assert response.status_code == 200, response.text
+    own = response.headers["x-request-id"]
+    assert len(own) == 32 and all(c in "0123456789abcdef" for c in own)
+    assert dict(backend.received[-1].headers)["x-request-id"] == own
+    logged = [line for line in kvgate.log().splitlines() if own in line]
+    assert logged and all(len(line) < 1000 for line in logged)
+    assert max(len(line) for line in kvgate.log().splitlines()) < 5000
+
+
+def test_a_usable_request_id_is_kept(kvgate: KvgateServer, backend: FakeBackend) -> None:
+    request_id = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"  # a W3C traceparent
+    response = httpx.post(kvgate.base_url + "/v1/completions", content=BODY, headers={"x-request-id": request_id})
+    assert response.headers["x-request-id"] == request_id
+    assert dict(backend.received[-1].headers)["x-request-id"] == request_id
+
+
+def test_a_request_target_over_the_head_limit_is_414_and_read(kvgate: KvgateServer) -> None:
+    """Issue 28: a 200 KB target got a connection reset or a 431. The client, still sending its
+    target when kvgate answers, reads the whole 414."""
+    target = b"/v1/models?q=" + b"a" * 200_000
+    answer = exchange(kvgate, b"GET " + target + b" HTTP/1.1\r\nhost: kvgate\r\n\r\n")
+    assert status_and_error(answer) == (414, "request_target_too_long")
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["type"] == "invalid_request_error" and "16,384 bytes" in error["message"]
+
+
+def test_a_long_header_after_a_short_target_is_still_431(kvgate: KvgateServer) -> None:
+    answer = exchange(kvgate, b"GET /v1/models HTTP/1.1\r\nhost: kvgate\r\nx-big: " + b"a" * 20_000 + b"\r\n\r\n")
+    assert status_and_error(answer) == (431, "request_header_fields_too_large")
+
+
+def test_a_request_that_is_not_http_is_an_openai_shaped_400(kvgate: KvgateServer) -> None:
+    assert status_and_error(exchange(kvgate, b"HELLO\x00 / HTTP/1.1\r\n\r\n")) == (400, "invalid_http_request")
+
+
+def test_forwarding_headers_are_set_by_kvgate_not_the_client(kvgate: KvgateServer, backend: FakeBackend) -> None:
+    """RFC 9110 7.6.1 and issue 28: X-Forwarded-Host from the client reached vLLM as sent. Host is
+    the backend's; X-Forwarded-Host/-Proto say what kvgate was asked; the chains get kvgate's hop;
+    hop-by-hop and Proxy-* headers are dropped."""
+    answer = exchange(
+        kvgate,
+        post(
+            [
+                (b"host", b"api.example.com"),
+                (b"x-forwarded-host", b"evil.example"),
+                (b"x-forwarded-proto", b"https"),
+                (b"forwarded", b"for=198.51.100.1;proto=https"),
+                (b"x-forwarded-for", b"203.0.113.7"),
+                (b"proxy-authorization", b"Basic c2VjcmV0"),
+                (b"proxy-connection", b"keep-alive"),
+                (b"te", b"trailers"),
+                (b"x-kept", b"1"),
+            ]
+        ),
+    )
+    assert status_and_error(answer)[0] == 200, answer
+    forwarded = backend.received[-1].headers
+    seen = dict(forwarded)
+    assert seen["host"] == backend.base_url.removeprefix("http://")
+    assert seen["x-forwarded-host"] == "api.example.com" and seen["x-forwarded-proto"] == "http"
+    assert seen["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+    assert seen["forwarded"] == 'for=198.51.100.1;proto=https, for=127.0.0.1;proto=http;host="api.example.com"'
+    assert not {"proxy-authorization", "proxy-connection", "te"} & {k for k, _ in forwarded}
+    assert seen["x-kept"] == "1"
+    names = [k for k, _ in forwarded]
+    assert all(names.count(n) == 1 for n in ("host", "x-forwarded-host", "x-forwarded-proto", "forwarded"))
+
+
+def test_a_tokenize_prompt_longer_than_any_context_is_refused_before_the_backend(kvgate: KvgateServer) -> None:
+    """Issue 28: a 30 MiB /tokenize body cost vLLM's API server 15.9 s. A prompt certainly longer
+    than max_model_len is refused like a completion's (the scripted backend would answer 200)."""
+    long = httpx.post(kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "prompt": "word " * 180_000})
+    assert long.status_code == 400, long.text
+    assert long.json()["error"]["param"] == "prompt"
+    assert "maximum context length is 1024 tokens" in long.json()["error"]["message"]
+    short = httpx.post(kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "prompt": "hi"})
+    assert short.status_code == 200 and short.json()["count"] == 3
+    too_big = httpx.post(kvgate.base_url + "/tokenize", content=b'{"prompt": "' + b"a" * 1_100_000 + b'"}')
+    assert too_big.status_code == 413
+
+
+def test_a_detokenize_body_is_held_to_the_json_value_limit() -> None:
+    """(Unit level: the module's server takes 1 MB bodies, and 500,000 ids need more.)"""
+    check_passthrough_body(
+        "POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 499_999 + b"1]}", None, None
+    )
+    with pytest.raises(TooManyJsonValues):
+        check_passthrough_body(
+            "POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 500_000 + b"1]}", None, None
+        )
+    with pytest.raises(InvalidText):  # any pass-through JSON body: invalid text is a 400 naming the field
+        check_passthrough_body("POST", "/v1/load_lora_adapter", None, b'{"lora_name": "a\xed\xa0\x80"}', None, None)
+    # not JSON by FastAPI's rule: the backend's to judge
+    check_passthrough_body("POST", "/v1/audio/transcriptions", "multipart/form-data; boundary=x", b"\xff", None, None)
+
+
 def test_connection_named_headers_dropped_and_forwarded_for_appended(
     kvgate: KvgateServer, backend: FakeBackend
 ) -> None:
@@ -160,7 +335,7 @@ def test_a_large_body_sent_with_its_head_is_not_taken_for_a_large_head(kvgate: K
     body = json.dumps({"model": "tiny-llama", "prompt": "hello " * 20_000, "max_tokens": 2}).encode()
     assert len(body) > 16384  # the head limit of this kvgate
     # Read and judged as a body: too long a prompt for the tiny model, not too large a head.
-    assert status_and_error(exchange(kvgate, post([HOST], body))) == (400, "context_length_exceeded")
+    assert status_and_error(exchange(kvgate, post([HOST], body))) == (400, 400)  # vLLM's context error body
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])

@@ -147,13 +147,57 @@ BODY = st.fixed_dictionaries(
         "text_2": field(st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3), JSON_VALUE),
     },
 )
+# Bytes that are not UTF-8 (issue 28): encoded lone surrogates, CESU-8, overlongs, bytes no UTF-8
+# holds, sequences cut short; and any short run of bytes that does not decode.
+INVALID_UTF8 = st.one_of(
+    st.sampled_from(
+        [
+            b"\xed\xa0\x80",
+            b"\xed\xbf\xbf",
+            b"\xed\xa0\xbd\xed\xb8\x80",
+            b"\xc0\xaf",
+            b"\xe0\x80\xaf",
+            b"\xff",
+            b"\xe2\x82",
+        ]
+    ),
+    st.binary(min_size=1, max_size=6).filter(lambda raw: not _decodes(raw)),
+)
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def splice_into_a_string(raw: bytes, bad: bytes, which: int) -> bytes:
+    """`bad` inserted just after one of the body's quotes (`which`-th, cycling): mostly inside a
+    string value or key, so that the body is otherwise valid JSON."""
+    quotes = [at for at, byte in enumerate(raw) if byte == ord('"')]
+    if not quotes:
+        return raw + bad
+    at = quotes[which % len(quotes)] + 1
+    return raw[:at] + bad + raw[at:]
+
+
 NESTED = st.integers(min_value=1, max_value=5000).map(lambda depth: b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}")
 RAW = st.one_of(
     st.binary(max_size=300),
     NESTED,
     BODY.map(lambda body: json.dumps(body).encode()),
-    st.text(max_size=100).map(lambda text: text.encode("utf-8", "surrogatepass")),
+    # surrogates included: their "surrogatepass" bytes are CESU-8 and lone surrogates
+    st.text(st.characters() | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), max_size=100).map(
+        lambda text: text.encode("utf-8", "surrogatepass")
+    ),
+    st.builds(
+        splice_into_a_string, BODY.map(lambda body: json.dumps(body).encode()), INVALID_UTF8, st.integers(0, 1000)
+    ),
 )
+# The raw bytes reach the pass-through (/tokenize, which kvgate bounds) and explain too.
+RAW_PATHS = [*PATHS, "/tokenize", "/kvgate/explain"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -177,11 +221,33 @@ def test_fuzzed_schema_never_fails_kvgate(client: httpx.Client, path: str, body:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(path=st.sampled_from(PATHS), raw=RAW)
+@given(path=st.sampled_from(RAW_PATHS), raw=RAW)
 @example(path=PATHS[0], raw=b'{"prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}")
 @example(path=PATHS[0], raw=b'{"prompt": "hi", "max_tokens": 1' + b"0" * 4300 + b"}")
+# The issue's 500s: an encoded lone surrogate in a string, on every route
+@example(path=PATHS[0], raw=b'{"model":"tiny-llama","prompt":"a\xed\xa0\x80","max_tokens":4}')
+@example(path=PATHS[1], raw=b'{"model":"tiny-llama\xed\xa0\x80","messages":[{"role":"user","content":"hi"}]}')
+@example(path="/tokenize", raw=b'{"model":"tiny-llama","prompt":"a\xed\xa0\x80"}')
+@example(path="/kvgate/explain", raw=b'{"model":"tiny-llama","prompt":"a\xc0\xaf","max_tokens":4}')
 def test_fuzzed_bytes_never_fail_kvgate(client: httpx.Client, path: str, raw: bytes) -> None:
-    assert_answered(client.post(path, content=raw, headers={"content-type": "application/json"}))
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert_answered(response)
+    if not _decodes(raw) and raw.strip().startswith(b"{") and response.status_code >= 400:
+        assert response.status_code in (400, 413), response.text
+
+
+@pytest.mark.parametrize("path", RAW_PATHS)
+def test_invalid_utf8_is_a_400_naming_the_field_on_every_route(client: httpx.Client, path: str) -> None:
+    """Every route: the gated ones, the /tokenize pass-through and explain. The body carries each
+    route's fields at once; its first string with invalid text is `model`."""
+    raw = (
+        b'{"model": "tiny-llama\xed\xa0\x80", "prompt": "hi", "input": "hi", "query": "q", "documents": ["d"], '
+        b'"messages": [{"role": "user", "content": "hi"}], "token_ids": [1], "sampling_params": {}, "max_tokens": 4}'
+    )
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert_answered(response)
+    assert response.json()["error"]["param"] == "model" and response.json()["error"]["code"] == "invalid_json"
 
 
 def test_after_the_fuzz_nothing_is_reserved(kvgate: KvgateServer, client: httpx.Client) -> None:

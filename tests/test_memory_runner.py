@@ -95,7 +95,8 @@ def test_v2_penalties_cost_nothing_per_step_and_logprobs_no_vocab_sized_tensor()
     assert with_both.penalties == with_both.prompt_ids == 0  # preallocated at start-up (penalties.py)
     assert with_both.logprobs == 500 * (20 + 1) * 12 < plain.logits // 1000
     all_vocab = cost.stage(500, True, False, 0, all_vocab_logprobs=True)
-    assert all_vocab.logprobs == 500 * V * 24
+    # compute_topk_scores: topk's int64 indices + [rows, V + 1] int64 ids + fp32 scores
+    assert all_vocab.logprobs == 500 * V * 20
 
 
 def test_v1_terms_are_the_measured_ones() -> None:
@@ -131,7 +132,10 @@ def test_v2_prompt_logprobs_go_1024_rows_at_a_time() -> None:
     v1 = estimate_transient(LLAMA, engine("v1"), 8000, SamplingShape(prompt_logprobs=1)).term("prompt_logprobs")
     v2 = estimate_transient(LLAMA, engine("v2"), 8000, SamplingShape(prompt_logprobs=1)).term("prompt_logprobs")
     assert v1.bytes == 8000 * V * (2 + 4 + 4)  # bf16 logits, their fp32 copy, log_softmax
-    assert v2.bytes == 1024 * V * 2 + 2 * 8000 * 2 * 12
+    # the whole 8,192-token step in 8 sub-chunks: at the last, two sub-chunks' bf16 logits, seven
+    # sub-chunks' (k + 1) ids and scores and a rank (2 x 12 + 8 B a row), and this one's topk
+    # indices beside its ids, scores and ranks
+    assert v2.bytes == 2 * 1024 * V * 2 + 7 * 1024 * (2 * 12 + 8) + 1024 * (8 + 2 * 12 + 8)
     assert not v2.profiled
 
 

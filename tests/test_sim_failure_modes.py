@@ -211,17 +211,21 @@ def test_7_co_tenant_present_at_start_up_is_refused() -> None:
 
 # ----- Model Runner V2 (vLLM 0.32's default) running out by itself ---------------------------
 def test_v2_temperature_batch_whose_fp32_logits_the_greedy_profile_never_saw() -> None:
-    """V2 profiles its sampler greedily (bf16 logits only); 1,024 decoding rows at temperature 1
-    need an fp32 copy besides, 1024 x 152,064 x 4 B = 0.58 GiB, more than the 2,048-token
-    profile's peak and vLLM's 150 MiB "fully utilize" buffer leave. Greedy rows fit."""
+    """V2 profiles its sampler greedily up to 0.32 (bf16 logits only); 1,024 decoding rows at
+    temperature 0.7 need an fp32 copy besides, 1024 x 152,064 x 4 B = 0.58 GiB, more than the
+    2,048-token profile's peak and vLLM's 150 MiB "fully utilize" buffer leave. Greedy rows fit,
+    and so do rows at temperature 1.0 with no top-k/top-p: they need no processing
+    (gpu/sample/states.py:67-72), so no copy."""
     base = dict(model="qwen2.5-7b", gpu="h100-80gb", max_model_len=4096, max_num_seqs=1024, max_num_batched_tokens=2048)
     kv = _fully_utilized_kv(SimConfig(**base), REDUNDANCY_BUFFER)
     cfg = SimConfig(**base, kv_cache_memory_bytes=kv)
     assert make_engine(cfg).resolved.flavor.runner == "v2"
-    hot = [Job(64, Sampling(max_tokens=128, temperature=1.0), count=1024)]
+    hot = [Job(64, Sampling(max_tokens=128, temperature=0.7), count=1024)]
     greedy = [Job(64, Sampling(max_tokens=128, temperature=0.0), count=1024)]
+    plain = [Job(64, Sampling(max_tokens=128, temperature=1.0), count=1024)]
     _assert_oom(play(cfg, hot))
     _assert_survives(play(SimConfig(**base, kv_cache_memory_bytes=kv), greedy), 1024)
+    _assert_survives(play(SimConfig(**base, kv_cache_memory_bytes=kv), plain), 1024)
 
 
 def test_v2_prompt_logprobs_minus_one_on_a_server_that_allows_it() -> None:

@@ -46,5 +46,10 @@ def test_context_up_projection_grows_with_the_prefix_up_to_the_workspace() -> No
     per_token = 16 * (256 + 192) * 2
     # (the caching allocator rounds each block up to 2 MiB segments)
     assert abs(_peak(r, 40000) - _peak(r, 8000) - 32000 * per_token) <= 2 * MiB
-    assert _peak(r, 120000) == _peak(r, 65536)
+    # Past the workspace a second pass follows; its kv_b_proj output [following, 16, nope 128 + v
+    # 128] x 2 B (the larger of it and its k) and its output are made while the first pass's are
+    # bound (0.33.0 mla_attention.py:3043-3053); the overlap stops growing at a second full pass.
+    overlap = (120000 - 65536) * 16 * 256 * 2 + 2048 * 16 * (128 * 2 + 4)
+    assert abs(_peak(r, 120000) - _peak(r, 65536) - overlap) <= 2 * MiB
+    assert _peak(r, 3 * 65536) == _peak(r, 2 * 65536)
     assert _peak(r, 8000) < rep.activation_peak < _peak(r, 65536)

@@ -153,8 +153,8 @@ CHATS = {
 
 async def _encode(tokenizer: Tokenizer, body: dict) -> list[int]:
     if "prompt" in body:
-        return await tokenizer.encode_prompt(body["prompt"], body.get("add_special_tokens", True))
-    return await tokenizer.encode_chat(ChatRequest(**{k: body[k] for k in body if k in _CHAT_FIELDS}))
+        return list(await tokenizer.encode_prompt(body["prompt"], body.get("add_special_tokens", True)))
+    return list(await tokenizer.encode_chat(ChatRequest(**{k: body[k] for k in body if k in _CHAT_FIELDS})))
 
 
 @pytest.fixture(scope="session")
@@ -352,14 +352,15 @@ def test_direct_rust_encode_equals_transformers(local_tokenizer, text, add_speci
     assert local_tokenizer._rust is not None  # the tiny model's tokenizer takes the direct path
     assert local_tokenizer._batch_fast is not None  # tokenizers >= 0.21: the offset-free call
     [direct] = local_tokenizer._encode_now([text], add_special_tokens)
-    assert direct == local_tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
+    assert list(direct) == local_tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 def test_without_the_offset_free_call_the_direct_path_is_plain_encode(tiny_model_dir):
     tokenizer = LocalTokenizer(tiny_model_dir)
     tokenizer._batch_fast = None  # as with tokenizers 0.20
     for text in ENCODE_TEXTS:
-        assert tokenizer._encode_now([text], True) == [tokenizer._tok.encode(text, add_special_tokens=True)]
+        [ids] = tokenizer._encode_now([text], True)
+        assert list(ids) == tokenizer._tok.encode(text, add_special_tokens=True)
 
 
 def _variant_tokenizer(dest: Path, kind: str) -> Path:
@@ -435,7 +436,8 @@ def test_direct_rust_encode_equals_transformers_for_other_pipelines(tmp_path, ki
     for text in ENCODE_TEXTS:
         for add_special_tokens in (True, False):
             expected = tokenizer._tok.encode(text, add_special_tokens=add_special_tokens)
-            assert tokenizer._encode_now([text], add_special_tokens) == [expected], (kind, text)
+            [ids] = tokenizer._encode_now([text], add_special_tokens)
+            assert list(ids) == expected, (kind, text)
 
 
 def test_tokenizer_classes_that_change_encode_are_not_bypassed(tiny_model_dir):

@@ -11,7 +11,7 @@ import pytest
 from app import upstream
 from app.errors import BackendDown, BackendTimedOut, InvalidField
 from app.http.errors import error_headers, status_of
-from app.proxy import Backend, forward_headers, open_while_client_waits
+from app.proxy import Backend, forward_headers, open_while_client_waits, response_headers
 from app.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -387,5 +387,38 @@ def test_connection_named_headers_dropped_and_forwarded_for_appended() -> None:
         (b"keep-alive", b"5"),
     ]
     out = forward_headers(raw, "rid", ("10.0.0.2", 5555))
-    assert out == [(b"x-kept", b"1"), (b"x-forwarded-for", b"203.0.113.7, 10.0.0.2"), (b"x-request-id", b"rid")]
+    assert out == [
+        (b"x-kept", b"1"),
+        (b"x-forwarded-for", b"203.0.113.7, 10.0.0.2"),
+        (b"forwarded", b'for=10.0.0.2;proto=http;host="kvgate"'),
+        (b"x-forwarded-host", b"kvgate"),
+        (b"x-forwarded-proto", b"http"),
+        (b"x-request-id", b"rid"),
+    ]
     assert (b"x-forwarded-for", b"203.0.113.7") in forward_headers(raw, "rid", None)
+
+
+def test_an_ipv6_peer_is_a_quoted_forwarded_node_and_a_quoted_host_is_left_out() -> None:
+    out = dict(forward_headers([(b"host", b'a"b')], "rid", ("::1", 5555), "https"))
+    assert out[b"forwarded"] == b'for="[::1]";proto=https'
+    assert out[b"x-forwarded-proto"] == b"https"
+
+
+class _Answer:
+    """What response_headers reads of an upstream response."""
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.raw_headers = status, headers
+
+    def header(self, name: bytes) -> str | None:
+        return next((v.decode() for k, v in self.raw_headers if k.lower() == name), None)
+
+
+@pytest.mark.parametrize("status", [502, 503])
+def test_a_relayed_backend_502_or_503_gets_retry_after(status: int) -> None:
+    """Every 502 and 503 a client sees carries Retry-After, the backend's own ones too (issue 28)."""
+    added = dict(response_headers(_Answer(status, []), {}))  # type: ignore[arg-type]
+    assert added[b"retry-after"] == b"5"
+    kept = response_headers(_Answer(status, [(b"Retry-After", b"30")]), {})  # type: ignore[arg-type]
+    assert [v for k, v in kept if k.lower() == b"retry-after"] == [b"30"]
+    assert b"retry-after" not in dict(response_headers(_Answer(500, []), {}))  # type: ignore[arg-type]

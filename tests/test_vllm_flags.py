@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -10,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from app.cli import parse_command_line
-from app.settings import settings_from_args
-from app.vllm_flags import parse_size
+from app.settings import Settings, settings_from_args
+from app.sim.cli import add_arguments as add_sim_arguments
+from app.units import GiB, MiB, parse_size
+from support.vllm_server import VLLM_PYTHON
 
 # A real `vllm serve` command line for Llama-3.1-8B on one H100, as an operator would paste it.
 VLLM_COMMAND = [
@@ -62,7 +65,80 @@ VLLM_COMMAND = [
 def test_vllm_size_suffixes_read_as_vllm_reads_them_and_as_it_logs_them() -> None:
     assert parse_size("1k") == 1000 and parse_size("1K") == 1024 and parse_size("25.6k") == 25600
     assert parse_size("49.94GiB") == int(49.94 * 2**30) == parse_size("49.94 GiB")
-    assert parse_size("2G") == 2 * 2**30 and parse_size("123") == "123"
+    assert parse_size("2G") == 2 * 2**30 and parse_size("123") == 123 and parse_size(" 7 ") == 7
+    assert parse_size("100MiB") == 100 * MiB and parse_size("80GB") == 80 * 10**9
+    with pytest.raises(ValueError, match="Decimals are not allowed with binary suffixes like K"):
+        parse_size("1.5K")
+    with pytest.raises(ValueError, match="is not a size"):
+        parse_size("lots")
+
+
+# What vLLM 0.32.0's own parser of its byte flags (human_readable_int) answers, for strings it
+# accepts: kvgate reads each the same.
+VLLM_SIZES = ["0", "123", " 42 ", "1k", "1K", "25.6k", "2m", "2M", "1g", "1G", "3t", "3T", "1.5g", "0.5m", "16k"]
+
+
+@pytest.mark.vllm
+def test_sizes_equal_what_vllms_own_parser_reads() -> None:
+    script = (
+        "import json, sys\n"
+        "from vllm.utils.argparse_utils import human_readable_int\n"
+        "print(json.dumps([human_readable_int(v) for v in json.loads(sys.argv[1])]))\n"
+    )
+    out = subprocess.run(
+        [str(VLLM_PYTHON), "-c", script, json.dumps(VLLM_SIZES)], capture_output=True, text=True, check=True
+    )
+    vllms = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [parse_size(v) for v in VLLM_SIZES] == vllms
+
+
+@pytest.mark.parametrize(
+    "flag,field",
+    [
+        ("--free-memory-bytes", "free_memory_bytes"),
+        ("--gpu-memory-bytes", "gpu_memory_bytes"),
+        ("--cuda-context-bytes", "cuda_context_bytes"),
+        ("--profiled-activation-bytes", "profiled_activation_bytes"),
+        ("--max-body-bytes", "max_body_bytes"),
+        ("--max-header-bytes", "max_header_bytes"),
+        ("--kv-cache-memory-bytes", "kv_cache_memory_bytes"),
+    ],
+)
+def test_every_byte_flag_takes_vllms_units(flag: str, field: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def value(*argv: str) -> object:
+        return getattr(settings_from_args(parse_command_line(["serve", *argv])), field)
+
+    assert value(flag, "100MiB") == 100 * MiB
+    assert value(flag, "1G") == GiB and value(flag, "1g") == 10**9 and value(flag, "1.5k") == 1500
+    assert value(flag, "1048576") == MiB
+    monkeypatch.setenv(f"KVGATE_{field.upper()}", "2GiB")
+    assert value() == 2 * GiB
+    with pytest.raises(SystemExit, match=f"{flag}: Value error, Decimals are not allowed"):
+        value(flag, "1.5G")
+
+
+def test_every_byte_field_of_settings_reads_sizes() -> None:
+    """A new byte-valued setting cannot forget the units: any field named *_bytes reads `1K`."""
+    byte_fields = [name for name in Settings.model_fields if name.endswith("_bytes")]
+    assert len(byte_fields) >= 7
+    settings = Settings(**dict.fromkeys(byte_fields, "1K"))
+    assert all(getattr(settings, name) == 1024 for name in byte_fields)
+
+
+def test_max_model_len_takes_vllms_auto_and_sizes() -> None:
+    def max_model_len(value: str) -> object:
+        return settings_from_args(parse_command_line(["serve", "--max-model-len", value])).max_model_len
+
+    assert max_model_len("auto") is None and max_model_len("-1") is None
+    assert max_model_len("32k") == 32000 and max_model_len("32K") == 32768
+
+
+def test_the_simulators_byte_flags_take_vllms_units() -> None:
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    args = parser.parse_args(["--non-torch-bytes", "100MiB", "--cuda-context-bytes", "1G", "--cotenant", "x:2GiB:1"])
+    assert args.non_torch_bytes == 100 * MiB and args.cuda_context_bytes == GiB
+    assert args.cotenant[0].bytes == 2 * GiB
 
 
 def test_a_whole_vllm_command_line_pastes_after_a_double_dash() -> None:

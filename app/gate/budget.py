@@ -134,13 +134,21 @@ class Budget:
         return self._charge(demand.transient_bytes, demand.profiled_bytes)
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
-        """Why the demand cannot be admitted beside current holdings, or None if it fits now."""
+        """Why the demand cannot be admitted beside current holdings, or None if it fits now.
+
+        A demand is charged at most the whole KV limit: vLLM never holds more than its pool at
+        once, and a request with several prompts (or samples) whose blocks add up to more runs
+        them as the pool allows (app/predict.py). So it waits for nothing else to be held, then
+        goes in, rather than waiting forever; what it reserves keeps the rest waiting until it is
+        done. A single engine request larger than the pool never gets here (KvNeverFits); a limit
+        of 0 blocks admits nothing."""
         if self.hold is not None:
             return self.hold
         kv_limit = self.kv_limit()
         if kv_limit is not None:
             margin = self.kv_margin(holdings.kv_variance_blocks + demand.kv_variance_blocks)
-            if holdings.kv_blocks + holdings.new_blocks(demand) + margin > kv_limit:
+            need = holdings.new_blocks(demand) + margin
+            if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
         transient_limit = self.transient_limit()
         charge = self._charge(holdings.transient_bytes_with(demand), holdings.profiled_bytes_with(demand))

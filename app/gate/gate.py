@@ -68,7 +68,15 @@ class Gate:
         self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
+        # Requests that wait for the backend before they can even be evaluated (kvgate tokenizes
+        # through it): they have no demand yet, so they wait beside the queue, counted in it.
+        self._awaiting_backend: set[asyncio.Future[None]] = set()
         budget.subscribe(self.changed)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in kvgate's queue: for memory, or for the backend to evaluate them."""
+        return len(self.queue) + len(self._awaiting_backend)
 
     def deadline(self) -> float:
         """When a request arriving now must have been admitted (the gate's clock)."""
@@ -151,17 +159,56 @@ class Gate:
         ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
-            backend = self.budget.backend
-            raise self._refuse(
-                waiter,
-                BackendDown(
-                    f"Waited {timeout:g} s for the backend to come back: it has been {backend.status} for "
-                    f"{backend.clock() - backend.since:.0f} s ({backend.why or self.budget.hold}).",
-                    backend.retry_after_s(),
-                ),
-            )
+            raise self._refuse(waiter, self._backend_still_down(timeout))
         retry_after = self._retry_after(ahead)
         raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
+
+    async def wait_for_backend(
+        self,
+        deadline: float,
+        watch_client: Callable[[], asyncio.Future[None]] | None = None,
+        request_id: str = "",
+    ) -> None:
+        """Wait in the queue until the backend is up again: a request kvgate cannot evaluate while
+        it is down (kvgate tokenizes through its /tokenize) waits as one it has evaluated would,
+        until its `deadline`. Raises BackendDown then (with the outage's Retry-After), QueueFull
+        if the queue is full, ClientGone if the client leaves."""
+        hold = self.budget.hold
+        if hold is None:
+            return
+        if self.waiting >= self.queue.max_size:
+            error: Refused = QueueFull(self.queue.max_size, self.budget.backend.retry_after_s())
+            self.observers.decided(Decision("reject", error.code, request_id, error=error))
+            raise error
+        up: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._awaiting_backend.add(up)
+        self.observers.decided(Decision("queue", hold, request_id))
+        gone = watch_client() if watch_client is not None else None
+        timeout = max(0.0, deadline - self._clock())
+        try:
+            await asyncio.wait(
+                {up} if gone is None else {up, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self._awaiting_backend.discard(up)
+            up.cancel()
+            if gone is not None:
+                gone.cancel()
+        if gone is not None and gone.done() and not gone.cancelled():
+            self.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="queued"))
+            raise ClientGone()
+        if self.budget.hold is not None:
+            error = self._backend_still_down(timeout)
+            self.observers.decided(Decision("reject", error.code, request_id, error=error))
+            raise error
+
+    def _backend_still_down(self, waited_s: float) -> BackendDown:
+        backend = self.budget.backend
+        return BackendDown(
+            f"Waited {waited_s:g} s for the backend to come back: it has been {backend.status} for "
+            f"{backend.clock() - backend.since:.0f} s ({backend.why or self.budget.hold}).",
+            backend.retry_after_s(),
+        )
 
     def _refuse(self, waiter: Waiter, error: Refused) -> Refused:
         """Report the refusal to the observers and hand back the error to raise."""
@@ -206,6 +253,10 @@ class Gate:
         line: nothing kvgate admits or releases makes it fit, only the headroom coming back does
         (a co-tenant leaving), and until then it waits for its deadline beside the line.
         """
+        if self._awaiting_backend and self.budget.hold is None:
+            for up in self._awaiting_backend:
+                if not up.done():
+                    up.set_result(None)
         if not self.queue:  # nothing waits, set aside or not (every release comes here)
             return
         self.queue.restore(keep_aside=lambda waiter: self._stranded(_refreshed(waiter)))

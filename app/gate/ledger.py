@@ -32,6 +32,7 @@ class Reservation:
     prefill_open: bool = True
     released: bool = False
     hashes: frozenset[int] = field(default_factory=frozenset)
+    shared_extra: int = 0  # held beyond its demand: admitted beside others (Demand.transient_shared_extra_bytes)
 
 
 class Ledger:
@@ -41,7 +42,10 @@ class Ledger:
         self._refcounts: dict[int, int] = {}
         self._private_blocks = 0
         self._kv_variance = 0.0
-        self._open_prefills: list[int] = []  # sorted prefill bytes of requests still prefilling
+        # sorted one-step prefill bytes (their transient less what they hold across steps) of the
+        # requests still prefilling, and the sum of what they hold across steps
+        self._open_prefills: list[int] = []
+        self._held_bytes = 0
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
         self._sampler = SamplerBatch()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
@@ -61,12 +65,17 @@ class Ledger:
     def transient_bytes(self) -> int:
         """Transient memory the worst step of the in-flight requests can take."""
         largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
-        return largest_prefill + self._sampler.stage().unprofiled
+        return self._held_bytes + largest_prefill + self._sampler.stage().unprofiled
 
     def transient_bytes_with(self, demand: Demand) -> int:
         """What transient_bytes would be with this demand admitted too."""
-        largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, demand.transient_prefill_bytes)
-        return largest_prefill + self.sampler_with(demand).unprofiled
+        largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
+        held = self._held_bytes + demand.transient_held_bytes + self._shared_extra(demand)
+        return held + largest_prefill + self.sampler_with(demand).unprofiled
+
+    def _shared_extra(self, demand: Demand) -> int:
+        """Its shared-step extra if admitted now: only beside other in-flight requests."""
+        return demand.transient_shared_extra_bytes if self._reservations else 0
 
     @property
     def profiled_bytes(self) -> int:
@@ -95,12 +104,14 @@ class Ledger:
             self._refcounts[h] = self._refcounts.get(h, 0) + 1
         self._private_blocks += demand.private_blocks
         self._kv_variance += demand.kv_variance_blocks
-        bisect.insort(self._open_prefills, demand.transient_prefill_bytes)
+        shared_extra = self._shared_extra(demand)
+        bisect.insort(self._open_prefills, _one_step(demand))
+        self._held_bytes += demand.transient_held_bytes + shared_extra
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
         if demand.sampler:
             self._sampler.add(demand.sampler)
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
-        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
+        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes, shared_extra=shared_extra)
         self._reservations[reservation.id] = reservation
         return reservation
 
@@ -109,15 +120,21 @@ class Ledger:
         self.peak_transient_bytes = self.transient_bytes
 
     def end_prefill(self, reservation: Reservation) -> bool:
-        """The first token is out: the prefill-only transient terms are gone. True if it changed."""
-        if reservation.released or not reservation.prefill_open:
+        """The first token is out: the prefill-only transient terms are gone. True if it changed.
+
+        Not for a request of several engine requests (prompts x n, app/predict.py): the first
+        token is one of theirs, and vLLM may still prefill the others later, as the pool allows;
+        their prefill terms stay reserved until the whole request is released."""
+        if reservation.released or not reservation.prefill_open or reservation.demand.sequences > 1:
             return False
         reservation.prefill_open = False
-        self._close_prefill(reservation.demand)
+        self._close_prefill(reservation)
         return True
 
-    def _close_prefill(self, demand: Demand) -> None:
-        del self._open_prefills[bisect.bisect_left(self._open_prefills, demand.transient_prefill_bytes)]
+    def _close_prefill(self, reservation: Reservation) -> None:
+        demand = reservation.demand
+        del self._open_prefills[bisect.bisect_left(self._open_prefills, _one_step(demand))]
+        self._held_bytes -= demand.transient_held_bytes + reservation.shared_extra
         self._profiled_prefill_bytes -= demand.profiled_prefill_bytes
 
     def release(self, reservation: Reservation) -> bool:
@@ -136,9 +153,14 @@ class Ledger:
         if reservation.demand.sampler:
             self._sampler.remove(reservation.demand.sampler)
         if reservation.prefill_open:
-            self._close_prefill(reservation.demand)
+            self._close_prefill(reservation)
             reservation.prefill_open = False
         del self._reservations[reservation.id]
         if not self._reservations:
             self._kv_variance = 0.0  # no float drift carried from one busy period to the next
         return True
+
+
+def _one_step(demand: Demand) -> int:
+    """A prefill's transient bytes that only its worst step takes (not held across steps)."""
+    return demand.transient_prefill_bytes - demand.transient_held_bytes

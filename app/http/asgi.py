@@ -49,12 +49,15 @@ async def read_body(
     receive: Receive,
     limit: int,
     idle_timeout_s: float | None = None,
+    deadline_s: float | None = None,
     *,
     reads_body: bool = True,
 ) -> bytes:
     """The whole body, once the head passed check_head; BodyTooLarge as soon as it is known to
-    exceed `limit`, ClientTooSlow if the client sends nothing for `idle_timeout_s`, ClientGone if
-    it left. When it refuses a body still on its way, body_unread(scope) says so."""
+    exceed `limit`, ClientTooSlow if the client sends nothing for `idle_timeout_s` or the whole
+    body has not arrived `deadline_s` after the head (a byte a second reset the idle timer
+    forever: 500 such connections held 500 fds past 90 s), ClientGone if it left. When it refuses
+    a body still on its way, body_unread(scope) says so."""
     declared = header(scope, b"content-length")
     scope[_BODY_UNREAD] = declared not in (None, "0") or header(scope, b"transfer-encoding") is not None
     check_head(scope, reads_body=reads_body)
@@ -62,12 +65,20 @@ async def read_body(
         raise BodyTooLarge(limit)
     chunks: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    ends_at = None if deadline_s is None else loop.time() + deadline_s
     while True:
+        wait_s = idle_timeout_s
+        if ends_at is not None:
+            left = ends_at - loop.time()
+            wait_s = left if wait_s is None else min(wait_s, left)
         try:
-            async with asyncio.timeout(idle_timeout_s):  # a timer, not a task per message
+            async with asyncio.timeout(wait_s):  # a timer, not a task per message
                 message: Message = await receive()
         except TimeoutError:
             scope[_BODY_UNREAD] = False  # a client that stalled is not waited for again
+            if ends_at is not None and loop.time() >= ends_at:
+                raise ClientTooSlow(deadline_s or 0, deadline=True) from None
             raise ClientTooSlow(idle_timeout_s or 0) from None
         more = message["type"] != "http.disconnect" and message.get("more_body", False)
         scope[_BODY_UNREAD] = more

@@ -2,7 +2,8 @@
 
 OpenAI's shape is {"error": {message, type, param, code}}; `type` follows from the status as in
 OpenAI's API (429 rate_limit_error, 5xx server_error, 404 not_found_error, else
-invalid_request_error). A refusal for load carries Retry-After. A client that went away gets 499
+invalid_request_error). What vLLM itself would refuse (errors.VllmRefusal) gets vLLM's own body
+instead: `type` vLLM's exception name, `code` the status number. A refusal for load carries Retry-After. A client that went away gets 499
 (nginx's "client closed request") with no body: nobody is left to read one.
 """
 
@@ -13,10 +14,11 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from app import errors
+from app.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
 
 _STATUS: dict[type[errors.KvgateError], int] = {
     errors.InvalidField: 400,
-    errors.ContextTooLong: 400,
+    errors.VllmRefusal: 400,
     errors.NeverFits: 400,
     errors.TokenizationFailed: 400,
     errors.ModelNotFound: 404,
@@ -28,6 +30,7 @@ _STATUS: dict[type[errors.KvgateError], int] = {
     errors.TokenizerUnavailable: 424,
     errors.QueueFull: 429,
     errors.QueueTimeout: 429,
+    errors.WorkMemoryBusy: 429,
     errors.ClientGone: 499,
     errors.BackendBroke: 502,
     errors.NotReady: 503,
@@ -55,12 +58,20 @@ def _error_type(status: int) -> str:
     return "invalid_request_error"
 
 
+# vLLM 0.32.0 entrypoints/serve/exception_handling/error_response.py create_error_response: the
+# error types of its client errors.
+_VLLM_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
+
+
 def error_body(error: errors.KvgateError) -> dict[str, Any]:
-    """OpenAI's error object for `error`."""
+    """OpenAI's error object for `error`, in vLLM's shape where vLLM would have refused it too."""
+    status = status_of(error)
+    if isinstance(error, errors.VllmRefusal):
+        return {"error": {"message": error.message, "type": _VLLM_TYPES[status], "param": error.param, "code": status}}
     return {
         "error": {
             "message": error.message,
-            "type": _error_type(status_of(error)),
+            "type": _error_type(status),
             "param": error.param,
             "code": error.code,
         }
@@ -68,9 +79,17 @@ def error_body(error: errors.KvgateError) -> dict[str, Any]:
 
 
 def error_headers(error: errors.KvgateError) -> dict[str, str]:
+    """Allow for a 405; Retry-After for a refusal for load and for every 502 and 503 (a broken
+    exchange gets the backend state's default, UNKNOWN_OUTAGE_RETRY_S); `Connection: close` with
+    a 408, as RFC 9110 15.5.9 asks: the client's body was not read to its end."""
     if isinstance(error, errors.MethodNotAllowed):
         return {"Allow": "POST"}
-    return {} if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    if isinstance(error, errors.ClientTooSlow):
+        return {"Connection": "close"}
+    retry_after_s = error.retry_after_s
+    if retry_after_s is None and status_of(error) in (502, 503):
+        retry_after_s = UNKNOWN_OUTAGE_RETRY_S
+    return {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
 
 
 def error_response(error: errors.KvgateError, extra_headers: dict[str, str] | None = None) -> Response:

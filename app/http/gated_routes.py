@@ -46,14 +46,21 @@ _ID_KEY = os.urandom(32)
 _id_counter = itertools.count()
 
 
+# A client's request id is kept if it is at most this long and printable ASCII: it is written on
+# every decision line and in headers to the backend and back (a 60,000-byte one added 115 MiB of
+# log over 2,000 requests). 128 holds a UUID, a W3C traceparent or an AWS trace id with room.
+MAX_REQUEST_ID_CHARS = 128
+
+
 def request_id_of(scope: Scope) -> str:
-    """The client's x-request-id, else 32 hex digits unique to this process's requests and
-    unguessable from the ones seen before: a counter keyed-hashed with a per-process secret
-    (BLAKE2b, about a microsecond; uuid4 read the kernel's random source on every request)."""
-    return (
-        header(scope, b"x-request-id")
-        or hashlib.blake2b(next(_id_counter).to_bytes(8, "little"), key=_ID_KEY, digest_size=16).hexdigest()
-    )
+    """The client's x-request-id when usable (non-empty, at most MAX_REQUEST_ID_CHARS printable
+    ASCII characters, no spaces), else kvgate's own: 32 hex digits unique to this process's
+    requests and unguessable from the ones seen before: a counter keyed-hashed with a per-process
+    secret (BLAKE2b, about a microsecond; uuid4 read the kernel's random source on every request)."""
+    sent = header(scope, b"x-request-id")
+    if sent and len(sent) <= MAX_REQUEST_ID_CHARS and sent.isascii() and sent.isprintable() and " " not in sent:
+        return sent
+    return hashlib.blake2b(next(_id_counter).to_bytes(8, "little"), key=_ID_KEY, digest_size=16).hexdigest()
 
 
 def tenant_of(scope: Scope, tenant_header: bytes | None) -> tuple[str, bool]:
@@ -89,6 +96,7 @@ class Evaluated:
     evaluation: Evaluation
     priority: int
     count_output: bool  # app/http/output_tokens.py can read its answer
+    deadline: float  # when it must have been admitted (the gate's clock), set once its body is in
     turn: str  # the tenant turn it waits for in the queue (app/gate/tenants.py)
 
 
@@ -122,7 +130,7 @@ class GatedRoutes:
         except KvgateError as error:
             response = answer_refusal(scope, error_response(error, {"x-request-id": request_id}))
         else:
-            deadline = self.rt.gate.deadline()
+            deadline = evaluated.deadline
             while response is None:  # None: the backend refused the connection, nothing was sent
                 try:
                     admitted = await self._admit(evaluated, scope, receive, started, request_id, deadline)
@@ -136,13 +144,14 @@ class GatedRoutes:
         """Read and evaluate the request; a KvgateError if it is refused or the client left.
 
         Refusals before the gate (body, parse, prediction) are reported to the gate's observers
-        here; the gate reports its own (queue full, timeout, backend down, left the queue)."""
+        here; the gate reports its own (queue full, timeout, backend down, left the queue). While
+        the backend kvgate tokenizes through is down, the request waits in the queue for it (until
+        its deadline, as an evaluated request would) and is evaluated once it is back."""
         rt = self.rt
         try:
-            raw = await read_body(scope, receive, rt.settings.max_body_bytes, rt.settings.client_body_timeout)
-            evaluation = await rt.pipeline.evaluate(route, raw)
-            priority = priority_of(
-                scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority
+            settings = rt.settings
+            raw = await read_body(
+                scope, receive, settings.max_body_bytes, settings.client_body_timeout, settings.client_body_deadline
             )
         except ClientGone:
             rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="request_body"))
@@ -150,11 +159,24 @@ class GatedRoutes:
         except KvgateError as error:
             rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
             raise
+        deadline = rt.gate.deadline()
+        while True:
+            try:
+                evaluation = await rt.pipeline.evaluate(route, raw)
+                priority = priority_of(
+                    scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority
+                )
+                break
+            except BackendDown:
+                await rt.gate.wait_for_backend(deadline, lambda: disconnect_future(receive), request_id)
+            except KvgateError as error:
+                rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
+                raise
         prediction = evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
         turn = self._turns.turn(*tenant_of(scope, self._tenant_header))
-        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, turn)
+        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, deadline, turn)
 
     async def _admit(
         self, evaluated: Evaluated, scope: Scope, receive: Receive, started: float, request_id: str, deadline: float
@@ -192,7 +214,10 @@ class GatedRoutes:
         backend to come back. Sending it again is safe: vLLM never saw it. Once bytes were
         sent, a failure is answered, never retried."""
         ticket = admitted.ticket
-        target, headers = request_target(scope), forward_headers(scope["headers"], request_id, scope.get("client"))
+        target, headers = (
+            request_target(scope),
+            forward_headers(scope["headers"], request_id, scope.get("client"), scope.get("scheme", "http")),
+        )
         try:
             if admitted.stream:  # vLLM sends a stream's head at once: the Relay watches from there
                 upstream = await self.rt.backend.open("POST", target, headers, admitted.body)
@@ -219,11 +244,17 @@ class GatedRoutes:
             ticket.release("upstream_error")
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
+
+        def on_end(outcome: str, output_tokens: int | None) -> None:
+            ticket.release(outcome, output_tokens)
+            if outcome == "disconnected":  # every release as `disconnected` is a client that left
+                self.rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="response_body"))
+
         return Relay(
             upstream,
             admitted.headers,
             on_first,
-            ticket.release,
+            on_end,
             count_output=admitted.count_output,
             stall_timeout_s=self.rt.settings.stream_stall_timeout,
         )

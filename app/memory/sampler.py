@@ -50,17 +50,31 @@ That is Model Runner V1 (vllm/v1/worker/gpu_model_runner.py). vLLM's CUDA defaul
 Model Runner V2 (vllm/v1/worker/gpu/, see app/memory/vllm_runner.py), samples differently
 (vllm 0.32.0 ``vllm/v1/worker/gpu/sample/sampler.py: Sampler``):
 
-- logits ``[B, V]`` in the model dtype; the fp32 copy is made only when a row needs logits
-  processing (``apply_sampling_params``: temperature not 0 and not all-default), i.e. a random row;
-- top-k/top-p: the resolved path above, without V1's softmax and noise;
-- logprobs: ``compute_topk_scores`` (gpu/sample/logprob.py) never materialises ``[B, V]`` log-probs:
-  ``[B, k + 1]`` ids and scores only, unless k is the whole vocabulary (``logprobs: -1``);
+- logits ``[B, V]`` in the model dtype; the fp32 copy (``apply_sampling_params``, gpu/sample/
+  sampler.py:238-242 in 0.32.0 and 0.33.0) is made for the whole batch as soon as one row needs
+  logits processing: ``SamplingStates.add_request`` (gpu/sample/states.py:67-72) says so for a
+  random row whose temperature is not 1.0 or that sets top-k, top-p or min-p, and so do the
+  logits processors for any row, greedy included: penalties (gpu/sample/penalties.py:55-64),
+  ``logit_bias``, ``allowed_token_ids`` and ``min_tokens`` (gpu/sample/logit_bias.py:57-110),
+  ``bad_words`` (gpu/sample/bad_words.py:40-44). A temperature-1.0 row with none of them samples
+  from the model-dtype logits: no copy, no filter (``get_top_k_top_p`` returns None, None);
+- top-k/top-p: the resolved path above, without V1's softmax and noise, only when a row sets
+  top-k or top-p;
+- logprobs: ``compute_topk_scores`` (gpu/sample/logprob.py:111-189) never materialises ``[B, V]``
+  log-probs: ``[B, k + 1]`` ids and scores only, unless k is the whole vocabulary (``logprobs:
+  -1``: ``torch.topk``'s int64 indices, kept while the ``[B, V + 1]`` int64 ids and fp32 scores are
+  made: 20 B a logit);
 - penalties: ``PenaltiesState`` (gpu/sample/penalties.py) preallocates ``output_bin_counts`` and
   the prompt mask for max_num_seqs rows at start-up: nothing per step, no prompt ids tensor.
 
-And V2's profile batch is greedy (gpu/model_runner.py ``_dummy_sampler_run``: "the sampler may
-skip top_k, top_p, and logprobs"): only the model-dtype logits are in the profile region; the
-fp32 copy and the top-k/top-p buffers of a random batch are charged against the free headroom.
+And V2's profile batch is greedy up to 0.32.0 (gpu/model_runner.py:972-983 ``_dummy_sampler_run``:
+one default pass): only the model-dtype logits are in the profile region; the fp32 copy and the
+top-k/top-p buffers of a random batch are charged against the free headroom. vLLM 0.33.0 adds a
+second pass on CUDA (gpu/model_runner.py:993-1015) with ``SamplingParams.for_sampler_warmup()``
+(sampling_params.py:1477-1493: temperature 0.9, top-p 0.9, top-k 50, min-p, penalties, logit
+bias, bad words, logprobs 5, no seed) for every profiled row: the profile then holds the fp32
+copy, the top-k/top-p path (FlashInfer where it is on: no seed, no greedy row) and the top-5
+logprobs of those rows (`SamplerCost.warmup_profile`).
 
 Speculative decoding samples ``1 + num_speculative_tokens`` rows per request (the target model
 verifies every draft token: v1/sample/rejection_sampler.py); the profile sampled one per request,
@@ -103,6 +117,12 @@ MAX_SMS = 192
 # (fp32, 4) and int64 indices (8), the ids with the sampled/prompt token prepended (int64, 8) and
 # their scores (fp32, 4): v1/sample/sampler.py gather_logprobs, gpu/sample/logprob.py compute_topk_scores.
 ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT = 24
+# V2 (vllm 0.32.0 and 0.33.0 v1/worker/gpu/sample/logprob.py:128-133 compute_topk_scores): the
+# topk's int64 indices (its values are dropped at once), the [B, V + 1] int64 ids they are cat-ed
+# into and the kernel's fp32 scores: 8 + 8 + 4.
+V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT = 20
+# vllm 0.33.0 sampling_params.py:1490 SamplingParams.for_sampler_warmup: logprobs=5.
+WARMUP_LOGPROBS = 5
 # V2's [rows, k + 1] logprob token ids (int64) and scores (fp32) per row and column.
 TOPK_LOGPROBS_BYTES = 12
 # vllm 0.32.0 v1/worker/gpu/spec_decode/rejection_sampler.py MAX_CHUNK_BYTES: V2's verification
@@ -176,6 +196,12 @@ class SamplerCost:
     # the hidden states of max_num_batched_tokens tokens and the gathered rows of its own batch
     # (`profile_run`, `_dummy_sampler_run`). 0: not counted (V1, whose runner was not read for it).
     hidden_size: int = 0
+    # vLLM 0.33.0's V2 profile runs the sampler warm-up pass (module docstring): its fp32 copy,
+    # top-k/top-p path and logprobs for the profiled rows are in the profile region.
+    warmup_profile: bool = False
+    # --logprobs-mode processed_logits|processed_logprobs: a V2 batch in which a row returns
+    # logprobs leaves FlashInfer (gpu/sample/sampler.py:307-312 fused_sampler_eligible).
+    processed_logprobs: bool = False
 
     @cached_property
     def profiled_rows(self) -> int:
@@ -191,6 +217,60 @@ class SamplerCost:
         """Rows of V2's `sample_hidden` term inside the profile: the step's hidden states (the
         profile's covered every token a step can hold) and the gathered rows up to its own."""
         return rows_sampled + min(rows_sampled, self.profiled_rows)
+
+    def _v2_stage(
+        self,
+        rows: int,
+        rows_sampled: int,
+        logprobs: bool,
+        all_vocab_logprobs: bool,
+        processing: bool,
+        filtered: bool,
+    ) -> SamplerStage:
+        """Model Runner V2's stage (module docstring): the fp32 copy when a row needs processing,
+        the top-k/top-p path when a row sets it; with 0.33.0's warm-up pass in the profile, both
+        and the top-5 logprobs are profiled up to the profiled rows."""
+        v = self.vocab_size
+        sampled = rows_sampled * v
+        top_k_top_p, sorts = self.top_k_top_p(rows_sampled) if filtered else (0, False)
+        fp32 = sampled * FP32 if processing else 0
+        if processing and self.num_speculative_tokens:
+            fp32, speculative_top_k_top_p, sorts = self.v2_speculative_random(rows, rows_sampled)
+            # unfiltered: only a first-token step's fp32 copy can exceed the verification chunk's
+            first_fp32 = min(rows, self.profiled_rows) * v * FP32
+            top_k_top_p = speculative_top_k_top_p if filtered else max(0, first_fp32 - fp32)
+            sorts = sorts and filtered
+        width = v + 1 if all_vocab_logprobs else max(self.max_logprobs, 0) + 1
+        per_row = V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT * v if all_vocab_logprobs else width * TOPK_LOGPROBS_BYTES
+        hidden_row = self.hidden_size * self.dtype_bytes
+        in_profile = min(rows_sampled, self.profiled_rows)
+        profiled = in_profile * v * self.dtype_bytes + self.profiled_hidden_rows(rows_sampled) * hidden_row
+        if self.warmup_profile:
+            warm_fp32, warm_path, warm_logprobs = self.warmup_pass()
+            profiled += min(fp32, warm_fp32) + min(top_k_top_p, warm_path)
+            profiled += min(rows_sampled * per_row, warm_logprobs) if logprobs else 0
+        return SamplerStage(
+            logits=sampled * self.dtype_bytes,
+            sort=top_k_top_p if sorts else 0,
+            logprobs=rows_sampled * per_row if logprobs else 0,
+            penalties=0,
+            prompt_ids=0,
+            logits_fp32=fp32,
+            top_k_top_p=0 if sorts else top_k_top_p,
+            sample_hidden=2 * rows_sampled * hidden_row,
+            profiled=profiled,
+        )
+
+    def warmup_pass(self) -> tuple[int, int, int]:
+        """vLLM 0.33.0's V2 warm-up pass over the profiled rows (gpu/model_runner.py:1004-1015):
+        (its fp32 copy, its top-k/top-p path, its top-5 logprobs). FlashInfer where it is on: the
+        warm-up rows are random and unseeded, and return raw logprobs; under a processed
+        --logprobs-mode they return processed ones, so the native path ran instead."""
+        rows, v = self.profiled_rows, self.vocab_size
+        native, _ = self._native_top_k_top_p(rows)
+        fused = self.sampler == "flashinfer" and not self.processed_logprobs and rows >= self.sort_below_rows
+        path = rows * v * FLASHINFER_BYTES_PER_LOGIT if fused else native
+        return rows * v * FP32, path, rows * (WARMUP_LOGPROBS + 1) * TOPK_LOGPROBS_BYTES
 
     @staticmethod
     def triton_buffer_rows(rows: int) -> int:
@@ -276,9 +356,13 @@ class SamplerCost:
         all_vocab_logprobs: bool = False,
         structured: bool = False,
         longest_output: int = 0,
+        processing: bool | None = None,
+        filtered: bool | None = None,
     ) -> SamplerStage:
         """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
-        (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`).
+        (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`;
+        V2 only, None meaning `random`: processing, a row needs its logits processed (the fp32
+        copy); filtered, a row sets top-k or top-p).
 
         V1 with penalties: ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
         builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
@@ -286,27 +370,13 @@ class SamplerCost:
         rows_sampled = min(rows * (1 + self.num_speculative_tokens), self.max_sampled_rows)
         sampled = rows_sampled * self.vocab_size
         in_profile = min(rows_sampled, self.profiled_rows) * self.vocab_size
-        whole_vocab = sampled * ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT if all_vocab_logprobs else 0
-        # V1 is charged its top-k/top-p whatever the rows ask (as its profile ran it); V2 only for a
-        # random batch (a greedy one skips it, Sampler.sample).
-        top_k_top_p, sorts = self.top_k_top_p(rows_sampled) if random or self.runner == "v1" else (0, False)
         if self.runner == "v2":
-            topk = rows_sampled * (max(self.max_logprobs, 0) + 1) * TOPK_LOGPROBS_BYTES
-            fp32 = sampled * FP32 if random else 0
-            if random and self.num_speculative_tokens:
-                fp32, top_k_top_p, sorts = self.v2_speculative_random(rows, rows_sampled)
-            hidden_row = self.hidden_size * self.dtype_bytes
-            return SamplerStage(
-                logits=sampled * self.dtype_bytes,
-                sort=top_k_top_p if sorts else 0,
-                logprobs=(whole_vocab or topk) if logprobs else 0,
-                penalties=0,
-                prompt_ids=0,
-                logits_fp32=fp32,
-                top_k_top_p=0 if sorts else top_k_top_p,
-                sample_hidden=2 * rows_sampled * hidden_row,
-                profiled=in_profile * self.dtype_bytes + self.profiled_hidden_rows(rows_sampled) * hidden_row,
-            )
+            processing = random if processing is None else processing
+            filtered = random if filtered is None else filtered
+            return self._v2_stage(rows, rows_sampled, logprobs, all_vocab_logprobs, processing, filtered)
+        whole_vocab = sampled * ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT if all_vocab_logprobs else 0
+        # V1 is charged its top-k/top-p whatever the rows ask (as its profile ran it).
+        top_k_top_p, sorts = self.top_k_top_p(rows_sampled)
         # V1 profiles a random batch: its top-k/top-p path at the profiled rows.
         profiled_top_k_top_p = min(top_k_top_p, self.top_k_top_p(self.profiled_rows)[0])
         return SamplerStage(
@@ -339,6 +409,9 @@ class SamplerUse:
     all_vocab_logprobs: bool = False  # logprobs: -1
     structured: bool = False  # a structured-output (guided decoding) constraint
     longest_output: int = 0  # its largest max_tokens: sizes the penalties' output ids
+    # V2: its logits need processing (the fp32 copy), it sets top-k/top-p; None: `random`.
+    processing: bool | None = None
+    filtered: bool | None = None
     # The stage of a batch that holds only this request (an idle server): every admission reads
     # it twice (its transient and profiled bytes), so it is computed once, with the use.
     alone: SamplerStage = field(init=False, repr=False, compare=False)
@@ -353,8 +426,18 @@ class SamplerUse:
             self.all_vocab_logprobs,
             self.structured,
             self.longest_output,
+            self.needs_processing,
+            self.needs_filter,
         )
         object.__setattr__(self, "alone", alone)
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.random if self.processing is None else self.processing
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.random if self.filtered is None else self.filtered
 
 
 class SamplerBatch:
@@ -375,6 +458,8 @@ class SamplerBatch:
         self._random = 0
         self._all_vocab = 0
         self._structured = 0
+        self._processing = 0
+        self._filtered = 0
         self._prompts: list[int] = []  # sorted
         self._outputs: list[int] = []  # sorted
         self._changed()
@@ -387,6 +472,8 @@ class SamplerBatch:
         self._random += use.random
         self._all_vocab += use.all_vocab_logprobs
         self._structured += use.structured
+        self._processing += use.needs_processing
+        self._filtered += use.needs_filter
         bisect.insort(self._prompts, use.longest_prompt)
         bisect.insort(self._outputs, use.longest_output)
         self._changed()
@@ -398,6 +485,8 @@ class SamplerBatch:
         self._random -= use.random
         self._all_vocab -= use.all_vocab_logprobs
         self._structured -= use.structured
+        self._processing -= use.needs_processing
+        self._filtered -= use.needs_filter
         del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
         del self._outputs[bisect.bisect_left(self._outputs, use.longest_output)]
         self._changed()
@@ -431,6 +520,8 @@ class SamplerBatch:
                 self._all_vocab > 0,
                 self._structured > 0,
                 output,
+                self._processing > 0,
+                self._filtered > 0,
             )
         return extra.cost.stage(
             self._rows + extra.rows,
@@ -441,6 +532,8 @@ class SamplerBatch:
             self._all_vocab > 0 or extra.all_vocab_logprobs,
             self._structured > 0 or extra.structured,
             max(output, extra.longest_output),
+            self._processing > 0 or extra.needs_processing,
+            self._filtered > 0 or extra.needs_filter,
         )
 
 

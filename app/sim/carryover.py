@@ -16,6 +16,10 @@ come and go around them, and a segment that holds one can never be given back wh
   batch changes (a request added, removed or moved), and the new tensor is made while the old
   metadata still holds the old one, so the new one lands beside it and, once the old one goes,
   sits inside the segment with free bytes on both sides. Megabytes to over 100 MiB.
+- Model Runner V2's prompt logprobs of a prompt still being prefilled (v1/worker/gpu/sample/
+  prompt_logprob.py:210-212 `in_progress_prompt_logprobs`, 0.32.0 and 0.33.0): each earlier
+  step's results, held (`held`, keyed by request) until its last prompt step concatenates them,
+  or until it leaves the batch (`remove_request` drops them).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class CrossStepTensors:
         self.outputs: list[Block] = []
         self.penalty_prompt_ids: Block | None = None
         self._batch: tuple[str, ...] = ()
+        self.held: dict[str, list[Block]] = {}  # "held:pl:<request id>" -> V2 prompt logprobs
 
     def start_step(self, batch: list[Request]) -> None:
         """Before the forward pass: collect the last step's outputs, then refresh the sampling
@@ -42,6 +47,10 @@ class CrossStepTensors:
         for block in self.outputs:
             self.alloc.free(block)
         self.outputs = []
+        running = {f"held:pl:{r.request_id}" for r in batch}
+        for gone in [k for k in self.held if k not in running]:
+            for block in self.held.pop(gone):
+                self.alloc.free(block)
         key = tuple(r.request_id for r in batch)
         if key == self._batch:
             return

@@ -11,7 +11,7 @@ import uvicorn
 
 from app.sim.config import CoTenant, SimConfig
 from app.sim.startup import StartupError
-from app.vllm_flags import SpeculativeConfig, add_vllm_arguments
+from app.vllm_flags import SpeculativeConfig, add_vllm_arguments, size_argument
 
 # vLLM's flags the simulator plays: names, aliases, parsers and help are their one declaration in
 # app.vllm_flags (shared with serve, explain and capacity); only some defaults are the simulator's.
@@ -53,12 +53,12 @@ def _cotenant(spec: str) -> CoTenant:
     """NAME:BYTES[:START_S[:END_S]] in simulated seconds."""
     parts = spec.split(":")
     end = float(parts[3]) if len(parts) > 3 else None
-    return CoTenant(parts[0], int(float(parts[1])), float(parts[2]) if len(parts) > 2 else 0.0, end)
+    return CoTenant(parts[0], size_argument(parts[1]), float(parts[2]) if len(parts) > 2 else 0.0, end)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3.1-8b", help="model preset or config.json folder")
-    p.add_argument("--gpu", default="h100-80gb", help="GPU preset or total bytes ('80GiB')")
+    p.add_argument("--gpu", default="h100-80gb", help="GPU preset or total bytes ('80GiB', '80G')")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -74,13 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--non-torch-bytes",
-        type=int,
+        type=size_argument,
         default=None,
         help="measured 'non-torch forward increase memory' (inside the budget)",
     )
     p.add_argument(
         "--cuda-context-bytes",
-        type=int,
+        type=size_argument,
         default=None,
         help="device memory held before the profile (outside the budget, vLLM >= 0.7)",
     )

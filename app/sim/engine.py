@@ -179,7 +179,7 @@ class Engine:
         try:
             self.carry.start_step([s.request for s in out.scheduled])
             shape = self.shape(out)
-            self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(shape)))
+            self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(shape), self.carry.held))
             if self.draft_steps:  # its proposals go straight to the next step's input ids
                 for block in run_tape(self.alloc, self.draft_steps.plan(startup.draft_shape(shape))):
                     self.alloc.free(block)
@@ -217,6 +217,9 @@ class Engine:
                     sp.structured,
                     s.num_draft_tokens,
                     sp.seed is not None,
+                    sp.processes_logits,
+                    req.request_id,
+                    max(0, req.num_prompt_tokens - s.num_context - s.num_new_tokens),
                 )
             )
         return StepShape(tuple(reqs))

@@ -191,6 +191,15 @@ class Flavor:
         return self.version >= (0, 32, 0)
 
     @property
+    def profiles_sampler_warmup(self) -> bool:
+        """vLLM 0.33.0's V2 `_dummy_sampler_run` (v1/worker/gpu/model_runner.py:993-1015) samples
+        the profile's rows a second time with `SamplingParams.for_sampler_warmup()` (temperature
+        0.9, top-p 0.9, top-k 50, min-p, penalties, logit bias, bad words, logprobs 5, no seed):
+        the profile holds the fp32 copy, the top-k/top-p path and the logprobs. 0.32.0 (:972-983)
+        samples them once, greedily."""
+        return self.v2 and self.version >= (0, 33, 0)
+
+    @property
     def context_in_budget(self) -> bool:
         """Before vLLM 0.7 the whole non-torch footprint counted against the budget."""
         return self.version < (0, 7, 0)

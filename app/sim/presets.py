@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.units import GB, GiB, MiB
+from app.units import GiB, parse_size
 
 _LLAMA_3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -146,17 +146,16 @@ def model_config(name: str) -> dict[str, Any]:
 
 
 def gpu_total_bytes(spec: str) -> int:
-    """A GPU preset's capacity, or a plain byte count ('85899345920', '80GiB')."""
+    """A GPU preset's capacity, or a byte count in vLLM's units ('85899345920', '80GiB', '80G')."""
     key = spec.lower()
     if key in GPUS:
         return GPUS[key]
-    for suffix, unit in (("gib", GiB), ("gb", GB), ("mib", MiB)):
-        if key.endswith(suffix):
-            return int(float(key[: -len(suffix)]) * unit)
     try:
-        return int(key)
+        size = parse_size(spec)
     except ValueError:
-        raise KeyError(f"unknown GPU {spec!r}; presets: {', '.join(sorted(GPUS))}") from None
+        raise KeyError(f"unknown GPU {spec!r}; presets: {', '.join(sorted(GPUS))}, or a size (80GiB)") from None
+    assert isinstance(size, int)
+    return size
 
 
 def write_model_folder(name: str, folder: str | Path) -> Path:

@@ -30,10 +30,22 @@ class Sampling:
     seed: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0  # no end of sequence before this many (vllm/v1/core/sched/utils.py check_stop)
+    min_p: float = 0.0
+    # logit_bias, allowed_token_ids, bad_words or min_tokens: a V2 logits processor runs
+    logits_processor: bool = False
 
     @property
     def random(self) -> bool:
         return self.temperature > 1e-5
+
+    @property
+    def processes_logits(self) -> bool:
+        """Model Runner V2 copies the batch's logits to fp32 for this row (vllm 0.32.0/0.33.0
+        v1/worker/gpu/sample/states.py:67-72 `SamplingStates.add_request`: a random row whose
+        temperature is not 1.0 or that sets top-k/top-p/min-p; the logits processors of
+        penalties.py:55-64, logit_bias.py:57-110 and bad_words.py:40-44, greedy rows too)."""
+        own = self.random and (self.temperature != 1.0 or self.min_p != 0.0 or self.top_p_k)
+        return own or self.penalties or self.logits_processor
 
     @property
     def top_p_k(self) -> bool:

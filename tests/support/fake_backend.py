@@ -56,7 +56,9 @@ class FakeBackend:
     base_url: str = ""
     tokenize_fails: bool = False
     tokenize_delay_s: float = 0.0
-    completion_mode: str = "ok"  # ok | broken_stream | slow
+    # ok | broken_stream | slow | done_then_linger (a stream whose body ends slow_s after its
+    # `data: [DONE]`) | linger_before_done (one event, then slow_s before the rest)
+    completion_mode: str = "ok"
     slow_s: float = 30.0
     started: float = field(default_factory=time.time)  # process_start_time_seconds: a new one is a restart
     running: int = 0  # slow completions being answered: vllm:num_requests_running
@@ -94,6 +96,18 @@ class FakeBackend:
                     raise BrokenStream()
 
                 return StreamingResponse(chunks(), media_type="text/event-stream")
+            if self.completion_mode in ("done_then_linger", "linger_before_done"):
+                done_first = self.completion_mode == "done_then_linger"
+
+                async def lingering():
+                    yield b'data: {"choices": [{"text": "a"}]}\n\n'
+                    if done_first:
+                        yield b"data: [DONE]\n\n"
+                    await asyncio.sleep(self.slow_s)
+                    if not done_first:
+                        yield b"data: [DONE]\n\n"
+
+                return StreamingResponse(lingering(), media_type="text/event-stream")
             if self.completion_mode == "slow":
                 self.running += 1
                 try:

@@ -1,0 +1,81 @@
+"""The simulator's own reading of Model Runner V2 in vLLM 0.32.0 and 0.33.0 (issue #27): prompt
+logprobs over the whole step with two sub-chunks alive, -1 results kept across a chunked prompt,
+the fp32 copy only for rows that need processing, 0.33's sampler warm-up pass in the profile."""
+
+from __future__ import annotations
+
+from app.sim import startup
+from app.sim.config import SimConfig
+from app.sim.gpu import Block, CachingAllocator, Device
+from app.sim.model import load_model
+from app.sim.presets import gpu_total_bytes
+from app.sim.step_memory import ReqSlice, StepShape, run_tape
+from app.units import MiB
+
+V = 128256
+LLAMA = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=32768, max_logprobs=-1)
+
+
+def _boot(**kw) -> tuple[startup.Resolved, startup.StartupReport]:
+    cfg = SimConfig(**{**LLAMA, **kw})
+    dev = Device(gpu_total_bytes(cfg.gpu))
+    return startup.start(cfg, load_model(cfg.model), dev, CachingAllocator(dev, "vllm"))
+
+
+def _peak(r: startup.Resolved, shape: StepShape, held: dict[str, list[Block]] | None = None) -> int:
+    alloc = CachingAllocator(Device(1 << 42), "vllm")
+    steps, _ = startup.step_memories(r)
+    run_tape(alloc, steps.plan(shape), held)
+    return alloc.peak_allocated
+
+
+def test_v2_prompt_logprobs_hold_two_sub_chunks_of_the_whole_step() -> None:
+    r, _ = _boot(max_num_batched_tokens=8192)
+    assert r.flavor.v2
+    plain = _peak(r, StepShape((ReqSlice(3000, samples=False),)))
+    k5 = _peak(r, StepShape((ReqSlice(3000, samples=False, prompt_logprob_tokens=3000, prompt_logprobs=5),)))
+    two_chunks = 2 * 1024 * V * 2
+    hidden = 3000 * 4096 * 2  # the step's hidden states, scored in place
+    assert two_chunks + hidden <= k5 <= two_chunks + plain
+    # the step's other tokens are scored too (hidden_states[:num_tokens]): a 3,000-token request
+    # beside 5,000 tokens of others costs the same two sub-chunks, and the results of all 8,000 rows
+    shared = StepShape(
+        (ReqSlice(3000, samples=False, prompt_logprob_tokens=3000, prompt_logprobs=5), ReqSlice(5000, samples=False))
+    )
+    assert _peak(r, shared) >= two_chunks + 8000 * 4096 * 2 + 8000 * (6 * 12 + 8)
+
+
+def test_v2_prompt_logprobs_minus_one_keep_the_earlier_step_until_the_last() -> None:
+    r, _ = _boot(max_num_batched_tokens=8192)
+    held: dict[str, list[Block]] = {}
+    per_row = (V + 1) * 12 + 8
+    first = ReqSlice(
+        8192, samples=False, prompt_logprob_tokens=8192, prompt_logprobs=-1, request_id="a", prompt_left=8192
+    )
+    alloc = CachingAllocator(Device(1 << 42), "vllm")
+    steps, _ = startup.step_memories(r)
+    run_tape(alloc, steps.plan(StepShape((first,))), held)
+    assert sum(b.size for b in held["held:pl:a"]) >= 8192 * per_row
+    last = ReqSlice(8192, 8192, prompt_logprob_tokens=8192, prompt_logprobs=-1, request_id="a")
+    before = alloc.allocated()
+    alloc.reset_peak()
+    run_tape(alloc, steps.plan(StepShape((last,))), held)
+    # LogprobsTensors.cat: the kept step, this step and the copy of the whole prompt's rows
+    assert alloc.peak_allocated - before >= (8192 + 16383) * per_row
+    assert "held:pl:a" not in held and alloc.allocated() < before
+
+
+def test_v2_fp32_copy_only_for_rows_that_need_processing() -> None:
+    r, _ = _boot(max_num_batched_tokens=2048)
+    plain = _peak(r, StepShape(tuple(ReqSlice(1, random=True, processes=False) for _ in range(256))))
+    hot = _peak(r, StepShape(tuple(ReqSlice(1, random=True, processes=True) for _ in range(256))))
+    greedy_penalty = _peak(r, StepShape(tuple(ReqSlice(1, processes=True, penalties=True) for _ in range(256))))
+    assert hot - plain >= 256 * V * 4 and greedy_penalty - plain >= 256 * V * 4
+
+
+def test_033_profile_holds_the_sampler_warm_up_pass() -> None:
+    rows = dict(max_num_batched_tokens=1024, max_num_seqs=1024, max_model_len=8192)
+    _, older = _boot(vllm_version="0.32.0", **rows)
+    _, newer = _boot(vllm_version="0.33.0", **rows)
+    # fp32 copy + FlashInfer's masked logits and probabilities for the 1,024 rows
+    assert newer.activation_peak - older.activation_peak >= 1024 * V * (4 + 8) - 64 * MiB

@@ -1,0 +1,105 @@
+"""The shared budget of request preparation (app/work_budget.py): what a request holds, when it
+waits, when it is refused, and where the process's limit comes from."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from app.errors import RequestTooCostly, WorkMemoryBusy
+from app.http.errors import error_body, error_headers, status_of
+from app.work_budget import WorkBudget, body_values, container_memory_limit, preparation_cost
+
+
+async def test_a_request_that_fits_goes_at_once_and_gives_back_what_it_grew_by() -> None:
+    budget = WorkBudget(100)
+    async with budget.hold(30) as grant:
+        await grant.grow(50)
+        assert budget.in_use == 80 == grant.bytes
+    assert budget.in_use == 0
+
+
+async def test_a_request_waits_for_room_then_goes() -> None:
+    budget = WorkBudget(100, wait_s=5)
+    order: list[str] = []
+
+    async def big() -> None:
+        async with budget.hold(80):
+            order.append("big in")
+            await asyncio.sleep(0.05)
+        order.append("big out")
+
+    async def second() -> None:
+        await asyncio.sleep(0.01)
+        async with budget.hold(60):
+            order.append("second in")
+
+    await asyncio.gather(big(), second())
+    assert order == ["big in", "big out", "second in"]
+    assert budget.in_use == 0
+
+
+async def test_small_requests_pass_a_large_one_waiting_for_room() -> None:
+    """First fit: a large body waiting never holds up the small requests behind it."""
+    budget = WorkBudget(100, wait_s=0.2)
+    async with budget.hold(60):
+        large = asyncio.create_task(budget.hold(50).__aenter__())
+        await asyncio.sleep(0.01)
+        async with budget.hold(10):  # fits beside the 60 held: not behind the waiting 50
+            assert budget.in_use == 70
+        with pytest.raises(WorkMemoryBusy) as caught:
+            await large
+    assert budget.in_use == 0
+    assert status_of(caught.value) == 429 and error_headers(caught.value) == {"Retry-After": "1"}
+    assert error_body(caught.value)["error"]["code"] == "work_memory_busy"
+
+
+async def test_a_request_the_budget_could_never_hold_is_413_at_once() -> None:
+    budget = WorkBudget(100)
+    with pytest.raises(RequestTooCostly) as caught:
+        async with budget.hold(101):
+            pass
+    assert status_of(caught.value) == 413 and error_body(caught.value)["error"]["code"] == "request_too_costly"
+    async with budget.hold(60) as grant:
+        with pytest.raises(RequestTooCostly):
+            await grant.grow(41)  # 101 in all
+    assert budget.in_use == 0
+
+
+async def test_a_waiter_that_leaves_holds_nothing() -> None:
+    budget = WorkBudget(100, wait_s=5)
+    async with budget.hold(90):
+        waiter = asyncio.create_task(budget.hold(50).__aenter__())
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    assert budget.in_use == 0 and not budget._waiters
+
+
+def test_the_cost_grows_with_bytes_and_values() -> None:
+    small, values = b'{"prompt": "hi"}', b'{"prompt": [' + b"1," * 1000 + b"1]}"
+    assert preparation_cost(values, body_values(values)) > preparation_cost(small, body_values(small))
+    assert body_values(values) == 1001
+
+
+@pytest.mark.parametrize(
+    ("v2", "v1", "limit"),
+    [
+        ("2147483648\n", None, 2147483648),
+        ("max\n", None, None),
+        (None, "9223372036854771712\n", None),  # v1's "unlimited"
+        (None, "1073741824\n", 1073741824),
+        (None, None, None),
+    ],
+)
+def test_the_containers_limit_is_read_from_cgroup_v2_then_v1(
+    tmp_path: Path, v2: str | None, v1: str | None, limit: int | None
+) -> None:
+    paths = (tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes")
+    for path, text in zip(paths, (v2, v1), strict=True):
+        if text is not None:
+            path.write_text(text)
+    assert container_memory_limit(paths) == limit
