@@ -31,7 +31,8 @@ def test_demo_scenario_dies_without_kvgate_and_survives_with_it(scenario) -> Non
         if o.status in (400, 429):
             assert o.message  # vLLM-shaped error body with a message
     assert any(dec == "admit" for dec, _ in res.decisions)
-    assert any(dec == "reject" for dec, _ in res.decisions)
+    # it held something back: refused it, or (a batch vLLM serves once the pool is free) queued it
+    assert any(dec in ("reject", "queue") for dec, _ in res.decisions)
 
 
 def _prompt_past_the_profile_stand_in(rng: random.Random, quick: bool) -> list[Call]:

@@ -287,7 +287,7 @@ def test_a_tokenize_prompt_longer_than_any_context_is_refused_before_the_backend
     than max_model_len is refused like a completion's (the scripted backend would answer 200)."""
     long = httpx.post(kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "prompt": "word " * 180_000})
     assert long.status_code == 400, long.text
-    assert long.json()["error"]["param"] == "prompt"
+    assert long.json()["error"]["param"] == "input_tokens"  # as vLLM's context-length refusal names it
     assert "maximum context length is 1024 tokens" in long.json()["error"]["message"]
     short = httpx.post(kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "prompt": "hi"})
     assert short.status_code == 200 and short.json()["count"] == 3

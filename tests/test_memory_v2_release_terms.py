@@ -171,3 +171,32 @@ def test_the_ledger_sums_what_prefills_hold_across_steps_and_the_shared_step_ext
     reservation = ledger.reserve(shared)
     ledger.release(reservation)
     assert ledger.transient_bytes == 10 * row + 100
+
+
+def test_a_short_prompt_alone_is_charged_its_own_step_and_the_full_step_once_others_join() -> None:
+    """V2 computes prompt logprobs over every token of the step: alone, a 100-token prompt's step
+    is its 100 tokens (what vLLM runs on an idle server, so such a request is never refused as
+    never fitting); beside others the step is taken as full. A prompt admitted alone is charged
+    the full step from the next admission on, whoever that is: the newcomer's tokens join its
+    steps."""
+    from app.gate.ledger import Ledger
+    from app.memory.activation import v2_prompt_logprobs, v2_prompt_logprobs_shared_step_extra
+    from app.memory.demand import Demand
+
+    engine = v2_engine(max_num_batched_tokens=2048)
+    alone = sum(t.bytes for t in v2_prompt_logprobs(LLAMA, engine, 100, 100, 5))
+    assert alone < 2 * 100 * V * 2 + 100 * 1024  # 100 rows of logits (bf16), not a 2,048-token step
+    extra = v2_prompt_logprobs_shared_step_extra(LLAMA, engine, 100, 5)
+    assert alone + extra >= 2 * 1024 * V * 2  # beside others: two 1,024-row sub-chunks' logits
+    first = Demand(10, 1, (), 1, transient_prefill_bytes=alone, transient_shared_extra_bytes=extra)
+    plain = Demand(10, 1, (), 1, transient_prefill_bytes=7)
+    ledger = Ledger()
+    assert ledger.transient_bytes_with(first) == alone  # nothing in flight: its own step
+    ledger.reserve(first)
+    assert ledger.transient_bytes == alone
+    # a request without prompt logprobs joining it makes its steps full
+    assert ledger.transient_bytes_with(plain) == alone + extra
+    second = ledger.reserve(plain)
+    assert ledger.transient_bytes == alone + extra
+    ledger.release(second)
+    assert ledger.transient_bytes == alone + extra  # held until its prefill ends

@@ -33,6 +33,9 @@ class Reservation:
     released: bool = False
     hashes: frozenset[int] = field(default_factory=frozenset)
     shared_extra: int = 0  # held beyond its demand: admitted beside others (Demand.transient_shared_extra_bytes)
+    # Its shared-step extra while it prefills alone: held from the next admission on, since that
+    # request's tokens join its steps.
+    pending_extra: int = 0
 
 
 class Ledger:
@@ -46,6 +49,7 @@ class Ledger:
         # requests still prefilling, and the sum of what they hold across steps
         self._open_prefills: list[int] = []
         self._held_bytes = 0
+        self._pending_extra = 0  # summed Reservation.pending_extra of the open prefills
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
         self._sampler = SamplerBatch()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
@@ -74,8 +78,9 @@ class Ledger:
         return held + largest_prefill + self.sampler_with(demand).unprofiled
 
     def _shared_extra(self, demand: Demand) -> int:
-        """Its shared-step extra if admitted now: only beside other in-flight requests."""
-        return demand.transient_shared_extra_bytes if self._reservations else 0
+        """The shared-step extras admitting it now adds: only beside other in-flight requests, and
+        then its own and those of the prefills that ran alone so far (they share steps from now)."""
+        return demand.transient_shared_extra_bytes + self._pending_extra if self._reservations else 0
 
     @property
     def profiled_bytes(self) -> int:
@@ -104,7 +109,14 @@ class Ledger:
             self._refcounts[h] = self._refcounts.get(h, 0) + 1
         self._private_blocks += demand.private_blocks
         self._kv_variance += demand.kv_variance_blocks
-        shared_extra = self._shared_extra(demand)
+        alone = not self._reservations
+        if self._pending_extra and not alone:
+            for other in self._reservations.values():
+                other.shared_extra += other.pending_extra
+                other.pending_extra = 0
+            self._held_bytes += self._pending_extra
+            self._pending_extra = 0
+        shared_extra = 0 if alone else demand.transient_shared_extra_bytes
         bisect.insort(self._open_prefills, _one_step(demand))
         self._held_bytes += demand.transient_held_bytes + shared_extra
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
@@ -112,6 +124,9 @@ class Ledger:
             self._sampler.add(demand.sampler)
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes, shared_extra=shared_extra)
+        if alone:
+            reservation.pending_extra = demand.transient_shared_extra_bytes
+            self._pending_extra += reservation.pending_extra
         self._reservations[reservation.id] = reservation
         return reservation
 
@@ -135,6 +150,8 @@ class Ledger:
         demand = reservation.demand
         del self._open_prefills[bisect.bisect_left(self._open_prefills, _one_step(demand))]
         self._held_bytes -= demand.transient_held_bytes + reservation.shared_extra
+        self._pending_extra -= reservation.pending_extra
+        reservation.pending_extra = 0
         self._profiled_prefill_bytes -= demand.profiled_prefill_bytes
 
     def release(self, reservation: Reservation) -> bool:

@@ -696,29 +696,29 @@ def _prompt_logprobs_terms(
 
 
 def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, prompt_tokens: int, k: int) -> int:
-    """What V2's prompt logprobs take beyond `v2_prompt_logprobs` when the prompt starts in a step
-    other requests already use: its first piece can be a single token, so it spans
-    1 + ceil((prompt - 1) / step) steps, each earlier one held whole. A request that starts on an
-    idle server starts on a step of its own (the scheduler gives a running prefill its next piece
-    first), so `estimate_transient` counts the aligned steps; the ledger adds this when others
-    are in flight."""
-    if e.runner != "v2" or not e.enable_chunked_prefill or prompt_tokens < 2:
+    """What V2's prompt logprobs take beyond `v2_prompt_logprobs` (the prompt alone on its steps)
+    when other requests share its steps. ``compute_prompt_logprobs`` runs over every token of the
+    step, whoever's, so beside others a step is taken as full (``max_num_batched_tokens``); and a
+    prompt that starts in a step others already use can get a single token there first, so with
+    chunked prefill it spans 1 + ceil((prompt - 1) / step) steps, each earlier one held whole. A
+    request alone on an idle server runs only its own tokens, on steps of its own (the scheduler
+    gives a running prefill its next piece first): `estimate_transient` counts that, so a request
+    vLLM serves alone is never refused; the ledger adds this once others are in flight."""
+    if e.runner != "v2" or prompt_tokens < 1:
         return 0
-    step, row, step_peak = _v2_step(g, e, prefill_chunk(e, prompt_tokens), k)
+    chunk = prefill_chunk(e, prompt_tokens)
+    step, row, step_peak = _v2_step(g, e, max(chunk, e.max_num_batched_tokens), k)
+    steps = 1 + -(-(prompt_tokens - 1) // step) if e.enable_chunked_prefill else -(-prompt_tokens // chunk)
+    merged = (step + prompt_tokens - 1) * row if steps > 1 else 0
+    beside_others = (steps - 1) * step * row + max(step_peak, merged)
+    alone = sum(t.bytes for t in v2_prompt_logprobs(g, e, chunk, prompt_tokens, k))
+    return max(0, beside_others - alone)
 
-    def total(steps: int) -> int:
-        merged = (step + prompt_tokens - 1) * row if steps > 1 else 0
-        return (steps - 1) * step * row + max(step_peak, merged)
 
-    aligned = -(-prompt_tokens // prefill_chunk(e, prompt_tokens))
-    return max(0, total(1 + -(-(prompt_tokens - 1) // step)) - total(aligned))
-
-
-def _v2_step(g: ModelGeometry, e: EngineShape, chunk: int, k: int) -> tuple[int, int, int]:
+def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int) -> tuple[int, int, int]:
     """(the step's tokens, bytes of one result row, the step's peak before any cross-step merge)
-    of `v2_prompt_logprobs`."""
+    of `v2_prompt_logprobs` over a step of `step` tokens."""
     v, dt = g.vocab_size, g.dtype_bytes
-    step = max(chunk, e.max_num_batched_tokens)
     topk = v if k == -1 else k
     row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
     sizes = [min(V2_PROMPT_LOGPROBS_CHUNK, step - start) for start in range(0, step, V2_PROMPT_LOGPROBS_CHUNK)]
@@ -737,8 +737,10 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
     prompt_logprob.py (the file is the same in both):
 
     - ``compute_prompt_logprobs`` (:158-173) runs over ``hidden_states[: input_batch.num_tokens]``,
-      every token of the step, whoever's, with the widest k of the step (-1 wins): the step is
-      taken as full, ``max_num_batched_tokens`` tokens, whatever this request's share of it.
+      every token of the step, whoever's, with the widest k of the step (-1 wins). Here the step
+      holds this request's own chunk alone (what it runs on an idle server); what other
+      requests' tokens in its steps add is `v2_prompt_logprobs_shared_step_extra`, which the
+      ledger charges once others are in flight.
     - ``compute_prompt_logprobs_with_chunking`` (:297-318) walks them CHUNK_SIZE = 1,024 rows at a
       time; ``prompt_logits = logits_fn(...)`` is made while the previous sub-chunk's logits are
       still bound, so two ``[1024, V]`` model-dtype logits are alive, beside every earlier
