@@ -62,6 +62,9 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         "transient": {
             "peak_bytes": prediction.transient_peak_bytes,
             "unprofiled_prefill_bytes": demand.transient_prefill_bytes,
+            # what its prefill takes more once other requests share its steps (V2 prompt logprobs
+            # run over the whole step): the ledger charges it beside others, not alone
+            "beside_others_extra_bytes": demand.transient_shared_extra_bytes,
             "sampler_stage_with_in_flight": asdict(rt.gate.ledger.sampler_with(demand)),
             "profiled_bytes": demand.profiled_bytes,
             "terms": [asdict(term) for term in prediction.transient_terms],
