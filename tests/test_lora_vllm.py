@@ -159,9 +159,13 @@ def test_an_adapter_vllm_runs_that_kvgate_does_not_list_is_found_from_lora_reque
     assert loaded.status_code == 200, loaded.text
     before = stack.kvgate.metric("kvgate_served_lora_adapters")
     with ThreadPoolExecutor(1) as pool:
+        # keep lora-d running until a scrape sees it (one request can end between two scrapes)
         running = pool.submit(complete, vllm, "lora-d", max_tokens=400, ignore_eos=True)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while stack.kvgate.metric("kvgate_served_lora_adapters") == before and time.monotonic() < deadline:
+            if running.done():
+                assert running.result().status_code == 200
+                running = pool.submit(complete, vllm, "lora-d", max_tokens=400, ignore_eos=True)
             time.sleep(0.1)
         assert running.result().status_code == 200
     assert stack.kvgate.metric("kvgate_served_lora_adapters") == before + 1

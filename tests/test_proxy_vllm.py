@@ -17,6 +17,20 @@ from support.vllm_server import VllmServer
 
 pytestmark = pytest.mark.vllm
 
+
+# A text prompt past max_model_len x its tokenizer's longest token is refused by kvgate before it
+# is tokenized: "at least max_model_len + 1" input tokens where vLLM, having tokenized it all,
+# names the whole count (README, what does not work yet). Everything else is vLLM's, verbatim.
+_TOKEN_COUNT = re.compile(r"contains (at least )?\d+ input tokens|value=\d+")
+
+
+def assert_vllm_body(ours: dict, theirs: dict) -> None:
+    """kvgate's error body is vLLM's: status code, type, param, and the message but for that count."""
+    mine, vllms = ours["error"], theirs["error"]
+    assert {k: v for k, v in mine.items() if k != "message"} == {k: v for k, v in vllms.items() if k != "message"}
+    assert _TOKEN_COUNT.sub("N", mine["message"]) == _TOKEN_COUNT.sub("N", vllms["message"])
+
+
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -211,10 +225,7 @@ def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: Kv
     # vLLM's own body, but for the count: kvgate refuses a text past max_model_len x its longest
     # token before tokenizing it, so it says "at least 1025 input tokens" where vLLM (which
     # tokenized all of it here) names the whole count
-    ours, theirs = response.json()["error"], direct.json()["error"]
-    assert {k: v for k, v in ours.items() if k != "message"} == {k: v for k, v in theirs.items() if k != "message"}
-    count = re.compile(r"contains (at least )?\d+ input tokens|value=\d+")
-    assert count.sub("N", ours["message"]) == count.sub("N", theirs["message"])
+    assert_vllm_body(response.json(), direct.json())
 
 
 def test_max_tokens_past_the_context_is_clamped_as_vllm_0_32_does(
@@ -487,5 +498,5 @@ def test_what_vllm_refuses_kvgate_refuses_with_vllm_s_body(
     through = httpx.post(kvgate.base_url + path, json=body, timeout=60)
     assert direct.status_code in (400, 404), direct.text
     assert through.status_code == direct.status_code
-    assert through.json() == direct.json()
+    assert_vllm_body(through.json(), direct.json())
     assert kvgate.metric("kvgate_reserved_kv_blocks") == 0

@@ -28,7 +28,7 @@ from support.kvgate_server import KvgateServer, running_kvgate
 
 MiB = 2**20
 PROCESS_MEMORY = 2 * 1024 * MiB  # the manifests' limit (deploy/), given as the flag
-PEAK_BOUND = 1024 * MiB  # what kvgate and its workers may reach together: half the limit
+PEAK_BOUND = 1536 * MiB  # what kvgate and its workers may reach together: three quarters of the limit
 ROUTE_PATH = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
