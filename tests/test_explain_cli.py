@@ -169,11 +169,15 @@ def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(
     body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": 1}
     code, v2 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
     assert code == 0 and v2["decision"] == "admit", v2
-    # V2 (vllm 0.32.0 gpu/sample/prompt_logprob.py:297-318): the whole 8,192-token step 1,024 rows
-    # at a time, two sub-chunks' logits x 128,256 x 2 B alive at the last, beside seven sub-chunks'
-    # (1 + 1) ids, scores and ranks (32 B a row) and this one's topk indices and results
-    v2_bytes = 2 * 1024 * 128256 * 2 + 7 * 1024 * 32 + 1024 * (8 + 32)
+    # V2 (vllm 0.32.0 gpu/sample/prompt_logprob.py:297-318): alone, its own 8,000-token step 1,024
+    # rows at a time, two sub-chunks' logits x 128,256 x 2 B alive at the seventh, beside six
+    # sub-chunks' (1 + 1) ids, scores and ranks (32 B a row) and this one's topk indices and results
+    v2_bytes = 2 * 1024 * 128256 * 2 + 6 * 1024 * 32 + 1024 * (8 + 32)
     assert terms_of(v2)["prompt_logprobs"]["bytes"] == v2_bytes
+    # beside others the step is the whole 8,192 tokens (seven sub-chunks' results kept at the
+    # eighth) and the prompt may start mid-step: the ledger adds at least that much then
+    full_step = 2 * 1024 * 128256 * 2 + 7 * 1024 * 32 + 1024 * (8 + 32)
+    assert v2["transient"]["beside_others_extra_bytes"] >= full_step - v2_bytes
     code, v1 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--model-runner", "v1")
     assert code == 0 and v1["decision"] == "reject" and v1["reason"] == "transient_memory_never_fits"
     # the whole chunk at once: bf16 logits, their fp32 copy and log_softmax (bench/fidelity measured 10 B)
