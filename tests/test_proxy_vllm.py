@@ -404,36 +404,6 @@ def test_a_batch_of_prompts_larger_than_the_pool_is_served_as_vllm_serves_it(
     assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
 
 
-def test_a_batch_larger_than_the_pool_waits_for_what_is_in_flight(kvgate: KvgateServer) -> None:
-    """Admitted against an idle pool, not beside a request that holds blocks: it queues behind the
-    running one, then goes, both answered 200."""
-    running = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}
-    batch = {"model": "tiny-llama", "prompt": [[500] * 700, [501] * 700, [502] * 700], "max_tokens": 1}
-
-    async def both() -> tuple[int, httpx.Response]:
-        async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=120) as client:
-            async with client.stream("POST", "/v1/completions", json=running) as first:
-                # its first event is out: it is admitted and holds its blocks until its stream ends
-                chunks = first.aiter_bytes()
-                await asyncio.wait_for(anext(chunks), 60)
-                second = asyncio.create_task(client.post("/v1/completions", json=batch))
-                deadline = time.monotonic() + 60
-                while await asyncio.to_thread(queued) == queued_before and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)  # its stream unread, the running request keeps its blocks
-                async for _ in chunks:  # read the rest, so the running request can finish
-                    pass
-                return first.status_code, await asyncio.wait_for(second, 120)
-
-    def queued() -> float:
-        return kvgate.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy")
-
-    queued_before = queued()
-    first, second = asyncio.run(both())
-    assert first == second.status_code == 200, second.text
-    assert queued() == queued_before + 1
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
-
-
 @pytest.fixture(scope="module")
 def small_transient_kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
     """kvgate with 30 MB of free GPU memory: its transient limit is 27 MB (10% margin)."""
