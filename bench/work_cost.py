@@ -22,33 +22,7 @@ from typing import Any
 
 from app.units import MiB
 from app.work_budget import body_values, preparation_cost
-
-WORDS = [
-    "the",
-    "of",
-    "and",
-    "to",
-    "in",
-    "is",
-    "that",
-    "for",
-    "it",
-    "as",
-    "was",
-    "with",
-    "be",
-    "by",
-    "on",
-    "not",
-    "he",
-    "this",
-    "are",
-    "or",
-    "his",
-    "from",
-    "at",
-    "which",
-]
+from demo.replay import WORDS
 
 
 def _text(chars: int, seed: int) -> str:

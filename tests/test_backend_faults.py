@@ -82,16 +82,7 @@ def test_readyz_and_the_gate_share_one_view_of_the_backend(tiny_model_dir: Path,
     backend_cm.__enter__()
     with running_kvgate(f"http://127.0.0.1:{port}", tiny_model_dir, tmp_path, "--scrape-interval", "1") as kvgate:
         backend_cm.__exit__(None, None, None)
-        wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503, "/readyz to say 503")
-        with ThreadPoolExecutor(1) as pool:
-            body = {"prompt": "hi", "max_tokens": 4}
-            pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=30)
-            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1 or pending.done(), "the request to queue")
-            assert not pending.done(), pending.result().text
-            with running_fake_backend(port) as back:
-                response = pending.result()
-                assert response.status_code == 200, response.text
-                assert len(back.received) == 1
+        _queued_until_the_backend_is_back(kvgate, port, 30)
         assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
         assert httpx.get(kvgate.base_url + "/readyz").status_code == 200
         assert_ledger_empty(kvgate)
@@ -262,17 +253,23 @@ def test_tokenizing_through_a_down_backend_is_served_once_it_is_back(tiny_model_
     folder = _config_only(tiny_model_dir, tmp_path)
     with running_kvgate(f"http://127.0.0.1:{port}", folder, tmp_path, "--max-queue-wait", "30") as kvgate:
         backend_cm.__exit__(None, None, None)
-        wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503, "/readyz to say 503")
-        with ThreadPoolExecutor(1) as pool:
-            body = {"prompt": "hi", "max_tokens": 4}
-            pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60)
-            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1 or pending.done(), "the request to queue")
-            assert not pending.done(), pending.result().text
-            with running_fake_backend(port) as back:
-                response = pending.result()
-                assert response.status_code == 200, response.text
-                assert len(back.received) == 1
+        _queued_until_the_backend_is_back(kvgate, port, 60)
         assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") >= 1
         assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="backend_unavailable") == 0
         assert kvgate.metric("kvgate_queue_depth") == 0
         assert_ledger_empty(kvgate)
+
+
+def _queued_until_the_backend_is_back(kvgate: KvgateServer, port: int, timeout: float) -> None:
+    """With the backend on `port` down, a request queues; once a backend is up there again it is
+    served, and that backend received it once."""
+    wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503, "/readyz to say 503")
+    with ThreadPoolExecutor(1) as pool:
+        body = {"prompt": "hi", "max_tokens": 4}
+        pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=timeout)
+        wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1 or pending.done(), "the request to queue")
+        assert not pending.done(), pending.result().text
+        with running_fake_backend(port) as back:
+            response = pending.result()
+            assert response.status_code == 200, response.text
+            assert len(back.received) == 1
