@@ -8,7 +8,8 @@ vllm/entrypoints/openai/models/serving.py show_available_models) and forgets it 
 it, and when a request names a model it does not know: an adapter may have been loaded behind
 kvgate's back (straight to vLLM). That re-read is shared by the requests waiting on it and done at
 most once per `min_interval_s`, so a client sending made-up names cannot make kvgate hammer
-`/v1/models`: past the limit an unknown name is answered 404 from what kvgate last read.
+`/v1/models`: an unknown name that arrives sooner waits for the next allowed re-read (at most
+`min_interval_s`) rather than being answered 404 from a list that may predate the adapter's load.
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ class ServedNames:
         reread: Callable[[], Awaitable[Iterable[Served]]] | None = None,
         min_interval_s: float = REREAD_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._served: dict[str, Served] = {}
         self._reread = reread
         self._min_interval_s = min_interval_s
         self._clock = clock
+        self._sleep = sleep
         self._last_reread: float | None = None
         self._pending: asyncio.Task[None] | None = None
         self.rereads = 0  # re-reads prompted by unknown names (what the rate limit bounds)
@@ -90,22 +93,24 @@ class ServedNames:
             self.replace(await self._reread())
 
     async def knows(self, name: str) -> bool:
-        """Whether the backend serves `name`, re-reading its list first when the name is unknown
-        and the rate limit allows; a failed re-read keeps the last list."""
+        """Whether the backend serves `name`, re-reading its list first when the name is unknown.
+        Re-reads are shared and spaced `min_interval_s` apart: a name that arrives too soon after
+        the last one waits for the next; a failed re-read keeps the last list."""
         if name in self._served or self._reread is None:
             return name in self._served
         if self._pending is None:
             now = self._clock()
-            if self._last_reread is not None and now - self._last_reread < self._min_interval_s:
-                return False
-            self._last_reread = now
+            due = now if self._last_reread is None else max(now, self._last_reread + self._min_interval_s)
+            self._last_reread = due
             self.rereads += 1
-            self._pending = asyncio.ensure_future(self._reread_once())
+            self._pending = asyncio.ensure_future(self._reread_once(due - now))
         await asyncio.shield(self._pending)
         return name in self._served
 
-    async def _reread_once(self) -> None:
+    async def _reread_once(self, delay_s: float) -> None:
         try:
+            if delay_s > 0:
+                await self._sleep(delay_s)
             await self.refresh()
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # down, or garbage: keep what we had
             log.warning("re-reading the backend's models failed: %s: %s", type(exc).__name__, exc)

@@ -113,24 +113,34 @@ def test_lora_flags_take_vllms_values_and_its_check() -> None:
 
 def test_unknown_names_share_one_reread_at_most_once_a_second() -> None:
     now = [0.0]
-    reads = []
+    reads: list[float] = []
+    backend = [Served("base"), Served("late", "base", "/late")]
 
     async def reread() -> list[Served]:
         reads.append(now[0])
         await asyncio.sleep(0.01)
-        return [Served("base"), Served("late", "base", "/late")]
+        return list(backend)
+
+    async def sleep(seconds: float) -> None:
+        now[0] += seconds
 
     async def scenario() -> None:
-        names = ServedNames(reread, min_interval_s=1.0, clock=lambda: now[0])
+        names = ServedNames(reread, min_interval_s=1.0, clock=lambda: now[0], sleep=sleep)
         names.add("base")
         answers = await asyncio.gather(*(names.knows(f"x{i}") for i in range(50)), names.knows("late"))
         assert answers == [False] * 50 + [True]
-        assert len(reads) == 1
+        assert reads == [0.0]
         assert names.get("late") == Served("late", "base", "/late")
-        assert not await names.knows("y")  # within the second: no read
-        now[0] = 1.5
-        assert not await names.knows("y")  # past it: one more read
-        assert len(reads) == 2
+        # An adapter loaded straight into vLLM a moment after that read: the next unknown name
+        # waits out the second and finds it, rather than a 404 from the old list.
+        now[0] = 0.2
+        backend.append(Served("sooner", "base", "/sooner"))
+        answers = await asyncio.gather(*(names.knows("sooner") for _ in range(20)), names.knows("y"))
+        assert answers == [True] * 20 + [False]
+        assert reads == [0.0, 1.0]
+        now[0] = 3.0
+        assert not await names.knows("y")  # long past the last: read at once
+        assert reads == [0.0, 1.0, 3.0]
 
     asyncio.run(scenario())
 

@@ -168,7 +168,11 @@ def test_an_adapter_vllm_runs_that_kvgate_does_not_list_is_found_from_lora_reque
                 running = pool.submit(complete, vllm, "lora-d", max_tokens=400, ignore_eos=True)
             time.sleep(0.1)
         assert running.result().status_code == 200
-    assert stack.kvgate.metric("kvgate_served_lora_adapters") == before + 1
+    # kvgate now lists every adapter vLLM serves, lora-d among them.
+    listed = httpx.get(f"{vllm}/v1/models", timeout=10).json()["data"]
+    adapters = [m["id"] for m in listed if m.get("parent")]
+    assert "lora-d" in adapters
+    assert stack.kvgate.metric("kvgate_served_lora_adapters") == len(adapters) > before
 
 
 # The differential harness (tests/support/differential.py) on this LoRA stack: real clients'
