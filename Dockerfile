@@ -19,7 +19,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY app ./app
+COPY kvgate ./kvgate
 RUN python -m venv /opt/kvgate \
  && /opt/kvgate/bin/pip install . \
  && /opt/kvgate/bin/kvgate serve --help > /dev/null

@@ -11,7 +11,7 @@ VLLM_VENV := .venv-vllm
 test: venv vllm-venv check
 	$(VENV)/bin/pytest -q
 
-# Seconds, not minutes: ruff (rules in pyproject.toml), mypy (strict on app.memory and app.gate)
+# Seconds, not minutes: ruff (rules in pyproject.toml), mypy (strict on kvgate.memory and kvgate.gate)
 # and the import contracts of docs/architecture.md.
 check: venv
 	$(VENV)/bin/ruff check .

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.units import GiB
+from kvgate.units import GiB
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -154,8 +154,8 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def _engine_desc(cfg: Any) -> str:
     """The vLLM release and model runner the scenario plays, as the simulator resolves them."""
-    from app.sim.flavor import Flavor
-    from app.sim.model import load_model
+    from kvgate.sim.flavor import Flavor
+    from kvgate.sim.model import load_model
 
     flavor = Flavor.of(cfg, load_model(cfg.model, cfg.dtype))
     how = "vLLM's own choice" if cfg.model_runner == "auto" else "set"
@@ -163,7 +163,7 @@ def _engine_desc(cfg: Any) -> str:
 
 
 def _sim_desc(cfg: Any) -> str:
-    from app.sim.config import SimConfig
+    from kvgate.sim.config import SimConfig
 
     parts = []
     for k, v in vars(cfg).items():

@@ -74,15 +74,15 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.sim.api import Parsed, SimApiError, parse
-from app.sim.blocks import KVCacheManager, chained_hashes
-from app.sim.carryover import CrossStepTensors
-from app.sim.engine import Engine
-from app.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
-from app.sim.request import Request, Status
-from app.sim.scheduler import PrefixStats, Scheduler
-from app.sim.server import RequestRun, sequence_seeds
-from app.sim.step_memory import run_tape
+from kvgate.sim.api import Parsed, SimApiError, parse
+from kvgate.sim.blocks import KVCacheManager, chained_hashes
+from kvgate.sim.carryover import CrossStepTensors
+from kvgate.sim.engine import Engine
+from kvgate.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
+from kvgate.sim.request import Request, Status
+from kvgate.sim.scheduler import PrefixStats, Scheduler
+from kvgate.sim.server import RequestRun, sequence_seeds
+from kvgate.sim.step_memory import run_tape
 
 MAX_STEPS = 400
 DECODE_STEPS = 2  # the candidate's prefill, first decode step

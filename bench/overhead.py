@@ -25,9 +25,9 @@ from typing import Any
 
 import httpx
 
-from app.sim.runner import free_port
 from bench.percentile import percentile
 from demo.processes import stop_process
+from kvgate.sim.runner import free_port
 
 PROXY_CORE, LOAD_CORE = "0", "1"
 # The tiny offline tokenizer the test suite builds (tests/support/tiny_model.py).
@@ -141,7 +141,7 @@ def taskset(core: str) -> list[str]:
 def model_folder(dest: Path) -> Path:
     """Llama-3.1-8B's config.json with the test suite's tiny offline BPE tokenizer (2048 ids,
     Llama-3-style chat template): kvgate tokenizes locally, as with a real model folder."""
-    from app.sim.presets import write_model_folder
+    from kvgate.sim.presets import write_model_folder
     from support.tiny_model import build_tiny_model
 
     build_tiny_model(dest)
@@ -235,8 +235,8 @@ def prompt_of(tokens: int) -> str:
 def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000), reps: int = 30) -> list[dict[str, Any]]:
     """Tokenization + memory estimate, in process, as kvgate runs them per request
     (RequestPipeline.predict: parse, local tokenizer, Predictor.predict)."""
-    from app.composition import Runtime
-    from app.settings import Settings
+    from kvgate.composition import Runtime
+    from kvgate.settings import Settings
 
     rt = Runtime(
         Settings(model=str(folder), max_num_batched_tokens=8192, max_model_len=32768, gpu_memory_bytes=85520809984)
@@ -294,7 +294,7 @@ def run_overhead(
             *taskset(PROXY_CORE),
             sys.executable,
             "-m",
-            "app.cli",
+            "kvgate.cli",
             "serve",
             "--backend",
             f"http://127.0.0.1:{bport}",
@@ -474,19 +474,19 @@ def profile_kvgate(
 # first (deepest) frame that belongs to one of them.
 COMPONENTS = (
     (
-        "tokenization (transformers/tokenizers, app/tokens.py)",
-        ("tokenization_utils", "tokenizers", "app/tokens.py", "app/chat_template.py"),
+        "tokenization (transformers/tokenizers, kvgate/tokens.py)",
+        ("tokenization_utils", "tokenizers", "kvgate/tokens.py", "kvgate/chat_template.py"),
     ),
-    ("memory estimate (app/predict.py, app/memory/)", ("app/predict.py", "app/memory/")),
-    ("admission gate (app/gate/)", ("app/gate/",)),
-    ("request parsing (app/openai.py)", ("app/openai.py",)),
+    ("memory estimate (kvgate/predict.py, kvgate/memory/)", ("kvgate/predict.py", "kvgate/memory/")),
+    ("admission gate (kvgate/gate/)", ("kvgate/gate/",)),
+    ("request parsing (kvgate/openai.py)", ("kvgate/openai.py",)),
     (
-        "kvgate proxy/server code (app/proxy.py, app/http/, app/composition.py, app/pipeline.py)",
-        ("app/proxy.py", "app/http/", "app/composition.py", "app/pipeline.py"),
+        "kvgate proxy/server code (kvgate/proxy.py, kvgate/http/, kvgate/composition.py, kvgate/pipeline.py)",
+        ("kvgate/proxy.py", "kvgate/http/", "kvgate/composition.py", "kvgate/pipeline.py"),
     ),
-    ("upstream HTTP client (app/upstream.py, httpx)", ("app/upstream.py", "httpx/", "httpcore/")),
+    ("upstream HTTP client (kvgate/upstream.py, httpx)", ("kvgate/upstream.py", "httpx/", "httpcore/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),
-    ("telemetry loop (app/telemetry/)", ("app/telemetry/",)),
+    ("telemetry loop (kvgate/telemetry/)", ("kvgate/telemetry/",)),
     ("JSON (json/)", ("json/",)),
     ("HTTP server (uvicorn, starlette, fastapi)", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools")),
     ("asyncio event loop", ("asyncio/", "uvloop")),

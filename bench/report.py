@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app.units import MiB
+from kvgate.units import MiB
 
 
 def _f(x: Any, nd: int = 1) -> str:

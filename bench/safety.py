@@ -36,14 +36,14 @@ from typing import Any
 
 import httpx
 
-from app.sim.config import SimConfig
-from app.sim.presets import gpu_total_bytes, write_model_folder
-from app.sim.runner import SimRunner
 from bench import oracle as oracle_mod
 from bench.percentile import percentile
 from bench.scenarios import Scenario
 from bench.workloads import Call
 from demo.replay import decisions, kvgate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.presets import gpu_total_bytes, write_model_folder
+from kvgate.sim.runner import SimRunner
 
 ARMS = ("none", "static-cap", "saturation", "kvgate", "oracle")
 DRAIN_S = 60.0  # simulated seconds after the last arrival before outstanding requests time out

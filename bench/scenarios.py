@@ -2,7 +2,7 @@
 
 Every scenario names the vLLM release and model runner its simulator plays (`engine`). S2-S7
 were built on the V1 runner with the sort-path sampler the simulator first played, so they play
-V1 of a release before 0.32 (app/sim/flavor.py); S3's graphs outside the budget are vLLM < 0.21;
+V1 of a release before 0.32 (kvgate/sim/flavor.py); S3's graphs outside the budget are vLLM < 0.21;
 S5's prompt logprobs over a whole chunk exist only on V1. S1 and S8-S10 play vLLM 0.32.0 with
 the runner its own rule picks (V2 for their models), where V2 itself runs out: MLA's context
 up-projection (S1), the fp32 logits of a temperature > 0 batch its greedy profile never saw
@@ -21,12 +21,12 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.sim.config import CoTenant, SimConfig
-from app.sim.flavor import Flavor
-from app.sim.model import load_model
-from app.units import GiB
 from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
 from demo.replay import fully_utilized
+from kvgate.sim.config import CoTenant, SimConfig
+from kvgate.sim.flavor import Flavor
+from kvgate.sim.model import load_model
+from kvgate.units import GiB
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant for the support desk of a large retailer. " * 40,

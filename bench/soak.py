@@ -1,6 +1,6 @@
 """`python -m bench --soak`: kvgate under a long, rude load, with the backend killed and hung.
 
-The simulator (`python -m app.sim`, a tiny model that answers fast) and kvgate run as
+The simulator (`python -m kvgate.sim`, a tiny model that answers fast) and kvgate run as
 subprocesses on free 127.0.0.1 ports. A seeded mix of requests is driven at a fixed concurrency:
 normal completions and chat (streaming or not), 30 % that disconnect at a random point (before
 the response head, mid-stream, or while a non-streaming answer is being generated), and 5 %
@@ -57,11 +57,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from app.sim.presets import gpu_total_bytes, model_config
-from app.sim.runner import free_port
 from bench.work_cost import hostile_bodies
 from demo.processes import stop_process
 from demo.replay import WORDS, kvgate
+from kvgate.sim.presets import gpu_total_bytes, model_config
+from kvgate.sim.runner import free_port
 
 MODEL = "tiny-llama"
 GPU = "l4-24gb"
@@ -98,7 +98,7 @@ FAULT_GRACE_S = 2.0
 HANG_PROBES = 8  # requests sent once kvgate says the backend hangs
 HANG_PROBE_HELD_S = 2.0  # how long they wait at least before the backend answers again
 HANG_GIVE_UP_S = 30.0
-# Codes of kvgate's own 5xx that are honest while the backend is dead or hung (app/errors.py).
+# Codes of kvgate's own 5xx that are honest while the backend is dead or hung (kvgate/errors.py).
 BACKEND_FAULT_CODES = frozenset({"backend_unavailable", "kvgate_not_ready", "backend_error", "backend_timeout"})
 WARMUP_SHARE = 0.1
 BACKEND_NICENESS = 10  # RSS and fds are compared from the end of the warm-up to the end
@@ -115,7 +115,7 @@ TARGETS = {
     "no_answer": "0",
 }
 
-# Words the simulator's TextModel can emit as one token (app/sim/tokens.py needs some of them).
+# Words the simulator's TextModel can emit as one token (kvgate/sim/tokens.py needs some of them).
 _SIM_WORDS = ["of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by"]
 _CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
@@ -149,7 +149,7 @@ def write_model(dest: Path) -> Path:
 
 # ----- the simulator, a process the soak can kill and stop -------------------------------------
 class Backend:
-    """`python -m app.sim` on a fixed port; start() again after a kill reuses the port."""
+    """`python -m kvgate.sim` on a fixed port; start() again after a kill reuses the port."""
 
     def __init__(self, model_dir: Path, log_path: Path, seed: int) -> None:
         self.port = free_port()
@@ -157,7 +157,7 @@ class Backend:
         self.cmd = [
             sys.executable,
             "-m",
-            "app.sim",
+            "kvgate.sim",
             "--model",
             str(model_dir),
             "--gpu",
@@ -1044,7 +1044,7 @@ def markdown(s: dict[str, Any], command: str, machine: dict[str, Any]) -> str:
             for v, o in s["hostile_by_variant"].items()
         ),
         "",
-        f"kvgate: `kvgate {s['kvgate_command']}`; simulator: `python -m app.sim {s['sim_command']}`.",
+        f"kvgate: `kvgate {s['kvgate_command']}`; simulator: `python -m kvgate.sim {s['sim_command']}`.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -1,11 +1,11 @@
 """`python -m bench.work_cost MODEL_DIR [--out DIR]`: the memory one body byte takes while kvgate
-prepares it (parse, chat render, tokenize: app/preparation.py), on the worst shapes of body.
+prepares it (parse, chat render, tokenize: kvgate/preparation.py), on the worst shapes of body.
 
 Each body is prepared in a fresh process that has loaded the model folder's tokenizer, exactly as
-a preparation worker does (app/preparation_workers.py); the cost is that process's peak resident
+a preparation worker does (kvgate/preparation_workers.py); the cost is that process's peak resident
 memory (VmHWM) less what it held before the body arrived, divided by the body's size. No context
 limit is given, so every prompt is tokenized whole (kvgate stops earlier when the context is
-known). What app/work_budget.py charges must stay above every peak measured here: parse and
+known). What kvgate/work_budget.py charges must stay above every peak measured here: parse and
 render against preparation_cost(body), tokenize against what the tokenizer charged.
 """
 
@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.units import MiB
-from app.work_budget import body_values, preparation_cost
 from demo.replay import WORDS
+from kvgate.units import MiB
+from kvgate.work_budget import body_values, preparation_cost
 
 
 def _text(chars: int, seed: int) -> str:
@@ -117,10 +117,10 @@ def _vm(field: str) -> int:
 def _measure(model_dir: str, route: str, raw: bytes, out: Any) -> None:
     """In a fresh process: load the tokenizer, then prepare `raw` once, reading the peak of each
     stage: parse and render (up to the tokenizer's charge), then tokenize (against its charge)."""
-    from app.errors import KvgateError
-    from app.preparation import prepare
-    from app.tokens import local_tokenizer
-    from app.work_budget import charging
+    from kvgate.errors import KvgateError
+    from kvgate.preparation import prepare
+    from kvgate.tokens import local_tokenizer
+    from kvgate.work_budget import charging
 
     tokenizer = local_tokenizer(model_dir)
     # Each stage's peak must be its own: VmHWM reset to what is resident now (Linux >= 4.0).
@@ -201,8 +201,8 @@ def main() -> None:
         "",
         "Command: `python -m bench.work_cost MODEL_DIR`, MODEL_DIR the tests' tiny Llama folder "
         "(tests/support/tiny_model.py `build_tiny_model`: a BPE tokenizer of 2,048 entries). Parse and render: the peak before the tokenizer is charged, "
-        "against app/work_budget.py preparation_cost(body). Tokenize: the peak while tokenizing, "
-        "against what the tokenizer charged before it started (app/tokens.py `_encode`). No context "
+        "against kvgate/work_budget.py preparation_cost(body). Tokenize: the peak while tokenizing, "
+        "against what the tokenizer charged before it started (kvgate/tokens.py `_encode`). No context "
         "limit: every text is tokenized whole.",
         "",
         "| body | route | body MiB | parse+render peak MiB | charged MiB | tokenize peak MiB | charged MiB | seconds | outcome |",

@@ -2,7 +2,7 @@
 
 For each scenario (a failure mode from docs/sources.md), on 127.0.0.1 and free ports:
 
-1. start the simulator (`app.sim`, a realistic preset) with a configuration that OOMs, replay a
+1. start the simulator (`kvgate.sim`, a realistic preset) with a configuration that OOMs, replay a
    seeded workload straight at it, and show how it died (the CUDA message, the failed requests);
 2. start a fresh simulator, put `kvgate serve` in front of it with the matching flags, replay the
    same workload through kvgate, and show that it survived: how many requests completed, kvgate's
@@ -38,16 +38,16 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.sim import startup
-from app.sim.config import SimConfig
-from app.sim.engine import Engine
-from app.sim.flavor import Flavor
-from app.sim.gpu import CachingAllocator, Device
-from app.sim.model import load_model
-from app.sim.presets import gpu_total_bytes, write_model_folder
-from app.sim.runner import SimRunner, free_port
-from app.sim.startup import StartupError
 from demo.processes import stop_process
+from kvgate.sim import startup
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine
+from kvgate.sim.flavor import Flavor
+from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.model import load_model
+from kvgate.sim.presets import gpu_total_bytes, write_model_folder
+from kvgate.sim.runner import SimRunner, free_port
+from kvgate.sim.startup import StartupError
 
 # Words of at most six letters: the simulator's stand-in tokenizer makes each one token.
 WORDS = [
@@ -395,7 +395,7 @@ def kvgate(
     cmd = [
         sys.executable,
         "-m",
-        "app.cli",
+        "kvgate.cli",
         "serve",
         "--backend",
         backend,

@@ -1,4 +1,4 @@
-"""Regenerate app/data/vllm-<version>-serve-flags.txt: every `vllm serve` option and its arity.
+"""Regenerate kvgate/data/vllm-<version>-serve-flags.txt: every `vllm serve` option and its arity.
 
 Run with the interpreter that has vLLM installed (here: .venv-vllm/bin/python scripts/vllm_serve_flags.py).
 """
@@ -26,7 +26,7 @@ def arity(nargs: object) -> str:
 def main() -> int:
     parser = make_arg_parser(FlexibleArgumentParser())
     rows = sorted({f"{option} {arity(action.nargs)}" for action in parser._actions for option in action.option_strings})
-    out = Path(__file__).resolve().parents[1] / "app" / "data" / f"vllm-{vllm.__version__}-serve-flags.txt"
+    out = Path(__file__).resolve().parents[1] / "kvgate" / "data" / f"vllm-{vllm.__version__}-serve-flags.txt"
     out.write_text(HEADER.format(v=vllm.__version__) + "\n" + "\n".join(rows) + "\n")
     print(out, len(rows), file=sys.stderr)
     return 0

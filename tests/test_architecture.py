@@ -10,13 +10,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # Modules every layer may import: they import nothing else of kvgate (their own contract).
-SHARED_VOCABULARY = {"app.units", "app.vllm_flags"}
+SHARED_VOCABULARY = {"kvgate.units", "kvgate.vllm_flags"}
 
 
 def kvgate_modules() -> set[str]:
-    """Every top-level module and package of app/."""
-    modules = {f"app.{p.stem}" for p in (ROOT / "app").glob("*.py") if p.stem not in ("__init__", "__main__")}
-    return modules | {f"app.{p.parent.name}" for p in (ROOT / "app").glob("*/__init__.py")}
+    """Every top-level module and package of kvgate/."""
+    modules = {f"kvgate.{p.stem}" for p in (ROOT / "kvgate").glob("*.py") if p.stem not in ("__init__", "__main__")}
+    return modules | {f"kvgate.{p.parent.name}" for p in (ROOT / "kvgate").glob("*/__init__.py")}
 
 
 def contract(name: str) -> dict:
@@ -30,7 +30,7 @@ def test_the_memory_contract_names_every_other_kvgate_module() -> None:
     to be imported by the memory model. Of the shared vocabulary it may read the units (vLLM's
     flags come to it as plain values)."""
     memory = contract("The memory model imports no other kvgate package")
-    assert set(memory["forbidden_modules"]) == kvgate_modules() - {"app.memory", "app.units"}
+    assert set(memory["forbidden_modules"]) == kvgate_modules() - {"kvgate.memory", "kvgate.units"}
 
 
 def test_the_shared_vocabulary_contract_names_every_other_kvgate_module() -> None:
@@ -40,11 +40,11 @@ def test_the_shared_vocabulary_contract_names_every_other_kvgate_module() -> Non
 
 
 def test_the_memory_model_opens_no_file() -> None:
-    """The import contract keeps json, pathlib and os out of app.memory; the builtin `open` needs
+    """The import contract keeps json, pathlib and os out of kvgate.memory; the builtin `open` needs
     no import, so it is looked for here."""
     opened = [
         f"{path.name}:{node.lineno}"
-        for path in sorted((ROOT / "app" / "memory").glob("*.py"))
+        for path in sorted((ROOT / "kvgate" / "memory").glob("*.py"))
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open"
     ]

@@ -3,7 +3,7 @@ backend is out, learned from how long the backend's recent outages lasted."""
 
 from __future__ import annotations
 
-from app.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S, BackendState
+from kvgate.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S, BackendState
 
 
 class Clock:

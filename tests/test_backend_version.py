@@ -7,9 +7,9 @@ import asyncio
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
-from app.memory.vllm_runner import resolve_runtime
-from app.telemetry.metrics import TelemetryMetrics
-from app.telemetry.vllm import fetch_version
+from kvgate.memory.vllm_runner import resolve_runtime
+from kvgate.telemetry.metrics import TelemetryMetrics
+from kvgate.telemetry.vllm import fetch_version
 
 
 def version_of(handler) -> str | None:

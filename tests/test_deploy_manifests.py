@@ -27,7 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from app.settings import Settings
+from kvgate.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "deploy" / "kubernetes" / "base"
@@ -736,7 +736,7 @@ def test_sidecar_settings_match_the_vllm_it_joins() -> None:
 def test_sidecar_waits_for_the_model_then_serves_it_from_the_hub_cache(tmp_path: Path) -> None:
     """The sidecar's script, run: it waits for config.json in vLLM's hub cache, then starts
     kvgate, whose --model (the id) resolves there."""
-    from app.model_folder import resolve_model_folder
+    from kvgate.model_folder import resolve_model_folder
 
     objects = RENDERED["sidecar"]
     kvgate = container(objects, "kvgate")
@@ -772,7 +772,7 @@ def test_sidecar_waits_for_the_model_then_serves_it_from_the_hub_cache(tmp_path:
 def test_gpu_memory_examples_are_no_larger_than_the_gpu_they_name(name: str) -> None:
     """Every example names an L4 (or A10G): its GPU_MEMORY_BYTES must not exceed an L4's 22.05
     GiB total as CUDA reports it (the simulator's l4-24gb preset); larger is the unsafe side."""
-    from app.sim.presets import GPUS
+    from kvgate.sim.presets import GPUS
 
     objects = RENDERED[name]
     env = resolved_env(objects, container(objects, "kvgate"))

@@ -1,6 +1,6 @@
 """Every metric the dashboard and the alerts query exists in kvgate's or vLLM's /metrics.
 
-kvgate's side is its live registry (`app.metrics.KvgateMetrics`), vLLM's the real /metrics pages
+kvgate's side is its live registry (`kvgate.metrics.KvgateMetrics`), vLLM's the real /metrics pages
 in tests/data/. A metric renamed or not yet exported fails here, by name, instead of leaving
 an empty panel or an alert that can never fire. Label matchers are checked too: a selector on a
 label the metric does not carry matches nothing.
@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.metrics import KvgateMetrics
+from kvgate.metrics import KvgateMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "deploy" / "kubernetes" / "base"

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from app.memory.vllm_runner import NEWEST_KNOWN
+from kvgate.memory.vllm_runner import NEWEST_KNOWN
 
 
 def explain(tmp_path: Path, model_dir: Path, body: dict, *flags: str) -> tuple[int, dict]:
     path = tmp_path / "body.json"
     path.write_text(json.dumps(body))
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "explain", str(path), "--model", str(model_dir), *flags],
+        [sys.executable, "-m", "kvgate.cli", "explain", str(path), "--model", str(model_dir), *flags],
         capture_output=True,
         text=True,
         timeout=60,
@@ -91,7 +91,7 @@ def test_without_a_known_pool_the_verdict_is_unknown_not_fits(tiny_model_dir: Pa
 
 
 def test_offline_never_calls_a_backend_it_was_not_given(tmp_path: Path) -> None:
-    from app.sim.presets import write_model_folder
+    from kvgate.sim.presets import write_model_folder
 
     folder = write_model_folder("llama-3.1-8b", tmp_path / "no-tokenizer")  # config.json only
     (tmp_path / "body.json").write_text(json.dumps({"prompt": "hi", "max_tokens": 5}))
@@ -99,7 +99,7 @@ def test_offline_never_calls_a_backend_it_was_not_given(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "app.cli",
+            "kvgate.cli",
             "explain",
             str(tmp_path / "body.json"),
             "--model",
@@ -120,7 +120,7 @@ def test_offline_never_calls_a_backend_it_was_not_given(tmp_path: Path) -> None:
 
 def test_help_lists_only_the_flags_that_change_the_answer() -> None:
     shown = subprocess.run(
-        [sys.executable, "-m", "app.cli", "explain", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvgate.cli", "explain", "--help"], capture_output=True, text=True, timeout=60
     ).stdout
     for flag in ("--num-gpu-blocks", "--max-num-batched-tokens", "--gpu-memory-bytes", "--backend", "--url"):
         assert flag in shown
@@ -231,7 +231,7 @@ def test_vllms_whole_command_line_pastes(llama_31_dir: Path, tmp_path: Path) -> 
         [
             sys.executable,
             "-m",
-            "app.cli",
+            "kvgate.cli",
             "explain",
             str(path),
             "--vllm-version",
@@ -316,7 +316,7 @@ def test_an_unreadable_draft_config_is_said_once_and_assumed_cautiously(llama_31
         [
             sys.executable,
             "-m",
-            "app.cli",
+            "kvgate.cli",
             "explain",
             str(body),
             "--model",

@@ -64,7 +64,7 @@ def test_body_query_and_headers_reach_the_backend(kvgate: KvgateServer, backend:
 
 
 def test_serve_runs_with_the_malloc_tunable(kvgate: KvgateServer) -> None:
-    from app.cli import MALLOC_TUNABLE, on_glibc
+    from kvgate.cli import MALLOC_TUNABLE, on_glibc
 
     if not on_glibc():
         pytest.skip(

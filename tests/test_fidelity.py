@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
 from bench.fidelity.grid import Case, small_grid
 from bench.fidelity.harness import Row, compare, geometry_of, run_probe, table
+from kvgate.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
 from support.vllm_server import VLLM_PYTHON
 
 SMALL = small_grid()
@@ -85,11 +85,11 @@ def test_the_v2_grid_is_estimated_as_model_runner_v2_runs() -> None:
     side here (no GPU in the suite); the probe side runs where a GPU is lent."""
     from dataclasses import replace
 
-    from app.memory.geometry import ModelGeometry
-    from app.memory.vllm_runner import resolve_sampler
     from bench.fidelity.estimate import kvgate_bytes
     from bench.fidelity.grid import v2_grid, with_baselines
     from bench.fidelity.harness import V2_ENGINE
+    from kvgate.memory.geometry import ModelGeometry
+    from kvgate.memory.vllm_runner import resolve_sampler
 
     v = 128256
     geometry = ModelGeometry(2, 4, 2, 16, 64, 128, v, 2, 4096)

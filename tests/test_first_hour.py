@@ -18,24 +18,24 @@ import httpx
 import huggingface_hub.constants
 import pytest
 
-from app.composition import engine_flags
-from app.engine_config import Disagreements, resolve
-from app.http.gated_routes import request_id_of
-from app.http.server import create_app
-from app.memory.geometry import ModelGeometry
-from app.model_folder import ModelFolderError, resolve_model_folder
-from app.settings import Settings
-from app.sim.presets import model_config, write_model_folder
-from app.sim.runner import free_port
-from app.telemetry.vllm import EngineLimits
 from demo.processes import stop_process
+from kvgate.composition import engine_flags
+from kvgate.engine_config import Disagreements, resolve
+from kvgate.http.gated_routes import request_id_of
+from kvgate.http.server import create_app
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.model_folder import ModelFolderError, resolve_model_folder
+from kvgate.settings import Settings
+from kvgate.sim.presets import model_config, write_model_folder
+from kvgate.sim.runner import free_port
+from kvgate.telemetry.vllm import EngineLimits
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def kvgate(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
+        [sys.executable, "-m", "kvgate.cli", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -133,7 +133,7 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
         [
             sys.executable,
             "-m",
-            "app.cli",
+            "kvgate.cli",
             "sim",
             "--port",
             str(sim_port),
@@ -159,7 +159,7 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
         log = tmp_path / "kvgate.log"
         with log.open("w") as out:
             serve = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", *command[1:]],
+                [sys.executable, "-m", "kvgate.cli", *command[1:]],
                 cwd=REPO,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -192,7 +192,7 @@ KVGATE_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WAR
 
 def test_transformers_does_not_advise_installing_torch() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "import app.tokens; from transformers import AutoTokenizer"],
+        [sys.executable, "-c", "import kvgate.tokens; from transformers import AutoTokenizer"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -247,7 +247,7 @@ def test_request_ids_are_unguessable_from_earlier_ones() -> None:
 )
 def test_engine_limits_from_vllms_server_info(status: int, body: object, expected: EngineLimits | None) -> None:
     """The shape of vLLM 0.32.0's /server_info?config_format=json (VllmConfig dumped by pydantic)."""
-    from app.telemetry.vllm import fetch_engine_limits
+    from kvgate.telemetry.vllm import fetch_engine_limits
 
     def answer(request: httpx.Request) -> httpx.Response:
         assert request.url.path == "/server_info" and request.url.params["config_format"] == "json"
@@ -273,7 +273,7 @@ print(json.dumps({"vllm_config": config}))
 
 
 def test_engine_limits_parse_vllms_own_config_dump() -> None:
-    from app.telemetry.vllm import fetch_engine_limits
+    from kvgate.telemetry.vllm import fetch_engine_limits
     from support.vllm_server import VLLM_PYTHON
 
     if not VLLM_PYTHON.exists():

@@ -8,20 +8,20 @@ from dataclasses import replace
 
 import pytest
 
-from app.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
-from app.gate.backend_state import BackendState
-from app.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
-from app.gate.drain import RETRY_AFTER_CAP_S, DrainRate
-from app.gate.gate import Gate
-from app.gate.ledger import Ledger
-from app.gate.observer import Observers
-from app.gate.output_lengths import OutputLengths
-from app.gate.queue import AdmissionQueue, Waiter
-from app.gate.queue import QueueFull as QueueAtCapacity
-from app.http.errors import error_headers, status_of
-from app.memory.demand import Demand
-from app.memory.sampler import SamplerCost, SamplerUse
-from app.metrics import GateMetrics, KvgateMetrics
+from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
+from kvgate.gate.backend_state import BackendState
+from kvgate.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
+from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate
+from kvgate.gate.gate import Gate
+from kvgate.gate.ledger import Ledger
+from kvgate.gate.observer import Observers
+from kvgate.gate.output_lengths import OutputLengths
+from kvgate.gate.queue import AdmissionQueue, Waiter
+from kvgate.gate.queue import QueueFull as QueueAtCapacity
+from kvgate.http.errors import error_headers, status_of
+from kvgate.memory.demand import Demand
+from kvgate.memory.sampler import SamplerCost, SamplerUse
+from kvgate.metrics import GateMetrics, KvgateMetrics
 
 # Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 4 = 8 B.
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
@@ -504,7 +504,7 @@ def test_importing_the_gate_loads_no_http_metrics_or_template_library() -> None:
     import subprocess
     import sys
 
-    probe = "import sys, app.gate.gate; print(sorted(m for m in ('fastapi', 'starlette', 'prometheus_client', 'jinja2') if m in sys.modules))"
+    probe = "import sys, kvgate.gate.gate; print(sorted(m for m in ('fastapi', 'starlette', 'prometheus_client', 'jinja2') if m in sys.modules))"
     assert (
         subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
     )

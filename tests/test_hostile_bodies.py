@@ -19,11 +19,11 @@ import jinja2.sandbox
 import pytest
 from tokenizers import Tokenizer, normalizers
 
-from app.chat_template import ChatRequest, TokenizationError
-from app.errors import KvgateError
-from app.http.errors import status_of
-from app.openai import MAX_JSON_VALUES, MAX_PROMPTS, parse_request
-from app.tokens import LocalTokenizer, PromptTooLong, max_chars_per_token
+from kvgate.chat_template import ChatRequest, TokenizationError
+from kvgate.errors import KvgateError
+from kvgate.http.errors import status_of
+from kvgate.openai import MAX_JSON_VALUES, MAX_PROMPTS, parse_request
+from kvgate.tokens import LocalTokenizer, PromptTooLong, max_chars_per_token
 
 CHAT = [{"role": "user", "content": "hi"}]
 VLLM_UNTRUSTED = (

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.errors import InvalidText, TooManyJsonValues
-from app.passthrough_body import check_passthrough_body
+from kvgate.errors import InvalidText, TooManyJsonValues
+from kvgate.passthrough_body import check_passthrough_body
 from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateServer, running_kvgate
 

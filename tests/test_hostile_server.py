@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.vllm_routes import ROUTE_PATHS
+from kvgate.vllm_routes import ROUTE_PATHS
 from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateServer, running_kvgate
 
@@ -128,7 +128,7 @@ BODY = st.fixed_dictionaries(
         "chat_template": field(TEMPLATES, JSON_VALUE),
         "chat_template_kwargs": JSON_VALUE,
         "documents": JSON_VALUE,
-        # the other routes' fields (app/vllm_routes.py)
+        # the other routes' fields (kvgate/vllm_routes.py)
         "input": field(st.text(min_size=1, max_size=20), st.lists(MESSAGE, max_size=3) | JSON_VALUE),
         "instructions": field(st.text(max_size=20), JSON_VALUE),
         "max_output_tokens": field(SMALL, HOSTILE_NUMBER | JSON_VALUE),
@@ -216,7 +216,7 @@ RAW_PATHS = [*PATHS, "/tokenize", "/kvgate/explain"]
 @example(path="/inference/v1/generate", body={"token_ids": [2**64], "sampling_params": {"n": 10**309}})
 @example(path="/rerank", body={"query": "hi", "documents": [{"content": 5}]})
 def test_fuzzed_schema_never_fails_kvgate(client: httpx.Client, path: str, body: dict) -> None:
-    """Every gated route (app/vllm_routes.py), with the fields of all of them mixed in."""
+    """Every gated route (kvgate/vllm_routes.py), with the fields of all of them mixed in."""
     assert_answered(client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}))
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from app import errors
-from app.http.errors import _STATUS as STATUS
-from app.http.errors import error_response, status_of
+from kvgate import errors
+from kvgate.http.errors import _STATUS as STATUS
+from kvgate.http.errors import error_response, status_of
 
 
 def all_subclasses(cls: type) -> set[type]:

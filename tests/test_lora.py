@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser
-from app.memory.activation import EngineShape, SamplingShape, estimate_transient, profile_peak_bytes
-from app.memory.footprint import predict_footprint
-from app.memory.geometry import ModelGeometry
-from app.memory.kv import KVLayout, PrefixKeys
-from app.memory.lora import LoraSlots, shrink_buffer_bytes, slot_bytes
-from app.model_folder import load_geometry
-from app.served_names import Served, ServedNames
-from app.settings import Settings, settings_from_args
-from app.telemetry.vllm import parse_metrics
+from kvgate.cli import build_parser
+from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient, profile_peak_bytes
+from kvgate.memory.footprint import predict_footprint
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.kv import KVLayout, PrefixKeys
+from kvgate.memory.lora import LoraSlots, shrink_buffer_bytes, slot_bytes
+from kvgate.model_folder import load_geometry
+from kvgate.served_names import Served, ServedNames
+from kvgate.settings import Settings, settings_from_args
+from kvgate.telemetry.vllm import parse_metrics
 
 MEASURED = json.loads((Path(__file__).parents[1] / "bench/results/lora-cpu-0.32.0.json").read_text())
 
@@ -161,8 +161,8 @@ def test_a_failed_reread_keeps_the_names_it_had() -> None:
 def test_a_fixed_pool_leaves_less_headroom_by_the_lora_slots_and_the_buffer() -> None:
     """Under --kv-cache-memory-bytes the headroom is the GPU less the weights: LoRA's slots are
     weight memory, and its profiled buffer grows the profile peak."""
-    from app.composition import engine_flags
-    from app.engine_config import build_predictor, resolve, static_limits
+    from kvgate.composition import engine_flags
+    from kvgate.engine_config import build_predictor, resolve, static_limits
 
     geometry = ModelGeometry.from_config(json.loads((Path(__file__).parent / "configs/llama-3-8b.json").read_text()))
     fixed = (
@@ -199,7 +199,7 @@ def test_a_fixed_pool_leaves_less_headroom_by_the_lora_slots_and_the_buffer() ->
 def test_a_pasted_vllm_lora_command_line_sets_the_lora_flags() -> None:
     """`kvgate serve -- vllm serve M --enable-lora --lora-modules a=/x b=/y --max-loras 2 ...`:
     the LoRA flags kvgate models are read, --lora-modules (served names come from /v1/models) ignored."""
-    from app.cli import parse_command_line
+    from kvgate.cli import parse_command_line
 
     lora = ["--enable-lora", "--lora-modules", "a=/x", "b=/y", "--max-loras", "2", "--max-lora-rank", "64"]
     args = parse_command_line(["serve", "--", "vllm", "serve", "m", *lora, "--max-cpu-loras", "4"])
@@ -218,11 +218,11 @@ def test_the_pipeline_hashes_an_adapters_prompt_apart_from_the_base_models(tiny_
     lora-a requests share prefix blocks, as vLLM's prefix cache shares them."""
     import httpx
 
-    from app.composition import engine_flags
-    from app.engine_config import build_predictor, resolve
-    from app.gate.budget import Budget
-    from app.pipeline import RequestPipeline
-    from app.tokens import load_tokenizer
+    from kvgate.composition import engine_flags
+    from kvgate.engine_config import build_predictor, resolve
+    from kvgate.gate.budget import Budget
+    from kvgate.pipeline import RequestPipeline
+    from kvgate.tokens import load_tokenizer
 
     settings = settings_from_args(build_parser().parse_args(["serve", "--model", str(tiny_model_dir)]))
     geometry = load_geometry(tiny_model_dir)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.memory.activation import (
+from kvgate.memory.activation import (
     EngineShape,
     SamplingShape,
     estimate_transient,
@@ -17,8 +17,8 @@ from app.memory.activation import (
     prefill_chunk,
     profile_peak_bytes,
 )
-from app.memory.geometry import ModelGeometry
-from app.units import GiB, MiB
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.units import GiB, MiB
 
 CONFIGS = Path(__file__).parent / "configs"
 V = 128_256  # Llama-3 vocabulary

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from app.memory.envelope import MNNVL_ALL_GATHER_MAX_SIZES, SYMM_MEM_MAX_SIZES, custom_all_reduce_bytes
-from app.memory.geometry import ModelGeometry
-from app.memory.kv import KVLayout
-from app.speculative import resolve_drafter
-from app.units import MiB
+from kvgate.memory.envelope import MNNVL_ALL_GATHER_MAX_SIZES, SYMM_MEM_MAX_SIZES, custom_all_reduce_bytes
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.kv import KVLayout
+from kvgate.speculative import resolve_drafter
+from kvgate.units import MiB
 from support.vllm_server import VLLM_PYTHON
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -142,7 +142,7 @@ def test_the_communicator_sizes_are_vllms_own() -> None:
 
 
 def test_a_probabilistic_draft_keeps_its_probabilities_on_v1_only() -> None:
-    from app.memory.activation import EngineShape, SamplingShape, estimate_transient, sampler_cost
+    from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient, sampler_cost
 
     eagle = resolve_drafter("eagle", "nobody/not-on-this-disk", LLAMA, {}, "probabilistic")
     assert eagle is not None and eagle.probabilistic

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.memory.activation import EngineShape, SamplingShape
-from app.memory.footprint import predict_footprint
-from app.memory.geometry import ModelGeometry
-from app.memory.kv import KVLayout, block_hashes
+from kvgate.memory.activation import EngineShape, SamplingShape
+from kvgate.memory.footprint import predict_footprint
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.kv import KVLayout, block_hashes
 
 CONFIGS = Path(__file__).parent / "configs"
 

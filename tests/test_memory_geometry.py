@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.memory.geometry import (
+from kvgate.memory.geometry import (
     ATTENTION_AND_STATE,
     CHUNKED_ATTENTION,
     FULL_ATTENTION,
@@ -16,7 +16,7 @@ from app.memory.geometry import (
     SLIDING_ATTENTION,
     ModelGeometry,
 )
-from app.model_folder import load_geometry
+from kvgate.model_folder import load_geometry
 
 CONFIGS = Path(__file__).parent / "configs"
 

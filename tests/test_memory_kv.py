@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from app.memory.geometry import ModelGeometry
-from app.memory.kv import KVLayout, PrefixKeys, block_hashes, kv_cache_dtype_bytes
-from app.units import GiB
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.kv import KVLayout, PrefixKeys, block_hashes, kv_cache_dtype_bytes
+from kvgate.units import GiB
 
 CONFIGS = Path(__file__).parent / "configs"
 

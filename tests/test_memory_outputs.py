@@ -7,14 +7,14 @@ import random
 
 from test_memory_footprint import layout
 
-from app.gate.budget import Budget
-from app.gate.output_lengths import OutputLengths
-from app.http.output_tokens import OutputTokenCounter
-from app.memory.activation import EngineShape, SamplingShape
-from app.memory.footprint import predict_footprint
-from app.memory.outputs import OutputReservation
-from app.openai import parse_request
-from app.predict import Predictor
+from kvgate.gate.budget import Budget
+from kvgate.gate.output_lengths import OutputLengths
+from kvgate.http.output_tokens import OutputTokenCounter
+from kvgate.memory.activation import EngineShape, SamplingShape
+from kvgate.memory.footprint import predict_footprint
+from kvgate.memory.outputs import OutputReservation
+from kvgate.openai import parse_request
+from kvgate.predict import Predictor
 
 
 def test_full_max_tokens_until_enough_answers_are_seen() -> None:

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from app.memory.activation import (
+from kvgate.memory.activation import (
     EngineShape,
     SamplingShape,
     estimate_transient,
     profile_peak_bytes,
 )
-from app.memory.geometry import ModelGeometry
-from app.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
-from app.memory.vllm_runner import NEWEST_KNOWN, refuses_max_tokens_past_context, resolve_runtime
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
+from kvgate.memory.vllm_runner import NEWEST_KNOWN, refuses_max_tokens_past_context, resolve_runtime
 
 LLAMA = ModelGeometry.from_config(
     {

@@ -1,12 +1,12 @@
-"""The sampler's top-k/top-p backend by vLLM's own rule per version (app/memory/vllm_runner.py,
-read in the wheels of SAMPLER_READ_VERSIONS), and what each path charges (app/memory/sampler.py)."""
+"""The sampler's top-k/top-p backend by vLLM's own rule per version (kvgate/memory/vllm_runner.py,
+read in the wheels of SAMPLER_READ_VERSIONS), and what each path charges (kvgate/memory/sampler.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.memory.sampler import SamplerCost
-from app.memory.vllm_runner import resolve_runtime, resolve_sampler
+from kvgate.memory.sampler import SamplerCost
+from kvgate.memory.vllm_runner import resolve_runtime, resolve_sampler
 
 V = 128256
 

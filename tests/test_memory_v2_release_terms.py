@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from app.memory.activation import (
+from kvgate.memory.activation import (
     EngineShape,
     SamplingShape,
     estimate_transient,
     mla_workspace_tokens,
     profile_peak_bytes,
 )
-from app.memory.geometry import ModelGeometry
-from app.memory.sampler import SamplerCost
-from app.memory.vllm_runner import NEWEST_KNOWN, resolve_runtime
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.sampler import SamplerCost
+from kvgate.memory.vllm_runner import NEWEST_KNOWN, resolve_runtime
 
 LLAMA = ModelGeometry(32, 32, 8, 128, 4096, 14336, 128256, 2, 131072)
 V, H = 128256, 4096
@@ -135,7 +135,7 @@ def test_pre_releases_follow_their_release_and_newer_ones_the_newest(version: st
 def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
     import json
 
-    from app.speculative import resolve_drafter
+    from kvgate.speculative import resolve_drafter
 
     folder = tmp_path / "medusa-draft"
     folder.mkdir()
@@ -151,9 +151,9 @@ def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
 
 
 def test_the_ledger_sums_what_prefills_hold_across_steps_and_the_shared_step_extra() -> None:
-    from app.gate.ledger import Ledger
-    from app.memory.activation import v2_prompt_logprobs_shared_step_extra
-    from app.memory.demand import Demand
+    from kvgate.gate.ledger import Ledger
+    from kvgate.memory.activation import v2_prompt_logprobs_shared_step_extra
+    from kvgate.memory.demand import Demand
 
     engine = v2_engine(max_num_batched_tokens=2048)
     # a one-step prompt alone starts on its own step; beside others it can start with one token
@@ -179,9 +179,9 @@ def test_a_short_prompt_alone_is_charged_its_own_step_and_the_full_step_once_oth
     never fitting); beside others the step is taken as full. A prompt admitted alone is charged
     the full step from the next admission on, whoever that is: the newcomer's tokens join its
     steps."""
-    from app.gate.ledger import Ledger
-    from app.memory.activation import v2_prompt_logprobs, v2_prompt_logprobs_shared_step_extra
-    from app.memory.demand import Demand
+    from kvgate.gate.ledger import Ledger
+    from kvgate.memory.activation import v2_prompt_logprobs, v2_prompt_logprobs_shared_step_extra
+    from kvgate.memory.demand import Demand
 
     engine = v2_engine(max_num_batched_tokens=2048)
     alone = sum(t.bytes for t in v2_prompt_logprobs(LLAMA, engine, 100, 100, 5))

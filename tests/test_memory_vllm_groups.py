@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from app.engine_config import Deployment, checked_against_backend
-from app.memory.geometry import ModelGeometry
-from app.memory.kv import KVLayout, cdiv
+from kvgate.engine_config import Deployment, checked_against_backend
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.kv import KVLayout, cdiv
 from support.vllm_server import VLLM_PYTHON
 
 pytestmark = pytest.mark.vllm

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.chat_template import ChatRequest, TokenizationError
-from app.multimodal import image_tokens
-from app.tokens import load_tokenizer
+from kvgate.chat_template import ChatRequest, TokenizationError
+from kvgate.multimodal import image_tokens
+from kvgate.tokens import load_tokenizer
 
 # llava-hf/llava-1.5-7b-hf's config.json, the fields vLLM's Llava processing reads.
 LLAVA_15 = {

@@ -10,15 +10,15 @@ import re
 import pytest
 from test_memory_footprint import layout
 
-import app.predict
-from app.errors import ContextTooLong, KvNeverFits, TransientNeverFits
-from app.gate.budget import KV_BUSY, Budget
-from app.gate.ledger import Ledger
-from app.gate.output_lengths import OutputLengths
-from app.memory.activation import EngineShape, SamplingShape
-from app.memory.footprint import predict_footprint
-from app.openai import RequestSpec, parse_request
-from app.predict import Predictor
+import kvgate.predict
+from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
+from kvgate.gate.budget import KV_BUSY, Budget
+from kvgate.gate.ledger import Ledger
+from kvgate.gate.output_lengths import OutputLengths
+from kvgate.memory.activation import EngineShape, SamplingShape
+from kvgate.memory.footprint import predict_footprint
+from kvgate.openai import RequestSpec, parse_request
+from kvgate.predict import Predictor
 
 ENGINES = {
     "flash-attn": EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=256),
@@ -81,13 +81,13 @@ def test_memoised_estimate_gives_the_fresh_demand(engine, prefix_caching) -> Non
 
 def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) -> None:
     calls: list[tuple] = []
-    real = app.predict.estimate_transient
+    real = kvgate.predict.estimate_transient
 
     def counting(geometry, engine, prompt_tokens, sampling, *rest):
         calls.append((prompt_tokens, sampling))
         return real(geometry, engine, prompt_tokens, sampling, *rest)
 
-    monkeypatch.setattr(app.predict, "estimate_transient", counting)
+    monkeypatch.setattr(kvgate.predict, "estimate_transient", counting)
     predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 10**9)
     calls.clear()  # the engine-wide workspace estimate at construction
     first = predictor.predict(spec_of({}), [list(range(100))])
@@ -266,7 +266,7 @@ def test_context_errors_are_worded_as_vllm_0_32_words_them(
 def test_a_cache_salt_shares_no_prefix_with_other_salts() -> None:
     """8 copies of one prompt under 8 cache_salt values hold what 8 distinct prompts hold in vLLM
     (the salt keys the first block); under one salt, or none, they share the prompt's blocks."""
-    from app.gate.ledger import Ledger
+    from kvgate.gate.ledger import Ledger
 
     predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 2 * 1024**3)
     prompt = list(range(3000))
@@ -286,7 +286,7 @@ def test_a_cache_salt_shares_no_prefix_with_other_salts() -> None:
 
 @pytest.mark.parametrize("salt", ["", 5, ["a"]])
 def test_a_cache_salt_that_vllm_refuses_is_a_400(salt) -> None:
-    from app.errors import InvalidField
+    from kvgate.errors import InvalidField
 
     with pytest.raises(InvalidField) as refused:
         spec_of({"cache_salt": salt})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.metrics import KvgateMetrics
-from app.settings import Settings
+from kvgate.metrics import KvgateMetrics
+from kvgate.settings import Settings
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

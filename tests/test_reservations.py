@@ -16,8 +16,8 @@ import httpx
 import pytest
 from test_telemetry_sim import ENGINE_FLAGS, MODEL, model_dir  # noqa: F401  (model_dir: a fixture)
 
-from app.sim.config import SimConfig
-from app.sim.runner import SimRunner
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import SimRunner
 from support.kvgate_server import KvgateServer, running_kvgate
 
 STALL_S = 3  # --stream-stall-timeout for these tests (default 60)

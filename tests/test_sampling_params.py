@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.sampling_params import v2_sampler_needs, vllm_sampling_params
-from app.vllm_routes import translate
+from kvgate.sampling_params import v2_sampler_needs, vllm_sampling_params
+from kvgate.vllm_routes import translate
 from support.vllm_server import VLLM_PYTHON
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = [
-    *sorted((ROOT / "app").rglob("*.py")),
+    *sorted((ROOT / "kvgate").rglob("*.py")),
     *sorted((ROOT / "tests").rglob("*.py")),
     *sorted((ROOT / "bench").glob("*.py")),
     *sorted((ROOT / "scripts").glob("*")),

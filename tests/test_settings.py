@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser
-from app.composition import engine_flags
-from app.engine_config import build_predictor, resolve
-from app.memory.geometry import ModelGeometry
-from app.settings import Settings, settings_from_args
-from app.telemetry.vllm import CacheConfig, ServedModel
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags
+from kvgate.engine_config import build_predictor, resolve
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.settings import Settings, settings_from_args
+from kvgate.telemetry.vllm import CacheConfig, ServedModel
 
 
 def settings_for(*argv: str) -> Settings:
@@ -169,8 +169,8 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
 
 
 def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilization() -> None:
-    from app.composition import engine_flags
-    from app.engine_config import static_limits, weights_bytes
+    from kvgate.composition import engine_flags
+    from kvgate.engine_config import static_limits, weights_bytes
 
     geometry = ModelGeometry.from_config(
         {
@@ -207,8 +207,8 @@ def llama_3_8b() -> ModelGeometry:
 
 def flags_mode_headroom(*flags: str) -> int:
     """kvgate's static transient headroom from flags alone (no backend, no --free-memory-bytes)."""
-    from app.composition import engine_flags
-    from app.engine_config import static_limits
+    from kvgate.composition import engine_flags
+    from kvgate.engine_config import static_limits
 
     geometry = llama_3_8b()
     settings = settings_for("--gpu-memory-bytes", str(80 * 2**30), "--gpu-memory-utilization", "0.9", *flags)
@@ -228,7 +228,7 @@ def flags_mode_headroom(*flags: str) -> int:
 
 def test_the_cuda_context_and_tp_buffers_come_off_the_utilizations_rest() -> None:
     """vLLM 0.32 takes its memory snapshot after the CUDA context and the distributed set-up, so
-    both sit outside total x gpu_memory_utilization (app/memory/envelope.py)."""
+    both sit outside total x gpu_memory_utilization (kvgate/memory/envelope.py)."""
     rest = int(80 * 2**30 * (1 - 0.9))
     tp1 = flags_mode_headroom()
     assert tp1 == rest - 500 * 2**20  # the CUDA context, --cuda-context-bytes' default

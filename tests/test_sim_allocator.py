@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.sim.gpu import CachingAllocator, CudaOutOfMemory, Device, format_size
-from app.units import MiB
+from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device, format_size
+from kvgate.units import MiB
 
 
 def test_rounding_and_pools() -> None:
@@ -96,8 +96,8 @@ def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
 
     from sim_support import make_engine
 
-    from app.sim.config import SimConfig
-    from app.sim.request import Request, Sampling
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.request import Request, Sampling
 
     engine = make_engine(
         SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192, max_num_seqs=64, speedup=1e9)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.sim.api import SimApiError, parse
-from app.sim.tokens import StandInTokenizer
+from kvgate.sim.api import SimApiError, parse
+from kvgate.sim.tokens import StandInTokenizer
 
 TOK = StandInTokenizer(32000)
 

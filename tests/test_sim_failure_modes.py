@@ -9,10 +9,10 @@ import re
 import pytest
 from sim_support import Job, make_engine, play
 
-from app.sim.config import SimConfig
-from app.sim.request import Sampling
-from app.sim.startup import REDUNDANCY_BUFFER, StartupError
-from app.units import GiB, MiB
+from kvgate.sim.config import SimConfig
+from kvgate.sim.request import Sampling
+from kvgate.sim.startup import REDUNDANCY_BUFFER, StartupError
+from kvgate.units import GiB, MiB
 
 SHORT = Sampling(max_tokens=8)
 
@@ -149,7 +149,7 @@ def _chat_burst(seed: int, count: int) -> list[Job]:
 
 def test_5_allocator_fragmentation_under_mixed_high_concurrency_batches() -> None:
     """V1 with the sort-path sampler: vLLM 0.16.0, the last release that sorts every batch (from
-    0.17 Triton masks batches of 8 rows or more in place, app/sim/flavor.py); the same traffic on
+    0.17 Triton masks batches of 8 rows or more in place, kvgate/sim/flavor.py); the same traffic on
     0.31.0 OOMs too, but without the stranded-cache signature. Steps sampling ~900-1024 rows cut
     the sampler warm-up's 1024-row segments, and the
     segments the allocator adds after each failed best fit, for tensors of other sizes; the

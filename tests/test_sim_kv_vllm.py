@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app.sim.kv_layout import KVLayout, build_layout
-from app.sim.model import SimModel, read_config
+from kvgate.sim.kv_layout import KVLayout, build_layout
+from kvgate.sim.model import SimModel, read_config
 from support.vllm_server import VLLM_PYTHON
 
 pytestmark = pytest.mark.vllm

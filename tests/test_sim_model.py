@@ -1,4 +1,4 @@
-"""The simulator's own reading of config.json (app/sim/model.py, kv_layout.py) against public
+"""The simulator's own reading of config.json (kvgate/sim/model.py, kv_layout.py) against public
 parameter counts and vLLM 0.32's KV cache grouping, and the import wall between judge and judged."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.sim.kv_layout import build_layout
-from app.sim.model import ModelConfigError, SimModel, load_model, read_config
+from kvgate.sim.kv_layout import build_layout
+from kvgate.sim.model import ModelConfigError, SimModel, load_model, read_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = Path(__file__).parent / "configs"
@@ -106,7 +106,7 @@ def test_unreadable_config_is_a_clear_error(tmp_path: Path) -> None:
         load_model(str(tmp_path))
 
 
-FORBIDDEN = ("app.memory", "app.predict", "app.gate")
+FORBIDDEN = ("kvgate.memory", "kvgate.predict", "kvgate.gate")
 
 
 def _imports(path: Path, package: str) -> set[str]:
@@ -140,24 +140,24 @@ def _offending(files: list[Path], forbidden: tuple[str, ...], package: str | Non
 
 
 def test_simulator_imports_no_estimator_and_the_estimator_no_simulator() -> None:
-    sim = sorted((ROOT / "app" / "sim").rglob("*.py"))
+    sim = sorted((ROOT / "kvgate" / "sim").rglob("*.py"))
     estimator = [
-        *sorted((ROOT / "app" / "memory").rglob("*.py")),
-        *sorted((ROOT / "app" / "gate").rglob("*.py")),
-        ROOT / "app" / "predict.py",
+        *sorted((ROOT / "kvgate" / "memory").rglob("*.py")),
+        *sorted((ROOT / "kvgate" / "gate").rglob("*.py")),
+        ROOT / "kvgate" / "predict.py",
     ]
     assert sim and estimator
     assert _offending(sim, FORBIDDEN) == []
-    assert _offending(estimator, ("app.sim",)) == []
+    assert _offending(estimator, ("kvgate.sim",)) == []
 
 
 def test_the_import_walk_catches_an_estimator_import(tmp_path: Path) -> None:
     """The wall holds only if the walk sees a violation: plant one and watch it fail."""
     planted = tmp_path / "planted.py"
-    planted.write_text("from app.memory.kv import cdiv\nfrom ..predict import x\nimport json\n")
-    assert _offending([planted], FORBIDDEN, package="app.sim") == [
-        "planted.py imports app.memory.kv",
-        "planted.py imports app.memory.kv.cdiv",
-        "planted.py imports app.predict",
-        "planted.py imports app.predict.x",
+    planted.write_text("from kvgate.memory.kv import cdiv\nfrom ..predict import x\nimport json\n")
+    assert _offending([planted], FORBIDDEN, package="kvgate.sim") == [
+        "planted.py imports kvgate.memory.kv",
+        "planted.py imports kvgate.memory.kv.cdiv",
+        "planted.py imports kvgate.predict",
+        "planted.py imports kvgate.predict.x",
     ]

@@ -1,5 +1,5 @@
 """The simulator's `--model-runner auto` picks the runner vLLM picks, release by release
-(app/sim/flavor.py RUNNER_RULES, read in each release's vllm/config/vllm.py)."""
+(kvgate/sim/flavor.py RUNNER_RULES, read in each release's vllm/config/vllm.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from app.sim.config import SimConfig
-from app.sim.flavor import Flavor
-from app.sim.model import SimModel, load_model, read_config
-from app.sim.presets import model_config
+from kvgate.sim.config import SimConfig
+from kvgate.sim.flavor import Flavor
+from kvgate.sim.model import SimModel, load_model, read_config
+from kvgate.sim.presets import model_config
 
 CONFIGS = Path(__file__).parent / "configs"
 

@@ -1,20 +1,20 @@
-"""The simulator's top-k/top-p path per vLLM release (app/sim/flavor.py) and what each path
-allocates in a step (app/sim/step_memory.py)."""
+"""The simulator's top-k/top-p path per vLLM release (kvgate/sim/flavor.py) and what each path
+allocates in a step (kvgate/sim/step_memory.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.sim.config import SimConfig
-from app.sim.engine import Engine
-from app.sim.flavor import Flavor, top_k_top_p
-from app.sim.gpu import CachingAllocator, Device
-from app.sim.model import load_model
-from app.sim.request import Request, Sampling
-from app.sim.scheduler import ScheduledReq, SchedulerOutput
-from app.sim.startup import resolve, triton_buffer_bytes
-from app.sim.step_memory import ModelDims, ReqSlice, StepMemory, StepShape, TopKTopP, run_tape
-from app.units import GiB
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine
+from kvgate.sim.flavor import Flavor, top_k_top_p
+from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.model import load_model
+from kvgate.sim.request import Request, Sampling
+from kvgate.sim.scheduler import ScheduledReq, SchedulerOutput
+from kvgate.sim.startup import resolve, triton_buffer_bytes
+from kvgate.sim.step_memory import ModelDims, ReqSlice, StepMemory, StepShape, TopKTopP, run_tape
+from kvgate.units import GiB
 
 V = 128256
 DIMS = ModelDims(

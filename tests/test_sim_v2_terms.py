@@ -4,13 +4,13 @@ the fp32 copy only for rows that need processing, 0.33's sampler warm-up pass in
 
 from __future__ import annotations
 
-from app.sim import startup
-from app.sim.config import SimConfig
-from app.sim.gpu import Block, CachingAllocator, Device
-from app.sim.model import load_model
-from app.sim.presets import gpu_total_bytes
-from app.sim.step_memory import ReqSlice, StepShape, run_tape
-from app.units import MiB
+from kvgate.sim import startup
+from kvgate.sim.config import SimConfig
+from kvgate.sim.gpu import Block, CachingAllocator, Device
+from kvgate.sim.model import load_model
+from kvgate.sim.presets import gpu_total_bytes
+from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
+from kvgate.units import MiB
 
 V = 128256
 LLAMA = dict(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=32768, max_logprobs=-1)

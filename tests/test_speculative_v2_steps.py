@@ -1,10 +1,10 @@
 """Differential check of speculative decoding on Model Runner V2 (benchmark S9's engine: vLLM
 0.32.0, Llama-3.1-8B, n-gram with 5 draft tokens, 2,048 batched tokens, 256 sequences).
 
-For one in-flight set at a time, the simulator's step (app/sim/step_memory.py, the judge) is
+For one in-flight set at a time, the simulator's step (kvgate/sim/step_memory.py, the judge) is
 played on an empty allocator and its tensor peak compared with what kvgate charges for the same
 requests: their Demands from the Predictor, summed in a Ledger, charged by the Budget as on a V2
-fixed pool (every profiled byte comes out of free memory, app/telemetry/headroom.py). kvgate may
+fixed pool (every profiled byte comes out of free memory, kvgate/telemetry/headroom.py). kvgate may
 charge more (it does not know a request's top-k/top-p, so it keeps Triton's cached buffer for a
 random batch) but never less.
 """
@@ -17,20 +17,20 @@ from pathlib import Path
 import pytest
 from sim_support import make_engine
 
-from app.cli import build_parser
-from app.composition import engine_flags
-from app.engine_config import build_predictor, resolve
-from app.gate.budget import Budget
-from app.gate.ledger import Ledger
-from app.memory.geometry import ModelGeometry
-from app.openai import parse_request
-from app.predict import Predictor
-from app.settings import settings_from_args
-from app.sim.config import SimConfig
-from app.sim.engine import Engine
-from app.sim.gpu import CachingAllocator, Device
-from app.sim.step_memory import ReqSlice, StepShape, run_tape
-from app.units import GiB, MiB
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags
+from kvgate.engine_config import build_predictor, resolve
+from kvgate.gate.budget import Budget
+from kvgate.gate.ledger import Ledger
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.openai import parse_request
+from kvgate.predict import Predictor
+from kvgate.settings import settings_from_args
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine
+from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
+from kvgate.units import GiB, MiB
 
 NGRAM_5 = {"method": "ngram", "num_speculative_tokens": 5}
 K = 5
@@ -38,7 +38,7 @@ PROMPT = 400
 V = 128256
 TRITON_BUFFER_BOUND = 192 * V * 4  # kvgate's bound on Triton's cached [rows, V] fp32 buffer
 # The caching allocator rounds a large tensor up to its 2 MiB segment when less than 1 MiB would
-# be left (app/sim/gpu.py `_split`): the simulator's peak counts that, kvgate's terms (and the
+# be left (kvgate/sim/gpu.py `_split`): the simulator's peak counts that, kvgate's terms (and the
 # budget's margin) do not.
 ROUNDING = 2 * MiB
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from app.memory.demand import Demand
-from app.telemetry.calibration import Aimd, Calibration, CalibrationConfig, InFlight, blocks_in_use
-from app.units import MiB
+from kvgate.memory.demand import Demand
+from kvgate.telemetry.calibration import Aimd, Calibration, CalibrationConfig, InFlight, blocks_in_use
+from kvgate.units import MiB
 
 
 def demand(prompt: int, max_new: int, hashes: tuple[int, ...], private: int) -> Demand:

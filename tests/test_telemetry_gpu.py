@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.sim.config import SimConfig
-from app.sim.runner import SimRunner
-from app.telemetry.gpu import (
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import SimRunner
+from kvgate.telemetry.gpu import (
     DeviceMemory,
     GpuProcess,
     GpuReading,
@@ -19,9 +19,9 @@ from app.telemetry.gpu import (
     make_probe,
     visible_devices,
 )
-from app.telemetry.headroom import HeadroomTracker
-from app.telemetry.vllm import parse_metrics
-from app.units import GiB
+from kvgate.telemetry.headroom import HeadroomTracker
+from kvgate.telemetry.vllm import parse_metrics
+from kvgate.units import GiB
 from support.fake_pynvml import FakeDevice, FakeNvml
 
 CLIENT = httpx.AsyncClient(base_url="http://127.0.0.1:9")  # never reached by the NVML probes

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import support.fake_backend as fake
-from app.telemetry.live import _restarted
-from app.telemetry.vllm import parse_metrics
+from kvgate.telemetry.live import _restarted
+from kvgate.telemetry.vllm import parse_metrics
 from support.kvgate_server import running_kvgate
 
 PAGE = """# TYPE vllm:num_preemptions counter

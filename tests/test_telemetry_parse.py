@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.telemetry.vllm import parse_metrics
+from kvgate.telemetry.vllm import parse_metrics
 from support.vllm_server import VllmServer
 
 DATA = Path(__file__).parent / "data"

@@ -24,10 +24,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.sim.config import SimConfig
-from app.sim.presets import model_config
-from app.sim.runner import SimRunner
-from app.units import GiB
+from kvgate.sim.config import SimConfig
+from kvgate.sim.presets import model_config
+from kvgate.sim.runner import SimRunner
+from kvgate.units import GiB
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.vllm_server import free_port
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.gate.tenants import NEW_KEYS, TenantTurns
+from kvgate.gate.tenants import NEW_KEYS, TenantTurns
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate
 

@@ -1,4 +1,4 @@
-"""app.tokens against the real vLLM: local and backend token ids must equal vLLM's /tokenize.
+"""kvgate.tokens against the real vLLM: local and backend token ids must equal vLLM's /tokenize.
 
 Each case is a raw /tokenize body as a client would write it (vLLM's defaults
 apply to what it leaves out); the same body becomes a ChatRequest for kvgate.
@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.chat_template import ChatRequest, TokenizationError, _template_info
-from app.tokens import (
+from kvgate.chat_template import ChatRequest, TokenizationError, _template_info
+from kvgate.tokens import (
     BackendTokenizeError,
     BackendTokenizer,
     LocalTokenizer,
@@ -558,7 +558,7 @@ def test_direct_rust_encode_equals_transformers_for_other_pipelines(tmp_path, ki
 def test_tokenizer_classes_that_change_encode_are_not_bypassed(tiny_model_dir):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from app.tokens import rust_backend
+    from kvgate.tokens import rust_backend
 
     class Prefixing(PreTrainedTokenizerFast):
         def _encode_plus(self, text, *args, **kwargs):  # type: ignore[override]
@@ -582,8 +582,8 @@ def test_truncation_left_by_a_template_call_is_not_applied(tiny_model_dir):
 async def test_prepare_renders_by_the_backend_release(local_tokenizer, version, as_parts):
     """The backend's release (VllmRuntime) decides the content format a request is rendered in:
     0.33.0 and its pre-releases follow namespace aliases; 0.32.0 and an unknown version do not."""
-    from app.memory.vllm_runner import resolve_runtime
-    from app.preparation import prepare
+    from kvgate.memory.vllm_runner import resolve_runtime
+    from kvgate.preparation import prepare
 
     template = "{% set ns = namespace(rest=messages) %}{% for message in ns.rest %}" + (
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"

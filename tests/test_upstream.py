@@ -1,4 +1,4 @@
-"""app.upstream, kvgate's HTTP/1.1 client to the backend, against scripted raw-socket servers."""
+"""kvgate.upstream, kvgate's HTTP/1.1 client to the backend, against scripted raw-socket servers."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from app import upstream
-from app.errors import BackendDown, BackendTimedOut, InvalidField
-from app.http.errors import error_headers, status_of
-from app.proxy import Backend, forward_headers, open_while_client_waits, response_headers
-from app.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
+from kvgate import upstream
+from kvgate.errors import BackendDown, BackendTimedOut, InvalidField
+from kvgate.http.errors import error_headers, status_of
+from kvgate.proxy import Backend, forward_headers, open_while_client_waits, response_headers
+from kvgate.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
@@ -137,7 +137,7 @@ async def test_chunks_that_arrived_together_are_read_together() -> None:
 async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
     """One body message per read, the last one closing the body: a stream that arrived whole
     leaves in one write, a non-streaming answer without a separate empty end."""
-    from app.proxy import Relay
+    from kvgate.proxy import Relay
 
     class Upstream:  # what Relay uses of an UpstreamResponse
         status, raw_headers = 200, [(b"content-type", b"text/event-stream")]

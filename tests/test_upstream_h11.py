@@ -1,4 +1,4 @@
-"""app.upstream's response parsing against h11's (issue 15, finding 10): the same byte streams,
+"""kvgate.upstream's response parsing against h11's (issue 15, finding 10): the same byte streams,
 cut into the same segments, fed to both; each reports the response it saw (status, headers,
 body, whether it ended) and whether the connection may carry another exchange.
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import h11
 import pytest
 
-from app.upstream import Connection, UpstreamError
+from kvgate.upstream import Connection, UpstreamError
 
 
 @dataclass(frozen=True)

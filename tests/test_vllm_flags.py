@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import parse_command_line
-from app.settings import Settings, settings_from_args
-from app.sim.cli import add_arguments as add_sim_arguments
-from app.units import GiB, MiB, parse_size
+from kvgate.cli import parse_command_line
+from kvgate.settings import Settings, settings_from_args
+from kvgate.sim.cli import add_arguments as add_sim_arguments
+from kvgate.units import GiB, MiB, parse_size
 from support.vllm_server import VLLM_PYTHON
 
 # A real `vllm serve` command line for Llama-3.1-8B on one H100, as an operator would paste it.
@@ -188,7 +188,7 @@ def test_the_ignored_options_are_named_in_one_info_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "app.cli",
+            "kvgate.cli",
             "capacity",
             "--json",
             "--",
@@ -217,9 +217,9 @@ def test_the_ignored_options_are_named_in_one_info_line(tmp_path: Path) -> None:
 
 
 def test_the_simulator_takes_vllms_flags_from_the_one_declaration() -> None:
-    """`kvgate sim` reads vLLM's names, aliases and values as `serve` does (app.vllm_flags), and
+    """`kvgate sim` reads vLLM's names, aliases and values as `serve` does (kvgate.vllm_flags), and
     keeps only its own defaults: the release it plays, batch sizes picked by GPU."""
-    from app.sim.cli import config_from_args
+    from kvgate.sim.cli import config_from_args
 
     args = parse_command_line(
         [

@@ -1,4 +1,4 @@
-"""The shared budget of request preparation (app/work_budget.py): what a request holds, when it
+"""The shared budget of request preparation (kvgate/work_budget.py): what a request holds, when it
 waits, when it is refused, and where the process's limit comes from."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import RequestTooCostly, WorkMemoryBusy
-from app.http.errors import error_body, error_headers, status_of
-from app.work_budget import WorkBudget, body_values, container_memory_limit, preparation_cost
+from kvgate.errors import RequestTooCostly, WorkMemoryBusy
+from kvgate.http.errors import error_body, error_headers, status_of
+from kvgate.work_budget import WorkBudget, body_values, container_memory_limit, preparation_cost
 
 
 async def test_a_request_that_fits_goes_at_once_and_gives_back_what_it_grew_by() -> None:

@@ -10,12 +10,12 @@ charges two because vLLM rebuilds the tensor beside the old one, which a single 
 
 from __future__ import annotations
 
-from app.memory.activation import EngineShape, SamplingShape, estimate_transient
-from app.memory.geometry import ModelGeometry
-from app.memory.sampler import PROMPT_ID_COPIES, SamplerCost
-from app.memory.vllm_runner import SamplerPath, resolve_sampler
-from app.sampling_params import v2_sampler_needs, vllm_sampling_params
 from bench.fidelity.grid import Case
+from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.sampler import PROMPT_ID_COPIES, SamplerCost
+from kvgate.memory.vllm_runner import SamplerPath, resolve_sampler
+from kvgate.sampling_params import v2_sampler_needs, vllm_sampling_params
 
 CPU_SAMPLER = resolve_sampler("0.32.0", "pytorch")  # what `kvgate --sampler pytorch` models
 
@@ -39,7 +39,7 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
         sort_below_rows=sampler.sort_below_rows,
     )
     # Model Runner V2: the fp32 copy and top-k/top-p for the rows that need them
-    # (app/sampling_params.py v2_sampler_needs; the probe model has no generation_config.json)
+    # (kvgate/sampling_params.py v2_sampler_needs; the probe model has no generation_config.json)
     processing, filtered = v2_sampler_needs(vllm_sampling_params("engine", p))
     stage = cost.stage(
         rows,

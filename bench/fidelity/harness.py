@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from app.memory.activation import EngineShape
-from app.memory.geometry import ModelGeometry, dtype_bytes
-from app.memory.vllm_runner import resolve_sampler
-from app.model_folder import load_geometry
 from bench.fidelity.estimate import CPU_SAMPLER, cpu_only_bytes, kvgate_bytes
 from bench.fidelity.grid import MAX_NUM_BATCHED_TOKENS, Case, measured_bytes, with_baselines
+from kvgate.memory.activation import EngineShape
+from kvgate.memory.geometry import ModelGeometry, dtype_bytes
+from kvgate.memory.vllm_runner import resolve_sampler
+from kvgate.model_folder import load_geometry
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"

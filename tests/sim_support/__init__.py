@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from app.sim.config import SimConfig
-from app.sim.engine import Engine
-from app.sim.gpu import Device
-from app.sim.model import load_model
-from app.sim.presets import gpu_total_bytes
-from app.sim.request import Request, Sampling
-from app.sim.tokens import StandInTokenizer, TextModel
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine
+from kvgate.sim.gpu import Device
+from kvgate.sim.model import load_model
+from kvgate.sim.presets import gpu_total_bytes
+from kvgate.sim.request import Request, Sampling
+from kvgate.sim.tokens import StandInTokenizer, TextModel
 
 
 @dataclass

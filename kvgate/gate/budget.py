@@ -1,0 +1,157 @@
+"""What may be spent now: KV blocks of vLLM's pool and transient bytes of GPU headroom.
+
+The budget is the policy half of admission (the gate is the mechanism): it says whether a demand
+fits beside what the ledger already holds, and whether it could ever fit. Its numbers start from
+flags and the backend's cache_config_info; the telemetry loop moves them later (live headroom,
+calibrated factors, conservative scale), it holds every admission while its shared view of the
+backend (kvgate.gate.backend_state, also read by /readyz) says the backend is not up, and every
+move notifies the gate so it can re-check its queue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgate.gate.backend_state import BackendState, Status
+from kvgate.memory.demand import Demand
+
+KV_BUSY = "kv_cache_busy"
+TRANSIENT_BUSY = "transient_memory_busy"
+BACKEND_DOWN = "backend_down"
+BACKEND_HUNG = "backend_hung"
+_HOLDS: dict[Status, str] = {"starting": BACKEND_DOWN, "down": BACKEND_DOWN, "hung": BACKEND_HUNG}
+
+
+class Holdings(Protocol):
+    """What the ledger holds; the budget only reads it."""
+
+    @property
+    def transient_bytes(self) -> int: ...
+
+    def transient_bytes_with(self, demand: Demand) -> int: ...
+
+    @property
+    def profiled_bytes(self) -> int: ...
+
+    def profiled_bytes_with(self, demand: Demand) -> int: ...
+
+    def new_blocks(self, demand: Demand) -> int: ...
+
+    @property
+    def kv_blocks(self) -> int: ...
+
+    @property
+    def kv_variance_blocks(self) -> float: ...
+
+
+@dataclass
+class Budget:
+    """The live limits. `None` means unknown: that dimension is not gated (and /readyz says so)."""
+
+    kv_blocks: int | None = None
+    transient_headroom_bytes: int | None = None
+    max_transient_headroom_bytes: int | None = None
+    transient_margin: float = 0.1
+    kv_overcommit: float = 1.0
+    # Standard deviations of the in-flight requests' summed KV growth kept free (outputs.py).
+    kv_margin_z: float = 0.0
+    profiled_peak_bytes: int = 0
+    # Set when the headroom comes from GPU readings: then it includes whatever of the profile region
+    # vLLM emptied after start-up, so profiled terms are charged against it too, up to this cap (the
+    # part of the region the engine did not hold). None: a headroom from flags, beside the region.
+    profiled_cap_bytes: int | None = None
+    # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
+    backend: BackendState = field(default_factory=BackendState)
+    # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
+    scale: float = 1.0
+    _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def update(self, **changes: object) -> None:
+        """Change some limits and tell the gate; unknown names are a programming error."""
+        for name, value in changes.items():
+            if name.startswith("_") or not hasattr(self, name):
+                raise AttributeError(name)
+            setattr(self, name, value)
+        for listener in self._listeners:
+            listener()
+
+    def set_backend(self, status: Status, why: str | None = None) -> bool:
+        """The backend's status, seen again or changed; on a change (True) the gate re-checks its queue."""
+        changed = self.backend.set(status, why)
+        if changed:
+            for listener in self._listeners:
+                listener()
+        return changed
+
+    @property
+    def hold(self) -> str | None:
+        """Why nothing may be admitted now (the backend is not up), or None."""
+        return _HOLDS.get(self.backend.status)
+
+    @property
+    def known(self) -> bool:
+        return self.kv_blocks is not None
+
+    def kv_limit(self) -> int | None:
+        if self.kv_blocks is None:
+            return None
+        return math.floor(self.kv_blocks * self.kv_overcommit * self.scale)
+
+    def transient_limit(self) -> int | None:
+        if self.transient_headroom_bytes is None:
+            return None
+        return math.floor(self.transient_headroom_bytes * (1.0 - self.transient_margin) * self.scale)
+
+    def kv_margin(self, variance_blocks: float) -> int:
+        """Blocks kept free for output lengths beyond their means, whose variances sum to this."""
+        return math.ceil(self.kv_margin_z * math.sqrt(max(0.0, variance_blocks)))
+
+    def max_transient_limit(self) -> int | None:
+        headroom = self.max_transient_headroom_bytes
+        if headroom is None:
+            headroom = self.transient_headroom_bytes
+        if headroom is None:
+            return None
+        return math.floor(headroom * (1.0 - self.transient_margin))
+
+    def _charge(self, unprofiled: int, profiled: int) -> int:
+        if self.profiled_cap_bytes is None:
+            return unprofiled
+        return unprofiled + min(self.profiled_cap_bytes, profiled)
+
+    def transient_charge(self, holdings: Holdings) -> int:
+        """What the in-flight requests hold of the transient limit."""
+        return self._charge(holdings.transient_bytes, holdings.profiled_bytes)
+
+    def transient_charge_alone(self, demand: Demand) -> int:
+        """What this demand would hold of the transient limit on an idle server."""
+        return self._charge(demand.transient_bytes, demand.profiled_bytes)
+
+    def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
+        """Why the demand cannot be admitted beside current holdings, or None if it fits now.
+
+        A demand is charged at most the whole KV limit: vLLM never holds more than its pool at
+        once, and a request with several prompts (or samples) whose blocks add up to more runs
+        them as the pool allows (kvgate/predict.py). So it waits for nothing else to be held, then
+        goes in, rather than waiting forever; what it reserves keeps the rest waiting until it is
+        done. A single engine request larger than the pool never gets here (KvNeverFits); a limit
+        of 0 blocks admits nothing."""
+        if self.hold is not None:
+            return self.hold
+        kv_limit = self.kv_limit()
+        if kv_limit is not None:
+            margin = self.kv_margin(holdings.kv_variance_blocks + demand.kv_variance_blocks)
+            need = holdings.new_blocks(demand) + margin
+            if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
+                return KV_BUSY
+        transient_limit = self.transient_limit()
+        charge = self._charge(holdings.transient_bytes_with(demand), holdings.profiled_bytes_with(demand))
+        if transient_limit is not None and charge > transient_limit:
+            return TRANSIENT_BUSY
+        return None

@@ -1,0 +1,283 @@
+"""The gate: admit now, wait in the queue, or refuse, and hand out tickets released exactly once.
+
+It is the mechanism; the budget is the policy. It reports each decision and release to its
+observers (kvgate.gate.observer) and raises domain errors (kvgate.errors): counting, logging and HTTP
+are other layers' business. Whenever the ledger shrinks or the budget moves, the gate admits
+from the head of the queue for as long as the head fits. The head is not bypassed
+by smaller requests behind it, so a large request is never starved by a stream of small ones;
+the one exception is a head that could not fit even on an idle server (the headroom shrank under
+it): it is set aside, so that it does not hold up a line it cannot lead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
+from kvgate.gate.budget import Budget
+from kvgate.gate.drain import DrainRate
+from kvgate.gate.ledger import Ledger, Reservation
+from kvgate.gate.observer import Decision, Observers, Release
+from kvgate.gate.output_lengths import OutputLengths
+from kvgate.gate.queue import AdmissionQueue, Waiter
+from kvgate.gate.queue import QueueFull as QueueAtCapacity
+from kvgate.memory.demand import Demand
+
+BEHIND_QUEUE = "behind_queue"
+_IDLE = Ledger()  # never reserved from: the holdings of an idle server
+
+
+class Ticket:
+    """An admitted request's reservation; release() is safe to call any number of times."""
+
+    def __init__(self, gate: Gate, reservation: Reservation, queue_wait_s: float) -> None:
+        self._gate = gate
+        self.reservation = reservation
+        self.queue_wait_s = queue_wait_s
+
+    def end_prefill(self) -> None:
+        """The first output token arrived: prefill-only transient memory is free again."""
+        if self._gate.ledger.end_prefill(self.reservation):
+            self._gate.changed()
+
+    def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:
+        """Give the reservation back; `output_tokens` (all sequences), when known, teaches the
+        gate how long answers really are."""
+        if self._gate.ledger.release(self.reservation):
+            self._gate.released(outcome, self.reservation, output_tokens)
+
+
+class Gate:
+    def __init__(
+        self,
+        budget: Budget,
+        observers: Observers,
+        max_queue: int,
+        max_queue_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        outputs: OutputLengths | None = None,
+    ) -> None:
+        self.budget = budget
+        self.outputs = outputs  # learned output lengths: the predictor reads, releases teach
+        self.ledger = Ledger()
+        self.queue = AdmissionQueue(max_queue)
+        self.drain = DrainRate(clock=clock)
+        self.observers = observers
+        self.max_queue_wait_s = max_queue_wait_s
+        self._clock = clock
+        # Requests that wait for the backend before they can even be evaluated (kvgate tokenizes
+        # through it): they have no demand yet, so they wait beside the queue, counted in it.
+        self._awaiting_backend: set[asyncio.Future[None]] = set()
+        budget.subscribe(self.changed)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting in kvgate's queue: for memory, or for the backend to evaluate them."""
+        return len(self.queue) + len(self._awaiting_backend)
+
+    def deadline(self) -> float:
+        """When a request arriving now must have been admitted (the gate's clock)."""
+        return self._clock() + self.max_queue_wait_s
+
+    def would_wait(self, demand: Demand, priority: int) -> str | None:
+        """Why this demand would wait if it arrived now, or None if it would be admitted."""
+        head = self.queue.peek()
+        if head is not None and head.priority <= priority:
+            return BEHIND_QUEUE
+        return self.budget.shortfall(demand, self.ledger)
+
+    async def acquire(
+        self,
+        demand: Demand,
+        priority: int,
+        tenant: str,
+        watch_client: Callable[[], asyncio.Future[None]] | None = None,
+        refresh: Callable[[], Demand] | None = None,
+        request_id: str = "",
+        deadline: float | None = None,
+    ) -> Ticket:
+        """Admit now or wait in line; raises QueueFull, QueueTimeout or BackendDown when refused,
+        ClientGone when the client leaves the queue.
+
+        `watch_client` is called only if the request has to wait: the future it returns resolves
+        when the client disconnects, and the waiter then leaves the queue at once. `refresh`, if
+        given, recomputes the demand of a waiting request before each admission check.
+        `request_id` only labels the decisions observers see. `deadline` (the gate's clock) ends
+        the wait instead of --max-queue-wait from now: a request that comes back to the queue
+        (the backend refused its connection) keeps the deadline it arrived with.
+        """
+        reason = self.would_wait(demand, priority)
+        if reason is None:
+            return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(
+            demand,
+            priority,
+            tenant,
+            self._clock(),
+            loop.create_future(),
+            reason=reason,
+            refresh=refresh,
+            request_id=request_id,
+        )
+        try:
+            self.queue.push(waiter)
+        except QueueAtCapacity:
+            retry_after = self._retry_after(self.queue.blocks_ahead(priority) + demand.kv_blocks)
+            raise self._refuse(waiter, QueueFull(self.queue.max_size, retry_after)) from None
+        self.observers.decided(Decision("queue", reason, request_id, demand))
+        self.changed()  # sets it aside at once if it could not fit even alone
+        gone = watch_client() if watch_client is not None else None
+        timeout = self.max_queue_wait_s if deadline is None else max(0.0, deadline - self._clock())
+        try:
+            return await self._wait(waiter, gone, timeout)
+        finally:
+            if gone is not None:
+                gone.cancel()
+
+    async def _wait(self, waiter: Waiter, gone: asyncio.Future[None] | None, timeout: float) -> Ticket:
+        waits: set[asyncio.Future[Any]] = {waiter.future}
+        if gone is not None:
+            waits.add(gone)
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            self._abandon(waiter)
+            raise
+        if gone is not None and gone.done():
+            self._abandon(waiter)
+            self.observers.decided(
+                Decision("abandon", ClientGone.code, waiter.request_id, waiter.demand, stage="queued")
+            )
+            raise ClientGone()
+        if waiter.future.done():
+            result: Ticket = waiter.future.result()
+            return result
+        ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
+        self._abandon(waiter)
+        if self.budget.hold is not None:
+            raise self._refuse(waiter, self._backend_still_down(timeout))
+        retry_after = self._retry_after(ahead)
+        raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
+
+    async def wait_for_backend(
+        self,
+        deadline: float,
+        watch_client: Callable[[], asyncio.Future[None]] | None = None,
+        request_id: str = "",
+    ) -> None:
+        """Wait in the queue until the backend is up again: a request kvgate cannot evaluate while
+        it is down (kvgate tokenizes through its /tokenize) waits as one it has evaluated would,
+        until its `deadline`. Raises BackendDown then (with the outage's Retry-After), QueueFull
+        if the queue is full, ClientGone if the client leaves."""
+        hold = self.budget.hold
+        if hold is None:
+            return
+        if self.waiting >= self.queue.max_size:
+            error: Refused = QueueFull(self.queue.max_size, self.budget.backend.retry_after_s())
+            self.observers.decided(Decision("reject", error.code, request_id, error=error))
+            raise error
+        up: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._awaiting_backend.add(up)
+        self.observers.decided(Decision("queue", hold, request_id))
+        gone = watch_client() if watch_client is not None else None
+        timeout = max(0.0, deadline - self._clock())
+        try:
+            await asyncio.wait(
+                {up} if gone is None else {up, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self._awaiting_backend.discard(up)
+            up.cancel()
+            if gone is not None:
+                gone.cancel()
+        if gone is not None and gone.done() and not gone.cancelled():
+            self.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="queued"))
+            raise ClientGone()
+        if self.budget.hold is not None:
+            error = self._backend_still_down(timeout)
+            self.observers.decided(Decision("reject", error.code, request_id, error=error))
+            raise error
+
+    def _backend_still_down(self, waited_s: float) -> BackendDown:
+        backend = self.budget.backend
+        return BackendDown(
+            f"Waited {waited_s:g} s for the backend to come back: it has been {backend.status} for "
+            f"{backend.clock() - backend.since:.0f} s ({backend.why or self.budget.hold}).",
+            backend.retry_after_s(),
+        )
+
+    def _refuse(self, waiter: Waiter, error: Refused) -> Refused:
+        """Report the refusal to the observers and hand back the error to raise."""
+        self.observers.decided(Decision("reject", error.code, waiter.request_id, waiter.demand, error=error))
+        return error
+
+    def _retry_after(self, blocks_ahead: int) -> int:
+        """Seconds until `blocks_ahead` KV blocks have drained at the observed rate (kvgate.gate.drain)."""
+        return self.drain.retry_after(blocks_ahead, busy=self.ledger.in_flight > 0, fallback_s=self.max_queue_wait_s)
+
+    def _abandon(self, waiter: Waiter) -> None:
+        """The waiter gives up: leave the queue, or hand back a ticket granted in the meantime."""
+        if waiter.future.done():
+            waiter.future.result().release("abandoned")
+            return
+        self.queue.remove(waiter)
+        waiter.future.cancel()
+
+    def _admit(self, demand: Demand, reason: str, waited_s: float, request_id: str) -> Ticket:
+        ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
+        self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, waited_s))
+        return ticket
+
+    def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
+        demand = reservation.demand
+        if (
+            outcome == "completed"
+            and output_tokens is not None
+            and self.outputs is not None
+            and demand.teaches_output_lengths  # not an answer forced long (ignore_eos, min_tokens)
+        ):
+            self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
+        if outcome != "requeued":  # never reached the backend: nothing drained
+            self.drain.record(reservation.demand.kv_blocks)
+        self.observers.released(Release(outcome, reservation, output_tokens))
+        self.changed()
+
+    def changed(self) -> None:
+        """The ledger shrank or the budget moved: admit from the head while it fits.
+
+        A head that would not fit even on an idle server is set aside instead of blocking the
+        line: nothing kvgate admits or releases makes it fit, only the headroom coming back does
+        (a co-tenant leaving), and until then it waits for its deadline beside the line.
+        """
+        if self._awaiting_backend and self.budget.hold is None:
+            for up in self._awaiting_backend:
+                if not up.done():
+                    up.set_result(None)
+        if not self.queue:  # nothing waits, set aside or not (every release comes here)
+            return
+        self.queue.restore(keep_aside=lambda waiter: self._stranded(_refreshed(waiter)))
+        while (head := self.queue.peek()) is not None:
+            demand = _refreshed(head)
+            if self.budget.shortfall(demand, self.ledger) is None:
+                self.queue.pop_head()
+                waited_s = self._clock() - head.enqueued_at
+                head.future.set_result(self._admit(demand, "dequeued", waited_s, head.request_id))
+            elif self._stranded(demand):
+                self.queue.set_aside_head()
+            else:
+                break
+
+    def _stranded(self, demand: Demand) -> bool:
+        """It would wait even with nothing in flight (and not because the backend is down)."""
+        return self.budget.hold is None and self.budget.shortfall(demand, _IDLE) is not None
+
+
+def _refreshed(waiter: Waiter) -> Demand:
+    """The waiter's demand as kvgate would predict it now (see Waiter.refresh)."""
+    if waiter.refresh is not None:
+        waiter.demand = waiter.refresh()
+    return waiter.demand

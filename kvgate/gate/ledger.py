@@ -1,0 +1,183 @@
+"""The ledger: every admitted request's reservation of KV blocks and transient memory.
+
+It mirrors vLLM's prefix cache vocabulary: a prompt's full blocks are known by their chained
+block hashes and reference-counted, so a shared system prompt held by many in-flight requests is
+counted once, exactly as vLLM's block pool would hold it once. The ledger is the only owner of
+reservations; the gate asks it what is reserved and tells it what to reserve or release.
+
+Transient bytes aggregate in two ways. Prefill-phase terms (attention over the computed prefix,
+prompt_logprobs, oversized MLP chunks) grow with the prompt tokens a step schedules, and one
+step schedules at most max_num_batched_tokens of them across all requests, each term already
+sized for a full chunk: the worst step holds at most the largest such term, not their sum.
+The sampler stage is one per step, sized by the whole batch (kvgate/memory/sampler.py): the ledger
+keeps what the in-flight requests put in it, and asks what the stage takes with a candidate added.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from kvgate.memory.demand import Demand
+from kvgate.memory.sampler import SamplerBatch, SamplerStage
+
+
+@dataclass
+class Reservation:
+    """One admitted request's hold on the ledger; released exactly once."""
+
+    id: int
+    demand: Demand
+    prefill_open: bool = True
+    released: bool = False
+    hashes: frozenset[int] = field(default_factory=frozenset)
+    shared_extra: int = 0  # held beyond its demand: admitted beside others (Demand.transient_shared_extra_bytes)
+    # Its shared-step extra while it prefills alone: held from the next admission on, since that
+    # request's tokens join its steps.
+    pending_extra: int = 0
+
+
+class Ledger:
+    """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
+
+    def __init__(self) -> None:
+        self._refcounts: dict[int, int] = {}
+        self._private_blocks = 0
+        self._kv_variance = 0.0
+        # sorted one-step prefill bytes (their transient less what they hold across steps) of the
+        # requests still prefilling, and the sum of what they hold across steps
+        self._open_prefills: list[int] = []
+        self._held_bytes = 0
+        self._pending_extra = 0  # summed Reservation.pending_extra of the open prefills
+        self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
+        self._sampler = SamplerBatch()
+        self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
+        self._reservations: dict[int, Reservation] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def kv_blocks(self) -> int:
+        return len(self._refcounts) + self._private_blocks
+
+    @property
+    def kv_variance_blocks(self) -> float:
+        """Summed variances of the in-flight requests' KV growth (blocks^2; see outputs.py)."""
+        return self._kv_variance
+
+    @property
+    def transient_bytes(self) -> int:
+        """Transient memory the worst step of the in-flight requests can take."""
+        largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
+        return self._held_bytes + largest_prefill + self._sampler.stage().unprofiled
+
+    def transient_bytes_with(self, demand: Demand) -> int:
+        """What transient_bytes would be with this demand admitted too."""
+        largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
+        held = self._held_bytes + demand.transient_held_bytes + self._shared_extra(demand)
+        return held + largest_prefill + self.sampler_with(demand).unprofiled
+
+    def _shared_extra(self, demand: Demand) -> int:
+        """The shared-step extras admitting it now adds: only beside other in-flight requests, and
+        then its own and those of the prefills that ran alone so far (they share steps from now)."""
+        return demand.transient_shared_extra_bytes + self._pending_extra if self._reservations else 0
+
+    @property
+    def profiled_bytes(self) -> int:
+        """Profiled terms of the in-flight requests if all ran in one step (the budget caps it)."""
+        return self._profiled_prefill_bytes + self._sampler.stage().profiled
+
+    def profiled_bytes_with(self, demand: Demand) -> int:
+        return self._profiled_prefill_bytes + demand.profiled_prefill_bytes + self.sampler_with(demand).profiled
+
+    def sampler_with(self, demand: Demand) -> SamplerStage:
+        """The sampler stage of the in-flight batch with this demand joining it."""
+        return self._sampler.stage(demand.sampler) if demand.sampler else self._sampler.stage()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._reservations)
+
+    def new_blocks(self, demand: Demand) -> int:
+        """Blocks the pool would have to give this request beyond what in-flight ones already hold."""
+        unseen = sum(1 for h in set(demand.shared_block_hashes) if h not in self._refcounts)
+        return unseen + demand.private_blocks
+
+    def reserve(self, demand: Demand) -> Reservation:
+        hashes = frozenset(demand.shared_block_hashes)
+        for h in hashes:
+            self._refcounts[h] = self._refcounts.get(h, 0) + 1
+        self._private_blocks += demand.private_blocks
+        self._kv_variance += demand.kv_variance_blocks
+        alone = not self._reservations
+        if self._pending_extra and not alone:
+            for other in self._reservations.values():
+                other.shared_extra += other.pending_extra
+                other.pending_extra = 0
+            self._held_bytes += self._pending_extra
+            self._pending_extra = 0
+        shared_extra = 0 if alone else demand.transient_shared_extra_bytes
+        bisect.insort(self._open_prefills, _one_step(demand))
+        self._held_bytes += demand.transient_held_bytes + shared_extra
+        self._profiled_prefill_bytes += demand.profiled_prefill_bytes
+        if demand.sampler:
+            self._sampler.add(demand.sampler)
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
+        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes, shared_extra=shared_extra)
+        if alone:
+            reservation.pending_extra = demand.transient_shared_extra_bytes
+            self._pending_extra += reservation.pending_extra
+        self._reservations[reservation.id] = reservation
+        return reservation
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark (a new engine life) from what is reserved now."""
+        self.peak_transient_bytes = self.transient_bytes
+
+    def end_prefill(self, reservation: Reservation) -> bool:
+        """The first token is out: the prefill-only transient terms are gone. True if it changed.
+
+        Not for a request of several engine requests (prompts x n, kvgate/predict.py): the first
+        token is one of theirs, and vLLM may still prefill the others later, as the pool allows;
+        their prefill terms stay reserved until the whole request is released."""
+        if reservation.released or not reservation.prefill_open or reservation.demand.sequences > 1:
+            return False
+        reservation.prefill_open = False
+        self._close_prefill(reservation)
+        return True
+
+    def _close_prefill(self, reservation: Reservation) -> None:
+        demand = reservation.demand
+        del self._open_prefills[bisect.bisect_left(self._open_prefills, _one_step(demand))]
+        self._held_bytes -= demand.transient_held_bytes + reservation.shared_extra
+        self._pending_extra -= reservation.pending_extra
+        reservation.pending_extra = 0
+        self._profiled_prefill_bytes -= demand.profiled_prefill_bytes
+
+    def release(self, reservation: Reservation) -> bool:
+        """Give everything back; a second call is a no-op and returns False."""
+        if reservation.released:
+            return False
+        reservation.released = True
+        for h in reservation.hashes:
+            count = self._refcounts[h] - 1
+            if count:
+                self._refcounts[h] = count
+            else:
+                del self._refcounts[h]
+        self._private_blocks -= reservation.demand.private_blocks
+        self._kv_variance -= reservation.demand.kv_variance_blocks
+        if reservation.demand.sampler:
+            self._sampler.remove(reservation.demand.sampler)
+        if reservation.prefill_open:
+            self._close_prefill(reservation)
+            reservation.prefill_open = False
+        del self._reservations[reservation.id]
+        if not self._reservations:
+            self._kv_variance = 0.0  # no float drift carried from one busy period to the next
+        return True
+
+
+def _one_step(demand: Demand) -> int:
+    """A prefill's transient bytes that only its worst step takes (not held across steps)."""
+    return demand.transient_prefill_bytes - demand.transient_held_bytes

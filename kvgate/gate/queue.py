@@ -1,0 +1,127 @@
+"""The bounded admission queue: priority first, then round-robin across tenants, then arrival.
+
+Priority follows vLLM's convention (a lower value is served earlier). Inside one priority level
+each tenant has its own FIFO and tenants take turns, so one tenant's burst cannot starve another
+tenant's single request. The queue only orders; the gate decides when the head may go, and
+sets aside a head that could not go even on an idle server (a co-tenant took the memory it needs):
+such a waiter blocks nobody, and goes back to the front of the line once it could fit again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.memory.demand import Demand
+
+
+@dataclass(eq=False)
+class Waiter:
+    """A request waiting for admission; its future resolves when the gate admits it."""
+
+    demand: Demand
+    priority: int
+    tenant: str
+    enqueued_at: float
+    future: asyncio.Future[Any] = field(repr=False)
+    seq: int = 0
+    reason: str = ""
+    # Recomputes the demand with what kvgate learned while it waited (output lengths).
+    refresh: Callable[[], Demand] | None = field(default=None, repr=False)
+    request_id: str = ""  # labels the gate's decisions for observers (the decision log)
+
+
+class QueueFull(Exception):
+    """The queue already holds max_queue requests."""
+
+
+class AdmissionQueue:
+    def __init__(self, max_size: int) -> None:
+        self.max_size = max_size
+        self._levels: dict[int, OrderedDict[str, deque[Waiter]]] = {}
+        self._size = 0  # set-aside waiters included
+        self._aside: list[Waiter] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def push(self, waiter: Waiter) -> None:
+        if self._size >= self.max_size:
+            raise QueueFull()
+        waiter.seq = next(self._seq)
+        tenants = self._levels.setdefault(waiter.priority, OrderedDict())
+        tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        self._size += 1
+
+    def peek(self) -> Waiter | None:
+        """The next waiter to admit: best priority level, the tenant whose turn it is, oldest."""
+        if not self._levels:
+            return None
+        tenants = self._levels[min(self._levels)]
+        return next(iter(tenants.values()))[0]
+
+    def pop_head(self) -> Waiter:
+        """Remove the peeked waiter and pass the turn to the next tenant of its level."""
+        priority = min(self._levels)
+        tenants = self._levels[priority]
+        tenant, waiters = next(iter(tenants.items()))
+        waiter = waiters.popleft()
+        if waiters:
+            tenants.move_to_end(tenant)
+        else:
+            del tenants[tenant]
+        if not tenants:
+            del self._levels[priority]
+        self._size -= 1
+        return waiter
+
+    def set_aside_head(self) -> None:
+        """Move the head out of the line; it stays counted until it leaves or is restored."""
+        self._aside.append(self.pop_head())
+        self._size += 1
+
+    def restore(self, keep_aside: Callable[[Waiter], bool]) -> None:
+        """Put set-aside waiters back at the front of their tenant's line, oldest first."""
+        for waiter in reversed(list(self._aside)):
+            if keep_aside(waiter):
+                continue
+            self._aside.remove(waiter)
+            tenants = self._levels.setdefault(waiter.priority, OrderedDict())
+            tenants.setdefault(waiter.tenant, deque()).appendleft(waiter)
+            tenants.move_to_end(waiter.tenant, last=False)
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take out a waiter that gave up (deadline, disconnect); False if it is not queued."""
+        if waiter in self._aside:
+            self._aside.remove(waiter)
+            self._size -= 1
+            return True
+        tenants = self._levels.get(waiter.priority)
+        waiters = tenants.get(waiter.tenant) if tenants else None
+        if not tenants or not waiters or waiter not in waiters:
+            return False
+        waiters.remove(waiter)
+        if not waiters:
+            del tenants[waiter.tenant]
+            if not tenants:
+                del self._levels[waiter.priority]
+        self._size -= 1
+        return True
+
+    def blocks_ahead(self, priority: int, seq: int | None = None) -> int:
+        """KV blocks demanded by the waiters that go before a request of `priority` queued as
+        number `seq` (None: one arriving now, behind all of its level), for Retry-After."""
+        ahead = 0
+        for level, tenants in self._levels.items():
+            for waiters in tenants.values():
+                ahead += sum(
+                    other.demand.kv_blocks
+                    for other in waiters
+                    if level < priority or (level == priority and (seq is None or other.seq < seq))
+                )
+        return ahead

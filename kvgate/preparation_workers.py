@@ -1,0 +1,247 @@
+"""Worker processes that prepare large requests (kvgate/preparation.py), watched while they work.
+
+Parsing holds the GIL for the whole of `json.loads` (1.2 s for 450,000 Responses items) and a chat
+template is Python: in a thread of kvgate's process either still stops the event loop, and a
+request's own template can allocate gigabytes in one operation. In a worker process the event
+loop stays free, and the work can be measured as it runs and stopped: kvgate reads the worker's
+resident memory every few milliseconds and kills it when the request's preparation passes the
+memory it was granted (kvgate/work_budget.py) or its time, then starts a fresh worker.
+
+Each worker loads the model's tokenizer once (the same one kvgate's process loads) and serves one
+request at a time over a pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from kvgate.errors import KvgateError, RequestTooCostly, TokenizationFailed
+from kvgate.preparation import Prepared, prepare
+from kvgate.tokens import local_tokenizer
+from kvgate.vllm_routes import Route
+from kvgate.work_budget import Grant, charging
+
+log = logging.getLogger("kvgate.preparation")
+
+_RSS_POLL_S = 0.005
+WORKER_NICENESS = 10
+_START_S = 120.0  # a worker loads transformers and the tokenizer: seconds, minutes on a starved CPU
+
+
+@dataclass(frozen=True)
+class Job:
+    route: Route
+    trust_request_chat_template: bool
+    max_model_len: int | None
+    content_format_namespace_aliases: bool
+
+
+# ------------------------------------------------------------------ in the worker process
+
+
+def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
+    """The worker's loop: load the tokenizer, then prepare jobs until the pipe closes. It runs
+    at a lower priority than kvgate's event loop, which must answer while it works."""
+    os.nice(WORKER_NICENESS)
+    tokenizer = local_tokenizer(model_dir, template_seconds)
+    gc.collect()
+    gc.freeze()
+    loop = asyncio.new_event_loop()
+    conn.send(("ready",))
+    libc = _libc()
+    while True:
+        try:
+            job: Job = conn.recv()
+            raw = conn.recv_bytes()  # sent apart: no pickle copies the body
+        except (EOFError, OSError):
+            return  # kvgate is gone
+        try:
+            with charging(partial(_ask_for_more, conn)):
+                prepared = loop.run_until_complete(
+                    prepare(
+                        job.route,
+                        raw,
+                        tokenizer,
+                        trust_request_chat_template=job.trust_request_chat_template,
+                        max_model_len=job.max_model_len,
+                        content_format_namespace_aliases=job.content_format_namespace_aliases,
+                    )
+                )
+            reply: tuple[Any, ...] = ("ok", prepared)
+        except KvgateError as error:
+            reply = ("error", type(error), error.args, error.__dict__)
+        except MemoryError:
+            reply = ("error", TokenizationFailed, ("the request ran out of memory",), {})
+        del job, raw
+        conn.send(reply)
+        del reply
+        gc.collect()
+        if libc is not None:
+            libc.malloc_trim(0)  # give the request's memory back to the system, not to the next one
+
+
+async def _ask_for_more(conn: Connection, cost: int) -> None:
+    """A stage's memory, asked of kvgate's budget before the stage runs (the job waits)."""
+    conn.send(("grow", cost))
+    reply = conn.recv()
+    if reply[0] != "granted":
+        raise _rebuilt(*reply[1:])
+
+
+def _libc() -> Any | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------ in kvgate's process
+
+
+def _rebuilt(cls: type[KvgateError], args: tuple[Any, ...], attributes: dict[str, Any]) -> KvgateError:
+    """A domain error sent over the pipe (their constructors take their numbers, not `args`)."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(attributes)
+    return error
+
+
+def _rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class _Worker:
+    def __init__(self, context: Any, model_dir: str, template_seconds: float) -> None:
+        self._conn, child = multiprocessing.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(child, model_dir, template_seconds), name="kvgate-prepare", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.pid: int = self.process.pid
+        self._ready = False
+        self._killed = False
+
+    def _send(self, job: Job, raw: bytes) -> None:
+        self._conn.send(job)
+        self._conn.send_bytes(raw)
+
+    async def run(self, job: Job, raw: bytes, grant: Grant, seconds: float) -> Prepared:
+        """The job's result; the worker is killed (and the caller must replace it) when the job
+        passes the memory of its grant over what the worker held before it, or `seconds`."""
+        if not self._ready:
+            await self._receive(_START_S, None)
+            self._ready = True
+        base = _rss_bytes(self.pid) or 0
+        await asyncio.to_thread(self._send, job, raw)
+        deadline = time.monotonic() + seconds
+        while True:
+            reply = await self._receive(deadline - time.monotonic(), (base, grant))
+            if reply[0] == "ok":
+                prepared: Prepared = reply[1]
+                return prepared
+            if reply[0] == "error":
+                raise _rebuilt(*reply[1:])
+            try:  # ("grow", bytes): the next stage's memory
+                await grant.grow(reply[1])
+            except KvgateError as error:
+                self._conn.send(("refused", type(error), error.args, error.__dict__))
+            else:
+                self._conn.send(("granted",))
+
+    async def _receive(self, seconds: float, memory: tuple[int, Grant] | None) -> tuple[Any, ...]:
+        """The worker's next message, watching its memory (over `base`, within the grant) and
+        its time meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not self._conn.poll():
+            await asyncio.sleep(_RSS_POLL_S)
+            if memory is not None:
+                rss, (base, grant) = _rss_bytes(self.pid), memory
+                if rss is not None and rss - base > grant.bytes:
+                    self.kill()
+                    raise RequestTooCostly(rss - base, grant.bytes, "took more than")
+            if time.monotonic() > deadline and not self._conn.poll():
+                self.kill()
+                raise TokenizationFailed(f"preparing the request took longer than {seconds:g} s")
+        try:
+            message: tuple[Any, ...] = await asyncio.to_thread(self._conn.recv)
+        except (EOFError, OSError):
+            self.kill()
+            raise TokenizationFailed("the worker preparing the request stopped") from None
+        return message
+
+    @property
+    def alive(self) -> bool:
+        return not self._killed and bool(self.process.is_alive())
+
+    def kill(self) -> None:
+        if self._killed:
+            return
+        self._killed = True
+        with contextlib.suppress(OSError):
+            self.process.kill()
+        self._conn.close()
+        self.process.join(timeout=5)
+        if not self.process.is_alive():
+            self.process.close()  # its sentinel fd, else one leaks per replaced worker
+
+
+class PreparationWorkers:
+    """`count` worker processes; `await run(job, raw, grant, seconds)` prepares a job in the next free one."""
+
+    def __init__(self, model_dir: str | Path, template_seconds: float, count: int) -> None:
+        # spawn: kvgate's process has threads and an event loop a fork would copy mid-flight.
+        self._context = multiprocessing.get_context("spawn")
+        self._model_dir = str(model_dir)
+        self._template_seconds = template_seconds
+        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._all: list[_Worker] = []
+        for _ in range(count):
+            self._idle.put_nowait(self._start())
+
+    def _start(self) -> _Worker:
+        worker = _Worker(self._context, self._model_dir, self._template_seconds)
+        self._all.append(worker)
+        return worker
+
+    async def run(self, job: Job, raw: bytes, grant: Grant, seconds: float) -> Prepared:
+        worker = await self._idle.get()
+        why = "cancelled"
+        try:
+            return await worker.run(job, raw, grant, seconds)
+        except KvgateError as error:
+            why = error.message
+            raise
+        except BaseException:  # cancelled mid-job: its reply would reach the next one
+            worker.kill()
+            raise
+        finally:
+            if not worker.alive:
+                log.warning("a preparation worker was stopped (pid %s: %s): starting another", worker.pid, why)
+                self._all.remove(worker)
+                worker = self._start()
+            self._idle.put_nowait(worker)
+
+    def close(self) -> None:
+        for worker in self._all:
+            worker.kill()
+        self._all.clear()

@@ -1,0 +1,225 @@
+"""OpenAI bodies in and out, the way vLLM 0.32's OpenAI server reads and writes them.
+
+Errors have vLLM's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP status
+as `code`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from kvgate.sim.request import Sampling
+from kvgate.sim.tokens import Tokenizer
+
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class SimApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "InternalServerError"), "param": param, "code": status}
+    }
+
+
+@dataclass
+class Parsed:
+    """One completion or chat request, tokenized, with the sampling it asks for."""
+
+    chat: bool
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    n: int
+    stream: bool
+    include_usage: bool
+    echo_model: str
+    cache_salt: str | None = None
+
+
+def _num(body: dict[str, Any], key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise SimApiError(400, f"{key} must be a number", key)
+    return float(v)
+
+
+def parse(
+    body: dict[str, Any],
+    *,
+    chat: bool,
+    tok: Tokenizer,
+    served: str,
+    max_model_len: int,
+    max_logprobs: int = 20,
+    clamps_max_tokens: bool = False,
+) -> Parsed:
+    """Validate and tokenize; raises SimApiError (400/404) as vLLM would. `clamps_max_tokens`:
+    the release cuts max_tokens to the context the prompt leaves (Flavor.clamps_max_tokens)
+    instead of refusing; a max_tokens past max_model_len is refused either way."""
+    model = body.get("model", served)
+    if model != served:
+        raise SimApiError(404, f"The model `{model}` does not exist.", "model")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise SimApiError(400, "messages must be a non-empty list", "messages")
+        ids = tok.encode(tok.chat_prompt(messages, True), add_special_tokens=False)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = tok.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise SimApiError(400, "prompt must be a string or a list of token ids", "prompt")
+    n_in = len(ids)
+    if n_in >= max_model_len:
+        raise SimApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {n_in} input tokens. Please reduce the length of the input messages.",
+            "input_tokens",
+        )
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is None:
+        max_tokens = max_model_len - n_in
+    elif not isinstance(max_tokens, int) or max_tokens < 1:
+        raise SimApiError(400, f"{key} must be at least 1, got {max_tokens}.", key)
+    elif max_tokens > max_model_len and clamps_max_tokens:
+        raise SimApiError(
+            400,
+            f"{key}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            key,
+        )
+    elif clamps_max_tokens:
+        max_tokens = min(max_tokens, max_model_len - n_in)
+    elif n_in + max_tokens > max_model_len:
+        raise SimApiError(
+            400,
+            f"'{key}' is too large: {max_tokens}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {n_in} input tokens "
+            f"({max_tokens} > {max_model_len} - {n_in}).",
+            key,
+        )
+    logprobs = (int(body.get("top_logprobs") or 0) if body.get("logprobs") else None) if chat else body.get("logprobs")
+    penalties = any(
+        _num(body, k, d) != d
+        for k, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+    )
+    structured = any(
+        body.get(k) for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+    ) or (
+        isinstance(body.get("response_format"), dict)
+        and body["response_format"].get("type") in ("json_object", "json_schema")
+    )
+    prompt_logprobs = body.get("prompt_logprobs")
+    _check_logprobs(logprobs, "logprobs", max_logprobs, tok.vocab_size)
+    _check_logprobs(prompt_logprobs, "prompt_logprobs", max_logprobs, tok.vocab_size)
+    n = int(body.get("n") or 1)
+    if n < 1:
+        raise SimApiError(400, "n must be at least 1.", "n")
+    sampling = Sampling(
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 1.0),
+        top_p=_num(body, "top_p", 1.0),
+        top_k=int(_num(body, "top_k", 0)),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        penalties=penalties,
+        structured=structured,
+        seed=body.get("seed"),
+        ignore_eos=bool(body.get("ignore_eos")),
+        min_tokens=int(body.get("min_tokens") or 0),
+        min_p=_num(body, "min_p", 0.0),
+        logits_processor=any(body.get(k) for k in ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")),
+    )
+    opts = body.get("stream_options") or {}
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise SimApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return Parsed(chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served, salt)
+
+
+def _check_logprobs(value: object, key: str, max_logprobs: int, vocab_size: int) -> None:
+    """vllm/sampling_params.py `_validate_logprobs`: -1 means the whole vocabulary, allowed only
+    when the server runs with `--max-logprobs -1` (or a limit of at least the vocabulary)."""
+    if value is None or value is False:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise SimApiError(400, f"{key} must be a non-negative integer or -1, got {value!r}", key)
+    wanted = vocab_size if value == -1 else value
+    allowed = vocab_size if max_logprobs == -1 else max_logprobs
+    if wanted > allowed:
+        what = "prompt logprobs" if key == "prompt_logprobs" else "sample logprobs"
+        raise SimApiError(400, f"Requested {what} of {wanted}, which is greater than max allowed: {allowed}", key)
+
+
+class ResponseBuilder:
+    """Shapes choices and chunks for one request id."""
+
+    def __init__(self, p: Parsed) -> None:
+        self.p = p
+        self.id = ("chatcmpl-" if p.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if p.chat else "text_completion"
+
+    def _base(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.p.echo_model}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        n_in = len(self.p.prompt_token_ids)
+        return {"prompt_tokens": n_in, "total_tokens": n_in + completion_tokens, "completion_tokens": completion_tokens}
+
+    def full(self, texts: list[str], reasons: list[str], completion_tokens: int) -> dict:
+        if self.p.chat:
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": t},
+                    "logprobs": None,
+                    "finish_reason": r,
+                    "stop_reason": None,
+                }
+                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            ]
+        else:
+            choices = [
+                {"index": i, "text": t, "logprobs": None, "finish_reason": r, "stop_reason": None}
+                for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
+            ]
+        return {**self._base(self.object), "choices": choices, "usage": self.usage(completion_tokens)}
+
+    def chunk(self, index: int, text: str | None, reason: str | None, first: bool = False) -> dict:
+        if self.p.chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""} if first else ({"content": text} if text is not None else {})
+            )
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        obj = "chat.completion.chunk" if self.p.chat else "text_completion"
+        return {**self._base(obj), "choices": [], "usage": self.usage(completion_tokens)}

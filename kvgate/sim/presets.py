@@ -1,0 +1,170 @@
+"""Real models (their public config.json values) and GPUs (the capacity CUDA reports).
+
+Model configs are trimmed to the fields that shape memory; `kvgate.sim.model.read_config` reads them
+as it reads a Hugging Face config.json. GPU totals are what `torch.cuda.mem_get_info` reports
+(slightly below the marketing size: e.g. 79.25 GiB on an H100 80GB, as in the OOM message of
+docs/sources.md#large-max-num-batched-tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvgate.units import GiB, parse_size
+
+_LLAMA_3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+}
+
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": _LLAMA_3_8B,
+    "llama-3.1-8b": {**_LLAMA_3_8B, "max_position_embeddings": 131072},
+    "mistral-7b": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    },
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    },
+    "llama-3.1-70b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    },
+    "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "vocab_size": 102400,
+        "max_position_embeddings": 163840,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "sliding_window": None,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    },
+    "tiny-llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 2048,
+        "max_position_embeddings": 2048,
+        "torch_dtype": "float32",
+        "tie_word_embeddings": False,
+    },
+}
+
+# Total device memory as CUDA reports it, in bytes.
+GPUS: dict[str, int] = {
+    "a100-40gb": int(39.39 * GiB),
+    "a100-80gb": int(79.15 * GiB),
+    "h100-80gb": int(79.25 * GiB),
+    "h200-141gb": int(139.8 * GiB),
+    "l4-24gb": int(22.05 * GiB),
+    "rtx-4090-24gb": int(23.64 * GiB),
+}
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """A copy of a preset's config.json, or KeyError naming the presets."""
+    key = name.lower()
+    if key not in MODELS:
+        raise KeyError(f"unknown model preset {name!r}; presets: {', '.join(sorted(MODELS))}")
+    return dict(MODELS[key])
+
+
+def gpu_total_bytes(spec: str) -> int:
+    """A GPU preset's capacity, or a byte count in vLLM's units ('85899345920', '80GiB', '80G')."""
+    key = spec.lower()
+    if key in GPUS:
+        return GPUS[key]
+    try:
+        size = parse_size(spec)
+    except ValueError:
+        raise KeyError(f"unknown GPU {spec!r}; presets: {', '.join(sorted(GPUS))}, or a size (80GiB)") from None
+    assert isinstance(size, int)
+    return size
+
+
+def write_model_folder(name: str, folder: str | Path) -> Path:
+    """Write a preset's config.json into `folder` (created) and return the folder.
+
+    kvgate's `--model` wants a folder with config.json; without tokenizer files it counts tokens
+    through the backend's `/tokenize`, which the simulator serves with its stand-in tokenizer.
+    """
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(name), indent=2) + "\n")
+    return path

@@ -1,0 +1,99 @@
+"""The live transient headroom, derived from GPU readings.
+
+vLLM has already taken its KV pool, weights and CUDA graphs when it starts serving. It empties
+its allocator cache after the start-up profile, so part of the profiled activation region may
+show as free. That part is every step's working memory: the profiled tensors (MLP, hidden states,
+the sampler's sort) come back for it, and a co-tenant that takes it leaves them nothing. So the
+headroom counts it, and the budget charges the in-flight requests' profiled terms against it, up
+to the size of the emptied region. Per device, over one engine life:
+
+    headroom_d    = free_d + growth_d
+    growth_d      = max(0, server_used_d - server_used_at_start_d)
+    profiled_cap  = max over devices of
+                    min(profile peak, max(0, gpu_memory_utilization x total_d - server_used_at_start_d))
+
+where the server is the process holding the most memory at the first reading of the life (vLLM's
+engine: its KV pool dominates). With `--kv-cache-memory-bytes` the pool is fixed and vLLM's
+utilization envelope bounds nothing (vllm/config/cache.py `kv_cache_memory_bytes`, vLLM 0.32.0),
+so the engine usually holds more than utilization x total and the formula gives 0. On Model
+Runner V2 that would hide the whole profile region: V2 empties the allocator's cache after
+capturing its graphs and, unlike V1, warms no sampler up after it (v1/worker/gpu_worker.py
+`compile_or_warm_up_model`, v1/worker/gpu/model_runner.py `capture_model`), so every profiled
+tensor comes back out of free memory: `profiled_cap` is the whole profile peak there. On V1 the
+sampler warm-up re-reserves the sampler's blocks after capture and kvgate keeps the formula. `growth` is what PyTorch's caching allocator has reserved since
+start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
+tensor reuses it, so without it every large request would shrink the headroom for good.
+`profiled_cap` is the part of vLLM's own envelope (utilization x total) its engine did not hold
+at start-up: the profile region it emptied (a sampler warm-up re-reserves some; what the engine
+holds already serves its profiled tensors without new memory). Memory a co-tenant takes lowers
+`free_d` and nothing gives it back: the headroom shrinks at once, and a request whose only
+transient memory is profiled (the MLP of a long prefill) now waits for it like any other. The
+budget's headroom is the minimum over the devices (tensor parallel ranks run the same step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.telemetry.gpu import DeviceMemory, GpuReading
+
+
+@dataclass(frozen=True)
+class Headroom:
+    bytes: int  # min over devices of free + server growth
+    server_growth: int  # max over devices of the server's growth since its start
+    min_free: int
+    profiled_cap: int  # max over devices of the profile region the engine emptied
+
+
+@dataclass
+class HeadroomTracker:
+    """Remembers the server's footprint at the start of each engine life."""
+
+    _start: dict[str, tuple[int, int]] = field(default_factory=dict)  # gpu -> (pid, used)
+
+    def reset(self) -> None:
+        """A new engine life (restart): the next reading sets the baseline again."""
+        self._start.clear()
+
+    def _growth(self, device: DeviceMemory) -> int:
+        known = [p for p in device.processes if p.used_bytes is not None]
+        if device.gpu not in self._start:
+            if not known:
+                return 0
+            server = max(known, key=lambda p: p.used_bytes or 0)
+            self._start[device.gpu] = (server.pid, server.used_bytes or 0)
+        pid, start = self._start[device.gpu]
+        now = next((p.used_bytes for p in known if p.pid == pid), None)
+        return 0 if now is None else max(0, now - start)
+
+    def _profiled_cap(
+        self, device: DeviceMemory, utilization: float | None, profile_peak: int, emptied_whole: bool
+    ) -> int:
+        if emptied_whole:
+            return profile_peak
+        start = self._start.get(device.gpu)
+        if utilization is None or start is None:
+            return 0
+        return min(profile_peak, max(0, int(utilization * device.total) - start[1]))
+
+    def update(
+        self,
+        reading: GpuReading,
+        utilization: float | None = None,
+        profile_peak: int = 0,
+        profile_emptied_whole: bool = False,
+    ) -> Headroom | None:
+        """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known;
+        `profile_emptied_whole`: a fixed pool on Model Runner V2 (see the module docstring)."""
+        if not reading.devices:
+            return None
+        growth = {d.gpu: self._growth(d) for d in reading.devices}
+        return Headroom(
+            bytes=min(d.free + growth[d.gpu] for d in reading.devices),
+            server_growth=max(growth.values()),
+            min_free=min(d.free for d in reading.devices),
+            profiled_cap=max(
+                self._profiled_cap(d, utilization, profile_peak, profile_emptied_whole) for d in reading.devices
+            ),
+        )

@@ -1,0 +1,175 @@
+"""The memory kvgate may spend preparing requests (parse, chat render, tokenize), as one shared budget.
+
+kvgate runs in a container with a memory limit (the manifests give it 2 GiB); a request body of
+28 MiB inside the body limit cost 1.9 GB of RSS to parse and tokenize, and two at once would have
+the kernel kill kvgate and every client of the pod with it. So each request's cost is bounded
+from its size before any work starts, and charged to a budget that is a share of the process's
+limit: a request that does not fit waits a little for others to finish, then gets a 429; one that
+could never fit gets a 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextvars import ContextVar
+from pathlib import Path
+
+from kvgate.errors import RequestTooCostly, WorkMemoryBusy
+from kvgate.units import GiB, MiB
+
+# cgroup v2's limit of the container ("max" when none), then v1's (a huge number when none).
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+_NO_LIMIT = 2**60  # v1 writes PAGE_COUNTER_MAX pages (about 2**63) for "unlimited"
+# Without a limit from the flag or the cgroup: the manifests' (deploy/), so that kvgate behaves in
+# development as it will in the pod.
+DEFAULT_PROCESS_MEMORY = 2 * GiB
+# The share of the process's memory that in-flight request preparation may hold; the rest is
+# kvgate's own (interpreter, tokenizer, the preparation workers' start-up heap, the bodies being
+# read and relayed).
+WORK_SHARE = 0.5
+
+# Memory a body takes while it is parsed and its chat rendered, at most, measured
+# (bench/work_cost.py, bench/results/work_cost.md) on the worst shapes: many small JSON objects
+# (Responses function_call items, tool calls, tools, Anthropic blocks, messages: 370-590 bytes a
+# value, where the parsed objects and the rendered pieces dominate) and long prompts (2 bytes a
+# body byte: the body and its strings). Values are counted by their commas and braces (C-speed).
+WORK_BYTES_PER_BODY_BYTE = 4
+WORK_BYTES_PER_VALUE = 640
+WORK_FIXED_BYTES = 1 * MiB  # a request's own objects, whatever its size
+# Memory the Rust tokenizer takes per UTF-8 byte of the text it encodes, at most: its encoding
+# keeps each token's text, offsets and masks, and its normalizer an alignment per byte (measured
+# 150-350 bytes with a BPE tokenizer on punctuation, CJK, English and rendered chats:
+# bench/results/work_cost.md).
+TOKENIZE_BYTES_PER_TEXT_BYTE = 400
+
+
+# The request's way to grow its grant from deep inside preparation (the tokenizer, once it knows
+# how much text it has): set by whoever runs the preparation, in kvgate's process or in a worker.
+_grow: ContextVar[Callable[[int], Awaitable[None]] | None] = ContextVar("kvgate_work_grant", default=None)
+
+
+async def charge(cost: int) -> None:
+    """Hold `cost` more bytes for the request being prepared, before spending them."""
+    grow = _grow.get()
+    if grow is not None:
+        await grow(cost)
+
+
+@contextlib.contextmanager
+def charging(grow: Callable[[int], Awaitable[None]]) -> Iterator[None]:
+    """Route charge() in this context (a request's task, a worker's job) to `grow` meanwhile."""
+    token = _grow.set(grow)
+    try:
+        yield
+    finally:
+        _grow.reset(token)
+
+
+def container_memory_limit(paths: tuple[Path, ...] = _CGROUP_LIMITS) -> int | None:
+    """The memory limit of the cgroup kvgate runs in, or None without one."""
+    for path in paths:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        return None if limit >= _NO_LIMIT else limit
+    return None
+
+
+def process_memory(flag: int | None) -> int:
+    """The memory kvgate may use: the flag, else the cgroup's limit, else DEFAULT_PROCESS_MEMORY."""
+    return flag or container_memory_limit() or DEFAULT_PROCESS_MEMORY
+
+
+def body_values(raw: bytes) -> int:
+    """About how many JSON values `raw` holds (its commas and braces: C-speed, 10 ms for 28 MiB)."""
+    return raw.count(b",") + raw.count(b"{")
+
+
+def preparation_cost(raw: bytes, values: int) -> int:
+    """The most memory parsing `raw` (of `values` values, body_values) and rendering its chat
+    take (tokenizing is charged apart, once the text is known: kvgate/tokens.py)."""
+    return WORK_FIXED_BYTES + WORK_BYTES_PER_BODY_BYTE * len(raw) + WORK_BYTES_PER_VALUE * values
+
+
+class Grant:
+    """What one request holds of the budget; it grows stage by stage, before each stage runs."""
+
+    def __init__(self, budget: WorkBudget) -> None:
+        self._budget = budget
+        self.bytes = 0
+
+    async def grow(self, cost: int) -> None:
+        """Hold `cost` more bytes: at once if they are free, after a short wait, or a domain
+        error (429 work_memory_busy; 413 request_too_costly if the budget could never hold it)."""
+        if self.bytes + cost > self._budget.capacity:
+            raise RequestTooCostly(self.bytes + cost, self._budget.capacity)
+        await self._budget._acquire(cost)
+        self.bytes += cost
+
+
+class WorkBudget:
+    """Bytes of request preparation in flight, shared by every request: `async with hold(cost)`.
+
+    First fit: a request whose cost fits what is free goes at once, so a large body waiting for
+    room never holds up the small requests of ordinary clients behind it; each waits at most
+    `wait_s`, then gets a 429."""
+
+    def __init__(self, capacity: int, wait_s: float = 5.0) -> None:
+        self.capacity = capacity
+        self.wait_s = wait_s
+        self.in_use = 0
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+
+    @contextlib.asynccontextmanager
+    async def hold(self, cost: int) -> AsyncIterator[Grant]:
+        """`cost` bytes held until the block ends, with what the Grant grows by."""
+        grant = Grant(self)
+        await grant.grow(cost)
+        try:
+            yield grant
+        finally:
+            self.in_use -= grant.bytes
+            self._wake()
+
+    async def _acquire(self, cost: int) -> None:
+        if self.in_use + cost <= self.capacity:
+            self.in_use += cost
+            return
+        started = time.monotonic()
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (cost, turn)
+        self._waiters.append(entry)
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), self.wait_s)
+        except TimeoutError:
+            if turn.done():  # granted as the time ran out: it is ours
+                return
+            self._waiters.remove(entry)
+            self._wake()
+            raise WorkMemoryBusy(cost, self.capacity, self.in_use, time.monotonic() - started) from None
+        except BaseException:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            elif turn.done() and not turn.cancelled():
+                self.in_use -= cost  # granted, but the request is gone
+            self._wake()
+            raise
+
+    def _wake(self) -> None:
+        """Grant every waiter that fits, oldest first."""
+        for entry in list(self._waiters):
+            cost, turn = entry
+            if self.in_use + cost <= self.capacity:
+                self._waiters.remove(entry)
+                self.in_use += cost
+                turn.set_result(None)
