@@ -525,7 +525,7 @@ def summarise_profile(
             for f, c in sorted(d.items(), key=lambda kv: -kv[1])[:n]
         ]
 
-    kv_incl = {f: c for f, c in incl.items() if "(app/" in f}
+    kv_incl = {f: c for f, c in incl.items() if "(kvgate/" in f}
     components = [
         {
             "component": c,

@@ -1,6 +1,6 @@
 """`make demo` and the helpers the demo, the benchmarks and the tests share (starting kvgate
 beside a simulated vLLM, stopping child processes).
 
-Outside the `app` package on purpose: none of it runs in production (`pip install` and the
-container image carry `app` only).
+Outside the `kvgate` package on purpose: none of it runs in production (`pip install` and the
+container image carry `kvgate` only).
 """
