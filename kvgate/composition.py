@@ -22,7 +22,6 @@ from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
 from kvgate.gate.observer import Observers
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.gate.view import GateView
 from kvgate.http.decision_log import DecisionLog
 from kvgate.memory.geometry import ModelGeometry
@@ -30,6 +29,7 @@ from kvgate.memory.lora import LoraSlots
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.model_folder import load_geometry
+from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import RequestPipeline
 from kvgate.preparation_workers import PreparationWorkers
 from kvgate.proxy import Backend
@@ -76,20 +76,20 @@ class Runtime:
             connect_timeout_s=settings.upstream_connect_timeout,
             pool_timeout_s=settings.upstream_pool_timeout,
         )
-        outputs = OutputLengths(settings.kv_output_quantile)
+        # Learned output lengths: the predictor reserves from them, the gate's releases teach them.
+        self.outputs = OutputLengths(settings.kv_output_quantile)
         self.budget = Budget(
             transient_margin=settings.transient_safety_margin,
-            kv_margin_z=outputs.z,
+            kv_margin_z=self.outputs.z,
             backend=BackendState("starting"),  # the one view of the backend: the gate's and /readyz's
         )
         gate_metrics = GateMetrics(self.metrics)
         self.in_flight = InFlightRequests()
         self.gate = Gate(
             self.budget,
-            Observers(gate_metrics, DecisionLog(), self.in_flight),
+            Observers(self.outputs, gate_metrics, DecisionLog(), self.in_flight),
             settings.max_queue,
             settings.max_queue_wait,
-            outputs=outputs,
         )
         gate_metrics.watch(self.gate)
         self.pipeline = RequestPipeline(
@@ -308,7 +308,7 @@ class Runtime:
             self.geometry,
             settings.profiled_activation_bytes,
             settings.default_max_tokens,
-            self.gate.outputs,
+            self.outputs,
         )
         limits = static_limits(
             deployment,

@@ -24,7 +24,6 @@ from functools import lru_cache
 
 from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits, VllmRefusal
 from kvgate.gate.budget import Budget
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.memory.activation import (
     EngineShape,
     SamplingShape,
@@ -37,6 +36,7 @@ from kvgate.memory.activation import (
 from kvgate.memory.demand import Demand
 from kvgate.memory.footprint import Footprint, kv_blocks_for, predict_footprint, with_reservation
 from kvgate.memory.kv import KVLayout, PrefixKeys
+from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import SamplerUse
 from kvgate.openai import RequestSpec
 from kvgate.sampling_params import v2_sampler_needs
@@ -122,7 +122,7 @@ class Predictor:
         enable_prefix_caching: bool,
         profiled_peak_bytes: int,
         default_max_tokens: int | None = None,
-        outputs: OutputLengths | None = None,
+        outputs: OutputReserver | None = None,
         sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.layout = layout

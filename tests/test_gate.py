@@ -15,13 +15,13 @@ from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate
 from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
 from kvgate.gate.observer import Observers
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.gate.queue import AdmissionQueue, Waiter
 from kvgate.gate.queue import QueueFull as QueueAtCapacity
 from kvgate.http.errors import error_headers, status_of
 from kvgate.memory.demand import Demand
 from kvgate.memory.sampler import SamplerCost, SamplerUse
 from kvgate.metrics import GateMetrics, KvgateMetrics
+from kvgate.output_lengths import OutputLengths
 
 # Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 4 = 8 B.
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
@@ -384,14 +384,18 @@ class TestGate:
         assert len(gate.queue) == 0
         (await gate.acquire(demand(prefill=50), 0, "a")).release()
 
-    async def test_completed_requests_teach_output_lengths(self) -> None:
-        gate = make_gate(kv_blocks=100)
-        gate.outputs = OutputLengths(0.99, min_samples=2, refresh_every=1)
-        for outcome, tokens in [("completed", 240), ("disconnected", 3), ("completed", 2 * 100), ("completed", None)]:
+    async def test_completed_requests_teach_the_output_lengths_observing_the_gate(self) -> None:
+        """As the composition root wires it: the learner is one of the gate's observers."""
+        outputs = OutputLengths(0.99, min_samples=2, refresh_every=1)
+        gate = Gate(Budget(kv_blocks=100, transient_margin=0.0), Observers(outputs), max_queue=8, max_queue_wait_s=5.0)
+        forced = replace(demand(), max_new_tokens=1000, teaches_output_lengths=False)  # ignore_eos, min_tokens
+        releases = [("completed", 240), ("disconnected", 3), ("completed", 2 * 100), ("completed", None)]
+        for outcome, tokens in releases:
             ticket = await gate.acquire(replace(demand(), max_new_tokens=1000, sequences=2), 0, "a")
             ticket.release(outcome, tokens)
-        assert gate.outputs.samples == 2  # per sequence: 120 and 100; the cut and unknown ones teach nothing
-        assert gate.outputs.reserve(1000).tokens == 110  # the mean of 120 and 100
+        (await gate.acquire(forced, 0, "a")).release("completed", 1000)
+        assert outputs.samples == 2  # per sequence: 120 and 100; the cut, unknown and forced ones teach nothing
+        assert outputs.reserve(1000).tokens == 110  # the mean of 120 and 100
 
     async def test_a_waiting_request_is_admitted_with_its_refreshed_demand(self) -> None:
         """Output lengths learned while it waited shrink its KV reservation."""

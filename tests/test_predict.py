@@ -14,10 +14,10 @@ import kvgate.predict
 from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
 from kvgate.gate.budget import KV_BUSY, Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.memory.activation import EngineShape, SamplingShape
 from kvgate.memory.footprint import predict_footprint
 from kvgate.openai import RequestSpec, parse_request
+from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
 
 ENGINES = {

@@ -21,7 +21,6 @@ from kvgate.gate.budget import Budget
 from kvgate.gate.drain import DrainRate
 from kvgate.gate.ledger import Ledger, Reservation
 from kvgate.gate.observer import Decision, Observers, Release
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.gate.queue import AdmissionQueue, Waiter
 from kvgate.gate.queue import QueueFull as QueueAtCapacity
 from kvgate.memory.demand import Demand
@@ -44,8 +43,8 @@ class Ticket:
             self._gate.changed()
 
     def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:
-        """Give the reservation back; `output_tokens` (all sequences), when known, teaches the
-        gate how long answers really are."""
+        """Give the reservation back; `output_tokens` (all sequences), when known, goes to the
+        observers (kvgate/output_lengths.py learns how long answers really are from it)."""
         if self._gate.ledger.release(self.reservation):
             self._gate.released(outcome, self.reservation, output_tokens)
 
@@ -58,10 +57,8 @@ class Gate:
         max_queue: int,
         max_queue_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
-        outputs: OutputLengths | None = None,
     ) -> None:
         self.budget = budget
-        self.outputs = outputs  # learned output lengths: the predictor reads, releases teach
         self.ledger = Ledger()
         self.queue = AdmissionQueue(max_queue)
         self.drain = DrainRate(clock=clock)
@@ -233,14 +230,6 @@ class Gate:
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
-        demand = reservation.demand
-        if (
-            outcome == "completed"
-            and output_tokens is not None
-            and self.outputs is not None
-            and demand.teaches_output_lengths  # not an answer forced long (ignore_eos, min_tokens)
-        ):
-            self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
         if outcome != "requeued":  # never reached the backend: nothing drained
             self.drain.record(reservation.demand.kv_blocks)
         self.observers.released(Release(outcome, reservation, output_tokens))
