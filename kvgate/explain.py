@@ -34,7 +34,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
     budget = rt.budget
     unknown = unknown_limits(budget)
     try:
-        rt.pipeline.predictor.check_fits_ever(prediction, budget)
+        rt.pipeline.predictor.check_fits_ever(prediction, budget.ceiling())
         reason = rt.gate.would_wait(demand, evaluation.spec.priority)
         if reason is not None:
             decision, message = "queue", reason

@@ -196,7 +196,7 @@ class TestBudgetCharges:
         # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
         assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
-        assert budget.transient_charge_alone(demand(profiled_prefill=900, rows=1)) == 8 + 400
+        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 8 + 400
 
     def test_kv_keeps_room_for_the_spread_of_the_in_flight_outputs(self) -> None:
         """Each request reserves its mean output; z standard deviations of their sum stay free."""
