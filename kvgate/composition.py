@@ -24,6 +24,7 @@ from kvgate.gate.gate import Gate
 from kvgate.gate.observer import Observers
 from kvgate.gate.view import GateView
 from kvgate.http.decision_log import DecisionLog
+from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
@@ -31,6 +32,7 @@ from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.model_folder import load_geometry
 from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import RequestPipeline
+from kvgate.predict import Prediction
 from kvgate.preparation_workers import PreparationWorkers
 from kvgate.proxy import Backend
 from kvgate.served_names import Served, ServedNames
@@ -85,11 +87,12 @@ class Runtime:
         )
         gate_metrics = GateMetrics(self.metrics)
         self.in_flight = InFlightRequests()
-        self.gate = Gate(
+        self.gate: Gate[Prediction] = Gate(
             self.budget,
             Observers(self.outputs, gate_metrics, DecisionLog(), self.in_flight),
             settings.max_queue,
             settings.max_queue_wait,
+            reestimate=self._reestimate,
         )
         gate_metrics.watch(self.gate)
         self.pipeline = RequestPipeline(
@@ -322,6 +325,11 @@ class Runtime:
         self.pipeline.max_model_len = deployment.max_model_len
         self.pipeline.content_format_namespace_aliases = deployment.runtime.content_format_namespace_aliases
         self.budget.update(**asdict(limits))
+
+    def _reestimate(self, prediction: Prediction) -> Demand:
+        """A waiting request's demand with the output lengths learned since it was predicted."""
+        predictor = self.pipeline.predictor
+        return prediction.demand if predictor is None else predictor.refreshed(prediction)
 
     @property
     def ready(self) -> bool:

@@ -399,15 +399,19 @@ class TestGate:
 
     async def test_a_waiting_request_is_admitted_with_its_refreshed_demand(self) -> None:
         """Output lengths learned while it waited shrink its KV reservation."""
-        gate = make_gate(kv_blocks=10)
-        holder = await gate.acquire(demand(blocks=8), 0, "a")
-        learned = {"blocks": 5}
-        waiting = asyncio.create_task(
-            gate.acquire(demand(blocks=5), 0, "a", refresh=lambda: demand(blocks=learned["blocks"]))
+        learned = {"chat": 5}  # what a re-estimation finds now, by basis
+        gate: Gate[str] = Gate(
+            Budget(kv_blocks=10, transient_margin=0.0),
+            Observers(),
+            max_queue=8,
+            max_queue_wait_s=5.0,
+            reestimate=lambda basis: demand(blocks=learned[basis]),
         )
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=5), 0, "a", basis="chat"))
         await asyncio.sleep(0)
         assert not waiting.done()
-        learned["blocks"] = 2
+        learned["chat"] = 2
         gate.changed()
         ticket = await asyncio.wait_for(waiting, 1)
         assert ticket.reservation.demand.private_blocks == 2 and gate.ledger.kv_blocks == 10

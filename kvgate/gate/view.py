@@ -7,11 +7,13 @@ change how it holds reservations and waiters without the budget loop noticing.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvgate.gate.gate import Gate
 
 
 class GateView:
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate[Any]) -> None:
         self._gate = gate
 
     @property
