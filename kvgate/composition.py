@@ -95,6 +95,7 @@ class Runtime:
             reestimate=self._reestimate,
         )
         gate_metrics.watch(self.gate)
+        self.gate_view = GateView(self.gate)  # what telemetry and `explain` see of the gate
         self.pipeline = RequestPipeline(
             self.budget,
             lambda: self.startup_error,
@@ -154,7 +155,7 @@ class Runtime:
         self.live = LiveBudget(
             self.settings,
             client,
-            GateView(self.gate),
+            self.gate_view,
             self.in_flight,
             self.budget,
             self.metrics.telemetry,

@@ -17,6 +17,7 @@ from kvgate.gate.ledger import Ledger
 from kvgate.gate.observer import Observers
 from kvgate.gate.queue import AdmissionQueue, Waiter
 from kvgate.gate.queue import QueueFull as QueueAtCapacity
+from kvgate.gate.view import GateView
 from kvgate.http.errors import error_headers, status_of
 from kvgate.memory.demand import Demand
 from kvgate.memory.sampler import SamplerCost, SamplerUse
@@ -417,6 +418,23 @@ class TestGate:
         assert ticket.reservation.demand.private_blocks == 2 and gate.ledger.kv_blocks == 10
         ticket.release()
         holder.release()
+
+    async def test_a_preview_says_what_acquire_would_and_reserves_nothing(self) -> None:
+        """`kvgate explain` asks the gate through its view: the same verdict as an arrival, the
+        holdings it was weighed against, and the ledger and queue untouched."""
+        gate = make_gate(kv_blocks=10)
+        view = GateView(gate)
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        busy = view.preview(demand(blocks=3), 0)
+        assert (busy.wait_reason, busy.new_kv_blocks, busy.kv_blocks_reserved, busy.waiting) == (KV_BUSY, 3, 8, 0)
+        assert view.preview(demand(blocks=2), 0).wait_reason is None
+        assert gate.ledger.kv_blocks == 8 and gate.ledger.in_flight == 1 and len(gate.queue) == 0
+        queued = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        await asyncio.sleep(0)
+        behind = view.preview(demand(blocks=1), 0)  # it would fit, but the line comes first
+        assert (behind.wait_reason, behind.waiting) == ("behind_queue", 1)
+        holder.release()
+        (await asyncio.wait_for(queued, 1)).release()
 
     async def test_queue_full_is_a_429_with_retry_after(self) -> None:
         gate = make_gate(kv_blocks=1, max_queue=1)
