@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         # The backend's own Date and Server headers pass through untouched; do not add ours.
         server_header=False,
         date_header=False,
-        # The client's address is the socket's: kvgate.proxy appends it to X-Forwarded-For, and a
+        # The client's address is the socket's: kvgate.http.proxy appends it to X-Forwarded-For, and a
         # client's own X-Forwarded-For must not rewrite it.
         proxy_headers=False,
     )
