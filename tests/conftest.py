@@ -1,8 +1,8 @@
 """Session fixtures shared by the test suite: the tiny model and a real vLLM.
 
 Helpers live in tests/support/ and import as `support.*` (pyproject's pythonpath puts tests/ on
-sys.path). tests/unit/ starts no process; everything that runs a server process, a subprocess or
-the real vLLM is in tests/integration/.
+sys.path). tests/unit/ starts no process (tests/unit/conftest.py fails a test that does);
+everything that runs a server process, a subprocess or the real vLLM is in tests/integration/.
 """
 
 from __future__ import annotations
