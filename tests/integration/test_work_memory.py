@@ -20,10 +20,10 @@ from typing import Any
 
 import httpx
 import pytest
-from test_hostile_bodies import STRING_BUILDERS
 
 from bench.work_cost import hostile_bodies
 from support.fake_backend import FakeBackend
+from support.hostile_templates import STRING_BUILDERS
 from support.kvgate_server import KvgateServer, running_kvgate
 
 MiB = 2**20
