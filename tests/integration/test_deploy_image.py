@@ -296,6 +296,7 @@ def built(wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.timeout(900)  # the first pays for the module's pip build (each RUN step may take 600 s)
 def test_the_build_installs_kvgate_and_only_its_runtime_dependencies(built: Path) -> None:
     python = built / "opt/kvgate/bin/python"
     listing = subprocess.run(
@@ -328,6 +329,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.timeout(900)  # the first pays for the module's pip build (each RUN step may take 600 s)
 def test_entrypoint_serves_and_the_healthcheck_sees_it(built: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     venv_bin = built / "opt/kvgate/bin"
     env = {"PATH": f"{venv_bin}:/usr/bin:/bin", "HOME": str(tmp_path)}

@@ -272,6 +272,7 @@ print(json.dumps({"vllm_config": config}))
 """
 
 
+@pytest.mark.vllm
 def test_engine_limits_parse_vllms_own_config_dump() -> None:
     from kvgate.telemetry.vllm import fetch_engine_limits
     from support.vllm_server import VLLM_PYTHON

@@ -132,6 +132,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.vllm
 def test_counts_equal_vllms_own_functions() -> None:
     """vLLM 0.32.0's CLIPEncoderInfo and get_num_selected_vision_tokens, run in the vLLM venv
     (its Llava model module itself needs torchvision, which the CPU venv cannot have)."""

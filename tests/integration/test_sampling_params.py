@@ -80,6 +80,7 @@ def vllms_reading() -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("index", range(len(CORPUS)))
 def test_each_body_reads_as_vllm_reads_it(index: int, vllms_reading: list[dict]) -> None:
     route, body = CORPUS[index]

