@@ -15,13 +15,14 @@ from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate
 from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
 from kvgate.gate.observer import Observers
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.gate.queue import AdmissionQueue, Waiter
 from kvgate.gate.queue import QueueFull as QueueAtCapacity
+from kvgate.gate.view import GateView
 from kvgate.http.errors import error_headers, status_of
 from kvgate.memory.demand import Demand
 from kvgate.memory.sampler import SamplerCost, SamplerUse
 from kvgate.metrics import GateMetrics, KvgateMetrics
+from kvgate.output_lengths import OutputLengths
 
 # Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 4 = 8 B.
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
@@ -196,7 +197,7 @@ class TestBudgetCharges:
         # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
         assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
-        assert budget.transient_charge_alone(demand(profiled_prefill=900, rows=1)) == 8 + 400
+        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 8 + 400
 
     def test_kv_keeps_room_for_the_spread_of_the_in_flight_outputs(self) -> None:
         """Each request reserves its mean output; z standard deviations of their sum stay free."""
@@ -384,31 +385,56 @@ class TestGate:
         assert len(gate.queue) == 0
         (await gate.acquire(demand(prefill=50), 0, "a")).release()
 
-    async def test_completed_requests_teach_output_lengths(self) -> None:
-        gate = make_gate(kv_blocks=100)
-        gate.outputs = OutputLengths(0.99, min_samples=2, refresh_every=1)
-        for outcome, tokens in [("completed", 240), ("disconnected", 3), ("completed", 2 * 100), ("completed", None)]:
+    async def test_completed_requests_teach_the_output_lengths_observing_the_gate(self) -> None:
+        """As the composition root wires it: the learner is one of the gate's observers."""
+        outputs = OutputLengths(0.99, min_samples=2, refresh_every=1)
+        gate = Gate(Budget(kv_blocks=100, transient_margin=0.0), Observers(outputs), max_queue=8, max_queue_wait_s=5.0)
+        forced = replace(demand(), max_new_tokens=1000, teaches_output_lengths=False)  # ignore_eos, min_tokens
+        releases = [("completed", 240), ("disconnected", 3), ("completed", 2 * 100), ("completed", None)]
+        for outcome, tokens in releases:
             ticket = await gate.acquire(replace(demand(), max_new_tokens=1000, sequences=2), 0, "a")
             ticket.release(outcome, tokens)
-        assert gate.outputs.samples == 2  # per sequence: 120 and 100; the cut and unknown ones teach nothing
-        assert gate.outputs.reserve(1000).tokens == 110  # the mean of 120 and 100
+        (await gate.acquire(forced, 0, "a")).release("completed", 1000)
+        assert outputs.samples == 2  # per sequence: 120 and 100; the cut, unknown and forced ones teach nothing
+        assert outputs.reserve(1000).tokens == 110  # the mean of 120 and 100
 
     async def test_a_waiting_request_is_admitted_with_its_refreshed_demand(self) -> None:
         """Output lengths learned while it waited shrink its KV reservation."""
-        gate = make_gate(kv_blocks=10)
-        holder = await gate.acquire(demand(blocks=8), 0, "a")
-        learned = {"blocks": 5}
-        waiting = asyncio.create_task(
-            gate.acquire(demand(blocks=5), 0, "a", refresh=lambda: demand(blocks=learned["blocks"]))
+        learned = {"chat": 5}  # what a re-estimation finds now, by basis
+        gate: Gate[str] = Gate(
+            Budget(kv_blocks=10, transient_margin=0.0),
+            Observers(),
+            max_queue=8,
+            max_queue_wait_s=5.0,
+            reestimate=lambda basis: demand(blocks=learned[basis]),
         )
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=5), 0, "a", basis="chat"))
         await asyncio.sleep(0)
         assert not waiting.done()
-        learned["blocks"] = 2
+        learned["chat"] = 2
         gate.changed()
         ticket = await asyncio.wait_for(waiting, 1)
         assert ticket.reservation.demand.private_blocks == 2 and gate.ledger.kv_blocks == 10
         ticket.release()
         holder.release()
+
+    async def test_a_preview_says_what_acquire_would_and_reserves_nothing(self) -> None:
+        """`kvgate explain` asks the gate through its view: the same verdict as an arrival, the
+        holdings it was weighed against, and the ledger and queue untouched."""
+        gate = make_gate(kv_blocks=10)
+        view = GateView(gate)
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        busy = view.preview(demand(blocks=3), 0)
+        assert (busy.wait_reason, busy.new_kv_blocks, busy.kv_blocks_reserved, busy.waiting) == (KV_BUSY, 3, 8, 0)
+        assert view.preview(demand(blocks=2), 0).wait_reason is None
+        assert gate.ledger.kv_blocks == 8 and gate.ledger.in_flight == 1 and len(gate.queue) == 0
+        queued = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        await asyncio.sleep(0)
+        behind = view.preview(demand(blocks=1), 0)  # it would fit, but the line comes first
+        assert (behind.wait_reason, behind.waiting) == ("behind_queue", 1)
+        holder.release()
+        (await asyncio.wait_for(queued, 1)).release()
 
     async def test_queue_full_is_a_429_with_retry_after(self) -> None:
         gate = make_gate(kv_blocks=1, max_queue=1)

@@ -8,12 +8,12 @@ import random
 from test_memory_footprint import layout
 
 from kvgate.gate.budget import Budget
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.http.output_tokens import OutputTokenCounter
 from kvgate.memory.activation import EngineShape, SamplingShape
 from kvgate.memory.footprint import predict_footprint
 from kvgate.memory.outputs import OutputReservation
 from kvgate.openai import parse_request
+from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
 
 

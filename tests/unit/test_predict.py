@@ -14,10 +14,10 @@ import kvgate.predict
 from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
 from kvgate.gate.budget import KV_BUSY, Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.memory.activation import EngineShape, SamplingShape
 from kvgate.memory.footprint import predict_footprint
 from kvgate.openai import RequestSpec, parse_request
+from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
 
 ENGINES = {
@@ -148,11 +148,11 @@ def test_a_batch_of_prompts_is_judged_per_engine_request_not_on_its_sum() -> Non
     prompts = [[400 + k] * 700 for k in range(3)]
     prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 1}), prompts)
     assert prediction.max_kv_blocks == 18 and prediction.demand.sequences == 3
-    predictor.check_fits_ever(prediction, Budget(kv_blocks=15))  # no KvNeverFits
+    predictor.check_fits_ever(prediction, Budget(kv_blocks=15).ceiling())  # no KvNeverFits
     # n samples are engine requests of their own too: 4 x 6 blocks, each fits alone.
     one = [[7] * 700]
     predictor.check_fits_ever(
-        predictor.predict(completions({"prompt": one[0], "max_tokens": 1, "n": 4}), one), Budget(kv_blocks=15)
+        predictor.predict(completions({"prompt": one[0], "max_tokens": 1, "n": 4}), one), Budget(kv_blocks=15).ceiling()
     )
 
 
@@ -162,7 +162,7 @@ def test_one_engine_request_larger_than_the_pool_is_named() -> None:
     prompts = [[1] * 100, [2] * 2100]
     prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 5}), prompts)
     with pytest.raises(KvNeverFits) as refused:
-        predictor.check_fits_ever(prediction, Budget(kv_blocks=15))
+        predictor.check_fits_ever(prediction, Budget(kv_blocks=15).ceiling())
     assert refused.value.message == (
         "Prompt 1 of this request's 2 needs 17 KV blocks of 128 tokens (2,100 prompt tokens + up to 5 new "
         "tokens), but vLLM's whole KV cache holds 15 blocks: lower max_tokens or shorten that prompt."
@@ -219,12 +219,12 @@ def test_v2_prompt_logprobs_of_a_batch_cost_one_full_step(batched_tokens: int) -
 def test_a_step_of_several_prompts_past_the_headroom_says_so_in_mib() -> None:
     predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=4096))
     one, four = predictor.predict(*echo_logprobs(1, 1023)), predictor.predict(*echo_logprobs(4, 1023))
-    alone = Budget().transient_charge_alone(one.demand)
+    alone = Budget().ceiling().transient_need(one.demand)
     # A headroom (after the 10% margin) between one prompt's step and two prompts' step.
     budget = Budget(transient_headroom_bytes=int(alone * 1.5 / 0.9))
-    predictor.check_fits_ever(one, budget)
+    predictor.check_fits_ever(one, budget.ceiling())
     with pytest.raises(TransientNeverFits) as refused:
-        predictor.check_fits_ever(four, budget)
+        predictor.check_fits_ever(four, budget.ceiling())
     message = refused.value.message
     assert message.startswith("prompt_logprobs (2 prompts' chunk 1023 x ")
     assert "MiB of transient GPU memory" in message and message.endswith("send fewer of its 4 prompts in one request.")

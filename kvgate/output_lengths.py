@@ -27,8 +27,12 @@ A request that cannot stop early is another matter: with `ignore_eos` vLLM never
 end-of-sequence token, and with `min_tokens` not before that many tokens (vllm/sampling_params.py;
 the engine masks the stop tokens until then). Whatever others' answers taught, it reserves that
 floor (ignore_eos: all of max_tokens), and its length, being the client's choice rather than the
-model's, teaches nothing (kvgate/gate/gate.py skips it): a few ignore_eos requests would otherwise
-read as "answers fill max_tokens" and inflate everyone's reservations.
+model's, teaches nothing (`released` skips it): a few ignore_eos requests would otherwise read as
+"answers fill max_tokens" and inflate everyone's reservations.
+
+Neither the gate nor the predictor owns this: the composition root makes one, hands it to the
+predictor as its OutputReserver (kvgate/memory/outputs.py) and to the gate as one of its
+observers (kvgate/gate/observer.py), whose releases teach it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import math
 import statistics
 from collections import deque
 
+from kvgate.gate.observer import Decision, Release
 from kvgate.memory.outputs import OutputReservation
 
 
@@ -60,6 +65,16 @@ class OutputLengths:
     @property
     def enabled(self) -> bool:
         return self.quantile < 1
+
+    def decided(self, decision: Decision) -> None:
+        """Decisions teach nothing: only finished answers do."""
+
+    def released(self, release: Release) -> None:
+        """A completed answer whose length the model chose (not forced long by ignore_eos or
+        min_tokens) teaches its per-sequence length, when the relay counted it."""
+        demand = release.reservation.demand
+        if release.outcome == "completed" and release.output_tokens is not None and demand.teaches_output_lengths:
+            self.observe(demand.max_new_tokens, release.output_tokens // max(1, demand.sequences))
 
     def observe(self, max_new_tokens: int, produced: int) -> None:
         """One sequence finished after `produced` tokens out of `max_new_tokens` allowed."""
