@@ -39,6 +39,19 @@ def test_the_shared_vocabulary_contract_names_every_other_kvgate_module() -> Non
     assert set(shared["forbidden_modules"]) == kvgate_modules() - SHARED_VOCABULARY
 
 
+def test_the_layers_contract_keeps_one_direction_from_the_edge_down() -> None:
+    """The order docs/architecture.md draws: http > composition > pipeline > predict | gate >
+    memory, the shared vocabulary at the bottom; the predictor and the gate share a layer and
+    import nothing of each other (`|`)."""
+    layers = contract("Layers: http > composition > pipeline > predict | gate > memory, vocabulary below")["layers"]
+    level = {module: i for i, layer in enumerate(layers) for module in layer.split(" | ")}
+    spine = ["kvgate.http", "kvgate.composition", "kvgate.pipeline", "kvgate.predict", "kvgate.memory"]
+    assert [level[m] for m in spine] == sorted({level[m] for m in spine})  # strictly downwards
+    assert level["kvgate.gate"] == level["kvgate.predict"] and "|" in layers[level["kvgate.gate"]]
+    assert all(level[m] > level["kvgate.memory"] for m in SHARED_VOCABULARY)
+    assert set(level) <= kvgate_modules()
+
+
 def test_the_memory_model_opens_no_file() -> None:
     """The import contract keeps json, pathlib and os out of kvgate.memory; the builtin `open` needs
     no import, so it is looked for here."""
