@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
-class _TorchAbsence(logging.Filter):
-    """Drops transformers' "PyTorch was not found" advice: kvgate uses only its tokenizers and
-    configuration classes, never a model, so torch is absent on purpose."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("PyTorch was not found")
-
-
-def silence_torch_absence() -> None:
-    """Install the filter before transformers is imported (it advises once, at import)."""
-    logging.getLogger("transformers").addFilter(_TorchAbsence())
+def quiet_transformers_advice() -> None:
+    """transformers advises once, when it is imported, to install PyTorch: kvgate uses only its
+    tokenizers and configuration classes, never a model, so torch is absent on purpose. The advice
+    is turned off the way transformers offers (TRANSFORMERS_NO_ADVISORY_WARNINGS, read when it
+    advises), in the environment so that the preparation workers kvgate spawns inherit it. The
+    command line's entry points call this before anything imports transformers; importing kvgate
+    changes nothing. An operator's own value is kept."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def configure_logging(level: str) -> None:
