@@ -19,7 +19,6 @@ from starlette.types import Message, Receive, Scope, Send
 from kvgate.backend import Backend
 from kvgate.errors import RouteNotForwarded
 from kvgate.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
-from kvgate.http.asgi import disconnect_future
 from kvgate.http.output_tokens import OutputTokenCounter
 from kvgate.upstream import UpstreamError, UpstreamResponse
 
@@ -61,18 +60,28 @@ async def open_while_client_waits(
     vLLM sends a non-streaming answer's head only when the answer is complete, so a client that
     hangs up meanwhile would otherwise keep its reservation, and vLLM its generation, to the end.
     """
-    opening = asyncio.ensure_future(backend.open(method, target, headers, body))
-    gone = disconnect_future(receive)
+    # The exchange runs in the caller's task and one watcher task cancels it if the client leaves
+    # (a task for each and asyncio.wait over both cost three times as much per request).
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    async def cancel_when_client_leaves() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(cancel_when_client_leaves())
     try:
-        await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+        return await backend.open(method, target, headers, body)
+    except asyncio.CancelledError:
+        if left and task.uncancel() == 0:  # the watcher's cancel, no one else's: the exchange is closed
+            return None
+        raise
     finally:
-        gone.cancel()
-        if not opening.done():
-            opening.cancel()
-            await asyncio.wait((opening,))  # its connection is closed once it has unwound
-    if opening.cancelled():
-        return None
-    return opening.result()
+        watcher.cancel()
 
 
 def forward_headers(
@@ -189,6 +198,11 @@ class Relay(Response):
         self._client_gone = False
         self._sent_tail = b""  # the end of what the client was sent, to see SSE_DONE go out
         self._stall_timeout_s = stall_timeout_s
+        # The stall deadline: one timer for the whole relay, armed by its first send (a timeout
+        # around every send cost a timer handle and a context manager a message).
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._sending_since: float | None = None  # when the send under way began (the loop's clock)
+        self._stalled = False
         self._request_id = headers.get("x-request-id", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -212,6 +226,8 @@ class Relay(Response):
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
             self._on_end(outcome, self._counter.tokens() if self._counter else None)
             if outcome in ("completed", "refused_by_backend", "backend_error"):
                 self.upstream.release()  # read to the end: the connection goes back to the pool
@@ -267,11 +283,38 @@ class Relay(Response):
     async def _send(self, send: Send, message: Message) -> None:
         """`send`, or ClientStalled once it has waited `stall_timeout_s` for a client that reads
         nothing (uvicorn's send waits only while the connection's write buffer is full)."""
+        if self._stall_timeout_s is None:
+            await send(message)
+            return
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._sending_since = now = loop.time()
+        if self._stall_timer is None:
+            self._stall_timer = loop.call_at(now + self._stall_timeout_s, self._check_stall, task)
         try:
-            async with asyncio.timeout(self._stall_timeout_s):
-                await send(message)
-        except TimeoutError:
-            raise ClientStalled() from None
+            await send(message)
+        except asyncio.CancelledError:
+            if self._stalled and task.uncancel() == 0:  # our cancel, no one else's
+                raise ClientStalled() from None
+            raise
+        finally:
+            self._sending_since = None
+
+    def _check_stall(self, task: asyncio.Task) -> None:
+        """The stall timer is due: cut the relay if the send under way has waited the whole
+        `stall_timeout_s`, else wait for what is left of the send under way; with none under
+        way, the next send arms it again."""
+        self._stall_timer = None
+        since = self._sending_since
+        if since is None or self._stall_timeout_s is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - since >= self._stall_timeout_s:
+            self._stalled = True
+            task.cancel()
+        else:
+            self._stall_timer = loop.call_at(since + self._stall_timeout_s, self._check_stall, task)
 
 
 class ClientStalled(Exception):
