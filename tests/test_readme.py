@@ -8,6 +8,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from kvgate.cli import parse_command_line, parse_listen, with_model_folder
 from kvgate.metrics import KvgateMetrics
 from kvgate.settings import Settings, settings_from_args
@@ -71,3 +73,22 @@ def test_the_readme_serve_line_is_one_kvgate_accepts(tmp_path: Path) -> None:
     assert vllm[2] == folder
     assert settings.max_num_seqs == int(vllm[vllm.index("--max-num-seqs") + 1])
     assert settings.max_num_batched_tokens == int(vllm[vllm.index("--max-num-batched-tokens") + 1])
+
+
+def _serve_lines() -> list[tuple[str, str]]:
+    """Every `kvgate serve` command in a fenced block of the README or docs/, continuations joined."""
+    lines = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"^```\n(.*?)^```", page.read_text(), flags=re.M | re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                if line.startswith("kvgate serve "):
+                    lines.append((page.name, line))
+    return lines
+
+
+@pytest.mark.parametrize(("page", "line"), _serve_lines())
+def test_every_documented_serve_command_parses(page: str, line: str) -> None:
+    """A flag renamed or removed leaves no command in the docs that kvgate would refuse."""
+    args = parse_command_line(shlex.split(line)[1:])
+    assert args.ignored_vllm_options == []
+    settings_from_args(args)
