@@ -78,7 +78,7 @@ class RequestPipeline:
         """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through."""
         evaluation = await self.predict(route, raw)
         assert self.predictor is not None
-        self.predictor.check_fits_ever(evaluation.prediction, self.budget)
+        self.predictor.check_fits_ever(evaluation.prediction, self.budget.ceiling())
         return evaluation
 
     async def predict(self, route: Route, raw: bytes) -> Evaluation:
