@@ -14,6 +14,7 @@ from kvgate.cli import parse_command_line, parse_listen, with_model_folder
 from kvgate.metrics import KvgateMetrics
 from kvgate.settings import Settings, settings_from_args
 from kvgate.sim.presets import write_model_folder
+from kvgate.vllm_flags import VllmFlags
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -68,11 +69,13 @@ def test_the_readme_serve_line_is_one_kvgate_accepts(tmp_path: Path) -> None:
     settings = with_model_folder(settings_from_args(args))
     assert parse_listen(settings.listen) == ("0.0.0.0", 8080)
     assert settings.backend == "http://127.0.0.1:8000"
-    # the flags vLLM was started with, on the line above it, are the ones kvgate mirrors
+    # the vLLM line above it is a real `vllm serve` command (kvgate knows vLLM 0.32.0's options and
+    # refuses others), and kvgate's line mirrors every vLLM flag it sets
     vllm = shlex.split(next(line for line in block.splitlines() if line.startswith("vllm serve")))
     assert vllm[2] == folder
-    assert settings.max_num_seqs == int(vllm[vllm.index("--max-num-seqs") + 1])
-    assert settings.max_num_batched_tokens == int(vllm[vllm.index("--max-num-batched-tokens") + 1])
+    pasted = settings_from_args(parse_command_line(["serve", "--", *vllm]))
+    engine = list(VllmFlags.model_fields)
+    assert {f: getattr(settings, f) for f in engine} == {f: getattr(pasted, f) for f in engine}
 
 
 def _serve_lines() -> list[tuple[str, str]]:
