@@ -12,18 +12,19 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
 
+from kvgate.backend import Backend
 from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
-from kvgate.gate.observer import Observers
+from kvgate.gate.observer import GateObserver, Observers
 from kvgate.gate.view import GateView
-from kvgate.http.decision_log import DecisionLog
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
@@ -34,7 +35,6 @@ from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import RequestPipeline
 from kvgate.predict import Prediction
 from kvgate.preparation_workers import PreparationWorkers
-from kvgate.proxy import Backend
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import Settings
 from kvgate.telemetry.gpu import detect_probe
@@ -69,7 +69,9 @@ def freeze_start_up_heap() -> None:
 class Runtime:
     """Everything a kvgate process holds, built once at start-up."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, observers: Sequence[GateObserver] = ()) -> None:
+        """`observers`: the edge's own observers of the gate, after kvgate's (the HTTP layer's
+        decision log, which reports the status each client saw)."""
         self.settings = settings
         self.metrics = KvgateMetrics()
         self.backend = Backend(
@@ -89,7 +91,7 @@ class Runtime:
         self.in_flight = InFlightRequests()
         self.gate: Gate[Prediction] = Gate(
             self.budget,
-            Observers(self.outputs, gate_metrics, DecisionLog(), self.in_flight),
+            Observers(self.outputs, gate_metrics, self.in_flight, *observers),
             settings.max_queue,
             settings.max_queue_wait,
             reestimate=self._reestimate,
