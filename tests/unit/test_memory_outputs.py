@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import random
 
-from test_memory_footprint import layout
-
 from kvgate.gate.budget import Budget
 from kvgate.gate.output_lengths import OutputLengths
 from kvgate.http.output_tokens import OutputTokenCounter
@@ -15,6 +13,7 @@ from kvgate.memory.footprint import predict_footprint
 from kvgate.memory.outputs import OutputReservation
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
+from support.geometry import layout
 
 
 def test_full_max_tokens_until_enough_answers_are_seen() -> None:
