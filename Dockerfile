@@ -8,7 +8,7 @@
 # Only kvgate's own dependencies go in (no torch, no vLLM): kvgate reads the model's
 # config.json and tokenizer files, never its weights. Every `kvgate serve` flag is also a
 # KVGATE_* environment variable, which is how Kubernetes configures it (deploy/kubernetes/).
-# tests/test_deploy_image.py runs this file's build-stage steps in a fresh venv.
+# tests/integration/test_deploy_image.py runs this file's build-stage steps in a fresh venv.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

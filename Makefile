@@ -1,15 +1,19 @@
-# `make test` builds what is missing, runs the static checks (lint, types, layer contracts), then
-# the whole suite (real vLLM included).
+# `make unit`: the static checks, then tests/unit (no subprocess, no server process, no vLLM venv).
+# `make test` (what CI runs): builds what is missing, the static checks, then tests/unit and
+# tests/integration (real vLLM included).
 # kvgate's venv never gets torch; vLLM (CPU build) lives in its own venv.
 
 PYTHON ?= python3
 VENV := .venv
 VLLM_VENV := .venv-vllm
 
-.PHONY: test check venv vllm-venv demo
+.PHONY: test unit check venv vllm-venv demo
 
 test: venv vllm-venv check
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q tests/unit tests/integration
+
+unit: venv check
+	$(VENV)/bin/pytest -q tests/unit
 
 # Seconds, not minutes: ruff (rules in pyproject.toml), mypy (strict on kvgate.memory and kvgate.gate)
 # and the import contracts of docs/architecture.md.

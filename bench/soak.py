@@ -335,7 +335,7 @@ HOSTILE_VARIANTS = (
 
 
 # Issue 28's memory-hostile bodies, by variant name: the work_cost bodies and request templates
-# that built gigabytes (tests/test_hostile_bodies.py STRING_BUILDERS has them all).
+# that built gigabytes (tests/support/hostile_templates.py STRING_BUILDERS has them all).
 MEMORY_BODIES = {
     "memory_1024_long_prompts": "1024 prompts x 29,000 chars",
     "memory_function_calls": "110,000 function_call items (Responses)",

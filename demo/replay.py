@@ -15,7 +15,7 @@ slowest machine needs, so what completes, fails or is refused is the same on eve
 
 The simulator is kvgate's adversary, not its accomplice: it plays every allocation on its own
 model of PyTorch's caching allocator and never imports kvgate's estimator. Run with `--quick`
-for a smaller workload (tests/test_demo.py).
+for a smaller workload (tests/integration/test_demo.py).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Scenario:
 
 @dataclass
 class Result:
-    """What happened to one scenario, for the printout and for tests/test_demo.py."""
+    """What happened to one scenario, for the printout and for tests/integration/test_demo.py."""
 
     scenario: Scenario
     direct: list[Outcome] = field(default_factory=list)

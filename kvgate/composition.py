@@ -23,15 +23,17 @@ from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
 from kvgate.gate.observer import Observers
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.gate.view import GateView
 from kvgate.http.decision_log import DecisionLog
+from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.model_folder import load_geometry
+from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import PipelineConfig, RequestPipeline
+from kvgate.predict import Prediction
 from kvgate.preparation_workers import PreparationWorkers
 from kvgate.proxy import Backend
 from kvgate.served_names import Served, ServedNames
@@ -73,22 +75,24 @@ class Runtime:
             connect_timeout_s=settings.upstream_connect_timeout,
             pool_timeout_s=settings.upstream_pool_timeout,
         )
-        outputs = OutputLengths(settings.kv_output_quantile)
+        # Learned output lengths: the predictor reserves from them, the gate's releases teach them.
+        self.outputs = OutputLengths(settings.kv_output_quantile)
         self.budget = Budget(
             transient_margin=settings.transient_safety_margin,
-            kv_margin_z=outputs.z,
+            kv_margin_z=self.outputs.z,
             backend=BackendState("starting"),  # the one view of the backend: the gate's and /readyz's
         )
         gate_metrics = GateMetrics(self.metrics)
         self.in_flight = InFlightRequests()
-        self.gate = Gate(
+        self.gate: Gate[Prediction] = Gate(
             self.budget,
-            Observers(gate_metrics, DecisionLog(), self.in_flight),
+            Observers(self.outputs, gate_metrics, DecisionLog(), self.in_flight),
             settings.max_queue,
             settings.max_queue_wait,
-            outputs=outputs,
+            reestimate=self._reestimate,
         )
         gate_metrics.watch(self.gate)
+        self.gate_view = GateView(self.gate)  # what telemetry and `explain` see of the gate
         self.pipeline = RequestPipeline(
             self.budget,
             ServedNames(self._read_served),
@@ -148,7 +152,7 @@ class Runtime:
         self.live = LiveBudget(
             self.settings,
             client,
-            GateView(self.gate),
+            self.gate_view,
             self.in_flight,
             self.budget,
             self.metrics.telemetry,
@@ -318,7 +322,7 @@ class Runtime:
             self.geometry,
             settings.profiled_activation_bytes,
             settings.default_max_tokens,
-            self.gate.outputs,
+            self.outputs,
         )
         limits = static_limits(
             deployment,
@@ -332,6 +336,11 @@ class Runtime:
         tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()
         self.pipeline.configure(PipelineConfig(deployment, tokenizer, predictor, workers))
         self.budget.update(**asdict(limits))
+
+    def _reestimate(self, prediction: Prediction) -> Demand:
+        """A waiting request's demand with the output lengths learned since it was predicted."""
+        config = self.pipeline.config
+        return prediction.demand if config is None else config.predictor.refreshed(prediction)
 
     @property
     def deployment(self) -> Deployment | None:

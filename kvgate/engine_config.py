@@ -15,13 +15,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.memory.activation import EngineShape, profile_peak_bytes
 from kvgate.memory.draft import Drafter
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.kv import KVLayout
 from kvgate.memory.lora import LoraSlots, slot_bytes
+from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.vllm_runner import VllmRuntime, resolve_runtime
 from kvgate.model_folder import read_model_config, read_sampling_defaults
 from kvgate.predict import Predictor
@@ -309,7 +309,7 @@ def build_predictor(
     geometry: ModelGeometry,
     profiled_activation_bytes: int | None = None,
     default_max_tokens: int | None = None,
-    outputs: OutputLengths | None = None,
+    outputs: OutputReserver | None = None,
 ) -> Predictor:
     """The predictor for this deployment; `profiled_activation_bytes` overrides kvgate's own
     estimate of vLLM's start-up profile when the operator read it off vLLM's log."""

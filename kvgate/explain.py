@@ -32,9 +32,10 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
     prediction, demand, predictor = evaluation.prediction, evaluation.prediction.demand, evaluation.predictor
     budget = rt.budget
     unknown = unknown_limits(budget)
+    preview = rt.gate_view.preview(demand, evaluation.request.priority)
     try:
-        predictor.check_fits_ever(prediction, budget)
-        reason = rt.gate.would_wait(demand, evaluation.request.priority)
+        predictor.check_fits_ever(prediction, budget.ceiling())
+        reason = preview.wait_reason
         if reason is not None:
             decision, message = "queue", reason
         elif unknown:
@@ -54,7 +55,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         "kv": {
             "blocks": demand.kv_blocks,
             "blocks_at_max_tokens": prediction.max_kv_blocks,
-            "new_blocks": rt.gate.ledger.new_blocks(demand),
+            "new_blocks": preview.new_kv_blocks,
             "shared_prefix_blocks": len(set(demand.shared_block_hashes)),
             "block_size": predictor.layout.block_size,
         },
@@ -64,21 +65,19 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             # what its prefill takes more once other requests share its steps (V2 prompt logprobs
             # run over the whole step): the ledger charges it beside others, not alone
             "beside_others_extra_bytes": demand.transient_shared_extra_bytes,
-            "sampler_stage_with_in_flight": asdict(rt.gate.ledger.sampler_with(demand)),
+            "sampler_stage_with_in_flight": asdict(preview.sampler_stage),
             "profiled_bytes": demand.profiled_bytes,
             "terms": [asdict(term) for term in prediction.transient_terms],
         },
         "budget": {
             "kv_blocks_limit": budget.kv_limit(),
-            "kv_blocks_reserved": rt.gate.ledger.kv_blocks,
-            "kv_margin_blocks_with_in_flight": budget.kv_margin(
-                rt.gate.ledger.kv_variance_blocks + demand.kv_variance_blocks
-            ),
+            "kv_blocks_reserved": preview.kv_blocks_reserved,
+            "kv_margin_blocks_with_in_flight": preview.kv_margin_blocks,
             "transient_limit_bytes": budget.transient_limit(),
-            "transient_reserved_bytes": budget.transient_charge(rt.gate.ledger),
+            "transient_reserved_bytes": preview.transient_reserved_bytes,
             "max_transient_limit_bytes": budget.max_transient_limit(),
             "profiled_peak_bytes": budget.profiled_peak_bytes,
-            "queue_depth": rt.gate.waiting,
+            "queue_depth": preview.waiting,
         },
         "decision": decision,
         "reason": reason,

@@ -106,7 +106,7 @@ class RequestPipeline:
     async def evaluate(self, route: Route, raw: bytes) -> Evaluation:
         """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through."""
         evaluation = await self.predict(route, raw)
-        evaluation.predictor.check_fits_ever(evaluation.prediction, self.budget)
+        evaluation.predictor.check_fits_ever(evaluation.prediction, self.budget.ceiling())
         return evaluation
 
     async def predict(self, route: Route, raw: bytes) -> Evaluation:

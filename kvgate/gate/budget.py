@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvgate.gate.backend_state import BackendState, Status
+from kvgate.memory.ceiling import Ceiling, transient_charge
 from kvgate.memory.demand import Demand
 
 KV_BUSY = "kv_cache_busy"
@@ -120,18 +121,14 @@ class Budget:
             return None
         return math.floor(headroom * (1.0 - self.transient_margin))
 
-    def _charge(self, unprofiled: int, profiled: int) -> int:
-        if self.profiled_cap_bytes is None:
-            return unprofiled
-        return unprofiled + min(self.profiled_cap_bytes, profiled)
+    def ceiling(self) -> Ceiling:
+        """The most an idle server offers one request: whether it could ever fit is judged
+        against this (kvgate/predict.py Predictor.check_fits_ever)."""
+        return Ceiling(self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes)
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit."""
-        return self._charge(holdings.transient_bytes, holdings.profiled_bytes)
-
-    def transient_charge_alone(self, demand: Demand) -> int:
-        """What this demand would hold of the transient limit on an idle server."""
-        return self._charge(demand.transient_bytes, demand.profiled_bytes)
+        return transient_charge(holdings.transient_bytes, holdings.profiled_bytes, self.profiled_cap_bytes)
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
         """Why the demand cannot be admitted beside current holdings, or None if it fits now.
@@ -151,7 +148,9 @@ class Budget:
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
         transient_limit = self.transient_limit()
-        charge = self._charge(holdings.transient_bytes_with(demand), holdings.profiled_bytes_with(demand))
+        charge = transient_charge(
+            holdings.transient_bytes_with(demand), holdings.profiled_bytes_with(demand), self.profiled_cap_bytes
+        )
         if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY
         return None

@@ -14,15 +14,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic
 
 from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
 from kvgate.gate.budget import Budget
 from kvgate.gate.drain import DrainRate
 from kvgate.gate.ledger import Ledger, Reservation
 from kvgate.gate.observer import Decision, Observers, Release
-from kvgate.gate.output_lengths import OutputLengths
-from kvgate.gate.queue import AdmissionQueue, Waiter
+from kvgate.gate.queue import AdmissionQueue, Basis, Waiter
 from kvgate.gate.queue import QueueFull as QueueAtCapacity
 from kvgate.memory.demand import Demand
 
@@ -33,7 +32,7 @@ _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 class Ticket:
     """An admitted request's reservation; release() is safe to call any number of times."""
 
-    def __init__(self, gate: Gate, reservation: Reservation, queue_wait_s: float) -> None:
+    def __init__(self, gate: Gate[Any], reservation: Reservation, queue_wait_s: float) -> None:
         self._gate = gate
         self.reservation = reservation
         self.queue_wait_s = queue_wait_s
@@ -44,13 +43,20 @@ class Ticket:
             self._gate.changed()
 
     def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:
-        """Give the reservation back; `output_tokens` (all sequences), when known, teaches the
-        gate how long answers really are."""
+        """Give the reservation back; `output_tokens` (all sequences), when known, goes to the
+        observers (kvgate/output_lengths.py learns how long answers really are from it)."""
         if self._gate.ledger.release(self.reservation):
             self._gate.released(outcome, self.reservation, output_tokens)
 
 
-class Gate:
+class Gate(Generic[Basis]):
+    """Admission for requests whose demand was estimated from a `Basis` (kvgate: a Prediction).
+
+    `reestimate`, if given, computes a waiting request's demand again from its basis before each
+    admission check: what kvgate learned while it waited (output lengths) is what it is admitted
+    with. The gate never looks inside a basis.
+    """
+
     def __init__(
         self,
         budget: Budget,
@@ -58,12 +64,12 @@ class Gate:
         max_queue: int,
         max_queue_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
-        outputs: OutputLengths | None = None,
+        reestimate: Callable[[Basis], Demand] | None = None,
     ) -> None:
         self.budget = budget
-        self.outputs = outputs  # learned output lengths: the predictor reads, releases teach
+        self._reestimate = reestimate
         self.ledger = Ledger()
-        self.queue = AdmissionQueue(max_queue)
+        self.queue: AdmissionQueue[Basis] = AdmissionQueue(max_queue)
         self.drain = DrainRate(clock=clock)
         self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
@@ -95,7 +101,7 @@ class Gate:
         priority: int,
         tenant: str,
         watch_client: Callable[[], asyncio.Future[None]] | None = None,
-        refresh: Callable[[], Demand] | None = None,
+        basis: Basis | None = None,
         request_id: str = "",
         deadline: float | None = None,
     ) -> Ticket:
@@ -103,8 +109,8 @@ class Gate:
         ClientGone when the client leaves the queue.
 
         `watch_client` is called only if the request has to wait: the future it returns resolves
-        when the client disconnects, and the waiter then leaves the queue at once. `refresh`, if
-        given, recomputes the demand of a waiting request before each admission check.
+        when the client disconnects, and the waiter then leaves the queue at once. `basis`: what
+        `demand` was estimated from, re-estimated while it waits (the gate's `reestimate`).
         `request_id` only labels the decisions observers see. `deadline` (the gate's clock) ends
         the wait instead of --max-queue-wait from now: a request that comes back to the queue
         (the backend refused its connection) keeps the deadline it arrived with.
@@ -120,7 +126,7 @@ class Gate:
             self._clock(),
             loop.create_future(),
             reason=reason,
-            refresh=refresh,
+            basis=basis,
             request_id=request_id,
         )
         try:
@@ -138,7 +144,7 @@ class Gate:
             if gone is not None:
                 gone.cancel()
 
-    async def _wait(self, waiter: Waiter, gone: asyncio.Future[None] | None, timeout: float) -> Ticket:
+    async def _wait(self, waiter: Waiter[Basis], gone: asyncio.Future[None] | None, timeout: float) -> Ticket:
         waits: set[asyncio.Future[Any]] = {waiter.future}
         if gone is not None:
             waits.add(gone)
@@ -210,7 +216,7 @@ class Gate:
             backend.retry_after_s(),
         )
 
-    def _refuse(self, waiter: Waiter, error: Refused) -> Refused:
+    def _refuse(self, waiter: Waiter[Basis], error: Refused) -> Refused:
         """Report the refusal to the observers and hand back the error to raise."""
         self.observers.decided(Decision("reject", error.code, waiter.request_id, waiter.demand, error=error))
         return error
@@ -219,7 +225,7 @@ class Gate:
         """Seconds until `blocks_ahead` KV blocks have drained at the observed rate (kvgate.gate.drain)."""
         return self.drain.retry_after(blocks_ahead, busy=self.ledger.in_flight > 0, fallback_s=self.max_queue_wait_s)
 
-    def _abandon(self, waiter: Waiter) -> None:
+    def _abandon(self, waiter: Waiter[Basis]) -> None:
         """The waiter gives up: leave the queue, or hand back a ticket granted in the meantime."""
         if waiter.future.done():
             waiter.future.result().release("abandoned")
@@ -233,14 +239,6 @@ class Gate:
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
-        demand = reservation.demand
-        if (
-            outcome == "completed"
-            and output_tokens is not None
-            and self.outputs is not None
-            and demand.teaches_output_lengths  # not an answer forced long (ignore_eos, min_tokens)
-        ):
-            self.outputs.observe(demand.max_new_tokens, output_tokens // max(1, demand.sequences))
         if outcome != "requeued":  # never reached the backend: nothing drained
             self.drain.record(reservation.demand.kv_blocks)
         self.observers.released(Release(outcome, reservation, output_tokens))
@@ -259,9 +257,9 @@ class Gate:
                     up.set_result(None)
         if not self.queue:  # nothing waits, set aside or not (every release comes here)
             return
-        self.queue.restore(keep_aside=lambda waiter: self._stranded(_refreshed(waiter)))
+        self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
-            demand = _refreshed(head)
+            demand = self._refreshed(head)
             if self.budget.shortfall(demand, self.ledger) is None:
                 self.queue.pop_head()
                 waited_s = self._clock() - head.enqueued_at
@@ -275,9 +273,8 @@ class Gate:
         """It would wait even with nothing in flight (and not because the backend is down)."""
         return self.budget.hold is None and self.budget.shortfall(demand, _IDLE) is not None
 
-
-def _refreshed(waiter: Waiter) -> Demand:
-    """The waiter's demand as kvgate would predict it now (see Waiter.refresh)."""
-    if waiter.refresh is not None:
-        waiter.demand = waiter.refresh()
-    return waiter.demand
+    def _refreshed(self, waiter: Waiter[Basis]) -> Demand:
+        """The waiter's demand as kvgate would estimate it now (see `reestimate`)."""
+        if self._reestimate is not None and waiter.basis is not None:
+            waiter.demand = self._reestimate(waiter.basis)
+        return waiter.demand

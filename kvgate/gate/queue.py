@@ -14,13 +14,16 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvgate.memory.demand import Demand
 
+# What a waiter's demand was estimated from: opaque to the gate, handed back to its re-estimation.
+Basis = TypeVar("Basis")
+
 
 @dataclass(eq=False)
-class Waiter:
+class Waiter(Generic[Basis]):
     """A request waiting for admission; its future resolves when the gate admits it."""
 
     demand: Demand
@@ -30,8 +33,9 @@ class Waiter:
     future: asyncio.Future[Any] = field(repr=False)
     seq: int = 0
     reason: str = ""
-    # Recomputes the demand with what kvgate learned while it waited (output lengths).
-    refresh: Callable[[], Demand] | None = field(default=None, repr=False)
+    # What the demand was estimated from: the gate re-estimates it with what kvgate learned while
+    # it waited (output lengths).
+    basis: Basis | None = field(default=None, repr=False)
     request_id: str = ""  # labels the gate's decisions for observers (the decision log)
 
 
@@ -39,18 +43,18 @@ class QueueFull(Exception):
     """The queue already holds max_queue requests."""
 
 
-class AdmissionQueue:
+class AdmissionQueue(Generic[Basis]):
     def __init__(self, max_size: int) -> None:
         self.max_size = max_size
-        self._levels: dict[int, OrderedDict[str, deque[Waiter]]] = {}
+        self._levels: dict[int, OrderedDict[str, deque[Waiter[Basis]]]] = {}
         self._size = 0  # set-aside waiters included
-        self._aside: list[Waiter] = []
+        self._aside: list[Waiter[Basis]] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
         return self._size
 
-    def push(self, waiter: Waiter) -> None:
+    def push(self, waiter: Waiter[Basis]) -> None:
         if self._size >= self.max_size:
             raise QueueFull()
         waiter.seq = next(self._seq)
@@ -58,14 +62,14 @@ class AdmissionQueue:
         tenants.setdefault(waiter.tenant, deque()).append(waiter)
         self._size += 1
 
-    def peek(self) -> Waiter | None:
+    def peek(self) -> Waiter[Basis] | None:
         """The next waiter to admit: best priority level, the tenant whose turn it is, oldest."""
         if not self._levels:
             return None
         tenants = self._levels[min(self._levels)]
         return next(iter(tenants.values()))[0]
 
-    def pop_head(self) -> Waiter:
+    def pop_head(self) -> Waiter[Basis]:
         """Remove the peeked waiter and pass the turn to the next tenant of its level."""
         priority = min(self._levels)
         tenants = self._levels[priority]
@@ -85,7 +89,7 @@ class AdmissionQueue:
         self._aside.append(self.pop_head())
         self._size += 1
 
-    def restore(self, keep_aside: Callable[[Waiter], bool]) -> None:
+    def restore(self, keep_aside: Callable[[Waiter[Basis]], bool]) -> None:
         """Put set-aside waiters back at the front of their tenant's line, oldest first."""
         for waiter in reversed(list(self._aside)):
             if keep_aside(waiter):
@@ -95,7 +99,7 @@ class AdmissionQueue:
             tenants.setdefault(waiter.tenant, deque()).appendleft(waiter)
             tenants.move_to_end(waiter.tenant, last=False)
 
-    def remove(self, waiter: Waiter) -> bool:
+    def remove(self, waiter: Waiter[Basis]) -> bool:
         """Take out a waiter that gave up (deadline, disconnect); False if it is not queued."""
         if waiter in self._aside:
             self._aside.remove(waiter)

@@ -1,17 +1,36 @@
-"""What the budget loop may see of the gate: a read-only view, not the ledger and queue themselves.
+"""What the budget loop and `explain` may see of the gate: a read-only view, not the ledger and
+queue themselves.
 
 vLLM hands its scheduler a `KVCacheBlocks` view "to hide KVCacheManager's internal data
-structure" (vllm/v1/core/kv_cache_manager.py); this is the same for telemetry, so the gate can
-change how it holds reservations and waiters without the budget loop noticing.
+structure" (vllm/v1/core/kv_cache_manager.py); this is the same for telemetry and `kvgate explain`,
+so the gate can change how it holds reservations and waiters without either noticing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from kvgate.gate.gate import Gate
+from kvgate.memory.demand import Demand
+from kvgate.memory.sampler import SamplerStage
+
+
+@dataclass(frozen=True)
+class Preview:
+    """What the gate would do with a demand arriving now, and the holdings it weighed it against."""
+
+    wait_reason: str | None  # why it would wait (a shortfall, behind_queue, the backend); None: admitted now
+    new_kv_blocks: int  # what it adds to the pool beside what is held (shared prefixes once)
+    kv_blocks_reserved: int
+    kv_margin_blocks: int  # kept free for the spread of the in-flight outputs, its own included
+    transient_reserved_bytes: int
+    sampler_stage: SamplerStage  # the sampler's stage with it in the batch
+    waiting: int  # requests in the queue
 
 
 class GateView:
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate[Any]) -> None:
         self._gate = gate
 
     @property
@@ -33,3 +52,16 @@ class GateView:
         """Why the head of the queue waits (a budget shortfall), or None when nothing waits."""
         head = self._gate.queue.peek()
         return None if head is None else self._gate.budget.shortfall(head.demand, self._gate.ledger)
+
+    def preview(self, demand: Demand, priority: int) -> Preview:
+        """The decision `demand` would get if it arrived now, without taking it: nothing is reserved."""
+        gate, ledger, budget = self._gate, self._gate.ledger, self._gate.budget
+        return Preview(
+            wait_reason=gate.would_wait(demand, priority),
+            new_kv_blocks=ledger.new_blocks(demand),
+            kv_blocks_reserved=ledger.kv_blocks,
+            kv_margin_blocks=budget.kv_margin(ledger.kv_variance_blocks + demand.kv_variance_blocks),
+            transient_reserved_bytes=budget.transient_charge(ledger),
+            sampler_stage=ledger.sampler_with(demand),
+            waiting=gate.waiting,
+        )

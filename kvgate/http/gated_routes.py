@@ -197,13 +197,13 @@ class GatedRoutes:
     ) -> Admitted:
         """Wait for the gate until `deadline`; a KvgateError if refused or the client left."""
         rt = self.rt
-        predictor, prediction = evaluated.evaluation.predictor, evaluated.evaluation.prediction
+        prediction = evaluated.evaluation.prediction
         ticket = await rt.gate.acquire(
             prediction.demand,
             evaluated.priority,
             evaluated.turn,
             lambda: disconnect_future(receive),
-            refresh=lambda: predictor.refreshed(prediction),
+            basis=prediction,
             request_id=request_id,
             deadline=deadline,
         )

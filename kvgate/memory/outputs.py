@@ -1,12 +1,13 @@
 """How many output tokens a request's KV reservation counts on: the pure model's input.
 
-How that number is learned from finished requests is admission policy and lives with the gate
-(kvgate/gate/output_lengths.py); the footprint only needs the result.
+How that number is learned from finished requests is policy (kvgate/output_lengths.py, wired by
+the composition root); the footprint only needs the result, from whatever OutputReserver it is given.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -15,3 +16,10 @@ class OutputReservation:
 
     tokens: int
     variance: float = 0.0
+
+
+class OutputReserver(Protocol):
+    """What the predictor asks of output-length learning: the reservation for a request allowed
+    `max_new_tokens` that will surely generate `min_new_tokens`."""
+
+    def reserve(self, max_new_tokens: int, min_new_tokens: int = 0) -> OutputReservation: ...

