@@ -481,8 +481,8 @@ COMPONENTS = (
     ("admission gate (kvgate/gate/)", ("kvgate/gate/",)),
     ("request parsing (kvgate/openai.py)", ("kvgate/openai.py",)),
     (
-        "kvgate proxy/server code (kvgate/proxy.py, kvgate/http/, kvgate/composition.py, kvgate/pipeline.py)",
-        ("kvgate/proxy.py", "kvgate/http/", "kvgate/composition.py", "kvgate/pipeline.py"),
+        "kvgate proxy/server code (kvgate/backend.py, kvgate/http/, kvgate/composition.py, kvgate/pipeline.py)",
+        ("kvgate/backend.py", "kvgate/http/", "kvgate/composition.py", "kvgate/pipeline.py"),
     ),
     ("upstream HTTP client (kvgate/upstream.py, httpx)", ("kvgate/upstream.py", "httpx/", "httpcore/")),
     ("metrics (prometheus_client)", ("prometheus_client/",)),

@@ -16,11 +16,9 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvgate import capacity
-from kvgate.logs import configure_logging
+from kvgate.logs import configure_logging, quiet_transformers_advice
 from kvgate.model_folder import ModelFolderError, resolve_model_folder
 from kvgate.settings import Settings, add_settings_arguments, settings_from_args
-from kvgate.sim import cli as sim_cli
-from kvgate.tokens import has_local_tokenizer
 from kvgate.vllm_flags import (
     UnknownFlagError,
     VllmFlags,
@@ -111,7 +109,7 @@ def serve(args: argparse.Namespace) -> int:
         # The backend's own Date and Server headers pass through untouched; do not add ours.
         server_header=False,
         date_header=False,
-        # The client's address is the socket's: kvgate.proxy appends it to X-Forwarded-For, and a
+        # The client's address is the socket's: kvgate.http.proxy appends it to X-Forwarded-For, and a
         # client's own X-Forwarded-For must not rewrite it.
         proxy_headers=False,
     )
@@ -146,6 +144,8 @@ def explain_command(args: argparse.Namespace) -> int:
         response = httpx.post(args.url.rstrip("/") + "/kvgate/explain", content=raw, params=params, timeout=30)
         print(json.dumps(response.json(), indent=2))
         return 0 if response.status_code == 200 else 1
+    from kvgate.tokens import has_local_tokenizer
+
     settings = with_model_folder(settings_from_args(args))
     if (
         not has_local_tokenizer(settings.model)
@@ -251,10 +251,14 @@ def sim_command(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    from kvgate.sim import cli as sim_cli
+
     return sim_cli.run(args, announce)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """kvgate's command line; the simulator's own options are added only when `command` is
+    "sim": reading them loads the simulator, which `kvgate serve` never needs."""
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -291,7 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the simulated vLLM whose GPU memory really runs out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    sim_cli.add_arguments(sim_parser)
+    if command == "sim":
+        from kvgate.sim import cli as sim_cli
+
+        sim_cli.add_arguments(sim_parser)
     sim_parser.add_argument(
         "--model-folder",
         type=Path,
@@ -311,7 +318,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
     Options that are `vllm serve`'s but change nothing kvgate predicts are logged once and
     dropped; anything that is neither kvgate's nor vLLM's is an error, as before."""
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv else None)
     ours, pasted, model = split_vllm_command(argv)
     args, rest = parser.parse_known_args(ours + pasted)
     if rest and args.command not in VLLM_COMMANDS:
@@ -327,6 +334,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_transformers_advice()
     args = parse_command_line(sys.argv[1:] if argv is None else argv)
     if argv is None and args.run is serve:  # a `kvgate serve` command line, not a call from Python
         exec_with_malloc_tuning()

@@ -12,19 +12,19 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
 
+from kvgate.backend import Backend
 from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
-from kvgate.gate.observer import Observers
+from kvgate.gate.observer import GateObserver, Observers
 from kvgate.gate.view import GateView
-from kvgate.http.decision_log import DecisionLog
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
@@ -33,9 +33,9 @@ from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.model_folder import load_geometry
 from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import PipelineConfig, RequestPipeline
-from kvgate.predict import Prediction
+from kvgate.predict import Prediction, Predictor
 from kvgate.preparation_workers import PreparationWorkers
-from kvgate.proxy import Backend
+from kvgate.request import RequestLimits
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import Settings
 from kvgate.telemetry.gpu import detect_probe
@@ -66,7 +66,9 @@ def freeze_start_up_heap() -> None:
 class Runtime:
     """Everything a kvgate process holds, built once at start-up."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, observers: Sequence[GateObserver] = ()) -> None:
+        """`observers`: the edge's own observers of the gate, after kvgate's (the HTTP layer's
+        decision log, which reports the status each client saw)."""
         self.settings = settings
         self.metrics = KvgateMetrics()
         self.backend = Backend(
@@ -86,7 +88,7 @@ class Runtime:
         self.in_flight = InFlightRequests()
         self.gate: Gate[Prediction] = Gate(
             self.budget,
-            Observers(self.outputs, gate_metrics, DecisionLog(), self.in_flight),
+            Observers(self.outputs, gate_metrics, self.in_flight, *observers),
             settings.max_queue,
             settings.max_queue_wait,
             reestimate=self._reestimate,
@@ -103,6 +105,7 @@ class Runtime:
             template_seconds=settings.request_chat_template_timeout,
         )
         self.geometry: ModelGeometry | None = None
+        self.deployment: Deployment | None = None  # as last synchronised; the pipeline's configuration follows it
         self.disagreements = Disagreements()  # flags the backend contradicts, each said once
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
@@ -334,19 +337,14 @@ class Runtime:
         )
         current = self.pipeline.config
         tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()
-        self.pipeline.configure(PipelineConfig(deployment, tokenizer, predictor, workers))
+        self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))
+        self.deployment = deployment
         self.budget.update(**asdict(limits))
 
     def _reestimate(self, prediction: Prediction) -> Demand:
         """A waiting request's demand with the output lengths learned since it was predicted."""
         config = self.pipeline.config
         return prediction.demand if config is None else config.predictor.refreshed(prediction)
-
-    @property
-    def deployment(self) -> Deployment | None:
-        """The backend's configuration as last synchronised (None before the first sync)."""
-        config = self.pipeline.config
-        return None if config is None else config.deployment
 
     @property
     def ready(self) -> bool:
@@ -366,6 +364,19 @@ class Runtime:
         self._configure(deployment, lambda: self._load_tokenizer(self.settings.served_model_name or "", online=False))
         # No backend to watch: the decision is the one a running backend in these flags would get.
         self.budget.set_backend("up", "offline: judged from flags")
+
+
+def pipeline_config(
+    deployment: Deployment, predictor: Predictor, tokenizer: Tokenizer, workers: PreparationWorkers | None = None
+) -> PipelineConfig:
+    """What the request path reads of `deployment` (with the predictor built for it)."""
+    return PipelineConfig(
+        tokenizer,
+        predictor,
+        RequestLimits(deployment.max_model_len, deployment.max_logprobs, predictor.layout.geometry.vocab_size),
+        deployment.runtime.content_format_namespace_aliases,
+        workers,
+    )
 
 
 def engine_flags(settings: Settings) -> EngineFlags:

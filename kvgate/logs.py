@@ -3,26 +3,47 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
-class _TorchAbsence(logging.Filter):
-    """Drops transformers' "PyTorch was not found" advice: kvgate uses only its tokenizers and
-    configuration classes, never a model, so torch is absent on purpose."""
+def quiet_transformers_advice() -> None:
+    """transformers advises once, when it is imported, to install PyTorch: kvgate uses only its
+    tokenizers and configuration classes, never a model, so torch is absent on purpose. The advice
+    is turned off the way transformers offers (TRANSFORMERS_NO_ADVISORY_WARNINGS, read when it
+    advises), in the environment so that the preparation workers kvgate spawns inherit it. The
+    command line's entry points call this before anything imports transformers; importing kvgate
+    changes nothing. An operator's own value is kept."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("PyTorch was not found")
 
+class SecondCachedFormatter(logging.Formatter):
+    """logging.Formatter's own asctime ("2026-11-27 04:05:06,789"), its date and time part
+    formatted once a second rather than once a line: every decision is logged, and strftime of
+    the local time was half the cost of formatting a line."""
 
-def silence_torch_absence() -> None:
-    """Install the filter before transformers is imported (it advises once, at import)."""
-    logging.getLogger("transformers").addFilter(_TorchAbsence())
+    def __init__(self, fmt: str) -> None:
+        super().__init__(fmt)
+        self._second: int | None = None
+        self._text = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        second = int(record.created)
+        if second != self._second:
+            self._second = second
+            self._text = time.strftime(self.default_time_format, self.converter(record.created))
+        return f"{self._text},{int(record.msecs):03d}"  # default_msec_format, '%s,%03d'
 
 
 def configure_logging(level: str) -> None:
     """kvgate's format on the root logger; uvicorn, run with log_config=None, propagates to it."""
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    handler = logging.StreamHandler()
+    handler.setFormatter(SecondCachedFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     # The format shows neither the caller nor the thread or process: do not collect them for
     # every record (the caller is a walk up the stack, the process id a system call). At
     # --log-level info that is a quarter of each decision line's cost.

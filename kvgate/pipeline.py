@@ -1,10 +1,10 @@
 """One request's way to a demand: parse -> check -> token ids -> prediction -> never-fits check.
 
 Apart from the composition root (kvgate.composition) so that the path every gated request takes reads
-top to bottom in one place. What it reads of the backend (tokenizer, predictor, deployment) is one
-frozen PipelineConfig, swapped in whole on each backend sync (`configure`): a request is evaluated
-against one configuration from start to end. Each step raises a domain error (kvgate.errors), never
-HTTP.
+top to bottom in one place. What it reads of the backend (tokenizer, predictor, the limits and
+rendering rule of its release) is one frozen PipelineConfig, swapped in whole on each backend sync
+(`configure`, by the composition root): a request is evaluated against one configuration from start
+to end. Each step raises a domain error (kvgate.errors), never HTTP.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import secrets
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 
-from kvgate.engine_config import Deployment
 from kvgate.errors import BackendDown, ModelNotFound, NotReady, TokenizerUnavailable
 from kvgate.gate.budget import Budget
 from kvgate.openai import parse_request
@@ -51,19 +49,16 @@ PREPARE_SECONDS_PER_MIB = 3.0
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """What the request path reads from one sync with the backend, built and swapped in whole."""
+    """What the request path reads from one sync with the backend (kvgate/engine_config.py's
+    Deployment, resolved by the composition root), built and swapped in whole."""
 
-    deployment: Deployment
     tokenizer: Tokenizer
-    predictor: Predictor  # built for `deployment` (kvgate/engine_config.py build_predictor)
+    predictor: Predictor  # built for the deployment (engine_config.build_predictor)
+    limits: RequestLimits  # max_model_len, --max-logprobs, the vocabulary (kvgate/request.py)
+    # The backend release's rule for a chat template's content format
+    # (VllmRuntime.content_format_namespace_aliases).
+    content_format_namespace_aliases: bool = False
     workers: PreparationWorkers | None = None  # only with the model folder's own tokenizer
-
-    @cached_property
-    def limits(self) -> RequestLimits:
-        """What vLLM checks a request against before reading its prompt (kvgate/request.py)."""
-        return RequestLimits(
-            self.deployment.max_model_len, self.deployment.max_logprobs, self.predictor.layout.geometry.vocab_size
-        )
 
 
 @dataclass(frozen=True)
@@ -157,7 +152,7 @@ class RequestPipeline:
                 config.tokenizer,
                 trust_request_chat_template=self.trust_request_chat_template,
                 limits=config.limits,
-                content_format_namespace_aliases=config.deployment.runtime.content_format_namespace_aliases,
+                content_format_namespace_aliases=config.content_format_namespace_aliases,
             )
         except BackendTokenizeError as exc:
             if exc.unreachable:  # as a refused connection for a request: the backend is down now
@@ -171,12 +166,7 @@ class RequestPipeline:
 
     async def _prepare_in_worker(self, config: PipelineConfig, route: Route, raw: bytes, grant: Grant) -> Prepared:
         assert config.workers is not None
-        job = Job(
-            route,
-            self.trust_request_chat_template,
-            config.limits,
-            config.deployment.runtime.content_format_namespace_aliases,
-        )
+        job = Job(route, self.trust_request_chat_template, config.limits, config.content_format_namespace_aliases)
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
         return await config.workers.run(job, raw, grant, seconds)
 
@@ -206,7 +196,7 @@ class RequestPipeline:
         a stored conversation kvgate never saw (a Responses request's previous_response_id), and
         the context bounds it. The filler starts with a random id so that its blocks are never
         taken for another request's cached prefix."""
-        length = config.deployment.max_model_len - (request.sampling.max_tokens or 1)
+        length = config.limits.max_model_len - (request.sampling.max_tokens or 1)
         if len(ids) >= length:
             return ids
         filler = array(TOKEN_ARRAY, [-1 - secrets.randbits(62)]) + array(TOKEN_ARRAY, [-1]) * (length - len(ids) - 1)

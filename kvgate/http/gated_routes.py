@@ -28,8 +28,8 @@ from kvgate.gate.observer import Decision
 from kvgate.gate.tenants import TenantTurns
 from kvgate.http.asgi import answer_refusal, disconnect_future, header, read_body, request_target
 from kvgate.http.errors import error_response
+from kvgate.http.proxy import Relay, forward_headers, open_while_client_waits
 from kvgate.pipeline import Evaluation
-from kvgate.proxy import Relay, forward_headers, open_while_client_waits
 from kvgate.vllm_routes import ROUTE_PATHS, Route
 
 log = logging.getLogger("kvgate.proxy")

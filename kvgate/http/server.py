@@ -19,10 +19,11 @@ from kvgate.composition import Runtime
 from kvgate.errors import KvgateError, MethodNotAllowed
 from kvgate.explain import explain
 from kvgate.http.asgi import answer_refusal, read_body, request_target
+from kvgate.http.decision_log import DecisionLog
 from kvgate.http.errors import error_response
 from kvgate.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
+from kvgate.http.proxy import check_passthrough, passthrough, passthrough_allowed
 from kvgate.passthrough_body import check_passthrough_body
-from kvgate.proxy import check_passthrough, passthrough, passthrough_allowed
 from kvgate.settings import Settings
 
 # vLLM's routes that load and unload LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING;
@@ -53,7 +54,7 @@ class Kvgate:
 
 
 def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
-    rt = runtime or Runtime(settings)
+    rt = runtime or Runtime(settings, observers=(DecisionLog(),))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -130,7 +131,7 @@ def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
                 request.headers.get("content-type"),
                 body,
                 config.tokenizer if config else None,
-                config.deployment.max_model_len if config else None,
+                config.limits.max_model_len if config else None,
             )
             relay = await passthrough(
                 rt.backend,

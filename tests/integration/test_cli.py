@@ -70,3 +70,16 @@ def test_log_records_skip_caller_thread_and_process(monkeypatch: pytest.MonkeyPa
     cli.configure_logging("info")
     record = logging.getLogger("kvgate.decision").makeRecord("kvgate.decision", logging.INFO, "f", 1, "m", (), None)
     assert logging._srcfile is None and (record.thread, record.process, record.processName) == (None, None, None)
+
+
+def test_log_time_is_loggings_own_format_once_a_second() -> None:
+    """kvgate's formatter writes asctime exactly as logging.Formatter does, across seconds."""
+    import logging
+
+    from kvgate.logs import LOG_FORMAT, SecondCachedFormatter
+
+    ours, theirs = SecondCachedFormatter(LOG_FORMAT), logging.Formatter(LOG_FORMAT)
+    for created in (1_795_000_000.0, 1_795_000_000.999, 1_795_000_001.0005, 1_795_000_001.5, 1_795_003_600.25):
+        record = logging.LogRecord("kvgate.decision", logging.INFO, "f", 1, "m", (), None)
+        record.created, record.msecs = created, int((created - int(created)) * 1000)
+        assert ours.format(record) == theirs.format(record)

@@ -190,15 +190,15 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
 KVGATE_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [\w.]+ ")
 
 
-def test_transformers_does_not_advise_installing_torch() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", "import kvgate.tokens; from transformers import AutoTokenizer"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0 and "PyTorch was not found" not in done.stderr, done.stderr
+def test_transformers_does_not_advise_installing_torch(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """kvgate loads tokenizers and configurations through transformers, never a model: its advice
+    to install PyTorch is noise on a kvgate command's output (`kvgate serve`'s log:
+    tests/integration/test_imports.py)."""
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"prompt": "hi", "max_tokens": 4}))
+    done = kvgate("explain", str(body), "--model", str(tiny_model_dir), "--num-gpu-blocks", "16")
+    assert done.returncode == 0 and json.loads(done.stdout)["prompt_tokens"] > 0, done.stderr
+    assert "PyTorch was not found" not in done.stderr, done.stderr
 
 
 def test_wrong_method_on_a_gated_path_gets_openais_error_shape(model_dir: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.cli import build_parser
-from kvgate.composition import engine_flags
+from kvgate.composition import engine_flags, pipeline_config
 from kvgate.engine_config import build_predictor, resolve
 from kvgate.errors import ContextTooLong, InvalidField, KvNeverFits, ModelNotFound, NotReady, VllmRefusal
 from kvgate.gate.budget import Budget
@@ -80,7 +80,7 @@ def config_for(model_dir: Path, tokenizer: Tokenizer, *flags: str) -> PipelineCo
     settings = settings_from_args(build_parser().parse_args(["serve", "--model", str(model_dir), *flags]))
     geometry = load_geometry(model_dir)
     deployment = resolve(engine_flags(settings), geometry, None, None)
-    return PipelineConfig(deployment, tokenizer, build_predictor(deployment, geometry))
+    return pipeline_config(deployment, build_predictor(deployment, geometry), tokenizer)
 
 
 def new_pipeline(budget: Budget | None = None) -> RequestPipeline:

@@ -9,9 +9,10 @@ from contextlib import asynccontextmanager
 import pytest
 
 from kvgate import upstream
+from kvgate.backend import Backend
 from kvgate.errors import BackendDown, BackendTimedOut, InvalidField
 from kvgate.http.errors import error_headers, status_of
-from kvgate.proxy import Backend, forward_headers, open_while_client_waits, response_headers
+from kvgate.http.proxy import forward_headers, open_while_client_waits, response_headers
 from kvgate.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -137,7 +138,7 @@ async def test_chunks_that_arrived_together_are_read_together() -> None:
 async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
     """One body message per read, the last one closing the body: a stream that arrived whole
     leaves in one write, a non-streaming answer without a separate empty end."""
-    from kvgate.proxy import Relay
+    from kvgate.http.proxy import Relay
 
     class Upstream:  # what Relay uses of an UpstreamResponse
         status, raw_headers = 200, [(b"content-type", b"text/event-stream")]

@@ -1,4 +1,4 @@
-"""Talking to the backend: pooled keep-alive connections (kvgate.upstream), bytes relayed as they arrive.
+"""Relaying the backend's answers: bytes passed on as they arrive (the connections: kvgate.backend).
 
 Responses are never buffered: each chunk vLLM sends is passed on at once, so time to first byte
 is vLLM's plus a few hundred microseconds. A relay owns its ticket from the moment the upstream
@@ -13,22 +13,14 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
-import httpx
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from kvgate.errors import BackendBroke, BackendDown, BackendTimedOut, InvalidField, RouteNotForwarded
+from kvgate.backend import Backend
+from kvgate.errors import RouteNotForwarded
 from kvgate.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
-from kvgate.http.asgi import disconnect_future
 from kvgate.http.output_tokens import OutputTokenCounter
-from kvgate.upstream import (
-    ConnectionPool,
-    InvalidRequestHeader,
-    UpstreamError,
-    UpstreamResponse,
-    UpstreamTimeout,
-    UpstreamUnavailable,
-)
+from kvgate.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -52,68 +44,6 @@ HOP_BY_HOP = frozenset(
 # scheme or host it likes. X-Forwarded-For and Forwarded are chains: kvgate appends its hop.
 _REWRITTEN = frozenset({b"x-request-id", b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto", b"forwarded"})
 _NOT_FORWARDED = HOP_BY_HOP | _REWRITTEN
-# Concurrent /tokenize calls when kvgate tokenizes through the backend (no tokenizer files in the
-# model folder): enough to keep vLLM's API server busy, few enough to leave it room for the rest.
-TOKENIZE_CONNECTIONS = 32
-
-
-class Backend:
-    """The vLLM server behind kvgate: pooled keep-alive connections for proxied requests
-    (kvgate.upstream, a few tens of microseconds a round trip), an httpx client for the control
-    plane (scrapes, probes: a few requests a second, off the hot path), and one for the /tokenize
-    fallback. The last has its own pool, and its requests wait for a connection as long as they
-    must: a burst of arrivals tokenized through the backend queues there instead of failing, and
-    never starves the scrapes the budget depends on.
-    """
-
-    def __init__(
-        self,
-        base_url: str,
-        timeout_s: float,
-        max_connections: int = 1024,
-        connect_timeout_s: float = 5.0,
-        pool_timeout_s: float = 30.0,
-    ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10.0))
-        self.tokenize_client = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(30.0, pool=None),
-            limits=httpx.Limits(max_connections=TOKENIZE_CONNECTIONS),
-        )
-        self.pool = ConnectionPool(
-            self.base_url,
-            read_timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            max_connections=max_connections,
-            pool_timeout_s=pool_timeout_s,
-        )
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-        await self.tokenize_client.aclose()
-        self.pool.close()
-
-    async def open(
-        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> UpstreamResponse:
-        """Send a request (`target`: raw path and query) and return once the response head is
-        in, or the domain error that says why it cannot be: InvalidField for a header that cannot
-        be sent, BackendDown when nothing reached the backend (refused, no connection in time),
-        BackendTimedOut when it was sent and the backend stayed silent, BackendBroke when it broke
-        the exchange."""
-        try:
-            return await self.pool.request(method, target, headers, body)
-        except InvalidRequestHeader as exc:
-            raise InvalidField(f"A request header cannot be forwarded: {exc}.", code="invalid_header") from None
-        except UpstreamUnavailable as exc:
-            raise BackendDown(f"The backend is unavailable: {exc}.") from exc
-        except (TimeoutError, UpstreamTimeout) as exc:  # before OSError: TimeoutError is one
-            raise BackendTimedOut() from exc
-        except OSError as exc:
-            raise BackendDown(f"The backend at {self.base_url} is unavailable ({type(exc).__name__}).") from exc
-        except UpstreamError as exc:
-            raise BackendBroke(str(exc)) from exc
 
 
 async def open_while_client_waits(
@@ -130,18 +60,28 @@ async def open_while_client_waits(
     vLLM sends a non-streaming answer's head only when the answer is complete, so a client that
     hangs up meanwhile would otherwise keep its reservation, and vLLM its generation, to the end.
     """
-    opening = asyncio.ensure_future(backend.open(method, target, headers, body))
-    gone = disconnect_future(receive)
+    # The exchange runs in the caller's task and one watcher task cancels it if the client leaves
+    # (a task for each and asyncio.wait over both cost three times as much per request).
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    async def cancel_when_client_leaves() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        task.cancel()
+
+    watcher = asyncio.ensure_future(cancel_when_client_leaves())
     try:
-        await asyncio.wait((opening, gone), return_when=asyncio.FIRST_COMPLETED)
+        return await backend.open(method, target, headers, body)
+    except asyncio.CancelledError:
+        if left and task.uncancel() == 0:  # the watcher's cancel, no one else's: the exchange is closed
+            return None
+        raise
     finally:
-        gone.cancel()
-        if not opening.done():
-            opening.cancel()
-            await asyncio.wait((opening,))  # its connection is closed once it has unwound
-    if opening.cancelled():
-        return None
-    return opening.result()
+        watcher.cancel()
 
 
 def forward_headers(
@@ -258,6 +198,11 @@ class Relay(Response):
         self._client_gone = False
         self._sent_tail = b""  # the end of what the client was sent, to see SSE_DONE go out
         self._stall_timeout_s = stall_timeout_s
+        # The stall deadline: one timer for the whole relay, armed by its first send (a timeout
+        # around every send cost a timer handle and a context manager a message).
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._sending_since: float | None = None  # when the send under way began (the loop's clock)
+        self._stalled = False
         self._request_id = headers.get("x-request-id", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -281,6 +226,8 @@ class Relay(Response):
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if self._stall_timer is not None:
+                self._stall_timer.cancel()
             self._on_end(outcome, self._counter.tokens() if self._counter else None)
             if outcome in ("completed", "refused_by_backend", "backend_error"):
                 self.upstream.release()  # read to the end: the connection goes back to the pool
@@ -336,11 +283,38 @@ class Relay(Response):
     async def _send(self, send: Send, message: Message) -> None:
         """`send`, or ClientStalled once it has waited `stall_timeout_s` for a client that reads
         nothing (uvicorn's send waits only while the connection's write buffer is full)."""
+        if self._stall_timeout_s is None:
+            await send(message)
+            return
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._sending_since = now = loop.time()
+        if self._stall_timer is None:
+            self._stall_timer = loop.call_at(now + self._stall_timeout_s, self._check_stall, task)
         try:
-            async with asyncio.timeout(self._stall_timeout_s):
-                await send(message)
-        except TimeoutError:
-            raise ClientStalled() from None
+            await send(message)
+        except asyncio.CancelledError:
+            if self._stalled and task.uncancel() == 0:  # our cancel, no one else's
+                raise ClientStalled() from None
+            raise
+        finally:
+            self._sending_since = None
+
+    def _check_stall(self, task: asyncio.Task) -> None:
+        """The stall timer is due: cut the relay if the send under way has waited the whole
+        `stall_timeout_s`, else wait for what is left of the send under way; with none under
+        way, the next send arms it again."""
+        self._stall_timer = None
+        since = self._sending_since
+        if since is None or self._stall_timeout_s is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - since >= self._stall_timeout_s:
+            self._stalled = True
+            task.cancel()
+        else:
+            self._stall_timer = loop.call_at(since + self._stall_timeout_s, self._check_stall, task)
 
 
 class ClientStalled(Exception):
