@@ -65,7 +65,7 @@ class PipelineConfig:
 class Evaluation:
     request: ValidRequest
     prediction: Prediction
-    predictor: Predictor  # the one that made `prediction` (it re-estimates it for the gate)
+    predictor: Predictor  # the one that made `prediction`: the never-fits check and explain judge with it
     tokenize_s: float
 
 
