@@ -23,7 +23,7 @@ The other routes (/v1/responses, /v1/messages, /invocations) are translated to a
 chat body first (kvgate/vllm_routes.py).
 
 The fields are assumed type-checked (kvgate/openai.py answers a malformed one with a 400).
-`tests/integration/test_sampling_params.py` compares this mapping with vLLM's own, field by field.
+`tests/integration/test_sampling_params_vllm.py` compares this mapping with vLLM's own, field by field.
 """
 
 from __future__ import annotations

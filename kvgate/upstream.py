@@ -306,12 +306,15 @@ class ConnectionPool:
         anything is sent; OSError if the backend refuses the connection; UpstreamUnavailable if
         no connection could be had in time (nothing sent either); UpstreamError after sending."""
         head = self._head(method, target, headers, body)
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
-        except TimeoutError:
-            raise UpstreamUnavailable(
-                f"all {self._max_connections} connections to the backend stayed busy for {self._pool_timeout_s:g} s"
-            ) from None
+        if self._slots.locked():  # every connection busy: wait for one, at most the pool timeout
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
+            except TimeoutError:
+                raise UpstreamUnavailable(
+                    f"all {self._max_connections} connections to the backend stayed busy for {self._pool_timeout_s:g} s"
+                ) from None
+        else:  # a slot is free: taken at once, without wait_for's task and timer
+            await self._slots.acquire()
         conn: Connection | None = None
         try:
             conn = await self._connection()

@@ -7,7 +7,7 @@ template, /inference/v1/generate takes token ids and a SamplingParams object, /i
 chat or completions by the body's shape, and the pooling routes run a prompt through the model
 without decoding. Translating each body into the equivalent completions or chat body once lets
 one parser, tokenizer and predictor (kvgate/openai.py, kvgate/pipeline.py, kvgate/predict.py) serve them
-all, and `tests/integration/test_sampling_params.py` checks the translation against vLLM's own
+all, and `tests/integration/test_sampling_params_vllm.py` checks the translation against vLLM's own
 `to_sampling_params`.
 
 Only the fields that decide memory are translated: the prompt (messages, system text, tools),

@@ -7,12 +7,14 @@ everything that runs a server process, a subprocess or the real vLLM is in tests
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from support.fake_backend import FakeBackend, running_fake_backend
+from support.kvgate_server import KvgateFactory, KvgateServer, running_kvgate
 from support.tiny_model import build_tiny_model
 from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
 
@@ -22,10 +24,10 @@ VLLM_TIMEOUT_S = 600
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the session vLLM is a `vllm` test; `vllm` tests get VLLM_TIMEOUT_S unless
-    they name their own timeout."""
+    """A test that uses the session's vLLM server or vLLM interpreter is a `vllm` test; `vllm` tests
+    get VLLM_TIMEOUT_S unless they name their own timeout."""
     for item in items:
-        if "vllm_server" in getattr(item, "fixturenames", ()):
+        if {"vllm_server", "vllm_kv_groups"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("vllm") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
@@ -56,3 +58,17 @@ def backend() -> Iterator[FakeBackend]:
     that needs another behaviour (test_tenancy's slow answers) defines its own."""
     with running_fake_backend() as backend:
         yield backend
+
+
+@pytest.fixture(scope="module")
+def kvgate_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateFactory]:
+    """Starts `kvgate serve` processes (support/kvgate_server.py) that the module shares and that
+    stop when it ends: a module's `kvgate` fixture is one call with its flags. A test that needs a
+    server of its own uses `running_kvgate` in a `with` block instead."""
+    with contextlib.ExitStack() as servers:
+
+        def start(backend_url: str, model_dir: Path, *flags: str, wait_ready: bool = True) -> KvgateServer:
+            scratch = tmp_path_factory.mktemp("kvgate")
+            return servers.enter_context(running_kvgate(backend_url, model_dir, scratch, *flags, wait_ready=wait_ready))
+
+        yield start

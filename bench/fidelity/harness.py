@@ -1,7 +1,7 @@
 """The kvgate side of the fidelity harness: run the probe in vLLM's venv, set each measurement
 beside kvgate's V1 estimate, and judge it against the band (never under, at most 15 % over).
 
-The CLI is bench/fidelity/__main__.py; tests/integration/test_fidelity.py runs the small grid through here.
+The CLI is bench/fidelity/__main__.py; tests/integration/test_fidelity_vllm.py runs the small grid through here.
 """
 
 from __future__ import annotations

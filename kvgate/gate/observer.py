@@ -1,8 +1,8 @@
 """What the gate tells the rest of kvgate: each decision and each release, as plain events.
 
-The gate only decides; counting (Prometheus), logging and telemetry's in-flight view are
-observers of these events, so the gate imports none of them and each event is counted once, by
-whoever observes it. Refusals made before the gate (a malformed body, a prompt that never fits)
+The gate only decides; counting (Prometheus), logging, telemetry's in-flight view and learning
+how long answers are (kvgate/output_lengths.py) are observers of these events, so the gate imports
+none of them and each event is counted once, by whoever observes it. Refusals made before the gate (a malformed body, a prompt that never fits)
 are reported to the same observers by the HTTP handler, so every decision a client meets goes
 through one path.
 """

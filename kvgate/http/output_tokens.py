@@ -1,6 +1,6 @@
 """How many tokens a relayed completion produced, read off the bytes on their way through.
 
-The gate learns output lengths from finished requests (kvgate/gate/output_lengths.py), and kvgate relays
+kvgate learns output lengths from finished requests (kvgate/output_lengths.py), and kvgate relays
 bodies untouched, so it counts without parsing them: a JSON body ends with vLLM's usage block
 (exact), and a stream is one `data: {...}` event per generated token and sequence unless the
 client asked for a usage chunk (exact again). Counting events over-counts by a role or a finish

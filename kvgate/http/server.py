@@ -53,8 +53,8 @@ class Kvgate:
         await self.rest(scope, receive, send)
 
 
-def create_app(settings: Settings, runtime: Runtime | None = None) -> Kvgate:
-    rt = runtime or Runtime(settings, observers=(DecisionLog(),))
+def create_app(settings: Settings) -> Kvgate:
+    rt = Runtime(settings, observers=(DecisionLog(),))  # the decision log: the edge's own observer
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -10,31 +10,15 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 
 from support.fake_backend import fake_backend_process, running_fake_backend
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
 from support.vllm_server import free_port
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def readyz(kvgate: KvgateServer) -> dict:
-    return httpx.get(kvgate.base_url + "/readyz", timeout=5).json()
-
-
-def assert_ledger_empty(kvgate: KvgateServer) -> None:
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
+from support.waiting import wait_for
 
 
 def test_backend_never_reachable(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -101,24 +85,30 @@ def test_a_hung_backend_holds_new_arrivals_in_the_queue(tiny_model_dir: Path, tm
             os.kill(proc.pid, signal.SIGSTOP)
             try:
                 wait_for(
-                    lambda: readyz(kvgate)["telemetry"]["budget_mode"] == "hung", "the backend to be declared hung"
+                    lambda: kvgate.readyz()["telemetry"]["budget_mode"] == "hung",
+                    timeout_s=20,
+                    what="the backend to be declared hung",
                 )
                 assert httpx.get(kvgate.base_url + "/readyz").status_code == 503
-                assert readyz(kvgate)["backend"]["status"] == "hung"
+                assert kvgate.readyz()["backend"]["status"] == "hung"
                 refused = httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30)
                 assert refused.status_code == 503, refused.text
                 assert "has been hung" in refused.json()["error"]["message"]
                 assert int(refused.headers["retry-after"]) >= 1
                 with ThreadPoolExecutor(1) as pool:
                     pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=30)
-                    wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1, "the request to queue")
+                    wait_for(
+                        lambda: kvgate.metric("kvgate_queue_depth") == 1, timeout_s=20, what="the request to queue"
+                    )
                     os.kill(proc.pid, signal.SIGCONT)
                     assert pending.result().status_code == 200
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
             assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_hung") == 2
             assert kvgate.metric("kvgate_upstream_errors_total", kind="backend_timeout") == 0
-            wait_for(lambda: readyz(kvgate)["backend"]["status"] == "up", "the backend to be up again")
+            wait_for(
+                lambda: kvgate.readyz()["backend"]["status"] == "up", timeout_s=20, what="the backend to be up again"
+            )
             assert_ledger_empty(kvgate)
 
 
@@ -166,7 +156,7 @@ def test_a_burst_tokenized_through_the_backend_queues_and_scrapes_go_on(tiny_mod
                     ]
                     modes = []
 
-                    async def watch() -> None:
+                    async def watch() -> None:  # samples the mode while the burst runs (not a wait)
                         for _ in range(12):
                             await asyncio.sleep(0.5)
                             ready = (await client.get("/readyz")).json()
@@ -196,15 +186,27 @@ def test_a_killed_backend_is_not_taken_for_an_oom(tiny_model_dir: Path, tmp_path
                     pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=30)
                     for _ in range(2)
                 ]
-                wait_for(lambda: kvgate.metric("kvgate_backend_running_requests") == 2, "two requests running")
+                wait_for(
+                    lambda: kvgate.metric("kvgate_backend_running_requests") == 2,
+                    timeout_s=20,
+                    what="two requests running",
+                )
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
                 cut = [f.result() for f in running]
                 assert [r.status_code for r in cut] == [502, 502]  # cut, not retried
                 assert all(r.headers["retry-after"] == "5" for r in cut)  # issue 28: it carried none
             with fake_backend_process(port):  # the pod restarts it
-                wait_for(lambda: kvgate.metric("kvgate_backend_restarts_total") == 1, "the restart to be seen")
-                wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 200, "kvgate to be ready again")
+                wait_for(
+                    lambda: kvgate.metric("kvgate_backend_restarts_total") == 1,
+                    timeout_s=20,
+                    what="the restart to be seen",
+                )
+                wait_for(
+                    lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 200,
+                    timeout_s=20,
+                    what="kvgate to be ready again",
+                )
                 assert httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
             assert kvgate.metric("kvgate_transient_safety_margin") == margin
             assert "likely a CUDA OOM" not in kvgate.log()
@@ -263,11 +265,15 @@ def test_tokenizing_through_a_down_backend_is_served_once_it_is_back(tiny_model_
 def _queued_until_the_backend_is_back(kvgate: KvgateServer, port: int, timeout: float) -> None:
     """With the backend on `port` down, a request queues; once a backend is up there again it is
     served, and that backend received it once."""
-    wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503, "/readyz to say 503")
+    wait_for(lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503, timeout_s=20, what="/readyz to say 503")
     with ThreadPoolExecutor(1) as pool:
         body = {"prompt": "hi", "max_tokens": 4}
         pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=timeout)
-        wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1 or pending.done(), "the request to queue")
+        wait_for(
+            lambda: kvgate.metric("kvgate_queue_depth") == 1 or pending.done(),
+            timeout_s=20,
+            what="the request to queue",
+        )
         assert not pending.done(), pending.result().text
         with running_fake_backend(port) as back:
             response = pending.result()

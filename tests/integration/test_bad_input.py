@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, running_kvgate
 from support.vllm_server import VllmServer
 
 pytestmark = pytest.mark.vllm
@@ -18,12 +17,11 @@ CHAT = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
+def kvgate(kvgate_factory: KvgateFactory, vllm_server: VllmServer) -> KvgateServer:
     """A kvgate with small limits so that every limit is reachable by a test."""
-    with running_kvgate(
+    return kvgate_factory(
         vllm_server.base_url,
         vllm_server.model_dir,
-        tmp_path_factory.mktemp("kvgate-bad"),
         "--max-body-bytes",
         "65536",
         "--free-memory-bytes",
@@ -37,8 +35,7 @@ def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) ->
         # kvgate's rule for 0.32.0 assumes CUDA, where it would be V2.
         "--model-runner",
         "v1",
-    ) as server:
-        yield server
+    )
 
 
 def assert_openai_error(response: httpx.Response, status: int, code: str | int, param: str | None = None) -> dict:
@@ -51,14 +48,8 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | int, 
     return error
 
 
-def assert_nothing_reserved(kvgate: KvgateServer) -> None:
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
-    assert kvgate.metric("kvgate_reserved_transient_bytes") == 0
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
-
-
 @pytest.mark.parametrize(
-    "path,content,code,param",
+    ("path", "content", "code", "param"),
     [
         ("/v1/completions", b"{not json", "invalid_json", None),
         ("/v1/completions", b"[1, 2]", "invalid_json", None),
@@ -68,11 +59,11 @@ def assert_nothing_reserved(kvgate: KvgateServer) -> None:
 def test_malformed_bodies(kvgate: KvgateServer, path: str, content: bytes, code: str, param: str | None) -> None:
     response = httpx.post(kvgate.base_url + path, content=content, headers={"content-type": "application/json"})
     assert_openai_error(response, 400, code, param)
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
 
 
 @pytest.mark.parametrize(
-    "path,raw,param",
+    ("path", "raw", "param"),
     [
         ("/v1/completions", b'{"model": "tiny-llama", "prompt": "a\xed\xa0\x80", "max_tokens": 2}', "prompt"),
         ("/v1/completions", b'{"model": "tiny-llama", "prompt": "a\xc0\xaf", "max_tokens": 2}', "prompt"),
@@ -98,11 +89,11 @@ def test_text_that_is_not_utf8_is_a_400_as_vllm_answers_it(
     assert httpx.post(vllm_server.base_url + path, content=raw, headers=headers, timeout=30).status_code == 400
     error = assert_openai_error(httpx.post(kvgate.base_url + path, content=raw, headers=headers), 400, "invalid_json")
     assert error["param"] == param and "not valid UTF-8" in error["message"]
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
 
 
 @pytest.mark.parametrize(
-    "path,body,param",
+    ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": 42}, "prompt"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
@@ -125,7 +116,7 @@ def test_text_that_is_not_utf8_is_a_400_as_vllm_answers_it(
 def test_wrong_fields_name_the_field(kvgate: KvgateServer, path: str, body: dict, param: str) -> None:
     response = httpx.post(kvgate.base_url + path, json=body)
     assert_openai_error(response, 400, "invalid_request", param)
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
 
 
 def test_absurd_max_tokens_is_a_context_length_error(kvgate: KvgateServer) -> None:
@@ -133,7 +124,7 @@ def test_absurd_max_tokens_is_a_context_length_error(kvgate: KvgateServer) -> No
     error = assert_openai_error(response, 400, 400, "max_tokens")  # vLLM's body: code is the status
     assert error["type"] == "BadRequestError"
     assert error["message"].startswith(f"max_tokens={10**12} cannot be greater than max_model_len=1024.")
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
 
 
 def test_unknown_model_is_404(kvgate: KvgateServer) -> None:
@@ -146,7 +137,7 @@ def test_unknown_model_is_404(kvgate: KvgateServer) -> None:
 def test_oversized_body_is_413(kvgate: KvgateServer) -> None:
     response = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "x" * 100_000})
     assert_openai_error(response, 413, "request_too_large")
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
 
 
 def test_kv_that_only_adds_up_past_the_pool_is_not_refused(kvgate: KvgateServer) -> None:
@@ -157,7 +148,7 @@ def test_kv_that_only_adds_up_past_the_pool_is_not_refused(kvgate: KvgateServer)
     body = {"prompt": "hi", "max_tokens": 1000, "n": 64}
     explained = httpx.post(kvgate.base_url + "/kvgate/explain", json=body)
     assert explained.status_code == 200 and explained.json()["decision"] != "reject", explained.text
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
 
 
 def test_transient_that_never_fits_names_the_term(kvgate: KvgateServer) -> None:
@@ -170,7 +161,7 @@ def test_transient_that_never_fits_names_the_term(kvgate: KvgateServer) -> None:
     assert error["message"].startswith("prompt_logprobs (") and needed > limit
     assert error["message"].endswith("drop prompt_logprobs or shorten the prompt.")
     assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="transient_memory_never_fits") >= 1
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
 
 
 def test_failing_chat_template_is_a_400(kvgate: KvgateServer) -> None:
@@ -188,7 +179,7 @@ def test_bad_priority_header_is_a_400_before_the_body_is_tokenized(kvgate: Kvgat
         headers={"x-kvgate-priority": "urgent"},
     )
     assert_openai_error(response, 400, "invalid_request", "x-kvgate-priority")
-    assert_nothing_reserved(kvgate)
+    assert_ledger_empty(kvgate)
     assert kvgate.metric("kvgate_tokenization_seconds_count") == tokenized
 
 

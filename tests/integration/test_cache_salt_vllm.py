@@ -4,13 +4,11 @@ PrefixKeys), and a salt vLLM refuses is refused by kvgate with vLLM's message.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer
 from support.vllm_server import VllmServer
 
 pytestmark = pytest.mark.vllm
@@ -19,19 +17,17 @@ PROMPT = " ".join(f"word{i}" for i in range(150))  # ~700 tokens: several KV blo
 
 
 @pytest.fixture(scope="module")
-def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
-    with running_kvgate(
+def kvgate(kvgate_factory: KvgateFactory, vllm_server: VllmServer) -> KvgateServer:
+    return kvgate_factory(
         vllm_server.base_url,
         vllm_server.model_dir,
-        tmp_path_factory.mktemp("kvgate"),
         "--max-num-batched-tokens",
         "1024",
         "--max-num-seqs",
         "8",
         "--free-memory-bytes",
         str(8 * 1024**3),
-    ) as server:
-        yield server
+    )
 
 
 def prefix_cache_hits(vllm: VllmServer) -> float:

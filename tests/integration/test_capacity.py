@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvgate import capacity
-
-CONFIGS = Path(__file__).parents[1] / "configs"
+from support.geometry import config_json, config_path
 
 
 def run(*argv: str) -> int:
@@ -21,7 +20,7 @@ def run(*argv: str) -> int:
 
 
 def model_dir(tmp_path: Path, name: str) -> Path:
-    shutil.copy(CONFIGS / f"{name}.json", tmp_path / "config.json")
+    shutil.copy(config_path(name), tmp_path / "config.json")
     return tmp_path
 
 
@@ -162,7 +161,7 @@ def test_a_speculative_drafts_layers_shrink_the_pool(tmp_path: Path, capsys: pyt
     target = model_dir(tmp_path, "llama-3-8b")
     head = tmp_path / "eagle-head"
     head.mkdir()
-    config = json.loads((CONFIGS / "llama-3-8b.json").read_text())
+    config = config_json("llama-3-8b")
     (head / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
     flags = ("--model-config", str(target), "--kv-cache-memory-bytes", "40GiB", "--max-model-len", "8192", "--json")
     assert run(*flags) == 0

@@ -1,4 +1,4 @@
-"""The README demo's scenarios at reduced size: the simulated vLLM dies of OOM without kvgate and
+"""The demo's scenarios (docs/demo.md) at reduced size: the simulated vLLM dies of OOM without kvgate and
 lives with it, and every request through kvgate completes or gets a clean 4xx/429."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from demo.replay import SCENARIOS, Call, document, main, run_scenario
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DEMO_DOC = Path(__file__).resolve().parents[2] / "docs" / "demo.md"
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.key for s in SCENARIOS])
@@ -47,8 +47,8 @@ def test_mla_prompt_past_the_profile_stand_in_never_ooms() -> None:
     assert res.gated_ooms == []
 
 
-def _readme_demo_block() -> str:
-    section = README.read_text().split("## The demo", 1)[1]
+def _documented_printout() -> str:
+    section = DEMO_DOC.read_text().split("## What `make demo` prints", 1)[1]
     return section.split("```\n", 2)[1]
 
 
@@ -59,8 +59,8 @@ def _timing_aside(printout: str) -> str:
     return re.sub(r"Retry after [0-9]+ s\.", "Retry after <drain> s.", printout)
 
 
-def test_make_demo_prints_exactly_what_the_readme_shows(capsys) -> None:
+def test_make_demo_prints_exactly_what_docs_demo_shows(capsys) -> None:
     """The whole demo, as `make demo` runs it: same counts, same messages, every run."""
     assert main([]) == 0
     printed = capsys.readouterr().out
-    assert _timing_aside(printed) == _timing_aside(_readme_demo_block())
+    assert _timing_aside(printed) == _timing_aside(_documented_printout())

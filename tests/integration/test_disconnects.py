@@ -7,13 +7,13 @@ client before the head, close the upstream connection (vLLM aborts) and release 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
 
 from support.fake_backend import running_fake_backend
-from support.kvgate_server import running_kvgate
+from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+from support.waiting import wait_for_async
 
 
 def test_a_client_leaving_before_the_answer_frees_its_reservation(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -25,17 +25,12 @@ def test_a_client_leaving_before_the_answer_frees_its_reservation(tiny_model_dir
         async def leave_early() -> None:
             async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60) as client:
                 waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500}))
-                while not backend.received:
-                    await asyncio.sleep(0.02)
+                await wait_for_async(lambda: backend.received, timeout_s=10, what="the request to reach the backend")
                 assert kvgate.metric("kvgate_in_flight_requests") == 1
                 waiting.cancel()  # the client hangs up while vLLM is still generating
 
         asyncio.run(leave_early())
-        deadline = time.monotonic() + 5
-        while kvgate.metric("kvgate_in_flight_requests") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert kvgate.metric("kvgate_in_flight_requests") == 0  # not after the 30 s answer
-        assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+        assert_ledger_empty(kvgate, timeout_s=5)  # not after the 30 s answer
         assert kvgate.metric("kvgate_reservations_released_total", outcome="disconnected") == 1
         assert kvgate.metric("kvgate_client_disconnects_total", stage="awaiting_response") == 1
         assert kvgate.metric("kvgate_reservations_released_total", outcome="completed") == 0
@@ -54,14 +49,8 @@ async def _read_stream_then_hang_up(base_url: str, until: bytes) -> bytes:
     return seen
 
 
-def _released(kvgate: object, outcome: str) -> float:
-    return kvgate.metric("kvgate_reservations_released_total", outcome=outcome)  # type: ignore[attr-defined]
-
-
-def _wait_released(kvgate: object) -> None:
-    deadline = time.monotonic() + 5
-    while kvgate.metric("kvgate_in_flight_requests") and time.monotonic() < deadline:  # type: ignore[attr-defined]
-        time.sleep(0.05)
+def _released(kvgate: KvgateServer, outcome: str) -> float:
+    return kvgate.metric("kvgate_reservations_released_total", outcome=outcome)
 
 
 def test_a_client_hanging_up_right_after_done_completed(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -75,7 +64,7 @@ def test_a_client_hanging_up_right_after_done_completed(tiny_model_dir: Path, tm
     ):
         seen = asyncio.run(_read_stream_then_hang_up(kvgate.base_url, b"data: [DONE]\n\n"))
         assert seen.endswith(b"data: [DONE]\n\n")
-        _wait_released(kvgate)
+        assert_ledger_empty(kvgate, timeout_s=5)
         assert _released(kvgate, "completed") == 1
         assert _released(kvgate, "disconnected") == 0
         assert kvgate.metric("kvgate_client_disconnects_total", stage="response_body") == 0
@@ -88,8 +77,7 @@ def test_a_client_leaving_mid_stream_is_one_disconnect_in_both_counters(tiny_mod
     ):
         seen = asyncio.run(_read_stream_then_hang_up(kvgate.base_url, b'"text": "a"'))
         assert b"[DONE]" not in seen
-        _wait_released(kvgate)
-        assert kvgate.metric("kvgate_in_flight_requests") == 0  # not after the backend's 30 s
+        assert_ledger_empty(kvgate, timeout_s=5)  # not after the backend's 30 s
         assert _released(kvgate, "disconnected") == 1
         assert kvgate.metric("kvgate_client_disconnects_total", stage="response_body") == 1
         assert _released(kvgate, "completed") == 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
+from support.geometry import config_json
 
 
 def explain(tmp_path: Path, model_dir: Path, body: dict, *flags: str) -> tuple[int, dict]:
@@ -152,7 +153,7 @@ EIGHT_K_PROMPT = list(range(1000, 9000))  # 8,000 token ids: no tokenizer needed
 
 @pytest.fixture(scope="module")
 def llama_31_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = json.loads((Path(__file__).parents[1] / "configs" / "llama-3-8b.json").read_text())
+    config = config_json("llama-3-8b")
     config["max_position_embeddings"] = 131072  # Llama-3.1-8B's context; otherwise the same geometry
     folder = tmp_path_factory.mktemp("llama-3.1-8b")
     (folder / "config.json").write_text(json.dumps(config))
@@ -283,7 +284,7 @@ def test_vllms_whole_command_line_pastes(llama_31_dir: Path, tmp_path: Path) -> 
 def eagle_head(tmp_path: Path) -> Path:
     """An EAGLE head for Llama-3.1-8B: one decoder layer of the target's shape (the layout of the
     EAGLE-LLaMA3 heads' config.json: LlamaForCausalLM, num_hidden_layers 1)."""
-    config = json.loads((Path(__file__).parents[1] / "configs" / "llama-3-8b.json").read_text())
+    config = config_json("llama-3-8b")
     config["num_hidden_layers"] = 1
     folder = tmp_path / "eagle-head"
     folder.mkdir(exist_ok=True)

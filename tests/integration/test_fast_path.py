@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,23 +17,15 @@ import httpx
 import pytest
 
 from support.fake_backend import FakeBackend, running_fake_backend
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, running_kvgate
+from support.waiting import wait_for, wait_for_async
 
 BODY = {"model": "tiny-llama", "prompt": "hello there", "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def kvgate(
-    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KvgateServer]:
-    with running_kvgate(
-        backend.base_url,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("kvgate-fast"),
-        "--max-body-bytes",
-        "4096",
-    ) as server:
-        yield server
+def kvgate(kvgate_factory: KvgateFactory, backend: FakeBackend, tiny_model_dir: Path) -> KvgateServer:
+    return kvgate_factory(backend.base_url, tiny_model_dir, "--max-body-bytes", "4096")
 
 
 def test_body_query_and_headers_reach_the_backend(kvgate: KvgateServer, backend: FakeBackend) -> None:
@@ -141,7 +132,7 @@ def test_decisions_metrics_and_log(kvgate: KvgateServer) -> None:
     ]
     assert {"request_id": "logged", "decision": "admit", "reason": "fits"}.items() <= decisions[-2].items()
     assert decisions[-1]["decision"] == "reject" and decisions[-1]["reason"] == "invalid_json"
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
+    assert_ledger_empty(kvgate)
 
 
 def test_client_leaving_the_queue_is_noticed(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -153,21 +144,21 @@ def test_client_leaving_the_queue_is_noticed(tiny_model_dir: Path, tmp_path: Pat
             async def scenario() -> int:
                 async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=30) as first:
                     running = asyncio.create_task(first.post("/v1/completions", json=big))
-                    while not backend.received:
-                        await asyncio.sleep(0.02)
+                    await wait_for_async(lambda: backend.received, timeout_s=10, what="the first request to run")
                     async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=30) as second:
                         queued = asyncio.create_task(second.post("/v1/completions", json=big))
-                        while kvgate.metric("kvgate_queue_depth") < 1:
-                            await asyncio.sleep(0.05)
+                        await wait_for_async(
+                            lambda: kvgate.metric("kvgate_queue_depth") == 1, timeout_s=10, what="the second to queue"
+                        )
                         queued.cancel()  # the client goes away while it waits
-                    while kvgate.metric("kvgate_queue_depth") > 0:
-                        await asyncio.sleep(0.05)
+                    await wait_for_async(
+                        lambda: kvgate.metric("kvgate_queue_depth") == 0, timeout_s=10, what="the queue to empty"
+                    )
                     assert kvgate.metric("kvgate_client_disconnects_total", stage="queued") == 1
                     return (await running).status_code
 
             assert asyncio.run(scenario()) == 200
-            assert kvgate.metric("kvgate_in_flight_requests") == 0
-            assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+            assert_ledger_empty(kvgate)
             assert len(backend.received) == 1
 
 
@@ -178,10 +169,11 @@ def test_a_request_held_while_the_backend_is_down_is_refused_once(tiny_model_dir
         backend = backend_running.enter_context(running_fake_backend())
         with running_kvgate(backend.base_url, tiny_model_dir, tmp_path, "--max-queue-wait", "0.5") as kvgate:
             backend_running.close()  # the backend goes away; kvgate tokenizes locally
-            deadline = time.monotonic() + 30
-            while httpx.get(kvgate.base_url + "/readyz", timeout=5).json()["telemetry"]["budget_mode"] != "down":
-                assert time.monotonic() < deadline, kvgate.log()
-                time.sleep(0.05)
+            wait_for(
+                lambda: kvgate.readyz()["telemetry"]["budget_mode"] == "down",
+                timeout_s=30,
+                what=lambda: f"kvgate to see the backend down:\n{kvgate.log()}",
+            )
             response = httpx.post(kvgate.base_url + "/v1/completions", json=BODY, headers={"x-request-id": "held"})
             assert response.status_code == 503 and response.json()["error"]["code"] == "backend_unavailable"
             assert response.headers["retry-after"] == "5"

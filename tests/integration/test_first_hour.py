@@ -305,6 +305,7 @@ def test_a_transient_gate_that_is_off_says_so_and_names_the_flag(tiny_model_dir:
     21: it was silent but for an NVML warning). With --free-memory-bytes in vLLM's units it is on."""
     from support.fake_backend import running_fake_backend
     from support.kvgate_server import running_kvgate
+    from support.waiting import wait_for
 
     with running_fake_backend() as backend:
         with running_kvgate(backend.base_url, tiny_model_dir, tmp_path / "off", "--gpu-probe", "none") as off:
@@ -312,10 +313,8 @@ def test_a_transient_gate_that_is_off_says_so_and_names_the_flag(tiny_model_dir:
             assert ready["transient_gated"] is False
             assert "--gpu-memory-bytes" in ready["transient_gate_off"], ready
             assert "--free-memory-bytes" in ready["transient_gate_off"]
-            deadline = time.monotonic() + 10
-            while "transient gate is OFF" not in off.log() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert "transient gate is OFF" in off.log() and "--gpu-memory-bytes" in off.log()
+            wait_for(lambda: "transient gate is OFF" in off.log(), timeout_s=10, what="the warning in kvgate's log")
+            assert "--gpu-memory-bytes" in off.log()
         on_args = ("--gpu-probe", "none", "--free-memory-bytes", "100MiB")
         with running_kvgate(backend.base_url, tiny_model_dir, tmp_path / "on", *on_args) as on:
             ready = httpx.get(on.base_url + "/readyz", timeout=5).json()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from support.fake_backend import FakeBackend
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty
 
 MAX_MODEL_LEN = 1024  # the scripted backend's /v1/models
 USER = [{"role": "user", "content": "hello there"}]
@@ -71,22 +71,14 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def kvgate(
-    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KvgateServer]:
-    with running_kvgate(backend.base_url, tiny_model_dir, tmp_path_factory.mktemp("kvgate-routes")) as server:
-        yield server
+def kvgate(kvgate_factory: KvgateFactory, backend: FakeBackend, tiny_model_dir: Path) -> KvgateServer:
+    return kvgate_factory(backend.base_url, tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def client(kvgate: KvgateServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=kvgate.base_url, timeout=30) as client:
         yield client
-
-
-def assert_ledger_empty(kvgate: KvgateServer) -> None:
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
 
 
 @pytest.mark.parametrize("path", list(VALID))
@@ -102,7 +94,7 @@ def test_each_route_is_gated_and_forwarded_byte_for_byte(
     assert_ledger_empty(kvgate)
 
 
-@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{p}-{param}" for p, _, param in BAD])
+@pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[f"{p}-{param}" for p, _, param in BAD])
 def test_bad_bodies_are_refused_before_the_backend(
     path: str, body: dict, param: str, client: httpx.Client, backend: FakeBackend, kvgate: KvgateServer
 ) -> None:
@@ -236,7 +228,7 @@ def test_pooling_input_takes_add_special_tokens(client: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize(
-    "body,tokens",
+    ("body", "tokens"),
     [
         ({"input": [7] * 2000, "truncate_prompt_tokens": 12}, 12),
         ({"input": [7] * 2000, "truncate_prompt_tokens": -1}, MAX_MODEL_LEN),
@@ -254,7 +246,7 @@ def test_pooling_prompt_is_truncated_as_vllm_truncates_it(client: httpx.Client, 
 
 
 @pytest.mark.parametrize(
-    "route,body,tokens",
+    ("route", "body", "tokens"),
     [
         ("completions", {"prompt": [7] * 2000, "truncate_prompt_tokens": 12, "max_tokens": 5}, 12),
         ("completions", {"prompt": [7] * 2000, "truncate_prompt_tokens": -1, "max_tokens": 5}, MAX_MODEL_LEN - 1),

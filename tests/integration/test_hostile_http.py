@@ -10,7 +10,6 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,19 +18,17 @@ import pytest
 from kvgate.errors import InvalidText, TooManyJsonValues
 from kvgate.passthrough_body import check_passthrough_body
 from support.fake_backend import FakeBackend
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty
+from support.waiting import wait_for
 
 BODY = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
 
 
 @pytest.fixture(scope="module")
-def kvgate(
-    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KvgateServer]:
-    with running_kvgate(
+def kvgate(kvgate_factory: KvgateFactory, backend: FakeBackend, tiny_model_dir: Path) -> KvgateServer:
+    return kvgate_factory(
         backend.base_url,
         tiny_model_dir,
-        tmp_path_factory.mktemp("kvgate-http"),
         "--max-header-bytes",
         "16384",
         "--max-headers",
@@ -44,8 +41,7 @@ def kvgate(
         "1000000",
         "--client-body-deadline",
         "1.5",
-    ) as server:
-        yield server
+    )
 
 
 def exchange(kvgate: KvgateServer, request: bytes, timeout_s: float = 10) -> bytes:
@@ -120,7 +116,7 @@ def test_a_stalled_body_is_408(kvgate: KvgateServer) -> None:
     answer = exchange(kvgate, head + b'{"prompt":')  # and no more
     assert status_and_error(answer) == (408, "request_timeout")
     assert time.perf_counter() - started < 2.5
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
+    assert_ledger_empty(kvgate)
 
 
 @pytest.mark.parametrize("hosts", [[], [HOST, (b"host", b"other")]], ids=["none", "two"])
@@ -153,7 +149,7 @@ def test_a_trickled_body_is_408_at_its_deadline_and_closed(kvgate: KvgateServer)
         while time.perf_counter() - started < 8:
             with contextlib.suppress(BrokenPipeError, ConnectionResetError, BlockingIOError):
                 sock.send(b" ")
-            time.sleep(0.2)
+            time.sleep(0.2)  # the trickle under test: a byte every 0.2 s
             with contextlib.suppress(BlockingIOError):
                 chunk = sock.recv(65536)
                 if not chunk:
@@ -163,7 +159,7 @@ def test_a_trickled_body_is_408_at_its_deadline_and_closed(kvgate: KvgateServer)
     assert status_and_error(answer) == (408, "request_timeout")
     assert b"connection: close" in answer.lower() and b"1.5 s deadline" in answer
     assert 1.4 < elapsed < 5, elapsed
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
+    assert_ledger_empty(kvgate)
 
 
 def open_fds(pid: int) -> int:
@@ -189,15 +185,16 @@ def test_many_trickled_bodies_release_their_connections(kvgate: KvgateServer) ->
                     sock.send(b" ")
                 with contextlib.suppress(BlockingIOError, ConnectionResetError):
                     answers[index] += sock.recv(65536)
-            time.sleep(0.2)
+            time.sleep(0.2)  # the trickle under test: a byte every 0.2 s on each connection
         assert [status_and_error(a)[0] if a else None for a in answers] == [408] * len(socks)
     finally:
         for sock in socks:
             sock.close()
-    deadline = time.monotonic() + 5
-    while open_fds(kvgate.pid) > before + 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert open_fds(kvgate.pid) <= before + 2, (before, open_fds(kvgate.pid))
+    wait_for(
+        lambda: open_fds(kvgate.pid) <= before + 2,
+        timeout_s=5,
+        what=lambda: f"kvgate's open files to come back down ({before} before, {open_fds(kvgate.pid)} now)",
+    )
 
 
 @pytest.mark.parametrize(
@@ -366,7 +363,7 @@ def test_a_413_reaches_a_client_still_uploading(kvgate: KvgateServer, framing: s
 
 
 @pytest.mark.parametrize(
-    "method,path",
+    ("method", "path"),
     [
         ("POST", "/v1/completions/"),
         ("POST", "/invocations/"),

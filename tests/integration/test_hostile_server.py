@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvgate.vllm_routes import ROUTE_PATHS
 from support.fake_backend import FakeBackend
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty
 
 PATHS = [
     "/v1/completions",
@@ -29,30 +29,16 @@ PATHS = [
 
 
 @pytest.fixture(scope="module")
-def kvgate(
-    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KvgateServer]:
-    with running_kvgate(
-        backend.base_url,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("kvgate-hostile"),
-        "--trust-request-chat-template",
-        "--request-chat-template-timeout",
-        "0.3",
-    ) as server:
-        yield server
+def kvgate(kvgate_factory: KvgateFactory, backend: FakeBackend, tiny_model_dir: Path) -> KvgateServer:
+    return kvgate_factory(
+        backend.base_url, tiny_model_dir, "--trust-request-chat-template", "--request-chat-template-timeout", "0.3"
+    )
 
 
 @pytest.fixture(scope="module")
 def client(kvgate: KvgateServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=kvgate.base_url, timeout=10) as client:
         yield client
-
-
-def assert_ledger_empty(kvgate: KvgateServer) -> None:
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
-    assert kvgate.metric("kvgate_queue_depth") == 0
 
 
 def assert_answered(response: httpx.Response) -> None:

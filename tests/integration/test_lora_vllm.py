@@ -19,6 +19,7 @@ from support.differential import POOL_TOKENS, Case, compare, load_cases, prompt_
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.tiny_lora import build_tiny_lora
 from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -144,8 +145,11 @@ def test_unknown_names_cannot_make_kvgate_hammer_the_models_route(stack: Stack) 
 
 def test_lora_requests_info_is_read(stack: Stack) -> None:
     complete(stack.kvgate.base_url, "lora-a")
-    time.sleep(1.0)  # a few scrapes at 0.2 s
-    assert stack.kvgate.metric("kvgate_backend_max_loras") == 2
+    wait_for(
+        lambda: stack.kvgate.metric("kvgate_backend_max_loras") == 2,
+        timeout_s=10,
+        what="a scrape to read vllm:lora_requests_info",
+    )
     assert stack.kvgate.metric("kvgate_served_lora_adapters") >= 1
 
 
@@ -166,7 +170,7 @@ def test_an_adapter_vllm_runs_that_kvgate_does_not_list_is_found_from_lora_reque
             if running.done():
                 assert running.result().status_code == 200
                 running = pool.submit(complete, vllm, "lora-d", max_tokens=400, ignore_eos=True)
-            time.sleep(0.1)
+            time.sleep(0.1)  # the poll's interval; the deadline above bounds it
         assert running.result().status_code == 200
     # kvgate now lists every adapter vLLM serves, lora-d among them.
     listed = httpx.get(f"{vllm}/v1/models", timeout=10).json()["data"]

@@ -3,23 +3,18 @@ get_kv_cache_groups, run on layer specs built from the same config.json files)."
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from kvgate.engine_config import Deployment, checked_against_backend
-from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.kv import KVLayout, cdiv
-from support.vllm_server import VLLM_PYTHON
+from support.geometry import model_geometry
 
 pytestmark = pytest.mark.vllm
 
-CONFIGS = Path(__file__).parents[1] / "configs"
-SCRIPT = Path(__file__).parents[1] / "support" / "vllm_kv_groups.py"
 KIND_OF_SPEC = {
     "FullAttentionSpec": "full_attention",
     "SlidingWindowSpec": "sliding_attention",
@@ -50,7 +45,7 @@ CASES = [
 
 
 def layout_of(name: str, block_size: int) -> KVLayout:
-    geometry = ModelGeometry.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+    geometry = model_geometry(name)
     return KVLayout(geometry, block_size=block_size)
 
 
@@ -79,17 +74,9 @@ def vllm_case(layout: KVLayout, vllm_layout: str, padded: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vllm_grouping() -> list[dict]:
+def vllm_grouping(vllm_kv_groups: Callable[[list[dict]], list[dict]]) -> list[dict]:
     cases = [vllm_case(layout_of(name, bs), vllm_layout, padded) for name, bs, vllm_layout, padded in CASES]
-    done = subprocess.run(
-        [str(VLLM_PYTHON), str(SCRIPT)],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return vllm_kv_groups(cases)
 
 
 def kinds(groups: list[list]) -> Counter:

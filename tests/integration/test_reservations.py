@@ -9,66 +9,48 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from test_telemetry_sim import ENGINE_FLAGS, MODEL, model_dir  # noqa: F401  (model_dir: a fixture)
 
 from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import SimRunner
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty
+from support.sim_model import ENGINE_FLAGS, MODEL
+from support.waiting import wait_for, wait_for_async
 
 STALL_S = 3  # --stream-stall-timeout for these tests (default 60)
 PROMPT = [1000 + i for i in range(2000)]  # token ids: 125 full blocks of 16
 
 
 @pytest.fixture(scope="module")
-def sim(model_dir: Path) -> Iterator[SimRunner]:  # noqa: F811
-    config = SimConfig(model=str(model_dir), served_model_name=MODEL, gpu="h100-80gb", max_model_len=8192, speedup=50)
+def sim(sim_model_dir: Path) -> Iterator[SimRunner]:
+    config = SimConfig(
+        model=str(sim_model_dir), served_model_name=MODEL, gpu="h100-80gb", max_model_len=8192, speedup=50
+    )
     with SimRunner(config) as runner:
         yield runner
 
 
 @pytest.fixture(scope="module")
-def kvgate(sim: SimRunner, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvgateServer]:  # noqa: F811
-    scratch = tmp_path_factory.mktemp("kvgate")
-    with running_kvgate(sim.url, model_dir, scratch, *ENGINE_FLAGS, "--stream-stall-timeout", str(STALL_S)) as server:
-        yield server
+def kvgate(kvgate_factory: KvgateFactory, sim: SimRunner, sim_model_dir: Path) -> KvgateServer:
+    return kvgate_factory(sim.url, sim_model_dir, *ENGINE_FLAGS, "--stream-stall-timeout", str(STALL_S))
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}: {describe()}")
-        time.sleep(0.05)
+def engine_holds(sim: SimRunner) -> int:
+    """Requests the simulated engine still has, waiting or running."""
+    return len(sim.engine.scheduler.waiting) + len(sim.engine.scheduler.running)
 
 
-_described: list[Callable[[], str]] = []
-
-
-def describe() -> str:
-    return "; ".join(d() for d in _described)
-
-
-def released(kvgate: KvgateServer) -> bool:
-    """kvgate holds nothing (the simulator may still be unwinding the hung-up requests)."""
-    return kvgate.metric("kvgate_reserved_kv_blocks") == 0 and kvgate.metric("kvgate_in_flight_requests") == 0
-
-
-def idle(kvgate: KvgateServer, sim: SimRunner) -> bool:
-    """Nothing reserved, nothing in flight, nothing in the engine."""
-    held = [*sim.engine.scheduler.waiting, *sim.engine.scheduler.running]
-    _described[:] = [
-        lambda: (
-            f"reserved {kvgate.metric('kvgate_reserved_kv_blocks')}, in flight "
-            f"{kvgate.metric('kvgate_in_flight_requests')}, engine holds {len(held)}"
-        )
-    ]
-    return (
-        kvgate.metric("kvgate_reserved_kv_blocks") == 0 and kvgate.metric("kvgate_in_flight_requests") == 0 and not held
+def assert_idle(kvgate: KvgateServer, sim: SimRunner, timeout_s: float = 30) -> None:
+    """Nothing reserved, in flight or queued in kvgate, nothing in the engine."""
+    assert_ledger_empty(kvgate, timeout_s)
+    wait_for(
+        lambda: engine_holds(sim) == 0,
+        timeout_s=timeout_s,
+        what=lambda: f"the engine to empty ({engine_holds(sim)} held)",
     )
 
 
@@ -91,10 +73,12 @@ async def reserved_while_in_flight(kvgate: KvgateServer, prompts: list[list[int]
 
         tasks = [asyncio.create_task(one(ids, salt)) for ids, salt in zip(prompts, salts, strict=True)]
         try:
-            deadline = time.monotonic() + 30
-            while kvgate.metric("kvgate_in_flight_requests") < len(prompts):
-                assert time.monotonic() < deadline and not any(t.done() for t in tasks), "not all in flight"
-                await asyncio.sleep(0.05)
+            await wait_for_async(
+                lambda: kvgate.metric("kvgate_in_flight_requests") >= len(prompts) or any(t.done() for t in tasks),
+                timeout_s=30,
+                what="every request in flight",
+            )
+            assert not any(t.done() for t in tasks), "a request ended before all were in flight"
             return int(kvgate.metric("kvgate_reserved_kv_blocks"))
         finally:
             for task in tasks:
@@ -107,11 +91,11 @@ async def test_cache_salts_share_no_prefix(kvgate: KvgateServer, sim: SimRunner)
     prompts are (vLLM hashes the salt into the first block); under one salt they share it."""
     alone = explain(kvgate, max_tokens=6000, ignore_eos=True)["kv"]["blocks"]
     distinct = await reserved_while_in_flight(kvgate, [[7 + i, *PROMPT] for i in range(8)], [None] * 8)
-    wait_for(lambda: released(kvgate), 30, "the distinct prompts' release")
+    assert_ledger_empty(kvgate, timeout_s=30)
     salted = await reserved_while_in_flight(kvgate, [PROMPT] * 8, [f"salt-{i}" for i in range(8)])
-    wait_for(lambda: released(kvgate), 30, "the salted prompts' release")
+    assert_ledger_empty(kvgate, timeout_s=30)
     shared = await reserved_while_in_flight(kvgate, [PROMPT] * 8, ["one-salt"] * 8)
-    wait_for(lambda: released(kvgate), 30, "the shared prompts' release")
+    assert_ledger_empty(kvgate, timeout_s=30)
     assert salted == 8 * alone == distinct - 8  # a distinct prompt is one token longer: same blocks
     assert shared == alone + 7 * (alone - len(PROMPT) // 16)
 
@@ -138,7 +122,7 @@ async def test_forced_outputs_reserve_their_length_and_teach_nothing(kvgate: Kvg
     assert explain(kvgate, max_tokens=4000, min_tokens=1500)["reserved_new_tokens"] == 1500
     await send_all(kvgate, plain | {"max_tokens": 64, "ignore_eos": True}, 20)
     assert explain(kvgate, max_tokens=4000)["reserved_new_tokens"] == learned["reserved_new_tokens"]
-    wait_for(lambda: idle(kvgate, sim), 30, "every release")
+    assert_idle(kvgate, sim)
 
 
 def backend_streams_open(sim: SimRunner) -> int:
@@ -178,14 +162,14 @@ def test_a_client_that_stops_reading_is_cut_and_released(kvgate: KvgateServer, s
     """A stream whose client reads nothing holds its reservation only until the stall deadline:
     then kvgate aborts the backend request, releases the reservation ("stalled"), counts and logs
     it and closes the client's connection. Meanwhile another client is served."""
-    wait_for(lambda: idle(kvgate, sim), 30, "a quiet start")
+    assert_idle(kvgate, sim)  # a quiet start
     before = kvgate.metric("kvgate_reservations_released_total", outcome="stalled")
     # 8 x 6000 events of ~180 bytes: more than kvgate's socket buffer grows to on loopback (4 MiB).
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6000, "n": 8, "ignore_eos": True, "stream": True}
     started = time.monotonic()
     sock = stalled_client(kvgate, body)
     try:
-        wait_for(lambda: kvgate.metric("kvgate_in_flight_requests") == 1, 30, "the stream to start")
+        wait_for(lambda: kvgate.metric("kvgate_in_flight_requests") == 1, timeout_s=30, what="the stream to start")
         assert backend_streams_open(sim) == 1
         honest = httpx.post(
             kvgate.base_url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8}, timeout=30
@@ -194,8 +178,8 @@ def test_a_client_that_stops_reading_is_cut_and_released(kvgate: KvgateServer, s
         assert kvgate.metric("kvgate_in_flight_requests") == 1  # throttled, still held
         wait_for(
             lambda: kvgate.metric("kvgate_reservations_released_total", outcome="stalled") == before + 1,
-            60,
-            "the stalled stream's release",
+            timeout_s=60,
+            what="the stalled stream's release",
         )
         cut_after = time.monotonic() - started
         assert kvgate.metric("kvgate_reserved_kv_blocks") == 0 and kvgate.metric("kvgate_in_flight_requests") == 0
@@ -206,5 +190,5 @@ def test_a_client_that_stops_reading_is_cut_and_released(kvgate: KvgateServer, s
     assert STALL_S <= cut_after < 60, cut_after
     # kvgate closed the stream's connection to the backend: the simulator's server saw it go (on
     # it vLLM's API server aborts the request).
-    wait_for(lambda: backend_streams_open(sim) == 0, 10, "the backend connection to close")
+    wait_for(lambda: backend_streams_open(sim) == 0, timeout_s=10, what="the backend connection to close")
     assert "read nothing for 3 s" in kvgate.log()

@@ -4,21 +4,17 @@ get_kv_cache_groups, run on the layer specs the simulator derived from config.js
 
 from __future__ import annotations
 
-import json
-import subprocess
 from collections import Counter
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from kvgate.sim.kv_layout import KVLayout, build_layout
 from kvgate.sim.model import SimModel, read_config
-from support.vllm_server import VLLM_PYTHON
+from support.geometry import config_json
 
 pytestmark = pytest.mark.vllm
 
-CONFIGS = Path(__file__).parents[1] / "configs"
-SCRIPT = Path(__file__).parents[1] / "support" / "vllm_kv_groups.py"
 MAX_MODEL_LEN, IN_FLIGHT = 131_072, 8192
 VLLM_KIND = {
     "full": "full_attention",
@@ -45,7 +41,7 @@ MODELS = [
 
 
 def model(name: str) -> SimModel:
-    return read_config(json.loads((CONFIGS / f"{name}.json").read_text()), name)
+    return read_config(config_json(name), name)
 
 
 def vllm_case(m: SimModel, layout: KVLayout) -> dict:
@@ -78,17 +74,9 @@ def vllm_case(m: SimModel, layout: KVLayout) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vllm_groups() -> list[dict]:
+def vllm_groups(vllm_kv_groups: Callable[[list[dict]], list[dict]]) -> list[dict]:
     cases = [vllm_case(m, build_layout(m, 1, "auto", None)) for m in map(model, MODELS)]
-    done = subprocess.run(
-        [str(VLLM_PYTHON), str(SCRIPT)],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return vllm_kv_groups(cases)
 
 
 @pytest.mark.parametrize("index", range(len(MODELS)), ids=MODELS)

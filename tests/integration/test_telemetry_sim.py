@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
-import shutil
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,13 +22,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvgate.sim.config import SimConfig
-from kvgate.sim.presets import model_config
 from kvgate.sim.runner import SimRunner
 from kvgate.units import GiB
 from support.kvgate_server import KvgateServer, running_kvgate
+from support.sim_model import ENGINE_FLAGS, MODEL
 from support.vllm_server import free_port
+from support.waiting import wait_for
 
-MODEL = "llama-3.1-8b"
 # 6001 tokens with the tiny tokenizer, one prefill chunk: prompt_logprobs allocates
 # 6001 x 128256 x 6 B = 4.3 GiB the start-up profile never saw.
 LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(1500))
@@ -40,29 +37,15 @@ LOGPROBS_BODY = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "prompt
 # expandable segments the engine keeps no cache after its warm-up, so they need the profile region
 # vLLM emptied after start-up: the region a co-tenant takes.
 PLAIN_BODY = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4}
-# The simulator's batch defaults on an H100 (vLLM's): kvgate is told them, as an operator would.
-ENGINE_FLAGS = ("--max-num-batched-tokens", "8192", "--max-num-seqs", "1024")
 LEFT = GiB // 4  # free memory a co-tenant leaves: too little for that request (beside torch's cache)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Llama-3.1-8B's config.json with the tiny model's tokenizer, for the simulator and kvgate
-    alike: kvgate tokenizes locally, so it can hold requests while the backend is down."""
-    folder = tmp_path_factory.mktemp("sim-model")
-    for f in tiny_model_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, folder / f.name)
-    (folder / "config.json").write_text(json.dumps(model_config(MODEL)))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def sim_config(model_dir: Path) -> Callable[..., SimConfig]:
+def sim_config(sim_model_dir: Path) -> Callable[..., SimConfig]:
     def make(**kw: object) -> SimConfig:
         return SimConfig(
             **{
-                "model": str(model_dir),
+                "model": str(sim_model_dir),
                 "served_model_name": MODEL,
                 "gpu": "h100-80gb",
                 "max_model_len": 8192,
@@ -74,20 +57,8 @@ def sim_config(model_dir: Path) -> Callable[..., SimConfig]:
     return make
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float = 15, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def readyz(kvgate: KvgateServer) -> dict:
-    return httpx.get(kvgate.base_url + "/readyz", timeout=5).json()
-
-
 def mode(kvgate: KvgateServer) -> str:
-    return readyz(kvgate)["telemetry"]["budget_mode"]
+    return kvgate.readyz()["telemetry"]["budget_mode"]
 
 
 def set_cotenant(sim: SimRunner, nbytes: int) -> None:
@@ -103,21 +74,27 @@ def set_cotenant(sim: SimRunner, nbytes: int) -> None:
     ids=["unprofiled-terms", "profiled-terms-only"],
 )
 def test_cotenant_makes_kvgate_hold_instead_of_oom(
-    body: dict, allocator: dict, model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
+    body: dict, allocator: dict, sim_model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
 ) -> None:
     with (
         SimRunner(sim_config(**allocator)) as sim,
-        running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate,
+        running_kvgate(sim.url, sim_model_dir, tmp_path, *ENGINE_FLAGS) as kvgate,
     ):
         free = httpx.get(sim.url + "/sim/gpu").json()["free"]
-        assert readyz(kvgate)["telemetry"]["gpu_probe"] == "sim"
+        assert kvgate.readyz()["telemetry"]["gpu_probe"] == "sim"
         set_cotenant(sim, free - LEFT)
-        wait_for(lambda: kvgate.metric("kvgate_transient_headroom_bytes") == LEFT, what="headroom")
+        wait_for(lambda: kvgate.metric("kvgate_transient_headroom_bytes") == LEFT, timeout_s=15, what="headroom")
         assert kvgate.metric("kvgate_gpu_free_bytes", gpu="GPU-51510000-0000-0000-0000-000000000000") == LEFT
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60)
-            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1, what="the request to queue")
-            time.sleep(0.5)
+            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 1, timeout_s=15, what="the request to queue")
+            # held through two more budget readings, not just until the next one
+            scrapes = kvgate.metric("kvgate_scrape_duration_seconds_count")
+            wait_for(
+                lambda: kvgate.metric("kvgate_scrape_duration_seconds_count") >= scrapes + 2,
+                timeout_s=15,
+                what="two more scrapes",
+            )
             assert not pending.done() and sim.engine.ooms == []
             set_cotenant(sim, 0)  # the co-tenant leaves: the next reading lets the request in
             response = pending.result()
@@ -133,12 +110,12 @@ def test_cotenant_makes_kvgate_hold_instead_of_oom(
 
 
 def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
-    model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
+    sim_model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
 ) -> None:
     # Speed-up 10: the two long requests need ~10 wall seconds, so they are still running when the
     # engine is killed however slowly this machine gets there (at 50 they could finish first).
     cfg = sim_config(restart_seconds=30, speedup=10)  # 3 s down
-    with SimRunner(cfg) as sim, running_kvgate(sim.url, model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
+    with SimRunner(cfg) as sim, running_kvgate(sim.url, sim_model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
         margin = kvgate.metric("kvgate_transient_safety_margin")
         long_body = {"model": MODEL, "prompt": "a long story", "max_tokens": 8000, "ignore_eos": True}
         with ThreadPoolExecutor(8) as pool:
@@ -146,18 +123,20 @@ def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
                 pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=long_body, timeout=60)
                 for _ in range(2)
             ]
-            wait_for(lambda: kvgate.metric("kvgate_backend_running_requests") == 2, what="running requests")
+            wait_for(
+                lambda: kvgate.metric("kvgate_backend_running_requests") == 2, timeout_s=15, what="running requests"
+            )
             # Someone else's request, straight to vLLM, kills the engine (a co-tenant squeezed it).
             set_cotenant(sim, httpx.get(sim.url + "/sim/gpu").json()["free"] - LEFT)
             assert httpx.post(sim.url + "/v1/completions", json=LOGPROBS_BODY, timeout=60).status_code == 500
             set_cotenant(sim, 0)
             assert [f.result().status_code for f in in_flight] == [500, 500]  # failed cleanly
-            wait_for(lambda: mode(kvgate) == "down", what="kvgate to see the backend down")
+            wait_for(lambda: mode(kvgate) == "down", timeout_s=15, what="kvgate to see the backend down")
             body = {"model": MODEL, "prompt": "hello there", "max_tokens": 8}
             queued = [
                 pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60) for _ in range(3)
             ]
-            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 3, what="requests held in the queue")
+            wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 3, timeout_s=15, what="requests held in the queue")
             assert sim.engine.state == "dead"
             assert [f.result().status_code for f in queued] == [200, 200, 200]
         assert sim.engine.restarts == 1
@@ -181,7 +160,7 @@ class FreezableProxy:
     def app(self) -> Starlette:
         async def forward(request: Request) -> Response:
             if self.frozen and request.url.path == "/metrics":
-                await asyncio.sleep(30)
+                await asyncio.sleep(30)  # the fault under test: a /metrics that does not answer
             async with httpx.AsyncClient(base_url=self.target, timeout=60) as client:
                 upstream = await client.request(
                     request.method,
@@ -200,7 +179,7 @@ def running_proxy(target: str) -> Iterator[tuple[FreezableProxy, str]]:
     server = uvicorn.Server(uvicorn.Config(proxy.app(), host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    wait_for(lambda: server.started, 10, "the proxy")
+    wait_for(lambda: server.started, timeout_s=10, what="the proxy")
     try:
         yield proxy, f"http://127.0.0.1:{port}"
     finally:
@@ -209,30 +188,35 @@ def running_proxy(target: str) -> Iterator[tuple[FreezableProxy, str]]:
 
 
 def test_stale_metrics_switch_to_conservative_mode_and_back(
-    model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
+    sim_model_dir: Path, sim_config: Callable[..., SimConfig], tmp_path: Path
 ) -> None:
     with SimRunner(sim_config()) as sim, running_proxy(sim.url) as (proxy, url):
         # Waits, not one-shot reads: on a loaded 2-core machine a late scrape may flip the mode
         # for a moment by itself, and the test must not depend on when it samples.
-        with running_kvgate(url, model_dir, tmp_path, *ENGINE_FLAGS, "--max-staleness", "1.0") as kvgate:
+        with running_kvgate(url, sim_model_dir, tmp_path, *ENGINE_FLAGS, "--max-staleness", "1.0") as kvgate:
             # vLLM's pool less its null block; live: x the default KV overcommit (nothing preempted)
-            wait_for(lambda: "num_gpu_blocks=" in kvgate.log(), what="the backend's pool")
+            wait_for(lambda: "num_gpu_blocks=" in kvgate.log(), timeout_s=15, what="the backend's pool")
             pool = int(re.search(r"num_gpu_blocks=(\d+)", kvgate.log()).group(1)) - 1
             live = int(pool * 1.2)
             wait_for(
-                lambda: mode(kvgate) == "live" and kvgate.metric("kvgate_budget_kv_blocks") == live, what="live mode"
+                lambda: mode(kvgate) == "live" and kvgate.metric("kvgate_budget_kv_blocks") == live,
+                timeout_s=15,
+                what="live mode",
             )
             proxy.frozen = True
-            wait_for(lambda: mode(kvgate) == "conservative", what="conservative mode")
+            wait_for(lambda: mode(kvgate) == "conservative", timeout_s=15, what="conservative mode")
             assert kvgate.metric("kvgate_budget_mode", mode="conservative") == 1
             assert kvgate.metric("kvgate_scrape_age_seconds") > 1.0
-            wait_for(lambda: kvgate.metric("kvgate_scrape_errors_total", kind="timeout") >= 1, what="a timeout")
+            wait_for(
+                lambda: kvgate.metric("kvgate_scrape_errors_total", kind="timeout") >= 1, timeout_s=15, what="a timeout"
+            )
             assert kvgate.metric("kvgate_budget_kv_blocks") == pool // 2  # overcommit off, half
             body = {"model": MODEL, "prompt": "still serving", "max_tokens": 4}
             assert httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
             proxy.frozen = False
             wait_for(
                 lambda: mode(kvgate) == "live" and kvgate.metric("kvgate_budget_kv_blocks") == live,
+                timeout_s=15,
                 what="live mode again",
             )
             assert "budget mode live -> conservative" in kvgate.log()

@@ -60,7 +60,7 @@ def wave(kvgate: KvgateServer, n: int) -> list[float]:
             m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
             if m["kvgate_kv_reconciled_requests"] >= 4:  # compared with 4+ running: sharing shows
                 errors.append(m["kvgate_kv_prediction_error_blocks"])
-            time.sleep(0.05)
+            time.sleep(0.05)  # samples the error while the clients run (each bounded by its timeout)
         assert [f.result() for f in done] == [200] * CLIENTS
     return errors
 

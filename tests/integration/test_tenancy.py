@@ -16,6 +16,7 @@ import pytest
 from kvgate.gate.tenants import NEW_KEYS, TenantTurns
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, running_kvgate
+from support.waiting import wait_for_async
 
 # Each request reserves about 32 of the fake backend's 64 KV blocks: two run at a time.
 BODY = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 500}
@@ -43,6 +44,17 @@ def kvgate_with(backend: FakeBackend, scratch: Path, tiny_model_dir: Path, *flag
     )
 
 
+def taken_in(kvgate: KvgateServer) -> float:
+    """Requests kvgate has taken in: finished, admitted or queued, from one scrape (read apart,
+    requests moving on between the reads would be missed)."""
+    return sum(
+        s.value
+        for s in kvgate.scrape()
+        if s.name in ("kvgate_in_flight_requests", "kvgate_queue_depth")
+        or (s.name == "kvgate_reservations_released_total" and s.labels.get("outcome") == "completed")
+    )
+
+
 async def finish_times(kvgate: KvgateServer) -> tuple[list[float], list[float]]:
     """When each of the flooder's and the honest client's requests finished (seconds)."""
     started = time.monotonic()
@@ -64,7 +76,7 @@ async def finish_times(kvgate: KvgateServer) -> tuple[list[float], list[float]]:
             )
             for i in range(FLOOD)
         ]
-        await asyncio.sleep(0.3)  # the flood is queued first
+        await wait_for_async(lambda: taken_in(kvgate) >= FLOOD, timeout_s=30, what="the flood to arrive first")
         honest = [asyncio.create_task(send(client, BODY, {"authorization": "Bearer honest"})) for _ in range(2)]
         return list(await asyncio.gather(*flood)), list(await asyncio.gather(*honest))
 
@@ -112,9 +124,11 @@ async def test_made_up_keys_share_one_turn(backend: FakeBackend, tiny_model_dir:
         limits = httpx.Limits(max_connections=64)
         async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60, limits=limits) as client:
             flood = [asyncio.create_task(send(client, f"made-up-{i}")) for i in range(FLOOD)]
-            await asyncio.sleep(0.3)  # the flood is queued first
+            await wait_for_async(lambda: taken_in(kvgate) >= FLOOD, timeout_s=30, what="the flood to arrive first")
             first = asyncio.create_task(send(client, "honest"))
-            await asyncio.sleep(0.05)
+            await wait_for_async(
+                lambda: taken_in(kvgate) >= FLOOD + 1, timeout_s=30, what="the honest key's first request"
+            )
             later = [asyncio.create_task(send(client, "honest")) for _ in range(2)]
             flood_done, later_done = await asyncio.gather(*flood), await asyncio.gather(*later)
             first_done = await first

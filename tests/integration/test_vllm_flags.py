@@ -14,6 +14,7 @@ from kvgate.cli import parse_command_line
 from kvgate.settings import Settings, settings_from_args
 from kvgate.sim.cli import add_arguments as add_sim_arguments
 from kvgate.units import GiB, MiB, parse_size
+from support.geometry import config_path
 from support.vllm_server import VLLM_PYTHON
 
 # A real `vllm serve` command line for Llama-3.1-8B on one H100, as an operator would paste it.
@@ -93,7 +94,7 @@ def test_sizes_equal_what_vllms_own_parser_reads() -> None:
 
 
 @pytest.mark.parametrize(
-    "flag,field",
+    ("flag", "field"),
     [
         ("--free-memory-bytes", "free_memory_bytes"),
         ("--gpu-memory-bytes", "gpu_memory_bytes"),
@@ -182,7 +183,7 @@ def test_an_unparsable_speculative_config_stops_start_up_naming_the_flag() -> No
 
 
 def test_the_ignored_options_are_named_in_one_info_line(tmp_path: Path) -> None:
-    config = Path(__file__).parents[1] / "configs" / "llama-3-8b.json"
+    config = config_path("llama-3-8b")
     (tmp_path / "config.json").write_text(config.read_text())
     done = subprocess.run(
         [

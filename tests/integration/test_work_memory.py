@@ -13,7 +13,7 @@ import json
 import multiprocessing
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ import pytest
 from bench.work_cost import hostile_bodies
 from support.fake_backend import FakeBackend
 from support.hostile_templates import STRING_BUILDERS
-from support.kvgate_server import KvgateServer, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer
 
 MiB = 2**20
 PROCESS_MEMORY = 2 * 1024 * MiB  # the manifests' limit (deploy/), given as the flag
@@ -38,18 +38,14 @@ ROUTE_PATH = {
 
 
 @pytest.fixture(scope="module")
-def kvgate(
-    backend: FakeBackend, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[KvgateServer]:
-    with running_kvgate(
+def kvgate(kvgate_factory: KvgateFactory, backend: FakeBackend, tiny_model_dir: Path) -> KvgateServer:
+    return kvgate_factory(
         backend.base_url,
         tiny_model_dir,
-        tmp_path_factory.mktemp("kvgate-work-memory"),
         "--trust-request-chat-template",
         "--max-process-memory-bytes",
         str(PROCESS_MEMORY),
-    ) as server:
-        yield server
+    )
 
 
 def _status(pid: int, field: str) -> int:

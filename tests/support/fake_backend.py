@@ -27,6 +27,7 @@ from starlette.routing import Route
 from demo.processes import stop_process
 from kvgate.vllm_routes import ROUTE_PATHS
 from support.vllm_server import free_port
+from support.waiting import wait_for
 
 METRICS = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
@@ -136,11 +137,7 @@ def running_fake_backend(port: int | None = None, **options: object) -> Iterator
     server = uvicorn.Server(uvicorn.Config(backend.app(), host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise TimeoutError("fake backend did not start")
-        time.sleep(0.02)
+    wait_for(lambda: server.started, timeout_s=10, what="the fake backend to start")
     backend.base_url = f"http://127.0.0.1:{port}"
     try:
         yield backend

@@ -1,4 +1,5 @@
-"""Start and stop a real `kvgate serve` process for tests, as a user would run it."""
+"""Start and stop a real `kvgate serve` process for tests, as a user would run it, and read what a
+user can read of it: its metrics, its log, its reservation ledger."""
 
 from __future__ import annotations
 
@@ -10,12 +11,24 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from demo.processes import stop_process
 from support.vllm_server import free_port
+from support.waiting import wait_for
+
+# What kvgate holds for requests: every reservation (KV blocks, transient bytes), every admitted
+# request, every queued one.
+LEDGER = (
+    "kvgate_reserved_kv_blocks",
+    "kvgate_reserved_transient_bytes",
+    "kvgate_in_flight_requests",
+    "kvgate_queue_depth",
+)
 
 
 @dataclass(frozen=True)
@@ -26,15 +39,47 @@ class KvgateServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of kvgate's /metrics (0 when absent)."""
+        return self.metrics(name, **labels)[name]
+
+    def metrics(self, *names: str, **labels: str) -> dict[str, float]:
+        """Samples of several metrics from one scrape of /metrics (0 when absent)."""
+        found = dict.fromkeys(names, 0.0)
+        for s in self.scrape():
+            if s.name in found and all(s.labels.get(k) == v for k, v in labels.items()):
+                found[s.name] = s.value
+        return found
+
+    def scrape(self) -> list[Sample]:
+        """Every sample of one /metrics page: values read together are from the same moment."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return s.value
-        return 0.0
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    def readyz(self) -> dict:
+        """kvgate's /readyz body (backend, telemetry and budget state), whatever its status."""
+        return httpx.get(f"{self.base_url}/readyz", timeout=5).json()
+
+    def ledger(self) -> dict[str, float]:
+        """Reserved KV blocks and transient bytes, requests in flight and queued, from one scrape."""
+        return self.metrics(*LEDGER)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+class KvgateFactory(Protocol):
+    """tests/conftest.py's `kvgate_factory`: a `kvgate serve` that lives until the test module ends."""
+
+    def __call__(self, backend_url: str, model_dir: Path, *flags: str, wait_ready: bool = True) -> KvgateServer: ...
+
+
+def assert_ledger_empty(kvgate: KvgateServer, timeout_s: float = 10) -> None:
+    """Nothing reserved, in flight or queued. The release runs on kvgate's loop as a response ends,
+    so this polls up to timeout_s; a leaked reservation (or one released twice) never reads 0."""
+    wait_for(
+        lambda: not any(kvgate.ledger().values()),
+        timeout_s=timeout_s,
+        what=lambda: f"kvgate's ledger to empty: {kvgate.ledger()}",
+    )
 
 
 @contextlib.contextmanager
@@ -78,7 +123,7 @@ def running_kvgate(
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"kvgate not {probe} after {timeout_s} s:\n{log_path.read_text()}")
-            time.sleep(0.2)
+            time.sleep(0.05)  # the start-up poll's interval; the deadline above bounds it
         yield KvgateServer(url, log_path, proc.pid)
     finally:
         stop_process(proc)

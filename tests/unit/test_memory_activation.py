@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -19,16 +17,12 @@ from kvgate.memory.activation import (
 )
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.units import GiB, MiB
+from support.geometry import model_geometry
 
-CONFIGS = Path(__file__).parents[1] / "configs"
 V = 128_256  # Llama-3 vocabulary
 
 
-def load(name: str) -> ModelGeometry:
-    return ModelGeometry.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
-
-
-LLAMA = load("llama-3-8b")
+LLAMA = model_geometry("llama-3-8b")
 
 
 def engine(**kw) -> EngineShape:
@@ -63,7 +57,7 @@ def test_dense_mlp_is_profiled() -> None:
 
 
 def test_huge_max_num_batched_tokens_mlp() -> None:
-    mistral = load("mistral-7b-v0.1")
+    mistral = model_geometry("mistral-7b-v0.1")
     term = estimate_transient(mistral, engine(max_num_batched_tokens=200_000), 200_000, SamplingShape()).term("mlp")
     # docs/sources.md#large-max-num-batched-tokens: one [200000, 14336] bf16 buffer = 5.34 GiB; ours has three
     assert 200_000 * 14336 * 2 / GiB == pytest.approx(5.34, abs=0.01)
@@ -71,7 +65,7 @@ def test_huge_max_num_batched_tokens_mlp() -> None:
 
 
 def test_moe_fused_intermediates() -> None:
-    mixtral = load("mixtral-8x7b-v0.1")
+    mixtral = model_geometry("mixtral-8x7b-v0.1")
     term = estimate_transient(mixtral, engine(), 8192, SamplingShape()).term("moe")
     # M 8192 x top2 x (max(N = 2 x 14336, K = 4096) + N/2) x 2 B
     assert term.bytes == 8192 * 2 * (28672 + 14336) * 2 == 1_409_286_144
@@ -117,7 +111,7 @@ def test_materializing_scores_for_last_chunk() -> None:
 
 
 def test_mla_prefill_is_charged_beyond_the_profiles_dummy_buffer_only_deepseek_v2_lite() -> None:
-    g = load("deepseek-v2-lite")
+    g = model_geometry("deepseek-v2-lite")
     e = EngineShape(
         max_model_len=163_840, max_num_batched_tokens=8192, max_num_seqs=256, attention_backend="mla", block_size=64
     )
@@ -260,7 +254,7 @@ def test_profile_peak_against_public_logs(name: str, shape: EngineShape, logged_
     """kvgate's own profile-peak estimate within a factor of two of every public figure: low on
     V0 (0.63-0.91 x: V0's sampler also keeps fp32 probabilities and log-probabilities), high on
     V1 with FlashInfer's sampler (1.65 x: no sort, where kvgate assumes PyTorch's sort path)."""
-    estimate = profile_peak_bytes(load(name), shape) / GiB
+    estimate = profile_peak_bytes(model_geometry(name), shape) / GiB
     assert 0.5 < estimate / logged_gib < 2
 
 

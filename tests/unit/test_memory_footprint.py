@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from kvgate.memory.activation import EngineShape, SamplingShape
 from kvgate.memory.footprint import predict_footprint
-from kvgate.memory.geometry import ModelGeometry
-from kvgate.memory.kv import KVLayout, block_hashes
-
-CONFIGS = Path(__file__).parents[1] / "configs"
-
-
-def layout(name: str) -> KVLayout:
-    return KVLayout(ModelGeometry.from_config(json.loads((CONFIGS / f"{name}.json").read_text())))
-
+from kvgate.memory.kv import block_hashes
+from support.geometry import layout
 
 ENGINE = EngineShape(max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256)
 

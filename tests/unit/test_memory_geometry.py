@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,11 @@ from kvgate.memory.geometry import (
     ModelGeometry,
 )
 from kvgate.model_folder import load_geometry
-
-CONFIGS = Path(__file__).parents[1] / "configs"
-
-
-def load(name: str) -> ModelGeometry:
-    return ModelGeometry.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+from support.geometry import config_json, config_path, model_geometry
 
 
 def test_llama_3_8b_fields_and_parameters() -> None:
-    g = load("llama-3-8b")
+    g = model_geometry("llama-3-8b")
     assert (g.num_layers, g.num_attention_heads, g.num_kv_heads, g.head_dim) == (32, 32, 8, 128)
     assert (g.hidden_size, g.intermediate_size, g.vocab_size, g.dtype_bytes) == (4096, 14336, 128256, 2)
     assert g.max_position_embeddings == 8192
@@ -38,7 +32,7 @@ def test_llama_3_8b_fields_and_parameters() -> None:
 
 
 def test_nested_llava_text_config_gets_llama_class_defaults() -> None:
-    g = load("llava-1.5-7b-hf")  # text_config lists only what differs from LlamaConfig
+    g = model_geometry("llava-1.5-7b-hf")  # text_config lists only what differs from LlamaConfig
     assert (g.num_layers, g.hidden_size, g.intermediate_size) == (32, 4096, 11008)
     assert (g.num_attention_heads, g.num_kv_heads, g.head_dim) == (32, 32, 128)
     assert (g.vocab_size, g.max_position_embeddings, g.dtype_bytes) == (32064, 4096, 2)
@@ -46,7 +40,7 @@ def test_nested_llava_text_config_gets_llama_class_defaults() -> None:
 
 
 def test_nested_gemma3_layer_pattern() -> None:
-    g = load("gemma-3-4b-it")
+    g = model_geometry("gemma-3-4b-it")
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (34, 4, 256, 262208)
     assert g.sliding_window == 1024 and g.tie_word_embeddings
     # sliding_window_pattern 6: layer i is full iff (i + 1) % 6 == 0
@@ -55,7 +49,7 @@ def test_nested_gemma3_layer_pattern() -> None:
 
 
 def test_gemma2_alternates_and_ties_embeddings() -> None:
-    g = load("gemma-2-9b")
+    g = model_geometry("gemma-2-9b")
     assert g.layer_types[:4] == (SLIDING_ATTENTION, FULL_ATTENTION, SLIDING_ATTENTION, FULL_ATTENTION)
     assert g.layer_types.count(SLIDING_ATTENTION) == 21
     assert g.dtype_bytes == 4  # the checkpoint says float32
@@ -63,16 +57,16 @@ def test_gemma2_alternates_and_ties_embeddings() -> None:
 
 
 def test_mistral_window_on_every_layer_and_qwen_window_disabled() -> None:
-    mistral = load("mistral-7b-v0.1")
+    mistral = model_geometry("mistral-7b-v0.1")
     assert mistral.sliding_window == 4096 and mistral.layer_types == ()
     assert set(mistral.attention_types) == {SLIDING_ATTENTION}
-    qwen = load("qwen2.5-7b-instruct")  # sliding_window 131072 but use_sliding_window false
+    qwen = model_geometry("qwen2.5-7b-instruct")  # sliding_window 131072 but use_sliding_window false
     assert qwen.sliding_window is None
     assert set(qwen.attention_types) == {FULL_ATTENTION}
 
 
 def test_deepseek_v2_lite_mla_and_moe() -> None:
-    g = load("deepseek-v2-lite")
+    g = model_geometry("deepseek-v2-lite")
     assert g.is_mla and g.is_moe
     assert (g.kv_lora_rank, g.qk_rope_head_dim, g.qk_nope_head_dim, g.v_head_dim) == (512, 64, 128, 128)
     assert (g.num_experts, g.experts_per_token, g.moe_intermediate_size) == (64, 6, 1408)
@@ -81,7 +75,7 @@ def test_deepseek_v2_lite_mla_and_moe() -> None:
 
 
 def test_mixtral_experts_use_intermediate_size() -> None:
-    g = load("mixtral-8x7b-v0.1")
+    g = model_geometry("mixtral-8x7b-v0.1")
     assert (g.num_experts, g.experts_per_token, g.moe_intermediate_size) == (8, 2, 14336)
     assert round(g.parameter_count() / 1e9, 1) == 46.7  # published 46.7 B
 
@@ -90,7 +84,7 @@ def test_unreadable_configs_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="hidden_size"):
         ModelGeometry.from_config({"model_type": "bert-ish", "num_hidden_layers": 2, "num_attention_heads": 2})
     with pytest.raises(ValueError, match="dtype"):
-        ModelGeometry.from_config({**json.loads((CONFIGS / "llama-3-8b.json").read_text()), "torch_dtype": "int3"})
+        ModelGeometry.from_config({**config_json("llama-3-8b"), "torch_dtype": "int3"})
     with pytest.raises(ValueError, match=r"no config\.json"):
         load_geometry(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
@@ -102,8 +96,8 @@ def test_unreadable_configs_raise_clear_errors(tmp_path: Path) -> None:
 
 
 def test_load_geometry_reads_config_json(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text((CONFIGS / "llama-3-8b.json").read_text())
-    assert load_geometry(tmp_path) == load("llama-3-8b")
+    (tmp_path / "config.json").write_text(config_path("llama-3-8b").read_text())
+    assert load_geometry(tmp_path) == model_geometry("llama-3-8b")
 
 
 # Hybrid models: tests/configs holds the fields kvgate reads from each published config.json.
@@ -121,7 +115,7 @@ def base(**fields: object) -> dict:
 
 
 def test_qwen3_next_linear_attention_layers_keep_a_state() -> None:
-    g = load("qwen3-next-80b-a3b")
+    g = model_geometry("qwen3-next-80b-a3b")
     assert g.is_hybrid_state
     assert [i for i, kind in enumerate(g.layer_types) if kind == FULL_ATTENTION] == list(range(3, 48, 4))
     assert g.layer_types.count(RECURRENT_STATE) == 36
@@ -136,13 +130,13 @@ def test_qwen3_next_linear_attention_layers_keep_a_state() -> None:
 
 
 def test_nemotron_h_pattern_and_attention_head_dim() -> None:
-    g = load("nemotron-h-8b-base-8k")
+    g = model_geometry("nemotron-h-8b-base-8k")
     kinds = g.layer_types
     assert (kinds.count(RECURRENT_STATE), kinds.count(FULL_ATTENTION), kinds.count(NO_CACHE)) == (24, 4, 24)
     assert g.head_dim == 128
     small = ModelGeometry.from_config(
         {
-            **json.loads((CONFIGS / "nemotron-h-8b-base-8k.json").read_text()),
+            **config_json("nemotron-h-8b-base-8k"),
             "hidden_size": 3136,
             "num_attention_heads": 40,
         }
@@ -151,7 +145,7 @@ def test_nemotron_h_pattern_and_attention_head_dim() -> None:
 
 
 def test_jamba_bamba_minimax_and_falcon_h1_patterns() -> None:
-    jamba = load("jamba-v0.1")
+    jamba = model_geometry("jamba-v0.1")
     assert [i for i, kind in enumerate(jamba.layer_types) if kind == FULL_ATTENTION] == [4, 12, 20, 28]
     bamba = ModelGeometry.from_config(base(model_type="bamba", attn_layer_indices=[1]))
     assert bamba.layer_types == (RECURRENT_STATE, FULL_ATTENTION, RECURRENT_STATE, RECURRENT_STATE)
@@ -164,7 +158,7 @@ def test_jamba_bamba_minimax_and_falcon_h1_patterns() -> None:
 
 
 def test_llama4_chunked_local_layers() -> None:
-    g = load("llama-4-scout-17b-16e")
+    g = model_geometry("llama-4-scout-17b-16e")
     assert g.attention_chunk_size == 8192 and not g.is_hybrid_state
     assert [i for i, kind in enumerate(g.layer_types) if kind == FULL_ATTENTION] == list(range(3, 48, 4))
     assert g.layer_types.count(CHUNKED_ATTENTION) == 36

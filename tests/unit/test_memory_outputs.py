@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import random
 
-from test_memory_footprint import layout
-
 from kvgate.gate.budget import Budget
 from kvgate.http.output_tokens import OutputTokenCounter
 from kvgate.memory.activation import EngineShape, SamplingShape
@@ -15,6 +13,7 @@ from kvgate.memory.outputs import OutputReservation
 from kvgate.openai import parse_request
 from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
+from support.geometry import layout
 
 
 def test_full_max_tokens_until_enough_answers_are_seen() -> None:

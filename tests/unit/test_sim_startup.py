@@ -14,6 +14,7 @@ from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.model import load_model
 from kvgate.sim.presets import gpu_total_bytes
 from kvgate.units import GiB
+from support.geometry import config_path
 
 
 def boot(**kw) -> tuple[startup.Resolved, startup.StartupReport, Device]:
@@ -25,7 +26,6 @@ def boot(**kw) -> tuple[startup.Resolved, startup.StartupReport, Device]:
 
 
 PR_10511 = dict(model="llama-3-8b", gpu="h100-80gb", max_num_seqs=256, max_num_batched_tokens=8192)
-CONFIGS = Path(__file__).parents[1] / "configs"
 # vLLM's defaults for `vllm serve` in the V1 releases of 2025 (the logs below print them).
 SERVE_2025 = dict(max_num_batched_tokens=2048, max_num_seqs=256)
 # The first release that subtracts its CUDA-graph estimate by default (kvgate/sim/flavor.py).
@@ -196,7 +196,7 @@ def test_available_kv_memory_matches_public_logs(row: LoggedStartup, tmp_path: P
     dtype on every rank; 32 MiB, 1 % of Qwen3-8B's TP 4 shard), which the simulator leaves out."""
     config = dict(row.config)
     if row.config_file:
-        (tmp_path / "config.json").write_text((CONFIGS / f"{row.config_file}.json").read_text())
+        (tmp_path / "config.json").write_text(config_path(row.config_file).read_text())
         config["model"] = str(tmp_path)
     if row.refusal is None:
         _, rep, _ = boot(**config)
@@ -383,7 +383,7 @@ def test_moe_models_play_their_dense_layers_too() -> None:
 def test_materializing_scores_stop_at_the_window_when_every_layer_slides(tmp_path) -> None:
     """Mistral-7B-v0.1 slides every layer over 4,096 tokens: a 2,048-token chunk at 20,000
     tokens of context scores 2,048 x (4,096 + 2,048) keys, not 2,048 x 22,048."""
-    config = Path(__file__).parents[1] / "configs" / "mistral-7b-v0.1.json"
+    config = config_path("mistral-7b-v0.1")
     (tmp_path / "config.json").write_text(config.read_text())
     r, _, _ = boot(
         model=str(tmp_path),

