@@ -158,7 +158,7 @@ class RequestPipeline:
         return [s.name for s in served if s is not None and not s.is_adapter]
 
     @staticmethod
-    def _truncated(ids: array, keep: int, left: bool) -> array:
+    def _truncated(ids: array[int], keep: int, left: bool) -> array[int]:
         """The prompt as vLLM truncates it (vllm/renderers/params.py TokenizeParams
         `_truncation_slice`, vLLM 0.32.0): its first `keep` tokens, its last with truncation_side
         "left" (`keep` from Predictor.truncation_length). vLLM falls back to the tokenizer's own
@@ -168,7 +168,7 @@ class RequestPipeline:
             return ids
         return ids[len(ids) - keep :] if left else ids[:keep]
 
-    def _with_unseen_history(self, ids: array, max_tokens: int | None) -> array:
+    def _with_unseen_history(self, ids: array[int], max_tokens: int | None) -> array[int]:
         """The prompt grown to fill what the context leaves after the output budget: vLLM prepends
         a stored conversation kvgate never saw (a Responses request's previous_response_id), and
         the context bounds it. The filler starts with a random id so that its blocks are never
