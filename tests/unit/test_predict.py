@@ -271,9 +271,13 @@ def test_context_errors_are_worded_as_vllm_0_32_words_them(
     the prompt."""
     predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_tokens_past_context_refused=False))
     request = completions({"prompt": prompt, **body})
-    with pytest.raises(ContextTooLong) as refused:
+
+    def pipeline_order() -> None:
         check_limits(request, RequestLimits(max_model_len=1024, max_logprobs=20, vocab_size=128256))
         predictor.predict(request, [prompt])
+
+    with pytest.raises(ContextTooLong) as refused:
+        pipeline_order()
     assert (refused.value.param, refused.value.message) == (param, message)
 
 
