@@ -15,7 +15,7 @@ test: venv vllm-venv check
 unit: venv check
 	$(VENV)/bin/pytest -q tests/unit
 
-# Seconds, not minutes: ruff (rules in pyproject.toml), mypy (strict on kvgate.memory and kvgate.gate)
+# Seconds, not minutes: ruff (rules in pyproject.toml), mypy (strict on the modules pyproject lists)
 # and the import contracts of docs/architecture.md.
 check: venv
 	$(VENV)/bin/ruff check .

@@ -137,19 +137,19 @@ class Gate(Generic[Basis]):
         self.observers.decided(Decision("queue", reason, request_id, demand))
         self.changed()  # sets it aside at once if it could not fit even alone
         gone = watch_client() if watch_client is not None else None
-        timeout = self.max_queue_wait_s if deadline is None else max(0.0, deadline - self._clock())
+        wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - self._clock())
         try:
-            return await self._wait(waiter, gone, timeout)
+            return await self._wait(waiter, gone, wait_s)
         finally:
             if gone is not None:
                 gone.cancel()
 
-    async def _wait(self, waiter: Waiter[Basis], gone: asyncio.Future[None] | None, timeout: float) -> Ticket:
+    async def _wait(self, waiter: Waiter[Basis], gone: asyncio.Future[None] | None, wait_s: float) -> Ticket:
         waits: set[asyncio.Future[Any]] = {waiter.future}
         if gone is not None:
             waits.add(gone)
         try:
-            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             self._abandon(waiter)
             raise
@@ -165,7 +165,7 @@ class Gate(Generic[Basis]):
         ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
-            raise self._refuse(waiter, self._backend_still_down(timeout))
+            raise self._refuse(waiter, self._backend_still_down(wait_s))
         retry_after = self._retry_after(ahead)
         raise self._refuse(waiter, QueueTimeout(self.max_queue_wait_s, waiter.reason, retry_after))
 

@@ -25,6 +25,8 @@ LINGER_IDLE_S = 5.0
 
 def header(scope: Scope, name: bytes) -> str | None:
     """The first value of a header; `name` in lower case, as ASGI servers deliver names."""
+    key: bytes
+    value: bytes
     for key, value in scope["headers"]:
         if key == name:
             return value.decode("latin-1")
@@ -128,7 +130,7 @@ class AnswerThenDiscardBody(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def disconnect_future(receive: Receive) -> asyncio.Future:
+def disconnect_future(receive: Receive) -> asyncio.Future[None]:
     """Resolves when the client goes away; call only once the body has been read."""
 
     async def watch() -> None:
@@ -140,6 +142,6 @@ def disconnect_future(receive: Receive) -> asyncio.Future:
 
 def request_target(scope: Scope) -> bytes:
     """The path and query as the client sent them (still percent-encoded), to forward as they are."""
-    path = scope.get("raw_path") or scope["path"].encode()
-    query = scope["query_string"]
+    path: bytes = scope.get("raw_path") or scope["path"].encode()
+    query: bytes = scope["query_string"]
     return path + b"?" + query if query else path

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -301,7 +302,7 @@ class Relay(Response):
         finally:
             self._sending_since = None
 
-    def _check_stall(self, task: asyncio.Task) -> None:
+    def _check_stall(self, task: asyncio.Task[Any]) -> None:
         """The stall timer is due: cut the relay if the send under way has waited the whole
         `stall_timeout_s`, else wait for what is left of the send under way; with none under
         way, the next send arms it again."""

@@ -108,7 +108,7 @@ class LiveBudget:
         started = time.perf_counter()
         admitted = set(self.in_flight.requests)
         try:
-            snapshot = await fetch_snapshot(self.client, timeout=self.settings.max_staleness)
+            snapshot = await fetch_snapshot(self.client, request_timeout_s=self.settings.max_staleness)
         except (httpx.HTTPError, ValueError) as exc:
             await self._scrape_failed(exc)
         else:

@@ -241,8 +241,10 @@ def parse_metrics(text: str) -> BackendSnapshot:
     )
 
 
-async def fetch_snapshot(client: httpx.AsyncClient, timeout: float | None = None) -> BackendSnapshot:
-    response = await client.get("/metrics", timeout=timeout) if timeout else await client.get("/metrics")
+async def fetch_snapshot(client: httpx.AsyncClient, request_timeout_s: float | None = None) -> BackendSnapshot:
+    response = (
+        await client.get("/metrics", timeout=request_timeout_s) if request_timeout_s else await client.get("/metrics")
+    )
     response.raise_for_status()
     return parse_metrics(response.text)
 
