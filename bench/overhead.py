@@ -6,6 +6,13 @@ asyncio + uvloop) and this load generator are pinned to core 1 (taskset / sched_
 The load generator is a raw asyncio HTTP/1.1 client over keep-alive connections (tens of
 microseconds a request, so it is not what limits the request rate). Arms are interleaved: every
 repetition runs direct, kvgate and nginx in turn, for each measurement.
+
+kvgate runs at its default log level (info): every decision is logged, as in production. The
+proxy's CPU time (utime + stime of the whole process, /proc/PID/stat; nginx: its worker) is read
+before and after each fixed-count phase, so CPU per request is counted over a known number of
+requests and does not depend on how busy the other core was. Chat requests (the system prompt and
+a user message, rendered by the model folder's chat template) are the measure of issue 22's
+targets; completions rows are kept beside them for comparison with earlier runs.
 """
 
 from __future__ import annotations
@@ -82,7 +89,12 @@ class Conn:
 
 
 async def _closed_loop(
-    port: int, body: bytes, conc: int, total: int | None = None, seconds: float | None = None
+    port: int,
+    body: bytes,
+    conc: int,
+    total: int | None = None,
+    seconds: float | None = None,
+    path: str = "/v1/completions",
 ) -> tuple[list[tuple[float, float]], int, float]:
     """`conc` connections in a closed loop; latencies (ttfb, total), non-200 count, wall time."""
     conns = [Conn("127.0.0.1", port) for _ in range(conc)]
@@ -97,7 +109,7 @@ async def _closed_loop(
         nonlocal bad
         while left[0] > 0 and time.perf_counter() < stop_at:
             left[0] -= 1
-            status, ttfb, t = await c.post("/v1/completions", body)
+            status, ttfb, t = await c.post(path, body)
             if status != 200:
                 bad += 1
             lat.append((ttfb, t))
@@ -218,11 +230,35 @@ def _cpu_seconds(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tree_cpu_seconds(pid: int | None) -> float:
+    """CPU seconds of a process and its children (kvgate's preparation workers, nginx's worker);
+    0 for an arm without a proxy."""
+    if pid is None:
+        return 0.0
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    total = _cpu_seconds(pid)
+    for kid in children.read_text().split() if children.exists() else []:
+        with suppress(FileNotFoundError, ProcessLookupError):  # a child that just exited
+            total += _cpu_seconds(int(kid))
+    return total
+
+
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def chat_body(prompt: str) -> bytes:
+    """A non-streaming chat request: a system prompt and `prompt` as the user's message."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": prompt}]
+    return json.dumps({"model": "llama-3.1-8b", "messages": messages, "max_tokens": 16}).encode()
+
+
+def scenario_name(kind: str, concurrency: int) -> str:
+    """A fixed-count phase's row name; completions keep the names earlier runs used."""
+    return f"{'chat, ' if kind == 'chat' else ''}non-streaming, concurrency {concurrency}"
 
 
 def prompt_of(tokens: int) -> str:
@@ -270,6 +306,44 @@ def estimate_cost(folder: Path, sizes: tuple[int, ...] = (100, 1000, 8000), reps
     return out
 
 
+def chat_evaluation_cost(folder: Path, reps: int = 300) -> dict[str, Any]:
+    """CPU of evaluating the benchmark's chat request in process, on the proxy's core, as kvgate
+    does it per request (RequestPipeline.evaluate: parse, render, tokenize, predict, the
+    never-fits check): the part of kvgate's CPU per request that is neither HTTP, the gate nor
+    the relay."""
+    from kvgate.composition import Runtime
+    from kvgate.settings import Settings
+
+    rt = Runtime(
+        Settings(model=str(folder), max_num_batched_tokens=8192, max_model_len=32768, gpu_memory_bytes=85520809984)
+    )
+    rt.configure_offline()
+    raw = chat_body(prompt_of(100))
+    cpu_s: list[float] = []
+    tokenize_s: list[float] = []
+
+    async def run() -> None:
+        for _ in range(max(3, reps // 10)):  # warm-up
+            await rt.pipeline.evaluate("chat", raw)
+        for _ in range(reps):
+            t0 = time.process_time()
+            ev = await rt.pipeline.evaluate("chat", raw)
+            cpu_s.append(time.process_time() - t0)
+            tokenize_s.append(ev.tokenize_s)
+
+    old_aff = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {int(PROXY_CORE)})
+    try:
+        asyncio.run(run())
+    finally:
+        os.sched_setaffinity(0, old_aff)
+    return {
+        "requests": reps,
+        "evaluate_cpu_ms_mean": round(sum(cpu_s) / len(cpu_s) * 1e3, 4),
+        "render_and_tokenize_ms_p50": round(_p(tokenize_s, 0.5) * 1e3, 4),
+    }
+
+
 def run_overhead(
     results_dir: Path,
     quick: bool = False,
@@ -308,8 +382,6 @@ def run_overhead(
             "85520809984",
             "--gpu-probe",
             "none",
-            "--log-level",
-            "warning",
         ]
         arms = ["direct", "kvgate"]
         nginx = nginx_binary()
@@ -344,46 +416,60 @@ def run_overhead(
             else:
                 result["nginx_version"] = "not installed (apt-get install -y nginx)"
             try:
-                body = json.dumps({"model": "llama-3.1-8b", "prompt": prompt_of(100), "max_tokens": 16}).encode()
+                prompt = prompt_of(100)
+                body = json.dumps({"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 16}).encode()
                 sbody = json.dumps(
-                    {"model": "llama-3.1-8b", "prompt": prompt_of(100), "max_tokens": 16, "stream": True}
+                    {"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 16, "stream": True}
                 ).encode()
-                lat: dict[tuple[str, str], list[float]] = {}
+                kinds = {"completions": (body, "/v1/completions"), "chat": (chat_body(prompt), "/v1/chat/completions")}
+                pids = {"direct": None, "kvgate": kproc.pid, "nginx": nginx_proc.pid if nginx_proc else None}
+                lat: dict[tuple[str, str, int], list[float]] = {}
+                fixed_rps: dict[tuple[str, str, int], list[float]] = {}
+                cpu: dict[tuple[str, str, int], list[float]] = {}  # [cpu seconds, requests]
                 ttfb: dict[str, list[float]] = {a: [] for a in arms}
                 stotal: dict[str, list[float]] = {a: [] for a in arms}
                 rps: dict[str, list[float]] = {a: [] for a in arms}
                 errors: dict[str, int] = {a: 0 for a in arms}
-                kv_cpu = kv_reqs = 0.0
                 # warm-up
                 for a in arms:
-                    asyncio.run(_closed_loop(ports[a], body, 8, total=400))
+                    for kbody, path in kinds.values():
+                        asyncio.run(_closed_loop(ports[a], kbody, 8, total=400, path=path))
                 for rep in range(reps):
                     order = arms if rep % 2 == 0 else arms[::-1]
                     for a in order:
                         for conc, n in ((1, n1), (32, n32)):
-                            ls, bad, _ = asyncio.run(_closed_loop(ports[a], body, conc, total=n))
-                            lat.setdefault((a, str(conc)), []).extend(t for _, t in ls)
-                            errors[a] += bad
+                            for kind, (kbody, path) in kinds.items():
+                                cpu0 = _tree_cpu_seconds(pids[a])
+                                ls, bad, wall = asyncio.run(_closed_loop(ports[a], kbody, conc, total=n, path=path))
+                                spent = cpu.setdefault((a, kind, conc), [0.0, 0])
+                                spent[0] += _tree_cpu_seconds(pids[a]) - cpu0
+                                spent[1] += len(ls)
+                                lat.setdefault((a, kind, conc), []).extend(t for _, t in ls)
+                                fixed_rps.setdefault((a, kind, conc), []).append(len(ls) / wall)
+                                errors[a] += bad
                         ls, bad, _ = asyncio.run(_closed_loop(ports[a], sbody, 1, total=nstream))
                         ttfb[a].extend(f for f, _ in ls)
                         stotal[a].extend(t for _, t in ls)
                         errors[a] += bad
-                        cpu0 = _cpu_seconds(kproc.pid)
                         ls, bad, wall = asyncio.run(_closed_loop(ports[a], body, 64, seconds=rps_s))
-                        if a == "kvgate":
-                            kv_cpu += _cpu_seconds(kproc.pid) - cpu0
-                            kv_reqs += len(ls)
                         rps[a].append(len(ls) / wall)
                         errors[a] += bad
                         if progress is not None:
                             progress.update(1)
                 rss = _rss_bytes(kproc.pid)
                 rows = []
-                base = {c: _pcts(lat[("direct", c)]) for c in ("1", "32")}
+                base = {(k, c): _pcts(lat[("direct", k, c)]) for k in kinds for c in (1, 32)}
                 sbase_f, sbase_t = _pcts(ttfb["direct"]), _pcts(stotal["direct"])
                 for a in arms:
-                    for c in ("1", "32"):
-                        rows.append(_latency_row(a, f"non-streaming, concurrency {c}", lat[(a, c)], base[c]))
+                    for kind in kinds:
+                        for c in (1, 32):
+                            row = _latency_row(a, scenario_name(kind, c), lat[(a, kind, c)], base[(kind, c)])
+                            spent_s, count = cpu[(a, kind, c)]
+                            row["closed_loop_requests_per_s"] = round(_p(fixed_rps[(a, kind, c)], 0.5), 1)
+                            row["proxy_cpu_ms_per_request"] = (
+                                None if pids[a] is None else round(spent_s / count * 1e3, 4)
+                            )
+                            rows.append(row)
                     rows.append(_latency_row(a, "streaming 16 tokens, concurrency 1, TTFB", ttfb[a], sbase_f))
                     rows.append(_latency_row(a, "streaming 16 tokens, concurrency 1, total", stotal[a], sbase_t))
                     rows.append(
@@ -396,12 +482,15 @@ def run_overhead(
                             "requests_per_s_each_rep": [round(x, 1) for x in rps[a]],
                         }
                     )
+                chat_cpu_s, chat_count = cpu[("kvgate", "chat", 32)]
                 result.update(
                     {
                         "rows": rows,
                         "errors": errors,
                         "repetitions": reps,
-                        "kvgate_cpu_ms_per_request": round(kv_cpu / max(1.0, kv_reqs) * 1e3, 4),
+                        "kvgate_log_level": "info (kvgate's default: every decision logged)",
+                        "kvgate_cpu_ms_per_request": round(chat_cpu_s / chat_count * 1e3, 4),
+                        "kvgate_cpu_measured_over": f"{chat_count} chat requests at concurrency 32",
                         "kvgate_rss_bytes": rss,
                         "requests": {
                             "concurrency_1": n1,
@@ -413,13 +502,14 @@ def run_overhead(
                 )
                 if profile:
                     result["profile"] = profile_kvgate(
-                        kproc.pid, ports["kvgate"], body, results_dir, 2.0 if quick else 8.0, log
+                        kproc.pid, ports["kvgate"], kinds["chat"][0], results_dir, 2.0 if quick else 8.0, log
                     )
             finally:
                 if nginx_proc is not None:
                     nginx_cm.__exit__(None, None, None)
         os.sched_setaffinity(0, old_aff)
         result["estimate_cost"] = estimate_cost(folder, reps=2 if tiny else 5 if quick else 30)
+        result["chat_evaluation_cost"] = chat_evaluation_cost(folder, reps=5 if tiny else 50 if quick else 300)
     return result
 
 
@@ -433,7 +523,7 @@ def _pyspy() -> str | None:
 def profile_kvgate(
     pid: int, port: int, body: bytes, results_dir: Path, seconds: float, log: Any = print
 ) -> dict[str, Any]:
-    """py-spy record (raw collapsed stacks) of kvgate under concurrency-64 load; top frames."""
+    """py-spy record (raw collapsed stacks) of kvgate under concurrency-64 chat load; top frames."""
     spy = _pyspy()
     if spy is None:
         return {"error": "py-spy not installed (pip install py-spy)"}
@@ -459,7 +549,7 @@ def profile_kvgate(
     )
     time.sleep(0.5)
     cpu0 = _cpu_seconds(pid)
-    ls, _, _wall = asyncio.run(_closed_loop(port, body, 64, seconds=seconds))
+    ls, _, _wall = asyncio.run(_closed_loop(port, body, 64, seconds=seconds, path="/v1/chat/completions"))
     cpu_ms = (_cpu_seconds(pid) - cpu0) / max(1, len(ls)) * 1e3
     _, err = proc.communicate(timeout=60)
     if proc.returncode != 0 or not raw.exists():

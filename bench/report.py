@@ -72,21 +72,29 @@ def markdown(res: dict[str, Any]) -> str:
             f"Pinning: proxy under test on {ov['pinning']['proxy_under_test']}; backend and "
             f"load generator on {ov['pinning']['backend_and_load_generator']}. "
             f"{ov.get('repetitions')} interleaved repetitions; {ov.get('nginx_version')}.\n",
-            "| arm | measurement | added p50 ms | added p99 ms | p50 ms | p99 ms | req/s |",
-            "|---|---|---|---|---|---|---|",
+            "| arm | measurement | added p50 ms | added p99 ms | p50 ms | p99 ms | req/s | proxy CPU ms/request |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in res["overhead"]:
+            per_s = r["requests_per_s"] if r["requests_per_s"] is not None else r.get("closed_loop_requests_per_s")
             out.append(
                 f"| {r['arm']} | {r['scenario']} | {_f(r['added_p50_ms'], 3)} | "
                 f"{_f(r['added_p99_ms'], 3)} | {_f(r.get('latency_p50_ms'), 3)} | "
-                f"{_f(r.get('latency_p99_ms'), 3)} | {_f(r['requests_per_s'], 0)} |"
+                f"{_f(r.get('latency_p99_ms'), 3)} | {_f(per_s, 0)} | {_f(r.get('proxy_cpu_ms_per_request'), 3)} |"
             )
         out.append("")
         out.append(
-            f"kvgate CPU per request (concurrency 64): "
-            f"{ov.get('kvgate_cpu_ms_per_request')} ms; RSS after the load: "
-            f"{ov.get('kvgate_rss_bytes', 0) / MiB:.0f} MiB.\n"
+            f"kvgate CPU per request ({ov.get('kvgate_cpu_measured_over', 'concurrency 64')}): "
+            f"{ov.get('kvgate_cpu_ms_per_request')} ms; log level {ov.get('kvgate_log_level', 'warning')}; "
+            f"RSS after the load: {ov.get('kvgate_rss_bytes', 0) / MiB:.0f} MiB.\n"
         )
+        ev = ov.get("chat_evaluation_cost")
+        if ev:
+            out.append(
+                f"The chat request evaluated in process on the proxy's core ({ev['requests']} times: parse, "
+                f"render, tokenize, predict): {ev['evaluate_cpu_ms_mean']} ms CPU a request, of which "
+                f"rendering and tokenizing {ev['render_and_tokenize_ms_p50']} ms (p50 wall).\n"
+            )
         out += ["| prompt tokens | tokenize ms p50 | tokenize + estimate ms p50 |", "|---|---|---|"]
         for e in ov.get("estimate_cost", []):
             out.append(f"| {e['prompt_tokens']} | {e['tokenize_ms_p50']} | {e['tokenize_plus_estimate_ms_p50']} |")

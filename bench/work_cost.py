@@ -145,9 +145,8 @@ def _measure(model_dir: str, route: str, raw: bytes, out: Any) -> None:
                     raw,
                     tokenizer,
                     trust_request_chat_template=False,
-                    max_model_len=None,
-                    served_names=frozenset(),
-                )  # type: ignore[arg-type]
+                    limits=None,
+                )
             )
         outcome += f" ({sum(len(p) for p in prepared.prompts):,} tokens)"
     except KvgateError as error:

@@ -32,6 +32,8 @@ import jinja2.sandbox
 from jinja2 import nodes
 from transformers.utils import chat_template_utils
 
+from kvgate.request import ChatInput
+
 ContentFormat = Literal["string", "openai"]
 
 # Content-part types vLLM reads as text, and the key holding their text.
@@ -94,39 +96,8 @@ class TokenizationError(ValueError):
     """Bad messages or a failing template: the client's fault, answered with HTTP 400."""
 
 
-# vLLM 0.32.0's refusal of a request's own template without --trust-request-chat-template
-# (vllm/renderers/online_renderer.py, OnlineRenderer.validate_chat_template), word for word.
-UNTRUSTED_TEMPLATE_MESSAGE = (
-    "Chat template is passed with request, but --trust-request-chat-template is not set. "
-    "Refused request with untrusted chat template."
-)
-
-
 class TemplateBudgetExceeded(TokenizationError):
     """A request's chat template ran past its time or output budget."""
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """The fields of a chat completion that decide its prompt tokens."""
-
-    messages: list[dict]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[dict] | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict | None = None
-    add_special_tokens: bool = False
-    documents: list[dict] | None = None
-    # The backend's release follows namespace aliases of `messages` when it detects the template's
-    # content format (vLLM 0.33.0; kvgate.memory.vllm_runner.CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE).
-    namespace_aliases: bool = False
-
-    @property
-    def carries_template(self) -> bool:
-        """The request brings its own template (`chat_template`, or one in its kwargs)."""
-        kwargs = self.chat_template_kwargs or {}
-        return self.chat_template is not None or kwargs.get("chat_template") is not None
 
 
 # ---------------------------------------------------------------- request templates, sandboxed
@@ -366,23 +337,39 @@ def _budgeted_template(template: str, budget_chars: int) -> jinja2.Template:
     return env.from_string(template)
 
 
-_transformers_compile = chat_template_utils._compile_jinja_template
+# transformers' own compiler, kept once the budget hook replaces it (install_budget_hook).
+_original_compile: Callable[[str], jinja2.Template] | None = None
+_hook_lock = threading.Lock()
+
+
+def _transformers_compile(template: str) -> jinja2.Template:
+    """transformers' template compiler (cached by transformers), hook or no hook."""
+    compile_template = _original_compile or chat_template_utils._compile_jinja_template
+    return compile_template(template)
 
 
 def _compile_for_render(template: str) -> jinja2.Template:
-    """transformers' template compiler, unless a budgeted render is running in this context.
-
-    transformers compiles in `render_jinja_template` (chat_template_utils, transformers 5.x)
-    through this module-level name; replacing it is the one hook that keeps transformers' own
-    rendering (generation tracking, continue_final_message) for a budgeted template.
-    """
+    """transformers' template compiler, unless a budgeted render is running in this context."""
     active = _active_budget.get()
     if active is None:
         return _transformers_compile(template)
     return _budgeted_template(template, active[0].chars)
 
 
-chat_template_utils._compile_jinja_template = _compile_for_render  # type: ignore[assignment]  # transformers' cached compiler, replaced on purpose
+def install_budget_hook() -> None:
+    """Route transformers' template compiler through `_compile_for_render`, once per process,
+    before the first budgeted render (render_within_budget): importing this module changes
+    nothing of transformers.
+
+    transformers compiles in `render_jinja_template` (chat_template_utils, transformers 5.x)
+    through this module-level name; replacing it is the one hook that keeps transformers' own
+    rendering (generation tracking, continue_final_message) for a budgeted template. Outside a
+    budgeted render the hook calls transformers' own compiler."""
+    global _original_compile
+    with _hook_lock:
+        if _original_compile is None:
+            _original_compile = chat_template_utils._compile_jinja_template
+            chat_template_utils._compile_jinja_template = _compile_for_render  # type: ignore[assignment]  # replaced on purpose
 
 
 async def render_within_budget(render: Callable[[], _T], budget: TemplateBudget) -> _T:
@@ -390,6 +377,7 @@ async def render_within_budget(render: Callable[[], _T], budget: TemplateBudget)
     still running when the time is up is stopped by an exception raised in that thread (Python's
     PyThreadState_SetAsyncExc; it lands at the next bytecode, and the size checks keep each
     single operation short)."""
+    install_budget_hook()
     loop = asyncio.get_running_loop()
     done: asyncio.Future[_T] = loop.create_future()
 
@@ -543,10 +531,8 @@ class _TemplateInfo:
 @lru_cache(maxsize=32)
 def _template_info(template: str, namespace_aliases: bool) -> _TemplateInfo:
     """Parsed once per template text and release rule; the hot path only looks it up."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    try:
-        ast = _compile_jinja_template(template).environment.parse(template)
+    try:  # a request's own template is compiled in its budget: jinja2 folds constants as it compiles
+        ast = _compile_for_render(template).environment.parse(template)
     except (jinja2.TemplateError, ImportError) as e:
         raise TokenizationError(f"chat template does not parse: {e}") from e
     try:
@@ -636,9 +622,8 @@ def _tool_calls(calls: Any) -> list[dict]:
     return out
 
 
-def _message(msg: Any, wrap: bool) -> dict:
-    if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-        raise TokenizationError("each message must be an object with a string 'role'")
+def _message(msg: dict[str, Any], wrap: bool) -> dict:
+    """One message as vLLM hands it to the template (its role is a string: kvgate/openai.py)."""
     role = msg["role"]
     out: dict[str, Any] = {"role": role, "content": _content(role, msg.get("content"), wrap)}
     if role == "assistant":
@@ -736,21 +721,19 @@ def _template(tokenizer: Any, name_or_text: str | None, tools: list[dict] | None
         raise TokenizationError(str(e)) from e
 
 
-def render_chat(tokenizer: Any, chat: ChatRequest) -> str | list[int]:
-    """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
-    if not isinstance(chat.messages, list):
-        raise TokenizationError("messages must be a list")
+def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False) -> str | list[int]:
+    """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True).
+    `namespace_aliases`: the backend release's rule for the template's content format
+    (VllmRuntime.content_format_namespace_aliases: vLLM 0.33.0 follows namespace aliases)."""
     if chat.add_generation_prompt and chat.continue_final_message:
         raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    if chat.tools is not None and not isinstance(chat.tools, list):
-        raise TokenizationError("tools must be a list")
     tools = None if chat.tools is None else [_tool(t) for t in chat.tools]
     request_kwargs = _merge(
         chat.chat_template_kwargs,
         {
             "add_generation_prompt": chat.add_generation_prompt,
             "continue_final_message": chat.continue_final_message,
-            "documents": chat.documents,
+            "documents": None if chat.documents is None else list(chat.documents),
         },
     )
     kwargs = _merge(_merge(None, {"tools": tools, "tokenize": False}), request_kwargs)
@@ -758,9 +741,9 @@ def render_chat(tokenizer: Any, chat: ChatRequest) -> str | list[int]:
     tools, tokenize = kwargs.pop("tools", None), kwargs.pop("tokenize", True)
 
     # vLLM picks the content format from the request's template, renders with kwargs'.
-    fmt = _template_info(_template(tokenizer, chat.chat_template, tools), chat.namespace_aliases).content_format
+    fmt = _template_info(_template(tokenizer, chat.chat_template, tools), namespace_aliases).content_format
     template = _template(tokenizer, kwargs.pop("chat_template", None), tools)
-    info = _template_info(template, chat.namespace_aliases)
+    info = _template_info(template, namespace_aliases)
     conversation = [_message(m, fmt == "openai") for m in chat.messages]
     if not info.has_developer and any(m["role"] == "developer" for m in conversation):
         conversation = _developer_as_system(conversation)

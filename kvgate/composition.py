@@ -12,7 +12,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -32,9 +32,10 @@ from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.model_folder import load_geometry
 from kvgate.output_lengths import OutputLengths
-from kvgate.pipeline import RequestPipeline
-from kvgate.predict import Prediction
+from kvgate.pipeline import PipelineConfig, RequestPipeline
+from kvgate.predict import Prediction, Predictor
 from kvgate.preparation_workers import PreparationWorkers
+from kvgate.request import RequestLimits
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import Settings
 from kvgate.telemetry.gpu import detect_probe
@@ -48,14 +49,10 @@ from kvgate.telemetry.vllm import (
     fetch_snapshot,
     fetch_version,
 )
-from kvgate.tokens import load_tokenizer
+from kvgate.tokens import Tokenizer, load_tokenizer
 from kvgate.work_budget import WORK_SHARE, WorkBudget, process_memory
 
 log = logging.getLogger("kvgate.runtime")
-
-# Prompts beyond which a request is predicted in a worker thread: 1,024 prompts of 400 token ids
-# took 0.3 s of prediction (prefix-block hashing), too long to hold the event loop.
-PREDICT_OFFLOAD_PROMPTS = 16
 
 
 def freeze_start_up_heap() -> None:
@@ -100,15 +97,15 @@ class Runtime:
         self.gate_view = GateView(self.gate)  # what telemetry and `explain` see of the gate
         self.pipeline = RequestPipeline(
             self.budget,
+            ServedNames(self._read_served),
             lambda: self.startup_error,
             self.metrics.tokenization.observe,
             trust_request_chat_template=settings.trust_request_chat_template,
             work_budget=WorkBudget(int(process_memory(settings.max_process_memory_bytes) * WORK_SHARE)),
             template_seconds=settings.request_chat_template_timeout,
         )
-        self.pipeline.served_names = ServedNames(self._read_served)
         self.geometry: ModelGeometry | None = None
-        self.deployment: Deployment | None = None
+        self.deployment: Deployment | None = None  # as last synchronised; the pipeline's configuration follows it
         self.disagreements = Disagreements()  # flags the backend contradicts, each said once
         self.startup_error: str | None = None
         self._sync_task: asyncio.Task | None = None
@@ -131,8 +128,9 @@ class Runtime:
         if self._sync_task is not None:
             self._sync_task.cancel()
         await self.backend.aclose()
-        if self.pipeline.workers is not None:
-            self.pipeline.workers.close()
+        config = self.pipeline.config
+        if config is not None and config.workers is not None:
+            config.workers.close()
 
     async def _sync_backend(self, retry_s: float = 1.0) -> None:
         """Learn the backend's configuration; retry until it answers."""
@@ -219,22 +217,9 @@ class Runtime:
             version,
         )
         model_name = self.settings.served_model_name or (served.name if served else "")
-        if self.pipeline.tokenizer is None:
-            self.pipeline.tokenizer = load_tokenizer(
-                self.settings.model,
-                self.backend.tokenize_client,
-                model_name,
-                self.settings.request_chat_template_timeout,
-            )
-            if self.pipeline.tokenizer.source == "local":
-                assert self.settings.model is not None
-                self.pipeline.workers = PreparationWorkers(
-                    self.settings.model, self.settings.request_chat_template_timeout, self.settings.preparation_workers
-                )
-            freeze_start_up_heap()
         if deployment.runtime.warning and (self.deployment is None or self.deployment.runtime != deployment.runtime):
             log.warning("%s", deployment.runtime.warning)
-        self._configure(deployment)
+        self._configure(deployment, lambda: self._load_tokenizer(model_name))
         self.startup_error = None
         self.metrics.telemetry.set_backend_info(deployment.runtime.labels())
         log.info(
@@ -304,9 +289,35 @@ class Runtime:
             "" if copied else " (kvgate's defaults: copy vLLM's values)",
         )
 
-    def _configure(self, deployment: Deployment) -> None:
-        """The predictor for `deployment`, and the budget's static limits from it: the one place
-        either is set, online or offline."""
+    def _load_tokenizer(self, model_name: str, online: bool = True) -> tuple[Tokenizer, PreparationWorkers | None]:
+        """The tokenizer, loaded at the first sync and kept from then on. `online` (serving): with
+        the worker processes that prepare large requests with it (only with the model folder's own
+        tokenizer), and the start-up heap frozen; offline, `kvgate explain` prepares its one
+        request in its own process."""
+        tokenizer = load_tokenizer(
+            self.settings.model,
+            self.backend.tokenize_client,
+            model_name,
+            self.settings.request_chat_template_timeout,
+        )
+        if not online:
+            return tokenizer, None
+        workers = None
+        if tokenizer.source == "local":
+            assert self.settings.model is not None
+            workers = PreparationWorkers(
+                self.settings.model, self.settings.request_chat_template_timeout, self.settings.preparation_workers
+            )
+        freeze_start_up_heap()
+        return tokenizer, workers
+
+    def _configure(
+        self, deployment: Deployment, load_tokenizer: Callable[[], tuple[Tokenizer, PreparationWorkers | None]]
+    ) -> None:
+        """The pipeline's configuration for `deployment` and the budget's static limits from it:
+        the one place either is set, online or offline. The tokenizer is the one already in use,
+        else `load_tokenizer()`'s, loaded only once the predictor is built (a deployment it
+        cannot be built for is retried without starting anything)."""
         assert self.geometry is not None
         settings = self.settings
         predictor = build_predictor(
@@ -324,40 +335,48 @@ class Runtime:
             deployment.kv_cache_memory_bytes,
             settings.cuda_context_bytes,
         )
-        self.deployment, self.pipeline.predictor = deployment, predictor
-        self.pipeline.max_model_len = deployment.max_model_len
-        self.pipeline.content_format_namespace_aliases = deployment.runtime.content_format_namespace_aliases
+        current = self.pipeline.config
+        tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()
+        self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))
+        self.deployment = deployment
         self.budget.update(**asdict(limits))
 
     def _reestimate(self, prediction: Prediction) -> Demand:
         """A waiting request's demand with the output lengths learned since it was predicted."""
-        predictor = self.pipeline.predictor
-        return prediction.demand if predictor is None else predictor.refreshed(prediction)
+        config = self.pipeline.config
+        return prediction.demand if config is None else config.predictor.refreshed(prediction)
 
     @property
     def ready(self) -> bool:
-        return self.pipeline.predictor is not None and self.pipeline.tokenizer is not None and self.budget.known
+        return self.pipeline.config is not None and self.budget.known
 
     def configure_offline(self) -> None:
         """Build the predictor from flags alone (no backend), for `kvgate explain` without --url."""
         if self.settings.model is None:
             raise SystemExit("kvgate explain without --url needs --model (the model folder)")
         self.geometry = load_geometry(self.settings.model)
-        self.pipeline.tokenizer = load_tokenizer(
-            self.settings.model,
-            self.backend.tokenize_client,
-            self.settings.served_model_name or "",
-            self.settings.request_chat_template_timeout,
-        )
         flags = engine_flags(self.settings)
         if flags.vllm_version is None:  # as --vllm-version's help says: offline, the newest known
             flags = replace(flags, vllm_version=NEWEST_KNOWN)
         deployment = resolve(flags, self.geometry, None, None)
         if deployment.runtime.warning:
             log.warning("%s", deployment.runtime.warning)
-        self._configure(deployment)
+        self._configure(deployment, lambda: self._load_tokenizer(self.settings.served_model_name or "", online=False))
         # No backend to watch: the decision is the one a running backend in these flags would get.
         self.budget.set_backend("up", "offline: judged from flags")
+
+
+def pipeline_config(
+    deployment: Deployment, predictor: Predictor, tokenizer: Tokenizer, workers: PreparationWorkers | None = None
+) -> PipelineConfig:
+    """What the request path reads of `deployment` (with the predictor built for it)."""
+    return PipelineConfig(
+        tokenizer,
+        predictor,
+        RequestLimits(deployment.max_model_len, deployment.max_logprobs, predictor.layout.geometry.vocab_size),
+        deployment.runtime.content_format_namespace_aliases,
+        workers,
+    )
 
 
 def engine_flags(settings: Settings) -> EngineFlags:

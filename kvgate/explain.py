@@ -29,13 +29,12 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
         evaluation = await rt.pipeline.predict(endpoint, raw)
     except ContextTooLong as error:
         return {"endpoint": endpoint, "decision": "reject", "reason": error.code, "message": error.message}
-    prediction, demand = evaluation.prediction, evaluation.prediction.demand
-    assert rt.pipeline.predictor is not None
+    prediction, demand, predictor = evaluation.prediction, evaluation.prediction.demand, evaluation.predictor
     budget = rt.budget
     unknown = unknown_limits(budget)
-    preview = rt.gate_view.preview(demand, evaluation.spec.priority)
+    preview = rt.gate_view.preview(demand, evaluation.request.priority)
     try:
-        rt.pipeline.predictor.check_fits_ever(prediction, budget.ceiling())
+        predictor.check_fits_ever(prediction, budget.ceiling())
         reason = preview.wait_reason
         if reason is not None:
             decision, message = "queue", reason
@@ -58,7 +57,7 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             "blocks_at_max_tokens": prediction.max_kv_blocks,
             "new_blocks": preview.new_kv_blocks,
             "shared_prefix_blocks": len(set(demand.shared_block_hashes)),
-            "block_size": rt.pipeline.predictor.layout.block_size,
+            "block_size": predictor.layout.block_size,
         },
         "transient": {
             "peak_bytes": prediction.transient_peak_bytes,

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvgate.chat_template import ChatRequest, TokenizationError
+from kvgate.chat_template import TokenizationError
+from kvgate.request import ChatInput
 
 if TYPE_CHECKING:
     from kvgate.tokens import Tokenizer
@@ -74,12 +75,10 @@ def _image_key(part: dict) -> str:
     return json.dumps(part.get(part["type"]), sort_keys=True, default=str)
 
 
-def with_placeholders(chat: ChatRequest, images: ImageTokens | None) -> tuple[ChatRequest, list[str]]:
+def with_placeholders(chat: ChatInput, images: ImageTokens | None) -> tuple[ChatInput, list[str]]:
     """The chat with each image part replaced by a text part holding the placeholder, and a key
     per image in prompt order; TokenizationError (400) for media kvgate cannot count."""
     keys: list[str] = []
-    if not isinstance(chat.messages, list):
-        return chat, keys  # render_chat says what is wrong
     messages = []
     for message in chat.messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -101,7 +100,7 @@ def with_placeholders(chat: ChatRequest, images: ImageTokens | None) -> tuple[Ch
                 keys.append(_image_key(part))
                 parts.append({"type": "text", "text": images.placeholder})
         messages.append({**message, "content": parts})
-    return replace(chat, messages=messages), keys
+    return replace(chat, messages=tuple(messages)), keys
 
 
 def expand_images(ids: Sequence[int], images: ImageTokens, keys: list[str]) -> list[int]:
@@ -142,10 +141,12 @@ class MediaCounting:
     def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
         self._inner.refuse_certainly_too_long(text, max_tokens)
 
-    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]:
+    async def encode_chat(
+        self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
+    ) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
         text_chat, keys = with_placeholders(chat, self._images)
-        ids = await self._inner.encode_chat(text_chat, max_tokens)
+        ids = await self._inner.encode_chat(text_chat, max_tokens, namespace_aliases)
         if not keys:
             return ids
         assert self._images is not None

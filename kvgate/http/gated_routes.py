@@ -22,14 +22,13 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvgate.composition import Runtime
-from kvgate.errors import BackendDown, ClientGone, KvgateError
+from kvgate.errors import BackendDown, ClientGone, InvalidField, KvgateError
 from kvgate.gate.gate import Ticket
 from kvgate.gate.observer import Decision
 from kvgate.gate.tenants import TenantTurns
 from kvgate.http.asgi import answer_refusal, disconnect_future, header, read_body, request_target
 from kvgate.http.errors import error_response
 from kvgate.http.proxy import Relay, forward_headers, open_while_client_waits
-from kvgate.openai import bad_request
 from kvgate.pipeline import Evaluation
 from kvgate.vllm_routes import ROUTE_PATHS, Route
 
@@ -74,17 +73,33 @@ def tenant_of(scope: Scope, tenant_header: bytes | None) -> tuple[str, bool]:
     return (hashlib.sha256(auth.encode()).hexdigest()[:12] if auth else "anonymous"), False
 
 
-def priority_of(scope: Scope, body_priority: int, priority_header: bytes | None, trust_body: bool) -> int:
-    """Only trusted sources order the queue: the gateway's header if configured, the body's field
-    if the operator trusts it, else 0 for everyone."""
+def header_priority(scope: Scope, priority_header: bytes | None) -> int | None:
+    """The trusted gateway's priority header, if one is configured and set; a 400 if it is not
+    an integer."""
     value = header(scope, priority_header) if priority_header else None
     if value is None:
-        return body_priority if trust_body else 0
+        return None
     try:
         return int(value)
     except ValueError:
         name = priority_header.decode("latin-1")  # type: ignore[union-attr]
-        raise bad_request(f"{name} must be an integer.", name) from None
+        raise InvalidField(f"{name} must be an integer.", name) from None
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, read from its headers before its body is tokenized."""
+
+    tenant: str
+    vouched: bool  # named by the trusted gateway's tenant header
+    priority: int | None  # the trusted gateway's priority header
+
+    def queue_priority(self, body_priority: int, trust_body: bool) -> int:
+        """Only trusted sources order the queue: the gateway's header if configured, the body's
+        field if the operator trusts it, else 0 for everyone."""
+        if self.priority is not None:
+            return self.priority
+        return body_priority if trust_body else 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +168,7 @@ class GatedRoutes:
             raw = await read_body(
                 scope, receive, settings.max_body_bytes, settings.client_body_timeout, settings.client_body_deadline
             )
+            caller = Caller(*tenant_of(scope, self._tenant_header), header_priority(scope, self._priority_header))
         except ClientGone:
             rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="request_body"))
             raise
@@ -163,9 +179,6 @@ class GatedRoutes:
         while True:
             try:
                 evaluation = await rt.pipeline.evaluate(route, raw)
-                priority = priority_of(
-                    scope, evaluation.spec.priority, self._priority_header, rt.settings.trust_request_priority
-                )
                 break
             except BackendDown:
                 await rt.gate.wait_for_backend(deadline, lambda: disconnect_future(receive), request_id)
@@ -175,7 +188,8 @@ class GatedRoutes:
         prediction = evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
-        turn = self._turns.turn(*tenant_of(scope, self._tenant_header))
+        priority = caller.queue_priority(evaluation.request.priority, rt.settings.trust_request_priority)
+        turn = self._turns.turn(caller.tenant, caller.vouched)  # taken only by a request that will queue
         return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, deadline, turn)
 
     async def _admit(
@@ -202,7 +216,7 @@ class GatedRoutes:
             "x-kvgate-transient-bytes": str(transient_bytes),
             "x-kvgate-queue-wait": f"{ticket.queue_wait_s:.4f}",
         }
-        return Admitted(ticket, evaluated.body, headers, evaluated.evaluation.spec.stream, evaluated.count_output)
+        return Admitted(ticket, evaluated.body, headers, evaluated.evaluation.request.stream, evaluated.count_output)
 
     async def _forward(self, admitted: Admitted, scope: Scope, receive: Receive, request_id: str) -> Response | None:
         """Open the upstream exchange; from here on the Relay owns the ticket. A non-streaming

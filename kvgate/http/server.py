@@ -95,7 +95,7 @@ def create_app(settings: Settings) -> Kvgate:
         detail = {
             "backend_reachable": backend.up,
             "backend": backend.detail(),
-            "tokenizer": rt.pipeline.tokenizer.source if rt.pipeline.tokenizer else None,
+            "tokenizer": rt.pipeline.config.tokenizer.source if rt.pipeline.config else None,
             "budget_known": rt.budget.known,
             "kv_blocks": rt.budget.kv_limit(),
             "transient_bytes": rt.budget.transient_limit(),
@@ -124,14 +124,14 @@ def create_app(settings: Settings) -> Kvgate:
                 settings.client_body_deadline,
                 reads_body=False,
             )
-            pipeline = rt.pipeline
+            config = rt.pipeline.config
             check_passthrough_body(
                 request.method,
                 request.scope["path"],
                 request.headers.get("content-type"),
                 body,
-                pipeline.tokenizer,
-                pipeline.max_model_len,
+                config.tokenizer if config else None,
+                config.limits.max_model_len if config else None,
             )
             relay = await passthrough(
                 rt.backend,

@@ -171,7 +171,8 @@ def test_failing_chat_template_is_a_400(kvgate: KvgateServer) -> None:
     assert "no system prompt allowed" in error["message"]
 
 
-def test_bad_priority_header_is_a_400(kvgate: KvgateServer) -> None:
+def test_bad_priority_header_is_a_400_before_the_body_is_tokenized(kvgate: KvgateServer) -> None:
+    tokenized = kvgate.metric("kvgate_tokenization_seconds_count")
     response = httpx.post(
         kvgate.base_url + "/v1/completions",
         json={"prompt": "hi", "max_tokens": 1},
@@ -179,6 +180,7 @@ def test_bad_priority_header_is_a_400(kvgate: KvgateServer) -> None:
     )
     assert_openai_error(response, 400, "invalid_request", "x-kvgate-priority")
     assert_ledger_empty(kvgate)
+    assert kvgate.metric("kvgate_tokenization_seconds_count") == tokenized
 
 
 def test_no_local_tokenizer_falls_back_to_backend(vllm_server: VllmServer, tmp_path: Path) -> None:

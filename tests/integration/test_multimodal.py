@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvgate.chat_template import ChatRequest, TokenizationError
+from kvgate.chat_template import TokenizationError
 from kvgate.multimodal import image_tokens
+from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.vllm_server import VllmPython
 
@@ -37,8 +38,8 @@ def test_llava_images_take_vllms_count() -> None:
     assert image_tokens({"model_type": "llama"}) is None
 
 
-def _chat(*parts: object) -> ChatRequest:
-    return ChatRequest(messages=[{"role": "user", "content": list(parts)}])
+def _chat(*parts: object) -> ChatInput:
+    return ChatInput(messages=[{"role": "user", "content": list(parts)}])
 
 
 class TokenizeBackend:

@@ -226,6 +226,28 @@ def test_too_long_prompt_refused_before_vllm(vllm_server: VllmServer, kvgate: Kv
     assert_vllm_body(response.json(), direct.json())
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "hello there " * 160}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there " * 160}]}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_a_text_prompt_past_the_context_is_counted_as_vllm_counts_it(
+    vllm_server: VllmServer, kvgate: KvgateServer, path: str, body: dict
+) -> None:
+    """About 1,100 tokens of text, short enough in characters for both to tokenize it: vLLM encodes
+    text truncated at max_model_len + 1 and says "at least 1025" (vllm/renderers/params.py
+    get_encode_kwargs, _token_len_check); kvgate's body is the same, word for word."""
+    body = {"model": "tiny-llama", "max_tokens": 4} | body
+    direct = httpx.post(vllm_server.base_url + path, json=body, timeout=60)
+    through = httpx.post(kvgate.base_url + path, json=body, timeout=60)
+    assert direct.status_code == through.status_code == 400, through.text
+    assert through.json() == direct.json()
+    assert "contains at least 1025 input tokens" in through.json()["error"]["message"]
+
+
 def test_max_tokens_past_the_context_is_clamped_as_vllm_0_32_does(
     vllm_server: VllmServer, kvgate: KvgateServer
 ) -> None:

@@ -1,20 +1,24 @@
 """kvgate.tokens against the real vLLM: local and backend token ids must equal vLLM's /tokenize.
 
 Each case is a raw /tokenize body as a client would write it (vLLM's defaults
-apply to what it leaves out); the same body becomes a ChatRequest for kvgate.
+apply to what it leaves out); the same body becomes a ChatInput for kvgate (kvgate/openai.py parses it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvgate.chat_template import ChatRequest, TokenizationError, _template_info
+from kvgate.chat_template import TokenizationError, _template_info
+from kvgate.errors import InvalidField
+from kvgate.openai import parse_request
+from kvgate.request import ChatInput
 from kvgate.tokens import (
     BackendTokenizeError,
     BackendTokenizer,
@@ -25,7 +29,6 @@ from kvgate.tokens import (
 from support.tiny_model import english_text
 from support.vllm_server import VllmPython
 
-_CHAT_FIELDS = {f.name for f in dataclasses.fields(ChatRequest)}
 LONG = english_text(800, seed=7)  # ~900 tokens, over the 4000-char off-loop threshold
 TOOL = {
     "type": "function",
@@ -155,7 +158,9 @@ CHATS = {
 async def _encode(tokenizer: Tokenizer, body: dict) -> list[int]:
     if "prompt" in body:
         return list(await tokenizer.encode_prompt(body["prompt"], body.get("add_special_tokens", True)))
-    return list(await tokenizer.encode_chat(ChatRequest(**{k: body[k] for k in body if k in _CHAT_FIELDS})))
+    chat = parse_request("chat", json.dumps(body).encode(), trust_request_chat_template=True).input
+    assert isinstance(chat, ChatInput)
+    return list(await tokenizer.encode_chat(chat))
 
 
 @pytest.fixture(scope="session")
@@ -184,7 +189,7 @@ async def test_long_cases_are_about_900_tokens(vllm_server, local_tokenizer):
 async def test_backend_bad_request_is_tokenization_error(vllm_server):
     async with httpx.AsyncClient(base_url=vllm_server.base_url, timeout=60) as client:
         backend = BackendTokenizer(client, vllm_server.served_name)
-        chat = ChatRequest(messages=[{"role": "user", "content": "x"}], continue_final_message=True)
+        chat = ChatInput(messages=[{"role": "user", "content": "x"}], continue_final_message=True)
         with pytest.raises(TokenizationError, match="continue_final_message"):
             await backend.encode_chat(chat)
 
@@ -195,19 +200,17 @@ async def test_backend_bad_request_is_tokenization_error(vllm_server):
 @pytest.mark.parametrize(
     "chat",
     [
-        ChatRequest(messages=["not an object"]),
-        ChatRequest(messages=[{"content": "no role"}]),
-        ChatRequest(messages=[{"role": "user", "content": 42}]),
-        ChatRequest(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-        ChatRequest(messages=[{"role": "user", "content": [{"text": "no type"}]}]),
-        ChatRequest(messages=[{"role": "user", "content": "x"}], continue_final_message=True),
-        ChatRequest(messages=[{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]),
-        ChatRequest(messages=[{"role": "user", "content": "x"}], tools=[{"function": {}}]),
-        ChatRequest(messages=[{"role": "assistant", "tool_calls": [{"type": "custom"}]}]),
-        ChatRequest(messages=[{"role": "user", "content": "x"}], chat_template="{% if %}"),
+        ChatInput(messages=[{"role": "user", "content": 42}]),
+        ChatInput(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        ChatInput(messages=[{"role": "user", "content": [{"text": "no type"}]}]),
+        ChatInput(messages=[{"role": "user", "content": "x"}], continue_final_message=True),
+        ChatInput(messages=[{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]),
+        ChatInput(messages=[{"role": "user", "content": "x"}], tools=[{"function": {}}]),
+        ChatInput(messages=[{"role": "assistant", "tool_calls": [{"type": "custom"}]}]),
+        ChatInput(messages=[{"role": "user", "content": "x"}], chat_template="{% if %}"),
     ],
     ids=[
-        "message_not_object", "missing_role", "content_int", "image_part", "part_without_type",
+        "content_int", "image_part", "part_without_type",
         "both_generation_flags", "template_raises", "tool_without_name", "non_function_tool_call",
         "template_syntax",
     ],
@@ -217,8 +220,14 @@ async def test_malformed_chat_raises_tokenization_error(chat, local_tokenizer):
         await local_tokenizer.encode_chat(chat)
 
 
+@pytest.mark.parametrize("message", ["not an object", {"content": "no role"}, {"role": 1}])
+def test_a_message_without_a_string_role_is_refused_by_the_parser_before_rendering(message):
+    with pytest.raises(InvalidField, match=r"messages\[1\] must be an object with a string 'role'"):
+        parse_request("chat", json.dumps({"messages": [{"role": "user", "content": "x"}, message]}).encode())
+
+
 async def test_template_error_keeps_the_templates_reason(local_tokenizer):
-    chat = ChatRequest(messages=[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
+    chat = ChatInput(messages=[{"role": "user", "content": "x"}, {"role": "system", "content": "y"}])
     with pytest.raises(TokenizationError, match="only allowed first"):
         await local_tokenizer.encode_chat(chat)
 
@@ -226,7 +235,7 @@ async def test_template_error_keeps_the_templates_reason(local_tokenizer):
 async def test_caller_messages_are_not_mutated(local_tokenizer):
     messages = CHATS["tools"]["messages"]
     before = json.dumps(messages)
-    await local_tokenizer.encode_chat(ChatRequest(messages=messages, tools=[TOOL]))
+    await local_tokenizer.encode_chat(ChatInput(messages=messages, tools=[TOOL]))
     assert json.dumps(messages) == before
 
 
@@ -241,7 +250,7 @@ async def test_long_texts_are_encoded_off_the_event_loop(tiny_model_dir, monkeyp
 
     monkeypatch.setattr(tokenizer, "_encode_now", spy)
     short = await tokenizer.encode_prompt("x" * 100)
-    long = await tokenizer.encode_chat(ChatRequest(messages=[{"role": "user", "content": "y" * 101}]))
+    long = await tokenizer.encode_chat(ChatInput(messages=[{"role": "user", "content": "y" * 101}]))
     assert threads[0] is threading.main_thread()
     assert threads[1] is not threading.main_thread()
     assert [short] == encode(["x" * 100], True) and long
@@ -366,10 +375,9 @@ async def test_the_release_rule_decides_the_rendered_prompt(local_tokenizer):
         "{% for part in message['content'] %}[{{ part.text }}]{% endfor %}{% endif %}{% endfor %}"
     )
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    as_0_32 = ChatRequest(messages=messages, chat_template=template)
-    as_0_33 = ChatRequest(messages=messages, chat_template=template, namespace_aliases=True)
-    assert local_tokenizer.render_chat(as_0_32) == "a\nb"
-    assert local_tokenizer.render_chat(as_0_33) == "[a][b]"
+    chat = ChatInput(messages=messages, chat_template=template)
+    assert local_tokenizer.render_chat(chat, namespace_aliases=False) == "a\nb"
+    assert local_tokenizer.render_chat(chat, namespace_aliases=True) == "[a][b]"
 
 
 def _backend(handler) -> BackendTokenizer:
@@ -401,7 +409,7 @@ async def test_backend_sends_vllm_tokenize_body():
         seen.append(json.loads(request.content))
         return httpx.Response(200, json={"tokens": [1, 2], "count": 2, "max_model_len": 1024})
 
-    chat = ChatRequest(messages=[{"role": "user", "content": "x"}], documents=[{"text": "d"}])
+    chat = ChatInput(messages=[{"role": "user", "content": "x"}], documents=[{"text": "d"}])
     assert await _backend(handler).encode_chat(chat) == [1, 2]
     assert seen == [
         {
@@ -589,8 +597,27 @@ async def test_prepare_renders_by_the_backend_release(local_tokenizer, version, 
         raw,
         local_tokenizer,
         trust_request_chat_template=True,
-        max_model_len=None,
+        limits=None,
         content_format_namespace_aliases=resolve_runtime(version).content_format_namespace_aliases,
     )
     expected = await local_tokenizer.encode_prompt("[a][b]" if as_parts else "a\nb", add_special_tokens=False)
     assert list(prepared.prompts[0]) == list(expected)
+
+
+def test_parsing_loads_no_renderer_and_importing_the_renderer_changes_nothing_of_transformers():
+    """A request is parsed without transformers or jinja2 in the process; kvgate's budget hook
+    goes into transformers only when a budgeted render first runs (chat_template.install_budget_hook)."""
+    script = (
+        "import sys\n"
+        "import kvgate.openai, kvgate.request\n"
+        'kvgate.openai.parse_request(\'chat\', b\'{"messages": [{"role": "user", "content": "hi"}]}\')\n'
+        "assert not {'transformers', 'jinja2'} & set(sys.modules), 'the parser loaded the renderer'\n"
+        "from transformers.utils import chat_template_utils as utils\n"
+        "own = utils._compile_jinja_template\n"
+        "import kvgate.chat_template as chat_template\n"
+        "assert utils._compile_jinja_template is own, 'importing kvgate.chat_template replaced it'\n"
+        "chat_template.install_budget_hook()\n"
+        "assert utils._compile_jinja_template is chat_template._compile_for_render\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -19,10 +19,11 @@ import jinja2.sandbox
 import pytest
 from tokenizers import Tokenizer, normalizers
 
-from kvgate.chat_template import ChatRequest, TokenizationError
+from kvgate.chat_template import TokenizationError
 from kvgate.errors import KvgateError
 from kvgate.http.errors import status_of
 from kvgate.openai import MAX_JSON_VALUES, MAX_PROMPTS, parse_request
+from kvgate.request import ChatInput, PromptInput
 from kvgate.tokens import LocalTokenizer, PromptTooLong, max_chars_per_token
 from support.hostile_templates import STRING_BUILDERS
 from support.waiting import wait_for_async
@@ -60,7 +61,7 @@ def test_surrogates_in_messages_and_paired_ones() -> None:
     raw = json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode()
     assert refusal("chat", raw).code == "invalid_json"
     paired = json.dumps({"prompt": "\U0001f600"}).encode()  # escaped as a surrogate pair: fine
-    assert b"\\ud83d" in paired and parse_request("completions", paired).prompts == ["\U0001f600"]
+    assert b"\\ud83d" in paired and parse_request("completions", paired).input == PromptInput(("\U0001f600",))
 
 
 # Text that is not UTF-8, as raw bytes inside a JSON string (issue 28): an encoded lone surrogate,
@@ -113,7 +114,7 @@ def test_invalid_text_in_a_key_is_named_with_escapes() -> None:
 def test_bodies_in_the_encodings_vllm_reads_still_parse(encoding: str) -> None:
     """vLLM's json.loads(bytes) reads UTF-8 with a BOM, UTF-16 and UTF-32 (json.detect_encoding)."""
     raw = json.dumps({"prompt": "h\u00e9 \U0001f600"}, ensure_ascii=False).encode(encoding)
-    assert parse_request("completions", raw).prompts == ["h\u00e9 \U0001f600"]
+    assert parse_request("completions", raw).input == PromptInput(("h\u00e9 \U0001f600",))
     lone = '{"prompt": "\\ud800"}'.encode(encoding)  # an escaped lone surrogate in UTF-16: refused too
     assert refusal("completions", lone).param == "prompt"
 
@@ -149,18 +150,17 @@ def test_bodies_of_too_many_values_are_413_before_parsing(raw: bytes) -> None:
 
 def test_commas_inside_a_text_are_not_values() -> None:
     text = "a," * MAX_JSON_VALUES
-    assert parse_request("completions", json.dumps({"prompt": text}).encode()).prompts == [text]
+    assert parse_request("completions", json.dumps({"prompt": text}).encode()).input == PromptInput((text,))
     ids = list(range(MAX_JSON_VALUES - 10))
-    assert parse_request("completions", json.dumps({"prompt": ids}).encode()).prompts == [ids]
+    assert parse_request("completions", json.dumps({"prompt": ids}).encode()).input == PromptInput((tuple(ids),))
 
 
 def test_prompt_count_is_bounded_before_any_work() -> None:
     body = json.dumps({"prompt": ["a"] * (MAX_PROMPTS + 1)}).encode()
     error = refusal("completions", body)
     assert error.param == "prompt" and f"{MAX_PROMPTS:,}" in error.message
-    assert (
-        len(parse_request("completions", json.dumps({"prompt": ["a"] * MAX_PROMPTS}).encode()).prompts) == MAX_PROMPTS
-    )
+    most = parse_request("completions", json.dumps({"prompt": ["a"] * MAX_PROMPTS}).encode())
+    assert most.input == PromptInput(("a",) * MAX_PROMPTS)
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_request_chat_template_refused_unless_trusted(body: dict) -> None:
     raw = json.dumps(body).encode()
     error = refusal("chat", raw)
     assert (error.code, error.param, error.message) == ("untrusted_chat_template", "chat_template", VLLM_UNTRUSTED)
-    assert parse_request("chat", raw, trust_request_chat_template=True).chat is not None
+    assert isinstance(parse_request("chat", raw, trust_request_chat_template=True).input, ChatInput)
 
 
 # ------------------------------------------------------------------ tokenization, bounded
@@ -248,7 +248,7 @@ async def max_loop_gap(work: Callable[[], Awaitable[object]]) -> tuple[float, fl
 async def test_a_trusted_request_template_renders_within_budget(
     tokenizer: LocalTokenizer, template: str, reason: str
 ) -> None:
-    chat = ChatRequest(messages=[{"role": "user", "content": "y" * 1000}], chat_template=template)
+    chat = ChatInput(messages=[{"role": "user", "content": "y" * 1000}], chat_template=template)
     threads = threading.active_count()
     elapsed, gap, result = await max_loop_gap(lambda: tokenizer.encode_chat(chat, max_tokens=1024))
     assert isinstance(result, TokenizationError) and reason in str(result), result
@@ -275,7 +275,7 @@ async def test_a_trusted_template_cannot_build_a_string_past_its_budget(
 ) -> None:
     """Every string-building operation is sized before it allocates: a 400 within the time
     budget, and this process's peak memory grows by less than 64 MiB."""
-    chat = ChatRequest(messages=CHAT, chat_template=template)
+    chat = ChatInput(messages=CHAT, chat_template=template)
     before = _peak_rss_reset()
     elapsed, _, result = await max_loop_gap(lambda: tokenizer.encode_chat(chat, max_tokens=1024))
     assert isinstance(result, TokenizationError) and "budget" in str(result), result
@@ -290,7 +290,7 @@ async def test_a_trusted_template_within_budget_builds_what_jinja_builds(tokeniz
         "{{ 'x'|center(5) }} {{ '%s!'|format('y') }} {{ '{}{}'.format('p', 'q') }} {{ 'ab'.replace('b', 'c') }} "
         "{{ 'a\nb'|indent(2, first=True) }} {{ ['u', 'v']|join(attribute=0) }} {{ 'q'.ljust(3) }}|"
     )
-    chat = ChatRequest(messages=CHAT, chat_template=template, add_generation_prompt=False)
+    chat = ChatInput(messages=CHAT, chat_template=template, add_generation_prompt=False)
     rendered = await asyncio.to_thread(tokenizer.render_chat, chat)
     plain = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
     assert rendered == plain.render(bos_token=tokenizer._tok.bos_token)
@@ -299,8 +299,8 @@ async def test_a_trusted_template_within_budget_builds_what_jinja_builds(tokeniz
 
 async def test_a_trusted_request_template_renders_as_the_model_template_would(tokenizer: LocalTokenizer) -> None:
     own = tokenizer._tok.chat_template
-    plain = await tokenizer.encode_chat(ChatRequest(messages=CHAT))
-    budgeted = await tokenizer.encode_chat(ChatRequest(messages=CHAT, chat_template=own), max_tokens=1024)
+    plain = await tokenizer.encode_chat(ChatInput(messages=CHAT))
+    budgeted = await tokenizer.encode_chat(ChatInput(messages=CHAT, chat_template=own), max_tokens=1024)
     assert budgeted == plain
 
 

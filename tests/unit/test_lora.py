@@ -218,17 +218,19 @@ def test_the_pipeline_hashes_an_adapters_prompt_apart_from_the_base_models(tiny_
     lora-a requests share prefix blocks, as vLLM's prefix cache shares them."""
     import httpx
 
-    from kvgate.composition import engine_flags
+    from kvgate.composition import engine_flags, pipeline_config
     from kvgate.engine_config import build_predictor, resolve
     from kvgate.gate.budget import Budget
     from kvgate.pipeline import RequestPipeline
+    from kvgate.served_names import ServedNames
     from kvgate.tokens import load_tokenizer
 
     settings = settings_from_args(build_parser().parse_args(["serve", "--model", str(tiny_model_dir)]))
     geometry = load_geometry(tiny_model_dir)
-    pipeline = RequestPipeline(Budget(), lambda: None, lambda _s: None)
-    pipeline.predictor = build_predictor(resolve(engine_flags(settings), geometry, None, None), geometry)
-    pipeline.tokenizer = load_tokenizer(tiny_model_dir, httpx.AsyncClient(), "tiny-llama")
+    deployment = resolve(engine_flags(settings), geometry, None, None)
+    pipeline = RequestPipeline(Budget(), ServedNames(), lambda: None, lambda _s: None)
+    tokenizer = load_tokenizer(tiny_model_dir, httpx.AsyncClient(), "tiny-llama")
+    pipeline.configure(pipeline_config(deployment, build_predictor(deployment, geometry), tokenizer))
     pipeline.served_names.replace(
         [Served("tiny-llama"), Served("lora-a", "tiny-llama", "/a"), Served("lora-b", "tiny-llama", "/b")]
     )

