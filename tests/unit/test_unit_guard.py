@@ -1,4 +1,5 @@
-"""tests/unit/conftest.py's promise: a unit test that starts a process fails, however it starts it."""
+"""The split of the suite holds: a unit test that starts a process fails, however it starts it
+(tests/unit/conftest.py), and no test file sits where `make unit` and `make test` never look."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,15 @@ def test_fork_and_system_are_refused() -> None:
         os.fork()
     with pytest.raises(AssertionError, match=REFUSED):
         os.system("true")
+
+
+def test_every_test_file_is_in_unit_or_integration() -> None:
+    """pyproject's testpaths are tests/unit and tests/integration: a test file anywhere else in
+    tests/ would never run."""
+    tests = Path(__file__).resolve().parents[1]
+    found = [*tests.rglob("test_*.py"), *tests.rglob("*_test.py")]
+    stray = sorted(
+        str(p.relative_to(tests)) for p in found if p.relative_to(tests).parts[0] not in ("unit", "integration")
+    )
+    assert stray == []
+    assert len(found) > 80  # the search itself found the suite
