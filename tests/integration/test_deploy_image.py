@@ -358,7 +358,7 @@ def test_entrypoint_serves_and_the_healthcheck_sees_it(built: Path, tiny_model_d
         while not healthy():
             assert server.poll() is None, server.stdout.read() if server.stdout else ""
             assert time.monotonic() < deadline, "kvgate never became healthy"
-            time.sleep(0.5)
+            time.sleep(0.5)  # the poll's interval; the deadline above bounds it
     finally:
         server.terminate()
         server.wait(timeout=30)

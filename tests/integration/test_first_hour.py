@@ -124,7 +124,7 @@ def _wait_ready(url: str, proc: subprocess.Popen[str], seconds: float = 60) -> N
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
+        time.sleep(0.2)  # the poll's interval; the deadline above bounds it
     raise TimeoutError(url)
 
 

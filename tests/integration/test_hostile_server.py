@@ -252,7 +252,7 @@ def healthz_worst_latency(kvgate: KvgateServer, send: callable) -> tuple[float, 
             started = time.perf_counter()
             assert probe.get("/healthz").status_code == 200
             worst = max(worst, time.perf_counter() - started)
-            time.sleep(0.005)
+            time.sleep(0.005)  # the probe's period while the expensive request runs
     worker.join()
     return worst, result[0]
 

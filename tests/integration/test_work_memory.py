@@ -86,7 +86,7 @@ class MemoryAndLatency:
         while not self._done.is_set():
             total = sum(_status(pid, "VmRSS") for pid in process_tree(self.kvgate.pid))
             self.peak_tree_rss = max(self.peak_tree_rss, total)
-            time.sleep(0.005)
+            time.sleep(0.005)  # the sampling period of resident memory
 
     def run(self, work: Callable[[], list[httpx.Response]]) -> list[httpx.Response]:
         # /healthz from a process of its own: the senders' threads would hold this one's GIL.
@@ -125,7 +125,7 @@ def poll_healthz(url: str, ready: Any, stop: Any, out: Any) -> None:
             assert client.get("/healthz").status_code == 200
             latencies.append(time.perf_counter() - started)
             ready.set()
-            time.sleep(0.01)
+            time.sleep(0.01)  # the probe's period, as the docstring says
     out.send(latencies)
 
 

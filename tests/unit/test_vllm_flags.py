@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +11,6 @@ from kvgate.cli import parse_command_line
 from kvgate.settings import Settings, settings_from_args
 from kvgate.sim.cli import add_arguments as add_sim_arguments
 from kvgate.units import GiB, MiB, parse_size
-from support.geometry import config_path
-from support.vllm_server import VllmPython
 
 # A real `vllm serve` command line for Llama-3.1-8B on one H100, as an operator would paste it.
 VLLM_COMMAND = [
@@ -72,22 +67,6 @@ def test_vllm_size_suffixes_read_as_vllm_reads_them_and_as_it_logs_them() -> Non
         parse_size("1.5K")
     with pytest.raises(ValueError, match="is not a size"):
         parse_size("lots")
-
-
-# What vLLM 0.32.0's own parser of its byte flags (human_readable_int) answers, for strings it
-# accepts: kvgate reads each the same.
-VLLM_SIZES = ["0", "123", " 42 ", "1k", "1K", "25.6k", "2m", "2M", "1g", "1G", "3t", "3T", "1.5g", "0.5m", "16k"]
-
-
-@pytest.mark.vllm
-def test_sizes_equal_what_vllms_own_parser_reads(vllm_python: VllmPython) -> None:
-    script = (
-        "import json, sys\n"
-        "from vllm.utils.argparse_utils import human_readable_int\n"
-        "print(json.dumps([human_readable_int(v) for v in json.loads(sys.argv[1])]))\n"
-    )
-    vllms = json.loads(vllm_python("-c", script, json.dumps(VLLM_SIZES)).strip().splitlines()[-1])
-    assert [parse_size(v) for v in VLLM_SIZES] == vllms
 
 
 @pytest.mark.parametrize(
@@ -177,41 +156,6 @@ def test_an_unparsable_speculative_config_stops_start_up_naming_the_flag() -> No
     with pytest.raises(SystemExit) as bad:
         settings_from_args(parse_command_line(["serve", "--speculative-config", "{num_speculative_tokens: 4}"]))
     assert "--speculative-config" in str(bad.value) and "JSON" in str(bad.value)
-
-
-def test_the_ignored_options_are_named_in_one_info_line(tmp_path: Path) -> None:
-    config = config_path("llama-3-8b")
-    (tmp_path / "config.json").write_text(config.read_text())
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvgate.cli",
-            "capacity",
-            "--json",
-            "--",
-            "vllm",
-            "serve",
-            str(tmp_path),
-            "--kv-cache-memory-bytes",
-            "8GiB",
-            "--port",
-            "8001",
-            "--enforce-eager",
-            "--api-key",
-            "k",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["kv_cache_tokens"] == 8 * 2**30 // (32 * 2 * 8 * 128 * 2) // 16 * 16
-    info = [line for line in done.stderr.splitlines() if "ignored" in line]
-    assert info == [
-        "kvgate: info: vLLM options that do not change what kvgate predicts, ignored: --port --enforce-eager --api-key"
-    ]
 
 
 def test_the_simulator_takes_vllms_flags_from_the_one_declaration() -> None:
