@@ -23,8 +23,8 @@ check: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports --no-cache
 
-# The README demo: the simulated vLLM dies of CUDA OOM, then survives behind kvgate (no GPU,
-# no real vLLM needed, about two minutes).
+# The demo (docs/demo.md): the simulated vLLM dies of CUDA OOM, then survives behind kvgate (no GPU,
+# no real vLLM needed, one to two minutes).
 demo: venv
 	$(VENV)/bin/python -m demo
 

@@ -198,9 +198,9 @@ class Settings(BaseSettings, VllmFlags):
         "/v1/unload_lora_adapter",
         description="Paths forwarded to vLLM without gating (under the body limits and timeouts of every "
         "route, with a reverse proxy's headers), comma-separated, matched exactly; any other "
-        "path but the gated completions and chat routes gets 404. vLLM 0.32 also serves generation "
-        "kvgate does not gate (/invocations, /v1/responses, /v1/messages, /inference/v1/generate, "
-        "embeddings, pooling) and admin routes (/sleep, /pause, /collective_rpc, ...). A 200 from "
+        "path but the gated ones (completions, chat, /invocations, /v1/responses, /v1/messages, "
+        "/inference/v1/generate and the pooling routes: docs/routes.md) gets 404, vLLM's admin "
+        "routes (/sleep, /pause, /collective_rpc, ...) included unless named here. A 200 from "
         "/v1/load_lora_adapter or /v1/unload_lora_adapter (vLLM serves them with "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING) makes kvgate re-read /v1/models.",
     )

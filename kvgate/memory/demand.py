@@ -29,7 +29,7 @@ class Demand:
     kv_variance_blocks: float = 0.0
     sequences: int = 1  # prompts x n: how the output token count splits when it finishes
     # Its answers' lengths are the model's choice (no ignore_eos, no min_tokens): the learned
-    # output lengths (kvgate/gate/output_lengths.py) may learn from them.
+    # output lengths (kvgate/output_lengths.py) may learn from them.
     teaches_output_lengths: bool = True
     # Of transient_prefill_bytes, what it holds across its prefill's steps (V2's prompt logprobs
     # of earlier steps, kvgate/memory/activation.py v2_prompt_logprobs): the ledger sums these over
