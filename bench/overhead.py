@@ -57,7 +57,8 @@ class Conn:
 
     async def post(self, path: str, body: bytes) -> tuple[int, float, float]:
         """(status, seconds to the first body byte, seconds to the end of the response)."""
-        assert self.r and self.w
+        assert self.r
+        assert self.w
         t0 = time.perf_counter()
         self.w.write(
             b"POST " + path.encode() + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n"

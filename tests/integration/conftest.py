@@ -39,7 +39,8 @@ def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPython
             text=True,
         )
     requests, answers = interpreter.stdin, interpreter.stdout
-    assert requests is not None and answers is not None
+    assert requests is not None
+    assert answers is not None
 
     def run(*argv: str, input: str = "") -> str:
         # A read that never returns is bounded by the test's timeout (pytest-timeout).

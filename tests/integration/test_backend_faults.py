@@ -26,7 +26,8 @@ def test_backend_never_reachable(tiny_model_dir: Path, tmp_path: Path) -> None:
     with running_kvgate(dead, tiny_model_dir, tmp_path, wait_ready=False) as kvgate:
         ready = httpx.get(kvgate.base_url + "/readyz")
         assert ready.status_code == 503
-        assert ready.json()["backend_reachable"] is False and "ConnectError" in ready.json()["problem"]
+        assert ready.json()["backend_reachable"] is False
+        assert "ConnectError" in ready.json()["problem"]
         response = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi"})
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "kvgate_not_ready"
@@ -48,13 +49,15 @@ def test_a_refused_connection_goes_back_to_the_queue_until_its_deadline(tiny_mod
         assert time.monotonic() - started >= 1.9  # it waited for its deadline (it was 503 at once)
         assert response.status_code == 503
         error = response.json()["error"]
-        assert error["code"] == "backend_unavailable" and "has been down" in error["message"], error
+        assert error["code"] == "backend_unavailable", error
+        assert "has been down" in error["message"], error
         assert int(response.headers["retry-after"]) >= 1
         assert kvgate.metric("kvgate_reservations_released_total", outcome="requeued") == 1
         assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
         assert_ledger_empty(kvgate)
         ready = httpx.get(kvgate.base_url + "/readyz")
-        assert ready.status_code == 503 and ready.json()["backend"]["status"] == "down"
+        assert ready.status_code == 503
+        assert ready.json()["backend"]["status"] == "down"
 
 
 def test_readyz_and_the_gate_share_one_view_of_the_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -120,7 +123,8 @@ def test_broken_stream_ends_with_an_error_event(tiny_model_dir: Path, tmp_path: 
             assert response.status_code == 200
             events = [line for line in response.text.splitlines() if line.startswith("data: ")]
             assert events[0].startswith('data: {"choices"')
-            assert '"backend_stream_broken"' in events[-2] and events[-1] == "data: [DONE]"
+            assert '"backend_stream_broken"' in events[-2]
+            assert events[-1] == "data: [DONE]"
             assert kvgate.metric("kvgate_reservations_released_total", outcome="upstream_error") == 1
             assert_ledger_empty(kvgate)
 
@@ -134,7 +138,8 @@ def test_no_tokenizer_anywhere_is_a_clear_4xx(tiny_model_dir: Path, tmp_path: Pa
             response = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
             assert response.status_code == 424
             error = response.json()["error"]
-            assert error["code"] == "tokenizer_unavailable" and "--model" in error["message"]
+            assert error["code"] == "tokenizer_unavailable"
+            assert "--model" in error["message"]
             assert backend.seen == []  # never forwarded
             assert_ledger_empty(kvgate)
 
@@ -163,7 +168,8 @@ def test_a_burst_tokenized_through_the_backend_queues_and_scrapes_go_on(tiny_mod
                             modes.append(ready["telemetry"]["budget_mode"])
 
                     *responses, _ = await asyncio.gather(*sent, watch())
-                    assert modes and set(modes) == {"live"}, modes
+                    assert modes, modes
+                    assert set(modes) == {"live"}, modes
                     return responses
 
             responses = asyncio.run(burst())
@@ -239,7 +245,8 @@ def test_tokenizing_through_a_down_backend_waits_in_the_queue_until_its_deadline
         assert time.monotonic() - started >= 1.9
         assert response.status_code == 503
         error = response.json()["error"]
-        assert error["code"] == "backend_unavailable" and "has been down" in error["message"], error
+        assert error["code"] == "backend_unavailable", error
+        assert "has been down" in error["message"], error
         assert int(response.headers["retry-after"]) >= 1
         assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
         assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="backend_unavailable") == 1

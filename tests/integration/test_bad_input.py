@@ -42,7 +42,8 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | int, 
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == code and error["message"]
+    assert error["code"] == code
+    assert error["message"]
     if param is not None:
         assert error["param"] == param
     return error
@@ -88,7 +89,8 @@ def test_text_that_is_not_utf8_is_a_400_as_vllm_answers_it(
     headers = {"content-type": "application/json"}
     assert httpx.post(vllm_server.base_url + path, content=raw, headers=headers, timeout=30).status_code == 400
     error = assert_openai_error(httpx.post(kvgate.base_url + path, content=raw, headers=headers), 400, "invalid_json")
-    assert error["param"] == param and "not valid UTF-8" in error["message"]
+    assert error["param"] == param
+    assert "not valid UTF-8" in error["message"]
     assert_ledger_empty(kvgate)
 
 
@@ -147,7 +149,8 @@ def test_kv_that_only_adds_up_past_the_pool_is_not_refused(kvgate: KvgateServer)
     is in tests/unit/test_predict.py and tests/integration/test_explain_cli.py)."""
     body = {"prompt": "hi", "max_tokens": 1000, "n": 64}
     explained = httpx.post(kvgate.base_url + "/kvgate/explain", json=body)
-    assert explained.status_code == 200 and explained.json()["decision"] != "reject", explained.text
+    assert explained.status_code == 200, explained.text
+    assert explained.json()["decision"] != "reject", explained.text
     assert_ledger_empty(kvgate)
 
 
@@ -158,7 +161,8 @@ def test_transient_that_never_fits_names_the_term(kvgate: KvgateServer) -> None:
     error = assert_openai_error(response, 400, "transient_memory_never_fits")
     # The term, its numbers in MiB with the decimals that tell them apart, advice that can help.
     needed, limit = (float(m.replace(",", "")) for m in re.findall(r"([\d,.]+) MiB", error["message"])[:2])
-    assert error["message"].startswith("prompt_logprobs (") and needed > limit
+    assert error["message"].startswith("prompt_logprobs (")
+    assert needed > limit
     assert error["message"].endswith("drop prompt_logprobs or shorten the prompt.")
     assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="transient_memory_never_fits") >= 1
     assert_ledger_empty(kvgate)

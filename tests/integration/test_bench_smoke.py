@@ -32,7 +32,8 @@ def test_quick_bench_at_a_tiny_size(tmp_path: Path) -> None:
     )
     res = json.loads((tmp_path / "latest.json").read_text())
     assert {"machine", "command", "safety", "overhead"} <= res.keys()
-    assert res["machine"]["cpus"] >= 1 and res["command"].startswith("python -m bench")
+    assert res["machine"]["cpus"] >= 1
+    assert res["command"].startswith("python -m bench")
 
     rows = res["safety"]
     assert {r["arm"] for r in rows} == {"none", "static-cap", "saturation", "kvgate", "oracle"}
@@ -40,7 +41,8 @@ def test_quick_bench_at_a_tiny_size(tmp_path: Path) -> None:
         assert r.keys() >= SAFETY_KEYS, r
         assert r["scenario"] == "S3"
         for k in ("oom_crashes", "failed", "completed", "preemptions"):
-            assert isinstance(r[k], int) and r[k] >= 0
+            assert isinstance(r[k], int)
+            assert r[k] >= 0
         assert r["completed"] + r["failed"] + sum(r["rejected"].values()) == r["requests"] > 0
         assert r["goodput_tokens_per_s"] >= 0
         assert all(isinstance(v, int) and v > 0 for v in r["rejected"].values())
@@ -60,16 +62,19 @@ def test_quick_bench_at_a_tiny_size(tmp_path: Path) -> None:
         if r["requests_per_s"] is not None:
             assert r["requests_per_s"] > 0
         else:
-            assert r["latency_p50_ms"] > 0 and math.isfinite(r["added_p50_ms"])
+            assert r["latency_p50_ms"] > 0
+            assert math.isfinite(r["added_p50_ms"])
             assert r["latency_p50_ms"] <= r["latency_p99_ms"]
     detail = res["overhead_detail"]
-    assert detail["kvgate_cpu_ms_per_request"] > 0 and detail["kvgate_rss_bytes"] > 10 * 2**20
+    assert detail["kvgate_cpu_ms_per_request"] > 0
+    assert detail["kvgate_rss_bytes"] > 10 * 2**20
     assert [e["target_tokens"] for e in detail["estimate_cost"]] == [100, 1000, 8000]
     assert all(e["tokenize_plus_estimate_ms_p50"] > 0 for e in detail["estimate_cost"])
     assert all(v == 0 for v in detail["errors"].values()), detail["errors"]
 
     md = (tmp_path / "latest.md").read_text()
-    assert "| S3 | kvgate |" in md and "| kvgate | non-streaming, concurrency 1 |" in md
+    assert "| S3 | kvgate |" in md
+    assert "| kvgate | non-streaming, concurrency 1 |" in md
     # every scenario names the engine it plays (S3: vLLM 0.20.0 forced onto V1)
     assert [s["engine"] for s in res["scenarios"]] == ["vLLM 0.20.0, Model Runner V1 (set)"]
     assert "on vLLM 0.20.0, Model Runner V1 (set):" in md

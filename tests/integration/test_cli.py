@@ -56,10 +56,13 @@ def test_only_a_serve_command_line_re_executes(monkeypatch: pytest.MonkeyPatch) 
     assert execs == [
         (sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLE})
     ]
-    assert cli.main(["serve", "--model", "/m"]) == 0 and len(served) == 1 and len(execs) == 1  # called from Python
+    assert cli.main(["serve", "--model", "/m"]) == 0
+    assert len(served) == 1
+    assert len(execs) == 1
     monkeypatch.setattr(cli.capacity, "run", lambda args: 0)
     monkeypatch.setattr(sys, "argv", ["kvgate", "capacity", "--model-config", "/m", "--kv-cache-memory-bytes", "1"])
-    assert cli.main() == 0 and len(execs) == 1  # other commands run as they are
+    assert cli.main() == 0
+    assert len(execs) == 1
 
 
 def test_log_records_skip_caller_thread_and_process(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,7 +72,8 @@ def test_log_records_skip_caller_thread_and_process(monkeypatch: pytest.MonkeyPa
         monkeypatch.setattr(logging, name, getattr(logging, name))  # restored after the test
     cli.configure_logging("info")
     record = logging.getLogger("kvgate.decision").makeRecord("kvgate.decision", logging.INFO, "f", 1, "m", (), None)
-    assert logging._srcfile is None and (record.thread, record.process, record.processName) == (None, None, None)
+    assert logging._srcfile is None
+    assert (record.thread, record.process, record.processName) == (None, None, None)
 
 
 def test_log_time_is_loggings_own_format_once_a_second() -> None:

@@ -18,7 +18,8 @@ DEMO_DOC = Path(__file__).resolve().parents[2] / "docs" / "demo.md"
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.key for s in SCENARIOS])
 def test_demo_scenario_dies_without_kvgate_and_survives_with_it(scenario) -> None:
     res = run_scenario(scenario, quick=True)
-    assert res.direct_oom and "CUDA out of memory. Tried to allocate" in res.direct_oom
+    assert res.direct_oom
+    assert "CUDA out of memory. Tried to allocate" in res.direct_oom
     assert any(o.status != 200 for o in res.direct)  # requests failed with the engine
     if not res.direct_startup_failed:
         assert any(o.status == 500 for o in res.direct)

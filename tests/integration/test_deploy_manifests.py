@@ -410,7 +410,8 @@ def test_vllm_and_kvgate_read_each_engine_flag_from_the_same_key(name: str) -> N
         if field == "enable_prefix_caching":
             text = script(vllm)
             assert f'"${key}" = "true"' in text
-            assert "--enable-prefix-caching" in text and "--no-enable-prefix-caching" in text
+            assert "--enable-prefix-caching" in text
+            assert "--no-enable-prefix-caching" in text
             continue
         flag = field.replace("_", "-")
         assert flag in flags, f"vLLM is not given --{flag}"
@@ -426,7 +427,8 @@ def test_kvgate_environment_is_valid_settings(name: str) -> None:
     assert set(given) <= set(Settings.model_fields), set(given) - set(Settings.model_fields)
     settings = Settings(**given)
     assert settings.backend == "http://127.0.0.1:8000"
-    assert settings.gpu_memory_bytes and settings.gpu_memory_bytes > 8 * 2**30
+    assert settings.gpu_memory_bytes
+    assert settings.gpu_memory_bytes > 8 * 2**30
     assert settings.enable_prefix_caching is True
     assert settings.gpu_probe == "nvml"
 
@@ -442,7 +444,8 @@ def test_kvgate_reaches_vllm_on_localhost_and_reads_the_same_model(name: str) ->
     model_dir = env["KVGATE_MODEL"]
     assert f"vllm serve {model_dir} " in script(vllm)
     mounts = {m["name"]: m for m in kvgate["volumeMounts"]}
-    assert model_dir.startswith(mounts["model"]["mountPath"] + "/") and mounts["model"]["readOnly"]
+    assert model_dir.startswith(mounts["model"]["mountPath"] + "/")
+    assert mounts["model"]["readOnly"]
     assert any(m["name"] == "model" for m in vllm["volumeMounts"])
     (init,) = pod_spec(objects)["initContainers"]
     assert f'pathlib.Path("{model_dir}")' in init["args"][0]
@@ -461,7 +464,8 @@ def test_gpu_goes_to_vllm_and_nvml_to_kvgate_without_a_second_gpu(name: str) -> 
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
     handoff = {m["name"]: m["mountPath"] for m in kvgate["volumeMounts"]}["gpu-handoff"]
-    assert handoff in script(vllm) and handoff in script(kvgate)
+    assert handoff in script(vllm)
+    assert handoff in script(kvgate)
 
 
 def _run_script(text: str, handoff: Path, bin_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -542,9 +546,11 @@ def test_probes_resources_and_security(name: str) -> None:
         assert vllm[probe]["httpGet"] == {"path": "/health", "port": "vllm"}
     for c in [*spec["initContainers"], *spec["containers"]]:
         sc = c["securityContext"]
-        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], c["name"]
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
         assert sc["runAsUser"] != 0, c["name"]
-        assert {"requests", "limits"} <= set(c["resources"]) and "memory" in c["resources"]["limits"], c["name"]
+        assert {"requests", "limits"} <= set(c["resources"]), c["name"]
+        assert "memory" in c["resources"]["limits"], c["name"]
     assert kvgate["securityContext"]["readOnlyRootFilesystem"] is True
     assert kvgate["securityContext"]["runAsUser"] == 10001  # the Dockerfile's user
     listen_port = int(resolved_env(objects, kvgate)["KVGATE_LISTEN"].rpartition(":")[2])
@@ -561,7 +567,8 @@ def test_service_exposes_kvgate_only(name: str) -> None:
     vllm_ports = {p["name"]: p["containerPort"] for p in container(objects, "vllm")["ports"]}
     for port in service["spec"]["ports"]:
         assert port["targetPort"] in kvgate_ports or port["targetPort"] in kvgate_ports.values()
-        assert port["targetPort"] not in vllm_ports and port["targetPort"] not in vllm_ports.values()
+        assert port["targetPort"] not in vllm_ports
+        assert port["targetPort"] not in vllm_ports.values()
         assert port["port"] not in vllm_ports.values()
 
 
@@ -614,7 +621,8 @@ def test_prometheus_rule_has_the_alerts(name: str) -> None:
     assert {r["alert"] for r in rules} >= REQUIRED_ALERTS
     for r in rules:
         assert r["labels"]["severity"] in {"critical", "warning", "info"}, r["alert"]
-        assert r["annotations"]["summary"] and len(r["annotations"]["description"]) > 80, r["alert"]
+        assert r["annotations"]["summary"], r["alert"]
+        assert len(r["annotations"]["description"]) > 80, r["alert"]
         assert r["expr"].count("(") == r["expr"].count(")"), r["alert"]
 
 
@@ -626,14 +634,16 @@ def test_dashboard_configmap_carries_the_dashboard(name: str) -> None:
     source = (BASE / "dashboards" / "kvgate.json").read_text()
     assert cm["data"] == {"kvgate.json": source}
     dashboard = json.loads(source)
-    assert dashboard["uid"] and dashboard["title"]
+    assert dashboard["uid"]
+    assert dashboard["title"]
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
     assert rows == ["Budget against use", "Decisions", "Queue", "Latency added by kvgate", "Backend state"]
     graphs = [p for p in dashboard["panels"] if p["type"] != "row"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in graphs:
-        assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+        assert panel["targets"], panel["title"]
+        assert all(t["expr"] for t in panel["targets"]), panel["title"]
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert variables == {"datasource", "namespace", "pod"}
@@ -651,7 +661,9 @@ def test_example_overlay_is_complete() -> None:
     assert deployment["spec"]["replicas"] == 2
     for c in _pod_containers(deployment):
         name, suffix = _image_name(c["image"])
-        assert "/" in name and suffix.startswith(":") and suffix != ":latest", c["image"]
+        assert "/" in name, c["image"]
+        assert suffix.startswith(":"), c["image"]
+        assert suffix != ":latest", c["image"]
     assert container(objects, "kvgate")["image"] == "registry.example.com/kvgate:0.1.0"
     for k in ("ServiceMonitor", "PrometheusRule"):
         assert kind(objects, k)[0]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -730,7 +742,8 @@ def test_sidecar_settings_match_the_vllm_it_joins() -> None:
     vllm_mount = next(m for m in vllm["volumeMounts"] if vllm_home.startswith(m["mountPath"]))
     kvgate_mount = next(m for m in kvgate["volumeMounts"] if m["name"] == vllm_mount["name"])
     inside = vllm_home.removeprefix(vllm_mount["mountPath"])
-    assert env["HF_HUB_CACHE"] == f"{kvgate_mount['mountPath']}{inside}/hub" and kvgate_mount["readOnly"]
+    assert env["HF_HUB_CACHE"] == f"{kvgate_mount['mountPath']}{inside}/hub"
+    assert kvgate_mount["readOnly"]
 
 
 def test_sidecar_waits_for_the_model_then_serves_it_from_the_hub_cache(tmp_path: Path) -> None:
@@ -757,7 +770,8 @@ def test_sidecar_waits_for_the_model_then_serves_it_from_the_hub_cache(tmp_path:
         timeout=30,
         env={"PATH": f"{bin_dir}:/usr/bin:/bin", **env, "HF_HUB_CACHE": str(cache)},
     )
-    assert done.returncode == 0 and done.stdout == "kvgate serve\n", done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "kvgate serve\n", done.stderr
     import huggingface_hub.constants
 
     saved = huggingface_hub.constants.HF_HUB_CACHE

@@ -98,5 +98,7 @@ def test_a_tight_headroom_refuses_only_past_it_and_names_the_term(
         verdicts = {
             name: compare(vllm_server.base_url, server.base_url, "/v1/completions", b) for name, b in cases.items()
         }
-    assert verdicts["long"].outcome == "memory_refusal" and verdicts["long"].term == "prompt_logprobs", verdicts
-    assert verdicts["short"].outcome == "served" and verdicts["generate"].outcome == "served", verdicts
+    assert verdicts["long"].outcome == "memory_refusal", verdicts
+    assert verdicts["long"].term == "prompt_logprobs", verdicts
+    assert verdicts["short"].outcome == "served", verdicts
+    assert verdicts["generate"].outcome == "served", verdicts

@@ -44,8 +44,10 @@ def test_explains_terms_and_decision(tiny_model_dir: Path, tmp_path: Path) -> No
         "v1",
     )
     assert code == 0
-    assert out["decision"] == "admit" and out["endpoint"] == "completions"
-    assert out["prompt_tokens"] > 100 and out["max_new_tokens"] == 100
+    assert out["decision"] == "admit"
+    assert out["endpoint"] == "completions"
+    assert out["prompt_tokens"] > 100
+    assert out["max_new_tokens"] == 100
     assert out["kv"]["blocks"] == -(-(out["prompt_tokens"] + 100) // 128)
     terms = {t["name"]: t for t in out["transient"]["terms"]}
     # prompt_logprobs over the whole prompt (one chunk): tokens x 2048 vocab x (4 + 4) B, unprofiled
@@ -61,24 +63,30 @@ def test_explains_a_refusal(tiny_model_dir: Path, tmp_path: Path) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}
     code, out = explain(tmp_path, tiny_model_dir, body, *flags)
     assert code == 0
-    assert out["endpoint"] == "chat" and out["decision"] == "reject" and out["reason"] == "kv_cache_never_fits"
+    assert out["endpoint"] == "chat"
+    assert out["decision"] == "reject"
+    assert out["reason"] == "kv_cache_never_fits"
     assert "15 blocks" in out["message"]
     code, out = explain(tmp_path, tiny_model_dir, body | {"max_tokens": 900, "n": 8}, *flags)
-    assert code == 0 and out["decision"] != "reject", out
+    assert code == 0, out
+    assert out["decision"] != "reject", out
 
 
 def test_explains_a_context_length_refusal(tiny_model_dir: Path, tmp_path: Path) -> None:
     code, out = explain(tmp_path, tiny_model_dir, {"prompt": "hi", "max_tokens": 5000})
     assert code == 0
-    assert out["decision"] == "reject" and out["reason"] == "context_length_exceeded"
+    assert out["decision"] == "reject"
+    assert out["reason"] == "context_length_exceeded"
 
 
 def test_without_a_known_pool_the_verdict_is_unknown_not_fits(tiny_model_dir: Path, tmp_path: Path) -> None:
     code, out = explain(tmp_path, tiny_model_dir, {"prompt": "hi", "max_tokens": 10})
     assert code == 0
     assert out["budget"]["kv_blocks_limit"] is None
-    assert out["decision"] == "unknown" and out["reason"] == "budget_unknown"
-    assert "KV pool size is unknown" in out["message"] and "transient headroom is unknown" in out["message"]
+    assert out["decision"] == "unknown"
+    assert out["reason"] == "budget_unknown"
+    assert "KV pool size is unknown" in out["message"]
+    assert "transient headroom is unknown" in out["message"]
     code, out = explain(
         tmp_path,
         tiny_model_dir,
@@ -112,7 +120,8 @@ def test_offline_never_calls_a_backend_it_was_not_given(tmp_path: Path) -> None:
         text=True,
         timeout=60,
     )
-    assert done.returncode != 0 and done.stdout == ""
+    assert done.returncode != 0
+    assert done.stdout == ""
     assert done.stderr.strip().splitlines() == [
         f"kvgate: the model folder {folder} has no tokenizer files; offline, kvgate calls no backend: "
         "give --backend URL to count tokens with vLLM's /tokenize, or --url to ask a running kvgate"
@@ -169,7 +178,8 @@ def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(
 ) -> None:
     body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": 1}
     code, v2 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
-    assert code == 0 and v2["decision"] == "admit", v2
+    assert code == 0, v2
+    assert v2["decision"] == "admit", v2
     # V2 (vllm 0.32.0 gpu/sample/prompt_logprob.py:297-318): alone, its own 8,000-token step 1,024
     # rows at a time, two sub-chunks' logits x 128,256 x 2 B alive at the seventh, beside six
     # sub-chunks' (1 + 1) ids, scores and ranks (32 B a row) and this one's topk indices and results
@@ -180,7 +190,9 @@ def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(
     full_step = 2 * 1024 * 128256 * 2 + 7 * 1024 * 32 + 1024 * (8 + 32)
     assert v2["transient"]["beside_others_extra_bytes"] >= full_step - v2_bytes
     code, v1 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--model-runner", "v1")
-    assert code == 0 and v1["decision"] == "reject" and v1["reason"] == "transient_memory_never_fits"
+    assert code == 0
+    assert v1["decision"] == "reject"
+    assert v1["reason"] == "transient_memory_never_fits"
     # the whole chunk at once: bf16 logits, their fp32 copy and log_softmax (bench/fidelity measured 10 B)
     assert terms_of(v1)["prompt_logprobs"]["bytes"] == 8000 * 128256 * (2 + 4 + 4)
 
@@ -188,9 +200,13 @@ def test_eight_k_prompt_logprobs_is_admitted_on_v2_and_charged_v1s_figure_on_v1(
 def test_echo_with_logprobs_is_read_as_prompt_logprobs(llama_31_dir: Path, tmp_path: Path) -> None:
     body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
     code, v1 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--model-runner", "v1")
-    assert code == 0 and v1["decision"] == "reject" and "prompt_logprobs" in v1["message"]
+    assert code == 0
+    assert v1["decision"] == "reject"
+    assert "prompt_logprobs" in v1["message"]
     code, v2 = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
-    assert v2["decision"] == "admit" and v2["max_new_tokens"] == 1 and "prompt_logprobs" in terms_of(v2)
+    assert v2["decision"] == "admit"
+    assert v2["max_new_tokens"] == 1
+    assert "prompt_logprobs" in terms_of(v2)
 
 
 def test_all_vocabulary_prompt_logprobs_needs_max_logprobs_minus_one_and_its_real_size(
@@ -199,10 +215,13 @@ def test_all_vocabulary_prompt_logprobs_needs_max_logprobs_minus_one_and_its_rea
 ) -> None:
     body = {"prompt": EIGHT_K_PROMPT, "max_tokens": 1, "prompt_logprobs": -1}
     code, refused = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
-    assert code == 1 and refused["error"]["param"] == "prompt_logprobs"
+    assert code == 1
+    assert refused["error"]["param"] == "prompt_logprobs"
     assert "greater than max allowed: 20" in refused["error"]["message"]
     code, out = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS, "--max-logprobs", "-1")
-    assert code == 0 and out["decision"] == "reject" and out["reason"] == "transient_memory_never_fits"
+    assert code == 0
+    assert out["decision"] == "reject"
+    assert out["reason"] == "transient_memory_never_fits"
     # every prompt row keeps 128,257 int64 ids and fp32 scores: tens of GiB
     assert terms_of(out)["prompt_logprobs"]["bytes"] > 20 * 2**30
 
@@ -301,9 +320,11 @@ def test_an_eagle_draft_reports_its_own_terms(llama_31_dir: Path, tmp_path: Path
     # the draft's pass over the 8,000-token chunk: hidden + residual 2 x 8000 x 4096 x 2 B and its
     # MLP 3 x 8000 x 14336 x 2 B; profiled (V2's profile runs speculator.propose)
     assert terms["draft_forward"]["bytes"] == 2 * 8000 * 4096 * 2 + 3 * 8000 * 14336 * 2
-    assert terms["draft_forward"]["profiled"] is True and "config.json of" in terms["draft_forward"]["detail"]
+    assert terms["draft_forward"]["profiled"] is True
+    assert "config.json of" in terms["draft_forward"]["detail"]
     # its logits, 2 rows x 128,256 x 2 B per draft step
-    assert terms["draft_logits"]["bytes"] == 2 * 128256 * 2 and terms["draft_logits"]["profiled"] is True
+    assert terms["draft_logits"]["bytes"] == 2 * 128256 * 2
+    assert terms["draft_logits"]["profiled"] is True
     _, plain = explain(tmp_path, llama_31_dir, body, *LLAMA_31_FLAGS)
     assert "draft_forward" not in terms_of(plain)
     assert out["budget"]["profiled_peak_bytes"] > plain["budget"]["profiled_peak_bytes"]  # the draft's dummy pass
@@ -350,9 +371,12 @@ def test_the_sampler_backend_follows_the_version_and_the_sampler_flag(llama_31_d
         code, out = explain(tmp_path, llama_31_dir, body, *flags[:at], version, *flags[at + 1 :], *extra)
         assert code == 0, out
         runs[(version, *extra)] = (out["vllm"]["sampler"], out["transient"]["sampler_stage_with_in_flight"])
-    assert runs[("0.16.0",)][0] == "pytorch" and runs[("0.16.0",)][1]["sort"] == 16 * 128256 * 18
+    assert runs[("0.16.0",)][0] == "pytorch"
+    assert runs[("0.16.0",)][1]["sort"] == 16 * 128256 * 18
     sampler, stage = runs[("0.20.0",)]
-    assert sampler == "triton" and stage["sort"] == 0 and stage["top_k_top_p"] == 16 * 128256 * (4 + 8)
+    assert sampler == "triton"
+    assert stage["sort"] == 0
+    assert stage["top_k_top_p"] == 16 * 128256 * (4 + 8)
     assert runs[("0.20.0", "--sampler", "pytorch")] == runs[("0.16.0",)]
 
 
@@ -360,7 +384,8 @@ def test_offline_explain_without_a_version_models_the_newest_known_release(llama
     # --vllm-version's help: "offline: the newest known"
     flags = [f for i, f in enumerate(LLAMA_31_FLAGS) if i not in (0, 1)]  # without --vllm-version 0.32.0
     code, out = explain(tmp_path, llama_31_dir, {"prompt": [1, 2, 3], "max_tokens": 5}, *flags)
-    assert code == 0 and out["vllm"]["model_version"] == NEWEST_KNOWN == "0.33.0"
+    assert code == 0
+    assert out["vllm"]["model_version"] == NEWEST_KNOWN == "0.33.0"
     assert out["vllm"]["runner"] == "v2"
 
 

@@ -49,7 +49,8 @@ def test_body_query_and_headers_reach_the_backend(kvgate: KvgateServer, backend:
     seen = backend.received[-1]
     assert (seen.path, seen.query, seen.body) == ("/v1/completions", "trace=1", raw)
     forwarded = dict(seen.headers)
-    assert forwarded["x-custom"] == "kept" and forwarded["authorization"] == "Bearer k"
+    assert forwarded["x-custom"] == "kept"
+    assert forwarded["authorization"] == "Bearer k"
     assert forwarded["x-request-id"] == "rid-1"
     assert [k for k, _ in seen.headers].count("x-request-id") == 1
 
@@ -82,7 +83,8 @@ def test_errors_equal_the_fastapi_routes(kvgate: KvgateServer, content: bytes) -
     """Bad bodies get the same OpenAI-shaped answer on the fast path as on /kvgate/explain."""
     fast = httpx.post(kvgate.base_url + "/v1/completions", content=content)
     slow = httpx.post(kvgate.base_url + "/kvgate/explain", content=content)
-    assert fast.status_code == slow.status_code and fast.status_code in (400, 413)
+    assert fast.status_code == slow.status_code
+    assert fast.status_code in (400, 413)
     assert fast.json() == slow.json()
     assert set(fast.json()["error"]) == {"message", "type", "param", "code"}
     assert fast.headers["content-type"] == slow.headers["content-type"] == "application/json"
@@ -107,7 +109,8 @@ def test_other_methods_on_gated_paths_get_openais_405(kvgate: KvgateServer, back
     assert answered.status_code == direct.status_code == 405
     assert answered.headers["allow"] == "POST"
     error = answered.json()["error"]  # OpenAI's shape, not the backend's {"detail": ...}
-    assert error["code"] == "method_not_allowed" and method in error["message"]
+    assert error["code"] == "method_not_allowed"
+    assert method in error["message"]
 
 
 def test_decisions_metrics_and_log(kvgate: KvgateServer) -> None:
@@ -131,7 +134,8 @@ def test_decisions_metrics_and_log(kvgate: KvgateServer) -> None:
         if "kvgate.decision " in line
     ]
     assert {"request_id": "logged", "decision": "admit", "reason": "fits"}.items() <= decisions[-2].items()
-    assert decisions[-1]["decision"] == "reject" and decisions[-1]["reason"] == "invalid_json"
+    assert decisions[-1]["decision"] == "reject"
+    assert decisions[-1]["reason"] == "invalid_json"
     assert_ledger_empty(kvgate)
 
 
@@ -175,9 +179,11 @@ def test_a_request_held_while_the_backend_is_down_is_refused_once(tiny_model_dir
                 what=lambda: f"kvgate to see the backend down:\n{kvgate.log()}",
             )
             response = httpx.post(kvgate.base_url + "/v1/completions", json=BODY, headers={"x-request-id": "held"})
-            assert response.status_code == 503 and response.json()["error"]["code"] == "backend_unavailable"
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "backend_unavailable"
             assert response.headers["retry-after"] == "5"
             assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
             assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="backend_unavailable") == 1
             logged = [line for line in kvgate.log().splitlines() if '"request_id": "held"' in line]
-            assert len(logged) == 1 and '"decision": "reject"' in logged[0]
+            assert len(logged) == 1
+            assert '"decision": "reject"' in logged[0]

@@ -30,7 +30,8 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], 
         vllm_python=VLLM_PYTHON,
         scratch=scratch,
     )
-    assert probe["vllm_version"] == "0.32.0" and not probe["missing_scopes"]
+    assert probe["vllm_version"] == "0.32.0"
+    assert not probe["missing_scopes"]
     geometry = geometry_of(scratch / "model", "bfloat16")
     assert geometry.vocab_size >= 128_000
     rows = compare(SMALL, probe, geometry)

@@ -69,7 +69,9 @@ def test_start_up_errors_are_one_line_and_an_exit_code(
     done = kvgate("serve", *filled, env={"HF_HUB_CACHE": str(tmp_path / "empty-cache")})
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvgate: ") and says in lines[0], done.stderr
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("kvgate: "), done.stderr
+    assert says in lines[0], done.stderr
     assert "Traceback" not in done.stderr + done.stdout
 
 
@@ -153,7 +155,8 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
         assert sim.stdout is not None
         printed = [sim.stdout.readline() for _ in range(3)]
         command = shlex.split(printed[2])
-        assert command[:2] == ["kvgate", "serve"] and str(tmp_path / "model") in command
+        assert command[:2] == ["kvgate", "serve"]
+        assert str(tmp_path / "model") in command
         assert command[command.index("--max-num-batched-tokens") + 1] == "8192"  # the H100 default
         listen = command.index("--listen") + 1
         command[listen] = f"127.0.0.1:{kvgate_port}"
@@ -182,7 +185,8 @@ def test_kvgate_sim_prints_the_kvgate_serve_command_that_works_in_front_of_it(tm
     # One log format, uvicorn's lines included; the /tokenize fallback said at start-up; no
     # disagreement with the simulator's engine limits (the printed command copied them).
     lines = log.read_text().splitlines()
-    assert lines and all(KVGATE_LINE.match(line) for line in lines), lines
+    assert lines, lines
+    assert all(KVGATE_LINE.match(line) for line in lines), lines
     assert any(" uvicorn.error Application startup complete." in line for line in lines)
     assert any("kvgate counts tokens through the backend's /tokenize" in line for line in lines)
     assert not any("backend reports" in line for line in lines)
@@ -198,7 +202,8 @@ def test_transformers_does_not_advise_installing_torch(tiny_model_dir: Path, tmp
     body = tmp_path / "body.json"
     body.write_text(json.dumps({"prompt": "hi", "max_tokens": 4}))
     done = kvgate("explain", str(body), "--model", str(tiny_model_dir), "--num-gpu-blocks", "16")
-    assert done.returncode == 0 and json.loads(done.stdout)["prompt_tokens"] > 0, done.stderr
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["prompt_tokens"] > 0, done.stderr
     assert "PyTorch was not found" not in done.stderr, done.stderr
 
 
@@ -210,7 +215,8 @@ def test_wrong_method_on_a_gated_path_gets_openais_error_shape(model_dir: Path) 
             return await client.get("/v1/chat/completions")
 
     response = asyncio.run(get())
-    assert response.status_code == 405 and response.headers["allow"] == "POST"
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
     assert response.json()["error"]["code"] == "method_not_allowed"
     assert "GET" in response.json()["error"]["message"]
 
@@ -218,7 +224,8 @@ def test_wrong_method_on_a_gated_path_gets_openais_error_shape(model_dir: Path) 
 def test_request_ids_are_unguessable_from_earlier_ones() -> None:
     scope = {"type": "http", "headers": []}
     ids = [request_id_of(scope) for _ in range(1000)]
-    assert len(set(ids)) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert len(set(ids)) == 1000
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
     assert len({i[:8] for i in ids}) > 990  # no shared prefix, no visible counter
     assert request_id_of({"type": "http", "headers": [(b"x-request-id", b"mine")]}) == "mine"
 
@@ -251,7 +258,8 @@ def test_engine_limits_from_vllms_server_info(status: int, body: object, expecte
     from kvgate.telemetry.vllm import fetch_engine_limits
 
     def answer(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/server_info" and request.url.params["config_format"] == "json"
+        assert request.url.path == "/server_info"
+        assert request.url.params["config_format"] == "json"
         if isinstance(body, str):
             return httpx.Response(status, text=body)
         return httpx.Response(status, json=body)
@@ -291,7 +299,8 @@ def test_engine_limits_parse_vllms_own_config_dump(vllm_python: VllmPython) -> N
         scheduler["max_num_batched_tokens"],
         scheduler["max_num_seqs"],
     )
-    assert limits.tensor_parallel_size == 1 and limits.pipeline_parallel_size == 1
+    assert limits.tensor_parallel_size == 1
+    assert limits.pipeline_parallel_size == 1
 
 
 def test_a_transient_gate_that_is_off_says_so_and_names_the_flag(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -313,5 +322,6 @@ def test_a_transient_gate_that_is_off_says_so_and_names_the_flag(tiny_model_dir:
         on_args = ("--gpu-probe", "none", "--free-memory-bytes", "100MiB")
         with running_kvgate(backend.base_url, tiny_model_dir, tmp_path / "on", *on_args) as on:
             ready = httpx.get(on.base_url + "/readyz", timeout=5).json()
-            assert ready["transient_gated"] is True and ready["transient_gate_off"] is None
+            assert ready["transient_gated"] is True
+            assert ready["transient_gate_off"] is None
             assert "transient gate is OFF" not in on.log()

@@ -102,7 +102,8 @@ def test_bad_bodies_are_refused_before_the_backend(
     response = client.post(path, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["param"] == param, error
     assert f"'{param}'" in error["message"] or param in ("messages", "text_1", "text_2", "query", "input"), error
     assert len(backend.received) == before
     assert_ledger_empty(kvgate)
@@ -114,7 +115,8 @@ def test_trailing_slash_and_other_methods_never_reach_the_backend(
 ) -> None:
     before = len(backend.received)
     slashed = client.post(path + "/", json=VALID[path])
-    assert slashed.status_code == 404 and slashed.json()["error"]["code"] == "route_not_forwarded"
+    assert slashed.status_code == 404
+    assert slashed.json()["error"]["code"] == "route_not_forwarded"
     assert "location" not in slashed.headers
     assert client.get(path).status_code == 405
     assert len(backend.received) == before
@@ -189,7 +191,8 @@ def test_pooling_requests_are_prefill_only(client: httpx.Client) -> None:
     tests/integration/test_pooling_vllm.py checks it against vLLM's usage)."""
     found = explain(client, "rerank", {"query": "hello", "documents": ["a", "b", "c"]})
     sides = explain(client, "completions", {"prompt": ["hello", "a", "hello", "b", "hello", "c"], "max_tokens": 1})
-    assert found["prompt_tokens"] == sides["prompt_tokens"] and found["max_new_tokens"] == 1
+    assert found["prompt_tokens"] == sides["prompt_tokens"]
+    assert found["max_new_tokens"] == 1
     cohere = {"inputs": [{"content": [{"type": "text", "text": "hello there"}]}]}
     assert (
         explain(client, "embeddings", cohere)["prompt_tokens"]
@@ -207,7 +210,8 @@ def test_rerank_takes_as_many_documents_as_completions_takes_prompts(client: htt
     empty = explain(client, "rerank", {"query": "hello", "documents": ["", "a"]})["prompt_tokens"]
     assert empty == 2 * explain(client, "completions", {"prompt": "hello", "max_tokens": 1})["prompt_tokens"] + 2
     too_many = client.post("/rerank", json={"model": "tiny-llama", "query": "hello", "documents": ["a"] * 1025})
-    assert too_many.status_code == 400 and "1,025 prompts" in too_many.json()["error"]["message"]
+    assert too_many.status_code == 400
+    assert "1,025 prompts" in too_many.json()["error"]["message"]
 
 
 def test_pooling_chat_has_no_generation_prompt_unless_asked(client: httpx.Client) -> None:

@@ -157,7 +157,8 @@ def test_a_trickled_body_is_408_at_its_deadline_and_closed(kvgate: KvgateServer)
                 answer += chunk
     elapsed = time.perf_counter() - started
     assert status_and_error(answer) == (408, "request_timeout")
-    assert b"connection: close" in answer.lower() and b"1.5 s deadline" in answer
+    assert b"connection: close" in answer.lower()
+    assert b"1.5 s deadline" in answer
     assert 1.4 < elapsed < 5, elapsed
     assert_ledger_empty(kvgate)
 
@@ -213,10 +214,12 @@ def test_an_unusable_request_id_is_replaced_before_logs_and_headers(
     )
     assert response.status_code == 200, response.text
     own = response.headers["x-request-id"]
-    assert len(own) == 32 and all(c in "0123456789abcdef" for c in own)
+    assert len(own) == 32
+    assert all(c in "0123456789abcdef" for c in own)
     assert dict(backend.received[-1].headers)["x-request-id"] == own
     logged = [line for line in kvgate.log().splitlines() if own in line]
-    assert logged and all(len(line) < 1000 for line in logged)
+    assert logged
+    assert all(len(line) < 1000 for line in logged)
     assert max(len(line) for line in kvgate.log().splitlines()) < 5000
 
 
@@ -234,7 +237,8 @@ def test_a_request_target_over_the_head_limit_is_414_and_read(kvgate: KvgateServ
     answer = exchange(kvgate, b"GET " + target + b" HTTP/1.1\r\nhost: kvgate\r\n\r\n")
     assert status_and_error(answer) == (414, "request_target_too_long")
     error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
-    assert error["type"] == "invalid_request_error" and "16,384 bytes" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert "16,384 bytes" in error["message"]
 
 
 def test_a_long_header_after_a_short_target_is_still_431(kvgate: KvgateServer) -> None:
@@ -270,7 +274,8 @@ def test_forwarding_headers_are_set_by_kvgate_not_the_client(kvgate: KvgateServe
     forwarded = backend.received[-1].headers
     seen = dict(forwarded)
     assert seen["host"] == backend.base_url.removeprefix("http://")
-    assert seen["x-forwarded-host"] == "api.example.com" and seen["x-forwarded-proto"] == "http"
+    assert seen["x-forwarded-host"] == "api.example.com"
+    assert seen["x-forwarded-proto"] == "http"
     assert seen["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
     assert seen["forwarded"] == 'for=198.51.100.1;proto=https, for=127.0.0.1;proto=http;host="api.example.com"'
     assert not {"proxy-authorization", "proxy-connection", "te"} & {k for k, _ in forwarded}
@@ -287,7 +292,8 @@ def test_a_tokenize_prompt_longer_than_any_context_is_refused_before_the_backend
     assert long.json()["error"]["param"] == "input_tokens"  # as vLLM's context-length refusal names it
     assert "maximum context length is 1024 tokens" in long.json()["error"]["message"]
     short = httpx.post(kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "prompt": "hi"})
-    assert short.status_code == 200 and short.json()["count"] == 3
+    assert short.status_code == 200
+    assert short.json()["count"] == 3
     too_big = httpx.post(kvgate.base_url + "/tokenize", content=b'{"prompt": "' + b"a" * 1_100_000 + b'"}')
     assert too_big.status_code == 413
 
@@ -323,7 +329,8 @@ def test_connection_named_headers_dropped_and_forwarded_for_appended(
     assert response.status_code == 200, response.text
     forwarded = backend.received[-1].headers
     names = [k for k, _ in forwarded]
-    assert "x-secret" not in names and dict(forwarded)["x-kept"] == "1"
+    assert "x-secret" not in names
+    assert dict(forwarded)["x-kept"] == "1"
     assert names.count("x-forwarded-for") == 1
     assert dict(forwarded)["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
 
@@ -356,9 +363,11 @@ def test_a_413_reaches_a_client_still_uploading(kvgate: KvgateServer, framing: s
         while chunk := sock.recv(65536):
             answer += chunk
     head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower()
+    assert head.startswith(b"HTTP/1.1 413 ")
+    assert b"connection: close" in head.lower()
     error = json.loads(body)["error"]
-    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert error["code"] == "request_too_large"
+    assert error["type"] == "invalid_request_error"
     assert "1,000,000 bytes" in error["message"]
 
 
@@ -384,11 +393,13 @@ def test_routes_neither_gated_nor_allowed_are_404(
     tests/integration/test_gated_routes.py.)"""
     seen = len(backend.received)
     response = httpx.request(method, kvgate.base_url + path, content=BODY, follow_redirects=False)
-    assert response.status_code == 404 and "location" not in response.headers
+    assert response.status_code == 404
+    assert "location" not in response.headers
     assert response.json()["error"]["code"] == "route_not_forwarded"
     assert len(backend.received) == seen
 
 
 def test_allowed_paths_pass_through(kvgate: KvgateServer) -> None:
     response = httpx.get(kvgate.base_url + "/v1/models")
-    assert response.status_code == 200 and response.json()["data"][0]["id"] == "tiny-llama"
+    assert response.status_code == 200
+    assert response.json()["data"][0]["id"] == "tiny-llama"

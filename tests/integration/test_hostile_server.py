@@ -47,7 +47,8 @@ def assert_answered(response: httpx.Response) -> None:
     if response.status_code >= 400:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
-        assert isinstance(error["message"], str) and error["message"]
+        assert isinstance(error["message"], str)
+        assert error["message"]
 
 
 # ------------------------------------------------------------------ strategies
@@ -233,7 +234,8 @@ def test_invalid_utf8_is_a_400_naming_the_field_on_every_route(client: httpx.Cli
     response = client.post(path, content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     assert_answered(response)
-    assert response.json()["error"]["param"] == "model" and response.json()["error"]["code"] == "invalid_json"
+    assert response.json()["error"]["param"] == "model"
+    assert response.json()["error"]["code"] == "invalid_json"
 
 
 def test_after_the_fuzz_nothing_is_reserved(kvgate: KvgateServer, client: httpx.Client) -> None:
@@ -286,6 +288,8 @@ def test_template_errors_keep_the_prompt_out_of_the_decision_log(kvgate: KvgateS
         "chat_template": "{{ raise_exception('refused: ' + messages[0]['content']) }}",
     }
     response = client.post("/v1/chat/completions", json=body, headers={"x-request-id": "template-leak"})
-    assert response.status_code == 400 and "SECRET-PROMPT-TEXT" in response.json()["error"]["message"]
+    assert response.status_code == 400
+    assert "SECRET-PROMPT-TEXT" in response.json()["error"]["message"]
     logged = [line for line in kvgate.log().splitlines() if "template-leak" in line]
-    assert logged and not any("SECRET-PROMPT-TEXT" in line for line in logged)
+    assert logged
+    assert not any("SECRET-PROMPT-TEXT" in line for line in logged)

@@ -78,7 +78,8 @@ def test_the_drafts_layers_join_the_pool_as_vllms_grouping_puts_them(
 def test_the_communicator_sizes_are_vllms_own(vllm_python: VllmPython) -> None:
     vllm = json.loads(vllm_python(str(SUPPORT / "vllm_envelope.py")).strip().splitlines()[-1])
     assert vllm["distributed_before_snapshot"]  # so the buffers are outside the envelope in 0.32
-    assert vllm["rank_data_8_mib"] and vllm["mnnvl_six_stages"]
+    assert vllm["rank_data_8_mib"]
+    assert vllm["mnnvl_six_stages"]
     assert {int(k): v for k, v in vllm["mnnvl_all_gather"].items()} == MNNVL_ALL_GATHER_MAX_SIZES
     assert {int(k): v for k, v in vllm["symm_mem_largest"].items()} == SYMM_MEM_MAX_SIZES
     for world_size in vllm["world_sizes"]:

@@ -70,9 +70,11 @@ def test_fallback_counts_llava_images_and_never_sends_them(tmp_path: Path) -> No
     assert tokenizer.source == "backend"
     ids = asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "what is this"}, IMAGE, OTHER_IMAGE)))
     assert len(ids) == 3 + 2 * 576
-    assert ids[:3] == [7, 7, 7] and 32000 not in ids
+    assert ids[:3] == [7, 7, 7]
+    assert 32000 not in ids
     # Each image's tokens stand for that image: the same image twice shares them, two do not.
-    assert len(set(ids[3:579])) == 1 and ids[3] != ids[579]
+    assert len(set(ids[3:579])) == 1
+    assert ids[3] != ids[579]
     again = asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "what is this"}, IMAGE, IMAGE)))
     assert again[3:579] == again[579:] == ids[3:579]
     assert all("image_url" not in json.dumps(b) for b in backend.bodies)

@@ -92,11 +92,13 @@ def assert_close(got: Any, expected: Any) -> None:
     if isinstance(expected, float):
         assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)
     elif isinstance(expected, dict):
-        assert isinstance(got, dict) and got.keys() == expected.keys()
+        assert isinstance(got, dict)
+        assert got.keys() == expected.keys()
         for key in expected:
             assert_close(got[key], expected[key])
     elif isinstance(expected, list):
-        assert isinstance(got, list) and len(got) == len(expected)
+        assert isinstance(got, list)
+        assert len(got) == len(expected)
         for g, e in zip(got, expected, strict=True):
             assert_close(g, e)
     else:
@@ -261,7 +263,8 @@ def test_bad_input_is_an_openai_4xx_and_leaks_nothing(
     assert 400 <= direct.status_code < 500, direct.text
     assert proxied.status_code == direct.status_code, proxied.text
     error = proxied.json()["error"]
-    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["message"], str)
+    assert error["message"]
     assert {"type", "param", "code"} <= error.keys()
     assert_released(embed_gate)
 

@@ -259,12 +259,14 @@ def test_max_tokens_past_the_context_is_clamped_as_vllm_0_32_does(
     through = httpx.post(kvgate.base_url + "/v1/completions", json=body, timeout=120)
     assert direct.status_code == through.status_code == 200, through.text
     usage = through.json()["usage"]
-    assert usage == direct.json()["usage"] and usage["total_tokens"] == 1024  # the tests' --max-model-len
+    assert usage == direct.json()["usage"]
+    assert usage["total_tokens"] == 1024
     assert int(through.headers["x-kvgate-kv-blocks"]) == 1024 // 128  # the context's blocks, not 1,000 more
     too_many = body | {"max_tokens": 1025}
     assert httpx.post(vllm_server.base_url + "/v1/completions", json=too_many, timeout=30).status_code == 400
     refused = httpx.post(kvgate.base_url + "/v1/completions", json=too_many, timeout=30)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "max_tokens"
     assert_ledger_empty(kvgate)
 
 
@@ -389,7 +391,9 @@ def test_metrics_and_probes(kvgate: KvgateServer) -> None:
     ready = httpx.get(kvgate.base_url + "/readyz")
     assert ready.status_code == 200
     detail = ready.json()
-    assert detail["backend_reachable"] and detail["budget_known"] and detail["tokenizer"] == "local"
+    assert detail["backend_reachable"]
+    assert detail["budget_known"]
+    assert detail["tokenizer"] == "local"
     assert detail["kv_blocks"] == 15  # 16 blocks, one of them vLLM's null block
     text = httpx.get(kvgate.base_url + "/metrics").text
     for family in (

@@ -145,4 +145,5 @@ def test_keys_earn_a_turn_on_their_second_request_and_are_bounded() -> None:
     assert turns.turn("a", vouched=False) == "a"  # a flood of new keys does not push out "a"
     for key in ("b", "b", "c", "c"):  # two more returning keys: "a", the least recent, is forgotten
         turns.turn(key, vouched=False)
-    assert turns.returning == 2 and turns.turn("a", vouched=False) == NEW_KEYS
+    assert turns.returning == 2
+    assert turns.turn("a", vouched=False) == NEW_KEYS

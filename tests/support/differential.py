@@ -153,7 +153,10 @@ def memory_refusal(kvgate_url: str, path: str, body: dict[str, Any], proxied: ht
     """kvgate refused what vLLM served: it must be for transient memory past the headroom, and
     kvgate's breakdown names the term that would have run the GPU out of memory."""
     error = proxied.json()["error"]
-    assert proxied.status_code == 400 and error["code"] == "transient_memory_never_fits", (
+    assert proxied.status_code == 400, (
+        f"kvgate refused what vLLM served, not for transient memory: {proxied.status_code} {error}"
+    )
+    assert error["code"] == "transient_memory_never_fits", (
         f"kvgate refused what vLLM served, not for transient memory: {proxied.status_code} {error}"
     )
     endpoint = "chat" if path.endswith("/chat/completions") else "completions"

@@ -80,7 +80,9 @@ def test_an_over_large_request_stops_the_prefix_and_never_fits() -> None:
     engine = _engine(_long_context())
     groups = _groups([2000, 1500, 60000, 300, 300])
     k, oom, runs = oracle.longest_prefix(engine, groups)
-    assert k == 2 and oom is not None and "CUDA out of memory" in oom
+    assert k == 2
+    assert oom is not None
+    assert "CUDA out of memory" in oom
     assert runs <= 3  # all, then under the bound the failing dry run gave
     # the head of what is left would OOM an idle engine too: refused, not queued
     assert oracle.would_oom(engine, groups[2], idle=True) is not None
@@ -93,7 +95,8 @@ def test_a_failing_dry_run_condemns_every_longer_prefix() -> None:
     engine = _engine(_long_context())
     groups = _groups([2000, 1500, 60000, 300, 300, 2000])
     msg, bound = oracle.dry_run(engine, groups)
-    assert msg is not None and 1 <= bound <= 3
+    assert msg is not None
+    assert 1 <= bound <= 3
     for k in range(bound, len(groups) + 1):  # the same steps up to the same OOM
         assert oracle.dry_run(engine, groups[:k]) == (msg, bound)
     assert oracle.dry_run(engine, groups[:2]) == (None, 2)
@@ -158,9 +161,12 @@ def test_the_routes_admit_a_burst_and_refuse_what_never_fits() -> None:
         assert [r.status_code for r in responses] == [200] * 12 + [400]
         assert responses[-1].json()["error"]["code"] == "oracle_never_fits"
         assert sim.engine.ooms == []
-    assert stats["admitted"] == 12 and stats["never_fits"] == 1
-    assert stats["batches"] <= 12 and stats["dry_runs"] >= 1
-    assert stats["check_ms_total"] >= 0 and stats["checks"] >= 1
+    assert stats["admitted"] == 12
+    assert stats["never_fits"] == 1
+    assert stats["batches"] <= 12
+    assert stats["dry_runs"] >= 1
+    assert stats["check_ms_total"] >= 0
+    assert stats["checks"] >= 1
 
 
 def test_the_routes_check_whole_vocabulary_prompt_logprobs_where_the_server_allows_them() -> None:
@@ -173,7 +179,8 @@ def test_the_routes_check_whole_vocabulary_prompt_logprobs_where_the_server_allo
     with runner as sim:
         body = {"model": "llama-3.1-8b", "prompt": " ".join(["tok"] * 4000), "max_tokens": 1, "prompt_logprobs": -1}
         r = httpx.post(sim.url + "/oracle/v1/completions", json=body, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "oracle_never_fits"
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "oracle_never_fits"
         assert sim.engine.ooms == []
     assert stats["never_fits"] == 1
 

@@ -135,7 +135,8 @@ def test_hybrid_state_models_need_vllms_block_size(tmp_path: Path, capsys: pytes
     assert run("--model-config", folder, "--kv-cache-memory-bytes", str(10 << 30), "--block-size", "544", "--json") == 0
     out = json.loads(capsys.readouterr().out)
     # 10 GiB // (544 x 2,048 B page) // 12 layers a group = 803 blocks; 485 per 262,144-token request
-    assert out["num_blocks"] == 803 and out["kv_cache_tokens"] == int(803 / 485 * 262_144)
+    assert out["num_blocks"] == 803
+    assert out["kv_cache_tokens"] == int(803 / 485 * 262_144)
 
 
 def test_a_speculative_drafts_layers_shrink_the_pool(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,7 +152,8 @@ def test_a_speculative_drafts_layers_shrink_the_pool(tmp_path: Path, capsys: pyt
     assert run(*flags, "--speculative-config", spec) == 0
     drafted = json.loads(capsys.readouterr().out)
     # 32 target layers + the head's 1, each 2 x 8 KV heads x 128 x 2 B per token
-    assert plain["bytes_per_token"] == 32 * 4096 and drafted["bytes_per_token"] == 33 * 4096
+    assert plain["bytes_per_token"] == 32 * 4096
+    assert drafted["bytes_per_token"] == 33 * 4096
     assert drafted["num_blocks"] == 40 * 2**30 // (16 * 33 * 4096) < plain["num_blocks"]
     ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
     assert run(*flags, "--speculative-config", ngram) == 0

@@ -20,17 +20,20 @@ async def test_a_waiting_request_is_admitted_with_the_output_lengths_learned_whi
     prediction = (await rt.pipeline.evaluate("completions", body)).prediction
     full = prediction.demand.kv_blocks  # nothing learned yet: room for all 1,000 tokens
     limit = rt.budget.kv_limit()
-    assert limit is not None and full <= limit < 2 * full
+    assert limit is not None
+    assert full <= limit < 2 * full
     holder = await rt.gate.acquire(prediction.demand, 0, "a", basis=prediction)
     waiting = asyncio.create_task(rt.gate.acquire(prediction.demand, 0, "a", basis=prediction))
     await asyncio.sleep(0)
-    assert not waiting.done() and rt.gate.waiting == 1  # two full reservations do not fit
+    assert not waiting.done()
+    assert rt.gate.waiting == 1
     for _ in range(rt.outputs.min_samples):  # answers of 10 tokens finished meanwhile
         rt.outputs.observe(1000, 10)
     rt.gate.changed()  # as any release or budget move does
     ticket = await asyncio.wait_for(waiting, 1)
     assert ticket.reservation.demand.reserved_new_tokens == 10
-    assert ticket.reservation.demand.kv_blocks < full and holder.reservation.demand.kv_blocks == full
+    assert ticket.reservation.demand.kv_blocks < full
+    assert holder.reservation.demand.kv_blocks == full
     ticket.release()
     holder.release()
     await rt.stop()

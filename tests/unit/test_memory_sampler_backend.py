@@ -50,7 +50,8 @@ def test_an_unknown_version_keeps_the_measured_sort() -> None:
 
 def test_the_runtime_names_the_sampler_in_its_labels() -> None:
     runtime = resolve_runtime("0.20.0", "v1")
-    assert runtime.sampler_backend == "triton" and runtime.sampler_sort_below_rows == 8
+    assert runtime.sampler_backend == "triton"
+    assert runtime.sampler_sort_below_rows == 8
     assert runtime.labels()["sampler"] == "triton"
     assert resolve_runtime("0.32.0", "v1", sampler="pytorch").labels()["sampler"] == "pytorch"
 
@@ -72,7 +73,8 @@ def test_v1_triton_masks_in_place_and_samples_from_softmax_and_noise() -> None:
 
 def test_v1_batches_under_eight_rows_still_sort_in_017_to_029() -> None:
     small = v1("triton", sort_below_rows=8).stage(7, False, False, 0)
-    assert small.sort == 7 * V * 18 and small.top_k_top_p == 0
+    assert small.sort == 7 * V * 18
+    assert small.top_k_top_p == 0
     assert v1("triton", sort_below_rows=8).stage(8, False, False, 0).sort == 0
     assert v1("triton").stage(7, False, False, 0).sort == 0  # 0.30.0+: Triton for every batch
 

@@ -67,7 +67,9 @@ def test_v2_prompt_logprobs_all_vocab_keep_earlier_steps_and_cat_the_prompt(vers
     kept = estimate_transient(LLAMA, v2_engine(version), 16384, SamplingShape(prompt_logprobs=-1)).term(
         "prompt_logprobs_kept"
     )
-    assert kept is not None and kept.stage == "residual" and kept.bytes == 8192 * per_row
+    assert kept is not None
+    assert kept.stage == "residual"
+    assert kept.bytes == 8192 * per_row
 
 
 def test_v2_processed_logprobs_mode_keeps_flashinfer_and_v1_leaves_it() -> None:
@@ -87,7 +89,8 @@ def test_v2_processed_logprobs_mode_keeps_flashinfer_and_v1_leaves_it() -> None:
 def test_v2_greedy_with_logits_processors_gets_the_fp32_copy_and_plain_temperature_none() -> None:
     cost = SamplerCost(V, 2, 256, 8192, "v2", sampler="flashinfer")
     greedy_penalty = cost.stage(10, False, True, 100, random=False, processing=True, filtered=False)
-    assert greedy_penalty.logits_fp32 == 10 * V * 4 and greedy_penalty.top_k_top_p == 0  # penalties.py:55-64
+    assert greedy_penalty.logits_fp32 == 10 * V * 4
+    assert greedy_penalty.top_k_top_p == 0
     plain = cost.stage(10, False, False, 100, random=True, processing=False, filtered=False)
     assert plain.logits_fp32 == plain.top_k_top_p == plain.sort == 0  # states.py:67-72
     assert plain.unprofiled == 0
@@ -105,10 +108,14 @@ def test_v2_033_profile_covers_the_warm_up_rows_sampler_terms() -> None:
     engine = v2_engine("0.33.0", max_num_batched_tokens=1024, max_num_seqs=1024)
     est = estimate_transient(LLAMA, engine, 100, SamplingShape(n=8))
     fp32, path = est.term("logits_fp32"), est.term("top_k_top_p")
-    assert fp32 is not None and fp32.profiled and fp32.bytes == 8 * V * 4
-    assert path is not None and path.profiled
+    assert fp32 is not None
+    assert fp32.profiled
+    assert fp32.bytes == 8 * V * 4
+    assert path is not None
+    assert path.profiled
     older = estimate_transient(LLAMA, v2_engine("0.32.0"), 100, SamplingShape(n=8)).term("logits_fp32")
-    assert older is not None and not older.profiled
+    assert older is not None
+    assert not older.profiled
 
 
 def test_mla_workspace_is_rounded_up_to_the_block_size_without_a_per_seq_floor() -> None:
@@ -128,7 +135,8 @@ def test_mla_workspace_is_rounded_up_to_the_block_size_without_a_per_seq_floor()
 )
 def test_pre_releases_follow_their_release_and_newer_ones_the_newest(version: str, model: str, warning: bool) -> None:
     runtime = resolve_runtime(version)
-    assert runtime.model_version == model and (runtime.warning is not None) == warning
+    assert runtime.model_version == model
+    assert (runtime.warning is not None) == warning
     assert runtime.sampler_warmup_profile  # 0.33's profile rule
 
 
@@ -146,7 +154,8 @@ def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
     assert resolve_drafter(None, str(folder), LLAMA, {}, release="0.32.0") is None
     # 0.33.0 (config/speculative.py:74-82, :1440-1480): no medusa method, so a separate draft model
     drafter = resolve_drafter(None, str(folder), LLAMA, {}, release="0.33.0")
-    assert drafter is not None and drafter.method == "draft_model"
+    assert drafter is not None
+    assert drafter.method == "draft_model"
     assert resolve_drafter("mlp_speculator", str(folder), LLAMA, {}, release="0.33.0") is None  # vLLM refuses it
 
 

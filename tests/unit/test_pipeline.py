@@ -116,14 +116,16 @@ async def test_a_chat_request_comes_out_validated_tokenized_and_predicted(
     assert isinstance(request, ValidRequest)
     assert (request.model, request.stream, request.priority) == (MODEL, True, 3)
     assert (request.sampling.max_tokens, request.sampling.n, request.sampling.greedy) == (7, 2, True)
-    assert request.max_tokens_param == "max_completion_tokens" and request.prompts_from_text == (True,)
+    assert request.max_tokens_param == "max_completion_tokens"
+    assert request.prompts_from_text == (True,)
     with pytest.raises(dataclasses.FrozenInstanceError):
         request.priority = 9  # type: ignore[misc]
 
     rendered = await real_tokenizer.encode_chat(ChatInput(messages=tuple(messages)))
     prediction = evaluation.prediction
     assert prediction.prompt_tokens == len(rendered)
-    assert prediction.max_new_tokens == 7 and prediction.demand.sequences == 2
+    assert prediction.max_new_tokens == 7
+    assert prediction.demand.sequences == 2
     assert evaluation.predictor is pipeline.config.predictor  # type: ignore[union-attr]
 
 
@@ -185,7 +187,9 @@ async def test_what_vllm_refuses_before_reading_a_prompt_is_refused_before_token
 async def test_an_unknown_model_is_a_404_naming_the_served_base_models(pipeline: RequestPipeline) -> None:
     with pytest.raises(ModelNotFound) as refused:
         await pipeline.evaluate("completions", json.dumps({"model": "nope", "prompt": "hi"}).encode())
-    assert status_of(refused.value) == 404 and MODEL in refused.value.message and "lora-a" not in refused.value.message
+    assert status_of(refused.value) == 404
+    assert MODEL in refused.value.message
+    assert "lora-a" not in refused.value.message
 
 
 async def test_a_request_larger_than_the_pool_never_fits_but_is_still_predicted(
@@ -206,7 +210,8 @@ async def test_before_the_first_sync_a_valid_body_is_503_and_a_malformed_one_400
     assert unconfigured.config is None
     with pytest.raises(NotReady) as waiting:
         await unconfigured.evaluate("completions", body(prompt="hi"))
-    assert status_of(waiting.value) == 503 and "no backend yet" in waiting.value.message
+    assert status_of(waiting.value) == 503
+    assert "no backend yet" in waiting.value.message
     with pytest.raises(InvalidField):
         await unconfigured.evaluate("completions", body(prompt=7))
 

@@ -157,7 +157,8 @@ def test_a_batch_of_prompts_is_judged_per_engine_request_not_on_its_sum() -> Non
     predictor = small_predictor()
     prompts = [[400 + k] * 700 for k in range(3)]
     prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 1}), prompts)
-    assert prediction.max_kv_blocks == 18 and prediction.demand.sequences == 3
+    assert prediction.max_kv_blocks == 18
+    assert prediction.demand.sequences == 3
     predictor.check_fits_ever(prediction, Budget(kv_blocks=15).ceiling())  # no KvNeverFits
     # n samples are engine requests of their own too: 4 x 6 blocks, each fits alone.
     one = [[7] * 700]
@@ -191,7 +192,8 @@ def test_a_batch_larger_than_the_pool_waits_for_an_idle_pool_then_goes_in() -> N
     ledger.release(held)
     assert budget.shortfall(batch, ledger) is None
     ledger.reserve(batch)
-    assert ledger.kv_blocks == 18 and budget.shortfall(other, ledger) == KV_BUSY  # the rest waits
+    assert ledger.kv_blocks == 18
+    assert budget.shortfall(other, ledger) == KV_BUSY
 
 
 def echo_logprobs(count: int, tokens: int) -> tuple[ValidRequest, list[list[int]]]:
@@ -208,7 +210,8 @@ def test_prompt_logprobs_are_charged_for_the_step_vllm_runs_not_the_sum(batched_
     one = predictor.predict(*echo_logprobs(1, 1023))
     four = predictor.predict(*echo_logprobs(4, 1023))
     term = one.footprints[0].transient.term("prompt_logprobs")
-    assert term is not None and one.demand.transient_prefill_bytes == term.bytes
+    assert term is not None
+    assert one.demand.transient_prefill_bytes == term.bytes
     assert four.demand.transient_prefill_bytes == pytest.approx(alive * term.bytes, abs=1)
     assert four.demand.transient_prefill_bytes < 4 * term.bytes
 
@@ -222,7 +225,8 @@ def test_v2_prompt_logprobs_of_a_batch_cost_one_full_step(batched_tokens: int) -
     four = predictor.predict(*echo_logprobs(4, 1023))
     full_step = predictor.predict(*echo_logprobs(1, batched_tokens)).footprints[0].transient.term("prompt_logprobs")
     one = predictor.predict(*echo_logprobs(1, 1023)).footprints[0].transient.term("prompt_logprobs")
-    assert full_step is not None and one is not None
+    assert full_step is not None
+    assert one is not None
     assert four.demand.transient_prefill_bytes == min(full_step.bytes, 4 * one.bytes) < 4 * one.bytes
 
 
@@ -237,7 +241,8 @@ def test_a_step_of_several_prompts_past_the_headroom_says_so_in_mib() -> None:
         predictor.check_fits_ever(four, budget.ceiling())
     message = refused.value.message
     assert message.startswith("prompt_logprobs (2 prompts' chunk 1023 x ")
-    assert "MiB of transient GPU memory" in message and message.endswith("send fewer of its 4 prompts in one request.")
+    assert "MiB of transient GPU memory" in message
+    assert message.endswith("send fewer of its 4 prompts in one request.")
     needed, limit = (float(m.replace(",", "")) for m in re.findall(r"([\d,.]+) MiB", message)[:2])
     assert needed > limit
 
@@ -308,4 +313,5 @@ def test_a_cache_salt_that_vllm_refuses_is_a_400(salt) -> None:
 
     with pytest.raises(InvalidField) as refused:
         spec_of({"cache_salt": salt})
-    assert refused.value.param == "cache_salt" and "non-empty string" in refused.value.message
+    assert refused.value.param == "cache_salt"
+    assert "non-empty string" in refused.value.message

@@ -11,7 +11,8 @@ from kvgate.sampling_params import v2_sampler_needs, vllm_sampling_params
 
 def test_echo_with_logprobs_is_a_prompt_logprobs_request() -> None:
     params = vllm_sampling_params("completions", {"echo": True, "logprobs": 1, "max_tokens": 0})
-    assert params.prompt_logprobs == 1 and params.max_tokens == 1
+    assert params.prompt_logprobs == 1
+    assert params.max_tokens == 1
 
 
 @pytest.mark.parametrize(

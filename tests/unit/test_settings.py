@@ -70,9 +70,12 @@ def test_backend_report_wins_over_flags_with_a_warning(caplog: pytest.LogCapture
     with caplog.at_level(logging.WARNING):
         deployment = resolve(engine_flags(settings), geometry, cache, ServedModel("tiny", 1024))
     assert (deployment.block_size, deployment.enable_prefix_caching, deployment.max_model_len) == (128, True, 1024)
-    assert deployment.num_gpu_blocks == 100 and deployment.gpu_memory_utilization == 0.92
+    assert deployment.num_gpu_blocks == 100
+    assert deployment.gpu_memory_utilization == 0.92
     warned = caplog.text
-    assert "block_size=128" in warned and "max_model_len=1024" in warned and "enable_prefix_caching=True" in warned
+    assert "block_size=128" in warned
+    assert "max_model_len=1024" in warned
+    assert "enable_prefix_caching=True" in warned
     assert "gpu_memory_utilization" not in warned  # not given as a flag: nothing to disagree with
 
 
@@ -107,7 +110,8 @@ def test_hybrid_state_models_take_the_backends_block_size_and_cache_mode(caplog:
     )
     with caplog.at_level(logging.WARNING):
         resolve(engine_flags(settings_for()), geometry, None, None)
-    assert "recurrent state" in caplog.text and "--block-size" in caplog.text
+    assert "recurrent state" in caplog.text
+    assert "--block-size" in caplog.text
     caplog.clear()
     cache = CacheConfig(
         num_gpu_blocks=100,
@@ -153,18 +157,21 @@ def test_vllms_capacity_report_is_a_floor_on_blocks_per_sequence(caplog: pytest.
 
     with caplog.at_level(logging.WARNING):
         same = layout_when_vllm_reports(256.0)  # 4096 / 16: the layout agrees
-    assert same.extra_blocks_per_sequence == 0 and caplog.text == ""
+    assert same.extra_blocks_per_sequence == 0
+    assert caplog.text == ""
     # vLLM counts 3 more blocks per request (e.g. state groups kvgate does not know of):
     # every sequence reserves them, a 100-token one included
     with caplog.at_level(logging.WARNING):
         more = layout_when_vllm_reports(259.0000000001)
-    assert more.extra_blocks_per_sequence == 3 and "reserves 3 more blocks" in caplog.text
+    assert more.extra_blocks_per_sequence == 3
+    assert "reserves 3 more blocks" in caplog.text
     assert more.blocks_for_request(100, 100, 1, 2048, 4096) == 7 + 3
     assert more.blocks_for_request(100, 150, 2, 2048, 4096) == (6 + 2 * (10 - 6)) + 2 * 3
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         fewer = layout_when_vllm_reports(128.0)
-    assert fewer.extra_blocks_per_sequence == 0 and "admit fewer requests than fit" in caplog.text
+    assert fewer.extra_blocks_per_sequence == 0
+    assert "admit fewer requests than fit" in caplog.text
 
 
 def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilization() -> None:

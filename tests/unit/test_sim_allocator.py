@@ -12,7 +12,8 @@ from kvgate.units import MiB
 def test_rounding_and_pools() -> None:
     a = CachingAllocator(Device(1 << 34), "p")
     small = a.malloc(100)
-    assert small.size == 512 and a.reserved() == 2 * MiB  # 2 MiB small segment
+    assert small.size == 512
+    assert a.reserved() == 2 * MiB
     mid = a.malloc(3 * MiB)
     assert a.reserved() == 2 * MiB + 20 * MiB  # 20 MiB large buffer for < 10 MiB
     assert a.malloc(11 * MiB).segment is mid.segment  # fits in the 20 MiB segment's rest
@@ -30,10 +31,12 @@ def test_split_then_merge_reuses_the_segment() -> None:
     x = a.malloc(100 * MiB)
     a.free(x)
     y, z = a.malloc(40 * MiB), a.malloc(50 * MiB)
-    assert y.segment is z.segment and a.reserved() == 100 * MiB
+    assert y.segment is z.segment
+    assert a.reserved() == 100 * MiB
     a.free(y)
     a.free(z)
-    assert len(x.segment.blocks) == 1 and a.malloc(100 * MiB).segment is x.segment
+    assert len(x.segment.blocks) == 1
+    assert a.malloc(100 * MiB).segment is x.segment
 
 
 def test_large_blocks_split_only_when_more_than_1_mib_is_left() -> None:
@@ -41,10 +44,12 @@ def test_large_blocks_split_only_when_more_than_1_mib_is_left() -> None:
     a = CachingAllocator(Device(1 << 34), "p")
     a.free(a.malloc(12 * MiB))
     whole = a.malloc(11 * MiB)
-    assert whole.size == 12 * MiB and len(whole.segment.blocks) == 1
+    assert whole.size == 12 * MiB
+    assert len(whole.segment.blocks) == 1
     a.free(whole)
     part = a.malloc(10 * MiB + MiB // 2)
-    assert part.size == 10 * MiB + MiB // 2 and len(part.segment.blocks) == 2
+    assert part.size == 10 * MiB + MiB // 2
+    assert len(part.segment.blocks) == 2
 
 
 def test_fragmentation_fails_with_reserved_but_unallocated_memory() -> None:
@@ -112,11 +117,14 @@ def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
 
     asyncio.run(steps(1))
     held = engine.carry.penalty_prompt_ids
-    assert held is not None and held.requested == 2 * 3000 * 8 and held.allocated
+    assert held is not None
+    assert held.requested == 2 * 3000 * 8
+    assert held.allocated
     asyncio.run(steps(1))
     assert engine.carry.penalty_prompt_ids is held  # same batch, same tensor
     asyncio.run(steps(10))
-    assert not engine.scheduler.has_work() and held.allocated  # idle: metadata not rebuilt
+    assert not engine.scheduler.has_work()
+    assert held.allocated
     engine.add(Request("r2", [7] * 500, Sampling(max_tokens=2), 0.0))
     asyncio.run(steps(1))
     assert engine.carry.penalty_prompt_ids is None  # new batch without penalties: freed (block may be reused)

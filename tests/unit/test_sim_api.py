@@ -20,13 +20,15 @@ def test_before_0_32_a_prompt_plus_max_tokens_past_the_context_is_refused() -> N
     assert _parse(424, clamps=False) == 424
     with pytest.raises(SimApiError) as refused:
         _parse(500, clamps=False)
-    assert refused.value.status == 400 and "is too large" in str(refused.value)
+    assert refused.value.status == 400
+    assert "is too large" in str(refused.value)
 
 
 def test_from_0_32_max_tokens_is_cut_to_the_context_left_but_not_past_max_model_len() -> None:
     assert _parse(500, clamps=True) == 424
     with pytest.raises(SimApiError) as refused:
         _parse(1025, clamps=True)
-    assert refused.value.status == 400 and "cannot be greater than max_model_len=1024" in str(refused.value)
+    assert refused.value.status == 400
+    assert "cannot be greater than max_model_len=1024" in str(refused.value)
     with pytest.raises(SimApiError):  # a prompt that fills the context is refused by every release
         _parse(1, clamps=True, prompt_tokens=1024)

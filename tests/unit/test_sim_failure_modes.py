@@ -24,14 +24,17 @@ def _fully_utilized_kv(cfg: SimConfig, margin: int) -> int:
 
 
 def _assert_oom(outcome) -> None:
-    assert outcome.oom and "CUDA out of memory. Tried to allocate" in outcome.oom
+    assert outcome.oom
+    assert "CUDA out of memory. Tried to allocate" in outcome.oom
     assert outcome.engine.state == "dead"
-    assert outcome.errors > 0 and not outcome.finished
+    assert outcome.errors > 0
+    assert not outcome.finished
 
 
 def _assert_survives(outcome, count: int) -> None:
     assert outcome.oom is None, outcome.oom
-    assert sum(outcome.finished.values()) == count and outcome.errors == 0
+    assert sum(outcome.finished.values()) == count
+    assert outcome.errors == 0
 
 
 def _long_context(backend: str) -> SimConfig:
@@ -164,7 +167,8 @@ def test_5_allocator_fragmentation_under_mixed_high_concurrency_batches() -> Non
     jobs = _chat_burst(seed=0, count=1500)
     outcome = play(SimConfig(**base, kv_cache_memory_bytes=kv), jobs)
     msg = outcome.oom
-    assert msg and outcome.engine.state == "dead"
+    assert msg
+    assert outcome.engine.state == "dead"
     assert outcome.steps > 20  # not a start-up or first-step shortfall: it builds up
     assert outcome.errors == len(jobs) - sum(outcome.finished.values())  # all in flight fail
     tried = _mib(msg, "Tried to allocate {}")

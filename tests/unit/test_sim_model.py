@@ -145,7 +145,8 @@ def test_simulator_imports_no_estimator_and_the_estimator_no_simulator() -> None
         *sorted((ROOT / "kvgate" / "gate").rglob("*.py")),
         ROOT / "kvgate" / "predict.py",
     ]
-    assert sim and estimator
+    assert sim
+    assert estimator
     assert _offending(sim, FORBIDDEN) == []
     assert _offending(estimator, ("kvgate.sim",)) == []
 

@@ -90,7 +90,8 @@ def test_v2_triton_masks_in_place_and_flashinfer_keeps_its_probabilities() -> No
     assert sampler_peak(TopKTopP("flashinfer"), 256, "v2") == pytest.approx(256 * V * 8, rel=0.01)
     # a greedy row keeps V2 off FlashInfer (fused_sampler_eligible): Triton, in place
     mixed = StepShape((ReqSlice(1), *(ReqSlice(1, top_p_k=True, random=True) for _ in range(255))))
-    assert not flashinfer_allocations(mixed) and flashinfer_allocations(StepShape(mixed.reqs[1:]))
+    assert not flashinfer_allocations(mixed)
+    assert flashinfer_allocations(StepShape(mixed.reqs[1:]))
 
 
 def test_v2_verification_never_takes_flashinfer_and_copies_fp32_in_chunks() -> None:
@@ -132,4 +133,5 @@ def test_a_requests_seed_reaches_the_step() -> None:
         req = Request("r", [1, 2, 3], Sampling(max_tokens=4, top_p=0.9, seed=seed), 0.0)
         return Engine.shape(SchedulerOutput([ScheduledReq(req, 3, 0)])).reqs[0]
 
-    assert slice_of(7).seeded and not slice_of(None).seeded
+    assert slice_of(7).seeded
+    assert not slice_of(None).seeded

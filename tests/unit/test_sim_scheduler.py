@@ -42,7 +42,8 @@ def test_budget_and_max_num_seqs_are_never_exceeded() -> None:
     while s.has_work():
         batch = advance(s)
         assert sum(n for _, n, _ in batch) <= 64
-        assert len(s.running) <= 4 and len(batch) <= 4
+        assert len(s.running) <= 4
+        assert len(batch) <= 4
 
 
 def test_chunked_prefill_runs_chunks_in_order_with_growing_context() -> None:
@@ -65,7 +66,8 @@ def test_preemption_when_blocks_run_out() -> None:
             break
         preempted += len(step(s).preempted)
         assert s.kv.pool.num_free >= 0
-    assert preempted > 0 and s.num_preemptions == preempted
+    assert preempted > 0
+    assert s.num_preemptions == preempted
     assert not s.has_work()
 
 
@@ -77,9 +79,11 @@ def test_prefix_hits_are_counted_and_shared_blocks_reused() -> None:
     s.add(req(1, 100, prefix=shared))
     batch = advance(s)
     assert ("r1", 100 - 64, 64) in batch
-    assert s.prefix.hits == 64 and s.prefix.queries == 200
+    assert s.prefix.hits == 64
+    assert s.prefix.queries == 200
     b0, b1 = s.kv.req_blocks["r0"], s.kv.req_blocks["r1"]
-    assert b0[:4] == b1[:4] and b0[0].ref_cnt == 2
+    assert b0[:4] == b1[:4]
+    assert b0[0].ref_cnt == 2
 
 
 def test_freed_blocks_stay_cached_and_count_as_free() -> None:
@@ -88,7 +92,8 @@ def test_freed_blocks_stay_cached_and_count_as_free() -> None:
     s.add(r)
     advance(s)
     assert r.status == Status.FINISHED
-    assert s.kv.pool.usage() == 0.0 and len(s.kv.pool.cached) == 4
+    assert s.kv.pool.usage() == 0.0
+    assert len(s.kv.pool.cached) == 4
 
 
 def test_a_cache_salt_keeps_a_prompt_out_of_other_salts_prefix_cache() -> None:

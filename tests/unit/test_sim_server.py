@@ -78,7 +78,8 @@ def test_completion_chat_stream_and_determinism(sim: SimRunner) -> None:
             },
         )
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and '"finish_reason": "length"' in events[-2]
+        assert events[-1] == "[DONE]"
+        assert '"finish_reason": "length"' in events[-2]
 
 
 def test_too_long_prompt_is_a_vllm_400(sim: SimRunner) -> None:
@@ -87,7 +88,8 @@ def test_too_long_prompt_is_a_vllm_400(sim: SimRunner) -> None:
     )
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["type"] == "BadRequestError" and err["code"] == 400
+    assert err["type"] == "BadRequestError"
+    assert err["code"] == 400
     assert set(err) == {"message", "type", "param", "code"}
 
 
@@ -111,7 +113,8 @@ def test_version_and_logprob_limits_as_vllm(sim: SimRunner) -> None:
         )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == field and "greater than max allowed: 20" in err["message"]
+        assert err["param"] == field
+        assert "greater than max allowed: 20" in err["message"]
         if wanted:
             assert f"logprobs of {wanted}," in err["message"]
 
@@ -119,7 +122,8 @@ def test_version_and_logprob_limits_as_vllm(sim: SimRunner) -> None:
 def test_sim_gpu_is_an_nvml_like_view(sim: SimRunner) -> None:
     g = httpx.get(sim.url + "/sim/gpu").json()
     assert g["total"] == g["free"] + g["used"]
-    assert g["processes"][0]["name"] == "vllm" and g["processes"][0]["used_gpu_memory"] > 0
+    assert g["processes"][0]["name"] == "vllm"
+    assert g["processes"][0]["used_gpu_memory"] > 0
 
 
 def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:

@@ -242,7 +242,8 @@ def test_before_0_7_the_whole_non_torch_footprint_is_in_the_budget() -> None:
     profile's increase (PR #12126: 0.16 GiB), the CUDA context held outside the budget."""
     for tp, legacy in ((1, 1.79), (2, 3.58)):
         _, old, _ = boot(**PR_10511, vllm_version="0.6.5", tensor_parallel_size=tp)
-        assert old.non_torch / GiB == pytest.approx(legacy, abs=0.01) and old.context == 0
+        assert old.non_torch / GiB == pytest.approx(legacy, abs=0.01)
+        assert old.context == 0
     _, new, dev = boot(**PR_10511)
     _, bare, bare_dev = boot(**PR_10511, cuda_context_bytes=0)
     assert new.non_torch / GiB == pytest.approx(0.16, abs=0.01)
@@ -263,7 +264,8 @@ def test_llama_3_1_8b_starts_on_a_24_gib_card_at_20000_tokens() -> None:
             model_runner=runner,
         )
         assert r.flavor.runner == runner
-        assert rep.kv_available > 20000 * 2 * 8 * 128 * 2 * 32 and rep.max_concurrency > 1
+        assert rep.kv_available > 20000 * 2 * 8 * 128 * 2 * 32
+        assert rep.max_concurrency > 1
 
 
 def test_refusal_logs_available_memory_first() -> None:
@@ -286,7 +288,8 @@ def test_default_plays_vllm_0_32_model_runner_v2() -> None:
     _, v1, _ = boot(**sampler_bound, model_runner="v1")
     assert (v1.activation_peak - v2.activation_peak) / GiB == pytest.approx(1.53, abs=0.01)
     # V2 holds its penalty counts from the start: 1024 x (V + V/32) x 4 B.
-    assert v2.persistent == 1024 * (128256 + 4008) * 4 and v1.persistent == 0
+    assert v2.persistent == 1024 * (128256 + 4008) * 4
+    assert v1.persistent == 0
     old, _, _ = boot(**PR_10511, vllm_version="0.21.0")  # before 0.22 V2 ran only on request
     assert old.flavor.runner == "v1"
 
@@ -296,7 +299,8 @@ def test_kv_pool_is_sized_as_vllm_sizes_it() -> None:
     expected = rep.requested - rep.weights - rep.persistent - rep.activation_peak - rep.non_torch - rep.cudagraph
     assert rep.kv_available == expected
     page = 2 * 16 * 8 * 128 * 2 * 32  # K and V, block 16, 8 KV heads, dim 128, bf16, 32 layers
-    assert r.page_bytes == page and rep.num_gpu_blocks == expected // page
+    assert r.page_bytes == page
+    assert rep.num_gpu_blocks == expected // page
     assert rep.max_concurrency == rep.num_gpu_blocks / (8192 // 16)
     assert rep.kv_tokens == int(rep.max_concurrency * 8192)
     assert (
@@ -320,12 +324,14 @@ def test_defaults_follow_the_gpu() -> None:
     a100, _, _ = boot(model="llama-3.1-8b", gpu="a100-80gb", max_model_len=8192)
     assert (big.max_num_batched_tokens, big.max_num_seqs) == (8192, 1024)
     assert (a100.max_num_batched_tokens, a100.max_num_seqs) == (2048, 256)
-    assert big.max_model_len == 8192 and big.block_size == 16
+    assert big.max_model_len == 8192
+    assert big.block_size == 16
 
 
 def test_mla_page_and_block_size() -> None:
     r, _, _ = boot(model="deepseek-v2-lite", gpu="h100-80gb", max_model_len=32768)
-    assert r.block_size == 64 and r.backend == "mla"
+    assert r.block_size == 64
+    assert r.backend == "mla"
     assert r.page_bytes == 64 * (512 + 64) * 2 * 27  # no factor 2 for K and V
 
 
@@ -354,12 +360,14 @@ def test_speculative_draft_model_shares_weights_budget_and_kv_pool() -> None:
     spec = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3}
     plain, base, _ = boot(**PR_10511)
     r, rep, _ = boot(**PR_10511, speculative_config=spec)
-    assert r.num_speculative_tokens == 3 and r.draft is not None
+    assert r.num_speculative_tokens == 3
+    assert r.draft is not None
     assert rep.weights - base.weights == pytest.approx(r.draft.parameter_count() * 2, abs=512)
     # tiny-llama: 2 layers x 2 KV heads x 32 dims x 2 (K, V) x 2 B = 256 B per token and layer;
     # the target's page is 16 tokens x 4 KiB, so the draft's block holds 256 tokens.
     assert {(g.kind, g.block_size, g.copies) for g in r.layout.groups} == {("full", 16, 16), ("full", 256, 1)}
-    assert r.layout.layers_per_group == 2 and plain.layout.layers_per_group == 32
+    assert r.layout.layers_per_group == 2
+    assert plain.layout.layers_per_group == 32
     with pytest.raises(startup.StartupError, match="num_speculative_tokens"):
         boot(**PR_10511, speculative_config={"method": "ngram"})
     with pytest.raises(startup.StartupError, match="draft model 'nope'"):
@@ -377,7 +385,8 @@ def test_moe_models_play_their_dense_layers_too() -> None:
 
     assert {"dense_gate_up", "moe_cache13"} <= allocations("deepseek-v2-lite")
     mixtral = allocations("mixtral-8x7b")
-    assert "moe_cache13" in mixtral and "dense_gate_up" not in mixtral
+    assert "moe_cache13" in mixtral
+    assert "dense_gate_up" not in mixtral
 
 
 def test_materializing_scores_stop_at_the_window_when_every_layer_slides(tmp_path) -> None:

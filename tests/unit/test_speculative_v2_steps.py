@@ -65,7 +65,8 @@ def predictor() -> Predictor:
     flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--speculative-config", json.dumps(NGRAM_5)]
     settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
     deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.32.0")
-    assert deployment.runtime.runner == "v2" and deployment.runtime.sampler_backend == "flashinfer"
+    assert deployment.runtime.runner == "v2"
+    assert deployment.runtime.sampler_backend == "flashinfer"
     return build_predictor(deployment, geometry)
 
 

@@ -13,13 +13,15 @@ def demand(prompt: int, max_new: int, hashes: tuple[int, ...], private: int) -> 
 
 def test_aimd_is_bounded_and_holds_after_a_backoff() -> None:
     a = Aimd(1.0, 1.0, 1.5, 0.05, 0.8, hold_s=10, interval_s=1)
-    assert a.raise_(0) and a.value == 1.05
+    assert a.raise_(0)
+    assert a.value == 1.05
     assert not a.raise_(0.5)  # too soon
     for t in range(1, 20):
         a.raise_(t)
     assert a.value == 1.5  # ceiling
     a.backoff(20)
-    assert a.value == 1.2 and not a.raise_(25)  # held for 10 s
+    assert a.value == 1.2
+    assert not a.raise_(25)
     for _ in range(10):
         a.backoff(30)
     assert a.value == 1.0  # floor
@@ -29,9 +31,13 @@ def test_a_probe_that_fails_soon_doubles_the_hold_and_a_late_one_resets_it() -> 
     a = Aimd(1.2, 1.0, 1.2, 0.05, 0.8, hold_s=10, interval_s=1, max_hold_s=35)
     a.backoff(0)
     a.backoff(0.25)  # the same episode (no rise in between): the hold stays
-    assert a.hold == 10 and not a.raise_(10) and a.raise_(10.25)
+    assert a.hold == 10
+    assert not a.raise_(10)
+    assert a.raise_(10.25)
     a.backoff(15)  # the probe failed within 2 x 10 s
-    assert a.hold == 20 and not a.raise_(34) and a.raise_(35)
+    assert a.hold == 20
+    assert not a.raise_(34)
+    assert a.raise_(35)
     a.backoff(40)
     assert a.hold == 35  # at most max_hold_s
     assert a.raise_(75)
@@ -48,7 +54,8 @@ def test_kv_overcommit_starts_high_falls_on_preemption_and_rises_while_requests_
     assert c.kv_overcommit == 1.2
     assert c.observe_kv(0, 95, 99, 100, 0, waiting_for_kv=True) is None  # a full pool is no reason
     assert "preemptions" in (c.observe_kv(1, 80, 95, 100, 3, waiting_for_kv=True) or "")
-    assert c.kv_overcommit == 1.0 and c.kv_error_blocks == -15  # floor 1.0 (1.2 x 0.8 = 0.96)
+    assert c.kv_overcommit == 1.0
+    assert c.kv_error_blocks == -15
     assert c.observe_kv(5, 80, 80, 100, 0, waiting_for_kv=True) is None  # held after the preemption
     assert "up to 1.05" in (c.observe_kv(11, 90, 90, 100, 0, waiting_for_kv=True) or "")
     assert c.observe_kv(13, 90, 90, 100, 0, waiting_for_kv=False) is None  # nobody waits
@@ -72,7 +79,9 @@ def test_transient_margin_backs_off_on_oom_and_unpredicted_growth_then_relaxes_t
     why = c.observe_transient(
         1, server_growth=900 * MiB, predicted_peak=100 * MiB, tolerance=200 * MiB, waiting_for_transient=False
     )
-    assert why and "grew 900 MiB" in why and c.transient_error_bytes == 800 * MiB
+    assert why
+    assert "grew 900 MiB" in why
+    assert c.transient_error_bytes == 800 * MiB
     for t in range(2, 40):
         c.oom_restart(t)
     assert c.transient_margin == 0.6  # bounded

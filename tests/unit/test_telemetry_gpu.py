@@ -37,8 +37,10 @@ def tightest(reading: GpuReading) -> int:
 
 
 def test_visible_devices_spec() -> None:
-    assert visible_devices(None) is None and visible_devices("all") is None
-    assert visible_devices("none") == [] and visible_devices("void") == []
+    assert visible_devices(None) is None
+    assert visible_devices("all") is None
+    assert visible_devices("none") == []
+    assert visible_devices("void") == []
     assert visible_devices("GPU-a, 1,MIG-b") == ["GPU-a", "1", "MIG-b"]
 
 
@@ -50,7 +52,8 @@ async def test_devices_by_uuid_and_index_and_tp_takes_the_smallest_free() -> Non
     assert tightest(reading) == 5 * GiB  # device 2 (not the server's) is not read
     assert reading.devices[0].processes == (GpuProcess(1001, 75 * GiB),)
     by_index = await make_probe("nvml", CLIENT, "2", nvml=nvml).read()
-    assert by_index.devices[0].gpu == "GPU-00000002-aaaa" and tightest(by_index) == 70 * GiB
+    assert by_index.devices[0].gpu == "GPU-00000002-aaaa"
+    assert tightest(by_index) == 70 * GiB
 
 
 async def test_nvidia_visible_devices_env_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,21 +72,25 @@ async def test_mig_instances_are_read_through_their_own_handles() -> None:
     parent = FakeDevice("GPU-parent", 80 * GiB, mig_capable=True, mig_enabled=True, instances=[a, None, b])
     nvml = FakeNvml([parent])
     only_mine = await make_probe("nvml", CLIENT, "MIG-aaaa", nvml=nvml).read()
-    assert [d.gpu for d in only_mine.devices] == ["MIG-aaaa"] and tightest(only_mine) == 5 * GiB
+    assert [d.gpu for d in only_mine.devices] == ["MIG-aaaa"]
+    assert tightest(only_mine) == 5 * GiB
     whole = await make_probe("nvml", CLIENT, "0", nvml=nvml).read()
-    assert [d.gpu for d in whole.devices] == ["MIG-aaaa", "MIG-bbbb"] and tightest(whole) == 5 * GiB
+    assert [d.gpu for d in whole.devices] == ["MIG-aaaa", "MIG-bbbb"]
+    assert tightest(whole) == 5 * GiB
 
 
 async def test_processes_hidden_or_unknown_still_give_memory() -> None:
     nvml = FakeNvml([gpu(0, processes_denied=True), FakeDevice("GPU-x", 80 * GiB, processes={5: None})])
     reading = await make_probe("nvml", CLIENT, nvml=nvml).read()
-    assert reading.devices[0].processes == () and reading.devices[0].free == 10 * GiB
+    assert reading.devices[0].processes == ()
+    assert reading.devices[0].free == 10 * GiB
     assert reading.devices[1].processes == (GpuProcess(5, None),)
 
 
 async def test_no_driver_or_no_device_means_no_probe_never_a_crash() -> None:
     probe = make_probe("nvml", CLIENT, nvml=FakeNvml([gpu(0)], driver=False))
-    assert not probe.available and "NVML unavailable" in (probe.problem or "")
+    assert not probe.available
+    assert "NVML unavailable" in (probe.problem or "")
     assert (await probe.read()).devices == ()
     assert not make_probe("nvml", CLIENT, "GPU-missing", nvml=FakeNvml([gpu(0)])).available
     assert not make_probe("nvml", CLIENT, "none", nvml=FakeNvml([gpu(0)])).available
@@ -99,7 +106,9 @@ async def test_nvml_errors_mid_run_are_a_reading_error() -> None:
     probe.handles = [FakeDevice("GPU-gone", 1)]
     nvml.nvmlDeviceGetMemoryInfo = lambda h: (_ for _ in ()).throw(nvml.NVMLError(15))  # type: ignore[method-assign]
     reading = await probe.read()
-    assert reading.error and "NVML" in reading.error and reading.devices == ()
+    assert reading.error
+    assert "NVML" in reading.error
+    assert reading.devices == ()
 
 
 def reading(*devices: tuple[str, int, dict[int, int | None]]) -> GpuReading:
@@ -116,16 +125,24 @@ def reading(*devices: tuple[str, int, dict[int, int | None]]) -> GpuReading:
 def test_headroom_is_free_plus_server_growth_and_cotenants_shrink_it() -> None:
     t = HeadroomTracker()
     h = t.update(reading(("a", 8 * GiB, {1: 72 * GiB})))
-    assert h and h.bytes == 8 * GiB and h.server_growth == 0
+    assert h
+    assert h.bytes == 8 * GiB
+    assert h.server_growth == 0
     # vLLM's allocator cached 3 GiB for a big step: NVML calls it used, vLLM can reuse it.
     h = t.update(reading(("a", 5 * GiB, {1: 75 * GiB})))
-    assert h and h.bytes == 8 * GiB and h.server_growth == 3 * GiB and h.min_free == 5 * GiB
+    assert h
+    assert h.bytes == 8 * GiB
+    assert h.server_growth == 3 * GiB
+    assert h.min_free == 5 * GiB
     # A co-tenant takes 4 GiB: the headroom shrinks by that much at this reading.
     h = t.update(reading(("a", 1 * GiB, {1: 75 * GiB, 99: 4 * GiB})))
-    assert h and h.bytes == 4 * GiB
+    assert h
+    assert h.bytes == 4 * GiB
     t.reset()  # restart: the new engine's footprint is the new baseline
     h = t.update(reading(("a", 4 * GiB, {2: 72 * GiB, 99: 4 * GiB})))
-    assert h and h.bytes == 4 * GiB and h.server_growth == 0
+    assert h
+    assert h.bytes == 4 * GiB
+    assert h.server_growth == 0
 
 
 def test_the_emptied_profile_region_is_counted_and_capped_for_profiled_terms() -> None:
@@ -134,20 +151,30 @@ def test_the_emptied_profile_region_is_counted_and_capped_for_profiled_terms() -
     reading and 10 GiB look free. 2 GiB of that are where its profiled tensors (MLP, logits) go."""
     t = HeadroomTracker()
     h = t.update(reading(("a", 10 * GiB, {1: 70 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 10 * GiB and h.profiled_cap == 2 * GiB
+    assert h
+    assert h.bytes == 10 * GiB
+    assert h.profiled_cap == 2 * GiB
     # A co-tenant takes 3 GiB, then vLLM re-reserves its 2 GiB for a big batch: 5 GiB are left.
     h = t.update(reading(("a", 7 * GiB, {1: 70 * GiB, 99: 3 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 7 * GiB and h.profiled_cap == 2 * GiB
+    assert h
+    assert h.bytes == 7 * GiB
+    assert h.profiled_cap == 2 * GiB
     h = t.update(reading(("a", 5 * GiB, {1: 72 * GiB, 99: 3 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 7 * GiB and h.server_growth == 2 * GiB
+    assert h
+    assert h.bytes == 7 * GiB
+    assert h.server_growth == 2 * GiB
     # Never more than the profile peak is capped, and an engine already past its envelope
     # (CUDA graphs outside the budget, allocator cache) emptied nothing.
     fresh = HeadroomTracker()
     h = fresh.update(reading(("a", 20 * GiB, {1: 60 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 20 * GiB and h.profiled_cap == 3 * GiB
+    assert h
+    assert h.bytes == 20 * GiB
+    assert h.profiled_cap == 3 * GiB
     full = HeadroomTracker()
     h = full.update(reading(("a", 7 * GiB, {1: 73 * GiB})), utilization=0.9, profile_peak=3 * GiB)
-    assert h and h.bytes == 7 * GiB and h.profiled_cap == 0
+    assert h
+    assert h.bytes == 7 * GiB
+    assert h.profiled_cap == 0
 
 
 def test_a_fixed_pool_on_v2_charges_the_whole_profile_peak_to_free_memory() -> None:
@@ -155,9 +182,12 @@ def test_a_fixed_pool_on_v2_charges_the_whole_profile_peak_to_free_memory() -> N
     context), which the envelope formula reads as nothing emptied; V2 emptied its whole profile
     region after capturing graphs, so its profiled tensors come back out of free memory."""
     v1 = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB)
-    assert v1 and v1.profiled_cap == 0
+    assert v1
+    assert v1.profiled_cap == 0
     v2 = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB, profile_emptied_whole=True)
-    assert v2 and v2.bytes == 7 * GiB and v2.profiled_cap == 3 * GiB
+    assert v2
+    assert v2.bytes == 7 * GiB
+    assert v2.profiled_cap == 3 * GiB
 
 
 def test_the_pool_size_flag_is_read_from_vllms_cache_config_info() -> None:
@@ -168,7 +198,8 @@ def test_the_pool_size_flag_is_read_from_vllms_cache_config_info() -> None:
 def test_headroom_takes_the_tightest_tensor_parallel_rank() -> None:
     t = HeadroomTracker()
     h = t.update(reading(("a", 8 * GiB, {1: 72 * GiB}), ("b", 6 * GiB, {2: 72 * GiB, 9: 2 * GiB})))
-    assert h and h.bytes == 6 * GiB
+    assert h
+    assert h.bytes == 6 * GiB
     assert t.update(GpuReading(error="x")) is None
 
 
@@ -177,10 +208,13 @@ async def test_sim_gpu_endpoint_through_the_same_interface() -> None:
     with SimRunner(cfg) as sim:
         async with httpx.AsyncClient(base_url=sim.url) as client:
             probe = await detect_probe("auto", client)
-            assert probe.kind == "sim" and probe.available
+            assert probe.kind == "sim"
+            assert probe.available
             (device,) = (await probe.read()).devices
-            assert device.free == sim.engine.device.free() and device.total == 85094039552
+            assert device.free == sim.engine.device.free()
+            assert device.total == 85094039552
             assert device.processes[0].used_bytes == device.used
             await client.post("/sim/cotenant", json={"name": "other", "bytes": 2 * GiB})
             after = await probe.read()
-            assert tightest(after) == device.free - 2 * GiB and len(after.devices[0].processes) == 2
+            assert tightest(after) == device.free - 2 * GiB
+            assert len(after.devices[0].processes) == 2

@@ -43,24 +43,34 @@ def test_real_vllm_cpu_pages(page: str) -> None:
     assert cc is not None
     assert (cc.num_gpu_blocks, cc.block_size, cc.cache_dtype, cc.enable_prefix_caching) == (8192, 128, "auto", True)
     assert cc.gpu_memory_utilization == 0.92
-    assert cc.mamba_cache_mode == "none" and cc.max_request_blocks == 8.0  # 8192 blocks / 1024.0 requests
-    assert list(s.engines) == ["0"] and s.kv_usage == 0.0 and s.running == 0.0 and s.waiting == 0.0
-    assert s.preemptions == 0.0 and s.kv_blocks_used == 0.0 and s.kv_blocks_usable == 8191
+    assert cc.mamba_cache_mode == "none"
+    assert cc.max_request_blocks == 8.0
+    assert list(s.engines) == ["0"]
+    assert s.kv_usage == 0.0
+    assert s.running == 0.0
+    assert s.waiting == 0.0
+    assert s.preemptions == 0.0
+    assert s.kv_blocks_used == 0.0
+    assert s.kv_blocks_usable == 8191
     assert s.process_start == pytest.approx(1.79533027221e9)
     assert s.counter("prompt_tokens") == (26.0 if page == "idle" else 18356.0)
-    assert s.counter("prefix_queries") == s.counter("prompt_tokens") and s.counter("prefix_hits") == 0.0
+    assert s.counter("prefix_queries") == s.counter("prompt_tokens")
+    assert s.counter("prefix_hits") == 0.0
 
 
 def test_old_names_and_two_engines() -> None:
     s = parse_metrics(OLD_NAMES_TWO_ENGINES)
-    assert (
-        s.cache_config and list(s.engines) == ["0", "1"] and s.cache_config.num_gpu_blocks == 1001
-    )  # the smaller pool
+    assert s.cache_config
+    assert list(s.engines) == ["0", "1"]
+    assert s.cache_config.num_gpu_blocks == 1001
     assert s.kv_usage == pytest.approx(0.375)  # mean of the engines' ratios
-    assert s.engines["0"].kv_blocks_used == 500 and s.engines["1"].kv_blocks_used == 500
-    assert s.kv_blocks_used == 1000 and s.kv_blocks_usable == 1000 + 2000
+    assert s.engines["0"].kv_blocks_used == 500
+    assert s.engines["1"].kv_blocks_used == 500
+    assert s.kv_blocks_used == 1000
+    assert s.kv_blocks_usable == 1000 + 2000
     assert (s.running, s.waiting, s.preemptions) == (7.0, 1.0, 7.0)
-    assert s.counter("prefix_queries") == 150.0 and s.counter("prefix_hits") == 30.0
+    assert s.counter("prefix_queries") == 150.0
+    assert s.counter("prefix_hits") == 30.0
 
 
 def test_new_name_wins_when_both_are_exposed() -> None:
@@ -74,4 +84,7 @@ def test_new_name_wins_when_both_are_exposed() -> None:
 
 def test_page_without_vllm_families() -> None:
     s = parse_metrics("# TYPE x gauge\nx 1\n")
-    assert s.cache_config is None and s.kv_usage is None and s.kv_blocks_used is None and s.engines == {}
+    assert s.cache_config is None
+    assert s.kv_usage is None
+    assert s.kv_blocks_used is None
+    assert s.engines == {}

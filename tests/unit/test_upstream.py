@@ -97,8 +97,10 @@ async def test_request_head_and_keep_alive_reuse() -> None:
     assert len(connections) == 1
     head, body = seen[0]
     assert head.startswith(b"POST /prefix/v1/completions?a=%20b HTTP/1.1\r\n")
-    assert f"host: {url.removeprefix('http://')}\r\n".encode() in head and b"secret" not in head
-    assert b"x-one: 1\r\n" in head and b"content-length: 8\r\n" in head
+    assert f"host: {url.removeprefix('http://')}\r\n".encode() in head
+    assert b"secret" not in head
+    assert b"x-one: 1\r\n" in head
+    assert b"content-length: 8\r\n" in head
     assert body == b'{"p": 1}'
 
 
@@ -131,7 +133,8 @@ async def test_chunks_that_arrived_together_are_read_together() -> None:
         response = await pool.request("POST", b"/", [], b"{}")
         await wait_for_async(lambda: response.complete, timeout_s=5, what="the whole stream to arrive")
         assert await response.read() == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
-        assert response.complete and await response.read() is None
+        assert response.complete
+        assert await response.read() is None
         response.release()
         pool.close()
 
@@ -179,11 +182,14 @@ async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
         return [(m["body"], m["more_body"]) for m in sent[1:]], ends
 
     body, ends = await relayed([b"data: {}\n\ndata: {}\n\n"])
-    assert body == [(b"data: {}\n\ndata: {}\n\n", False)] and ends == [("completed", 2)]
+    assert body == [(b"data: {}\n\ndata: {}\n\n", False)]
+    assert ends == [("completed", 2)]
     body, ends = await relayed([b"data: {}\n\n", b"data: {}\n\n"])
-    assert body == [(b"data: {}\n\n", True), (b"data: {}\n\n", False)] and ends == [("completed", 2)]
+    assert body == [(b"data: {}\n\n", True), (b"data: {}\n\n", False)]
+    assert ends == [("completed", 2)]
     body, ends = await relayed([])
-    assert body == [(b"", False)] and ends == [("completed", 0)]
+    assert body == [(b"", False)]
+    assert ends == [("completed", 0)]
 
 
 async def test_body_until_close_and_head_requests_are_complete() -> None:
@@ -196,7 +202,8 @@ async def test_body_until_close_and_head_requests_are_complete() -> None:
         pool = ConnectionPool(url, read_timeout_s=5)
         for _ in range(2):
             response = await pool.request("HEAD", b"/", [], b"")
-            assert response.status == 200 and await response.read() is None
+            assert response.status == 200
+            assert await response.read() is None
             response.release()
         assert len(connections) == 2  # a HEAD's connection is not reused
         pool.close()
@@ -244,7 +251,8 @@ async def test_backend_maps_failures_to_api_errors() -> None:
     backend = Backend(url, timeout_s=5)
     with pytest.raises(BackendDown) as refused:
         await backend.open("POST", b"/v1/completions", [], b"{}")
-    assert refused.value.code == "backend_unavailable" and refused.value.retry_after_s == 5
+    assert refused.value.code == "backend_unavailable"
+    assert refused.value.retry_after_s == 5
     async with server(answering(then_hang=True)) as (url, _):
         backend = Backend(url, timeout_s=0.2)
         with pytest.raises(BackendTimedOut) as silent:
@@ -269,7 +277,8 @@ async def test_a_reused_connection_does_not_look_up_the_running_loop(monkeypatch
             response.release()
         monkeypatch.undo()
         pool.close()
-    assert lookups == [] and len(connections) == 1
+    assert lookups == []
+    assert len(connections) == 1
 
 
 async def test_stale_idle_connections_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,7 +349,8 @@ async def test_connect_timeout_is_configurable_and_a_503(monkeypatch: pytest.Mon
         await backend.open("POST", b"/v1/completions", [], b"{}")
     assert asyncio.get_running_loop().time() - started < 1
     assert (status_of(refused.value), refused.value.code) == (503, "backend_unavailable")
-    assert "0.1 s" in refused.value.message and error_headers(refused.value)["Retry-After"]
+    assert "0.1 s" in refused.value.message
+    assert error_headers(refused.value)["Retry-After"]
     await backend.aclose()
 
 

@@ -59,10 +59,15 @@ VLLM_COMMAND = [
 
 
 def test_vllm_size_suffixes_read_as_vllm_reads_them_and_as_it_logs_them() -> None:
-    assert parse_size("1k") == 1000 and parse_size("1K") == 1024 and parse_size("25.6k") == 25600
+    assert parse_size("1k") == 1000
+    assert parse_size("1K") == 1024
+    assert parse_size("25.6k") == 25600
     assert parse_size("49.94GiB") == int(49.94 * 2**30) == parse_size("49.94 GiB")
-    assert parse_size("2G") == 2 * 2**30 and parse_size("123") == 123 and parse_size(" 7 ") == 7
-    assert parse_size("100MiB") == 100 * MiB and parse_size("80GB") == 80 * 10**9
+    assert parse_size("2G") == 2 * 2**30
+    assert parse_size("123") == 123
+    assert parse_size(" 7 ") == 7
+    assert parse_size("100MiB") == 100 * MiB
+    assert parse_size("80GB") == 80 * 10**9
     with pytest.raises(ValueError, match="Decimals are not allowed with binary suffixes like K"):
         parse_size("1.5K")
     with pytest.raises(ValueError, match="is not a size"):
@@ -86,7 +91,9 @@ def test_every_byte_flag_takes_vllms_units(flag: str, field: str, monkeypatch: p
         return getattr(settings_from_args(parse_command_line(["serve", *argv])), field)
 
     assert value(flag, "100MiB") == 100 * MiB
-    assert value(flag, "1G") == GiB and value(flag, "1g") == 10**9 and value(flag, "1.5k") == 1500
+    assert value(flag, "1G") == GiB
+    assert value(flag, "1g") == 10**9
+    assert value(flag, "1.5k") == 1500
     assert value(flag, "1048576") == MiB
     monkeypatch.setenv(f"KVGATE_{field.upper()}", "2GiB")
     assert value() == 2 * GiB
@@ -106,15 +113,18 @@ def test_max_model_len_takes_vllms_auto_and_sizes() -> None:
     def max_model_len(value: str) -> object:
         return settings_from_args(parse_command_line(["serve", "--max-model-len", value])).max_model_len
 
-    assert max_model_len("auto") is None and max_model_len("-1") is None
-    assert max_model_len("32k") == 32000 and max_model_len("32K") == 32768
+    assert max_model_len("auto") is None
+    assert max_model_len("-1") is None
+    assert max_model_len("32k") == 32000
+    assert max_model_len("32K") == 32768
 
 
 def test_the_simulators_byte_flags_take_vllms_units() -> None:
     parser = argparse.ArgumentParser()
     add_sim_arguments(parser)
     args = parser.parse_args(["--non-torch-bytes", "100MiB", "--cuda-context-bytes", "1G", "--cotenant", "x:2GiB:1"])
-    assert args.non_torch_bytes == 100 * MiB and args.cuda_context_bytes == GiB
+    assert args.non_torch_bytes == 100 * MiB
+    assert args.cuda_context_bytes == GiB
     assert args.cotenant[0].bytes == 2 * GiB
 
 
@@ -122,13 +132,19 @@ def test_a_whole_vllm_command_line_pastes_after_a_double_dash() -> None:
     args = parse_command_line(["serve", "--max-queue", "9", "--", *VLLM_COMMAND])
     settings = settings_from_args(args)
     assert settings.max_queue == 9
-    assert settings.max_model_len == 16000 and settings.max_num_batched_tokens == 8192
-    assert settings.max_num_seqs == 512 and settings.gpu_memory_utilization == 0.95
+    assert settings.max_model_len == 16000
+    assert settings.max_num_batched_tokens == 8192
+    assert settings.max_num_seqs == 512
+    assert settings.gpu_memory_utilization == 0.95
     assert settings.kv_cache_memory_bytes == int(49.94 * 2**30)
-    assert settings.enforce_eager is True and settings.max_logprobs == 50
-    assert settings.logprobs_mode == "processed_logprobs" and settings.dtype == "bfloat16"
-    assert settings.cudagraph_capture_sizes == [1, 2, 4] and settings.max_cudagraph_capture_size == 256
-    assert settings.speculative_config is not None and settings.speculative_config.num_speculative_tokens == 4
+    assert settings.enforce_eager is True
+    assert settings.max_logprobs == 50
+    assert settings.logprobs_mode == "processed_logprobs"
+    assert settings.dtype == "bfloat16"
+    assert settings.cudagraph_capture_sizes == [1, 2, 4]
+    assert settings.max_cudagraph_capture_size == 256
+    assert settings.speculative_config is not None
+    assert settings.speculative_config.num_speculative_tokens == 4
     assert args.ignored_vllm_options == [
         "--host",
         "--port",
@@ -142,7 +158,8 @@ def test_a_whole_vllm_command_line_pastes_after_a_double_dash() -> None:
 def test_vllm_flags_inline_and_a_model_folder_as_vllms_positional(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     args = parse_command_line(["explain", "body.json", "--host", "0.0.0.0", "--", "serve", str(tmp_path), "-tp", "2"])
-    assert args.model == str(tmp_path) and args.ignored_vllm_options == ["--host"]
+    assert args.model == str(tmp_path)
+    assert args.ignored_vllm_options == ["--host"]
     assert settings_from_args(args).tensor_parallel_size == 2
 
 
@@ -155,7 +172,8 @@ def test_a_flag_neither_kvgates_nor_vllms_is_still_an_error(capsys: pytest.Captu
 def test_an_unparsable_speculative_config_stops_start_up_naming_the_flag() -> None:
     with pytest.raises(SystemExit) as bad:
         settings_from_args(parse_command_line(["serve", "--speculative-config", "{num_speculative_tokens: 4}"]))
-    assert "--speculative-config" in str(bad.value) and "JSON" in str(bad.value)
+    assert "--speculative-config" in str(bad.value)
+    assert "JSON" in str(bad.value)
 
 
 def test_the_simulator_takes_vllms_flags_from_the_one_declaration() -> None:

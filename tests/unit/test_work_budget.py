@@ -55,7 +55,8 @@ async def test_small_requests_pass_a_large_one_waiting_for_room() -> None:
         with pytest.raises(WorkMemoryBusy) as caught:
             await large
     assert budget.in_use == 0
-    assert status_of(caught.value) == 429 and error_headers(caught.value) == {"Retry-After": "1"}
+    assert status_of(caught.value) == 429
+    assert error_headers(caught.value) == {"Retry-After": "1"}
     assert error_body(caught.value)["error"]["code"] == "work_memory_busy"
 
 
@@ -64,7 +65,8 @@ async def test_a_request_the_budget_could_never_hold_is_413_at_once() -> None:
     with pytest.raises(RequestTooCostly) as caught:
         async with budget.hold(101):
             pass
-    assert status_of(caught.value) == 413 and error_body(caught.value)["error"]["code"] == "request_too_costly"
+    assert status_of(caught.value) == 413
+    assert error_body(caught.value)["error"]["code"] == "request_too_costly"
     async with budget.hold(60) as grant:
         with pytest.raises(RequestTooCostly):
             await grant.grow(41)  # 101 in all
@@ -79,7 +81,8 @@ async def test_a_waiter_that_leaves_holds_nothing() -> None:
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-    assert budget.in_use == 0 and not budget._waiters
+    assert budget.in_use == 0
+    assert not budget._waiters
 
 
 def test_the_cost_grows_with_bytes_and_values() -> None:
