@@ -162,7 +162,8 @@ def test_a_client_that_stops_reading_is_cut_and_released(kvgate: KvgateServer, s
     """A stream whose client reads nothing holds its reservation only until the stall deadline:
     then kvgate aborts the backend request, releases the reservation ("stalled"), counts and logs
     it and closes the client's connection. Meanwhile another client is served."""
-    assert_idle(kvgate, sim)  # a quiet start
+    assert_idle(kvgate, sim)  # a quiet start: the earlier tests' hung-up streams gone too
+    wait_for(lambda: backend_streams_open(sim) == 0, timeout_s=30, what="earlier backend streams to close")
     before = kvgate.metric("kvgate_reservations_released_total", outcome="stalled")
     # 8 x 6000 events of ~180 bytes: more than kvgate's socket buffer grows to on loopback (4 MiB).
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6000, "n": 8, "ignore_eos": True, "stream": True}

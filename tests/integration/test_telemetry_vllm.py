@@ -68,9 +68,10 @@ def wave(kvgate: KvgateServer, n: int) -> list[float]:
 def check(kvgate: KvgateServer) -> None:
     """kvgate reports the error at settled scrapes only (vLLM runs exactly its in-flight set)."""
     errors: list[float] = []
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     n = 0
-    # On a busy machine few scrapes are settled with 4+ running: keep sending waves until 3 were.
+    # Few scrapes are settled with 4+ running (one full-suite run on a quiet machine saw 2 in
+    # 180 s): keep sending waves until 3 were.
     while len(errors) < 3 and time.monotonic() < deadline:
         errors += wave(kvgate, n)
         n += 1
