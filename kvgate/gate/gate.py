@@ -3,10 +3,12 @@
 It is the mechanism; the budget is the policy. It reports each decision and release to its
 observers (kvgate.gate.observer) and raises domain errors (kvgate.errors): counting, logging and HTTP
 are other layers' business. Whenever the ledger shrinks or the budget moves, the gate admits
-from the head of the queue for as long as the head fits. The head is not bypassed
-by smaller requests behind it, so a large request is never starved by a stream of small ones;
-the one exception is a head that could not fit even on an idle server (the headroom shrank under
-it): it is set aside, so that it does not hold up a line it cannot lead.
+from the head of the queue for as long as the head fits. A head that waits for memory gets a
+reservation (kvgate/gate/backfill.py): requests behind it that fit now start now if they do not
+delay it (EASY backfilling), so the memory the head cannot use yet is not wasted, and a stream
+of small requests still cannot starve a large one (docs/queue.md). A head that could not fit
+even on an idle server (the headroom shrank under it) is set aside, so that it does not hold up
+a line it cannot lead.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from collections.abc import Callable
 from typing import Any, Generic
 
 from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
+from kvgate.gate.backfill import HeadReservation
 from kvgate.gate.budget import Budget
-from kvgate.gate.drain import DrainRate
+from kvgate.gate.drain import DrainRate, Pace
 from kvgate.gate.ledger import Ledger, Reservation
 from kvgate.gate.observer import Decision, Observers, Release
 from kvgate.gate.queue import AdmissionQueue, Basis, Waiter
@@ -26,6 +29,10 @@ from kvgate.gate.queue import QueueFull as QueueAtCapacity
 from kvgate.memory.demand import Demand
 
 BEHIND_QUEUE = "behind_queue"
+BACKFILLED = "backfilled"  # admitted ahead of a waiting head without delaying it
+# Waiters behind the head checked for backfilling on each change: bounds the event loop's work
+# a release costs; a request further back waits its turn to come within reach.
+BACKFILL_LOOKAHEAD = 256
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 
 
@@ -71,6 +78,8 @@ class Gate(Generic[Basis]):
         self.ledger = Ledger()
         self.queue: AdmissionQueue[Basis] = AdmissionQueue(max_queue)
         self.drain = DrainRate(clock=clock)
+        self.pace = Pace()
+        self._reservation: HeadReservation | None = None  # the waiting head's (backfill.py)
         self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
@@ -92,7 +101,7 @@ class Gate(Generic[Basis]):
         """Why this demand would wait if it arrived now, or None if it would be admitted."""
         head = self.queue.peek()
         if head is not None and head.priority <= priority:
-            return BEHIND_QUEUE
+            return None if self._passing(demand) is not None else BEHIND_QUEUE
         return self.budget.shortfall(demand, self.ledger)
 
     async def acquire(
@@ -115,7 +124,14 @@ class Gate(Generic[Basis]):
         the wait instead of --max-queue-wait from now: a request that comes back to the queue
         (the backend refused its connection) keeps the deadline it arrived with.
         """
-        reason = self.would_wait(demand, priority)
+        head = self.queue.peek()
+        if head is not None and head.priority <= priority:
+            ticket = self._backfill(demand, waited_s=0.0, request_id=request_id)
+            if ticket is not None:
+                return ticket
+            reason: str | None = BEHIND_QUEUE
+        else:
+            reason = self.budget.shortfall(demand, self.ledger)
         if reason is None:
             return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
         loop = asyncio.get_running_loop()
@@ -232,15 +248,22 @@ class Gate(Generic[Basis]):
             return
         self.queue.remove(waiter)
         waiter.future.cancel()
+        self.changed()  # it may have been the head: the line behind it moves up
 
     def _admit(self, demand: Demand, reason: str, waited_s: float, request_id: str) -> Ticket:
         ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
+        ticket.reservation.admitted_at = self._clock()
         self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, waited_s))
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
         if outcome != "requeued":  # never reached the backend: nothing drained
             self.drain.record(reservation.demand.kv_blocks)
+        if outcome == "completed" and output_tokens:
+            per_sequence = output_tokens / reservation.demand.sequences
+            self.pace.record(self._clock() - reservation.admitted_at, per_sequence)
+        if self._reservation is not None:
+            self._reservation.released(reservation)
         self.observers.released(Release(outcome, reservation, output_tokens))
         self.changed()
 
@@ -268,6 +291,56 @@ class Gate(Generic[Basis]):
                 self.queue.set_aside_head()
             else:
                 break
+        self._backfill_queue()
+
+    def _backfill_queue(self) -> None:
+        """Admit the waiters behind the waiting head that may pass it (kvgate/gate/backfill.py),
+        in the line's order: priority, tenants' turns, arrival."""
+        if self._waiting_head() is None:
+            return
+        for waiter in self.queue.behind_head(BACKFILL_LOOKAHEAD):
+            waited_s = self._clock() - waiter.enqueued_at
+            ticket = self._backfill(self._refreshed(waiter), waited_s, waiter.request_id)
+            if ticket is not None:
+                self.queue.take(waiter)
+                waiter.future.set_result(ticket)
+
+    def _waiting_head(self) -> tuple[Waiter[Basis], HeadReservation] | None:
+        """The head waiting for memory and its reservation, made when it became the head."""
+        head = self.queue.peek()
+        if head is None or self.budget.hold is not None:
+            self._reservation = None
+            return None
+        if self._reservation is None or self._reservation.head is not head:
+            self._reservation = HeadReservation.plan(
+                head, head.demand, self.ledger.reservations(), self.budget, self._ends_at, self._clock()
+            )
+        return head, self._reservation
+
+    def _ends_at(self, reservation: Reservation) -> float | None:
+        """When an in-flight request is predicted to end (None: nothing learned yet)."""
+        duration = self.pace.duration_s(reservation.demand.reserved_tokens)
+        return None if duration is None else max(self._clock(), reservation.admitted_at + duration)
+
+    def _passing(self, demand: Demand) -> str | None:
+        """How a demand arriving now would pass the waiting head, or None if it waits its turn."""
+        waiting = self._waiting_head()
+        if waiting is None or self.budget.shortfall(demand, self.ledger) is not None:
+            return None
+        head, reservation = waiting
+        duration = self.pace.duration_s(demand.reserved_tokens)
+        ends_at = None if duration is None else self._clock() + duration
+        return reservation.passing(demand, ends_at, head.demand, self.budget)
+
+    def _backfill(self, demand: Demand, waited_s: float, request_id: str) -> Ticket | None:
+        """Admit a demand ahead of the waiting head if it may pass it; None if it waits its turn."""
+        passing = self._passing(demand)
+        if passing is None:
+            return None
+        ticket = self._admit(demand, BACKFILLED, waited_s, request_id)
+        if passing == "beside" and self._reservation is not None:
+            self._reservation.joined(ticket.reservation)
+        return ticket
 
     def _stranded(self, demand: Demand) -> bool:
         """It would wait even with nothing in flight (and not because the backend is down)."""
