@@ -125,10 +125,20 @@ async def test_forced_outputs_reserve_their_length_and_teach_nothing(kvgate: Kvg
     assert_idle(kvgate, sim)
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 def backend_streams_open(sim: SimRunner) -> int:
-    """Connections to the simulator's HTTP server with a response under way."""
+    """Connections to the simulator's HTTP server with a generation under way: kvgate's own
+    scrapes of /metrics, /health and /v1/models are short answers, not streams, and not counted."""
     connections = sim._server.server_state.connections
-    return sum(1 for c in connections if getattr(c, "cycle", None) is not None and not c.cycle.response_complete)
+    return sum(
+        1
+        for c in connections
+        if (cycle := getattr(c, "cycle", None)) is not None
+        and not cycle.response_complete
+        and cycle.scope["path"] in GENERATION_PATHS
+    )
 
 
 def stalled_client(kvgate: KvgateServer, body: dict) -> socket.socket:
