@@ -58,28 +58,44 @@ class HeadReservation:
         now: float,
     ) -> HeadReservation:
         """The earliest moment `head_demand` fits once in-flight requests end in their predicted
-        order, and those still running then. With any end unknown: no start, no companions."""
-        ends = [ends_at(reservation) for reservation in in_flight]
+        order, and those still running then. With any end unknown: no start, no companions.
+
+        Built from the latest end back (fitting only gets harder as companions are added): the
+        companions are taken while the pool could still hold the head's private blocks beside
+        them, then given back, earliest end first, until the budget says the head fits; so it
+        costs about one budget check while the head waits for KV blocks."""
         companions = Ledger()
-        if not in_flight or any(end is None for end in ends):
+        ends = [ends_at(reservation) for reservation in in_flight]
+        known = [(end, reservation) for end, reservation in zip(ends, in_flight, strict=True) if end is not None]
+        if not known or len(known) < len(in_flight):
             return cls(head, None, companions, {})
-        copies: dict[int, Reservation] = {}
-        for reservation in in_flight:
-            copies[reservation.id] = copy = companions.reserve(reservation.demand)
+        known.sort(key=lambda pair: pair[0], reverse=True)
+        kv_limit = budget.kv_limit()
+        head_private = 0 if kv_limit is None else min(head_demand.private_blocks, max(kv_limit, 0))
+        taken: list[tuple[float, Reservation, Reservation]] = []
+        for end, reservation in known:
+            copy = companions.reserve(reservation.demand)
             if not reservation.prefill_open:
                 companions.end_prefill(copy)
-        start = now
-        for end, reservation in sorted(zip(ends, in_flight, strict=True), key=lambda pair: pair[0] or 0.0):
-            if budget.shortfall(head_demand, companions) is None:
+            taken.append((end, reservation, copy))
+            if kv_limit is not None and companions.kv_blocks + head_private > kv_limit:
                 break
-            companions.release(copies.pop(reservation.id))
-            start = max(start, end or now)
-        return cls(head, start, companions, copies)
+        start = now
+        while taken and budget.shortfall(head_demand, companions) is not None:
+            end, _, copy = taken.pop()  # the earliest end of those taken: the head waits for it
+            companions.release(copy)
+            start = max(start, end)
+        return cls(head, start, companions, {reservation.id: copy for _, reservation, copy in taken})
 
     def passing(self, demand: Demand, ends_at: float | None, head_demand: Demand, budget: Budget) -> Passing | None:
         """How a request that fits now may pass the head, or None if it would delay it."""
         if self.start is not None and ends_at is not None and ends_at <= self.start:
             return "ends_first"
+        kv_limit = budget.kv_limit()
+        if kv_limit is not None and kv_limit > 0:  # a cheap no first: private blocks are always new
+            private = min(demand.private_blocks, kv_limit) + min(head_demand.private_blocks, kv_limit)
+            if self.companions.kv_blocks + private > kv_limit:
+                return None
         trial = self.companions.reserve(demand)
         fits = budget.shortfall(head_demand, self.companions) is None
         self.companions.release(trial)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any, Generic
 
 from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
-from kvgate.gate.backfill import HeadReservation
+from kvgate.gate.backfill import HeadReservation, Passing
 from kvgate.gate.budget import Budget
 from kvgate.gate.drain import DrainRate, Pace
 from kvgate.gate.ledger import Ledger, Reservation
@@ -151,7 +151,8 @@ class Gate(Generic[Basis]):
             retry_after = self._retry_after(self.queue.blocks_ahead(priority) + demand.kv_blocks)
             raise self._refuse(waiter, QueueFull(self.queue.max_size, retry_after)) from None
         self.observers.decided(Decision("queue", reason, request_id, demand))
-        self.changed()  # sets it aside at once if it could not fit even alone
+        if self.queue.peek() is waiter:  # a new head: set aside at once if it could not fit even alone
+            self.changed()
         gone = watch_client() if watch_client is not None else None
         wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - self._clock())
         try:
@@ -246,9 +247,11 @@ class Gate(Generic[Basis]):
         if waiter.future.done():
             waiter.future.result().release("abandoned")
             return
+        was_head = self.queue.peek() is waiter
         self.queue.remove(waiter)
         waiter.future.cancel()
-        self.changed()  # it may have been the head: the line behind it moves up
+        if was_head:  # the line behind it moves up
+            self.changed()
 
     def _admit(self, demand: Demand, reason: str, waited_s: float, request_id: str) -> Ticket:
         ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
@@ -279,6 +282,7 @@ class Gate(Generic[Basis]):
                 if not up.done():
                     up.set_result(None)
         if not self.queue:  # nothing waits, set aside or not (every release comes here)
+            self._reservation = None
             return
         self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
@@ -296,41 +300,16 @@ class Gate(Generic[Basis]):
     def _backfill_queue(self) -> None:
         """Admit the waiters behind the waiting head that may pass it (kvgate/gate/backfill.py),
         in the line's order: priority, tenants' turns, arrival."""
-        if self._waiting_head() is None:
+        if self.queue.peek() is None or self.budget.hold is not None:
             return
+        now = self._clock()
         for waiter in self.queue.behind_head(BACKFILL_LOOKAHEAD):
-            waited_s = self._clock() - waiter.enqueued_at
-            ticket = self._backfill(self._refreshed(waiter), waited_s, waiter.request_id)
+            if self._pool_full():
+                return
+            ticket = self._backfill(self._refreshed(waiter), now - waiter.enqueued_at, waiter.request_id)
             if ticket is not None:
                 self.queue.take(waiter)
                 waiter.future.set_result(ticket)
-
-    def _waiting_head(self) -> tuple[Waiter[Basis], HeadReservation] | None:
-        """The head waiting for memory and its reservation, made when it became the head."""
-        head = self.queue.peek()
-        if head is None or self.budget.hold is not None:
-            self._reservation = None
-            return None
-        if self._reservation is None or self._reservation.head is not head:
-            self._reservation = HeadReservation.plan(
-                head, head.demand, self.ledger.reservations(), self.budget, self._ends_at, self._clock()
-            )
-        return head, self._reservation
-
-    def _ends_at(self, reservation: Reservation) -> float | None:
-        """When an in-flight request is predicted to end (None: nothing learned yet)."""
-        duration = self.pace.duration_s(reservation.demand.reserved_tokens)
-        return None if duration is None else max(self._clock(), reservation.admitted_at + duration)
-
-    def _passing(self, demand: Demand) -> str | None:
-        """How a demand arriving now would pass the waiting head, or None if it waits its turn."""
-        waiting = self._waiting_head()
-        if waiting is None or self.budget.shortfall(demand, self.ledger) is not None:
-            return None
-        head, reservation = waiting
-        duration = self.pace.duration_s(demand.reserved_tokens)
-        ends_at = None if duration is None else self._clock() + duration
-        return reservation.passing(demand, ends_at, head.demand, self.budget)
 
     def _backfill(self, demand: Demand, waited_s: float, request_id: str) -> Ticket | None:
         """Admit a demand ahead of the waiting head if it may pass it; None if it waits its turn."""
@@ -341,6 +320,47 @@ class Gate(Generic[Basis]):
         if passing == "beside" and self._reservation is not None:
             self._reservation.joined(ticket.reservation)
         return ticket
+
+    def _passing(self, demand: Demand) -> Passing | None:
+        """How a demand may pass the head waiting for memory now, or None if it waits its turn.
+        Cheap checks first: while the line is long most waiters are turned down by them."""
+        head = self.queue.peek()
+        if head is None or self.budget.hold is not None or not self._kv_room(demand):
+            return None
+        reservation = self._head_reservation(head)
+        duration = self.pace.duration_s(demand.reserved_tokens)
+        ends_at = None if duration is None else self._clock() + duration
+        passing = reservation.passing(demand, ends_at, head.demand, self.budget)
+        if passing is None or self.budget.shortfall(demand, self.ledger) is not None:
+            return None
+        return passing
+
+    def _pool_full(self) -> bool:
+        """Every KV block the budget allows is reserved: nothing more fits now."""
+        kv_limit = self.budget.kv_limit()
+        return kv_limit is not None and kv_limit > 0 and self.ledger.kv_blocks >= kv_limit
+
+    def _kv_room(self, demand: Demand) -> bool:
+        """Whether the pool has room for the demand's private blocks, which are always new to it
+        (the budget charges at most its limit): a necessary condition for fitting now."""
+        kv_limit = self.budget.kv_limit()
+        if kv_limit is None or kv_limit <= 0:
+            return True
+        return min(demand.private_blocks, kv_limit) <= kv_limit - self.ledger.kv_blocks
+
+    def _head_reservation(self, head: Waiter[Basis]) -> HeadReservation:
+        """The head's reservation: made the first time a request may pass it, then kept (fixed)
+        for as long as it is the head."""
+        if self._reservation is None or self._reservation.head is not head:
+            self._reservation = HeadReservation.plan(
+                head, head.demand, self.ledger.reservations(), self.budget, self._ends_at, self._clock()
+            )
+        return self._reservation
+
+    def _ends_at(self, reservation: Reservation) -> float | None:
+        """When an in-flight request is predicted to end (None: nothing learned yet)."""
+        duration = self.pace.duration_s(reservation.demand.reserved_tokens)
+        return None if duration is None else max(self._clock(), reservation.admitted_at + duration)
 
     def _stranded(self, demand: Demand) -> bool:
         """It would wait even with nothing in flight (and not because the backend is down)."""
