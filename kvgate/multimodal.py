@@ -48,7 +48,7 @@ _OTHER_MEDIA = frozenset({"audio_url", "input_audio", "audio_embeds", "video_url
 DEFAULT_LIMIT_PER_PROMPT = 999
 # The HF processor kwarg scopes vLLM routes flat mm_processor_kwargs into (vllm/multimodal/
 # processing/context.py _resolve_mm_processor_kwargs); kvgate reads the images' one.
-_KWARG_SCOPES = ("images_kwargs", "videos_kwargs", "audio_kwargs", "text_kwargs", "common_kwargs")
+_KWARG_SCOPES = ("text_kwargs", "images_kwargs", "videos_kwargs", "audio_kwargs")
 
 
 @dataclass(frozen=True)
@@ -333,11 +333,23 @@ class MediaOptions:
     limits: Mapping[str, int] = field(default_factory=dict)
 
 
-def _merge(configured: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
-    """Nested mappings merged recursively, the request's values first (vllm/config/multimodal.py
-    MultiModalConfig.merge_mm_processor_kwargs)."""
-    out = dict(configured)
-    for key, value in request.items():
+def media_options(processor_kwargs: Mapping[str, Any] | None, limits: Mapping[str, Any] | None) -> MediaOptions:
+    """From vLLM's flags: `--limit-mm-per-prompt` gives a count per modality, either alone or as
+    {"count": n, ...options for profiling} (vllm/config/multimodal.py MultiModalDummyOptions)."""
+    counts = {}
+    for modality, value in (limits or {}).items():
+        count = value.get("count", DEFAULT_LIMIT_PER_PROMPT) if isinstance(value, Mapping) else value
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count of 0 or more, got {value!r}")
+        counts[modality] = count
+    return MediaOptions(dict(processor_kwargs or {}), counts)
+
+
+def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested mappings merged recursively, `high`'s values first (vllm/config/multimodal.py
+    _recursively_merge_mm_processor_kwargs)."""
+    out = dict(low)
+    for key, value in high.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = _merge(out[key], value)
         else:
@@ -362,16 +374,29 @@ def _complete_size_aliases(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _images_scope(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    scope = kwargs.get("images_kwargs")
+    return scope if isinstance(scope, Mapping) else {}
+
+
 def image_kwargs(configured: Mapping[str, Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The kwargs the image processor runs with: `--mm-processor-kwargs` under the request's
-    `mm_processor_kwargs`, flat keys under the images_kwargs scope's (vllm/multimodal/processing/
-    context.py get_merged_mm_kwargs, _resolve_mm_processor_kwargs)."""
+    """The kwargs the image processor runs with, from `--mm-processor-kwargs` and the request's
+    `mm_processor_kwargs`, as vLLM 0.32.0 / 0.33.0 merge them: the request's Qwen-VL size aliases
+    completed (qwen2_vl.py _complete_mm_processor_size_aliases), flat keys merged request over
+    configured; in the images_kwargs scope, configured flat < configured scoped < request flat <
+    request scoped for the scope's keys (vllm/config/multimodal.py _merge_mm_processor_kwargs,
+    _merge_mm_processor_scope); then flat keys routed into the scope, its values first
+    (vllm/multimodal/processing/context.py _resolve_mm_processor_kwargs)."""
     if request is not None and not isinstance(request, Mapping):
         raise TokenizationError("'mm_processor_kwargs' must be an object.")
-    merged = _merge(configured, _complete_size_aliases(request or {}))
-    scoped = merged.get("images_kwargs")
-    flat = {k: v for k, v in merged.items() if k not in _KWARG_SCOPES}
-    return {**flat, **(scoped if isinstance(scoped, Mapping) else {})}
+    request = _complete_size_aliases(request or {})
+    configured_flat = {k: v for k, v in configured.items() if k not in _KWARG_SCOPES}
+    request_flat = {k: v for k, v in request.items() if k not in _KWARG_SCOPES}
+    configured_scope, request_scope = _images_scope(configured), _images_scope(request)
+    keys = configured_scope.keys() | request_scope.keys()
+    scope = _merge({k: v for k, v in configured_flat.items() if k in keys}, configured_scope)
+    scope = _merge(_merge(scope, {k: v for k, v in request_flat.items() if k in keys}), request_scope)
+    return _merge(_merge(configured_flat, request_flat), scope)
 
 
 def _media_kind(part: Any) -> str | None:

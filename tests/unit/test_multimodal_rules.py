@@ -14,10 +14,12 @@ from collections.abc import Sequence
 
 import pytest
 from PIL import Image
+from pydantic import ValidationError
 
 from kvgate.chat_template import TokenizationError
-from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, image_tokens
+from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, image_tokens, media_options
 from kvgate.request import ChatInput
+from kvgate.vllm_flags import VllmFlags
 
 QWEN2_VL = {"model_type": "qwen2_vl", "image_token_id": 151655, "vision_config": {"patch_size": 14}}
 QWEN2_VL_PROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2}
@@ -173,3 +175,23 @@ def test_media_without_a_rule_is_refused_naming_model_and_kind(config: dict, par
     counting = MediaCounting(WordTokenizer(), image_tokens(config, {}), None, config["model_type"])
     with pytest.raises(TokenizationError, match=f"'{part['type']}' content part .*model_type '{config['model_type']}'"):
         _count(counting, TEXT, part)
+
+
+def test_vllm_flags_reach_the_counting() -> None:
+    """`--limit-mm-per-prompt` and `--mm-processor-kwargs` as vLLM takes them (JSON objects; a
+    limit alone or with profiling options) become the options kvgate counts with."""
+    flags = VllmFlags(
+        limit_mm_per_prompt='{"image": {"count": 1, "width": 512}, "video": 0}',
+        mm_processor_kwargs='{"max_pixels": 50000}',
+    )
+    options = media_options(flags.mm_processor_kwargs, flags.limit_mm_per_prompt)
+    assert options.limits == {"image": 1, "video": 0}
+    counting = _qwen(options)
+    text_only = len(_count(counting, TEXT))
+    assert len(_count(counting, TEXT, _image(640, 480))) == text_only + 2 + 54 + 1
+    with pytest.raises(TokenizationError, match=r"At most 1 image\(s\)"):
+        _count(counting, _image(28, 28), _image(28, 28))
+    with pytest.raises(ValidationError):
+        VllmFlags(limit_mm_per_prompt='{"image": -1}')
+    with pytest.raises(ValueError, match="needs a count"):
+        media_options(None, {"image": {"count": "many"}})
