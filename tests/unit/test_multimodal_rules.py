@@ -195,3 +195,25 @@ def test_vllm_flags_reach_the_counting() -> None:
         VllmFlags(limit_mm_per_prompt='{"image": -1}')
     with pytest.raises(ValueError, match="needs a count"):
         media_options(None, {"image": {"count": "many"}})
+
+
+def test_a_large_image_is_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data URL over READ_IN_THREAD_CHARS is decoded in a worker thread, a small one inline."""
+    import threading
+
+    import kvgate.multimodal as multimodal
+
+    threads: list[str] = []
+    real = multimodal.read_image
+
+    def watched(url: str):
+        threads.append(threading.current_thread().name)
+        return real(url)
+
+    monkeypatch.setattr(multimodal, "read_image", watched)
+    monkeypatch.setattr(multimodal, "READ_IN_THREAD_CHARS", 500)
+    small, large = _image(8, 8), _image(400, 400)
+    assert len(small["image_url"]["url"]) < 500 < len(large["image_url"]["url"])
+    _count(_qwen(), small, large)
+    assert threads[0] == threading.main_thread().name
+    assert threads[1] != threading.main_thread().name
