@@ -43,15 +43,15 @@ def serving_failure(s: Startup) -> Failure | None:
     if s.request.kv_cache_memory_bytes is None or s.failure is not None:
         return None
     headroom = s.serving_headroom
-    if headroom >= s.profile_peak:
+    if headroom >= s.full_step:
         return None
     return Failure(
         "serving: first full batch after start-up",
-        s.profile_peak,
+        s.full_step,
         "--kv-cache-memory-bytes",
         f"after the pool, the weights, non-torch memory and CUDA graphs, {gib(max(0, headroom))} are left "
-        f"for a step's transient memory; a step of {s.max_num_batched_tokens} tokens (what the profile ran) "
-        f"needs {gib(s.profile_peak)}",
+        f"for a step's transient memory; a step of {s.max_num_batched_tokens:,} tokens over "
+        f"{min(s.max_num_seqs, s.max_num_batched_tokens):,} rows sampling with top-k/top-p needs {gib(s.full_step)}",
     )
 
 
@@ -173,10 +173,10 @@ def _batched_tokens(request: Request, current: Startup, failure: Failure) -> Rec
 
 def safe_pool_bytes(s: Startup, other_processes_bytes: int) -> int:
     """The --kv-cache-memory-bytes that leaves, on this GPU, room for the weights, the largest
-    step's transient memory (the profile's peak), non-torch memory, the CUDA graphs, the memory
+    plain step's transient memory (Startup.full_step), non-torch memory, the CUDA graphs, the memory
     outside vLLM's envelope, other processes and vLLM's own 150 MiB buffer
     (v1/worker/gpu_worker.py compile_or_warm_up_model's suggestion, 0.32.0)."""
-    rest = s.gpu_total - s.outside - other_processes_bytes - s.weights - s.profile_peak - s.non_torch - s.graphs
+    rest = s.gpu_total - s.outside - other_processes_bytes - s.weights - s.full_step - s.non_torch - s.graphs
     return max(0, rest - REDUNDANCY_BUFFER_BYTES)
 
 
@@ -228,7 +228,7 @@ def recommend(
                 pool,
                 f"{gib(pool)} ({tokens.kv_cache_tokens:,} tokens, {tokens.max_concurrency:.2f}x at "
                 f"{advised.max_model_len:,}) leaves the weights {gib(advised.weights)}, a full step's "
-                f"transient peak {gib(advised.profile_peak)}, non-torch {gib(advised.non_torch)}, CUDA graphs "
+                f"transient peak {gib(advised.full_step)}, non-torch {gib(advised.non_torch)}, CUDA graphs "
                 f"{gib(advised.graphs)}, the context {gib(advised.outside)} and 150 MiB; vLLM skips its "
                 "measurement with this flag, so nothing else checks it",
             )

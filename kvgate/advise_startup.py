@@ -38,7 +38,7 @@ from packaging.version import InvalidVersion, Version
 
 from kvgate.engine_config import weights_bytes
 from kvgate.gpus import gpu_total_bytes, is_pre_ampere
-from kvgate.memory.activation import EngineShape, profile_forward_bytes, profile_sampler_bytes
+from kvgate.memory.activation import EngineShape, profile_forward_bytes, profile_sampler_bytes, sampler_cost
 from kvgate.memory.draft import Drafter
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry, dtype_bytes
@@ -189,6 +189,7 @@ class Startup:
     profile_forward: int
     profile_sampler: int
     profile_oom_need: int  # what the profile needs beside the weights for its OOM check
+    full_step: int  # a plain step at the same size with every row sampling top-k/top-p (>= the peak)
     non_torch: int
     graphs: int
     graph_sizes: int
@@ -324,6 +325,20 @@ def _runtime(request: Request, release: Release, geometry: ModelGeometry, config
     )
 
 
+def _random_step_bytes(geometry: ModelGeometry, engine: EngineShape, runtime: VllmRuntime) -> int:
+    """A step of max_num_batched_tokens tokens whose every row samples with top-k/top-p: V2's
+    profile is greedy, so its fp32 copy and top-k/top-p path are not in the peak
+    (kvgate/memory/sampler.py, profiled and unprofiled parts of one stage)."""
+    cost = sampler_cost(geometry, engine)
+    rows = cost.profiled_rows
+    stage = cost.stage(rows, False, False, 0, random=True, processing=True, filtered=True)
+    hidden = engine.max_num_batched_tokens * geometry.hidden_size * geometry.dtype_bytes
+    step = hidden + stage.profiled + stage.unprofiled - stage.sample_hidden // 2
+    if _sorts_in_profile(runtime, rows) or (runtime.runner == "v2" and cost.top_k_top_p(rows)[1]):
+        step += cuda_sort_peak_extra_bytes(rows, geometry.vocab_size)
+    return step
+
+
 def _sorts_in_profile(runtime: VllmRuntime, rows: int) -> bool:
     """The V1 profile's full-vocab top-k/top-p runs PyTorch's sort (vllm_runner.resolve_sampler)."""
     if runtime.runner != "v1":
@@ -366,6 +381,7 @@ def predict(request: Request) -> Startup:
     sampler = profile_sampler_bytes(geometry, engine)
     if _sorts_in_profile(runtime, min(tokens, seqs)):
         sampler += cuda_sort_peak_extra_bytes(min(tokens, seqs), geometry.vocab_size)
+    full_step = max(forward, sampler, _random_step_bytes(geometry, engine, runtime))
     sizes = graph_capture_sizes(request, release, seqs, tokens)
     startup = Startup(
         request=request,
@@ -382,6 +398,7 @@ def predict(request: Request) -> Startup:
         weights=weights_bytes(layout),
         profile_forward=forward,
         profile_sampler=sampler,
+        full_step=full_step,
         profile_oom_need=max(int(forward * COMPILED_FORWARD_FACTOR) if release.compiled else forward, sampler),
         non_torch=non_torch,
         graphs=sizes * layout.layers_per_stage * GRAPH_BYTES_PER_SIZE_LAYER,
