@@ -165,9 +165,11 @@ def startup_json(s: Startup) -> dict[str, Any]:
         "max_num_batched_tokens": s.max_num_batched_tokens,
         "max_num_seqs": s.max_num_seqs,
         "weights_bytes": s.weights,
+        "runner_state_bytes": s.runner_state,
         "profile_peak_bytes": s.profile_peak,
         "profile_forward_bytes": s.profile_forward,
         "profile_sampler_bytes": s.profile_sampler,
+        "full_step_bytes": s.full_step,
         "non_torch_bytes": s.non_torch,
         "cuda_graph_bytes": s.graphs,
         "cuda_graph_sizes": s.graph_sizes,
@@ -209,7 +211,8 @@ def as_text(
         f"({_gib(s.requested)}); outside the budget {_gib(s.outside)}",
         f"  max_model_len {s.max_model_len:,}, max_num_batched_tokens {s.max_num_batched_tokens:,}, "
         f"max_num_seqs {s.max_num_seqs:,}",
-        f"  Model loading took {_gib(s.weights)}",
+        f"  Model loading took {_gib(s.weights)}"
+        + (f"; Model Runner V2's penalty state {_gib(s.runner_state)}" if s.runner_state else ""),
         f"  profile peak {_gib(s.profile_peak)} (forward {_gib(s.profile_forward)}, sampler {_gib(s.profile_sampler)})"
         f"; non-torch {_gib(s.non_torch)}",
         f"  CUDA graphs {_gib(s.graphs)} ({s.graph_sizes} sizes, {graphs_where})",

@@ -176,7 +176,7 @@ def safe_pool_bytes(s: Startup, other_processes_bytes: int) -> int:
     plain step's transient memory (Startup.full_step), non-torch memory, the CUDA graphs, the memory
     outside vLLM's envelope, other processes and vLLM's own 150 MiB buffer
     (v1/worker/gpu_worker.py compile_or_warm_up_model's suggestion, 0.32.0)."""
-    rest = s.gpu_total - s.outside - other_processes_bytes - s.weights - s.full_step - s.non_torch - s.graphs
+    rest = s.gpu_total - s.outside - other_processes_bytes - s.resident + s.kv_cache_bytes - s.full_step
     return max(0, rest - REDUNDANCY_BUFFER_BYTES)
 
 

@@ -43,7 +43,7 @@ from kvgate.memory.draft import Drafter
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry, dtype_bytes
 from kvgate.memory.kv import Capacity, KVLayout
-from kvgate.memory.sampler import FP32, cuda_sort_peak_extra_bytes
+from kvgate.memory.sampler import FP32, cuda_sort_peak_extra_bytes, v2_penalty_state_bytes
 from kvgate.memory.vllm_runner import NEWEST_KNOWN, OLDEST_KNOWN, VllmRuntime, resolve_runtime
 from kvgate.model_folder import load_geometry, read_model_config
 from kvgate.speculative import resolve_drafter
@@ -186,6 +186,7 @@ class Startup:
     max_num_seqs: int
     block_size: int
     weights: int
+    runner_state: int  # Model Runner V2's penalty state, allocated before the profile
     profile_forward: int
     profile_sampler: int
     profile_oom_need: int  # what the profile needs beside the weights for its OOM check
@@ -214,7 +215,7 @@ class Startup:
     @property
     def resident(self) -> int:
         """What vLLM holds after start-up inside its own accounting: weights, pool, non-torch, graphs."""
-        return self.weights + self.kv_cache_bytes + self.non_torch + self.graphs
+        return self.weights + self.runner_state + self.kv_cache_bytes + self.non_torch + self.graphs
 
     @property
     def serving_headroom(self) -> int:
@@ -396,6 +397,7 @@ def predict(request: Request) -> Startup:
         max_num_seqs=seqs,
         block_size=layout.block_size,
         weights=weights_bytes(layout),
+        runner_state=v2_penalty_state_bytes(seqs, geometry.vocab_size) if runtime.runner == "v2" else 0,
         profile_forward=forward,
         profile_sampler=sampler,
         full_step=full_step,
@@ -413,7 +415,8 @@ def predict(request: Request) -> Startup:
         available = request.kv_cache_memory_bytes
     else:
         graphs_in = startup.graphs if release.graphs_in_budget else 0
-        available = startup.requested - startup.weights - startup.profile_peak - non_torch - graphs_in
+        held = startup.weights + startup.runner_state + startup.profile_peak + non_torch + graphs_in
+        available = startup.requested - held
     startup = replace(
         startup,
         kv_cache_bytes=max(0, available),
@@ -445,7 +448,7 @@ def _before_pool(s: Startup, geometry: ModelGeometry) -> Failure | None:
             "--tensor-parallel-size",
             f"the weights ({s.weights / GiB:.2f} GiB per GPU) do not fit the GPU's {usable / GiB:.2f} GiB",
         )
-    if s.weights + s.non_torch + s.profile_oom_need <= usable:
+    if s.weights + s.runner_state + s.non_torch + s.profile_oom_need <= usable:
         return None
     tokens, rows, tp = (
         s.max_num_batched_tokens,
@@ -462,7 +465,8 @@ def _before_pool(s: Startup, geometry: ModelGeometry) -> Failure | None:
         "profile_run: out of memory",
         tensor,
         flag,
-        f"the profile needs {(s.weights + s.non_torch + s.profile_oom_need) / GiB:.2f} GiB with the weights, "
+        f"the profile needs {(s.weights + s.runner_state + s.non_torch + s.profile_oom_need) / GiB:.2f} GiB "
+        "with the weights, "
         f"the GPU has {usable / GiB:.2f} GiB: {what} ({tensor / GiB:.2f} GiB) is an allocation that fails",
     )
 
@@ -505,13 +509,14 @@ def _pool(s: Startup, available: int) -> Failure | None:
     # go back to the GPU on the allocator's OOM retry, so the pool needs the rest beside the weights
     # and non-torch memory (initialize_kv_cache).
     usable = s.gpu_total - s.outside
-    if s.request.kv_cache_memory_bytes is not None and s.weights + s.non_torch + available > usable:
+    fixed = s.weights + s.runner_state + s.non_torch
+    if s.request.kv_cache_memory_bytes is not None and fixed + available > usable:
         return Failure(
             "initialize_kv_cache: out of memory",
             available,
             "--kv-cache-memory-bytes",
             f"the pool ({available / GiB:.2f} GiB), the weights and non-torch memory need "
-            f"{(s.weights + s.non_torch + available) / GiB:.2f} GiB, the GPU has {usable / GiB:.2f} GiB",
+            f"{(fixed + available) / GiB:.2f} GiB, the GPU has {usable / GiB:.2f} GiB",
         )
     return None
 
@@ -523,7 +528,7 @@ def _after_pool(s: Startup) -> Failure | None:
     graphs need memory beyond max(requested, what the pool, weights and profile hold)."""
     if not s.graphs or s.release.graphs_in_budget:
         return None
-    held = max(s.requested, s.weights + s.non_torch + s.kv_cache_bytes + s.profile_peak)
+    held = max(s.requested, s.weights + s.runner_state + s.non_torch + s.kv_cache_bytes + s.profile_peak)
     rest = s.gpu_total - s.outside - held
     if s.graphs <= rest:
         return None

@@ -147,6 +147,14 @@ CUDA_SORT_SCRATCH_BYTES_PER_LOGIT = 20
 CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT = 32
 
 
+def v2_penalty_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """Model Runner V2's ``PenaltiesState`` (vllm 0.32.0 v1/worker/gpu/sample/penalties.py
+    ``__init__``): ``output_bin_counts`` ``[max_num_reqs, V]`` and ``prompt_bin_mask``
+    ``[max_num_reqs, ceil(V / 32)]``, int32, allocated at start-up before the profile whatever the
+    requests ask (vLLM's own comment: "can be very large, taking up GBs of GPU memory")."""
+    return max_num_seqs * (vocab_size + -(-vocab_size // 32)) * 4
+
+
 def cuda_sort_peak_extra_bytes(rows: int, vocab_size: int) -> int:
     """What CUDA's `torch.sort` of `[rows, vocab_size]` fp32 holds at its peak beyond the 18 B a
     logit of the PyTorch top-k/top-p path (its scratch, while the masks are not yet made)."""
