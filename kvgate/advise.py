@@ -182,6 +182,7 @@ def startup_json(s: Startup) -> dict[str, Any]:
         "fits": s.fits,
         "failure": _failure_json(s.failure),
         "estimated_max_model_len": s.estimated_max_model_len,
+        "warnings": list(s.warnings),
     }
 
 
@@ -232,6 +233,7 @@ def as_text(
             f"  GPU KV cache size: {s.capacity.kv_cache_tokens:,} tokens ({s.capacity.num_blocks:,} blocks of {s.block_size})",
             f"  Maximum concurrency for {s.max_model_len:,} tokens per request: {s.capacity.max_concurrency:.2f}x",
         ]
+    lines += [f"  warning: {w}" for w in s.warnings]
     if s.failure is None:
         lines.append("start-up: fits")
     else:

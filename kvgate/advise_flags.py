@@ -50,8 +50,9 @@ def serving_failure(s: Startup) -> Failure | None:
         s.full_step,
         "--kv-cache-memory-bytes",
         f"after the pool, the weights, non-torch memory and CUDA graphs, {gib(max(0, headroom))} are left "
-        f"for a step's transient memory; a step of {s.max_num_batched_tokens:,} tokens over "
-        f"{min(s.max_num_seqs, s.max_num_batched_tokens):,} rows sampling with top-k/top-p needs {gib(s.full_step)}",
+        f"for a step's transient memory; the largest step ({s.max_num_batched_tokens:,} tokens through the "
+        f"{'compiled ' if s.release.compiled else ''}forward, or {min(s.max_num_seqs, s.max_num_batched_tokens):,} "
+        f"rows sampling with top-k/top-p) needs {gib(s.full_step)}",
     )
 
 
@@ -160,14 +161,16 @@ def _batched_tokens(request: Request, current: Startup, failure: Failure) -> Rec
     default = predict(replace(request, max_num_batched_tokens=None))
     tokens = min(largest, default.max_num_batched_tokens)
     fixed = predict(replace(request, max_num_batched_tokens=tokens))
+    chosen = (
+        "vLLM's default on this GPU" if tokens == default.max_num_batched_tokens else "the largest whose profile fits"
+    )
     return Recommendation(
         "--max-num-batched-tokens",
         tokens,
         f"at {current.max_num_batched_tokens:,} tokens the start-up profile needs {gib(current.profile_oom_need)} "
         f"beside {gib(current.weights)} of weights on a {gib(current.gpu_total - current.outside)} GPU "
-        f"({failure.step}); at {tokens:,} (vLLM's default here is {default.max_num_batched_tokens:,}, the largest "
-        f"whose profile fits by kvgate's estimate about {largest:,}) it needs {gib(fixed.profile_oom_need)}. The flag caps tokens per step, "
-        "not concurrency (that is --max-num-seqs); vLLM chunks longer prompts",
+        f"({failure.step}); at {tokens:,} ({chosen}) it needs {gib(fixed.profile_oom_need)}. The flag caps "
+        "tokens per step, not concurrency (that is --max-num-seqs); vLLM chunks longer prompts",
     )
 
 

@@ -190,7 +190,9 @@ class Startup:
     profile_forward: int
     profile_sampler: int
     profile_oom_need: int  # what the profile needs beside the weights for its OOM check
-    full_step: int  # a plain step at the same size with every row sampling top-k/top-p (>= the peak)
+    # the largest plain step once serving: the profile's (compiled) forward, or a step whose every
+    # row samples with top-k/top-p (V2's profile is greedy): what a fixed pool must leave room for
+    full_step: int
     non_torch: int
     graphs: int
     graph_sizes: int
@@ -199,6 +201,7 @@ class Startup:
     layout: KVLayout
     failure: Failure | None
     estimated_max_model_len: int | None
+    warnings: tuple[str, ...] = ()
 
     @property
     def profile_peak(self) -> int:
@@ -364,7 +367,16 @@ def predict(request: Request) -> Startup:
     )
     if request.kv_cache_memory_bytes is not None and not release.has_kv_cache_memory_bytes:
         raise ValueError(f"vLLM {release.version} has no --kv-cache-memory-bytes (added in 0.10)")
-    runtime = _runtime(request, release, geometry, read_model_config(request.model))
+    config = read_model_config(request.model)
+    runtime = _runtime(request, release, geometry, config)
+    # Before the oldest release kvgate read for the runner rule, advise plays V1 (no V2 then).
+    older = _version(request.vllm_version) < Version(OLDEST_KNOWN)
+    warnings: tuple[str, ...] = (runtime.warning,) if runtime.warning and not older else ()
+    if "quantization_config" in config:
+        warnings += (
+            "config.json has a quantization_config: kvgate sizes the weights at the model's dtype, more "
+            "than a quantized checkpoint holds, so the pool it predicts is too small",
+        )
     default_tokens, default_seqs = batch_defaults(release, request.gpu, total, max_model_len)
     tokens = request.max_num_batched_tokens or default_tokens
     seqs = request.max_num_seqs or default_seqs
@@ -382,7 +394,8 @@ def predict(request: Request) -> Startup:
     sampler = profile_sampler_bytes(geometry, engine)
     if _sorts_in_profile(runtime, min(tokens, seqs)):
         sampler += cuda_sort_peak_extra_bytes(min(tokens, seqs), geometry.vocab_size)
-    full_step = max(forward, sampler, _random_step_bytes(geometry, engine, runtime))
+    oom_need = max(int(forward * COMPILED_FORWARD_FACTOR) if release.compiled else forward, sampler)
+    full_step = max(oom_need, _random_step_bytes(geometry, engine, runtime))
     sizes = graph_capture_sizes(request, release, seqs, tokens)
     startup = Startup(
         request=request,
@@ -401,7 +414,7 @@ def predict(request: Request) -> Startup:
         profile_forward=forward,
         profile_sampler=sampler,
         full_step=full_step,
-        profile_oom_need=max(int(forward * COMPILED_FORWARD_FACTOR) if release.compiled else forward, sampler),
+        profile_oom_need=oom_need,
         non_torch=non_torch,
         graphs=sizes * layout.layers_per_stage * GRAPH_BYTES_PER_SIZE_LAYER,
         graph_sizes=sizes,
@@ -426,7 +439,7 @@ def predict(request: Request) -> Startup:
     estimated = None
     if failure is not None and failure.flag == "--max-model-len":
         estimated = _estimated_max_model_len(layout, startup.capacity.num_blocks, max_model_len, tokens)
-    return replace(startup, failure=failure, estimated_max_model_len=estimated)
+    return replace(startup, failure=failure, estimated_max_model_len=estimated, warnings=warnings)
 
 
 def _before_pool(s: Startup, geometry: ModelGeometry) -> Failure | None:
