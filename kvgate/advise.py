@@ -152,6 +152,7 @@ def _failure_json(failure: Failure | None) -> dict[str, Any] | None:
 
 def startup_json(s: Startup) -> dict[str, Any]:
     """The prediction in numbers (bytes per GPU)."""
+    pool = s.sized_the_pool
     return {
         "vllm_version": s.release.version,
         "engine": s.release.engine,
@@ -174,11 +175,12 @@ def startup_json(s: Startup) -> dict[str, Any]:
         "cuda_graph_bytes": s.graphs,
         "cuda_graph_sizes": s.graph_sizes,
         "cuda_graphs_in_budget": s.release.graphs_in_budget,
-        "kv_cache_bytes": s.kv_cache_bytes,
-        "kv_cache_blocks": s.capacity.num_blocks,
+        # null where vLLM dies before sizing the pool
+        "kv_cache_bytes": s.kv_cache_bytes if pool else None,
+        "kv_cache_blocks": s.capacity.num_blocks if pool else None,
         "block_size": s.block_size,
-        "kv_cache_tokens": s.capacity.kv_cache_tokens,
-        "max_concurrency": round(s.capacity.max_concurrency, 2),
+        "kv_cache_tokens": s.capacity.kv_cache_tokens if pool else None,
+        "max_concurrency": round(s.capacity.max_concurrency, 2) if pool else None,
         "fits": s.fits,
         "failure": _failure_json(s.failure),
         "estimated_max_model_len": s.estimated_max_model_len,
@@ -220,10 +222,10 @@ def as_text(
     ]
     if s.release.compiled:
         lines.append(
-            f"  the compiled profile's out-of-memory check: {_gib(s.profile_oom_need)} beside the weights "
-            f"(torch.compile's buffers, {COMPILED_FORWARD_FACTOR} x the forward's eager tape: docs/advise.md)"
+            f"  compiled forward, for the out-of-memory check: {_gib(int(s.profile_forward * COMPILED_FORWARD_FACTOR))} "
+            f"(torch.compile's buffers, {COMPILED_FORWARD_FACTOR} x the eager tape: docs/advise.md)"
         )
-    reached_pool = s.failure is None or not s.failure.step.startswith(("init_device", "load_model", "profile_run"))
+    reached_pool = s.sized_the_pool
     if reached_pool and s.request.kv_cache_memory_bytes is None:
         lines.append(f"  Available KV cache memory: {_gib(s.kv_cache_bytes)}")
     elif reached_pool:
@@ -241,7 +243,7 @@ def as_text(
         lines.append(f"start-up: {f.kind} in {f.step} ({_gib(f.bytes)}; change {f.flag})")
         lines.append(f"  {f.message}")
     if serving is not None:
-        lines.append(f"serving: dies in {serving.step} ({_gib(serving.bytes)}; change {serving.flag})")
+        lines.append(f"serving: dies at the {serving.step} ({_gib(serving.bytes)}; change {serving.flag})")
         lines.append(f"  {serving.message}")
     still = f" (kvgate found none that start: {advised.failure.step})" if advised.failure else ""
     lines.append("advised flags" + still)

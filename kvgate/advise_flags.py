@@ -46,7 +46,7 @@ def serving_failure(s: Startup) -> Failure | None:
     if headroom >= s.full_step:
         return None
     return Failure(
-        "serving: first full batch after start-up",
+        "first full batch after start-up",
         s.full_step,
         "--kv-cache-memory-bytes",
         f"after the pool, the weights, non-torch memory and CUDA graphs, {gib(max(0, headroom))} are left "

@@ -95,6 +95,10 @@ REDUNDANCY_BUFFER_BYTES = 150 * MiB
 COMPILED_FORWARD_FACTOR = 3.45
 
 
+# The steps before the pool is sized: a failure there leaves no pool to report.
+BEFORE_POOL_STEPS = ("init_device", "load_model", "profile_run")
+
+
 @dataclass(frozen=True)
 class Release:
     """The start-up behaviours that differ by vLLM release (see the module docstring)."""
@@ -210,6 +214,11 @@ class Startup:
     @property
     def fits(self) -> bool:
         return self.failure is None
+
+    @property
+    def sized_the_pool(self) -> bool:
+        """Whether vLLM got as far as sizing the pool (it logs it before refusing a max_model_len)."""
+        return self.failure is None or not self.failure.step.startswith(BEFORE_POOL_STEPS)
 
     @property
     def graphs_outside_budget(self) -> int:
