@@ -139,6 +139,12 @@ def _fix(s: Startup, other_processes_bytes: int) -> tuple[Request, list[Recommen
                 )
             )
             request = replace(request, gpu_memory_utilization=ceiling)
+        elif failure.flag == "--tensor-parallel-size":
+            change = _tensor_parallel(request, current)
+            if change is None:
+                break
+            reasons.append(change)
+            request = replace(request, tensor_parallel_size=int(change.value))
         elif failure.flag == "--kv-cache-memory-bytes":
             request = replace(request, kv_cache_memory_bytes=safe_pool_bytes(current, other_processes_bytes))
         else:
@@ -172,6 +178,28 @@ def _batched_tokens(request: Request, current: Startup, failure: Failure) -> Rec
         f"({failure.step}); at {tokens:,} ({chosen}) it needs {gib(fixed.profile_oom_need)}. The flag caps "
         "tokens per step, not concurrency (that is --max-num-seqs); vLLM chunks longer prompts",
     )
+
+
+# Tensor-parallel sizes vLLM runs on one node (the custom all-reduce's world sizes, kvgate/memory/envelope.py).
+TENSOR_PARALLEL_SIZES = (2, 4, 8)
+
+
+def _tensor_parallel(request: Request, current: Startup) -> Recommendation | None:
+    """The smallest tensor parallelism whose weights shard fits one GPU and whose start-up fits
+    (vLLM needs the attention heads divisible by it: config/parallel.py verify_with_model_config)."""
+    heads = current.layout.geometry.num_attention_heads
+    for tp in TENSOR_PARALLEL_SIZES:
+        if tp <= request.tensor_parallel_size or heads % tp:
+            continue
+        trial = predict(replace(request, tensor_parallel_size=tp))
+        if trial.failure is None or not trial.failure.step.startswith("load_model"):
+            return Recommendation(
+                "--tensor-parallel-size",
+                tp,
+                f"the weights ({gib(current.weights)} per GPU at TP {request.tensor_parallel_size}) do not fit "
+                f"one {gib(current.gpu_total)} GPU; at TP {tp} each GPU holds {gib(trial.weights)} ({tp} GPUs)",
+            )
+    return None
 
 
 def safe_pool_bytes(s: Startup, other_processes_bytes: int) -> int:

@@ -228,3 +228,15 @@ def test_request_from_reads_pasted_vllm_flags(tmp_path: Path) -> None:
     )
     req = advise.request_from(args)
     assert (req.model, req.tensor_parallel_size, req.max_model_len, req.enforce_eager) == (str(folder), 2, 32000, True)
+
+
+def test_weights_that_do_not_fit_one_gpu_get_tensor_parallelism(tmp_path: Path) -> None:
+    """Mixtral-8x7B's 87 GiB of bf16 weights on one H100 die loading; TP 2 holds half on each GPU."""
+    s = predict(request(tmp_path, "mixtral-8x7b-v0.1", gpu="h100-80gb", vllm_version="0.32.0"))
+    assert s.failure is not None
+    assert s.failure.step.startswith("load_model")
+    assert s.failure.flag == "--tensor-parallel-size"
+    advised, recs = recommend(s)
+    assert advised.fits
+    assert [r.value for r in recs if r.flag == "--tensor-parallel-size"] == [2]
+    assert advised.weights == pytest.approx(s.weights / 2, rel=0.01)
