@@ -53,6 +53,11 @@ from kvgate.units import GiB, MiB
 # measured inside the budget before 0.7: "non_torch_memory takes 1.79GiB" at TP 1, 3.58 at TP 2.
 LEGACY_NON_TORCH_BYTES_PER_RANK = int(1.79 * GiB)
 LEGACY_NON_TORCH_UNTIL = Version("0.7.0")
+# Before PR #10511 (0.6.5) the profiler's baseline came after CUDA initialisation and charged only
+# what grew outside torch: "non_torch_memory=0.35GiB" on an RTX 3090 (vLLM issue #10517, a
+# 0.6.4 log of Llama-3.1-8B at TP 1), the CUDA context held beside the budget.
+PRE_10511_NON_TORCH_BYTES = int(0.35 * GiB)
+PROFILER_10511_SINCE = Version("0.6.5")
 # vllm/envs.py VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS defaults to "1" from 0.20.0 (read in 0.16.0,
 # 0.18.0, 0.19.0, 0.20.0, 0.21.0, 0.32.0; docs/calibration.md).
 GRAPHS_IN_BUDGET_SINCE = Version("0.20.0")
@@ -393,7 +398,9 @@ def predict(request: Request) -> Startup:
         raise ValueError(f"max_num_batched_tokens ({tokens}) must be greater than or equal to max_num_seqs ({seqs})")
     utilization = request.gpu_memory_utilization or release.default_utilization
     tp = request.tensor_parallel_size
-    if release.legacy_non_torch:
+    if _version(release.version) < PROFILER_10511_SINCE:
+        outside, non_torch = request.cuda_context_bytes, PRE_10511_NON_TORCH_BYTES
+    elif release.legacy_non_torch:
         outside, non_torch = 0, LEGACY_NON_TORCH_BYTES_PER_RANK * tp
     else:
         outside = outside_envelope(tp, request.cuda_context_bytes, release.version).total
