@@ -17,7 +17,7 @@ from kvgate.advise_flags import Recommendation, recommend, serving_failure
 from kvgate.advise_startup import COMPILED_FORWARD_FACTOR, Failure, Request, Startup, predict
 from kvgate.gpus import GPUS
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
-from kvgate.model_folder import ModelFolderError
+from kvgate.model_folder import ModelFolderError, resolve_model_folder
 from kvgate.units import GiB
 from kvgate.vllm_flags import add_vllm_arguments, size_argument
 
@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         dest="model_config",
         metavar="DIR",
-        help="folder holding the model's config.json (also vLLM's --model or MODEL)",
+        help="folder holding the model's config.json, a Hugging Face hub cache entry, or a model id "
+        "already in the local hub cache (also vLLM's --model or MODEL)",
     )
     parser.add_argument(
         "--gpu",
@@ -90,13 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def request_from(args: argparse.Namespace) -> Request:
-    """The prediction's input from the command line (ValueError: missing or bad input)."""
-    if args.model_config is None:
-        raise ValueError("the model folder is needed: --model DIR (or vLLM's MODEL)")
+    """The prediction's input from the command line (ModelFolderError: no model folder)."""
+    folder = resolve_model_folder(args.model_config)  # a folder, a hub cache entry or a cached model id
     spec = args.speculative_config
     extra = {} if args.cuda_context_bytes is None else {"cuda_context_bytes": args.cuda_context_bytes}
     return Request(
-        model=args.model_config,
+        model=str(folder),
         gpu=args.gpu,
         vllm_version=args.vllm_version,
         max_model_len=args.max_model_len,

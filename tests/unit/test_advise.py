@@ -77,6 +77,9 @@ def test_bad_input_is_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Captur
     rc, out, err = run_advise(folder, "--gpu", "no-such-gpu", capsys=capsys)
     assert (rc, out) == (2, "")
     assert "unknown GPU 'no-such-gpu'" in err
+    rc, out, err = run_advise(tmp_path / "missing", "--gpu", "h100-80gb", capsys=capsys)
+    assert (rc, out) == (2, "")
+    assert "neither a folder with config.json nor a model in the local Hugging Face hub cache" in err
     rc, _, err = run_advise(
         folder, "--gpu", "h100-80gb", "--vllm-version", "0.9.0", "--kv-cache-memory-bytes", "40GiB", capsys=capsys
     )
