@@ -33,6 +33,12 @@ BACKFILLED = "backfilled"  # admitted ahead of a waiting head without delaying i
 # Waiters behind the head checked for backfilling on each change: bounds the event loop's work
 # a release costs; a request further back waits its turn to come within reach.
 BACKFILL_LOOKAHEAD = 256
+# A request passes by ending before the head starts only if it would still end first taking this
+# many times as long as predicted: backfilled requests enlarge the batch, which slows every step.
+ENDS_FIRST_SLACK = 2.0
+# Share of its wait (--max-queue-wait, or what was left of it) after which nothing passes the head
+# any more: backfilling must not be why a large request is refused for waiting too long.
+HEAD_ALONE_AFTER = 0.5
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 
 
@@ -135,15 +141,18 @@ class Gate(Generic[Basis]):
         if reason is None:
             return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
         loop = asyncio.get_running_loop()
+        now = self._clock()
+        wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - now)
         waiter = Waiter(
             demand,
             priority,
             tenant,
-            self._clock(),
+            now,
             loop.create_future(),
             reason=reason,
             basis=basis,
             request_id=request_id,
+            deadline=now + wait_s,
         )
         try:
             self.queue.push(waiter)
@@ -154,7 +163,6 @@ class Gate(Generic[Basis]):
         if self.queue.peek() is waiter:  # a new head: set aside at once if it could not fit even alone
             self.changed()
         gone = watch_client() if watch_client is not None else None
-        wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - self._clock())
         try:
             return await self._wait(waiter, gone, wait_s)
         finally:
@@ -327,9 +335,12 @@ class Gate(Generic[Basis]):
         head = self.queue.peek()
         if head is None or self.budget.hold is not None or not self._kv_room(demand):
             return None
+        now = self._clock()
+        if now >= head.enqueued_at + (head.deadline - head.enqueued_at) * HEAD_ALONE_AFTER:
+            return None  # the head has used most of its wait: the line is its own until it starts
         reservation = self._head_reservation(head)
         duration = self.pace.duration_s(demand.reserved_tokens)
-        ends_at = None if duration is None else self._clock() + duration
+        ends_at = None if duration is None else now + ENDS_FIRST_SLACK * duration
         passing = reservation.passing(demand, ends_at, head.demand, self.budget)
         if passing is None or self.budget.shortfall(demand, self.ledger) is not None:
             return None

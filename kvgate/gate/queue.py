@@ -37,6 +37,7 @@ class Waiter(Generic[Basis]):
     # it waited (output lengths).
     basis: Basis | None = field(default=None, repr=False)
     request_id: str = ""  # labels the gate's decisions for observers (the decision log)
+    deadline: float = float("inf")  # when it stops waiting (the gate's clock)
 
 
 class QueueFull(Exception):

@@ -689,6 +689,23 @@ class TestBackfill:
         assert gate.ledger.in_flight == 0
         assert len(gate.queue) == 0
 
+    async def test_a_head_that_used_half_its_wait_has_the_line_to_itself(self) -> None:
+        """Backfilling must not be why a large request is refused for waiting too long: once the
+        head has waited half of --max-queue-wait, nothing passes it until it starts."""
+        clock = FakeClock()
+        gate, _ = clocked_gate(10, clock)  # --max-queue-wait 60 s
+        holder = await gate.acquire(demand(blocks=6), 0, "a")
+        head = await queued(gate, demand(blocks=8))
+        clock.now += 29.0
+        (await asyncio.wait_for(gate.acquire(demand(blocks=2), 0, "b"), 1)).release()  # it passes
+        clock.now += 1.0
+        assert gate.would_wait(demand(blocks=2), 0) == "behind_queue"
+        later = await queued(gate, demand(blocks=2), tenant="b")
+        holder.release()
+        (await asyncio.wait_for(head, 1)).release()
+        (await asyncio.wait_for(later, 1)).release()
+        assert gate.ledger.in_flight == 0
+
     async def test_a_head_that_leaves_lets_the_line_move_up(self) -> None:
         gate = make_gate(kv_blocks=10)
         holder = await gate.acquire(demand(blocks=6), 0, "a")
