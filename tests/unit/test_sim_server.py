@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from kvgate.sim.config import SimConfig
-from kvgate.sim.engine import Engine
 from kvgate.sim.runner import SimRunner
 from support.waiting import wait_for
 
@@ -178,10 +177,15 @@ def test_a_client_hanging_up_on_a_non_streamed_request_frees_it_in_the_engine(pa
         with socket.create_connection((sim.host, sim.port)) as client:
             head = f"POST {path} HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
             client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            # Running, holding KV blocks and decoding (its first token may come a step after it is scheduled).
             wait_for(
-                lambda: decoding(engine) and engine.kv.pool.num_free < free_when_idle,
+                lambda: (
+                    engine.scheduler.running
+                    and engine.kv.pool.num_free < free_when_idle
+                    and engine.scheduler.running[0].output_token_ids
+                ),
                 timeout_s=30,
-                what="the request decoding in the engine (tokens flowing), holding KV blocks",
+                what="the request decoding in the engine, holding KV blocks",
             )
         wait_for(
             lambda: not engine.scheduler.has_work(),
@@ -190,12 +194,6 @@ def test_a_client_hanging_up_on_a_non_streamed_request_frees_it_in_the_engine(pa
         )
         assert engine.kv.pool.num_free == free_when_idle
         assert aborted_count(sim) == 1
-
-
-def decoding(engine: Engine) -> bool:
-    """A request runs in the engine and has sampled output tokens."""
-    running = list(engine.scheduler.running)  # the engine's thread changes the list
-    return bool(running and running[0].output_token_ids)
 
 
 def aborted_count(sim: SimRunner) -> float:
