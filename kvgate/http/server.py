@@ -97,6 +97,9 @@ def create_app(settings: Settings) -> Kvgate:
             "backend": backend.detail(),
             "tokenizer": rt.pipeline.config.tokenizer.source if rt.pipeline.config else None,
             "budget_known": rt.budget.known,
+            # The pool's usable blocks (null block excluded) and what kvgate may reserve of it now
+            # (pool x calibrated overcommit x the conservative scale).
+            "kv_pool_blocks": rt.budget.kv_blocks,
             "kv_blocks": rt.budget.kv_limit(),
             "transient_bytes": rt.budget.transient_limit(),
             "transient_gated": rt.budget.transient_headroom_bytes is not None,

@@ -71,7 +71,6 @@ def test_readyz_and_the_gate_share_one_view_of_the_backend(tiny_model_dir: Path,
         backend_cm.__exit__(None, None, None)
         _queued_until_the_backend_is_back(kvgate, port, 30)
         assert kvgate.metric("kvgate_decisions_total", decision="queue", reason="backend_down") == 1
-        assert httpx.get(kvgate.base_url + "/readyz").status_code == 200
         assert_ledger_empty(kvgate)
 
 
@@ -125,8 +124,8 @@ def test_broken_stream_ends_with_an_error_event(tiny_model_dir: Path, tmp_path: 
             assert events[0].startswith('data: {"choices"')
             assert '"backend_stream_broken"' in events[-2]
             assert events[-1] == "data: [DONE]"
+            assert_ledger_empty(kvgate)  # the release may follow the last event the client read
             assert kvgate.metric("kvgate_reservations_released_total", outcome="upstream_error") == 1
-            assert_ledger_empty(kvgate)
 
 
 def test_no_tokenizer_anywhere_is_a_clear_4xx(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -286,3 +285,6 @@ def _queued_until_the_backend_is_back(kvgate: KvgateServer, port: int, timeout: 
             response = pending.result()
             assert response.status_code == 200, response.text
             assert len(back.received) == 1
+            # Admitted, so the shared view said "up": /readyz agrees while that backend still runs
+            # (once this block stops it, a scrape may see it down again).
+            assert httpx.get(kvgate.base_url + "/readyz").status_code == 200

@@ -127,16 +127,24 @@ def test_decisions_metrics_and_log(kvgate: KvgateServer) -> None:
     assert kvgate.metric("kvgate_tokenization_seconds_count") == tokenized + 1
     assert kvgate.metric("kvgate_decisions_total", decision="admit", reason="fits") == admitted + 1
     assert kvgate.metric("kvgate_decisions_total", decision="reject", reason="invalid_json") == rejected + 1
+    assert_ledger_empty(kvgate)  # the release may follow the answer the client read
     assert kvgate.metric("kvgate_reservations_released_total", outcome="completed") >= 1
-    decisions = [
-        json.loads(line.split("kvgate.decision ", 1)[1])
-        for line in kvgate.log().splitlines()
-        if "kvgate.decision " in line
-    ]
-    assert {"request_id": "logged", "decision": "admit", "reason": "fits"}.items() <= decisions[-2].items()
-    assert decisions[-1]["decision"] == "reject"
-    assert decisions[-1]["reason"] == "invalid_json"
-    assert_ledger_empty(kvgate)
+
+    def decisions() -> list[dict]:
+        """The decision log so far, one dict per line."""
+        lines = kvgate.log().splitlines()
+        return [json.loads(line.split("kvgate.decision ", 1)[1]) for line in lines if "kvgate.decision " in line]
+
+    # A line is written as its answer goes out, so it may reach the file just after the client has it.
+    wait_for(
+        lambda: decisions()[-1:] and decisions()[-1]["reason"] == "invalid_json",
+        timeout_s=10,
+        what="the refusal's log line",
+    )
+    logged = decisions()
+    assert {"request_id": "logged", "decision": "admit", "reason": "fits"}.items() <= logged[-2].items()
+    assert logged[-1]["decision"] == "reject"
+    assert logged[-1]["reason"] == "invalid_json"
 
 
 def test_client_leaving_the_queue_is_noticed(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -114,6 +114,9 @@ async def test_forced_outputs_reserve_their_length_and_teach_nothing(kvgate: Kvg
     needing all of any max_tokens)."""
     plain = {"model": MODEL, "prompt": "Say something short.", "max_tokens": 4000}
     await send_all(kvgate, plain, 64)
+    # Output lengths are learned as reservations are released, which may follow the last answer
+    # the client read: every one released, every one learned.
+    assert_ledger_empty(kvgate, timeout_s=30)
     learned = explain(kvgate, max_tokens=4000)
     assert learned["reserved_new_tokens"] < 300  # the simulator's answers stop after 16-255 tokens
     forced = explain(kvgate, max_tokens=4000, ignore_eos=True)
@@ -121,14 +124,25 @@ async def test_forced_outputs_reserve_their_length_and_teach_nothing(kvgate: Kvg
     assert forced["kv"]["blocks"] == forced["kv"]["blocks_at_max_tokens"] == -(-(len(PROMPT) + 4000) // 16)
     assert explain(kvgate, max_tokens=4000, min_tokens=1500)["reserved_new_tokens"] == 1500
     await send_all(kvgate, plain | {"max_tokens": 64, "ignore_eos": True}, 20)
+    assert_ledger_empty(kvgate, timeout_s=30)
     assert explain(kvgate, max_tokens=4000)["reserved_new_tokens"] == learned["reserved_new_tokens"]
     assert_idle(kvgate, sim)
 
 
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
 def backend_streams_open(sim: SimRunner) -> int:
-    """Connections to the simulator's HTTP server with a response under way."""
+    """Connections to the simulator's HTTP server with a generation under way: kvgate's own
+    scrapes of /metrics, /health and /v1/models are short answers, not streams, and not counted."""
     connections = sim._server.server_state.connections
-    return sum(1 for c in connections if getattr(c, "cycle", None) is not None and not c.cycle.response_complete)
+    return sum(
+        1
+        for c in connections
+        if (cycle := getattr(c, "cycle", None)) is not None
+        and not cycle.response_complete
+        and cycle.scope["path"] in GENERATION_PATHS
+    )
 
 
 def stalled_client(kvgate: KvgateServer, body: dict) -> socket.socket:
