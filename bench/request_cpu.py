@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import json
 import logging
 import os
 import subprocess
@@ -34,8 +35,6 @@ from kvgate.sim.runner import free_port
 
 
 def completions_body(prompt: str) -> bytes:
-    import json
-
     return json.dumps({"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 16}).encode()
 
 
