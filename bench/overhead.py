@@ -244,18 +244,21 @@ def _tree_cpu_seconds(pid: int | None) -> float:
     return total
 
 
-def wait_until_idle(pid: int, timeout_s: float = 120.0, window_s: float = 0.5, busy_share: float = 0.05) -> float:
-    """Wait until a process and its children use under `busy_share` of a core over `window_s`
-    (at most `timeout_s`); the seconds waited. `kvgate serve` says ready before its preparation
-    workers (kvgate/preparation_workers.py) have loaded transformers and the tokenizer: a few CPU
-    seconds on the proxy's core, which counted as CPU per request in the first phases when the
-    measurement started at once."""
+def wait_until_idle(
+    pid: int, timeout_s: float = 120.0, window_s: float = 0.5, busy_share: float = 0.05, windows: int = 3
+) -> float:
+    """Wait until a process and its children have used under `busy_share` of a core in each of
+    `windows` windows of `window_s` in a row (at most `timeout_s`); the seconds waited.
+    `kvgate serve` says ready before its preparation workers (kvgate/preparation_workers.py) have
+    loaded transformers and the tokenizer: a few CPU seconds on the proxy's core, which counted as
+    CPU per request in the first phases when the measurement started at once. Several quiet
+    windows, not one: on a busy machine the workers (niced) can be starved for a moment."""
     started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
+    quiet = 0
+    while quiet < windows and time.monotonic() - started < timeout_s:
         before = _tree_cpu_seconds(pid)
         time.sleep(window_s)
-        if _tree_cpu_seconds(pid) - before < busy_share * window_s:
-            break
+        quiet = quiet + 1 if _tree_cpu_seconds(pid) - before < busy_share * window_s else 0
     return time.monotonic() - started
 
 
