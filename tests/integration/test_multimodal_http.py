@@ -157,3 +157,15 @@ def test_limit_mm_per_prompt_is_vllms_400(kvgate: KvgateServer) -> None:
     assert response.status_code == 400, response.text
     assert "At most 2 image(s) may be provided in one prompt." in response.json()["error"]["message"]
     assert_ledger_empty(kvgate)
+
+
+def test_kwargs_asking_for_a_billion_tokens_are_a_400(kvgate: KvgateServer, backend: FakeBackend) -> None:
+    """min_pixels 10^12 would make a 64 x 64 image 1.3 billion tokens: refused as too long for
+    the context before any of them is built, nothing forwarded, nothing reserved."""
+    forwarded = len(backend.seen)
+    body = _chat(_image(_png(64, 64)), mm_processor_kwargs={"min_pixels": 10**12, "max_pixels": 10**13})
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "maximum context length" in response.json()["error"]["message"]
+    assert len(backend.seen) == forwarded
+    assert_ledger_empty(kvgate)
