@@ -2,7 +2,9 @@
 
 Prints the same figures vLLM logs at start-up ("GPU KV cache size: N tokens",
 "Maximum concurrency for L tokens per request: X.XXx") from a model folder and
-``--kv-cache-memory-bytes``, so a deployment can be sized before a GPU is booked.
+``--kv-cache-memory-bytes``, so a deployment can be sized before a GPU is booked. It is the pool
+step of `kvgate advise`'s prediction (kvgate/advise_startup.py: the same layout and capacity),
+for a pool size given rather than predicted.
 """
 
 from __future__ import annotations
@@ -10,13 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
-from pathlib import Path
 
-from kvgate.memory.geometry import dtype_bytes
-from kvgate.memory.kv import KVLayout
-from kvgate.model_folder import load_geometry
-from kvgate.speculative import resolve_drafter
+from kvgate.advise_startup import load_layout
 from kvgate.vllm_flags import add_vllm_arguments
 
 # vLLM's flags that size the pool (declared once in kvgate.vllm_flags).
@@ -53,27 +50,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the model folder is needed: --model-config DIR (or vLLM's --model / MODEL)")
         if args.kv_cache_memory_bytes is None:
             raise ValueError("the KV cache size is needed: --kv-cache-memory-bytes (vLLM's flag, e.g. 49.94GiB)")
-        geometry = load_geometry(args.model_config)
-        if args.dtype != "auto":
-            geometry = replace(geometry, dtype_bytes=dtype_bytes(args.dtype))
-        max_model_len = args.max_model_len or geometry.max_position_embeddings
-        if not max_model_len:
-            raise ValueError("config.json has no max_position_embeddings; pass --max-model-len")
-        if args.block_size is None and geometry.is_hybrid_state:
-            raise ValueError(
-                "this model keeps a recurrent state in some layers, and vLLM sizes its blocks to "
-                "fit one state page: pass the block size vLLM logs (--block-size)"
-            )
         spec = args.speculative_config
-        target_config = json.loads((Path(args.model_config) / "config.json").read_text())
-        drafter = resolve_drafter(spec.method, spec.model, geometry, target_config) if spec else None
-        layout = KVLayout(
-            geometry,
-            block_size=args.block_size or 16,
+        _, layout, max_model_len = load_layout(
+            args.model_config,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
             tensor_parallel_size=args.tensor_parallel_size,
             pipeline_parallel_size=args.pipeline_parallel_size,
             kv_cache_dtype=args.kv_cache_dtype,
-            draft=drafter,
+            speculative_method=spec.method if spec else None,
+            speculative_model=spec.model if spec else None,
         )
         cap = layout.capacity(args.kv_cache_memory_bytes, max_model_len, args.max_num_batched_tokens)
     except ValueError as exc:
@@ -100,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0 if fits else 1
-    draft = f", the {drafter.method} draft's {layout.draft_layers} included" if drafter else ""
+    draft = f", the {layout.draft.method} draft's {layout.draft_layers} included" if layout.draft else ""
     print(
         f"KV cache bytes per token per GPU: {cap.bytes_per_token:,} "
         f"({layout.layers_per_stage} layers x {layout.bytes_per_token_per_layer:,} B{draft})"

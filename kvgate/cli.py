@@ -1,4 +1,4 @@
-"""`kvgate serve | capacity | explain | sim`: the command line."""
+"""`kvgate serve | capacity | advise | explain | sim`: the command line."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from kvgate import capacity
+from kvgate import advise, capacity
 from kvgate.logs import configure_logging, quiet_transformers_advice
 from kvgate.model_folder import ModelFolderError, resolve_model_folder
 from kvgate.settings import Settings, add_settings_arguments, settings_from_args
@@ -274,6 +274,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     capacity.add_arguments(capacity_parser)
     capacity_parser.set_defaults(run=capacity.run)
 
+    advise_parser = commands.add_parser(
+        "advise",
+        help="Predict vLLM's start-up on a GPU and propose flags that start and serve safely.",
+        description=advise.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    advise.add_arguments(advise_parser)
+    advise_parser.set_defaults(run=advise.run)
+
     explain_parser = commands.add_parser(
         "explain",
         help="Show a request's footprint and the decision kvgate would take now.",
@@ -310,7 +319,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 # Commands that take a pasted vLLM command line (its other options are ignored, not errors).
-VLLM_COMMANDS = ("serve", "explain", "capacity")
+VLLM_COMMANDS = ("serve", "explain", "capacity", "advise")
 
 
 def parse_command_line(argv: list[str]) -> argparse.Namespace:
@@ -327,7 +336,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
         args.ignored_vllm_options = ignored_vllm_options(rest)
     except UnknownFlagError as exc:
         parser.error(str(exc))
-    model_dest = "model_config" if args.command == "capacity" else "model"
+    model_dest = "model_config" if args.command in ("capacity", "advise") else "model"
     if model is not None and getattr(args, model_dest, None) is None and Path(model).is_dir():
         setattr(args, model_dest, model)
     return args

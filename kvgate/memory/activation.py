@@ -804,6 +804,11 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     for that shape (sampler stage; forward 0.78 GiB); with V0's extra 8 B it is
     1.04 GiB. The test pins it between 0.6x and 1.05x of the public figure.
     """
+    return max(profile_forward_bytes(geometry, engine), profile_sampler_bytes(geometry, engine))
+
+
+def profile_forward_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
+    """The forward half of the profile run's peak (see profile_peak_bytes)."""
     g, e = geometry, engine
     t, dt, tp = e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
     hidden = t * g.hidden_size * dt
@@ -817,6 +822,13 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     if e.draft is not None:  # the draft's dummy pass over T tokens, the target's states alive
         aux = e.draft.aux_hidden_states * hidden
         forward = max(forward + aux, hidden + aux + _draft_pass_bytes(g, e.draft, tp, t))
+    return forward
+
+
+def profile_sampler_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
+    """The sampler half of the profile run's peak (see profile_peak_bytes)."""
+    g, e = geometry, engine
+    hidden = e.max_num_batched_tokens * g.hidden_size * g.dtype_bytes
     cost = sampler_cost(g, e)
     # V1 profiles a random full-vocab top-k/top-p (its resolved path); V2's dummy batch is greedy
     # up to 0.32.0; 0.33.0's warm-up pass adds the fp32 copy, top-k/top-p and top-5 logprobs
@@ -826,5 +838,4 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
         cost.profiled_rows, warm, False, 0, random=e.runner == "v1" or warm, processing=warm, filtered=warm
     )
     # V2's stage counts its rows' share of the step's hidden states, which `hidden` holds whole
-    sampler = hidden + stage.profiled - stage.sample_hidden // 2
-    return max(forward, sampler)
+    return hidden + stage.profiled - stage.sample_hidden // 2

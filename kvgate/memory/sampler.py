@@ -132,6 +132,36 @@ V2_VERIFY_CHUNK_BYTES = 1 << 30
 # [rows, ceil(V / 32)] int32 grammar bitmask copied to the GPU; V2 preallocates it at start-up
 # (v1/worker/gpu/structured_outputs.py: grammar_bitmask).
 BITMASK_TOKENS_PER_WORD = 32
+# CUDA's sort keeps scratch the CPU's does not (PyTorch aten/src/ATen/native/cuda/Sort.cu
+# `launch_stable_sort_kernel`): from SEGMENTED_SORT_MIN_ROWS rows `segmented_sort_pairs` allocates
+# int64 reverse indices (8 B a logit) and CUB's SortPairs alternate keys and values (12 B); fewer
+# rows take `segmented_sort_pairs_by_full_sort` (two int2 arrays, a keys output and CUB's
+# alternates: 32 B). It lives only inside `torch.sort`, beside its outputs (fp32 values and int64
+# indices, SORT_OUTPUT_BYTES_PER_LOGIT of SORT_BYTES_PER_LOGIT): the sort's peak is 12 + 20 = 32 B
+# a logit, 14 more than the 18 the CPU measured (bench/fidelity). With the logits and their fp32
+# copy that is 38 B a logit; the public H100 start-up logs of docs/calibration.md (vLLM 0.11.0,
+# 1,024 rows) log 38.4 - 38.9 B a logit of profile peak.
+SEGMENTED_SORT_MIN_ROWS = 128
+SORT_OUTPUT_BYTES_PER_LOGIT = 12
+CUDA_SORT_SCRATCH_BYTES_PER_LOGIT = 20
+CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT = 32
+
+
+def v2_penalty_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """Model Runner V2's ``PenaltiesState`` (vllm 0.32.0 v1/worker/gpu/sample/penalties.py
+    ``__init__``): ``output_bin_counts`` ``[max_num_reqs, V]`` and ``prompt_bin_mask``
+    ``[max_num_reqs, ceil(V / 32)]``, int32, allocated at start-up before the profile whatever the
+    requests ask (vLLM's own comment: "can be very large, taking up GBs of GPU memory")."""
+    return max_num_seqs * (vocab_size + -(-vocab_size // 32)) * 4
+
+
+def cuda_sort_peak_extra_bytes(rows: int, vocab_size: int) -> int:
+    """What CUDA's `torch.sort` of `[rows, vocab_size]` fp32 holds at its peak beyond the 18 B a
+    logit of the PyTorch top-k/top-p path (its scratch, while the masks are not yet made)."""
+    scratch = (
+        CUDA_SORT_SCRATCH_BYTES_PER_LOGIT if rows >= SEGMENTED_SORT_MIN_ROWS else CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT
+    )
+    return rows * vocab_size * max(0, SORT_OUTPUT_BYTES_PER_LOGIT + scratch - SORT_BYTES_PER_LOGIT)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvgate.units import GiB, parse_size
+from kvgate.gpus import GPUS, gpu_total_bytes
 
 _LLAMA_3_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -126,16 +126,6 @@ MODELS: dict[str, dict[str, Any]] = {
     },
 }
 
-# Total device memory as CUDA reports it, in bytes.
-GPUS: dict[str, int] = {
-    "a100-40gb": int(39.39 * GiB),
-    "a100-80gb": int(79.15 * GiB),
-    "h100-80gb": int(79.25 * GiB),
-    "h200-141gb": int(139.8 * GiB),
-    "l4-24gb": int(22.05 * GiB),
-    "rtx-4090-24gb": int(23.64 * GiB),
-}
-
 
 def model_config(name: str) -> dict[str, Any]:
     """A copy of a preset's config.json, or KeyError naming the presets."""
@@ -143,19 +133,6 @@ def model_config(name: str) -> dict[str, Any]:
     if key not in MODELS:
         raise KeyError(f"unknown model preset {name!r}; presets: {', '.join(sorted(MODELS))}")
     return dict(MODELS[key])
-
-
-def gpu_total_bytes(spec: str) -> int:
-    """A GPU preset's capacity, or a byte count in vLLM's units ('85899345920', '80GiB', '80G')."""
-    key = spec.lower()
-    if key in GPUS:
-        return GPUS[key]
-    try:
-        size = parse_size(spec)
-    except ValueError:
-        raise KeyError(f"unknown GPU {spec!r}; presets: {', '.join(sorted(GPUS))}, or a size (80GiB)") from None
-    assert isinstance(size, int)
-    return size
 
 
 def write_model_folder(name: str, folder: str | Path) -> Path:
@@ -168,3 +145,6 @@ def write_model_folder(name: str, folder: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model_config(name), indent=2) + "\n")
     return path
+
+
+__all__ = ["GPUS", "gpu_total_bytes"]

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # Modules every layer may import: they import nothing else of kvgate (their own contract).
-SHARED_VOCABULARY = {"kvgate.units", "kvgate.vllm_flags"}
+SHARED_VOCABULARY = {"kvgate.units", "kvgate.vllm_flags", "kvgate.gpus"}
 
 
 def kvgate_modules() -> set[str]:

@@ -1,0 +1,257 @@
+"""``kvgate advise``: vLLM's start-up predicted before a GPU is booked, and flags that start and serve.
+
+``kvgate advise --model FOLDER --gpu NAME|BYTES [vLLM's flags] [--vllm-version V] [--json]``
+prints what the release would log (weights, profile peak, non-torch memory, CUDA graphs, the KV
+pool and the "Maximum concurrency" line), where it would die or refuse, and the proposed flags.
+The prediction is kvgate/advise_startup.py, the proposals kvgate/advise_flags.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvgate.advise_flags import Recommendation, recommend, serving_failure
+from kvgate.advise_startup import COMPILED_FORWARD_FACTOR, Failure, Request, Startup, predict
+from kvgate.gpus import GPUS
+from kvgate.memory.vllm_runner import NEWEST_KNOWN
+from kvgate.model_folder import ModelFolderError, resolve_model_folder
+from kvgate.units import GiB
+from kvgate.vllm_flags import add_vllm_arguments, size_argument
+
+# vLLM's flags that change the start-up (declared once in kvgate.vllm_flags).
+STARTUP_FLAGS = (
+    "max_model_len",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "dtype",
+    "kv_cache_dtype",
+    "block_size",
+    "enforce_eager",
+    "cudagraph_capture_sizes",
+    "max_cudagraph_capture_size",
+    "speculative_config",
+    "model_runner",
+    "sampler",
+)
+# Where vLLM picks by release or GPU, advise does too: unset means vLLM's default.
+RELEASE_DEFAULTS: dict[str, Any] = {
+    "max_num_batched_tokens": None,
+    "max_num_seqs": None,
+    "gpu_memory_utilization": None,
+    "block_size": None,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-config",
+        "--model",
+        dest="model_config",
+        metavar="DIR",
+        help="folder holding the model's config.json, a Hugging Face hub cache entry, or a model id "
+        "already in the local hub cache (also vLLM's --model or MODEL)",
+    )
+    parser.add_argument(
+        "--gpu",
+        required=True,
+        help=f"the GPU: one of {', '.join(sorted(GPUS))}, or its total memory as CUDA reports it (79.25GiB)",
+    )
+    add_vllm_arguments(parser, STARTUP_FLAGS, typed=True, defaults=RELEASE_DEFAULTS)
+    parser.add_argument(
+        "--vllm-version",
+        default=NEWEST_KNOWN,
+        help=f"the vLLM release to predict [default: {NEWEST_KNOWN}, the newest kvgate read]",
+    )
+    parser.add_argument(
+        "--cuda-context-bytes",
+        type=size_argument,
+        default=None,
+        help="the CUDA context of vLLM's process (default: kvgate's 500 MiB; nvidia-smi shows yours)",
+    )
+    parser.add_argument(
+        "--other-processes-bytes",
+        type=size_argument,
+        default=0,
+        help="GPU memory other processes hold (nvidia-smi); advised flags leave it free",
+    )
+    parser.add_argument(
+        "--request-tokens",
+        type=int,
+        default=None,
+        help="the prompt + max_tokens of your traffic's requests: sizes the --max-num-seqs advice",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def request_from(args: argparse.Namespace) -> Request:
+    """The prediction's input from the command line (ModelFolderError: no model folder)."""
+    folder = resolve_model_folder(args.model_config)  # a folder, a hub cache entry or a cached model id
+    spec = args.speculative_config
+    extra = {} if args.cuda_context_bytes is None else {"cuda_context_bytes": args.cuda_context_bytes}
+    return Request(
+        model=str(folder),
+        gpu=args.gpu,
+        vllm_version=args.vllm_version,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        enforce_eager=args.enforce_eager,
+        cudagraph_capture_sizes=tuple(args.cudagraph_capture_sizes) if args.cudagraph_capture_sizes else None,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        model_runner=args.model_runner,
+        sampler=args.sampler,
+        speculative_method=spec.method if spec else None,
+        speculative_model=spec.model if spec else None,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        **extra,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the prediction and the advice; 0 if vLLM starts, 1 if it dies or refuses, 2 on bad input."""
+    try:
+        startup = predict(request_from(args))
+        advised, recommended = recommend(startup, args.request_tokens, args.other_processes_bytes)
+    except (ValueError, KeyError, ModelFolderError, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) else exc
+        print(f"kvgate advise: {message}", file=sys.stderr)
+        return 2
+    serving = serving_failure(startup)
+    if args.json:
+        print(json.dumps(as_json(startup, serving, advised, recommended), indent=2))
+    else:
+        print("\n".join(as_text(startup, serving, advised, recommended)))
+    return 0 if startup.fits else 1
+
+
+def _failure_json(failure: Failure | None) -> dict[str, Any] | None:
+    if failure is None:
+        return None
+    return {
+        "step": failure.step,
+        "bytes": failure.bytes,
+        "flag": failure.flag,
+        "kind": failure.kind,
+        "message": failure.message,
+    }
+
+
+def startup_json(s: Startup) -> dict[str, Any]:
+    """The prediction in numbers (bytes per GPU)."""
+    pool = s.sized_the_pool
+    return {
+        "vllm_version": s.release.version,
+        "engine": s.release.engine,
+        "runner": s.runtime.runner,
+        "sampler": s.runtime.sampler_backend,
+        "gpu_total_bytes": s.gpu_total,
+        "gpu_memory_utilization": s.utilization,
+        "requested_bytes": s.requested,
+        "outside_budget_bytes": s.outside,
+        "max_model_len": s.max_model_len,
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "max_num_seqs": s.max_num_seqs,
+        "weights_bytes": s.weights,
+        "runner_state_bytes": s.runner_state,
+        "profile_peak_bytes": s.profile_peak,
+        "profile_forward_bytes": s.profile_forward,
+        "profile_sampler_bytes": s.profile_sampler,
+        "full_step_bytes": s.full_step,
+        "non_torch_bytes": s.non_torch,
+        "cuda_graph_bytes": s.graphs,
+        "cuda_graph_sizes": s.graph_sizes,
+        "cuda_graphs_in_budget": s.release.graphs_in_budget,
+        # null where vLLM dies before sizing the pool
+        "kv_cache_bytes": s.kv_cache_bytes if pool else None,
+        "kv_cache_blocks": s.capacity.num_blocks if pool else None,
+        "block_size": s.block_size,
+        "kv_cache_tokens": s.capacity.kv_cache_tokens if pool else None,
+        "max_concurrency": round(s.capacity.max_concurrency, 2) if pool else None,
+        "fits": s.fits,
+        "failure": _failure_json(s.failure),
+        "estimated_max_model_len": s.estimated_max_model_len,
+        "warnings": list(s.warnings),
+    }
+
+
+def as_json(
+    startup: Startup, serving: Failure | None, advised: Startup, recommended: list[Recommendation]
+) -> dict[str, Any]:
+    return {
+        "startup": startup_json(startup),
+        "serving": {"safe": serving is None and startup.fits, "failure": _failure_json(serving)},
+        "recommended": [{"flag": r.flag, "value": r.value, "reason": r.reason} for r in recommended],
+        "advised_startup": startup_json(advised),
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def as_text(
+    startup: Startup, serving: Failure | None, advised: Startup, recommended: list[Recommendation]
+) -> list[str]:
+    s = startup
+    graphs_where = "inside the budget" if s.release.graphs_in_budget else "on top, after the pool"
+    lines = [
+        f"vLLM {s.release.version} ({s.release.engine.upper()} engine, model runner {s.runtime.runner.upper()}, "
+        f"{s.runtime.sampler_backend} sampler) on {_gib(s.gpu_total)}, gpu_memory_utilization {s.utilization} "
+        f"({_gib(s.requested)}); outside the budget {_gib(s.outside)}",
+        f"  max_model_len {s.max_model_len:,}, max_num_batched_tokens {s.max_num_batched_tokens:,}, "
+        f"max_num_seqs {s.max_num_seqs:,}",
+        f"  Model loading took {_gib(s.weights)}"
+        + (f"; Model Runner V2's penalty state {_gib(s.runner_state)}" if s.runner_state else ""),
+        f"  profile peak {_gib(s.profile_peak)} (forward {_gib(s.profile_forward)}, sampler {_gib(s.profile_sampler)})"
+        f"; non-torch {_gib(s.non_torch)}",
+        f"  CUDA graphs {_gib(s.graphs)} ({s.graph_sizes} sizes, {graphs_where})",
+    ]
+    if s.release.compiled:
+        lines.append(
+            f"  compiled forward, for the out-of-memory check: {_gib(int(s.profile_forward * COMPILED_FORWARD_FACTOR))} "
+            f"(torch.compile's buffers, {COMPILED_FORWARD_FACTOR} x the eager tape: docs/advise.md)"
+        )
+    reached_pool = s.sized_the_pool
+    if reached_pool and s.request.kv_cache_memory_bytes is None:
+        lines.append(f"  Available KV cache memory: {_gib(s.kv_cache_bytes)}")
+    elif reached_pool:
+        lines.append(f"  KV cache memory (--kv-cache-memory-bytes, not measured): {_gib(s.kv_cache_bytes)}")
+    if s.failure is None or s.failure.flag == "--max-model-len":
+        lines += [
+            f"  GPU KV cache size: {s.capacity.kv_cache_tokens:,} tokens ({s.capacity.num_blocks:,} blocks of {s.block_size})",
+            f"  Maximum concurrency for {s.max_model_len:,} tokens per request: {s.capacity.max_concurrency:.2f}x",
+        ]
+    lines += [f"  warning: {w}" for w in s.warnings]
+    if s.failure is None:
+        lines.append("start-up: fits")
+    else:
+        f = s.failure
+        lines.append(f"start-up: {f.kind} in {f.step} ({_gib(f.bytes)}; change {f.flag})")
+        lines.append(f"  {f.message}")
+    if serving is not None:
+        lines.append(f"serving: dies at the {serving.step} ({_gib(serving.bytes)}; change {serving.flag})")
+        lines.append(f"  {serving.message}")
+    still = f" (kvgate found none that start: {advised.failure.step})" if advised.failure else ""
+    lines.append("advised flags" + still)
+    for r in recommended:
+        lines.append(f"  {r.flag} {r.value}: {r.reason}")
+    if advised.request != startup.request and advised.fits:
+        lines.append(
+            f"  with them: KV cache {_gib(advised.kv_cache_bytes)}, {advised.capacity.kv_cache_tokens:,} tokens, "
+            f"maximum concurrency {advised.capacity.max_concurrency:.2f}x at {advised.max_model_len:,} tokens"
+        )
+    return lines
