@@ -140,6 +140,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+# Pixel bounds beyond which smart_resize's float arithmetic overflows or loses integers.
+_MOST_PIXELS = 2**53
+
+
 @dataclass(frozen=True)
 class DynamicResolution(ImageRule):
     """Qwen2-VL's images: resized by smart_resize to multiples of patch_size * merge_size, one
@@ -170,12 +174,12 @@ class DynamicResolution(ImageRule):
                 size[edge] = kwargs[alias]
         try:
             low, high = int(size["shortest_edge"]), int(size["longest_edge"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise TokenizationError(
                 f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {size}."
             ) from None
-        if low < 1 or high < 1:
-            raise TokenizationError(f"min_pixels and max_pixels must be positive, got {low} and {high}")
+        if not (1 <= low <= _MOST_PIXELS and 1 <= high <= _MOST_PIXELS):
+            raise TokenizationError(f"min_pixels and max_pixels must be between 1 and 2**53, got {low} and {high}")
         return low, high
 
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
@@ -237,7 +241,7 @@ class PanAndScan:
                 int(kwargs.get("pan_and_scan_max_num_crops", self.max_num_crops)),
                 float(kwargs.get("pan_and_scan_min_ratio_to_activate", self.min_ratio_to_activate)),
             )
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise TokenizationError(f"Bad pan-and-scan option in mm_processor_kwargs: {exc}") from None
         if scan.enabled and (scan.min_crop_size < 1 or scan.max_num_crops < 1):
             raise TokenizationError("pan_and_scan_min_crop_size and pan_and_scan_max_num_crops must be at least 1.")
