@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import random
 import struct
 import zlib
 from collections.abc import Iterator
@@ -62,6 +63,7 @@ def kvgate(
     qwen2_vl_dir: Path, backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[KvgateServer]:
     flags = ["--mm-processor-kwargs", '{"max_pixels": 100352}', "--limit-mm-per-prompt", '{"image": 2}']
+    flags += ["--max-process-memory-bytes", "1GiB"]  # not this machine's cgroup: the same budget everywhere
     with running_kvgate(backend.base_url, qwen2_vl_dir, tmp_path_factory.mktemp("kvgate"), *flags) as server:
         yield server
 
@@ -168,4 +170,29 @@ def test_kwargs_asking_for_a_billion_tokens_are_a_400(kvgate: KvgateServer, back
     assert response.status_code == 400, response.text
     assert "maximum context length" in response.json()["error"]["message"]
     assert len(backend.seen) == forwarded
+    assert_ledger_empty(kvgate)
+
+
+def _noise_png(width: int, height: int) -> str:
+    pixels = random.Random(width * height).randbytes(width * height * 3)  # noise: no compression
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (width, height), pixels).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_body_over_64_kib_is_counted_alike_in_a_preparation_worker(kvgate: KvgateServer) -> None:
+    """A body over 64 KiB is prepared in a worker process (kvgate/pipeline.py INLINE_BODY_BYTES),
+    which counts with the same flags: 200 x 200 -> 196 x 196 -> 14 x 14 patches -> 49 tokens,
+    and a third image over --limit-mm-per-prompt is refused there too."""
+    url = _noise_png(200, 200)
+    assert len(url) > 64 * 1024
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": PLACEHOLDER}))
+    assert _prompt_tokens(kvgate, _chat(_image(url))) == placeholder - 1 + 49
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=_chat(*[_image(url)] * 3), timeout=30)
+    assert response.status_code == 400, response.text
+    assert "At most 2 image(s)" in response.json()["error"]["message"]
+    bad = _chat(_image(url[:-8] + "@@@@@@@@"))
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=bad, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "not valid base64" in response.json()["error"]["message"]
     assert_ledger_empty(kvgate)
