@@ -196,3 +196,13 @@ def test_a_body_over_64_kib_is_counted_alike_in_a_preparation_worker(kvgate: Kvg
     assert response.status_code == 400, response.text
     assert "not valid base64" in response.json()["error"]["message"]
     assert_ledger_empty(kvgate)
+
+
+def test_a_13_mb_image_is_counted_within_its_memory_grant(kvgate: KvgateServer) -> None:
+    """An 1800 x 1800 noise PNG (a 13 MB data URL) is prepared in a worker within what the body
+    was charged (the worker is killed past its grant: a 413): 11 x 11 units -> 121 tokens."""
+    url = _noise_png(1800, 1800)
+    assert len(url) > 12_000_000
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": PLACEHOLDER}))
+    assert _prompt_tokens(kvgate, _chat(_image(url))) == placeholder - 1 + 121
+    assert_ledger_empty(kvgate)
