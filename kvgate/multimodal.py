@@ -485,19 +485,25 @@ def _stand_in(key: str) -> int:
 
 def replace_token_matches(ids: list[int], match: Sequence[int], new: Sequence[int]) -> list[int]:
     """Every non-overlapping run of `match`, left to right, becomes `new` (vllm/multimodal/
-    processing replace_token_matches)."""
-    if not match:
+    processing/processor.py replace_token_matches and iter_token_matches, 0.32.0 and 0.33.0,
+    with their C-level scan for the run's first token)."""
+    wanted = list(match)
+    if not wanted:
         return ids
     out: list[int] = []
-    i, n = 0, len(match)
-    while i < len(ids):
-        if ids[i : i + n] == list(match):
+    start = found = 0
+    while True:
+        try:
+            found = ids.index(wanted[0], found, max(len(ids) - len(wanted) + 1, 0))
+        except ValueError:
+            break
+        if ids[found : found + len(wanted)] == wanted:
+            out += ids[start:found]
             out += new
-            i += n
+            start = found = found + len(wanted)
         else:
-            out.append(ids[i])
-            i += 1
-    return out
+            found += 1
+    return out + ids[start:]
 
 
 def expand_images(

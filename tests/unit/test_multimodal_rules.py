@@ -268,3 +268,15 @@ def test_many_crops_of_a_thin_image_are_refused_against_the_context() -> None:
     with pytest.raises(PromptTooLong) as refused:
         asyncio.run(gemma.encode_chat(chat, max_tokens=4096))
     assert refused.value.tokens_at_least == 256 * 2001
+
+
+def test_replace_token_matches_is_vllms_non_overlapping_left_to_right() -> None:
+    from kvgate.multimodal import replace_token_matches
+
+    assert replace_token_matches([1, 2, 2, 2, 2, 2], [2, 2], [9]) == [1, 9, 9, 2]
+    assert replace_token_matches([2, 1, 2, 1, 2], [2, 1], [7, 7, 7]) == [7, 7, 7, 7, 7, 7, 2]
+    assert replace_token_matches([5, 2], [2, 1], [9]) == [5, 2]  # a run cut off at the end
+    assert replace_token_matches([], [2], [9]) == []
+    assert replace_token_matches([3, 3], [], [9]) == [3, 3]
+    long = [107, 108] * 50_000
+    assert replace_token_matches(long, [107, 108], [109]) == [109] * 50_000
