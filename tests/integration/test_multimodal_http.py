@@ -206,3 +206,51 @@ def test_a_13_mb_image_is_counted_within_its_memory_grant(kvgate: KvgateServer) 
     placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": PLACEHOLDER}))
     assert _prompt_tokens(kvgate, _chat(_image(url))) == placeholder - 1 + 121
     assert_ledger_empty(kvgate)
+
+
+GEMMA_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(
+    tiny_model_dir: Path, backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[KvgateServer, object]]:
+    """A tiny Gemma 3 folder: the tiny Llama's tokenizer with Gemma's image tokens added, a gemma3
+    config.json (64 tokens an image, to keep prompts short) behind kvgate serve."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": GEMMA_TOKENS})
+    tok.save_pretrained(str(folder))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update(
+        model_type="gemma3",
+        architectures=["Gemma3ForConditionalGeneration"],
+        boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
+        mm_tokens_per_image=64,
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    flags = ["--max-process-memory-bytes", "1GiB"]
+    with running_kvgate(backend.base_url, folder, tmp_path_factory.mktemp("kvgate"), *flags) as server:
+        yield server, tok
+
+
+def test_gemma3_images_take_the_tokenized_sequence(gemma3: tuple[KvgateServer, object]) -> None:
+    """Each image: the tokens of "\\n\\n<start_of_image>" + 64 soft tokens + "<end_of_image>\\n\\n"
+    in place of the placeholder (transformers' Gemma3Processor.full_image_sequence, vLLM's
+    get_image_repl); with do_pan_and_scan a 1200 x 400 image makes 3 crops, each that sequence
+    after vLLM's "Here is the original image ..." text; a square one none."""
+    kvgate, tok = gemma3
+    full = "\n\n<start_of_image>" + "<image_soft_token>" * 64 + "<end_of_image>\n\n"
+    encoded = len(tok.encode(full, add_special_tokens=False))  # type: ignore[attr-defined]
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": "<start_of_image>"}))
+    assert _prompt_tokens(kvgate, _chat(_image(_png(1200, 400)))) == placeholder - 1 + encoded
+    scanned = f"Here is the original image {full} and here are some crops to help you see better {full} {full} {full}"
+    scanned_tokens = len(tok.encode(scanned, add_special_tokens=False))  # type: ignore[attr-defined]
+    kwargs = {"mm_processor_kwargs": {"do_pan_and_scan": True}}
+    assert _prompt_tokens(kvgate, _chat(_image(_png(1200, 400)), **kwargs)) == placeholder - 1 + scanned_tokens
+    assert _prompt_tokens(kvgate, _chat(_image(_png(400, 400)), **kwargs)) == placeholder - 1 + encoded
+    assert_ledger_empty(kvgate)
