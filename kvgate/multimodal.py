@@ -226,7 +226,7 @@ def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
 
 @dataclass(frozen=True)
 class PanAndScan:
-    """Gemma3ImageProcessor's pan-and-scan options (transformers defaults: off, 256, 4, 1.2)."""
+    """Gemma 3's pan-and-scan options (transformers 5.19 Gemma3ProcessorKwargs defaults: off, 256, 4, 1.2)."""
 
     enabled: bool = False
     min_crop_size: int = 256
@@ -299,18 +299,15 @@ class FixedSequence(ImageRule):
 
 def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
     """Tokens per image: processor_config.json's image_seq_length (Gemma3Processor), else
-    config.json's mm_tokens_per_image; pan-and-scan options from preprocessor_config.json."""
+    config.json's mm_tokens_per_image. Pan-and-scan starts from transformers' Gemma3ProcessorKwargs
+    defaults (off, 256, 4, 1.2), not from preprocessor_config.json: Gemma3ProcessingInfo.get_num_crops
+    reads them through the processor's _merge_kwargs, whose defaults override the image processor's
+    own settings, so only --mm-processor-kwargs or the request turn it on (vLLM 0.32.0, checked
+    in tests/integration/test_multimodal.py)."""
     if "image_token_index" not in config or "boi_token_index" not in config:
         return None
     tokens = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
-    defaults = PanAndScan()
-    scan = PanAndScan(
-        bool(processor.get("do_pan_and_scan") or False),
-        int(processor.get("pan_and_scan_min_crop_size") or defaults.min_crop_size),
-        int(processor.get("pan_and_scan_max_num_crops") or defaults.max_num_crops),
-        float(processor.get("pan_and_scan_min_ratio_to_activate") or defaults.min_ratio_to_activate),
-    )
-    return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens), scan)
+    return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens))
 
 
 # config.json model_type -> the rule's reader of config.json and the processor's config files.

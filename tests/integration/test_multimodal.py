@@ -203,6 +203,13 @@ CASES = [
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 100}},
+    # preprocessor_config.json's pan-and-scan settings are overridden by the processor's defaults
+    {
+        **GEMMA3_4B,
+        "processor": {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2},
+        "cli_kwargs": {},
+        "request_kwargs": {},
+    },
 ]
 
 
@@ -215,7 +222,7 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | None:
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 11 kwarg settings
+    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 12 kwarg settings
     (config, --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped), kvgate's count
     equals vLLM 0.32.0's Qwen2VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
     image kvgate does not see counts vLLM's get_max_image_tokens; where vLLM raises (aspect ratio
