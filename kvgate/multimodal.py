@@ -298,15 +298,16 @@ class FixedSequence(ImageRule):
 
 
 def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """Tokens per image: processor_config.json's image_seq_length (Gemma3Processor), else
-    config.json's mm_tokens_per_image. Pan-and-scan starts from transformers' Gemma3ProcessorKwargs
+    """Tokens per image: processor_config.json's image_seq_length, else 256 (transformers
+    Gemma3Processor.__init__'s default; vLLM's get_num_image_tokens reads processor.image_seq_length,
+    not config.json's mm_tokens_per_image, equal in the released checkpoints). Pan-and-scan starts from transformers' Gemma3ProcessorKwargs
     defaults (off, 256, 4, 1.2), not from preprocessor_config.json: Gemma3ProcessingInfo.get_num_crops
     reads them through the processor's _merge_kwargs, whose defaults override the image processor's
     own settings, so only --mm-processor-kwargs or the request turn it on (vLLM 0.32.0, checked
     in tests/integration/test_multimodal.py)."""
     if "image_token_index" not in config or "boi_token_index" not in config:
         return None
-    tokens = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
+    tokens = processor.get("image_seq_length") or 256
     return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens))
 
 

@@ -181,7 +181,7 @@ GEMMA3_4B = {  # google/gemma-3-4b-it's config.json and preprocessor_config.json
         "boi_token_index": 255999,
         "mm_tokens_per_image": 256,
     },
-    "processor": {"do_pan_and_scan": None, "pan_and_scan_max_num_crops": None},
+    "processor": {"image_seq_length": 256, "do_pan_and_scan": None, "pan_and_scan_max_num_crops": None},
 }
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
@@ -203,6 +203,8 @@ CASES = [
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 100}},
+    # processor_config.json's image_seq_length, not config.json's mm_tokens_per_image
+    {**GEMMA3_4B, "processor": {"image_seq_length": 64}, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     # preprocessor_config.json's pan-and-scan settings are overridden by the processor's defaults
     {
         **GEMMA3_4B,
@@ -222,7 +224,7 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | None:
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 12 kwarg settings
+    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 13 kwarg settings
     (config, --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped), kvgate's count
     equals vLLM 0.32.0's Qwen2VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
     image kvgate does not see counts vLLM's get_max_image_tokens; where vLLM raises (aspect ratio

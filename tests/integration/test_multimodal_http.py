@@ -216,7 +216,8 @@ def gemma3(
     tiny_model_dir: Path, backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[KvgateServer, object]]:
     """A tiny Gemma 3 folder: the tiny Llama's tokenizer with Gemma's image tokens added, a gemma3
-    config.json (64 tokens an image, to keep prompts short) behind kvgate serve."""
+    config.json and a processor_config.json of 64 tokens an image (to keep prompts short) behind
+    kvgate serve."""
     from transformers import AutoTokenizer
 
     folder = tmp_path_factory.mktemp("tiny-gemma3")
@@ -233,6 +234,7 @@ def gemma3(
         mm_tokens_per_image=64,
     )
     (folder / "config.json").write_text(json.dumps(config))
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 64}))
     flags = ["--max-process-memory-bytes", "1GiB"]
     with running_kvgate(backend.base_url, folder, tmp_path_factory.mktemp("kvgate"), *flags) as server:
         yield server, tok
