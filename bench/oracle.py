@@ -81,7 +81,7 @@ from kvgate.sim.engine import Engine
 from kvgate.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
 from kvgate.sim.request import Request, Status
 from kvgate.sim.scheduler import PrefixStats, Scheduler
-from kvgate.sim.server import RequestRun, sequence_seeds
+from kvgate.sim.server import RequestRun, cancelled_on_disconnect, sequence_seeds
 from kvgate.sim.step_memory import run_tape
 
 MAX_STEPS = 400
@@ -632,7 +632,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
             return verdict
         if p.stream:  # as the simulator's handler does with its RequestRun
             return StreamingResponse(verdict.sse(), media_type="text/event-stream")
-        return await verdict.complete(http)
+        return await cancelled_on_disconnect(http, verdict.complete())
 
     async def completions(http: HttpRequest) -> Response:
         return await gated(http, "/v1/completions")

@@ -229,6 +229,23 @@ def s11_traffic(rng: random.Random, scale: float) -> list[Call]:
     return streaming(calls)
 
 
+# ----- S12, S13 -----------------------------------------------------------------------------------
+def hol_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Head-of-line blocking: short chats at 10/s (prompts median 150, 16-128 output tokens) and,
+    at 0.25/s, long documents (8k-14k tokens, up to 1,024 output tokens), each holding about a
+    third of an L4's KV pool while it runs: a document that waits for memory used to hold back
+    every chat behind it."""
+    d = 30 * scale
+    calls = [
+        chat_call(rng, t, i, median_prompt=150, max_prompt=1000, max_tokens=(16, 32, 64, 128))
+        for i, t in enumerate(poisson_times(rng, 10.0, d))
+    ]
+    for t in poisson_times(rng, 0.25, d):
+        n = rng.choice([8000, 10000, 12000, 14000])
+        calls.append(document_call(rng, t, n, "long document", max_tokens=1024, temperature=0.7))
+    return streaming(calls)
+
+
 def _flags(mnbt: int, seqs: int, v1: bool = True, **extra: str) -> list[str]:
     # A V1 simulator (_sim) plays VLLM_USE_V2_MODEL_RUNNER=0; kvgate is told so, as the operator
     # would tell it (vLLM's /version does not say which runner runs). On vLLM 0.32.0's own choice
@@ -377,6 +394,29 @@ SCENARIOS: list[Scenario] = [
     # earlier steps' results kept and concatenated again at the last. 15 % of the H100 lies outside
     # the budget: enough for k=5 and for a one-step -1 passage, not for -1 passages over several
     # steps, nor for several -1 passages held at once.
+    # Issue 24: a few long requests among many short ones on an L4 whose KV pool holds about
+    # three documents, the engine fully utilized as vLLM's start-up advice says; V1 (vLLM 0.31.0)
+    # and V2 (0.32.0's own choice).
+    Scenario(
+        "S12",
+        "Head-of-line blocking: long documents among many short chats (V1)",
+        fully_utilized(_sim(gpu="l4-24gb", max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=256)),
+        _flags(4096, 256),
+        hol_traffic,
+        30,
+        4,
+        caps=[16, 64, 256],
+    ),
+    Scenario(
+        "S13",
+        "Head-of-line blocking: long documents among many short chats (V2)",
+        fully_utilized(_sim_v2(gpu="l4-24gb", max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=256)),
+        _flags(4096, 256, v1=False),
+        hol_traffic,
+        30,
+        4,
+        caps=[16, 64, 256],
+    ),
     Scenario(
         "S11",
         "prompt_logprobs 5 and -1 on Model Runner V2 (two sub-chunks, -1 kept across steps)",

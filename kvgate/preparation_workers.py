@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.errors import KvgateError, RequestTooCostly, TokenizationFailed
+from kvgate.multimodal import MediaOptions
 from kvgate.preparation import Prepared, prepare
 from kvgate.request import RequestLimits
 from kvgate.tokens import local_tokenizer
@@ -52,11 +53,11 @@ class Job:
 # ------------------------------------------------------------------ in the worker process
 
 
-def _serve(conn: Connection, model_dir: str, template_seconds: float) -> None:
+def _serve(conn: Connection, model_dir: str, template_seconds: float, media: MediaOptions | None) -> None:
     """The worker's loop: load the tokenizer, then prepare jobs until the pipe closes. It runs
     at a lower priority than kvgate's event loop, which must answer while it works."""
     os.nice(WORKER_NICENESS)
-    tokenizer = local_tokenizer(model_dir, template_seconds)
+    tokenizer = local_tokenizer(model_dir, template_seconds, media)
     gc.collect()
     gc.freeze()
     loop = asyncio.new_event_loop()
@@ -131,10 +132,10 @@ def _rss_bytes(pid: int) -> int | None:
 
 
 class _Worker:
-    def __init__(self, context: Any, model_dir: str, template_seconds: float) -> None:
+    def __init__(self, context: Any, model_dir: str, template_seconds: float, media: MediaOptions | None) -> None:
         self._conn, child = multiprocessing.Pipe()
         self.process = context.Process(
-            target=_serve, args=(child, model_dir, template_seconds), name="kvgate-prepare", daemon=True
+            target=_serve, args=(child, model_dir, template_seconds, media), name="kvgate-prepare", daemon=True
         )
         self.process.start()
         child.close()
@@ -209,18 +210,21 @@ class _Worker:
 class PreparationWorkers:
     """`count` worker processes; `await run(job, raw, grant, seconds)` prepares a job in the next free one."""
 
-    def __init__(self, model_dir: str | Path, template_seconds: float, count: int) -> None:
+    def __init__(
+        self, model_dir: str | Path, template_seconds: float, count: int, media: MediaOptions | None = None
+    ) -> None:
         # spawn: kvgate's process has threads and an event loop a fork would copy mid-flight.
         self._context = multiprocessing.get_context("spawn")
         self._model_dir = str(model_dir)
         self._template_seconds = template_seconds
+        self._media = media
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: list[_Worker] = []
         for _ in range(count):
             self._idle.put_nowait(self._start())
 
     def _start(self) -> _Worker:
-        worker = _Worker(self._context, self._model_dir, self._template_seconds)
+        worker = _Worker(self._context, self._model_dir, self._template_seconds, self._media)
         self._all.append(worker)
         return worker
 

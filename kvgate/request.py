@@ -85,6 +85,7 @@ class ChatInput:
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     documents: tuple[dict[str, Any], ...] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # how vLLM's processor counts the images
 
     @property
     def carries_template(self) -> bool:

@@ -22,7 +22,7 @@ from kvgate.chat_template import (
     render_chat,
     render_within_budget,
 )
-from kvgate.multimodal import MediaCounting, image_tokens_of
+from kvgate.multimodal import MediaCounting, MediaOptions, image_tokens_of, model_type_of
 from kvgate.request import ChatInput
 from kvgate.units import MiB
 from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
@@ -347,9 +347,12 @@ def _error_message(response: httpx.Response) -> str:
     return response.text
 
 
-def local_tokenizer(model_dir: str | Path, template_seconds: float = 1.0) -> Tokenizer:
+def local_tokenizer(
+    model_dir: str | Path, template_seconds: float = 1.0, media: MediaOptions | None = None
+) -> Tokenizer:
     """The model folder's own tokenizer, images counted (or refused) by kvgate.multimodal."""
-    return MediaCounting(LocalTokenizer(model_dir, template_seconds=template_seconds), image_tokens_of(model_dir))
+    inner = LocalTokenizer(model_dir, template_seconds=template_seconds)
+    return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir))
 
 
 def load_tokenizer(
@@ -357,19 +360,22 @@ def load_tokenizer(
     client: httpx.AsyncClient,
     model_name: str,
     template_seconds: float = 1.0,
+    media: MediaOptions | None = None,
 ) -> Tokenizer:
     """Local when the model folder holds a tokenizer (no network per request), else the backend;
     either way images are counted (or refused) by kvgate.multimodal, never passed through uncounted."""
     if has_local_tokenizer(model_dir):
         assert model_dir is not None
-        return local_tokenizer(model_dir, template_seconds)
+        return local_tokenizer(model_dir, template_seconds, media)
     log.warning(
         "the model folder %s has no tokenizer files (%s): kvgate counts tokens through the "
         "backend's /tokenize, one round trip per request",
         model_dir,
         ", ".join(_TOKENIZER_FILES),
     )
-    return MediaCounting(BackendTokenizer(client, model_name), image_tokens_of(model_dir))
+    return MediaCounting(
+        BackendTokenizer(client, model_name), image_tokens_of(model_dir), media, model_type_of(model_dir)
+    )
 
 
 def has_local_tokenizer(model_dir: str | Path | None) -> bool:

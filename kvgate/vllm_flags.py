@@ -154,6 +154,18 @@ class VllmFlags(BaseModel):
         description="vLLM --max-cpu-loras: adapters cached in host memory (at least --max-loras; "
         "default: --max-loras). Host memory only: no GPU term.",
     )
+    mm_processor_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_json_object)] = Field(
+        None,
+        description="vLLM --mm-processor-kwargs, a JSON object: the multimodal processor's overrides "
+        "(min_pixels, max_pixels, do_pan_and_scan...) kvgate counts images with.",
+    )
+    limit_mm_per_prompt: Annotated[
+        dict[str, Annotated[int, Field(ge=0)] | dict[str, Any]] | None, BeforeValidator(_json_object)
+    ] = Field(
+        None,
+        description='vLLM --limit-mm-per-prompt, a JSON object ({"image": 4} or {"image": {"count": 4}}): '
+        "a prompt with more items is refused, as vLLM refuses it (default 999 a modality).",
+    )
     sampler: SamplerChoice = Field(
         "auto",
         description="The sampler's top-k/top-p backend vLLM runs (VLLM_USE_FLASHINFER_SAMPLER=0 turns "

@@ -4,6 +4,9 @@ Work is counted in KV blocks, the currency of admission: a line of long requests
 head needs as many seconds as its blocks take to free at the rate blocks have been freed lately.
 Counting completions instead made a stream of small, unrelated answers promise `Retry-After: 1`
 to a line that needed 15 minutes.
+
+Backfilling (kvgate/gate/backfill.py) asks a second question: when will one admitted request
+end? `Pace` learns it from completed requests, as seconds of admission per output token.
 """
 
 from __future__ import annotations
@@ -58,3 +61,28 @@ class DrainRate:
         rate = self.blocks_per_s()
         seconds = (cap_s if busy else fallback_s) if rate is None else max(blocks_ahead, 1) / rate
         return max(1, min(math.ceil(seconds), math.ceil(cap_s)))
+
+
+class Pace:
+    """Seconds from admission to release per output token of one sequence, learned from
+    completed requests (an exponentially weighted mean), to predict when an admitted request
+    ends. Unknown (None) until one has completed: the policy then predicts nothing.
+
+    One number for the whole server is crude (a step's time grows with the batch, a long prompt
+    adds its prefill); it moves with the load as requests complete, and backfilling cannot
+    starve the head however wrong it is (docs/queue.md)."""
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self.weight = weight
+        self.seconds_per_token: float | None = None
+
+    def record(self, seconds: float, tokens_per_sequence: float) -> None:
+        """One completed request: `seconds` from admission to release, `tokens_per_sequence` out."""
+        sample = max(0.0, seconds) / max(1.0, tokens_per_sequence)
+        known = self.seconds_per_token
+        self.seconds_per_token = sample if known is None else known + self.weight * (sample - known)
+
+    def duration_s(self, output_tokens: int) -> float | None:
+        """Predicted seconds from admission to release of a request writing `output_tokens` a sequence."""
+        known = self.seconds_per_token
+        return None if known is None else known * max(1, output_tokens)

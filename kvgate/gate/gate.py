@@ -3,10 +3,12 @@
 It is the mechanism; the budget is the policy. It reports each decision and release to its
 observers (kvgate.gate.observer) and raises domain errors (kvgate.errors): counting, logging and HTTP
 are other layers' business. Whenever the ledger shrinks or the budget moves, the gate admits
-from the head of the queue for as long as the head fits. The head is not bypassed
-by smaller requests behind it, so a large request is never starved by a stream of small ones;
-the one exception is a head that could not fit even on an idle server (the headroom shrank under
-it): it is set aside, so that it does not hold up a line it cannot lead.
+from the head of the queue for as long as the head fits. A head that waits for memory gets a
+reservation (kvgate/gate/backfill.py): requests behind it that fit now start now if they do not
+delay it (EASY backfilling), so the memory the head cannot use yet is not wasted, and a stream
+of small requests still cannot starve a large one (docs/queue.md). A head that could not fit
+even on an idle server (the headroom shrank under it) is set aside, so that it does not hold up
+a line it cannot lead.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from collections.abc import Callable
 from typing import Any, Generic
 
 from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
+from kvgate.gate.backfill import HeadReservation, Passing
 from kvgate.gate.budget import Budget
-from kvgate.gate.drain import DrainRate
+from kvgate.gate.drain import DrainRate, Pace
 from kvgate.gate.ledger import Ledger, Reservation
 from kvgate.gate.observer import Decision, Observers, Release
 from kvgate.gate.queue import AdmissionQueue, Basis, Waiter
@@ -26,6 +29,10 @@ from kvgate.gate.queue import QueueFull as QueueAtCapacity
 from kvgate.memory.demand import Demand
 
 BEHIND_QUEUE = "behind_queue"
+BACKFILLED = "backfilled"  # admitted ahead of a waiting head without delaying it
+# Waiters behind the head checked for backfilling on each change: bounds the event loop's work
+# a release costs; a request further back waits its turn to come within reach.
+BACKFILL_LOOKAHEAD = 256
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 
 
@@ -71,6 +78,8 @@ class Gate(Generic[Basis]):
         self.ledger = Ledger()
         self.queue: AdmissionQueue[Basis] = AdmissionQueue(max_queue)
         self.drain = DrainRate(clock=clock)
+        self.pace = Pace()
+        self._reservation: HeadReservation | None = None  # the waiting head's (backfill.py)
         self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
@@ -92,7 +101,7 @@ class Gate(Generic[Basis]):
         """Why this demand would wait if it arrived now, or None if it would be admitted."""
         head = self.queue.peek()
         if head is not None and head.priority <= priority:
-            return BEHIND_QUEUE
+            return None if self._passing(demand) is not None else BEHIND_QUEUE
         return self.budget.shortfall(demand, self.ledger)
 
     async def acquire(
@@ -115,7 +124,14 @@ class Gate(Generic[Basis]):
         the wait instead of --max-queue-wait from now: a request that comes back to the queue
         (the backend refused its connection) keeps the deadline it arrived with.
         """
-        reason = self.would_wait(demand, priority)
+        head = self.queue.peek()
+        if head is not None and head.priority <= priority:
+            ticket = self._backfill(demand, waited_s=0.0, request_id=request_id)
+            if ticket is not None:
+                return ticket
+            reason: str | None = BEHIND_QUEUE
+        else:
+            reason = self.budget.shortfall(demand, self.ledger)
         if reason is None:
             return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
         loop = asyncio.get_running_loop()
@@ -135,7 +151,8 @@ class Gate(Generic[Basis]):
             retry_after = self._retry_after(self.queue.blocks_ahead(priority) + demand.kv_blocks)
             raise self._refuse(waiter, QueueFull(self.queue.max_size, retry_after)) from None
         self.observers.decided(Decision("queue", reason, request_id, demand))
-        self.changed()  # sets it aside at once if it could not fit even alone
+        if self.queue.peek() is waiter:  # a new head: set aside at once if it could not fit even alone
+            self.changed()
         gone = watch_client() if watch_client is not None else None
         wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - self._clock())
         try:
@@ -230,17 +247,26 @@ class Gate(Generic[Basis]):
         if waiter.future.done():
             waiter.future.result().release("abandoned")
             return
+        was_head = self.queue.peek() is waiter
         self.queue.remove(waiter)
         waiter.future.cancel()
+        if was_head:  # the line behind it moves up
+            self.changed()
 
     def _admit(self, demand: Demand, reason: str, waited_s: float, request_id: str) -> Ticket:
         ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
+        ticket.reservation.admitted_at = self._clock()
         self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, waited_s))
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
         if outcome != "requeued":  # never reached the backend: nothing drained
             self.drain.record(reservation.demand.kv_blocks)
+        if outcome == "completed" and output_tokens:
+            per_sequence = output_tokens / reservation.demand.sequences
+            self.pace.record(self._clock() - reservation.admitted_at, per_sequence)
+        if self._reservation is not None:
+            self._reservation.released(reservation)
         self.observers.released(Release(outcome, reservation, output_tokens))
         self.changed()
 
@@ -256,6 +282,7 @@ class Gate(Generic[Basis]):
                 if not up.done():
                     up.set_result(None)
         if not self.queue:  # nothing waits, set aside or not (every release comes here)
+            self._reservation = None
             return
         self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
@@ -268,6 +295,72 @@ class Gate(Generic[Basis]):
                 self.queue.set_aside_head()
             else:
                 break
+        self._backfill_queue()
+
+    def _backfill_queue(self) -> None:
+        """Admit the waiters behind the waiting head that may pass it (kvgate/gate/backfill.py),
+        in the line's order: priority, tenants' turns, arrival."""
+        if self.queue.peek() is None or self.budget.hold is not None:
+            return
+        now = self._clock()
+        for waiter in self.queue.behind_head(BACKFILL_LOOKAHEAD):
+            if self._pool_full():
+                return
+            ticket = self._backfill(self._refreshed(waiter), now - waiter.enqueued_at, waiter.request_id)
+            if ticket is not None:
+                self.queue.take(waiter)
+                waiter.future.set_result(ticket)
+
+    def _backfill(self, demand: Demand, waited_s: float, request_id: str) -> Ticket | None:
+        """Admit a demand ahead of the waiting head if it may pass it; None if it waits its turn."""
+        passing = self._passing(demand)
+        if passing is None:
+            return None
+        ticket = self._admit(demand, BACKFILLED, waited_s, request_id)
+        if passing == "beside" and self._reservation is not None:
+            self._reservation.joined(ticket.reservation)
+        return ticket
+
+    def _passing(self, demand: Demand) -> Passing | None:
+        """How a demand may pass the head waiting for memory now, or None if it waits its turn.
+        Cheap checks first: while the line is long most waiters are turned down by them."""
+        head = self.queue.peek()
+        if head is None or self.budget.hold is not None or not self._kv_room(demand):
+            return None
+        reservation = self._head_reservation(head)
+        duration = self.pace.duration_s(demand.reserved_tokens)
+        ends_at = None if duration is None else self._clock() + duration
+        passing = reservation.passing(demand, ends_at, head.demand, self.budget)
+        if passing is None or self.budget.shortfall(demand, self.ledger) is not None:
+            return None
+        return passing
+
+    def _pool_full(self) -> bool:
+        """Every KV block the budget allows is reserved: nothing more fits now."""
+        kv_limit = self.budget.kv_limit()
+        return kv_limit is not None and kv_limit > 0 and self.ledger.kv_blocks >= kv_limit
+
+    def _kv_room(self, demand: Demand) -> bool:
+        """Whether the pool has room for the demand's private blocks, which are always new to it
+        (the budget charges at most its limit): a necessary condition for fitting now."""
+        kv_limit = self.budget.kv_limit()
+        if kv_limit is None or kv_limit <= 0:
+            return True
+        return min(demand.private_blocks, kv_limit) <= kv_limit - self.ledger.kv_blocks
+
+    def _head_reservation(self, head: Waiter[Basis]) -> HeadReservation:
+        """The head's reservation: made the first time a request may pass it, then kept (fixed)
+        for as long as it is the head."""
+        if self._reservation is None or self._reservation.head is not head:
+            self._reservation = HeadReservation.plan(
+                head, head.demand, self.ledger.reservations(), self.budget, self._ends_at, self._clock()
+            )
+        return self._reservation
+
+    def _ends_at(self, reservation: Reservation) -> float | None:
+        """When an in-flight request is predicted to end (None: nothing learned yet)."""
+        duration = self.pace.duration_s(reservation.demand.reserved_tokens)
+        return None if duration is None else max(self._clock(), reservation.admitted_at + duration)
 
     def _stranded(self, demand: Demand) -> bool:
         """It would wait even with nothing in flight (and not because the backend is down)."""

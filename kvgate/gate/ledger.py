@@ -36,6 +36,7 @@ class Reservation:
     # Its shared-step extra while it prefills alone: held from the next admission on, since that
     # request's tokens join its steps.
     pending_extra: int = 0
+    admitted_at: float = 0.0  # the gate's clock: when it ends is predicted from it (backfilling)
 
 
 class Ledger:
@@ -97,6 +98,10 @@ class Ledger:
     @property
     def in_flight(self) -> int:
         return len(self._reservations)
+
+    def reservations(self) -> list[Reservation]:
+        """The in-flight reservations, oldest first."""
+        return list(self._reservations.values())
 
     def new_blocks(self, demand: Demand) -> int:
         """Blocks the pool would have to give this request beyond what in-flight ones already hold."""

