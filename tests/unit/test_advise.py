@@ -243,3 +243,28 @@ def test_weights_that_do_not_fit_one_gpu_get_tensor_parallelism(tmp_path: Path) 
     assert advised.fits
     assert [r.value for r in recs if r.flag == "--tensor-parallel-size"] == [2]
     assert advised.weights == pytest.approx(s.weights / 2, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-80gb"),  # as nvidia-smi prints it
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090-24gb"),
+        ("l4", "l4-24gb"),
+    ],
+)
+def test_gpu_names_as_nvidia_smi_prints_them(spec: str, name: str) -> None:
+    from kvgate.gpus import GPUS, gpu_name, gpu_total_bytes
+
+    assert gpu_name(spec) == name
+    assert gpu_total_bytes(spec) == GPUS[name]
+
+
+@pytest.mark.parametrize("spec", ["a100", "L40S"])
+def test_an_ambiguous_or_unknown_gpu_is_named_in_the_error(spec: str) -> None:
+    """An A100 without its size could be either; an L40S is not an L4."""
+    from kvgate.gpus import gpu_total_bytes
+
+    with pytest.raises(KeyError, match=f"unknown GPU '{spec}'"):
+        gpu_total_bytes(spec)
