@@ -570,7 +570,9 @@ def _after_pool(s: Startup) -> Failure | None:
     graphs need memory beyond max(requested, what the pool, weights and profile hold)."""
     if not s.graphs or s.release.graphs_in_budget:
         return None
-    held = max(s.requested, s.weights + s.runner_state + s.non_torch + s.kv_cache_bytes + s.profile_peak)
+    allocated = s.weights + s.runner_state + s.non_torch + s.kv_cache_bytes + s.profile_peak
+    # a fixed pool is not bounded by total x utilization; otherwise vLLM filled it to that
+    held = allocated if s.request.kv_cache_memory_bytes is not None else max(s.requested, allocated)
     rest = s.gpu_total - s.outside - held
     if s.graphs <= rest:
         return None
