@@ -13,8 +13,11 @@ import json
 import sys
 from typing import Any
 
+import httpx
+
 from kvgate.advise_flags import Recommendation, recommend, serving_failure
 from kvgate.advise_startup import COMPILED_FORWARD_FACTOR, Failure, Request, Startup, predict
+from kvgate.advise_traffic import Distribution, LengthRow, Traffic, capacity_table, parse_traffic, read_page
 from kvgate.gpus import GPUS
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.model_folder import ModelFolderError, resolve_model_folder
@@ -87,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the prompt + max_tokens of your traffic's requests: sizes the --max-num-seqs advice",
     )
+    parser.add_argument(
+        "--traffic-metrics",
+        metavar="URL|FILE",
+        default=None,
+        help="vLLM's /metrics page (a URL or a saved file): its request histograms give the "
+        "traffic's prompt and max_tokens percentiles, --request-tokens (P99 + P99) and a table of "
+        "--max-model-len against them",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -124,18 +135,72 @@ def request_from(args: argparse.Namespace) -> Request:
 def run(args: argparse.Namespace) -> int:
     """Print the prediction and the advice; 0 if vLLM starts, 1 if it dies or refuses, 2 on bad input."""
     try:
+        traffic = parse_traffic(read_page(args.traffic_metrics)) if args.traffic_metrics else None
         startup = predict(request_from(args))
-        advised, recommended = recommend(startup, args.request_tokens, args.other_processes_bytes)
-    except (ValueError, KeyError, ModelFolderError, OSError) as exc:
+        request_tokens = args.request_tokens or (traffic.request_tokens if traffic else None)
+        advised, recommended = recommend(startup, request_tokens, args.other_processes_bytes)
+        table = capacity_table(startup, traffic) if traffic else None
+    except (ValueError, KeyError, ModelFolderError, OSError, httpx.HTTPError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else exc
         print(f"kvgate advise: {message}", file=sys.stderr)
         return 2
     serving = serving_failure(startup)
     if args.json:
-        print(json.dumps(as_json(startup, serving, advised, recommended), indent=2))
+        doc = as_json(startup, serving, advised, recommended)
+        if traffic is not None and table is not None:
+            doc["traffic"] = traffic_json(traffic, table)
+        print(json.dumps(doc, indent=2))
     else:
-        print("\n".join(as_text(startup, serving, advised, recommended)))
+        lines = as_text(startup, serving, advised, recommended)
+        if traffic is not None and table is not None:
+            lines += traffic_text(traffic, table)
+        print("\n".join(lines))
     return 0 if startup.fits else 1
+
+
+def traffic_json(traffic: Traffic, table: list[LengthRow]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": traffic.prompt.summary(),
+        "max_tokens": traffic.max_tokens.summary(),
+        "generation_tokens": traffic.generation.summary(),
+        "request_tokens": traffic.request_tokens,
+        "capacity_table": [
+            {
+                "max_model_len": row.max_model_len,
+                "fits": row.fits,
+                "max_concurrency": row.max_concurrency,
+                "p99_requests_held": row.p99_requests,
+                "prompts_longer_share": list(row.prompts_longer),
+            }
+            for row in table
+        ],
+    }
+
+
+def traffic_text(traffic: Traffic, table: list[LengthRow]) -> list[str]:
+    def dist(name: str, d: Distribution) -> str:
+        s = d.summary()
+        return (
+            f"  {name}: {s['count']:,} requests, P50 <= {s['p50_at_most']}, P95 <= {s['p95_at_most']}, "
+            f"P99 <= {s['p99_at_most']}, max <= {s['max_at_most']} (vLLM's histogram buckets)"
+        )
+
+    lines = [
+        "traffic (vLLM's /metrics)",
+        dist("prompt tokens", traffic.prompt),
+        dist("max_tokens", traffic.max_tokens),
+        dist("generated tokens", traffic.generation),
+        f"  a P99 request: {traffic.request_tokens} tokens (P99 prompt + P99 max_tokens)",
+        "  max_model_len: starts, maximum concurrency, P99 requests the pool holds, past prompts longer",
+    ]
+    for row in table:
+        low, high = row.prompts_longer
+        longer = f"{100 * low:.1f}%" if low == high else f"{100 * low:.1f}-{100 * high:.1f}%"
+        lines.append(
+            f"  {row.max_model_len:>9,}: {'starts' if row.fits else 'fails '}, {row.max_concurrency:.2f}x, "
+            f"{row.p99_requests if row.p99_requests is not None else '-'}, {longer}"
+        )
+    return lines
 
 
 def _failure_json(failure: Failure | None) -> dict[str, Any] | None:
