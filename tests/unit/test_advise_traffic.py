@@ -87,3 +87,34 @@ def test_cli_json_carries_the_traffic(tmp_path: Path, capsys: pytest.CaptureFixt
     assert doc["traffic"]["prompt_tokens"]["count"] == 2618
     seqs = [r for r in doc["recommended"] if r["flag"] == "--max-num-seqs"]
     assert "requests of 30 tokens" in seqs[0]["reason"]
+
+
+def test_the_page_is_read_from_a_url_too() -> None:
+    """A live vLLM's /metrics: an in-process HTTP server on a free port serves the saved page."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvgate.advise_traffic import read_page
+
+    body = PAGE.read_bytes()
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # keep the test's output quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        text = read_page(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert parse_traffic(text).request_tokens == 30
