@@ -15,13 +15,12 @@ from typing import Any
 
 import httpx
 
-from kvgate.advise_flags import Recommendation, recommend, serving_failure
+from kvgate.advise_flags import Recommendation, gib, recommend, serving_failure
 from kvgate.advise_startup import COMPILED_FORWARD_FACTOR, Failure, Request, Startup, predict
 from kvgate.advise_traffic import Distribution, LengthRow, Traffic, capacity_table, parse_traffic, read_page
 from kvgate.gpus import GPUS
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.model_folder import ModelFolderError, resolve_model_folder
-from kvgate.units import GiB
 from kvgate.vllm_flags import add_vllm_arguments, size_argument
 
 # vLLM's flags that change the start-up (declared once in kvgate.vllm_flags).
@@ -264,10 +263,6 @@ def as_json(
     }
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
 def as_text(
     startup: Startup, serving: Failure | None, advised: Startup, recommended: list[Recommendation]
 ) -> list[str]:
@@ -275,26 +270,26 @@ def as_text(
     graphs_where = "inside the budget" if s.release.graphs_in_budget else "on top, after the pool"
     lines = [
         f"vLLM {s.release.version} ({s.release.engine.upper()} engine, model runner {s.runtime.runner.upper()}, "
-        f"{s.runtime.sampler_backend} sampler) on {_gib(s.gpu_total)}, gpu_memory_utilization {s.utilization} "
-        f"({_gib(s.requested)}); outside the budget {_gib(s.outside)}",
+        f"{s.runtime.sampler_backend} sampler) on {gib(s.gpu_total)}, gpu_memory_utilization {s.utilization} "
+        f"({gib(s.requested)}); outside the budget {gib(s.outside)}",
         f"  max_model_len {s.max_model_len:,}, max_num_batched_tokens {s.max_num_batched_tokens:,}, "
         f"max_num_seqs {s.max_num_seqs:,}",
-        f"  Model loading took {_gib(s.weights)}"
-        + (f"; Model Runner V2's penalty state {_gib(s.runner_state)}" if s.runner_state else ""),
-        f"  profile peak {_gib(s.profile_peak)} (forward {_gib(s.profile_forward)}, sampler {_gib(s.profile_sampler)})"
-        f"; non-torch {_gib(s.non_torch)}",
-        f"  CUDA graphs {_gib(s.graphs)} ({s.graph_sizes} sizes, {graphs_where})",
+        f"  Model loading took {gib(s.weights)}"
+        + (f"; Model Runner V2's penalty state {gib(s.runner_state)}" if s.runner_state else ""),
+        f"  profile peak {gib(s.profile_peak)} (forward {gib(s.profile_forward)}, sampler {gib(s.profile_sampler)})"
+        f"; non-torch {gib(s.non_torch)}",
+        f"  CUDA graphs {gib(s.graphs)} ({s.graph_sizes} sizes, {graphs_where})",
     ]
     if s.release.compiled:
         lines.append(
-            f"  compiled forward, for the out-of-memory check: {_gib(int(s.profile_forward * COMPILED_FORWARD_FACTOR))} "
+            f"  compiled forward, for the out-of-memory check: {gib(int(s.profile_forward * COMPILED_FORWARD_FACTOR))} "
             f"(torch.compile's buffers, {COMPILED_FORWARD_FACTOR} x the eager tape: docs/advise.md)"
         )
     reached_pool = s.sized_the_pool
     if reached_pool and s.request.kv_cache_memory_bytes is None:
-        lines.append(f"  Available KV cache memory: {_gib(s.kv_cache_bytes)}")
+        lines.append(f"  Available KV cache memory: {gib(s.kv_cache_bytes)}")
     elif reached_pool:
-        lines.append(f"  KV cache memory (--kv-cache-memory-bytes, not measured): {_gib(s.kv_cache_bytes)}")
+        lines.append(f"  KV cache memory (--kv-cache-memory-bytes, not measured): {gib(s.kv_cache_bytes)}")
     if s.failure is None or s.failure.flag == "--max-model-len":
         lines += [
             f"  GPU KV cache size: {s.capacity.kv_cache_tokens:,} tokens ({s.capacity.num_blocks:,} blocks of {s.block_size})",
@@ -305,10 +300,10 @@ def as_text(
         lines.append("start-up: fits")
     else:
         f = s.failure
-        lines.append(f"start-up: {f.kind} in {f.step} ({_gib(f.bytes)}; change {f.flag})")
+        lines.append(f"start-up: {f.kind} in {f.step} ({gib(f.bytes)}; change {f.flag})")
         lines.append(f"  {f.message}")
     if serving is not None:
-        lines.append(f"serving: dies at the {serving.step} ({_gib(serving.bytes)}; change {serving.flag})")
+        lines.append(f"serving: dies at the {serving.step} ({gib(serving.bytes)}; change {serving.flag})")
         lines.append(f"  {serving.message}")
     still = f" (kvgate found none that start: {advised.failure.step})" if advised.failure else ""
     lines.append("advised flags" + still)
@@ -316,7 +311,7 @@ def as_text(
         lines.append(f"  {r.flag} {r.value}: {r.reason}")
     if advised.request != startup.request and advised.fits:
         lines.append(
-            f"  with them: KV cache {_gib(advised.kv_cache_bytes)}, {advised.capacity.kv_cache_tokens:,} tokens, "
+            f"  with them: KV cache {gib(advised.kv_cache_bytes)}, {advised.capacity.kv_cache_tokens:,} tokens, "
             f"maximum concurrency {advised.capacity.max_concurrency:.2f}x at {advised.max_model_len:,} tokens"
         )
     return lines

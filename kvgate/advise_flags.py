@@ -38,6 +38,7 @@ class Recommendation:
 
 
 def gib(n: int | float) -> str:
+    """Bytes as vLLM prints them."""
     return f"{n / GiB:.2f} GiB"
 
 
@@ -48,8 +49,8 @@ def round_down_length(tokens: int) -> int:
 
 def serving_failure(s: Startup) -> Failure | None:
     """With --kv-cache-memory-bytes vLLM skips the measurement (the profile ran before the pool):
-    a pool that leaves less than the profile's peak beside it starts, then dies at the first step
-    as large as the profile's (vLLM PR #56698)."""
+    a pool that leaves less than the largest plain step (Startup.full_step) beside it starts, then
+    dies at the first such step (vLLM PR #56698)."""
     if s.request.kv_cache_memory_bytes is None or s.failure is not None:
         return None
     headroom = s.serving_headroom
