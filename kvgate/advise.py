@@ -13,12 +13,14 @@ import json
 import sys
 from typing import Any
 
-from kvgate.advise_flags import Recommendation, recommend, serving_failure
+import httpx
+
+from kvgate.advise_flags import Recommendation, gib, recommend, serving_failure
 from kvgate.advise_startup import COMPILED_FORWARD_FACTOR, Failure, Request, Startup, predict
+from kvgate.advise_traffic import Distribution, LengthRow, Traffic, capacity_table, parse_traffic, read_page
 from kvgate.gpus import GPUS
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.model_folder import ModelFolderError, resolve_model_folder
-from kvgate.units import GiB
 from kvgate.vllm_flags import add_vllm_arguments, size_argument
 
 # vLLM's flags that change the start-up (declared once in kvgate.vllm_flags).
@@ -87,6 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the prompt + max_tokens of your traffic's requests: sizes the --max-num-seqs advice",
     )
+    parser.add_argument(
+        "--traffic-metrics",
+        metavar="URL|FILE",
+        default=None,
+        help="vLLM's /metrics page (a URL or a saved file): its request histograms give the "
+        "traffic's prompt and max_tokens percentiles, --request-tokens (P99 + P99) and a table of "
+        "--max-model-len against them",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -124,18 +134,72 @@ def request_from(args: argparse.Namespace) -> Request:
 def run(args: argparse.Namespace) -> int:
     """Print the prediction and the advice; 0 if vLLM starts, 1 if it dies or refuses, 2 on bad input."""
     try:
+        traffic = parse_traffic(read_page(args.traffic_metrics)) if args.traffic_metrics else None
         startup = predict(request_from(args))
-        advised, recommended = recommend(startup, args.request_tokens, args.other_processes_bytes)
-    except (ValueError, KeyError, ModelFolderError, OSError) as exc:
+        request_tokens = args.request_tokens or (traffic.request_tokens if traffic else None)
+        advised, recommended = recommend(startup, request_tokens, args.other_processes_bytes)
+        table = capacity_table(startup, traffic) if traffic else None
+    except (ValueError, KeyError, ModelFolderError, OSError, httpx.HTTPError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else exc
         print(f"kvgate advise: {message}", file=sys.stderr)
         return 2
     serving = serving_failure(startup)
     if args.json:
-        print(json.dumps(as_json(startup, serving, advised, recommended), indent=2))
+        doc = as_json(startup, serving, advised, recommended)
+        if traffic is not None and table is not None:
+            doc["traffic"] = traffic_json(traffic, table)
+        print(json.dumps(doc, indent=2))
     else:
-        print("\n".join(as_text(startup, serving, advised, recommended)))
+        lines = as_text(startup, serving, advised, recommended)
+        if traffic is not None and table is not None:
+            lines += traffic_text(traffic, table)
+        print("\n".join(lines))
     return 0 if startup.fits else 1
+
+
+def traffic_json(traffic: Traffic, table: list[LengthRow]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": traffic.prompt.summary(),
+        "max_tokens": traffic.max_tokens.summary(),
+        "generation_tokens": traffic.generation.summary(),
+        "request_tokens": traffic.request_tokens,
+        "capacity_table": [
+            {
+                "max_model_len": row.max_model_len,
+                "fits": row.fits,
+                "max_concurrency": row.max_concurrency,
+                "p99_requests_held": row.p99_requests,
+                "prompts_longer_share": list(row.prompts_longer),
+            }
+            for row in table
+        ],
+    }
+
+
+def traffic_text(traffic: Traffic, table: list[LengthRow]) -> list[str]:
+    def dist(name: str, d: Distribution) -> str:
+        s = d.summary()
+        return (
+            f"  {name}: {s['count']:,} requests, P50 <= {s['p50_at_most']}, P95 <= {s['p95_at_most']}, "
+            f"P99 <= {s['p99_at_most']}, max <= {s['max_at_most']} (vLLM's histogram buckets)"
+        )
+
+    lines = [
+        "traffic (vLLM's /metrics)",
+        dist("prompt tokens", traffic.prompt),
+        dist("max_tokens", traffic.max_tokens),
+        dist("generated tokens", traffic.generation),
+        f"  a P99 request: {traffic.request_tokens} tokens (P99 prompt + P99 max_tokens)",
+        "  max_model_len: starts, maximum concurrency, P99 requests the pool holds, past prompts longer",
+    ]
+    for row in table:
+        low, high = row.prompts_longer
+        longer = f"{100 * low:.1f}%" if low == high else f"{100 * low:.1f}-{100 * high:.1f}%"
+        lines.append(
+            f"  {row.max_model_len:>9,}: {'starts' if row.fits else 'fails '}, {row.max_concurrency:.2f}x, "
+            f"{row.p99_requests if row.p99_requests is not None else '-'}, {longer}"
+        )
+    return lines
 
 
 def _failure_json(failure: Failure | None) -> dict[str, Any] | None:
@@ -199,10 +263,6 @@ def as_json(
     }
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
 def as_text(
     startup: Startup, serving: Failure | None, advised: Startup, recommended: list[Recommendation]
 ) -> list[str]:
@@ -210,26 +270,26 @@ def as_text(
     graphs_where = "inside the budget" if s.release.graphs_in_budget else "on top, after the pool"
     lines = [
         f"vLLM {s.release.version} ({s.release.engine.upper()} engine, model runner {s.runtime.runner.upper()}, "
-        f"{s.runtime.sampler_backend} sampler) on {_gib(s.gpu_total)}, gpu_memory_utilization {s.utilization} "
-        f"({_gib(s.requested)}); outside the budget {_gib(s.outside)}",
+        f"{s.runtime.sampler_backend} sampler) on {gib(s.gpu_total)}, gpu_memory_utilization {s.utilization} "
+        f"({gib(s.requested)}); outside the budget {gib(s.outside)}",
         f"  max_model_len {s.max_model_len:,}, max_num_batched_tokens {s.max_num_batched_tokens:,}, "
         f"max_num_seqs {s.max_num_seqs:,}",
-        f"  Model loading took {_gib(s.weights)}"
-        + (f"; Model Runner V2's penalty state {_gib(s.runner_state)}" if s.runner_state else ""),
-        f"  profile peak {_gib(s.profile_peak)} (forward {_gib(s.profile_forward)}, sampler {_gib(s.profile_sampler)})"
-        f"; non-torch {_gib(s.non_torch)}",
-        f"  CUDA graphs {_gib(s.graphs)} ({s.graph_sizes} sizes, {graphs_where})",
+        f"  Model loading took {gib(s.weights)}"
+        + (f"; Model Runner V2's penalty state {gib(s.runner_state)}" if s.runner_state else ""),
+        f"  profile peak {gib(s.profile_peak)} (forward {gib(s.profile_forward)}, sampler {gib(s.profile_sampler)})"
+        f"; non-torch {gib(s.non_torch)}",
+        f"  CUDA graphs {gib(s.graphs)} ({s.graph_sizes} sizes, {graphs_where})",
     ]
     if s.release.compiled:
         lines.append(
-            f"  compiled forward, for the out-of-memory check: {_gib(int(s.profile_forward * COMPILED_FORWARD_FACTOR))} "
+            f"  compiled forward, for the out-of-memory check: {gib(int(s.profile_forward * COMPILED_FORWARD_FACTOR))} "
             f"(torch.compile's buffers, {COMPILED_FORWARD_FACTOR} x the eager tape: docs/advise.md)"
         )
     reached_pool = s.sized_the_pool
     if reached_pool and s.request.kv_cache_memory_bytes is None:
-        lines.append(f"  Available KV cache memory: {_gib(s.kv_cache_bytes)}")
+        lines.append(f"  Available KV cache memory: {gib(s.kv_cache_bytes)}")
     elif reached_pool:
-        lines.append(f"  KV cache memory (--kv-cache-memory-bytes, not measured): {_gib(s.kv_cache_bytes)}")
+        lines.append(f"  KV cache memory (--kv-cache-memory-bytes, not measured): {gib(s.kv_cache_bytes)}")
     if s.failure is None or s.failure.flag == "--max-model-len":
         lines += [
             f"  GPU KV cache size: {s.capacity.kv_cache_tokens:,} tokens ({s.capacity.num_blocks:,} blocks of {s.block_size})",
@@ -240,10 +300,10 @@ def as_text(
         lines.append("start-up: fits")
     else:
         f = s.failure
-        lines.append(f"start-up: {f.kind} in {f.step} ({_gib(f.bytes)}; change {f.flag})")
+        lines.append(f"start-up: {f.kind} in {f.step} ({gib(f.bytes)}; change {f.flag})")
         lines.append(f"  {f.message}")
     if serving is not None:
-        lines.append(f"serving: dies at the {serving.step} ({_gib(serving.bytes)}; change {serving.flag})")
+        lines.append(f"serving: dies at the {serving.step} ({gib(serving.bytes)}; change {serving.flag})")
         lines.append(f"  {serving.message}")
     still = f" (kvgate found none that start: {advised.failure.step})" if advised.failure else ""
     lines.append("advised flags" + still)
@@ -251,7 +311,7 @@ def as_text(
         lines.append(f"  {r.flag} {r.value}: {r.reason}")
     if advised.request != startup.request and advised.fits:
         lines.append(
-            f"  with them: KV cache {_gib(advised.kv_cache_bytes)}, {advised.capacity.kv_cache_tokens:,} tokens, "
+            f"  with them: KV cache {gib(advised.kv_cache_bytes)}, {advised.capacity.kv_cache_tokens:,} tokens, "
             f"maximum concurrency {advised.capacity.max_concurrency:.2f}x at {advised.max_model_len:,} tokens"
         )
     return lines

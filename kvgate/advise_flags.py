@@ -18,8 +18,13 @@ from kvgate.advise_startup import (
     Startup,
     predict,
 )
-from kvgate.units import GiB
+from kvgate.units import GiB, MiB
 
+# Advice is not given at the edge: a proposed --max-model-len is a multiple of LENGTH_STEP (when
+# that leaves one) and a proposed utilization leaves ADVICE_MARGIN_BYTES more than the pool needs,
+# so a few MiB kvgate does not model (the RoPE cache, a logged context) do not refuse it again.
+LENGTH_STEP = 1024
+ADVICE_MARGIN_BYTES = 256 * MiB
 # vLLM's --max-num-batched-tokens is proposed in multiples of this (a chunk of whole blocks that
 # the CUDA-graph and compile sizes also use).
 TOKEN_STEP = 256
@@ -33,13 +38,19 @@ class Recommendation:
 
 
 def gib(n: int | float) -> str:
+    """Bytes as vLLM prints them."""
     return f"{n / GiB:.2f} GiB"
+
+
+def round_down_length(tokens: int) -> int:
+    """`tokens` rounded down to a multiple of LENGTH_STEP, or to a block when it is shorter."""
+    return tokens // LENGTH_STEP * LENGTH_STEP if tokens >= 2 * LENGTH_STEP else tokens // 16 * 16
 
 
 def serving_failure(s: Startup) -> Failure | None:
     """With --kv-cache-memory-bytes vLLM skips the measurement (the profile ran before the pool):
-    a pool that leaves less than the profile's peak beside it starts, then dies at the first step
-    as large as the profile's (vLLM PR #56698)."""
+    a pool that leaves less than the largest plain step (Startup.full_step) beside it starts, then
+    dies at the first such step (vLLM PR #56698)."""
     if s.request.kv_cache_memory_bytes is None or s.failure is not None:
         return None
     headroom = s.serving_headroom
@@ -97,7 +108,7 @@ def _fix(s: Startup, other_processes_bytes: int) -> tuple[Request, list[Recommen
             request = replace(request, max_num_batched_tokens=int(change.value))
         elif failure.flag == "--max-model-len":
             ceiling = utilization_ceiling(current, other_processes_bytes)
-            need = current.requested + failure.bytes + current.layout.page_bytes
+            need = current.requested + failure.bytes + current.layout.page_bytes + ADVICE_MARGIN_BYTES
             wanted = math.ceil(100 * need / current.gpu_total) / 100
             if request.kv_cache_memory_bytes is None and wanted <= ceiling:
                 reasons.append(
@@ -111,7 +122,8 @@ def _fix(s: Startup, other_processes_bytes: int) -> tuple[Request, list[Recommen
                 )
                 request = replace(request, gpu_memory_utilization=wanted)
             else:
-                length = current.estimated_max_model_len or 0
+                longest = current.estimated_max_model_len or 0
+                length = round_down_length(longest)
                 if length <= 0:
                     break
                 reasons.append(
@@ -119,8 +131,9 @@ def _fix(s: Startup, other_processes_bytes: int) -> tuple[Request, list[Recommen
                         "--max-model-len",
                         length,
                         f"the pool ({gib(current.kv_cache_bytes)}) holds {current.capacity.num_blocks:,} blocks; "
-                        f"one {current.max_model_len:,}-token request needs {current.capacity.blocks_per_request:,} "
-                        f"(vLLM's own estimate of the longest that fits: {length:,})",
+                        f"one {current.max_model_len:,}-token request needs {current.capacity.blocks_per_request:,}; "
+                        f"the longest that fits is {longest:,} tokens, rounded down to {length:,} so that a few "
+                        "MiB more of profile or context do not refuse it again",
                     )
                 )
                 request = replace(request, max_model_len=length)

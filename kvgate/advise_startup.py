@@ -66,6 +66,10 @@ FREE_MEMORY_CHECK_SINCE = Version("0.9.1")
 # V1 became the default engine in 0.8.0; before 0.11.0 cards older than Ampere still ran V0.
 V1_DEFAULT_SINCE = Version("0.8.0")
 V0_REMOVED_IN = Version("0.11.0")
+# v1/core/kv_cache_utils.py check_enough_kv_cache_memory plans against the pool less the null block
+# in 0.32.0 ("Reserve the null block BlockPool permanently holds back"), against the whole pool in
+# 0.10.1.1; the releases between were not read (kvgate takes 0.32.0 as the first).
+NULL_BLOCK_IN_CHECK_SINCE = Version("0.32.0")
 # --kv-cache-memory-bytes came with vLLM PR #19480 (docs/sources.md#kv-cache-memory-pr), 0.10.x.
 KV_CACHE_MEMORY_BYTES_SINCE = Version("0.10.0")
 # vllm/config/cache.py gpu_memory_utilization: 0.9 in 0.10.1.1, 0.92 in 0.32.0 (the releases between
@@ -116,6 +120,12 @@ class Release:
     checks_free_memory: bool
     default_utilization: float
     has_kv_cache_memory_bytes: bool  # the --kv-cache-memory-bytes flag exists
+    null_block_in_check: bool  # check_enough_kv_cache_memory leaves out the pool's null block
+
+    @property
+    def usable_blocks_offset(self) -> int:
+        """V1's BlockPool holds block 0 back as its null block: no request ever gets it."""
+        return 1 if self.engine == "v1" else 0
 
 
 def _version(text: str) -> Version:
@@ -137,6 +147,7 @@ def release_for(version: str, gpu: str, enforce_eager: bool) -> Release:
         checks_free_memory=not v0 and v >= FREE_MEMORY_CHECK_SINCE,
         default_utilization=DEFAULT_UTILIZATION_0_32 if v >= UTILIZATION_092_SINCE else DEFAULT_UTILIZATION,
         has_kv_cache_memory_bytes=v >= KV_CACHE_MEMORY_BYTES_SINCE,
+        null_block_in_check=not v0 and v >= NULL_BLOCK_IN_CHECK_SINCE,
     )
 
 
@@ -209,7 +220,7 @@ class Startup:
     capacity: Capacity
     layout: KVLayout
     failure: Failure | None
-    estimated_max_model_len: int | None
+    estimated_max_model_len: int | None  # the longest one request may be in the usable blocks
     warnings: tuple[str, ...] = ()
 
     @property
@@ -453,8 +464,9 @@ def predict(request: Request) -> Startup:
     )
     failure = _before_pool(startup, geometry) or _pool(startup, available) or _after_pool(startup)
     estimated = None
-    if failure is not None and failure.flag == "--max-model-len":
-        estimated = _estimated_max_model_len(layout, startup.capacity.num_blocks, max_model_len, tokens)
+    if failure is not None and failure.flag == "--max-model-len":  # what a request can really get
+        usable = startup.capacity.num_blocks - release.usable_blocks_offset
+        estimated = _estimated_max_model_len(layout, usable, max_model_len, tokens)
     return replace(startup, failure=failure, estimated_max_model_len=estimated, warnings=warnings)
 
 
@@ -512,7 +524,7 @@ def _pool(s: Startup, available: int) -> Failure | None:
             kind="refuses",
         )
     cap, layout = s.capacity, s.layout
-    if cap.blocks_per_request > cap.num_blocks:
+    if cap.blocks_per_request > cap.num_blocks - (1 if s.release.null_block_in_check else 0):
         needed = cap.blocks_per_request * layout.page_bytes * layout.group_size
         if s.release.engine == "v0":  # V0 worker/worker.py raise_if_cache_size_invalid
             message = (
@@ -520,7 +532,8 @@ def _pool(s: Startup, available: int) -> Failure | None:
                 f"that can be stored in KV cache ({cap.num_blocks * layout.block_size})."
             )
         else:
-            estimated = _estimated_max_model_len(layout, cap.num_blocks, s.max_model_len, s.max_num_batched_tokens)
+            checked = cap.num_blocks - (1 if s.release.null_block_in_check else 0)
+            estimated = _estimated_max_model_len(layout, checked, s.max_model_len, s.max_num_batched_tokens)
             message = (
                 f"To serve at least one request with the model's max seq len ({s.max_model_len}), "
                 f"({needed / GiB:.2f} GiB KV cache is needed, which is larger than the available KV cache "
@@ -557,7 +570,9 @@ def _after_pool(s: Startup) -> Failure | None:
     graphs need memory beyond max(requested, what the pool, weights and profile hold)."""
     if not s.graphs or s.release.graphs_in_budget:
         return None
-    held = max(s.requested, s.weights + s.runner_state + s.non_torch + s.kv_cache_bytes + s.profile_peak)
+    allocated = s.weights + s.runner_state + s.non_torch + s.kv_cache_bytes + s.profile_peak
+    # a fixed pool is not bounded by total x utilization; otherwise vLLM filled it to that
+    held = allocated if s.request.kv_cache_memory_bytes is not None else max(s.requested, allocated)
     rest = s.gpu_total - s.outside - held
     if s.graphs <= rest:
         return None

@@ -144,21 +144,21 @@ def test_too_large_kv_cache_memory_bytes_starts_then_dies_under_traffic(tmp_path
 
 
 def test_refused_max_model_len_is_advised_the_budget_up_or_the_length_down(tmp_path: Path) -> None:
-    """The issue's third story, offline: a context the pool cannot hold (Qwen3-32B on one H100 at its
-    full 40,960 tokens). With room outside the budget advise raises --gpu-memory-utilization; with
-    another process holding that room, it proposes the length that fits (vLLM's own estimate)."""
-    s = predict(request(tmp_path, "qwen3-32b", gpu="h100-80gb", vllm_version="0.11.0"))
+    """The issue's third story, offline: a context the pool cannot hold (Qwen3-32B on one H100 at
+    24,576 tokens on vLLM 0.11.0: 4.56 GiB of pool for 6 GiB). With room outside the budget advise
+    raises --gpu-memory-utilization; with another process holding that room, it proposes the
+    longest length that fits (vLLM's own estimate, rounded down to 1,024)."""
+    s = predict(request(tmp_path, "qwen3-32b", gpu="h100-80gb", vllm_version="0.11.0", max_model_len=24576))
     assert s.failure is not None
     assert s.failure.flag == "--max-model-len"
     advised, recs = recommend(s)
     assert advised.fits
-    assert [r.flag for r in recs if r.flag in ("--gpu-memory-utilization", "--max-model-len")] == [
-        "--gpu-memory-utilization"
-    ]
+    assert "--max-model-len" not in {r.flag for r in recs}
     assert advised.utilization > s.utilization
-    advised, recs = recommend(s, other_processes_bytes=3 * GiB)
+    advised, recs = recommend(s, other_processes_bytes=5 * GiB)
     assert advised.fits
-    assert [r.value for r in recs if r.flag == "--max-model-len"] == [s.estimated_max_model_len]
+    assert s.estimated_max_model_len is not None
+    assert [r.value for r in recs if r.flag == "--max-model-len"] == [s.estimated_max_model_len // 1024 * 1024]
     assert advised.utilization == s.utilization
 
 
@@ -243,3 +243,28 @@ def test_weights_that_do_not_fit_one_gpu_get_tensor_parallelism(tmp_path: Path) 
     assert advised.fits
     assert [r.value for r in recs if r.flag == "--tensor-parallel-size"] == [2]
     assert advised.weights == pytest.approx(s.weights / 2, rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-80gb"),  # as nvidia-smi prints it
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA GeForce RTX 4090", "rtx-4090-24gb"),
+        ("l4", "l4-24gb"),
+    ],
+)
+def test_gpu_names_as_nvidia_smi_prints_them(spec: str, name: str) -> None:
+    from kvgate.gpus import GPUS, gpu_name, gpu_total_bytes
+
+    assert gpu_name(spec) == name
+    assert gpu_total_bytes(spec) == GPUS[name]
+
+
+@pytest.mark.parametrize("spec", ["a100", "L40S"])
+def test_an_ambiguous_or_unknown_gpu_is_named_in_the_error(spec: str) -> None:
+    """An A100 without its size could be either; an L40S is not an L4."""
+    from kvgate.gpus import gpu_total_bytes
+
+    with pytest.raises(KeyError, match=f"unknown GPU '{spec}'"):
+        gpu_total_bytes(spec)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvgate.advise_flags import recommend
 from kvgate.advise_startup import Request, predict
 from kvgate.sim import startup as sim_startup
 from kvgate.sim.config import SimConfig
@@ -62,3 +63,36 @@ def test_advise_agrees_with_the_simulator(tmp_path: Path, model: str, flags: dic
     if simulated is not None:
         logged = simulated / GiB
         assert advised.kv_cache_bytes / GiB == pytest.approx(logged, abs=max(0.6, 0.04 * logged))
+
+
+ADVISED: list[tuple[str, dict[str, Any]]] = [
+    # dies in the profile: 200,000 batched tokens (eager, so the simulator's tape can die too)
+    (
+        "mistral-7b-instruct-v0.2",
+        dict(gpu="l4-24gb", vllm_version="0.11.0", max_num_batched_tokens=131072, enforce_eager=True),
+    ),
+    # refuses: 131,072 tokens of Llama-3.1-8B on an L4
+    ("llama-3.1-8b-instruct", dict(gpu="l4-24gb", vllm_version="0.11.0")),
+    # refuses: Qwen3-32B's 40,960 tokens on one H100
+    ("qwen3-32b", dict(gpu="h100-80gb", vllm_version="0.11.0")),
+]
+FLAG_FIELDS = {
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--max-num-seqs": "max_num_seqs",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--max-model-len": "max_model_len",
+    "--tensor-parallel-size": "tensor_parallel_size",
+}
+
+
+@pytest.mark.parametrize(("model", "flags"), ADVISED)
+def test_the_simulator_starts_with_the_advised_flags(tmp_path: Path, model: str, flags: dict[str, Any]) -> None:
+    """A start-up both readings say fails, and the flags advise proposes for it: the simulator
+    starts with them."""
+    folder = write_config(tmp_path, model)
+    startup = predict(Request(str(folder), **flags))
+    assert startup.failure is not None
+    assert simulate(folder, flags) is None
+    _, recommended = recommend(startup)
+    advised = {**flags, **{FLAG_FIELDS[r.flag]: r.value for r in recommended if r.flag in FLAG_FIELDS}}
+    assert simulate(folder, advised) is not None, advised
