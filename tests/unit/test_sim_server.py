@@ -177,12 +177,16 @@ def test_a_client_hanging_up_on_a_non_streamed_request_frees_it_in_the_engine(pa
         with socket.create_connection((sim.host, sim.port)) as client:
             head = f"POST {path} HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
             client.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+            # Running, holding KV blocks and decoding (its first token may come a step after it is scheduled).
             wait_for(
-                lambda: engine.scheduler.running and engine.kv.pool.num_free < free_when_idle,
+                lambda: (
+                    engine.scheduler.running
+                    and engine.kv.pool.num_free < free_when_idle
+                    and engine.scheduler.running[0].output_token_ids
+                ),
                 timeout_s=30,
-                what="the request running in the engine, holding KV blocks",
+                what="the request decoding in the engine, holding KV blocks",
             )
-            assert engine.scheduler.running[0].output_token_ids  # it decodes: tokens are flowing
         wait_for(
             lambda: not engine.scheduler.has_work(),
             timeout_s=30,
