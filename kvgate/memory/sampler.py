@@ -139,7 +139,7 @@ BITMASK_TOKENS_PER_WORD = 32
 # CUDA's `torch.sort` of a `[rows, V]` fp32 tensor (V > 4,096, so not the in-place small sort)
 # allocates scratch the CPU's does not, freed before it returns. PyTorch
 # aten/src/ATen/native/cuda/SortStable.cu `do_launch_stable_sort_kernel` (read at pytorch/pytorch
-# 061531e8, the 2.9 line; the same three branches since 1.13) picks by row count, and every branch
+# commit 061531e8, one with the CCCL >= 3.1 branch; older releases not read) picks by row count, and every branch
 # calls CUB's pointer-based SortPairs (ATen/cuda/cub.cuh), whose temporary storage holds an
 # alternate copy of the keys (fp32, 4) and of the values:
 # - 128 rows or more, `segmented_sort_pairs`: int64 `reverse_indices` (8) + CUB's alternates
