@@ -136,7 +136,8 @@ V2_VERIFY_CHUNK_BYTES = 1 << 30
 # [rows, ceil(V / 32)] int32 grammar bitmask copied to the GPU; V2 preallocates it at start-up
 # (v1/worker/gpu/structured_outputs.py: grammar_bitmask).
 BITMASK_TOKENS_PER_WORD = 32
-# CUDA's `torch.sort` of a `[rows, V]` fp32 tensor (V > 4,096, so not the in-place small sort)
+# CUDA's `torch.sort` of a `[rows, V]` fp32 tensor (V > 4,096, so not the in-place small sort:
+# ATen/native/cuda/Sort.h `should_use_small_sort`)
 # allocates scratch the CPU's does not, freed before it returns. PyTorch
 # aten/src/ATen/native/cuda/SortStable.cu `do_launch_stable_sort_kernel` (read at pytorch/pytorch
 # commit 061531e8, one with the CCCL >= 3.1 branch; older releases not read) picks by row count, and every branch
