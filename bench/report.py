@@ -86,7 +86,13 @@ def markdown(res: dict[str, Any]) -> str:
         out.append(
             f"kvgate CPU per request ({ov.get('kvgate_cpu_measured_over', 'concurrency 64')}): "
             f"{ov.get('kvgate_cpu_ms_per_request')} ms; log level {ov.get('kvgate_log_level', 'warning')}; "
-            f"RSS after the load: {ov.get('kvgate_rss_bytes', 0) / MiB:.0f} MiB.\n"
+            f"RSS after the load: {ov.get('kvgate_rss_bytes', 0) / MiB:.0f} MiB"
+            + (
+                f"; measured once kvgate's start-up work had settled ({ov['kvgate_start_up_settled_s']} s "
+                "after /readyz: its preparation workers load transformers and the tokenizer).\n"
+                if "kvgate_start_up_settled_s" in ov
+                else ".\n"
+            )
         )
         ev = ov.get("chat_evaluation_cost")
         if ev:

@@ -44,6 +44,12 @@ _EXIF_ORIENTATION = 0x0112
 _SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})  # transpose, rotate 270, transverse, rotate 90
 
 
+# PIL imports its format plugins on the first open; done here, at start-up, they are part of the
+# process's (and each preparation worker's) start-up heap, not of the first image request's work,
+# whose memory the worker's grant bounds (a worker's first image otherwise grew it by megabytes).
+Image.init()
+
+
 class MediaError(TokenizationError):
     """An image vLLM would not read: answered 400 like any request kvgate cannot tokenize."""
 

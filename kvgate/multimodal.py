@@ -75,6 +75,11 @@ class ImageRule(ABC):
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
         """The image's replacement; `size` None: an image kvgate cannot see (the largest)."""
 
+    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
+        """At least the replacement's features, in constant time and memory: what is checked
+        against the context before any replacement is built (kwargs can ask for billions)."""
+        return self.replacement(size, kwargs).features
+
 
 @dataclass(frozen=True)
 class ImageTokens(ImageRule):
@@ -135,6 +140,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+# Pixel bounds beyond which smart_resize's float arithmetic overflows or loses integers.
+_MOST_PIXELS = 2**53
+
+
 @dataclass(frozen=True)
 class DynamicResolution(ImageRule):
     """Qwen2-VL's images: resized by smart_resize to multiples of patch_size * merge_size, one
@@ -165,12 +174,12 @@ class DynamicResolution(ImageRule):
                 size[edge] = kwargs[alias]
         try:
             low, high = int(size["shortest_edge"]), int(size["longest_edge"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise TokenizationError(
                 f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {size}."
             ) from None
-        if low < 1 or high < 1:
-            raise TokenizationError(f"min_pixels and max_pixels must be positive, got {low} and {high}")
+        if not (1 <= low <= _MOST_PIXELS and 1 <= high <= _MOST_PIXELS):
+            raise TokenizationError(f"min_pixels and max_pixels must be between 1 and 2**53, got {low} and {high}")
         return low, high
 
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
@@ -180,6 +189,12 @@ class DynamicResolution(ImageRule):
             size = self.largest(high)
         height, width = smart_resize(size.height, size.width, unit, low, high)
         return Replacement((height // self.patch_size) * (width // self.patch_size) // self.merge_size**2)
+
+    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
+        if size is None:  # the search for the largest starts from this count and only goes down
+            unit = self.patch_size * self.merge_size
+            return max(self.pixel_range(kwargs)[1] // (unit * unit), 1)
+        return self.replacement(size, kwargs).features
 
     def largest(self, max_pixels: int) -> ImageSize:
         """The size with the most tokens (Qwen2VLProcessingInfo.get_image_size_with_most_features:
@@ -211,7 +226,7 @@ def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
 
 @dataclass(frozen=True)
 class PanAndScan:
-    """Gemma3ImageProcessor's pan-and-scan options (transformers defaults: off, 256, 4, 1.2)."""
+    """Gemma 3's pan-and-scan options (transformers 5.19 Gemma3ProcessorKwargs defaults: off, 256, 4, 1.2)."""
 
     enabled: bool = False
     min_crop_size: int = 256
@@ -219,12 +234,18 @@ class PanAndScan:
     min_ratio_to_activate: float = 1.2
 
     def over(self, kwargs: Mapping[str, Any]) -> PanAndScan:
-        return PanAndScan(
-            bool(kwargs.get("do_pan_and_scan", self.enabled)),
-            int(kwargs.get("pan_and_scan_min_crop_size", self.min_crop_size)),
-            int(kwargs.get("pan_and_scan_max_num_crops", self.max_num_crops)),
-            float(kwargs.get("pan_and_scan_min_ratio_to_activate", self.min_ratio_to_activate)),
-        )
+        try:
+            scan = PanAndScan(
+                bool(kwargs.get("do_pan_and_scan", self.enabled)),
+                int(kwargs.get("pan_and_scan_min_crop_size", self.min_crop_size)),
+                int(kwargs.get("pan_and_scan_max_num_crops", self.max_num_crops)),
+                float(kwargs.get("pan_and_scan_min_ratio_to_activate", self.min_ratio_to_activate)),
+            )
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TokenizationError(f"Bad pan-and-scan option in mm_processor_kwargs: {exc}") from None
+        if scan.enabled and (scan.min_crop_size < 1 or scan.max_num_crops < 1):
+            raise TokenizationError("pan_and_scan_min_crop_size and pan_and_scan_max_num_crops must be at least 1.")
+        return scan
 
     def crops(self, size: ImageSize | None) -> int:
         """gemma3_mm.py Gemma3ProcessingInfo.get_num_crops, line for line; `size` None: the most
@@ -262,6 +283,9 @@ class FixedSequence(ImageRule):
         (("\n\n", "\n\n"), "\n\n\n\n"),
     )
 
+    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
+        return self.tokens * (self.pan_and_scan.over(kwargs).crops(size) + 1)
+
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
         crops = self.pan_and_scan.over(kwargs).crops(size)
         full = f"\n\n{self.placeholder}{'<image_soft_token>' * self.tokens}<end_of_image>\n\n"
@@ -274,19 +298,17 @@ class FixedSequence(ImageRule):
 
 
 def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """Tokens per image: processor_config.json's image_seq_length (Gemma3Processor), else
-    config.json's mm_tokens_per_image; pan-and-scan options from preprocessor_config.json."""
+    """Tokens per image: processor_config.json's image_seq_length, else 256 (transformers
+    Gemma3Processor.__init__'s default; vLLM's get_num_image_tokens reads processor.image_seq_length,
+    not config.json's mm_tokens_per_image, equal in the released checkpoints). Pan-and-scan starts from transformers' Gemma3ProcessorKwargs
+    defaults (off, 256, 4, 1.2), not from preprocessor_config.json: Gemma3ProcessingInfo.get_num_crops
+    reads them through the processor's _merge_kwargs, whose defaults override the image processor's
+    own settings, so only --mm-processor-kwargs or the request turn it on (vLLM 0.32.0, checked
+    in tests/integration/test_multimodal.py)."""
     if "image_token_index" not in config or "boi_token_index" not in config:
         return None
-    tokens = processor.get("image_seq_length") or config.get("mm_tokens_per_image", 256)
-    defaults = PanAndScan()
-    scan = PanAndScan(
-        bool(processor.get("do_pan_and_scan") or False),
-        int(processor.get("pan_and_scan_min_crop_size") or defaults.min_crop_size),
-        int(processor.get("pan_and_scan_max_num_crops") or defaults.max_num_crops),
-        float(processor.get("pan_and_scan_min_ratio_to_activate") or defaults.min_ratio_to_activate),
-    )
-    return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens), scan)
+    tokens = processor.get("image_seq_length") or 256
+    return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens))
 
 
 # config.json model_type -> the rule's reader of config.json and the processor's config files.
@@ -461,19 +483,25 @@ def _stand_in(key: str) -> int:
 
 def replace_token_matches(ids: list[int], match: Sequence[int], new: Sequence[int]) -> list[int]:
     """Every non-overlapping run of `match`, left to right, becomes `new` (vllm/multimodal/
-    processing replace_token_matches)."""
-    if not match:
+    processing/processor.py replace_token_matches and iter_token_matches, 0.32.0 and 0.33.0,
+    with their C-level scan for the run's first token)."""
+    wanted = list(match)
+    if not wanted:
         return ids
     out: list[int] = []
-    i, n = 0, len(match)
-    while i < len(ids):
-        if ids[i : i + n] == list(match):
+    start = found = 0
+    while True:
+        try:
+            found = ids.index(wanted[0], found, max(len(ids) - len(wanted) + 1, 0))
+        except ValueError:
+            break
+        if ids[found : found + len(wanted)] == wanted:
+            out += ids[start:found]
             out += new
-            i += n
+            start = found = found + len(wanted)
         else:
-            out.append(ids[i])
-            i += 1
-    return out
+            found += 1
+    return out + ids[start:]
 
 
 def expand_images(
@@ -520,6 +548,25 @@ async def _read(url: str) -> ImageSize | ImageByUrl:
     return read_image(url)
 
 
+# The most image tokens a prompt may carry where the context limit is not known (vLLM's longest
+# contexts are a few million tokens): each is an int64 in kvgate's memory before it is counted.
+MAX_IMAGE_TOKENS = 1 << 24
+
+
+def _refuse_beyond(image_tokens: int, max_tokens: int | None) -> None:
+    """The images alone take more tokens than the context holds: the refusal vLLM gives a prompt
+    too long (kvgate/tokens.py PromptTooLong), before any of them is built."""
+    if max_tokens is not None and image_tokens > max_tokens:
+        from kvgate.tokens import PromptTooLong  # tokens.py imports this module at its top
+
+        raise PromptTooLong(image_tokens, max_tokens)
+    if image_tokens > MAX_IMAGE_TOKENS:
+        raise TokenizationError(
+            f"The prompt's images take at least {image_tokens:,} tokens, more than kvgate counts "
+            f"({MAX_IMAGE_TOKENS:,}) where the model's context length is not known."
+        )
+
+
 class MediaCounting:
     """A tokenizer that counts images by the model's rule and refuses other media, around either
     tokenizer (the model folder's, or the backend's /tokenize)."""
@@ -557,19 +604,21 @@ class MediaCounting:
         return self._encoded[text]
 
     async def _replacements(
-        self, rule: ImageRule, found: list[ImagePart], request_kwargs: Any
+        self, rule: ImageRule, found: list[ImagePart], request_kwargs: Any, max_tokens: int | None
     ) -> list[tuple[str, Replacement, Sequence[int] | None]]:
         limit = self._options.limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
         if len(found) > limit:
             raise TokenizationError(f"At most {limit} image(s) may be provided in one prompt.")
         kwargs = image_kwargs(self._options.processor_kwargs, request_kwargs)
         await charge(sum(data_url_cost(p.url) for p in found if p.url is not None and p.url[:5].lower() == "data:"))
-        out: list[tuple[str, Replacement, Sequence[int] | None]] = []
+        sizes: list[ImageSize | None] = []
         for part in found:
             seen = await _read(part.url) if part.url is not None else None
-            size = seen if isinstance(seen, ImageSize) else None
-            if isinstance(seen, ImageByUrl) or isinstance(rule, ImageTokens):
-                size = None  # not fetched: the largest (a fixed count does not depend on it)
+            # Not fetched (a URL): the largest; a fixed count does not depend on the size.
+            sizes.append(None if isinstance(seen, ImageByUrl) or isinstance(rule, ImageTokens) else seen)
+        _refuse_beyond(sum(rule.most_features(size, kwargs) for size in sizes), max_tokens)
+        out: list[tuple[str, Replacement, Sequence[int] | None]] = []
+        for part, size in zip(found, sizes, strict=True):
             replacement = rule.replacement(size, kwargs)
             text_ids = await self._encode(replacement.text) if replacement.text is not None else None
             out.append((part.key, replacement, text_ids))
@@ -590,7 +639,9 @@ class MediaCounting:
         # The text's bound holds with images too: their tokens only add to the text's.
         text_chat, found = with_placeholders(chat, self._images, self._model_type)
         rule = self._images
-        replacements = await self._replacements(rule, found, chat.mm_processor_kwargs) if rule and found else []
+        replacements = (
+            await self._replacements(rule, found, chat.mm_processor_kwargs, max_tokens) if rule and found else []
+        )
         ids = await self._inner.encode_chat(text_chat, max_tokens, namespace_aliases)
         if rule is None or not found:
             return ids

@@ -102,11 +102,17 @@ class OutputLengths:
     def _learn(self, m: int, floor: int) -> OutputReservation:
         if len(self._samples) < self.min_samples:
             return OutputReservation(m)
-        lengths = [max(floor, min(produced, m) if produced < allowed else m) for allowed, produced in self._samples]
+        # Comparisons rather than min() and max() calls: this runs over the whole window every
+        # refresh_every releases, a few hundred builtin calls a request amortised.
+        lengths = [
+            (produced if produced < m else m) if produced < allowed else m for allowed, produced in self._samples
+        ]
+        if floor:
+            lengths = [x if x > floor else floor for x in lengths]
         mean = statistics.fmean(lengths)
         # Float sums, not statistics.pvariance: its exact Fraction arithmetic cost ~1% of kvgate's
         # CPU under load (py-spy), for precision integers below max_tokens never need.
-        variance = math.fsum((x - mean) ** 2 for x in lengths) / len(lengths)
+        variance = math.fsum([(x - mean) ** 2 for x in lengths]) / len(lengths)
         return OutputReservation(max(1, min(m, math.ceil(mean))), variance)
 
     @property

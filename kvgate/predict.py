@@ -233,7 +233,7 @@ class Predictor:
                 shared_extra += v2_prompt_logprobs_shared_step_extra(
                     self.layout.geometry, self.engine, len(ids), spec.sampling.prompt_logprobs
                 )
-        demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints), splits)
+        demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints, (processing, filtered)), splits)
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
@@ -242,10 +242,11 @@ class Predictor:
             sampling=sampling,
         )
 
-    def sampler_use(self, spec: ValidRequest, footprints: Sequence[Footprint]) -> SamplerUse:
+    def sampler_use(self, spec: ValidRequest, footprints: Sequence[Footprint], needs: tuple[bool, bool]) -> SamplerUse:
         """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
-        and output."""
-        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
+        and output; `needs`: its (logits processing, top-k/top-p) on Model Runner V2, as
+        v2_sampler_needs found them for predict (worked out once a request)."""
+        processing, filtered = needs
         return SamplerUse(
             self.sampler_cost,
             rows=sum(fp.n for fp in footprints),

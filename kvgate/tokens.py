@@ -190,9 +190,15 @@ class LocalTokenizer:
         """Long texts go to a worker thread (the Rust tokenizer lets go of the GIL): BPE on 100k
         characters takes tens of ms. Their memory is charged to the request first: the largest
         run of texts encoded at once, and the arrays that keep every id."""
-        largest = max(sum(map(_text_bytes, run)) for run in _chunks(texts, ENCODE_CHUNK_BYTES)) if texts else 0
-        await charge(TOKENIZE_BYTES_PER_TEXT_BYTE * largest + TOKEN_BYTES * sum(map(_text_bytes, texts)))
-        if sum(len(text) for text in texts) > self._threshold:
+        if len(texts) == 1:  # a chat or a single prompt, most requests: one run, sized once
+            largest = total = _text_bytes(texts[0])
+            chars = len(texts[0])
+        else:
+            largest = max(sum(map(_text_bytes, run)) for run in _chunks(texts, ENCODE_CHUNK_BYTES)) if texts else 0
+            total = sum(map(_text_bytes, texts))
+            chars = sum(len(text) for text in texts)
+        await charge(TOKENIZE_BYTES_PER_TEXT_BYTE * largest + TOKEN_BYTES * total)
+        if chars > self._threshold:
             return await asyncio.to_thread(self._encode_now, texts, add_special_tokens)
         return self._encode_now(texts, add_special_tokens)
 
@@ -205,7 +211,7 @@ class LocalTokenizer:
         # Ids are kept as arrays, a chunk of texts at a time (ENCODE_CHUNK_CHARS).
         rust = self._rust
         out: list[array] = []
-        for chunk in _chunks(texts, ENCODE_CHUNK_BYTES):
+        for chunk in [texts] if len(texts) == 1 else _chunks(texts, ENCODE_CHUNK_BYTES):
             if rust is not None and _in_encode_state(rust, self._tok):
                 if self._batch_fast is not None:
                     encodings = self._batch_fast(chunk, add_special_tokens=add_special_tokens)

@@ -13,7 +13,7 @@ import pytest
 
 from kvgate.chat_template import TokenizationError
 from kvgate.media import ImageSize
-from kvgate.multimodal import image_kwargs, image_tokens
+from kvgate.multimodal import image_kwargs, image_tokens, replace_token_matches
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.vllm_server import VllmPython
@@ -181,7 +181,7 @@ GEMMA3_4B = {  # google/gemma-3-4b-it's config.json and preprocessor_config.json
         "boi_token_index": 255999,
         "mm_tokens_per_image": 256,
     },
-    "processor": {"do_pan_and_scan": None, "pan_and_scan_max_num_crops": None},
+    "processor": {"image_seq_length": 256, "do_pan_and_scan": None, "pan_and_scan_max_num_crops": None},
 }
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
@@ -203,6 +203,15 @@ CASES = [
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 100}},
+    # processor_config.json's image_seq_length, not config.json's mm_tokens_per_image
+    {**GEMMA3_4B, "processor": {"image_seq_length": 64}, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
+    # preprocessor_config.json's pan-and-scan settings are overridden by the processor's defaults
+    {
+        **GEMMA3_4B,
+        "processor": {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2},
+        "cli_kwargs": {},
+        "request_kwargs": {},
+    },
 ]
 
 
@@ -215,7 +224,7 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | None:
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 11 kwarg settings
+    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 13 kwarg settings
     (config, --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped), kvgate's count
     equals vLLM 0.32.0's Qwen2VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
     image kvgate does not see counts vLLM's get_max_image_tokens; where vLLM raises (aspect ratio
@@ -237,3 +246,32 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
             assert _kvgate_count(rule, None, image_kwargs(case["cli_kwargs"], {})) == vllm["largest"], case
     assert refused > 0  # the aspect-ratio refusals were exercised
     assert len({c for v in theirs for c in v["counts"]}) > 100  # and many distinct counts
+
+
+_VLLM_MERGES = """
+import json, sys
+from vllm.multimodal.processing.processor import replace_token_matches
+out = []
+for ids in json.loads(sys.stdin.read()):
+    for match, new in ([1, 2], [3]), ([2, 1], [3]), ([2, 2], [4]):
+        ids = replace_token_matches(ids, match, new)
+    out.append(ids)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+def test_newline_joins_equal_vllms_replace_token_matches(vllm_python: VllmPython) -> None:
+    """Gemma 3's three joins ("\\n" "\\n\\n" -> "\\n\\n\\n", "\\n\\n" "\\n" -> "\\n\\n\\n", "\\n\\n" "\\n\\n"
+    -> "\\n\\n\\n\\n": ids 1, 2, 3, 4 here) applied in order by kvgate equal vLLM 0.32.0's
+    replace_token_matches on 300 random runs of newline tokens and others."""
+    rng = random.Random(5)
+    runs = [[rng.choice([1, 2, 2, 3, 7]) for _ in range(rng.randint(0, 40))] for _ in range(300)]
+    theirs = json.loads(vllm_python("-c", _VLLM_MERGES, input=json.dumps(runs)).strip().splitlines()[-1])
+    ours = []
+    for ids in runs:
+        for match, new in ([1, 2], [3]), ([2, 1], [3]), ([2, 2], [4]):
+            ids = replace_token_matches(ids, match, new)
+        ours.append(ids)
+    assert ours == theirs
+    assert sum(len(a) != len(b) for a, b in zip(runs, ours, strict=True)) > 100  # joins happened

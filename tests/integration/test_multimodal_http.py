@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import random
 import struct
 import zlib
 from collections.abc import Iterator
@@ -62,6 +63,7 @@ def kvgate(
     qwen2_vl_dir: Path, backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[KvgateServer]:
     flags = ["--mm-processor-kwargs", '{"max_pixels": 100352}', "--limit-mm-per-prompt", '{"image": 2}']
+    flags += ["--max-process-memory-bytes", "1GiB"]  # not this machine's cgroup: the same budget everywhere
     with running_kvgate(backend.base_url, qwen2_vl_dir, tmp_path_factory.mktemp("kvgate"), *flags) as server:
         yield server
 
@@ -156,4 +158,101 @@ def test_limit_mm_per_prompt_is_vllms_400(kvgate: KvgateServer) -> None:
     response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert "At most 2 image(s) may be provided in one prompt." in response.json()["error"]["message"]
+    assert_ledger_empty(kvgate)
+
+
+def test_kwargs_asking_for_a_billion_tokens_are_a_400(kvgate: KvgateServer, backend: FakeBackend) -> None:
+    """min_pixels 10^12 would make a 64 x 64 image 1.3 billion tokens: refused as too long for
+    the context before any of them is built, nothing forwarded, nothing reserved."""
+    forwarded = len(backend.seen)
+    body = _chat(_image(_png(64, 64)), mm_processor_kwargs={"min_pixels": 10**12, "max_pixels": 10**13})
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "maximum context length" in response.json()["error"]["message"]
+    assert len(backend.seen) == forwarded
+    assert_ledger_empty(kvgate)
+
+
+def _noise_png(width: int, height: int) -> str:
+    pixels = random.Random(width * height).randbytes(width * height * 3)  # noise: no compression
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (width, height), pixels).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_body_over_64_kib_is_counted_alike_in_a_preparation_worker(kvgate: KvgateServer) -> None:
+    """A body over 64 KiB is prepared in a worker process (kvgate/pipeline.py INLINE_BODY_BYTES),
+    which counts with the same flags: 200 x 200 -> 196 x 196 -> 14 x 14 patches -> 49 tokens,
+    and a third image over --limit-mm-per-prompt is refused there too."""
+    url = _noise_png(200, 200)
+    assert len(url) > 64 * 1024
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": PLACEHOLDER}))
+    assert _prompt_tokens(kvgate, _chat(_image(url))) == placeholder - 1 + 49
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=_chat(*[_image(url)] * 3), timeout=30)
+    assert response.status_code == 400, response.text
+    assert "At most 2 image(s)" in response.json()["error"]["message"]
+    bad = _chat(_image(url[:-8] + "@@@@@@@@"))
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=bad, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "not valid base64" in response.json()["error"]["message"]
+    assert_ledger_empty(kvgate)
+
+
+def test_a_13_mb_image_is_counted_within_its_memory_grant(kvgate: KvgateServer) -> None:
+    """An 1800 x 1800 noise PNG (a 13 MB data URL) is prepared in a worker within what the body
+    was charged (the worker is killed past its grant: a 413): 11 x 11 units -> 121 tokens."""
+    url = _noise_png(1800, 1800)
+    assert len(url) > 12_000_000
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": PLACEHOLDER}))
+    assert _prompt_tokens(kvgate, _chat(_image(url))) == placeholder - 1 + 121
+    assert_ledger_empty(kvgate)
+
+
+GEMMA_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+
+
+@pytest.fixture(scope="module")
+def gemma3(
+    tiny_model_dir: Path, backend: FakeBackend, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[KvgateServer, object]]:
+    """A tiny Gemma 3 folder: the tiny Llama's tokenizer with Gemma's image tokens added, a gemma3
+    config.json and a processor_config.json of 64 tokens an image (to keep prompts short) behind
+    kvgate serve."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": GEMMA_TOKENS})
+    tok.save_pretrained(str(folder))
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config.update(
+        model_type="gemma3",
+        architectures=["Gemma3ForConditionalGeneration"],
+        boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
+        mm_tokens_per_image=64,
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "processor_config.json").write_text(json.dumps({"image_seq_length": 64}))
+    flags = ["--max-process-memory-bytes", "1GiB"]
+    with running_kvgate(backend.base_url, folder, tmp_path_factory.mktemp("kvgate"), *flags) as server:
+        yield server, tok
+
+
+def test_gemma3_images_take_the_tokenized_sequence(gemma3: tuple[KvgateServer, object]) -> None:
+    """Each image: the tokens of "\\n\\n<start_of_image>" + 64 soft tokens + "<end_of_image>\\n\\n"
+    in place of the placeholder (transformers' Gemma3Processor.full_image_sequence, vLLM's
+    get_image_repl); with do_pan_and_scan a 1200 x 400 image makes 3 crops, each that sequence
+    after vLLM's "Here is the original image ..." text; a square one none."""
+    kvgate, tok = gemma3
+    full = "\n\n<start_of_image>" + "<image_soft_token>" * 64 + "<end_of_image>\n\n"
+    encoded = len(tok.encode(full, add_special_tokens=False))  # type: ignore[attr-defined]
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": "<start_of_image>"}))
+    assert _prompt_tokens(kvgate, _chat(_image(_png(1200, 400)))) == placeholder - 1 + encoded
+    scanned = f"Here is the original image {full} and here are some crops to help you see better {full} {full} {full}"
+    scanned_tokens = len(tok.encode(scanned, add_special_tokens=False))  # type: ignore[attr-defined]
+    kwargs = {"mm_processor_kwargs": {"do_pan_and_scan": True}}
+    assert _prompt_tokens(kvgate, _chat(_image(_png(1200, 400)), **kwargs)) == placeholder - 1 + scanned_tokens
+    assert _prompt_tokens(kvgate, _chat(_image(_png(400, 400)), **kwargs)) == placeholder - 1 + encoded
     assert_ledger_empty(kvgate)

@@ -97,7 +97,7 @@ def gemma(case):
         _merge_kwargs = ProcessorMixin._merge_kwargs
         image_processor = gemma_pil.Gemma3ImageProcessorPil(**case["processor"])
         tokenizer = SimpleNamespace(init_kwargs={})
-        image_seq_length = case["config"].get("mm_tokens_per_image", 256)
+        image_seq_length = case["processor"].get("image_seq_length", 256)  # Gemma3Processor's default
 
     processor = Processor()
     counts = [

@@ -130,6 +130,10 @@ def test_qwen2_vl_refuses_what_vllm_refuses() -> None:
         _count(_qwen(), _image(201 * 3, 3))
     with pytest.raises(TokenizationError, match="does not give"):
         _count(_qwen(), {"type": "image_embeds", "image_embeds": "AAAA"})
+    with pytest.raises(TokenizationError, match="between 1 and 2"):
+        _count(_qwen(), _image(64, 64), mm_processor_kwargs={"min_pixels": 10**400, "max_pixels": 10**401})
+    with pytest.raises(TokenizationError, match="between 1 and 2"):
+        _count(_qwen(), _image(64, 64), mm_processor_kwargs={"max_pixels": 0})
     with pytest.raises(TokenizationError, match="not valid base64"):
         _count(_qwen(), {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}})
 
@@ -217,3 +221,62 @@ def test_a_large_image_is_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
     _count(_qwen(), small, large)
     assert threads[0] == threading.main_thread().name
     assert threads[1] != threading.main_thread().name
+
+
+@pytest.mark.parametrize(
+    ("counting", "part", "kwargs"),
+    [
+        ("qwen", _image(64, 64), {"min_pixels": 10**12, "max_pixels": 10**13}),
+        ("qwen", URL_IMAGE, {"max_pixels": 10**15}),
+        ("gemma", URL_IMAGE, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 10**9}),
+    ],
+    ids=["qwen-min-pixels", "qwen-url-max-pixels", "gemma-url-crops"],
+)
+def test_kwargs_asking_for_billions_of_tokens_are_refused_before_any_is_built(
+    counting: str, part: dict, kwargs: dict
+) -> None:
+    """Request kwargs can make an image billions of tokens (vLLM would resize to 10^12 pixels or
+    build 10^9 crops): kvgate bounds the count first, in constant memory, and refuses; against a
+    known context, as vLLM refuses a prompt too long."""
+    from kvgate.tokens import PromptTooLong
+
+    rule = image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR) if counting == "qwen" else image_tokens(GEMMA3, {})
+    tokenizer = MediaCounting(WordTokenizer(), rule, None, counting)
+    chat = ChatInput(messages=({"role": "user", "content": [TEXT, part]},), mm_processor_kwargs=kwargs)
+    with pytest.raises(TokenizationError, match="more than kvgate counts"):
+        asyncio.run(tokenizer.encode_chat(chat))
+    with pytest.raises(PromptTooLong, match="maximum context length is 4096 tokens") as refused:
+        asyncio.run(tokenizer.encode_chat(chat, max_tokens=4096))
+    assert refused.value.tokens_at_least > 10**6
+
+
+def test_bad_pan_and_scan_options_are_a_400() -> None:
+    gemma = MediaCounting(WordTokenizer(), image_tokens(GEMMA3, {}), None, "gemma3")
+    for kwargs in ({"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 0}, {"pan_and_scan_max_num_crops": "x"}):
+        with pytest.raises(TokenizationError, match=r"pan_and_scan|pan-and-scan"):
+            _count(gemma, TEXT, _image(900, 300), mm_processor_kwargs=kwargs)
+
+
+def test_many_crops_of_a_thin_image_are_refused_against_the_context() -> None:
+    """A 40,000 x 20 image with 1-pixel crops makes 2,000 crops (bounded by the image: 512,256
+    tokens): refused against a 4,096-token context before the crops' text is built."""
+    from kvgate.tokens import PromptTooLong
+
+    gemma = MediaCounting(WordTokenizer(), image_tokens(GEMMA3, {}), None, "gemma3")
+    kwargs = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 1, "pan_and_scan_max_num_crops": 10**9}
+    chat = ChatInput(messages=({"role": "user", "content": [TEXT, _image(40_000, 20)]},), mm_processor_kwargs=kwargs)
+    with pytest.raises(PromptTooLong) as refused:
+        asyncio.run(gemma.encode_chat(chat, max_tokens=4096))
+    assert refused.value.tokens_at_least == 256 * 2001
+
+
+def test_replace_token_matches_is_vllms_non_overlapping_left_to_right() -> None:
+    from kvgate.multimodal import replace_token_matches
+
+    assert replace_token_matches([1, 2, 2, 2, 2, 2], [2, 2], [9]) == [1, 9, 9, 2]
+    assert replace_token_matches([2, 1, 2, 1, 2], [2, 1], [7, 7, 7]) == [7, 7, 7, 7, 7, 7, 2]
+    assert replace_token_matches([5, 2], [2, 1], [9]) == [5, 2]  # a run cut off at the end
+    assert replace_token_matches([], [2], [9]) == []
+    assert replace_token_matches([3, 3], [], [9]) == [3, 3]
+    long = [107, 108] * 50_000
+    assert replace_token_matches(long, [107, 108], [109]) == [109] * 50_000

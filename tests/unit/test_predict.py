@@ -19,7 +19,7 @@ from kvgate.openai import parse_request
 from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
 from kvgate.request import RequestLimits, Truncation, ValidRequest, check_limits
-from kvgate.sampling_params import SamplingParams
+from kvgate.sampling_params import SamplingParams, v2_sampler_needs
 from support.geometry import layout
 
 ENGINES = {
@@ -66,7 +66,11 @@ def fresh_demand(predictor: Predictor, spec: ValidRequest, prompts: list[list[in
         )
         for ids in prompts
     ]
-    return footprints, predictor._demand(footprints, sampling, predictor.sampler_use(spec, footprints))
+    return footprints, predictor._demand(
+        footprints,
+        sampling,
+        predictor.sampler_use(spec, footprints, v2_sampler_needs(spec.sampling, predictor.sampling_defaults)),
+    )
 
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES)
