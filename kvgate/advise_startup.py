@@ -43,7 +43,7 @@ from kvgate.memory.draft import Drafter
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry, dtype_bytes
 from kvgate.memory.kv import Capacity, KVLayout
-from kvgate.memory.sampler import FP32, cuda_sort_peak_extra_bytes, v2_penalty_state_bytes
+from kvgate.memory.sampler import FP32, v2_penalty_state_bytes
 from kvgate.memory.vllm_runner import NEWEST_KNOWN, OLDEST_KNOWN, VllmRuntime, resolve_runtime
 from kvgate.model_folder import load_geometry, read_model_config
 from kvgate.speculative import resolve_drafter
@@ -354,7 +354,7 @@ def _runtime(request: Request, release: Release, geometry: ModelGeometry, config
     )
 
 
-def _random_step_bytes(geometry: ModelGeometry, engine: EngineShape, runtime: VllmRuntime) -> int:
+def _random_step_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     """A step of max_num_batched_tokens tokens whose every row samples with top-k/top-p: V2's
     profile is greedy, so its fp32 copy and top-k/top-p path are not in the peak
     (kvgate/memory/sampler.py, profiled and unprofiled parts of one stage)."""
@@ -362,17 +362,7 @@ def _random_step_bytes(geometry: ModelGeometry, engine: EngineShape, runtime: Vl
     rows = cost.profiled_rows
     stage = cost.stage(rows, False, False, 0, random=True, processing=True, filtered=True)
     hidden = engine.max_num_batched_tokens * geometry.hidden_size * geometry.dtype_bytes
-    step = hidden + stage.profiled + stage.unprofiled - stage.sample_hidden // 2
-    if _sorts_in_profile(runtime, rows) or (runtime.runner == "v2" and cost.top_k_top_p(rows)[1]):
-        step += cuda_sort_peak_extra_bytes(rows, geometry.vocab_size)
-    return step
-
-
-def _sorts_in_profile(runtime: VllmRuntime, rows: int) -> bool:
-    """The V1 profile's full-vocab top-k/top-p runs PyTorch's sort (vllm_runner.resolve_sampler)."""
-    if runtime.runner != "v1":
-        return False
-    return runtime.sampler_backend == "pytorch" or rows < runtime.sampler_sort_below_rows
+    return hidden + stage.profiled + stage.unprofiled - stage.sample_hidden // 2
 
 
 def predict(request: Request) -> Startup:
@@ -419,10 +409,8 @@ def predict(request: Request) -> Startup:
     engine = _engine_shape(request, runtime, max_model_len, tokens, seqs)
     forward = profile_forward_bytes(geometry, engine)
     sampler = profile_sampler_bytes(geometry, engine)
-    if _sorts_in_profile(runtime, min(tokens, seqs)):
-        sampler += cuda_sort_peak_extra_bytes(min(tokens, seqs), geometry.vocab_size)
     oom_need = max(int(forward * COMPILED_FORWARD_FACTOR) if release.compiled else forward, sampler)
-    full_step = max(oom_need, _random_step_bytes(geometry, engine, runtime))
+    full_step = max(oom_need, _random_step_bytes(geometry, engine))
     sizes = graph_capture_sizes(request, release, seqs, tokens)
     startup = Startup(
         request=request,

@@ -22,6 +22,7 @@ from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.kv import KVLayout
 from kvgate.memory.lora import LoraSlots, slot_bytes
 from kvgate.memory.outputs import OutputReserver
+from kvgate.memory.sampler import v2_penalty_state_bytes
 from kvgate.memory.vllm_runner import VllmRuntime, resolve_runtime
 from kvgate.model_folder import read_model_config, read_sampling_defaults
 from kvgate.predict import Predictor
@@ -389,8 +390,9 @@ def static_limits(
     ``total x gpu_memory_utilization`` (kvgate/memory/envelope.py), so they come off the rest.
     With --kv-cache-memory-bytes the pool is that size (vLLM ignores gpu_memory_utilization then:
     vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
-    the weights (with --enable-lora's slots), that pool, the profiled activation peak, the profile's non-torch increase and
-    the memory outside the envelope; only CUDA graphs (unless --enforce-eager) stay unknown.
+    the weights (with --enable-lora's slots), that pool, the profiled activation peak, Model Runner V2's
+    penalty state (`runner_state_bytes`), the profile's non-torch increase and the memory outside
+    the envelope; only CUDA graphs (unless --enforce-eager) stay unknown.
     """
     blocks = deployment.num_gpu_blocks
     fixed_pool = kv_cache_memory_bytes
@@ -403,12 +405,12 @@ def static_limits(
     if headroom is None and gpu_memory_bytes is not None:
         if fixed_pool is not None:
             used = fixed_pool + weights_bytes(predictor.layout) + lora_slot_bytes(deployment, predictor.layout)
-            used += predictor.profiled_peak_bytes
+            used += predictor.profiled_peak_bytes + runner_state_bytes(deployment, predictor.layout.geometry)
             headroom = gpu_memory_bytes - used - NON_TORCH_INCREASE_BYTES - outside.total
             if not deployment.enforce_eager:
                 log.warning(
                     "--kv-cache-memory-bytes: the static headroom (%.2f GiB) is the GPU less the weights, "
-                    "the pool, the profile peak, non-torch memory and %s; the CUDA graphs' memory is not "
+                    "the pool, the profile peak, V2's penalty state, non-torch memory and %s; the CUDA graphs' memory is not "
                     "known to kvgate: pass --free-memory-bytes from vLLM's start-up log to be exact",
                     max(0, headroom) / GiB,
                     outside.describe(),
@@ -423,6 +425,16 @@ def static_limits(
         max_transient_headroom_bytes=headroom,
         profiled_peak_bytes=predictor.profiled_peak_bytes,
     )
+
+
+def runner_state_bytes(deployment: Deployment, geometry: ModelGeometry) -> int:
+    """What the model runner allocates for good before the profile beyond the weights: V2's
+    penalty state (kvgate/memory/sampler.py `v2_penalty_state_bytes`). Under
+    --gpu-memory-utilization vLLM takes it from the pool (it is in the profile's total_consumed),
+    so only a fixed --kv-cache-memory-bytes pool leaves it to come out of the rest."""
+    if deployment.runtime.runner != "v2":
+        return 0
+    return v2_penalty_state_bytes(deployment.max_num_seqs, geometry.vocab_size)
 
 
 def lora_slot_bytes(deployment: Deployment, layout: KVLayout) -> int:

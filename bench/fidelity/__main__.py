@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                             "measured": r.measured,
                             "cpu_only": r.cpu_only,
                             "kvgate": r.estimate,
+                            "cuda_only": r.cuda_only,
                             "ratio": round(r.ratio, 4),
                         }
                         for r in rows

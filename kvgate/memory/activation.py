@@ -793,16 +793,16 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     intermediate (QKV + attention output, with MLA the profile's ``[W, h, nope + v]`` dummy, or
     the MLP/MoE), ``T = max_num_batched_tokens``; with a draft model, its own pass over ``T``
     tokens (V1 ``drafter.dummy_run``, V2 ``speculator.propose``) beside the target's hidden states.
-    Sampler: the hidden states still referenced, plus logits and the sort over
-    ``B = min(T, max_num_seqs)`` rows. The peak is the larger of the two.
+    Sampler: the hidden states still referenced, plus logits and the top-k/top-p path over
+    ``B = min(T, max_num_seqs)`` rows (the sort with CUDA's sort scratch where it sorts:
+    kvgate/memory/sampler.py ``sort_bytes_per_logit``). The peak is the larger of the two.
 
     Public comparison (vLLM PR #10511): ``vllm serve meta-llama/Meta-Llama-3-8B``
     on H100 80GB logged "PyTorch activation peak memory 1.26GiB" (also at TP=2,
     so the sampler, not the TP-split MLP, set it). That was the V0 engine:
-    chunked prefill off, T = 8192, 256 seqs, and a V0 sampler that always kept
-    probs and logprobs (about 8 B more per logit). This v1 model gives 0.80 GiB
-    for that shape (sampler stage; forward 0.78 GiB); with V0's extra 8 B it is
-    1.04 GiB. The test pins it between 0.6x and 1.05x of the public figure.
+    chunked prefill off, T = 8192, 256 seqs, sorting on CUDA. This model gives 1.22 GiB
+    for that shape (sampler stage, 38 B a logit; forward 0.78 GiB). The test pins it between
+    0.95x and 1x of the public figure.
     """
     return max(profile_forward_bytes(geometry, engine), profile_sampler_bytes(geometry, engine))
 

