@@ -72,14 +72,17 @@ async def reserved_while_in_flight(kvgate: KvgateServer, prompts: list[list[int]
             await client.post("/v1/completions", json=body | ({} if salt is None else {"cache_salt": salt}))
 
         tasks = [asyncio.create_task(one(ids, salt)) for ids, salt in zip(prompts, salts, strict=True)]
+        seen: dict[str, float] = {}
+
+        def all_in_flight() -> bool:
+            # One scrape for both numbers: at the simulator's speed-up an answer may end between two.
+            seen.update(kvgate.metrics("kvgate_in_flight_requests", "kvgate_reserved_kv_blocks"))
+            return seen["kvgate_in_flight_requests"] == len(prompts) or any(t.done() for t in tasks)
+
         try:
-            await wait_for_async(
-                lambda: kvgate.metric("kvgate_in_flight_requests") >= len(prompts) or any(t.done() for t in tasks),
-                timeout_s=30,
-                what="every request in flight",
-            )
+            await wait_for_async(all_in_flight, timeout_s=30, what="every request in flight")
             assert not any(t.done() for t in tasks), "a request ended before all were in flight"
-            return int(kvgate.metric("kvgate_reserved_kv_blocks"))
+            return int(seen["kvgate_reserved_kv_blocks"])
         finally:
             for task in tasks:
                 task.cancel()
