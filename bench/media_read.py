@@ -41,7 +41,10 @@ def _noise(width: int, height: int, fmt: str) -> bytes:
     return buffer.getvalue()
 
 
-def _png_header(width: int, height: int) -> bytes:
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose IHDR claims width x height, with one tiny IDAT: the header lies about the data
+    (also tests/unit/test_media.py's decompression bomb)."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
@@ -54,8 +57,8 @@ def _cases() -> dict[str, Callable[[], str]]:
         "PNG 640x480 (noise)": lambda: _data_url(_noise(640, 480, "PNG"), "image/png"),
         "JPEG 4000x3000 q95 (noise)": lambda: _data_url(_noise(4000, 3000, "JPEG"), "image/jpeg"),
         "PNG 2900x2900 (noise, ~24 MiB)": lambda: _data_url(_noise(2900, 2900, "PNG"), "image/png"),
-        "PNG header claiming 13000x13000": lambda: _data_url(_png_header(13_000, 13_000), "image/png"),
-        "PNG header claiming 60000x60000 (refused)": lambda: _data_url(_png_header(60_000, 60_000), "image/png"),
+        "PNG header claiming 13000x13000": lambda: _data_url(png_header(13_000, 13_000), "image/png"),
+        "PNG header claiming 60000x60000 (refused)": lambda: _data_url(png_header(60_000, 60_000), "image/png"),
     }
 
 

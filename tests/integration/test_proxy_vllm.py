@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, running_kvgate
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, metrics_at, running_kvgate
 from support.vllm_server import VllmServer
 from support.waiting import wait_for
 
@@ -55,7 +55,7 @@ def kvgate(kvgate_factory: KvgateFactory, vllm_server: VllmServer) -> KvgateServ
 
 
 def vllm_metric(server: VllmServer, name: str, **labels: str) -> float:
-    return KvgateServer(server.base_url, Path("/dev/null")).metric(name, **labels)
+    return metrics_at(server.base_url, name, **labels)[name]
 
 
 def strip_volatile(body: dict) -> dict:

@@ -31,6 +31,22 @@ LEDGER = (
 )
 
 
+def scrape(base_url: str) -> list[Sample]:
+    """Every sample of one /metrics page (kvgate's or vLLM's): values read together are from the
+    same moment."""
+    text = httpx.get(f"{base_url}/metrics", timeout=5).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metrics_at(base_url: str, *names: str, **labels: str) -> dict[str, float]:
+    """Samples of several metrics from one scrape of base_url's /metrics (0 when absent)."""
+    found = dict.fromkeys(names, 0.0)
+    for s in scrape(base_url):
+        if s.name in found and all(s.labels.get(k) == v for k, v in labels.items()):
+            found[s.name] = s.value
+    return found
+
+
 @dataclass(frozen=True)
 class KvgateServer:
     base_url: str
@@ -43,16 +59,11 @@ class KvgateServer:
 
     def metrics(self, *names: str, **labels: str) -> dict[str, float]:
         """Samples of several metrics from one scrape of /metrics (0 when absent)."""
-        found = dict.fromkeys(names, 0.0)
-        for s in self.scrape():
-            if s.name in found and all(s.labels.get(k) == v for k, v in labels.items()):
-                found[s.name] = s.value
-        return found
+        return metrics_at(self.base_url, *names, **labels)
 
     def scrape(self) -> list[Sample]:
-        """Every sample of one /metrics page: values read together are from the same moment."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
-        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+        """Every sample of one page of this kvgate's /metrics."""
+        return scrape(self.base_url)
 
     def readyz(self) -> dict:
         """kvgate's /readyz body (backend, telemetry and budget state), whatever its status."""

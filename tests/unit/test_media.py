@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
 import tracemalloc
-import zlib
 
 import pytest
 from PIL import Image, ImageFile
 
+from bench.media_read import png_header
 from kvgate.media import ImageByUrl, ImageSize, MediaError, image_size, read_image
 
 
@@ -24,16 +23,6 @@ def _png(width: int, height: int, fmt: str = "PNG", **save: object) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (width, height), (200, 10, 10)).save(buffer, fmt, **save)
     return buffer.getvalue()
-
-
-def _png_header(width: int, height: int) -> bytes:
-    """A PNG whose IHDR claims width x height, with one tiny IDAT: the header lies about the data."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize(("fmt", "save"), [("PNG", {}), ("JPEG", {}), ("WEBP", {}), ("GIF", {}), ("BMP", {})])
@@ -75,8 +64,8 @@ def test_urls_are_not_fetched() -> None:
         (_data_url(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", "image/eps"), "Failed to load image"),
         (_data_url(_png(10, 10)[:20]), "Failed to load image"),  # cut inside the header
         (_data_url(b""), "Failed to load image"),
-        (_data_url(_png_header(0, 16)), "Failed to load image"),
-        (_data_url(_png_header(50_000, 50_000)), "too large"),  # PIL's bomb limit, vLLM's too
+        (_data_url(png_header(0, 16)), "Failed to load image"),
+        (_data_url(png_header(50_000, 50_000)), "too large"),  # PIL's bomb limit, vLLM's too
     ],
     ids=[
         "bad-base64",
@@ -106,11 +95,11 @@ def test_vllms_pixel_limit_is_kept() -> None:
 def test_a_lying_header_is_counted_by_the_header_without_decoding() -> None:
     """A 50,000 x 1 header over 16 bytes of pixels: kvgate counts what vLLM would count were the
     image readable (vLLM refuses it when it decodes); reading it cost no more than its bytes."""
-    data = _png_header(50_000, 1)
+    data = png_header(50_000, 1)
     tracemalloc.start()
     try:
         assert image_size(data) == ImageSize(50_000, 1)
-        bomb = _png_header(13_000, 13_000)  # 169 Mpx: under the limit, 507 MB were it decoded
+        bomb = png_header(13_000, 13_000)  # 169 Mpx: under the limit, 507 MB were it decoded
         assert image_size(bomb) == ImageSize(13_000, 13_000)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
