@@ -39,6 +39,17 @@ def kvgate(kvgate_factory: KvgateFactory, sim: SimRunner, sim_model_dir: Path) -
     return kvgate_factory(sim.url, sim_model_dir, *ENGINE_FLAGS, "--stream-stall-timeout", str(STALL_S))
 
 
+@pytest.fixture(scope="module")
+def slow_kvgate(kvgate_factory: KvgateFactory, sim_model_dir: Path) -> Iterator[KvgateServer]:
+    """kvgate in front of a simulator at speed-up 5, where a 6,000-token answer takes about 12 s:
+    long enough for eight to be seen in flight together (at 50 they end within a second or two)."""
+    config = SimConfig(
+        model=str(sim_model_dir), served_model_name=MODEL, gpu="h100-80gb", max_model_len=8192, speedup=5
+    )
+    with SimRunner(config) as runner:
+        yield kvgate_factory(runner.url, sim_model_dir, *ENGINE_FLAGS)
+
+
 def engine_holds(sim: SimRunner) -> int:
     """Requests the simulated engine still has, waiting or running."""
     return len(sim.engine.scheduler.waiting) + len(sim.engine.scheduler.running)
@@ -67,9 +78,9 @@ async def reserved_while_in_flight(kvgate: KvgateServer, prompts: list[list[int]
     answers, hung up on once measured)."""
     async with httpx.AsyncClient(base_url=kvgate.base_url, timeout=60) as client:
 
-        async def one(ids: list[int], salt: str | None) -> None:
+        async def one(ids: list[int], salt: str | None) -> httpx.Response:
             body = {"model": MODEL, "prompt": ids, "max_tokens": 6000, "ignore_eos": True}
-            await client.post("/v1/completions", json=body | ({} if salt is None else {"cache_salt": salt}))
+            return await client.post("/v1/completions", json=body | ({} if salt is None else {"cache_salt": salt}))
 
         tasks = [asyncio.create_task(one(ids, salt)) for ids, salt in zip(prompts, salts, strict=True)]
         seen: dict[str, float] = {}
@@ -81,7 +92,10 @@ async def reserved_while_in_flight(kvgate: KvgateServer, prompts: list[list[int]
 
         try:
             await wait_for_async(all_in_flight, timeout_s=30, what="every request in flight")
-            assert not any(t.done() for t in tasks), "a request ended before all were in flight"
+            ended = [t.result() for t in tasks if t.done() and not t.exception()]
+            assert not any(t.done() for t in tasks), (
+                f"ended before all were in flight: {[(r.status_code, r.text[:300]) for r in ended]}"
+            )
             return int(seen["kvgate_reserved_kv_blocks"])
         finally:
             for task in tasks:
@@ -89,16 +103,16 @@ async def reserved_while_in_flight(kvgate: KvgateServer, prompts: list[list[int]
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def test_cache_salts_share_no_prefix(kvgate: KvgateServer, sim: SimRunner) -> None:
+async def test_cache_salts_share_no_prefix(slow_kvgate: KvgateServer) -> None:
     """Eight copies of one prompt under eight cache_salt values are reserved what eight distinct
     prompts are (vLLM hashes the salt into the first block); under one salt they share it."""
-    alone = explain(kvgate, max_tokens=6000, ignore_eos=True)["kv"]["blocks"]
-    distinct = await reserved_while_in_flight(kvgate, [[7 + i, *PROMPT] for i in range(8)], [None] * 8)
-    assert_ledger_empty(kvgate, timeout_s=30)
-    salted = await reserved_while_in_flight(kvgate, [PROMPT] * 8, [f"salt-{i}" for i in range(8)])
-    assert_ledger_empty(kvgate, timeout_s=30)
-    shared = await reserved_while_in_flight(kvgate, [PROMPT] * 8, ["one-salt"] * 8)
-    assert_ledger_empty(kvgate, timeout_s=30)
+    alone = explain(slow_kvgate, max_tokens=6000, ignore_eos=True)["kv"]["blocks"]
+    distinct = await reserved_while_in_flight(slow_kvgate, [[7 + i, *PROMPT] for i in range(8)], [None] * 8)
+    assert_ledger_empty(slow_kvgate, timeout_s=30)
+    salted = await reserved_while_in_flight(slow_kvgate, [PROMPT] * 8, [f"salt-{i}" for i in range(8)])
+    assert_ledger_empty(slow_kvgate, timeout_s=30)
+    shared = await reserved_while_in_flight(slow_kvgate, [PROMPT] * 8, ["one-salt"] * 8)
+    assert_ledger_empty(slow_kvgate, timeout_s=30)
     assert salted == 8 * alone == distinct - 8  # a distinct prompt is one token longer: same blocks
     assert shared == alone + 7 * (alone - len(PROMPT) // 16)
 
