@@ -340,6 +340,7 @@ class Runtime:
             settings.gpu_memory_bytes,
             deployment.kv_cache_memory_bytes,
             settings.cuda_context_bytes,
+            settings.expandable_segments,
         )
         current = self.pipeline.config
         tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()
