@@ -31,6 +31,9 @@ SPECIAL = {
     "<start_of_image>": 255999,
     "<end_of_image>": 256000,
     "<image_soft_token>": 262144,
+    "[IMG]": 10,
+    "[IMG_BREAK]": 12,
+    "[IMG_END]": 13,
 }
 NEWLINES = {"\n": 107, "\n\n": 108, "\n\n\n": 109, "\n\n\n\n": 110}
 
@@ -104,6 +107,45 @@ def test_qwen3_vl_counts_with_its_16_pixel_patches() -> None:
         ids = _count(counting, TEXT, _image(640, 480))
         assert sum(1 for t in ids if t < 0) == 300
         assert len(ids) == len(_count(counting, TEXT)) + 2 + 300 + 1
+
+
+MISTRAL3 = {
+    "model_type": "mistral3",
+    "image_token_index": 10,
+    "spatial_merge_size": 2,
+    "vision_config": {"model_type": "pixtral", "patch_size": 14, "image_size": 1540},
+}
+
+
+def test_pixtral_rows_end_in_break_and_end_tokens() -> None:
+    """Mistral Small 3.1: a 640 x 480 image fits 1540 pixels as it is; 28-pixel merged patches
+    rounded up make 23 columns and 18 rows, each row closed by [IMG_BREAK], the last by [IMG_END]."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(MISTRAL3, {"size": {"longest_edge": 1540}}))
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "[IMG]"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 23 * 18
+    assert (ids.count(12), ids.count(13), ids.count(10)) == (17, 1, 0)
+    assert len(ids) == with_placeholder - 1 + 18 * 24
+    assert ids[ids.index(13) - 1] < 0  # the end token closes the last row of image tokens
+    # A request's size scales it down: 640 x 480 to 280 x 210, 10 x 8.
+    small = _count(counting, TEXT, _image(640, 480), mm_processor_kwargs={"size": {"longest_edge": 280}})
+    assert sum(1 for t in small if t < 0) == 10 * 8
+    # By URL: the largest, 1540 x 1540, 55 x 55.
+    assert sum(1 for t in _count(counting, TEXT, URL_IMAGE) if t < 0) == 55 * 55
+    with pytest.raises(TokenizationError, match="side of 0 pixels"):
+        _count(counting, _image(5000, 1))
+    with pytest.raises(TokenizationError, match="'size' must be an object"):
+        _count(counting, _image(64, 64), mm_processor_kwargs={"size": 7})
+    # Llava's Pixtral-12B: vision_config's 1024 pixels, 16-pixel patches, the kwargs' size ignored.
+    llava = {
+        **MISTRAL3,
+        "model_type": "llava",
+        "vision_config": {"model_type": "pixtral", "patch_size": 16, "image_size": 1024},
+    }
+    del llava["spatial_merge_size"]
+    pixtral = MediaCounting(WordTokenizer(), image_tokens(llava, {}))
+    for kwargs in ({}, {"size": {"longest_edge": 280}}):
+        assert sum(1 for t in _count(pixtral, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 40 * 30
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:
