@@ -91,6 +91,7 @@ class LiveBudget:
         self.headroom_bytes: int | None = None
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
+        self.gpu_total: int | None = None  # bytes of one GPU, from the last reading
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
         self.decode_rate: float | None = None
@@ -295,6 +296,8 @@ class LiveBudget:
         self.metrics.gpu_probe_up.set(1)
         for device in reading.devices:
             self.metrics.gpu_free.labels(device.gpu).set(device.free)
+        if reading.devices:  # the smallest card of vLLM's: what `GET /advice` predicts the start-up on
+            self.gpu_total = min(device.total for device in reading.devices)
         headroom = self.headroom.update(
             reading,
             self.utilization(),
