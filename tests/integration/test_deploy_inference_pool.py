@@ -5,9 +5,9 @@ Validation: built-in kinds against the Kubernetes OpenAPI schemas of kubernetes-
 (unknown fields are errors); InferencePool, HTTPRoute and ScaledObject against their CRDs'
 published schemas vendored in deploy/schemas/ (source, commit and sha256 in each file), made
 strict the way the API server is for a typed client: an unknown field is an error where the CRD
-does not preserve unknown fields. The CRDs' CEL rules (x-kubernetes-validations) are not
-evaluated here; the tests below check the two InferencePool rules (unique target ports, a port
-for a Service picker) by hand.
+does not preserve unknown fields; then every CEL rule of the CRD (x-kubernetes-validations) is
+evaluated with cel-python on the object after the schema's defaults, as the API server does
+(transition rules, which compare with `oldSelf`, need an update and are the one kind left out).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -86,12 +87,59 @@ def crd_validator(name: str) -> jsonschema.Validator:
     return jsonschema.Draft7Validator(strict(vendored["openAPIV3Schema"]))
 
 
+def defaulted(schema: dict[str, Any], value: Any) -> Any:
+    """The value with the structural schema's defaults filled in, as the API server stores it."""
+    if isinstance(value, dict) and "properties" in schema:
+        out = dict(value)
+        for name, sub in schema["properties"].items():
+            if name not in out and "default" in sub:
+                out[name] = copy.deepcopy(sub["default"])
+            if name in out:
+                out[name] = defaulted(sub, out[name])
+        return out
+    if isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        return {k: defaulted(schema["additionalProperties"], v) for k, v in value.items()}
+    if isinstance(value, list) and "items" in schema:
+        return [defaulted(schema["items"], v) for v in value]
+    return value
+
+
+def cel_rules(schema: dict[str, Any], value: Any, path: str) -> list[tuple[str, dict[str, str], Any]]:
+    """(path, rule, self) for every x-kubernetes-validations rule that applies to a present value."""
+    found = [(path, rule, value) for rule in schema.get("x-kubernetes-validations", [])]
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in schema["properties"].items():
+            if name in value:
+                found += cel_rules(sub, value[name], f"{path}.{name}")
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for name, item in value.items():
+            found += cel_rules(schema["additionalProperties"], item, f"{path}[{name}]")
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            found += cel_rules(schema["items"], item, f"{path}[{i}]")
+    return found
+
+
+def cel_problems(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    env = celpy.Environment()
+    out = []
+    for path, rule, value in cel_rules(schema, defaulted(schema, obj), ""):
+        if "oldSelf" in rule["rule"]:
+            continue  # a transition rule: it judges an update against the stored object
+        result = env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel(value)})
+        if not (isinstance(result, celpy.celtypes.BoolType) and result):  # false, or a CEL error: refused
+            out.append(f"{path}: {rule.get('message', rule['rule'])} ({result!r})")
+    return out
+
+
 def problems(obj: dict[str, Any], version: str) -> list[str]:
     key = (obj["apiVersion"], obj["kind"])
     where = f"{obj['kind']}/{obj['metadata']['name']}"
     if key in VENDORED:
         validator = crd_validator(VENDORED[key])
-        return [f"{where}: {'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+        found = [f"{where}: {'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+        schema = json.loads((SCHEMAS / VENDORED[key]).read_text())["openAPIV3Schema"]
+        return found or [f"{where}: {p}" for p in cel_problems(schema, obj)]
     if key in WRITTEN:
         validator = jsonschema.Draft202012Validator(json.loads((SCHEMAS / WRITTEN[key]).read_text()))
         return [f"{where}: {'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
@@ -154,8 +202,20 @@ def test_the_vendored_schemas_refuse_mistakes(rendered: dict[str, list[dict[str,
     bad = copy.deepcopy(pool)
     bad["spec"]["endpointPickerRef"]["failureMode"] = "FailSometimes"
     mistakes.append(bad)
+    bad = copy.deepcopy(pool)  # CEL: port numbers must be unique
+    bad["spec"]["targetPorts"].append({"number": 8080})
+    mistakes.append(bad)
+    bad = copy.deepcopy(pool)  # CEL: a Service picker needs a port
+    del bad["spec"]["endpointPickerRef"]["port"]
+    mistakes.append(bad)
     bad = copy.deepcopy(route)
     bad["spec"]["rules"][0]["backendRefs"][0]["weight"] = -1
+    mistakes.append(bad)
+    bad = copy.deepcopy(route)  # CEL: a backendRef to a Service (the default kind) needs a port
+    bad["spec"]["rules"][0]["backendRefs"] = [{"name": "kvgate"}]
+    mistakes.append(bad)
+    bad = copy.deepcopy(route)  # CEL: a path prefix must start with "/"
+    bad["spec"]["rules"][0]["matches"][0]["path"]["value"] = "v1"
     mistakes.append(bad)
     bad = copy.deepcopy(route)
     bad["spec"]["rules"][0]["timeouts"]["request"] = "ten minutes"
@@ -192,11 +252,6 @@ def test_the_pool_reaches_kvgate_and_never_vllm(rendered: dict[str, list[dict[st
     target = [p["number"] for p in pool["spec"]["targetPorts"]]
     assert target == sorted(ports["kvgate"]), (target, ports)
     assert not set(target) & ports["vllm"]
-    # The CRD's CEL rules, by hand: unique target ports, and a port for a Service picker.
-    assert len(target) == len(set(target))
-    picker = pool["spec"]["endpointPickerRef"]
-    assert picker.get("kind", "Service") == "Service"
-    assert "number" in picker["port"]
     assert pool["metadata"]["namespace"] == pods["metadata"]["namespace"] == "llm"
 
 
