@@ -165,37 +165,7 @@ async def replay(
         if gate is not None and (why := gate.refuse()):
             return Outcome(call.label, 429, "rejected", why, end_s=sent - start)
         async with sem if sem is not None else contextlib.nullcontext():
-            return await send(client, call, sent)
-
-    async def send(client: httpx.AsyncClient, call: Call, sent: float) -> Outcome:
-        ttft = None
-        tokens = 0
-        try:
-            async with client.stream("POST", prefix + call.path, json=call.body) as r:
-                if r.status_code != 200:
-                    raw = await r.aread()
-                    code: Any = None
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        code = json.loads(raw)["error"]["code"]
-                    now = time.monotonic() - start
-                    if isinstance(code, str) or r.status_code in (400, 413, 429):
-                        reason = code if isinstance(code, str) else f"http_{r.status_code}"
-                        return Outcome(call.label, r.status_code, "rejected", reason, end_s=now)
-                    return Outcome(call.label, r.status_code, "failed", f"http_{r.status_code}", end_s=now)
-                # Raw chunks, not lines: with a thousand streams in flight, httpx's line
-                # splitting was a quarter of this process's CPU, shared with the simulator.
-                tail = b""
-                async for chunk in r.aiter_raw():
-                    if ttft is None and b"data: " in chunk:
-                        ttft = time.monotonic() - sent
-                    window = tail[-16:] + chunk  # a marker may straddle two chunks
-                    if b'"error"' in window:
-                        return Outcome(call.label, 200, "failed", "stream_error", ttft, time.monotonic() - start)
-                    tail = (tail + chunk)[-4096:]
-                tokens = _usage_tokens(tail)
-            return Outcome(call.label, 200, "completed", "", ttft, time.monotonic() - start, tokens)
-        except (TimeoutError, httpx.HTTPError) as exc:
-            return Outcome(call.label, 0, "failed", type(exc).__name__, ttft, time.monotonic() - start)
+            return await stream_call(client, prefix + call.path, call, sent, start)
 
     limits = httpx.Limits(max_connections=CALLS_PER_CLIENT, max_keepalive_connections=CALLS_PER_CLIENT)
     async with contextlib.AsyncExitStack() as stack:
@@ -226,6 +196,39 @@ async def replay(
             scraper.cancel()
     span = max([last_at] + [o.end_s for o in outs if o.kind == "completed"])
     return outs, span
+
+
+async def stream_call(client: httpx.AsyncClient, url: str, call: Call, sent: float, start: float) -> Outcome:
+    """POST one call, streaming, and read the answer to its end: what the client saw (times are
+    wall seconds; `start` is the run's start)."""
+    ttft = None
+    tokens = 0
+    try:
+        async with client.stream("POST", url, json=call.body) as r:
+            if r.status_code != 200:
+                raw = await r.aread()
+                code: Any = None
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    code = json.loads(raw)["error"]["code"]
+                now = time.monotonic() - start
+                if isinstance(code, str) or r.status_code in (400, 413, 429):
+                    reason = code if isinstance(code, str) else f"http_{r.status_code}"
+                    return Outcome(call.label, r.status_code, "rejected", reason, end_s=now)
+                return Outcome(call.label, r.status_code, "failed", f"http_{r.status_code}", end_s=now)
+            # Raw chunks, not lines: with a thousand streams in flight, httpx's line
+            # splitting was a quarter of this process's CPU, shared with the simulator.
+            tail = b""
+            async for chunk in r.aiter_raw():
+                if ttft is None and b"data: " in chunk:
+                    ttft = time.monotonic() - sent
+                window = tail[-16:] + chunk  # a marker may straddle two chunks
+                if b'"error"' in window:
+                    return Outcome(call.label, 200, "failed", "stream_error", ttft, time.monotonic() - start)
+                tail = (tail + chunk)[-4096:]
+            tokens = _usage_tokens(tail)
+        return Outcome(call.label, 200, "completed", "", ttft, time.monotonic() - start, tokens)
+    except (TimeoutError, httpx.HTTPError) as exc:
+        return Outcome(call.label, 0, "failed", type(exc).__name__, ttft, time.monotonic() - start)
 
 
 def _usage_tokens(tail: bytes) -> int:
