@@ -83,7 +83,27 @@ def create_app(settings: Settings) -> Kvgate:
             return answer_refusal(request.scope, error_response(error))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        # The pool's target port: a router and an autoscaler read vLLM's gauges here (kvgate.metrics).
+        if settings.metrics_page == "kvgate":
+            return Response(rt.metrics_page.render(), media_type=CONTENT_TYPE_LATEST)
+        try:  # --metrics-page vllm: vLLM's own page, unmodified
+            return await passthrough(
+                rt.backend,
+                "GET",
+                request_target(request.scope),
+                request.headers.raw,
+                b"",
+                request_id_of(request.scope),
+                request.scope.get("client"),
+                request.scope.get("scheme", "http"),
+            )
+        except KvgateError as error:
+            return answer_refusal(request.scope, error_response(error))
+
+    @app.get("/kvgate/metrics")
+    async def kvgate_metrics() -> Response:
+        """kvgate's own families alone, rendered now: beside vLLM's page in --metrics-page vllm."""
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/advice")

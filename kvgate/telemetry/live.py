@@ -319,7 +319,9 @@ class LiveBudget:
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
-        tolerance = max(64 * MiB, headroom.bytes // 20) + self.budget.profiled_peak_bytes
+        # The profile region comes back at its segments' size (kvgate/memory/allocator.py)
+        region = self.budget.profiled_peak_bytes * (1 + self.budget.segment_overhead)
+        tolerance = max(64 * MiB, headroom.bytes // 20) + int(region)
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,
