@@ -183,6 +183,8 @@ def run_from(args: argparse.Namespace) -> int:
         response.raise_for_status()
         doc = response.json()
         model = str(resolve_model_folder(args.model_config)) if args.model_config else None
+        if not (args.gpu or doc["deployment"]["gpu"]):
+            raise ValueError(doc.get("problem") or "the page names no GPU: pass --gpu")
         request = request_from_json(doc["deployment"], model=model, gpu=args.gpu)
         advice = advise_from(request, Measured.from_json(doc["measured"]), args.other_processes_bytes)
     except (ValueError, KeyError, TypeError, ModelFolderError, OSError, httpx.HTTPError) as exc:
