@@ -30,6 +30,13 @@ from kvgate.memory.demand import Demand
 from kvgate.units import MiB
 
 
+def growth_tolerance(headroom: int, profiled_peak: int, segment_overhead: float) -> int:
+    """How far the server's memory may grow beyond kvgate's predicted unprofiled peak before the
+    margin backs off: the profile region at its caching-allocator segments' size (it comes back
+    out of free memory; kvgate/memory/allocator.py), plus max(64 MiB, 5 % of the headroom)."""
+    return max(64 * MiB, headroom // 20) + math.ceil(profiled_peak * (1 + segment_overhead))
+
+
 @dataclass
 class Aimd:
     """A bounded allowance: additive increase at most every `interval_s`, multiplicative decrease.

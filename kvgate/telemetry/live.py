@@ -36,7 +36,7 @@ from kvgate.gate.backend_state import Status
 from kvgate.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from kvgate.gate.view import GateView
 from kvgate.settings import Settings
-from kvgate.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use
+from kvgate.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use, growth_tolerance
 from kvgate.telemetry.gpu import GpuProbe, GpuReading
 from kvgate.telemetry.headroom import HeadroomTracker
 from kvgate.telemetry.in_flight import InFlightRequests
@@ -316,9 +316,7 @@ class LiveBudget:
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
-        # The profile region comes back at its segments' size (kvgate/memory/allocator.py)
-        region = self.budget.profiled_peak_bytes * (1 + self.budget.segment_overhead)
-        tolerance = max(64 * MiB, headroom.bytes // 20) + int(region)
+        tolerance = growth_tolerance(headroom.bytes, self.budget.profiled_peak_bytes, self.budget.segment_overhead)
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,
