@@ -316,7 +316,20 @@ class LiveBudget:
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
-        tolerance = growth_tolerance(headroom.bytes, self.budget.profiled_peak_bytes, self.budget.segment_overhead)
+        if headroom.profiled_cap > 0:  # the region comes out of free memory: its segments show
+            tightened = self.calibration.observe_region(
+                headroom.server_growth,
+                self.gate.peak_transient_bytes,
+                self.budget.profiled_peak_bytes,
+                self.budget.charged_segment_overhead,
+            )
+            if tightened:
+                log.warning("calibration: %s", tightened)
+        tolerance = growth_tolerance(
+            headroom.bytes,
+            self.budget.profiled_peak_bytes,
+            max(self.budget.charged_segment_overhead, self.calibration.segment_overhead),
+        )
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,
@@ -370,6 +383,7 @@ class LiveBudget:
         if self.headroom_bytes is not None:
             wanted["transient_headroom_bytes"] = self.headroom_bytes
             wanted["profiled_cap_bytes"] = self.profiled_cap_bytes
+            wanted["learned_segment_overhead"] = c.segment_overhead
             wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
         changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}
         if changes:

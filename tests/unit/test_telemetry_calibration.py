@@ -132,3 +132,19 @@ def test_growth_is_judged_against_the_profile_region_at_its_segments_size() -> N
     c = Calibration(CalibrationConfig(margin=0.1))
     assert c.observe_transient(0.0, 528 * MiB, 11 * MiB, tolerance, False) is None
     assert "server memory grew 560 MiB" in (c.observe_transient(1.0, 560 * MiB, 11 * MiB, tolerance, False) or "")
+
+
+def test_the_segment_overhead_rises_to_what_the_gpu_shows_and_never_falls() -> None:
+    """S13's repeat runs: the server grew 528 MiB while kvgate held at most 11 MiB of unprofiled
+    terms, so the 400 MiB profile region took 517 MiB of segments, more than the replay's 480."""
+    c = Calibration(CalibrationConfig(margin=0.1))
+    assert c.observe_region(480 * MiB, 0, 400 * MiB, 0.2) is None  # the replay's own figure
+    assert c.observe_region(470 * MiB, 11 * MiB, 400 * MiB, 0.2) is None
+    reason = c.observe_region(528 * MiB, 11 * MiB, 400 * MiB, 0.2)
+    assert reason is not None
+    assert "took 517 MiB of segments" in reason
+    assert round(c.segment_overhead, 4) == round(517 / 400 - 1, 4)
+    assert c.observe_region(500 * MiB, 0, 400 * MiB, 0.2) is None  # less growth later: kept
+    c.new_life()
+    assert round(c.segment_overhead, 4) == round(517 / 400 - 1, 4)  # a property of the workload
+    assert c.observe_region(10**9, 0, 0, 0.2) is None  # no profile peak known: nothing to learn
