@@ -352,6 +352,7 @@ class LiveBudget:
             "transient_headroom_bytes": self.headroom_bytes,
             "kv_overcommit": round(self.calibration.kv_overcommit, 3),
             "transient_margin": round(self.calibration.transient_margin, 3),
+            "segment_overhead": round(self.budget.charged_segment_overhead, 3),
             "problem": self.problem,
         }
 
