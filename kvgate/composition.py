@@ -19,8 +19,11 @@ from pathlib import Path
 
 import httpx
 
+from kvgate.advise_live import request_for
+from kvgate.advise_startup import Request
 from kvgate.backend import Backend
 from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from kvgate.errors import NotReady
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
@@ -53,6 +56,7 @@ from kvgate.telemetry.vllm import (
     fetch_version,
 )
 from kvgate.tokens import Tokenizer, load_tokenizer
+from kvgate.traffic_record import Measured, TrafficRecord
 from kvgate.work_budget import WORK_SHARE, WorkBudget, process_memory
 
 log = logging.getLogger("kvgate.runtime")
@@ -96,9 +100,10 @@ class Runtime:
             self._busy,
             self.metrics.telemetry.scrape_interval.set,
         )
+        self.traffic = TrafficRecord(time.monotonic)  # what GET /advice weighs
         self.gate: Gate[Prediction] = Gate(
             self.budget,
-            Observers(self.outputs, gate_metrics, self.in_flight, self.pace, *observers),
+            Observers(self.outputs, gate_metrics, self.in_flight, self.pace, self.traffic, *observers),
             settings.max_queue,
             settings.max_queue_wait,
             reestimate=self._reestimate,
@@ -111,6 +116,7 @@ class Runtime:
             lambda: settings.served_model_name,
         )
         self.metrics_page = MetricsPage(self.pool_gauges, self.metrics.registry, settings.metrics_cache_seconds)
+        self.traffic.watch(self.gate)
         self.gate_view = GateView(self.gate)  # what telemetry and `explain` see of the gate
         self.pipeline = RequestPipeline(
             self.budget,
@@ -201,6 +207,18 @@ class Runtime:
         snapshot = self.live.snapshot if self.live else None
         in_vllm = snapshot is not None and bool(snapshot.running or snapshot.waiting)
         return bool(self.gate.waiting or self.gate.ledger.in_flight or in_vllm or not self.budget.backend.up)
+
+    def advice_input(self) -> tuple[Request | None, Measured, str | None]:
+        """What `GET /advice` weighs: the deployment as advise's input (None, with the reason, when
+        kvgate does not know the GPU's size) and a snapshot of the traffic record. NotReady before
+        the backend's configuration is known."""
+        if self.deployment is None:
+            raise NotReady(self.startup_error)
+        measured = self.traffic.snapshot()
+        gpu = self.settings.gpu_memory_bytes or (self.live.gpu_total if self.live else None)
+        if gpu is None:
+            return None, measured, "kvgate knows no GPU size: no GPU readings and no --gpu-memory-bytes"
+        return request_for(engine_flags(self.settings), self.deployment, str(gpu)), measured, None
 
     def transient_gate_off(self) -> str | None:
         """Why kvgate does not gate transient memory now and which flag turns it on, or None when
@@ -362,6 +380,7 @@ class Runtime:
             settings.gpu_memory_bytes,
             deployment.kv_cache_memory_bytes,
             settings.cuda_context_bytes,
+            settings.expandable_segments,
         )
         current = self.pipeline.config
         tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()

@@ -60,6 +60,12 @@ class Settings(BaseSettings, VllmFlags):
         description="Activation peak of vLLM's start-up profile (its log line); default: kvgate's "
         "estimate from the model geometry.",
     )
+    expandable_segments: bool = Field(
+        False,
+        description="vLLM runs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (its environment, "
+        "which kvgate cannot read): freed memory does not strand in the caching allocator's segments, so "
+        "the profiled terms are charged their page-rounded bytes, not the segment overhead.",
+    )
     transient_safety_margin: float = Field(
         0.1, ge=0.0, lt=1.0, description="Fraction of the transient headroom kept unspent."
     )
