@@ -21,6 +21,9 @@ Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
   tower): rows of patch tokens, each row closed by a break token, the last by an end token
   (pixtral.py PixtralHFEncoderInfo.get_patch_grid_size, mistral3.py Mistral3HFEncoderInfo,
   both processors' _get_prompt_updates).
+- LLaVA-NeXT and LLaVA-OneVision (`llava_next`, `llava_onevision`): anyres tiling (llava_next.py
+  LlavaNextProcessingInfo.get_num_image_tokens, llava_onevision.py
+  LlavaOnevisionProcessingInfo._get_num_unpadded_features).
 - Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
   Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
   _apply_token_matches).
@@ -39,6 +42,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -233,6 +237,117 @@ def _llava_pixtral(config: dict[str, Any], processor: dict[str, Any]) -> ImageRu
     if "image_token_index" not in config or not patch or not edge:
         return None
     return PatchRows("llava", int(config["image_token_index"]), int(edge), patch, False, **_pixtral_tokens(processor))
+
+
+def select_best_resolution(height: int, width: int, pinpoints: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """transformers' image_processing_utils.select_best_resolution (5.19, which vLLM's LLaVA-NeXT
+    counting calls through get_anyres_image_grid_shape): the (height, width) that keeps the most
+    of the image, then wastes the least."""
+    best, most_effective, least_wasted = pinpoints[0], 0, float("inf")
+    for pin_height, pin_width in pinpoints:
+        scale = min(pin_width / width, pin_height / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = pin_width * pin_height - effective
+        if effective > most_effective or (effective == most_effective and wasted < least_wasted):
+            best, most_effective, least_wasted = (pin_height, pin_width), effective, wasted
+    return best
+
+
+@dataclass(frozen=True)
+class AnyResolution(ImageRule):
+    """LLaVA-NeXT and LLaVA-OneVision: the image's base view (the encoder's tokens) plus its
+    tiles at the best of the grid pinpoints, less the padding the aspect ratio leaves, plus one
+    newline token a row; OneVision then pools a grid larger than 9 tiles by 1.1 (llava_next.py
+    LlavaNextProcessingInfo.get_num_image_tokens and _get_num_unpadded_features, llava_onevision.py
+    LlavaOnevisionProcessingInfo._get_num_unpadded_features; the replacement is the image token
+    that many times, llava.py BaseLlavaMultiModalProcessor._get_prompt_updates)."""
+
+    family: str
+    target_token: int
+    base: int  # the encoder's tokens after the feature-select strategy
+    tile: int  # the encoder's image size: one tile of the pinpoint grid
+    patches: int  # tokens along a tile's side (image_size // patch_size)
+    pinpoints: tuple[tuple[int, int], ...]
+    pooled: bool  # OneVision's anyres_max_9 pooling
+    placeholder: str = "<image>"
+
+    @property
+    def feature_token(self) -> int:  # type: ignore[override]
+        return self.target_token
+
+    def _tiles(self, height: int, width: int, grid_height: int, grid_width: int) -> int:
+        """The unpadded features and newlines of a grid_height x grid_width grid of patches."""
+        current_height, current_width = grid_height, grid_width
+        if width / height > current_width / current_height:
+            new_height = int(round(height * (current_width / width), 7))
+            current_height -= 2 * ((current_height - new_height) // 2)
+        else:
+            new_width = int(round(width * (current_height / height), 7))
+            current_width -= 2 * ((current_width - new_width) // 2)
+        return self._pooled(current_height, current_width)
+
+    def _pooled(self, current_height: int, current_width: int) -> int:
+        features, newlines = current_height * current_width, current_height
+        ratio = math.sqrt(current_height * current_width / (9 * self.patches**2))
+        if self.pooled and ratio > 1.1:
+            newlines = int(current_height // ratio)
+            features = newlines * int(current_width // ratio)
+        return features + newlines
+
+    def count(self, size: ImageSize) -> int:
+        pin_height, pin_width = select_best_resolution(size.height, size.width, self.pinpoints)
+        grid = (self.patches * (pin_height // self.tile), self.patches * (pin_width // self.tile))
+        return self.base + self._tiles(size.height, size.width, *grid)
+
+    @cached_property
+    def most(self) -> int:
+        """At least any image's count: every grid a pinpoint makes, with every height or width the
+        unpadding can leave it (vLLM's own get_image_size_with_most_features tries the pinpoints,
+        or for OneVision one size, 1153 x 944, "found via processor tests")."""
+        most = 0
+        for pin_height, pin_width in self.pinpoints:
+            full_height = self.patches * (pin_height // self.tile)
+            full_width = self.patches * (pin_width // self.tile)
+            for height in range(1, full_height + 1):
+                most = max(most, self._pooled(height, full_width))
+            for width in range(1, full_width + 1):
+                most = max(most, self._pooled(full_height, width))
+        return self.base + most
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        return Replacement(self.most if size is None else self.count(size))
+
+
+_CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}  # clip.py, siglip.py EncoderInfo
+
+
+def _any_resolution(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """From config.json: the vision tower (CLIP or SigLIP, vision.py get_vision_encoder_info),
+    its image and patch sizes, the feature-select strategy and image_grid_pinpoints."""
+    vision = config.get("vision_config") or {}
+    strategy = config.get("vision_feature_select_strategy", "default")
+    image_size, patch_size = vision.get("image_size"), vision.get("patch_size")
+    pinpoints = config.get("image_grid_pinpoints")
+    if (
+        vision.get("model_type") not in _CLASS_TOKENS
+        or strategy not in _SELECTED
+        or "image_token_index" not in config
+        or not image_size
+        or not patch_size
+        or not pinpoints
+    ):
+        return None
+    patches = int(image_size) // int(patch_size)
+    base = _SELECTED[strategy](patches**2 + _CLASS_TOKENS[vision["model_type"]])
+    return AnyResolution(
+        config["model_type"],
+        int(config["image_token_index"]),
+        base,
+        int(image_size),
+        patches,
+        tuple((int(h), int(w)) for h, w in pinpoints),
+        config["model_type"] == "llava_onevision",
+    )
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -436,6 +551,8 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
     "qwen3_vl_moe": _qwen2_vl,
     "gemma3": _gemma3,
     "mistral3": _mistral3,
+    "llava_next": _any_resolution,
+    "llava_onevision": _any_resolution,
 }
 
 

@@ -45,7 +45,7 @@ for name, values in (
     stand_in.__dict__.update(values)
     sys.modules[stand_in.__name__] = stand_in
 
-from transformers import LlavaConfig, Mistral3Config, ProcessorMixin
+from transformers import LlavaConfig, LlavaNextConfig, LlavaOnevisionConfig, Mistral3Config, ProcessorMixin
 from transformers.models.gemma3.configuration_gemma3 import Gemma3Config
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
@@ -53,6 +53,8 @@ from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
 from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeConfig
 from vllm.config.multimodal import MultiModalConfig
 from vllm.model_executor.models.gemma3_mm import Gemma3ProcessingInfo
+from vllm.model_executor.models.llava_next import LlavaNextProcessingInfo
+from vllm.model_executor.models.llava_onevision import LlavaOnevisionProcessingInfo
 from vllm.model_executor.models.mistral3 import Mistral3ProcessingInfo
 from vllm.model_executor.models.pixtral import PixtralHFEncoderInfo
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
@@ -151,7 +153,20 @@ def pixtral(case):
     return {"counts": counts, "largest": unseen.get_patch_grid_size(image_width=largest, image_height=largest)}
 
 
+def tiles(case):
+    """LlavaNextProcessingInfo / LlavaOnevisionProcessingInfo.get_num_image_tokens (what the
+    replacement repeats the image token for) and get_max_image_tokens."""
+    info_class, config_class = {
+        "llava_next": (LlavaNextProcessingInfo, LlavaNextConfig),
+        "llava_onevision": (LlavaOnevisionProcessingInfo, LlavaOnevisionConfig),
+    }[case["config"]["model_type"]]
+    info = info_class.__new__(info_class)
+    info.ctx = context(config_class(**{k: v for k, v in case["config"].items() if k != "model_type"}), {})
+    counts = [info.get_num_image_tokens(image_width=w, image_height=h) for w, h in case["sizes"]]
+    return {"counts": counts, "largest": info.get_max_image_tokens()}
+
+
 FAMILIES = {"qwen2_vl": qwen, "qwen2_5_vl": qwen, "qwen3_vl": qwen, "qwen3_vl_moe": qwen}
-FAMILIES |= {"gemma3": gemma, "mistral3": pixtral, "llava": pixtral}
+FAMILIES |= {"gemma3": gemma, "mistral3": pixtral, "llava": pixtral, "llava_next": tiles, "llava_onevision": tiles}
 cases = json.loads(sys.stdin.read())
 print(json.dumps([FAMILIES[c["config"]["model_type"]](c) for c in cases]))

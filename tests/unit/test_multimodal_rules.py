@@ -32,6 +32,7 @@ SPECIAL = {
     "<end_of_image>": 256000,
     "<image_soft_token>": 262144,
     "[IMG]": 10,
+    "<image>": 32000,
     "[IMG_BREAK]": 12,
     "[IMG_END]": 13,
 }
@@ -146,6 +147,25 @@ def test_pixtral_rows_end_in_break_and_end_tokens() -> None:
     pixtral = MediaCounting(WordTokenizer(), image_tokens(llava, {}))
     for kwargs in ({}, {"size": {"longest_edge": 280}}):
         assert sum(1 for t in _count(pixtral, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 40 * 30
+
+
+LLAVA_NEXT = {
+    "model_type": "llava_next",
+    "image_token_index": 32000,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+}
+
+
+def test_llava_next_tiles_less_padding_plus_newlines() -> None:
+    """llava-v1.6: 640 x 480 fits the 672 x 672 pinpoint best, 2 x 2 tiles of 24 x 24 patches;
+    the 4:3 image fills 36 of its 48 rows: 36 x 48 + 36 newlines + the base view's 576."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(LLAVA_NEXT, {}), None, "llava_next")
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 36 * 48 + 36 + 576
+    # By URL: the most, a whole 2 x 2 grid (the 672 x 672 pinpoint).
+    assert sum(1 for t in _count(counting, TEXT, URL_IMAGE) if t < 0) == 48 * 48 + 48 + 576
+    assert image_tokens({**LLAVA_NEXT, "image_grid_pinpoints": None}) is None  # no grid: no rule, a 400
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:
