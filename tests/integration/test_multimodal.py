@@ -13,7 +13,7 @@ import pytest
 
 from kvgate.chat_template import TokenizationError
 from kvgate.media import ImageSize
-from kvgate.multimodal import PatchRows, image_kwargs, image_tokens, replace_token_matches
+from kvgate.multimodal import CanvasTiles, PatchRows, image_kwargs, image_tokens, replace_token_matches
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.vllm_server import VllmPython
@@ -233,6 +233,14 @@ LLAVA_ONEVISION_7B = {  # llava-hf/llava-onevision-qwen2-7b-ov-hf's config.json:
     },
     "processor": {},
 }
+LLAMA4_SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E-Instruct's config.json and preprocessor_config.json
+    "config": {
+        "model_type": "llama4",
+        "image_token_index": 200092,
+        "vision_config": {"image_size": 336, "patch_size": 14, "pixel_shuffle_ratio": 0.5},
+    },
+    "processor": {"max_patches": 16, "resize_to_max_canvas": False},
+}
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
     {**QWEN2_VL_7B, "cli_kwargs": {"max_pixels": 1003520}, "request_kwargs": {}},
@@ -258,6 +266,8 @@ CASES = [
     {**PIXTRAL_12B_HF, "cli_kwargs": {}, "request_kwargs": {"size": {"longest_edge": 512}}},
     {**LLAVA_NEXT_MISTRAL, "cli_kwargs": {}, "request_kwargs": {}},
     {**LLAVA_ONEVISION_7B, "cli_kwargs": {}, "request_kwargs": {}},
+    {**LLAMA4_SCOUT, "cli_kwargs": {}, "request_kwargs": {}},
+    {**LLAMA4_SCOUT, "cli_kwargs": {"max_patches": 6}, "request_kwargs": {"resize_to_max_canvas": True}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
@@ -275,20 +285,28 @@ CASES = [
 
 
 def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int] | None:
-    """The count, or for Pixtral's rows the (ncols, nrows) grid the replacement is built from."""
+    """The count; for Pixtral's rows the (ncols, nrows) grid the replacement is built from; for
+    Llama 4 [features, tokens]."""
     try:
-        return list(rule.grid(size, kwargs)) if isinstance(rule, PatchRows) else rule.replacement(size, kwargs).features
+        if isinstance(rule, PatchRows):
+            return list(rule.grid(size, kwargs))
+        replacement = rule.replacement(size, kwargs)
+        if isinstance(rule, CanvasTiles):
+            return [replacement.features, sum(count for _, count in replacement.runs or ())]
+        return replacement.features
     except TokenizationError:
         return None
 
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Every family with a rule, on 198 sizes and aspect ratios under 22 settings (config,
+    """Every family with a rule, on 198 sizes and aspect ratios under 24 settings (config,
     --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped): kvgate's count equals
     vLLM 0.32.0's own (Qwen2VLProcessingInfo, Qwen3VLProcessingInfo, Gemma3ProcessingInfo,
     LlavaNextProcessingInfo and LlavaOnevisionProcessingInfo.get_num_image_tokens; Pixtral's grid
-    from Mistral3ProcessingInfo.get_vision_encoder_info or PixtralHFEncoderInfo), and an image
+    from Mistral3ProcessingInfo.get_vision_encoder_info or PixtralHFEncoderInfo; Llama 4's canvas
+    from transformers' get_best_fit as Mllama4MultiModalProcessor calls it, and the tokens of
+    Llama4Processor._prompt_split_image), and an image
     kvgate does not see counts vLLM's get_max_image_tokens, except on OneVision, where vLLM's is
     not the most (kvgate's is above every count); where vLLM raises (aspect ratio over 200, a
     Pixtral grid without rows), kvgate refuses."""
@@ -300,7 +318,7 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
     )
     refused = 0
     for case, vllm in zip(cases, theirs, strict=True):
-        rule = image_tokens(case["config"], case["processor"])
+        rule = image_tokens(case["config"], case["processor"]).configured(image_kwargs(case["cli_kwargs"], None))
         kwargs = image_kwargs(case["cli_kwargs"], case["request_kwargs"])
         ours = [_kvgate_count(rule, ImageSize(w, h), kwargs) for w, h in sizes]
         assert ours == vllm["counts"], case

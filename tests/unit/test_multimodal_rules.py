@@ -33,6 +33,12 @@ SPECIAL = {
     "<image_soft_token>": 262144,
     "[IMG]": 10,
     "<image>": 32000,
+    "<|image|>": 200090,
+    "<|patch|>": 200092,
+    "<|image_start|>": 200080,
+    "<|image_end|>": 200081,
+    "<|tile_x_separator|>": 200084,
+    "<|tile_y_separator|>": 200085,
     "[IMG_BREAK]": 12,
     "[IMG_END]": 13,
 }
@@ -166,6 +172,32 @@ def test_llava_next_tiles_less_padding_plus_newlines() -> None:
     # By URL: the most, a whole 2 x 2 grid (the 672 x 672 pinpoint).
     assert sum(1 for t in _count(counting, TEXT, URL_IMAGE) if t < 0) == 48 * 48 + 48 + 576
     assert image_tokens({**LLAVA_NEXT, "image_grid_pinpoints": None}) is None  # no grid: no rule, a 400
+
+
+LLAMA4 = {
+    "model_type": "llama4",
+    "image_token_index": 200092,
+    "vision_config": {"image_size": 336, "patch_size": 14, "pixel_shuffle_ratio": 0.5},
+}
+
+
+def test_llama4_canvas_tiles_and_global_view() -> None:
+    """Llama 4 Scout: 640 x 480 fits a 2 x 2 canvas of 336-pixel tiles best; each tile and the
+    global view are 144 <|patch|> tokens; rows are separated as _prompt_split_image does; the
+    placeholder <|image|>, not in config.json, is found through the tokenizer."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {"max_patches": 16}), None, "llama4")
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "<|image|>"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 5 * 144
+    assert [ids.count(t) for t in (200080, 200084, 200085, 200090, 200081)] == [1, 2, 2, 1, 1]
+    assert len(ids) == with_placeholder - 1 + 5 * 144 + 7
+    assert sum(1 for t in _count(counting, URL_IMAGE) if t < 0) == 17 * 144  # 16 tiles and the global view
+    # --mm-processor-kwargs max_patches 1: one tile, the global view alone; a request's is not read.
+    one = MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 1}))
+    for kwargs in ({}, {"max_patches": 16}):
+        assert sum(1 for t in _count(one, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 144
+    with pytest.raises(ValueError, match="max_patches"):
+        MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 0}))
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:
