@@ -7,9 +7,10 @@ multimodal processor replaces the placeholder's token with the image's tokens
 image's size and the processor's kwargs, what that replacement is; the expansion itself is shared.
 Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
 
-- Llava with a CLIP tower (`llava`): a fixed count (vllm/model_executor/models/llava.py
+- Llava with a CLIP or SigLIP tower (`llava`): a fixed count (vllm/model_executor/models/llava.py
   LlavaProcessingInfo.get_num_image_tokens; clip.py CLIPEncoderInfo.get_num_image_tokens:
-  (image_size // patch_size)**2 + 1; vision.py get_num_selected_vision_tokens).
+  (image_size // patch_size)**2 + 1; siglip.py SiglipEncoderInfo: without the + 1; vision.py
+  get_num_selected_vision_tokens).
 - Qwen2-VL, Qwen2.5-VL and Qwen3-VL, dense and MoE (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`,
   `qwen3_vl_moe`): dynamic resolution (qwen2_vl.py Qwen2VLProcessingInfo._get_vision_info;
   qwen2_5_vl.py Qwen2_5_VLProcessingInfo inherits it; qwen3_vl.py Qwen3VLProcessingInfo.
@@ -108,7 +109,7 @@ class ImageRule(ABC):
 
 @dataclass(frozen=True)
 class ImageTokens(ImageRule):
-    """A fixed count per image, whatever its size (Llava with a CLIP tower)."""
+    """A fixed count per image, whatever its size (Llava with a CLIP or SigLIP tower)."""
 
     placeholder: str
     token_id: int
@@ -131,18 +132,22 @@ _SELECTED = {"default": lambda n: n - 1, "full": lambda n: n, "class": lambda n:
 
 
 def _llava(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """Llava with CLIP: (image_size // patch_size)**2 patches + 1 class token, of which the
-    feature-select strategy keeps all ("full"), all but the class token ("default") or it alone."""
+    """Llava with CLIP or SigLIP: (image_size // patch_size)**2 patches, + 1 class token for
+    CLIP (clip.py CLIPEncoderInfo, siglip.py SiglipEncoderInfo .get_num_image_tokens), of which
+    the feature-select strategy keeps all ("full"), all but one ("default") or one ("class")."""
     vision = config.get("vision_config") or {}
     if vision.get("model_type") == "pixtral":
         return _llava_pixtral(config, processor)
     strategy = config.get("vision_feature_select_strategy", "default")
-    if vision.get("model_type") != "clip_vision_model" or strategy not in _SELECTED:
+    if vision.get("model_type") not in _CLASS_TOKENS or strategy not in _SELECTED:
         return None
     image_size, patch_size = vision.get("image_size"), vision.get("patch_size")
-    if "image_token_index" not in config or not image_size or not patch_size or image_size % patch_size:
+    class_tokens = _CLASS_TOKENS[vision["model_type"]]
+    if "image_token_index" not in config or not image_size or not patch_size:
         return None
-    per_image = _SELECTED[strategy]((image_size // patch_size) ** 2 + 1)
+    if class_tokens and image_size % patch_size:  # CLIPEncoderInfo.get_patch_grid_length asserts it
+        return None
+    per_image = _SELECTED[strategy]((int(image_size) // int(patch_size)) ** 2 + class_tokens)
     return ImageTokens("<image>", int(config["image_token_index"]), per_image)
 
 

@@ -36,7 +36,11 @@ def test_llava_images_take_vllms_count() -> None:
     assert image_tokens({**LLAVA_15, "vision_feature_select_strategy": "full"}).per_image == 577
     assert image_tokens(LLAVA_15).token_id == 32000
     siglip = {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "model_type": "siglip_vision_model"}}
-    assert image_tokens(siglip) is None  # another tower: kvgate does not know its count
+    assert image_tokens(siglip).per_image == 575  # no class token: 576, less one for "default"
+    other = {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "model_type": "dinov2"}}
+    assert image_tokens(other) is None  # another tower: kvgate does not know its count
+    # CLIP's patches must divide its image (vLLM's CLIPEncoderInfo asserts it): no rule, a 400
+    assert image_tokens({**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 340}}) is None
     assert image_tokens({"model_type": "llama"}) is None
 
 
@@ -126,13 +130,16 @@ def test_local_tokenizer_counts_llava_images(tiny_model_dir: Path, tmp_path: Pat
 
 _VLLM_COUNT = """
 import json, sys
-from transformers import LlavaConfig
+from transformers import LlavaConfig, SiglipVisionConfig
 from vllm.model_executor.models.clip import CLIPEncoderInfo
+from vllm.model_executor.models.siglip import SiglipEncoderInfo
 from vllm.model_executor.models.vision import get_num_selected_vision_tokens
 out = []
 for config in json.loads(sys.argv[1]):
     hf = LlavaConfig(**config)
-    n = CLIPEncoderInfo(hf).get_num_image_tokens(image_width=640, image_height=480)
+    # vision.py get_vision_encoder_info's choice (it imports pixtral.py, which needs torchvision)
+    info = SiglipEncoderInfo if isinstance(hf.vision_config, SiglipVisionConfig) else CLIPEncoderInfo
+    n = info(hf).get_num_image_tokens(image_width=640, image_height=480)
     out.append(get_num_selected_vision_tokens(n, hf.vision_feature_select_strategy))
 print(json.dumps(out))
 """
@@ -140,16 +147,23 @@ print(json.dumps(out))
 
 @pytest.mark.vllm
 def test_counts_equal_vllms_own_functions(vllm_python: VllmPython) -> None:
-    """vLLM 0.32.0's CLIPEncoderInfo and get_num_selected_vision_tokens, run in the vLLM venv
-    (its Llava model module itself needs torchvision, which the CPU venv cannot have)."""
+    """vLLM 0.32.0's CLIPEncoderInfo or SiglipEncoderInfo (get_vision_encoder_info's choice) and
+    get_num_selected_vision_tokens, run in the vLLM venv (its Llava model module itself needs
+    torchvision, which the CPU venv cannot have)."""
     configs = [
         LLAVA_15,
         {**LLAVA_15, "vision_feature_select_strategy": "full"},
         {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224}},
         {**LLAVA_15, "vision_config": {**LLAVA_15["vision_config"], "image_size": 224, "patch_size": 32}},
+        # llava-hf/llava-interleave-qwen-7b-hf: SigLIP so400m, 384 / 14 (not a multiple), "full"
+        {
+            **LLAVA_15,
+            "vision_feature_select_strategy": "full",
+            "vision_config": {"model_type": "siglip_vision_model", "image_size": 384, "patch_size": 14},
+        },
     ]
     theirs = json.loads(vllm_python("-c", _VLLM_COUNT, json.dumps(configs)).strip().splitlines()[-1])
-    assert theirs == [image_tokens(c).per_image for c in configs] == [576, 577, 256, 49]
+    assert theirs == [image_tokens(c).per_image for c in configs] == [576, 577, 256, 49, 729]
 
 
 def _sizes() -> list[tuple[int, int]]:
