@@ -335,8 +335,9 @@ def test_a_large_image_is_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
         ("qwen", _image(64, 64), {"min_pixels": 10**12, "max_pixels": 10**13}),
         ("qwen", URL_IMAGE, {"max_pixels": 10**15}),
         ("gemma", URL_IMAGE, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 10**9}),
+        ("mistral3", URL_IMAGE, {"size": {"longest_edge": 10**15}}),
     ],
-    ids=["qwen-min-pixels", "qwen-url-max-pixels", "gemma-url-crops"],
+    ids=["qwen-min-pixels", "qwen-url-max-pixels", "gemma-url-crops", "mistral3-url-edge"],
 )
 def test_kwargs_asking_for_billions_of_tokens_are_refused_before_any_is_built(
     counting: str, part: dict, kwargs: dict
@@ -346,7 +347,11 @@ def test_kwargs_asking_for_billions_of_tokens_are_refused_before_any_is_built(
     known context, as vLLM refuses a prompt too long."""
     from kvgate.tokens import PromptTooLong
 
-    rule = image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR) if counting == "qwen" else image_tokens(GEMMA3, {})
+    rule = {
+        "qwen": lambda: image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR),
+        "gemma": lambda: image_tokens(GEMMA3, {}),
+        "mistral3": lambda: image_tokens(MISTRAL3, {"size": {"longest_edge": 1540}}),
+    }[counting]()
     tokenizer = MediaCounting(WordTokenizer(), rule, None, counting)
     chat = ChatInput(messages=({"role": "user", "content": [TEXT, part]},), mm_processor_kwargs=kwargs)
     with pytest.raises(TokenizationError, match="more than kvgate counts"):
