@@ -131,6 +131,7 @@ EXPLAIN_SETTINGS = (
     "cuda_context_bytes",
     "profiled_activation_bytes",
     "transient_safety_margin",
+    "expandable_segments",
     "default_max_tokens",
     "kv_output_quantile",
     "trust_request_chat_template",

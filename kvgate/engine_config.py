@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from kvgate.memory.activation import EngineShape, profile_peak_bytes
+from kvgate.memory.activation import EngineShape, profile_peak_bytes, profile_segment_overhead_bytes
 from kvgate.memory.draft import Drafter
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry
@@ -75,6 +75,8 @@ class StaticLimits:
     transient_headroom_bytes: int | None
     max_transient_headroom_bytes: int | None
     profiled_peak_bytes: int
+    # kvgate/memory/activation.py profile_segment_overhead_bytes, as a share of the profile peak in use
+    segment_overhead: float
 
 
 @dataclass(frozen=True)
@@ -381,6 +383,7 @@ def static_limits(
     gpu_memory_bytes: int | None,
     kv_cache_memory_bytes: int | None = None,
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
+    expandable_segments: bool = False,
 ) -> StaticLimits:
     """The budget before any live reading: the pool from vLLM, headroom from flags.
 
@@ -392,10 +395,14 @@ def static_limits(
     vllm/config/cache.py ``kv_cache_memory_bytes``), so the headroom is what the GPU has left after
     the weights (with --enable-lora's slots), that pool, the profiled activation peak, Model Runner V2's
     penalty state (`runner_state_bytes`), the profile's non-torch increase and the memory outside
-    the envelope; only CUDA graphs (unless --enforce-eager) stay unknown.
+    the envelope; only CUDA graphs (unless --enforce-eager) stay unknown. The profile region is
+    taken at its segments' size, not its allocated peak: the caching allocator's overhead
+    (kvgate/memory/activation.py `profile_segment_overhead_bytes`) comes out of the
+    rest too; with live readings the budget charges it instead (kvgate/memory/ceiling.py).
     """
     blocks = deployment.num_gpu_blocks
     fixed_pool = kv_cache_memory_bytes
+    overhead = profile_segment_overhead_bytes(predictor.layout.geometry, predictor.engine, expandable_segments)
     if blocks is None and fixed_pool is not None:
         blocks = predictor.layout.capacity(
             fixed_pool, deployment.max_model_len, deployment.max_num_batched_tokens
@@ -405,7 +412,7 @@ def static_limits(
     if headroom is None and gpu_memory_bytes is not None:
         if fixed_pool is not None:
             used = fixed_pool + weights_bytes(predictor.layout) + lora_slot_bytes(deployment, predictor.layout)
-            used += predictor.profiled_peak_bytes + runner_state_bytes(deployment, predictor.layout.geometry)
+            used += predictor.profiled_peak_bytes + overhead + runner_state_bytes(deployment, predictor.layout.geometry)
             headroom = gpu_memory_bytes - used - NON_TORCH_INCREASE_BYTES - outside.total
             if not deployment.enforce_eager:
                 log.warning(
@@ -424,6 +431,7 @@ def static_limits(
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
         profiled_peak_bytes=predictor.profiled_peak_bytes,
+        segment_overhead=overhead / predictor.profiled_peak_bytes if predictor.profiled_peak_bytes else 0.0,
     )
 
 

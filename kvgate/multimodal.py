@@ -10,8 +10,17 @@ Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
 - Llava with a CLIP tower (`llava`): a fixed count (vllm/model_executor/models/llava.py
   LlavaProcessingInfo.get_num_image_tokens; clip.py CLIPEncoderInfo.get_num_image_tokens:
   (image_size // patch_size)**2 + 1; vision.py get_num_selected_vision_tokens).
-- Qwen2-VL and Qwen2.5-VL (`qwen2_vl`, `qwen2_5_vl`): dynamic resolution (qwen2_vl.py
-  Qwen2VLProcessingInfo._get_vision_info; qwen2_5_vl.py Qwen2_5_VLProcessingInfo inherits it).
+- Qwen2-VL, Qwen2.5-VL and Qwen3-VL, dense and MoE (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`,
+  `qwen3_vl_moe`): dynamic resolution (qwen2_vl.py Qwen2VLProcessingInfo._get_vision_info;
+  qwen2_5_vl.py Qwen2_5_VLProcessingInfo inherits it; qwen3_vl.py Qwen3VLProcessingInfo.
+  _get_vision_info is the same for images, with transformers' Qwen2-VL smart_resize and the
+  image_token_id repeated (Qwen3VLMultiModalProcessor._get_prompt_updates); qwen3_vl_moe.py
+  Qwen3VLMoeProcessingInfo inherits it). Qwen3-VL's checkpoints differ only in their numbers
+  (16-pixel patches, size {65536, 16777216} in preprocessor_config.json).
+- Mistral Small 3.x (`mistral3`) and Pixtral in Llava's format (`llava` with a `pixtral` vision
+  tower): rows of patch tokens, each row closed by a break token, the last by an end token
+  (pixtral.py PixtralHFEncoderInfo.get_patch_grid_size, mistral3.py Mistral3HFEncoderInfo,
+  both processors' _get_prompt_updates).
 - Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
   Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
   _apply_token_matches).
@@ -55,10 +64,13 @@ _KWARG_SCOPES = ("text_kwargs", "images_kwargs", "videos_kwargs", "audio_kwargs"
 @dataclass(frozen=True)
 class Replacement:
     """What vLLM puts in the prompt for one image: `features` tokens standing for it, alone, or
-    inside `text`, which vLLM tokenizes (the features are its `ImageRule.feature_token`s)."""
+    inside `text`, which vLLM tokenizes, or as `runs` of token texts, each repeated (a grid of
+    special tokens, tokenized one text at a time); the features are its
+    `ImageRule.feature_token`s."""
 
     features: int
     text: str | None = None
+    runs: tuple[tuple[str, int], ...] | None = None
 
 
 class ImageRule(ABC):
@@ -109,6 +121,8 @@ def _llava(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | Non
     """Llava with CLIP: (image_size // patch_size)**2 patches + 1 class token, of which the
     feature-select strategy keeps all ("full"), all but the class token ("default") or it alone."""
     vision = config.get("vision_config") or {}
+    if vision.get("model_type") == "pixtral":
+        return _llava_pixtral(config, processor)
     strategy = config.get("vision_feature_select_strategy", "default")
     if vision.get("model_type") != "clip_vision_model" or strategy not in _SELECTED:
         return None
@@ -117,6 +131,108 @@ def _llava(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | Non
         return None
     per_image = _SELECTED[strategy]((image_size // patch_size) ** 2 + 1)
     return ImageTokens("<image>", int(config["image_token_index"]), per_image)
+
+
+@dataclass(frozen=True)
+class PatchRows(ImageRule):
+    """Pixtral's images: scaled down (never up) to fit `longest_edge`, then one token per
+    `patch` x `patch` square, rounded up, in rows that each end in a break token, the last row in
+    an end token (vLLM 0.32.0 / 0.33.0 pixtral.py PixtralHFEncoderInfo.get_patch_grid_size, with
+    transformers' pixtral _num_image_tokens; mistral3.py Mistral3HFEncoderInfo.get_patch_grid_size;
+    the replacement: both processors' _get_prompt_updates, `([image] * ncols + [break]) * nrows`
+    with the last token the end token)."""
+
+    family: str
+    target_token: int
+    longest_edge: float  # the processor's, unless the kwargs' `size` may override it
+    patch: int  # the vision patch size times the spatial merge size
+    resizable: bool  # Mistral 3 takes `size` from the kwargs; Llava's Pixtral tower does not
+    placeholder: str = "[IMG]"
+    break_token: str = "[IMG_BREAK]"
+    end_token: str = "[IMG_END]"
+
+    @property
+    def feature_token(self) -> int:  # type: ignore[override]
+        return self.target_token
+
+    def edge(self, kwargs: Mapping[str, Any]) -> float:
+        """Mistral3ProcessingInfo.get_vision_encoder_info: the kwargs' `size` merged over the
+        processor's, its longest_edge the image size."""
+        override = kwargs.get("size") if self.resizable else None
+        if not override:
+            return self.longest_edge
+        if not isinstance(override, Mapping):
+            raise TokenizationError(f"mm_processor_kwargs 'size' must be an object, got {override!r}")
+        edge = override.get("longest_edge", self.longest_edge)
+        if not isinstance(edge, int | float) or isinstance(edge, bool) or not 1 <= edge <= _MOST_PIXELS:
+            raise TokenizationError(f"size['longest_edge'] must be a number of pixels from 1 to 2**53, got {edge!r}")
+        return edge
+
+    def grid(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> tuple[int, int]:
+        """(ncols, nrows); `size` None: the largest, a square of the image size
+        (get_image_size_with_most_features)."""
+        edge = self.edge(kwargs)
+        width, height = (edge, edge) if size is None else (size.width, size.height)
+        ratio = max(width / edge, height / edge)
+        if ratio > 1:
+            width, height = math.floor(width / ratio), math.floor(height / ratio)
+        ncols, nrows = int((width - 1) // self.patch + 1), int((height - 1) // self.patch + 1)
+        if ncols < 1 or nrows < 1:  # vLLM's replacement of no tokens fails (`tokens[-1] = image_end_id`)
+            raise TokenizationError(
+                f"a {size.width if size else edge} x {size.height if size else edge} image scaled to fit "
+                f"{edge} pixels has a side of 0 pixels: send a less elongated image"
+            )
+        return ncols, nrows
+
+    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
+        ncols, nrows = self.grid(size, kwargs)
+        return ncols * nrows
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        ncols, nrows = self.grid(size, kwargs)
+        row = ((self.placeholder, ncols), (self.break_token, 1))
+        runs = row * (nrows - 1) + ((self.placeholder, ncols), (self.end_token, 1))
+        return Replacement(ncols * nrows, runs=runs)
+
+
+def _pixtral_patch(config: dict[str, Any]) -> int | None:
+    vision = config.get("vision_config") or {}
+    patch = vision.get("patch_size")
+    return int(patch) * int(config.get("spatial_merge_size") or 1) if patch else None
+
+
+def _pixtral_tokens(processor: dict[str, Any]) -> dict[str, str]:
+    """The processor's token texts (processor_config.json; transformers PixtralProcessor's
+    defaults otherwise)."""
+    return {
+        name: str(processor[key])
+        for name, key in (
+            ("placeholder", "image_token"),
+            ("break_token", "image_break_token"),
+            ("end_token", "image_end_token"),
+        )
+        if processor.get(key)
+    }
+
+
+def _mistral3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """Mistral Small 3.x (transformers format): the image size is preprocessor_config.json's
+    size.longest_edge (Mistral3ProcessingInfo reads the processor's, not vision_config's), the
+    patch config.json's vision patch_size x spatial_merge_size."""
+    patch, edge = _pixtral_patch(config), (processor.get("size") or {}).get("longest_edge")
+    if "image_token_index" not in config or not patch or not edge:
+        return None
+    return PatchRows("mistral3", int(config["image_token_index"]), int(edge), patch, True, **_pixtral_tokens(processor))
+
+
+def _llava_pixtral(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """Pixtral in transformers' Llava format (llava.py PixtralHFProcessingInfo and
+    PixtralHFMultiModalProcessor): the image size is vision_config's image_size, whatever the
+    kwargs say (PixtralHFEncoderInfo(hf_config))."""
+    patch, edge = _pixtral_patch(config), (config.get("vision_config") or {}).get("image_size")
+    if "image_token_index" not in config or not patch or not edge:
+        return None
+    return PatchRows("llava", int(config["image_token_index"]), int(edge), patch, False, **_pixtral_tokens(processor))
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -316,7 +432,10 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
     "llava": _llava,
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_vl,
+    "qwen3_vl": _qwen2_vl,
+    "qwen3_vl_moe": _qwen2_vl,
     "gemma3": _gemma3,
+    "mistral3": _mistral3,
 }
 
 
@@ -620,9 +739,18 @@ class MediaCounting:
         out: list[tuple[str, Replacement, Sequence[int] | None]] = []
         for part, size in zip(found, sizes, strict=True):
             replacement = rule.replacement(size, kwargs)
-            text_ids = await self._encode(replacement.text) if replacement.text is not None else None
-            out.append((part.key, replacement, text_ids))
+            out.append((part.key, replacement, await self._replacement_ids(replacement)))
         return out
+
+    async def _replacement_ids(self, replacement: Replacement) -> Sequence[int] | None:
+        if replacement.text is not None:
+            return await self._encode(replacement.text)
+        if replacement.runs is None:
+            return None
+        ids: list[int] = []
+        for text, count in replacement.runs:
+            ids += await self._encode(text) * count
+        return ids
 
     async def _merges(self, rule: ImageRule) -> list[tuple[list[int], list[int]]]:
         out = []

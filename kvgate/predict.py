@@ -291,7 +291,7 @@ class Predictor:
         """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
         ledger sizes with the rest of the batch."""
         shared: list[int] = []
-        private = profiled = profiled_prefill = held = 0
+        private = profiled = profiled_prefill = held = pair = 0
         variance = 0.0
         for i, fp in enumerate(footprints):
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
@@ -302,6 +302,8 @@ class Predictor:
             held += split.held
             profiled = max(profiled, split.profiled)
             profiled_prefill += split.profiled_prefill
+            if self.engine.runner == "v1":
+                pair = max(pair, sum(t.bytes for t in fp.transient.terms if t.stage == "prompt_logprobs"))
         if len(footprints) == 1:
             prefill = splits[0].prefill if splits is not None else TransientSplit.of(footprints[0].transient).prefill
         else:
@@ -321,6 +323,7 @@ class Predictor:
             kv_variance_blocks=variance / self.layout.block_size**2,
             sequences=sum(fp.n for fp in footprints),
             teaches_output_lengths=all(fp.min_new_tokens == 0 for fp in footprints),
+            step_pair_bytes=pair,
         )
 
     def step_terms(self, footprints: Sequence[Footprint], sampling: SamplingShape) -> list[TransientTerm]:

@@ -64,6 +64,10 @@ class Budget:
     # vLLM emptied after start-up, so profiled terms are charged against it too, up to this cap (the
     # part of the region the engine did not hold). None: a headroom from flags, beside the region.
     profiled_cap_bytes: int | None = None
+    # The caching allocator's segments beyond the profile's allocated peak, as a share of the
+    # profile peak, charged in proportion to the profiled bytes (kvgate/memory/activation.py
+    # profile_segment_overhead_bytes).
+    segment_overhead: float = 0.0
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
     # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
@@ -124,11 +128,13 @@ class Budget:
     def ceiling(self) -> Ceiling:
         """The most an idle server offers one request: whether it could ever fit is judged
         against this (kvgate/predict.py Predictor.check_fits_ever)."""
-        return Ceiling(self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes)
+        return Ceiling(self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes, self.segment_overhead)
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit."""
-        return transient_charge(holdings.transient_bytes, holdings.profiled_bytes, self.profiled_cap_bytes)
+        return transient_charge(
+            holdings.transient_bytes, holdings.profiled_bytes, self.profiled_cap_bytes, self.segment_overhead
+        )
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
         """Why the demand cannot be admitted beside current holdings, or None if it fits now.
@@ -149,7 +155,10 @@ class Budget:
                 return KV_BUSY
         transient_limit = self.transient_limit()
         charge = transient_charge(
-            holdings.transient_bytes_with(demand), holdings.profiled_bytes_with(demand), self.profiled_cap_bytes
+            holdings.transient_bytes_with(demand),
+            holdings.profiled_bytes_with(demand),
+            self.profiled_cap_bytes,
+            self.segment_overhead,
         )
         if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY

@@ -8,7 +8,9 @@ reservations; the gate asks it what is reserved and tells it what to reserve or 
 Transient bytes aggregate in two ways. Prefill-phase terms (attention over the computed prefix,
 prompt_logprobs, oversized MLP chunks) grow with the prompt tokens a step schedules, and one
 step schedules at most max_num_batched_tokens of them across all requests, each term already
-sized for a full chunk: the worst step holds at most the largest such term, not their sum.
+sized for a full chunk: the worst step holds at most the largest such term, not their sum,
+except where vLLM frees one request's tensors only when the next request's replace them (V1's
+prompt logprobs, Demand.step_pair_bytes): there the second largest is added.
 The sampler stage is one per step, sized by the whole batch (kvgate/memory/sampler.py): the ledger
 keeps what the in-flight requests put in it, and asks what the stage takes with a candidate added.
 """
@@ -49,6 +51,7 @@ class Ledger:
         # sorted one-step prefill bytes (their transient less what they hold across steps) of the
         # requests still prefilling, and the sum of what they hold across steps
         self._open_prefills: list[int] = []
+        self._open_pairs: list[int] = []  # sorted Demand.step_pair_bytes of the open prefills
         self._held_bytes = 0
         self._pending_extra = 0  # summed Reservation.pending_extra of the open prefills
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
@@ -70,13 +73,21 @@ class Ledger:
     def transient_bytes(self) -> int:
         """Transient memory the worst step of the in-flight requests can take."""
         largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
-        return self._held_bytes + largest_prefill + self._sampler.stage().unprofiled
+        second_pair = self._open_pairs[-2] if len(self._open_pairs) > 1 else 0
+        return self._held_bytes + largest_prefill + second_pair + self._sampler.stage().unprofiled
 
     def transient_bytes_with(self, demand: Demand) -> int:
         """What transient_bytes would be with this demand admitted too."""
         largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
         held = self._held_bytes + demand.transient_held_bytes + self._shared_extra(demand)
-        return held + largest_prefill + self.sampler_with(demand).unprofiled
+        return held + largest_prefill + self._second_pair_with(demand) + self.sampler_with(demand).unprofiled
+
+    def _second_pair_with(self, demand: Demand) -> int:
+        """The second largest Demand.step_pair_bytes of the open prefills and `demand`: with the
+        largest one-step term, a bound on two requests' prompt logprobs alive in one V1 step
+        (the larger of the pair is at most the largest one-step term)."""
+        top = sorted((*self._open_pairs[-2:], demand.step_pair_bytes))
+        return top[-2] if len(top) > 1 else 0
 
     def _shared_extra(self, demand: Demand) -> int:
         """The shared-step extras admitting it now adds: only beside other in-flight requests, and
@@ -108,6 +119,10 @@ class Ledger:
         unseen = sum(1 for h in set(demand.shared_block_hashes) if h not in self._refcounts)
         return unseen + demand.private_blocks
 
+    def shared_blocks(self, hashes: frozenset[int]) -> int:
+        """Of an admitted request's prompt blocks, those another in-flight request holds too."""
+        return sum(1 for h in hashes if self._refcounts.get(h, 0) > 1)
+
     def reserve(self, demand: Demand) -> Reservation:
         hashes = frozenset(demand.shared_block_hashes)
         for h in hashes:
@@ -123,6 +138,7 @@ class Ledger:
             self._pending_extra = 0
         shared_extra = 0 if alone else demand.transient_shared_extra_bytes
         bisect.insort(self._open_prefills, _one_step(demand))
+        bisect.insort(self._open_pairs, demand.step_pair_bytes)
         self._held_bytes += demand.transient_held_bytes + shared_extra
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
         if demand.sampler:
@@ -154,6 +170,7 @@ class Ledger:
     def _close_prefill(self, reservation: Reservation) -> None:
         demand = reservation.demand
         del self._open_prefills[bisect.bisect_left(self._open_prefills, _one_step(demand))]
+        del self._open_pairs[bisect.bisect_left(self._open_pairs, demand.step_pair_bytes)]
         self._held_bytes -= demand.transient_held_bytes + reservation.shared_extra
         self._pending_extra -= reservation.pending_extra
         reservation.pending_extra = 0

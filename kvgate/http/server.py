@@ -7,6 +7,7 @@ metrics, probes, and the pass-through of any other path to the backend.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
+from kvgate.advise import advice_document
+from kvgate.advise_live import advise_from, request_json
 from kvgate.composition import Runtime
 from kvgate.errors import KvgateError, MethodNotAllowed
 from kvgate.explain import explain
@@ -80,8 +83,53 @@ def create_app(settings: Settings) -> Kvgate:
             return answer_refusal(request.scope, error_response(error))
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        # The pool's target port: a router and an autoscaler read vLLM's gauges here (kvgate.metrics).
+        if settings.metrics_page == "kvgate":
+            return Response(rt.metrics_page.render(), media_type=CONTENT_TYPE_LATEST)
+        try:  # --metrics-page vllm: vLLM's own page, unmodified
+            return await passthrough(
+                rt.backend,
+                "GET",
+                request_target(request.scope),
+                request.headers.raw,
+                b"",
+                request_id_of(request.scope),
+                request.scope.get("client"),
+                request.scope.get("scheme", "http"),
+            )
+        except KvgateError as error:
+            return answer_refusal(request.scope, error_response(error))
+
+    @app.get("/kvgate/metrics")
+    async def kvgate_metrics() -> Response:
+        """kvgate's own families alone, rendered now: beside vLLM's page in --metrics-page vllm."""
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/advice")
+    async def advice() -> Response:
+        """vLLM flags from the traffic kvgate measured (docs/advise.md): predicted off the event
+        loop (a few dozen start-up predictions), from a snapshot taken on it."""
+        try:
+            request, measured, problem = rt.advice_input()
+        except KvgateError as error:
+            return error_response(error)
+        if request is None:
+            return JSONResponse(
+                {"deployment": None, "measured": measured.to_json(), "advice": None, "problem": problem}
+            )
+        try:
+            advised = await asyncio.to_thread(advise_from, request, measured)
+        except (ValueError, KeyError, OSError) as exc:  # the model folder or flags advise cannot read
+            return JSONResponse(
+                {
+                    "deployment": request_json(request),
+                    "measured": measured.to_json(),
+                    "advice": None,
+                    "problem": str(exc),
+                }
+            )
+        return JSONResponse({**advice_document(advised), "problem": None})
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

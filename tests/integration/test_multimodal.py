@@ -13,7 +13,7 @@ import pytest
 
 from kvgate.chat_template import TokenizationError
 from kvgate.media import ImageSize
-from kvgate.multimodal import image_kwargs, image_tokens, replace_token_matches
+from kvgate.multimodal import PatchRows, image_kwargs, image_tokens, replace_token_matches
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.vllm_server import VllmPython
@@ -174,6 +174,18 @@ QWEN2_5_VL = {  # Qwen2.5-VL's preprocessor uses the same keys; its config the 2
     "config": {**QWEN2_VL_7B["config"], "model_type": "qwen2_5_vl"},
     "processor": {"size": {"shortest_edge": 3136, "longest_edge": 12845056}, "patch_size": 14, "merge_size": 2},
 }
+QWEN3_VL_8B = {  # Qwen/Qwen3-VL-8B-Instruct's config.json and preprocessor_config.json, the fields read
+    "config": {
+        "model_type": "qwen3_vl",
+        "image_token_id": 151655,
+        "vision_config": {"patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+    },
+    "processor": {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16, "merge_size": 2},
+}
+QWEN3_VL_MOE = {  # Qwen/Qwen3-VL-30B-A3B-Instruct: the same processor, the MoE model_type
+    "config": {**QWEN3_VL_8B["config"], "model_type": "qwen3_vl_moe"},
+    "processor": QWEN3_VL_8B["processor"],
+}
 GEMMA3_4B = {  # google/gemma-3-4b-it's config.json and preprocessor_config.json, the fields read
     "config": {
         "model_type": "gemma3",
@@ -182,6 +194,23 @@ GEMMA3_4B = {  # google/gemma-3-4b-it's config.json and preprocessor_config.json
         "mm_tokens_per_image": 256,
     },
     "processor": {"image_seq_length": 256, "do_pan_and_scan": None, "pan_and_scan_max_num_crops": None},
+}
+MISTRAL_SMALL_31 = {  # mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json and preprocessor_config.json
+    "config": {
+        "model_type": "mistral3",
+        "image_token_index": 10,
+        "spatial_merge_size": 2,
+        "vision_config": {"model_type": "pixtral", "patch_size": 14, "image_size": 1540},
+    },
+    "processor": {"size": {"longest_edge": 1540}, "patch_size": 14},
+}
+PIXTRAL_12B_HF = {  # mistral-community/pixtral-12b (Llava format): the size is vision_config's
+    "config": {
+        "model_type": "llava",
+        "image_token_index": 10,
+        "vision_config": {"model_type": "pixtral", "patch_size": 16, "image_size": 1024},
+    },
+    "processor": {"size": {"longest_edge": 1024}, "patch_size": 16},
 }
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
@@ -199,6 +228,13 @@ CASES = [
     },
     {**QWEN2_5_VL, "cli_kwargs": {}, "request_kwargs": {}},
     {**QWEN2_5_VL, "cli_kwargs": {"min_pixels": 200_000}, "request_kwargs": {"images_kwargs": {"max_pixels": 700_000}}},
+    {**QWEN3_VL_8B, "cli_kwargs": {}, "request_kwargs": {}},
+    {**QWEN3_VL_8B, "cli_kwargs": {"max_pixels": 1_003_520}, "request_kwargs": {"min_pixels": 200_704}},
+    {**QWEN3_VL_MOE, "cli_kwargs": {}, "request_kwargs": {"images_kwargs": {"max_pixels": 802_816}}},
+    {**MISTRAL_SMALL_31, "cli_kwargs": {}, "request_kwargs": {}},
+    {**MISTRAL_SMALL_31, "cli_kwargs": {"size": {"longest_edge": 1024}}, "request_kwargs": {}},
+    {**MISTRAL_SMALL_31, "cli_kwargs": {}, "request_kwargs": {"images_kwargs": {"size": {"longest_edge": 700}}}},
+    {**PIXTRAL_12B_HF, "cli_kwargs": {}, "request_kwargs": {"size": {"longest_edge": 512}}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
@@ -215,18 +251,19 @@ CASES = [
 ]
 
 
-def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | None:
+def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int] | None:
+    """The count, or for Pixtral's rows the (ncols, nrows) grid the replacement is built from."""
     try:
-        return rule.replacement(size, kwargs).features
+        return list(rule.grid(size, kwargs)) if isinstance(rule, PatchRows) else rule.replacement(size, kwargs).features
     except TokenizationError:
         return None
 
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Qwen2-VL / Qwen2.5-VL and Gemma 3: for 196 sizes and aspect ratios under 13 kwarg settings
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL (dense, MoE) and Gemma 3: for 196 sizes and aspect ratios under 16 kwarg settings
     (config, --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped), kvgate's count
-    equals vLLM 0.32.0's Qwen2VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
+    equals vLLM 0.32.0's Qwen2VLProcessingInfo / Qwen3VLProcessingInfo / Gemma3ProcessingInfo.get_num_image_tokens, and an
     image kvgate does not see counts vLLM's get_max_image_tokens; where vLLM raises (aspect ratio
     over 200), kvgate refuses."""
     sizes = _sizes()
@@ -245,7 +282,7 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
         if vllm["largest"] is not None:
             assert _kvgate_count(rule, None, image_kwargs(case["cli_kwargs"], {})) == vllm["largest"], case
     assert refused > 0  # the aspect-ratio refusals were exercised
-    assert len({c for v in theirs for c in v["counts"]}) > 100  # and many distinct counts
+    assert len({json.dumps(c) for v in theirs for c in v["counts"]}) > 100  # and many distinct counts
 
 
 _VLLM_MERGES = """

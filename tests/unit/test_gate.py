@@ -208,6 +208,27 @@ class TestBudgetCharges:
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
         assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 8 + 400
 
+    def test_profiled_terms_charged_to_free_memory_take_the_allocators_segments(self) -> None:
+        """S13: a 400 MiB profile peak that comes back out of free memory takes 480 MiB of
+        segments (kvgate/memory/allocator.py); a 547 MiB headroom, less a 10 % margin, then has
+        12 MiB left beside it where the allocated peak alone left 92."""
+        mib = 2**20
+        budget = Budget(
+            kv_blocks=10,
+            transient_headroom_bytes=547 * mib,
+            transient_margin=0.1,
+            profiled_cap_bytes=400 * mib,
+            segment_overhead=0.2,
+        )
+        ledger = Ledger()
+        ledger.reserve(demand(profiled_prefill=400 * mib))
+        assert budget.transient_charge(ledger) == 480 * mib
+        assert budget.shortfall(demand(prefill=12 * mib), ledger) is None
+        assert budget.shortfall(demand(prefill=13 * mib), ledger) == TRANSIENT_BUSY
+        assert budget.ceiling().transient_need(demand(profiled_prefill=400 * mib)) == 480 * mib
+        budget.update(segment_overhead=0.0)  # --expandable-segments
+        assert budget.shortfall(demand(prefill=92 * mib), ledger) is None
+
     def test_kv_keeps_room_for_the_spread_of_the_in_flight_outputs(self) -> None:
         """Each request reserves its mean output; z standard deviations of their sum stay free."""
         budget, ledger = Budget(kv_blocks=100, kv_margin_z=2.0), Ledger()

@@ -31,6 +31,9 @@ SPECIAL = {
     "<start_of_image>": 255999,
     "<end_of_image>": 256000,
     "<image_soft_token>": 262144,
+    "[IMG]": 10,
+    "[IMG_BREAK]": 12,
+    "[IMG_END]": 13,
 }
 NEWLINES = {"\n": 107, "\n\n": 108, "\n\n\n": 109, "\n\n\n\n": 110}
 
@@ -92,6 +95,57 @@ def test_qwen2_vl_counts_by_smart_resize() -> None:
     # max_pixels 50,000: beta = sqrt(307200 / 50000); 6 x 9 units of 28 -> 12 x 18 patches -> 54
     small = _count(_qwen(), TEXT, _image(640, 480), mm_processor_kwargs={"max_pixels": 50_000})
     assert len(small) == text_only + 2 + 54 + 1
+
+
+def test_qwen3_vl_counts_with_its_16_pixel_patches() -> None:
+    """Qwen3-VL (dense and MoE) shares Qwen2-VL's image rule with its own numbers: 640 x 480 is
+    already a multiple of 16 x 2, so 40 x 30 patches, merged 2 x 2: 300 tokens."""
+    config = {"image_token_id": 151655, "vision_config": {"patch_size": 16, "spatial_merge_size": 2}}
+    processor = {"size": {"shortest_edge": 65_536, "longest_edge": 16_777_216}, "patch_size": 16, "merge_size": 2}
+    for model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        counting = MediaCounting(WordTokenizer(), image_tokens({**config, "model_type": model_type}, processor))
+        ids = _count(counting, TEXT, _image(640, 480))
+        assert sum(1 for t in ids if t < 0) == 300
+        assert len(ids) == len(_count(counting, TEXT)) + 2 + 300 + 1
+
+
+MISTRAL3 = {
+    "model_type": "mistral3",
+    "image_token_index": 10,
+    "spatial_merge_size": 2,
+    "vision_config": {"model_type": "pixtral", "patch_size": 14, "image_size": 1540},
+}
+
+
+def test_pixtral_rows_end_in_break_and_end_tokens() -> None:
+    """Mistral Small 3.1: a 640 x 480 image fits 1540 pixels as it is; 28-pixel merged patches
+    rounded up make 23 columns and 18 rows, each row closed by [IMG_BREAK], the last by [IMG_END]."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(MISTRAL3, {"size": {"longest_edge": 1540}}))
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "[IMG]"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 23 * 18
+    assert (ids.count(12), ids.count(13), ids.count(10)) == (17, 1, 0)
+    assert len(ids) == with_placeholder - 1 + 18 * 24
+    assert ids[ids.index(13) - 1] < 0  # the end token closes the last row of image tokens
+    # A request's size scales it down: 640 x 480 to 280 x 210, 10 x 8.
+    small = _count(counting, TEXT, _image(640, 480), mm_processor_kwargs={"size": {"longest_edge": 280}})
+    assert sum(1 for t in small if t < 0) == 10 * 8
+    # By URL: the largest, 1540 x 1540, 55 x 55.
+    assert sum(1 for t in _count(counting, TEXT, URL_IMAGE) if t < 0) == 55 * 55
+    with pytest.raises(TokenizationError, match="side of 0 pixels"):
+        _count(counting, _image(5000, 1))
+    with pytest.raises(TokenizationError, match="'size' must be an object"):
+        _count(counting, _image(64, 64), mm_processor_kwargs={"size": 7})
+    # Llava's Pixtral-12B: vision_config's 1024 pixels, 16-pixel patches, the kwargs' size ignored.
+    llava = {
+        **MISTRAL3,
+        "model_type": "llava",
+        "vision_config": {"model_type": "pixtral", "patch_size": 16, "image_size": 1024},
+    }
+    del llava["spatial_merge_size"]
+    pixtral = MediaCounting(WordTokenizer(), image_tokens(llava, {}))
+    for kwargs in ({}, {"size": {"longest_edge": 280}}):
+        assert sum(1 for t in _count(pixtral, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 40 * 30
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:
@@ -171,9 +225,9 @@ def test_gemma3_pan_and_scan_crops() -> None:
     [
         (QWEN2_VL, {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}),
         (GEMMA3, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
-        ({"model_type": "qwen3_vl", "image_token_id": 1}, URL_IMAGE),
+        ({"model_type": "mllama", "image_token_index": 1}, URL_IMAGE),
     ],
-    ids=["qwen-video", "gemma-audio", "qwen3-vl-image"],
+    ids=["qwen-video", "gemma-audio", "mllama-image"],
 )
 def test_media_without_a_rule_is_refused_naming_model_and_kind(config: dict, part: dict) -> None:
     counting = MediaCounting(WordTokenizer(), image_tokens(config, {}), None, config["model_type"])

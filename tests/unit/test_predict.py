@@ -220,6 +220,30 @@ def test_prompt_logprobs_are_charged_for_the_step_vllm_runs_not_the_sum(batched_
     assert four.demand.transient_prefill_bytes < 4 * term.bytes
 
 
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_separate_requests_prompt_logprobs_in_one_step(runner: str) -> None:
+    """lm-eval sends its log-likelihood prompts as separate concurrent requests. V1's loop
+    (vllm 0.32.0 `_get_prompt_logprobs_dict`) keeps the previous request's tensors until the
+    next request's replace them: the ledger holds two requests' terms, as it does for two prompts
+    of one request; a third adds nothing. V2 scores the step at once (its shared-step extra)."""
+    engine = dataclasses.replace(SMALL_ENGINE, max_num_batched_tokens=4096, max_model_len=8192, runner=runner)
+    predictor = small_predictor(engine)
+    single = predictor.predict(*echo_logprobs(1, 1023)).demand
+    pair = predictor.predict(*echo_logprobs(2, 1023)).demand
+    ledger = Ledger()
+    for _ in range(3):
+        ledger.reserve(single)
+    term = single.transient_prefill_bytes
+    if runner == "v1":
+        assert single.step_pair_bytes == term
+        assert pair.transient_prefill_bytes == 2 * term
+        # the three requests' sampler rows come on top (a few MiB)
+        assert 2 * term <= ledger.transient_bytes < 2 * term + term // 100
+    else:
+        assert single.step_pair_bytes == 0
+        assert ledger.transient_bytes >= term
+
+
 @pytest.mark.parametrize("batched_tokens", [1024, 4096])
 def test_v2_prompt_logprobs_of_a_batch_cost_one_full_step(batched_tokens: int) -> None:
     """V2 computes the step's prompt logprobs together, 1,024 rows at a time: four 1,023-token

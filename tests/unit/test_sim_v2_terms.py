@@ -1,6 +1,7 @@
 """The simulator's own reading of Model Runner V2 in vLLM 0.32.0 and 0.33.0 (issue #27): prompt
 logprobs over the whole step with two sub-chunks alive, -1 results kept across a chunked prompt,
-the fp32 copy only for rows that need processing, 0.33's sampler warm-up pass in the profile."""
+the fp32 copy only for rows that need processing, 0.33's sampler warm-up pass in the profile.
+And V1's per-request prompt-logprobs loop, whose rebinding keeps two requests' tensors alive."""
 
 from __future__ import annotations
 
@@ -93,3 +94,21 @@ def test_033_profile_holds_the_sampler_warm_up_pass() -> None:
     _, newer = _boot(vllm_version="0.33.0", **rows)
     # fp32 copy + FlashInfer's masked logits and probabilities for the 1,024 rows
     assert newer.activation_peak - older.activation_peak >= 1024 * V * (4 + 8) - 64 * MiB
+
+
+def test_v1_prompt_logprobs_of_two_requests_in_one_step_are_alive_together() -> None:
+    """vllm 0.32.0 v1/worker/gpu_model_runner.py `_get_prompt_logprobs_dict`: the next request's
+    logits and fp32 log-softmax (with its fp32 cast of the bf16 logits) are made while the
+    previous request's scores are still bound: 4 + 2 + 4 + 4 B a logit, where one request alone
+    peaks at 2 + 4 + 4."""
+    r, _ = _boot(max_num_batched_tokens=8192, model_runner="v1")
+    assert not r.flavor.v2
+    n = 1000
+    wants = dict(samples=False, prompt_logprob_tokens=n, prompt_logprobs=5)
+    plain_one = _peak(r, StepShape((ReqSlice(n, samples=False),)))
+    one = _peak(r, StepShape((ReqSlice(n, **wants),)))
+    one_of_two = _peak(r, StepShape((ReqSlice(n, **wants), ReqSlice(n, samples=False))))
+    two = _peak(r, StepShape((ReqSlice(n, **wants), ReqSlice(n, **wants))))
+    logits = n * V
+    assert one - plain_one <= 10 * logits + n * 4096 * 2 + n * 6 * 12
+    assert two - one_of_two >= (14 - 10) * logits
