@@ -133,12 +133,14 @@ def longest_request_length(s: Startup, traffic: Traffic) -> int | None:
     return min(context, -(-int(longest) // LENGTH_STEP) * LENGTH_STEP)
 
 
-def _max_model_len(s: Startup, traffic: Traffic) -> Recommendation | None:
+def _max_model_len(s: Startup, fixed: Startup, traffic: Traffic) -> Recommendation | None:
     """--max-model-len from the requests seen: the longest, where it differs from the deployment's
-    and vLLM starts with it (a shorter one frees nothing in the pool but lets fewer requests in;
-    it matters where the pool cannot hold one request of the deployment's length)."""
+    and vLLM starts with it beside the other fixes (`fixed`: the start-up with the flags that
+    fix its failures, kvgate/advise_flags.py)."""
     length = longest_request_length(s, traffic)
-    if length is None or length == s.max_model_len or not predict(replace(s.request, max_model_len=length)).fits:
+    if length is None or length == s.max_model_len:
+        return None
+    if not predict(replace(fixed.request, max_model_len=length)).fits:
         return None
     assert traffic.requests is not None
     low, high = traffic.requests.share_above(length)
@@ -185,7 +187,8 @@ def advise_from(request: Request, measured: Measured, other_processes_bytes: int
     """The advice for this deployment and this traffic (ValueError, KeyError: bad input)."""
     traffic = measured.traffic()
     startup = predict(request)
-    length = _max_model_len(startup, traffic)
+    fixed, _ = recommend(startup, traffic.typical_request_tokens, other_processes_bytes)
+    length = _max_model_len(startup, fixed, traffic)
     base = predict(replace(request, max_model_len=int(length.value))) if length else startup
     advised, recommended = recommend(base, traffic.typical_request_tokens, other_processes_bytes)
     if length is not None and all(r.flag != length.flag for r in recommended):
