@@ -11,11 +11,12 @@ import math
 import random
 import socket
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from kvgate.advise_live import request_json
+from kvgate.advise_live import advise_from, request_json
 from kvgate.advise_startup import Request
 from kvgate.cli import main
 from kvgate.errors import KvNeverFits, QueueFull
@@ -147,3 +148,27 @@ def test_advise_from_an_unreachable_kvgate_is_a_clear_error(capsys: pytest.Captu
         port = s.getsockname()[1]  # closed once the block ends: nothing listens there
     assert main(["advise", "--from", f"http://127.0.0.1:{port}"]) == 2
     assert capsys.readouterr().err.startswith("kvgate advise: ")
+
+
+def test_a_running_deployment_advise_predicts_dead_is_judged_by_the_pool_vllm_reported(tmp_path: Path) -> None:
+    """The simulator starts --max-num-batched-tokens 200000 where advise (and vLLM 0.10.1's log)
+    says the profile dies: the deployment's line uses the pool vLLM reported, the advised one
+    (8,192 tokens) that pool scaled by the predicted change."""
+    folder = write_config(tmp_path, "llama-3.1-8b-instruct")
+    request = Request(
+        str(folder), gpu="h100-80gb", vllm_version="0.10.1", max_num_batched_tokens=200000, max_num_seqs=200
+    )
+    record = _record()
+    for prompt in (800, 1000, 16000):
+        record.evaluated("completions", _prediction(prompt, 256))
+    record.decided(Decision("queue", "kv_cache_busy", "a", Demand(16000, 256, (), 1017, 0)))
+    record.decided(Decision("admit", "dequeued", "a", queue_wait_s=2.0))
+    measured = replace(record.snapshot(), kv_pool_blocks=1000, peak_kv_demand_blocks=1200)
+    advice = advise_from(request, measured)
+    assert not advice.startup.fits
+    deployed, advised = advice.effects[0], advice.effects[1]
+    assert (deployed.label, deployed.starts, deployed.pool_blocks) == ("as deployed", True, 1000)
+    assert deployed.kv_waits == 1
+    assert not deployed.kv_waits_avoided
+    assert advised.starts
+    assert {r.flag: r.value for r in advice.recommended}["--max-num-batched-tokens"] == 8192
