@@ -4,6 +4,8 @@
 prints what the release would log (weights, profile peak, non-torch memory, CUDA graphs, the KV
 pool and the "Maximum concurrency" line), where it would die or refuse, and the proposed flags.
 The prediction is kvgate/advise_startup.py, the proposals kvgate/advise_flags.py.
+``kvgate advise --from URL`` advises a running kvgate's deployment from the traffic it measured
+(kvgate/advise_live.py), and `advice_document` is what its ``GET /advice`` answers.
 """
 
 from __future__ import annotations
