@@ -51,7 +51,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvgate.chat_template import TokenizationError
+from kvgate.chat_template import MediaPlaceholder, TokenizationError
 from kvgate.media import ImageByUrl, ImageSize, data_url_cost, image_url, read_image
 from kvgate.request import ChatInput
 from kvgate.work_budget import charge
@@ -799,10 +799,12 @@ class ImagePart:
 
 
 def with_placeholders(
-    chat: ChatInput, images: ImageRule | None, model_type: str | None = None
+    chat: ChatInput, images: ImageRule | None, model_type: str | None = None, as_text: bool = False
 ) -> tuple[ChatInput, list[ImagePart]]:
-    """The chat with each image part replaced by a text part holding the placeholder, and the
-    images in prompt order; TokenizationError (400) for media kvgate cannot count."""
+    """The chat with each image part replaced by a MediaPlaceholder, which kvgate's renderer
+    hands the template as vLLM does (an image part, or the placeholder where vLLM puts it), or
+    `as_text`, for the backend's /tokenize, by a text part holding the placeholder; and the images
+    in prompt order; TokenizationError (400) for media kvgate cannot count."""
     found: list[ImagePart] = []
     messages = []
     for message in chat.messages:
@@ -830,7 +832,8 @@ def with_placeholders(
                     "not give: send the image as an image_url (a data URL or an http(s) URL)"
                 )
             found.append(ImagePart(_image_key(part), url))
-            parts.append({"type": "text", "text": images.placeholder})
+            text = {"type": "text", "text": images.placeholder}
+            parts.append(text if as_text else MediaPlaceholder("image", images.placeholder))
         messages.append({**message, "content": parts})
     return replace(chat, messages=tuple(messages)), found
 
@@ -1009,7 +1012,8 @@ class MediaCounting:
         self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
     ) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
-        text_chat, found = with_placeholders(chat, self._images, self._model_type)
+        as_text = self._inner.source == "backend"  # /tokenize takes JSON: the placeholder as text
+        text_chat, found = with_placeholders(chat, self._images, self._model_type, as_text)
         rule = self._images
         replacements = (
             await self._replacements(rule, found, chat.mm_processor_kwargs, max_tokens) if rule and found else []

@@ -67,7 +67,11 @@ class WordTokenizer:
         return None
 
     async def encode_chat(self, chat: ChatInput, max_tokens=None, namespace_aliases=False) -> Sequence[int]:
-        text = "".join("user:\n" + "\n".join(p["text"] for p in m["content"]) + "\n" for m in chat.messages)
+        # A MediaPlaceholder (kvgate's renderer gives it to the template) as its text, in place.
+        text = "".join(
+            "user:\n" + "\n".join(getattr(p, "text", None) or p["text"] for p in m["content"]) + "\n"
+            for m in chat.messages
+        )
         return self._ids(text)
 
 
