@@ -572,6 +572,7 @@ class MediaPlaceholder:
 
     modality: str
     text: str
+    part: dict[str, Any]  # the request's part: its fields vLLM does not know reach the template
 
 
 def _full_multimodal_text(placeholders: list[str], texts: list[str]) -> str:
@@ -592,8 +593,9 @@ def _full_multimodal_text(placeholders: list[str], texts: list[str]) -> str:
 
 def _part(part: Any, wrap: bool) -> Any:
     """One content part as vLLM keeps it: text (or a dict for "openai" templates), or None."""
-    if isinstance(part, MediaPlaceholder):
-        return {"type": part.modality} if wrap else part
+    if isinstance(part, MediaPlaceholder):  # chat_utils.py _collect_extra_fields for the extras
+        extra = {k: v for k, v in part.part.items() if k not in _KNOWN_PART_FIELDS}
+        return {"type": part.modality, **extra} if wrap else part
     if isinstance(part, str):
         return {"type": "text", "text": part} if wrap else part
     if not isinstance(part, dict):

@@ -833,7 +833,7 @@ def with_placeholders(
                 )
             found.append(ImagePart(_image_key(part), url))
             text = {"type": "text", "text": images.placeholder}
-            parts.append(text if as_text else MediaPlaceholder("image", images.placeholder))
+            parts.append(text if as_text else MediaPlaceholder("image", images.placeholder, part))
         messages.append({**message, "content": parts})
     return replace(chat, messages=tuple(messages)), found
 
