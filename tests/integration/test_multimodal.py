@@ -312,6 +312,16 @@ LLAMA4_SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E-Instruct's config.json and 
     },
     "processor": {"max_patches": 16, "resize_to_max_canvas": False},
 }
+INTERNVL3_HF = {  # OpenGVLab/InternVL3-1B-hf: config.json, processor_config.json, preprocessor_config.json
+    "config": {"model_type": "internvl", "image_token_id": 151667},
+    "processor": {
+        "image_seq_length": 256,
+        "crop_to_patches": False,
+        "size": {"height": 448, "width": 448},
+        "min_patches": 1,
+        "max_patches": 12,
+    },
+}
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
     {**QWEN2_VL_7B, "cli_kwargs": {"max_pixels": 1003520}, "request_kwargs": {}},
@@ -339,6 +349,9 @@ CASES = [
     {**LLAVA_ONEVISION_7B, "cli_kwargs": {}, "request_kwargs": {}},
     {**LLAMA4_SCOUT, "cli_kwargs": {}, "request_kwargs": {}},
     {**LLAMA4_SCOUT, "cli_kwargs": {"max_patches": 6}, "request_kwargs": {"resize_to_max_canvas": True}},
+    {**INTERNVL3_HF, "cli_kwargs": {}, "request_kwargs": {}},
+    {**INTERNVL3_HF, "cli_kwargs": {"max_patches": 6}, "request_kwargs": {"min_patches": 2}},
+    {**INTERNVL3_HF, "cli_kwargs": {}, "request_kwargs": {"crop_to_patches": False}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
@@ -371,15 +384,17 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int]
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Every family with a rule, on 198 sizes and aspect ratios under 24 settings (config,
+    """Every family with a rule, on 198 sizes and aspect ratios under 27 settings (config,
     --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped): kvgate's count equals
     vLLM 0.32.0's own (Qwen2VLProcessingInfo, Qwen3VLProcessingInfo, Gemma3ProcessingInfo,
     LlavaNextProcessingInfo and LlavaOnevisionProcessingInfo.get_num_image_tokens; Pixtral's grid
-    from Mistral3ProcessingInfo.get_vision_encoder_info or PixtralHFEncoderInfo; Llama 4's canvas
+    from Mistral3ProcessingInfo.get_vision_encoder_info or PixtralHFEncoderInfo; InternVL's from
+    the HF processor's kwargs and GotOcr2ImageProcessor, which the prompt holds; Llama 4's canvas
     from transformers' get_best_fit as Mllama4MultiModalProcessor calls it, and the tokens of
     Llama4Processor._prompt_split_image), and an image
     kvgate does not see counts vLLM's get_max_image_tokens, except on OneVision, where vLLM's is
-    not the most (kvgate's is above every count); where vLLM raises (aspect ratio over 200, a
+    not the most, and InternVL, where vLLM's processing info disagrees with the prompt (kvgate's
+    is above every count); where vLLM raises (aspect ratio over 200, a
     Pixtral grid without rows), kvgate refuses."""
     sizes = _sizes()
     cases = [{**case, "processor": {k: v for k, v in case["processor"].items() if v is not None}} for case in CASES]
@@ -394,6 +409,15 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
         ours = [_kvgate_count(rule, ImageSize(w, h), kwargs) for w, h in sizes]
         assert ours == vllm["counts"], case
         refused += ours.count(None)
+        if rule.family == "internvl":  # the image and its crops at most: above every count
+            largest = _kvgate_count(rule, None, kwargs)
+            assert largest >= max(c for c in vllm["counts"] if c is not None), case
+        if rule.family == "internvl" and not kwargs:
+            # vLLM's own processing info reads the image processor's crop_to_patches (off in this
+            # checkpoint's preprocessor_config.json): one patch for every image, which the prompt
+            # (the HF processor, crop_to_patches on by its default) does not hold
+            assert set(vllm["info"]) == {256}
+            assert max(vllm["counts"]) > 256
         if vllm["largest"] is not None:
             largest = _kvgate_count(rule, None, image_kwargs(case["cli_kwargs"], {}))
             if case["config"]["model_type"] == "llava_onevision":

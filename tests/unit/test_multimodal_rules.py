@@ -39,6 +39,9 @@ SPECIAL = {
     "<|image_end|>": 200081,
     "<|tile_x_separator|>": 200084,
     "<|tile_y_separator|>": 200085,
+    "<IMG_CONTEXT>": 151667,
+    "<img>": 151665,
+    "</img>": 151666,
     "[IMG_BREAK]": 12,
     "[IMG_END]": 13,
 }
@@ -202,6 +205,27 @@ def test_llama4_canvas_tiles_and_global_view() -> None:
         assert sum(1 for t in _count(one, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 144
     with pytest.raises(ValueError, match="max_patches"):
         MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 0}))
+
+
+INTERNVL = {"model_type": "internvl", "image_token_id": 151667}
+INTERNVL_PROCESSOR = {"image_seq_length": 256, "crop_to_patches": False, "size": {"height": 448, "width": 448}}
+
+
+def test_internvl_crops_to_the_closest_grid_whatever_its_preprocessor_says() -> None:
+    """InternVL3-hf: 640 x 480 (4:3) crops into 4 x 3 tiles of 448, plus the whole image: 13
+    patches of 256 <IMG_CONTEXT> between <img> and </img>, although preprocessor_config.json says
+    crop_to_patches false (the processor's default turns it on); a request can turn it off."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(INTERNVL, INTERNVL_PROCESSOR), None, "internvl")
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "<IMG_CONTEXT>"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 13 * 256
+    assert (ids.count(151665), ids.count(151666), ids.count(151667)) == (1, 1, 0)
+    assert len(ids) == with_placeholder - 1 + 13 * 256 + 2
+    uncropped = _count(counting, _image(640, 480), mm_processor_kwargs={"crop_to_patches": False})
+    assert sum(1 for t in uncropped if t < 0) == 256
+    assert sum(1 for t in _count(counting, URL_IMAGE) if t < 0) == 13 * 256  # 12 tiles and the image at most
+    with pytest.raises(TokenizationError, match="size or patch_size"):
+        _count(counting, _image(64, 64), mm_processor_kwargs={"size": {"height": 224, "width": 224}})
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:
