@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from kvgate.chat_template import TokenizationError
+from kvgate.image_rules import CanvasTiles, PatchRows, image_tokens
 from kvgate.media import ImageSize
-from kvgate.multimodal import CanvasTiles, PatchRows, image_kwargs, image_tokens, replace_token_matches
+from kvgate.multimodal import image_kwargs, replace_token_matches
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.vllm_server import VllmPython

@@ -1,4 +1,4 @@
-"""Image counting by family (kvgate/multimodal.py) through MediaCounting, around a tokenizer that
+"""Image counting by family (kvgate/image_rules.py) through MediaCounting (kvgate/multimodal.py), around a tokenizer that
 knows the families' special tokens: Qwen2-VL's dynamic resolution and its kwargs' precedence,
 Gemma 3's sequence and newline joins, URLs at the largest count, --limit-mm-per-prompt, and the
 refusals. The counts themselves are checked against vLLM's own functions in
@@ -17,7 +17,8 @@ from PIL import Image
 from pydantic import ValidationError
 
 from kvgate.chat_template import TokenizationError
-from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, image_tokens, media_options
+from kvgate.image_rules import image_tokens
+from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, media_options
 from kvgate.request import ChatInput
 from kvgate.vllm_flags import VllmFlags
 
