@@ -229,6 +229,25 @@ def test_internvl_crops_to_the_closest_grid_whatever_its_preprocessor_says() -> 
         _count(counting, _image(64, 64), mm_processor_kwargs={"size": {"height": 224, "width": 224}})
 
 
+def test_llava_onevision_pools_and_counts_urls_above_vllms_largest() -> None:
+    """llava-onevision-qwen2-7b (SigLIP 384/14, anyres_max_9): the counts routes.md quotes; an
+    image by URL counts 8,829, above vLLM's own largest (1153 x 944, 8,748) and above the 946 x
+    1156 image whose count (8,765) vLLM's get_num_image_tokens gives too (test_multimodal.py)."""
+    from kvgate.media import ImageSize
+
+    config = {
+        "model_type": "llava_onevision",
+        "image_token_index": 151646,
+        "vision_feature_select_strategy": "full",
+        "image_grid_pinpoints": [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)],
+        "vision_config": {"model_type": "siglip_vision_model", "image_size": 384, "patch_size": 14},
+    }
+    rule = image_tokens(config)
+    counts = [rule.replacement(ImageSize(w, h), {}).features for w, h in ((640, 480), (1153, 944), (946, 1156))]
+    assert counts == [2929, 8748, 8765]
+    assert rule.replacement(None, {}).features == 8829
+
+
 def test_qwen2_vl_kwargs_precedence() -> None:
     """--mm-processor-kwargs under the request's; images_kwargs over flat keys; size and the
     pixel aliases completed from each other (vLLM's Qwen2VLProcessingInfo)."""
