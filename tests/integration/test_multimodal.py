@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import CanvasTiles, PatchRows, image_tokens
+from kvgate.image_rules import CanvasTiles, PatchRows, SplitTiles, image_tokens
 from kvgate.media import ImageSize
 from kvgate.multimodal import image_kwargs, replace_token_matches
 from kvgate.request import ChatInput
@@ -323,6 +323,24 @@ INTERNVL3_HF = {  # OpenGVLab/InternVL3-1B-hf: config.json, processor_config.jso
         "max_patches": 12,
     },
 }
+SMOLVLM2 = {  # HuggingFaceTB/SmolVLM2-2.2B-Instruct: config.json, processor_config.json, preprocessor_config.json
+    "config": {"model_type": "smolvlm", "image_token_id": 49190},
+    "processor": {
+        "image_seq_len": 81,
+        "size": {"longest_edge": 1536},
+        "max_image_size": {"longest_edge": 384},
+        "do_image_splitting": True,
+    },
+}
+IDEFICS3_8B = {  # HuggingFaceM4/Idefics3-8B-Llama3
+    "config": {"model_type": "idefics3", "image_token_id": 128257},
+    "processor": {
+        "image_seq_len": 169,
+        "size": {"longest_edge": 1456},
+        "max_image_size": {"longest_edge": 364},
+        "do_image_splitting": True,
+    },
+}
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
     {**QWEN2_VL_7B, "cli_kwargs": {"max_pixels": 1003520}, "request_kwargs": {}},
@@ -353,6 +371,14 @@ CASES = [
     {**INTERNVL3_HF, "cli_kwargs": {}, "request_kwargs": {}},
     {**INTERNVL3_HF, "cli_kwargs": {"max_patches": 6}, "request_kwargs": {"min_patches": 2}},
     {**INTERNVL3_HF, "cli_kwargs": {}, "request_kwargs": {"crop_to_patches": False}},
+    {**SMOLVLM2, "cli_kwargs": {}, "request_kwargs": {}},
+    {
+        **SMOLVLM2,
+        "cli_kwargs": {"size": {"longest_edge": 768}},
+        "request_kwargs": {"max_image_size": {"longest_edge": 256}},
+    },
+    {**IDEFICS3_8B, "cli_kwargs": {}, "request_kwargs": {"do_image_splitting": False}},
+    {**IDEFICS3_8B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
@@ -376,6 +402,8 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int]
         if isinstance(rule, PatchRows):
             return list(rule.grid(size, kwargs))
         replacement = rule.replacement(size, kwargs)
+        if isinstance(rule, SplitTiles):  # the text vLLM tokenizes
+            return "".join(text * count for text, count in replacement.runs or ())
         if isinstance(rule, CanvasTiles):
             return [replacement.features, sum(count for _, count in replacement.runs or ())]
         return replacement.features
@@ -385,12 +413,13 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int]
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Every family with a rule, on 198 sizes and aspect ratios under 27 settings (config,
+    """Every family with a rule, on 198 sizes and aspect ratios under 31 settings (config,
     --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped): kvgate's count equals
     vLLM 0.32.0's own (Qwen2VLProcessingInfo, Qwen3VLProcessingInfo, Gemma3ProcessingInfo,
     LlavaNextProcessingInfo and LlavaOnevisionProcessingInfo.get_num_image_tokens; Pixtral's grid
     from Mistral3ProcessingInfo.get_vision_encoder_info or PixtralHFEncoderInfo; InternVL's from
-    the HF processor's kwargs and GotOcr2ImageProcessor, which the prompt holds; Llama 4's canvas
+    the HF processor's kwargs and GotOcr2ImageProcessor, which the prompt holds; Idefics3's and
+    SmolVLM's replacement text from Idefics3ProcessingInfo.get_image_repl; Llama 4's canvas
     from transformers' get_best_fit as Mllama4MultiModalProcessor calls it, and the tokens of
     Llama4Processor._prompt_split_image), and an image
     kvgate does not see counts vLLM's get_max_image_tokens, except on OneVision, where vLLM's is
@@ -410,6 +439,9 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
         ours = [_kvgate_count(rule, ImageSize(w, h), kwargs) for w, h in sizes]
         assert ours == vllm["counts"], case
         refused += ours.count(None)
+        if isinstance(rule, SplitTiles):  # the square's tiles at most
+            most = rule.most_features(None, kwargs)
+            assert all(c is None or c.count("<image>") <= most for c in vllm["counts"]), case
         if rule.family == "internvl":  # the image and its crops at most: above every count
             largest = _kvgate_count(rule, None, kwargs)
             assert largest >= max(c for c in vllm["counts"] if c is not None), case

@@ -278,6 +278,33 @@ def internvl(case):
     return {"counts": counts, "largest": None, "info": vllm_info}
 
 
+def idefics3(case):
+    """The replacement text Idefics3ProcessingInfo.get_image_repl (SmolVLMProcessingInfo's
+    inherits it) builds, which vLLM tokenizes, from transformers' Idefics3ImageProcessor grid with
+    the kwargs merged by the processing context."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from vllm.model_executor.models.idefics3 import Idefics3ProcessingInfo
+    from vllm.model_executor.models.smolvlm import SmolVLMProcessingInfo
+
+    info_class = SmolVLMProcessingInfo if case["config"]["model_type"] == "smolvlm" else Idefics3ProcessingInfo
+    info = info_class.__new__(info_class)
+    info.ctx = context(SimpleNamespace(), case["cli_kwargs"])
+    settings = {k: v for k, v in case["processor"].items() if k != "image_seq_len"}
+    processor = SimpleNamespace(
+        image_processor=Idefics3ImageProcessorPil(**settings),
+        image_token="<image>",
+        fake_image_token="<fake_token_around_image>",
+        global_image_tag="<global-img>",
+        global_image_token="<global-img>",
+        image_seq_len=case["processor"]["image_seq_len"],
+    )
+    counts = [
+        info.get_image_repl(image_width=w, image_height=h, processor=processor, mm_kwargs=case["request_kwargs"])
+        for w, h in case["sizes"]
+    ]
+    return {"counts": counts, "largest": None}
+
+
 FAMILIES = {"qwen2_vl": qwen, "qwen2_5_vl": qwen, "qwen3_vl": qwen, "qwen3_vl_moe": qwen}
 FAMILIES |= {
     "gemma3": gemma,
@@ -287,6 +314,8 @@ FAMILIES |= {
     "llava_onevision": tiles,
     "llama4": llama4,
     "internvl": internvl,
+    "idefics3": idefics3,
+    "smolvlm": idefics3,
 }
 cases = json.loads(sys.stdin.read())
 print(json.dumps([FAMILIES[c["config"]["model_type"]](c) for c in cases]))

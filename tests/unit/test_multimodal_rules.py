@@ -248,6 +248,25 @@ def test_llava_onevision_pools_and_counts_urls_above_vllms_largest() -> None:
     assert rule.replacement(None, {}).features == 8829
 
 
+def test_smolvlm_tiles_rows_and_global_image() -> None:
+    """SmolVLM2: 640 x 480 is resized to 1536 x 1152 and split into 3 x 4 tiles of 384, each 81
+    <image> tokens, plus the global image's 81; a request that turns splitting off leaves the
+    global image alone; by URL, the square's 4 x 4 tiles."""
+    processor = {"image_seq_len": 81, "size": {"longest_edge": 1536}, "max_image_size": {"longest_edge": 384}}
+    counting = MediaCounting(
+        WordTokenizer(), image_tokens({"model_type": "smolvlm", "image_token_id": 32000}, processor)
+    )
+    assert sum(1 for t in _count(counting, TEXT, _image(640, 480)) if t < 0) == 13 * 81
+    unsplit = _count(counting, _image(640, 480), mm_processor_kwargs={"do_image_splitting": False})
+    assert sum(1 for t in unsplit if t < 0) == 81
+    assert sum(1 for t in _count(counting, URL_IMAGE) if t < 0) == 17 * 81
+    with pytest.raises(TokenizationError, match="longest_edge from 1 to 4096"):
+        _count(counting, _image(64, 64), mm_processor_kwargs={"max_image_size": {"longest_edge": 0}})
+    # 1536 / 16: 96 x 72 tiles, each its own <row_i_col_j> token: more than kvgate tokenizes one by one
+    with pytest.raises(TokenizationError, match="at most 256 distinct tile tokens"):
+        _count(counting, _image(640, 480), mm_processor_kwargs={"max_image_size": {"longest_edge": 16}})
+
+
 def test_qwen2_vl_kwargs_precedence() -> None:
     """--mm-processor-kwargs under the request's; images_kwargs over flat keys; size and the
     pixel aliases completed from each other (vLLM's Qwen2VLProcessingInfo)."""
