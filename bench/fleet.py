@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import os
 import random
 import shlex
 import sys
@@ -46,7 +47,7 @@ from bench.percentile import percentile
 from bench.safety import CALLS_PER_CLIENT, Outcome, quiet, scaled_config, simulator, stream_call, tmpdir
 from bench.scenarios import SCENARIOS, Scenario
 from bench.workloads import Call
-from demo.replay import kvgate
+from demo.replay import decisions, kvgate
 from kvgate.sim.presets import gpu_total_bytes, write_model_folder
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fleet"
@@ -158,6 +159,13 @@ def run_arm(
         notes["scrapes"] = sum(e.scrapes for e in router.endpoints)
         notes["failed_scrapes"] = sum(e.failed_scrapes for e in router.endpoints)
         notes["oom_messages"] = [m[:300] for m in ooms[:3]]
+        # What the engines did: their simulated busy time, and what the kvgates decided.
+        notes["engine_busy_sim_s"] = [round(s.engine.sim_clock, 1) for s in sims]
+        if with_kvgate:
+            counted: Counter[str] = Counter()
+            for url, _, _ in gates:
+                counted.update({f"{d}/{r}": n for (d, r), n in decisions(url).items()})
+            notes["kvgate_decisions"] = dict(sorted(counted.items()))
     done = [o for o in outs if o.kind == "completed"]
     ttfts = [o.ttft_s * speedup for o in done if o.ttft_s is not None]
     tokens = sum(o.tokens for o in done)
@@ -215,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet()
     by_key = {s.key: s for s in SCENARIOS}
     started = time.monotonic()
+    load_before = os.getloadavg()
     results: list[FleetResult] = []
     with tmpdir() as tmp:
         for scn in (by_key[k] for k in args.scenarios):
@@ -230,13 +239,18 @@ def main(argv: list[str] | None = None) -> int:
         "command": command.strip(),
         "finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "wall_s": round(time.monotonic() - started, 1),
+        # The machine's 1/5/15-minute load averages (2 cores): the simulated engines slow down with it.
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "scenarios": {k: (by_key[k].title, by_key[k].engine) for k in args.scenarios},
     }
     (args.out / "fleet.json").write_text(
         json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2) + "\n"
     )
     (args.out / "fleet.md").write_text(
-        f"# Fleet benchmark\n\n`{meta['command']}`, {meta['finished']}, {meta['wall_s']} s wall.\n\n" + table(results)
+        f"# Fleet benchmark\n\n`{meta['command']}`, {meta['finished']}, {meta['wall_s']} s wall, load average "
+        f"{meta['load_average_before'][0]} before and {meta['load_average_after'][0]} after (2 cores).\n\n"
+        + table(results)
     )
     print(table(results))
     return 0
