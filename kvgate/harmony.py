@@ -21,9 +21,11 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from kvgate.chat_template import TokenizationError
+from kvgate.multimodal import model_type_of
 from kvgate.request import ChatInput
 
 GPT_OSS_MODEL_TYPE = "gpt_oss"
@@ -31,6 +33,13 @@ GPT_OSS_MODEL_TYPE = "gpt_oss"
 REASONING_EFFORTS = ("high", "medium", "low")
 # get_developer_message: built-in tools it leaves out, and the one type it describes.
 _BUILT_IN_TOOLS = ("web_search_preview", "code_interpreter", "container")
+
+
+def renders_with_harmony(model_dir: str | Path | None) -> bool:
+    """vLLM renders this model's chats with Harmony (``model_type == "gpt_oss"``,
+    renderers/online_renderer.py ``use_harmony``): no chat template, the request's own included,
+    is ever rendered for it."""
+    return model_type_of(model_dir) == GPT_OSS_MODEL_TYPE
 
 
 class HarmonyChats:

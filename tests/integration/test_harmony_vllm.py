@@ -116,22 +116,42 @@ def test_harmony_ids_are_vllms(name: str, vllm_ids: dict[str, list[int]]) -> Non
     assert render_harmony(_chat(CHATS[name]), START_DATE) == vllm_ids[name]
 
 
-@pytest.mark.vllm
-def test_a_gpt_oss_folder_renders_chats_with_harmony_not_its_template(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from kvgate.tokens import local_tokenizer
-
-    folder = tmp_path / "gpt-oss"
-    folder.mkdir()
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's folder, its config saying model_type gpt_oss (what vLLM's use_harmony reads)."""
+    folder = tmp_path_factory.mktemp("gpt-oss")
     for item in tiny_model_dir.iterdir():
         if item.is_file():
             (folder / item.name).write_bytes(item.read_bytes())
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"model_type": "gpt_oss"}))
+    return folder
+
+
+def test_a_gpt_oss_folder_renders_chats_with_harmony_not_its_template(tiny_model_dir: Path, gpt_oss_dir: Path) -> None:
+    from kvgate.tokens import local_tokenizer
+
     chat = _chat(CHATS["tools, a call and its result"])
-    ids = asyncio.run(local_tokenizer(folder).encode_chat(chat))
+    ids = asyncio.run(local_tokenizer(gpt_oss_dir).encode_chat(chat))
     assert list(ids) == render_harmony(chat)  # today's date, as vLLM's clock reads it
     plain = asyncio.run(local_tokenizer(tiny_model_dir).encode_chat(chat))
     assert list(plain) != list(ids)  # another model's chats keep its template
+
+
+async def test_a_gpt_oss_request_that_brings_a_template_is_served_as_vllm_serves_it(gpt_oss_dir: Path) -> None:
+    """vLLM's Harmony branch never renders the request's chat_template: kvgate does not refuse it
+    as untrusted (no template runs) and counts Harmony's tokens."""
+    from kvgate.composition import Runtime
+    from kvgate.settings import Settings
+
+    body = {"model": "m", "max_tokens": 10, "chat_template": "{{ 'ignored' }}", **CHATS["system instructions"]}
+    rt = Runtime(Settings(model=str(gpt_oss_dir), block_size=16, max_model_len=2048, num_gpu_blocks=100))
+    rt.configure_offline()
+    try:
+        evaluation = await rt.pipeline.evaluate("chat", json.dumps(body).encode())
+    finally:
+        await rt.stop()
+    assert evaluation.prediction.prompt_tokens == len(render_harmony(_chat(CHATS["system instructions"])))
 
 
 @pytest.mark.parametrize(
