@@ -58,7 +58,8 @@ class FakeBackend:
     tokenize_fails: bool = False
     tokenize_delay_s: float = 0.0
     # ok | broken_stream | slow | done_then_linger (a stream whose body ends slow_s after its
-    # `data: [DONE]`) | linger_before_done (one event, then slow_s before the rest)
+    # `data: [DONE]`) | linger_before_done (one event, then slow_s before the rest) |
+    # engine_dead (vLLM's API server after its engine died: 500 here, 503 on /health, /metrics as ever)
     completion_mode: str = "ok"
     slow_s: float = 30.0
     started: float = field(default_factory=time.time)  # process_start_time_seconds: a new one is a restart
@@ -77,7 +78,7 @@ class FakeBackend:
             return PlainTextResponse(page + f"process_start_time_seconds {self.started}\n")
 
         async def health(_: Request) -> Response:
-            return Response(status_code=200)
+            return Response(status_code=503 if self.completion_mode == "engine_dead" else 200)
 
         async def version(_: Request) -> Response:
             if self.version is None:
@@ -95,6 +96,8 @@ class FakeBackend:
             body = json.loads(raw)
             self.seen.append(request.url.path)
             self.received.append(Received(request.url.path, request.url.query, request.headers.items(), raw))
+            if self.completion_mode == "engine_dead":  # vLLM 0.32.0 engine_error_handler's answer
+                return JSONResponse({"error": {"message": "EngineCore encountered an issue.", "code": 500}}, 500)
             if self.completion_mode == "broken_stream":
 
                 async def chunks():
