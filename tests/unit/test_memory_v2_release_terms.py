@@ -178,6 +178,23 @@ def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
     assert drafter is not None
     assert drafter.method == "draft_model"
     assert resolve_drafter("mlp_speculator", str(folder), LLAMA, {}, release="0.33.0") is None  # vLLM refuses it
+    pre_release = resolve_drafter(None, str(folder), LLAMA, {}, release="0.33.0rc1")  # as its release
+    assert pre_release is not None
+    assert pre_release.method == "draft_model"
+    # `kvgate advise` sizes the same draft for the release it is asked about
+    from kvgate.advise_startup import load_layout
+
+    target = tmp_path / "target"
+    target.mkdir()
+    llama = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32}
+    llama |= {"num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": V, "torch_dtype": "bfloat16"}
+    (target / "config.json").write_text(json.dumps(llama | {"max_position_embeddings": 8192}))
+    flags = dict(max_model_len=None, block_size=None, tensor_parallel_size=1, pipeline_parallel_size=1)
+    for release, method in (("0.32.0", None), ("0.33.0", "draft_model")):
+        _, layout, _ = load_layout(
+            str(target), kv_cache_dtype="auto", speculative_model=str(folder), release=release, **flags
+        )
+        assert (layout.draft.method if layout.draft else None) == method, release
 
 
 def test_the_ledger_sums_what_prefills_hold_across_steps_and_the_shared_step_extra() -> None:
