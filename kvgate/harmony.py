@@ -49,6 +49,7 @@ class HarmonyChats:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.source = inner.source
+        _encoding()  # loaded with the tokenizer (1-2 s here), not inside a request's time budget
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
