@@ -169,3 +169,11 @@ def test_a_chat_harmony_cannot_render_is_a_tokenization_error(body: dict[str, An
 
     with pytest.raises(TokenizationError):
         asyncio.run(HarmonyChats(SimpleNamespace(source="local")).encode_chat(_chat(body)))
+
+
+def test_a_long_chat_renders_off_the_event_loop_to_the_same_ids() -> None:
+    from kvgate.harmony import OFFLOAD_CHARS, HarmonyChats
+
+    long = {"messages": [{"role": "user", "content": "the sky is blue " * (OFFLOAD_CHARS // 8)}]}
+    chat = _chat(long)
+    assert asyncio.run(HarmonyChats(SimpleNamespace(source="local")).encode_chat(chat)) == render_harmony(chat)
