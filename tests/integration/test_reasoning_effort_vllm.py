@@ -56,3 +56,22 @@ def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(vllm_python, ti
         want = expected[list(BODIES).index(name)]
         values = {k: "unset" if v is None else v for k, v in want.items()}
         assert rendered.endswith(f"[{values['reasoning_effort']}|{values['enable_thinking']}]"), (name, rendered)
+
+
+_VLLM_RESPONSES_EFFORT = """
+import json, sys
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+body = json.loads(sys.stdin.read())
+kwargs = ResponsesRequest.model_validate(body).build_chat_params(None, "auto").chat_template_kwargs
+print(json.dumps(kwargs.get("reasoning_effort")))
+"""
+
+
+@pytest.mark.vllm
+def test_a_responses_reasoning_effort_is_the_chats(vllm_python) -> None:
+    """ResponsesRequest.build_chat_params passes `reasoning.effort` as a chat passes
+    `reasoning_effort` (the template's kwargs; Harmony's system message on GPT-OSS)."""
+    body = {"model": "m", "input": "hi", "reasoning": {"effort": "low"}}
+    vllm = json.loads(vllm_python("-c", _VLLM_RESPONSES_EFFORT, input=json.dumps(body)).strip().splitlines()[-1])
+    assert vllm == "low"
+    assert parse_request("responses", json.dumps(body).encode()).input.reasoning_effort == vllm
