@@ -177,3 +177,69 @@ def test_a_long_chat_renders_off_the_event_loop_to_the_same_ids() -> None:
     long = {"messages": [{"role": "user", "content": "the sky is blue " * (OFFLOAD_CHARS // 8)}]}
     chat = _chat(long)
     assert asyncio.run(HarmonyChats(SimpleNamespace(source="local")).encode_chat(chat)) == render_harmony(chat)
+
+
+# vLLM 0.32.0 renderers/online_renderer.py _render_responses_with_harmony (no previous response),
+# step by step with its own functions
+_VLLM_RESPONSES = """
+import json, os, sys
+os.environ["VLLM_SYSTEM_START_DATE"] = sys.argv[1]
+from vllm.entrypoints.openai.parser.harmony_utils import (
+    build_harmony_preamble, extract_instructions_from_messages, get_user_message, has_custom_tools,
+    render_for_completion,
+)
+from vllm.entrypoints.openai.responses.harmony import (
+    construct_harmony_previous_input_messages, response_input_to_harmony,
+)
+from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+from vllm.entrypoints.openai.responses.utils import extract_tool_types
+out = []
+for body in json.loads(sys.stdin.read()):
+    request = ResponsesRequest.model_validate(body)
+    custom = has_custom_tools(extract_tool_types(request.tools))
+    instructions, request_input = request.instructions, request.input
+    if instructions is None and isinstance(request_input, list):
+        instructions, request_input = extract_instructions_from_messages(request_input)
+    messages = build_harmony_preamble(
+        instructions=instructions, tools=request.tools if custom else None,
+        reasoning_effort=request.reasoning.effort if request.reasoning else None, with_custom_tools=custom,
+    )
+    messages.extend(construct_harmony_previous_input_messages(request))
+    if isinstance(request_input, str):
+        messages.append(get_user_message(request_input))
+    else:
+        for item in request_input:
+            message = response_input_to_harmony(item, [])
+            if message is not None:
+                messages.append(message)
+    out.append(render_for_completion(messages))
+print(json.dumps(out))
+"""
+WEATHER_TOOL = {"type": "function", **WEATHER["function"]}
+RESPONSES: dict[str, dict[str, Any]] = {
+    "string input": {"input": "Hello there!"},
+    "instructions and effort": {"instructions": "Answer in French.", "input": "Hi", "reasoning": {"effort": "low"}},
+    "a function tool": {"instructions": "You check the weather.", "input": "Paris?", "tools": [WEATHER_TOOL]},
+    "message items": {
+        "input": [
+            {"type": "message", "role": "developer", "content": "Be terse."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Why is the sky blue?"}]},
+        ]
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_responses_ids(vllm_python) -> dict[str, list[int]]:
+    bodies = [{"model": "m", **b} for b in RESPONSES.values()]
+    out = vllm_python("-c", _VLLM_RESPONSES, START_DATE, input=json.dumps(bodies))
+    return dict(zip(RESPONSES, json.loads(out.strip().splitlines()[-1]), strict=True))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", list(RESPONSES))
+def test_responses_harmony_ids_are_vllms(name: str, vllm_responses_ids: dict[str, list[int]]) -> None:
+    """kvgate translates a Responses request to a chat (kvgate/vllm_routes.py) and renders that
+    with Harmony: the ids of vLLM's Responses branch for requests without a previous response."""
+    chat = parse_request("responses", json.dumps({"model": "m", **RESPONSES[name]}).encode()).input
+    assert render_harmony(chat, START_DATE) == vllm_responses_ids[name]
