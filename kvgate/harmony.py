@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.chat_template import TokenizationError
-from kvgate.multimodal import model_type_of
+from kvgate.image_rules import model_type_of
 from kvgate.request import ChatInput
 from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
 
