@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         traffic = parse_traffic(read_page(args.traffic_metrics)) if args.traffic_metrics else None
         startup = predict(request_from(args))
-        request_tokens = args.request_tokens or (traffic.request_tokens if traffic else None)
+        request_tokens = args.request_tokens or (traffic.typical_request_tokens if traffic else None)
         advised, recommended = recommend(startup, request_tokens, args.other_processes_bytes)
         table = capacity_table(startup, traffic) if traffic else None
     except (ValueError, KeyError, ModelFolderError, OSError, httpx.HTTPError) as exc:

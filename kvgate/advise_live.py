@@ -187,7 +187,7 @@ def advise_from(request: Request, measured: Measured, other_processes_bytes: int
     startup = predict(request)
     length = _max_model_len(startup, traffic)
     base = predict(replace(request, max_model_len=int(length.value))) if length else startup
-    advised, recommended = recommend(base, traffic.request_tokens, other_processes_bytes)
+    advised, recommended = recommend(base, traffic.typical_request_tokens, other_processes_bytes)
     if length is not None and all(r.flag != length.flag for r in recommended):
         recommended.insert(0, length)
     table = capacity_table(startup, traffic)

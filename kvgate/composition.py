@@ -352,6 +352,7 @@ class Runtime:
                 self.settings.model,
                 self.settings.request_chat_template_timeout,
                 self.settings.preparation_workers,
+                self.pipeline.work_budget.capacity,
                 media,
             )
         freeze_start_up_heap()

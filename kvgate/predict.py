@@ -40,6 +40,7 @@ from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import SamplerUse
 from kvgate.request import ValidRequest
 from kvgate.sampling_params import v2_sampler_needs
+from kvgate.units import MiB
 
 # What helps when one prompt's own worst step is too large (by its largest term).
 _ADVICE = {
@@ -403,7 +404,7 @@ class Predictor:
         limit = ceiling.transient_bytes
         needed = ceiling.transient_need(prediction.demand)
         if limit is not None and needed > limit:
-            raise self._transient_never_fits(prediction, needed, limit)
+            raise self._transient_never_fits(prediction, needed, limit, ceiling.profiled_need(prediction.demand))
 
     def _check_kv_fits(self, prediction: Prediction, pool: int) -> None:
         """KvNeverFits for the first prompt one of whose engine requests (a sample, grown to
@@ -419,8 +420,17 @@ class Predictor:
                     which += f" (each of its {fp.n} samples)"
                 raise KvNeverFits(needed, pool, self.layout.block_size, fp.prompt_tokens, fp.max_new_tokens, which)
 
-    def _transient_never_fits(self, prediction: Prediction, needed: int, limit: int) -> TransientNeverFits:
+    def _transient_never_fits(
+        self, prediction: Prediction, needed: int, limit: int, profiled: int
+    ) -> TransientNeverFits:
         """The error naming the term that sets the step's peak, and advice that can lower it."""
+        if profiled > needed - profiled:  # the profile region's tensors, at their segments' size
+            what = (
+                f"its forward pass (the profiled hidden states and MLP, {profiled / MiB:.0f} MiB at the "
+                "caching allocator's segment size, kvgate/memory/allocator.py)"
+            )
+            advice = "shorten the prompt, or run vLLM with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            return TransientNeverFits(needed, limit, what, advice + " and tell kvgate --expandable-segments")
         footprints = prediction.footprints
         if len(footprints) == 1:
             terms = [t for t in footprints[0].transient.terms if not t.profiled]

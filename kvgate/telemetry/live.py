@@ -37,7 +37,7 @@ from kvgate.gate.backend_state import Status
 from kvgate.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from kvgate.gate.view import GateView
 from kvgate.settings import Settings
-from kvgate.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use
+from kvgate.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use, growth_tolerance
 from kvgate.telemetry.gpu import GpuProbe, GpuReading
 from kvgate.telemetry.headroom import HeadroomTracker
 from kvgate.telemetry.in_flight import InFlightRequests
@@ -337,9 +337,20 @@ class LiveBudget:
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
-        # The profile region comes back at its segments' size (kvgate/memory/allocator.py)
-        region = self.budget.profiled_peak_bytes * (1 + self.budget.segment_overhead)
-        tolerance = max(64 * MiB, headroom.bytes // 20) + int(region)
+        if headroom.profiled_cap > 0:  # the region comes out of free memory: its segments show
+            tightened = self.calibration.observe_region(
+                headroom.server_growth,
+                self.gate.peak_transient_bytes,
+                self.budget.profiled_peak_bytes,
+                self.budget.charged_segment_overhead,
+            )
+            if tightened:
+                log.warning("calibration: %s", tightened)
+        tolerance = growth_tolerance(
+            headroom.bytes,
+            self.budget.profiled_peak_bytes,
+            max(self.budget.charged_segment_overhead, self.calibration.segment_overhead),
+        )
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,
@@ -362,6 +373,7 @@ class LiveBudget:
             "transient_headroom_bytes": self.headroom_bytes,
             "kv_overcommit": round(self.calibration.kv_overcommit, 3),
             "transient_margin": round(self.calibration.transient_margin, 3),
+            "segment_overhead": round(self.budget.charged_segment_overhead, 3),
             "problem": self.problem,
         }
 
@@ -393,6 +405,7 @@ class LiveBudget:
         if self.headroom_bytes is not None:
             wanted["transient_headroom_bytes"] = self.headroom_bytes
             wanted["profiled_cap_bytes"] = self.profiled_cap_bytes
+            wanted["learned_segment_overhead"] = c.segment_overhead
             wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
         changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}
         if changes:

@@ -66,6 +66,7 @@ class FakeBackend:
     running: int = 0  # slow completions being answered: vllm:num_requests_running
     seen: list[str] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
+    version: str | None = None  # GET /version's answer (None: no such route, as an old proxy)
 
     def app(self) -> Starlette:
         async def models(_: Request) -> Response:
@@ -78,6 +79,11 @@ class FakeBackend:
 
         async def health(_: Request) -> Response:
             return Response(status_code=503 if self.completion_mode == "engine_dead" else 200)
+
+        async def version(_: Request) -> Response:
+            if self.version is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse({"version": self.version})
 
         async def tokenize(request: Request) -> Response:
             if self.tokenize_fails:
@@ -125,6 +131,7 @@ class FakeBackend:
                 Route("/v1/models", models),
                 Route("/metrics", metrics),
                 Route("/health", health),
+                Route("/version", version),
                 Route("/tokenize", tokenize, methods=["POST"]),
                 *(Route(path, completions, methods=["POST"]) for path in ROUTE_PATHS),
             ]

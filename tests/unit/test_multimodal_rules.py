@@ -32,6 +32,13 @@ SPECIAL = {
     "<end_of_image>": 256000,
     "<image_soft_token>": 262144,
     "[IMG]": 10,
+    "<image>": 32000,
+    "<|image|>": 200090,
+    "<|patch|>": 200092,
+    "<|image_start|>": 200080,
+    "<|image_end|>": 200081,
+    "<|tile_x_separator|>": 200084,
+    "<|tile_y_separator|>": 200085,
     "[IMG_BREAK]": 12,
     "[IMG_END]": 13,
 }
@@ -146,6 +153,51 @@ def test_pixtral_rows_end_in_break_and_end_tokens() -> None:
     pixtral = MediaCounting(WordTokenizer(), image_tokens(llava, {}))
     for kwargs in ({}, {"size": {"longest_edge": 280}}):
         assert sum(1 for t in _count(pixtral, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 40 * 30
+
+
+LLAVA_NEXT = {
+    "model_type": "llava_next",
+    "image_token_index": 32000,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+}
+
+
+def test_llava_next_tiles_less_padding_plus_newlines() -> None:
+    """llava-v1.6: 640 x 480 fits the 672 x 672 pinpoint best, 2 x 2 tiles of 24 x 24 patches;
+    the 4:3 image fills 36 of its 48 rows: 36 x 48 + 36 newlines + the base view's 576."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(LLAVA_NEXT, {}), None, "llava_next")
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 36 * 48 + 36 + 576
+    # By URL: the most, a whole 2 x 2 grid (the 672 x 672 pinpoint).
+    assert sum(1 for t in _count(counting, TEXT, URL_IMAGE) if t < 0) == 48 * 48 + 48 + 576
+    assert image_tokens({**LLAVA_NEXT, "image_grid_pinpoints": None}) is None  # no grid: no rule, a 400
+
+
+LLAMA4 = {
+    "model_type": "llama4",
+    "image_token_index": 200092,
+    "vision_config": {"image_size": 336, "patch_size": 14, "pixel_shuffle_ratio": 0.5},
+}
+
+
+def test_llama4_canvas_tiles_and_global_view() -> None:
+    """Llama 4 Scout: 640 x 480 fits a 2 x 2 canvas of 336-pixel tiles best; each tile and the
+    global view are 144 <|patch|> tokens; rows are separated as _prompt_split_image does; the
+    placeholder <|image|>, not in config.json, is found through the tokenizer."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {"max_patches": 16}), None, "llama4")
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "<|image|>"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 5 * 144
+    assert [ids.count(t) for t in (200080, 200084, 200085, 200090, 200081)] == [1, 2, 2, 1, 1]
+    assert len(ids) == with_placeholder - 1 + 5 * 144 + 7
+    assert sum(1 for t in _count(counting, URL_IMAGE) if t < 0) == 17 * 144  # 16 tiles and the global view
+    # --mm-processor-kwargs max_patches 1: one tile, the global view alone; a request's is not read.
+    one = MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 1}))
+    for kwargs in ({}, {"max_patches": 16}):
+        assert sum(1 for t in _count(one, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 144
+    with pytest.raises(ValueError, match="max_patches"):
+        MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 0}))
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:
@@ -283,8 +335,9 @@ def test_a_large_image_is_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
         ("qwen", _image(64, 64), {"min_pixels": 10**12, "max_pixels": 10**13}),
         ("qwen", URL_IMAGE, {"max_pixels": 10**15}),
         ("gemma", URL_IMAGE, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 10**9}),
+        ("mistral3", URL_IMAGE, {"size": {"longest_edge": 10**15}}),
     ],
-    ids=["qwen-min-pixels", "qwen-url-max-pixels", "gemma-url-crops"],
+    ids=["qwen-min-pixels", "qwen-url-max-pixels", "gemma-url-crops", "mistral3-url-edge"],
 )
 def test_kwargs_asking_for_billions_of_tokens_are_refused_before_any_is_built(
     counting: str, part: dict, kwargs: dict
@@ -294,7 +347,11 @@ def test_kwargs_asking_for_billions_of_tokens_are_refused_before_any_is_built(
     known context, as vLLM refuses a prompt too long."""
     from kvgate.tokens import PromptTooLong
 
-    rule = image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR) if counting == "qwen" else image_tokens(GEMMA3, {})
+    rule = {
+        "qwen": lambda: image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR),
+        "gemma": lambda: image_tokens(GEMMA3, {}),
+        "mistral3": lambda: image_tokens(MISTRAL3, {"size": {"longest_edge": 1540}}),
+    }[counting]()
     tokenizer = MediaCounting(WordTokenizer(), rule, None, counting)
     chat = ChatInput(messages=({"role": "user", "content": [TEXT, part]},), mm_processor_kwargs=kwargs)
     with pytest.raises(TokenizationError, match="more than kvgate counts"):
