@@ -4,6 +4,8 @@
 prints what the release would log (weights, profile peak, non-torch memory, CUDA graphs, the KV
 pool and the "Maximum concurrency" line), where it would die or refuse, and the proposed flags.
 The prediction is kvgate/advise_startup.py, the proposals kvgate/advise_flags.py.
+``kvgate advise --from URL`` advises a running kvgate's deployment from the traffic it measured
+(kvgate/advise_live.py), and `advice_document` is what its ``GET /advice`` answers.
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ def run_from(args: argparse.Namespace) -> int:
         response.raise_for_status()
         doc = response.json()
         model = str(resolve_model_folder(args.model_config)) if args.model_config else None
+        if not (args.gpu or doc["deployment"]["gpu"]):
+            raise ValueError(doc.get("problem") or "the page names no GPU: pass --gpu")
         request = request_from_json(doc["deployment"], model=model, gpu=args.gpu)
         advice = advise_from(request, Measured.from_json(doc["measured"]), args.other_processes_bytes)
     except (ValueError, KeyError, TypeError, ModelFolderError, OSError, httpx.HTTPError) as exc:

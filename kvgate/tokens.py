@@ -23,7 +23,8 @@ from kvgate.chat_template import (
     render_within_budget,
 )
 from kvgate.harmony import GPT_OSS_MODEL_TYPE, HarmonyChats
-from kvgate.multimodal import MediaCounting, MediaOptions, image_tokens_of, model_type_of
+from kvgate.image_rules import image_tokens_of, model_type_of
+from kvgate.multimodal import MediaCounting, MediaOptions
 from kvgate.request import ChatInput
 from kvgate.units import MiB
 from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
