@@ -262,8 +262,10 @@ def load_layout(
     kv_cache_dtype: str,
     speculative_method: str | None = None,
     speculative_model: str | None = None,
+    release: str | None = None,
 ) -> tuple[ModelGeometry, KVLayout, int]:
-    """The model's geometry, its KV layout under these flags and max_model_len (ValueError: bad input)."""
+    """The model's geometry, its KV layout under these flags and max_model_len (ValueError: bad input);
+    `release`: the vLLM version, whose speculative methods decide the draft (None: before 0.33)."""
     geometry = load_geometry(model)
     if dtype != "auto":
         geometry = replace(geometry, dtype_bytes=dtype_bytes(dtype))
@@ -278,7 +280,7 @@ def load_layout(
     drafter: Drafter | None = None
     if speculative_method or speculative_model:
         target_config = json.loads((Path(model) / "config.json").read_text())
-        drafter = resolve_drafter(speculative_method, speculative_model, geometry, target_config)
+        drafter = resolve_drafter(speculative_method, speculative_model, geometry, target_config, release=release)
     layout = KVLayout(
         geometry,
         block_size=block_size or 16,
@@ -365,6 +367,7 @@ def predict(request: Request) -> Startup:
         kv_cache_dtype=request.kv_cache_dtype,
         speculative_method=request.speculative_method,
         speculative_model=request.speculative_model,
+        release=request.vllm_version,
     )
     if request.kv_cache_memory_bytes is not None and not release.has_kv_cache_memory_bytes:
         raise ValueError(f"vLLM {release.version} has no --kv-cache-memory-bytes (added in 0.10)")

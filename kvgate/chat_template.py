@@ -763,14 +763,18 @@ def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False
     if chat.add_generation_prompt and chat.continue_final_message:
         raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     tools = None if chat.tools is None else [_tool(t) for t in chat.tools]
-    request_kwargs = _merge(
-        chat.chat_template_kwargs,
-        {
-            "add_generation_prompt": chat.add_generation_prompt,
-            "continue_final_message": chat.continue_final_message,
-            "documents": None if chat.documents is None else list(chat.documents),
-        },
-    )
+    extra = {
+        "add_generation_prompt": chat.add_generation_prompt,
+        "continue_final_message": chat.continue_final_message,
+        "documents": None if chat.documents is None else list(chat.documents),
+        # vllm 0.32.0/0.33.0 chat_completion/protocol.py build_chat_params: the request's
+        # reasoning_effort goes to the template, and turns thinking on (off for "none") unless the
+        # request's kwargs say enable_thinking (0.33.0's --reasoning-effort-map is not followed)
+        "reasoning_effort": chat.reasoning_effort,
+    }
+    if chat.reasoning_effort is not None and "enable_thinking" not in (chat.chat_template_kwargs or {}):
+        extra["enable_thinking"] = chat.reasoning_effort != "none"
+    request_kwargs = _merge(chat.chat_template_kwargs, extra)
     kwargs = _merge(_merge(None, {"tools": tools, "tokenize": False}), request_kwargs)
     kwargs = _merge(kwargs, {"chat_template": chat.chat_template, "return_dict": False})
     tools, tokenize = kwargs.pop("tools", None), kwargs.pop("tokenize", True)

@@ -29,6 +29,7 @@ from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
 from kvgate.gate.observer import GateObserver, Observers
 from kvgate.gate.view import GateView
+from kvgate.harmony import renders_with_harmony
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
@@ -123,7 +124,8 @@ class Runtime:
             ServedNames(self._read_served),
             lambda: self.startup_error,
             self.metrics.tokenization.observe,
-            trust_request_chat_template=settings.trust_request_chat_template,
+            # a GPT-OSS model's chats never render a template, the request's own included (kvgate/harmony.py)
+            trust_request_chat_template=settings.trust_request_chat_template or renders_with_harmony(settings.model),
             work_budget=WorkBudget(int(process_memory(settings.max_process_memory_bytes) * WORK_SHARE)),
             template_seconds=settings.request_chat_template_timeout,
         )
