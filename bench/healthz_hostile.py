@@ -137,7 +137,7 @@ def run(rounds: int, niceness: int | None) -> dict[str, Any]:
                     stop.set()
                     samples = rx.recv() if rx.poll(60) else []
                     prober.join(10)
-                    return [s for _, s in samples], result, (load_before, load_after)
+                    return samples, result, (load_before, load_after)
 
                 idle, _, idle_load = probe(lambda: time.sleep(IDLE_S))
                 peak = [0]
