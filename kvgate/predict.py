@@ -39,7 +39,8 @@ from kvgate.memory.kv import KVLayout, PrefixKeys
 from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import SamplerUse
 from kvgate.request import ValidRequest
-from kvgate.sampling_params import v2_sampler_needs
+from kvgate.sampling_params import v2_filters, v2_sampler_needs
+from kvgate.units import MiB
 
 # What helps when one prompt's own worst step is too large (by its largest term).
 _ADVICE = {
@@ -195,6 +196,7 @@ class Predictor:
         share them here. The request is checked against the server's limits before it is
         tokenized (kvgate/request.py check_limits); its prompts' lengths are checked here."""
         processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
+        top_k, top_p = v2_filters(spec.sampling, self.sampling_defaults)
         sampling = SamplingShape(
             n=spec.sampling.n,
             best_of=spec.best_of,
@@ -205,6 +207,8 @@ class Predictor:
             structured=spec.sampling.structured_outputs,
             processing=processing,
             filtered=filtered,
+            top_k=top_k,
+            top_p=top_p,
         )
         footprints, splits = [], []
         keys = PrefixKeys.of(spec.cache_salt, cache_key)
@@ -247,6 +251,7 @@ class Predictor:
         and output; `needs`: its (logits processing, top-k/top-p) on Model Runner V2, as
         v2_sampler_needs found them for predict (worked out once a request)."""
         processing, filtered = needs
+        top_k, top_p = v2_filters(spec.sampling, self.sampling_defaults)
         return SamplerUse(
             self.sampler_cost,
             rows=sum(fp.n for fp in footprints),
@@ -259,6 +264,8 @@ class Predictor:
             structured=spec.sampling.structured_outputs,
             processing=processing,
             filtered=filtered,
+            top_k=top_k,
+            top_p=top_p,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:
@@ -403,7 +410,7 @@ class Predictor:
         limit = ceiling.transient_bytes
         needed = ceiling.transient_need(prediction.demand)
         if limit is not None and needed > limit:
-            raise self._transient_never_fits(prediction, needed, limit)
+            raise self._transient_never_fits(prediction, needed, limit, ceiling.profiled_need(prediction.demand))
 
     def _check_kv_fits(self, prediction: Prediction, pool: int) -> None:
         """KvNeverFits for the first prompt one of whose engine requests (a sample, grown to
@@ -419,8 +426,17 @@ class Predictor:
                     which += f" (each of its {fp.n} samples)"
                 raise KvNeverFits(needed, pool, self.layout.block_size, fp.prompt_tokens, fp.max_new_tokens, which)
 
-    def _transient_never_fits(self, prediction: Prediction, needed: int, limit: int) -> TransientNeverFits:
+    def _transient_never_fits(
+        self, prediction: Prediction, needed: int, limit: int, profiled: int
+    ) -> TransientNeverFits:
         """The error naming the term that sets the step's peak, and advice that can lower it."""
+        if profiled > needed - profiled:  # the profile region's tensors, at their segments' size
+            what = (
+                f"its forward pass (the profiled hidden states and MLP, {profiled / MiB:.0f} MiB at the "
+                "caching allocator's segment size, kvgate/memory/allocator.py)"
+            )
+            advice = "shorten the prompt, or run vLLM with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            return TransientNeverFits(needed, limit, what, advice + " and tell kvgate --expandable-segments")
         footprints = prediction.footprints
         if len(footprints) == 1:
             terms = [t for t in footprints[0].transient.terms if not t.profiled]

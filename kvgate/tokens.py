@@ -22,7 +22,9 @@ from kvgate.chat_template import (
     render_chat,
     render_within_budget,
 )
-from kvgate.multimodal import MediaCounting, MediaOptions, image_tokens_of, model_type_of
+from kvgate.harmony import HarmonyChats, renders_with_harmony
+from kvgate.image_rules import image_tokens_of, model_type_of
+from kvgate.multimodal import MediaCounting, MediaOptions
 from kvgate.request import ChatInput
 from kvgate.units import MiB
 from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
@@ -357,8 +359,13 @@ def local_tokenizer(
     model_dir: str | Path, template_seconds: float = 1.0, media: MediaOptions | None = None
 ) -> Tokenizer:
     """The model folder's own tokenizer, images counted (or refused) by kvgate.multimodal."""
-    inner = LocalTokenizer(model_dir, template_seconds=template_seconds)
+    inner = _chats_as_vllm_renders(LocalTokenizer(model_dir, template_seconds=template_seconds), model_dir)
     return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir))
+
+
+def _chats_as_vllm_renders(tokenizer: Any, model_dir: str | Path | None) -> Any:
+    """GPT-OSS chats rendered with Harmony (kvgate/harmony.py), as vLLM's chat route renders them."""
+    return HarmonyChats(tokenizer) if renders_with_harmony(model_dir) else tokenizer
 
 
 def load_tokenizer(
@@ -380,7 +387,10 @@ def load_tokenizer(
         ", ".join(_TOKENIZER_FILES),
     )
     return MediaCounting(
-        BackendTokenizer(client, model_name), image_tokens_of(model_dir), media, model_type_of(model_dir)
+        _chats_as_vllm_renders(BackendTokenizer(client, model_name), model_dir),
+        image_tokens_of(model_dir),
+        media,
+        model_type_of(model_dir),
     )
 
 

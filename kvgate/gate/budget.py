@@ -68,6 +68,8 @@ class Budget:
     # profile peak, charged in proportion to the profiled bytes (kvgate/memory/activation.py
     # profile_segment_overhead_bytes).
     segment_overhead: float = 0.0
+    # The same, seen on the GPU (kvgate/telemetry/calibration.py observe_region); the larger counts.
+    learned_segment_overhead: float = 0.0
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
     # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
@@ -108,6 +110,11 @@ class Budget:
             return None
         return math.floor(self.kv_blocks * self.kv_overcommit * self.scale)
 
+    @property
+    def charged_segment_overhead(self) -> float:
+        """The segment overhead the profiled terms are charged: the replay's or the GPU's, larger."""
+        return max(self.segment_overhead, self.learned_segment_overhead)
+
     def transient_limit(self) -> int | None:
         if self.transient_headroom_bytes is None:
             return None
@@ -128,12 +135,14 @@ class Budget:
     def ceiling(self) -> Ceiling:
         """The most an idle server offers one request: whether it could ever fit is judged
         against this (kvgate/predict.py Predictor.check_fits_ever)."""
-        return Ceiling(self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes, self.segment_overhead)
+        return Ceiling(
+            self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes, self.charged_segment_overhead
+        )
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit."""
         return transient_charge(
-            holdings.transient_bytes, holdings.profiled_bytes, self.profiled_cap_bytes, self.segment_overhead
+            holdings.transient_bytes, holdings.profiled_bytes, self.profiled_cap_bytes, self.charged_segment_overhead
         )
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
@@ -158,7 +167,7 @@ class Budget:
             holdings.transient_bytes_with(demand),
             holdings.profiled_bytes_with(demand),
             self.profiled_cap_bytes,
-            self.segment_overhead,
+            self.charged_segment_overhead,
         )
         if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY

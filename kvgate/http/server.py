@@ -26,6 +26,7 @@ from kvgate.http.decision_log import DecisionLog
 from kvgate.http.errors import error_response
 from kvgate.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from kvgate.http.proxy import check_passthrough, passthrough, passthrough_allowed
+from kvgate.metrics import MetricsPage
 from kvgate.settings import Settings
 
 # vLLM's routes that load and unload LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING;
@@ -35,22 +36,30 @@ LORA_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
 class Kvgate:
-    """The front ASGI app: one dictionary lookup decides between the fast path and FastAPI."""
+    """The front ASGI app: one dictionary lookup decides between the fast path and FastAPI.
 
-    def __init__(self, gated: GatedRoutes, rest: FastAPI) -> None:
+    GET /metrics is on the fast path too (with --metrics-page kvgate): a router scrapes it every
+    50 ms, and FastAPI's routing cost more than the page itself (bench/results/poll-cost)."""
+
+    def __init__(self, gated: GatedRoutes, rest: FastAPI, page: MetricsPage | None) -> None:
         self.gated = gated
         self.rest = rest
         self.runtime = gated.rt
+        self.page = page
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            endpoint = GATED_PATHS.get(scope["path"])
+            path = scope["path"]
+            endpoint = GATED_PATHS.get(path)
             if endpoint is not None and scope["method"] == "POST":
                 await self.gated(endpoint, scope, receive, send)
                 return
             if endpoint is not None:  # OpenAI's error shape, not the backend's {"detail": ...}
-                error = MethodNotAllowed(scope["method"], scope["path"])
+                error = MethodNotAllowed(scope["method"], path)
                 await error_response(error)(scope, receive, send)
+                return
+            if path == "/metrics" and self.page is not None and scope["method"] == "GET":
+                await Response(self.page.render(), media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
                 return
         await self.rest(scope, receive, send)
 
@@ -81,24 +90,27 @@ def create_app(settings: Settings) -> Kvgate:
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error))
 
-    @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        # The pool's target port: a router and an autoscaler read vLLM's gauges here (kvgate.metrics).
-        if settings.metrics_page == "kvgate":
-            return Response(rt.metrics_page.render(), media_type=CONTENT_TYPE_LATEST)
-        try:  # --metrics-page vllm: vLLM's own page, unmodified
-            return await passthrough(
-                rt.backend,
-                "GET",
-                request_target(request.scope),
-                request.headers.raw,
-                b"",
-                request_id_of(request.scope),
-                request.scope.get("client"),
-                request.scope.get("scheme", "http"),
-            )
-        except KvgateError as error:
-            return answer_refusal(request.scope, error_response(error))
+    # GET /metrics: kvgate's page on the fast path (Kvgate), vLLM's with --metrics-page vllm.
+    page = rt.metrics_page if settings.metrics_page == "kvgate" else None
+
+    if page is None:
+
+        @app.get("/metrics")
+        async def metrics(request: Request) -> Response:
+            """vLLM's own page, unmodified (--metrics-page vllm)."""
+            try:
+                return await passthrough(
+                    rt.backend,
+                    "GET",
+                    request_target(request.scope),
+                    request.headers.raw,
+                    b"",
+                    request_id_of(request.scope),
+                    request.scope.get("client"),
+                    request.scope.get("scheme", "http"),
+                )
+            except KvgateError as error:
+                return answer_refusal(request.scope, error_response(error))
 
     @app.get("/kvgate/metrics")
     async def kvgate_metrics() -> Response:
@@ -113,9 +125,10 @@ def create_app(settings: Settings) -> Kvgate:
             request, measured, problem = rt.advice_input()
         except KvgateError as error:
             return error_response(error)
-        if request is None:
+        if problem is not None:  # `kvgate advise --from URL --gpu G` can still advise
+            deployment = {**request_json(request), "gpu": None}
             return JSONResponse(
-                {"deployment": None, "measured": measured.to_json(), "advice": None, "problem": problem}
+                {"deployment": deployment, "measured": measured.to_json(), "advice": None, "problem": problem}
             )
         try:
             advised = await asyncio.to_thread(advise_from, request, measured)
@@ -193,4 +206,4 @@ def create_app(settings: Settings) -> Kvgate:
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error, {"x-request-id": request_id}))
 
-    return Kvgate(GatedRoutes(rt), app)
+    return Kvgate(GatedRoutes(rt), app, page)

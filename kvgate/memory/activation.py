@@ -115,6 +115,9 @@ class SamplingShape:
     # copy), a row that sets top-k/top-p; None: what `random` says.
     processing: bool | None = None
     filtered: bool | None = None
+    # V2: it sets top-k, it sets top-p (FlashInfer's cost: kvgate/memory/sampler.py top_k_top_p).
+    top_k: bool = True
+    top_p: bool = True
 
     @property
     def needs_processing(self) -> bool:
@@ -506,6 +509,7 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
         s.structured,
         processing=s.needs_processing,
         filtered=s.needs_filter,
+        both_filters=s.top_k and s.top_p,
     )
     rows = min(s.rows * (1 + cost.num_speculative_tokens), cost.max_sampled_rows)
     v, dt = g.vocab_size, g.dtype_bytes
@@ -576,7 +580,11 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
             f"(apply_sampling_params); {profile}",
         )
     if e.runner == "v2" and stage.top_k_top_p + stage.sort:
-        path = cost.describe_v2_speculative(s.rows, rows) if speculative_v2 else cost.describe_top_k_top_p(rows)
+        path = (
+            cost.describe_v2_speculative(s.rows, rows)
+            if speculative_v2
+            else cost.describe_top_k_top_p(rows, s.top_k and s.top_p)
+        )
         terms += _profile_split(
             "top_k_top_p", stage.top_k_top_p + stage.sort, warm_path, f"{cost.sampler} sampler, {path}; {profile}"
         )
@@ -727,10 +735,16 @@ def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int) -> tuple[int, 
     for i, rows in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
         inner = max(rows * topk * (dt + INT64_BYTES), rows * (topk * INT64_BYTES + row))
-        loop = max(loop, (previous + rows) * v * dt + kept_rows * row + inner)
+        # `prompt_logits = logits_fn(...)`: the previous sub-chunk's logits are let go once the
+        # new ones are bound, before this sub-chunk's compute_topk_scores
+        both = (previous + rows) * v * dt
+        loop = max(loop, kept_rows * row + max(both, rows * v * dt + inner))
         kept_rows += rows
-    concatenated = sizes[-1] * v * dt + (2 * step * row if len(sizes) > 1 else 0)
-    return step, row, max(loop, concatenated)
+    # After the loop (:315-317) the ids are cat-ed first, beside the scores' and ranks' lists: the
+    # ids twice, the scores and ranks once (the later cats hold less); one sub-chunk: no cat.
+    ids, scores = (topk + 1) * INT64_BYTES, (topk + 1) * FP32
+    cat = step * (2 * ids + scores + INT64_BYTES) if len(sizes) > 1 else 0
+    return step, row, max(loop, sizes[-1] * v * dt + cat)
 
 
 def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:

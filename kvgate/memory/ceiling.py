@@ -27,6 +27,11 @@ def transient_charge(unprofiled: int, profiled: int, profiled_cap: int | None, s
     return unprofiled + charged + math.ceil(charged * segment_overhead)
 
 
+def transient_need_of_profiled(profiled: int, profiled_cap: int | None, segment_overhead: float) -> int:
+    """`transient_charge`'s profiled part."""
+    return transient_charge(0, profiled, profiled_cap, segment_overhead)
+
+
 @dataclass(frozen=True)
 class Ceiling:
     """vLLM's whole KV pool and the largest transient headroom kvgate has seen (less its safety
@@ -36,6 +41,10 @@ class Ceiling:
     transient_bytes: int | None
     profiled_cap_bytes: int | None = None
     segment_overhead: float = 0.0
+
+    def profiled_need(self, demand: Demand) -> int:
+        """The part of `transient_need` that is the profile region's tensors at their segments."""
+        return transient_need_of_profiled(demand.profiled_bytes, self.profiled_cap_bytes, self.segment_overhead)
 
     def transient_need(self, demand: Demand) -> int:
         """What `demand` holds of the transient headroom on an idle server."""

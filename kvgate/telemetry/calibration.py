@@ -30,6 +30,13 @@ from kvgate.memory.demand import Demand
 from kvgate.units import MiB
 
 
+def growth_tolerance(headroom: int, profiled_peak: int, segment_overhead: float) -> int:
+    """How far the server's memory may grow beyond kvgate's predicted unprofiled peak before the
+    margin backs off: the profile region at its caching-allocator segments' size (it comes back
+    out of free memory; kvgate/memory/allocator.py), plus max(64 MiB, 5 % of the headroom)."""
+    return max(64 * MiB, headroom // 20) + math.ceil(profiled_peak * (1 + segment_overhead))
+
+
 @dataclass
 class Aimd:
     """A bounded allowance: additive increase at most every `interval_s`, multiplicative decrease.
@@ -125,6 +132,9 @@ class Calibration:
     kv_abs_error_blocks: float = 0.0  # exponentially smoothed |predicted - observed|
     transient_error_bytes: int = 0
     growth_at_backoff: int = 0  # server growth already answered by a back-off this engine life
+    # The profile region's segment overhead seen on the GPU (a share of the profile peak): only
+    # ever raised, and kept across engine lives (see observe_region)
+    segment_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         c = self.config
@@ -189,6 +199,29 @@ class Calibration:
         if waiting_for_transient and self.transient.raise_(now):
             return f"requests wait for transient memory: margin down to {self.transient_margin:.2f}"
         return None
+
+    def observe_region(
+        self, server_growth: int, unprofiled_peak: int, profiled_peak: int, charged: float
+    ) -> str | None:
+        """Tighten the segment overhead when the GPU shows the profile region took more.
+
+        What the server reserved since start-up beyond the most unprofiled bytes kvgate ever
+        held at once this life is what the profiled tensors' segments took (the caching
+        allocator keeps segments cached, so the growth is their high-water mark). When that
+        exceeds the region at `charged` overhead (kvgate/memory/allocator.py's replay, or what
+        was learned before), the overhead rises to match: mixed step sizes strand more than the
+        profile step alone. It never falls: NVML does not show which cached bytes are free."""
+        if profiled_peak <= 0:
+            return None
+        seen = (server_growth - unprofiled_peak) / profiled_peak - 1.0
+        if seen <= max(charged, self.segment_overhead) + 1e-9:
+            return None
+        self.segment_overhead = seen
+        return (
+            f"server memory grew {server_growth / MiB:.0f} MiB with at most {unprofiled_peak / MiB:.0f} MiB of "
+            f"unprofiled terms in flight: the {profiled_peak / MiB:.0f} MiB profile region took "
+            f"{(server_growth - unprofiled_peak) / MiB:.0f} MiB of segments; segment overhead up to {seen:.2f}"
+        )
 
     def new_life(self) -> None:
         """The backend restarted: its allocator cache, and so its growth, start from zero."""

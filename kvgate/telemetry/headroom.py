@@ -29,6 +29,9 @@ holds already serves its profiled tensors without new memory). Memory a co-tenan
 `free_d` and nothing gives it back: the headroom shrinks at once, and a request whose only
 transient memory is profiled (the MLP of a long prefill) now waits for it like any other. The
 budget's headroom is the minimum over the devices (tensor parallel ranks run the same step).
+The profiled terms charged against it take the caching allocator's segments, not just their
+bytes: the budget charges them with the profile step's segment overhead
+(kvgate/memory/allocator.py, kvgate/memory/ceiling.py `transient_charge`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Every `--scrape-interval` it reads vLLM's /metrics and the GPU probe, then sets 
   not stop (the backend may be fine and only /metrics slow) but spends only
   `--stale-budget-fraction` of both limits with overcommit off, so it is never blind at full speed.
 - down: /metrics and /health both fail to connect or answer 5xx (or the proxy found a
-  connection refused). New arrivals wait in the queue (up to their deadline); in-flight requests
+  connection refused), or /metrics answers while /health answers 5xx (an engine dead behind an
+  API server still up: asked after a request got a 5xx, see _engine_dead). New arrivals wait in the queue (up to their deadline); in-flight requests
   fail as their connections do and release their reservations. When /metrics answers again
   kvgate re-reads the backend's configuration before admitting anything.
 - hung: the scrape of /metrics timed out (`--max-staleness`) and /health did not answer within
@@ -36,7 +37,7 @@ from kvgate.gate.backend_state import Status
 from kvgate.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from kvgate.gate.view import GateView
 from kvgate.settings import Settings
-from kvgate.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use
+from kvgate.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use, growth_tolerance
 from kvgate.telemetry.gpu import GpuProbe, GpuReading
 from kvgate.telemetry.headroom import HeadroomTracker
 from kvgate.telemetry.in_flight import InFlightRequests
@@ -114,7 +115,8 @@ class LiveBudget:
             await self._scrape_failed(exc)
         else:
             self.metrics.scrape_duration.observe(time.perf_counter() - started)
-            await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
+            if not await self._engine_dead():
+                await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
         if self.probe.available and self.backend.up:
             self._gpu(await self.probe.read(), self.clock())
         self._apply(self.clock())
@@ -138,6 +140,22 @@ class LiveBudget:
             self._enter("hung", f"{self.problem}; /health silent for {HEALTH_TIMEOUT_S:g} s")
         else:
             self._enter("down", f"{self.problem}; /health {health}")
+
+    async def _engine_dead(self) -> bool:
+        """vLLM's API server answers /metrics after its engine died: until its watchdog stops it
+        (vllm/entrypoints/launchers/launcher.py terminate_if_errored), or for good with
+        VLLM_KEEP_ALIVE_ON_ENGINE_DEATH, while requests get 500 and /health 503. So /health is
+        asked, only when there is a reason (a request ended with a 5xx since the last scrape that
+        answered, or the backend is not up yet again): a 5xx there is a backend down."""
+        if self.backend.up and self.in_flight.last_backend_error < self.last_scrape:
+            return False
+        health = await self._health()
+        if not (isinstance(health, int) and health >= 500):
+            return False
+        self._engine_reported = True
+        self.problem = f"/metrics answers but /health answered {health}: vLLM's engine is dead"
+        self._enter("down", self.problem)
+        return True
 
     async def _health(self) -> int | str:
         """/health's status code, or why there is none: "timeout" or "unreachable"."""
@@ -319,9 +337,20 @@ class LiveBudget:
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
-        # The profile region comes back at its segments' size (kvgate/memory/allocator.py)
-        region = self.budget.profiled_peak_bytes * (1 + self.budget.segment_overhead)
-        tolerance = max(64 * MiB, headroom.bytes // 20) + int(region)
+        if headroom.profiled_cap > 0:  # the region comes out of free memory: its segments show
+            tightened = self.calibration.observe_region(
+                headroom.server_growth,
+                self.gate.peak_transient_bytes,
+                self.budget.profiled_peak_bytes,
+                self.budget.charged_segment_overhead,
+            )
+            if tightened:
+                log.warning("calibration: %s", tightened)
+        tolerance = growth_tolerance(
+            headroom.bytes,
+            self.budget.profiled_peak_bytes,
+            max(self.budget.charged_segment_overhead, self.calibration.segment_overhead),
+        )
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,
@@ -344,6 +373,7 @@ class LiveBudget:
             "transient_headroom_bytes": self.headroom_bytes,
             "kv_overcommit": round(self.calibration.kv_overcommit, 3),
             "transient_margin": round(self.calibration.transient_margin, 3),
+            "segment_overhead": round(self.budget.charged_segment_overhead, 3),
             "problem": self.problem,
         }
 
@@ -375,6 +405,7 @@ class LiveBudget:
         if self.headroom_bytes is not None:
             wanted["transient_headroom_bytes"] = self.headroom_bytes
             wanted["profiled_cap_bytes"] = self.profiled_cap_bytes
+            wanted["learned_segment_overhead"] = c.segment_overhead
             wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
         changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}
         if changes:

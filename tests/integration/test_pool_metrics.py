@@ -20,7 +20,8 @@ import pytest
 from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import SimRunner
 from support.exposition import declared_types, go_parse_error, python_samples
-from support.kvgate_server import KvgateFactory, KvgateServer, metrics_at
+from support.fake_backend import running_fake_backend
+from support.kvgate_server import KvgateFactory, KvgateServer, metrics_at, running_kvgate
 from support.sim_model import ENGINE_FLAGS, MODEL
 from support.waiting import wait_for, wait_for_async
 
@@ -160,3 +161,41 @@ def test_the_vllm_page_switch_serves_vllms_page_and_keeps_kvgates_own(
     names = {s.name for s in python_samples(own_page)}
     assert "kvgate_queue_depth" in names
     assert not any(n.startswith("vllm:") for n in names)
+
+
+def test_a_dead_engine_behind_a_live_api_server_takes_the_pod_out(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's API server outlives its engine (for up to 5 s, its watchdog's period, or for good with
+    VLLM_KEEP_ALIVE_ON_ENGINE_DEATH): /metrics answers, requests get 500, /health 503. The first
+    500 makes kvgate ask /health: the backend is down, /readyz takes the pod out and the gauges
+    read full, until /health answers 200 again."""
+    with (
+        running_fake_backend() as backend,
+        running_kvgate(backend.base_url, tiny_model_dir, tmp_path, "--max-queue-wait", "2") as kvgate,
+    ):
+        backend.completion_mode = "engine_dead"
+        answer = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert answer.status_code == 500  # vLLM's own answer, relayed
+        wait_for(
+            lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 503,
+            timeout_s=20,
+            what=lambda: f"/readyz to take the pod out: {kvgate.readyz()}",
+        )
+        assert "/health answered 503" in kvgate.readyz()["backend"]["why"]
+        assert routing(page(kvgate))["vllm:kv_cache_usage_perc"] == 1.0
+        refused = httpx.post(kvgate.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert refused.status_code == 503  # held in the queue, then answered as vLLM being down
+        assert refused.headers["x-llm-d-request-dropped-reason"] == "rejected-no-endpoints"
+        backend.completion_mode = "ok"
+        wait_for(
+            lambda: httpx.get(kvgate.base_url + "/readyz").status_code == 200,
+            timeout_s=20,
+            what=lambda: f"/readyz to put the pod back: {kvgate.readyz()}",
+        )
+
+
+def test_the_go_parser_check_refuses_a_page_prometheus_refuses() -> None:
+    """The check above is not vacuous: a second TYPE for a family fails Prometheus' parser, where
+    prometheus_client's reads the page."""
+    twice = "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 1\n" * 2
+    assert "second TYPE line" in (go_parse_error(twice) or "")
+    python_samples(twice)

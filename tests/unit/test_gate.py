@@ -226,7 +226,12 @@ class TestBudgetCharges:
         assert budget.shortfall(demand(prefill=12 * mib), ledger) is None
         assert budget.shortfall(demand(prefill=13 * mib), ledger) == TRANSIENT_BUSY
         assert budget.ceiling().transient_need(demand(profiled_prefill=400 * mib)) == 480 * mib
-        budget.update(segment_overhead=0.0)  # --expandable-segments
+        # the GPU showed the region taking 520 MiB: the learned share counts, the larger wins
+        budget.update(learned_segment_overhead=0.3)
+        assert budget.transient_charge(ledger) == 520 * mib
+        assert budget.ceiling().transient_need(demand(profiled_prefill=400 * mib)) == 520 * mib
+        assert budget.shortfall(demand(prefill=1), ledger) == TRANSIENT_BUSY
+        budget.update(segment_overhead=0.0, learned_segment_overhead=0.0)  # --expandable-segments
         assert budget.shortfall(demand(prefill=92 * mib), ledger) is None
 
     def test_kv_keeps_room_for_the_spread_of_the_in_flight_outputs(self) -> None:
@@ -525,7 +530,10 @@ class TestGate:
         assert status_of(refused.value) == 503
         assert "has been down for 30 s" in refused.value.message
         # the last outage lasted 45 s, this one 30 s so far
-        assert error_headers(refused.value) == {"Retry-After": "15"}
+        assert error_headers(refused.value) == {
+            "Retry-After": "15",
+            "x-llm-d-request-dropped-reason": "rejected-no-endpoints",
+        }
         assert len(gate.queue) == 0
 
     async def test_client_gone_leaves_the_queue(self) -> None:
@@ -757,7 +765,10 @@ class TestBackfill:
         head = await queued(gate, demand(blocks=8))
         with pytest.raises(QueueFull) as refused:
             await gate.acquire(demand(blocks=5), 0, "b")  # fits now, not beside the head: the queue is full
-        assert error_headers(refused.value) == {"Retry-After": "13"}  # (8 + 5) blocks at 1 a second
+        assert error_headers(refused.value) == {
+            "Retry-After": "13",
+            "x-llm-d-request-dropped-reason": "rejected-saturated",
+        }  # (8 + 5) blocks at 1 a second
         holder.release()
         (await asyncio.wait_for(head, 1)).release()
 

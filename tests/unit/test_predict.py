@@ -104,8 +104,8 @@ def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) ->
     predictor.predict(spec_of({}), [list(range(101))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
-    plain = SamplingShape(processing=False, filtered=False)  # temperature 1.0, no top-k/top-p
-    assert calls == [(100, plain), (101, plain), (100, SamplingShape(n=2, processing=False, filtered=False))]
+    plain = SamplingShape(processing=False, filtered=False, top_k=False, top_p=False)  # temperature 1.0 alone
+    assert calls == [(100, plain), (101, plain), (100, dataclasses.replace(plain, n=2))]
     # Same length, other tokens: the estimate is shared, the prefix-cache hashes are not.
     assert other_tokens.footprints[0].transient is first.footprints[0].transient
     assert other_tokens.demand.shared_block_hashes != first.demand.shared_block_hashes
@@ -343,3 +343,22 @@ def test_a_cache_salt_that_vllm_refuses_is_a_400(salt) -> None:
         spec_of({"cache_salt": salt})
     assert refused.value.param == "cache_salt"
     assert "non-empty string" in refused.value.message
+
+
+def test_a_long_prefill_past_the_region_at_its_segment_size_names_the_forward_pass() -> None:
+    """S13 after the GPU showed the 400 MiB profile region taking 520 MiB of segments: a
+    4,096-token chunk of a plain chat prompt never fits a 547 MiB headroom less 10 %; the refusal
+    names the forward pass at the allocator's segment size, not a sampler term."""
+    mib = 2**20
+    engine = EngineShape(max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=256, runner="v2")
+    predictor = Predictor(dataclasses.replace(layout("llama-3-8b"), block_size=16), engine, True, 400 * mib)
+    prompts = [[100] * 10000]
+    prediction = predictor.predict(completions({"prompt": prompts, "max_tokens": 16}), prompts)
+    budget = Budget(transient_headroom_bytes=547 * mib, profiled_cap_bytes=400 * mib, segment_overhead=0.2)
+    predictor.check_fits_ever(prediction, budget.ceiling())  # the replay's 480 MiB fits 492
+    budget.update(learned_segment_overhead=0.3)
+    with pytest.raises(TransientNeverFits) as refused:
+        predictor.check_fits_ever(prediction, budget.ceiling())
+    message = refused.value.message
+    assert message.startswith("its forward pass (the profiled hidden states and MLP, 520 MiB at the caching allocator")
+    assert "expandable_segments:True" in message

@@ -219,6 +219,8 @@ def test_a_fixed_kv_pool_sizes_the_blocks_and_the_headroom_without_the_utilizati
     )
     assert expandable.transient_headroom_bytes == expected + 40 * 2**20
     assert expandable.segment_overhead == 0.0
+    assert settings_for("--expandable-segments").expandable_segments
+    assert not settings.expandable_segments  # kvgate cannot read vLLM's environment: off unless told
 
 
 def llama_3_8b() -> ModelGeometry:

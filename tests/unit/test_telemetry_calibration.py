@@ -119,3 +119,32 @@ def test_one_unexplained_growth_backs_off_once_not_at_every_reading() -> None:
     assert c.transient_margin > once
     c.new_life()  # a restart: its allocator starts empty, so the same growth is news again
     assert c.observe_transient(11, server_growth=900 * MiB, **seen)
+
+
+def test_growth_is_judged_against_the_profile_region_at_its_segments_size() -> None:
+    """S13: a 400 MiB profile region comes back as 480 MiB of segments; growth up to that, the
+    unprofiled peak and 64 MiB is explained, beyond it the margin backs off."""
+    from kvgate.telemetry.calibration import growth_tolerance
+
+    tolerance = growth_tolerance(547 * MiB, 400 * MiB, 0.2)
+    assert tolerance == 64 * MiB + 480 * MiB
+    assert growth_tolerance(547 * MiB, 400 * MiB, 0.0) == 64 * MiB + 400 * MiB  # --expandable-segments
+    c = Calibration(CalibrationConfig(margin=0.1))
+    assert c.observe_transient(0.0, 528 * MiB, 11 * MiB, tolerance, False) is None
+    assert "server memory grew 560 MiB" in (c.observe_transient(1.0, 560 * MiB, 11 * MiB, tolerance, False) or "")
+
+
+def test_the_segment_overhead_rises_to_what_the_gpu_shows_and_never_falls() -> None:
+    """S13's repeat runs: the server grew 528 MiB while kvgate held at most 11 MiB of unprofiled
+    terms, so the 400 MiB profile region took 517 MiB of segments, more than the replay's 480."""
+    c = Calibration(CalibrationConfig(margin=0.1))
+    assert c.observe_region(480 * MiB, 0, 400 * MiB, 0.2) is None  # the replay's own figure
+    assert c.observe_region(470 * MiB, 11 * MiB, 400 * MiB, 0.2) is None
+    reason = c.observe_region(528 * MiB, 11 * MiB, 400 * MiB, 0.2)
+    assert reason is not None
+    assert "took 517 MiB of segments" in reason
+    assert round(c.segment_overhead, 4) == round(517 / 400 - 1, 4)
+    assert c.observe_region(500 * MiB, 0, 400 * MiB, 0.2) is None  # less growth later: kept
+    c.new_life()
+    assert round(c.segment_overhead, 4) == round(517 / 400 - 1, 4)  # a property of the workload
+    assert c.observe_region(10**9, 0, 0, 0.2) is None  # no profile peak known: nothing to learn
