@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
+import weakref
+from typing import Any
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+# uvicorn's ERROR line for an ASGI app that returned with its response unfinished
+# (uvicorn/protocols/http/httptools_impl.py RequestResponseCycle.run_asgi, which then closes the
+# connection). kvgate ends a response so on purpose, and only when it cuts a stream whose client
+# stopped reading (kvgate/http/proxy.py Relay), and logs its own warning for it.
+_UNFINISHED = "ASGI callable returned without completing response."
+_unfinished_on_purpose: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+
+
+def ending_response_unfinished() -> None:
+    """The request being served (its task: uvicorn's run_asgi awaits the app in it) ends its
+    response unfinished on purpose: uvicorn's ERROR line for it is not logged."""
+    task = asyncio.current_task()
+    if task is not None:
+        _unfinished_on_purpose.add(task)
+
+
+class _UnfinishedOnPurpose(logging.Filter):
+    """Drops uvicorn's unfinished-response line for the requests kvgate cut, and only those."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != _UNFINISHED:
+            return True
+        try:
+            task = asyncio.current_task()
+        except RuntimeError:  # no event loop in this thread
+            return True
+        return task is None or task not in _unfinished_on_purpose
 
 
 def quiet_transformers_advice() -> None:
@@ -50,3 +80,4 @@ def configure_logging(level: str) -> None:
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.error").addFilter(_UnfinishedOnPurpose())

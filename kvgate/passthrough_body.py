@@ -14,6 +14,8 @@ load the backend's API server, the process that also serves completions:
   API server 15.9 s. Nothing that long can be served on any route, so kvgate refuses it, as it
   refuses it on the generation routes. A chat-form /tokenize (`messages`) is bounded by the body
   size only: what its template renders is not known before rendering.
+A body a gated route would prepare in a worker process is checked in one (RequestPipeline.check_passthrough):
+its parse holds the GIL as long as a gated body's.
 """
 
 from __future__ import annotations

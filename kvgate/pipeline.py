@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from kvgate.errors import BackendDown, ModelNotFound, NotReady, TokenizerUnavailable
 from kvgate.gate.budget import Budget
 from kvgate.openai import parse_request
+from kvgate.passthrough_body import check_passthrough_body
 from kvgate.predict import Prediction, Predictor
 from kvgate.preparation import Prepared, prepare
-from kvgate.preparation_workers import Job, PreparationWorkers
+from kvgate.preparation_workers import Job, PassthroughJob, PreparationWorkers
 from kvgate.request import RequestLimits, Truncation, ValidRequest
 from kvgate.served_names import ServedNames
 from kvgate.tokens import TOKEN_ARRAY, BackendTokenizeError, Tokenizer
@@ -168,7 +169,27 @@ class RequestPipeline:
         assert config.workers is not None
         job = Job(route, self.trust_request_chat_template, config.limits, config.content_format_namespace_aliases)
         seconds = PREPARE_SECONDS + len(raw) / MiB * PREPARE_SECONDS_PER_MIB + self.template_seconds
-        return await config.workers.run(job, raw, grant, seconds)
+        prepared = await config.workers.run(job, raw, grant, seconds)
+        assert prepared is not None
+        return prepared
+
+    async def check_passthrough(self, method: str, path: str, content_type: str | None, body: bytes) -> None:
+        """A pass-through body's bounds (kvgate/passthrough_body.py), a domain error if it must
+        not reach the backend. A body a gated route would prepare in a worker is checked in one
+        too, charged to the same work budget: its parse is the same work."""
+        config = self._config
+        values = body_values(body)
+        if (
+            config is None
+            or config.workers is None
+            or (len(body) <= INLINE_BODY_BYTES and values <= INLINE_BODY_VALUES)
+        ):
+            tokenizer, max_model_len = (config.tokenizer, config.limits.max_model_len) if config else (None, None)
+            check_passthrough_body(method, path, content_type, body, tokenizer, max_model_len)
+            return
+        job = PassthroughJob(method, path, content_type, config.limits.max_model_len)
+        async with self.work_budget.hold(preparation_cost(body, values)) as grant:
+            await config.workers.run(job, body, grant, PREPARE_SECONDS + len(body) / MiB * PREPARE_SECONDS_PER_MIB)
 
     def _valid_aliases(self, config: PipelineConfig) -> list[str] | None:
         """What vLLM lists after an unknown model name: from 0.32.0 its served base names, in the

@@ -21,6 +21,7 @@ from kvgate.backend import Backend
 from kvgate.errors import RouteNotForwarded
 from kvgate.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
 from kvgate.http.output_tokens import OutputTokenCounter
+from kvgate.logs import ending_response_unfinished
 from kvgate.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvgate.proxy")
@@ -176,8 +177,9 @@ class Relay(Response):
     until max_tokens. Cut: once one send has waited `stall_timeout_s`, the relay closes the
     upstream connection (vLLM aborts the request and frees its blocks), releases the
     reservation as "stalled" and ends without completing the response, which makes uvicorn
-    close the client's connection (ASGI has no other way to drop it; uvicorn logs "ASGI callable
-    returned without completing response." beside kvgate's own warning).
+    close the client's connection (ASGI has no other way to drop it; kvgate's own warning says
+    so, and uvicorn's "ASGI callable returned without completing response." is filtered out
+    for these requests alone, kvgate.logs.ending_response_unfinished).
     """
 
     def __init__(
@@ -215,6 +217,7 @@ class Relay(Response):
             outcome = await self._relay(send)
         except ClientStalled:
             outcome = "stalled"
+            ending_response_unfinished()  # uvicorn closes the connection; its ERROR line would be noise
             log.warning(
                 "request %s: the client read nothing for %g s with its socket buffer full: stream cut, "
                 "backend request aborted, reservation released",

@@ -27,7 +27,6 @@ from kvgate.http.errors import error_response
 from kvgate.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from kvgate.http.proxy import check_passthrough, passthrough, passthrough_allowed
 from kvgate.metrics import MetricsPage
-from kvgate.passthrough_body import check_passthrough_body
 from kvgate.settings import Settings
 
 # vLLM's routes that load and unload LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING;
@@ -188,14 +187,8 @@ def create_app(settings: Settings) -> Kvgate:
                 settings.client_body_deadline,
                 reads_body=False,
             )
-            config = rt.pipeline.config
-            check_passthrough_body(
-                request.method,
-                request.scope["path"],
-                request.headers.get("content-type"),
-                body,
-                config.tokenizer if config else None,
-                config.limits.max_model_len if config else None,
+            await rt.pipeline.check_passthrough(
+                request.method, request.scope["path"], request.headers.get("content-type"), body
             )
             relay = await passthrough(
                 rt.backend,
