@@ -407,6 +407,8 @@ def kvgate(
         str(total_bytes),
         "--log-level",
         "warning",
+        "--metrics-cache-seconds",  # the queue and the decisions are read as they are, not up to 1 s old
+        "0",
         *flags,
     ]
     with log_path.open("wb") as log:

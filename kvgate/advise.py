@@ -16,11 +16,13 @@ from typing import Any
 import httpx
 
 from kvgate.advise_flags import Recommendation, gib, recommend, serving_failure
+from kvgate.advise_live import LiveAdvice, advise_from, request_from_json, request_json
 from kvgate.advise_startup import COMPILED_FORWARD_FACTOR, Failure, Request, Startup, predict
 from kvgate.advise_traffic import Distribution, LengthRow, Traffic, capacity_table, parse_traffic, read_page
 from kvgate.gpus import GPUS
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.model_folder import ModelFolderError, resolve_model_folder
+from kvgate.traffic_record import Measured
 from kvgate.vllm_flags import add_vllm_arguments, size_argument
 
 # vLLM's flags that change the start-up (declared once in kvgate.vllm_flags).
@@ -62,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu",
-        required=True,
-        help=f"the GPU: one of {', '.join(sorted(GPUS))}, or its total memory as CUDA reports it (79.25GiB)",
+        help=f"the GPU: one of {', '.join(sorted(GPUS))}, or its total memory as CUDA reports it (79.25GiB); "
+        "required unless --from gives it",
     )
     add_vllm_arguments(parser, STARTUP_FLAGS, typed=True, defaults=RELEASE_DEFAULTS)
     parser.add_argument(
@@ -96,6 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's /metrics page (a URL or a saved file): its request histograms give the "
         "traffic's prompt and max_tokens percentiles, --request-tokens (P99 + P99) and a table of "
         "--max-model-len against them",
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_url",
+        metavar="URL",
+        default=None,
+        help="a running kvgate (http://host:port, or its /advice): advise from the deployment it guards and "
+        "the traffic it measured; --model and --gpu, when given, replace the ones it reports",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -133,10 +143,15 @@ def request_from(args: argparse.Namespace) -> Request:
 
 def run(args: argparse.Namespace) -> int:
     """Print the prediction and the advice; 0 if vLLM starts, 1 if it dies or refuses, 2 on bad input."""
+    if args.from_url:
+        return run_from(args)
+    if not args.gpu:
+        print("kvgate advise: --gpu is required (or --from a running kvgate)", file=sys.stderr)
+        return 2
     try:
         traffic = parse_traffic(read_page(args.traffic_metrics)) if args.traffic_metrics else None
         startup = predict(request_from(args))
-        request_tokens = args.request_tokens or (traffic.request_tokens if traffic else None)
+        request_tokens = args.request_tokens or (traffic.typical_request_tokens if traffic else None)
         advised, recommended = recommend(startup, request_tokens, args.other_processes_bytes)
         table = capacity_table(startup, traffic) if traffic else None
     except (ValueError, KeyError, ModelFolderError, OSError, httpx.HTTPError) as exc:
@@ -155,6 +170,83 @@ def run(args: argparse.Namespace) -> int:
             lines += traffic_text(traffic, table)
         print("\n".join(lines))
     return 0 if startup.fits else 1
+
+
+def advice_url(url: str) -> str:
+    return url if url.rstrip("/").endswith("/advice") else url.rstrip("/") + "/advice"
+
+
+def run_from(args: argparse.Namespace) -> int:
+    """`--from URL`: the running kvgate's deployment and measured traffic, advised here."""
+    try:
+        response = httpx.get(advice_url(args.from_url), timeout=30)
+        response.raise_for_status()
+        doc = response.json()
+        model = str(resolve_model_folder(args.model_config)) if args.model_config else None
+        request = request_from_json(doc["deployment"], model=model, gpu=args.gpu)
+        advice = advise_from(request, Measured.from_json(doc["measured"]), args.other_processes_bytes)
+    except (ValueError, KeyError, TypeError, ModelFolderError, OSError, httpx.HTTPError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"kvgate advise: {message}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(advice_document(advice), indent=2))
+    else:
+        print("\n".join(live_text(advice)))
+    return 0 if advice.startup.fits else 1
+
+
+def advice_document(advice: LiveAdvice) -> dict[str, Any]:
+    """What `GET /advice` answers and `kvgate advise --from URL --json` prints: the deployment as
+    advise's input, what kvgate measured, and the advice."""
+    doc = as_json(advice.startup, advice.serving, advice.advised, advice.recommended)
+    doc["traffic"] = traffic_json(advice.traffic, advice.table)
+    doc["effects"] = [
+        {
+            "configuration": e.label,
+            "max_model_len": e.max_model_len,
+            "starts": e.starts,
+            "kv_pool_blocks": e.pool_blocks,
+            "refused_too_long_share": list(e.refused_too_long),
+            "kv_waits": e.kv_waits,
+            "kv_waits_avoided": e.kv_waits_avoided,
+            "never_fits": e.never_fits,
+            "never_fits_served": e.never_fits_served,
+            "transient_waits": e.transient_waits,
+            "transient_headroom_change_bytes": e.transient_headroom_change,
+            "summary": e.sentence(advice.measured),
+        }
+        for e in advice.effects
+    ]
+    return {"deployment": request_json(advice.startup.request), "measured": advice.measured.to_json(), "advice": doc}
+
+
+def live_text(advice: LiveAdvice) -> list[str]:
+    m = advice.measured
+    lines = as_text(advice.startup, advice.serving, advice.advised, advice.recommended)
+    lines += traffic_text(advice.traffic, advice.table, f"kvgate's record, {m.seconds:,.0f} s", "kvgate's buckets")
+    for route, counts in m.routes.items():
+        lines.append(
+            f"  {route}: {counts['requests']:,} requests, n > 1 in {counts['n_above_one']:,}, logprobs in "
+            f"{counts['logprobs']:,}, prompt logprobs in {counts['prompt_logprobs']:,}; prompt P99 <= "
+            f"{m.prompt[route].quantile(0.99):,.0f}, output P99 <= {m.output[route].quantile(0.99):,.0f}"
+        )
+    share = m.prefix_blocks_in_flight / m.prefix_blocks if m.prefix_blocks else 0.0
+    lines.append(
+        f"  prefix reuse: {100 * share:.1f}% of {m.prefix_blocks:,} full prompt blocks were held by a request in flight"
+    )
+    if m.refusals:
+        lines.append("  refused: " + ", ".join(f"{reason} {n:,}" for reason, n in sorted(m.refusals.items())))
+    for reason, waits in sorted(m.queue_waits.items()):
+        s = waits.summary()
+        lines.append(
+            f"  queued for {reason}: {s['count']:,}, wait P50 <= {s['p50_at_most']:.3g} s, P99 <= {s['p99_at_most']:.3g} s"
+        )
+    budget = f" (transient budget then {gib(m.transient_budget_at_peak)})" if m.transient_budget_at_peak else ""
+    lines.append(f"  largest transient reservation {gib(m.peak_transient_bytes)}{budget}")
+    lines.append("what each configuration would have done (kvgate's arithmetic, not a replay)")
+    lines += [f"  {e.sentence(m)}" for e in advice.effects]
+    return lines
 
 
 def traffic_json(traffic: Traffic, table: list[LengthRow]) -> dict[str, Any]:
@@ -176,20 +268,23 @@ def traffic_json(traffic: Traffic, table: list[LengthRow]) -> dict[str, Any]:
     }
 
 
-def traffic_text(traffic: Traffic, table: list[LengthRow]) -> list[str]:
+def traffic_text(
+    traffic: Traffic, table: list[LengthRow], source: str = "vLLM's /metrics", buckets: str = "vLLM's histogram buckets"
+) -> list[str]:
     def dist(name: str, d: Distribution) -> str:
         s = d.summary()
         return (
             f"  {name}: {s['count']:,} requests, P50 <= {s['p50_at_most']}, P95 <= {s['p95_at_most']}, "
-            f"P99 <= {s['p99_at_most']}, max <= {s['max_at_most']} (vLLM's histogram buckets)"
+            f"P99 <= {s['p99_at_most']}, max <= {s['max_at_most']} ({buckets})"
         )
 
     lines = [
-        "traffic (vLLM's /metrics)",
+        f"traffic ({source})",
         dist("prompt tokens", traffic.prompt),
         dist("max_tokens", traffic.max_tokens),
         dist("generated tokens", traffic.generation),
-        f"  a P99 request: {traffic.request_tokens} tokens (P99 prompt + P99 max_tokens)",
+        f"  a P99 request: {traffic.request_tokens} tokens "
+        + ("(P99 of prompt + max_tokens)" if traffic.requests is not None else "(P99 prompt + P99 max_tokens)"),
         "  max_model_len: starts, maximum concurrency, P99 requests the pool holds, past prompts longer",
     ]
     for row in table:

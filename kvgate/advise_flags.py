@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from kvgate.advise_startup import (
     REDUNDANCY_BUFFER_BYTES,
@@ -213,6 +214,24 @@ def _tensor_parallel(request: Request, current: Startup) -> Recommendation | Non
                 f"one {gib(current.gpu_total)} GPU; at TP {tp} each GPU holds {gib(trial.weights)} ({tp} GPUs)",
             )
     return None
+
+
+# The Request field each proposed flag sets.
+FLAG_FIELDS = {
+    "--max-model-len": "max_model_len",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--max-num-seqs": "max_num_seqs",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
+    "--tensor-parallel-size": "tensor_parallel_size",
+}
+
+
+def apply(request: Request, recommended: list[Recommendation]) -> Request:
+    """`request` with every proposed flag set (vLLM sizes a fixed pool by --kv-cache-memory-bytes
+    and then ignores the utilization for it)."""
+    changes: dict[str, Any] = {FLAG_FIELDS[r.flag]: r.value for r in recommended}
+    return replace(request, **changes)
 
 
 def safe_pool_bytes(s: Startup, other_processes_bytes: int) -> int:

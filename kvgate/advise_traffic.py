@@ -7,8 +7,8 @@ at bucket resolution: a percentile is the upper edge of the bucket it falls in, 
 is all the page says, never less. Parsed with prometheus_client's own text parser; samples of
 every engine and model on the page are added up.
 
-This is the offline half of issue #26's "from traffic"; kvgate's own per-route record
-(`GET /advice`) is not built.
+This is the offline half of issue #26's "from traffic"; kvgate's own record (kvgate/traffic_record.py,
+`GET /advice`) gives the same distributions at finer buckets, and prompt + max_tokens per request.
 """
 
 from __future__ import annotations
@@ -84,11 +84,30 @@ class Traffic:
     prompt: Distribution
     max_tokens: Distribution
     generation: Distribution
+    # prompt + max_tokens of each request: kvgate's record has it, vLLM's page does not
+    requests: Distribution | None = None
 
     @property
     def request_tokens(self) -> int | None:
-        """P99 prompt + P99 max_tokens (bucket edges): the length a P99 request may reach."""
-        total = self.prompt.quantile(0.99) + self.max_tokens.quantile(0.99)
+        """The length a P99 request may reach (bucket edges): the P99 of prompt + max_tokens where
+        it was recorded, else P99 prompt + P99 max_tokens."""
+        if self.requests is not None:
+            total = self.requests.quantile(0.99)
+        else:
+            total = self.prompt.quantile(0.99) + self.max_tokens.quantile(0.99)
+        return None if math.isinf(total) or not self.prompt.count else int(total)
+
+    @property
+    def typical_request_tokens(self) -> int | None:
+        """The median request's prompt + max_tokens (bucket edges): what sizes --max-num-seqs.
+        vLLM gives blocks as tokens come and preempts when the pool runs dry (no OOM), so capping
+        the running sequences at what the pool holds of P99 requests would idle it for the rest:
+        on the simulator, Mistral-7B's chat with a burst of 16k-token prompts served less goodput
+        at the 28 sequences of its P99 than at 200 (bench/advised.py, story mnbt-200000)."""
+        if self.requests is not None:
+            total = self.requests.quantile(0.5)
+        else:
+            total = self.prompt.quantile(0.5) + self.max_tokens.quantile(0.5)
         return None if math.isinf(total) or not self.prompt.count else int(total)
 
 

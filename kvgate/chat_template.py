@@ -757,5 +757,7 @@ def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False
             tokenize=tokenize,
             **kwargs,
         )
+    except MemoryError:  # the kernel's limit on a preparation worker: its grant, not a template error
+        raise
     except Exception as e:  # template code raises anything; all of it is the request's fault
         raise TokenizationError(_template_error(e)) from e

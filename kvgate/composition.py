@@ -3,7 +3,8 @@
 Start-up loads the model geometry and the tokenizer, then learns the backend's real
 configuration (served names, max_model_len, cache_config_info) in the background, retrying
 until the backend answers. Until then kvgate is not ready and gated requests get a 503.
-Then the live loop (kvgate.telemetry.live) keeps the budget true every --scrape-interval.
+Then the live loop (kvgate.telemetry.live) keeps the budget true every --scrape-interval (every
+--idle-scrape-interval while there is no work: kvgate.telemetry.poller).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from pathlib import Path
 
 import httpx
 
+from kvgate.advise_live import request_for
+from kvgate.advise_startup import Request
 from kvgate.backend import Backend
 from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from kvgate.errors import NotReady
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
@@ -29,7 +33,7 @@ from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
-from kvgate.metrics import GateMetrics, KvgateMetrics
+from kvgate.metrics import GateMetrics, KvgateMetrics, MetricsPage, PoolGauges
 from kvgate.model_folder import load_geometry
 from kvgate.multimodal import media_options
 from kvgate.output_lengths import OutputLengths
@@ -42,6 +46,7 @@ from kvgate.settings import Settings
 from kvgate.telemetry.gpu import detect_probe
 from kvgate.telemetry.in_flight import InFlightRequests
 from kvgate.telemetry.live import LiveBudget
+from kvgate.telemetry.poller import PollPace
 from kvgate.telemetry.vllm import (
     LoraActivity,
     ServedModel,
@@ -51,6 +56,7 @@ from kvgate.telemetry.vllm import (
     fetch_version,
 )
 from kvgate.tokens import Tokenizer, load_tokenizer
+from kvgate.traffic_record import Measured, TrafficRecord
 from kvgate.work_budget import WORK_SHARE, WorkBudget, process_memory
 
 log = logging.getLogger("kvgate.runtime")
@@ -87,14 +93,30 @@ class Runtime:
         )
         gate_metrics = GateMetrics(self.metrics)
         self.in_flight = InFlightRequests()
+        # The telemetry loop's pace: fast while there is work, slow while idle, woken by arrivals.
+        self.pace = PollPace(
+            settings.scrape_interval,
+            max(settings.scrape_interval, min(settings.idle_scrape_interval, settings.max_staleness / 2)),
+            self._busy,
+            self.metrics.telemetry.scrape_interval.set,
+        )
+        self.traffic = TrafficRecord(time.monotonic)  # what GET /advice weighs
         self.gate: Gate[Prediction] = Gate(
             self.budget,
-            Observers(self.outputs, gate_metrics, self.in_flight, *observers),
+            Observers(self.outputs, gate_metrics, self.in_flight, self.pace, self.traffic, *observers),
             settings.max_queue,
             settings.max_queue_wait,
             reestimate=self._reestimate,
         )
         gate_metrics.watch(self.gate)
+        self.pool_gauges = PoolGauges(
+            self.gate,
+            lambda: self.ready,
+            lambda: self.live.snapshot if self.live else None,
+            lambda: settings.served_model_name,
+        )
+        self.metrics_page = MetricsPage(self.pool_gauges, self.metrics.registry, settings.metrics_cache_seconds)
+        self.traffic.watch(self.gate)
         self.gate_view = GateView(self.gate)  # what telemetry and `explain` see of the gate
         self.pipeline = RequestPipeline(
             self.budget,
@@ -149,7 +171,7 @@ class Runtime:
         await self._watch_backend()
 
     async def _watch_backend(self) -> None:
-        """Keep the budget true: one LiveBudget tick every --scrape-interval, forever."""
+        """Keep the budget true: one LiveBudget tick at the pace's interval, forever."""
         client = self.backend.client
         probe = await detect_probe(self.settings.gpu_probe, client, self.settings.gpu_devices)
         log.info("GPU probe: %s%s", probe.kind, f" ({probe.problem})" if probe.problem else "")
@@ -167,7 +189,6 @@ class Runtime:
             lora_seen=self._lora_seen,
         )
         self.budget.set_backend("up")  # from here on the live loop keeps the view true
-        interval = self.settings.scrape_interval
         said_gate_off = False
         while True:
             started = time.monotonic()
@@ -178,7 +199,26 @@ class Runtime:
             if not said_gate_off and (off := self.transient_gate_off()):
                 log.warning("%s", off)
                 said_gate_off = True
-            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+            await self.pace.sleep(started)
+
+    def _busy(self) -> bool:
+        """Work that needs fresh readings: requests queued or in flight in kvgate, requests in
+        vLLM at the last scrape, or a backend that is not up (its return is awaited)."""
+        snapshot = self.live.snapshot if self.live else None
+        in_vllm = snapshot is not None and bool(snapshot.running or snapshot.waiting)
+        return bool(self.gate.waiting or self.gate.ledger.in_flight or in_vllm or not self.budget.backend.up)
+
+    def advice_input(self) -> tuple[Request | None, Measured, str | None]:
+        """What `GET /advice` weighs: the deployment as advise's input (None, with the reason, when
+        kvgate does not know the GPU's size) and a snapshot of the traffic record. NotReady before
+        the backend's configuration is known."""
+        if self.deployment is None:
+            raise NotReady(self.startup_error)
+        measured = self.traffic.snapshot()
+        gpu = self.settings.gpu_memory_bytes or (self.live.gpu_total if self.live else None)
+        if gpu is None:
+            return None, measured, "kvgate knows no GPU size: no GPU readings and no --gpu-memory-bytes"
+        return request_for(engine_flags(self.settings), self.deployment, str(gpu)), measured, None
 
     def transient_gate_off(self) -> str | None:
         """Why kvgate does not gate transient memory now and which flag turns it on, or None when
@@ -312,6 +352,7 @@ class Runtime:
                 self.settings.model,
                 self.settings.request_chat_template_timeout,
                 self.settings.preparation_workers,
+                self.pipeline.work_budget.capacity,
                 media,
             )
         freeze_start_up_heap()

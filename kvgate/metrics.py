@@ -1,19 +1,29 @@
-"""kvgate's own Prometheus metrics: `kvgate_` prefix, base units, low-cardinality labels.
+"""kvgate's Prometheus page: its own `kvgate_` families, and the vLLM gauges a router reads.
 
 Each server gets its own registry so several kvgate apps (tests, benchmarks) can live in one
 process without colliding. The gate's decisions and releases arrive as events (GateMetrics is one
 of the gate's observers); its queue, ledger and budget are read only when /metrics is scraped.
+
+A router (llm-d's endpoint picker) and an autoscaler scrape the pool's target port, kvgate's, for
+vLLM's gauges: PoolGauges gives them one series each, vLLM's figures from the last scrape with
+kvgate's queue and reservations added (docs/metrics.md says what each means), and MetricsPage
+serves them beside kvgate's families, which it renders at most once per --metrics-cache-seconds
+(a router scrapes every 50 ms; kvgate's families cost ~1-2 ms to render, the gauges microseconds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvgate.gate.gate import Gate
 from kvgate.gate.observer import Decision, Release
 from kvgate.telemetry.metrics import TelemetryMetrics
+from kvgate.telemetry.vllm import BackendSnapshot
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -160,3 +170,112 @@ def _last_known(read: Callable[[], int | None]) -> Callable[[], float]:
         return last
 
     return value
+
+
+class PoolGauges(Collector):
+    """vLLM's gauges as a router and an autoscaler should see them behind kvgate, read when
+    scraped: one series each, labelled with the served model's name (vLLM 0.32.0
+    vllm/v1/metrics/loggers.py PrometheusStatLogger labels them model_name and engine, one series
+    per data-parallel engine; llm-d's endpoint picker reads only the first series of a family
+    with no timestamps, so a pod's total must be one series, and it has no `engine`).
+
+    - vllm:num_requests_waiting: vLLM's waiting (all engines, last scrape) + kvgate's queue.
+    - vllm:num_requests_running: vLLM's running (all engines, last scrape); 0 while it is down.
+    - vllm:kv_cache_usage_perc: the larger of vLLM's usage and kvgate's reserved blocks over the
+      pool, at most 1; 1 while kvgate would refuse or hold new work (not ready, backend down or
+      hung, queue full).
+    - vllm:cache_config_info: engine 0's series, as vLLM wrote it.
+    - vllm:lora_requests_info: the newest series (only when vLLM serves it, with --enable-lora).
+    """
+
+    def __init__(
+        self,
+        gate: Gate,
+        ready: Callable[[], bool],
+        snapshot: Callable[[], BackendSnapshot | None],
+        model_name: Callable[[], str | None],
+    ) -> None:
+        self.gate = gate
+        self.ready = ready
+        self.snapshot = snapshot
+        self.model_name = model_name
+
+    def saturated(self) -> bool:
+        """kvgate would not take new work now: it refuses it (queue full) or holds it (not ready,
+        backend down or hung)."""
+        queue = self.gate.queue
+        return not self.ready() or self.gate.budget.hold is not None or 0 < queue.max_size <= len(queue)
+
+    def kv_usage(self, snapshot: BackendSnapshot | None) -> float:
+        if self.saturated():
+            return 1.0
+        vllm_usage = snapshot.kv_usage if snapshot is not None and snapshot.kv_usage is not None else 0.0
+        pool = self.gate.budget.kv_blocks
+        reserved = self.gate.ledger.kv_blocks / pool if pool else 0.0
+        return min(1.0, max(vllm_usage, reserved))
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snapshot = self.snapshot()
+        name = self.model_name() or (snapshot.model_name if snapshot else None) or ""
+        up = snapshot is not None and self.gate.budget.backend.up
+        vllm_waiting = (snapshot.waiting or 0.0) if up and snapshot else 0.0
+        vllm_running = (snapshot.running or 0.0) if up and snapshot else 0.0
+        for family, help_text, value in (
+            (
+                "vllm:num_requests_waiting",
+                "Requests waiting: vLLM's (all engines, kvgate's last scrape) plus kvgate's admission queue.",
+                vllm_waiting + self.gate.waiting,
+            ),
+            (
+                "vllm:num_requests_running",
+                "Requests in vLLM's execution batches (all engines, kvgate's last scrape; 0 while it is down).",
+                vllm_running,
+            ),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage, 1 means 100 percent: the larger of vLLM's and kvgate's reservations over "
+                "the pool; 1 while kvgate would refuse or hold new work.",
+                self.kv_usage(snapshot),
+            ),
+        ):
+            gauge = GaugeMetricFamily(family, help_text, labels=["model_name"])
+            gauge.add_metric([name], value)
+            yield gauge
+        if snapshot is not None and snapshot.cache_config_labels is not None:
+            labels = snapshot.cache_config_labels
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels)
+            )
+            info.add_metric(list(labels.values()), 1.0)
+            yield info
+        if snapshot is not None and snapshot.lora_series is not None:
+            set_at, labels = snapshot.lora_series
+            lora = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.", labels=list(labels))
+            lora.add_metric(list(labels.values()), set_at)
+            yield lora
+
+
+class MetricsPage:
+    """The /metrics page: the router's gauges rendered on every scrape (fresh and cheap), kvgate's
+    own families rendered at most once per `cache_s` (0: every scrape)."""
+
+    def __init__(
+        self, pool: PoolGauges, own: CollectorRegistry, cache_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.pool = CollectorRegistry(auto_describe=False)
+        self.pool.register(pool)
+        self.own = own
+        self.cache_s = cache_s
+        self.clock = clock
+        self._own_page = b""
+        self._rendered_at = -float("inf")
+
+    def own_families(self) -> bytes:
+        """kvgate's `kvgate_` families, from the cache while it is younger than cache_s."""
+        now = self.clock()
+        if now - self._rendered_at >= self.cache_s:
+            self._own_page, self._rendered_at = generate_latest(self.own), now
+        return self._own_page
+
+    def render(self) -> bytes:
+        return generate_latest(self.pool) + self.own_families()

@@ -5,7 +5,10 @@ template is Python: in a thread of kvgate's process either still stops the event
 request's own template can allocate gigabytes in one operation. In a worker process the event
 loop stays free, and the work can be measured as it runs and stopped: kvgate reads the worker's
 resident memory every few milliseconds and kills it when the request's preparation passes the
-memory it was granted (kvgate/work_budget.py) or its time, then starts a fresh worker.
+memory it was granted (kvgate/work_budget.py) or its time, then starts a fresh worker. Between
+two readings one operation could still allocate gigabytes, so the kernel holds each worker to its
+job's grant too (RLIMIT_DATA, `_DataLimit`): an allocation past it fails at once, in the worker,
+as a MemoryError (Python) or an abort (Rust's allocator, in the tokenizer), never in kvgate.
 
 Each worker loads the model's tokenizer once (the same one kvgate's process loads) and serves one
 request at a time over a pipe.
@@ -20,6 +23,8 @@ import gc
 import logging
 import multiprocessing
 import os
+import resource
+import signal
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +37,7 @@ from kvgate.multimodal import MediaOptions
 from kvgate.preparation import Prepared, prepare
 from kvgate.request import RequestLimits
 from kvgate.tokens import local_tokenizer
+from kvgate.units import MiB
 from kvgate.vllm_routes import Route
 from kvgate.work_budget import Grant, charging
 
@@ -40,6 +46,10 @@ log = logging.getLogger("kvgate.preparation")
 _RSS_POLL_S = 0.005
 WORKER_NICENESS = 10
 _START_S = 120.0  # a worker loads transformers and the tokenizer: seconds, minutes on a starved CPU
+# Room in a worker's data limit above what its job was granted: what counts as data before it is
+# resident (thread stacks, the parts of malloc's arenas made writable) and the job's own pipe
+# buffers. The grant bounds resident memory, which kvgate also watches.
+DATA_LIMIT_SLACK = 64 * MiB
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ class Job:
 # ------------------------------------------------------------------ in the worker process
 
 
-def _serve(conn: Connection, model_dir: str, template_seconds: float, media: MediaOptions | None) -> None:
+def _serve(conn: Connection, model_dir: str, template_seconds: float, media: MediaOptions | None, ceiling: int) -> None:
     """The worker's loop: load the tokenizer, then prepare jobs until the pipe closes. It runs
     at a lower priority than kvgate's event loop, which must answer while it works."""
     os.nice(WORKER_NICENESS)
@@ -61,16 +71,19 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
     gc.collect()
     gc.freeze()
     loop = asyncio.new_event_loop()
+    limit = _DataLimit(ceiling)
     conn.send(("ready",))
     libc = _libc()
     while True:
         try:
-            job: Job = conn.recv()
+            job: Job
+            job, granted = conn.recv()
             raw = conn.recv_bytes()  # sent apart: no pickle copies the body
         except (EOFError, OSError):
             return  # kvgate is gone
+        limit.hold(granted)
         try:
-            with charging(partial(_ask_for_more, conn)):
+            with charging(partial(_ask_for_more, conn, limit)):
                 prepared = loop.run_until_complete(
                     prepare(
                         job.route,
@@ -84,8 +97,11 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
             reply: tuple[Any, ...] = ("ok", prepared)
         except KvgateError as error:
             reply = ("error", type(error), error.args, error.__dict__)
-        except MemoryError:
-            reply = ("error", TokenizationFailed, ("the request ran out of memory",), {})
+        except MemoryError:  # the kernel refused an allocation past the job's grant
+            too_costly = RequestTooCostly(limit.granted, ceiling, "took more than")
+            reply = ("error", RequestTooCostly, too_costly.args, too_costly.__dict__)
+        finally:
+            limit.release()
         del job, raw
         conn.send(reply)
         del reply
@@ -94,12 +110,50 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
             libc.malloc_trim(0)  # give the request's memory back to the system, not to the next one
 
 
-async def _ask_for_more(conn: Connection, cost: int) -> None:
+class _DataLimit:
+    """The kernel's hold on this worker's memory (RLIMIT_DATA: its private writable mappings,
+    which malloc, Python's allocator and Rust's all draw from). While a job runs the limit is what
+    the worker held before it, plus the job's grant as it grows, plus DATA_LIMIT_SLACK; between
+    jobs, and as its hard limit, the start-up heap plus all of kvgate's request-work budget
+    (`ceiling`), more than any one job can be granted."""
+
+    def __init__(self, ceiling: int) -> None:
+        self.ceiling = _data_bytes() + ceiling + DATA_LIMIT_SLACK
+        self.granted = 0
+        self._limit = self.ceiling
+        resource.setrlimit(resource.RLIMIT_DATA, (self.ceiling, self.ceiling))
+
+    def hold(self, granted: int) -> None:
+        """A job starts with `granted` bytes of the budget."""
+        self.granted = granted
+        self._limit = _data_bytes() + granted + DATA_LIMIT_SLACK
+        self._set(self._limit)
+
+    def grow(self, cost: int) -> None:
+        """The job was granted `cost` more bytes."""
+        self.granted += cost
+        self._limit += cost
+        self._set(self._limit)
+
+    def release(self) -> None:
+        self._set(self.ceiling)
+
+    def _set(self, limit: int) -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (min(limit, self.ceiling), self.ceiling))
+
+
+def _data_bytes() -> int:
+    """This process's private writable memory (VmData), what RLIMIT_DATA counts."""
+    return _status_bytes(os.getpid(), b"VmData:") or 0
+
+
+async def _ask_for_more(conn: Connection, limit: _DataLimit, cost: int) -> None:
     """A stage's memory, asked of kvgate's budget before the stage runs (the job waits)."""
     conn.send(("grow", cost))
     reply = conn.recv()
     if reply[0] != "granted":
         raise _rebuilt(*reply[1:])
+    limit.grow(cost)
 
 
 def _libc() -> Any | None:
@@ -120,22 +174,32 @@ def _rebuilt(cls: type[KvgateError], args: tuple[Any, ...], attributes: dict[str
     return error
 
 
-def _rss_bytes(pid: int) -> int | None:
+def _status_bytes(pid: int, field: bytes) -> int | None:
+    """A size from /proc/<pid>/status (VmRSS:, VmData:), None once the process is gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as status:
             for line in status:
-                if line.startswith(b"VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
 
 
+def _rss_bytes(pid: int) -> int | None:
+    return _status_bytes(pid, b"VmRSS:")
+
+
 class _Worker:
-    def __init__(self, context: Any, model_dir: str, template_seconds: float, media: MediaOptions | None) -> None:
+    def __init__(
+        self, context: Any, model_dir: str, template_seconds: float, media: MediaOptions | None, ceiling: int
+    ) -> None:
         self._conn, child = multiprocessing.Pipe()
         self.process = context.Process(
-            target=_serve, args=(child, model_dir, template_seconds, media), name="kvgate-prepare", daemon=True
+            target=_serve,
+            args=(child, model_dir, template_seconds, media, ceiling),
+            name="kvgate-prepare",
+            daemon=True,
         )
         self.process.start()
         child.close()
@@ -143,8 +207,8 @@ class _Worker:
         self._ready = False
         self._killed = False
 
-    def _send(self, job: Job, raw: bytes) -> None:
-        self._conn.send(job)
+    def _send(self, job: Job, granted: int, raw: bytes) -> None:
+        self._conn.send((job, granted))
         self._conn.send_bytes(raw)
 
     async def run(self, job: Job, raw: bytes, grant: Grant, seconds: float) -> Prepared:
@@ -154,7 +218,7 @@ class _Worker:
             await self._receive(_START_S, None)
             self._ready = True
         base = _rss_bytes(self.pid) or 0
-        await asyncio.to_thread(self._send, job, raw)
+        await asyncio.to_thread(self._send, job, grant.bytes, raw)
         deadline = time.monotonic() + seconds
         while True:
             reply = await self._receive(deadline - time.monotonic(), (base, grant))
@@ -187,7 +251,11 @@ class _Worker:
         try:
             message: tuple[Any, ...] = await asyncio.to_thread(self._conn.recv)
         except (EOFError, OSError):
+            self.process.join(timeout=5)
+            aborted = self.process.exitcode == -signal.SIGABRT
             self.kill()
+            if aborted and memory is not None:  # Rust's allocator aborts where the kernel's limit refuses
+                raise RequestTooCostly(memory[1].bytes, memory[1].capacity, "took more than") from None
             raise TokenizationFailed("the worker preparing the request stopped") from None
         return message
 
@@ -208,23 +276,30 @@ class _Worker:
 
 
 class PreparationWorkers:
-    """`count` worker processes; `await run(job, raw, grant, seconds)` prepares a job in the next free one."""
+    """`count` worker processes; `await run(job, raw, grant, seconds)` prepares a job in the next
+    free one. `ceiling`: the work budget's capacity, the most any job can be granted."""
 
     def __init__(
-        self, model_dir: str | Path, template_seconds: float, count: int, media: MediaOptions | None = None
+        self,
+        model_dir: str | Path,
+        template_seconds: float,
+        count: int,
+        ceiling: int,
+        media: MediaOptions | None = None,
     ) -> None:
         # spawn: kvgate's process has threads and an event loop a fork would copy mid-flight.
         self._context = multiprocessing.get_context("spawn")
         self._model_dir = str(model_dir)
         self._template_seconds = template_seconds
         self._media = media
+        self._ceiling = ceiling
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: list[_Worker] = []
         for _ in range(count):
             self._idle.put_nowait(self._start())
 
     def _start(self) -> _Worker:
-        worker = _Worker(self._context, self._model_dir, self._template_seconds, self._media)
+        worker = _Worker(self._context, self._model_dir, self._template_seconds, self._media, self._ceiling)
         self._all.append(worker)
         return worker
 

@@ -86,6 +86,7 @@ class ChatInput:
     add_special_tokens: bool = False
     documents: tuple[dict[str, Any], ...] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # how vLLM's processor counts the images
+    reasoning_effort: str | None = None  # GPT-OSS: Harmony's system message (kvgate/harmony.py)
 
     @property
     def carries_template(self) -> bool:

@@ -19,6 +19,7 @@ from kvgate.units import KiB, MiB
 from kvgate.vllm_flags import ByteSize, OptionalByteSize, VllmFlags, add_vllm_arguments
 
 GpuProbeMode = Literal["auto", "nvml", "sim", "none"]
+MetricsPage = Literal["kvgate", "vllm"]
 
 
 class Settings(BaseSettings, VllmFlags):
@@ -75,7 +76,30 @@ class Settings(BaseSettings, VllmFlags):
     )
 
     scrape_interval: float = Field(
-        0.25, gt=0, description="Seconds between scrapes of vLLM's /metrics and GPU readings."
+        0.25,
+        gt=0,
+        description="Seconds between scrapes of vLLM's /metrics and GPU readings while requests are queued, "
+        "in flight or in vLLM.",
+    )
+    idle_scrape_interval: float = Field(
+        1.0,
+        gt=0,
+        description="Seconds between those scrapes while nothing is (the next request wakes the loop at "
+        "once); at most half of --max-staleness, so an idle budget stays live, and never less than "
+        "--scrape-interval.",
+    )
+    metrics_page: MetricsPage = Field(
+        "kvgate",
+        description="What GET /metrics serves: kvgate (vLLM's routing gauges with kvgate's queue and "
+        "reservations in them, vLLM's cache_config_info and lora_requests_info, then kvgate's own "
+        "families) or vllm (vLLM's page unmodified, fetched per scrape; kvgate's families stay on "
+        "/kvgate/metrics).",
+    )
+    metrics_cache_seconds: float = Field(
+        1.0,
+        ge=0,
+        description="kvgate's own families on /metrics are rendered at most this often (a router scrapes "
+        "every 50 ms); the vLLM gauges are computed on every scrape. 0: render every scrape.",
     )
     max_staleness: float = Field(
         2.0,
@@ -240,7 +264,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, only: Collection[str
                 help=help_text,
             )
         else:
-            choices = getattr(field.annotation, "__args__", None) if name == "gpu_probe" else None
+            choices = getattr(field.annotation, "__args__", None) if name in ("gpu_probe", "metrics_page") else None
             parser.add_argument(
                 _flag(name),
                 dest=name,

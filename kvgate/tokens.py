@@ -22,6 +22,7 @@ from kvgate.chat_template import (
     render_chat,
     render_within_budget,
 )
+from kvgate.harmony import GPT_OSS_MODEL_TYPE, HarmonyChats
 from kvgate.multimodal import MediaCounting, MediaOptions, image_tokens_of, model_type_of
 from kvgate.request import ChatInput
 from kvgate.units import MiB
@@ -357,8 +358,13 @@ def local_tokenizer(
     model_dir: str | Path, template_seconds: float = 1.0, media: MediaOptions | None = None
 ) -> Tokenizer:
     """The model folder's own tokenizer, images counted (or refused) by kvgate.multimodal."""
-    inner = LocalTokenizer(model_dir, template_seconds=template_seconds)
+    inner = _chats_as_vllm_renders(LocalTokenizer(model_dir, template_seconds=template_seconds), model_dir)
     return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir))
+
+
+def _chats_as_vllm_renders(tokenizer: Any, model_dir: str | Path | None) -> Any:
+    """GPT-OSS chats rendered with Harmony (kvgate/harmony.py), as vLLM's chat route renders them."""
+    return HarmonyChats(tokenizer) if model_type_of(model_dir) == GPT_OSS_MODEL_TYPE else tokenizer
 
 
 def load_tokenizer(
@@ -380,7 +386,10 @@ def load_tokenizer(
         ", ".join(_TOKENIZER_FILES),
     )
     return MediaCounting(
-        BackendTokenizer(client, model_name), image_tokens_of(model_dir), media, model_type_of(model_dir)
+        _chats_as_vllm_renders(BackendTokenizer(client, model_name), model_dir),
+        image_tokens_of(model_dir),
+        media,
+        model_type_of(model_dir),
     )
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 from kvgate.errors import RequestTooCostly, WorkMemoryBusy
 from kvgate.units import GiB, MiB
 
-# cgroup v2's limit of the container ("max" when none), then v1's (a huge number when none).
-_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+# Where the kernel shows cgroups, and which ones this process is in.
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_MEMBERSHIP = Path("/proc/self/cgroup")
 _NO_LIMIT = 2**60  # v1 writes PAGE_COUNTER_MAX pages (about 2**63) for "unlimited"
 # Without a limit from the flag or the cgroup: the manifests' (deploy/), so that kvgate behaves in
 # development as it will in the pod.
@@ -73,21 +74,41 @@ class charging:
         _grow.reset(self._token)
 
 
-def container_memory_limit(paths: tuple[Path, ...] = _CGROUP_LIMITS) -> int | None:
-    """The memory limit of the cgroup kvgate runs in, or None without one."""
-    for path in paths:
+def container_memory_limit(root: Path = _CGROUP_ROOT, membership: Path = _MEMBERSHIP) -> int | None:
+    """The memory limit of the cgroup kvgate runs in, or None without one: the tightest over its
+    cgroup and their ancestors, v2's memory.max ("max" when none) and v1's memory.limit_in_bytes
+    (a huge number when none). In a container with its own cgroup namespace the cgroup is the
+    hierarchy's root as mounted; without one (Docker's --cgroupns=host, v1 hosts, a systemd unit)
+    it is the path /proc/self/cgroup names, and a limit on a parent (a pod's) holds it too."""
+    paths: list[str] = []
+    try:
+        for line in membership.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "" or "memory" in controllers.split(","):
+                paths.append(path)
+    except (OSError, ValueError):
+        pass
+    limits = [
+        limit
+        for folder, name in ((root, "memory.max"), (root / "memory", "memory.limit_in_bytes"))
+        for path in paths or ["/"]
+        if (limit := _tightest_limit(folder, path.strip("/"), name)) is not None
+    ]
+    return min(limits, default=None)
+
+
+def _tightest_limit(folder: Path, path: str, name: str) -> int | None:
+    """The smallest limit in `name` files from folder/path up to folder itself."""
+    parts = path.split("/") if path else []
+    limits = []
+    for depth in range(len(parts), -1, -1):
         try:
-            text = path.read_text().strip()
+            text = folder.joinpath(*parts[:depth], name).read_text().strip()
         except OSError:
             continue
-        if text == "max":
-            return None
-        try:
-            limit = int(text)
-        except ValueError:
-            continue
-        return None if limit >= _NO_LIMIT else limit
-    return None
+        if text != "max" and text.isdigit() and int(text) < _NO_LIMIT:
+            limits.append(int(text))
+    return min(limits, default=None)
 
 
 def process_memory(flag: int | None) -> int:
@@ -112,6 +133,11 @@ class Grant:
     def __init__(self, budget: WorkBudget) -> None:
         self._budget = budget
         self.bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        """The whole budget's, the most a grant can grow to."""
+        return self._budget.capacity
 
     async def grow(self, cost: int) -> None:
         """Hold `cost` more bytes: at once if they are free, after a short wait, or a domain

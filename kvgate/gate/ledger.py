@@ -119,6 +119,10 @@ class Ledger:
         unseen = sum(1 for h in set(demand.shared_block_hashes) if h not in self._refcounts)
         return unseen + demand.private_blocks
 
+    def shared_blocks(self, hashes: frozenset[int]) -> int:
+        """Of an admitted request's prompt blocks, those another in-flight request holds too."""
+        return sum(1 for h in hashes if self._refcounts.get(h, 0) > 1)
+
     def reserve(self, demand: Demand) -> Reservation:
         hashes = frozenset(demand.shared_block_hashes)
         for h in hashes:

@@ -78,18 +78,41 @@ def error_body(error: errors.KvgateError) -> dict[str, Any]:
     }
 
 
+# Why a request was dropped before it reached vLLM, in the words of llm-d's endpoint picker
+# (llm-d/llm-d-router pkg/common/error/error.go RequestDroppedReason; pkg/epp/requestcontrol/
+# admission.go translateFlowControlOutcome answers its own flow control's drops with them: 429
+# rejected-saturated for a full queue, 429 rejected-ttl-expired for a queue wait that ran out while
+# the pool has endpoints, 503 rejected-no-endpoints when no serving capacity exists). A router or
+# client in front of kvgate reads kvgate's drops as it reads the picker's.
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+_DROPPED_REASONS: dict[type[errors.KvgateError], str] = {
+    errors.QueueFull: "rejected-saturated",
+    errors.WorkMemoryBusy: "rejected-saturated",
+    errors.QueueTimeout: "rejected-ttl-expired",
+    errors.BackendDown: "rejected-no-endpoints",
+    errors.NotReady: "rejected-no-endpoints",
+}
+
+
 def error_headers(error: errors.KvgateError) -> dict[str, str]:
     """Allow for a 405; Retry-After for a refusal for load and for every 502 and 503 (a broken
-    exchange gets the backend state's default, UNKNOWN_OUTAGE_RETRY_S); `Connection: close` with
-    a 408, as RFC 9110 15.5.9 asks: the client's body was not read to its end."""
+    exchange gets the backend state's default, UNKNOWN_OUTAGE_RETRY_S), and the endpoint picker's
+    drop reason for a request kvgate never sent (saturated, queue wait expired, backend down);
+    `Connection: close` with a 408, as RFC 9110 15.5.9 asks: the client's body was not read to its end."""
     if isinstance(error, errors.MethodNotAllowed):
         return {"Allow": "POST"}
     if isinstance(error, errors.ClientTooSlow):
         return {"Connection": "close"}
+    headers: dict[str, str] = {}
     retry_after_s = error.retry_after_s
     if retry_after_s is None and status_of(error) in (502, 503):
         retry_after_s = UNKNOWN_OUTAGE_RETRY_S
-    return {} if retry_after_s is None else {"Retry-After": str(retry_after_s)}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_s)
+    reason = next((r for cls in type(error).__mro__ if (r := _DROPPED_REASONS.get(cls))), None)
+    if reason is not None:
+        headers[DROPPED_REASON_HEADER] = reason
+    return headers
 
 
 def error_response(error: errors.KvgateError, extra_headers: dict[str, str] | None = None) -> Response:

@@ -113,6 +113,7 @@ class Evaluated:
     count_output: bool  # kvgate/http/output_tokens.py can read its answer
     deadline: float  # when it must have been admitted (the gate's clock), set once its body is in
     turn: str  # the tenant turn it waits for in the queue (kvgate/gate/tenants.py)
+    route: Route
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class Admitted:
     headers: dict[str, str]  # the ones kvgate adds to the response
     stream: bool
     count_output: bool
+    route: Route
 
 
 class GatedRoutes:
@@ -188,9 +190,10 @@ class GatedRoutes:
         prediction = evaluation.prediction
         rt.metrics.predicted_transient.observe(prediction.transient_peak_bytes)
         rt.metrics.predicted_kv_blocks.observe(prediction.demand.kv_blocks)
+        rt.traffic.evaluated(route, prediction)
         priority = caller.queue_priority(evaluation.request.priority, rt.settings.trust_request_priority)
         turn = self._turns.turn(caller.tenant, caller.vouched)  # taken only by a request that will queue
-        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, deadline, turn)
+        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, deadline, turn, route)
 
     async def _admit(
         self, evaluated: Evaluated, scope: Scope, receive: Receive, started: float, request_id: str, deadline: float
@@ -216,7 +219,14 @@ class GatedRoutes:
             "x-kvgate-transient-bytes": str(transient_bytes),
             "x-kvgate-queue-wait": f"{ticket.queue_wait_s:.4f}",
         }
-        return Admitted(ticket, evaluated.body, headers, evaluated.evaluation.request.stream, evaluated.count_output)
+        return Admitted(
+            ticket,
+            evaluated.body,
+            headers,
+            evaluated.evaluation.request.stream,
+            evaluated.count_output,
+            evaluated.route,
+        )
 
     async def _forward(self, admitted: Admitted, scope: Scope, receive: Receive, request_id: str) -> Response | None:
         """Open the upstream exchange; from here on the Relay owns the ticket. A non-streaming
@@ -261,6 +271,7 @@ class GatedRoutes:
 
         def on_end(outcome: str, output_tokens: int | None) -> None:
             ticket.release(outcome, output_tokens)
+            self.rt.traffic.finished(admitted.route, outcome, output_tokens)
             if outcome == "disconnected":  # every release as `disconnected` is a client that left
                 self.rt.gate.observers.decided(Decision("abandon", ClientGone.code, request_id, stage="response_body"))
 

@@ -7,6 +7,7 @@ metrics, probes, and the pass-through of any other path to the backend.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
+from kvgate.advise import advice_document
+from kvgate.advise_live import advise_from, request_json
 from kvgate.composition import Runtime
 from kvgate.errors import KvgateError, MethodNotAllowed
 from kvgate.explain import explain
@@ -23,6 +26,7 @@ from kvgate.http.decision_log import DecisionLog
 from kvgate.http.errors import error_response
 from kvgate.http.gated_routes import GATED_PATHS, GatedRoutes, request_id_of
 from kvgate.http.proxy import check_passthrough, passthrough, passthrough_allowed
+from kvgate.metrics import MetricsPage
 from kvgate.passthrough_body import check_passthrough_body
 from kvgate.settings import Settings
 
@@ -33,22 +37,30 @@ LORA_ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
 class Kvgate:
-    """The front ASGI app: one dictionary lookup decides between the fast path and FastAPI."""
+    """The front ASGI app: one dictionary lookup decides between the fast path and FastAPI.
 
-    def __init__(self, gated: GatedRoutes, rest: FastAPI) -> None:
+    GET /metrics is on the fast path too (with --metrics-page kvgate): a router scrapes it every
+    50 ms, and FastAPI's routing cost more than the page itself (bench/results/poll-cost)."""
+
+    def __init__(self, gated: GatedRoutes, rest: FastAPI, page: MetricsPage | None) -> None:
         self.gated = gated
         self.rest = rest
         self.runtime = gated.rt
+        self.page = page
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            endpoint = GATED_PATHS.get(scope["path"])
+            path = scope["path"]
+            endpoint = GATED_PATHS.get(path)
             if endpoint is not None and scope["method"] == "POST":
                 await self.gated(endpoint, scope, receive, send)
                 return
             if endpoint is not None:  # OpenAI's error shape, not the backend's {"detail": ...}
-                error = MethodNotAllowed(scope["method"], scope["path"])
+                error = MethodNotAllowed(scope["method"], path)
                 await error_response(error)(scope, receive, send)
+                return
+            if path == "/metrics" and self.page is not None and scope["method"] == "GET":
+                await Response(self.page.render(), media_type=CONTENT_TYPE_LATEST)(scope, receive, send)
                 return
         await self.rest(scope, receive, send)
 
@@ -79,9 +91,57 @@ def create_app(settings: Settings) -> Kvgate:
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error))
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    # GET /metrics: kvgate's page on the fast path (Kvgate), vLLM's with --metrics-page vllm.
+    page = rt.metrics_page if settings.metrics_page == "kvgate" else None
+
+    if page is None:
+
+        @app.get("/metrics")
+        async def metrics(request: Request) -> Response:
+            """vLLM's own page, unmodified (--metrics-page vllm)."""
+            try:
+                return await passthrough(
+                    rt.backend,
+                    "GET",
+                    request_target(request.scope),
+                    request.headers.raw,
+                    b"",
+                    request_id_of(request.scope),
+                    request.scope.get("client"),
+                    request.scope.get("scheme", "http"),
+                )
+            except KvgateError as error:
+                return answer_refusal(request.scope, error_response(error))
+
+    @app.get("/kvgate/metrics")
+    async def kvgate_metrics() -> Response:
+        """kvgate's own families alone, rendered now: beside vLLM's page in --metrics-page vllm."""
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/advice")
+    async def advice() -> Response:
+        """vLLM flags from the traffic kvgate measured (docs/advise.md): predicted off the event
+        loop (a few dozen start-up predictions), from a snapshot taken on it."""
+        try:
+            request, measured, problem = rt.advice_input()
+        except KvgateError as error:
+            return error_response(error)
+        if request is None:
+            return JSONResponse(
+                {"deployment": None, "measured": measured.to_json(), "advice": None, "problem": problem}
+            )
+        try:
+            advised = await asyncio.to_thread(advise_from, request, measured)
+        except (ValueError, KeyError, OSError) as exc:  # the model folder or flags advise cannot read
+            return JSONResponse(
+                {
+                    "deployment": request_json(request),
+                    "measured": measured.to_json(),
+                    "advice": None,
+                    "problem": str(exc),
+                }
+            )
+        return JSONResponse({**advice_document(advised), "problem": None})
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -152,4 +212,4 @@ def create_app(settings: Settings) -> Kvgate:
         except KvgateError as error:
             return answer_refusal(request.scope, error_response(error, {"x-request-id": request_id}))
 
-    return Kvgate(GatedRoutes(rt), app)
+    return Kvgate(GatedRoutes(rt), app, page)

@@ -727,10 +727,16 @@ def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int) -> tuple[int, 
     for i, rows in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
         inner = max(rows * topk * (dt + INT64_BYTES), rows * (topk * INT64_BYTES + row))
-        loop = max(loop, (previous + rows) * v * dt + kept_rows * row + inner)
+        # `prompt_logits = logits_fn(...)`: the previous sub-chunk's logits are let go once the
+        # new ones are bound, before this sub-chunk's compute_topk_scores
+        both = (previous + rows) * v * dt
+        loop = max(loop, kept_rows * row + max(both, rows * v * dt + inner))
         kept_rows += rows
-    concatenated = sizes[-1] * v * dt + (2 * step * row if len(sizes) > 1 else 0)
-    return step, row, max(loop, concatenated)
+    # After the loop (:315-317) the ids are cat-ed first, beside the scores' and ranks' lists: the
+    # ids twice, the scores and ranks once (the later cats hold less); one sub-chunk: no cat.
+    ids, scores = (topk + 1) * INT64_BYTES, (topk + 1) * FP32
+    cat = step * (2 * ids + scores + INT64_BYTES) if len(sizes) > 1 else 0
+    return step, row, max(loop, sizes[-1] * v * dt + cat)
 
 
 def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:

@@ -490,7 +490,9 @@ class StepMemory:
             return
         n = shape.num_tokens
         topk = d.vocab if any(r.prompt_logprobs == -1 for r in wanting) else max(r.prompt_logprobs for r in wanting)
-        per_row = (topk + 1) * 12 + 8  # int64 ids + fp32 scores + an int64 rank
+        ids, scores, rank = (topk + 1) * 8, (topk + 1) * 4, 8  # int64 ids, fp32 scores, an int64 rank
+        per_row = ids + scores + rank
+        parts = (("ids", ids), ("scores", scores), ("ranks", rank))
         chunks, previous = [], None
         for c in range(-(-n // PROMPT_LOGPROB_CHUNK)):
             rows = min(PROMPT_LOGPROB_CHUNK, n - c * PROMPT_LOGPROB_CHUNK)
@@ -502,23 +504,27 @@ class StepMemory:
                 t.alloc("pl_topk_values", rows * topk * dt)
                 t.alloc("pl_topk_indices", rows * topk * 8)
                 t.free("pl_topk_values")
-            t.alloc(f"pl_results{c}", rows * per_row)
+            for part, width in parts:
+                t.alloc(f"pl_{part}{c}", rows * width)
             t.free("pl_topk_indices")
-            chunks.append(f"pl_results{c}")
-        step_results = chunks[0]
-        if len(chunks) > 1:
-            t.alloc("pl_step_results", n * per_row)
-            t.free(*chunks)
-            step_results = "pl_step_results"
+            chunks.append(c)
+        step_results = [f"pl_{part}{chunks[0]}" for part, _ in parts]
+        if len(chunks) > 1:  # :315-317: one torch.cat after the other, each list let go after its cat
+            step_results = []
+            for part, width in parts:
+                t.alloc(f"pl_step_{part}", n * width)
+                t.free(*(f"pl_{part}{c}" for c in chunks))
+                step_results.append(f"pl_step_{part}")
         if previous is not None:
             t.free(previous)
+        for r in wanting:  # a finishing prompt's LogprobsTensors.cat, this step's results alive
+            if not r.prompt_left:
+                scored = r.num_context + r.prompt_logprob_tokens - 1  # the whole prompt's rows
+                t.ops.append(("merge", f"held:pl:{r.request_id}", scored * per_row))
+        t.free(*step_results)  # what a prompt that goes on keeps of them: its held slice
         for r in wanting:
             if r.prompt_left:  # not its last prompt step: the step's tensor stays for it
                 t.alloc(f"held:pl:{r.request_id}:{len(t.ops)}", n * per_row)
-            else:
-                scored = r.num_context + r.prompt_logprob_tokens - 1  # the whole prompt's rows
-                t.ops.append(("merge", f"held:pl:{r.request_id}", scored * per_row))
-        t.free(step_results)
 
 
 def run_tape(alloc: CachingAllocator, tape: Tape, held: dict[str, list[Block]] | None = None) -> list[Block]:

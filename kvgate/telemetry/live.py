@@ -8,7 +8,8 @@ Every `--scrape-interval` it reads vLLM's /metrics and the GPU probe, then sets 
   not stop (the backend may be fine and only /metrics slow) but spends only
   `--stale-budget-fraction` of both limits with overcommit off, so it is never blind at full speed.
 - down: /metrics and /health both fail to connect or answer 5xx (or the proxy found a
-  connection refused). New arrivals wait in the queue (up to their deadline); in-flight requests
+  connection refused), or /metrics answers while /health answers 5xx (an engine dead behind an
+  API server still up: asked after a request got a 5xx, see _engine_dead). New arrivals wait in the queue (up to their deadline); in-flight requests
   fail as their connections do and release their reservations. When /metrics answers again
   kvgate re-reads the backend's configuration before admitting anything.
 - hung: the scrape of /metrics timed out (`--max-staleness`) and /health did not answer within
@@ -91,6 +92,7 @@ class LiveBudget:
         self.headroom_bytes: int | None = None
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
+        self.gpu_total: int | None = None  # bytes of one GPU, from the last reading
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
         self.decode_rate: float | None = None
@@ -113,7 +115,8 @@ class LiveBudget:
             await self._scrape_failed(exc)
         else:
             self.metrics.scrape_duration.observe(time.perf_counter() - started)
-            await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
+            if not await self._engine_dead():
+                await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
         if self.probe.available and self.backend.up:
             self._gpu(await self.probe.read(), self.clock())
         self._apply(self.clock())
@@ -137,6 +140,22 @@ class LiveBudget:
             self._enter("hung", f"{self.problem}; /health silent for {HEALTH_TIMEOUT_S:g} s")
         else:
             self._enter("down", f"{self.problem}; /health {health}")
+
+    async def _engine_dead(self) -> bool:
+        """vLLM's API server answers /metrics after its engine died: until its watchdog stops it
+        (vllm/entrypoints/launchers/launcher.py terminate_if_errored), or for good with
+        VLLM_KEEP_ALIVE_ON_ENGINE_DEATH, while requests get 500 and /health 503. So /health is
+        asked, only when there is a reason (a request ended with a 5xx since the last scrape that
+        answered, or the backend is not up yet again): a 5xx there is a backend down."""
+        if self.backend.up and self.in_flight.last_backend_error < self.last_scrape:
+            return False
+        health = await self._health()
+        if not (isinstance(health, int) and health >= 500):
+            return False
+        self._engine_reported = True
+        self.problem = f"/metrics answers but /health answered {health}: vLLM's engine is dead"
+        self._enter("down", self.problem)
+        return True
 
     async def _health(self) -> int | str:
         """/health's status code, or why there is none: "timeout" or "unreachable"."""
@@ -295,6 +314,8 @@ class LiveBudget:
         self.metrics.gpu_probe_up.set(1)
         for device in reading.devices:
             self.metrics.gpu_free.labels(device.gpu).set(device.free)
+        if reading.devices:  # the smallest card of vLLM's: what `GET /advice` predicts the start-up on
+            self.gpu_total = min(device.total for device in reading.devices)
         headroom = self.headroom.update(
             reading,
             self.utilization(),

@@ -54,6 +54,12 @@ class TelemetryMetrics:
             buckets=_SCRAPE_BUCKETS,
             registry=r,
         )
+        self.scrape_interval = Gauge(
+            "kvgate_scrape_interval_seconds",
+            "Interval between scrapes of vLLM's /metrics in force: --scrape-interval while requests are "
+            "queued, in flight or in vLLM, --idle-scrape-interval otherwise.",
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "kvgate_scrape_errors",
             "Failed scrapes of vLLM's /metrics.",

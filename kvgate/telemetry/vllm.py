@@ -98,6 +98,13 @@ class BackendSnapshot:
     engines: dict[str, EngineStats] = field(default_factory=dict)
     process_start: float | None = None
     lora: LoraActivity | None = None  # None: the backend runs without --enable-lora
+    # What kvgate's /metrics passes on to a router (kvgate/metrics.py PoolGauges): the labels of
+    # engine 0's vllm:cache_config_info (the first engine's where there is no "0"), the newest
+    # vllm:lora_requests_info series (its value, the time vLLM set it, and its labels), and the
+    # model_name label of vLLM's scheduler gauges.
+    cache_config_labels: dict[str, str] | None = None
+    lora_series: tuple[float, dict[str, str]] | None = None
+    model_name: str | None = None
 
     @property
     def kv_blocks_used(self) -> float | None:
@@ -184,6 +191,15 @@ def _names(label: str | None) -> frozenset[str]:
     return frozenset(n for n in (label or "").split(",") if n)
 
 
+def _newest(samples: list[tuple[float, dict[str, str]]]) -> tuple[float, dict[str, str]] | None:
+    """The series with the largest value: vllm:lora_requests_info's value is when vLLM set it."""
+    return max(samples, key=lambda sample: sample[0]) if samples else None
+
+
+def _first_engine(labels: list[dict[str, str]]) -> dict[str, str] | None:
+    return next((lbl for lbl in labels if lbl.get("engine") == "0"), labels[0] if labels else None)
+
+
 def _lora_activity(samples: list[tuple[float, dict[str, str]]]) -> LoraActivity:
     """The newest series of each engine (largest timestamp), their adapters together."""
     newest: dict[str, tuple[float, dict[str, str]]] = {}
@@ -206,6 +222,7 @@ def parse_metrics(text: str) -> BackendSnapshot:
     lora_samples: list[tuple[float, dict[str, str]]] = []
     per_engine: dict[str, dict[str, float]] = {}
     process_start: float | None = None
+    model_name: str | None = None
     for family in text_string_to_metric_families(_wanted_lines(text)):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
@@ -213,6 +230,7 @@ def parse_metrics(text: str) -> BackendSnapshot:
             elif sample.name == "vllm:lora_requests_info":
                 lora_samples.append((sample.value, dict(sample.labels)))
             elif sample.name.startswith("vllm:"):
+                model_name = model_name or sample.labels.get("model_name")
                 engine = per_engine.setdefault(sample.labels.get("engine", "0"), {})
                 engine[sample.name] = engine.get(sample.name, 0.0) + sample.value
             elif sample.name == "process_start_time_seconds":
@@ -238,6 +256,9 @@ def parse_metrics(text: str) -> BackendSnapshot:
         engines=engines,
         process_start=process_start,
         lora=_lora_activity(lora_samples) if lora_samples else None,
+        cache_config_labels=_first_engine(cache_labels),
+        lora_series=_newest(lora_samples),
+        model_name=model_name,
     )
 
 

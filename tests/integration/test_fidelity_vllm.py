@@ -46,3 +46,20 @@ def test_term_within_band_of_vllms_allocation(case: Case, measured: tuple[dict[s
     assert row.transferable > 0, f"{case.id}: vLLM allocated nothing for the term\n{text}"
     assert row.rows_together, f"{case.id}: only {row.sampled_rows} rows were sampled in one step\n{text}"
     assert row.in_band, f"{case.id}: kvgate {row.estimate:,} B vs vLLM {row.transferable:,} B\n{text}"
+
+
+@pytest.mark.vllm
+def test_v2_prompt_logprobs_within_band_of_vllms_own_code_on_the_cpu(tmp_path) -> None:
+    """Model Runner V2's prompt logprobs (issue #27): vLLM's compute_prompt_logprobs_with_chunking
+    and LogprobsTensors.cat, run on the CPU with their Triton launches stubbed
+    (bench/fidelity/v2_probe.py): two sub-chunks, -1 in one step (the ids' cat), -1 over two steps
+    (the earlier step kept, the whole prompt cat-ed), each within -0/+15 % of kvgate's terms."""
+    from bench.fidelity.v2_cpu import SMALL_GRID, run
+    from bench.fidelity.v2_cpu import table as v2_table
+
+    probe, rows = run(SMALL_GRID, dtype="bfloat16", vllm_python=VLLM_PYTHON, scratch=tmp_path)
+    assert probe["vllm_version"] == "0.32.0"
+    text = v2_table(rows)
+    assert all(r.measured_peak > 0 for r in rows), text
+    assert any(r.measured_held > 0 for r in rows), text  # the two-step case keeps its first step
+    assert all(r.in_band for r in rows), text

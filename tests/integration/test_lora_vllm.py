@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from support.differential import POOL_TOKENS, Case, compare, load_cases, prompt_tokens_bound
+from support.exposition import declared_types, go_parse_error, python_samples
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.tiny_lora import build_tiny_lora
 from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
@@ -199,3 +200,31 @@ def test_real_clients_naming_an_adapter_get_what_vllm_gives_them(stack: Stack, c
     body = {**case.body, "model": "lora-a"}
     verdict = compare(stack.vllm.base_url, stack.kvgate.base_url, case.path, body)
     assert verdict.outcome in ("served", "both_refused"), verdict
+
+
+def test_kvgates_page_passes_vllms_lora_and_cache_series_on_as_one_each(stack: Stack) -> None:
+    """Issue 25: vLLM adds a vllm:lora_requests_info series whenever the adapters it runs change
+    (its value: when it was set); a router reads the newest. kvgate's /metrics carries that one
+    series and vLLM's cache_config_info as vLLM wrote them, on a page Prometheus' parser accepts."""
+    complete(stack.kvgate.base_url, "lora-a")
+    complete(stack.kvgate.base_url, "tiny-llama")
+
+    def series(base_url: str, name: str) -> list[tuple[dict[str, str], float]]:
+        return [(s.labels, s.value) for s in python_samples(httpx.get(base_url + "/metrics").text) if s.name == name]
+
+    def newest() -> tuple[dict[str, str], float]:
+        return max(series(stack.vllm.base_url, "vllm:lora_requests_info"), key=lambda s: s[1])
+
+    # Idle, vLLM's page stops changing: kvgate's next scrape copies its newest series.
+    wait_for(
+        lambda: series(stack.kvgate.base_url, "vllm:lora_requests_info") == [newest()],
+        timeout_s=30,
+        what=lambda: f"kvgate's page to carry vLLM's newest LoRA series {newest()}",
+    )
+    assert len(series(stack.vllm.base_url, "vllm:lora_requests_info")) > 1  # there was a choice
+    assert series(stack.kvgate.base_url, "vllm:cache_config_info") == series(
+        stack.vllm.base_url, "vllm:cache_config_info"
+    )
+    page = httpx.get(stack.kvgate.base_url + "/metrics").text
+    assert go_parse_error(page) is None, go_parse_error(page)
+    assert all(n == 1 for n in declared_types(page).values())

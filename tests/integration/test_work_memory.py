@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from bench.work_cost import hostile_bodies
+from kvgate.preparation_workers import DATA_LIMIT_SLACK, _DataLimit
 from support.fake_backend import FakeBackend
 from support.hostile_templates import STRING_BUILDERS
 from support.kvgate_server import KvgateFactory, KvgateServer
@@ -205,3 +206,43 @@ def test_a_worker_past_its_grant_is_stopped_and_replaced(kvgate: KvgateServer) -
     ok = httpx.post(kvgate.base_url + "/v1/completions", json={"model": "tiny-llama", "prompt": "x " * 20_000})
     assert ok.status_code in (200, 400), ok.text  # 400: the fake backend's tiny context
     assert_answered(ok)
+
+
+def allocations_under_a_data_limit(ceiling: int) -> dict[str, str]:
+    """In a process of its own (the limit stays with it): a preparation worker's data limit, with
+    a job granted 16 MiB, then 64 MiB more, then between jobs; what each allocation came to."""
+    limit = _DataLimit(ceiling)
+
+    def allocate(size: int) -> str:
+        try:
+            bytearray(size)  # zero-filled: resident, as a parse or a render makes it
+        except MemoryError:
+            return "MemoryError"
+        return "allocated"
+
+    past_the_grant = 16 * MiB + DATA_LIMIT_SLACK + 16 * MiB
+    outcomes = {}
+    limit.hold(16 * MiB)
+    outcomes["the grant"] = allocate(16 * MiB)
+    outcomes["past the grant"] = allocate(past_the_grant)
+    limit.grow(64 * MiB)
+    outcomes["past the first grant, within the grown one"] = allocate(past_the_grant)
+    limit.release()
+    outcomes["between jobs, the whole budget"] = allocate(ceiling)
+    outcomes["past the whole budget"] = allocate(ceiling + 2 * DATA_LIMIT_SLACK)
+    return outcomes
+
+
+def test_the_kernel_holds_a_worker_to_its_grant() -> None:
+    """Between two readings of a worker's resident memory one operation could allocate gigabytes:
+    the kernel refuses at once what passes the job's grant (RLIMIT_DATA), in the worker alone,
+    which goes on; between jobs it may hold all of kvgate's request-work budget, never more."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        outcomes = pool.apply(allocations_under_a_data_limit, (256 * MiB,))
+    assert outcomes == {
+        "the grant": "allocated",
+        "past the grant": "MemoryError",
+        "past the first grant, within the grown one": "allocated",
+        "between jobs, the whole budget": "allocated",
+        "past the whole budget": "MemoryError",
+    }

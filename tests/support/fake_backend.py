@@ -58,13 +58,15 @@ class FakeBackend:
     tokenize_fails: bool = False
     tokenize_delay_s: float = 0.0
     # ok | broken_stream | slow | done_then_linger (a stream whose body ends slow_s after its
-    # `data: [DONE]`) | linger_before_done (one event, then slow_s before the rest)
+    # `data: [DONE]`) | linger_before_done (one event, then slow_s before the rest) |
+    # engine_dead (vLLM's API server after its engine died: 500 here, 503 on /health, /metrics as ever)
     completion_mode: str = "ok"
     slow_s: float = 30.0
     started: float = field(default_factory=time.time)  # process_start_time_seconds: a new one is a restart
     running: int = 0  # slow completions being answered: vllm:num_requests_running
     seen: list[str] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
+    version: str | None = None  # GET /version's answer (None: no such route, as an old proxy)
 
     def app(self) -> Starlette:
         async def models(_: Request) -> Response:
@@ -76,7 +78,12 @@ class FakeBackend:
             return PlainTextResponse(page + f"process_start_time_seconds {self.started}\n")
 
         async def health(_: Request) -> Response:
-            return Response(status_code=200)
+            return Response(status_code=503 if self.completion_mode == "engine_dead" else 200)
+
+        async def version(_: Request) -> Response:
+            if self.version is None:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            return JSONResponse({"version": self.version})
 
         async def tokenize(request: Request) -> Response:
             if self.tokenize_fails:
@@ -89,6 +96,8 @@ class FakeBackend:
             body = json.loads(raw)
             self.seen.append(request.url.path)
             self.received.append(Received(request.url.path, request.url.query, request.headers.items(), raw))
+            if self.completion_mode == "engine_dead":  # vLLM 0.32.0 engine_error_handler's answer
+                return JSONResponse({"error": {"message": "EngineCore encountered an issue.", "code": 500}}, 500)
             if self.completion_mode == "broken_stream":
 
                 async def chunks():
@@ -122,6 +131,7 @@ class FakeBackend:
                 Route("/v1/models", models),
                 Route("/metrics", metrics),
                 Route("/health", health),
+                Route("/version", version),
                 Route("/tokenize", tokenize, methods=["POST"]),
                 *(Route(path, completions, methods=["POST"]) for path in ROUTE_PATHS),
             ]

@@ -117,6 +117,10 @@ def running_kvgate(
         str(model_dir),
         "--listen",
         f"127.0.0.1:{port}",
+        # kvgate's own families rendered on every scrape: a test reads them right after what it
+        # checks (its own --metrics-cache-seconds, later in the line, wins).
+        "--metrics-cache-seconds",
+        "0",
         *args,
     ]
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

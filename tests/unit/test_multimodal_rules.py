@@ -31,6 +31,16 @@ SPECIAL = {
     "<start_of_image>": 255999,
     "<end_of_image>": 256000,
     "<image_soft_token>": 262144,
+    "[IMG]": 10,
+    "<image>": 32000,
+    "<|image|>": 200090,
+    "<|patch|>": 200092,
+    "<|image_start|>": 200080,
+    "<|image_end|>": 200081,
+    "<|tile_x_separator|>": 200084,
+    "<|tile_y_separator|>": 200085,
+    "[IMG_BREAK]": 12,
+    "[IMG_END]": 13,
 }
 NEWLINES = {"\n": 107, "\n\n": 108, "\n\n\n": 109, "\n\n\n\n": 110}
 
@@ -92,6 +102,102 @@ def test_qwen2_vl_counts_by_smart_resize() -> None:
     # max_pixels 50,000: beta = sqrt(307200 / 50000); 6 x 9 units of 28 -> 12 x 18 patches -> 54
     small = _count(_qwen(), TEXT, _image(640, 480), mm_processor_kwargs={"max_pixels": 50_000})
     assert len(small) == text_only + 2 + 54 + 1
+
+
+def test_qwen3_vl_counts_with_its_16_pixel_patches() -> None:
+    """Qwen3-VL (dense and MoE) shares Qwen2-VL's image rule with its own numbers: 640 x 480 is
+    already a multiple of 16 x 2, so 40 x 30 patches, merged 2 x 2: 300 tokens."""
+    config = {"image_token_id": 151655, "vision_config": {"patch_size": 16, "spatial_merge_size": 2}}
+    processor = {"size": {"shortest_edge": 65_536, "longest_edge": 16_777_216}, "patch_size": 16, "merge_size": 2}
+    for model_type in ("qwen3_vl", "qwen3_vl_moe"):
+        counting = MediaCounting(WordTokenizer(), image_tokens({**config, "model_type": model_type}, processor))
+        ids = _count(counting, TEXT, _image(640, 480))
+        assert sum(1 for t in ids if t < 0) == 300
+        assert len(ids) == len(_count(counting, TEXT)) + 2 + 300 + 1
+
+
+MISTRAL3 = {
+    "model_type": "mistral3",
+    "image_token_index": 10,
+    "spatial_merge_size": 2,
+    "vision_config": {"model_type": "pixtral", "patch_size": 14, "image_size": 1540},
+}
+
+
+def test_pixtral_rows_end_in_break_and_end_tokens() -> None:
+    """Mistral Small 3.1: a 640 x 480 image fits 1540 pixels as it is; 28-pixel merged patches
+    rounded up make 23 columns and 18 rows, each row closed by [IMG_BREAK], the last by [IMG_END]."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(MISTRAL3, {"size": {"longest_edge": 1540}}))
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "[IMG]"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 23 * 18
+    assert (ids.count(12), ids.count(13), ids.count(10)) == (17, 1, 0)
+    assert len(ids) == with_placeholder - 1 + 18 * 24
+    assert ids[ids.index(13) - 1] < 0  # the end token closes the last row of image tokens
+    # A request's size scales it down: 640 x 480 to 280 x 210, 10 x 8.
+    small = _count(counting, TEXT, _image(640, 480), mm_processor_kwargs={"size": {"longest_edge": 280}})
+    assert sum(1 for t in small if t < 0) == 10 * 8
+    # By URL: the largest, 1540 x 1540, 55 x 55.
+    assert sum(1 for t in _count(counting, TEXT, URL_IMAGE) if t < 0) == 55 * 55
+    with pytest.raises(TokenizationError, match="side of 0 pixels"):
+        _count(counting, _image(5000, 1))
+    with pytest.raises(TokenizationError, match="'size' must be an object"):
+        _count(counting, _image(64, 64), mm_processor_kwargs={"size": 7})
+    # Llava's Pixtral-12B: vision_config's 1024 pixels, 16-pixel patches, the kwargs' size ignored.
+    llava = {
+        **MISTRAL3,
+        "model_type": "llava",
+        "vision_config": {"model_type": "pixtral", "patch_size": 16, "image_size": 1024},
+    }
+    del llava["spatial_merge_size"]
+    pixtral = MediaCounting(WordTokenizer(), image_tokens(llava, {}))
+    for kwargs in ({}, {"size": {"longest_edge": 280}}):
+        assert sum(1 for t in _count(pixtral, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 40 * 30
+
+
+LLAVA_NEXT = {
+    "model_type": "llava_next",
+    "image_token_index": 32000,
+    "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+}
+
+
+def test_llava_next_tiles_less_padding_plus_newlines() -> None:
+    """llava-v1.6: 640 x 480 fits the 672 x 672 pinpoint best, 2 x 2 tiles of 24 x 24 patches;
+    the 4:3 image fills 36 of its 48 rows: 36 x 48 + 36 newlines + the base view's 576."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(LLAVA_NEXT, {}), None, "llava_next")
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 36 * 48 + 36 + 576
+    # By URL: the most, a whole 2 x 2 grid (the 672 x 672 pinpoint).
+    assert sum(1 for t in _count(counting, TEXT, URL_IMAGE) if t < 0) == 48 * 48 + 48 + 576
+    assert image_tokens({**LLAVA_NEXT, "image_grid_pinpoints": None}) is None  # no grid: no rule, a 400
+
+
+LLAMA4 = {
+    "model_type": "llama4",
+    "image_token_index": 200092,
+    "vision_config": {"image_size": 336, "patch_size": 14, "pixel_shuffle_ratio": 0.5},
+}
+
+
+def test_llama4_canvas_tiles_and_global_view() -> None:
+    """Llama 4 Scout: 640 x 480 fits a 2 x 2 canvas of 336-pixel tiles best; each tile and the
+    global view are 144 <|patch|> tokens; rows are separated as _prompt_split_image does; the
+    placeholder <|image|>, not in config.json, is found through the tokenizer."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {"max_patches": 16}), None, "llama4")
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "<|image|>"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 5 * 144
+    assert [ids.count(t) for t in (200080, 200084, 200085, 200090, 200081)] == [1, 2, 2, 1, 1]
+    assert len(ids) == with_placeholder - 1 + 5 * 144 + 7
+    assert sum(1 for t in _count(counting, URL_IMAGE) if t < 0) == 17 * 144  # 16 tiles and the global view
+    # --mm-processor-kwargs max_patches 1: one tile, the global view alone; a request's is not read.
+    one = MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 1}))
+    for kwargs in ({}, {"max_patches": 16}):
+        assert sum(1 for t in _count(one, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 144
+    with pytest.raises(ValueError, match="max_patches"):
+        MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 0}))
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:
@@ -171,9 +277,9 @@ def test_gemma3_pan_and_scan_crops() -> None:
     [
         (QWEN2_VL, {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}),
         (GEMMA3, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
-        ({"model_type": "qwen3_vl", "image_token_id": 1}, URL_IMAGE),
+        ({"model_type": "mllama", "image_token_index": 1}, URL_IMAGE),
     ],
-    ids=["qwen-video", "gemma-audio", "qwen3-vl-image"],
+    ids=["qwen-video", "gemma-audio", "mllama-image"],
 )
 def test_media_without_a_rule_is_refused_naming_model_and_kind(config: dict, part: dict) -> None:
     counting = MediaCounting(WordTokenizer(), image_tokens(config, {}), None, config["model_type"])
@@ -229,8 +335,9 @@ def test_a_large_image_is_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatc
         ("qwen", _image(64, 64), {"min_pixels": 10**12, "max_pixels": 10**13}),
         ("qwen", URL_IMAGE, {"max_pixels": 10**15}),
         ("gemma", URL_IMAGE, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 10**9}),
+        ("mistral3", URL_IMAGE, {"size": {"longest_edge": 10**15}}),
     ],
-    ids=["qwen-min-pixels", "qwen-url-max-pixels", "gemma-url-crops"],
+    ids=["qwen-min-pixels", "qwen-url-max-pixels", "gemma-url-crops", "mistral3-url-edge"],
 )
 def test_kwargs_asking_for_billions_of_tokens_are_refused_before_any_is_built(
     counting: str, part: dict, kwargs: dict
@@ -240,7 +347,11 @@ def test_kwargs_asking_for_billions_of_tokens_are_refused_before_any_is_built(
     known context, as vLLM refuses a prompt too long."""
     from kvgate.tokens import PromptTooLong
 
-    rule = image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR) if counting == "qwen" else image_tokens(GEMMA3, {})
+    rule = {
+        "qwen": lambda: image_tokens(QWEN2_VL, QWEN2_VL_PROCESSOR),
+        "gemma": lambda: image_tokens(GEMMA3, {}),
+        "mistral3": lambda: image_tokens(MISTRAL3, {"size": {"longest_edge": 1540}}),
+    }[counting]()
     tokenizer = MediaCounting(WordTokenizer(), rule, None, counting)
     chat = ChatInput(messages=({"role": "user", "content": [TEXT, part]},), mm_processor_kwargs=kwargs)
     with pytest.raises(TokenizationError, match="more than kvgate counts"):

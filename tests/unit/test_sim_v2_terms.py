@@ -46,6 +46,18 @@ def test_v2_prompt_logprobs_hold_two_sub_chunks_of_the_whole_step() -> None:
     assert _peak(r, shared) >= two_chunks + 8000 * 4096 * 2 + 8000 * (6 * 12 + 8)
 
 
+def test_v2_prompt_logprobs_concatenate_ids_scores_and_ranks_one_after_the_other() -> None:
+    # prompt_logprob.py:315-317: the ids' torch.cat (both copies) beside the scores' and ranks'
+    # lists, the last sub-chunk's logits still bound; not one copy of everything at once
+    r, _ = _boot(max_num_batched_tokens=8192)
+    peak = _peak(r, StepShape((ReqSlice(3000, samples=False, prompt_logprob_tokens=3000, prompt_logprobs=-1),)))
+    ids, scores = (V + 1) * 8, (V + 1) * 4
+    derived = 952 * V * 2 + 3000 * (2 * ids + scores + 8)
+    hidden = 3000 * 4096 * 2
+    assert derived + hidden <= peak <= derived + hidden + 32 * MiB
+    assert peak < 3000 * 2 * (ids + scores + 8)  # no second copy of the scores and ranks
+
+
 def test_v2_prompt_logprobs_minus_one_keep_the_earlier_step_until_the_last() -> None:
     r, _ = _boot(max_num_batched_tokens=8192)
     held: dict[str, list[Block]] = {}

@@ -92,20 +92,40 @@ def test_the_cost_grows_with_bytes_and_values() -> None:
 
 
 @pytest.mark.parametrize(
-    ("v2", "v1", "limit"),
+    ("membership", "files", "limit"),
     [
-        ("2147483648\n", None, 2147483648),
-        ("max\n", None, None),
-        (None, "9223372036854771712\n", None),  # v1's "unlimited"
-        (None, "1073741824\n", 1073741824),
-        (None, None, None),
+        # A container with its own cgroup namespace: its cgroup is the root as mounted.
+        ("0::/\n", {"memory.max": "2147483648\n"}, 2147483648),
+        ("0::/\n", {"memory.max": "max\n"}, None),
+        ("4:memory:/\n", {"memory/memory.limit_in_bytes": "1073741824\n"}, 1073741824),
+        ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712\n"}, None),  # v1's "unlimited"
+        # v1 bind-mounted (Docker): /proc/self/cgroup names a path the container cannot see.
+        ("4:memory:/docker/abc\n", {"memory/memory.limit_in_bytes": "1073741824\n"}, 1073741824),
+        # No namespace (--cgroupns=host, a systemd unit): the named cgroup, and its parent's limit.
+        (
+            "0::/kubepods/pod1/c1\n",
+            {"memory.max": "max\n", "kubepods/pod1/c1/memory.max": "max\n", "kubepods/pod1/memory.max": "805306368\n"},
+            805306368,
+        ),
+        (
+            "12:cpu,cpuacct:/x\n4:memory:/process_api/abc\n0::/\n",
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712\n",
+                "memory/process_api/abc/memory.limit_in_bytes": "536870912\n",
+            },
+            536870912,
+        ),
+        ("0::/\n", {}, None),
+        (None, {"memory.max": "2147483648\n"}, 2147483648),  # no /proc/self/cgroup: the root's
     ],
 )
-def test_the_containers_limit_is_read_from_cgroup_v2_then_v1(
-    tmp_path: Path, v2: str | None, v1: str | None, limit: int | None
+def test_the_containers_limit_is_its_cgroups_tightest(
+    tmp_path: Path, membership: str | None, files: dict[str, str], limit: int | None
 ) -> None:
-    paths = (tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes")
-    for path, text in zip(paths, (v2, v1), strict=True):
-        if text is not None:
-            path.write_text(text)
-    assert container_memory_limit(paths) == limit
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    if membership is not None:
+        (tmp_path / "self-cgroup").write_text(membership)
+    assert container_memory_limit(root, tmp_path / "self-cgroup") == limit

@@ -1,0 +1,149 @@
+"""`python -m bench.fidelity --device cpu --runner v2`: Model Runner V2's prompt logprobs measured
+on the CPU (bench/fidelity/v2_probe.py runs vLLM's own ``compute_prompt_logprobs_with_chunking``
+and ``LogprobsTensors.cat`` with the Triton launches stubbed) beside kvgate's
+``v2_prompt_logprobs``, judged in the same band as the V1 harness (never under, at most 15 % over).
+
+The rest of V2 (its sampler's fp32 copy, FlashInfer, logprobs -1 with CUDA's topk sort) needs a
+GPU: ``python -m bench.fidelity --device cuda --runner v2`` (grid.v2_grid).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.fidelity.harness import BAND, SLACK_BYTES, SLACK_FRACTION, probe_env
+from kvgate.memory.activation import EngineShape, v2_prompt_logprobs
+from kvgate.memory.geometry import ModelGeometry, dtype_bytes
+
+PROBE = Path(__file__).resolve().parent / "v2_probe.py"
+# A smaller vocabulary than the V1 grid's Llama-3 one keeps a -1 case within a few GB of this
+# shared machine's memory; every V2 prompt-logprobs term is linear in it.
+VOCAB = 32_768
+HIDDEN = 64  # the hidden states are the step's input, made before the measurement
+
+
+@dataclass(frozen=True)
+class V2Case:
+    """One prompt's prompt logprobs over `steps` (tokens per step), k logprobs a row."""
+
+    steps: tuple[int, ...]
+    k: int
+
+    @property
+    def id(self) -> str:
+        return f"k={self.k} steps={'+'.join(map(str, self.steps))}"
+
+    @property
+    def prompt(self) -> int:
+        return sum(self.steps)
+
+
+# One sub-chunk; two alive at once; three (the last a part); two full steps (the earlier one kept,
+# LogprobsTensors.cat); -1 the same ways.
+GRID = (
+    V2Case((1000,), 1),
+    V2Case((3000,), 5),
+    V2Case((2048,), 20),
+    V2Case((2048, 2048), 5),
+    V2Case((1024,), -1),
+    V2Case((2100,), -1),
+    V2Case((1024, 1024), -1),
+)
+SMALL_GRID = (V2Case((3000,), 5), V2Case((2100,), -1), V2Case((1024, 1024), -1))
+
+
+@dataclass(frozen=True)
+class V2Row:
+    case: V2Case
+    measured_peak: int  # the last step's peak above what was alive before it
+    measured_held: int  # what the earlier steps left on the device
+    kvgate_peak: int  # kvgate's prompt_logprobs term
+    kvgate_held: int  # kvgate's prompt_logprobs_kept term
+
+    @staticmethod
+    def _judge(ours: int, measured: int) -> bool:
+        if measured == 0:
+            return ours == 0
+        slack = SLACK_BYTES + SLACK_FRACTION * measured
+        return measured - slack <= ours <= measured * BAND[1]
+
+    @property
+    def in_band(self) -> bool:
+        return self._judge(self.kvgate_peak, self.measured_peak) and self._judge(self.kvgate_held, self.measured_held)
+
+
+def kvgate_terms(case: V2Case, dtype: str) -> tuple[int, int]:
+    """kvgate's (prompt_logprobs, prompt_logprobs_kept) for the case, the prompt alone on its steps."""
+    geometry = ModelGeometry(1, 1, 1, HIDDEN, HIDDEN, HIDDEN, VOCAB, dtype_bytes(dtype), case.prompt)
+    engine = EngineShape(case.prompt, case.steps[0], 256, runner="v2")
+    terms = {t.name: t.bytes for t in v2_prompt_logprobs(geometry, engine, case.steps[0], case.prompt, case.k)}
+    return terms.get("prompt_logprobs", 0), terms.get("prompt_logprobs_kept", 0)
+
+
+def run(
+    grid: tuple[V2Case, ...], *, dtype: str, vllm_python: Path, scratch: Path
+) -> tuple[dict[str, Any], list[V2Row]]:
+    """Run the probe in vLLM's interpreter; its result and the rows beside kvgate's terms."""
+    spec = {
+        "dtype": dtype,
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "cases": [{"id": c.id, "steps": list(c.steps), "k": c.k} for c in grid],
+    }
+    spec_path, out_path, log = scratch / "v2spec.json", scratch / "v2probe.json", scratch / "v2probe.log"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    with log.open("w") as sink:
+        proc = subprocess.run(
+            [str(vllm_python), str(PROBE), str(spec_path), str(out_path)],
+            env=probe_env(scratch, "cpu", "v2"),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"the V2 probe exited with {proc.returncode}:\n{tail}")
+    probe = json.loads(out_path.read_text())
+    by_id = {c["id"]: c for c in probe["cases"]}
+    rows = []
+    for case in grid:
+        peak, held = kvgate_terms(case, dtype)
+        rows.append(V2Row(case, by_id[case.id]["peak"], by_id[case.id]["held"], peak, held))
+    return probe, rows
+
+
+def table(rows: list[V2Row]) -> str:
+    lines = [
+        "| prompt logprobs | steps | measured last-step peak B | kvgate prompt_logprobs B | ratio | "
+        "measured kept B | kvgate prompt_logprobs_kept B | in band |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ratio = r.kvgate_peak / r.measured_peak if r.measured_peak else float("inf")
+        lines.append(
+            f"| {r.case.k} | {' + '.join(map(str, r.case.steps))} | {r.measured_peak:,} | {r.kvgate_peak:,} | "
+            f"{ratio:.3f} | {r.measured_held:,} | {r.kvgate_held:,} | {'yes' if r.in_band else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def report(grid: tuple[V2Case, ...], *, dtype: str, vllm_python: Path) -> tuple[str, dict[str, Any], list[V2Row]]:
+    """The markdown text, the probe's result and the rows."""
+    with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-v2-") as tmp:
+        probe, rows = run(grid, dtype=dtype, vllm_python=vllm_python, scratch=Path(tmp))
+    inside = sum(r.in_band for r in rows)
+    text = (
+        f"vLLM {probe['vllm_version']} (Model Runner V2's prompt_logprob.py, the same file in 0.33.0; "
+        f"CHUNK_SIZE {probe['chunk_size']}), torch {probe['torch_version']}, CPU; vocabulary {VOCAB:,}, "
+        f"{dtype}. vLLM's compute_prompt_logprobs_with_chunking and LogprobsTensors.cat run as written, "
+        "their Triton launches stubbed (every tensor they write is allocated by vLLM's Python first); "
+        "logits_fn returns the [rows, V] logits the lm_head makes. Not shown on the CPU: CUDA's scratch "
+        "inside torch.topk (its sort for k > 4,096, so -1), which the CUDA grid measures.\n\n"
+        f"{table(rows)}\n\n{inside} of {len(rows)} grid points within {BAND[0]:.2f}-{BAND[1]:.2f} "
+        "(never under but for 1 KiB + 0.1 %).\n"
+    )
+    return text, probe, rows

