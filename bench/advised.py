@@ -1,12 +1,13 @@
 """`kvgate advise`'s flags replayed on the simulator (issue #26 item 3): for each configuration of the
 original reports, the simulated vLLM is started with the report's flags and with the flags
-`kvgate advise` proposes for them, and both get the same seeded traffic, straight (no kvgate in
-front: the advice is about vLLM alone). The claim checked: the advised flags start, run the traffic
-with 0 OOM, and serve at least the report's goodput.
+`GET /advice` proposes for them after seeing the traffic, and both get the same seeded traffic,
+straight (no kvgate in front: the advice is about vLLM alone). The claim checked: the advised flags
+start, run the traffic with 0 OOM, and serve at least the report's goodput.
 
-The advised flags are every proposal applied (kvgate/advise_flags.py `apply`): with
-`--kv-cache-memory-bytes` among them, vLLM sizes its pool by it. `--request-tokens` is the median of
-the traffic's prompt + max_tokens, as `GET /advice` gives it.
+The advice is kvgate/advise_live.py's `advise_from`, the function behind `GET /advice`, given the
+traffic as kvgate's record would hold it (each prompt counted by the simulator's tokenizer). The
+advised flags are every proposal applied (kvgate/advise_flags.py `apply`): with
+`--kv-cache-memory-bytes` among them, vLLM sizes its pool by it.
 
     python -m bench.advised [--scale 1.0] [--stories a,b] [--repeat 2] [--out bench/results/advised]
 """
@@ -27,12 +28,19 @@ from typing import Any
 from bench.safety import ArmResult, replay, simulator, summarise
 from bench.scenarios import SCENARIOS, Scenario, s2_traffic
 from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
-from kvgate.advise_flags import Recommendation, apply, recommend
+from kvgate.advise_flags import Recommendation, apply
+from kvgate.advise_live import advise_from
 from kvgate.advise_startup import Request, Startup, predict
+from kvgate.memory.activation import SamplingShape
+from kvgate.memory.demand import Demand
+from kvgate.model_folder import load_geometry
+from kvgate.predict import Prediction
 from kvgate.sim.config import SimConfig
 from kvgate.sim.presets import write_model_folder
 from kvgate.sim.runner import SimRunner
 from kvgate.sim.startup import StartupError
+from kvgate.sim.tokens import StandInTokenizer
+from kvgate.traffic_record import Measured, TrafficRecord
 from kvgate.units import GiB
 
 RESULTS = Path(__file__).resolve().parent / "results" / "advised"
@@ -127,13 +135,24 @@ STORIES = [
 ]
 
 
-def typical_request_tokens(calls: list[Call]) -> int:
-    """The median prompt + max_tokens (a word is a token for the simulator's tokenizer; chat adds
-    its template's few dozen): what `GET /advice` sizes --max-num-seqs with."""
-    lengths = sorted(
-        len(str(c.body.get("prompt") or c.body.get("messages")).split()) + 64 + int(c.body["max_tokens"]) for c in calls
-    )
-    return lengths[len(lengths) // 2]
+def measured(calls: list[Call], vocab_size: int) -> Measured:
+    """The traffic as kvgate's record would hold it (kvgate/traffic_record.py): each call's prompt
+    counted by the simulator's own tokenizer, its max_tokens, n and logprobs."""
+    tokenizer = StandInTokenizer(vocab_size)
+    record = TrafficRecord(clock=lambda: 0.0)
+    for call in calls:
+        body = call.body
+        if "messages" in body:
+            prompt = len(tokenizer.encode(tokenizer.chat_prompt(body["messages"], True), add_special_tokens=False))
+        else:
+            prompt = len(tokenizer.encode(body["prompt"]))
+        new = int(body["max_tokens"])
+        sampling = SamplingShape(n=int(body.get("n", 1)), logprobs=body.get("top_logprobs"))
+        record.evaluated(
+            "chat" if "messages" in body else "completions",
+            Prediction(prompt, new, (), Demand(prompt, new, (), 1, 0), sampling),
+        )
+    return record.snapshot()
 
 
 def advise_request(cfg: SimConfig, folder: Path) -> Request:
@@ -188,9 +207,10 @@ def run_story(story: Story, scale: float, seed: int, workdir: Path, repeat: int 
     calls = story.traffic(random.Random(seed), scale)
     folder = write_model_folder(story.sim.model, workdir / story.sim.model)
     request = advise_request(story.sim, folder)
-    report = predict(request)
-    tokens = typical_request_tokens(calls)
-    _, recommended = recommend(report, tokens)
+    traffic = measured(calls, load_geometry(str(folder)).vocab_size)
+    advice = advise_from(request, traffic)  # what GET /advice would say after this traffic
+    report, recommended = advice.startup, advice.recommended
+    tokens = advice.traffic.typical_request_tokens
     advised = predict(apply(request, recommended))
     advised_cfg = advised_config(story.sim, advised)
     runs: dict[str, list[ArmResult]] = {"report": [], "advised": []}

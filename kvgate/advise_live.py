@@ -133,12 +133,14 @@ def longest_request_length(s: Startup, traffic: Traffic) -> int | None:
     return min(context, -(-int(longest) // LENGTH_STEP) * LENGTH_STEP)
 
 
-def _max_model_len(s: Startup, traffic: Traffic) -> Recommendation | None:
+def _max_model_len(s: Startup, fixed: Startup, traffic: Traffic) -> Recommendation | None:
     """--max-model-len from the requests seen: the longest, where it differs from the deployment's
-    and vLLM starts with it (a shorter one frees nothing in the pool but lets fewer requests in;
-    it matters where the pool cannot hold one request of the deployment's length)."""
+    and vLLM starts with it beside the other fixes (`fixed`: the start-up with the flags that
+    fix its failures, kvgate/advise_flags.py)."""
     length = longest_request_length(s, traffic)
-    if length is None or length == s.max_model_len or not predict(replace(s.request, max_model_len=length)).fits:
+    if length is None or length == s.max_model_len:
+        return None
+    if not predict(replace(fixed.request, max_model_len=length)).fits:
         return None
     assert traffic.requests is not None
     low, high = traffic.requests.share_above(length)
@@ -156,20 +158,25 @@ def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
-def effect(label: str, s: Startup, measured: Measured, deployed: Startup, traffic: Traffic) -> Effect:
+def effect(
+    label: str, s: Startup, measured: Measured, deployed: Startup, traffic: Traffic, running: bool = False
+) -> Effect:
     """`s` against the traffic seen. Its pool is the one kvgate measured (vLLM's own report),
     scaled by the change the prediction makes: a pool the prediction misses by some amount (an
-    override, another process) is missed the same way with the other flags."""
+    override, another process) is missed the same way with the other flags. `running`: `s` is the
+    deployment itself, which started whatever the prediction says, with the pool vLLM reported."""
     waits = {reason: d.count for reason, d in measured.queue_waits.items()}
     pool = s.capacity.num_blocks if s.sized_the_pool and s.fits else None
-    if pool is not None and measured.kv_pool_blocks and deployed.fits and deployed.capacity.num_blocks:
+    if running and measured.kv_pool_blocks:
+        pool = measured.kv_pool_blocks
+    elif pool is not None and measured.kv_pool_blocks and deployed.fits and deployed.capacity.num_blocks:
         pool = measured.kv_pool_blocks * pool // deployed.capacity.num_blocks
     requests = traffic.requests if traffic.requests is not None else traffic.prompt
     headroom = s.serving_headroom - deployed.serving_headroom if s.fits and deployed.fits else None
     return Effect(
         label=label,
         max_model_len=s.max_model_len,
-        starts=s.fits,
+        starts=running or s.fits,
         pool_blocks=pool,
         refused_too_long=requests.share_above(s.max_model_len),
         kv_waits=waits.get(KV_BUSY, 0),
@@ -185,14 +192,15 @@ def advise_from(request: Request, measured: Measured, other_processes_bytes: int
     """The advice for this deployment and this traffic (ValueError, KeyError: bad input)."""
     traffic = measured.traffic()
     startup = predict(request)
-    length = _max_model_len(startup, traffic)
+    fixed, _ = recommend(startup, traffic.typical_request_tokens, other_processes_bytes)
+    length = _max_model_len(startup, fixed, traffic)
     base = predict(replace(request, max_model_len=int(length.value))) if length else startup
     advised, recommended = recommend(base, traffic.typical_request_tokens, other_processes_bytes)
     if length is not None and all(r.flag != length.flag for r in recommended):
         recommended.insert(0, length)
     table = capacity_table(startup, traffic)
     effects = [
-        effect("as deployed", startup, measured, startup, traffic),
+        effect("as deployed", startup, measured, startup, traffic, running=True),
         effect("advised", predict(apply(request, recommended)), measured, startup, traffic),
     ]
     for row in table:

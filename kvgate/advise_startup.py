@@ -36,7 +36,7 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from kvgate.engine_config import weights_bytes
+from kvgate.engine_config import engine_shape, weights_bytes
 from kvgate.gpus import gpu_total_bytes, is_pre_ampere
 from kvgate.memory.activation import EngineShape, profile_forward_bytes, profile_sampler_bytes, sampler_cost
 from kvgate.memory.draft import Drafter
@@ -262,8 +262,10 @@ def load_layout(
     kv_cache_dtype: str,
     speculative_method: str | None = None,
     speculative_model: str | None = None,
+    release: str | None = None,
 ) -> tuple[ModelGeometry, KVLayout, int]:
-    """The model's geometry, its KV layout under these flags and max_model_len (ValueError: bad input)."""
+    """The model's geometry, its KV layout under these flags and max_model_len (ValueError: bad input);
+    `release`: the vLLM version, whose speculative methods decide the draft (None: before 0.33)."""
     geometry = load_geometry(model)
     if dtype != "auto":
         geometry = replace(geometry, dtype_bytes=dtype_bytes(dtype))
@@ -278,7 +280,7 @@ def load_layout(
     drafter: Drafter | None = None
     if speculative_method or speculative_model:
         target_config = json.loads((Path(model) / "config.json").read_text())
-        drafter = resolve_drafter(speculative_method, speculative_model, geometry, target_config)
+        drafter = resolve_drafter(speculative_method, speculative_model, geometry, target_config, release=release)
     layout = KVLayout(
         geometry,
         block_size=block_size or 16,
@@ -325,20 +327,6 @@ def graph_capture_sizes(request: Request, release: Release, max_num_seqs: int, b
     return len(sizes)
 
 
-def _engine_shape(request: Request, runtime: VllmRuntime, max_model_len: int, tokens: int, seqs: int) -> EngineShape:
-    return EngineShape(
-        max_model_len=max_model_len,
-        max_num_batched_tokens=tokens,
-        max_num_seqs=seqs,
-        tensor_parallel_size=request.tensor_parallel_size,
-        runner=runtime.runner,
-        num_speculative_tokens=request.num_speculative_tokens,
-        sampler=runtime.sampler_backend,
-        sampler_sort_below_rows=runtime.sampler_sort_below_rows,
-        sampler_warmup_profile=runtime.sampler_warmup_profile,
-    )
-
-
 def _runtime(request: Request, release: Release, geometry: ModelGeometry, config: dict[str, Any]) -> VllmRuntime:
     """vLLM's runner and sampler for the release; releases before any kvgate read for V2 run V1."""
     before_v2 = _version(request.vllm_version) < Version(OLDEST_KNOWN)
@@ -379,6 +367,7 @@ def predict(request: Request) -> Startup:
         kv_cache_dtype=request.kv_cache_dtype,
         speculative_method=request.speculative_method,
         speculative_model=request.speculative_model,
+        release=request.vllm_version,
     )
     if request.kv_cache_memory_bytes is not None and not release.has_kv_cache_memory_bytes:
         raise ValueError(f"vLLM {release.version} has no --kv-cache-memory-bytes (added in 0.10)")
@@ -406,7 +395,14 @@ def predict(request: Request) -> Startup:
     else:
         outside = outside_envelope(tp, request.cuda_context_bytes, release.version).total
         non_torch = NON_TORCH_INCREASE_BYTES
-    engine = _engine_shape(request, runtime, max_model_len, tokens, seqs)
+    engine = engine_shape(
+        runtime,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=tokens,
+        max_num_seqs=seqs,
+        tensor_parallel_size=request.tensor_parallel_size,
+        num_speculative_tokens=request.num_speculative_tokens,
+    )
     forward = profile_forward_bytes(geometry, engine)
     sampler = profile_sampler_bytes(geometry, engine)
     oom_need = max(int(forward * COMPILED_FORWARD_FACTOR) if release.compiled else forward, sampler)

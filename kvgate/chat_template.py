@@ -17,7 +17,7 @@ import json
 import re
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -563,8 +563,39 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
     return out
 
 
+@dataclass(frozen=True)
+class MediaPlaceholder:
+    """Where a media item was in a message (kvgate/multimodal.py puts it in the image part's
+    place): an "openai"-format template gets vLLM's {"type": modality} part and writes the item's
+    text itself; a "string"-format one gets `text`, the model's placeholder, where vLLM puts it
+    (_full_multimodal_text)."""
+
+    modality: str
+    text: str
+    part: dict[str, Any]  # the request's part: its fields vLLM does not know reach the template
+
+
+def _full_multimodal_text(placeholders: list[str], texts: list[str]) -> str:
+    """vLLM 0.32.0 / 0.33.0 renderers/chat_utils.py _get_full_multimodal_text_prompt (without
+    --interleave-mm-strings): the text parts joined by "\n", and in front of them, each joined by
+    "\n", the placeholders the text does not already hold."""
+    text = "\n".join(texts)
+    missing: list[str] = []
+    for placeholder, count in Counter(placeholders).items():
+        count -= text.count(placeholder)
+        if count < 0:
+            raise TokenizationError(
+                f"Found more '{placeholder}' placeholders in input prompt than actual multimodal data items."
+            )
+        missing += [placeholder] * count
+    return "\n".join([*missing, text] if text else missing)
+
+
 def _part(part: Any, wrap: bool) -> Any:
     """One content part as vLLM keeps it: text (or a dict for "openai" templates), or None."""
+    if isinstance(part, MediaPlaceholder):  # chat_utils.py _collect_extra_fields for the extras
+        extra = {k: v for k, v in part.part.items() if k not in _KNOWN_PART_FIELDS}
+        return {"type": part.modality, **extra} if wrap else part
     if isinstance(part, str):
         return {"type": "text", "text": part} if wrap else part
     if not isinstance(part, dict):
@@ -599,7 +630,11 @@ def _content(role: str, content: Any, wrap: bool) -> str | list[Any]:
     if role == "system":
         parts = _strip_billing_header(parts)
     kept = [p for p in (_part(p, wrap) for p in parts) if p]
-    return kept if wrap else "\n".join(kept)
+    if wrap:
+        return kept
+    placeholders = [p.text for p in kept if isinstance(p, MediaPlaceholder)]
+    texts = [p for p in kept if not isinstance(p, MediaPlaceholder)]
+    return _full_multimodal_text(placeholders, texts) if placeholders else "\n".join(texts)
 
 
 def _tool_calls(calls: Any) -> list[dict]:
@@ -728,14 +763,18 @@ def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False
     if chat.add_generation_prompt and chat.continue_final_message:
         raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     tools = None if chat.tools is None else [_tool(t) for t in chat.tools]
-    request_kwargs = _merge(
-        chat.chat_template_kwargs,
-        {
-            "add_generation_prompt": chat.add_generation_prompt,
-            "continue_final_message": chat.continue_final_message,
-            "documents": None if chat.documents is None else list(chat.documents),
-        },
-    )
+    extra = {
+        "add_generation_prompt": chat.add_generation_prompt,
+        "continue_final_message": chat.continue_final_message,
+        "documents": None if chat.documents is None else list(chat.documents),
+        # vllm 0.32.0/0.33.0 chat_completion/protocol.py build_chat_params: the request's
+        # reasoning_effort goes to the template, and turns thinking on (off for "none") unless the
+        # request's kwargs say enable_thinking (0.33.0's --reasoning-effort-map is not followed)
+        "reasoning_effort": chat.reasoning_effort,
+    }
+    if chat.reasoning_effort is not None and "enable_thinking" not in (chat.chat_template_kwargs or {}):
+        extra["enable_thinking"] = chat.reasoning_effort != "none"
+    request_kwargs = _merge(chat.chat_template_kwargs, extra)
     kwargs = _merge(_merge(None, {"tools": tools, "tokenize": False}), request_kwargs)
     kwargs = _merge(kwargs, {"chat_template": chat.chat_template, "return_dict": False})
     tools, tokenize = kwargs.pop("tools", None), kwargs.pop("tokenize", True)

@@ -29,6 +29,7 @@ from kvgate.gate.budget import Budget
 from kvgate.gate.gate import Gate
 from kvgate.gate.observer import GateObserver, Observers
 from kvgate.gate.view import GateView
+from kvgate.harmony import renders_with_harmony
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
@@ -123,7 +124,8 @@ class Runtime:
             ServedNames(self._read_served),
             lambda: self.startup_error,
             self.metrics.tokenization.observe,
-            trust_request_chat_template=settings.trust_request_chat_template,
+            # a GPT-OSS model's chats never render a template, the request's own included (kvgate/harmony.py)
+            trust_request_chat_template=settings.trust_request_chat_template or renders_with_harmony(settings.model),
             work_budget=WorkBudget(int(process_memory(settings.max_process_memory_bytes) * WORK_SHARE)),
             template_seconds=settings.request_chat_template_timeout,
         )
@@ -208,17 +210,17 @@ class Runtime:
         in_vllm = snapshot is not None and bool(snapshot.running or snapshot.waiting)
         return bool(self.gate.waiting or self.gate.ledger.in_flight or in_vllm or not self.budget.backend.up)
 
-    def advice_input(self) -> tuple[Request | None, Measured, str | None]:
-        """What `GET /advice` weighs: the deployment as advise's input (None, with the reason, when
-        kvgate does not know the GPU's size) and a snapshot of the traffic record. NotReady before
-        the backend's configuration is known."""
+    def advice_input(self) -> tuple[Request, Measured, str | None]:
+        """What `GET /advice` weighs: the deployment as advise's input, a snapshot of the traffic
+        record, and why it cannot be advised here (the GPU's size unknown: `gpu` is then empty).
+        NotReady before the backend's configuration is known."""
         if self.deployment is None:
             raise NotReady(self.startup_error)
         measured = self.traffic.snapshot()
         gpu = self.settings.gpu_memory_bytes or (self.live.gpu_total if self.live else None)
-        if gpu is None:
-            return None, measured, "kvgate knows no GPU size: no GPU readings and no --gpu-memory-bytes"
-        return request_for(engine_flags(self.settings), self.deployment, str(gpu)), measured, None
+        request = request_for(engine_flags(self.settings), self.deployment, str(gpu) if gpu else "")
+        problem = None if gpu else "kvgate knows no GPU size (no GPU readings, no --gpu-memory-bytes): pass --gpu"
+        return request, measured, problem
 
     def transient_gate_off(self) -> str | None:
         """Why kvgate does not gate transient memory now and which flag turns it on, or None when

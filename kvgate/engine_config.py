@@ -112,7 +112,8 @@ class Deployment:
         return self.kv_cache_memory_bytes is not None and self.runtime.runner == "v2"
 
     def engine_shape(self) -> EngineShape:
-        return EngineShape(
+        return engine_shape(
+            self.runtime,
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
@@ -120,18 +121,27 @@ class Deployment:
             tensor_parallel_size=self.tensor_parallel_size,
             attention_backend=self.attention_backend,
             block_size=self.block_size,
-            runner=self.runtime.runner,
             num_speculative_tokens=self.num_speculative_tokens,
             max_logprobs=self.max_logprobs,
             draft=self.drafter,
-            sampler=self.runtime.sampler_backend,
-            sampler_sort_below_rows=self.runtime.sampler_sort_below_rows,
-            max_tokens_past_context_refused=self.runtime.max_tokens_past_context_refused,
-            sampler_warmup_profile=self.runtime.sampler_warmup_profile,
-            processed_logprobs=self.runtime.processed_logprobs,
-            truncation_holds_output_token=self.runtime.truncation_holds_output_token,
             lora_rank=self.lora.max_lora_rank if self.lora else 0,
         )
+
+
+def engine_shape(runtime: VllmRuntime, **flags: Any) -> EngineShape:
+    """vLLM's flags (EngineShape's names) with what the release decides filled in from `runtime`
+    (runner, sampler path and its rules): one place for the serving deployment and for
+    `kvgate advise`'s start-up."""
+    return EngineShape(
+        **flags,
+        runner=runtime.runner,
+        sampler=runtime.sampler_backend,
+        sampler_sort_below_rows=runtime.sampler_sort_below_rows,
+        max_tokens_past_context_refused=runtime.max_tokens_past_context_refused,
+        sampler_warmup_profile=runtime.sampler_warmup_profile,
+        processed_logprobs=runtime.processed_logprobs,
+        truncation_holds_output_token=runtime.truncation_holds_output_token,
+    )
 
 
 class Disagreements:

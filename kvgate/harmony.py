@@ -18,19 +18,33 @@ reads it).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import json
 from collections.abc import Sequence
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from kvgate.chat_template import TokenizationError
+from kvgate.image_rules import model_type_of
 from kvgate.request import ChatInput
+from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
 
 GPT_OSS_MODEL_TYPE = "gpt_oss"
 # harmony_utils.py REASONING_EFFORT: the efforts Harmony takes (vLLM answers 400 to others).
 REASONING_EFFORTS = ("high", "medium", "low")
+# Chats with more content characters than this render in a thread (LocalTokenizer's threshold).
+OFFLOAD_CHARS = 4000
 # get_developer_message: built-in tools it leaves out, and the one type it describes.
 _BUILT_IN_TOOLS = ("web_search_preview", "code_interpreter", "container")
+
+
+def renders_with_harmony(model_dir: str | Path | None) -> bool:
+    """vLLM renders this model's chats with Harmony (``model_type == "gpt_oss"``,
+    renderers/online_renderer.py ``use_harmony``): no chat template, the request's own included,
+    is ever rendered for it."""
+    return model_type_of(model_dir) == GPT_OSS_MODEL_TYPE
 
 
 class HarmonyChats:
@@ -40,6 +54,7 @@ class HarmonyChats:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.source = inner.source
+        _encoding()  # loaded with the tokenizer (1-2 s here), not inside a request's time budget
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -50,7 +65,13 @@ class HarmonyChats:
         """vLLM's Harmony branch ignores the chat template, its kwargs and the content format. A
         body whose messages are not shaped as OpenAI's (vLLM's request model refuses those) is a
         TokenizationError, not a crash."""
+        size = sum(len(json.dumps(message.get("content"), ensure_ascii=False)) for message in chat.messages)
+        # Harmony took 0.66 s and 13 MB of RSS for a 1 MB chat here: charged as the tokenizer's
+        # encoding is (kvgate/work_budget.py), off the event loop past a few thousand characters
+        await charge(TOKENIZE_BYTES_PER_TEXT_BYTE * size)
         try:
+            if size > OFFLOAD_CHARS:
+                return await asyncio.to_thread(render_harmony, chat)
             return render_harmony(chat)
         except (AttributeError, TypeError, ValueError, KeyError) as exc:
             raise TokenizationError(f"the messages cannot be rendered with Harmony: {exc}") from exc

@@ -39,7 +39,7 @@ from kvgate.memory.kv import KVLayout, PrefixKeys
 from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import SamplerUse
 from kvgate.request import ValidRequest
-from kvgate.sampling_params import v2_sampler_needs
+from kvgate.sampling_params import v2_filters, v2_sampler_needs
 from kvgate.units import MiB
 
 # What helps when one prompt's own worst step is too large (by its largest term).
@@ -196,6 +196,7 @@ class Predictor:
         share them here. The request is checked against the server's limits before it is
         tokenized (kvgate/request.py check_limits); its prompts' lengths are checked here."""
         processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
+        top_k, top_p = v2_filters(spec.sampling, self.sampling_defaults)
         sampling = SamplingShape(
             n=spec.sampling.n,
             best_of=spec.best_of,
@@ -206,6 +207,8 @@ class Predictor:
             structured=spec.sampling.structured_outputs,
             processing=processing,
             filtered=filtered,
+            top_k=top_k,
+            top_p=top_p,
         )
         footprints, splits = [], []
         keys = PrefixKeys.of(spec.cache_salt, cache_key)
@@ -248,6 +251,7 @@ class Predictor:
         and output; `needs`: its (logits processing, top-k/top-p) on Model Runner V2, as
         v2_sampler_needs found them for predict (worked out once a request)."""
         processing, filtered = needs
+        top_k, top_p = v2_filters(spec.sampling, self.sampling_defaults)
         return SamplerUse(
             self.sampler_cost,
             rows=sum(fp.n for fp in footprints),
@@ -260,6 +264,8 @@ class Predictor:
             structured=spec.sampling.structured_outputs,
             processing=processing,
             filtered=filtered,
+            top_k=top_k,
+            top_p=top_p,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:

@@ -95,18 +95,30 @@ def v2_sampler_needs(p: SamplingParams, defaults: Mapping[str, float] | None = N
     A field the body leaves out takes the server's default (`defaults`, generation_config.json)."""
     d = defaults or {}
     temperature = p.temperature if p.temperature_given else float(d.get("temperature", 1.0))
-    top_k = p.top_k if p.top_k is not None else int(d.get("top_k", 0))
-    top_p = p.top_p if p.top_p is not None else float(d.get("top_p", 1.0))
+    sets_top_k, sets_top_p = v2_filters(p, defaults)
     min_p = p.min_p if p.min_p is not None else float(d.get("min_p", 0.0))
     penalties = p.penalties or any(
         float(d.get(name, neutral)) != neutral
         for name, neutral in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
     )
     random = temperature >= 1e-5
-    filtered = random and (top_k > 0 or top_p < 1.0)
+    filtered = sets_top_k or sets_top_p
     processors = penalties or p.logit_bias or bool(p.allowed_token_ids) or bool(p.bad_words)
     processors = processors or p.min_tokens > 0 or p.thinking_token_budget is not None
     return processors or (random and (temperature != 1.0 or min_p != 0.0 or filtered)), filtered
+
+
+def v2_filters(p: SamplingParams, defaults: Mapping[str, float] | None = None) -> tuple[bool, bool]:
+    """(sets top-k, sets top-p) for a random row on Model Runner V2 (a greedy row's are reset):
+    a batch in which rows set both passes FlashInfer both (``top_k_top_p_sampling_from_logits``),
+    else one of them (v1/sample/ops/topk_topp_sampler.py ``flashinfer_sample``)."""
+    d = defaults or {}
+    temperature = p.temperature if p.temperature_given else float(d.get("temperature", 1.0))
+    if temperature < 1e-5:
+        return False, False
+    top_k = p.top_k if p.top_k is not None else int(d.get("top_k", 0))
+    top_p = p.top_p if p.top_p is not None else float(d.get("top_p", 1.0))
+    return top_k > 0, top_p < 1.0
 
 
 # vllm 0.32.0 protocol.py extract_structured_outputs: the fields that set a constraint.

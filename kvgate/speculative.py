@@ -17,10 +17,11 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.vllm_runner import release_of
 from kvgate.model_folder import ModelFolderError, read_model_config, resolve_model_folder
 
 log = logging.getLogger("kvgate.speculative")
@@ -84,7 +85,7 @@ def resolve_drafter(
 ) -> Drafter | None:
     """The draft model vLLM runs for this `--speculative-config`, or None when it has none.
     `release`: the vLLM version kvgate models (kvgate/memory/vllm_runner.py), None for older rules."""
-    newer = release is not None and Version(release) >= Version("0.33.0")
+    newer = release is not None and _since_033(release)
     if newer and method in HEADS_GONE_IN_033:
         log.warning(
             "--speculative-config method %s: vLLM %s has no such method (config/speculative.py:74-82) and "
@@ -97,6 +98,15 @@ def resolve_drafter(
     if drafter is None or draft_sample_method != "probabilistic":
         return drafter
     return replace(drafter, probabilistic=True)
+
+
+def _since_033(release: str) -> bool:
+    """`release` (a pre-release counts as its release) follows 0.33.0's methods; a version that
+    is no version number is modelled as the newest known release, as resolve_runtime does."""
+    try:
+        return release_of(release) >= Version("0.33.0")
+    except InvalidVersion:
+        return True
 
 
 def _drafter(

@@ -22,8 +22,9 @@ from kvgate.chat_template import (
     render_chat,
     render_within_budget,
 )
-from kvgate.harmony import GPT_OSS_MODEL_TYPE, HarmonyChats
-from kvgate.multimodal import MediaCounting, MediaOptions, image_tokens_of, model_type_of
+from kvgate.harmony import HarmonyChats, renders_with_harmony
+from kvgate.image_rules import image_tokens_of, model_type_of
+from kvgate.multimodal import MediaCounting, MediaOptions
 from kvgate.request import ChatInput
 from kvgate.units import MiB
 from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
@@ -364,7 +365,7 @@ def local_tokenizer(
 
 def _chats_as_vllm_renders(tokenizer: Any, model_dir: str | Path | None) -> Any:
     """GPT-OSS chats rendered with Harmony (kvgate/harmony.py), as vLLM's chat route renders them."""
-    return HarmonyChats(tokenizer) if model_type_of(model_dir) == GPT_OSS_MODEL_TYPE else tokenizer
+    return HarmonyChats(tokenizer) if renders_with_harmony(model_dir) else tokenizer
 
 
 def load_tokenizer(

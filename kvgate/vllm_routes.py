@@ -183,6 +183,11 @@ def _responses(body: dict[str, Any]) -> Translated:
     tools = body.get("tools")
     if tools is not None:
         out["tools"] = _response_tools(tools)
+    # ResponsesRequest.build_chat_params (responses/protocol.py:432-447): reasoning.effort goes to
+    # the chat template as a chat's reasoning_effort does, and to Harmony's system message
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and isinstance(reasoning.get("effort"), str):
+        out["reasoning_effort"] = reasoning["effort"]
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidField("'previous_response_id' must be a string.", "previous_response_id")

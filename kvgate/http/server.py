@@ -126,9 +126,10 @@ def create_app(settings: Settings) -> Kvgate:
             request, measured, problem = rt.advice_input()
         except KvgateError as error:
             return error_response(error)
-        if request is None:
+        if problem is not None:  # `kvgate advise --from URL --gpu G` can still advise
+            deployment = {**request_json(request), "gpu": None}
             return JSONResponse(
-                {"deployment": None, "measured": measured.to_json(), "advice": None, "problem": problem}
+                {"deployment": deployment, "measured": measured.to_json(), "advice": None, "problem": problem}
             )
         try:
             advised = await asyncio.to_thread(advise_from, request, measured)

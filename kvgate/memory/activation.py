@@ -115,6 +115,9 @@ class SamplingShape:
     # copy), a row that sets top-k/top-p; None: what `random` says.
     processing: bool | None = None
     filtered: bool | None = None
+    # V2: it sets top-k, it sets top-p (FlashInfer's cost: kvgate/memory/sampler.py top_k_top_p).
+    top_k: bool = True
+    top_p: bool = True
 
     @property
     def needs_processing(self) -> bool:
@@ -506,6 +509,7 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
         s.structured,
         processing=s.needs_processing,
         filtered=s.needs_filter,
+        both_filters=s.top_k and s.top_p,
     )
     rows = min(s.rows * (1 + cost.num_speculative_tokens), cost.max_sampled_rows)
     v, dt = g.vocab_size, g.dtype_bytes
@@ -576,7 +580,11 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
             f"(apply_sampling_params); {profile}",
         )
     if e.runner == "v2" and stage.top_k_top_p + stage.sort:
-        path = cost.describe_v2_speculative(s.rows, rows) if speculative_v2 else cost.describe_top_k_top_p(rows)
+        path = (
+            cost.describe_v2_speculative(s.rows, rows)
+            if speculative_v2
+            else cost.describe_top_k_top_p(rows, s.top_k and s.top_p)
+        )
         terms += _profile_split(
             "top_k_top_p", stage.top_k_top_p + stage.sort, warm_path, f"{cost.sampler} sampler, {path}; {profile}"
         )

@@ -112,6 +112,9 @@ PENALTY_BYTES_PER_LOGIT = 22
 PROMPT_ID_COPIES = 2  # the new tensor is made while the old metadata still holds the old one
 # flashinfer_sample with top-k and top-p (see the module docstring): masked logits + probs, fp32.
 FLASHINFER_BYTES_PER_LOGIT = 8
+# flashinfer_sample with top-k or top-p alone (the batch's k or p is None): its fp32 softmax, then
+# top_k_sampling_from_probs / top_p_sampling_from_probs (v1/sample/ops/topk_topp_sampler.py:599-609).
+FLASHINFER_ONE_FILTER_BYTES_PER_LOGIT = 4
 # V1 forward_native after Triton's in-place masking: random_sample's fp32 softmax and noise.
 NATIVE_SAMPLE_BYTES_PER_LOGIT = 8
 # Triton's cached buffer has min(next_pow2(min(SMs, B)), SMs) rows; kvgate does not know the GPU's
@@ -278,13 +281,15 @@ class SamplerCost:
         all_vocab_logprobs: bool,
         processing: bool,
         filtered: bool,
+        both_filters: bool = True,
     ) -> SamplerStage:
         """Model Runner V2's stage (module docstring): the fp32 copy when a row needs processing,
-        the top-k/top-p path when a row sets it; with 0.33.0's warm-up pass in the profile, both
-        and the top-5 logprobs are profiled up to the profiled rows."""
+        the top-k/top-p path when a row sets it (`both_filters`: rows set top-k and top-p, so the
+        batch passes FlashInfer both); with 0.33.0's warm-up pass in the profile, both and the
+        top-5 logprobs are profiled up to the profiled rows."""
         v = self.vocab_size
         sampled = rows_sampled * v
-        top_k_top_p, sorts = self.top_k_top_p(rows_sampled) if filtered else (0, False)
+        top_k_top_p, sorts = self.top_k_top_p(rows_sampled, both_filters) if filtered else (0, False)
         fp32 = sampled * FP32 if processing else 0
         if processing and self.num_speculative_tokens:
             fp32, speculative_top_k_top_p, sorts = self.v2_speculative_random(rows, rows_sampled)
@@ -330,13 +335,15 @@ class SamplerCost:
         ``min(next_pow2(min(SMs, rows)), SMs)``, bounded for any SM count by MAX_SMS."""
         return min(1 << max(0, rows - 1).bit_length(), MAX_SMS)
 
-    def top_k_top_p(self, rows: int) -> tuple[int, bool]:
+    def top_k_top_p(self, rows: int, both: bool = True) -> tuple[int, bool]:
         """Bytes of the top-k/top-p step for `rows` sampled rows (V1: with the native path's
         softmax and noise), and whether that is the sort. FlashInfer: the larger of its own and
-        the native path a seeded request sends the batch to."""
+        the native path a seeded request sends the batch to; `both`: a row of the batch sets
+        top-k and one sets top-p (else FlashInfer samples from one fp32 softmax)."""
         native, sorts = self._native_top_k_top_p(rows)
         if self.sampler == "flashinfer" and not sorts:
-            return max(native, rows * self.vocab_size * FLASHINFER_BYTES_PER_LOGIT), False
+            per_logit = FLASHINFER_BYTES_PER_LOGIT if both else FLASHINFER_ONE_FILTER_BYTES_PER_LOGIT
+            return max(native, rows * self.vocab_size * per_logit), False
         return native, sorts
 
     def _native_top_k_top_p(self, rows: int) -> tuple[int, bool]:
@@ -390,15 +397,17 @@ class SamplerCost:
             )
         return native
 
-    def describe_top_k_top_p(self, rows: int) -> str:
-        """The path `top_k_top_p(rows)` charges, for `kvgate explain`."""
+    def describe_top_k_top_p(self, rows: int, both: bool = True) -> str:
+        """The path `top_k_top_p(rows, both)` charges, for `kvgate explain`."""
         v = self.vocab_size
         native = self.describe_native_top_k_top_p(rows)
         if self.sampler == "flashinfer" and rows >= self.sort_below_rows:
-            return (
-                f"the larger of FlashInfer {rows} rows x {v} vocab x {FLASHINFER_BYTES_PER_LOGIT} B "
-                f"(top_k_top_p_sampling_from_logits) and a seeded batch's {native}"
+            per_logit, call = (
+                (FLASHINFER_BYTES_PER_LOGIT, "top_k_top_p_sampling_from_logits")
+                if both
+                else (FLASHINFER_ONE_FILTER_BYTES_PER_LOGIT, "softmax, top_p/top_k_sampling_from_probs")
             )
+            return f"the larger of FlashInfer {rows} rows x {v} vocab x {per_logit} B ({call}) and a seeded batch's {native}"
         return native
 
     def stage(
@@ -413,11 +422,12 @@ class SamplerCost:
         longest_output: int = 0,
         processing: bool | None = None,
         filtered: bool | None = None,
+        both_filters: bool = True,
     ) -> SamplerStage:
         """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
         (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`;
         V2 only, None meaning `random`: processing, a row needs its logits processed (the fp32
-        copy); filtered, a row sets top-k or top-p).
+        copy); filtered, a row sets top-k or top-p; both_filters, rows set top-k and top-p).
 
         V1 with penalties: ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
         builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
@@ -428,7 +438,7 @@ class SamplerCost:
         if self.runner == "v2":
             processing = random if processing is None else processing
             filtered = random if filtered is None else filtered
-            return self._v2_stage(rows, rows_sampled, logprobs, all_vocab_logprobs, processing, filtered)
+            return self._v2_stage(rows, rows_sampled, logprobs, all_vocab_logprobs, processing, filtered, both_filters)
         whole_vocab = sampled * ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT if all_vocab_logprobs else 0
         # V1 is charged its top-k/top-p whatever the rows ask (as its profile ran it).
         top_k_top_p, sorts = self.top_k_top_p(rows_sampled)
@@ -467,6 +477,9 @@ class SamplerUse:
     # V2: its logits need processing (the fp32 copy), it sets top-k/top-p; None: `random`.
     processing: bool | None = None
     filtered: bool | None = None
+    # V2: it sets top-k, it sets top-p (FlashInfer takes both only when the batch's rows do).
+    top_k: bool = True
+    top_p: bool = True
     # The stage of a batch that holds only this request (an idle server): every admission reads
     # it twice (its transient and profiled bytes), so it is computed once, with the use.
     alone: SamplerStage = field(init=False, repr=False, compare=False)
@@ -483,6 +496,7 @@ class SamplerUse:
             self.longest_output,
             self.needs_processing,
             self.needs_filter,
+            self.top_k and self.top_p,
         )
         object.__setattr__(self, "alone", alone)
 
@@ -515,6 +529,8 @@ class SamplerBatch:
         self._structured = 0
         self._processing = 0
         self._filtered = 0
+        self._top_k = 0
+        self._top_p = 0
         self._prompts: list[int] = []  # sorted
         self._outputs: list[int] = []  # sorted
         self._changed()
@@ -529,6 +545,8 @@ class SamplerBatch:
         self._structured += use.structured
         self._processing += use.needs_processing
         self._filtered += use.needs_filter
+        self._top_k += use.top_k
+        self._top_p += use.top_p
         bisect.insort(self._prompts, use.longest_prompt)
         bisect.insort(self._outputs, use.longest_output)
         self._changed()
@@ -542,6 +560,8 @@ class SamplerBatch:
         self._structured -= use.structured
         self._processing -= use.needs_processing
         self._filtered -= use.needs_filter
+        self._top_k -= use.top_k
+        self._top_p -= use.top_p
         del self._prompts[bisect.bisect_left(self._prompts, use.longest_prompt)]
         del self._outputs[bisect.bisect_left(self._outputs, use.longest_output)]
         self._changed()
@@ -577,6 +597,7 @@ class SamplerBatch:
                 output,
                 self._processing > 0,
                 self._filtered > 0,
+                self._top_k > 0 and self._top_p > 0,
             )
         return extra.cost.stage(
             self._rows + extra.rows,
@@ -589,6 +610,7 @@ class SamplerBatch:
             max(output, extra.longest_output),
             self._processing > 0 or extra.needs_processing,
             self._filtered > 0 or extra.needs_filter,
+            (self._top_k > 0 or extra.top_k) and (self._top_p > 0 or extra.top_p),
         )
 
 

@@ -220,6 +220,8 @@ class Engine:
                     sp.processes_logits,
                     req.request_id,
                     max(0, req.num_prompt_tokens - s.num_context - s.num_new_tokens),
+                    top_k=sp.random and sp.top_k > 0,
+                    top_p=sp.random and sp.top_p < 1.0,
                 )
             )
         return StepShape(tuple(reqs))

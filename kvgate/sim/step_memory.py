@@ -118,10 +118,21 @@ class ReqSlice:
     processes: bool | None = None  # V2: its logits need processing (fp32 copy); None: `random`
     request_id: str = ""  # names what V2 keeps for it across steps (prompt logprobs)
     prompt_left: int = 0  # prompt tokens after this step: its prompt logprobs are not done yet
+    # it sets top-k, it sets top-p (a random row; None: what `top_p_k` says)
+    top_k: bool | None = None
+    top_p: bool | None = None
 
     @property
     def needs_processing(self) -> bool:
         return self.random if self.processes is None else self.processes
+
+    @property
+    def sets_top_k(self) -> bool:
+        return self.top_p_k if self.top_k is None else self.top_k
+
+    @property
+    def sets_top_p(self) -> bool:
+        return self.top_p_k if self.top_p is None else self.top_p
 
 
 @dataclass(frozen=True)
@@ -389,10 +400,15 @@ class StepMemory:
             path = self.top_k_top_p.path(b, seeded=unfused)
             if path == "sort":
                 self._sort_top_k_top_p(t, b, v)
-            elif path == "flashinfer":  # flashinfer_sample -> top_k_top_p_sampling_from_logits: masked logits, probs
-                t.alloc("flashinfer_masked_logits", bv * 4)
+            elif path == "flashinfer":
+                # flashinfer_sample (v1/sample/ops/topk_topp_sampler.py:599-613): with rows setting
+                # top-k and rows setting top-p, top_k_top_p_sampling_from_logits (masked logits,
+                # probs); with one of them only (the batch's k or p is None), one fp32 softmax
+                both = any(r.sets_top_k for r in rows) and any(r.sets_top_p for r in rows)
+                if both:
+                    t.alloc("flashinfer_masked_logits", bv * 4)
                 t.alloc("flashinfer_probs", bv * 4)
-                t.free("flashinfer_probs", "flashinfer_masked_logits")
+                t.free("flashinfer_probs", *(("flashinfer_masked_logits",) if both else ()))
         else:
             path = "native"
         if not self.v2 and path != "flashinfer" and any(r.random for r in rows):

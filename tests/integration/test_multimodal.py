@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from kvgate.chat_template import TokenizationError
+from kvgate.image_rules import CanvasTiles, PatchRows, SplitTiles, image_tokens
 from kvgate.media import ImageSize
-from kvgate.multimodal import CanvasTiles, PatchRows, image_kwargs, image_tokens, replace_token_matches
+from kvgate.multimodal import image_kwargs, replace_token_matches
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.vllm_server import VllmPython
@@ -124,8 +125,65 @@ def test_local_tokenizer_counts_llava_images(tiny_model_dir: Path, tmp_path: Pat
     assert len(placeholder) > len(plain)
     assert len(with_image) == len(placeholder) - 1 + 576
     assert image_id not in with_image
-    with pytest.raises(TokenizationError, match="2 <image> placeholders for 1 images"):
-        asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "<image>"}, IMAGE)))
+    # The tiny Llama's template takes strings: vLLM puts the placeholder in front of the text
+    # unless the text holds it already, where the image then goes; one too many is vLLM's 400.
+    own = asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "<image>"}, IMAGE)))
+    assert len(own) == len(asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "<image>"})))) - 1 + 576
+    with pytest.raises(TokenizationError, match="Found more '<image>' placeholders in input prompt"):
+        asyncio.run(tokenizer.encode_chat(_chat({"type": "text", "text": "<image> <image>"}, IMAGE)))
+    # A template that loops over the parts gets an image part and writes its own text for it
+    # (llava-v1.6's: the images first, each with a newline, then the texts).
+    template = (
+        "{% for m in messages %}{% for c in m['content'] | selectattr('type', 'equalto', 'image') %}"
+        "<image>\n{% endfor %}{% for c in m['content'] | selectattr('type', 'equalto', 'text') %}"
+        "{{ c['text'] }}{% endfor %}{% endfor %}"
+    )
+    chat = ChatInput(messages=({"role": "user", "content": [text, IMAGE]},), chat_template=template)
+    written = asyncio.run(tokenizer.encode_prompt("<image>\nDescribe the picture.", add_special_tokens=False))
+    assert len(asyncio.run(tokenizer.encode_chat(chat))) == len(written) - 1 + 576
+
+
+_VLLM_FULL_TEXT = """
+import json, sys
+from vllm.renderers.chat_utils import _get_full_multimodal_text_prompt
+from vllm.exceptions import VLLMValidationError
+out = []
+for placeholders, texts in json.loads(sys.stdin.read()):
+    storage = {}
+    for p in placeholders:
+        storage.setdefault("image" if p == "<image>" else "audio", []).append(p)
+    try:
+        out.append(_get_full_multimodal_text_prompt(storage, list(texts), False))
+    except VLLMValidationError:
+        out.append(None)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm
+def test_string_templates_get_placeholders_where_vllm_puts_them(vllm_python: VllmPython) -> None:
+    """For a template that takes strings, kvgate's renderer puts the media placeholders as vLLM
+    0.32.0's _get_full_multimodal_text_prompt does (in front, unless the text holds them; more in
+    the text than items: refused), on 300 random messages."""
+    from kvgate.chat_template import _full_multimodal_text
+
+    rng = random.Random(11)
+    words = ["a", "<image>", "<|audio|>", "b c", "", "<image><image>", "\n"]
+    cases = []
+    for _ in range(300):
+        placeholders = [rng.choice(["<image>", "<|audio|>"]) for _ in range(rng.randint(1, 3))]
+        cases.append(
+            (placeholders, ["".join(rng.choices(words, k=rng.randint(0, 3))) for _ in range(rng.randint(0, 3))])
+        )
+    theirs = json.loads(vllm_python("-c", _VLLM_FULL_TEXT, input=json.dumps(cases)).strip().splitlines()[-1])
+    ours = []
+    for placeholders, texts in cases:
+        try:
+            ours.append(_full_multimodal_text(placeholders, texts))
+        except TokenizationError:
+            ours.append(None)
+    assert ours == theirs
+    assert 0 < ours.count(None) < 150
 
 
 _VLLM_COUNT = """
@@ -255,6 +313,34 @@ LLAMA4_SCOUT = {  # meta-llama/Llama-4-Scout-17B-16E-Instruct's config.json and 
     },
     "processor": {"max_patches": 16, "resize_to_max_canvas": False},
 }
+INTERNVL3_HF = {  # OpenGVLab/InternVL3-1B-hf: config.json, processor_config.json, preprocessor_config.json
+    "config": {"model_type": "internvl", "image_token_id": 151667},
+    "processor": {
+        "image_seq_length": 256,
+        "crop_to_patches": False,
+        "size": {"height": 448, "width": 448},
+        "min_patches": 1,
+        "max_patches": 12,
+    },
+}
+SMOLVLM2 = {  # HuggingFaceTB/SmolVLM2-2.2B-Instruct: config.json, processor_config.json, preprocessor_config.json
+    "config": {"model_type": "smolvlm", "image_token_id": 49190},
+    "processor": {
+        "image_seq_len": 81,
+        "size": {"longest_edge": 1536},
+        "max_image_size": {"longest_edge": 384},
+        "do_image_splitting": True,
+    },
+}
+IDEFICS3_8B = {  # HuggingFaceM4/Idefics3-8B-Llama3
+    "config": {"model_type": "idefics3", "image_token_id": 128257},
+    "processor": {
+        "image_seq_len": 169,
+        "size": {"longest_edge": 1456},
+        "max_image_size": {"longest_edge": 364},
+        "do_image_splitting": True,
+    },
+}
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
     {**QWEN2_VL_7B, "cli_kwargs": {"max_pixels": 1003520}, "request_kwargs": {}},
@@ -282,6 +368,17 @@ CASES = [
     {**LLAVA_ONEVISION_7B, "cli_kwargs": {}, "request_kwargs": {}},
     {**LLAMA4_SCOUT, "cli_kwargs": {}, "request_kwargs": {}},
     {**LLAMA4_SCOUT, "cli_kwargs": {"max_patches": 6}, "request_kwargs": {"resize_to_max_canvas": True}},
+    {**INTERNVL3_HF, "cli_kwargs": {}, "request_kwargs": {}},
+    {**INTERNVL3_HF, "cli_kwargs": {"max_patches": 6}, "request_kwargs": {"min_patches": 2}},
+    {**INTERNVL3_HF, "cli_kwargs": {}, "request_kwargs": {"crop_to_patches": False}},
+    {**SMOLVLM2, "cli_kwargs": {}, "request_kwargs": {}},
+    {
+        **SMOLVLM2,
+        "cli_kwargs": {"size": {"longest_edge": 768}},
+        "request_kwargs": {"max_image_size": {"longest_edge": 256}},
+    },
+    {**IDEFICS3_8B, "cli_kwargs": {}, "request_kwargs": {"do_image_splitting": False}},
+    {**IDEFICS3_8B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {}},
     {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"pan_and_scan_max_num_crops": 7}},
@@ -305,6 +402,8 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int]
         if isinstance(rule, PatchRows):
             return list(rule.grid(size, kwargs))
         replacement = rule.replacement(size, kwargs)
+        if isinstance(rule, SplitTiles):  # the text vLLM tokenizes
+            return "".join(text * count for text, count in replacement.runs or ())
         if isinstance(rule, CanvasTiles):
             return [replacement.features, sum(count for _, count in replacement.runs or ())]
         return replacement.features
@@ -314,15 +413,18 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int]
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Every family with a rule, on 198 sizes and aspect ratios under 24 settings (config,
+    """Every family with a rule, on 198 sizes and aspect ratios under 31 settings (config,
     --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped): kvgate's count equals
     vLLM 0.32.0's own (Qwen2VLProcessingInfo, Qwen3VLProcessingInfo, Gemma3ProcessingInfo,
     LlavaNextProcessingInfo and LlavaOnevisionProcessingInfo.get_num_image_tokens; Pixtral's grid
-    from Mistral3ProcessingInfo.get_vision_encoder_info or PixtralHFEncoderInfo; Llama 4's canvas
+    from Mistral3ProcessingInfo.get_vision_encoder_info or PixtralHFEncoderInfo; InternVL's from
+    the HF processor's kwargs and GotOcr2ImageProcessor, which the prompt holds; Idefics3's and
+    SmolVLM's replacement text from Idefics3ProcessingInfo.get_image_repl; Llama 4's canvas
     from transformers' get_best_fit as Mllama4MultiModalProcessor calls it, and the tokens of
     Llama4Processor._prompt_split_image), and an image
     kvgate does not see counts vLLM's get_max_image_tokens, except on OneVision, where vLLM's is
-    not the most (kvgate's is above every count); where vLLM raises (aspect ratio over 200, a
+    not the most, and InternVL, where vLLM's processing info disagrees with the prompt (kvgate's
+    is above every count); where vLLM raises (aspect ratio over 200, a
     Pixtral grid without rows), kvgate refuses."""
     sizes = _sizes()
     cases = [{**case, "processor": {k: v for k, v in case["processor"].items() if v is not None}} for case in CASES]
@@ -337,6 +439,18 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
         ours = [_kvgate_count(rule, ImageSize(w, h), kwargs) for w, h in sizes]
         assert ours == vllm["counts"], case
         refused += ours.count(None)
+        if isinstance(rule, SplitTiles):  # the square's tiles at most
+            most = rule.most_features(None, kwargs)
+            assert all(c is None or c.count("<image>") <= most for c in vllm["counts"]), case
+        if rule.family == "internvl":  # the image and its crops at most: above every count
+            largest = _kvgate_count(rule, None, kwargs)
+            assert largest >= max(c for c in vllm["counts"] if c is not None), case
+        if rule.family == "internvl" and not kwargs:
+            # vLLM's own processing info reads the image processor's crop_to_patches (off in this
+            # checkpoint's preprocessor_config.json): one patch for every image, which the prompt
+            # (the HF processor, crop_to_patches on by its default) does not hold
+            assert set(vllm["info"]) == {256}
+            assert max(vllm["counts"]) > 256
         if vllm["largest"] is not None:
             largest = _kvgate_count(rule, None, image_kwargs(case["cli_kwargs"], {}))
             if case["config"]["model_type"] == "llava_onevision":

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 gemma_pil = importlib.import_module("transformers.models.gemma3.image_processing_pil_gemma3")
 pixtral_pil = importlib.import_module("transformers.models.pixtral.image_processing_pil_pixtral")
+got_ocr2_pil = importlib.import_module("transformers.models.got_ocr2.image_processing_pil_got_ocr2")
 
 
 def _llama4_functions():
@@ -59,6 +60,9 @@ for name, values in (
     ),
     ("gemma3.image_processing_gemma3", {"Gemma3ImageProcessor": gemma_pil.Gemma3ImageProcessorPil}),
     ("llama4.image_processing_llama4", _llama4_functions()),
+    ("got_ocr2.image_processing_got_ocr2", {"GotOcr2ImageProcessor": got_ocr2_pil.GotOcr2ImageProcessorPil}),
+    # interns1.py imports InternVL's video processor (torchvision) for videos only, not run here
+    ("internvl.video_processing_internvl", {"InternVLVideoProcessor": type("InternVLVideoProcessor", (), {})}),
     (
         "pixtral.image_processing_pixtral",
         {
@@ -239,6 +243,68 @@ def llama4(case):
     }
 
 
+def internvl(case):
+    """The HF processor's count, which the prompt holds (interns1.py _get_prompt_updates takes
+    image_num_patches from it): InternVLProcessor's kwargs merged by ProcessorMixin._merge_kwargs
+    (its crop_to_patches default over the image processor's), GotOcr2ImageProcessorPil.
+    get_number_of_image_patches x image_seq_length; and vLLM's own
+    InternS1ProcessingInfo.get_num_image_tokens, for comparison ("info")."""
+    from transformers.models.internvl.processing_internvl import InternVLProcessorKwargs
+    from vllm.model_executor.models.interns1 import InternS1ProcessingInfo
+
+    settings = {k: v for k, v in case["processor"].items() if k != "image_seq_length"}
+    per_patch = case["processor"].get("image_seq_length", 256)
+
+    class Processor:
+        _merge_kwargs = ProcessorMixin._merge_kwargs
+        image_processor = got_ocr2_pil.GotOcr2ImageProcessorPil(**settings)
+        tokenizer = SimpleNamespace(init_kwargs={})
+        image_seq_length = per_patch
+
+    processor = Processor()
+    kwargs = {**case["cli_kwargs"], **case["request_kwargs"]}
+    images_kwargs = processor._merge_kwargs(InternVLProcessorKwargs, tokenizer_init_kwargs={}, **kwargs)[
+        "images_kwargs"
+    ]
+    counts = [
+        per_patch * processor.image_processor.get_number_of_image_patches(h, w, images_kwargs) for w, h in case["sizes"]
+    ]
+    info = InternS1ProcessingInfo.__new__(InternS1ProcessingInfo)
+    info.ctx = context(SimpleNamespace(), case["cli_kwargs"])
+    vllm_info = [
+        info.get_num_image_tokens(image_width=w, image_height=h, processor=processor, mm_kwargs=case["request_kwargs"])
+        for w, h in case["sizes"]
+    ]
+    return {"counts": counts, "largest": None, "info": vllm_info}
+
+
+def idefics3(case):
+    """The replacement text Idefics3ProcessingInfo.get_image_repl (SmolVLMProcessingInfo's
+    inherits it) builds, which vLLM tokenizes, from transformers' Idefics3ImageProcessor grid with
+    the kwargs merged by the processing context."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from vllm.model_executor.models.idefics3 import Idefics3ProcessingInfo
+    from vllm.model_executor.models.smolvlm import SmolVLMProcessingInfo
+
+    info_class = SmolVLMProcessingInfo if case["config"]["model_type"] == "smolvlm" else Idefics3ProcessingInfo
+    info = info_class.__new__(info_class)
+    info.ctx = context(SimpleNamespace(), case["cli_kwargs"])
+    settings = {k: v for k, v in case["processor"].items() if k != "image_seq_len"}
+    processor = SimpleNamespace(
+        image_processor=Idefics3ImageProcessorPil(**settings),
+        image_token="<image>",
+        fake_image_token="<fake_token_around_image>",
+        global_image_tag="<global-img>",
+        global_image_token="<global-img>",
+        image_seq_len=case["processor"]["image_seq_len"],
+    )
+    counts = [
+        info.get_image_repl(image_width=w, image_height=h, processor=processor, mm_kwargs=case["request_kwargs"])
+        for w, h in case["sizes"]
+    ]
+    return {"counts": counts, "largest": None}
+
+
 FAMILIES = {"qwen2_vl": qwen, "qwen2_5_vl": qwen, "qwen3_vl": qwen, "qwen3_vl_moe": qwen}
 FAMILIES |= {
     "gemma3": gemma,
@@ -247,6 +313,9 @@ FAMILIES |= {
     "llava_next": tiles,
     "llava_onevision": tiles,
     "llama4": llama4,
+    "internvl": internvl,
+    "idefics3": idefics3,
+    "smolvlm": idefics3,
 }
 cases = json.loads(sys.stdin.read())
 print(json.dumps([FAMILIES[c["config"]["model_type"]](c) for c in cases]))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.advise_startup import Request, predict
-from kvgate.advise_traffic import Distribution, capacity_table, parse_traffic
+from kvgate.advise_traffic import Distribution, Traffic, capacity_table, parse_traffic
 from kvgate.cli import main
 from support.geometry import write_config
 
@@ -31,6 +31,21 @@ def test_percentiles_of_a_real_vllm_page() -> None:
     }
     assert traffic.max_tokens.quantile(0.99) == 20.0
     assert traffic.request_tokens == 30
+    # the median request sizes --max-num-seqs (P50 prompt + P50 max_tokens: 10 + 20)
+    assert traffic.typical_request_tokens == 30
+
+
+def test_max_num_seqs_is_sized_by_the_median_request_not_the_p99() -> None:
+    """98 chat prompts of at most 500 tokens and two of 16,000: the P99 request is a long one,
+    the median a chat one; kvgate's own record (prompt + max_tokens per request) is read first."""
+    prompt = Distribution((500.0, 16000.0, math.inf), (98.0, 100.0, 100.0))
+    max_tokens = Distribution((256.0, 1024.0, math.inf), (60.0, 100.0, 100.0))
+    traffic = Traffic(prompt, max_tokens, max_tokens)
+    assert traffic.request_tokens == 16000 + 1024
+    assert traffic.typical_request_tokens == 500 + 256
+    requests = Distribution((700.0, 17000.0, math.inf), (98.0, 100.0, 100.0))
+    recorded = Traffic(prompt, max_tokens, max_tokens, requests)
+    assert (recorded.request_tokens, recorded.typical_request_tokens) == (17000, 700)
 
 
 def test_share_above_is_bounded_by_the_buckets() -> None:

@@ -178,6 +178,23 @@ def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
     assert drafter is not None
     assert drafter.method == "draft_model"
     assert resolve_drafter("mlp_speculator", str(folder), LLAMA, {}, release="0.33.0") is None  # vLLM refuses it
+    pre_release = resolve_drafter(None, str(folder), LLAMA, {}, release="0.33.0rc1")  # as its release
+    assert pre_release is not None
+    assert pre_release.method == "draft_model"
+    # `kvgate advise` sizes the same draft for the release it is asked about
+    from kvgate.advise_startup import load_layout
+
+    target = tmp_path / "target"
+    target.mkdir()
+    llama = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32}
+    llama |= {"num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": V, "torch_dtype": "bfloat16"}
+    (target / "config.json").write_text(json.dumps(llama | {"max_position_embeddings": 8192}))
+    flags = dict(max_model_len=None, block_size=None, tensor_parallel_size=1, pipeline_parallel_size=1)
+    for release, method in (("0.32.0", None), ("0.33.0", "draft_model")):
+        _, layout, _ = load_layout(
+            str(target), kv_cache_dtype="auto", speculative_model=str(folder), release=release, **flags
+        )
+        assert (layout.draft.method if layout.draft else None) == method, release
 
 
 def test_the_ledger_sums_what_prefills_hold_across_steps_and_the_shared_step_extra() -> None:
@@ -230,3 +247,52 @@ def test_a_short_prompt_alone_is_charged_its_own_step_and_the_full_step_once_oth
     assert ledger.transient_bytes == alone + extra
     ledger.release(second)
     assert ledger.transient_bytes == alone + extra  # held until its prefill ends
+
+
+@pytest.mark.parametrize(
+    ("version", "newer_rules"),
+    [("0.32.0", False), ("0.32.1rc2", False), ("0.33.0rc1", True), ("0.33.0", True), ("0.35.2", True)],
+)
+def test_every_release_table_follows_the_release_a_version_leads_to(version: str, newer_rules: bool) -> None:
+    """Each table kvgate keeps per release, for a release, a pre-release of it and a newer one:
+    the runner (speculative methods V2 runs), the sampler (FlashInfer on both), V2's profile
+    (0.33.0's warm-up pass), the chat truncation rule (protocol.py:694) and the content-format
+    aliases (renderers/hf.py:424-470)."""
+    runtime = resolve_runtime(version)
+    assert runtime.model_version == ("0.33.0" if newer_rules else "0.32.0")
+    assert (runtime.runner, runtime.sampler_backend) == ("v2", "flashinfer")
+    assert runtime.sampler_warmup_profile == newer_rules
+    assert runtime.truncation_holds_output_token == newer_rules
+    assert runtime.content_format_namespace_aliases == newer_rules
+    assert resolve_runtime(version, speculative_method="suffix").runner == "v1"  # blocked in both
+    assert resolve_runtime(version, speculative_method="draft_model").runner == "v2"
+    if not newer_rules:  # 0.33.0 has no medusa method at all (a medusa config is a draft_model)
+        assert resolve_runtime(version, speculative_method="medusa").runner == "v1"
+    assert (runtime.warning is not None) == (version == "0.35.2")
+
+
+def test_v2_flashinfer_with_top_p_alone_samples_from_one_softmax() -> None:
+    # v1/sample/ops/topk_topp_sampler.py:599-609 flashinfer_sample: k is None (no row sets top-k,
+    # gpu/sample/states.py get_top_k_top_p) -> softmax fp32, top_p_sampling_from_probs
+    engine = v2_engine()
+    assert engine.sampler == "flashinfer"
+    shape = SamplingShape(n=8, top_k=False, top_p=True)
+    derived = 8 * V * (2 + 4 + 4) + 2 * 8 * H * 2  # logits, fp32 copy, probs; hidden and gathered rows
+    terms = estimate_transient(LLAMA, engine, 100, shape).terms
+    assert within(sum(t.bytes for t in terms if t.stage == "sampler"), derived)
+
+
+def test_v2_flashinfer_takes_both_filters_once_the_batch_sets_both() -> None:
+    from kvgate.memory.sampler import SamplerBatch, SamplerUse
+
+    cost = SamplerCost(V, 2, 256, 8192, "v2", sampler="flashinfer")
+    top_p_only = SamplerUse(cost, rows=8, longest_prompt=100, top_k=False, top_p=True)
+    top_k_only = SamplerUse(cost, rows=8, longest_prompt=100, top_k=True, top_p=False)
+    batch = SamplerBatch()
+    batch.add(top_p_only)
+    assert batch.stage().top_k_top_p == 8 * V * 4
+    # a top-k row joins: the batch's k and p are both set, top_k_top_p_sampling_from_logits
+    assert batch.stage(top_k_only).top_k_top_p == 16 * V * 8
+    batch.add(top_k_only)
+    batch.remove(top_k_only)
+    assert batch.stage().top_k_top_p == 8 * V * 4

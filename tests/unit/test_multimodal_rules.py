@@ -1,4 +1,4 @@
-"""Image counting by family (kvgate/multimodal.py) through MediaCounting, around a tokenizer that
+"""Image counting by family (kvgate/image_rules.py) through MediaCounting (kvgate/multimodal.py), around a tokenizer that
 knows the families' special tokens: Qwen2-VL's dynamic resolution and its kwargs' precedence,
 Gemma 3's sequence and newline joins, URLs at the largest count, --limit-mm-per-prompt, and the
 refusals. The counts themselves are checked against vLLM's own functions in
@@ -17,7 +17,8 @@ from PIL import Image
 from pydantic import ValidationError
 
 from kvgate.chat_template import TokenizationError
-from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, image_tokens, media_options
+from kvgate.image_rules import image_tokens
+from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, media_options
 from kvgate.request import ChatInput
 from kvgate.vllm_flags import VllmFlags
 
@@ -39,6 +40,9 @@ SPECIAL = {
     "<|image_end|>": 200081,
     "<|tile_x_separator|>": 200084,
     "<|tile_y_separator|>": 200085,
+    "<IMG_CONTEXT>": 151667,
+    "<img>": 151665,
+    "</img>": 151666,
     "[IMG_BREAK]": 12,
     "[IMG_END]": 13,
 }
@@ -67,7 +71,11 @@ class WordTokenizer:
         return None
 
     async def encode_chat(self, chat: ChatInput, max_tokens=None, namespace_aliases=False) -> Sequence[int]:
-        text = "".join("user:\n" + "\n".join(p["text"] for p in m["content"]) + "\n" for m in chat.messages)
+        # A MediaPlaceholder (kvgate's renderer gives it to the template) as its text, in place.
+        text = "".join(
+            "user:\n" + "\n".join(getattr(p, "text", None) or p["text"] for p in m["content"]) + "\n"
+            for m in chat.messages
+        )
         return self._ids(text)
 
 
@@ -198,6 +206,65 @@ def test_llama4_canvas_tiles_and_global_view() -> None:
         assert sum(1 for t in _count(one, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 144
     with pytest.raises(ValueError, match="max_patches"):
         MediaCounting(WordTokenizer(), image_tokens(LLAMA4, {}), MediaOptions(processor_kwargs={"max_patches": 0}))
+
+
+INTERNVL = {"model_type": "internvl", "image_token_id": 151667}
+INTERNVL_PROCESSOR = {"image_seq_length": 256, "crop_to_patches": False, "size": {"height": 448, "width": 448}}
+
+
+def test_internvl_crops_to_the_closest_grid_whatever_its_preprocessor_says() -> None:
+    """InternVL3-hf: 640 x 480 (4:3) crops into 4 x 3 tiles of 448, plus the whole image: 13
+    patches of 256 <IMG_CONTEXT> between <img> and </img>, although preprocessor_config.json says
+    crop_to_patches false (the processor's default turns it on); a request can turn it off."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(INTERNVL, INTERNVL_PROCESSOR), None, "internvl")
+    with_placeholder = len(_count(counting, TEXT, {"type": "text", "text": "<IMG_CONTEXT>"}))
+    ids = _count(counting, TEXT, _image(640, 480))
+    assert sum(1 for t in ids if t < 0) == 13 * 256
+    assert (ids.count(151665), ids.count(151666), ids.count(151667)) == (1, 1, 0)
+    assert len(ids) == with_placeholder - 1 + 13 * 256 + 2
+    uncropped = _count(counting, _image(640, 480), mm_processor_kwargs={"crop_to_patches": False})
+    assert sum(1 for t in uncropped if t < 0) == 256
+    assert sum(1 for t in _count(counting, URL_IMAGE) if t < 0) == 13 * 256  # 12 tiles and the image at most
+    with pytest.raises(TokenizationError, match="size or patch_size"):
+        _count(counting, _image(64, 64), mm_processor_kwargs={"size": {"height": 224, "width": 224}})
+
+
+def test_llava_onevision_pools_and_counts_urls_above_vllms_largest() -> None:
+    """llava-onevision-qwen2-7b (SigLIP 384/14, anyres_max_9): the counts routes.md quotes; an
+    image by URL counts 8,829, above vLLM's own largest (1153 x 944, 8,748) and above the 946 x
+    1156 image whose count (8,765) vLLM's get_num_image_tokens gives too (test_multimodal.py)."""
+    from kvgate.media import ImageSize
+
+    config = {
+        "model_type": "llava_onevision",
+        "image_token_index": 151646,
+        "vision_feature_select_strategy": "full",
+        "image_grid_pinpoints": [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)],
+        "vision_config": {"model_type": "siglip_vision_model", "image_size": 384, "patch_size": 14},
+    }
+    rule = image_tokens(config)
+    counts = [rule.replacement(ImageSize(w, h), {}).features for w, h in ((640, 480), (1153, 944), (946, 1156))]
+    assert counts == [2929, 8748, 8765]
+    assert rule.replacement(None, {}).features == 8829
+
+
+def test_smolvlm_tiles_rows_and_global_image() -> None:
+    """SmolVLM2: 640 x 480 is resized to 1536 x 1152 and split into 3 x 4 tiles of 384, each 81
+    <image> tokens, plus the global image's 81; a request that turns splitting off leaves the
+    global image alone; by URL, the square's 4 x 4 tiles."""
+    processor = {"image_seq_len": 81, "size": {"longest_edge": 1536}, "max_image_size": {"longest_edge": 384}}
+    counting = MediaCounting(
+        WordTokenizer(), image_tokens({"model_type": "smolvlm", "image_token_id": 32000}, processor)
+    )
+    assert sum(1 for t in _count(counting, TEXT, _image(640, 480)) if t < 0) == 13 * 81
+    unsplit = _count(counting, _image(640, 480), mm_processor_kwargs={"do_image_splitting": False})
+    assert sum(1 for t in unsplit if t < 0) == 81
+    assert sum(1 for t in _count(counting, URL_IMAGE) if t < 0) == 17 * 81
+    with pytest.raises(TokenizationError, match="longest_edge from 1 to 4096"):
+        _count(counting, _image(64, 64), mm_processor_kwargs={"max_image_size": {"longest_edge": 0}})
+    # 1536 / 16: 96 x 72 tiles, each its own <row_i_col_j> token: more than kvgate tokenizes one by one
+    with pytest.raises(TokenizationError, match="at most 256 distinct tile tokens"):
+        _count(counting, _image(640, 480), mm_processor_kwargs={"max_image_size": {"longest_edge": 16}})
 
 
 def test_qwen2_vl_kwargs_precedence() -> None:

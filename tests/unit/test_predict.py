@@ -104,8 +104,8 @@ def test_each_prompt_length_and_sampling_shape_is_estimated_once(monkeypatch) ->
     predictor.predict(spec_of({}), [list(range(101))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
     predictor.predict(spec_of({"n": 2}), [list(range(100))])
-    plain = SamplingShape(processing=False, filtered=False)  # temperature 1.0, no top-k/top-p
-    assert calls == [(100, plain), (101, plain), (100, SamplingShape(n=2, processing=False, filtered=False))]
+    plain = SamplingShape(processing=False, filtered=False, top_k=False, top_p=False)  # temperature 1.0 alone
+    assert calls == [(100, plain), (101, plain), (100, dataclasses.replace(plain, n=2))]
     # Same length, other tokens: the estimate is shared, the prefix-cache hashes are not.
     assert other_tokens.footprints[0].transient is first.footprints[0].transient
     assert other_tokens.demand.shared_block_hashes != first.demand.shared_block_hashes

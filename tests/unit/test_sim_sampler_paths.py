@@ -135,3 +135,15 @@ def test_a_requests_seed_reaches_the_step() -> None:
 
     assert slice_of(7).seeded
     assert not slice_of(None).seeded
+
+
+def test_flashinfer_with_top_p_alone_keeps_one_softmax() -> None:
+    """flashinfer_sample (v1/sample/ops/topk_topp_sampler.py:599-613): no row sets top-k, so the
+    batch's k is None and FlashInfer samples from one fp32 softmax; a row setting top-k beside
+    rows setting top-p makes it top_k_top_p_sampling_from_logits (masked logits and probs)."""
+    top_p = sampler_peak(TopKTopP("flashinfer"), 256, "v2", top_k=False, top_p=True)
+    assert top_p == pytest.approx(256 * V * 4, rel=0.01)
+    rows = [ReqSlice(1, top_p_k=True, random=True, top_k=False, top_p=True) for _ in range(255)]
+    mixed = StepShape((*rows, ReqSlice(1, top_p_k=True, random=True, top_k=True, top_p=False)))
+    assert len(flashinfer_allocations(mixed)) == 2
+    assert len(flashinfer_allocations(StepShape(tuple(rows)))) == 1
