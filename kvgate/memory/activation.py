@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvgate.memory.allocator import TapeOp, alloc, footprint, free
+from kvgate.memory.allocator import TapeOp, alloc, footprint, free, worst_need
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import QKV_SLICES, shrink_buffer_bytes
@@ -856,7 +856,7 @@ def profile_sampler_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     return hidden + stage.profiled - stage.sample_hidden // 2
 
 
-def profile_forward_tape(geometry: ModelGeometry, engine: EngineShape) -> list[TapeOp]:
+def profile_forward_tape(geometry: ModelGeometry, engine: EngineShape, tokens: int | None = None) -> list[TapeOp]:
     """The profile step's tensors in the order vLLM makes and drops them, for the allocator replay
     (kvgate/memory/allocator.py). One decoder layer stands for all: every layer frees what it
     made, so the next one finds the same blocks cached.
@@ -873,7 +873,7 @@ def profile_forward_tape(geometry: ModelGeometry, engine: EngineShape) -> list[T
     peak (V1's full-vocabulary sort) its segments' own overhead is not modelled; nor are the LoRA
     shrink buffer and a draft model's pass (their bytes still count in `profile_peak_bytes`)."""
     g, e = geometry, engine
-    t, dt, tp = e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
+    t, dt, tp = tokens or e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
     hidden = t * g.hidden_size * dt
     heads, kv_heads = max(1, g.num_attention_heads // tp), max(1, g.num_kv_heads // tp)
     tape = [alloc("hidden", hidden), alloc("residual", hidden)]
@@ -892,9 +892,23 @@ def profile_forward_tape(geometry: ModelGeometry, engine: EngineShape) -> list[T
     return tape
 
 
+# Earlier step sizes the segment overhead is replayed after: sixteenths of max_num_batched_tokens.
+HISTORY_STEP_SIZES = 16
+
+
 def profile_segment_overhead_bytes(geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> int:
-    """What the caching allocator reserves beyond the profile's forward pass's allocated peak
-    (S13's Llama 3.1 8B at 4,096 tokens: 480 MiB of segments for 400 MiB, 80 MiB). The profiled
-    terms are charged their share of it wherever they come out of free memory
+    """What the caching allocator needs for the profile step's forward pass beyond its allocated
+    peak, after any one earlier step of another size (kvgate/memory/allocator.py `worst_need`:
+    every size of ``max_num_batched_tokens x k/16``, the cache kept or released in between).
+
+    S13's Llama 3.1 8B at 4,096 tokens: 400 MiB allocated; 416 MiB needed from an empty cache,
+    546 MiB after a 2,560-token step (its segments split by the next step's hidden states and
+    residual, best fit, so gate_up and SiluAndMul find no freed block and take new segments).
+    Longer histories need more (two earlier steps: 644 MiB); this is not a bound over them.
+    The profiled terms are charged their share of it wherever they come out of free memory
     (kvgate/memory/ceiling.py `transient_charge`)."""
-    return footprint(profile_forward_tape(geometry, engine), expandable_segments).overhead
+    step = profile_forward_tape(geometry, engine)
+    full = engine.max_num_batched_tokens
+    sizes = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
+    earlier = ([profile_forward_tape(geometry, engine, t)] for t in sizes)
+    return max(0, worst_need(step, earlier, expandable_segments) - footprint(step, expandable_segments).allocated_peak)

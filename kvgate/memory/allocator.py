@@ -1,11 +1,12 @@
-"""What PyTorch's CUDA caching allocator reserves for a sequence of tensors, beyond their bytes.
+"""What PyTorch's CUDA caching allocator needs for a step's tensors, beyond their bytes.
 
 vLLM sizes its KV pool with the profile run's *allocated* peak (vllm 0.32.0
 `vllm/utils/mem_utils.py` `memory_profiling`: `allocated_bytes.all.peak`, with `empty_cache()`
-before and after), but the allocator must *reserve* segments to hold those tensors again, and
-segments never merge. So when a step's profiled tensors come back out of free memory, they take
-more than the profile peak. This module replays an allocation tape under the allocator's rules
-and returns the reserved peak; kvgate/memory/activation.py builds the profile step's tape.
+before and after), but the allocator holds tensors in segments that never merge. When a step's
+profiled tensors come back out of free memory, a tensor that best fit puts into a larger cached
+segment pins the whole segment, and a later tensor that fits in no freed block needs a new one.
+This module replays allocation tapes under the allocator's rules; kvgate/memory/activation.py
+builds the forward pass's tape.
 
 The rules, from pytorch/pytorch `c10/cuda/CUDACachingAllocator.cpp` (`DeviceCachingAllocator`;
 the constants and the behaviour are the same from PyTorch 2.1 to 2.9, the versions vLLM 0.22 -
@@ -20,20 +21,19 @@ the constants and the behaviour are the same from PyTorch 2.1 to 2.9, the versio
 - `should_split`: the block is split when the rest is at least 512 B (small pool) or more than
   1 MiB (large pool);
 - `free_block` / `try_merge_blocks`: a freed block merges with free neighbours of its own
-  segment only; a segment goes back to the driver only whole (`release_cached_blocks`, on
-  `empty_cache()` or after a failed `cudaMalloc`).
+  segment only;
+- `malloc`: when `cudaMalloc` fails, `release_cached_blocks` gives back every segment with no
+  live block and retries once. So what a step *needs* at a malloc is the segments that hold a
+  live block plus the new one (`need`); the cached free segments only lend memory until then.
 
 With `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (`ExpandableSegment`) the pool is one
 growable mapping of 2 MiB pages whose free pages are mapped again where needed, so freed bytes
 never strand: the replay then charges each live tensor its page-rounded size.
-
-The replay starts from an empty cache, as vLLM's profile does after `empty_cache()`; a
-history of other steps can strand more (the simulator shows how: docs/memory-model.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.units import MiB
@@ -73,9 +73,17 @@ class _Segment:
     def size(self) -> int:
         return sum(b.size for b in self.blocks)
 
+    @property
+    def live(self) -> bool:
+        return any(b.allocated for b in self.blocks)
+
 
 def _rounded(nbytes: int) -> int:
     return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // EXPANDABLE_PAGE) * EXPANDABLE_PAGE
 
 
 def _segment_size(size: int, pool: str) -> int:
@@ -88,36 +96,57 @@ def _segment_size(size: int, pool: str) -> int:
 
 @dataclass(frozen=True)
 class Footprint:
-    """A tape's allocated peak (what vLLM's profile records) and reserved peak (what the
-    allocator must hold for it); `overhead` is the difference."""
+    """One replay: the allocated peak (what vLLM's profile records), the reserved peak (what
+    the allocator caches) and the need (segments holding a live block at a malloc, the new one
+    included: what must fit in the GPU's memory)."""
 
     allocated_peak: int
     reserved_peak: int
-
-    @property
-    def overhead(self) -> int:
-        return max(0, self.reserved_peak - self.allocated_peak)
+    need: int
 
 
-def footprint(tape: Iterable[TapeOp], expandable_segments: bool = False) -> Footprint:
-    """Replay `tape` on an empty caching allocator (the rules in the module docstring)."""
-    if expandable_segments:
-        return _expandable_footprint(tape)
-    segments: list[_Segment] = []
-    live: dict[str, tuple[_Segment, _Block]] = {}
-    allocated = peak_allocated = peak_reserved = 0
-    for op, name, nbytes in tape:
-        if op == "free":
-            seg, block = live.pop(name)
-            allocated -= block.size
-            _release(seg, block)
-            continue
+class _Replay:
+    """One process's large and small pools, played op by op."""
+
+    def __init__(self, expandable_segments: bool) -> None:
+        self.expandable = expandable_segments
+        self.segments: list[_Segment] = []
+        self.live: dict[str, tuple[_Segment, _Block]] = {}
+        self.sizes: dict[str, int] = {}  # expandable segments: each live tensor's bytes
+
+    def release_cached_blocks(self) -> None:
+        self.segments = [s for s in self.segments if s.live]
+
+    def play(self, tape: Iterable[TapeOp]) -> Footprint:
+        allocated = reserved = need = 0
+        for op, name, nbytes in tape:
+            if op == "free":
+                self._free(name)
+                continue
+            self._malloc(name, nbytes)
+            if self.expandable:
+                held = sum(_pages(n) for n in self.sizes.values())
+                allocated, reserved, need = (
+                    max(allocated, sum(_rounded(n) for n in self.sizes.values())),
+                    max(reserved, held),
+                    max(need, held),
+                )
+                continue
+            allocated = max(allocated, sum(b.size for _, b in self.live.values()))
+            reserved = max(reserved, sum(s.size for s in self.segments))
+            need = max(need, sum(s.size for s in self.segments if s.live))
+        return Footprint(allocated, reserved, need)
+
+    def _malloc(self, name: str, nbytes: int) -> None:
+        if self.expandable:
+            self.sizes[name] = nbytes
+            return
         size = _rounded(nbytes)
         pool = "small" if size <= SMALL_SIZE else "large"
-        found = _best_fit(segments, size, pool)
+        found = _best_fit(self.segments, size, pool)
         if found is None:
             seg = _Segment(pool, [_Block(_segment_size(size, pool))])
-            segments.append(seg)
+            self.segments.append(seg)
             found = (seg, seg.blocks[0])
         seg, block = found
         rest = block.size - size
@@ -125,25 +154,45 @@ def footprint(tape: Iterable[TapeOp], expandable_segments: bool = False) -> Foot
             seg.blocks.insert(seg.blocks.index(block) + 1, _Block(rest))
             block.size = size
         block.allocated = True
-        live[name] = (seg, block)
-        allocated += block.size
-        peak_allocated = max(peak_allocated, allocated)
-        peak_reserved = max(peak_reserved, sum(s.size for s in segments))
-    return Footprint(peak_allocated, peak_reserved)
+        self.live[name] = (seg, block)
+
+    def _free(self, name: str) -> None:
+        if self.expandable:
+            del self.sizes[name]
+            return
+        seg, block = self.live.pop(name)
+        block.allocated = False
+        blocks = seg.blocks
+        i = blocks.index(block)
+        if i + 1 < len(blocks) and not blocks[i + 1].allocated:
+            block.size += blocks.pop(i + 1).size
+        if i > 0 and not blocks[i - 1].allocated:
+            blocks[i - 1].size += block.size
+            blocks.pop(i)
 
 
-def _expandable_footprint(tape: Iterable[TapeOp]) -> Footprint:
-    sizes: dict[str, int] = {}
-    peak_allocated = peak_reserved = 0
-    for op, name, nbytes in tape:
-        if op == "free":
-            sizes.pop(name)
-            continue
-        sizes[name] = nbytes
-        peak_allocated = max(peak_allocated, sum(_rounded(n) for n in sizes.values()))
-        pages = sum(-(-n // EXPANDABLE_PAGE) * EXPANDABLE_PAGE for n in sizes.values())
-        peak_reserved = max(peak_reserved, pages)
-    return Footprint(peak_allocated, peak_reserved)
+def footprint(tape: Iterable[TapeOp], expandable_segments: bool = False) -> Footprint:
+    """Replay `tape` on an empty caching allocator (the rules in the module docstring)."""
+    return _Replay(expandable_segments).play(tape)
+
+
+def worst_need(
+    step: Sequence[TapeOp], earlier: Iterable[Sequence[Sequence[TapeOp]]], expandable_segments: bool = False
+) -> int:
+    """The most `step` needs (`Footprint.need`) after any of the `earlier` histories of steps,
+    each played from an empty cache, and each also with the cache released before `step` (a
+    failed cudaMalloc in between does that): the allocator's state is history, so the same
+    step needs more after steps of other sizes left their segments for best fit to split."""
+    worst = footprint(step, expandable_segments).need
+    for history in earlier:
+        for released in (False, True):
+            replay = _Replay(expandable_segments)
+            for tape in history:
+                replay.play(tape)
+            if released:
+                replay.release_cached_blocks()
+            worst = max(worst, replay.play(step).need)
+    return worst
 
 
 def _best_fit(segments: list[_Segment], size: int, pool: str) -> tuple[_Segment, _Block] | None:
@@ -155,15 +204,3 @@ def _best_fit(segments: list[_Segment], size: int, pool: str) -> tuple[_Segment,
             if not block.allocated and block.size >= size and (best is None or block.size < best[1].size):
                 best = (seg, block)
     return best
-
-
-def _release(seg: _Segment, block: _Block) -> None:
-    """free_block: mark free and merge with free neighbours inside the segment."""
-    block.allocated = False
-    blocks = seg.blocks
-    i = blocks.index(block)
-    if i + 1 < len(blocks) and not blocks[i + 1].allocated:
-        block.size += blocks.pop(i + 1).size
-    if i > 0 and not blocks[i - 1].allocated:
-        blocks[i - 1].size += block.size
-        blocks.pop(i)
