@@ -11,8 +11,10 @@ The prediction is kvgate/advise_startup.py, the proposals kvgate/advise_flags.py
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -24,6 +26,7 @@ from kvgate.advise_traffic import Distribution, LengthRow, Traffic, capacity_tab
 from kvgate.gpus import GPUS
 from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.model_folder import ModelFolderError, resolve_model_folder
+from kvgate.telemetry.gpu import nvml_probe
 from kvgate.traffic_record import Measured
 from kvgate.vllm_flags import add_vllm_arguments, size_argument
 
@@ -84,8 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--other-processes-bytes",
         type=size_argument,
-        default=0,
-        help="GPU memory other processes hold (nvidia-smi); advised flags leave it free",
+        default=None,
+        help="GPU memory other processes hold; advised flags leave it free (default: what NVML shows "
+        "used on the GPUs NVIDIA_VISIBLE_DEVICES names, all of it others' before vLLM starts; 0 without NVML)",
     )
     parser.add_argument(
         "--request-tokens",
@@ -154,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         traffic = parse_traffic(read_page(args.traffic_metrics)) if args.traffic_metrics else None
         startup = predict(request_from(args))
         request_tokens = args.request_tokens or (traffic.typical_request_tokens if traffic else None)
-        advised, recommended = recommend(startup, request_tokens, args.other_processes_bytes)
+        others = co_tenant_bytes() if args.other_processes_bytes is None else args.other_processes_bytes
+        advised, recommended = recommend(startup, request_tokens, others)
         table = capacity_table(startup, traffic) if traffic else None
     except (ValueError, KeyError, ModelFolderError, OSError, httpx.HTTPError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) else exc
@@ -174,6 +179,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if startup.fits else 1
 
 
+def co_tenant_bytes(nvml: ModuleType | None = None) -> int:
+    """What other processes hold on the GPUs vLLM will use, read through NVML before it starts
+    (all of the used memory is theirs then): the most on any visible GPU, since vLLM's budget is
+    per GPU. 0 where NVML cannot be read (no GPU here, or no driver in this container)."""
+    probe = nvml_probe(nvml=nvml)
+    if not probe.available:
+        return 0
+    reading = asyncio.run(probe.read())
+    return max((device.used for device in reading.devices), default=0)
+
+
 def advice_url(url: str) -> str:
     return url if url.rstrip("/").endswith("/advice") else url.rstrip("/") + "/advice"
 
@@ -188,7 +204,7 @@ def run_from(args: argparse.Namespace) -> int:
         if not (args.gpu or doc["deployment"]["gpu"]):
             raise ValueError(doc.get("problem") or "the page names no GPU: pass --gpu")
         request = request_from_json(doc["deployment"], model=model, gpu=args.gpu)
-        advice = advise_from(request, Measured.from_json(doc["measured"]), args.other_processes_bytes)
+        advice = advise_from(request, Measured.from_json(doc["measured"]), args.other_processes_bytes or 0)
     except (ValueError, KeyError, TypeError, ModelFolderError, OSError, httpx.HTTPError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"kvgate advise: {message}", file=sys.stderr)

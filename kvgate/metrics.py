@@ -8,7 +8,7 @@ A router (llm-d's endpoint picker) and an autoscaler scrape the pool's target po
 vLLM's gauges: PoolGauges gives them one series each, vLLM's figures from the last scrape with
 kvgate's queue and reservations added (docs/metrics.md says what each means), and MetricsPage
 serves them beside kvgate's families, which it renders at most once per --metrics-cache-seconds
-(a router scrapes every 50 ms; kvgate's families cost ~1-2 ms to render, the gauges microseconds).
+(a router scrapes every 50 ms; kvgate's families are most of a scrape's cost: bench/results/poll-cost).
 """
 
 from __future__ import annotations

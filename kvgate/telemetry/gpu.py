@@ -205,13 +205,20 @@ def make_probe(
         return NoGpuProbe("GPU probe disabled (--gpu-probe none)")
     if mode == "sim":
         return SimGpuProbe(client)
+    probe = nvml_probe(devices_spec, nvml)
+    if not probe.available:
+        log.warning("%s; the transient budget comes from flags only", probe.problem)
+    return probe
+
+
+def nvml_probe(devices_spec: str | None = None, nvml: ModuleType | None = None) -> GpuProbe:
+    """NVML's probe of the devices `devices_spec` (default: NVIDIA_VISIBLE_DEVICES) names, or a
+    NoGpuProbe saying why NVML cannot be read."""
     spec = devices_spec if devices_spec is not None else os.environ.get("NVIDIA_VISIBLE_DEVICES")
     try:
         return NvmlProbe(nvml or _import_pynvml(), visible_devices(spec))
     except Exception as exc:  # noqa: BLE001 - any NVML failure means: run without GPU readings
-        problem = f"no GPU readings: NVML unavailable ({type(exc).__name__}: {exc})"
-        log.warning("%s; the transient budget comes from flags only", problem)
-        return NoGpuProbe(problem)
+        return NoGpuProbe(f"no GPU readings: NVML unavailable ({type(exc).__name__}: {exc})")
 
 
 async def detect_probe(

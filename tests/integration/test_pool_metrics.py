@@ -191,3 +191,11 @@ def test_a_dead_engine_behind_a_live_api_server_takes_the_pod_out(tiny_model_dir
             timeout_s=20,
             what=lambda: f"/readyz to put the pod back: {kvgate.readyz()}",
         )
+
+
+def test_the_go_parser_check_refuses_a_page_prometheus_refuses() -> None:
+    """The check above is not vacuous: a second TYPE for a family fails Prometheus' parser, where
+    prometheus_client's reads the page."""
+    twice = "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 1\n" * 2
+    assert "second TYPE line" in (go_parse_error(twice) or "")
+    python_samples(twice)

@@ -15,6 +15,7 @@ from kvgate.advise_flags import recommend, serving_failure
 from kvgate.advise_startup import Request, predict
 from kvgate.cli import main
 from kvgate.units import GiB
+from support.fake_pynvml import FakeDevice, FakeNvml
 from support.geometry import write_config
 
 MISTRAL_200K = [
@@ -160,6 +161,23 @@ def test_refused_max_model_len_is_advised_the_budget_up_or_the_length_down(tmp_p
     assert s.estimated_max_model_len is not None
     assert [r.value for r in recs if r.flag == "--max-model-len"] == [s.estimated_max_model_len // 1024 * 1024]
     assert advised.utilization == s.utilization
+
+
+def test_co_tenants_are_read_through_nvml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before vLLM starts, what NVML shows used on its GPU is other processes': the advice leaves
+    it free as `--other-processes-bytes` does (which wins when given); no NVML reads as none."""
+    gpu = FakeDevice("GPU-0", 80 * GiB, processes={4242: 5 * GiB})
+    assert advise.co_tenant_bytes(FakeNvml([gpu, FakeDevice("GPU-1", 80 * GiB)])) == 5 * GiB
+    assert advise.co_tenant_bytes(FakeNvml([gpu], driver=False)) == 0
+    folder = write_config(tmp_path, "qwen3-32b")
+    flags = ("--gpu", "h100-80gb", "--vllm-version", "0.11.0", "--max-model-len", "24576")
+    monkeypatch.setattr(advise, "co_tenant_bytes", lambda: 5 * GiB)
+    _, via_nvml = advise_json(folder, *flags, capsys=capsys)
+    _, given = advise_json(folder, *flags, "--other-processes-bytes", str(5 * GiB), capsys=capsys)
+    _, alone = advise_json(folder, *flags, "--other-processes-bytes", "0", capsys=capsys)
+    assert via_nvml["recommended"] == given["recommended"] != alone["recommended"]
 
 
 @pytest.mark.parametrize(

@@ -530,7 +530,10 @@ class TestGate:
         assert status_of(refused.value) == 503
         assert "has been down for 30 s" in refused.value.message
         # the last outage lasted 45 s, this one 30 s so far
-        assert error_headers(refused.value) == {"Retry-After": "15"}
+        assert error_headers(refused.value) == {
+            "Retry-After": "15",
+            "x-llm-d-request-dropped-reason": "rejected-no-endpoints",
+        }
         assert len(gate.queue) == 0
 
     async def test_client_gone_leaves_the_queue(self) -> None:
@@ -762,7 +765,10 @@ class TestBackfill:
         head = await queued(gate, demand(blocks=8))
         with pytest.raises(QueueFull) as refused:
             await gate.acquire(demand(blocks=5), 0, "b")  # fits now, not beside the head: the queue is full
-        assert error_headers(refused.value) == {"Retry-After": "13"}  # (8 + 5) blocks at 1 a second
+        assert error_headers(refused.value) == {
+            "Retry-After": "13",
+            "x-llm-d-request-dropped-reason": "rejected-saturated",
+        }  # (8 + 5) blocks at 1 a second
         holder.release()
         (await asyncio.wait_for(head, 1)).release()
 

@@ -56,7 +56,7 @@ async def test_small_requests_pass_a_large_one_waiting_for_room() -> None:
             await large
     assert budget.in_use == 0
     assert status_of(caught.value) == 429
-    assert error_headers(caught.value) == {"Retry-After": "1"}
+    assert error_headers(caught.value) == {"Retry-After": "1", "x-llm-d-request-dropped-reason": "rejected-saturated"}
     assert error_body(caught.value)["error"]["code"] == "work_memory_busy"
 
 
