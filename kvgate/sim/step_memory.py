@@ -40,7 +40,8 @@ vLLM's code (paths in vllm-project/vllm):
   logits processing (`ReqSlice.processes`: kvgate/sim/request.py `Sampling.processes_logits`),
   Gumbel sampling in one kernel (sample/gumbel.py `gumbel_sample`, no `B x V` noise), logprobs
   through `compute_topk_scores` (no `B x V` log-softmax: a per-row kernel; with `logprobs: -1`
-  topk's int64 indices and `[B, V + 1]` ids and scores), penalties applied in place on counts
+  topk's int64 indices and `[B, V + 1]` ids and scores; for k > 4,096, on V1 too, the sort CUDA's
+  topk runs inside: `play_topk_sort`), penalties applied in place on counts
   preallocated at start-up (sample/penalties.py `PenaltiesState`: `max_num_reqs x V` int32).
   A V2 step with draft tokens samples through the RejectionSampler instead
   (gpu/spec_decode/rejection_sampler.py `_verify_in_chunks`): the fp32 copy one chunk of whole
@@ -94,6 +95,29 @@ def torch_sort_scratch_bytes(rows: int, vocab: int) -> int:
     + indices (8) + this scratch (20) = 38."""
     flat = 1 < rows < SEGMENTED_SORT_MIN_ROWS
     return rows * vocab * (16 + 4 + 12 if flat else 8 + 12)
+
+
+# ATen/native/cuda/Sort.h `should_use_small_sort` (torch 2.13.0, what vLLM 0.32.0 pins): a slice
+# this long or shorter sorts in place.
+SMALL_SORT_MAX_SLICE = 4096
+
+
+def play_topk_sort(t: _Tape, name: str, rows: int, k: int, value_bytes: int) -> None:
+    """What CUDA's `torch.topk(x, k)` (sorted, as every vLLM call) allocates beside its values and
+    indices after selecting, read in PyTorch's aten/src/ATen/native/cuda/TensorTopK.cpp
+    `topk_out_cuda`: with k above 4,096 no in-place sort, but `sortedValues` and int64
+    `sortedIndices` (`empty_like`), the sort into them with its scratch (`torch_sort_scratch_bytes`,
+    Sort.cpp `sort_cuda_kernel` sorting contiguous outputs in place of copies), then
+    `indices.gather(dim, sortedIndices)` (int64) copied back; all freed when topk returns. The
+    selection kernel itself (TensorTopK.cu) is not played."""
+    if k <= SMALL_SORT_MAX_SLICE:
+        return
+    t.alloc(f"{name}_sorted_values", rows * k * value_bytes)
+    t.alloc(f"{name}_sorted_indices", rows * k * 8)
+    t.alloc(f"{name}_sort_scratch", torch_sort_scratch_bytes(rows, k))
+    t.free(f"{name}_sort_scratch")
+    t.alloc(f"{name}_gathered_indices", rows * k * 8)
+    t.free(f"{name}_gathered_indices", f"{name}_sorted_indices", f"{name}_sorted_values")
 
 
 VERIFY_CHUNK_BYTES = 1 << 30  # v1/worker/gpu/spec_decode/rejection_sampler.py MAX_CHUNK_BYTES (0.32.0)
@@ -425,10 +449,17 @@ class StepMemory:
             # once) and int64 indices, kept while the [B, k + 1] ids and fp32 scores are made
             t.alloc("topk_values", b * k * dt)
             t.alloc("topk_indices", b * k * 8)
+            play_topk_sort(t, "topk", b, k, dt)
             t.free("topk_values")
+        if logprobs and not self.v2 and k:
+            # v1/sample/sampler.py gather_logprobs: torch.topk of the fp32 raw logprobs, its values
+            # and int64 indices kept while they are cat-ed behind the sampled token's
+            t.alloc("topk_values", b * k * 4)
+            t.alloc("topk_indices", b * k * 8)
+            play_topk_sort(t, "topk", b, k, 4)
         if logprobs:
             t.alloc("retained:logprobs", b * (k + 1) * 12)
-            t.free("topk_indices")
+            t.free("topk_indices", "topk_values")
         t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits", "sample_hidden")
 
     def _verify_chunk_rows(self, rows: list[ReqSlice]) -> int:
@@ -486,6 +517,7 @@ class StepMemory:
                 t.free(f"pl_logprobs{previous}")
             # gather_logprobs: top-k values and ids of the whole chunk
             t.alloc(f"pl_topk{i}", n * k * 12)
+            play_topk_sort(t, f"pl_topk{i}", n, d.vocab if r.prompt_logprobs == -1 else r.prompt_logprobs, 4)
             if previous is not None:  # `token_ids, logprobs, ranks = ...` rebound
                 t.free(f"pl_topk{previous}")
             previous = i
@@ -519,6 +551,7 @@ class StepMemory:
             if topk:
                 t.alloc("pl_topk_values", rows * topk * dt)
                 t.alloc("pl_topk_indices", rows * topk * 8)
+                play_topk_sort(t, "pl_topk", rows, topk, dt)
                 t.free("pl_topk_values")
             for part, width in parts:
                 t.alloc(f"pl_{part}{c}", rows * width)

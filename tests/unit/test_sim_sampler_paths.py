@@ -14,7 +14,7 @@ from kvgate.sim.request import Request, Sampling
 from kvgate.sim.scheduler import ScheduledReq, SchedulerOutput
 from kvgate.sim.startup import resolve, triton_buffer_bytes
 from kvgate.sim.step_memory import ModelDims, ReqSlice, StepMemory, StepShape, TopKTopP, run_tape
-from kvgate.units import GiB
+from kvgate.units import GiB, MiB
 
 V = 128256
 DIMS = ModelDims(
@@ -147,3 +147,23 @@ def test_flashinfer_with_top_p_alone_keeps_one_softmax() -> None:
     mixed = StepShape((*rows, ReqSlice(1, top_p_k=True, random=True, top_k=True, top_p=False)))
     assert len(flashinfer_allocations(mixed)) == 2
     assert len(flashinfer_allocations(StepShape(tuple(rows)))) == 1
+
+
+@pytest.mark.parametrize(("runner", "per_logit"), [("v1", 4 + 12 + 4 + 8 + 20), ("v2", 2 + 8 + 2 + 8 + 20)])
+def test_logprobs_all_vocab_peak_inside_cudas_topk_sort(runner: str, per_logit: int) -> None:
+    # logprobs -1 (k = V > 4,096): torch.topk sorts what it selected (PyTorch TensorTopK.cpp
+    # topk_out_cuda), its sorted values and int64 indices and the sort's scratch (20 B a logit at
+    # 128+ rows) beside its own values and indices. V1 (v1/sample/sampler.py gather_logprobs): the
+    # fp32 raw logprobs (4) + topk's fp32 values and indices (12) + the sort; V2
+    # (gpu/sample/logprob.py compute_topk_scores): topk of the bf16 logits, no [B, V] logprobs
+    rows = 256
+
+    def peak(logprobs: int | None) -> int:
+        alloc = CachingAllocator(Device(200 * GiB), "sim")
+        shape = StepShape(tuple(ReqSlice(1, logprobs=logprobs) for _ in range(rows)))
+        run_tape(alloc, StepMemory(DIMS, "flash-attn", runner=runner).plan(shape))
+        return alloc.peak_allocated
+
+    derived = rows * V * per_logit
+    assert derived <= peak(-1) - peak(None) <= derived + 32 * MiB
+    assert peak(20) - peak(None) < rows * V * 8  # a top-20 sorts in place: no [B, V] copy

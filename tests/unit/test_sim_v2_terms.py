@@ -48,14 +48,29 @@ def test_v2_prompt_logprobs_hold_two_sub_chunks_of_the_whole_step() -> None:
 
 def test_v2_prompt_logprobs_concatenate_ids_scores_and_ranks_one_after_the_other() -> None:
     # prompt_logprob.py:315-317: the ids' torch.cat (both copies) beside the scores' and ranks'
-    # lists, the last sub-chunk's logits still bound; not one copy of everything at once
+    # lists, the last sub-chunk's logits still bound; not one copy of everything at once. 8,192
+    # tokens: the cat outweighs every sub-chunk's topk sort (a 3,000-token step peaks in its last
+    # sub-chunk's sort instead: the test below)
+    r, _ = _boot(max_num_batched_tokens=8192)
+    peak = _peak(r, StepShape((ReqSlice(8192, samples=False, prompt_logprob_tokens=8192, prompt_logprobs=-1),)))
+    ids, scores = (V + 1) * 8, (V + 1) * 4
+    derived = 1024 * V * 2 + 8192 * (2 * ids + scores + 8)
+    hidden = 8192 * 4096 * 2
+    assert derived + hidden <= peak <= derived + hidden + 32 * MiB
+    assert peak < 8192 * 2 * (ids + scores + 8)  # no second copy of the scores and ranks
+
+
+def test_v2_prompt_logprobs_all_vocab_peak_inside_the_last_sub_chunks_topk_sort() -> None:
+    # compute_topk_scores' torch.topk(k = V) on CUDA (TensorTopK.cpp topk_out_cuda: k > 4,096, no
+    # in-place sort): the third sub-chunk's (952 rows) bf16 logits, topk values (2) and int64
+    # indices (8), sorted copies of both (2 + 8) and the sort's scratch (20 B a logit at 128+ rows),
+    # beside the two earlier sub-chunks' ids, scores and ranks
     r, _ = _boot(max_num_batched_tokens=8192)
     peak = _peak(r, StepShape((ReqSlice(3000, samples=False, prompt_logprob_tokens=3000, prompt_logprobs=-1),)))
-    ids, scores = (V + 1) * 8, (V + 1) * 4
-    derived = 952 * V * 2 + 3000 * (2 * ids + scores + 8)
+    row = (V + 1) * 12 + 8
+    derived = 2048 * row + 952 * V * (2 + 2 + 8 + 2 + 8 + 20)
     hidden = 3000 * 4096 * 2
     assert derived + hidden <= peak <= derived + hidden + 32 * MiB
-    assert peak < 3000 * 2 * (ids + scores + 8)  # no second copy of the scores and ranks
 
 
 def test_v2_prompt_logprobs_minus_one_keep_the_earlier_step_until_the_last() -> None:
