@@ -430,13 +430,9 @@ class Predictor:
         self, prediction: Prediction, needed: int, limit: int, profiled: int
     ) -> TransientNeverFits:
         """The error naming the term that sets the step's peak, and advice that can lower it."""
-        if profiled > needed - profiled:  # the profile region's tensors, at their segments' size
-            what = (
-                f"its forward pass (the profiled hidden states and MLP, {profiled / MiB:.0f} MiB at the "
-                "caching allocator's segment size, kvgate/memory/allocator.py)"
-            )
-            advice = "shorten the prompt, or run vLLM with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-            return TransientNeverFits(needed, limit, what, advice + " and tell kvgate --expandable-segments")
+        if profiled > needed - profiled:  # the profile region's tensors
+            what = f"its forward pass (the profiled hidden states and MLP, {profiled / MiB:.0f} MiB)"
+            return TransientNeverFits(needed, limit, what, "shorten the prompt")
         footprints = prediction.footprints
         if len(footprints) == 1:
             terms = [t for t in footprints[0].transient.terms if not t.profiled]

@@ -47,6 +47,9 @@ class Holdings(Protocol):
     @property
     def kv_variance_blocks(self) -> float: ...
 
+    @property
+    def in_flight(self) -> int: ...
+
 
 @dataclass
 class Budget:
@@ -134,10 +137,11 @@ class Budget:
 
     def ceiling(self) -> Ceiling:
         """The most an idle server offers one request: whether it could ever fit is judged
-        against this (kvgate/predict.py Predictor.check_fits_ever)."""
-        return Ceiling(
-            self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes, self.charged_segment_overhead
-        )
+        against this (kvgate/predict.py Predictor.check_fits_ever). Its profiled terms count at
+        their allocated bytes, as vLLM's profile sized them: alone on an idle engine a request's
+        steps run largest first (its prefill's chunks, then decode), not after a step of another
+        size, so the segment overhead is charged only beside other requests (`shortfall`)."""
+        return Ceiling(self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes)
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit."""
@@ -167,7 +171,7 @@ class Budget:
             holdings.transient_bytes_with(demand),
             holdings.profiled_bytes_with(demand),
             self.profiled_cap_bytes,
-            self.charged_segment_overhead,
+            self.charged_segment_overhead if holdings.in_flight else 0.0,  # alone: as `ceiling`
         )
         if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY
