@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvgate.errors import BackendDown, ModelNotFound, NotReady, TokenizerUnavailable
+from kvgate.errors import BackendBroke, BackendDown, BackendTimedOut, ModelNotFound, NotReady, TokenizerUnavailable
 from kvgate.gate.budget import Budget
 from kvgate.openai import parse_request
 from kvgate.passthrough_body import check_passthrough_body
@@ -163,6 +163,10 @@ class RequestPipeline:
                     f"The backend is down ({self.budget.hold}) and kvgate tokenizes through it.",
                     self.budget.backend.retry_after_s(),
                 ) from exc
+            if exc.cause == "timeout":  # a busy or hung backend, as a forwarded request finds it
+                raise BackendTimedOut() from exc
+            if exc.cause == "broke":
+                raise BackendBroke(f"its /tokenize failed: {exc}") from exc
             raise TokenizerUnavailable(str(exc)) from exc
 
     async def _prepare_in_worker(self, config: PipelineConfig, route: Route, raw: bytes, grant: Grant) -> Prepared:

@@ -37,12 +37,19 @@ log = logging.getLogger("kvgate.tokens")
 
 
 class BackendTokenizeError(RuntimeError):
-    """The backend's /tokenize failed for reasons other than a bad request; `unreachable`: no
-    connection could be made (nothing reached the backend: it is down)."""
+    """The backend's /tokenize failed for reasons other than a bad request. `cause`: "unreachable"
+    (no connection could be made: nothing reached the backend, it is down), "timeout" (it took the
+    call and stayed silent) and "broke" (it cut the exchange): a backend in trouble, as a forwarded
+    request would have found it; "missing": it answered, without tokens (no tokenizer there, a
+    release without /tokenize: a deployment problem)."""
 
-    def __init__(self, message: str, unreachable: bool = False) -> None:
+    def __init__(self, message: str, cause: str = "missing") -> None:
         super().__init__(message)
-        self.unreachable = unreachable
+        self.cause = cause
+
+    @property
+    def unreachable(self) -> bool:
+        return self.cause == "unreachable"
 
 
 class PromptTooLong(TokenizationError):
@@ -326,8 +333,11 @@ class BackendTokenizer:
         try:
             response = await self._client.post("/tokenize", json=body)
         except httpx.HTTPError as e:
-            unreachable = isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
-            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}", unreachable) from e
+            if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
+                cause = "unreachable"
+            else:
+                cause = "timeout" if isinstance(e, httpx.TimeoutException) else "broke"
+            raise BackendTokenizeError(f"backend /tokenize failed: {e!r}", cause) from e
         if response.status_code in (400, 422):
             raise TokenizationError(_error_message(response))
         if response.status_code != 200:

@@ -13,12 +13,21 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags, pipeline_config
 from kvgate.engine_config import build_predictor, resolve
-from kvgate.errors import ContextTooLong, InvalidField, KvNeverFits, ModelNotFound, NotReady, VllmRefusal
+from kvgate.errors import (
+    ContextTooLong,
+    InvalidField,
+    KvgateError,
+    KvNeverFits,
+    ModelNotFound,
+    NotReady,
+    VllmRefusal,
+)
 from kvgate.gate.budget import Budget
 from kvgate.http.errors import error_body, status_of
 from kvgate.model_folder import load_geometry
@@ -26,7 +35,7 @@ from kvgate.pipeline import PipelineConfig, RequestPipeline
 from kvgate.request import ChatInput, ValidRequest
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import settings_from_args
-from kvgate.tokens import Tokenizer, local_tokenizer
+from kvgate.tokens import BackendTokenizer, Tokenizer, local_tokenizer
 
 MODEL = "tiny-llama"
 
@@ -242,3 +251,32 @@ async def test_a_new_configuration_takes_effect_whole_and_a_request_on_its_way_k
     assert "maximum context length is 256 tokens. However, your prompt contains at least 257 input tokens" in (
         refused.value.message
     )
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "code"),
+    [
+        (httpx.ReadTimeout("silent"), 504, "backend_timeout"),
+        (httpx.ReadError("connection reset"), 502, "backend_error"),
+        (httpx.Response(404, json={"detail": "Not Found"}), 424, "tokenizer_unavailable"),
+    ],
+)
+async def test_a_backend_tokenize_failure_says_whose_it_is(
+    tiny_model_dir: Path, failure: Exception | httpx.Response, status: int, code: str
+) -> None:
+    """Tokenizing through vLLM's /tokenize: a call it took and then left silent or cut is the
+    backend in trouble (504 or 502, as a forwarded request would have found it), not a
+    deployment problem; only an answer without tokens is one (424, naming --model)."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if isinstance(failure, httpx.Response):
+            return failure
+        raise failure
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm") as client:
+        configured = new_pipeline()
+        configured.configure(config_for(tiny_model_dir, BackendTokenizer(client, MODEL)))
+        with pytest.raises(KvgateError) as refused:
+            await configured.evaluate("completions", body(prompt="hello", max_tokens=4))
+    assert status_of(refused.value) == status
+    assert error_body(refused.value)["error"]["code"] == code
