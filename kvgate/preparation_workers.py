@@ -51,6 +51,7 @@ _START_S = 120.0  # a worker loads transformers and the tokenizer: seconds, minu
 # resident (thread stacks, the parts of malloc's arenas made writable) and the job's own pipe
 # buffers. The grant bounds resident memory, which kvgate also watches.
 DATA_LIMIT_SLACK = 64 * MiB
+_WARM_UP_TEXTS = 256  # enough that every thread of the tokenizer's pool takes a share
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,13 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
     at a lower priority than kvgate's event loop, which must answer while it works."""
     os.nice(WORKER_NICENESS)
     tokenizer = local_tokenizer(model_dir, template_seconds, media)
+    loop = asyncio.new_event_loop()
+    # A batch first, before the limit: the tokenizer's threads take their malloc arenas on their
+    # first encode (21 MiB of VmData with 2 cores here), which grows with the host's cores and
+    # belongs to the worker, not to the first request it prepares.
+    loop.run_until_complete(tokenizer.encode_prompts(["warm up the tokenizer's threads"] * _WARM_UP_TEXTS))
     gc.collect()
     gc.freeze()
-    loop = asyncio.new_event_loop()
     limit = _DataLimit(ceiling)
     conn.send(("ready",))
     libc = _libc()
