@@ -54,10 +54,19 @@ def _documented_printout() -> str:
 
 
 def _timing_aside(printout: str) -> str:
-    """The run's duration, and the Retry-After kvgate derives from the drain rate it measured
-    (wall-clock), are the machine's; everything else is the seed's."""
+    """The run's duration, the Retry-After kvgate derives from the drain rate it measured, and
+    which of the requests admitted from the queue passed a waiting head (backfilling predicts
+    from the pace it measured) are the machine's (wall-clock); everything else is the seed's."""
     printout = re.sub(r"^done in [0-9.]+ s", "done in <time> s", printout, flags=re.M)
+    printout = re.sub(r"^.*admit (?:backfilled|dequeued): .*$", _from_the_queue, printout, flags=re.M)
     return re.sub(r"Retry after [0-9]+ s\.", "Retry after <drain> s.", printout)
+
+
+def _from_the_queue(line: re.Match[str]) -> str:
+    """A decisions line with its backfilled and dequeued admissions as one count."""
+    counts = {k: int(n) for k, n in re.findall(r"admit (backfilled|dequeued): (\d+)", line[0])}
+    rest = re.sub(r"admit (?:backfilled|dequeued): \d+(?:, )?", "", line[0])
+    return f"{rest} [admitted from the queue: {sum(counts.values())}]"
 
 
 def test_make_demo_prints_exactly_what_docs_demo_shows(capsys) -> None:
