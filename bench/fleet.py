@@ -44,7 +44,7 @@ from bench.fleet_router import (
     readiness,
 )
 from bench.percentile import percentile
-from bench.safety import CALLS_PER_CLIENT, Outcome, quiet, scaled_config, simulator, stream_call, tmpdir
+from bench.safety import CALLS_PER_CLIENT, Outcome, outcomes_of, quiet, scaled_config, simulator, stream_call, tmpdir
 from bench.scenarios import SCENARIOS, Scenario
 from bench.workloads import Call
 from demo.replay import decisions, kvgate
@@ -116,15 +116,7 @@ async def drive(router: Router, calls: list[Call], speedup: float, drain_s: floa
             return await stream_call(client, chosen.url + call.path, call, sent, start)
 
         tasks = [asyncio.create_task(one(clients[k % len(clients)], c)) for k, c in enumerate(calls)]
-        done, pending = await asyncio.wait(tasks, timeout=deadline + 1)
-        for t in pending:
-            t.cancel()
-        outs = []
-        for t, c in zip(tasks, calls, strict=True):
-            if t in done and not t.cancelled() and t.exception() is None:
-                outs.append(t.result())
-            else:
-                outs.append(Outcome(c.label, 0, "failed", "timeout", end_s=deadline))
+        outs = await outcomes_of(tasks, calls, deadline)
     span = max([last_at] + [o.end_s for o in outs if o.kind == "completed"])
     return outs, span
 

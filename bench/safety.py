@@ -183,19 +183,25 @@ async def replay(
         if progress is not None:
             for t in tasks:
                 t.add_done_callback(lambda _: progress.update(1))
-        done, pending = await asyncio.wait(tasks, timeout=deadline + 1)
-        for t in pending:
-            t.cancel()
-        outs = []
-        for t, c in zip(tasks, calls, strict=True):
-            if t in done and not t.cancelled() and t.exception() is None:
-                outs.append(t.result())
-            else:
-                outs.append(Outcome(c.label, 0, "failed", "timeout", end_s=deadline))
+        outs = await outcomes_of(tasks, calls, deadline)
         if scraper:
             scraper.cancel()
     span = max([last_at] + [o.end_s for o in outs if o.kind == "completed"])
     return outs, span
+
+
+async def outcomes_of(tasks: list[asyncio.Task[Outcome]], calls: list[Call], deadline: float) -> list[Outcome]:
+    """Each call's outcome, in order; a call still running a second past `deadline` is cancelled
+    and counts as a timeout."""
+    done, pending = await asyncio.wait(tasks, timeout=deadline + 1)
+    for t in pending:
+        t.cancel()
+    return [
+        t.result()
+        if t in done and not t.cancelled() and t.exception() is None
+        else Outcome(c.label, 0, "failed", "timeout", end_s=deadline)
+        for t, c in zip(tasks, calls, strict=True)
+    ]
 
 
 async def stream_call(client: httpx.AsyncClient, url: str, call: Call, sent: float, start: float) -> Outcome:

@@ -20,10 +20,9 @@ import httpx
 import pytest
 
 from kvgate.cli import main
-from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import SimRunner
 from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty
-from support.sim_model import ENGINE_FLAGS, MODEL
+from support.sim_model import ENGINE_FLAGS, MODEL, small_pool_config
 from support.waiting import wait_for, wait_for_async
 
 POOL_BLOCKS = 800
@@ -41,15 +40,7 @@ TOO_LONG = {"prompt": [5 + i for i in range(9000)], "max_tokens": 10}
 
 @pytest.fixture(scope="module")
 def sim(sim_model_dir: Path) -> Iterator[SimRunner]:
-    config = SimConfig(
-        model=str(sim_model_dir),
-        served_model_name=MODEL,
-        gpu="h100-80gb",
-        max_model_len=8192,
-        num_gpu_blocks_override=POOL_BLOCKS,
-        speedup=1,
-    )
-    with SimRunner(config) as runner:
+    with SimRunner(small_pool_config(sim_model_dir, POOL_BLOCKS)) as runner:
         yield runner
 
 

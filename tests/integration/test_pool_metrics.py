@@ -17,12 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import SimRunner
 from support.exposition import declared_types, go_parse_error, python_samples
 from support.fake_backend import running_fake_backend
 from support.kvgate_server import KvgateFactory, KvgateServer, metrics_at, running_kvgate
-from support.sim_model import ENGINE_FLAGS, MODEL
+from support.sim_model import ENGINE_FLAGS, MODEL, small_pool_config
 from support.waiting import wait_for, wait_for_async
 
 POOL_BLOCKS = 800  # of 16 tokens
@@ -35,15 +34,7 @@ IDLE_S = 1.0
 
 @pytest.fixture(scope="module")
 def sim(sim_model_dir: Path) -> Iterator[SimRunner]:
-    config = SimConfig(
-        model=str(sim_model_dir),
-        served_model_name=MODEL,
-        gpu="h100-80gb",
-        max_model_len=8192,
-        num_gpu_blocks_override=POOL_BLOCKS,
-        speedup=1,
-    )
-    with SimRunner(config) as runner:
+    with SimRunner(small_pool_config(sim_model_dir, POOL_BLOCKS)) as runner:
         yield runner
 
 

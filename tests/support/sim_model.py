@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+from kvgate.sim.config import SimConfig
 from kvgate.sim.presets import model_config
 
 MODEL = "llama-3.1-8b"
@@ -22,3 +23,16 @@ def build_sim_model_dir(tiny_model_dir: Path, folder: Path) -> Path:
             shutil.copy(f, folder / f.name)
     (folder / "config.json").write_text(json.dumps(model_config(MODEL)))
     return folder
+
+
+def small_pool_config(sim_model_dir: Path, pool_blocks: int) -> SimConfig:
+    """MODEL on a simulated H100 whose KV pool is held to `pool_blocks` blocks of 16 tokens, in
+    real time (speed-up 1): a few long requests fill it, so kvgate's queue is what a test sees."""
+    return SimConfig(
+        model=str(sim_model_dir),
+        served_model_name=MODEL,
+        gpu="h100-80gb",
+        max_model_len=8192,
+        num_gpu_blocks_override=pool_blocks,
+        speedup=1,
+    )
