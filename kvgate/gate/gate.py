@@ -36,11 +36,8 @@ BACKFILL_LOOKAHEAD = 256
 # A request passes by ending before the head starts only if it would still end first taking this
 # many times as long as predicted: backfilled requests enlarge the batch, which slows every step.
 ENDS_FIRST_SLACK = 2.0
-# Share of what was left of its wait when it became the head (its deadline less that moment) after
-# which nothing passes the head any more: backfilling must not be why a large request is refused
-# for waiting too long. Counted from when it became the head, not from its arrival: a request that
-# waited its turn behind a long line would otherwise lead it alone from its first moment, and the
-# line would be strict again exactly when it is long (the burst that backfilling is for).
+# Share of its wait (--max-queue-wait, or what was left of it) after which nothing passes the head
+# any more: backfilling must not be why a large request is refused for waiting too long.
 HEAD_ALONE_AFTER = 0.5
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 
@@ -89,7 +86,6 @@ class Gate(Generic[Basis]):
         self.drain = DrainRate(clock=clock)
         self.pace = Pace()
         self._reservation: HeadReservation | None = None  # the waiting head's (backfill.py)
-        self._head_since: tuple[Waiter[Basis], float] | None = None  # the head, and when it became it
         self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
@@ -294,7 +290,7 @@ class Gate(Generic[Basis]):
                 if not up.done():
                     up.set_result(None)
         if not self.queue:  # nothing waits, set aside or not (every release comes here)
-            self._reservation = self._head_since = None
+            self._reservation = None
             return
         self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
@@ -307,8 +303,6 @@ class Gate(Generic[Basis]):
                 self.queue.set_aside_head()
             else:
                 break
-        if head is not None:
-            self._became_head(head, self._clock())
         self._backfill_queue()
 
     def _backfill_queue(self) -> None:
@@ -342,8 +336,7 @@ class Gate(Generic[Basis]):
         if head is None or self.budget.hold is not None or not self._kv_room(demand):
             return None
         now = self._clock()
-        since = self._became_head(head, now)
-        if now >= since + (head.deadline - since) * HEAD_ALONE_AFTER:
+        if now >= head.enqueued_at + (head.deadline - head.enqueued_at) * HEAD_ALONE_AFTER:
             return None  # the head has used most of its wait: the line is its own until it starts
         reservation = self._head_reservation(head)
         duration = self.pace.duration_s(demand.reserved_tokens)
@@ -352,12 +345,6 @@ class Gate(Generic[Basis]):
         if passing is None or self.budget.shortfall(demand, self.ledger) is not None:
             return None
         return passing
-
-    def _became_head(self, head: Waiter[Basis], now: float) -> float:
-        """When `head` became the head: the first time the gate asked who may pass it."""
-        if self._head_since is None or self._head_since[0] is not head:
-            self._head_since = (head, now)
-        return self._head_since[1]
 
     def _pool_full(self) -> bool:
         """Every KV block the budget allows is reserved: nothing more fits now."""

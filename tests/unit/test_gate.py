@@ -742,29 +742,6 @@ class TestBackfill:
         (await asyncio.wait_for(later, 1)).release()
         assert gate.ledger.in_flight == 0
 
-    async def test_half_the_wait_counts_from_when_a_request_became_the_head(self) -> None:
-        """A request that waited its turn behind another does not lead the line alone from its
-        first moment as the head: what passes it is judged as for any head until half of what was
-        left of its wait then has gone (issue 24: a long line was strict exactly when long)."""
-        clock = FakeClock()
-        gate, metrics = clocked_gate(10, clock)  # --max-queue-wait 60 s
-        holder = await gate.acquire(demand(blocks=6), 0, "a")
-        first = await queued(gate, demand(blocks=8))
-        second = await queued(gate, demand(blocks=8))
-        clock.now += 40.0  # the second has used two thirds of its wait behind the first
-        first.cancel()  # its client gives up: the second leads the line, 20 s left of its wait
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        passed = await asyncio.wait_for(gate.acquire(demand(blocks=2), 0, "b"), 1)  # 8 + 2 fit beside
-        assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="backfilled") == 1
-        clock.now += 10.0  # half of those 20 s: the line is the head's own until it starts
-        assert gate.would_wait(demand(blocks=2), 0) == "behind_queue"
-        passed.release()
-        holder.release()
-        (await asyncio.wait_for(second, 1)).release()
-        assert gate.ledger.in_flight == 0
-        assert len(gate.queue) == 0
-
     async def test_a_head_that_leaves_lets_the_line_move_up(self) -> None:
         gate = make_gate(kv_blocks=10)
         holder = await gate.acquire(demand(blocks=6), 0, "a")
