@@ -7,13 +7,17 @@ load the backend's API server, the process that also serves completions:
   same answer the gated routes give; vLLM decides a JSON body by FastAPI's rule (no
   Content-Type, or `application/json` or `+json`), and so does kvgate;
 - POST /tokenize and /detokenize: the body is parsed as a gated body is (the JSON value limit,
-  413: 15 million token ids to detokenize fit in 32 MiB), and a /tokenize `prompt`
-  certainly longer than max_model_len tokens (the characters-per-token bound, kvgate/tokens.py) is
-  refused before the backend tokenizes it. vLLM 0.32.0's /tokenize counts any length
-  (TokenizeCompletionRequest.build_tok_params: max_total_tokens=None): a 30 MiB prompt cost its
-  API server 15.9 s. Nothing that long can be served on any route, so kvgate refuses it, as it
-  refuses it on the generation routes. A chat-form /tokenize (`messages`) is bounded by the body
-  size only: what its template renders is not known before rendering.
+  413: 15 million token ids to detokenize fit in 32 MiB);
+- POST /tokenize, where kvgate has the model's tokenizer: the body is prepared as a gated chat or
+  prompt is (RequestPipeline.check_passthrough, route "tokenize" in kvgate/vllm_routes.py): parsed
+  and its chat rendered under the same limits, work budget and worker, and a prompt certainly
+  longer than max_model_len tokens (the characters-per-token bound, kvgate/tokens.py) refused
+  before the backend tokenizes it. vLLM 0.32.0's /tokenize counts any length
+  (TokenizeCompletionRequest/TokenizeChatRequest.build_tok_params: max_total_tokens=None): a
+  30 MiB prompt cost its API server 15.9 s, 160,000 messages the simulator's 49.5 s. Nothing
+  that long can be served on any route, so kvgate refuses it, as it refuses it on the generation
+  routes. Without the tokenizer files kvgate knows no such bound, and the body size and value
+  limits are all it holds a /tokenize body to.
 A body a gated route would prepare in a worker process is checked in one (RequestPipeline.check_passthrough):
 its parse holds the GIL as long as a gated body's.
 """
@@ -22,10 +26,8 @@ from __future__ import annotations
 
 from email.message import Message
 
-from kvgate.errors import PromptExceedsContext
 from kvgate.json_text import refuse_invalid_text
 from kvgate.openai import parse_json_object
-from kvgate.tokens import PromptTooLong, Tokenizer
 
 TOKENIZE_PATH = "/tokenize"
 PARSED_PATHS = frozenset({TOKENIZE_PATH, "/detokenize"})
@@ -42,23 +44,11 @@ def is_json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def check_passthrough_body(
-    method: str,
-    path: str,
-    content_type: str | None,
-    body: bytes,
-    tokenizer: Tokenizer | None,
-    max_model_len: int | None,
-) -> None:
+def check_passthrough_body(method: str, path: str, content_type: str | None, body: bytes) -> None:
     """A domain error (400, 413) for a pass-through body that must not reach the backend."""
     if not body or not is_json(content_type):
         return
     if method == "POST" and path in PARSED_PATHS:
-        prompt = parse_json_object(body).get("prompt")
-        if path == TOKENIZE_PATH and isinstance(prompt, str) and tokenizer is not None:
-            try:
-                tokenizer.refuse_certainly_too_long(prompt, max_model_len)
-            except PromptTooLong as exc:
-                raise PromptExceedsContext(exc.max_tokens) from None
+        parse_json_object(body)  # the value limit, and invalid text, as on a gated route
         return
     refuse_invalid_text(body)
