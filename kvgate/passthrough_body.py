@@ -8,6 +8,11 @@ load the backend's API server, the process that also serves completions:
   Content-Type, or `application/json` or `+json`), and so does kvgate;
 - POST /tokenize and /detokenize: the body is parsed as a gated body is (the JSON value limit,
   413: 15 million token ids to detokenize fit in 32 MiB);
+- POST /detokenize: more token ids than max_model_len are refused (400 naming `tokens`). vLLM
+  0.32.0 decodes any number (DetokenizeRequest.build_tok_params: max_total_tokens=None): 499,998
+  ids took a Llama tokenizer's decode 3.5 s on this loaded 2-core machine, on the API server that
+  serves completions; no request of the model holds more than max_model_len tokens, prompt and
+  output together, so no ids a request of it used or produced are refused;
 - POST /tokenize, where kvgate has the model's tokenizer: the body is prepared as a gated chat or
   prompt is (RequestPipeline.check_passthrough, route "tokenize" in kvgate/vllm_routes.py): parsed
   and its chat rendered under the same limits, work budget and worker, and a prompt certainly
@@ -26,11 +31,13 @@ from __future__ import annotations
 
 from email.message import Message
 
+from kvgate.errors import InvalidField
 from kvgate.json_text import refuse_invalid_text
 from kvgate.openai import parse_json_object
 
 TOKENIZE_PATH = "/tokenize"
-PARSED_PATHS = frozenset({TOKENIZE_PATH, "/detokenize"})
+DETOKENIZE_PATH = "/detokenize"
+PARSED_PATHS = frozenset({TOKENIZE_PATH, DETOKENIZE_PATH})
 
 
 def is_json(content_type: str | None) -> bool:
@@ -44,11 +51,23 @@ def is_json(content_type: str | None) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
-def check_passthrough_body(method: str, path: str, content_type: str | None, body: bytes) -> None:
+def check_passthrough_body(
+    method: str, path: str, content_type: str | None, body: bytes, max_model_len: int | None = None
+) -> None:
     """A domain error (400, 413) for a pass-through body that must not reach the backend."""
     if not body or not is_json(content_type):
         return
     if method == "POST" and path in PARSED_PATHS:
-        parse_json_object(body)  # the value limit, and invalid text, as on a gated route
+        parsed = parse_json_object(body)  # the value limit, and invalid text, as on a gated route
+        tokens = parsed.get("tokens")
+        ids = len(tokens) if path == DETOKENIZE_PATH and isinstance(tokens, list) else 0
+        if max_model_len is not None and ids > max_model_len:
+            raise InvalidField(
+                f"'tokens' holds {ids:,} token ids, more than this model's maximum context "
+                f"length of {max_model_len:,} tokens: no request to it holds that many, and kvgate "
+                "does not send the backend the work of detokenizing them.",
+                "tokens",
+                "detokenize_too_long",
+            )
         return
     refuse_invalid_text(body)

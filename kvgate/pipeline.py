@@ -218,9 +218,10 @@ class RequestPipeline:
             or config.workers is None
             or (len(body) <= INLINE_BODY_BYTES and values <= INLINE_BODY_VALUES)
         ):
-            check_passthrough_body(method, path, content_type, body)
+            max_model_len = config.limits.max_model_len if config is not None else None
+            check_passthrough_body(method, path, content_type, body, max_model_len)
             return
-        job = PassthroughJob(method, path, content_type)
+        job = PassthroughJob(method, path, content_type, config.limits.max_model_len)
         async with self.work_budget.hold(preparation_cost(body, values)) as grant:
             await config.workers.run(job, body, grant, PREPARE_SECONDS + len(body) / MiB * PREPARE_SECONDS_PER_MIB)
 

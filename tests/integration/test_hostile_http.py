@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvgate.errors import InvalidText, TooManyJsonValues
+from kvgate.errors import InvalidField, InvalidText, TooManyJsonValues
 from kvgate.passthrough_body import check_passthrough_body
 from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty
@@ -338,6 +338,11 @@ def test_a_detokenize_body_is_held_to_the_json_value_limit() -> None:
     check_passthrough_body("POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 499_999 + b"1]}")
     with pytest.raises(TooManyJsonValues):
         check_passthrough_body("POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 500_000 + b"1]}")
+    # more ids than max_model_len: no request of the model holds them (vLLM would decode them all)
+    check_passthrough_body("POST", "/detokenize", None, b'{"tokens": [' + b"1," * 1023 + b"1]}", 1024)
+    with pytest.raises(InvalidField) as too_long:
+        check_passthrough_body("POST", "/detokenize", None, b'{"tokens": [' + b"1," * 1024 + b"1]}", 1024)
+    assert (too_long.value.param, too_long.value.code) == ("tokens", "detokenize_too_long")
     with pytest.raises(InvalidText):  # any pass-through JSON body: invalid text is a 400 naming the field
         check_passthrough_body("POST", "/v1/load_lora_adapter", None, b'{"lora_name": "a\xed\xa0\x80"}')
     # not JSON by FastAPI's rule: the backend's to judge
