@@ -36,7 +36,7 @@ from kvgate.served_names import ServedNames
 from kvgate.tokens import TOKEN_ARRAY, BackendTokenizeError, Tokenizer
 from kvgate.units import MiB
 from kvgate.vllm_routes import Route
-from kvgate.work_budget import Grant, WorkBudget, body_values, charging, preparation_cost
+from kvgate.work_budget import Grant, WorkBudget, charging, count_body_values, preparation_cost
 
 # Prompts beyond which a completions request is predicted in a worker thread: the prediction is
 # Python, so from a thread the event loop still gets its turn every few milliseconds.
@@ -147,7 +147,7 @@ class RequestPipeline:
         """Parse, render and tokenize, holding the body's bounded cost of the shared work budget:
         in a worker process when the body could take more than a few milliseconds."""
         carries_template = self.trust_request_chat_template and b"chat_template" in raw
-        values = body_values(raw)
+        values = await count_body_values(raw)
         offload = config.workers is not None and (
             len(raw) > INLINE_BODY_BYTES or values > INLINE_BODY_VALUES or carries_template
         )
@@ -212,7 +212,7 @@ class RequestPipeline:
                 if isinstance(malformed, InvalidText) or malformed.code == UNTRUSTED_TEMPLATE_CODE:
                     raise
             return
-        values = body_values(body)
+        values = await count_body_values(body)
         if (
             config is None
             or config.workers is None
