@@ -31,9 +31,11 @@ from vllm.model_executor.models.clip import CLIPVisionModel
 
 
 def peak_above_entry(run: Any) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.profiler.record_function("encoder"):
-            run()
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof,
+        torch.profiler.record_function("encoder"),
+    ):
+        run()
     events = prof.profiler.kineto_results.events()
     memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     times = [t for t, _ in memory]
