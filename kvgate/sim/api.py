@@ -6,6 +6,7 @@ as `code`.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -168,8 +169,16 @@ def parse(
     )
 
 
+def _image_id(url: str) -> int:
+    """The id an image's tokens take in the simulator's prompt: negative, one per image, so that
+    prompt blocks holding different images never share a prefix-cache hash (vLLM mixes each
+    image's hash into its blocks' hashes: v1/core/kv_cache_utils.py `_gen_mm_extra_hash_keys`)."""
+    return -1 - int.from_bytes(hashlib.blake2b(url.encode(), digest_size=6).digest(), "big")
+
+
 def _expand_images(messages: list[Any], ids: list[int], vision: VisionTower | None) -> tuple[list[int], list[Item]]:
-    """Each image's placeholder token becomes its tokens (kvgate/sim/vision.py)."""
+    """Each image's placeholder token becomes its tokens (kvgate/sim/vision.py), a stand-in id
+    per image (`_image_id`)."""
     urls = [
         part.get("image_url", {}).get("url", "") if isinstance(part.get("image_url"), dict) else ""
         for m in messages
@@ -187,16 +196,16 @@ def _expand_images(messages: list[Any], ids: list[int], vision: VisionTower | No
         raise SimApiError(400, str(exc), "messages") from None
     out: list[int] = []
     items: list[Item] = []
-    images = iter(sizes)
+    images = iter(zip(sizes, urls, strict=True))
     for token in ids:
         if token != vision.image_token_id:
             out.append(token)
             continue
-        length = next(images, None)
+        length, url = next(images, (None, ""))
         if length is None:
             raise SimApiError(400, "more image placeholders than images", "messages")
         items.append(Item(len(out), length))
-        out += [token] * length
+        out += [_image_id(url)] * length
     if len(items) != len(sizes):
         raise SimApiError(400, f"{len(sizes)} images but {len(items)} placeholders", "messages")
     return out, items

@@ -34,6 +34,10 @@ def _engine_config(version: str) -> SimConfig:
     )
 
 
+def image_part(width: int, height: int, color: tuple[int, int, int]) -> dict:
+    return {"type": "image_url", "image_url": {"url": png_data_url(width, height, color)}}
+
+
 @pytest.mark.parametrize(("width", "height", "tokens"), [(640, 480, 391), (1344, 1008, 1728), (2016, 1512, 3888)])
 def test_image_tokens_follow_smart_resize(width: int, height: int, tokens: int) -> None:
     assert VL.vision is not None
@@ -44,14 +48,36 @@ def test_image_tokens_follow_smart_resize(width: int, height: int, tokens: int) 
 def test_a_chat_image_becomes_its_tokens_and_a_text_model_refuses_it() -> None:
     assert VL.vision is not None
     tok = StandInTokenizer(VL.vocab, {IMAGE_PAD: VL.vision.image_token_id})
-    image = {"type": "image_url", "image_url": {"url": png_data_url(640, 480, (1, 2, 3))}}
-    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "what is it?"}]}]}
+    body = {
+        "messages": [
+            {"role": "user", "content": [image_part(640, 480, (1, 2, 3)), {"type": "text", "text": "what is it?"}]}
+        ]
+    }
     text_only = parse(
         {"messages": [{"role": "user", "content": "what is it?"}]}, chat=True, tok=tok, served="m", max_model_len=32768
     )
     p = parse(dict(body), chat=True, tok=tok, served="m", max_model_len=32768, vision=VL.vision)
     assert [(i.length) for i in p.mm_items] == [391]
-    assert p.prompt_token_ids.count(VL.vision.image_token_id) == 391
+    start = p.mm_items[0].start
+    image = p.prompt_token_ids[start : start + 391]
+    assert len(set(image)) == 1  # one stand-in id per image: its blocks hash apart from another image's
+    assert image[0] < 0
+    other = parse(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{**image_part(640, 480, (9, 9, 9))}, {"type": "text", "text": "what is it?"}],
+                }
+            ]
+        },
+        chat=True,
+        tok=tok,
+        served="m",
+        max_model_len=32768,
+        vision=VL.vision,
+    )
+    assert other.prompt_token_ids[start] != image[0]
     assert (
         len(p.prompt_token_ids)
         == len(text_only.prompt_token_ids)
