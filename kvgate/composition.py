@@ -23,7 +23,15 @@ import httpx
 from kvgate.advise_live import request_for
 from kvgate.advise_startup import Request
 from kvgate.backend import Backend
-from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from kvgate.engine_config import (
+    Deployment,
+    Disagreements,
+    EngineFlags,
+    build_predictor,
+    encoder_budget,
+    resolve,
+    static_limits,
+)
 from kvgate.errors import NotReady
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
@@ -376,6 +384,12 @@ class Runtime:
             settings.profiled_activation_bytes,
             settings.default_max_tokens,
             self.outputs,
+            encoder_budget(
+                settings.model,
+                deployment,
+                media_options(settings.mm_processor_kwargs, settings.limit_mm_per_prompt),
+                self.geometry,
+            ),
         )
         limits = static_limits(
             deployment,
