@@ -10,6 +10,9 @@ decision log is on (info, every decision logged) and written to a file, as `kvga
 writes it to its stderr.
 
 `--profile FILE` writes a cProfile of the measured requests (pstats format) as well.
+`--distinct-prompts N` sends N different user messages in turn (the overhead benchmark sends one,
+which kvgate's segment cache then reads back whole); `--no-segment-cache` encodes every chat whole
+(kvgate/token_segments.py), for comparison.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ async def _lifespan(app: Any) -> tuple[asyncio.Task[None], asyncio.Queue[dict[st
 
 
 async def measure(
-    app: Any, path: str, body: bytes, concurrency: int, requests: int, profiler: cProfile.Profile | None
+    app: Any, path: str, bodies: list[bytes], concurrency: int, requests: int, profiler: cProfile.Profile | None
 ) -> dict[str, Any]:
     left = [requests]
     bad = [0]
@@ -108,6 +111,7 @@ async def measure(
     async def client() -> None:
         while left[0] > 0:
             left[0] -= 1
+            body = bodies[left[0] % len(bodies)]
             exchange = Exchange(body)
             await app(scope_of(path, body), exchange.receive, exchange.send)
             if exchange.status != 200:
@@ -148,14 +152,22 @@ async def run(args: argparse.Namespace, backend_port: int, folder: Path) -> list
         await asyncio.sleep(0.05)
     else:
         raise RuntimeError(f"kvgate not ready: {rt.startup_error}")
-    path, body = (
-        ("/v1/chat/completions", chat_body(prompt_of(100)))
+    from support.tiny_model import english_text
+
+    prompts = [prompt_of(100)] + [english_text(91, seed=1000 + i) for i in range(args.distinct_prompts - 1)]
+    path, bodies = (
+        ("/v1/chat/completions", [chat_body(prompt) for prompt in prompts])
         if args.kind == "chat"
-        else ("/v1/completions", completions_body(prompt_of(100)))
+        else ("/v1/completions", [completions_body(prompt) for prompt in prompts])
     )
-    await measure(app, path, body, 8, args.warmup, None)
+    if args.no_segment_cache:
+        local = rt.pipeline.config.tokenizer
+        while not hasattr(local, "_segments"):
+            local = local._inner
+        local._segments = None
+    await measure(app, path, bodies, 8, args.warmup, None)
     if args.canned_evaluation:  # everything but the evaluation: the HTTP path, the gate, the relay
-        canned = await rt.pipeline.evaluate("chat" if args.kind == "chat" else "completions", body)
+        canned = await rt.pipeline.evaluate("chat" if args.kind == "chat" else "completions", bodies[0])
 
         async def evaluate(route: Any, raw: bytes) -> Any:
             return canned
@@ -165,7 +177,7 @@ async def run(args: argparse.Namespace, backend_port: int, folder: Path) -> list
     rows = []
     for concurrency in args.concurrency:
         for _ in range(args.repeat):
-            rows.append(await measure(app, path, body, concurrency, args.requests, profiler))
+            rows.append(await measure(app, path, bodies, concurrency, args.requests, profiler))
             print(args.kind, rows[-1], flush=True)
     if profiler is not None:
         profiler.dump_stats(args.profile)
@@ -187,6 +199,8 @@ def main() -> None:
         help="answer every request with one evaluation made in advance: the cost of the rest",
     )
     parser.add_argument("--profile", help="write a cProfile of the measured requests here")
+    parser.add_argument("--distinct-prompts", type=int, default=1, help="user messages sent in turn")
+    parser.add_argument("--no-segment-cache", action="store_true", help="encode every chat whole")
     args = parser.parse_args()
     quiet_transformers_advice()
     with tempfile.TemporaryDirectory(prefix="kvgate-request-cpu-") as tmp:
