@@ -10,9 +10,10 @@ decision log is on (info, every decision logged) and written to a file, as `kvga
 writes it to its stderr.
 
 `--profile FILE` writes a cProfile of the measured requests (pstats format) as well.
-`--distinct-prompts N` sends N different user messages in turn (the overhead benchmark sends one,
-which kvgate's segment cache then reads back whole); `--no-segment-cache` encodes every chat whole
-(kvgate/token_segments.py), for comparison.
+`--distinct-prompts N` sends N chats with different user messages in turn (1: one chat, which
+kvgate's segment cache then reads back whole; the overhead benchmark sends
+bench.overhead.DISTINCT_CHATS, more than the cache keeps); `--no-segment-cache` encodes every chat
+whole (kvgate/token_segments.py), for comparison.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import LOAD_CORE, _wait_http, chat_body, model_folder, prompt_of, taskset
+from bench.overhead import DISTINCT_CHATS, LOAD_CORE, _wait_http, chat_bodies, model_folder, prompt_of, taskset
 from demo.processes import stop_process
 from kvgate.logs import configure_logging, quiet_transformers_advice
 from kvgate.settings import Settings
@@ -152,13 +153,10 @@ async def run(args: argparse.Namespace, backend_port: int, folder: Path) -> list
         await asyncio.sleep(0.05)
     else:
         raise RuntimeError(f"kvgate not ready: {rt.startup_error}")
-    from support.tiny_model import english_text
-
-    prompts = [prompt_of(100)] + [english_text(91, seed=1000 + i) for i in range(args.distinct_prompts - 1)]
     path, bodies = (
-        ("/v1/chat/completions", [chat_body(prompt) for prompt in prompts])
+        ("/v1/chat/completions", chat_bodies(args.distinct_prompts))
         if args.kind == "chat"
-        else ("/v1/completions", [completions_body(prompt) for prompt in prompts])
+        else ("/v1/completions", [completions_body(prompt_of(100))])
     )
     if args.no_segment_cache:
         local = rt.pipeline.config.tokenizer
@@ -199,7 +197,7 @@ def main() -> None:
         help="answer every request with one evaluation made in advance: the cost of the rest",
     )
     parser.add_argument("--profile", help="write a cProfile of the measured requests here")
-    parser.add_argument("--distinct-prompts", type=int, default=1, help="user messages sent in turn")
+    parser.add_argument("--distinct-prompts", type=int, default=DISTINCT_CHATS, help="chats sent in turn")
     parser.add_argument("--no-segment-cache", action="store_true", help="encode every chat whole")
     args = parser.parse_args()
     quiet_transformers_advice()
