@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import itertools
 import json
 import logging
 import os
@@ -36,6 +37,9 @@ from demo.processes import stop_process
 from kvgate.logs import configure_logging, quiet_transformers_advice
 from kvgate.settings import Settings
 from kvgate.sim.runner import free_port
+
+# Bodies are sent in turn across calls (bench/overhead.py _closed_loop says why).
+_BODY_TURN = itertools.count()
 
 
 def completions_body(prompt: str) -> bytes:
@@ -112,7 +116,7 @@ async def measure(
     async def client() -> None:
         while left[0] > 0:
             left[0] -= 1
-            body = bodies[left[0] % len(bodies)]
+            body = bodies[next(_BODY_TURN) % len(bodies)]
             exchange = Exchange(body)
             await app(scope_of(path, body), exchange.receive, exchange.send)
             if exchange.status != 200:
