@@ -295,12 +295,27 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--requests", type=int, default=20_000)
     soak.add_argument("--concurrency", type=int, default=64)
     soak.add_argument("--hang-seconds", type=float, default=5.0, help="how long the backend is SIGSTOPped")
+    soak.add_argument(
+        "--cgroup-memory-bytes",
+        type=int,
+        default=None,
+        help="run kvgate in a memory cgroup of its own with this limit (bench/memory_cgroup.py; root)",
+    )
     args = p.parse_args(argv)
     command = "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.soak:
         from bench import soak as soak_mod
 
-        s = soak_mod.main(args.requests, args.concurrency, args.seed, args.hang_seconds, args.out, command, machine())
+        s = soak_mod.main(
+            args.requests,
+            args.concurrency,
+            args.seed,
+            args.hang_seconds,
+            args.out,
+            command,
+            machine(),
+            args.cgroup_memory_bytes,
+        )
         return 0 if all(t["met"] for t in s["targets"]) else 1
     if args.scale is None:
         args.scale = 0.3 if args.quick else 1.0

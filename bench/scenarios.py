@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
+from bench.workloads import Call, chat_call, document_call, image_chat_call, poisson_times, streaming
 from demo.replay import fully_utilized
 from kvgate.sim.config import CoTenant, SimConfig
 from kvgate.sim.flavor import Flavor
@@ -258,6 +258,26 @@ def hol_traffic(long_extra: dict[str, Any]) -> Callable[[random.Random, float], 
     return traffic
 
 
+# ----- S14 ---------------------------------------------------------------------------------------
+QWEN_VL = "qwen2.5-vl-7b"
+# Photo sizes (width, height): 972 to 3,888 image tokens each with Qwen2.5-VL's preprocessor.
+PHOTOS = [(1024, 768), (1344, 1008), (1600, 1200), (2016, 1512)]
+
+
+def s14_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Text chat at 1/s and single-image questions at 0.5/s; at 10 s and at 20 s an album of 16
+    photos of 2,016 x 1,512 (3,888 image tokens each) uploaded at once (within 0.2 s)."""
+    d = 30 * scale
+    calls = _chat_stream(rng, 1.0, d, model=QWEN_VL, max_tokens=(64, 128, 256))
+    for i, t in enumerate(poisson_times(rng, 0.5, d)):
+        calls.append(image_chat_call(rng, t, 1000 + i, rng.choice(PHOTOS), QWEN_VL))
+    for start in (10 * scale, 20 * scale):
+        for _ in range(max(4, int(16 * scale))):
+            at = start + 0.2 * rng.random()
+            calls.append(image_chat_call(rng, at, 2000 + len(calls), (2016, 1512), QWEN_VL, "album photo"))
+    return streaming(calls)
+
+
 def _flags(mnbt: int, seqs: int, v1: bool = True, **extra: str) -> list[str]:
     # A V1 simulator (_sim) plays VLLM_USE_V2_MODEL_RUNNER=0; kvgate is told so, as the operator
     # would tell it (vLLM's /version does not say which runner runs). On vLLM 0.32.0's own choice
@@ -449,5 +469,27 @@ SCENARIOS: list[Scenario] = [
         s11_traffic,
         30,
         4,
+    ),
+    # Issue 23: Model Runner V2 of vLLM 0.25.0 - 0.27 profiles the decoder alone (no encoder call,
+    # no encoder cache held), and the KV pool is sized as vLLM's own start-up advice says: the
+    # vision tower of a step of several photos, and their cached embeddings, run out of memory.
+    Scenario(
+        "S14",
+        "Image bursts on Qwen2.5-VL-7B, Model Runner V2 of vLLM 0.25.0 (start-up profile without the encoder)",
+        fully_utilized(
+            _sim(
+                model=QWEN_VL,
+                vllm_version="0.25.0",
+                model_runner="auto",
+                max_model_len=32768,
+                max_num_batched_tokens=8192,
+                max_num_seqs=256,
+            )
+        ),
+        _flags(8192, 256, v1=False),
+        s14_traffic,
+        30,
+        4,
+        caps=[2, 4, 16],
     ),
 ]
