@@ -452,7 +452,7 @@ def _sequences(p: Parsed, rid: str) -> list[Request]:
     """The request's n sequences, seeded as the simulator's RequestRun seeds them (the sampler's
     end of sequence depends on the seed)."""
     return [
-        Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed)
+        Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed, mm_items=p.mm_items)
         for i, seed in enumerate(sequence_seeds(p))
     ]
 
