@@ -33,6 +33,13 @@ log = logging.getLogger("kvgate.sim")
 
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 PROCESS = "vllm"
+# vLLM 0.32.0 vllm/exceptions.py QueueOverflowError and MaxQueuedTokensError, word for word.
+QUEUE_OVERFLOW_MESSAGE = (
+    "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
+)
+QUEUED_TOKENS_MESSAGE = (
+    "The engine has reached its prefill token backlog limit. Please try again later or on a different instance."
+)
 
 Sampler = Callable[[Request], tuple[int, bool]]  # -> (token id, is end of sequence)
 
@@ -162,6 +169,31 @@ class Engine:
         self.scheduler.add(req)
         self._gauges()
         self._wake.set()
+
+    def queue_refusal(self, n: int) -> str | None:
+        """vLLM's waiting-queue admission, or None to admit a request of `n` sequences.
+
+        vLLM 0.32.0 vllm/v1/engine/async_llm.py `AsyncLLM.check_admission` (called by
+        vllm/entrypoints/generate/base/serving.py `_preflight` before a response starts, and by
+        `add_request` with the request's n): refused when the unfinished requests (waiting and
+        running, one per sequence: `OutputProcessor.request_states`) plus n would pass
+        --max-num-queued-reqs (QueueOverflowError), or when the prompt tokens of the requests
+        still prefilling (`get_num_queued_tokens`: each one's whole prompt_len until its first
+        output) are already at --max-num-queued-tokens (MaxQueuedTokensError). Both are
+        GracefulHTTPErrors: HTTP 503, type "Service Unavailable" (vllm/exceptions.py,
+        vllm/entrypoints/serve/exception_handling/error_response.py `create_error_response`).
+        """
+        most_reqs, most_tokens = self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens
+        sched = self.scheduler
+        if most_reqs is not None and len(sched.waiting) + len(sched.running) + n > most_reqs:
+            return QUEUE_OVERFLOW_MESSAGE
+        if most_tokens is not None:
+            prefilling = sum(
+                r.num_prompt_tokens for q in (sched.waiting, sched.running) for r in q if not r.output_token_ids
+            )
+            if prefilling >= most_tokens:
+                return QUEUED_TOKENS_MESSAGE
+        return None
 
     def abort(self, req: Request) -> None:
         if self.ready and req.status != Status.FINISHED:

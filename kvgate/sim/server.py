@@ -133,6 +133,9 @@ def create_sim_app(config: SimConfig) -> FastAPI:
             return exc.response()
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
             return SimApiError(400, f"Invalid request body: {exc}").response()
+        if refusal := engine.queue_refusal(p.n):
+            body = {"error": {"message": refusal, "type": "Service Unavailable", "param": None, "code": 503}}
+            return JSONResponse(body, status_code=503)
         run = RequestRun(engine, p)
         if p.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
