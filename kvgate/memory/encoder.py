@@ -105,7 +105,10 @@ class VisionTower:
         if not isinstance(vision, Mapping):
             return None
         reader = _TOWERS.get(family)
-        return reader(family, vision, dtype_bytes, decoder_hidden) if reader else None
+        try:
+            return reader(family, vision, dtype_bytes, decoder_hidden) if reader else None
+        except (KeyError, TypeError, ValueError):  # a vision_config without the sizes: not read
+            return None
 
 
 def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:

@@ -67,6 +67,7 @@ def test_other_towers() -> None:
     assert tower is not None
     assert (tower.output_width, tower.input_width) == (4096 * 4, 3 * 2 * 16 * 16)  # deepstack: 4 x wide
     assert VisionTower.from_config({"model_type": "llama", "hidden_size": 8}, 2, 8) is None
+    assert VisionTower.from_config({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}, 2, 8) is None
 
 
 @pytest.mark.parametrize(
