@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing
@@ -41,6 +40,7 @@ from kvgate.tokens import local_tokenizer
 from kvgate.units import MiB
 from kvgate.vllm_routes import Route
 from kvgate.work_budget import Grant, charging
+from kvgate.work_budget import libc as glibc
 
 log = logging.getLogger("kvgate.preparation")
 
@@ -90,7 +90,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
     gc.freeze()
     limit = _DataLimit(ceiling)
     conn.send(("ready",))
-    libc = _libc()
+    libc = glibc()
     while True:
         try:
             job: Job | PassthroughJob
@@ -175,13 +175,6 @@ async def _ask_for_more(conn: Connection, limit: _DataLimit, cost: int) -> None:
     if reply[0] != "granted":
         raise _rebuilt(*reply[1:])
     limit.grow(cost)
-
-
-def _libc() -> Any | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
 
 
 # ------------------------------------------------------------------ in kvgate's process
