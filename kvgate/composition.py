@@ -23,7 +23,15 @@ import httpx
 from kvgate.advise_live import request_for
 from kvgate.advise_startup import Request
 from kvgate.backend import Backend
-from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from kvgate.engine_config import (
+    Deployment,
+    Disagreements,
+    EngineFlags,
+    build_predictor,
+    encoder_budget,
+    resolve,
+    static_limits,
+)
 from kvgate.errors import NotReady
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
@@ -38,6 +46,7 @@ from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.metrics import GateMetrics, KvgateMetrics, MetricsPage, PoolGauges
 from kvgate.model_folder import load_geometry
 from kvgate.multimodal import media_options
+from kvgate.multimodal_render import RenderEndpoint
 from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import PipelineConfig, RequestPipeline
 from kvgate.predict import Prediction, Predictor
@@ -338,7 +347,9 @@ class Runtime:
         the worker processes that prepare large requests with it (only with the model folder's own
         tokenizer), and the start-up heap frozen; offline, `kvgate explain` prepares its one
         request in its own process."""
-        media = media_options(self.settings.mm_processor_kwargs, self.settings.limit_mm_per_prompt)
+        # Online, media kvgate has no rule for are rendered by the backend (kvgate/multimodal_render.py).
+        render = RenderEndpoint(self.backend.base_url, model_name) if online else None
+        media = media_options(self.settings.mm_processor_kwargs, self.settings.limit_mm_per_prompt, render)
         tokenizer = load_tokenizer(
             self.settings.model,
             self.backend.tokenize_client,
@@ -376,6 +387,12 @@ class Runtime:
             settings.profiled_activation_bytes,
             settings.default_max_tokens,
             self.outputs,
+            encoder_budget(
+                settings.model,
+                deployment,
+                media_options(settings.mm_processor_kwargs, settings.limit_mm_per_prompt),
+                self.geometry,
+            ),
         )
         limits = static_limits(
             deployment,
