@@ -10,14 +10,15 @@ repetition runs direct, kvgate and nginx in turn, for each measurement.
 kvgate runs at its default log level (info): every decision is logged, as in production. The
 proxy's CPU time (utime + stime of the whole process, /proc/PID/stat; nginx: its worker) is read
 before and after each fixed-count phase, so CPU per request is counted over a known number of
-requests and does not depend on how busy the other core was. Chat requests (the system prompt and
-a user message, rendered by the model folder's chat template) are the measure of issue 22's
-targets; completions rows are kept beside them for comparison with earlier runs.
+requests and does not depend on how busy the other core was. Chat requests (one system prompt
+and a different user message each, DISTINCT_CHATS bodies in turn, rendered by the model folder's
+chat template) are the measure of issue 22's targets; completions rows are kept beside them for comparison with earlier runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import httpx
 from bench.percentile import percentile
 from demo.processes import stop_process
 from kvgate.sim.runner import free_port
+from kvgate.token_segments import CACHE_ENTRIES
 
 PROXY_CORE, LOAD_CORE = "0", "1"
 # The tiny offline tokenizer the test suite builds (tests/support/tiny_model.py).
@@ -89,15 +91,21 @@ class Conn:
         return status, first, time.perf_counter() - t0
 
 
+_BODY_TURN = itertools.count()
+
+
 async def _closed_loop(
     port: int,
-    body: bytes,
+    body: bytes | list[bytes],
     conc: int,
     total: int | None = None,
     seconds: float | None = None,
     path: str = "/v1/completions",
 ) -> tuple[list[tuple[float, float]], int, float]:
-    """`conc` connections in a closed loop; latencies (ttfb, total), non-200 count, wall time."""
+    """`conc` connections in a closed loop; latencies (ttfb, total), non-200 count, wall time.
+    A list of bodies is sent in turn, the turn carried on from one call to the next (a phase
+    starting over would resend the bodies the last one ended with, still in kvgate's cache)."""
+    bodies = [body] if isinstance(body, bytes) else body
     conns = [Conn("127.0.0.1", port) for _ in range(conc)]
     await asyncio.gather(*(c.open() for c in conns))
     lat: list[tuple[float, float]] = []
@@ -110,7 +118,7 @@ async def _closed_loop(
         nonlocal bad
         while left[0] > 0 and time.perf_counter() < stop_at:
             left[0] -= 1
-            status, ttfb, t = await c.post(path, body)
+            status, ttfb, t = await c.post(path, bodies[next(_BODY_TURN) % len(bodies)])
             if status != 200:
                 bad += 1
             lat.append((ttfb, t))
@@ -275,6 +283,20 @@ def chat_body(prompt: str) -> bytes:
     return json.dumps({"model": "llama-3.1-8b", "messages": messages, "max_tokens": 16}).encode()
 
 
+def chat_bodies(count: int) -> list[bytes]:
+    """`count` chat requests with one system prompt and a different ~100-token user message each,
+    as traffic is: kvgate's segment cache (kvgate/token_segments.py) reads the system prompt and
+    the template's headers back and encodes each user message. Sent in turn, more of them than the
+    cache keeps entries (`2 * CACHE_ENTRIES`) never find their user message cached."""
+    from support.tiny_model import english_text
+
+    return [chat_body(prompt_of(100))] + [chat_body(english_text(91, seed=1000 + i)) for i in range(count - 1)]
+
+
+# The chat bodies the benchmark sends in turn (chat_bodies): twice the segment cache's entries.
+DISTINCT_CHATS = 2 * CACHE_ENTRIES
+
+
 def scenario_name(kind: str, concurrency: int) -> str:
     """A fixed-count phase's row name; completions keep the names earlier runs used."""
     return f"{'chat, ' if kind == 'chat' else ''}non-streaming, concurrency {concurrency}"
@@ -337,14 +359,14 @@ def chat_evaluation_cost(folder: Path, reps: int = 300) -> dict[str, Any]:
         Settings(model=str(folder), max_num_batched_tokens=8192, max_model_len=32768, gpu_memory_bytes=85520809984)
     )
     rt.configure_offline()
-    raw = chat_body(prompt_of(100))
+    bodies = chat_bodies(reps + max(3, reps // 10))  # each user message new, as in the load phases
     cpu_s: list[float] = []
     tokenize_s: list[float] = []
 
     async def run() -> None:
-        for _ in range(max(3, reps // 10)):  # warm-up
+        for raw in bodies[reps:]:  # warm-up
             await rt.pipeline.evaluate("chat", raw)
-        for _ in range(reps):
+        for raw in bodies[:reps]:
             t0 = time.process_time()
             ev = await rt.pipeline.evaluate("chat", raw)
             cpu_s.append(time.process_time() - t0)
@@ -440,7 +462,10 @@ def run_overhead(
                 sbody = json.dumps(
                     {"model": "llama-3.1-8b", "prompt": prompt, "max_tokens": 16, "stream": True}
                 ).encode()
-                kinds = {"completions": (body, "/v1/completions"), "chat": (chat_body(prompt), "/v1/chat/completions")}
+                kinds: dict[str, tuple[bytes | list[bytes], str]] = {
+                    "completions": (body, "/v1/completions"),
+                    "chat": (chat_bodies(DISTINCT_CHATS), "/v1/chat/completions"),
+                }
                 pids = {"direct": None, "kvgate": kproc.pid, "nginx": nginx_proc.pid if nginx_proc else None}
                 lat: dict[tuple[str, str, int], list[float]] = {}
                 fixed_rps: dict[tuple[str, str, int], list[float]] = {}
@@ -541,7 +566,7 @@ def _pyspy() -> str | None:
 
 
 def profile_kvgate(
-    pid: int, port: int, body: bytes, results_dir: Path, seconds: float, log: Any = print
+    pid: int, port: int, body: bytes | list[bytes], results_dir: Path, seconds: float, log: Any = print
 ) -> dict[str, Any]:
     """py-spy record (raw collapsed stacks) of kvgate under concurrency-64 chat load; top frames."""
     spy = _pyspy()

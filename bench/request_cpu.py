@@ -10,6 +10,10 @@ decision log is on (info, every decision logged) and written to a file, as `kvga
 writes it to its stderr.
 
 `--profile FILE` writes a cProfile of the measured requests (pstats format) as well.
+`--distinct-prompts N` sends N chats with different user messages in turn (1: one chat, which
+kvgate's segment cache then reads back whole; the overhead benchmark sends
+bench.overhead.DISTINCT_CHATS, more than the cache keeps); `--no-segment-cache` encodes every chat
+whole (kvgate/token_segments.py), for comparison.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import itertools
 import json
 import logging
 import os
@@ -27,11 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import LOAD_CORE, _wait_http, chat_body, model_folder, prompt_of, taskset
+from bench.overhead import DISTINCT_CHATS, LOAD_CORE, _wait_http, chat_bodies, model_folder, prompt_of, taskset
 from demo.processes import stop_process
 from kvgate.logs import configure_logging, quiet_transformers_advice
 from kvgate.settings import Settings
 from kvgate.sim.runner import free_port
+
+# Bodies are sent in turn across calls (bench/overhead.py _closed_loop says why).
+_BODY_TURN = itertools.count()
 
 
 def completions_body(prompt: str) -> bytes:
@@ -100,7 +108,7 @@ async def _lifespan(app: Any) -> tuple[asyncio.Task[None], asyncio.Queue[dict[st
 
 
 async def measure(
-    app: Any, path: str, body: bytes, concurrency: int, requests: int, profiler: cProfile.Profile | None
+    app: Any, path: str, bodies: list[bytes], concurrency: int, requests: int, profiler: cProfile.Profile | None
 ) -> dict[str, Any]:
     left = [requests]
     bad = [0]
@@ -108,6 +116,7 @@ async def measure(
     async def client() -> None:
         while left[0] > 0:
             left[0] -= 1
+            body = bodies[next(_BODY_TURN) % len(bodies)]
             exchange = Exchange(body)
             await app(scope_of(path, body), exchange.receive, exchange.send)
             if exchange.status != 200:
@@ -148,14 +157,19 @@ async def run(args: argparse.Namespace, backend_port: int, folder: Path) -> list
         await asyncio.sleep(0.05)
     else:
         raise RuntimeError(f"kvgate not ready: {rt.startup_error}")
-    path, body = (
-        ("/v1/chat/completions", chat_body(prompt_of(100)))
+    path, bodies = (
+        ("/v1/chat/completions", chat_bodies(args.distinct_prompts))
         if args.kind == "chat"
-        else ("/v1/completions", completions_body(prompt_of(100)))
+        else ("/v1/completions", [completions_body(prompt_of(100))])
     )
-    await measure(app, path, body, 8, args.warmup, None)
+    if args.no_segment_cache:
+        local = rt.pipeline.config.tokenizer
+        while not hasattr(local, "_segments"):
+            local = local._inner
+        local._segments = None
+    await measure(app, path, bodies, 8, args.warmup, None)
     if args.canned_evaluation:  # everything but the evaluation: the HTTP path, the gate, the relay
-        canned = await rt.pipeline.evaluate("chat" if args.kind == "chat" else "completions", body)
+        canned = await rt.pipeline.evaluate("chat" if args.kind == "chat" else "completions", bodies[0])
 
         async def evaluate(route: Any, raw: bytes) -> Any:
             return canned
@@ -165,7 +179,7 @@ async def run(args: argparse.Namespace, backend_port: int, folder: Path) -> list
     rows = []
     for concurrency in args.concurrency:
         for _ in range(args.repeat):
-            rows.append(await measure(app, path, body, concurrency, args.requests, profiler))
+            rows.append(await measure(app, path, bodies, concurrency, args.requests, profiler))
             print(args.kind, rows[-1], flush=True)
     if profiler is not None:
         profiler.dump_stats(args.profile)
@@ -187,6 +201,8 @@ def main() -> None:
         help="answer every request with one evaluation made in advance: the cost of the rest",
     )
     parser.add_argument("--profile", help="write a cProfile of the measured requests here")
+    parser.add_argument("--distinct-prompts", type=int, default=DISTINCT_CHATS, help="chats sent in turn")
+    parser.add_argument("--no-segment-cache", action="store_true", help="encode every chat whole")
     args = parser.parse_args()
     quiet_transformers_advice()
     with tempfile.TemporaryDirectory(prefix="kvgate-request-cpu-") as tmp:

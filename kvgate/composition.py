@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -22,7 +23,15 @@ import httpx
 from kvgate.advise_live import request_for
 from kvgate.advise_startup import Request
 from kvgate.backend import Backend
-from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from kvgate.engine_config import (
+    Deployment,
+    Disagreements,
+    EngineFlags,
+    build_predictor,
+    encoder_budget,
+    resolve,
+    static_limits,
+)
 from kvgate.errors import NotReady
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
@@ -42,7 +51,7 @@ from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import PipelineConfig, RequestPipeline
 from kvgate.predict import Prediction, Predictor
 from kvgate.preparation_workers import PreparationWorkers
-from kvgate.request import RequestLimits
+from kvgate.request import DEFAULT_MAX_N_SEQUENCES, RequestLimits
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import Settings
 from kvgate.telemetry.gpu import detect_probe
@@ -378,6 +387,12 @@ class Runtime:
             settings.profiled_activation_bytes,
             settings.default_max_tokens,
             self.outputs,
+            encoder_budget(
+                settings.model,
+                deployment,
+                media_options(settings.mm_processor_kwargs, settings.limit_mm_per_prompt),
+                self.geometry,
+            ),
         )
         limits = static_limits(
             deployment,
@@ -426,10 +441,24 @@ def pipeline_config(
     return PipelineConfig(
         tokenizer,
         predictor,
-        RequestLimits(deployment.max_model_len, deployment.max_logprobs, predictor.layout.geometry.vocab_size),
+        RequestLimits(
+            deployment.max_model_len,
+            deployment.max_logprobs,
+            predictor.layout.geometry.vocab_size,
+            max_n_sequences(deployment.runtime.limits_n_sequences),
+        ),
         deployment.runtime.content_format_namespace_aliases,
         workers,
     )
+
+
+def max_n_sequences(limited: bool) -> int | None:
+    """vLLM's VLLM_MAX_N_SEQUENCES for a release that has it: an environment variable of vLLM's
+    process, which kvgate cannot read, so kvgate reads its own (set it on both containers when
+    vLLM's is changed), else vLLM's default."""
+    if not limited:
+        return None
+    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", DEFAULT_MAX_N_SEQUENCES))
 
 
 def engine_flags(settings: Settings) -> EngineFlags:

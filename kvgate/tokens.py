@@ -26,11 +26,10 @@ from kvgate.harmony import HarmonyChats, renders_with_harmony
 from kvgate.image_rules import image_tokens_of, model_type_of
 from kvgate.multimodal import MediaCounting, MediaOptions
 from kvgate.request import ChatInput
+from kvgate.token_segments import TOKEN_ARRAY, SegmentCache
 from kvgate.units import MiB
 from kvgate.work_budget import TOKENIZE_BYTES_PER_TEXT_BYTE, charge
 
-# Token ids are int64 (vLLM's tensors; kvgate's image and history stand-ins are negative 63-bit).
-TOKEN_ARRAY = "q"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 log = logging.getLogger("kvgate.tokens")
@@ -141,6 +140,9 @@ class LocalTokenizer:
         self._rust = rust_backend(self._tok)
         # tokenizers >= 0.21 has the offset-free batch call; with an older one, plain `encode`.
         self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
+        # A chat's template text repeats (system prompt, earlier turns, headers): its pieces between
+        # added tokens are encoded once (kvgate/token_segments.py says when that is exact).
+        self._segments = SegmentCache.of(self._rust) if self._batch_fast is not None else None
         self._threshold = offload_threshold_chars
         self._template_seconds = template_seconds
         self.max_chars_per_token = max_chars_per_token(self._rust) if self._rust is not None else None
@@ -222,6 +224,9 @@ class LocalTokenizer:
         out: list[array] = []
         for chunk in [texts] if len(texts) == 1 else _chunks(texts, ENCODE_CHUNK_BYTES):
             if rust is not None and _in_encode_state(rust, self._tok):
+                if self._segments is not None and not add_special_tokens and not rust.encode_special_tokens:
+                    out += [self._segments.encode(text) for text in chunk]
+                    continue
                 if self._batch_fast is not None:
                     encodings = self._batch_fast(chunk, add_special_tokens=add_special_tokens)
                 else:

@@ -57,6 +57,7 @@ class FakeBackend:
     base_url: str = ""
     tokenize_fails: bool = False
     tokenize_delay_s: float = 0.0
+    tokenize_calls: int = 0  # /tokenize requests answered (not in `received`: kvgate tokenizes through it)
     # ok | broken_stream | slow | done_then_linger (a stream whose body ends slow_s after its
     # `data: [DONE]`) | linger_before_done (one event, then slow_s before the rest) |
     # engine_dead (vLLM's API server after its engine died: 500 here, 503 on /health, /metrics as ever)
@@ -91,6 +92,7 @@ class FakeBackend:
             if self.tokenize_fails:
                 return JSONResponse({"error": {"message": "tokenizer disabled", "code": 500}}, status_code=500)
             await asyncio.sleep(self.tokenize_delay_s)
+            self.tokenize_calls += 1
             return JSONResponse({"count": 3, "max_model_len": 1024, "tokens": [1, 2, 3], "token_strs": None})
 
         async def render(request: Request) -> Response:

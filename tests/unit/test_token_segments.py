@@ -1,0 +1,158 @@
+"""kvgate/token_segments.py: ids read piece by piece from the segment cache are the ids the Rust
+tokenizer (and transformers' `encode`, which vLLM calls) gives for the whole text, on generated
+texts full of added tokens, their fragments, whitespace and non-ASCII text; tokenizers whose pieces
+do not encode independently get no cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers
+
+from kvgate import token_segments
+from kvgate.token_segments import SegmentCache
+from kvgate.tokens import LocalTokenizer
+
+HEADERS = ["<|start_header_id|>", "<|end_header_id|>"]
+NORMALIZED_TOKEN = "<tool>"  # an added token matched after normalization
+PIECES = [
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<pad>",
+    *HEADERS,
+    NORMALIZED_TOKEN,
+    "<",
+    "s>",
+    "</",
+    "<|",
+    "|>",
+    "<|start_header",
+    "_id|>",
+    "<tool",
+    "\n\n",
+    " ",
+    "  ",
+    "\t",
+    "system",
+    "user",
+    "assistant",
+    "You are a helpful assistant.",
+    " the model",
+    "Hello,",
+    "12345",
+    "don't",
+    "\u00e9t\u00e9",
+    "\u65e5\u672c\u8a9e",
+    "\U0001f600",
+    "\u2581",
+    "caf\u0065\u0301",
+]
+texts = st.lists(
+    st.one_of(st.sampled_from(PIECES), st.text(st.characters(codec="utf-8"), max_size=12)), max_size=24
+).map("".join)
+
+
+def _tiny(tiny_model_dir: Path) -> Tokenizer:
+    rust = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    rust.add_special_tokens([AddedToken(h, normalized=False, special=True) for h in HEADERS])
+    rust.add_tokens([AddedToken(NORMALIZED_TOKEN, normalized=True)])
+    return rust
+
+
+def _full(rust: Tokenizer, text: str) -> list[int]:
+    return rust.encode_batch_fast([text], add_special_tokens=False)[0].ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> Tokenizer:
+    return _tiny(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prepending(tiny_model_dir: Path) -> Tokenizer:
+    """Llama 2's normalizer (a "\u2581" prepended to each piece, spaces replaced) and Metaspace
+    that always prepends, over the tiny vocabulary."""
+    rust = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    rust.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    rust.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Metaspace(prepend_scheme="always"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    rust.add_special_tokens([AddedToken(h, normalized=False, special=True) for h in HEADERS])
+    return rust
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=texts)
+def test_cached_pieces_give_the_ids_of_the_whole_text(tiny: Tokenizer, prepending: Tokenizer, text: str) -> None:
+    for rust in (tiny, prepending):
+        cache = SegmentCache.of(rust)
+        assert cache is not None
+        expected = _full(rust, text)
+        assert list(cache.encode(text)) == expected  # pieces encoded
+        assert list(cache.encode(text)) == expected  # pieces read back
+
+
+def test_a_shared_cache_stays_exact_and_bounded(tiny: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces met in earlier texts are read back inside new ones; the cache never holds more
+    entries than its bound, evicting the least recently used."""
+    monkeypatch.setattr(token_segments, "CACHE_ENTRIES", 8)
+    cache = SegmentCache.of(tiny)
+    assert cache is not None
+    system = "<s><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant.</s>"
+    for i in range(40):
+        text = f"{system}<|start_header_id|>user<|end_header_id|>\n\nQuestion {i}: why?</s>"
+        assert list(cache.encode(text)) == _full(tiny, text)
+        assert len(cache._entries) <= 8
+    assert cache.hits >= 39  # the system piece, from the second text on
+    assert cache.misses >= 40
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(
+            lambda r: setattr(r, "pre_tokenizer", pre_tokenizers.Metaspace(prepend_scheme="first")),
+            id="metaspace-first",
+        ),
+        pytest.param(lambda r: r.add_special_tokens([AddedToken("<x>", lstrip=True)]), id="lstrip"),
+        pytest.param(lambda r: r.add_special_tokens([AddedToken("<y>", rstrip=True)]), id="rstrip"),
+        pytest.param(lambda r: r.add_tokens([AddedToken("word", single_word=True)]), id="single-word"),
+        pytest.param(
+            lambda r: (
+                setattr(r, "normalizer", normalizers.Lowercase()),
+                r.add_tokens([AddedToken("<n>", normalized=True)]),
+            ),
+            id="normalized-token-under-a-normalizer",
+        ),
+        pytest.param(lambda r: setattr(r, "normalizer", normalizers.BertNormalizer()), id="unlisted-normalizer"),
+    ],
+)
+def test_tokenizers_whose_pieces_depend_on_their_neighbours_get_no_cache(tiny_model_dir: Path, change: object) -> None:
+    rust = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    assert SegmentCache.of(rust) is not None
+    change(rust)  # type: ignore[operator]
+    assert SegmentCache.of(rust) is None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=texts)
+def test_kvgate_encodes_as_transformers_does(tiny_model_dir: Path, text: str) -> None:
+    """The local tokenizer, through its segment cache, against transformers' `encode` (vLLM's call)."""
+    tokenizer = _local(tiny_model_dir)
+    assert tokenizer._segments is not None
+    for _ in range(2):
+        (ids,) = tokenizer._encode_now([text], add_special_tokens=False)
+        assert list(ids) == tokenizer._tok.encode(text, add_special_tokens=False)
+
+
+_LOCAL: dict[Path, LocalTokenizer] = {}
+
+
+def _local(folder: Path) -> LocalTokenizer:
+    if folder not in _LOCAL:
+        _LOCAL[folder] = LocalTokenizer(folder)
+    return _LOCAL[folder]
