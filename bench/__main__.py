@@ -84,7 +84,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     def caps0(scn: Any) -> list[int]:
         return [8] if args.tiny else [16] if args.quick else scn.caps
 
-    bar = _bar(sum(len(caps0(s)) + (0 if args.quick else 1) + 4 for s in chosen), "safety")
+    bar = _bar(sum(len(caps0(s)) + (0 if args.quick else 1) + 5 for s in chosen), "safety")
     rows, sweeps, described = [], {}, []
     with safety.tmpdir() as tmp:
         for i, scn in enumerate(chosen):
@@ -110,7 +110,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 calls: list = calls,
             ) -> safety.ArmResult:
                 bar.set_postfix_str(f"{scn.key} {name}{'' if cap is None else f' {cap}'}")
-                r = run_arm(scn, "cap" if cap else name, calls, args.scale, Path(tmp), cap=cap)
+                r = run_arm(scn, name, calls, args.scale, Path(tmp), cap=cap)
                 bar.update(1)
                 return r
 
@@ -142,9 +142,10 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 best = min(sweep, key=lambda r: r.cap)
                 best.notes["no_surviving_cap"] = True
             sat = arm("saturation")
+            vq = arm("vllm-queue", best.cap)
             kvg = arm("kvgate")
             orc = arm("oracle")
-            for r in (none, best, sat, kvg, orc):
+            for r in (none, best, sat, vq, kvg, orc):
                 rows.append(r.row())
     bar.close()
     out["safety"] = rows
@@ -191,31 +192,7 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     for s in scen:
-        k, c, o = by[(s, "kvgate")], by[(s, "static-cap")], by[(s, "oracle")]
-        t.append(
-            {"scenario": s, "check": "kvgate: 0 OOM crashes", "value": k["oom_crashes"], "met": k["oom_crashes"] == 0}
-        )
-        rc = k["goodput_tokens_per_s"] / c["goodput_tokens_per_s"] if c["goodput_tokens_per_s"] else float("inf")
-        t.append(
-            {
-                "scenario": s,
-                "check": "kvgate goodput >= 1.1 x best static cap",
-                "value": f"{rc:.2f} x (cap {c['cap']})",
-                "met": rc >= 1.1,
-            }
-        )
-        if o["completed"] == 0:  # the oracle could not keep up: nothing to compare with
-            t.append(
-                {
-                    "scenario": s,
-                    "check": "kvgate goodput >= 0.9 x oracle",
-                    "value": f"not measured (oracle completed 0 of {o['requests']})",
-                    "met": False,
-                }
-            )
-            continue
-        ro = k["goodput_tokens_per_s"] / o["goodput_tokens_per_s"]
-        t.append({"scenario": s, "check": "kvgate goodput >= 0.9 x oracle", "value": f"{ro:.2f} x", "met": ro >= 0.9})
+        t.extend(goodput_targets(s, by[(s, "kvgate")], by[(s, "none")], by[(s, "static-cap")], by[(s, "oracle")]))
     ov = {(r["arm"], r["scenario"]): r for r in out.get("overhead", [])}
     chat_1, chat_32 = (
         ov.get(("kvgate", "chat, non-streaming, concurrency 1")),
@@ -259,6 +236,43 @@ def targets(out: dict[str, Any]) -> list[dict[str, Any]]:
     return t
 
 
+def goodput_targets(
+    s: str, k: dict[str, Any], none: dict[str, Any], cap: dict[str, Any], o: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Issue 24's targets for kvgate's arm in one scenario: 0 OOM; goodput >= 0.95 x the oracle's;
+    >= 0.97 x the unprotected engine's where it survives, else >= 1.0 x the best surviving cap's;
+    TTFT p99 <= 1.25 x the oracle's."""
+
+    def ratio(check: str, mine: float | None, theirs: float | None, goal: float, more: bool, what: str = "") -> dict:
+        if not mine or not theirs:
+            return {"scenario": s, "check": check, "value": f"not measured ({mine} / {theirs})", "met": False}
+        r = mine / theirs
+        return {"scenario": s, "check": check, "value": f"{r:.2f} x{what}", "met": r >= goal if more else r <= goal}
+
+    gk = k["goodput_tokens_per_s"]
+    rows = [
+        {"scenario": s, "check": "kvgate: 0 OOM crashes", "value": k["oom_crashes"], "met": k["oom_crashes"] == 0},
+        ratio("kvgate goodput >= 0.95 x oracle", gk, o["goodput_tokens_per_s"] if o["completed"] else None, 0.95, True),
+    ]
+    if none["oom_crashes"] == 0:
+        rows.append(
+            ratio("kvgate goodput >= 0.97 x no gate (it survives)", gk, none["goodput_tokens_per_s"], 0.97, True)
+        )
+    elif not cap["notes"].get("no_surviving_cap"):
+        rows.append(
+            ratio(
+                "kvgate goodput >= 1.0 x best surviving cap",
+                gk,
+                cap["goodput_tokens_per_s"],
+                1.0,
+                True,
+                f" (cap {cap['cap']})",
+            )
+        )
+    rows.append(ratio("kvgate TTFT p99 <= 1.25 x oracle", k["ttft_p99_s"], o["ttft_p99_s"], 1.25, False))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     p.add_argument(
@@ -281,12 +295,27 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--requests", type=int, default=20_000)
     soak.add_argument("--concurrency", type=int, default=64)
     soak.add_argument("--hang-seconds", type=float, default=5.0, help="how long the backend is SIGSTOPped")
+    soak.add_argument(
+        "--cgroup-memory-bytes",
+        type=int,
+        default=None,
+        help="run kvgate in a memory cgroup of its own with this limit (bench/memory_cgroup.py; root)",
+    )
     args = p.parse_args(argv)
     command = "python -m bench " + shlex.join(argv if argv is not None else sys.argv[1:])
     if args.soak:
         from bench import soak as soak_mod
 
-        s = soak_mod.main(args.requests, args.concurrency, args.seed, args.hang_seconds, args.out, command, machine())
+        s = soak_mod.main(
+            args.requests,
+            args.concurrency,
+            args.seed,
+            args.hang_seconds,
+            args.out,
+            command,
+            machine(),
+            args.cgroup_memory_bytes,
+        )
         return 0 if all(t["met"] for t in s["targets"]) else 1
     if args.scale is None:
         args.scale = 0.3 if args.quick else 1.0

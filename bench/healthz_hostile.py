@@ -5,8 +5,10 @@ kvgate runs as the soak runs it (bench/soak.py: the simulator behind it, the man
 --max-process-memory-bytes, request templates trusted). Phase "idle" probes /healthz alone; phase
 "hostile" probes it while each round sends, at once, bench/work_cost.py's bodies (four 28 MiB
 bodies of 1,024 long prompts, 110,000 Responses items, 120,000 tool calls, 160,000 tools,
-200,000 Anthropic blocks, 50,000 messages, 490,000 token ids) and two pass-through bodies a
-gated route would prepare in a worker (499,998 ids to /detokenize, 490,000 values to /tokenize).
+200,000 Anthropic blocks, 50,000 messages, 490,000 token ids) and three pass-through bodies a
+gated route would prepare in a worker (499,998 ids to /detokenize, 490,000 values and 160,000
+chat messages to /tokenize). `--cgroup-memory-bytes` runs kvgate under a real memory limit, a
+cgroup of its own (bench/memory_cgroup.py), and reports its peak and OOM kills.
 
 On a machine other work shares, a probe's latency is mostly the wait for a core: the load
 average is recorded beside each phase, and `--niceness` runs kvgate's process and the prober at
@@ -17,9 +19,11 @@ preparation workers keep their own +10 (kvgate/preparation_workers.py), relative
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from bench.memory_cgroup import MemoryCgroup, memory_cgroup
 from bench.soak import GPU, KVGATE_FLAGS, MODEL, Backend, tree_memory, write_model
 from bench.work_cost import hostile_bodies
 from demo.replay import kvgate
@@ -51,6 +56,10 @@ def passthrough_bodies() -> dict[str, tuple[str, bytes]]:
         "490,000 values to /tokenize": (
             "/tokenize",
             json.dumps({"model": MODEL, "prompt": "of", "x": [[]] * 490_000}).encode(),
+        ),
+        "160,000 messages to /tokenize": (
+            "/tokenize",
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 160_000}).encode(),
         ),
     }
 
@@ -111,15 +120,40 @@ def _renice(pid: int, niceness: int | None) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, niceness)
 
 
-def run(rounds: int, niceness: int | None) -> dict[str, Any]:
+def run(
+    rounds: int, niceness: int | None, cgroup_bytes: int | None = None, stalls: Path | None = None
+) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        group = stack.enter_context(memory_cgroup(cgroup_bytes)) if cgroup_bytes is not None else None
+        result = _run(rounds, niceness, group, stalls)
+        if group is not None:
+            result["cgroup"] = {
+                "version": group.version,
+                "limit_mib": round(group.limit() / MiB, 1),
+                "peak_mib": round(group.peak() / MiB, 1),  # page cache included
+                "oom_kills": group.oom_kills(),
+            }
+    return result
+
+
+def _run(rounds: int, niceness: int | None, group: MemoryCgroup | None, stalls: Path | None) -> dict[str, Any]:
+    """kvgate under `group`'s limit (read by kvgate itself) when given, else told the manifests'
+    limit with --max-process-memory-bytes; through bench/loop_stalls.py when `stalls` names its
+    output."""
     ctx = mp.get_context("spawn")
+    flags, prefix = KVGATE_FLAGS, []
+    if group is not None:
+        at = flags.index("--max-process-memory-bytes")
+        flags, prefix = flags[:at] + flags[at + 2 :], group.command_prefix
+    if stalls is not None:
+        prefix = [*prefix, sys.executable, "-m", "bench.loop_stalls", "--out", str(stalls.resolve()), "--"]
     with tempfile.TemporaryDirectory(prefix="kvgate-healthz-") as tmp:
         model_dir = write_model(Path(tmp) / MODEL)
         backend = Backend(model_dir, Path(tmp) / "sim.log", seed=28)
         backend.start()
         try:
             log_path = Path(tmp) / "kvgate.log"
-            with kvgate(backend.url, model_dir, KVGATE_FLAGS, gpu_total_bytes(GPU), log_path) as (url, cmd, proc):
+            with kvgate(backend.url, model_dir, flags, gpu_total_bytes(GPU), log_path, prefix) as (url, cmd, proc):
                 _renice(proc.pid, niceness)
                 time.sleep(10.0)  # the preparation workers load transformers and the tokenizer first
 
@@ -169,7 +203,8 @@ def run(rounds: int, niceness: int | None) -> dict[str, Any]:
         finally:
             backend.stop()
     return {
-        "command": cmd,
+        # without this machine's paths: the interpreter and the temporary model folder
+        "command": [("python" if c == sys.executable else c.replace(tmp, "<tmp>")) for c in cmd],
         "rounds": rounds,
         "niceness": niceness,
         "idle": {**_quantiles(idle), "load_average_before_after": idle_load},
@@ -188,8 +223,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--niceness", type=int, default=None, help="kvgate's and the prober's (negative: root)")
     parser.add_argument("--out", type=Path, default=None, help="append the result as a JSON line to DIR/runs.jsonl")
+    parser.add_argument(
+        "--cgroup-memory-bytes",
+        type=int,
+        default=None,
+        help="run kvgate in a memory cgroup of its own with this limit (bench/memory_cgroup.py; root)",
+    )
+    parser.add_argument(
+        "--stalls", type=Path, default=None, help="record the event loop's stalls here (bench/loop_stalls.py)"
+    )
     args = parser.parse_args()
-    result = run(args.rounds, args.niceness)
+    result = run(args.rounds, args.niceness, args.cgroup_memory_bytes, args.stalls)
     result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     line = json.dumps(result)
     print(line)

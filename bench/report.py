@@ -36,6 +36,8 @@ def markdown(res: dict[str, Any]) -> str:
         ]
         for r in res["safety"]:
             arm = r["arm"] + (f" (cap {r['cap']})" if r.get("cap") else "")
+            if r.get("notes", {}).get("vllm_flags"):  # the vllm-queue arm's setting
+                arm += f" (`{r['notes']['vllm_flags']}`)"
             out.append(
                 f"| {r['scenario']} | {arm} | {r['oom_crashes']} | {r['failed']} | "
                 f"{r['completed']} | {_f(r['goodput_tokens_per_s'])} | "

@@ -1,4 +1,4 @@
-"""Part 1: safety and goodput on the simulator, five arms on identical traffic.
+"""Part 1: safety and goodput on the simulator, six arms on identical traffic.
 
 Arms (all drive the same seeded `Call` list, streaming, from one asyncio load generator; the
 simulator runs in this process on its own thread and event loop (SimRunner), kvgate in a
@@ -11,6 +11,14 @@ subprocess):
 - `saturation`: the Inference Gateway's rule, in the load generator: a task scrapes the
   simulator's /metrics every 50 ms; a request is refused 429 when kv usage >= 0.8, or waiting >=
   5, or the last good scrape is older than 200 ms (wall).
+- `vllm-queue`: vLLM's own API-server admission, played by the simulator as vLLM 0.32.0 does it
+  (kvgate/sim/engine.py `Engine.queue_refusal`: 503 "Service Unavailable" past
+  `--max-num-queued-reqs` unfinished sequences or `--max-num-queued-tokens` prompt tokens still
+  prefilling). One setting, not swept: `--max-num-queued-reqs` at the best surviving static cap
+  (the operator's known-safe concurrency, now counted by vLLM per sequence) and
+  `--max-num-queued-tokens` at 4 x the engine's max-num-batched-tokens (about four prefill steps
+  of backlog: vLLM's `target_TTFT x prefill_throughput` rule, vllm/config/scheduler.py). A 503
+  carrying vLLM's admission message counts as a refusal, not a failure.
 - `kvgate`: `kvgate serve` (subprocess, demo.replay.kvgate) with the flags that match the
   simulator, GPU probe auto (= sim), everything else at its defaults.
 - `oracle`: bench/oracle.py, inside the simulator.
@@ -42,10 +50,19 @@ from bench.scenarios import Scenario
 from bench.workloads import Call
 from demo.replay import decisions, kvgate
 from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import QUEUE_OVERFLOW_MESSAGE, QUEUED_TOKENS_MESSAGE
 from kvgate.sim.presets import gpu_total_bytes, write_model_folder
 from kvgate.sim.runner import SimRunner
 
-ARMS = ("none", "static-cap", "saturation", "kvgate", "oracle")
+ARMS = ("none", "static-cap", "saturation", "vllm-queue", "kvgate", "oracle")
+# vLLM 0.32.0's admission messages (kvgate/sim/engine.py, from vllm/exceptions.py): a 503 with one
+# of them is a refusal, like a gate's 429, not the engine failing.
+VLLM_ADMISSION = {
+    QUEUE_OVERFLOW_MESSAGE: "vllm_max_num_queued_reqs",
+    QUEUED_TOKENS_MESSAGE: "vllm_max_num_queued_tokens",
+}
+# --max-num-queued-tokens of the vllm-queue arm, in the engine's max-num-batched-tokens.
+QUEUED_TOKENS_PER_BATCH = 4
 DRAIN_S = 60.0  # simulated seconds after the last arrival before outstanding requests time out
 # Calls sharing one HTTP client, each with a connection of its own: httpcore's pool matches every
 # queued request against every connection whenever one changes, quadratic in one big pool (a
@@ -215,7 +232,8 @@ async def stream_call(client: httpx.AsyncClient, url: str, call: Call, sent: flo
                 raw = await r.aread()
                 code: Any = None
                 with contextlib.suppress(ValueError, KeyError, TypeError):
-                    code = json.loads(raw)["error"]["code"]
+                    error = json.loads(raw)["error"]
+                    code = VLLM_ADMISSION.get(error["message"]) if r.status_code == 503 else error["code"]
                 now = time.monotonic() - start
                 if isinstance(code, str) or r.status_code in (400, 413, 429):
                     reason = code if isinstance(code, str) else f"http_{r.status_code}"
@@ -299,7 +317,14 @@ def run_arm(
     # deadline in wall seconds would otherwise outlast the drain at speed-ups above 2.
     queue_wait_s = min(30.0, DRAIN_S / sp)
     with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=queue_wait_s) as (sim, counts, ostats):
-        if arm in ("none", "cap", "saturation"):
+        if arm == "vllm-queue":
+            sim.engine.cfg.max_num_queued_reqs = cap
+            sim.engine.cfg.max_num_queued_tokens = QUEUED_TOKENS_PER_BATCH * sim.engine.resolved.max_num_batched_tokens
+            notes["vllm_flags"] = (
+                f"--max-num-queued-reqs {cap} --max-num-queued-tokens {sim.engine.cfg.max_num_queued_tokens}"
+            )
+            outs, span = asyncio.run(replay(sim.url, calls, sp, progress=progress))
+        elif arm in ("none", "cap", "saturation"):
             gate = SaturationGate(sim.url) if arm == "saturation" else None
             outs, span = asyncio.run(replay(sim.url, calls, sp, cap=cap, gate=gate, progress=progress))
         elif arm == "oracle":
@@ -338,7 +363,7 @@ def run_arm(
         notes["engine_busy_sim_s"] = round(sim.engine.sim_clock, 1)
         notes["engine_restarts"] = sim.engine.restarts
         res = summarise(scn, "static-cap" if arm == "cap" else arm, outs, span, sp, ooms, counts["preemptions"])
-    res.cap = cap
+    res.cap = cap if arm == "cap" else None
     res.notes = notes
     return res
 

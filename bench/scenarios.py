@@ -20,8 +20,9 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
+from bench.workloads import Call, chat_call, document_call, image_chat_call, poisson_times, streaming
 from demo.replay import fully_utilized
 from kvgate.sim.config import CoTenant, SimConfig
 from kvgate.sim.flavor import Flavor
@@ -230,19 +231,50 @@ def s11_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 
 # ----- S12, S13 -----------------------------------------------------------------------------------
-def hol_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """Head-of-line blocking: short chats at 10/s (prompts median 150, 16-128 output tokens) and,
-    at 0.25/s, long documents (8k-14k tokens, up to 1,024 output tokens), each holding about a
-    third of an L4's KV pool while it runs: a document that waits for memory used to hold back
-    every chat behind it."""
+def hol_traffic(long_extra: dict[str, Any]) -> Callable[[random.Random, float], list[Call]]:
+    """Head-of-line blocking on an H100: chat at 3/s at OpenAI's default temperature 1.0; long
+    documents (12k-24k tokens, 1,024 output tokens) at 0.2/s with `long_extra`, which changes what
+    every sampling step of the whole batch allocates while one of them decodes; at 8 s a batch job
+    sends 400 short chats (prompts median 120, 128-256 output tokens) within two seconds."""
+
+    def traffic(rng: random.Random, scale: float) -> list[Call]:
+        d = 20 * scale
+        calls = [
+            chat_call(rng, t, i, median_prompt=200, max_prompt=2000, max_tokens=(256, 512, 1024), temperature=1.0)
+            for i, t in enumerate(poisson_times(rng, 3.0, d))
+        ]
+        for k in range(max(40, int(400 * scale))):
+            c = chat_call(
+                rng, 8 * scale + 2 * rng.random(), 50_000 + k, median_prompt=120, max_prompt=600, max_tokens=(128, 256)
+            )
+            c.body["temperature"] = 1.0
+            calls.append(Call(c.at, c.path, c.body, "batch chat"))
+        for t in poisson_times(rng, 0.2, d):
+            n = rng.choice([12000, 16000, 24000])
+            calls.append(document_call(rng, t, n, "long document", max_tokens=1024, **long_extra))
+        return streaming(calls)
+
+    traffic.__doc__ = (hol_traffic.__doc__ or "").replace("`long_extra`", json.dumps(long_extra))
+    return traffic
+
+
+# ----- S14 ---------------------------------------------------------------------------------------
+QWEN_VL = "qwen2.5-vl-7b"
+# Photo sizes (width, height): 972 to 3,888 image tokens each with Qwen2.5-VL's preprocessor.
+PHOTOS = [(1024, 768), (1344, 1008), (1600, 1200), (2016, 1512)]
+
+
+def s14_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Text chat at 1/s and single-image questions at 0.5/s; at 10 s and at 20 s an album of 16
+    photos of 2,016 x 1,512 (3,888 image tokens each) uploaded at once (within 0.2 s)."""
     d = 30 * scale
-    calls = [
-        chat_call(rng, t, i, median_prompt=150, max_prompt=1000, max_tokens=(16, 32, 64, 128))
-        for i, t in enumerate(poisson_times(rng, 10.0, d))
-    ]
-    for t in poisson_times(rng, 0.25, d):
-        n = rng.choice([8000, 10000, 12000, 14000])
-        calls.append(document_call(rng, t, n, "long document", max_tokens=1024, temperature=0.7))
+    calls = _chat_stream(rng, 1.0, d, model=QWEN_VL, max_tokens=(64, 128, 256))
+    for i, t in enumerate(poisson_times(rng, 0.5, d)):
+        calls.append(image_chat_call(rng, t, 1000 + i, rng.choice(PHOTOS), QWEN_VL))
+    for start in (10 * scale, 20 * scale):
+        for _ in range(max(4, int(16 * scale))):
+            at = start + 0.2 * rng.random()
+            calls.append(image_chat_call(rng, at, 2000 + len(calls), (2016, 1512), QWEN_VL, "album photo"))
     return streaming(calls)
 
 
@@ -395,28 +427,33 @@ SCENARIOS: list[Scenario] = [
     # earlier steps' results kept and concatenated again at the last. 15 % of the H100 lies outside
     # the budget: enough for k=5 and for a one-step -1 passage, not for -1 passages over several
     # steps, nor for several -1 passages held at once.
-    # Issue 24: a few long requests among many short ones on an L4 whose KV pool holds about
-    # three documents, the engine fully utilized as vLLM's start-up advice says; V1 (vLLM 0.31.0)
-    # and V2 (0.32.0's own choice).
+    # Issue 24: a few long requests among many short ones, where the long ones change what the
+    # whole batch's sampling step allocates, beyond the start-up profile: on V1 (vLLM 0.31.0) a
+    # document asking `logprobs` makes the sampler compute the raw logprobs of every row, B x V
+    # fp32 (v1/sample/sampler.py `Sampler.forward`); on V2 (0.32.0's own choice) a document at
+    # temperature 0.7 makes it copy every row's logits to fp32 (v1/worker/gpu/sample/states.py
+    # `SamplingStates.add_request`), which the greedy profile never did. With the batch job's
+    # 400 chats decoding beside a document, the unprotected engine runs out (about 300 rows);
+    # without the documents' extra it survives (bench/results/goodput-issue24/README.md).
     Scenario(
         "S12",
-        "Head-of-line blocking: long documents among many short chats (V1)",
-        fully_utilized(_sim(gpu="l4-24gb", max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=256)),
-        _flags(4096, 256),
-        hol_traffic,
-        30,
-        4,
-        caps=[16, 64, 256],
+        "Head-of-line blocking: long documents asking logprobs among a burst of short chats (V1)",
+        fully_utilized(_sim(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=512)),
+        _flags(2048, 512),
+        hol_traffic({"logprobs": 5, "temperature": 1.0}),
+        20,
+        2,
+        caps=[64, 512],
     ),
     Scenario(
         "S13",
-        "Head-of-line blocking: long documents among many short chats (V2)",
-        fully_utilized(_sim_v2(gpu="l4-24gb", max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=256)),
-        _flags(4096, 256, v1=False),
-        hol_traffic,
-        30,
-        4,
-        caps=[16, 64, 256],
+        "Head-of-line blocking: long documents at temperature 0.7 among a burst of short chats (V2)",
+        fully_utilized(_sim_v2(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=512)),
+        _flags(2048, 512, v1=False),
+        hol_traffic({"temperature": 0.7}),
+        20,
+        2,
+        caps=[64, 512],
     ),
     Scenario(
         "S11",
@@ -432,5 +469,27 @@ SCENARIOS: list[Scenario] = [
         s11_traffic,
         30,
         4,
+    ),
+    # Issue 23: Model Runner V2 of vLLM 0.25.0 - 0.27 profiles the decoder alone (no encoder call,
+    # no encoder cache held), and the KV pool is sized as vLLM's own start-up advice says: the
+    # vision tower of a step of several photos, and their cached embeddings, run out of memory.
+    Scenario(
+        "S14",
+        "Image bursts on Qwen2.5-VL-7B, Model Runner V2 of vLLM 0.25.0 (start-up profile without the encoder)",
+        fully_utilized(
+            _sim(
+                model=QWEN_VL,
+                vllm_version="0.25.0",
+                model_runner="auto",
+                max_model_len=32768,
+                max_num_batched_tokens=8192,
+                max_num_seqs=256,
+            )
+        ),
+        _flags(8192, 256, v1=False),
+        s14_traffic,
+        30,
+        4,
+        caps=[2, 4, 16],
     ),
 ]

@@ -57,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from bench.memory_cgroup import MemoryCgroup, memory_cgroup
 from bench.work_cost import hostile_bodies
 from demo.processes import stop_process
 from demo.replay import WORDS, kvgate
@@ -348,6 +349,19 @@ MEMORY_BODIES = {
         "{% set ns = namespace(s='ab') %}{% for i in range(27) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
     ),
     "template_percent_center_format": "{{ '%536870912s' % 'x' }}{{ 'x'|center(536870912) }}{{ '{:>536870912}'.format('x') }}",
+    # Pass-through bodies that cost vLLM's API server seconds (issue 28): a 30 MiB prompt and a
+    # chat to /tokenize, half a million ids to /detokenize.
+    "passthrough_tokenize_30mib": "30 MiB prompt to /tokenize",
+    "passthrough_tokenize_chat": "40,000 chat messages to /tokenize",
+    "passthrough_detokenize": "499,998 ids to /detokenize",
+}
+PASSTHROUGH_BODIES = {
+    "30 MiB prompt to /tokenize": ("/tokenize", {"model": MODEL, "prompt": "of " * (10 * 2**20)}),
+    "40,000 chat messages to /tokenize": (
+        "/tokenize",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 40_000},
+    ),
+    "499,998 ids to /detokenize": ("/detokenize", {"model": MODEL, "tokens": [5] * 499_998}),
 }
 ROUTE_PATHS_BY_NAME = {
     "completions": "/v1/completions",
@@ -359,11 +373,15 @@ ROUTE_PATHS_BY_NAME = {
 
 @functools.cache
 def _memory_body(name: str) -> tuple[str, bytes]:
-    """(route, body): built once, shared by every shot of the variant (a 28 MiB body each)."""
+    """(path, body): built once, shared by every shot of the variant (a 28 MiB body each)."""
     if name.startswith("template_"):
         chat = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
-        return "chat", _json(chat | {"chat_template": MEMORY_BODIES[name]})
-    return hostile_bodies(MODEL)[MEMORY_BODIES[name]]
+        return ROUTE_PATHS_BY_NAME["chat"], _json(chat | {"chat_template": MEMORY_BODIES[name]})
+    if name.startswith("passthrough_"):
+        path, body = PASSTHROUGH_BODIES[MEMORY_BODIES[name]]
+        return path, _json(body)
+    route, raw = hostile_bodies(MODEL)[MEMORY_BODIES[name]]
+    return ROUTE_PATHS_BY_NAME[route], raw
 
 
 def traffic(n: int, seed: int) -> list[Shot]:
@@ -374,8 +392,8 @@ def traffic(n: int, seed: int) -> list[Shot]:
         roll = rng.random()
         if roll < MEMORY_HOSTILE_SHARE:
             name = rng.choice(list(MEMORY_BODIES))
-            route, raw = _memory_body(name)
-            shots.append(Shot(i, "hostile", name, path=ROUTE_PATHS_BY_NAME[route], body=raw))
+            path, raw = _memory_body(name)
+            shots.append(Shot(i, "hostile", name, path=path, body=raw))
             continue
         roll -= MEMORY_HOSTILE_SHARE
         if roll < HOSTILE_SHARE:
@@ -617,6 +635,7 @@ class SoakResult:
     tree_hwm_end: int = 0  # the live processes' own peaks (VmHWM), summed, at the end
     kvgate_exited: int | None = None  # its exit status if it died during the soak
     workers_replaced: int = 0  # preparation workers stopped past their grant or time
+    cgroup: dict[str, Any] | None = None  # kvgate's own memory cgroup (bench/memory_cgroup.py), if it ran in one
 
 
 async def _probe(url: str, i: int) -> Answer:
@@ -725,11 +744,37 @@ def _wait_ledger(url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 
 def run_soak(
-    requests: int, concurrency: int, seed: int, hang_s: float = 5.0, logs_dir: Path | None = None
+    requests: int,
+    concurrency: int,
+    seed: int,
+    hang_s: float = 5.0,
+    logs_dir: Path | None = None,
+    cgroup_bytes: int | None = None,
 ) -> SoakResult:
     """The whole soak; the result holds every answer and reading (see `summary`). The
-    simulator's and kvgate's logs are copied into `logs_dir` when given."""
+    simulator's and kvgate's logs are copied into `logs_dir` when given. With `cgroup_bytes`,
+    kvgate runs in a memory cgroup of its own with that limit, which it reads itself."""
+    if cgroup_bytes is None:
+        return _run_soak(requests, concurrency, seed, hang_s, logs_dir, None)
+    with memory_cgroup(cgroup_bytes) as group:
+        result = _run_soak(requests, concurrency, seed, hang_s, logs_dir, group)
+        result.cgroup = {
+            "version": group.version,
+            "limit_mib": round(group.limit() / 2**20, 1),
+            "peak_mib": round(group.peak() / 2**20, 1),  # page cache included
+            "oom_kills": group.oom_kills(),
+        }
+    return result
+
+
+def _run_soak(
+    requests: int, concurrency: int, seed: int, hang_s: float, logs_dir: Path | None, group: MemoryCgroup | None
+) -> SoakResult:
     shots = traffic(requests, seed)
+    flags, prefix = KVGATE_FLAGS, []
+    if group is not None:
+        at = flags.index("--max-process-memory-bytes")
+        flags, prefix = flags[:at] + flags[at + 2 :], group.command_prefix
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         model_dir = write_model(Path(tmp) / MODEL)
@@ -737,7 +782,7 @@ def run_soak(
         try:
             backend.start()
             log_path = Path(tmp) / "kvgate.log"
-            with kvgate(backend.url, model_dir, KVGATE_FLAGS, gpu_total_bytes(GPU), log_path) as (url, cmd, proc):
+            with kvgate(backend.url, model_dir, flags, gpu_total_bytes(GPU), log_path, prefix) as (url, cmd, proc):
                 stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
                 poller = ctx.Process(target=poll_healthz, args=(url, stop, tx), daemon=True)
                 poller.start()
@@ -900,6 +945,7 @@ def summary(r: SoakResult) -> dict[str, Any]:
         "tree_hwm_end_mib": round(r.tree_hwm_end / 2**20, 1),
         "process_memory_limit_mib": PROCESS_MEMORY // 2**20,
         "kvgate_restarts": 0 if r.kvgate_exited is None else 1,
+        "memory_cgroup": r.cgroup,
         "preparation_workers_replaced": r.workers_replaced,
         "fds": {
             "idle_before": r.idle_usage[1],
@@ -974,6 +1020,19 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
             f"{s['peak_rss_tree_mib']} MiB ({s['tree_hwm_end_mib']} MiB)",
             max(s["peak_rss_tree_mib"], s["tree_hwm_end_mib"]) < s["process_memory_limit_mib"],
             TARGETS["peak_rss_tree"],
+        ),
+        *(
+            [
+                (
+                    "OOM kills in kvgate's memory cgroup (limit; peak charge, page cache included)",
+                    f"{s['memory_cgroup']['oom_kills']} ({s['memory_cgroup']['limit_mib']:g} MiB; "
+                    f"{s['memory_cgroup']['peak_mib']:g} MiB)",
+                    s["memory_cgroup"]["oom_kills"] == 0,
+                    "0",
+                )
+            ]
+            if s.get("memory_cgroup")
+            else []
         ),
         (
             "kvgate restarts (its process exited)",
@@ -1050,11 +1109,18 @@ def markdown(s: dict[str, Any], command: str, machine: dict[str, Any]) -> str:
 
 
 def main(
-    requests: int, concurrency: int, seed: int, hang_s: float, out_dir: Path, command: str, machine: dict[str, Any]
+    requests: int,
+    concurrency: int,
+    seed: int,
+    hang_s: float,
+    out_dir: Path,
+    command: str,
+    machine: dict[str, Any],
+    cgroup_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Runs the soak, writes soak.json and soak.md into `out_dir`, prints the tables."""
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    s = summary(run_soak(requests, concurrency, seed, hang_s, out_dir / "tmp"))
+    s = summary(run_soak(requests, concurrency, seed, hang_s, out_dir / "tmp", cgroup_bytes))
     s |= {"command": command, "machine": machine, "started_at": started}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "soak.json").write_text(json.dumps(s, indent=2, default=str) + "\n")

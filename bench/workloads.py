@@ -7,6 +7,8 @@ simulator's stand-in tokenizer (and kvgate's /tokenize fallback) count as one to
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 import random
 from dataclasses import dataclass
@@ -72,6 +74,37 @@ def chat_call(
         **extra,
     }
     return Call(at, "/v1/chat/completions", body, "chat")
+
+
+def png_data_url(width: int, height: int, color: tuple[int, int, int]) -> str:
+    """A one-colour PNG as a base64 data URL: a few kilobytes whatever its size, and each colour a
+    different image (vLLM hashes the pixels: two requests share an encoder cache entry only if
+    they send the same image)."""
+    from PIL import Image  # Pillow: kvgate's own image header reader's dependency
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_chat_call(
+    rng: random.Random, at: float, i: int, size: tuple[int, int], model: str, label: str = "image", **extra: Any
+) -> Call:
+    """A chat turn with one image (`size`: width, height) and a short question about it."""
+    color = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+    content = [
+        {"type": "image_url", "image_url": {"url": png_data_url(*size, color)}},
+        {"type": "text", "text": f"Question {i}: " + words(rng, lognormal_int(rng, 40, 0.6, 8, 400))},
+    ]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": rng.choice((64, 128, 256)),
+        "temperature": 0.7,
+        "seed": i,
+        **extra,
+    }
+    return Call(at, "/v1/chat/completions", body, label)
 
 
 def document_call(

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -386,11 +386,12 @@ async def queue_depth(client: httpx.AsyncClient) -> int:
 
 @contextlib.contextmanager
 def kvgate(
-    backend: str, model_dir: Path, flags: list[str], total_bytes: int, log_path: Path
+    backend: str, model_dir: Path, flags: list[str], total_bytes: int, log_path: Path, prefix: Sequence[str] = ()
 ) -> Iterator[tuple[str, list[str], subprocess.Popen]]:
     """`kvgate serve` as a user runs it, on a free port; yields its URL, command and process
     (the soak reads its RSS and fds) once /readyz says ready and its budget is live (a first
-    scrape of the backend has set it), so the first request meets the same budget on every run."""
+    scrape of the backend has set it), so the first request meets the same budget on every run.
+    `prefix` runs it through another command that ends in exec (bench/memory_cgroup.py's)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -412,7 +413,9 @@ def kvgate(
         *flags,
     ]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(
+            [*prefix, *cmd], stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"HF_HUB_OFFLINE": "1"}
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + KVGATE_READY_S

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -22,7 +23,15 @@ import httpx
 from kvgate.advise_live import request_for
 from kvgate.advise_startup import Request
 from kvgate.backend import Backend
-from kvgate.engine_config import Deployment, Disagreements, EngineFlags, build_predictor, resolve, static_limits
+from kvgate.engine_config import (
+    Deployment,
+    Disagreements,
+    EngineFlags,
+    build_predictor,
+    encoder_budget,
+    resolve,
+    static_limits,
+)
 from kvgate.errors import NotReady
 from kvgate.gate.backend_state import BackendState
 from kvgate.gate.budget import Budget
@@ -37,11 +46,12 @@ from kvgate.memory.vllm_runner import NEWEST_KNOWN
 from kvgate.metrics import GateMetrics, KvgateMetrics, MetricsPage, PoolGauges
 from kvgate.model_folder import load_geometry
 from kvgate.multimodal import media_options
+from kvgate.multimodal_render import RenderEndpoint
 from kvgate.output_lengths import OutputLengths
 from kvgate.pipeline import PipelineConfig, RequestPipeline
 from kvgate.predict import Prediction, Predictor
 from kvgate.preparation_workers import PreparationWorkers
-from kvgate.request import RequestLimits
+from kvgate.request import DEFAULT_MAX_N_SEQUENCES, RequestLimits
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import Settings
 from kvgate.telemetry.gpu import detect_probe
@@ -337,7 +347,9 @@ class Runtime:
         the worker processes that prepare large requests with it (only with the model folder's own
         tokenizer), and the start-up heap frozen; offline, `kvgate explain` prepares its one
         request in its own process."""
-        media = media_options(self.settings.mm_processor_kwargs, self.settings.limit_mm_per_prompt)
+        # Online, media kvgate has no rule for are rendered by the backend (kvgate/multimodal_render.py).
+        render = RenderEndpoint(self.backend.base_url, model_name) if online else None
+        media = media_options(self.settings.mm_processor_kwargs, self.settings.limit_mm_per_prompt, render)
         tokenizer = load_tokenizer(
             self.settings.model,
             self.backend.tokenize_client,
@@ -375,6 +387,12 @@ class Runtime:
             settings.profiled_activation_bytes,
             settings.default_max_tokens,
             self.outputs,
+            encoder_budget(
+                settings.model,
+                deployment,
+                media_options(settings.mm_processor_kwargs, settings.limit_mm_per_prompt),
+                self.geometry,
+            ),
         )
         limits = static_limits(
             deployment,
@@ -423,10 +441,24 @@ def pipeline_config(
     return PipelineConfig(
         tokenizer,
         predictor,
-        RequestLimits(deployment.max_model_len, deployment.max_logprobs, predictor.layout.geometry.vocab_size),
+        RequestLimits(
+            deployment.max_model_len,
+            deployment.max_logprobs,
+            predictor.layout.geometry.vocab_size,
+            max_n_sequences(deployment.runtime.limits_n_sequences),
+        ),
         deployment.runtime.content_format_namespace_aliases,
         workers,
     )
+
+
+def max_n_sequences(limited: bool) -> int | None:
+    """vLLM's VLLM_MAX_N_SEQUENCES for a release that has it: an environment variable of vLLM's
+    process, which kvgate cannot read, so kvgate reads its own (set it on both containers when
+    vLLM's is changed), else vLLM's default."""
+    if not limited:
+        return None
+    return int(os.environ.get("VLLM_MAX_N_SEQUENCES", DEFAULT_MAX_N_SEQUENCES))
 
 
 def engine_flags(settings: Settings) -> EngineFlags:

@@ -15,8 +15,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from kvgate.image_rules import image_tokens_of
 from kvgate.memory.activation import EngineShape, profile_peak_bytes, profile_segment_overhead_bytes
 from kvgate.memory.draft import Drafter
+from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.kv import KVLayout
@@ -25,6 +27,7 @@ from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import v2_penalty_state_bytes
 from kvgate.memory.vllm_runner import VllmRuntime, resolve_runtime
 from kvgate.model_folder import read_model_config, read_sampling_defaults
+from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, MediaOptions, image_kwargs
 from kvgate.predict import Predictor
 from kvgate.speculative import resolve_drafter
 from kvgate.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
@@ -323,9 +326,11 @@ def build_predictor(
     profiled_activation_bytes: int | None = None,
     default_max_tokens: int | None = None,
     outputs: OutputReserver | None = None,
+    encoder: EncoderBudget | None = None,
 ) -> Predictor:
     """The predictor for this deployment; `profiled_activation_bytes` overrides kvgate's own
-    estimate of vLLM's start-up profile when the operator read it off vLLM's log."""
+    estimate of vLLM's start-up profile when the operator read it off vLLM's log; `encoder`:
+    the vision encoder's budgets (encoder_budget), for requests with images."""
     layout = KVLayout(
         geometry=geometry,
         block_size=deployment.block_size,
@@ -346,6 +351,41 @@ def build_predictor(
         default_max_tokens,
         outputs,
         sampling_defaults=deployment.sampling_defaults,
+        encoder=encoder,
+    )
+
+
+def encoder_budget(
+    model_dir: str | None, deployment: Deployment, media: MediaOptions, geometry: ModelGeometry
+) -> EncoderBudget | None:
+    """The vision encoder of the model in `model_dir` as this deployment runs it (in the dtype
+    of the decoder, `geometry`), or None where
+    kvgate reads no tower or counts no images for the family (kvgate/memory/encoder.py).
+
+    M is the processor's largest image (its replacement for an image kvgate cannot see, as
+    vLLM's `get_mm_max_tokens_per_item` takes `get_image_size_with_most_features`); the encoder
+    was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not profiled)."""
+    if model_dir is None:
+        return None
+    try:
+        config = read_model_config(model_dir)
+    except ValueError:
+        return None
+    rule = image_tokens_of(model_dir)
+    tower = VisionTower.from_config(config, geometry.dtype_bytes, geometry.hidden_size)
+    if rule is None or tower is None:
+        return None
+    kwargs = image_kwargs(media.processor_kwargs, None)
+    max_item = rule.configured(kwargs).replacement(None, kwargs).features
+    runtime = deployment.runtime
+    return EncoderBudget.of(
+        tower,
+        max_item,
+        max_num_batched_tokens=deployment.max_num_batched_tokens,
+        max_num_seqs=deployment.max_num_seqs,
+        max_model_len=deployment.max_model_len,
+        items_per_prompt=media.limits.get("image", DEFAULT_LIMIT_PER_PROMPT),
+        profiled=profile_encodes(runtime.runner, runtime.model_version),
     )
 
 

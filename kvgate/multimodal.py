@@ -4,9 +4,10 @@ family's rule (kvgate/image_rules.py), refused with a 400 where kvgate has no ru
 This module finds the media parts of a chat, merges `--mm-processor-kwargs` with the request's
 `mm_processor_kwargs` as vLLM does, reads each image's size from its header (kvgate/media.py),
 and expands each placeholder token into the image's tokens (its features as a stand-in id per
-image, for prefix sharing). Audio and video, and images on a model without a rule, are refused:
-kvgate cannot count what it would pass through. An image by URL is not fetched and counts as the
-largest the processor can make of any image.
+image, for prefix sharing). Audio and video, and images on a model without a rule, are counted by
+the backend's render endpoint where it serves one (kvgate/multimodal_render.py), else refused:
+kvgate never passes through what it has not counted. An image by URL is not fetched and counts as
+the largest the processor can make of any image.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvgate.chat_template import MediaPlaceholder, TokenizationError
 from kvgate.image_rules import RULES, ImageRule, ImageTokens, Replacement
 from kvgate.media import ImageByUrl, ImageSize, data_url_cost, image_url, read_image
+from kvgate.multimodal_render import RenderEndpoint, UncountedMedia, render_chat
 from kvgate.request import ChatInput
 from kvgate.work_budget import charge
 
@@ -44,18 +46,22 @@ class MediaOptions:
 
     processor_kwargs: Mapping[str, Any] = field(default_factory=dict)
     limits: Mapping[str, int] = field(default_factory=dict)
+    render: RenderEndpoint | None = None  # the backend that renders what kvgate has no rule for
 
 
-def media_options(processor_kwargs: Mapping[str, Any] | None, limits: Mapping[str, Any] | None) -> MediaOptions:
+def media_options(
+    processor_kwargs: Mapping[str, Any] | None, limits: Mapping[str, Any] | None, render: RenderEndpoint | None = None
+) -> MediaOptions:
     """From vLLM's flags: `--limit-mm-per-prompt` gives a count per modality, either alone or as
-    {"count": n, ...options for profiling} (vllm/config/multimodal.py MultiModalDummyOptions)."""
+    {"count": n, ...options for profiling} (vllm/config/multimodal.py MultiModalDummyOptions);
+    `render`: the backend's render endpoint, for media kvgate has no rule for."""
     counts = {}
     for modality, value in (limits or {}).items():
         count = value.get("count", DEFAULT_LIMIT_PER_PROMPT) if isinstance(value, Mapping) else value
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count of 0 or more, got {value!r}")
         counts[modality] = count
-    return MediaOptions(dict(processor_kwargs or {}), counts)
+    return MediaOptions(dict(processor_kwargs or {}), counts, render)
 
 
 def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
@@ -149,11 +155,11 @@ def with_placeholders(
                 parts.append(part)
                 continue
             if kind in _OTHER_MEDIA or images is None:
-                raise TokenizationError(
-                    f"kvgate cannot count the prompt tokens of a {kind!r} content part for this "
-                    f"model (config.json model_type {model_type!r}; kvgate counts images of "
-                    f"{', '.join(sorted(RULES))} models, and no audio or video): send text only, "
-                    "or put this request to vLLM without kvgate"
+                raise UncountedMedia(
+                    kind,
+                    model_type,
+                    f"images of {', '.join(sorted(RULES))} models, and no audio or video itself",
+                    "this kvgate has no backend to render it",
                 )
             url = image_url(part)
             if url is None and not isinstance(images, ImageTokens):
@@ -357,7 +363,10 @@ class MediaCounting:
     ) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
         as_text = self._inner.source == "backend"  # /tokenize takes JSON: the placeholder as text
-        text_chat, found = with_placeholders(chat, self._images, self._model_type, as_text)
+        try:
+            text_chat, found = with_placeholders(chat, self._images, self._model_type, as_text)
+        except UncountedMedia as uncounted:
+            return await self._rendered(chat, uncounted, max_tokens)
         rule = self._images
         replacements = (
             await self._replacements(rule, found, chat.mm_processor_kwargs, max_tokens) if rule and found else []
@@ -366,6 +375,15 @@ class MediaCounting:
         if rule is None or not found:
             return ids
         return expand_images(ids, rule, replacements, await self._merges(rule), await self._target(rule))
+
+    async def _rendered(self, chat: ChatInput, uncounted: UncountedMedia, max_tokens: int | None) -> Sequence[int]:
+        """Media kvgate has no rule for, counted by the backend's render endpoint
+        (kvgate/multimodal_render.py), or refused."""
+        if self._options.render is None:
+            raise uncounted
+        ids = await render_chat(self._options.render, chat, uncounted)
+        _refuse_beyond(len(ids), max_tokens)
+        return ids
 
     async def _target(self, rule: ImageRule) -> int:
         """The placeholder's token: config.json's, or where config.json has none (Llama 4's

@@ -192,6 +192,9 @@ UNTRUSTED_TEMPLATE_MESSAGE = (
 )
 
 
+UNTRUSTED_TEMPLATE_CODE = "untrusted_chat_template"
+
+
 def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -227,7 +230,7 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
         reasoning_effort=effort if isinstance(effort, str) else None,
     )
     if chat.carries_template and not trust_request_chat_template:
-        raise InvalidField(UNTRUSTED_TEMPLATE_MESSAGE, "chat_template", code="untrusted_chat_template")
+        raise InvalidField(UNTRUSTED_TEMPLATE_MESSAGE, "chat_template", code=UNTRUSTED_TEMPLATE_CODE)
     return chat
 
 

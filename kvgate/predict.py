@@ -34,6 +34,7 @@ from kvgate.memory.activation import (
 )
 from kvgate.memory.ceiling import Ceiling
 from kvgate.memory.demand import Demand
+from kvgate.memory.encoder import EncoderBudget
 from kvgate.memory.footprint import Footprint, kv_blocks_for, predict_footprint, with_reservation
 from kvgate.memory.kv import KVLayout, PrefixKeys
 from kvgate.memory.outputs import OutputReserver
@@ -113,6 +114,16 @@ class Prediction:
         return self.demand.kv_blocks + sum(fp.max_kv_blocks - fp.kv_blocks for fp in self.footprints)
 
 
+def image_items(ids: Sequence[int]) -> list[int]:
+    """Each image's embeddings in the prompt, in order: kvgate/multimodal.py gives every feature
+    token of one image the same negative stand-in id."""
+    counts: dict[int, int] = {}
+    for token in ids:
+        if token < 0:
+            counts[token] = counts.get(token, 0) + 1
+    return list(counts.values())
+
+
 class Predictor:
     """Memory model settings of one deployment, applied to one request at a time."""
 
@@ -125,8 +136,10 @@ class Predictor:
         default_max_tokens: int | None = None,
         outputs: OutputReserver | None = None,
         sampling_defaults: Mapping[str, float] | None = None,
+        encoder: EncoderBudget | None = None,
     ) -> None:
         self.layout = layout
+        self.encoder = encoder  # the vision encoder's budgets; None: no images charged
         self.sampling_defaults = dict(sampling_defaults or {})  # generation_config.json's
         self.outputs = outputs
         self.engine = engine
@@ -217,6 +230,10 @@ class Predictor:
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), from_text)
             transient, split = self.transient(len(ids), sampling)
+            if self.encoder is not None and ids and min(ids) < 0:
+                images = self.encoder.terms(image_items(ids), split.profiled_prefill)
+                transient = TransientEstimate(transient.terms + tuple(images))
+                split = TransientSplit.of(transient)
             floor = self.min_new_tokens(spec, max_new)
             footprints.append(
                 predict_footprint(

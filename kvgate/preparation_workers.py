@@ -102,7 +102,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
         try:
             with charging(partial(_ask_for_more, conn, limit)):
                 if isinstance(job, PassthroughJob):
-                    check_passthrough_body(job.method, job.path, job.content_type, raw, tokenizer, job.max_model_len)
+                    check_passthrough_body(job.method, job.path, job.content_type, raw, job.max_model_len)
                     prepared = None
                 else:
                     prepared = loop.run_until_complete(

@@ -113,6 +113,13 @@ class RequestLimits:
     max_model_len: int
     max_logprobs: int  # --max-logprobs; -1: the vocabulary
     vocab_size: int
+    # vLLM's VLLM_MAX_N_SEQUENCES (vllm/envs.py, 16,384 unless set, in 0.29.0 and 0.32.0); None:
+    # a release that sets no such limit (kvgate.composition.max_n_sequences).
+    max_n_sequences: int | None = None
+
+
+# vllm/envs.py (0.29.0, 0.32.0): VLLM_MAX_N_SEQUENCES's default.
+DEFAULT_MAX_N_SEQUENCES = 16_384
 
 
 def check_limits(request: ValidRequest, limits: RequestLimits) -> None:
@@ -125,11 +132,23 @@ def check_limits(request: ValidRequest, limits: RequestLimits) -> None:
       what the prompt leaves (vLLM 0.31.0 and 0.32.0 renderers/params.py
       TokenizeParams.__post_init__); /inference/v1/generate and pooling requests take it.
 
-    Both are checked before tokenizing: nothing is rendered or encoded for a request vLLM will
+    - `n` past VLLM_MAX_N_SEQUENCES (vllm/sampling_params.py 0.32.0 `_verify_num_sequences`,
+      from `_verify_args`; it names no parameter). Beam search (`use_beam_search`, whose check
+      names `beam_width`) is not modelled: kvgate reads its `n` as sampled sequences. `n` above 1
+      with temperature 0 (`_verify_greedy_sampling`'s 400) is not checked: it is forwarded and
+      vLLM refuses it, its reservation released with the answer (kvgate's memory-model tests
+      use such rows as a batch of greedy rows).
+
+    All are checked before tokenizing: nothing is rendered or encoded for a request vLLM will
     refuse whatever its prompt. (vLLM itself builds SamplingParams after rendering: a request that
     asks for too many logprobs and also has malformed messages hears about its messages from
     vLLM, about its logprobs from kvgate. Either way it is a 400.)"""
     sampling = request.sampling
+    if limits.max_n_sequences is not None and sampling.n > limits.max_n_sequences:
+        raise VllmRefusal(
+            f"n must be at most {limits.max_n_sequences}, got {sampling.n}. To increase this limit, set "
+            "the VLLM_MAX_N_SEQUENCES environment variable."
+        )
     vocab = limits.vocab_size
     allowed = vocab if limits.max_logprobs == -1 else limits.max_logprobs
     for name, kind, asked in (

@@ -42,6 +42,7 @@ Route = Literal[
     "classify",
     "score",
     "rerank",
+    "tokenize",
 ]
 
 # Path -> route, for every POST path of vLLM 0.32.0 that kvgate gates (docs/routes.md says which
@@ -111,6 +112,8 @@ def translate(route: Route, body: dict[str, Any]) -> Translated:
         return _scoring(route, body)
     if route in ("embeddings", "pooling", "classify"):
         return _pooling(body)
+    if route == "tokenize":
+        return _tokenize(body)
     raise AssertionError(f"route {route} is dispatched by its caller")
 
 
@@ -395,6 +398,35 @@ def _generate(body: dict[str, Any]) -> Translated:
     out = params | _common(body) | {"prompt": body["token_ids"]}
     out.pop("echo", None)
     return Translated("completions", out, "engine", context_caps_output=True, renames=(("prompt", "token_ids"),))
+
+
+# ---------------------------------------------------------------- /tokenize (passed through, bounded)
+
+
+def _tokenize(body: dict[str, Any]) -> Translated:
+    """A /tokenize body as the prompt vLLM 0.32.0 renders and tokenizes for it
+    (vllm/entrypoints/serve/tokenize/protocol.py): TokenizeCompletionRequest's `prompt` (one
+    string, add_special_tokens default true) or TokenizeChatRequest's `messages`, rendered as a
+    chat completion's (add_generation_prompt default true, add_special_tokens default false,
+    `tools`, the request's own template). Not gated: kvgate prepares it only to bound the work it
+    forwards (kvgate/passthrough_body.py), read as a prefill-only request that asks for no output."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):  # pydantic's smart union takes the chat form when it validates
+        special = {"add_special_tokens": body["add_special_tokens"]} if "add_special_tokens" in body else {}
+        return Translated("completions", _common(body) | special | {"prompt": body.get("prompt")}, "pooling")
+    chat = {name: body[name] for name in _TOKENIZE_CHAT if name in body}
+    return Translated("chat", _common(body) | chat | {"messages": messages}, "pooling")
+
+
+_TOKENIZE_CHAT = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "mm_processor_kwargs",
+)
 
 
 # ---------------------------------------------------------------- pooling: embeddings, pooling, classify, score, rerank

@@ -213,6 +213,9 @@ class VllmRuntime:
     # The chat template's content format follows namespace aliases of `messages`
     # (CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE).
     content_format_namespace_aliases: bool = False
+    # SamplingParams refuses `n` past VLLM_MAX_N_SEQUENCES (N_SEQUENCES_LIMITED_SINCE; an unknown
+    # version is taken to).
+    limits_n_sequences: bool = True
 
     def labels(self) -> dict[str, str]:
         return {
@@ -234,6 +237,9 @@ TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE = Version("0.33.0")
 # content format ("string" or "openai"); 0.32.0 hf.py:364-385 follows plain names only
 # (kvgate.chat_template._assigned_aliases). An unknown version keeps 0.32.0's rule.
 CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE = Version("0.33.0")
+# vllm/envs.py VLLM_MAX_N_SEQUENCES, read by sampling_params.py `_verify_num_sequences`: present in
+# the 0.29.0 and 0.32.0 sources read; not looked for in earlier releases (taken to have no limit).
+N_SEQUENCES_LIMITED_SINCE = Version("0.29.0")
 
 
 def refuses_max_tokens_past_context(version: str | None) -> bool:
@@ -335,4 +341,5 @@ def resolve_runtime(
         logprobs_mode in PROCESSED_LOGPROBS_MODES,
         Version(known) >= TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE,
         Version(known) >= CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE,
+        Version(known) >= N_SEQUENCES_LIMITED_SINCE,
     )

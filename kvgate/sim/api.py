@@ -6,15 +6,17 @@ as `code`.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from kvgate.sim.request import Sampling
 from kvgate.sim.tokens import Tokenizer
+from kvgate.sim.vision import ImageError, Item, VisionTower, png_size
 
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -49,6 +51,7 @@ class Parsed:
     include_usage: bool
     echo_model: str
     cache_salt: str | None = None
+    mm_items: list[Item] = field(default_factory=list)  # its images' tokens in the prompt
 
 
 def _num(body: dict[str, Any], key: str, default: float) -> float:
@@ -69,6 +72,7 @@ def parse(
     max_model_len: int,
     max_logprobs: int = 20,
     clamps_max_tokens: bool = False,
+    vision: VisionTower | None = None,
 ) -> Parsed:
     """Validate and tokenize; raises SimApiError (400/404) as vLLM would. `clamps_max_tokens`:
     the release cuts max_tokens to the context the prompt leaves (Flavor.clamps_max_tokens)
@@ -81,7 +85,9 @@ def parse(
         if not isinstance(messages, list) or not messages:
             raise SimApiError(400, "messages must be a non-empty list", "messages")
         ids = tok.encode(tok.chat_prompt(messages, True), add_special_tokens=False)
+        ids, items = _expand_images(messages, ids, vision)
     else:
+        items = []
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -158,7 +164,51 @@ def parse(
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise SimApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-    return Parsed(chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served, salt)
+    return Parsed(
+        chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served, salt, items
+    )
+
+
+def _image_id(url: str) -> int:
+    """The id an image's tokens take in the simulator's prompt: negative, one per image, so that
+    prompt blocks holding different images never share a prefix-cache hash (vLLM mixes each
+    image's hash into its blocks' hashes: v1/core/kv_cache_utils.py `_gen_mm_extra_hash_keys`)."""
+    return -1 - int.from_bytes(hashlib.blake2b(url.encode(), digest_size=6).digest(), "big")
+
+
+def _expand_images(messages: list[Any], ids: list[int], vision: VisionTower | None) -> tuple[list[int], list[Item]]:
+    """Each image's placeholder token becomes its tokens (kvgate/sim/vision.py), a stand-in id
+    per image (`_image_id`)."""
+    urls = [
+        part.get("image_url", {}).get("url", "") if isinstance(part.get("image_url"), dict) else ""
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+        for part in m["content"]
+        if isinstance(part, dict) and part.get("type") == "image_url"
+    ]
+    if not urls:
+        return ids, []
+    if vision is None:
+        raise SimApiError(400, "This model does not take images.", "messages")
+    try:
+        sizes = [vision.embeddings(*png_size(url)) for url in urls]
+    except ImageError as exc:
+        raise SimApiError(400, str(exc), "messages") from None
+    out: list[int] = []
+    items: list[Item] = []
+    images = iter(zip(sizes, urls, strict=True))
+    for token in ids:
+        if token != vision.image_token_id:
+            out.append(token)
+            continue
+        length, url = next(images, (None, ""))
+        if length is None:
+            raise SimApiError(400, "more image placeholders than images", "messages")
+        items.append(Item(len(out), length))
+        out += [_image_id(url)] * length
+    if len(items) != len(sizes):
+        raise SimApiError(400, f"{len(sizes)} images but {len(items)} placeholders", "messages")
+    return out, items
 
 
 def _check_logprobs(value: object, key: str, max_logprobs: int, vocab_size: int) -> None:

@@ -84,6 +84,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="device memory held before the profile (outside the budget, vLLM >= 0.7)",
     )
+    for name, what in (
+        ("reqs", "unfinished requests (one per sequence)"),
+        ("tokens", "prompt tokens still prefilling"),
+    ):
+        p.add_argument(
+            f"--max-num-queued-{name}",
+            type=int,
+            default=None,
+            help=f"vLLM 0.32.0's API-server admission: 503 past this many {what} (default: no limit)",
+        )
     p.add_argument("--cotenant", action="append", type=_cotenant, default=[], metavar="NAME:BYTES[:START[:END]]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per second")

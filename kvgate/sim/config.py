@@ -32,6 +32,11 @@ class SimConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # vLLM's API-server admission (0.32.0: --max-num-queued-reqs, --max-num-queued-tokens; None:
+    # no limit): a request over either is refused 503 before it reaches the engine (engine.py
+    # `Engine.queue_refusal`).
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
     block_size: int | None = None
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0

@@ -27,11 +27,19 @@ from kvgate.sim.request import Request, Status
 from kvgate.sim.scheduler import Scheduler, SchedulerOutput
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.sim.timing import StepTimer, now
+from kvgate.sim.vision import EncoderCache, EncoderScheduling, encoder_budget
 
 log = logging.getLogger("kvgate.sim")
 
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 PROCESS = "vllm"
+# vLLM 0.32.0 vllm/exceptions.py QueueOverflowError and MaxQueuedTokensError, word for word.
+QUEUE_OVERFLOW_MESSAGE = (
+    "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
+)
+QUEUED_TOKENS_MESSAGE = (
+    "The engine has reached its prefill token backlog limit. Please try again later or on a different instance."
+)
 
 Sampler = Callable[[Request], tuple[int, bool]]  # -> (token id, is end of sequence)
 
@@ -82,6 +90,10 @@ class Engine:
         for line in rep.log:
             self._log(logging.INFO, line)
         self.steps, self.draft_steps = startup.step_memories(r)
+        self.encoder = None
+        if self.model.vision is not None:
+            budget = encoder_budget(self.model.vision, r.max_num_batched_tokens)
+            self.encoder = EncoderScheduling(EncoderCache(self.alloc, budget), budget)
         self.kv = KVCacheManager(
             BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching), r.block_size, r.layout.groups
         )
@@ -92,6 +104,7 @@ class Engine:
             r.max_model_len,
             self.cfg.long_prefill_token_threshold,
             r.num_speculative_tokens,
+            self.encoder,
         )
         self.timer = StepTimer(rep.weights, self.cfg.speedup)
         self.metrics = SimMetrics(
@@ -157,6 +170,31 @@ class Engine:
         self._gauges()
         self._wake.set()
 
+    def queue_refusal(self, n: int) -> str | None:
+        """vLLM's waiting-queue admission, or None to admit a request of `n` sequences.
+
+        vLLM 0.32.0 vllm/v1/engine/async_llm.py `AsyncLLM.check_admission` (called by
+        vllm/entrypoints/generate/base/serving.py `_preflight` before a response starts, and by
+        `add_request` with the request's n): refused when the unfinished requests (waiting and
+        running, one per sequence: `OutputProcessor.request_states`) plus n would pass
+        --max-num-queued-reqs (QueueOverflowError), or when the prompt tokens of the requests
+        still prefilling (`get_num_queued_tokens`: each one's whole prompt_len until its first
+        output) are already at --max-num-queued-tokens (MaxQueuedTokensError). Both are
+        GracefulHTTPErrors: HTTP 503, type "Service Unavailable" (vllm/exceptions.py,
+        vllm/entrypoints/serve/exception_handling/error_response.py `create_error_response`).
+        """
+        most_reqs, most_tokens = self.cfg.max_num_queued_reqs, self.cfg.max_num_queued_tokens
+        sched = self.scheduler
+        if most_reqs is not None and len(sched.waiting) + len(sched.running) + n > most_reqs:
+            return QUEUE_OVERFLOW_MESSAGE
+        if most_tokens is not None:
+            prefilling = sum(
+                r.num_prompt_tokens for q in (sched.waiting, sched.running) for r in q if not r.output_token_ids
+            )
+            if prefilling >= most_tokens:
+                return QUEUED_TOKENS_MESSAGE
+        return None
+
     def abort(self, req: Request) -> None:
         if self.ready and req.status != Status.FINISHED:
             self.scheduler.abort(req)
@@ -178,6 +216,7 @@ class Engine:
             return
         try:
             self.carry.start_step([s.request for s in out.scheduled])
+            self._encode(out)
             shape = self.shape(out)
             self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(shape), self.carry.held))
             if self.draft_steps:  # its proposals go straight to the next step's input ids
@@ -192,6 +231,26 @@ class Engine:
         self.sim_clock += self.timer.sim_seconds(out.num_tokens, context)
         if self.ready:
             self._update(out, start)
+
+    def _encode(self, out: SchedulerOutput) -> None:
+        """The step's encoder call over the images the scheduler gave it (before the decoder's
+        forward, v1/worker/gpu_model_runner.py `execute_model`): freeable entries evicted for
+        room first, then the tower's activations, its outputs kept in the encoder cache."""
+        encoder = self.encoder
+        if encoder is None or not encoder.to_encode or self.model.vision is None:
+            return
+        scheduled = {s.request.request_id: s.request for s in out.scheduled}
+        keys, items = [], []
+        for request_id, indices in encoder.to_encode.items():
+            if (req := scheduled.get(request_id)) is not None:
+                keys += [(request_id, i) for i in indices]
+                items += [req.mm_items[i].length for i in indices]
+        if not items:
+            return
+        encoder.cache.make_room(sum(items))
+        outputs = run_tape(self.alloc, self.model.vision.encode_tape(items))
+        for key, length, block in zip(keys, items, outputs, strict=True):
+            encoder.cache.add(key, length, block)
 
     @staticmethod
     def shape(out: SchedulerOutput) -> StepShape:
@@ -236,6 +295,10 @@ class Engine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = start
             req.num_computed_tokens += s.num_new_tokens
+            if self.encoder is not None:
+                for i, item in enumerate(req.mm_items):  # _free_encoder_inputs: the prompt has it
+                    if item.start + item.length <= req.num_computed_tokens:
+                        self.encoder.cache.release((req.request_id, i))
             if req.num_computed_tokens < req.num_tokens:
                 continue
             token, eos = self.sampler(req)

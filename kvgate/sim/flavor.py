@@ -191,6 +191,16 @@ class Flavor:
         return self.version >= (0, 32, 0)
 
     @property
+    def profiles_encoder(self) -> bool:
+        """Whether the start-up profile runs a multimodal model's vision encoder on its largest
+        dummy images and holds their outputs through the decoder's dummy step: V1 always
+        (v1/worker/gpu_model_runner.py `profile_run`); V2 from 0.28.0 (v1/worker/gpu/
+        model_runner.py `profile_run` -> mm/encoder_runner.py `profile_encoder_cache`, read in
+        0.28.0, 0.29.0, 0.31.0 - 0.33.0). V2's `profile_run` in 0.25.0 and 0.26.0 runs the
+        decoder's dummy step alone (0.27 unread: as 0.26)."""
+        return not self.v2 or self.version >= (0, 28, 0)
+
+    @property
     def profiles_sampler_warmup(self) -> bool:
         """vLLM 0.33.0's V2 `_dummy_sampler_run` (v1/worker/gpu/model_runner.py:993-1015) samples
         the profile's rows a second time with `SamplingParams.for_sampler_warmup()` (temperature

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvgate.sim.presets import model_config
+from kvgate.sim.presets import model_config, processor_config
+from kvgate.sim.vision import VisionTower, read_tower
 
 LayerKind = Literal["full", "sliding", "chunked", "mla", "mamba", "none"]
 MlpKind = Literal["dense", "moe", "relu2", "none"]
@@ -136,6 +137,7 @@ class SimModel:
     tie_word_embeddings: bool = False
     extra_parameters: int = 0  # vision tower and projector of a multimodal checkpoint
     architectures: tuple[str, ...] = ()  # config.json's, which vLLM's runner rule reads
+    vision: VisionTower | None = None  # a Qwen-VL vision encoder (kvgate/sim/vision.py)
 
     @property
     def is_mla(self) -> bool:
@@ -193,18 +195,21 @@ class SimModel:
 
 # ----- reading config.json ----------------------------------------------------------------------
 def load_model(spec: str, dtype: str = "auto") -> SimModel:
-    """A preset name (kvgate/sim/presets.py) or a folder holding config.json."""
+    """A preset name (kvgate/sim/presets.py) or a folder holding config.json (and, for a
+    vision model, preprocessor_config.json)."""
     folder = Path(spec)
     if folder.is_dir():
         file = folder / "config.json"
         try:
             config = json.loads(file.read_text())
+            processor_file = folder / "preprocessor_config.json"
+            processor = json.loads(processor_file.read_text()) if processor_file.is_file() else {}
         except FileNotFoundError:
             raise ModelConfigError(f"no config.json in {spec}") from None
         except json.JSONDecodeError as exc:
             raise ModelConfigError(f"{file} is not valid JSON: {exc}") from None
-        return read_config(config, spec, dtype)
-    return read_config(model_config(spec), spec, dtype)
+        return read_config(config, spec, dtype, processor)
+    return read_config(model_config(spec), spec, dtype, processor_config(spec))
 
 
 def _auto_config(config: dict[str, Any]) -> Any:
@@ -232,8 +237,11 @@ def resolve_dtype(config_dtype: object, requested: str = "auto") -> int:
     return _DTYPE_BYTES[name]
 
 
-def read_config(config: dict[str, Any], name: str, dtype: str = "auto") -> SimModel:
-    """Read a Hugging Face config dict (plain, or multimodal with a text config)."""
+def read_config(
+    config: dict[str, Any], name: str, dtype: str = "auto", processor: dict[str, Any] | None = None
+) -> SimModel:
+    """Read a Hugging Face config dict (plain, or multimodal with a text config; `processor`:
+    its preprocessor_config.json)."""
     outer = _auto_config(config)
     text = outer.get_text_config()
 
@@ -281,6 +289,7 @@ def read_config(config: dict[str, Any], name: str, dtype: str = "auto") -> SimMo
         tie_word_embeddings=bool(_attr(outer, "tie_word_embeddings", False) or get("tie_word_embeddings", False)),
         extra_parameters=_vision_parameters(outer, hidden),
         architectures=tuple(str(a) for a in config.get("architectures") or ()),
+        vision=read_tower(config, processor or {}, resolve_dtype(config_dtype, dtype)),
     )
 
 
@@ -373,7 +382,7 @@ def _vision_parameters(outer: Any, text_hidden: int) -> int:
     vision = _attr(outer, "vision_config")
     if vision is None:
         return 0
-    h = int(vision.hidden_size)
-    layers = int(_attr(vision, "num_hidden_layers", 0))
+    h = int(_attr(vision, "embed_dim") or vision.hidden_size)  # Qwen2-VL's hidden_size is the merger's
+    layers = int(_attr(vision, "num_hidden_layers") or _attr(vision, "depth", 0))
     inter = int(_attr(vision, "intermediate_size", 4 * h))
     return layers * (4 * h * h + 2 * h * inter) + h * text_hidden + text_hidden * text_hidden

@@ -111,6 +111,47 @@ MODELS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
     },
+    # Qwen/Qwen2.5-VL-7B-Instruct
+    "qwen2.5-vl-7b": {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 128000,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "vision_start_token_id": 151652,
+        "vision_end_token_id": 151653,
+        "image_token_id": 151655,
+        "video_token_id": 151656,
+        "vision_config": {
+            "depth": 32,
+            "hidden_act": "silu",
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "num_heads": 16,
+            "in_chans": 3,
+            "out_hidden_size": 3584,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "spatial_patch_size": 14,
+            "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "tokens_per_second": 2,
+            "temporal_patch_size": 2,
+        },
+    },
     "tiny-llama": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -127,6 +168,26 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+# preprocessor_config.json of the presets that take images (Qwen/Qwen2.5-VL-7B-Instruct's).
+PROCESSORS: dict[str, dict[str, Any]] = {
+    "qwen2.5-vl-7b": {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    },
+}
+
+
+def processor_config(name: str) -> dict[str, Any]:
+    """A preset's preprocessor_config.json ({} for a model without images)."""
+    return dict(PROCESSORS.get(name.lower(), {}))
+
+
 def model_config(name: str) -> dict[str, Any]:
     """A copy of a preset's config.json, or KeyError naming the presets."""
     key = name.lower()
@@ -136,7 +197,8 @@ def model_config(name: str) -> dict[str, Any]:
 
 
 def write_model_folder(name: str, folder: str | Path) -> Path:
-    """Write a preset's config.json into `folder` (created) and return the folder.
+    """Write a preset's config.json (and preprocessor_config.json) into `folder` (created) and
+    return the folder.
 
     kvgate's `--model` wants a folder with config.json; without tokenizer files it counts tokens
     through the backend's `/tokenize`, which the simulator serves with its stand-in tokenizer.
@@ -144,6 +206,8 @@ def write_model_folder(name: str, folder: str | Path) -> Path:
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(model_config(name), indent=2) + "\n")
+    if processor := processor_config(name):
+        (path / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return path
 
 

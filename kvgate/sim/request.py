@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.sim.vision import Item
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -63,6 +65,7 @@ class Request:
     sink: Callable[[str, Any], None] = lambda kind, data: None
     stream_seed: int = 0  # picks the deterministic output text
     cache_salt: str | None = None  # an extra key of its first KV block's hash (kvgate/sim/blocks.py)
+    mm_items: list[Item] = field(default_factory=list)  # its images' tokens (kvgate/sim/vision.py)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING

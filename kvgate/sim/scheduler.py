@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvgate.sim.blocks import KVCacheManager
 from kvgate.sim.request import Request, Status
+from kvgate.sim.vision import EncoderScheduling
 
 
 @dataclass
@@ -57,8 +58,10 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
         num_speculative_tokens: int = 0,
+        encoder: EncoderScheduling | None = None,
     ) -> None:
         self.kv = kv
+        self.encoder = encoder  # a multimodal model's encoder budget and cache (kvgate/sim/vision.py)
         self.num_speculative_tokens = num_speculative_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -78,12 +81,24 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.forget(req.request_id)
+        self._release_images(req)
         req.status = Status.FINISHED
 
     def finish(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.forget(req.request_id)
+        self._release_images(req)
         req.status = Status.FINISHED
+
+    def _release_images(self, req: Request) -> None:
+        if self.encoder is not None and req.mm_items:
+            self.encoder.cache.release_request(req.request_id)
+
+    def _fit_images(self, req: Request, computed: int, n: int) -> int:
+        """The chunk cut before an image the step's encoder budget or cache cannot take."""
+        if self.encoder is None or not req.mm_items or computed >= req.num_prompt_tokens:
+            return n
+        return self.encoder.fit(req.request_id, req.mm_items, computed, n)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,11 +111,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.encoder is not None:
+            self.encoder.start_step()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            n = self._chunk(remaining, budget)
+            n = self._fit_images(req, req.num_computed_tokens, self._chunk(remaining, budget))
+            if not n:  # its next image waits for the encoder's budget or cache
+                i += 1
+                continue
             drafts = (
                 min(self.num_speculative_tokens, budget - n, self.max_model_len - req.num_tokens)
                 if remaining == 1
@@ -130,6 +150,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
+        self._release_images(req)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -147,7 +168,9 @@ class Scheduler:
             self.prefix.queries += len(tokens)
             self.prefix.hits += len(hit) * self.kv.block_size
             cached = len(hit) * self.kv.block_size
-            n = self._chunk(len(tokens) - cached, budget)
+            n = self._fit_images(req, cached, self._chunk(len(tokens) - cached, budget))
+            if not n:
+                break
             if not self.kv.allocate_slots(req.request_id, tokens, 0, n, hit, req.cache_salt):
                 self.prefix.queries -= len(tokens)
                 self.prefix.hits -= cached

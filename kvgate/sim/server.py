@@ -35,6 +35,7 @@ from kvgate.sim.presets import gpu_total_bytes
 from kvgate.sim.request import Request
 from kvgate.sim.timing import now
 from kvgate.sim.tokens import TextModel, load_tokenizer
+from kvgate.sim.vision import IMAGE_PAD
 
 _UNAVAILABLE = "The simulated vLLM engine is down (restarting after a fatal error)."
 
@@ -43,7 +44,7 @@ def create_sim_app(config: SimConfig) -> FastAPI:
     """Build the simulator: device, engine (started now), tokenizer, routes."""
     model = load_model(config.model, config.dtype)
     name = config.served_model_name or config.model
-    tok = load_tokenizer(config.model, model.vocab)
+    tok = load_tokenizer(config.model, model.vocab, {IMAGE_PAD: model.vision.image_token_id} if model.vision else None)
     device = Device(gpu_total_bytes(config.gpu))
     engine = Engine(config, model, device, TextModel(tok, config.seed), name)
     engine.apply_cotenants()
@@ -126,11 +127,15 @@ def create_sim_app(config: SimConfig) -> FastAPI:
                 max_model_len=engine.resolved.max_model_len,
                 max_logprobs=config.max_logprobs,
                 clamps_max_tokens=engine.resolved.flavor.clamps_max_tokens,
+                vision=model.vision,
             )
         except SimApiError as exc:
             return exc.response()
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
             return SimApiError(400, f"Invalid request body: {exc}").response()
+        if refusal := engine.queue_refusal(p.n):
+            body = {"error": {"message": refusal, "type": "Service Unavailable", "param": None, "code": 503}}
+            return JSONResponse(body, status_code=503)
         run = RequestRun(engine, p)
         if p.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
@@ -269,6 +274,7 @@ class RequestRun:
                 sink=functools.partial(self._put, i),
                 stream_seed=seed,
                 cache_salt=p.cache_salt,
+                mm_items=p.mm_items,
             )
             self.reqs.append(req)
             engine.add(req)

@@ -38,6 +38,7 @@ from kvgate.sim.step_memory import (
     StepShape,
     run_tape,
 )
+from kvgate.sim.vision import profile_items
 from kvgate.units import GiB, MiB
 from kvgate.vllm_flags import attention_backend
 
@@ -286,6 +287,15 @@ def native_sampler_warmup(r: Resolved) -> StepShape | None:
     return sampler_warmup_shape(r, seeded=True)
 
 
+def encoder_profile(r: Resolved) -> list[tuple[str, str, int]]:
+    """The profile's encoder call on its largest dummy images, where the release makes one
+    (Flavor.profiles_encoder; kvgate/sim/vision.py)."""
+    tower = r.model.vision
+    if tower is None or not r.flavor.profiles_encoder:
+        return []
+    return tower.encode_tape(profile_items(tower, r.max_num_batched_tokens, r.max_num_seqs, r.max_model_len))
+
+
 def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocator) -> tuple[Resolved, StartupReport]:
     """Bring the engine up on `device`; raises StartupError with vLLM's message on failure."""
     total = device.total
@@ -316,7 +326,10 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
         before = alloc.allocated()
         if triton := triton_buffer_bytes(r):
             alloc.malloc(triton)  # cached by the profile's top-k/top-p, kept for good
+        encoded = run_tape(alloc, encoder_profile(r))  # the dummy images' outputs, held
         run_tape(alloc, steps.plan(profile_shape(r)))
+        for block in encoded:
+            alloc.free(block)
         if (native := native_sampler_warmup(r)) is not None:
             run_tape(alloc, steps.plan(native))
         if draft_steps:

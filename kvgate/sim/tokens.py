@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvgate.sim.request import Request
+from kvgate.sim.vision import PLACEHOLDER as IMAGE_PLACEHOLDER
 
 _PIECE = re.compile(r" ?[A-Za-z]{1,6}| ?\d{1,3}| ?[^\sA-Za-z\d]|\s")
 _SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
@@ -201,10 +202,14 @@ class StandInTokenizer:
 
     bos_token_id, eos_token_id = 1, 2
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, specials: dict[str, int] | None = None) -> None:
         self.vocab_size = vocab_size
         self._pieces: dict[int, str] = dict(enumerate(_SPECIALS))
         self._ids: dict[str, int] = {}  # pieces repeat: hash each once (a busy benchmark's hot path)
+        # The model's own special tokens (a vision model's image placeholder), one id each.
+        self._specials = {**{s: i for i, s in enumerate(_SPECIALS[1:3], 1)}, **(specials or {})}
+        self._pieces.update({i: s for s, i in self._specials.items()})
+        self._split = re.compile("(" + "|".join(map(re.escape, self._specials)) + ")")
 
     def _id(self, piece: str) -> int:
         i = self._ids.get(piece)
@@ -215,11 +220,11 @@ class StandInTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
-        for special in re.split(r"(<s>|</s>)", text):
-            if special in ("<s>", "</s>"):
-                ids.append(_SPECIALS.index(special))
+        for piece in self._split.split(text):
+            if piece in self._specials:
+                ids.append(self._specials[piece])
                 continue
-            ids.extend(map(self._id, _PIECE.findall(special)))
+            ids.extend(map(self._id, _PIECE.findall(piece)))
         return ids
 
     def token_strs(self, ids: list[int]) -> list[str]:
@@ -259,18 +264,22 @@ class HFTokenizer:
 
 
 def _content(m: dict[str, Any]) -> str:
+    """A message's text; an image part is the Qwen-VL placeholder, as Qwen's template writes it."""
     c = m.get("content") or ""
     if isinstance(c, list):
-        return "".join(p.get("text", "") for p in c if isinstance(p, dict))
+        return "".join(
+            IMAGE_PLACEHOLDER if p.get("type") == "image_url" else p.get("text", "") for p in c if isinstance(p, dict)
+        )
     return str(c)
 
 
-def load_tokenizer(model: str, vocab_size: int) -> Tokenizer:
-    """The folder's tokenizer if `model` is a folder with one, else the stand-in."""
+def load_tokenizer(model: str, vocab_size: int, specials: dict[str, int] | None = None) -> Tokenizer:
+    """The folder's tokenizer if `model` is a folder with one, else the stand-in (with the
+    model's `specials`)."""
     folder = Path(model)
     if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return HFTokenizer(folder)
-    return StandInTokenizer(vocab_size)
+    return StandInTokenizer(vocab_size, specials)
 
 
 class TextModel:

@@ -36,7 +36,7 @@ def test_quick_bench_at_a_tiny_size(tmp_path: Path) -> None:
     assert res["command"].startswith("python -m bench")
 
     rows = res["safety"]
-    assert {r["arm"] for r in rows} == {"none", "static-cap", "saturation", "kvgate", "oracle"}
+    assert {r["arm"] for r in rows} == {"none", "static-cap", "saturation", "vllm-queue", "kvgate", "oracle"}
     for r in rows:
         assert r.keys() >= SAFETY_KEYS, r
         assert r["scenario"] == "S3"

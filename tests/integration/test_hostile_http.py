@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvgate.errors import InvalidText, TooManyJsonValues
+from kvgate.errors import InvalidField, InvalidText, TooManyJsonValues
 from kvgate.passthrough_body import check_passthrough_body
 from support.fake_backend import FakeBackend
 from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty
@@ -287,7 +287,9 @@ def test_forwarding_headers_are_set_by_kvgate_not_the_client(kvgate: KvgateServe
 def test_a_tokenize_prompt_longer_than_any_context_is_refused_before_the_backend(kvgate: KvgateServer) -> None:
     """Issue 28: a 30 MiB /tokenize body cost vLLM's API server 15.9 s. A prompt certainly longer
     than max_model_len is refused like a completion's (the scripted backend would answer 200)."""
-    long = httpx.post(kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "prompt": "word " * 180_000})
+    long = httpx.post(
+        kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "prompt": "word " * 180_000}, timeout=60
+    )
     assert long.status_code == 400, long.text
     assert long.json()["error"]["param"] == "input_tokens"  # as vLLM's context-length refusal names it
     assert "maximum context length is 1024 tokens" in long.json()["error"]["message"]
@@ -298,19 +300,53 @@ def test_a_tokenize_prompt_longer_than_any_context_is_refused_before_the_backend
     assert too_big.status_code == 413
 
 
+def test_a_chat_form_tokenize_is_rendered_under_the_gated_bounds_before_the_backend(
+    kvgate: KvgateServer, backend: FakeBackend
+) -> None:
+    """Issue 28: 160,000 /tokenize messages took the simulator 49.5 s to render. A chat-form
+    /tokenize is prepared as a gated chat is (in a worker past 64 values): one whose rendering is
+    certainly longer than max_model_len is refused with the context-length body, never forwarded;
+    a short one, an empty one and a malformed one (vLLM's to answer) are forwarded."""
+    calls = backend.tokenize_calls
+    messages = [{"role": "user", "content": "hello there"}] * 20_000
+    long = httpx.post(kvgate.base_url + "/tokenize", json={"model": "tiny-llama", "messages": messages}, timeout=60)
+    assert long.status_code == 400, long.text
+    assert long.json()["error"]["param"] == "input_tokens"
+    assert "maximum context length is 1024 tokens" in long.json()["error"]["message"]
+    many = httpx.post(kvgate.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "x"}] * 40})
+    assert many.status_code == 200, many.text
+    for body in (
+        {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False},
+        {"messages": []},  # kvgate's parse refuses it, vLLM renders it: vLLM's to answer
+        {"messages": "hi"},  # malformed: vLLM's 400, in its words
+        # both forms: pydantic's smart union (vLLM 0.32.0's TokenizeRequest) takes the chat form
+        {"messages": [{"role": "user", "content": "hi"}], "prompt": "word " * 180_000},
+    ):
+        assert httpx.post(kvgate.base_url + "/tokenize", json=body).status_code == 200
+    untrusted = httpx.post(
+        kvgate.base_url + "/tokenize",
+        json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"},
+    )
+    assert untrusted.status_code == 400
+    assert untrusted.json()["error"]["code"] == "untrusted_chat_template"
+    assert backend.tokenize_calls == calls + 5
+    assert_ledger_empty(kvgate)
+
+
 def test_a_detokenize_body_is_held_to_the_json_value_limit() -> None:
     """(Unit level: the module's server takes 1 MB bodies, and 500,000 ids need more.)"""
-    check_passthrough_body(
-        "POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 499_999 + b"1]}", None, None
-    )
+    check_passthrough_body("POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 499_999 + b"1]}")
     with pytest.raises(TooManyJsonValues):
-        check_passthrough_body(
-            "POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 500_000 + b"1]}", None, None
-        )
+        check_passthrough_body("POST", "/detokenize", "application/json", b'{"tokens": [' + b"1," * 500_000 + b"1]}")
+    # more ids than max_model_len: no request of the model holds them (vLLM would decode them all)
+    check_passthrough_body("POST", "/detokenize", None, b'{"tokens": [' + b"1," * 1023 + b"1]}", 1024)
+    with pytest.raises(InvalidField) as too_long:
+        check_passthrough_body("POST", "/detokenize", None, b'{"tokens": [' + b"1," * 1024 + b"1]}", 1024)
+    assert (too_long.value.param, too_long.value.code) == ("tokens", "detokenize_too_long")
     with pytest.raises(InvalidText):  # any pass-through JSON body: invalid text is a 400 naming the field
-        check_passthrough_body("POST", "/v1/load_lora_adapter", None, b'{"lora_name": "a\xed\xa0\x80"}', None, None)
+        check_passthrough_body("POST", "/v1/load_lora_adapter", None, b'{"lora_name": "a\xed\xa0\x80"}')
     # not JSON by FastAPI's rule: the backend's to judge
-    check_passthrough_body("POST", "/v1/audio/transcriptions", "multipart/form-data; boundary=x", b"\xff", None, None)
+    check_passthrough_body("POST", "/v1/audio/transcriptions", "multipart/form-data; boundary=x", b"\xff")
 
 
 def test_connection_named_headers_dropped_and_forwarded_for_appended(

@@ -482,6 +482,9 @@ VLLM_REFUSALS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 4}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2000}),
+    # n past VLLM_MAX_N_SEQUENCES (16,384): vLLM's 400, not an admission of 16,385 sequences
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "n": 16_385}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 20_000}),
     ("/v1/completions", {"model": "nope", "prompt": "hi", "max_tokens": 4}),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
 ]

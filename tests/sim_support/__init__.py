@@ -12,6 +12,7 @@ from kvgate.sim.model import load_model
 from kvgate.sim.presets import gpu_total_bytes
 from kvgate.sim.request import Request, Sampling
 from kvgate.sim.tokens import StandInTokenizer, TextModel
+from kvgate.sim.vision import Item
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Job:
     count: int = 1
     n: int = 1
     shared_prefix: int = 0
+    image: int = 0  # the image tokens of one image at the prompt's start (a vision model's)
 
 
 @dataclass
@@ -66,8 +68,17 @@ async def _play(
     for job in jobs:
         for _ in range(job.count):
             ids = prompt(k, job.prompt_len, job.shared_prefix)
+            items = []
+            if job.image:
+                assert engine.model.vision is not None
+                ids[4 : 4 + job.image] = [engine.model.vision.image_token_id] * job.image
+                items = [Item(4, job.image)]
             for j in range(job.n):
-                engine.add(Request(f"r{k}-{j}", list(ids), job.sampling, 0.0, sink=sink, stream_seed=k * 31 + j))
+                engine.add(
+                    Request(
+                        f"r{k}-{j}", list(ids), job.sampling, 0.0, sink=sink, stream_seed=k * 31 + j, mm_items=items
+                    )
+                )
             k += 1
     while engine.ready and engine.scheduler.has_work() and out.steps < max_steps:
         if cotenant_after_steps and out.steps == cotenant_after_steps[0]:

@@ -57,6 +57,7 @@ class FakeBackend:
     base_url: str = ""
     tokenize_fails: bool = False
     tokenize_delay_s: float = 0.0
+    tokenize_calls: int = 0  # /tokenize requests answered (not in `received`: kvgate tokenizes through it)
     # ok | broken_stream | slow | done_then_linger (a stream whose body ends slow_s after its
     # `data: [DONE]`) | linger_before_done (one event, then slow_s before the rest) |
     # engine_dead (vLLM's API server after its engine died: 500 here, 503 on /health, /metrics as ever)
@@ -67,6 +68,8 @@ class FakeBackend:
     seen: list[str] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
     version: str | None = None  # GET /version's answer (None: no such route, as an old proxy)
+    # POST /v1/chat/completions/render's answer (None: vLLM 0.32.0 without --enable-scale-out, a 403)
+    render: dict | None = None
 
     def app(self) -> Starlette:
         async def models(_: Request) -> Response:
@@ -89,7 +92,17 @@ class FakeBackend:
             if self.tokenize_fails:
                 return JSONResponse({"error": {"message": "tokenizer disabled", "code": 500}}, status_code=500)
             await asyncio.sleep(self.tokenize_delay_s)
+            self.tokenize_calls += 1
             return JSONResponse({"count": 3, "max_model_len": 1024, "tokens": [1, 2, 3], "token_strs": None})
+
+        async def render(request: Request) -> Response:
+            raw = await request.body()
+            self.received.append(Received(request.url.path, request.url.query, request.headers.items(), raw))
+            if self.render is None:  # vllm/entrypoints/scale_out/factories.py disabled_scale_out
+                message = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+                error = {"message": message, "type": "PermissionDeniedError", "param": None, "code": 403}
+                return JSONResponse({"error": error}, status_code=403)
+            return JSONResponse(self.render)
 
         async def completions(request: Request) -> Response:
             raw = await request.body()
@@ -133,6 +146,7 @@ class FakeBackend:
                 Route("/health", health),
                 Route("/version", version),
                 Route("/tokenize", tokenize, methods=["POST"]),
+                Route("/v1/chat/completions/render", render, methods=["POST"]),
                 *(Route(path, completions, methods=["POST"]) for path in ROUTE_PATHS),
             ]
         )

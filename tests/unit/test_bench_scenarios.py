@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from sim_support import make_engine
 
 from bench.scenarios import SCENARIOS
+from kvgate.sim.gpu import CudaOutOfMemory
+from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 
 
 def test_s6_co_tenant_fits_beside_the_engine_and_leaves_less_than_its_profiled_peak() -> None:
@@ -43,3 +46,23 @@ def test_s11_leaves_room_for_one_step_of_v2_prompt_logprobs_but_not_for_several_
         return sum(t.bytes for t in est.terms if t.name.startswith("prompt_logprobs"))
 
     assert need(1500) < free < need(6000)
+
+
+@pytest.mark.parametrize(("key", "document"), [("S12", {"logprobs": 5}), ("S13", {"processes": True})])
+def test_head_of_line_documents_make_a_400_row_step_run_out_and_only_they(key: str, document: dict) -> None:
+    """S12/S13's premise (issue 24: a judged scenario must OOM the unprotected engine): on the
+    engine as it starts, a decoding step of 400 chat rows (the batch job) beside one document
+    runs the GPU out, because of what the document asks (V1: raw logprobs of every row; V2: every
+    row's logits copied to fp32); the same 400 rows beside a document that asks neither fit."""
+    scenario = next(s for s in SCENARIOS if s.key == key)
+    seed = {"seeded": True, "random": True, "processes": False}  # chats at temperature 1.0, seeded
+
+    def step(**doc: object) -> StepShape:
+        rows = [ReqSlice(1, 300, **seed) for _ in range(400)]
+        return StepShape((*rows, ReqSlice(1, 16000, **{**seed, **doc})))
+
+    engine = make_engine(replace(scenario.sim, speedup=1e9))
+    for block in run_tape(engine.alloc, engine.steps.plan(step())):
+        engine.alloc.free(block)
+    with pytest.raises(CudaOutOfMemory):
+        run_tape(engine.alloc, engine.steps.plan(step(**document)))

@@ -98,12 +98,26 @@ class TestProfileStep:
 
 
 def s13_engine(spare: int) -> Engine:
-    """S13's simulated engine booted, with a co-tenant taking all but `spare` of the free memory."""
-    from bench.scenarios import SCENARIOS
+    """S13's simulated engine as it was when this finding was made (an L4 fully utilized as vLLM
+    0.32.0 advises, V2; the scenario has since moved to an H100) booted, with a co-tenant taking
+    all but `spare` of the free memory."""
+    from demo.replay import fully_utilized
+    from kvgate.sim.config import SimConfig
     from kvgate.sim.model import load_model
     from kvgate.sim.presets import gpu_total_bytes
 
-    cfg = next(s for s in SCENARIOS if s.key == "S13").sim
+    cfg = fully_utilized(
+        SimConfig(
+            model="llama-3.1-8b",
+            gpu="l4-24gb",
+            metrics_clock="sim",
+            vllm_version="0.32.0",
+            model_runner="auto",
+            max_model_len=16384,
+            max_num_batched_tokens=4096,
+            max_num_seqs=256,
+        )
+    )
     device = Device(gpu_total_bytes(cfg.gpu))
     engine = Engine(cfg, load_model(cfg.model, cfg.dtype), device, lambda r: (0, False), "m")
     engine.boot()

@@ -175,8 +175,15 @@ async def test_a_malformed_body_is_refused_by_the_parser_before_anything_is_toke
             "max_tokens=2000 cannot be greater than max_model_len=1024. Please request fewer output tokens. "
             "(parameter=max_tokens, value=2000)",
         ),
+        (
+            {"prompt": "hi", "n": 16_385},
+            VllmRefusal,
+            None,
+            "n must be at most 16384, got 16385. To increase this limit, set the VLLM_MAX_N_SEQUENCES "
+            "environment variable.",
+        ),
     ],
-    ids=["logprobs", "max_tokens"],
+    ids=["logprobs", "max_tokens", "n_past_vllm_max_n_sequences"],
 )
 async def test_what_vllm_refuses_before_reading_a_prompt_is_refused_before_tokenizing(
     pipeline: RequestPipeline, tokenizer: CountingTokenizer, fields: dict, error: type, param: str, message: str

@@ -128,6 +128,47 @@ def test_sim_gpu_is_an_nvml_like_view(sim: SimRunner) -> None:
     assert g["processes"][0]["used_gpu_memory"] > 0
 
 
+def test_max_num_queued_reqs_and_tokens_refuse_503_with_vllms_body(sim: SimRunner) -> None:
+    """vLLM 0.32.0's `AsyncLLM.check_admission`: past --max-num-queued-reqs unfinished sequences
+    (a request counts its n) or at --max-num-queued-tokens prompt tokens still prefilling, a
+    request is refused 503 "Service Unavailable" with vllm/exceptions.py's message; below both,
+    it is admitted. The engine is held, so the first request stays waiting (and prefilling)."""
+    eng = sim.engine
+    cfg = eng.cfg
+    prompt = {"model": "llama-3.1-8b", "prompt": "Tell me a story.", "max_tokens": 4, "stream": True}
+    eng.held = True
+    try:
+        with httpx.Client(base_url=sim.url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=prompt) as first:
+                assert first.status_code == 200
+                wait_for(lambda: len(eng.scheduler.waiting) == 1, timeout_s=10, what="the first request waiting")
+                cfg.max_num_queued_reqs = 2
+                over = c.post("/v1/completions", json={**prompt, "n": 2, "stream": False})
+                assert over.status_code == 503
+                assert over.json() == {
+                    "error": {
+                        "message": "The engine is currently busy and cannot accept new requests. "
+                        "Please try again later or on a different instance.",
+                        "type": "Service Unavailable",
+                        "param": None,
+                        "code": 503,
+                    }
+                }
+                prompt_tokens = c.post("/tokenize", json={"prompt": prompt["prompt"]}).json()["count"]
+                cfg.max_num_queued_reqs, cfg.max_num_queued_tokens = None, prompt_tokens
+                backlog = c.post("/v1/completions", json=prompt)
+                assert backlog.status_code == 503
+                assert backlog.json()["error"]["message"].startswith("The engine has reached its prefill token backlog")
+                cfg.max_num_queued_tokens = prompt_tokens + 1
+                with c.stream("POST", "/v1/completions", json=prompt) as second:
+                    assert second.status_code == 200
+                    wait_for(lambda: len(eng.scheduler.waiting) == 2, timeout_s=10, what="the second request waiting")
+    finally:
+        cfg.max_num_queued_reqs = cfg.max_num_queued_tokens = None
+        eng.held = False
+    wait_for(lambda: not eng.scheduler.has_work(), timeout_s=10, what="both hung-up requests gone from the engine")
+
+
 def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
     # V1's whole-chunk prompt logprobs (failure mode 2) kill the engine.
     cfg = SimConfig(

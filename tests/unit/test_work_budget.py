@@ -10,7 +10,14 @@ import pytest
 
 from kvgate.errors import RequestTooCostly, WorkMemoryBusy
 from kvgate.http.errors import error_body, error_headers, status_of
-from kvgate.work_budget import WorkBudget, body_values, container_memory_limit, preparation_cost
+from kvgate.work_budget import (
+    VALUE_COUNT_SLICE,
+    WorkBudget,
+    body_values,
+    container_memory_limit,
+    count_body_values,
+    preparation_cost,
+)
 from support.waiting import wait_for_async
 
 
@@ -89,6 +96,27 @@ def test_the_cost_grows_with_bytes_and_values() -> None:
     small, values = b'{"prompt": "hi"}', b'{"prompt": [' + b"1," * 1000 + b"1]}"
     assert preparation_cost(values, body_values(values)) > preparation_cost(small, body_values(small))
     assert body_values(values) == 1001
+
+
+async def test_a_large_body_is_counted_in_slices_to_the_same_count() -> None:
+    """A body past VALUE_COUNT_SLICE is counted a slice at a time between turns of the event loop."""
+    raw = b'{"prompt": [' + b"1," * (2 * VALUE_COUNT_SLICE // 2 + 7) + b'{"a": 1}]}'
+    assert len(raw) > 2 * VALUE_COUNT_SLICE
+    turns = 0
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_task())
+    await asyncio.sleep(0)
+    try:
+        assert await count_body_values(raw) == body_values(raw)
+    finally:
+        task.cancel()
+    assert turns >= 3  # the other task ran between slices
 
 
 @pytest.mark.parametrize(

