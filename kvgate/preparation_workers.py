@@ -80,7 +80,9 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
     """The worker's loop: load the tokenizer, then prepare jobs until the pipe closes. It runs
     at a lower priority than kvgate's event loop, which must answer while it works."""
     os.nice(WORKER_NICENESS)
-    tokenizer = local_tokenizer(model_dir, template_seconds, media)
+    # No segment cache here: the large requests a worker prepares rarely repeat, and a cache that
+    # grows over the worker's life would eat into the memory limit each job is held to.
+    tokenizer = local_tokenizer(model_dir, template_seconds, media, segment_cache=False)
     loop = asyncio.new_event_loop()
     # A batch first, before the limit: the tokenizer's threads take their malloc arenas on their
     # first encode (21 MiB of VmData with 2 cores here), which grows with the host's cores and
