@@ -77,7 +77,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvgate.sim.api import Parsed, SimApiError, parse
 from kvgate.sim.blocks import KVCacheManager, chained_hashes
 from kvgate.sim.carryover import CrossStepTensors
-from kvgate.sim.engine import Engine
+from kvgate.sim.engine import Engine, play_encoder
 from kvgate.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
 from kvgate.sim.request import Request, Status
 from kvgate.sim.scheduler import PrefixStats, Scheduler
@@ -221,6 +221,8 @@ def _fork(
     sched = copy.copy(live)
     sched.__dict__.pop("schedule", None)  # the live scheduler's tracking wrapper: not for the copy
     sched.kv = kv = _DryKV(live.kv, memo.hashes)
+    if live.encoder is not None:  # images: the copy's own encoder budget and cache (kvgate/sim/vision.py)
+        sched.encoder = live.encoder.fork(live.encoder.cache.alloc)
     sched.prefix = PrefixStats()
     if idle:
         sched.running, sched.waiting = [], deque()
@@ -238,6 +240,8 @@ def _fork(
             if req.num_computed_tokens >= req.num_tokens and _sample(engine, req, memo):
                 _finish(sched, req)
     alloc, carry = _fork_memory(engine.alloc, engine.carry)
+    if sched.encoder is not None:
+        sched.encoder.cache.alloc = alloc  # what the dry run encodes lives (and is evicted) there
     device, t = alloc.device, engine.sim_time()
     for c in engine.cfg.cotenants:
         if c.start_s <= t + LOOKAHEAD_S and (c.end_s is None or c.end_s > t):
@@ -338,6 +342,8 @@ def dry_run(
         # blocks (the penalties' prompt ids follow the batch) under the steps that follow.
         try:
             carry.start_step([s.request for s in out.scheduled])
+            if sched.encoder is not None and engine.model.vision is not None:
+                play_encoder(engine.model.vision, sched.encoder, alloc, out)
             carry.keep_outputs(run_tape(alloc, engine.steps.plan(Engine.shape(out)), carry.held))
         except CudaOutOfMemory as exc:
             # A prefix of k groups plays these very steps while it has scheduled the same
@@ -446,7 +452,7 @@ def _sequences(p: Parsed, rid: str) -> list[Request]:
     """The request's n sequences, seeded as the simulator's RequestRun seeds them (the sampler's
     end of sequence depends on the seed)."""
     return [
-        Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed)
+        Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed, mm_items=p.mm_items)
         for i, seed in enumerate(sequence_seeds(p))
     ]
 
@@ -593,6 +599,7 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
                     max_model_len=engine.resolved.max_model_len,
                     max_logprobs=engine.cfg.max_logprobs,
                     clamps_max_tokens=engine.resolved.flavor.clamps_max_tokens,
+                    vision=engine.model.vision,
                 )
                 if engine.ready
                 else None

@@ -473,6 +473,7 @@ SCENARIOS: list[Scenario] = [
     # Issue 23: Model Runner V2 of vLLM 0.25.0 - 0.27 profiles the decoder alone (no encoder call,
     # no encoder cache held), and the KV pool is sized as vLLM's own start-up advice says: the
     # vision tower of a step of several photos, and their cached embeddings, run out of memory.
+    # Expandable segments: what runs out is the encoder's memory, not a fragmented cache.
     Scenario(
         "S14",
         "Image bursts on Qwen2.5-VL-7B, Model Runner V2 of vLLM 0.25.0 (start-up profile without the encoder)",
@@ -484,9 +485,10 @@ SCENARIOS: list[Scenario] = [
                 max_model_len=32768,
                 max_num_batched_tokens=8192,
                 max_num_seqs=256,
+                expandable_segments=True,
             )
         ),
-        _flags(8192, 256, v1=False),
+        [*_flags(8192, 256, v1=False), "--expandable-segments"],
         s14_traffic,
         30,
         4,

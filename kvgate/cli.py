@@ -27,6 +27,7 @@ from kvgate.vllm_flags import (
     split_vllm_command,
 )
 from kvgate.vllm_routes import ROUTE_PATHS
+from kvgate.work_budget import give_large_blocks_back
 
 if TYPE_CHECKING:
     from kvgate.sim.engine import Engine
@@ -87,6 +88,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = with_model_folder(settings_from_args(args))
     host, port = parse_listen(settings.listen)
     configure_logging(settings.log_level)
+    give_large_blocks_back()  # large request bodies leave kvgate's memory when freed
 
     import uvicorn
 

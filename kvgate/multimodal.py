@@ -163,9 +163,12 @@ def with_placeholders(
                 )
             url = image_url(part)
             if url is None and not isinstance(images, ImageTokens):
-                raise TokenizationError(
-                    f"kvgate counts {images.family} images by their size, which a {kind!r} part does "
-                    "not give: send the image as an image_url (a data URL or an http(s) URL)"
+                raise UncountedMedia(
+                    kind,
+                    model_type,
+                    f"{images.family} images by their size, which a {kind!r} part does not give: send "
+                    "the image as an image_url (a data URL or an http(s) URL)",
+                    "this kvgate has no backend to render it",
                 )
             found.append(ImagePart(_image_key(part), url))
             text = {"type": "text", "text": images.placeholder}

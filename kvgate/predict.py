@@ -231,7 +231,7 @@ class Predictor:
             self._check_context_length(spec, len(ids), from_text)
             transient, split = self.transient(len(ids), sampling)
             if self.encoder is not None and ids and min(ids) < 0:
-                images = self.encoder.terms(image_items(ids), split.profiled_prefill)
+                images = self.encoder.terms(image_items(ids), split.profiled_prefill, self.profiled_peak_bytes)
                 transient = TransientEstimate(transient.terms + tuple(images))
                 split = TransientSplit.of(transient)
             floor = self.min_new_tokens(spec, max_new)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing
@@ -41,6 +40,7 @@ from kvgate.tokens import local_tokenizer
 from kvgate.units import MiB
 from kvgate.vllm_routes import Route
 from kvgate.work_budget import Grant, charging
+from kvgate.work_budget import libc as glibc
 
 log = logging.getLogger("kvgate.preparation")
 
@@ -80,7 +80,9 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
     """The worker's loop: load the tokenizer, then prepare jobs until the pipe closes. It runs
     at a lower priority than kvgate's event loop, which must answer while it works."""
     os.nice(WORKER_NICENESS)
-    tokenizer = local_tokenizer(model_dir, template_seconds, media)
+    # No segment cache here: the large requests a worker prepares rarely repeat, and a cache that
+    # grows over the worker's life would eat into the memory limit each job is held to.
+    tokenizer = local_tokenizer(model_dir, template_seconds, media, segment_cache=False)
     loop = asyncio.new_event_loop()
     # A batch first, before the limit: the tokenizer's threads take their malloc arenas on their
     # first encode (21 MiB of VmData with 2 cores here), which grows with the host's cores and
@@ -90,7 +92,7 @@ def _serve(conn: Connection, model_dir: str, template_seconds: float, media: Med
     gc.freeze()
     limit = _DataLimit(ceiling)
     conn.send(("ready",))
-    libc = _libc()
+    libc = glibc()
     while True:
         try:
             job: Job | PassthroughJob
@@ -175,13 +177,6 @@ async def _ask_for_more(conn: Connection, limit: _DataLimit, cost: int) -> None:
     if reply[0] != "granted":
         raise _rebuilt(*reply[1:])
     limit.grow(cost)
-
-
-def _libc() -> Any | None:
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
 
 
 # ------------------------------------------------------------------ in kvgate's process

@@ -133,6 +133,7 @@ class LocalTokenizer:
         model_dir: str | Path,
         offload_threshold_chars: int = 4000,
         template_seconds: float = 1.0,
+        segment_cache: bool = True,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -142,7 +143,7 @@ class LocalTokenizer:
         self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
         # A chat's template text repeats (system prompt, earlier turns, headers): its pieces between
         # added tokens are encoded once (kvgate/token_segments.py says when that is exact).
-        self._segments = SegmentCache.of(self._rust) if self._batch_fast is not None else None
+        self._segments = SegmentCache.of(self._rust) if segment_cache and self._batch_fast is not None else None
         self._threshold = offload_threshold_chars
         self._template_seconds = template_seconds
         self.max_chars_per_token = max_chars_per_token(self._rust) if self._rust is not None else None
@@ -371,10 +372,15 @@ def _error_message(response: httpx.Response) -> str:
 
 
 def local_tokenizer(
-    model_dir: str | Path, template_seconds: float = 1.0, media: MediaOptions | None = None
+    model_dir: str | Path,
+    template_seconds: float = 1.0,
+    media: MediaOptions | None = None,
+    segment_cache: bool = True,
 ) -> Tokenizer:
-    """The model folder's own tokenizer, images counted (or refused) by kvgate.multimodal."""
-    inner = _chats_as_vllm_renders(LocalTokenizer(model_dir, template_seconds=template_seconds), model_dir)
+    """The model folder's own tokenizer, images counted (or refused) by kvgate.multimodal.
+    `segment_cache`: keep a chat's repeated pieces (kvgate/token_segments.py)."""
+    local = LocalTokenizer(model_dir, template_seconds=template_seconds, segment_cache=segment_cache)
+    inner = _chats_as_vllm_renders(local, model_dir)
     return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir))
 
 

@@ -40,7 +40,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """VLLM_CACHE_ROOT for every vLLM server of the session (support/vllm_server.py
+    `running_vllm`'s `cache`): the session's first start-up inspects the model class, the others
+    read its answer."""
+    return tmp_path_factory.mktemp("vllm-cache")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tiny_model_dir: Path, vllm_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
     """A real vLLM serving the tiny model for the whole session (about a minute to start)."""
     if not VLLM_PYTHON.exists():
         pytest.fail(
@@ -48,7 +58,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
             "run the README's test command, `make test`, which installs it.",
             pytrace=False,
         )
-    with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm")) as server:
+    with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm"), cache=vllm_cache) as server:
         yield server
 
 

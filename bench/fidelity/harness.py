@@ -80,13 +80,14 @@ class Row:
         return self.judged_estimate >= self.transferable - slack and self.ratio <= BAND[1]
 
 
-def probe_env(scratch: Path, device: str, runner: str) -> dict[str, str]:
-    """In-process engine, offline, every cache in scratch (the suite's vLLM settings)."""
+def probe_env(scratch: Path, device: str, runner: str, cache: Path | None = None) -> dict[str, str]:
+    """In-process engine, offline, every cache in scratch (the suite's vLLM settings); VLLM_CACHE_ROOT
+    in `cache` where given (the test session's, tests/support/vllm_server.py `running_vllm`)."""
     for name in ("cache", "inductor", "tmp"):
         (scratch / name).mkdir(parents=True, exist_ok=True)
     env = os.environ | {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CACHE_ROOT": str(scratch / "cache"),
+        "VLLM_CACHE_ROOT": str(cache or scratch / "cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
         "TMPDIR": str(scratch / "tmp"),
         "HF_HUB_OFFLINE": "1",
@@ -109,8 +110,10 @@ def run_probe(
     vllm_python: Path,
     scratch: Path,
     gpu_memory_utilization: float = 0.5,
+    cache: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the probe in vLLM's interpreter; its result (see probe.py) keyed by case id."""
+    """Run the probe in vLLM's interpreter; its result (see probe.py) keyed by case id. `cache`:
+    VLLM_CACHE_ROOT (see probe_env)."""
     spec = {
         "device": device,
         "runner": runner,
@@ -130,7 +133,7 @@ def run_probe(
     with log.open("w") as sink:
         proc = subprocess.run(
             [str(vllm_python), str(PROBE), str(spec_path), str(out_path)],
-            env=probe_env(scratch, device, runner),
+            env=probe_env(scratch, device, runner, cache),
             stdout=sink,
             stderr=subprocess.STDOUT,
         )

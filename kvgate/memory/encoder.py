@@ -105,7 +105,10 @@ class VisionTower:
         if not isinstance(vision, Mapping):
             return None
         reader = _TOWERS.get(family)
-        return reader(family, vision, dtype_bytes, decoder_hidden) if reader else None
+        try:
+            return reader(family, vision, dtype_bytes, decoder_hidden) if reader else None
+        except (KeyError, TypeError, ValueError):  # a vision_config without the sizes: not read
+            return None
 
 
 def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:
@@ -236,20 +239,25 @@ class EncoderBudget:
     def profiled_embeddings(self) -> int:
         return self.profiled_items * self.max_item
 
-    def terms(self, items: Sequence[int], decoder_profiled: int = 0) -> list[TransientTerm]:
-        """The unprofiled encoder terms of a prompt whose images take `items` embeddings each;
-        `decoder_profiled`: the peak of the same prompt's profiled decoder terms, which the
-        request is charged already: the encoder's call ends before the decoder's forward starts
-        (`execute_model` runs `_execute_mm_encoder` first), so without an encoder profile only
-        what the tower takes beyond them is new."""
+    def terms(self, items: Sequence[int], decoder_profiled: int = 0, profile_region: int = 0) -> list[TransientTerm]:
+        """The unprofiled encoder terms of a prompt whose images take `items` embeddings each.
+
+        Without an encoder profile, the tower's call ends before the decoder's forward starts
+        (`execute_model` runs `_execute_mm_encoder` first), so it may use the profile's region
+        (`profile_region`, the decoder's profiled peak) that the request's own profiled decoder
+        terms (`decoder_profiled`) are charged for already: that much is credited, at most the
+        region's share of this request's embeddings in a step of B (the requests one encoder
+        step batches share the region, never more than all of it between them)."""
         if not items:
             return []
         tower = self.tower
         step, in_step = self._largest_step(items)
         activation = tower.activation_bytes(step, in_step)
         cache = tower.output_bytes(min(sum(items), self.cache_size))
+        credit = 0
         if not self.profiled_items:
-            activation = max(0, activation - decoder_profiled)
+            credit = min(decoder_profiled, profile_region * step // self.compute_budget)
+            activation = max(0, activation - credit)
         else:
             # A step of this request's items beyond what the profile ran: at most what B (or an
             # item over M) leaves past K x M; the rest of the cache the profile did not hold.
@@ -259,7 +267,7 @@ class EncoderBudget:
         seen = (
             f"the profile encoded {self.profiled_items} item(s) of {self.max_item} embeddings"
             if self.profiled_items
-            else "the start-up profile ran no encoder"
+            else f"the start-up profile ran no encoder; {credit / MiB:.0f} MiB of the profile's region credited"
         )
         return [
             TransientTerm(

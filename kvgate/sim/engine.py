@@ -27,7 +27,7 @@ from kvgate.sim.request import Request, Status
 from kvgate.sim.scheduler import Scheduler, SchedulerOutput
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.sim.timing import StepTimer, now
-from kvgate.sim.vision import EncoderCache, EncoderScheduling, encoder_budget
+from kvgate.sim.vision import EncoderCache, EncoderScheduling, VisionTower, encoder_budget
 
 log = logging.getLogger("kvgate.sim")
 
@@ -233,24 +233,8 @@ class Engine:
             self._update(out, start)
 
     def _encode(self, out: SchedulerOutput) -> None:
-        """The step's encoder call over the images the scheduler gave it (before the decoder's
-        forward, v1/worker/gpu_model_runner.py `execute_model`): freeable entries evicted for
-        room first, then the tower's activations, its outputs kept in the encoder cache."""
-        encoder = self.encoder
-        if encoder is None or not encoder.to_encode or self.model.vision is None:
-            return
-        scheduled = {s.request.request_id: s.request for s in out.scheduled}
-        keys, items = [], []
-        for request_id, indices in encoder.to_encode.items():
-            if (req := scheduled.get(request_id)) is not None:
-                keys += [(request_id, i) for i in indices]
-                items += [req.mm_items[i].length for i in indices]
-        if not items:
-            return
-        encoder.cache.make_room(sum(items))
-        outputs = run_tape(self.alloc, self.model.vision.encode_tape(items))
-        for key, length, block in zip(keys, items, outputs, strict=True):
-            encoder.cache.add(key, length, block)
+        if self.encoder is not None and self.model.vision is not None:
+            play_encoder(self.model.vision, self.encoder, self.alloc, out)
 
     @staticmethod
     def shape(out: SchedulerOutput) -> StepShape:
@@ -374,3 +358,25 @@ class Engine:
     def _log(self, level: int, line: str) -> None:
         self.log_lines.append(line)
         log.log(level, line)
+
+
+def play_encoder(
+    vision: VisionTower, encoder: EncoderScheduling, alloc: CachingAllocator, out: SchedulerOutput
+) -> None:
+    """A step's encoder call over the images the scheduler gave it (before the decoder's forward,
+    v1/worker/gpu_model_runner.py `execute_model`): freeable entries evicted for room first, then
+    the tower's activations, its outputs kept in the encoder cache."""
+    if not encoder.to_encode:
+        return
+    scheduled = {s.request.request_id: s.request for s in out.scheduled}
+    keys, items = [], []
+    for request_id, indices in encoder.to_encode.items():
+        if (req := scheduled.get(request_id)) is not None:
+            keys += [(request_id, i) for i in indices]
+            items += [req.mm_items[i].length for i in indices]
+    if not items:
+        return
+    encoder.cache.make_room(sum(items))
+    outputs = run_tape(alloc, vision.encode_tape(items))
+    for key, length, block in zip(keys, items, outputs, strict=True):
+        encoder.cache.add(key, length, block)

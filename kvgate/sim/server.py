@@ -312,12 +312,16 @@ class RequestRun:
     async def sse(self) -> AsyncIterator[str]:
         done = 0
         sent = [0] * self.p.n
+        # vLLM sends a chat stream's role chunk with the engine's first output, after the prefill
+        # (entrypoints/openai/chat_completion/serving.py `chat_completion_stream_generator`:
+        # `first_iteration` inside `async for res in result_generator`, 0.32.0), not on arrival.
+        started = [not self.p.chat] * self.p.n
         try:
-            if self.p.chat:
-                for i in range(self.p.n):
-                    yield _sse(self.out.chunk(i, None, None, first=True))
             while done < self.p.n:
                 i, kind, data = await self.queue.get()
+                if kind in ("token", "finish") and not started[i]:
+                    started[i] = True
+                    yield _sse(self.out.chunk(i, None, None, first=True))
                 if kind == "error":
                     yield _sse(error_body(500, data or ENGINE_DEAD_MESSAGE))
                     break

@@ -216,6 +216,15 @@ class EncoderCache:
         for key in [k for k in self.entries if k[0] == request_id]:
             self.release(key)
 
+    def fork(self, alloc: CachingAllocator) -> EncoderCache:
+        """A copy for a dry run on `alloc` (a copy of this one's allocator): its entries keep their
+        room but not their blocks, so evicting one frees nothing (a dry run over-counts)."""
+        twin = EncoderCache(alloc, self.size)
+        twin.used = self.used
+        twin.entries = {key: (n, None) for key, (n, _) in self.entries.items()}
+        twin.freeable = OrderedDict(self.freeable)
+        return twin
+
     def reference(self, key: tuple[str, int]) -> None:
         """A cached entry a scheduled request needs again (check_and_update_cache)."""
         self.freeable.pop(key, None)
@@ -228,6 +237,10 @@ class EncoderScheduling:
         self.cache = cache
         self.compute_budget = compute_budget
         self.start_step()
+
+    def fork(self, alloc: CachingAllocator) -> EncoderScheduling:
+        """A copy for a dry run (bench/oracle.py) that leaves this one's state alone."""
+        return EncoderScheduling(self.cache.fork(alloc), self.compute_budget)
 
     def start_step(self) -> None:
         self.budget = self.compute_budget

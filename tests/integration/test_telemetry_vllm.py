@@ -30,9 +30,14 @@ KVGATE_FLAGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--sc
 
 
 @pytest.fixture(scope="module")
-def vllm_without_prefix_caching(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def vllm_without_prefix_caching(
+    tiny_model_dir: Path, vllm_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
     with running_vllm(
-        tiny_model_dir, tmp_path_factory.mktemp("vllm-nopc"), extra_args=("--no-enable-prefix-caching",)
+        tiny_model_dir,
+        tmp_path_factory.mktemp("vllm-nopc"),
+        extra_args=("--no-enable-prefix-caching",),
+        cache=vllm_cache,
     ) as server:
         yield server
 

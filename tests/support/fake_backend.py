@@ -158,7 +158,13 @@ def running_fake_backend(port: int | None = None, **options: object) -> Iterator
     stopped backend back at the address kvgate knows)."""
     backend = FakeBackend(**options)  # type: ignore[arg-type]
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(backend.app(), host="127.0.0.1", port=port, log_level="critical"))
+    # Stopping it cuts what it is still answering after a second, as a backend that goes away
+    # would: uvicorn would otherwise wait for a slow answer (slow_s, up to 30 s) to end, and the
+    # join below gave up only after 10 s of it.
+    config = uvicorn.Config(
+        backend.app(), host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=1
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, timeout_s=10, what="the fake backend to start")

