@@ -13,9 +13,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvgate.image_rules import image_tokens_of
 from kvgate.memory.activation import EngineShape, profile_peak_bytes, profile_segment_overhead_bytes
 from kvgate.memory.draft import Drafter
 from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
@@ -27,11 +26,13 @@ from kvgate.memory.outputs import OutputReserver
 from kvgate.memory.sampler import v2_penalty_state_bytes
 from kvgate.memory.vllm_runner import VllmRuntime, resolve_runtime
 from kvgate.model_folder import read_model_config, read_sampling_defaults
-from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, MediaOptions, image_kwargs
 from kvgate.predict import Predictor
 from kvgate.speculative import resolve_drafter
 from kvgate.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
 from kvgate.units import GiB
+
+if TYPE_CHECKING:
+    from kvgate.multimodal import MediaOptions
 
 log = logging.getLogger("kvgate.deployment")
 T = TypeVar("T")
@@ -365,6 +366,11 @@ def encoder_budget(
     M is the processor's largest image (its replacement for an image kvgate cannot see, as
     vLLM's `get_mm_max_tokens_per_item` takes `get_image_size_with_most_features`); the encoder
     was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not profiled)."""
+    # The image rules import the chat template, and with it transformers: loaded only here, once a
+    # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
+    from kvgate.image_rules import image_tokens_of
+    from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, image_kwargs
+
     if model_dir is None:
         return None
     try:
