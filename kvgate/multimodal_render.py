@@ -75,18 +75,9 @@ class UncountedMedia(TokenizationError):
 
 def render_body(chat: ChatInput, model: str) -> dict[str, Any]:
     """The chat request vLLM would run, as its render endpoint takes it, without the tensors."""
-    kwargs = chat.chat_template_kwargs
-    if chat.documents is not None:
-        kwargs = {**(kwargs or {}), "documents": chat.documents}
     body = {
         "model": model or None,
-        "messages": chat.messages,
-        "add_generation_prompt": chat.add_generation_prompt,
-        "continue_final_message": chat.continue_final_message,
-        "add_special_tokens": chat.add_special_tokens,
-        "tools": chat.tools,
-        "chat_template": chat.chat_template,
-        "chat_template_kwargs": kwargs,
+        **chat.backend_fields(),
         "mm_processor_kwargs": chat.mm_processor_kwargs,
         "reasoning_effort": chat.reasoning_effort,
         "mm_payload": "none",

@@ -94,6 +94,24 @@ class ChatInput:
         kwargs = self.chat_template_kwargs or {}
         return self.chat_template is not None or kwargs.get("chat_template") is not None
 
+    def backend_fields(self) -> dict[str, Any]:
+        """The fields vLLM's /tokenize and render endpoints take for this chat, unset ones left
+        out; neither has `documents`, so they travel in the template's kwargs (the template sees
+        them as a kwarg either way)."""
+        kwargs = self.chat_template_kwargs
+        if self.documents is not None:
+            kwargs = {**(kwargs or {}), "documents": self.documents}
+        fields = {
+            "messages": self.messages,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "add_special_tokens": self.add_special_tokens,
+            "tools": self.tools,
+            "chat_template": self.chat_template,
+            "chat_template_kwargs": kwargs,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
 
 RequestInput = PromptInput | ChatInput
 

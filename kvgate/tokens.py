@@ -319,20 +319,7 @@ class BackendTokenizer:
         self, chat: ChatInput, max_tokens: int | None = None, namespace_aliases: bool = False
     ) -> list[int]:
         """vLLM renders it (with its own release's rule for the content format)."""
-        # /tokenize has no `documents` field; the template sees it as a kwarg either way.
-        kwargs = chat.chat_template_kwargs
-        if chat.documents is not None:
-            kwargs = {**(kwargs or {}), "documents": chat.documents}
-        body = {
-            "model": self._model,
-            "messages": chat.messages,
-            "add_generation_prompt": chat.add_generation_prompt,
-            "continue_final_message": chat.continue_final_message,
-            "add_special_tokens": chat.add_special_tokens,
-            "tools": chat.tools,
-            "chat_template": chat.chat_template,
-            "chat_template_kwargs": kwargs,
-        }
+        body = {"model": self._model, **chat.backend_fields()}
         return await self._tokenize({k: v for k, v in body.items() if v is not None})
 
     async def _tokenize(self, body: dict) -> list[int]:

@@ -303,7 +303,10 @@ def test_large_bodies_leave_the_process_once_freed(threshold: str) -> None:
         [sys.executable, "-c", LARGE_BODIES, threshold], capture_output=True, text=True, check=True, timeout=120
     )
     if result.stdout.strip() == "no-glibc":
-        pytest.skip("not glibc")
+        pytest.skip(
+            "the mmap threshold is glibc's (mallopt M_MMAP_THRESHOLD); on another C library kvgate "
+            "serve does not set it, so there is nothing to measure"
+        )
     growth_mib = int(result.stdout)
     if threshold == "fixed":
         assert growth_mib < 28, growth_mib
