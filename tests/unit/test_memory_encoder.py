@@ -3,15 +3,22 @@ from vLLM's code, and charged in the prediction of a request with images."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from kvgate.engine_config import Deployment, encoder_budget
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape
 from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.vllm_runner import resolve_runtime
+from kvgate.multimodal import media_options
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor, image_items
-from support.geometry import config_json, layout
+from support.geometry import config_json, layout, write_config
 
 QWEN_VL = config_json("qwen2.5-vl-7b-instruct")
 # 2 x max(attention 10h, MLP 4h + gate_up 2I + act I) + pixels 1,176 x (fp32 + bf16); on the
@@ -256,3 +263,49 @@ def test_qwen2_audio_runs_its_whole_window_for_any_audio() -> None:
         profiled=True, min_item=750,
     )  # fmt: skip
     assert by_name(fixed.terms([750]))["encoder_activations"] == 0
+
+
+def _deployment(**overrides: object) -> Deployment:
+    fields: dict = {
+        "max_model_len": 32768,
+        "max_num_batched_tokens": 8192,
+        "max_num_seqs": 256,
+        "block_size": 16,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "kv_cache_dtype": "auto",
+        "gpu_memory_utilization": 0.9,
+        "long_prefill_token_threshold": 0,
+        "enable_prefix_caching": True,
+        "attention_backend": "FLASH_ATTN",
+        "num_gpu_blocks": None,
+        "runtime": resolve_runtime("0.32.0"),
+    }
+    return Deployment(**{**fields, **overrides})
+
+
+def test_a_deployment_of_qwen2_audio_or_gemma3_gets_its_towers_budget(tmp_path: Path) -> None:
+    """engine_config.encoder_budget: M from the audio rule where the model has no image rule
+    (Qwen2-Audio: 750 for 30 s) and from the image rule otherwise (Gemma 3: 256, 5 x 256 with
+    pan-and-scan's 4 crops from --mm-processor-kwargs)."""
+    audio = tmp_path / "qwen2-audio"
+    audio.mkdir()
+    config = {
+        "model_type": "qwen2_audio",
+        "audio_token_index": 151646,
+        "audio_config": {"d_model": 1280, "encoder_ffn_dim": 5120, "num_mel_bins": 128},
+        "text_config": config_json("qwen2.5-7b-instruct"),
+    }
+    (audio / "config.json").write_text(json.dumps(config))
+    geometry = ModelGeometry.from_config(config_json("qwen2.5-7b-instruct"))
+    budget = encoder_budget(str(audio), _deployment(), media_options(None, {"audio": 2}), geometry)
+    assert budget is not None
+    assert (budget.tower.family, budget.max_item, budget.profiled_items) == ("qwen2_audio", 750, 10)
+    gemma = write_config(tmp_path / "gemma3", "gemma-3-4b-it")
+    gemma_geometry = ModelGeometry.from_config(config_json("gemma-3-4b-it"))
+    plain = encoder_budget(str(gemma), _deployment(), media_options(None, None), gemma_geometry)
+    scanned = encoder_budget(str(gemma), _deployment(), media_options({"do_pan_and_scan": True}, None), gemma_geometry)
+    assert plain is not None
+    assert scanned is not None
+    assert (plain.max_item, scanned.max_item) == (256, 5 * 256)
+    assert plain.tower.patches(256, 1) == 4096
