@@ -53,7 +53,7 @@ class Ticket:
     def end_prefill(self) -> None:
         """The first output token arrived: prefill-only transient memory is free again."""
         if self._gate.ledger.end_prefill(self.reservation):
-            self._gate.changed()
+            self._gate.prefill_ended(self.reservation)
 
     def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:
         """Give the reservation back; `output_tokens` (all sequences), when known, goes to the
@@ -276,6 +276,13 @@ class Gate(Generic[Basis]):
         if self._reservation is not None:
             self._reservation.released(reservation)
         self.observers.released(Release(outcome, reservation, output_tokens))
+        self.changed()
+
+    def prefill_ended(self, reservation: Reservation) -> None:
+        """An admitted request's prefill-only terms are gone: from its companion copy in the head's
+        reservation too (the head is to run beside it decoding), then admit what fits."""
+        if self._reservation is not None:
+            self._reservation.prefill_ended(reservation)
         self.changed()
 
     def changed(self) -> None:

@@ -680,6 +680,39 @@ class TestBackfill:
         (await asyncio.wait_for(head, 1)).release()
         assert gate.ledger.in_flight == 0
 
+    async def test_a_companion_that_ends_its_prefill_leaves_the_head_room_beside_it(self) -> None:
+        """The head is to run beside a companion that was still prefilling when its reservation was
+        made; once that companion's prefill-only memory is gone, the room it held beside the head
+        is free for another request to pass (it used to stay charged until the companion ended)."""
+        clock = FakeClock()
+        metrics = KvgateMetrics()
+        observer = GateMetrics(metrics)
+        budget = Budget(kv_blocks=100, transient_headroom_bytes=100, transient_margin=0.0)
+        gate = Gate(budget, Observers(observer), max_queue=8, max_queue_wait_s=60.0, clock=clock)
+        observer.watch(gate)
+
+        def holding(held: int, tokens: int) -> Demand:
+            """Prefill memory held across its prefill's steps (summed over open prefills)."""
+            return replace(demand(prefill=held), transient_held_bytes=held, max_new_tokens=tokens)
+
+        taught = await gate.acquire(short(1, 10), 0, "a")
+        clock.now += 1.0
+        taught.release("completed", 10)  # 0.1 s an output token
+        ending = await gate.acquire(holding(60, 16), 0, "a")  # predicted to end at +1.6 s
+        companion = await gate.acquire(holding(40, 1000), 0, "a")  # still running when the head starts
+        head = await queued(gate, holding(50, 16))  # 100 + 50 > 100
+        long_one = holding(40, 1000)  # fits beside `ending` and the companion decoding, not before the head starts
+        assert gate.would_wait(long_one, 0) == "behind_queue"  # the companion still prefills
+        companion.end_prefill()
+        assert not head.done()  # 60 + 0 + 50 > 100: it waits for `ending`
+        passed = await asyncio.wait_for(gate.acquire(long_one, 0, "b"), 1)  # 0 + 40 + 50 beside the companion
+        ending.release("completed", 16)
+        (await asyncio.wait_for(head, 1)).release()
+        passed.release()
+        companion.release()
+        assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="backfilled") == 1
+        assert gate.ledger.in_flight == 0
+
     async def test_a_stream_of_small_requests_cannot_starve_the_head(self) -> None:
         """The head's reservation is fixed when it becomes the head. Short requests pass it while
         they are predicted to end before it starts; these overrun, and small requests keep coming
