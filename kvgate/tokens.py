@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvgate.audio import audio_tokens_of
 from kvgate.chat_template import (
     TemplateBudget,
     TokenizationError,
@@ -374,7 +375,7 @@ def local_tokenizer(
     `segment_cache`: keep a chat's repeated pieces (kvgate/token_segments.py)."""
     local = LocalTokenizer(model_dir, template_seconds=template_seconds, segment_cache=segment_cache)
     inner = _chats_as_vllm_renders(local, model_dir)
-    return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir))
+    return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir), audio_tokens_of(model_dir))
 
 
 def _chats_as_vllm_renders(tokenizer: Any, model_dir: str | Path | None) -> Any:
@@ -405,6 +406,7 @@ def load_tokenizer(
         image_tokens_of(model_dir),
         media,
         model_type_of(model_dir),
+        audio_tokens_of(model_dir),
     )
 
 
