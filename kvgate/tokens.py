@@ -325,7 +325,13 @@ class BackendTokenizer:
 
     async def _tokenize(self, body: dict) -> list[int]:
         try:
-            response = await self._client.post("/tokenize", json=body)
+            try:
+                response = await self._client.post("/tokenize", json=body)
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                # A kept-alive connection the server closed as the call went out (its keep-alive
+                # timer; kvgate/backend.py reuses none near it): /tokenize changes nothing on the
+                # server, so it is sent once more (httpx has dropped the broken connection).
+                response = await self._client.post("/tokenize", json=body)
         except httpx.HTTPError as e:
             if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
                 cause = "unreachable"
