@@ -198,3 +198,18 @@ def test_bad_base64_and_other_containers() -> None:
 def test_feature_extractor_kwargs_kvgate_does_not_read_are_refused() -> None:
     with pytest.raises(TokenizationError, match="max_length"):
         _count(_counting(), _input_audio(_wav(16000)), mm_processor_kwargs={"audio_kwargs": {"max_length": 1}})
+
+
+class DroppingTokenizer(WordTokenizer):
+    """A template that writes no text for media parts (an "openai"-format one that ignores them)."""
+
+    async def encode_chat(self, chat: ChatInput, max_tokens=None, namespace_aliases=False) -> Sequence[int]:
+        texts = [p["text"] for m in chat.messages for p in m["content"] if isinstance(p, dict)]
+        return self._ids(" ".join(texts))
+
+
+def test_a_template_that_drops_the_audio_is_a_400() -> None:
+    """vLLM's processor finds no <|AUDIO|> for the audio and refuses; kvgate says so first."""
+    counting = MediaCounting(DroppingTokenizer(), None, None, "qwen2_audio", audio_tokens(QWEN2_AUDIO, {}))
+    with pytest.raises(TokenizationError, match=r"0 <\|AUDIO\|> placeholders for 1 qwen2_audio media items"):
+        _count(counting, TEXT, _input_audio(_wav(16000)))
