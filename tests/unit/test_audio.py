@@ -142,8 +142,11 @@ def test_qwen2_audio_counts_as_the_feature_extractor_masks(samples: int) -> None
 
 def test_the_longest_audio_and_one_by_url_take_750_tokens() -> None:
     # 30 s at 16 kHz: 3,000 mel frames -> 1,500 -> 750 (get_mm_max_tokens_per_item's own count).
-    url = {"type": "audio_url", "audio_url": {"url": "https://example.com/talk.wav"}}
-    assert sum(1 for t in _count(_counting(), url) if t < 0) == 750
+    for where in ("https://example.com/talk.wav", "file:///srv/talk.wav"):
+        url = {"type": "audio_url", "audio_url": {"url": where}}
+        assert sum(1 for t in _count(_counting(), url) if t < 0) == 750
+    with pytest.raises(AudioError, match="scheme must be data, http, https or file"):
+        _count(_counting(), {"type": "audio_url", "audio_url": {"url": "ftp://example.com/a.wav"}})
     assert sum(1 for t in _count(_counting(), _input_audio(_wav(16000 * 90))) if t < 0) == 750
 
 
