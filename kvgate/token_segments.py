@@ -188,7 +188,7 @@ class PreTokenCache:
         if len("".join(words)) != len(piece):  # a character no alternative takes: not these regexes
             return None
         known = self._ids
-        parts = [known.get(word) for word in words]
+        parts = list(map(known.get, words))
         unknown = parts.count(None)
         if unknown:
             missing = list(dict.fromkeys(word for word, ids in zip(words, parts, strict=True) if ids is None))
