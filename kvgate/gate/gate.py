@@ -159,7 +159,7 @@ class Gate(Generic[Basis]):
         try:
             self.queue.push(waiter)
         except QueueAtCapacity:
-            retry_after = self._retry_after(self.queue.blocks_ahead(priority) + demand.kv_blocks)
+            retry_after = self._retry_after(self.queue.blocks_ahead(priority, tenant) + demand.kv_blocks)
             raise self._refuse(waiter, QueueFull(self.queue.max_size, retry_after)) from None
         self.observers.decided(Decision("queue", reason, request_id, demand))
         if self.queue.peek() is waiter:  # a new head: set aside at once if it could not fit even alone
@@ -189,7 +189,7 @@ class Gate(Generic[Basis]):
         if waiter.future.done():
             result: Ticket = waiter.future.result()
             return result
-        ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
+        ahead = self.queue.blocks_ahead(waiter.priority, waiter.tenant, waiter) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
             raise self._refuse(waiter, self._backend_still_down(wait_s))

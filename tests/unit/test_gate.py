@@ -267,6 +267,21 @@ class TestQueue:
         order = [queue.pop_head() for _ in range(5)]
         assert order == [urgent, a1, b1, a2, a3]
 
+    async def test_blocks_ahead_follow_the_turns_not_arrival(self) -> None:
+        """Retry-After counts the line as it will be admitted: a tenant's first request goes
+        before another tenant's later ones, whenever it came."""
+        queue = AdmissionQueue(max_size=10)
+        a1, a2, a3 = (self._waiter(0, "a") for _ in range(3))
+        b1 = self._waiter(0, "b")
+        urgent = self._waiter(-1, "c")
+        for w in (a1, a2, a3, b1, urgent):
+            queue.push(w)  # order of admission: urgent, a1, b1, a2, a3
+        assert queue.blocks_ahead(0, "b", b1) == 2  # urgent, a1
+        assert queue.blocks_ahead(0, "a", a3) == 4  # urgent, a1, b1, a2
+        assert queue.blocks_ahead(0, "d") == 3  # a new tenant: urgent, then a1 and b1 in their turn
+        assert queue.blocks_ahead(0, "b") == 4  # b's second: urgent, a1, b1, a2
+        assert queue.blocks_ahead(0, "a") == 5  # a's fourth: behind everything
+
     async def test_bounded_and_removable(self) -> None:
         queue = AdmissionQueue(max_size=2)
         first, second = self._waiter(0, "a"), self._waiter(0, "b")
@@ -274,9 +289,9 @@ class TestQueue:
         queue.push(second)
         with pytest.raises(QueueAtCapacity):
             queue.push(self._waiter(0, "a"))
-        assert queue.blocks_ahead(0, second.seq) == 1  # the first's one block
-        assert queue.blocks_ahead(0) == 2
-        assert queue.blocks_ahead(-1) == 0
+        assert queue.blocks_ahead(0, "b", second) == 1  # the first's one block
+        assert queue.blocks_ahead(0, "c") == 2
+        assert queue.blocks_ahead(-1, "c") == 0
         assert queue.remove(first) is True
         assert queue.remove(first) is False
         assert queue.peek() is second
