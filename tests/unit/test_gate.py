@@ -189,6 +189,15 @@ class TestLedger:
 
 
 class TestBudgetCharges:
+    def test_stale_readings_halve_the_headroom_not_the_pool(self) -> None:
+        """Conservative mode (kvgate/telemetry/live.py: scale = --stale-budget-fraction, overcommit
+        off): what stale readings may miss is another process taking GPU memory, so the transient
+        limit shrinks; the KV pool is vLLM's own and a full one makes it queue, never OOM."""
+        budget = Budget(kv_blocks=100, transient_headroom_bytes=1000, transient_margin=0.0, kv_overcommit=1.2)
+        assert (budget.kv_limit(), budget.transient_limit()) == (120, 1000)
+        budget.update(scale=0.5, kv_overcommit=1.0)
+        assert (budget.kv_limit(), budget.transient_limit()) == (100, 500)
+
     def test_profiled_terms_are_free_beside_a_headroom_from_flags(self) -> None:
         budget = Budget(kv_blocks=10, transient_headroom_bytes=100, transient_margin=0.0)
         assert budget.shortfall(demand(profiled_prefill=10**9), Ledger()) is None
