@@ -813,21 +813,27 @@ class TestBackfill:
         assert gate.ledger.in_flight == 0
         assert len(gate.queue) == 0
 
-    async def test_a_head_that_used_half_its_wait_has_the_line_to_itself(self) -> None:
+    async def test_a_head_that_used_half_its_wait_is_passed_on_no_prediction(self) -> None:
         """Backfilling must not be why a large request is refused for waiting too long: once the
-        head has waited half of --max-queue-wait, nothing passes it until it starts."""
+        head has waited half of --max-queue-wait, nothing passes it on a prediction ("ends
+        first") any more, and companions join only while no request that passed on one still
+        runs. A companion cannot delay it: the head fits beside the companions."""
         clock = FakeClock()
         gate, _ = clocked_gate(10, clock)  # --max-queue-wait 60 s
-        holder = await gate.acquire(demand(blocks=6), 0, "a")
-        head = await queued(gate, demand(blocks=8))
-        clock.now += 29.0
-        (await asyncio.wait_for(gate.acquire(demand(blocks=2), 0, "b"), 1)).release()  # it passes
+        taught = await gate.acquire(short(1, 10), 0, "a")
         clock.now += 1.0
-        assert gate.would_wait(demand(blocks=2), 0) == "behind_queue"
-        later = await queued(gate, demand(blocks=2), tenant="b")
-        holder.release()
-        (await asyncio.wait_for(head, 1)).release()
-        (await asyncio.wait_for(later, 1)).release()
+        taught.release("completed", 10)  # 0.1 s an output token
+        holder = await gate.acquire(short(6, 1000), 0, "a")  # predicted to end at +100 s
+        head = await queued(gate, demand(blocks=8))
+        straggler = await asyncio.wait_for(gate.acquire(short(3, 4), 0, "b"), 1)  # ends first (not beside: 8 + 3 > 10)
+        clock.now += 30.0  # half of the head's wait; the straggler overran its prediction
+        assert gate.would_wait(short(1, 4), 0) == "behind_queue"  # would fit beside, but the straggler runs
+        straggler.release("completed", 4)
+        assert gate.would_wait(replace(short(3, 4), prompt_tokens=0), 0) == "behind_queue"  # no more predictions
+        companion = await asyncio.wait_for(gate.acquire(short(2, 1000), 0, "c"), 1)  # 8 + 2 beside: joins
+        holder.release("completed", 1000)
+        (await asyncio.wait_for(head, 1)).release()  # admitted beside the companion at once
+        companion.release()
         assert gate.ledger.in_flight == 0
 
     async def test_a_head_that_leaves_lets_the_line_move_up(self) -> None:
