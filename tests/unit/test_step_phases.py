@@ -1,0 +1,71 @@
+"""The worst step's two phases (kvgate/memory/ceiling.py step_charge): the forward pass's profiled
+terms and the sampler stage run one after the other in a vLLM step, so the larger counts."""
+
+from __future__ import annotations
+
+import math
+
+from kvgate.memory.activation import EngineShape, profile_forward_bytes, profile_hidden_bytes
+from kvgate.memory.ceiling import StepHoldings, step_charge
+from kvgate.units import MiB
+from support.geometry import model_geometry
+
+# Benchmark S9's engine: Llama 3.1 8B (hidden 4,096, intermediate 14,336, bf16), 2,048 batched tokens.
+S9_ENGINE = EngineShape(8192, 2048, 256, runner="v2", num_speculative_tokens=5, sampler="flashinfer")
+
+
+def holdings(
+    unprofiled: int = 0,
+    forward: int = 0,
+    residual: int = 0,
+    sampler_unprofiled: int = 0,
+    sampler: int = 0,
+    rows: int = 0,
+) -> StepHoldings:
+    return StepHoldings(unprofiled, forward, residual, sampler_unprofiled, sampler, rows)
+
+
+def test_the_larger_phase_counts_not_their_sum() -> None:
+    """An MLP of 300 and a sampler stage of 100 + 150 unprofiled: the step needs 300, where the
+    ledger used to charge 550; the prefill's unprofiled terms (attention over its context) count
+    in both phases."""
+    step = holdings(unprofiled=40, forward=300, sampler_unprofiled=150, sampler=100)
+    assert step_charge(step, profiled_cap=1000) == 40 + 300
+    bigger_sampler = holdings(unprofiled=40, forward=300, sampler_unprofiled=250, sampler=100)
+    assert step_charge(bigger_sampler, profiled_cap=1000) == 40 + 250 + 100
+
+
+def test_the_sampler_phase_holds_the_hidden_states_it_reads() -> None:
+    step = holdings(forward=300, residual=60, sampler_unprofiled=200, sampler=100)
+    assert step_charge(step, profiled_cap=1000) == 200 + 100 + 60
+    # no step holds more hidden states than max_num_batched_tokens tokens' (the profile's)
+    assert step_charge(step, profiled_cap=1000, residual_cap=20) == max(300, 200 + 100 + 20)
+
+
+def test_profiled_bytes_count_up_to_the_emptied_region_and_at_their_segments() -> None:
+    step = holdings(forward=900, sampler_unprofiled=10, sampler=50)
+    assert step_charge(step, profiled_cap=400) == 400  # the region is never charged twice
+    assert step_charge(step, profiled_cap=400, segment_overhead=0.25) == 500
+    assert step_charge(step, profiled_cap=None) == 10  # a headroom from flags: beside the region
+    sampler_bound = holdings(forward=10, sampler_unprofiled=100, sampler=200)
+    assert step_charge(sampler_bound, profiled_cap=400, segment_overhead=0.25) == 100 + 250
+
+
+def test_a_step_computes_at_most_max_num_batched_tokens_of_forward_pass() -> None:
+    """Open prefills' chunks run in different steps, and the decoding requests' tokens join
+    them: the forward phase is at most the profile's own forward pass."""
+    forward = profile_forward_bytes(model_geometry("llama-3-8b"), S9_ENGINE)
+    per_token = math.ceil(forward / 2048)
+    # hidden + residual 2 x 2,048 x 4,096 x 2 B, MLP 3 x 2,048 x 14,336 x 2 B
+    assert forward == 2 * 2048 * 4096 * 2 + 3 * 2048 * 14336 * 2 == 200 * MiB
+    assert per_token == 100 * 1024
+    three_prefills = holdings(forward=3 * 150 * MiB, rows=0)
+    assert step_charge(three_prefills, profiled_cap=300 * MiB, forward_cap=forward) == forward
+    # 64 S9 decodes verify 1 + 5 tokens each: 384 tokens of forward pass beside a 1,000-token prefill
+    decodes = holdings(forward=100 * MiB, rows=384)
+    charged = step_charge(decodes, profiled_cap=300 * MiB, forward_cap=forward, forward_bytes_per_token=per_token)
+    assert charged == 100 * MiB + 384 * per_token
+
+
+def test_profile_hidden_bytes_are_the_profiles_hidden_states_and_residual() -> None:
+    assert profile_hidden_bytes(model_geometry("llama-3-8b"), S9_ENGINE) == 2 * 2048 * 4096 * 2
