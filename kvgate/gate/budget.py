@@ -77,6 +77,8 @@ class Budget:
     # (sampled rows, step tokens) -> the sampler phase's segment overhead beside other requests
     # (kvgate/memory/activation.py SamplerPhaseOverhead); None: the profile's share.
     sampler_phase_overhead: Callable[[int, int], int] | None = None
+    # The share of it charged, relaxed on the GPU's evidence (kvgate/telemetry/calibration.py observe_slack).
+    sampler_overhead_scale: float = 1.0
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
     # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
@@ -163,6 +165,7 @@ class Budget:
             self.forward_bytes_per_token,
             self.profiled_hidden_bytes or None,
             self.sampler_phase_overhead,
+            self.sampler_overhead_scale,
         )
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:

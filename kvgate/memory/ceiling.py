@@ -82,6 +82,7 @@ def step_charge(
     forward_bytes_per_token: int = 0,
     residual_cap: int | None = None,
     sampler_overhead: Callable[[int, int], int] | None = None,
+    sampler_overhead_scale: float = 1.0,
 ) -> int:
     """What the worst step charges against the headroom: its unprofiled prefill terms and the
     larger of its two phases (`StepHoldings`). The forward phase is the open prefills' profiled
@@ -95,7 +96,8 @@ def step_charge(
     `segment_overhead`) the sampler phase's is `sampler_overhead(rows, tokens)`, the replay of
     its tensors after the step's forward pass of `tokens` tokens (kvgate/memory/activation.py
     `sampler_phase_overhead_bytes`: the final hidden states pin a segment of the forward pass's,
-    the logits and their fp32 copy split what is cached), else the same share. With
+    the logits and their fp32 copy split what is cached) times `sampler_overhead_scale` (relaxed
+    on the GPU's evidence, kvgate/telemetry/calibration.py `observe_slack`), else the same share. With
     `profiled_cap` None (a headroom from flags, beside the profile region) only the unprofiled
     bytes count, as `transient_charge` does."""
     if profiled_cap is None:
@@ -108,7 +110,7 @@ def step_charge(
     forward += math.ceil(forward * segment_overhead)
     if sampler_overhead is not None and segment_overhead and forward_bytes_per_token:
         tokens = math.ceil(step.forward_profiled / forward_bytes_per_token) + step.sampled_rows
-        sampler += sampler_overhead(step.sampled_rows, tokens)
+        sampler += math.ceil(sampler_overhead(step.sampled_rows, tokens) * sampler_overhead_scale)
     else:
         sampler += math.ceil(sampler * segment_overhead)
     sampler += step.sampler_unprofiled

@@ -69,3 +69,33 @@ def test_a_step_computes_at_most_max_num_batched_tokens_of_forward_pass() -> Non
 
 def test_profile_hidden_bytes_are_the_profiles_hidden_states_and_residual() -> None:
     assert profile_hidden_bytes(model_geometry("llama-3-8b"), S9_ENGINE) == 2 * 2048 * 4096 * 2
+
+
+def test_the_sampler_phase_beside_others_takes_its_replayed_overhead_at_the_learned_share() -> None:
+    """The sampler phase's overhead is a replay at the step's rows and tokens (the open prefills'
+    forward bytes over the per-token bytes, plus the sampled rows); only beside other requests
+    (a nonzero segment overhead), at the share calibration allows."""
+    seen: list[tuple[int, int]] = []
+
+    def overhead(rows: int, tokens: int) -> int:
+        seen.append((rows, tokens))
+        return 40
+
+    step = holdings(forward=100 * 1000, sampler_unprofiled=500 * 1000, sampler=100, rows=60)
+    common = dict(profiled_cap=10**9, forward_bytes_per_token=1000, sampler_overhead=overhead)
+    assert step_charge(step, segment_overhead=0.5, **common) == 500 * 1000 + 100 + 40  # forward: 160,000 x 1.5
+    assert seen == [(60, 100 + 60)]
+    assert step_charge(step, segment_overhead=0.5, sampler_overhead_scale=0.25, **common) == 500 * 1000 + 100 + 10
+    assert step_charge(step, segment_overhead=0.0, **common) == 500 * 1000 + 100  # alone: no overhead
+
+
+def test_the_replayed_sampler_overhead_of_s9_is_larger_after_a_full_forward_pass() -> None:
+    """S9's Llama 3.1 8B: a decode step of 64 requests (384 rows, 384 tokens) strands less of the
+    cache than the same rows beside a prefill filling the step's 2,048 tokens, whose hidden states
+    pin a segment of the MLP's (kvgate/memory/allocator.py replay)."""
+    from kvgate.memory.activation import SamplerPhaseOverhead
+
+    overhead = SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, False)
+    decode_only, beside_prefill = overhead(384, 384), overhead(384, 2048)
+    assert 0 < decode_only < beside_prefill <= 128 * MiB
+    assert SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, True)(384, 2048) < beside_prefill
