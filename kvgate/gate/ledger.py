@@ -13,6 +13,9 @@ except where vLLM frees one request's tensors only when the next request's repla
 prompt logprobs, Demand.step_pair_bytes): there the second largest is added.
 The sampler stage is one per step, sized by the whole batch (kvgate/memory/sampler.py): the ledger
 keeps what the in-flight requests put in it, and asks what the stage takes with a candidate added.
+The profiled forward terms (hidden states, MLP) and the sampler stage run one after the other in
+a step: the ledger hands them to the budget apart (`step`, kvgate/memory/ceiling.py StepHoldings),
+which charges the larger phase.
 """
 
 from __future__ import annotations

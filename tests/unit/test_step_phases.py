@@ -3,11 +3,17 @@ terms and the sampler stage run one after the other in a vLLM step, so the large
 
 from __future__ import annotations
 
+import json
 import math
 
-from kvgate.memory.activation import EngineShape, profile_forward_bytes, profile_hidden_bytes
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags
+from kvgate.engine_config import build_predictor, resolve
+from kvgate.memory.activation import EngineShape, SamplerPhaseOverhead, profile_forward_bytes, profile_hidden_bytes
 from kvgate.memory.ceiling import StepHoldings, step_charge
-from kvgate.units import MiB
+from kvgate.openai import parse_request
+from kvgate.settings import settings_from_args
+from kvgate.units import GiB, MiB
 from support.geometry import model_geometry
 
 # Benchmark S9's engine: Llama 3.1 8B (hidden 4,096, intermediate 14,336, bf16), 2,048 batched tokens.
@@ -93,9 +99,25 @@ def test_the_replayed_sampler_overhead_of_s9_is_larger_after_a_full_forward_pass
     """S9's Llama 3.1 8B: a decode step of 64 requests (384 rows, 384 tokens) strands less of the
     cache than the same rows beside a prefill filling the step's 2,048 tokens, whose hidden states
     pin a segment of the MLP's (kvgate/memory/allocator.py replay)."""
-    from kvgate.memory.activation import SamplerPhaseOverhead
-
     overhead = SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, False)
     decode_only, beside_prefill = overhead(384, 384), overhead(384, 2048)
     assert 0 < decode_only < beside_prefill <= 128 * MiB
     assert SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, True)(384, 2048) < beside_prefill
+
+
+def test_a_prefills_hidden_states_are_the_part_of_its_forward_pass_the_sampler_phase_still_holds() -> None:
+    """A 1,000-token prompt on S9's engine: its profiled forward terms are its hidden states and
+    residual (2 x 1,000 x 4,096 x 2 B) and its MLP (3 x 1,000 x 14,336 x 2 B); the first is what
+    the sampler phase still holds (Demand.profiled_residual_bytes)."""
+    flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"]
+    flags += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})]
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    geometry = model_geometry("llama-3-8b")
+    predictor = build_predictor(
+        resolve(engine_flags(settings), geometry, None, None, reported_version="0.32.0"), geometry
+    )
+    body = {"prompt": "x", "max_tokens": 64, "temperature": 0.7}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    demand = predictor.predict(spec, [[7] * 1000]).demand
+    assert demand.profiled_residual_bytes == 2 * 1000 * 4096 * 2
+    assert demand.profiled_prefill_bytes == 2 * 1000 * 4096 * 2 + 3 * 1000 * 14336 * 2
