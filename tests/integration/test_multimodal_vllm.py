@@ -28,7 +28,7 @@ import pytest
 from PIL import Image
 
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import DynamicResolution, SplitTiles, image_tokens_of
+from kvgate.image_rules import AnyResolution, DynamicResolution, SplitTiles, image_tokens_of
 from kvgate.multimodal import media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
@@ -222,3 +222,34 @@ def test_qwen2_vl_count_is_vllms_prompt_tokens(qwen2_vl: VllmServer, qwen2_vl_di
             ours.append(len(ids))
     assert ours == theirs
     assert len(set(theirs)) > 10
+
+
+# LLaVA-OneVision: the base view plus a grid of up to 4 x 4 tiles of 64 pixels, unpadded, pooled
+# past 9 tiles (tests/support/tiny_llava_onevision.py). Its processor takes no size kwargs.
+@pytest.fixture(scope="module")
+def onevision_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llava-onevision")
+    vllm_python(str(SUPPORT / "tiny_llava_onevision.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def onevision(onevision_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    flags = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT}))
+    with running_vllm(
+        onevision_dir, tmp_path_factory.mktemp("vllm-onevision"), extra_args=flags, cache=vllm_cache
+    ) as s:
+        yield s
+
+
+def test_llava_onevision_count_is_vllms_prompt_tokens(onevision: VllmServer, onevision_dir: Path) -> None:
+    assert isinstance(image_tokens_of(onevision_dir), AnyResolution)
+    tokenizer = _local_tokenizer(onevision_dir, onevision, {"image": LIMIT})
+    # Every pinpoint's own size and its neighbours (grids of 1 to 16 tiles, pooled past 9 x 1.1),
+    # both unpadding directions, and the cases above.
+    pinpoints = [(64 * c, 64 * r) for r in range(1, 5) for c in range(1, 5)]
+    sizes = pinpoints + [(w + 1, h - 1) for w, h in pinpoints] + [(1, 1), (2000, 20), (20, 2000), (1153, 944)]
+    cases = [[_message("user", "What is this?", [size], 0)] for size in sizes] + _cases()[8:]
+    theirs = [_prompt_tokens(onevision, chat) for chat in cases]
+    assert _counts(tokenizer, cases) == theirs
+    assert len(set(theirs)) > 15
