@@ -15,7 +15,7 @@ PROMTOOL := .tools/promtool
 
 test:
 	$(MAKE) --jobs=3 --output-sync=target --no-print-directory unit vllm-venv promtool bytecode
-	$(VENV)/bin/pytest -q tests/integration
+	$(VENV)/bin/pytest -q --durations=25 tests/integration
 
 unit: venv check
 	$(VENV)/bin/pytest -q tests/unit

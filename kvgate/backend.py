@@ -11,6 +11,7 @@ import httpx
 
 from kvgate.errors import BackendBroke, BackendDown, BackendTimedOut, InvalidField
 from kvgate.upstream import (
+    IDLE_REUSE_S,
     ConnectionPool,
     InvalidRequestHeader,
     UpstreamError,
@@ -42,11 +43,17 @@ class Backend:
         pool_timeout_s: float = 30.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10.0))
+        # httpx keeps an idle connection 5 s, as long as vLLM's server does (its uvicorn's
+        # timeout_keep_alive, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a call sent as the server's close
+        # arrives is lost (httpx ReadError; S4 of the 2026-11-27 benchmark: 27 x 502
+        # backend_error on /tokenize). Not reused past IDLE_REUSE_S, as the proxy's own pool.
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(10.0), limits=httpx.Limits(keepalive_expiry=IDLE_REUSE_S)
+        )
         self.tokenize_client = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(30.0, pool=None),
-            limits=httpx.Limits(max_connections=TOKENIZE_CONNECTIONS),
+            limits=httpx.Limits(max_connections=TOKENIZE_CONNECTIONS, keepalive_expiry=IDLE_REUSE_S),
         )
         self.pool = ConnectionPool(
             self.base_url,

@@ -368,8 +368,9 @@ def encoder_budget(
     was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not profiled)."""
     # The image rules import the chat template, and with it transformers: loaded only here, once a
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
-    from kvgate.image_rules import image_tokens_of
-    from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, image_kwargs
+    from kvgate.audio import audio_tokens_of
+    from kvgate.image_rules import ImageTokens, image_tokens_of
+    from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, audio_kwargs, image_kwargs
 
     if model_dir is None:
         return None
@@ -378,11 +379,16 @@ def encoder_budget(
     except ValueError:
         return None
     rule = image_tokens_of(model_dir)
+    audio = audio_tokens_of(model_dir)
     tower = VisionTower.from_config(config, geometry.dtype_bytes, geometry.hidden_size)
-    if rule is None or tower is None:
+    if tower is None or (rule is None and audio is None):
         return None
-    kwargs = image_kwargs(media.processor_kwargs, None)
-    max_item = rule.configured(kwargs).replacement(None, kwargs).features
+    if rule is not None:
+        kwargs = image_kwargs(media.processor_kwargs, None)
+        max_item, modality = rule.configured(kwargs).replacement(None, kwargs).features, "image"
+    else:
+        assert audio is not None
+        max_item, modality = audio.features(None, audio_kwargs(media.processor_kwargs, None)), "audio"
     runtime = deployment.runtime
     return EncoderBudget.of(
         tower,
@@ -390,8 +396,9 @@ def encoder_budget(
         max_num_batched_tokens=deployment.max_num_batched_tokens,
         max_num_seqs=deployment.max_num_seqs,
         max_model_len=deployment.max_model_len,
-        items_per_prompt=media.limits.get("image", DEFAULT_LIMIT_PER_PROMPT),
+        items_per_prompt=media.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT),
         profiled=profile_encodes(runtime.runner, runtime.model_version),
+        min_item=max_item if isinstance(rule, ImageTokens) else 1,
     )
 
 

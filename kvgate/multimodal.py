@@ -17,8 +17,9 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kvgate.audio import AUDIO_RULES, AudioByUrl, AudioLength, AudioNotCounted, WhisperFrames, audio_data, read_audio
 from kvgate.chat_template import MediaPlaceholder, TokenizationError
 from kvgate.image_rules import RULES, ImageRule, ImageTokens, Replacement
 from kvgate.media import ImageByUrl, ImageSize, data_url_cost, image_url, read_image
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 # vLLM's content-part types that carry an image, and those that carry other media.
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image_pil", "image_embeds"})
 _OTHER_MEDIA = frozenset({"audio_url", "input_audio", "audio_embeds", "video_url", "video_embeds", "file"})
+_AUDIO_PARTS = frozenset({"audio_url", "input_audio"})  # those kvgate reads a length from
 # vLLM's default --limit-mm-per-prompt for a modality it is not given (vllm/config/multimodal.py
 # MultiModalConfig.get_limit_per_prompt, 0.32.0 and 0.33.0).
 DEFAULT_LIMIT_PER_PROMPT = 999
@@ -118,6 +120,21 @@ def image_kwargs(configured: Mapping[str, Any], request: Mapping[str, Any] | Non
     return _merge(_merge(configured_flat, request_flat), scope)
 
 
+def audio_kwargs(configured: Mapping[str, Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The kwargs the audio feature extractor runs with: flat keys, request over configured, then
+    each side's audio_kwargs scope over them (vllm/config/multimodal.py
+    _merge_mm_processor_kwargs; vllm/multimodal/processing/context.py _resolve_mm_processor_kwargs)."""
+    if request is not None and not isinstance(request, Mapping):
+        raise TokenizationError("'mm_processor_kwargs' must be an object.")
+    out: dict[str, Any] = {}
+    for side in (configured, request or {}):
+        out = _merge(out, {k: v for k, v in side.items() if k not in _KWARG_SCOPES})
+    for side in (configured, request or {}):
+        scope = side.get("audio_kwargs")
+        out = _merge(out, scope if isinstance(scope, Mapping) else {})
+    return out
+
+
 def _media_kind(part: Any) -> str | None:
     kind = part.get("type") if isinstance(part, dict) else None
     return kind if kind in _IMAGE_PARTS or kind in _OTHER_MEDIA else None
@@ -134,13 +151,27 @@ class ImagePart:
     url: str | None  # a data or remote URL to read the size from; None: no URL (embeds, PIL)
 
 
+def _counted(images: ImageRule | None, audio: WhisperFrames | None) -> str:
+    """What kvgate counts, for the refusal of what it does not."""
+    audio_families = f"audio of {', '.join(sorted(AUDIO_RULES))} models (WAV)"
+    if audio is not None:
+        return f"this model's audio in WAV files; {audio_families}; images of {', '.join(sorted(RULES))} models"
+    return f"images of {', '.join(sorted(RULES))} models, {audio_families}, and no video itself"
+
+
 def with_placeholders(
-    chat: ChatInput, images: ImageRule | None, model_type: str | None = None, as_text: bool = False
+    chat: ChatInput,
+    images: ImageRule | None,
+    model_type: str | None = None,
+    as_text: bool = False,
+    audio: WhisperFrames | None = None,
+    heard: list[ImagePart] | None = None,
 ) -> tuple[ChatInput, list[ImagePart]]:
     """The chat with each image part replaced by a MediaPlaceholder, which kvgate's renderer
     hands the template as vLLM does (an image part, or the placeholder where vLLM puts it), or
     `as_text`, for the backend's /tokenize, by a text part holding the placeholder; and the images
-    in prompt order; TokenizationError (400) for media kvgate cannot count."""
+    in prompt order; TokenizationError (400) for media kvgate cannot count. With an `audio` rule,
+    audio parts likewise (vLLM's placeholder numbers them: "Audio 1: ..."), appended to `heard`."""
     found: list[ImagePart] = []
     messages = []
     for message in chat.messages:
@@ -154,12 +185,20 @@ def with_placeholders(
             if kind is None:
                 parts.append(part)
                 continue
+            if kind in _AUDIO_PARTS and audio is not None and heard is not None:
+                url = audio_data(part)
+                if url is None:
+                    raise UncountedMedia(
+                        kind, model_type, _counted(images, audio), "this kvgate has no backend to render it"
+                    )
+                heard.append(ImagePart("audio:" + _image_key(part), url))
+                placeholder = audio.placeholder_text(len(heard))
+                text = {"type": "text", "text": placeholder}
+                parts.append(text if as_text else MediaPlaceholder("audio", placeholder, part))
+                continue
             if kind in _OTHER_MEDIA or images is None:
                 raise UncountedMedia(
-                    kind,
-                    model_type,
-                    f"images of {', '.join(sorted(RULES))} models, and no audio or video itself",
-                    "this kvgate has no backend to render it",
+                    kind, model_type, _counted(images, audio), "this kvgate has no backend to render it"
                 )
             url = image_url(part)
             if url is None and not isinstance(images, ImageTokens):
@@ -206,9 +245,22 @@ def replace_token_matches(ids: list[int], match: Sequence[int], new: Sequence[in
     return out + ids[start:]
 
 
+class Expanding(Protocol):
+    """What the expansion reads of a rule (kvgate/image_rules.py ImageRule, kvgate/audio.py's)."""
+
+    @property
+    def family(self) -> str: ...
+    @property
+    def placeholder(self) -> str: ...
+    @property
+    def target_token(self) -> int: ...
+    @property
+    def feature_token(self) -> int: ...
+
+
 def expand_images(
     ids: Sequence[int],
-    rule: ImageRule,
+    rule: Expanding,
     images: Sequence[tuple[str, Replacement, Sequence[int] | None]],
     merges: Sequence[tuple[Sequence[int], Sequence[int]]] = (),
     target: int | None = None,
@@ -289,10 +341,12 @@ class MediaCounting:
         images: ImageRule | None,
         options: MediaOptions | None = None,
         model_type: str | None = None,
+        audio: WhisperFrames | None = None,
     ) -> None:
         self._inner = inner
         self._options = options or MediaOptions()
         self._images = images.configured(image_kwargs(self._options.processor_kwargs, None)) if images else None
+        self._audio = audio
         self._model_type = model_type
         self._encoded: dict[str, list[int]] = {}  # replacement and merge texts, tokenized once
         self.source = inner.source
@@ -366,8 +420,10 @@ class MediaCounting:
     ) -> Sequence[int]:
         # The text's bound holds with images too: their tokens only add to the text's.
         as_text = self._inner.source == "backend"  # /tokenize takes JSON: the placeholder as text
+        heard: list[ImagePart] = []
         try:
-            text_chat, found = with_placeholders(chat, self._images, self._model_type, as_text)
+            text_chat, found = with_placeholders(chat, self._images, self._model_type, as_text, self._audio, heard)
+            sounds = await self._audio_replacements(heard, chat.mm_processor_kwargs, max_tokens)
         except UncountedMedia as uncounted:
             return await self._rendered(chat, uncounted, max_tokens)
         rule = self._images
@@ -375,9 +431,41 @@ class MediaCounting:
             await self._replacements(rule, found, chat.mm_processor_kwargs, max_tokens) if rule and found else []
         )
         ids = await self._inner.encode_chat(text_chat, max_tokens, namespace_aliases)
-        if rule is None or not found:
-            return ids
-        return expand_images(ids, rule, replacements, await self._merges(rule), await self._target(rule))
+        if rule is not None and found:
+            ids = expand_images(ids, rule, replacements, await self._merges(rule), await self._target(rule))
+        if self._audio is not None and heard:
+            ids = expand_images(ids, self._audio, sounds)
+        return ids
+
+    async def _audio_replacements(
+        self, heard: list[ImagePart], request_kwargs: Any, max_tokens: int | None
+    ) -> list[tuple[str, Replacement, Sequence[int] | None]]:
+        """Each audio part's replacement (kvgate/audio.py), from its WAV header; UncountedMedia for
+        a container kvgate does not read (the render endpoint's, where there is one)."""
+        rule = self._audio
+        if rule is None or not heard:
+            return []
+        limit = self._options.limits.get("audio", DEFAULT_LIMIT_PER_PROMPT)
+        if len(heard) > limit:
+            raise TokenizationError(f"At most {limit} audio(s) may be provided in one prompt.")
+        kwargs = audio_kwargs(self._options.processor_kwargs, request_kwargs)
+        await charge(sum(data_url_cost(p.url) for p in heard if p.url is not None and p.url[:5].lower() == "data:"))
+        lengths: list[AudioLength | None] = []
+        for part in heard:
+            assert part.url is not None  # with_placeholders keeps only parts with data
+            try:
+                seen = (
+                    await asyncio.to_thread(read_audio, part.url)
+                    if len(part.url) > READ_IN_THREAD_CHARS
+                    else read_audio(part.url)
+                )
+            except AudioNotCounted as exc:
+                raise UncountedMedia(
+                    "audio", self._model_type, str(exc), "this kvgate has no backend to render it"
+                ) from None
+            lengths.append(None if isinstance(seen, AudioByUrl) else seen)
+        _refuse_beyond(sum(rule.features(length, kwargs) for length in lengths), max_tokens)
+        return [(part.key, rule.replacement(length, kwargs), None) for part, length in zip(heard, lengths, strict=True)]
 
     async def _rendered(self, chat: ChatInput, uncounted: UncountedMedia, max_tokens: int | None) -> Sequence[int]:
         """Media kvgate has no rule for, counted by the backend's render endpoint

@@ -108,13 +108,15 @@ class RequestPipeline:
         """Swap in a new configuration; requests already on their way finish with the old one."""
         self._config = config
 
-    async def evaluate(self, route: Route, raw: bytes) -> Evaluation:
-        """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through."""
-        evaluation = await self.predict(route, raw)
+    async def evaluate(self, route: Route, raw: bytes, deadline: float | None = None) -> Evaluation:
+        """Parse, tokenize and predict a request; a KvgateError for anything that cannot go through.
+        `deadline` (time.monotonic): how long it may wait for kvgate's work memory (the one it
+        waits for the gate with)."""
+        evaluation = await self.predict(route, raw, deadline)
         evaluation.predictor.check_fits_ever(evaluation.prediction, self.budget.ceiling())
         return evaluation
 
-    async def predict(self, route: Route, raw: bytes) -> Evaluation:
+    async def predict(self, route: Route, raw: bytes, deadline: float | None = None) -> Evaluation:
         """Parse, tokenize and predict, without judging whether it could ever fit. Preparation
         (parse, render, tokenize) holds its bounded cost of the shared work budget while it runs."""
         config = self._config
@@ -122,7 +124,7 @@ class RequestPipeline:
             if len(raw) <= INLINE_BODY_BYTES:  # a malformed body is a 400 even before kvgate is ready
                 parse_request(route, raw, trust_request_chat_template=self.trust_request_chat_template)
             raise NotReady(self._why_not_ready())
-        prepared = await self._prepare(config, route, raw)
+        prepared = await self._prepare(config, route, raw, deadline)
         request, prompts, predictor = prepared.request, prepared.prompts, config.predictor
         if request.model is not None and self.served_names and not await self.served_names.knows(request.model):
             raise ModelNotFound(request.model, self._valid_aliases(config))
@@ -143,7 +145,9 @@ class RequestPipeline:
             prediction = predictor.predict(request, prompts, cache_key)
         return Evaluation(request, prediction, predictor, prepared.tokenize_s)
 
-    async def _prepare(self, config: PipelineConfig, route: Route, raw: bytes) -> Prepared:
+    async def _prepare(
+        self, config: PipelineConfig, route: Route, raw: bytes, deadline: float | None = None
+    ) -> Prepared:
         """Parse, render and tokenize, holding the body's bounded cost of the shared work budget:
         in a worker process when the body could take more than a few milliseconds."""
         carries_template = self.trust_request_chat_template and b"chat_template" in raw
@@ -152,7 +156,7 @@ class RequestPipeline:
             len(raw) > INLINE_BODY_BYTES or values > INLINE_BODY_VALUES or carries_template
         )
         cost = preparation_cost(raw, values) + (TEMPLATE_WORK_BYTES if carries_template else 0)
-        async with self.work_budget.hold(cost) as grant:
+        async with self.work_budget.hold(cost, deadline) as grant:
             if offload:
                 return await self._prepare_in_worker(config, route, raw, grant)
             with charging(grant.grow):

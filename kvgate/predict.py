@@ -208,8 +208,8 @@ class Predictor:
         keys its first block (kvgate/memory/kv.py PrefixKeys), only requests vLLM lets share blocks
         share them here. The request is checked against the server's limits before it is
         tokenized (kvgate/request.py check_limits); its prompts' lengths are checked here."""
-        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults)
         top_k, top_p = v2_filters(spec.sampling, self.sampling_defaults)
+        processing, filtered = v2_sampler_needs(spec.sampling, self.sampling_defaults, (top_k, top_p))
         sampling = SamplingShape(
             n=spec.sampling.n,
             best_of=spec.best_of,
@@ -254,7 +254,7 @@ class Predictor:
                 shared_extra += v2_prompt_logprobs_shared_step_extra(
                     self.layout.geometry, self.engine, len(ids), spec.sampling.prompt_logprobs
                 )
-        demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints, (processing, filtered)), splits)
+        demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints, sampling), splits)
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
@@ -263,12 +263,10 @@ class Predictor:
             sampling=sampling,
         )
 
-    def sampler_use(self, spec: ValidRequest, footprints: Sequence[Footprint], needs: tuple[bool, bool]) -> SamplerUse:
+    def sampler_use(self, spec: ValidRequest, footprints: Sequence[Footprint], sampling: SamplingShape) -> SamplerUse:
         """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
-        and output; `needs`: its (logits processing, top-k/top-p) on Model Runner V2, as
-        v2_sampler_needs found them for predict (worked out once a request)."""
-        processing, filtered = needs
-        top_k, top_p = v2_filters(spec.sampling, self.sampling_defaults)
+        and output; its Model Runner V2 needs (logits processing, top-k/top-p, which filters) as
+        predict found them for `sampling` (worked out once a request)."""
         return SamplerUse(
             self.sampler_cost,
             rows=sum(fp.n for fp in footprints),
@@ -279,10 +277,10 @@ class Predictor:
             random=not spec.sampling.greedy,
             all_vocab_logprobs=spec.sampling.logprobs == -1,
             structured=spec.sampling.structured_outputs,
-            processing=processing,
-            filtered=filtered,
-            top_k=top_k,
-            top_p=top_p,
+            processing=sampling.processing,
+            filtered=sampling.filtered,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
         )
 
     def refreshed(self, prediction: Prediction) -> Demand:

@@ -243,12 +243,15 @@ class _Worker:
                 return prepared
             if reply[0] == "error":
                 raise _rebuilt(*reply[1:])
-            try:  # ("grow", bytes): the next stage's memory
+            waiting_since = time.monotonic()
+            try:  # ("grow", bytes): the next stage's memory; the time waiting for it is not the job's
                 await grant.grow(reply[1])
             except KvgateError as error:
                 self._conn.send(("refused", type(error), error.args, error.__dict__))
             else:
                 self._conn.send(("granted",))
+            finally:
+                deadline += time.monotonic() - waiting_since
 
     async def _receive(self, seconds: float, memory: tuple[int, Grant] | None) -> tuple[Any, ...]:
         """The worker's next message, watching its memory (over `base`, within the grant) and

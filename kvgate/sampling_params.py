@@ -81,7 +81,9 @@ SAMPLING_DEFAULT_KEYS = (
 )  # fmt: skip
 
 
-def v2_sampler_needs(p: SamplingParams, defaults: Mapping[str, float] | None = None) -> tuple[bool, bool]:
+def v2_sampler_needs(
+    p: SamplingParams, defaults: Mapping[str, float] | None = None, filters: tuple[bool, bool] | None = None
+) -> tuple[bool, bool]:
     """(logits processing, top-k/top-p) for one request on Model Runner V2, vllm 0.32.0 and 0.33.0:
 
     - `SamplingStates.add_request` (v1/worker/gpu/sample/states.py:67-72): a random row needs
@@ -92,10 +94,11 @@ def v2_sampler_needs(p: SamplingParams, defaults: Mapping[str, float] | None = N
     - top-k/top-p run when a row sets one (`get_top_k_top_p`, states.py:105-112); a greedy row's
       are reset by SamplingParams (`_verify_greedy_sampling`).
 
-    A field the body leaves out takes the server's default (`defaults`, generation_config.json)."""
+    A field the body leaves out takes the server's default (`defaults`, generation_config.json).
+    `filters`: v2_filters(p, defaults) if the caller has it already."""
     d = defaults or {}
     temperature = p.temperature if p.temperature_given else float(d.get("temperature", 1.0))
-    sets_top_k, sets_top_p = v2_filters(p, defaults)
+    sets_top_k, sets_top_p = filters if filters is not None else v2_filters(p, defaults)
     min_p = p.min_p if p.min_p is not None else float(d.get("min_p", 0.0))
     penalties = p.penalties or any(
         float(d.get(name, neutral)) != neutral

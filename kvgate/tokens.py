@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvgate.audio import audio_tokens_of
 from kvgate.chat_template import (
     TemplateBudget,
     TokenizationError,
@@ -324,7 +325,13 @@ class BackendTokenizer:
 
     async def _tokenize(self, body: dict) -> list[int]:
         try:
-            response = await self._client.post("/tokenize", json=body)
+            try:
+                response = await self._client.post("/tokenize", json=body)
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                # A kept-alive connection the server closed as the call went out (its keep-alive
+                # timer; kvgate/backend.py reuses none near it): /tokenize changes nothing on the
+                # server, so it is sent once more (httpx has dropped the broken connection).
+                response = await self._client.post("/tokenize", json=body)
         except httpx.HTTPError as e:
             if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
                 cause = "unreachable"
@@ -368,7 +375,7 @@ def local_tokenizer(
     `segment_cache`: keep a chat's repeated pieces (kvgate/token_segments.py)."""
     local = LocalTokenizer(model_dir, template_seconds=template_seconds, segment_cache=segment_cache)
     inner = _chats_as_vllm_renders(local, model_dir)
-    return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir))
+    return MediaCounting(inner, image_tokens_of(model_dir), media, model_type_of(model_dir), audio_tokens_of(model_dir))
 
 
 def _chats_as_vllm_renders(tokenizer: Any, model_dir: str | Path | None) -> Any:
@@ -399,6 +406,7 @@ def load_tokenizer(
         image_tokens_of(model_dir),
         media,
         model_type_of(model_dir),
+        audio_tokens_of(model_dir),
     )
 
 

@@ -4,8 +4,11 @@ kvgate runs in a container with a memory limit (the manifests give it 2 GiB); a 
 28 MiB inside the body limit cost 1.9 GB of RSS to parse and tokenize, and two at once would have
 the kernel kill kvgate and every client of the pod with it. So each request's cost is bounded
 from its size before any work starts, and charged to a budget that is a share of the process's
-limit: a request that does not fit waits a little for others to finish, then gets a 429; one that
-could never fit gets a 413.
+limit: a request that does not fit waits for others to finish, until its own deadline (the one it
+waits for the gate with); one that could never fit gets a 413. Waiting is not refusing: vLLM would
+have served the request, so kvgate refuses it only when the wait runs out (429, like a queue
+timeout). A waiting request holds nothing of the budget (its body is already read, and counted in
+kvgate's own share), so memory stays bounded however many wait.
 """
 
 from __future__ import annotations
@@ -171,11 +174,22 @@ def preparation_cost(raw: bytes, values: int) -> int:
     return WORK_FIXED_BYTES + WORK_BYTES_PER_BODY_BYTE * len(raw) + WORK_BYTES_PER_VALUE * values
 
 
-class Grant:
-    """What one request holds of the budget; it grows stage by stage, before each stage runs."""
+# How long a waiting request may be passed by later ones that fit (first fit): after that the
+# line behind it waits until it has its bytes, so a large body cannot be starved by a stream of
+# small ones. Preparations last milliseconds to seconds (PREPARE_SECONDS bounds a worker's), so it
+# then waits at most for the ones under way to end.
+PASS_WINDOW_S = 1.0
+# How long a request without a deadline of its own waits (a pass-through body checked in a worker).
+DEFAULT_WAIT_S = 5.0
 
-    def __init__(self, budget: WorkBudget) -> None:
+
+class Grant:
+    """What one request holds of the budget; it grows stage by stage, before each stage runs,
+    waiting at most until `deadline` (time.monotonic) for room."""
+
+    def __init__(self, budget: WorkBudget, deadline: float) -> None:
         self._budget = budget
+        self.deadline = deadline
         self.bytes = 0
 
     @property
@@ -184,11 +198,13 @@ class Grant:
         return self._budget.capacity
 
     async def grow(self, cost: int) -> None:
-        """Hold `cost` more bytes: at once if they are free, after a short wait, or a domain
-        error (429 work_memory_busy; 413 request_too_costly if the budget could never hold it)."""
+        """Hold `cost` more bytes: at once if they are free, else once others give them back (a
+        domain error: 413 request_too_costly if the budget could never hold it; 429
+        work_memory_busy if the deadline passes first, or if every byte in use is held by
+        requests that, like this one, wait to grow: none of them could ever go on)."""
         if self.bytes + cost > self._budget.capacity:
             raise RequestTooCostly(self.bytes + cost, self._budget.capacity)
-        await self._budget._acquire(cost)
+        await self._budget._acquire(self, cost)
         self.bytes += cost
 
 
@@ -197,13 +213,13 @@ class Held:
     budget when the block ends. A class rather than a generator context manager: it is entered
     once per request."""
 
-    __slots__ = ("_budget", "_cost", "_grant")
+    __slots__ = ("_budget", "_cost", "_deadline", "_grant")
 
-    def __init__(self, budget: WorkBudget, cost: int) -> None:
-        self._budget, self._cost = budget, cost
+    def __init__(self, budget: WorkBudget, cost: int, deadline: float) -> None:
+        self._budget, self._cost, self._deadline = budget, cost, deadline
 
     async def __aenter__(self) -> Grant:
-        grant = Grant(self._budget)
+        grant = Grant(self._budget, self._deadline)
         await grant.grow(self._cost)  # nothing is held if this raises
         self._grant = grant
         return grant
@@ -212,57 +228,127 @@ class Held:
         self._budget._return(self._grant)
 
 
+class _Waiter:
+    """A grant waiting for `cost` more bytes; `growing`: it already holds some (its preparation
+    is under way and needs the next stage's memory)."""
+
+    __slots__ = ("cost", "grant", "growing", "since", "turn")
+
+    def __init__(self, grant: Grant, cost: int, since: float, turn: asyncio.Future[None]) -> None:
+        self.grant, self.cost, self.since, self.turn = grant, cost, since, turn
+        self.growing = grant.bytes > 0
+
+
 class WorkBudget:
-    """Bytes of request preparation in flight, shared by every request: `async with hold(cost)`.
+    """Bytes of request preparation in flight, shared by every request: `async with hold(cost, deadline)`.
 
-    First fit: a request whose cost fits what is free goes at once, so a large body waiting for
-    room never holds up the small requests of ordinary clients behind it; each waits at most
-    `wait_s`, then gets a 429."""
+    Who goes when bytes come back, in this order:
+    1. a preparation under way that waits to grow (oldest first, any that fits): finishing it is
+       what frees memory, and new work must not take the bytes it needs to finish;
+    2. new requests, first fit in arrival order, so a large body waiting never holds up the
+       small requests of ordinary clients behind it, until the oldest has waited PASS_WINDOW_S:
+       from then on nobody passes it (it cannot starve; it waits for the work under way).
+    A request waits until its deadline. If every byte in use is held by preparations that wait
+    to grow and none fits, none can ever go on: the youngest of them is refused (429), which
+    frees its bytes for the others."""
 
-    def __init__(self, capacity: int, wait_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        wait_s: float = DEFAULT_WAIT_S,
+        pass_window_s: float = PASS_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.capacity = capacity
-        self.wait_s = wait_s
+        self.wait_s = wait_s  # for a request without a deadline of its own
+        self.pass_window_s = pass_window_s
+        self._clock = clock
         self.in_use = 0
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._waiters: list[_Waiter] = []  # in arrival order
 
-    def hold(self, cost: int) -> Held:
-        """`async with budget.hold(cost) as grant`: `cost` bytes held until the block ends, with
-        what the Grant grows by."""
-        return Held(self, cost)
+    def hold(self, cost: int, deadline: float | None = None) -> Held:
+        """`async with budget.hold(cost, deadline) as grant`: `cost` bytes held until the block
+        ends, with what the Grant grows by; it waits for room until `deadline` (time.monotonic;
+        None: `wait_s` from now)."""
+        return Held(self, cost, self._clock() + self.wait_s if deadline is None else deadline)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room."""
+        return len(self._waiters)
 
     def _return(self, grant: Grant) -> None:
         self.in_use -= grant.bytes
+        grant.bytes = 0
         self._wake()
 
-    async def _acquire(self, cost: int) -> None:
-        if self.in_use + cost <= self.capacity:
+    def _may_go_now(self, grant: Grant, cost: int) -> bool:
+        """Whether a request arriving now (not yet waiting) takes its bytes at once."""
+        if self.in_use + cost > self.capacity:
+            return False
+        if grant.bytes > 0:  # growing: only an older grower that fits would go first, and none waits that fits
+            return True
+        return not any(w.growing for w in self._waiters) and not self._line_closed()
+
+    def _line_closed(self) -> bool:
+        """The oldest new request has waited its pass window: nobody new may pass it."""
+        oldest = next((w for w in self._waiters if not w.growing), None)
+        return oldest is not None and self._clock() - oldest.since >= self.pass_window_s
+
+    async def _acquire(self, grant: Grant, cost: int) -> None:
+        if self._may_go_now(grant, cost):
             self.in_use += cost
             return
-        started = time.monotonic()
+        started = self._clock()
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (cost, turn)
-        self._waiters.append(entry)
+        waiter = _Waiter(grant, cost, started, turn)
+        self._waiters.append(waiter)
+        self._break_deadlock()
         try:
-            await asyncio.wait_for(asyncio.shield(turn), self.wait_s)
+            await asyncio.wait_for(asyncio.shield(turn), max(0.0, grant.deadline - started))
         except TimeoutError:
-            if turn.done():  # granted as the time ran out: it is ours
+            if turn.done() and turn.exception() is None:  # granted as the time ran out: it is ours
                 return
-            self._waiters.remove(entry)
-            self._wake()
-            raise WorkMemoryBusy(cost, self.capacity, self.in_use, time.monotonic() - started) from None
+            self._leave(waiter)
+            raise WorkMemoryBusy(cost, self.capacity, self.in_use, self._clock() - started) from None
         except BaseException:
-            if entry in self._waiters:
-                self._waiters.remove(entry)
-            elif turn.done() and not turn.cancelled():
+            if waiter in self._waiters:
+                self._leave(waiter)
+            elif turn.done() and not turn.cancelled() and turn.exception() is None:
                 self.in_use -= cost  # granted, but the request is gone
-            self._wake()
+                self._wake()
             raise
 
+    def _leave(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        self._wake()
+
     def _wake(self) -> None:
-        """Grant every waiter that fits, oldest first."""
-        for entry in list(self._waiters):
-            cost, turn = entry
-            if self.in_use + cost <= self.capacity:
-                self._waiters.remove(entry)
-                self.in_use += cost
-                turn.set_result(None)
+        """Grant what may go (the class's order), then look for a deadlock among growers."""
+        for waiter in [w for w in self._waiters if w.growing]:
+            if self.in_use + waiter.cost <= self.capacity:
+                self._grant(waiter)
+        if not any(w.growing for w in self._waiters):
+            now = self._clock()
+            for waiter in [w for w in self._waiters if not w.growing]:
+                if self.in_use + waiter.cost <= self.capacity:
+                    self._grant(waiter)
+                elif now - waiter.since >= self.pass_window_s:
+                    break  # its window is over: nobody behind it passes
+        self._break_deadlock()
+
+    def _grant(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        self.in_use += waiter.cost
+        waiter.turn.set_result(None)
+
+    def _break_deadlock(self) -> None:
+        """If only waiting growers hold bytes, nothing will ever come back: refuse the youngest
+        (its block ends and returns its bytes, and the others are woken)."""
+        growers = [w for w in self._waiters if w.growing]
+        if not growers or sum(w.grant.bytes for w in growers) < self.in_use:
+            return
+        youngest = growers[-1]
+        self._waiters.remove(youngest)
+        waited = self._clock() - youngest.since
+        youngest.turn.set_exception(WorkMemoryBusy(youngest.cost, self.capacity, self.in_use, waited))

@@ -105,6 +105,13 @@ class HeadReservation:
         """A request admitted to run beside the head: the head's reservation now makes room for it."""
         self._copies[reservation.id] = self.companions.reserve(reservation.demand)
 
+    def prefill_ended(self, reservation: Reservation) -> None:
+        """An in-flight request's prefill ended: if the head is to run beside it, beside it decoding
+        (a companion copied while it prefilled kept its prefill terms until now)."""
+        copy = self._copies.get(reservation.id)
+        if copy is not None:
+            self.companions.end_prefill(copy)
+
     def released(self, reservation: Reservation) -> None:
         """An in-flight request ended: if the head was to run beside it, that room is free again."""
         copy = self._copies.pop(reservation.id, None)

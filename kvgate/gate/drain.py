@@ -64,25 +64,45 @@ class DrainRate:
 
 
 class Pace:
-    """Seconds from admission to release per output token of one sequence, learned from
-    completed requests (an exponentially weighted mean), to predict when an admitted request
-    ends. Unknown (None) until one has completed: the policy then predicts nothing.
+    """When an admitted request ends, learned from completed ones: seconds from admission to the
+    first token per prompt token (the wait in vLLM's queue and the prefill's chunks), and seconds
+    from the first token to release per output token of one sequence, each an exponentially
+    weighted mean. Unknown (None) until one request has completed: the policy then predicts
+    nothing.
 
-    One number for the whole server is crude (a step's time grows with the batch, a long prompt
-    adds its prefill); it moves with the load as requests complete, and backfilling cannot
+    Two rates, because one rate per output token predicted a 4,000-token prompt asking one
+    output token (an evaluation's prompt_logprobs) to end in one decoding step, and a 120k-token
+    document to end with its 256 output tokens. A request whose first token kvgate did not see (a
+    non-streaming answer arrives whole) teaches the decoding rate from what its prefill is
+    predicted to have taken. Still crude (a step's time grows with the batch); backfilling cannot
     starve the head however wrong it is (docs/queue.md)."""
 
     def __init__(self, weight: float = 0.2) -> None:
         self.weight = weight
         self.seconds_per_token: float | None = None
+        self.seconds_per_prompt_token: float | None = None
 
-    def record(self, seconds: float, tokens_per_sequence: float) -> None:
-        """One completed request: `seconds` from admission to release, `tokens_per_sequence` out."""
-        sample = max(0.0, seconds) / max(1.0, tokens_per_sequence)
-        known = self.seconds_per_token
-        self.seconds_per_token = sample if known is None else known + self.weight * (sample - known)
+    def record(
+        self, seconds: float, tokens_per_sequence: float, prompt_tokens: int = 0, first_token_s: float | None = None
+    ) -> None:
+        """One completed request: `seconds` from admission to release, `tokens_per_sequence`
+        out, `prompt_tokens` in, its first token `first_token_s` after admission (None: not seen)."""
+        seconds = max(0.0, seconds)
+        if first_token_s is not None and prompt_tokens > 0:
+            first = min(max(0.0, first_token_s), seconds)
+            self.seconds_per_prompt_token = self._mean(self.seconds_per_prompt_token, first / prompt_tokens)
+            decoding = seconds - first
+        else:
+            decoding = max(0.0, seconds - (self.seconds_per_prompt_token or 0.0) * prompt_tokens)
+        self.seconds_per_token = self._mean(self.seconds_per_token, decoding / max(1.0, tokens_per_sequence))
 
-    def duration_s(self, output_tokens: int) -> float | None:
-        """Predicted seconds from admission to release of a request writing `output_tokens` a sequence."""
+    def _mean(self, known: float | None, sample: float) -> float:
+        return sample if known is None else known + self.weight * (sample - known)
+
+    def duration_s(self, output_tokens: int, prompt_tokens: int = 0) -> float | None:
+        """Predicted seconds from admission to release of a request of `prompt_tokens` writing
+        `output_tokens` a sequence."""
         known = self.seconds_per_token
-        return None if known is None else known * max(1, output_tokens)
+        if known is None:
+            return None
+        return (self.seconds_per_prompt_token or 0.0) * prompt_tokens + known * max(1, output_tokens)

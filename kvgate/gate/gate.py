@@ -52,8 +52,10 @@ class Ticket:
 
     def end_prefill(self) -> None:
         """The first output token arrived: prefill-only transient memory is free again."""
+        if self.reservation.first_token_at is None:
+            self.reservation.first_token_at = self._gate._clock()
         if self._gate.ledger.end_prefill(self.reservation):
-            self._gate.changed()
+            self._gate.prefill_ended(self.reservation)
 
     def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:
         """Give the reservation back; `output_tokens` (all sequences), when known, goes to the
@@ -271,11 +273,23 @@ class Gate(Generic[Basis]):
         if outcome != "requeued":  # never reached the backend: nothing drained
             self.drain.record(reservation.demand.kv_blocks)
         if outcome == "completed" and output_tokens:
-            per_sequence = output_tokens / reservation.demand.sequences
-            self.pace.record(self._clock() - reservation.admitted_at, per_sequence)
+            demand, first = reservation.demand, reservation.first_token_at
+            self.pace.record(
+                self._clock() - reservation.admitted_at,
+                output_tokens / demand.sequences,
+                demand.prompt_tokens,
+                None if first is None else first - reservation.admitted_at,
+            )
         if self._reservation is not None:
             self._reservation.released(reservation)
         self.observers.released(Release(outcome, reservation, output_tokens))
+        self.changed()
+
+    def prefill_ended(self, reservation: Reservation) -> None:
+        """An admitted request's prefill-only terms are gone: from its companion copy in the head's
+        reservation too (the head is to run beside it decoding), then admit what fits."""
+        if self._reservation is not None:
+            self._reservation.prefill_ended(reservation)
         self.changed()
 
     def changed(self) -> None:
@@ -339,7 +353,7 @@ class Gate(Generic[Basis]):
         if now >= head.enqueued_at + (head.deadline - head.enqueued_at) * HEAD_ALONE_AFTER:
             return None  # the head has used most of its wait: the line is its own until it starts
         reservation = self._head_reservation(head)
-        duration = self.pace.duration_s(demand.reserved_tokens)
+        duration = self.pace.duration_s(demand.reserved_tokens, demand.prompt_tokens)
         ends_at = None if duration is None else now + ENDS_FIRST_SLACK * duration
         passing = reservation.passing(demand, ends_at, head.demand, self.budget)
         if passing is None or self.budget.shortfall(demand, self.ledger) is not None:
@@ -370,7 +384,8 @@ class Gate(Generic[Basis]):
 
     def _ends_at(self, reservation: Reservation) -> float | None:
         """When an in-flight request is predicted to end (None: nothing learned yet)."""
-        duration = self.pace.duration_s(reservation.demand.reserved_tokens)
+        demand = reservation.demand
+        duration = self.pace.duration_s(demand.reserved_tokens, demand.prompt_tokens)
         return None if duration is None else max(self._clock(), reservation.admitted_at + duration)
 
     def _stranded(self, demand: Demand) -> bool:

@@ -39,6 +39,7 @@ class Reservation:
     # request's tokens join its steps.
     pending_extra: int = 0
     admitted_at: float = 0.0  # the gate's clock: when it ends is predicted from it (backfilling)
+    first_token_at: float | None = None  # the gate's clock, when a stream's first token came (Pace)
 
 
 class Ledger:

@@ -180,7 +180,7 @@ class GatedRoutes:
         deadline = rt.gate.deadline()
         while True:
             try:
-                evaluation = await rt.pipeline.evaluate(route, raw)
+                evaluation = await rt.pipeline.evaluate(route, raw, deadline)
                 break
             except BackendDown:
                 await rt.gate.wait_for_backend(deadline, lambda: disconnect_future(receive), request_id)

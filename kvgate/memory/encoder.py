@@ -32,8 +32,10 @@ of several requests):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
@@ -70,11 +72,14 @@ class VisionTower:
     intermediate: int
     gated_mlp: bool  # gate_up_proj + SiluAndMul (Qwen2.5-VL) rather than fc1 + activation
     rotary: bool  # 2-D rotary embedding on q and k (the Qwen-VL towers)
-    patches_per_embedding: int  # patches the tower runs per embedding the prompt holds
-    extra_patches_per_item: int  # CLIP's class token
+    # Patches the tower runs per embedding the prompt holds: a merge or pixel shuffle's factor,
+    # a fraction where each tile also runs a class token the shuffle drops (InternVL, Llama 4).
+    patches_per_embedding: int | Fraction
+    extra_patches_per_item: int  # CLIP's class token; an audio encoder's fixed window
     input_width: int  # pixel values per patch (channels x temporal patch x patch^2)
     output_width: int  # one embedding's width in the encoder cache (the decoder's hidden size)
     dtype_bytes: int
+    per_item_bytes: int = 0  # held once per item beside its patches (an audio encoder's attention mask)
 
     def per_patch_bytes(self, cpu: bool = False) -> int:
         """One patch's share of one layer's peak, its pixel values (float32 as the processor
@@ -86,12 +91,12 @@ class VisionTower:
         return self.dtype_bytes * max(attention, mlp) + self.input_width * (FP32 + self.dtype_bytes)
 
     def patches(self, embeddings: int, items: int) -> int:
-        return embeddings * self.patches_per_embedding + items * self.extra_patches_per_item
+        return math.ceil(embeddings * self.patches_per_embedding) + items * self.extra_patches_per_item
 
     def activation_bytes(self, embeddings: int, items: int, cpu: bool = False) -> int:
         """The tower's forward over one step's items (vLLM batches a step's items of one modality
         into one `embed_multimodal` call; the fused attention kernels hold no score matrix)."""
-        return self.patches(embeddings, items) * self.per_patch_bytes(cpu)
+        return self.patches(embeddings, items) * self.per_patch_bytes(cpu) + items * self.per_item_bytes
 
     def output_bytes(self, embeddings: int) -> int:
         return embeddings * self.output_width * self.dtype_bytes
@@ -100,18 +105,18 @@ class VisionTower:
     def from_config(cls, config: Mapping[str, Any], dtype_bytes: int, decoder_hidden: int) -> VisionTower | None:
         """The tower of a family kvgate reads, else None (nothing charged: docs/memory-model.md
         lists the families); `decoder_hidden`: the language model's width (kvgate's geometry)."""
-        vision = config.get("vision_config")
         family = str(config.get("model_type"))
+        vision = config.get("audio_config" if family in _AUDIO_TOWERS else "vision_config")
         if not isinstance(vision, Mapping):
             return None
         reader = _TOWERS.get(family)
         try:
-            return reader(family, vision, dtype_bytes, decoder_hidden) if reader else None
-        except (KeyError, TypeError, ValueError):  # a vision_config without the sizes: not read
+            return reader(family, vision, dtype_bytes, decoder_hidden, config) if reader else None
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):  # a config without the sizes: not read
             return None
 
 
-def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:
+def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen2_vl.py `Qwen2VisionTransformer`: blocks of `embed_dim` with a QuickGELU MLP of
     embed_dim x mlp_ratio, patches of in_channels x temporal_patch_size x patch_size^2, merged
     spatial_merge_size^2 to one embedding of the decoder's width (vision_config.hidden_size)."""
@@ -131,7 +136,7 @@ def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden
     )
 
 
-def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:
+def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen2_5_vl.py `Qwen2_5_VisionTransformer`: `hidden_size` blocks with a gated SiLU MLP of
     `intermediate_size` (`Qwen2_5_VisionMLP`: gate_up_proj, SiluAndMul, down_proj), merged to
     `out_hidden_size`."""
@@ -150,7 +155,7 @@ def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidd
     )
 
 
-def _qwen3_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower:
+def _qwen3_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen3_vl.py `Qwen3_VisionTransformer`: `hidden_size` blocks with an fc1/GELU/fc2 MLP
     (`Qwen3_VisionMLP`), 16-pixel patches; each embedding is `out_hidden_size` x (1 + the
     deepstack levels) wide ("out_hidden_size is enlarged due to deepstack")."""
@@ -175,12 +180,16 @@ def _patch_input(vision: Mapping[str, Any], patch: int) -> int:
     return channels * int(vision.get("temporal_patch_size", 2)) * int(vision.get("patch_size", patch)) ** 2
 
 
-def _llava(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int) -> VisionTower | None:
+def _llava(
+    family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower | None:
     """llava.py with clip.py `CLIPVisionModel` or siglip.py `SiglipVisionModel`: one tile of
     (image_size / patch_size)^2 patches (+ CLIP's class token) per image, an fc1/activation/fc2 MLP;
-    the projector maps each kept patch to one embedding of the decoder's width. Pixtral towers
-    (`vision_config.model_type` "pixtral") are not read."""
+    the projector maps each kept patch to one embedding of the decoder's width. A Pixtral tower
+    (`vision_config.model_type` "pixtral", Pixtral-12B in Llava's format) is read as Mistral 3's."""
     tower = str(vision.get("model_type", "clip_vision_model"))
+    if tower == "pixtral":
+        return _pixtral(family, vision, dtype, decoder_hidden, config)
     if tower not in ("clip_vision_model", "siglip_vision_model"):
         return None
     patch = int(vision.get("patch_size", 14))
@@ -198,13 +207,153 @@ def _llava(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: i
     )
 
 
-_TOWERS = {
+def _tile(vision: Mapping[str, Any], key: str) -> int:
+    """A size that is one number, or [height, width] of a square (InternVL's vision_config)."""
+    value = vision[key]
+    if isinstance(value, list | tuple):
+        if len(value) != 2 or value[0] != value[1]:
+            raise ValueError(f"{key} {value!r}: not a square")
+        value = value[0]
+    return int(value)
+
+
+def _mlp_tower(
+    family: str,
+    vision: Mapping[str, Any],
+    dtype: int,
+    decoder_hidden: int,
+    *,
+    patches_per_embedding: int | Fraction,
+    gated: bool = False,
+    rotary: bool = False,
+) -> VisionTower:
+    """A ViT of `hidden_size` blocks with an MLP of `intermediate_size` over
+    num_channels x patch_size^2 pixel values a patch, each embedding the decoder's width."""
+    return VisionTower(
+        family,
+        hidden=int(vision["hidden_size"]),
+        intermediate=int(vision["intermediate_size"]),
+        gated_mlp=gated,
+        rotary=rotary,
+        patches_per_embedding=patches_per_embedding,
+        extra_patches_per_item=0,
+        input_width=int(vision.get("num_channels", 3)) * _tile(vision, "patch_size") ** 2,
+        output_width=decoder_hidden,
+        dtype_bytes=dtype,
+    )
+
+
+def _gemma3(
+    family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower:
+    """gemma3_mm.py `Gemma3ForConditionalGeneration`: siglip.py `SiglipVisionModel` over each image
+    and each pan-and-scan crop, (image_size / patch_size)^2 patches (4,096 for 896 / 14), an
+    fc1/GELU-tanh/fc2 MLP (`SiglipMLP`); `Gemma3MultiModalProjector` average-pools them to
+    mm_tokens_per_image embeddings (256)."""
+    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    per_embedding = Fraction(patches, int(config.get("mm_tokens_per_image", 256)))
+    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=per_embedding)
+
+
+def _idefics3(
+    family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower:
+    """idefics3.py (smolvlm.py inherits it): idefics2_vision_model.py `Idefics2VisionTransformer`
+    over every tile (fc1/GELU-tanh/fc2, `Idefics2VisionMLP`, no class token), then
+    `Idefics3Connector.pixel_shuffle` folds scale_factor^2 patches into one embedding."""
+    scale = int(config.get("scale_factor", 2))
+    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=scale * scale)
+
+
+def _internvl(
+    family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower:
+    """InternVL in transformers' format (interns1.py `InternS1ForConditionalGeneration`): interns1_vit.py
+    `InternS1VisionModel` over every tile, (image_size / patch_size)^2 patches and a class token
+    (`InternS1VisionEmbeddings.cls_token`), an fc1/GELU/fc2 MLP (`InternS1VisionMLP`); `extract_feature`
+    drops the class token and pixel-shuffles by downsample_ratio: 1,025 patches make 256 embeddings
+    for 448 / 14 and 0.5."""
+    patches = (_tile(vision, "image_size") // _tile(vision, "patch_size")) ** 2
+    ratio = Fraction(str(config.get("downsample_ratio", 0.5)))
+    embeddings = patches * ratio * ratio
+    if embeddings.denominator != 1:
+        raise ValueError(f"downsample_ratio {ratio} does not divide {patches} patches")
+    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=Fraction(patches + 1, embeddings))
+
+
+def _pixtral(
+    family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower:
+    """Mistral Small 3.x (mistral3.py) and Pixtral in Llava's format (llava.py): pixtral.py
+    `PixtralHFVisionModel`, one patch per patch_size^2 pixels, 2-D rotary q and k
+    (`apply_rotary_pos_emb`), a gated SiLU MLP (`PixtralHFMLP`: gate_up_proj, SiluAndMul); Mistral 3's
+    `Mistral3PatchMerger` folds spatial_merge_size^2 patches into one embedding (Pixtral-12B: 1)."""
+    merge = int(config.get("spatial_merge_size") or 1)
+    return _mlp_tower(
+        family, vision, dtype, decoder_hidden, patches_per_embedding=merge * merge, gated=True, rotary=True
+    )
+
+
+def _llama4(
+    family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower:
+    """mllama4.py `Llama4VisionModel` over every tile and the global view: (image_size /
+    patch_size)^2 patches and a class token (`class_embedding`), 2-D rotary q and k
+    (`Llama4VisionAttention.rotary_emb`), an fc1/GELU/fc2 MLP (`Llama4VisionMLP`); the class token is
+    dropped and `Llama4VisionPixelShuffleMLP` folds 1 / pixel_shuffle_ratio^2 patches into one
+    embedding: 577 patches make 144 for 336 / 14 and 0.5."""
+    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    ratio = Fraction(str(vision.get("pixel_shuffle_ratio", 0.5)))
+    embeddings = patches * ratio * ratio
+    if embeddings.denominator != 1:
+        raise ValueError(f"pixel_shuffle_ratio {ratio} does not divide {patches} patches")
+    per_embedding = Fraction(patches + 1, embeddings)
+    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=per_embedding, rotary=True)
+
+
+def _qwen2_audio(
+    family: str, audio: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower:
+    """qwen2_audio.py `Qwen2AudioForConditionalGeneration._process_audio_input`: transformers'
+    `Qwen2AudioEncoder` over every audio's whole 30 s window, whatever its length: num_mel_bins x
+    3,000 float32 features, two convolutions to max_source_positions (1,500) positions of d_model,
+    encoder layers with an fc1/GELU/fc2 MLP of encoder_ffn_dim (Whisper's), and the
+    (1,500 x 1,500) attention mask 0.32.0 builds in the tower's dtype per audio (0.33.0 builds a
+    1 x 1,500 mask that broadcasts: charged as 0.32.0's, 4.5 MiB more per audio in bf16); the audio's
+    embeddings (at most 750 after the average pool) are the decoder's width. Assumes the SDPA
+    attention transformers picks by default (no score matrix held); eager attention would add
+    heads x 1,500^2 per audio."""
+    positions = int(audio.get("max_source_positions", 1500))
+    return VisionTower(
+        family,
+        hidden=int(audio["d_model"]),
+        intermediate=int(audio["encoder_ffn_dim"]),
+        gated_mlp=False,
+        rotary=False,
+        patches_per_embedding=0,
+        extra_patches_per_item=positions,
+        input_width=int(audio.get("num_mel_bins", 128)) * 2,  # 3,000 frames over 1,500 positions
+        output_width=decoder_hidden,
+        dtype_bytes=dtype,
+        per_item_bytes=positions * positions * dtype,
+    )
+
+
+_TOWERS: dict[str, Any] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
     "qwen3_vl": _qwen3_vl,
     "qwen3_vl_moe": _qwen3_vl,
     "llava": _llava,
+    "gemma3": _gemma3,
+    "idefics3": _idefics3,
+    "smolvlm": _idefics3,
+    "internvl": _internvl,
+    "mistral3": _pixtral,
+    "llama4": _llama4,
+    "qwen2_audio": _qwen2_audio,
 }
+_AUDIO_TOWERS = frozenset({"qwen2_audio"})  # read from config.json's audio_config
 
 
 @dataclass(frozen=True)
@@ -216,6 +365,7 @@ class EncoderBudget:
     compute_budget: int  # B
     cache_size: int  # C
     profiled_items: int  # K largest items the profile encoded (0: the encoder was not profiled)
+    step_items: int = 1  # the most items one step of B embeddings can batch
 
     @classmethod
     def of(
@@ -228,12 +378,15 @@ class EncoderBudget:
         max_model_len: int,
         items_per_prompt: int,
         profiled: bool,
+        min_item: int = 1,
     ) -> EncoderBudget:
-        """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on)."""
+        """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
+        `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise)."""
         budget = max(max_num_batched_tokens, max_item)
         per_prompt = max(1, min(items_per_prompt, max_model_len // max(max_item, 1)))
         items = max(1, min(budget // max(max_item, 1), max_num_seqs * per_prompt)) if profiled else 0
-        return cls(tower, max_item, budget, budget, items)
+        step_items = max(1, min(budget // max(min_item, 1), max_num_seqs * max(items_per_prompt, 1)))
+        return cls(tower, max_item, budget, budget, items, step_items)
 
     @property
     def profiled_embeddings(self) -> int:
@@ -259,10 +412,12 @@ class EncoderBudget:
             credit = min(decoder_profiled, profile_region * step // self.compute_budget)
             activation = max(0, activation - credit)
         else:
-            # A step of this request's items beyond what the profile ran: at most what B (or an
-            # item over M) leaves past K x M; the rest of the cache the profile did not hold.
-            over = max(self.compute_budget, max(items)) - self.profiled_embeddings
-            activation = min(activation, tower.activation_bytes(max(0, over), 1 if over > 0 else 0))
+            # A step of this request's items beyond what the profile ran: at most what the
+            # largest step (B embeddings, or an item over M, in the most items a step batches)
+            # takes past the profile's K items of M; the rest of the cache the profile did not hold.
+            largest = tower.activation_bytes(max(self.compute_budget, max(items)), self.step_items)
+            beyond = largest - tower.activation_bytes(self.profiled_embeddings, self.profiled_items)
+            activation = min(activation, max(0, beyond))
             cache = min(cache, tower.output_bytes(max(0, self.cache_size - self.profiled_embeddings)))
         seen = (
             f"the profile encoded {self.profiled_items} item(s) of {self.max_item} embeddings"

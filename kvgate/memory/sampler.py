@@ -565,7 +565,9 @@ class SamplerBatch:
 
     An admission asks for the stage with the same candidate twice (transient and profiled
     bytes) and for the stage without one after it joins: each is computed once per change of
-    the batch, and kept until the next add() or remove().
+    the batch, and kept until the next add() or remove(); the candidate's stage becomes the
+    batch's when it joins, and a candidate joining an empty batch is charged its own `alone`
+    (tests/unit/test_sampler_batch_memo.py compares both with a fresh computation).
     """
 
     def __init__(self) -> None:
@@ -598,7 +600,7 @@ class SamplerBatch:
         self._top_p += use.top_p
         bisect.insort(self._prompts, use.longest_prompt)
         bisect.insort(self._outputs, use.longest_output)
-        self._changed()
+        self._changed(joined=use)
 
     def remove(self, use: SamplerUse) -> None:
         self._rows -= use.rows
@@ -615,8 +617,10 @@ class SamplerBatch:
         del self._outputs[bisect.bisect_left(self._outputs, use.longest_output)]
         self._changed()
 
-    def _changed(self) -> None:
-        self._stage: SamplerStage | None = None
+    def _changed(self, joined: SamplerUse | None = None) -> None:
+        # `joined`'s stage as a candidate, if asked, is the batch's now
+        kept = self._with if joined is not None else None
+        self._stage: SamplerStage | None = kept[1] if kept is not None and kept[0] is joined else None
         self._with: tuple[SamplerUse, SamplerStage] | None = None
 
     def stage(self, extra: SamplerUse | None = None) -> SamplerStage:
@@ -626,7 +630,8 @@ class SamplerBatch:
                 self._stage = self._compute(None)
             return self._stage
         if self._with is None or self._with[0] is not extra:
-            self._with = (extra, self._compute(extra))
+            # Joining an empty batch, it is the batch: the stage it was predicted with.
+            self._with = (extra, self._compute(extra) if self._prompts else extra.alone)
         return self._with[1]
 
     def _compute(self, extra: SamplerUse | None) -> SamplerStage:

@@ -619,6 +619,17 @@ class TestPace:
         assert pace.duration_s(100) == pytest.approx(20.0)
         assert pace.duration_s(0) == pytest.approx(0.2)  # at least one token
 
+    def test_a_long_prompt_is_predicted_to_take_its_prefill_too(self) -> None:
+        """A stream's first token splits its time: prefill per prompt token, decoding per output
+        token. A 4,000-token prompt asking one output token is not over in one decoding step."""
+        pace = Pace(weight=1.0)
+        pace.record(seconds=3.0, tokens_per_sequence=100, prompt_tokens=1000, first_token_s=1.0)
+        assert pace.duration_s(1, prompt_tokens=4000) == pytest.approx(4.0 + 0.02)
+        assert pace.duration_s(100, prompt_tokens=0) == pytest.approx(2.0)
+        # A non-streaming answer (first token not seen) teaches decoding net of its predicted prefill.
+        pace.record(seconds=5.0, tokens_per_sequence=100, prompt_tokens=1000)
+        assert pace.duration_s(100) == pytest.approx(4.0)
+
 
 class TestBackfill:
     """EASY backfilling (kvgate/gate/backfill.py): requests that fit now pass a head that waits for
@@ -676,6 +687,59 @@ class TestBackfill:
         quick = await asyncio.wait_for(gate.acquire(short(3, 4), 0, "b"), 1)  # ends after 0.4 s
         clock.now += 0.4
         quick.release("completed", 4)
+        holder.release("completed", 16)
+        (await asyncio.wait_for(head, 1)).release()
+        assert gate.ledger.in_flight == 0
+
+    async def test_a_companion_that_ends_its_prefill_leaves_the_head_room_beside_it(self) -> None:
+        """The head is to run beside a companion that was still prefilling when its reservation was
+        made; once that companion's prefill-only memory is gone, the room it held beside the head
+        is free for another request to pass (it used to stay charged until the companion ended)."""
+        clock = FakeClock()
+        metrics = KvgateMetrics()
+        observer = GateMetrics(metrics)
+        budget = Budget(kv_blocks=100, transient_headroom_bytes=100, transient_margin=0.0)
+        gate = Gate(budget, Observers(observer), max_queue=8, max_queue_wait_s=60.0, clock=clock)
+        observer.watch(gate)
+
+        def holding(held: int, tokens: int) -> Demand:
+            """Prefill memory held across its prefill's steps (summed over open prefills)."""
+            return replace(demand(prefill=held), transient_held_bytes=held, max_new_tokens=tokens)
+
+        taught = await gate.acquire(short(1, 10), 0, "a")
+        clock.now += 1.0
+        taught.release("completed", 10)  # 0.1 s an output token
+        ending = await gate.acquire(holding(60, 16), 0, "a")  # predicted to end at +1.6 s
+        companion = await gate.acquire(holding(40, 1000), 0, "a")  # still running when the head starts
+        head = await queued(gate, holding(50, 16))  # 100 + 50 > 100
+        long_one = holding(40, 1000)  # fits beside `ending` and the companion decoding, not before the head starts
+        assert gate.would_wait(long_one, 0) == "behind_queue"  # the companion still prefills
+        companion.end_prefill()
+        assert not head.done()  # 60 + 0 + 50 > 100: it waits for `ending`
+        passed = await asyncio.wait_for(gate.acquire(long_one, 0, "b"), 1)  # 0 + 40 + 50 beside the companion
+        ending.release("completed", 16)
+        (await asyncio.wait_for(head, 1)).release()
+        passed.release()
+        companion.release()
+        assert sample(metrics, "kvgate_decisions_total", decision="admit", reason="backfilled") == 1
+        assert gate.ledger.in_flight == 0
+
+    async def test_a_long_prompt_asking_one_token_is_not_taken_for_a_quick_one(self) -> None:
+        """Predicted from its prompt too, a scoring request (4,000 prompt tokens, one output token)
+        does not pass a waiting head as "ends before the head starts" when its prefill alone
+        takes longer than the head waits; a short prompt asking one token does."""
+        clock = FakeClock()
+        gate, _ = clocked_gate(10, clock)
+        taught = await gate.acquire(replace(short(1, 10), prompt_tokens=100), 0, "a")
+        clock.now += 0.1
+        taught.end_prefill()  # 1 ms a prompt token
+        clock.now += 1.0
+        taught.release("completed", 10)  # 0.1 s an output token
+        holder = await gate.acquire(short(6, 16), 0, "a")  # predicted to end at +1.6 s
+        head = await queued(gate, demand(blocks=8))
+        assert gate.would_wait(replace(short(3, 1), prompt_tokens=4000), 0) == "behind_queue"  # 2 x 4.1 s
+        quick = await asyncio.wait_for(gate.acquire(replace(short(3, 1), prompt_tokens=100), 0, "b"), 1)
+        quick.release("completed", 1)
         holder.release("completed", 16)
         (await asyncio.wait_for(head, 1)).release()
         assert gate.ledger.in_flight == 0

@@ -3,15 +3,22 @@ from vLLM's code, and charged in the prediction of a request with images."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from kvgate.engine_config import Deployment, encoder_budget
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape
 from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.memory.vllm_runner import resolve_runtime
+from kvgate.multimodal import media_options
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor, image_items
-from support.geometry import config_json, layout
+from support.geometry import config_json, layout, write_config
 
 QWEN_VL = config_json("qwen2.5-vl-7b-instruct")
 # 2 x max(attention 10h, MLP 4h + gate_up 2I + act I) + pixels 1,176 x (fp32 + bf16); on the
@@ -68,6 +75,79 @@ def test_other_towers() -> None:
     assert (tower.output_width, tower.input_width) == (4096 * 4, 3 * 2 * 16 * 16)  # deepstack: 4 x wide
     assert VisionTower.from_config({"model_type": "llama", "hidden_size": 8}, 2, 8) is None
     assert VisionTower.from_config({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}, 2, 8) is None
+
+
+# Published configs' vision parts (config.json on the Hugging Face Hub), trimmed to what the towers
+# read: OpenGVLab/InternVL3-1B-hf, mistralai/Mistral-Small-3.1-24B-Instruct-2503,
+# meta-llama/Llama-4-Scout-17B-16E-Instruct, HuggingFaceTB/SmolVLM-256M-Instruct.
+INTERNVL3 = {
+    "model_type": "internvl",
+    "downsample_ratio": 0.5,
+    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "image_size": [448, 448], "patch_size": [14, 14]},
+}
+MISTRAL3 = {
+    "model_type": "mistral3",
+    "spatial_merge_size": 2,
+    "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "patch_size": 14},
+}
+LLAMA4 = {
+    "model_type": "llama4",
+    "vision_config": {
+        "hidden_size": 1408,
+        "intermediate_size": 5632,
+        "image_size": 336,
+        "patch_size": 14,
+        "pixel_shuffle_ratio": 0.5,
+    },
+}
+SMOLVLM = {
+    "model_type": "smolvlm",
+    "scale_factor": 4,
+    "vision_config": {"hidden_size": 768, "intermediate_size": 3072, "image_size": 512, "patch_size": 16},
+}
+
+
+def test_gemma3_runs_4096_siglip_patches_per_256_embeddings() -> None:
+    tower = VisionTower.from_config(config_json("gemma-3-4b-it"), 2, 2560)
+    assert tower is not None
+    assert tower.patches(256, 1) == 4096  # (896 / 14)^2 patches, pooled to mm_tokens_per_image
+    assert tower.patches(256 * 5, 5) == 5 * 4096  # an image and four pan-and-scan crops
+    # 2 x max(attention 8h, MLP 4h + fc1 I + GELU I) + 588 pixel values x (fp32 + bf16)
+    assert tower.per_patch_bytes() == 2 * max(8 * 1152, 4 * 1152 + 2 * 4304) + 588 * 6 == 29_960
+    assert tower.output_width == 2560
+
+
+def test_internvl_runs_a_class_token_per_tile_that_the_pixel_shuffle_drops() -> None:
+    tower = VisionTower.from_config(INTERNVL3, 2, 896)
+    assert tower is not None
+    assert tower.patches(256, 1) == 1025  # 32^2 patches and the class token make 256 embeddings
+    assert tower.patches(256 * 13, 1) == 13 * 1025  # 12 tiles and the thumbnail
+    assert not tower.rotary
+    assert not tower.gated_mlp
+
+
+def test_pixtral_towers_are_gated_and_rotary_and_merge_by_spatial_merge_size() -> None:
+    mistral = VisionTower.from_config(MISTRAL3, 2, 5120)
+    assert mistral is not None
+    assert (mistral.gated_mlp, mistral.rotary, mistral.patches(1, 1)) == (True, True, 4)
+    # 2 x max(attention 10h, MLP 4h + gate_up 2I + SiLU I) + 588 x 6
+    assert mistral.per_patch_bytes() == 2 * max(10 * 1024, 4 * 1024 + 3 * 4096) + 588 * 6 == 36_296
+    pixtral = VisionTower.from_config({**MISTRAL3, "model_type": "llava", "spatial_merge_size": None}, 2, 5120)
+    assert pixtral is not None
+    assert pixtral.patches(1, 1) == 1  # Pixtral-12B: one embedding a patch
+
+
+def test_llama4_and_smolvlm_towers() -> None:
+    llama4 = VisionTower.from_config(LLAMA4, 2, 5120)
+    assert llama4 is not None
+    assert llama4.patches(144 * 17, 1) == 17 * 577  # 16 tiles and the global view, 576 + 1 patches each
+    assert llama4.rotary
+    assert not llama4.gated_mlp
+    smolvlm = VisionTower.from_config(SMOLVLM, 2, 576)
+    assert smolvlm is not None
+    assert smolvlm.patches(64, 1) == 1024  # (512 / 16)^2 patches, pixel-shuffled by 4 x 4
+    broken = {**INTERNVL3, "vision_config": {**INTERNVL3["vision_config"], "image_size": [448, 336]}}
+    assert VisionTower.from_config(broken, 2, 896) is None  # not a square: not read
 
 
 @pytest.mark.parametrize(
@@ -151,3 +231,81 @@ def test_the_prediction_charges_an_image_and_the_gate_queues_a_second() -> None:
     ledger.reserve(demand)
     assert budget.shortfall(demand, ledger) == TRANSIENT_BUSY
     assert budget.shortfall(plain.demand, ledger) is None  # a text prompt still goes in beside it
+
+
+def test_qwen2_audio_runs_its_whole_window_for_any_audio() -> None:
+    """Qwen/Qwen2-Audio-7B-Instruct's audio_config: every audio runs 1,500 positions and its
+    1,500^2 attention mask, so ten profiled 30 s audios do not cover a step of many short ones:
+    each request is charged its own window."""
+    config = {
+        "model_type": "qwen2_audio",
+        "audio_config": {"d_model": 1280, "encoder_ffn_dim": 5120, "num_mel_bins": 128, "max_source_positions": 1500},
+    }
+    tower = VisionTower.from_config(config, 2, 4096)
+    assert tower is not None
+    per_position = 2 * max(8 * 1280, 4 * 1280 + 2 * 5120) + 256 * 6
+    window = 1500 * per_position + 1500 * 1500 * 2
+    assert tower.activation_bytes(25, 1) == tower.activation_bytes(750, 1) == window == 52_884_000
+    budget = EncoderBudget.of(
+        tower,
+        750,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        max_model_len=32768,
+        items_per_prompt=999,
+        profiled=True,
+    )
+    assert (budget.profiled_items, budget.step_items) == (10, 8192)
+    assert by_name(budget.terms([25])) == {"encoder_activations": window, "encoder_cache": 25 * 4096 * 2}
+    # A fixed count per item (min_item = M) bounds a step's items: the profile covers whole steps.
+    fixed = EncoderBudget.of(
+        tower, 750, max_num_batched_tokens=7500, max_num_seqs=256, max_model_len=32768, items_per_prompt=999,
+        profiled=True, min_item=750,
+    )  # fmt: skip
+    assert by_name(fixed.terms([750]))["encoder_activations"] == 0
+
+
+def _deployment(**overrides: object) -> Deployment:
+    fields: dict = {
+        "max_model_len": 32768,
+        "max_num_batched_tokens": 8192,
+        "max_num_seqs": 256,
+        "block_size": 16,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "kv_cache_dtype": "auto",
+        "gpu_memory_utilization": 0.9,
+        "long_prefill_token_threshold": 0,
+        "enable_prefix_caching": True,
+        "attention_backend": "FLASH_ATTN",
+        "num_gpu_blocks": None,
+        "runtime": resolve_runtime("0.32.0"),
+    }
+    return Deployment(**{**fields, **overrides})
+
+
+def test_a_deployment_of_qwen2_audio_or_gemma3_gets_its_towers_budget(tmp_path: Path) -> None:
+    """engine_config.encoder_budget: M from the audio rule where the model has no image rule
+    (Qwen2-Audio: 750 for 30 s) and from the image rule otherwise (Gemma 3: 256, 5 x 256 with
+    pan-and-scan's 4 crops from --mm-processor-kwargs)."""
+    audio = tmp_path / "qwen2-audio"
+    audio.mkdir()
+    config = {
+        "model_type": "qwen2_audio",
+        "audio_token_index": 151646,
+        "audio_config": {"d_model": 1280, "encoder_ffn_dim": 5120, "num_mel_bins": 128},
+        "text_config": config_json("qwen2.5-7b-instruct"),
+    }
+    (audio / "config.json").write_text(json.dumps(config))
+    geometry = ModelGeometry.from_config(config_json("qwen2.5-7b-instruct"))
+    budget = encoder_budget(str(audio), _deployment(), media_options(None, {"audio": 2}), geometry)
+    assert budget is not None
+    assert (budget.tower.family, budget.max_item, budget.profiled_items) == ("qwen2_audio", 750, 10)
+    gemma = write_config(tmp_path / "gemma3", "gemma-3-4b-it")
+    gemma_geometry = ModelGeometry.from_config(config_json("gemma-3-4b-it"))
+    plain = encoder_budget(str(gemma), _deployment(), media_options(None, None), gemma_geometry)
+    scanned = encoder_budget(str(gemma), _deployment(), media_options({"do_pan_and_scan": True}, None), gemma_geometry)
+    assert plain is not None
+    assert scanned is not None
+    assert (plain.max_item, scanned.max_item) == (256, 5 * 256)
+    assert plain.tower.patches(256, 1) == 4096

@@ -287,3 +287,23 @@ async def test_a_backend_tokenize_failure_says_whose_it_is(
             await configured.evaluate("completions", body(prompt="hello", max_tokens=4))
     assert status_of(refused.value) == status
     assert error_body(refused.value)["error"]["code"] == code
+
+
+async def test_a_tokenize_call_cut_by_the_servers_keep_alive_close_is_sent_again(tiny_model_dir: Path) -> None:
+    """vLLM's server closes an idle connection after 5 s; a /tokenize sent on it as the close
+    arrives is cut (httpx ReadError) though the server never saw it: kvgate sends it once more
+    (tokenizing changes nothing) instead of answering 502."""
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content)["prompt"])
+        if len(calls) == 1:
+            raise httpx.ReadError("")
+        return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3, "max_model_len": 256})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://vllm") as client:
+        configured = new_pipeline()
+        configured.configure(config_for(tiny_model_dir, BackendTokenizer(client, MODEL)))
+        evaluation = await configured.evaluate("completions", body(prompt="hello", max_tokens=4))
+    assert calls == ["hello", "hello"]
+    assert evaluation.prediction.demand.prompt_tokens == 3

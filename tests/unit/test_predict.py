@@ -19,7 +19,7 @@ from kvgate.openai import parse_request
 from kvgate.output_lengths import OutputLengths
 from kvgate.predict import Predictor
 from kvgate.request import RequestLimits, Truncation, ValidRequest, check_limits
-from kvgate.sampling_params import SamplingParams, v2_sampler_needs
+from kvgate.sampling_params import SamplingParams, v2_filters, v2_sampler_needs
 from support.geometry import layout
 
 ENGINES = {
@@ -66,11 +66,10 @@ def fresh_demand(predictor: Predictor, spec: ValidRequest, prompts: list[list[in
         )
         for ids in prompts
     ]
-    return footprints, predictor._demand(
-        footprints,
-        sampling,
-        predictor.sampler_use(spec, footprints, v2_sampler_needs(spec.sampling, predictor.sampling_defaults)),
-    )
+    processing, filtered = v2_sampler_needs(spec.sampling, predictor.sampling_defaults)
+    top_k, top_p = v2_filters(spec.sampling, predictor.sampling_defaults)
+    needs = dataclasses.replace(sampling, processing=processing, filtered=filtered, top_k=top_k, top_p=top_p)
+    return footprints, predictor._demand(footprints, sampling, predictor.sampler_use(spec, footprints, needs))
 
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES)

@@ -4,6 +4,7 @@ waits, when it is refused, and where the process's limit comes from."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ async def test_a_request_that_fits_goes_at_once_and_gives_back_what_it_grew_by()
 
 
 async def test_a_request_waits_for_room_then_goes() -> None:
-    budget = WorkBudget(100, wait_s=5)
+    budget = WorkBudget(100)
     order: list[str] = []
     big_in = asyncio.Event()
 
@@ -51,20 +52,103 @@ async def test_a_request_waits_for_room_then_goes() -> None:
     assert budget.in_use == 0
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_small_requests_pass_a_large_one_waiting_for_room() -> None:
-    """First fit: a large body waiting never holds up the small requests behind it."""
-    budget = WorkBudget(100, wait_s=0.2)
+    """First fit: a large body waiting never holds up the small requests behind it (within its
+    pass window), and it is not refused for waiting: it goes once room comes back."""
+    budget = WorkBudget(100)
+    big = budget.hold(60)
+    await big.__aenter__()
+    large = asyncio.create_task(budget.hold(50).__aenter__())
+    await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the large request to wait")
+    async with budget.hold(10):  # fits beside the 60 held: not behind the waiting 50
+        assert budget.in_use == 70
+    assert not large.done()
+    await big.__aexit__(None, None, None)
+    grant = await large
+    assert grant.bytes == 50 == budget.in_use
+
+
+async def test_a_request_still_waiting_at_its_deadline_is_429() -> None:
+    budget = WorkBudget(100)
     async with budget.hold(60):
-        large = asyncio.create_task(budget.hold(50).__aenter__())
-        await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the large request to wait")
-        async with budget.hold(10):  # fits beside the 60 held: not behind the waiting 50
-            assert budget.in_use == 70
         with pytest.raises(WorkMemoryBusy) as caught:
-            await large
+            async with budget.hold(50, deadline=time.monotonic() + 0.05):
+                pass
     assert budget.in_use == 0
+    assert not budget._waiters
     assert status_of(caught.value) == 429
     assert error_headers(caught.value) == {"Retry-After": "1", "x-llm-d-request-dropped-reason": "rejected-saturated"}
     assert error_body(caught.value)["error"]["code"] == "work_memory_busy"
+
+
+async def test_a_large_request_past_its_pass_window_is_not_passed_any_more() -> None:
+    """No starvation: once the oldest waiter has waited its pass window, small requests that
+    would fit wait behind it; it goes as soon as the work under way gives its bytes back."""
+    clock = FakeClock()
+    budget = WorkBudget(100, pass_window_s=1.0, clock=clock)
+    first = budget.hold(60)
+    await first.__aenter__()
+    large = asyncio.create_task(budget.hold(50, deadline=clock.now + 60).__aenter__())
+    await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the large request to wait")
+    clock.now += 1.0  # its window is over
+    small = asyncio.create_task(budget.hold(10, deadline=clock.now + 60).__aenter__())
+    await wait_for_async(lambda: len(budget._waiters) == 2, timeout_s=5, what="the small request to wait too")
+    assert budget.in_use == 60  # 10 would fit, but may not pass
+    await first.__aexit__(None, None, None)
+    assert (await large).bytes == 50
+    assert (await small).bytes == 10
+    assert budget.in_use == 60
+
+
+async def test_a_preparation_under_way_grows_before_new_requests_start() -> None:
+    """Growing a grant (the tokenizer's stage) comes before new requests: finishing the work under
+    way is what frees memory."""
+    clock = FakeClock()
+    budget = WorkBudget(100, clock=clock)
+    async with budget.hold(40, deadline=clock.now + 60) as under_way:
+        other = budget.hold(50, deadline=clock.now + 60)
+        await other.__aenter__()
+        growth = asyncio.create_task(under_way.grow(30))
+        await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the growth to wait")
+        newcomer = asyncio.create_task(budget.hold(10, deadline=clock.now + 60).__aenter__())
+        await wait_for_async(lambda: len(budget._waiters) == 2, timeout_s=5, what="the newcomer to wait")
+        assert budget.in_use == 90  # 10 would fit, but the growth goes first
+        await other.__aexit__(None, None, None)
+        await growth
+        assert under_way.bytes == 70
+        assert (await newcomer).bytes == 10
+    assert budget.in_use == 10
+
+
+async def test_growers_that_hold_everything_and_wait_for_each_other_do_not_wait_forever() -> None:
+    """Two preparations each holding 50 and each needing 30 more could never go on: the younger
+    is refused (429) and the older goes with the bytes it gives back."""
+    budget = WorkBudget(100)
+    outcomes: dict[str, str] = {}
+    both_in = asyncio.Barrier(2)
+
+    async def preparation(name: str) -> None:
+        try:
+            async with budget.hold(50, deadline=time.monotonic() + 60) as grant:
+                await both_in.wait()
+                if name == "younger":
+                    await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the older to wait")
+                await grant.grow(30)
+                outcomes[name] = "grew"
+        except WorkMemoryBusy:
+            outcomes[name] = "429"
+
+    await asyncio.gather(preparation("older"), preparation("younger"))
+    assert outcomes == {"older": "grew", "younger": "429"}
+    assert budget.in_use == 0
 
 
 async def test_a_request_the_budget_could_never_hold_is_413_at_once() -> None:
