@@ -27,12 +27,14 @@ import httpx
 import pytest
 from PIL import Image
 
+from bench.media_read import png_header
 from kvgate.chat_template import TokenizationError
 from kvgate.image_rules import AnyResolution, DynamicResolution, SplitTiles, image_tokens_of
 from kvgate.multimodal import media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, metrics_at
 from support.vllm_server import VllmPython, VllmServer, running_vllm
 
 pytestmark = pytest.mark.vllm
@@ -253,3 +255,70 @@ def test_llava_onevision_count_is_vllms_prompt_tokens(onevision: VllmServer, one
     theirs = [_prompt_tokens(onevision, chat) for chat in cases]
     assert _counts(tokenizer, cases) == theirs
     assert len(set(theirs)) > 15
+
+
+@pytest.fixture(scope="module")
+def gated_qwen2_vl(kvgate_factory: KvgateFactory, qwen2_vl: VllmServer, qwen2_vl_dir: Path) -> KvgateServer:
+    """kvgate serve in front of the real Qwen2-VL, with the server's own media flags."""
+    return kvgate_factory(
+        qwen2_vl.base_url,
+        qwen2_vl_dir,
+        *("--limit-mm-per-prompt", json.dumps(QWEN_LIMITS), "--max-model-len", "2048"),
+        *("--max-num-batched-tokens", "2048", "--max-num-seqs", "8", "--max-queue-wait", "120"),
+        *("--free-memory-bytes", str(8 * 1024**3), "--max-process-memory-bytes", "1GiB"),
+    )
+
+
+def _image_part(data: bytes, mime: str = "image/png") -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
+
+
+def _png_bytes(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (1, 2, 3)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+HOSTILE = {
+    "bad-base64": ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA*"}}, "not valid base64"),
+    "bomb": (_image_part(png_header(100_000, 100_000)), "exceeds limit of 178956970 pixels"),
+    "zero-side": (_image_part(png_header(0, 10)), "Failed to load image"),
+    "50000-side": (_image_part(png_header(50_000, 10)), "aspect ratio must be smaller than 200"),
+    "cut-short": (_image_part(_png_bytes(40, 40)[:20]), "Failed to load image"),
+    "wav-as-image": (_image_part(b"RIFF\0\0\0\0WAVEfmt " + bytes(20), "image/png"), "Failed to load image"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_media_is_a_400_from_kvgate_and_vllm_refuses_it_too(
+    name: str, gated_qwen2_vl: KvgateServer, qwen2_vl: VllmServer
+) -> None:
+    """kvgate answers 400 in OpenAI's shape without reaching vLLM (its prompt-token counter does not
+    move) and reserves nothing; vLLM, asked directly, refuses the same media too (vLLM 0.32.0 answers
+    the bomb with a 500: PIL's DecompressionBombError reaches its handler as an InternalServerError)."""
+    part, message = HOSTILE[name]
+    body = {"model": qwen2_vl.served_name, "max_tokens": 1, "messages": [_message("user", "What is this?", [], 0)]}
+    body["messages"][0]["content"].append(part)
+    before = metrics_at(qwen2_vl.base_url, "vllm:prompt_tokens_total")
+    response = httpx.post(gated_qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"]
+    assert metrics_at(qwen2_vl.base_url, "vllm:prompt_tokens_total") == before
+    assert_ledger_empty(gated_qwen2_vl)
+    direct = httpx.post(qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert direct.status_code == (500 if name == "bomb" else 400), direct.text
+
+
+def test_an_image_through_kvgate_is_served_with_the_count_kvgate_charged(
+    gated_qwen2_vl: KvgateServer, qwen2_vl: VllmServer
+) -> None:
+    chat = _qwen_cases()[12]
+    body = {"model": qwen2_vl.served_name, "max_tokens": 1, "messages": chat}
+    explained = httpx.post(gated_qwen2_vl.base_url + "/kvgate/explain", json=body, timeout=60)
+    assert explained.status_code == 200, explained.text
+    response = httpx.post(gated_qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == explained.json()["prompt_tokens"]
+    assert_ledger_empty(gated_qwen2_vl)
