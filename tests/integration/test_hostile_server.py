@@ -38,6 +38,18 @@ def kvgate(kvgate_factory: KvgateFactory, backend: FakeBackend, tiny_model_dir: 
 
 @pytest.fixture(scope="module")
 def client(kvgate: KvgateServer) -> Iterator[httpx.Client]:
+    """A client whose 10 s timeout measures kvgate's answers, not its start-up: a body carrying its
+    own chat template is prepared in a worker process, and the first such request waits for the
+    workers kvgate spawned at start-up to load transformers and the tokenizer (9-10 s on a loaded
+    2-core machine). One such request, with time to spare, goes first."""
+    warm_up = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "hi"}],
+        "chat_template": "{{ messages[0]['content'] }}",
+        "max_tokens": 4,
+    }
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=warm_up, timeout=180)
+    assert response.status_code == 200, response.text
     with httpx.Client(base_url=kvgate.base_url, timeout=10) as client:
         yield client
 
