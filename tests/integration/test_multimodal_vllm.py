@@ -322,3 +322,67 @@ def test_an_image_through_kvgate_is_served_with_the_count_kvgate_charged(
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["prompt_tokens"] == explained.json()["prompt_tokens"]
     assert_ledger_empty(gated_qwen2_vl)
+
+
+def _jpeg_video(width: int, height: int, frames: int) -> dict:
+    """A video as vLLM takes its frames: a data:video/jpeg;base64 URL of comma-separated JPEGs."""
+    encoded = []
+    for i in range(frames):
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height), (i * 9 % 256, 40, 200)).save(buffer, "JPEG")
+        encoded.append(base64.b64encode(buffer.getvalue()).decode())
+    return {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64," + ",".join(encoded)}}
+
+
+def _video_chat(video: dict, *images: tuple[int, int]) -> list[dict]:
+    message = _message("user", "What happens?", list(images), 3)
+    message["content"].append(video)
+    return [message]
+
+
+def test_qwen2_vl_videos_as_frames_count_as_vllm_counts_them(qwen2_vl: VllmServer, qwen2_vl_dir: Path) -> None:
+    """Frames 1 to 40 (vLLM keeps 32 unless media_io_kwargs say), sizes and aspect ratios, with
+    the videos' kwargs and beside images: kvgate's own count (no backend call) is vLLM's."""
+    tokenizer = _local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS)
+    videos = [(56, 56, 1), (56, 56, 2), (56, 56, 3), (300, 200, 5), (640, 480, 8), (64, 64, 40), (1000, 60, 2)]
+    chats = [_video_chat(_jpeg_video(w, h, n)) for w, h, n in videos]
+    chats.append(_video_chat(_jpeg_video(120, 90, 3), (300, 200), (20, 2000)))
+    kwargs: list[tuple[dict | None, dict | None]] = [(None, None)] * len(chats)
+    for chat in (chats[3], chats[7]):
+        chats += [chat, chat]
+        kwargs += [({"max_pixels": 28 * 28 * 16}, None), ({"videos_kwargs": {"min_pixels": 28 * 28 * 40}}, None)]
+    chats += [chats[5], chats[5]]
+    kwargs += [(None, {"video": {"num_frames": 5}}), (None, {"video": {"num_frames": -1}})]
+    theirs, ours = [], []
+    for chat, (mm_kwargs, media_io) in zip(chats, kwargs, strict=True):
+        body = {"model": qwen2_vl.served_name, "messages": chat, "max_tokens": 1, "mm_processor_kwargs": mm_kwargs}
+        response = httpx.post(
+            qwen2_vl.base_url + "/v1/chat/completions", json=body | {"media_io_kwargs": media_io}, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        theirs.append(response.json()["usage"]["prompt_tokens"])
+        chat_input = ChatInput(messages=tuple(chat), mm_processor_kwargs=mm_kwargs, media_io_kwargs=media_io)
+        ours.append(len(asyncio.run(tokenizer.encode_chat(chat_input))))
+    assert ours == theirs
+    assert len(set(theirs)) > 10
+
+
+def test_an_mp4_is_counted_by_the_render_endpoint(
+    qwen2_vl: VllmServer, qwen2_vl_dir: Path, vllm_python: VllmPython, tmp_path: Path
+) -> None:
+    """A video in a container (kvgate does not parse MP4) is counted by vLLM's render endpoint, as
+    vLLM's OpenCV loader samples it, where kvgate is given the backend; refused without it."""
+    chats = []
+    for width, height, frames in ((64, 48, 10), (128, 96, 50)):
+        path = tmp_path / f"{width}x{height}x{frames}.mp4"
+        vllm_python(str(SUPPORT / "tiny_mp4.py"), str(path), str(width), str(height), str(frames), "4")
+        url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+        chats.append(_video_chat({"type": "video_url", "video_url": {"url": url}}))
+    client = httpx.AsyncClient(base_url="http://never-called")
+    endpoint = RenderEndpoint(qwen2_vl.base_url, qwen2_vl.served_name)
+    rendering = load_tokenizer(
+        qwen2_vl_dir, client, qwen2_vl.served_name, media=media_options(None, QWEN_LIMITS, endpoint)
+    )
+    assert _counts(rendering, chats) == [_prompt_tokens(qwen2_vl, chat) for chat in chats]
+    with pytest.raises(TokenizationError, match=r"'video_url' content part .*data:video/jpeg;base64"):
+        _counts(_local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS), chats[:1])
