@@ -141,7 +141,8 @@ class TestLedger:
     def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
         d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
         assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 24 + 2 * 3 * 40 * 8
-        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * PROFILED_ROW_SMALL_BATCH
+        # its forward pass (5) and its sampler stage run one after the other: the larger counts
+        assert Ledger().step_with(d).profiled_bytes == d.profiled_bytes == 3 * PROFILED_ROW_SMALL_BATCH
 
     def test_high_water_mark_sees_short_lived_prefills(self) -> None:
         ledger = Ledger()
@@ -174,15 +175,22 @@ class TestLedger:
         ledger.release(batch)
         assert ledger.transient_bytes == 0
 
-    def test_profiled_terms_add_up_over_open_prefills_and_sampled_rows(self) -> None:
-        """Chunks of several prefills share a step's MLP, so their profiled terms add up."""
+    def test_profiled_forward_terms_add_up_over_open_prefills_and_the_sampler_phase_is_apart(self) -> None:
+        """Chunks of several prefills share a step's MLP, so their forward terms add up; the
+        sampler runs after the forward pass has freed them (kvgate/memory/ceiling.py StepHoldings),
+        with the hidden states it reads: the larger phase counts."""
         ledger = Ledger()
-        first = ledger.reserve(demand(profiled_prefill=500, rows=1))
+        first = ledger.reserve(replace(demand(profiled_prefill=500, rows=1), profiled_residual_bytes=50))
         second = ledger.reserve(demand(profiled_prefill=300, rows=1))
-        assert ledger.profiled_bytes == 800 + 2 * PROFILED_ROW_SMALL_BATCH
-        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.step().forward_profiled == 800
+        assert ledger.step().residual_profiled == 50
+        assert ledger.step().sampler_profiled == 2 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.profiled_bytes == 800
+        assert ledger.step_with(demand(profiled_prefill=100)).profiled_bytes == 900
         ledger.end_prefill(first)
-        assert ledger.profiled_bytes == 300 + 2 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.profiled_bytes == 300
+        ledger.end_prefill(second)
+        assert ledger.profiled_bytes == 2 * PROFILED_ROW_SMALL_BATCH  # decoding only: the sampler's
         ledger.release(second)
         ledger.release(first)
         assert ledger.profiled_bytes == 0
@@ -215,7 +223,8 @@ class TestBudgetCharges:
         # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
         assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
-        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 8 + 400
+        # its MLP is freed before its sampler (8 B unprofiled) runs: the larger phase, the region
+        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 400
 
     def test_profiled_terms_charged_to_free_memory_take_the_allocators_segments(self) -> None:
         """S13: a 400 MiB profile peak that comes back out of free memory takes 480 MiB of
