@@ -27,19 +27,23 @@ or a `Split` with behavior Isolated before a `ByteLevel` without one) and the BP
 cut on its own, so the ids of a piece are its pre-tokens' ids, each read from a cache or encoded
 once. The Rust tokenizer spends most of a new piece's time in that regex (Oniguruma) and in
 building its byte-by-byte alignments; `re` over ASCII, with the pre-tokens' ids looked up, took a
-fifth of it on a 100-token message. Only the regexes in _ASCII_SPLITS are repeated, rewritten with
+fifth of it on a 100-token message of known words. A piece of many new words is encoded whole and
+its pre-tokens learned from it, and a stream of them turns the pre-tokens off for a while
+(PreTokenCache says why): text of new words costs about what it did before. Only the regexes in _ASCII_SPLITS are repeated, rewritten with
 the ASCII characters Oniguruma gives letters, digits and whitespace (Python's whitespace class
 would also take the separators 0x1c-0x1f); tests/unit/test_token_segments.py compares the two on generated ASCII texts.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any
 
 # Token ids are int64 (vLLM's tensors; kvgate's image and history stand-ins are negative 63-bit).
@@ -56,6 +60,17 @@ _ENTRY_OVERHEAD = 200  # an entry's dictionary slot, key and array headers, roug
 # kept: 32,768 of at most 64 characters hold a few MiB; the cache is emptied when it is full.
 PRE_TOKEN_ENTRIES = 32 * 1024
 MAX_PRE_TOKEN_CHARS = 64
+# New pre-tokens in a piece beyond which the piece is encoded whole, and how many of its new
+# pre-tokens are then learned (each costs a few microseconds of Python: a text of new words pays
+# for a few, frequent words are learned from the first pieces they appear in).
+MAX_PRE_TOKENS_APART = 8
+MAX_PRE_TOKENS_LEARNED = 16
+# Traffic of new words (identifiers, random strings) pays for the split and the learning and gains
+# nothing: a text of 90 new words cost ~1.5 times the whole encode. When fewer than a quarter of
+# a window of pieces were read mostly from the cache, the next SKIPPED_WINDOWS windows' pieces go
+# straight to the Rust tokenizer, then a window is tried again (new words are learned there).
+PRE_TOKEN_WINDOW = 32
+SKIPPED_WINDOWS = 7
 
 # The split regexes PreTokenCache repeats: GPT-2's, built into tokenizers' ByteLevel
 # (tokenizers/src/pre_tokenizers/byte_level.rs, 0.20-0.23), and the `Split` patterns transformers
@@ -163,26 +178,54 @@ def ascii_pattern(pattern: str) -> re.Pattern[str]:
 
 class PreTokenCache:
     """`encode(piece)`: the ids the Rust tokenizer gives an ASCII piece (no added token in it),
-    its pre-tokens' ids read from a cache or encoded once; None for a piece it does not take
-    (not ASCII). Safe from several threads: a pre-token's ids are only ever added or all dropped."""
+    its pre-tokens' ids read from a cache; None for a piece it does not take (not ASCII).
 
-    def __init__(self, split: re.Pattern[str], encode_batch: Callable[[list[str]], list[Any]]) -> None:
+    A piece with a few pre-tokens the cache lacks has those encoded one by one; one with more is
+    encoded whole by the Rust tokenizer (a pre-token alone costs several times its share of a
+    whole text: 100 new words one by one took 3.5 times the whole text), and its pre-tokens'
+    ids are learned from that encoding: BPE never lets a token cross a pre-token, and on ASCII
+    each token's byte-level string has one character per character of text, so the ids split
+    at the pre-tokens' lengths (nothing is learned where they do not line up). Safe from several
+    threads: a pre-token's ids are only ever added, or all dropped."""
+
+    def __init__(
+        self,
+        split: re.Pattern[str],
+        encode_batch: Callable[[list[str]], list[Any]],
+        vocab: Callable[[], dict[str, int]],
+        unknown_id: int | None = None,
+    ) -> None:
         self._split = split
         self._encode_batch = encode_batch
+        self._vocab = vocab
+        self._unknown_id = unknown_id
+        self._token_chars: list[int] | None = None  # each id's byte-level string length, once needed
         self._ids: dict[str, array] = {}
-        self.hits = self.misses = 0  # pre-tokens read from the cache, pre-tokens encoded
+        self.hits = self.misses = 0  # pre-tokens read from the cache, pre-tokens not in it
+        self._tried = self._useful = self._skip = 0  # this window's pieces; read from the cache; to skip
 
     @classmethod
-    def of(cls, spec: dict[str, Any], encode_batch: Callable[[list[str]], list[Any]]) -> PreTokenCache | None:
-        """A cache for the tokenizer `spec` (its JSON) if its pre-tokenizer is one regex that
-        _ASCII_SPLITS holds and its normalizer leaves ASCII as it is, else None."""
+    def of(
+        cls, spec: dict[str, Any], encode_batch: Callable[[list[str]], list[Any]], rust: Any
+    ) -> PreTokenCache | None:
+        """A cache for the tokenizer `rust` (its JSON `spec`) if its pre-tokenizer is one regex
+        that _ASCII_SPLITS holds, its normalizer leaves ASCII as it is and its BPE model adds no
+        prefix or suffix to a token's string, else None."""
         regex = _split_regex(spec.get("pre_tokenizer"))
+        model = spec.get("model") or {}
         if regex not in _ASCII_SPLITS or not _ascii_neutral(spec.get("normalizer")):
             return None
-        return cls(ascii_pattern(regex), encode_batch)
+        if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+            return None
+        unknown = model.get("unk_token")
+        unknown_id = rust.token_to_id(unknown) if isinstance(unknown, str) else None
+        return cls(ascii_pattern(regex), encode_batch, lambda: rust.get_vocab(with_added_tokens=True), unknown_id)
 
     def encode(self, piece: str) -> array | None:
         if not piece.isascii():
+            return None
+        if self._skip:
+            self._skip -= 1
             return None
         words: list[str] = self._split.findall(piece)
         if len("".join(words)) != len(piece):  # a character no alternative takes: not these regexes
@@ -190,19 +233,72 @@ class PreTokenCache:
         known = self._ids
         parts = list(map(known.get, words))
         unknown = parts.count(None)
+        self.hits += len(words) - unknown
+        self.misses += unknown
+        self._tally(unknown <= MAX_PRE_TOKENS_APART)
+        if unknown > MAX_PRE_TOKENS_APART:
+            (encoding,) = self._encode_batch([piece])
+            ids = array(TOKEN_ARRAY, encoding.ids)
+            self._learn(words, ids)
+            return ids
         if unknown:
             missing = list(dict.fromkeys(word for word, ids in zip(words, parts, strict=True) if ids is None))
-            encoded = {w: array(TOKEN_ARRAY, e.ids) for w, e in zip(missing, self._encode_batch(missing), strict=True)}
+            # One at a time: a batch of several goes to the Rust tokenizer's thread pool.
+            encoded = {w: array(TOKEN_ARRAY, self._encode_batch([w])[0].ids) for w in missing}
             parts = [encoded.get(word, ids) for word, ids in zip(words, parts, strict=True)]
-            self.misses += len(missing)
-            if len(known) + len(missing) > PRE_TOKEN_ENTRIES:
-                known.clear()
-            known.update((w, ids) for w, ids in encoded.items() if len(w) <= MAX_PRE_TOKEN_CHARS)
-        self.hits += len(words) - unknown
+            self._add(encoded)
         out = array(TOKEN_ARRAY)
-        for ids in parts:
-            out.extend(ids)  # type: ignore[arg-type]
+        for part in parts:
+            out.extend(part)  # type: ignore[arg-type]
         return out
+
+    def _tally(self, useful: bool) -> None:
+        self._tried += 1
+        self._useful += useful
+        if self._tried == PRE_TOKEN_WINDOW:
+            if 4 * self._useful < PRE_TOKEN_WINDOW:
+                self._skip = SKIPPED_WINDOWS * PRE_TOKEN_WINDOW
+            self._tried = self._useful = 0
+
+    def _learn(self, words: list[str], ids: array) -> None:
+        """The first MAX_PRE_TOKENS_LEARNED new pre-tokens' ids, cut from the piece's `ids` where
+        the tokens' running length meets the pre-tokens' running length (whose total is the
+        piece's: checked first)."""
+        chars = self._token_chars
+        if chars is None:
+            vocab = self._vocab()
+            chars = [0] * (max(vocab.values(), default=-1) + 1)
+            for token, token_id in vocab.items():
+                chars[token_id] = len(token)
+            self._token_chars = chars
+        if self._unknown_id is not None and self._unknown_id in ids:
+            return
+        try:
+            ends = list(accumulate(map(chars.__getitem__, ids)))
+        except IndexError:  # an id past the vocabulary: learn nothing
+            return
+        if not ends or ends[-1] != sum(map(len, words)):
+            return
+        known = self._ids
+        learned: dict[str, array] = {}
+        cut = first = 0
+        for word in words:
+            cut += len(word)
+            last = bisect.bisect_left(ends, cut)
+            if last == len(ends) or ends[last] != cut:  # a token across the cut: learn nothing
+                return
+            if word not in known and word not in learned:
+                learned[word] = ids[first : last + 1]
+                if len(learned) == MAX_PRE_TOKENS_LEARNED:
+                    break
+            first = last + 1
+        self._add(learned)
+
+    def _add(self, new: dict[str, array]) -> None:
+        known = self._ids
+        if len(known) + len(new) > PRE_TOKEN_ENTRIES:
+            known.clear()
+        known.update((w, ids) for w, ids in new.items() if len(w) <= MAX_PRE_TOKEN_CHARS)
 
 
 def _splitter(contents: list[str]) -> re.Pattern[str] | None:
@@ -257,7 +353,7 @@ class SegmentCache:
         def encode_batch(texts: list[str]) -> list[Any]:
             return rust.encode_batch_fast(texts, add_special_tokens=False)
 
-        return cls(encode_batch, added, PreTokenCache.of(spec, encode_batch))
+        return cls(encode_batch, added, PreTokenCache.of(spec, encode_batch, rust))
 
     def pieces(self, text: str) -> list[str]:
         """`text` cut where the Rust tokenizer cuts it: non-normalized added tokens first, then the

@@ -5,6 +5,8 @@ do not encode independently get no cache."""
 
 from __future__ import annotations
 
+import random
+import string
 from pathlib import Path
 
 import pytest
@@ -207,7 +209,7 @@ def qwen_splitting(tiny_model_dir: Path) -> Tokenizer:
     return rust
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=ascii_texts)
 def test_pre_tokens_give_the_ids_of_the_whole_text(
     tiny: Tokenizer, splitting: Tokenizer, qwen_splitting: Tokenizer, text: str
@@ -216,15 +218,28 @@ def test_pre_tokens_give_the_ids_of_the_whole_text(
     Qwen2's splits): the same ids as the Rust tokenizer's for the whole text, encoded afresh and
     read back."""
     for rust in (tiny, splitting, qwen_splitting):
-        cache = SegmentCache.of(rust)
+        cache = _ascii_caches.get(id(rust)) or _ascii_caches.setdefault(id(rust), SegmentCache.of(rust))
         assert cache is not None
         assert cache.pre_tokens is not None
+        _forget(cache, pre_tokens=True)
         expected = _full(rust, text)
         assert list(cache.encode(text)) == expected
-        fresh = SegmentCache.of(rust)  # an empty segment cache over the pre-tokens seen above
-        assert fresh is not None
-        fresh.pre_tokens = cache.pre_tokens
-        assert list(fresh.encode(text)) == expected
+        _forget(cache, pre_tokens=False)  # the pieces again, from the pre-tokens seen above
+        assert list(cache.encode(text)) == expected
+
+
+_ascii_caches: dict[int, SegmentCache | None] = {}
+
+
+def _forget(cache: SegmentCache, pre_tokens: bool) -> None:
+    """An empty segment cache (and pre-token cache, with its window, if `pre_tokens`)."""
+    cache._entries.clear()
+    cache._bytes = 0
+    words = cache.pre_tokens
+    assert words is not None
+    words._tried = words._useful = words._skip = 0
+    if pre_tokens:
+        words._ids.clear()
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -311,3 +326,43 @@ def test_a_lowercasing_normalizer_gets_no_pre_token_cache(tiny_model_dir: Path) 
     cache = SegmentCache.of(rust)
     assert cache is not None
     assert cache.pre_tokens is None
+
+
+def test_a_piece_of_many_new_words_is_encoded_whole_and_its_words_learned(tiny: Tokenizer) -> None:
+    """More new pre-tokens than MAX_PRE_TOKENS_APART: the piece is the Rust tokenizer's whole
+    encoding, and its pre-tokens' ids, cut from it, read back exactly in other texts."""
+    cache = SegmentCache.of(tiny)
+    assert cache is not None
+    assert cache.pre_tokens is not None
+    words = cache.pre_tokens
+    first = "The model queues a long request, then 12345 tokens arrive: don't panic!\n\n  Done."
+    assert list(cache.encode(first)) == _full(tiny, first)
+    learned = dict(words._ids)
+    assert len(learned) == token_segments.MAX_PRE_TOKENS_LEARNED
+    for word, ids in learned.items():  # each as the Rust tokenizer encodes it alone
+        assert list(ids) == _full(tiny, word)
+    again = "".join(reversed(list(learned)))
+    hits = words.hits
+    assert list(cache.encode(again)) == _full(tiny, again)
+    read_back = [word for word in words._split.findall(again) if word in learned]
+    assert len(read_back) >= len(learned) // 2
+    assert words.hits - hits == len(read_back)
+
+
+def test_a_stream_of_new_words_skips_the_pre_tokens_for_a_while(tiny: Tokenizer) -> None:
+    """A window of pieces that were mostly new words: the next windows go straight to the Rust
+    tokenizer (the same ids), then a window is tried again."""
+    cache = SegmentCache.of(tiny)
+    assert cache is not None
+    assert cache.pre_tokens is not None
+    words = cache.pre_tokens
+    window = token_segments.PRE_TOKEN_WINDOW
+    rng = random.Random(0)
+    novel = [" ".join("".join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(12)) for _ in range(window)]
+    for text in novel:
+        assert list(cache.encode(text)) == _full(tiny, text)
+    assert words.encode("the model") is None  # skipped
+    for i in range(token_segments.SKIPPED_WINDOWS * window - 1):
+        text = f"and then {i}"
+        assert list(cache.encode(text)) == _full(tiny, text)
+    assert words.encode("the model") is not None  # tried again
