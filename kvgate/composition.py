@@ -349,7 +349,9 @@ class Runtime:
         request in its own process."""
         # Online, media kvgate has no rule for are rendered by the backend (kvgate/multimodal_render.py).
         render = RenderEndpoint(self.backend.base_url, model_name) if online else None
-        media = media_options(self.settings.mm_processor_kwargs, self.settings.limit_mm_per_prompt, render)
+        media = media_options(
+            self.settings.mm_processor_kwargs, self.settings.limit_mm_per_prompt, render, self.settings.media_io_kwargs
+        )
         tokenizer = load_tokenizer(
             self.settings.model,
             self.backend.tokenize_client,
@@ -390,7 +392,9 @@ class Runtime:
             encoder_budget(
                 settings.model,
                 deployment,
-                media_options(settings.mm_processor_kwargs, settings.limit_mm_per_prompt),
+                media_options(
+                    settings.mm_processor_kwargs, settings.limit_mm_per_prompt, media_io=settings.media_io_kwargs
+                ),
                 self.geometry,
             ),
         )

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.chat_template import TokenizationError
-from kvgate.media import ImageSize
+from kvgate.media import ImageSize, VideoFrames
 
 
 @dataclass(frozen=True)
@@ -693,6 +693,27 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 _MOST_PIXELS = 2**53
 
 
+def pixel_range(processor_size: Mapping[str, int], kwargs: Mapping[str, Any]) -> tuple[int, int]:
+    """Qwen2-VL's min_pixels and max_pixels: the processor's `size`, the kwargs' `size` over it,
+    then their min_pixels / max_pixels over its edges (Qwen2VLProcessingInfo._get_vision_size)."""
+    size = dict(processor_size)
+    override = kwargs.get("size")
+    if isinstance(override, Mapping):
+        size.update(override)
+    for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if kwargs.get(alias) is not None:
+            size[edge] = kwargs[alias]
+    try:
+        low, high = int(size["shortest_edge"]), int(size["longest_edge"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise TokenizationError(
+            f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {size}."
+        ) from None
+    if not (1 <= low <= _MOST_PIXELS and 1 <= high <= _MOST_PIXELS):
+        raise TokenizationError(f"min_pixels and max_pixels must be between 1 and 2**53, got {low} and {high}")
+    return low, high
+
+
 @dataclass(frozen=True)
 class DynamicResolution(ImageRule):
     """Qwen2-VL's images: resized by smart_resize to multiples of patch_size * merge_size, one
@@ -705,6 +726,7 @@ class DynamicResolution(ImageRule):
     patch_size: int
     merge_size: int
     size: Mapping[str, int]  # the image processor's {"shortest_edge", "longest_edge"} in pixels
+    video: VideoGrid | None = None  # how its videos count (Qwen2-VL and Qwen2.5-VL)
     placeholder: str = "<|vision_start|><|image_pad|><|vision_end|>"
 
     @property
@@ -714,22 +736,7 @@ class DynamicResolution(ImageRule):
     def pixel_range(self, kwargs: Mapping[str, Any]) -> tuple[int, int]:
         """min_pixels and max_pixels after the kwargs (Qwen2VLProcessingInfo._get_vision_size:
         `size` overrides the processor's, then min_pixels / max_pixels override its edges)."""
-        size = dict(self.size)
-        override = kwargs.get("size")
-        if isinstance(override, Mapping):
-            size.update(override)
-        for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
-            if kwargs.get(alias) is not None:
-                size[edge] = kwargs[alias]
-        try:
-            low, high = int(size["shortest_edge"]), int(size["longest_edge"])
-        except (KeyError, TypeError, ValueError, OverflowError):
-            raise TokenizationError(
-                f"`size` dict must contain 'shortest_edge' and 'longest_edge' keys but got {size}."
-            ) from None
-        if not (1 <= low <= _MOST_PIXELS and 1 <= high <= _MOST_PIXELS):
-            raise TokenizationError(f"min_pixels and max_pixels must be between 1 and 2**53, got {low} and {high}")
-        return low, high
+        return pixel_range(self.size, kwargs)
 
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
         low, high = self.pixel_range(kwargs)
@@ -756,6 +763,58 @@ class DynamicResolution(ImageRule):
         return ImageSize(unit, unit)
 
 
+@dataclass(frozen=True)
+class VideoGrid:
+    """Qwen2-VL's and Qwen2.5-VL's videos: each frame resized by smart_resize within the video
+    processor's pixel range, the frames padded to a multiple of temporal_patch_size, one token per
+    temporal patch of merge_size x merge_size patches (vLLM 0.32.0 and 0.33.0 qwen2_vl.py
+    Qwen2VLProcessingInfo._get_vision_info, modality "video"; the replacement is video_token_id
+    repeated video_grid_thw.prod() // merge_size**2 times, Qwen2VLMultiModalProcessor.
+    _get_prompt_updates; transformers 5.19 Qwen2VLVideoProcessor makes the grid). Qwen2.5-VL's
+    EVS (vLLM's --video-pruning-rate) only lowers vLLM's count: kvgate counts without it."""
+
+    family: str
+    target_token: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    size: Mapping[str, int]  # the video processor's {"shortest_edge", "longest_edge"} in pixels
+    placeholder: str = "<|vision_start|><|video_pad|><|vision_end|>"
+
+    @property
+    def feature_token(self) -> int:
+        return self.target_token
+
+    def replacement(self, video: VideoFrames, kwargs: Mapping[str, Any]) -> Replacement:
+        low, high = pixel_range(self.size, kwargs)
+        unit = self.patch_size * self.merge_size
+        height, width = smart_resize(video.size.height, video.size.width, unit, low, high)
+        padded = video.frames + (-video.frames % self.temporal_patch_size)
+        grid_t = max(padded // self.temporal_patch_size, 1)
+        return Replacement(grid_t * (height // self.patch_size) * (width // self.patch_size) // self.merge_size**2)
+
+
+# transformers 5.19 Qwen2VLVideoProcessor.size, where neither video_preprocessor_config.json nor
+# preprocessor_config.json gives one.
+_QWEN2_VL_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+
+
+def _qwen2_vl_video(config: dict[str, Any], processor: dict[str, Any], patch: int, merge: int) -> VideoGrid | None:
+    """The video processor's settings as transformers 5.19 loads them (video_processing_utils.py
+    get_video_processor_dict: processor_config.json's "video_processor", else the first of
+    video_preprocessor_config.json and preprocessor_config.json; Qwen2VLVideoProcessor.__init__:
+    min_pixels / max_pixels over `size`)."""
+    if config.get("model_type") not in ("qwen2_vl", "qwen2_5_vl") or "video_token_id" not in config:
+        return None
+    video = processor.get("video_processor") or processor.get(VIDEO_PROCESSOR_KEY) or processor
+    size = dict(video.get("size") or _QWEN2_VL_VIDEO_SIZE)
+    for edge, alias in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
+        if video.get(alias) is not None:
+            size[edge] = video[alias]
+    temporal = video.get("temporal_patch_size") or (config.get("vision_config") or {}).get("temporal_patch_size", 2)
+    return VideoGrid(config["model_type"], int(config["video_token_id"]), patch, merge, int(temporal), size)
+
+
 def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
     """The image processor's size from preprocessor_config.json as transformers 5.19 builds it
     (Qwen2VLImageProcessor.__init__: `size`, else {3136, 1003520}, then min_pixels / max_pixels);
@@ -770,7 +829,8 @@ def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
     merge = processor.get("merge_size") or vision.get("spatial_merge_size", 2)
     if "image_token_id" not in config:
         return None
-    return DynamicResolution(config["model_type"], int(config["image_token_id"]), int(patch), int(merge), size)
+    video = _qwen2_vl_video(config, processor, int(patch), int(merge))
+    return DynamicResolution(config["model_type"], int(config["image_token_id"]), int(patch), int(merge), size, video)
 
 
 @dataclass(frozen=True)
@@ -860,6 +920,9 @@ def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | No
     return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens))
 
 
+# Where image_tokens_of puts video_preprocessor_config.json in the processor settings it reads.
+VIDEO_PROCESSOR_KEY = "video_preprocessor_config.json"
+
 # config.json model_type -> the rule's reader of config.json and the processor's config files.
 RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] = {
     "llava": _llava,
@@ -897,6 +960,8 @@ def image_tokens_of(model_dir: str | Path | None) -> ImageRule | None:
         return None
     folder = Path(model_dir)
     processor = {**_json_file(folder / "processor_config.json"), **_json_file(folder / "preprocessor_config.json")}
+    if (folder / "video_preprocessor_config.json").is_file():
+        processor[VIDEO_PROCESSOR_KEY] = _json_file(folder / "video_preprocessor_config.json")
     return image_tokens(_json_file(folder / "config.json"), processor)
 
 

@@ -142,3 +142,62 @@ def _orientation(image: Image.Image) -> int | None:
     except Exception:  # noqa: BLE001 - vLLM's normalize_image suppresses every error here too
         return None
     return value if isinstance(value, int) else None
+
+
+# vllm/multimodal/media/video.py VideoMediaIO.__init__'s num_frames (0.32.0, 0.33.0): the frames of
+# a video vLLM keeps unless --media-io-kwargs or the request's media_io_kwargs say otherwise.
+VLLM_VIDEO_FRAMES = 32
+
+
+@dataclass(frozen=True)
+class VideoFrames:
+    """A video sent as its frames: how many of them vLLM keeps, and their size."""
+
+    frames: int
+    size: ImageSize
+
+
+def video_frames(url: str, num_frames: int = VLLM_VIDEO_FRAMES) -> VideoFrames | None:
+    """The frames of a "video/jpeg" data URL as vLLM loads them (vllm/multimodal/media/video.py
+    VideoMediaIO.load_base64, 0.32.0 and 0.33.0: the base64 images between its commas, the first
+    `num_frames` of them (-1: all), each opened as an image, and all of one shape for np.stack),
+    each frame's size from its header; None for a video kvgate does not read (a URL, which it does
+    not fetch, or a container such as MP4, which it does not parse); MediaError for what vLLM
+    would not read."""
+    scheme = url[:8].lower().partition(":")[0]
+    if scheme in ("http", "https", "file"):
+        return None
+    if scheme != "data":
+        raise MediaError(f"Invalid video URL {url[:32]!r}: the URL scheme must be data, http, https or file.")
+    comma = url.find(",")
+    if comma < 0:
+        raise MediaError(f"Invalid data URL {url[:32]!r}: missing ',' separator.")
+    header = url[5:comma]
+    if header.rpartition(";")[2] != "base64":
+        raise MediaError("Only base64 data URLs are supported for now.")
+    if header.partition(";")[0].lower() != "video/jpeg":
+        return None
+    if num_frames == 0:
+        raise MediaError("num_frames must be greater than 0 or -1")
+    try:
+        data = memoryview(url.encode("ascii"))
+    except UnicodeEncodeError as exc:
+        raise MediaError(f"The video's data URL is not valid base64: {exc}") from None
+    sizes: set[ImageSize] = set()
+    frames, start = 0, comma + 1
+    while num_frames < 0 or frames < num_frames:
+        end = url.find(",", start)
+        last = end < 0
+        stop = len(url) if last else end
+        try:
+            frame = binascii.a2b_base64(data[start:stop], strict_mode=True)
+        except binascii.Error as exc:
+            raise MediaError(f"The video's frame {frames + 1} is not valid base64: {exc}") from None
+        sizes.add(image_size(frame))
+        frames += 1
+        if last:
+            break
+        start = end + 1
+    if len(sizes) > 1:
+        raise MediaError("all input arrays must have the same shape")
+    return VideoFrames(frames, sizes.pop())

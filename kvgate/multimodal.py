@@ -21,8 +21,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgate.audio import AUDIO_RULES, AudioByUrl, AudioLength, AudioNotCounted, WhisperFrames, audio_data, read_audio
 from kvgate.chat_template import MediaPlaceholder, TokenizationError
-from kvgate.image_rules import RULES, ImageRule, ImageTokens, Replacement
-from kvgate.media import ImageByUrl, ImageSize, data_url_cost, image_url, read_image
+from kvgate.image_rules import RULES, DynamicResolution, ImageRule, ImageTokens, Replacement
+from kvgate.media import (
+    VLLM_VIDEO_FRAMES,
+    ImageByUrl,
+    ImageSize,
+    MediaError,
+    VideoFrames,
+    data_url_cost,
+    image_url,
+    read_image,
+    video_frames,
+)
 from kvgate.multimodal_render import RenderEndpoint, UncountedMedia, render_chat
 from kvgate.request import ChatInput
 from kvgate.work_budget import charge
@@ -49,10 +59,14 @@ class MediaOptions:
     processor_kwargs: Mapping[str, Any] = field(default_factory=dict)
     limits: Mapping[str, int] = field(default_factory=dict)
     render: RenderEndpoint | None = None  # the backend that renders what kvgate has no rule for
+    media_io: Mapping[str, Any] = field(default_factory=dict)  # vLLM's --media-io-kwargs
 
 
 def media_options(
-    processor_kwargs: Mapping[str, Any] | None, limits: Mapping[str, Any] | None, render: RenderEndpoint | None = None
+    processor_kwargs: Mapping[str, Any] | None,
+    limits: Mapping[str, Any] | None,
+    render: RenderEndpoint | None = None,
+    media_io: Mapping[str, Any] | None = None,
 ) -> MediaOptions:
     """From vLLM's flags: `--limit-mm-per-prompt` gives a count per modality, either alone or as
     {"count": n, ...options for profiling} (vllm/config/multimodal.py MultiModalDummyOptions);
@@ -63,7 +77,7 @@ def media_options(
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count of 0 or more, got {value!r}")
         counts[modality] = count
-    return MediaOptions(dict(processor_kwargs or {}), counts, render)
+    return MediaOptions(dict(processor_kwargs or {}), counts, render, dict(media_io or {}))
 
 
 def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:
@@ -90,30 +104,34 @@ def _complete_size_aliases(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         elif out[alias] is not None and edge not in size:
             size[edge] = out[alias]
             out["size"] = size
-    if isinstance(out.get("images_kwargs"), Mapping):
-        out["images_kwargs"] = _complete_size_aliases(out["images_kwargs"])
+    for scope in ("images_kwargs", "videos_kwargs"):
+        if isinstance(out.get(scope), Mapping):
+            out[scope] = _complete_size_aliases(out[scope])
     return out
 
 
-def _images_scope(kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
-    scope = kwargs.get("images_kwargs")
+def _images_scope(kwargs: Mapping[str, Any], name: str = "images_kwargs") -> Mapping[str, Any]:
+    scope = kwargs.get(name)
     return scope if isinstance(scope, Mapping) else {}
 
 
-def image_kwargs(configured: Mapping[str, Any], request: Mapping[str, Any] | None) -> dict[str, Any]:
+def image_kwargs(
+    configured: Mapping[str, Any], request: Mapping[str, Any] | None, scope_name: str = "images_kwargs"
+) -> dict[str, Any]:
     """The kwargs the image processor runs with, from `--mm-processor-kwargs` and the request's
     `mm_processor_kwargs`, as vLLM 0.32.0 / 0.33.0 merge them: the request's Qwen-VL size aliases
     completed (qwen2_vl.py _complete_mm_processor_size_aliases), flat keys merged request over
     configured; in the images_kwargs scope, configured flat < configured scoped < request flat <
     request scoped for the scope's keys (vllm/config/multimodal.py _merge_mm_processor_kwargs,
     _merge_mm_processor_scope); then flat keys routed into the scope, its values first
-    (vllm/multimodal/processing/context.py _resolve_mm_processor_kwargs)."""
+    (vllm/multimodal/processing/context.py _resolve_mm_processor_kwargs). `scope_name`
+    "videos_kwargs": the video processor's, merged alike."""
     if request is not None and not isinstance(request, Mapping):
         raise TokenizationError("'mm_processor_kwargs' must be an object.")
     request = _complete_size_aliases(request or {})
     configured_flat = {k: v for k, v in configured.items() if k not in _KWARG_SCOPES}
     request_flat = {k: v for k, v in request.items() if k not in _KWARG_SCOPES}
-    configured_scope, request_scope = _images_scope(configured), _images_scope(request)
+    configured_scope, request_scope = _images_scope(configured, scope_name), _images_scope(request, scope_name)
     keys = configured_scope.keys() | request_scope.keys()
     scope = _merge({k: v for k, v in configured_flat.items() if k in keys}, configured_scope)
     scope = _merge(_merge(scope, {k: v for k, v in request_flat.items() if k in keys}), request_scope)
@@ -166,12 +184,14 @@ def with_placeholders(
     as_text: bool = False,
     audio: WhisperFrames | None = None,
     heard: list[ImagePart] | None = None,
+    watched: list[ImagePart] | None = None,
 ) -> tuple[ChatInput, list[ImagePart]]:
     """The chat with each image part replaced by a MediaPlaceholder, which kvgate's renderer
     hands the template as vLLM does (an image part, or the placeholder where vLLM puts it), or
     `as_text`, for the backend's /tokenize, by a text part holding the placeholder; and the images
     in prompt order; TokenizationError (400) for media kvgate cannot count. With an `audio` rule,
-    audio parts likewise (vLLM's placeholder numbers them: "Audio 1: ..."), appended to `heard`."""
+    audio parts likewise (vLLM's placeholder numbers them: "Audio 1: ..."), appended to `heard`;
+    with a rule that counts videos (Qwen2-VL's), video_url parts, appended to `watched`."""
     found: list[ImagePart] = []
     messages = []
     for message in chat.messages:
@@ -195,6 +215,16 @@ def with_placeholders(
                 placeholder = audio.placeholder_text(len(heard))
                 text = {"type": "text", "text": placeholder}
                 parts.append(text if as_text else MediaPlaceholder("audio", placeholder, part))
+                continue
+            video = images.video if isinstance(images, DynamicResolution) else None
+            if kind == "video_url" and video is not None and watched is not None:
+                value = part.get("video_url")
+                url = value.get("url") if isinstance(value, dict) else value
+                if not isinstance(url, str):
+                    raise TokenizationError("A 'video_url' part needs a URL: {'video_url': {'url': ...}}.")
+                watched.append(ImagePart("video:" + _image_key(part), url))
+                text = {"type": "text", "text": video.placeholder}
+                parts.append(text if as_text else MediaPlaceholder("video", video.placeholder, part))
                 continue
             if kind in _OTHER_MEDIA or images is None:
                 raise UncountedMedia(
@@ -271,7 +301,9 @@ def expand_images(
     target = rule.target_token if target is None else target
     at = [i for i, token in enumerate(ids) if token == target]
     if len(at) != len(images):
-        raise TokenizationError(f"the prompt has {len(at)} {rule.placeholder} placeholders for {len(images)} images")
+        raise TokenizationError(
+            f"the prompt has {len(at)} {rule.placeholder} placeholders for {len(images)} {rule.family} media items"
+        )
     out: list[int] = []
     start = 0
     for position, (key, replacement, text_ids) in zip(at, images, strict=True):
@@ -293,6 +325,15 @@ def expand_images(
         out = replace_token_matches(out, match, new)
     return out
 
+
+# Videos kvgate counts, and kwargs with which transformers' video processor samples frames itself
+# (Qwen2VLVideoProcessor.sample_frames), which kvgate leaves to the render endpoint.
+_VIDEOS_COUNTED = (
+    "Qwen2-VL and Qwen2.5-VL videos sent as their frames, a data:video/jpeg;base64 URL of comma-separated "
+    "images (kvgate neither fetches video URLs nor reads video containers)"
+)
+_FRAME_SAMPLING = frozenset({"do_sample_frames", "fps", "num_frames", "min_frames", "max_frames"})
+_NO_RENDER = "this kvgate has no backend to render it"
 
 # A data URL longer than this is decoded in a thread: kvgate's event loop answers other requests
 # meanwhile (base64 decodes at about 1 GB/s: a 32 MiB body is tens of milliseconds).
@@ -421,9 +462,13 @@ class MediaCounting:
         # The text's bound holds with images too: their tokens only add to the text's.
         as_text = self._inner.source == "backend"  # /tokenize takes JSON: the placeholder as text
         heard: list[ImagePart] = []
+        watched: list[ImagePart] = []
         try:
-            text_chat, found = with_placeholders(chat, self._images, self._model_type, as_text, self._audio, heard)
+            text_chat, found = with_placeholders(
+                chat, self._images, self._model_type, as_text, self._audio, heard, watched
+            )
             sounds = await self._audio_replacements(heard, chat.mm_processor_kwargs, max_tokens)
+            clips = await self._video_replacements(watched, chat, max_tokens)
         except UncountedMedia as uncounted:
             return await self._rendered(chat, uncounted, max_tokens)
         rule = self._images
@@ -435,7 +480,64 @@ class MediaCounting:
             ids = expand_images(ids, rule, replacements, await self._merges(rule), await self._target(rule))
         if self._audio is not None and heard:
             ids = expand_images(ids, self._audio, sounds)
+        if watched:
+            video = rule.video if isinstance(rule, DynamicResolution) else None
+            assert video is not None  # with_placeholders takes videos only where the rule counts them
+            ids = expand_images(ids, video, clips)
         return ids
+
+    def _num_frames(self, chat: ChatInput) -> int:
+        """The frames of a video vLLM keeps: the request's media_io_kwargs over --media-io-kwargs
+        (vllm/multimodal/media/video.py VideoMediaIO.merge_kwargs, 0.32.0 and 0.33.0: a request's
+        fps alone drops the flag's num_frames), else VideoMediaIO's default."""
+        request = (chat.media_io_kwargs or {}).get("video")
+        request = request if isinstance(request, Mapping) else {}
+        flag = self._options.media_io.get("video")
+        merged = {**(flag if isinstance(flag, Mapping) else {}), **request}
+        if "fps" in request and "num_frames" not in request:
+            merged.pop("num_frames", None)
+        frames = merged.get("num_frames", VLLM_VIDEO_FRAMES)
+        if not isinstance(frames, int) or isinstance(frames, bool):
+            raise MediaError(f"media_io_kwargs video num_frames must be an integer, got {frames!r}")
+        return frames
+
+    async def _video_replacements(
+        self, watched: list[ImagePart], chat: ChatInput, max_tokens: int | None
+    ) -> list[tuple[str, Replacement, Sequence[int] | None]]:
+        """Each video's replacement, from its frames' headers (kvgate/media.py video_frames);
+        UncountedMedia (the render endpoint's, where there is one) for a video kvgate does not
+        read, or one transformers' video processor would sample frames of."""
+        rule = self._images.video if isinstance(self._images, DynamicResolution) else None
+        if rule is None or not watched:
+            return []
+        limit = self._options.limits.get("video", DEFAULT_LIMIT_PER_PROMPT)
+        if len(watched) > limit:
+            raise TokenizationError(f"At most {limit} video(s) may be provided in one prompt.")
+        kwargs = image_kwargs(self._options.processor_kwargs, chat.mm_processor_kwargs, "videos_kwargs")
+        sampling = sorted(_FRAME_SAMPLING & kwargs.keys())
+        if sampling:
+            raise UncountedMedia(
+                "video_url",
+                self._model_type,
+                f"videos whose frames the processor keeps, not with {sampling}",
+                _NO_RENDER,
+            )
+        num_frames = self._num_frames(chat)
+        # The URL's bytes, one frame's text and its decoded bytes at a time.
+        await charge(sum(2 * len(p.url) for p in watched if p.url is not None and p.url[:5].lower() == "data:"))
+        clips: list[VideoFrames] = []
+        for part in watched:
+            assert part.url is not None  # with_placeholders keeps only parts with a URL
+            if len(part.url) > READ_IN_THREAD_CHARS:
+                seen = await asyncio.to_thread(video_frames, part.url, num_frames)
+            else:
+                seen = video_frames(part.url, num_frames)
+            if seen is None:
+                raise UncountedMedia("video_url", self._model_type, _VIDEOS_COUNTED, _NO_RENDER)
+            clips.append(seen)
+        replacements = [rule.replacement(clip, kwargs) for clip in clips]
+        _refuse_beyond(sum(r.features for r in replacements), max_tokens)
+        return [(part.key, r, None) for part, r in zip(watched, replacements, strict=True)]
 
     async def _audio_replacements(
         self, heard: list[ImagePart], request_kwargs: Any, max_tokens: int | None

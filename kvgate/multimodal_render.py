@@ -79,6 +79,7 @@ def render_body(chat: ChatInput, model: str) -> dict[str, Any]:
         "model": model or None,
         **chat.backend_fields(),
         "mm_processor_kwargs": chat.mm_processor_kwargs,
+        "media_io_kwargs": chat.media_io_kwargs,
         "reasoning_effort": chat.reasoning_effort,
         "mm_payload": "none",
     }

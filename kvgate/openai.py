@@ -216,6 +216,9 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
     mm_kwargs = body.get("mm_processor_kwargs")
     if mm_kwargs is not None and not isinstance(mm_kwargs, dict):
         raise InvalidField("'mm_processor_kwargs' must be an object.", "mm_processor_kwargs")
+    media_io = body.get("media_io_kwargs")
+    if media_io is not None and not isinstance(media_io, dict):
+        raise InvalidField("'media_io_kwargs' must be an object.", "media_io_kwargs")
     effort = body.get("reasoning_effort")  # anything but a string: vLLM's own 400 answers it
     chat = ChatInput(
         messages=tuple(messages),
@@ -227,6 +230,7 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
         add_special_tokens=add_special_tokens,
         documents=None if documents is None else tuple(documents),
         mm_processor_kwargs=mm_kwargs,
+        media_io_kwargs=media_io,
         reasoning_effort=effort if isinstance(effort, str) else None,
     )
     if chat.carries_template and not trust_request_chat_template:

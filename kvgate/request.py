@@ -86,6 +86,7 @@ class ChatInput:
     add_special_tokens: bool = False
     documents: tuple[dict[str, Any], ...] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None  # how vLLM's processor counts the images
+    media_io_kwargs: dict[str, Any] | None = None  # how vLLM loads media (a video's frames kept)
     reasoning_effort: str | None = None  # GPT-OSS: Harmony's system message (kvgate/harmony.py)
 
     @property

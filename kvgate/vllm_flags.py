@@ -159,6 +159,11 @@ class VllmFlags(BaseModel):
         description="vLLM --mm-processor-kwargs, a JSON object: the multimodal processor's overrides "
         "(min_pixels, max_pixels, do_pan_and_scan...) kvgate counts images with.",
     )
+    media_io_kwargs: Annotated[dict[str, Any] | None, BeforeValidator(_json_object)] = Field(
+        None,
+        description='vLLM --media-io-kwargs, a JSON object ({"video": {"num_frames": 16}}): how vLLM '
+        "loads media; kvgate reads a video's num_frames (default 32) to count videos sent as frames.",
+    )
     limit_mm_per_prompt: Annotated[
         dict[str, Annotated[int, Field(ge=0)] | dict[str, Any]] | None, BeforeValidator(_json_object)
     ] = Field(

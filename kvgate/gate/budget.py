@@ -81,7 +81,10 @@ class Budget:
     sampler_overhead_scale: float = 1.0
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
-    # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
+    # Below 1 in conservative mode (stale readings): a share of the transient limit, never full
+    # speed blind. Not of the KV limit: the pool is vLLM's own, sized at start-up, and stale
+    # readings say nothing new about it (what they miss is another process taking GPU memory);
+    # a full pool makes vLLM queue or preempt, never run out of memory. Overcommit is off then.
     scale: float = 1.0
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -117,7 +120,7 @@ class Budget:
     def kv_limit(self) -> int | None:
         if self.kv_blocks is None:
             return None
-        return math.floor(self.kv_blocks * self.kv_overcommit * self.scale)
+        return math.floor(self.kv_blocks * self.kv_overcommit)
 
     @property
     def charged_segment_overhead(self) -> float:

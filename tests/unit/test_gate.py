@@ -197,6 +197,15 @@ class TestLedger:
 
 
 class TestBudgetCharges:
+    def test_stale_readings_halve_the_headroom_not_the_pool(self) -> None:
+        """Conservative mode (kvgate/telemetry/live.py: scale = --stale-budget-fraction, overcommit
+        off): what stale readings may miss is another process taking GPU memory, so the transient
+        limit shrinks; the KV pool is vLLM's own and a full one makes it queue, never OOM."""
+        budget = Budget(kv_blocks=100, transient_headroom_bytes=1000, transient_margin=0.0, kv_overcommit=1.2)
+        assert (budget.kv_limit(), budget.transient_limit()) == (120, 1000)
+        budget.update(scale=0.5, kv_overcommit=1.0)
+        assert (budget.kv_limit(), budget.transient_limit()) == (100, 500)
+
     def test_profiled_terms_are_free_beside_a_headroom_from_flags(self) -> None:
         budget = Budget(kv_blocks=10, transient_headroom_bytes=100, transient_margin=0.0)
         assert budget.shortfall(demand(profiled_prefill=10**9), Ledger()) is None
@@ -276,6 +285,21 @@ class TestQueue:
         order = [queue.pop_head() for _ in range(5)]
         assert order == [urgent, a1, b1, a2, a3]
 
+    async def test_blocks_ahead_follow_the_turns_not_arrival(self) -> None:
+        """Retry-After counts the line as it will be admitted: a tenant's first request goes
+        before another tenant's later ones, whenever it came."""
+        queue = AdmissionQueue(max_size=10)
+        a1, a2, a3 = (self._waiter(0, "a") for _ in range(3))
+        b1 = self._waiter(0, "b")
+        urgent = self._waiter(-1, "c")
+        for w in (a1, a2, a3, b1, urgent):
+            queue.push(w)  # order of admission: urgent, a1, b1, a2, a3
+        assert queue.blocks_ahead(0, "b", b1) == 2  # urgent, a1
+        assert queue.blocks_ahead(0, "a", a3) == 4  # urgent, a1, b1, a2
+        assert queue.blocks_ahead(0, "d") == 3  # a new tenant: urgent, then a1 and b1 in their turn
+        assert queue.blocks_ahead(0, "b") == 4  # b's second: urgent, a1, b1, a2
+        assert queue.blocks_ahead(0, "a") == 5  # a's fourth: behind everything
+
     async def test_bounded_and_removable(self) -> None:
         queue = AdmissionQueue(max_size=2)
         first, second = self._waiter(0, "a"), self._waiter(0, "b")
@@ -283,9 +307,9 @@ class TestQueue:
         queue.push(second)
         with pytest.raises(QueueAtCapacity):
             queue.push(self._waiter(0, "a"))
-        assert queue.blocks_ahead(0, second.seq) == 1  # the first's one block
-        assert queue.blocks_ahead(0) == 2
-        assert queue.blocks_ahead(-1) == 0
+        assert queue.blocks_ahead(0, "b", second) == 1  # the first's one block
+        assert queue.blocks_ahead(0, "c") == 2
+        assert queue.blocks_ahead(-1, "c") == 0
         assert queue.remove(first) is True
         assert queue.remove(first) is False
         assert queue.peek() is second
@@ -798,21 +822,27 @@ class TestBackfill:
         assert gate.ledger.in_flight == 0
         assert len(gate.queue) == 0
 
-    async def test_a_head_that_used_half_its_wait_has_the_line_to_itself(self) -> None:
+    async def test_a_head_that_used_half_its_wait_is_passed_on_no_prediction(self) -> None:
         """Backfilling must not be why a large request is refused for waiting too long: once the
-        head has waited half of --max-queue-wait, nothing passes it until it starts."""
+        head has waited half of --max-queue-wait, nothing passes it on a prediction ("ends
+        first") any more, and companions join only while no request that passed on one still
+        runs. A companion cannot delay it: the head fits beside the companions."""
         clock = FakeClock()
         gate, _ = clocked_gate(10, clock)  # --max-queue-wait 60 s
-        holder = await gate.acquire(demand(blocks=6), 0, "a")
-        head = await queued(gate, demand(blocks=8))
-        clock.now += 29.0
-        (await asyncio.wait_for(gate.acquire(demand(blocks=2), 0, "b"), 1)).release()  # it passes
+        taught = await gate.acquire(short(1, 10), 0, "a")
         clock.now += 1.0
-        assert gate.would_wait(demand(blocks=2), 0) == "behind_queue"
-        later = await queued(gate, demand(blocks=2), tenant="b")
-        holder.release()
-        (await asyncio.wait_for(head, 1)).release()
-        (await asyncio.wait_for(later, 1)).release()
+        taught.release("completed", 10)  # 0.1 s an output token
+        holder = await gate.acquire(short(6, 1000), 0, "a")  # predicted to end at +100 s
+        head = await queued(gate, demand(blocks=8))
+        straggler = await asyncio.wait_for(gate.acquire(short(3, 4), 0, "b"), 1)  # ends first (not beside: 8 + 3 > 10)
+        clock.now += 30.0  # half of the head's wait; the straggler overran its prediction
+        assert gate.would_wait(short(1, 4), 0) == "behind_queue"  # would fit beside, but the straggler runs
+        straggler.release("completed", 4)
+        assert gate.would_wait(replace(short(3, 4), prompt_tokens=0), 0) == "behind_queue"  # no more predictions
+        companion = await asyncio.wait_for(gate.acquire(short(2, 1000), 0, "c"), 1)  # 8 + 2 beside: joins
+        holder.release("completed", 1000)
+        (await asyncio.wait_for(head, 1)).release()  # admitted beside the companion at once
+        companion.release()
         assert gate.ledger.in_flight == 0
 
     async def test_a_head_that_leaves_lets_the_line_move_up(self) -> None:

@@ -29,6 +29,7 @@ SPECIAL = {
     "<|image_pad|>": 151655,
     "<|vision_start|>": 151652,
     "<|vision_end|>": 151653,
+    "<|video_pad|>": 151656,
     "<start_of_image>": 255999,
     "<end_of_image>": 256000,
     "<image_soft_token>": 262144,
@@ -328,6 +329,81 @@ def test_qwen2_vl_refuses_what_vllm_refuses() -> None:
         _count(_qwen(), _image(64, 64), mm_processor_kwargs={"max_pixels": 0})
     with pytest.raises(TokenizationError, match="not valid base64"):
         _count(_qwen(), {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@"}})
+
+
+QWEN2_VL_VIDEO = {**QWEN2_VL, "video_token_id": 151656}
+
+
+def _video(width: int, height: int, frames: int, mime: str = "video/jpeg") -> dict:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height)).save(buffer, "JPEG")
+    frame = base64.b64encode(buffer.getvalue()).decode()
+    return {"type": "video_url", "video_url": {"url": f"data:{mime};base64," + ",".join([frame] * frames)}}
+
+
+def _qwen_video(options: MediaOptions | None = None, processor: dict | None = None) -> MediaCounting:
+    rule = image_tokens(QWEN2_VL_VIDEO, QWEN2_VL_PROCESSOR if processor is None else processor)
+    return MediaCounting(WordTokenizer(), rule, options, "qwen2_vl")
+
+
+def test_qwen2_vl_videos_sent_as_frames_count_temporal_patches() -> None:
+    """Each frame 300 x 200 -> 308 x 196 -> 11 x 7 units of 28 (77 tokens a temporal patch of 2
+    frames, padded: 3 frames take 2 patches); vLLM keeps 32 frames unless media_io_kwargs say."""
+    text_only = len(_count(_qwen_video(), TEXT))
+
+    def tokens(*parts: dict, **kwargs: object) -> int:
+        ids = _count(_qwen_video(kwargs.pop("options", None)), TEXT, *parts, **kwargs)  # type: ignore[arg-type]
+        assert 151656 not in ids  # every placeholder expanded
+        return len(ids) - text_only - 3
+
+    assert [tokens(_video(300, 200, n)) for n in (1, 2, 3, 4)] == [77, 77, 154, 154]
+    assert tokens(_video(300, 200, 40)) == 16 * 77
+    assert tokens(_video(300, 200, 40), media_io_kwargs={"video": {"num_frames": 3}}) == 2 * 77
+    assert tokens(_video(300, 200, 40), media_io_kwargs={"video": {"num_frames": -1}}) == 20 * 77
+    flag = MediaOptions(media_io={"video": {"num_frames": 4}})
+    assert tokens(_video(300, 200, 40), options=flag) == 2 * 77
+    assert tokens(_video(300, 200, 40), options=flag, media_io_kwargs={"video": {"fps": 2}}) == 16 * 77
+    # The videos' kwargs: flat and videos_kwargs (max_pixels 12,544: 3 x 4 units, 12 a patch).
+    assert tokens(_video(300, 200, 4), mm_processor_kwargs={"max_pixels": 784 * 16}) == 24
+    assert tokens(_video(300, 200, 4), mm_processor_kwargs={"videos_kwargs": {"max_pixels": 784 * 16}}) == 24
+    assert tokens(_video(300, 200, 4), mm_processor_kwargs={"images_kwargs": {"max_pixels": 784 * 16}}) == 154
+    # An image and a video in one message, each its own placeholder (the image's: its tokens,
+    # vision_start, vision_end and the newline after its part).
+    assert tokens(_image(300, 200), _video(300, 200, 2)) == 77 + 3 + 77
+
+
+def test_qwen2_vl_video_settings_come_from_the_video_processor() -> None:
+    """transformers' Qwen2VLVideoProcessor: video_preprocessor_config.json, else
+    preprocessor_config.json, else its own size {100,352, 602,112}."""
+    own = image_tokens(QWEN2_VL_VIDEO, {"video_preprocessor_config.json": {"max_pixels": 784 * 16}})
+    assert own is not None
+    assert own.video is not None  # type: ignore[attr-defined]
+    assert own.video.size["longest_edge"] == 784 * 16  # type: ignore[attr-defined]
+    shared = image_tokens(QWEN2_VL_VIDEO, QWEN2_VL_PROCESSOR)
+    assert shared.video.size == {"shortest_edge": 3136, "longest_edge": 12845056}  # type: ignore[union-attr]
+    default = image_tokens(QWEN2_VL_VIDEO, {})
+    assert default.video.size == {"shortest_edge": 100352, "longest_edge": 602112}  # type: ignore[union-attr]
+    assert image_tokens({**QWEN2_VL_VIDEO, "model_type": "qwen3_vl"}, {}).video is None  # type: ignore[union-attr]
+
+
+def test_qwen2_vl_videos_kvgate_does_not_read_or_vllm_refuses() -> None:
+    counting = _qwen_video(MediaOptions(limits={"video": 1}))
+    with pytest.raises(TokenizationError, match=r"'video_url' content part .*data:video/jpeg;base64"):
+        _count(counting, TEXT, _video(300, 200, 2, mime="video/mp4"))
+    with pytest.raises(TokenizationError, match=r"'video_url' content part .*not with \['fps'\]"):
+        _count(counting, TEXT, _video(300, 200, 2), mm_processor_kwargs={"fps": 2})
+    with pytest.raises(TokenizationError, match=r"'video_url' content part"):
+        _count(counting, TEXT, {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}})
+    with pytest.raises(TokenizationError, match=r"At most 1 video\(s\)"):
+        _count(counting, TEXT, _video(300, 200, 2), _video(300, 200, 2))
+    mixed = _video(300, 200, 1)
+    mixed["video_url"]["url"] += "," + _video(200, 300, 1)["video_url"]["url"].partition(",")[2]
+    with pytest.raises(TokenizationError, match="all input arrays must have the same shape"):
+        _count(counting, TEXT, mixed)
+    with pytest.raises(TokenizationError, match="num_frames must be greater than 0 or -1"):
+        _count(counting, TEXT, _video(300, 200, 2), media_io_kwargs={"video": {"num_frames": 0}})
+    with pytest.raises(TokenizationError, match="frame 2 is not valid base64"):
+        _count(counting, TEXT, {"type": "video_url", "video_url": {"url": mixed["video_url"]["url"] + "@"}})
 
 
 def test_gemma3_sequence_and_newline_joins() -> None:
