@@ -97,7 +97,8 @@ def step_charge(
     its tensors after the step's forward pass of `tokens` tokens (kvgate/memory/activation.py
     `sampler_phase_overhead_bytes`: the final hidden states pin a segment of the forward pass's,
     the logits and their fp32 copy split what is cached) times `sampler_overhead_scale` (relaxed
-    on the GPU's evidence, kvgate/telemetry/calibration.py `observe_slack`), else the same share. With
+    on the GPU's evidence, kvgate/telemetry/calibration.py `observe_slack`), and never less than
+    the same share (which the GPU's growth may have raised, `Calibration.observe_region`). With
     `profiled_cap` None (a headroom from flags, beside the profile region) only the unprofiled
     bytes count, as `transient_charge` does."""
     if profiled_cap is None:
@@ -108,11 +109,12 @@ def step_charge(
     residual = min(step.residual_profiled, residual_cap) if residual_cap else step.residual_profiled
     sampler = min(profiled_cap, residual + step.sampler_profiled)
     forward += math.ceil(forward * segment_overhead)
+    share = math.ceil(sampler * segment_overhead)
     if sampler_overhead is not None and segment_overhead and forward_bytes_per_token:
         tokens = math.ceil(step.forward_profiled / forward_bytes_per_token) + step.sampled_rows
-        sampler += math.ceil(sampler_overhead(step.sampled_rows, tokens) * sampler_overhead_scale)
-    else:
-        sampler += math.ceil(sampler * segment_overhead)
+        replayed = math.ceil(sampler_overhead(step.sampled_rows, tokens) * sampler_overhead_scale)
+        share = max(share, replayed)  # a share learned from the GPU above the replay's still counts
+    sampler += share
     sampler += step.sampler_unprofiled
     return step.unprofiled + max(forward, sampler)
 

@@ -85,9 +85,11 @@ class Aimd:
 class EvidenceScale:
     """A cautious term's share, 1.0 at first: it relaxes one `step` (down to `low`) after
     `evidence` readings in a row showed slack, and goes back to 1.0 at a near-miss, after which it
-    needs twice the evidence (up to `max_evidence`) before relaxing again. Counted in readings,
-    not seconds: a benchmark that plays minutes of an engine's life in seconds of wall clock
-    (the simulator at a speed-up) gathers the same evidence as the engine it plays."""
+    needs twice the evidence (up to `max_evidence`) before relaxing again. Counted in GPU
+    readings that showed slack, not in seconds since a back-off: a wall-clock hold (the transient
+    margin's 30 s) outlasts a benchmark that plays 30 simulated seconds in 7.5, where eight
+    readings of slack still come (readings follow the poll, so at a speed-up each covers more of
+    the engine's time)."""
 
     low: float = 0.25
     step: float = 0.25

@@ -89,9 +89,9 @@ def test_the_sampler_phase_beside_others_takes_its_replayed_overhead_at_the_lear
 
     step = holdings(forward=100 * 1000, sampler_unprofiled=500 * 1000, sampler=100, rows=60)
     common = dict(profiled_cap=10**9, forward_bytes_per_token=1000, sampler_overhead=overhead)
-    assert step_charge(step, segment_overhead=0.5, **common) == 500 * 1000 + 100 + 40  # forward: 160,000 x 1.5
+    assert step_charge(step, segment_overhead=0.1, **common) == 500 * 1000 + 100 + 40  # forward: 160,000 x 1.1
     assert seen == [(60, 100 + 60)]
-    assert step_charge(step, segment_overhead=0.5, sampler_overhead_scale=0.25, **common) == 500 * 1000 + 100 + 10
+    assert step_charge(step, segment_overhead=0.1, sampler_overhead_scale=0.25, **common) == 500 * 1000 + 100 + 10
     assert step_charge(step, segment_overhead=0.0, **common) == 500 * 1000 + 100  # alone: no overhead
 
 
@@ -121,3 +121,10 @@ def test_a_prefills_hidden_states_are_the_part_of_its_forward_pass_the_sampler_p
     demand = predictor.predict(spec, [[7] * 1000]).demand
     assert demand.profiled_residual_bytes == 2 * 1000 * 4096 * 2
     assert demand.profiled_prefill_bytes == 2 * 1000 * 4096 * 2 + 3 * 1000 * 14336 * 2
+
+
+def test_a_segment_share_learned_from_the_gpu_above_the_replay_still_counts_on_the_sampler_phase() -> None:
+    step = holdings(forward=10, sampler_unprofiled=100, sampler=200, rows=60)
+    common = dict(profiled_cap=10**9, forward_bytes_per_token=1, sampler_overhead=lambda rows, tokens: 40)
+    assert step_charge(step, segment_overhead=0.1, **common) == 100 + 200 + 40  # the replay: 40 > 20
+    assert step_charge(step, segment_overhead=0.5, **common) == 100 + 200 + 100  # the learned share: 100 > 40
