@@ -79,7 +79,8 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     from bench.scenarios import SCENARIOS, Scenario
 
     safety.quiet()
-    chosen = [s for s in SCENARIOS if not args.scenarios or s.key in args.scenarios]
+    pool: list[Scenario] = SCENARIOS if args.scenarios_from is None else scenarios_from(args.scenarios_from)
+    chosen = [s for s in pool if not args.scenarios or s.key in args.scenarios]
 
     def caps0(scn: Any) -> list[int]:
         return [8] if args.tiny else [16] if args.quick else scn.caps
@@ -87,8 +88,10 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     bar = _bar(sum(len(caps0(s)) + (0 if args.quick else 1) + 5 for s in chosen), "safety")
     rows, sweeps, described = [], {}, []
     with safety.tmpdir() as tmp:
-        for i, scn in enumerate(chosen):
-            calls = scn.traffic(random.Random(args.seed * 1000 + i), args.scale)
+        for scn in chosen:
+            # Seeded by the scenario's place in its list, not in this run: a scenario run alone
+            # plays the same traffic as in the full run.
+            calls = scn.traffic(random.Random(args.seed * 1000 + pool.index(scn)), args.scale)
             cfg = safety.scaled_config(scn, args.scale)
             described.append(
                 {
@@ -151,6 +154,19 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     out["safety"] = rows
     out["cap_sweep"] = sweeps
     out["scenarios"] = described
+
+
+def scenarios_from(path: Path) -> list[Any]:
+    """The SCENARIOS list of a Python file (scenarios kept out of the committed table, such as
+    tests/heldout/scenarios.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"scenarios_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load scenarios from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.SCENARIOS)
 
 
 def _engine_desc(cfg: Any) -> str:
@@ -284,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         "--scale", type=float, default=None, help="traffic scale (arrival window x scale); default 1, 0.3 with --quick"
     )
     p.add_argument("--scenarios", type=lambda s: s.split(","), default=None, help="comma-separated subset, e.g. S1,S5")
+    p.add_argument(
+        "--scenarios-from",
+        type=Path,
+        default=None,
+        help="a Python file whose SCENARIOS list replaces bench/scenarios.py's (e.g. tests/heldout/scenarios.py)",
+    )
     p.add_argument("--skip-safety", action="store_true")
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--no-profile", action="store_true", help="skip py-spy")

@@ -13,7 +13,8 @@ writes it to its stderr.
 `--distinct-prompts N` sends N chats with different user messages in turn (1: one chat, which
 kvgate's segment cache then reads back whole; the overhead benchmark sends
 bench.overhead.DISTINCT_CHATS, more than the cache keeps); `--no-segment-cache` encodes every chat
-whole (kvgate/token_segments.py), for comparison.
+whole (kvgate/token_segments.py), `--no-pre-token-cache` each new piece whole (its PreTokenCache
+off), for comparison.
 """
 
 from __future__ import annotations
@@ -162,11 +163,14 @@ async def run(args: argparse.Namespace, backend_port: int, folder: Path) -> list
         if args.kind == "chat"
         else ("/v1/completions", [completions_body(prompt_of(100))])
     )
-    if args.no_segment_cache:
+    if args.no_segment_cache or args.no_pre_token_cache:
         local = rt.pipeline.config.tokenizer
         while not hasattr(local, "_segments"):
             local = local._inner
-        local._segments = None
+        if args.no_segment_cache:
+            local._segments = None
+        else:
+            local._segments.pre_tokens = None
     await measure(app, path, bodies, 8, args.warmup, None)
     if args.canned_evaluation:  # everything but the evaluation: the HTTP path, the gate, the relay
         canned = await rt.pipeline.evaluate("chat" if args.kind == "chat" else "completions", bodies[0])
@@ -203,6 +207,9 @@ def main() -> None:
     parser.add_argument("--profile", help="write a cProfile of the measured requests here")
     parser.add_argument("--distinct-prompts", type=int, default=DISTINCT_CHATS, help="chats sent in turn")
     parser.add_argument("--no-segment-cache", action="store_true", help="encode every chat whole")
+    parser.add_argument(
+        "--no-pre-token-cache", action="store_true", help="encode new pieces with the Rust tokenizer, whole"
+    )
     args = parser.parse_args()
     quiet_transformers_advice()
     with tempfile.TemporaryDirectory(prefix="kvgate-request-cpu-") as tmp:

@@ -15,8 +15,8 @@ kvgate reads a WAV file's header only (RIFF `fmt ` and `data` chunks: PCM, IEEE 
 extensible), never its samples: the frames are the data chunk's whole blocks (no more than the
 bytes present). Other containers (FLAC, MP3, Ogg, ...) have no sample count kvgate can read
 without decoding, and their decoders disagree on padding: they are not counted here (the backend's
-render endpoint counts them where it is enabled; kvgate/multimodal.py). Audio by http(s) URL is not
-fetched and counts as the longest the processor takes.
+render endpoint counts them where it is enabled; kvgate/multimodal.py). Audio by http(s) or file
+URL is not fetched and counts as the longest the processor takes.
 
 Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
 
@@ -94,13 +94,13 @@ def audio_data(part: dict) -> str | None:
 
 
 def read_audio(url: str) -> AudioLength | AudioByUrl:
-    """The audio's length from a data URL's WAV header; AudioByUrl for an http(s) URL; AudioError
+    """The audio's length from a data URL's WAV header; AudioByUrl for an http(s) or file URL; AudioError
     for what vLLM would refuse; AudioNotCounted for a container kvgate does not read."""
     scheme = url[:8].lower().partition(":")[0]
-    if scheme in ("http", "https"):
+    if scheme in ("http", "https", "file"):  # file: vLLM's --allowed-local-media-path
         return AudioByUrl(url)
     if scheme != "data":
-        raise AudioError(f"Invalid audio URL {url[:32]!r}: the URL scheme must be data, http or https.")
+        raise AudioError(f"Invalid audio URL {url[:32]!r}: the URL scheme must be data, http, https or file.")
     comma = url.find(",")
     if comma < 0 or url[5:comma].rpartition(";")[2] != "base64":
         raise AudioError("Only base64 data URLs are supported for audio.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import inspect
 import json
 import re
 import threading
@@ -756,6 +757,60 @@ def _template(tokenizer: Any, name_or_text: str | None, tools: list[dict] | None
         raise TokenizationError(str(e)) from e
 
 
+# Keys of a message whose string values transformers hands the template as they are.
+_PLAIN_MESSAGE_KEYS = frozenset({"role", "content", "name"})
+_PLAIN_VALUES = (str, bool, int, float, type(None))
+
+
+@lru_cache(maxsize=8)
+def _render_parameters(tokenizer_class: Any) -> frozenset[str]:
+    """apply_chat_template's own parameters in the installed transformers: the request kwargs
+    bearing these names are not template variables."""
+    return frozenset(inspect.signature(tokenizer_class.apply_chat_template).parameters)
+
+
+def _plain_chat(tokenizer: Any, conversation: list[dict], kwargs: dict[str, Any]) -> bool:
+    """A chat that transformers' apply_chat_template (5.x: `_normalize_chat_messages`,
+    `render_jinja_template`) would hand the operator's template unchanged: messages of role,
+    content and name strings only (no None to drop, no reasoning field to alias, no object to turn
+    into plain data), no tools or documents, no final message to continue, and kwargs that are
+    plain values, apart from add_generation_prompt, none of them one of its own parameters."""
+    if not conversation or kwargs.get("continue_final_message") or kwargs.get("return_dict"):
+        return False
+    if kwargs.get("documents") is not None:
+        return False
+    own = _render_parameters(tokenizer.__class__)
+    for key, value in kwargs.items():
+        if type(value) not in _PLAIN_VALUES or (key in own and key not in _PLAIN_RENDER_KWARGS):
+            return False
+    return all(
+        type(message) is dict
+        and all(type(value) is str and key in _PLAIN_MESSAGE_KEYS for key, value in message.items())
+        for message in conversation
+    )
+
+
+# Parameters of apply_chat_template a plain render reads (continue_final_message and return_dict
+# only when false, documents only when None).
+_PLAIN_RENDER_KWARGS = frozenset({"add_generation_prompt", "continue_final_message", "return_dict", "documents"})
+
+
+def _render_plain(tokenizer: Any, template: str, conversation: list[dict], kwargs: dict[str, Any]) -> str:
+    """What apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+    returns for a _plain_chat, without its copies of the conversation: the compiled template
+    rendered with the messages, no tools or documents, the special tokens and the kwargs that are
+    template variables (render_jinja_template's call). A fifth of a short chat's CPU was those
+    copies (tests/unit/test_chat_render_plain.py compares the two)."""
+    variables = {k: v for k, v in kwargs.items() if k not in _PLAIN_RENDER_KWARGS}
+    return _transformers_compile(template).render(
+        messages=conversation,
+        tools=None,
+        documents=None,
+        add_generation_prompt=kwargs.get("add_generation_prompt", False),
+        **{**tokenizer.special_tokens_map, **variables},
+    )
+
+
 def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False) -> str | list[int]:
     """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True).
     `namespace_aliases`: the backend release's rule for the template's content format
@@ -789,6 +844,13 @@ def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False
     accepted = info.variables | _HF_CHAT_PARAMS
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     try:
+        if (
+            tools is None
+            and tokenize is False
+            and chat.chat_template is None
+            and _plain_chat(tokenizer, conversation, kwargs)
+        ):
+            return _render_plain(tokenizer, template, conversation, kwargs)
         return tokenizer.apply_chat_template(
             conversation=conversation,
             tools=tools,

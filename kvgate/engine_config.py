@@ -15,7 +15,14 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvgate.memory.activation import EngineShape, profile_peak_bytes, profile_segment_overhead_bytes
+from kvgate.memory.activation import (
+    EngineShape,
+    SamplerPhaseOverhead,
+    profile_forward_bytes,
+    profile_hidden_bytes,
+    profile_peak_bytes,
+    profile_segment_overhead_bytes,
+)
 from kvgate.memory.draft import Drafter
 from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
@@ -81,6 +88,11 @@ class StaticLimits:
     profiled_peak_bytes: int
     # kvgate/memory/activation.py profile_segment_overhead_bytes, as a share of the profile peak in use
     segment_overhead: float
+    # the profile's forward pass (profile_forward_bytes): the most one step's forward terms take
+    profiled_forward_bytes: int = 0
+    forward_bytes_per_token: int = 0  # its share a token (max_num_batched_tokens of them)
+    profiled_hidden_bytes: int = 0  # its hidden states and residual (activation.py profile_hidden_bytes)
+    sampler_phase_overhead: SamplerPhaseOverhead | None = None  # activation.py: the sampler phase's replay
 
 
 @dataclass(frozen=True)
@@ -489,12 +501,17 @@ def static_limits(
             headroom = int(gpu_memory_bytes * (1.0 - deployment.gpu_memory_utilization)) - outside.total
     if headroom is not None:
         headroom = max(0, headroom - predictor.shared_workspace_bytes)
+    forward = profile_forward_bytes(predictor.layout.geometry, predictor.engine)
     return StaticLimits(
         kv_blocks=None if blocks is None else max(0, blocks - 1),
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
         profiled_peak_bytes=predictor.profiled_peak_bytes,
         segment_overhead=overhead / predictor.profiled_peak_bytes if predictor.profiled_peak_bytes else 0.0,
+        profiled_forward_bytes=forward,
+        forward_bytes_per_token=-(-forward // max(1, predictor.engine.max_num_batched_tokens)),
+        profiled_hidden_bytes=profile_hidden_bytes(predictor.layout.geometry, predictor.engine),
+        sampler_phase_overhead=SamplerPhaseOverhead(predictor.layout.geometry, predictor.engine, expandable_segments),
     )
 
 

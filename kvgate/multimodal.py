@@ -301,7 +301,9 @@ def expand_images(
     target = rule.target_token if target is None else target
     at = [i for i, token in enumerate(ids) if token == target]
     if len(at) != len(images):
-        raise TokenizationError(f"the prompt has {len(at)} {rule.placeholder} placeholders for {len(images)} images")
+        raise TokenizationError(
+            f"the prompt has {len(at)} {rule.placeholder} placeholders for {len(images)} {rule.family} media items"
+        )
     out: list[int] = []
     start = 0
     for position, (key, replacement, text_ids) in zip(at, images, strict=True):

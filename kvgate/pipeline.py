@@ -156,7 +156,7 @@ class RequestPipeline:
             len(raw) > INLINE_BODY_BYTES or values > INLINE_BODY_VALUES or carries_template
         )
         cost = preparation_cost(raw, values) + (TEMPLATE_WORK_BYTES if carries_template else 0)
-        async with self.work_budget.hold(cost, deadline) as grant:
+        async with self.work_budget.hold(cost, deadline, len(raw)) as grant:
             if offload:
                 return await self._prepare_in_worker(config, route, raw, grant)
             with charging(grant.grow):
@@ -226,7 +226,7 @@ class RequestPipeline:
             check_passthrough_body(method, path, content_type, body, max_model_len)
             return
         job = PassthroughJob(method, path, content_type, config.limits.max_model_len)
-        async with self.work_budget.hold(preparation_cost(body, values)) as grant:
+        async with self.work_budget.hold(preparation_cost(body, values), body_bytes=len(body)) as grant:
             await config.workers.run(job, body, grant, PREPARE_SECONDS + len(body) / MiB * PREPARE_SECONDS_PER_MIB)
 
     def _valid_aliases(self, config: PipelineConfig) -> list[str] | None:

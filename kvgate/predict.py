@@ -78,17 +78,21 @@ class TransientSplit:
     # Of `prefill`, what the request holds from step to step (unprofiled residual terms: V2's
     # prompt logprobs of earlier steps): concurrent prefills each hold theirs at once.
     held: int = 0
+    # Of `profiled_prefill`, the hidden states alive into the sampler phase (Demand.profiled_residual_bytes).
+    profiled_residual: int = 0
 
     @classmethod
     def of(cls, transient: TransientEstimate) -> TransientSplit:
         per_request = [t for t in transient.terms if not t.profiled and not t.shared]
         in_profile = [t for t in transient.terms if t.profiled]
         prefill_terms = [t for t in per_request if t.phase == "prefill"]
+        profiled_prefill = [t for t in in_profile if t.phase == "prefill"]
         return cls(
             prefill=peak_of(prefill_terms),
             profiled=peak_of(in_profile),
-            profiled_prefill=peak_of([t for t in in_profile if t.phase == "prefill"]),
+            profiled_prefill=peak_of(profiled_prefill),
             held=sum(t.bytes for t in prefill_terms if t.stage == "residual"),
+            profiled_residual=sum(t.bytes for t in profiled_prefill if t.stage == "residual"),
         )
 
 
@@ -313,7 +317,7 @@ class Predictor:
         """Sums the footprints' KV and prefill terms; their sampler terms are `sampler`, which the
         ledger sizes with the rest of the batch."""
         shared: list[int] = []
-        private = profiled = profiled_prefill = held = pair = 0
+        private = profiled = profiled_prefill = residual = held = pair = 0
         variance = 0.0
         for i, fp in enumerate(footprints):
             hashes = fp.block_hashes if self.enable_prefix_caching else ()
@@ -324,6 +328,7 @@ class Predictor:
             held += split.held
             profiled = max(profiled, split.profiled)
             profiled_prefill += split.profiled_prefill
+            residual += split.profiled_residual
             if self.engine.runner == "v1":
                 pair = max(pair, sum(t.bytes for t in fp.transient.terms if t.stage == "prompt_logprobs"))
         if len(footprints) == 1:
@@ -340,6 +345,7 @@ class Predictor:
             transient_prefill_bytes=prefill,
             transient_held_bytes=held,
             profiled_prefill_bytes=min(profiled_prefill, self.profiled_peak_bytes),
+            profiled_residual_bytes=min(residual, profiled_prefill, self.profiled_peak_bytes),
             sampler=sampler,
             reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
             kv_variance_blocks=variance / self.layout.block_size**2,

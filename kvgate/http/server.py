@@ -158,7 +158,7 @@ def create_app(settings: Settings) -> Kvgate:
             "tokenizer": rt.pipeline.config.tokenizer.source if rt.pipeline.config else None,
             "budget_known": rt.budget.known,
             # The pool's usable blocks (null block excluded) and what kvgate may reserve of it now
-            # (pool x calibrated overcommit x the conservative scale).
+            # (pool x calibrated overcommit, at most 1 in conservative mode).
             "kv_pool_blocks": rt.budget.kv_blocks,
             "kv_blocks": rt.budget.kv_limit(),
             "transient_bytes": rt.budget.transient_limit(),

@@ -18,7 +18,7 @@ once and kept (``shared=True``: count them once per engine, not per request).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from kvgate.memory.allocator import TapeOp, alloc, footprint, free, worst_need
 from kvgate.memory.draft import Drafter
@@ -890,6 +890,12 @@ def profile_forward_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     return forward
 
 
+def profile_hidden_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
+    """The profile's hidden states and residual (``_hidden_states_term`` of max_num_batched_tokens
+    tokens): no step holds more of them, whatever its requests."""
+    return _hidden_states_term(geometry, engine.max_num_batched_tokens).bytes
+
+
 def profile_sampler_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     """The sampler half of the profile run's peak (see profile_peak_bytes)."""
     g, e = geometry, engine
@@ -962,3 +968,81 @@ def profile_segment_overhead_bytes(geometry: ModelGeometry, engine: EngineShape,
     sizes = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
     earlier = ([profile_forward_tape(geometry, engine, t)] for t in sizes)
     return max(0, worst_need(step, earlier, expandable_segments) - footprint(step, expandable_segments).allocated_peak)
+
+
+def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:
+    """The sampler phase of a step that samples `rows` rows, after its forward pass: vllm 0.32.0
+    v1/worker/gpu/model_runner.py ``sample`` gathers ``sample_hidden_states`` ``[rows, H]``, the
+    lm_head makes the logits ``[rows, V]`` in the model dtype and the sampler their fp32 copy
+    (gpu/sample/sampler.py ``apply_sampling_params``; V2's RejectionSampler one chunk at a time,
+    spec_decode/rejection_sampler.py ``_verify_in_chunks``; V1 always copies, v1/sample/sampler.py
+    ``Sampler.forward``). Top-k/top-p and logprobs buffers are left out: the phase's overhead is
+    what its largest tensors find of the forward pass's cached segments."""
+    g = geometry
+    copied = min(rows, sampler_cost(g, engine).verify_chunk_rows) if engine.runner == "v2" else rows
+    return [
+        alloc("sample_hidden", rows * g.hidden_size * g.dtype_bytes),
+        alloc("logits", rows * g.vocab_size * g.dtype_bytes),
+        alloc("logits_fp32", copied * g.vocab_size * FP32),
+        *free("logits_fp32", "logits", "sample_hidden"),
+    ]
+
+
+@lru_cache(maxsize=4096)
+def sampler_phase_overhead_bytes(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, rows: int, tokens: int
+) -> int:
+    """What the sampler phase of a step of `tokens` tokens sampling `rows` rows needs beyond its
+    own tensors and the step's final hidden states ``[tokens, H]``: the step's forward pass
+    (`profile_forward_tape`, its last hidden states kept) run after any one earlier step of
+    another size, the cache kept or released in between (kvgate/memory/allocator.py
+    `worst_need`, as `profile_segment_overhead_bytes`). The hidden states pin the segment best
+    fit gave them among the forward pass's freed blocks, and the logits and their fp32 copy split
+    cached segments or take new ones. Benchmark S9 (Llama 3.1 8B, 2,048 tokens, 1 + 5 rows a
+    request) OOMed the simulator with 187 MiB of its cache stranded this way when the sampler
+    phase was charged only its tensors: at 288 rows 74 MiB after a 2,048-token forward pass, 28
+    after a 384-token one. Memoised: each replay takes tens of milliseconds."""
+    full = engine.max_num_batched_tokens
+    history = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
+    phase = sampler_phase_tape(geometry, engine, rows)
+    own = profile_forward_tape(geometry, engine, tokens)[:-1]  # its final hidden states kept
+    earlier = ([profile_forward_tape(geometry, engine, t), own] for t in history)
+    need = worst_need(phase, earlier, expandable_segments)
+    hidden = tokens * geometry.hidden_size * geometry.dtype_bytes
+    return max(0, need - footprint(phase, expandable_segments).allocated_peak - hidden)
+
+
+# The grid the sampler phase's overhead is replayed on: 32nds of the most rows one step samples,
+# 16ths of max_num_batched_tokens.
+SAMPLER_ROW_STEPS = 32
+FORWARD_TOKEN_STEPS = 16
+
+
+class SamplerPhaseOverhead:
+    """`sampler_phase_overhead_bytes` of one deployment, for the budget: the larger of the replays
+    at the grid points around a step's rows and tokens. (A plain class: the budget's limits are
+    copied field by field with dataclasses.asdict, which would turn a dataclass into a dict.)"""
+
+    def __init__(self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> None:
+        self.geometry = geometry
+        self.engine = engine
+        self.expandable_segments = expandable_segments
+
+    def __call__(self, rows: int, tokens: int) -> int:
+        if rows <= 0:
+            return 0
+        e = self.engine
+        row_step = max(1, sampler_cost(self.geometry, e).max_sampled_rows // SAMPLER_ROW_STEPS)
+        token_step = max(1, e.max_num_batched_tokens // FORWARD_TOKEN_STEPS)
+        tokens = min(max(tokens, rows), e.max_num_batched_tokens)
+        worst = 0
+        for r in _around(rows, row_step):
+            for t in _around(tokens, token_step):
+                worst = max(worst, sampler_phase_overhead_bytes(self.geometry, e, self.expandable_segments, r, t))
+        return worst
+
+
+def _around(value: int, step: int) -> set[int]:
+    """The grid points below and at or above `value` (multiples of `step`, at least `step`)."""
+    above = max(step, -(-value // step) * step)
+    return {max(step, above - step), above}

@@ -8,6 +8,7 @@ Both read this module, so neither imports the other.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvgate.memory.demand import Demand
@@ -33,6 +34,90 @@ def transient_need_of_profiled(profiled: int, profiled_cap: int | None, segment_
 
 
 @dataclass(frozen=True)
+class StepHoldings:
+    """What the worst step of the in-flight requests holds, by the phase of the step it lives in.
+
+    One vLLM step runs the model's forward pass, then the lm_head and the sampler on the sampled
+    rows (vllm 0.32.0 ``v1/worker/gpu/model_runner.py`` ``execute_model`` then ``sample``; V1
+    ``v1/worker/gpu_model_runner.py`` ``execute_model`` then ``_sample``). The decoder layers'
+    intermediates (MLP, QKV, attention output) are freed layer by layer inside ``model(...)``
+    (model_executor/models/llama.py ``LlamaDecoderLayer.forward`` rebinds them), so when the
+    lm_head runs only the final hidden states ``[T, H]`` are left of the forward pass. The
+    caching allocator hands the freed blocks to the sampler's tensors: the profiled forward terms
+    and the sampler stage are never alive at once, and the step needs the larger of the two
+    phases, not their sum.
+
+    - `unprofiled`: the prefill terms outside the profile (attention over a computed context, MLA's
+      up-projection, prompt logprobs, encoder outputs, V2's held prompt logprobs, LoRA buffers):
+      counted in both phases (the cautious side: they are not all forward-pass tensors);
+    - `forward_profiled`: the open prefills' profiled terms (hidden states, MLP or MoE);
+    - `residual_profiled`: of those, the hidden states and residual, which the sampler phase still
+      holds (the final hidden states the lm_head reads);
+    - `sampler_unprofiled` and `sampler_profiled`: the batch's sampler stage (kvgate/memory/sampler.py).
+    """
+
+    unprofiled: int
+    forward_profiled: int
+    residual_profiled: int
+    sampler_unprofiled: int
+    sampler_profiled: int
+    sampled_rows: int = 0  # rows the stage samples (sizes the sampler phase's segment overhead)
+
+    @property
+    def transient_bytes(self) -> int:
+        """The unprofiled bytes of the worst step (what calibration compares with the GPU)."""
+        return self.unprofiled + self.sampler_unprofiled
+
+    @property
+    def profiled_bytes(self) -> int:
+        """The profiled bytes of the larger phase."""
+        return max(self.forward_profiled, self.residual_profiled + self.sampler_profiled)
+
+
+def step_charge(
+    step: StepHoldings,
+    profiled_cap: int | None,
+    segment_overhead: float = 0.0,
+    forward_cap: int | None = None,
+    forward_bytes_per_token: int = 0,
+    residual_cap: int | None = None,
+    sampler_overhead: Callable[[int, int], int] | None = None,
+    sampler_overhead_scale: float = 1.0,
+) -> int:
+    """What the worst step charges against the headroom: its unprofiled prefill terms and the
+    larger of its two phases (`StepHoldings`). The forward phase is the open prefills' profiled
+    terms and the decoding rows' tokens at `forward_bytes_per_token` each, at most `forward_cap`
+    (one step computes at most max_num_batched_tokens tokens: the profile's own forward pass,
+    kvgate/memory/activation.py `profile_forward_bytes`); the sampler phase is the stage with the
+    hidden states it reads, those of the open prefills at most `residual_cap` (a step's
+    max_num_batched_tokens tokens: the profile's hidden states and residual). Each phase's profiled bytes, up to `profiled_cap`, take their
+    caching-allocator segments (`segment_overhead`, the forward tape's replay,
+    kvgate/memory/activation.py `profile_segment_overhead_bytes`); beside others (a nonzero
+    `segment_overhead`) the sampler phase's is `sampler_overhead(rows, tokens)`, the replay of
+    its tensors after the step's forward pass of `tokens` tokens (kvgate/memory/activation.py
+    `sampler_phase_overhead_bytes`: the final hidden states pin a segment of the forward pass's,
+    the logits and their fp32 copy split what is cached) times `sampler_overhead_scale` (relaxed
+    on the GPU's evidence, kvgate/telemetry/calibration.py `observe_slack`), else the same share. With
+    `profiled_cap` None (a headroom from flags, beside the profile region) only the unprofiled
+    bytes count, as `transient_charge` does."""
+    if profiled_cap is None:
+        return step.unprofiled + step.sampler_unprofiled
+    # the decoding requests' tokens (one a sampled row) go through the same forward pass
+    forward = step.forward_profiled + step.sampled_rows * forward_bytes_per_token
+    forward = min(profiled_cap, forward, forward_cap if forward_cap else forward)
+    residual = min(step.residual_profiled, residual_cap) if residual_cap else step.residual_profiled
+    sampler = min(profiled_cap, residual + step.sampler_profiled)
+    forward += math.ceil(forward * segment_overhead)
+    if sampler_overhead is not None and segment_overhead and forward_bytes_per_token:
+        tokens = math.ceil(step.forward_profiled / forward_bytes_per_token) + step.sampled_rows
+        sampler += math.ceil(sampler_overhead(step.sampled_rows, tokens) * sampler_overhead_scale)
+    else:
+        sampler += math.ceil(sampler * segment_overhead)
+    sampler += step.sampler_unprofiled
+    return step.unprofiled + max(forward, sampler)
+
+
+@dataclass(frozen=True)
 class Ceiling:
     """vLLM's whole KV pool and the largest transient headroom kvgate has seen (less its safety
     margin); None where unknown, which judges nothing."""
@@ -43,11 +128,24 @@ class Ceiling:
     segment_overhead: float = 0.0
 
     def profiled_need(self, demand: Demand) -> int:
-        """The part of `transient_need` that is the profile region's tensors at their segments."""
-        return transient_need_of_profiled(demand.profiled_bytes, self.profiled_cap_bytes, self.segment_overhead)
+        """The forward phase of `transient_need`: the profile region's forward tensors (hidden
+        states, MLP) at their segments."""
+        return transient_need_of_profiled(demand.profiled_prefill_bytes, self.profiled_cap_bytes, self.segment_overhead)
 
     def transient_need(self, demand: Demand) -> int:
-        """What `demand` holds of the transient headroom on an idle server."""
-        return transient_charge(
-            demand.transient_bytes, demand.profiled_bytes, self.profiled_cap_bytes, self.segment_overhead
-        )
+        """What `demand` holds of the transient headroom on an idle server: its own steps' larger
+        phase (`step_charge`), at the allocated peak (see Budget.ceiling)."""
+        return step_charge(demand_step(demand), self.profiled_cap_bytes, self.segment_overhead)
+
+
+def demand_step(demand: Demand) -> StepHoldings:
+    """One request's worst step alone on the engine."""
+    sampler = demand.sampler.alone if demand.sampler else None
+    return StepHoldings(
+        unprofiled=demand.transient_prefill_bytes,
+        forward_profiled=demand.profiled_prefill_bytes,
+        residual_profiled=demand.profiled_residual_bytes,
+        sampler_unprofiled=sampler.unprofiled if sampler else 0,
+        sampler_profiled=sampler.profiled if sampler else 0,
+        sampled_rows=sampler.rows if sampler else 0,
+    )

@@ -20,6 +20,10 @@ class Demand:
     # Terms the start-up profile measured (MLP, hidden states): they live in the profile region,
     # which only a live GPU reading can show taken by someone else.
     profiled_prefill_bytes: int = 0
+    # Of those, the hidden states and residual of its chunk (the `residual` stage): the final
+    # hidden states are still alive when the lm_head and the sampler run (kvgate/memory/ceiling.py
+    # StepHoldings), where its MLP's blocks are free again.
+    profiled_residual_bytes: int = 0
     # Its part of every step's sampler stage, which the ledger sizes for the whole batch.
     sampler: SamplerUse | None = None
     # Output tokens per sequence the KV reservation covers (learned, see outputs.py); None: all.
@@ -62,4 +66,7 @@ class Demand:
 
     @property
     def profiled_bytes(self) -> int:
-        return self.profiled_prefill_bytes + (self.sampler.alone.profiled if self.sampler else 0)
+        """Profiled memory at its worst step, alone: the larger of its forward pass and its
+        sampler phase with the hidden states it reads (kvgate/memory/ceiling.py StepHoldings)."""
+        sampler = self.sampler.alone.profiled if self.sampler else 0
+        return max(self.profiled_prefill_bytes, self.profiled_residual_bytes + sampler)

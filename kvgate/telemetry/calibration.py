@@ -81,6 +81,45 @@ class Aimd:
         return self.value != old
 
 
+@dataclass
+class EvidenceScale:
+    """A cautious term's share, 1.0 at first: it relaxes one `step` (down to `low`) after
+    `evidence` readings in a row showed slack, and goes back to 1.0 at a near-miss, after which it
+    needs twice the evidence (up to `max_evidence`) before relaxing again. Counted in readings,
+    not seconds: a benchmark that plays minutes of an engine's life in seconds of wall clock
+    (the simulator at a speed-up) gathers the same evidence as the engine it plays."""
+
+    low: float = 0.25
+    step: float = 0.25
+    evidence: int = 8
+    max_evidence: int = 64
+    value: float = 1.0
+    seen: int = 0  # readings with slack in a row
+    needed: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.needed = self.evidence
+
+    def slack(self) -> bool:
+        """One more reading with slack; True if the share moved down."""
+        self.seen += 1
+        if self.seen < self.needed or self.value <= self.low:
+            return False
+        self.seen = 0
+        self.value = round(max(self.low, self.value - self.step), 6)
+        return True
+
+    def no_slack(self) -> None:
+        self.seen = 0
+
+    def near_miss(self) -> bool:
+        """Back to the whole term; True if it had relaxed."""
+        moved = self.value < 1.0
+        self.value, self.seen = 1.0, 0
+        self.needed = min(self.max_evidence, 2 * self.needed)
+        return moved
+
+
 @dataclass(frozen=True)
 class InFlight:
     """One admitted request as the KV estimate sees it."""
@@ -135,6 +174,8 @@ class Calibration:
     # The profile region's segment overhead seen on the GPU (a share of the profile peak): only
     # ever raised, and kept across engine lives (see observe_region)
     segment_overhead: float = 0.0
+    # The share of the sampler phase's replayed segment overhead charged (see observe_slack)
+    sampler_overhead: EvidenceScale = field(default_factory=EvidenceScale)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -223,11 +264,46 @@ class Calibration:
             f"{(server_growth - unprofiled_peak) / MiB:.0f} MiB of segments; segment overhead up to {seen:.2f}"
         )
 
+    def observe_slack(
+        self, server_growth: int, headroom: int, min_free: int, limit: int | None, waiting_for_transient: bool
+    ) -> str | None:
+        """Relax or restore the sampler phase's replayed segment overhead (kvgate/memory/activation.py
+        `sampler_phase_overhead_bytes`, the worst over the allocator histories it replays) from
+        what the engine's memory shows.
+
+        Near-miss: the GPU's free memory fell below half of what the margin keeps back
+        (`headroom - limit`): the whole term again, and twice the evidence before the next relax.
+        Slack: requests wait for transient memory (the charge binds) while everything the engine
+        reserved since start-up, its allocator's cache included (`server_growth`, a high-water
+        mark: NVML counts cached segments as used), stays below three quarters of the limit: the
+        engine never needed what kvgate holds back for it, so one step less of the term."""
+        if limit is None or headroom <= 0:
+            return None
+        if min_free < (headroom - limit) // 2:
+            if self.sampler_overhead.near_miss():
+                return (
+                    f"free memory {min_free / MiB:.0f} MiB, under half the margin: the sampler phase's "
+                    "segment overhead is charged whole again"
+                )
+            return None
+        if waiting_for_transient and server_growth < 0.75 * limit:
+            if self.sampler_overhead.slack():
+                return (
+                    f"requests wait for transient memory while the engine reserved at most "
+                    f"{server_growth / MiB:.0f} MiB of the {limit / MiB:.0f} MiB limit: the sampler phase's "
+                    f"segment overhead charged at {self.sampler_overhead.value:.2f}"
+                )
+            return None
+        self.sampler_overhead.no_slack()
+        return None
+
     def new_life(self) -> None:
         """The backend restarted: its allocator cache, and so its growth, start from zero."""
         self.growth_at_backoff = 0
 
     def oom_restart(self, now: float) -> float:
-        """The backend died after admitted steps: spend less of the headroom from now on."""
+        """The backend died after admitted steps: spend less of the headroom from now on, and
+        charge the sampler phase's segment overhead whole again."""
         self.transient.backoff(now)
+        self.sampler_overhead.near_miss()
         return self.transient_margin

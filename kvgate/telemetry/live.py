@@ -361,6 +361,15 @@ class LiveBudget:
         self.metrics.transient_error.set(self.calibration.transient_error_bytes)
         if reason:
             log.warning("calibration: %s", reason)
+        relaxed = self.calibration.observe_slack(
+            headroom.server_growth,
+            headroom.bytes,
+            headroom.min_free,
+            self.budget.transient_limit(),
+            self.gate.head_shortfall() == TRANSIENT_BUSY,
+        )
+        if relaxed:
+            log.info("calibration: %s", relaxed)
 
     def detail(self) -> dict[str, object]:
         """What /readyz says about the live budget (GPU readings present or not, and why)."""
@@ -374,6 +383,7 @@ class LiveBudget:
             "kv_overcommit": round(self.calibration.kv_overcommit, 3),
             "transient_margin": round(self.calibration.transient_margin, 3),
             "segment_overhead": round(self.budget.charged_segment_overhead, 3),
+            "sampler_overhead_scale": self.calibration.sampler_overhead.value,
             "problem": self.problem,
         }
 
@@ -406,6 +416,7 @@ class LiveBudget:
             wanted["transient_headroom_bytes"] = self.headroom_bytes
             wanted["profiled_cap_bytes"] = self.profiled_cap_bytes
             wanted["learned_segment_overhead"] = c.segment_overhead
+            wanted["sampler_overhead_scale"] = c.sampler_overhead.value
             wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
         changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}
         if changes:

@@ -142,8 +142,11 @@ def test_qwen2_audio_counts_as_the_feature_extractor_masks(samples: int) -> None
 
 def test_the_longest_audio_and_one_by_url_take_750_tokens() -> None:
     # 30 s at 16 kHz: 3,000 mel frames -> 1,500 -> 750 (get_mm_max_tokens_per_item's own count).
-    url = {"type": "audio_url", "audio_url": {"url": "https://example.com/talk.wav"}}
-    assert sum(1 for t in _count(_counting(), url) if t < 0) == 750
+    for where in ("https://example.com/talk.wav", "file:///srv/talk.wav"):
+        url = {"type": "audio_url", "audio_url": {"url": where}}
+        assert sum(1 for t in _count(_counting(), url) if t < 0) == 750
+    with pytest.raises(AudioError, match="scheme must be data, http, https or file"):
+        _count(_counting(), {"type": "audio_url", "audio_url": {"url": "ftp://example.com/a.wav"}})
     assert sum(1 for t in _count(_counting(), _input_audio(_wav(16000 * 90))) if t < 0) == 750
 
 
@@ -198,3 +201,18 @@ def test_bad_base64_and_other_containers() -> None:
 def test_feature_extractor_kwargs_kvgate_does_not_read_are_refused() -> None:
     with pytest.raises(TokenizationError, match="max_length"):
         _count(_counting(), _input_audio(_wav(16000)), mm_processor_kwargs={"audio_kwargs": {"max_length": 1}})
+
+
+class DroppingTokenizer(WordTokenizer):
+    """A template that writes no text for media parts (an "openai"-format one that ignores them)."""
+
+    async def encode_chat(self, chat: ChatInput, max_tokens=None, namespace_aliases=False) -> Sequence[int]:
+        texts = [p["text"] for m in chat.messages for p in m["content"] if isinstance(p, dict)]
+        return self._ids(" ".join(texts))
+
+
+def test_a_template_that_drops_the_audio_is_a_400() -> None:
+    """vLLM's processor finds no <|AUDIO|> for the audio and refuses; kvgate says so first."""
+    counting = MediaCounting(DroppingTokenizer(), None, None, "qwen2_audio", audio_tokens(QWEN2_AUDIO, {}))
+    with pytest.raises(TokenizationError, match=r"0 <\|AUDIO\|> placeholders for 1 qwen2_audio media items"):
+        _count(counting, TEXT, _input_audio(_wav(16000)))

@@ -141,7 +141,8 @@ class TestLedger:
     def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
         d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
         assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 24 + 2 * 3 * 40 * 8
-        assert Ledger().profiled_bytes_with(d) == d.profiled_bytes == 5 + 3 * PROFILED_ROW_SMALL_BATCH
+        # its forward pass (5) and its sampler stage run one after the other: the larger counts
+        assert Ledger().step_with(d).profiled_bytes == d.profiled_bytes == 3 * PROFILED_ROW_SMALL_BATCH
 
     def test_high_water_mark_sees_short_lived_prefills(self) -> None:
         ledger = Ledger()
@@ -174,21 +175,37 @@ class TestLedger:
         ledger.release(batch)
         assert ledger.transient_bytes == 0
 
-    def test_profiled_terms_add_up_over_open_prefills_and_sampled_rows(self) -> None:
-        """Chunks of several prefills share a step's MLP, so their profiled terms add up."""
+    def test_profiled_forward_terms_add_up_over_open_prefills_and_the_sampler_phase_is_apart(self) -> None:
+        """Chunks of several prefills share a step's MLP, so their forward terms add up; the
+        sampler runs after the forward pass has freed them (kvgate/memory/ceiling.py StepHoldings),
+        with the hidden states it reads: the larger phase counts."""
         ledger = Ledger()
-        first = ledger.reserve(demand(profiled_prefill=500, rows=1))
+        first = ledger.reserve(replace(demand(profiled_prefill=500, rows=1), profiled_residual_bytes=50))
         second = ledger.reserve(demand(profiled_prefill=300, rows=1))
-        assert ledger.profiled_bytes == 800 + 2 * PROFILED_ROW_SMALL_BATCH
-        assert ledger.profiled_bytes_with(demand(profiled_prefill=100)) == 900 + 2 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.step().forward_profiled == 800
+        assert ledger.step().residual_profiled == 50
+        assert ledger.step().sampler_profiled == 2 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.profiled_bytes == 800
+        assert ledger.step_with(demand(profiled_prefill=100)).profiled_bytes == 900
         ledger.end_prefill(first)
-        assert ledger.profiled_bytes == 300 + 2 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.profiled_bytes == 300
+        ledger.end_prefill(second)
+        assert ledger.profiled_bytes == 2 * PROFILED_ROW_SMALL_BATCH  # decoding only: the sampler's
         ledger.release(second)
         ledger.release(first)
         assert ledger.profiled_bytes == 0
 
 
 class TestBudgetCharges:
+    def test_stale_readings_halve_the_headroom_not_the_pool(self) -> None:
+        """Conservative mode (kvgate/telemetry/live.py: scale = --stale-budget-fraction, overcommit
+        off): what stale readings may miss is another process taking GPU memory, so the transient
+        limit shrinks; the KV pool is vLLM's own and a full one makes it queue, never OOM."""
+        budget = Budget(kv_blocks=100, transient_headroom_bytes=1000, transient_margin=0.0, kv_overcommit=1.2)
+        assert (budget.kv_limit(), budget.transient_limit()) == (120, 1000)
+        budget.update(scale=0.5, kv_overcommit=1.0)
+        assert (budget.kv_limit(), budget.transient_limit()) == (100, 500)
+
     def test_profiled_terms_are_free_beside_a_headroom_from_flags(self) -> None:
         budget = Budget(kv_blocks=10, transient_headroom_bytes=100, transient_margin=0.0)
         assert budget.shortfall(demand(profiled_prefill=10**9), Ledger()) is None
@@ -206,7 +223,8 @@ class TestBudgetCharges:
         # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
         assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
-        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 8 + 400
+        # its MLP is freed before its sampler (8 B unprofiled) runs: the larger phase, the region
+        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 400
 
     def test_profiled_terms_charged_to_free_memory_take_the_allocators_segments(self) -> None:
         """S13: a 400 MiB profile peak that comes back out of free memory takes 480 MiB of
@@ -267,6 +285,21 @@ class TestQueue:
         order = [queue.pop_head() for _ in range(5)]
         assert order == [urgent, a1, b1, a2, a3]
 
+    async def test_blocks_ahead_follow_the_turns_not_arrival(self) -> None:
+        """Retry-After counts the line as it will be admitted: a tenant's first request goes
+        before another tenant's later ones, whenever it came."""
+        queue = AdmissionQueue(max_size=10)
+        a1, a2, a3 = (self._waiter(0, "a") for _ in range(3))
+        b1 = self._waiter(0, "b")
+        urgent = self._waiter(-1, "c")
+        for w in (a1, a2, a3, b1, urgent):
+            queue.push(w)  # order of admission: urgent, a1, b1, a2, a3
+        assert queue.blocks_ahead(0, "b", b1) == 2  # urgent, a1
+        assert queue.blocks_ahead(0, "a", a3) == 4  # urgent, a1, b1, a2
+        assert queue.blocks_ahead(0, "d") == 3  # a new tenant: urgent, then a1 and b1 in their turn
+        assert queue.blocks_ahead(0, "b") == 4  # b's second: urgent, a1, b1, a2
+        assert queue.blocks_ahead(0, "a") == 5  # a's fourth: behind everything
+
     async def test_bounded_and_removable(self) -> None:
         queue = AdmissionQueue(max_size=2)
         first, second = self._waiter(0, "a"), self._waiter(0, "b")
@@ -274,9 +307,9 @@ class TestQueue:
         queue.push(second)
         with pytest.raises(QueueAtCapacity):
             queue.push(self._waiter(0, "a"))
-        assert queue.blocks_ahead(0, second.seq) == 1  # the first's one block
-        assert queue.blocks_ahead(0) == 2
-        assert queue.blocks_ahead(-1) == 0
+        assert queue.blocks_ahead(0, "b", second) == 1  # the first's one block
+        assert queue.blocks_ahead(0, "c") == 2
+        assert queue.blocks_ahead(-1, "c") == 0
         assert queue.remove(first) is True
         assert queue.remove(first) is False
         assert queue.peek() is second
@@ -789,21 +822,27 @@ class TestBackfill:
         assert gate.ledger.in_flight == 0
         assert len(gate.queue) == 0
 
-    async def test_a_head_that_used_half_its_wait_has_the_line_to_itself(self) -> None:
+    async def test_a_head_that_used_half_its_wait_is_passed_on_no_prediction(self) -> None:
         """Backfilling must not be why a large request is refused for waiting too long: once the
-        head has waited half of --max-queue-wait, nothing passes it until it starts."""
+        head has waited half of --max-queue-wait, nothing passes it on a prediction ("ends
+        first") any more, and companions join only while no request that passed on one still
+        runs. A companion cannot delay it: the head fits beside the companions."""
         clock = FakeClock()
         gate, _ = clocked_gate(10, clock)  # --max-queue-wait 60 s
-        holder = await gate.acquire(demand(blocks=6), 0, "a")
-        head = await queued(gate, demand(blocks=8))
-        clock.now += 29.0
-        (await asyncio.wait_for(gate.acquire(demand(blocks=2), 0, "b"), 1)).release()  # it passes
+        taught = await gate.acquire(short(1, 10), 0, "a")
         clock.now += 1.0
-        assert gate.would_wait(demand(blocks=2), 0) == "behind_queue"
-        later = await queued(gate, demand(blocks=2), tenant="b")
-        holder.release()
-        (await asyncio.wait_for(head, 1)).release()
-        (await asyncio.wait_for(later, 1)).release()
+        taught.release("completed", 10)  # 0.1 s an output token
+        holder = await gate.acquire(short(6, 1000), 0, "a")  # predicted to end at +100 s
+        head = await queued(gate, demand(blocks=8))
+        straggler = await asyncio.wait_for(gate.acquire(short(3, 4), 0, "b"), 1)  # ends first (not beside: 8 + 3 > 10)
+        clock.now += 30.0  # half of the head's wait; the straggler overran its prediction
+        assert gate.would_wait(short(1, 4), 0) == "behind_queue"  # would fit beside, but the straggler runs
+        straggler.release("completed", 4)
+        assert gate.would_wait(replace(short(3, 4), prompt_tokens=0), 0) == "behind_queue"  # no more predictions
+        companion = await asyncio.wait_for(gate.acquire(short(2, 1000), 0, "c"), 1)  # 8 + 2 beside: joins
+        holder.release("completed", 1000)
+        (await asyncio.wait_for(head, 1)).release()  # admitted beside the companion at once
+        companion.release()
         assert gate.ledger.in_flight == 0
 
     async def test_a_head_that_leaves_lets_the_line_move_up(self) -> None:

@@ -21,6 +21,7 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve
 from kvgate.gate.budget import Budget
 from kvgate.gate.ledger import Ledger
+from kvgate.memory.activation import profile_forward_bytes
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
@@ -85,7 +86,15 @@ def kvgate_charge(predictor: Predictor, decoding: list[dict], prefill: dict | No
         spec = parse_request("completions", json.dumps({"prompt": "x", "max_tokens": 256, **prefill}).encode()).request
         ledger.reserve(predictor.predict(spec, [[5] * prefill["tokens"]]).demand)
     peak = predictor.profiled_peak_bytes
-    return Budget(profiled_cap_bytes=peak, profiled_peak_bytes=peak).transient_charge(ledger)
+    forward = profile_forward_bytes(predictor.layout.geometry, predictor.engine)
+    per_token = -(-forward // predictor.engine.max_num_batched_tokens)
+    budget = Budget(
+        profiled_cap_bytes=peak,
+        profiled_peak_bytes=peak,
+        profiled_forward_bytes=forward,
+        forward_bytes_per_token=per_token,
+    )
+    return budget.transient_charge(ledger)
 
 
 def decoding_slice(body: dict) -> ReqSlice:

@@ -148,3 +148,44 @@ def test_the_segment_overhead_rises_to_what_the_gpu_shows_and_never_falls() -> N
     c.new_life()
     assert round(c.segment_overhead, 4) == round(517 / 400 - 1, 4)  # a property of the workload
     assert c.observe_region(10**9, 0, 0, 0.2) is None  # no profile peak known: nothing to learn
+
+
+def test_the_sampler_overhead_relaxes_after_readings_of_slack_and_is_whole_again_at_a_near_miss() -> None:
+    """Counted in readings, not seconds: the same evidence at any speed-up. A 304 MiB headroom
+    (benchmark S9's), a 274 MiB limit: half the margin is 15 MiB of free memory."""
+    c = Calibration(CalibrationConfig(margin=0.1))
+    headroom, limit = 304 * MiB, 274 * MiB
+    scale = c.sampler_overhead
+    for _ in range(7):  # requests wait, the engine reserved 150 MiB at most: slack, not yet enough
+        assert c.observe_slack(150 * MiB, headroom, 154 * MiB, limit, waiting_for_transient=True) is None
+    assert scale.value == 1.0
+    reason = c.observe_slack(150 * MiB, headroom, 154 * MiB, limit, waiting_for_transient=True)
+    assert reason is not None
+    assert "0.75" in reason
+    # nothing waits: no evidence that the charge binds, and the run of slack starts again
+    assert c.observe_slack(150 * MiB, headroom, 154 * MiB, limit, waiting_for_transient=False) is None
+    for _ in range(8):
+        c.observe_slack(150 * MiB, headroom, 154 * MiB, limit, waiting_for_transient=True)
+    assert scale.value == 0.5
+    # the engine's reserved memory reached three quarters of the limit: no slack, no change
+    for _ in range(20):
+        c.observe_slack(210 * MiB, headroom, 94 * MiB, limit, waiting_for_transient=True)
+    assert scale.value == 0.5
+    # near-miss: 14 MiB free, under half the 30 MiB margin: whole again, and twice the evidence
+    assert c.observe_slack(290 * MiB, headroom, 14 * MiB, limit, waiting_for_transient=True) is not None
+    assert scale.value == 1.0
+    for _ in range(15):
+        c.observe_slack(150 * MiB, headroom, 154 * MiB, limit, waiting_for_transient=True)
+    assert scale.value == 1.0
+    c.observe_slack(150 * MiB, headroom, 154 * MiB, limit, waiting_for_transient=True)
+    assert scale.value == 0.75
+
+
+def test_the_sampler_overhead_never_relaxes_below_its_floor_and_an_oom_restores_it() -> None:
+    c = Calibration(CalibrationConfig(margin=0.1))
+    for _ in range(200):
+        c.observe_slack(0, 300 * MiB, 300 * MiB, 270 * MiB, waiting_for_transient=True)
+    assert c.sampler_overhead.value == c.sampler_overhead.low == 0.25
+    c.oom_restart(now=0.0)
+    assert c.sampler_overhead.value == 1.0
+    assert c.observe_slack(0, 300 * MiB, 300 * MiB, None, waiting_for_transient=True) is None  # no limit known

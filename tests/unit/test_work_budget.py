@@ -241,3 +241,18 @@ def test_the_containers_limit_is_its_cgroups_tightest(
     if membership is not None:
         (tmp_path / "self-cgroup").write_text(membership)
     assert container_memory_limit(root, tmp_path / "self-cgroup") == limit
+
+
+async def test_the_bodies_waiting_for_room_are_bounded() -> None:
+    """A waiting request holds its body, already read: past max_waiting_body_bytes of them a new
+    one is refused at once (429), so memory stays bounded however many arrive."""
+    budget = WorkBudget(100, max_waiting_body_bytes=30)
+    async with budget.hold(90):
+        first = asyncio.create_task(budget.hold(50, body_bytes=20).__aenter__())
+        await wait_for_async(lambda: budget._waiters, timeout_s=5, what="the first to wait")
+        assert budget.waiting_body_bytes == 20
+        with pytest.raises(WorkMemoryBusy):
+            await budget.hold(50, body_bytes=20).__aenter__()  # 20 + 20 > 30
+        assert budget.waiting_body_bytes == 20
+    assert (await first).bytes == 50
+    assert budget.waiting_body_bytes == 0

@@ -1,0 +1,123 @@
+"""The worst step's two phases (kvgate/memory/ceiling.py step_charge): the forward pass's profiled
+terms and the sampler stage run one after the other in a vLLM step, so the larger counts."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags
+from kvgate.engine_config import build_predictor, resolve
+from kvgate.memory.activation import EngineShape, SamplerPhaseOverhead, profile_forward_bytes, profile_hidden_bytes
+from kvgate.memory.ceiling import StepHoldings, step_charge
+from kvgate.openai import parse_request
+from kvgate.settings import settings_from_args
+from kvgate.units import GiB, MiB
+from support.geometry import model_geometry
+
+# Benchmark S9's engine: Llama 3.1 8B (hidden 4,096, intermediate 14,336, bf16), 2,048 batched tokens.
+S9_ENGINE = EngineShape(8192, 2048, 256, runner="v2", num_speculative_tokens=5, sampler="flashinfer")
+
+
+def holdings(
+    unprofiled: int = 0,
+    forward: int = 0,
+    residual: int = 0,
+    sampler_unprofiled: int = 0,
+    sampler: int = 0,
+    rows: int = 0,
+) -> StepHoldings:
+    return StepHoldings(unprofiled, forward, residual, sampler_unprofiled, sampler, rows)
+
+
+def test_the_larger_phase_counts_not_their_sum() -> None:
+    """An MLP of 300 and a sampler stage of 100 + 150 unprofiled: the step needs 300, where the
+    ledger used to charge 550; the prefill's unprofiled terms (attention over its context) count
+    in both phases."""
+    step = holdings(unprofiled=40, forward=300, sampler_unprofiled=150, sampler=100)
+    assert step_charge(step, profiled_cap=1000) == 40 + 300
+    bigger_sampler = holdings(unprofiled=40, forward=300, sampler_unprofiled=250, sampler=100)
+    assert step_charge(bigger_sampler, profiled_cap=1000) == 40 + 250 + 100
+
+
+def test_the_sampler_phase_holds_the_hidden_states_it_reads() -> None:
+    step = holdings(forward=300, residual=60, sampler_unprofiled=200, sampler=100)
+    assert step_charge(step, profiled_cap=1000) == 200 + 100 + 60
+    # no step holds more hidden states than max_num_batched_tokens tokens' (the profile's)
+    assert step_charge(step, profiled_cap=1000, residual_cap=20) == max(300, 200 + 100 + 20)
+
+
+def test_profiled_bytes_count_up_to_the_emptied_region_and_at_their_segments() -> None:
+    step = holdings(forward=900, sampler_unprofiled=10, sampler=50)
+    assert step_charge(step, profiled_cap=400) == 400  # the region is never charged twice
+    assert step_charge(step, profiled_cap=400, segment_overhead=0.25) == 500
+    assert step_charge(step, profiled_cap=None) == 10  # a headroom from flags: beside the region
+    sampler_bound = holdings(forward=10, sampler_unprofiled=100, sampler=200)
+    assert step_charge(sampler_bound, profiled_cap=400, segment_overhead=0.25) == 100 + 250
+
+
+def test_a_step_computes_at_most_max_num_batched_tokens_of_forward_pass() -> None:
+    """Open prefills' chunks run in different steps, and the decoding requests' tokens join
+    them: the forward phase is at most the profile's own forward pass."""
+    forward = profile_forward_bytes(model_geometry("llama-3-8b"), S9_ENGINE)
+    per_token = math.ceil(forward / 2048)
+    # hidden + residual 2 x 2,048 x 4,096 x 2 B, MLP 3 x 2,048 x 14,336 x 2 B
+    assert forward == 2 * 2048 * 4096 * 2 + 3 * 2048 * 14336 * 2 == 200 * MiB
+    assert per_token == 100 * 1024
+    three_prefills = holdings(forward=3 * 150 * MiB, rows=0)
+    assert step_charge(three_prefills, profiled_cap=300 * MiB, forward_cap=forward) == forward
+    # 64 S9 decodes verify 1 + 5 tokens each: 384 tokens of forward pass beside a 1,000-token prefill
+    decodes = holdings(forward=100 * MiB, rows=384)
+    charged = step_charge(decodes, profiled_cap=300 * MiB, forward_cap=forward, forward_bytes_per_token=per_token)
+    assert charged == 100 * MiB + 384 * per_token
+
+
+def test_profile_hidden_bytes_are_the_profiles_hidden_states_and_residual() -> None:
+    assert profile_hidden_bytes(model_geometry("llama-3-8b"), S9_ENGINE) == 2 * 2048 * 4096 * 2
+
+
+def test_the_sampler_phase_beside_others_takes_its_replayed_overhead_at_the_learned_share() -> None:
+    """The sampler phase's overhead is a replay at the step's rows and tokens (the open prefills'
+    forward bytes over the per-token bytes, plus the sampled rows); only beside other requests
+    (a nonzero segment overhead), at the share calibration allows."""
+    seen: list[tuple[int, int]] = []
+
+    def overhead(rows: int, tokens: int) -> int:
+        seen.append((rows, tokens))
+        return 40
+
+    step = holdings(forward=100 * 1000, sampler_unprofiled=500 * 1000, sampler=100, rows=60)
+    common = dict(profiled_cap=10**9, forward_bytes_per_token=1000, sampler_overhead=overhead)
+    assert step_charge(step, segment_overhead=0.5, **common) == 500 * 1000 + 100 + 40  # forward: 160,000 x 1.5
+    assert seen == [(60, 100 + 60)]
+    assert step_charge(step, segment_overhead=0.5, sampler_overhead_scale=0.25, **common) == 500 * 1000 + 100 + 10
+    assert step_charge(step, segment_overhead=0.0, **common) == 500 * 1000 + 100  # alone: no overhead
+
+
+def test_the_replayed_sampler_overhead_of_s9_is_larger_after_a_full_forward_pass() -> None:
+    """S9's Llama 3.1 8B: a decode step of 64 requests (384 rows, 384 tokens) strands less of the
+    cache than the same rows beside a prefill filling the step's 2,048 tokens, whose hidden states
+    pin a segment of the MLP's (kvgate/memory/allocator.py replay)."""
+    overhead = SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, False)
+    decode_only, beside_prefill = overhead(384, 384), overhead(384, 2048)
+    assert 0 < decode_only < beside_prefill <= 128 * MiB
+    assert SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, True)(384, 2048) < beside_prefill
+
+
+def test_a_prefills_hidden_states_are_the_part_of_its_forward_pass_the_sampler_phase_still_holds() -> None:
+    """A 1,000-token prompt on S9's engine: its profiled forward terms are its hidden states and
+    residual (2 x 1,000 x 4,096 x 2 B) and its MLP (3 x 1,000 x 14,336 x 2 B); the first is what
+    the sampler phase still holds (Demand.profiled_residual_bytes)."""
+    flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"]
+    flags += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})]
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    geometry = model_geometry("llama-3-8b")
+    predictor = build_predictor(
+        resolve(engine_flags(settings), geometry, None, None, reported_version="0.32.0"), geometry
+    )
+    body = {"prompt": "x", "max_tokens": 64, "temperature": 0.7}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    demand = predictor.predict(spec, [[7] * 1000]).demand
+    assert demand.profiled_residual_bytes == 2 * 1000 * 4096 * 2
+    assert demand.profiled_prefill_bytes == 2 * 1000 * 4096 * 2 + 3 * 1000 * 14336 * 2
