@@ -188,16 +188,12 @@ def test_string_templates_get_placeholders_where_vllm_puts_them(vllm_python: Vll
 
 _VLLM_COUNT = """
 import json, sys
-from transformers import LlavaConfig, SiglipVisionConfig
-from vllm.model_executor.models.clip import CLIPEncoderInfo
-from vllm.model_executor.models.siglip import SiglipEncoderInfo
-from vllm.model_executor.models.vision import get_num_selected_vision_tokens
+from transformers import LlavaConfig
+from vllm.model_executor.models.vision import get_num_selected_vision_tokens, get_vision_encoder_info
 out = []
 for config in json.loads(sys.argv[1]):
     hf = LlavaConfig(**config)
-    # vision.py get_vision_encoder_info's choice (it imports pixtral.py, which needs torchvision)
-    info = SiglipEncoderInfo if isinstance(hf.vision_config, SiglipVisionConfig) else CLIPEncoderInfo
-    n = info(hf).get_num_image_tokens(image_width=640, image_height=480)
+    n = get_vision_encoder_info(hf).get_num_image_tokens(image_width=640, image_height=480)
     out.append(get_num_selected_vision_tokens(n, hf.vision_feature_select_strategy))
 print(json.dumps(out))
 """
@@ -205,9 +201,8 @@ print(json.dumps(out))
 
 @pytest.mark.vllm
 def test_counts_equal_vllms_own_functions(vllm_python: VllmPython) -> None:
-    """vLLM 0.32.0's CLIPEncoderInfo or SiglipEncoderInfo (get_vision_encoder_info's choice) and
-    get_num_selected_vision_tokens, run in the vLLM venv (its Llava model module itself needs
-    torchvision, which the CPU venv cannot have)."""
+    """vLLM 0.32.0's get_vision_encoder_info (CLIPEncoderInfo or SiglipEncoderInfo) and
+    get_num_selected_vision_tokens, run in the vLLM venv."""
     configs = [
         LLAVA_15,
         {**LLAVA_15, "vision_feature_select_strategy": "full"},

