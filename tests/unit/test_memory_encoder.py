@@ -163,6 +163,8 @@ def test_llama4_and_smolvlm_towers() -> None:
 )
 def test_which_profile_encodes(runner: str, version: str, profiled: bool) -> None:
     assert profile_encodes(runner, version) is profiled
+    # --skip-mm-profiling: neither runner's profile_run encodes (0.32.0 and 0.33.0).
+    assert profile_encodes(runner, version, skip_mm_profiling=True) is False
 
 
 def test_v2_without_an_encoder_profile_charges_the_whole_step_and_cache() -> None:
@@ -311,3 +313,57 @@ def test_a_deployment_of_qwen2_audio_or_gemma3_gets_its_towers_budget(tmp_path: 
     assert scanned is not None
     assert (plain.max_item, scanned.max_item) == (256, 5 * 256)
     assert plain.tower.patches(256, 1) == 4096
+
+
+QWEN_VL_DEPLOYMENT = "qwen2.5-vl-7b-instruct"
+
+
+def _qwen_deployment_budget(tmp_path: Path, limits: dict | None, skip: bool = False) -> EncoderBudget:
+    folder = write_config(tmp_path / "qwen2.5-vl", QWEN_VL_DEPLOYMENT)
+    geometry = ModelGeometry.from_config(config_json(QWEN_VL_DEPLOYMENT))
+    budget = encoder_budget(str(folder), _deployment(), media_options(None, limits), geometry, skip)
+    assert budget is not None
+    return budget
+
+
+def test_skip_mm_profiling_charges_the_whole_step_and_cache_on_v1(tmp_path: Path) -> None:
+    """vLLM's --skip-mm-profiling: V1's profile_run (gpu_model_runner.py, 0.32.0 and 0.33.0) runs
+    no encoder, so the same request on V1 is charged all of its step and cache."""
+    profiled = _qwen_deployment_budget(tmp_path, None)
+    skipped = _qwen_deployment_budget(tmp_path, None, skip=True)
+    # M = 1,280 (max_pixels 1,003,520 / 28^2) with max_num_batched_tokens 8,192: K = 6 profiled.
+    assert (profiled.max_item, profiled.profiled_items, skipped.profiled_items) == (1280, 6, 0)
+    items = [1280] * 7
+    assert by_name(profiled.terms(items)) == {
+        "encoder_activations": 512 * 4 * QWEN_VL_PATCH,
+        "encoder_cache": 512 * EMBEDDING,
+    }
+    charged = skipped.terms(items)
+    assert by_name(charged) == {
+        "encoder_activations": 6 * 1280 * 4 * QWEN_VL_PATCH,  # a step of 6 whole items (7,680 of B 8,192)
+        "encoder_cache": 8192 * EMBEDDING,  # its 8,960 embeddings, at most C = 8,192
+    }
+    assert "the start-up profile ran no encoder" in charged[0].detail
+
+
+def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
+    """--limit-mm-per-prompt '{"image": {"count": 4, "width": 64, "height": 64}}': the profile's
+    dummy images are 64 x 64 (dummy_inputs.py _get_dummy_images), 4 embeddings each after
+    smart_resize (56 x 56, 2 x 2 merged patches), while K stays M's 6: the profile ran 24
+    embeddings, not 7,680."""
+    full = _qwen_deployment_budget(tmp_path, {"image": {"count": 4}})
+    small = _qwen_deployment_budget(tmp_path, {"image": {"count": 4, "width": 64, "height": 64}})
+    assert (full.profiled_item, full.profiled_embeddings) == (None, 6 * 1280)
+    assert (small.max_item, small.profiled_items, small.profiled_item, small.profiled_embeddings) == (1280, 6, 4, 24)
+    items = [1280] * 7
+    assert by_name(small.terms(items)) == {
+        "encoder_activations": 6 * 1280 * 4 * QWEN_VL_PATCH,  # all of the step: far above 24 embeddings
+        "encoder_cache": (8192 - 24) * EMBEDDING,
+    }
+    assert by_name(small.terms(items))["encoder_activations"] > by_name(full.terms(items))["encoder_activations"]
+    assert "6 item(s) of 4 embeddings" in small.terms(items)[0].detail
+    # A width alone keeps the model's largest height (Qwen2-VL's largest image, clamped): wider
+    # than the largest is the largest.
+    assert _qwen_deployment_budget(tmp_path, {"image": {"width": 1 << 20}}).profiled_item == 1280
+    with pytest.raises(ValueError, match="width/height"):
+        _qwen_deployment_budget(tmp_path, {"image": {"width": -64}})
