@@ -3,6 +3,7 @@ from vLLM's code, and charged in the prediction of a request with images."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -367,3 +368,39 @@ def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
     assert _qwen_deployment_budget(tmp_path, {"image": {"width": 1 << 20}}).profiled_item == 1280
     with pytest.raises(ValueError, match="width/height"):
         _qwen_deployment_budget(tmp_path, {"image": {"width": -64}})
+
+
+@pytest.mark.parametrize(
+    ("flags", "profiled_items", "profiled_item"),
+    [
+        ([], 6, None),
+        (["--skip-mm-profiling"], 0, None),
+        (["--limit-mm-per-prompt", '{"image": {"count": 4, "width": 64, "height": 64}}'], 6, 4),
+    ],
+)
+def test_explain_reads_both_flags_off_the_pasted_vllm_command(
+    tmp_path: Path, flags: list[str], profiled_items: int, profiled_item: int | None
+) -> None:
+    """`kvgate explain BODY -- vllm serve MODEL --skip-mm-profiling` (or the dummy size): the
+    flag is kvgate's, not an ignored vLLM option, and reaches the predictor's encoder budget
+    through the offline configuration `explain` runs (composition.Runtime._configure)."""
+    from kvgate.cli import parse_command_line
+    from kvgate.composition import Runtime
+    from kvgate.settings import settings_from_args
+
+    folder = write_config(tmp_path / "qwen2.5-vl", QWEN_VL_DEPLOYMENT)
+    args = parse_command_line(
+        ["explain", "body.json", "--num-gpu-blocks", "1000", "--", "vllm", "serve", str(folder),
+         "--max-num-batched-tokens", "8192", *flags]
+    )  # fmt: skip
+    assert args.ignored_vllm_options == []
+    runtime = Runtime(settings_from_args(args))
+    try:
+        runtime.configure_offline()
+        config = runtime.pipeline.config
+        assert config is not None
+        encoder = config.predictor.encoder
+        assert encoder is not None
+        assert (encoder.profiled_items, encoder.profiled_item) == (profiled_items, profiled_item)
+    finally:
+        asyncio.run(runtime.stop())
