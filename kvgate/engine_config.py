@@ -435,7 +435,9 @@ def dummy_image_features(rule: ImageRule, kwargs: Mapping[str, Any], options: Ma
     Qwen2-VL's family states W x H (`DynamicResolution.largest`). For the other rules kvgate takes
     a given side as it is and an unset one as 1 pixel, so a credit never exceeds the profile's
     on a processor whose count grows with the size; a side above the model's largest (vLLM warns
-    and ignores it) is not clamped there (docs/limitations.md)."""
+    and ignores it) is not clamped there (docs/limitations.md). A size the processor refuses
+    (vLLM's profile would fail with it) credits nothing: 0."""
+    from kvgate.chat_template import TokenizationError
     from kvgate.image_rules import DynamicResolution
     from kvgate.media import ImageSize
 
@@ -449,7 +451,10 @@ def dummy_image_features(rule: ImageRule, kwargs: Mapping[str, Any], options: Ma
         size = ImageSize(min(width or largest.width, largest.width), min(height or largest.height, largest.height))
     else:
         size = ImageSize(width or 1, height or 1)
-    return rule.configured(kwargs).replacement(size, kwargs).features
+    try:
+        return rule.configured(kwargs).replacement(size, kwargs).features
+    except TokenizationError:  # a size the processor refuses (Qwen's aspect ratio over 200): credit none
+        return 0
 
 
 def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:

@@ -366,6 +366,8 @@ def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
     # A width alone keeps the model's largest height (Qwen2-VL's largest image, clamped): wider
     # than the largest is the largest.
     assert _qwen_deployment_budget(tmp_path, {"image": {"width": 1 << 20}}).profiled_item == 1280
+    # A dummy the processor refuses (an aspect ratio over 200): the profile is credited nothing.
+    assert _qwen_deployment_budget(tmp_path, {"image": {"width": 20000, "height": 1}}).profiled_embeddings == 0
     with pytest.raises(ValueError, match="width/height"):
         _qwen_deployment_budget(tmp_path, {"image": {"width": -64}})
 
