@@ -396,6 +396,7 @@ class Runtime:
                     settings.mm_processor_kwargs, settings.limit_mm_per_prompt, media_io=settings.media_io_kwargs
                 ),
                 self.geometry,
+                settings.skip_mm_profiling,
             ),
         )
         limits = static_limits(

@@ -39,6 +39,9 @@ from kvgate.telemetry.vllm import CacheConfig, EngineLimits, ServedModel
 from kvgate.units import GiB
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from kvgate.image_rules import ImageRule
     from kvgate.multimodal import MediaOptions
 
 log = logging.getLogger("kvgate.deployment")
@@ -369,7 +372,11 @@ def build_predictor(
 
 
 def encoder_budget(
-    model_dir: str | None, deployment: Deployment, media: MediaOptions, geometry: ModelGeometry
+    model_dir: str | None,
+    deployment: Deployment,
+    media: MediaOptions,
+    geometry: ModelGeometry,
+    skip_mm_profiling: bool = False,
 ) -> EncoderBudget | None:
     """The vision encoder of the model in `model_dir` as this deployment runs it (in the dtype
     of the decoder, `geometry`), or None where
@@ -377,7 +384,9 @@ def encoder_budget(
 
     M is the processor's largest image (its replacement for an image kvgate cannot see, as
     vLLM's `get_mm_max_tokens_per_item` takes `get_image_size_with_most_features`); the encoder
-    was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not profiled)."""
+    was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not profiled), on
+    neither with vLLM's --skip-mm-profiling (`skip_mm_profiling`); the profile's dummy image is
+    --limit-mm-per-prompt's width x height where given (`dummy_image_features`)."""
     # The image rules import the chat template, and with it transformers: loaded only here, once a
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
     from kvgate.audio import audio_tokens_of
@@ -395,9 +404,11 @@ def encoder_budget(
     tower = VisionTower.from_config(config, geometry.dtype_bytes, geometry.hidden_size)
     if tower is None or (rule is None and audio is None):
         return None
+    profiled_item = None
     if rule is not None:
         kwargs = image_kwargs(media.processor_kwargs, None)
         max_item, modality = rule.configured(kwargs).replacement(None, kwargs).features, "image"
+        profiled_item = dummy_image_features(rule, kwargs, media.dummy.get("image", {}))
     else:
         assert audio is not None
         max_item, modality = audio.features(None, audio_kwargs(media.processor_kwargs, None)), "audio"
@@ -409,9 +420,41 @@ def encoder_budget(
         max_num_seqs=deployment.max_num_seqs,
         max_model_len=deployment.max_model_len,
         items_per_prompt=media.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT),
-        profiled=profile_encodes(runtime.runner, runtime.model_version),
+        profiled=profile_encodes(runtime.runner, runtime.model_version, skip_mm_profiling),
         min_item=max_item if isinstance(rule, ImageTokens) else 1,
+        profiled_item=profiled_item,
     )
+
+
+def dummy_image_features(rule: ImageRule, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> int | None:
+    """The embeddings of the start-up profile's dummy image where `--limit-mm-per-prompt`'s
+    image options give it a width or height (vllm/config/multimodal.py `ImageDummyOptions`), else
+    None (the largest image's). vLLM 0.32.0 and 0.33.0 (multimodal/processing/dummy_inputs.py
+    `BaseDummyInputsBuilder._get_dummy_images`) draw it at min(w, W) x min(h, H), W x H being the
+    model's largest image (`get_image_size_with_most_features`), an unset side staying W or H.
+    Qwen2-VL's family states W x H (`DynamicResolution.largest`). For the other rules kvgate takes
+    a given side as it is and an unset one as 1 pixel, so a credit never exceeds the profile's
+    on a processor whose count grows with the size; a side above the model's largest (vLLM warns
+    and ignores it) is not clamped there (docs/limitations.md). A size the processor refuses
+    (vLLM's profile would fail with it) credits nothing: 0."""
+    from kvgate.chat_template import TokenizationError
+    from kvgate.image_rules import DynamicResolution
+    from kvgate.media import ImageSize
+
+    width, height = options.get("width"), options.get("height")
+    if not width and not height:
+        return None
+    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0) for v in (width, height)):
+        raise ValueError(f"--limit-mm-per-prompt: image width/height must be positive integers, got {dict(options)!r}")
+    if isinstance(rule, DynamicResolution):
+        largest = rule.largest(rule.pixel_range(kwargs)[1])
+        size = ImageSize(min(width or largest.width, largest.width), min(height or largest.height, largest.height))
+    else:
+        size = ImageSize(width or 1, height or 1)
+    try:
+        return rule.configured(kwargs).replacement(size, kwargs).features
+    except TokenizationError:  # a size the processor refuses (Qwen's aspect ratio over 200): credit none
+        return 0
 
 
 def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:

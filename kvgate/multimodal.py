@@ -60,6 +60,9 @@ class MediaOptions:
     limits: Mapping[str, int] = field(default_factory=dict)
     render: RenderEndpoint | None = None  # the backend that renders what kvgate has no rule for
     media_io: Mapping[str, Any] = field(default_factory=dict)  # vLLM's --media-io-kwargs
+    # --limit-mm-per-prompt's profiling options a modality ({"image": {"width": 64, "height": 64}}):
+    # the sizes of the start-up profile's dummy items (kvgate/memory/encoder.py reads them)
+    dummy: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def media_options(
@@ -72,12 +75,15 @@ def media_options(
     {"count": n, ...options for profiling} (vllm/config/multimodal.py MultiModalDummyOptions);
     `render`: the backend's render endpoint, for media kvgate has no rule for."""
     counts = {}
+    dummy = {}
     for modality, value in (limits or {}).items():
         count = value.get("count", DEFAULT_LIMIT_PER_PROMPT) if isinstance(value, Mapping) else value
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"--limit-mm-per-prompt: {modality!r} needs a count of 0 or more, got {value!r}")
         counts[modality] = count
-    return MediaOptions(dict(processor_kwargs or {}), counts, render, dict(media_io or {}))
+        if isinstance(value, Mapping):
+            dummy[modality] = {k: v for k, v in value.items() if k != "count"}
+    return MediaOptions(dict(processor_kwargs or {}), counts, render, dict(media_io or {}), dummy)
 
 
 def _merge(low: Mapping[str, Any], high: Mapping[str, Any]) -> dict[str, Any]:

@@ -171,6 +171,11 @@ class VllmFlags(BaseModel):
         description='vLLM --limit-mm-per-prompt, a JSON object ({"image": 4} or {"image": {"count": 4}}): '
         "a prompt with more items is refused, as vLLM refuses it (default 999 a modality).",
     )
+    skip_mm_profiling: bool = Field(
+        False,
+        description="vLLM --skip-mm-profiling: the start-up profile runs no multimodal encoder and "
+        "holds no encoder cache (V1 and V2, vLLM 0.32.0/0.33.0), so kvgate charges all of both per request.",
+    )
     sampler: SamplerChoice = Field(
         "auto",
         description="The sampler's top-k/top-p backend vLLM runs (VLLM_USE_FLASHINFER_SAMPLER=0 turns "

@@ -18,16 +18,23 @@ them (read in vLLM 0.25.0, 0.26.0, 0.28.0, 0.29.0, 0.31.0, 0.32.0 and 0.33.0):
   and hold their outputs through the decoder's dummy step: activations of K x M embeddings and a
   cache of K x M are inside the profile. V2 in 0.25.0 and 0.26.0 runs the decoder's dummy step
   only (its `profile_run` has no encoder call; PR #47985 added it): there nothing of the encoder is
-  profiled. `--skip-mm-profiling` skips it on either runner.
+  profiled. `--skip-mm-profiling` skips it on either runner (V1 `profile_run`: "Skipping memory
+  profiling for multimodal encoder and encoder cache", V2 `profile_run`: `if ... not
+  mm_config.skip_mm_profiling`; read in 0.32.0 and 0.33.0): nothing of the encoder is profiled.
+  `--limit-mm-per-prompt '{"image": {"count": n, "width": w, "height": h}}'` shrinks the profile's
+  dummy images to at most w x h (multimodal/processing/dummy_inputs.py
+  `BaseDummyInputsBuilder._get_dummy_images`, 0.32.0 and 0.33.0) while K stays the one M gives:
+  the profile encodes K items of D <= M embeddings, D the dummy image's count
+  (`EncoderBudget.profiled_item`).
 
 What a request is charged (its unprofiled part; terms of stage "residual", held through its
 prefill and summed over the requests prefilling at once, since one encoder step batches the items
 of several requests):
 - `encoder_activations`: the tower's forward over the largest step of this request's items
   (`VisionTower.activation_bytes`); with the encoder profiled, only what a step can exceed the
-  profiled K x M by (B - K x M embeddings, or an item larger than M).
+  profiled K x D by (B - K x D embeddings, or an item larger than M).
 - `encoder_cache`: its items' output embeddings (`VisionTower.output_bytes`), at most C; with the
-  encoder profiled, at most the C - K x M the profile did not hold.
+  encoder profiled, at most the C - K x D the profile did not hold.
 """
 
 from __future__ import annotations
@@ -422,6 +429,9 @@ class EncoderBudget:
     cache_size: int  # C
     profiled_items: int  # K largest items the profile encoded (0: the encoder was not profiled)
     step_items: int = 1  # the most items one step of B embeddings can batch
+    # D: the embeddings of each dummy item the profile encoded (None: M); less than M where
+    # --limit-mm-per-prompt gives the dummy images a smaller width/height (`_get_dummy_images`)
+    profiled_item: int | None = None
 
     @classmethod
     def of(
@@ -435,18 +445,28 @@ class EncoderBudget:
         items_per_prompt: int,
         profiled: bool,
         min_item: int = 1,
+        profiled_item: int | None = None,
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
-        `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise)."""
+        `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
+        `profiled_item`: the embeddings of the profile's dummy item where --limit-mm-per-prompt
+        shrinks it (at most M; None: M). K is M's (`_get_max_items` of the modality's M) where the
+        model states M (`get_mm_max_tokens_per_item`, Qwen2-VL's); where vLLM takes M from the
+        dummy item itself (`get_mm_max_toks_per_item`'s fallback), its M is D: its K is at least
+        this one and its B and C at most these, so kvgate credits no more than vLLM profiled and
+        bounds a step and the cache by no less."""
         budget = max(max_num_batched_tokens, max_item)
         per_prompt = max(1, min(items_per_prompt, max_model_len // max(max_item, 1)))
         items = max(1, min(budget // max(max_item, 1), max_num_seqs * per_prompt)) if profiled else 0
         step_items = max(1, min(budget // max(min_item, 1), max_num_seqs * max(items_per_prompt, 1)))
-        return cls(tower, max_item, budget, budget, items, step_items)
+        dummy = None if profiled_item is None else max(0, min(profiled_item, max_item))
+        return cls(tower, max_item, budget, budget, items, step_items, dummy)
 
     @property
     def profiled_embeddings(self) -> int:
-        return self.profiled_items * self.max_item
+        """K x D: what the profile's encoder step ran and its cache held."""
+        item = self.max_item if self.profiled_item is None else self.profiled_item
+        return self.profiled_items * item
 
     def terms(self, items: Sequence[int], decoder_profiled: int = 0, profile_region: int = 0) -> list[TransientTerm]:
         """The unprofiled encoder terms of a prompt whose images take `items` embeddings each.
@@ -476,7 +496,8 @@ class EncoderBudget:
             activation = min(activation, max(0, beyond))
             cache = min(cache, tower.output_bytes(max(0, self.cache_size - self.profiled_embeddings)))
         seen = (
-            f"the profile encoded {self.profiled_items} item(s) of {self.max_item} embeddings"
+            f"the profile encoded {self.profiled_items} item(s) of "
+            f"{self.profiled_embeddings // self.profiled_items:,} embeddings"
             if self.profiled_items
             else f"the start-up profile ran no encoder; {credit / MiB:.0f} MiB of the profile's region credited"
         )
@@ -516,10 +537,14 @@ class EncoderBudget:
         return max(best, (step, count))
 
 
-def profile_encodes(runner: str, model_version: str) -> bool:
-    """Whether the start-up profile ran the encoder: V1 always (unless --skip-mm-profiling), V2
-    from 0.28.0; `model_version`: the read release kvgate models (VllmRuntime.model_version),
-    "unknown" on V2 counted as not profiled."""
+def profile_encodes(runner: str, model_version: str, skip_mm_profiling: bool = False) -> bool:
+    """Whether the start-up profile ran the encoder: V1 always, V2 from 0.28.0, neither with
+    vLLM's --skip-mm-profiling (`skip_mm_profiling`: V1 v1/worker/gpu_model_runner.py
+    `GPUModelRunner.profile_run`, V2 v1/worker/gpu/model_runner.py `profile_run`, both read in
+    0.32.0 and 0.33.0); `model_version`: the read release kvgate models
+    (VllmRuntime.model_version), "unknown" on V2 counted as not profiled."""
+    if skip_mm_profiling:
+        return False
     if runner == "v1":
         return True
     try:

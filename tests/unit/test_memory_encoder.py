@@ -3,6 +3,7 @@ from vLLM's code, and charged in the prediction of a request with images."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -163,6 +164,8 @@ def test_llama4_and_smolvlm_towers() -> None:
 )
 def test_which_profile_encodes(runner: str, version: str, profiled: bool) -> None:
     assert profile_encodes(runner, version) is profiled
+    # --skip-mm-profiling: neither runner's profile_run encodes (0.32.0 and 0.33.0).
+    assert profile_encodes(runner, version, skip_mm_profiling=True) is False
 
 
 def test_v2_without_an_encoder_profile_charges_the_whole_step_and_cache() -> None:
@@ -311,3 +314,95 @@ def test_a_deployment_of_qwen2_audio_or_gemma3_gets_its_towers_budget(tmp_path: 
     assert scanned is not None
     assert (plain.max_item, scanned.max_item) == (256, 5 * 256)
     assert plain.tower.patches(256, 1) == 4096
+
+
+QWEN_VL_DEPLOYMENT = "qwen2.5-vl-7b-instruct"
+
+
+def _qwen_deployment_budget(tmp_path: Path, limits: dict | None, skip: bool = False) -> EncoderBudget:
+    folder = write_config(tmp_path / "qwen2.5-vl", QWEN_VL_DEPLOYMENT)
+    geometry = ModelGeometry.from_config(config_json(QWEN_VL_DEPLOYMENT))
+    budget = encoder_budget(str(folder), _deployment(), media_options(None, limits), geometry, skip)
+    assert budget is not None
+    return budget
+
+
+def test_skip_mm_profiling_charges_the_whole_step_and_cache_on_v1(tmp_path: Path) -> None:
+    """vLLM's --skip-mm-profiling: V1's profile_run (gpu_model_runner.py, 0.32.0 and 0.33.0) runs
+    no encoder, so the same request on V1 is charged all of its step and cache."""
+    profiled = _qwen_deployment_budget(tmp_path, None)
+    skipped = _qwen_deployment_budget(tmp_path, None, skip=True)
+    # M = 1,280 (max_pixels 1,003,520 / 28^2) with max_num_batched_tokens 8,192: K = 6 profiled.
+    assert (profiled.max_item, profiled.profiled_items, skipped.profiled_items) == (1280, 6, 0)
+    items = [1280] * 7
+    assert by_name(profiled.terms(items)) == {
+        "encoder_activations": 512 * 4 * QWEN_VL_PATCH,
+        "encoder_cache": 512 * EMBEDDING,
+    }
+    charged = skipped.terms(items)
+    assert by_name(charged) == {
+        "encoder_activations": 6 * 1280 * 4 * QWEN_VL_PATCH,  # a step of 6 whole items (7,680 of B 8,192)
+        "encoder_cache": 8192 * EMBEDDING,  # its 8,960 embeddings, at most C = 8,192
+    }
+    assert "the start-up profile ran no encoder" in charged[0].detail
+
+
+def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
+    """--limit-mm-per-prompt '{"image": {"count": 4, "width": 64, "height": 64}}': the profile's
+    dummy images are 64 x 64 (dummy_inputs.py _get_dummy_images), 4 embeddings each after
+    smart_resize (56 x 56, 2 x 2 merged patches), while K stays M's 6: the profile ran 24
+    embeddings, not 7,680."""
+    full = _qwen_deployment_budget(tmp_path, {"image": {"count": 4}})
+    small = _qwen_deployment_budget(tmp_path, {"image": {"count": 4, "width": 64, "height": 64}})
+    assert (full.profiled_item, full.profiled_embeddings) == (None, 6 * 1280)
+    assert (small.max_item, small.profiled_items, small.profiled_item, small.profiled_embeddings) == (1280, 6, 4, 24)
+    items = [1280] * 7
+    assert by_name(small.terms(items)) == {
+        "encoder_activations": 6 * 1280 * 4 * QWEN_VL_PATCH,  # all of the step: far above 24 embeddings
+        "encoder_cache": (8192 - 24) * EMBEDDING,
+    }
+    assert by_name(small.terms(items))["encoder_activations"] > by_name(full.terms(items))["encoder_activations"]
+    assert "6 item(s) of 4 embeddings" in small.terms(items)[0].detail
+    # A width alone keeps the model's largest height (Qwen2-VL's largest image, clamped): wider
+    # than the largest is the largest.
+    assert _qwen_deployment_budget(tmp_path, {"image": {"width": 1 << 20}}).profiled_item == 1280
+    # A dummy the processor refuses (an aspect ratio over 200): the profile is credited nothing.
+    assert _qwen_deployment_budget(tmp_path, {"image": {"width": 20000, "height": 1}}).profiled_embeddings == 0
+    with pytest.raises(ValueError, match="width/height"):
+        _qwen_deployment_budget(tmp_path, {"image": {"width": -64}})
+
+
+@pytest.mark.parametrize(
+    ("flags", "profiled_items", "profiled_item"),
+    [
+        ([], 6, None),
+        (["--skip-mm-profiling"], 0, None),
+        (["--limit-mm-per-prompt", '{"image": {"count": 4, "width": 64, "height": 64}}'], 6, 4),
+    ],
+)
+def test_explain_reads_both_flags_off_the_pasted_vllm_command(
+    tmp_path: Path, flags: list[str], profiled_items: int, profiled_item: int | None
+) -> None:
+    """`kvgate explain BODY -- vllm serve MODEL --skip-mm-profiling` (or the dummy size): the
+    flag is kvgate's, not an ignored vLLM option, and reaches the predictor's encoder budget
+    through the offline configuration `explain` runs (composition.Runtime._configure)."""
+    from kvgate.cli import parse_command_line
+    from kvgate.composition import Runtime
+    from kvgate.settings import settings_from_args
+
+    folder = write_config(tmp_path / "qwen2.5-vl", QWEN_VL_DEPLOYMENT)
+    args = parse_command_line(
+        ["explain", "body.json", "--num-gpu-blocks", "1000", "--", "vllm", "serve", str(folder),
+         "--max-num-batched-tokens", "8192", *flags]
+    )  # fmt: skip
+    assert args.ignored_vllm_options == []
+    runtime = Runtime(settings_from_args(args))
+    try:
+        runtime.configure_offline()
+        config = runtime.pipeline.config
+        assert config is not None
+        encoder = config.predictor.encoder
+        assert encoder is not None
+        assert (encoder.profiled_items, encoder.profiled_item) == (profiled_items, profiled_item)
+    finally:
+        asyncio.run(runtime.stop())
