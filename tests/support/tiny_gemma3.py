@@ -16,6 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from tiny_media import media_tokenizer, save_tokenizer, tiny_tower
+
 IMAGE, PATCH, TOKENS = 64, 16, 4
 IMAGE_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>", "<end_of_turn>"]
 NEWLINES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
@@ -34,21 +36,17 @@ CHAT_TEMPLATE = (
 def build(llama: Path, out: Path) -> None:
     import torch
     from tokenizers import AddedToken
-    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(llama), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
+    tok = media_tokenizer(llama, IMAGE_TOKENS, CHAT_TEMPLATE)
     tok.add_tokens([AddedToken(n, normalized=False, special=False) for n in NEWLINES])
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
+    save_tokenizer(tok, out, CHAT_TEMPLATE)
     # Gemma3Processor reads the image tokens by name (tokenizer.boi_token, eoi_token, image_token),
     # as google/gemma-3-4b-it's tokenizer_config.json names them.
     settings = json.loads((out / "tokenizer_config.json").read_text())
     named = dict(zip(("boi_token", "eoi_token", "image_token"), IMAGE_TOKENS[:3], strict=True))
     settings.update(named)
     (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     llama_config = json.loads((llama / "config.json").read_text())
     text = {
         key: llama_config[key]
@@ -69,12 +67,7 @@ def build(llama: Path, out: Path) -> None:
         text_config=text,
         vision_config={
             "model_type": "siglip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": IMAGE,
-            "patch_size": PATCH,
+            **tiny_tower(IMAGE, PATCH),
             "vision_use_head": False,
         },
         mm_tokens_per_image=TOKENS,

@@ -16,6 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from tiny_media import media_tokenizer, save_tokenizer, tiny_tower
+
 TILE, PATCH, SCALE, EDGE = 64, 16, 2, 256
 IMAGE_SEQ_LEN = (TILE // PATCH) ** 2 // SCALE**2
 GRID_TOKENS = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
@@ -32,25 +34,16 @@ CHAT_TEMPLATE = (
 
 def build(llama: Path, out: Path) -> None:
     import torch
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(llama), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS})
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tok = media_tokenizer(llama, IMAGE_TOKENS, CHAT_TEMPLATE)
+    save_tokenizer(tok, out, CHAT_TEMPLATE)
     text = json.loads((llama / "config.json").read_text())
     text["vocab_size"] = len(tok)
     config = Idefics3Config(
         text_config=text,
         vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": TILE,
-            "patch_size": PATCH,
+            **tiny_tower(TILE, PATCH),
         },
         scale_factor=SCALE,
         image_token_id=tok.convert_tokens_to_ids("<image>"),

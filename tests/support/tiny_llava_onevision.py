@@ -18,6 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from tiny_media import media_tokenizer, save_tokenizer, tiny_tower
+
 TILE, PATCH = 64, 16
 PINPOINTS = [[TILE * rows, TILE * cols] for rows in range(1, 5) for cols in range(1, 5)]
 MEDIA_TOKENS = ["<image>", "<video>", "<|im_start|>", "<|im_end|>"]
@@ -36,26 +38,17 @@ CHAT_TEMPLATE = (
 
 def build(llama: Path, out: Path) -> None:
     import torch
-    from transformers import AutoTokenizer, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(llama), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": MEDIA_TOKENS})
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tok = media_tokenizer(llama, MEDIA_TOKENS, CHAT_TEMPLATE)
+    save_tokenizer(tok, out, CHAT_TEMPLATE)
     text = json.loads((llama / "config.json").read_text())
     text["vocab_size"] = len(tok)
     config = LlavaOnevisionConfig(
         text_config=text,
         vision_config={
             "model_type": "siglip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": TILE,
-            "patch_size": PATCH,
+            **tiny_tower(TILE, PATCH),
         },
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         video_token_index=tok.convert_tokens_to_ids("<video>"),

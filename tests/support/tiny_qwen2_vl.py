@@ -17,6 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from tiny_media import media_tokenizer, save_tokenizer
+
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 256
 MAX_POSITIONS = 8192
@@ -41,14 +43,10 @@ CHAT_TEMPLATE = (
 
 def build(llama: Path, out: Path) -> None:
     import torch
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(llama), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    tok = media_tokenizer(llama, VISION_TOKENS, CHAT_TEMPLATE)
+    save_tokenizer(tok, out, CHAT_TEMPLATE)
     llama_config = json.loads((llama / "config.json").read_text())
     text = {
         key: llama_config[key]

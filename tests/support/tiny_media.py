@@ -1,0 +1,38 @@
+"""What every tiny multimodal folder starts from (tests/support/tiny_*.py, each run as a script in
+the vLLM venv, so this module is imported by its bare name): the tiny Llama's tokenizer with the
+family's media tokens and chat template, saved as the family's, and a one-layer vision tower."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def media_tokenizer(llama: Path, tokens: list[str], template: str) -> Any:
+    """The tiny Llama's tokenizer with `tokens` added as special tokens and `template` as its chat
+    template (a family may add more before saving it with save_tokenizer)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(llama), local_files_only=True)
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    tok.chat_template = template
+    return tok
+
+
+def save_tokenizer(tok: Any, out: Path, template: str) -> None:
+    """The tokenizer in `out`, with the chat template also as chat_template.jinja (vLLM reads it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(out))
+    (out / "chat_template.jinja").write_text(template)
+
+
+def tiny_tower(image_size: int, patch_size: int) -> dict[str, int]:
+    """A vision tower of one layer, width 32, two heads: the smallest vLLM serves."""
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }
