@@ -378,6 +378,12 @@ def _refuse_beyond(image_tokens: int, max_tokens: int | None) -> None:
         )
 
 
+def _data_urls_cost(parts: list[ImagePart]) -> int:
+    """The memory reading the parts' data URLs takes (kvgate/media.py data_url_cost); URLs that
+    are not data URLs are not read."""
+    return sum(data_url_cost(p.url) for p in parts if p.url is not None and p.url[:5].lower() == "data:")
+
+
 class MediaCounting:
     """A tokenizer that counts images by the model's rule and refuses other media, around either
     tokenizer (the model folder's, or the backend's /tokenize)."""
@@ -418,14 +424,18 @@ class MediaCounting:
             self._encoded[text] = list(await self._inner.encode_prompt(text, add_special_tokens=False))
         return self._encoded[text]
 
+    def _refuse_past_limit(self, modality: str, parts: list[ImagePart]) -> None:
+        """vLLM's --limit-mm-per-prompt for `modality`, as vLLM words its refusal."""
+        limit = self._options.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT)
+        if len(parts) > limit:
+            raise TokenizationError(f"At most {limit} {modality}(s) may be provided in one prompt.")
+
     async def _replacements(
         self, rule: ImageRule, found: list[ImagePart], request_kwargs: Any, max_tokens: int | None
     ) -> list[tuple[str, Replacement, Sequence[int] | None]]:
-        limit = self._options.limits.get("image", DEFAULT_LIMIT_PER_PROMPT)
-        if len(found) > limit:
-            raise TokenizationError(f"At most {limit} image(s) may be provided in one prompt.")
+        self._refuse_past_limit("image", found)
         kwargs = image_kwargs(self._options.processor_kwargs, request_kwargs)
-        await charge(sum(data_url_cost(p.url) for p in found if p.url is not None and p.url[:5].lower() == "data:"))
+        await charge(_data_urls_cost(found))
         sizes: list[ImageSize | None] = []
         for part in found:
             seen = await _read(part.url) if part.url is not None else None
@@ -516,9 +526,7 @@ class MediaCounting:
         rule = self._images.video if isinstance(self._images, DynamicResolution) else None
         if rule is None or not watched:
             return []
-        limit = self._options.limits.get("video", DEFAULT_LIMIT_PER_PROMPT)
-        if len(watched) > limit:
-            raise TokenizationError(f"At most {limit} video(s) may be provided in one prompt.")
+        self._refuse_past_limit("video", watched)
         kwargs = image_kwargs(self._options.processor_kwargs, chat.mm_processor_kwargs, "videos_kwargs")
         sampling = sorted(_FRAME_SAMPLING & kwargs.keys())
         if sampling:
@@ -553,11 +561,9 @@ class MediaCounting:
         rule = self._audio
         if rule is None or not heard:
             return []
-        limit = self._options.limits.get("audio", DEFAULT_LIMIT_PER_PROMPT)
-        if len(heard) > limit:
-            raise TokenizationError(f"At most {limit} audio(s) may be provided in one prompt.")
+        self._refuse_past_limit("audio", heard)
         kwargs = audio_kwargs(self._options.processor_kwargs, request_kwargs)
-        await charge(sum(data_url_cost(p.url) for p in heard if p.url is not None and p.url[:5].lower() == "data:"))
+        await charge(_data_urls_cost(heard))
         lengths: list[AudioLength | None] = []
         for part in heard:
             assert part.url is not None  # with_placeholders keeps only parts with data
