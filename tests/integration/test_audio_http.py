@@ -23,6 +23,7 @@ import pytest
 
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+from support.tiny_media import folder_with_media_tokens
 
 AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 PLACEHOLDER = "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>"
@@ -30,13 +31,8 @@ PLACEHOLDER = "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>"
 
 @pytest.fixture(scope="module")
 def qwen2_audio_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoTokenizer
-
     folder = tmp_path_factory.mktemp("tiny-qwen2-audio")
-    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": AUDIO_TOKENS})
-    tok.save_pretrained(str(folder))
-    config = json.loads((tiny_model_dir / "config.json").read_text())
+    tok, config = folder_with_media_tokens(tiny_model_dir, folder, AUDIO_TOKENS)
     config.update(
         model_type="qwen2_audio",
         architectures=["Qwen2AudioForConditionalGeneration"],

@@ -18,7 +18,6 @@ import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -26,28 +25,16 @@ from PIL import Image
 
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+from support.tiny_media import folder_with_media_tokens
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
 PLACEHOLDER = "".join(VISION_TOKENS)
 
 
-def _tiny_folder_with_tokens(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str, tokens: list[str]
-) -> tuple[Path, Any, dict]:
-    """A new folder holding the tiny Llama's tokenizer with a family's media tokens added, its
-    tokenizer and a copy of the tiny Llama's config.json for the caller to make that family's."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp(name)
-    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
-    tok.add_special_tokens({"additional_special_tokens": tokens})
-    tok.save_pretrained(str(folder))
-    return folder, tok, json.loads((tiny_model_dir / "config.json").read_text())
-
-
 @pytest.fixture(scope="module")
 def qwen2_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder, tok, config = _tiny_folder_with_tokens(tiny_model_dir, tmp_path_factory, "tiny-qwen2-vl", VISION_TOKENS)
+    folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    tok, config = folder_with_media_tokens(tiny_model_dir, folder, VISION_TOKENS)
     config.update(
         model_type="qwen2_vl",
         architectures=["Qwen2VLForConditionalGeneration"],
@@ -227,7 +214,8 @@ def gemma3(
     """A tiny Gemma 3 folder: the tiny Llama's tokenizer with Gemma's image tokens added, a gemma3
     config.json and a processor_config.json of 64 tokens an image (to keep prompts short) behind
     kvgate serve."""
-    folder, tok, config = _tiny_folder_with_tokens(tiny_model_dir, tmp_path_factory, "tiny-gemma3", GEMMA_TOKENS)
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    tok, config = folder_with_media_tokens(tiny_model_dir, folder, GEMMA_TOKENS)
     config.update(
         model_type="gemma3",
         architectures=["Gemma3ForConditionalGeneration"],

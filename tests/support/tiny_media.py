@@ -1,22 +1,34 @@
 """What every tiny multimodal folder starts from (tests/support/tiny_*.py, each run as a script in
 the vLLM venv, so this module is imported by its bare name): the tiny Llama's tokenizer with the
-family's media tokens and chat template, saved as the family's, and a one-layer vision tower."""
+family's media tokens and chat template, saved as the family's, and a one-layer vision tower. The
+tests that serve such a folder to kvgate alone (a fake backend, no weights) start from
+`folder_with_media_tokens`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 
-def media_tokenizer(llama: Path, tokens: list[str], template: str) -> Any:
-    """The tiny Llama's tokenizer with `tokens` added as special tokens and `template` as its chat
-    template (a family may add more before saving it with save_tokenizer)."""
+def media_tokenizer(llama: Path, tokens: list[str], template: str | None = None) -> Any:
+    """The tiny Llama's tokenizer with `tokens` added as special tokens and `template` (if any) as
+    its chat template (a family may add more before saving it with save_tokenizer)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(llama), local_files_only=True)
     tok.add_special_tokens({"additional_special_tokens": tokens})
-    tok.chat_template = template
+    if template is not None:
+        tok.chat_template = template
     return tok
+
+
+def folder_with_media_tokens(llama: Path, out: Path, tokens: list[str]) -> tuple[Any, dict[str, Any]]:
+    """`out` holding the tiny Llama's tokenizer with `tokens` added; that tokenizer and a copy of
+    the tiny Llama's config.json, for the caller to make its family's and write."""
+    tok = media_tokenizer(llama, tokens)
+    tok.save_pretrained(str(out))
+    return tok, json.loads((llama / "config.json").read_text())
 
 
 def save_tokenizer(tok: Any, out: Path, template: str) -> None:
