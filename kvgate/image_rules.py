@@ -988,7 +988,9 @@ class HdCrops(ImageRule):
     Phi4MMMultiModalProcessor._get_prompt_updates). dynamic_hd is the image processor's
     (preprocessor_config.json), which `--mm-processor-kwargs` and a request's flat
     `mm_processor_kwargs` override: vLLM builds the processor with them (Phi4MMProcessingInfo.
-    get_dynamic_hd of get_hf_processor(**kwargs))."""
+    get_dynamic_hd of get_hf_processor(**kwargs)). The count is cheap enough to be its own bound
+    (`most_features`): dynamic_hd is at most PHI4MM_MOST_DYNAMIC_HD, the crop search's candidates
+    O(dynamic_hd log dynamic_hd) and cached."""
 
     dynamic_hd: int
     crop: int = 448
@@ -1040,16 +1042,6 @@ class HdCrops(ImageRule):
         pooled_height = -(-feat_height // self.compression)
         side = self.crop // self.patch // self.compression
         return side * side + 1 + pooled_width * pooled_height + pooled_height + side
-
-    def most_features(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> int:
-        """At most every one of max_num crops whole, with its newlines: the global view, the
-        separator, (side + 1) x side a crop; exact for get_image_size_with_most_features's
-        crop x (crop x dynamic_hd), one column of dynamic_hd crops."""
-        max_num = max(self.max_crops(kwargs), 1)
-        if size is not None:
-            max_num = min(max_num, math.ceil(size.width / self.crop) * math.ceil(size.height / self.crop))
-        side = self.crop // self.patch // self.compression
-        return side * side + 1 + side + max_num * (side + 1) * side
 
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
         max_num = self.max_crops(kwargs)
