@@ -619,3 +619,16 @@ def test_phi4mm_images_replace_their_numbered_placeholders() -> None:
     assert len(stand_ins) == 545 + 409
     with pytest.raises(TokenizationError, match="100 numbered image placeholders"):
         _count(counting, TEXT, *[_image(8, 8)] * 101)
+
+
+def test_phi4mm_dynamic_hd_comes_from_the_flag_then_the_request() -> None:
+    """An image by URL counts as the largest, 448 x (448 x dynamic_hd): 10,065 with the
+    checkpoint's 36, 4,625 with --mm-processor-kwargs '{"dynamic_hd": 16}', 1,361 with the
+    request's 4 over the flag's."""
+    rule = image_tokens(PHI4MM, {"dynamic_hd": 36})
+    text_only = len(_count(MediaCounting(PhiWords(), rule, None, "phi4mm"), TEXT))
+    for flag, request, tokens in ((None, None, 10065), (16, None, 4625), (16, 4, 1361)):
+        options = MediaOptions(processor_kwargs={"dynamic_hd": flag} if flag else {})
+        counting = MediaCounting(PhiWords(), rule, options, "phi4mm")
+        kwargs = {"mm_processor_kwargs": {"dynamic_hd": request}} if request else {}
+        assert len(_count(counting, TEXT, URL_IMAGE, **kwargs)) == text_only + tokens
