@@ -410,30 +410,32 @@ class NumberedItem:
     feature_text: str  # the text of its feature token
 
 
-def _starts(sequence: Sequence[int] | str, target: Sequence[int] | str) -> list[int]:
-    """Every position `target` starts at in `sequence`, overlapping ones included; none for an
-    empty target (vLLM ignores empty matches)."""
-    out: list[int] = []
-    if not target:
-        return out
+def _starts(sequence: Sequence[int] | str, targets: Sequence[Sequence[int] | str]) -> list[list[int]]:
+    """Every position each target starts at in `sequence`, overlapping ones included; none for an
+    empty target (vLLM ignores empty matches). Token targets are looked up in one pass over the
+    ids, by their first token and length (a prompt of 100,000 "<" tokens and 200 placeholders
+    starting with "<" is one pass, not 200)."""
+    out: list[list[int]] = [[] for _ in targets]
     if isinstance(sequence, str):
-        assert isinstance(target, str)
-        at = sequence.find(target)
-        while at >= 0:
-            out.append(at)
-            at = sequence.find(target, at + 1)
+        for found, target in zip(out, targets, strict=True):
+            assert isinstance(target, str)
+            at = sequence.find(target) if target else -1
+            while at >= 0:
+                found.append(at)
+                at = sequence.find(target, at + 1)
         return out
-    assert not isinstance(target, str)
-    ids, wanted = list(sequence), list(target)
-    last, at = len(ids) - len(wanted), 0
-    while at <= last:
-        try:
-            at = ids.index(wanted[0], at, last + 1)
-        except ValueError:
-            break
-        if ids[at : at + len(wanted)] == wanted:
-            out.append(at)
-        at += 1
+    by_length: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for index, target in enumerate(targets):
+        assert not isinstance(target, str)
+        if target:
+            by_length.setdefault(len(target), {}).setdefault(tuple(target), []).append(index)
+    firsts = {target[0] for target in targets if target}
+    ids = list(sequence)
+    for at, token in enumerate(ids):
+        if token in firsts:
+            for length, table in by_length.items():
+                for index in table.get(tuple(ids[at : at + length]), ()):
+                    out[index].append(at)
     return out
 
 
@@ -446,7 +448,7 @@ def plan_matches(
     replacement on, the earliest match of any item left (the earliest end, then the first item,
     on a tie) is the next; None where some item's target is not found (vLLM's token plan then
     falls back to text, its text plan fails)."""
-    starts = [_starts(sequence, target) for target in targets]
+    starts = _starts(sequence, targets)
     left = list(range(len(targets)))
     plan: list[tuple[int, int, int]] = []
     end = 0
