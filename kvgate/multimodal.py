@@ -603,8 +603,9 @@ class MediaCounting:
                 unmatched = UncountedMedia(
                     "image_url" if found else "input_audio",
                     self._model_type,
-                    "numbered placeholders the tokenizer splits differently in the prompt only with the model's "
-                    "tokenizer files (kvgate re-tokenizes them as vLLM does)",
+                    "numbered placeholders that vLLM finds only in the prompt's text (the tokenizer splits them "
+                    "differently there) where it has the model's tokenizer files and the prompt holds no "
+                    f"{' or '.join(FEATURE_TEXTS.values())} text of its own",
                     _NO_RENDER,
                 )
                 return await self._rendered(chat, unmatched, max_tokens)

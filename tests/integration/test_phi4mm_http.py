@@ -3,8 +3,9 @@
 it here: the checkpoint's remote code is not in this offline machine). What a client sees: an
 image's and an audio's tokens in the prompt count in place of their numbered placeholders, by
 the tokenizer's ids or, for a placeholder after a space, by re-tokenizing the text as vLLM does;
-a body over 64 KiB counted alike in a preparation worker; too many items, too short an audio
-and a dynamic_hd kvgate does not count a 400 that reaches nothing. The counts themselves are
+a body over 64 KiB counted alike in a preparation worker; too many items, too short an audio,
+a dynamic_hd kvgate does not count and a prompt it cannot re-tokenize as vLLM does (without a
+render endpoint) a 400 that reaches nothing. The counts themselves are
 checked against vLLM's own functions in test_phi4mm_counts.py."""
 
 from __future__ import annotations
@@ -118,8 +119,11 @@ def test_a_body_over_64_kib_is_counted_alike_in_a_preparation_worker(kvgate: Kvg
         (_chat(_audio(0.02)), "Waveform too short"),
         (_chat(_image(64, 64), mm_processor_kwargs={"dynamic_hd": 5000}), "dynamic_hd up to 4096"),
         (_chat(_image(8, 8), _image(8, 8), _image(8, 8), _image(8, 8)), "At most 3 image(s)"),
+        # Replaced in the text (a space before it), beside a feature token's text of the prompt's
+        # own: kvgate could not tell its image's tokens from the text's; no render endpoint here.
+        (_chat(_image(8, 8), text="See <|image_1|> <|endoftext10|>"), "finds only in the prompt's text"),
     ],
-    ids=["too-short-audio", "dynamic-hd", "over-the-limit"],
+    ids=["too-short-audio", "dynamic-hd", "over-the-limit", "feature-text-in-the-prompt"],
 )
 def test_what_phi4mm_cannot_take_is_a_400_that_reaches_nothing(
     kvgate: KvgateServer, backend: FakeBackend, body: dict, message: str
