@@ -16,6 +16,7 @@ import asyncio
 import base64
 import io
 import json
+import random
 import wave
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from PIL import Image
 from kvgate.audio import AudioError, AudioLength, audio_tokens
 from kvgate.image_rules import HdCrops, image_tokens
 from kvgate.media import ImageSize
-from kvgate.multimodal import MediaCounting, with_placeholders
+from kvgate.multimodal import MediaCounting, plan_matches, with_placeholders
 from kvgate.request import ChatInput
 from kvgate.tokens import LocalTokenizer
 from support.tiny_phi4mm import FEATURE_TOKENS, tiny_phi4mm
@@ -191,6 +192,35 @@ def test_phi4mm_prompts_equal_vllms(vllm_python: VllmPython, phi_folder: Path) -
     matched = [all(_found(p["ids"], local, n) for n in _numbered(p)) for p in prompts]
     assert any(matched)
     assert not all(matched)
+
+
+@pytest.mark.vllm
+def test_plan_matches_equals_vllms_token_plan(vllm_python: VllmPython) -> None:
+    """400 random prompts over a 4-token alphabet, 1 to 5 items with targets of 1 to 3 tokens
+    (overlapping, repeated, shared between items, missing): kvgate's plan replaces what vLLM's
+    _apply_token_matches_with_placeholders replaces, and finds nothing where it finds nothing."""
+    generator = random.Random(23)
+    cases = []
+    for _ in range(400):
+        ids = [generator.randrange(4) for _ in range(generator.randrange(0, 24))]
+        targets = [
+            [generator.randrange(4) for _ in range(generator.randrange(1, 4))] for _ in range(generator.randrange(1, 6))
+        ]
+        cases.append({"ids": ids, "targets": targets})
+    theirs = _vllm(vllm_python, {"plans": cases})["plans"]
+    ours = []
+    for case in cases:
+        plan = plan_matches(case["ids"], case["targets"])
+        if plan is None:
+            ours.append(None)
+            continue
+        out, previous = [], 0
+        for start, end, item in plan:
+            out += [*case["ids"][previous:start], -(item + 1)]
+            previous = end
+        ours.append(out + case["ids"][previous:])
+    assert ours == theirs
+    assert 50 < sum(plan is None for plan in theirs) < 350  # both outcomes well exercised
 
 
 def _numbered(prompt: dict) -> list[str]:

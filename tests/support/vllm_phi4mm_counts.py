@@ -9,7 +9,8 @@ _apply_prompt_updates with Phi4MMMultiModalProcessor's numbered targets), for th
 "audio_token"}, ...]} (a prompt's feature tokens are its folder's own <|endoftext10|> and
 <|endoftext11|>, standing for phi4mm.py's 200010 and 200011, which a tiny vocabulary has not). Prints one JSON
 object: {"images": {n: [count or null, ...]}, "largest": {n: count}, "audio": [count or null],
-"prompts": [ids]}; null where vLLM raises. With {"resample": [[frames, rate], ...]}: the lengths
+"prompts": [ids], "plans": [ids]}; null where vLLM raises or, for "plans" ({"ids", "targets"}:
+vLLM's token plan, each item k replaced by [-(k + 1)]), does not find an item. With {"resample": [[frames, rate], ...]}: the lengths
 vLLM's audio resampler keeps (vllm/multimodal/audio.py AudioResampler, the "scipy" method
 Phi4MMProcessingInfo.get_data_parser asks for), which needs scipy.
 
@@ -30,7 +31,7 @@ from transformers import AutoTokenizer
 from transformers.models.phi4_multimodal.image_processing_phi4_multimodal import Phi4MultimodalImageProcessor
 from vllm.model_executor.models.phi4mm import Phi4MMMultiModalProcessor, Phi4MMProcessingInfo
 from vllm.multimodal.audio import AudioResampler
-from vllm.multimodal.processing.processor import PromptReplacement
+from vllm.multimodal.processing.processor import PromptReplacement, _apply_token_matches_with_placeholders
 
 
 def info_for(dynamic_hd, compression_rate, tokenizer=None):
@@ -109,6 +110,17 @@ def prompt_ids(case):
     return ids
 
 
+def planned(case):
+    """vLLM's token plan (processor.py _apply_token_matches_with_placeholders) of `ids` for items
+    each with its own target, item k replaced by [-(k + 1)]; None where an item is not found."""
+    items = [
+        PromptReplacement(modality="image", target=target, replacement=[-(k + 1)]).resolve(k)
+        for k, target in enumerate(case["targets"])
+    ]
+    ids, result, _ = _apply_token_matches_with_placeholders(case["ids"], {"image": [[item] for item in items]})
+    return ids if all(index is not None for index in result["image"]) else None
+
+
 def main():
     cases = json.loads(sys.stdin.read())
     images, largest = {}, {}
@@ -119,7 +131,8 @@ def main():
         return
     audio = audio_counts(cases.get("audio", []), cases.get("compression_rate", 8))
     prompts = [prompt_ids(case) for case in cases.get("prompts", [])]
-    print(json.dumps({"images": images, "largest": largest, "audio": audio, "prompts": prompts}))
+    plans = [planned(case) for case in cases.get("plans", [])]
+    print(json.dumps({"images": images, "largest": largest, "audio": audio, "prompts": prompts, "plans": plans}))
 
 
 main()
