@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import Replacement, _float32, _json_file
+from kvgate.image_rules import Expanding, Replacement, _float32, _json_file
 
 # vllm/envs.py defaults (0.32.0, 0.33.0).
 VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25
@@ -186,17 +186,9 @@ def resampled(length: AudioLength, rate: int) -> int:
     return math.ceil(_float32(rate // gcd * length.frames / (length.rate // gcd)))
 
 
-class AudioRule(Protocol):
+class AudioRule(Expanding, Protocol):
     """How one model family's processor expands an audio (WhisperFrames, LogMelFrames)."""
 
-    @property
-    def family(self) -> str: ...
-    @property
-    def placeholder(self) -> str: ...
-    @property
-    def target_token(self) -> int: ...
-    @property
-    def feature_token(self) -> int: ...
     @property
     def indexed(self) -> bool: ...
     @property

@@ -56,10 +56,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvgate.chat_template import TokenizationError
 from kvgate.media import ImageSize, VideoFrames
+
+
+class Expanding(Protocol):
+    """What the expansion of placeholders reads of a rule (ImageRule here, kvgate/audio.py's)."""
+
+    @property
+    def family(self) -> str: ...
+    @property
+    def placeholder(self) -> str: ...
+    @property
+    def target_token(self) -> int: ...
+    @property
+    def feature_token(self) -> int: ...
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import json
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from kvgate.audio import (
     AUDIO_RULES,
@@ -31,7 +31,15 @@ from kvgate.audio import (
     read_audio,
 )
 from kvgate.chat_template import MediaPlaceholder, TokenizationError
-from kvgate.image_rules import PHI4MM_IMAGE_TOKEN, RULES, DynamicResolution, ImageRule, ImageTokens, Replacement
+from kvgate.image_rules import (
+    PHI4MM_IMAGE_TOKEN,
+    RULES,
+    DynamicResolution,
+    Expanding,
+    ImageRule,
+    ImageTokens,
+    Replacement,
+)
 from kvgate.media import (
     VLLM_VIDEO_FRAMES,
     ImageByUrl,
@@ -290,19 +298,6 @@ def replace_token_matches(ids: list[int], match: Sequence[int], new: Sequence[in
         else:
             found += 1
     return out + ids[start:]
-
-
-class Expanding(Protocol):
-    """What the expansion reads of a rule (kvgate/image_rules.py ImageRule, kvgate/audio.py's)."""
-
-    @property
-    def family(self) -> str: ...
-    @property
-    def placeholder(self) -> str: ...
-    @property
-    def target_token(self) -> int: ...
-    @property
-    def feature_token(self) -> int: ...
 
 
 def expand_images(

@@ -30,6 +30,7 @@ from kvgate.media import ImageSize
 from kvgate.multimodal import MediaCounting, plan_matches, with_placeholders
 from kvgate.request import ChatInput
 from kvgate.tokens import LocalTokenizer
+from support.tiny_media import input_audio, silent_wav
 from support.tiny_phi4mm import FEATURE_TOKENS, tiny_phi4mm
 from support.tiny_phi4mm import PHI4MM_CONFIG as CONFIG
 from support.vllm_server import VllmPython
@@ -103,17 +104,8 @@ def _image(width: int, height: int) -> dict:
     }
 
 
-def _audio(seconds: float, rate: int) -> dict:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(b"\0\0" * int(seconds * rate))
-    return {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(buffer.getvalue()).decode(), "format": "wav"},
-    }
+def _audio(seconds: float, rate: int = 16000) -> dict:
+    return input_audio(silent_wav(seconds, rate))
 
 
 def _text(text: str) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from PIL import Image
 
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+from support.tiny_media import input_audio, silent_wav
 from support.tiny_phi4mm import tiny_phi4mm
 
 
@@ -51,14 +51,7 @@ def _image(width: int, height: int) -> dict:
 
 
 def _audio(seconds: float, rate: int = 16000) -> dict:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(b"\0\0" * int(seconds * rate))
-    data = base64.b64encode(buffer.getvalue()).decode()
-    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    return input_audio(silent_wav(seconds, rate))
 
 
 def _chat(*parts: dict, text: str = "What is this?", **extra: object) -> dict:
