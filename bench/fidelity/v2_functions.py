@@ -1,29 +1,34 @@
-"""`python -m bench.fidelity --device cpu --runner v2`: Model Runner V2's prompt logprobs measured
-on the CPU (bench/fidelity/v2_probe.py runs vLLM's own ``compute_prompt_logprobs_with_chunking``
-and ``LogprobsTensors.cat`` with the Triton launches stubbed) beside kvgate's
-``v2_prompt_logprobs``, judged in the same band as the V1 harness (never under, at most 15 % over).
+"""Model Runner V2's prompt logprobs, vLLM's own functions without an engine
+(bench/fidelity/v2_probe.py runs vLLM's ``compute_prompt_logprobs_with_chunking`` and
+``LogprobsTensors.cat``) beside kvgate's ``v2_prompt_logprobs``, judged in the same band as the V1
+harness (never under, at most 15 % over).
 
-The rest of V2 (its sampler's fp32 copy, FlashInfer, logprobs -1 with CUDA's topk sort) needs a
-GPU: ``python -m bench.fidelity --device cuda --runner v2`` (grid.v2_grid).
+- `python -m bench.fidelity --device cpu --runner v2`: on the CPU, the Triton launches stubbed
+  (every tensor they write is allocated by vLLM's Python first).
+- `python -m bench.fidelity --device cuda --runner v2 --functions`: on a GPU, vLLM's Triton
+  kernels run and CUDA's own scratch (torch.topk's sort for ``-1``) is in the measurement. It needs
+  vLLM's Python source and its import-time dependencies, not a CUDA build of vLLM: what a GPU
+  image without vLLM can run (docs/memory-model.md, "On a GPU").
+
+The rest of V2 (its sampler's fp32 copy, FlashInfer) needs an engine on a GPU:
+``python -m bench.fidelity --device cuda --runner v2`` (grid.v2_grid).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.fidelity.harness import BAND, SLACK_BYTES, SLACK_FRACTION, probe_env
+from bench.fidelity.harness import BAND, SLACK_BYTES, SLACK_FRACTION, call_probe, probe_env
 from kvgate.memory.activation import EngineShape, v2_prompt_logprobs
 from kvgate.memory.geometry import ModelGeometry, dtype_bytes
 
 PROBE = Path(__file__).resolve().parent / "v2_probe.py"
-# A smaller vocabulary than the V1 grid's Llama-3 one keeps a -1 case within a few GB of this
-# shared machine's memory; every V2 prompt-logprobs term is linear in it.
-VOCAB = 32_768
+# On the CPU a smaller vocabulary than the V1 grid's Llama-3 one keeps a -1 case within a few GB of
+# this shared machine's memory (every V2 prompt-logprobs term is linear in it); a GPU takes Llama-3's.
+VOCAB = {"cpu": 32_768, "cuda": 128_256}
 HIDDEN = 64  # the hidden states are the step's input, made before the measurement
 
 
@@ -77,48 +82,47 @@ class V2Row:
         return self._judge(self.kvgate_peak, self.measured_peak) and self._judge(self.kvgate_held, self.measured_held)
 
 
-def kvgate_terms(case: V2Case, dtype: str) -> tuple[int, int]:
-    """kvgate's (prompt_logprobs, prompt_logprobs_kept) for the case, the prompt alone on its steps."""
-    geometry = ModelGeometry(1, 1, 1, HIDDEN, HIDDEN, HIDDEN, VOCAB, dtype_bytes(dtype), case.prompt)
+def kvgate_terms(case: V2Case, dtype: str, vocab: int = VOCAB["cpu"], device: str = "cpu") -> tuple[int, int]:
+    """kvgate's (prompt_logprobs, prompt_logprobs_kept) for the case, the prompt alone on its steps;
+    on a GPU the first with what CUDA's topk sort adds to it (prompt_logprobs_topk_sort), which
+    the CPU does not allocate."""
+    geometry = ModelGeometry(1, 1, 1, HIDDEN, HIDDEN, HIDDEN, vocab, dtype_bytes(dtype), case.prompt)
     engine = EngineShape(case.prompt, case.steps[0], 256, runner="v2")
     terms = {t.name: t.bytes for t in v2_prompt_logprobs(geometry, engine, case.steps[0], case.prompt, case.k)}
-    return terms.get("prompt_logprobs", 0), terms.get("prompt_logprobs_kept", 0)
+    sort = terms.get("prompt_logprobs_topk_sort", 0) if device == "cuda" else 0
+    return terms.get("prompt_logprobs", 0) + sort, terms.get("prompt_logprobs_kept", 0)
 
 
 def run(
-    grid: tuple[V2Case, ...], *, dtype: str, vllm_python: Path, scratch: Path
+    grid: tuple[V2Case, ...],
+    *,
+    dtype: str,
+    vllm_python: Path,
+    scratch: Path,
+    device: str = "cpu",
+    vocab: int | None = None,
 ) -> tuple[dict[str, Any], list[V2Row]]:
     """Run the probe in vLLM's interpreter; its result and the rows beside kvgate's terms."""
+    vocab = vocab or VOCAB[device]
     spec = {
+        "device": device,
         "dtype": dtype,
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "hidden_size": HIDDEN,
         "cases": [{"id": c.id, "steps": list(c.steps), "k": c.k} for c in grid],
     }
-    spec_path, out_path, log = scratch / "v2spec.json", scratch / "v2probe.json", scratch / "v2probe.log"
-    spec_path.write_text(json.dumps(spec, indent=1))
-    with log.open("w") as sink:
-        proc = subprocess.run(
-            [str(vllm_python), str(PROBE), str(spec_path), str(out_path)],
-            env=probe_env(scratch, "cpu", "v2"),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    if proc.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"the V2 probe exited with {proc.returncode}:\n{tail}")
-    probe = json.loads(out_path.read_text())
+    probe = call_probe(PROBE, spec, vllm_python, scratch / "v2probe", probe_env(scratch, device, "v2"))
     by_id = {c["id"]: c for c in probe["cases"]}
     rows = []
     for case in grid:
-        peak, held = kvgate_terms(case, dtype)
+        peak, held = kvgate_terms(case, dtype, vocab, device)
         rows.append(V2Row(case, by_id[case.id]["peak"], by_id[case.id]["held"], peak, held))
     return probe, rows
 
 
 def table(rows: list[V2Row]) -> str:
     lines = [
-        "| prompt logprobs | steps | measured last-step peak B | kvgate prompt_logprobs B | ratio | "
+        "| prompt logprobs | steps | measured last-step peak B | kvgate prompt_logprobs (+ topk sort on a GPU) B | ratio | "
         "measured kept B | kvgate prompt_logprobs_kept B | in band |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
@@ -131,18 +135,28 @@ def table(rows: list[V2Row]) -> str:
     return "\n".join(lines)
 
 
-def report(grid: tuple[V2Case, ...], *, dtype: str, vllm_python: Path) -> tuple[str, dict[str, Any], list[V2Row]]:
+_HOW = {
+    "cpu": "their Triton launches stubbed (every tensor they write is allocated by vLLM's Python first); "
+    "logits_fn returns the [rows, V] logits the lm_head makes. Not shown on the CPU: CUDA's scratch "
+    "inside torch.topk (its sort for k > 4,096, so -1), which a GPU run measures.",
+    "cuda": "their Triton kernels run; a scope's peak is torch.cuda.max_memory_allocated() above its "
+    "entry, CUDA's topk scratch included; logits_fn returns the [rows, V] logits the lm_head makes.",
+}
+
+
+def report(
+    grid: tuple[V2Case, ...], *, dtype: str, vllm_python: Path, device: str = "cpu", vocab: int | None = None
+) -> tuple[str, dict[str, Any], list[V2Row]]:
     """The markdown text, the probe's result and the rows."""
+    vocab = vocab or VOCAB[device]
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-v2-") as tmp:
-        probe, rows = run(grid, dtype=dtype, vllm_python=vllm_python, scratch=Path(tmp))
+        probe, rows = run(grid, dtype=dtype, vllm_python=vllm_python, scratch=Path(tmp), device=device, vocab=vocab)
     inside = sum(r.in_band for r in rows)
     text = (
         f"vLLM {probe['vllm_version']} (Model Runner V2's prompt_logprob.py, the same file in 0.33.0; "
-        f"CHUNK_SIZE {probe['chunk_size']}), torch {probe['torch_version']}, CPU; vocabulary {VOCAB:,}, "
-        f"{dtype}. vLLM's compute_prompt_logprobs_with_chunking and LogprobsTensors.cat run as written, "
-        "their Triton launches stubbed (every tensor they write is allocated by vLLM's Python first); "
-        "logits_fn returns the [rows, V] logits the lm_head makes. Not shown on the CPU: CUDA's scratch "
-        "inside torch.topk (its sort for k > 4,096, so -1), which the CUDA grid measures.\n\n"
+        f"CHUNK_SIZE {probe['chunk_size']}), torch {probe['torch_version']}, {probe['device_name']}; "
+        f"vocabulary {vocab:,}, {dtype}. vLLM's compute_prompt_logprobs_with_chunking and "
+        f"LogprobsTensors.cat run as written, {_HOW[device]}\n\n"
         f"{table(rows)}\n\n{inside} of {len(rows)} grid points within {BAND[0]:.2f}-{BAND[1]:.2f} "
         "(never under but for 1 KiB + 0.1 %).\n"
     )
