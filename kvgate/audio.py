@@ -29,6 +29,16 @@ Rules, read in vLLM 0.32.0 and 0.33.0 (the counting code is the same in both):
   ("too short to be represented inside the model"). The chat template writes
   "Audio {i}: <|audio_bos|><|AUDIO|><|audio_eos|>" (Qwen2AudioForConditionalGeneration.
   get_placeholder_str) for the i-th audio of the prompt.
+- Phi-4-multimodal (`phi4mm`): the audio resampled to the feature extractor's rate by
+  scipy.signal.resample_poly (Phi4MMProcessingInfo.get_data_parser asks for "scipy";
+  multimodal/audio.py resample_audio_scipy: ceil(n x up / down) samples, the rates' gcd divided
+  out), then phi4mm.py Phi4MMProcessingInfo.get_audio_num_frames ((n - 400) // 160 + 1 frames of
+  25 ms every 10 ms, after its own 8 kHz / above-16 kHz adjustments, which a 16 kHz extractor never
+  takes; fewer than 1 frame: "Waveform too short for given parameters.") and
+  _compute_audio_embed_size (frames / config.json's embd_layer.audio_embd_layer.compression_rate,
+  rounded up, the qformer rate being 1); Phi4MMMultiModalProcessor._get_prompt_updates repeats
+  <|endoftext11|> that many times in place of the numbered text `<|audio_i|>`
+  (Phi4MMForCausalLM.get_placeholder_str), which vLLM finds as tokens (`indexed`).
 """
 
 from __future__ import annotations
@@ -36,13 +46,13 @@ from __future__ import annotations
 import binascii
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import Replacement, _float32, _json_file
+from kvgate.image_rules import Expanding, Replacement, _float32, _json_file
 
 # vllm/envs.py defaults (0.32.0, 0.33.0).
 VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25
@@ -176,6 +186,19 @@ def resampled(length: AudioLength, rate: int) -> int:
     return math.ceil(_float32(rate // gcd * length.frames / (length.rate // gcd)))
 
 
+class AudioRule(Expanding, Protocol):
+    """How one model family's processor expands an audio (WhisperFrames, LogMelFrames)."""
+
+    @property
+    def indexed(self) -> bool: ...
+    @property
+    def most_items(self) -> int | None: ...
+
+    def placeholder_text(self, index: int) -> str: ...
+    def features(self, length: AudioLength | None, kwargs: Mapping[str, Any]) -> int: ...
+    def replacement(self, length: AudioLength | None, kwargs: Mapping[str, Any]) -> Replacement: ...
+
+
 @dataclass(frozen=True)
 class WhisperFrames:
     """Qwen2-Audio's audio: mel frames of the first n_samples, halved twice by the encoder."""
@@ -186,6 +209,8 @@ class WhisperFrames:
     n_samples: int = 480000
     family: str = "qwen2_audio"
     merges: tuple[tuple[tuple[str, ...], str], ...] = ()
+    indexed: bool = False
+    most_items: int | None = None
 
     @property
     def feature_token(self) -> int:
@@ -228,16 +253,94 @@ def _qwen2_audio(config: dict[str, Any], processor: dict[str, Any]) -> WhisperFr
     )
 
 
-AUDIO_RULES = {"qwen2_audio": _qwen2_audio}
+def resampled_poly(length: AudioLength, rate: int) -> int:
+    """Samples after vLLM's "scipy" resampler (multimodal/audio.py resample_audio_scipy:
+    scipy.signal.resample_poly(x, up, down) keeps ceil(n x up / down) samples, up / down the rates
+    over their gcd), in integers as scipy computes it."""
+    if length.rate == rate:
+        return length.frames
+    gcd = math.gcd(length.rate, rate)
+    return -(-length.frames * (rate // gcd) // (length.rate // gcd))
 
 
-def audio_tokens(config: dict[str, Any], processor: dict[str, Any] | None = None) -> WhisperFrames | None:
+# phi4mm.py _AUDIO_PLACEHOLDER_TOKEN_ID (<|endoftext11|>), and its 100 numbered placeholders.
+PHI4MM_AUDIO_TOKEN = 200011
+PHI4MM_MOST_AUDIOS = 100
+
+
+@dataclass(frozen=True)
+class LogMelFrames:
+    """Phi-4-multimodal's audio: 25 ms log-mel frames every 10 ms at 16 kHz, compressed
+    `compression_rate` to one token (vLLM 0.32.0 / 0.33.0 phi4mm.py Phi4MMProcessingInfo.
+    get_audio_num_frames and _compute_audio_embed_size)."""
+
+    compression_rate: int  # config.json's embd_layer.audio_embd_layer.compression_rate
+    sampling_rate: int = 16000  # the feature extractor's (preprocessor_config.json)
+    family: str = "phi4mm"
+    target_token: int = -1  # numbered text, encoded per audio (`indexed`)
+    feature_token: int = PHI4MM_AUDIO_TOKEN
+    placeholder: str = "<|audio_1|>"
+    indexed: bool = True
+    most_items: int | None = PHI4MM_MOST_AUDIOS
+    merges: tuple[tuple[tuple[str, ...], str], ...] = ()
+
+    def placeholder_text(self, index: int) -> str:
+        """Phi4MMForCausalLM.get_placeholder_str."""
+        return f"<|audio_{index}|>"
+
+    def frames(self, samples: int) -> int:
+        """get_audio_num_frames(samples, sr) with sr the feature extractor's rate."""
+        sr = self.sampling_rate
+        if sr > 16000:
+            samples //= int(sr // 16000)
+        elif 8000 <= sr < 16000:
+            samples *= 2
+        elif sr < 8000:
+            raise AudioError(f"Unsupported sample rate {sr}")
+        frames = (samples - 400) // 160 + 1
+        if frames < 1:
+            raise AudioError("Waveform too short for given parameters.")
+        return frames
+
+    def features(self, length: AudioLength | None, kwargs: Mapping[str, Any]) -> int:
+        """`length` None: audio kvgate cannot hear (the longest vLLM decodes,
+        VLLM_MAX_AUDIO_DECODE_DURATION_S, and a sample for the resampler's rounding)."""
+        if "sampling_rate" in kwargs:
+            raise TokenizationError(
+                "kvgate does not count Phi-4-multimodal audio with mm_processor_kwargs 'sampling_rate'"
+            )
+        if length is None:
+            samples = VLLM_MAX_AUDIO_DECODE_DURATION_S * self.sampling_rate + 1
+        else:
+            samples = resampled_poly(length, self.sampling_rate)
+        return -(-self.frames(samples) // self.compression_rate)
+
+    def replacement(self, length: AudioLength | None, kwargs: Mapping[str, Any]) -> Replacement:
+        return Replacement(self.features(length, kwargs))
+
+
+def _phi4mm(config: dict[str, Any], processor: dict[str, Any]) -> LogMelFrames | None:
+    """config.json's embd_layer.audio_embd_layer.compression_rate (what _compute_audio_embed_size
+    reads); the feature extractor's sampling_rate (16,000 unless preprocessor_config.json says)."""
+    layer = ((config.get("embd_layer") or {}).get("audio_embd_layer") or {}).get("compression_rate")
+    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 1:
+        return None
+    return LogMelFrames(layer, int(processor.get("sampling_rate") or 16000))
+
+
+AUDIO_RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], AudioRule | None]] = {
+    "qwen2_audio": _qwen2_audio,
+    "phi4mm": _phi4mm,
+}
+
+
+def audio_tokens(config: dict[str, Any], processor: dict[str, Any] | None = None) -> AudioRule | None:
     """The model's audio rule, or None where kvgate does not count its audio."""
     reader = AUDIO_RULES.get(str(config.get("model_type")))
     return reader(config, processor or {}) if reader is not None else None
 
 
-def audio_tokens_of(model_dir: str | Path | None) -> WhisperFrames | None:
+def audio_tokens_of(model_dir: str | Path | None) -> AudioRule | None:
     if model_dir is None or not (Path(model_dir) / "config.json").is_file():
         return None
     folder = Path(model_dir)

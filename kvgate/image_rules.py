@@ -37,6 +37,10 @@ counting code is the same in both):
 - Gemma 3 (`gemma3`): a fixed sequence per image and per pan-and-scan crop (gemma3_mm.py
   Gemma3ProcessingInfo.get_num_crops and get_image_repl, Gemma3MultiModalProcessor
   _apply_token_matches).
+- Phi-4-multimodal (`phi4mm`): a global view and a grid of 448-pixel crops up to dynamic_hd,
+  less the padding, with newline and separator tokens (phi4mm.py Phi4MMProcessingInfo.
+  _compute_num_image_tokens); its placeholder is numbered text, `<|image_i|>`, which vLLM finds
+  as tokens (Phi4MMMultiModalProcessor._get_prompt_updates; `ImageRule.indexed`).
 
 A rule's `replacement(None, ...)` is the largest the processor can make of any image: what an
 image by URL, which kvgate does not fetch, counts as.
@@ -52,10 +56,23 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvgate.chat_template import TokenizationError
 from kvgate.media import ImageSize, VideoFrames
+
+
+class Expanding(Protocol):
+    """What the expansion of placeholders reads of a rule (ImageRule here, kvgate/audio.py's)."""
+
+    @property
+    def family(self) -> str: ...
+    @property
+    def placeholder(self) -> str: ...
+    @property
+    def target_token(self) -> int: ...
+    @property
+    def feature_token(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,16 @@ class ImageRule(ABC):
     feature_token: int  # the token a feature takes in the replacement
     # Token texts vLLM joins into one token after the replacement: (sequence, joined).
     merges: tuple[tuple[tuple[str, ...], str], ...] = ()
+    # The placeholder is numbered text (`placeholder_for(i)`), the tokens the tokenizer makes of it
+    # the target, found and replaced as vLLM's processor does (kvgate/multimodal.py
+    # expand_indexed), not one token: Phi-4-multimodal's `<|image_i|>`.
+    indexed: bool = False
+    # The most items a prompt may hold (vLLM's processor has that many numbered placeholders).
+    most_items: int | None = None
+
+    def placeholder_for(self, index: int) -> str:
+        """What the chat template writes for the `index`-th image of the prompt (from 1)."""
+        return self.placeholder
 
     @abstractmethod
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
@@ -920,6 +947,133 @@ def _gemma3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | No
     return FixedSequence("gemma3", int(config["boi_token_index"]), int(config["image_token_index"]), int(tokens))
 
 
+# vLLM 0.32.0 / 0.33.0 phi4mm.py VISION_ENCODER_TO_PROCESSING_CONFIG: the crop size, the patch
+# size and the token compression of the one image encoder Phi4MMProcessingInfo knows, which
+# get_num_image_tokens looks up by config.json's img_processor (None: this one).
+_PHI4MM_ENCODERS = {"siglip-so400m-patch14-448": (448, 14, 2)}
+# phi4mm.py _IMAGE_PLACEHOLDER_TOKEN_ID (<|endoftext10|>): every image feature's token.
+PHI4MM_IMAGE_TOKEN = 200010
+# phi4mm.py Phi4MMProcessingInfo.image_tokens: <|image_1|> .. <|image_100|>; a 101st image has no
+# placeholder (vLLM's _get_prompt_updates indexes past the list).
+PHI4MM_MOST_ITEMS = 100
+# The largest dynamic_hd kvgate counts with: vLLM's crop search walks dynamic_hd**2 pairs for an
+# image of more crops (a request's 10**5 is 10**10 steps in vLLM's processor, and seconds here).
+PHI4MM_MOST_DYNAMIC_HD = 4096
+
+
+@lru_cache(maxsize=8)
+def crop_ratios(max_num: int) -> tuple[tuple[int, int], ...]:
+    """vLLM 0.32.0 / 0.33.0 phi4mm.py Phi4MMProcessingInfo._find_target_aspect_ratio's candidates:
+    every (columns, rows) of at most max_num crops, a set sorted by crop count. The set is built
+    by inserting the same pairs in the same order as vLLM's double loop over 1..max_num (which
+    inserts only the pairs it keeps), so it iterates in the same order and the sort, stable, breaks
+    ties alike; in O(max_num log max_num) steps instead of max_num**2."""
+    kept = set((i, j) for i in range(1, max_num + 1) for j in range(1, max_num // i + 1))
+    return tuple(sorted(kept, key=lambda ratio: ratio[0] * ratio[1]))
+
+
+def closest_aspect_ratio(
+    aspect_ratio: float, ratios: Sequence[tuple[int, int]], width: int, height: int, image_size: int
+) -> tuple[int, int]:
+    """The image processor's find_closest_aspect_ratio, which vLLM's _find_target_aspect_ratio
+    calls (the checkpoint's processing_phi4mm.py Phi4MMImageProcessor; transformers 5.19's port,
+    image_processing_phi4_multimodal.py, is the same code): the closest ratio, on a tie the later
+    one where the image covers over half of its crops."""
+    best_diff, best = float("inf"), (1, 1)
+    area = width * height
+    for ratio in ratios:
+        diff = abs(aspect_ratio - ratio[0] / ratio[1])
+        if diff < best_diff:
+            best_diff, best = diff, ratio
+        elif diff == best_diff and area > 0.5 * image_size * image_size * ratio[0] * ratio[1]:
+            best = ratio
+    return best
+
+
+@dataclass(frozen=True)
+class HdCrops(ImageRule):
+    """Phi-4-multimodal's images: the image fitted to a grid of `crop`-pixel crops (its own crop
+    count when it is at most dynamic_hd, else the closest aspect ratio of at most dynamic_hd crops),
+    each crop `crop // patch` patches a side pooled by `compression`, the padding's patches left
+    out, a newline token a row; plus the global view's pooled patches, a newline a row, and a
+    separator (vLLM 0.32.0 / 0.33.0 phi4mm.py Phi4MMProcessingInfo._compute_num_image_tokens and
+    _find_target_aspect_ratio, line for line; the replacement is <|endoftext10|> that many times,
+    Phi4MMMultiModalProcessor._get_prompt_updates). dynamic_hd is the image processor's
+    (preprocessor_config.json), which `--mm-processor-kwargs` and a request's flat
+    `mm_processor_kwargs` override: vLLM builds the processor with them (Phi4MMProcessingInfo.
+    get_dynamic_hd of get_hf_processor(**kwargs)). The count is cheap enough to be its own bound
+    (`most_features`): dynamic_hd is at most PHI4MM_MOST_DYNAMIC_HD, the crop search's candidates
+    O(dynamic_hd log dynamic_hd) and cached."""
+
+    dynamic_hd: int
+    crop: int = 448
+    patch: int = 14
+    compression: int = 2
+    family: str = "phi4mm"
+    feature_token: int = PHI4MM_IMAGE_TOKEN
+    target_token: int = -1  # numbered text, encoded per image (`indexed`)
+    placeholder: str = "<|image_1|>"
+    indexed: bool = True
+    most_items: int | None = PHI4MM_MOST_ITEMS
+
+    def placeholder_for(self, index: int) -> str:
+        """Phi4MMForCausalLM.get_placeholder_str."""
+        return f"<|image_{index}|>"
+
+    def max_crops(self, kwargs: Mapping[str, Any]) -> int:
+        value = kwargs.get("dynamic_hd", self.dynamic_hd)
+        if not isinstance(value, int) or isinstance(value, bool) or value > PHI4MM_MOST_DYNAMIC_HD:
+            raise TokenizationError(
+                f"kvgate counts Phi-4-multimodal images with a whole dynamic_hd up to {PHI4MM_MOST_DYNAMIC_HD}, "
+                f"got {value!r}"
+            )
+        return value
+
+    def _grid(self, width: int, height: int, max_num: int) -> tuple[int, int]:
+        """_find_target_aspect_ratio: (columns, rows) of crops."""
+        columns, rows = math.ceil(width / float(self.crop)), math.ceil(height / float(self.crop))
+        if columns * rows > max_num:
+            return closest_aspect_ratio(width / height, crop_ratios(max_num), width, height, self.crop)
+        return columns, rows
+
+    def count(self, width: int, height: int, max_num: int) -> int:
+        """_compute_num_image_tokens for a width x height image."""
+        columns, rows = self._grid(width, height, max_num)
+        target_width, target_height = self.crop * columns, self.crop * rows
+        # phi4mm.py _get_padding_size
+        ratio_width, ratio_height = target_width / width, target_height / height
+        if ratio_width < ratio_height:
+            padding_width, padding_height = 0, target_height - int(height * ratio_width)
+        else:
+            padding_width, padding_height = target_width - int(width * ratio_height), 0
+        feat_width, feat_height = target_width // self.patch, target_height // self.patch
+        if padding_width >= self.patch:
+            feat_width -= math.floor(padding_width / self.patch)
+        elif padding_height >= self.patch:
+            feat_height -= math.floor(padding_height / self.patch)
+        pooled_width = -(-feat_width // self.compression)  # rounded up where not divisible
+        pooled_height = -(-feat_height // self.compression)
+        side = self.crop // self.patch // self.compression
+        return side * side + 1 + pooled_width * pooled_height + pooled_height + side
+
+    def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
+        max_num = self.max_crops(kwargs)
+        if size is None:  # Phi4MMProcessingInfo.get_image_size_with_most_features
+            size = ImageSize(width=self.crop, height=self.crop * max(max_num, 1))
+        return Replacement(self.count(size.width, size.height, max_num))
+
+
+def _phi4mm(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
+    """config.json's img_processor (None: SigLIP-so400m at 448 pixels, the only encoder vLLM's
+    phi4mm.py knows); preprocessor_config.json's dynamic_hd (the checkpoint's 36; transformers'
+    Phi4MultimodalImageProcessor's default, 36, where it has none)."""
+    encoder = _PHI4MM_ENCODERS.get(str(config.get("img_processor") or "siglip-so400m-patch14-448"))
+    if encoder is None:
+        return None
+    crop, patch, compression = encoder
+    return HdCrops(int(processor.get("dynamic_hd", 36)), crop, patch, compression)
+
+
 # Where image_tokens_of puts video_preprocessor_config.json in the processor settings it reads.
 VIDEO_PROCESSOR_KEY = "video_preprocessor_config.json"
 
@@ -938,6 +1092,7 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
     "internvl": _internvl,
     "idefics3": _idefics3,
     "smolvlm": _idefics3,
+    "phi4mm": _phi4mm,
 }
 
 

@@ -15,13 +15,31 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from kvgate.audio import AUDIO_RULES, AudioByUrl, AudioLength, AudioNotCounted, WhisperFrames, audio_data, read_audio
+from kvgate.audio import (
+    AUDIO_RULES,
+    PHI4MM_AUDIO_TOKEN,
+    AudioByUrl,
+    AudioLength,
+    AudioNotCounted,
+    AudioRule,
+    audio_data,
+    read_audio,
+)
 from kvgate.chat_template import MediaPlaceholder, TokenizationError
-from kvgate.image_rules import RULES, DynamicResolution, ImageRule, ImageTokens, Replacement
+from kvgate.image_rules import (
+    PHI4MM_IMAGE_TOKEN,
+    RULES,
+    DynamicResolution,
+    Expanding,
+    ImageRule,
+    ImageTokens,
+    Replacement,
+)
 from kvgate.media import (
     VLLM_VIDEO_FRAMES,
     ImageByUrl,
@@ -175,7 +193,7 @@ class ImagePart:
     url: str | None  # a data or remote URL to read the size from; None: no URL (embeds, PIL)
 
 
-def _counted(images: ImageRule | None, audio: WhisperFrames | None) -> str:
+def _counted(images: ImageRule | None, audio: AudioRule | None) -> str:
     """What kvgate counts, for the refusal of what it does not."""
     audio_families = f"audio of {', '.join(sorted(AUDIO_RULES))} models (WAV)"
     if audio is not None:
@@ -188,7 +206,7 @@ def with_placeholders(
     images: ImageRule | None,
     model_type: str | None = None,
     as_text: bool = False,
-    audio: WhisperFrames | None = None,
+    audio: AudioRule | None = None,
     heard: list[ImagePart] | None = None,
     watched: list[ImagePart] | None = None,
 ) -> tuple[ChatInput, list[ImagePart]]:
@@ -246,8 +264,9 @@ def with_placeholders(
                     "this kvgate has no backend to render it",
                 )
             found.append(ImagePart(_image_key(part), url))
-            text = {"type": "text", "text": images.placeholder}
-            parts.append(text if as_text else MediaPlaceholder("image", images.placeholder, part))
+            placeholder = images.placeholder_for(len(found))
+            text = {"type": "text", "text": placeholder}
+            parts.append(text if as_text else MediaPlaceholder("image", placeholder, part))
         messages.append({**message, "content": parts})
     return replace(chat, messages=tuple(messages)), found
 
@@ -279,19 +298,6 @@ def replace_token_matches(ids: list[int], match: Sequence[int], new: Sequence[in
         else:
             found += 1
     return out + ids[start:]
-
-
-class Expanding(Protocol):
-    """What the expansion reads of a rule (kvgate/image_rules.py ImageRule, kvgate/audio.py's)."""
-
-    @property
-    def family(self) -> str: ...
-    @property
-    def placeholder(self) -> str: ...
-    @property
-    def target_token(self) -> int: ...
-    @property
-    def feature_token(self) -> int: ...
 
 
 def expand_images(
@@ -384,6 +390,78 @@ def _data_urls_cost(parts: list[ImagePart]) -> int:
     return sum(data_url_cost(p.url) for p in parts if p.url is not None and p.url[:5].lower() == "data:")
 
 
+# The text of the feature tokens numbered placeholders become (vLLM decodes them in its text
+# path): phi4mm.py's _IMAGE_PLACEHOLDER_TOKEN_ID and _AUDIO_PLACEHOLDER_TOKEN_ID in its vocabulary.
+FEATURE_TEXTS = {PHI4MM_IMAGE_TOKEN: "<|endoftext10|>", PHI4MM_AUDIO_TOKEN: "<|endoftext11|>"}
+
+
+@dataclass(frozen=True)
+class NumberedItem:
+    """A media item behind a numbered placeholder (`ImageRule.indexed`)."""
+
+    placeholder: str  # its text, "<|image_2|>"
+    key: str  # what its stand-in tokens are derived from
+    features: int
+    feature_text: str  # the text of its feature token
+
+
+def _starts(sequence: Sequence[int] | str, targets: Sequence[Sequence[int] | str]) -> list[list[int]]:
+    """Every position each target starts at in `sequence`, overlapping ones included; none for an
+    empty target (vLLM ignores empty matches). Token targets are looked up in one pass over the
+    ids, by their first token and length (a prompt of 100,000 "<" tokens and 200 placeholders
+    starting with "<" is one pass, not 200)."""
+    out: list[list[int]] = [[] for _ in targets]
+    if isinstance(sequence, str):
+        for found, target in zip(out, targets, strict=True):
+            assert isinstance(target, str)
+            at = sequence.find(target) if target else -1
+            while at >= 0:
+                found.append(at)
+                at = sequence.find(target, at + 1)
+        return out
+    by_length: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for index, target in enumerate(targets):
+        assert not isinstance(target, str)
+        if target:
+            by_length.setdefault(len(target), {}).setdefault(tuple(target), []).append(index)
+    firsts = {target[0] for target in targets if target}
+    ids = list(sequence)
+    for at, token in enumerate(ids):
+        if token in firsts:
+            for length, table in by_length.items():
+                for index in table.get(tuple(ids[at : at + length]), ()):
+                    out[index].append(at)
+    return out
+
+
+def plan_matches(
+    sequence: Sequence[int] | str, targets: Sequence[Sequence[int] | str]
+) -> list[tuple[int, int, int]] | None:
+    """Where each item's target is replaced, (start, end, item) in prompt order, as vLLM 0.32.0 /
+    0.33.0 plan it for items that each have their own target (vllm/multimodal/processing/
+    processor.py _plan_prompt_updates_with, by tokens or by text): from the end of the last
+    replacement on, the earliest match of any item left (the earliest end, then the first item,
+    on a tie) is the next; None where some item's target is not found (vLLM's token plan then
+    falls back to text, its text plan fails)."""
+    starts = _starts(sequence, targets)
+    left = list(range(len(targets)))
+    plan: list[tuple[int, int, int]] = []
+    end = 0
+    while left:
+        best: tuple[int, int, int] | None = None
+        for item in left:
+            found = bisect_left(starts[item], end)
+            if found < len(starts[item]):
+                match = (starts[item][found], starts[item][found] + len(targets[item]), item)
+                best = match if best is None or match < best else best
+        if best is None:
+            return None
+        plan.append(best)
+        end = best[1]
+        left.remove(best[2])
+    return plan
+
+
 class MediaCounting:
     """A tokenizer that counts images by the model's rule and refuses other media, around either
     tokenizer (the model folder's, or the backend's /tokenize)."""
@@ -394,7 +472,7 @@ class MediaCounting:
         images: ImageRule | None,
         options: MediaOptions | None = None,
         model_type: str | None = None,
-        audio: WhisperFrames | None = None,
+        audio: AudioRule | None = None,
     ) -> None:
         self._inner = inner
         self._options = options or MediaOptions()
@@ -424,16 +502,23 @@ class MediaCounting:
             self._encoded[text] = list(await self._inner.encode_prompt(text, add_special_tokens=False))
         return self._encoded[text]
 
-    def _refuse_past_limit(self, modality: str, parts: list[ImagePart]) -> None:
-        """vLLM's --limit-mm-per-prompt for `modality`, as vLLM words its refusal."""
+    def _refuse_past_limit(self, modality: str, parts: list[ImagePart], most_items: int | None = None) -> None:
+        """vLLM's --limit-mm-per-prompt for `modality`, as vLLM words its refusal; and the most
+        items a rule's numbered placeholders can name (`most_items`: Phi-4-multimodal's 100, past
+        which vLLM's processor fails)."""
         limit = self._options.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT)
         if len(parts) > limit:
             raise TokenizationError(f"At most {limit} {modality}(s) may be provided in one prompt.")
+        if most_items is not None and len(parts) > most_items:
+            raise TokenizationError(
+                f"This model's processor has {most_items} numbered {modality} placeholders: at most {most_items} "
+                f"{modality}(s) fit in one prompt."
+            )
 
     async def _replacements(
         self, rule: ImageRule, found: list[ImagePart], request_kwargs: Any, max_tokens: int | None
     ) -> list[tuple[str, Replacement, Sequence[int] | None]]:
-        self._refuse_past_limit("image", found)
+        self._refuse_past_limit("image", found, rule.most_items)
         kwargs = image_kwargs(self._options.processor_kwargs, request_kwargs)
         await charge(_data_urls_cost(found))
         sizes: list[ImageSize | None] = []
@@ -492,15 +577,101 @@ class MediaCounting:
             await self._replacements(rule, found, chat.mm_processor_kwargs, max_tokens) if rule and found else []
         )
         ids = await self._inner.encode_chat(text_chat, max_tokens, namespace_aliases)
-        if rule is not None and found:
+        # Numbered placeholders (Phi-4-multimodal's) first, images and audio in one plan, on the
+        # tokenizer's own ids: vLLM plans every modality's updates together.
+        numbered: list[NumberedItem] = []
+        if rule is not None and rule.indexed:
+            text = FEATURE_TEXTS[rule.feature_token]
+            numbered += [
+                NumberedItem(rule.placeholder_for(i), key, r.features, text)
+                for i, (key, r, _) in enumerate(replacements, 1)
+            ]
+        if self._audio is not None and self._audio.indexed:
+            text = FEATURE_TEXTS[self._audio.feature_token]
+            numbered += [
+                NumberedItem(self._audio.placeholder_text(i), key, r.features, text)
+                for i, (key, r, _) in enumerate(sounds, 1)
+            ]
+        if numbered:
+            expanded = await self._expand_numbered(ids, numbered)
+            if expanded is None:
+                unmatched = UncountedMedia(
+                    "image_url" if found else "input_audio",
+                    self._model_type,
+                    "numbered placeholders that vLLM finds only in the prompt's text (the tokenizer splits them "
+                    "differently there) where it has the model's tokenizer files and the prompt holds no "
+                    f"{' or '.join(FEATURE_TEXTS.values())} text of its own",
+                    _NO_RENDER,
+                )
+                return await self._rendered(chat, unmatched, max_tokens)
+            ids = expanded
+        if rule is not None and found and not rule.indexed:
             ids = expand_images(ids, rule, replacements, await self._merges(rule), await self._target(rule))
-        if self._audio is not None and heard:
+        if self._audio is not None and heard and not self._audio.indexed:
             ids = expand_images(ids, self._audio, sounds)
         if watched:
             video = rule.video if isinstance(rule, DynamicResolution) else None
             assert video is not None  # with_placeholders takes videos only where the rule counts them
             ids = expand_images(ids, video, clips)
         return ids
+
+    async def _expand_numbered(self, ids: Sequence[int], items: list[NumberedItem]) -> list[int] | None:
+        """Each item's numbered placeholder replaced by `features` stand-ins of the item, as vLLM
+        0.32.0 / 0.33.0 apply the updates (vllm/multimodal/processing/processor.py
+        BaseMultiModalProcessor._apply_prompt_updates): on the prompt's ids where every
+        placeholder's tokens are found there (`plan_matches`), else on its text: the ids decoded,
+        the placeholders replaced by their feature tokens' text, the text encoded again
+        (_apply_prompt_updates_via_text). kvgate encodes one feature token's text an item where
+        vLLM has `features` of them: the same ids but for their number, the feature token being
+        one special token the tokenizer splits out before anything else (checked). None where
+        kvgate cannot decode (the backend's /tokenize) or the prompt's own text holds a feature
+        token's text."""
+        targets = [await self._encode(item.placeholder) for item in items]
+        ids = list(ids)
+        plan = plan_matches(ids, targets)
+        if plan is not None:
+            out: list[int] = []
+            previous = 0
+            for start, end, index in plan:
+                out += ids[previous:start]
+                out += [_stand_in(items[index].key)] * items[index].features
+                previous = end
+            return out + ids[previous:]
+        decode = getattr(self._inner, "decode", None)
+        if decode is None:
+            return None
+        text = await asyncio.to_thread(decode, ids)
+        text_plan = plan_matches(text, [decode(target) for target in targets])
+        if text_plan is None:
+            raise TokenizationError(
+                "Failed to apply prompt replacement: a media placeholder is missing from the prompt"
+            )
+        feature_ids = {}
+        for item in items:
+            encoded = await self._encode(item.feature_text)
+            if len(encoded) != 1:
+                raise TokenizationError(
+                    f"the model's tokenizer makes {len(encoded)} tokens of {item.feature_text}: kvgate cannot "
+                    "count its media"
+                )
+            feature_ids[encoded[0]] = item.feature_text
+        joined, previous = [], 0
+        for start, end, index in text_plan:
+            joined += [text[previous:start], items[index].feature_text]
+            previous = end
+        joined.append(text[previous:])
+        if any(feature in piece for piece in joined[::2] for feature in feature_ids.values()):
+            return None
+        encoded_prompt = (await self._inner.encode_prompts(["".join(joined)], add_special_tokens=False))[0]
+        at = [i for i, token in enumerate(encoded_prompt) if token in feature_ids]
+        if len(at) != len(text_plan):
+            raise TokenizationError("the prompt's media placeholders did not re-tokenize as their items")
+        out, previous = [], 0
+        for position, (_, _, index) in zip(at, text_plan, strict=True):
+            out += encoded_prompt[previous:position]
+            out += [_stand_in(items[index].key)] * items[index].features
+            previous = position + 1
+        return out + list(encoded_prompt[previous:])
 
     def _num_frames(self, chat: ChatInput) -> int:
         """The frames of a video vLLM keeps: the request's media_io_kwargs over --media-io-kwargs
@@ -561,7 +732,7 @@ class MediaCounting:
         rule = self._audio
         if rule is None or not heard:
             return []
-        self._refuse_past_limit("audio", heard)
+        self._refuse_past_limit("audio", heard, rule.most_items)
         kwargs = audio_kwargs(self._options.processor_kwargs, request_kwargs)
         await charge(_data_urls_cost(heard))
         lengths: list[AudioLength | None] = []

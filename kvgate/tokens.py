@@ -243,6 +243,11 @@ class LocalTokenizer:
         """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
         return render_chat(self._tok, chat, namespace_aliases)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids` as vLLM decodes a prompt (transformers' decode, special tokens kept:
+        vllm/tokenizers/hf.py, called by the multimodal processor's text fallback)."""
+        return str(self._tok.decode(list(ids)))
+
 
 def _text_bytes(text: str) -> int:
     """The UTF-8 size of `text`, or a bound on it (isascii is a flag read, encode a copy)."""

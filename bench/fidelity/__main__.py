@@ -131,7 +131,7 @@ def _v2_functions(args: argparse.Namespace, argv: list[str] | None) -> int:
     """V2's prompt logprobs, vLLM's functions without an engine (bench/fidelity/v2_functions.py);
     on a GPU written apart from the engine's grid (fidelity-cuda-v2-functions)."""
     grid = SMALL_V2_FUNCTIONS_GRID if args.grid == "small" else V2_FUNCTIONS_GRID
-    text, probe, rows = v2_functions_report(
+    text, probe, rows, sampler_rows = v2_functions_report(
         grid, dtype=args.dtype, vllm_python=args.vllm_python, device=args.device, vocab=args.vocab
     )
     print(text)
@@ -139,7 +139,8 @@ def _v2_functions(args: argparse.Namespace, argv: list[str] | None) -> int:
         runner = "v2" if args.device == "cpu" else "v2-functions"
         if args.vocab:
             runner += f"-vocab{args.vocab}"
-        _write(args.device, runner, argv, text, probe, [{**asdict(r), "case": r.case.id} for r in rows])
+        rows_out = [{**asdict(r), "case": r.case.id} for r in [*rows, *sampler_rows]]
+        _write(args.device, runner, argv, text, probe, rows_out)
     return 0
 
 

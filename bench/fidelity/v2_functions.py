@@ -24,6 +24,7 @@ from typing import Any
 from bench.fidelity.harness import BAND, SLACK_BYTES, SLACK_FRACTION, call_probe, probe_env
 from kvgate.memory.activation import EngineShape, v2_prompt_logprobs
 from kvgate.memory.geometry import ModelGeometry, dtype_bytes
+from kvgate.memory.sampler import SamplerCost
 
 PROBE = Path(__file__).resolve().parent / "v2_probe.py"
 # On the CPU a smaller vocabulary than the V1 grid's Llama-3 one keeps a -1 case within a few GB of
@@ -70,16 +71,63 @@ class V2Row:
     kvgate_peak: int  # kvgate's prompt_logprobs term
     kvgate_held: int  # kvgate's prompt_logprobs_kept term
 
-    @staticmethod
-    def _judge(ours: int, measured: int) -> bool:
-        if measured == 0:
-            return ours == 0
-        slack = SLACK_BYTES + SLACK_FRACTION * measured
-        return measured - slack <= ours <= measured * BAND[1]
+    @property
+    def in_band(self) -> bool:
+        return in_band(self.kvgate_peak, self.measured_peak) and in_band(self.kvgate_held, self.measured_held)
+
+
+def in_band(ours: int, measured: int) -> bool:
+    """Never under (but for 1 KiB + 0.1 %), at most 15 % over."""
+    if measured == 0:
+        return ours == 0
+    slack = SLACK_BYTES + SLACK_FRACTION * measured
+    return measured - slack <= ours <= measured * BAND[1]
+
+
+@dataclass(frozen=True)
+class SamplerCase:
+    """A decoding batch of `rows` rows asking k logprobs (gpu/sample/sampler.py compute_topk_scores)."""
+
+    rows: int
+    k: int
+
+    @property
+    def id(self) -> str:
+        return f"sampler rows={self.rows} k={self.k}"
+
+
+# GPU only: -1 through each of CUDA's sort paths (one row; 2 - 127 rows, the full sort; 128+, the
+# segmented one) and a top-20 whose select is all its scratch.
+SAMPLER_GRID = (
+    SamplerCase(1, -1),
+    SamplerCase(16, -1),
+    SamplerCase(127, -1),
+    SamplerCase(128, -1),
+    SamplerCase(1024, -1),
+    SamplerCase(16, 20),
+    SamplerCase(256, 20),
+    SamplerCase(1024, 20),
+)
+
+
+@dataclass(frozen=True)
+class SamplerRow:
+    case: SamplerCase
+    measured_peak: int  # compute_topk_scores' peak above the logits made before it
+    kvgate: int  # the sampler stage's logprobs + logprobs_topk_sort
 
     @property
     def in_band(self) -> bool:
-        return self._judge(self.kvgate_peak, self.measured_peak) and self._judge(self.kvgate_held, self.measured_held)
+        return in_band(self.kvgate, self.measured_peak)
+
+
+def kvgate_sampler_logprobs(case: SamplerCase, dtype: str, vocab: int) -> int:
+    """kvgate's V2 sampler stage for the batch asking only logprobs: logprobs + logprobs_topk_sort."""
+    cost = SamplerCost(vocab, dtype_bytes(dtype), 1024, 8192, "v2", max_logprobs=max(case.k, 0))
+    stage = cost.stage(
+        case.rows, True, False, 0, random=False, all_vocab_logprobs=case.k == -1, processing=False, filtered=False
+    )
+    return stage.logprobs + stage.logprobs_topk_sort
 
 
 def kvgate_terms(case: V2Case, dtype: str, vocab: int = VOCAB["cpu"], device: str = "cpu") -> tuple[int, int]:
@@ -101,15 +149,18 @@ def run(
     scratch: Path,
     device: str = "cpu",
     vocab: int | None = None,
-) -> tuple[dict[str, Any], list[V2Row]]:
-    """Run the probe in vLLM's interpreter; its result and the rows beside kvgate's terms."""
+) -> tuple[dict[str, Any], list[V2Row], list[SamplerRow]]:
+    """Run the probe in vLLM's interpreter; its result and the rows beside kvgate's terms (the
+    sampler's rows on a GPU only)."""
     vocab = vocab or VOCAB[device]
+    sampler_grid = SAMPLER_GRID if device == "cuda" else ()
     spec = {
         "device": device,
         "dtype": dtype,
         "vocab_size": vocab,
         "hidden_size": HIDDEN,
         "cases": [{"id": c.id, "steps": list(c.steps), "k": c.k} for c in grid],
+        "sampler_cases": [{"id": c.id, "rows": c.rows, "k": c.k} for c in sampler_grid],
     }
     probe = call_probe(PROBE, spec, vllm_python, scratch / "v2probe", probe_env(scratch, device, "v2"))
     by_id = {c["id"]: c for c in probe["cases"]}
@@ -117,7 +168,11 @@ def run(
     for case in grid:
         peak, held = kvgate_terms(case, dtype, vocab, device)
         rows.append(V2Row(case, by_id[case.id]["peak"], by_id[case.id]["held"], peak, held))
-    return probe, rows
+    sampled = {c["id"]: c for c in probe.get("sampler_cases", [])}
+    sampler_rows = [
+        SamplerRow(case, sampled[case.id]["peak"], kvgate_sampler_logprobs(case, dtype, vocab)) for case in sampler_grid
+    ]
+    return probe, rows, sampler_rows
 
 
 def table(rows: list[V2Row]) -> str:
@@ -135,6 +190,20 @@ def table(rows: list[V2Row]) -> str:
     return "\n".join(lines)
 
 
+def sampler_table(rows: list[SamplerRow]) -> str:
+    lines = [
+        "| sampler logprobs | rows | measured peak B | kvgate logprobs + logprobs_topk_sort B | ratio | in band |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ratio = r.kvgate / r.measured_peak if r.measured_peak else float("inf")
+        lines.append(
+            f"| {r.case.k} | {r.case.rows} | {r.measured_peak:,} | {r.kvgate:,} | {ratio:.3f} | "
+            f"{'yes' if r.in_band else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
 _HOW = {
     "cpu": "their Triton launches stubbed (every tensor they write is allocated by vLLM's Python first); "
     "logits_fn returns the [rows, V] logits the lm_head makes. Not shown on the CPU: CUDA's scratch "
@@ -146,11 +215,13 @@ _HOW = {
 
 def report(
     grid: tuple[V2Case, ...], *, dtype: str, vllm_python: Path, device: str = "cpu", vocab: int | None = None
-) -> tuple[str, dict[str, Any], list[V2Row]]:
+) -> tuple[str, dict[str, Any], list[V2Row], list[SamplerRow]]:
     """The markdown text, the probe's result and the rows."""
     vocab = vocab or VOCAB[device]
     with tempfile.TemporaryDirectory(prefix="kvgate-fidelity-v2-") as tmp:
-        probe, rows = run(grid, dtype=dtype, vllm_python=vllm_python, scratch=Path(tmp), device=device, vocab=vocab)
+        probe, rows, sampler_rows = run(
+            grid, dtype=dtype, vllm_python=vllm_python, scratch=Path(tmp), device=device, vocab=vocab
+        )
     inside = sum(r.in_band for r in rows)
     text = (
         f"vLLM {probe['vllm_version']} (Model Runner V2's prompt_logprob.py, the same file in 0.33.0; "
@@ -160,4 +231,12 @@ def report(
         f"{table(rows)}\n\n{inside} of {len(rows)} grid points within {BAND[0]:.2f}-{BAND[1]:.2f} "
         "(never under but for 1 KiB + 0.1 %).\n"
     )
-    return text, probe, rows
+    if sampler_rows:
+        text += (
+            "\nThe sampler's logprobs of a decoding batch: vLLM's compute_topk_scores (gpu/sample/logprob.py, "
+            "as gpu/sample/sampler.py calls it without logprob_token_ids) over [rows, V] logits made before "
+            "it, beside kvgate's V2 sampler stage for the batch (logprobs + logprobs_topk_sort):\n\n"
+            f"{sampler_table(sampler_rows)}\n\n{sum(r.in_band for r in sampler_rows)} of {len(sampler_rows)} "
+            f"within {BAND[0]:.2f}-{BAND[1]:.2f}.\n"
+        )
+    return text, probe, rows, sampler_rows

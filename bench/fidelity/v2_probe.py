@@ -159,7 +159,23 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             }
         )
         print(f"v2 probe: {case['id']}: last step peak {peak:,} B, held {held_net:,} B", file=sys.stderr, flush=True)
+    # The sampler's logprobs of a decoding batch (gpu/sample/sampler.py -> compute_topk_scores, its
+    # fast path: no logprob_token_ids), over logits made before, as the step made them; -1 is the
+    # vocabulary (sample/states.py). On a GPU only: the CPU's topk neither selects nor sorts as
+    # CUDA's does, and its Triton launches are stubbed.
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+    sampler_cases = []
+    for case in spec.get("sampler_cases", []):
+        rows, k = case["rows"], case["k"]
+        logits = torch.empty(rows, vocab, dtype=dtype, device=device).normal_()
+        sampled = torch.randint(0, vocab, (rows,), dtype=torch.int64, device=device)
+        scores, peak, held = profiled(functools.partial(compute_topk_scores, logits, vocab if k == -1 else k, sampled))
+        del scores, logits
+        sampler_cases.append({"id": case["id"], "peak": peak, "held": held, "rows": rows})
+        print(f"v2 probe: sampler {case['id']}: peak {peak:,} B", file=sys.stderr, flush=True)
     return {
+        "sampler_cases": sampler_cases,
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else "CPU",

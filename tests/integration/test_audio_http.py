@@ -11,10 +11,8 @@ checked against vLLM's own functions in test_audio_counts.py."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import struct
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import pytest
 
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
-from support.tiny_media import folder_with_media_tokens
+from support.tiny_media import folder_with_media_tokens, input_audio, silent_wav
 
 AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
 PLACEHOLDER = "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>"
@@ -60,20 +58,6 @@ def kvgate(
         yield server
 
 
-def _wav(seconds: float, rate: int = 16000) -> str:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(b"\0\0" * int(seconds * rate))
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-def _audio(data: str) -> dict:
-    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
-
-
 def _chat(*parts: dict) -> dict:
     return {
         "messages": [{"role": "user", "content": [{"type": "text", "text": "What is said?"}, *parts]}],
@@ -93,24 +77,24 @@ def test_audio_tokens_are_counted_from_the_wav_header(kvgate: KvgateServer) -> N
     50 -> 25 tokens; 2 s at 44.1 kHz -> 32,000 samples at 16 kHz -> 50; by URL: 30 s, 750."""
     as_text = {"role": "user", "content": [{"type": "text", "text": PLACEHOLDER}, *_chat()["messages"][0]["content"]]}
     placeholder = int(_explain(kvgate, {**_chat(), "messages": [as_text]})["prompt_tokens"])
-    assert int(_explain(kvgate, _chat(_audio(_wav(1))))["prompt_tokens"]) == placeholder - 1 + 25
-    assert int(_explain(kvgate, _chat(_audio(_wav(2, 44100))))["prompt_tokens"]) == placeholder - 1 + 50
+    assert int(_explain(kvgate, _chat(input_audio(silent_wav(1))))["prompt_tokens"]) == placeholder - 1 + 25
+    assert int(_explain(kvgate, _chat(input_audio(silent_wav(2, 44100))))["prompt_tokens"]) == placeholder - 1 + 50
     url = {"type": "audio_url", "audio_url": {"url": "https://example.com/talk.wav"}}
     assert int(_explain(kvgate, _chat(url))["prompt_tokens"]) == placeholder - 1 + 750
 
 
 def test_the_encoder_terms_are_charged_for_an_audio(kvgate: KvgateServer) -> None:
-    text = json.dumps(_explain(kvgate, _chat(_audio(_wav(1)))))
+    text = json.dumps(_explain(kvgate, _chat(input_audio(silent_wav(1)))))
     assert "encoder_activations" in text
     assert "encoder_cache" in text
 
 
 def test_a_body_over_64_kib_is_counted_alike_in_a_preparation_worker(kvgate: KvgateServer) -> None:
     """3 s of 16-bit audio is 96 KB of WAV, prepared in a worker process: 300 -> 150 -> 75."""
-    data = _wav(3)
+    data = silent_wav(3)
     assert len(data) > 64 * 1024
-    one = int(_explain(kvgate, _chat(_audio(_wav(1))))["prompt_tokens"])
-    assert int(_explain(kvgate, _chat(_audio(data)))["prompt_tokens"]) == one - 25 + 75
+    one = int(_explain(kvgate, _chat(input_audio(silent_wav(1))))["prompt_tokens"])
+    assert int(_explain(kvgate, _chat(input_audio(data)))["prompt_tokens"]) == one - 25 + 75
 
 
 def _riff(fmt: bytes, data: bytes) -> str:
@@ -121,12 +105,12 @@ def _riff(fmt: bytes, data: bytes) -> str:
 @pytest.mark.parametrize(
     ("parts", "message"),
     [
-        ([_audio("UklGRg@@@@")], "not valid base64"),
-        ([_audio(_wav(0.005))], "too short to be represented"),
-        ([_audio(_riff(struct.pack("<HHIIHH", 1, 1, 1, 2, 2, 16), bytes(2 * 601)))], "maximum allowed duration"),
-        ([_audio(_riff(struct.pack("<HHIIHH", 1, 0, 16000, 0, 0, 16), bytes(32)))], "0 channels"),
-        ([_audio(base64.b64encode(b"ID3\x04" + bytes(64)).decode())], "WAV files only"),
-        ([_audio(_wav(0.1))] * 3, "At most 2 audio(s)"),
+        ([input_audio("UklGRg@@@@")], "not valid base64"),
+        ([input_audio(silent_wav(0.005))], "too short to be represented"),
+        ([input_audio(_riff(struct.pack("<HHIIHH", 1, 1, 1, 2, 2, 16), bytes(2 * 601)))], "maximum allowed duration"),
+        ([input_audio(_riff(struct.pack("<HHIIHH", 1, 0, 16000, 0, 0, 16), bytes(32)))], "0 channels"),
+        ([input_audio(base64.b64encode(b"ID3\x04" + bytes(64)).decode())], "WAV files only"),
+        ([input_audio(silent_wav(0.1))] * 3, "At most 2 audio(s)"),
     ],
     ids=["bad-base64", "too-short", "too-long", "zero-channels", "mp3", "over-the-limit"],
 )

@@ -60,7 +60,7 @@ def test_v2_prompt_logprobs_within_band_of_vllms_own_code_on_the_cpu(tmp_path) -
     from bench.fidelity.v2_functions import SMALL_GRID, run
     from bench.fidelity.v2_functions import table as v2_table
 
-    probe, rows = run(SMALL_GRID, dtype="bfloat16", vllm_python=VLLM_PYTHON, scratch=tmp_path)
+    probe, rows, _ = run(SMALL_GRID, dtype="bfloat16", vllm_python=VLLM_PYTHON, scratch=tmp_path)
     assert probe["vllm_version"] == "0.32.0"
     text = v2_table(rows)
     assert all(r.measured_peak > 0 for r in rows), text

@@ -6,7 +6,10 @@ tests that serve such a folder to kvgate alone (a fake backend, no weights) star
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import wave
 from pathlib import Path
 from typing import Any
 
@@ -48,3 +51,19 @@ def tiny_tower(image_size: int, patch_size: int) -> dict[str, int]:
         "image_size": image_size,
         "patch_size": patch_size,
     }
+
+
+def silent_wav(seconds: float, rate: int = 16000) -> str:
+    """A mono 16-bit WAV of `seconds` of silence at `rate` Hz, base64 (an input_audio's data)."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(b"\0\0" * int(seconds * rate))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def input_audio(data: str) -> dict[str, Any]:
+    """A chat content part carrying base64 WAV `data`."""
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}

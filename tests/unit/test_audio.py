@@ -7,16 +7,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import re
 import struct
 import wave
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 from transformers import WhisperFeatureExtractor
 
-from kvgate.audio import MAX_WAV_CHUNKS, AudioError, AudioLength, audio_tokens, resampled, wav_length
+from kvgate.audio import MAX_WAV_CHUNKS, AudioError, AudioLength, audio_tokens, resampled, resampled_poly, wav_length
 from kvgate.chat_template import TokenizationError
 from kvgate.multimodal import MediaCounting, MediaOptions
 from kvgate.request import ChatInput
@@ -216,3 +218,30 @@ def test_a_template_that_drops_the_audio_is_a_400() -> None:
     counting = MediaCounting(DroppingTokenizer(), None, None, "qwen2_audio", audio_tokens(QWEN2_AUDIO, {}))
     with pytest.raises(TokenizationError, match=r"0 <\|AUDIO\|> placeholders for 1 qwen2_audio media items"):
         _count(counting, TEXT, _input_audio(_wav(16000)))
+
+
+PHI4MM = {"model_type": "phi4mm", "embd_layer": {"audio_embd_layer": {"compression_rate": 8}}}
+# tests/data/phi4mm-resampled-lengths.json: [frames, rate, samples vLLM's scipy resampler keeps].
+_RESAMPLED = json.loads((Path(__file__).parents[1] / "data" / "phi4mm-resampled-lengths.json").read_text())["cases"]
+
+
+def test_phi4mm_resampling_keeps_the_samples_vllms_scipy_resampler_keeps() -> None:
+    """112 lengths over 8 rates, recorded from vLLM 0.32.0's AudioResampler("scipy")."""
+    assert [resampled_poly(AudioLength(frames, rate), 16000) for frames, rate, _ in _RESAMPLED] == [
+        samples for _, _, samples in _RESAMPLED
+    ]
+
+
+def test_phi4mm_audio_counts_frames_over_the_compression_rate() -> None:
+    """1 s at 16 kHz: (16,000 - 400) // 160 + 1 = 98 frames, / 8 rounded up: 13; 399 samples
+    make no frame (vLLM's "too short"); by URL: 600 s, 60,000 frames, 7,500."""
+    rule = audio_tokens(PHI4MM)
+    assert rule is not None
+    assert rule.indexed
+    assert rule.features(AudioLength(16000, 16000), {}) == 13
+    assert rule.features(AudioLength(400, 16000), {}) == 1
+    with pytest.raises(AudioError, match="too short"):
+        rule.features(AudioLength(399, 16000), {})
+    assert rule.features(None, {}) == 7500
+    assert rule.placeholder_text(3) == "<|audio_3|>"
+    assert audio_tokens({"model_type": "phi4mm"}) is None  # no compression rate: not counted

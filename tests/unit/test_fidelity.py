@@ -147,14 +147,24 @@ def test_the_committed_cuda_v2_functions_run_is_in_band_of_what_kvgate_charges_t
     import json
     from pathlib import Path
 
-    from bench.fidelity.v2_functions import GRID, V2Row, kvgate_terms
+    from bench.fidelity.v2_functions import GRID, SAMPLER_GRID, SamplerRow, V2Row, kvgate_sampler_logprobs, kvgate_terms
 
     name = "fidelity-cuda-v2-functions" + ("" if vocab == 128256 else f"-vocab{vocab}")
     committed = json.loads((Path(__file__).parents[2] / f"bench/results/{name}.json").read_text())
     assert committed["probe"]["device_name"].startswith("NVIDIA")
     rows = {row["case"]: row for row in committed["rows"]}
-    assert sorted(rows) == sorted(case.id for case in GRID)
+    assert sorted(rows) == sorted(case.id for case in (*GRID, *SAMPLER_GRID))
     for case in GRID:
         row = rows[case.id]
         peak, held = kvgate_terms(case, "bfloat16", vocab, "cuda")
         assert V2Row(case, row["measured_peak"], row["measured_held"], peak, held).in_band, case.id
+    # the sampler's logprobs of a decoding batch: -1 in band through each of CUDA's sort paths; a
+    # top-20 never under and at most 2 MiB over (its select's scratch is bounded for any GPU's
+    # resident blocks, 2,048 x 520 B, where this H200 ran fewer)
+    for sampler_case in SAMPLER_GRID:
+        measured = rows[sampler_case.id]["measured_peak"]
+        ours = kvgate_sampler_logprobs(sampler_case, "bfloat16", vocab)
+        if sampler_case.k == -1:
+            assert SamplerRow(sampler_case, measured, ours).in_band, sampler_case.id
+        else:
+            assert measured <= ours <= measured + 2 * 2**20, sampler_case.id

@@ -17,8 +17,9 @@ from PIL import Image
 from pydantic import ValidationError
 
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import image_tokens
-from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, media_options
+from kvgate.image_rules import HdCrops, crop_ratios, image_tokens
+from kvgate.media import ImageSize
+from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, media_options, plan_matches
 from kvgate.request import ChatInput
 from kvgate.vllm_flags import VllmFlags
 
@@ -553,3 +554,81 @@ def test_replace_token_matches_is_vllms_non_overlapping_left_to_right() -> None:
     assert replace_token_matches([3, 3], [], [9]) == [3, 3]
     long = [107, 108] * 50_000
     assert replace_token_matches(long, [107, 108], [109]) == [109] * 50_000
+
+
+PHI4MM = {"model_type": "phi4mm", "img_processor": None}
+
+
+def test_phi4mm_crop_ratios_iterate_as_vllms_double_loop() -> None:
+    """vLLM's _find_target_aspect_ratio builds its candidates with a loop over every (i, j) up
+    to max_num; kvgate inserts the same kept pairs in the same order: the same set order, so the
+    same sort (ties between equal crop counts included)."""
+    for max_num in range(1, 130):
+        vllms = set((i, j) for i in range(1, max_num + 1) for j in range(1, max_num + 1) if i * j <= max_num)
+        assert crop_ratios(max_num) == tuple(sorted(vllms, key=lambda x: x[0] * x[1]))
+
+
+def test_phi4mm_image_counts_by_its_crop_grid() -> None:
+    """448 x 448: one crop, 256 + 16 newlines, the global 256 + 16, a separator: 545. 100 x 50:
+    one crop, its lower half padding (224 pixels: 16 patches), 16 x 8 pooled + 8 newlines: 409.
+    The largest (vLLM's 448 x 16,128 dummy): 273 + 36 x 272 = 10,065; dynamic_hd from the kwargs."""
+    rule = image_tokens(PHI4MM, {"dynamic_hd": 36})
+    assert isinstance(rule, HdCrops)
+    assert rule.indexed
+    assert rule.replacement(ImageSize(448, 448), {}).features == 545
+    assert rule.replacement(ImageSize(100, 50), {}).features == 409
+    assert rule.replacement(None, {}).features == rule.most_features(None, {}) == 10065
+    assert rule.replacement(None, {"dynamic_hd": 16}).features == 273 + 16 * 272
+    assert rule.placeholder_for(2) == "<|image_2|>"
+    for bad in (True, "36", 4097):
+        with pytest.raises(TokenizationError, match="dynamic_hd"):
+            rule.replacement(ImageSize(448, 448), {"dynamic_hd": bad})
+    assert image_tokens({**PHI4MM, "img_processor": "another-tower"}, {}) is None
+
+
+def test_plan_matches_takes_the_earliest_target_left_from_the_last_end() -> None:
+    """vLLM's _plan_prompt_updates_with, one target per item: the text's order, not the items'."""
+    ids = [5, 1, 2, 9, 3, 4, 9, 1, 2]
+    assert plan_matches(ids, [[1, 2], [3, 4]]) == [(1, 3, 0), (4, 6, 1)]
+    assert plan_matches(ids, [[3, 4], [1, 2]]) == [(1, 3, 1), (4, 6, 0)]
+    assert plan_matches(ids, [[1, 2], [7]]) is None
+    assert plan_matches("b <|image_2|> a <|image_1|>", ["<|image_1|>", "<|image_2|>"]) == [(2, 13, 1), (16, 27, 0)]
+    # Only what follows the last match counts: "bc" overlaps the "ab" taken first.
+    assert plan_matches("abc", ["bc", "ab"]) is None
+
+
+class PhiWords(WordTokenizer):
+    """Words and Phi-4's numbered placeholders as several tokens ("<|", "image", "_", "1", "|>")."""
+
+    def _ids(self, text: str) -> list[int]:
+        pieces = re.findall(r"<\|endoftext1[01]\|>|<\||\|>|[a-z]+|\d+|_|\S", text)
+        return [
+            {"<|endoftext10|>": 200010, "<|endoftext11|>": 200011}.get(p) or 1000 + sum(map(ord, p)) for p in pieces
+        ]
+
+
+def test_phi4mm_images_replace_their_numbered_placeholders() -> None:
+    rule = image_tokens(PHI4MM, {"dynamic_hd": 36})
+    counting = MediaCounting(PhiWords(), rule, None, "phi4mm")
+    text_only = len(_count(counting, TEXT))
+    assert len(PhiWords()._ids("<|image_1|>")) == 5
+    ids = _count(counting, TEXT, _image(448, 448), _image(100, 50))
+    assert len(ids) == text_only + 545 + 409  # each placeholder's 5 tokens replaced (no newline tokens here)
+    stand_ins = [t for t in ids if t < 0]
+    assert len(set(stand_ins)) == 2
+    assert len(stand_ins) == 545 + 409
+    with pytest.raises(TokenizationError, match="100 numbered image placeholders"):
+        _count(counting, TEXT, *[_image(8, 8)] * 101)
+
+
+def test_phi4mm_dynamic_hd_comes_from_the_flag_then_the_request() -> None:
+    """An image by URL counts as the largest, 448 x (448 x dynamic_hd): 10,065 with the
+    checkpoint's 36, 4,625 with --mm-processor-kwargs '{"dynamic_hd": 16}', 1,361 with the
+    request's 4 over the flag's."""
+    rule = image_tokens(PHI4MM, {"dynamic_hd": 36})
+    text_only = len(_count(MediaCounting(PhiWords(), rule, None, "phi4mm"), TEXT))
+    for flag, request, tokens in ((None, None, 10065), (16, None, 4625), (16, 4, 1361)):
+        options = MediaOptions(processor_kwargs={"dynamic_hd": flag} if flag else {})
+        counting = MediaCounting(PhiWords(), rule, options, "phi4mm")
+        kwargs = {"mm_processor_kwargs": {"dynamic_hd": request}} if request else {}
+        assert len(_count(counting, TEXT, URL_IMAGE, **kwargs)) == text_only + tokens
