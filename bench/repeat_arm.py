@@ -1,0 +1,63 @@
+"""`python -m bench.repeat_arm H1 --runs 10`: one scenario's arm, again and again, on the full
+benchmark's seeded traffic: for an intermittent failure (an out-of-memory seen once in many runs)
+and for before/after comparisons of one arm without the full table.
+
+Each run prints one JSON line: OOM crashes, completed requests, goodput, TTFT p50/p99, refusals
+by reason and the simulator's own out-of-memory messages (whose reserved-but-unallocated bytes
+tell fragmentation from over-admission). The traffic is what `python -m bench` plays for the
+scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here is one of the
+table's runs.
+
+    python -m bench.repeat_arm S4 --arm kvgate --runs 3
+    python -m bench.repeat_arm H1 --scenarios-from tests/heldout/scenarios.py --runs 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import safety
+from bench.__main__ import scenarios_from
+from bench.scenarios import SCENARIOS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.repeat_arm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("scenario", help="its key, e.g. S4 or H1")
+    parser.add_argument("--arm", default="kvgate", choices=("kvgate", "oracle", "none", "saturation"))
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--scenarios-from", type=Path, help="a Python file with a SCENARIOS list")
+    parser.add_argument("--seed", type=int, default=1000, help="the full benchmark's base seed")
+    args = parser.parse_args(argv)
+    scenarios = scenarios_from(args.scenarios_from) if args.scenarios_from else list(SCENARIOS)
+    scn = next((s for s in scenarios if s.key == args.scenario), None)
+    if scn is None:
+        raise SystemExit(f"no scenario {args.scenario}: {', '.join(s.key for s in scenarios)}")
+    safety.quiet()
+    for run in range(args.runs):
+        calls = scn.traffic(random.Random(args.seed + scenarios.index(scn)), 1.0)
+        with tempfile.TemporaryDirectory(prefix=f"kvgate-{scn.key}-") as tmp:
+            r = safety.run_arm(scn, args.arm, calls, 1.0, Path(tmp))
+        line = {
+            "scenario": scn.key,
+            "arm": args.arm,
+            "run": run + 1,
+            "oom": r.oom_crashes,
+            "completed": r.completed,
+            "goodput_tok_s": r.goodput_tokens_per_s,
+            "ttft_p50_s": r.ttft_p50_s,
+            "ttft_p99_s": r.ttft_p99_s,
+            "rejected": r.rejected,
+            "oom_messages": r.oom_messages,
+        }
+        print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
