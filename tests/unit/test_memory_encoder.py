@@ -417,8 +417,8 @@ def test_explain_reads_both_flags_off_the_pasted_vllm_command(
 
 # Phi-4-multimodal's tower (phi4mm.py get_navit_vision_model: SigLIP-so400m in Idefics2's
 # transformer) per patch: 2 x max(attention 8h, MLP 4h + fc1 I + GELU I) + 588 pixel values x
-# (fp32 + bf16) + the bool patch mask's byte.
-PHI4MM_PATCH = 2 * max(8 * 1152, 4 * 1152 + 2 * 4304) + 588 * 6 + 1
+# (fp32 + bf16) + the patch mask (float32, its stacked copy, the bool); 16 B an image (image_sizes).
+PHI4MM_PATCH = 2 * max(8 * 1152, 4 * 1152 + 2 * 4304) + 588 * 6 + 9
 
 
 def _phi4mm_budget(profiled: bool = False) -> EncoderBudget:
@@ -448,25 +448,25 @@ def test_phi4mm_charges_its_crops_not_its_embeddings() -> None:
     tower = VisionTower.from_config({"model_type": "phi4mm"}, 2, 3072)
     assert tower is not None
     assert (tower.hidden, tower.intermediate, tower.patches_per_tile, tower.output_width) == (1152, 4304, 1024, 3072)
-    assert tower.per_patch_bytes() == tower.per_patch_bytes(cpu=True) == PHI4MM_PATCH == 29_961
+    assert tower.per_patch_bytes() == tower.per_patch_bytes(cpu=True) == PHI4MM_PATCH == 29_969
     budget = _phi4mm_budget()
     activations = [
         by_name(budget.terms(image_items(ids), tiles=image_tiles(ids)))["encoder_activations"]
         for ids in (_stand_ins((9585, 37)), _stand_ins((850, 37)), _stand_ins((545, 2)))
     ]
-    assert activations == [37 * 1024 * PHI4MM_PATCH, 37 * 1024 * PHI4MM_PATCH, 2 * 1024 * PHI4MM_PATCH]
+    assert activations == [37 * 1024 * PHI4MM_PATCH + 16, 37 * 1024 * PHI4MM_PATCH + 16, 2 * 1024 * PHI4MM_PATCH + 16]
     # The cache holds the embeddings, the decoder's width each.
     assert by_name(budget.terms([850], tiles=[37]))["encoder_cache"] == 850 * 3072 * 2
     # One step of B = 10,065 takes the strip and the small image, each padded to the step's 37
     # crops (stack_with_pad): 74 crops; an item without coded tiles (the render endpoint's) is
     # charged the largest's 37.
     both = budget.terms([850, 545], tiles=[37, 2])
-    assert by_name(both)["encoder_activations"] == 2 * 37 * 1024 * PHI4MM_PATCH
+    assert by_name(both)["encoder_activations"] == 2 * 37 * 1024 * PHI4MM_PATCH + 32
     assert "74 tiles" in both[0].detail
-    assert by_name(budget.terms([545], tiles=[0]))["encoder_activations"] == 37 * 1024 * PHI4MM_PATCH
+    assert by_name(budget.terms([545], tiles=[0]))["encoder_activations"] == 37 * 1024 * PHI4MM_PATCH + 16
     # Phi-4-multimodal's audio goes to its own Conformer: no image tower bytes, its cache counted.
     audio = by_name(budget.terms([545, 300], tiles=[2, OTHER_MODALITY]))
-    assert audio == {"encoder_activations": 2 * 1024 * PHI4MM_PATCH, "encoder_cache": 845 * 3072 * 2}
+    assert audio == {"encoder_activations": 2 * 1024 * PHI4MM_PATCH + 16, "encoder_cache": 845 * 3072 * 2}
 
 
 def test_stand_ins_carry_tiles_in_int64() -> None:
@@ -484,7 +484,7 @@ def test_a_profiled_phi4mm_step_beyond_the_profiles_crops_is_charged() -> None:
     budget = _phi4mm_budget(profiled=True)
     assert (budget.profiled_items, budget.profiled_tiles) == (1, 37)
     strips = by_name(budget.terms([850] * 11, tiles=[37] * 11))
-    assert strips["encoder_activations"] == 11 * 37 * 1024 * PHI4MM_PATCH
+    assert strips["encoder_activations"] == 11 * (37 * 1024 * PHI4MM_PATCH + 16)
 
 
 ONEVISION = {
