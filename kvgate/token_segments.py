@@ -247,9 +247,9 @@ class PreTokenCache:
             encoded = {w: array(TOKEN_ARRAY, self._encode_batch([w])[0].ids) for w in missing}
             parts = [encoded.get(word, ids) for word, ids in zip(words, parts, strict=True)]
             self._add(encoded)
+        # One join of the parts' bytes, not an extend per pre-token (~120 calls a chat message).
         out = array(TOKEN_ARRAY)
-        for part in parts:
-            out.extend(part)  # type: ignore[arg-type]
+        out.frombytes(b"".join(parts))  # type: ignore[arg-type]
         return out
 
     def _tally(self, useful: bool) -> None:

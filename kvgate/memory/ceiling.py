@@ -98,21 +98,39 @@ def step_charge(
     `sampler_phase_overhead_bytes`: the final hidden states pin a segment of the forward pass's,
     the logits and their fp32 copy split what is cached) times `sampler_overhead_scale` (relaxed
     on the GPU's evidence, kvgate/telemetry/calibration.py `observe_slack`), and never less than
-    the same share (which the GPU's growth may have raised, `Calibration.observe_region`). With
-    `profiled_cap` None (a headroom from flags, beside the profile region) only the unprofiled
-    bytes count, as `transient_charge` does."""
+    the same share (which the GPU's growth may have raised, `Calibration.observe_region`).
+
+    Like the share, the replay is charged only on the phase's profiled bytes that come out of free
+    memory: in proportion min(`profiled_cap`, phase) / phase, so nothing where `profiled_cap` is 0,
+    the engine holding the region, as kvgate's readings found on V1 in benchmarks S3, S4 and S12
+    (vLLM 0.31.0 and 0.32.0 ``v1/worker/gpu_worker.py`` ``compile_or_warm_up_model``: after
+    ``capture_model`` it runs ``_dummy_run`` of min(max_num_seqs, max_num_batched_tokens) tokens and
+    ``_dummy_sampler_run`` to "preallocate memory buffer for logits and other sampling related
+    tensors of max possible shape to avoid memory fragmentation issue"; those blocks stay cached in
+    the engine's reserved memory, which is not headroom; kvgate/telemetry/headroom.py). Charging the
+    whole replay there cost benchmark S4 (V1, fixed pool) all but 29 of its 1,500 requests: two
+    requests' 34 MiB of replayed overhead against a live transient limit of 9 MiB. Model
+    Runner V2 warms no sampler up after capture: its region comes back whole (`profiled_cap` the
+    profile peak) and the replay counts in full.
+
+    With `profiled_cap` None (a headroom from flags, beside the profile region) only the
+    unprofiled bytes count, as `transient_charge` does."""
     if profiled_cap is None:
         return step.unprofiled + step.sampler_unprofiled
     # the decoding requests' tokens (one a sampled row) go through the same forward pass
     forward = step.forward_profiled + step.sampled_rows * forward_bytes_per_token
     forward = min(profiled_cap, forward, forward_cap if forward_cap else forward)
     residual = min(step.residual_profiled, residual_cap) if residual_cap else step.residual_profiled
-    sampler = min(profiled_cap, residual + step.sampler_profiled)
+    phase = residual + step.sampler_profiled
+    sampler = min(profiled_cap, phase)
     forward += math.ceil(forward * segment_overhead)
     share = math.ceil(sampler * segment_overhead)
-    if sampler_overhead is not None and segment_overhead and forward_bytes_per_token:
+    if sampler_overhead is not None and segment_overhead and forward_bytes_per_token and sampler:
         tokens = math.ceil(step.forward_profiled / forward_bytes_per_token) + step.sampled_rows
         replayed = math.ceil(sampler_overhead(step.sampled_rows, tokens) * sampler_overhead_scale)
+        # the replay is the phase's overhead out of free memory: only its part out of free memory
+        # takes it (none where the engine holds the region, profiled_cap 0: V1, see above)
+        replayed = -(-replayed * sampler // phase)
         share = max(share, replayed)  # a share learned from the GPU above the replay's still counts
     sampler += share
     sampler += step.sampler_unprofiled

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
-from kvgate.engine_config import build_predictor, resolve
+from kvgate.engine_config import build_predictor, resolve, static_limits
+from kvgate.gate.budget import Budget
+from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape, SamplerPhaseOverhead, profile_forward_bytes, profile_hidden_bytes
 from kvgate.memory.ceiling import StepHoldings, step_charge
+from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
 from kvgate.settings import settings_from_args
 from kvgate.units import GiB, MiB
@@ -128,3 +132,52 @@ def test_a_segment_share_learned_from_the_gpu_above_the_replay_still_counts_on_t
     common = dict(profiled_cap=10**9, forward_bytes_per_token=1, sampler_overhead=lambda rows, tokens: 40)
     assert step_charge(step, segment_overhead=0.1, **common) == 100 + 200 + 40  # the replay: 40 > 20
     assert step_charge(step, segment_overhead=0.5, **common) == 100 + 200 + 100  # the learned share: 100 > 40
+
+
+def test_the_replayed_sampler_overhead_is_charged_only_on_the_phase_out_of_free_memory() -> None:
+    """Like the share, in proportion min(profiled_cap, phase) / phase: nothing where the engine
+    holds the whole profile region (profiled_cap 0, V1), all of it where the region came back."""
+    step = holdings(forward=10, sampler_unprofiled=100, sampler=200, rows=60)
+    common = dict(segment_overhead=0.1, forward_bytes_per_token=1, sampler_overhead=lambda rows, tokens: 40)
+    assert step_charge(step, profiled_cap=10**9, **common) == 100 + 200 + 40
+    assert step_charge(step, profiled_cap=100, **common) == 100 + 100 + 20  # half the phase: half the replay
+    assert step_charge(step, profiled_cap=0, **common) == 100
+
+
+def s4_budget_and_demands() -> tuple[Budget, list[Demand]]:
+    """Benchmark S4's engine (vLLM 0.31.0 V1, Llama 3.1 8B, 8,192 batched tokens, 1,024
+    sequences, a fixed pool) as kvgate's live readings left it there: the engine holds the whole
+    profile region (profiled_cap 0, the V1 sampler warm-up's buffers cached) and the GPU has 10 MiB
+    free; 256 chat requests of S4's kind (250-token prompts, top-p 0.9, every third with a
+    presence penalty)."""
+    flags = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "1024", "--model-runner", "v1"]
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    geometry = model_geometry("llama-3-8b")
+    deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.31.0")
+    assert deployment.runtime.runner == "v1"
+    predictor = build_predictor(deployment, geometry)
+    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=40 * GiB)))
+    assert budget.sampler_phase_overhead is not None
+    assert budget.segment_overhead > 0
+    budget.update(kv_blocks=None, transient_headroom_bytes=10 * MiB, profiled_cap_bytes=0)
+    demands = []
+    for i in range(256):
+        body = {"prompt": "x", "max_tokens": 128, "top_p": 0.9} | ({"presence_penalty": 0.5} if i % 3 == 0 else {})
+        spec = parse_request("completions", json.dumps(body).encode()).request
+        demands.append(predictor.predict(spec, [[11 + i % 1000] * 250]).demand)
+    return budget, demands
+
+
+def test_a_v1_engine_holding_its_profile_region_admits_s4s_chat_beside_chat() -> None:
+    """S4's regression (commit 6b71bf1): the sampler phase's replayed overhead (tens of MiB
+    for a decode batch after an 8,192-token forward pass) was charged against the 9 MiB limit
+    although none of the phase comes out of free memory on V1: the second request waited. Each
+    is charged its unprofiled sampler bytes (a few KiB to tens of KiB: the penalties' prompt ids
+    and the like), so all 256 fit, prefilling or decoding."""
+    budget, demands = s4_budget_and_demands()
+    ledger = Ledger()
+    for demand in demands:
+        assert budget.shortfall(demand, ledger) is None
+        ledger.reserve(demand)
+    assert ledger.in_flight == 256
+    assert budget.transient_charge(ledger) <= budget.transient_limit()  # type: ignore[operator]
