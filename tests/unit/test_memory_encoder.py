@@ -556,3 +556,16 @@ def test_a_phi4mm_or_onevision_deployment_reads_the_largest_items_tiles(tmp_path
     )
     assert small is not None
     assert (small.profiled_item, small.profiled_tiles) == (545, 1)
+
+
+def test_the_prediction_reads_each_phi4mm_images_crops_from_its_stand_ins() -> None:
+    """Through Predictor.predict: the thin strip's 850 embeddings cost the full grid's tower bytes
+    (37 crops each), the 448 x 448 image's 545 two crops' worth."""
+    engine = EngineShape(max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, runner="v2")
+    predictor = Predictor(layout("qwen2.5-vl-7b-instruct"), engine, True, 0, encoder=_phi4mm_budget())
+    spec = parse_request("completions", b'{"model": "m", "prompt": "x", "max_tokens": 16}').request
+    charged = [
+        {t.name: t.bytes for t in predictor.predict(spec, [_stand_ins(item)]).transient_terms}["encoder_activations"]
+        for item in ((9585, 37), (850, 37), (545, 2))
+    ]
+    assert charged == [37 * 1024 * PHI4MM_PATCH + 16] * 2 + [2 * 1024 * PHI4MM_PATCH + 16]
