@@ -41,7 +41,7 @@ from kvgate.units import GiB
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from kvgate.image_rules import ImageRule
+    from kvgate.image_rules import ImageRule, Replacement
     from kvgate.multimodal import MediaOptions
 
 log = logging.getLogger("kvgate.deployment")
@@ -405,10 +405,15 @@ def encoder_budget(
     if tower is None or (rule is None and audio is None):
         return None
     profiled_item = None
+    max_tiles = profiled_tiles = 0
     if rule is not None:
         kwargs = image_kwargs(media.processor_kwargs, None)
-        max_item, modality = rule.configured(kwargs).replacement(None, kwargs).features, "image"
-        profiled_item = dummy_image_features(rule, kwargs, media.dummy.get("image", {}))
+        largest = rule.configured(kwargs).replacement(None, kwargs)
+        max_item, modality, max_tiles = largest.features, "image", largest.tiles
+        dummy = dummy_image(rule, kwargs, media.dummy.get("image", {}))
+        # A dummy image of --limit-mm-per-prompt's size: its tiles are credited as one (the base view),
+        # since the tiles a pinpoint grid picks do not grow with the size as the embeddings do.
+        profiled_item, profiled_tiles = (dummy.features, min(dummy.tiles, 1)) if dummy is not None else (None, 0)
     else:
         assert audio is not None
         max_item, modality = audio.features(None, audio_kwargs(media.processor_kwargs, None)), "audio"
@@ -423,11 +428,19 @@ def encoder_budget(
         profiled=profile_encodes(runtime.runner, runtime.model_version, skip_mm_profiling),
         min_item=max_item if isinstance(rule, ImageTokens) else 1,
         profiled_item=profiled_item,
+        max_tiles=max_tiles,
+        profiled_tiles=profiled_tiles,
     )
 
 
 def dummy_image_features(rule: ImageRule, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> int | None:
-    """The embeddings of the start-up profile's dummy image where `--limit-mm-per-prompt`'s
+    """`dummy_image`'s embeddings (None: the largest image's)."""
+    dummy = dummy_image(rule, kwargs, options)
+    return None if dummy is None else dummy.features
+
+
+def dummy_image(rule: ImageRule, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> Replacement | None:
+    """The replacement (embeddings, tiles) of the start-up profile's dummy image where `--limit-mm-per-prompt`'s
     image options give it a width or height (vllm/config/multimodal.py `ImageDummyOptions`), else
     None (the largest image's). vLLM 0.32.0 and 0.33.0 (multimodal/processing/dummy_inputs.py
     `BaseDummyInputsBuilder._get_dummy_images`) draw it at min(w, W) x min(h, H), W x H being the
@@ -436,9 +449,9 @@ def dummy_image_features(rule: ImageRule, kwargs: Mapping[str, Any], options: Ma
     a given side as it is and an unset one as 1 pixel, so a credit never exceeds the profile's
     on a processor whose count grows with the size; a side above the model's largest (vLLM warns
     and ignores it) is not clamped there (docs/limitations.md). A size the processor refuses
-    (vLLM's profile would fail with it) credits nothing: 0."""
+    (vLLM's profile would fail with it) credits nothing: 0 embeddings."""
     from kvgate.chat_template import TokenizationError
-    from kvgate.image_rules import DynamicResolution
+    from kvgate.image_rules import DynamicResolution, Replacement
     from kvgate.media import ImageSize
 
     width, height = options.get("width"), options.get("height")
@@ -452,9 +465,9 @@ def dummy_image_features(rule: ImageRule, kwargs: Mapping[str, Any], options: Ma
     else:
         size = ImageSize(width or 1, height or 1)
     try:
-        return rule.configured(kwargs).replacement(size, kwargs).features
+        return rule.configured(kwargs).replacement(size, kwargs)
     except TokenizationError:  # a size the processor refuses (Qwen's aspect ratio over 200): credit none
-        return 0
+        return Replacement(0)
 
 
 def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayout:

@@ -85,6 +85,9 @@ class Replacement:
     features: int
     text: str | None = None
     runs: tuple[tuple[str, int], ...] | None = None
+    # The tiles (crops) the vision tower runs for it where they do not follow the features
+    # (kvgate/memory/encoder.py `VisionTower.patches_per_tile`), else 0
+    tiles: int = 0
 
 
 class ImageRule(ABC):
@@ -343,8 +346,17 @@ class AnyResolution(ImageRule):
                 most = max(most, self._pooled(full_height, width))
         return self.base + most
 
+    def tiles(self, size: ImageSize | None) -> int:
+        """The tiles the tower runs: the base view and the grid's (llava_next.py
+        `_process_image_pixels` over the processor's patches); the most a pinpoint makes for an
+        image kvgate does not see."""
+        if size is None:
+            return 1 + max((h // self.tile) * (w // self.tile) for h, w in self.pinpoints)
+        pin_height, pin_width = select_best_resolution(size.height, size.width, self.pinpoints)
+        return 1 + (pin_height // self.tile) * (pin_width // self.tile)
+
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
-        return Replacement(self.most if size is None else self.count(size))
+        return Replacement(self.most if size is None else self.count(size), tiles=self.tiles(size))
 
 
 _CLASS_TOKENS = {"clip_vision_model": 1, "siglip_vision_model": 0}  # clip.py, siglip.py EncoderInfo
@@ -1060,7 +1072,9 @@ class HdCrops(ImageRule):
         max_num = self.max_crops(kwargs)
         if size is None:  # Phi4MMProcessingInfo.get_image_size_with_most_features
             size = ImageSize(width=self.crop, height=self.crop * max(max_num, 1))
-        return Replacement(self.count(size.width, size.height, max_num))
+        columns, rows = self._grid(size.width, size.height, max_num)
+        # the tower runs the global view and each crop (phi4mm.py Phi4MMImageEncoder.forward)
+        return Replacement(self.count(size.width, size.height, max_num), tiles=1 + columns * rows)
 
 
 def _phi4mm(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:

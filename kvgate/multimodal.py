@@ -51,6 +51,7 @@ from kvgate.media import (
     read_image,
     video_frames,
 )
+from kvgate.memory.encoder import OTHER_MODALITY, coded_stand_in
 from kvgate.multimodal_render import RenderEndpoint, UncountedMedia, render_chat
 from kvgate.request import ChatInput
 from kvgate.work_budget import charge
@@ -271,10 +272,12 @@ def with_placeholders(
     return replace(chat, messages=tuple(messages)), found
 
 
-def _stand_in(key: str) -> int:
+def _stand_in(key: str, tiles: int = 0) -> int:
     """A negative id standing for one image: two requests share a KV prefix only if they share the
-    image, as vLLM's block hashes, which include each image's hash, decide."""
-    return -1 - int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big")
+    image, as vLLM's block hashes, which include each image's hash, decide. It carries the tiles
+    its vision tower runs (`Replacement.tiles`) for the encoder's charge (kvgate/memory/encoder.py
+    `coded_stand_in`)."""
+    return coded_stand_in(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "big"), tiles)
 
 
 def replace_token_matches(ids: list[int], match: Sequence[int], new: Sequence[int]) -> list[int]:
@@ -319,7 +322,7 @@ def expand_images(
     out: list[int] = []
     start = 0
     for position, (key, replacement, text_ids) in zip(at, images, strict=True):
-        stand_in = _stand_in(key)
+        stand_in = _stand_in(key, replacement.tiles)
         out += ids[start:position]
         if text_ids is None:
             out += [stand_in] * replacement.features
@@ -403,6 +406,7 @@ class NumberedItem:
     key: str  # what its stand-in tokens are derived from
     features: int
     feature_text: str  # the text of its feature token
+    tiles: int = 0  # the tiles its tower runs (`Replacement.tiles`)
 
 
 def _starts(sequence: Sequence[int] | str, targets: Sequence[Sequence[int] | str]) -> list[list[int]]:
@@ -583,13 +587,14 @@ class MediaCounting:
         if rule is not None and rule.indexed:
             text = FEATURE_TEXTS[rule.feature_token]
             numbered += [
-                NumberedItem(rule.placeholder_for(i), key, r.features, text)
+                NumberedItem(rule.placeholder_for(i), key, r.features, text, r.tiles)
                 for i, (key, r, _) in enumerate(replacements, 1)
             ]
         if self._audio is not None and self._audio.indexed:
             text = FEATURE_TEXTS[self._audio.feature_token]
             numbered += [
-                NumberedItem(self._audio.placeholder_text(i), key, r.features, text)
+                # the image tower does not run it (its Conformer is not charged, docs/limitations.md)
+                NumberedItem(self._audio.placeholder_text(i), key, r.features, text, OTHER_MODALITY)
                 for i, (key, r, _) in enumerate(sounds, 1)
             ]
         if numbered:
@@ -634,7 +639,7 @@ class MediaCounting:
             previous = 0
             for start, end, index in plan:
                 out += ids[previous:start]
-                out += [_stand_in(items[index].key)] * items[index].features
+                out += [_stand_in(items[index].key, items[index].tiles)] * items[index].features
                 previous = end
             return out + ids[previous:]
         decode = getattr(self._inner, "decode", None)
@@ -669,7 +674,7 @@ class MediaCounting:
         out, previous = [], 0
         for position, (_, _, index) in zip(at, text_plan, strict=True):
             out += encoded_prompt[previous:position]
-            out += [_stand_in(items[index].key)] * items[index].features
+            out += [_stand_in(items[index].key, items[index].tiles)] * items[index].features
             previous = position + 1
         return out + list(encoded_prompt[previous:])
 

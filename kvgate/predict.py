@@ -34,7 +34,7 @@ from kvgate.memory.activation import (
 )
 from kvgate.memory.ceiling import Ceiling
 from kvgate.memory.demand import Demand
-from kvgate.memory.encoder import EncoderBudget
+from kvgate.memory.encoder import EncoderBudget, stand_in_tiles
 from kvgate.memory.footprint import Footprint, kv_blocks_for, predict_footprint, with_reservation
 from kvgate.memory.kv import KVLayout, PrefixKeys
 from kvgate.memory.outputs import OutputReserver
@@ -126,6 +126,12 @@ def image_items(ids: Sequence[int]) -> list[int]:
         if token < 0:
             counts[token] = counts.get(token, 0) + 1
     return list(counts.values())
+
+
+def image_tiles(ids: Sequence[int]) -> list[int]:
+    """The tiles each image's stand-in carries (kvgate/memory/encoder.py `stand_in_tiles`), in
+    `image_items`' order."""
+    return [stand_in_tiles(token) for token in dict.fromkeys(t for t in ids if t < 0)]
 
 
 class Predictor:
@@ -235,7 +241,9 @@ class Predictor:
             self._check_context_length(spec, len(ids), from_text)
             transient, split = self.transient(len(ids), sampling)
             if self.encoder is not None and ids and min(ids) < 0:
-                images = self.encoder.terms(image_items(ids), split.profiled_prefill, self.profiled_peak_bytes)
+                images = self.encoder.terms(
+                    image_items(ids), split.profiled_prefill, self.profiled_peak_bytes, image_tiles(ids)
+                )
                 transient = TransientEstimate(transient.terms + tuple(images))
                 split = TransientSplit.of(transient)
             floor = self.min_new_tokens(spec, max_new)

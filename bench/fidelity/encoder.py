@@ -81,6 +81,22 @@ CASES += [
     for b in (1, 2)
 ]
 
+# Phi-4-multimodal's own tower (its widths fixed by phi4mm.py), 2 layers: images of 1 x 1 and 2 x 1
+# crop grids (2 and 3 crops of 1,024 patches), a 3 x 2 grid, and a 2 x 1 beside a 1 x 1 (padded
+# to 3 crops each).
+CASES += [
+    {
+        "kind": "phi4mm",
+        "hidden": 1152,
+        "intermediate": 4304,
+        "heads": 16,
+        "layers": 2,
+        "grids": grids,
+        "batch": len(grids),
+    }
+    for grids in ([[1, 1]], [[2, 1]], [[3, 2]], [[2, 1], [1, 1]])
+]
+
 
 def config(case: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The config.json a checkpoint with the case's tower would carry, and the embeddings one of
@@ -115,6 +131,12 @@ def config(case: dict[str, Any]) -> tuple[dict[str, Any], int]:
 
 def estimate(case: dict[str, Any]) -> tuple[int, int]:
     """kvgate's activation bytes for the case, and the patches (positions) its tower runs."""
+    if case.get("kind") == "phi4mm":  # the step's images padded to its most crops
+        tower = VisionTower.from_config({"model_type": "phi4mm"}, 2, 1024)
+        assert tower is not None
+        items = case["batch"]
+        tiles = items * max(1 + columns * rows for columns, rows in case["grids"])
+        return tower.activation_bytes(0, items, cpu=True, tiles=tiles), tower.patches(0, items, tiles)
     model, per_item = config(case)
     tower = VisionTower.from_config(model, 2, 4096)
     assert tower is not None
@@ -139,6 +161,8 @@ def _input(row: dict[str, Any]) -> str:
     """What one item of the case is: an image's side, a Qwen grid of patches, an audio's window."""
     if "grid" in row:
         return f"{row['grid'][0]} x {row['grid'][1]} patches"
+    if "grids" in row:
+        return " + ".join(f"448, {c} x {r} crops" for c, r in row["grids"])
     return str(row["image_size"]) if "image_size" in row else "30 s"
 
 

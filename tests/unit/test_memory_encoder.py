@@ -13,12 +13,19 @@ from kvgate.engine_config import Deployment, encoder_budget
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape
-from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
+from kvgate.memory.encoder import (
+    OTHER_MODALITY,
+    EncoderBudget,
+    VisionTower,
+    coded_stand_in,
+    profile_encodes,
+    stand_in_tiles,
+)
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.vllm_runner import resolve_runtime
 from kvgate.multimodal import media_options
 from kvgate.openai import parse_request
-from kvgate.predict import Predictor, image_items
+from kvgate.predict import Predictor, image_items, image_tiles
 from support.geometry import config_json, layout, write_config
 
 QWEN_VL = config_json("qwen2.5-vl-7b-instruct")
@@ -199,8 +206,8 @@ def test_a_profile_of_the_largest_items_covers_what_fits_its_budget() -> None:
 
 def test_the_largest_step_takes_whole_items_up_to_the_budget() -> None:
     budget = qwen_budget(16384, profiled=False, batched=4096)  # B = 16,384
-    assert budget._largest_step([9000, 9000, 300]) == (9300, 2)
-    assert budget._largest_step([20000]) == (20000, 1)  # an item over B goes alone
+    assert budget._largest_step([9000, 9000, 300], [0, 0, 0]) == (9300, 2, 0)
+    assert budget._largest_step([20000], [0]) == (20000, 1, 0)  # an item over B goes alone
 
 
 def test_image_items_are_read_from_the_stand_ins() -> None:
@@ -406,3 +413,159 @@ def test_explain_reads_both_flags_off_the_pasted_vllm_command(
         assert (encoder.profiled_items, encoder.profiled_item) == (profiled_items, profiled_item)
     finally:
         asyncio.run(runtime.stop())
+
+
+# Phi-4-multimodal's tower (phi4mm.py get_navit_vision_model: SigLIP-so400m in Idefics2's
+# transformer) per patch: 2 x max(attention 8h, MLP 4h + fc1 I + GELU I) + 588 pixel values x
+# (fp32 + bf16) + the patch mask (float32, its stacked copy, the bool); 16 B an image (image_sizes).
+PHI4MM_PATCH = 2 * max(8 * 1152, 4 * 1152 + 2 * 4304) + 588 * 6 + 9
+
+
+def _phi4mm_budget(profiled: bool = False) -> EncoderBudget:
+    tower = VisionTower.from_config({"model_type": "phi4mm"}, 2, 3072)
+    assert tower is not None
+    # M = 10,065 (the 448 x 16,128 dummy, 37 crops), as engine_config.encoder_budget reads it
+    return EncoderBudget.of(
+        tower,
+        10065,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        max_model_len=131072,
+        items_per_prompt=999,
+        profiled=profiled,
+        max_tiles=37,
+    )
+
+
+def _stand_ins(*items: tuple[int, int]) -> list[int]:
+    """A prompt of images of (embeddings, tiles) each."""
+    return [1, 2] + [t for i, (size, tiles) in enumerate(items) for t in [coded_stand_in(i + 5, tiles)] * size] + [3]
+
+
+def test_phi4mm_charges_its_crops_not_its_embeddings() -> None:
+    """A full 6 x 6 grid (9,585 embeddings) and a thin strip (850) each run 37 crops of 1,024
+    patches: the same tower bytes, 3.95 and 44.6 patches an embedding; a 448 x 448 image runs 2."""
+    tower = VisionTower.from_config({"model_type": "phi4mm"}, 2, 3072)
+    assert tower is not None
+    assert (tower.hidden, tower.intermediate, tower.patches_per_tile, tower.output_width) == (1152, 4304, 1024, 3072)
+    assert tower.per_patch_bytes() == tower.per_patch_bytes(cpu=True) == PHI4MM_PATCH == 29_969
+    budget = _phi4mm_budget()
+    activations = [
+        by_name(budget.terms(image_items(ids), tiles=image_tiles(ids)))["encoder_activations"]
+        for ids in (_stand_ins((9585, 37)), _stand_ins((850, 37)), _stand_ins((545, 2)))
+    ]
+    assert activations == [37 * 1024 * PHI4MM_PATCH + 16, 37 * 1024 * PHI4MM_PATCH + 16, 2 * 1024 * PHI4MM_PATCH + 16]
+    # The cache holds the embeddings, the decoder's width each.
+    assert by_name(budget.terms([850], tiles=[37]))["encoder_cache"] == 850 * 3072 * 2
+    # One step of B = 10,065 takes the strip and the small image, each padded to the step's 37
+    # crops (stack_with_pad): 74 crops; an item without coded tiles (the render endpoint's) is
+    # charged the largest's 37.
+    both = budget.terms([850, 545], tiles=[37, 2])
+    assert by_name(both)["encoder_activations"] == 2 * 37 * 1024 * PHI4MM_PATCH + 32
+    assert "74 tiles" in both[0].detail
+    assert by_name(budget.terms([545], tiles=[0]))["encoder_activations"] == 37 * 1024 * PHI4MM_PATCH + 16
+    # Phi-4-multimodal's audio goes to its own Conformer: no image tower bytes, its cache counted.
+    audio = by_name(budget.terms([545, 300], tiles=[2, OTHER_MODALITY]))
+    assert audio == {"encoder_activations": 2 * 1024 * PHI4MM_PATCH + 16, "encoder_cache": 845 * 3072 * 2}
+
+
+def test_stand_ins_carry_tiles_in_int64() -> None:
+    top = (1 << 56) - 1  # the largest 56-bit hash
+    for tiles, carried in ((0, 0), (1, 1), (126, 126), (OTHER_MODALITY, OTHER_MODALITY), (4097, 0)):
+        stand_in = coded_stand_in(top, tiles)
+        assert -(1 << 63) <= stand_in < 0
+        assert stand_in_tiles(stand_in) == carried
+    assert image_tiles([1, -5, -5, coded_stand_in(9, 3), 2]) == [0, 3]
+
+
+def test_a_profiled_phi4mm_step_beyond_the_profiles_crops_is_charged() -> None:
+    """V1's profile encodes K = 1 dummy of 37 crops: a request's own step is charged up to what a
+    step can exceed it by; a step of thin strips does (11 of 850 fit B = 10,065)."""
+    budget = _phi4mm_budget(profiled=True)
+    assert (budget.profiled_items, budget.profiled_tiles) == (1, 37)
+    strips = by_name(budget.terms([850] * 11, tiles=[37] * 11))
+    assert strips["encoder_activations"] == 11 * (37 * 1024 * PHI4MM_PATCH + 16)
+
+
+ONEVISION = {
+    "model_type": "llava_onevision",
+    "image_token_index": 151646,
+    "vision_feature_select_strategy": "full",
+    "image_grid_pinpoints": [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)],
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "image_size": 384,
+        "patch_size": 14,
+    },
+}
+
+
+def test_onevision_tower_bytes_grow_with_its_tiles() -> None:
+    """llava-onevision-qwen2-7b (SigLIP 384 / 14: 729 patches a tile, no class token): 640 x 480
+    runs the base view and 2 x 2 tiles (2,929 embeddings), 2,304 x 2,304 the base and 6 x 6 (7,371
+    after anyres_max_9's pooling): 5 and 37 tiles. LLaVA-NeXT's CLIP runs 577 a tile."""
+    tower = VisionTower.from_config(ONEVISION, 2, 3584)
+    assert tower is not None
+    assert (tower.patches_per_tile, tower.extra_patches_per_item) == (729, 0)
+    assert tower.patches(2929, 1, tiles=5) == 5 * 729
+    assert tower.patches(7371, 1, tiles=37) == 37 * 729
+    budget = EncoderBudget.of(
+        tower,
+        8829,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
+        max_model_len=32768,
+        items_per_prompt=999,
+        profiled=False,
+        max_tiles=37,
+    )
+    small, large = (by_name(budget.terms([e], tiles=[t]))["encoder_activations"] for e, t in ((2929, 5), (7371, 37)))
+    assert (small, large) == (5 * 729 * tower.per_patch_bytes(), 37 * 729 * tower.per_patch_bytes())
+    next_tower = VisionTower.from_config(
+        {
+            "model_type": "llava_next",
+            "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672]],
+            "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+        },
+        2,
+        4096,
+    )
+    assert next_tower is not None
+    assert next_tower.patches(2340, 1, tiles=5) == 5 * 577
+    # without tiles: a bound, the most tiles (5) over the fewest embeddings (the base view's 575)
+    assert next_tower.patches(575, 1) == 5 * 577
+
+
+def test_a_phi4mm_or_onevision_deployment_reads_the_largest_items_tiles(tmp_path: Path) -> None:
+    """engine_config.encoder_budget: Phi-4-multimodal's config.json has no vision_config (the tower
+    is phi4mm.py's own); M and the most tiles come from the image rule's largest image."""
+    phi = tmp_path / "phi4mm"
+    phi.mkdir()
+    text = config_json("qwen2.5-7b-instruct")
+    (phi / "config.json").write_text(json.dumps({**text, "model_type": "phi4mm", "img_processor": None}))
+    (phi / "preprocessor_config.json").write_text(json.dumps({"dynamic_hd": 36}))
+    geometry = ModelGeometry.from_config(text)
+    budget = encoder_budget(str(phi), _deployment(), media_options(None, None), geometry)
+    assert budget is not None
+    assert (budget.tower.family, budget.max_item, budget.max_tiles, budget.profiled_tiles) == ("phi4mm", 10065, 37, 37)
+    # --limit-mm-per-prompt's small dummy image: its tiles credited as the base view's one
+    small = encoder_budget(
+        str(phi), _deployment(), media_options(None, {"image": {"count": 2, "width": 448, "height": 448}}), geometry
+    )
+    assert small is not None
+    assert (small.profiled_item, small.profiled_tiles) == (545, 1)
+
+
+def test_the_prediction_reads_each_phi4mm_images_crops_from_its_stand_ins() -> None:
+    """Through Predictor.predict: the thin strip's 850 embeddings cost the full grid's tower bytes
+    (37 crops each), the 448 x 448 image's 545 two crops' worth."""
+    engine = EngineShape(max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, runner="v2")
+    predictor = Predictor(layout("qwen2.5-vl-7b-instruct"), engine, True, 0, encoder=_phi4mm_budget())
+    spec = parse_request("completions", b'{"model": "m", "prompt": "x", "max_tokens": 16}').request
+    charged = [
+        {t.name: t.bytes for t in predictor.predict(spec, [_stand_ins(item)]).transient_terms}["encoder_activations"]
+        for item in ((9585, 37), (850, 37), (545, 2))
+    ]
+    assert charged == [37 * 1024 * PHI4MM_PATCH + 16] * 2 + [2 * 1024 * PHI4MM_PATCH + 16]

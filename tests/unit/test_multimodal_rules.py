@@ -632,3 +632,26 @@ def test_phi4mm_dynamic_hd_comes_from_the_flag_then_the_request() -> None:
         counting = MediaCounting(PhiWords(), rule, options, "phi4mm")
         kwargs = {"mm_processor_kwargs": {"dynamic_hd": request}} if request else {}
         assert len(_count(counting, TEXT, URL_IMAGE, **kwargs)) == text_only + tokens
+
+
+def test_phi4mm_stand_ins_carry_the_crops_its_tower_runs() -> None:
+    """A full 6 x 6 grid (2,688 x 2,688: 9,585 embeddings) and a thin strip (16,128 x 10: 850)
+    both run the global view and 36 crops, 37 x 1,024 patches (phi4mm.py Phi4MMImageEncoder.forward):
+    3.95 and 44.6 patches an embedding. The stand-ins carry the 37 (kvgate/memory/encoder.py
+    stand_in_tiles)."""
+    from kvgate.predict import image_items, image_tiles
+
+    rule = image_tokens(PHI4MM, {"dynamic_hd": 36})
+    counting = MediaCounting(PhiWords(), rule, None, "phi4mm")
+    ids = _count(counting, TEXT, _image(2688, 2688), _image(16128, 10), _image(448, 448))
+    assert image_items(ids) == [9585, 850, 545]
+    assert image_tiles(ids) == [37, 37, 2]
+
+
+def test_llava_next_and_onevision_stand_ins_carry_their_tiles() -> None:
+    """LLaVA-NeXT's 640 x 480 runs the base view and a 2 x 2 grid: 5 tiles; by URL the most a
+    pinpoint makes (the 672 x 672 grid's 4, + 1); 300 x 300 fits 336 x 672 best: 3."""
+    from kvgate.predict import image_tiles
+
+    counting = MediaCounting(WordTokenizer(), image_tokens(LLAVA_NEXT, {}), None, "llava_next")
+    assert image_tiles(_count(counting, TEXT, _image(640, 480), URL_IMAGE, _image(300, 300))) == [5, 5, 3]
