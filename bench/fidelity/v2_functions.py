@@ -95,6 +95,10 @@ class SamplerCase:
     def id(self) -> str:
         return f"sampler rows={self.rows} k={self.k}"
 
+    @property
+    def what(self) -> str:
+        return f"V2 logprobs {self.k} (compute_topk_scores)"
+
 
 # GPU only: -1 through each of CUDA's sort paths (one row; 2 - 127 rows, the full sort; 128+, the
 # segmented one) and a top-20 whose select is all its scratch.
@@ -112,13 +116,37 @@ SAMPLER_GRID = (
 
 @dataclass(frozen=True)
 class SamplerRow:
-    case: SamplerCase
-    measured_peak: int  # compute_topk_scores' peak above the logits made before it
-    kvgate: int  # the sampler stage's logprobs + logprobs_topk_sort
+    case: SamplerCase | SortCase
+    measured_peak: int  # the function's peak above the logits made before it
+    kvgate: int  # the sampler stage's logprobs + logprobs_topk_sort, or its top-k/top-p sort
 
     @property
     def in_band(self) -> bool:
         return in_band(self.kvgate, self.measured_peak)
+
+
+@dataclass(frozen=True)
+class SortCase:
+    """V1's PyTorch top-k/top-p over `rows` fp32 rows (v1/sample/ops/topk_topp_sampler.py)."""
+
+    rows: int
+
+    @property
+    def id(self) -> str:
+        return f"v1 sort rows={self.rows}"
+
+    @property
+    def what(self) -> str:
+        return "V1 top-k 50 + top-p 0.9 (apply_top_k_top_p_pytorch)"
+
+
+# One row and 128+ (CUDA's segmented sort, 20 B a logit of scratch), 2 - 127 (its full sort, 32 B).
+SORT_GRID = (SortCase(1), SortCase(16), SortCase(127), SortCase(128), SortCase(1024))
+
+
+def kvgate_sort(case: SortCase, vocab: int) -> int:
+    """kvgate's V1 top-k/top-p term (the sort: kvgate/memory/sampler.py sort_bytes_per_logit)."""
+    return SamplerCost(vocab, 2, 1024, 8192, "v1", sampler="pytorch").top_k_top_p(case.rows)[0]
 
 
 def kvgate_sampler_logprobs(case: SamplerCase, dtype: str, vocab: int) -> int:
@@ -154,6 +182,7 @@ def run(
     sampler's rows on a GPU only)."""
     vocab = vocab or VOCAB[device]
     sampler_grid = SAMPLER_GRID if device == "cuda" else ()
+    sort_grid = SORT_GRID if device == "cuda" else ()
     spec = {
         "device": device,
         "dtype": dtype,
@@ -161,6 +190,7 @@ def run(
         "hidden_size": HIDDEN,
         "cases": [{"id": c.id, "steps": list(c.steps), "k": c.k} for c in grid],
         "sampler_cases": [{"id": c.id, "rows": c.rows, "k": c.k} for c in sampler_grid],
+        "sort_cases": [{"id": c.id, "rows": c.rows} for c in sort_grid],
     }
     probe = call_probe(PROBE, spec, vllm_python, scratch / "v2probe", probe_env(scratch, device, "v2"))
     by_id = {c["id"]: c for c in probe["cases"]}
@@ -172,6 +202,8 @@ def run(
     sampler_rows = [
         SamplerRow(case, sampled[case.id]["peak"], kvgate_sampler_logprobs(case, dtype, vocab)) for case in sampler_grid
     ]
+    sorted_ = {c["id"]: c for c in probe.get("sort_cases", [])}
+    sampler_rows += [SamplerRow(case, sorted_[case.id]["peak"], kvgate_sort(case, vocab)) for case in sort_grid]
     return probe, rows, sampler_rows
 
 
@@ -192,13 +224,13 @@ def table(rows: list[V2Row]) -> str:
 
 def sampler_table(rows: list[SamplerRow]) -> str:
     lines = [
-        "| sampler logprobs | rows | measured peak B | kvgate logprobs + logprobs_topk_sort B | ratio | in band |",
+        "| sampler function | rows | measured peak B | kvgate B | ratio | in band |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ratio = r.kvgate / r.measured_peak if r.measured_peak else float("inf")
         lines.append(
-            f"| {r.case.k} | {r.case.rows} | {r.measured_peak:,} | {r.kvgate:,} | {ratio:.3f} | "
+            f"| {r.case.what} | {r.case.rows} | {r.measured_peak:,} | {r.kvgate:,} | {ratio:.3f} | "
             f"{'yes' if r.in_band else '**no**'} |"
         )
     return "\n".join(lines)
@@ -233,9 +265,11 @@ def report(
     )
     if sampler_rows:
         text += (
-            "\nThe sampler's logprobs of a decoding batch: vLLM's compute_topk_scores (gpu/sample/logprob.py, "
-            "as gpu/sample/sampler.py calls it without logprob_token_ids) over [rows, V] logits made before "
-            "it, beside kvgate's V2 sampler stage for the batch (logprobs + logprobs_topk_sort):\n\n"
+            "\nThe sampler of a decoding batch, over [rows, V] logits made before it: V2's logprobs, vLLM's "
+            "compute_topk_scores (gpu/sample/logprob.py, as gpu/sample/sampler.py calls it without "
+            "logprob_token_ids), beside kvgate's V2 sampler stage for the batch (logprobs + logprobs_topk_sort); "
+            "V1's PyTorch top-k/top-p over fp32 logits (v1/sample/ops/topk_topp_sampler.py "
+            "apply_top_k_top_p_pytorch), beside kvgate's top-k/top-p term (the sort):\n\n"
             f"{sampler_table(sampler_rows)}\n\n{sum(r.in_band for r in sampler_rows)} of {len(sampler_rows)} "
             f"within {BAND[0]:.2f}-{BAND[1]:.2f}.\n"
         )

@@ -174,8 +174,24 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         del scores, logits
         sampler_cases.append({"id": case["id"], "peak": peak, "held": held, "rows": rows})
         print(f"v2 probe: sampler {case['id']}: peak {peak:,} B", file=sys.stderr, flush=True)
+    # V1's PyTorch top-k/top-p (v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p_pytorch: the
+    # sort, the masks, the softmax and cumsum, the scatter back) over the fp32 logits the sampler
+    # holds, every row at top-k 50 and top-p 0.9. GPU only, as above: the CPU sorts otherwise.
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    sort_cases = []
+    for case in spec.get("sort_cases", []):
+        rows = case["rows"]
+        logits = torch.empty(rows, vocab, dtype=torch.float32, device=device).normal_()
+        top_k = torch.full((rows,), 50, dtype=torch.int32, device=device)
+        top_p = torch.full((rows,), 0.9, dtype=torch.float32, device=device)
+        _, peak, _ = profiled(functools.partial(apply_top_k_top_p_pytorch, logits, top_k, top_p))
+        del logits
+        sort_cases.append({"id": case["id"], "peak": peak, "rows": rows})
+        print(f"v2 probe: sort {case['id']}: peak {peak:,} B", file=sys.stderr, flush=True)
     return {
         "sampler_cases": sampler_cases,
+        "sort_cases": sort_cases,
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else "CPU",
