@@ -383,6 +383,7 @@ class Predictor:
                     by_name.setdefault(term.name, []).append(term)
         in_one_step = min(len(footprints), self.engine.max_num_seqs, self.engine.max_num_batched_tokens)
         step: list[TransientTerm] = []
+        full_step: TransientEstimate | None = None  # made once, for the first prompt-logprobs term
         for name, terms in by_name.items():
             terms.sort(key=lambda t: t.bytes, reverse=True)
             logprobs = terms[0].stage == "prompt_logprobs"  # the term and its CUDA topk scratch
@@ -392,11 +393,12 @@ class Predictor:
                 alive = terms[: PROMPT_LOGPROBS_ALIVE_V1 if logprobs and self.engine.runner == "v1" else in_one_step]
             total = sum(t.bytes for t in alive)
             detail = terms[0].detail if len(alive) == 1 else f"{len(alive)} prompts' {terms[0].detail}, in one step"
-            full_step = self._full_step(sampling) if logprobs else TransientEstimate(())
+            if logprobs and full_step is None:
+                full_step = self._full_step(sampling)
             # A term the whole step does not have (its CUDA topk scratch hidden under its two
             # sub-chunks' logits) is 0 there. Never below one prompt's own (V2's last step of a
             # long prompt also concatenates its whole prompt's rows, activation.py v2_prompt_logprobs).
-            if full_step.terms:
+            if logprobs and full_step is not None and full_step.terms:
                 in_full_step = full_step.term(name)
                 bound = max(in_full_step.bytes if in_full_step else 0, terms[0].bytes)
                 if bound < total:

@@ -10,6 +10,10 @@ harness (never under, at most 15 % over).
   vLLM's Python source and its import-time dependencies, not a CUDA build of vLLM: what a GPU
   image without vLLM can run (docs/memory-model.md, "On a GPU").
 
+On a GPU the same run also measures, over logits made before them, V2's sampler logprobs
+(``compute_topk_scores`` of decoding rows, SAMPLER_GRID) and V1's PyTorch top-k/top-p sort
+(``apply_top_k_top_p_pytorch``, SORT_GRID): vLLM's sampler functions that need no engine.
+
 The rest of V2 (its sampler's fp32 copy, FlashInfer) needs an engine on a GPU:
 ``python -m bench.fidelity --device cuda --runner v2`` (grid.v2_grid).
 """

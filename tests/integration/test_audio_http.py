@@ -20,7 +20,11 @@ import httpx
 import pytest
 
 from support.fake_backend import FakeBackend, running_fake_backend
-from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+from support.kvgate_server import (
+    KvgateServer,
+    assert_chat_refused_before_backend,
+    running_kvgate,
+)
 from support.tiny_media import folder_with_media_tokens, input_audio, silent_wav
 
 AUDIO_TOKENS = ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
@@ -117,11 +121,4 @@ def _riff(fmt: bytes, data: bytes) -> str:
 def test_hostile_audio_is_a_400_that_reaches_nothing(
     kvgate: KvgateServer, backend: FakeBackend, parts: list[dict], message: str
 ) -> None:
-    forwarded = len(backend.seen)
-    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=_chat(*parts), timeout=30)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert message in error["message"]
-    assert len(backend.seen) == forwarded
-    assert_ledger_empty(kvgate)
+    assert_chat_refused_before_backend(kvgate, backend.seen, _chat(*parts), message)

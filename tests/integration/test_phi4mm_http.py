@@ -20,7 +20,11 @@ import pytest
 from PIL import Image
 
 from support.fake_backend import FakeBackend, running_fake_backend
-from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+from support.kvgate_server import (
+    KvgateServer,
+    assert_chat_refused_before_backend,
+    running_kvgate,
+)
 from support.tiny_media import input_audio, silent_wav
 from support.tiny_phi4mm import tiny_phi4mm
 
@@ -121,11 +125,4 @@ def test_a_body_over_64_kib_is_counted_alike_in_a_preparation_worker(kvgate: Kvg
 def test_what_phi4mm_cannot_take_is_a_400_that_reaches_nothing(
     kvgate: KvgateServer, backend: FakeBackend, body: dict, message: str
 ) -> None:
-    forwarded = len(backend.seen)
-    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=body, timeout=30)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert message in error["message"]
-    assert len(backend.seen) == forwarded
-    assert_ledger_empty(kvgate)
+    assert_chat_refused_before_backend(kvgate, backend.seen, body, message)

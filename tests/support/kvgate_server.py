@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -142,3 +142,16 @@ def running_kvgate(
         yield KvgateServer(url, log_path, proc.pid)
     finally:
         stop_process(proc)
+
+
+def assert_chat_refused_before_backend(kvgate: KvgateServer, backend_seen: Sized, body: dict, message: str) -> None:
+    """kvgate answers the chat `body` 400 in OpenAI's error shape naming `message`, forwards
+    nothing to the backend (whose received requests are `backend_seen`) and holds nothing after."""
+    forwarded = len(backend_seen)
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert message in error["message"]
+    assert len(backend_seen) == forwarded
+    assert_ledger_empty(kvgate)
