@@ -8,10 +8,9 @@ everything that runs a server process, a subprocess or the real vLLM is in tests
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
-
-import os
 
 import pytest
 from hypothesis import settings
