@@ -168,14 +168,15 @@ SORT_OUTPUT_BYTES_PER_LOGIT = 12
 CUDA_SORT_SCRATCH_BYTES_PER_LOGIT = 20
 CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT = 32
 # CUB's temporary storage beyond the alternate keys and values (NVIDIA/cccl v3.0.0, the CCCL of
-# CUDA 13.0; the same in v2.8.0 - v3.2.0). `detail::AliasTemporaries` (cub/util_temporary_storage.cuh)
-# rounds each of its allocations up to 256 B and adds 255 B to align the blob. The segmented sort
+# CUDA 13.0; the same tiles and layout in v2.5.0, v2.8.0, v3.1.0 and v3.2.0).
+# `detail::AliasTemporaries` (cub/util_temporary_storage.cuh) rounds each of its allocations up to
+# 256 B and adds 255 B to align the blob. The segmented sort
 # (`DispatchSegmentedRadixSort::Invoke`, cub/device/dispatch/dispatch_radix_sort.cuh) allocates the
 # alternates only. The full sort of one array (`DispatchRadixSort::InvokeOnesweep`, every GPU from
 # sm_70 on: `ONESWEEP` is true for 4-byte keys in Policy700 - Policy1000) also allocates, per
 # portion of at most 2**28 - 1 items and per 8-bit pass (4 for fp32 keys): 256 bins of `OffsetT`
-# (64-bit: ATen passes n as int64_t) and one int counter; and 256 int lookback slots per tile of
-# the first portion. A tile is BLOCK_THREADS x ITEMS_PER_THREAD (cub/util_arch.cuh
+# (64-bit: ATen's cub-RadixSortPairs.cuh `radix_sort_pairs_impl` passes n as int64_t) and one int
+# counter; and 256 int lookback slots per tile of the first portion. A tile is BLOCK_THREADS x ITEMS_PER_THREAD (cub/util_arch.cuh
 # `RegBoundScaling` scales the nominal items by 4 / the 8-byte values; cub/device/dispatch/tuning/
 # tuning_radix_sort.cuh): 384 x 14 = 5,376 on sm_90 and sm_100 (`OnesweepPolicyKey32`, 29 items),
 # 384 x 8 = 3,072 on sm_80 - sm_89 (Policy800, 17), 256 x 11 = 2,816 on sm_70 - sm_75 (Policy700,
@@ -228,10 +229,11 @@ def cub_onesweep_temp_bytes(items: int, key_bytes: int, value_bytes: int, tile: 
 
 
 def cuda_sort_bytes(rows: int, vocab: int, tile: int = CUB_MIN_ONESWEEP_TILE) -> int:
-    """Peak bytes of CUDA's ``torch.sort`` of ``[rows, vocab]`` fp32 logits (PyTorch's
-    SortStable.cu, torch 2.11.0 and the 061531e8 source; the comments above): its fp32 values and
-    int64 indices, and beside them, until it returns, the path's scratch, each allocation rounded
-    up by the caching allocator:
+    """Peak bytes of CUDA's ``torch.sort`` of ``[rows, vocab]`` fp32 logits (PyTorch
+    aten/src/ATen/native/cuda/SortStable.cu ``do_launch_stable_sort_kernel`` as read at 061531e8
+    and as torch 2.11.0 measured; 2.13.0, vLLM 0.32.0's pin, not read apart; the comments above):
+    its fp32 values and int64 indices, and beside them, until it returns, the path's scratch, each
+    allocation rounded up by the caching allocator:
 
     - a vocabulary of at most 4,096: the outputs only (the small sort, in place);
     - 1 row (or rows of 1,000,000 or more, one at a time): the iota of a row + CUB's onesweep blob

@@ -91,6 +91,28 @@ def test_no_rows_sort_nothing() -> None:
     assert cuda_sort_bytes(0, V) == sort_bytes(0, V) == 0
 
 
+def test_a_vocabulary_of_at_most_4096_sorts_in_place_and_a_million_row_by_row() -> None:
+    """Sort.h should_use_small_sort: 4,096 ids or fewer sort in place in the outputs (12 B a
+    logit, 16 x 4,096 x 4 B a multiple of 512); SortStable.cu sorts rows of 1,000,000 ids or more
+    one at a time through one row's scratch, so a second row of 2**20 ids adds only its outputs."""
+    assert cuda_sort_bytes(16, 4096) == 16 * 4096 * 12
+    assert cuda_sort_bytes(16, 4097) > 16 * 4097 * 44
+    ids = 1 << 20
+    assert cuda_sort_bytes(2, ids) - cuda_sort_bytes(1, ids) == ids * 12
+
+
+@pytest.mark.parametrize("vocab", [4097, 32000, 50257, 128256, 151936, 262208])
+def test_the_charge_is_never_under_a_gpu_with_a_larger_onesweep_tile(vocab: int) -> None:
+    """kvgate charges the smallest tile (sm_70 - sm_75: 2,816 items); sm_80 - sm_89's 3,072 and
+    sm_90 - sm_100's 5,376 take fewer lookback slots, the segmented sort (128 rows +) none."""
+    for rows in (1, 2, 7, 64, 127, 128, 300):
+        ours = cuda_sort_bytes(rows, vocab)
+        for tile in (384 * 8, CUB_SM90_ONESWEEP_TILE):
+            assert ours >= cuda_sort_bytes(rows, vocab, tile), (rows, tile)
+        if rows >= 128:
+            assert ours == cuda_sort_bytes(rows, vocab, CUB_SM90_ONESWEEP_TILE)
+
+
 def test_the_v1_profile_peak_holds_the_sort_scratch_at_1024_rows() -> None:
     """The advise helper's finding: 1,024 rows x 128,256 on V1's PyTorch sort path. Sampler stage:
     hidden states 8,192 x 4,096 x 2 B + 1,024 rows x V x (bf16 logits 2 + fp32 copy 4 + sort 32) =
