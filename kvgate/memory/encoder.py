@@ -552,8 +552,8 @@ class ConformerTower:
       quarter map, the copies and the float32 features about 725 KiB an embedding;
     - the layers then run over L padded to chunks of 500 (`max_seq_len`, `unfold_tensor`), with the
       T5 relative bias (heads x 500^2) and each chunk's bias-plus-mask (`MultiHeadedAttention`:
-      `mask + relative_attention_bias`, heads x 500^2 a chunk) for SDPA: measured at 8.4 MiB plus
-      47 KB a padded position for Phi-4-multimodal's widths, a fifteenth of the subsampling's
+      `mask + relative_attention_bias`, heads x 500^2 a chunk) for SDPA: measured at 8.0 MiB plus
+      46.9 KB a padded position for Phi-4-multimodal's widths, a fifteenth of the subsampling's
       bytes a position, so the layers never set the peak and are not charged.
 
     L = ceil(frames / time_reduction) (`compute_lens_change`) is the audio's prompt embeddings
