@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import tempfile
 import time
@@ -176,13 +177,15 @@ async def replay(
     last_at = max(c.at for c in calls) / speedup
     deadline = last_at + drain_s / speedup
 
-    async def one(client: httpx.AsyncClient, call: Call) -> Outcome:
+    stages = ["unsent"] * len(calls)  # how far each call got: a timeout says where it stood
+
+    async def one(client: httpx.AsyncClient, k: int, call: Call) -> Outcome:
         await asyncio.sleep(max(0.0, call.at / speedup - (time.monotonic() - start)))
         sent = time.monotonic()
         if gate is not None and (why := gate.refuse()):
             return Outcome(call.label, 429, "rejected", why, end_s=sent - start)
         async with sem if sem is not None else contextlib.nullcontext():
-            return await stream_call(client, prefix + call.path, call, sent, start)
+            return await stream_call(client, prefix + call.path, call, sent, start, stages, k)
 
     limits = httpx.Limits(max_connections=CALLS_PER_CLIENT, max_keepalive_connections=CALLS_PER_CLIENT)
     async with contextlib.AsyncExitStack() as stack:
@@ -196,38 +199,54 @@ async def replay(
         if gate:
             await asyncio.sleep(0.1)
             start = time.monotonic()
-        tasks = [asyncio.create_task(one(clients[k % len(clients)], c)) for k, c in enumerate(calls)]
+        tasks = [asyncio.create_task(one(clients[k % len(clients)], k, c)) for k, c in enumerate(calls)]
         if progress is not None:
             for t in tasks:
                 t.add_done_callback(lambda _: progress.update(1))
-        outs = await outcomes_of(tasks, calls, deadline)
+        outs = await outcomes_of(tasks, calls, deadline, stages)
         if scraper:
             scraper.cancel()
     span = max([last_at] + [o.end_s for o in outs if o.kind == "completed"])
     return outs, span
 
 
-async def outcomes_of(tasks: list[asyncio.Task[Outcome]], calls: list[Call], deadline: float) -> list[Outcome]:
+async def outcomes_of(
+    tasks: list[asyncio.Task[Outcome]], calls: list[Call], deadline: float, stages: list[str] | None = None
+) -> list[Outcome]:
     """Each call's outcome, in order; a call still running a second past `deadline` is cancelled
-    and counts as a timeout."""
+    and counts as a timeout, named after how far it got (`stages`, stream_call's): "timeout_sent"
+    had no response head (behind a gate: still queued), "timeout_head" a head and no token yet
+    (the engine had not started it), "timeout_streaming" had tokens and no end."""
     done, pending = await asyncio.wait(tasks, timeout=deadline + 1)
     for t in pending:
         t.cancel()
     return [
         t.result()
         if t in done and not t.cancelled() and t.exception() is None
-        else Outcome(c.label, 0, "failed", "timeout", end_s=deadline)
-        for t, c in zip(tasks, calls, strict=True)
+        else Outcome(c.label, 0, "failed", f"timeout_{stages[k]}" if stages else "timeout", end_s=deadline)
+        for k, (t, c) in enumerate(zip(tasks, calls, strict=True))
     ]
 
 
-async def stream_call(client: httpx.AsyncClient, url: str, call: Call, sent: float, start: float) -> Outcome:
+async def stream_call(
+    client: httpx.AsyncClient,
+    url: str,
+    call: Call,
+    sent: float,
+    start: float,
+    stages: list[str] | None = None,
+    k: int = 0,
+) -> Outcome:
     """POST one call, streaming, and read the answer to its end: what the client saw (times are
-    wall seconds; `start` is the run's start)."""
+    wall seconds; `start` is the run's start). `stages[k]`, if given, follows how far it got:
+    sent, head (the response's status and headers), streaming (a first token)."""
     ttft = None
     tokens = 0
+    stage = stages.__setitem__ if stages is not None else (lambda _k, _v: None)
+    stage(k, "sent")
     try:
         async with client.stream("POST", url, json=call.body) as r:
+            stage(k, "head")
             if r.status_code != 200:
                 raw = await r.aread()
                 code: Any = None
@@ -245,6 +264,7 @@ async def stream_call(client: httpx.AsyncClient, url: str, call: Call, sent: flo
             async for chunk in r.aiter_raw():
                 if ttft is None and b"data: " in chunk:
                     ttft = time.monotonic() - sent
+                    stage(k, "streaming")
                 window = tail[-16:] + chunk  # a marker may straddle two chunks
                 if b'"error"' in window:
                     return Outcome(call.label, 200, "failed", "stream_error", ttft, time.monotonic() - start)
@@ -333,6 +353,8 @@ def run_arm(
         elif arm == "kvgate":
             model_dir = write_model_folder(cfg.model, workdir / cfg.model)
             flags = [*scn.kvgate_flags, "--max-queue-wait", f"{queue_wait_s:g}"]
+            if level := os.environ.get("KVGATE_BENCH_LOG_LEVEL"):  # diagnostics: every decision at info
+                flags += ["--log-level", level]
             with kvgate(sim.url, model_dir, flags, gpu_total_bytes(cfg.gpu), workdir / f"kvgate-{scn.key}.log") as (
                 url,
                 cmd,

@@ -1,0 +1,52 @@
+"""The safety benchmark's client (bench/safety.py): a call still running at the deadline is a
+timeout named after how far it got, so a table's "failed" column says whether requests were still
+queued behind a gate, waiting for the engine's first token, or streaming."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from bench.safety import Outcome, outcomes_of, stream_call
+from bench.workloads import Call
+
+CALL = Call(at=0.0, path="/v1/completions", body={"prompt": "hi", "stream": True}, label="chat")
+
+
+async def test_a_call_running_past_the_deadline_is_a_timeout_named_by_its_stage() -> None:
+    never = asyncio.Event()
+
+    async def hang() -> Outcome:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    async def done() -> Outcome:
+        return Outcome("chat", 200, "completed", tokens=3)
+
+    tasks = [asyncio.create_task(f()) for f in (hang, hang, hang, done)]
+    stages = ["sent", "head", "streaming", "streaming"]
+    outs = await outcomes_of(tasks, [CALL] * 4, deadline=-0.95, stages=stages)
+    assert [(o.kind, o.reason) for o in outs] == [
+        ("failed", "timeout_sent"),
+        ("failed", "timeout_head"),
+        ("failed", "timeout_streaming"),
+        ("completed", ""),
+    ]
+    await asyncio.wait(tasks)  # the ones still running were cancelled
+    assert [t.cancelled() for t in tasks] == [True, True, True, False]
+
+
+async def test_stream_call_records_the_head_and_the_first_token() -> None:
+    seen: list[list[str]] = []
+    stages = ["unsent"]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(list(stages))
+        body = b'data: {"choices": []}\n\ndata: {"usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, stream=httpx.ByteStream(body), headers={"content-type": "text/event-stream"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://sim") as client:
+        out = await stream_call(client, CALL.path, CALL, 0.0, 0.0, stages, 0)
+    assert seen == [["sent"]]  # sent before any answer
+    assert (out.kind, out.tokens, stages) == ("completed", 2, ["streaming"])
