@@ -555,6 +555,19 @@ class TestGate:
         holder.release()
         assert gate.ledger.kv_blocks == 0
 
+    async def test_a_wait_spent_before_the_queue_is_named_in_the_refusal(self) -> None:
+        """A deadline that evaluation used up: the refusal says the queue had none of the wait."""
+        gate = make_gate(kv_blocks=1, wait_s=30)
+        holder = await gate.acquire(demand(blocks=1), 0, "a")
+        with pytest.raises(QueueTimeout) as expired:  # arrived 30 s ago: its deadline is now
+            await gate.acquire(demand(blocks=1), 0, "a", deadline=gate.deadline() - 30)
+        assert expired.value.message.startswith(
+            f"Waited 30 s for GPU memory ({KV_BUSY}; 0.0 s of it in the queue, the rest reading and "
+            "evaluating the request) without admission."
+        )
+        assert len(gate.queue) == 0
+        holder.release()
+
     async def test_a_backend_not_up_holds_arrivals_until_it_is_back_or_their_deadline(self) -> None:
         """The budget's view of the backend (shared with /readyz): while it is hung or down
         nothing is admitted; a request keeps the deadline it arrived with when it queues again."""
