@@ -133,16 +133,21 @@ def test_mla_prefill_is_charged_beyond_the_profiles_dummy_buffer_only_deepseek_v
     # kv_b_proj output [26272, 16, nope 128 + v 128] (the larger of it and its k) and its
     # attention output are made while the first piece's are alive (0.33.0 :3043-3053).
     need += 26_272 * 16 * 256 * 2 + 8192 * 16 * (128 * 2 + 4)
+    # all while the layer's own tensors are alive (layers/mla.py MultiHeadLatentAttentionWrapper.forward):
+    # kv_lora 576 + kv_c_normed 512 + q 16 x 192 + rotary k_pe 64 + output 16 x 128 = 6,272 x 2 B a token
+    block = 12_544
+    need += 8192 * block
     inside, beyond = est.term("mla_prefill_upproject"), est.term("mla_upproject_beyond_profile")
     assert inside.profiled
-    assert inside.bytes == dummy
+    # the profile held its dummy beside the same tensors at max_num_batched_tokens (8,192) tokens
+    assert inside.bytes == dummy + 8192 * block
     assert not beyond.profiled
     assert beyond.phase == "prefill"
-    assert beyond.bytes == need - dummy
+    assert beyond.bytes == need - dummy - 8192 * block
     assert inside.bytes + beyond.bytes == need  # nothing counted twice, nothing missing
     # One chunk, no context: only the new tokens, which fit inside the profile's buffer
     short = estimate_transient(g, e, 8000, SamplingShape())
-    assert short.term("mla_prefill_upproject").bytes == 8000 * 14_336 + 8000 * 16 * 260
+    assert short.term("mla_prefill_upproject").bytes == 8000 * (block + 14_336) + 8000 * 16 * 260
     assert short.term("mla_upproject_beyond_profile") is None
     # and the profile peak kvgate books the profiled part against holds the dummy
     assert profile_peak_bytes(g, e) >= dummy + 2 * 8192 * g.hidden_size * 2
