@@ -31,6 +31,10 @@ class UpstreamTimeout(UpstreamError):
     """Nothing arrived from the backend within the read timeout."""
 
 
+class UpstreamClosed(UpstreamError):
+    """The backend closed the connection before the response was complete."""
+
+
 class UpstreamUnavailable(Exception):
     """Nothing was sent: the backend did not accept a connection in time, or every pooled
     connection stayed busy past the pool timeout. The request may be tried again unchanged."""
@@ -82,6 +86,7 @@ class Connection(asyncio.Protocol):
         self._extra = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future | None = None
+        self.answered = False  # a response to this exchange has begun to arrive
 
     # -- asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -114,13 +119,14 @@ class Connection(asyncio.Protocol):
             self.complete = True
             self._wake()
         else:
-            self._fail(UpstreamError(f"the backend closed the connection ({type(exc).__name__ if exc else 'EOF'})"))
+            self._fail(UpstreamClosed(f"the backend closed the connection ({type(exc).__name__ if exc else 'EOF'})"))
 
     # -- httptools callbacks -----------------------------------------------------------------
     # Once the response is complete, llhttp goes on parsing whatever else the same data held as
     # a next response; `_extra` notes it and the callbacks leave this response alone.
     def on_message_begin(self) -> None:
         self._extra = self.complete
+        self.answered = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._extra:
@@ -317,9 +323,26 @@ class ConnectionPool:
             await self._slots.acquire()
         conn: Connection | None = None
         try:
-            conn = await self._connection()
-            conn.send(head, body, method == "HEAD")
-            await conn.read_head()
+            conn = self._idle_connection()
+            if conn is None:
+                conn = await self._new_connection()
+                await self._exchange(conn, head, body, method)
+            else:
+                try:
+                    await self._exchange(conn, head, body, method)
+                except UpstreamClosed:
+                    if conn.answered:
+                        raise
+                    # An idle connection the backend closed as the request went out: its
+                    # keep-alive timer ran out first (uvicorn closes only idle connections and
+                    # drops what arrives after; the response's end reached kvgate later than the
+                    # backend sent it, so IDLE_REUSE_S cannot always tell). The backend never
+                    # read the request: sent once more, on a new connection (S4 of the
+                    # 2026-11-27 benchmark under load: 94 x 502 backend_error, every one on a
+                    # connection reused 0.01-2 s after its last response, no byte answered).
+                    conn.close()
+                    conn = await self._new_connection()
+                    await self._exchange(conn, head, body, method)
             return UpstreamResponse(self, conn)
         except BaseException:
             if conn is not None:
@@ -339,7 +362,12 @@ class ConnectionPool:
         while self._idle:
             self._idle.pop().close()
 
-    async def _connection(self) -> Connection:
+    @staticmethod
+    async def _exchange(conn: Connection, head: bytes, body: bytes, method: str) -> None:
+        conn.send(head, body, method == "HEAD")
+        await conn.read_head()
+
+    def _idle_connection(self) -> Connection | None:
         # The idle connection's loop, not asyncio.get_running_loop(): on CPython 3.11 that is a
         # getpid system call every time (strace: one per request each here and in put()).
         while self._idle:
@@ -347,6 +375,9 @@ class ConnectionPool:
             if not conn.closed and conn.loop.time() - conn.idle_since < IDLE_REUSE_S:
                 return conn
             conn.close()
+        return None
+
+    async def _new_connection(self) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(

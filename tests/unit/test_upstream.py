@@ -293,6 +293,59 @@ async def test_stale_idle_connections_are_not_reused(monkeypatch: pytest.MonkeyP
     assert len(connections) == 2
 
 
+def closing_the_reused_connection(answer_then: bytes = b"") -> Handler:
+    """The first connection answers one request, then closes on the next one's arrival (after
+    `answer_then`, if any): a keep-alive timer that ran out as the request went out. Every later
+    connection answers OK."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if handle.first:  # type: ignore[attr-defined]
+            handle.first = False  # type: ignore[attr-defined]
+            await read_request(reader)
+            writer.write(OK)
+            await read_request(reader)
+            writer.write(answer_then)
+            await writer.drain()
+            return  # the server closes the connection
+        while True:
+            await read_request(reader)
+            writer.write(OK)
+
+    handle.first = True  # type: ignore[attr-defined]
+    return handle
+
+
+async def test_a_reused_connection_closed_unanswered_is_sent_again_on_a_new_one() -> None:
+    """The backend closed an idle connection as kvgate reused it: it never read the request."""
+    async with server(closing_the_reused_connection()) as (url, connections):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        for _ in range(2):
+            response = await pool.request("POST", b"/", [], b"{}")
+            assert (response.status, await body_of(response)) == (200, b"{}")
+            response.release()
+        pool.close()
+    assert len(connections) == 2
+
+
+async def test_a_connection_closed_after_an_answer_began_or_when_new_is_not_sent_again() -> None:
+    """Once the backend answered a byte it read the request; a new connection closed unanswered
+    is the backend failing, not a stale keep-alive: both are errors, sent once."""
+    async with server(closing_the_reused_connection(answer_then=b"HTTP/1.1 20")) as (url, connections):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        response = await pool.request("POST", b"/", [], b"{}")
+        await body_of(response)
+        response.release()
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await pool.request("POST", b"/", [], b"{}")
+        pool.close()
+    assert len(connections) == 1
+    async with server(answering(then_close=True)) as (url, connections):
+        pool = ConnectionPool(url, read_timeout_s=5)
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await pool.request("POST", b"/", [], b"{}")
+    assert len(connections) == 1
+
+
 async def test_reading_pauses_above_the_high_water_mark(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(upstream, "HIGH_WATER_BYTES", 1000)
     sent = asyncio.Event()
