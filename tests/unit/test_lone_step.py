@@ -97,6 +97,16 @@ def test_kvgates_replay_tells_the_same_histories_apart_as_the_simulator(h1_gpu, 
     assert lone_forward_fits(QWEN, H1_ENGINE, True, 4096, capacity)  # expandable segments strand nothing
 
 
+def test_s13s_former_l4_engine_still_runs_its_lone_chunk_where_the_simulator_does() -> None:
+    """Llama 3.1 8B, 4,096 tokens (tests/unit/test_memory_allocator.py: the simulator's allocator
+    runs the chunk after a 2,560-token step in 546 MiB and OOMs in 544): alone it is not charged
+    more where it fits."""
+    engine = EngineShape(max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=256, runner="v2")
+    llama = model_geometry("llama-3-8b")
+    assert lone_forward_fits(llama, engine, False, 4096, 546 * MiB)
+    assert not lone_forward_fits(llama, engine, False, 4096, 544 * MiB)
+
+
 def h1_budget() -> tuple[Budget, Predictor]:
     """kvgate's budget for H1 as its live readings set it: 617 MiB of headroom, the whole profile
     region (500 MiB) out of free memory (V2, fixed pool)."""
