@@ -170,9 +170,11 @@ class Budget:
         forward pass runs in the headroom after any one earlier step of another size
         (kvgate/memory/activation.py `lone_forward_fits`) are its segments known not to strand.
         Where the profile region comes out of free memory only (`profiled_cap_bytes` above 0).
-        `capacity`: the headroom to run in (default: the live one, scaled down in conservative mode)."""
-        if capacity is None and self.transient_headroom_bytes is not None:
-            capacity = math.floor(self.transient_headroom_bytes * self.scale)
+        `capacity`: the headroom to run in, default the live one. Not scaled down in conservative
+        mode: the replay asks what the allocator does in the memory it has; the charge is then
+        weighed against the scaled limit (`shortfall`), which would count stale readings twice."""
+        if capacity is None:
+            capacity = self.transient_headroom_bytes
         if (
             self.lone_forward is None
             or not self.profiled_cap_bytes

@@ -146,3 +146,16 @@ def test_the_budget_charges_a_lone_full_chunk_its_segments_and_refuses_it_at_onc
     assert budget.ceiling().transient_need(short.demand) == short.demand.profiled_prefill_bytes
     budget.update(lone_forward=None)  # kvgate before: a request alone was charged its allocated bytes
     assert budget.shortfall(long.demand, Ledger()) is None
+
+
+def test_stale_readings_scale_the_limit_not_the_allocators_room() -> None:
+    """Conservative mode (readings older than --max-staleness) weighs the charge against a share
+    of the limit; whether the lone chunk strands segments is still asked of the headroom the GPU
+    showed, so a 2,000-token query alone is charged its allocated bytes then too."""
+    budget, predictor = h1_budget()
+    short = rag_query(predictor, 2000).demand
+    budget.update(scale=0.5)
+    assert budget.lone_step_fits(short.profiled_prefill_bytes)
+    assert budget.shortfall(short, Ledger()) is None  # 244 MiB against half of 555
+    assert not budget.lone_step_fits(short.profiled_prefill_bytes, capacity=300 * MiB)
+    assert not budget.lone_step_fits(rag_query(predictor, 8000).demand.profiled_prefill_bytes)
