@@ -1009,10 +1009,14 @@ def lone_forward_fits(
     return fits_after_any(step, earlier, capacity, expandable_segments)
 
 
+CAPACITY_STEP = 8 * MiB
+
+
 class LoneForward:
     """`lone_forward_fits` of one deployment, for the budget: the step's tokens rounded up to the
-    history's grid and the capacity down to whole MiB, so the replays are memoised. (A plain
-    class, as SamplerPhaseOverhead.)"""
+    history's grid and the capacity down to a multiple of 8 MiB, so the replays (a few
+    milliseconds each, on the event loop) are memoised across headroom readings that differ by a
+    few MiB. (A plain class, as SamplerPhaseOverhead.)"""
 
     def __init__(self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> None:
         self.geometry = geometry
@@ -1023,7 +1027,7 @@ class LoneForward:
         full = self.engine.max_num_batched_tokens
         step = max(1, full // HISTORY_STEP_SIZES)
         tokens = min(full, max(step, -(-tokens // step) * step))
-        return lone_forward_fits(self.geometry, self.engine, self.expandable_segments, tokens, capacity // MiB * MiB)
+        return lone_forward_fits(self.geometry, self.engine, self.expandable_segments, tokens, capacity // CAPACITY_STEP * CAPACITY_STEP)
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:
