@@ -362,9 +362,13 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
     and LSE (``init_mla_context_partial``). The file's "~3 GB" (DeepSeek-V3, 128 heads, 64Ki
     tokens) counts K alone.
 
-    The profile's dummy ``[W, heads, nope + v]`` (mla_profile_dummy_bytes) reserved part of
-    this: the layer's need up to that size is profiled, only the rest is charged against the
-    free headroom, so nothing is counted twice and nothing is missing.
+    All of it is made inside ``MLAAttention.forward`` while the layer's own inputs and output
+    are alive (`mla_layer_block_bytes`): the profile run held those too, at
+    ``max_num_batched_tokens`` tokens, beside its dummy ``[W, heads, nope + v]``
+    (mla_profile_dummy_bytes). The layer's need up to the dummy plus that block is profiled,
+    only the rest is charged against the free headroom, so nothing is counted twice and nothing
+    is missing. vllm 0.33.0 runs the same code (forward_mha, _compute_prefill_context and
+    init_mla_context_partial read line for line alike).
     """
     latent = (g.kv_lora_rank or 0) + g.qk_rope_head_dim
     window = mla_workspace_tokens(e)
@@ -383,8 +387,12 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
     per_token = kv_nope + k_full
     output = chunk * heads * (g.v_head_dim * dt + FP32)  # one attention output and its fp32 LSE
     piece = min(context, window)
-    need = chunk * per_token + output
-    detail = f"new tokens {chunk} x {heads} heads x (nope+v + nope+rope) x {dt} B + output"
+    block = mla_layer_block_bytes(g, chunk, heads)
+    need = block + chunk * per_token + output
+    detail = (
+        f"the layer's inputs and output {block / MiB:.1f} MiB + new tokens {chunk} x {heads} heads x "
+        f"(nope+v + nope+rope) x {dt} B + output"
+    )
     if piece > 0:
         need += piece * per_token + 2 * output  # the piece's attention output + the running output
         detail += f"; context piece {piece} of {context} x the same + 2 outputs"
@@ -396,7 +404,8 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
         need += following * max(kv_nope, k_full) + output
         detail += f"; the next piece's {following} tokens' kv_b_proj output overlaps it (+ 1 output)"
     dummy = mla_profile_dummy_bytes(g, e)
-    in_profile = min(need, dummy)
+    profiled = dummy + mla_layer_block_bytes(g, e.max_num_batched_tokens, heads)
+    in_profile = min(need, profiled)
     terms = [
         workspace,
         TransientTerm(
@@ -404,7 +413,8 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
             in_profile,
             True,
             "prefill",
-            f"{detail}, up to the profile's [{window}, {heads}, nope+v] dummy ({dummy / MiB:.0f} MiB)",
+            f"{detail}, up to the profile's [{window}, {heads}, nope+v] dummy ({dummy / MiB:.0f} MiB) beside "
+            f"its own layer inputs and output ({profiled / MiB:.0f} MiB)",
         ),
     ]
     if need > in_profile:
@@ -414,10 +424,34 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
                 need - in_profile,
                 False,
                 "prefill",
-                f"{detail}: {need / MiB:.0f} MiB, beyond the profile's {dummy / MiB:.0f} MiB dummy",
+                f"{detail}: {need / MiB:.0f} MiB, beyond the profile's {profiled / MiB:.0f} MiB",
             )
         )
     return terms
+
+
+def mla_layer_block_bytes(g: ModelGeometry, tokens: int, heads: int) -> int:
+    """What an MLA layer holds of its own while ``MLAAttention.forward`` runs, for `tokens` tokens.
+
+    vllm 0.32.0 (and 0.33.0) model_executor/layers/mla.py ``MultiHeadLatentAttentionWrapper.forward``
+    keeps, until ``mla_attn`` returns: ``kv_lora`` ``[T, kv_lora + rope]`` (with ``q_lora_rank``
+    the fused ``qkv_lora`` ``[T, q_lora + kv_lora + rope]`` and ``q_a_layernorm``'s ``q_c``
+    ``[T, q_lora]``; ``kv_c`` and ``k_pe`` are views of it), ``kv_c_normed`` ``[T, kv_lora]``,
+    ``q`` ``[T, heads, nope + rope]`` and the rotary embedding's ``k_pe`` ``[T, 1, rope]``;
+    model_executor/layers/attention/mla_attention.py ``MLAAttention.forward`` allocates the
+    output ``[T, heads x v]`` before ``forward_impl``. The decoder layer's hidden states and
+    residual are `_hidden_states_term`'s."""
+    q_lora = g.q_lora_rank or 0
+    a_proj = q_lora + (g.kv_lora_rank or 0) + g.qk_rope_head_dim  # kv_a_proj_with_mqa / fused_qkv_a_proj
+    per_token = (
+        a_proj
+        + q_lora  # q_a_layernorm's q_c
+        + (g.kv_lora_rank or 0)  # kv_a_layernorm's kv_c_normed
+        + heads * (g.qk_nope_head_dim + g.qk_rope_head_dim)  # q
+        + g.qk_rope_head_dim  # the rotary embedding's k_pe
+        + heads * g.v_head_dim  # the attention output
+    )
+    return tokens * per_token * g.dtype_bytes
 
 
 def _lora_term(e: EngineShape, tokens: int) -> TransientTerm:

@@ -53,3 +53,24 @@ def test_context_up_projection_grows_with_the_prefix_up_to_the_workspace() -> No
     assert abs(_peak(r, 120000) - _peak(r, 65536) - overlap) <= 2 * MiB
     assert _peak(r, 3 * 65536) == _peak(r, 2 * 65536)
     assert _peak(r, 8000) < rep.activation_peak < _peak(r, 65536)
+
+
+def test_kvgate_never_charges_a_lone_long_prefill_less_than_the_simulator_plays() -> None:
+    """kvgate's worst step of one long prompt (kvgate/memory/activation.py: hidden states + the MLA
+    layer's own tensors and up-projections, or the MoE) against the simulator's independent tape of
+    that step, 2,048 new tokens after `context` computed ones: never under it, and at most 5 %
+    over (kvgate also counts vLLM's running context output, `init_mla_context_partial`, which a
+    step allocates when other prefills share it, and ``kv_c_normed``)."""
+    from kvgate.memory.activation import EngineShape, SamplingShape, estimate_transient
+    from support.geometry import model_geometry
+
+    r, _ = _boot()
+    g = model_geometry("deepseek-v2-lite")
+    e = EngineShape(131072, 2048, 256, attention_backend="mla", block_size=64, runner="v2")
+    for context in (2048, 13952, 29952, 45952, 61952, 117952):
+        est = estimate_transient(g, e, context + 2048, SamplingShape())
+        forward = [t.bytes for t in est.terms if t.stage == "forward"]
+        mla = sum(t.bytes for t in est.terms if t.name.startswith("mla_") and t.stage == "forward")
+        kvgate = est.term("hidden_states").bytes + max(mla, *forward)
+        sim = _peak(r, context)
+        assert sim <= kvgate <= 1.05 * sim, (context, kvgate / MiB, sim / MiB)
