@@ -1061,7 +1061,9 @@ class LoneForward:
         full = self.engine.max_num_batched_tokens
         step = max(1, full // HISTORY_STEP_SIZES)
         tokens = min(full, max(step, -(-tokens // step) * step))
-        return lone_forward_fits(self.geometry, self.engine, self.expandable_segments, tokens, capacity // CAPACITY_STEP * CAPACITY_STEP)
+        return lone_forward_fits(
+            self.geometry, self.engine, self.expandable_segments, tokens, capacity // CAPACITY_STEP * CAPACITY_STEP
+        )
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:
