@@ -859,13 +859,18 @@ def _options_unset(chat: ChatInput) -> bool:
 
 
 def _message_of(msg: dict[str, Any], wrap: bool) -> dict:
-    """_message, without its parts machinery for the commonest message: a string content of a
-    role other than system (whose billing header vLLM strips) and nothing else. The string as
-    one text part comes out as itself ("string" format; "" joins to "") or as that one part
-    ("openai", an empty one too)."""
+    """_message, without its parts machinery for the commonest message: a string content and
+    nothing else, of a role _message has no rule for (a system message's only when it does not
+    start with the billing header vLLM strips). The string as one text part comes out as itself
+    ("string" format; "" joins to "") or as that one part ("openai", an empty one too)."""
     role = msg["role"]
     content = msg.get("content")
-    if type(content) is str and role not in ("system", "assistant", "tool", "developer") and len(msg) == 2:
+    if (
+        type(content) is str
+        and len(msg) == 2
+        and role not in ("assistant", "tool", "developer")
+        and not (role == "system" and content.startswith(_BILLING_HEADER))
+    ):
         if not wrap:
             return {"role": role, "content": content}
         return {"role": role, "content": [{"type": "text", "text": content}]}

@@ -41,8 +41,12 @@ VARIABLES = (
 )
 TEMPLATES = {"llama3": CHAT_TEMPLATE, "chatml": CHATML, "alternating": ALTERNATING, "variables": VARIABLES}
 
+# Claude Code's per-request system header, whose first line vLLM drops from a system message.
+BILLING_HEADERS = ["x-anthropic-billing-header: cc_version=1", "x-anthropic-billing-header: v\nBe brief."]
 contents = st.one_of(
-    st.sampled_from(["", "Hello", "{{ bos_token }}", "<s>", "</s>", "<|im_end|>", "{% raw %}", "\n\n", " "]),
+    st.sampled_from(
+        ["", "Hello", "{{ bos_token }}", "<s>", "</s>", "<|im_end|>", "{% raw %}", "\n\n", " ", *BILLING_HEADERS]
+    ),
     st.text(max_size=30),
 )
 messages = st.lists(
