@@ -24,7 +24,7 @@ from kvgate.memory.activation import (
     profile_segment_overhead_bytes,
 )
 from kvgate.memory.draft import Drafter
-from kvgate.memory.encoder import EncoderBudget, VisionTower, profile_encodes
+from kvgate.memory.encoder import ConformerTower, EncoderBudget, VisionTower, profile_encodes
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.kv import KVLayout
@@ -430,6 +430,7 @@ def encoder_budget(
         profiled_item=profiled_item,
         max_tiles=max_tiles,
         profiled_tiles=profiled_tiles,
+        audio=ConformerTower.from_config(config, geometry.dtype_bytes) if audio is not None else None,
     )
 
 

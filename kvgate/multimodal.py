@@ -595,7 +595,7 @@ class MediaCounting:
         if self._audio is not None and self._audio.indexed:
             text = FEATURE_TEXTS[self._audio.feature_token]
             numbered += [
-                # the image tower does not run it (its Conformer is not charged, docs/limitations.md)
+                # not the image tower's: its Conformer's (kvgate/memory/encoder.py ConformerTower), sized by its embeddings
                 NumberedItem(self._audio.placeholder_text(i), key, r.features, text, OTHER_MODALITY)
                 for i, (key, r, _) in enumerate(sounds, 1)
             ]

@@ -30,6 +30,7 @@ import httpx
 
 from kvgate.chat_template import TokenizationError
 from kvgate.errors import BackendBroke, BackendTimedOut
+from kvgate.memory.encoder import OTHER_MODALITY, coded_stand_in
 from kvgate.request import ChatInput
 from kvgate.work_budget import charge
 
@@ -86,10 +87,14 @@ def render_body(chat: ChatInput, model: str) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _stand_in(item_hash: str) -> int:
+def _stand_in(item_hash: str, modality: str) -> int:
     """A negative id standing for one media item, from vLLM's own hash of it: two prompts share
-    a KV prefix through it only where vLLM's block hashes (which include the item's hash) do."""
-    return -1 - int.from_bytes(hashlib.blake2b(item_hash.encode(), digest_size=7).digest(), "big")
+    a KV prefix through it only where vLLM's block hashes (which include the item's hash) do. An
+    audio is coded OTHER_MODALITY, so that Phi-4-multimodal's is charged to its Conformer, not to
+    its image tower (kvgate/memory/encoder.py); an image or video carries no tiles (the
+    largest item's are charged)."""
+    digest = int.from_bytes(hashlib.blake2b(item_hash.encode(), digest_size=7).digest(), "big")
+    return coded_stand_in(digest, OTHER_MODALITY if modality == "audio" else 0)
 
 
 def prompt_ids(answer: Any) -> list[int]:
@@ -106,7 +111,7 @@ def prompt_ids(answer: Any) -> list[int]:
                 start, length = int(place["offset"]), int(place["length"])
                 if not (start >= 0 and length > 0 and start + length <= len(ids)):
                     raise ValueError(f"placeholder {start}+{length} outside {len(ids)} tokens")
-                ids[start : start + length] = [_stand_in(str(item_hash))] * length
+                ids[start : start + length] = [_stand_in(str(item_hash), str(modality))] * length
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BackendBroke(f"its {RENDER_PATH} answer is not a rendered prompt: {exc!r}") from None
     return ids

@@ -11,9 +11,14 @@ tower its `kind` names, as vLLM 0.32.0 builds it, with random weights in bfloat1
 these three files need torchvision), "phi4mm" (phi4mm.py `Phi4MMImageEncoder`, its own SigLIP in
 Idefics2's transformer at its real widths, `layers` of them, over each image's global view and
 crops, a step's images padded to its most crops by `stack_with_pad` as `_process_image_input`
-does) or "qwen2_audio" (transformers'
+does), "qwen2_audio" (transformers'
 `Qwen2AudioEncoder`, which qwen2_audio.py builds, run as `_process_audio_input` runs it: the
-30 s window of features and the 1,500 x 1,500 attention mask of 0.32.0). It records the peak of
+30 s window of features and the 1,500 x 1,500 attention mask of 0.32.0) or "phi4mm_audio"
+(phi4mm_audio.py `AudioEmbedding`, Phi-4-multimodal's Conformer, from the case's config.json
+`audio_processor` and `embd_layer`, run as phi4mm.py `_process_audio_input` runs it: one audio's
+float32 log-mel `frames` x 80, cast to the tower's dtype; or, with "chunks", its Conformer layers
+alone over that many 500-position chunks, as `ConformerEncoder.forward` runs them after the
+subsampling). It records the peak of
 the tensors alive during one forward over a batch, above what was alive before: the batch's
 float32 inputs, as the processor makes them and the runner moves them to the device, are made
 inside the measured range.
@@ -51,6 +56,7 @@ from vllm.model_executor.models.clip import CLIPVisionModel
 from vllm.model_executor.models.idefics2_vision_model import Idefics2VisionTransformer
 from vllm.model_executor.models.interns1_vit import InternS1VisionModel
 from vllm.model_executor.models.phi4mm import Phi4MMImageEncoder, stack_with_pad
+from vllm.model_executor.models.phi4mm_audio import AudioEmbedding
 from vllm.model_executor.models.siglip import SiglipVisionModel
 
 # pixtral.py, qwen2_vl.py and qwen2_5_vl.py import torchvision: only a venv that keeps it builds them.
@@ -92,6 +98,10 @@ def tower(case: dict[str, Any]) -> torch.nn.Module:
             max_source_positions=1500,
         )
         return Qwen2AudioEncoder(audio).to(torch.bfloat16).eval()
+    if kind == "phi4mm_audio":  # phi4mm.py Phi4MMForCausalLM.__init__'s embed_tokens_extend
+        config = PretrainedConfig(**case["config"])
+        layer = config.embd_layer["audio_embd_layer"]
+        return AudioEmbedding(config, **{"embedding_cls": layer["embedding_cls"], **layer}).eval()
     if kind == "phi4mm":  # the tower's widths are phi4mm.py's own; layer_idx keeps `layers` of them
         config = PretrainedConfig(hidden_size=1024, vocab_size=1000, img_processor={"layer_idx": case["layers"] - 1})
         model = Phi4MMImageEncoder(config, None).eval()
@@ -193,6 +203,25 @@ def audio_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
         model(features, attention_mask=mask)
 
 
+def phi4mm_audio_forward(model: torch.nn.Module, case: dict[str, Any]) -> None:
+    """phi4mm.py `_process_audio_input` (0.32.0, 0.33.0): the audio's features cast to the
+    tower's dtype, `embed_tokens_extend(...)` in "speech" mode; with "chunks", the Conformer's
+    layers alone (`ConformerEncoder.forward` after `forward_embeddings`: the T5 bias of a chunk's
+    positions, an all-True streaming mask, chunk_size -1)."""
+    with torch.inference_mode():
+        if "chunks" in case:
+            encoder = model.encoder
+            x = torch.randn(case["chunks"], 500, encoder.attention_dim)
+            mask = torch.ones(case["chunks"], 500, 500, dtype=torch.bool)
+            bias = encoder.init_relative_attention_bias(x)
+            for layer in encoder.encoders:
+                x, *_ = layer(x, None, None, mask, relative_attention_bias=bias)
+            return
+        bins = case["config"]["audio_processor"]["config"]["input_size"]
+        features = torch.randn(case["frames"], bins, dtype=torch.float32)  # the processor's float32
+        model(features.to(torch.bfloat16), audio_projection_mode="speech")
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     with socket.socket() as s:
@@ -207,7 +236,8 @@ def main(argv: list[str]) -> int:
             model = tower(case)
             kind = case.get("kind")
             qwen = {"qwen2_vl": qwen_forward, "qwen2_5_vl": qwen_forward, "qwen3_vl": qwen_forward}
-            forward = {"qwen2_audio": audio_forward, "phi4mm": phi4mm_forward, **qwen}.get(kind, image_forward)
+            forwards = {"qwen2_audio": audio_forward, "phi4mm": phi4mm_forward, "phi4mm_audio": phi4mm_audio_forward}
+            forward = {**forwards, **qwen}.get(kind, image_forward)
             results.append({**case, "measured_bytes": peak_above_entry(lambda m=model, c=case, f=forward: f(m, c))})
     Path(argv[2]).write_text(json.dumps({"torch": torch.__version__, "cases": results}, indent=1))
     return 0

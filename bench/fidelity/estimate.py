@@ -87,8 +87,8 @@ def _prompt_logprobs_term(case: Case, geometry: ModelGeometry, engine: EngineSha
 
 def cuda_only_bytes(case: Case, geometry: ModelGeometry, engine: EngineShape) -> int:
     """Bytes kvgate charges that only the CUDA run of the same code allocates: CUDA's sort scratch
-    (kvgate/memory/sampler.py `sort_bytes_per_logit`: the sort peaks at 32 or 44 B a logit inside
-    `torch.sort` on CUDA, where the CPU's peak is the 18 B after it), and for logprobs or prompt
+    (kvgate/memory/sampler.py `sort_bytes`: the sort peaks at 32 or 44 B a logit and CUB's bins and
+    lookback inside `torch.sort` on CUDA, where the CPU's peak is the 18 B after it), and for logprobs or prompt
     logprobs -1 the sort CUDA's `torch.topk` runs after selecting (`cuda_topk_sort_bytes_per_logit`:
     the CPU's topk has none). Left out of the ratio on the CPU, as `cpu_only_bytes` is the other
     way round."""

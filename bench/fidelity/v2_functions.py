@@ -149,7 +149,7 @@ SORT_GRID = (SortCase(1), SortCase(16), SortCase(127), SortCase(128), SortCase(1
 
 
 def kvgate_sort(case: SortCase, vocab: int) -> int:
-    """kvgate's V1 top-k/top-p term (the sort: kvgate/memory/sampler.py sort_bytes_per_logit)."""
+    """kvgate's V1 top-k/top-p term (the sort: kvgate/memory/sampler.py sort_bytes)."""
     return SamplerCost(vocab, 2, 1024, 8192, "v1", sampler="pytorch").top_k_top_p(case.rows)[0]
 
 

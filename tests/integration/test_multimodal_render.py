@@ -18,8 +18,10 @@ import pytest
 
 from kvgate.chat_template import TokenizationError
 from kvgate.errors import BackendBroke
+from kvgate.memory.encoder import OTHER_MODALITY, stand_in_tiles
 from kvgate.multimodal import media_options
 from kvgate.multimodal_render import RenderEndpoint, prompt_ids
+from kvgate.predict import image_items
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.fake_backend import FakeBackend, running_fake_backend
@@ -97,6 +99,22 @@ def test_without_render_the_400_names_the_model_the_media_and_the_flag(qwen_fold
         assert "model_type 'qwen2_vl'" in message
         assert why in message
         assert "--enable-scale-out" in message
+
+
+def test_rendered_audio_stand_ins_are_coded_for_the_audio_encoder() -> None:
+    """An audio the render endpoint counted (Phi-4-multimodal's MP3, say) is coded OTHER_MODALITY,
+    so its Conformer is charged for it rather than the image tower (kvgate/memory/encoder.py); an
+    image's stand-in is the item hash's alone, as before."""
+    answer = {
+        "token_ids": list(range(1, 10)),
+        "features": {
+            "mm_hashes": {"image": ["i"], "audio": ["a"]},
+            "mm_placeholders": {"image": [{"offset": 1, "length": 2}], "audio": [{"offset": 4, "length": 3}]},
+        },
+    }
+    ids = prompt_ids(answer)
+    assert [stand_in_tiles(t) for t in dict.fromkeys(t for t in ids if t < 0)] == [0, OTHER_MODALITY]
+    assert image_items(ids) == [2, 3]
 
 
 @pytest.mark.parametrize(

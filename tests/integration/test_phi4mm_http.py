@@ -110,6 +110,24 @@ def test_a_body_over_64_kib_is_counted_alike_in_a_preparation_worker(kvgate: Kvg
     assert _prompt_tokens(kvgate, _chat(part)) == _prompt_tokens(kvgate, _chat(_audio(1))) - 13 + 38
 
 
+def test_explain_charges_an_audio_to_the_conformer_and_the_cache(kvgate: KvgateServer) -> None:
+    """A 10 s audio (998 mel frames, 125 embeddings, charged as 1,000 frames): its Conformer's
+    subsampling (kvgate/memory/encoder.py ConformerTower, measured in bf16 in
+    bench/results/fidelity-encoder-phi4mm-audio-cpu.md: 88.38 MiB for 10 s), here in the tiny
+    Llama's float32 (4 B a value, the decoder's dtype the tower runs in), apart from the image
+    tower's bytes; its embeddings in the encoder cache."""
+    explained = httpx.post(kvgate.base_url + "/kvgate/explain", json=_chat(_audio(10)), timeout=30)
+    assert explained.status_code == 200, explained.text
+    terms = {t["name"]: t for t in explained.json()["transient"]["terms"]}
+    audio = terms["audio_encoder_activations"]
+    # 2 x 1,024 x 500 x 40 x 4 + 1,024 x 250 x 20 x 4 + 2 x 1,000 x 80 x 4 + 125^2 + 32 KiB + 1,000 x 80 x 4
+    assert audio["bytes"] == 2 * 81_920_000 + 20_480_000 + 640_000 + 15_625 + 32_768 + 320_000
+    assert "125 embeddings, at most 1,000 mel frames" in audio["detail"]
+    assert audio["profiled"] is False
+    assert terms["encoder_activations"]["bytes"] == 0  # no image
+    assert "125 embeddings" in terms["encoder_cache"]["detail"]
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

@@ -2,7 +2,8 @@
 remote code, which is not here): the tiny Llama's tokenizer with Phi-4's feature tokens
 (<|endoftext10|>, <|endoftext11|>) as special tokens and " <" as one token, as Phi-4's o200k
 vocabulary has it (so a placeholder after a space tokenizes differently in the prompt than
-alone), and a phi4mm config.json (img_processor null, audio compression rate 8) with
+alone), and a phi4mm config.json (img_processor null, the checkpoint's audio_processor and
+embd_layer.audio_embd_layer: its Conformer, audio compression rate 8) with
 preprocessor_config.json's dynamic_hd 36, the released checkpoint's values."""
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench.fidelity.encoder import phi4mm_audio_config
 from support.tiny_media import folder_with_media_tokens
 
 FEATURE_TOKENS = ["<|endoftext10|>", "<|endoftext11|>"]
+_CHECKPOINT = phi4mm_audio_config()
 PHI4MM_CONFIG = {
     "model_type": "phi4mm",
     "architectures": ["Phi4MMForCausalLM"],
     "img_processor": None,
-    "embd_layer": {"audio_embd_layer": {"compression_rate": 8}},
+    "audio_processor": _CHECKPOINT["audio_processor"],
+    "embd_layer": _CHECKPOINT["embd_layer"],
 }
 
 

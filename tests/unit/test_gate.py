@@ -25,11 +25,18 @@ from kvgate.metrics import GateMetrics, KvgateMetrics
 from kvgate.output_lengths import OutputLengths
 from support.waiting import wait_for_async
 
-# Per sampled row: logits 2 x (1 + 4) = 10 B and the CUDA sort's peak (profiled: kvgate/memory/
-# sampler.py sort_bytes_per_logit), 2 x 32 = 64 B in a batch of 1 or 128+ rows, 2 x 44 = 88 B in
-# one of 2 - 127 rows (PyTorch's full-sort scratch); logprobs 2 x 4 = 8 B.
-PROFILED_ROW = 10 + 64
-PROFILED_ROW_SMALL_BATCH = 10 + 88
+# Profiled, per sampled row: logits 2 x (1 + 4) = 10 B; and the CUDA sort's peak (kvgate/memory/
+# sampler.py sort_bytes): a 2-id vocabulary sorts in place in its outputs (PyTorch's small sort:
+# fp32 values + int64 indices, each at least the caching allocator's 512 B), or 2 x 18 = 36 B a row
+# after it (masks, softmax), the larger. Unprofiled: logprobs 2 x 4 = 8 B a row.
+
+
+def profiled_sampler(rows: int) -> int:
+    """1,044 B for 2 rows, 1,054 for 3, 1,380 for 30 (36 B a row from 29 rows), 46,000 for 1,000."""
+    outputs = -(-rows * 2 * 4 // 512) * 512 + -(-rows * 2 * 8 // 512) * 512
+    return rows * 10 + max(rows * 2 * 18, outputs)
+
+
 COST = SamplerCost(vocab_size=2, dtype_bytes=1, max_num_seqs=1000, max_num_batched_tokens=2000)
 
 
@@ -96,7 +103,7 @@ class TestLedger:
         ledger = Ledger()
         plain = ledger.reserve(demand(rows=30, logprobs=False))
         assert ledger.transient_bytes == 0
-        assert ledger.profiled_bytes == 30 * PROFILED_ROW_SMALL_BATCH
+        assert ledger.profiled_bytes == profiled_sampler(30) == 1_380
         assert ledger.transient_bytes_with(demand(rows=1)) == 31 * 8
         asking = ledger.reserve(demand(rows=1))
         ledger.release(plain)
@@ -135,14 +142,14 @@ class TestLedger:
         ledger = Ledger()
         for _ in range(3):
             ledger.reserve(demand(rows=400))
-        assert ledger.profiled_bytes == 1000 * PROFILED_ROW
+        assert ledger.profiled_bytes == profiled_sampler(1000) == 46_000
         assert ledger.transient_bytes == 1000 * 8
 
     def test_an_empty_ledger_charges_a_demand_what_it_asks_alone(self) -> None:
         d = demand(prefill=70, profiled_prefill=5, rows=3, penalties=True, prompt=40)
         assert Ledger().transient_bytes_with(d) == d.transient_bytes == 70 + 24 + 2 * 3 * 40 * 8
         # its forward pass (5) and its sampler stage run one after the other: the larger counts
-        assert Ledger().step_with(d).profiled_bytes == d.profiled_bytes == 3 * PROFILED_ROW_SMALL_BATCH
+        assert Ledger().step_with(d).profiled_bytes == d.profiled_bytes == profiled_sampler(3) == 1_054
 
     def test_high_water_mark_sees_short_lived_prefills(self) -> None:
         ledger = Ledger()
@@ -180,17 +187,17 @@ class TestLedger:
         sampler runs after the forward pass has freed them (kvgate/memory/ceiling.py StepHoldings),
         with the hidden states it reads: the larger phase counts."""
         ledger = Ledger()
-        first = ledger.reserve(replace(demand(profiled_prefill=500, rows=1), profiled_residual_bytes=50))
-        second = ledger.reserve(demand(profiled_prefill=300, rows=1))
-        assert ledger.step().forward_profiled == 800
+        first = ledger.reserve(replace(demand(profiled_prefill=5000, rows=1), profiled_residual_bytes=50))
+        second = ledger.reserve(demand(profiled_prefill=3000, rows=1))
+        assert ledger.step().forward_profiled == 8000
         assert ledger.step().residual_profiled == 50
-        assert ledger.step().sampler_profiled == 2 * PROFILED_ROW_SMALL_BATCH
-        assert ledger.profiled_bytes == 800
-        assert ledger.step_with(demand(profiled_prefill=100)).profiled_bytes == 900
+        assert ledger.step().sampler_profiled == profiled_sampler(2) == 1_044
+        assert ledger.profiled_bytes == 8000
+        assert ledger.step_with(demand(profiled_prefill=1000)).profiled_bytes == 9000
         ledger.end_prefill(first)
-        assert ledger.profiled_bytes == 300
+        assert ledger.profiled_bytes == 3000
         ledger.end_prefill(second)
-        assert ledger.profiled_bytes == 2 * PROFILED_ROW_SMALL_BATCH  # decoding only: the sampler's
+        assert ledger.profiled_bytes == profiled_sampler(2)  # decoding only: the sampler's
         ledger.release(second)
         ledger.release(first)
         assert ledger.profiled_bytes == 0
@@ -223,8 +230,11 @@ class TestBudgetCharges:
         # unprofiled prefill terms take the largest open prefill (600), the profiled ones the cap
         assert budget.shortfall(demand(profiled_prefill=900, prefill=600), ledger) is None
         assert budget.shortfall(demand(profiled_prefill=900, prefill=601), ledger) == TRANSIENT_BUSY
-        # its MLP is freed before its sampler (8 B unprofiled) runs: the larger phase, the region
-        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 400
+        # its MLP is freed before its sampler runs: the larger phase counts, its profiled bytes up to
+        # the region. The sampler's (1 row: 10 B + its sort's two 512-B outputs, 8 B unprofiled) is
+        # the larger here: the region + 8
+        assert budget.ceiling().transient_need(demand(profiled_prefill=900, rows=1)) == 400 + 8
+        assert budget.ceiling().transient_need(demand(profiled_prefill=900)) == 400
 
     def test_profiled_terms_charged_to_free_memory_take_the_allocators_segments(self) -> None:
         """S13: a 400 MiB profile peak that comes back out of free memory takes 480 MiB of

@@ -258,8 +258,11 @@ async def test_a_trusted_request_template_renders_within_budget(
     elapsed, gap, result = await max_loop_gap(lambda: tokenizer.encode_chat(chat, max_tokens=1024))
     assert isinstance(result, TokenizationError), result
     assert reason in str(result), result
-    assert elapsed < 1.0
-    assert gap < 0.2
+    # Bounds that a blocked loop or a budget that never fires fail by far (the nested loops alone
+    # run for hours; the budget is 0.5 s), with room for a loaded 2-core machine's scheduling: one
+    # run at load 6 took the rendering thread past 1 s.
+    assert elapsed < 3.0
+    assert gap < 0.4
     await wait_for_async(  # the rendering thread was stopped, not left spinning
         lambda: threading.active_count() <= threads, timeout_s=1, what="the rendering thread to stop"
     )
@@ -288,7 +291,7 @@ async def test_a_trusted_template_cannot_build_a_string_past_its_budget(
     assert isinstance(result, TokenizationError), result
     assert "budget" in str(result), result
     assert _status_bytes("VmHWM") - before < 64 * 2**20
-    assert elapsed < 1.0
+    assert elapsed < 3.0
 
 
 async def test_a_trusted_template_within_budget_builds_what_jinja_builds(tokenizer: LocalTokenizer) -> None:

