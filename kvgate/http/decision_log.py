@@ -33,9 +33,10 @@ class _Moment:
 
 def _only_handler() -> logging.StreamHandler | None:  # type: ignore[type-arg]
     """kvgate's own handler (kvgate.logs.configure_logging's) when it is the one place a decision
-    line goes: no handler or filter on this logger, none on its parents before the root, and the
-    root's one handler kvgate's format, with no filter. Else None."""
-    if decision_log.handlers or decision_log.filters or not decision_log.propagate:
+    line goes: no handler or filter on this logger (nor disabled by a logging configuration),
+    none on its parents before the root, and the root's one handler kvgate's format, with no
+    filter. Else None."""
+    if decision_log.handlers or decision_log.filters or not decision_log.propagate or decision_log.disabled:
         return None
     logger = decision_log.parent
     while logger is not None and logger.parent is not None:  # up to the root

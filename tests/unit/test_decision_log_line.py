@@ -120,6 +120,15 @@ def test_straight_to_kvgate_s_handler_the_lines_are_logging_s(monkeypatch: pytes
     assert lines[0].split(" INFO ")[0].endswith(",789")
 
 
+def test_a_disabled_decision_logger_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A logging configuration that disables the logger (dictConfig's disable_existing_loggers)
+    silences the lines, as logging does."""
+    stream = kvgate_handler(monkeypatch)
+    monkeypatch.setattr(logging.getLogger("kvgate.decision"), "disabled", True)
+    _decide_all(DecisionLog())
+    assert stream.getvalue() == ""
+
+
 @pytest.mark.parametrize("where", ["own handler", "filter", "second root handler", "level", "other format"])
 def test_any_other_logging_configuration_gets_the_records(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """A handler or filter anywhere on the way, another format or a handler level above info:
