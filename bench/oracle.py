@@ -237,6 +237,7 @@ def _fork(
             if req is None or req.status != Status.RUNNING:
                 continue
             req.num_computed_tokens += sr.num_new_tokens
+            _release_encoded(sched, req)
             if req.num_computed_tokens >= req.num_tokens and _sample(engine, req, memo):
                 _finish(sched, req)
     alloc, carry = _fork_memory(engine.alloc, engine.carry)
@@ -289,6 +290,18 @@ def _sample(engine: Engine, req: Request, memo: Memo) -> bool:
         or req.num_tokens >= engine.resolved.max_model_len
         or (eos and not sp.ignore_eos)
     )
+
+
+def _release_encoded(sched: Scheduler, req: Request) -> None:
+    """Engine._update's `_free_encoder_inputs`: an image its prompt has read leaves the encoder
+    cache's needed entries (freeable, evicted for the next image). Without it the dry run saw the
+    cache full, deferred the next images' encoding and passed steps the engine then ran with
+    their encoder activations (S14's oracle OOM, session 26)."""
+    if sched.encoder is None:
+        return
+    for i, item in enumerate(req.mm_items):
+        if item.start + item.length <= req.num_computed_tokens:
+            sched.encoder.cache.release((req.request_id, i))
 
 
 def _finish(sched: Scheduler, req: Request) -> None:
@@ -355,11 +368,14 @@ def dry_run(
             if req.status != Status.RUNNING:
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            _release_encoded(sched, req)
             if req.num_computed_tokens < req.num_tokens:
                 continue
             ends = _sample(engine, req, memo)
             if ends:
                 req.status = Status.FINISHED
+                if sched.encoder is not None and req.mm_items:  # Scheduler.finish's _release_images
+                    sched.encoder.cache.release_request(req.request_id)
                 finished = True
             g = group_of.get(id(req))
             if g is not None and (ends or len(req.output_token_ids) == DECODE_STEPS):

@@ -178,7 +178,7 @@ async def run(args: argparse.Namespace, backend_port: int, folder: Path) -> list
     if args.canned_evaluation:  # everything but the evaluation: the HTTP path, the gate, the relay
         canned = await rt.pipeline.evaluate("chat" if args.kind == "chat" else "completions", bodies[0])
 
-        async def evaluate(route: Any, raw: bytes) -> Any:
+        async def evaluate(route: Any, raw: bytes, deadline: float | None = None) -> Any:
             return canned
 
         rt.pipeline.evaluate = evaluate

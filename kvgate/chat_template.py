@@ -769,21 +769,27 @@ def _render_parameters(tokenizer_class: Any) -> frozenset[str]:
     return frozenset(inspect.signature(tokenizer_class.apply_chat_template).parameters)
 
 
-def _plain_chat(tokenizer: Any, conversation: list[dict], kwargs: dict[str, Any]) -> bool:
-    """A chat that transformers' apply_chat_template (5.x: `_normalize_chat_messages`,
-    `render_jinja_template`) would hand the operator's template unchanged: messages of role,
-    content and name strings only (no None to drop, no reasoning field to alias, no object to turn
-    into plain data), no tools or documents, no final message to continue, and kwargs that are
-    plain values, apart from add_generation_prompt, none of them one of its own parameters."""
-    if not conversation or kwargs.get("continue_final_message") or kwargs.get("return_dict"):
+def _plain_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> bool:
+    """Kwargs with which transformers' apply_chat_template (5.x: `_normalize_chat_messages`,
+    `render_jinja_template`) hands the operator's template the messages unchanged (with
+    _plain_messages): no final message to continue, no dict to return, no documents, plain
+    values, apart from add_generation_prompt none of them one of its own parameters."""
+    if kwargs.get("continue_final_message") or kwargs.get("return_dict"):
         return False
     if kwargs.get("documents") is not None:
         return False
     own = _render_parameters(tokenizer.__class__)
-    for key, value in kwargs.items():
-        if type(value) not in _PLAIN_VALUES or (key in own and key not in _PLAIN_RENDER_KWARGS):
-            return False
     return all(
+        type(value) in _PLAIN_VALUES and (key not in own or key in _PLAIN_RENDER_KWARGS)
+        for key, value in kwargs.items()
+    )
+
+
+def _plain_messages(conversation: list[dict]) -> bool:
+    """Messages apply_chat_template hands the template as they are: role, content and name
+    strings only (no None to drop, no reasoning field to alias, no object to turn into plain
+    data)."""
+    return bool(conversation) and all(
         type(message) is dict
         and all(type(value) is str and key in _PLAIN_MESSAGE_KEYS for key, value in message.items())
         for message in conversation
@@ -795,28 +801,24 @@ def _plain_chat(tokenizer: Any, conversation: list[dict], kwargs: dict[str, Any]
 _PLAIN_RENDER_KWARGS = frozenset({"add_generation_prompt", "continue_final_message", "return_dict", "documents"})
 
 
-def _render_plain(tokenizer: Any, template: str, conversation: list[dict], kwargs: dict[str, Any]) -> str:
-    """What apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
-    returns for a _plain_chat, without its copies of the conversation: the compiled template
-    rendered with the messages, no tools or documents, the special tokens and the kwargs that are
-    template variables (render_jinja_template's call). A fifth of a short chat's CPU was those
-    copies (tests/unit/test_chat_render_plain.py compares the two)."""
-    variables = {k: v for k, v in kwargs.items() if k not in _PLAIN_RENDER_KWARGS}
-    return _transformers_compile(template).render(
-        messages=conversation,
-        tools=None,
-        documents=None,
-        add_generation_prompt=kwargs.get("add_generation_prompt", False),
-        **{**tokenizer.special_tokens_map, **variables},
-    )
+@dataclass(frozen=True)
+class _Settled:
+    """What render_chat works out from a chat's options, before its messages: the template to
+    render with, the content format, the kwargs the template accepts. For a chat that sets none
+    of the options (no template, tools, documents, kwargs or reasoning effort: most chats) it
+    depends only on the tokenizer's template and the two generation flags, and ChatRenderer
+    keeps it."""
+
+    template: str
+    wrap: bool  # the content format is "openai": content parts stay parts
+    has_developer: bool  # the template knows the developer role
+    kwargs: dict[str, Any]
+    tools: list[dict] | None
+    tokenize: Any
+    plain: bool  # tools None, tokenize False, the model's template, _plain_kwargs
 
 
-def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False) -> str | list[int]:
-    """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True).
-    `namespace_aliases`: the backend release's rule for the template's content format
-    (VllmRuntime.content_format_namespace_aliases: vLLM 0.33.0 follows namespace aliases)."""
-    if chat.add_generation_prompt and chat.continue_final_message:
-        raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+def _settle(tokenizer: Any, chat: ChatInput, namespace_aliases: bool) -> _Settled:
     tools = None if chat.tools is None else [_tool(t) for t in chat.tools]
     extra = {
         "add_generation_prompt": chat.add_generation_prompt,
@@ -838,27 +840,124 @@ def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False
     fmt = _template_info(_template(tokenizer, chat.chat_template, tools), namespace_aliases).content_format
     template = _template(tokenizer, kwargs.pop("chat_template", None), tools)
     info = _template_info(template, namespace_aliases)
-    conversation = [_message(m, fmt == "openai") for m in chat.messages]
-    if not info.has_developer and any(m["role"] == "developer" for m in conversation):
-        conversation = _developer_as_system(conversation)
     accepted = info.variables | _HF_CHAT_PARAMS
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    try:
-        if (
-            tools is None
-            and tokenize is False
-            and chat.chat_template is None
-            and _plain_chat(tokenizer, conversation, kwargs)
-        ):
-            return _render_plain(tokenizer, template, conversation, kwargs)
-        return tokenizer.apply_chat_template(
-            conversation=conversation,
-            tools=tools,
-            chat_template=template,
-            tokenize=tokenize,
-            **kwargs,
-        )
-    except MemoryError:  # the kernel's limit on a preparation worker: its grant, not a template error
-        raise
-    except Exception as e:  # template code raises anything; all of it is the request's fault
-        raise TokenizationError(_template_error(e)) from e
+    plain = tools is None and tokenize is False and chat.chat_template is None and _plain_kwargs(tokenizer, kwargs)
+    return _Settled(template, fmt == "openai", info.has_developer, kwargs, tools, tokenize, plain)
+
+
+def _options_unset(chat: ChatInput) -> bool:
+    """The chat sets none of the options but the two generation flags (ChatRenderer keeps what
+    _settle makes of it)."""
+    return (
+        chat.chat_template is None
+        and chat.tools is None
+        and chat.documents is None
+        and chat.chat_template_kwargs is None
+        and chat.reasoning_effort is None
+    )
+
+
+def _message_of(msg: dict[str, Any], wrap: bool) -> dict:
+    """_message, without its parts machinery for the commonest message: a string content and
+    nothing else, of a role _message has no rule for (a system message's only when it does not
+    start with the billing header vLLM strips). The string as one text part comes out as itself
+    ("string" format; "" joins to "") or as that one part ("openai", an empty one too)."""
+    role = msg["role"]
+    content = msg.get("content")
+    if (
+        type(content) is str
+        and len(msg) == 2
+        and role not in ("assistant", "tool", "developer")
+        and not (role == "system" and content.startswith(_BILLING_HEADER))
+    ):
+        if not wrap:
+            return {"role": role, "content": content}
+        return {"role": role, "content": [{"type": "text", "text": content}]}
+    return _message(msg, wrap)
+
+
+class ChatRenderer:
+    """render_chat for one tokenizer, with what depends only on its template worked out once:
+    the settled options of a chat that sets none, the compiled template's globals and the
+    special tokens (kvgate/tokens.py LocalTokenizer keeps one for the tokenizer it loaded, and a
+    new tokenizer gets a new renderer: nothing kept outlives the template it was made from).
+
+    Working them out again for every chat was a third of its render: four merges of kwargs, the
+    template's lookup, the special tokens map built from the tokenizer's attributes, and jinja's
+    context made from the template's chained globals."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._settled: dict[tuple[bool, bool, bool], _Settled] = {}
+        self._plain_context: dict[str, tuple[jinja2.Template, dict[str, Any]]] = {}
+
+    def render(self, chat: ChatInput, namespace_aliases: bool = False) -> str | list[int]:
+        """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True).
+        `namespace_aliases`: the backend release's rule for the template's content format
+        (VllmRuntime.content_format_namespace_aliases: vLLM 0.33.0 follows namespace aliases)."""
+        if chat.add_generation_prompt and chat.continue_final_message:
+            raise TokenizationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        settled: _Settled | None = None
+        key = None
+        if _options_unset(chat):
+            key = (chat.add_generation_prompt, chat.continue_final_message, namespace_aliases)
+            settled = self._settled.get(key)
+        if settled is None:
+            settled = _settle(self.tokenizer, chat, namespace_aliases)
+            if key is not None:
+                self._settled[key] = settled
+        conversation = [_message_of(m, settled.wrap) for m in chat.messages]
+        if not settled.has_developer and any(m["role"] == "developer" for m in conversation):
+            conversation = _developer_as_system(conversation)
+        try:
+            if settled.plain and _plain_messages(conversation):
+                return self._render_plain(settled.template, conversation, settled.kwargs)
+            return self.tokenizer.apply_chat_template(
+                conversation=conversation,
+                tools=settled.tools,
+                chat_template=settled.template,
+                tokenize=settled.tokenize,
+                **settled.kwargs,
+            )
+        except MemoryError:  # the kernel's limit on a preparation worker: its grant, not a template error
+            raise
+        except Exception as e:  # template code raises anything; all of it is the request's fault
+            raise TokenizationError(_template_error(e)) from e
+
+    def _render_plain(self, template: str, conversation: list[dict], kwargs: dict[str, Any]) -> str:
+        """What apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+        returns for a plain chat (_plain_kwargs, _plain_messages), without its copies of the conversation: the compiled template
+        rendered with the messages, no tools or documents, the special tokens and the kwargs that
+        are template variables (render_jinja_template's call). A fifth of a short chat's CPU was
+        those copies (tests/unit/test_chat_render_plain.py compares the two).
+
+        Rendered as jinja2's Template.render does (jinja2 3.1: a context whose parent is the
+        template's globals updated with the variables, then its root render function), from a
+        copy of globals and special tokens made once per template."""
+        kept = self._plain_context.get(template)
+        if kept is None:
+            compiled = _transformers_compile(template)
+            base = dict(compiled.globals)
+            base.update(self.tokenizer.special_tokens_map)
+            base.update(tools=None, documents=None)
+            kept = self._plain_context[template] = (compiled, base)
+        compiled, base = kept
+        variables = base.copy()
+        variables["messages"] = conversation
+        variables["add_generation_prompt"] = kwargs.get("add_generation_prompt", False)
+        variables.update((k, v) for k, v in kwargs.items() if k not in _PLAIN_RENDER_KWARGS)
+        context = compiled.new_context(variables, shared=True)
+        try:
+            return compiled.environment.concat(compiled.root_render_func(context))
+        except Exception:
+            compiled.environment.handle_exception()
+            raise  # handle_exception always raises
+
+
+def render_chat(tokenizer: Any, chat: ChatInput, namespace_aliases: bool = False) -> str | list[int]:
+    """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True), with
+    nothing kept from one call to the next (ChatRenderer keeps what a tokenizer's chats share).
+    `namespace_aliases`: the backend release's rule for the template's content format
+    (VllmRuntime.content_format_namespace_aliases: vLLM 0.33.0 follows namespace aliases)."""
+    return ChatRenderer(tokenizer).render(chat, namespace_aliases)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvgate.memory.activation import (
     EngineShape,
+    LoneForward,
     SamplerPhaseOverhead,
     profile_forward_bytes,
     profile_hidden_bytes,
@@ -96,6 +97,7 @@ class StaticLimits:
     forward_bytes_per_token: int = 0  # its share a token (max_num_batched_tokens of them)
     profiled_hidden_bytes: int = 0  # its hidden states and residual (activation.py profile_hidden_bytes)
     sampler_phase_overhead: SamplerPhaseOverhead | None = None  # activation.py: the sampler phase's replay
+    lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
 
 
 @dataclass(frozen=True)
@@ -569,6 +571,7 @@ def static_limits(
         forward_bytes_per_token=-(-forward // max(1, predictor.engine.max_num_batched_tokens)),
         profiled_hidden_bytes=profile_hidden_bytes(predictor.layout.geometry, predictor.engine),
         sampler_phase_overhead=SamplerPhaseOverhead(predictor.layout.geometry, predictor.engine, expandable_segments),
+        lone_forward=LoneForward(predictor.layout.geometry, predictor.engine, expandable_segments),
     )
 
 

@@ -219,11 +219,13 @@ def with_placeholders(
     with a rule that counts videos (Qwen2-VL's), video_url parts, appended to `watched`."""
     found: list[ImagePart] = []
     messages = []
+    changed = False  # a chat without media is handed back as it is (most chats: no copy)
     for message in chat.messages:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list) or not any(_media_kind(p) for p in content):
             messages.append(message)
             continue
+        changed = True
         parts = []
         for part in content:
             kind = _media_kind(part)
@@ -269,7 +271,7 @@ def with_placeholders(
             text = {"type": "text", "text": placeholder}
             parts.append(text if as_text else MediaPlaceholder("image", placeholder, part))
         messages.append({**message, "content": parts})
-    return replace(chat, messages=tuple(messages)), found
+    return (replace(chat, messages=tuple(messages)) if changed else chat), found
 
 
 def _stand_in(key: str, tiles: int = 0) -> int:

@@ -71,7 +71,7 @@ class PipelineConfig:
     workers: PreparationWorkers | None = None  # only with the model folder's own tokenizer
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: made once a request, only read after (gated_routes.Caller says why)
 class Evaluation:
     request: ValidRequest
     prediction: Prediction

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
 from kvgate.memory.activation import (
@@ -162,6 +162,9 @@ class Predictor:
         # A request's transient estimate is a pure function of its prompt length and sampling
         # shape here (geometry and engine are this predictor's): each pair is estimated once.
         self.transient = lru_cache(maxsize=TRANSIENT_MEMO_SIZE)(self._transient)
+        # A SamplerUse is a frozen value of its fields and this predictor's sampler cost; making
+        # one computes its `alone` stage (a sixth of a short chat's prediction): each is made once.
+        self._sampler_use = lru_cache(maxsize=TRANSIENT_MEMO_SIZE)(partial(SamplerUse, self.sampler_cost))
 
     def _transient(self, prompt_tokens: int, sampling: SamplingShape) -> tuple[TransientEstimate, TransientSplit]:
         estimate = estimate_transient(self.layout.geometry, self.engine, prompt_tokens, sampling)
@@ -279,8 +282,7 @@ class Predictor:
         """What the request puts in the sampler's batch: every prompt's n rows, its longest prompt
         and output; its Model Runner V2 needs (logits processing, top-k/top-p, which filters) as
         predict found them for `sampling` (worked out once a request)."""
-        return SamplerUse(
-            self.sampler_cost,
+        return self._sampler_use(
             rows=sum(fp.n for fp in footprints),
             longest_prompt=max(fp.prompt_tokens for fp in footprints),
             logprobs=spec.sampling.logprobs is not None,

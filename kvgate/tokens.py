@@ -18,9 +18,9 @@ import httpx
 
 from kvgate.audio import audio_tokens_of
 from kvgate.chat_template import (
+    ChatRenderer,
     TemplateBudget,
     TokenizationError,
-    render_chat,
     render_within_budget,
 )
 from kvgate.harmony import HarmonyChats, renders_with_harmony
@@ -140,6 +140,9 @@ class LocalTokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self._rust = rust_backend(self._tok)
+        # What the template's chats share, worked out once: this tokenizer's template never changes
+        # (a backend sync that loads another tokenizer makes another renderer).
+        self._renderer = ChatRenderer(self._tok)
         # tokenizers >= 0.21 has the offset-free batch call; with an older one, plain `encode`.
         self._batch_fast = getattr(self._rust, "encode_batch_fast", None)
         # A chat's template text repeats (system prompt, earlier turns, headers): its pieces between
@@ -241,7 +244,7 @@ class LocalTokenizer:
 
     def render_chat(self, chat: ChatInput, namespace_aliases: bool = False) -> str | list[int]:
         """The prompt text vLLM renders for `chat` (token ids if kwargs say tokenize=True)."""
-        return render_chat(self._tok, chat, namespace_aliases)
+        return self._renderer.render(chat, namespace_aliases)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids` as vLLM decodes a prompt (transformers' decode, special tokens kept:

@@ -79,6 +79,9 @@ class Budget:
     sampler_phase_overhead: Callable[[int, int], int] | None = None
     # The share of it charged, relaxed on the GPU's evidence (kvgate/telemetry/calibration.py observe_slack).
     sampler_overhead_scale: float = 1.0
+    # (step tokens, capacity) -> whether a lone request's forward pass runs in that capacity after
+    # any one earlier step of another size (kvgate/memory/activation.py LoneForward); None: it does.
+    lone_forward: Callable[[int, int], bool] | None = None
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
     # Below 1 in conservative mode (stale readings): a share of the transient limit, never full
@@ -147,10 +150,40 @@ class Budget:
     def ceiling(self) -> Ceiling:
         """The most an idle server offers one request: whether it could ever fit is judged
         against this (kvgate/predict.py Predictor.check_fits_ever). Its profiled terms count at
-        their allocated bytes, as vLLM's profile sized them: alone on an idle engine a request's
-        steps run largest first (its prefill's chunks, then decode), not after a step of another
-        size, so the segment overhead is charged only beside other requests (`shortfall`)."""
-        return Ceiling(self.kv_blocks, self.max_transient_limit(), self.profiled_cap_bytes)
+        their allocated bytes, as vLLM's profile sized them, unless its forward pass alone could
+        run out of the largest headroom seen after some earlier step (`lone_step_fits`): then
+        they count at their segments, as beside other requests."""
+        headroom = self.max_transient_headroom_bytes or self.transient_headroom_bytes
+        return Ceiling(
+            self.kv_blocks,
+            self.max_transient_limit(),
+            self.profiled_cap_bytes,
+            self.charged_segment_overhead,
+            None if headroom is None else lambda profiled: self.lone_step_fits(profiled, headroom),
+        )
+
+    def lone_step_fits(self, profiled_forward_bytes: int, capacity: int | None = None) -> bool:
+        """Whether a request alone on the engine may be charged its forward pass's allocated bytes.
+
+        Alone, a request's steps run largest first (its prefill's chunks, then decode), but the
+        caching allocator still holds the segments earlier requests' steps left: only where its
+        forward pass runs in the headroom after any one earlier step of another size
+        (kvgate/memory/activation.py `lone_forward_fits`) are its segments known not to strand.
+        Where the profile region comes out of free memory only (`profiled_cap_bytes` above 0).
+        `capacity`: the headroom to run in, default the live one. Not scaled down in conservative
+        mode: the replay asks what the allocator does in the memory it has; the charge is then
+        weighed against the scaled limit (`shortfall`), which would count stale readings twice."""
+        if capacity is None:
+            capacity = self.transient_headroom_bytes
+        if (
+            self.lone_forward is None
+            or not self.profiled_cap_bytes
+            or not self.forward_bytes_per_token
+            or profiled_forward_bytes <= 0
+            or capacity is None
+        ):
+            return True
+        return self.lone_forward(-(-profiled_forward_bytes // self.forward_bytes_per_token), capacity)
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their
@@ -189,7 +222,8 @@ class Budget:
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
         transient_limit = self.transient_limit()
-        charge = self._step_charge(holdings.step_with(demand), beside_others=holdings.in_flight > 0)
+        beside_others = holdings.in_flight > 0 or not self.lone_step_fits(demand.profiled_prefill_bytes)
+        charge = self._step_charge(holdings.step_with(demand), beside_others=beside_others)
         if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY
         return None

@@ -86,7 +86,10 @@ def header_priority(scope: Scope, priority_header: bytes | None) -> int | None:
         raise InvalidField(f"{name} must be an integer.", name) from None
 
 
-@dataclass(frozen=True)
+# Not frozen, these three: a frozen dataclass is built through object.__setattr__, a field at a
+# time (2.7 us for seven fields against 0.45 us, slots alone, on the 2-core machine), and each is
+# made once a request and only read after.
+@dataclass(slots=True)
 class Caller:
     """Who sent a request, read from its headers before its body is tokenized."""
 
@@ -102,7 +105,7 @@ class Caller:
         return body_priority if trust_body else 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Evaluated:
     """A request read and evaluated, ready to wait for the gate (again, if its first try found
     the backend gone)."""
@@ -116,7 +119,7 @@ class Evaluated:
     route: Route
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Admitted:
     """A request the gate let through: what the upstream exchange needs."""
 

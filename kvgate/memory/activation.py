@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from kvgate.memory.allocator import TapeOp, alloc, footprint, free, worst_need
+from kvgate.memory.allocator import TapeOp, alloc, fits_after_any, footprint, free, worst_need
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import QKV_SLICES, shrink_buffer_bytes
@@ -960,7 +960,9 @@ def profile_sampler_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     return hidden + stage.profiled - stage.sample_hidden // 2
 
 
-def profile_forward_tape(geometry: ModelGeometry, engine: EngineShape, tokens: int | None = None) -> list[TapeOp]:
+def profile_forward_tape(
+    geometry: ModelGeometry, engine: EngineShape, tokens: int | None = None, served: bool = False
+) -> list[TapeOp]:
     """The profile step's tensors in the order vLLM makes and drops them, for the allocator replay
     (kvgate/memory/allocator.py). One decoder layer stands for all: every layer frees what it
     made, so the next one finds the same blocks cached.
@@ -975,14 +977,16 @@ def profile_forward_tape(geometry: ModelGeometry, engine: EngineShape, tokens: i
     fused MoE layer is one block of the MoE term. The sampler half is not on the tape: its
     tensors are sized by the batch's rows, not the step's tokens, and where it sets the profile
     peak (V1's full-vocabulary sort) its segments' own overhead is not modelled; nor are the LoRA
-    shrink buffer and a draft model's pass (their bytes still count in `profile_peak_bytes`)."""
+    shrink buffer and a draft model's pass (their bytes still count in `profile_peak_bytes`).
+    `served`: a step that serves requests has attention metadata, so MLA makes no profile buffer
+    (its prefill's own tensors are charged as their terms, `_mla_terms`)."""
     g, e = geometry, engine
     t, dt, tp = tokens or e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
     hidden = t * g.hidden_size * dt
     heads, kv_heads = max(1, g.num_attention_heads // tp), max(1, g.num_kv_heads // tp)
     tape = [alloc("hidden", hidden), alloc("residual", hidden)]
     tape += [alloc("qkv", t * (heads + 2 * kv_heads) * g.head_dim * dt), alloc("attn_out", t * heads * g.head_dim * dt)]
-    dummy = mla_profile_dummy_bytes(g, e)
+    dummy = 0 if served else mla_profile_dummy_bytes(g, e)
     if dummy:
         tape += [alloc("mla_dummy", dummy), *free("mla_dummy")]
     tape += [*free("qkv"), alloc("o_proj", hidden), *free("attn_out", "hidden")]
@@ -1016,6 +1020,50 @@ def profile_segment_overhead_bytes(geometry: ModelGeometry, engine: EngineShape,
     sizes = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
     earlier = ([profile_forward_tape(geometry, engine, t)] for t in sizes)
     return max(0, worst_need(step, earlier, expandable_segments) - footprint(step, expandable_segments).allocated_peak)
+
+
+@lru_cache(maxsize=1024)
+def lone_forward_fits(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, tokens: int, capacity: int
+) -> bool:
+    """Whether a step's forward pass of `tokens` tokens runs in `capacity` bytes of transient
+    memory after any one earlier step of another size (sixteenths of max_num_batched_tokens), the
+    earlier step run in the same capacity (kvgate/memory/allocator.py `fits_after_any`).
+
+    The caching allocator keeps its segments when the requests that made them are gone: a request
+    alone on an idle engine meets the cache the last steps left, not an empty one. Held-out
+    benchmark H1 (Qwen2.5-7B on an A100, V2, the pool vLLM's start-up advice sizes: 617 MiB of
+    headroom) OOMed the simulator with a lone 4,096-token chunk (500 MiB allocated) after a
+    1,792 - 2,304-token step: the earlier step's SiluAndMul and gate_up segments take the new
+    hidden states, residual and QKV, and the new SiluAndMul's 148 MiB finds no room."""
+    full = engine.max_num_batched_tokens
+    step = profile_forward_tape(geometry, engine, tokens, served=True)
+    sizes = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)} - {tokens})
+    earlier = ([profile_forward_tape(geometry, engine, t, served=True)] for t in sizes)
+    return fits_after_any(step, earlier, capacity, expandable_segments)
+
+
+CAPACITY_STEP = 8 * MiB
+
+
+class LoneForward:
+    """`lone_forward_fits` of one deployment, for the budget: the step's tokens rounded up to the
+    history's grid and the capacity down to a multiple of 8 MiB, so the replays (a few
+    milliseconds each, on the event loop) are memoised across headroom readings that differ by a
+    few MiB. (A plain class, as SamplerPhaseOverhead.)"""
+
+    def __init__(self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> None:
+        self.geometry = geometry
+        self.engine = engine
+        self.expandable_segments = expandable_segments
+
+    def __call__(self, tokens: int, capacity: int) -> bool:
+        full = self.engine.max_num_batched_tokens
+        step = max(1, full // HISTORY_STEP_SIZES)
+        tokens = min(full, max(step, -(-tokens // step) * step))
+        return lone_forward_fits(
+            self.geometry, self.engine, self.expandable_segments, tokens, capacity // CAPACITY_STEP * CAPACITY_STEP
+        )
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:

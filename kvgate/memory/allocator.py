@@ -105,11 +105,18 @@ class Footprint:
     need: int
 
 
-class _Replay:
-    """One process's large and small pools, played op by op."""
+class _OutOfMemory(Exception):
+    """A replay with a capacity ran out of it: cudaMalloc failed again after the cache was released."""
 
-    def __init__(self, expandable_segments: bool) -> None:
+
+class _Replay:
+    """One process's large and small pools, played op by op; with a `capacity` (the bytes the
+    process may reserve) a segment that does not fit first releases the cached free ones, as
+    `malloc` does, and raises _OutOfMemory when it still does not fit."""
+
+    def __init__(self, expandable_segments: bool, capacity: int | None = None) -> None:
         self.expandable = expandable_segments
+        self.capacity = capacity
         self.segments: list[_Segment] = []
         self.live: dict[str, tuple[_Segment, _Block]] = {}
         self.sizes: dict[str, int] = {}  # expandable segments: each live tensor's bytes
@@ -140,12 +147,16 @@ class _Replay:
     def _malloc(self, name: str, nbytes: int) -> None:
         if self.expandable:
             self.sizes[name] = nbytes
+            if self.capacity is not None and sum(_pages(n) for n in self.sizes.values()) > self.capacity:
+                raise _OutOfMemory(name)
             return
         size = _rounded(nbytes)
         pool = "small" if size <= SMALL_SIZE else "large"
         found = _best_fit(self.segments, size, pool)
         if found is None:
-            seg = _Segment(pool, [_Block(_segment_size(size, pool))])
+            segment = _segment_size(size, pool)
+            self._make_room(segment, name)
+            seg = _Segment(pool, [_Block(segment)])
             self.segments.append(seg)
             found = (seg, seg.blocks[0])
         seg, block = found
@@ -155,6 +166,15 @@ class _Replay:
             block.size = size
         block.allocated = True
         self.live[name] = (seg, block)
+
+    def _make_room(self, nbytes: int, name: str) -> None:
+        """`malloc`'s cudaMalloc of a new segment: when it does not fit, `release_cached_blocks`
+        and one more try."""
+        if self.capacity is None or sum(s.size for s in self.segments) + nbytes <= self.capacity:
+            return
+        self.release_cached_blocks()
+        if sum(s.size for s in self.segments) + nbytes > self.capacity:
+            raise _OutOfMemory(name)
 
     def _free(self, name: str) -> None:
         if self.expandable:
@@ -204,3 +224,31 @@ def _best_fit(segments: list[_Segment], size: int, pool: str) -> tuple[_Segment,
             if not block.allocated and block.size >= size and (best is None or block.size < best[1].size):
                 best = (seg, block)
     return best
+
+
+def fits_after_any(
+    step: Sequence[TapeOp],
+    earlier: Iterable[Sequence[Sequence[TapeOp]]],
+    capacity: int,
+    expandable_segments: bool = False,
+) -> bool:
+    """Whether `step` runs in `capacity` bytes (what the process may reserve beyond what it holds
+    for good) from an empty cache and after each of the `earlier` histories, each also with the
+    cache released before `step`. Unlike `worst_need` the histories run in the same capacity, so
+    the cache holds only what a real process could have kept (a segment that did not fit released
+    the cached ones first), and a history that itself runs out is no state `step` can meet."""
+    for history in [(), *earlier]:
+        for released in (False, True):
+            replay = _Replay(expandable_segments, capacity)
+            try:
+                for tape in history:
+                    replay.play(tape)
+            except _OutOfMemory:
+                continue
+            if released:
+                replay.release_cached_blocks()
+            try:
+                replay.play(step)
+            except _OutOfMemory:
+                return False
+    return True

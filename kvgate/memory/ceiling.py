@@ -146,16 +146,28 @@ class Ceiling:
     transient_bytes: int | None
     profiled_cap_bytes: int | None = None
     segment_overhead: float = 0.0
+    # profiled forward bytes -> whether that forward pass alone is charged its allocated bytes
+    # (Budget.lone_step_fits); None: always, the segment overhead never counts.
+    lone_step_fits: Callable[[int], bool] | None = None
+
+    def _overhead(self, demand: Demand) -> float:
+        """The segment overhead its profiled terms are charged alone (see Budget.ceiling)."""
+        if self.lone_step_fits is None or self.lone_step_fits(demand.profiled_prefill_bytes):
+            return 0.0
+        return self.segment_overhead
 
     def profiled_need(self, demand: Demand) -> int:
         """The forward phase of `transient_need`: the profile region's forward tensors (hidden
-        states, MLP) at their segments."""
-        return transient_need_of_profiled(demand.profiled_prefill_bytes, self.profiled_cap_bytes, self.segment_overhead)
+        states, MLP), at their segments where they count so."""
+        return transient_need_of_profiled(
+            demand.profiled_prefill_bytes, self.profiled_cap_bytes, self._overhead(demand)
+        )
 
     def transient_need(self, demand: Demand) -> int:
         """What `demand` holds of the transient headroom on an idle server: its own steps' larger
-        phase (`step_charge`), at the allocated peak (see Budget.ceiling)."""
-        return step_charge(demand_step(demand), self.profiled_cap_bytes, self.segment_overhead)
+        phase (`step_charge`), at the allocated peak unless its forward pass alone may strand
+        segments (see Budget.ceiling)."""
+        return step_charge(demand_step(demand), self.profiled_cap_bytes, self._overhead(demand))
 
 
 def demand_step(demand: Demand) -> StepHoldings:

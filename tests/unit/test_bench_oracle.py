@@ -8,13 +8,16 @@ import asyncio
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from sim_support import make_engine, prompt
 
 from bench import oracle
+from kvgate.sim import engine as sim_engine
 from kvgate.sim.config import SimConfig
-from kvgate.sim.engine import Engine
+from kvgate.sim.engine import Engine, play_encoder
 from kvgate.sim.request import Request, Sampling
 from kvgate.sim.runner import SimRunner
+from kvgate.sim.vision import EncoderScheduling, Item
 
 CHAT = Sampling(max_tokens=8, temperature=0.7)
 
@@ -209,3 +212,46 @@ def test_a_dry_run_plays_the_steps_the_engine_plays_with_shared_prompts() -> Non
     assert _admit_and_run(engine, siblings) == 16
     assert len(dry[0].reqs) == 16  # one step computes the prompt once and samples all 16
     assert dry == played[: len(dry)]
+
+
+def test_a_dry_run_frees_encoder_cache_entries_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine lets an image's encoder output go once its prompt has read it (vLLM
+    `_free_encoder_inputs`, kvgate/sim/engine.py `_update`) and when its request finishes
+    (Scheduler.finish): the entry becomes freeable and the next image gets the cache's room. A dry
+    run that kept every entry saw the cache full and deferred the next images' encoding, so it
+    played steps without their encoder activations that the engine then ran: S14's oracle
+    admitted an album the engine OOMed on (a 113.91 MiB allocation, session 26's full run)."""
+    engine = _engine(
+        SimConfig(model="qwen2.5-vl-7b", gpu="h100-80gb", max_model_len=32768, max_num_batched_tokens=8192)
+    )
+    items = 3888  # a 2,016 x 1,512 photo's tokens: two fill the 8,192-embedding cache
+    photos = []
+    for i in range(8):
+        req = Request(f"p{i}", prompt(i, items + 40), CHAT, 0.0, stream_seed=i)
+        req.mm_items = [Item(20, items)]
+        photos.append([req])
+    encoded: list[list[str]] = []
+
+    def recording(vision: object, encoder: EncoderScheduling, alloc: object, out: object) -> None:
+        if encoder.to_encode:
+            encoded.append(sorted(encoder.to_encode))
+        play_encoder(vision, encoder, alloc, out)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(oracle, "play_encoder", recording)
+    monkeypatch.setattr(sim_engine, "play_encoder", recording)
+    assert oracle.dry_run(engine, photos) == (None, 8)
+    dry = list(encoded)
+    encoded.clear()
+    for group in photos:
+        for r in group:
+            engine.add(Request(r.request_id, list(r.prompt_token_ids), r.sampling, 0.0, stream_seed=r.stream_seed))
+            engine.scheduler.waiting[-1].mm_items = list(r.mm_items)
+
+    async def run() -> None:
+        while engine.ready and engine.scheduler.has_work():
+            await engine.step()
+
+    asyncio.run(run())
+    assert not engine.ooms
+    assert sorted(p for step in encoded for p in step) == [f"p{i}" for i in range(8)]  # every photo encoded
+    assert dry == encoded  # the dry run, the same photos in the same steps

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgate import chat_template
-from kvgate.chat_template import TokenizationError, render_chat
+from kvgate.chat_template import ChatRenderer, TokenizationError, render_chat
 from kvgate.openai import parse_request
 from support.tiny_model import CHAT_TEMPLATE
 
@@ -41,8 +41,12 @@ VARIABLES = (
 )
 TEMPLATES = {"llama3": CHAT_TEMPLATE, "chatml": CHATML, "alternating": ALTERNATING, "variables": VARIABLES}
 
+# Claude Code's per-request system header, whose first line vLLM drops from a system message.
+BILLING_HEADERS = ["x-anthropic-billing-header: cc_version=1", "x-anthropic-billing-header: v\nBe brief."]
 contents = st.one_of(
-    st.sampled_from(["", "Hello", "{{ bos_token }}", "<s>", "</s>", "<|im_end|>", "{% raw %}", "\n\n", " "]),
+    st.sampled_from(
+        ["", "Hello", "{{ bos_token }}", "<s>", "</s>", "<|im_end|>", "{% raw %}", "\n\n", " ", *BILLING_HEADERS]
+    ),
     st.text(max_size=30),
 )
 messages = st.lists(
@@ -97,7 +101,7 @@ def test_a_plain_chat_renders_as_apply_chat_template_does(
     for tok in tokenizers.values():
         fast = _render(tok, chat)
         with monkeypatch.context() as m:
-            m.setattr(chat_template, "_plain_chat", lambda *_: False)
+            m.setattr(chat_template, "_plain_messages", lambda *_: False)
             assert _render(tok, chat) == fast
 
 
@@ -173,3 +177,121 @@ def test_other_chats_go_through_apply_chat_template(
     monkeypatch.setattr(type(tok), "apply_chat_template", counted)
     render_chat(tok, chat)
     assert len(calls) == 1
+
+
+# An "openai"-format template: content stays a list of parts, whose texts it writes itself.
+PARTS = (
+    "{% for message in messages %}{{ message['role'] }}:"
+    "{% for part in message['content'] %}[{{ part['type'] }}:{{ part['text'] }}]{% endfor %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def renderers(tokenizers: dict[str, Any], tiny_model_dir: Path) -> dict[str, tuple[Any, ChatRenderer]]:
+    """One renderer a tokenizer, kept across every example as LocalTokenizer keeps its own."""
+    from transformers import AutoTokenizer
+
+    parts = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    parts.chat_template = PARTS
+    return {name: (tok, ChatRenderer(tok)) for name, tok in {**tokenizers, "parts": parts}.items()}
+
+
+any_messages = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "user", "assistant", "developer", "tool", "critic"]),
+                "content": contents,
+            },
+            optional={"name": st.sampled_from(["alice", "b o b"])},
+        ),
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "critic"]),
+                "content": st.one_of(
+                    st.none(), st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": contents}), max_size=2)
+                ),
+            }
+        ),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    messages=any_messages,
+    add_generation_prompt=st.booleans(),
+    continue_final_message=st.booleans(),
+    template_kwargs=kwargs,
+    namespace_aliases=st.booleans(),
+)
+def test_a_kept_renderer_renders_as_a_fresh_one(
+    renderers: dict[str, tuple[Any, ChatRenderer]],
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: dict[str, Any] | None,
+    namespace_aliases: bool,
+) -> None:
+    """What a renderer keeps from one chat to the next (the settled options of chats that set
+    none, the template's globals and special tokens) changes no render: each one, or its
+    refusal, is what a renderer made for it alone gives, for plain and other messages, both
+    content formats and every combination of the generation flags."""
+    body: dict[str, Any] = {
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
+    if template_kwargs is not None:
+        body["chat_template_kwargs"] = template_kwargs
+    chat = _chat(body)
+    for tok, kept in renderers.values():
+        outcomes = []
+        for renderer in (kept, ChatRenderer(tok)):
+            try:
+                outcomes.append(renderer.render(chat, namespace_aliases))
+            except TokenizationError as error:
+                outcomes.append(("refused", str(error)))
+        assert outcomes[0] == outcomes[1]
+
+
+def test_each_tokenizer_renders_with_its_own_template(renderers: dict[str, tuple[Any, ChatRenderer]]) -> None:
+    """The renderer keeps nothing across tokenizers: a tokenizer loaded anew (a backend sync
+    that loads another model folder) renders with its own template, the last one's chats
+    notwithstanding."""
+    chat = _chat({"messages": [{"role": "user", "content": "Hi"}]})
+    rendered = {name: renderer.render(chat) for name, (_, renderer) in renderers.items()}
+    assert rendered["chatml"] == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert rendered["parts"] == "user:[text:Hi]assistant:"  # trim_blocks eats the newline
+    assert rendered["llama3"].startswith("<s><|start_header_id|>user<|end_header_id|>\n\nHi")
+    assert len(set(rendered.values())) == len(rendered)
+
+
+def test_a_local_tokenizer_keeps_one_renderer_for_its_template(tiny_model_dir: Path) -> None:
+    """LocalTokenizer renders through the renderer it made with its tokenizer; another
+    LocalTokenizer has another."""
+    from kvgate.tokens import LocalTokenizer
+
+    first, second = LocalTokenizer(tiny_model_dir), LocalTokenizer(tiny_model_dir)
+    chat = _chat({"messages": [{"role": "user", "content": "Hi"}]})
+    assert first.render_chat(chat) == second.render_chat(chat) == render_chat(first._tok, chat)
+    assert first._renderer.tokenizer is first._tok
+    assert first._renderer is not second._renderer
+
+
+@settings(max_examples=300, deadline=None)
+@given(messages=any_messages, wrap=st.booleans())
+def test_a_message_is_handed_to_the_template_as_vllm_hands_it(messages: list[dict[str, Any]], wrap: bool) -> None:
+    """The shortcut for a message of one string content (chat_template._message_of) gives what
+    the parts machinery (chat_template._message, vLLM's preprocessing) gives, or its refusal."""
+    for message in messages:
+        outcomes = []
+        for convert in (chat_template._message_of, chat_template._message):
+            try:
+                outcomes.append(convert(message, wrap))
+            except TokenizationError as error:
+                outcomes.append(("refused", str(error)))
+        assert outcomes[0] == outcomes[1]

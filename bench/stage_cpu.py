@@ -1,0 +1,100 @@
+"""`python -m bench.stage_cpu`: the CPU of single stages of a chat request, each timed alone in a loop.
+
+bench/request_cpu.py measures whole requests; this one measures the stages a change is made to,
+in isolation, on this thread's CPU clock (time.thread_time: what other processes do on a shared
+machine costs it little), the least of several passes over the same inputs:
+- render: LocalTokenizer.render_chat of the benchmark's chats (bench.overhead.chat_bodies);
+- evaluate: RequestPipeline.evaluate (parse, render, tokenize, predict, the never-fits check) of
+  `--chats` of them, each new to the segment cache when there are more than it keeps
+  (the default, bench.overhead.DISTINCT_CHATS);
+- decision: one admission decided by the decision log (DecisionLog), its line written at info to
+  a file through kvgate's own log handler, as `kvgate serve` writes its stderr.
+Loops keep caches warmer than traffic does: compare arms with each other, not with request_cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.overhead import DISTINCT_CHATS, chat_bodies, model_folder
+
+
+def least(passes: int, run: Callable[[], None]) -> float:
+    """The least thread CPU seconds of `passes` runs."""
+    best = float("inf")
+    for _ in range(passes):
+        started = time.thread_time()
+        run()
+        best = min(best, time.thread_time() - started)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chats", type=int, default=DISTINCT_CHATS, help="distinct chats evaluated")
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--decisions", type=int, default=5000)
+    args = parser.parse_args()
+
+    from kvgate.composition import Runtime
+    from kvgate.gate.observer import Decision
+    from kvgate.http.decision_log import DecisionLog
+    from kvgate.logs import configure_logging, quiet_transformers_advice
+    from kvgate.memory.demand import Demand
+    from kvgate.openai import parse_request
+    from kvgate.settings import Settings
+    from kvgate.tokens import LocalTokenizer
+
+    quiet_transformers_advice()
+    with tempfile.TemporaryDirectory(prefix="kvgate-stage-cpu-") as tmp:
+        folder = model_folder(Path(tmp) / "model")
+        bodies = chat_bodies(args.chats)
+        tokenizer = LocalTokenizer(folder)
+        chats = [parse_request("chat", raw).input for raw in bodies[:2000]]
+        render_s = least(args.passes, lambda: [tokenizer.render_chat(chat) for chat in chats])
+        print(f"render     {render_s / len(chats) * 1e6:8.1f} us a chat ({len(chats)} chats)", flush=True)
+
+        settings = Settings(
+            model=str(folder), max_num_batched_tokens=8192, max_model_len=32768, gpu_memory_bytes=85520809984
+        )
+        rt = Runtime(settings)
+        rt.configure_offline()
+
+        async def evaluate_all() -> None:
+            for raw in bodies:
+                await rt.pipeline.evaluate("chat", raw)
+
+        evaluate_s = least(args.passes, lambda: asyncio.run(evaluate_all()))
+        print(f"evaluate   {evaluate_s / len(bodies) * 1e6:8.1f} us a chat ({len(bodies)} chats)", flush=True)
+
+        out = (Path(tmp) / "decisions.log").open("w")
+        saved = os.dup(2)
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 2)
+        try:
+            configure_logging("info")
+            logging.getLogger().handlers[0].setStream(sys.stderr)
+            demand = Demand(120, 16, tuple(range(8)), 5, transient_prefill_bytes=4096)
+            decision = Decision("admit", "fits", "0123456789abcdef0123456789abcdef", demand, queue_wait_s=0.0)
+            log = DecisionLog()
+
+            def decide() -> None:
+                for _ in range(args.decisions):
+                    log.decided(decision)
+
+            decision_s = least(args.passes + 4, decide)
+        finally:
+            os.dup2(saved, 2)
+        print(f"decision   {decision_s / args.decisions * 1e6:8.2f} us an admission logged", flush=True)
+
+
+if __name__ == "__main__":
+    main()

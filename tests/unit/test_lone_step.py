@@ -1,0 +1,161 @@
+"""A request alone on the engine still meets the caching allocator's cache (issue 24, held-out H1).
+
+The simulator (kvgate/sim/gpu.py, written apart from kvgate's replay) judges: held-out scenario
+H1's engine (Qwen2.5-7B on an A100 80 GB, vLLM 0.32.0 Model Runner V2, the pool vLLM's start-up
+advice sizes) has 617 MiB of headroom; a lone 4,096-token chunk (500 MiB allocated) runs in it
+from an empty cache but not after a 2,048-token step, whose segments the new hidden states,
+residual and QKV split, so SiluAndMul's 148 MiB finds no room: the OOM H1's kvgate arm hit. kvgate
+charged a request alone its allocated bytes (500 MiB against a 556 MiB limit) and admitted it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict
+
+import pytest
+
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags
+from kvgate.engine_config import build_predictor, resolve, static_limits
+from kvgate.errors import TransientNeverFits
+from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.ledger import Ledger
+from kvgate.memory.activation import EngineShape, lone_forward_fits
+from kvgate.openai import parse_request
+from kvgate.predict import Prediction, Predictor
+from kvgate.settings import settings_from_args
+from kvgate.sim import startup
+from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
+from kvgate.units import GiB, MiB
+from support.geometry import model_geometry
+
+QWEN = model_geometry("qwen2.5-7b-instruct")  # the geometry the simulator's qwen2.5-7b plays
+H1_ENGINE = EngineShape(max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=512, runner="v2")
+HISTORY = [4096 * k // 16 for k in range(1, 16)]
+
+
+@pytest.fixture(scope="module")
+def h1_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
+    """H1's simulated engine just started: its device, allocator and step tapes."""
+    from demo.replay import fully_utilized
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.model import load_model
+    from kvgate.sim.presets import gpu_total_bytes
+
+    cfg = fully_utilized(
+        SimConfig(
+            model="qwen2.5-7b",
+            gpu="a100-80gb",
+            vllm_version="0.32.0",
+            model_runner="auto",
+            max_model_len=16384,
+            max_num_batched_tokens=4096,
+            max_num_seqs=512,
+        )
+    )
+    device = Device(gpu_total_bytes(cfg.gpu))
+    alloc = CachingAllocator(device, "vllm")
+    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
+    steps, _ = startup.step_memories(resolved)
+    return device, alloc, steps
+
+
+def runs_after(h1_gpu: tuple[Device, CachingAllocator, StepMemory], *step_tokens: int) -> bool:
+    """Whether the simulator runs these prefill chunks one after the other (a fresh copy each call)."""
+    _, alloc, steps = copy.deepcopy(h1_gpu)
+    try:
+        for tokens in step_tokens:
+            run_tape(alloc, steps.plan(StepShape((ReqSlice(tokens, 0, samples=False),))))
+    except CudaOutOfMemory:
+        return False
+    return True
+
+
+def test_the_simulator_runs_h1s_full_chunk_from_an_empty_cache_not_after_a_2048_token_step(h1_gpu) -> None:
+    device, alloc, steps = copy.deepcopy(h1_gpu)
+    assert device.free() // MiB == 617
+    assert runs_after(h1_gpu, 4096)
+    assert runs_after(h1_gpu, 4096, 2048, 4096)  # the full chunk's own segments serve both
+    assert not runs_after(h1_gpu, 2048, 4096)
+    run_tape(alloc, steps.plan(StepShape((ReqSlice(2048, 0, samples=False),))))
+    with pytest.raises(CudaOutOfMemory, match=r"Tried to allocate 148\.00 MiB"):  # SiluAndMul, 4,096 x 18,944 x 2 B
+        run_tape(alloc, steps.plan(StepShape((ReqSlice(4096, 0, samples=False),))))
+
+
+@pytest.mark.parametrize("tokens", [4096, 3072])
+def test_kvgates_replay_tells_the_same_histories_apart_as_the_simulator(h1_gpu, tokens: int) -> None:
+    """For a lone chunk of `tokens` after one earlier step of each sixteenth of the step size, the
+    simulator and kvgate's capacity-bound replay agree; the replay's verdict (`lone_forward_fits`)
+    is that it fits only where the simulator runs it after every one of them."""
+    capacity = h1_gpu[0].free()
+    simulator_runs_it = all(runs_after(h1_gpu, t, tokens) for t in HISTORY if t != tokens)
+    assert simulator_runs_it == (tokens == 3072)
+    assert lone_forward_fits(QWEN, H1_ENGINE, False, tokens, capacity) == simulator_runs_it
+    assert lone_forward_fits(QWEN, H1_ENGINE, True, 4096, capacity)  # expandable segments strand nothing
+
+
+def test_s13s_former_l4_engine_still_runs_its_lone_chunk_where_the_simulator_does() -> None:
+    """Llama 3.1 8B, 4,096 tokens (tests/unit/test_memory_allocator.py: the simulator's allocator
+    runs the chunk after a 2,560-token step in 546 MiB and OOMs in 544): alone it is not charged
+    more where it fits."""
+    engine = EngineShape(max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=256, runner="v2")
+    llama = model_geometry("llama-3-8b")
+    assert lone_forward_fits(llama, engine, False, 4096, 546 * MiB)
+    assert not lone_forward_fits(llama, engine, False, 4096, 544 * MiB)
+
+
+def h1_budget() -> tuple[Budget, Predictor]:
+    """kvgate's budget for H1 as its live readings set it: 617 MiB of headroom, the whole profile
+    region (500 MiB) out of free memory (V2, fixed pool)."""
+    flags = ["--max-num-batched-tokens", "4096", "--max-num-seqs", "512"]
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    deployment = resolve(engine_flags(settings), QWEN, None, None, reported_version="0.32.0")
+    assert deployment.runtime.runner == "v2"
+    predictor = build_predictor(deployment, QWEN)
+    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=60 * GiB)))
+    headroom = 617 * MiB
+    budget.update(
+        transient_headroom_bytes=headroom, max_transient_headroom_bytes=headroom, profiled_cap_bytes=500 * MiB
+    )
+    return budget, predictor
+
+
+def rag_query(predictor: Predictor, prompt_tokens: int) -> Prediction:
+    body = {"prompt": "x", "max_tokens": 256, "temperature": 0.3}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    return predictor.predict(spec, [[7] * prompt_tokens])
+
+
+def test_the_budget_charges_a_lone_full_chunk_its_segments_and_refuses_it_at_once() -> None:
+    """H1's 8,000-token RAG query alone: its 4,096-token chunk is charged 500 MiB + the segment
+    share (696 MiB) against the 555 MiB limit: it never fits, and the ceiling says so at once (a
+    queue would only time it out). A 3,000-token one runs in the headroom after any earlier step:
+    its allocated bytes, as before."""
+    budget, predictor = h1_budget()
+    long, short = rag_query(predictor, 8000), rag_query(predictor, 3000)
+    assert long.demand.profiled_prefill_bytes == 500 * MiB
+    assert budget.shortfall(long.demand, Ledger()) == TRANSIENT_BUSY
+    with pytest.raises(TransientNeverFits, match="forward pass"):
+        predictor.check_fits_ever(long, budget.ceiling())
+    assert budget.ceiling().transient_need(long.demand) == 696 * MiB
+    assert budget.shortfall(short.demand, Ledger()) is None
+    predictor.check_fits_ever(short, budget.ceiling())
+    assert budget.ceiling().transient_need(short.demand) == short.demand.profiled_prefill_bytes
+    budget.update(lone_forward=None)  # kvgate before: a request alone was charged its allocated bytes
+    assert budget.shortfall(long.demand, Ledger()) is None
+
+
+def test_stale_readings_scale_the_limit_not_the_allocators_room() -> None:
+    """Conservative mode (readings older than --max-staleness) weighs the charge against a share
+    of the limit; whether the lone chunk strands segments is still asked of the headroom the GPU
+    showed, so a 2,000-token query alone is charged its allocated bytes then too."""
+    budget, predictor = h1_budget()
+    short = rag_query(predictor, 2000).demand
+    budget.update(scale=0.5)
+    assert budget.lone_step_fits(short.profiled_prefill_bytes)
+    assert budget.shortfall(short, Ledger()) is None  # 244 MiB against half of 555
+    assert not budget.lone_step_fits(short.profiled_prefill_bytes, capacity=300 * MiB)
+    assert not budget.lone_step_fits(rag_query(predictor, 8000).demand.profiled_prefill_bytes)
