@@ -375,7 +375,7 @@ class LiveBudget:
             headroom.server_growth,
             headroom.bytes,
             headroom.min_free,
-            self.budget.transient_limit(),
+            self.budget.transient_limit(0),  # the margin on the whole headroom, as before the held region counted
             self.gate.head_shortfall() == TRANSIENT_BUSY,
         )
         if relaxed:
