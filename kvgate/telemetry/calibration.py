@@ -14,7 +14,8 @@ Two allowances, each adjusted AIMD-style (additive increase, multiplicative decr
   rise that ends in a preemption soon after doubles the hold, up to `max_kv_hold_s`: kvgate runs
   the pool about as full as vLLM itself would, with a rare preemption instead of a queue.
 - `transient_spendable` = 1 - transient safety margin (fraction of the live headroom kvgate may
-  reserve). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
+  reserve, beyond the profile region's segments the engine already took and kept: `region_held`,
+  which the budget counts whole as it is no prediction). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
   steps, and when the server's memory grew beyond what kvgate predicted; raised (+0.01 per 2 s,
   at most 1 - the configured margin) only while requests wait for transient memory and nothing
   went wrong for `hold_s`.
