@@ -356,16 +356,15 @@ class LiveBudget:
             if tightened:
                 log.warning("calibration: %s", tightened)
         overhead = max(self.budget.charged_segment_overhead, self.calibration.segment_overhead)
-        self.held_region_bytes = region_held(
-            headroom.server_growth,
-            self.gate.peak_transient_bytes,
-            region_segments(min(self.budget.profiled_peak_bytes, headroom.profiled_cap), overhead),
-        )
+        # the profile region's part that comes out of free memory (none on V1: the engine holds it)
+        region = region_segments(min(self.budget.profiled_peak_bytes, headroom.profiled_cap), overhead)
+        self.held_region_bytes = region_held(headroom.server_growth, self.gate.peak_transient_bytes, region)
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,
-            self.gate.peak_transient_bytes + region_segments(self.budget.profiled_peak_bytes, overhead),
-            growth_tolerance(headroom.bytes),
+            self.gate.peak_transient_bytes + region,
+            # the rest of the region stays in the tolerance, as it always did
+            growth_tolerance(headroom.bytes) + region_segments(self.budget.profiled_peak_bytes, overhead) - region,
             self.gate.head_shortfall() == TRANSIENT_BUSY,
         )
         self.metrics.transient_error.set(self.calibration.transient_error_bytes)
