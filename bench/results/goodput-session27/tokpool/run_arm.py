@@ -13,8 +13,8 @@ import collections
 import dataclasses
 import json
 import os
-import re
 import random
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -38,8 +38,10 @@ with tempfile.TemporaryDirectory(prefix=f"kvgate-{key}-") as tmp:
         waited_for = re.search(r"Waited [0-9.]+ s for (the backend's /tokenize|GPU memory)", line)
         kind = re.search(r'"decision": ?"(\w+)"', line)
         code = re.search(r'"code": ?"(\w+)"', line) or re.search(r'"reason": ?"(\w+)"', line)
-        logged[f"{kind.group(1) if kind else '?'}/{code.group(1) if code else '?'}"
-               + (f" ({waited_for.group(1)})" if waited_for else "")] += 1
+        logged[
+            f"{kind.group(1) if kind else '?'}/{code.group(1) if code else '?'}"
+            + (f" ({waited_for.group(1)})" if waited_for else "")
+        ] += 1
 row = dataclasses.asdict(r)
 row["decision_log"] = dict(logged)
 row["load_average_before_after"] = [load_before, os.getloadavg()]
