@@ -94,6 +94,7 @@ class Runtime:
             settings.upstream_timeout,
             connect_timeout_s=settings.upstream_connect_timeout,
             pool_timeout_s=settings.upstream_pool_timeout,
+            tokenize_connections=settings.tokenize_connections,
         )
         # Learned output lengths: the predictor reserves from them, the gate's releases teach them.
         self.outputs = OutputLengths(settings.kv_output_quantile)

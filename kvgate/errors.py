@@ -341,6 +341,20 @@ class QueueTimeout(Refused):
         self.waited_s, self.reason, self.retry_after_s = waited_s, reason, retry_after_s
 
 
+class TokenizeWaitTimeout(QueueTimeout):
+    """The request's deadline (--max-queue-wait from its arrival) passed while it waited for the
+    backend's /tokenize (kvgate counts tokens there when the model folder has no tokenizer
+    files): refused as a queue timeout, since that wait is part of the same deadline."""
+
+    def __init__(self, waited_s: float, reason: str, retry_after_s: int) -> None:
+        Refused.__init__(
+            self,
+            f"Waited {waited_s:g} s for the backend's /tokenize ({reason}) without admission. "
+            f"Retry after {retry_after_s} s.",
+        )
+        self.waited_s, self.reason, self.retry_after_s = waited_s, reason, retry_after_s
+
+
 class WorkMemoryBusy(Refused):
     """kvgate's memory for request work is taken by requests in flight: this one waited and
     would still not fit (kvgate/work_budget.py)."""
@@ -366,6 +380,14 @@ class BackendDown(Refused):
     def __init__(self, message: str, retry_after_s: int = 5) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class BackendBusy(BackendDown):
+    """No connection to the backend in time: it did not accept one within
+    --upstream-connect-timeout (its accept queue full under a burst) or every pooled connection
+    stayed busy. Nothing was sent, so the request goes back to the queue; but this is
+    backpressure, not an outage: whether the backend is alive is for its /metrics and /health to
+    say (kvgate/telemetry/live.py), and a refused connection still marks it down at once."""
 
 
 class BackendTimedOut(KvgateError):

@@ -15,6 +15,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvgate.backend import calls_until
 from kvgate.errors import (
     BackendBroke,
     BackendDown,
@@ -160,18 +161,23 @@ class RequestPipeline:
             if offload:
                 return await self._prepare_in_worker(config, route, raw, grant)
             with charging(grant.grow):
-                return await self._prepare_here(config, route, raw)
+                return await self._prepare_here(config, route, raw, deadline)
 
-    async def _prepare_here(self, config: PipelineConfig, route: Route, raw: bytes) -> Prepared:
+    async def _prepare_here(
+        self, config: PipelineConfig, route: Route, raw: bytes, deadline: float | None = None
+    ) -> Prepared:
+        """In the event loop; a /tokenize call to the backend waits for a connection at most
+        until `deadline` (kvgate/backend.py TokenizeCalls), then is refused as a queue timeout."""
         try:
-            return await prepare(
-                route,
-                raw,
-                config.tokenizer,
-                trust_request_chat_template=self.trust_request_chat_template,
-                limits=config.limits,
-                content_format_namespace_aliases=config.content_format_namespace_aliases,
-            )
+            with calls_until(deadline):
+                return await prepare(
+                    route,
+                    raw,
+                    config.tokenizer,
+                    trust_request_chat_template=self.trust_request_chat_template,
+                    limits=config.limits,
+                    content_format_namespace_aliases=config.content_format_namespace_aliases,
+                )
         except BackendTokenizeError as exc:
             if exc.unreachable:  # as a refused connection for a request: the backend is down now
                 self.budget.set_backend("down", str(exc))

@@ -224,6 +224,13 @@ class Settings(BaseSettings, VllmFlags):
         gt=0,
         description="Seconds a request may wait for one of kvgate's 1,024 backend connections (503 beyond).",
     )
+    tokenize_connections: int = Field(
+        256,
+        ge=1,
+        description="Concurrent calls to the backend's /tokenize when the model folder has no tokenizer "
+        "files (vLLM answers them in its API server, not the engine); a request that finds them all busy "
+        "waits for one until its --max-queue-wait deadline (429 queue_timeout beyond).",
+    )
     passthrough_paths: str = Field(
         "/v1/models, /health, /ping, /version, /load, /tokenize, /detokenize, /v1/load_lora_adapter, "
         "/v1/unload_lora_adapter",

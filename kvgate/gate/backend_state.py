@@ -8,7 +8,10 @@ next scrape, still admitted requests that were then forwarded to a dead socket.
 - starting: the backend's configuration has not been learned yet (kvgate is not ready anyway).
 - up: the last scrape answered.
 - down: the backend refused connections or answered 5xx, on /metrics and /health alike, or a
-  connection for a request was refused (nothing was sent).
+  connection for a request (or for kvgate's /tokenize call) was refused (nothing was sent). A
+  connection not accepted in time is not set here: under a burst that is the backend's full
+  accept queue, backpressure (errors.BackendBusy), and the request is sent again; a backend that
+  really stopped answering fails its /metrics and /health too, and the telemetry loop sets it.
 - hung: it accepts connections but answers nothing: the scrape of /metrics timed out (after
   `--max-staleness`) and /health did not answer within its own timeout either (a SIGSTOPped or
   wedged server). Requests already sent wait for it; new ones wait in kvgate's queue.

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvgate.composition import Runtime
-from kvgate.errors import BackendDown, ClientGone, InvalidField, KvgateError
+from kvgate.errors import BackendBusy, BackendDown, ClientGone, InvalidField, KvgateError
 from kvgate.gate.gate import Ticket
 from kvgate.gate.observer import Decision
 from kvgate.gate.tenants import TenantTurns
@@ -235,10 +235,12 @@ class GatedRoutes:
         """Open the upstream exchange; from here on the Relay owns the ticket. A non-streaming
         request is watched for its client leaving until the head arrives (with the answer).
 
-        None when nothing reached the backend (the connection was refused or could not be had in
-        time): the backend is marked down in the view the budget and /readyz share, and the
-        caller puts the request back in the queue, where it waits until its deadline for the
-        backend to come back. Sending it again is safe: vLLM never saw it. Once bytes were
+        None when nothing reached the backend: the caller puts the request back in the queue.
+        A refused connection marks the backend down in the view the budget and /readyz share, and
+        the request waits there until its deadline for the backend to come back; a connection not
+        had in time (BackendBusy: the backend's accept queue full under a burst, or every pooled
+        connection busy) is backpressure, so the request goes back through the gate at once,
+        while the backend's /metrics and /health judge whether it is alive. Sending it again is safe: vLLM never saw it. Once bytes were
         sent, a failure is answered, never retried."""
         ticket = admitted.ticket
         target, headers = (
@@ -260,7 +262,8 @@ class GatedRoutes:
         except BackendDown as error:
             ticket.release("requeued")
             self.rt.metrics.upstream_errors.labels(error.code).inc()
-            if self.rt.budget.set_backend("down", error.message):
+            # A connection not had in time (BackendBusy) is backpressure: retried, not an outage.
+            if not isinstance(error, BackendBusy) and self.rt.budget.set_backend("down", error.message):
                 log.warning("backend down (%s): holding new admissions in the queue", error.message)
             return None
         except KvgateError as error:

@@ -16,26 +16,30 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvgate.backend import TokenizeCalls
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags, pipeline_config
 from kvgate.engine_config import build_predictor, resolve
 from kvgate.errors import (
+    BackendDown,
     ContextTooLong,
     InvalidField,
     KvgateError,
     KvNeverFits,
     ModelNotFound,
     NotReady,
+    TokenizeWaitTimeout,
     VllmRefusal,
 )
 from kvgate.gate.budget import Budget
-from kvgate.http.errors import error_body, status_of
+from kvgate.http.errors import error_body, error_headers, status_of
 from kvgate.model_folder import load_geometry
 from kvgate.pipeline import PipelineConfig, RequestPipeline
 from kvgate.request import ChatInput, ValidRequest
 from kvgate.served_names import Served, ServedNames
 from kvgate.settings import settings_from_args
 from kvgate.tokens import BackendTokenizer, Tokenizer, local_tokenizer
+from support.waiting import wait_for_async
 
 MODEL = "tiny-llama"
 
@@ -307,3 +311,127 @@ async def test_a_tokenize_call_cut_by_the_servers_keep_alive_close_is_sent_again
         evaluation = await configured.evaluate("completions", body(prompt="hello", max_tokens=4))
     assert calls == ["hello", "hello"]
     assert evaluation.prediction.demand.prompt_tokens == 3
+
+
+class HeldTokenize(httpx.AsyncBaseTransport):
+    """A backend's /tokenize that answers only when the test lets it (`answer.set()`), after
+    `connect_timeouts` connections it did not accept in time; counts the calls it holds."""
+
+    def __init__(self, connect_timeouts: int = 0) -> None:
+        self.answer = asyncio.Event()
+        self.held = 0
+        self.most_held = 0
+        self.connect_timeouts = connect_timeouts
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.connect_timeouts:
+            self.connect_timeouts -= 1
+            raise httpx.ConnectTimeout("the accept queue is full")
+        self.held += 1
+        self.most_held = max(self.most_held, self.held)
+        try:
+            await self.answer.wait()
+        finally:
+            self.held -= 1
+        return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3, "max_model_len": 256})
+
+
+class FrozenClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tokenizing_through(
+    model_dir: Path, backend: httpx.AsyncBaseTransport, connections: int, clock: FrozenClock
+) -> tuple[RequestPipeline, TokenizeCalls, httpx.AsyncClient]:
+    calls = TokenizeCalls(connections, inner=backend, clock=clock)
+    client = httpx.AsyncClient(transport=calls, base_url="http://vllm")
+    configured = new_pipeline()
+    configured.configure(config_for(model_dir, BackendTokenizer(client, MODEL)))
+    return configured, calls, client
+
+
+async def test_a_burst_larger_than_the_tokenize_connections_waits_its_turn_and_is_answered(
+    tiny_model_dir: Path,
+) -> None:
+    """Tokenizing through the backend: 7 arrivals, 2 connections. The backend never holds more
+    than 2 calls; the other 5 wait (within their deadline) and every request is evaluated."""
+    backend, clock = HeldTokenize(), FrozenClock()
+    configured, calls, client = tokenizing_through(tiny_model_dir, backend, 2, clock)
+    burst = [
+        asyncio.ensure_future(configured.evaluate("completions", body(prompt=f"p{i}", max_tokens=4), clock.now + 30))
+        for i in range(7)
+    ]
+    await wait_for_async(lambda: backend.held == 2 and calls.waiting == 5, timeout_s=10, what="2 sent, 5 waiting")
+    backend.answer.set()
+    evaluations = await asyncio.gather(*burst)
+    assert [e.prediction.demand.prompt_tokens for e in evaluations] == [3] * 7
+    assert backend.most_held == 2
+    await client.aclose()
+
+
+async def test_a_request_whose_deadline_passes_waiting_for_a_tokenize_connection_is_a_queue_timeout(
+    tiny_model_dir: Path,
+) -> None:
+    """The wait for /tokenize is part of the request's --max-queue-wait: when its deadline passes
+    there it is refused as a queue timeout would be (429, Retry-After), not left hanging behind
+    a call that never ends. A request past its deadline that finds a connection free is still
+    tokenized: nothing made it wait."""
+    backend, clock = HeldTokenize(), FrozenClock()
+    configured, calls, client = tokenizing_through(tiny_model_dir, backend, 1, clock)
+    holding = asyncio.ensure_future(configured.evaluate("completions", body(prompt="a", max_tokens=4), clock.now + 30))
+    await wait_for_async(lambda: backend.held == 1, timeout_s=10, what="the one connection taken")
+    for seconds_left in (0.0, 0.01):  # already spent on arrival; spent while waiting
+        with pytest.raises(TokenizeWaitTimeout) as refused:
+            await configured.evaluate("completions", body(prompt="b", max_tokens=4), clock.now + seconds_left)
+        assert (status_of(refused.value), refused.value.code) == (429, "queue_timeout")
+        assert "/tokenize (all 1 connections to it busy)" in refused.value.message
+        assert int(error_headers(refused.value)["Retry-After"]) >= 1
+    assert calls.waiting == 0
+    assert backend.most_held == 1
+    backend.answer.set()
+    assert (await holding).prediction.demand.prompt_tokens == 3
+    late = await configured.evaluate("completions", body(prompt="c", max_tokens=4), clock.now - 5)
+    assert late.prediction.demand.prompt_tokens == 3
+    await client.aclose()
+
+
+async def test_a_tokenize_connection_not_accepted_in_time_is_tried_again_and_the_backend_stays_up(
+    tiny_model_dir: Path,
+) -> None:
+    """Under a burst the backend's accept queue fills and connects time out: backpressure, not
+    death. The call is tried again within the request's deadline, the backend is not marked
+    down (admissions are not held); once the deadline is spent the request is a queue timeout."""
+    backend, clock = HeldTokenize(connect_timeouts=3), FrozenClock()
+    backend.answer.set()
+    configured, calls, client = tokenizing_through(tiny_model_dir, backend, 4, clock)
+    evaluation = await configured.evaluate("completions", body(prompt="a", max_tokens=4), clock.now + 30)
+    assert evaluation.prediction.demand.prompt_tokens == 3
+    assert calls.connect_timeouts == 3
+    assert configured.budget.backend.status == "up"
+    assert configured.budget.hold is None
+    backend.connect_timeouts = 1
+    with pytest.raises(TokenizeWaitTimeout) as refused:
+        await configured.evaluate("completions", body(prompt="b", max_tokens=4), clock.now)
+    assert "it accepted no connection in time" in refused.value.message
+    assert configured.budget.backend.status == "up"
+    await client.aclose()
+
+
+async def test_a_refused_tokenize_connection_still_marks_the_backend_down_at_once(tiny_model_dir: Path) -> None:
+    """A connection refused is a dead backend: marked down on the spot (admissions held), and the
+    request is told so (it waits in the queue for the backend: Gate.wait_for_backend)."""
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused")
+
+    clock = FrozenClock()
+    configured, _, client = tokenizing_through(tiny_model_dir, httpx.MockTransport(refused), 4, clock)
+    with pytest.raises(BackendDown):
+        await configured.evaluate("completions", body(prompt="a", max_tokens=4), clock.now + 30)
+    assert configured.budget.backend.status == "down"
+    assert configured.budget.hold is not None
+    await client.aclose()

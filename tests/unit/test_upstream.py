@@ -10,7 +10,7 @@ import pytest
 
 from kvgate import upstream
 from kvgate.backend import Backend
-from kvgate.errors import BackendDown, BackendTimedOut, InvalidField
+from kvgate.errors import BackendBusy, BackendDown, BackendTimedOut, InvalidField
 from kvgate.http.errors import error_headers, status_of
 from kvgate.http.proxy import forward_headers, open_while_client_waits, response_headers
 from kvgate.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
@@ -390,7 +390,8 @@ async def test_unsendable_headers_are_refused_before_anything_is_sent() -> None:
 
 
 async def test_connect_timeout_is_configurable_and_a_503(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing reached the backend: 503 with Retry-After (it was a 504 after a fixed 5 s)."""
+    """Nothing reached the backend: 503 with Retry-After (it was a 504 after a fixed 5 s). It is
+    BackendBusy, backpressure: the caller sends it again without marking the backend down."""
 
     async def never_connects(*args: object, **kwargs: object) -> None:
         await asyncio.sleep(3600)
@@ -398,7 +399,7 @@ async def test_connect_timeout_is_configurable_and_a_503(monkeypatch: pytest.Mon
     monkeypatch.setattr(asyncio.get_running_loop(), "create_connection", never_connects)
     backend = Backend("http://127.0.0.1:9", timeout_s=5, connect_timeout_s=0.1)
     started = asyncio.get_running_loop().time()
-    with pytest.raises(BackendDown) as refused:
+    with pytest.raises(BackendBusy) as refused:
         await backend.open("POST", b"/v1/completions", [], b"{}")
     assert asyncio.get_running_loop().time() - started < 1
     assert (status_of(refused.value), refused.value.code) == (503, "backend_unavailable")
@@ -412,7 +413,7 @@ async def test_waiting_for_a_pooled_connection_times_out_as_a_503() -> None:
         backend = Backend(url, timeout_s=5, max_connections=1, pool_timeout_s=0.1)
         hanging = asyncio.ensure_future(backend.open("POST", b"/v1/completions", [], b"{}"))
         await wait_for_async(lambda: backend.pool._slots.locked(), timeout_s=5, what="the one connection to be taken")
-        with pytest.raises(BackendDown) as refused:
+        with pytest.raises(BackendBusy) as refused:
             await backend.open("POST", b"/v1/completions", [], b"{}")
         assert (status_of(refused.value), refused.value.code) == (503, "backend_unavailable")
         assert "1 connections" in refused.value.message
