@@ -9,13 +9,15 @@ below what that step allocates."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import EngineShape, profile_forward_bytes
+from kvgate.memory.activation import EngineShape, SamplingShape, mla_prompt_upproject_bytes, profile_forward_bytes
 from kvgate.memory.demand import Demand
+from kvgate.openai import parse_request
 from kvgate.predict import Predictor, TransientSplit
 from kvgate.sim import startup
 from kvgate.sim.config import SimConfig
@@ -59,8 +61,6 @@ def _predictor(geometry: str, backend: str, runner: str) -> Predictor:
 
 def _demand(predictor: Predictor, prompt: int) -> Demand:
     """The demand the predictor makes of a `prompt`-token chat (its memory terms only)."""
-    from kvgate.memory.activation import SamplingShape, mla_prompt_upproject_bytes
-
     _, split = predictor.transient(prompt, SamplingShape())
     assert isinstance(split, TransientSplit)
     g, e = predictor.layout.geometry, predictor.engine
@@ -200,3 +200,18 @@ def test_dense_models_keep_the_profile_cap() -> None:
     for d in demands:
         ledger.reserve(d)
     assert ledger.step().forward_profiled == sum(d.profiled_prefill_bytes for d in demands)
+
+
+def test_the_predictor_hands_the_ledger_each_prompts_up_projection_and_the_bound() -> None:
+    """What the tests above build by hand is what Predictor.predict puts in a request's demand:
+    its profiled forward terms, its prompt's up-projection (n samples are n engine requests whose
+    prefills may share a step: n times it) and the deployment's step bound."""
+    predictor = _predictor("deepseek-v2-lite", "mla", "v2")
+    tokens = [list(range(5000))]
+    for n in (1, 3):
+        raw = json.dumps({"model": "m", "max_tokens": 5, "n": n, "prompt": tokens[0]}).encode()
+        demand = predictor.predict(parse_request("completions", raw).request, tokens).demand
+        by_hand = _demand(predictor, 5000)
+        assert demand.step_bound == by_hand.step_bound == predictor.step_bound
+        assert demand.upproject_bytes == n * by_hand.upproject_bytes == n * 5000 * 16 * (256 + 192) * 2
+        assert demand.profiled_prefill_bytes == by_hand.profiled_prefill_bytes  # once a prompt, as before
