@@ -67,6 +67,10 @@ class Budget:
     segment_overhead: float = 0.0
     # The same, seen on the GPU (kvgate/telemetry/calibration.py observe_region); the larger counts.
     learned_segment_overhead: float = 0.0
+    # The profile region's segments the GPU has shown the engine take and keep this life
+    # (kvgate/telemetry/calibration.py region_held): part of the headroom (its server growth) that
+    # a step's profiled charge comes back into, not a prediction. The margin is not applied to it.
+    held_region_bytes: int = 0
     # The profile's forward pass (kvgate/memory/activation.py profile_forward_bytes): the most the
     # open prefills' profiled forward terms take in one step (0: bounded by profiled_cap_bytes only).
     profiled_forward_bytes: int = 0
@@ -130,10 +134,21 @@ class Budget:
         """The segment overhead the profiled terms are charged: the replay's or the GPU's, larger."""
         return max(self.segment_overhead, self.learned_segment_overhead)
 
-    def transient_limit(self) -> int | None:
+    def transient_limit(self, held: int | None = None) -> int | None:
+        """The transient bytes kvgate may charge: the headroom less the safety margin, times the
+        conservative scale. The margin is for what kvgate predicts and the engine has not shown:
+        of the headroom, the `held` bytes (default the whole held region, `held_region_bytes`)
+        are the profile region's segments the engine already took and kept, which a step's
+        profiled charge comes back into, and count whole (`shortfall` credits a step only its
+        own profiled part of them)."""
         if self.transient_headroom_bytes is None:
             return None
-        return math.floor(self.transient_headroom_bytes * (1.0 - self.transient_margin) * self.scale)
+        return math.floor(self._spendable(self.transient_headroom_bytes, held) * self.scale)
+
+    def _spendable(self, headroom: int, held: int | None) -> float:
+        """Of `headroom`, the held part whole and the rest less the margin."""
+        held = min(headroom, self.held_region_bytes if held is None else held)
+        return held + (headroom - held) * (1.0 - self.transient_margin)
 
     def kv_margin(self, variance_blocks: float) -> int:
         """Blocks kept free for output lengths beyond their means, whose variances sum to this."""
@@ -145,7 +160,7 @@ class Budget:
             headroom = self.transient_headroom_bytes
         if headroom is None:
             return None
-        return math.floor(headroom * (1.0 - self.transient_margin))
+        return math.floor(self._spendable(headroom, 0))
 
     def ceiling(self) -> Ceiling:
         """The most an idle server offers one request: whether it could ever fit is judged
@@ -221,9 +236,12 @@ class Budget:
             need = holdings.new_blocks(demand) + margin
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
-        transient_limit = self.transient_limit()
         beside_others = holdings.in_flight > 0 or not self.lone_step_fits(demand.profiled_prefill_bytes)
-        charge = self._step_charge(holdings.step_with(demand), beside_others=beside_others)
+        step = holdings.step_with(demand)
+        charge = self._step_charge(step, beside_others=beside_others)
+        # the held region counts whole only for the profiled bytes this step charges: the rest of
+        # the charge is kvgate's prediction, and has the margin
+        transient_limit = self.transient_limit(min(self.held_region_bytes, step.profiled_charge(charge)))
         if transient_limit is not None and charge > transient_limit:
             return TRANSIENT_BUSY
         return None

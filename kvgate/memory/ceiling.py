@@ -73,6 +73,11 @@ class StepHoldings:
         """The profiled bytes of the larger phase."""
         return max(self.forward_profiled, self.residual_profiled + self.sampler_profiled)
 
+    def profiled_charge(self, charge: int) -> int:
+        """Of this step's `charge` (`step_charge`), the profiled bytes at their segments: what is
+        not its unprofiled terms (the profile region's part of the larger phase)."""
+        return max(0, charge - self.unprofiled - self.sampler_unprofiled)
+
 
 def step_charge(
     step: StepHoldings,

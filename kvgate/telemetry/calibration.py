@@ -14,7 +14,8 @@ Two allowances, each adjusted AIMD-style (additive increase, multiplicative decr
   rise that ends in a preemption soon after doubles the hold, up to `max_kv_hold_s`: kvgate runs
   the pool about as full as vLLM itself would, with a rare preemption instead of a queue.
 - `transient_spendable` = 1 - transient safety margin (fraction of the live headroom kvgate may
-  reserve). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
+  reserve, beyond the profile region's segments the engine already took and kept: `region_held`,
+  which the budget counts whole as it is no prediction). Backed off (x 0.8, floor 1 - `max_margin`) after an OOM restart that followed admitted
   steps, and when the server's memory grew beyond what kvgate predicted; raised (+0.01 per 2 s,
   at most 1 - the configured margin) only while requests wait for transient memory and nothing
   went wrong for `hold_s`.
@@ -30,11 +31,31 @@ from kvgate.memory.demand import Demand
 from kvgate.units import MiB
 
 
-def growth_tolerance(headroom: int, profiled_peak: int, segment_overhead: float) -> int:
-    """How far the server's memory may grow beyond kvgate's predicted unprofiled peak before the
-    margin backs off: the profile region at its caching-allocator segments' size (it comes back
-    out of free memory; kvgate/memory/allocator.py), plus max(64 MiB, 5 % of the headroom)."""
-    return max(64 * MiB, headroom // 20) + math.ceil(profiled_peak * (1 + segment_overhead))
+def region_segments(profiled_peak: int, segment_overhead: float) -> int:
+    """The profile region at its caching-allocator segments' size (kvgate/memory/allocator.py, or
+    the overhead the GPU showed, `Calibration.observe_region`)."""
+    return math.ceil(profiled_peak * (1 + segment_overhead))
+
+
+def growth_tolerance(headroom: int) -> int:
+    """How far the server's memory may grow beyond kvgate's prediction (its unprofiled peak and
+    the profile region at its segments, which comes back out of free memory) before the margin
+    backs off: max(64 MiB, 5 % of the headroom)."""
+    return max(64 * MiB, headroom // 20)
+
+
+def region_held(server_growth: int, unprofiled_peak: int, region: int) -> int:
+    """The profile region's segments the engine has been seen to take and keep this life.
+
+    The server's growth since start-up is what its caching allocator reserved for earlier steps
+    and keeps cached (NVML counts it as used; kvgate/telemetry/headroom.py): bytes the engine
+    demonstrably holds, and held through the steps it survived. Of it, at most the most
+    unprofiled bytes kvgate had in flight at once (`unprofiled_peak`) are kvgate's predicted
+    terms; the rest, up to the `region` kvgate charges (`region_segments` of the part of the
+    profile region that comes out of free memory), is the region's segments, which the next
+    step's profiled tensors come back into. Not a prediction, so the budget keeps no safety
+    margin on it (kvgate/gate/budget.py `transient_limit`)."""
+    return max(0, min(region, server_growth - unprofiled_peak))
 
 
 @dataclass
@@ -225,7 +246,10 @@ class Calibration:
         tolerance: int,
         waiting_for_transient: bool,
     ) -> str | None:
-        """Compare the server's memory growth with kvgate's predicted transient peak."""
+        """Compare the server's memory growth with kvgate's predicted transient peak: its highest
+        unprofiled reservation plus the profile region at its segments (`region_segments`), what
+        the engine may reserve beyond its start-up footprint. The error (growth - prediction) is
+        kvgate_transient_prediction_error_bytes: above zero, the engine took more than predicted."""
         self.transient_error_bytes = server_growth - predicted_peak
         if self.transient_error_bytes > tolerance:
             # The growth is cumulative over the engine life: back off once per new growth, not

@@ -37,7 +37,14 @@ from kvgate.gate.backend_state import Status
 from kvgate.gate.budget import KV_BUSY, TRANSIENT_BUSY, Budget
 from kvgate.gate.view import GateView
 from kvgate.settings import Settings
-from kvgate.telemetry.calibration import Calibration, CalibrationConfig, blocks_in_use, growth_tolerance
+from kvgate.telemetry.calibration import (
+    Calibration,
+    CalibrationConfig,
+    blocks_in_use,
+    growth_tolerance,
+    region_held,
+    region_segments,
+)
 from kvgate.telemetry.gpu import GpuProbe, GpuReading
 from kvgate.telemetry.headroom import HeadroomTracker
 from kvgate.telemetry.in_flight import InFlightRequests
@@ -92,6 +99,7 @@ class LiveBudget:
         self.headroom_bytes: int | None = None
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
+        self.held_region_bytes = 0  # the profile region's segments the engine took and kept this life
         self.gpu_total: int | None = None  # bytes of one GPU, from the last reading
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
@@ -240,6 +248,7 @@ class LiveBudget:
         else:
             log.warning("backend restarted (no admitted step was running): resynchronising")
         self.headroom.reset()
+        self.held_region_bytes = 0
         self.gate.reset_peak()
         self.calibration.new_life()
 
@@ -346,16 +355,16 @@ class LiveBudget:
             )
             if tightened:
                 log.warning("calibration: %s", tightened)
-        tolerance = growth_tolerance(
-            headroom.bytes,
-            self.budget.profiled_peak_bytes,
-            max(self.budget.charged_segment_overhead, self.calibration.segment_overhead),
-        )
+        overhead = max(self.budget.charged_segment_overhead, self.calibration.segment_overhead)
+        # the profile region's part that comes out of free memory (none on V1: the engine holds it)
+        region = region_segments(min(self.budget.profiled_peak_bytes, headroom.profiled_cap), overhead)
+        self.held_region_bytes = region_held(headroom.server_growth, self.gate.peak_transient_bytes, region)
         reason = self.calibration.observe_transient(
             now,
             headroom.server_growth,
-            self.gate.peak_transient_bytes,
-            tolerance,
+            self.gate.peak_transient_bytes + region,
+            # the rest of the region stays in the tolerance, as it always did
+            growth_tolerance(headroom.bytes) + region_segments(self.budget.profiled_peak_bytes, overhead) - region,
             self.gate.head_shortfall() == TRANSIENT_BUSY,
         )
         self.metrics.transient_error.set(self.calibration.transient_error_bytes)
@@ -365,7 +374,7 @@ class LiveBudget:
             headroom.server_growth,
             headroom.bytes,
             headroom.min_free,
-            self.budget.transient_limit(),
+            self.budget.transient_limit(0),  # the margin on the whole headroom, as before the held region counted
             self.gate.head_shortfall() == TRANSIENT_BUSY,
         )
         if relaxed:
@@ -416,6 +425,7 @@ class LiveBudget:
             wanted["transient_headroom_bytes"] = self.headroom_bytes
             wanted["profiled_cap_bytes"] = self.profiled_cap_bytes
             wanted["learned_segment_overhead"] = c.segment_overhead
+            wanted["held_region_bytes"] = self.held_region_bytes
             wanted["sampler_overhead_scale"] = c.sampler_overhead.value
             wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
         changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}

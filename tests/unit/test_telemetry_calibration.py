@@ -124,14 +124,16 @@ def test_one_unexplained_growth_backs_off_once_not_at_every_reading() -> None:
 def test_growth_is_judged_against_the_profile_region_at_its_segments_size() -> None:
     """S13: a 400 MiB profile region comes back as 480 MiB of segments; growth up to that, the
     unprofiled peak and 64 MiB is explained, beyond it the margin backs off."""
-    from kvgate.telemetry.calibration import growth_tolerance
+    from kvgate.telemetry.calibration import growth_tolerance, region_segments
 
-    tolerance = growth_tolerance(547 * MiB, 400 * MiB, 0.2)
-    assert tolerance == 64 * MiB + 480 * MiB
-    assert growth_tolerance(547 * MiB, 400 * MiB, 0.0) == 64 * MiB + 400 * MiB  # --expandable-segments
+    assert region_segments(400 * MiB, 0.2) == 480 * MiB
+    assert region_segments(400 * MiB, 0.0) == 400 * MiB  # --expandable-segments
+    tolerance = growth_tolerance(547 * MiB)
+    assert tolerance == 64 * MiB
+    predicted = 11 * MiB + region_segments(400 * MiB, 0.2)
     c = Calibration(CalibrationConfig(margin=0.1))
-    assert c.observe_transient(0.0, 528 * MiB, 11 * MiB, tolerance, False) is None
-    assert "server memory grew 560 MiB" in (c.observe_transient(1.0, 560 * MiB, 11 * MiB, tolerance, False) or "")
+    assert c.observe_transient(0.0, 528 * MiB, predicted, tolerance, False) is None
+    assert "server memory grew 560 MiB" in (c.observe_transient(1.0, 560 * MiB, predicted, tolerance, False) or "")
 
 
 def test_the_segment_overhead_rises_to_what_the_gpu_shows_and_never_falls() -> None:
