@@ -29,7 +29,9 @@ from kvgate.memory.activation import (
     TransientEstimate,
     TransientTerm,
     estimate_transient,
+    mla_prompt_upproject_bytes,
     sampler_cost,
+    step_forward_bound,
     v2_prompt_logprobs_shared_step_extra,
 )
 from kvgate.memory.ceiling import Ceiling
@@ -157,6 +159,7 @@ class Predictor:
         self.profiled_peak_bytes = profiled_peak_bytes
         self.default_max_tokens = default_max_tokens
         self.sampler_cost = sampler_cost(layout.geometry, engine)
+        self.step_bound = step_forward_bound(layout.geometry, engine)  # None: no context parts to sum
         # Engine-wide workspaces (one per engine, kept once allocated) do not grow per request.
         self.shared_workspace_bytes = estimate_transient(layout.geometry, engine, 1, SamplingShape()).shared_bytes
         # A request's transient estimate is a pure function of its prompt length and sampling
@@ -362,7 +365,16 @@ class Predictor:
             sequences=sum(fp.n for fp in footprints),
             teaches_output_lengths=all(fp.min_new_tokens == 0 for fp in footprints),
             step_pair_bytes=pair,
+            upproject_bytes=self._upproject_bytes(footprints),
+            step_bound=self.step_bound,
         )
+
+    def _upproject_bytes(self, footprints: Sequence[Footprint]) -> int:
+        """Demand.upproject_bytes: every engine request's (prompts x n)."""
+        if self.step_bound is None:
+            return 0
+        g, e = self.layout.geometry, self.engine
+        return sum(mla_prompt_upproject_bytes(g, e, fp.prompt_tokens) * fp.n for fp in footprints)
 
     def step_terms(self, footprints: Sequence[Footprint], sampling: SamplingShape) -> list[TransientTerm]:
         """The unprofiled prefill terms of the worst step vLLM can run of these prompts' requests.

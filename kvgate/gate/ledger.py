@@ -16,6 +16,11 @@ keeps what the in-flight requests put in it, and asks what the stage takes with 
 The profiled forward terms (hidden states, MLP) and the sampler stage run one after the other in
 a step: the ledger hands them to the budget apart (`step`, kvgate/memory/ceiling.py StepHoldings),
 which charges the larger phase.
+The open prefills' profiled forward terms are summed, each sized for a whole chunk, but one step
+computes at most max_num_batched_tokens tokens whoever's they are: where the deployment has a
+step bound (MLA, kvgate/memory/activation.py StepForwardBound) the sum is charged at most that
+bound, with the prefills' MLA up-projections, which do add up in one step, summed into it; what of it
+exceeds the profile's forward pass comes out of free memory and counts as unprofiled.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
+from kvgate.memory.activation import StepForwardBound
 from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.sampler import SamplerBatch, SamplerStage
@@ -61,6 +67,8 @@ class Ledger:
         self._pending_extra = 0  # summed Reservation.pending_extra of the open prefills
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
         self._profiled_residual_bytes = 0  # of those, their hidden states (Demand.profiled_residual_bytes)
+        self._upproject_bytes = 0  # summed Demand.upproject_bytes of the open prefills
+        self._step_bound: StepForwardBound | None = None  # the deployment's, from its demands
         self._sampler = SamplerBatch()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
         self._reservations: dict[int, Reservation] = {}
@@ -106,9 +114,10 @@ class Ledger:
         largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
         second_pair = self._open_pairs[-2] if len(self._open_pairs) > 1 else 0
         sampler = self._sampler.stage()
+        forward, beyond = self._forward(self._profiled_prefill_bytes, self._upproject_bytes, self._step_bound)
         return StepHoldings(
-            unprofiled=self._held_bytes + largest_prefill + second_pair,
-            forward_profiled=self._profiled_prefill_bytes,
+            unprofiled=self._held_bytes + largest_prefill + second_pair + beyond,
+            forward_profiled=forward,
             residual_profiled=self._profiled_residual_bytes,
             sampler_unprofiled=sampler.unprofiled,
             sampler_profiled=sampler.profiled,
@@ -120,14 +129,28 @@ class Ledger:
         largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
         held = self._held_bytes + demand.transient_held_bytes + self._shared_extra(demand)
         sampler = self.sampler_with(demand)
+        forward, beyond = self._forward(
+            self._profiled_prefill_bytes + demand.profiled_prefill_bytes,
+            self._upproject_bytes + demand.upproject_bytes,
+            demand.step_bound or self._step_bound,
+        )
         return StepHoldings(
-            unprofiled=held + largest_prefill + self._second_pair_with(demand),
-            forward_profiled=self._profiled_prefill_bytes + demand.profiled_prefill_bytes,
+            unprofiled=held + largest_prefill + self._second_pair_with(demand) + beyond,
+            forward_profiled=forward,
             residual_profiled=self._profiled_residual_bytes + demand.profiled_residual_bytes,
             sampler_unprofiled=sampler.unprofiled,
             sampler_profiled=sampler.profiled,
             sampled_rows=sampler.rows,
         )
+
+    @staticmethod
+    def _forward(summed: int, upproject: int, bound: StepForwardBound | None) -> tuple[int, int]:
+        """The open prefills' profiled forward terms in one step, (within the profile's forward
+        pass, beyond it): their sum, at most the step bound for their summed up-projections."""
+        if bound is None:
+            return summed, 0
+        step = min(summed, bound.forward_bytes(upproject))
+        return min(step, bound.profile_forward_bytes), max(0, step - bound.profile_forward_bytes)
 
     def sampler_with(self, demand: Demand) -> SamplerStage:
         """The sampler stage of the in-flight batch with this demand joining it."""
@@ -169,6 +192,8 @@ class Ledger:
         self._held_bytes += demand.transient_held_bytes + shared_extra
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
         self._profiled_residual_bytes += demand.profiled_residual_bytes
+        self._upproject_bytes += demand.upproject_bytes
+        self._step_bound = demand.step_bound or self._step_bound
         if demand.sampler:
             self._sampler.add(demand.sampler)
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
@@ -204,6 +229,7 @@ class Ledger:
         reservation.pending_extra = 0
         self._profiled_prefill_bytes -= demand.profiled_prefill_bytes
         self._profiled_residual_bytes -= demand.profiled_residual_bytes
+        self._upproject_bytes -= demand.upproject_bytes
 
     def release(self, reservation: Reservation) -> bool:
         """Give everything back; a second call is a no-op and returns False."""

@@ -382,26 +382,18 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
         stage="workspace",
         shared=True,
     )
-    kv_nope = heads * (g.qk_nope_head_dim + g.v_head_dim) * dt
-    k_full = heads * (g.qk_nope_head_dim + g.qk_rope_head_dim) * dt
-    per_token = kv_nope + k_full
-    output = chunk * heads * (g.v_head_dim * dt + FP32)  # one attention output and its fp32 LSE
     piece = min(context, window)
     block = mla_layer_block_bytes(g, chunk, heads)
-    need = block + chunk * per_token + output
+    outputs = _mla_outputs(context, window) * _mla_output_bytes(g, chunk, heads)
+    need = block + _mla_upproject_bytes(g, e, chunk, context, heads) + outputs
     detail = (
         f"the layer's inputs and output {block / MiB:.1f} MiB + new tokens {chunk} x {heads} heads x "
         f"(nope+v + nope+rope) x {dt} B + output"
     )
     if piece > 0:
-        need += piece * per_token + 2 * output  # the piece's attention output + the running output
         detail += f"; context piece {piece} of {context} x the same + 2 outputs"
     if context > window:
-        # 0.33.0 mla_attention.py:3043-3053 (0.32.0 the same loop): the next piece's kv_b_proj
-        # output (then its k) is made while the previous piece's kv_nope, k and attention output
-        # are still bound, so a second piece's larger tensor and output overlap the first.
         following = min(context - window, window)
-        need += following * max(kv_nope, k_full) + output
         detail += f"; the next piece's {following} tokens' kv_b_proj output overlaps it (+ 1 output)"
     dummy = mla_profile_dummy_bytes(g, e)
     profiled = dummy + mla_layer_block_bytes(g, e.max_num_batched_tokens, heads)
@@ -428,6 +420,96 @@ def _mla_terms(g: ModelGeometry, e: EngineShape, chunk: int, context: int, heads
             )
         )
     return terms
+
+
+def _mla_output_bytes(g: ModelGeometry, tokens: int, heads: int) -> int:
+    """One MLA attention output over `tokens` query tokens and its fp32 LSE."""
+    return tokens * heads * (g.v_head_dim * g.dtype_bytes + FP32)
+
+
+def _mla_upproject_bytes(g: ModelGeometry, e: EngineShape, new: int, context: int, heads: int) -> int:
+    """The MLA prefill's ``kv_b_proj`` outputs and their ``k`` (`_mla_terms`): ``forward_mha``'s
+    ``kv_nope`` ``[new, heads, nope + v]`` and ``k`` ``[new, heads, nope + rope]`` for the new
+    tokens, the same for ``_compute_prefill_context``'s first workspace piece of the computed
+    context, and past one workspace the next piece's larger tensor, made while the first piece's
+    are still bound (0.33.0 mla_attention.py:3043-3053, 0.32.0 the same loop). Per token it falls
+    from the first piece to the second and to nothing after: the up-projection of contexts packed
+    into the same passes is never more than the sum of theirs."""
+    dt, window = g.dtype_bytes, mla_workspace_tokens(e)
+    kv_nope = heads * (g.qk_nope_head_dim + g.v_head_dim) * dt
+    k_full = heads * (g.qk_nope_head_dim + g.qk_rope_head_dim) * dt
+    following = min(max(0, context - window), window)
+    return (new + min(context, window)) * (kv_nope + k_full) + following * max(kv_nope, k_full)
+
+
+def _mla_outputs(context: int, window: int) -> int:
+    """Attention outputs alive at once in an MLA prefill step (`_mla_terms`): the new tokens';
+    with context, a piece's and the running one (``init_mla_context_partial``); past one
+    workspace, the next piece's."""
+    return 1 + (2 if context > 0 else 0) + (1 if context > window else 0)
+
+
+def mla_prompt_upproject_bytes(g: ModelGeometry, e: EngineShape, prompt_tokens: int) -> int:
+    """The most of one prompt's MLA up-projection (`_mla_upproject_bytes`) any step holds: its
+    worst chunk (`estimate_transient`: the last full one) with the rest of the prompt as computed
+    context. A step that holds fewer of its tokens (a chat split by the token budget, a
+    document's last small piece beside a chat) holds no more of it: what it has fewer new tokens
+    of, it has as context, at most the same bytes a token. 0 without MLA."""
+    if not g.is_mla or e.attention_backend != "mla":
+        return 0
+    heads = max(1, g.num_attention_heads // e.tensor_parallel_size)
+    chunk = prefill_chunk(e, prompt_tokens)
+    return _mla_upproject_bytes(g, e, chunk, prompt_tokens - chunk, heads)
+
+
+@dataclass(frozen=True)
+class StepForwardBound:
+    """The most one step's forward pass holds, whichever open prefills share it.
+
+    vLLM 0.32.0 v1/core/sched/scheduler.py ``schedule`` gives one step a token budget of
+    ``max_num_scheduled_tokens`` (``max_num_batched_tokens`` unless set apart) and takes every
+    running and waiting request's new tokens out of it, chunking a long prompt: however many
+    prefills are open, one step's forward pass computes at most T = max_num_batched_tokens tokens.
+    What grows with the step's tokens (hidden states and residual, the MLP or MoE, the MLA
+    layer's own tensors, its new tokens' ``kv_b_proj`` output and attention outputs) is at most
+    its size at T tokens. What grows with a prefill's computed context does not: vLLM 0.32.0
+    model_executor/layers/attention/mla_attention.py ``build_mla_chunked_context_metadata``
+    (``plan_mla_context_chunks``) packs every prefill's context of the step into the same
+    workspace-sized passes, so the contexts of prefills sharing a step add up, and a prefill split
+    by the budget may bring any part of its prompt as new tokens and the rest as context: each
+    prefill's `mla_prompt_upproject_bytes` bounds its share of the step's up-projections, and
+    their sum bounds the pass plan of the summed contexts (see `_mla_upproject_bytes`). So the
+    step holds at most hidden(T) + max(MLP(T), the MLA layer's own tensors at T tokens and its
+    outputs + the summed up-projections) (`forward_bytes`).
+
+    `profile_forward_bytes` is what the profile's forward pass reserved: a step beyond it takes
+    the rest out of free memory."""
+
+    hidden_bytes: int  # hidden states and residual of T tokens
+    mlp_bytes: int  # the MLP or MoE of T tokens
+    attention_bytes: int  # the MLA layer's own tensors of T tokens and its four outputs
+    profile_forward_bytes: int
+
+    def forward_bytes(self, upproject_bytes: int) -> int:
+        """The bound for a step whose prefills' `mla_prompt_upproject_bytes` sum to this."""
+        return self.hidden_bytes + max(self.mlp_bytes, self.attention_bytes + upproject_bytes)
+
+
+def step_forward_bound(g: ModelGeometry, e: EngineShape) -> StepForwardBound | None:
+    """The deployment's `StepForwardBound` where prefills have context parts (MLA); None for the
+    others, whose profiled forward terms all grow with the step's tokens and are capped at the
+    profile's forward pass as they are (kvgate/memory/ceiling.py `step_charge`), and for MLA with
+    LoRA or a draft model, whose extra forward terms this bound does not size."""
+    if not g.is_mla or e.attention_backend != "mla" or e.lora_rank or e.draft is not None:
+        return None
+    t = e.max_num_batched_tokens
+    heads = max(1, g.num_attention_heads // e.tensor_parallel_size)
+    return StepForwardBound(
+        hidden_bytes=_hidden_states_term(g, t).bytes,
+        mlp_bytes=_mlp_term(g, e, t).bytes,
+        attention_bytes=mla_layer_block_bytes(g, t, heads) + 4 * _mla_output_bytes(g, t, heads),
+        profile_forward_bytes=profile_forward_bytes(g, e),
+    )
 
 
 def mla_layer_block_bytes(g: ModelGeometry, tokens: int, heads: int) -> int:

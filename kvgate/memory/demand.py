@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvgate.memory.activation import StepForwardBound
 from kvgate.memory.sampler import SamplerUse
 
 
@@ -48,6 +49,14 @@ class Demand:
     # replace them (kvgate/predict.py PROMPT_LOGPROBS_ALIVE_V1); the ledger adds the second
     # largest of these over the open prefills to the largest one-step term.
     step_pair_bytes: int = 0
+    # The most of its prompts' MLA up-projections (new tokens and computed context) one step holds,
+    # whoever shares the step (kvgate/memory/activation.py mla_prompt_upproject_bytes, prompts x n):
+    # the ledger sums these over the open prefills into `step_bound`.
+    upproject_bytes: int = 0
+    # The deployment's bound on one step's forward pass (kvgate/memory/activation.py
+    # StepForwardBound): however many prefills are open, the ledger charges their summed profiled
+    # forward terms at most this; None: only the profile's forward pass caps them (the budget).
+    step_bound: StepForwardBound | None = None
 
     @cached_property
     def kv_blocks(self) -> int:
