@@ -104,7 +104,8 @@ class TelemetryMetrics:
         )
         self.transient_error = Gauge(
             "kvgate_transient_prediction_error_bytes",
-            "Server memory growth since its start minus kvgate's highest predicted transient reservation.",
+            "Server memory growth since its start minus kvgate's highest predicted transient reservation "
+            "and the part of the profile region that comes out of free memory (docs/telemetry.md).",
             registry=r,
         )
         self.backend_info = Gauge(
