@@ -8,7 +8,9 @@ machine costs it little), the least of several passes over the same inputs:
   `--chats` of them, each new to the segment cache when there are more than it keeps
   (the default, bench.overhead.DISTINCT_CHATS);
 - decision: one admission decided by the decision log (DecisionLog), its line written at info to
-  a file through kvgate's own log handler, as `kvgate serve` writes its stderr.
+  a file through kvgate's own log handler, as `kvgate serve` writes its stderr;
+- metrics: the Prometheus updates of one admitted chat (GateMetrics' admission and release, and
+  the four per-request histograms the pipeline and the HTTP path observe).
 Loops keep caches warmer than traffic does: compare arms with each other, not with request_cpu.
 """
 
@@ -42,13 +44,16 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=DISTINCT_CHATS, help="distinct chats evaluated")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--decisions", type=int, default=5000)
+    parser.add_argument("--updates", type=int, default=20000, help="chats' metric updates in a pass")
     args = parser.parse_args()
 
     from kvgate.composition import Runtime
-    from kvgate.gate.observer import Decision
+    from kvgate.gate.ledger import Reservation
+    from kvgate.gate.observer import Decision, Release
     from kvgate.http.decision_log import DecisionLog
     from kvgate.logs import configure_logging, quiet_transformers_advice
     from kvgate.memory.demand import Demand
+    from kvgate.metrics import GateMetrics, KvgateMetrics
     from kvgate.openai import parse_request
     from kvgate.settings import Settings
     from kvgate.tokens import LocalTokenizer
@@ -94,6 +99,22 @@ def main() -> None:
         finally:
             os.dup2(saved, 2)
         print(f"decision   {decision_s / args.decisions * 1e6:8.2f} us an admission logged", flush=True)
+
+        metrics = KvgateMetrics()
+        gate_metrics = GateMetrics(metrics)
+        release = Release("completed", Reservation(id=1, demand=demand))
+
+        def update() -> None:
+            for _ in range(args.updates):
+                gate_metrics.decided(decision)
+                metrics.tokenization.observe(0.0002)
+                metrics.predicted_transient.observe(4096)
+                metrics.predicted_kv_blocks.observe(13)
+                metrics.added_latency.observe(0.0004)
+                gate_metrics.released(release)
+
+        metrics_s = least(args.passes + 4, update)
+        print(f"metrics    {metrics_s / args.updates * 1e6:8.2f} us a chat's metric updates", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,16 @@ serves them beside kvgate's families, which it renders at most once per --metric
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 from kvgate.gate.gate import Gate
 from kvgate.gate.observer import Decision, Release
@@ -30,13 +34,77 @@ _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _BYTES_BUCKETS = tuple(float(2**k) for k in range(20, 38, 2))
 
 
+class LoopCounter(Collector):
+    """A labelled counter kept in a plain dict, for what is counted on every request.
+
+    Why not prometheus_client's Counter: each of its increments takes a lock (values.py
+    MutexValue.inc), a few microseconds a request over kvgate's per-request counts. These are
+    counted and read (when /metrics is scraped) on the event loop's thread alone, so they need
+    none; the page is the one the Counter writes (`_total` and `_created` per label set)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._counts: dict[tuple[str, ...], list[float]] = {}  # label values -> [count, created]
+        registry.register(self)
+
+    def inc(self, *labels: str) -> None:
+        entry = self._counts.get(labels)
+        if entry is None:
+            self._counts[labels] = [1.0, time.time()]
+        else:
+            entry[0] += 1
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, (count, created) in self._counts.items():
+            family.add_metric(labels, count, created=created)
+        yield family
+
+
+class LoopHistogram(Collector):
+    """A histogram without labels kept in plain numbers, for what is observed on every request:
+    prometheus_client's Histogram takes two locks an observation (its sum's and its bucket's).
+    Observed and read on the event loop's thread alone, as LoopCounter; the same page as the
+    Histogram's (cumulative `_bucket`s, `_count`, `_sum`, `_created`)."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self._bounds = (*map(float, buckets), math.inf)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._created = time.time()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        """Count `value` in the first bucket whose upper bound is at least it (Prometheus' `le`)."""
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, buckets = 0, []
+        for bound, count in zip(self._bounds, self._counts, strict=True):
+            cumulative += count
+            buckets.append((floatToGoString(bound), float(cumulative)))
+        family.add_metric([], buckets, self._sum)
+        family.samples.append(Sample(self.name + "_created", {}, self._created))
+        yield family
+
+
 class KvgateMetrics:
-    """All of kvgate's metric objects, on one registry."""
+    """All of kvgate's metric objects, on one registry. What changes on every request is a
+    LoopCounter or LoopHistogram; the rest prometheus_client's own metrics."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.decisions = Counter(
+        self.decisions = LoopCounter(
             "kvgate_decisions",
             "Admission decisions by outcome and reason.",
             ["decision", "reason"],
@@ -45,7 +113,7 @@ class KvgateMetrics:
         self.queue_depth = Gauge(
             "kvgate_queue_depth", "Requests waiting for admission (or for the backend, to be evaluated).", registry=r
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = LoopHistogram(
             "kvgate_queue_wait_seconds",
             "Time admitted requests waited in the queue.",
             buckets=_WAIT_BUCKETS,
@@ -62,13 +130,13 @@ class KvgateMetrics:
             "Transient memory in-flight requests hold of the transient budget (profiled terms too when it comes from GPU readings).",
             registry=r,
         )
-        self.predicted_transient = Histogram(
+        self.predicted_transient = LoopHistogram(
             "kvgate_predicted_transient_peak_bytes",
             "Predicted transient peak per request (all terms).",
             buckets=_BYTES_BUCKETS,
             registry=r,
         )
-        self.predicted_kv_blocks = Histogram(
+        self.predicted_kv_blocks = LoopHistogram(
             "kvgate_predicted_kv_blocks",
             "Predicted KV blocks per request at full growth.",
             buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
@@ -84,13 +152,13 @@ class KvgateMetrics:
             "Transient bytes kvgate may reserve now (after the margin).",
             registry=r,
         )
-        self.tokenization = Histogram(
+        self.tokenization = LoopHistogram(
             "kvgate_tokenization_seconds",
             "Time to tokenize a request.",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.added_latency = Histogram(
+        self.added_latency = LoopHistogram(
             "kvgate_added_latency_seconds",
             "Time kvgate spends on a request before forwarding it, queue wait excluded.",
             buckets=_LATENCY_BUCKETS,
@@ -109,7 +177,7 @@ class KvgateMetrics:
             ["stage"],
             registry=r,
         )
-        self.releases = Counter(
+        self.releases = LoopCounter(
             "kvgate_reservations_released",
             "Reservations released, by how the request ended.",
             ["outcome"],
@@ -124,27 +192,17 @@ class GateMetrics:
 
     def __init__(self, metrics: KvgateMetrics) -> None:
         self.metrics = metrics
-        # Bound label children, one per (kind, reason) and outcome: labels() is a locked lookup.
-        self._decisions: dict[tuple[str, str], Counter] = {}
-        self._releases: dict[str, Counter] = {}
 
     def decided(self, decision: Decision) -> None:
         if decision.kind == "abandon":
             self.metrics.disconnects.labels(decision.stage).inc()
             return
-        key = (decision.kind, decision.reason)
-        counter = self._decisions.get(key)
-        if counter is None:
-            counter = self._decisions[key] = self.metrics.decisions.labels(*key)
-        counter.inc()
+        self.metrics.decisions.inc(decision.kind, decision.reason)
         if decision.kind == "admit":
             self.metrics.queue_wait.observe(decision.queue_wait_s)
 
     def released(self, release: Release) -> None:
-        counter = self._releases.get(release.outcome)
-        if counter is None:
-            counter = self._releases[release.outcome] = self.metrics.releases.labels(release.outcome)
-        counter.inc()
+        self.metrics.releases.inc(release.outcome)
 
     def watch(self, gate: Gate) -> None:
         """The gauges of the queue, the ledger and the budget read them when /metrics is
