@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.metrics import KvgateMetrics
+from kvgate.metrics import KvgateMetrics, LoopCounter
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes" / "base"
@@ -187,6 +187,7 @@ def kvgate_series() -> dict[str, set[str]]:
         ),
     ]
     labels_of = {m._name: set(m._labelnames) for m in objects if isinstance(m, MetricWrapperBase)}
+    labels_of.update({m.name: set(m.labelnames) for m in objects if isinstance(m, LoopCounter)})
     series: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
         labels = labels_of.get(family.name, set())
