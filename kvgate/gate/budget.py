@@ -221,8 +221,9 @@ class Budget:
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their
-        worst step (kvgate/memory/ceiling.py step_charge)."""
-        return self._step_charge(holdings.step(), beside_others=True)
+        worst step (kvgate/memory/ceiling.py step_charge), as `shortfall` charges it beside others."""
+        step = holdings.step()
+        return self._step_charge(step, True, self.shared_step_fits(step))
 
     def _step_charge(self, step: StepHoldings, beside_others: bool, forward_fits: bool = False) -> int:
         """Alone on an idle engine a request's steps run largest first (see `ceiling`): no

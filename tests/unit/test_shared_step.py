@@ -105,8 +105,10 @@ def test_a_document_beside_decoding_chats_is_charged_its_allocated_bytes(s1_gpu:
     shared = budget._step_charge(step, True, True)
     blanket = budget._step_charge(step, True, False)
     assert shared < budget.transient_limit() < blanket
+    ledger.reserve(doc)
+    assert budget.transient_charge(ledger) == shared  # what /kvgate/explain and the gauge report
     budget.update(shared_forward=None)  # kvgate before: the profile's share beside others
-    assert budget.shortfall(doc, ledger) == TRANSIENT_BUSY
+    assert budget.transient_charge(ledger) == blanket
 
     budget, _ = s1_budget(headroom)
     assert budget.shortfall(document(predictor, 32000), ledger) == TRANSIENT_BUSY
