@@ -19,6 +19,7 @@ from kvgate.memory.activation import (
     EngineShape,
     LoneForward,
     SamplerPhaseOverhead,
+    SharedForward,
     profile_forward_bytes,
     profile_hidden_bytes,
     profile_peak_bytes,
@@ -98,6 +99,7 @@ class StaticLimits:
     profiled_hidden_bytes: int = 0  # its hidden states and residual (activation.py profile_hidden_bytes)
     sampler_phase_overhead: SamplerPhaseOverhead | None = None  # activation.py: the sampler phase's replay
     lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
+    shared_forward: SharedForward | None = None  # activation.py: a served MLA step after the others' steps
 
 
 @dataclass(frozen=True)
@@ -572,6 +574,9 @@ def static_limits(
         profiled_hidden_bytes=profile_hidden_bytes(predictor.layout.geometry, predictor.engine),
         sampler_phase_overhead=SamplerPhaseOverhead(predictor.layout.geometry, predictor.engine, expandable_segments),
         lone_forward=LoneForward(predictor.layout.geometry, predictor.engine, expandable_segments),
+        shared_forward=SharedForward(predictor.layout.geometry, predictor.engine, expandable_segments)
+        if predictor.step_bound is not None
+        else None,
     )
 
 

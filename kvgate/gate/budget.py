@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvgate.gate.backend_state import BackendState, Status
-from kvgate.memory.ceiling import Ceiling, StepHoldings, step_charge
+from kvgate.memory.ceiling import Ceiling, StepHoldings, forward_phase_bytes, step_charge
 from kvgate.memory.demand import Demand
 
 KV_BUSY = "kv_cache_busy"
@@ -86,6 +86,10 @@ class Budget:
     # (step tokens, capacity) -> whether a lone request's forward pass runs in that capacity after
     # any one earlier step of another size (kvgate/memory/activation.py LoneForward); None: it does.
     lone_forward: Callable[[int, int], bool] | None = None
+    # (forward bytes, capacity) -> whether a served step's forward pass of that many bytes runs in
+    # that capacity after any one earlier served step, whoever's (kvgate/memory/activation.py
+    # SharedForward, MLA deployments); None: the profile's share is charged beside others.
+    shared_forward: Callable[[int, int], bool] | None = None
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
     # Below 1 in conservative mode (stale readings): a share of the transient limit, never full
@@ -200,14 +204,31 @@ class Budget:
             return True
         return self.lone_forward(-(-profiled_forward_bytes // self.forward_bytes_per_token), capacity)
 
+    def shared_step_fits(self, step: StepHoldings) -> bool:
+        """Whether `step`'s forward pass is charged its allocated bytes beside other requests: where
+        the replay of served steps (kvgate/memory/activation.py `shared_forward_level`) says a
+        forward pass of its bytes (its profiled phase and its unprofiled terms, the context
+        up-projection beyond the profile among them) runs in the live headroom after any one
+        earlier step, which the other requests' steps leave cached. Else the profile's share
+        counts. Not scaled in conservative mode, as `lone_step_fits`."""
+        capacity = self.transient_headroom_bytes
+        if self.shared_forward is None or not self.profiled_cap_bytes or capacity is None:
+            return False
+        forward = forward_phase_bytes(
+            step, self.profiled_cap_bytes, self.profiled_forward_bytes or None, self.forward_bytes_per_token
+        )
+        return self.shared_forward(forward + step.unprofiled, capacity)
+
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their
-        worst step (kvgate/memory/ceiling.py step_charge)."""
-        return self._step_charge(holdings.step(), beside_others=True)
+        worst step (kvgate/memory/ceiling.py step_charge), as `shortfall` charges it beside others."""
+        step = holdings.step()
+        return self._step_charge(step, True, self.shared_step_fits(step))
 
-    def _step_charge(self, step: StepHoldings, beside_others: bool) -> int:
+    def _step_charge(self, step: StepHoldings, beside_others: bool, forward_fits: bool = False) -> int:
         """Alone on an idle engine a request's steps run largest first (see `ceiling`): no
-        segment overhead then."""
+        segment overhead then. `forward_fits`: beside others, the forward pass is known to run
+        in the headroom at its allocated bytes (`shared_step_fits`)."""
         return step_charge(
             step,
             self.profiled_cap_bytes,
@@ -217,6 +238,7 @@ class Budget:
             self.profiled_hidden_bytes or None,
             self.sampler_phase_overhead,
             self.sampler_overhead_scale,
+            0.0 if forward_fits else None,
         )
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
@@ -238,7 +260,7 @@ class Budget:
                 return KV_BUSY
         beside_others = holdings.in_flight > 0 or not self.lone_step_fits(demand.profiled_prefill_bytes)
         step = holdings.step_with(demand)
-        charge = self._step_charge(step, beside_others=beside_others)
+        charge = self._step_charge(step, beside_others, beside_others and self.shared_step_fits(step))
         # the held region counts whole only for the profiled bytes this step charges: the rest of
         # the charge is kvgate's prediction, and has the margin
         transient_limit = self.transient_limit(min(self.held_region_bytes, step.profiled_charge(charge)))

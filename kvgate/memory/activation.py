@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from kvgate.memory.allocator import TapeOp, alloc, fits_after_any, footprint, free, worst_need
+from kvgate.memory.allocator import TapeOp, alloc, fits_after_any, fitting_prefix, footprint, free, worst_need
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import QKV_SLICES, shrink_buffer_bytes
@@ -1043,7 +1043,11 @@ def profile_sampler_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
 
 
 def profile_forward_tape(
-    geometry: ModelGeometry, engine: EngineShape, tokens: int | None = None, served: bool = False
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    tokens: int | None = None,
+    served: bool = False,
+    mla_context: int | None = None,
 ) -> list[TapeOp]:
     """The profile step's tensors in the order vLLM makes and drops them, for the allocator replay
     (kvgate/memory/allocator.py). One decoder layer stands for all: every layer frees what it
@@ -1061,7 +1065,9 @@ def profile_forward_tape(
     peak (V1's full-vocabulary sort) its segments' own overhead is not modelled; nor are the LoRA
     shrink buffer and a draft model's pass (their bytes still count in `profile_peak_bytes`).
     `served`: a step that serves requests has attention metadata, so MLA makes no profile buffer
-    (its prefill's own tensors are charged as their terms, `_mla_terms`)."""
+    (its prefill's own tensors are charged as their terms, `_mla_terms`); with `mla_context` (a
+    served MLA step whose prefills bring that much computed context) the tape holds them too
+    (`_mla_prefill_tape`)."""
     g, e = geometry, engine
     t, dt, tp = tokens or e.max_num_batched_tokens, g.dtype_bytes, e.tensor_parallel_size
     hidden = t * g.hidden_size * dt
@@ -1071,6 +1077,8 @@ def profile_forward_tape(
     dummy = 0 if served else mla_profile_dummy_bytes(g, e)
     if dummy:
         tape += [alloc("mla_dummy", dummy), *free("mla_dummy")]
+    if served and mla_context is not None and g.is_mla and e.attention_backend == "mla":
+        tape += _mla_prefill_tape(g, e, t, mla_context, heads)
     tape += [*free("qkv"), alloc("o_proj", hidden), *free("attn_out", "hidden")]
     mlp = _mlp_term(g, e, t)
     if mlp.name == "mlp":  # dense: gate_up is two thirds of the term, SiluAndMul's output one third
@@ -1080,6 +1088,33 @@ def profile_forward_tape(
         tape += [alloc("moe", mlp.bytes), alloc("down", hidden), *free("moe", "o_proj")]
     tape += free("residual", "down")
     return tape
+
+
+def _mla_prefill_tape(g: ModelGeometry, e: EngineShape, new: int, context: int, heads: int) -> list[TapeOp]:
+    """An MLA prefill's up-projections and attention outputs inside ``MLAAttention.forward``, in
+    the order vllm 0.32.0 model_executor/layers/attention/mla_attention.py makes them (the sizes
+    `_mla_upproject_bytes` and `_mla_outputs` count): ``forward_mha``'s new tokens' ``kv_b_proj``
+    output and ``k`` (one block here), their output and LSE; ``_compute_prefill_context``'s first
+    workspace pass of the computed context and its output, and past one workspace the next
+    pass's larger tensor and output, made while the first pass's are bound."""
+    dt, window = g.dtype_bytes, mla_workspace_tokens(e)
+    kv_nope = heads * (g.qk_nope_head_dim + g.v_head_dim) * dt
+    k_full = heads * (g.qk_nope_head_dim + g.qk_rope_head_dim) * dt
+    out = _mla_output_bytes(g, new, heads)
+    tape = [alloc("mla_new_kv", new * (kv_nope + k_full))]
+    piece = min(context, window)
+    if piece:
+        tape += [
+            alloc("mla_suffix_out", out),
+            alloc("mla_ctx_kv", piece * (kv_nope + k_full)),
+            alloc("mla_ctx_out", out),
+        ]
+        following = min(context - piece, window)
+        if following:
+            tape += [alloc("mla_next_kv", following * max(kv_nope, k_full)), alloc("mla_next_out", out)]
+            tape += free("mla_next_kv", "mla_next_out")
+        tape += free("mla_ctx_kv", "mla_ctx_out", "mla_suffix_out")
+    return [*tape, *free("mla_new_kv")]
 
 
 # Earlier step sizes the segment overhead is replayed after: sixteenths of max_num_batched_tokens.
@@ -1146,6 +1181,60 @@ class LoneForward:
         return lone_forward_fits(
             self.geometry, self.engine, self.expandable_segments, tokens, capacity // CAPACITY_STEP * CAPACITY_STEP
         )
+
+
+# The grid of served MLA steps the shared step is replayed on: earlier steps of eighths of
+# max_num_batched_tokens over computed contexts of eighths of two workspaces (beyond two, a
+# prefill's up-projection no longer grows: `_mla_upproject_bytes`); candidates on a finer grid of
+# contexts, so a step's level is not rounded far up.
+SHARED_TOKEN_STEPS = 8
+SHARED_CONTEXT_STEPS = 8
+CANDIDATE_CONTEXT_STEPS = 64
+
+
+@lru_cache(maxsize=256)
+def shared_forward_level(geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int) -> int:
+    """The largest forward pass (its allocated bytes) a served MLA step runs in `capacity` bytes
+    of transient memory after any one earlier served step (kvgate/memory/allocator.py
+    `fits_after_any`), whatever requests share it: every step of a level at or below it does.
+
+    Beside other requests a step meets the cache their steps leave; the blanket
+    `profile_segment_overhead_bytes` share is the profile step's (its ``[W, h, nope + v]`` dummy,
+    which no served step makes, stranded by the next step's smaller tensors: 504 MiB on
+    DeepSeek-V2-Lite's 560 MiB profile at 2,048 tokens). Here the steps are the ones vLLM serves
+    (`profile_forward_tape` with `mla_context`): one step holds at most max_num_batched_tokens
+    tokens (`StepForwardBound`), so the candidates are steps of half and all of them over each
+    context of a fine grid, and the earlier steps every eighth of the tokens over each context of a
+    coarser one.
+    Candidates are tried by their allocated bytes, smallest first; the level is the last that fits
+    before one does not. Like `lone_forward_fits`, one earlier step, not every history."""
+    g, e = geometry, engine
+    full = e.max_num_batched_tokens
+    window = mla_workspace_tokens(e)
+    contexts = sorted({2 * window * k // SHARED_CONTEXT_STEPS for k in range(SHARED_CONTEXT_STEPS + 1)})
+    sizes = sorted({max(1, full * k // SHARED_TOKEN_STEPS) for k in range(1, SHARED_TOKEN_STEPS + 1)})
+    earlier = [[profile_forward_tape(g, e, n, served=True, mla_context=c)] for n in sizes for c in contexts]
+    fine = sorted({2 * window * k // CANDIDATE_CONTEXT_STEPS for k in range(CANDIDATE_CONTEXT_STEPS + 1)})
+    candidates = [profile_forward_tape(g, e, n, served=True, mla_context=c) for n in (full // 2, full) for c in fine]
+    ranked = sorted(((footprint(t).allocated_peak, t) for t in candidates), key=lambda c: c[0])
+    fitting = fitting_prefix([tape for _, tape in ranked], earlier, capacity, expandable_segments)
+    return ranked[fitting - 1][0] if fitting else 0
+
+
+class SharedForward:
+    """`shared_forward_level` of one MLA deployment, for the budget: whether a step whose forward
+    pass holds `forward_bytes` runs in `capacity` after the steps of the requests beside it, the
+    capacity rounded down to 8 MiB so the replays (a second or so) are memoised across readings.
+    (A plain class, as LoneForward.)"""
+
+    def __init__(self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> None:
+        self.geometry = geometry
+        self.engine = engine
+        self.expandable_segments = expandable_segments
+
+    def __call__(self, forward_bytes: int, capacity: int) -> bool:
+        capacity = capacity // CAPACITY_STEP * CAPACITY_STEP
+        return forward_bytes <= shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:

@@ -121,6 +121,19 @@ class _Replay:
         self.live: dict[str, tuple[_Segment, _Block]] = {}
         self.sizes: dict[str, int] = {}  # expandable segments: each live tensor's bytes
 
+    def copy(self) -> _Replay:
+        """The same pools, to play on apart (the histories `fitting_prefix` reuses)."""
+        other = _Replay(self.expandable, self.capacity)
+        blocks: dict[int, _Block] = {}
+        for seg in self.segments:
+            copied = _Segment(seg.pool, [blocks.setdefault(id(b), _Block(b.size, b.allocated)) for b in seg.blocks])
+            other.segments.append(copied)
+            for name, (live_seg, block) in self.live.items():
+                if live_seg is seg:
+                    other.live[name] = (copied, blocks[id(block)])
+        other.sizes = dict(self.sizes)
+        return other
+
     def release_cached_blocks(self) -> None:
         self.segments = [s for s in self.segments if s.live]
 
@@ -252,3 +265,33 @@ def fits_after_any(
             except _OutOfMemory:
                 return False
     return True
+
+
+def fitting_prefix(
+    steps: Sequence[Sequence[TapeOp]],
+    earlier: Iterable[Sequence[Sequence[TapeOp]]],
+    capacity: int,
+    expandable_segments: bool = False,
+) -> int:
+    """How many of `steps`, in order, each run in `capacity` after every one of the `earlier`
+    histories as `fits_after_any` plays them: the count before the first that does not. Each
+    history is played once and its cache copied for every step."""
+    states: list[_Replay] = []
+    for history in [(), *earlier]:
+        for released in (False, True):
+            replay = _Replay(expandable_segments, capacity)
+            try:
+                for tape in history:
+                    replay.play(tape)
+            except _OutOfMemory:
+                continue
+            if released:
+                replay.release_cached_blocks()
+            states.append(replay)
+    for count, step in enumerate(steps):
+        for state in states:
+            try:
+                state.copy().play(step)
+            except _OutOfMemory:
+                return count
+    return len(steps)

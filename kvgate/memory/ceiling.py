@@ -79,6 +79,16 @@ class StepHoldings:
         return max(0, charge - self.unprofiled - self.sampler_unprofiled)
 
 
+def forward_phase_bytes(
+    step: StepHoldings, profiled_cap: int, forward_cap: int | None = None, forward_bytes_per_token: int = 0
+) -> int:
+    """The profiled bytes of `step_charge`'s forward phase before their segment overhead: the open
+    prefills' profiled terms and the decoding rows' tokens, at most `profiled_cap` and `forward_cap`."""
+    # the decoding requests' tokens (one a sampled row) go through the same forward pass
+    forward = step.forward_profiled + step.sampled_rows * forward_bytes_per_token
+    return min(profiled_cap, forward, forward_cap if forward_cap else forward)
+
+
 def step_charge(
     step: StepHoldings,
     profiled_cap: int | None,
@@ -88,6 +98,7 @@ def step_charge(
     residual_cap: int | None = None,
     sampler_overhead: Callable[[int, int], int] | None = None,
     sampler_overhead_scale: float = 1.0,
+    forward_overhead: float | None = None,
 ) -> int:
     """What the worst step charges against the headroom: its unprofiled prefill terms and the
     larger of its two phases (`StepHoldings`). The forward phase is the open prefills' profiled
@@ -118,17 +129,19 @@ def step_charge(
     Runner V2 warms no sampler up after capture: its region comes back whole (`profiled_cap` the
     profile peak) and the replay counts in full.
 
+    `forward_overhead`, where given, is the forward phase's share instead of `segment_overhead`
+    (0 where the served steps' replay says the step runs in the headroom whatever ran before it:
+    kvgate/gate/budget.py `Budget.shared_step_fits`).
+
     With `profiled_cap` None (a headroom from flags, beside the profile region) only the
     unprofiled bytes count, as `transient_charge` does."""
     if profiled_cap is None:
         return step.unprofiled + step.sampler_unprofiled
-    # the decoding requests' tokens (one a sampled row) go through the same forward pass
-    forward = step.forward_profiled + step.sampled_rows * forward_bytes_per_token
-    forward = min(profiled_cap, forward, forward_cap if forward_cap else forward)
+    forward = forward_phase_bytes(step, profiled_cap, forward_cap, forward_bytes_per_token)
     residual = min(step.residual_profiled, residual_cap) if residual_cap else step.residual_profiled
     phase = residual + step.sampler_profiled
     sampler = min(profiled_cap, phase)
-    forward += math.ceil(forward * segment_overhead)
+    forward += math.ceil(forward * (segment_overhead if forward_overhead is None else forward_overhead))
     share = math.ceil(sampler * segment_overhead)
     if sampler_overhead is not None and segment_overhead and forward_bytes_per_token and sampler:
         tokens = math.ceil(step.forward_profiled / forward_bytes_per_token) + step.sampled_rows

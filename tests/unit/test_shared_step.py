@@ -1,0 +1,190 @@
+"""Beside other requests, a served MLA step is charged what the caching allocator's replay of
+served steps says it needs, not the profile step's blanket share (issue 24, benchmark S1).
+
+kvgate/memory/activation.py `shared_forward_level` replays served steps (their MLA
+up-projections, no profile dummy) in the live headroom after any one earlier served step; where a
+step's forward pass is at or below that level the budget charges its allocated bytes
+(kvgate/gate/budget.py `Budget.shared_step_fits`), else the profile's share as before. The
+simulator (kvgate/sim/gpu.py and kvgate/sim/step_memory.py, written apart from kvgate's replay)
+judges: on S1's simulated engine (DeepSeek-V2-Lite, MLA, vLLM 0.32.0 Model Runner V2, 2,048-token
+steps, the pool vLLM's start-up advice sizes), random sequences of mixed steps never run out of
+memory where kvgate charges a step its allocated bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from dataclasses import asdict
+
+import pytest
+
+from bench.scenarios import SCENARIOS
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags
+from kvgate.engine_config import build_predictor, resolve, static_limits
+from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.ledger import Ledger
+from kvgate.memory.activation import profile_peak_bytes
+from kvgate.memory.demand import Demand
+from kvgate.openai import parse_request
+from kvgate.predict import Predictor
+from kvgate.settings import settings_from_args
+from kvgate.sim import startup
+from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from kvgate.sim.model import load_model
+from kvgate.sim.presets import gpu_total_bytes
+from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
+from kvgate.units import GiB, MiB
+from support.geometry import model_geometry
+
+S1 = next(s for s in SCENARIOS if s.key == "S1")
+T = S1.sim.max_num_batched_tokens
+DEEPSEEK = model_geometry("deepseek-v2-lite")
+
+GPU = tuple[Device, CachingAllocator, StepMemory]
+
+
+@pytest.fixture(scope="module")
+def s1_gpu() -> GPU:
+    """S1's simulated engine just started: its device, allocator and step tapes."""
+    cfg = S1.sim
+    device = Device(gpu_total_bytes(cfg.gpu))
+    alloc = CachingAllocator(device, "vllm")
+    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
+    return device, alloc, startup.step_memories(resolved)[0]
+
+
+def s1_budget(headroom: int) -> tuple[Budget, Predictor]:
+    """kvgate's budget for S1 as its live readings set it: `headroom` of transient memory, the
+    whole profile region out of free memory (V2, fixed pool)."""
+    flags = ["--max-num-batched-tokens", str(T), "--max-num-seqs", "256", "--max-model-len", "131072"]
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    deployment = resolve(engine_flags(settings), DEEPSEEK, None, None, reported_version="0.32.0")
+    predictor = build_predictor(deployment, DEEPSEEK)
+    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=40 * GiB)))
+    budget.update(
+        transient_headroom_bytes=headroom,
+        max_transient_headroom_bytes=headroom,
+        profiled_cap_bytes=profile_peak_bytes(DEEPSEEK, predictor.engine),
+    )
+    return budget, predictor
+
+
+def document(predictor: Predictor, prompt_tokens: int) -> Demand:
+    """A summarisation request of `prompt_tokens` tokens, as S1 sends them."""
+    body = {"prompt": "x", "max_tokens": 256, "temperature": 0.7}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    return predictor.predict(spec, [[7] * prompt_tokens]).demand
+
+
+def decoding(predictor: Predictor, ledger: Ledger, *prompts: int) -> None:
+    """Chats admitted whose first token is out: they decode in every step."""
+    for prompt in prompts:
+        ledger.end_prefill(ledger.reserve(document(predictor, prompt)))
+
+
+def test_a_document_beside_decoding_chats_is_charged_its_allocated_bytes(s1_gpu: GPU) -> None:
+    """S1's 16,000-token document beside four decoding chats: the profile's share (0.9 of its
+    forward pass) put it over the limit, so it waited for an idle engine; the served steps'
+    replay says a forward pass of its bytes runs in the 592 MiB headroom after any one earlier
+    step, and it is admitted at its allocated bytes. A 32,000-token document still is not: its
+    last chunk (493 MiB allocated) runs out of memory in the simulator after a 1,024-token step
+    over 16,384 tokens of context, whose segments the new step's smaller tensors split."""
+    device = s1_gpu[0]
+    headroom = device.free()
+    assert headroom // MiB == 592
+    budget, predictor = s1_budget(headroom)
+    ledger = Ledger()
+    decoding(predictor, ledger, 600, 300, 1200, 800)
+    doc = document(predictor, 16000)
+    step = ledger.step_with(doc)
+    assert budget.shared_step_fits(step)
+    assert budget.shortfall(doc, ledger) is None
+    shared = budget._step_charge(step, True, True)
+    blanket = budget._step_charge(step, True, False)
+    assert shared < budget.transient_limit() < blanket
+    ledger.reserve(doc)
+    assert budget.transient_charge(ledger) == shared  # what /kvgate/explain and the gauge report
+    budget.update(shared_forward=None)  # kvgate before: the profile's share beside others
+    assert budget.transient_charge(ledger) == blanket
+
+    budget, _ = s1_budget(headroom)
+    assert budget.shortfall(document(predictor, 32000), ledger) == TRANSIENT_BUSY
+    assert not runs(s1_gpu, [StepShape((prefill(1024, 16384),))], StepShape((prefill(T, 32000 - T),)))
+    assert runs(s1_gpu, [], StepShape((prefill(T, 32000 - T),)))
+
+
+def prefill(new: int, context: int) -> ReqSlice:
+    return ReqSlice(new, context, samples=False)
+
+
+def runs(s1_gpu: GPU, history: list[StepShape], final: StepShape) -> bool | None:
+    """Whether the simulator runs `final` after `history` (a fresh copy of the engine each call);
+    None where the history itself runs out of memory."""
+    _, alloc, steps = copy.deepcopy(s1_gpu)
+    try:
+        for shape in history:
+            run_tape(alloc, steps.plan(shape))
+    except CudaOutOfMemory:
+        return None
+    try:
+        run_tape(alloc, steps.plan(final))
+    except CudaOutOfMemory:
+        return False
+    return True
+
+
+DOCUMENTS = [16000, 32000, 48000, 64000, 96000, 120000]
+
+
+def random_step(rng: random.Random) -> StepShape:
+    """A step S1's traffic makes: up to two prefills of some new tokens over some computed
+    context (a document's chunk, a chat's prompt) and decoding rows, at most T tokens."""
+    budget, reqs = T, []
+    for _ in range(rng.randint(1, 2)):
+        new = rng.randint(2, budget)
+        context = rng.choice([0, 0, rng.randint(1, 120000)])
+        reqs.append(prefill(new, context))
+        budget -= new
+        if budget < 2:
+            break
+    reqs += [ReqSlice(1, rng.randint(1, 4096), samples=False) for _ in range(rng.randint(0, min(8, budget)))]
+    return StepShape(tuple(reqs))
+
+
+def test_the_simulator_runs_every_step_kvgate_charges_its_allocated_bytes(s1_gpu: GPU) -> None:
+    """Random sets of open requests (a document of S1's sizes or any length, chats, decoding
+    rows), each played as the last step of its longest prompt, beside a piece of another's, after
+    one to three random earlier steps on the simulator's allocator in S1's headroom (histories
+    that themselves run out of memory are drawn again): wherever the budget charges the step its
+    allocated bytes (`shared_step_fits`), the simulator runs it. Both verdicts occur."""
+    device, _, _ = s1_gpu
+    budget, predictor = s1_budget(device.free())
+    rng = random.Random(24)
+    ran = charged_share = 0
+    for _ in range(200):
+        prompts = [rng.choice([*DOCUMENTS, rng.randint(2, 40000)])]
+        prompts += [rng.randint(2, 1500) for _ in range(rng.randint(0, 2))]
+        ledger = Ledger()
+        for prompt in prompts:
+            ledger.reserve(document(predictor, prompt))
+        decoding(predictor, ledger, *[rng.randint(100, 1500) for _ in range(rng.randint(0, 4))])
+        if not budget.shared_step_fits(ledger.step()):
+            charged_share += 1
+            continue
+        longest = max(prompts)
+        new = rng.randint(max(2, min(longest, T) // 2), min(longest, T))
+        rest = T - new
+        others = [prefill(min(p, rest), 0) for p in prompts[1:] if rest >= 2][:1]
+        final = StepShape((prefill(new, longest - new), *others))
+        for _ in range(10):
+            history = [random_step(rng) for _ in range(rng.randint(1, 3))]
+            verdict = runs(s1_gpu, history, final)
+            if verdict is not None:
+                break
+        assert verdict is not False, (prompts, history, final)
+        ran += verdict is True
+    assert ran >= 40
+    assert charged_share >= 40
