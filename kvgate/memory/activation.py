@@ -17,6 +17,8 @@ once and kept (``shared=True``: count them once per engine, not per request).
 
 from __future__ import annotations
 
+import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -1192,7 +1194,6 @@ SHARED_CONTEXT_STEPS = 8
 CANDIDATE_CONTEXT_STEPS = 64
 
 
-@lru_cache(maxsize=256)
 def shared_forward_level(geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int) -> int:
     """The largest forward pass (its allocated bytes) a served MLA step runs in `capacity` bytes
     of transient memory after any one earlier served step (kvgate/memory/allocator.py
@@ -1221,20 +1222,71 @@ def shared_forward_level(geometry: ModelGeometry, engine: EngineShape, expandabl
     return ranked[fitting - 1][0] if fitting else 0
 
 
+# Shared-step levels are memoised per headroom rounded down to a grid of 32 steps per doubling
+# (about 2 % apart): headroom readings that drift by a few per cent reuse one replay.
+LEVEL_GRID_PER_DOUBLING = 32
+
+
+def level_capacity(capacity: int) -> int:
+    """`capacity` rounded down to the level grid (at most ~2.2 % less: a smaller capacity fits
+    less, so the level is never raised by the rounding)."""
+    if capacity <= CAPACITY_STEP:
+        return 0
+    k = int(math.log2(capacity) * LEVEL_GRID_PER_DOUBLING)
+    while (rounded := int(2 ** (k / LEVEL_GRID_PER_DOUBLING))) > capacity:
+        k -= 1
+    return rounded
+
+
 class SharedForward:
     """`shared_forward_level` of one MLA deployment, for the budget: whether a step whose forward
-    pass holds `forward_bytes` runs in `capacity` after the steps of the requests beside it, the
-    capacity rounded down to 8 MiB so the replays (a second or so) are memoised across readings.
-    (A plain class, as LoneForward.)"""
+    pass holds `forward_bytes` runs in `capacity` after the steps of the requests beside it.
 
-    def __init__(self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> None:
+    One replay costs 0.1 s of CPU at 592 MiB of headroom and 1.7 s at 4 GiB (more candidates fit,
+    each after ~140 histories): too long for the event loop. So the level of each headroom (on
+    `level_capacity`'s grid) is worked out once on a worker thread, and until it is known the
+    answer is no: the step is charged the profile's share, the cautious charge. The gate weighs
+    its queue again at its next event (a release, an ended prefill: the other requests'). `background=False`
+    works the level out in the caller's thread (tests, one-shot tools)."""
+
+    def __init__(
+        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
+    ) -> None:
         self.geometry = geometry
         self.engine = engine
         self.expandable_segments = expandable_segments
+        self._levels: dict[int, int] = {}
+        self._pending: set[int] = set()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-shared-forward") if background else None
 
     def __call__(self, forward_bytes: int, capacity: int) -> bool:
-        capacity = capacity // CAPACITY_STEP * CAPACITY_STEP
-        return forward_bytes <= shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
+        capacity = level_capacity(capacity)
+        level = self._levels.get(capacity)
+        if level is None:
+            if self._worker is None:
+                level = self._levels[capacity] = self._level(capacity)
+            else:
+                self._start(capacity)
+                return False
+        return forward_bytes <= level
+
+    def __deepcopy__(self, memo: dict[int, object]) -> SharedForward:
+        """One replay service per deployment, shared by copies of the limits that hold it
+        (`dataclasses.asdict` deep-copies them): its worker thread cannot be copied."""
+        return self
+
+    def _start(self, capacity: int) -> None:
+        if capacity not in self._pending:
+            self._pending.add(capacity)
+            assert self._worker is not None
+            self._worker.submit(self._work_out, capacity)
+
+    def _work_out(self, capacity: int) -> None:
+        """On the worker thread: one dict store, which the loop's thread reads whole or not."""
+        self._levels[capacity] = self._level(capacity)
+
+    def _level(self, capacity: int) -> int:
+        return shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:

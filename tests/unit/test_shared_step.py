@@ -26,7 +26,7 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import profile_peak_bytes
+from kvgate.memory.activation import SharedForward, level_capacity, profile_peak_bytes
 from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
@@ -68,6 +68,8 @@ def s1_budget(headroom: int) -> tuple[Budget, Predictor]:
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
         profiled_cap_bytes=profile_peak_bytes(DEEPSEEK, predictor.engine),
+        # the level worked out at once, not on kvgate's worker thread
+        shared_forward=SharedForward(DEEPSEEK, predictor.engine, False, background=False),
     )
     return budget, predictor
 
@@ -188,3 +190,22 @@ def test_the_simulator_runs_every_step_kvgate_charges_its_allocated_bytes(s1_gpu
         ran += verdict is True
     assert ran >= 40
     assert charged_share >= 40
+
+
+def test_the_level_is_worked_out_off_the_event_loop_and_cautious_until_known() -> None:
+    """The replay takes up to seconds of CPU: kvgate's budget asks a SharedForward that works it
+    out on a worker thread and answers no (the profile's share) until it is known; headroom
+    readings a few per cent apart share one level, rounded down."""
+    _, predictor = s1_budget(592 * MiB)
+    shared = SharedForward(DEEPSEEK, predictor.engine, False)
+    small = 8 * MiB
+    assert shared(small, 592 * MiB) is False  # not known yet: the cautious answer, at once
+    assert shared._worker is not None
+    shared._worker.submit(lambda: None).result(timeout=60)  # the one worker has finished the level
+    assert shared(small, 592 * MiB) is True
+    assert shared(small, 595 * MiB) is True  # the same rung of the grid: no second replay
+    assert len(shared._levels) == 1
+    for capacity in (9 * MiB, 592 * MiB, 80 * GiB, 80 * GiB + 1):
+        rung = level_capacity(capacity)
+        assert 0.977 * capacity <= rung <= capacity
+    assert level_capacity(MiB) == 0
