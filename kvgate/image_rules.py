@@ -818,6 +818,9 @@ class VideoGrid:
     merge_size: int
     temporal_patch_size: int
     size: Mapping[str, int]  # the video processor's {"shortest_edge", "longest_edge"} in pixels
+    # Whether vLLM loads a container video with its Qwen2-VL loader (kvgate/video_container.py
+    # qwen2_vl_frames): the model's video processor is Qwen2VLVideoProcessor.
+    qwen2_vl_loader: bool = True
     placeholder: str = "<|vision_start|><|video_pad|><|vision_end|>"
 
     @property
@@ -851,7 +854,16 @@ def _qwen2_vl_video(config: dict[str, Any], processor: dict[str, Any], patch: in
         if video.get(alias) is not None:
             size[edge] = video[alias]
     temporal = video.get("temporal_patch_size") or (config.get("vision_config") or {}).get("temporal_patch_size", 2)
-    return VideoGrid(config["model_type"], int(config["video_token_id"]), patch, merge, int(temporal), size)
+    # vllm/transformers_utils/processor.py get_video_processor_cls_name_from_config (0.32.0): the first
+    # video_processor_type of video_preprocessor_config.json and preprocessor_config.json, else
+    # transformers' mapping for the model_type (Qwen2VLVideoProcessor for both families).
+    named = [
+        c["video_processor_type"]
+        for c in (processor.get(VIDEO_PROCESSOR_KEY) or {}, processor)
+        if "video_processor_type" in c
+    ]
+    loader = (named or ["Qwen2VLVideoProcessor"])[0] == "Qwen2VLVideoProcessor"
+    return VideoGrid(config["model_type"], int(config["video_token_id"]), patch, merge, int(temporal), size, loader)
 
 
 def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:

@@ -16,9 +16,9 @@ import asyncio
 import hashlib
 import json
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvgate.audio import (
     AUDIO_RULES,
@@ -39,6 +39,7 @@ from kvgate.image_rules import (
     ImageRule,
     ImageTokens,
     Replacement,
+    VideoGrid,
 )
 from kvgate.media import (
     VLLM_VIDEO_FRAMES,
@@ -54,6 +55,7 @@ from kvgate.media import (
 from kvgate.memory.encoder import OTHER_MODALITY, coded_stand_in
 from kvgate.multimodal_render import RenderEndpoint, UncountedMedia, render_chat
 from kvgate.request import ChatInput
+from kvgate.video_container import QWEN2_VL_FPS, VideoHeader, VideoNotCounted, container_video, qwen2_vl_frames
 from kvgate.work_budget import charge
 
 if TYPE_CHECKING:
@@ -346,8 +348,8 @@ def expand_images(
 # Videos kvgate counts, and kwargs with which transformers' video processor samples frames itself
 # (Qwen2VLVideoProcessor.sample_frames), which kvgate leaves to the render endpoint.
 _VIDEOS_COUNTED = (
-    "Qwen2-VL and Qwen2.5-VL videos sent as their frames, a data:video/jpeg;base64 URL of comma-separated "
-    "images (kvgate neither fetches video URLs nor reads video containers)"
+    "Qwen2-VL and Qwen2.5-VL videos in a base64 data URL: their frames (data:video/jpeg;base64, comma-separated "
+    "images) or an MP4 / MOV / WebM / Matroska file whose header gives its frames (kvgate fetches no video URL)"
 )
 _FRAME_SAMPLING = frozenset({"do_sample_frames", "fps", "num_frames", "min_frames", "max_frames"})
 _NO_RENDER = "this kvgate has no backend to render it"
@@ -355,12 +357,18 @@ _NO_RENDER = "this kvgate has no backend to render it"
 # A data URL longer than this is decoded in a thread: kvgate's event loop answers other requests
 # meanwhile (base64 decodes at about 1 GB/s: a 32 MiB body is tens of milliseconds).
 READ_IN_THREAD_CHARS = 256 * 1024
+_T = TypeVar("_T")
 
 
 async def _read(url: str) -> ImageSize | ImageByUrl:
+    return await _in_thread_if_long(read_image, url)
+
+
+async def _in_thread_if_long(read: Callable[..., _T], url: str, *args: Any) -> _T:
+    """read(url, *args), in a thread for a long data URL."""
     if len(url) > READ_IN_THREAD_CHARS:
-        return await asyncio.to_thread(read_image, url)
-    return read_image(url)
+        return await asyncio.to_thread(read, url, *args)
+    return read(url, *args)
 
 
 # Replacement texts MediaCounting keeps tokenized, and the distinct token texts one image's
@@ -680,20 +688,39 @@ class MediaCounting:
             previous = position + 1
         return out + list(encoded_prompt[previous:])
 
-    def _num_frames(self, chat: ChatInput) -> int:
-        """The frames of a video vLLM keeps: the request's media_io_kwargs over --media-io-kwargs
+    def _video_io(self, chat: ChatInput) -> dict[str, Any]:
+        """The video loader's kwargs: the request's media_io_kwargs over --media-io-kwargs
         (vllm/multimodal/media/video.py VideoMediaIO.merge_kwargs, 0.32.0 and 0.33.0: a request's
-        fps alone drops the flag's num_frames), else VideoMediaIO's default."""
+        fps alone drops the flag's num_frames, its num_frames alone the flag's fps)."""
         request = (chat.media_io_kwargs or {}).get("video")
         request = request if isinstance(request, Mapping) else {}
         flag = self._options.media_io.get("video")
         merged = {**(flag if isinstance(flag, Mapping) else {}), **request}
         if "fps" in request and "num_frames" not in request:
             merged.pop("num_frames", None)
-        frames = merged.get("num_frames", VLLM_VIDEO_FRAMES)
+        elif "num_frames" in request and "fps" not in request:
+            merged.pop("fps", None)
+        return merged
+
+    def _num_frames(self, video_io: Mapping[str, Any]) -> int:
+        """The frames of a video sent as frames that vLLM keeps (VideoMediaIO's num_frames)."""
+        frames = video_io.get("num_frames", VLLM_VIDEO_FRAMES)
         if not isinstance(frames, int) or isinstance(frames, bool):
             raise MediaError(f"media_io_kwargs video num_frames must be an integer, got {frames!r}")
         return frames
+
+    def _container_frames(self, header: VideoHeader, video: VideoGrid, video_io: Mapping[str, Any]) -> VideoFrames:
+        """A container video's frames as vLLM's Qwen2-VL loader samples them (its fps: media_io's,
+        else 2; num_frames is not read by that loader); UncountedMedia where vLLM would load it
+        otherwise."""
+        others = sorted(video_io.keys() - {"fps", "num_frames"})
+        if not video.qwen2_vl_loader or others:
+            why = "another video processor" if not video.qwen2_vl_loader else f"media_io_kwargs {others}"
+            raise UncountedMedia("video_url", self._model_type, f"{_VIDEOS_COUNTED}, not with {why}", _NO_RENDER)
+        fps = video_io.get("fps", QWEN2_VL_FPS)
+        if not isinstance(fps, int | float) or isinstance(fps, bool):
+            raise MediaError(f"media_io_kwargs video fps must be a number, got {fps!r}")
+        return VideoFrames(qwen2_vl_frames(header, fps), ImageSize(header.width, header.height))
 
     async def _video_replacements(
         self, watched: list[ImagePart], chat: ChatInput, max_tokens: int | None
@@ -714,18 +741,24 @@ class MediaCounting:
                 f"videos whose frames the processor keeps, not with {sampling}",
                 _NO_RENDER,
             )
-        num_frames = self._num_frames(chat)
+        video_io = self._video_io(chat)
+        num_frames = self._num_frames(video_io)
         # The URL's bytes, one frame's text and its decoded bytes at a time.
         await charge(sum(2 * len(p.url) for p in watched if p.url is not None and p.url[:5].lower() == "data:"))
         clips: list[VideoFrames] = []
         for part in watched:
             assert part.url is not None  # with_placeholders keeps only parts with a URL
-            if len(part.url) > READ_IN_THREAD_CHARS:
-                seen = await asyncio.to_thread(video_frames, part.url, num_frames)
-            else:
-                seen = video_frames(part.url, num_frames)
+            seen = await _in_thread_if_long(video_frames, part.url, num_frames)
             if seen is None:
-                raise UncountedMedia("video_url", self._model_type, _VIDEOS_COUNTED, _NO_RENDER)
+                try:
+                    header = await _in_thread_if_long(container_video, part.url)
+                except VideoNotCounted as exc:
+                    raise UncountedMedia(
+                        "video_url", self._model_type, f"{_VIDEOS_COUNTED}, not {exc}", _NO_RENDER
+                    ) from None
+                if header is None:
+                    raise UncountedMedia("video_url", self._model_type, _VIDEOS_COUNTED, _NO_RENDER)
+                seen = self._container_frames(header, rule, video_io)
             clips.append(seen)
         replacements = [rule.replacement(clip, kwargs) for clip in clips]
         _refuse_beyond(sum(r.features for r in replacements), max_tokens)

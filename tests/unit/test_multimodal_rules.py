@@ -22,6 +22,7 @@ from kvgate.media import ImageSize
 from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, media_options, plan_matches
 from kvgate.request import ChatInput
 from kvgate.vllm_flags import VllmFlags
+from support.tiny_containers import mp4
 
 QWEN2_VL = {"model_type": "qwen2_vl", "image_token_id": 151655, "vision_config": {"patch_size": 14}}
 QWEN2_VL_PROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2}
@@ -389,8 +390,11 @@ def test_qwen2_vl_video_settings_come_from_the_video_processor() -> None:
 
 def test_qwen2_vl_videos_kvgate_does_not_read_or_vllm_refuses() -> None:
     counting = _qwen_video(MediaOptions(limits={"video": 1}))
-    with pytest.raises(TokenizationError, match=r"'video_url' content part .*data:video/jpeg;base64"):
+    with pytest.raises(TokenizationError, match="not valid base64"):  # comma-joined JPEGs as one MP4
         _count(counting, TEXT, _video(300, 200, 2, mime="video/mp4"))
+    avi = base64.b64encode(b"RIFF\0\0\0\0AVI LIST").decode()
+    with pytest.raises(TokenizationError, match=r"'video_url' content part .*MP4 / MOV / WebM"):
+        _count(counting, TEXT, {"type": "video_url", "video_url": {"url": "data:video/avi;base64," + avi}})
     with pytest.raises(TokenizationError, match=r"'video_url' content part .*not with \['fps'\]"):
         _count(counting, TEXT, _video(300, 200, 2), mm_processor_kwargs={"fps": 2})
     with pytest.raises(TokenizationError, match=r"'video_url' content part"):
@@ -405,6 +409,37 @@ def test_qwen2_vl_videos_kvgate_does_not_read_or_vllm_refuses() -> None:
         _count(counting, TEXT, _video(300, 200, 2), media_io_kwargs={"video": {"num_frames": 0}})
     with pytest.raises(TokenizationError, match="frame 2 is not valid base64"):
         _count(counting, TEXT, {"type": "video_url", "video_url": {"url": mixed["video_url"]["url"] + "@"}})
+
+
+def _mp4_part(frames: int, fps_ticks: int) -> dict:
+    """An MP4 of 300 x 200 frames, `frames` of them at 15,360 / `fps_ticks` a second."""
+    data = mp4(300, 200, stts=((frames, fps_ticks),), timescale=15360)
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+
+
+def test_qwen2_vl_videos_in_containers_count_the_frames_vllms_loader_keeps() -> None:
+    """vLLM's Qwen2-VL loader keeps 2 frames a second (media_io_kwargs' fps over it), at least 4:
+    10 s at 30 fps -> 20 frames, 10 temporal patches of 77 tokens (300 x 200 as above)."""
+    counting = _qwen_video()
+    text_only = len(_count(counting, TEXT))
+
+    def tokens(part: dict, **kwargs: object) -> int:
+        return len(_count(counting, TEXT, part, **kwargs)) - text_only - 3  # type: ignore[arg-type]
+
+    assert tokens(_mp4_part(300, 512)) == 10 * 77
+    assert tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"fps": 1}}) == 5 * 77
+    assert tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"num_frames": 4}}) == 10 * 77  # not read
+    assert tokens(_mp4_part(9, 512)) == 2 * 77  # at least 4 frames
+    with pytest.raises(TokenizationError, match=r"not with media_io_kwargs \['frame_recovery'\]"):
+        tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"frame_recovery": True}})
+    with pytest.raises(TokenizationError, match="samples none"):
+        tokens(_mp4_part(1, 512))
+    other = _qwen_video(processor={**QWEN2_VL_PROCESSOR, "video_processor_type": "SomeVideoProcessor"})
+    with pytest.raises(TokenizationError, match="not with another video processor"):
+        _count(other, TEXT, _mp4_part(300, 512))
+    huge = base64.b64encode(mp4(60000, 60000)).decode()
+    with pytest.raises(TokenizationError, match="exceed the maximum"):
+        tokens({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + huge}})
 
 
 def test_gemma3_sequence_and_newline_joins() -> None:

