@@ -20,6 +20,7 @@ from kvgate.chat_template import TokenizationError
 from kvgate.image_rules import HdCrops, crop_ratios, image_tokens
 from kvgate.media import ImageSize
 from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, media_options, plan_matches
+from kvgate.predict import image_items
 from kvgate.request import ChatInput
 from kvgate.vllm_flags import VllmFlags
 from support.tiny_containers import mp4
@@ -427,6 +428,8 @@ def test_qwen2_vl_videos_in_containers_count_the_frames_vllms_loader_keeps() -> 
         return len(_count(counting, TEXT, part, **kwargs)) - text_only - 3  # type: ignore[arg-type]
 
     assert tokens(_mp4_part(300, 512)) == 10 * 77
+    # One item of 770 embeddings to the encoder's charge, as an image of 770 would be.
+    assert image_items(_count(counting, TEXT, _mp4_part(300, 512))) == [770]
     assert tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"fps": 1}}) == 5 * 77
     assert tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"num_frames": 4}}) == 10 * 77  # not read
     assert tokens(_mp4_part(9, 512)) == 2 * 77  # at least 4 frames
