@@ -1,4 +1,5 @@
-"""A video container's header read as vLLM's OpenCV loader sees it, without decoding a frame.
+"""A video container's header read as vLLM's OpenCV loader sees it, without decoding a frame, and
+the frames vLLM's Qwen2-VL and Qwen3-VL loaders keep of it.
 
 vLLM 0.32.0 loads a video sent in a container (vllm/multimodal/video_decoders/opencv.py
 `decode_opencv`, `OpenCVVideoBackendMixin.get_video_metadata`) through OpenCV's FFmpeg backend:
@@ -400,3 +401,27 @@ def container_video(url: str) -> VideoHeader | None:
     except (binascii.Error, UnicodeEncodeError) as exc:
         raise MediaError(f"The video's data URL is not valid base64: {exc}") from None
     return read_container(data) if is_container(data) else None
+
+
+# vllm/multimodal/video.py Qwen3VLVideoBackend (0.32.0): the loader for Qwen3VLVideoProcessor.
+QWEN3_VL_FPS = 2.0  # its load_bytes' fps, unless media_io_kwargs' "fps" says
+_QWEN3_VL_UNKNOWN_FPS = 24.0  # _prepare_source: HF's Qwen3VLVideoProcessor assumes 24 fps then
+
+
+def linspace_indices(total: int, count: int) -> list[int]:
+    """numpy's np.linspace(0, total - 1, count).round().astype(int): i x step in float64, the last
+    exactly total - 1, rounded half to even (Python's round on floats, as numpy's)."""
+    if count <= 1:
+        return [0] * max(count, 0)
+    step = (total - 1) / (count - 1)
+    return [round(i * step) for i in range(count - 1)] + [total - 1]
+
+
+def qwen3_vl_indices(header: VideoHeader, fps: float = QWEN3_VL_FPS) -> tuple[list[int], float]:
+    """Qwen3VLVideoBackend.compute_frames_index_to_sample: int(total / rate x min(fps, 30)) frames,
+    within [4, 768] and the video's own, at np.linspace(0, total - 1, n).round(); and the rate
+    vLLM's metadata carries (24 where OpenCV reports none)."""
+    rate = header.fps if header.fps > 0 else _QWEN3_VL_UNKNOWN_FPS
+    low, high = _QWEN2_VL_FRAMES  # the same 4 and 768
+    count = min(max(int(header.frames / rate * min(fps, _QWEN2_VL_MAX_FPS)), low), high, header.frames)
+    return linspace_indices(header.frames, count), rate

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.media import MediaError
-from kvgate.video_container import VideoHeader, qwen2_vl_frames, read_container
+from kvgate.video_container import VideoHeader, qwen2_vl_frames, qwen3_vl_indices, read_container
 from support.vllm_server import VllmPython
 
 pytestmark = pytest.mark.vllm
@@ -66,3 +66,14 @@ def test_qwen2_vl_sampled_frames_are_vllms(vllm_python: VllmPython) -> None:
             ours.append(None)
     assert ours == theirs
     assert None in theirs
+
+
+def test_qwen3_vl_sampled_indices_are_vllms(vllm_python: VllmPython) -> None:
+    """Qwen3VLVideoBackend.compute_frames_index_to_sample (its _prepare_source's 24 fps for an
+    unknown rate included): the same indices, for 1 to 3,001 frames, 10 rates and 4 target rates."""
+    rates = (0.0, 1.0, 2.0, 7.5, 24.0, 25.0, 30000 / 1001, 30.0, 60.0, 0.5)
+    totals = [*range(1, 300), 451, 997, 1536, 1537, 3001]
+    cases = [{"total": t, "fps": r, "target_fps": f} for t in totals for r in rates for f in (2.0, 1.0, 0.7, 45.0)]
+    theirs = json.loads(vllm_python(SCRIPT, "indices", "qwen3", input=json.dumps(cases)))
+    ours = [qwen3_vl_indices(VideoHeader(1, 1, c["total"], c["fps"]), c["target_fps"])[0] for c in cases]
+    assert ours == theirs

@@ -4,14 +4,15 @@ on stdin (a JSON list of {path, fourcc, width, height, frames, fps}) with OpenCV
 (vllm/multimodal/video_decoders/opencv.py OpenCVVideoBackendMixin.open_video_capture on the bytes,
 get_video_metadata, and the CAP_PROP_FRAME_WIDTH / HEIGHT decode_opencv checks) and reports
 {width, height, frames, fps} as one JSON list; `indices` mode instead prints, for each {total, fps,
-target_fps} on stdin, vllm/multimodal/video.py Qwen2VLVideoBackend.compute_frames_index_to_sample."""
+target_fps} on stdin, vllm/multimodal/video.py Qwen2VLVideoBackend.compute_frames_index_to_sample
+(`indices qwen3`: Qwen3VLVideoBackend's, after its _prepare_source)."""
 
 import json
 import sys
 
 import cv2
 import numpy as np
-from vllm.multimodal.video import Qwen2VLVideoBackend
+from vllm.multimodal.video import Qwen2VLVideoBackend, Qwen3VLVideoBackend
 from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
 from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin
 
@@ -33,17 +34,18 @@ def write(case: dict) -> dict:
     }
 
 
-def indices(case: dict) -> list[int] | None:
-    source = VideoSourceMetadata(case["total"], case["fps"], case["total"] / case["fps"])
+def indices(case: dict, loader: type = Qwen2VLVideoBackend) -> list[int] | None:
+    source = VideoSourceMetadata(case["total"], case["fps"], case["total"] / case["fps"] if case["fps"] else 0)
     try:
-        return Qwen2VLVideoBackend.compute_frames_index_to_sample(
-            source, VideoTargetMetadata(-1, case["target_fps"], 300)
-        )
+        return loader.compute_frames_index_to_sample(source, VideoTargetMetadata(-1, case["target_fps"], 300))
     except (ValueError, ZeroDivisionError, RuntimeError):
         return None
 
 
 if __name__ == "__main__":
     cases = json.loads(sys.stdin.read())
-    run = indices if sys.argv[1:] == ["indices"] else write
-    print(json.dumps([run(case) for case in cases]))
+    if sys.argv[1:2] == ["indices"]:
+        loader = Qwen3VLVideoBackend if sys.argv[2:] == ["qwen3"] else Qwen2VLVideoBackend
+        print(json.dumps([indices(case, loader) for case in cases]))
+    else:
+        print(json.dumps([write(case) for case in cases]))

@@ -445,6 +445,51 @@ def test_qwen2_vl_videos_in_containers_count_the_frames_vllms_loader_keeps() -> 
         tokens({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + huge}})
 
 
+QWEN3_VL_VIDEO = {
+    "model_type": "qwen3_vl",
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+}
+QWEN3_VL_PROCESSOR = {
+    "patch_size": 16,
+    "merge_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "video_preprocessor_config.json": {"fps": 2},  # the video processor's size: transformers' default
+}
+
+
+def test_qwen3_vl_videos_count_timestamps_and_a_budget_over_all_frames() -> None:
+    """10 s at 30 fps: vLLM's Qwen3-VL loader keeps int(300 / 30 x 2) = 20 frames; the video
+    processor's budget (32 x 32 x 768 pixels, transformers' default) is over all 20: 300 x 200 ->
+    224 x 160, 35 tokens a temporal patch of 2 frames; each of the 10 patches is "<t seconds>"
+    (3 words here), <|vision_start|>, 35 <|video_pad|>, <|vision_end|>, inside the prompt's own
+    <|vision_start|> ... <|vision_end|>."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(QWEN3_VL_VIDEO, QWEN3_VL_PROCESSOR), None, "qwen3_vl")
+    text_only = len(_count(counting, TEXT))
+    ids = _count(counting, TEXT, _mp4_part(300, 512))
+    assert sum(1 for t in ids if t < 0) == 10 * 35
+    assert ids.count(151652) == 1 + 10
+    assert len(ids) == text_only + 2 + 10 * (3 + 1 + 35 + 1) + 1  # + the part's newline
+    # One item of 350 embeddings to the encoder's charge.
+    assert image_items(ids) == [350]
+    # Fewer frames than the loader wants: it keeps all, and the processor samples again (the same 4).
+    assert sum(1 for t in _count(counting, TEXT, _mp4_part(4, 512)) if t < 0) > 0
+    # Frames sent as images: no sampling, their times at media_io_kwargs' fps (1 by default).
+    frames = _count(counting, TEXT, _video(300, 200, 4))
+    assert frames.count(151652) == 1 + 2
+    with pytest.raises(TokenizationError, match="must be larger than temporal_factor"):
+        _count(counting, TEXT, _video(300, 200, 1))
+    with pytest.raises(TokenizationError, match="fps is 0"):
+        _count(counting, TEXT, _video(300, 200, 4), media_io_kwargs={"video": {"fps": 0}})
+    with pytest.raises(TokenizationError, match=r"not with media_io_kwargs \['frames_indices'\]"):
+        _count(counting, TEXT, _video(300, 200, 2), media_io_kwargs={"video": {"frames_indices": [0, 1]}})
+    capped = {**QWEN3_VL_PROCESSOR, "video_preprocessor_config.json": {"cap_pixels_per_frame": True}}
+    with pytest.raises(TokenizationError, match="not with cap_pixels_per_frame"):
+        _count(MediaCounting(WordTokenizer(), image_tokens(QWEN3_VL_VIDEO, capped)), TEXT, _mp4_part(300, 512))
+
+
 def test_gemma3_sequence_and_newline_joins() -> None:
     """Each image: "\\n\\n<start_of_image>", 256 soft tokens, "<end_of_image>\\n\\n"; the "\\n" the
     chat put on each side joins the "\\n\\n" next to it into one "\\n\\n\\n" token."""
