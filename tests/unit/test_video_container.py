@@ -33,6 +33,9 @@ def test_mp4_header_gives_size_frames_and_rate() -> None:
     assert ntsc.fps == 30000 / 1001
     # Two runs: 10 + 5 frames over 10 x 100 + 5 x 200 ticks of 1000 a second.
     assert read_container(mp4(stts=((10, 100), (5, 200)), timescale=1000)).fps == 7.5
+    # A last frame held 100 frames long is part of the rate (OpenCV 5.0's FFmpeg, checked in
+    # tests/integration/test_video_containers.py): 15,360 x 201 / (200 x 512 + 51,200).
+    assert read_container(mp4(stts=((200, 512), (1, 51200)))).fps == 15360 * 201 / (200 * 512 + 51200)
     # A quarter turn swaps width and height (OpenCV's CAP_PROP_ORIENTATION_AUTO).
     assert read_container(mp4(matrix=TURNED)) == VideoHeader(240, 320, 30, 30.0)
 
