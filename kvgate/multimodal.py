@@ -4,7 +4,9 @@ family's rule (kvgate/image_rules.py), refused with a 400 where kvgate has no ru
 This module finds the media parts of a chat, merges `--mm-processor-kwargs` with the request's
 `mm_processor_kwargs` as vLLM does, reads each image's size from its header (kvgate/media.py),
 and expands each placeholder token into the image's tokens (its features as a stand-in id per
-image, for prefix sharing). Audio and video, and images on a model without a rule, are counted by
+image, for prefix sharing); likewise WAV audio on the audio families (kvgate/audio.py) and videos on
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL, sent as frames or in an MP4 / WebM file (kvgate/video_container.py).
+Other audio and video, and images on a model without a rule, are counted by
 the backend's render endpoint where it serves one (kvgate/multimodal_render.py), else refused:
 kvgate never passes through what it has not counted. An image by URL is not fetched and counts as
 the largest the processor can make of any image.
@@ -16,9 +18,9 @@ import asyncio
 import hashlib
 import json
 from bisect import bisect_left
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvgate.audio import (
     AUDIO_RULES,
@@ -39,6 +41,9 @@ from kvgate.image_rules import (
     ImageRule,
     ImageTokens,
     Replacement,
+    TimedFrames,
+    TimedVideoGrid,
+    VideoGrid,
 )
 from kvgate.media import (
     VLLM_VIDEO_FRAMES,
@@ -54,6 +59,14 @@ from kvgate.media import (
 from kvgate.memory.encoder import OTHER_MODALITY, coded_stand_in
 from kvgate.multimodal_render import RenderEndpoint, UncountedMedia, render_chat
 from kvgate.request import ChatInput
+from kvgate.video_container import (
+    QWEN2_VL_FPS,
+    QWEN3_VL_FPS,
+    VideoNotCounted,
+    container_video,
+    qwen2_vl_frames,
+    qwen3_vl_indices,
+)
 from kvgate.work_budget import charge
 
 if TYPE_CHECKING:
@@ -199,7 +212,7 @@ def _counted(images: ImageRule | None, audio: AudioRule | None) -> str:
     audio_families = f"audio of {', '.join(sorted(AUDIO_RULES))} models (WAV)"
     if audio is not None:
         return f"this model's audio in WAV files; {audio_families}; images of {', '.join(sorted(RULES))} models"
-    return f"images of {', '.join(sorted(RULES))} models, {audio_families}, and no video itself"
+    return f"images of {', '.join(sorted(RULES))} models, {audio_families}, and {_VIDEOS_COUNTED}"
 
 
 def with_placeholders(
@@ -346,8 +359,8 @@ def expand_images(
 # Videos kvgate counts, and kwargs with which transformers' video processor samples frames itself
 # (Qwen2VLVideoProcessor.sample_frames), which kvgate leaves to the render endpoint.
 _VIDEOS_COUNTED = (
-    "Qwen2-VL and Qwen2.5-VL videos sent as their frames, a data:video/jpeg;base64 URL of comma-separated "
-    "images (kvgate neither fetches video URLs nor reads video containers)"
+    "Qwen2-VL, Qwen2.5-VL and Qwen3-VL videos in a base64 data URL: their frames (data:video/jpeg;base64, comma-separated "
+    "images) or an MP4 / MOV / WebM / Matroska file whose header gives its frames (kvgate fetches no video URL)"
 )
 _FRAME_SAMPLING = frozenset({"do_sample_frames", "fps", "num_frames", "min_frames", "max_frames"})
 _NO_RENDER = "this kvgate has no backend to render it"
@@ -355,12 +368,18 @@ _NO_RENDER = "this kvgate has no backend to render it"
 # A data URL longer than this is decoded in a thread: kvgate's event loop answers other requests
 # meanwhile (base64 decodes at about 1 GB/s: a 32 MiB body is tens of milliseconds).
 READ_IN_THREAD_CHARS = 256 * 1024
+_T = TypeVar("_T")
 
 
 async def _read(url: str) -> ImageSize | ImageByUrl:
+    return await _in_thread_if_long(read_image, url)
+
+
+async def _in_thread_if_long(read: Callable[..., _T], url: str, *args: Any) -> _T:
+    """read(url, *args), in a thread for a long data URL."""
     if len(url) > READ_IN_THREAD_CHARS:
-        return await asyncio.to_thread(read_image, url)
-    return read_image(url)
+        return await asyncio.to_thread(read, url, *args)
+    return read(url, *args)
 
 
 # Replacement texts MediaCounting keeps tokenized, and the distinct token texts one image's
@@ -680,27 +699,83 @@ class MediaCounting:
             previous = position + 1
         return out + list(encoded_prompt[previous:])
 
-    def _num_frames(self, chat: ChatInput) -> int:
-        """The frames of a video vLLM keeps: the request's media_io_kwargs over --media-io-kwargs
+    def _video_io(self, chat: ChatInput) -> dict[str, Any]:
+        """The video loader's kwargs: the request's media_io_kwargs over --media-io-kwargs
         (vllm/multimodal/media/video.py VideoMediaIO.merge_kwargs, 0.32.0 and 0.33.0: a request's
-        fps alone drops the flag's num_frames), else VideoMediaIO's default."""
+        fps alone drops the flag's num_frames, its num_frames alone the flag's fps)."""
         request = (chat.media_io_kwargs or {}).get("video")
         request = request if isinstance(request, Mapping) else {}
         flag = self._options.media_io.get("video")
         merged = {**(flag if isinstance(flag, Mapping) else {}), **request}
         if "fps" in request and "num_frames" not in request:
             merged.pop("num_frames", None)
-        frames = merged.get("num_frames", VLLM_VIDEO_FRAMES)
+        elif "num_frames" in request and "fps" not in request:
+            merged.pop("fps", None)
+        return merged
+
+    def _num_frames(self, video_io: Mapping[str, Any]) -> int:
+        """The frames of a video sent as frames that vLLM keeps (VideoMediaIO's num_frames)."""
+        frames = video_io.get("num_frames", VLLM_VIDEO_FRAMES)
         if not isinstance(frames, int) or isinstance(frames, bool):
             raise MediaError(f"media_io_kwargs video num_frames must be an integer, got {frames!r}")
         return frames
 
+    def _loaded(self, rule: VideoGrid | TimedVideoGrid, video_io: Mapping[str, Any], container: bool) -> float | None:
+        """The fps media_io_kwargs give vLLM's video loader (None: its default); UncountedMedia where
+        vLLM would load or process the video in a way kvgate does not model: another video
+        processor's loader, loader kwargs other than fps and num_frames (which Qwen3-VL's frames
+        sent as images and every container video read), Qwen3-VL's cap_pixels_per_frame."""
+        others = sorted(video_io.keys() - {"fps", "num_frames"})
+        timed = isinstance(rule, TimedVideoGrid)
+        loader = rule.qwen3_vl_loader if isinstance(rule, TimedVideoGrid) else rule.qwen2_vl_loader
+        why = None
+        if container and not loader:
+            why = "another video processor"
+        elif (container or timed) and others:
+            why = f"media_io_kwargs {others}"
+        elif isinstance(rule, TimedVideoGrid) and rule.capped:
+            why = "cap_pixels_per_frame"
+        if why is not None:
+            raise UncountedMedia("video_url", self._model_type, f"{_VIDEOS_COUNTED}, not with {why}", _NO_RENDER)
+        fps = video_io.get("fps")
+        if fps is not None and (not isinstance(fps, int | float) or isinstance(fps, bool)):
+            raise MediaError(f"media_io_kwargs video fps must be a number, got {fps!r}")
+        return fps
+
+    async def _clip(
+        self, url: str, rule: VideoGrid | TimedVideoGrid, video_io: Mapping[str, Any], num_frames: int
+    ) -> VideoFrames | TimedFrames:
+        """The frames vLLM hands the model's processor: sent as images (kvgate/media.py
+        video_frames), or sampled from a container's header (kvgate/video_container.py) by the
+        model's loader (Qwen2VLVideoBackend: fps 2; Qwen3VLVideoBackend: fps 2, with the indices
+        and rate the metadata carries); UncountedMedia for a video kvgate does not read."""
+        frames = await _in_thread_if_long(video_frames, url, num_frames)
+        if frames is not None:
+            fps = self._loaded(rule, video_io, container=False)
+            if isinstance(rule, VideoGrid):
+                return frames
+            # VideoMediaIO.load_base64's metadata: indices 0 to n - 1, fps media_io's or 1, no sampling.
+            rate = float(1 if fps is None else fps)
+            return TimedFrames(tuple(range(frames.frames)), rate, frames.frames, False, frames.size)
+        try:
+            header = await _in_thread_if_long(container_video, url)
+        except VideoNotCounted as exc:
+            raise UncountedMedia("video_url", self._model_type, f"{_VIDEOS_COUNTED}, not {exc}", _NO_RENDER) from None
+        if header is None:
+            raise UncountedMedia("video_url", self._model_type, _VIDEOS_COUNTED, _NO_RENDER)
+        fps = self._loaded(rule, video_io, container=True)
+        size = ImageSize(header.width, header.height)
+        if isinstance(rule, VideoGrid):
+            return VideoFrames(qwen2_vl_frames(header, QWEN2_VL_FPS if fps is None else fps), size)
+        indices, rate = qwen3_vl_indices(header, QWEN3_VL_FPS if fps is None else fps)
+        return TimedFrames(tuple(indices), rate, header.frames, len(indices) == header.frames, size)
+
     async def _video_replacements(
         self, watched: list[ImagePart], chat: ChatInput, max_tokens: int | None
     ) -> list[tuple[str, Replacement, Sequence[int] | None]]:
-        """Each video's replacement, from its frames' headers (kvgate/media.py video_frames);
-        UncountedMedia (the render endpoint's, where there is one) for a video kvgate does not
-        read, or one transformers' video processor would sample frames of."""
+        """Each video's replacement, from its frames' or its container's header; UncountedMedia
+        (the render endpoint's, where there is one) for a video kvgate does not read, or one
+        transformers' video processor would sample frames of by the request's kwargs."""
         rule = self._images.video if isinstance(self._images, DynamicResolution) else None
         if rule is None or not watched:
             return []
@@ -714,22 +789,27 @@ class MediaCounting:
                 f"videos whose frames the processor keeps, not with {sampling}",
                 _NO_RENDER,
             )
-        num_frames = self._num_frames(chat)
+        video_io = self._video_io(chat)
+        num_frames = self._num_frames(video_io)
         # The URL's bytes, one frame's text and its decoded bytes at a time.
         await charge(sum(2 * len(p.url) for p in watched if p.url is not None and p.url[:5].lower() == "data:"))
-        clips: list[VideoFrames] = []
+        out: list[tuple[str, Replacement, Sequence[int] | None]] = []
         for part in watched:
             assert part.url is not None  # with_placeholders keeps only parts with a URL
-            if len(part.url) > READ_IN_THREAD_CHARS:
-                seen = await asyncio.to_thread(video_frames, part.url, num_frames)
-            else:
-                seen = video_frames(part.url, num_frames)
-            if seen is None:
-                raise UncountedMedia("video_url", self._model_type, _VIDEOS_COUNTED, _NO_RENDER)
-            clips.append(seen)
-        replacements = [rule.replacement(clip, kwargs) for clip in clips]
-        _refuse_beyond(sum(r.features for r in replacements), max_tokens)
-        return [(part.key, r, None) for part, r in zip(watched, replacements, strict=True)]
+            clip = await self._clip(part.url, rule, video_io, num_frames)
+            if isinstance(rule, VideoGrid):
+                assert isinstance(clip, VideoFrames)
+                out.append((part.key, rule.replacement(clip, kwargs), None))
+                continue
+            assert isinstance(clip, TimedFrames)
+            per_patch, stamps = rule.frames(clip, kwargs)
+            ids: list[int] = []
+            for stamp in stamps:
+                ids += await self._encode(stamp)
+                ids += [rule.vision_start, *[rule.target_token] * per_patch, rule.vision_end]
+            out.append((part.key, Replacement(per_patch * len(stamps)), ids))
+        _refuse_beyond(sum(r.features if ids is None else len(ids) for _, r, ids in out), max_tokens)
+        return out
 
     async def _audio_replacements(
         self, heard: list[ImagePart], request_kwargs: Any, max_tokens: int | None

@@ -25,6 +25,7 @@ from PIL import Image
 
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateServer, assert_ledger_empty, running_kvgate
+from support.tiny_containers import box, mp4, webm
 from support.tiny_media import folder_with_media_tokens
 
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
@@ -34,11 +35,12 @@ PLACEHOLDER = "".join(VISION_TOKENS)
 @pytest.fixture(scope="module")
 def qwen2_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
-    tok, config = folder_with_media_tokens(tiny_model_dir, folder, VISION_TOKENS)
+    tok, config = folder_with_media_tokens(tiny_model_dir, folder, [*VISION_TOKENS, "<|video_pad|>"])
     config.update(
         model_type="qwen2_vl",
         architectures=["Qwen2VLForConditionalGeneration"],
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         vision_config={"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
     )
@@ -119,6 +121,10 @@ def test_an_image_request_is_admitted_and_forwarded(kvgate: KvgateServer, backen
     assert_ledger_empty(kvgate)
 
 
+def _video(data: bytes, mime: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
+
+
 @pytest.mark.parametrize(
     ("part", "message"),
     [
@@ -132,8 +138,16 @@ def test_an_image_request_is_admitted_and_forwarded(kvgate: KvgateServer, backen
         ),
         ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "model_type 'qwen2_vl'"),
         ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "'input_audio' content part"),
+        (_video(box(b"ftyp", b"isom") + struct.pack(">I4s", 10_000, b"moov") + bytes(100)), "runs past the end"),
+        (_video(box(b"ftyp", b"isom") + box(b"moov", box(b"free") * 5000)), "more than 4096 boxes"),
+        (_video(mp4(60_000, 60_000)), "exceed the maximum of 178956970 pixels"),
+        (_video(webm()[:60], "video/webm"), "Invalid video"),
+        (_video(mp4(stts=((1, 512),))), "samples none of it"),
     ],
-    ids=["bad-base64", "bomb", "zero-side", "50000-side", "wav-as-image", "video", "audio"],
+    ids=[
+        *("bad-base64", "bomb", "zero-side", "50000-side", "wav-as-image", "video", "audio"),
+        *("mp4-lying-size", "mp4-box-loop", "mp4-huge-frames", "webm-cut-short", "mp4-one-frame"),
+    ],
 )
 def test_hostile_media_is_a_400_that_reaches_nothing(
     kvgate: KvgateServer, backend: FakeBackend, part: dict, message: str
@@ -146,6 +160,19 @@ def test_hostile_media_is_a_400_that_reaches_nothing(
     assert error["code"] == "tokenization_failed"
     assert message in error["message"]
     assert len(backend.seen) == forwarded
+    assert_ledger_empty(kvgate)
+
+
+def test_an_mp4_is_counted_and_forwarded(kvgate: KvgateServer, backend: FakeBackend) -> None:
+    """300 frames of 160 x 120 at 30 fps: vLLM's Qwen2-VL loader keeps 20 (2 a second), 10 temporal
+    patches of 2 frames; each frame 160 x 120 -> 168 x 112, 12 x 8 patches, 24 tokens a patch."""
+    ten_seconds = _video(mp4(160, 120, stts=((300, 512),)))
+    placeholder = _prompt_tokens(kvgate, _chat({"type": "text", "text": "<|vision_start|><|video_pad|><|vision_end|>"}))
+    assert _prompt_tokens(kvgate, _chat(ten_seconds)) == placeholder - 1 + 10 * 24
+    forwarded = len(backend.seen)
+    response = httpx.post(kvgate.base_url + "/v1/chat/completions", json=_chat(ten_seconds), timeout=30)
+    assert response.status_code == 200, response.text
+    assert backend.seen[forwarded:] == ["/v1/chat/completions"]
     assert_ledger_empty(kvgate)
 
 

@@ -367,24 +367,120 @@ def test_qwen2_vl_videos_as_frames_count_as_vllm_counts_them(qwen2_vl: VllmServe
     assert len(set(theirs)) > 10
 
 
-def test_an_mp4_is_counted_by_the_render_endpoint(
+def _video_file(vllm_python: VllmPython, folder: Path, name: str, size: tuple[int, int, int], fps: str) -> dict:
+    """A video_url part of a file OpenCV writes (tests/support/tiny_mp4.py), the container by name."""
+    fourcc = {".mp4": "mp4v", ".webm": "VP80", ".mkv": "MJPG", ".avi": "MJPG"}[Path(name).suffix]
+    path = folder / name
+    vllm_python(str(SUPPORT / "tiny_mp4.py"), str(path), *map(str, size), fps, fourcc)
+    mime = {".mp4": "video/mp4", ".webm": "video/webm", ".mkv": "video/x-matroska", ".avi": "video/x-msvideo"}
+    url = f"data:{mime[Path(name).suffix]};base64," + base64.b64encode(path.read_bytes()).decode()
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def test_qwen2_vl_videos_in_containers_count_as_vllm_counts_them(
     qwen2_vl: VllmServer, qwen2_vl_dir: Path, vllm_python: VllmPython, tmp_path: Path
 ) -> None:
-    """A video in a container (kvgate does not parse MP4) is counted by vLLM's render endpoint, as
-    vLLM's OpenCV loader samples it, where kvgate is given the backend; refused without it."""
-    chats = []
-    for width, height, frames in ((64, 48, 10), (128, 96, 50)):
-        path = tmp_path / f"{width}x{height}x{frames}.mp4"
-        vllm_python(str(SUPPORT / "tiny_mp4.py"), str(path), str(width), str(height), str(frames), "4")
-        url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
-        chats.append(_video_chat({"type": "video_url", "video_url": {"url": url}}))
+    """MP4, WebM and Matroska files of 1 to 120 frames at 0.5 to 60 fps, alone and beside images,
+    with media_io_kwargs' fps: kvgate's own count from the header (no backend call) is vLLM's
+    usage.prompt_tokens, which its Qwen2-VL loader samples at 2 frames a second; a one-frame
+    video, which that loader cannot sample, is vLLM's 500 ("division by zero") and kvgate's 400."""
+    tokenizer = _local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS)
+    shapes = [(64, 48, 10, "4"), (128, 96, 50, "4"), (300, 200, 37, "29.97"), (56, 56, 120, "60"), (90, 60, 7, "0.5")]
+    videos = [
+        _video_file(vllm_python, tmp_path, f"{i}{ext}", (w, h, n), fps)
+        for ext in (".mp4", ".webm", ".mkv")
+        for i, (w, h, n, fps) in enumerate(shapes)
+    ]
+    chats = [_video_chat(video) for video in videos]
+    chats.append(_video_chat(videos[1], (300, 200), (20, 2000)))
+    media_io: list[dict | None] = [None] * len(chats)
+    chats += [chats[1], chats[3]]
+    media_io += [{"video": {"fps": 1}}, {"video": {"fps": 7.5, "num_frames": 3}}]
+    theirs, ours = [], []
+    for chat, io_kwargs in zip(chats, media_io, strict=True):
+        body = {"model": qwen2_vl.served_name, "messages": chat, "max_tokens": 1, "media_io_kwargs": io_kwargs}
+        response = httpx.post(qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        theirs.append(response.json()["usage"]["prompt_tokens"])
+        ours.append(len(asyncio.run(tokenizer.encode_chat(ChatInput(messages=tuple(chat), media_io_kwargs=io_kwargs)))))
+    assert ours == theirs
+    assert len(set(theirs)) >= 7
+    single = _video_chat(_video_file(vllm_python, tmp_path, "one.mp4", (64, 48, 1), "4"))
+    body = {"model": qwen2_vl.served_name, "messages": single, "max_tokens": 1}
+    refused = httpx.post(qwen2_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert refused.status_code == 500, refused.text
+    assert "division by zero" in refused.text
+    with pytest.raises(TokenizationError, match="samples none of it"):
+        _counts(tokenizer, [single])
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-qwen3-vl")
+    vllm_python(str(SUPPORT / "tiny_qwen3_vl.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(qwen3_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
+    scratch = tmp_path_factory.mktemp("vllm-qwen3-vl")
+    with running_vllm(qwen3_vl_dir, scratch, extra_args=QWEN_FLAGS, cache=vllm_cache) as server:
+        yield server
+
+
+def test_qwen3_vl_videos_count_as_vllm_counts_them(
+    qwen3_vl: VllmServer, qwen3_vl_dir: Path, vllm_python: VllmPython, tmp_path: Path
+) -> None:
+    """Qwen3-VL (tests/support/tiny_qwen3_vl.py): MP4, WebM and Matroska videos (its loader samples
+    2 frames a second, its processor samples again where the loader kept every frame, a timestamp
+    text a temporal patch), frames sent as images (with and without media_io_kwargs' fps), images,
+    and an image beside a video: kvgate's own count is vLLM's usage.prompt_tokens. A video of one
+    frame is refused by both (Qwen3-VL's video smart_resize needs 2)."""
+    tokenizer = _local_tokenizer(qwen3_vl_dir, qwen3_vl, QWEN_LIMITS)
+    shapes = [(64, 48, 10, "4"), (128, 96, 50, "4"), (300, 200, 37, "29.97"), (56, 56, 120, "60"), (90, 60, 7, "0.5")]
+    videos = [
+        _video_file(vllm_python, tmp_path, f"{i}{ext}", (w, h, n), fps)
+        for ext in (".mp4", ".webm", ".mkv")
+        for i, (w, h, n, fps) in enumerate(shapes)
+    ]
+    videos += [_video_file(vllm_python, tmp_path, "tall.mp4", (20, 400, 3), "2")]
+    videos += [_jpeg_video(64, 48, n) for n in (2, 3, 5)] + [_jpeg_video(300, 200, 40)]
+    chats = [_video_chat(video) for video in videos]
+    chats += [_video_chat(videos[1], (300, 200)), [_message("user", "What is this?", [(1000, 40), (64, 64)], 0)]]
+    media_io: list[dict | None] = [None] * len(chats)
+    chats += [chats[1], chats[-4]]
+    media_io += [{"video": {"fps": 1}}, {"video": {"fps": 2.5}}]
+    theirs, ours = [], []
+    for chat, io_kwargs in zip(chats, media_io, strict=True):
+        body = {"model": qwen3_vl.served_name, "messages": chat, "max_tokens": 1, "media_io_kwargs": io_kwargs}
+        response = httpx.post(qwen3_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        theirs.append(response.json()["usage"]["prompt_tokens"])
+        ours.append(len(asyncio.run(tokenizer.encode_chat(ChatInput(messages=tuple(chat), media_io_kwargs=io_kwargs)))))
+    assert ours == theirs
+    assert len(set(theirs)) >= 10
+    for single in (_video_file(vllm_python, tmp_path, "one.mp4", (64, 48, 1), "4"), _jpeg_video(64, 48, 1)):
+        body = {"model": qwen3_vl.served_name, "messages": _video_chat(single), "max_tokens": 1}
+        refused = httpx.post(qwen3_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+        assert refused.status_code == 400, refused.text
+        with pytest.raises(TokenizationError, match="must be larger than temporal_factor"):
+            _counts(tokenizer, [_video_chat(single)])
+
+
+def test_a_container_kvgate_does_not_read_is_counted_by_the_render_endpoint(
+    qwen2_vl: VllmServer, qwen2_vl_dir: Path, vllm_python: VllmPython, tmp_path: Path
+) -> None:
+    """An AVI (kvgate reads MP4 / MOV and Matroska / WebM headers only) is counted by vLLM's render
+    endpoint, as vLLM's OpenCV loader samples it, where kvgate is given the backend; refused
+    without it."""
+    chats = [_video_chat(_video_file(vllm_python, tmp_path, f"{n}.avi", (64, 48, n), "4")) for n in (10, 50)]
     client = httpx.AsyncClient(base_url="http://never-called")
     endpoint = RenderEndpoint(qwen2_vl.base_url, qwen2_vl.served_name)
     rendering = load_tokenizer(
         qwen2_vl_dir, client, qwen2_vl.served_name, media=media_options(None, QWEN_LIMITS, endpoint)
     )
     assert _counts(rendering, chats) == [_prompt_tokens(qwen2_vl, chat) for chat in chats]
-    with pytest.raises(TokenizationError, match=r"'video_url' content part .*data:video/jpeg;base64"):
+    with pytest.raises(TokenizationError, match=r"'video_url' content part .*MP4 / MOV / WebM"):
         _counts(_local_tokenizer(qwen2_vl_dir, qwen2_vl, QWEN_LIMITS), chats[:1])
 
 

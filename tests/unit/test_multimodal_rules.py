@@ -20,8 +20,10 @@ from kvgate.chat_template import TokenizationError
 from kvgate.image_rules import HdCrops, crop_ratios, image_tokens
 from kvgate.media import ImageSize
 from kvgate.multimodal import MediaCounting, MediaOptions, image_kwargs, media_options, plan_matches
+from kvgate.predict import image_items
 from kvgate.request import ChatInput
 from kvgate.vllm_flags import VllmFlags
+from support.tiny_containers import mp4
 
 QWEN2_VL = {"model_type": "qwen2_vl", "image_token_id": 151655, "vision_config": {"patch_size": 14}}
 QWEN2_VL_PROCESSOR = {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2}
@@ -389,8 +391,11 @@ def test_qwen2_vl_video_settings_come_from_the_video_processor() -> None:
 
 def test_qwen2_vl_videos_kvgate_does_not_read_or_vllm_refuses() -> None:
     counting = _qwen_video(MediaOptions(limits={"video": 1}))
-    with pytest.raises(TokenizationError, match=r"'video_url' content part .*data:video/jpeg;base64"):
+    with pytest.raises(TokenizationError, match="not valid base64"):  # comma-joined JPEGs as one MP4
         _count(counting, TEXT, _video(300, 200, 2, mime="video/mp4"))
+    avi = base64.b64encode(b"RIFF\0\0\0\0AVI LIST").decode()
+    with pytest.raises(TokenizationError, match=r"'video_url' content part .*MP4 / MOV / WebM"):
+        _count(counting, TEXT, {"type": "video_url", "video_url": {"url": "data:video/avi;base64," + avi}})
     with pytest.raises(TokenizationError, match=r"'video_url' content part .*not with \['fps'\]"):
         _count(counting, TEXT, _video(300, 200, 2), mm_processor_kwargs={"fps": 2})
     with pytest.raises(TokenizationError, match=r"'video_url' content part"):
@@ -405,6 +410,84 @@ def test_qwen2_vl_videos_kvgate_does_not_read_or_vllm_refuses() -> None:
         _count(counting, TEXT, _video(300, 200, 2), media_io_kwargs={"video": {"num_frames": 0}})
     with pytest.raises(TokenizationError, match="frame 2 is not valid base64"):
         _count(counting, TEXT, {"type": "video_url", "video_url": {"url": mixed["video_url"]["url"] + "@"}})
+
+
+def _mp4_part(frames: int, fps_ticks: int) -> dict:
+    """An MP4 of 300 x 200 frames, `frames` of them at 15,360 / `fps_ticks` a second."""
+    data = mp4(300, 200, stts=((frames, fps_ticks),), timescale=15360)
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+
+
+def test_qwen2_vl_videos_in_containers_count_the_frames_vllms_loader_keeps() -> None:
+    """vLLM's Qwen2-VL loader keeps 2 frames a second (media_io_kwargs' fps over it), at least 4:
+    10 s at 30 fps -> 20 frames, 10 temporal patches of 77 tokens (300 x 200 as above)."""
+    counting = _qwen_video()
+    text_only = len(_count(counting, TEXT))
+
+    def tokens(part: dict, **kwargs: object) -> int:
+        return len(_count(counting, TEXT, part, **kwargs)) - text_only - 3  # type: ignore[arg-type]
+
+    assert tokens(_mp4_part(300, 512)) == 10 * 77
+    # One item of 770 embeddings to the encoder's charge, as an image of 770 would be.
+    assert image_items(_count(counting, TEXT, _mp4_part(300, 512))) == [770]
+    assert tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"fps": 1}}) == 5 * 77
+    assert tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"num_frames": 4}}) == 10 * 77  # not read
+    assert tokens(_mp4_part(9, 512)) == 2 * 77  # at least 4 frames
+    with pytest.raises(TokenizationError, match=r"not with media_io_kwargs \['frame_recovery'\]"):
+        tokens(_mp4_part(300, 512), media_io_kwargs={"video": {"frame_recovery": True}})
+    with pytest.raises(TokenizationError, match="samples none"):
+        tokens(_mp4_part(1, 512))
+    other = _qwen_video(processor={**QWEN2_VL_PROCESSOR, "video_processor_type": "SomeVideoProcessor"})
+    with pytest.raises(TokenizationError, match="not with another video processor"):
+        _count(other, TEXT, _mp4_part(300, 512))
+    huge = base64.b64encode(mp4(60000, 60000)).decode()
+    with pytest.raises(TokenizationError, match="exceed the maximum"):
+        tokens({"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + huge}})
+
+
+QWEN3_VL_VIDEO = {
+    "model_type": "qwen3_vl",
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+}
+QWEN3_VL_PROCESSOR = {
+    "patch_size": 16,
+    "merge_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+    "video_preprocessor_config.json": {"fps": 2},  # the video processor's size: transformers' default
+}
+
+
+def test_qwen3_vl_videos_count_timestamps_and_a_budget_over_all_frames() -> None:
+    """10 s at 30 fps: vLLM's Qwen3-VL loader keeps int(300 / 30 x 2) = 20 frames; the video
+    processor's budget (32 x 32 x 768 pixels, transformers' default) is over all 20: 300 x 200 ->
+    224 x 160, 35 tokens a temporal patch of 2 frames; each of the 10 patches is "<t seconds>"
+    (3 words here), <|vision_start|>, 35 <|video_pad|>, <|vision_end|>, inside the prompt's own
+    <|vision_start|> ... <|vision_end|>."""
+    counting = MediaCounting(WordTokenizer(), image_tokens(QWEN3_VL_VIDEO, QWEN3_VL_PROCESSOR), None, "qwen3_vl")
+    text_only = len(_count(counting, TEXT))
+    ids = _count(counting, TEXT, _mp4_part(300, 512))
+    assert sum(1 for t in ids if t < 0) == 10 * 35
+    assert ids.count(151652) == 1 + 10
+    assert len(ids) == text_only + 2 + 10 * (3 + 1 + 35 + 1) + 1  # + the part's newline
+    # One item of 350 embeddings to the encoder's charge.
+    assert image_items(ids) == [350]
+    # Fewer frames than the loader wants: it keeps all, and the processor samples again (the same 4).
+    assert sum(1 for t in _count(counting, TEXT, _mp4_part(4, 512)) if t < 0) > 0
+    # Frames sent as images: no sampling, their times at media_io_kwargs' fps (1 by default).
+    frames = _count(counting, TEXT, _video(300, 200, 4))
+    assert frames.count(151652) == 1 + 2
+    with pytest.raises(TokenizationError, match="must be larger than temporal_factor"):
+        _count(counting, TEXT, _video(300, 200, 1))
+    with pytest.raises(TokenizationError, match="fps is 0"):
+        _count(counting, TEXT, _video(300, 200, 4), media_io_kwargs={"video": {"fps": 0}})
+    with pytest.raises(TokenizationError, match=r"not with media_io_kwargs \['frames_indices'\]"):
+        _count(counting, TEXT, _video(300, 200, 2), media_io_kwargs={"video": {"frames_indices": [0, 1]}})
+    capped = {**QWEN3_VL_PROCESSOR, "video_preprocessor_config.json": {"cap_pixels_per_frame": True}}
+    with pytest.raises(TokenizationError, match="not with cap_pixels_per_frame"):
+        _count(MediaCounting(WordTokenizer(), image_tokens(QWEN3_VL_VIDEO, capped)), TEXT, _mp4_part(300, 512))
 
 
 def test_gemma3_sequence_and_newline_joins() -> None:
