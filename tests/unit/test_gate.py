@@ -10,6 +10,7 @@ import pytest
 
 from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
 from kvgate.gate.backend_state import BackendState
+from kvgate.gate.backfill import HeadReservation
 from kvgate.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
 from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate, Pace
 from kvgate.gate.gate import Gate
@@ -640,6 +641,35 @@ class TestGate:
         assert gate.would_wait(demand(blocks=1), 0) == "behind_queue"
         holder.release()
         (await asyncio.wait_for(big, 1)).release()
+
+    async def test_a_waiter_that_does_not_fit_now_is_not_weighed_against_the_head(self, monkeypatch) -> None:
+        """Passing the head needs both: fitting now, and not delaying the head. The first is one
+        budget check; the second reserves the waiter beside the head's companions and checks the
+        head, so it is asked only of a waiter that fits now."""
+        gate = make_gate(kv_blocks=100, transient=100)  # 8 B of headroom a sampled row
+        holder = await gate.acquire(demand(rows=10), 0, "a")  # 80 B
+        other = await gate.acquire(demand(), 0, "a")
+        head = await queued(gate, demand(rows=5))  # 120 > 100: waits
+        behind = await queued(gate, demand(rows=5), tenant="b")
+        weighed = 0
+        passing = HeadReservation.passing
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal weighed
+            weighed += 1
+            return passing(*args, **kwargs)
+
+        monkeypatch.setattr(HeadReservation, "passing", counted)
+        other.release()  # the line is weighed again: neither fits now
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not head.done()
+        assert not behind.done()
+        assert weighed == 0
+        holder.release()  # 40 + 40 B: both fit
+        for task in (head, behind):
+            (await asyncio.wait_for(task, 1)).release()
+        assert gate.ledger.in_flight == 0
 
     async def test_a_burst_of_releases_checks_the_queue_once(self, monkeypatch) -> None:
         """An engine step ends many streams at once: the queue is weighed once for the burst, not
