@@ -45,6 +45,12 @@ DEFAULT_TOKENIZE_CONNECTIONS = 256
 TOKENIZE_CONNECT_TIMEOUT_S = 5.0
 # Weight of the newest call in the mean /tokenize call time that a refusal's Retry-After uses.
 _CALL_TIME_WEIGHT = 0.1
+# Connections of one httpx pool under TokenizeCalls. httpcore matches the pool's waiting requests
+# against every one of its connections whenever a request comes or goes (httpcore 1.0
+# `AsyncConnectionPool._assign_requests_to_connections`), so one pool of 256 connections cost
+# each call hundreds of steps: 18 % of kvgate's CPU under S4's burst, where kvgate's one core was
+# saturated. Pools of 16 cost each call 16.
+POOL_CONNECTIONS = 16
 
 # When the request whose work calls the backend must have been admitted (time.monotonic, the
 # gate's clock): its /tokenize calls wait for a connection until then.
@@ -79,13 +85,15 @@ class TokenizeCalls(httpx.AsyncBaseTransport):
         connections: int,
         inner: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pool: Callable[[int], httpx.AsyncBaseTransport] | None = None,
     ) -> None:
+        """`inner`: one transport for every call; else `pool(n)` makes each pool of n connections."""
+        pool = pool or _pool
         self.connections = connections
-        self._inner = inner or httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(
-                max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=IDLE_REUSE_S
-            )
-        )
+        # The connections split into pools of POOL_CONNECTIONS; a call goes to the pool with the
+        # fewest calls in it, which has a free connection since a call holds a turn.
+        self._pools = [inner] if inner is not None else [pool(size) for size in _pool_sizes(connections)]
+        self._calls = [0] * len(self._pools)  # calls in each pool now
         self._turns = asyncio.Semaphore(connections)
         self._clock = clock
         self.waiting = 0  # calls waiting for a turn now
@@ -104,7 +112,8 @@ class TokenizeCalls(httpx.AsyncBaseTransport):
             self._mean_call_s += _CALL_TIME_WEIGHT * (self._clock() - called - self._mean_call_s)
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
     async def _take_turn(self, deadline: float | None, started: float) -> None:
         """A free turn is taken at once, whatever the deadline (a request past it is still served
@@ -124,9 +133,19 @@ class TokenizeCalls(httpx.AsyncBaseTransport):
             self.waiting -= 1
 
     async def _call(self, request: httpx.Request, deadline: float | None, started: float) -> httpx.Response:
+        k = min(range(len(self._calls)), key=self._calls.__getitem__)
+        self._calls[k] += 1
+        try:
+            return await self._call_in(self._pools[k], request, deadline, started)
+        finally:
+            self._calls[k] -= 1
+
+    async def _call_in(
+        self, pool: httpx.AsyncBaseTransport, request: httpx.Request, deadline: float | None, started: float
+    ) -> httpx.Response:
         while True:
             try:
-                response = await self._inner.handle_async_request(request)
+                response = await pool.handle_async_request(request)
             except httpx.ConnectTimeout:
                 if deadline is None:
                     raise
@@ -146,6 +165,20 @@ class TokenizeCalls(httpx.AsyncBaseTransport):
         line_s = self._mean_call_s * (self.waiting + 1) / self.connections
         retry_after_s = int(min(RETRY_AFTER_CAP_S, max(1, math.ceil(line_s))))
         return TokenizeWaitTimeout(round(self._clock() - started, 3), why, retry_after_s)
+
+
+def _pool_sizes(connections: int) -> list[int]:
+    """`connections` split into pools of at most POOL_CONNECTIONS, as even as can be."""
+    pools = max(1, -(-connections // POOL_CONNECTIONS))
+    return [connections // pools + (k < connections % pools) for k in range(pools)]
+
+
+def _pool(connections: int) -> httpx.AsyncHTTPTransport:
+    return httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(
+            max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=IDLE_REUSE_S
+        )
+    )
 
 
 class Backend:

@@ -10,6 +10,7 @@ import pytest
 
 from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout
 from kvgate.gate.backend_state import BackendState
+from kvgate.gate.backfill import HeadReservation
 from kvgate.gate.budget import BACKEND_HUNG, KV_BUSY, TRANSIENT_BUSY, Budget
 from kvgate.gate.drain import RETRY_AFTER_CAP_S, DrainRate, Pace
 from kvgate.gate.gate import Gate
@@ -640,6 +641,65 @@ class TestGate:
         assert gate.would_wait(demand(blocks=1), 0) == "behind_queue"
         holder.release()
         (await asyncio.wait_for(big, 1)).release()
+
+    async def test_a_waiter_that_does_not_fit_now_is_not_weighed_against_the_head(self, monkeypatch) -> None:
+        """Passing the head needs both: fitting now, and not delaying the head. The first is one
+        budget check; the second reserves the waiter beside the head's companions and checks the
+        head, so it is asked only of a waiter that fits now."""
+        gate = make_gate(kv_blocks=100, transient=100)  # 8 B of headroom a sampled row
+        holder = await gate.acquire(demand(rows=10), 0, "a")  # 80 B
+        other = await gate.acquire(demand(), 0, "a")
+        head = await queued(gate, demand(rows=5))  # 120 > 100: waits
+        behind = await queued(gate, demand(rows=5), tenant="b")
+        weighed = 0
+        passing = HeadReservation.passing
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal weighed
+            weighed += 1
+            return passing(*args, **kwargs)
+
+        monkeypatch.setattr(HeadReservation, "passing", counted)
+        other.release()  # the line is weighed again: neither fits now
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert not head.done()
+        assert not behind.done()
+        assert weighed == 0
+        holder.release()  # 40 + 40 B: both fit
+        for task in (head, behind):
+            (await asyncio.wait_for(task, 1)).release()
+        assert gate.ledger.in_flight == 0
+
+    async def test_a_burst_of_releases_checks_the_queue_once(self, monkeypatch) -> None:
+        """An engine step ends many streams at once: the queue is weighed once for the burst, not
+        once per release (each weighing checks the head and the waiters behind it against the
+        budget; in benchmark S4 that was half of kvgate's CPU). What is admitted is the same."""
+        gate = make_gate(kv_blocks=10, max_queue=16)
+        holders = [await gate.acquire(demand(blocks=1), 0, "a") for _ in range(10)]
+        head = await queued(gate, demand(blocks=5))
+        behind = [await queued(gate, demand(blocks=5), tenant=f"t{k}") for k in range(3)]
+        checks = 0
+        shortfall = gate.budget.shortfall
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal checks
+            checks += 1
+            return shortfall(*args, **kwargs)
+
+        monkeypatch.setattr(gate.budget, "shortfall", counted)
+        for holder in holders[:5]:  # one turn of the event loop: nothing awaited in between
+            holder.release()
+        admitted = await asyncio.wait_for(head, 1)  # 5 blocks free: the head's 5 fit
+        assert gate.ledger.kv_blocks == 10
+        assert not any(task.done() for task in behind)  # nothing else fits beside it
+        assert checks <= 3  # the head (fits), the next head (does not), whether it fits alone
+        for ticket in [admitted, *holders[5:]]:
+            ticket.release()
+        for task in behind[:2]:
+            (await asyncio.wait_for(task, 1)).release()
+        (await asyncio.wait_for(behind[2], 1)).release()
+        assert gate.ledger.in_flight == 0
 
 
 def clocked_gate(kv_blocks: int, clock: FakeClock, max_queue: int = 64) -> tuple[Gate, KvgateMetrics]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvgate.backend import TokenizeCalls
+from kvgate.backend import POOL_CONNECTIONS, TokenizeCalls
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags, pipeline_config
 from kvgate.engine_config import build_predictor, resolve
@@ -334,6 +334,27 @@ class HeldTokenize(httpx.AsyncBaseTransport):
         finally:
             self.held -= 1
         return httpx.Response(200, json={"tokens": [1, 2, 3], "count": 3, "max_model_len": 256})
+
+
+async def test_the_tokenize_connections_are_split_into_small_pools() -> None:
+    """httpcore weighs each call against every connection of its pool: 40 connections are three
+    pools (14, 13, 13), each call goes to the least busy, so 40 calls run at once and none waits."""
+    pools: list[tuple[int, HeldTokenize]] = []
+
+    def pool(size: int) -> HeldTokenize:
+        pools.append((size, HeldTokenize()))
+        return pools[-1][1]
+
+    calls = TokenizeCalls(40, pool=pool)
+    assert [size for size, _ in pools] == [14, 13, 13]
+    async with httpx.AsyncClient(transport=calls, base_url="http://vllm") as client:
+        sent = [asyncio.create_task(client.post("/tokenize", json={"prompt": "hi"})) for _ in range(40)]
+        await wait_for_async(lambda: sum(held.held for _, held in pools) == 40, timeout_s=5, what="40 calls held")
+        assert all(held.most_held <= size <= POOL_CONNECTIONS for size, held in pools)
+        assert calls.waiting == 0
+        for _, held in pools:
+            held.answer.set()
+        assert [r.status_code for r in await asyncio.gather(*sent)] == [200] * 40
 
 
 class FrozenClock:
