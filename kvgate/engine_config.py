@@ -96,7 +96,7 @@ class StaticLimits:
     # the profile's forward pass (profile_forward_bytes): the most one step's forward terms take
     profiled_forward_bytes: int = 0
     forward_bytes_per_token: int = 0  # its share a token (max_num_batched_tokens of them)
-    profiled_hidden_bytes: int = 0  # its hidden states and residual (activation.py profile_hidden_bytes)
+    profiled_hidden_bytes: int = 0  # its final hidden states (activation.py profile_hidden_bytes)
     sampler_phase_overhead: SamplerPhaseOverhead | None = None  # activation.py: the sampler phase's replay
     lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
     shared_forward: SharedForward | None = None  # activation.py: a served MLA step after the others' steps

@@ -94,7 +94,7 @@ class TransientSplit:
             profiled=peak_of(in_profile),
             profiled_prefill=peak_of(profiled_prefill),
             held=sum(t.bytes for t in prefill_terms if t.stage == "residual"),
-            profiled_residual=sum(t.bytes for t in profiled_prefill if t.stage == "residual"),
+            profiled_residual=sum(t.into_sampler for t in profiled_prefill if t.stage == "residual"),
         )
 
 

@@ -76,7 +76,7 @@ class Budget:
     profiled_forward_bytes: int = 0
     # Its share a token: what each decoding row's token adds to a step's forward pass.
     forward_bytes_per_token: int = 0
-    # Its hidden states and residual: the most of the open prefills' the sampler phase holds.
+    # Its final hidden states: the most of the open prefills' the sampler phase holds.
     profiled_hidden_bytes: int = 0
     # (sampled rows, step tokens) -> the sampler phase's segment overhead beside other requests
     # (kvgate/memory/activation.py SamplerPhaseOverhead); None: the profile's share.

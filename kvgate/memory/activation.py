@@ -148,6 +148,13 @@ class TransientTerm:
     detail: str
     stage: str = "forward"  # one of STAGES; decides what is alive at the same time
     shared: bool = False  # one buffer per engine, allocated on first use and kept
+    # Of `bytes`, what is still alive when the lm_head and the sampler run (None: all of it).
+    sampler_bytes: int | None = None
+
+    @property
+    def into_sampler(self) -> int:
+        """The bytes of this term the step's sampler phase still holds."""
+        return self.bytes if self.sampler_bytes is None else self.sampler_bytes
 
 
 @dataclass(frozen=True)
@@ -554,16 +561,29 @@ def _lora_term(e: EngineShape, tokens: int) -> TransientTerm:
 
 def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
     """The decoder's hidden states and residual ``[T, H]`` each (model_executor/models/llama.py),
-    alive through every layer and the sampler. Profiled: the profile run carried them for
-    ``max_num_batched_tokens`` tokens."""
+    alive through every layer. Profiled: the profile run carried them for
+    ``max_num_batched_tokens`` tokens.
+
+    Only the hidden states reach the sampler phase: vllm 0.32.0 (and 0.31.0, 0.33.0)
+    model_executor/models/llama.py ``LlamaModel.forward`` ends with ``hidden_states, _ =
+    self.norm(hidden_states, residual)`` and returns ``hidden_states`` alone (the residual is a
+    local; only a pipeline stage that is not the last returns it), and the runner computes the
+    logits from what the model returned (V2 ``v1/worker/gpu/model_runner.py`` ``execute_model``
+    then ``sample``; V1 ``v1/worker/gpu_model_runner.py``). Mistral runs ``LlamaModel``; Qwen2
+    (and Qwen3, its subclass), Mixtral, Gemma 2 and DeepSeek-V2 end the same way. So the lm_head
+    and the sampler find the residual's blocks free again, as the simulator's step tape frees it
+    (kvgate/sim/step_memory.py ``StepMemory.plan``) and the sampler phase's replay keeps only the
+    hidden states (`sampler_phase_overhead_bytes`)."""
     dt = g.dtype_bytes
+    hidden = tokens * g.hidden_size * dt
     return TransientTerm(
         "hidden_states",
-        2 * tokens * g.hidden_size * dt,
+        2 * hidden,
         True,
         "prefill",
         f"hidden + residual 2 x {tokens} tokens x {g.hidden_size} x {dt} B",
         stage="residual",
+        sampler_bytes=hidden,
     )
 
 
@@ -1023,9 +1043,10 @@ def profile_forward_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
 
 
 def profile_hidden_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
-    """The profile's hidden states and residual (``_hidden_states_term`` of max_num_batched_tokens
-    tokens): no step holds more of them, whatever its requests."""
-    return _hidden_states_term(geometry, engine.max_num_batched_tokens).bytes
+    """The profile's final hidden states (``_hidden_states_term`` of max_num_batched_tokens
+    tokens, its part the sampler phase holds): no step's sampler phase holds more of them,
+    whatever its requests."""
+    return _hidden_states_term(geometry, engine.max_num_batched_tokens).into_sampler
 
 
 def profile_sampler_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
@@ -1319,13 +1340,26 @@ def sampler_phase_overhead_bytes(
     fit gave them among the forward pass's freed blocks, and the logits and their fp32 copy split
     cached segments or take new ones. Benchmark S9 (Llama 3.1 8B, 2,048 tokens, 1 + 5 rows a
     request) OOMed the simulator with 187 MiB of its cache stranded this way when the sampler
-    phase was charged only its tensors: at 288 rows 74 MiB after a 2,048-token forward pass, 28
-    after a 384-token one. Memoised: each replay takes tens of milliseconds."""
+    phase was charged only its tensors: after an earlier forward pass alone, 74 MiB at 288 rows
+    after a 2,048-token forward pass, 28 after a 384-token one.
+
+    The earlier step either sampled nothing (a step of prefill chunks) or sampled the same batch,
+    as a decoding batch does from step to step (every V2 decoding request verifies its 1 + k rows
+    each step: vllm 0.32.0 v1/worker/gpu/model_runner.py ``sample``): its logits and fp32 copy
+    leave cached segments of this phase's sizes, which the next forward pass's tensors split by
+    best fit, so the phase's own tensors find them taken. Benchmark S9 OOMed the simulator once
+    with the prefills' residual no longer charged in this phase (session 28, before this history
+    was added): 288 rows asked a 140.9 MiB fp32 copy with 136.5 MiB of the cache reserved but
+    unallocated; at 288 rows after a 1,536-token forward pass this replay gives 130 MiB where the
+    earlier step without a sampler phase gave 52. Not a bound over longer histories either.
+    Memoised: each replay takes tens of milliseconds."""
     full = engine.max_num_batched_tokens
     history = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
     phase = sampler_phase_tape(geometry, engine, rows)
     own = profile_forward_tape(geometry, engine, tokens)[:-1]  # its final hidden states kept
-    earlier = ([profile_forward_tape(geometry, engine, t), own] for t in history)
+    forwards = [profile_forward_tape(geometry, engine, t) for t in history]
+    earlier = [[forward, own] for forward in forwards]
+    earlier += [[[*forward[:-1], *phase, forward[-1]], own] for forward in forwards]
     need = worst_need(phase, earlier, expandable_segments)
     hidden = tokens * geometry.hidden_size * geometry.dtype_bytes
     return max(0, need - footprint(phase, expandable_segments).allocated_peak - hidden)

@@ -51,8 +51,9 @@ class StepHoldings:
       up-projection, prompt logprobs, encoder outputs, V2's held prompt logprobs, LoRA buffers):
       counted in both phases (the cautious side: they are not all forward-pass tensors);
     - `forward_profiled`: the open prefills' profiled terms (hidden states, MLP or MoE);
-    - `residual_profiled`: of those, the hidden states and residual, which the sampler phase still
-      holds (the final hidden states the lm_head reads);
+    - `residual_profiled`: of those, the final hidden states the lm_head reads, which the sampler
+      phase still holds (the residual is dead once the model returns: kvgate/memory/activation.py
+      `_hidden_states_term`);
     - `sampler_unprofiled` and `sampler_profiled`: the batch's sampler stage (kvgate/memory/sampler.py).
     """
 
@@ -106,7 +107,7 @@ def step_charge(
     (one step computes at most max_num_batched_tokens tokens: the profile's own forward pass,
     kvgate/memory/activation.py `profile_forward_bytes`); the sampler phase is the stage with the
     hidden states it reads, those of the open prefills at most `residual_cap` (a step's
-    max_num_batched_tokens tokens: the profile's hidden states and residual). Each phase's profiled bytes, up to `profiled_cap`, take their
+    max_num_batched_tokens tokens: the profile's final hidden states). Each phase's profiled bytes, up to `profiled_cap`, take their
     caching-allocator segments (`segment_overhead`, the forward tape's replay,
     kvgate/memory/activation.py `profile_segment_overhead_bytes`); beside others (a nonzero
     `segment_overhead`) the sampler phase's is `sampler_overhead(rows, tokens)`, the replay of

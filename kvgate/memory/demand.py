@@ -21,9 +21,9 @@ class Demand:
     # Terms the start-up profile measured (MLP, hidden states): they live in the profile region,
     # which only a live GPU reading can show taken by someone else.
     profiled_prefill_bytes: int = 0
-    # Of those, the hidden states and residual of its chunk (the `residual` stage): the final
-    # hidden states are still alive when the lm_head and the sampler run (kvgate/memory/ceiling.py
-    # StepHoldings), where its MLP's blocks are free again.
+    # Of those, the final hidden states of its chunk (the `residual` stage's part the sampler phase
+    # holds, TransientTerm.into_sampler): still alive when the lm_head and the sampler run
+    # (kvgate/memory/ceiling.py StepHoldings), where its MLP's and its residual's blocks are free again.
     profiled_residual_bytes: int = 0
     # Its part of every step's sampler stage, which the ledger sizes for the whole batch.
     sampler: SamplerUse | None = None

@@ -16,18 +16,20 @@ import json
 import pytest
 from sim_support import make_engine
 
+from bench.scenarios import SCENARIOS
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
-from kvgate.engine_config import build_predictor, resolve
+from kvgate.engine_config import Deployment, build_predictor, resolve, static_limits
 from kvgate.gate.budget import Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import profile_forward_bytes
+from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
-from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.units import GiB, MiB
 from support.geometry import model_geometry
@@ -61,14 +63,18 @@ def engine() -> Engine:
 
 
 @pytest.fixture(scope="module")
-def predictor() -> Predictor:
-    geometry = model_geometry("llama-3-8b")
+def deployment() -> Deployment:
     flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--speculative-config", json.dumps(NGRAM_5)]
     settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
-    deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.32.0")
+    deployment = resolve(engine_flags(settings), model_geometry("llama-3-8b"), None, None, reported_version="0.32.0")
     assert deployment.runtime.runner == "v2"
     assert deployment.runtime.sampler_backend == "flashinfer"
-    return build_predictor(deployment, geometry)
+    return deployment
+
+
+@pytest.fixture(scope="module")
+def predictor(deployment: Deployment) -> Predictor:
+    return build_predictor(deployment, model_geometry("llama-3-8b"))
 
 
 def sim_peak(engine: Engine, reqs: list[ReqSlice]) -> int:
@@ -142,3 +148,103 @@ def test_a_mixed_step_is_never_charged_less_than_it_takes(
     taken = sim_peak(engine, reqs)
     charged = kvgate_charge(predictor, bodies, {"tokens": prefill, **S9_CHAT})
     assert charged + ROUNDING >= taken, f"kvgate {charged / MiB:.1f} MiB < simulator {taken / MiB:.1f} MiB"
+
+
+@pytest.mark.parametrize(("n", "prefill"), [(64, 1000), (100, 1400), (200, 600)])
+def test_a_mixed_step_holds_the_prefills_hidden_states_into_the_sampler_not_its_residual(
+    engine: Engine, predictor: Predictor, n: int, prefill: int
+) -> None:
+    """Where the sampler phase is the step's larger one (many decodes verifying 1 + 5 rows beside
+    a prefill), the prefill's final hidden states are alive when the logits are made, its residual
+    is not (vllm 0.32.0 model_executor/models/llama.py `LlamaModel.forward` returns the hidden
+    states alone; the simulator frees the residual before the sampler). kvgate then charges the
+    step no more than it takes, beyond rounding, than the K draft rows it also counts for the
+    prefilling request (bf16 logits and their fp32 copy; the simulator samples one row there).
+    Until session 28 it charged the residual too: 7.8 MiB over for a 1,000-token prefill."""
+    bodies = [S9_CHAT] * n
+    reqs = [decoding_slice(b) for b in bodies] + [ReqSlice(prefill, 0, random=True, seeded=True)]
+    taken = sim_peak(engine, reqs)
+    charged = kvgate_charge(predictor, bodies, {"tokens": prefill, **S9_CHAT})
+    assert taken <= charged + ROUNDING
+    assert charged - taken <= K * V * (2 + 4) + ROUNDING, (
+        f"kvgate {charged / MiB:.1f} MiB, simulator {taken / MiB:.1f} MiB"
+    )
+
+
+@pytest.fixture(scope="module")
+def s9_capacity() -> int:
+    """The transient memory benchmark S9's engine has after start-up (its KV pool sized by vLLM's
+    "fully utilize" advice): the simulator's free GPU memory, which kvgate reads as its headroom."""
+    cfg = next(s for s in SCENARIOS if s.key == "S9").sim
+    return make_engine(cfg).device.free()
+
+
+def chats_admitted(predictor: Predictor, budget: Budget, prefill: int) -> int:
+    """How many decoding 600-token chats kvgate admits beside one open prefill of `prefill` tokens."""
+    ledger = Ledger()
+
+    def demand(tokens: int, i: int) -> Demand:
+        body = {"prompt": "x", "max_tokens": 256, **S9_CHAT, "seed": i}
+        return predictor.predict(
+            parse_request("completions", json.dumps(body).encode()).request, [[11 + i] * tokens]
+        ).demand
+
+    if prefill:
+        ledger.reserve(demand(prefill, 999))
+    n = 0
+    while budget.shortfall(d := demand(600, n), ledger) is None:
+        ledger.end_prefill(ledger.reserve(d))
+        n += 1
+    return n
+
+
+def sim_fits_after(engine: Engine, capacity: int, earlier: StepShape, step: StepShape) -> bool:
+    """Whether `step` runs in `capacity` bytes after `earlier` ran in it (the simulator's allocator)."""
+    alloc = CachingAllocator(Device(capacity), "step")
+    try:
+        run_tape(alloc, engine.steps.plan(earlier))
+    except CudaOutOfMemory:
+        return True  # that earlier step cannot have run in this memory: no such history
+    try:
+        run_tape(alloc, engine.steps.plan(step))
+    except CudaOutOfMemory:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("prefill", [0, 500, 1000, 1500])
+def test_what_kvgate_admits_on_s9s_live_budget_fits_the_simulator_after_an_earlier_step(
+    engine: Engine, deployment: Deployment, predictor: Predictor, s9_capacity: int, prefill: int
+) -> None:
+    """S9's live budget (the engine's free memory, the whole profile region out of it, 184.2 MiB of
+    it held by the engine's allocator, as kvgate's readings learned in an S9 run): the decoding
+    chats kvgate admits beside an open prefill run in the simulator after any one earlier step,
+    of prefill chunks alone or of the same decoders beside a prefill of another size (every 256
+    tokens of the step). Until session 28 the sampler phase's replay played only the first kind:
+    kvgate admitted 44 chats beside a 500-token prefill, which OOM the simulator after a
+    1,280-token step of the same batch (the earlier fp32 copy's segment split by the next forward
+    pass)."""
+    limits = static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=67131543389)
+    budget = Budget(
+        transient_headroom_bytes=s9_capacity,
+        profiled_peak_bytes=limits.profiled_peak_bytes,
+        profiled_cap_bytes=limits.profiled_peak_bytes,
+        segment_overhead=limits.segment_overhead,
+        held_region_bytes=193138688,
+        profiled_forward_bytes=limits.profiled_forward_bytes,
+        forward_bytes_per_token=limits.forward_bytes_per_token,
+        profiled_hidden_bytes=limits.profiled_hidden_bytes,
+        sampler_phase_overhead=limits.sampler_phase_overhead,
+        lone_forward=limits.lone_forward,
+    )
+    n = chats_admitted(predictor, budget, prefill)
+    assert n >= 20  # the state is a busy batch, not an empty one
+    chunk = min(prefill, 2048 - n * (1 + K))
+    decoders = [decoding_slice(S9_CHAT)] * n
+    step = StepShape(tuple(decoders + ([ReqSlice(chunk, 0, random=True, seeded=True)] if chunk else [])))
+    for tokens in range(256, 2049, 256):
+        other = ReqSlice(max(1, tokens - n * (1 + K)), 0, random=True, seeded=True)
+        for earlier in (StepShape((ReqSlice(tokens, 0, samples=False),)), StepShape(tuple([*decoders, other]))):
+            assert sim_fits_after(engine, s9_capacity, earlier, step), (
+                f"{n} chats, prefill {prefill}, after {tokens} tokens"
+            )

@@ -77,8 +77,10 @@ def test_a_step_computes_at_most_max_num_batched_tokens_of_forward_pass() -> Non
     assert charged == 100 * MiB + 384 * per_token
 
 
-def test_profile_hidden_bytes_are_the_profiles_hidden_states_and_residual() -> None:
-    assert profile_hidden_bytes(model_geometry("llama-3-8b"), S9_ENGINE) == 2 * 2048 * 4096 * 2
+def test_profile_hidden_bytes_are_the_profiles_final_hidden_states() -> None:
+    """The most of the open prefills' forward pass a sampler phase holds: 2,048 tokens' final
+    hidden states (the residual is dead when the model returns)."""
+    assert profile_hidden_bytes(model_geometry("llama-3-8b"), S9_ENGINE) == 2048 * 4096 * 2
 
 
 def test_the_sampler_phase_beside_others_takes_its_replayed_overhead_at_the_learned_share() -> None:
@@ -111,8 +113,8 @@ def test_the_replayed_sampler_overhead_of_s9_is_larger_after_a_full_forward_pass
 
 def test_a_prefills_hidden_states_are_the_part_of_its_forward_pass_the_sampler_phase_still_holds() -> None:
     """A 1,000-token prompt on S9's engine: its profiled forward terms are its hidden states and
-    residual (2 x 1,000 x 4,096 x 2 B) and its MLP (3 x 1,000 x 14,336 x 2 B); the first is what
-    the sampler phase still holds (Demand.profiled_residual_bytes)."""
+    residual (2 x 1,000 x 4,096 x 2 B) and its MLP (3 x 1,000 x 14,336 x 2 B); of them the sampler
+    phase still holds the final hidden states alone (Demand.profiled_residual_bytes)."""
     flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256"]
     flags += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5})]
     settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
@@ -123,7 +125,7 @@ def test_a_prefills_hidden_states_are_the_part_of_its_forward_pass_the_sampler_p
     body = {"prompt": "x", "max_tokens": 64, "temperature": 0.7}
     spec = parse_request("completions", json.dumps(body).encode()).request
     demand = predictor.predict(spec, [[7] * 1000]).demand
-    assert demand.profiled_residual_bytes == 2 * 1000 * 4096 * 2
+    assert demand.profiled_residual_bytes == 1000 * 4096 * 2
     assert demand.profiled_prefill_bytes == 2 * 1000 * 4096 * 2 + 3 * 1000 * 14336 * 2
 
 
