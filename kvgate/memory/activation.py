@@ -564,7 +564,7 @@ def _hidden_states_term(g: ModelGeometry, tokens: int) -> TransientTerm:
     alive through every layer. Profiled: the profile run carried them for
     ``max_num_batched_tokens`` tokens.
 
-    Only the hidden states reach the sampler phase: vllm 0.32.0 (and 0.31.0, 0.33.0)
+    Only the hidden states reach the sampler phase: vllm 0.32.0 and 0.33.0 (read in both: llama.py, qwen2.py, deepseek_v2.py)
     model_executor/models/llama.py ``LlamaModel.forward`` ends with ``hidden_states, _ =
     self.norm(hidden_states, residual)`` and returns ``hidden_states`` alone (the residual is a
     local; only a pipeline stage that is not the last returns it), and the runner computes the
