@@ -383,6 +383,7 @@ class Predictor:
                 self.engine.max_num_batched_tokens,
             ),
             decode_tokens=sum(fp.n for fp in footprints) * (1 + self.engine.num_speculative_tokens),
+            growth_blocks=sum(fp.max_kv_blocks - fp.kv_blocks for fp in footprints),
         )
 
     def _upproject_bytes(self, footprints: Sequence[Footprint]) -> int:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.memory.activation import StepForwardBound
@@ -55,7 +56,12 @@ class Reservation:
 class Ledger:
     """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: Callable[[], int | None] | None = None) -> None:
+        """`pool`: the KV blocks of vLLM's pool, None when unknown (kvgate/gate/budget.py
+        Budget.kv_blocks); it says whether vLLM may preempt (`_preemption_free`)."""
+        self._pool = pool
+        self._growth_blocks = 0  # summed Demand.growth_blocks of the in-flight requests
+        self._growth_unknown = 0  # how many of them said None
         self._refcounts: dict[int, int] = {}
         self._private_blocks = 0
         self._kv_variance = 0.0
@@ -110,24 +116,44 @@ class Ledger:
         (Demand.shared_step, Demand.step_tokens): alone, nothing; a request that joins makes the
         steps of those already in flight larger, and theirs are weighed again; none is charged less
         than it was since admitted (Reservation.shared_extra)."""
+        members = len(self._reservations) + (joining is not None)
         total, unknown = self._step_tokens, self._unknown_tokens
         if joining is not None:
             total += joining.step_tokens or 0
             unknown += joining.step_tokens is None
-        extras = 0
-        for reservation in self._shared.values():
-            extras += max(reservation.shared_extra, self._extra_of(reservation.demand, total, unknown))
-        if joining is not None and joining.shared_step is not None and self._reservations:
-            extras += joining.shared_step.bytes(None if self._unknown_tokens else self._step_tokens)
+        preemptible = not self._preemption_free(joining)
+        extras = sum(
+            max(r.shared_extra, self._extra_of(r.demand, members, total, unknown, preemptible))
+            for r in self._shared.values()
+        )
+        if joining is not None and joining.shared_step is not None:
+            extras += self._extra_of(joining, members, total, unknown, preemptible)
         return extras
 
     @staticmethod
-    def _extra_of(demand: Demand, total: int, unknown: int) -> int:
-        """An in-flight request's shared-step extra when the in-flight requests put `total` tokens
-        in a step, `unknown` of them any number."""
+    def _extra_of(demand: Demand, members: int, total: int, unknown: int, preemptible: bool) -> int:
+        """A request's shared-step extra among `members` in flight (itself included) that put
+        `total` tokens in a step, `unknown` of them any number; `preemptible`: vLLM may preempt
+        one, which resumes by prefilling its prompt and outputs again (any number too)."""
+        if members < 2:
+            return 0
         assert demand.shared_step is not None
-        others_unknown = unknown - (demand.step_tokens is None) > 0
-        return demand.shared_step.bytes(None if others_unknown else total - (demand.step_tokens or 0))
+        known = unknown == (demand.step_tokens is None) and not preemptible
+        return demand.shared_step.bytes(total - (demand.step_tokens or 0) if known else None)
+
+    def _preemption_free(self, joining: Demand | None = None) -> bool:
+        """Whether vLLM can never preempt an in-flight request (with `joining` admitted too): they
+        fit its pool at their full growth to max_tokens (vllm 0.32.0 v1/core/sched/scheduler.py
+        `schedule` preempts only when a running request cannot get a block). A preempted request
+        resumes by prefilling its prompt and outputs again (`request.num_tokens -
+        num_computed_tokens`), so only then is a decoding request's step its decode rows."""
+        pool = self._pool() if self._pool is not None else None
+        if pool is None or self._growth_unknown or (joining is not None and joining.growth_blocks is None):
+            return False
+        blocks = self.kv_blocks + self._growth_blocks
+        if joining is not None:
+            blocks += self.new_blocks(joining) + (joining.growth_blocks or 0)
+        return blocks <= pool
 
     @property
     def profiled_bytes(self) -> int:
@@ -204,6 +230,7 @@ class Ledger:
             self._refcounts[h] = self._refcounts.get(h, 0) + 1
         self._private_blocks += demand.private_blocks
         self._kv_variance += demand.kv_variance_blocks
+        self._add_growth(demand.growth_blocks, 1)
         bisect.insort(self._open_prefills, _one_step(demand))
         bisect.insort(self._open_pairs, demand.step_pair_bytes)
         self._held_bytes += demand.transient_held_bytes
@@ -218,10 +245,10 @@ class Ledger:
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         if demand.shared_step is not None:
             self._shared[reservation.id] = reservation
+        members, preemptible = len(self._reservations) + 1, not self._preemption_free()
         for other in self._shared.values():
-            other.shared_extra = max(
-                other.shared_extra, self._extra_of(other.demand, self._step_tokens, self._unknown_tokens)
-            )
+            extra = self._extra_of(other.demand, members, self._step_tokens, self._unknown_tokens, preemptible)
+            other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
         return reservation
 
@@ -231,6 +258,13 @@ class Ledger:
             self._unknown_tokens += sign
         else:
             self._step_tokens += sign * tokens
+
+    def _add_growth(self, blocks: int | None, sign: int) -> None:
+        """Count a request's growth blocks in (sign 1) or out (-1)."""
+        if blocks is None:
+            self._growth_unknown += sign
+        else:
+            self._growth_blocks += sign * blocks
 
     def reset_peak(self) -> None:
         """Start a new high-water mark (a new engine life) from what is reserved now."""
@@ -273,6 +307,7 @@ class Ledger:
                 del self._refcounts[h]
         self._private_blocks -= reservation.demand.private_blocks
         self._kv_variance -= reservation.demand.kv_variance_blocks
+        self._add_growth(reservation.demand.growth_blocks, -1)
         if reservation.demand.sampler:
             self._sampler.remove(reservation.demand.sampler)
         if reservation.prefill_open:

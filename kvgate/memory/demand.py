@@ -50,6 +50,10 @@ class Demand:
     # any number (the others' steps are then taken as full).
     step_tokens: int | None = None
     decode_tokens: int | None = None
+    # KV blocks beyond private_blocks it may grow to by max_tokens (its reservation may expect
+    # fewer outputs): while the in-flight requests fit vLLM's pool at full growth, vLLM never
+    # preempts one, whose resumption would prefill its prompt and outputs again. None: unknown.
+    growth_blocks: int | None = None
     # Of its one-step bytes, what stays alive while another request in the same step makes its
     # own: V1's prompt-logprobs loop frees one request's tensors only when the next request's
     # replace them (kvgate/predict.py PROMPT_LOGPROBS_ALIVE_V1); the ledger adds the second

@@ -38,6 +38,7 @@ from support.geometry import model_geometry
 CHAT = {"temperature": 0.7, "seed": 1, "max_tokens": 256}  # bench/workloads.py chat_call
 CHAT_PROMPT = 400
 ROUNDING = 2 * MiB  # the caching allocator's segment rounding, which kvgate's terms leave out
+POOL = 27784  # S10's KV blocks (vLLM's cache_config_info on its H100): nobody is preempted here
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def test_a_passage_beside_decoding_chats_is_charged_its_step_not_a_full_one(
     """Chats decoding, then a passage asking the whole vocabulary per prompt token: its step
     holds its prompt and one token a chat. Charged at least what the simulator's step takes, and
     within a fifth of it (the running maximum over smaller steps, CUDA's topk scratch)."""
-    ledger = Ledger()
+    ledger = Ledger(pool=lambda: POOL)
     for i in range(chats):
         ledger.end_prefill(ledger.reserve(demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)))
     ledger.reserve(demand(predictor, {"max_tokens": 1, "prompt_logprobs": -1}, tokens))
@@ -123,7 +124,7 @@ def test_a_request_that_joins_a_passages_prefill_makes_its_step_larger(
     """A passage admitted beside 40 decoding chats, then a chat whose prompt may be scheduled in
     the passage's step: the passage is charged again for that step (at 7,000 tokens the two no
     longer fit one 8,192-token step, and the passage is charged as cut over full steps)."""
-    ledger = Ledger()
+    ledger = Ledger(pool=lambda: POOL)
     for i in range(40):
         ledger.end_prefill(ledger.reserve(demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)))
     ledger.reserve(demand(predictor, {"max_tokens": 1, "prompt_logprobs": -1}, 1000))
@@ -138,3 +139,27 @@ def test_a_request_that_joins_a_passages_prefill_makes_its_step_larger(
     ledger.release(chat)
     after = charge(predictor, ledger)
     assert after > before if joining + 1040 > 8192 else after >= before
+
+
+@pytest.mark.parametrize("pool", [None, 1000])
+def test_where_vllm_may_preempt_a_chat_the_passage_is_charged_full_steps(
+    predictor: Predictor, pool: int | None
+) -> None:
+    """A preempted request resumes by prefilling its prompt and outputs again, in a step that may
+    hold the passage: where the chats at their max_tokens could outgrow the pool (40 x 41 blocks
+    in a pool of 1,000: kvgate overcommits the pool, kvgate/telemetry/calibration.py, or reserves
+    learned output lengths), or the pool is unknown, a decoding chat is not taken as one token,
+    and the passage is charged a full 8,192-token step, as beside a request whose tokens are
+    unknown."""
+    ledger, known = Ledger(pool=lambda: pool), Ledger(pool=lambda: POOL)
+    for i in range(40):
+        chat = demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)
+        ledger.end_prefill(ledger.reserve(chat))
+        known.end_prefill(known.reserve(chat))
+    scored = demand(predictor, {"max_tokens": 1, "prompt_logprobs": -1}, 500)
+    unknown = Demand(CHAT_PROMPT, 256, (), 30, 0)  # a request that says nothing of its tokens a step
+    full = Ledger(pool=lambda: POOL)
+    full.reserve(unknown)
+    full_step = full.transient_bytes_with(scored) - full.transient_bytes
+    assert ledger.transient_bytes_with(scored) - ledger.transient_bytes >= full_step
+    assert known.transient_bytes_with(scored) - known.transient_bytes < full_step / 4
