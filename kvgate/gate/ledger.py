@@ -241,7 +241,6 @@ class Ledger:
         self._step_bound = demand.step_bound or self._step_bound
         if demand.sampler:
             self._sampler.add(demand.sampler)
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         if demand.shared_step is not None:
             self._shared[reservation.id] = reservation
@@ -250,6 +249,7 @@ class Ledger:
             extra = self._extra_of(other.demand, members, self._step_tokens, self._unknown_tokens, preemptible)
             other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
         return reservation
 
     def _add_tokens(self, tokens: int | None, sign: int) -> None:
