@@ -121,24 +121,32 @@ class Ledger:
         if joining is not None:
             total += joining.step_tokens or 0
             unknown += joining.step_tokens is None
-        preemptible = not self._preemption_free(joining)
+        # another prefill in the step (the open prefills, `joining` among them): see `_extra_of`
+        shared_step_free = len(self._open_prefills) + (joining is not None) < 2 and self._preemption_free(joining)
+        mixed = not shared_step_free
         extras = sum(
-            max(r.shared_extra, self._extra_of(r.demand, members, total, unknown, preemptible))
-            for r in self._shared.values()
+            max(r.shared_extra, self._extra_of(r.demand, members, total, unknown, mixed)) for r in self._shared.values()
         )
         if joining is not None and joining.shared_step is not None:
-            extras += self._extra_of(joining, members, total, unknown, preemptible)
+            extras += self._extra_of(joining, members, total, unknown, mixed)
         return extras
 
     @staticmethod
-    def _extra_of(demand: Demand, members: int, total: int, unknown: int, preemptible: bool) -> int:
+    def _extra_of(demand: Demand, members: int, total: int, unknown: int, mixed: bool) -> int:
         """A request's shared-step extra among `members` in flight (itself included) that put
-        `total` tokens in a step, `unknown` of them any number; `preemptible`: vLLM may preempt
-        one, which resumes by prefilling its prompt and outputs again (any number too)."""
+        `total` tokens in a step, `unknown` of them any number; `mixed`: another request may
+        prefill in its step, which the step's tokens do not bound alone: vLLM may preempt one,
+        which resumes by prefilling its prompt and outputs again, and another open prefill's
+        tensors beside the prompt logprobs' gigabyte ones fragment the caching allocator's
+        segments beyond what kvgate charges (allocated bytes): on the simulator's allocator a
+        step of 40 decoding rows and a 2,000-token passage with k = -1 needs 7,773 MiB, with a
+        700-token prefill beside them 8,975 MiB, its allocated peak 6,738 and 6,896 MiB
+        (bench/results/s10-session28). So a step is bounded by its tokens only where every other
+        request in it decodes; else it is taken as full."""
         if members < 2:
             return 0
         assert demand.shared_step is not None
-        known = unknown == (demand.step_tokens is None) and not preemptible
+        known = unknown == (demand.step_tokens is None) and not mixed
         return demand.shared_step.bytes(total - (demand.step_tokens or 0) if known else None)
 
     def _preemption_free(self, joining: Demand | None = None) -> bool:
@@ -244,9 +252,10 @@ class Ledger:
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         if demand.shared_step is not None:
             self._shared[reservation.id] = reservation
-        members, preemptible = len(self._reservations) + 1, not self._preemption_free()
+        members = len(self._reservations) + 1
+        mixed = len(self._open_prefills) > 1 or not self._preemption_free()
         for other in self._shared.values():
-            extra = self._extra_of(other.demand, members, self._step_tokens, self._unknown_tokens, preemptible)
+            extra = self._extra_of(other.demand, members, self._step_tokens, self._unknown_tokens, mixed)
             other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)

@@ -122,8 +122,9 @@ def test_a_request_that_joins_a_passages_prefill_makes_its_step_larger(
     engine: Engine, predictor: Predictor, joining: int
 ) -> None:
     """A passage admitted beside 40 decoding chats, then a chat whose prompt may be scheduled in
-    the passage's step: the passage is charged again for that step (at 7,000 tokens the two no
-    longer fit one 8,192-token step, and the passage is charged as cut over full steps)."""
+    the passage's step: another prefill beside the passage is charged as a full step (on the
+    simulator's allocator it fragments the segments beyond the step's allocated bytes, see
+    Ledger._extra_of), never less than the simulator's step, and kept after the chat leaves."""
     ledger = Ledger(pool=lambda: POOL)
     for i in range(40):
         ledger.end_prefill(ledger.reserve(demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)))
@@ -137,8 +138,7 @@ def test_a_request_that_joins_a_passages_prefill_makes_its_step_larger(
     # the chat leaving does not give back what the passage's steps took beside it (cut over
     # several steps, the earlier steps' results stay until its last one)
     ledger.release(chat)
-    after = charge(predictor, ledger)
-    assert after > before if joining + 1040 > 8192 else after >= before
+    assert charge(predictor, ledger) > before
 
 
 @pytest.mark.parametrize("pool", [None, 1000])
