@@ -63,8 +63,9 @@ async def explain(rt: Runtime, raw: bytes, hint: str | None = None) -> dict[str,
             "peak_bytes": prediction.transient_peak_bytes,
             "unprofiled_prefill_bytes": demand.transient_prefill_bytes,
             # what its prefill takes more once other requests share its steps (V2 prompt logprobs
-            # run over the whole step): the ledger charges it beside others, not alone
-            "beside_others_extra_bytes": demand.transient_shared_extra_bytes,
+            # run over the whole step): the ledger charges it for what the others in flight can
+            # put in its steps; here at its most, full steps
+            "beside_others_extra_bytes": demand.shared_step.bytes(None) if demand.shared_step else 0,
             "sampler_stage_with_in_flight": asdict(preview.sampler_stage),
             "profiled_bytes": demand.profiled_bytes,
             "terms": [asdict(term) for term in prediction.transient_terms],

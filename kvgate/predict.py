@@ -26,13 +26,14 @@ from kvgate.errors import ContextTooLong, KvNeverFits, TransientNeverFits
 from kvgate.memory.activation import (
     EngineShape,
     SamplingShape,
+    SharedStepExtra,
     TransientEstimate,
     TransientTerm,
     estimate_transient,
     mla_prompt_upproject_bytes,
+    prefill_chunk,
     sampler_cost,
     step_forward_bound,
-    v2_prompt_logprobs_shared_step_extra,
 )
 from kvgate.memory.ceiling import Ceiling
 from kvgate.memory.demand import Demand
@@ -241,7 +242,8 @@ class Predictor:
         )
         footprints, splits = [], []
         keys = PrefixKeys.of(spec.cache_salt, cache_key)
-        shared_extra = 0
+        logprob_prompts: list[int] = []
+        splittable = False
         for ids, from_text in zip(prompts, spec.prompts_from_text, strict=True):
             max_new = self.max_new_tokens(spec, len(ids))
             self._check_context_length(spec, len(ids), from_text)
@@ -268,16 +270,25 @@ class Predictor:
                 )
             )
             splits.append(split)
-            if spec.sampling.prompt_logprobs is not None:
-                shared_extra += v2_prompt_logprobs_shared_step_extra(
-                    self.layout.geometry, self.engine, len(ids), spec.sampling.prompt_logprobs
-                )
+            if spec.sampling.prompt_logprobs is not None and self.engine.runner == "v2" and ids:
+                logprob_prompts.append(len(ids))
+                splittable = splittable or min(ids) < 0  # an encoder's budget may cut its prompt
         demand = self._demand(footprints, sampling, self.sampler_use(spec, footprints, sampling), splits)
+        if logprob_prompts:
+            assert spec.sampling.prompt_logprobs is not None
+            shared = SharedStepExtra(
+                self.layout.geometry,
+                self.engine,
+                tuple(logprob_prompts),
+                spec.sampling.prompt_logprobs,
+                splittable,
+            )
+            demand = replace(demand, shared_step=shared)
         return Prediction(
             prompt_tokens=sum(len(ids) for ids in prompts),
             max_new_tokens=max(fp.max_new_tokens for fp in footprints),
             footprints=tuple(footprints),
-            demand=replace(demand, transient_shared_extra_bytes=shared_extra) if shared_extra else demand,
+            demand=demand,
             sampling=sampling,
         )
 
@@ -318,7 +329,7 @@ class Predictor:
         if all(new is old for new, old in zip(footprints, prediction.footprints, strict=True)):
             return prediction.demand
         demand = self._demand(footprints, prediction.sampling, prediction.demand.sampler)
-        return replace(demand, transient_shared_extra_bytes=prediction.demand.transient_shared_extra_bytes)
+        return replace(demand, shared_step=prediction.demand.shared_step)
 
     def _demand(
         self,
@@ -367,6 +378,12 @@ class Predictor:
             step_pair_bytes=pair,
             upproject_bytes=self._upproject_bytes(footprints),
             step_bound=self.step_bound,
+            step_tokens=min(
+                sum(prefill_chunk(self.engine, fp.prompt_tokens) * fp.n for fp in footprints),
+                self.engine.max_num_batched_tokens,
+            ),
+            decode_tokens=sum(fp.n for fp in footprints) * (1 + self.engine.num_speculative_tokens),
+            growth_blocks=sum(fp.max_kv_blocks - fp.kv_blocks for fp in footprints),
         )
 
     def _upproject_bytes(self, footprints: Sequence[Footprint]) -> int:

@@ -68,7 +68,7 @@ class HeadReservation:
         companions are taken while the pool could still hold the head's private blocks beside
         them, then given back, earliest end first, until the budget says the head fits; so it
         costs about one budget check while the head waits for KV blocks."""
-        companions = Ledger()
+        companions = Ledger(pool=lambda: budget.kv_blocks)
         ends = [ends_at(reservation) for reservation in in_flight]
         known = [(end, reservation) for end, reservation in zip(ends, in_flight, strict=True) if end is not None]
         if not known or len(known) < len(in_flight):

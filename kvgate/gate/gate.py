@@ -85,7 +85,7 @@ class Gate(Generic[Basis]):
     ) -> None:
         self.budget = budget
         self._reestimate = reestimate
-        self.ledger = Ledger()
+        self.ledger = Ledger(pool=lambda: self.budget.kv_blocks)
         self.queue: AdmissionQueue[Basis] = AdmissionQueue(max_queue)
         self.drain = DrainRate(clock=clock)
         self.pace = Pace()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.memory.activation import StepForwardBound
@@ -44,10 +45,10 @@ class Reservation:
     prefill_open: bool = True
     released: bool = False
     hashes: frozenset[int] = field(default_factory=frozenset)
-    shared_extra: int = 0  # held beyond its demand: admitted beside others (Demand.transient_shared_extra_bytes)
-    # Its shared-step extra while it prefills alone: held from the next admission on, since that
-    # request's tokens join its steps.
-    pending_extra: int = 0
+    # The most its V2 prompt logprobs' steps have taken beyond its own since it was admitted
+    # (Demand.shared_step for the others' tokens then): kept until its prefill ends, since a prompt
+    # that others cut over several steps holds the earlier steps' results until its last.
+    shared_extra: int = 0
     admitted_at: float = 0.0  # the gate's clock: when it ends is predicted from it (backfilling)
     first_token_at: float | None = None  # the gate's clock, when a stream's first token came (Pace)
 
@@ -55,7 +56,12 @@ class Reservation:
 class Ledger:
     """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: Callable[[], int | None] | None = None) -> None:
+        """`pool`: the KV blocks of vLLM's pool, None when unknown (kvgate/gate/budget.py
+        Budget.kv_blocks); it says whether vLLM may preempt (`_preemption_free`)."""
+        self._pool = pool
+        self._growth_blocks = 0  # summed Demand.growth_blocks of the in-flight requests
+        self._growth_unknown = 0  # how many of them said None
         self._refcounts: dict[int, int] = {}
         self._private_blocks = 0
         self._kv_variance = 0.0
@@ -64,7 +70,12 @@ class Ledger:
         self._open_prefills: list[int] = []
         self._open_pairs: list[int] = []  # sorted Demand.step_pair_bytes of the open prefills
         self._held_bytes = 0
-        self._pending_extra = 0  # summed Reservation.pending_extra of the open prefills
+        # The most tokens the in-flight requests put in one step (Demand.step_tokens while
+        # prefilling, decode_tokens after), and how many of them said None (unknown: any number).
+        self._step_tokens = 0
+        self._unknown_tokens = 0
+        # The open prefills whose steps others' tokens make larger (Demand.shared_step).
+        self._shared: dict[int, Reservation] = {}
         self._profiled_prefill_bytes = 0  # summed over open prefills: their chunks share a step
         self._profiled_residual_bytes = 0  # of those, their hidden states (Demand.profiled_residual_bytes)
         self._upproject_bytes = 0  # summed Demand.upproject_bytes of the open prefills
@@ -99,10 +110,58 @@ class Ledger:
         top = sorted((*self._open_pairs[-2:], demand.step_pair_bytes))
         return top[-2] if len(top) > 1 else 0
 
-    def _shared_extra(self, demand: Demand) -> int:
-        """The shared-step extras admitting it now adds: only beside other in-flight requests, and
-        then its own and those of the prefills that ran alone so far (they share steps from now)."""
-        return demand.transient_shared_extra_bytes + self._pending_extra if self._reservations else 0
+    def _shared_extras(self, joining: Demand | None = None) -> int:
+        """What the open prefills' V2 prompt logprobs take beyond their own steps, each for the
+        tokens every other in-flight request (and `joining`) can put in one step beside it
+        (Demand.shared_step, Demand.step_tokens): alone, nothing; a request that joins makes the
+        steps of those already in flight larger, and theirs are weighed again; none is charged less
+        than it was since admitted (Reservation.shared_extra)."""
+        members = len(self._reservations) + (joining is not None)
+        total, unknown = self._step_tokens, self._unknown_tokens
+        if joining is not None:
+            total += joining.step_tokens or 0
+            unknown += joining.step_tokens is None
+        # another prefill in the step (the open prefills, `joining` among them): see `_extra_of`
+        shared_step_free = len(self._open_prefills) + (joining is not None) < 2 and self._preemption_free(joining)
+        mixed = not shared_step_free
+        extras = sum(
+            max(r.shared_extra, self._extra_of(r.demand, members, total, unknown, mixed)) for r in self._shared.values()
+        )
+        if joining is not None and joining.shared_step is not None:
+            extras += self._extra_of(joining, members, total, unknown, mixed)
+        return extras
+
+    @staticmethod
+    def _extra_of(demand: Demand, members: int, total: int, unknown: int, mixed: bool) -> int:
+        """A request's shared-step extra among `members` in flight (itself included) that put
+        `total` tokens in a step, `unknown` of them any number; `mixed`: another request may
+        prefill in its step, which the step's tokens do not bound alone: vLLM may preempt one,
+        which resumes by prefilling its prompt and outputs again, and another open prefill's
+        tensors beside the prompt logprobs' gigabyte ones fragment the caching allocator's
+        segments beyond what kvgate charges (allocated bytes): on the simulator's allocator a
+        step of 40 decoding rows and a 2,000-token passage with k = -1 needs 7,773 MiB, with a
+        700-token prefill beside them 8,975 MiB, its allocated peak 6,738 and 6,896 MiB
+        (bench/results/s10-session28). So a step is bounded by its tokens only where every other
+        request in it decodes; else it is taken as full."""
+        if members < 2:
+            return 0
+        assert demand.shared_step is not None
+        known = unknown == (demand.step_tokens is None) and not mixed
+        return demand.shared_step.bytes(total - (demand.step_tokens or 0) if known else None)
+
+    def _preemption_free(self, joining: Demand | None = None) -> bool:
+        """Whether vLLM can never preempt an in-flight request (with `joining` admitted too): they
+        fit its pool at their full growth to max_tokens (vllm 0.32.0 v1/core/sched/scheduler.py
+        `schedule` preempts only when a running request cannot get a block). A preempted request
+        resumes by prefilling its prompt and outputs again (`request.num_tokens -
+        num_computed_tokens`), so only then is a decoding request's step its decode rows."""
+        pool = self._pool() if self._pool is not None else None
+        if pool is None or self._growth_unknown or (joining is not None and joining.growth_blocks is None):
+            return False
+        blocks = self.kv_blocks + self._growth_blocks
+        if joining is not None:
+            blocks += self.new_blocks(joining) + (joining.growth_blocks or 0)
+        return blocks <= pool
 
     @property
     def profiled_bytes(self) -> int:
@@ -116,7 +175,7 @@ class Ledger:
         sampler = self._sampler.stage()
         forward, beyond = self._forward(self._profiled_prefill_bytes, self._upproject_bytes, self._step_bound)
         return StepHoldings(
-            unprofiled=self._held_bytes + largest_prefill + second_pair + beyond,
+            unprofiled=self._held_bytes + self._shared_extras() + largest_prefill + second_pair + beyond,
             forward_profiled=forward,
             residual_profiled=self._profiled_residual_bytes,
             sampler_unprofiled=sampler.unprofiled,
@@ -127,7 +186,7 @@ class Ledger:
     def step_with(self, demand: Demand) -> StepHoldings:
         """`step` with this demand admitted too."""
         largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
-        held = self._held_bytes + demand.transient_held_bytes + self._shared_extra(demand)
+        held = self._held_bytes + demand.transient_held_bytes + self._shared_extras(demand)
         sampler = self.sampler_with(demand)
         forward, beyond = self._forward(
             self._profiled_prefill_bytes + demand.profiled_prefill_bytes,
@@ -179,30 +238,42 @@ class Ledger:
             self._refcounts[h] = self._refcounts.get(h, 0) + 1
         self._private_blocks += demand.private_blocks
         self._kv_variance += demand.kv_variance_blocks
-        alone = not self._reservations
-        if self._pending_extra and not alone:
-            for other in self._reservations.values():
-                other.shared_extra += other.pending_extra
-                other.pending_extra = 0
-            self._held_bytes += self._pending_extra
-            self._pending_extra = 0
-        shared_extra = 0 if alone else demand.transient_shared_extra_bytes
+        self._add_growth(demand.growth_blocks, 1)
         bisect.insort(self._open_prefills, _one_step(demand))
         bisect.insort(self._open_pairs, demand.step_pair_bytes)
-        self._held_bytes += demand.transient_held_bytes + shared_extra
+        self._held_bytes += demand.transient_held_bytes
+        self._add_tokens(demand.step_tokens, 1)
         self._profiled_prefill_bytes += demand.profiled_prefill_bytes
         self._profiled_residual_bytes += demand.profiled_residual_bytes
         self._upproject_bytes += demand.upproject_bytes
         self._step_bound = demand.step_bound or self._step_bound
         if demand.sampler:
             self._sampler.add(demand.sampler)
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
-        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes, shared_extra=shared_extra)
-        if alone:
-            reservation.pending_extra = demand.transient_shared_extra_bytes
-            self._pending_extra += reservation.pending_extra
+        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
+        if demand.shared_step is not None:
+            self._shared[reservation.id] = reservation
+        members = len(self._reservations) + 1
+        mixed = len(self._open_prefills) > 1 or not self._preemption_free()
+        for other in self._shared.values():
+            extra = self._extra_of(other.demand, members, self._step_tokens, self._unknown_tokens, mixed)
+            other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
         return reservation
+
+    def _add_tokens(self, tokens: int | None, sign: int) -> None:
+        """Count a request's tokens a step in (sign 1) or out (-1) of `_step_tokens`."""
+        if tokens is None:
+            self._unknown_tokens += sign
+        else:
+            self._step_tokens += sign * tokens
+
+    def _add_growth(self, blocks: int | None, sign: int) -> None:
+        """Count a request's growth blocks in (sign 1) or out (-1)."""
+        if blocks is None:
+            self._growth_unknown += sign
+        else:
+            self._growth_blocks += sign * blocks
 
     def reset_peak(self) -> None:
         """Start a new high-water mark (a new engine life) from what is reserved now."""
@@ -224,9 +295,10 @@ class Ledger:
         demand = reservation.demand
         del self._open_prefills[bisect.bisect_left(self._open_prefills, _one_step(demand))]
         del self._open_pairs[bisect.bisect_left(self._open_pairs, demand.step_pair_bytes)]
-        self._held_bytes -= demand.transient_held_bytes + reservation.shared_extra
-        self._pending_extra -= reservation.pending_extra
-        reservation.pending_extra = 0
+        self._held_bytes -= demand.transient_held_bytes
+        self._shared.pop(reservation.id, None)
+        self._add_tokens(demand.step_tokens, -1)
+        self._add_tokens(demand.decode_tokens, 1)
         self._profiled_prefill_bytes -= demand.profiled_prefill_bytes
         self._profiled_residual_bytes -= demand.profiled_residual_bytes
         self._upproject_bytes -= demand.upproject_bytes
@@ -244,11 +316,13 @@ class Ledger:
                 del self._refcounts[h]
         self._private_blocks -= reservation.demand.private_blocks
         self._kv_variance -= reservation.demand.kv_variance_blocks
+        self._add_growth(reservation.demand.growth_blocks, -1)
         if reservation.demand.sampler:
             self._sampler.remove(reservation.demand.sampler)
         if reservation.prefill_open:
             self._close_prefill(reservation)
             reservation.prefill_open = False
+        self._add_tokens(reservation.demand.decode_tokens, -1)
         del self._reservations[reservation.id]
         if not self._reservations:
             self._kv_variance = 0.0  # no float drift carried from one busy period to the next

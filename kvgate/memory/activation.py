@@ -896,24 +896,84 @@ def _prompt_topk_sort_term(nbytes: int, where: str) -> TransientTerm:
     )
 
 
-def v2_prompt_logprobs_shared_step_extra(g: ModelGeometry, e: EngineShape, prompt_tokens: int, k: int) -> int:
+@lru_cache(maxsize=4096)  # the ledger weighs every open prefill's again on each check
+def v2_prompt_logprobs_shared_step_extra(
+    g: ModelGeometry, e: EngineShape, prompt_tokens: int, k: int, others: int | None = None
+) -> int:
     """What V2's prompt logprobs take beyond `v2_prompt_logprobs` (the prompt alone on its steps)
     when other requests share its steps. ``compute_prompt_logprobs`` runs over every token of the
-    step, whoever's, so beside others a step is taken as full (``max_num_batched_tokens``); and a
-    prompt that starts in a step others already use can get a single token there first, so with
-    chunked prefill it spans 1 + ceil((prompt - 1) / step) steps, each earlier one held whole. A
-    request alone on an idle server runs only its own tokens, on steps of its own (the scheduler
-    gives a running prefill its next piece first): `estimate_transient` counts that, so a request
-    vLLM serves alone is never refused; the ledger adds this once others are in flight."""
+    step, whoever's (vllm 0.32.0 v1/worker/gpu/sample/prompt_logprob.py:168
+    ``hidden_states[: input_batch.num_tokens]``).
+
+    `others`: the most tokens the other requests can put in one step beside it (the ledger's
+    `Ledger.step_tokens`), None when unknown. The V1 scheduler both runners share (vllm 0.32.0
+    v1/core/sched/scheduler.py ``schedule``: a waiting request gets ``min(num_new_tokens,
+    token_budget)``, the budget ``max_num_batched_tokens`` less what the step scheduled before it)
+    runs a whole prompt in one step when it and the others' tokens fit in the budget, and no
+    ``long_prefill_token_threshold`` cuts it, and no speculative decoding takes draft slots of the
+    budget (``input_budget - draft_slots``, not counted here): then its step holds at most ``prompt + others``
+    rows, and it is charged the most `_v2_step` takes over any step up to that
+    (`_v2_step_peak_upto`; the peak is not monotone in the rows, a sub-chunk's topk scratch).
+    Else, or unknown, a step is taken as full (``max_num_batched_tokens``), and a prompt that
+    starts in a step others already use can get a single token there first, so with chunked
+    prefill it spans 1 + ceil((prompt - 1) / step) steps, each earlier one held whole. A request
+    alone on an idle server (`others` 0) runs only its own tokens: nothing more."""
     if e.runner != "v2" or prompt_tokens < 1:
         return 0
     chunk = prefill_chunk(e, prompt_tokens)
+    alone = sum(t.bytes for t in v2_prompt_logprobs(g, e, chunk, prompt_tokens, k))
+    one_step = chunk == prompt_tokens and not e.num_speculative_tokens
+    if others is not None and one_step and prompt_tokens + others <= e.max_num_batched_tokens:
+        return max(0, _v2_step_peak_upto(g, e, k, prompt_tokens + others) - alone)
     step, row, step_peak = _v2_step(g, e, max(chunk, e.max_num_batched_tokens), k)
     steps = 1 + -(-(prompt_tokens - 1) // step) if e.enable_chunked_prefill else -(-prompt_tokens // chunk)
     merged = (step + prompt_tokens - 1) * row if steps > 1 else 0
     beside_others = (steps - 1) * step * row + max(step_peak, merged)
-    alone = sum(t.bytes for t in v2_prompt_logprobs(g, e, chunk, prompt_tokens, k))
     return max(0, beside_others - alone)
+
+
+@dataclass(frozen=True)
+class SharedStepExtra:
+    """A request's V2 prompt logprobs beside others (`v2_prompt_logprobs_shared_step_extra` of
+    each of its prompts), as a function of the tokens the other requests put in its steps: the
+    ledger weighs it again whenever what is in flight changes (kvgate/gate/ledger.py)."""
+
+    geometry: ModelGeometry
+    engine: EngineShape
+    prompts: tuple[int, ...]  # each prompt's tokens
+    k: int
+    # A prompt the scheduler may cut for other reasons (an encoder's budget) is taken as spanning
+    # full steps whatever the others hold.
+    splittable: bool = False
+
+    def bytes(self, others: int | None) -> int:
+        """Its extra when the others put at most `others` tokens in a step (None: unknown). Its
+        own other prompts share the step too."""
+        chunks = [prefill_chunk(self.engine, p) for p in self.prompts]
+        own = sum(chunks)
+        return sum(
+            v2_prompt_logprobs_shared_step_extra(
+                self.geometry,
+                self.engine,
+                p,
+                self.k,
+                None if others is None or self.splittable else others + own - chunk,
+            )
+            for p, chunk in zip(self.prompts, chunks, strict=True)
+        )
+
+
+_STEP_PEAKS: dict[tuple[ModelGeometry, EngineShape, int], list[int]] = {}
+
+
+def _v2_step_peak_upto(g: ModelGeometry, e: EngineShape, k: int, rows: int) -> int:
+    """The most `_v2_step` peaks over any step of 1 to `rows` tokens (its running maximum, kept
+    per deployment and k and extended as larger steps are asked: at most max_num_batched_tokens
+    entries, ~10 us each on the 2-core machine)."""
+    peaks = _STEP_PEAKS.setdefault((g, e, k), [0])
+    for step in range(len(peaks), rows + 1):
+        peaks.append(max(peaks[-1], _v2_step(g, e, step, k)[2]))
+    return peaks[rows]
 
 
 def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int, topk_sort: bool = True) -> tuple[int, int, int]:

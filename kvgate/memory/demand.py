@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvgate.memory.activation import StepForwardBound
+from kvgate.memory.activation import SharedStepExtra, StepForwardBound
 from kvgate.memory.sampler import SamplerUse
 
 
@@ -40,10 +40,20 @@ class Demand:
     # of earlier steps, kvgate/memory/activation.py v2_prompt_logprobs): the ledger sums these over
     # the open prefills, where the rest of each is one step's and only the largest counts.
     transient_held_bytes: int = 0
-    # What its prefill takes more when it starts in a step other requests already use (V2's prompt
-    # logprobs over one step more: v2_prompt_logprobs_shared_step_extra); the ledger adds it,
-    # as held, when it admits the request beside others.
-    transient_shared_extra_bytes: int = 0
+    # What its prefill takes more when other requests' tokens share its steps (V2's prompt
+    # logprobs over the whole step: kvgate/memory/activation.py SharedStepExtra); the ledger adds
+    # it, as held, for the tokens the others in flight can put in a step.
+    shared_step: SharedStepExtra | None = None
+    # The most tokens it puts in one engine step while it prefills (each prompt's chunk x n, at
+    # most max_num_batched_tokens) and while it decodes (its sequences x (1 + speculative
+    # tokens)): what it adds to the steps of another request's V2 prompt logprobs. None: unknown,
+    # any number (the others' steps are then taken as full).
+    step_tokens: int | None = None
+    decode_tokens: int | None = None
+    # KV blocks beyond private_blocks it may grow to by max_tokens (its reservation may expect
+    # fewer outputs): while the in-flight requests fit vLLM's pool at full growth, vLLM never
+    # preempts one, whose resumption would prefill its prompt and outputs again. None: unknown.
+    growth_blocks: int | None = None
     # Of its one-step bytes, what stays alive while another request in the same step makes its
     # own: V1's prompt-logprobs loop frees one request's tensors only when the next request's
     # replace them (kvgate/predict.py PROMPT_LOGPROBS_ALIVE_V1); the ledger adds the second

@@ -211,7 +211,7 @@ def test_medusa_and_mlp_speculator_are_no_methods_from_033(tmp_path) -> None:
 
 def test_the_ledger_sums_what_prefills_hold_across_steps_and_the_shared_step_extra() -> None:
     from kvgate.gate.ledger import Ledger
-    from kvgate.memory.activation import v2_prompt_logprobs_shared_step_extra
+    from kvgate.memory.activation import SharedStepExtra, v2_prompt_logprobs_shared_step_extra
     from kvgate.memory.demand import Demand
 
     engine = v2_engine(max_num_batched_tokens=2048)
@@ -225,7 +225,9 @@ def test_the_ledger_sums_what_prefills_hold_across_steps_and_the_shared_step_ext
     assert ledger.transient_bytes_with(held) == 10 * row + 100
     ledger.reserve(held)
     assert ledger.transient_bytes_with(held) == 20 * row + 100  # held twice, one step once
-    shared = Demand(10, 1, (), 1, transient_prefill_bytes=5, transient_shared_extra_bytes=extra)
+    # the held request says nothing of its tokens a step: the step is taken as full
+    step = SharedStepExtra(LLAMA, engine, (1500,), -1)
+    shared = Demand(10, 1, (), 1, transient_prefill_bytes=5, shared_step=step)
     assert ledger.transient_bytes_with(shared) == 10 * row + 100 + extra
     reservation = ledger.reserve(shared)
     ledger.release(reservation)
@@ -239,7 +241,7 @@ def test_a_short_prompt_alone_is_charged_its_own_step_and_the_full_step_once_oth
     the full step from the next admission on, whoever that is: the newcomer's tokens join its
     steps."""
     from kvgate.gate.ledger import Ledger
-    from kvgate.memory.activation import v2_prompt_logprobs, v2_prompt_logprobs_shared_step_extra
+    from kvgate.memory.activation import SharedStepExtra, v2_prompt_logprobs, v2_prompt_logprobs_shared_step_extra
     from kvgate.memory.demand import Demand
 
     engine = v2_engine(max_num_batched_tokens=2048)
@@ -247,8 +249,8 @@ def test_a_short_prompt_alone_is_charged_its_own_step_and_the_full_step_once_oth
     assert alone < 2 * 100 * V * 2 + 100 * 1024  # 100 rows of logits (bf16), not a 2,048-token step
     extra = v2_prompt_logprobs_shared_step_extra(LLAMA, engine, 100, 5)
     assert alone + extra >= 2 * 1024 * V * 2  # beside others: two 1,024-row sub-chunks' logits
-    first = Demand(10, 1, (), 1, transient_prefill_bytes=alone, transient_shared_extra_bytes=extra)
-    plain = Demand(10, 1, (), 1, transient_prefill_bytes=7)
+    first = Demand(10, 1, (), 1, transient_prefill_bytes=alone, shared_step=SharedStepExtra(LLAMA, engine, (100,), 5))
+    plain = Demand(10, 1, (), 1, transient_prefill_bytes=7)  # its tokens a step unknown: any number
     ledger = Ledger()
     assert ledger.transient_bytes_with(first) == alone  # nothing in flight: its own step
     ledger.reserve(first)

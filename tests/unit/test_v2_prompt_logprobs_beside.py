@@ -1,0 +1,165 @@
+"""Differential check of Model Runner V2's prompt logprobs beside other requests (benchmark S10's
+engine: vLLM 0.32.0, Llama-3.1-8B, `--max-logprobs -1`, 8,192 batched tokens, 1,024 sequences).
+
+V2 scores every token of the step (vllm 0.32.0 v1/worker/gpu/sample/prompt_logprob.py
+`compute_prompt_logprobs`), so a passage asking `prompt_logprobs: -1` costs more beside other
+requests, but only for the tokens they can put in its step: a decoding chat one, a prefilling one
+its prompt. The simulator's step (kvgate/sim/step_memory.py, the judge) is played on an empty
+allocator and compared with what kvgate charges for the same requests (their Demands from the
+Predictor, summed in a Ledger, charged by the Budget as on a V2 fixed pool): never less, and a
+passage beside decoding chats is not charged a whole 8,192-token step (until 2026-11-28 it was:
+~30 GiB, which never fit, so it waited for every chat to end and the chats behind it waited too).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sim_support import make_engine
+
+from kvgate.cli import build_parser
+from kvgate.composition import engine_flags
+from kvgate.engine_config import build_predictor, resolve
+from kvgate.gate.budget import Budget
+from kvgate.gate.ledger import Ledger
+from kvgate.memory.activation import profile_forward_bytes
+from kvgate.memory.demand import Demand
+from kvgate.openai import parse_request
+from kvgate.predict import Predictor
+from kvgate.settings import settings_from_args
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine
+from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
+from kvgate.units import GiB, MiB
+from support.geometry import model_geometry
+
+CHAT = {"temperature": 0.7, "seed": 1, "max_tokens": 256}  # bench/workloads.py chat_call
+CHAT_PROMPT = 400
+ROUNDING = 2 * MiB  # the caching allocator's segment rounding, which kvgate's terms leave out
+POOL = 27784  # S10's KV blocks (vLLM's cache_config_info on its H100): nobody is preempted here
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    cfg = SimConfig(
+        model="llama-3.1-8b",
+        gpu="h100-80gb",
+        vllm_version="0.32.0",
+        model_runner="auto",
+        max_model_len=16384,
+        max_num_batched_tokens=8192,
+        max_num_seqs=1024,
+        max_logprobs=-1,
+    )
+    engine = make_engine(cfg)
+    assert engine.resolved.flavor.v2
+    return engine
+
+
+@pytest.fixture(scope="module")
+def predictor() -> Predictor:
+    flags = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "1024", "--max-logprobs", "-1"]
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    geometry = model_geometry("llama-3-8b")
+    deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.32.0")
+    assert deployment.runtime.runner == "v2"
+    return build_predictor(deployment, geometry)
+
+
+def sim_peak(engine: Engine, reqs: list[ReqSlice]) -> int:
+    alloc = CachingAllocator(Device(400 * GiB), "step")
+    run_tape(alloc, engine.steps.plan(StepShape(tuple(reqs))))
+    return alloc.peak_allocated
+
+
+def demand(predictor: Predictor, body: dict, tokens: int, first: int = 5) -> Demand:
+    spec = parse_request("completions", json.dumps({"prompt": "x", **body}).encode()).request
+    return predictor.predict(spec, [[first + i % 1000 for i in range(tokens)]]).demand
+
+
+def charge(predictor: Predictor, ledger: Ledger) -> int:
+    peak = predictor.profiled_peak_bytes
+    forward = profile_forward_bytes(predictor.layout.geometry, predictor.engine)
+    budget = Budget(
+        profiled_cap_bytes=peak,
+        profiled_peak_bytes=peak,
+        profiled_forward_bytes=forward,
+        forward_bytes_per_token=-(-forward // predictor.engine.max_num_batched_tokens),
+    )
+    return budget.transient_charge(ledger)
+
+
+def decoding(n: int) -> list[ReqSlice]:
+    return [ReqSlice(1, CHAT_PROMPT + 40, random=True, seeded=True, request_id=f"c{i}") for i in range(n)]
+
+
+def passage(tokens: int) -> ReqSlice:
+    return ReqSlice(tokens, 0, prompt_logprob_tokens=tokens, prompt_logprobs=-1, request_id="p")
+
+
+@pytest.mark.parametrize("chats", [1, 40, 200])
+@pytest.mark.parametrize("tokens", [500, 1000, 2000, 3000])
+def test_a_passage_beside_decoding_chats_is_charged_its_step_not_a_full_one(
+    engine: Engine, predictor: Predictor, chats: int, tokens: int
+) -> None:
+    """Chats decoding, then a passage asking the whole vocabulary per prompt token: its step
+    holds its prompt and one token a chat. Charged at least what the simulator's step takes, and
+    within a fifth of it (the running maximum over smaller steps, CUDA's topk scratch)."""
+    ledger = Ledger(pool=lambda: POOL)
+    for i in range(chats):
+        ledger.end_prefill(ledger.reserve(demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)))
+    ledger.reserve(demand(predictor, {"max_tokens": 1, "prompt_logprobs": -1}, tokens))
+    taken = sim_peak(engine, [*decoding(chats), passage(tokens)])
+    charged = charge(predictor, ledger)
+    assert charged + ROUNDING >= taken, f"kvgate {charged / MiB:.0f} MiB < simulator {taken / MiB:.0f} MiB"
+    assert charged <= 1.2 * taken, f"kvgate {charged / MiB:.0f} MiB for a step of {taken / MiB:.0f} MiB"
+
+
+@pytest.mark.parametrize("joining", [300, 3000, 7000])
+def test_a_request_that_joins_a_passages_prefill_makes_its_step_larger(
+    engine: Engine, predictor: Predictor, joining: int
+) -> None:
+    """A passage admitted beside 40 decoding chats, then a chat whose prompt may be scheduled in
+    the passage's step: another prefill beside the passage is charged as a full step (on the
+    simulator's allocator it fragments the segments beyond the step's allocated bytes, see
+    Ledger._extra_of), never less than the simulator's step, and kept after the chat leaves."""
+    ledger = Ledger(pool=lambda: POOL)
+    for i in range(40):
+        ledger.end_prefill(ledger.reserve(demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)))
+    ledger.reserve(demand(predictor, {"max_tokens": 1, "prompt_logprobs": -1}, 1000))
+    before = charge(predictor, ledger)
+    chat = ledger.reserve(demand(predictor, CHAT, joining, first=2000))
+    chunk = min(joining, 8192 - 40 - 1000)
+    taken = sim_peak(engine, [*decoding(40), passage(1000), ReqSlice(chunk, joining - chunk, random=True, seeded=True)])
+    charged = charge(predictor, ledger)
+    assert charged + ROUNDING >= taken, f"kvgate {charged / MiB:.0f} MiB < simulator {taken / MiB:.0f} MiB"
+    # the chat leaving does not give back what the passage's steps took beside it (cut over
+    # several steps, the earlier steps' results stay until its last one)
+    ledger.release(chat)
+    assert charge(predictor, ledger) > before
+
+
+@pytest.mark.parametrize("pool", [None, 1000])
+def test_where_vllm_may_preempt_a_chat_the_passage_is_charged_full_steps(
+    predictor: Predictor, pool: int | None
+) -> None:
+    """A preempted request resumes by prefilling its prompt and outputs again, in a step that may
+    hold the passage: where the chats at their max_tokens could outgrow the pool (40 x 41 blocks
+    in a pool of 1,000: kvgate overcommits the pool, kvgate/telemetry/calibration.py, or reserves
+    learned output lengths), or the pool is unknown, a decoding chat is not taken as one token,
+    and the passage is charged a full 8,192-token step, as beside a request whose tokens are
+    unknown."""
+    ledger, known = Ledger(pool=lambda: pool), Ledger(pool=lambda: POOL)
+    for i in range(40):
+        chat = demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)
+        ledger.end_prefill(ledger.reserve(chat))
+        known.end_prefill(known.reserve(chat))
+    scored = demand(predictor, {"max_tokens": 1, "prompt_logprobs": -1}, 500)
+    unknown = Demand(CHAT_PROMPT, 256, (), 30, 0)  # a request that says nothing of its tokens a step
+    full = Ledger(pool=lambda: POOL)
+    full.reserve(unknown)
+    full_step = full.transient_bytes_with(scored) - full.transient_bytes
+    assert ledger.transient_bytes_with(scored) - ledger.transient_bytes >= full_step
+    assert known.transient_bytes_with(scored) - known.transient_bytes < full_step / 4
