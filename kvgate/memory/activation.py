@@ -18,7 +18,6 @@ once and kept (``shared=True``: count them once per engine, not per request).
 from __future__ import annotations
 
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -33,6 +32,7 @@ from kvgate.memory.sampler import (
     LOGPROBS_BYTES_PER_LOGIT,
     PENALTY_BYTES_PER_LOGIT,
     PROMPT_ID_COPIES,
+    SMALL_SORT_MAX_SLICE,
     TOPK_LOGPROBS_BYTES,
     V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     SamplerCost,
@@ -990,7 +990,8 @@ def _v2_step(
     (its select, `cuda_topk_select_scratch_bytes`, and its sort, `cuda_topk_sort_bytes_per_logit`
     of each sub-chunk's rows, the model-dtype logits' keys); `segments`: with what the caching
     allocator needs beyond the allocated peak (`v2_prompt_logprobs_overhead_bytes`, the larger at
-    the two grid points around the step)."""
+    the two grid points around the step; only for k = -1 or above 4,096, where topk sorts and
+    each row keeps a vocabulary's results: the cases measured against the simulator)."""
     v, dt = g.vocab_size, g.dtype_bytes
     topk = v if k == -1 else k
     row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
@@ -1012,7 +1013,7 @@ def _v2_step(
     ids, scores = (topk + 1) * INT64_BYTES, (topk + 1) * FP32
     cat = step * (2 * ids + scores + INT64_BYTES) if len(sizes) > 1 else 0
     peak = max(loop, sizes[-1] * v * dt + cat)
-    if not segments:
+    if not segments or 0 <= k <= SMALL_SORT_MAX_SLICE:
         return step, row, peak
     overhead = max(v2_prompt_logprobs_overhead_bytes(g, e, s, k) for s in _around(step, V2_PROMPT_LOGPROBS_GRID))
     return step, row, peak + overhead
@@ -1092,27 +1093,25 @@ def v2_prompt_logprobs_overhead_bytes(g: ModelGeometry, e: EngineShape, step: in
     return max(0, need - footprint(phase).allocated_peak - hidden)
 
 
-_WARMING: set[tuple[ModelGeometry, EngineShape]] = set()
+_WARMED: set[tuple[ModelGeometry, EngineShape]] = set()
 
 
 def warm_v2_prompt_logprobs_overhead(g: ModelGeometry, e: EngineShape) -> None:
     """Replay `v2_prompt_logprobs_overhead_bytes` at every grid point up to max_num_batched_tokens
-    for a deployment that serves the whole vocabulary's prompt logprobs (--max-logprobs -1), on a
-    daemon thread, once per deployment: 14 - 17 s of CPU for an 8,192-token Llama-3.1-8B engine
-    on the 2-core machine, which the event loop would otherwise pay at the first passage's
-    decisions (`_v2_step_peak_upto` walks every step size up to the step's). Any other k is
-    replayed where it is first asked (memoised), never guessed."""
-    if e.runner != "v2" or e.max_logprobs != -1 or (g, e) in _WARMING:
+    for a deployment that serves the whole vocabulary's prompt logprobs (--max-logprobs -1), once
+    per deployment, before the gate serves: 14 - 17 s of CPU for an 8,192-token Llama-3.1-8B
+    engine on the 2-core machine, which the event loop would otherwise pay at the first
+    passages' decisions (`_v2_step_peak_upto` walks every step size up to the step's). On a
+    daemon thread instead, benchmark S10's first passages met it on the loop half done: TTFT p99
+    2.1 - 2.7 s against 0.25 s warmed first (session 28, bench/results/s10frag-session28). A k
+    above 4,096 other than -1 is replayed where it is first asked (memoised), never guessed."""
+    if e.runner != "v2" or e.max_logprobs != -1 or (g, e) in _WARMED:
         return
-    _WARMING.add((g, e))
-    grid = V2_PROMPT_LOGPROBS_GRID
-    sizes = range(grid, e.max_num_batched_tokens + grid, grid)
-
-    def work() -> None:
-        for size in sizes:
-            v2_prompt_logprobs_overhead_bytes(g, e, size, -1)
-
-    threading.Thread(target=work, name="kvgate-prompt-logprobs-replay", daemon=True).start()
+    for size in range(
+        V2_PROMPT_LOGPROBS_GRID, e.max_num_batched_tokens + V2_PROMPT_LOGPROBS_GRID, V2_PROMPT_LOGPROBS_GRID
+    ):
+        v2_prompt_logprobs_overhead_bytes(g, e, size, -1)
+    _WARMED.add((g, e))
 
 
 def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:
