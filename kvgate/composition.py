@@ -39,6 +39,7 @@ from kvgate.gate.gate import Gate
 from kvgate.gate.observer import GateObserver, Observers
 from kvgate.gate.view import GateView
 from kvgate.harmony import renders_with_harmony
+from kvgate.memory.activation import warm_v2_prompt_logprobs_overhead
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import LoraSlots
@@ -409,6 +410,7 @@ class Runtime:
             settings.cuda_context_bytes,
             settings.expandable_segments,
         )
+        warm_v2_prompt_logprobs_overhead(self.geometry, predictor.engine)
         current = self.pipeline.config
         tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()
         self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))

@@ -32,6 +32,7 @@ from kvgate.memory.sampler import (
     LOGPROBS_BYTES_PER_LOGIT,
     PENALTY_BYTES_PER_LOGIT,
     PROMPT_ID_COPIES,
+    SMALL_SORT_MAX_SLICE,
     TOPK_LOGPROBS_BYTES,
     V2_ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     SamplerCost,
@@ -53,6 +54,11 @@ FLASHINFER_PREFILL_WORKSPACE_BYTES_PER_ELEM = 16
 # vllm 0.32.0 v1/worker/gpu/sample/prompt_logprob.py CHUNK_SIZE (the same in 0.22.0 - 0.33.0):
 # Model Runner V2 computes prompt logprobs this many rows at a time.
 V2_PROMPT_LOGPROBS_CHUNK = 1024
+# The grid `v2_prompt_logprobs_overhead_bytes` is replayed on, in a step's tokens: a 32nd of a
+# sub-chunk. The overhead jumps where a sub-chunk's rows pass a size that a cached segment held
+# (Llama-3.1-8B, k = -1: 504 MiB at 1,536 tokens, 2,522 at 1,540, 2,042 at 1,664), so a coarser
+# grid (64ths of 8,192 tokens) left a 1,540-token step charged below the simulator's need.
+V2_PROMPT_LOGPROBS_GRID = V2_PROMPT_LOGPROBS_CHUNK // 32
 # vllm/model_executor/layers/fused_moe: VLLM_FUSED_MOE_CHUNK_SIZE default
 FUSED_MOE_CHUNK_TOKENS = 32768
 # vllm/v1/attention/backends/mla/common.py: determine_chunked_prefill_workspace_size cap
@@ -976,11 +982,16 @@ def _v2_step_peak_upto(g: ModelGeometry, e: EngineShape, k: int, rows: int) -> i
     return peaks[rows]
 
 
-def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int, topk_sort: bool = True) -> tuple[int, int, int]:
+def _v2_step(
+    g: ModelGeometry, e: EngineShape, step: int, k: int, topk_sort: bool = True, segments: bool = True
+) -> tuple[int, int, int]:
     """(the step's tokens, bytes of one result row, the step's peak before any cross-step merge)
     of `v2_prompt_logprobs` over a step of `step` tokens; `topk_sort`: with CUDA's topk scratch
     (its select, `cuda_topk_select_scratch_bytes`, and its sort, `cuda_topk_sort_bytes_per_logit`
-    of each sub-chunk's rows, the model-dtype logits' keys)."""
+    of each sub-chunk's rows, the model-dtype logits' keys); `segments`: with what the caching
+    allocator needs beyond the allocated peak (`v2_prompt_logprobs_overhead_bytes`, the larger at
+    the two grid points around the step; only for k = -1 or above 4,096, where topk sorts and
+    each row keeps a vocabulary's results: the cases measured against the simulator)."""
     v, dt = g.vocab_size, g.dtype_bytes
     topk = v if k == -1 else k
     row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
@@ -1001,7 +1012,106 @@ def _v2_step(g: ModelGeometry, e: EngineShape, step: int, k: int, topk_sort: boo
     # ids twice, the scores and ranks once (the later cats hold less); one sub-chunk: no cat.
     ids, scores = (topk + 1) * INT64_BYTES, (topk + 1) * FP32
     cat = step * (2 * ids + scores + INT64_BYTES) if len(sizes) > 1 else 0
-    return step, row, max(loop, sizes[-1] * v * dt + cat)
+    peak = max(loop, sizes[-1] * v * dt + cat)
+    if not segments or 0 <= k <= SMALL_SORT_MAX_SLICE:
+        return step, row, peak
+    overhead = max(v2_prompt_logprobs_overhead_bytes(g, e, s, k) for s in _around(step, V2_PROMPT_LOGPROBS_GRID))
+    return step, row, peak + overhead
+
+
+def v2_prompt_logprobs_tape(g: ModelGeometry, e: EngineShape, step: int, k: int) -> list[TapeOp]:
+    """V2's prompt logprobs over a step of `step` tokens in the order vLLM makes and drops its
+    tensors, for the allocator replay (kvgate/memory/allocator.py), the bytes `_v2_step` counts.
+    vllm 0.32.0 (and 0.33.0) v1/worker/gpu/sample/prompt_logprob.py
+    ``compute_prompt_logprobs_with_chunking`` (:297-318): each 1,024-row sub-chunk's
+    ``prompt_logits = logits_fn(...)`` is made before the previous sub-chunk's logits are let go;
+    gpu/sample/logprob.py ``compute_topk_scores`` (:111-189): ``torch.topk(...).indices`` makes
+    the model-dtype values and int64 indices (CUDA's sort scratch inside, for k above 4,096), the
+    values die at once, then the ``[rows, k + 1]`` int64 ids (``torch.cat`` of the token and the
+    indices), the fp32 scores and the int64 ranks, the indices dying when it returns. After the
+    loop (:316-318) the ids, scores and ranks are ``torch.cat``-ed one list after the other (one
+    sub-chunk: no cat), the last logits still bound until the function returns."""
+    v, dt = g.vocab_size, g.dtype_bytes
+    topk = v if k == -1 else k
+    widths = (("ids", (topk + 1) * INT64_BYTES), ("scores", (topk + 1) * FP32), ("ranks", INT64_BYTES))
+    tape: list[TapeOp] = []
+    chunks = [
+        (c, min(V2_PROMPT_LOGPROBS_CHUNK, step - start))
+        for c, start in enumerate(range(0, step, V2_PROMPT_LOGPROBS_CHUNK))
+    ]
+    for c, rows in chunks:
+        tape.append(alloc(f"logits{c}", rows * v * dt))
+        if c:
+            tape += free(f"logits{c - 1}")
+        logits = rows * topk
+        tape += [alloc("topk_values", logits * dt), alloc("topk_indices", logits * INT64_BYTES)]
+        tape += [alloc("topk_select", cuda_topk_select_scratch_bytes(rows, v)), *free("topk_select")]
+        if cuda_topk_sort_bytes_per_logit(rows, topk, dt):  # its parts, in topk_out_cuda's order
+            sort = cuda_sort_scratch_bytes_per_logit(rows)
+            tape += [alloc("sorted_values", logits * dt), alloc("sorted_indices", logits * INT64_BYTES)]
+            tape += [alloc("sort_scratch", logits * sort), *free("sort_scratch")]
+            tape += [alloc("gathered", logits * INT64_BYTES), *free("gathered", "sorted_indices", "sorted_values")]
+        tape += free("topk_values")
+        tape += [alloc(f"{part}{c}", rows * width) for part, width in widths]
+        tape += free("topk_indices")
+    results = [f"{part}0" for part, _ in widths]
+    if len(chunks) > 1:
+        results = []
+        for part, width in widths:
+            tape += [alloc(part, step * width), *free(*(f"{part}{c}" for c, _ in chunks))]
+            results.append(part)
+    return [*tape, *free(f"logits{chunks[-1][0]}", *results)]
+
+
+@lru_cache(maxsize=4096)
+def v2_prompt_logprobs_overhead_bytes(g: ModelGeometry, e: EngineShape, step: int, k: int) -> int:
+    """What V2's prompt logprobs over a `step`-token step need of the caching allocator beyond
+    their allocated peak and the step's final hidden states: `v2_prompt_logprobs_tape` played
+    after the step's own forward pass (`profile_forward_tape`, its hidden states kept) and its
+    sampler phase (`sampler_phase_tape`, one row or the most a step of it samples: every token,
+    at most `SamplerCost.max_sampled_rows`), after any one earlier
+    step of another size with or without a sampler phase, the cache kept or released in between
+    (kvgate/memory/allocator.py `worst_need`, as `sampler_phase_overhead_bytes`). Two 1,024-row
+    logits, the topk outputs and the kept results of each sub-chunk split the forward pass's
+    cached segments and each other's by best fit, and the final cats find no freed block large
+    enough: on the simulator's allocator (kvgate/sim/gpu.py) a 2,000-token Llama-3.1-8B step
+    with k = -1 needed 7,674 MiB where its tensors peak at 6,533. Charged without expandable
+    segments (the worse case: with them the freed pages map again). Not a bound over longer
+    histories. Memoised, and replayed only on a grid of step sizes (`V2_PROMPT_LOGPROBS_GRID`;
+    `_v2_step` takes the larger of the two points around a step): each replay takes 15 - 90 ms
+    on the 2-core machine."""
+    phase = v2_prompt_logprobs_tape(g, e, step, k)
+    full = e.max_num_batched_tokens
+    history = sorted({max(1, full * n // HISTORY_STEP_SIZES) for n in range(1, HISTORY_STEP_SIZES + 1)})
+    forward = profile_forward_tape(g, e, step)[:-1]  # its final hidden states kept
+    most = min(step, sampler_cost(g, e).max_sampled_rows)
+    own = [[*forward, *sampler_phase_tape(g, e, rows)] for rows in sorted({1, most})]
+    forwards = [profile_forward_tape(g, e, t) for t in history]
+    earlier = [[f, o] for f in forwards for o in own]
+    hidden = step * g.hidden_size * g.dtype_bytes
+    need = max(worst_need(phase, earlier, False), max(footprint([*o, *phase]).need for o in own))
+    return max(0, need - footprint(phase).allocated_peak - hidden)
+
+
+_WARMED: set[tuple[ModelGeometry, EngineShape]] = set()
+
+
+def warm_v2_prompt_logprobs_overhead(g: ModelGeometry, e: EngineShape) -> None:
+    """Replay `v2_prompt_logprobs_overhead_bytes` at every grid point up to max_num_batched_tokens
+    for a deployment that serves the whole vocabulary's prompt logprobs (--max-logprobs -1), once
+    per deployment, before the gate serves: 14 - 17 s of CPU for an 8,192-token Llama-3.1-8B
+    engine on the 2-core machine, which the event loop would otherwise pay at the first
+    passages' decisions (`_v2_step_peak_upto` walks every step size up to the step's). On a
+    daemon thread instead, benchmark S10's first passages met it on the loop half done: TTFT p99
+    2.1 - 2.7 s against 0.25 s warmed first (session 28, bench/results/s10frag-session28). A k
+    above 4,096 other than -1 is replayed where it is first asked (memoised), never guessed."""
+    if e.runner != "v2" or e.max_logprobs != -1 or (g, e) in _WARMED:
+        return
+    for size in range(
+        V2_PROMPT_LOGPROBS_GRID, e.max_num_batched_tokens + V2_PROMPT_LOGPROBS_GRID, V2_PROMPT_LOGPROBS_GRID
+    ):
+        v2_prompt_logprobs_overhead_bytes(g, e, size, -1)
+    _WARMED.add((g, e))
 
 
 def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:
@@ -1028,6 +1138,9 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
       whole prompt's rows. The earlier steps' part is held across steps (a residual term). With
       k = -1 each row keeps ``V + 1`` ids and scores: gigabytes. A prompt that starts in a step
       others use spans a step more: `v2_prompt_logprobs_shared_step_extra`.
+    - These tensors split the cached segments of the step's forward pass and of each other by
+      best fit, so the step needs more of the device than their allocated peak:
+      ``prompt_logprobs_segments`` (`v2_prompt_logprobs_overhead_bytes`).
     """
     v, dt = g.vocab_size, g.dtype_bytes
     step, per_row, step_peak = _v2_step(g, e, chunk, k)
@@ -1035,8 +1148,9 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
     sub_chunks = -(-step // V2_PROMPT_LOGPROBS_CHUNK)
     steps = -(-prompt_tokens // chunk)
     merged = (step + prompt_tokens - 1) * per_row if steps > 1 else 0
-    peak = max(_v2_step(g, e, chunk, k, topk_sort=False)[2], merged)
-    topk_sort = max(step_peak, merged) - peak
+    peak = max(_v2_step(g, e, chunk, k, topk_sort=False, segments=False)[2], merged)
+    topk_sort = max(_v2_step(g, e, chunk, k, segments=False)[2], merged) - peak
+    segments = max(step_peak, merged) - peak - topk_sort
     detail = (
         f"a {step}-token step in {sub_chunks} sub-chunks of {V2_PROMPT_LOGPROBS_CHUNK}: two sub-chunks' "
         f"logits x {v} vocab x {dt} B alive at once + {width} ids, scores and a rank per row "
@@ -1047,6 +1161,18 @@ def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_toke
     terms = [TransientTerm("prompt_logprobs", peak, False, "prefill", detail, stage="prompt_logprobs")]
     if topk_sort:
         terms.append(_prompt_topk_sort_term(topk_sort, f"{sub_chunks} sub-chunks, compute_topk_scores"))
+    if segments:
+        terms.append(
+            TransientTerm(
+                "prompt_logprobs_segments",
+                segments,
+                False,
+                "prefill",
+                "the caching allocator's segments the step's logits, topk and results strand beyond their "
+                "allocated peak, replayed after an earlier step (v2_prompt_logprobs_overhead_bytes)",
+                stage="prompt_logprobs",
+            )
+        )
     if steps > 1:
         earlier = (steps - 1) * step * per_row
         terms.append(

@@ -30,7 +30,7 @@ from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
-from kvgate.sim.gpu import CachingAllocator, Device
+from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.units import GiB, MiB
 from support.geometry import model_geometry
@@ -106,7 +106,8 @@ def test_a_passage_beside_decoding_chats_is_charged_its_step_not_a_full_one(
 ) -> None:
     """Chats decoding, then a passage asking the whole vocabulary per prompt token: its step
     holds its prompt and one token a chat. Charged at least what the simulator's step takes, and
-    within a fifth of it (the running maximum over smaller steps, CUDA's topk scratch)."""
+    within a quarter of the capacity its allocator needs for it (the running maximum over smaller
+    steps, CUDA's topk scratch, the segments replayed after other steps)."""
     ledger = Ledger(pool=lambda: POOL)
     for i in range(chats):
         ledger.end_prefill(ledger.reserve(demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)))
@@ -114,7 +115,8 @@ def test_a_passage_beside_decoding_chats_is_charged_its_step_not_a_full_one(
     taken = sim_peak(engine, [*decoding(chats), passage(tokens)])
     charged = charge(predictor, ledger)
     assert charged + ROUNDING >= taken, f"kvgate {charged / MiB:.0f} MiB < simulator {taken / MiB:.0f} MiB"
-    assert charged <= 1.2 * taken, f"kvgate {charged / MiB:.0f} MiB for a step of {taken / MiB:.0f} MiB"
+    needed = capacity_needed(engine, [[*decoding(chats), passage(tokens)]])
+    assert charged <= 1.25 * needed, f"kvgate {charged / MiB:.0f} MiB for a step needing {needed / MiB:.0f} MiB"
 
 
 @pytest.mark.parametrize("joining", [300, 3000, 7000])
@@ -163,3 +165,63 @@ def test_where_vllm_may_preempt_a_chat_the_passage_is_charged_full_steps(
     full_step = full.transient_bytes_with(scored) - full.transient_bytes
     assert ledger.transient_bytes_with(scored) - ledger.transient_bytes >= full_step
     assert known.transient_bytes_with(scored) - known.transient_bytes < full_step / 4
+
+
+def capacity_needed(engine: Engine, steps: list[list[ReqSlice]]) -> int:
+    """The least device capacity (to 8 MiB) in which the simulator's caching allocator plays the
+    steps one after the other: beyond the allocated peak, what its segments strand."""
+
+    def fits(capacity: int) -> bool:
+        alloc = CachingAllocator(Device(capacity), "step")
+        try:
+            for reqs in steps:
+                run_tape(alloc, engine.steps.plan(StepShape(tuple(reqs))))
+        except CudaOutOfMemory:
+            return False
+        return True
+
+    low, high = 0, 64 * GiB
+    while high - low > 8 * MiB:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
+@pytest.mark.parametrize(
+    ("tokens", "chats", "prefill", "earlier"),
+    [
+        (500, 0, 0, 3000),
+        (1000, 1, 0, 7000),
+        (1500, 40, 0, 1200),
+        (2000, 0, 0, 5000),
+        (2000, 40, 0, 300),
+        (2458, 0, 0, 6000),
+        (3000, 200, 0, 8000),
+        (3882, 40, 0, 2000),
+        (5000, 1, 0, 4000),
+        (2000, 40, 700, 2500),
+        (1000, 40, 1500, 6500),
+    ],
+)
+def test_a_passages_step_is_charged_what_the_allocator_needs_not_only_its_allocated_peak(
+    engine: Engine, predictor: Predictor, tokens: int, chats: int, prefill: int, earlier: int
+) -> None:
+    """The step's prompt-logprobs tensors split the forward pass's cached segments and each
+    other's, so the simulator's allocator needs more device capacity than their allocated peak
+    (a 2,000-token passage alone: 7,674 MiB for 6,533 allocated, which kvgate charged until
+    2026-11-28): after an earlier step of another size, kvgate's charge covers the capacity, and
+    is not far above it where the passage's step holds only decoding rows beside it."""
+    ledger = Ledger(pool=lambda: POOL)
+    for i in range(chats):
+        ledger.end_prefill(ledger.reserve(demand(predictor, CHAT, CHAT_PROMPT, first=11 + i)))
+    beside = decoding(chats)
+    if prefill:
+        ledger.reserve(demand(predictor, CHAT, prefill, first=3000))
+        beside.append(ReqSlice(prefill, 0, random=True, seeded=True))
+    ledger.reserve(demand(predictor, {"max_tokens": 1, "prompt_logprobs": -1}, tokens))
+    before = [ReqSlice(earlier, 0, random=True, seeded=True)]
+    needed = capacity_needed(engine, [before, [*beside, passage(tokens)]])
+    charged = charge(predictor, ledger)
+    assert charged >= needed, f"kvgate {charged / MiB:.0f} MiB < the allocator's {needed / MiB:.0f} MiB"
+    if not prefill:  # another prefill beside the passage is charged a full step
+        assert charged <= 1.25 * needed, f"kvgate {charged / MiB:.0f} MiB for {needed / MiB:.0f} MiB"
