@@ -274,7 +274,12 @@ class Runtime:
         model_name = self.settings.served_model_name or (served.name if served else "")
         if deployment.runtime.warning and (self.deployment is None or self.deployment.runtime != deployment.runtime):
             log.warning("%s", deployment.runtime.warning)
-        self._configure(deployment, lambda: self._load_tokenizer(model_name))
+        predictor = self._predictor(deployment)
+        # seconds of CPU for a V2 deployment serving the whole vocabulary's prompt logprobs
+        # (activation.py warm_v2_prompt_logprobs_overhead): on a worker thread, so the event loop
+        # goes on serving (with the configuration it had, on a resync) while the replays run
+        await asyncio.to_thread(warm_v2_prompt_logprobs_overhead, self.geometry, predictor.engine)
+        self._configure(deployment, lambda: self._load_tokenizer(model_name), predictor)
         self.startup_error = None
         self.metrics.telemetry.set_backend_info(deployment.runtime.labels())
         log.info(
@@ -377,15 +382,37 @@ class Runtime:
         return tokenizer, workers
 
     def _configure(
-        self, deployment: Deployment, load_tokenizer: Callable[[], tuple[Tokenizer, PreparationWorkers | None]]
+        self,
+        deployment: Deployment,
+        load_tokenizer: Callable[[], tuple[Tokenizer, PreparationWorkers | None]],
+        predictor: Predictor | None = None,
     ) -> None:
         """The pipeline's configuration for `deployment` and the budget's static limits from it:
         the one place either is set, online or offline. The tokenizer is the one already in use,
         else `load_tokenizer()`'s, loaded only once the predictor is built (a deployment it
         cannot be built for is retried without starting anything)."""
+        settings = self.settings
+        predictor = predictor or self._predictor(deployment)
+        limits = static_limits(
+            deployment,
+            predictor,
+            settings.free_memory_bytes,
+            settings.gpu_memory_bytes,
+            deployment.kv_cache_memory_bytes,
+            settings.cuda_context_bytes,
+            settings.expandable_segments,
+        )
+        current = self.pipeline.config
+        tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()
+        self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))
+        self.deployment = deployment
+        self.budget.update(**asdict(limits))
+
+    def _predictor(self, deployment: Deployment) -> Predictor:
+        """The predictor `deployment` and kvgate's settings make."""
         assert self.geometry is not None
         settings = self.settings
-        predictor = build_predictor(
+        return build_predictor(
             deployment,
             self.geometry,
             settings.profiled_activation_bytes,
@@ -401,21 +428,6 @@ class Runtime:
                 settings.skip_mm_profiling,
             ),
         )
-        limits = static_limits(
-            deployment,
-            predictor,
-            settings.free_memory_bytes,
-            settings.gpu_memory_bytes,
-            deployment.kv_cache_memory_bytes,
-            settings.cuda_context_bytes,
-            settings.expandable_segments,
-        )
-        warm_v2_prompt_logprobs_overhead(self.geometry, predictor.engine)
-        current = self.pipeline.config
-        tokenizer, workers = (current.tokenizer, current.workers) if current is not None else load_tokenizer()
-        self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))
-        self.deployment = deployment
-        self.budget.update(**asdict(limits))
 
     def _reestimate(self, prediction: Prediction) -> Demand:
         """A waiting request's demand with the output lengths learned since it was predicted."""
