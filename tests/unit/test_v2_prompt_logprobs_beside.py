@@ -23,7 +23,7 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve
 from kvgate.gate.budget import Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import profile_forward_bytes
+from kvgate.memory.activation import _STEP_PEAKS, profile_forward_bytes, v2_charged_k
 from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
@@ -225,3 +225,29 @@ def test_a_passages_step_is_charged_what_the_allocator_needs_not_only_its_alloca
     assert charged >= needed, f"kvgate {charged / MiB:.0f} MiB < the allocator's {needed / MiB:.0f} MiB"
     if not prefill:  # another prefill beside the passage is charged a full step
         assert charged <= 1.25 * needed, f"kvgate {charged / MiB:.0f} MiB for {needed / MiB:.0f} MiB"
+
+
+def test_a_client_choosing_a_new_k_each_request_meets_a_bounded_set_of_charges(
+    engine: Engine, predictor: Predictor
+) -> None:
+    """The replays and running maxima behind these charges are memoised per k: a client sending
+    every k from 0 to 6,000 beside chats is charged as at most 14 k (`v2_charged_k`: powers of
+    two up to 4,096, the whole vocabulary above), so kvgate's memo holds at most that many lists
+    of step peaks for the deployment, and a charge is at least the simulator's step for the k
+    asked."""
+    for k in (0, 1, 3, 5, 20, 100, 1000, 4096):
+        assert k <= v2_charged_k(k) <= max(1, 2 * k)
+    assert v2_charged_k(4097) == v2_charged_k(6000) == v2_charged_k(-1) == -1
+    for k in [*range(0, 6001, 7), 4096, 4097]:
+        shared = demand(predictor, {"max_tokens": 1, "prompt_logprobs": k}, 600).shared_step
+        assert shared is not None
+        shared.bytes(40)
+    keys = {key[2] for key in _STEP_PEAKS if key[:2] == (predictor.layout.geometry, predictor.engine)}
+    assert keys <= {-1, 0, 1, *(1 << n for n in range(1, 13))}
+    for k in (3, 100, 5000):
+        ledger = Ledger(pool=lambda: POOL)
+        for i in range(3):
+            ledger.end_prefill(ledger.reserve(demand(predictor, {**CHAT, "seed": i}, CHAT_PROMPT)))
+        ledger.reserve(demand(predictor, {"max_tokens": 1, "prompt_logprobs": k}, 640))
+        prompt = ReqSlice(640, 0, prompt_logprob_tokens=640, prompt_logprobs=k, request_id="p")
+        assert charge(predictor, ledger) >= sim_peak(engine, [prompt, *decoding(3)]) - ROUNDING
