@@ -33,7 +33,7 @@ never strand: the replay then charges each live tensor its page-rounded size.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.units import MiB
@@ -250,6 +250,19 @@ def fits_after_any(
     cache released before `step`. Unlike `worst_need` the histories run in the same capacity, so
     the cache holds only what a real process could have kept (a segment that did not fit released
     the cached ones first), and a history that itself runs out is no state `step` can meet."""
+    for replay in _histories_played(earlier, capacity, expandable_segments):
+        try:
+            replay.play(step)
+        except _OutOfMemory:
+            return False
+    return True
+
+
+def _histories_played(
+    earlier: Iterable[Sequence[Sequence[TapeOp]]], capacity: int, expandable_segments: bool
+) -> Iterator[_Replay]:
+    """The allocator's state after an empty history and after each of `earlier`, each with its
+    cache kept and released, in `capacity`; a history that itself runs out is left out."""
     for history in [(), *earlier]:
         for released in (False, True):
             replay = _Replay(expandable_segments, capacity)
@@ -260,11 +273,7 @@ def fits_after_any(
                 continue
             if released:
                 replay.release_cached_blocks()
-            try:
-                replay.play(step)
-            except _OutOfMemory:
-                return False
-    return True
+            yield replay
 
 
 def fitting_prefix(
@@ -276,18 +285,7 @@ def fitting_prefix(
     """How many of `steps`, in order, each run in `capacity` after every one of the `earlier`
     histories as `fits_after_any` plays them: the count before the first that does not. Each
     history is played once and its cache copied for every step."""
-    states: list[_Replay] = []
-    for history in [(), *earlier]:
-        for released in (False, True):
-            replay = _Replay(expandable_segments, capacity)
-            try:
-                for tape in history:
-                    replay.play(tape)
-            except _OutOfMemory:
-                continue
-            if released:
-                replay.release_cached_blocks()
-            states.append(replay)
+    states = list(_histories_played(earlier, capacity, expandable_segments))
     for count, step in enumerate(steps):
         for state in states:
             try:
