@@ -1108,9 +1108,6 @@ def v2_prompt_logprobs_overhead_bytes(g: ModelGeometry, e: EngineShape, step: in
     return max(0, need - footprint(phase).allocated_peak - hidden)
 
 
-_WARMED: set[tuple[ModelGeometry, EngineShape]] = set()
-
-
 def warm_v2_prompt_logprobs_overhead(g: ModelGeometry, e: EngineShape) -> None:
     """Replay `v2_prompt_logprobs_overhead_bytes` at every grid point up to max_num_batched_tokens
     for a deployment that serves the whole vocabulary's prompt logprobs or a k above 4,096
@@ -1120,13 +1117,12 @@ def warm_v2_prompt_logprobs_overhead(g: ModelGeometry, e: EngineShape) -> None:
     would otherwise pay at the first passages' decisions (`_v2_step_peak_upto` walks every step
     size up to the step's): benchmark S10's first passages met it half done, TTFT p99 2.1 - 2.7 s
     against 0.25 s warmed first (session 28, bench/results/s10frag-session28)."""
-    if e.runner != "v2" or not (e.max_logprobs == -1 or e.max_logprobs > SMALL_SORT_MAX_SLICE) or (g, e) in _WARMED:
+    if e.runner != "v2" or not (e.max_logprobs == -1 or e.max_logprobs > SMALL_SORT_MAX_SLICE):
         return
     for size in range(
         V2_PROMPT_LOGPROBS_GRID, e.max_num_batched_tokens + V2_PROMPT_LOGPROBS_GRID, V2_PROMPT_LOGPROBS_GRID
     ):
         v2_prompt_logprobs_overhead_bytes(g, e, size, -1)
-    _WARMED.add((g, e))
 
 
 def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:
