@@ -454,6 +454,7 @@ def encoder_budget(
         max_tiles=max_tiles,
         profiled_tiles=profiled_tiles,
         audio=ConformerTower.from_config(config, geometry.dtype_bytes) if audio is not None else None,
+        profiled_modality=modality,
     )
 
 

@@ -652,6 +652,7 @@ class EncoderBudget:
     profiled_tiles: int = 0
     # Phi-4-multimodal's audio encoder, for the items coded OTHER_MODALITY (None: not charged)
     audio: ConformerTower | None = None
+    profiled_modality: str = "image"  # what the profile's K items are (kvgate/profiled_media.py)
 
     @classmethod
     def of(
@@ -669,6 +670,7 @@ class EncoderBudget:
         max_tiles: int = 0,
         profiled_tiles: int = 0,
         audio: ConformerTower | None = None,
+        profiled_modality: str = "image",
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
         `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
@@ -685,7 +687,9 @@ class EncoderBudget:
         dummy = None if profiled_item is None else max(0, min(profiled_item, max_item))
         tiles = max_tiles if tower.patches_per_tile else 0
         dummy_tiles = (profiled_tiles or max_tiles) if tiles else 0
-        return cls(tower, max_item, budget, budget, items, step_items, dummy, tiles, dummy_tiles, audio)
+        return cls(
+            tower, max_item, budget, budget, items, step_items, dummy, tiles, dummy_tiles, audio, profiled_modality
+        )
 
     @property
     def profiled_embeddings(self) -> int:
@@ -741,7 +745,7 @@ class EncoderBudget:
             activation = min(activation, max(0, beyond))
             cache = min(cache, tower.output_bytes(max(0, self.cache_size - self.profiled_embeddings)))
         seen = (
-            f"the profile encoded {self.profiled_items} item(s) of "
+            f"the profile encoded {self.profiled_items} {self.profiled_modality} item(s) of "
             f"{self.profiled_embeddings // self.profiled_items:,} embeddings"
             if self.profiled_items
             else f"the start-up profile ran no encoder; {credit / MiB:.0f} MiB of the profile's region credited"

@@ -375,7 +375,7 @@ def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
         "encoder_cache": (8192 - 24) * EMBEDDING,
     }
     assert by_name(small.terms(items))["encoder_activations"] > by_name(full.terms(items))["encoder_activations"]
-    assert "6 item(s) of 4 embeddings" in small.terms(items)[0].detail
+    assert "6 image item(s) of 4 embeddings" in small.terms(items)[0].detail
     # A width alone keeps the model's largest height (Qwen2-VL's largest image, clamped): wider
     # than the largest is the largest.
     assert _qwen_deployment_budget(tmp_path, {"image": {"width": 1 << 20}, "video": 0}).profiled_item == 1280

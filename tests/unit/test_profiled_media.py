@@ -191,4 +191,4 @@ def test_a_qwen2_5_vl_with_videos_on_credits_one_video_not_six_images(tmp_path: 
     assert {t.name: t.bytes for t in images_only.terms([1280] * 6)}["encoder_activations"] == tower.activation_bytes(
         512, 0
     )
-    assert "1 item(s) of 5,040 embeddings" in step[0].detail
+    assert "1 video item(s) of 5,040 embeddings" in step[0].detail
