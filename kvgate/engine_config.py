@@ -398,6 +398,7 @@ def encoder_budget(
     # The image rules import the chat template, and with it transformers: loaded only here, once a
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
     from kvgate.audio import audio_tokens_of
+    from kvgate.chat_template import TokenizationError
     from kvgate.image_rules import ImageTokens, image_tokens_of
     from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, audio_kwargs, image_kwargs
     from kvgate.profiled_media import profiled_item as profiled_item_of
@@ -426,7 +427,10 @@ def encoder_budget(
         profiled_item, profiled_tiles = (dummy.features, min(dummy.tiles, 1)) if dummy is not None else (None, 0)
         items = {"image": (max_item, max_item if profiled_item is None else profiled_item, profiled_tiles)}
         videos = image_kwargs(media.processor_kwargs, None, "videos_kwargs")
-        video = video_item(config, rule, kwargs, videos, deployment.max_model_len, media.dummy.get("video", {}))
+        try:
+            video = video_item(config, rule, kwargs, videos, deployment.max_model_len, media.dummy.get("video", {}))
+        except TokenizationError:  # video settings the processor refuses: which item vLLM profiles is unknown
+            video, profiled_item = None, 0  # credit the profile nothing
         if video is not None:
             items["video"] = video
         chosen = profiled_item_of(items, media.limits, DEFAULT_LIMIT_PER_PROMPT)

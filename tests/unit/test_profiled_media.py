@@ -192,3 +192,12 @@ def test_a_qwen2_5_vl_with_videos_on_credits_one_video_not_six_images(tmp_path: 
         512, 0
     )
     assert "1 video item(s) of 5,040 embeddings" in step[0].detail
+
+
+def test_video_settings_the_processor_refuses_credit_the_profile_nothing(tmp_path: Path) -> None:
+    """A videos_kwargs pixel range that is not a number (vLLM's processor would fail on it too):
+    which item vLLM profiles is unknown, so kvgate credits its profile no embeddings."""
+    videos = {**QWEN2_VL_PROCESSOR, "video_processor_type": "Qwen2VLVideoProcessor"}
+    folder = _folder(tmp_path, QWEN2_VL, QWEN2_VL_PROCESSOR, videos)
+    budget = tiny_budget(folder, {"image": 4, "video": 1}, {"videos_kwargs": {"max_pixels": "many"}})
+    assert budget.profiled_embeddings == 0
