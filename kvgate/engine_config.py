@@ -386,16 +386,23 @@ def encoder_budget(
     of the decoder, `geometry`), or None where
     kvgate reads no tower or counts no images for the family (kvgate/memory/encoder.py).
 
-    M is the processor's largest image (its replacement for an image kvgate cannot see, as
-    vLLM's `get_mm_max_tokens_per_item` takes `get_image_size_with_most_features`); the encoder
-    was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not profiled), on
-    neither with vLLM's --skip-mm-profiling (`skip_mm_profiling`); the profile's dummy image is
-    --limit-mm-per-prompt's width x height where given (`dummy_image_features`)."""
+    M is the largest item of the modality vLLM's start-up profile encodes (kvgate/profiled_media.py):
+    the processor's largest image (its replacement for an image kvgate cannot see, as vLLM's
+    `get_mm_max_tokens_per_item` takes `get_image_size_with_most_features`), or, on the families
+    whose videos kvgate reads, the largest video where that is at least as large or images are
+    off; the encoder was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not
+    profiled), on neither with vLLM's --skip-mm-profiling (`skip_mm_profiling`); the profile's
+    dummy item is --limit-mm-per-prompt's image width x height (`dummy_image_features`) or video
+    num_frames / width / height where given. With every modality kvgate reads off, the images'
+    budget stays (vLLM encodes none: nothing is charged that a request can reach)."""
     # The image rules import the chat template, and with it transformers: loaded only here, once a
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
     from kvgate.audio import audio_tokens_of
+    from kvgate.chat_template import TokenizationError
     from kvgate.image_rules import ImageTokens, image_tokens_of
     from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, audio_kwargs, image_kwargs
+    from kvgate.profiled_media import profiled_item as profiled_item_of
+    from kvgate.profiled_media import video_item
 
     if model_dir is None:
         return None
@@ -408,7 +415,7 @@ def encoder_budget(
     tower = VisionTower.from_config(config, geometry.dtype_bytes, geometry.hidden_size)
     if tower is None or (rule is None and audio is None):
         return None
-    profiled_item = None
+    profiled_item: int | None = None
     max_tiles = profiled_tiles = 0
     if rule is not None:
         kwargs = image_kwargs(media.processor_kwargs, None)
@@ -418,6 +425,22 @@ def encoder_budget(
         # A dummy image of --limit-mm-per-prompt's size: its tiles are credited as one (the base view),
         # since the tiles a pinpoint grid picks do not grow with the size as the embeddings do.
         profiled_item, profiled_tiles = (dummy.features, min(dummy.tiles, 1)) if dummy is not None else (None, 0)
+        items = {"image": (max_item, max_item if profiled_item is None else profiled_item, profiled_tiles)}
+        videos = image_kwargs(media.processor_kwargs, None, "videos_kwargs")
+        try:
+            video = video_item(config, rule, kwargs, videos, deployment.max_model_len, media.dummy.get("video", {}))
+        except TokenizationError:  # video settings the processor refuses: which item vLLM profiles is unknown
+            video, profiled_item = None, 0  # credit the profile nothing
+        if video is not None:
+            items["video"] = video
+        chosen = profiled_item_of(items, media.limits, DEFAULT_LIMIT_PER_PROMPT)
+        if chosen is not None and chosen.modality != "image":
+            max_item, modality, profiled_item, profiled_tiles = (
+                chosen.max_item,
+                chosen.modality,
+                chosen.dummy,
+                chosen.dummy_tiles,
+            )
     else:
         assert audio is not None
         max_item, modality = audio.features(None, audio_kwargs(media.processor_kwargs, None)), "audio"
@@ -430,11 +453,12 @@ def encoder_budget(
         max_model_len=deployment.max_model_len,
         items_per_prompt=media.limits.get(modality, DEFAULT_LIMIT_PER_PROMPT),
         profiled=profile_encodes(runtime.runner, runtime.model_version, skip_mm_profiling),
-        min_item=max_item if isinstance(rule, ImageTokens) else 1,
+        min_item=max_item if isinstance(rule, ImageTokens) and modality == "image" else 1,
         profiled_item=profiled_item,
         max_tiles=max_tiles,
         profiled_tiles=profiled_tiles,
         audio=ConformerTower.from_config(config, geometry.dtype_bytes) if audio is not None else None,
+        profiled_modality=modality,
     )
 
 

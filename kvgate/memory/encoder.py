@@ -15,17 +15,20 @@ them (read in vLLM 0.25.0, 0.26.0, 0.28.0, 0.29.0, 0.31.0, 0.32.0 and 0.33.0):
   from 0.28.0 (v1/worker/gpu/model_runner.py `profile_run` -> v1/worker/gpu/mm/encoder_runner.py
   `EncoderRunner.profile_encoder_cache`) encode K = max(1, min(B // M, max_num_seqs x items a
   prompt may hold)) largest items (multimodal/encoder_budget.py `MultiModalBudget._get_max_items`)
-  and hold their outputs through the decoder's dummy step: activations of K x M embeddings and a
-  cache of K x M are inside the profile. V2 in 0.25.0 and 0.26.0 runs the decoder's dummy step
+  of one modality, the one whose item is largest (`get_modality_with_max_tokens`: a video on the
+  Qwen-VL families with videos allowed; kvgate/profiled_media.py picks it and its M), and hold
+  their outputs through the decoder's dummy step: activations of K x M embeddings and a cache of
+  K x M are inside the profile. V2 in 0.25.0 and 0.26.0 runs the decoder's dummy step
   only (its `profile_run` has no encoder call; PR #47985 added it): there nothing of the encoder is
   profiled. `--skip-mm-profiling` skips it on either runner (V1 `profile_run`: "Skipping memory
   profiling for multimodal encoder and encoder cache", V2 `profile_run`: `if ... not
   mm_config.skip_mm_profiling`; read in 0.32.0 and 0.33.0): nothing of the encoder is profiled.
   `--limit-mm-per-prompt '{"image": {"count": n, "width": w, "height": h}}'` shrinks the profile's
   dummy images to at most w x h (multimodal/processing/dummy_inputs.py
-  `BaseDummyInputsBuilder._get_dummy_images`, 0.32.0 and 0.33.0) while K stays the one M gives:
-  the profile encodes K items of D <= M embeddings, D the dummy image's count
-  (`EncoderBudget.profiled_item`).
+  `BaseDummyInputsBuilder._get_dummy_images`, 0.32.0 and 0.33.0; a video's num_frames / width /
+  height likewise, `_get_dummy_videos`) while K stays the one M gives: the profile encodes K items
+  of D <= M embeddings, D the dummy item's count (`EncoderBudget.profiled_item`; on Qwen2-VL a
+  dummy video is counted by the video processor while M is counted at the image processor's size).
 
 What a request is charged (its unprofiled part; terms of stage "residual", held through its
 prefill and summed over the requests prefilling at once, since one encoder step batches the items
@@ -635,7 +638,7 @@ class EncoderBudget:
     """One deployment's encoder: its tower, vLLM's budgets, and what the start-up profile held."""
 
     tower: VisionTower
-    max_item: int  # M: the most embeddings one item can take (the processor's largest image)
+    max_item: int  # M: the most embeddings one item can take (the profiled modality's largest item)
     compute_budget: int  # B
     cache_size: int  # C
     profiled_items: int  # K largest items the profile encoded (0: the encoder was not profiled)
@@ -649,6 +652,7 @@ class EncoderBudget:
     profiled_tiles: int = 0
     # Phi-4-multimodal's audio encoder, for the items coded OTHER_MODALITY (None: not charged)
     audio: ConformerTower | None = None
+    profiled_modality: str = "image"  # what the profile's K items are (kvgate/profiled_media.py)
 
     @classmethod
     def of(
@@ -666,6 +670,7 @@ class EncoderBudget:
         max_tiles: int = 0,
         profiled_tiles: int = 0,
         audio: ConformerTower | None = None,
+        profiled_modality: str = "image",
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
         `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
@@ -682,7 +687,9 @@ class EncoderBudget:
         dummy = None if profiled_item is None else max(0, min(profiled_item, max_item))
         tiles = max_tiles if tower.patches_per_tile else 0
         dummy_tiles = (profiled_tiles or max_tiles) if tiles else 0
-        return cls(tower, max_item, budget, budget, items, step_items, dummy, tiles, dummy_tiles, audio)
+        return cls(
+            tower, max_item, budget, budget, items, step_items, dummy, tiles, dummy_tiles, audio, profiled_modality
+        )
 
     @property
     def profiled_embeddings(self) -> int:
@@ -738,7 +745,7 @@ class EncoderBudget:
             activation = min(activation, max(0, beyond))
             cache = min(cache, tower.output_bytes(max(0, self.cache_size - self.profiled_embeddings)))
         seen = (
-            f"the profile encoded {self.profiled_items} item(s) of "
+            f"the profile encoded {self.profiled_items} {self.profiled_modality} item(s) of "
             f"{self.profiled_embeddings // self.profiled_items:,} embeddings"
             if self.profiled_items
             else f"the start-up profile ran no encoder; {credit / MiB:.0f} MiB of the profile's region credited"

@@ -92,7 +92,7 @@ class Engine:
         self.steps, self.draft_steps = startup.step_memories(r)
         self.encoder = None
         if self.model.vision is not None:
-            budget = encoder_budget(self.model.vision, r.max_num_batched_tokens)
+            budget = encoder_budget(self.model.vision, r.max_num_batched_tokens, r.max_model_len)
             self.encoder = EncoderScheduling(EncoderCache(self.alloc, budget), budget)
         self.kv = KVCacheManager(
             BlockPool(rep.num_gpu_blocks, self.cfg.enable_prefix_caching), r.block_size, r.layout.groups

@@ -16,7 +16,9 @@ cache, as vLLM runs them on CUDA. The simulator's own reading (not kvgate's memo
   "freeable": kept on the GPU until a new entry needs its room (oldest first). The scheduler
   (v1/core/sched/scheduler.py `_try_schedule_encoder_inputs`) encodes whole items, at most B
   embeddings a step; an item that does not fit cuts the request's chunk before it.
-- The start-up profile (kvgate/sim/startup.py) encodes K largest items and keeps their outputs
+- The start-up profile (kvgate/sim/startup.py) encodes K largest items of the modality whose
+  largest item is largest (with videos allowed, vLLM's default, a video of several frames of the
+  largest image on most deployments: `VisionTower.largest_video`) and keeps their outputs
   through the decoder's dummy step, on V1 and on V2 from 0.28.0 (kvgate/sim/flavor.py).
 """
 
@@ -56,20 +58,46 @@ class VisionTower:
     input_width: int  # pixel values per patch
     output_width: int  # the decoder's hidden size
     dtype_bytes: int
+    # The video processor's pixel range a frame (transformers' Qwen2VLVideoProcessor reads
+    # preprocessor_config.json where the folder has no video_preprocessor_config.json) and the
+    # frames a temporal patch.
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    temporal: int = 2
 
     def embeddings(self, width: int, height: int) -> int:
+        return self._resized(width, height, self.min_pixels, self.max_pixels)
+
+    def _resized(self, width: int, height: int, min_pixels: int, max_pixels: int) -> int:
+        """One frame's embeddings after transformers' smart_resize within [min_pixels, max_pixels]."""
         unit = self.patch * self.merge
         if min(width, height) < 1 or max(width, height) / min(width, height) > 200:
             raise ImageError(f"image of {width} x {height} pixels: aspect ratio must be at most 200")
         h, w = round(height / unit) * unit, round(width / unit) * unit
-        if h * w > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
+        if h * w > max_pixels:
+            beta = math.sqrt(height * width / max_pixels)
             h = max(unit, math.floor(height / beta / unit) * unit)
             w = max(unit, math.floor(width / beta / unit) * unit)
-        elif h * w < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
+        elif h * w < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
             h, w = math.ceil(height * beta / unit) * unit, math.ceil(width * beta / unit) * unit
         return (h // self.patch) * (w // self.patch) // (self.merge * self.merge)
+
+    def largest_video(self, max_model_len: int) -> tuple[int, int]:
+        """(M_video, the profile's dummy video's embeddings) with videos allowed (vLLM's default
+        limit): qwen2_vl.py `get_max_video_tokens` counts frames of the largest image at the IMAGE
+        processor's pixels, as many as fit max_model_len, 1 to 14 (`_MAX_FRAMES_PER_VIDEO`);
+        `get_dummy_mm_data` draws that many frames of the largest image, which the video processor
+        resizes within its own pixel range."""
+        unit = self.patch * self.merge
+        count = self.max_embeddings
+        short = next(d for d in range(math.isqrt(count), 0, -1) if count % d == 0 and count // d <= 200 * d)
+        width, height = unit * (count // short), unit * short
+        frames = 1
+        while frames < 14 and -(-(frames + 1) // self.temporal) * count <= max_model_len:
+            frames += 1
+        steps = -(-frames // self.temporal)
+        return steps * count, steps * self._resized(width, height, self.video_min_pixels, self.video_max_pixels)
 
     @property
     def max_embeddings(self) -> int:
@@ -150,6 +178,9 @@ def read_tower(config: Mapping[str, Any], processor: Mapping[str, Any], dtype_by
         input_width=int(vision.get("in_chans", 3)) * int(vision.get("temporal_patch_size", 2)) * patch * patch,
         output_width=int(config["hidden_size"] if qwen2 else vision.get("out_hidden_size") or config["hidden_size"]),
         dtype_bytes=dtype_bytes,
+        video_min_pixels=int(processor.get("min_pixels") or size.get("shortest_edge") or 128 * 28 * 28),
+        video_max_pixels=int(processor.get("max_pixels") or size.get("longest_edge") or 768 * 28 * 28),
+        temporal=int(processor.get("temporal_patch_size") or vision.get("temporal_patch_size", 2)),
     )
 
 
@@ -269,16 +300,25 @@ class EncoderScheduling:
         return max(0, n)
 
 
-def encoder_budget(tower: VisionTower, max_num_batched_tokens: int) -> int:
+def encoder_budget(tower: VisionTower, max_num_batched_tokens: int, max_model_len: int) -> int:
     """B and C (v1/core/encoder_cache_manager.py `compute_mm_encoder_budget`: both
-    `max_num_batched_tokens` by default, at least one largest item)."""
-    return max(max_num_batched_tokens, tower.max_embeddings)
+    `max_num_batched_tokens` by default, at least one largest item of any modality allowed,
+    multimodal/encoder_budget.py `MultiModalBudget`: videos are, by default, and their largest
+    item outweighs an image once max_model_len holds 3 frames)."""
+    return max(max_num_batched_tokens, tower.max_embeddings, tower.largest_video(max_model_len)[0])
 
 
 def profile_items(tower: VisionTower, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
-    """The profile's dummy batch: as many largest items as B holds, at most max_num_seqs prompts'
-    worth (multimodal/encoder_budget.py `MultiModalBudget._get_max_items`, 999 images a prompt)."""
-    largest = tower.max_embeddings
+    """The profile's dummy batch (multimodal/encoder_budget.py `get_dummy_encoder_profile_inputs`):
+    the modality whose largest item is largest, a tie to "video" (`get_modality_with_max_tokens`);
+    as many of its dummy item as B holds of its largest, at most max_num_seqs prompts' worth
+    (`_get_max_items`, 999 items a prompt)."""
+    largest, dummy = tower.max_embeddings, tower.max_embeddings
+    video, video_dummy = tower.largest_video(max_model_len)
+    if video >= largest:
+        largest, dummy = video, video_dummy
     per_prompt = max(1, min(999, max_model_len // largest))
-    count = max(1, min(encoder_budget(tower, max_num_batched_tokens) // largest, max_num_seqs * per_prompt))
-    return [largest] * count
+    count = max(
+        1, min(encoder_budget(tower, max_num_batched_tokens, max_model_len) // largest, max_num_seqs * per_prompt)
+    )
+    return [dummy] * count

@@ -34,6 +34,7 @@ from kvgate.multimodal import media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
+from support.encoder_budgets import TINY_BATCHED_TOKENS, TINY_SEQUENCES, profile_of, tiny_budget
 from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, metrics_at
 from support.vllm_server import VllmPython, VllmServer, running_vllm
 
@@ -171,6 +172,24 @@ def qwen2_vl(qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_
     scratch = tmp_path_factory.mktemp("vllm-qwen2-vl")
     with running_vllm(qwen2_vl_dir, scratch, extra_args=QWEN_FLAGS, cache=vllm_cache) as server:
         yield server
+
+
+def test_qwen2_vl_profile_is_of_the_modality_vllms_budget_picks(qwen2_vl_dir: Path, vllm_python: VllmPython) -> None:
+    """What kvgate credits the start-up profile with (kvgate/profiled_media.py through
+    engine_config.encoder_budget) against vLLM's own `MultiModalBudget` (the object V1's and V2's
+    profile_run read, tests/support/vllm_profiled_media.py), in-process: with videos on, one dummy
+    video of 14 frames (1,792 embeddings) outweighs an image (256); with videos off, 8 images.
+    Two cases only: each builds vLLM's engine config (about 8 s on 2 cores)."""
+    cases = [{"image": LIMIT, "video": 1}, {"image": LIMIT, "video": 0}]
+    asked = [
+        {"model": str(qwen2_vl_dir), "limits": limits, "mm_kwargs": None, "max_model_len": 8192,
+         "max_num_batched_tokens": TINY_BATCHED_TOKENS, "max_num_seqs": TINY_SEQUENCES}
+        for limits in cases
+    ]  # fmt: skip
+    theirs = json.loads(vllm_python(str(SUPPORT / "vllm_profiled_media.py"), input=json.dumps(asked)).splitlines()[-1])
+    ours = [profile_of(tiny_budget(qwen2_vl_dir, limits)) for limits in cases]
+    assert [t["modality"] for t in theirs] == ["video", "image"]
+    assert ours == [(max(t["per_item"].values()), t["budget"], t["items"], t["dummy"]) for t in theirs]
 
 
 def _qwen_cases() -> list[list[dict]]:

@@ -327,6 +327,9 @@ def test_a_deployment_of_qwen2_audio_or_gemma3_gets_its_towers_budget(tmp_path: 
 
 
 QWEN_VL_DEPLOYMENT = "qwen2.5-vl-7b-instruct"
+# Videos off: the start-up profile encodes images (with videos on it encodes a video on this
+# model, test_profiled_media.py), which these tests are about.
+IMAGES_ONLY = {"video": 0}
 
 
 def _qwen_deployment_budget(tmp_path: Path, limits: dict | None, skip: bool = False) -> EncoderBudget:
@@ -340,8 +343,8 @@ def _qwen_deployment_budget(tmp_path: Path, limits: dict | None, skip: bool = Fa
 def test_skip_mm_profiling_charges_the_whole_step_and_cache_on_v1(tmp_path: Path) -> None:
     """vLLM's --skip-mm-profiling: V1's profile_run (gpu_model_runner.py, 0.32.0 and 0.33.0) runs
     no encoder, so the same request on V1 is charged all of its step and cache."""
-    profiled = _qwen_deployment_budget(tmp_path, None)
-    skipped = _qwen_deployment_budget(tmp_path, None, skip=True)
+    profiled = _qwen_deployment_budget(tmp_path, IMAGES_ONLY)
+    skipped = _qwen_deployment_budget(tmp_path, IMAGES_ONLY, skip=True)
     # M = 1,280 (max_pixels 1,003,520 / 28^2) with max_num_batched_tokens 8,192: K = 6 profiled.
     assert (profiled.max_item, profiled.profiled_items, skipped.profiled_items) == (1280, 6, 0)
     items = [1280] * 7
@@ -362,8 +365,8 @@ def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
     dummy images are 64 x 64 (dummy_inputs.py _get_dummy_images), 4 embeddings each after
     smart_resize (56 x 56, 2 x 2 merged patches), while K stays M's 6: the profile ran 24
     embeddings, not 7,680."""
-    full = _qwen_deployment_budget(tmp_path, {"image": {"count": 4}})
-    small = _qwen_deployment_budget(tmp_path, {"image": {"count": 4, "width": 64, "height": 64}})
+    full = _qwen_deployment_budget(tmp_path, {"image": {"count": 4}, "video": 0})
+    small = _qwen_deployment_budget(tmp_path, {"image": {"count": 4, "width": 64, "height": 64}, "video": 0})
     assert (full.profiled_item, full.profiled_embeddings) == (None, 6 * 1280)
     assert (small.max_item, small.profiled_items, small.profiled_item, small.profiled_embeddings) == (1280, 6, 4, 24)
     items = [1280] * 7
@@ -372,12 +375,14 @@ def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
         "encoder_cache": (8192 - 24) * EMBEDDING,
     }
     assert by_name(small.terms(items))["encoder_activations"] > by_name(full.terms(items))["encoder_activations"]
-    assert "6 item(s) of 4 embeddings" in small.terms(items)[0].detail
+    assert "6 image item(s) of 4 embeddings" in small.terms(items)[0].detail
     # A width alone keeps the model's largest height (Qwen2-VL's largest image, clamped): wider
     # than the largest is the largest.
-    assert _qwen_deployment_budget(tmp_path, {"image": {"width": 1 << 20}}).profiled_item == 1280
+    assert _qwen_deployment_budget(tmp_path, {"image": {"width": 1 << 20}, "video": 0}).profiled_item == 1280
     # A dummy the processor refuses (an aspect ratio over 200): the profile is credited nothing.
-    assert _qwen_deployment_budget(tmp_path, {"image": {"width": 20000, "height": 1}}).profiled_embeddings == 0
+    assert (
+        _qwen_deployment_budget(tmp_path, {"image": {"width": 20000, "height": 1}, "video": 0}).profiled_embeddings == 0
+    )
     with pytest.raises(ValueError, match="width/height"):
         _qwen_deployment_budget(tmp_path, {"image": {"width": -64}})
 
@@ -385,9 +390,9 @@ def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "profiled_items", "profiled_item"),
     [
-        ([], 6, None),
-        (["--skip-mm-profiling"], 0, None),
-        (["--limit-mm-per-prompt", '{"image": {"count": 4, "width": 64, "height": 64}}'], 6, 4),
+        ([], 1, 5040),  # videos on: one dummy video (test_profiled_media.py)
+        (["--limit-mm-per-prompt", '{"video": 0}', "--skip-mm-profiling"], 0, None),
+        (["--limit-mm-per-prompt", '{"image": {"count": 4, "width": 64, "height": 64}, "video": 0}'], 6, 4),
     ],
 )
 def test_explain_reads_both_flags_off_the_pasted_vllm_command(

@@ -125,3 +125,26 @@ def test_freeable_entries_stay_until_their_room_is_needed() -> None:
     cache.make_room(60)
     assert not cache.has(("a", 0))
     assert alloc.allocated() == 0
+
+
+def test_with_videos_allowed_vllm_budgets_and_profiles_a_video() -> None:
+    """vLLM's default allows videos, and its largest video (qwen2_vl.py `get_max_video_tokens`:
+    frames of the 16,384-embedding largest image at the image processor's pixels, as many as
+    max_model_len holds, 1 to 14, two a temporal patch) outweighs the image once 3 frames fit: B is
+    that video's, and the profile encodes the dummy video (`get_modality_with_max_tokens`, a tie
+    to video), which the video processor resizes (here the preset's preprocessor_config.json's
+    pixel range; 602,112 pixels a frame: 3,584 x 3,584 down to 756 x 756, 729 embeddings)."""
+    from dataclasses import replace
+
+    from kvgate.sim.vision import encoder_budget, profile_items
+
+    tower = VL.vision
+    assert tower is not None
+    assert tower.largest_video(8192) == (16384, 16384)  # one frame: the image's count, video wins the tie
+    assert tower.largest_video(32768) == (2 * 16384, 2 * 16384)  # 4 frames
+    assert tower.largest_video(1 << 20)[0] == 7 * 16384  # at most 14 frames
+    assert encoder_budget(tower, 8192, 32768) == 32768
+    assert profile_items(tower, 8192, 256, 32768) == [32768]
+    small = replace(tower, video_max_pixels=602112)
+    assert small.largest_video(32768) == (32768, 2 * 729)
+    assert profile_items(small, 8192, 256, 32768) == [2 * 729]

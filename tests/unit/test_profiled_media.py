@@ -1,0 +1,203 @@
+"""Which modality vLLM's start-up profile encodes (kvgate/profiled_media.py) and what kvgate's
+encoder budget credits it with (engine_config.encoder_budget), per family and flags.
+
+The expected numbers are vLLM 0.32.0's own: multimodal/encoder_budget.py `MultiModalBudget` run
+in-process (tests/support/vllm_profiled_media.py) on folders with these settings, the tiny
+models' (tests/support/tiny_qwen2_vl.py, tiny_qwen3_vl.py, tiny_llava_onevision.py), each also
+derived by hand below; tests/integration/test_multimodal_vllm.py checks two of them against vLLM
+on every run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvgate.engine_config import encoder_budget
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.multimodal import media_options
+from kvgate.profiled_media import ProfiledItem, profiled_item
+from support.encoder_budgets import deployment, profile_of, tiny_budget
+from support.geometry import config_json, write_config
+
+TEXT = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 8192,
+    "vocab_size": 2054,
+}
+TOKENS = {"image_token_id": 2050, "video_token_id": 2051, "vision_start_token_id": 2048, "vision_end_token_id": 2049}
+QWEN2_VL = {
+    "model_type": "qwen2_vl",
+    **TOKENS,
+    "text_config": {**TEXT, "model_type": "qwen2_vl_text"},
+    "vision_config": {"embed_dim": 32, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14, "hidden_size": 128,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2},
+}  # fmt: skip
+# 4 to 256 merged 28-pixel patches an image (tiny_qwen2_vl.py): the largest image is 256 embeddings.
+QWEN2_VL_PROCESSOR = {"min_pixels": 3136, "max_pixels": 200704, "patch_size": 14, "merge_size": 2,
+                      "temporal_patch_size": 2}  # fmt: skip
+QWEN3_VL = {
+    "model_type": "qwen3_vl",
+    **TOKENS,
+    "text_config": {**TEXT, "model_type": "qwen3_vl_text"},
+    "vision_config": {"deepstack_visual_indexes": [0], "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                      "out_hidden_size": 128, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2},
+}  # fmt: skip
+QWEN3_VL_IMAGES = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
+                   "size": {"shortest_edge": 4096, "longest_edge": 262144}}  # fmt: skip
+QWEN3_VL_VIDEOS = {**QWEN3_VL_IMAGES, "size": {"shortest_edge": 8192, "longest_edge": 524288}, "fps": 2,
+                   "min_frames": 4, "max_frames": 768, "video_processor_type": "Qwen3VLVideoProcessor"}  # fmt: skip
+
+
+def _folder(tmp_path: Path, config: dict, images: dict, videos: dict | None = None) -> Path:
+    folder = tmp_path / str(config["model_type"])
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "preprocessor_config.json").write_text(json.dumps(images))
+    if videos is not None:
+        (folder / "video_preprocessor_config.json").write_text(json.dumps(videos))
+    return folder
+
+
+def test_the_largest_modality_wins_and_a_tie_goes_to_video() -> None:
+    """multimodal/encoder_budget.py `get_modality_with_max_tokens`: max by (tokens, name)."""
+    items = {"image": (256, 256, 0), "video": (256, 9, 0)}
+    assert profiled_item(items, {}, 999) == ProfiledItem("video", 256, 9)
+    assert profiled_item({**items, "image": (257, 257, 0)}, {}, 999) == ProfiledItem("image", 257, 257)
+    assert profiled_item(items, {"video": 0}, 999) == ProfiledItem("image", 256, 256)
+    assert profiled_item(items, {"video": 0, "image": 0}, 999) is None
+
+
+@pytest.mark.parametrize(
+    ("limits", "kwargs", "expected"),
+    [
+        # 14 frames of the 256-embedding image: 7 temporal patches, M_video 1,792 above M_image 256;
+        # vLLM: {"image": 256, "video": 1792}, profiled with 1 video of 1,792 (B 2,048).
+        ({"image": 4, "video": 1}, None, (1792, 2048, 1, 1792)),
+        # images off: the same video
+        ({"image": 0, "video": 2}, None, (1792, 2048, 1, 1792)),
+        # videos off: 8 images of 256 (2,048 // 256, at most 8 sequences x 4 images)
+        ({"image": 4, "video": 0}, None, (256, 2048, 8, 256)),
+        # a video frame of at most 50,176 pixels: 64 embeddings, 14 frames 448; 4 videos (2,048 // 448)
+        ({"image": 4, "video": 1}, {"videos_kwargs": {"max_pixels": 50176}}, (448, 2048, 4, 448)),
+        # 16 embeddings a frame: 14 frames are 112, below the image's 256, so images are profiled
+        ({"image": 4, "video": 1}, {"videos_kwargs": {"max_pixels": 12544}}, (256, 2048, 8, 256)),
+        # --limit-mm-per-prompt's video options shrink the dummy (4 frames, 200 pixels wide: 224)
+        # while K stays M_video's: vLLM's dummy is 224
+        ({"image": 4, "video": {"count": 1, "num_frames": 4, "width": 200}}, None, (1792, 2048, 1, 224)),
+    ],
+)
+def test_qwen2_vl_profiles_the_modality_vllm_picks(
+    tmp_path: Path, limits: dict, kwargs: dict | None, expected: tuple[int, int, int, int]
+) -> None:
+    folder = _folder(
+        tmp_path, QWEN2_VL, QWEN2_VL_PROCESSOR, {**QWEN2_VL_PROCESSOR, "video_processor_type": "Qwen2VLVideoProcessor"}
+    )
+    assert profile_of(tiny_budget(folder, limits, kwargs)) == expected
+
+
+def test_qwen2_vl_counts_its_largest_video_at_the_image_size_but_encodes_it_at_the_video_size(tmp_path: Path) -> None:
+    """qwen2_vl.py `_get_vision_info(modality="video")` sizes frames by the IMAGE processor's
+    size (`default_size=image_processor.size`): M_video is 1,792 however small the video
+    processor's max_pixels; the dummy video goes through the video processor (50,176 pixels a
+    frame: 64 embeddings, 448 for 14 frames). vLLM: M 1,792, 1 item, dummy 448. kvgate credits the
+    profile 448 embeddings, not 1,792."""
+    videos = {**QWEN2_VL_PROCESSOR, "max_pixels": 50176, "video_processor_type": "Qwen2VLVideoProcessor"}
+    budget = tiny_budget(_folder(tmp_path, QWEN2_VL, QWEN2_VL_PROCESSOR, videos), {"image": 4, "video": 1})
+    assert profile_of(budget) == (1792, 2048, 1, 448)
+    assert budget.profiled_embeddings == 448
+
+
+@pytest.mark.parametrize(
+    ("limits", "kwargs", "expected"),
+    [
+        # two frames within the video's 524,288 pixels (t x h x w): 256 embeddings, tied with the
+        # 256-embedding image: video wins the tie. vLLM: {"image": 256, "video": 256}, video, 8 items.
+        ({"image": 4, "video": 1}, None, (256, 2048, 8, 256)),
+        ({"image": 0, "video": 1}, None, (256, 2048, 8, 256)),
+        ({"image": 4, "video": 0}, None, (256, 2048, 8, 256)),
+        # smaller images: the video is profiled (vLLM: {"image": 64, "video": 256})
+        ({"image": 4, "video": 1}, {"images_kwargs": {"max_pixels": 65536}}, (256, 2048, 8, 256)),
+        # a 100 x 90 dummy video: 96 x 96 after smart_resize, 9 embeddings (vLLM's dummy: 9)
+        ({"image": 4, "video": {"count": 1, "width": 100, "height": 90}}, None, (256, 2048, 8, 9)),
+    ],
+)
+def test_qwen3_vl_profiles_the_modality_vllm_picks(
+    tmp_path: Path, limits: dict, kwargs: dict | None, expected: tuple[int, int, int, int]
+) -> None:
+    folder = _folder(tmp_path, QWEN3_VL, QWEN3_VL_IMAGES, QWEN3_VL_VIDEOS)
+    assert profile_of(tiny_budget(folder, limits, kwargs)) == expected
+
+
+def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
+    """LLaVA-OneVision (64-pixel SigLIP, 16-pixel patches: 4 x 4 patches pooled to 2 x 2 = 4
+    embeddings a frame): 16 frames + the newline are 65 embeddings, below its largest image, so
+    images are profiled; with images off, 2,048 // 65 = 31, at most 8 sequences x 1 video: 8
+    videos of 65, each 16 frames (tiles) through the tower; --limit-mm-per-prompt's num_frames 3
+    makes the dummy, and with it M, 13 (vLLM counts the dummy: no get_mm_max_tokens_per_item).
+    vLLM: image; video 65 x 8; video 13 x 8."""
+    config = {
+        "model_type": "llava_onevision",
+        "image_token_index": 2050,
+        "video_token_index": 2051,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "image_grid_pinpoints": [[64, 64], [64, 128], [128, 64], [128, 128]],
+        "text_config": {**TEXT, "model_type": "qwen2"},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "image_size": 64, "patch_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1},
+    }  # fmt: skip
+    images = {"image_processor_type": "LlavaOnevisionImageProcessor", "size": {"height": 64, "width": 64},
+              "image_grid_pinpoints": config["image_grid_pinpoints"]}  # fmt: skip
+    folder = _folder(tmp_path, config, images)
+    both = tiny_budget(folder, {"image": 4, "video": 1}, max_model_len=1024)
+    assert both.max_item > 65
+    assert both.profiled_item is None  # the largest image
+    videos = tiny_budget(folder, {"image": 0, "video": 1}, max_model_len=1024)
+    assert (profile_of(videos), videos.profiled_tiles) == ((65, 2048, 8, 65), 16)
+    few = tiny_budget(folder, {"image": 0, "video": {"count": 1, "num_frames": 3}}, max_model_len=1024)
+    assert (profile_of(few), few.profiled_tiles) == ((13, 2048, 8, 13), 3)
+
+
+def test_a_qwen2_5_vl_with_videos_on_credits_one_video_not_six_images(tmp_path: Path) -> None:
+    """The published Qwen2.5-VL config with the processors' defaults (transformers 5.19: images of
+    at most 1,003,520 pixels, 1,280 embeddings; video frames of at most 602,112) at max_model_len
+    32,768 and max_num_batched_tokens 8,192: M_video is 14 frames of the 1,280-embedding image,
+    7 x 1,280 = 8,960, so vLLM profiles ONE video, resized by the video processor to 720
+    embeddings a frame: 5,040. kvgate used to credit 6 images of 1,280 (7,680): a step of six
+    full images is now charged the 8,960 - 5,040 embeddings' activations the profile did not
+    run, not the 512 a step of B exceeds six images by."""
+    folder = write_config(tmp_path / "qwen2.5-vl", "qwen2.5-vl-7b-instruct")
+    geometry = ModelGeometry.from_config(config_json("qwen2.5-vl-7b-instruct"))
+    settings = deployment(32768, 8192, 256)
+    videos_on = encoder_budget(str(folder), settings, media_options(None, None), geometry)
+    images_only = encoder_budget(str(folder), settings, media_options(None, {"video": 0}), geometry)
+    assert videos_on is not None
+    assert images_only is not None
+    assert profile_of(videos_on) == (8960, 8960, 1, 5040)
+    assert profile_of(images_only) == (1280, 8192, 6, 1280)
+    step = videos_on.terms([1280] * 6)
+    tower = videos_on.tower
+    charged = {t.name: t.bytes for t in step}
+    assert charged["encoder_activations"] == tower.activation_bytes(8960 - 5040, 0)
+    assert charged["encoder_cache"] == tower.output_bytes(8960 - 5040)
+    # images only: the profile ran 6 x 1,280 of B 8,192, so only the 512 a step can exceed it by
+    assert {t.name: t.bytes for t in images_only.terms([1280] * 6)}["encoder_activations"] == tower.activation_bytes(
+        512, 0
+    )
+    assert "1 video item(s) of 5,040 embeddings" in step[0].detail
+
+
+def test_video_settings_the_processor_refuses_credit_the_profile_nothing(tmp_path: Path) -> None:
+    """A videos_kwargs pixel range that is not a number (vLLM's processor would fail on it too):
+    which item vLLM profiles is unknown, so kvgate credits its profile no embeddings."""
+    videos = {**QWEN2_VL_PROCESSOR, "video_processor_type": "Qwen2VLVideoProcessor"}
+    folder = _folder(tmp_path, QWEN2_VL, QWEN2_VL_PROCESSOR, videos)
+    budget = tiny_budget(folder, {"image": 4, "video": 1}, {"videos_kwargs": {"max_pixels": "many"}})
+    assert budget.profiled_embeddings == 0
