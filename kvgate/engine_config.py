@@ -20,6 +20,7 @@ from kvgate.memory.activation import (
     LoneForward,
     SamplerPhaseOverhead,
     SharedForward,
+    V1PenaltyStep,
     profile_forward_bytes,
     profile_hidden_bytes,
     profile_peak_bytes,
@@ -100,6 +101,7 @@ class StaticLimits:
     sampler_phase_overhead: SamplerPhaseOverhead | None = None  # activation.py: the sampler phase's replay
     lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
     shared_forward: SharedForward | None = None  # activation.py: a served MLA step after the others' steps
+    penalty_step: V1PenaltyStep | None = None  # activation.py: a V1 penalty step in the held region
 
 
 @dataclass(frozen=True)
@@ -600,6 +602,10 @@ def static_limits(
         lone_forward=LoneForward(predictor.layout.geometry, predictor.engine, expandable_segments),
         shared_forward=SharedForward(predictor.layout.geometry, predictor.engine, expandable_segments)
         if predictor.step_bound is not None
+        else None,
+        # the region replay places tensors in fixed segments; with expandable ones the old charge stands
+        penalty_step=V1PenaltyStep(predictor.layout.geometry, predictor.engine, expandable_segments)
+        if predictor.engine.runner == "v1" and not expandable_segments
         else None,
     )
 

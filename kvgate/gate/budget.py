@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvgate.gate.backend_state import BackendState, Status
@@ -90,6 +90,10 @@ class Budget:
     # that capacity after any one earlier served step, whoever's (kvgate/memory/activation.py
     # SharedForward, MLA deployments); None: the profile's share is charged beside others.
     shared_forward: Callable[[int, int], bool] | None = None
+    # (sampled rows, longest prompt) -> what a V1 step with a penalty row needs beyond the profile
+    # region the engine keeps cached, or None while not known (kvgate/memory/activation.py
+    # V1PenaltyStep); None: its prompt ids and bin counts come out of free memory whole.
+    penalty_step: Callable[[int, int], int | None] | None = None
     # The one view of the backend; while it is not up nothing is admitted: arrivals wait in the queue.
     backend: BackendState = field(default_factory=BackendState)
     # Below 1 in conservative mode (stale readings): a share of the transient limit, never full
@@ -228,7 +232,25 @@ class Budget:
     def _step_charge(self, step: StepHoldings, beside_others: bool, forward_fits: bool = False) -> int:
         """Alone on an idle engine a request's steps run largest first (see `ceiling`): no
         segment overhead then. `forward_fits`: beside others, the forward pass is known to run
-        in the headroom at its allocated bytes (`shared_step_fits`)."""
+        in the headroom at its allocated bytes (`shared_step_fits`).
+
+        A V1 step with a penalty row (its bin counts and two prompt-id copies in
+        `step.penalty_bytes`) where the engine holds the profile region (`profiled_cap_bytes` 0,
+        GPU readings on V1: kvgate/memory/ceiling.py `step_charge`): those tensors land in the
+        region's cached blocks wherever the replay of the step after earlier ones
+        (`penalty_step`) finds room there, so the step is charged the rest and what the replay
+        needs beyond the region, when that is less."""
+        charge = self._phases_charge(step, beside_others, forward_fits)
+        if self.penalty_step is None or not step.penalty_bytes or self.profiled_cap_bytes != 0:
+            return charge
+        excess = self.penalty_step(step.sampled_rows, step.penalty_prompt)
+        if excess is None:
+            return charge
+        lean = replace(step, sampler_unprofiled=step.sampler_unprofiled - step.penalty_bytes, penalty_bytes=0)
+        return min(charge, self._phases_charge(lean, beside_others, forward_fits) + excess)
+
+    def _phases_charge(self, step: StepHoldings, beside_others: bool, forward_fits: bool) -> int:
+        """`step_charge` with the budget's limits."""
         return step_charge(
             step,
             self.profiled_cap_bytes,

@@ -181,6 +181,8 @@ class Ledger:
             sampler_unprofiled=sampler.unprofiled,
             sampler_profiled=sampler.profiled,
             sampled_rows=sampler.rows,
+            penalty_bytes=sampler.penalties + sampler.prompt_ids,
+            penalty_prompt=sampler.penalty_prompt,
         )
 
     def step_with(self, demand: Demand) -> StepHoldings:
@@ -200,6 +202,8 @@ class Ledger:
             sampler_unprofiled=sampler.unprofiled,
             sampler_profiled=sampler.profiled,
             sampled_rows=sampler.rows,
+            penalty_bytes=sampler.penalties + sampler.prompt_ids,
+            penalty_prompt=sampler.penalty_prompt,
         )
 
     @staticmethod

@@ -30,6 +30,7 @@ from kvgate.memory.sampler import (
     ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     FP32,
     LOGPROBS_BYTES_PER_LOGIT,
+    NATIVE_SAMPLE_BYTES_PER_LOGIT,
     PENALTY_BYTES_PER_LOGIT,
     PROMPT_ID_COPIES,
     SMALL_SORT_MAX_SLICE,
@@ -1596,3 +1597,190 @@ def _around(value: int, step: int) -> set[int]:
     """The grid points below and at or above `value` (multiples of `step`, at least `step`)."""
     above = max(step, -(-value // step) * step)
     return {max(step, above - step), above}
+
+
+def _v1_top_k_top_p_tape(cost: SamplerCost, rows: int, first: bool) -> list[TapeOp]:
+    """V1's top-k/top-p path for `rows` rows (vllm 0.32.0 v1/sample/ops/topk_topp_sampler.py): the
+    sort's bytes (`sort_bytes`) as [rows, V] fp32 blocks made and freed in turn, or Triton's
+    buffer (`_TRITON_BUFFER_CACHE`, made by the first batch, `first`, and kept for good) and
+    ``random_sample``'s softmax and exponential noise; on FlashInfer its masked logits and
+    probabilities after the native path a seeded batch takes."""
+    row_block = max(1, rows * cost.vocab_size * FP32)
+    native, sorts = cost.native_top_k_top_p(rows)
+    if sorts:
+        names = [f"sort_{i}" for i in range(-(-native // row_block))]
+        tape = [alloc(name, min(row_block, native - i * row_block)) for i, name in enumerate(names)]
+        tape += free(*names)
+    else:
+        buffer = native - rows * cost.vocab_size * NATIVE_SAMPLE_BYTES_PER_LOGIT
+        tape = [alloc("triton_buffer", buffer)] if first else []
+        tape += [alloc("probs", row_block), alloc("noise", row_block), *free("noise", "probs")]
+    if cost.sampler == "flashinfer" and not sorts:
+        tape += [alloc("flashinfer_masked", row_block), alloc("flashinfer_probs", row_block)]
+        tape += free("flashinfer_probs", "flashinfer_masked")
+    return tape
+
+
+def v1_sampler_tape(
+    geometry: ModelGeometry, engine: EngineShape, rows: int, prompt: int = 0, first: bool = False
+) -> list[TapeOp]:
+    """V1's sampler phase of `rows` rows, after its forward pass, with the penalties of a batch
+    whose longest prompt is `prompt` tokens (0: no penalty row). vllm 0.32.0
+    v1/worker/gpu_model_runner.py ``execute_model``: ``sample_hidden_states`` ``[rows, H]`` and
+    the lm_head's logits ``[rows, V]`` (model dtype), referenced until ``_sample`` returns;
+    v1/sample/sampler.py ``Sampler.forward``: their fp32 copy, then ``apply_logits_processors``
+    -> v1/sample/ops/penalties.py ``apply_all_penalties`` -> model_executor/layers/utils.py
+    ``apply_penalties``: ``get_token_bin_counts_and_mask`` of the prompt ids (int64 bin counts
+    ``[rows, V + 1]`` and ``torch.ones_like`` of the ``[rows, prompt]`` int64 ids for
+    ``scatter_add_``, then the bool mask ``[rows, V]``; ``apply_penalties`` binds the counts to
+    ``_``, so they live until it returns), of the output ids (counts and mask), then ``frequency_penalties.unsqueeze(1) *
+    output_bin_counts`` and ``presence_penalties.unsqueeze(1) * output_mask``, each an fp32
+    ``[rows, V]`` product subtracted in place and dropped; then the top-k/top-p path. The output
+    ids ``[rows, longest output]`` are charged apart (kvgate/memory/sampler.py ``output_ids``)."""
+    g, v = geometry, geometry.vocab_size
+    logits = rows * v
+    tape = [
+        alloc("sample_hidden", rows * g.hidden_size * g.dtype_bytes),
+        alloc("logits", logits * g.dtype_bytes),
+        alloc("logits_fp32", logits * FP32),
+    ]
+    if prompt:
+        counts = rows * (v + 1) * INT64_BYTES
+        tape += [
+            alloc("prompt_counts", counts),
+            alloc("prompt_ones", rows * prompt * INT64_BYTES),
+            *free("prompt_ones"),
+        ]
+        tape += [alloc("prompt_mask", logits), alloc("output_counts", counts), alloc("output_mask", logits)]
+        tape += [alloc("frequency_term", logits * FP32), *free("frequency_term")]
+        tape += [alloc("presence_term", logits * FP32), *free("presence_term")]
+        tape += free("output_mask", "output_counts", "prompt_mask", "prompt_counts")
+    tape += _v1_top_k_top_p_tape(sampler_cost(g, engine), rows, first)
+    return [*tape, *free("logits_fp32", "logits", "sample_hidden")]
+
+
+def v1_warmup_tape(geometry: ModelGeometry, engine: EngineShape) -> list[TapeOp]:
+    """What V1 leaves cached in the engine after start-up: vllm 0.32.0 v1/worker/gpu_worker.py
+    ``compile_or_warm_up_model`` runs, after the KV cache and graph capture, ``_dummy_run`` of
+    min(max_num_seqs, max_num_batched_tokens) tokens and ``_dummy_sampler_run`` of as many rows
+    (a random top-k/top-p batch, no penalties), and never empties the cache after them."""
+    rows = sampler_cost(geometry, engine).profiled_rows
+    forward = profile_forward_tape(geometry, engine, rows)
+    return [*forward[:-1], *v1_sampler_tape(geometry, engine, rows, first=True), forward[-1]]
+
+
+def _v1_penalty_step(
+    geometry: ModelGeometry, engine: EngineShape, rows: int, prompt: int, tokens: int, ids: str, old: str | None
+) -> list[TapeOp]:
+    """One V1 step of a batch with a penalty row: ``refresh_metadata`` (vllm 0.32.0
+    v1/worker/gpu_input_batch.py ``_make_sampling_metadata``) copies the new ``[rows, prompt]``
+    int64 prompt ids to the GPU while the old metadata still holds the old ones, which go when
+    it is replaced; then the forward pass of `tokens` tokens (its final hidden states kept) and
+    the sampler phase with the penalties (`v1_sampler_tape`)."""
+    forward = profile_forward_tape(geometry, engine, tokens, served=True)
+    made = [alloc(ids, rows * prompt * INT64_BYTES), *(free(old) if old else [])]
+    return [*made, *forward[:-1], *v1_sampler_tape(geometry, engine, rows, prompt), forward[-1]]
+
+
+# The earlier batches a V1 penalty step is replayed after: half and all of its rows, its longest
+# prompt and half of it, over half and all of max_num_batched_tokens and their rows alone.
+PENALTY_ROW_STEPS = 2
+PENALTY_TOKEN_STEPS = 2
+
+
+def v1_penalty_step_excess_bytes(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, rows: int, prompt: int
+) -> int:
+    """What a V1 step of `rows` rows with a penalty row, its longest prompt `prompt` tokens, needs
+    beyond the segments the engine keeps cached from start-up (`v1_warmup_tape`): the most
+    segments holding a live block at a malloc (kvgate/memory/allocator.py `worst_need`) less that
+    region, after one earlier penalty step of another batch (half or all of these rows, its prompt
+    this one or half of it, a forward pass of its rows alone or half or all of
+    max_num_batched_tokens) and this step once (a batch that lost a row rebuilds its ids beside the
+    old ones), the cache kept or released in between. The step's own forward pass is of its rows alone or of
+    max_num_batched_tokens (a prefill beside them). Its prompt ids, two copies, and its bin counts
+    come out of the region's cached blocks wherever best fit finds room there: only the rest is
+    free memory's. Not a bound over longer histories (V1PenaltyStep memoises it)."""
+    g, e = geometry, engine
+    full = e.max_num_batched_tokens
+    region = footprint(v1_warmup_tape(g, e), expandable_segments).reserved_peak
+    sizes = sorted({max(1, full * k // PENALTY_TOKEN_STEPS) for k in range(1, PENALTY_TOKEN_STEPS + 1)})
+    earlier_rows = sorted({max(1, rows * k // PENALTY_ROW_STEPS) for k in range(1, PENALTY_ROW_STEPS + 1)})
+    worst = 0
+    for tokens in sorted({min(rows, full), full}):
+        step = _v1_penalty_step(g, e, rows, prompt, tokens, "prompt_ids", "last_prompt_ids")
+        last = _v1_penalty_step(g, e, rows, prompt, tokens, "last_prompt_ids", "earlier_prompt_ids")
+        earlier = [
+            [v1_warmup_tape(g, e), _v1_penalty_step(g, e, r, p, t, "earlier_prompt_ids", None), last]
+            for r in earlier_rows
+            for p in sorted({max(1, prompt // 2), prompt})
+            for t in sorted({*sizes, min(r, full)})
+        ]
+        worst = max(worst, worst_need(step, earlier, expandable_segments, from_empty=False))
+    return max(0, worst - region)
+
+
+# The grid a V1 penalty step is replayed on: 32nds of the most rows one step samples, and the
+# longest prompt rounded up to 4 steps a doubling (at most 19 % above it), from 256 tokens.
+PENALTY_PROMPT_STEPS_PER_DOUBLING = 4
+PENALTY_PROMPT_FLOOR = 256
+
+
+def penalty_prompt_class(prompt: int) -> int:
+    """`prompt` rounded up to the replay's grid: a client cannot choose a new replay per request."""
+    if prompt <= PENALTY_PROMPT_FLOOR:
+        return PENALTY_PROMPT_FLOOR
+    k = math.ceil(math.log2(prompt / PENALTY_PROMPT_FLOOR) * PENALTY_PROMPT_STEPS_PER_DOUBLING)
+    while (rounded := math.ceil(PENALTY_PROMPT_FLOOR * 2 ** (k / PENALTY_PROMPT_STEPS_PER_DOUBLING))) < prompt:
+        k += 1
+    return rounded
+
+
+class V1PenaltyStep:
+    """`v1_penalty_step_excess_bytes` of one V1 deployment, for the budget: the step's sampled
+    rows rounded up to 32nds of the most one step samples and its longest prompt to
+    `penalty_prompt_class`, so at most 32 x (4 a doubling of prompts) replays a deployment,
+    whatever clients send. A replay takes ~50 ms of CPU (S4's engine, this 2-core machine at load
+    11), and S4's spike asks for a few hundred: too long for the event loop: each is worked out once on a worker thread, and until it is known the
+    answer is None (the budget charges the penalty step as before: in full out of free memory).
+    `background=False` works it out in the caller's thread (tests, one-shot tools)."""
+
+    def __init__(
+        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
+    ) -> None:
+        self.geometry = geometry
+        self.engine = engine
+        self.expandable_segments = expandable_segments
+        self._known: dict[tuple[int, int], int] = {}
+        self._pending: set[tuple[int, int]] = set()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-penalty-step") if background else None
+
+    def __call__(self, rows: int, prompt: int) -> int | None:
+        """What a penalty step of `rows` sampled rows, its longest prompt `prompt`, needs beyond
+        the region the engine keeps cached; None while its replay is not known yet."""
+        if rows <= 0 or prompt <= 0:
+            return 0
+        most = sampler_cost(self.geometry, self.engine).max_sampled_rows
+        step = max(1, most // SAMPLER_ROW_STEPS)
+        key = (min(most, max(step, -(-rows // step) * step)), penalty_prompt_class(prompt))
+        known = self._known.get(key)
+        if known is not None:
+            return known
+        if self._worker is None:
+            known = self._known[key] = self._excess(key)
+            return known
+        if key not in self._pending:
+            self._pending.add(key)
+            self._worker.submit(self._work_out, key)
+        return None
+
+    def __deepcopy__(self, memo: dict[int, object]) -> V1PenaltyStep:
+        """One replay service per deployment, shared by copies of the limits (as SharedForward)."""
+        return self
+
+    def _work_out(self, key: tuple[int, int]) -> None:
+        """On the worker thread: one dict store, which the loop's thread reads whole or not."""
+        self._known[key] = self._excess(key)
+
+    def _excess(self, key: tuple[int, int]) -> int:
+        return v1_penalty_step_excess_bytes(self.geometry, self.engine, self.expandable_segments, *key)

@@ -210,13 +210,18 @@ def footprint(tape: Iterable[TapeOp], expandable_segments: bool = False) -> Foot
 
 
 def worst_need(
-    step: Sequence[TapeOp], earlier: Iterable[Sequence[Sequence[TapeOp]]], expandable_segments: bool = False
+    step: Sequence[TapeOp],
+    earlier: Iterable[Sequence[Sequence[TapeOp]]],
+    expandable_segments: bool = False,
+    from_empty: bool = True,
 ) -> int:
     """The most `step` needs (`Footprint.need`) after any of the `earlier` histories of steps,
     each played from an empty cache, and each also with the cache released before `step` (a
     failed cudaMalloc in between does that): the allocator's state is history, so the same
-    step needs more after steps of other sizes left their segments for best fit to split."""
-    worst = footprint(step, expandable_segments).need
+    step needs more after steps of other sizes left their segments for best fit to split.
+    `from_empty`: `step` alone on an empty cache counts too (False where it frees a tensor an
+    earlier step made)."""
+    worst = footprint(step, expandable_segments).need if from_empty else 0
     for history in earlier:
         for released in (False, True):
             replay = _Replay(expandable_segments)

@@ -63,6 +63,10 @@ class StepHoldings:
     sampler_unprofiled: int
     sampler_profiled: int
     sampled_rows: int = 0  # rows the stage samples (sizes the sampler phase's segment overhead)
+    # V1 with a penalty row: of `sampler_unprofiled`, the bin counts and the two prompt-id copies
+    # (kvgate/memory/sampler.py), and the longest prompt the ids are padded to
+    penalty_bytes: int = 0
+    penalty_prompt: int = 0
 
     @property
     def transient_bytes(self) -> int:

@@ -372,6 +372,7 @@ class SamplerStage:
     logprobs_topk_sort: int = 0
     profiled: int = 0  # the part of the above the start-up profile reserved
     rows: int = 0  # the rows it samples (1 + k a request under speculative decoding)
+    penalty_prompt: int = 0  # V1 with a penalty row: the longest prompt its prompt ids are padded to
 
     @property
     def unprofiled(self) -> int:
@@ -505,7 +506,7 @@ class SamplerCost:
         warm-up rows are random and unseeded, and return raw logprobs; under a processed
         --logprobs-mode they return processed ones, so the native path ran instead."""
         rows, v = self.profiled_rows, self.vocab_size
-        native, _ = self._native_top_k_top_p(rows)
+        native, _ = self.native_top_k_top_p(rows)
         fused = self.sampler == "flashinfer" and not self.processed_logprobs and rows >= self.sort_below_rows
         path = rows * v * FLASHINFER_BYTES_PER_LOGIT if fused else native
         return rows * v * FP32, path, rows * (WARMUP_LOGPROBS + 1) * TOPK_LOGPROBS_BYTES
@@ -521,13 +522,13 @@ class SamplerCost:
         softmax and noise), and whether that is the sort. FlashInfer: the larger of its own and
         the native path a seeded request sends the batch to; `both`: a row of the batch sets
         top-k and one sets top-p (else FlashInfer samples from one fp32 softmax)."""
-        native, sorts = self._native_top_k_top_p(rows)
+        native, sorts = self.native_top_k_top_p(rows)
         if self.sampler == "flashinfer" and not sorts:
             per_logit = FLASHINFER_BYTES_PER_LOGIT if both else FLASHINFER_ONE_FILTER_BYTES_PER_LOGIT
             return max(native, rows * self.vocab_size * per_logit), False
         return native, sorts
 
-    def _native_top_k_top_p(self, rows: int) -> tuple[int, bool]:
+    def native_top_k_top_p(self, rows: int) -> tuple[int, bool]:
         """``apply_top_k_top_p`` (v1/sample/ops/topk_topp_sampler.py): the sort, or Triton's
         cached buffer (V1: with ``random_sample``'s softmax and noise)."""
         logits = rows * self.vocab_size
@@ -548,7 +549,7 @@ class SamplerCost:
         the larger of the verification step and a step of first tokens (module docstring)."""
         chunk = min(rows_sampled, self.verify_chunk_rows)
         verify_fp32 = chunk * self.vocab_size * FP32
-        verify, sorts = self._native_top_k_top_p(chunk)
+        verify, sorts = self.native_top_k_top_p(chunk)
         first = min(requests, self.profiled_rows)
         first_step = first * self.vocab_size * FP32 + self.top_k_top_p(first)[0]
         return verify_fp32, max(verify, first_step - verify_fp32), sorts
@@ -559,12 +560,12 @@ class SamplerCost:
         first = min(requests, self.profiled_rows)
         return (
             f"the larger of the RejectionSampler's {chunk}-row chunk (apply_top_k_top_p: "
-            f"{self.describe_native_top_k_top_p(chunk)}; never FlashInfer) and a first-token step of "
+            f"{self.describenative_top_k_top_p(chunk)}; never FlashInfer) and a first-token step of "
             f"{first} rows ({self.describe_top_k_top_p(first)} + their fp32 copy)"
         )
 
-    def describe_native_top_k_top_p(self, rows: int) -> str:
-        """The path `_native_top_k_top_p(rows)` charges."""
+    def describenative_top_k_top_p(self, rows: int) -> str:
+        """The path `native_top_k_top_p(rows)` charges."""
         v = self.vocab_size
         if self.sampler == "pytorch" or rows < self.sort_below_rows:
             return (
@@ -582,7 +583,7 @@ class SamplerCost:
     def describe_top_k_top_p(self, rows: int, both: bool = True) -> str:
         """The path `top_k_top_p(rows, both)` charges, for `kvgate explain`."""
         v = self.vocab_size
-        native = self.describe_native_top_k_top_p(rows)
+        native = self.describenative_top_k_top_p(rows)
         if self.sampler == "flashinfer" and rows >= self.sort_below_rows:
             per_logit, call = (
                 (FLASHINFER_BYTES_PER_LOGIT, "top_k_top_p_sampling_from_logits")
@@ -649,6 +650,7 @@ class SamplerCost:
             draft_probs=min(rows, self.max_num_seqs) * self.draft_probs_per_request if random else 0,
             profiled=in_profile * (self.dtype_bytes + FP32) + profiled_top_k_top_p,
             rows=rows_sampled,
+            penalty_prompt=longest_prompt if penalties else 0,
         )
 
 
