@@ -230,7 +230,11 @@ class Relay(Response):
         outcome = "disconnected"
         # A body that has already arrived whole (vLLM's non-streaming answers come at once) is
         # relayed without waiting on the backend: no client to watch for, no task to start.
-        watcher = None if self.upstream.complete else asyncio.ensure_future(self._watch_disconnect(receive))
+        watcher = None
+        if not self.upstream.complete:  # on the relay's task's loop: one look-up, which _send reuses
+            self._task = asyncio.current_task()
+            assert self._task is not None
+            watcher = self._task.get_loop().create_task(self._watch_disconnect(receive))
         try:
             outcome = await self._relay(send)
         except ClientStalled:

@@ -140,29 +140,32 @@ async def test_chunks_that_arrived_together_are_read_together() -> None:
         pool.close()
 
 
+class ScriptedStream:
+    """What Relay uses of an UpstreamResponse: an event stream read in the given chunks."""
+
+    status, raw_headers = 200, [(b"content-type", b"text/event-stream")]
+    complete, released = False, False
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    def header(self, name: bytes) -> str | None:
+        return dict(self.raw_headers).get(name, b"").decode() or None
+
+    async def read(self) -> bytes | None:
+        if not self.reads:
+            return None
+        self.complete = len(self.reads) == 1  # the last read takes what is left
+        return self.reads.pop(0)
+
+    def release(self) -> None:
+        self.released = True
+
+
 async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
     """One body message per read, the last one closing the body: a stream that arrived whole
     leaves in one write, a non-streaming answer without a separate empty end."""
     from kvgate.http.proxy import Relay
-
-    class Upstream:  # what Relay uses of an UpstreamResponse
-        status, raw_headers = 200, [(b"content-type", b"text/event-stream")]
-        complete, released = False, False
-
-        def __init__(self, reads: list[bytes]) -> None:
-            self.reads = reads
-
-        def header(self, name: bytes) -> str | None:
-            return dict(self.raw_headers).get(name, b"").decode() or None
-
-        async def read(self) -> bytes | None:
-            if not self.reads:
-                return None
-            self.complete = len(self.reads) == 1  # the last read takes what is left
-            return self.reads.pop(0)
-
-        def release(self) -> None:
-            self.released = True
 
     async def relayed(reads: list[bytes]) -> tuple[list[tuple[bytes, bool]], list[object]]:
         sent: list[dict] = []
@@ -175,7 +178,7 @@ async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
             await asyncio.sleep(3600)
             return {}
 
-        source = Upstream(reads)
+        source = ScriptedStream(reads)
         await Relay(
             source, {}, lambda: None, lambda outcome, tokens: ends.append((outcome, tokens)), count_output=True
         )({"type": "http"}, receive, send)
@@ -285,7 +288,7 @@ async def test_a_reused_connection_does_not_look_up_the_running_loop(monkeypatch
 async def test_an_exchange_and_its_relay_look_their_task_up_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPython 3.11 each look-up of the running loop (asyncio.get_running_loop, current_task,
     ensure_future, timeout) is a getpid system call: a reused connection's exchange and the relay
-    of its answer, sent in several messages under a stall deadline, take one current_task each."""
+    of its answer under a stall deadline take one current_task each, a stream's relay one in all."""
     from kvgate.http.proxy import Relay
 
     async def receive() -> dict:
@@ -315,6 +318,22 @@ async def test_an_exchange_and_its_relay_look_their_task_up_once_each(monkeypatc
     assert lookups == ["current_task", "current_task"]
     assert ends == ["completed"]
     assert [m.get("body") for m in sent] == [None, b"{}"]
+
+    # A stream relayed in 20 messages: one look-up for the whole relay, not one per message.
+    lookups.clear()
+    sent.clear()
+    for name in ("get_running_loop", "current_task", "ensure_future", "get_event_loop"):
+        real = getattr(asyncio, name)
+        monkeypatch.setattr(asyncio, name, lambda *a, _n=name, _r=real: lookups.append(_n) or _r(*a))
+    stream = ScriptedStream([b"data: {}\n\n"] * 20)
+    await Relay(stream, {}, lambda: None, lambda outcome, _: ends.append(outcome), stall_timeout_s=5)(
+        {"type": "http"}, receive, send
+    )
+    monkeypatch.undo()
+    assert lookups == ["current_task"]
+    assert ends == ["completed", "completed"]
+    assert len(sent) == 21
+    assert stream.released
 
 
 async def test_stale_idle_connections_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
