@@ -10,7 +10,10 @@ machine costs it little), the least of several passes over the same inputs:
 - decision: one admission decided by the decision log (DecisionLog), its line written at info to
   a file through kvgate's own log handler, as `kvgate serve` writes its stderr;
 - metrics: the Prometheus updates of one admitted chat (GateMetrics' admission and release, and
-  the four per-request histograms the pipeline and the HTTP path observe).
+  the four per-request histograms the pipeline and the HTTP path observe);
+- relay: kvgate.http.proxy.Relay relaying a `--stream-events`-event stream that has arrived, one
+  ASGI message an event, under a stall deadline (kvgate serve's --stream-stall-timeout), on
+  uvloop as `kvgate serve` runs.
 Loops keep caches warmer than traffic does: compare arms with each other, not with request_cpu.
 """
 
@@ -23,8 +26,11 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
+from typing import Any
+
+import uvloop
 
 from bench.overhead import DISTINCT_CHATS, chat_bodies, model_folder
 
@@ -45,6 +51,8 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--decisions", type=int, default=5000)
     parser.add_argument("--updates", type=int, default=20000, help="chats' metric updates in a pass")
+    parser.add_argument("--streams", type=int, default=200, help="streams relayed in a pass")
+    parser.add_argument("--stream-events", type=int, default=100, help="events in each stream")
     args = parser.parse_args()
 
     from kvgate.composition import Runtime
@@ -115,6 +123,47 @@ def main() -> None:
 
         metrics_s = least(args.passes + 4, update)
         print(f"metrics    {metrics_s / args.updates * 1e6:8.2f} us a chat's metric updates", flush=True)
+
+    relay_s = least(args.passes + 4, lambda: uvloop.run(relay_streams(args.streams, args.stream_events)))
+    print(f"relay      {relay_s / args.streams * 1e6:8.1f} us a {args.stream_events}-event stream", flush=True)
+
+
+class _ArrivedStream:
+    """What Relay reads of an UpstreamResponse: an event stream whose events each come in a read."""
+
+    status, raw_headers = 200, [(b"content-type", b"text/event-stream")]
+
+    def __init__(self, events: int) -> None:
+        self.left = events
+        self.complete = False
+
+    def header(self, name: bytes) -> str | None:
+        return "text/event-stream" if name == b"content-type" else None
+
+    async def read(self) -> bytes | None:
+        if not self.left:
+            return None
+        self.left -= 1
+        self.complete = not self.left
+        return b'data: {"choices":[{"index":0,"delta":{"content":" word"}}]}\n\n'
+
+    def release(self) -> None:
+        pass
+
+
+async def relay_streams(streams: int, events: int) -> None:
+    from kvgate.http.proxy import Relay
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        pass
+
+    for _ in range(streams):
+        relay = Relay(_ArrivedStream(events), {}, lambda: None, lambda outcome, tokens: None, stall_timeout_s=60)  # type: ignore[arg-type]
+        await relay({"type": "http"}, receive, send)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,14 @@ class InvalidRequestHeader(ValueError):
 
 
 # RFC 9110 token characters, the only ones a header name may hold.
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_TOKEN = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
 def check_header(name: bytes, value: bytes) -> None:
-    """Refuse what would change the meaning of the request head kvgate writes."""
-    if not name or not _TOKEN.issuperset(name):
+    """Refuse what would change the meaning of the request head kvgate writes. The name's check
+    deletes its token characters in C (bytes.translate): what is left is what no token holds
+    (a frozenset's issuperset walked the name as Python ints, 1.7 against 1.1 us for 7 headers)."""
+    if not name or name.translate(None, _TOKEN):
         raise InvalidRequestHeader(f"header name {name[:40]!r} is not an HTTP token")
     if b"\r" in value or b"\n" in value or b"\0" in value:
         raise InvalidRequestHeader(f"header {name[:40]!r} holds CR, LF or NUL")

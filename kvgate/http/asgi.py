@@ -75,7 +75,9 @@ async def read_body(
             left = ends_at - loop.time()
             wait_s = left if wait_s is None else min(wait_s, left)
         try:
-            async with asyncio.timeout(wait_s):  # a timer, not a task per message
+            # A timer, not a task per message; timeout_at, as timeout() looks the running loop up
+            # again (a getpid system call on CPython 3.11).
+            async with asyncio.timeout_at(None if wait_s is None else loop.time() + wait_s):
                 message: Message = await receive()
         except TimeoutError:
             scope[_BODY_UNREAD] = False  # a client that stalled is not waited for again

@@ -75,7 +75,9 @@ async def open_while_client_waits(
         left = True
         task.cancel()
 
-    watcher = asyncio.ensure_future(cancel_when_client_leaves())
+    # The task's own loop: asyncio.ensure_future would look the running loop up again, a getpid
+    # system call on CPython 3.11 (Modules/_asynciomodule.c get_running_loop).
+    watcher = task.get_loop().create_task(cancel_when_client_leaves())
     try:
         return await backend.open(method, target, headers, body)
     except asyncio.CancelledError:
@@ -221,13 +223,18 @@ class Relay(Response):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._sending_since: float | None = None  # when the send under way began (the loop's clock)
         self._stalled = False
+        self._task: asyncio.Task[Any] | None = None  # the task relaying, which a stall cancels
         self._request_id = headers.get("x-request-id", "")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         outcome = "disconnected"
         # A body that has already arrived whole (vLLM's non-streaming answers come at once) is
         # relayed without waiting on the backend: no client to watch for, no task to start.
-        watcher = None if self.upstream.complete else asyncio.ensure_future(self._watch_disconnect(receive))
+        watcher = None
+        if not self.upstream.complete:  # on the relay's task's loop: one look-up, which _send reuses
+            self._task = asyncio.current_task()
+            assert self._task is not None
+            watcher = self._task.get_loop().create_task(self._watch_disconnect(receive))
         try:
             outcome = await self._relay(send)
         except ClientStalled:
@@ -305,9 +312,11 @@ class Relay(Response):
         if self._stall_timeout_s is None:
             await send(message)
             return
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
+        task = self._task
+        if task is None:  # the relay's task, looked up once (a getpid system call each, on 3.11)
+            task = self._task = asyncio.current_task()
+            assert task is not None
+        loop = task.get_loop()
         self._sending_since = now = loop.time()
         if self._stall_timer is None:
             self._stall_timer = loop.call_at(now + self._stall_timeout_s, self._check_stall, task)

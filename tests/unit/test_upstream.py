@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -139,29 +140,32 @@ async def test_chunks_that_arrived_together_are_read_together() -> None:
         pool.close()
 
 
+class ScriptedStream:
+    """What Relay uses of an UpstreamResponse: an event stream read in the given chunks."""
+
+    status, raw_headers = 200, [(b"content-type", b"text/event-stream")]
+    complete, released = False, False
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = reads
+
+    def header(self, name: bytes) -> str | None:
+        return dict(self.raw_headers).get(name, b"").decode() or None
+
+    async def read(self) -> bytes | None:
+        if not self.reads:
+            return None
+        self.complete = len(self.reads) == 1  # the last read takes what is left
+        return self.reads.pop(0)
+
+    def release(self) -> None:
+        self.released = True
+
+
 async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
     """One body message per read, the last one closing the body: a stream that arrived whole
     leaves in one write, a non-streaming answer without a separate empty end."""
     from kvgate.http.proxy import Relay
-
-    class Upstream:  # what Relay uses of an UpstreamResponse
-        status, raw_headers = 200, [(b"content-type", b"text/event-stream")]
-        complete, released = False, False
-
-        def __init__(self, reads: list[bytes]) -> None:
-            self.reads = reads
-
-        def header(self, name: bytes) -> str | None:
-            return dict(self.raw_headers).get(name, b"").decode() or None
-
-        async def read(self) -> bytes | None:
-            if not self.reads:
-                return None
-            self.complete = len(self.reads) == 1  # the last read takes what is left
-            return self.reads.pop(0)
-
-        def release(self) -> None:
-            self.released = True
 
     async def relayed(reads: list[bytes]) -> tuple[list[tuple[bytes, bool]], list[object]]:
         sent: list[dict] = []
@@ -174,7 +178,7 @@ async def test_a_relay_ends_the_body_with_its_last_chunk() -> None:
             await asyncio.sleep(3600)
             return {}
 
-        source = Upstream(reads)
+        source = ScriptedStream(reads)
         await Relay(
             source, {}, lambda: None, lambda outcome, tokens: ends.append((outcome, tokens)), count_output=True
         )({"type": "http"}, receive, send)
@@ -279,6 +283,57 @@ async def test_a_reused_connection_does_not_look_up_the_running_loop(monkeypatch
         pool.close()
     assert lookups == []
     assert len(connections) == 1
+
+
+async def test_an_exchange_and_its_relay_look_their_task_up_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPython 3.11 each look-up of the running loop (asyncio.get_running_loop, current_task,
+    ensure_future, timeout) is a getpid system call: a reused connection's exchange and the relay
+    of its answer under a stall deadline take one current_task each, a stream's relay one in all."""
+    from kvgate.http.proxy import Relay
+
+    async def receive() -> dict:
+        await asyncio.sleep(3600)
+        return {}
+
+    async with server(answering()) as (url, _):
+        backend = Backend(url, timeout_s=5)
+        (await backend.open("GET", b"/", [], b"")).release()
+        lookups: list[str] = []
+        for name in ("get_running_loop", "current_task", "ensure_future", "get_event_loop"):
+            real = getattr(asyncio, name)
+            monkeypatch.setattr(asyncio, name, lambda *a, _n=name, _r=real: lookups.append(_n) or _r(*a))
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        response = await open_while_client_waits(backend, receive, "GET", b"/", [], b"")
+        assert response is not None
+        ends: list[str] = []
+        await Relay(response, {}, lambda: None, lambda outcome, _: ends.append(outcome), stall_timeout_s=5)(
+            {"type": "http"}, receive, send
+        )
+        monkeypatch.undo()
+        await backend.aclose()
+    assert lookups == ["current_task", "current_task"]
+    assert ends == ["completed"]
+    assert [m.get("body") for m in sent] == [None, b"{}"]
+
+    # A stream relayed in 20 messages: one look-up for the whole relay, not one per message.
+    lookups.clear()
+    sent.clear()
+    for name in ("get_running_loop", "current_task", "ensure_future", "get_event_loop"):
+        real = getattr(asyncio, name)
+        monkeypatch.setattr(asyncio, name, lambda *a, _n=name, _r=real: lookups.append(_n) or _r(*a))
+    stream = ScriptedStream([b"data: {}\n\n"] * 20)
+    await Relay(stream, {}, lambda: None, lambda outcome, _: ends.append(outcome), stall_timeout_s=5)(
+        {"type": "http"}, receive, send
+    )
+    monkeypatch.undo()
+    assert lookups == ["current_task"]
+    assert ends == ["completed", "completed"]
+    assert len(sent) == 21
+    assert stream.released
 
 
 async def test_stale_idle_connections_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -387,6 +442,19 @@ async def test_unsendable_headers_are_refused_before_anything_is_sent() -> None:
         assert response.status == 200
         response.release()
         await backend.aclose()
+
+
+def test_a_header_name_is_refused_unless_every_byte_is_an_http_token_character() -> None:
+    """RFC 9110 5.1 and 5.6.2: a field name is a token; each of the 256 bytes alone and inside a
+    name, against the RFC's tchar list written out as a regex."""
+    tchar = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+    for byte in range(256):
+        for name in (bytes([byte]), b"x-" + bytes([byte]) + b"-y"):
+            if tchar.fullmatch(name):
+                upstream.check_header(name, b"1")
+            else:
+                with pytest.raises(upstream.InvalidRequestHeader):
+                    upstream.check_header(name, b"1")
 
 
 async def test_connect_timeout_is_configurable_and_a_503(monkeypatch: pytest.MonkeyPatch) -> None:
