@@ -163,12 +163,12 @@ class Gate(Generic[Basis]):
             priority,
             tenant,
             now,
+            arrived,
             loop.create_future(),
             reason=reason,
             basis=basis,
             request_id=request_id,
             deadline=now + wait_s,
-            arrived_at=arrived,
         )
         try:
             self.queue.push(waiter)

@@ -30,6 +30,7 @@ class Waiter(Generic[Basis]):
     priority: int
     tenant: str
     enqueued_at: float
+    arrived_at: float  # when it reached kvgate (the gate's clock): its queue wait counts from there
     future: asyncio.Future[Any] = field(repr=False)
     seq: int = 0
     reason: str = ""
@@ -38,7 +39,6 @@ class Waiter(Generic[Basis]):
     basis: Basis | None = field(default=None, repr=False)
     request_id: str = ""  # labels the gate's decisions for observers (the decision log)
     deadline: float = float("inf")  # when it stops waiting (the gate's clock)
-    arrived_at: float = 0.0  # when it reached kvgate (the gate's clock): its queue wait counts from there
 
 
 class QueueFull(Exception):

@@ -284,7 +284,7 @@ class TestBudgetCharges:
 
 class TestQueue:
     def _waiter(self, priority: int, tenant: str) -> Waiter:
-        return Waiter(demand(), priority, tenant, 0.0, asyncio.get_running_loop().create_future())
+        return Waiter(demand(), priority, tenant, 0.0, 0.0, asyncio.get_running_loop().create_future())
 
     async def test_priority_then_round_robin_across_tenants(self) -> None:
         queue = AdmissionQueue(max_size=10)
@@ -968,7 +968,7 @@ class TestQueueOrderBehindTheHead:
         queue = AdmissionQueue(max_size=10)
 
         def waiter(priority: int, tenant: str) -> Waiter:
-            return Waiter(demand(), priority, tenant, 0.0, loop.create_future())
+            return Waiter(demand(), priority, tenant, 0.0, 0.0, loop.create_future())
 
         a1, a2, b1, b2, c1 = (waiter(0, tenant) for tenant in "aabbc")
         late = waiter(3, "a")
