@@ -3,7 +3,8 @@ benchmark's seeded traffic: for an intermittent failure (an out-of-memory seen o
 and for before/after comparisons of one arm without the full table.
 
 Each run prints one JSON line: OOM crashes, completed requests, goodput, TTFT p50/p99, refusals
-by reason and the simulator's own out-of-memory messages (whose reserved-but-unallocated bytes
+by reason, TTFT p99 and refusals by the kind of request (who forms the tail) and the simulator's
+own out-of-memory messages (whose reserved-but-unallocated bytes
 tell fragmentation from over-admission). The traffic is what `python -m bench` plays for the
 scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here is one of the
 table's runs.
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             "ttft_p50_s": r.ttft_p50_s,
             "ttft_p99_s": r.ttft_p99_s,
             "rejected": r.rejected,
+            "ttft_p99_by_label": r.ttft_p99_by_label,
+            "rejected_by_label": r.rejected_by_label,
             "oom_messages": r.oom_messages,
         }
         print(json.dumps(line), flush=True)

@@ -100,6 +100,9 @@ class ArmResult:
     output_tokens: int = 0
     failed_by_reason: dict[str, int] = field(default_factory=dict)
     completed_by_label: dict[str, int] = field(default_factory=dict)
+    # who forms the TTFT tail and who is refused: a kind of request the line holds back shows here
+    ttft_p99_by_label: dict[str, float | None] = field(default_factory=dict)
+    rejected_by_label: dict[str, int] = field(default_factory=dict)
     oom_messages: list[str] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -308,6 +311,13 @@ def summarise(
         output_tokens=tokens,
         failed_by_reason=dict(Counter(o.reason for o in outs if o.kind == "failed")),
         completed_by_label=dict(Counter(o.label for o in done)),
+        ttft_p99_by_label={
+            label: rnd(
+                percentile([o.ttft_s * speedup for o in done if o.label == label and o.ttft_s is not None], 0.99)
+            )
+            for label in sorted({o.label for o in done})
+        },
+        rejected_by_label=dict(Counter(o.label for o in outs if o.kind == "rejected")),
         oom_messages=[m[:600] for m in ooms[:3]],
     )
 

@@ -47,10 +47,11 @@ _IDLE = Ledger()  # never reserved from: the holdings of an idle server
 class Ticket:
     """An admitted request's reservation; release() is safe to call any number of times."""
 
-    def __init__(self, gate: Gate[Any], reservation: Reservation, queue_wait_s: float) -> None:
+    def __init__(self, gate: Gate[Any], reservation: Reservation, queue_wait_s: float, line_wait_s: float) -> None:
         self._gate = gate
         self.reservation = reservation
-        self.queue_wait_s = queue_wait_s
+        self.queue_wait_s = queue_wait_s  # from its arrival at kvgate: reading and evaluating it too
+        self.line_wait_s = line_wait_s  # in the gate's line alone
 
     def end_prefill(self) -> None:
         """The first output token arrived: prefill-only transient memory is free again."""
@@ -104,9 +105,14 @@ class Gate(Generic[Basis]):
         """Requests waiting in kvgate's queue: for memory, or for the backend to evaluate them."""
         return len(self.queue) + len(self._awaiting_backend)
 
-    def deadline(self) -> float:
-        """When a request arriving now must have been admitted (the gate's clock)."""
-        return self._clock() + self.max_queue_wait_s
+    def now(self) -> float:
+        """The gate's clock: a request's arrival is stamped with it at the HTTP edge."""
+        return self._clock()
+
+    def deadline(self, arrived_at: float) -> float:
+        """When a request that arrived at `arrived_at` (the gate's clock) must have been admitted:
+        its wait runs from its arrival, reading and evaluating it included."""
+        return arrived_at + self.max_queue_wait_s
 
     def would_wait(self, demand: Demand, priority: int) -> str | None:
         """Why this demand would wait if it arrived now, or None if it would be admitted."""
@@ -124,6 +130,7 @@ class Gate(Generic[Basis]):
         basis: Basis | None = None,
         request_id: str = "",
         deadline: float | None = None,
+        arrived_at: float | None = None,
     ) -> Ticket:
         """Admit now or wait in line; raises QueueFull, QueueTimeout or BackendDown when refused,
         ClientGone when the client leaves the queue.
@@ -133,26 +140,30 @@ class Gate(Generic[Basis]):
         `demand` was estimated from, re-estimated while it waits (the gate's `reestimate`).
         `request_id` only labels the decisions observers see. `deadline` (the gate's clock) ends
         the wait instead of --max-queue-wait from now: a request that comes back to the queue
-        (the backend refused its connection) keeps the deadline it arrived with.
+        (the backend refused its connection) keeps the deadline it arrived with. `arrived_at`
+        (the gate's clock; now if None): when the request reached kvgate, from which its queue
+        wait is counted.
         """
+        now = self._clock()
+        arrived = now if arrived_at is None else arrived_at
         head = self.queue.peek()
         if head is not None and head.priority <= priority:
-            ticket = self._backfill(demand, waited_s=0.0, request_id=request_id)
+            ticket = self._backfill(demand, request_id, arrived, now)
             if ticket is not None:
                 return ticket
             reason: str | None = BEHIND_QUEUE
         else:
             reason = self.budget.shortfall(demand, self.ledger)
         if reason is None:
-            return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
+            return self._admit(demand, "fits", request_id, arrived, now)
         loop = asyncio.get_running_loop()
-        now = self._clock()
         wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - now)
         waiter = Waiter(
             demand,
             priority,
             tenant,
             now,
+            arrived,
             loop.create_future(),
             reason=reason,
             basis=basis,
@@ -276,10 +287,12 @@ class Gate(Generic[Basis]):
         if was_head:  # the line behind it moves up
             self._changed_soon()
 
-    def _admit(self, demand: Demand, reason: str, waited_s: float, request_id: str) -> Ticket:
-        ticket = Ticket(self, self.ledger.reserve(demand), waited_s)
-        ticket.reservation.admitted_at = self._clock()
-        self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, waited_s))
+    def _admit(self, demand: Demand, reason: str, request_id: str, arrived_at: float, enqueued_at: float) -> Ticket:
+        """Reserve and report; the queue wait counts from the request's arrival at kvgate."""
+        now = self._clock()
+        ticket = Ticket(self, self.ledger.reserve(demand), now - arrived_at, now - enqueued_at)
+        ticket.reservation.admitted_at = now
+        self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, now - arrived_at))
         return ticket
 
     def released(self, outcome: str, reservation: Reservation, output_tokens: int | None = None) -> None:
@@ -346,8 +359,9 @@ class Gate(Generic[Basis]):
             demand = self._refreshed(head)
             if self.budget.shortfall(demand, self.ledger) is None:
                 self.queue.pop_head()
-                waited_s = self._clock() - head.enqueued_at
-                head.future.set_result(self._admit(demand, "dequeued", waited_s, head.request_id))
+                head.future.set_result(
+                    self._admit(demand, "dequeued", head.request_id, head.arrived_at, head.enqueued_at)
+                )
             elif self._stranded(demand):
                 self.queue.set_aside_head()
             else:
@@ -359,21 +373,20 @@ class Gate(Generic[Basis]):
         in the line's order: priority, tenants' turns, arrival."""
         if self.queue.peek() is None or self.budget.hold is not None:
             return
-        now = self._clock()
         for waiter in self.queue.behind_head(BACKFILL_LOOKAHEAD):
             if self._pool_full():
                 return
-            ticket = self._backfill(self._refreshed(waiter), now - waiter.enqueued_at, waiter.request_id)
+            ticket = self._backfill(self._refreshed(waiter), waiter.request_id, waiter.arrived_at, waiter.enqueued_at)
             if ticket is not None:
                 self.queue.take(waiter)
                 waiter.future.set_result(ticket)
 
-    def _backfill(self, demand: Demand, waited_s: float, request_id: str) -> Ticket | None:
+    def _backfill(self, demand: Demand, request_id: str, arrived_at: float, enqueued_at: float) -> Ticket | None:
         """Admit a demand ahead of the waiting head if it may pass it; None if it waits its turn."""
         passing = self._passing(demand)
         if passing is None:
             return None
-        ticket = self._admit(demand, BACKFILLED, waited_s, request_id)
+        ticket = self._admit(demand, BACKFILLED, request_id, arrived_at, enqueued_at)
         if self._reservation is not None:
             if passing == "beside":
                 self._reservation.joined(ticket.reservation)

@@ -30,6 +30,7 @@ class Waiter(Generic[Basis]):
     priority: int
     tenant: str
     enqueued_at: float
+    arrived_at: float  # when it reached kvgate (the gate's clock): its queue wait counts from there
     future: asyncio.Future[Any] = field(repr=False)
     seq: int = 0
     reason: str = ""

@@ -83,19 +83,22 @@ def write_line(message: str) -> None:
             handler.handleError(decision_log.makeRecord(decision_log.name, logging.INFO, "", 0, message, (), None))
 
 
-def admission_line(request_id: str, demand: Demand, queue_wait_s: float) -> str:
+def _json_string(text: str) -> str:
+    """`text` as json.dumps writes it, through json only when it needs escaping."""
+    if text.isascii() and text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    return json.dumps(text)
+
+
+def admission_line(request_id: str, reason: str, demand: Demand, queue_wait_s: float) -> str:
     """An admission's line, as json.dumps writes its fields (log_decision's), from a template:
     json's encoder was a fifth of a decision's cost, and every admission is logged. The request
-    id is written by json only when it needs escaping (kvgate's own ids and most clients' are
+    id and the reason (fits, dequeued, backfilled: until 2026-11-28 every line said fits) are
+    written by json only when they need escaping (kvgate's own ids and most clients' are
     printable ASCII without quotes or backslashes); the counts (ints) and the wait (a finite
     float) written as json writes them: their repr."""
-    quoted = (
-        f'"{request_id}"'
-        if request_id.isascii() and request_id.isprintable() and '"' not in request_id and "\\" not in request_id
-        else json.dumps(request_id)
-    )
     return (
-        f'{{"request_id": {quoted}, "decision": "admit", "reason": "fits", '
+        f'{{"request_id": {_json_string(request_id)}, "decision": "admit", "reason": {_json_string(reason)}, '
         f'"prompt_tokens": {demand.prompt_tokens!r}, "max_new_tokens": {demand.max_new_tokens!r}, '
         f'"kv_blocks": {demand.kv_blocks!r}, "transient_bytes": {demand.transient_bytes!r}, '
         f'"queue_wait_s": {round(queue_wait_s, 4)!r}}}'
@@ -110,7 +113,7 @@ class DecisionLog:
         if decision.kind == "queue" or not decision_log.isEnabledFor(logging.INFO):
             return
         if decision.kind == "admit" and decision.demand is not None:
-            write_line(admission_line(decision.request_id, decision.demand, decision.queue_wait_s))
+            write_line(admission_line(decision.request_id, decision.reason, decision.demand, decision.queue_wait_s))
         elif decision.kind == "reject" and decision.error is not None:
             error = decision.error
             # A template's error can quote the conversation: prompts stay out of the log.

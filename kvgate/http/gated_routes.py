@@ -114,7 +114,8 @@ class Evaluated:
     evaluation: Evaluation
     priority: int
     count_output: bool  # kvgate/http/output_tokens.py can read its answer
-    deadline: float  # when it must have been admitted (the gate's clock), set once its body is in
+    arrived_at: float  # when it reached kvgate's HTTP edge (the gate's clock), before its body was read
+    deadline: float  # when it must have been admitted: --max-queue-wait from its arrival
     turn: str  # the tenant turn it waits for in the queue (kvgate/gate/tenants.py)
     route: Route
 
@@ -143,10 +144,11 @@ class GatedRoutes:
 
     async def __call__(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
+        arrived_at = self.rt.gate.now()
         request_id = request_id_of(scope)
         response: Response | None = None
         try:
-            evaluated = await self._evaluate(route, scope, receive, request_id)
+            evaluated = await self._evaluate(route, scope, receive, request_id, arrived_at)
         except KvgateError as error:
             response = answer_refusal(scope, error_response(error, {"x-request-id": request_id}))
         else:
@@ -160,7 +162,9 @@ class GatedRoutes:
                     response = await self._forward(admitted, scope, receive, request_id)
         await response(scope, receive, send)
 
-    async def _evaluate(self, route: Route, scope: Scope, receive: Receive, request_id: str) -> Evaluated:
+    async def _evaluate(
+        self, route: Route, scope: Scope, receive: Receive, request_id: str, arrived_at: float
+    ) -> Evaluated:
         """Read and evaluate the request; a KvgateError if it is refused or the client left.
 
         Refusals before the gate (body, parse, prediction) are reported to the gate's observers
@@ -180,7 +184,7 @@ class GatedRoutes:
         except KvgateError as error:
             rt.gate.observers.decided(Decision("reject", error.code, request_id, error=error))
             raise
-        deadline = rt.gate.deadline()
+        deadline = rt.gate.deadline(arrived_at)  # from its arrival: reading the body counts too
         while True:
             try:
                 evaluation = await rt.pipeline.evaluate(route, raw, deadline)
@@ -196,7 +200,7 @@ class GatedRoutes:
         rt.traffic.evaluated(route, prediction)
         priority = caller.queue_priority(evaluation.request.priority, rt.settings.trust_request_priority)
         turn = self._turns.turn(caller.tenant, caller.vouched)  # taken only by a request that will queue
-        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, deadline, turn, route)
+        return Evaluated(raw, evaluation, priority, route in OUTPUT_COUNTED, arrived_at, deadline, turn, route)
 
     async def _admit(
         self, evaluated: Evaluated, scope: Scope, receive: Receive, started: float, request_id: str, deadline: float
@@ -212,8 +216,9 @@ class GatedRoutes:
             basis=prediction,
             request_id=request_id,
             deadline=deadline,
+            arrived_at=evaluated.arrived_at,
         )
-        rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.queue_wait_s)
+        rt.metrics.added_latency.observe(time.perf_counter() - started - ticket.line_wait_s)
         demand = ticket.reservation.demand  # refreshed if it waited
         kv_blocks, transient_bytes = demand.kv_blocks, demand.transient_bytes
         headers = {

@@ -8,7 +8,8 @@ import asyncio
 
 import httpx
 
-from bench.safety import Outcome, outcomes_of, stream_call
+from bench.safety import Outcome, outcomes_of, stream_call, summarise
+from bench.scenarios import SCENARIOS
 from bench.workloads import Call
 
 CALL = Call(at=0.0, path="/v1/completions", body={"prompt": "hi", "stream": True}, label="chat")
@@ -50,3 +51,13 @@ async def test_stream_call_records_the_head_and_the_first_token() -> None:
         out = await stream_call(client, CALL.path, CALL, 0.0, 0.0, stages, 0)
     assert seen == [["sent"]]  # sent before any answer
     assert (out.kind, out.tokens, stages) == ("completed", 2, ["streaming"])
+
+
+def test_an_arm_tells_which_kind_of_request_forms_its_tail_and_was_refused() -> None:
+    """The arm's p99 alone does not tell a burst of n=16 jobs held back from chats held back."""
+    outs = [Outcome("chat", 200, "completed", ttft_s=0.1, end_s=1.0, tokens=10) for _ in range(20)]
+    outs.append(Outcome("n=16 samples", 200, "completed", ttft_s=5.0, end_s=9.0, tokens=10))
+    outs += [Outcome("n=16 samples", 429, "rejected", "queue_timeout", end_s=30.0) for _ in range(2)]
+    result = summarise(SCENARIOS[0], "kvgate", outs, 10.0, 2.0, [], 0)
+    assert result.ttft_p99_by_label == {"chat": 0.2, "n=16 samples": 10.0}  # simulated s: wall x 2
+    assert result.rejected_by_label == {"n=16 samples": 2}

@@ -27,12 +27,12 @@ request_ids = st.one_of(
 counts = st.integers(min_value=0, max_value=2**62)
 
 
-def _expected(request_id: str, demand: Demand, queue_wait_s: float) -> str:
+def _expected(request_id: str, reason: str, demand: Demand, queue_wait_s: float) -> str:
     """The line as the decision log wrote it with json.dumps."""
     fields = {
         "request_id": request_id,
         "decision": "admit",
-        "reason": "fits",
+        "reason": reason,
         "prompt_tokens": demand.prompt_tokens,
         "max_new_tokens": demand.max_new_tokens,
         "kv_blocks": demand.kv_blocks,
@@ -44,6 +44,7 @@ def _expected(request_id: str, demand: Demand, queue_wait_s: float) -> str:
 
 @given(
     request_id=request_ids,
+    reason=request_ids,
     prompt=counts,
     new=counts,
     blocks=counts,
@@ -52,11 +53,11 @@ def _expected(request_id: str, demand: Demand, queue_wait_s: float) -> str:
     wait=st.floats(min_value=0, max_value=1e6, allow_nan=False),
 )
 def test_an_admission_line_is_json_dumps_of_its_fields(
-    request_id: str, prompt: int, new: int, blocks: int, transient: int, hashes: list[int], wait: float
+    request_id: str, reason: str, prompt: int, new: int, blocks: int, transient: int, hashes: list[int], wait: float
 ) -> None:
     demand = Demand(prompt, new, tuple(hashes), blocks, transient_prefill_bytes=transient)
-    line = admission_line(request_id, demand, wait)
-    assert line == _expected(request_id, demand, wait)
+    line = admission_line(request_id, reason, demand, wait)
+    assert line == _expected(request_id, reason, demand, wait)
     assert json.loads(line)["request_id"] == request_id
 
 
@@ -64,7 +65,7 @@ def test_the_log_writes_the_admission_line(caplog: pytest.LogCaptureFixture) -> 
     demand = Demand(120, 16, (1, 2, 3), 5, transient_prefill_bytes=4096)
     with caplog.at_level(logging.INFO, logger="kvgate.decision"):
         DecisionLog().decided(Decision("admit", "dequeued", 'id"1', demand, queue_wait_s=0.123456))
-    assert [r.getMessage() for r in caplog.records] == [_expected('id"1', demand, 0.123456)]
+    assert [r.getMessage() for r in caplog.records] == [_expected('id"1', "dequeued", demand, 0.123456)]
     assert json.loads(caplog.records[0].getMessage())["queue_wait_s"] == 0.1235
 
 

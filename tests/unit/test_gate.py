@@ -284,7 +284,7 @@ class TestBudgetCharges:
 
 class TestQueue:
     def _waiter(self, priority: int, tenant: str) -> Waiter:
-        return Waiter(demand(), priority, tenant, 0.0, asyncio.get_running_loop().create_future())
+        return Waiter(demand(), priority, tenant, 0.0, 0.0, asyncio.get_running_loop().create_future())
 
     async def test_priority_then_round_robin_across_tenants(self) -> None:
         queue = AdmissionQueue(max_size=10)
@@ -561,7 +561,7 @@ class TestGate:
         gate = make_gate(kv_blocks=1, wait_s=30)
         holder = await gate.acquire(demand(blocks=1), 0, "a")
         with pytest.raises(QueueTimeout) as expired:  # arrived 30 s ago: its deadline is now
-            await gate.acquire(demand(blocks=1), 0, "a", deadline=gate.deadline() - 30)
+            await gate.acquire(demand(blocks=1), 0, "a", deadline=gate.deadline(gate.now() - 30))
         assert expired.value.message.startswith(
             f"Waited 30 s for GPU memory ({KV_BUSY}; 0.0 s of it in the queue, the rest reading and "
             "evaluating the request) without admission."
@@ -586,7 +586,7 @@ class TestGate:
         gate.budget.set_backend("down", "connection refused")
         now[0] += 30.0
         with pytest.raises(BackendDown) as refused:  # its deadline has passed: no wait at all
-            await asyncio.wait_for(gate.acquire(demand(), 0, "a", deadline=gate.deadline() - 5.0), 1)
+            await asyncio.wait_for(gate.acquire(demand(), 0, "a", deadline=gate.deadline(gate.now() - 5.0)), 1)
         assert status_of(refused.value) == 503
         assert "has been down for 30 s" in refused.value.message
         # the last outage lasted 45 s, this one 30 s so far
@@ -968,7 +968,7 @@ class TestQueueOrderBehindTheHead:
         queue = AdmissionQueue(max_size=10)
 
         def waiter(priority: int, tenant: str) -> Waiter:
-            return Waiter(demand(), priority, tenant, 0.0, loop.create_future())
+            return Waiter(demand(), priority, tenant, 0.0, 0.0, loop.create_future())
 
         a1, a2, b1, b2, c1 = (waiter(0, tenant) for tenant in "aabbc")
         late = waiter(3, "a")
