@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -1542,9 +1543,10 @@ class SharedForward:
     One replay costs 0.1 s of CPU at 592 MiB of headroom and 1.7 s at 4 GiB (more candidates fit,
     each after ~140 histories): too long for the event loop. So the level of each headroom (on
     `level_capacity`'s grid) is worked out once on a worker thread, and until it is known the
-    answer is no: the step is charged the profile's share, the cautious charge. The gate weighs
-    its queue again at its next event (a release, an ended prefill: the other requests'). `background=False`
-    works the level out in the caller's thread (tests, one-shot tools)."""
+    answer is no: the step is charged the profile's share, the cautious charge. Each level known
+    calls the `when_known` listener on the worker thread (the gate's `changed_from_thread`: its
+    queue weighed again at once, not at the next release or arrival). `background=False` works
+    the level out in the caller's thread (tests, one-shot tools)."""
 
     def __init__(
         self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
@@ -1555,6 +1557,11 @@ class SharedForward:
         self._levels: dict[int, int] = {}
         self._pending: set[int] = set()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-shared-forward") if background else None
+        self._known: Callable[[], None] | None = None
+
+    def when_known(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (thread-safe itself) on the worker thread each time a level is known."""
+        self._known = listener
 
     def __call__(self, forward_bytes: int, capacity: int) -> bool:
         capacity = level_capacity(capacity)
@@ -1581,6 +1588,8 @@ class SharedForward:
     def _work_out(self, capacity: int) -> None:
         """On the worker thread: one dict store, which the loop's thread reads whole or not."""
         self._levels[capacity] = self._level(capacity)
+        if self._known is not None:
+            self._known()
 
     def _level(self, capacity: int) -> int:
         return shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
