@@ -407,6 +407,8 @@ class Runtime:
         self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))
         self.deployment = deployment
         self.budget.update(**asdict(limits))
+        if limits.shared_forward is not None:  # a level worked out off the loop wakes the queue
+            limits.shared_forward.when_known(self.gate.changed_from_thread)
 
     def _predictor(self, deployment: Deployment) -> Predictor:
         """The predictor `deployment` and kvgate's settings make."""

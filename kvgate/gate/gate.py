@@ -98,6 +98,7 @@ class Gate(Generic[Basis]):
         # through it): they have no demand yet, so they wait beside the queue, counted in it.
         self._awaiting_backend: set[asyncio.Future[None]] = set()
         self._recheck: asyncio.Handle | None = None  # a `changed` due this turn of the loop (`_changed_soon`)
+        self._loop: asyncio.AbstractEventLoop | None = None  # where requests wait (`changed_from_thread`)
         budget.subscribe(self.changed)
 
     @property
@@ -156,7 +157,7 @@ class Gate(Generic[Basis]):
             reason = self.budget.shortfall(demand, self.ledger)
         if reason is None:
             return self._admit(demand, "fits", request_id, arrived, now)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - now)
         waiter = Waiter(
             demand,
@@ -317,6 +318,16 @@ class Gate(Generic[Basis]):
         if self._reservation is not None:
             self._reservation.prefill_ended(reservation)
         self._changed_soon()
+
+    def changed_from_thread(self) -> None:
+        """`changed` on the loop the requests wait on, called from another thread: a worker that
+        has learned something the budget asks of it (kvgate/memory/activation.py `SharedForward`'s
+        level of a headroom, which it answers no to until known). Without it the requests waiting
+        on that cautious answer waited for the next release or arrival. Coalesced with that turn's
+        other events (`_changed_soon`); nothing has waited yet: nothing to wake."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._changed_soon)
 
     def _changed_soon(self) -> None:
         """`changed`, once the event loop has handled the events already due: an engine step ends

@@ -18,6 +18,8 @@ once and kept (``shared=True``: count them once per engine, not per request).
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -985,17 +987,107 @@ def v2_charged_k(k: int) -> int:
     return k if k < 2 else 1 << (k - 1).bit_length()
 
 
-_STEP_PEAKS: dict[tuple[ModelGeometry, EngineShape, int], list[int]] = {}
+class _StepPeaks:
+    """The running maximum of `_v2_step`'s peak over steps of 1 to n tokens for one deployment and
+    k, without walking every step (a walk costs each step's sub-chunks: 10 s of CPU at 131,072
+    batched tokens, 24 s at 200,000, on the event loop at a first passage's decision).
+
+    A step of ``s = q x 1,024 + r`` tokens (1 <= r <= 1,024) holds q full sub-chunks and one of r
+    rows. Its peak is the largest of: the full sub-chunks' (a function of q alone, rising with it),
+    the last sub-chunk's (``q x 1,024`` kept rows + a function of r and of whether a full
+    sub-chunk's logits precede it), and the final cats' (rising with s); plus, for the segmented
+    k, the allocator's overhead, one value on each `V2_PROMPT_LOGPROBS_GRID` cell of steps
+    (`_around`), and the cells never straddle a sub-chunk. So the maximum over a cell's first
+    steps takes the last sub-chunk's maximum over those r (`_within`, 2 x 1,024 values once), and
+    the running maximum is kept a cell at a time: n / 32 values, each O(1).
+    `test_v2_step_peaks_match_the_walk` checks it against the walk over many geometries."""
+
+    def __init__(self, g: ModelGeometry, e: EngineShape, k: int) -> None:
+        self.g, self.e, self.k = g, e, k
+        v, dt = g.vocab_size, g.dtype_bytes
+        self.topk = v if k == -1 else k
+        self.row, self.cat_row = _v2_result_row_bytes(self.topk), _v2_cat_row_bytes(self.topk)
+        self.logits_row = v * dt
+        # _within[after_full][r]: the most the last sub-chunk peaks over rows of r's cell up to r
+        self._within: list[list[int]] = []
+        for previous in (0, V2_PROMPT_LOGPROBS_CHUNK):
+            within = [0]
+            for rows in range(1, V2_PROMPT_LOGPROBS_CHUNK + 1):
+                value = _v2_sub_chunk_peak(g, self.topk, rows, previous, True)
+                within.append(value if (rows - 1) % V2_PROMPT_LOGPROBS_GRID == 0 else max(within[-1], value))
+            self._within.append(within)
+        self._cells = [0]  # _cells[j]: the running maximum over steps 1 to j x V2_PROMPT_LOGPROBS_GRID
+        # the warm (a worker thread) and the event loop may extend it at once: one appends a cell
+        self._append = threading.Lock()
+
+    def upto(self, rows: int) -> int:
+        """The most `_v2_step` peaks over any step of 1 to `rows` tokens."""
+        cells = rows // V2_PROMPT_LOGPROBS_GRID
+        while (j := len(self._cells)) <= cells:
+            peak = self._cell_upto(j * V2_PROMPT_LOGPROBS_GRID)
+            with self._append:
+                if len(self._cells) == j:
+                    self._cells.append(max(self._cells[-1], peak))
+        if rows % V2_PROMPT_LOGPROBS_GRID == 0:
+            return self._cells[cells]
+        return max(self._cells[cells], self._cell_upto(rows))
+
+    def _cell_upto(self, step: int) -> int:
+        """The most `_v2_step` peaks over the steps of `step`'s grid cell up to `step`."""
+        q, r = divmod(step - 1, V2_PROMPT_LOGPROBS_CHUNK)
+        r += 1
+        full = 0  # the full sub-chunks': the last of them peaks highest (more kept rows before it)
+        if q:
+            previous = V2_PROMPT_LOGPROBS_CHUNK if q > 1 else 0
+            full = (q - 1) * V2_PROMPT_LOGPROBS_CHUNK * self.row
+            full += _v2_sub_chunk_peak(self.g, self.topk, V2_PROMPT_LOGPROBS_CHUNK, previous, True)
+        last = q * V2_PROMPT_LOGPROBS_CHUNK * self.row + self._within[1 if q else 0][r]
+        cats = r * self.logits_row + (step * self.cat_row if q else 0)
+        peak = max(full, last, cats)
+        if 0 <= self.k <= SMALL_SORT_MAX_SLICE:
+            return peak
+        return peak + _v2_step_overhead(self.g, self.e, step, self.k)
+
+
+_STEP_PEAKS: dict[tuple[ModelGeometry, EngineShape, int], _StepPeaks] = {}
 
 
 def _v2_step_peak_upto(g: ModelGeometry, e: EngineShape, k: int, rows: int) -> int:
-    """The most `_v2_step` peaks over any step of 1 to `rows` tokens (its running maximum, kept
-    per deployment and k and extended as larger steps are asked: at most max_num_batched_tokens
-    entries, ~10 us each on the 2-core machine)."""
-    peaks = _STEP_PEAKS.setdefault((g, e, k), [0])
-    for step in range(len(peaks), rows + 1):
-        peaks.append(max(peaks[-1], _v2_step(g, e, step, k)[2]))
-    return peaks[rows]
+    """The most `_v2_step` peaks over any step of 1 to `rows` tokens (`_StepPeaks`, kept per
+    deployment and k and extended as larger steps are asked)."""
+    peaks = _STEP_PEAKS.get((g, e, k)) or _STEP_PEAKS.setdefault((g, e, k), _StepPeaks(g, e, k))
+    return peaks.upto(rows)
+
+
+def _v2_sub_chunk_peak(g: ModelGeometry, topk: int, rows: int, previous: int, topk_sort: bool) -> int:
+    """What one sub-chunk of `rows` rows of `v2_prompt_logprobs`'s loop peaks at beyond the earlier
+    sub-chunks' kept results, the previous sub-chunk's `previous` rows of logits still bound."""
+    v, dt = g.vocab_size, g.dtype_bytes
+    row = _v2_result_row_bytes(topk)
+    sort = cuda_topk_sort_bytes_per_logit(rows, topk, dt) if topk_sort else 0
+    select = cuda_topk_select_scratch_bytes(rows, v) if topk_sort else 0
+    outputs = rows * topk * (dt + INT64_BYTES)  # topk's values and int64 indices
+    inner = max(outputs + rows * topk * sort, outputs + select, rows * (topk * INT64_BYTES + row))
+    # `prompt_logits = logits_fn(...)`: the previous sub-chunk's logits are let go once the
+    # new ones are bound, before this sub-chunk's compute_topk_scores
+    return max((previous + rows) * v * dt, rows * v * dt + inner)
+
+
+def _v2_result_row_bytes(topk: int) -> int:
+    """A prompt row's kept results: `topk` + 1 ids and scores and the selected token's rank."""
+    return (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES
+
+
+def _v2_cat_row_bytes(topk: int) -> int:
+    """What the final cats (:315-317) hold a row: the ids are cat-ed first, beside the scores' and
+    ranks' lists: the ids twice, the scores and ranks once (the later cats hold less)."""
+    return 2 * (topk + 1) * INT64_BYTES + (topk + 1) * FP32 + INT64_BYTES
+
+
+def _v2_step_overhead(g: ModelGeometry, e: EngineShape, step: int, k: int) -> int:
+    """`v2_prompt_logprobs_overhead_bytes` charged to a `step`-token step: the larger at the two
+    grid points around it."""
+    return max(v2_prompt_logprobs_overhead_bytes(g, e, s, k) for s in _around(step, V2_PROMPT_LOGPROBS_GRID))
 
 
 def _v2_step(
@@ -1010,29 +1102,18 @@ def _v2_step(
     each row keeps a vocabulary's results: the cases measured against the simulator)."""
     v, dt = g.vocab_size, g.dtype_bytes
     topk = v if k == -1 else k
-    row = (topk + 1) * TOPK_LOGPROBS_BYTES + INT64_BYTES  # ids + scores + the selected token's rank
+    row = _v2_result_row_bytes(topk)
     sizes = [min(V2_PROMPT_LOGPROBS_CHUNK, step - start) for start in range(0, step, V2_PROMPT_LOGPROBS_CHUNK)]
     loop = kept_rows = 0
     for i, rows in enumerate(sizes):
         previous = sizes[i - 1] if i else 0
-        sort = cuda_topk_sort_bytes_per_logit(rows, topk, dt) if topk_sort else 0
-        select = cuda_topk_select_scratch_bytes(rows, v) if topk_sort else 0
-        outputs = rows * topk * (dt + INT64_BYTES)  # topk's values and int64 indices
-        inner = max(outputs + rows * topk * sort, outputs + select, rows * (topk * INT64_BYTES + row))
-        # `prompt_logits = logits_fn(...)`: the previous sub-chunk's logits are let go once the
-        # new ones are bound, before this sub-chunk's compute_topk_scores
-        both = (previous + rows) * v * dt
-        loop = max(loop, kept_rows * row + max(both, rows * v * dt + inner))
+        loop = max(loop, kept_rows * row + _v2_sub_chunk_peak(g, topk, rows, previous, topk_sort))
         kept_rows += rows
-    # After the loop (:315-317) the ids are cat-ed first, beside the scores' and ranks' lists: the
-    # ids twice, the scores and ranks once (the later cats hold less); one sub-chunk: no cat.
-    ids, scores = (topk + 1) * INT64_BYTES, (topk + 1) * FP32
-    cat = step * (2 * ids + scores + INT64_BYTES) if len(sizes) > 1 else 0
+    cat = step * _v2_cat_row_bytes(topk) if len(sizes) > 1 else 0  # one sub-chunk: no cat
     peak = max(loop, sizes[-1] * v * dt + cat)
     if not segments or 0 <= k <= SMALL_SORT_MAX_SLICE:
         return step, row, peak
-    overhead = max(v2_prompt_logprobs_overhead_bytes(g, e, s, k) for s in _around(step, V2_PROMPT_LOGPROBS_GRID))
-    return step, row, peak + overhead
+    return step, row, peak + _v2_step_overhead(g, e, step, k)
 
 
 def v2_prompt_logprobs_tape(g: ModelGeometry, e: EngineShape, step: int, k: int) -> list[TapeOp]:
@@ -1115,15 +1196,14 @@ def warm_v2_prompt_logprobs_overhead(g: ModelGeometry, e: EngineShape) -> None:
     (--max-logprobs -1 or above 4,096: both charged as -1, `v2_charged_k`), once per deployment,
     before its configuration serves (kvgate/composition.py runs it on a worker thread): 14 - 17 s
     of CPU for an 8,192-token Llama-3.1-8B engine on the 2-core machine, which the event loop
-    would otherwise pay at the first passages' decisions (`_v2_step_peak_upto` walks every step
-    size up to the step's): benchmark S10's first passages met it half done, TTFT p99 2.1 - 2.7 s
-    against 0.25 s warmed first (session 28, bench/results/s10frag-session28)."""
+    would otherwise pay at the first passages' decisions (the running maximum over step sizes,
+    `_v2_step_peak_upto`, asks every grid point up to the step's): benchmark S10's first passages
+    met it half done, TTFT p99 2.1 - 2.7 s against 0.25 s warmed first (session 28,
+    bench/results/s10frag-session28). The running maximum itself is built here too, in
+    ascending order, so each replay is asked while the memo still holds its neighbours."""
     if e.runner != "v2" or not (e.max_logprobs == -1 or e.max_logprobs > SMALL_SORT_MAX_SLICE):
         return
-    for size in range(
-        V2_PROMPT_LOGPROBS_GRID, e.max_num_batched_tokens + V2_PROMPT_LOGPROBS_GRID, V2_PROMPT_LOGPROBS_GRID
-    ):
-        v2_prompt_logprobs_overhead_bytes(g, e, size, -1)
+    _v2_step_peak_upto(g, e, -1, e.max_num_batched_tokens)
 
 
 def v2_prompt_logprobs(g: ModelGeometry, e: EngineShape, chunk: int, prompt_tokens: int, k: int) -> list[TransientTerm]:
@@ -1464,9 +1544,10 @@ class SharedForward:
     One replay costs 0.1 s of CPU at 592 MiB of headroom and 1.7 s at 4 GiB (more candidates fit,
     each after ~140 histories): too long for the event loop. So the level of each headroom (on
     `level_capacity`'s grid) is worked out once on a worker thread, and until it is known the
-    answer is no: the step is charged the profile's share, the cautious charge. The gate weighs
-    its queue again at its next event (a release, an ended prefill: the other requests'). `background=False`
-    works the level out in the caller's thread (tests, one-shot tools)."""
+    answer is no: the step is charged the profile's share, the cautious charge. Each level known
+    calls the `when_known` listener on the worker thread (the gate's `changed_from_thread`: its
+    queue weighed again at once, not at the next release or arrival). `background=False` works
+    the level out in the caller's thread (tests, one-shot tools)."""
 
     def __init__(
         self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
@@ -1477,6 +1558,11 @@ class SharedForward:
         self._levels: dict[int, int] = {}
         self._pending: set[int] = set()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-shared-forward") if background else None
+        self._known: Callable[[], None] | None = None
+
+    def when_known(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (thread-safe itself) on the worker thread each time a level is known."""
+        self._known = listener
 
     def __call__(self, forward_bytes: int, capacity: int) -> bool:
         capacity = level_capacity(capacity)
@@ -1503,6 +1589,8 @@ class SharedForward:
     def _work_out(self, capacity: int) -> None:
         """On the worker thread: one dict store, which the loop's thread reads whole or not."""
         self._levels[capacity] = self._level(capacity)
+        if self._known is not None:
+            self._known()
 
     def _level(self, capacity: int) -> int:
         return shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)

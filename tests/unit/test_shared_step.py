@@ -13,6 +13,7 @@ memory where kvgate charges a step its allocated bytes.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import random
@@ -25,7 +26,9 @@ from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
+from kvgate.gate.observer import Observers
 from kvgate.memory.activation import SharedForward, level_capacity, profile_peak_bytes
 from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
@@ -209,3 +212,22 @@ def test_the_level_is_worked_out_off_the_event_loop_and_cautious_until_known() -
         rung = level_capacity(capacity)
         assert 0.977 * capacity <= rung <= capacity
     assert level_capacity(MiB) == 0
+
+
+async def test_a_request_waiting_on_the_level_is_admitted_once_it_is_known() -> None:
+    """S1's 16,000-token document beside four decoding chats waits while the level of its
+    headroom is being worked out (the cautious answer); when the worker thread has it, the gate
+    weighs its queue again at once: the document is admitted with no release or arrival."""
+    budget, predictor = s1_budget(592 * MiB)
+    shared = SharedForward(DEEPSEEK, predictor.engine, False)
+    budget.update(shared_forward=shared)
+    gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=120.0)
+    shared.when_known(gate.changed_from_thread)
+    decoding(predictor, gate.ledger, 600, 300, 1200, 800)
+    waiting = asyncio.ensure_future(gate.acquire(document(predictor, 16000), 0, "t"))
+    await asyncio.sleep(0)
+    assert gate.waiting == 1  # queued on the cautious charge, the level not known yet
+    ticket = await asyncio.wait_for(waiting, 60)
+    assert ticket.queue_wait_s > 0
+    assert gate.waiting == 0
+    assert shared._levels  # admitted on the level now known, nothing else happened meanwhile
