@@ -26,7 +26,8 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import SharedForward, level_capacity, profile_peak_bytes
+from kvgate.memory.activation import SharedForward, level_capacity, profile_forward_tape, profile_peak_bytes
+from kvgate.memory.allocator import fits_after_any
 from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
@@ -136,6 +137,71 @@ def runs(s1_gpu: GPU, history: list[StepShape], final: StepShape) -> bool | None
     except CudaOutOfMemory:
         return False
     return True
+
+
+def chunks(prompt: int, after: int = 0) -> list[tuple[int, int]]:
+    """A prompt's prefill steps alone on the engine, (new tokens, computed context), from a
+    computed context of `after`: vllm 0.32.0 v1/core/sched/scheduler.py `Scheduler.schedule`
+    gives a running request at most the step's `token_budget` (max_num_batched_tokens) of new
+    tokens, so every step of a long prompt is a whole budget but its last."""
+    steps, done = [], after
+    while done < prompt:
+        new = min(T, prompt - done)
+        steps.append((new, done))
+        done += new
+    return steps
+
+
+def simulator_runs_out(s1_gpu: GPU, steps: list[tuple[int, int]]) -> int | None:
+    """The first of `steps` (one prefill each) that runs out of memory on the simulator's
+    allocator in S1's headroom, played in order on a fresh copy of the engine; None: all run."""
+    _, alloc, memory = copy.deepcopy(s1_gpu)
+    for i, (new, context) in enumerate(steps):
+        try:
+            run_tape(alloc, memory.plan(StepShape((prefill(new, context),))))
+        except CudaOutOfMemory:
+            return i
+    return None
+
+
+def kvgate_runs_out(steps: list[tuple[int, int]], capacity: int) -> int | None:
+    """The same question to kvgate's replay of served MLA steps (kvgate/memory/allocator.py
+    `fits_after_any` after the steps before, `profile_forward_tape` with `mla_context`)."""
+    engine = s1_budget(capacity)[1].engine
+    tapes = [profile_forward_tape(DEEPSEEK, engine, new, served=True, mla_context=c) for new, c in steps]
+    for i, tape in enumerate(tapes):
+        if not fits_after_any(tape, [tapes[:i]], capacity):
+            return i
+    return None
+
+
+def test_whether_a_document_runs_depends_on_the_allocator_history_not_on_the_requests_in_flight(
+    s1_gpu: GPU,
+) -> None:
+    """Why S1's 32,000-token documents still wait for an idle engine, and why a replay of only the
+    steps the in-flight requests can make would be unsafe (issue 24): the caching allocator keeps
+    the segments of requests long finished. On the simulator's allocator in S1's 592 MiB a
+    32,000-token document runs alone on a fresh engine and after a whole 16,000-token document,
+    but one of its own whole chunks runs out after that document's last chunk alone (the cache
+    released before it, as a failed cudaMalloc does), and after a 1,792-token step over 16,384
+    tokens where a 2,048-token one is harmless. A 48,000-token one runs out alone (kvgate refuses
+    it as never fitting). kvgate's replay finds the same in each case."""
+    capacity = s1_gpu[0].free()
+    last_of_16k = chunks(16000)[-1:]
+    cases = {
+        "alone": (chunks(32000), False),
+        "after a whole 16k document": (chunks(16000) + chunks(32000), False),
+        "after the 16k document's last chunk": (last_of_16k + chunks(32000), True),
+        "after 2,048 tokens over 16,384": ([(2048, 16384), *chunks(32000)], False),
+        "after 1,792 tokens over 16,384": ([(1792, 16384), *chunks(32000)], True),
+        "48k alone": (chunks(48000), True),
+    }
+    for name, (steps, runs_out) in cases.items():
+        sim_out, kv_out = simulator_runs_out(s1_gpu, steps), kvgate_runs_out(steps, capacity)
+        for out in (sim_out, kv_out):
+            assert (out is not None) == runs_out, name
+            # where it runs out, in one of the document's own whole chunks over 22,528 tokens or more
+            assert out is None or (steps[out][0] == T and steps[out][1] >= 22528), name
 
 
 DOCUMENTS = [16000, 32000, 48000, 64000, 96000, 120000]
