@@ -204,6 +204,28 @@ def test_whether_a_document_runs_depends_on_the_allocator_history_not_on_the_req
             assert out is None or (steps[out][0] == T and steps[out][1] >= 22528), name
 
 
+def test_whole_requests_one_after_another_run_on_the_simulator(s1_gpu: GPU) -> None:
+    """What a tighter charge could build on: the histories that run the 32,000-token document out
+    start from one step on an empty allocator, a cache the engine's start-up leaves only before
+    its first step (no computed context yet). Random serial runs of whole S1 requests (16,000 and
+    32,000-token documents and chats) from a fresh engine all run: the other path to an empty
+    cache, `empty_cache` after a failed cudaMalloc (kvgate/sim/gpu.py `CachingAllocator.malloc`),
+    happens while the failing step holds its earlier tensors. kvgate's replay runs them too, but
+    it is more cautious than the simulator after a whole 32,000-token document: it runs the next
+    one out in a whole chunk over 28,672 tokens."""
+    capacity = s1_gpu[0].free()
+    rng = random.Random(29)
+    for _ in range(4):
+        steps = [step for _ in range(8) for step in chunks(rng.choice([16000, 32000, 500, 1500, 2000]))]
+        assert simulator_runs_out(s1_gpu, steps) is None, steps
+        assert kvgate_runs_out(steps, capacity) is None, steps
+    two = chunks(32000) * 2
+    assert simulator_runs_out(s1_gpu, two) is None
+    out = kvgate_runs_out(two, capacity)
+    assert out is not None
+    assert two[out] == (T, 28672)
+
+
 DOCUMENTS = [16000, 32000, 48000, 64000, 96000, 120000]
 
 
