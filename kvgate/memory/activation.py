@@ -1477,7 +1477,8 @@ class SharedForward:
         self._pending: set[int] = set()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-shared-forward") if background else None
 
-    def __call__(self, forward_bytes: int, capacity: int) -> bool:
+    def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool:
+        """`unknown`: the answer while the level is worked out on the worker thread."""
         capacity = level_capacity(capacity)
         level = self._levels.get(capacity)
         if level is None:
@@ -1485,7 +1486,7 @@ class SharedForward:
                 level = self._levels[capacity] = self._level(capacity)
             else:
                 self._start(capacity)
-                return False
+                return unknown
         return forward_bytes <= level
 
     def __deepcopy__(self, memo: dict[int, object]) -> SharedForward:

@@ -24,6 +24,7 @@ from bench.scenarios import SCENARIOS
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
+from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import SharedForward, level_capacity, profile_forward_tape, profile_peak_bytes
@@ -297,3 +298,45 @@ def test_the_level_is_worked_out_off_the_event_loop_and_cautious_until_known() -
         rung = level_capacity(capacity)
         assert 0.977 * capacity <= rung <= capacity
     assert level_capacity(MiB) == 0
+
+
+def whole_request(prompt: int, decodes: int) -> list[ReqSlice]:
+    """One request alone on the engine: its prefill chunks (`chunks`), the last sampling its first
+    token, then `decodes` decode steps."""
+    steps = [ReqSlice(new, done, samples=new + done == prompt) for new, done in chunks(prompt)]
+    return steps + [ReqSlice(1, prompt + i) for i in range(decodes)]
+
+
+def test_a_lone_document_is_judged_by_the_served_steps_replay_as_beside_others(s1_gpu: GPU) -> None:
+    """An idle engine keeps its cache, so a request alone meets the segments the last requests'
+    MLA steps left, up-projections included (vllm 0.32.0 model_executor/layers/attention/
+    mla_attention.py `forward_mha`, `_compute_prefill_context`). On the simulator's allocator in
+    S1's 592 MiB a 32,000-token document runs on a fresh engine but runs out of memory in its
+    chunk over 28,672 tokens after one whole 13,312-token request served alone before it. kvgate
+    judged a request alone by a replay of plain steps without those tensors and admitted the
+    document; it now judges it by the served steps' replay, as beside others: not at 592 MiB,
+    refused at once as never fitting (it waited for an idle engine before). A 16,000-token
+    document alone is still admitted, and runs on the simulator after that request."""
+    _, alloc, memory = copy.deepcopy(s1_gpu)
+    for part in whole_request(13312, 3):
+        run_tape(alloc, memory.plan(StepShape((part,))))
+    document_steps = whole_request(32000, 0)
+    for part in document_steps[:14]:
+        run_tape(alloc, memory.plan(StepShape((part,))))
+    assert (document_steps[14].num_new_tokens, document_steps[14].num_context) == (T, 28672)
+    with pytest.raises(CudaOutOfMemory):
+        run_tape(alloc, memory.plan(StepShape((document_steps[14],))))
+    assert simulator_runs_out(s1_gpu, chunks(32000)) is None
+
+    _, alloc, memory = copy.deepcopy(s1_gpu)
+    for part in whole_request(13312, 3) + whole_request(16000, 3):
+        run_tape(alloc, memory.plan(StepShape((part,))))
+
+    budget, predictor = s1_budget(s1_gpu[0].free())
+    assert budget.shortfall(document(predictor, 16000), Ledger()) is None
+    assert budget.shortfall(document(predictor, 32000), Ledger()) == TRANSIENT_BUSY
+    body = {"prompt": "x", "max_tokens": 256, "temperature": 0.7}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    with pytest.raises(TransientNeverFits):
+        predictor.check_fits_ever(predictor.predict(spec, [[7] * 32000]), budget.ceiling())
+    predictor.check_fits_ever(predictor.predict(spec, [[7] * 16000]), budget.ceiling())
