@@ -206,14 +206,11 @@ def test_whether_a_document_runs_depends_on_the_allocator_history_not_on_the_req
 
 
 def test_whole_requests_one_after_another_run_on_the_simulator(s1_gpu: GPU) -> None:
-    """What a tighter charge could build on: the histories that run the 32,000-token document out
-    start from one step on an empty allocator, a cache the engine's start-up leaves only before
-    its first step (no computed context yet). Random serial runs of whole S1 requests (16,000 and
-    32,000-token documents and chats) from a fresh engine all run: the other path to an empty
-    cache, `empty_cache` after a failed cudaMalloc (kvgate/sim/gpu.py `CachingAllocator.malloc`),
-    happens while the failing step holds its earlier tensors. kvgate's replay runs them too, but
-    it is more cautious than the simulator after a whole 32,000-token document: it runs the next
-    one out in a whole chunk over 28,672 tokens."""
+    """Random serial runs of whole S1 requests (16,000 and 32,000-token documents and chats) from
+    a fresh engine run on the simulator and on kvgate's replay; kvgate's replay is more cautious
+    than the simulator after a whole 32,000-token document: it runs the next one out in a whole
+    chunk over 28,672 tokens. Other serial histories do run the document out (one whole
+    13,312-token request before it: `test_a_lone_document_is_judged_by_the_served_steps_replay_as_beside_others`)."""
     capacity = s1_gpu[0].free()
     rng = random.Random(29)
     for _ in range(4):
