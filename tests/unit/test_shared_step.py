@@ -337,3 +337,29 @@ def test_a_lone_document_is_judged_by_the_served_steps_replay_as_beside_others(s
     with pytest.raises(TransientNeverFits):
         predictor.check_fits_ever(predictor.predict(spec, [[7] * 32000]), budget.ceiling())
     predictor.check_fits_ever(predictor.predict(spec, [[7] * 16000]), budget.ceiling())
+
+
+def test_what_kvgate_admits_alone_runs_after_any_one_whole_request_and_what_it_refuses_may_not(
+    s1_gpu: GPU,
+) -> None:
+    """The lone line the served steps' replay draws in S1's 592 MiB, against the simulator: a
+    20,000-token document, admitted alone, runs after any one whole request of 512 - 32,768
+    tokens (every 512) served alone before it; a 24,000-token one, refused as never fitting,
+    runs on a fresh engine but runs out after a whole 21,504, 23,040 or 23,552-token request."""
+    budget, predictor = s1_budget(s1_gpu[0].free())
+    verdicts = {}
+    for size in (20000, 24000):
+        admitted = budget.shortfall(document(predictor, size), Ledger()) is None
+        fresh = whole_request(size, 0)
+        breaking = []
+        for earlier in range(512, 33000, 512):
+            history = whole_request(earlier, 1)
+            _, alloc, memory = copy.deepcopy(s1_gpu)
+            try:
+                for part in history + fresh:
+                    run_tape(alloc, memory.plan(StepShape((part,))))
+            except CudaOutOfMemory:
+                breaking.append(earlier)
+        verdicts[size] = (admitted, breaking)
+        assert simulator_runs_out(s1_gpu, chunks(size)) is None
+    assert verdicts == {20000: (True, []), 24000: (False, [21504, 23040, 23552])}
