@@ -29,7 +29,9 @@ _HOLDS: dict[Status, str] = {"starting": BACKEND_DOWN, "down": BACKEND_DOWN, "hu
 class SharedLevel(Protocol):
     """Whether a served step's forward pass of `forward_bytes` runs in `capacity` after any one
     earlier served step (kvgate/memory/activation.py SharedForward); `unknown`: the answer while
-    the replay is still being worked out."""
+    the replay is still being worked out; `on_level` runs (on another thread) once it is."""
+
+    on_level: Callable[[], None] | None
 
     def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool: ...
 

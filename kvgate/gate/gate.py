@@ -146,6 +146,12 @@ class Gate(Generic[Basis]):
         if reason is None:
             return self._admit(demand, "fits", waited_s=0.0, request_id=request_id)
         loop = asyncio.get_running_loop()
+        if self.budget.shared_forward is not None:  # a replay still being worked out may be why it waits
+
+            def on_level() -> None:
+                loop.call_soon_threadsafe(self._changed_soon)
+
+            self.budget.shared_forward.on_level = on_level
         now = self._clock()
         wait_s = self.max_queue_wait_s if deadline is None else max(0.0, deadline - now)
         waiter = Waiter(

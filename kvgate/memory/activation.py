@@ -18,6 +18,7 @@ once and kept (``shared=True``: count them once per engine, not per request).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -1476,6 +1477,9 @@ class SharedForward:
         self._levels: dict[int, int] = {}
         self._pending: set[int] = set()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-shared-forward") if background else None
+        # called on the worker thread once a level is known: a request alone waits on it with no
+        # other event to come (kvgate/gate/gate.py `Gate.admit` sets it)
+        self.on_level: Callable[[], None] | None = None
 
     def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool:
         """`unknown`: the answer while the level is worked out on the worker thread."""
@@ -1503,6 +1507,8 @@ class SharedForward:
     def _work_out(self, capacity: int) -> None:
         """On the worker thread: one dict store, which the loop's thread reads whole or not."""
         self._levels[capacity] = self._level(capacity)
+        if self.on_level is not None:
+            self.on_level()
 
     def _level(self, capacity: int) -> int:
         return shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)

@@ -13,6 +13,7 @@ memory where kvgate charges a step its allocated bytes.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import random
@@ -26,7 +27,9 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
+from kvgate.gate.observer import Observers
 from kvgate.memory.activation import SharedForward, level_capacity, profile_forward_tape, profile_peak_bytes
 from kvgate.memory.allocator import fits_after_any
 from kvgate.memory.demand import Demand
@@ -363,3 +366,18 @@ def test_what_kvgate_admits_alone_runs_after_any_one_whole_request_and_what_it_r
         verdicts[size] = (admitted, breaking)
         assert simulator_runs_out(s1_gpu, chunks(size)) is None
     assert verdicts == {20000: (True, []), 24000: (False, [21504, 23040, 23552])}
+
+
+async def test_a_request_alone_is_admitted_once_the_replay_is_worked_out(s1_gpu: GPU) -> None:
+    """kvgate works the served steps' replay out on a worker thread and, until it knows the
+    headroom's level, charges the profile's share: a 16,000-token document alone waits. Alone
+    no release or first token comes to re-check it, so the replay's end does: the document is
+    admitted within seconds, long before its queue deadline."""
+    budget, predictor = s1_budget(s1_gpu[0].free())
+    budget.update(shared_forward=SharedForward(DEEPSEEK, predictor.engine, False))
+    gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=600.0)
+    doc = document(predictor, 16000)
+    assert budget.shortfall(doc, Ledger()) == TRANSIENT_BUSY  # the level not known yet
+    ticket = await asyncio.wait_for(gate.acquire(doc, 0, "a"), 60)
+    assert ticket.queue_wait_s < 60
+    ticket.release("completed", 256)
