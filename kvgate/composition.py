@@ -407,8 +407,9 @@ class Runtime:
         self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))
         self.deployment = deployment
         self.budget.update(**asdict(limits))
-        if limits.shared_forward is not None:  # a level worked out off the loop wakes the queue
-            limits.shared_forward.when_known(self.gate.changed_from_thread)
+        for replay in (limits.shared_forward, limits.penalty_step):  # worked out off the loop: wakes the queue
+            if replay is not None:
+                replay.when_known(self.gate.changed_from_thread)
 
     def _predictor(self, deployment: Deployment) -> Predictor:
         """The predictor `deployment` and kvgate's settings make."""

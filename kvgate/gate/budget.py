@@ -26,6 +26,14 @@ BACKEND_HUNG = "backend_hung"
 _HOLDS: dict[Status, str] = {"starting": BACKEND_DOWN, "down": BACKEND_DOWN, "hung": BACKEND_HUNG}
 
 
+class SharedLevel(Protocol):
+    """Whether a served step's forward pass of `forward_bytes` runs in `capacity` after any one
+    earlier served step (kvgate/memory/activation.py SharedForward); `unknown`: the answer while
+    the replay is still being worked out."""
+
+    def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool: ...
+
+
 class Holdings(Protocol):
     """What the ledger holds; the budget only reads it."""
 
@@ -88,8 +96,9 @@ class Budget:
     lone_forward: Callable[[int, int], bool] | None = None
     # (forward bytes, capacity) -> whether a served step's forward pass of that many bytes runs in
     # that capacity after any one earlier served step, whoever's (kvgate/memory/activation.py
-    # SharedForward, MLA deployments); None: the profile's share is charged beside others.
-    shared_forward: Callable[[int, int], bool] | None = None
+    # SharedForward, MLA deployments); None: the profile's share is charged beside others. Where
+    # set, it judges a request alone too (`lone_step_fits`).
+    shared_forward: SharedLevel | None = None
     # (sampled rows, longest prompt) -> what a V1 step with a penalty row needs beyond the profile
     # region the engine keeps cached, or None while not known (kvgate/memory/activation.py
     # V1PenaltyStep); None: its prompt ids and bin counts come out of free memory whole.
@@ -182,22 +191,30 @@ class Budget:
             self.max_transient_limit(),
             self.profiled_cap_bytes,
             self.charged_segment_overhead,
-            None if headroom is None else lambda profiled: self.lone_step_fits(profiled, headroom),
+            None if headroom is None else lambda step: self.lone_step_fits(step, headroom, unknown=True),
         )
 
-    def lone_step_fits(self, profiled_forward_bytes: int, capacity: int | None = None) -> bool:
+    def lone_step_fits(self, step: StepHoldings, capacity: int | None = None, unknown: bool = False) -> bool:
         """Whether a request alone on the engine may be charged its forward pass's allocated bytes.
 
         Alone, a request's steps run largest first (its prefill's chunks, then decode), but the
-        caching allocator still holds the segments earlier requests' steps left: only where its
-        forward pass runs in the headroom after any one earlier step of another size
-        (kvgate/memory/activation.py `lone_forward_fits`) are its segments known not to strand.
-        Where the profile region comes out of free memory only (`profiled_cap_bytes` above 0).
-        `capacity`: the headroom to run in, default the live one. Not scaled down in conservative
-        mode: the replay asks what the allocator does in the memory it has; the charge is then
-        weighed against the scaled limit (`shortfall`), which would count stale readings twice."""
+        caching allocator still holds the segments earlier requests' steps left (an idle engine
+        does not empty its cache): only where its forward pass runs in the headroom after any one
+        earlier step of another size (kvgate/memory/activation.py `lone_forward_fits`) are its
+        segments known not to strand. An MLA deployment's served steps make the up-projection
+        tensors that replay leaves out, so there the replay of served steps judges it as it judges
+        a step beside others (`shared_step_fits`): the earlier steps' segments are there either
+        way. Where the profile region comes out of free memory only (`profiled_cap_bytes` above
+        0). `capacity`: the headroom to run in, default the live one; `unknown`: the answer while
+        the served steps' replay is being worked out (the ceiling's: not a verdict of never
+        fitting). Not scaled down in conservative mode: the replay asks what the allocator does in
+        the memory it has; the charge is then weighed against the scaled limit (`shortfall`),
+        which would count stale readings twice."""
         if capacity is None:
             capacity = self.transient_headroom_bytes
+        if self.shared_forward is not None and self.profiled_cap_bytes and capacity is not None:
+            return self.shared_step_fits(step, capacity, unknown)
+        profiled_forward_bytes = step.forward_profiled
         if (
             self.lone_forward is None
             or not self.profiled_cap_bytes
@@ -208,20 +225,21 @@ class Budget:
             return True
         return self.lone_forward(-(-profiled_forward_bytes // self.forward_bytes_per_token), capacity)
 
-    def shared_step_fits(self, step: StepHoldings) -> bool:
+    def shared_step_fits(self, step: StepHoldings, capacity: int | None = None, unknown: bool = False) -> bool:
         """Whether `step`'s forward pass is charged its allocated bytes beside other requests: where
         the replay of served steps (kvgate/memory/activation.py `shared_forward_level`) says a
         forward pass of its bytes (its profiled phase and its unprofiled terms, the context
-        up-projection beyond the profile among them) runs in the live headroom after any one
-        earlier step, which the other requests' steps leave cached. Else the profile's share
-        counts. Not scaled in conservative mode, as `lone_step_fits`."""
-        capacity = self.transient_headroom_bytes
+        up-projection beyond the profile among them) runs in the headroom (default the live one)
+        after any one earlier step, which the other requests' steps leave cached. Else the
+        profile's share counts. Not scaled in conservative mode, as `lone_step_fits`."""
+        if capacity is None:
+            capacity = self.transient_headroom_bytes
         if self.shared_forward is None or not self.profiled_cap_bytes or capacity is None:
             return False
         forward = forward_phase_bytes(
             step, self.profiled_cap_bytes, self.profiled_forward_bytes or None, self.forward_bytes_per_token
         )
-        return self.shared_forward(forward + step.unprofiled, capacity)
+        return self.shared_forward(forward + step.unprofiled, capacity, unknown)
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their
@@ -280,8 +298,8 @@ class Budget:
             need = holdings.new_blocks(demand) + margin
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
-        beside_others = holdings.in_flight > 0 or not self.lone_step_fits(demand.profiled_prefill_bytes)
         step = holdings.step_with(demand)
+        beside_others = holdings.in_flight > 0 or not self.lone_step_fits(step)
         charge = self._step_charge(step, beside_others, beside_others and self.shared_step_fits(step))
         # the held region counts whole only for the profiled bytes this step charges: the rest of
         # the charge is kvgate's prediction, and has the margin

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -28,6 +26,7 @@ from kvgate.memory.allocator import TapeOp, alloc, fits_after_any, fitting_prefi
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import QKV_SLICES, shrink_buffer_bytes
+from kvgate.memory.off_loop import OffLoopMemo
 from kvgate.memory.sampler import (
     ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     FP32,
@@ -1537,7 +1536,7 @@ def level_capacity(capacity: int) -> int:
     return rounded
 
 
-class SharedForward:
+class SharedForward(OffLoopMemo[int, int]):
     """`shared_forward_level` of one MLA deployment, for the budget: whether a step whose forward
     pass holds `forward_bytes` runs in `capacity` after the steps of the requests beside it.
 
@@ -1552,47 +1551,17 @@ class SharedForward:
     def __init__(
         self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
     ) -> None:
+        super().__init__("kvgate-shared-forward", background)
         self.geometry = geometry
         self.engine = engine
         self.expandable_segments = expandable_segments
-        self._levels: dict[int, int] = {}
-        self._pending: set[int] = set()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-shared-forward") if background else None
-        self._known: Callable[[], None] | None = None
 
-    def when_known(self, listener: Callable[[], None]) -> None:
-        """Call `listener` (thread-safe itself) on the worker thread each time a level is known."""
-        self._known = listener
+    def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool:
+        """`unknown`: the answer while the level is worked out on the worker thread."""
+        level = self._lookup(level_capacity(capacity))
+        return unknown if level is None else forward_bytes <= level
 
-    def __call__(self, forward_bytes: int, capacity: int) -> bool:
-        capacity = level_capacity(capacity)
-        level = self._levels.get(capacity)
-        if level is None:
-            if self._worker is None:
-                level = self._levels[capacity] = self._level(capacity)
-            else:
-                self._start(capacity)
-                return False
-        return forward_bytes <= level
-
-    def __deepcopy__(self, memo: dict[int, object]) -> SharedForward:
-        """One replay service per deployment, shared by copies of the limits that hold it
-        (`dataclasses.asdict` deep-copies them): its worker thread cannot be copied."""
-        return self
-
-    def _start(self, capacity: int) -> None:
-        if capacity not in self._pending:
-            self._pending.add(capacity)
-            assert self._worker is not None
-            self._worker.submit(self._work_out, capacity)
-
-    def _work_out(self, capacity: int) -> None:
-        """On the worker thread: one dict store, which the loop's thread reads whole or not."""
-        self._levels[capacity] = self._level(capacity)
-        if self._known is not None:
-            self._known()
-
-    def _level(self, capacity: int) -> int:
+    def _work_out(self, capacity: int) -> int:
         return shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
 
@@ -1824,7 +1793,7 @@ def penalty_prompt_class(prompt: int) -> int:
     return rounded
 
 
-class V1PenaltyStep:
+class V1PenaltyStep(OffLoopMemo[tuple[int, int], int]):
     """`v1_penalty_step_excess_bytes` of one V1 deployment, for the budget: the step's sampled
     rows rounded up to 32nds of the most one step samples and its longest prompt to
     `penalty_prompt_class`, so at most 32 x (4 a doubling of prompts) replays a deployment,
@@ -1836,12 +1805,10 @@ class V1PenaltyStep:
     def __init__(
         self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
     ) -> None:
+        super().__init__("kvgate-penalty-step", background)
         self.geometry = geometry
         self.engine = engine
         self.expandable_segments = expandable_segments
-        self._known: dict[tuple[int, int], int] = {}
-        self._pending: set[tuple[int, int]] = set()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvgate-penalty-step") if background else None
 
     def __call__(self, rows: int, prompt: int) -> int | None:
         """What a penalty step of `rows` sampled rows, its longest prompt `prompt`, needs beyond
@@ -1850,25 +1817,7 @@ class V1PenaltyStep:
             return 0
         most = sampler_cost(self.geometry, self.engine).max_sampled_rows
         step = max(1, most // SAMPLER_ROW_STEPS)
-        key = (min(most, max(step, -(-rows // step) * step)), penalty_prompt_class(prompt))
-        known = self._known.get(key)
-        if known is not None:
-            return known
-        if self._worker is None:
-            known = self._known[key] = self._excess(key)
-            return known
-        if key not in self._pending:
-            self._pending.add(key)
-            self._worker.submit(self._work_out, key)
-        return None
+        return self._lookup((min(most, max(step, -(-rows // step) * step)), penalty_prompt_class(prompt)))
 
-    def __deepcopy__(self, memo: dict[int, object]) -> V1PenaltyStep:
-        """One replay service per deployment, shared by copies of the limits (as SharedForward)."""
-        return self
-
-    def _work_out(self, key: tuple[int, int]) -> None:
-        """On the worker thread: one dict store, which the loop's thread reads whole or not."""
-        self._known[key] = self._excess(key)
-
-    def _excess(self, key: tuple[int, int]) -> int:
+    def _work_out(self, key: tuple[int, int]) -> int:
         return v1_penalty_step_excess_bytes(self.geometry, self.engine, self.expandable_segments, *key)

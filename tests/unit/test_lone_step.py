@@ -23,6 +23,7 @@ from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape, lone_forward_fits
+from kvgate.memory.ceiling import demand_step
 from kvgate.openai import parse_request
 from kvgate.predict import Prediction, Predictor
 from kvgate.settings import settings_from_args
@@ -155,7 +156,7 @@ def test_stale_readings_scale_the_limit_not_the_allocators_room() -> None:
     budget, predictor = h1_budget()
     short = rag_query(predictor, 2000).demand
     budget.update(scale=0.5)
-    assert budget.lone_step_fits(short.profiled_prefill_bytes)
+    assert budget.lone_step_fits(demand_step(short))
     assert budget.shortfall(short, Ledger()) is None  # 244 MiB against half of 555
-    assert not budget.lone_step_fits(short.profiled_prefill_bytes, capacity=300 * MiB)
-    assert not budget.lone_step_fits(rag_query(predictor, 8000).demand.profiled_prefill_bytes)
+    assert not budget.lone_step_fits(demand_step(short), capacity=300 * MiB)
+    assert not budget.lone_step_fits(demand_step(rag_query(predictor, 8000).demand))

@@ -25,11 +25,13 @@ from bench.scenarios import SCENARIOS
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
+from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
 from kvgate.gate.observer import Observers
-from kvgate.memory.activation import SharedForward, level_capacity, profile_peak_bytes
+from kvgate.memory.activation import SharedForward, level_capacity, profile_forward_tape, profile_peak_bytes
+from kvgate.memory.allocator import fits_after_any
 from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
@@ -141,6 +143,90 @@ def runs(s1_gpu: GPU, history: list[StepShape], final: StepShape) -> bool | None
     return True
 
 
+def chunks(prompt: int, after: int = 0) -> list[tuple[int, int]]:
+    """A prompt's prefill steps alone on the engine, (new tokens, computed context), from a
+    computed context of `after`: vllm 0.32.0 v1/core/sched/scheduler.py `Scheduler.schedule`
+    gives a running request at most the step's `token_budget` (max_num_batched_tokens) of new
+    tokens, so every step of a long prompt is a whole budget but its last."""
+    steps, done = [], after
+    while done < prompt:
+        new = min(T, prompt - done)
+        steps.append((new, done))
+        done += new
+    return steps
+
+
+def simulator_runs_out(s1_gpu: GPU, steps: list[tuple[int, int]]) -> int | None:
+    """The first of `steps` (one prefill each) that runs out of memory on the simulator's
+    allocator in S1's headroom, played in order on a fresh copy of the engine; None: all run."""
+    _, alloc, memory = copy.deepcopy(s1_gpu)
+    for i, (new, context) in enumerate(steps):
+        try:
+            run_tape(alloc, memory.plan(StepShape((prefill(new, context),))))
+        except CudaOutOfMemory:
+            return i
+    return None
+
+
+def kvgate_runs_out(steps: list[tuple[int, int]], capacity: int) -> int | None:
+    """The same question to kvgate's replay of served MLA steps (kvgate/memory/allocator.py
+    `fits_after_any` after the steps before, `profile_forward_tape` with `mla_context`)."""
+    engine = s1_budget(capacity)[1].engine
+    tapes = [profile_forward_tape(DEEPSEEK, engine, new, served=True, mla_context=c) for new, c in steps]
+    for i, tape in enumerate(tapes):
+        if not fits_after_any(tape, [tapes[:i]], capacity):
+            return i
+    return None
+
+
+def test_whether_a_document_runs_depends_on_the_allocator_history_not_on_the_requests_in_flight(
+    s1_gpu: GPU,
+) -> None:
+    """Why S1's 32,000-token documents still wait for an idle engine, and why a replay of only the
+    steps the in-flight requests can make would be unsafe (issue 24): the caching allocator keeps
+    the segments of requests long finished. On the simulator's allocator in S1's 592 MiB a
+    32,000-token document runs alone on a fresh engine and after a whole 16,000-token document,
+    but one of its own whole chunks runs out after that document's last chunk alone (the cache
+    released before it, as a failed cudaMalloc does), and after a 1,792-token step over 16,384
+    tokens where a 2,048-token one is harmless. A 48,000-token one runs out alone (kvgate refuses
+    it as never fitting). kvgate's replay finds the same in each case."""
+    capacity = s1_gpu[0].free()
+    last_of_16k = chunks(16000)[-1:]
+    cases = {
+        "alone": (chunks(32000), False),
+        "after a whole 16k document": (chunks(16000) + chunks(32000), False),
+        "after the 16k document's last chunk": (last_of_16k + chunks(32000), True),
+        "after 2,048 tokens over 16,384": ([(2048, 16384), *chunks(32000)], False),
+        "after 1,792 tokens over 16,384": ([(1792, 16384), *chunks(32000)], True),
+        "48k alone": (chunks(48000), True),
+    }
+    for name, (steps, runs_out) in cases.items():
+        sim_out, kv_out = simulator_runs_out(s1_gpu, steps), kvgate_runs_out(steps, capacity)
+        for out in (sim_out, kv_out):
+            assert (out is not None) == runs_out, name
+            # where it runs out, in one of the document's own whole chunks over 22,528 tokens or more
+            assert out is None or (steps[out][0] == T and steps[out][1] >= 22528), name
+
+
+def test_whole_requests_one_after_another_run_on_the_simulator(s1_gpu: GPU) -> None:
+    """Random serial runs of whole S1 requests (16,000 and 32,000-token documents and chats) from
+    a fresh engine run on the simulator and on kvgate's replay; kvgate's replay is more cautious
+    than the simulator after a whole 32,000-token document: it runs the next one out in a whole
+    chunk over 28,672 tokens. Other serial histories do run the document out (one whole
+    13,312-token request before it: `test_a_lone_document_is_judged_by_the_served_steps_replay_as_beside_others`)."""
+    capacity = s1_gpu[0].free()
+    rng = random.Random(29)
+    for _ in range(4):
+        steps = [step for _ in range(8) for step in chunks(rng.choice([16000, 32000, 500, 1500, 2000]))]
+        assert simulator_runs_out(s1_gpu, steps) is None, steps
+        assert kvgate_runs_out(steps, capacity) is None, steps
+    two = chunks(32000) * 2
+    assert simulator_runs_out(s1_gpu, two) is None
+    out = kvgate_runs_out(two, capacity)
+    assert out is not None
+    assert two[out] == (T, 28672)
+
+
 DOCUMENTS = [16000, 32000, 48000, 64000, 96000, 120000]
 
 
@@ -207,7 +293,7 @@ def test_the_level_is_worked_out_off_the_event_loop_and_cautious_until_known() -
     shared._worker.submit(lambda: None).result(timeout=60)  # the one worker has finished the level
     assert shared(small, 592 * MiB) is True
     assert shared(small, 595 * MiB) is True  # the same rung of the grid: no second replay
-    assert len(shared._levels) == 1
+    assert len(shared._known) == 1
     for capacity in (9 * MiB, 592 * MiB, 80 * GiB, 80 * GiB + 1):
         rung = level_capacity(capacity)
         assert 0.977 * capacity <= rung <= capacity
@@ -230,4 +316,89 @@ async def test_a_request_waiting_on_the_level_is_admitted_once_it_is_known() -> 
     ticket = await asyncio.wait_for(waiting, 60)
     assert ticket.queue_wait_s > 0
     assert gate.waiting == 0
-    assert shared._levels  # admitted on the level now known, nothing else happened meanwhile
+    assert shared._known  # admitted on the level now known, nothing else happened meanwhile
+
+
+def whole_request(prompt: int, decodes: int) -> list[ReqSlice]:
+    """One request alone on the engine: its prefill chunks (`chunks`), the last sampling its first
+    token, then `decodes` decode steps."""
+    steps = [ReqSlice(new, done, samples=new + done == prompt) for new, done in chunks(prompt)]
+    return steps + [ReqSlice(1, prompt + i) for i in range(decodes)]
+
+
+def test_a_lone_document_is_judged_by_the_served_steps_replay_as_beside_others(s1_gpu: GPU) -> None:
+    """An idle engine keeps its cache, so a request alone meets the segments the last requests'
+    MLA steps left, up-projections included (vllm 0.32.0 model_executor/layers/attention/
+    mla_attention.py `forward_mha`, `_compute_prefill_context`). On the simulator's allocator in
+    S1's 592 MiB a 32,000-token document runs on a fresh engine but runs out of memory in its
+    chunk over 28,672 tokens after one whole 13,312-token request served alone before it. kvgate
+    judged a request alone by a replay of plain steps without those tensors and admitted the
+    document; it now judges it by the served steps' replay, as beside others: not at 592 MiB,
+    refused at once as never fitting (it waited for an idle engine before). A 16,000-token
+    document alone is still admitted, and runs on the simulator after that request."""
+    _, alloc, memory = copy.deepcopy(s1_gpu)
+    for part in whole_request(13312, 3):
+        run_tape(alloc, memory.plan(StepShape((part,))))
+    document_steps = whole_request(32000, 0)
+    for part in document_steps[:14]:
+        run_tape(alloc, memory.plan(StepShape((part,))))
+    assert (document_steps[14].num_new_tokens, document_steps[14].num_context) == (T, 28672)
+    with pytest.raises(CudaOutOfMemory):
+        run_tape(alloc, memory.plan(StepShape((document_steps[14],))))
+    assert simulator_runs_out(s1_gpu, chunks(32000)) is None
+
+    _, alloc, memory = copy.deepcopy(s1_gpu)
+    for part in whole_request(13312, 3) + whole_request(16000, 3):
+        run_tape(alloc, memory.plan(StepShape((part,))))
+
+    budget, predictor = s1_budget(s1_gpu[0].free())
+    assert budget.shortfall(document(predictor, 16000), Ledger()) is None
+    assert budget.shortfall(document(predictor, 32000), Ledger()) == TRANSIENT_BUSY
+    body = {"prompt": "x", "max_tokens": 256, "temperature": 0.7}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    with pytest.raises(TransientNeverFits):
+        predictor.check_fits_ever(predictor.predict(spec, [[7] * 32000]), budget.ceiling())
+    predictor.check_fits_ever(predictor.predict(spec, [[7] * 16000]), budget.ceiling())
+
+
+def test_what_kvgate_admits_alone_runs_after_any_one_whole_request_and_what_it_refuses_may_not(
+    s1_gpu: GPU,
+) -> None:
+    """The lone line the served steps' replay draws in S1's 592 MiB, against the simulator: a
+    20,000-token document, admitted alone, runs after any one whole request of 512 - 32,768
+    tokens (every 512) served alone before it; a 24,000-token one, refused as never fitting,
+    runs on a fresh engine but runs out after a whole 21,504, 23,040 or 23,552-token request."""
+    budget, predictor = s1_budget(s1_gpu[0].free())
+    verdicts = {}
+    for size in (20000, 24000):
+        admitted = budget.shortfall(document(predictor, size), Ledger()) is None
+        fresh = whole_request(size, 0)
+        breaking = []
+        for earlier in range(512, 33000, 512):
+            history = whole_request(earlier, 1)
+            _, alloc, memory = copy.deepcopy(s1_gpu)
+            try:
+                for part in history + fresh:
+                    run_tape(alloc, memory.plan(StepShape((part,))))
+            except CudaOutOfMemory:
+                breaking.append(earlier)
+        verdicts[size] = (admitted, breaking)
+        assert simulator_runs_out(s1_gpu, chunks(size)) is None
+    assert verdicts == {20000: (True, []), 24000: (False, [21504, 23040, 23552])}
+
+
+async def test_a_request_alone_is_admitted_once_the_replay_is_worked_out(s1_gpu: GPU) -> None:
+    """kvgate works the served steps' replay out on a worker thread and, until it knows the
+    headroom's level, charges the profile's share: a 16,000-token document alone waits. Alone
+    no release or first token comes to re-check it, so the replay's end does: the document is
+    admitted within seconds, long before its queue deadline."""
+    budget, predictor = s1_budget(s1_gpu[0].free())
+    shared = SharedForward(DEEPSEEK, predictor.engine, False)
+    budget.update(shared_forward=shared)
+    gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=600.0)
+    shared.when_known(gate.changed_from_thread)
+    doc = document(predictor, 16000)
+    assert budget.shortfall(doc, Ledger()) == TRANSIENT_BUSY  # the level not known yet
+    ticket = await asyncio.wait_for(gate.acquire(doc, 0, "a"), 60)
+    assert ticket.queue_wait_s < 60
+    ticket.release("completed", 256)
