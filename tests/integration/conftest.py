@@ -10,10 +10,19 @@ from pathlib import Path
 import pytest
 
 from support.sim_model import build_sim_model_dir
-from support.vllm_server import VLLM_PYTHON, VllmPython
+from support.vllm_server import VLLM_PYTHON, VllmPython, wanted
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 ANSWER = "vllm-python: "  # support/vllm_interpreter.py ANSWER
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launch_session_vllm(request: pytest.FixtureRequest) -> None:
+    """At the session's first integration test, launch the session's vLLM if a selected test will
+    use it: its start-up (30-60 s on 2 cores) overlaps the tests that run before the first one that
+    needs it."""
+    if wanted(request, "vllm_server") and VLLM_PYTHON.exists():
+        request.getfixturevalue("vllm_boot")
 
 
 @pytest.fixture(scope="session")

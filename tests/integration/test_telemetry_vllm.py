@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.kvgate_server import KvgateServer, running_kvgate
-from support.vllm_server import SERVED_NAME, VllmServer, running_vllm
+from support.vllm_server import SERVED_NAME, BootingVllm, Launch, VllmServer, launching_wanted
 
 pytestmark = pytest.mark.vllm
 
@@ -29,17 +29,23 @@ SHARED = " ".join(f"word{i}" for i in range(32))
 KVGATE_FLAGS = ("--max-num-batched-tokens", "1024", "--max-num-seqs", "8", "--scrape-interval", "0.1")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def booting(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    vllm_cache: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, BootingVllm]]:
+    """The server without prefix caching, launched at the module's first test so that it boots
+    while the test with prefix caching (the session's vLLM) runs."""
+    launch: Launch = (tiny_model_dir, ("--no-enable-prefix-caching",), vllm_cache)
+    with launching_wanted(request, tmp_path_factory, {"vllm_without_prefix_caching": lambda: launch}) as launched:
+        yield launched
+
+
 @pytest.fixture(scope="module")
-def vllm_without_prefix_caching(
-    tiny_model_dir: Path, vllm_cache: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    with running_vllm(
-        tiny_model_dir,
-        tmp_path_factory.mktemp("vllm-nopc"),
-        extra_args=("--no-enable-prefix-caching",),
-        cache=vllm_cache,
-    ) as server:
-        yield server
+def vllm_without_prefix_caching(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["vllm_without_prefix_caching"].ready()
 
 
 def wave(kvgate: KvgateServer, n: int) -> list[float]:
@@ -60,12 +66,13 @@ def wave(kvgate: KvgateServer, n: int) -> list[float]:
     errors = []
     with ThreadPoolExecutor(CLIENTS) as pool:
         done = [pool.submit(one, c) for c in range(CLIENTS)]
-        while not all(f.done() for f in done):
+        # Samples the error every 0.05 s while the clients run (each bounded by its timeout), and
+        # stops as soon as the last one is answered.
+        while wait(done, timeout=0.05).not_done:
             text = httpx.get(kvgate.base_url + "/metrics", timeout=10).text
             m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
             if m["kvgate_kv_reconciled_requests"] >= 4:  # compared with 4+ running: sharing shows
                 errors.append(m["kvgate_kv_prediction_error_blocks"])
-            time.sleep(0.05)  # samples the error while the clients run (each bounded by its timeout)
         assert [f.result() for f in done] == [200] * CLIENTS
     return errors
 
