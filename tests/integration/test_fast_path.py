@@ -45,7 +45,8 @@ def test_body_query_and_headers_reach_the_backend(kvgate: KvgateServer, backend:
     assert response.headers["x-request-id"] == "rid-1"
     assert int(response.headers["x-kvgate-kv-blocks"]) >= 1
     assert int(response.headers["x-kvgate-transient-bytes"]) >= 0
-    assert float(response.headers["x-kvgate-queue-wait"]) == 0
+    # from its arrival to its admission: reading and preparing it only, it did not queue
+    assert 0 <= float(response.headers["x-kvgate-queue-wait"]) < 1
     seen = backend.received[-1]
     assert (seen.path, seen.query, seen.body) == ("/v1/completions", "trace=1", raw)
     forwarded = dict(seen.headers)
