@@ -1557,8 +1557,9 @@ class SharedForward(OffLoopMemo[int, int]):
         self.expandable_segments = expandable_segments
 
     def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool:
-        """`unknown`: the answer while the level is worked out on the worker thread."""
-        level = self._lookup(level_capacity(capacity))
+        """`unknown`: the ceiling's call (would it ever fit): the level is worked out now, in the
+        caller's thread, so a never-fits verdict does not depend on the worker thread's pace."""
+        level = self._lookup(level_capacity(capacity), now=unknown)
         return unknown if level is None else forward_bytes <= level
 
     def _work_out(self, capacity: int) -> int:

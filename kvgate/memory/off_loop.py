@@ -35,12 +35,13 @@ class OffLoopMemo(Generic[Key, Value]):
         (`dataclasses.asdict` deep-copies them): its worker thread cannot be copied."""
         return self
 
-    def _lookup(self, key: Key) -> Value | None:
-        """The value of `key`, or None while the worker thread works it out."""
+    def _lookup(self, key: Key, now: bool = False) -> Value | None:
+        """The value of `key`, or None while the worker thread works it out; `now`: worked out
+        in the caller's thread if not known (a verdict that must not depend on the worker's pace)."""
         known = self._known.get(key)
         if known is not None:
             return known
-        if self._worker is None:
+        if self._worker is None or now:
             known = self._known[key] = self._work_out(key)
             return known
         if key not in self._pending:
