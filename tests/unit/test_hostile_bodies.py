@@ -111,9 +111,12 @@ def test_invalid_text_in_a_key_is_named_with_escapes() -> None:
     error.param.encode("utf-8")
 
 
-@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+@pytest.mark.parametrize(
+    "encoding", ["utf-8-sig", "utf-16", "utf-32", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"]
+)
 def test_bodies_in_the_encodings_vllm_reads_still_parse(encoding: str) -> None:
-    """vLLM's json.loads(bytes) reads UTF-8 with a BOM, UTF-16 and UTF-32 (json.detect_encoding)."""
+    """vLLM's json.loads(bytes) reads UTF-8 with a BOM, UTF-16 and UTF-32, with a BOM or told by
+    the NUL bytes (json.detect_encoding): a little-endian body opens with `{` then NUL."""
     raw = json.dumps({"prompt": "h\u00e9 \U0001f600"}, ensure_ascii=False).encode(encoding)
     assert parse_request("completions", raw).input == PromptInput(("h\u00e9 \U0001f600",))
     lone = '{"prompt": "\\ud800"}'.encode(encoding)  # an escaped lone surrogate in UTF-16: refused too
