@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import httpx
@@ -57,16 +56,22 @@ POOL_CONNECTIONS = 16
 _deadline: ContextVar[float | None] = ContextVar("kvgate_backend_call_deadline", default=None)
 
 
-@contextmanager
-def calls_until(deadline: float | None) -> Iterator[None]:
+class calls_until:
     """Backend calls made within (the /tokenize fallback) end at `deadline` (time.monotonic):
     tokenizing is part of the request's wait for admission, so it counts against the same
-    --max-queue-wait. None: no bound but the calls' own timeouts."""
-    token = _deadline.set(deadline)
-    try:
-        yield
-    finally:
-        _deadline.reset(token)
+    --max-queue-wait. None: no bound but the calls' own timeouts. A class rather than a
+    generator context manager: it is entered once per gated request (as work_budget.charging)."""
+
+    __slots__ = ("_at", "_token")
+
+    def __init__(self, deadline: float | None) -> None:
+        self._at = deadline
+
+    def __enter__(self) -> None:
+        self._token = _deadline.set(self._at)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _deadline.reset(self._token)
 
 
 class TokenizeCalls(httpx.AsyncBaseTransport):
