@@ -437,7 +437,16 @@ def encoder_budget(
         items = {"image": (vllm_most, max_item if profiled_item is None else profiled_item, profiled_tiles)}
         videos = image_kwargs(media.processor_kwargs, None, "videos_kwargs")
         try:
-            video = video_item(config, rule, kwargs, videos, deployment.max_model_len, media.dummy.get("video", {}))
+            image_on = media.limits.get("image", DEFAULT_LIMIT_PER_PROMPT) > 0
+            video = video_item(
+                config,
+                rule,
+                kwargs,
+                videos,
+                deployment.max_model_len,
+                media.dummy.get("video", {}),
+                vllm_most if image_on else 0,
+            )
         except TokenizationError:  # video settings the processor refuses: which item vLLM profiles is unknown
             video, profiled_item = None, 0  # credit the profile nothing
         if video is not None:

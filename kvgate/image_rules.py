@@ -554,8 +554,15 @@ class CroppedPatches(ImageRule):
     tile: tuple[int, int]  # preprocessor_config.json's size (height, width)
     min_patches: int
     max_patches: int
+    # preprocessor_config.json's crop_to_patches, which vLLM's get_num_image_tokens reads (above)
+    vllm_crops: bool = True
     family: str = "internvl"
     placeholder: str = "<IMG_CONTEXT>"
+
+    def vllm_most(self, kwargs: Mapping[str, Any]) -> int:
+        """vLLM 0.32.0's `InternS1ProcessingInfo.get_max_image_tokens`: the largest image's patches
+        as the image processor's own crop_to_patches (under --mm-processor-kwargs) counts them."""
+        return self.most_features(None, {**kwargs, "crop_to_patches": kwargs.get("crop_to_patches", self.vllm_crops)})
 
     @property
     def feature_token(self) -> int:  # type: ignore[override]
@@ -599,6 +606,7 @@ def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
         (int(size["height"]), int(size["width"])),
         int(processor.get("min_patches") or 1),
         int(processor.get("max_patches") or 12),
+        processor.get("crop_to_patches") is not False,
     )
 
 

@@ -194,6 +194,35 @@ def test_onevision_profiles_a_video_between_vllms_image_and_the_largest(tmp_path
     assert (video.profiled_modality, profile_of(video), video.profiled_tiles) == ("video", (177, 2048, 8, 177), 11)
 
 
+def test_internvl_profiles_its_video_of_the_frames_the_context_holds(tmp_path: Path) -> None:
+    """InternVL (transformers format, vLLM's interns1.py): no get_mm_max_tokens_per_item, so M is
+    the dummy's count; the dummy video has a frame of 256 embeddings for each 256 tokens of
+    max_model_len left after one largest image (13 x 256 = 3,328): at 8,192, 19 frames (4,864), so
+    the video is profiled, one a step (B = 4,864); with images off, 32 frames (the whole 8,192);
+    with num_frames 4 the dummy and M are 1,024, below the image: one image a step (B = 3,328)."""
+    config = {
+        "model_type": "internvl",
+        "image_token_id": 2050,
+        "downsample_ratio": 0.5,
+        "text_config": {**TEXT, "model_type": "qwen2"},
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "image_size": [448, 448],
+                          "patch_size": [14, 14], "num_attention_heads": 2},
+    }  # fmt: skip
+    images = {"image_seq_length": 256, "size": {"height": 448, "width": 448}, "max_patches": 12}
+    folder = _folder(tmp_path, config, images)
+    both = tiny_budget(folder, {"image": 4, "video": 1}, max_model_len=8192)
+    assert (both.profiled_modality, profile_of(both)) == ("video", (4864, 4864, 1, 4864))
+    videos = tiny_budget(folder, {"image": 0, "video": 1}, max_model_len=8192)
+    assert (videos.profiled_modality, profile_of(videos)) == ("video", (8192, 8192, 1, 8192))
+    few = tiny_budget(folder, {"image": 4, "video": {"count": 1, "num_frames": 4}}, max_model_len=8192)
+    assert (few.profiled_modality, profile_of(few)) == ("image", (3328, 3328, 1, 3328))
+    # InternVL3-hf's preprocessor_config.json turns crop_to_patches off: vLLM's get_max_image_tokens
+    # then says 1 patch (256), leaving 31 frames (7,936), though the processor crops the image.
+    (folder / "preprocessor_config.json").write_text(json.dumps({**images, "crop_to_patches": False}))
+    uncropped = tiny_budget(folder, {"image": 4, "video": 1}, max_model_len=8192)
+    assert (uncropped.profiled_modality, profile_of(uncropped)) == ("video", (7936, 7936, 1, 7936))
+
+
 def test_a_qwen2_5_vl_with_videos_on_credits_one_video_not_six_images(tmp_path: Path) -> None:
     """The published Qwen2.5-VL config with the processors' defaults (transformers 5.19: images of
     at most 1,003,520 pixels, 1,280 embeddings; video frames of at most 602,112) at max_model_len
