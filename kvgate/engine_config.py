@@ -401,7 +401,7 @@ def encoder_budget(
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
     from kvgate.audio import audio_tokens_of
     from kvgate.chat_template import TokenizationError
-    from kvgate.image_rules import ImageTokens, image_tokens_of
+    from kvgate.image_rules import AnyResolution, ImageTokens, image_tokens_of
     from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, audio_kwargs, image_kwargs
     from kvgate.profiled_media import profiled_item as profiled_item_of
     from kvgate.profiled_media import video_item
@@ -425,12 +425,28 @@ def encoder_budget(
         max_item, modality, max_tiles = largest.features, "image", largest.tiles
         dummy = dummy_image(rule, kwargs, media.dummy.get("image", {}))
         # A dummy image of --limit-mm-per-prompt's size: its tiles are credited as one (the base view),
-        # since the tiles a pinpoint grid picks do not grow with the size as the embeddings do.
-        profiled_item, profiled_tiles = (dummy.features, min(dummy.tiles, 1)) if dummy is not None else (None, 0)
-        items = {"image": (max_item, max_item if profiled_item is None else profiled_item, profiled_tiles)}
+        # since the tiles a pinpoint grid picks do not grow with the size as the embeddings do; an
+        # any-resolution dummy is drawn at vLLM's own size, so its tiles are those vLLM ran.
+        exact_tiles = isinstance(rule, AnyResolution)
+        profiled_item, profiled_tiles = (
+            (dummy.features, dummy.tiles if exact_tiles else min(dummy.tiles, 1)) if dummy is not None else (None, 0)
+        )
+        # LLaVA-NeXT / OneVision state no `get_mm_max_tokens_per_item`: vLLM's image M, which picks
+        # the profiled modality, is the dummy's count (encoder_budget.py `get_mm_max_toks_per_item`).
+        vllm_most = profiled_item if exact_tiles and profiled_item is not None else max_item
+        items = {"image": (vllm_most, max_item if profiled_item is None else profiled_item, profiled_tiles)}
         videos = image_kwargs(media.processor_kwargs, None, "videos_kwargs")
         try:
-            video = video_item(config, rule, kwargs, videos, deployment.max_model_len, media.dummy.get("video", {}))
+            image_on = media.limits.get("image", DEFAULT_LIMIT_PER_PROMPT) > 0
+            video = video_item(
+                config,
+                rule,
+                kwargs,
+                videos,
+                deployment.max_model_len,
+                media.dummy.get("video", {}),
+                vllm_most if image_on else 0,
+            )
         except TokenizationError:  # video settings the processor refuses: which item vLLM profiles is unknown
             video, profiled_item = None, 0  # credit the profile nothing
         if video is not None:
@@ -476,22 +492,26 @@ def dummy_image(rule: ImageRule, kwargs: Mapping[str, Any], options: Mapping[str
     None (the largest image's). vLLM 0.32.0 and 0.33.0 (multimodal/processing/dummy_inputs.py
     `BaseDummyInputsBuilder._get_dummy_images`) draw it at min(w, W) x min(h, H), W x H being the
     model's largest image (`get_image_size_with_most_features`), an unset side staying W or H.
-    Qwen2-VL's family states W x H (`DynamicResolution.largest`). For the other rules kvgate takes
+    Qwen2-VL's family states W x H (`DynamicResolution.largest`), LLaVA-NeXT's and OneVision's too
+    (`AnyResolution.profiled_size`): theirs is returned even without options, since OneVision's
+    W x H counts below the largest image kvgate charges (its `most`). For the other rules kvgate takes
     a given side as it is and an unset one as 1 pixel, so a credit never exceeds the profile's
     on a processor whose count grows with the size; a side above the model's largest (vLLM warns
     and ignores it) is not clamped there (docs/limitations.md). A size the processor refuses
     (vLLM's profile would fail with it) credits nothing: 0 embeddings."""
     from kvgate.chat_template import TokenizationError
-    from kvgate.image_rules import DynamicResolution, Replacement
+    from kvgate.image_rules import AnyResolution, DynamicResolution, Replacement
     from kvgate.media import ImageSize
 
     width, height = options.get("width"), options.get("height")
-    if not width and not height:
+    if not width and not height and not isinstance(rule, AnyResolution):
         return None
     if not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0) for v in (width, height)):
         raise ValueError(f"--limit-mm-per-prompt: image width/height must be positive integers, got {dict(options)!r}")
-    if isinstance(rule, DynamicResolution):
-        largest = rule.largest(rule.pixel_range(kwargs)[1])
+    if isinstance(rule, DynamicResolution | AnyResolution):
+        largest = (
+            rule.largest(rule.pixel_range(kwargs)[1]) if isinstance(rule, DynamicResolution) else rule.profiled_size
+        )
         size = ImageSize(min(width or largest.width, largest.width), min(height or largest.height, largest.height))
     else:
         size = ImageSize(width or 1, height or 1)

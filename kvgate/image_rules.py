@@ -347,6 +347,17 @@ class AnyResolution(ImageRule):
                 most = max(most, self._pooled(full_height, width))
         return self.base + most
 
+    @cached_property
+    def profiled_size(self) -> ImageSize:
+        """vLLM's largest image, which its start-up profile draws as the dummy (vLLM 0.32.0 and
+        0.33.0 `get_image_size_with_most_features`): on LLaVA-NeXT the first pinpoint of the most
+        embeddings (llava_next.py), on OneVision a fixed 1153 x 944 (llava_onevision.py, "found via
+        processor tests"), whose count can be below `most` (tiny 4 x 4 grid: 159 against 198)."""
+        if self.family == "llava_onevision":
+            return ImageSize(1153, 944)
+        sizes = [ImageSize(width, height) for height, width in self.pinpoints]
+        return max(sizes, key=self.count)  # the first of the most, as vLLM's strict `>` keeps
+
     def tiles(self, size: ImageSize | None) -> int:
         """The tiles the tower runs: the base view and the grid's (llava_next.py
         `_process_image_pixels` over the processor's patches); the most a pinpoint makes for an
@@ -543,8 +554,15 @@ class CroppedPatches(ImageRule):
     tile: tuple[int, int]  # preprocessor_config.json's size (height, width)
     min_patches: int
     max_patches: int
+    # preprocessor_config.json's crop_to_patches, which vLLM's get_num_image_tokens reads (above)
+    vllm_crops: bool = True
     family: str = "internvl"
     placeholder: str = "<IMG_CONTEXT>"
+
+    def vllm_most(self, kwargs: Mapping[str, Any]) -> int:
+        """vLLM 0.32.0's `InternS1ProcessingInfo.get_max_image_tokens`: the largest image's patches
+        as the image processor's own crop_to_patches (under --mm-processor-kwargs) counts them."""
+        return self.most_features(None, {**kwargs, "crop_to_patches": kwargs.get("crop_to_patches", self.vllm_crops)})
 
     @property
     def feature_token(self) -> int:  # type: ignore[override]
@@ -588,6 +606,7 @@ def _internvl(config: dict[str, Any], processor: dict[str, Any]) -> ImageRule | 
         (int(size["height"]), int(size["width"])),
         int(processor.get("min_patches") or 1),
         int(processor.get("max_patches") or 12),
+        processor.get("crop_to_patches") is not False,
     )
 
 

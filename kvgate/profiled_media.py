@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.image_rules import (
+    CroppedPatches,
     DynamicResolution,
     TimedFrames,
     TimedVideoGrid,
@@ -79,12 +80,14 @@ def video_item(
     videos: Mapping[str, Any],
     seq_len: int,
     options: Mapping[str, Any],
+    image_most: int = 0,
 ) -> tuple[int, int, int] | None:
     """The video's (M, dummy embeddings, dummy tiles) on the families read (Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL, LLaVA-OneVision), else None (a family whose videos kvgate does not read: its profile
-    is taken to be of images, docs/limitations.md). `images` / `videos`: --mm-processor-kwargs'
-    images_kwargs and videos_kwargs as the processor runs them; `options`: --limit-mm-per-prompt's
-    video options."""
+    Qwen3-VL, LLaVA-OneVision, InternVL in transformers' format), else None (a family whose videos
+    kvgate does not read: its profile is taken to be of images, docs/limitations.md). `images` /
+    `videos`: --mm-processor-kwargs' images_kwargs and videos_kwargs as the processor runs them;
+    `options`: --limit-mm-per-prompt's video options; `image_most`: the largest image's embeddings
+    where images are on (0: off)."""
     if isinstance(rule, DynamicResolution) and isinstance(rule.video, VideoGrid):
         return (*qwen2_vl_video(rule, rule.video, images, videos, seq_len, options), 0)
     if isinstance(rule, DynamicResolution) and isinstance(rule.video, TimedVideoGrid):
@@ -92,7 +95,23 @@ def video_item(
     if config.get("model_type") == "llava_onevision":
         most = onevision_video(config, seq_len, options)
         return most, most, onevision_frames(config, seq_len, options)
+    if isinstance(rule, CroppedPatches):
+        frames = internvl_frames(rule, seq_len, rule.vllm_most(images) if image_most else 0, options)
+        return frames * rule.per_patch, frames * rule.per_patch, frames
     return None
+
+
+def internvl_frames(rule: CroppedPatches, seq_len: int, image_most: int, options: Mapping[str, Any]) -> int:
+    """The frames of InternVL's (transformers format) dummy video, one tile of image_seq_length
+    embeddings each: vLLM states no `get_mm_max_tokens_per_item` for it, so its M is the dummy's
+    count (interns1.py `InternS1DummyInputsBuilder.get_dummy_mm_data`; the video's replacement is
+    a frame per patch, `get_replacement_interns1_video`): seq_len less one largest image where
+    images are on, over image_seq_length, at least 1 (`get_num_frames_with_most_features` of one
+    item each; the image as `get_max_image_tokens` counts it, `CroppedPatches.vllm_most`), less
+    --limit-mm-per-prompt's video num_frames (`_get_dummy_videos`)."""
+    frames = max((seq_len - image_most) // rule.per_patch, 1)
+    asked = options.get("num_frames")
+    return min(frames, asked) if isinstance(asked, int) and asked > 0 else frames
 
 
 def qwen2_vl_video(

@@ -141,7 +141,10 @@ def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
     images are profiled; with images off, 2,048 // 65 = 31, at most 8 sequences x 1 video: 8
     videos of 65, each 16 frames (tiles) through the tower; --limit-mm-per-prompt's num_frames 3
     makes the dummy, and with it M, 13 (vLLM counts the dummy: no get_mm_max_tokens_per_item).
-    vLLM: image; video 65 x 8; video 13 x 8."""
+    The image profile's dummy is vLLM's fixed 1153 x 944 (`get_image_size_with_most_features`):
+    the 128 x 128 pinpoint, unpadded to 6 x 8 patches + 6 newlines + the 16 of the base view = 70
+    embeddings over 5 tiles, below the 8 x 8 grid's 88 kvgate charges an unseen image.
+    vLLM: image 70; video 65 x 8; video 13 x 8."""
     config = {
         "model_type": "llava_onevision",
         "image_token_index": 2050,
@@ -157,12 +160,67 @@ def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
               "image_grid_pinpoints": config["image_grid_pinpoints"]}  # fmt: skip
     folder = _folder(tmp_path, config, images)
     both = tiny_budget(folder, {"image": 4, "video": 1}, max_model_len=1024)
-    assert both.max_item > 65
-    assert both.profiled_item is None  # the largest image
+    assert (profile_of(both), both.profiled_tiles) == ((88, 2048, 2048 // 88, 70), 5)
     videos = tiny_budget(folder, {"image": 0, "video": 1}, max_model_len=1024)
     assert (profile_of(videos), videos.profiled_tiles) == ((65, 2048, 8, 65), 16)
     few = tiny_budget(folder, {"image": 0, "video": {"count": 1, "num_frames": 3}}, max_model_len=1024)
     assert (profile_of(few), few.profiled_tiles) == ((13, 2048, 8, 13), 3)
+
+
+def test_onevision_profiles_a_video_between_vllms_image_and_the_largest(tmp_path: Path) -> None:
+    """vLLM's OneVision image M is its 1153 x 944 dummy's count (no get_mm_max_tokens_per_item),
+    159 on a 4 x 4 grid of 64-pixel tiles, below the 198 of the largest image. A video of 11
+    unpooled frames (spatial_pool_stride 1: 16 embeddings a frame, + the newline = 177) lies
+    between: vLLM profiles the video, so kvgate credits the video's dummy, not images."""
+    pinpoints = [[64 * r, 64 * c] for r in range(1, 5) for c in range(1, 5)]
+    config = {
+        "model_type": "llava_onevision",
+        "image_token_index": 2050,
+        "video_token_index": 2051,
+        "spatial_pool_stride": 1,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+        "image_grid_pinpoints": pinpoints,
+        "text_config": {**TEXT, "model_type": "qwen2"},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "image_size": 64, "patch_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1},
+    }  # fmt: skip
+    images = {"image_processor_type": "LlavaOnevisionImageProcessor", "size": {"height": 64, "width": 64},
+              "image_grid_pinpoints": pinpoints}  # fmt: skip
+    folder = _folder(tmp_path, config, images)
+    images_only = tiny_budget(folder, {"image": 4, "video": 0}, max_model_len=1024)
+    assert (profile_of(images_only), images_only.profiled_tiles) == ((198, 2048, 2048 // 198, 159), 17)
+    video = tiny_budget(folder, {"image": 4, "video": {"count": 1, "num_frames": 11}}, max_model_len=1024)
+    assert (video.profiled_modality, profile_of(video), video.profiled_tiles) == ("video", (177, 2048, 8, 177), 11)
+
+
+def test_internvl_profiles_its_video_of_the_frames_the_context_holds(tmp_path: Path) -> None:
+    """InternVL (transformers format, vLLM's interns1.py): no get_mm_max_tokens_per_item, so M is
+    the dummy's count; the dummy video has a frame of 256 embeddings for each 256 tokens of
+    max_model_len left after one largest image (13 x 256 = 3,328): at 8,192, 19 frames (4,864), so
+    the video is profiled, one a step (B = 4,864); with images off, 32 frames (the whole 8,192);
+    with num_frames 4 the dummy and M are 1,024, below the image: one image a step (B = 3,328)."""
+    config = {
+        "model_type": "internvl",
+        "image_token_id": 2050,
+        "downsample_ratio": 0.5,
+        "text_config": {**TEXT, "model_type": "qwen2"},
+        "vision_config": {"hidden_size": 64, "intermediate_size": 128, "image_size": [448, 448],
+                          "patch_size": [14, 14], "num_attention_heads": 2},
+    }  # fmt: skip
+    images = {"image_seq_length": 256, "size": {"height": 448, "width": 448}, "max_patches": 12}
+    folder = _folder(tmp_path, config, images)
+    both = tiny_budget(folder, {"image": 4, "video": 1}, max_model_len=8192)
+    assert (both.profiled_modality, profile_of(both)) == ("video", (4864, 4864, 1, 4864))
+    videos = tiny_budget(folder, {"image": 0, "video": 1}, max_model_len=8192)
+    assert (videos.profiled_modality, profile_of(videos)) == ("video", (8192, 8192, 1, 8192))
+    few = tiny_budget(folder, {"image": 4, "video": {"count": 1, "num_frames": 4}}, max_model_len=8192)
+    assert (few.profiled_modality, profile_of(few)) == ("image", (3328, 3328, 1, 3328))
+    # InternVL3-hf's preprocessor_config.json turns crop_to_patches off: vLLM's get_max_image_tokens
+    # then says 1 patch (256), leaving 31 frames (7,936), though the processor crops the image.
+    (folder / "preprocessor_config.json").write_text(json.dumps({**images, "crop_to_patches": False}))
+    uncropped = tiny_budget(folder, {"image": 4, "video": 1}, max_model_len=8192)
+    assert (uncropped.profiled_modality, profile_of(uncropped)) == ("video", (7936, 7936, 1, 7936))
 
 
 def test_a_qwen2_5_vl_with_videos_on_credits_one_video_not_six_images(tmp_path: Path) -> None:
