@@ -15,8 +15,9 @@ What counts as a kvgate 5xx: any 5xx kvgate generated itself (no `x-kvgate-kv-bl
 the request was never admitted and relayed) except the honest answers to a backend fault given
 while the fault lasted (from the SIGKILL until the simulator answers /health again plus
 FAULT_GRACE_S, and from the SIGSTOP until SIGCONT plus FAULT_GRACE_S) with one of the
-backend-fault codes in BACKEND_FAULT_CODES. A plain-text 500, a 5xx to a hostile body, or a
-backend-fault code outside those windows all count. A 5xx relayed from the backend (admitted, so
+backend-fault codes in BACKEND_FAULT_CODES. A plain-text 500, a 5xx to a hostile body (but for
+a memory-hostile one, admitted and forwarded like a normal request), or a backend-fault code
+outside those windows all count. A 5xx relayed from the backend (admitted, so
 it carries kvgate's headers) is counted apart as "backend 5xx, relayed".
 
 The other measures: RSS from the end of the warm-up (the first WARMUP_SHARE of the answers) to
@@ -863,7 +864,9 @@ def is_kvgate_5xx(a: Answer, fault_windows: list[tuple[float, float]]) -> bool:
     while the fault lasted; see the module docstring."""
     if not a.outcome.isdigit() or int(a.outcome) < 500 or a.relayed:
         return False
-    honest = a.code in BACKEND_FAULT_CODES and a.kind != "hostile"
+    # A memory-hostile body is a valid request that may be admitted (vLLM would serve it): once
+    # forwarded it meets the backend's faults as a normal request does.
+    honest = a.code in BACKEND_FAULT_CODES and (a.kind != "hostile" or a.variant in MEMORY_BODIES)
     return not (honest and (_in(a.started, fault_windows) or _in(a.ended, fault_windows)))
 
 

@@ -48,9 +48,11 @@ def test_no_kvgate_5xx_and_every_request_answered(short_soak: dict) -> None:
 def test_every_hostile_body_gets_a_4xx(short_soak: dict) -> None:
     """A malformed or abusive request gets a 4xx; a memory-hostile body is bounded, not refused
     for its size alone: it gets a 4xx, or a 200 where it fits and vLLM would serve it (the tests'
-    template renders no tools, so 160,000 tools make a short prompt)."""
+    template renders no tools, so 160,000 tools make a short prompt). Admitted, it meets the
+    backend's faults as a normal request does: a 502/503/504 then, which the 5xx test above
+    counts unless it is the honest answer to the fault, given while the fault lasted."""
     by_variant = short_soak["hostile_by_variant"]
-    allowed = {v: ("4", "200") if v in soak.MEMORY_BODIES else ("4",) for v in by_variant}
+    allowed = {v: ("4", "200", "502", "503", "504") if v in soak.MEMORY_BODIES else ("4",) for v in by_variant}
     outcomes = Counter(o for v in by_variant.values() for o in v)
     wrong = {v: seen for v, seen in by_variant.items() if any(not o.startswith(allowed[v]) for o in seen)}
     assert outcomes, wrong

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from bench.soak import Answer, log_around
+from bench.soak import Answer, is_kvgate_5xx, log_around
 
 # Three seconds of a kvgate log at info level: soak-12 is the failed request.
 LOG = """\
@@ -44,3 +44,14 @@ def test_nothing_is_quoted_without_a_failed_request_and_a_long_quote_is_cut() ->
     quoted = log_around(LOG, 0.0, [failed], max_chars=150)
     assert len(quoted) == 3  # the decision, the traceback that passed the limit, the cut
     assert quoted[-1] == "... (cut)"
+
+
+def test_a_memory_hostile_body_forwarded_into_a_backend_fault_may_get_its_honest_5xx() -> None:
+    """A memory-hostile body is valid and may be admitted: killed under it, the backend's fault
+    answer is honest while the fault lasts, as for a normal request; a malformed body never is."""
+    fault = [(10.0, 20.0)]
+    memory = Answer(50, "hostile", "memory_tools", "502", 3.0, 14.0, code="backend_error")
+    assert not is_kvgate_5xx(memory, fault)
+    assert is_kvgate_5xx(Answer(50, "hostile", "memory_tools", "502", 3.0, 8.0, code="backend_error"), fault)
+    assert is_kvgate_5xx(Answer(51, "hostile", "deep_nesting", "502", 3.0, 14.0, code="backend_error"), fault)
+    assert is_kvgate_5xx(Answer(52, "normal", "stream", "500", 11.0, 12.0), fault)
