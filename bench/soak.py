@@ -15,8 +15,9 @@ What counts as a kvgate 5xx: any 5xx kvgate generated itself (no `x-kvgate-kv-bl
 the request was never admitted and relayed) except the honest answers to a backend fault given
 while the fault lasted (from the SIGKILL until the simulator answers /health again plus
 FAULT_GRACE_S, and from the SIGSTOP until SIGCONT plus FAULT_GRACE_S) with one of the
-backend-fault codes in BACKEND_FAULT_CODES. A plain-text 500, a 5xx to a hostile body, or a
-backend-fault code outside those windows all count. A 5xx relayed from the backend (admitted, so
+backend-fault codes in BACKEND_FAULT_CODES. A plain-text 500, a 5xx to a hostile body (but for
+a memory-hostile one, admitted and forwarded like a normal request), or a backend-fault code
+outside those windows all count. A 5xx relayed from the backend (admitted, so
 it carries kvgate's headers) is counted apart as "backend 5xx, relayed".
 
 The other measures: RSS from the end of the warm-up (the first WARMUP_SHARE of the answers) to
@@ -434,6 +435,7 @@ class Answer:
     relayed: bool = False  # kvgate admitted it and relayed the backend's answer
     queue_wait_s: float | None = None
     stream_error: bool = False
+    request_id: str = ""  # the x-request-id it was sent with: kvgate's log lines about it name it
 
 
 def _error_code(raw: bytes) -> str | None:
@@ -446,6 +448,9 @@ def _error_code(raw: bytes) -> str | None:
 async def _send(client: httpx.AsyncClient, shot: Shot, answer: Answer) -> None:
     """Fills `answer`; a disconnect shot hangs up at its point, raising CancelledError inside."""
     headers = [("content-type", "application/json"), *shot.headers]
+    if not any(name.lower() == "x-request-id" for name, _ in headers):
+        answer.request_id = f"soak-{shot.index}"
+        headers.append(("x-request-id", answer.request_id))
     async with client.stream(shot.method, shot.path, content=shot.body, headers=headers) as r:
         answer.outcome = str(r.status_code)
         answer.relayed = "x-kvgate-kv-blocks" in r.headers
@@ -636,6 +641,8 @@ class SoakResult:
     kvgate_exited: int | None = None  # its exit status if it died during the soak
     workers_replaced: int = 0  # preparation workers stopped past their grant or time
     cgroup: dict[str, Any] | None = None  # kvgate's own memory cgroup (bench/memory_cgroup.py), if it ran in one
+    kvgate_log: str = ""  # the whole of it, to quote what it said about a failed request
+    wall_minus_monotonic: float = 0.0  # time.time() - time.monotonic(): the log's clock from the answers'
 
 
 async def _probe(url: str, i: int) -> Answer:
@@ -750,14 +757,16 @@ def run_soak(
     hang_s: float = 5.0,
     logs_dir: Path | None = None,
     cgroup_bytes: int | None = None,
+    log_level: str = "warning",
 ) -> SoakResult:
     """The whole soak; the result holds every answer and reading (see `summary`). The
     simulator's and kvgate's logs are copied into `logs_dir` when given. With `cgroup_bytes`,
-    kvgate runs in a memory cgroup of its own with that limit, which it reads itself."""
+    kvgate runs in a memory cgroup of its own with that limit, which it reads itself. At
+    `log_level` info kvgate logs every decision with its request's id (a failed request's story)."""
     if cgroup_bytes is None:
-        return _run_soak(requests, concurrency, seed, hang_s, logs_dir, None)
+        return _run_soak(requests, concurrency, seed, hang_s, logs_dir, None, log_level)
     with memory_cgroup(cgroup_bytes) as group:
-        result = _run_soak(requests, concurrency, seed, hang_s, logs_dir, group)
+        result = _run_soak(requests, concurrency, seed, hang_s, logs_dir, group, log_level)
         result.cgroup = {
             "version": group.version,
             "limit_mib": round(group.limit() / 2**20, 1),
@@ -768,13 +777,20 @@ def run_soak(
 
 
 def _run_soak(
-    requests: int, concurrency: int, seed: int, hang_s: float, logs_dir: Path | None, group: MemoryCgroup | None
+    requests: int,
+    concurrency: int,
+    seed: int,
+    hang_s: float,
+    logs_dir: Path | None,
+    group: MemoryCgroup | None,
+    log_level: str,
 ) -> SoakResult:
     shots = traffic(requests, seed)
     flags, prefix = KVGATE_FLAGS, []
     if group is not None:
         at = flags.index("--max-process-memory-bytes")
         flags, prefix = flags[:at] + flags[at + 2 :], group.command_prefix
+    flags = [*flags, "--log-level", log_level]  # the last --log-level is the one kvgate uses
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvgate-soak-") as tmp:
         model_dir = write_model(Path(tmp) / MODEL)
@@ -801,12 +817,9 @@ def _run_soak(
                 tree_hwm_end = tree_memory(proc.pid, "VmHWM")
                 metrics = scrape(url)
                 kvgate_exited = proc.poll()
-                workers_replaced = log_path.read_text(errors="replace").count("a preparation worker was stopped")
-                errors = [
-                    ln[:300]
-                    for ln in log_path.read_text(errors="replace").splitlines()
-                    if " ERROR " in ln or "Traceback" in ln
-                ][:20]
+                log_text = log_path.read_text(errors="replace")
+                workers_replaced = log_text.count("a preparation worker was stopped")
+                errors = [ln[:300] for ln in log_text.splitlines() if " ERROR " in ln or "Traceback" in ln][:20]
         finally:
             backend.stop()
             if logs_dir is not None:
@@ -836,6 +849,8 @@ def _run_soak(
         tree_hwm_end,
         kvgate_exited,
         workers_replaced,
+        kvgate_log=log_text,
+        wall_minus_monotonic=time.time() - time.monotonic(),
     )
 
 
@@ -849,8 +864,49 @@ def is_kvgate_5xx(a: Answer, fault_windows: list[tuple[float, float]]) -> bool:
     while the fault lasted; see the module docstring."""
     if not a.outcome.isdigit() or int(a.outcome) < 500 or a.relayed:
         return False
-    honest = a.code in BACKEND_FAULT_CODES and a.kind != "hostile"
+    # A memory-hostile body is a valid request that may be admitted (vLLM would serve it): once
+    # forwarded it meets the backend's faults as a normal request does.
+    honest = a.code in BACKEND_FAULT_CODES and (a.kind != "hostile" or a.variant in MEMORY_BODIES)
     return not (honest and (_in(a.started, fault_windows) or _in(a.ended, fault_windows)))
+
+
+# A log record's first line: kvgate's format (kvgate/logs.py), "2026-11-28 06:18:25,503 LEVEL name ...".
+_RECORD = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\w+) ", re.M)
+
+
+def log_records(text: str) -> list[tuple[float, str, str]]:
+    """(wall time, level, the record with its traceback) for each record of a kvgate log."""
+    starts = list(_RECORD.finditer(text))
+    return [
+        (
+            dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(),
+            m.group(2),
+            text[m.start() : starts[i + 1].start() if i + 1 < len(starts) else len(text)].rstrip("\n"),
+        )
+        for i, m in enumerate(starts)
+    ]
+
+
+def log_around(
+    log_text: str, wall_minus_monotonic: float, answers: list[Answer], margin_s: float = 1.0, max_chars: int = 20_000
+) -> list[str]:
+    """What kvgate logged about `answers`: the records naming their request ids, and every
+    warning or error (tracebacks whole) from `margin_s` before each was sent to `margin_s` after
+    it ended. Uvicorn's traceback of an exception that became a plain 500 names no request."""
+    ids = {a.request_id for a in answers if a.request_id}
+    spans = [(a.started + wall_minus_monotonic - margin_s, a.ended + wall_minus_monotonic + margin_s) for a in answers]
+    named = re.compile(r"(?<![\w-])(?:" + "|".join(map(re.escape, ids)) + r")(?![\w-])") if ids else None
+    kept, size = [], 0
+    for t, level, record in log_records(log_text):
+        if (named is not None and named.search(record)) or (
+            level in ("WARNING", "ERROR", "CRITICAL") and _in(t, spans)
+        ):
+            kept.append(record)
+            size += len(record)
+            if size > max_chars:
+                kept.append("... (cut)")
+                break
+    return kept
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -917,6 +973,7 @@ def summary(r: SoakResult) -> dict[str, Any]:
         "stream_errors": dict(Counter(a.code for a in r.answers if a.stream_error)),
         "kvgate_5xx": len(kvgate_5xx),
         "kvgate_5xx_examples": [example(a) for a in kvgate_5xx[:10]],
+        "kvgate_5xx_log": log_around(r.kvgate_log, r.wall_minus_monotonic, kvgate_5xx[:10]),
         "no_answer_examples": [example(a) for a in r.answers if a.outcome == "no answer"][:10],
         "honest_backend_fault_5xx": dict(honest_5xx),
         "relayed_backend_5xx": relayed_5xx,

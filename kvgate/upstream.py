@@ -166,7 +166,12 @@ class Connection(asyncio.Protocol):
 
     # -- the exchange ------------------------------------------------------------------------
     def send(self, head: bytes, body: bytes, head_only: bool) -> None:
+        """Write the request. UpstreamClosed if the connection was lost before it (a backend
+        killed as it accepted): starting an exchange clears the error, and nothing would wake
+        the wait for the head before the read timeout."""
         assert self._transport is not None
+        if self.closed:
+            raise UpstreamClosed("the backend closed the connection before the request was sent")
         self._start_exchange(head_only)
         self._transport.writelines((head, body))
 

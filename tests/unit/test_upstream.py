@@ -11,7 +11,7 @@ import pytest
 
 from kvgate import upstream
 from kvgate.backend import Backend
-from kvgate.errors import BackendBusy, BackendDown, BackendTimedOut, InvalidField
+from kvgate.errors import BackendBroke, BackendBusy, BackendDown, BackendTimedOut, InvalidField
 from kvgate.http.errors import error_headers, status_of
 from kvgate.http.proxy import forward_headers, open_while_client_waits, response_headers
 from kvgate.upstream import ConnectionPool, UpstreamError, UpstreamTimeout
@@ -399,6 +399,30 @@ async def test_a_connection_closed_after_an_answer_began_or_when_new_is_not_sent
         with pytest.raises(UpstreamError, match="closed the connection"):
             await pool.request("POST", b"/", [], b"{}")
     assert len(connections) == 1
+
+
+async def test_a_new_connection_lost_before_the_request_is_sent_fails_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend killed as it accepted: the connection is gone before the request is written. The
+    request fails then (a 502 at the edge), not after the read timeout with nothing to wait for."""
+    new_connection = ConnectionPool._new_connection
+
+    async def lost_at_once(self: ConnectionPool) -> upstream.Connection:
+        conn = await new_connection(self)
+        await wait_for_async(lambda: conn.closed, timeout_s=5, what="the backend to close the connection")
+        return conn
+
+    monkeypatch.setattr(ConnectionPool, "_new_connection", lost_at_once)
+
+    async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pass  # the server closes the connection as soon as the handler returns
+
+    async with server(close_at_once) as (url, _):
+        backend = Backend(url, timeout_s=3)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(BackendBroke):
+            await backend.open("POST", b"/v1/completions", [], b"{}")
+        assert asyncio.get_running_loop().time() - started < 2
+        await backend.aclose()
 
 
 async def test_reading_pauses_above_the_high_water_mark(monkeypatch: pytest.MonkeyPatch) -> None:
