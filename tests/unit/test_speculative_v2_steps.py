@@ -212,20 +212,11 @@ def sim_fits_after(engine: Engine, capacity: int, earlier: StepShape, step: Step
     return True
 
 
-@pytest.mark.parametrize("prefill", [0, 500, 1000, 1500])
-def test_what_kvgate_admits_on_s9s_live_budget_fits_the_simulator_after_an_earlier_step(
-    engine: Engine, deployment: Deployment, predictor: Predictor, s9_capacity: int, prefill: int
-) -> None:
-    """S9's live budget (the engine's free memory, the whole profile region out of it, 184.2 MiB of
-    it held by the engine's allocator, as kvgate's readings learned in an S9 run): the decoding
-    chats kvgate admits beside an open prefill run in the simulator after any one earlier step,
-    of prefill chunks alone or of the same decoders beside a prefill of another size (every 256
-    tokens of the step). Until session 28 the sampler phase's replay played only the first kind:
-    kvgate admitted 44 chats beside a 500-token prefill, which OOM the simulator after a
-    1,280-token step of the same batch (the earlier fp32 copy's segment split by the next forward
-    pass)."""
+@pytest.fixture(scope="module")
+def s9_budget(deployment: Deployment, predictor: Predictor, s9_capacity: int) -> Budget:
+    """S9's live budget as kvgate's readings learned it in an S9 run (see the test below)."""
     limits = static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=67131543389)
-    budget = Budget(
+    return Budget(
         transient_headroom_bytes=s9_capacity,
         profiled_peak_bytes=limits.profiled_peak_bytes,
         profiled_cap_bytes=limits.profiled_peak_bytes,
@@ -237,7 +228,21 @@ def test_what_kvgate_admits_on_s9s_live_budget_fits_the_simulator_after_an_earli
         sampler_phase_overhead=limits.sampler_phase_overhead,
         lone_forward=limits.lone_forward,
     )
-    n = chats_admitted(predictor, budget, prefill)
+
+
+@pytest.mark.parametrize("prefill", [0, 450, 500, 1000, 1500])
+def test_what_kvgate_admits_on_s9s_live_budget_fits_the_simulator_after_an_earlier_step(
+    engine: Engine, predictor: Predictor, s9_budget: Budget, s9_capacity: int, prefill: int
+) -> None:
+    """S9's live budget (the engine's free memory, the whole profile region out of it, 184.2 MiB of
+    it held by the engine's allocator, as kvgate's readings learned in an S9 run): the decoding
+    chats kvgate admits beside an open prefill run in the simulator after any one earlier step,
+    of prefill chunks alone or of the same decoders beside a prefill of another size (every 256
+    tokens of the step). Until session 28 the sampler phase's replay played only the first kind:
+    kvgate admitted 44 chats beside a 500-token prefill, which OOM the simulator after a
+    1,280-token step of the same batch (the earlier fp32 copy's segment split by the next forward
+    pass)."""
+    n = chats_admitted(predictor, s9_budget, prefill)
     assert n >= 20  # the state is a busy batch, not an empty one
     chunk = min(prefill, 2048 - n * (1 + K))
     decoders = [decoding_slice(S9_CHAT)] * n
@@ -248,3 +253,26 @@ def test_what_kvgate_admits_on_s9s_live_budget_fits_the_simulator_after_an_earli
             assert sim_fits_after(engine, s9_capacity, earlier, step), (
                 f"{n} chats, prefill {prefill}, after {tokens} tokens"
             )
+
+
+@pytest.mark.parametrize("prefill", [300, 450, 500, 550, 1000])
+def test_every_batch_smaller_than_what_kvgate_admits_on_s9s_live_budget_fits_the_simulator_too(
+    engine: Engine, predictor: Predictor, s9_budget: Budget, s9_capacity: int, prefill: int
+) -> None:
+    """Whether a batch runs after an earlier step is not monotone in its size: beside a 500-token
+    prefill the simulator runs 39, 40, 41, 45 and 46 decoding chats after a 1,280-token step of
+    the same batch, but not 42-44 (the fp32 copy's segment split by the next forward pass). kvgate
+    admits every count up to its own, so each must run, not only the largest. (Session 30: the
+    sampler phase's replay without its earlier same-batch steps shorter than the batch's rows,
+    which no engine can form, admitted 46 beside 500 tokens and so 42-44; reverted.)"""
+    n = chats_admitted(predictor, s9_budget, prefill)
+    for count in range(max(1, n - 12), n + 1):
+        chunk = min(prefill, 2048 - count * (1 + K))
+        decoders = [decoding_slice(S9_CHAT)] * count
+        step = StepShape(tuple([*decoders, ReqSlice(chunk, 0, random=True, seeded=True)]))
+        for tokens in range(256, 2049, 256):
+            other = ReqSlice(max(1, tokens - count * (1 + K)), 0, random=True, seeded=True)
+            for earlier in (StepShape((ReqSlice(tokens, 0, samples=False),)), StepShape((*decoders, other))):
+                assert sim_fits_after(engine, s9_capacity, earlier, step), (
+                    f"{count} of {n} chats, prefill {prefill}, after {tokens} tokens"
+                )
