@@ -445,7 +445,7 @@ def encoder_budget(
                 videos,
                 deployment.max_model_len,
                 media.dummy.get("video", {}),
-                vllm_most if image_on else 0,
+                image_on,
             )
         except TokenizationError:  # video settings the processor refuses: which item vLLM profiles is unknown
             video, profiled_item = None, 0  # credit the profile nothing

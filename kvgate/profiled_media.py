@@ -80,14 +80,14 @@ def video_item(
     videos: Mapping[str, Any],
     seq_len: int,
     options: Mapping[str, Any],
-    image_most: int = 0,
+    images_on: bool = False,
 ) -> tuple[int, int, int] | None:
     """The video's (M, dummy embeddings, dummy tiles) on the families read (Qwen2-VL, Qwen2.5-VL,
     Qwen3-VL, LLaVA-OneVision, InternVL in transformers' format), else None (a family whose videos
     kvgate does not read: its profile is taken to be of images, docs/limitations.md). `images` /
     `videos`: --mm-processor-kwargs' images_kwargs and videos_kwargs as the processor runs them;
-    `options`: --limit-mm-per-prompt's video options; `image_most`: the largest image's embeddings
-    where images are on (0: off)."""
+    `options`: --limit-mm-per-prompt's video options; `images_on`: whether --limit-mm-per-prompt
+    allows images (InternVL's dummy video leaves room for one)."""
     if isinstance(rule, DynamicResolution) and isinstance(rule.video, VideoGrid):
         return (*qwen2_vl_video(rule, rule.video, images, videos, seq_len, options), 0)
     if isinstance(rule, DynamicResolution) and isinstance(rule.video, TimedVideoGrid):
@@ -96,7 +96,7 @@ def video_item(
         most = onevision_video(config, seq_len, options)
         return most, most, onevision_frames(config, seq_len, options)
     if isinstance(rule, CroppedPatches):
-        frames = internvl_frames(rule, seq_len, rule.vllm_most(images) if image_most else 0, options)
+        frames = internvl_frames(rule, seq_len, rule.vllm_most(images) if images_on else 0, options)
         return frames * rule.per_patch, frames * rule.per_patch, frames
     return None
 
