@@ -313,6 +313,10 @@ class LogMelFrames:
             samples = VLLM_MAX_AUDIO_DECODE_DURATION_S * self.sampling_rate + 1
         else:
             samples = resampled_poly(length, self.sampling_rate)
+        return self.embeddings(samples)
+
+    def embeddings(self, samples: int) -> int:
+        """The embeddings of `samples` at the feature extractor's rate (_compute_audio_embed_size)."""
         return -(-self.frames(samples) // self.compression_rate)
 
     def replacement(self, length: AudioLength | None, kwargs: Mapping[str, Any]) -> Replacement:

@@ -392,19 +392,21 @@ def encoder_budget(
     the processor's largest image (its replacement for an image kvgate cannot see, as vLLM's
     `get_mm_max_tokens_per_item` takes `get_image_size_with_most_features`), or, on the families
     whose videos kvgate reads, the largest video where that is at least as large or images are
-    off; the encoder was profiled on V1, and on V2 from 0.28.0 (an unknown release on V2: not
-    profiled), on neither with vLLM's --skip-mm-profiling (`skip_mm_profiling`); the profile's
-    dummy item is --limit-mm-per-prompt's image width x height (`dummy_image_features`) or video
-    num_frames / width / height where given. With every modality kvgate reads off, the images'
-    budget stays (vLLM encodes none: nothing is charged that a request can reach)."""
+    off, and on Phi-4-multimodal its dummy audio where that outweighs its dummy image or images
+    are off (`audio_item`); the encoder was profiled on V1, and on V2 from 0.28.0 (an unknown
+    release on V2: not profiled), on neither with vLLM's --skip-mm-profiling
+    (`skip_mm_profiling`); the profile's dummy item is --limit-mm-per-prompt's image width x
+    height (`dummy_image_features`), video num_frames / width / height or audio length where
+    given. With every modality kvgate reads off, the images' budget stays (vLLM encodes none:
+    nothing is charged that a request can reach)."""
     # The image rules import the chat template, and with it transformers: loaded only here, once a
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
     from kvgate.audio import audio_tokens_of
     from kvgate.chat_template import TokenizationError
-    from kvgate.image_rules import AnyResolution, ImageTokens, image_tokens_of
+    from kvgate.image_rules import AnyResolution, HdCrops, ImageTokens, image_tokens_of
     from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, audio_kwargs, image_kwargs
+    from kvgate.profiled_media import audio_item, video_item
     from kvgate.profiled_media import profiled_item as profiled_item_of
-    from kvgate.profiled_media import video_item
 
     if model_dir is None:
         return None
@@ -431,26 +433,30 @@ def encoder_budget(
         profiled_item, profiled_tiles = (
             (dummy.features, dummy.tiles if exact_tiles else min(dummy.tiles, 1)) if dummy is not None else (None, 0)
         )
-        # LLaVA-NeXT / OneVision state no `get_mm_max_tokens_per_item`: vLLM's image M, which picks
-        # the profiled modality, is the dummy's count (encoder_budget.py `get_mm_max_toks_per_item`).
-        vllm_most = profiled_item if exact_tiles and profiled_item is not None else max_item
+        # LLaVA-NeXT / OneVision and Phi-4-multimodal state no `get_mm_max_tokens_per_item`: vLLM's
+        # image M, which picks the profiled modality, is the dummy's count (encoder_budget.py
+        # `get_mm_max_toks_per_item`).
+        dummy_is_most = isinstance(rule, AnyResolution | HdCrops)
+        vllm_most = profiled_item if dummy_is_most and profiled_item is not None else max_item
         items = {"image": (vllm_most, max_item if profiled_item is None else profiled_item, profiled_tiles)}
         videos = image_kwargs(media.processor_kwargs, None, "videos_kwargs")
         try:
             image_on = media.limits.get("image", DEFAULT_LIMIT_PER_PROMPT) > 0
-            video = video_item(
-                config,
-                rule,
-                kwargs,
-                videos,
-                deployment.max_model_len,
-                media.dummy.get("video", {}),
-                image_on,
-            )
-        except TokenizationError:  # video settings the processor refuses: which item vLLM profiles is unknown
-            video, profiled_item = None, 0  # credit the profile nothing
-        if video is not None:
-            items["video"] = video
+            others = {
+                "video": video_item(
+                    config,
+                    rule,
+                    kwargs,
+                    videos,
+                    deployment.max_model_len,
+                    media.dummy.get("video", {}),
+                    image_on,
+                ),
+                "audio": audio_item(audio, media.dummy.get("audio", {})),
+            }
+        except TokenizationError:  # dummy settings the processor refuses: which item vLLM profiles is unknown
+            others, profiled_item = {}, 0  # credit the profile nothing
+        items.update({name: item for name, item in others.items() if item is not None})
         chosen = profiled_item_of(items, media.limits, DEFAULT_LIMIT_PER_PROMPT)
         if chosen is not None and chosen.modality != "image":
             max_item, modality, profiled_item, profiled_tiles = (
@@ -492,15 +498,15 @@ def dummy_image(rule: ImageRule, kwargs: Mapping[str, Any], options: Mapping[str
     None (the largest image's). vLLM 0.32.0 and 0.33.0 (multimodal/processing/dummy_inputs.py
     `BaseDummyInputsBuilder._get_dummy_images`) draw it at min(w, W) x min(h, H), W x H being the
     model's largest image (`get_image_size_with_most_features`), an unset side staying W or H.
-    Qwen2-VL's family states W x H (`DynamicResolution.largest`), LLaVA-NeXT's and OneVision's too
-    (`AnyResolution.profiled_size`): theirs is returned even without options, since OneVision's
-    W x H counts below the largest image kvgate charges (its `most`). For the other rules kvgate takes
-    a given side as it is and an unset one as 1 pixel, so a credit never exceeds the profile's
+    Qwen2-VL's family states W x H (`DynamicResolution.largest`), Phi-4-multimodal's
+    (`HdCrops.largest`), LLaVA-NeXT's and OneVision's too (`AnyResolution.profiled_size`): theirs
+    is returned even without options, since OneVision's W x H counts below the largest image
+    kvgate charges (its `most`). For the other rules kvgate takes a given side as it is and an unset one as 1 pixel, so a credit never exceeds the profile's
     on a processor whose count grows with the size; a side above the model's largest (vLLM warns
     and ignores it) is not clamped there (docs/limitations.md). A size the processor refuses
     (vLLM's profile would fail with it) credits nothing: 0 embeddings."""
     from kvgate.chat_template import TokenizationError
-    from kvgate.image_rules import AnyResolution, DynamicResolution, Replacement
+    from kvgate.image_rules import AnyResolution, DynamicResolution, HdCrops, Replacement
     from kvgate.media import ImageSize
 
     width, height = options.get("width"), options.get("height")
@@ -508,10 +514,11 @@ def dummy_image(rule: ImageRule, kwargs: Mapping[str, Any], options: Mapping[str
         return None
     if not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0) for v in (width, height)):
         raise ValueError(f"--limit-mm-per-prompt: image width/height must be positive integers, got {dict(options)!r}")
-    if isinstance(rule, DynamicResolution | AnyResolution):
-        largest = (
-            rule.largest(rule.pixel_range(kwargs)[1]) if isinstance(rule, DynamicResolution) else rule.profiled_size
-        )
+    if isinstance(rule, DynamicResolution | AnyResolution | HdCrops):
+        if isinstance(rule, DynamicResolution):
+            largest = rule.largest(rule.pixel_range(kwargs)[1])
+        else:
+            largest = rule.largest(kwargs) if isinstance(rule, HdCrops) else rule.profiled_size
         size = ImageSize(min(width or largest.width, largest.width), min(height or largest.height, largest.height))
     else:
         size = ImageSize(width or 1, height or 1)

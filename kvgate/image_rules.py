@@ -1219,10 +1219,14 @@ class HdCrops(ImageRule):
         side = self.crop // self.patch // self.compression
         return side * side + 1 + pooled_width * pooled_height + pooled_height + side
 
+    def largest(self, kwargs: Mapping[str, Any]) -> ImageSize:
+        """Phi4MMProcessingInfo.get_image_size_with_most_features: one crop wide, dynamic_hd high."""
+        return ImageSize(width=self.crop, height=self.crop * max(self.max_crops(kwargs), 1))
+
     def replacement(self, size: ImageSize | None, kwargs: Mapping[str, Any]) -> Replacement:
         max_num = self.max_crops(kwargs)
-        if size is None:  # Phi4MMProcessingInfo.get_image_size_with_most_features
-            size = ImageSize(width=self.crop, height=self.crop * max(max_num, 1))
+        if size is None:
+            size = self.largest(kwargs)
         columns, rows = self._grid(size.width, size.height, max_num)
         # the tower runs the global view and each crop (phi4mm.py Phi4MMImageEncoder.forward)
         return Replacement(self.count(size.width, size.height, max_num), tiles=1 + columns * rows)

@@ -20,8 +20,12 @@ multimodal/encoder_budget.py `MultiModalBudget`:
   dummy video is resized by the video processor while M_video is counted at the image
   processor's size.
 
-Checked in-process against vLLM 0.32.0's `MultiModalBudget` on tiny Qwen2-VL and Qwen3-VL folders
-(tests/integration/test_profiled_media_vllm.py)."""
+Phi-4-multimodal's phi4mm.py, multimodal/parse.py and multimodal/processing/dummy_inputs.py,
+read for its dummy audio (`audio_item`), are the same files in 0.32.0 and 0.33.0 too.
+
+Checked in-process against vLLM 0.32.0's `MultiModalBudget` on tiny Qwen2-VL, Qwen3-VL and
+LLaVA-OneVision folders (tests/integration/test_multimodal_vllm.py) and on Phi-4-multimodal's
+processing info with its HF processor stood in for (tests/integration/test_phi4mm_counts.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.audio import LogMelFrames
 from kvgate.image_rules import (
     CroppedPatches,
     DynamicResolution,
@@ -46,6 +51,7 @@ from kvgate.media import ImageSize, VideoFrames
 # llava_onevision.py's.
 QWEN2_VL_MAX_FRAMES = 14
 ONEVISION_MAX_FRAMES = 16
+PHI4MM_DUMMY_AUDIO_SAMPLES = 241_000  # phi4mm.py `_AUDIO_MAX_SOUNDFILE_SIZE`
 QWEN3_VL_DUMMY_FRAMES = 2  # qwen3_vl.py `Qwen3VLDummyInputsBuilder.get_dummy_mm_data`: "treat videos as special images"
 
 
@@ -99,6 +105,25 @@ def video_item(
         frames = internvl_frames(rule, seq_len, rule.vllm_most(images) if images_on else 0, options)
         return frames * rule.per_patch, frames * rule.per_patch, frames
     return None
+
+
+def audio_item(audio: object, options: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """Phi-4-multimodal's audio (M, dummy embeddings, 0 tiles), weighed against its images, else
+    None (Qwen2-Audio has no other modality). phi4mm.py states no `get_mm_max_tokens_per_item`,
+    so M is the dummy's count (encoder_budget.py `get_mm_max_toks_per_item`'s fallback):
+    `Phi4MMDummyInputsBuilder.get_dummy_mm_data` draws `_AUDIO_MAX_SOUNDFILE_SIZE` samples of
+    silence, less --limit-mm-per-prompt's audio length (`_get_dummy_audios`), an array without a
+    rate, so not resampled (multimodal/parse.py `_get_audio_with_sr`), counted at the feature
+    extractor's rate (`get_audio_replacement_phi4mm`: `get_audio_num_frames`,
+    `_compute_audio_embed_size`): 188 embeddings at compression rate 8."""
+    if not isinstance(audio, LogMelFrames):
+        return None
+    samples = PHI4MM_DUMMY_AUDIO_SAMPLES
+    asked = options.get("length")
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0:
+        samples = min(samples, asked)
+    most = audio.embeddings(samples)
+    return most, most, 0
 
 
 def internvl_frames(rule: CroppedPatches, seq_len: int, image_most: int, options: Mapping[str, Any]) -> int:

@@ -39,8 +39,9 @@ of several requests):
 - `encoder_cache`: its items' output embeddings (`VisionTower.output_bytes`), at most C; with the
   encoder profiled, at most the C - K x D the profile did not hold.
 - `audio_encoder_activations` (Phi-4-multimodal's audios): its Conformer's forward over the
-  largest of them and every one's features (`ConformerTower`), never profiled (only the modality
-  with the most embeddings an item is: its images).
+  largest of them and every one's features (`ConformerTower`), never credited: the profile
+  encodes its images, or with images off its dummy audios, whose cache is credited but whose
+  Conformer forward is not (nor is the vision tower credited then: it ran nothing).
 """
 
 from __future__ import annotations
@@ -697,6 +698,12 @@ class EncoderBudget:
         item = self.max_item if self.profiled_item is None else self.profiled_item
         return self.profiled_items * item
 
+    @property
+    def tower_profiled(self) -> bool:
+        """Whether the profile's K items ran `tower`: not Phi-4-multimodal's dummy audios, which
+        run its Conformer (`audio`); their outputs still filled the encoder cache."""
+        return not (self.audio is not None and self.profiled_modality == "audio")
+
     def terms(
         self,
         items: Sequence[int],
@@ -738,8 +745,12 @@ class EncoderBudget:
             largest = tower.activation_bytes(
                 max(self.compute_budget, max(items)), self.step_items, tiles=self.step_items * self.max_tiles
             )
-            profiled = tower.activation_bytes(
-                self.profiled_embeddings, self.profiled_items, tiles=self.profiled_items * self.profiled_tiles
+            profiled = (
+                tower.activation_bytes(
+                    self.profiled_embeddings, self.profiled_items, tiles=self.profiled_items * self.profiled_tiles
+                )
+                if self.tower_profiled
+                else 0
             )
             beyond = largest - profiled
             activation = min(activation, max(0, beyond))
@@ -785,8 +796,9 @@ class EncoderBudget:
         encodes one modality, the one with the most embeddings an item
         (multimodal/encoder_budget.py `get_modality_with_max_tokens`): Phi-4-multimodal's images
         (1,000s of embeddings; the dummy audio of `_AUDIO_MAX_SOUNDFILE_SIZE`, 241,000 samples, is
-        188). With images off (--limit-mm-per-prompt image 0) the profile encodes dummy audios,
-        which kvgate does not credit (at most one 188-embedding audio's forward charged twice)."""
+        188). With images off (--limit-mm-per-prompt image 0) the profile encodes K dummy audios
+        (kvgate/profiled_media.py `audio_item`): their encoder cache is credited, their Conformer
+        forward is not (at most one 188-embedding audio's forward charged twice)."""
         largest = max(sounds)
         frames = audio.frames(largest)
         return TransientTerm(
@@ -797,7 +809,7 @@ class EncoderBudget:
             f"phi4mm Conformer audio encoder, one audio at a time: the largest of {len(sounds)} "
             f"({largest:,} embeddings, at most {frames:,} mel frames) through its convolutional "
             f"subsampling to {audio.conv_channels} channels ({audio.item_bytes(largest) / MiB:.0f} MiB), and "
-            f"every audio's float32 features; the start-up profile encodes only images (most embeddings an item)",
+            f"every audio's float32 features; not credited against the start-up profile",
             "residual",
         )
 

@@ -30,6 +30,8 @@ from kvgate.media import ImageSize
 from kvgate.multimodal import MediaCounting, plan_matches, with_placeholders
 from kvgate.request import ChatInput
 from kvgate.tokens import LocalTokenizer
+from support.encoder_budgets import TINY_BATCHED_TOKENS, TINY_SEQUENCES, profile_of, tiny_budget
+from support.geometry import config_json
 from support.tiny_media import input_audio, silent_wav
 from support.tiny_phi4mm import FEATURE_TOKENS, tiny_phi4mm
 from support.tiny_phi4mm import PHI4MM_CONFIG as CONFIG
@@ -237,3 +239,53 @@ def _as_features(
         kind[stand_in] = image_id if run in images else audio_id
         assert (run in images) != (run in sounds)
     return [kind.get(t, t) for t in counted]
+
+
+# (--limit-mm-per-prompt, compression rate): images off, audio off, both, the dummies' options,
+# and a compression rate of 1 (1,504 embeddings the dummy audio) that outweighs a small dummy image.
+PROFILES = [
+    ({"image": 0, "audio": 3}, 8),
+    ({"image": 2, "audio": 0}, 8),
+    ({"image": 2, "audio": 3}, 8),
+    ({"image": 0, "audio": {"count": 2, "length": 50000}}, 8),
+    ({"image": {"count": 2, "width": 448, "height": 448}, "audio": 3}, 8),
+    ({"image": {"count": 2, "width": 1, "height": 448}, "audio": 3}, 1),
+    ({"image": 0, "audio": 3}, 1),
+]
+
+
+@pytest.mark.vllm
+def test_phi4mm_profile_credit_is_what_vllms_budget_profiles(vllm_python: VllmPython, tmp_path: Path) -> None:
+    """What kvgate credits Phi-4-multimodal's start-up profile with (engine_config.encoder_budget,
+    kvgate/profiled_media.py `audio_item`) against vLLM 0.32.0's own `MultiModalBudget` run
+    in-process (tests/support/vllm_phi4mm_counts.py `profiled`, its HF processor stood in for by
+    vLLM's own counts): the same modality (its dummy audios with images off, its images else,
+    unless the audio outweighs a small dummy image), the same dummy item, and, where vLLM's image M
+    is kvgate's largest image, the same M, budget and items. Where --limit-mm-per-prompt shrinks
+    the dummy image, vLLM's M is the dummy's count (no `get_mm_max_tokens_per_item`): kvgate keeps
+    the largest image's M, so its budget is no smaller and its items no more (no more credit)."""
+    asked = [
+        {"limits": limits, "dynamic_hd": 36, "compression_rate": rate, "max_model_len": 16384,
+         "max_num_batched_tokens": TINY_BATCHED_TOKENS, "max_num_seqs": TINY_SEQUENCES}
+        for limits, rate in PROFILES
+    ]  # fmt: skip
+    theirs = _vllm(vllm_python, {"profiles": asked})
+    ours = []
+    for n, (limits, rate) in enumerate(PROFILES):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        config = {**config_json("qwen2.5-7b-instruct"), **CONFIG}
+        config["embd_layer"] = {**CONFIG["embd_layer"], "audio_embd_layer": {
+            **CONFIG["embd_layer"]["audio_embd_layer"], "compression_rate": rate}}  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "preprocessor_config.json").write_text(json.dumps({"dynamic_hd": 36}))
+        ours.append(tiny_budget(folder, limits, max_model_len=16384))
+    assert [t["modality"] for t in theirs] == ["audio", "image", "image", "audio", "image", "audio", "audio"]
+    for limits, budget, their in zip(PROFILES, ours, theirs, strict=True):
+        most, compute, items, dummy = profile_of(budget)
+        assert (budget.profiled_modality, dummy) == (their["modality"], their["dummy"]), limits
+        assert budget.tower_profiled == (their["modality"] == "image"), limits
+        if isinstance(limits[0]["image"], dict):
+            assert (compute >= their["budget"], 0 < items <= their["items"]) == (True, True), limits
+        else:
+            assert (most, compute, items) == (max(their["per_item"].values()), their["budget"], their["items"]), limits

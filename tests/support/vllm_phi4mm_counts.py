@@ -29,8 +29,15 @@ from types import SimpleNamespace
 import numpy as np
 from transformers import AutoTokenizer
 from transformers.models.phi4_multimodal.image_processing_phi4_multimodal import Phi4MultimodalImageProcessor
-from vllm.model_executor.models.phi4mm import Phi4MMMultiModalProcessor, Phi4MMProcessingInfo
+from vllm.config import SchedulerConfig
+from vllm.config.multimodal import MultiModalConfig
+from vllm.model_executor.models.phi4mm import (
+    Phi4MMDummyInputsBuilder,
+    Phi4MMMultiModalProcessor,
+    Phi4MMProcessingInfo,
+)
 from vllm.multimodal.audio import AudioResampler
+from vllm.multimodal.encoder_budget import MultiModalBudget
 from vllm.multimodal.processing.processor import PromptReplacement, _apply_token_matches_with_placeholders
 
 
@@ -121,8 +128,67 @@ def planned(case):
     return ids if all(index is not None for index in result["image"]) else None
 
 
+def profiled(case):
+    """vLLM's own `MultiModalBudget` (the object V1's and V2's profile_run read) for a
+    Phi-4-multimodal deployment {"limits" (--limit-mm-per-prompt), "dynamic_hd",
+    "compression_rate", "max_model_len", "max_num_batched_tokens", "max_num_seqs"}: which modality
+    the start-up profile encodes, its items and budget. vLLM's real SchedulerConfig,
+    MultiModalConfig, Phi4MMProcessingInfo and Phi4MMDummyInputsBuilder; the processor's
+    `get_dummy_mm_inputs` stands in for the checkpoint's HF processor (remote code, not here):
+    it draws vLLM's dummy items (`get_dummy_mm_data` with --limit-mm-per-prompt's options) and
+    counts each as `_get_prompt_updates`' replacements do (get_num_image_tokens;
+    get_audio_num_frames at the feature extractor's 16 kHz and _compute_audio_embed_size)."""
+    scheduler = SchedulerConfig(
+        max_num_seqs=case["max_num_seqs"],
+        max_num_batched_tokens=case["max_num_batched_tokens"],
+        max_model_len=case["max_model_len"],
+        is_encoder_decoder=False,
+    )
+    mm_config = MultiModalConfig(limit_per_prompt=case["limits"])
+    model_config = SimpleNamespace(max_model_len=case["max_model_len"], get_multimodal_config=lambda: mm_config)
+    info, processor = info_for(case["dynamic_hd"], case["compression_rate"])
+    processor.audio_processor = SimpleNamespace(sampling_rate=16000)
+    info.ctx = SimpleNamespace(model_config=model_config, get_mm_config=lambda: mm_config)
+    builder = Phi4MMDummyInputsBuilder(info)
+
+    def dummy_mm_inputs(mm_counts, cache=None, scheduler_config=None):
+        data = builder.get_dummy_mm_data(case["max_model_len"], mm_counts, mm_config.limit_per_prompt)
+        counts = {
+            "image": [
+                info.get_num_image_tokens(image_width=i.width, image_height=i.height, processor=processor)
+                for i in data["image"]
+            ],
+            "audio": [info._compute_audio_embed_size(info.get_audio_num_frames(len(a), 16000)) for a in data["audio"]],
+        }
+        return {
+            "mm_placeholders": {
+                m: [SimpleNamespace(get_num_embeds=partial(int, n)) for n in ns] for m, ns in counts.items() if ns
+            },
+            "mm_kwargs": {m: [object()] * len(ns) for m, ns in counts.items() if ns},
+        }
+
+    stand_in = SimpleNamespace(info=info, get_dummy_mm_inputs=dummy_mm_inputs)
+    registry = SimpleNamespace(create_processor=lambda _config: stand_in)
+    config = SimpleNamespace(model_config=model_config, scheduler_config=scheduler)
+    budget = MultiModalBudget(config, registry, enable_cache=False)
+    if not budget.mm_max_toks_per_item:
+        return {"per_item": {}, "modality": None, "items": 0, "budget": budget.get_encoder_budget(), "dummy": 0}
+    modality = budget.get_modality_with_max_tokens()
+    dummy = dummy_mm_inputs({modality: 1})
+    return {
+        "per_item": dict(budget.mm_max_toks_per_item),
+        "modality": modality,
+        "items": len(budget.get_dummy_encoder_profile_inputs()),
+        "budget": budget.get_encoder_budget(),
+        "dummy": sum(p.get_num_embeds() for p in dummy["mm_placeholders"][modality]),
+    }
+
+
 def main():
     cases = json.loads(sys.stdin.read())
+    if "profiles" in cases:
+        print(json.dumps([profiled(case) for case in cases["profiles"]]))
+        return
     images, largest = {}, {}
     for dynamic_hd in cases.get("dynamic_hd", []):
         images[str(dynamic_hd)], largest[str(dynamic_hd)] = image_counts(cases["images"], dynamic_hd)
@@ -135,4 +201,5 @@ def main():
     print(json.dumps({"images": images, "largest": largest, "audio": audio, "prompts": prompts, "plans": plans}))
 
 
-main()
+if __name__ == "__main__":
+    main()

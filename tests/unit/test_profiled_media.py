@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 from kvgate.engine_config import encoder_budget
+from kvgate.memory.encoder import OTHER_MODALITY
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.multimodal import media_options
 from kvgate.profiled_media import ProfiledItem, profiled_item
 from support.encoder_budgets import deployment, profile_of, tiny_budget
 from support.geometry import config_json, write_config
+from support.tiny_phi4mm import PHI4MM_CONFIG
 
 TEXT = {
     "hidden_size": 128,
@@ -259,3 +261,50 @@ def test_video_settings_the_processor_refuses_credit_the_profile_nothing(tmp_pat
     folder = _folder(tmp_path, QWEN2_VL, QWEN2_VL_PROCESSOR, videos)
     budget = tiny_budget(folder, {"image": 4, "video": 1}, {"videos_kwargs": {"max_pixels": "many"}})
     assert budget.profiled_embeddings == 0
+
+
+def _phi4mm_folder(tmp_path: Path, compression_rate: int = 8) -> Path:
+    """Phi-4-multimodal's config.json (dynamic_hd 36: its largest image 10,065 embeddings) with
+    this audio compression rate (the checkpoint's 8: its 241,000-sample dummy audio is 188)."""
+    layer = {**PHI4MM_CONFIG["embd_layer"]["audio_embd_layer"], "compression_rate": compression_rate}
+    config = {**config_json("qwen2.5-7b-instruct"), **PHI4MM_CONFIG, "embd_layer": {"audio_embd_layer": layer}}
+    folder = tmp_path / f"phi4mm-{compression_rate}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "preprocessor_config.json").write_text(json.dumps({"dynamic_hd": 36}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("limits", "rate", "modality", "expected"),
+    [
+        # images off: vLLM profiles 10 dummy audios of 188 (2,048 // 188; 8 sequences x 3 audios)
+        ({"image": 0, "audio": 3}, 8, "audio", (188, 2048, 10, 188)),
+        # audio's length option: 50,000 samples, 311 frames, 39 embeddings; 16 of them (8 x 2)
+        ({"image": 0, "audio": {"count": 2, "length": 50000}}, 8, "audio", (39, 2048, 16, 39)),
+        # images on, with or without audio: one largest image (vLLM: {"image": 10065[, "audio": 188]})
+        ({"image": 2, "audio": 0}, 8, "image", (10065, 10065, 1, 10065)),
+        ({"image": 2, "audio": 3}, 8, "image", (10065, 10065, 1, 10065)),
+        # compression 1: the dummy audio's 1,504 outweigh a 1 x 448 dummy image's 305 (vLLM:
+        # {"image": 305, "audio": 1504}, audio, 1 item): the vision tower ran nothing
+        ({"image": {"count": 2, "width": 1, "height": 448}, "audio": 3}, 1, "audio", (1504, 2048, 1, 1504)),
+    ],
+)
+def test_phi4mm_profiles_the_modality_vllm_picks(
+    tmp_path: Path, limits: dict, rate: int, modality: str, expected: tuple[int, int, int, int]
+) -> None:
+    """vLLM 0.32.0's MultiModalBudget on these settings (max_model_len 16,384; the numbers of
+    tests/integration/test_phi4mm_counts.py's in-process run): kvgate credits the profile the
+    dummy audios it ran where their item outweighs the images' (images off), never the images'."""
+    budget = tiny_budget(_phi4mm_folder(tmp_path, rate), limits, max_model_len=16384)
+    assert (budget.profiled_modality, profile_of(budget)) == (modality, expected)
+    assert budget.tower_profiled == (modality == "image")
+
+
+def test_phi4mm_with_images_off_charges_the_cache_its_audio_profile_did_not_hold(tmp_path: Path) -> None:
+    """Images off: vLLM's profile held 10 x 188 audio embeddings of a cache of 2,048, so three
+    188-embedding audios (564) are charged the 168 it did not hold (crediting the largest image's
+    10,065, as kvgate did before, charged them none)."""
+    budget = tiny_budget(_phi4mm_folder(tmp_path), {"image": 0, "audio": 3}, max_model_len=16384)
+    terms = {t.name: t.bytes for t in budget.terms([188] * 3, tiles=[OTHER_MODALITY] * 3)}
+    assert terms["encoder_cache"] == (2048 - 10 * 188) * budget.tower.output_width * budget.tower.dtype_bytes > 0
