@@ -421,6 +421,7 @@ def encoder_budget(
         return None
     profiled_item: int | None = None
     max_tiles = profiled_tiles = 0
+    vllm_most: int | None = None  # vLLM's image M where it is the dummy's, below kvgate's largest
     if rule is not None:
         kwargs = image_kwargs(media.processor_kwargs, None)
         largest = rule.configured(kwargs).replacement(None, kwargs)
@@ -483,6 +484,7 @@ def encoder_budget(
         profiled_tiles=profiled_tiles,
         audio=ConformerTower.from_config(config, geometry.dtype_bytes) if audio is not None else None,
         profiled_modality=modality,
+        vllm_most=vllm_most if modality == "image" and rule is not None else None,
     )
 
 

@@ -672,18 +672,22 @@ class EncoderBudget:
         profiled_tiles: int = 0,
         audio: ConformerTower | None = None,
         profiled_modality: str = "image",
+        vllm_most: int | None = None,
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
         `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
         `profiled_item`: the embeddings of the profile's dummy item where --limit-mm-per-prompt
-        shrinks it (at most M; None: M). K is M's (`_get_max_items` of the modality's M) where the
-        model states M (`get_mm_max_tokens_per_item`, Qwen2-VL's); where vLLM takes M from the
-        dummy item itself (`get_mm_max_toks_per_item`'s fallback), its M is D: its K is at least
-        this one and its B and C at most these, so kvgate credits no more than vLLM profiled and
-        bounds a step and the cache by no less."""
+        shrinks it (at most M; None: M). K is `_get_max_items` of vLLM's own M for the modality:
+        M where the model states it (`get_mm_max_tokens_per_item`, Qwen2-VL's), `vllm_most`
+        where vLLM takes it from the dummy item (`get_mm_max_toks_per_item`'s fallback: LLaVA-NeXT
+        / OneVision's fixed dummy image, Phi-4-multimodal's shrunk one), below kvgate's M: vLLM's
+        B and C are then at most these, so kvgate credits the K x D vLLM profiled and bounds a
+        step and the cache by no less."""
         budget = max(max_num_batched_tokens, max_item)
-        per_prompt = max(1, min(items_per_prompt, max_model_len // max(max_item, 1)))
-        items = max(1, min(budget // max(max_item, 1), max_num_seqs * per_prompt)) if profiled else 0
+        most = max(vllm_most or max_item, 1)
+        per_prompt = max(1, min(items_per_prompt, max_model_len // most))
+        profiled_budget = max(max_num_batched_tokens, most)
+        items = max(1, min(profiled_budget // most, max_num_seqs * per_prompt)) if profiled else 0
         step_items = max(1, min(budget // max(min_item, 1), max_num_seqs * max(items_per_prompt, 1)))
         dummy = None if profiled_item is None else max(0, min(profiled_item, max_item))
         tiles = max_tiles if tower.patches_per_tile else 0

@@ -146,7 +146,7 @@ def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
     The image profile's dummy is vLLM's fixed 1153 x 944 (`get_image_size_with_most_features`):
     the 128 x 128 pinpoint, unpadded to 6 x 8 patches + 6 newlines + the 16 of the base view = 70
     embeddings over 5 tiles, below the 8 x 8 grid's 88 kvgate charges an unseen image.
-    vLLM: image 70; video 65 x 8; video 13 x 8."""
+    vLLM: image 70 x 29; video 65 x 8; video 13 x 8."""
     config = {
         "model_type": "llava_onevision",
         "image_token_index": 2050,
@@ -162,7 +162,8 @@ def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
               "image_grid_pinpoints": config["image_grid_pinpoints"]}  # fmt: skip
     folder = _folder(tmp_path, config, images)
     both = tiny_budget(folder, {"image": 4, "video": 1}, max_model_len=1024)
-    assert (profile_of(both), both.profiled_tiles) == ((88, 2048, 2048 // 88, 70), 5)
+    # K is vLLM's, of its M (the dummy's 70): 2,048 // 70 = 29 items (not 2,048 // 88)
+    assert (profile_of(both), both.profiled_tiles) == ((88, 2048, 2048 // 70, 70), 5)
     videos = tiny_budget(folder, {"image": 0, "video": 1}, max_model_len=1024)
     assert (profile_of(videos), videos.profiled_tiles) == ((65, 2048, 8, 65), 16)
     few = tiny_budget(folder, {"image": 0, "video": {"count": 1, "num_frames": 3}}, max_model_len=1024)
@@ -173,7 +174,8 @@ def test_onevision_profiles_a_video_between_vllms_image_and_the_largest(tmp_path
     """vLLM's OneVision image M is its 1153 x 944 dummy's count (no get_mm_max_tokens_per_item),
     159 on a 4 x 4 grid of 64-pixel tiles, below the 198 of the largest image. A video of 11
     unpooled frames (spatial_pool_stride 1: 16 embeddings a frame, + the newline = 177) lies
-    between: vLLM profiles the video, so kvgate credits the video's dummy, not images."""
+    between: vLLM profiles the video, so kvgate credits the video's dummy, not images. Images
+    only: vLLM's 2,048 // 159 = 12 dummy images, as kvgate credits."""
     pinpoints = [[64 * r, 64 * c] for r in range(1, 5) for c in range(1, 5)]
     config = {
         "model_type": "llava_onevision",
@@ -191,7 +193,7 @@ def test_onevision_profiles_a_video_between_vllms_image_and_the_largest(tmp_path
               "image_grid_pinpoints": pinpoints}  # fmt: skip
     folder = _folder(tmp_path, config, images)
     images_only = tiny_budget(folder, {"image": 4, "video": 0}, max_model_len=1024)
-    assert (profile_of(images_only), images_only.profiled_tiles) == ((198, 2048, 2048 // 198, 159), 17)
+    assert (profile_of(images_only), images_only.profiled_tiles) == ((198, 2048, 2048 // 159, 159), 17)
     video = tiny_budget(folder, {"image": 4, "video": {"count": 1, "num_frames": 11}}, max_model_len=1024)
     assert (video.profiled_modality, profile_of(video), video.profiled_tiles) == ("video", (177, 2048, 8, 177), 11)
 
