@@ -271,7 +271,12 @@ def with_placeholders(
                     kind, model_type, _counted(images, audio), "this kvgate has no backend to render it"
                 )
             url = image_url(part)
-            if url is None and not isinstance(images, ImageTokens):
+            # Embeddings are never counted here: vLLM refuses them without --enable-mm-embeds and
+            # with it counts an item by its rows, even on a fixed-count family (`parse_image_embeds`:
+            # 0.32.0 renderers/chat_utils.py, 0.33.0 renderers/chat_utils/content_parser.py;
+            # llava.py `get_replacement`: `ImageEmbeddingItems.get_feature_size`, both): the
+            # backend's render says which.
+            if url is None and (kind == "image_embeds" or not isinstance(images, ImageTokens)):
                 raise UncountedMedia(
                     kind,
                     model_type,

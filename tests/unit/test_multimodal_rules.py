@@ -167,6 +167,22 @@ def test_pixtral_rows_end_in_break_and_end_tokens() -> None:
         assert sum(1 for t in _count(pixtral, _image(640, 480), mm_processor_kwargs=kwargs) if t < 0) == 40 * 30
 
 
+def test_llava_counts_an_image_by_its_fixed_count_but_never_embeddings_it_cannot_see() -> None:
+    """llava-1.5 (CLIP 336 / 14): 576 per image, whatever its size, so an image_pil part is counted
+    too; an image_embeds part is not: vLLM refuses it without --enable-mm-embeds and with it counts
+    its rows, not 576 (llava.py `get_replacement`): without a backend to render it, a 400."""
+    config = {
+        "model_type": "llava",
+        "image_token_index": 32000,
+        "vision_config": {"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14},
+    }
+    llava = MediaCounting(WordTokenizer(), image_tokens(config, {}), None, "llava")
+    assert sum(1 for t in _count(llava, TEXT, _image(640, 480)) if t < 0) == 576
+    assert sum(1 for t in _count(llava, TEXT, {"type": "image_pil", "image_pil": None}) if t < 0) == 576
+    with pytest.raises(TokenizationError, match=r"'image_embeds' content part.*no backend to render it"):
+        _count(llava, TEXT, {"type": "image_embeds", "image_embeds": "AAAA"})
+
+
 LLAVA_NEXT = {
     "model_type": "llava_next",
     "image_token_index": 32000,
