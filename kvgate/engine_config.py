@@ -503,9 +503,10 @@ def dummy_image(rule: ImageRule, kwargs: Mapping[str, Any], options: Mapping[str
     Qwen2-VL's family states W x H (`DynamicResolution.largest`), Phi-4-multimodal's
     (`HdCrops.largest`), LLaVA-NeXT's and OneVision's too (`AnyResolution.profiled_size`): theirs
     is returned even without options, since OneVision's W x H counts below the largest image
-    kvgate charges (its `most`). For the other rules kvgate takes a given side as it is and an unset one as 1 pixel, so a credit never exceeds the profile's
-    on a processor whose count grows with the size; a side above the model's largest (vLLM warns
-    and ignores it) is not clamped there (docs/limitations.md). A size the processor refuses
+    kvgate charges (its `most`). For the other rules kvgate takes a given side as it is and an
+    unset one as 1 pixel, so a credit never exceeds the profile's on a processor whose count
+    grows with the size; a side above the model's largest (vLLM warns and ignores it) is not
+    clamped there (docs/limitations.md). A size the processor refuses
     (vLLM's profile would fail with it) credits nothing: 0 embeddings."""
     from kvgate.chat_template import TokenizationError
     from kvgate.image_rules import AnyResolution, DynamicResolution, HdCrops, Replacement
