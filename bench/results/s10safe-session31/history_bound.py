@@ -3,7 +3,7 @@ against what kvgate charges it (S10's engine: Llama-3.1-8B, vLLM 0.32.0, Model R
 batched tokens, 1,024 sequences, --max-logprobs -1).
 
     PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py bound
-    PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py histories CAPACITY_MIB COUNT SEED
+    PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py histories CAPACITY_MIB COUNT SEED [CHAT_SHARE]
     PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py states CAPACITY_MIB COUNT SEED MAX_TOKENS
     PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py chats
 
@@ -12,7 +12,9 @@ kvgate's charge (`Ceiling.transient_need`) and the provable bound of README.md, 
 cached segment taken from steps up to that size and from the deployment's largest step.
 `histories`: random histories of 2 - 5 lone passages, each one kvgate lets through at that headroom
 (charge <= 0.9 x capacity), played one after another on the simulator's allocator
-(kvgate/sim/gpu.py) in that capacity: how many run out of memory.
+(kvgate/sim/gpu.py) in that capacity: how many run out of memory. With CHAT_SHARE, that share of
+the steps is a chat step instead (0 - 300 decoding rows, half the time a prefill of the rest of
+the 8,192-token step).
 `states`: random sets of cached free segments (sizes of allocations that steps of at most MAX_TOKENS
 make, total within the capacity) before one passage step, on kvgate's replay, hill-climbed: the most
 the step needs (a lower bound on the worst over histories, if such a state is reachable).
@@ -138,7 +140,16 @@ def make_sim() -> Engine:
     return sim
 
 
-def histories(capacity: int, count: int, seed: int) -> None:
+def chat_step(rng: random.Random) -> tuple[ReqSlice, ...]:
+    """Decoding chats and, half the time, one prefill chunk: a step of S10's chat traffic."""
+    decoding = rng.randint(1, 300)
+    step = [ReqSlice(1, 440, random=True, seeded=True, request_id=f"c{i}") for i in range(decoding)]
+    if rng.random() < 0.5:
+        step.append(ReqSlice(rng.randint(1, 8192 - decoding), 0, random=True, seeded=True, request_id="q"))
+    return tuple(step)
+
+
+def histories(capacity: int, count: int, seed: int, chat_share: float) -> None:
     charges: dict[int, int] = {}
 
     def admitted() -> int:
@@ -151,19 +162,17 @@ def histories(capacity: int, count: int, seed: int) -> None:
     rng = random.Random(seed)
     ooms = 0
     for _ in range(count):
-        history = [admitted() for _ in range(rng.randint(2, 5))]
+        history = [0 if rng.random() < chat_share else admitted() for _ in range(rng.randint(2, 5))]
         alloc = CachingAllocator(Device(capacity), "step")
         for i, tokens in enumerate(history):
-            if tokens not in plans:
+            if tokens and tokens not in plans:
                 req = ReqSlice(tokens, 0, prompt_logprob_tokens=tokens, prompt_logprobs=-1, request_id="p")
                 plans[tokens] = sim.steps.plan(StepShape((req,)))
             try:
-                run_tape(alloc, plans[tokens])
+                run_tape(alloc, plans[tokens] if tokens else sim.steps.plan(StepShape(chat_step(rng))))
             except CudaOutOfMemory:
                 ooms += 1
-                print(
-                    "out of memory:", history[: i + 1], [round(charges[t] / MiB) for t in history[: i + 1]], flush=True
-                )
+                print("out of memory (0: a chat step):", history[: i + 1], flush=True)
                 break
     largest = max(t for t, c in charges.items() if c <= (1 - MARGIN) * capacity)
     print(
@@ -258,6 +267,6 @@ if __name__ == "__main__":
     elif command == "chats":
         chats()
     elif command == "histories":
-        histories(int(args[0]) * MiB, int(args[1]), int(args[2]))
+        histories(int(args[0]) * MiB, int(args[1]), int(args[2]), float(args[3]) if len(args) > 3 else 0.0)
     else:
         states(int(args[0]) * MiB, int(args[1]), int(args[2]), int(args[3]))
