@@ -25,9 +25,13 @@ from typing import Any
 import uvloop
 
 from bench.overhead import chat_bodies, model_folder
+from kvgate.composition import Runtime
 from kvgate.logs import configure_logging
 from kvgate.memory.demand import Demand
+from kvgate.memory.kv import block_hashes
 from kvgate.openai import parse_request
+from kvgate.preparation import prepare
+from kvgate.settings import Settings
 from kvgate.tokens import LocalTokenizer
 
 PASSES = 7
@@ -135,6 +139,25 @@ def main() -> None:
         show(
             "Rust encode_batch_fast of that user message",
             per_call(lambda: rust.encode_batch_fast([user], add_special_tokens=False), 1000),
+        )
+
+        settings = Settings(
+            model=str(folder), max_num_batched_tokens=8192, max_model_len=32768, gpu_memory_bytes=85520809984
+        )
+        rt = Runtime(settings)  # as bench.stage_cpu builds it: the predictor from flags alone
+        rt.configure_offline()
+        config = rt.pipeline.config
+        assert config is not None
+        prepared = asyncio.run(prepare("chat", body, config.tokenizer, trust_request_chat_template=False, limits=None))
+        predictor, (ids,) = config.predictor, prepared.prompts
+        show(
+            f"Predictor.predict of that chat ({len(ids)} prompt tokens)",
+            per_call(lambda: predictor.predict(prepared.request, prepared.prompts), 3000),
+        )
+        block_size = predictor.layout.block_size
+        show(
+            "  of it, its prompt's block hashes (per request whatever the shape)",
+            per_call(lambda: block_hashes(ids, block_size), 3000),
         )
 
         show("the exchange's watcher task: created, started, cancelled", uvloop.run(watcher(20000)))
