@@ -74,6 +74,15 @@ from kvgate.work_budget import WORK_SHARE, WorkBudget, process_memory
 log = logging.getLogger("kvgate.runtime")
 
 
+CACHED_SEGMENTS_WARNING = (
+    "without --expandable-segments kvgate's transient charges hold after one earlier step of "
+    "vLLM's caching allocator, not after every history: after some sequences of large steps "
+    "(prompt_logprobs passages) cached segments strand more than a step is charged "
+    "(docs/limitations.md). Run vLLM with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+    "and kvgate with --expandable-segments"
+)
+
+
 def freeze_start_up_heap() -> None:
     """Exempt what start-up loaded (modules, tokenizer, templates: ~110k objects) from the
     garbage collector. A full collection walked them all, ~40 ms on the 2-core machine, stalling
@@ -159,6 +168,8 @@ class Runtime:
         self.geometry = load_geometry(model_dir)
         if self.settings.served_model_name:
             self.pipeline.served_names.add(self.settings.served_model_name)
+        if not self.settings.expandable_segments:
+            log.warning("%s", CACHED_SEGMENTS_WARNING)
         self._sync_task = asyncio.create_task(self._sync_backend())
 
     async def stop(self) -> None:

@@ -416,6 +416,11 @@ def test_vllm_and_kvgate_read_each_engine_flag_from_the_same_key(name: str) -> N
         flag = field.replace("_", "-")
         assert flag in flags, f"vLLM is not given --{flag}"
         assert configmap_key(vllm, flags[flag]) == key, field
+    # not a flag: vLLM's allocator setting, which kvgate cannot read and is told
+    key = configmap_key(kvgate, "KVGATE_EXPANDABLE_SEGMENTS")
+    assert configmap_key(vllm, key) == key
+    assert f'"${key}" = "true"' in script(vllm)
+    assert "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in script(vllm)
 
 
 @pytest.mark.parametrize("name", ["base", "example"])
@@ -504,7 +509,7 @@ def test_the_containers_scripts_pass_flags_and_gpu_uuids(tmp_path: Path, smi: st
     bin_dir.mkdir()
     (tmp_path / "smi.txt").write_text(smi)
     _fake(bin_dir, "nvidia-smi", f'cat "{tmp_path}/smi.txt"\n')
-    _fake(bin_dir, "vllm", 'printf "%s\\n" "$@"\n')
+    _fake(bin_dir, "vllm", 'printf "%s\\n" "$@" "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-}"\n')
     _fake(bin_dir, "kvgate", 'printf "%s %s\\n" "$*" "$KVGATE_GPU_DEVICES"\n')
 
     vllm = container(objects, "vllm")
@@ -523,6 +528,8 @@ def test_the_containers_scripts_pass_flags_and_gpu_uuids(tmp_path: Path, smi: st
     ]:
         assert args[args.index(flag) + 1] == config[key]
     assert "--enable-prefix-caching" in args
+    assert config["EXPANDABLE_SEGMENTS"] == "true"
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in args
     assert (handoff / "nvidia-visible-devices").read_text().strip() == expected
 
     kvgate = container(objects, "kvgate")

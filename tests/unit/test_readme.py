@@ -71,8 +71,13 @@ def test_the_readme_serve_line_is_one_kvgate_accepts(tmp_path: Path) -> None:
     assert settings.backend == "http://127.0.0.1:8000"
     # the vLLM line above it is a real `vllm serve` command (kvgate knows vLLM 0.32.0's options and
     # refuses others), and kvgate's line mirrors every vLLM flag it sets
-    vllm = shlex.split(next(line for line in block.splitlines() if line.startswith("vllm serve")))
+    *environment, vllm_serve = re.split(
+        r"(?=vllm serve )", next(line for line in block.splitlines() if "vllm serve " in line)
+    )
+    vllm = shlex.split(vllm_serve)
     assert vllm[2] == folder
+    # kvgate is told what vLLM's environment says of its allocator, which it cannot read
+    assert settings.expandable_segments == ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in "".join(environment))
     pasted = settings_from_args(parse_command_line(["serve", "--", *vllm]))
     engine = list(VllmFlags.model_fields)
     assert {f: getattr(settings, f) for f in engine} == {f: getattr(pasted, f) for f in engine}
