@@ -3,7 +3,7 @@ against what kvgate charges it (S10's engine: Llama-3.1-8B, vLLM 0.32.0, Model R
 batched tokens, 1,024 sequences, --max-logprobs -1).
 
     PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py bound
-    PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py histories CAPACITY_MIB COUNT SEED [CHAT_SHARE]
+    PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py histories CAPACITY_MIB COUNT SEED [CHAT_SHARE [expandable]]
     PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py states CAPACITY_MIB COUNT SEED MAX_TOKENS
     PYTHONPATH=. python bench/results/s10safe-session31/history_bound.py chats
 
@@ -14,7 +14,8 @@ cached segment taken from steps up to that size and from the deployment's larges
 (charge <= 0.9 x capacity), played one after another on the simulator's allocator
 (kvgate/sim/gpu.py) in that capacity: how many run out of memory. With CHAT_SHARE, that share of
 the steps is a chat step instead (0 - 300 decoding rows, half the time a prefill of the rest of
-the 8,192-token step).
+the 8,192-token step); with `expandable`, the allocator is vLLM's under
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (added 2026-11-28 by the lead, session 31).
 `states`: random sets of cached free segments (sizes of allocations that steps of at most MAX_TOKENS
 make, total within the capacity) before one passage step, on kvgate's replay, hill-climbed: the most
 the step needs (a lower bound on the worst over histories, if such a state is reachable).
@@ -149,7 +150,7 @@ def chat_step(rng: random.Random) -> tuple[ReqSlice, ...]:
     return tuple(step)
 
 
-def histories(capacity: int, count: int, seed: int, chat_share: float) -> None:
+def histories(capacity: int, count: int, seed: int, chat_share: float, expandable: bool = False) -> None:
     charges: dict[int, int] = {}
 
     def admitted() -> int:
@@ -163,7 +164,7 @@ def histories(capacity: int, count: int, seed: int, chat_share: float) -> None:
     ooms = 0
     for _ in range(count):
         history = [0 if rng.random() < chat_share else admitted() for _ in range(rng.randint(2, 5))]
-        alloc = CachingAllocator(Device(capacity), "step")
+        alloc = CachingAllocator(Device(capacity), "step", expandable_segments=expandable)
         for i, tokens in enumerate(history):
             if tokens and tokens not in plans:
                 req = ReqSlice(tokens, 0, prompt_logprob_tokens=tokens, prompt_logprobs=-1, request_id="p")
@@ -267,6 +268,12 @@ if __name__ == "__main__":
     elif command == "chats":
         chats()
     elif command == "histories":
-        histories(int(args[0]) * MiB, int(args[1]), int(args[2]), float(args[3]) if len(args) > 3 else 0.0)
+        histories(
+            int(args[0]) * MiB,
+            int(args[1]),
+            int(args[2]),
+            float(args[3]) if len(args) > 3 else 0.0,
+            len(args) > 4 and args[4] == "expandable",
+        )
     else:
         states(int(args[0]) * MiB, int(args[1]), int(args[2]), int(args[3]))
