@@ -202,11 +202,20 @@ def chats_admitted(predictor: Predictor, budget: Budget, prefill: int) -> int:
 
 def sim_fits_after(engine: Engine, capacity: int, earlier: StepShape, step: StepShape) -> bool:
     """Whether `step` runs in `capacity` bytes after `earlier` ran in it (the simulator's allocator)."""
-    alloc = CachingAllocator(Device(capacity), "step")
+    return sim_runs_after(CachingAllocator(Device(capacity), "step"), engine, earlier, step, free_retained=False)
+
+
+def sim_runs_after(
+    alloc: CachingAllocator, engine: Engine, earlier: StepShape, step: StepShape, free_retained: bool
+) -> bool:
+    """Whether `step` runs on `alloc` after `earlier` ran on it, the earlier step's retained
+    outputs freed first where `free_retained` (the engine frees them when the next step starts)."""
     try:
-        run_tape(alloc, engine.steps.plan(earlier))
+        out = run_tape(alloc, engine.steps.plan(earlier))
     except CudaOutOfMemory:
         return True  # that earlier step cannot have run in this memory: no such history
+    for block in out if free_retained else ():
+        alloc.free(block)
     try:
         run_tape(alloc, engine.steps.plan(step))
     except CudaOutOfMemory:
@@ -288,23 +297,6 @@ def kvgate_step_tape(predictor: Predictor, tokens: int, rows: int) -> list[TapeO
     return [*forward[:-1], *sampler_phase_tape(g, e, rows), forward[-1]]
 
 
-def sim_runs_after_s9_start_up(engine: Engine, earlier: StepShape, step: StepShape) -> bool:
-    """Whether `step` runs after `earlier` on a copy of S9's engine's allocator as its start-up
-    left it (the earlier step's retained outputs freed when the next starts)."""
-    alloc = copy.deepcopy(engine.alloc)
-    try:
-        out = run_tape(alloc, engine.steps.plan(earlier))
-    except CudaOutOfMemory:
-        return True  # that earlier step cannot have run in this memory: no such history
-    for block in out:
-        alloc.free(block)
-    try:
-        run_tape(alloc, engine.steps.plan(step))
-    except CudaOutOfMemory:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def s9_engine() -> Engine:
     return make_engine(next(s for s in SCENARIOS if s.key == "S9").sim)
@@ -332,7 +324,9 @@ def test_kvgates_replay_of_a_step_after_one_earlier_step_agrees_with_the_simulat
         for tokens in range(128, 2049, 128):
             other = max(1, tokens - n * (1 + K))
             earlier = (StepShape((ReqSlice(tokens, 0, samples=False),)), StepShape((*decoders, ReqSlice(other, 0))))
-            sim = sim and all(sim_runs_after_s9_start_up(s9_engine, h, step) for h in earlier)
+            sim = sim and all(
+                sim_runs_after(copy.deepcopy(s9_engine.alloc), s9_engine, h, step, free_retained=True) for h in earlier
+            )
             earlier_tapes += [
                 [profile_forward_tape(g, e, tokens)],
                 [kvgate_step_tape(predictor, other + rows - 1, rows)],
