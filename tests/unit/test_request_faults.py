@@ -32,7 +32,6 @@ from support.gated_exchange import (
     Client,
     ScriptedBackend,
     ScriptedUpstream,
-    answer,
     exchange,
     stream,
 )
@@ -228,25 +227,31 @@ async def test_the_client_leaves_as_the_backend_refuses_it(make: Make, streamed:
 
 
 async def test_refused_again_right_after_the_backend_is_back(make: Make) -> None:
-    """The backend's return admits two waiters in one re-check; the first is refused again (a
-    second outage begins from its task, right after the first ended) while the second, admitted
-    in the same re-check, is sent: it is served, and the first waits for the next return."""
+    """The backend's return admits two waiters in one re-check; the one sent first is refused
+    again (a second outage begins from its task, right after the first ended) while the other,
+    admitted in the same re-check, is sent: it is served, and the refused one waits for the next
+    return."""
     rt, tally, routes = make()
     rt.budget.set_backend("down", "killed")
-    backend = ScriptedBackend([BackendDown(REFUSED), answer()])
+    backend = ScriptedBackend([BackendDown(REFUSED)])  # then answers of each request's kind
     backend.install(rt)
-    first, second = Client(completion(SMALL), request_id="first"), Client(completion(SMALL, False), request_id="2nd")
-    tasks = [asyncio.create_task(exchange(routes, first)), asyncio.create_task(exchange(routes, second))]
+    clients = [Client(completion(SMALL), request_id="streamed"), Client(completion(SMALL, False), request_id="plain")]
+    tasks = [asyncio.create_task(exchange(routes, client)) for client in clients]
     await wait_for_async(lambda: rt.gate.waiting == 2, timeout_s=5, what="both in the queue")
     rt.budget.set_backend("up")
-    await tasks[1]
-    assert_served(second)
-    await wait_for_async(lambda: rt.budget.hold is not None, timeout_s=5, what="the backend down again")
-    assert first.status is None
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    served = next(c for c, t in zip(clients, tasks, strict=True) if t in done)
+    refused = next(c for c in clients if c is not served)
+    assert_served(served)
+    assert backend.calls == 2
+    assert rt.budget.hold is not None  # down again, from the refused request's task
+    assert refused.status is None
+    assert rt.gate.waiting == 1
     rt.budget.set_backend("up")
-    await tasks[0]
-    assert_served(first)
+    await asyncio.gather(*tasks)
+    assert_served(refused)
     assert backend.calls == 3
+    assert tally.outcomes == {"requeued": 1, "completed": 2}
     assert_settled(rt, tally)
 
 
