@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvgate.errors import InvalidField, TooManyJsonValues
+from kvgate.errors import InvalidField, TooManyJsonValues, VllmRefusal
 from kvgate.json_text import load_json
 from kvgate.request import ChatInput, ParsedRequest, PromptInput, TokenIds, Truncation, ValidRequest
 from kvgate.sampling_params import vllm_sampling_params
@@ -202,6 +202,7 @@ def _chat(body: dict[str, Any], trust_request_chat_template: bool) -> ChatInput:
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidField(f"messages[{index}] must be an object with a string 'role'.", "messages")
+        _check_part_types(message.get("content"))
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise InvalidField("'chat_template' must be a string.", "chat_template")
@@ -273,6 +274,18 @@ def _renamed(error: InvalidField, renames: dict[str, str]) -> InvalidField:
     if sent is None:
         return error
     return InvalidField(error.message.replace(f"'{error.param}'", f"'{sent}'"), sent, error.code)
+
+
+def _check_part_types(content: Any) -> None:
+    """A content part's `type`, when given, is a string: vLLM 0.32.0 refuses any other
+    (vllm/renderers/chat_utils.py `_parse_chat_message_content_mm_part`, "Invalid 'type' field in
+    multimodal part."), and kvgate's own look-ups of the part by its type failed on a list or an
+    object (a TypeError, a 500). A missing or null one is vLLM's to read from the part's keys."""
+    if not isinstance(content, list):
+        return
+    for part in content:
+        if isinstance(part, dict) and part.get("type") is not None and not isinstance(part["type"], str):
+            raise VllmRefusal("Invalid 'type' field in multimodal part.", "type")
 
 
 def _parse(translated: Translated, trust_request_chat_template: bool) -> ParsedRequest:

@@ -179,8 +179,8 @@ def vllm_sampling_params(endpoint: Sampling, body: Mapping[str, Any]) -> Samplin
     prompt_logprobs = body.get("prompt_logprobs")
     if prompt_logprobs is None and echo:
         prompt_logprobs = echoed
-    allowed = body.get("allowed_token_ids")
-    bad_words = body.get("bad_words")
+    allowed = _list(body, "allowed_token_ids")
+    bad_words = _list(body, "bad_words")
     return SamplingParams(
         n=body.get("n") or 1,
         max_tokens=max_tokens,
@@ -194,7 +194,7 @@ def vllm_sampling_params(endpoint: Sampling, body: Mapping[str, Any]) -> Samplin
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         structured_outputs=_structured(body),
         logit_bias=bool(body.get("logit_bias")),
-        allowed_token_ids=tuple(allowed) if allowed is not None else None,
+        allowed_token_ids=allowed,
         bad_words=tuple(bad_words) if bad_words else None,
         top_k=_optional_int(body, "top_k"),
         top_p=_optional_number(body, "top_p"),
@@ -202,6 +202,18 @@ def vllm_sampling_params(endpoint: Sampling, body: Mapping[str, Any]) -> Samplin
         temperature_given=body.get("temperature") is not None,
         thinking_token_budget=_optional_int(body, "thinking_token_budget"),
     )
+
+
+def _list(body: Mapping[str, Any], name: str) -> tuple[Any, ...] | None:
+    """A list field (vLLM 0.32.0's request models: `allowed_token_ids: list[int] | None`,
+    `bad_words: list[str]`); a 400 for a value that is no list, which vLLM's pydantic model refuses
+    too (a number or a boolean here was a TypeError, a 500). What the list holds is vLLM's to judge."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidField(f"'{name}' must be a list.", name)
+    return tuple(value)
 
 
 def _optional_number(body: Mapping[str, Any], name: str) -> float | None:

@@ -356,3 +356,24 @@ def test_a_float_sampling_field_out_of_float_range_or_not_a_number_is_400(value:
     """Found by the fuzz: presence_penalty of a 400-digit integer overflowed float() into a 500."""
     error = refusal("completions", json.dumps({"prompt": "hi", "presence_penalty": value}).encode())
     assert error.param == "presence_penalty"
+
+
+@pytest.mark.parametrize("value", [True, 5, 1.5, 10**400], ids=["bool", "int", "float", "huge"])
+@pytest.mark.parametrize("name", ["allowed_token_ids", "bad_words"])
+def test_a_list_field_given_a_number_or_boolean_is_400(name: str, value: object) -> None:
+    """Found by test_hostile_fields.py: iterating the value raised a TypeError, a 500."""
+    for route, body in (("completions", {"prompt": "hi"}), ("chat", {"messages": CHAT})):
+        assert refusal(route, json.dumps(body | {name: value}).encode()).param == name
+
+
+def test_a_content_part_type_that_is_no_string_is_vllms_400() -> None:
+    """vLLM 0.32.0 refuses it ("Invalid 'type' field in multimodal part."); kvgate's look-up of a
+    list or object type raised a TypeError, a 500 (found by test_hostile_fields.py). A null type is
+    vLLM's to read from the part's keys, and still parses."""
+    for kind in ([], {}, 5, True):
+        message = {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": kind, "text": "x"}]}
+        error = refusal("chat", json.dumps({"messages": [message]}).encode())
+        assert error.message.startswith("Invalid 'type' field in multimodal part.")
+        assert error.param == "type"
+    untyped = {"role": "user", "content": [{"type": None, "image_url": {"url": "http://example.com/a.png"}}]}
+    assert isinstance(parse_request("chat", json.dumps({"messages": [untyped]}).encode()).input, ChatInput)
