@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.request_cpu import scope_of
 from kvgate.composition import Runtime
 from kvgate.http.gated_routes import GatedRoutes
 from kvgate.upstream import UpstreamError
@@ -122,22 +123,9 @@ class Client:
 
     def __init__(self, body: dict[str, Any], path: str = "/v1/completions", request_id: str = "") -> None:
         self.raw = json.dumps(body).encode()
-        self.scope: dict[str, Any] = {
-            "type": "http",
-            "http_version": "1.1",
-            "method": "POST",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "headers": [
-                (b"host", b"kvgate"),
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(self.raw)).encode()),
-                *([(b"x-request-id", request_id.encode())] if request_id else []),
-            ],
-            "client": ("127.0.0.1", 1),
-            "scheme": "http",
-        }
+        self.scope: dict[str, Any] = scope_of(path, self.raw)
+        if request_id:
+            self.scope["headers"].append((b"x-request-id", request_id.encode()))
         self.messages: list[dict[str, Any]] = []
         self._body_sent = False
         self._over = asyncio.Event()  # the response is complete or the client left

@@ -239,7 +239,10 @@ async def test_every_message_field_of_every_wrong_kind(served: tuple[Runtime, Ga
     for value in _values():
         message = {"role": "user", "content": "hi", field: value}
         await assert_answered(served, "chat", {"model": "tiny-llama", "messages": [message], "max_tokens": 4})
-        # the message itself, and a whole conversation, of a wrong kind
+
+
+async def test_a_message_and_a_conversation_of_every_wrong_kind(served: tuple[Runtime, GatedRoutes]) -> None:
+    for value in _values():
         await assert_answered(served, "chat", {"model": "tiny-llama", "messages": [value], "max_tokens": 4})
         await assert_answered(served, "chat", {"model": "tiny-llama", "messages": value, "max_tokens": 4})
 

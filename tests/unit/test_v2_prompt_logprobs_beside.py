@@ -260,7 +260,8 @@ def test_a_client_choosing_a_new_k_each_request_meets_a_bounded_set_of_charges(
     reason="a known under-charge, open (docs/limitations.md): v2_prompt_logprobs_overhead_bytes "
     "replays one earlier forward step, not earlier passages' "
     "prompt-logprobs phases, whose large segments strand more; replaying one "
-    "earlier passage would cover this history but not two (the sweep below)",
+    "earlier passage would cover this history but not two (the sweep below); the remedy until "
+    "then is vLLM with expandable segments, under which the sweep holds",
 )
 def test_a_passage_alone_is_charged_what_the_allocator_needs_after_earlier_passages(
     engine: Engine, predictor: Predictor
@@ -283,7 +284,8 @@ TRANSIENT_MARGIN = 0.1  # kvgate/settings.py transient_safety_margin's default
     strict=True,
     reason="a known under-charge, open (docs/limitations.md): kvgate's charge is not yet a bound on "
     "what the caching allocator needs after earlier passages: after 704- and 960-token passages a "
-    "1,000-token passage needs 7,928 MiB, kvgate charges 5,503",
+    "1,000-token passage needs 7,928 MiB, kvgate charges 5,503; the remedy until then is vLLM "
+    "with expandable segments, under which this sweep holds (the test below)",
 )
 def test_passages_one_after_another_never_need_more_than_kvgate_lets_through(
     engine: Engine, predictor: Predictor
