@@ -160,3 +160,44 @@ def test_stale_readings_scale_the_limit_not_the_allocators_room() -> None:
     assert budget.shortfall(short, Ledger()) is None  # 244 MiB against half of 555
     assert not budget.lone_step_fits(demand_step(short), capacity=300 * MiB)
     assert not budget.lone_step_fits(demand_step(rag_query(predictor, 8000).demand))
+
+
+def chat_rows(predictor: Predictor, rows: int) -> Ledger:
+    """`rows` of H1's extraction calls (200 prompt tokens, 128 out, temperature 0.8) decoding."""
+    body = {"prompt": "x", "max_tokens": 128, "temperature": 0.8}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    ledger = Ledger()
+    for _ in range(rows):
+        ledger.end_prefill(ledger.reserve(predictor.predict(spec, [[7] * 200]).demand))
+    return ledger
+
+
+def runs_beside(h1_gpu: tuple[Device, CachingAllocator, StepMemory], earlier: int, chunk: int, rows: int) -> bool:
+    """Whether the simulator runs a step of a `chunk`-token prefill beside `rows` decoding rows
+    (temperature 0.8: each row's logits copied to fp32) after a prefill step of `earlier` tokens."""
+    _, alloc, steps = copy.deepcopy(h1_gpu)
+    decoding = tuple(ReqSlice(1, 200, random=True) for _ in range(rows))
+    try:
+        run_tape(alloc, steps.plan(StepShape((ReqSlice(earlier, 0, samples=False),))))
+        run_tape(alloc, steps.plan(StepShape((ReqSlice(chunk, 0, random=True), *decoding))))
+    except CudaOutOfMemory:
+        return False
+    return True
+
+
+def test_beside_a_decoding_burst_a_rag_chunk_is_admitted_where_the_simulator_runs_it_and_not_where_it_may_not(
+    h1_gpu,
+) -> None:
+    """Held-out H1's head of line during its extraction burst (session 32): a 3,000-token RAG
+    query waits while the burst's rows decode. Beside 256 rows it is admitted, and the simulator
+    runs that step after a prefill step of every sixteenth of the step size; beside 384 rows it
+    waits (its step charged 617.5 MiB: the 385 rows' logits and fp32 copy with their replayed
+    segments), and the simulator runs out of memory there after a 3,328-token step: the wait is
+    the allocator's, not a term to relax."""
+    budget, predictor = h1_budget()
+    rag = rag_query(predictor, 3000).demand
+    assert budget.shortfall(rag, chat_rows(predictor, 256)) is None
+    assert all(runs_beside(h1_gpu, t, 3000, 256) for t in [*HISTORY, 4096])
+    crowded = chat_rows(predictor, 384)
+    assert budget.shortfall(rag, crowded) == TRANSIENT_BUSY
+    assert not runs_beside(h1_gpu, 3328, 3000, 384)
