@@ -446,7 +446,7 @@ def encoder_budget(
             others = {
                 "video": video_item(
                     config,
-                    rule,
+                    rule.configured(kwargs),
                     kwargs,
                     videos,
                     deployment.max_model_len,

@@ -137,6 +137,39 @@ def test_qwen3_vl_profiles_the_modality_vllm_picks(
     assert profile_of(tiny_budget(folder, limits, kwargs)) == expected
 
 
+@pytest.mark.parametrize(
+    ("video_config", "kwargs", "dummy"),
+    [
+        # the processor's own cap at 24 tokens a frame: the 2-frame dummy of 512 x 512 frames gets
+        # max(min(24,576, 262,144), 8,601) pixels a frame: 128 x 128, 16 embeddings
+        ({"cap_pixels_per_frame": True, "max_video_tokens": 24}, None, 16),
+        # the flag's cap: vLLM spreads the dummy over ceil(524,288 / 24,576) = 22 frames of
+        # 128 x 128, which the cap (23,831 a frame) keeps: 11 patches of 16
+        ({"cap_pixels_per_frame": True, "max_video_tokens": 24}, {"cap_pixels_per_frame": True}, 176),
+        ({}, {"cap_pixels_per_frame": True, "max_video_tokens": 24}, 176),
+        # the flag's cap at 768 tokens a frame (transformers' default) does not bind: 2 frames
+        ({}, {"cap_pixels_per_frame": True}, 256),
+        # a videos_kwargs max_video_tokens of 8 spreads the dummy over 64 frames of 64 x 64, which
+        # the processor's own 24 (the call's 8 does not reach resize) leaves at 4 a patch: 128
+        (
+            {"cap_pixels_per_frame": True, "max_video_tokens": 24},
+            {"videos_kwargs": {"cap_pixels_per_frame": True, "max_video_tokens": 8}},
+            128,
+        ),
+    ],
+)
+def test_qwen3_vl_profile_encodes_the_capped_dummy_vllm_draws(
+    tmp_path: Path, video_config: dict, kwargs: dict | None, dummy: int
+) -> None:
+    """qwen3_vl.py `Qwen3VLDummyInputsBuilder.get_dummy_mm_data` (vLLM 0.32.0 and 0.33.0) with
+    cap_pixels_per_frame in --mm-processor-kwargs, and transformers 5.19's capped resize of the
+    dummy: M stays the uncapped 2-frame count (256), the profile is credited the dummy's own
+    embeddings (vLLM's, from MultiModalBudget in-process on the tiny folder with these files)."""
+    folder = _folder(tmp_path, QWEN3_VL, QWEN3_VL_IMAGES, {**QWEN3_VL_VIDEOS, **video_config})
+    for limits in ({"image": 4, "video": 1}, {"image": 0, "video": 1}):
+        assert profile_of(tiny_budget(folder, limits, kwargs)) == (256, 2048, 8, dummy)
+
+
 def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
     """LLaVA-OneVision (64-pixel SigLIP, 16-pixel patches: 4 x 4 patches pooled to 2 x 2 = 4
     embeddings a frame): 16 frames + the newline are 65 embeddings, below its largest image, so
