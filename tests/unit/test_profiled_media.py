@@ -343,3 +343,24 @@ def test_phi4mm_with_images_off_charges_the_cache_its_audio_profile_did_not_hold
     budget = tiny_budget(_phi4mm_folder(tmp_path), {"image": 0, "audio": 3}, max_model_len=16384)
     terms = {t.name: t.bytes for t in budget.terms([188] * 3, tiles=[OTHER_MODALITY] * 3)}
     assert terms["encoder_cache"] == (2048 - 10 * 188) * budget.tower.output_width * budget.tower.dtype_bytes > 0
+
+
+def test_phi4mm_with_images_off_credits_the_conformer_forward_its_dummy_audio_ran(tmp_path: Path) -> None:
+    """Images off: vLLM's profile ran 10 dummy audios of 188 embeddings through the Conformer, one
+    at a time, so a request's largest audio forward is credited what one of them surely held: at
+    8 x 187 + 1 = 1,497 frames, Conv2d(1, 1,024, stride 2)'s 1,024 x 749 x 40 bf16 map and its
+    ReLU's copy (2 x 61,358,080 B) and the features in float32 and twice in bf16 (1,497 x 80 x 8 B):
+    123,674,240 B. A 60 s audio (750 embeddings, 6,000 frames: tests/unit/test_memory_encoder.py's
+    557,395,268 B with its features) is charged the rest; a 1 s audio (13) its features only.
+    Images on, the profile ran no Conformer: the same audio is charged whole."""
+    credit = 2 * 1024 * 749 * 40 * 2 + 1497 * 80 * (2 * 2 + 4)
+    assert credit == 123_674_240
+    off = tiny_budget(_phi4mm_folder(tmp_path), {"image": 0, "audio": 3}, max_model_len=16384)
+    terms = {t.name: t for t in off.terms([750], tiles=[OTHER_MODALITY])}
+    assert terms["audio_encoder_activations"].bytes == 557_395_268 - credit
+    assert "118 MiB credited" in terms["audio_encoder_activations"].detail
+    short = {t.name: t.bytes for t in off.terms([13], tiles=[OTHER_MODALITY])}
+    assert short["audio_encoder_activations"] == 8 * 13 * 80 * 4  # the float32 features
+    on = tiny_budget(tmp_path / "phi4mm-8", {"image": 2, "audio": 3}, max_model_len=16384)
+    whole = {t.name: t.bytes for t in on.terms([750], tiles=[OTHER_MODALITY])}
+    assert whole["audio_encoder_activations"] == 557_395_268
