@@ -688,6 +688,7 @@ class EncoderBudget:
         audio: ConformerTower | None = None,
         profiled_modality: str = "image",
         vllm_most: int | None = None,
+        embedded: int = 0,
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
         `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
@@ -697,8 +698,13 @@ class EncoderBudget:
         where vLLM takes it from the dummy item (`get_mm_max_toks_per_item`'s fallback: LLaVA-NeXT
         / OneVision's fixed dummy image, Phi-4-multimodal's shrunk one), below kvgate's M: vLLM's
         B and C are then at most these, so kvgate credits the K x D vLLM profiled and bounds a
-        step and the cache by no less."""
-        budget = max(max_num_batched_tokens, max_item)
+        step and the cache by no less. `embedded`: the largest item of a modality
+        --enable-mm-embeds makes embedding-only (its --limit-mm-per-prompt 0), which widens B and C
+        (multimodal/encoder_budget.py `MultiModalBudget.__init__`, 0.32.0 = 0.33.0:
+        `compute_mm_encoder_budget` over tower and embedding-only modalities) and with them vLLM's
+        K; kvgate's K stays that of the tower's M alone (at most vLLM's: a credit of no more than
+        the profile ran)."""
+        budget = max(max_num_batched_tokens, max_item, embedded)
         most = max(vllm_most or max_item, 1)
         per_prompt = max(1, min(items_per_prompt, max_model_len // most))
         profiled_budget = max(max_num_batched_tokens, most)

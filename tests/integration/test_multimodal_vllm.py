@@ -29,6 +29,7 @@ from PIL import Image
 
 from bench.media_read import png_header
 from kvgate.chat_template import TokenizationError
+from kvgate.engine_config import encoder_budget
 from kvgate.image_rules import (
     AnyResolution,
     DynamicResolution,
@@ -39,11 +40,12 @@ from kvgate.image_rules import (
     image_tokens_of,
 )
 from kvgate.media import ImageSize
+from kvgate.memory.geometry import ModelGeometry
 from kvgate.multimodal import image_kwargs, media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
-from support.encoder_budgets import TINY_BATCHED_TOKENS, TINY_SEQUENCES, profile_of, tiny_budget
+from support.encoder_budgets import TINY_BATCHED_TOKENS, TINY_SEQUENCES, deployment, profile_of, tiny_budget
 from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, metrics_at
 from support.vllm_server import BootingVllm, Launch, VllmPython, VllmServer, launching_wanted
 
@@ -546,6 +548,31 @@ def test_qwen3_vl_capped_videos_count_as_vllm_counts_them(
     assert ours == theirs
     assert theirs[0] < theirs[1] == theirs[2]  # the long video's cap lifts its count
     assert theirs[3] == theirs[4] == theirs[5]
+
+
+def test_enable_mm_embeds_budget_is_vllms(qwen3_vl_dir: Path, vllm_python: VllmPython) -> None:
+    """--enable-mm-embeds: the modality at --limit-mm-per-prompt 0 is embedding-only and widens
+    vLLM's encoder budget (`MultiModalBudget`, in-process) to its M; kvgate's B and C equal it and
+    its K is at most vLLM's (it counts the tower's M alone: a credit of no more than the profile ran)."""
+    cases = [
+        ({"image": LIMIT, "video": 0}, {"images_kwargs": {"max_pixels": 65536}}),
+        ({"image": 0, "video": 1}, {"videos_kwargs": {"size": {"longest_edge": 131072, "shortest_edge": 8192}}}),
+    ]
+    asked = [
+        {"model": str(qwen3_vl_dir), "limits": limits, "mm_kwargs": kwargs, "max_model_len": 8192,
+         "max_num_batched_tokens": 128, "max_num_seqs": TINY_SEQUENCES, "embeds": True}
+        for limits, kwargs in cases
+    ]  # fmt: skip
+    theirs = json.loads(vllm_python(str(SUPPORT / "vllm_profiled_media.py"), input=json.dumps(asked)).splitlines()[-1])
+    geometry = ModelGeometry.from_config(json.loads((qwen3_vl_dir / "config.json").read_text()))
+    for (limits, kwargs), their in zip(cases, theirs, strict=True):
+        settings = deployment(8192, 128, TINY_SEQUENCES)
+        ours = encoder_budget(str(qwen3_vl_dir), settings, media_options(kwargs, limits), geometry, False, True)
+        assert ours is not None
+        assert their["budget"] > 128  # widened past the batched tokens
+        assert (ours.compute_budget, ours.cache_size) == (their["budget"], their["budget"])
+        assert (ours.max_item, ours.profiled_item or ours.max_item) == (max(their["per_item"].values()), their["dummy"])
+        assert 1 <= ours.profiled_items <= their["items"]
 
 
 def _capped_folder(folder: Path, out: Path, settings: dict) -> Path:

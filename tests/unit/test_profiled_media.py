@@ -170,6 +170,38 @@ def test_qwen3_vl_profile_encodes_the_capped_dummy_vllm_draws(
         assert profile_of(tiny_budget(folder, limits, kwargs)) == (256, 2048, 8, dummy)
 
 
+@pytest.mark.parametrize(
+    ("limits", "kwargs"),
+    [
+        # images of at most 64 embeddings profiled; videos (M 256) embedding-only
+        ({"image": 4, "video": 0}, {"images_kwargs": {"max_pixels": 65536}}),
+        # videos of at most 64 profiled; images (M 256) embedding-only
+        ({"image": 0, "video": 1}, {"videos_kwargs": {"size": {"longest_edge": 131072, "shortest_edge": 8192}}}),
+    ],
+)
+def test_enable_mm_embeds_widens_the_encoder_budget_by_the_embedding_only_modality(
+    tmp_path: Path, limits: dict, kwargs: dict
+) -> None:
+    """vLLM's --enable-mm-embeds (multimodal/encoder_budget.py `MultiModalBudget.__init__`, 0.32.0
+    = 0.33.0): a modality at --limit-mm-per-prompt 0 is embedding-only and its M joins
+    `compute_mm_encoder_budget`. At 128 batched tokens, vLLM's B = C = 256 (the other modality's
+    M) with the flag, 128 without, and its profile then runs 4 items of 64, not 2 (vLLM's numbers,
+    MultiModalBudget in-process on the tiny folder). kvgate's B and C are vLLM's; its K stays 2,
+    what the tower's M alone gives (a credit of no more than the profile ran)."""
+    folder = _folder(tmp_path, QWEN3_VL, QWEN3_VL_IMAGES, QWEN3_VL_VIDEOS)
+    geometry = ModelGeometry.from_config(QWEN3_VL)
+    settings = deployment(8192, 128, 8)
+    plain = encoder_budget(str(folder), settings, media_options(kwargs, limits), geometry)
+    embeds = encoder_budget(str(folder), settings, media_options(kwargs, limits), geometry, enable_mm_embeds=True)
+    assert plain is not None
+    assert embeds is not None
+    assert (profile_of(plain), plain.cache_size) == ((64, 128, 2, 64), 128)
+    assert (profile_of(embeds), embeds.cache_size) == ((64, 256, 2, 64), 256)
+    # with both modalities on, nothing is embedding-only: the flag changes nothing
+    both = encoder_budget(str(folder), settings, media_options(kwargs, {"image": 4, "video": 1}), geometry, False, True)
+    assert both == encoder_budget(str(folder), settings, media_options(kwargs, {"image": 4, "video": 1}), geometry)
+
+
 def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
     """LLaVA-OneVision (64-pixel SigLIP, 16-pixel patches: 4 x 4 patches pooled to 2 x 2 = 4
     embeddings a frame): 16 frames + the newline are 65 embeddings, below its largest image, so
