@@ -931,7 +931,8 @@ class TimedVideoGrid:
         cap (transformers 5.19 Qwen3VLVideoProcessor.resize) each frame's share, at most the
         processor's own max_video_tokens merged patches (`self.max_video_tokens`: a kwarg of that
         name does not reach resize) and at least 1.05 x shortest_edge, times the frames; the floor
-        makes a long video's budget exceed longest_edge."""
+        makes a long video's budget exceed longest_edge. The same in transformers 5.16.1 to 5.20.0,
+        every release vLLM 0.32.0 and 0.33.0 accept."""
         if not capped:
             return high
         unit = self.patch_size * self.merge_size
