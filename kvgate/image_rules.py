@@ -802,7 +802,7 @@ class DynamicResolution(ImageRule):
         over its config file's (vllm/transformers_utils/processor.py
         cached_get_processor_without_dynamic_kwargs, 0.32.0: the video processor's kwargs are not
         the processor's dynamic ones; a videos_kwargs one reaches only the call, which resize does
-        not read: checked in-process, tests/integration/test_multimodal.py)."""
+        not read: checked in-process, tests/integration/test_multimodal_vllm.py)."""
         tokens = kwargs.get("max_video_tokens")
         if not isinstance(self.video, TimedVideoGrid) or tokens is None:
             return self
