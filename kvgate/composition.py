@@ -440,6 +440,7 @@ class Runtime:
                 ),
                 self.geometry,
                 settings.skip_mm_profiling,
+                settings.enable_mm_embeds,
             ),
         )
 

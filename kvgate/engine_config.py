@@ -383,6 +383,7 @@ def encoder_budget(
     media: MediaOptions,
     geometry: ModelGeometry,
     skip_mm_profiling: bool = False,
+    enable_mm_embeds: bool = False,
 ) -> EncoderBudget | None:
     """The vision encoder of the model in `model_dir` as this deployment runs it (in the dtype
     of the decoder, `geometry`), or None where
@@ -397,7 +398,9 @@ def encoder_budget(
     release on V2: not profiled), on neither with vLLM's --skip-mm-profiling
     (`skip_mm_profiling`); the profile's dummy item is --limit-mm-per-prompt's image width x
     height (`dummy_image_features`), video num_frames / width / height or audio length where
-    given. With every modality kvgate reads off, the images' budget stays (vLLM encodes none:
+    given. With vLLM's --enable-mm-embeds (`enable_mm_embeds`), every modality kvgate sizes that
+    --limit-mm-per-prompt sets to 0 is embedding-only, and its largest item widens B and C
+    (`EncoderBudget.of`'s `embedded`). With every modality kvgate reads off, the images' budget stays (vLLM encodes none:
     nothing is charged that a request can reach)."""
     # The image rules import the chat template, and with it transformers: loaded only here, once a
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
@@ -422,6 +425,7 @@ def encoder_budget(
     profiled_item: int | None = None
     max_tiles = profiled_tiles = 0
     vllm_most: int | None = None  # vLLM's image M where it is the dummy's, below kvgate's largest
+    embedded = 0  # the largest item of an embedding-only modality (--enable-mm-embeds)
     if rule is not None:
         kwargs = image_kwargs(media.processor_kwargs, None)
         largest = rule.configured(kwargs).replacement(None, kwargs)
@@ -446,7 +450,7 @@ def encoder_budget(
             others = {
                 "video": video_item(
                     config,
-                    rule,
+                    rule.configured(kwargs),
                     kwargs,
                     videos,
                     deployment.max_model_len,
@@ -458,6 +462,9 @@ def encoder_budget(
         except TokenizationError:  # dummy settings the processor refuses: which item vLLM profiles is unknown
             others, profiled_item = {}, 0  # credit the profile nothing
         items.update({name: item for name, item in others.items() if item is not None})
+        if enable_mm_embeds:  # the image's M is kvgate's largest image, at least vLLM's
+            most = {name: max_item if name == "image" else item[0] for name, item in items.items()}
+            embedded = max((m for name, m in most.items() if media.limits.get(name) == 0), default=0)
         chosen = profiled_item_of(items, media.limits, DEFAULT_LIMIT_PER_PROMPT)
         if chosen is not None and chosen.modality != "image":
             max_item, modality, profiled_item, profiled_tiles = (
@@ -485,6 +492,7 @@ def encoder_budget(
         audio=ConformerTower.from_config(config, geometry.dtype_bytes) if audio is not None else None,
         profiled_modality=modality,
         vllm_most=vllm_most if modality == "image" and rule is not None else None,
+        embedded=embedded,
     )
 
 

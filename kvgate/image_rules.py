@@ -797,6 +797,19 @@ class DynamicResolution(ImageRule):
     def feature_token(self) -> int:  # type: ignore[override]
         return self.target_token
 
+    def configured(self, kwargs: Mapping[str, Any]) -> ImageRule:
+        """Qwen3-VL's video processor is built with --mm-processor-kwargs' flat max_video_tokens
+        over its config file's (vllm/transformers_utils/processor.py
+        cached_get_processor_without_dynamic_kwargs, 0.32.0: the video processor's kwargs are not
+        the processor's dynamic ones; a videos_kwargs one reaches only the call, which resize does
+        not read: checked in-process, tests/integration/test_multimodal_vllm.py)."""
+        tokens = kwargs.get("max_video_tokens")
+        if not isinstance(self.video, TimedVideoGrid) or tokens is None:
+            return self
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+            raise ValueError(f"--mm-processor-kwargs max_video_tokens must be a positive whole number, got {tokens!r}")
+        return replace(self, video=replace(self.video, max_video_tokens=tokens))
+
     def pixel_range(self, kwargs: Mapping[str, Any]) -> tuple[int, int]:
         """min_pixels and max_pixels after the kwargs (Qwen2VLProcessingInfo._get_vision_size:
         `size` overrides the processor's, then min_pixels / max_pixels override its edges)."""
@@ -880,7 +893,8 @@ class TimedVideoGrid:
     get_video_repl; transformers 5.19 Qwen3VLVideoProcessor): the frames, sampled again by the
     processor's fps where the metadata says so (Qwen3VLProcessingInfo._get_video_second_idx, the
     processor's sample_frames), resized together by the video smart_resize, whose pixel budget is
-    the whole video's (t x h x w), padded to a multiple of temporal_patch_size; each temporal patch
+    the whole video's (t x h x w; with cap_pixels_per_frame, each frame's capped share times the
+    frames: `max_pixels`), padded to a multiple of temporal_patch_size; each temporal patch
     becomes "<{t:.1f} seconds>" (its two frames' mean time, _calculate_timestamps), then
     <|vision_start|>, one <|video_pad|> per merge_size x merge_size patches and <|vision_end|>, in
     place of the prompt's bare <|video_pad|> (transformers 5.19's Qwen3VLProcessor overrides
@@ -898,12 +912,32 @@ class TimedVideoGrid:
     min_frames: int
     max_frames: int
     qwen3_vl_loader: bool  # vLLM loads containers with Qwen3VLVideoBackend
-    capped: bool  # cap_pixels_per_frame set: a budget per frame kvgate does not model
+    capped: bool  # the processor's own cap_pixels_per_frame (its config file's)
+    max_video_tokens: int  # the processor's own per-frame token ceiling under the cap
     placeholder: str = "<|vision_start|><|video_pad|><|vision_end|>"
 
     @property
     def feature_token(self) -> int:
         return self.target_token
+
+    def caps(self, kwargs: Mapping[str, Any]) -> bool:
+        """Whether the processor caps each frame's pixels: the kwargs' cap_pixels_per_frame, else
+        its own (transformers 5.19 BaseVideoProcessor.preprocess: `kwargs.setdefault(name,
+        getattr(self, name))` for each valid kwarg, so a given False overrides the config's True)."""
+        return bool(kwargs.get("cap_pixels_per_frame", self.capped))
+
+    def max_pixels(self, frames: int, low: int, high: int, capped: bool) -> int:
+        """The video smart_resize's budget for `frames` frames: the size's longest_edge, or with the
+        cap (transformers 5.19 Qwen3VLVideoProcessor.resize) each frame's share, at most the
+        processor's own max_video_tokens merged patches (`self.max_video_tokens`: a kwarg of that
+        name does not reach resize) and at least 1.05 x shortest_edge, times the frames; the floor
+        makes a long video's budget exceed longest_edge. The same in transformers 5.16.1 to 5.20.0,
+        every release vLLM 0.32.0 and 0.33.0 accept."""
+        if not capped:
+            return high
+        unit = self.patch_size * self.merge_size
+        per_frame = max(min(self.max_video_tokens * unit * unit, high // frames), int(low * 1.05))
+        return per_frame * frames
 
     def frames(self, video: TimedFrames, kwargs: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
         """(tokens a temporal patch, the temporal patches' timestamp texts)."""
@@ -917,8 +951,9 @@ class TimedVideoGrid:
             raise TokenizationError(f"t:{len(indices)} must be larger than temporal_factor:{self.temporal_patch_size}")
         low, high = pixel_range(self.size, kwargs)
         unit = self.patch_size * self.merge_size
+        most = self.max_pixels(len(indices), low, high, self.caps(kwargs))
         height, width = video_smart_resize(
-            len(indices), video.size.height, video.size.width, self.temporal_patch_size, unit, low, high
+            len(indices), video.size.height, video.size.width, self.temporal_patch_size, unit, low, most
         )
         per_patch = (height // self.patch_size) * (width // self.patch_size) // self.merge_size**2
         indices += indices[-1:] * (-len(indices) % self.temporal_patch_size)
@@ -978,6 +1013,7 @@ def _qwen3_vl_video(config: dict[str, Any], processor: dict[str, Any], patch: in
         int(video.get("max_frames") or 768),
         _video_processor_named(processor, "Qwen3VLVideoProcessor"),
         bool(video.get("cap_pixels_per_frame")),
+        int(video.get("max_video_tokens") or 768),
     )
 
 

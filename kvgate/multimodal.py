@@ -729,7 +729,7 @@ class MediaCounting:
         """The fps media_io_kwargs give vLLM's video loader (None: its default); UncountedMedia where
         vLLM would load or process the video in a way kvgate does not model: another video
         processor's loader, loader kwargs other than fps and num_frames (which Qwen3-VL's frames
-        sent as images and every container video read), Qwen3-VL's cap_pixels_per_frame."""
+        sent as images and every container video read)."""
         others = sorted(video_io.keys() - {"fps", "num_frames"})
         timed = isinstance(rule, TimedVideoGrid)
         loader = rule.qwen3_vl_loader if isinstance(rule, TimedVideoGrid) else rule.qwen2_vl_loader
@@ -738,8 +738,6 @@ class MediaCounting:
             why = "another video processor"
         elif (container or timed) and others:
             why = f"media_io_kwargs {others}"
-        elif isinstance(rule, TimedVideoGrid) and rule.capped:
-            why = "cap_pixels_per_frame"
         if why is not None:
             raise UncountedMedia("video_url", self._model_type, f"{_VIDEOS_COUNTED}, not with {why}", _NO_RENDER)
         fps = video_io.get("fps")
@@ -787,6 +785,8 @@ class MediaCounting:
         self._refuse_past_limit("video", watched)
         kwargs = image_kwargs(self._options.processor_kwargs, chat.mm_processor_kwargs, "videos_kwargs")
         sampling = sorted(_FRAME_SAMPLING & kwargs.keys())
+        if not isinstance(kwargs.get("cap_pixels_per_frame", False), bool):
+            sampling.append("a cap_pixels_per_frame other than true or false")
         if sampling:
             raise UncountedMedia(
                 "video_url",

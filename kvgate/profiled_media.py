@@ -175,10 +175,14 @@ def qwen3_vl_video(
     rule: DynamicResolution, video: TimedVideoGrid, videos: Mapping[str, Any], options: Mapping[str, Any]
 ) -> tuple[int, int]:
     """(M_video, the dummy video's embeddings) on Qwen3-VL: qwen3_vl.py `get_max_video_tokens`
-    and `Qwen3VLDummyInputsBuilder.get_dummy_mm_data` count two frames of the largest image within
-    the video processor's size over its temporal patch (`video_smart_resize`), the dummy shrunk
-    by --limit-mm-per-prompt's video width / height. With `cap_pixels_per_frame` the dummy spreads
-    over more frames (not modelled): its embeddings are given as 0, crediting the profile none."""
+    and `Qwen3VLDummyInputsBuilder.get_dummy_mm_data` (vLLM 0.32.0 and 0.33.0) count two frames of
+    the largest image within the video processor's size over its temporal patch
+    (`video_smart_resize`, no per-frame cap), the dummy shrunk by --limit-mm-per-prompt's video
+    width / height. Where --mm-processor-kwargs set `cap_pixels_per_frame`, the dummy has
+    enough frames for the cap not to bind (ceil(longest_edge / (max_video_tokens x
+    (patch x merge)^2)), at most max_frames, at least 2; max_video_tokens, patch and merge the
+    kwargs' over the processor's), sized as those frames; the processor then encodes it under
+    its cap (the kwargs' or its own: `TimedVideoGrid.frames`)."""
     low, high = pixel_range(video.size, videos)
     temporal = int(videos.get("temporal_patch_size") or video.temporal_patch_size)
     largest = rule.largest(high // temporal)
@@ -188,11 +192,18 @@ def qwen3_vl_video(
     )
     most = (height // rule.patch_size) * (width // rule.patch_size) // rule.merge_size**2
     most *= -(-QWEN3_VL_DUMMY_FRAMES // video.temporal_patch_size)
-    if video.capped:
-        return most, 0
-    size = _overridden(VideoFrames(QWEN3_VL_DUMMY_FRAMES, ImageSize(width, height)), options).size
-    frames = tuple(range(QWEN3_VL_DUMMY_FRAMES))
-    per_patch, stamps = video.frames(TimedFrames(frames, 2.0, QWEN3_VL_DUMMY_FRAMES, False, size), videos)
+    count = QWEN3_VL_DUMMY_FRAMES
+    if videos.get("cap_pixels_per_frame"):
+        spread = int(videos.get("max_video_tokens", video.max_video_tokens))
+        spread *= (
+            int(videos.get("patch_size", video.patch_size)) * int(videos.get("merge_size", video.merge_size))
+        ) ** 2
+        count = max(count, min(video.max_frames, -(-high // spread)))
+        height, width = video_smart_resize(
+            count, largest.height, largest.width, video.temporal_patch_size, unit, low, high
+        )
+    size = _overridden(VideoFrames(count, ImageSize(width, height)), options).size
+    per_patch, stamps = video.frames(TimedFrames(tuple(range(count)), 2.0, count, False, size), videos)
     return most, per_patch * len(stamps)
 
 

@@ -176,6 +176,12 @@ class VllmFlags(BaseModel):
         description="vLLM --skip-mm-profiling: the start-up profile runs no multimodal encoder and "
         "holds no encoder cache (V1 and V2, vLLM 0.32.0/0.33.0), so kvgate charges all of both per request.",
     )
+    enable_mm_embeds: bool = Field(
+        False,
+        description="vLLM --enable-mm-embeds: a modality --limit-mm-per-prompt sets to 0 takes "
+        "precomputed embeddings, and its largest item widens the encoder's step budget and cache "
+        "(vLLM 0.32.0/0.33.0 MultiModalBudget), which kvgate then charges up to.",
+    )
     sampler: SamplerChoice = Field(
         "auto",
         description="The sampler's top-k/top-p backend vLLM runs (VLLM_USE_FLASHINFER_SAMPLER=0 turns "

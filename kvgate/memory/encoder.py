@@ -39,9 +39,10 @@ of several requests):
 - `encoder_cache`: its items' output embeddings (`VisionTower.output_bytes`), at most C; with the
   encoder profiled, at most the C - K x D the profile did not hold.
 - `audio_encoder_activations` (Phi-4-multimodal's audios): its Conformer's forward over the
-  largest of them and every one's features (`ConformerTower`), never credited: the profile
-  encodes its images, or with images off its dummy audios, whose cache is credited but whose
-  Conformer forward is not (nor is the vision tower credited then: it ran nothing).
+  largest of them and every one's features (`ConformerTower`). The profile encodes its images
+  (no Conformer: charged whole), or with images off its dummy audios, whose cache is credited and
+  whose forward is credited what one dummy audio surely held (`ConformerTower.held_bytes`; the
+  vision tower is credited nothing then: it ran nothing).
 """
 
 from __future__ import annotations
@@ -601,6 +602,20 @@ class ConformerTower:
             return 0
         return max(self.item_bytes(e) for e in items) + sum(self.features_bytes(e) for e in items)
 
+    def held_bytes(self, embeddings: int) -> int:
+        """What one audio of `embeddings` embeddings surely holds at its forward's peak, on the CPU
+        and on CUDA alike: at the fewest frames such an audio has (compression_rate x (embeddings -
+        1) + 1: an embedding is at least one frame past the previous ones), its float32 features,
+        their two copies in the tower's dtype and the first subsampling stage's two maps (the
+        convolution's output and its ReLU's, alive while the depthwise stage reads the second);
+        not the quarter map (cuDNN's workspace on CUDA, not measured), the mask or the extras. The
+        start-up profile's dummy audio is credited this much (`EncoderBudget.terms`)."""
+        if embeddings < 1:
+            return 0
+        frames = self.compression_rate * (embeddings - 1) + 1
+        first = self.conv_channels * self._halved(frames) * self._halved(self.mel_bins) * self.dtype_bytes
+        return 2 * first + frames * self.mel_bins * (2 * self.dtype_bytes + FP32)
+
     @classmethod
     def from_config(cls, config: Mapping[str, Any], dtype_bytes: int) -> ConformerTower | None:
         """Phi-4-multimodal's Conformer from config.json, or None where config.json has no
@@ -673,6 +688,7 @@ class EncoderBudget:
         audio: ConformerTower | None = None,
         profiled_modality: str = "image",
         vllm_most: int | None = None,
+        embedded: int = 0,
     ) -> EncoderBudget:
         """vLLM's budgets for these settings (`compute_mm_encoder_budget`; chunked prefill on);
         `min_item`: the fewest embeddings an item can take (a fixed count's M; 1 otherwise);
@@ -682,8 +698,13 @@ class EncoderBudget:
         where vLLM takes it from the dummy item (`get_mm_max_toks_per_item`'s fallback: LLaVA-NeXT
         / OneVision's fixed dummy image, Phi-4-multimodal's shrunk one), below kvgate's M: vLLM's
         B and C are then at most these, so kvgate credits the K x D vLLM profiled and bounds a
-        step and the cache by no less."""
-        budget = max(max_num_batched_tokens, max_item)
+        step and the cache by no less. `embedded`: the largest item of a modality
+        --enable-mm-embeds makes embedding-only (its --limit-mm-per-prompt 0), which widens B and C
+        (multimodal/encoder_budget.py `MultiModalBudget.__init__`, 0.32.0 = 0.33.0:
+        `compute_mm_encoder_budget` over tower and embedding-only modalities) and with them vLLM's
+        K; kvgate's K stays that of the tower's M alone (at most vLLM's: a credit of no more than
+        the profile ran)."""
+        budget = max(max_num_batched_tokens, max_item, embedded)
         most = max(vllm_most or max_item, 1)
         per_prompt = max(1, min(items_per_prompt, max_model_len // most))
         profiled_budget = max(max_num_batched_tokens, most)
@@ -707,6 +728,17 @@ class EncoderBudget:
         """Whether the profile's K items ran `tower`: not Phi-4-multimodal's dummy audios, which
         run its Conformer (`audio`); their outputs still filled the encoder cache."""
         return not (self.audio is not None and self.profiled_modality == "audio")
+
+    @property
+    def audio_profiled(self) -> int:
+        """The Conformer forward the start-up profile surely ran: with Phi-4-multimodal's dummy
+        audios profiled (images off), one of D embeddings (`ConformerTower.held_bytes`; V1's
+        `profile_run` hands all K to one `embed_multimodal` call and V2's `execute_mm_encoder` at
+        least one, and `_process_audio_input` encodes them one at a time, so the profile's peak
+        held at least one audio's forward); 0 otherwise."""
+        if self.audio is None or not self.profiled_items or self.profiled_modality != "audio":
+            return 0
+        return self.audio.held_bytes(self.max_item if self.profiled_item is None else self.profiled_item)
 
     def terms(
         self,
@@ -789,31 +821,41 @@ class EncoderBudget:
         ]
         sounds = [size for size, t in zip(items, coded, strict=True) if t == OTHER_MODALITY]
         if self.audio is not None and sounds:
-            terms.insert(1, self._audio_term(self.audio, sounds))
+            terms.insert(1, self._audio_term(self.audio, sounds, self.audio_profiled))
         return terms
 
     @staticmethod
-    def _audio_term(audio: ConformerTower, sounds: Sequence[int]) -> TransientTerm:
-        """The Conformer's forward over this request's audios (`ConformerTower`), charged whole on
-        either runner: vLLM 0.32.0 and 0.33.0's start-up profile (V1 `GPUModelRunner.profile_run`,
-        V2 `EncoderRunner.profile_encoder_cache` through `MultiModalBudget.get_dummy_encoder_profile_inputs`)
+    def _audio_term(audio: ConformerTower, sounds: Sequence[int], credit: int) -> TransientTerm:
+        """The Conformer's forward over this request's audios (`ConformerTower`). vLLM 0.32.0 and
+        0.33.0's start-up profile (V1 `GPUModelRunner.profile_run`, V2
+        `EncoderRunner.profile_encoder_cache` through `MultiModalBudget.get_dummy_encoder_profile_inputs`)
         encodes one modality, the one with the most embeddings an item
         (multimodal/encoder_budget.py `get_modality_with_max_tokens`): Phi-4-multimodal's images
         (1,000s of embeddings; the dummy audio of `_AUDIO_MAX_SOUNDFILE_SIZE`, 241,000 samples, is
-        188). With images off (--limit-mm-per-prompt image 0) the profile encodes K dummy audios
-        (kvgate/profiled_media.py `audio_item`): their encoder cache is credited, their Conformer
-        forward is not (at most one 188-embedding audio's forward charged twice)."""
+        188), whose profile ran no Conformer: charged whole. With images off (--limit-mm-per-prompt
+        image 0) the profile encodes K dummy audios (kvgate/profiled_media.py `audio_item`): the
+        largest audio's forward is credited what one dummy audio surely held (`credit`,
+        `EncoderBudget.audio_profiled`); every audio's float32 features stay charged, so the
+        requests one step batches are charged together at least the step's largest forward past
+        the credit and all their features."""
         largest = max(sounds)
         frames = audio.frames(largest)
+        forward = audio.item_bytes(largest)
+        features = sum(audio.features_bytes(e) for e in sounds)
+        seen = (
+            f"{credit / MiB:.0f} MiB credited: the start-up profile's dummy audio ran it"
+            if credit
+            else "not credited against the start-up profile"
+        )
         return TransientTerm(
             "audio_encoder_activations",
-            audio.activation_bytes(sounds),
+            max(0, forward - credit) + features,
             False,
             "prefill",
             f"phi4mm Conformer audio encoder, one audio at a time: the largest of {len(sounds)} "
             f"({largest:,} embeddings, at most {frames:,} mel frames) through its convolutional "
-            f"subsampling to {audio.conv_channels} channels ({audio.item_bytes(largest) / MiB:.0f} MiB), and "
-            f"every audio's float32 features; not credited against the start-up profile",
+            f"subsampling to {audio.conv_channels} channels ({forward / MiB:.0f} MiB), and "
+            f"every audio's float32 features; {seen}",
             "residual",
         )
 

@@ -29,12 +29,23 @@ from PIL import Image
 
 from bench.media_read import png_header
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import AnyResolution, DynamicResolution, FixedSequence, SplitTiles, image_tokens_of
-from kvgate.multimodal import media_options
+from kvgate.engine_config import encoder_budget
+from kvgate.image_rules import (
+    AnyResolution,
+    DynamicResolution,
+    FixedSequence,
+    SplitTiles,
+    TimedFrames,
+    TimedVideoGrid,
+    image_tokens_of,
+)
+from kvgate.media import ImageSize
+from kvgate.memory.geometry import ModelGeometry
+from kvgate.multimodal import image_kwargs, media_options
 from kvgate.multimodal_render import RenderEndpoint
 from kvgate.request import ChatInput
 from kvgate.tokens import load_tokenizer
-from support.encoder_budgets import TINY_BATCHED_TOKENS, TINY_SEQUENCES, profile_of, tiny_budget
+from support.encoder_budgets import TINY_BATCHED_TOKENS, TINY_SEQUENCES, deployment, profile_of, tiny_budget
 from support.kvgate_server import KvgateFactory, KvgateServer, assert_ledger_empty, metrics_at
 from support.vllm_server import BootingVllm, Launch, VllmPython, VllmServer, launching_wanted
 
@@ -516,6 +527,117 @@ def test_qwen3_vl_videos_count_as_vllm_counts_them(
         assert refused.status_code == 400, refused.text
         with pytest.raises(TokenizationError, match="must be larger than temporal_factor"):
             _counts(tokenizer, [_video_chat(single)])
+
+
+def test_qwen3_vl_capped_videos_count_as_vllm_counts_them(
+    qwen3_vl: VllmServer, qwen3_vl_dir: Path, vllm_python: VllmPython, tmp_path: Path
+) -> None:
+    """A request's cap_pixels_per_frame (transformers 5.19 Qwen3VLVideoProcessor.resize): 40 s at
+    2 fps keeps 80 frames, whose floor of int(1.05 x 8,192) pixels a frame lifts the budget above
+    the tiny processor's 524,288, so they keep more pixels than uncapped; 4 frames keep the same.
+    kvgate's count is vLLM's usage.prompt_tokens both ways."""
+    tokenizer = _local_tokenizer(qwen3_vl_dir, qwen3_vl, QWEN_LIMITS)
+    long = _video_chat(_video_file(vllm_python, tmp_path, "long.mp4", (128, 96, 80), "2"))
+    short = _video_chat(_video_file(vllm_python, tmp_path, "short.webm", (300, 200, 8), "2"))
+    theirs, ours = [], []
+    for chat in (long, short):
+        for kwargs in (None, {"cap_pixels_per_frame": True}, {"videos_kwargs": {"cap_pixels_per_frame": True}}):
+            theirs.append(_prompt_tokens(qwen3_vl, chat, kwargs))
+            request = ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)
+            ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
+    assert ours == theirs
+    assert theirs[0] < theirs[1] == theirs[2]  # the long video's cap lifts its count
+    assert theirs[3] == theirs[4] == theirs[5]
+
+
+def test_enable_mm_embeds_budget_is_vllms(qwen3_vl_dir: Path, vllm_python: VllmPython) -> None:
+    """--enable-mm-embeds: the modality at --limit-mm-per-prompt 0 is embedding-only and widens
+    vLLM's encoder budget (`MultiModalBudget`, in-process) to its M; kvgate's B and C equal it and
+    its K is at most vLLM's (it counts the tower's M alone: a credit of no more than the profile ran)."""
+    cases = [
+        ({"image": LIMIT, "video": 0}, {"images_kwargs": {"max_pixels": 65536}}),
+        ({"image": 0, "video": 1}, {"videos_kwargs": {"size": {"longest_edge": 131072, "shortest_edge": 8192}}}),
+    ]
+    asked = [
+        {"model": str(qwen3_vl_dir), "limits": limits, "mm_kwargs": kwargs, "max_model_len": 8192,
+         "max_num_batched_tokens": 128, "max_num_seqs": TINY_SEQUENCES, "embeds": True}
+        for limits, kwargs in cases
+    ]  # fmt: skip
+    theirs = json.loads(vllm_python(str(SUPPORT / "vllm_profiled_media.py"), input=json.dumps(asked)).splitlines()[-1])
+    geometry = ModelGeometry.from_config(json.loads((qwen3_vl_dir / "config.json").read_text()))
+    for (limits, kwargs), their in zip(cases, theirs, strict=True):
+        settings = deployment(8192, 128, TINY_SEQUENCES)
+        ours = encoder_budget(str(qwen3_vl_dir), settings, media_options(kwargs, limits), geometry, False, True)
+        assert ours is not None
+        assert their["budget"] > 128  # widened past the batched tokens
+        assert (ours.compute_budget, ours.cache_size) == (their["budget"], their["budget"])
+        assert (ours.max_item, ours.profiled_item or ours.max_item) == (max(their["per_item"].values()), their["dummy"])
+        assert 1 <= ours.profiled_items <= their["items"]
+
+
+def _capped_folder(folder: Path, out: Path, settings: dict) -> Path:
+    """A copy of the tiny Qwen3-VL folder whose video_preprocessor_config.json adds `settings`."""
+    shutil.copytree(folder, out)
+    path = out / "video_preprocessor_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+    return out
+
+
+def test_qwen3_vl_capped_frame_sizes_equal_vllms_processor(
+    qwen3_vl_dir: Path, vllm_python: VllmPython, tmp_path: Path
+) -> None:
+    """Videos of 2 to 200 frames, 20 to 1280 pixels a side, under the tiny processor uncapped and
+    capped at 24 tokens a frame (video_preprocessor_config.json), with --mm-processor-kwargs and
+    request cap_pixels_per_frame and max_video_tokens (flat: the processor is built with it;
+    in videos_kwargs: only the call sees it): kvgate's embeddings equal vLLM 0.32.0's processor's
+    (tests/support/vllm_qwen3_vl_video_counts.py), and the cap moves counts both ways."""
+    capped = _capped_folder(qwen3_vl_dir, tmp_path / "capped", {"cap_pixels_per_frame": True, "max_video_tokens": 24})
+    rng = random.Random(32)
+    cases = [
+        {"frames": n, "width": w, "height": h, "kwargs": {}}
+        for n in (2, 3, 7, 16, 40, 90, 200)
+        for w, h in ((300, 200), (20, 400), (1280, 720), (33, 33))
+    ]
+    requests = [{}, {"cap_pixels_per_frame": False}, {"cap_pixels_per_frame": True}, {"max_video_tokens": 4},
+                {"videos_kwargs": {"cap_pixels_per_frame": True, "max_pixels": 200000}}]  # fmt: skip
+    cases += [
+        {"frames": rng.randint(2, 120), "width": rng.randint(16, 900), "height": rng.randint(16, 900),
+         "kwargs": rng.choice(requests)}
+        for _ in range(16)
+    ]  # fmt: skip
+    settings = [
+        (qwen3_vl_dir, None),
+        (qwen3_vl_dir, {"cap_pixels_per_frame": True}),
+        (qwen3_vl_dir, {"cap_pixels_per_frame": True, "max_video_tokens": 24}),
+        (capped, None),
+        (capped, {"max_video_tokens": 4}),
+        (capped, {"videos_kwargs": {"max_video_tokens": 4}}),
+        (capped, {"cap_pixels_per_frame": False}),
+    ]
+    script = str(SUPPORT / "vllm_qwen3_vl_video_counts.py")
+    counts = []
+    for folder, flags in settings:
+        job = {"model": str(folder), "mm_kwargs": flags, "cases": cases}
+        theirs = json.loads(vllm_python(script, input=json.dumps(job)).strip().splitlines()[-1])
+        rule = image_tokens_of(folder)
+        assert isinstance(rule, DynamicResolution)
+        video = rule.configured(image_kwargs(flags or {}, None)).video
+        assert isinstance(video, TimedVideoGrid)
+        ours = []
+        for case in cases:
+            n, size = case["frames"], ImageSize(case["width"], case["height"])
+            per_patch, stamps = video.frames(
+                TimedFrames(tuple(range(n)), 2.0, n, False, size),
+                image_kwargs(flags or {}, case["kwargs"], "videos_kwargs"),
+            )
+            ours.append(per_patch * len(stamps))
+        assert ours == theirs, (folder.name, flags)
+        counts.append(theirs)
+    uncapped, capped_counts = counts[0], counts[3]
+    assert any(a < b for a, b in zip(uncapped, capped_counts, strict=True))  # the floor lifts
+    assert any(a > b for a, b in zip(uncapped, capped_counts, strict=True))  # the cap binds
+    assert counts[4] != counts[3]  # the flag's max_video_tokens builds the processor
+    assert counts[5] == counts[3]  # a videos_kwargs one does not reach resize
 
 
 def test_a_container_kvgate_does_not_read_is_counted_by_the_render_endpoint(

@@ -3,7 +3,8 @@ start-up profile encodes for a model folder and flags, from vLLM's own multimoda
 `MultiModalBudget` (the object V1's `GPUModelRunner.profile_run` and V2's `profile_run` read).
 
 stdin: a JSON list of {"model", "limits" (--limit-mm-per-prompt), "mm_kwargs"
-(--mm-processor-kwargs or null), "max_model_len", "max_num_batched_tokens", "max_num_seqs"};
+(--mm-processor-kwargs or null), "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+optionally "embeds" (--enable-mm-embeds)};
 stdout's last line: a JSON list of {"per_item": M per active modality, "modality":
 `get_modality_with_max_tokens()`, "items": its `mm_max_items_per_batch`, "budget":
 `get_encoder_budget()`, "dummy": the embeddings of the dummy item `get_dummy_mm_inputs` makes}.
@@ -27,6 +28,7 @@ def profiled(case: dict) -> dict:
         max_model_len=case["max_model_len"],
         max_num_batched_tokens=case["max_num_batched_tokens"],
         max_num_seqs=case["max_num_seqs"],
+        enable_mm_embeds=case.get("embeds", False),
     ).create_engine_config()
     budget = MultiModalBudget(config, MULTIMODAL_REGISTRY, enable_cache=False)
     modality = budget.get_modality_with_max_tokens()

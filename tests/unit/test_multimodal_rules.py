@@ -501,9 +501,42 @@ def test_qwen3_vl_videos_count_timestamps_and_a_budget_over_all_frames() -> None
         _count(counting, TEXT, _video(300, 200, 4), media_io_kwargs={"video": {"fps": 0}})
     with pytest.raises(TokenizationError, match=r"not with media_io_kwargs \['frames_indices'\]"):
         _count(counting, TEXT, _video(300, 200, 2), media_io_kwargs={"video": {"frames_indices": [0, 1]}})
+
+
+def _video_pads(processor: dict, part: dict, options: MediaOptions | None = None, **kwargs: object) -> int:
+    counting = MediaCounting(WordTokenizer(), image_tokens(QWEN3_VL_VIDEO, processor), options, "qwen3_vl")
+    return sum(1 for t in _count(counting, TEXT, part, **kwargs) if t < 0)
+
+
+def test_qwen3_vl_per_frame_cap_sizes_frames_as_the_video_processor_does() -> None:
+    """transformers 5.19 Qwen3VLVideoProcessor.resize with cap_pixels_per_frame: the budget is each
+    frame's min(max_video_tokens x 32^2, longest_edge // frames), at least int(1.05 x shortest_edge),
+    times the frames. The 20 frames vLLM keeps of 10 s at 30 fps:
+    - 300 x 200 under transformers' default size (131,072 to 786,432): the floor, 137,625 a frame,
+      lifts the budget above longest_edge: 288 x 192 kept, 54 tokens a patch (35 uncapped);
+    - 2000 x 1000 under 4,096 to 16,777,216: the cap binds at 786,432 a frame: 1248 x 608, 741 a
+      patch (1280 x 640, 800, uncapped); --mm-processor-kwargs' max_video_tokens 256 builds the
+      processor with it: 704 x 352, 242 a patch; a request's max_video_tokens does not reach resize."""
     capped = {**QWEN3_VL_PROCESSOR, "video_preprocessor_config.json": {"cap_pixels_per_frame": True}}
-    with pytest.raises(TokenizationError, match="not with cap_pixels_per_frame"):
-        _count(MediaCounting(WordTokenizer(), image_tokens(QWEN3_VL_VIDEO, capped)), TEXT, _mp4_part(300, 512))
+    small = _mp4_part(300, 512)
+    assert _video_pads(QWEN3_VL_PROCESSOR, small) == 10 * 35
+    assert _video_pads(capped, small) == 10 * 54
+    assert _video_pads(QWEN3_VL_PROCESSOR, small, mm_processor_kwargs={"cap_pixels_per_frame": True}) == 10 * 54
+    assert _video_pads(capped, small, mm_processor_kwargs={"cap_pixels_per_frame": False}) == 10 * 35
+    with pytest.raises(TokenizationError, match="cap_pixels_per_frame other than true or false"):
+        _video_pads(capped, small, mm_processor_kwargs={"cap_pixels_per_frame": "yes"})
+    wide = mp4(2000, 1000, stts=((300, 512),), timescale=15360)
+    large = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(wide).decode()}}
+    sized = {"shortest_edge": 4096, "longest_edge": 16777216}
+    uncapped = {**QWEN3_VL_PROCESSOR, "video_preprocessor_config.json": {"size": sized}}
+    capped = {**QWEN3_VL_PROCESSOR, "video_preprocessor_config.json": {"size": sized, "cap_pixels_per_frame": True}}
+    assert _video_pads(uncapped, large) == 10 * 800
+    assert _video_pads(capped, large) == 10 * 741
+    flag = MediaOptions(processor_kwargs={"max_video_tokens": 256})
+    assert _video_pads(capped, large, flag) == 10 * 242
+    assert _video_pads(capped, large, mm_processor_kwargs={"videos_kwargs": {"max_video_tokens": 256}}) == 10 * 741
+    with pytest.raises(ValueError, match="max_video_tokens must be a positive whole number"):
+        _video_pads(capped, large, MediaOptions(processor_kwargs={"max_video_tokens": 0}))
 
 
 def test_gemma3_sequence_and_newline_joins() -> None:

@@ -137,6 +137,71 @@ def test_qwen3_vl_profiles_the_modality_vllm_picks(
     assert profile_of(tiny_budget(folder, limits, kwargs)) == expected
 
 
+@pytest.mark.parametrize(
+    ("video_config", "kwargs", "dummy"),
+    [
+        # the processor's own cap at 24 tokens a frame: the 2-frame dummy of 512 x 512 frames gets
+        # max(min(24,576, 262,144), 8,601) pixels a frame: 128 x 128, 16 embeddings
+        ({"cap_pixels_per_frame": True, "max_video_tokens": 24}, None, 16),
+        # the flag's cap: vLLM spreads the dummy over ceil(524,288 / 24,576) = 22 frames of
+        # 128 x 128, which the cap (23,831 a frame) keeps: 11 patches of 16
+        ({"cap_pixels_per_frame": True, "max_video_tokens": 24}, {"cap_pixels_per_frame": True}, 176),
+        ({}, {"cap_pixels_per_frame": True, "max_video_tokens": 24}, 176),
+        # the flag's cap at 768 tokens a frame (transformers' default) does not bind: 2 frames
+        ({}, {"cap_pixels_per_frame": True}, 256),
+        # a videos_kwargs max_video_tokens of 8 spreads the dummy over 64 frames of 64 x 64, which
+        # the processor's own 24 (the call's 8 does not reach resize) leaves at 4 a patch: 128
+        (
+            {"cap_pixels_per_frame": True, "max_video_tokens": 24},
+            {"videos_kwargs": {"cap_pixels_per_frame": True, "max_video_tokens": 8}},
+            128,
+        ),
+    ],
+)
+def test_qwen3_vl_profile_encodes_the_capped_dummy_vllm_draws(
+    tmp_path: Path, video_config: dict, kwargs: dict | None, dummy: int
+) -> None:
+    """qwen3_vl.py `Qwen3VLDummyInputsBuilder.get_dummy_mm_data` (vLLM 0.32.0 and 0.33.0) with
+    cap_pixels_per_frame in --mm-processor-kwargs, and transformers 5.19's capped resize of the
+    dummy: M stays the uncapped 2-frame count (256), the profile is credited the dummy's own
+    embeddings (vLLM's, from MultiModalBudget in-process on the tiny folder with these files)."""
+    folder = _folder(tmp_path, QWEN3_VL, QWEN3_VL_IMAGES, {**QWEN3_VL_VIDEOS, **video_config})
+    for limits in ({"image": 4, "video": 1}, {"image": 0, "video": 1}):
+        assert profile_of(tiny_budget(folder, limits, kwargs)) == (256, 2048, 8, dummy)
+
+
+@pytest.mark.parametrize(
+    ("limits", "kwargs"),
+    [
+        # images of at most 64 embeddings profiled; videos (M 256) embedding-only
+        ({"image": 4, "video": 0}, {"images_kwargs": {"max_pixels": 65536}}),
+        # videos of at most 64 profiled; images (M 256) embedding-only
+        ({"image": 0, "video": 1}, {"videos_kwargs": {"size": {"longest_edge": 131072, "shortest_edge": 8192}}}),
+    ],
+)
+def test_enable_mm_embeds_widens_the_encoder_budget_by_the_embedding_only_modality(
+    tmp_path: Path, limits: dict, kwargs: dict
+) -> None:
+    """vLLM's --enable-mm-embeds (multimodal/encoder_budget.py `MultiModalBudget.__init__`, 0.32.0
+    = 0.33.0): a modality at --limit-mm-per-prompt 0 is embedding-only and its M joins
+    `compute_mm_encoder_budget`. At 128 batched tokens, vLLM's B = C = 256 (the other modality's
+    M) with the flag, 128 without, and its profile then runs 4 items of 64, not 2 (vLLM's numbers,
+    MultiModalBudget in-process on the tiny folder). kvgate's B and C are vLLM's; its K stays 2,
+    what the tower's M alone gives (a credit of no more than the profile ran)."""
+    folder = _folder(tmp_path, QWEN3_VL, QWEN3_VL_IMAGES, QWEN3_VL_VIDEOS)
+    geometry = ModelGeometry.from_config(QWEN3_VL)
+    settings = deployment(8192, 128, 8)
+    plain = encoder_budget(str(folder), settings, media_options(kwargs, limits), geometry)
+    embeds = encoder_budget(str(folder), settings, media_options(kwargs, limits), geometry, enable_mm_embeds=True)
+    assert plain is not None
+    assert embeds is not None
+    assert (profile_of(plain), plain.cache_size) == ((64, 128, 2, 64), 128)
+    assert (profile_of(embeds), embeds.cache_size) == ((64, 256, 2, 64), 256)
+    # with both modalities on, nothing is embedding-only: the flag changes nothing
+    both = encoder_budget(str(folder), settings, media_options(kwargs, {"image": 4, "video": 1}), geometry, False, True)
+    assert both == encoder_budget(str(folder), settings, media_options(kwargs, {"image": 4, "video": 1}), geometry)
+
+
 def test_onevision_profiles_images_unless_they_are_off(tmp_path: Path) -> None:
     """LLaVA-OneVision (64-pixel SigLIP, 16-pixel patches: 4 x 4 patches pooled to 2 x 2 = 4
     embeddings a frame): 16 frames + the newline are 65 embeddings, below its largest image, so
@@ -310,3 +375,24 @@ def test_phi4mm_with_images_off_charges_the_cache_its_audio_profile_did_not_hold
     budget = tiny_budget(_phi4mm_folder(tmp_path), {"image": 0, "audio": 3}, max_model_len=16384)
     terms = {t.name: t.bytes for t in budget.terms([188] * 3, tiles=[OTHER_MODALITY] * 3)}
     assert terms["encoder_cache"] == (2048 - 10 * 188) * budget.tower.output_width * budget.tower.dtype_bytes > 0
+
+
+def test_phi4mm_with_images_off_credits_the_conformer_forward_its_dummy_audio_ran(tmp_path: Path) -> None:
+    """Images off: vLLM's profile ran 10 dummy audios of 188 embeddings through the Conformer, one
+    at a time, so a request's largest audio forward is credited what one of them surely held: at
+    8 x 187 + 1 = 1,497 frames, Conv2d(1, 1,024, stride 2)'s 1,024 x 749 x 40 bf16 map and its
+    ReLU's copy (2 x 61,358,080 B) and the features in float32 and twice in bf16 (1,497 x 80 x 8 B):
+    123,674,240 B. A 60 s audio (750 embeddings, 6,000 frames: tests/unit/test_memory_encoder.py's
+    557,395,268 B with its features) is charged the rest; a 1 s audio (13) its features only.
+    Images on, the profile ran no Conformer: the same audio is charged whole."""
+    credit = 2 * 1024 * 749 * 40 * 2 + 1497 * 80 * (2 * 2 + 4)
+    assert credit == 123_674_240
+    off = tiny_budget(_phi4mm_folder(tmp_path), {"image": 0, "audio": 3}, max_model_len=16384)
+    terms = {t.name: t for t in off.terms([750], tiles=[OTHER_MODALITY])}
+    assert terms["audio_encoder_activations"].bytes == 557_395_268 - credit
+    assert "118 MiB credited" in terms["audio_encoder_activations"].detail
+    short = {t.name: t.bytes for t in off.terms([13], tiles=[OTHER_MODALITY])}
+    assert short["audio_encoder_activations"] == 8 * 13 * 80 * 4  # the float32 features
+    on = tiny_budget(tmp_path / "phi4mm-8", {"image": 2, "audio": 3}, max_model_len=16384)
+    whole = {t.name: t.bytes for t in on.terms([750], tiles=[OTHER_MODALITY])}
+    assert whole["audio_encoder_activations"] == 557_395_268
