@@ -210,7 +210,6 @@ class Runtime:
             probe,
             self.sync_once,
             lambda: self.deployment.block_size if self.deployment else 16,
-            lambda: self.deployment is not None and self.deployment.profile_emptied_whole,
             lora_seen=self._lora_seen,
         )
         self.budget.set_backend("up")  # from here on the live loop keeps the view true

@@ -15,12 +15,16 @@ to the size of the emptied region. Per device, over one engine life:
 where the server is the process holding the most memory at the first reading of the life (vLLM's
 engine: its KV pool dominates). With `--kv-cache-memory-bytes` the pool is fixed and vLLM's
 utilization envelope bounds nothing (vllm/config/cache.py `kv_cache_memory_bytes`, vLLM 0.32.0),
-so the engine usually holds more than utilization x total and the formula gives 0. On Model
-Runner V2 that would hide the whole profile region: V2 empties the allocator's cache after
-capturing its graphs and, unlike V1, warms no sampler up after it (v1/worker/gpu_worker.py
-`compile_or_warm_up_model`, v1/worker/gpu/model_runner.py `capture_model`), so every profiled
-tensor comes back out of free memory: `profiled_cap` is the whole profile peak there. On V1 the
-sampler warm-up re-reserves the sampler's blocks after capture and kvgate keeps the formula. `growth` is what PyTorch's caching allocator has reserved since
+so the engine usually holds more than utilization x total and the formula gives 0, which would
+hide the region the engine emptied: `profiled_cap` is then at least what start-up left out of
+the cache (kvgate/engine_config.py `profile_emptied_bytes`). Model Runner V2 empties the
+allocator's cache after capturing its graphs and, unlike V1, warms no sampler up after it
+(v1/worker/gpu_worker.py `compile_or_warm_up_model`, v1/worker/gpu/model_runner.py
+`capture_model`), so every profiled tensor comes back out of free memory: the whole profile peak.
+V1's warm-up re-reserves the segments of a `_dummy_run` and a `_dummy_sampler_run` of
+max_num_seqs rows after capture: all of the region where the sampler set the peak (a 128k
+vocabulary), not where a fused MoE of max_num_batched_tokens tokens did (Mixtral-8x7B, held-out
+H4: 1,176 of 1,472 MiB come back out of free memory). `growth` is what PyTorch's caching allocator has reserved since
 start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
 tensor reuses it, so without it every large request would shrink the headroom for good.
 `profiled_cap` is the part of vLLM's own envelope (utilization x total) its engine did not hold
@@ -71,24 +75,24 @@ class HeadroomTracker:
         return 0 if now is None else max(0, now - start)
 
     def _profiled_cap(
-        self, device: DeviceMemory, utilization: float | None, profile_peak: int, emptied_whole: bool
+        self, device: DeviceMemory, utilization: float | None, profile_peak: int, emptied: int | None
     ) -> int:
-        if emptied_whole:
-            return profile_peak
+        known = 0 if emptied is None else min(profile_peak, emptied)
         start = self._start.get(device.gpu)
         if utilization is None or start is None:
-            return 0
-        return min(profile_peak, max(0, int(utilization * device.total) - start[1]))
+            return known
+        return max(known, min(profile_peak, max(0, int(utilization * device.total) - start[1])))
 
     def update(
         self,
         reading: GpuReading,
         utilization: float | None = None,
         profile_peak: int = 0,
-        profile_emptied_whole: bool = False,
+        profile_emptied: int | None = None,
     ) -> Headroom | None:
         """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known;
-        `profile_emptied_whole`: a fixed pool on Model Runner V2 (see the module docstring)."""
+        `profile_emptied`: with a fixed pool, the part of the profile peak the engine did not keep
+        after start-up (see the module docstring)."""
         if not reading.devices:
             return None
         growth = {d.gpu: self._growth(d) for d in reading.devices}
@@ -97,6 +101,6 @@ class HeadroomTracker:
             server_growth=max(growth.values()),
             min_free=min(d.free for d in reading.devices),
             profiled_cap=max(
-                self._profiled_cap(d, utilization, profile_peak, profile_emptied_whole) for d in reading.devices
+                self._profiled_cap(d, utilization, profile_peak, profile_emptied) for d in reading.devices
             ),
         )

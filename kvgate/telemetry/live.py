@@ -68,7 +68,6 @@ class LiveBudget:
         probe: GpuProbe,
         resync: Callable[[], Awaitable[None]],
         block_size: Callable[[], int],
-        profile_emptied_whole: Callable[[], bool] = lambda: False,
         clock: Callable[[], float] = time.monotonic,
         lora_seen: Callable[[LoraActivity], Awaitable[None]] | None = None,
     ) -> None:
@@ -81,7 +80,6 @@ class LiveBudget:
         self.probe = probe
         self.resync = resync
         self.block_size = block_size
-        self.profile_emptied_whole = profile_emptied_whole  # kvgate/telemetry/headroom.py
         self.lora_seen = lora_seen  # the adapters vLLM runs: the served names follow them
         self.clock = clock
         self.calibration = Calibration(
@@ -329,7 +327,7 @@ class LiveBudget:
             reading,
             self.utilization(),
             self.budget.profiled_peak_bytes,
-            self.profile_emptied_whole(),
+            self.budget.profile_emptied_bytes,
         )
         if headroom is None:
             return

@@ -19,6 +19,25 @@ must run the unprotected engine out of memory (issue 24's rule for a judged scen
   vLLM's advice sizes it: multi-turn contexts of 24k-64k tokens among chat at temperature 0.7,
   and at 12 s a batch of 450 short chats: chunked prefill over a long computed prefix up-projects
   its latent cache (beyond the profile's stand-in) while the batch's rows are copied to fp32.
+- H4: Mixtral-8x7B (MoE, 32k vocabulary) on an H200 141 GB, vLLM 0.31.0 on V1, the pool as vLLM's
+  advice sizes it: chat (a fifth with a frequency penalty) and at 8 s a self-consistency job of
+  32 questions asking n=8 samples with logprobs. The profile peak is the fused MoE's
+  intermediates of an 8,192-token step, not the sampler's (small vocabulary), so V1's post-capture
+  warm-up (max_num_seqs rows) re-reserves only part of it: the n=8 prefills' full steps take the
+  rest back out of free memory, where the caching allocator strands segments (448 MiB
+  `intermediate_cache2` does not fit beside 403 MiB reserved but unallocated).
+- H5: Llama-3.1-8B on an A10 24 GB with an fp8 KV cache, vLLM 0.32.0 (V2), --gpu-memory-utilization
+  0.95 and the pool as vLLM's advice sizes it, max_num_seqs 512: RAG queries over 16k-28k tokens
+  among chat at temperatures 0 / 0.7 / 1.0 (half with top-p 0.95, unseeded), and at 12 s a
+  classification job of 400 short prompts: V2 copies the logits of every row to fp32 once one row
+  samples at a temperature other than 0 or 1 (343 rows: 168 MiB), which its greedy profile never did.
+- H6: Llama-3-8B on an A100 40 GB at --gpu-memory-utilization 0.92, vLLM 0.32.0 (V2), with
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and --max-logprobs -1: chat at temperature 0.6
+  (a third with min-p, a tenth with a logit bias) and an evaluation harness scoring 2k-7k-token
+  passages with `prompt_logprobs` 20, a quarter with -1: V2 takes the top-k of each 1,024-row
+  sub-chunk of a passage's prompt logprobs; at -1 (k = the vocabulary) the sub-chunk's logits,
+  top-k values and int64 indices and their sorted copies hold 2.69 GiB and torch.topk's sort
+  scratch asks 2.45 GiB more, where the A100 has about 3 GiB left outside the KV pool.
 """
 
 from __future__ import annotations
@@ -32,6 +51,9 @@ from demo.replay import fully_utilized
 QWEN = "qwen2.5-7b"
 MISTRAL = "mistral-7b"
 DEEPSEEK = "deepseek-v2-lite"
+MIXTRAL = "mixtral-8x7b"
+LLAMA_31 = "llama-3.1-8b"
+LLAMA_3 = "llama-3-8b"
 
 
 def h1_traffic(rng: random.Random, scale: float) -> list[Call]:
@@ -91,6 +113,76 @@ def h3_traffic(rng: random.Random, scale: float) -> list[Call]:
     return streaming(calls)
 
 
+def h4_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s (temperature 0.8), a fifth with a frequency penalty of 0.3; at 8 s a
+    self-consistency job sends 32 questions within 2 s, each asking n=8 samples (64-128 tokens) at
+    temperature 0.9 with the chosen token's logprob (`logprobs: true`, top 1) to rank them."""
+    d = 30 * scale
+    calls = [
+        chat_call(rng, t, i, model=MIXTRAL, max_tokens=(128, 256, 512), temperature=0.8)
+        for i, t in enumerate(poisson_times(rng, 2.0, d))
+    ]
+    for c in calls:
+        if rng.random() < 0.2:
+            c.body["frequency_penalty"] = 0.3
+    for k in range(max(4, int(32 * scale))):
+        c = chat_call(
+            rng, 8 * scale + 2 * rng.random(), 60_000 + k, model=MIXTRAL, median_prompt=250, max_tokens=(64, 128)
+        )
+        c.body.update(n=8, temperature=0.9, logprobs=True, top_logprobs=1)
+        calls.append(Call(c.at, c.path, c.body, "n=8 ranked"))
+    return streaming(calls)
+
+
+def h5_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s whose temperature is 0, 0.7 or 1.0 (a third each), half of them with top-p 0.95
+    and no seed; RAG queries over 16k-28k tokens of retrieved text (temperature 0.2, 256 out) at
+    0.15/s; at 12 s a classification job sends 400 short prompts (temperature 0.7, top-p 0.95, no
+    seed, 32-64 tokens out) within 1.5 s."""
+    d = 30 * scale
+    calls = [
+        chat_call(rng, t, i, model=LLAMA_31, max_tokens=(64, 128, 256), temperature=rng.choice([0.0, 0.7, 1.0]))
+        for i, t in enumerate(poisson_times(rng, 2.0, d))
+    ]
+    for c in calls:
+        if rng.random() < 0.5:
+            del c.body["seed"]
+            c.body["top_p"] = 0.95
+    for t in poisson_times(rng, 0.15, d):
+        n = rng.choice([16000, 20000, 24000, 28000])
+        calls.append(document_call(rng, t, n, "long rag", 256, model=LLAMA_31, temperature=0.2))
+    for k in range(max(40, int(400 * scale))):
+        c = chat_call(
+            rng, 12 * scale + 1.5 * rng.random(), 70_000 + k, model=LLAMA_31, median_prompt=60, max_tokens=(32, 64)
+        )
+        del c.body["seed"]
+        c.body["top_p"] = 0.95
+        calls.append(Call(c.at, c.path, c.body, "classification"))
+    return streaming(calls)
+
+
+def h6_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 2/s (temperature 0.6, a third with `min_p: 0.05`, a tenth with a `logit_bias`); an
+    evaluation harness scores passages at 0.5/s: 2k-7k tokens with `prompt_logprobs: 20`, and a
+    quarter of them with `prompt_logprobs: -1` (the whole vocabulary per token)."""
+    d = 30 * scale
+    calls = [
+        chat_call(rng, t, i, model=LLAMA_3, max_tokens=(128, 256, 512), temperature=0.6)
+        for i, t in enumerate(poisson_times(rng, 2.0, d))
+    ]
+    for c in calls:
+        pick = rng.random()
+        if pick < 1 / 3:
+            c.body["min_p"] = 0.05
+        elif pick < 1 / 3 + 0.1:
+            c.body["logit_bias"] = {"1734": -100}
+    for t in poisson_times(rng, 0.5, d):
+        k = -1 if rng.random() < 0.25 else 20
+        n = rng.choice([2000, 3500, 5000, 7000])
+        calls.append(document_call(rng, t, n, f"prompt_logprobs {k}", 1, model=LLAMA_3, prompt_logprobs=k))
+    return streaming(calls)
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "H1",
@@ -132,5 +224,56 @@ SCENARIOS: list[Scenario] = [
         30,
         2,  # a batch of 450 streams beside long prefills: at 4 the 2-core machine could not drive it
         caps=[4, 16, 64],
+    ),
+    Scenario(
+        "H4",
+        "n=8 ranked samples with logprobs among penalised chat on an MoE model (Mixtral-8x7B, H200, V1)",
+        fully_utilized(
+            _sim(model=MIXTRAL, gpu="h200-141gb", max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=512)
+        ),
+        _flags(8192, 512),
+        h4_traffic,
+        30,
+        2,
+        caps=[8, 32, 128],
+    ),
+    Scenario(
+        "H5",
+        "Long RAG contexts near the KV pool's size among chat at mixed temperatures (Llama-3.1-8B, A10 24 GB, V2)",
+        fully_utilized(
+            _sim_v2(
+                model=LLAMA_31,
+                gpu="a10-24gb",
+                max_model_len=32768,
+                max_num_batched_tokens=2048,
+                max_num_seqs=512,
+                gpu_memory_utilization=0.95,
+                kv_cache_dtype="fp8",
+            )
+        ),
+        _flags(2048, 512, v1=False, gpu_memory_utilization="0.95", kv_cache_dtype="fp8"),
+        h5_traffic,
+        30,
+        2,
+        caps=[4, 16, 64],
+    ),
+    Scenario(
+        "H6",
+        "Prompt logprobs (20 and -1) with expandable segments beside min-p chat (Llama-3-8B, A100 40 GB, V2)",
+        _sim_v2(
+            model=LLAMA_3,
+            gpu="a100-40gb",
+            max_model_len=8192,
+            max_num_batched_tokens=4096,
+            max_num_seqs=256,
+            max_logprobs=-1,
+            gpu_memory_utilization=0.92,
+            expandable_segments=True,
+        ),
+        [*_flags(4096, 256, v1=False, max_logprobs="-1", gpu_memory_utilization="0.92"), "--expandable-segments"],
+        h6_traffic,
+        30,
+        4,
+        caps=[2, 8, 32],
     ),
 ]

@@ -177,17 +177,21 @@ def test_the_emptied_profile_region_is_counted_and_capped_for_profiled_terms() -
     assert h.profiled_cap == 0
 
 
-def test_a_fixed_pool_on_v2_charges_the_whole_profile_peak_to_free_memory() -> None:
+def test_a_fixed_pool_charges_what_start_up_left_out_of_the_cache_to_free_memory() -> None:
     """--kv-cache-memory-bytes: the engine holds more than utilization x total (pool, graphs,
     context), which the envelope formula reads as nothing emptied; V2 emptied its whole profile
-    region after capturing graphs, so its profiled tensors come back out of free memory."""
+    region after capturing graphs, so its profiled tensors come back out of free memory; V1 keeps
+    what its warm-up re-reserved (kvgate/engine_config.py profile_emptied_bytes), the rest comes back."""
     v1 = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB)
     assert v1
     assert v1.profiled_cap == 0
-    v2 = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB, profile_emptied_whole=True)
+    v2 = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB, profile_emptied=3 * GiB)
     assert v2
     assert v2.bytes == 7 * GiB
     assert v2.profiled_cap == 3 * GiB
+    v1_part = HeadroomTracker().update(reading(("a", 7 * GiB, {1: 73 * GiB})), 0.9, 3 * GiB, profile_emptied=GiB)
+    assert v1_part
+    assert v1_part.profiled_cap == GiB
 
 
 def test_the_pool_size_flag_is_read_from_vllms_cache_config_info() -> None:
