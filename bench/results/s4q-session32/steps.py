@@ -6,6 +6,12 @@ from pathlib import Path
 
 for f in sys.argv[1:]:
     tr = json.loads(Path(f).read_text())
+    if tr[0][3] == -1:  # the load generator's start, then the steps
+        start, tr = tr[0][0], tr[1:]
+        first = next(x for x in tr if x[3] >= 50)
+        print(
+            f"{f}: first step {tr[0][0] - start:.2f} s after the load began, first of >= 50 rows {first[0] - start:.2f} s"
+        )
     wall = tr[-1][1] - tr[0][0]
     full = [x for x in tr if x[3] >= 200]
     print(
