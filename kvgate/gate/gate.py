@@ -14,6 +14,7 @@ a line it cannot lead.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Generic
@@ -274,8 +275,18 @@ class Gate(Generic[Basis]):
         return error
 
     def _retry_after(self, blocks_ahead: int) -> int:
-        """Seconds until `blocks_ahead` KV blocks have drained at the observed rate (kvgate.gate.drain)."""
-        return self.drain.retry_after(blocks_ahead, busy=self.ledger.in_flight > 0, fallback_s=self.max_queue_wait_s)
+        """Seconds until `blocks_ahead` KV blocks have drained at the observed rate (kvgate.gate.drain),
+        and no later than the last deadline in the queue: by then every waiter now in front has
+        been admitted or refused. Before the first release the rate is unknown and the estimate
+        is the cap (600 s), while a full queue is gone within --max-queue-wait (benchmark S4:
+        49 `queue_full` refusals 8 s into a spike were told 600 s; that line was gone by 38 s)."""
+        estimate = self.drain.retry_after(
+            blocks_ahead, busy=self.ledger.in_flight > 0, fallback_s=self.max_queue_wait_s
+        )
+        last = self.queue.last_deadline()
+        if last is None or not math.isfinite(last):
+            return estimate
+        return max(1, min(estimate, math.ceil(last - self._clock())))
 
     def _abandon(self, waiter: Waiter[Basis]) -> None:
         """The waiter gives up: leave the queue, or hand back a ticket granted in the meantime."""

@@ -137,6 +137,13 @@ class AdmissionQueue(Generic[Basis]):
         self._size -= 1
         return True
 
+    def last_deadline(self) -> float | None:
+        """The latest deadline of the waiters queued now, set-aside ones included (None: nobody
+        waits). Every one of them has left the queue by then, admitted or refused: the line in
+        front of any request cannot outlast it, which bounds a Retry-After."""
+        lines = (waiter for tenants in self._levels.values() for line in tenants.values() for waiter in line)
+        return max((waiter.deadline for waiter in itertools.chain(self._aside, lines)), default=None)
+
     def blocks_ahead(self, priority: int, tenant: str, waiter: Waiter[Basis] | None = None) -> int:
         """KV blocks demanded by the waiters admitted before `waiter` in the line's order
         (priority, tenants' turns, arrival), or, without one, before a request of `priority` and

@@ -961,6 +961,21 @@ class TestBackfill:
         holder.release()
         (await asyncio.wait_for(head, 1)).release()
 
+    async def test_retry_after_is_no_later_than_the_last_deadline_in_the_queue(self) -> None:
+        """Before anything has drained the rate is unknown (the estimate is its 600 s cap), yet
+        every waiter in front leaves the queue by its deadline: a request refused at a full
+        queue is told that much at most."""
+        clock = FakeClock()
+        gate, _ = clocked_gate(10, clock, max_queue=1)  # --max-queue-wait 60 s
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        head = await queued(gate, demand(blocks=8))  # its deadline: 60 s from now
+        clock.now += 20
+        with pytest.raises(QueueFull) as refused:
+            await gate.acquire(demand(blocks=3), 0, "b")  # does not fit now: the queue is full
+        assert error_headers(refused.value)["Retry-After"] == "40"
+        holder.release()
+        (await asyncio.wait_for(head, 1)).release()
+
 
 class TestQueueOrderBehindTheHead:
     async def test_behind_the_head_in_turn_order_and_a_passing_tenant_goes_to_the_back(self) -> None:
