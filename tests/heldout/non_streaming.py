@@ -1,6 +1,6 @@
 """S1-S14 replayed with every request non-streaming, as evaluation harnesses and batch jobs send
 them (lm-eval's local-completions, a plain OpenAI SDK call): `S8n` is S8's traffic without
-`stream`.
+`stream` (the held-out H1-H6: non_streaming_heldout.py).
 
 Why: kvgate learns that a request's prefill is over from its stream's first token; a plain
 request shows none, so its prefill-only terms stay reserved until its answer ends
@@ -18,6 +18,7 @@ import random
 from collections.abc import Callable
 
 from bench.scenarios import SCENARIOS as STREAMING
+from bench.scenarios import Scenario
 from bench.workloads import Call
 
 
@@ -36,4 +37,10 @@ def non_streaming(
     return calls
 
 
-SCENARIOS = [dataclasses.replace(s, key=f"{s.key}n", traffic=non_streaming(s.traffic)) for s in STREAMING]
+def plain_variants(scenarios: list[Scenario]) -> list[Scenario]:
+    """Each scenario as `KEYn`, in the same order: `bench.repeat_arm` seeds a scenario's traffic by
+    its index in its list, so `S8n` plays S8's very calls."""
+    return [dataclasses.replace(s, key=f"{s.key}n", traffic=non_streaming(s.traffic)) for s in scenarios]
+
+
+SCENARIOS = plain_variants(STREAMING)
