@@ -156,9 +156,8 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     out["scenarios"] = described
 
 
-def scenarios_from(path: Path) -> list[Any]:
-    """The SCENARIOS list of a Python file (scenarios kept out of the committed table, such as
-    tests/heldout/scenarios.py)."""
+def module_from(path: Path) -> Any:
+    """A Python file loaded by its path: scenario files live outside any package (tests/heldout)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(f"scenarios_{path.stem}", path)
@@ -166,7 +165,13 @@ def scenarios_from(path: Path) -> list[Any]:
         raise SystemExit(f"cannot load scenarios from {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return list(module.SCENARIOS)
+    return module
+
+
+def scenarios_from(path: Path) -> list[Any]:
+    """The SCENARIOS list of a Python file (scenarios kept out of the committed table, such as
+    tests/heldout/scenarios.py)."""
+    return list(module_from(path).SCENARIOS)
 
 
 def _engine_desc(cfg: Any) -> str:

@@ -240,11 +240,14 @@ async def stream_call(
     stages: list[str] | None = None,
     k: int = 0,
 ) -> Outcome:
-    """POST one call, streaming, and read the answer to its end: what the client saw (times are
-    wall seconds; `start` is the run's start). `stages[k]`, if given, follows how far it got:
-    sent, head (the response's status and headers), streaming (a first token)."""
+    """POST one call and read the answer to its end: what the client saw (times are wall seconds;
+    `start` is the run's start). `stages[k]`, if given, follows how far it got: sent, head (the
+    response's status and headers), streaming (a first token). A call without `stream` (an
+    evaluation harness's, lm-eval's local-completions) has no first token to time: its TTFT is
+    None and its tokens are the answer's `usage.completion_tokens`."""
     ttft = None
     tokens = 0
+    streamed = bool(call.body.get("stream"))
     stage = stages.__setitem__ if stages is not None else (lambda _k, _v: None)
     stage(k, "sent")
     try:
@@ -265,17 +268,31 @@ async def stream_call(
             # splitting was a quarter of this process's CPU, shared with the simulator.
             tail = b""
             async for chunk in r.aiter_raw():
-                if ttft is None and b"data: " in chunk:
+                if streamed and ttft is None and b"data: " in chunk:
                     ttft = time.monotonic() - sent
                     stage(k, "streaming")
-                window = tail[-16:] + chunk  # a marker may straddle two chunks
-                if b'"error"' in window:
+                window = tail[-64:] + chunk  # a marker may straddle two chunks
+                if streamed and b'"error"' in window:
                     return Outcome(call.label, 200, "failed", "stream_error", ttft, time.monotonic() - start)
+                if not streamed:
+                    tokens = _completion_tokens(window, tokens)
                 tail = (tail + chunk)[-4096:]
-            tokens = _usage_tokens(tail)
+            if streamed:
+                tokens = _usage_tokens(tail)
         return Outcome(call.label, 200, "completed", "", ttft, time.monotonic() - start, tokens)
     except (TimeoutError, httpx.HTTPError) as exc:
         return Outcome(call.label, 0, "failed", type(exc).__name__, ttft, time.monotonic() - start)
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+def _completion_tokens(window: bytes, found: int) -> int:
+    """`usage.completion_tokens` of a plain JSON answer, read as its bytes pass (prompt logprobs
+    after `usage` can make the answer far longer than any tail kept); `found` if not in `window`.
+    Generated text cannot fake it: its quotes are escaped."""
+    matches = _COMPLETION_TOKENS.findall(window)
+    return int(matches[-1]) if matches else found
 
 
 def _usage_tokens(tail: bytes) -> int:

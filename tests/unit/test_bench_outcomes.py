@@ -5,6 +5,7 @@ queued behind a gate, waiting for the engine's first token, or streaming."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import httpx
 
@@ -51,6 +52,28 @@ async def test_stream_call_records_the_head_and_the_first_token() -> None:
         out = await stream_call(client, CALL.path, CALL, 0.0, 0.0, stages, 0)
     assert seen == [["sent"]]  # sent before any answer
     assert (out.kind, out.tokens, stages) == ("completed", 2, ["streaming"])
+
+
+async def test_a_plain_answer_counts_its_usage_tokens_and_has_no_first_token() -> None:
+    """An evaluation harness's call (no `stream`): its tokens are the answer's usage, read even
+    when prompt logprobs after `usage` make the body far longer than the tail a stream keeps, and
+    generated text that looks like a stream's event or a usage field fakes neither."""
+    call = Call(at=0.0, path="/v1/completions", body={"prompt": "hi", "prompt_logprobs": 5}, label="eval")
+    text = '"text": "data: {\\"completion_tokens\\": 999}"'
+    body = ('{"choices": [{' + text + '}], "usage": {"prompt_tokens": 9000, "completion_tokens": 7}, ').encode()
+    body += b'"prompt_logprobs": [' + b", ".join([b'{"1": {"logprob": -0.5, "rank": 1}}'] * 3000) + b"]}"
+    stages = ["unsent"]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), 1000):  # a usage field may straddle two chunks
+            yield body[i : i + 1000]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=chunks(), headers={"content-type": "application/json"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://sim") as client:
+        out = await stream_call(client, call.path, call, 0.0, 0.0, stages, 0)
+    assert (out.kind, out.tokens, out.ttft_s, stages) == ("completed", 7, None, ["head"])
 
 
 def test_an_arm_tells_which_kind_of_request_forms_its_tail_and_was_refused() -> None:

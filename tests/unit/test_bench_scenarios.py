@@ -4,11 +4,14 @@ silently stops testing what its title says (S6 stopped OOMing without a gate tha
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from sim_support import make_engine
 
+from bench.__main__ import scenarios_from
 from bench.scenarios import SCENARIOS
 from kvgate.sim.gpu import CudaOutOfMemory
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
@@ -66,3 +69,22 @@ def test_head_of_line_documents_make_a_400_row_step_run_out_and_only_they(key: s
         engine.alloc.free(block)
     with pytest.raises(CudaOutOfMemory):
         run_tape(engine.alloc, engine.steps.plan(step(**document)))
+
+
+@pytest.mark.parametrize("name", ["non_streaming.py", "non_streaming_heldout.py"])
+def test_a_non_streaming_variant_plays_its_scenarios_very_calls_without_stream(name: str) -> None:
+    """`S8n` / `H1n` must be S8's / H1's traffic, call for call, so a comparison with the streaming
+    run measures the missing first token and nothing else: same place in the list (the seed is the
+    index), same times, paths and bodies but for `stream` and `stream_options`."""
+    heldout = Path(__file__).parents[1] / "heldout"
+    plain = scenarios_from(heldout / name)
+    streaming = SCENARIOS if name == "non_streaming.py" else scenarios_from(heldout / "scenarios.py")
+    assert [s.key for s in plain] == [f"{s.key}n" for s in streaming]
+    for original, variant in zip(streaming, plain, strict=True):
+        calls = original.traffic(random.Random(7), 0.1)
+        assert calls, original.key
+        for call, bare in zip(calls, variant.traffic(random.Random(7), 0.1), strict=True):
+            assert "stream" not in bare.body
+            assert "stream_options" not in bare.body
+            expected = {k: v for k, v in call.body.items() if k not in ("stream", "stream_options")}
+            assert (bare.at, bare.path, bare.body) == (call.at, call.path, expected)
