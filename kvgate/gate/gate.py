@@ -61,6 +61,11 @@ class Ticket:
         if self._gate.ledger.end_prefill(self.reservation):
             self._gate.prefill_ended(self.reservation)
 
+    def mark_plain(self) -> None:
+        """The request does not stream: no first token will end its prefill here; vLLM's count
+        of first tokens does (kvgate/gate/plain_prefills.py)."""
+        self._gate.ledger.mark_plain(self.reservation)
+
     def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:
         """Give the reservation back; `output_tokens` (all sequences), when known, goes to the
         observers (kvgate/output_lengths.py learns how long answers really are from it)."""
@@ -328,6 +333,11 @@ class Gate(Generic[Basis]):
         reservation too (the head is to run beside it decoding), then admit what fits."""
         if self._reservation is not None:
             self._reservation.prefill_ended(reservation)
+        self._changed_soon()
+
+    def prefill_relieved(self) -> None:
+        """vLLM's count says more plain prefills have ended (kvgate/gate/plain_prefills.py): admit
+        what fits now. Not who: the head's companions keep them all (the safe side)."""
         self._changed_soon()
 
     def changed_from_thread(self) -> None:

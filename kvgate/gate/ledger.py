@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvgate.gate.plain_prefills import PlainPrefills, Relief, largest_without
 from kvgate.memory.activation import StepForwardBound
 from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
@@ -81,6 +82,8 @@ class Ledger:
         self._upproject_bytes = 0  # summed Demand.upproject_bytes of the open prefills
         self._step_bound: StepForwardBound | None = None  # the deployment's, from its demands
         self._sampler = SamplerBatch()
+        # Non-streaming requests' prefills, closed on vLLM's count of first tokens (plain_prefills.py)
+        self.plain = PlainPrefills()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
@@ -103,12 +106,25 @@ class Ledger:
         """What transient_bytes would be with this demand admitted too."""
         return self.step_with(demand).transient_bytes
 
-    def _second_pair_with(self, demand: Demand) -> int:
+    def _second_pair_with(self, demand: Demand, closed: Relief) -> int:
         """The second largest Demand.step_pair_bytes of the open prefills and `demand`: with the
         largest one-step term, a bound on two requests' prompt logprobs alive in one V1 step
         (the larger of the pair is at most the largest one-step term)."""
-        top = sorted((*self._open_pairs[-2:], demand.step_pair_bytes))
+        top = sorted((*self._top_pairs(closed), demand.step_pair_bytes))
         return top[-2] if len(top) > 1 else 0
+
+    def _largest_prefill(self, closed: Relief) -> int:
+        """The largest one-step prefill term of the open prefills (the plain ones once all of
+        them have finished: kvgate/gate/plain_prefills.py)."""
+        if closed.all_finished:
+            return next(iter(largest_without(self._open_prefills, self.plain.one_steps, 1)), 0)
+        return self._open_prefills[-1] if self._open_prefills else 0
+
+    def _top_pairs(self, closed: Relief) -> list[int]:
+        """The two largest Demand.step_pair_bytes of the open prefills, as `_largest_prefill`."""
+        if closed.all_finished:
+            return largest_without(self._open_pairs, self.plain.pairs, 2)
+        return self._open_pairs[-2:]
 
     def _shared_extras(self, joining: Demand | None = None) -> int:
         """What the open prefills' V2 prompt logprobs take beyond their own steps, each for the
@@ -170,14 +186,20 @@ class Ledger:
 
     def step(self) -> StepHoldings:
         """The worst step of the in-flight requests, by phase (kvgate/memory/ceiling.py)."""
-        largest_prefill = self._open_prefills[-1] if self._open_prefills else 0
-        second_pair = self._open_pairs[-2] if len(self._open_pairs) > 1 else 0
+        closed = self.plain.relief  # plain prefills the engine has finished (plain_prefills.py)
+        largest_prefill = self._largest_prefill(closed)
+        pairs = self._top_pairs(closed)
+        second_pair = min(pairs) if len(pairs) > 1 else 0
         sampler = self._sampler.stage()
-        forward, beyond = self._forward(self._profiled_prefill_bytes, self._upproject_bytes, self._step_bound)
+        forward, beyond = self._forward(
+            self._profiled_prefill_bytes - closed.profiled_prefill,
+            self._upproject_bytes - closed.upproject,
+            self._step_bound,
+        )
         return StepHoldings(
-            unprofiled=self._held_bytes + self._shared_extras() + largest_prefill + second_pair + beyond,
+            unprofiled=self._held_bytes - closed.held + self._shared_extras() + largest_prefill + second_pair + beyond,
             forward_profiled=forward,
-            residual_profiled=self._profiled_residual_bytes,
+            residual_profiled=self._profiled_residual_bytes - closed.profiled_residual,
             sampler_unprofiled=sampler.unprofiled,
             sampler_profiled=sampler.profiled,
             sampled_rows=sampler.rows,
@@ -187,18 +209,19 @@ class Ledger:
 
     def step_with(self, demand: Demand) -> StepHoldings:
         """`step` with this demand admitted too."""
-        largest_prefill = max(self._open_prefills[-1] if self._open_prefills else 0, _one_step(demand))
-        held = self._held_bytes + demand.transient_held_bytes + self._shared_extras(demand)
+        closed = self.plain.relief
+        largest_prefill = max(self._largest_prefill(closed), _one_step(demand))
+        held = self._held_bytes - closed.held + demand.transient_held_bytes + self._shared_extras(demand)
         sampler = self.sampler_with(demand)
         forward, beyond = self._forward(
-            self._profiled_prefill_bytes + demand.profiled_prefill_bytes,
-            self._upproject_bytes + demand.upproject_bytes,
+            self._profiled_prefill_bytes - closed.profiled_prefill + demand.profiled_prefill_bytes,
+            self._upproject_bytes - closed.upproject + demand.upproject_bytes,
             demand.step_bound or self._step_bound,
         )
         return StepHoldings(
-            unprofiled=held + largest_prefill + self._second_pair_with(demand) + beyond,
+            unprofiled=held + largest_prefill + self._second_pair_with(demand, closed) + beyond,
             forward_profiled=forward,
-            residual_profiled=self._profiled_residual_bytes + demand.profiled_residual_bytes,
+            residual_profiled=self._profiled_residual_bytes - closed.profiled_residual + demand.profiled_residual_bytes,
             sampler_unprofiled=sampler.unprofiled,
             sampler_profiled=sampler.profiled,
             sampled_rows=sampler.rows,
@@ -253,6 +276,7 @@ class Ledger:
         self._step_bound = demand.step_bound or self._step_bound
         if demand.sampler:
             self._sampler.add(demand.sampler)
+        self.plain.reserved(demand)
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         if demand.shared_step is not None:
             self._shared[reservation.id] = reservation
@@ -291,9 +315,20 @@ class Ledger:
         their prefill terms stay reserved until the whole request is released."""
         if reservation.released or not reservation.prefill_open or reservation.demand.sequences > 1:
             return False
+        if reservation.id in self.plain:  # a plain request's prefill is closed by the engine's count
+            return False
         reservation.prefill_open = False
         self._close_prefill(reservation)
+        self.plain.first_token_shown(reservation.demand)
         return True
+
+    def mark_plain(self, reservation: Reservation) -> None:
+        """The admitted request is non-streaming: it will show no first token, so its prefill
+        closes on vLLM's count of first tokens instead (plain_prefills.py)."""
+        if reservation.released or not reservation.prefill_open or reservation.id in self.plain:
+            return
+        if PlainPrefills.eligible(reservation.demand):
+            self.plain.add(reservation.id, reservation.demand, _one_step(reservation.demand))
 
     def _close_prefill(self, reservation: Reservation) -> None:
         demand = reservation.demand
@@ -323,6 +358,12 @@ class Ledger:
         self._add_growth(reservation.demand.growth_blocks, -1)
         if reservation.demand.sampler:
             self._sampler.remove(reservation.demand.sampler)
+        self.plain.released(
+            reservation.id,
+            reservation.demand,
+            shown=not reservation.prefill_open,
+            one_step=_one_step(reservation.demand),
+        )
         if reservation.prefill_open:
             self._close_prefill(reservation)
             reservation.prefill_open = False

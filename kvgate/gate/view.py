@@ -44,9 +44,25 @@ class GateView:
         return self._gate.ledger.peak_transient_bytes
 
     def reset_peak(self) -> None:
-        """Start a new peak window (the backend started a new life). The view's one write: the
-        watermark exists only for telemetry."""
+        """Start a new peak window (the backend started a new life). One of the view's two writes:
+        the watermark exists only for telemetry."""
         self._gate.ledger.reset_peak()
+
+    def first_token_account(self) -> tuple[int, int, int]:
+        """What kvgate's requests may have put in vLLM's count of first tokens
+        (kvgate/gate/plain_prefills.py): (accounted for good, the most the in-flight requests that
+        are no plain candidates may add, engine requests in flight)."""
+        ledger = self._gate.ledger
+        sequences = sum(r.demand.sequences for r in ledger.reservations())
+        return ledger.plain.accounted, ledger.plain.others_open, sequences
+
+    def plain_prefills_finished(self, count: int) -> None:
+        """The engine's evidence that at least `count` plain candidates have finished their
+        prefill; the view's second write. Waiters are re-checked when it frees memory."""
+        ledger = self._gate.ledger
+        before = ledger.plain.finished
+        if ledger.plain.set_finished(count) and ledger.plain.finished > before:
+            self._gate.prefill_relieved()
 
     def head_shortfall(self) -> str | None:
         """Why the head of the queue waits (a budget shortfall), or None when nothing waits."""

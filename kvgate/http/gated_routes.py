@@ -252,6 +252,8 @@ class GatedRoutes:
             request_target(scope),
             forward_headers(scope["headers"], request_id, scope.get("client"), scope.get("scheme", "http")),
         )
+        if not admitted.stream:  # its answer comes whole: vLLM's count of first tokens ends its prefill
+            ticket.mark_plain()
         try:
             if admitted.stream:  # vLLM sends a stream's head at once: the Relay watches from there
                 upstream = await self.rt.backend.open("POST", target, headers, admitted.body)

@@ -45,6 +45,7 @@ from kvgate.telemetry.calibration import (
     region_held,
     region_segments,
 )
+from kvgate.telemetry.first_tokens import FirstTokenAccount, FirstTokenCount
 from kvgate.telemetry.gpu import GpuProbe, GpuReading
 from kvgate.telemetry.headroom import HeadroomTracker
 from kvgate.telemetry.in_flight import InFlightRequests
@@ -105,6 +106,7 @@ class LiveBudget:
         self._engine_reported = False  # /metrics or /health answered 5xx as the backend went away
         self._needs_resync = False
         self._preempted = 0.0
+        self.first_tokens = FirstTokenCount()  # closes non-streaming requests' prefills
         metrics.scrape_age.set_function(lambda: self.clock() - self.last_scrape)
         metrics.gpu_probe_up.set(1 if probe.available else 0)
         metrics.set_mode(self.mode)
@@ -202,6 +204,7 @@ class LiveBudget:
         self._count(previous, snapshot, now)
         self.snapshot, self.last_scrape, self.problem = snapshot, now, None
         self._reconcile_kv(snapshot, now, admissions_still)
+        self._close_plain_prefills(snapshot, admissions_still)
         if snapshot.lora is not None and self.lora_seen is not None:
             await self.lora_seen(snapshot.lora)
 
@@ -273,6 +276,20 @@ class LiveBudget:
         if generated > 0 and dt > 0 and snapshot.running:
             rate = generated / dt / snapshot.running
             self.decode_rate = rate if self.decode_rate is None else self.decode_rate + 0.3 * (rate - self.decode_rate)
+
+    def _close_plain_prefills(self, snapshot: BackendSnapshot, admissions_still: bool) -> None:
+        """Tell the gate how many non-streaming requests have surely finished their prefill, from
+        vLLM's count of first tokens (kvgate/telemetry/first_tokens.py); a page without the
+        count relieves nothing."""
+        count = snapshot.counter("first_tokens")
+        if count is None:
+            return
+        accounted, others, in_flight = self.gate.first_token_account()
+        account = FirstTokenAccount(accounted, others, in_flight)
+        finished = self.first_tokens.finished(
+            count, snapshot.running or 0, snapshot.waiting or 0, account, admissions_still
+        )
+        self.gate.plain_prefills_finished(finished)
 
     def _reconcile_kv(self, snapshot: BackendSnapshot, now: float, admissions_still: bool) -> None:
         """Predicted vs observed blocks in use; the error counts only at settled moments.

@@ -23,14 +23,16 @@ _ALIASES = {
     "prompt_tokens": ("vllm:prompt_tokens_total",),
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    # one observation per engine request as its prefill ends (kvgate/gate/plain_prefills.py)
+    "first_tokens": ("vllm:time_to_first_token_seconds_count",),
 }
-COUNTERS = ("preemptions", "generation_tokens", "prompt_tokens", "prefix_queries", "prefix_hits")
+COUNTERS = ("preemptions", "generation_tokens", "prompt_tokens", "prefix_queries", "prefix_hits", "first_tokens")
 _WANTED = {n for names in _ALIASES.values() for n in names} | {
     "vllm:cache_config_info",
     "vllm:lora_requests_info",
     "process_start_time_seconds",
 }
-_FAMILIES = {n.removesuffix("_total") for n in _WANTED}
+_FAMILIES = {n.removesuffix("_total").removesuffix("_count") for n in _WANTED}  # a histogram's: its _count alone
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ def test_real_vllm_cpu_pages(page: str) -> None:
     assert s.counter("prompt_tokens") == (26.0 if page == "idle" else 18356.0)
     assert s.counter("prefix_queries") == s.counter("prompt_tokens")
     assert s.counter("prefix_hits") == 0.0
+    # one per engine request whose prefill ended: what closes plain requests' prefills
+    assert s.counter("first_tokens") == (3.0 if page == "idle" else 2618.0)
 
 
 def test_old_names_and_two_engines() -> None:
