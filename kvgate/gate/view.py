@@ -56,13 +56,15 @@ class GateView:
         sequences = sum(r.demand.sequences for r in ledger.reservations())
         return ledger.plain.accounted, ledger.plain.others_open, sequences
 
-    def plain_prefills_finished(self, count: int) -> None:
+    def plain_prefills_finished(self, count: int) -> tuple[int, int]:
         """The engine's evidence that at least `count` plain candidates have finished their
-        prefill; the view's second write. Waiters are re-checked when it frees memory."""
-        ledger = self._gate.ledger
-        before = ledger.plain.finished
-        if ledger.plain.set_finished(count) and ledger.plain.finished > before:
+        prefill; the view's second write. Waiters are re-checked when it frees memory. Returns
+        (candidates, how many of them count as finished)."""
+        plain = self._gate.ledger.plain
+        before = plain.finished
+        if plain.set_finished(count) and plain.finished > before:
             self._gate.prefill_relieved()
+        return len(plain), plain.finished
 
     def head_shortfall(self) -> str | None:
         """Why the head of the queue waits (a budget shortfall), or None when nothing waits."""

@@ -289,7 +289,9 @@ class LiveBudget:
         finished = self.first_tokens.finished(
             count, snapshot.running or 0, snapshot.waiting or 0, account, admissions_still
         )
-        self.gate.plain_prefills_finished(finished)
+        open_, surely = self.gate.plain_prefills_finished(finished)
+        self.metrics.plain_prefills.labels("open").set(open_)
+        self.metrics.plain_prefills.labels("finished").set(surely)
 
     def _reconcile_kv(self, snapshot: BackendSnapshot, now: float, admissions_still: bool) -> None:
         """Predicted vs observed blocks in use; the error counts only at settled moments.

@@ -82,6 +82,13 @@ class TelemetryMetrics:
             "Calibrated share of the transient headroom kept unspent.",
             registry=r,
         )
+        self.plain_prefills = Gauge(
+            "kvgate_plain_prefills",
+            "Non-streaming requests whose prefill terms kvgate holds (open) and how many of them "
+            "vLLM's count of first tokens says surely finished (finished), as of the last scrape.",
+            ["state"],
+            registry=r,
+        )
         self.kv_error = Gauge(
             "kvgate_kv_prediction_error_blocks",
             "Predicted minus observed KV blocks in use at the last settled scrape.",
