@@ -41,6 +41,8 @@ def shapes(text: str) -> dict[str, tuple[str, frozenset[str]]]:
         labels = frozenset(k for s in fam.samples for k in s.labels if k not in ("le",))
         name = fam.name + "_total" if fam.type == "counter" else fam.name
         out[name] = (fam.type, labels)
+        if fam.type == "histogram":  # kvgate reads a histogram's count alone (its `_count` samples)
+            out[fam.name + "_count"] = (fam.type, labels)
     return out
 
 
