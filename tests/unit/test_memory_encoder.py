@@ -387,20 +387,9 @@ def test_small_dummy_images_leave_more_unprofiled(tmp_path: Path) -> None:
         _qwen_deployment_budget(tmp_path, {"image": {"width": -64}})
 
 
-@pytest.mark.parametrize(
-    ("flags", "profiled_items", "profiled_item"),
-    [
-        ([], 1, 5040),  # videos on: one dummy video (test_profiled_media.py)
-        (["--limit-mm-per-prompt", '{"video": 0}', "--skip-mm-profiling"], 0, None),
-        (["--limit-mm-per-prompt", '{"image": {"count": 4, "width": 64, "height": 64}, "video": 0}'], 6, 4),
-    ],
-)
-def test_explain_reads_both_flags_off_the_pasted_vllm_command(
-    tmp_path: Path, flags: list[str], profiled_items: int, profiled_item: int | None
-) -> None:
-    """`kvgate explain BODY -- vllm serve MODEL --skip-mm-profiling` (or the dummy size): the
-    flag is kvgate's, not an ignored vLLM option, and reaches the predictor's encoder budget
-    through the offline configuration `explain` runs (composition.Runtime._configure)."""
+def _explained_encoder(tmp_path: Path, *flags: str) -> EncoderBudget:
+    """The encoder budget `kvgate explain BODY -- vllm serve MODEL FLAGS` configures offline
+    (composition.Runtime._configure) for a Qwen2.5-VL folder; every flag one kvgate reads."""
     from kvgate.cli import parse_command_line
     from kvgate.composition import Runtime
     from kvgate.settings import settings_from_args
@@ -416,42 +405,38 @@ def test_explain_reads_both_flags_off_the_pasted_vllm_command(
         runtime.configure_offline()
         config = runtime.pipeline.config
         assert config is not None
-        encoder = config.predictor.encoder
-        assert encoder is not None
-        assert (encoder.profiled_items, encoder.profiled_item) == (profiled_items, profiled_item)
+        assert config.predictor.encoder is not None
+        return config.predictor.encoder
     finally:
         asyncio.run(runtime.stop())
+
+
+@pytest.mark.parametrize(
+    ("flags", "profiled_items", "profiled_item"),
+    [
+        ([], 1, 5040),  # videos on: one dummy video (test_profiled_media.py)
+        (["--limit-mm-per-prompt", '{"video": 0}', "--skip-mm-profiling"], 0, None),
+        (["--limit-mm-per-prompt", '{"image": {"count": 4, "width": 64, "height": 64}, "video": 0}'], 6, 4),
+    ],
+)
+def test_explain_reads_both_flags_off_the_pasted_vllm_command(
+    tmp_path: Path, flags: list[str], profiled_items: int, profiled_item: int | None
+) -> None:
+    """`kvgate explain BODY -- vllm serve MODEL --skip-mm-profiling` (or the dummy size): the
+    flag is kvgate's, not an ignored vLLM option, and reaches the predictor's encoder budget
+    through the offline configuration `explain` runs (composition.Runtime._configure)."""
+    encoder = _explained_encoder(tmp_path, *flags)
+    assert (encoder.profiled_items, encoder.profiled_item) == (profiled_items, profiled_item)
 
 
 def test_explain_reads_enable_mm_embeds_off_the_pasted_vllm_command(tmp_path: Path) -> None:
     """`... -- vllm serve MODEL --limit-mm-per-prompt '{"video": 0}' --enable-mm-embeds`: the flag
     is kvgate's, and the embedding-only video's M (the largest video, what the same deployment
     with videos on profiles) widens B and C past the 8,192 batched tokens; K stays the images'."""
-    from kvgate.cli import parse_command_line
-    from kvgate.composition import Runtime
-    from kvgate.settings import settings_from_args
-
-    folder = write_config(tmp_path / "qwen2.5-vl", QWEN_VL_DEPLOYMENT)
-
-    def encoder(*flags: str) -> EncoderBudget:
-        args = parse_command_line(
-            ["explain", "body.json", "--num-gpu-blocks", "1000", "--", "vllm", "serve", str(folder),
-             "--max-num-batched-tokens", "8192", *flags]
-        )  # fmt: skip
-        assert args.ignored_vllm_options == []
-        runtime = Runtime(settings_from_args(args))
-        try:
-            runtime.configure_offline()
-            config = runtime.pipeline.config
-            assert config is not None
-            assert config.predictor.encoder is not None
-            return config.predictor.encoder
-        finally:
-            asyncio.run(runtime.stop())
-
     videos_off = ("--limit-mm-per-prompt", '{"video": 0}')
-    video_most = encoder().max_item
-    plain, embeds = encoder(*videos_off), encoder(*videos_off, "--enable-mm-embeds")
+    video_most = _explained_encoder(tmp_path).max_item
+    plain = _explained_encoder(tmp_path, *videos_off)
+    embeds = _explained_encoder(tmp_path, *videos_off, "--enable-mm-embeds")
     assert video_most > 8192
     assert (plain.compute_budget, plain.cache_size) == (8192, 8192)
     assert (embeds.compute_budget, embeds.cache_size) == (video_most, video_most)
