@@ -11,6 +11,7 @@ it charged a full step nothing and the simulator ran out of memory behind it.
 from __future__ import annotations
 
 import pytest
+from sim_support import make_engine
 
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
@@ -19,7 +20,7 @@ from kvgate.memory.geometry import ModelGeometry
 from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
 from kvgate.sim.engine import Engine
-from kvgate.sim.gpu import CudaOutOfMemory, Device
+from kvgate.sim.gpu import CudaOutOfMemory
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.telemetry.gpu import DeviceMemory, GpuProcess, GpuReading
 from kvgate.telemetry.headroom import HeadroomTracker
@@ -35,25 +36,21 @@ def h4_engine() -> Engine:
     as vLLM's start-up advice sizes it (the profile peak and 150 MiB left over)."""
     from demo.replay import fully_utilized
     from kvgate.sim.config import SimConfig
-    from kvgate.sim.model import load_model
-    from kvgate.sim.presets import gpu_total_bytes
 
-    cfg = fully_utilized(
-        SimConfig(
-            model="mixtral-8x7b",
-            gpu="h200-141gb",
-            vllm_version="0.31.0",
-            model_runner="v1",
-            metrics_clock="sim",
-            max_model_len=32768,
-            max_num_batched_tokens=8192,
-            max_num_seqs=512,
+    return make_engine(
+        fully_utilized(
+            SimConfig(
+                model="mixtral-8x7b",
+                gpu="h200-141gb",
+                vllm_version="0.31.0",
+                model_runner="v1",
+                metrics_clock="sim",
+                max_model_len=32768,
+                max_num_batched_tokens=8192,
+                max_num_seqs=512,
+            )
         )
     )
-    device = Device(gpu_total_bytes(cfg.gpu))
-    engine = Engine(cfg, load_model(cfg.model, cfg.dtype), device, lambda r: (0, False), "m")
-    engine.boot()
-    return engine
 
 
 def play(engine: Engine, *step_tokens: int) -> None:
