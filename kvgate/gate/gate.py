@@ -62,8 +62,9 @@ class Ticket:
             self._gate.prefill_ended(self.reservation)
 
     def mark_plain(self) -> None:
-        """The request does not stream: no first token will end its prefill here; vLLM's count
-        of first tokens does (kvgate/gate/plain_prefills.py)."""
+        """No first token kvgate sees will end its prefill (it does not stream, or it is several
+        engine requests: `Ledger.end_prefill`); vLLM's count of first tokens does
+        (kvgate/gate/plain_prefills.py)."""
         self._gate.ledger.mark_plain(self.reservation)
 
     def release(self, outcome: str = "completed", output_tokens: int | None = None) -> None:

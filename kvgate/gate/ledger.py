@@ -312,7 +312,7 @@ class Ledger:
 
         Not for a request of several engine requests (prompts x n, kvgate/predict.py): the first
         token is one of theirs, and vLLM may still prefill the others later, as the pool allows;
-        their prefill terms stay reserved until the whole request is released."""
+        vLLM's count of first tokens closes their prefill terms (`mark_plain`, plain_prefills.py)."""
         if reservation.released or not reservation.prefill_open or reservation.demand.sequences > 1:
             return False
         if reservation.id in self.plain:  # a plain request's prefill is closed by the engine's count
@@ -323,8 +323,9 @@ class Ledger:
         return True
 
     def mark_plain(self, reservation: Reservation) -> None:
-        """The admitted request is non-streaming: it will show no first token, so its prefill
-        closes on vLLM's count of first tokens instead (plain_prefills.py)."""
+        """The admitted request shows no first token that closes its prefill (non-streaming, or
+        several engine requests), so its prefill closes on vLLM's count of first tokens instead
+        (plain_prefills.py)."""
         if reservation.released or not reservation.prefill_open or reservation.id in self.plain:
             return
         if PlainPrefills.eligible(reservation.demand):

@@ -5,22 +5,37 @@ A stream shows its first token, and the ledger frees its prefill-only terms then
 SDK calls) shows nothing until its whole answer, so its prefill terms would stay reserved while it
 decodes: a burst of them on a headroom that holds about one step goes in at the pace of whole
 answers, not of first tokens (bench/results/nonstream-session32: held-out H1 0.37 x the oracle).
+A stream of several engine requests is the same: its first token is one of theirs.
 
 vLLM counts first tokens: `vllm:time_to_first_token_seconds` is observed once per engine request
 when its prefill ends (vllm 0.32.0 v1/metrics/stats.py `IterationStats.update_from_output`, the
 `is_prefilling` branch; the same histogram since V1's first releases). It does not say whose. So
 the count is turned into a number, never into names:
 
-    finished >= (first tokens since the baseline) - (first tokens kvgate's other requests can
-                account for: every one released or whose stream showed it, and every engine
-                request still in flight that is not a plain candidate)
+    k = (first tokens since the baseline) - (first tokens kvgate's other requests can account
+        for: every one released or whose stream showed it, and every engine request still in
+        flight that is not a plain candidate)
 
-a lower bound on how many of the plain candidates have finished their prefill, whichever they
-are. The ledger then charges the candidates' summed prefill terms less the `finished` smallest
-values of each term (`relief`), which is at least what any set of that many still-prefilling
-candidates holds: no choice of who finished can be under-charged. The largest one-step term and
-the step pairs keep every candidate until all of them have finished (the largest of any
-remaining few is at most the largest of all).
+at most the first tokens the candidates' engine requests have put in the count.
+
+A candidate may be several engine requests: a list of prompts is one engine request per prompt
+(vllm 0.32.0 entrypoints/openai/completion/serving.py `_create_completion`, request id
+`{id}-{i}`), and `n` > 1 fans each out into n children, each added to the engine core and followed
+by its own output state, so each child observes the histogram once (v1/engine/async_llm.py
+`AsyncLLM.add_request`, v1/engine/parallel_sampling.py `ParentRequest.get_child_info`,
+v1/engine/output_processor.py `OutputProcessor.process_outputs`, `is_prefilling` per request
+state). Its prefill terms cover all of them and leave only when all have finished. An unfinished
+candidate of S engine requests hides at most S - 1 first tokens, so whichever engine requests
+finished,
+
+    finished >= k - sum over the candidates of (S - 1)
+
+candidates have finished all of theirs (with k <= sum over finished S + sum over the others
+(S - 1) = sum S - (candidates - finished)). The ledger then charges the candidates' summed prefill
+terms less the `finished` smallest values of each term (`relief`), which is at least what any set
+of that many finished candidates leaves: no choice of who finished can be under-charged. The
+largest one-step term and the step pairs keep every candidate until all of them have finished (the
+largest of any remaining few is at most the largest of all).
 
 Requests that bypass kvgate add first tokens kvgate cannot account for; the telemetry stops
 relieving while vLLM runs or queues more requests than kvgate has in flight
@@ -60,20 +75,21 @@ class PlainPrefills:
         # the candidates' values in the ledger's sorted maxima (Ledger._open_prefills, _open_pairs)
         self.one_steps: list[int] = []
         self.pairs: list[int] = []
-        self.finished = 0  # a lower bound on the candidates whose prefill has ended
+        self.finished = 0  # a lower bound on the candidates whose every prefill has ended
+        self._hidden = 0  # the first tokens unfinished candidates may hide: sum of (S - 1)
         # First tokens kvgate's requests may have put in vLLM's count: `accounted` grows for good
         # (released, or a stream's first token shown), `others_open` is the rest in flight that
-        # is no candidate (streams before their first token, requests of several engine requests).
+        # is no candidate (streams before their first token, V2 prompt logprobs' shared steps).
         self.accounted = 0
         self.others_open = 0
         self._relief: Relief | None = NO_RELIEF
 
     @staticmethod
     def eligible(demand: Demand) -> bool:
-        """One engine request whose prefill terms the ledger can close alone (`Ledger.end_prefill`
-        closes no request of several), without V2 prompt logprobs' shared-step extras, which the
-        ledger keeps per reservation."""
-        return demand.sequences == 1 and demand.shared_step is None
+        """Without V2 prompt logprobs' shared-step extras, which the ledger keeps per reservation;
+        any number of engine requests (prompts x n): `set_finished` counts a candidate finished
+        only once all of them may have."""
+        return demand.shared_step is None
 
     def reserved(self, demand: Demand) -> None:
         """A request was admitted: until it is a candidate, each of its engine requests may count."""
@@ -83,6 +99,7 @@ class PlainPrefills:
         """An admitted request turned out plain (its prefill still open, `eligible`); `one_step`:
         its value in the ledger's largest-prefill list."""
         self._candidates[reservation_id] = demand
+        self._hidden += demand.sequences - 1
         bisect.insort(self.one_steps, one_step)
         bisect.insort(self.pairs, demand.step_pair_bytes)
         self.others_open -= demand.sequences
@@ -96,6 +113,7 @@ class PlainPrefills:
     def released(self, reservation_id: int, demand: Demand, shown: bool, one_step: int) -> None:
         """A request left the ledger; `shown`: its first token was accounted already."""
         if self._candidates.pop(reservation_id, None) is not None:
+            self._hidden -= demand.sequences - 1
             del self.one_steps[bisect.bisect_left(self.one_steps, one_step)]
             del self.pairs[bisect.bisect_left(self.pairs, demand.step_pair_bytes)]
             # Had it finished, it may have been one of `finished`: the bound keeps only the others.
@@ -106,9 +124,11 @@ class PlainPrefills:
             self.others_open -= demand.sequences
             self.accounted += demand.sequences
 
-    def set_finished(self, count: int) -> bool:
-        """The engine's evidence: at least `count` candidates have finished. True if it moved."""
-        count = max(0, min(count, len(self._candidates)))
+    def set_finished(self, first_tokens: int) -> bool:
+        """The engine's evidence: at least `first_tokens` of the candidates' engine requests have
+        finished their prefill, so at least that many less the `S - 1` each unfinished candidate
+        may hide have finished all of theirs. True if the bound moved."""
+        count = max(0, min(first_tokens - self._hidden, len(self._candidates)))
         if count == self.finished:
             return False
         self.finished = count

@@ -57,8 +57,8 @@ class GateView:
         return ledger.plain.accounted, ledger.plain.others_open, sequences
 
     def plain_prefills_finished(self, count: int) -> tuple[int, int]:
-        """The engine's evidence that at least `count` plain candidates have finished their
-        prefill; the view's second write. Waiters are re-checked when it frees memory. Returns
+        """The engine's evidence that at least `count` of the plain candidates' engine requests
+        have finished their prefill; the view's second write. Waiters are re-checked when it frees memory. Returns
         (candidates, how many of them count as finished)."""
         plain = self._gate.ledger.plain
         before = plain.finished

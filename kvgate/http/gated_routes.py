@@ -252,7 +252,9 @@ class GatedRoutes:
             request_target(scope),
             forward_headers(scope["headers"], request_id, scope.get("client"), scope.get("scheme", "http")),
         )
-        if not admitted.stream:  # its answer comes whole: vLLM's count of first tokens ends its prefill
+        # Its answer comes whole, or its first token is one of several engine requests' (prompts x
+        # n): vLLM's count of first tokens ends its prefill (kvgate/gate/plain_prefills.py)
+        if not admitted.stream or ticket.reservation.demand.sequences > 1:
             ticket.mark_plain()
         try:
             if admitted.stream:  # vLLM sends a stream's head at once: the Relay watches from there

@@ -1,6 +1,6 @@
-"""vLLM's count of first tokens, read against kvgate's own account: how many non-streaming
-requests have surely finished their prefill (kvgate/gate/plain_prefills.py says why the result
-is a lower bound whichever of them finished).
+"""vLLM's count of first tokens, read against kvgate's own account: how many of the non-streaming
+requests' engine requests have surely finished their prefill (kvgate/gate/plain_prefills.py says
+why the result is a lower bound whichever of them finished, and what it says of the requests).
 
 Pure: the page's figures and the gate's account come in, a number goes out.
 """
@@ -27,7 +27,7 @@ class FirstTokenCount:
         self._base: tuple[float, int] | None = None  # (count, accounted) when last they matched
 
     def finished(self, count: float, running: float, waiting: float, account: FirstTokenAccount, settled: bool) -> int:
-        """At least how many plain candidates have finished their prefill.
+        """At least how many of the plain candidates' engine requests have finished their prefill.
 
         The base moves (and 0 comes back) at the first page, when the count went back (a new
         engine life), and when kvgate had nothing in flight and admitted or released nothing

@@ -84,8 +84,9 @@ class TelemetryMetrics:
         )
         self.plain_prefills = Gauge(
             "kvgate_plain_prefills",
-            "Non-streaming requests whose prefill terms kvgate holds (open) and how many of them "
-            "vLLM's count of first tokens says surely finished (finished), as of the last scrape.",
+            "Non-streaming requests and streams of several engine requests whose prefill terms kvgate "
+            "holds (open) and how many of them vLLM's count of first tokens says surely finished "
+            "(finished), as of the last scrape.",
             ["state"],
             registry=r,
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -107,19 +107,78 @@ def test_a_plain_request_is_closed_only_by_the_count_and_relief_shrinks_as_candi
     assert ledger.step().forward_profiled == 0
 
 
-def test_requests_of_several_engine_requests_and_v2_prompt_logprobs_are_no_candidates() -> None:
+def test_a_request_of_several_engine_requests_counts_finished_only_once_all_of_its_may_have() -> None:
+    """A list of prompts or `n` > 1 is a candidate too; each engine request adds one first token
+    to vLLM's count, and an unfinished one of S hides up to S - 1 of them."""
     predictor = _predictor("v2")
     ledger = Ledger()
-    several = ledger.reserve(_demand(predictor, 500, SamplingShape(n=2), sequences=2))
+    several = ledger.reserve(_demand(predictor, 500, SamplingShape(n=4), sequences=4))
+    one = ledger.reserve(_demand(predictor, 2000, SamplingShape()))
     ledger.mark_plain(several)
-    assert len(ledger.plain) == 0
-    assert ledger.plain.others_open == 2  # both may put a first token in vLLM's count
+    ledger.mark_plain(one)
+    assert (len(ledger.plain), ledger.plain.others_open) == (2, 0)
+    before = ledger.step().forward_profiled
+    assert not ledger.plain.set_finished(3)  # three of `several`'s four, or `one` and two of them
+    assert ledger.step().forward_profiled == before
+    assert ledger.plain.set_finished(4)  # one of the two has ended all of its prefills: the smaller
+    assert ledger.plain.finished == 1
+    smaller = min(several.demand.profiled_prefill_bytes, one.demand.profiled_prefill_bytes)
+    assert ledger.step().forward_profiled == before - smaller
+    assert ledger.plain.set_finished(5)
+    assert ledger.plain.finished == 2
+    ledger.release(several)  # its four first tokens leave the account with it
+    assert (ledger.plain.finished, ledger.plain.accounted) == (1, 4)
+
+
+def _first_token_spreads(sizes: list[int], k: int) -> list[tuple[int, ...]]:
+    """Every way `k` first tokens can fall on requests of `sizes` engine requests."""
+    return [t for t in itertools.product(*(range(s + 1) for s in sizes)) if sum(t) == k]
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_the_relieved_charge_covers_every_spread_of_first_tokens_over_several_engine_requests(runner: str) -> None:
+    """Plain requests of 1-4 engine requests beside streams: with `k` first tokens counted from
+    them, the ledger's step (alone and with a newcomer) is at least the step of the same ledger in
+    which exactly the requests that got all their first tokens ended their prefill, for every way
+    the `k` can fall (the others, partly prefilled, are charged in full there: at most that)."""
+    rng = random.Random(23)
+    predictor = _predictor(runner)
+    relieved_some = 0
+    for trial in range(10):
+        sizes = [rng.choice([1, 1, 2, 3, 4]) for _ in range(rng.randint(1, 4))]
+        plain = [_demand(predictor, rng.randint(8, 3000), rng.choice(SAMPLINGS), s) for s in sizes]
+        streams = [_demand(predictor, rng.randint(8, 3000), rng.choice(SAMPLINGS)) for _ in range(rng.randint(0, 2))]
+        newcomer = _demand(predictor, rng.randint(8, 3000), rng.choice(SAMPLINGS))
+        for k in range(sum(sizes) + 1):
+            relieved = Ledger()
+            for d in streams:
+                relieved.reserve(d)
+            for d in plain:
+                relieved.mark_plain(relieved.reserve(d))
+            relieved.plain.set_finished(k)
+            relieved_some += relieved.plain.finished > 0
+            for spread in _first_token_spreads(sizes, k):
+                exact = Ledger()
+                for d in streams:
+                    exact.reserve(d)
+                # the truth closes a prefill one engine request at a time: one request per reservation
+                held = [exact.reserve(replace(d, sequences=1)) for d in plain]
+                for r, t, s in zip(held, spread, sizes, strict=True):
+                    if t == s:
+                        assert exact.end_prefill(r)
+                for mine, theirs in [
+                    (relieved.step(), exact.step()),
+                    (relieved.step_with(newcomer), exact.step_with(newcomer)),
+                ]:
+                    assert all(a >= b for a, b in zip(_parts(mine), _parts(theirs), strict=True)), (trial, k, spread)
+    assert relieved_some > 10
 
 
 @dataclass
 class _Request:
     reservation: Reservation
-    plain: bool
+    plain: bool  # closed on the count: no stream, or a stream of several (kvgate/http/gated_routes.py)
+    stream: bool
     engine_requests: int
     first_tokens: int = 0  # of its engine requests, how many vLLM has counted
     shown: bool = False  # a stream's first token that kvgate saw
@@ -129,7 +188,8 @@ def test_the_count_never_says_more_plain_prefills_finished_than_did() -> None:
     """Random interleavings of what vLLM does (first tokens, counted at once) and what kvgate sees
     later (a stream's first event, an answer's end, a client leaving before or after its first
     token), with scrapes at random moments read as kvgate/telemetry/live.py reads them: the bound
-    derived from the count never exceeds the plain requests whose prefill really ended."""
+    derived from the count never exceeds the plain requests (and streams of several engine
+    requests) whose every prefill really ended."""
     predictor = _predictor("v2")
     relieved = 0  # scrapes that found plain prefills finished: the bound is not merely 0
     for seed in range(60):
@@ -140,9 +200,10 @@ def test_the_count_never_says_more_plain_prefills_finished_than_did() -> None:
         for _ in range(rng.randint(20, 120)):
             event = rng.random()
             if event < 0.25 or not open_:
-                sequences = rng.choice([1, 1, 1, 2])
+                sequences = rng.choice([1, 1, 1, 2, 4])
                 demand = _demand(predictor, rng.randint(8, 1000), SamplingShape(), sequences)
-                request = _Request(ledger.reserve(demand), rng.random() < 0.6, sequences)
+                stream = rng.random() < 0.4
+                request = _Request(ledger.reserve(demand), not stream or sequences > 1, stream, sequences)
                 if request.plain:
                     ledger.mark_plain(request.reservation)
                 open_.append(request)
@@ -153,9 +214,9 @@ def test_the_count_never_says_more_plain_prefills_finished_than_did() -> None:
                     engine_count += 1
             elif event < 0.7:  # kvgate: a stream's first event arrives (after vLLM counted it)
                 request = rng.choice(open_)
-                if not request.plain and request.first_tokens and not request.shown:
+                if request.stream and request.first_tokens and not request.shown:
                     request.shown = True
-                    ledger.end_prefill(request.reservation)
+                    assert ledger.end_prefill(request.reservation) != request.plain  # several: no-op
             elif event < 0.85:  # released: completed (every first token counted), or the client left
                 request = open_.pop(rng.randrange(len(open_)))
                 if rng.random() < 0.7:
@@ -168,11 +229,11 @@ def test_the_count_never_says_more_plain_prefills_finished_than_did() -> None:
                     base = (engine_count, plain.accounted)
                     continue
                 plain.set_finished(engine_count - base[0] - (plain.accounted - base[1]) - plain.others_open)
-                truly = sum(1 for r in open_ if r.plain and r.engine_requests == 1 and r.first_tokens)
+                truly = sum(1 for r in open_ if r.plain and r.first_tokens == r.engine_requests)
                 assert plain.finished <= truly, seed
                 relieved += plain.finished > 0
             # between scrapes the bound only falls as candidates leave
-            truly = sum(1 for r in open_ if r.plain and r.engine_requests == 1 and r.first_tokens)
+            truly = sum(1 for r in open_ if r.plain and r.first_tokens == r.engine_requests)
             assert ledger.plain.finished <= truly, seed
     assert relieved > 20
 
