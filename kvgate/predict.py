@@ -230,7 +230,7 @@ class Predictor:
         sampling = SamplingShape(
             n=spec.sampling.n,
             best_of=spec.best_of,
-            logprobs=spec.sampling.logprobs,
+            logprobs=spec.sampling.engine_logprobs,
             prompt_logprobs=spec.sampling.prompt_logprobs,
             penalties=spec.sampling.penalties,
             random=not spec.sampling.greedy,
@@ -239,6 +239,7 @@ class Predictor:
             filtered=filtered,
             top_k=top_k,
             top_p=top_p,
+            beam_search=spec.sampling.beam_search,
         )
         footprints, splits = [], []
         keys = PrefixKeys.of(spec.cache_salt, cache_key)
@@ -299,11 +300,11 @@ class Predictor:
         return self._sampler_use(
             rows=sum(fp.n for fp in footprints),
             longest_prompt=max(fp.prompt_tokens for fp in footprints),
-            logprobs=spec.sampling.logprobs is not None,
+            logprobs=spec.sampling.engine_logprobs is not None,
             penalties=spec.sampling.penalties,
             longest_output=max(fp.max_new_tokens for fp in footprints),
             random=not spec.sampling.greedy,
-            all_vocab_logprobs=spec.sampling.logprobs == -1,
+            all_vocab_logprobs=spec.sampling.engine_logprobs == -1,
             structured=spec.sampling.structured_outputs,
             processing=sampling.processing,
             filtered=sampling.filtered,
@@ -374,6 +375,7 @@ class Predictor:
             reserved_new_tokens=max(fp.reserved_new_tokens for fp in footprints),
             kv_variance_blocks=variance / self.layout.block_size**2,
             sequences=sum(fp.n for fp in footprints),
+            beam_iterations=max(fp.max_new_tokens for fp in footprints) if sampling.beam_search else 1,
             teaches_output_lengths=all(fp.min_new_tokens == 0 for fp in footprints),
             step_pair_bytes=pair,
             upproject_bytes=self._upproject_bytes(footprints),

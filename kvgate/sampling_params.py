@@ -63,10 +63,20 @@ class SamplingParams:
     min_p: float | None = None
     temperature_given: bool = True
     thinking_token_budget: int | None = None
+    # `use_beam_search`: vLLM runs the request as engine requests of one token each, one per beam
+    # per output token (vllm 0.32.0 entrypoints/generate/beam_search/online.py `beam_search`).
+    beam_search: bool = False
 
     @property
     def penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """The logprobs vLLM's engine computes for each row: beam search asks 2 x the beam width
+        of each of its engine requests (online.py `beam_search`: `SamplingParams(logprobs=2 *
+        beam_width, max_tokens=1)`, whatever the request's own logprobs), else the request's."""
+        return 2 * self.n if self.beam_search else self.logprobs
 
     @property
     def greedy(self) -> bool:
@@ -201,7 +211,20 @@ def vllm_sampling_params(endpoint: Sampling, body: Mapping[str, Any]) -> Samplin
         min_p=_optional_number(body, "min_p"),
         temperature_given=body.get("temperature") is not None,
         thinking_token_budget=_optional_int(body, "thinking_token_budget"),
+        beam_search=_lax_true(body.get("use_beam_search")),
     )
+
+
+# pydantic's lax booleans that read as False (vLLM's request models take `use_beam_search: bool`).
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _lax_true(value: Any) -> bool:
+    """True where vLLM's pydantic model could read True. A value it refuses (a 400 from vLLM)
+    counts as True too: its reservation is then only larger until vLLM's answer releases it."""
+    if value is None or value is False or (type(value) is int and value == 0):
+        return False
+    return not (isinstance(value, str) and value.strip().lower() in _FALSE_WORDS)
 
 
 def _list(body: Mapping[str, Any], name: str) -> tuple[Any, ...] | None:

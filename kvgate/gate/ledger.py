@@ -310,10 +310,11 @@ class Ledger:
     def end_prefill(self, reservation: Reservation) -> bool:
         """The first token is out: the prefill-only transient terms are gone. True if it changed.
 
-        Not for a request of several engine requests (prompts x n, kvgate/predict.py): the first
-        token is one of theirs, and vLLM may still prefill the others later, as the pool allows;
-        vLLM's count of first tokens closes their prefill terms (`mark_plain`, plain_prefills.py)."""
-        if reservation.released or not reservation.prefill_open or reservation.demand.sequences > 1:
+        Not for a request of several engine requests (prompts x n, kvgate/predict.py, or a beam
+        search's one per beam per output token): the first token is one of theirs, and vLLM may
+        still prefill the others later, as the pool allows; vLLM's count of first tokens closes
+        their prefill terms (`mark_plain`, plain_prefills.py), a beam search's only its end."""
+        if reservation.released or not reservation.prefill_open or reservation.demand.engine_requests > 1:
             return False
         if reservation.id in self.plain:  # a plain request's prefill is closed by the engine's count
             return False

@@ -88,12 +88,14 @@ class PlainPrefills:
     def eligible(demand: Demand) -> bool:
         """Without V2 prompt logprobs' shared-step extras, which the ledger keeps per reservation;
         any number of engine requests (prompts x n): `set_finished` counts a candidate finished
-        only once all of them may have."""
-        return demand.shared_step is None
+        only once all of them may have. Not beam search: its engine requests come one output
+        token after another, each prefilling the prompt again, so its prefill never ends before
+        the request does."""
+        return demand.shared_step is None and demand.beam_iterations == 1
 
     def reserved(self, demand: Demand) -> None:
         """A request was admitted: until it is a candidate, each of its engine requests may count."""
-        self.others_open += demand.sequences
+        self.others_open += demand.engine_requests
 
     def add(self, reservation_id: int, demand: Demand, one_step: int) -> None:
         """An admitted request turned out plain (its prefill still open, `eligible`); `one_step`:
@@ -102,13 +104,13 @@ class PlainPrefills:
         self._hidden += demand.sequences - 1
         bisect.insort(self.one_steps, one_step)
         bisect.insort(self.pairs, demand.step_pair_bytes)
-        self.others_open -= demand.sequences
+        self.others_open -= demand.engine_requests
         self._relief = None
 
     def first_token_shown(self, demand: Demand) -> None:
         """A stream showed its first token (one engine request: `Ledger.end_prefill`)."""
-        self.others_open -= demand.sequences
-        self.accounted += demand.sequences
+        self.others_open -= demand.engine_requests
+        self.accounted += demand.engine_requests
 
     def released(self, reservation_id: int, demand: Demand, shown: bool, one_step: int) -> None:
         """A request left the ledger; `shown`: its first token was accounted already."""
@@ -118,11 +120,11 @@ class PlainPrefills:
             del self.pairs[bisect.bisect_left(self.pairs, demand.step_pair_bytes)]
             # Had it finished, it may have been one of `finished`: the bound keeps only the others.
             self.finished = max(0, min(self.finished - 1, len(self._candidates)))
-            self.accounted += demand.sequences
+            self.accounted += demand.engine_requests
             self._relief = None
         elif not shown:
-            self.others_open -= demand.sequences
-            self.accounted += demand.sequences
+            self.others_open -= demand.engine_requests
+            self.accounted += demand.engine_requests
 
     def set_finished(self, first_tokens: int) -> bool:
         """The engine's evidence: at least `first_tokens` of the candidates' engine requests have

@@ -132,6 +132,9 @@ class SamplingShape:
     # V2: it sets top-k, it sets top-p (FlashInfer's cost: kvgate/memory/sampler.py top_k_top_p).
     top_k: bool = True
     top_p: bool = True
+    # vLLM's beam search: one engine request of one token per beam per output token
+    # (kvgate/sampling_params.py SamplingParams.beam_search); `logprobs` is then its 2 x n.
+    beam_search: bool = False
 
     @property
     def needs_processing(self) -> bool:

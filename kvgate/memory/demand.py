@@ -33,6 +33,9 @@ class Demand:
     # the budget keeps a margin for the sum over the in-flight requests.
     kv_variance_blocks: float = 0.0
     sequences: int = 1  # prompts x n: how the output token count splits when it finishes
+    # Engine requests per sequence: 1, or its max_tokens under beam search, which runs one engine
+    # request per beam per output token (kvgate/sampling_params.py SamplingParams.beam_search).
+    beam_iterations: int = 1
     # Its answers' lengths are the model's choice (no ignore_eos, no min_tokens): the learned
     # output lengths (kvgate/output_lengths.py) may learn from them.
     teaches_output_lengths: bool = True
@@ -73,6 +76,12 @@ class Demand:
         """Blocks this request holds at full growth, counting its shared prefix as its own
         (read several times a request: the set of its hashes is built once)."""
         return len(set(self.shared_block_hashes)) + self.private_blocks
+
+    @property
+    def engine_requests(self) -> int:
+        """The engine requests vLLM runs for it, at most: each observes one first token
+        (kvgate/gate/plain_prefills.py)."""
+        return self.sequences * self.beam_iterations
 
     @property
     def reserved_tokens(self) -> int:

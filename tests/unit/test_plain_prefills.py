@@ -26,7 +26,9 @@ def _predictor(runner: str, backend: str = "flash-attn", geometry: str = "llama-
     return Predictor(layout(geometry), engine, True, 1 << 40)
 
 
-def _demand(predictor: Predictor, prompt: int, sampling: SamplingShape, sequences: int = 1) -> Demand:
+def _demand(
+    predictor: Predictor, prompt: int, sampling: SamplingShape, sequences: int = 1, beam_iterations: int = 1
+) -> Demand:
     """A `prompt`-token request's memory terms as the predictor splits them."""
     _, split = predictor.transient(prompt, sampling)
     assert isinstance(split, TransientSplit)
@@ -40,6 +42,7 @@ def _demand(predictor: Predictor, prompt: int, sampling: SamplingShape, sequence
         profiled_prefill_bytes=split.profiled_prefill,
         profiled_residual_bytes=split.profiled_residual,
         sequences=sequences,
+        beam_iterations=beam_iterations,
     )
 
 
@@ -189,7 +192,9 @@ def test_the_count_never_says_more_plain_prefills_finished_than_did() -> None:
     later (a stream's first event, an answer's end, a client leaving before or after its first
     token), with scrapes at random moments read as kvgate/telemetry/live.py reads them: the bound
     derived from the count never exceeds the plain requests (and streams of several engine
-    requests) whose every prefill really ended."""
+    requests) whose every prefill really ended. Beam searches among them put up to n x max_tokens
+    first tokens in the count (one engine request per beam per output token) and are never
+    candidates."""
     predictor = _predictor("v2")
     relieved = 0  # scrapes that found plain prefills finished: the bound is not merely 0
     for seed in range(60):
@@ -201,11 +206,14 @@ def test_the_count_never_says_more_plain_prefills_finished_than_did() -> None:
             event = rng.random()
             if event < 0.25 or not open_:
                 sequences = rng.choice([1, 1, 1, 2, 4])
-                demand = _demand(predictor, rng.randint(8, 1000), SamplingShape(), sequences)
+                beam = rng.choice([1] * 8 + [3, 8])  # a beam search's max_tokens, else 1
+                demand = _demand(predictor, rng.randint(8, 1000), SamplingShape(), sequences, beam)
                 stream = rng.random() < 0.4
-                request = _Request(ledger.reserve(demand), not stream or sequences > 1, stream, sequences)
-                if request.plain:
+                marked = not stream or sequences > 1  # kvgate/http/gated_routes.py
+                request = _Request(ledger.reserve(demand), marked and beam == 1, stream, sequences * beam)
+                if marked:
                     ledger.mark_plain(request.reservation)
+                assert (request.reservation.id in ledger.plain) == request.plain
                 open_.append(request)
             elif event < 0.55:  # vLLM: an engine request's prefill ends, counted
                 request = rng.choice(open_)
@@ -216,7 +224,8 @@ def test_the_count_never_says_more_plain_prefills_finished_than_did() -> None:
                 request = rng.choice(open_)
                 if request.stream and request.first_tokens and not request.shown:
                     request.shown = True
-                    assert ledger.end_prefill(request.reservation) != request.plain  # several: no-op
+                    closes = request.engine_requests == 1  # several, or a beam search: a no-op
+                    assert ledger.end_prefill(request.reservation) == closes
             elif event < 0.85:  # released: completed (every first token counted), or the client left
                 request = open_.pop(rng.randrange(len(open_)))
                 if rng.random() < 0.7:

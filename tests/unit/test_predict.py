@@ -373,3 +373,27 @@ def test_a_long_prefill_is_judged_alone_at_the_allocated_peak_and_waits_beside_o
     with pytest.raises(TransientNeverFits) as refused:
         predictor.check_fits_ever(prediction, budget.ceiling())
     assert refused.value.message.startswith("its forward pass (the profiled hidden states and MLP, 400 MiB)")
+
+
+def test_a_beam_search_is_one_engine_request_per_beam_per_output_token() -> None:
+    """vLLM runs `use_beam_search` as engine requests of one token each, every beam again at every
+    output token (vllm 0.32.0 entrypoints/generate/beam_search/online.py `beam_search`), each with
+    2 x n logprobs: its first tokens in vLLM's count are up to n x max_tokens (what
+    kvgate/gate/plain_prefills.py must not take for other requests' prefills), it never closes its
+    prefill on its first token, and its sampler rows compute the logprobs the request did not ask."""
+    predictor = Predictor(layout("llama-3-8b"), ENGINES["flash-attn"], True, 10**9)
+    prompt = [list(range(300))]
+    sampled = predictor.predict(spec_of({"n": 4, "temperature": 0.8}), prompt).demand
+    beam = predictor.predict(spec_of({"n": 4, "temperature": 0.8, "use_beam_search": True}), prompt).demand
+    assert (sampled.sequences, sampled.engine_requests) == (4, 4)
+    assert (beam.sequences, beam.beam_iterations, beam.engine_requests) == (4, 500, 2000)
+    assert beam.sampler is not None
+    assert sampled.sampler is not None
+    assert beam.sampler.logprobs
+    assert not sampled.sampler.logprobs
+    ledger = Ledger()
+    stream = ledger.reserve(dataclasses.replace(beam, sequences=1))  # a beam width of 1, streamed
+    assert not ledger.end_prefill(stream)
+    ledger.mark_plain(stream)
+    assert stream.id not in ledger.plain
+    assert ledger.plain.others_open == 500

@@ -42,3 +42,20 @@ def test_echo_with_logprobs_is_a_prompt_logprobs_request() -> None:
 )
 def test_v2_fp32_copy_and_filter_follow_vllms_rows(body: dict, defaults: dict, needs: tuple[bool, bool]) -> None:
     assert v2_sampler_needs(vllm_sampling_params("completions", body), defaults) == needs
+
+
+@pytest.mark.parametrize(
+    ("value", "beam"),
+    # pydantic's lax booleans, as vLLM's request models read `use_beam_search: bool`; a value
+    # pydantic refuses (vLLM's 400) reads as a beam search: only a larger charge until that answer
+    [(None, False), (False, False), (0, False), ("no", False), (" False ", False), ("off", False),
+     (True, True), (1, True), ("true", True), ("yes", True), ("maybe", True), ([], True)],
+)  # fmt: skip
+def test_use_beam_search_is_read_as_vllms_request_model_reads_it(value: object, beam: bool) -> None:
+    body = {"n": 3, "logprobs": 1, "use_beam_search": value}
+    params = vllm_sampling_params("completions", body)
+    assert params.beam_search is beam
+    # each of a beam search's engine requests asks 2 x the beam width of logprobs (vllm 0.32.0
+    # entrypoints/generate/beam_search/online.py beam_search), whatever the request's own
+    assert params.engine_logprobs == (6 if beam else 1)
+    assert params.logprobs == 1  # the request's own, checked against --max-logprobs as vLLM does
