@@ -27,8 +27,8 @@ Times: the simulator runs `speedup` times faster than the wall clock; every late
 goodput is reported in simulated seconds (wall x speedup), so overheads outside the simulator
 (the load generator, kvgate's hop) are magnified by the speed-up, against the gated arms.
 
-Clients: the same in every arm. A streaming client waits `patience_s` (run_arm: the scenario's
-queue wait, min(30, 60 / speed-up) simulated seconds) from sending a request for its first
+Clients: the same in every arm. A streaming client waits `patience_s` (run_arm: the gate arms'
+queue wait, min(30, 60 / speed-up) wall seconds) from sending a request for its first
 token, whether the request waits for a cap's slot, in a gate's queue or in the engine's; then it
 hangs up (closes the connection: the engine aborts the request, as vLLM does) and the request is
 `abandoned`, its tokens out of goodput. A non-streaming client sees no first token and keeps
@@ -407,11 +407,12 @@ def run_arm(
     cfg = scaled_config(scn, scale)
     sp = scn.speedup
     notes: dict[str, Any] = {}
-    # kvgate and the oracle hold a request at most 30 s, and no longer than the run drains: a
-    # deadline in wall seconds would otherwise outlast the drain at speed-ups above 2. Every
-    # arm's streaming clients wait as long for their first token (`patient_call`).
+    # kvgate and the oracle hold a request at most 30 s wall, and no longer than the run drains:
+    # a deadline in wall seconds would otherwise outlast the drain at speed-ups above 2. Every
+    # arm's streaming clients wait as long for their first token (`patient_call`): queue_wait_s x
+    # speed-up simulated seconds, 30 at speed-up 1 and the drain's 60 at 2 and above.
     queue_wait_s = min(30.0, DRAIN_S / sp)
-    patient = functools.partial(replay, speedup=sp, patience_s=queue_wait_s, progress=progress)
+    patient = functools.partial(replay, speedup=sp, patience_s=queue_wait_s * sp, progress=progress)
     with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=queue_wait_s) as (sim, counts, ostats):
         if arm == "vllm-queue":
             sim.engine.cfg.max_num_queued_reqs = cap
