@@ -137,6 +137,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                     "goodput_tokens_per_s": r.goodput_tokens_per_s,
                     "oom_crashes": r.oom_crashes,
                     "failed": r.failed,
+                    "abandoned": r.abandoned,
                 }
                 for r in sorted(sweep, key=lambda r: r.cap)
             ]

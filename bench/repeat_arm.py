@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             "run": run + 1,
             "oom": r.oom_crashes,
             "completed": r.completed,
+            "failed": r.failed,
+            "abandoned": r.abandoned,
             "goodput_tok_s": r.goodput_tokens_per_s,
             "ttft_p50_s": r.ttft_p50_s,
             "ttft_p99_s": r.ttft_p99_s,

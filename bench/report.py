@@ -30,16 +30,16 @@ def markdown(res: dict[str, Any]) -> str:
     if res.get("safety"):
         out += [
             "## Safety and goodput (simulated vLLM; times in simulated seconds)\n",
-            "| scenario | arm | OOM crashes | failed | completed | goodput tok/s | "
+            "| scenario | arm | OOM crashes | failed | abandoned | completed | goodput tok/s | "
             "TTFT p50 s | TTFT p99 s | rejected | preemptions |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in res["safety"]:
             arm = r["arm"] + (f" (cap {r['cap']})" if r.get("cap") else "")
             if r.get("notes", {}).get("vllm_flags"):  # the vllm-queue arm's setting
                 arm += f" (`{r['notes']['vllm_flags']}`)"
             out.append(
-                f"| {r['scenario']} | {arm} | {r['oom_crashes']} | {r['failed']} | "
+                f"| {r['scenario']} | {arm} | {r['oom_crashes']} | {r['failed']} | {r.get('abandoned', '-')} | "
                 f"{r['completed']} | {_f(r['goodput_tokens_per_s'])} | "
                 f"{_f(r['ttft_p50_s'], 2)} | {_f(r['ttft_p99_s'], 2)} | "
                 f"{_rej(r['rejected'])} | {r['preemptions']} |"

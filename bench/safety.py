@@ -26,12 +26,20 @@ subprocess):
 Times: the simulator runs `speedup` times faster than the wall clock; every latency and
 goodput is reported in simulated seconds (wall x speedup), so overheads outside the simulator
 (the load generator, kvgate's hop) are magnified by the speed-up, against the gated arms.
+
+Clients: the same in every arm. A streaming client waits `patience_s` (run_arm: the gate arms'
+queue wait, min(30, 60 / speed-up) wall seconds) from sending a request for its first
+token, whether the request waits for a cap's slot, in a gate's queue or in the engine's; then it
+hangs up (closes the connection: the engine aborts the request, as vLLM does) and the request is
+`abandoned`, its tokens out of goodput. A non-streaming client sees no first token and keeps
+waiting until the run's end (docs/benchmarks.md, "The clients' patience").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -39,6 +47,7 @@ import re
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -75,7 +84,7 @@ CALLS_PER_CLIENT = 64
 class Outcome:
     label: str
     status: int  # 0: no HTTP answer / timeout
-    kind: str  # completed | failed | rejected
+    kind: str  # completed | failed | rejected | abandoned
     reason: str = ""
     ttft_s: float | None = None  # wall
     end_s: float = 0.0  # wall, since the run's start
@@ -89,6 +98,7 @@ class ArmResult:
     oom_crashes: int
     failed: int
     completed: int
+    abandoned: int
     goodput_tokens_per_s: float
     ttft_p50_s: float | None
     ttft_p99_s: float | None
@@ -99,6 +109,7 @@ class ArmResult:
     span_s: float = 0.0
     output_tokens: int = 0
     failed_by_reason: dict[str, int] = field(default_factory=dict)
+    abandoned_by_stage: dict[str, int] = field(default_factory=dict)  # where the client gave up
     completed_by_label: dict[str, int] = field(default_factory=dict)
     # who forms the TTFT tail and who is refused: a kind of request the line holds back shows here
     ttft_p99_by_label: dict[str, float | None] = field(default_factory=dict)
@@ -172,10 +183,14 @@ async def replay(
     gate: SaturationGate | None = None,
     prefix: str = "",
     drain_s: float = DRAIN_S,
+    patience_s: float | None = None,
     progress: Any = None,
 ) -> tuple[list[Outcome], float]:
-    """Send every call at at/speedup wall seconds; returns outcomes and the wall span."""
+    """Send every call at at/speedup wall seconds; returns outcomes and the wall span. A
+    streaming call whose first token has not come `patience_s` simulated seconds after it was
+    sent is abandoned (`patient_call`)."""
     sem = asyncio.Semaphore(cap) if cap else None
+    patience_wall = None if patience_s is None else patience_s / speedup
     start = time.monotonic()
     last_at = max(c.at for c in calls) / speedup
     deadline = last_at + drain_s / speedup
@@ -187,8 +202,7 @@ async def replay(
         sent = time.monotonic()
         if gate is not None and (why := gate.refuse()):
             return Outcome(call.label, 429, "rejected", why, end_s=sent - start)
-        async with sem if sem is not None else contextlib.nullcontext():
-            return await stream_call(client, prefix + call.path, call, sent, start, stages, k)
+        return await patient_call(client, prefix + call.path, call, sent, start, stages, k, sem, patience_wall)
 
     limits = httpx.Limits(max_connections=CALLS_PER_CLIENT, max_keepalive_connections=CALLS_PER_CLIENT)
     async with contextlib.AsyncExitStack() as stack:
@@ -231,6 +245,34 @@ async def outcomes_of(
     ]
 
 
+async def patient_call(
+    client: httpx.AsyncClient,
+    url: str,
+    call: Call,
+    sent: float,
+    start: float,
+    stages: list[str],
+    k: int,
+    sem: asyncio.Semaphore | None,
+    patience: float | None,
+) -> Outcome:
+    """One client, alike in every arm: it takes the cap's slot if there is one, then `stream_call`.
+    A streaming client whose first token has not come `patience` wall seconds after `sent` hangs
+    up (the cancellation closes its connection, which makes the engine abort the request, or a
+    gate drop it from its queue) and the call is "abandoned", named after how far it got (see
+    `outcomes_of`; "unsent": still waiting for the cap's slot). A non-streaming client sees no
+    first token and is not timed here."""
+    streamed = bool(call.body.get("stream"))
+    try:
+        async with asyncio.timeout(patience if streamed else None) as wait:
+            async with sem if sem is not None else contextlib.nullcontext():
+                return await stream_call(
+                    client, url, call, sent, start, stages, k, first_token=lambda: wait.reschedule(None)
+                )
+    except TimeoutError:
+        return Outcome(call.label, 0, "abandoned", stages[k], end_s=time.monotonic() - start)
+
+
 async def stream_call(
     client: httpx.AsyncClient,
     url: str,
@@ -239,12 +281,14 @@ async def stream_call(
     start: float,
     stages: list[str] | None = None,
     k: int = 0,
+    first_token: Callable[[], None] = lambda: None,
 ) -> Outcome:
     """POST one call and read the answer to its end: what the client saw (times are wall seconds;
     `start` is the run's start). `stages[k]`, if given, follows how far it got: sent, head (the
     response's status and headers), streaming (a first token). A call without `stream` (an
     evaluation harness's, lm-eval's local-completions) has no first token to time: its TTFT is
-    None and its tokens are the answer's `usage.completion_tokens`."""
+    None and its tokens are the answer's `usage.completion_tokens`. `first_token` is called when
+    a streamed call's first token arrives."""
     ttft = None
     tokens = 0
     streamed = bool(call.body.get("stream"))
@@ -271,6 +315,7 @@ async def stream_call(
                 if streamed and ttft is None and b"data: " in chunk:
                     ttft = time.monotonic() - sent
                     stage(k, "streaming")
+                    first_token()
                 window = tail[-64:] + chunk  # a marker may straddle two chunks
                 if streamed and b'"error"' in window:
                     return Outcome(call.label, 200, "failed", "stream_error", ttft, time.monotonic() - start)
@@ -318,6 +363,7 @@ def summarise(
         oom_crashes=len(ooms),
         failed=sum(o.kind == "failed" for o in outs),
         completed=len(done),
+        abandoned=sum(o.kind == "abandoned" for o in outs),
         goodput_tokens_per_s=round(tokens / span, 1) if span else 0.0,
         ttft_p50_s=rnd(percentile(ttfts, 0.5)),
         ttft_p99_s=rnd(percentile(ttfts, 0.99)),
@@ -327,6 +373,7 @@ def summarise(
         span_s=round(span, 2),
         output_tokens=tokens,
         failed_by_reason=dict(Counter(o.reason for o in outs if o.kind == "failed")),
+        abandoned_by_stage=dict(Counter(o.reason for o in outs if o.kind == "abandoned")),
         completed_by_label=dict(Counter(o.label for o in done)),
         ttft_p99_by_label={
             label: rnd(
@@ -360,9 +407,12 @@ def run_arm(
     cfg = scaled_config(scn, scale)
     sp = scn.speedup
     notes: dict[str, Any] = {}
-    # kvgate and the oracle hold a request at most 30 s, and no longer than the run drains: a
-    # deadline in wall seconds would otherwise outlast the drain at speed-ups above 2.
+    # kvgate and the oracle hold a request at most 30 s wall, and no longer than the run drains:
+    # a deadline in wall seconds would otherwise outlast the drain at speed-ups above 2. Every
+    # arm's streaming clients wait as long for their first token (`patient_call`): queue_wait_s x
+    # speed-up simulated seconds, 30 at speed-up 1 and the drain's 60 at 2 and above.
     queue_wait_s = min(30.0, DRAIN_S / sp)
+    patient = functools.partial(replay, speedup=sp, patience_s=queue_wait_s * sp, progress=progress)
     with simulator(cfg, with_oracle=(arm == "oracle"), oracle_wait_s=queue_wait_s) as (sim, counts, ostats):
         if arm == "vllm-queue":
             sim.engine.cfg.max_num_queued_reqs = cap
@@ -370,12 +420,12 @@ def run_arm(
             notes["vllm_flags"] = (
                 f"--max-num-queued-reqs {cap} --max-num-queued-tokens {sim.engine.cfg.max_num_queued_tokens}"
             )
-            outs, span = asyncio.run(replay(sim.url, calls, sp, progress=progress))
+            outs, span = asyncio.run(patient(sim.url, calls))
         elif arm in ("none", "cap", "saturation"):
             gate = SaturationGate(sim.url) if arm == "saturation" else None
-            outs, span = asyncio.run(replay(sim.url, calls, sp, cap=cap, gate=gate, progress=progress))
+            outs, span = asyncio.run(patient(sim.url, calls, cap=cap, gate=gate))
         elif arm == "oracle":
-            outs, span = asyncio.run(replay(sim.url, calls, sp, prefix="/oracle", progress=progress))
+            outs, span = asyncio.run(patient(sim.url, calls, prefix="/oracle"))
             notes["oracle"] = dict(ostats or {})
         elif arm == "kvgate":
             model_dir = write_model_folder(cfg.model, workdir / cfg.model)
@@ -387,7 +437,7 @@ def run_arm(
                 cmd,
                 _,
             ):
-                outs, span = asyncio.run(replay(url, calls, sp, progress=progress))
+                outs, span = asyncio.run(patient(url, calls))
                 with contextlib.suppress(httpx.HTTPError):
                     notes["kvgate_decisions"] = {f"{d}/{r}": n for (d, r), n in decisions(url).items()}
                     text = httpx.get(url + "/metrics", timeout=5).text

@@ -14,6 +14,7 @@ SAFETY_KEYS = {
     "arm",
     "oom_crashes",
     "failed",
+    "abandoned",
     "completed",
     "goodput_tokens_per_s",
     "ttft_p50_s",
@@ -40,10 +41,10 @@ def test_quick_bench_at_a_tiny_size(tmp_path: Path) -> None:
     for r in rows:
         assert r.keys() >= SAFETY_KEYS, r
         assert r["scenario"] == "S3"
-        for k in ("oom_crashes", "failed", "completed", "preemptions"):
+        for k in ("oom_crashes", "failed", "abandoned", "completed", "preemptions"):
             assert isinstance(r[k], int)
             assert r[k] >= 0
-        assert r["completed"] + r["failed"] + sum(r["rejected"].values()) == r["requests"] > 0
+        assert r["completed"] + r["failed"] + r["abandoned"] + sum(r["rejected"].values()) == r["requests"] > 0
         assert r["goodput_tokens_per_s"] >= 0
         assert all(isinstance(v, int) and v > 0 for v in r["rejected"].values())
         if r["ttft_p50_s"] is not None:
