@@ -1768,9 +1768,9 @@ def v1_warmup_reserved_bytes(geometry: ModelGeometry, engine: EngineShape, expan
     """The segments V1's post-capture warm-up (`v1_warmup_tape`) leaves cached in the engine: the
     part of the profile region it holds after start-up. Where the profile peak is the sampler's
     (a large vocabulary) it holds all of it; where the peak is the forward pass of
-    max_num_batched_tokens tokens (a fused MoE over Mixtral-8x7B's 32k vocabulary: 296 of 1,472 MiB
-    at 8,192 tokens and 512 rows with vLLM 0.31.0's FlashInfer sampler) the rest comes back out of
-    free memory at the first full step."""
+    max_num_batched_tokens tokens the rest comes back out of free memory at the first full step
+    (Mixtral-8x7B at 8,192 tokens and 512 rows with vLLM 0.31.0's FlashInfer sampler: it holds 270
+    of the 306 MiB region beside the MoE workspace the engine keeps, `moe_workspace_bytes`)."""
     return footprint(v1_warmup_tape(geometry, engine), expandable_segments).reserved_peak
 
 
