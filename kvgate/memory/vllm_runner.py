@@ -270,6 +270,17 @@ def refuses_max_tokens_past_context(version: str | None) -> bool:
         return False
 
 
+def keeps_moe_workspace(version: str, quantized: bool) -> bool:
+    """Whether vLLM `version` keeps a fused MoE's intermediates in its persistent workspace
+    (MOE_WORKSPACE_SINCE): by the release itself, not the read one kvgate models it as, so a
+    release older than any kvgate knows keeps the per-call charge; not for a quantized checkpoint,
+    nor for a version that is no version number (the per-call charge is the larger)."""
+    try:
+        return not quantized and release_of(version) >= MOE_WORKSPACE_SINCE
+    except InvalidVersion:
+        return False
+
+
 def _known_version(version: str) -> tuple[str, str | None]:
     """The read version kvgate models `version` as, and a warning when it is not one it knows."""
     try:
@@ -351,5 +362,5 @@ def resolve_runtime(
         Version(known) >= TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE,
         Version(known) >= CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE,
         Version(known) >= N_SEQUENCES_LIMITED_SINCE,
-        not quantized and Version(known) >= MOE_WORKSPACE_SINCE,
+        keeps_moe_workspace(version, quantized),
     )

@@ -112,6 +112,8 @@ def test_a_fixed_pool_on_v1_charges_what_the_warm_up_does_not_hold_back_to_free_
     quantized = resolve_runtime("0.31.0", is_moe=True, quantized=True)
     assert not quantized.moe_workspace
     assert resolve_runtime("0.31.0", is_moe=True).moe_workspace
+    # modelled as 0.22.0, the oldest kvgate knows, but before the workspace (not read): per call
+    assert not resolve_runtime("0.15.1", is_moe=True).moe_workspace
 
     # the live headroom: H4's engine at start-up (pool, weights, graphs) above utilization x total
     total = int(139.8 * GiB)
