@@ -38,7 +38,13 @@ from packaging.version import InvalidVersion, Version
 
 from kvgate.engine_config import engine_shape, weights_bytes
 from kvgate.gpus import gpu_total_bytes, is_pre_ampere
-from kvgate.memory.activation import EngineShape, profile_forward_bytes, profile_sampler_bytes, sampler_cost
+from kvgate.memory.activation import (
+    EngineShape,
+    moe_workspace_bytes,
+    profile_forward_bytes,
+    profile_sampler_bytes,
+    sampler_cost,
+)
 from kvgate.memory.draft import Drafter
 from kvgate.memory.envelope import CUDA_CONTEXT_BYTES, NON_TORCH_INCREASE_BYTES, outside_envelope
 from kvgate.memory.geometry import ModelGeometry, dtype_bytes
@@ -210,6 +216,8 @@ class Startup:
     profile_forward: int
     profile_sampler: int
     profile_oom_need: int  # what the profile needs beside the weights for its OOM check
+    # the fused MoE's workspace, made by the profile's forward and kept (activation.moe_workspace_bytes)
+    moe_workspace: int
     # the largest plain step once serving: the profile's (compiled) forward, or a step whose every
     # row samples with top-k/top-p (V2's profile is greedy): what a fixed pool must leave room for
     full_step: int
@@ -225,7 +233,7 @@ class Startup:
 
     @property
     def profile_peak(self) -> int:
-        return max(self.profile_forward, self.profile_sampler)
+        return self.moe_workspace + max(self.profile_forward, self.profile_sampler)
 
     @property
     def fits(self) -> bool:
@@ -405,8 +413,10 @@ def predict(request: Request) -> Startup:
     )
     forward = profile_forward_bytes(geometry, engine)
     sampler = profile_sampler_bytes(geometry, engine)
+    workspace = moe_workspace_bytes(geometry, engine)  # held beside both phases
     oom_need = max(int(forward * COMPILED_FORWARD_FACTOR) if release.compiled else forward, sampler)
-    full_step = max(oom_need, _random_step_bytes(geometry, engine))
+    full_step = workspace + max(oom_need, _random_step_bytes(geometry, engine))
+    oom_need += workspace
     sizes = graph_capture_sizes(request, release, seqs, tokens)
     startup = Startup(
         request=request,
@@ -426,6 +436,7 @@ def predict(request: Request) -> Startup:
         profile_sampler=sampler,
         full_step=full_step,
         profile_oom_need=oom_need,
+        moe_workspace=workspace,
         non_torch=non_torch,
         graphs=sizes * layout.layers_per_stage * GRAPH_BYTES_PER_SIZE_LAYER,
         graph_sizes=sizes,

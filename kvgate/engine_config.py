@@ -21,6 +21,7 @@ from kvgate.memory.activation import (
     SamplerPhaseOverhead,
     SharedForward,
     V1PenaltyStep,
+    moe_workspace_bytes,
     profile_forward_bytes,
     profile_hidden_bytes,
     profile_peak_bytes,
@@ -164,6 +165,7 @@ def engine_shape(runtime: VllmRuntime, **flags: Any) -> EngineShape:
         sampler_warmup_profile=runtime.sampler_warmup_profile,
         processed_logprobs=runtime.processed_logprobs,
         truncation_holds_output_token=runtime.truncation_holds_output_token,
+        moe_workspace=runtime.moe_workspace,
     )
 
 
@@ -349,7 +351,8 @@ def build_predictor(
     encoder: EncoderBudget | None = None,
 ) -> Predictor:
     """The predictor for this deployment; `profiled_activation_bytes` overrides kvgate's own
-    estimate of vLLM's start-up profile when the operator read it off vLLM's log; `encoder`:
+    estimate of vLLM's start-up profile when the operator read it off vLLM's log (either less the
+    fused MoE's workspace, which the engine keeps: its profiled region is the rest); `encoder`:
     the vision encoder's budgets (encoder_budget), for requests with images."""
     layout = KVLayout(
         geometry=geometry,
@@ -362,7 +365,9 @@ def build_predictor(
     )
     layout = checked_against_backend(layout, deployment)
     engine = deployment.engine_shape()
-    profiled = profiled_activation_bytes or profile_peak_bytes(geometry, engine)
+    # the profile region a step's tensors come back to: the peak less the MoE workspace it keeps
+    peak = profiled_activation_bytes or profile_peak_bytes(geometry, engine)
+    profiled = max(0, peak - moe_workspace_bytes(geometry, engine))
     return Predictor(
         layout,
         engine,
@@ -630,6 +635,7 @@ def static_limits(
         if fixed_pool is not None:
             used = fixed_pool + weights_bytes(predictor.layout) + lora_slot_bytes(deployment, predictor.layout)
             used += predictor.profiled_peak_bytes + overhead + runner_state_bytes(deployment, predictor.layout.geometry)
+            used += moe_workspace_bytes(predictor.layout.geometry, predictor.engine)
             headroom = gpu_memory_bytes - used - NON_TORCH_INCREASE_BYTES - outside.total
             if not deployment.enforce_eager:
                 log.warning(

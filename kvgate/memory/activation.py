@@ -104,6 +104,9 @@ class EngineShape:
     # truncate_prompt_tokens -1 without max_tokens keeps max_model_len - 1 (kvgate/memory/vllm_runner.py)
     truncation_holds_output_token: bool = False
     lora_rank: int = 0  # --max-lora-rank with --enable-lora; 0 without LoRA (kvgate/memory/lora.py)
+    # The fused MoE's intermediates live in vLLM's workspace, made by the profile and kept
+    # (`moe_workspace_bytes`; kvgate/memory/vllm_runner.py MOE_WORKSPACE_SINCE)
+    moe_workspace: bool = False
 
     def __post_init__(self) -> None:
         backend = BACKEND_ALIASES.get(self.attention_backend, self.attention_backend)
@@ -610,14 +613,23 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
         return TransientTerm(
             "mlp", dense, True, "prefill", f"3 x {tokens} tokens x {g.intermediate_size}/{tp} x {dt} B (gate_up + act)"
         )
-    # vllm/model_executor/layers/fused_moe/fused_moe.py: intermediate_cache13 [M*topk*max(N,K)]
-    # and intermediate_cache2 [M*topk, N/2], M = min(T, chunk size), N = 2*I_moe/TP.
-    m = min(tokens, FUSED_MOE_CHUNK_TOKENS)
-    n = 2 * g.moe_intermediate_size // tp
-    fused = m * g.experts_per_token * (max(n, g.hidden_size) + n // 2) * dt
+    n, k = 2 * g.moe_intermediate_size // tp, g.experts_per_token
+    if e.moe_workspace:
+        # the intermediates are the workspace's (`moe_workspace_bytes`); per call remain the
+        # router's logits [T, E] in the model dtype, the top-k weights (fp32) and ids (int32)
+        # [T, k], and vllm 0.32.0 fused_moe/moe_align_block_size.py `moe_align_block_size`'s
+        # sorted ids (int32, T x k + E x (block - 1)) and expert ids: bounded by 16 B a routed
+        # slot and 2 x 4 B x E x 256 (block <= 256)
+        fused = tokens * (g.num_experts * dt + 16 * k) + 8 * g.num_experts * 256
+        detail = f"per call beside the workspace: {tokens} tokens x ({g.num_experts} x {dt} B + 16 B x top{k})"
+    else:
+        # vllm/model_executor/layers/fused_moe/fused_moe.py: intermediate_cache13 [M*topk*max(N,K)]
+        # and intermediate_cache2 [M*topk, N/2], M = min(T, chunk size), N = 2*I_moe/TP.
+        m = min(tokens, FUSED_MOE_CHUNK_TOKENS)
+        fused = m * k * (max(n, g.hidden_size) + n // 2) * dt
+        detail = f"M {m} x top{k} x (max({n}, {g.hidden_size}) + {n // 2}) x {dt} B"
     shared = 3 * tokens * (g.shared_expert_intermediate_size // tp) * dt
     moe = fused + shared
-    detail = f"M {m} x top{g.experts_per_token} x (max({n}, {g.hidden_size}) + {n // 2}) x {dt} B"
     if shared:
         detail += f" + shared experts 3 x {tokens} x {g.shared_expert_intermediate_size}/{tp} x {dt} B"
     if g.num_dense_layers and dense > moe:
@@ -625,6 +637,28 @@ def _mlp_term(g: ModelGeometry, e: EngineShape, tokens: int) -> TransientTerm:
             "mlp", dense, True, "prefill", f"dense layers: 3 x {tokens} x {g.intermediate_size}/{tp} x {dt} B"
         )
     return TransientTerm("moe", moe, True, "prefill", detail)
+
+
+def moe_workspace_bytes(g: ModelGeometry, e: EngineShape) -> int:
+    """The fused MoE's workspace: persistent memory inside the profile's peak, not a step's.
+
+    vLLM 0.16.0 - 0.33.0 on CUDA (read in 0.16.0, 0.17.0, 0.18.0, 0.20.0 - 0.22.0, 0.25.0,
+    0.26.0, 0.28.0 - 0.33.0): the unquantized MoE runs the modular kernel
+    (fused_moe/unquantized_fused_moe_method.py `forward_cuda` -> `forward_native` ->
+    `moe_kernel.apply`), whose modular_kernel.py `_allocate_buffers` takes `max(workspace13,
+    output)` and `workspace2` (experts/triton_moe.py `TritonExperts.workspace_shapes`:
+    ``M x k x max(N/2, H)``, ``M x k x max(N, H)``, output ``M x H``; N = 2 x I_moe / TP), each
+    rounded up to 256 B, from v1/worker/workspace.py `WorkspaceManager.get_simultaneous`. The
+    profile's dummy step of max_num_batched_tokens grows it; start-up then locks it
+    (`lock_workspace` in gpu_model_runner.py `capture_model`; a larger request would raise), so
+    it stays allocated and no step needs more: no served step allocates or frees it."""
+    if not (g.is_moe and e.moe_workspace):
+        return 0
+    t, k, dt = e.max_num_batched_tokens, g.experts_per_token, g.dtype_bytes
+    n = 2 * g.moe_intermediate_size // e.tensor_parallel_size
+    common = max(t * k * max(n // 2, g.hidden_size), t * g.hidden_size) * dt
+    second = t * k * max(n, g.hidden_size) * dt
+    return sum(-(-b // 256) * 256 for b in (common, second))
 
 
 def sampler_cost(g: ModelGeometry, e: EngineShape) -> SamplerCost:
@@ -1292,7 +1326,9 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     tokens (V1 ``drafter.dummy_run``, V2 ``speculator.propose``) beside the target's hidden states.
     Sampler: the hidden states still referenced, plus logits and the top-k/top-p path over
     ``B = min(T, max_num_seqs)`` rows (the sort with CUDA's sort scratch where it sorts:
-    kvgate/memory/sampler.py ``sort_bytes``). The peak is the larger of the two.
+    kvgate/memory/sampler.py ``sort_bytes``). The peak is the larger of the two, plus the fused
+    MoE's workspace where vLLM keeps one (`moe_workspace_bytes`: made by the forward, still held
+    by the sampler).
 
     Public comparison (vLLM PR #10511): ``vllm serve meta-llama/Meta-Llama-3-8B``
     on H100 80GB logged "PyTorch activation peak memory 1.26GiB" (also at TP=2,
@@ -1301,7 +1337,8 @@ def profile_peak_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
     for that shape (sampler stage, 38 B a logit; forward 0.78 GiB). The test pins it between
     0.95x and 1x of the public figure.
     """
-    return max(profile_forward_bytes(geometry, engine), profile_sampler_bytes(geometry, engine))
+    peak = max(profile_forward_bytes(geometry, engine), profile_sampler_bytes(geometry, engine))
+    return peak + moe_workspace_bytes(geometry, engine)  # held from the forward through the sampler
 
 
 def profile_forward_bytes(geometry: ModelGeometry, engine: EngineShape) -> int:
@@ -1734,9 +1771,9 @@ def v1_warmup_reserved_bytes(geometry: ModelGeometry, engine: EngineShape, expan
     """The segments V1's post-capture warm-up (`v1_warmup_tape`) leaves cached in the engine: the
     part of the profile region it holds after start-up. Where the profile peak is the sampler's
     (a large vocabulary) it holds all of it; where the peak is the forward pass of
-    max_num_batched_tokens tokens (a fused MoE over Mixtral-8x7B's 32k vocabulary: 296 of 1,472 MiB
-    at 8,192 tokens and 512 rows with vLLM 0.31.0's FlashInfer sampler) the rest comes back out of
-    free memory at the first full step."""
+    max_num_batched_tokens tokens the rest comes back out of free memory at the first full step
+    (Mixtral-8x7B at 8,192 tokens and 512 rows with vLLM 0.31.0's FlashInfer sampler: it holds 270
+    of the 306 MiB region beside the MoE workspace the engine keeps, `moe_workspace_bytes`)."""
     return footprint(v1_warmup_tape(geometry, engine), expandable_segments).reserved_peak
 
 

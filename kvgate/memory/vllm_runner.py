@@ -216,6 +216,9 @@ class VllmRuntime:
     # SamplingParams refuses `n` past VLLM_MAX_N_SEQUENCES (N_SEQUENCES_LIMITED_SINCE; an unknown
     # version is taken to).
     limits_n_sequences: bool = True
+    # The fused MoE's intermediates live in vLLM's persistent workspace (MOE_WORKSPACE_SINCE); an
+    # unknown version is taken not to (the per-call charge is the larger).
+    moe_workspace: bool = False
 
     def labels(self) -> dict[str, str]:
         return {
@@ -240,6 +243,12 @@ CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE = Version("0.33.0")
 # vllm/envs.py VLLM_MAX_N_SEQUENCES, read by sampling_params.py `_verify_num_sequences`: present in
 # the 0.29.0 and 0.32.0 sources read; not looked for in earlier releases (taken to have no limit).
 N_SEQUENCES_LIMITED_SINCE = Version("0.29.0")
+# The unquantized CUDA fused MoE takes its intermediates from v1/worker/workspace.py's workspace,
+# made by the start-up profile and kept (kvgate/memory/activation.py `moe_workspace_bytes`): read in
+# 0.16.0 - 0.33.0 (every release kvgate knows). A quantized checkpoint keeps the per-call charge:
+# some methods still call fused_experts per call (0.22.0: bitsandbytes, moe_wna16, quark,
+# compressed-tensors WNA16; 0.28.0 - 0.32.0: quark), and kvgate does not tell the methods apart.
+MOE_WORKSPACE_SINCE = Version("0.16.0")
 
 
 def refuses_max_tokens_past_context(version: str | None) -> bool:
@@ -257,6 +266,17 @@ def refuses_max_tokens_past_context(version: str | None) -> bool:
         return False
     try:
         return release_of(version) < CLAMPS_MAX_TOKENS_SINCE
+    except InvalidVersion:
+        return False
+
+
+def keeps_moe_workspace(version: str, quantized: bool) -> bool:
+    """Whether vLLM `version` keeps a fused MoE's intermediates in its persistent workspace
+    (MOE_WORKSPACE_SINCE): by the release itself, not the read one kvgate models it as, so a
+    release older than any kvgate knows keeps the per-call charge; not for a quantized checkpoint,
+    nor for a version that is no version number (the per-call charge is the larger)."""
+    try:
+        return not quantized and release_of(version) >= MOE_WORKSPACE_SINCE
     except InvalidVersion:
         return False
 
@@ -342,4 +362,5 @@ def resolve_runtime(
         Version(known) >= TRUNCATION_HOLDS_OUTPUT_TOKEN_SINCE,
         Version(known) >= CONTENT_FORMAT_NAMESPACE_ALIASES_SINCE,
         Version(known) >= N_SEQUENCES_LIMITED_SINCE,
+        keeps_moe_workspace(version, quantized),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvgate.sim.config import SimConfig
-from kvgate.sim.step_memory import TopKTopP
+from kvgate.sim.step_memory import FUSED_MOE_CHUNK, TopKTopP
 from kvgate.units import GiB, MiB
 
 if TYPE_CHECKING:
@@ -52,6 +52,13 @@ CUDAGRAPH_ESTIMATE_DEFAULT_ON = (0, 20, 0)
 # from 0.9.0's and 0.8.5's, and V0 (worker/worker.py, 0.7.0 - 0.8.5) never checks. Before it an
 # over-committed budget starts and fails later, when the KV pool or a step does not fit.
 STARTUP_FREE_MEMORY_CHECK = (0, 9, 1)
+# The unquantized CUDA MoE takes its intermediates from the workspace manager, made by the profile
+# and kept (model_executor/layers/fused_moe/modular_kernel.py `_allocate_buffers` ->
+# v1/worker/workspace.py `get_simultaneous`; read in 0.16.0, 0.17.0, 0.18.0, 0.20.0 - 0.22.0,
+# 0.25.0, 0.26.0, 0.28.0 - 0.33.0); earlier releases (not read) allocate them per call. Until
+# 0.17.0 the kernel chunks M by VLLM_FUSED_MOE_CHUNK_SIZE (`_chunk_info`); 0.18.0 has no chunks.
+MOE_WORKSPACE_SINCE = (0, 16, 0)
+MOE_UNCHUNKED_SINCE = (0, 18, 0)
 # Outside the budget at TP > 1: NCCL communicator buffers and vLLM's custom all-reduce IPC
 # buffers (distributed/device_communicators/custom_all_reduce.py, 8 MiB max size x 2 plus
 # NCCL's per-peer channels); an assumption as above.
@@ -208,6 +215,16 @@ class Flavor:
         the profile holds the fp32 copy, the top-k/top-p path and the logprobs. 0.32.0 (:972-983)
         samples them once, greedily."""
         return self.v2 and self.version >= (0, 33, 0)
+
+    def moe_workspace_tokens(self, max_num_batched_tokens: int) -> int:
+        """The tokens the MoE workspace is sized for (the profile's dummy step of
+        max_num_batched_tokens grows it; vLLM locks it after start-up, so no later step needs
+        more); 0 where each call allocates its own intermediates."""
+        if self.version < MOE_WORKSPACE_SINCE:
+            return 0
+        if self.version < MOE_UNCHUNKED_SINCE:
+            return min(max_num_batched_tokens, FUSED_MOE_CHUNK)
+        return max_num_batched_tokens
 
     @property
     def context_in_budget(self) -> bool:

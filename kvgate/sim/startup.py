@@ -243,10 +243,11 @@ def profile_shape(r: Resolved) -> StepShape:
 
 def step_memories(r: Resolved) -> tuple[StepMemory, StepMemory | None]:
     """The step tapes of the target model and of the speculative draft model, if any."""
-    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner, r.flavor.top_k_top_p)
+    moe = r.flavor.moe_workspace_tokens(r.max_num_batched_tokens)
+    target = StepMemory(r.dims, r.backend, r.mla_workspace_tokens, r.flavor.runner, r.flavor.top_k_top_p, moe)
     if r.draft_dims is None:
         return target, None
-    return target, StepMemory(r.draft_dims, "flash-attn", 0, r.flavor.runner)
+    return target, StepMemory(r.draft_dims, "flash-attn", 0, r.flavor.runner, moe_workspace_tokens=moe)
 
 
 def draft_shape(shape: StepShape) -> StepShape:
@@ -324,6 +325,9 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
         alloc.set_non_torch(context + non_torch)
         alloc.reset_peak()
         before = alloc.allocated()
+        # the MoE workspace the profile's first MoE layer grows; the draft shares it (one manager)
+        if workspace := max(s.moe_workspace_bytes() for s in (steps, draft_steps) if s is not None):
+            alloc.malloc(workspace)  # kept: vLLM locks it after start-up (workspace.py `lock`)
         if triton := triton_buffer_bytes(r):
             alloc.malloc(triton)  # cached by the profile's top-k/top-p, kept for good
         encoded = run_tape(alloc, encoder_profile(r))  # the dummy images' outputs, held

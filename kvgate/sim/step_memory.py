@@ -8,11 +8,17 @@ vLLM's code (paths in vllm-project/vllm):
   `T x (q + 2 kv) x head_dim`; attention output `T x q x head_dim`; `o_proj` `T x H`; MLP
   `gate_up_proj` `T x 2I/TP`, `SiluAndMul` `T x I/TP`, `down_proj` `T x H`. Every layer frees what
   it made, so one layer is played for all of them.
-- fused MoE (model_executor/layers/fused_moe/fused_moe.py): per chunk of `M = min(T, 32768)`
-  tokens one buffer `M x topk x max(N, H)` shared by intermediate caches 1 and 3, and
-  `M x topk x N/2` for cache 2, with `N = 2 x I_moe / TP`; shared experts are a dense MLP; the
-  dense layers of an MoE model (DeepSeek's `first_k_dense_replace`, Jamba's, Llama 4's) are
-  played too, so a step's peak is the larger layer's.
+- fused MoE: the router's logits `T x E`, top-k weights and ids `T x topk x 8`, the layer's
+  output `T x H`, and the experts' intermediates. Before vLLM 0.16 (fused_moe.py
+  `fused_experts_impl`) each call allocates them: per chunk of `M = min(T, 32768)` tokens one
+  buffer `M x topk x max(N, H)` shared by intermediate caches 1 and 3, and `M x topk x N/2` for
+  cache 2, with `N = 2 x I_moe / TP`. From 0.16 (read in 0.16.0 - 0.33.0) the unquantized CUDA
+  MoE runs the modular kernel (modular_kernel.py `_allocate_buffers`), which takes them from
+  the process's workspace (v1/worker/workspace.py `WorkspaceManager.get_simultaneous`),
+  allocated once during the start-up profile and kept (`moe_workspace_bytes`): a step makes
+  none of them. Shared experts are a dense MLP; the dense layers of an MoE model (DeepSeek's
+  `first_k_dense_replace`, Jamba's, Llama 4's) are played too, so a step's peak is the larger
+  layer's.
 - attention, only when the step has attention metadata (the profile run has none):
   `flash-attn` and `flashinfer` need no context-sized transient (FlashInfer's 256 MiB workspace
   is resident, allocated when the KV cache is); `materializing-eager` (old name `materializing`)
@@ -258,12 +264,31 @@ class StepMemory:
         mla_workspace_tokens: int = 0,
         runner: str = "v2",
         top_k_top_p: TopKTopP = FLASHINFER,
+        moe_workspace_tokens: int = 0,
     ) -> None:
         self.d = dims
         self.backend = backend
         self.mla_workspace_tokens = mla_workspace_tokens
         self.v2 = runner == "v2"
         self.top_k_top_p = top_k_top_p
+        # > 0: the experts' intermediates live in a workspace sized for this many tokens, made
+        # by the profile and kept (`moe_workspace_bytes`); 0: each step allocates them
+        self.moe_workspace_tokens = moe_workspace_tokens
+
+    def moe_workspace_bytes(self) -> int:
+        """The workspace the modular kernel's first call at `moe_workspace_tokens` tokens grows:
+        vLLM 0.32.0 modular_kernel.py `_allocate_buffers` asks `get_simultaneous` for
+        `max(workspace13, output)` and `workspace2` (experts/triton_moe.py `TritonExperts.
+        workspace_shapes`: `M x topk x max(N/2, H)`, `M x topk x max(N, H)`, output `M x H`), each
+        rounded up to 256 B, as one uint8 tensor (v1/worker/workspace.py `_ensure_workspace_size`,
+        which empties the allocator's cache first). The same shapes in 0.16.0 - 0.33.0."""
+        d, m = self.d, self.moe_workspace_tokens
+        if not d.is_moe or not m:
+            return 0
+        n = 2 * d.moe_intermediate
+        common = max(m * d.experts_per_token * max(n // 2, d.hidden), m * d.hidden) * d.dtype_bytes
+        second = m * d.experts_per_token * max(n, d.hidden) * d.dtype_bytes
+        return sum(-(-b // 256) * 256 for b in (common, second))
 
     def plan(self, shape: StepShape) -> Tape:
         d, t = self.d, _Tape()
@@ -371,11 +396,13 @@ class StepMemory:
             t.free("shared_down")
         t.alloc("router_logits", n_tok * d.num_experts * dt)
         t.alloc("topk", n_tok * d.experts_per_token * 8)
-        m = min(n_tok, FUSED_MOE_CHUNK)
-        n = 2 * d.moe_intermediate
-        t.alloc("moe_cache13", m * d.experts_per_token * max(n, d.hidden) * dt)
-        t.alloc("moe_cache2", m * d.experts_per_token * (n // 2) * dt)
-        t.free("moe_cache13", "moe_cache2", "router_logits", "topk", "hidden")
+        if not self.moe_workspace_tokens:  # per call (fused_experts_impl, before 0.16)
+            m = min(n_tok, FUSED_MOE_CHUNK)
+            n = 2 * d.moe_intermediate
+            t.alloc("moe_cache13", m * d.experts_per_token * max(n, d.hidden) * dt)
+            t.alloc("moe_cache2", m * d.experts_per_token * (n // 2) * dt)
+            t.free("moe_cache13", "moe_cache2")
+        t.free("router_logits", "topk", "hidden")
         t.ops.append(("rename", "moe_out", 0))
 
     def _dense_mlp(self, t: _Tape, n_tok: int, inter: int, tag: str) -> None:

@@ -23,8 +23,9 @@ allocator's cache after capturing its graphs and, unlike V1, warms no sampler up
 `capture_model`), so every profiled tensor comes back out of free memory: the whole profile peak.
 V1's warm-up re-reserves the segments of a `_dummy_run` and a `_dummy_sampler_run` of
 max_num_seqs rows after capture: all of the region where the sampler set the peak (a 128k
-vocabulary), not where a fused MoE of max_num_batched_tokens tokens did (Mixtral-8x7B, held-out
-H4: 1,176 of 1,472 MiB come back out of free memory). `growth` is what PyTorch's caching allocator has reserved since
+vocabulary), not where the forward pass of max_num_batched_tokens tokens did (Mixtral-8x7B,
+held-out H4: 36 of the 306 MiB region beside its kept MoE workspace come back out of free memory;
+kvgate/memory/activation.py `moe_workspace_bytes`). `growth` is what PyTorch's caching allocator has reserved since
 start-up for earlier steps and keeps cached: NVML counts it as used, yet the next transient
 tensor reuses it, so without it every large request would shrink the headroom for good.
 `profiled_cap` is the part of vLLM's own envelope (utilization x total) its engine did not hold

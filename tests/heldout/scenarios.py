@@ -21,11 +21,13 @@ must run the unprotected engine out of memory (issue 24's rule for a judged scen
   its latent cache (beyond the profile's stand-in) while the batch's rows are copied to fp32.
 - H4: Mixtral-8x7B (MoE, 32k vocabulary) on an H200 141 GB, vLLM 0.31.0 on V1, the pool as vLLM's
   advice sizes it: chat (a fifth with a frequency penalty) and at 8 s a self-consistency job of
-  32 questions asking n=8 samples with logprobs. The profile peak is the fused MoE's
-  intermediates of an 8,192-token step, not the sampler's (small vocabulary), so V1's post-capture
-  warm-up (max_num_seqs rows) re-reserves only part of it: the n=8 prefills' full steps take the
-  rest back out of free memory, where the caching allocator strands segments (448 MiB
-  `intermediate_cache2` does not fit beside 403 MiB reserved but unallocated).
+  32 questions asking n=8 samples with logprobs. The profile peak holds the fused MoE's
+  workspace for an 8,192-token step, which the engine keeps (vLLM 0.16 - 0.33), so the advised
+  pool leaves about 190 MiB beside it; V1's post-capture warm-up (max_num_seqs rows) re-reserves
+  most of the rest of the profile region. Unprotected, the engine takes every request at once
+  and runs out at a 35.89 MiB tensor with 21 MiB free (294 rows x 32,000 x 4 B, a sampler
+  tensor's size); before session 33 the simulator ran out at a per-call 448 MiB
+  `intermediate_cache2`.
 - H5: Llama-3.1-8B on an A10 24 GB with an fp8 KV cache, vLLM 0.32.0 (V2), --gpu-memory-utilization
   0.95 and the pool as vLLM's advice sizes it, max_num_seqs 512: RAG queries over 16k-28k tokens
   among chat at temperatures 0 / 0.7 / 1.0 (half with top-p 0.95, unseeded), and at 12 s a

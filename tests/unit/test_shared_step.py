@@ -95,13 +95,13 @@ def decoding(predictor: Predictor, ledger: Ledger, *prompts: int) -> None:
 def test_a_document_beside_decoding_chats_is_charged_its_allocated_bytes(s1_gpu: GPU) -> None:
     """S1's 16,000-token document beside four decoding chats: the profile's share (0.9 of its
     forward pass) put it over the limit, so it waited for an idle engine; the served steps'
-    replay says a forward pass of its bytes runs in the 592 MiB headroom after any one earlier
+    replay says a forward pass of its bytes runs in the 586 MiB headroom after any one earlier
     step, and it is admitted at its allocated bytes. A 32,000-token document still is not: its
     last chunk (493 MiB allocated) runs out of memory in the simulator after a 1,024-token step
     over 16,384 tokens of context, whose segments the new step's smaller tensors split."""
     device = s1_gpu[0]
     headroom = device.free()
-    assert headroom // MiB == 592
+    assert headroom // MiB == 586
     budget, predictor = s1_budget(headroom)
     ledger = Ledger()
     decoding(predictor, ledger, 600, 300, 1200, 800)
@@ -184,7 +184,7 @@ def test_whether_a_document_runs_depends_on_the_allocator_history_not_on_the_req
 ) -> None:
     """Why S1's 32,000-token documents still wait for an idle engine, and why a replay of only the
     steps the in-flight requests can make would be unsafe (issue 24): the caching allocator keeps
-    the segments of requests long finished. On the simulator's allocator in S1's 592 MiB a
+    the segments of requests long finished. On the simulator's allocator in S1's 586 MiB a
     32,000-token document runs alone on a fresh engine and after a whole 16,000-token document,
     but one of its own whole chunks runs out after that document's last chunk alone (the cache
     released before it, as a failed cudaMalloc does), and after a 1,792-token step over 16,384
@@ -330,10 +330,10 @@ def test_a_lone_document_is_judged_by_the_served_steps_replay_as_beside_others(s
     """An idle engine keeps its cache, so a request alone meets the segments the last requests'
     MLA steps left, up-projections included (vllm 0.32.0 model_executor/layers/attention/
     mla_attention.py `forward_mha`, `_compute_prefill_context`). On the simulator's allocator in
-    S1's 592 MiB a 32,000-token document runs on a fresh engine but runs out of memory in its
+    S1's 586 MiB a 32,000-token document runs on a fresh engine but runs out of memory in its
     chunk over 28,672 tokens after one whole 13,312-token request served alone before it. kvgate
     judged a request alone by a replay of plain steps without those tensors and admitted the
-    document; it now judges it by the served steps' replay, as beside others: not at 592 MiB,
+    document; it now judges it by the served steps' replay, as beside others: not at 586 MiB,
     refused at once as never fitting (it waited for an idle engine before). A 16,000-token
     document alone is still admitted, and runs on the simulator after that request."""
     _, alloc, memory = copy.deepcopy(s1_gpu)
@@ -364,10 +364,10 @@ def test_a_lone_document_is_judged_by_the_served_steps_replay_as_beside_others(s
 def test_what_kvgate_admits_alone_runs_after_any_one_whole_request_and_what_it_refuses_may_not(
     s1_gpu: GPU,
 ) -> None:
-    """The lone line the served steps' replay draws in S1's 592 MiB, against the simulator: a
+    """The lone line the served steps' replay draws in S1's 586 MiB, against the simulator: a
     20,000-token document, admitted alone, runs after any one whole request of 512 - 32,768
     tokens (every 512) served alone before it; a 24,000-token one, refused as never fitting,
-    runs on a fresh engine but runs out after a whole 21,504, 23,040 or 23,552-token request."""
+    runs on a fresh engine but runs out after a whole 20,992, 21,504, 23,040 or 23,552-token request."""
     budget, predictor = s1_budget(s1_gpu[0].free())
     verdicts = {}
     for size in (20000, 24000):
@@ -384,7 +384,7 @@ def test_what_kvgate_admits_alone_runs_after_any_one_whole_request_and_what_it_r
                 breaking.append(earlier)
         verdicts[size] = (admitted, breaking)
         assert simulator_runs_out(s1_gpu, chunks(size)) is None
-    assert verdicts == {20000: (True, []), 24000: (False, [21504, 23040, 23552])}
+    assert verdicts == {20000: (True, []), 24000: (False, [20992, 21504, 23040, 23552])}
 
 
 async def test_a_request_alone_is_admitted_once_the_replay_is_worked_out(s1_gpu: GPU) -> None:

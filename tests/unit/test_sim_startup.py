@@ -13,7 +13,8 @@ from kvgate.sim.config import SimConfig
 from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.model import load_model
 from kvgate.sim.presets import gpu_total_bytes
-from kvgate.units import GiB
+from kvgate.sim.step_memory import ReqSlice, StepShape
+from kvgate.units import GiB, MiB
 from support.geometry import config_path
 
 
@@ -383,10 +384,40 @@ def test_moe_models_play_their_dense_layers_too() -> None:
         tape = startup.step_memories(r)[0].plan(startup.profile_shape(r))
         return {name for op, name, _ in tape if op == "alloc"}
 
-    assert {"dense_gate_up", "moe_cache13"} <= allocations("deepseek-v2-lite")
+    assert {"dense_gate_up", "topk"} <= allocations("deepseek-v2-lite")
     mixtral = allocations("mixtral-8x7b")
-    assert "moe_cache13" in mixtral
+    assert "topk" in mixtral
     assert "dense_gate_up" not in mixtral
+
+
+def test_the_moe_intermediates_live_in_a_workspace_the_profile_makes_and_keeps() -> None:
+    """vLLM 0.16 - 0.33 (modular_kernel.py `_allocate_buffers` -> v1/worker/workspace.py
+    `get_simultaneous`): the unquantized CUDA MoE's intermediates come from one workspace the
+    profile grows to max_num_batched_tokens and start-up locks; a step allocates none of them.
+    Mixtral-8x7B at 8,192 tokens: top-2 x (14,336 + 28,672) x 2 B = 168 KiB a token, 1,344 MiB,
+    counted in the profile's peak and still allocated after start-up. vLLM 0.15 (not read) keeps
+    the per-call caches of `fused_experts_impl`."""
+    workspace = 8192 * 2 * (14336 + 28672) * 2
+    assert workspace == 1344 * MiB
+    shape = dict(model="mixtral-8x7b", gpu="h200-141gb", max_model_len=8192, max_num_batched_tokens=8192)
+    for version in ("0.16.0", "0.31.0", "0.33.0"):
+        cfg = SimConfig(**shape, vllm_version=version)
+        dev = Device(gpu_total_bytes(cfg.gpu))
+        alloc = CachingAllocator(dev, "vllm")
+        r, rep = startup.start(cfg, load_model(cfg.model, cfg.dtype), dev, alloc)
+        steps = startup.step_memories(r)[0]
+        assert steps.moe_workspace_bytes() == workspace
+        assert rep.activation_peak >= workspace
+        kv = rep.num_gpu_blocks * r.layout.page_bytes * r.layout.layers_per_group
+        assert alloc.allocated() >= rep.weights + kv + workspace
+        tape = steps.plan(StepShape((ReqSlice(8192, 0),)))
+        assert not {"moe_cache13", "moe_cache2"} & {name for op, name, _ in tape if op == "alloc"}
+    r, rep, _ = boot(**shape, vllm_version="0.15.0")
+    old = startup.step_memories(r)[0]
+    assert old.moe_workspace_bytes() == 0
+    assert {"moe_cache13", "moe_cache2"} <= {
+        name for op, name, _ in old.plan(StepShape((ReqSlice(8192, 0),))) if op == "alloc"
+    }
 
 
 def test_materializing_scores_stop_at_the_window_when_every_layer_slides(tmp_path) -> None:
