@@ -50,6 +50,23 @@ def _parts(step: StepHoldings) -> tuple[int, int, int]:
     return step.unprofiled, step.forward_profiled, step.residual_profiled
 
 
+def _relieved(streams: list[Demand], plain: list[Demand], first_tokens: int) -> Ledger:
+    """A ledger of these streams and plain candidates, told `first_tokens` of theirs finished."""
+    ledger = Ledger()
+    for d in streams:
+        ledger.reserve(d)
+    for d in plain:
+        ledger.mark_plain(ledger.reserve(d))
+    ledger.plain.set_finished(first_tokens)
+    return ledger
+
+
+def _assert_covers(relieved: Ledger, exact: Ledger, newcomer: Demand, case: object) -> None:
+    """The relieved ledger's step, alone and with a newcomer, is at least the exact one's."""
+    for mine, theirs in [(relieved.step(), exact.step()), (relieved.step_with(newcomer), exact.step_with(newcomer))]:
+        assert all(a >= b for a, b in zip(_parts(mine), _parts(theirs), strict=True)), case
+
+
 SAMPLINGS = [SamplingShape(), SamplingShape(random=False), SamplingShape(prompt_logprobs=5), SamplingShape(logprobs=5)]
 
 
@@ -66,12 +83,8 @@ def test_the_relieved_charge_covers_every_choice_of_who_finished(runner: str) ->
         streams = [_demand(predictor, rng.randint(8, 3000), rng.choice(SAMPLINGS)) for _ in range(rng.randint(0, 3))]
         newcomer = _demand(predictor, rng.randint(8, 3000), rng.choice(SAMPLINGS))
         for k in range(len(plain) + 1):
-            relieved = Ledger()
-            for d in streams:
-                relieved.reserve(d)
-            for d in plain:
-                relieved.mark_plain(relieved.reserve(d))
-            assert relieved.plain.set_finished(k) == (k > 0)
+            relieved = _relieved(streams, plain, k)
+            assert relieved.plain.finished == k
             choices = list(itertools.combinations(range(len(plain)), k))
             if len(choices) > 12:
                 by_size = sorted(range(len(plain)), key=lambda i: plain[i].profiled_prefill_bytes)
@@ -83,11 +96,7 @@ def test_the_relieved_charge_covers_every_choice_of_who_finished(runner: str) ->
                 held = [exact.reserve(d) for d in plain]
                 for i in finished:
                     assert exact.end_prefill(held[i])
-                for mine, theirs in [
-                    (relieved.step(), exact.step()),
-                    (relieved.step_with(newcomer), exact.step_with(newcomer)),
-                ]:
-                    assert all(a >= b for a, b in zip(_parts(mine), _parts(theirs), strict=True)), (trial, k, finished)
+                _assert_covers(relieved, exact, newcomer, (trial, k, finished))
             if k == len(plain) and k:  # all finished: exactly the prefills closed one by one
                 assert _parts(relieved.step()) == _parts(exact.step())
 
@@ -153,12 +162,7 @@ def test_the_relieved_charge_covers_every_spread_of_first_tokens_over_several_en
         streams = [_demand(predictor, rng.randint(8, 3000), rng.choice(SAMPLINGS)) for _ in range(rng.randint(0, 2))]
         newcomer = _demand(predictor, rng.randint(8, 3000), rng.choice(SAMPLINGS))
         for k in range(sum(sizes) + 1):
-            relieved = Ledger()
-            for d in streams:
-                relieved.reserve(d)
-            for d in plain:
-                relieved.mark_plain(relieved.reserve(d))
-            relieved.plain.set_finished(k)
+            relieved = _relieved(streams, plain, k)
             relieved_some += relieved.plain.finished > 0
             for spread in _first_token_spreads(sizes, k):
                 exact = Ledger()
@@ -169,11 +173,7 @@ def test_the_relieved_charge_covers_every_spread_of_first_tokens_over_several_en
                 for r, t, s in zip(held, spread, sizes, strict=True):
                     if t == s:
                         assert exact.end_prefill(r)
-                for mine, theirs in [
-                    (relieved.step(), exact.step()),
-                    (relieved.step_with(newcomer), exact.step_with(newcomer)),
-                ]:
-                    assert all(a >= b for a, b in zip(_parts(mine), _parts(theirs), strict=True)), (trial, k, spread)
+                _assert_covers(relieved, exact, newcomer, (trial, k, spread))
     assert relieved_some > 10
 
 
