@@ -41,10 +41,13 @@ def derive(endpoint: str, body: dict) -> dict:
     else:
         request = CompletionRequest(model="m", prompt="hi", **body)
         asked = request.max_tokens
-    return fields(request.to_sampling_params(get_max_tokens(MAX_MODEL_LEN, asked, PROMPT_LEN, {}), {}))
+    params = request.to_sampling_params(get_max_tokens(MAX_MODEL_LEN, asked, PROMPT_LEN, {}), {})
+    return fields(params, bool(request.use_beam_search))
 
 
-def fields(params) -> dict:
+def fields(params, beam_search: bool = False) -> dict:
+    """The SamplingParams' memory fields; `beam_search`: the request's `use_beam_search` as its
+    pydantic model read it (the serving code then runs beam_search instead)."""
     return {
         "n": params.n,
         "max_tokens": params.max_tokens,
@@ -60,6 +63,7 @@ def fields(params) -> dict:
         "logit_bias": bool(params.logit_bias),
         "allowed_token_ids": params.allowed_token_ids,
         "bad_words": params.bad_words or None,
+        "beam_search": beam_search,
     }
 
 
