@@ -376,10 +376,18 @@ def start(cfg: SimConfig, model: SimModel, device: Device, alloc: CachingAllocat
         if r.mla_workspace_tokens:
             d = r.dims
             alloc.malloc(r.mla_workspace_tokens * (d.kv_lora_rank + d.qk_rope_head_dim) * d.dtype_bytes)
+        if r.flavor.profiles_sampler_warmup and graphs:
+            # V2's JIT warm-up (vllm 0.33.0 v1/worker/gpu_worker.py `_compile_or_warm_up_model`:
+            # `warmup_kernels` before `capture_model`) samples with the warm-up parameters; capture
+            # starts with `torch.accelerator.empty_cache()` (v1/worker/gpu/model_runner.py
+            # `capture_model`), so none of its segments is cached when serving starts. Without
+            # graphs (enforce_eager) 0.33.0 turns the JIT warm-up off (config/vllm.py).
+            run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
+            alloc.empty_cache()
         if graphs:
             alloc.malloc(graphs, pool="private")
             log.append(f"Graph capturing finished in 5 secs, took {graphs / GiB:.2f} GiB")
-        if not r.flavor.v2 or r.flavor.profiles_sampler_warmup:  # 0.33's V2 warmup_kernels too
+        if not r.flavor.v2:  # V1's `_dummy_sampler_run` after capture, kept for good
             run_tape(alloc, steps.plan(sampler_warmup_shape(r)))
             if (native := native_sampler_warmup(r)) is not None:
                 run_tape(alloc, steps.plan(native))

@@ -448,3 +448,33 @@ def test_only_v1_from_0_9_1_refuses_a_budget_above_the_free_memory() -> None:
     with pytest.raises(startup.StartupError, match="OutOfMemoryError") as late:
         boot(**over, vllm_version="0.9.0")
     assert any(line.startswith("Available KV cache memory: ") for line in late.value.log)
+
+
+def test_v2_0_33_serves_with_none_of_its_warm_up_cached() -> None:
+    """vllm 0.33.0 v1/worker/gpu_worker.py `_compile_or_warm_up_model`: V2's `warmup_kernels`
+    (the warm-up parameters' sampler pass) runs before `capture_model`, which first empties the
+    cache (v1/worker/gpu/model_runner.py); enforce_eager turns the JIT warm-up off
+    (config/vllm.py). So a 0.33 V2 engine starts serving with as little cached as 0.32's, and
+    V1's post-capture warm-up (kept for good) still leaves more."""
+    cached = {}
+    for version, runner, eager in (
+        ("0.32.0", "v2", False),
+        ("0.33.0", "v2", False),
+        ("0.33.0", "v2", True),
+        ("0.33.0", "v1", False),
+    ):
+        cfg = SimConfig(
+            model="llama-3.1-8b",
+            vllm_version=version,
+            model_runner=runner,
+            enforce_eager=eager,
+            kv_cache_memory_bytes=40 * GiB,  # one pool size: only what start-up leaves cached differs
+        )
+        g = load_model(cfg.model, cfg.dtype)
+        dev = Device(gpu_total_bytes(cfg.gpu))
+        alloc = CachingAllocator(dev, "vllm")
+        startup.start(cfg, g, dev, alloc)
+        cached[(version, runner, eager)] = alloc.reserved() - alloc.allocated()
+    assert abs(cached[("0.33.0", "v2", False)] - cached[("0.32.0", "v2", False)]) < MiB
+    assert abs(cached[("0.33.0", "v2", True)] - cached[("0.32.0", "v2", False)]) < MiB
+    assert cached[("0.33.0", "v1", False)] > cached[("0.33.0", "v2", False)] + 100 * MiB
