@@ -95,7 +95,7 @@ class Budget:
     # The share of it charged, relaxed on the GPU's evidence (kvgate/telemetry/calibration.py observe_slack).
     sampler_overhead_scale: float = 1.0
     # (step tokens, capacity) -> whether a lone request's forward pass runs in that capacity after
-    # any one earlier step of another size (kvgate/memory/activation.py LoneForward); None: it does.
+    # any one earlier step, its own size among them (kvgate/memory/activation.py LoneForward); None: it does.
     lone_forward: Callable[[int, int], bool] | None = None
     # (forward bytes, capacity) -> whether a served step's forward pass of that many bytes runs in
     # that capacity after any one earlier served step, whoever's (kvgate/memory/activation.py
@@ -203,7 +203,7 @@ class Budget:
         Alone, a request's steps run largest first (its prefill's chunks, then decode), but the
         caching allocator still holds the segments earlier requests' steps left (an idle engine
         does not empty its cache): only where its forward pass runs in the headroom after any one
-        earlier step of another size (kvgate/memory/activation.py `lone_forward_fits`) are its
+        earlier step, its own size too (kvgate/memory/activation.py `lone_forward_fits`), are its
         segments known not to strand. An MLA deployment's served steps make the up-projection
         tensors that replay leaves out, so there the replay of served steps judges it as it judges
         a step beside others (`shared_step_fits`): the earlier steps' segments are there either

@@ -1484,18 +1484,22 @@ def lone_forward_fits(
     geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, tokens: int, capacity: int
 ) -> bool:
     """Whether a step's forward pass of `tokens` tokens runs in `capacity` bytes of transient
-    memory after any one earlier step of another size (sixteenths of max_num_batched_tokens), the
-    earlier step run in the same capacity (kvgate/memory/allocator.py `fits_after_any`).
+    memory after any one earlier step (sixteenths of max_num_batched_tokens, its own size among
+    them), the earlier step run in the same capacity (kvgate/memory/allocator.py `fits_after_any`).
 
     The caching allocator keeps its segments when the requests that made them are gone: a request
     alone on an idle engine meets the cache the last steps left, not an empty one. Held-out
     benchmark H1 (Qwen2.5-7B on an A100, V2, the pool vLLM's start-up advice sizes: 617 MiB of
     headroom) OOMed the simulator with a lone 4,096-token chunk (500 MiB allocated) after a
     1,792 - 2,304-token step: the earlier step's SiluAndMul and gate_up segments take the new
-    hidden states, residual and QKV, and the new SiluAndMul's 148 MiB finds no room."""
+    hidden states, residual and QKV, and the new SiluAndMul's 148 MiB finds no room. A step of
+    the same size is no safer: the first one, run from an emptied cache, cuts its segments where
+    its own cudaMalloc calls failed, and the second one's QKV and o_proj outputs split them
+    (a held-out 70B at TP 4 on vLLM 0.33.0 V2, 620 MiB of headroom: a 16,000-token document's
+    second 8,192-token chunk OOMed after its first, kvgate's replay and the simulator alike)."""
     full = engine.max_num_batched_tokens
     step = profile_forward_tape(geometry, engine, tokens, served=True)
-    sizes = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)} - {tokens})
+    sizes = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
     earlier = ([profile_forward_tape(geometry, engine, t, served=True)] for t in sizes)
     return fits_after_any(step, earlier, capacity, expandable_segments)
 

@@ -201,3 +201,43 @@ def test_beside_a_decoding_burst_a_rag_chunk_is_admitted_where_the_simulator_run
     crowded = chat_rows(predictor, 384)
     assert budget.shortfall(rag, crowded) == TRANSIENT_BUSY
     assert not runs_beside(h1_gpu, 3328, 3000, 384)
+
+
+def test_a_full_chunk_after_a_full_chunk_is_no_safer_than_after_another_size() -> None:
+    """Held-out H7 (Llama-3.1-70B at TP 4 on H100s, vLLM 0.33.0 V2, the advised pool: 620 MiB
+    free a GPU): a 16,000-token document's first 8,192-token chunk runs from the emptied cache,
+    its cudaMalloc failures cutting the segments where they fall; its second chunk's QKV and
+    o_proj outputs then split those and gate_up finds no room. kvgate's lone check left the
+    step's own size out of the histories it replays, so it admitted the document alone."""
+    from demo.replay import fully_utilized
+    from kvgate.memory.geometry import ModelGeometry
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.model import load_model
+    from kvgate.sim.presets import gpu_total_bytes, model_config
+
+    cfg = fully_utilized(
+        SimConfig(
+            model="llama-3.1-70b",
+            gpu="h100-80gb",
+            tensor_parallel_size=4,
+            vllm_version="0.33.0",
+            model_runner="auto",
+            max_model_len=32768,
+            max_num_batched_tokens=8192,
+            max_num_seqs=256,
+        )
+    )
+    device = Device(gpu_total_bytes(cfg.gpu))
+    alloc = CachingAllocator(device, "vllm")
+    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
+    steps, _ = startup.step_memories(resolved)
+    headroom = device.free()
+    run_tape(alloc, steps.plan(StepShape((ReqSlice(8192, 0, samples=False),))))
+    with pytest.raises(CudaOutOfMemory):
+        run_tape(alloc, steps.plan(StepShape((ReqSlice(8192, 8192, samples=False),))))
+    geometry = ModelGeometry.from_config(model_config("llama-3.1-70b"))
+    engine = EngineShape(
+        max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, runner="v2", tensor_parallel_size=4
+    )
+    assert not lone_forward_fits(geometry, engine, False, 8192, headroom)
+    assert lone_forward_fits(geometry, engine, False, 8192, headroom + 128 * MiB)
