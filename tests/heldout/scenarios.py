@@ -40,6 +40,14 @@ must run the unprotected engine out of memory (issue 24's rule for a judged scen
   sub-chunk of a passage's prompt logprobs; at -1 (k = the vocabulary) the sub-chunk's logits,
   top-k values and int64 indices and their sorted copies hold 2.69 GiB and torch.topk's sort
   scratch asks 2.45 GiB more, where the A100 has about 3 GiB left outside the KV pool.
+- H7: Llama-3.1-70B at tensor parallel 4 on H100s, vLLM 0.33.0 (V2), the pool as vLLM's advice
+  sizes it (about 620 MiB free a GPU when serving starts): chat at temperature 0.7 with top-p 0.9,
+  RAG queries of 8k, 16k and 24k tokens, and at 10 s a burst of 200 calls asking n=2 at
+  temperature 1.0 with top-5 logprobs. A document's second 8,192-token chunk runs out of memory
+  after its first (the first, from an emptied cache, leaves segments the second's QKV and
+  o_proj outputs split), and a 7,000-token prefill step after the burst's decoding steps (their
+  fp32 logits and logprobs segments cached) runs out on its SiluAndMul output. Found by the
+  lead in session 34, after the simulator stopped keeping 0.33's V2 warm-up cached.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ DEEPSEEK = "deepseek-v2-lite"
 MIXTRAL = "mixtral-8x7b"
 LLAMA_31 = "llama-3.1-8b"
 LLAMA_3 = "llama-3-8b"
+LLAMA_70 = "llama-3.1-70b"
 
 
 def h1_traffic(rng: random.Random, scale: float) -> list[Call]:
@@ -185,6 +194,28 @@ def h6_traffic(rng: random.Random, scale: float) -> list[Call]:
     return streaming(calls)
 
 
+def h7_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 4/s (temperature 0.7, top-p 0.9), RAG queries (8k / 16k / 24k tokens, temperature
+    0.2, 256 out) at 0.4/s; at 10 s 200 calls asking n=2 at temperature 1.0 with top-5 logprobs
+    within two seconds."""
+    d = 30 * scale
+    calls = []
+    for i, t in enumerate(poisson_times(rng, 4.0, d)):
+        c = chat_call(rng, t, i, model=LLAMA_70, max_tokens=(128, 256, 512, 1024), temperature=0.7)
+        c.body["top_p"] = 0.9
+        calls.append(c)
+    for t in poisson_times(rng, 0.4, d):
+        n = rng.choice([8000, 16000, 24000])
+        calls.append(document_call(rng, t, n, "rag query", 256, model=LLAMA_70, temperature=0.2))
+    for k in range(max(20, int(200 * scale))):
+        c = chat_call(
+            rng, 10 * scale + 2 * rng.random(), 40_000 + k, model=LLAMA_70, median_prompt=300, max_tokens=(64, 128)
+        )
+        c.body.update(n=2, temperature=1.0, logprobs=True, top_logprobs=5)
+        calls.append(Call(c.at, c.path, c.body, "n=2 logprobs"))
+    return streaming(calls)
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "H1",
@@ -277,5 +308,25 @@ SCENARIOS: list[Scenario] = [
         30,
         4,
         caps=[2, 8, 32],
+    ),
+    Scenario(
+        "H7",
+        "Long RAG and an n=2 logprobs burst on a 70B at tensor parallel 4 (Llama-3.1-70B, 4 x H100 80 GB, vLLM 0.33.0, V2)",
+        fully_utilized(
+            _sim_v2(
+                model=LLAMA_70,
+                gpu="h100-80gb",
+                tensor_parallel_size=4,
+                vllm_version="0.33.0",
+                max_model_len=32768,
+                max_num_batched_tokens=8192,
+                max_num_seqs=256,
+            )
+        ),
+        _flags(8192, 256, v1=False, tensor_parallel_size="4"),
+        h7_traffic,
+        30,
+        2,
+        caps=[16, 64, 128],
     ),
 ]
