@@ -25,11 +25,13 @@ from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import EngineShape, lone_forward_fits
 from kvgate.memory.ceiling import demand_step
 from kvgate.memory.demand import Demand
+from kvgate.memory.geometry import ModelGeometry
 from kvgate.openai import parse_request
 from kvgate.predict import Prediction, Predictor
 from kvgate.settings import settings_from_args
 from kvgate.sim import startup
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from kvgate.sim.presets import model_config
 from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
 from kvgate.units import GiB, MiB
 from support.geometry import model_geometry
@@ -204,21 +206,20 @@ def test_beside_a_decoding_burst_a_rag_chunk_is_admitted_where_the_simulator_run
     assert not runs_beside(h1_gpu, 3328, 3000, 384)
 
 
-def test_a_full_chunk_after_a_full_chunk_is_no_safer_than_after_another_size() -> None:
-    """Held-out H7 (Llama-3.1-70B at TP 4 on H100s, vLLM 0.33.0 V2, the advised pool: 620 MiB
-    free a GPU): a 16,000-token document's first 8,192-token chunk runs from the emptied cache,
-    its cudaMalloc failures cutting the segments where they fall; its second chunk's QKV and
-    o_proj outputs then split those and gate_up finds no room. kvgate's lone check left the
-    step's own size out of the histories it replays, so it admitted the document alone."""
+H7_PRESET = "llama-3.1-70b"
+
+
+def h7_engine() -> tuple[Device, CachingAllocator, StepMemory]:
+    """Held-out H7's simulated engine just started (Llama-3.1-70B at TP 4 on an H100, vLLM 0.33.0
+    V2, the pool vLLM's start-up advice sizes): its device, allocator and step tapes."""
     from demo.replay import fully_utilized
-    from kvgate.memory.geometry import ModelGeometry
     from kvgate.sim.config import SimConfig
     from kvgate.sim.model import load_model
-    from kvgate.sim.presets import gpu_total_bytes, model_config
+    from kvgate.sim.presets import gpu_total_bytes
 
     cfg = fully_utilized(
         SimConfig(
-            model="llama-3.1-70b",
+            model=H7_PRESET,
             gpu="h100-80gb",
             tensor_parallel_size=4,
             vllm_version="0.33.0",
@@ -232,11 +233,21 @@ def test_a_full_chunk_after_a_full_chunk_is_no_safer_than_after_another_size() -
     alloc = CachingAllocator(device, "vllm")
     resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
     steps, _ = startup.step_memories(resolved)
+    return device, alloc, steps
+
+
+def test_a_full_chunk_after_a_full_chunk_is_no_safer_than_after_another_size() -> None:
+    """Held-out H7 (Llama-3.1-70B at TP 4 on H100s, vLLM 0.33.0 V2, the advised pool: 620 MiB
+    free a GPU): a 16,000-token document's first 8,192-token chunk runs from the emptied cache,
+    its cudaMalloc failures cutting the segments where they fall; its second chunk's QKV and
+    o_proj outputs then split those and gate_up finds no room. kvgate's lone check left the
+    step's own size out of the histories it replays, so it admitted the document alone."""
+    device, alloc, steps = h7_engine()
     headroom = device.free()
     run_tape(alloc, steps.plan(StepShape((ReqSlice(8192, 0, samples=False),))))
     with pytest.raises(CudaOutOfMemory):
         run_tape(alloc, steps.plan(StepShape((ReqSlice(8192, 8192, samples=False),))))
-    geometry = ModelGeometry.from_config(model_config("llama-3.1-70b"))
+    geometry = ModelGeometry.from_config(model_config(H7_PRESET))
     engine = EngineShape(
         max_model_len=32768, max_num_batched_tokens=8192, max_num_seqs=256, runner="v2", tensor_parallel_size=4
     )
@@ -244,18 +255,12 @@ def test_a_full_chunk_after_a_full_chunk_is_no_safer_than_after_another_size() -
     assert lone_forward_fits(geometry, engine, False, 8192, headroom + 128 * MiB)
 
 
-H7_GEOMETRY_PRESET = "llama-3.1-70b"
-
-
 def h7_budget() -> tuple[Budget, Predictor]:
     """kvgate's budget for held-out H7 as its live readings set it once it has served large steps:
     620 MiB of headroom a GPU (vLLM's advised pool on 0.33.0 V2, Llama-3.1-70B at TP 4), the whole
     profile region out of free memory and its segments taken and kept by the engine (its growth
     since start-up: `held_region_bytes`, counted whole, no margin)."""
-    from kvgate.memory.geometry import ModelGeometry
-    from kvgate.sim.presets import model_config
-
-    geometry = ModelGeometry.from_config(model_config(H7_GEOMETRY_PRESET))
+    geometry = ModelGeometry.from_config(model_config(H7_PRESET))
     flags = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--tensor-parallel-size", "4"]
     settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
     deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.33.0")
@@ -288,28 +293,8 @@ def h7_runs(steps: list[tuple[int, int]]) -> bool:
     """Whether H7's simulated engine, just started, runs these steps (a prefill of the first
     number's tokens beside the second's decoding rows, all at temperature 1.0 with top-5 logprobs)
     one after the other."""
-    from demo.replay import fully_utilized
-    from kvgate.sim.config import SimConfig
-    from kvgate.sim.model import load_model
-    from kvgate.sim.presets import gpu_total_bytes
-
-    cfg = fully_utilized(
-        SimConfig(
-            model=H7_GEOMETRY_PRESET,
-            gpu="h100-80gb",
-            tensor_parallel_size=4,
-            vllm_version="0.33.0",
-            model_runner="auto",
-            max_model_len=32768,
-            max_num_batched_tokens=8192,
-            max_num_seqs=256,
-        )
-    )
-    device = Device(gpu_total_bytes(cfg.gpu))
-    alloc = CachingAllocator(device, "vllm")
-    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
+    device, alloc, tape = h7_engine()
     assert device.free() // MiB == 620
-    tape, _ = startup.step_memories(resolved)
     try:
         for prefill, rows in steps:
             decoding = tuple(ReqSlice(1, 300, random=True, logprobs=5) for _ in range(rows))
