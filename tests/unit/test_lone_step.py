@@ -41,30 +41,33 @@ H1_ENGINE = EngineShape(max_model_len=16384, max_num_batched_tokens=4096, max_nu
 HISTORY = [4096 * k // 16 for k in range(1, 16)]
 
 
-@pytest.fixture(scope="module")
-def h1_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
-    """H1's simulated engine just started: its device, allocator and step tapes."""
+def started(**config: object) -> tuple[Device, CachingAllocator, StepMemory]:
+    """A simulated engine just started with the pool vLLM's start-up advice sizes (vLLM's own
+    runner choice): its device, allocator and step tapes."""
     from demo.replay import fully_utilized
     from kvgate.sim.config import SimConfig
     from kvgate.sim.model import load_model
     from kvgate.sim.presets import gpu_total_bytes
 
-    cfg = fully_utilized(
-        SimConfig(
-            model="qwen2.5-7b",
-            gpu="a100-80gb",
-            vllm_version="0.32.0",
-            model_runner="auto",
-            max_model_len=16384,
-            max_num_batched_tokens=4096,
-            max_num_seqs=512,
-        )
-    )
+    cfg = fully_utilized(SimConfig(model_runner="auto", **config))
     device = Device(gpu_total_bytes(cfg.gpu))
     alloc = CachingAllocator(device, "vllm")
     resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
     steps, _ = startup.step_memories(resolved)
     return device, alloc, steps
+
+
+@pytest.fixture(scope="module")
+def h1_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
+    """H1's simulated engine just started: its device, allocator and step tapes."""
+    return started(
+        model="qwen2.5-7b",
+        gpu="a100-80gb",
+        vllm_version="0.32.0",
+        max_model_len=16384,
+        max_num_batched_tokens=4096,
+        max_num_seqs=512,
+    )
 
 
 def runs_after(h1_gpu: tuple[Device, CachingAllocator, StepMemory], *step_tokens: int) -> bool:
@@ -212,28 +215,15 @@ H7_PRESET = "llama-3.1-70b"
 def h7_engine() -> tuple[Device, CachingAllocator, StepMemory]:
     """Held-out H7's simulated engine just started (Llama-3.1-70B at TP 4 on an H100, vLLM 0.33.0
     V2, the pool vLLM's start-up advice sizes): its device, allocator and step tapes."""
-    from demo.replay import fully_utilized
-    from kvgate.sim.config import SimConfig
-    from kvgate.sim.model import load_model
-    from kvgate.sim.presets import gpu_total_bytes
-
-    cfg = fully_utilized(
-        SimConfig(
-            model=H7_PRESET,
-            gpu="h100-80gb",
-            tensor_parallel_size=4,
-            vllm_version="0.33.0",
-            model_runner="auto",
-            max_model_len=32768,
-            max_num_batched_tokens=8192,
-            max_num_seqs=256,
-        )
+    return started(
+        model=H7_PRESET,
+        gpu="h100-80gb",
+        tensor_parallel_size=4,
+        vllm_version="0.33.0",
+        max_model_len=32768,
+        max_num_batched_tokens=8192,
+        max_num_seqs=256,
     )
-    device = Device(gpu_total_bytes(cfg.gpu))
-    alloc = CachingAllocator(device, "vllm")
-    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
-    steps, _ = startup.step_memories(resolved)
-    return device, alloc, steps
 
 
 def test_a_full_chunk_after_a_full_chunk_is_no_safer_than_after_another_size() -> None:
@@ -321,7 +311,7 @@ def test_the_simulator_runs_h7s_big_step_out_of_memory_only_after_two_large_step
 @pytest.mark.xfail(strict=True, reason="open: docs/limitations.md, held-out H7 (histories of two earlier steps)")
 def test_kvgate_keeps_h7s_big_step_out_where_two_earlier_steps_can_run_it_out_of_memory() -> None:
     """What kvgate should do and does not yet: the step above is charged the profile's segment
-    share (613 MiB against a 616 MiB limit) and admitted. A replay in the live headroom after one
+    share and admitted (in the recorded run, a 7,581-token step: 613 MiB against a 616 MiB limit). A replay in the live headroom after one
     earlier step of the sixteenths grid, tried in session 34 beside other requests, did not stop
     H7's out-of-memory (4 of 5 runs) and cost S13 and S9 goodput and TTFT: not kept."""
     budget, predictor = h7_budget()
