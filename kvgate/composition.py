@@ -417,7 +417,11 @@ class Runtime:
         self.pipeline.configure(pipeline_config(deployment, predictor, tokenizer, workers))
         self.deployment = deployment
         self.budget.update(**asdict(limits))
-        for replay in (limits.shared_forward, limits.penalty_step):  # worked out off the loop: wakes the queue
+        for replay in (
+            limits.shared_forward,
+            limits.any_cache,
+            limits.penalty_step,
+        ):  # worked out off the loop: wakes the queue
             if replay is not None:
                 replay.when_known(self.gate.changed_from_thread)
 

@@ -34,6 +34,16 @@ class SharedLevel(Protocol):
     def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool: ...
 
 
+class AnyCache(Protocol):
+    """Whether a served step's phases run in `capacity` whatever the caching allocator holds
+    cached (kvgate/memory/activation.py AnyCacheLevels): its forward pass of `tokens` tokens, its
+    sampler phase of `rows` rows beside its final hidden states."""
+
+    def forward_fits(self, tokens: int, capacity: int) -> bool: ...
+
+    def sampler_fits(self, rows: int, tokens: int, capacity: int) -> bool: ...
+
+
 class Holdings(Protocol):
     """What the ledger holds; the budget only reads it."""
 
@@ -102,6 +112,10 @@ class Budget:
     # SharedForward, MLA deployments); None: the profile's share is charged beside others. Where
     # set, it judges a request alone too (`lone_step_fits`).
     shared_forward: SharedLevel | None = None
+    # Whether a step's phases run in the headroom from any cache of a few free segments
+    # (kvgate/memory/activation.py AnyCacheLevels); None: not judged. Asked of a step beside other
+    # requests, whose steps leave the cache (`any_cache_step_fits`).
+    any_cache: AnyCache | None = None
     # (sampled rows, longest prompt) -> what a V1 step with a penalty row needs beyond the profile
     # region the engine keeps cached, or None while not known (kvgate/memory/activation.py
     # V1PenaltyStep); None: its prompt ids and bin counts come out of free memory whole.
@@ -244,6 +258,47 @@ class Budget:
         )
         return self.shared_forward(forward + step.unprofiled, capacity, unknown)
 
+    def any_cache_step_fits(self, step: StepHoldings) -> bool:
+        """Whether `step`'s forward pass (its open prefills' profiled terms and its decoding rows'
+        tokens, at most max_num_batched_tokens) and its sampler phase (its sampled rows beside its
+        final hidden states) run in the live headroom from any cache the other requests' steps can
+        leave (kvgate/memory/activation.py `any_cache_forward_level`, `any_cache_sampler_level`).
+        The segment share `shortfall` charges is the profile step's after one earlier step, a
+        proportion, and the sampler phase's replay plays earlier steps of the same rows: a step
+        near the headroom they under-count when earlier steps stranded more (held-out H7,
+        benchmark S8). Where the profile region comes out of free memory only (`profiled_cap_bytes`
+        above 0), as `lone_step_fits`; an MLA deployment's served steps are judged by their own
+        replay (`shared_step_fits`). Not scaled in conservative mode, as `lone_step_fits`."""
+        capacity = self.transient_headroom_bytes
+        if (
+            self.any_cache is None
+            or self.shared_forward is not None
+            or not self.profiled_cap_bytes
+            or not self.forward_bytes_per_token
+            or capacity is None
+        ):
+            return True
+        tokens = self._forward_tokens(step)
+        if tokens > 0 and not self.any_cache.forward_fits(tokens, capacity):
+            return False
+        return step.sampled_rows == 0 or self.any_cache.sampler_fits(step.sampled_rows, tokens, capacity)
+
+    def _forward_tokens(self, step: StepHoldings) -> int:
+        """The tokens of `step`'s forward pass, at most max_num_batched_tokens (the profile's)."""
+        forward = step.forward_profiled + step.sampled_rows * self.forward_bytes_per_token
+        if self.profiled_forward_bytes:
+            forward = min(forward, self.profiled_forward_bytes)
+        return -(-forward // self.forward_bytes_per_token)
+
+    def _grows_past_any_cache(self, step: StepHoldings, holdings: Holdings) -> bool:
+        """Whether admitting makes the worst step beside others larger than any cache runs: not
+        where the step is no larger than without the request (max_num_batched_tokens caps it, and
+        vLLM runs the capped step whoever asks in), which holding it back would not make safer."""
+        if holdings.in_flight == 0 or self.any_cache_step_fits(step):
+            return False
+        before = holdings.step()
+        return self._forward_tokens(step) > self._forward_tokens(before) or step.sampled_rows > before.sampled_rows
+
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their
         worst step (kvgate/memory/ceiling.py step_charge), as `shortfall` charges it beside others."""
@@ -302,6 +357,8 @@ class Budget:
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
         step = holdings.step_with(demand)
+        if self._grows_past_any_cache(step, holdings):
+            return TRANSIENT_BUSY
         beside_others = holdings.in_flight > 0 or not self.lone_step_fits(step)
         charge = self._step_charge(step, beside_others, beside_others and self.shared_step_fits(step))
         # the held region counts whole only for the profiled bytes this step charges: the rest of

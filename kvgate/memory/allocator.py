@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import combinations_with_replacement
 
 from kvgate.units import MiB
 
@@ -67,11 +68,8 @@ class _Block:
 @dataclass(eq=False)
 class _Segment:
     pool: str
+    size: int  # cudaMalloc's: its blocks split and merge within it
     blocks: list[_Block] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return sum(b.size for b in self.blocks)
 
     @property
     def live(self) -> bool:
@@ -126,7 +124,9 @@ class _Replay:
         other = _Replay(self.expandable, self.capacity)
         blocks: dict[int, _Block] = {}
         for seg in self.segments:
-            copied = _Segment(seg.pool, [blocks.setdefault(id(b), _Block(b.size, b.allocated)) for b in seg.blocks])
+            copied = _Segment(
+                seg.pool, seg.size, [blocks.setdefault(id(b), _Block(b.size, b.allocated)) for b in seg.blocks]
+            )
             other.segments.append(copied)
             for name, (live_seg, block) in self.live.items():
                 if live_seg is seg:
@@ -136,6 +136,14 @@ class _Replay:
 
     def release_cached_blocks(self) -> None:
         self.segments = [s for s in self.segments if s.live]
+
+    def run(self, tape: Iterable[TapeOp]) -> None:
+        """`play` without the footprint: only whether it runs out (_OutOfMemory)."""
+        for op, name, nbytes in tape:
+            if op == "free":
+                self._free(name)
+            else:
+                self._malloc(name, nbytes)
 
     def play(self, tape: Iterable[TapeOp]) -> Footprint:
         allocated = reserved = need = 0
@@ -169,7 +177,7 @@ class _Replay:
         if found is None:
             segment = _segment_size(size, pool)
             self._make_room(segment, name)
-            seg = _Segment(pool, [_Block(segment)])
+            seg = _Segment(pool, segment, [_Block(segment)])
             self.segments.append(seg)
             found = (seg, seg.blocks[0])
         seg, block = found
@@ -279,6 +287,34 @@ def _histories_played(
             if released:
                 replay.release_cached_blocks()
             yield replay
+
+
+def fits_from_any_cache(
+    step: Sequence[TapeOp], capacity: int, sizes: Sequence[int], most: int, expandable_segments: bool = False
+) -> bool:
+    """Whether `step` runs in `capacity` bytes from an empty cache and from every cache of at most
+    `most` free large-pool segments whose sizes are among `sizes` and add up to at most `capacity`.
+
+    Between steps every transient tensor is dead, so a free segment merges back into one block
+    (`try_merge_blocks`) and the cache a step starts from is a set of whole free segments, each the
+    size some earlier tensor had when cudaMalloc made it; which ones depends on the whole history,
+    which the histories of `fits_after_any` only sample (held-out H7: two earlier steps strand what
+    one never does). Here the cache is not played from steps but chosen: best fit may place the
+    step's first tensors in segments that are too large, pinned while later ones take new
+    segments, and the cached rest is released only when a cudaMalloc fails. With expandable
+    segments freed pages are mapped again where needed: only the step's own pages count."""
+    if expandable_segments:
+        caches: Iterable[tuple[int, ...]] = [()]
+    else:
+        caches = (c for k in range(most + 1) for c in combinations_with_replacement(sizes, k) if sum(c) <= capacity)
+    for cache in caches:
+        replay = _Replay(expandable_segments, capacity)
+        replay.segments = [_Segment("large", size, [_Block(size)]) for size in cache]
+        try:
+            replay.run(step)
+        except _OutOfMemory:
+            return False
+    return True
 
 
 def fitting_prefix(
