@@ -54,7 +54,8 @@ class Prompt:
 @dataclass
 class Parsed:
     """One completion or chat request, tokenized, with the sampling it asks for: a chat has one
-    prompt, a completion one per prompt of its list."""
+    prompt, a completion one per prompt of its list (its engine requests: n per prompt, choice
+    `prompt_i * n + j`, kvgate/sim/server.py `engine_requests`)."""
 
     chat: bool
     prompts: list[Prompt]
@@ -63,11 +64,6 @@ class Parsed:
     include_usage: bool
     echo_model: str
     cache_salt: str | None = None
-
-    @property
-    def num_sequences(self) -> int:
-        """Its engine requests: n per prompt, choice `prompt_i * n + j` (vLLM's index)."""
-        return len(self.prompts) * self.n
 
 
 # vllm 0.32.0 envs.py VLLM_MAX_COMPLETION_PROMPTS (default 1024): the most prompts in one list,
