@@ -2,10 +2,11 @@
 calls (same seed, same times), each eval list split into its prompts, sent at the list's time.
 
 Why: kvgate reserves a list of prompts as one request and gives it back when its last prompt
-ends, while vLLM frees each prompt's KV blocks when that prompt ends (a "per-prompt relief" is
-not built: docs/limitations.md). The same prompts as single requests are what such a relief could
-reach at most: the difference between kvgate's goodput on H8 and on H8s (each against the
-oracle) bounds what keeping a list's finished prompts costs.
+ends, while vLLM frees each prompt's KV blocks when that prompt ends (no per-prompt relief is
+built: docs/limitations.md). The same prompts as single requests were meant to bound what such a
+relief could reach; on the shared 2-core machine its 686 plain requests are more than the client
+drives (a quarter failed at the client in a second run, in both arms:
+bench/results/lists-session35), so it is a measurement only on a machine that drives them.
 
     python -m bench.repeat_arm H8s --scenarios-from tests/heldout/prompt_lists_split.py --arm kvgate
 """

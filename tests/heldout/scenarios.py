@@ -48,14 +48,15 @@ must run the unprotected engine out of memory (issue 24's rule for a judged scen
   o_proj outputs split), and a 7,000-token prefill step after the burst's decoding steps (their
   fp32 logits and logprobs segments cached) runs out on its SiluAndMul output. Found by the
   lead in session 34, after the simulator stopped keeping 0.33's V2 warm-up cached.
-- H8: Llama-3.1-8B on an H100 80 GB, vLLM 0.32.0 (V2), the pool as vLLM's advice sizes it: chat
-  at 3/s (temperature 0.7) and an evaluation harness (lm-eval's local-completions: plain requests,
+- H8: Llama-3.1-8B on an H100 80 GB, vLLM 0.32.0 (V2), 2,048 tokens a step (at 8,192:
+  prompt_lists_8192.py), the pool as vLLM's advice sizes it: chat at 3/s (temperature 0.7) and an evaluation harness (lm-eval's local-completions: plain requests,
   greedy, `max_tokens` 256, a stop string) sending lists of 8-32 few-shot prompts (each list's
   task prefix of 400-900 tokens and a question of 60-200) at 0.5/s, and at 8 s sixteen lists
   within 2 s. vLLM makes one engine request of each prompt (vllm 0.32.0
   entrypoints/openai/completion/serving.py `_create_completion`), so a list puts up to 32 rows
   into the next steps at once, and V2 copies every row's logits to fp32 once a chat row samples
-  at a temperature other than 0 or 1. Session 35, when the simulator began serving lists.
+  at a temperature other than 0 or 1: unprotected, the engine runs out on that copy for 458 rows
+  (224.08 MiB, 112 MiB free). Session 35, when the simulator began serving lists.
 """
 
 from __future__ import annotations
