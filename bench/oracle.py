@@ -81,7 +81,7 @@ from kvgate.sim.engine import Engine, play_encoder
 from kvgate.sim.gpu import Block, CachingAllocator, CudaOutOfMemory, Segment
 from kvgate.sim.request import Request, Status
 from kvgate.sim.scheduler import PrefixStats, Scheduler
-from kvgate.sim.server import RequestRun, cancelled_on_disconnect, sequence_seeds
+from kvgate.sim.server import RequestRun, cancelled_on_disconnect, engine_requests
 from kvgate.sim.step_memory import run_tape
 
 MAX_STEPS = 400
@@ -418,7 +418,10 @@ def window(engine: Engine, entries: Any, in_flight: Any = None) -> int:
         if room <= 0:
             break
         p = e.parsed
-        room -= _to_compute(engine, p.prompt_token_ids, p.sampling, getattr(e, "hashes", None)) * p.n
+        hashes = getattr(e, "hashes", None) or [None] * len(p.prompts)
+        room -= (
+            sum(_to_compute(engine, q.token_ids, q.sampling, h) for q, h in zip(p.prompts, hashes, strict=True)) * p.n
+        )
         k += 1
     return k
 
@@ -461,16 +464,13 @@ class _Entry:
     start: float
     verdict: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     held: bool = False
-    hashes: list[int] | None = None  # the prompt's chained block hashes (prefix-cache lookup)
+    hashes: list[list[int]] | None = None  # per prompt, its chained block hashes (prefix-cache lookup)
 
 
 def _sequences(p: Parsed, rid: str) -> list[Request]:
-    """The request's n sequences, seeded as the simulator's RequestRun seeds them (the sampler's
-    end of sequence depends on the seed)."""
-    return [
-        Request(f"{rid}-{i}", list(p.prompt_token_ids), p.sampling, 0.0, stream_seed=seed, mm_items=p.mm_items)
-        for i, seed in enumerate(sequence_seeds(p))
-    ]
+    """The request's engine requests (n per prompt), built and seeded as the simulator's
+    RequestRun builds them (the sampler's end of sequence depends on the seed)."""
+    return [req for prompt_reqs in engine_requests(p, rid) for req in prompt_reqs]
 
 
 def _refusal(status: int, kind: str, code: str, message: str) -> JSONResponse:
@@ -630,9 +630,10 @@ def install(app: FastAPI, max_wait_s: float) -> dict[str, int]:
             p,
             _sequences(p, f"oracle-{state['n']}"),
             time.monotonic(),
-            hashes=chained_hashes(p.prompt_token_ids, engine.scheduler.kv.block_size, 0, 0),
+            hashes=[chained_hashes(q.token_ids, engine.scheduler.kv.block_size, 0, 0) for q in p.prompts],
         )
-        memo.hashes.update((c.request_id, entry.hashes or []) for c in entry.cands)
+        per_sequence = (h for h in entry.hashes or [] for _ in range(p.n))  # cands: n per prompt, in order
+        memo.hashes.update((c.request_id, h) for c, h in zip(entry.cands, per_sequence, strict=True))
         queue.append(entry)
         arrived.set()
         if state["task"] is None or state["task"].done():

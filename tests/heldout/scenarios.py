@@ -48,6 +48,15 @@ must run the unprotected engine out of memory (issue 24's rule for a judged scen
   o_proj outputs split), and a 7,000-token prefill step after the burst's decoding steps (their
   fp32 logits and logprobs segments cached) runs out on its SiluAndMul output. Found by the
   lead in session 34, after the simulator stopped keeping 0.33's V2 warm-up cached.
+- H8: Llama-3.1-8B on an H100 80 GB, vLLM 0.32.0 (V2), 2,048 tokens a step (at 8,192:
+  prompt_lists_8192.py), the pool as vLLM's advice sizes it: chat at 3/s (temperature 0.7) and an evaluation harness (lm-eval's local-completions: plain requests,
+  greedy, `max_tokens` 256, a stop string) sending lists of 8-32 few-shot prompts (each list's
+  task prefix of 400-900 tokens and a question of 60-200) at 0.5/s, and at 8 s sixteen lists
+  within 2 s. vLLM makes one engine request of each prompt (vllm 0.32.0
+  entrypoints/openai/completion/serving.py `_create_completion`), so a list puts up to 32 rows
+  into the next steps at once, and V2 copies every row's logits to fp32 once a chat row samples
+  at a temperature other than 0 or 1: unprotected, the engine runs out on that copy for 458 rows
+  (224.08 MiB, 112 MiB free). Session 35, when the simulator began serving lists.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from __future__ import annotations
 import random
 
 from bench.scenarios import Scenario, _flags, _sim, _sim_v2
-from bench.workloads import Call, chat_call, document_call, poisson_times, streaming
+from bench.workloads import Call, chat_call, document_call, lognormal_int, poisson_times, streaming, words
 from demo.replay import fully_utilized
 
 QWEN = "qwen2.5-7b"
@@ -216,6 +225,38 @@ def h7_traffic(rng: random.Random, scale: float) -> list[Call]:
     return streaming(calls)
 
 
+def eval_list_call(rng: random.Random, at: float, task: str) -> Call:
+    """One lm-eval generate_until batch: 8-32 prompts sharing the task's few-shot prefix."""
+    questions = [words(rng, lognormal_int(rng, 110, 0.4, 60, 200)) for _ in range(rng.randint(8, 32))]
+    body = {
+        "model": LLAMA_31,
+        "prompt": [f"{task}\nQuestion: {q}\nAnswer:" for q in questions],
+        "max_tokens": 256,
+        "temperature": 0.0,
+        "stop": ["\n\nQuestion:"],
+    }
+    return Call(at, "/v1/completions", body, "eval list")
+
+
+def h8_traffic(rng: random.Random, scale: float) -> list[Call]:
+    """Chat at 3/s (temperature 0.7); an evaluation job over four tasks' few-shot prefixes:
+    lists of 8-32 prompts at 0.5/s, and at 8 s sixteen lists within 2 s (a harness starting
+    with 16 requests in flight, lm-eval's `num_concurrent`)."""
+    d = 30 * scale
+    tasks = [words(rng, rng.randint(400, 900)) for _ in range(4)]
+    calls = streaming(
+        [
+            chat_call(rng, t, i, model=LLAMA_31, max_tokens=(128, 256, 512), temperature=0.7)
+            for i, t in enumerate(poisson_times(rng, 3.0, d))
+        ]
+    )
+    calls += [eval_list_call(rng, t, rng.choice(tasks)) for t in poisson_times(rng, 0.5, d)]
+    calls += [
+        eval_list_call(rng, 8 * scale + 2 * rng.random(), rng.choice(tasks)) for _ in range(max(2, int(16 * scale)))
+    ]
+    return sorted(calls, key=lambda c: c.at)
+
+
 SCENARIOS: list[Scenario] = [
     Scenario(
         "H1",
@@ -328,5 +369,19 @@ SCENARIOS: list[Scenario] = [
         30,
         2,
         caps=[16, 64, 128],
+    ),
+    Scenario(
+        "H8",
+        "An evaluation harness's lists of 8-32 few-shot prompts beside chat (Llama-3.1-8B, H100 80 GB, V2)",
+        fully_utilized(
+            _sim_v2(
+                model=LLAMA_31, gpu="h100-80gb", max_model_len=16384, max_num_batched_tokens=2048, max_num_seqs=1024
+            )
+        ),
+        _flags(2048, 1024, v1=False),
+        h8_traffic,
+        30,
+        2,
+        caps=[16, 64, 256],
     ),
 ]

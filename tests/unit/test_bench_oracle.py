@@ -13,6 +13,7 @@ from sim_support import make_engine, prompt
 
 from bench import oracle
 from kvgate.sim import engine as sim_engine
+from kvgate.sim.api import Prompt
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine, play_encoder
 from kvgate.sim.request import Request, Sampling
@@ -138,10 +139,10 @@ def test_a_dry_run_leaves_the_live_engine_alone() -> None:
 
 def test_the_window_keeps_about_two_steps_of_work_in_the_engine() -> None:
     engine = _engine(_long_context())
-    entries = [
-        SimpleNamespace(parsed=SimpleNamespace(prompt_token_ids=[1] * 1000, n=1, sampling=CHAT)) for _ in range(10)
-    ]
+    entries = [SimpleNamespace(parsed=SimpleNamespace(prompts=[Prompt([1] * 1000, CHAT)], n=1)) for _ in range(10)]
     assert oracle.window(engine, entries) == 5  # 2 x 2048 tokens: the 5th is let in at 96 left
+    lists = [SimpleNamespace(parsed=SimpleNamespace(prompts=[Prompt([1] * 1000, CHAT)] * 2, n=1)) for _ in range(10)]
+    assert oracle.window(engine, lists) == 3  # a list of two prompts is two prompts' work
     engine.add(Request("doc", prompt(0, 30000), CHAT, 0.0))
     assert oracle.window(engine, entries) == 0  # a long prefill ahead: nothing would start
 

@@ -88,3 +88,31 @@ def test_a_non_streaming_variant_plays_its_scenarios_very_calls_without_stream(n
             assert "stream_options" not in bare.body
             expected = {k: v for k, v in call.body.items() if k not in ("stream", "stream_options")}
             assert (bare.at, bare.path, bare.body) == (call.at, call.path, expected)
+
+
+def test_h8s_and_h8b_play_h8s_very_calls() -> None:
+    """`H8s` must send H8's calls with each list of prompts as one call per prompt at the list's
+    time, and `H8b` H8's calls unchanged (only the engine's step size differs), so that their
+    comparisons with H8 measure the lists' grouping and the step size, and nothing else."""
+    heldout = Path(__file__).parents[1] / "heldout"
+    heldouts = scenarios_from(heldout / "scenarios.py")
+    index = [s.key for s in heldouts].index("H8")
+    h8 = heldouts[index]
+    split = scenarios_from(heldout / "prompt_lists_split.py")
+    big = scenarios_from(heldout / "prompt_lists_8192.py")
+    assert split[index].key == "H8s"
+    assert big[index].key == "H8b"
+    assert big[index].sim.max_num_batched_tokens == 8192
+    calls = h8.traffic(random.Random(7), 0.2)
+    assert any(isinstance(c.body["prompt"], list) for c in calls if c.path == "/v1/completions")
+    assert [(c.at, c.body) for c in big[index].traffic(random.Random(7), 0.2)] == [(c.at, c.body) for c in calls]
+    expected = [
+        (c.at, {**c.body, "prompt": p})
+        for c in calls
+        for p in (c.body["prompt"] if isinstance(c.body.get("prompt"), list) else [c.body.get("prompt")])
+    ]
+    played = [
+        (c.at, c.body if "prompt" in c.body else {**c.body, "prompt": None})
+        for c in split[index].traffic(random.Random(7), 0.2)
+    ]
+    assert played == expected

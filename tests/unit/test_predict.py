@@ -280,6 +280,35 @@ def test_a_step_of_several_prompts_past_the_headroom_says_so_in_mib() -> None:
     assert needed > limit
 
 
+def test_a_list_whose_one_step_forward_pass_never_fits_is_told_to_send_fewer_prompts() -> None:
+    """vLLM prefills a list's prompts in one step (up to max_num_batched_tokens), so eight
+    800-token prompts make a 6,400-token forward pass; where each prompt's own would fit, the
+    advice is the list's size (session 35: lm-eval lists refused on H8b were told to shorten
+    800-token prompts), and a prompt that is itself too long is still told to be shorter."""
+    engine = dataclasses.replace(SMALL_ENGINE, max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=64)
+    predictor = small_predictor(engine)
+
+    def predict(prompts: list[list[int]]):
+        return predictor.predict(completions({"prompt": prompts, "max_tokens": 16, "temperature": 0}), prompts)
+
+    one, eight = predict([[300] * 800]), predict([[300 + k] * 800 for k in range(8)])
+    long = predict([[7] * 6400])
+    # the headroom read off the GPU holds the emptied profile region: profiled terms count in it
+    ceiling = Budget(profiled_cap_bytes=10**9).ceiling()
+    alone, together = ceiling.profiled_need(one.demand), ceiling.profiled_need(eight.demand)
+    assert together > 4 * alone > 0
+    # room for one prompt's step, not for eight prompts' (after the 10% margin)
+    budget = Budget(transient_headroom_bytes=int(2 * alone / 0.9), profiled_cap_bytes=10**9)
+    predictor.check_fits_ever(one, budget.ceiling())
+    with pytest.raises(TransientNeverFits) as refused:
+        predictor.check_fits_ever(eight, budget.ceiling())
+    assert refused.value.message.startswith("its forward pass (the profiled hidden states and MLP")
+    assert refused.value.message.endswith("send fewer of its 8 prompts in one request.")
+    with pytest.raises(TransientNeverFits) as refused:
+        predictor.check_fits_ever(long, budget.ceiling())
+    assert refused.value.message.endswith("shorten the prompt.")
+
+
 @pytest.mark.parametrize(
     ("body", "prompt", "param", "message"),
     [

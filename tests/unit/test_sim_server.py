@@ -204,6 +204,9 @@ def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
         ("/v1/completions", {"prompt": "Tell me a long story."}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a long story."}]}),
         ("/v1/completions", {"prompt": "Tell me a long story.", "stream": True}),
+        # a list of prompts: one engine request each, all aborted (merge_async_iterators closes them)
+        ("/v1/completions", {"prompt": ["Tell me a long story.", "And another.", "A third one."]}),
+        ("/v1/completions", {"prompt": [[500, 501, 502], [600, 601]], "stream": True}),
     ],
 )
 def test_a_client_hanging_up_frees_its_request_in_the_engine(path: str, body: dict) -> None:
@@ -236,7 +239,8 @@ def test_a_client_hanging_up_frees_its_request_in_the_engine(path: str, body: di
             what=lambda: f"the engine to drop the request ({len(engine.scheduler.running)} running)",
         )
         assert engine.kv.pool.num_free == free_when_idle
-        assert aborted_count(sim) == 1
+        prompt = body.get("prompt")
+        assert aborted_count(sim) == (len(prompt) if isinstance(prompt, list) else 1)
 
 
 def aborted_count(sim: SimRunner) -> float:

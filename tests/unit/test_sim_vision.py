@@ -57,9 +57,9 @@ def test_a_chat_image_becomes_its_tokens_and_a_text_model_refuses_it() -> None:
         {"messages": [{"role": "user", "content": "what is it?"}]}, chat=True, tok=tok, served="m", max_model_len=32768
     )
     p = parse(dict(body), chat=True, tok=tok, served="m", max_model_len=32768, vision=VL.vision)
-    assert [(i.length) for i in p.mm_items] == [391]
-    start = p.mm_items[0].start
-    image = p.prompt_token_ids[start : start + 391]
+    assert [(i.length) for i in p.prompts[0].mm_items] == [391]
+    start = p.prompts[0].mm_items[0].start
+    image = p.prompts[0].token_ids[start : start + 391]
     assert len(set(image)) == 1  # one stand-in id per image: its blocks hash apart from another image's
     assert image[0] < 0
     other = parse(
@@ -77,10 +77,10 @@ def test_a_chat_image_becomes_its_tokens_and_a_text_model_refuses_it() -> None:
         max_model_len=32768,
         vision=VL.vision,
     )
-    assert other.prompt_token_ids[start] != image[0]
+    assert other.prompts[0].token_ids[start] != image[0]
     assert (
-        len(p.prompt_token_ids)
-        == len(text_only.prompt_token_ids)
+        len(p.prompts[0].token_ids)
+        == len(text_only.prompts[0].token_ids)
         + len(tok.encode("<|vision_start|><|image_pad|><|vision_end|>", False))
         - 1
         + 391
