@@ -34,14 +34,12 @@ class SharedLevel(Protocol):
     def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool: ...
 
 
-class AnyCache(Protocol):
-    """Whether a served step's phases run in `capacity` whatever the caching allocator holds
-    cached (kvgate/memory/activation.py AnyCacheLevels): its forward pass of `tokens` tokens, its
-    sampler phase of `rows` rows beside its final hidden states."""
+class StepLevel(Protocol):
+    """Whether a served step's forward pass of `tokens` tokens runs in `capacity` whatever the
+    caching allocator holds cached (kvgate/memory/activation.py AnyCacheForward); no while that is
+    still being worked out."""
 
-    def forward_fits(self, tokens: int, capacity: int) -> bool: ...
-
-    def sampler_fits(self, rows: int, tokens: int, capacity: int) -> bool: ...
+    def __call__(self, tokens: int, capacity: int) -> bool: ...
 
 
 class Holdings(Protocol):
@@ -112,10 +110,10 @@ class Budget:
     # SharedForward, MLA deployments); None: the profile's share is charged beside others. Where
     # set, it judges a request alone too (`lone_step_fits`).
     shared_forward: SharedLevel | None = None
-    # Whether a step's phases run in the headroom from any cache of a few free segments
-    # (kvgate/memory/activation.py AnyCacheLevels); None: not judged. Asked of a step beside other
-    # requests, whose steps leave the cache (`any_cache_step_fits`).
-    any_cache: AnyCache | None = None
+    # (step tokens, capacity) -> whether a step's forward pass runs in that capacity from any cache
+    # of a few free segments (kvgate/memory/activation.py AnyCacheForward); None: not judged. Asked
+    # of a step beside other requests, whose steps leave the cache (`any_cache_step_fits`).
+    any_cache_forward: StepLevel | None = None
     # (sampled rows, longest prompt) -> what a V1 step with a penalty row needs beyond the profile
     # region the engine keeps cached, or None while not known (kvgate/memory/activation.py
     # V1PenaltyStep); None: its prompt ids and bin counts come out of free memory whole.
@@ -260,18 +258,16 @@ class Budget:
 
     def any_cache_step_fits(self, step: StepHoldings) -> bool:
         """Whether `step`'s forward pass (its open prefills' profiled terms and its decoding rows'
-        tokens, at most max_num_batched_tokens) and its sampler phase (its sampled rows beside its
-        final hidden states) run in the live headroom from any cache the other requests' steps can
-        leave (kvgate/memory/activation.py `any_cache_forward_level`, `any_cache_sampler_level`).
-        The segment share `shortfall` charges is the profile step's after one earlier step, a
-        proportion, and the sampler phase's replay plays earlier steps of the same rows: a step
-        near the headroom they under-count when earlier steps stranded more (held-out H7,
-        benchmark S8). Where the profile region comes out of free memory only (`profiled_cap_bytes`
+        tokens, at most max_num_batched_tokens) runs in the live headroom from any cache the other
+        requests' steps can leave (kvgate/memory/activation.py `any_cache_forward_level`). The
+        segment share `shortfall` charges is the profile step's after one earlier step, a
+        proportion: a step near the headroom it under-counts when earlier steps stranded more
+        (held-out H7). Where the profile region comes out of free memory only (`profiled_cap_bytes`
         above 0), as `lone_step_fits`; an MLA deployment's served steps are judged by their own
         replay (`shared_step_fits`). Not scaled in conservative mode, as `lone_step_fits`."""
         capacity = self.transient_headroom_bytes
         if (
-            self.any_cache is None
+            self.any_cache_forward is None
             or self.shared_forward is not None
             or not self.profiled_cap_bytes
             or not self.forward_bytes_per_token
@@ -279,9 +275,7 @@ class Budget:
         ):
             return True
         tokens = self._forward_tokens(step)
-        if tokens > 0 and not self.any_cache.forward_fits(tokens, capacity):
-            return False
-        return step.sampled_rows == 0 or self.any_cache.sampler_fits(step.sampled_rows, tokens, capacity)
+        return tokens <= 0 or self.any_cache_forward(tokens, capacity)
 
     def _forward_tokens(self, step: StepHoldings) -> int:
         """The tokens of `step`'s forward pass, at most max_num_batched_tokens (the profile's)."""
@@ -296,8 +290,7 @@ class Budget:
         vLLM runs the capped step whoever asks in), which holding it back would not make safer."""
         if holdings.in_flight == 0 or self.any_cache_step_fits(step):
             return False
-        before = holdings.step()
-        return self._forward_tokens(step) > self._forward_tokens(before) or step.sampled_rows > before.sampled_rows
+        return self._forward_tokens(step) > self._forward_tokens(holdings.step())
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their

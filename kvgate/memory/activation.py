@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -1640,18 +1639,6 @@ def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape) -> list[i
     return list(range(grain, largest + grain, grain))
 
 
-def _bisected(runs: Callable[[int], bool], grid: int) -> int:
-    """The most k of 1..grid for which `runs(k)`, by bisection (0: none), asking k = grid first:
-    most headrooms run the whole grid, one replay."""
-    if runs(grid):
-        return grid
-    low, high = 0, grid - 1
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if runs(middle) else (low, middle - 1)
-    return low
-
-
 def any_cache_forward_level(
     geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int
 ) -> int:
@@ -1664,8 +1651,8 @@ def any_cache_forward_level(
     (`lone_forward_fits`) or two do not bound it: held-out H7 (Llama-3.1-70B at TP 4, vLLM 0.33.0
     V2, 620 MiB of headroom) ran the simulator out of memory on a 7,581-token step after a
     7,396- and a 6,443-token one, a step every one-step history runs; histories of three earlier
-    steps lower the level again. Every cache of the grid: 6,144 tokens in 616 MiB there. Found by
-    bisection (tests/unit/test_any_cache.py checks that every smaller step on the grid runs too)."""
+    steps lower the level again. Every cache of the grid: 6,272 tokens there. Found by bisection
+    (tests/unit/test_any_cache.py checks that every smaller step on the grid runs too)."""
     full = engine.max_num_batched_tokens
     sizes = cached_segment_sizes(geometry, engine)
 
@@ -1673,84 +1660,43 @@ def any_cache_forward_level(
         step = profile_forward_tape(geometry, engine, max(1, full * k // ANY_CACHE_TOKEN_STEPS), served=True)
         return fits_from_any_cache(step, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
 
-    return full * _bisected(runs, ANY_CACHE_TOKEN_STEPS) // ANY_CACHE_TOKEN_STEPS
+    if runs(ANY_CACHE_TOKEN_STEPS):  # most headrooms run every step: one replay
+        return full
+    low, high = 0, ANY_CACHE_TOKEN_STEPS - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if runs(middle) else (low, middle - 1)
+    return full * low // ANY_CACHE_TOKEN_STEPS
 
 
-def any_cache_sampler_level(
-    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, tokens: int, capacity: int
-) -> int:
-    """The most rows (on 1/64ths of max_num_batched_tokens, the most a step samples) whose sampler
-    phase (`sampler_phase_tape`: the sampled hidden states, the logits, their fp32 copy) runs in
-    `capacity` after the step's forward pass of `tokens` tokens, its final hidden states kept (as
-    `sampler_phase_overhead_bytes` plays it), whatever the caching allocator held cached when the
-    step started (as `any_cache_forward_level`; the forward pass's freed blocks are cached by then,
-    which a cache chosen for the phase alone would leave out).
-
-    `sampler_phase_overhead_bytes` replays earlier steps that sample nothing or the same rows; a
-    step of other rows strands more: on benchmark S8's engine a step of 345 rows beside 20
-    decoding n=16 streams runs out of memory after a step of 330 rows (its 200.1 MiB fp32 copy
-    finds no room), where kvgate's replay of that history needs 426.0 of 414.2 MiB against 336.0
-    after one of the same rows (session 35's S8 study, tests/unit/test_s8_burst.py)."""
-    most = engine.max_num_batched_tokens
-    sizes = cached_segment_sizes(geometry, engine)
-    forward = profile_forward_tape(geometry, engine, tokens, served=True)
-
-    def runs(k: int) -> bool:
-        rows = max(1, most * k // ANY_CACHE_TOKEN_STEPS)
-        step = [*forward[:-1], *sampler_phase_tape(geometry, engine, rows), forward[-1]]
-        return fits_from_any_cache(step, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
-
-    return most * _bisected(runs, ANY_CACHE_TOKEN_STEPS) // ANY_CACHE_TOKEN_STEPS
-
-
-# A level's key: the phase, the step's tokens (the sampler phase's, rounded up to 1/16 of
-# max_num_batched_tokens; 0 for the forward pass) and the headroom (down to a multiple of 8 MiB).
-AnyCacheKey = tuple[str, int, int]
-
-
-class AnyCacheLevels(OffLoopMemo[AnyCacheKey, int]):
-    """`any_cache_forward_level` and `any_cache_sampler_level` of one deployment, for the budget:
-    whether a step's phases run in the headroom whatever is cached. A level costs 0.1-1 s of CPU,
-    so each is worked out once on a worker thread, and only when a level known for a smaller
-    headroom (and, for the sampler phase, as many tokens or more) does not already run the step:
-    more memory never runs out a step that less memory runs (tests/unit/test_any_cache.py), and
-    the headroom drifts by a few MiB between readings, each new multiple of 8 MiB otherwise a
-    replay and a wait. Until it is known the answer is no (the cautious one: the step waits); the
-    gate is told when it is known."""
+class AnyCacheForward(OffLoopMemo[int, int]):
+    """`any_cache_forward_level` of one deployment, for the budget: whether a step of `tokens`
+    runs in `capacity` whatever is cached. A level costs 0.1-1.5 s of CPU, so each headroom's
+    (rounded down to a multiple of 8 MiB, as `LoneForward`'s) is worked out once on a worker
+    thread, and only when a smaller headroom's level, known, does not already run the step (more
+    memory never runs out a step that less memory runs: tests/unit/test_any_cache.py): the
+    headroom drifts by a few MiB between readings, and each new multiple of 8 MiB would otherwise
+    cost a replay, and keep the steps beside others waiting for it. Until it is known the answer
+    is no (the cautious one: the step waits); the gate is told when it is known."""
 
     def __init__(
         self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
     ) -> None:
-        super().__init__("kvgate-any-cache", background)
+        super().__init__("kvgate-any-cache-forward", background)
         self.geometry = geometry
         self.engine = engine
         self.expandable_segments = expandable_segments
 
-    def forward_fits(self, tokens: int, capacity: int) -> bool:
-        return self._fits(("forward", 0, capacity // CAPACITY_STEP * CAPACITY_STEP), tokens)
-
-    def sampler_fits(self, rows: int, tokens: int, capacity: int) -> bool:
-        grain = max(1, self.engine.max_num_batched_tokens // HISTORY_STEP_SIZES)
-        bucket = min(self.engine.max_num_batched_tokens, max(grain, -(-tokens // grain) * grain))
-        return self._fits(("sampler", bucket, capacity // CAPACITY_STEP * CAPACITY_STEP), rows)
-
-    def _fits(self, key: AnyCacheKey, amount: int) -> bool:
-        phase, tokens, capacity = key
-        floor = max(
-            (level for (p, t, c), level in list(self._known.items()) if p == phase and t >= tokens and c <= capacity),
-            default=None,
-        )
-        if floor is not None and amount <= floor:
+    def __call__(self, tokens: int, capacity: int) -> bool:
+        key = capacity // CAPACITY_STEP * CAPACITY_STEP
+        floor = max((level for below, level in list(self._known.items()) if below <= key), default=None)
+        if floor is not None and tokens <= floor:
             return True
         level = self._lookup(key)
-        return level is not None and amount <= level
+        return level is not None and tokens <= level
 
-    def _work_out(self, key: AnyCacheKey) -> int:
-        phase, tokens, capacity = key
-        g, e, expandable = self.geometry, self.engine, self.expandable_segments
-        if phase == "forward":
-            return any_cache_forward_level(g, e, expandable, capacity)
-        return any_cache_sampler_level(g, e, expandable, tokens, capacity)
+    def _work_out(self, capacity: int) -> int:
+        return any_cache_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:

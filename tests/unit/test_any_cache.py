@@ -12,10 +12,9 @@ import pytest
 from kvgate.memory.activation import (
     ANY_CACHE_SEGMENTS,
     ANY_CACHE_TOKEN_STEPS,
-    AnyCacheLevels,
+    AnyCacheForward,
     EngineShape,
     any_cache_forward_level,
-    any_cache_sampler_level,
     cached_segment_sizes,
     profile_forward_tape,
 )
@@ -77,29 +76,14 @@ def test_a_smaller_headrooms_level_known_answers_without_a_replay() -> None:
     """The headroom drifts between readings: where a smaller headroom's level, known, runs the
     step, the answer is yes at once; else the level is worked out (on the worker thread) and the
     answer is no until it is known."""
-    levels = AnyCacheLevels(QWEN, QWEN_ENGINE, False, background=False)
-    assert levels.forward_fits(3000, 600 * MiB)  # worked out in the caller's thread (background off)
+    levels = AnyCacheForward(QWEN, QWEN_ENGINE, False, background=False)
+    assert levels(3000, 600 * MiB)  # worked out in the caller's thread (background off)
     known = any_cache_forward_level(QWEN, QWEN_ENGINE, False, 600 * MiB)
-    waiting = AnyCacheLevels(QWEN, QWEN_ENGINE, False)
-    waiting._known[("forward", 0, 600 * MiB)] = known
-    assert waiting.forward_fits(known, 805 * MiB)
-    assert not waiting._pending  # no replay asked
-    waiting._pending.add(("forward", 0, 800 * MiB))  # being worked out: the worker is not asked again
-    assert not waiting.forward_fits(known + 1, 805 * MiB)
-    assert not waiting.forward_fits(1, 590 * MiB)  # nothing known below: no, and asked
-    assert ("forward", 0, 584 * MiB) in waiting._pending
-
-
-def test_a_sampler_phase_of_more_rows_or_beside_more_tokens_is_never_safer() -> None:
-    """The sampler phase's level falls with the final hidden states beside it and rises with the
-    headroom; a level known for more tokens answers for fewer."""
-    by_tokens = [any_cache_sampler_level(QWEN, QWEN_ENGINE, False, t, 496 * MiB) for t in (256, 2048, 4096)]
-    assert by_tokens == sorted(by_tokens, reverse=True)
-    assert by_tokens[1] > 0
-    by_headroom = [any_cache_sampler_level(QWEN, QWEN_ENGINE, False, 1024, c * MiB) for c in (300, 500, 900)]
-    assert by_headroom == sorted(by_headroom)
-    assert by_headroom[0] < by_headroom[-1]
-    waiting = AnyCacheLevels(QWEN, QWEN_ENGINE, False)
-    waiting._known[("sampler", 2048, 496 * MiB)] = by_tokens[1]
-    assert waiting.sampler_fits(by_tokens[1], 1000, 500 * MiB)
+    waiting = AnyCacheForward(QWEN, QWEN_ENGINE, False)
+    waiting._known[600 * MiB] = known
+    assert waiting(known, 805 * MiB)
     assert not waiting._pending
+    waiting._pending.add(800 * MiB)  # being worked out: the worker is not asked again
+    assert not waiting(known + 1, 805 * MiB)
+    assert not waiting(1, 590 * MiB)
+    assert 584 * MiB in waiting._pending

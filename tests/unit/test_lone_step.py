@@ -23,7 +23,7 @@ from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import AnyCacheLevels, EngineShape, cached_segment_sizes, lone_forward_fits
+from kvgate.memory.activation import AnyCacheForward, EngineShape, cached_segment_sizes, lone_forward_fits
 from kvgate.memory.ceiling import demand_step
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
@@ -129,7 +129,7 @@ def h1_budget() -> tuple[Budget, Predictor]:
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
         profiled_cap_bytes=500 * MiB,
-        any_cache=AnyCacheLevels(QWEN, predictor.engine, False, background=False),
+        any_cache_forward=AnyCacheForward(QWEN, predictor.engine, False, background=False),
     )
     return budget, predictor
 
@@ -233,7 +233,7 @@ def test_beside_a_decoding_burst_a_rag_chunk_is_admitted_where_the_simulator_run
     assert budget.shortfall(rag, burst) == TRANSIENT_BUSY
     assert all(runs_beside(h1_gpu, t, 3000, 256) for t in [*HISTORY, 4096])
     assert not runs_from_cache(h1_gpu, (70 * MiB, 130 * MiB, 300 * MiB), 3000, 256)
-    budget.update(any_cache=None)  # kvgate before session 35: the segment share only
+    budget.update(any_cache_forward=None)  # kvgate before session 35: the segment share only
     assert budget.shortfall(rag, burst) is None
     crowded = chat_rows(predictor, 384)
     assert budget.shortfall(rag, crowded) == TRANSIENT_BUSY
@@ -293,7 +293,7 @@ def h7_budget() -> tuple[Budget, Predictor]:
         max_transient_headroom_bytes=620 * MiB,
         profiled_cap_bytes=predictor.profiled_peak_bytes,
         held_region_bytes=predictor.profiled_peak_bytes,
-        any_cache=AnyCacheLevels(geometry, predictor.engine, False, background=False),
+        any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
     )
     return budget, predictor
 
@@ -352,5 +352,5 @@ def test_kvgate_keeps_h7s_big_step_out_where_two_earlier_steps_can_run_it_out_of
     smaller_ledger, smaller = h7_traffic(predictor, [2000, 2000, 1888], 112)
     assert budget.shortfall(smaller, smaller_ledger) is None
     assert h7_runs([(7396, 83), (6443, 95), (6000, 112)])
-    budget.update(any_cache=None)  # kvgate before session 35: the segment share only
+    budget.update(any_cache_forward=None)  # kvgate before session 35: the segment share only
     assert budget.shortfall(demand, ledger) is None
