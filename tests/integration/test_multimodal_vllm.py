@@ -550,6 +550,39 @@ def test_qwen3_vl_capped_videos_count_as_vllm_counts_them(
     assert theirs[3] == theirs[4] == theirs[5]
 
 
+# One- to few-pixel strips both ways, at and past Qwen's aspect-ratio limit of 200, and sides
+# around the 16-pixel patch (session 35's audit, bench/results/mmaudit-session35)
+STRIPS = [(1, 4000), (4000, 2), (1, 199), (200, 1), (1, 201), (16, 3200), (3200, 16), (13, 13), (15, 17), (31, 6200)]
+QWEN3_VL_KWARGS = [None, {"max_pixels": 100_000}, {"images_kwargs": {"min_pixels": 70_000, "max_pixels": 70_000}}]
+
+
+def test_qwen3_vl_images_count_as_vllm_counts_them(qwen3_vl: VllmServer, qwen3_vl_dir: Path) -> None:
+    """Qwen3-VL's images alone: strips, odd sizes and four-image chats, under the processor's
+    bounds and two request settings (flat, and a fixed area in images_kwargs): kvgate's count is
+    vLLM's usage.prompt_tokens, and an aspect ratio over 200 is refused by both."""
+    tokenizer = _local_tokenizer(qwen3_vl_dir, qwen3_vl, QWEN_LIMITS)
+    chats = [[_message("user", "What is this?", [size], 0)] for size in STRIPS]
+    chats += [[_message("user", "These:", [(17 + 151 * i, 900 - 170 * i) for i in range(LIMIT)], 3)]]
+    chats += [[_message("user", "Mixed:", [(1, 150), (150, 1), (640, 480), (33, 2000)], 5)]]
+    theirs, ours, refused = [], [], 0
+    for kwargs in QWEN3_VL_KWARGS:
+        for chat in chats:
+            body = {"model": qwen3_vl.served_name, "messages": chat, "max_tokens": 1, "mm_processor_kwargs": kwargs}
+            response = httpx.post(qwen3_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+            request = ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)
+            if response.status_code == 400:
+                with pytest.raises(TokenizationError, match="aspect ratio must be smaller than 200"):
+                    asyncio.run(tokenizer.encode_chat(request))
+                refused += 1
+                continue
+            assert response.status_code == 200, response.text
+            theirs.append(response.json()["usage"]["prompt_tokens"])
+            ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
+    assert ours == theirs
+    assert refused == 3 * 3  # 1 x 4000, 4000 x 2, 1 x 201 under each setting
+    assert len(set(theirs)) >= 15
+
+
 def test_enable_mm_embeds_budget_is_vllms(qwen3_vl_dir: Path, vllm_python: VllmPython) -> None:
     """--enable-mm-embeds: the modality at --limit-mm-per-prompt 0 is embedding-only and widens
     vLLM's encoder budget (`MultiModalBudget`, in-process) to its M; kvgate's B and C equal it and
@@ -685,11 +718,13 @@ def test_gemma3_count_is_vllms_prompt_tokens(gemma3: VllmServer, gemma3_dir: Pat
     tokenizer = _local_tokenizer(gemma3_dir, gemma3, {"image": LIMIT})
     cases = _cases()
     cases += [[_message("user", "Two\n\nin a row:", [(64, 64), (640, 100)], 1)], [_message("user", "", [(9, 9)], 2)]]
+    strips = [[_message("user", "What is this?", [size], 0)] for size in STRIPS]
+    cases += [*strips, [_message("user", "Mixed:", [(1, 150), (150, 1), (640, 480), (33, 2000)], 5)]]
     theirs = [_prompt_tokens(gemma3, chat) for chat in cases]
     assert _counts(tokenizer, cases) == theirs
     theirs, ours = [], []
     for kwargs in PAN_AND_SCAN:
-        for chat in [cases[i] for i in (2, 3, 6, 9, 10)]:
+        for chat in [cases[i] for i in (2, 3, 6, 9, 10)] + cases[-len(strips) - 1 :]:
             theirs.append(_prompt_tokens(gemma3, chat, kwargs))
             ids = asyncio.run(tokenizer.encode_chat(ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)))
             ours.append(len(ids))
