@@ -830,3 +830,27 @@ def test_internvl_count_is_vllms_prompt_tokens(internvl: VllmServer, internvl_di
             ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
     assert ours == theirs
     assert len(set(theirs)) >= 8
+
+
+def test_internvl_profile_credit_is_vllms(internvl_dir: Path, vllm_python: VllmPython) -> None:
+    """What kvgate credits InternVL's start-up profile with against vLLM's own `MultiModalBudget`
+    (in-process, tests/support/vllm_profiled_media.py): with videos off, vLLM's image M and dummy
+    are one tile (its processing info reads preprocessor_config.json's crop_to_patches false), so
+    the profile ran K dummies of 4 embeddings, not of kvgate's largest image (13 tiles, 52): kvgate's
+    M stays 52, its K x D is vLLM's. With videos on, the dummy video is profiled (8,188 embeddings
+    an item by vLLM's M, 8,192 in its dummy): kvgate credits no more than that."""
+    cases = [{"image": LIMIT, "video": 0}, {"image": LIMIT, "video": 1}]
+    asked = [
+        {"model": str(internvl_dir), "limits": limits, "mm_kwargs": None, "max_model_len": 8192,
+         "max_num_batched_tokens": TINY_BATCHED_TOKENS, "max_num_seqs": TINY_SEQUENCES}
+        for limits in cases
+    ]  # fmt: skip
+    theirs = json.loads(vllm_python(str(SUPPORT / "vllm_profiled_media.py"), input=json.dumps(asked)).splitlines()[-1])
+    images, video = (tiny_budget(internvl_dir, limits) for limits in cases)
+    assert [t["modality"] for t in theirs] == ["image", "video"]
+    assert theirs[0]["per_item"]["image"] == theirs[0]["dummy"] == 4
+    assert profile_of(images) == (52, theirs[0]["budget"], theirs[0]["items"], theirs[0]["dummy"])
+    assert images.profiled_embeddings == theirs[0]["items"] * theirs[0]["dummy"]
+    assert video.max_item == theirs[1]["per_item"]["video"]
+    assert video.profiled_items == theirs[1]["items"]
+    assert video.profiled_embeddings <= theirs[1]["items"] * theirs[1]["dummy"]
