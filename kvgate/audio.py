@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvgate.chat_template import TokenizationError
-from kvgate.image_rules import Expanding, Replacement, _float32, _json_file
+from kvgate.image_rules import Expanding, Replacement, _float32, _json_file, mirrored_class
 
 # vllm/envs.py defaults (0.32.0, 0.33.0).
 VLLM_MAX_AUDIO_CLIP_FILESIZE_MB = 25
@@ -339,9 +339,10 @@ AUDIO_RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], AudioRule | No
 
 
 def audio_tokens(config: dict[str, Any], processor: dict[str, Any] | None = None) -> AudioRule | None:
-    """The model's audio rule, or None where kvgate does not count its audio."""
+    """The model's audio rule, or None where kvgate does not count its audio (another family, or a
+    class its family's rule was not read from: kvgate/image_rules.py `mirrored_class`)."""
     reader = AUDIO_RULES.get(str(config.get("model_type")))
-    return reader(config, processor or {}) if reader is not None else None
+    return reader(config, processor or {}) if reader is not None and mirrored_class(config) else None
 
 
 def audio_tokens_of(model_dir: str | Path | None) -> AudioRule | None:

@@ -411,7 +411,7 @@ def encoder_budget(
     # model folder is read, so that `kvgate serve --help` and `import kvgate` stay light.
     from kvgate.audio import audio_tokens_of
     from kvgate.chat_template import TokenizationError
-    from kvgate.image_rules import AnyResolution, HdCrops, ImageTokens, image_tokens_of
+    from kvgate.image_rules import AnyResolution, CroppedPatches, HdCrops, ImageTokens, image_tokens_of
     from kvgate.multimodal import DEFAULT_LIMIT_PER_PROMPT, audio_kwargs, image_kwargs
     from kvgate.profiled_media import audio_item, video_item
     from kvgate.profiled_media import profiled_item as profiled_item_of
@@ -448,6 +448,13 @@ def encoder_budget(
         # `get_mm_max_toks_per_item`).
         dummy_is_most = isinstance(rule, AnyResolution | HdCrops)
         vllm_most = profiled_item if dummy_is_most and profiled_item is not None else max_item
+        if isinstance(rule, CroppedPatches):
+            # InternVL: vLLM's M (interns1.py `get_max_image_tokens`, 0.32.0 = 0.33.0) and its dummy,
+            # drawn at the first tile ratio, count crops only where the image processor's own
+            # crop_to_patches says so, below kvgate's largest image (the HF processor's default
+            # crops): the profile ran K items of that, not of kvgate's largest.
+            vllm_most = rule.vllm_most(kwargs)  # its configured() is itself
+            profiled_item = vllm_most if profiled_item is None else min(profiled_item, vllm_most)
         items = {"image": (vllm_most, max_item if profiled_item is None else profiled_item, profiled_tiles)}
         videos = image_kwargs(media.processor_kwargs, None, "videos_kwargs")
         try:

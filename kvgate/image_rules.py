@@ -1301,11 +1301,47 @@ RULES: dict[str, Callable[[dict[str, Any], dict[str, Any]], ImageRule | None]] =
 }
 
 
+# config.json model_type -> the vLLM model classes whose processors kvgate's rules for it (here and
+# kvgate/audio.py's) were read from (vllm/model_executor/models/registry.py _MULTIMODAL_MODELS,
+# 0.32.0 and 0.33.0). vLLM picks the class by config.json's `architectures`, not its model_type.
+MIRRORED_CLASSES: dict[str, frozenset[str]] = {
+    "llava": frozenset({"LlavaForConditionalGeneration"}),
+    "qwen2_vl": frozenset({"Qwen2VLForConditionalGeneration"}),
+    "qwen2_5_vl": frozenset({"Qwen2_5_VLForConditionalGeneration"}),
+    "qwen3_vl": frozenset({"Qwen3VLForConditionalGeneration"}),
+    "qwen3_vl_moe": frozenset({"Qwen3VLMoeForConditionalGeneration"}),
+    "gemma3": frozenset({"Gemma3ForConditionalGeneration"}),
+    "mistral3": frozenset({"Mistral3ForConditionalGeneration"}),
+    "llava_next": frozenset({"LlavaNextForConditionalGeneration"}),
+    "llava_onevision": frozenset({"LlavaOnevisionForConditionalGeneration"}),
+    "llama4": frozenset({"Llama4ForConditionalGeneration"}),
+    "internvl": frozenset({"InternVLForConditionalGeneration"}),
+    "idefics3": frozenset({"Idefics3ForConditionalGeneration"}),
+    "smolvlm": frozenset({"SmolVLMForConditionalGeneration"}),
+    "phi4mm": frozenset({"Phi4MMForCausalLM"}),
+    "qwen2_audio": frozenset({"Qwen2AudioForConditionalGeneration"}),
+}
+
+
+def mirrored_class(config: Mapping[str, Any]) -> bool:
+    """Whether vLLM runs the model with a class whose processor kvgate's rules mirror: a config
+    that names another class beside its family's model_type (vLLM 0.32.0 / 0.33.0 lightonocr.py's
+    LightOnOCRForConditionalGeneration reads a Mistral 3 config yet counts an image without
+    Pixtral's break tokens, its grid from vision_config.image_size) is counted by the backend's
+    render endpoint instead. A config without `architectures` is its model_type's class."""
+    architectures = config.get("architectures")
+    if not architectures:
+        return True
+    classes = MIRRORED_CLASSES.get(str(config.get("model_type")), frozenset())
+    return isinstance(architectures, list) and all(name in classes for name in architectures)
+
+
 def image_tokens(config: dict[str, Any], processor: dict[str, Any] | None = None) -> ImageRule | None:
-    """The model's image rule, or None where kvgate does not know how it counts images.
+    """The model's image rule, or None where kvgate does not know how it counts images (another
+    family, or a class its family's rule was not read from: `mirrored_class`).
     `processor`: preprocessor_config.json and processor_config.json, merged."""
     reader = RULES.get(str(config.get("model_type")))
-    return reader(config, processor or {}) if reader is not None else None
+    return reader(config, processor or {}) if reader is not None and mirrored_class(config) else None
 
 
 def _json_file(path: Path) -> dict[str, Any]:

@@ -67,7 +67,8 @@ def is_container(data: bytes) -> bool:
 
 def read_container(data: bytes, max_pixels: int = VLLM_MAX_IMAGE_PIXELS) -> VideoHeader:
     """The video stream's header; MediaError for what FFmpeg would not open or vLLM refuses,
-    VideoNotCounted for a valid container whose frame count the header does not settle."""
+    VideoNotCounted for a container whose frame count the header does not settle (none given
+    included: what vLLM makes of it differs by release)."""
     header = _read_ebml(data) if data[:4] == _EBML_MAGIC else _read_mp4(data)
     if header.width < 1 or header.height < 1:
         raise MediaError(f"Invalid video frame size: width={header.width}, height={header.height}")
@@ -77,7 +78,10 @@ def read_container(data: bytes, max_pixels: int = VLLM_MAX_IMAGE_PIXELS) -> Vide
             f"exceed the maximum of {max_pixels} pixels. Set VLLM_MAX_IMAGE_PIXELS to increase this limit."
         )
     if header.frames < 1:
-        raise MediaError("Could not open video stream: its header gives no frames")
+        # OpenCV reports no frame count: vLLM 0.33.0 then counts the frames by demuxing the whole
+        # file (video_decoders/opencv.py OpenCVVideoBackendMixin.get_video_metadata,
+        # demux_count_frames), which a header does not settle; 0.32.0 takes the header's count.
+        raise VideoNotCounted("a container whose header gives no frame count (a WebM without Duration, an empty stts)")
     return header
 
 

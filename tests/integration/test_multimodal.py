@@ -225,6 +225,9 @@ def _sizes() -> list[tuple[int, int]]:
     edges = [(1, 1), (27, 27), (28, 28), (29, 57), (56, 56), (640, 480), (480, 640), (1920, 1080), (4000, 3000)]
     edges += [(200, 1), (201, 1), (28, 5600), (5600, 27), (50_000, 300), (3584, 3584), (12_000, 9_000)]
     edges += [(1153, 944), (946, 1156)]  # OneVision: vLLM's "most features" size, and one with more
+    # One-pixel and few-pixel strips both ways, sides around the 14 / 16-pixel patches
+    edges += [(1, 4000), (4000, 1), (2, 4000), (4000, 2), (1, 20_000), (20_000, 1), (13, 13), (15, 15), (1, 199)]
+    edges += [(199, 1), (1, 201), (56, 11_199), (11_199, 56), (7, 1400), (1400, 7), (16, 3200), (3200, 16)]
     spread = [(rng.randint(1, 8192), rng.randint(1, 8192)) for _ in range(150)]
     thin = [(rng.randint(1, 40), rng.randint(100, 8000)) for _ in range(30)]
     return edges + spread + thin
@@ -336,6 +339,10 @@ IDEFICS3_8B = {  # HuggingFaceM4/Idefics3-8B-Llama3
         "do_image_splitting": True,
     },
 }
+QWEN2_5_VL_3B = {  # Qwen/Qwen2.5-VL-3B-Instruct's preprocessor_config.json: the flat keys
+    "config": QWEN2_5_VL["config"],
+    "processor": {"min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "merge_size": 2},
+}
 CASES = [
     {**QWEN2_VL_7B, "cli_kwargs": {}, "request_kwargs": {}},
     {**QWEN2_VL_7B, "cli_kwargs": {"max_pixels": 1003520}, "request_kwargs": {}},
@@ -387,6 +394,70 @@ CASES = [
         "cli_kwargs": {},
         "request_kwargs": {},
     },
+    # Settings first tried in session 35's audit (bench/results/mmaudit-session35): pixel bounds off
+    # the 28 x 28 grid, equal or crossed; other pan-and-scan thresholds; other tile limits and grids
+    {**QWEN2_5_VL_3B, "cli_kwargs": {"max_pixels": 1_000_001, "min_pixels": 3_137}, "request_kwargs": {}},
+    {**QWEN2_5_VL_3B, "cli_kwargs": {"min_pixels": 401_408, "max_pixels": 401_408}, "request_kwargs": {}},
+    {**QWEN2_5_VL_3B, "cli_kwargs": {}, "request_kwargs": {"min_pixels": 802_816, "max_pixels": 200_704}},
+    {
+        **QWEN2_5_VL_3B,
+        "cli_kwargs": {"images_kwargs": {"min_pixels": 100_000}},
+        "request_kwargs": {"size": {"longest_edge": 123_457}},
+    },
+    {**QWEN3_VL_8B, "cli_kwargs": {"size": {"longest_edge": 2_000_000}}, "request_kwargs": {}},
+    {
+        **QWEN3_VL_8B,
+        "processor": {"size": {"shortest_edge": 200_000, "longest_edge": 600_000}, "patch_size": 16, "merge_size": 2},
+        "cli_kwargs": {},
+        "request_kwargs": {},
+    },
+    {
+        **GEMMA3_4B,
+        "cli_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_ratio_to_activate": 1.0},
+        "request_kwargs": {},
+    },
+    {
+        **GEMMA3_4B,
+        "cli_kwargs": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 32, "pan_and_scan_max_num_crops": 12},
+        "request_kwargs": {},
+    },
+    {**GEMMA3_4B, "cli_kwargs": {}, "request_kwargs": {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 1}},
+    {**GEMMA3_4B, "cli_kwargs": {"do_pan_and_scan": True}, "request_kwargs": {"do_pan_and_scan": False}},
+    {**LLAMA4_SCOUT, "cli_kwargs": {"max_patches": 1}, "request_kwargs": {}},
+    {
+        **LLAMA4_SCOUT,
+        "processor": {"max_patches": 9, "resize_to_max_canvas": True},
+        "cli_kwargs": {},
+        "request_kwargs": {},
+    },
+    {
+        **INTERNVL3_HF,
+        "processor": {**INTERNVL3_HF["processor"], "crop_to_patches": True, "max_patches": 24, "min_patches": 3},
+        "cli_kwargs": {},
+        "request_kwargs": {},
+    },
+    {**MISTRAL_SMALL_31, "cli_kwargs": {"size": {"longest_edge": 1001}}, "request_kwargs": {}},
+    {**MISTRAL_SMALL_31, "cli_kwargs": {"images_kwargs": {"size": {"longest_edge": 14}}}, "request_kwargs": {}},
+    {
+        **LLAVA_NEXT_MISTRAL,
+        "config": {
+            **LLAVA_NEXT_MISTRAL["config"],
+            "vision_feature_select_strategy": "full",
+            "image_grid_pinpoints": [[336, 336], [336, 1344], [1344, 336], [672, 1008]],
+        },
+        "cli_kwargs": {},
+        "request_kwargs": {},
+    },
+    {
+        **LLAVA_ONEVISION_7B,
+        "config": {
+            **LLAVA_ONEVISION_7B["config"],
+            "image_grid_pinpoints": [[384 * a, 384 * b] for a in range(1, 4) for b in range(1, 4)],
+        },
+        "cli_kwargs": {},
+        "request_kwargs": {},
+    },
+    {**SMOLVLM2, "cli_kwargs": {"do_image_splitting": False}, "request_kwargs": {}},
 ]
 
 
@@ -408,7 +479,7 @@ def _kvgate_count(rule, size: ImageSize | None, kwargs: dict) -> int | list[int]
 
 @pytest.mark.vllm
 def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmPython) -> None:
-    """Every family with a rule, on 198 sizes and aspect ratios under 31 settings (config,
+    """Every family with a rule, on 215 sizes and aspect ratios under 49 settings (config,
     --mm-processor-kwargs, request mm_processor_kwargs, flat and scoped): kvgate's count equals
     vLLM 0.32.0's own (Qwen2VLProcessingInfo, Qwen3VLProcessingInfo, Gemma3ProcessingInfo,
     LlavaNextProcessingInfo and LlavaOnevisionProcessingInfo.get_num_image_tokens; Pixtral's grid
@@ -440,7 +511,7 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
         if rule.family == "internvl":  # the image and its crops at most: above every count
             largest = _kvgate_count(rule, None, kwargs)
             assert largest >= max(c for c in vllm["counts"] if c is not None), case
-        if rule.family == "internvl" and not kwargs:
+        if rule.family == "internvl" and not kwargs and not case["processor"]["crop_to_patches"]:
             # vLLM's own processing info reads the image processor's crop_to_patches (off in this
             # checkpoint's preprocessor_config.json): one patch for every image, which the prompt
             # (the HF processor, crop_to_patches on by its default) does not hold
@@ -449,8 +520,8 @@ def test_dynamic_and_fixed_counts_equal_vllms_processing_info(vllm_python: VllmP
         if vllm["largest"] is not None:
             largest = _kvgate_count(rule, None, image_kwargs(case["cli_kwargs"], {}))
             if case["config"]["model_type"] == "llava_onevision":
-                # vLLM's largest (1153 x 944) is not: kvgate's bound is above every count
-                assert largest > max(c for c in vllm["counts"] if c is not None) > vllm["largest"]
+                # vLLM's largest (1153 x 944) is not: kvgate's bound is at least every count
+                assert largest >= max(c for c in vllm["counts"] if c is not None) > vllm["largest"]
             else:
                 assert largest == vllm["largest"], case
     assert refused > 0  # the aspect-ratio refusals were exercised

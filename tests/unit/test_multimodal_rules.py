@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
+from kvgate.audio import audio_tokens
 from kvgate.chat_template import TokenizationError
 from kvgate.image_rules import HdCrops, crop_ratios, image_tokens
 from kvgate.media import ImageSize
@@ -573,13 +574,37 @@ def test_gemma3_pan_and_scan_crops() -> None:
         (QWEN2_VL, {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}),
         (GEMMA3, {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}),
         ({"model_type": "mllama", "image_token_index": 1}, URL_IMAGE),
+        # A counted family's model_type, but a vLLM class no rule was read from (Gemma 3's
+        # text-only Gemma3ForCausalLM takes no image).
+        ({**GEMMA3, "architectures": ["Gemma3ForCausalLM"]}, URL_IMAGE),
+        (
+            {"model_type": "qwen2_audio", "audio_token_index": 151646, "architectures": ["SomeOtherAudioModel"]},
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        ),
     ],
-    ids=["qwen-video", "gemma-audio", "mllama-image"],
+    ids=["qwen-video", "gemma-audio", "mllama-image", "gemma3-other-class", "qwen2-audio-other-class"],
 )
 def test_media_without_a_rule_is_refused_naming_model_and_kind(config: dict, part: dict) -> None:
-    counting = MediaCounting(WordTokenizer(), image_tokens(config, {}), None, config["model_type"])
+    counting = MediaCounting(
+        WordTokenizer(), image_tokens(config, {}), None, config["model_type"], audio_tokens(config, {})
+    )
     with pytest.raises(TokenizationError, match=f"'{part['type']}' content part .*model_type '{config['model_type']}'"):
         _count(counting, TEXT, part)
+
+
+def test_a_rule_counts_only_for_the_vllm_classes_it_was_read_from() -> None:
+    """vLLM picks the model class by config.json's architectures: the family's own class (or none
+    named) is counted by the rule, any other class beside it is not."""
+    for architectures in (None, [], ["Mistral3ForConditionalGeneration"]):
+        config = {**MISTRAL3, "architectures": architectures}
+        assert image_tokens(config, {"size": {"longest_edge": 1540}}) is not None
+    for architectures in (["LightOnOCRForConditionalGeneration"], ["Mistral3ForConditionalGeneration", "X"], "x"):
+        assert image_tokens({**MISTRAL3, "architectures": architectures}, {}) is None
+    assert image_tokens({**QWEN2_VL, "architectures": ["Qwen2VLForConditionalGeneration"]}, QWEN2_VL_PROCESSOR)
+    # the class of another counted family is not this family's
+    assert (
+        image_tokens({**QWEN2_VL, "architectures": ["Qwen2_5_VLForConditionalGeneration"]}, QWEN2_VL_PROCESSOR) is None
+    )
 
 
 def test_vllm_flags_reach_the_counting() -> None:

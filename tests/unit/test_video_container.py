@@ -53,6 +53,11 @@ def test_headers_that_do_not_settle_the_frames_are_not_counted() -> None:
     assert read_container(mp4(elst=(0, 1))).frames == 30  # one whole-track edit: every frame
     with pytest.raises(VideoNotCounted, match="DefaultDuration"):
         read_container(webm(default_duration=None))
+    # No frame count in the header (no Duration, an empty stts): vLLM 0.33.0 demuxes the file to
+    # count them, 0.32.0 does not; the backend's render endpoint says which.
+    for data in (webm(duration_ms=0.0), mp4(stts=())):
+        with pytest.raises(VideoNotCounted, match="no frame count"):
+            read_container(data)
 
 
 @pytest.mark.parametrize(
@@ -64,8 +69,6 @@ def test_headers_that_do_not_settle_the_frames_are_not_counted() -> None:
         (mp4(handler=b"soun"), "no video track"),
         (webm(track_type=2), "no video track"),
         (webm(doc_type=b"other"), "document type"),
-        (mp4(stts=()), "no frames"),
-        (webm(duration_ms=0.0), "no frames"),
         (webm(duration_ms=1e300), "out of range"),
         (box(b"ftyp", b"isom") + box(b"mdat", bytes(10)), "no moov"),
         # A moov that says it is larger than the file (cut short, or lying).
@@ -85,11 +88,12 @@ def test_hostile_containers_get_a_clear_error(data: bytes, message: str) -> None
 
 @pytest.mark.parametrize("build", [mp4, webm])
 def test_every_truncation_is_an_error_never_a_crash(build: object) -> None:
-    """Cut at every byte: a MediaError (400) or, past the header, the same header."""
+    """Cut at every byte: a MediaError (400), a header without frames (not counted), or, past the
+    header, the same header."""
     data = build()  # type: ignore[operator]
     whole = read_container(data)
     for cut in range(len(data)):
-        with contextlib.suppress(MediaError):
+        with contextlib.suppress(MediaError, VideoNotCounted):
             assert read_container(data[:cut]) == whole
 
 
