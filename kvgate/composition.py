@@ -419,7 +419,7 @@ class Runtime:
         self.budget.update(**asdict(limits))
         for replay in (
             limits.shared_forward,
-            limits.beside_forward,
+            limits.any_cache_forward,
             limits.penalty_step,
         ):  # worked out off the loop: wakes the queue
             if replay is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvgate.memory.activation import (
-    BesideForward,
+    AnyCacheForward,
     EngineShape,
     LoneForward,
     SamplerPhaseOverhead,
@@ -107,7 +107,7 @@ class StaticLimits:
     sampler_phase_overhead: SamplerPhaseOverhead | None = None  # activation.py: the sampler phase's replay
     lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
     shared_forward: SharedForward | None = None  # activation.py: a served MLA step after the others' steps
-    beside_forward: BesideForward | None = None  # activation.py: a served step after the others' steps
+    any_cache_forward: AnyCacheForward | None = None  # activation.py: a served step from any cache
     penalty_step: V1PenaltyStep | None = None  # activation.py: a V1 penalty step in the held region
 
 
@@ -671,7 +671,7 @@ def static_limits(
         profiled_hidden_bytes=profile_hidden_bytes(predictor.layout.geometry, predictor.engine),
         sampler_phase_overhead=SamplerPhaseOverhead(predictor.layout.geometry, predictor.engine, expandable_segments),
         lone_forward=LoneForward(predictor.layout.geometry, predictor.engine, expandable_segments),
-        beside_forward=BesideForward(predictor.layout.geometry, predictor.engine, expandable_segments),
+        any_cache_forward=AnyCacheForward(predictor.layout.geometry, predictor.engine, expandable_segments),
         shared_forward=SharedForward(predictor.layout.geometry, predictor.engine, expandable_segments)
         if predictor.step_bound is not None
         else None,

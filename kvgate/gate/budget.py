@@ -35,9 +35,9 @@ class SharedLevel(Protocol):
 
 
 class StepLevel(Protocol):
-    """Whether a served step's forward pass of `tokens` tokens runs in `capacity` after what the
-    other requests' steps left cached (kvgate/memory/activation.py BesideForward); no while that
-    is still being worked out."""
+    """Whether a served step's forward pass of `tokens` tokens runs in `capacity` whatever the
+    caching allocator holds cached (kvgate/memory/activation.py AnyCacheForward); no while that is
+    still being worked out."""
 
     def __call__(self, tokens: int, capacity: int) -> bool: ...
 
@@ -110,10 +110,10 @@ class Budget:
     # SharedForward, MLA deployments); None: the profile's share is charged beside others. Where
     # set, it judges a request alone too (`lone_step_fits`).
     shared_forward: SharedLevel | None = None
-    # (step tokens, capacity) -> whether a step's forward pass runs in that capacity after every
-    # history of up to three earlier steps (kvgate/memory/activation.py BesideForward); None: not
-    # judged. Asked of a step beside other requests, whose steps leave the cache (`beside_step_fits`).
-    beside_forward: StepLevel | None = None
+    # (step tokens, capacity) -> whether a step's forward pass runs in that capacity from any cache
+    # of a few free segments (kvgate/memory/activation.py AnyCacheForward); None: not judged. Asked
+    # of a step beside other requests, whose steps leave the cache (`any_cache_step_fits`).
+    any_cache_forward: StepLevel | None = None
     # (sampled rows, longest prompt) -> what a V1 step with a penalty row needs beyond the profile
     # region the engine keeps cached, or None while not known (kvgate/memory/activation.py
     # V1PenaltyStep); None: its prompt ids and bin counts come out of free memory whole.
@@ -256,10 +256,10 @@ class Budget:
         )
         return self.shared_forward(forward + step.unprofiled, capacity, unknown)
 
-    def beside_step_fits(self, step: StepHoldings) -> bool:
+    def any_cache_step_fits(self, step: StepHoldings) -> bool:
         """Whether `step`'s forward pass (its open prefills' profiled terms and its decoding rows'
-        tokens, at most max_num_batched_tokens) runs in the live headroom after the histories of
-        up to three earlier steps (kvgate/memory/activation.py `beside_forward_level`). The
+        tokens, at most max_num_batched_tokens) runs in the live headroom from any cache the other
+        requests' steps can leave (kvgate/memory/activation.py `any_cache_forward_level`). The
         segment share `shortfall` charges is the profile step's after one earlier step, a
         proportion: a step near the headroom it under-counts when earlier steps stranded more
         (held-out H7). Where the profile region comes out of free memory only (`profiled_cap_bytes`
@@ -267,7 +267,7 @@ class Budget:
         replay (`shared_step_fits`). Not scaled in conservative mode, as `lone_step_fits`."""
         capacity = self.transient_headroom_bytes
         if (
-            self.beside_forward is None
+            self.any_cache_forward is None
             or self.shared_forward is not None
             or not self.profiled_cap_bytes
             or not self.forward_bytes_per_token
@@ -275,7 +275,7 @@ class Budget:
         ):
             return True
         tokens = self._forward_tokens(step)
-        return tokens <= 0 or self.beside_forward(tokens, capacity)
+        return tokens <= 0 or self.any_cache_forward(tokens, capacity)
 
     def _forward_tokens(self, step: StepHoldings) -> int:
         """The tokens of `step`'s forward pass, at most max_num_batched_tokens (the profile's)."""
@@ -284,11 +284,11 @@ class Budget:
             forward = min(forward, self.profiled_forward_bytes)
         return -(-forward // self.forward_bytes_per_token)
 
-    def _grows_past_beside_level(self, step: StepHoldings, holdings: Holdings) -> bool:
-        """Whether admitting makes the worst step beside others larger than its level: not
+    def _grows_past_any_cache(self, step: StepHoldings, holdings: Holdings) -> bool:
+        """Whether admitting makes the worst step beside others larger than any cache runs: not
         where the step is no larger than without the request (max_num_batched_tokens caps it, and
         vLLM runs the capped step whoever asks in), which holding it back would not make safer."""
-        if holdings.in_flight == 0 or self.beside_step_fits(step):
+        if holdings.in_flight == 0 or self.any_cache_step_fits(step):
             return False
         return self._forward_tokens(step) > self._forward_tokens(holdings.step())
 
@@ -350,7 +350,7 @@ class Budget:
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
         step = holdings.step_with(demand)
-        if self._grows_past_beside_level(step, holdings):
+        if self._grows_past_any_cache(step, holdings):
             return TRANSIENT_BUSY
         beside_others = holdings.in_flight > 0 or not self.lone_step_fits(step)
         charge = self._step_charge(step, beside_others, beside_others and self.shared_step_fits(step))

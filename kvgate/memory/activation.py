@@ -17,16 +17,17 @@ once and kept (``shared=True``: count them once per engine, not per request).
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from kvgate.memory.allocator import (
+    ROUND_LARGE,
     TapeOp,
     alloc,
     fits_after_any,
+    fits_from_any_cache,
     fitting_prefix,
     footprint,
     free,
@@ -1619,54 +1620,69 @@ class SharedForward(OffLoopMemo[int, int]):
         return shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
 
-# The histories a step beside others is replayed after: one earlier step of every sixteenth of
-# max_num_batched_tokens, and two or three of every eighth; candidates every 64th.
-BESIDE_LONG_HISTORY_STEPS = 8
-BESIDE_LONGEST_HISTORY = 3
-BESIDE_CANDIDATE_STEPS = 64
+# The caches a step's forward pass is replayed from: up to three free segments, their sizes every
+# 1/32 of the largest tensor a step makes; the level on 1/64ths of max_num_batched_tokens.
+ANY_CACHE_SEGMENTS = 3
+ANY_CACHE_SIZE_STEPS = 32
+ANY_CACHE_TOKEN_STEPS = 64
 
 
-def beside_forward_level(geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int) -> int:
-    """The most tokens (on 64ths of max_num_batched_tokens) a served step's forward pass may hold
-    and run in `capacity` bytes of transient memory after every history of up to three earlier
-    steps, each run in the same capacity (kvgate/memory/allocator.py `fitting_prefix`: a history
-    that itself runs out is no state the step meets; every smaller candidate runs too).
+def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape) -> list[int]:
+    """The sizes of free segments a step may find cached: every 1/32 (on the 2 MiB rounding of
+    large segments) up to the largest tensor a served step makes, its forward pass's at
+    max_num_batched_tokens or its sampler phase's at the most rows a step samples (the logits'
+    fp32 copy of a large vocabulary may be the larger); cudaMalloc made each segment that size."""
+    rows = min(engine.max_num_seqs, engine.max_num_batched_tokens)
+    tapes = (profile_forward_tape(geometry, engine, served=True), sampler_phase_tape(geometry, engine, rows))
+    largest = max(nbytes for tape in tapes for op, _, nbytes in tape if op == "alloc")
+    grain = max(ROUND_LARGE, -(-largest // ANY_CACHE_SIZE_STEPS // ROUND_LARGE) * ROUND_LARGE)
+    return list(range(grain, largest + grain, grain))
 
-    Beside other requests the cache is what their steps left, and one earlier step does not bound
-    it: held-out H7 (Llama-3.1-70B at TP 4, vLLM 0.33.0 V2, 620 MiB of headroom) ran the
-    simulator out of memory on a 7,581-token step after a 7,396- and a 6,443-token one, where
-    either alone leaves room. The level in 616 MiB: 7,168 tokens after one or two earlier steps,
-    6,656 after three (every eighth). Longer histories are not played (each depth multiplies the
-    replays by eight), nor every cache: a search over every cache of up to three free segments
-    (tried in session 35) says 6,144 there but also 1,728 for benchmark S13's engine in 296 MiB,
-    where no history of one to three steps, and no run of S13, ever ran out under 2,048."""
+
+def any_cache_forward_level(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int
+) -> int:
+    """The most tokens (on 1/64ths of max_num_batched_tokens) a served step's forward pass may
+    hold and still run in `capacity` bytes of transient memory whatever the caching allocator
+    holds cached when it starts (kvgate/memory/allocator.py `fits_from_any_cache`: up to three
+    free segments of `cached_segment_sizes`).
+
+    Beside other requests the cache is what their steps left, and histories of one earlier step
+    (`lone_forward_fits`) or two do not bound it: held-out H7 (Llama-3.1-70B at TP 4, vLLM 0.33.0
+    V2, 620 MiB of headroom) ran the simulator out of memory on a 7,581-token step after a
+    7,396- and a 6,443-token one, a step every one-step history runs; histories of three earlier
+    steps lower the level again. Every cache of the grid: 6,272 tokens there. Found by bisection
+    (tests/unit/test_any_cache.py checks that every smaller step on the grid runs too)."""
     full = engine.max_num_batched_tokens
-    fine = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
-    coarse = sorted({max(1, full * k // BESIDE_LONG_HISTORY_STEPS) for k in range(1, BESIDE_LONG_HISTORY_STEPS + 1)})
-    tapes = {t: profile_forward_tape(geometry, engine, t, served=True) for t in {*fine, *coarse}}
-    earlier = [[tapes[t]] for t in fine]
-    for depth in range(2, BESIDE_LONGEST_HISTORY + 1):
-        earlier += [[tapes[t] for t in history] for history in itertools.product(coarse, repeat=depth)]
-    candidates = sorted({max(1, full * k // BESIDE_CANDIDATE_STEPS) for k in range(1, BESIDE_CANDIDATE_STEPS + 1)})
-    steps = [profile_forward_tape(geometry, engine, t, served=True) for t in candidates]
-    fitting = fitting_prefix(steps, earlier, capacity, expandable_segments)
-    return candidates[fitting - 1] if fitting else 0
+    sizes = cached_segment_sizes(geometry, engine)
+
+    def runs(k: int) -> bool:
+        step = profile_forward_tape(geometry, engine, max(1, full * k // ANY_CACHE_TOKEN_STEPS), served=True)
+        return fits_from_any_cache(step, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
+
+    if runs(ANY_CACHE_TOKEN_STEPS):  # most headrooms run every step: one replay
+        return full
+    low, high = 0, ANY_CACHE_TOKEN_STEPS - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if runs(middle) else (low, middle - 1)
+    return full * low // ANY_CACHE_TOKEN_STEPS
 
 
-class BesideForward(OffLoopMemo[int, int]):
-    """`beside_forward_level` of one deployment, for the budget: whether a step of `tokens` runs
-    in `capacity` after what the other requests' steps left. A level costs about a second of CPU,
-    so each headroom's (rounded down to a multiple of 8 MiB, as `LoneForward`'s) is worked out once
-    on a worker thread, and only when a smaller headroom's level, known, does not already run the
-    step (more memory never runs out a step that less memory runs: tests/unit/test_beside_forward.py):
-    the headroom drifts by a few MiB between readings, and each new multiple of 8 MiB would otherwise
+class AnyCacheForward(OffLoopMemo[int, int]):
+    """`any_cache_forward_level` of one deployment, for the budget: whether a step of `tokens`
+    runs in `capacity` whatever is cached. A level costs 0.1-1.5 s of CPU, so each headroom's
+    (rounded down to a multiple of 8 MiB, as `LoneForward`'s) is worked out once on a worker
+    thread, and only when a smaller headroom's level, known, does not already run the step (more
+    memory never runs out a step that less memory runs: tests/unit/test_any_cache.py): the
+    headroom drifts by a few MiB between readings, and each new multiple of 8 MiB would otherwise
     cost a replay, and keep the steps beside others waiting for it. Until it is known the answer
     is no (the cautious one: the step waits); the gate is told when it is known."""
 
     def __init__(
         self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
     ) -> None:
-        super().__init__("kvgate-beside-forward", background)
+        super().__init__("kvgate-any-cache-forward", background)
         self.geometry = geometry
         self.engine = engine
         self.expandable_segments = expandable_segments
@@ -1680,7 +1696,7 @@ class BesideForward(OffLoopMemo[int, int]):
         return level is not None and tokens <= level
 
     def _work_out(self, capacity: int) -> int:
-        return beside_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
+        return any_cache_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:

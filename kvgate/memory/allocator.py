@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import combinations_with_replacement
 
 from kvgate.units import MiB
 
@@ -288,6 +289,34 @@ def _histories_played(
             yield replay
 
 
+def fits_from_any_cache(
+    step: Sequence[TapeOp], capacity: int, sizes: Sequence[int], most: int, expandable_segments: bool = False
+) -> bool:
+    """Whether `step` runs in `capacity` bytes from an empty cache and from every cache of at most
+    `most` free large-pool segments whose sizes are among `sizes` and add up to at most `capacity`.
+
+    Between steps every transient tensor is dead, so a free segment merges back into one block
+    (`try_merge_blocks`) and the cache a step starts from is a set of whole free segments, each the
+    size some earlier tensor had when cudaMalloc made it; which ones depends on the whole history,
+    which the histories of `fits_after_any` only sample (held-out H7: two earlier steps strand what
+    one never does). Here the cache is not played from steps but chosen: best fit may place the
+    step's first tensors in segments that are too large, pinned while later ones take new
+    segments, and the cached rest is released only when a cudaMalloc fails. With expandable
+    segments freed pages are mapped again where needed: only the step's own pages count."""
+    if expandable_segments:
+        caches: Iterable[tuple[int, ...]] = [()]
+    else:
+        caches = (c for k in range(most + 1) for c in combinations_with_replacement(sizes, k) if sum(c) <= capacity)
+    for cache in caches:
+        replay = _Replay(expandable_segments, capacity)
+        replay.segments = [_Segment("large", size, [_Block(size)]) for size in cache]
+        try:
+            replay.run(step)
+        except _OutOfMemory:
+            return False
+    return True
+
+
 def fitting_prefix(
     steps: Sequence[Sequence[TapeOp]],
     earlier: Iterable[Sequence[Sequence[TapeOp]]],
@@ -301,7 +330,7 @@ def fitting_prefix(
     for count, step in enumerate(steps):
         for state in states:
             try:
-                state.copy().run(step)
+                state.copy().play(step)
             except _OutOfMemory:
                 return count
     return len(steps)

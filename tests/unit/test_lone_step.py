@@ -11,6 +11,7 @@ charged a request alone its allocated bytes (500 MiB against a 556 MiB limit) an
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from dataclasses import asdict
 
@@ -22,7 +23,7 @@ from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import BesideForward, EngineShape, lone_forward_fits
+from kvgate.memory.activation import AnyCacheForward, EngineShape, cached_segment_sizes, lone_forward_fits
 from kvgate.memory.ceiling import demand_step
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
@@ -128,7 +129,7 @@ def h1_budget() -> tuple[Budget, Predictor]:
         transient_headroom_bytes=headroom,
         max_transient_headroom_bytes=headroom,
         profiled_cap_bytes=500 * MiB,
-        beside_forward=BesideForward(QWEN, predictor.engine, False, background=False),
+        any_cache_forward=AnyCacheForward(QWEN, predictor.engine, False, background=False),
     )
     return budget, predictor
 
@@ -194,19 +195,46 @@ def runs_beside(h1_gpu: tuple[Device, CachingAllocator, StepMemory], earlier: in
     return True
 
 
-def test_beside_a_decoding_burst_a_rag_chunk_is_admitted_where_the_simulator_runs_it_and_not_where_it_may_not(
-    h1_gpu,
-) -> None:
-    """Held-out H1's head of line during its extraction burst (session 32): a 3,000-token RAG
-    query waits while the burst's rows decode. Beside 256 rows it is admitted, and the simulator
-    runs that step after a prefill step of every sixteenth of the step size; beside 384 rows it
-    waits (its step charged 617.5 MiB: the 385 rows' logits and fp32 copy with their replayed
-    segments), and the simulator runs out of memory there after a 3,328-token step: the wait is
-    the allocator's, not a term to relax."""
+def runs_from_cache(
+    h1_gpu: tuple[Device, CachingAllocator, StepMemory], cached: tuple[int, ...], chunk: int, rows: int
+) -> bool:
+    """Whether the simulator runs a step of a `chunk`-token prefill beside `rows` decoding rows
+    (temperature 0.8) when its allocator holds free segments of these sizes cached (each made by
+    a cudaMalloc of its own, then freed whole, as earlier steps leave them)."""
+    _, alloc, steps = copy.deepcopy(h1_gpu)
+    for block in [alloc.malloc(size) for size in cached]:
+        alloc.free(block)
+    decoding = tuple(ReqSlice(1, 200, random=True) for _ in range(rows))
+    try:
+        run_tape(alloc, steps.plan(StepShape((ReqSlice(chunk, 0, random=True), *decoding))))
+    except CudaOutOfMemory:
+        return False
+    return True
+
+
+def test_beside_a_decoding_burst_a_rag_chunk_is_admitted_where_the_simulator_runs_it_from_any_cache(h1_gpu) -> None:
+    """Held-out H1's head of line during its extraction burst (session 32): a RAG query waits while
+    the burst's rows decode. A 2,500-token one beside 256 rows is admitted, and the simulator runs
+    that step from every cache of one or two free segments on kvgate's grid. A 3,000-token one
+    waits: the simulator runs it after one earlier step of every sixteenth of the step size, but
+    not from a cache of free 70, 130 and 300 MiB segments (its residual and o_proj outputs take
+    the small ones, best fit, the hidden states the 300 MiB one, and SiluAndMul's 118 MiB finds no
+    room), and nothing tells kvgate which cache the other requests' steps left (session 35: before,
+    it was admitted). Beside 384 rows it waits too (its step charged 617.5 MiB: the 385 rows' logits
+    and fp32 copy with their replayed segments), and the simulator runs out of memory there after a
+    3,328-token step: the wait is the allocator's, not a term to relax."""
     budget, predictor = h1_budget()
+    burst = chat_rows(predictor, 256)
+    assert budget.shortfall(rag_query(predictor, 2500).demand, burst) is None
+    sizes = cached_segment_sizes(QWEN, H1_ENGINE)
+    caches = [c for k in (1, 2) for c in itertools.combinations_with_replacement(sizes, k) if sum(c) <= 617 * MiB]
+    assert all(runs_from_cache(h1_gpu, cache, 2500, 256) for cache in caches)
     rag = rag_query(predictor, 3000).demand
-    assert budget.shortfall(rag, chat_rows(predictor, 256)) is None
+    assert budget.shortfall(rag, burst) == TRANSIENT_BUSY
     assert all(runs_beside(h1_gpu, t, 3000, 256) for t in [*HISTORY, 4096])
+    assert not runs_from_cache(h1_gpu, (70 * MiB, 130 * MiB, 300 * MiB), 3000, 256)
+    budget.update(any_cache_forward=None)  # kvgate before session 35: the segment share only
+    assert budget.shortfall(rag, burst) is None
     crowded = chat_rows(predictor, 384)
     assert budget.shortfall(rag, crowded) == TRANSIENT_BUSY
     assert not runs_beside(h1_gpu, 3328, 3000, 384)
@@ -265,7 +293,7 @@ def h7_budget() -> tuple[Budget, Predictor]:
         max_transient_headroom_bytes=620 * MiB,
         profiled_cap_bytes=predictor.profiled_peak_bytes,
         held_region_bytes=predictor.profiled_peak_bytes,
-        beside_forward=BesideForward(geometry, predictor.engine, False, background=False),
+        any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
     )
     return budget, predictor
 
@@ -314,15 +342,15 @@ def test_the_simulator_runs_h7s_big_step_out_of_memory_only_after_two_large_step
 
 def test_kvgate_keeps_h7s_big_step_out_where_two_earlier_steps_can_run_it_out_of_memory() -> None:
     """The step above beside other requests: charged the profile's segment share it fits (in the
-    recorded run a 7,581-token step, 613 MiB against a 616 MiB limit), but histories of earlier
-    steps run it out of memory (the two above, and kvgate's replay of three), so it waits
-    (session 35, `Budget.beside_step_fits`: 6,656 tokens in 616 MiB). A step of 6,000 tokens is
-    admitted, and runs on the simulator after the two steps above."""
+    recorded run a 7,581-token step, 613 MiB against a 616 MiB limit), but some cache the other
+    requests' steps can leave runs it out of memory (the two earlier steps above leave one), so it
+    waits (session 35, `Budget.any_cache_step_fits`). A step of 6,000 tokens runs from every cache
+    of kvgate's grid and is admitted."""
     budget, predictor = h7_budget()
     ledger, demand = h7_traffic(predictor, [2000, 2000, 3469], 112)
     assert budget.shortfall(demand, ledger) == TRANSIENT_BUSY
     smaller_ledger, smaller = h7_traffic(predictor, [2000, 2000, 1888], 112)
     assert budget.shortfall(smaller, smaller_ledger) is None
     assert h7_runs([(7396, 83), (6443, 95), (6000, 112)])
-    budget.update(beside_forward=None)  # kvgate before session 35: the segment share only
+    budget.update(any_cache_forward=None)  # kvgate before session 35: the segment share only
     assert budget.shortfall(demand, ledger) is None
