@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
-from kvgate.sim.gpu import Device
+from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.model import load_model
 from kvgate.sim.presets import gpu_total_bytes
 from kvgate.sim.request import Request, Sampling
+from kvgate.sim.step_memory import StepShape, run_tape
 from kvgate.sim.tokens import StandInTokenizer, TextModel
 from kvgate.sim.vision import Item
 
@@ -46,6 +47,25 @@ def make_engine(cfg: SimConfig) -> Engine:
     )
     engine.boot()
     return engine
+
+
+def sim_runs_after(
+    alloc: CachingAllocator, engine: Engine, earlier: StepShape, step: StepShape, free_retained: bool
+) -> bool:
+    """Whether `step` runs on `alloc` after `earlier` ran on it, the earlier step's retained
+    outputs freed first where `free_retained` (the engine frees them when the next step starts).
+    An earlier step that cannot run in this memory is no history: True."""
+    try:
+        out = run_tape(alloc, engine.steps.plan(earlier))
+    except CudaOutOfMemory:
+        return True
+    for block in out if free_retained else ():
+        alloc.free(block)
+    try:
+        run_tape(alloc, engine.steps.plan(step))
+    except CudaOutOfMemory:
+        return False
+    return True
 
 
 def prompt(i: int, length: int, shared: int = 0) -> list[int]:

@@ -20,7 +20,7 @@ import pathlib
 import tempfile
 
 import pytest
-from sim_support import make_engine
+from sim_support import make_engine, sim_runs_after
 
 from bench.scenarios import SCENARIOS
 from kvgate.cli import build_parser
@@ -34,9 +34,8 @@ from kvgate.openai import parse_request
 from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
 from kvgate.sim.engine import Engine
-from kvgate.sim.gpu import CudaOutOfMemory
 from kvgate.sim.presets import gpu_total_bytes, write_model_folder
-from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
+from kvgate.sim.step_memory import ReqSlice, StepShape
 from kvgate.units import MiB
 
 S8 = next(s for s in SCENARIOS if s.key == "S8")
@@ -122,17 +121,7 @@ def _runs_after(engine: Engine, earlier: StepShape, step: StepShape) -> bool:
     """Whether `step` runs on the engine's own allocator (as start-up left it) after `earlier`,
     whose retained outputs are freed when the next step starts (kvgate/sim/carryover.py)."""
     _, alloc = copy.deepcopy((engine.device, engine.alloc))
-    try:
-        retained = run_tape(alloc, engine.steps.plan(earlier))
-    except CudaOutOfMemory:
-        return True  # no such history in this memory
-    for block in retained:
-        alloc.free(block)
-    try:
-        run_tape(alloc, engine.steps.plan(step))
-    except CudaOutOfMemory:
-        return False
-    return True
+    return sim_runs_after(alloc, engine, earlier, step, free_retained=True)
 
 
 @pytest.mark.xfail(

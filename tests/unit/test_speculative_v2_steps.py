@@ -15,7 +15,7 @@ import copy
 import json
 
 import pytest
-from sim_support import make_engine
+from sim_support import make_engine, sim_runs_after
 
 from bench.scenarios import SCENARIOS
 from kvgate.cli import build_parser
@@ -31,7 +31,7 @@ from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
-from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.units import GiB, MiB
 from support.geometry import model_geometry
@@ -203,24 +203,6 @@ def chats_admitted(predictor: Predictor, budget: Budget, prefill: int) -> int:
 def sim_fits_after(engine: Engine, capacity: int, earlier: StepShape, step: StepShape) -> bool:
     """Whether `step` runs in `capacity` bytes after `earlier` ran in it (the simulator's allocator)."""
     return sim_runs_after(CachingAllocator(Device(capacity), "step"), engine, earlier, step, free_retained=False)
-
-
-def sim_runs_after(
-    alloc: CachingAllocator, engine: Engine, earlier: StepShape, step: StepShape, free_retained: bool
-) -> bool:
-    """Whether `step` runs on `alloc` after `earlier` ran on it, the earlier step's retained
-    outputs freed first where `free_retained` (the engine frees them when the next step starts)."""
-    try:
-        out = run_tape(alloc, engine.steps.plan(earlier))
-    except CudaOutOfMemory:
-        return True  # that earlier step cannot have run in this memory: no such history
-    for block in out if free_retained else ():
-        alloc.free(block)
-    try:
-        run_tape(alloc, engine.steps.plan(step))
-    except CudaOutOfMemory:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
