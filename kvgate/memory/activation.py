@@ -36,7 +36,7 @@ from kvgate.memory.allocator import (
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.memory.lora import QKV_SLICES, shrink_buffer_bytes
-from kvgate.memory.off_loop import OffLoopMemo
+from kvgate.memory.off_loop import Key, OffLoopMemo, Value
 from kvgate.memory.sampler import (
     ALL_VOCAB_LOGPROBS_BYTES_PER_LOGIT,
     FP32,
@@ -1590,7 +1590,22 @@ def level_capacity(capacity: int) -> int:
     return rounded
 
 
-class SharedForward(OffLoopMemo[int, int]):
+class DeploymentReplay(OffLoopMemo[Key, Value]):
+    """An `OffLoopMemo` of one deployment's allocator replays: the geometry, engine shape and
+    allocator mode every replay reads; a subclass names its worker thread (`thread_name`)."""
+
+    thread_name = "kvgate-replay"
+
+    def __init__(
+        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
+    ) -> None:
+        super().__init__(self.thread_name, background)
+        self.geometry = geometry
+        self.engine = engine
+        self.expandable_segments = expandable_segments
+
+
+class SharedForward(DeploymentReplay[int, int]):
     """`shared_forward_level` of one MLA deployment, for the budget: whether a step whose forward
     pass holds `forward_bytes` runs in `capacity` after the steps of the requests beside it.
 
@@ -1602,13 +1617,7 @@ class SharedForward(OffLoopMemo[int, int]):
     queue weighed again at once, not at the next release or arrival). `background=False` works
     the level out in the caller's thread (tests, one-shot tools)."""
 
-    def __init__(
-        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
-    ) -> None:
-        super().__init__("kvgate-shared-forward", background)
-        self.geometry = geometry
-        self.engine = engine
-        self.expandable_segments = expandable_segments
+    thread_name = "kvgate-shared-forward"
 
     def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool:
         """`unknown`: the ceiling's call (would it ever fit): the level is worked out now, in the
@@ -1669,7 +1678,7 @@ def any_cache_forward_level(
     return full * low // ANY_CACHE_TOKEN_STEPS
 
 
-class AnyCacheForward(OffLoopMemo[int, int]):
+class AnyCacheForward(DeploymentReplay[int, int]):
     """`any_cache_forward_level` of one deployment, for the budget: whether a step of `tokens`
     runs in `capacity` whatever is cached. A level costs 0.1-1.5 s of CPU, so each headroom's
     (rounded down to a multiple of 8 MiB, as `LoneForward`'s) is worked out once on a worker
@@ -1679,13 +1688,7 @@ class AnyCacheForward(OffLoopMemo[int, int]):
     cost a replay, and keep the steps beside others waiting for it. Until it is known the answer
     is no (the cautious one: the step waits); the gate is told when it is known."""
 
-    def __init__(
-        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
-    ) -> None:
-        super().__init__("kvgate-any-cache-forward", background)
-        self.geometry = geometry
-        self.engine = engine
-        self.expandable_segments = expandable_segments
+    thread_name = "kvgate-any-cache-forward"
 
     def __call__(self, tokens: int, capacity: int) -> bool:
         key = capacity // CAPACITY_STEP * CAPACITY_STEP
@@ -1937,7 +1940,7 @@ def penalty_prompt_class(prompt: int) -> int:
     return rounded
 
 
-class V1PenaltyStep(OffLoopMemo[tuple[int, int], int]):
+class V1PenaltyStep(DeploymentReplay[tuple[int, int], int]):
     """`v1_penalty_step_excess_bytes` of one V1 deployment, for the budget: the step's sampled
     rows rounded up to 32nds of the most one step samples and its longest prompt to
     `penalty_prompt_class`, so at most 32 x (4 a doubling of prompts) replays a deployment,
@@ -1946,13 +1949,7 @@ class V1PenaltyStep(OffLoopMemo[tuple[int, int], int]):
     answer is None (the budget charges the penalty step as before: in full out of free memory).
     `background=False` works it out in the caller's thread (tests, one-shot tools)."""
 
-    def __init__(
-        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
-    ) -> None:
-        super().__init__("kvgate-penalty-step", background)
-        self.geometry = geometry
-        self.engine = engine
-        self.expandable_segments = expandable_segments
+    thread_name = "kvgate-penalty-step"
 
     def __call__(self, rows: int, prompt: int) -> int | None:
         """What a penalty step of `rows` sampled rows, its longest prompt `prompt`, needs beyond
