@@ -97,9 +97,10 @@ class Budget:
     forward_bytes_per_token: int = 0
     # Its final hidden states: the most of the open prefills' the sampler phase holds.
     profiled_hidden_bytes: int = 0
-    # (sampled rows, step tokens) -> the sampler phase's segment overhead beside other requests
-    # (kvgate/memory/activation.py SamplerPhaseOverhead); None: the profile's share.
-    sampler_phase_overhead: Callable[[int, int], int] | None = None
+    # (sampled rows, step tokens, whether it copies the logits to fp32) -> the sampler phase's
+    # segment overhead beside other requests (kvgate/memory/activation.py SamplerPhaseOverhead);
+    # None: the profile's share.
+    sampler_phase_overhead: Callable[[int, int, bool], int] | None = None
     # The share of it charged, relaxed on the GPU's evidence (kvgate/telemetry/calibration.py observe_slack).
     sampler_overhead_scale: float = 1.0
     # (step tokens, capacity) -> whether a lone request's forward pass runs in that capacity after

@@ -205,6 +205,7 @@ class Ledger:
             sampled_rows=sampler.rows,
             penalty_bytes=sampler.penalties + sampler.prompt_ids,
             penalty_prompt=sampler.penalty_prompt,
+            copies_logits=sampler.copies_logits,
         )
 
     def step_with(self, demand: Demand) -> StepHoldings:
@@ -227,6 +228,7 @@ class Ledger:
             sampled_rows=sampler.rows,
             penalty_bytes=sampler.penalties + sampler.prompt_ids,
             penalty_prompt=sampler.penalty_prompt,
+            copies_logits=sampler.copies_logits,
         )
 
     @staticmethod

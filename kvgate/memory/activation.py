@@ -24,6 +24,7 @@ from functools import cached_property, lru_cache
 
 from kvgate.memory.allocator import (
     ROUND_LARGE,
+    PlayedStep,
     TapeOp,
     alloc,
     fits_after_any,
@@ -32,6 +33,7 @@ from kvgate.memory.allocator import (
     footprint,
     free,
     worst_need,
+    worst_need_beyond_earlier,
 )
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import ModelGeometry
@@ -1702,59 +1704,101 @@ class AnyCacheForward(DeploymentReplay[int, int]):
         return any_cache_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
 
-def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:
+def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int, copies: bool = True) -> list[TapeOp]:
     """The sampler phase of a step that samples `rows` rows, after its forward pass: vllm 0.32.0
     v1/worker/gpu/model_runner.py ``sample`` gathers ``sample_hidden_states`` ``[rows, H]``, the
-    lm_head makes the logits ``[rows, V]`` in the model dtype and the sampler their fp32 copy
-    (gpu/sample/sampler.py ``apply_sampling_params``; V2's RejectionSampler one chunk at a time,
-    spec_decode/rejection_sampler.py ``_verify_in_chunks``; V1 always copies, v1/sample/sampler.py
-    ``Sampler.forward``). Top-k/top-p and logprobs buffers are left out: the phase's overhead is
-    what its largest tensors find of the forward pass's cached segments."""
+    lm_head makes the logits ``[rows, V]`` in the model dtype and, where the step `copies` them,
+    the sampler their fp32 copy (V1 always, v1/sample/sampler.py ``Sampler.forward``; V2 only when
+    a row needs logits processing, gpu/sample/sampler.py ``apply_sampling_params``, and its
+    RejectionSampler one chunk at a time, spec_decode/rejection_sampler.py ``_verify_in_chunks``).
+    Top-k/top-p and logprobs buffers are left out: the phase's overhead is what its largest
+    tensors find of the forward pass's cached segments."""
     g = geometry
     copied = min(rows, sampler_cost(g, engine).verify_chunk_rows) if engine.runner == "v2" else rows
-    return [
+    tape = [
         alloc("sample_hidden", rows * g.hidden_size * g.dtype_bytes),
         alloc("logits", rows * g.vocab_size * g.dtype_bytes),
-        alloc("logits_fp32", copied * g.vocab_size * FP32),
-        *free("logits_fp32", "logits", "sample_hidden"),
     ]
+    if copies:
+        tape += [alloc("logits_fp32", copied * g.vocab_size * FP32), *free("logits_fp32")]
+    return [*tape, *free("logits", "sample_hidden")]
+
+
+@lru_cache(maxsize=4096)
+def _earlier_sampled_step(
+    geometry: ModelGeometry, engine: EngineShape, tokens: int, rows: int, copies: bool
+) -> PlayedStep:
+    """An earlier step's forward pass of `tokens` tokens and sampler phase of `rows` rows, played
+    from an empty cache (`sampler_phase_overhead_bytes`' joined histories, shared by its grid points)."""
+    forward = profile_forward_tape(geometry, engine, tokens)
+    return PlayedStep([*forward[:-1], *sampler_phase_tape(geometry, engine, rows, copies), forward[-1]])
 
 
 @lru_cache(maxsize=4096)
 def sampler_phase_overhead_bytes(
-    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, rows: int, tokens: int
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, rows: int, tokens: int, copies: bool = True
 ) -> int:
-    """What the sampler phase of a step of `tokens` tokens sampling `rows` rows needs beyond its
-    own tensors and the step's final hidden states ``[tokens, H]``: the step's forward pass
-    (`profile_forward_tape`, its last hidden states kept) run after any one earlier step of
-    another size, the cache kept or released in between (kvgate/memory/allocator.py
-    `worst_need`, as `profile_segment_overhead_bytes`). The hidden states pin the segment best
-    fit gave them among the forward pass's freed blocks, and the logits and their fp32 copy split
-    cached segments or take new ones. Benchmark S9 (Llama 3.1 8B, 2,048 tokens, 1 + 5 rows a
-    request) OOMed the simulator with 187 MiB of its cache stranded this way when the sampler
-    phase was charged only its tensors: after an earlier forward pass alone, 74 MiB at 288 rows
-    after a 2,048-token forward pass, 28 after a 384-token one.
+    """What the sampler phase of a step of `tokens` tokens sampling `rows` rows (its logits copied
+    to fp32 where it `copies` them) needs beyond its own tensors and the step's final hidden
+    states ``[tokens, H]``: the step's forward pass (`profile_forward_tape`, its last hidden states
+    kept) run after any one earlier step, the cache kept or released in between
+    (kvgate/memory/allocator.py `worst_need`, as `profile_segment_overhead_bytes`). The hidden
+    states pin the segment best fit gave them among the forward pass's freed blocks, and the
+    logits and their fp32 copy split cached segments or take new ones. Benchmark S9 (Llama 3.1
+    8B, 2,048 tokens, 1 + 5 rows a request) OOMed the simulator with 187 MiB of its cache stranded
+    this way when the sampler phase was charged only its tensors: after an earlier forward pass
+    alone, 74 MiB at 288 rows after a 2,048-token forward pass, 28 after a 384-token one.
 
-    The earlier step either sampled nothing (a step of prefill chunks) or sampled the same batch,
-    as a decoding batch does from step to step (every V2 decoding request verifies its 1 + k rows
-    each step: vllm 0.32.0 v1/worker/gpu/model_runner.py ``sample``): its logits and fp32 copy
-    leave cached segments of this phase's sizes, which the next forward pass's tensors split by
-    best fit, so the phase's own tensors find them taken. Benchmark S9 OOMed the simulator once
-    with the prefills' residual no longer charged in this phase (session 28, before this history
-    was added): 288 rows asked a 140.9 MiB fp32 copy with 136.5 MiB of the cache reserved but
-    unallocated; at 288 rows after a 1,536-token forward pass this replay gives 130 MiB where the
-    earlier step without a sampler phase gave 52. Not a bound over longer histories either.
+    The earlier step is a forward pass of each sixteenth of max_num_batched_tokens that sampled
+    nothing (a step of prefill chunks) or the same rows (a decoding batch from step to step:
+    every V2 decoding request verifies its 1 + k rows each step, vllm 0.32.0
+    v1/worker/gpu/model_runner.py ``sample``). And where this phase copies its logits (with a
+    caching allocator that splits segments), counted only where the phase then needs more than
+    that earlier step did (where it needs no more, the earlier step ran in the same memory and
+    left the cache this phase meets: kvgate/memory/allocator.py `worst_need_beyond_earlier`): the
+    same rows copying nothing (a processing row just joined), or fewer rows copied to fp32 (from
+    half the rows up, `_fewer_rows_copied`), as requests join a batch from one step to the next.
+    An earlier fp32 copy of at least half as many rows leaves a segment too small for this
+    phase's copy and large enough for its logits, which best fit puts there, stranding the rest
+    while the copy takes a new segment. Benchmark S8 (Qwen2.5-7B, V2) ran the simulator out of
+    memory so: 20 n = 16 streams and 5 chats decoding beside an 823-token prefill (330 rows), then
+    a 21st stream's 16 children joining (345 rows) put 100.1 MiB of logits in the earlier copy's
+    192 MiB segment, and its 200.1 MiB copy found no room; the replay of the same rows only gave
+    62.6 MiB of overhead and kvgate admitted the stream (tests/unit/test_s8_burst.py). A phase
+    that copies nothing leaves its logits in such a segment, in memory the earlier step needed
+    more of. Benchmark S9 OOMed the simulator once with the prefills' residual no longer charged
+    in this phase (session 28, before the same-rows history was added). Not a bound over longer
+    histories, and not monotone in the earlier rows (a few rows more and the logits fit the
+    earlier logits' own segment): the row grid samples it.
     Memoised: each replay takes tens of milliseconds."""
     full = engine.max_num_batched_tokens
     history = sorted({max(1, full * k // HISTORY_STEP_SIZES) for k in range(1, HISTORY_STEP_SIZES + 1)})
-    phase = sampler_phase_tape(geometry, engine, rows)
+    phase = sampler_phase_tape(geometry, engine, rows, copies)
     own = profile_forward_tape(geometry, engine, tokens)[:-1]  # its final hidden states kept
     forwards = [profile_forward_tape(geometry, engine, t) for t in history]
     earlier = [[forward, own] for forward in forwards]
     earlier += [[[*forward[:-1], *phase, forward[-1]], own] for forward in forwards]
     need = worst_need(phase, earlier, expandable_segments)
+    if copies and not expandable_segments:
+        row_step = max(1, sampler_cost(geometry, engine).max_sampled_rows // SAMPLER_ROW_STEPS)
+        joined = [(_earlier_sampled_step(geometry, engine, t, rows, False), own) for t in history]
+        fewer = _fewer_rows_copied(geometry, rows, row_step)
+        joined += [(_earlier_sampled_step(geometry, engine, t, r, True), own) for r in fewer for t in history]
+        need = max(need, worst_need_beyond_earlier(phase, joined))
     hidden = tokens * geometry.hidden_size * geometry.dtype_bytes
     return max(0, need - footprint(phase, expandable_segments).allocated_peak - hidden)
+
+
+def _fewer_rows_copied(geometry: ModelGeometry, rows: int, row_step: int) -> list[int]:
+    """The earlier row counts `sampler_phase_overhead_bytes` replays an fp32 copy of: those on the
+    row grid from half of `rows` up, and the most rows whose logits' segment (rounded up to
+    2 MiB) is still smaller than this phase's logits, whose fp32 copy strands the most of its
+    segment around them (a few rows more and the logits fit the earlier logits' own segment)."""
+    row_bytes = geometry.vocab_size * geometry.dtype_bytes
+    largest = rows - 1
+    while largest > 0 and -(-largest * row_bytes // ROUND_LARGE) * ROUND_LARGE >= rows * row_bytes:
+        largest -= 1
+    return sorted({r for r in range(row_step, rows, row_step) if 2 * r >= rows} | {largest} - {0})
 
 
 # The grid the sampler phase's overhead is replayed on: 32nds of the most rows one step samples,
@@ -1773,7 +1817,7 @@ class SamplerPhaseOverhead:
         self.engine = engine
         self.expandable_segments = expandable_segments
 
-    def __call__(self, rows: int, tokens: int) -> int:
+    def __call__(self, rows: int, tokens: int, copies: bool = True) -> int:
         if rows <= 0:
             return 0
         e = self.engine
@@ -1783,7 +1827,8 @@ class SamplerPhaseOverhead:
         worst = 0
         for r in _around(rows, row_step):
             for t in _around(tokens, token_step):
-                worst = max(worst, sampler_phase_overhead_bytes(self.geometry, e, self.expandable_segments, r, t))
+                overhead = sampler_phase_overhead_bytes(self.geometry, e, self.expandable_segments, r, t, copies)
+                worst = max(worst, overhead)
         return worst
 
 

@@ -241,6 +241,36 @@ def worst_need(
     return worst
 
 
+class PlayedStep:
+    """The allocator's pools after one step played from an empty cache, and what that step needed
+    (`Footprint.need`): kept to play several later steps from (`worst_need_beyond_earlier`)."""
+
+    def __init__(self, tape: Sequence[TapeOp], expandable_segments: bool = False) -> None:
+        self._replay = _Replay(expandable_segments)
+        self.need = self._replay.play(tape).need
+
+    def then(self, lead_in: Sequence[TapeOp], step: Sequence[TapeOp]) -> int:
+        """What `step` needs played after `lead_in` from these pools (a copy: they stay as they are)."""
+        replay = self._replay.copy()
+        replay.play(lead_in)
+        return replay.play(step).need
+
+
+def worst_need_beyond_earlier(step: Sequence[TapeOp], earlier: Iterable[tuple[PlayedStep, Sequence[TapeOp]]]) -> int:
+    """The most `step` needs after any of the `earlier` (played step, lead-in) pairs (an earlier
+    step, then what runs of `step`'s own step before it), counted only where `step` needs more
+    than the earlier step did: where it needs no more, the earlier step ran in the same memory and
+    left the cache `step` meets, so it runs too (0 when no pair counts). The cache is kept in
+    between: released, the earlier step leaves nothing cached and `step` runs as from an empty
+    cache, which `worst_need` plays."""
+    worst = 0
+    for earlier_step, lead_in in earlier:
+        need = earlier_step.then(lead_in, step)
+        if need > earlier_step.need:
+            worst = max(worst, need)
+    return worst
+
+
 def _best_fit(segments: list[_Segment], size: int, pool: str) -> tuple[_Segment, _Block] | None:
     best: tuple[_Segment, _Block] | None = None
     for seg in segments:

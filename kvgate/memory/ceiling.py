@@ -67,6 +67,9 @@ class StepHoldings:
     # (kvgate/memory/sampler.py), and the longest prompt the ids are padded to
     penalty_bytes: int = 0
     penalty_prompt: int = 0
+    # whether its sampler phase copies the logits to fp32 (V1 always; V2 when a row needs
+    # processing: kvgate/memory/sampler.py `SamplerStage.copies_logits`)
+    copies_logits: bool = True
 
     @property
     def transient_bytes(self) -> int:
@@ -101,7 +104,7 @@ def step_charge(
     forward_cap: int | None = None,
     forward_bytes_per_token: int = 0,
     residual_cap: int | None = None,
-    sampler_overhead: Callable[[int, int], int] | None = None,
+    sampler_overhead: Callable[[int, int, bool], int] | None = None,
     sampler_overhead_scale: float = 1.0,
     forward_overhead: float | None = None,
 ) -> int:
@@ -150,7 +153,8 @@ def step_charge(
     share = math.ceil(sampler * segment_overhead)
     if sampler_overhead is not None and segment_overhead and forward_bytes_per_token and sampler:
         tokens = math.ceil(step.forward_profiled / forward_bytes_per_token) + step.sampled_rows
-        replayed = math.ceil(sampler_overhead(step.sampled_rows, tokens) * sampler_overhead_scale)
+        replayed = sampler_overhead(step.sampled_rows, tokens, step.copies_logits)
+        replayed = math.ceil(replayed * sampler_overhead_scale)
         # the replay is the phase's overhead out of free memory: only its part out of free memory
         # takes it (none where the engine holds the region, profiled_cap 0: V1, see above)
         replayed = -(-replayed * sampler // phase)
@@ -203,4 +207,5 @@ def demand_step(demand: Demand) -> StepHoldings:
         sampler_unprofiled=sampler.unprofiled if sampler else 0,
         sampler_profiled=sampler.profiled if sampler else 0,
         sampled_rows=sampler.rows if sampler else 0,
+        copies_logits=sampler.copies_logits if sampler else True,
     )

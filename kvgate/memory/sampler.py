@@ -373,6 +373,9 @@ class SamplerStage:
     profiled: int = 0  # the part of the above the start-up profile reserved
     rows: int = 0  # the rows it samples (1 + k a request under speculative decoding)
     penalty_prompt: int = 0  # V1 with a penalty row: the longest prompt its prompt ids are padded to
+    # whether the step copies its logits to fp32 (sizes the sampler phase's segment overhead):
+    # V1 always, V2 when a row needs processing
+    copies_logits: bool = True
 
     @property
     def unprofiled(self) -> int:
@@ -498,6 +501,7 @@ class SamplerCost:
             sample_hidden=2 * rows_sampled * hidden_row,
             profiled=profiled,
             rows=rows_sampled,
+            copies_logits=fp32 > 0,
         )
 
     def warmup_pass(self) -> tuple[int, int, int]:

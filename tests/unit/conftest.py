@@ -18,6 +18,12 @@ from collections.abc import Iterator
 
 import pytest
 
+with contextlib.suppress(ImportError):
+    # matplotlib (bench's plots, tests/unit/test_bench_report.py) lists the system's fonts with
+    # `fc-list` the first time it is imported on a machine with no font cache yet (a fresh CI
+    # machine): done here, at collection, before any test runs under the guard below.
+    import matplotlib.font_manager  # noqa: F401
+
 _SPAWNERS: tuple[tuple[object, str], ...] = (
     (subprocess.Popen, "_execute_child"),
     (_posixsubprocess, "fork_exec"),

@@ -317,3 +317,28 @@ def test_kvgates_replay_of_a_step_after_one_earlier_step_agrees_with_the_simulat
         assert kvgate == sim, f"{n} chats beside {prefill} tokens: kvgate {kvgate}, simulator {sim}"
         verdicts.add(sim)
     assert verdicts == {True, False}  # the counts span where the batch stops fitting
+
+
+@pytest.mark.parametrize("prefill", [0, 500, 1000, 1500])
+def test_what_kvgate_admits_on_s9s_live_budget_fits_the_simulator_after_a_step_before_chats_joined(
+    engine: Engine, predictor: Predictor, s9_budget: Budget, s9_capacity: int, prefill: int
+) -> None:
+    """Requests join a batch from one step to the next: every count of decoding chats kvgate
+    admits beside an open prefill runs in the simulator after an earlier step of one to four
+    chats fewer beside a prefill of another size (every 256 tokens of the step), whose fp32 copy
+    of fewer rows leaves a segment this step's logits fit and its copy does not
+    (kvgate/memory/activation.py `sampler_phase_overhead_bytes`, session 36)."""
+    n = chats_admitted(predictor, s9_budget, prefill)
+    for count in range(max(1, n - 12), n + 1):
+        chunk = min(prefill, 2048 - count * (1 + K))
+        step = StepShape(
+            tuple([decoding_slice(S9_CHAT)] * count + ([ReqSlice(chunk, 0, random=True, seeded=True)] if chunk else []))
+        )
+        for fewer in range(1, 5):
+            decoders = [decoding_slice(S9_CHAT)] * (count - fewer)
+            for tokens in range(256, 2049, 256):
+                other = ReqSlice(max(1, tokens - (count - fewer) * (1 + K)), 0, random=True, seeded=True)
+                earlier = StepShape((*decoders, other))
+                assert sim_fits_after(engine, s9_capacity, earlier, step), (
+                    f"{count} of {n} chats, prefill {prefill}, after {count - fewer} chats beside {tokens} tokens"
+                )

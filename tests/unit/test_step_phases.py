@@ -85,18 +85,19 @@ def test_profile_hidden_bytes_are_the_profiles_final_hidden_states() -> None:
 
 def test_the_sampler_phase_beside_others_takes_its_replayed_overhead_at_the_learned_share() -> None:
     """The sampler phase's overhead is a replay at the step's rows and tokens (the open prefills'
-    forward bytes over the per-token bytes, plus the sampled rows); only beside other requests
-    (a nonzero segment overhead), at the share calibration allows."""
-    seen: list[tuple[int, int]] = []
+    forward bytes over the per-token bytes, plus the sampled rows, and whether it copies its
+    logits to fp32); only beside other requests (a nonzero segment overhead), at the share
+    calibration allows."""
+    seen: list[tuple[int, int, bool]] = []
 
-    def overhead(rows: int, tokens: int) -> int:
-        seen.append((rows, tokens))
+    def overhead(rows: int, tokens: int, copies: bool) -> int:
+        seen.append((rows, tokens, copies))
         return 40
 
     step = holdings(forward=100 * 1000, sampler_unprofiled=500 * 1000, sampler=100, rows=60)
     common = dict(profiled_cap=10**9, forward_bytes_per_token=1000, sampler_overhead=overhead)
     assert step_charge(step, segment_overhead=0.1, **common) == 500 * 1000 + 100 + 40  # forward: 160,000 x 1.1
-    assert seen == [(60, 100 + 60)]
+    assert seen == [(60, 100 + 60, True)]
     assert step_charge(step, segment_overhead=0.1, sampler_overhead_scale=0.25, **common) == 500 * 1000 + 100 + 10
     assert step_charge(step, segment_overhead=0.0, **common) == 500 * 1000 + 100  # alone: no overhead
 
@@ -104,10 +105,12 @@ def test_the_sampler_phase_beside_others_takes_its_replayed_overhead_at_the_lear
 def test_the_replayed_sampler_overhead_of_s9_is_larger_after_a_full_forward_pass() -> None:
     """S9's Llama 3.1 8B: a decode step of 64 requests (384 rows, 384 tokens) strands less of the
     cache than the same rows beside a prefill filling the step's 2,048 tokens, whose hidden states
-    pin a segment of the MLP's (kvgate/memory/allocator.py replay)."""
+    pin a segment of the MLP's (kvgate/memory/allocator.py replay). Below the fp32 copy of its
+    rows (the most an earlier copy's segment can strand: kvgate/memory/activation.py
+    `sampler_phase_overhead_bytes`)."""
     overhead = SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, False)
     decode_only, beside_prefill = overhead(384, 384), overhead(384, 2048)
-    assert 0 < decode_only < beside_prefill <= 128 * MiB
+    assert 0 < decode_only < beside_prefill <= 384 * 128_256 * 4
     assert SamplerPhaseOverhead(model_geometry("llama-3-8b"), S9_ENGINE, True)(384, 2048) < beside_prefill
 
 
@@ -131,7 +134,7 @@ def test_a_prefills_hidden_states_are_the_part_of_its_forward_pass_the_sampler_p
 
 def test_a_segment_share_learned_from_the_gpu_above_the_replay_still_counts_on_the_sampler_phase() -> None:
     step = holdings(forward=10, sampler_unprofiled=100, sampler=200, rows=60)
-    common = dict(profiled_cap=10**9, forward_bytes_per_token=1, sampler_overhead=lambda rows, tokens: 40)
+    common = dict(profiled_cap=10**9, forward_bytes_per_token=1, sampler_overhead=lambda rows, tokens, copies: 40)
     assert step_charge(step, segment_overhead=0.1, **common) == 100 + 200 + 40  # the replay: 40 > 20
     assert step_charge(step, segment_overhead=0.5, **common) == 100 + 200 + 100  # the learned share: 100 > 40
 
@@ -140,7 +143,7 @@ def test_the_replayed_sampler_overhead_is_charged_only_on_the_phase_out_of_free_
     """Like the share, in proportion min(profiled_cap, phase) / phase: nothing where the engine
     holds the whole profile region (profiled_cap 0, V1), all of it where the region came back."""
     step = holdings(forward=10, sampler_unprofiled=100, sampler=200, rows=60)
-    common = dict(segment_overhead=0.1, forward_bytes_per_token=1, sampler_overhead=lambda rows, tokens: 40)
+    common = dict(segment_overhead=0.1, forward_bytes_per_token=1, sampler_overhead=lambda rows, tokens, copies: 40)
     assert step_charge(step, profiled_cap=10**9, **common) == 100 + 200 + 40
     assert step_charge(step, profiled_cap=100, **common) == 100 + 100 + 20  # half the phase: half the replay
     assert step_charge(step, profiled_cap=0, **common) == 100
