@@ -13,10 +13,13 @@ on the GPU's own rank, as long as that rank's headroom could take such a step. A
 is all or nothing, so a step larger than the headroom cannot happen there and keeps nothing back:
 once the trainers have taken all they fit, the engine gets the rest.
 
-What it does not cover: a process that takes more at once than any step seen before, processes
-NVML does not show (no process list, or no per-process bytes: the margin is all there is), and
-two steps between two readings. Steps are remembered across engine lives (the other processes
-outlive vLLM's restarts), rounded to MiB, at most `MAX_STEPS` of them (the oldest go first).
+A process's steps go with it: one that left the GPU takes nothing again (a new process is a new
+first holding). What it does not cover: a process that takes more at once than any step of its
+own seen before, processes NVML does not show (no process list, or no per-process bytes: the
+margin is all there is), and two steps between two readings. The cost: while a process that once
+took a step of S stays, up to S of the headroom is kept from the engine whenever it could take
+S. Steps are remembered across engine lives (the other processes outlive vLLM's restarts),
+in MiB, at most `MAX_STEPS` a process (the oldest go first).
 """
 
 from __future__ import annotations
@@ -32,14 +35,14 @@ MAX_STEPS = 64
 
 @dataclass
 class CotenantSteps:
-    """The allocation steps of the processes beside the server, per GPU."""
+    """The allocation steps of the processes beside the server, per GPU and process."""
 
     _held: dict[tuple[str, int], int] = field(default_factory=dict)  # (gpu, pid) -> bytes at the last reading
-    _steps: dict[str, list[int]] = field(default_factory=dict)  # gpu -> step sizes in MiB, oldest first
+    _steps: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (gpu, pid) -> steps in MiB, oldest first
 
     def observe(self, reading: GpuReading, servers: Mapping[str, int]) -> None:
-        """Record the steps this reading shows; `servers`: each GPU's server pid (its own growth
-        is the headroom's, not a co-tenant's)."""
+        """Record the steps this reading shows and forget the processes gone; `servers`: each
+        GPU's server pid (its own growth is the headroom's, not a co-tenant's)."""
         held: dict[tuple[str, int], int] = {}
         for device in reading.devices:
             for process in device.processes:
@@ -49,11 +52,12 @@ class CotenantSteps:
                 held[key] = process.used_bytes
                 step = process.used_bytes - self._held.get(key, 0)
                 if step >= MiB:
-                    self._record(device.gpu, step)
+                    self._record(key, step)
         self._held = held
+        self._steps = {key: steps for key, steps in self._steps.items() if key in held}
 
-    def _record(self, gpu: str, step: int) -> None:
-        steps = self._steps.setdefault(gpu, [])
+    def _record(self, key: tuple[str, int], step: int) -> None:
+        steps = self._steps.setdefault(key, [])
         size = step // MiB
         if size in steps:
             steps.remove(size)
@@ -61,5 +65,7 @@ class CotenantSteps:
         del steps[:-MAX_STEPS]
 
     def reserve(self, gpu: str, headroom: int) -> int:
-        """Bytes kept back on `gpu` out of `headroom`: the largest step seen there that still fits in it."""
-        return max((size * MiB for size in self._steps.get(gpu, ()) if size * MiB <= headroom), default=0)
+        """Bytes kept back on `gpu` out of `headroom`: the largest step of a process still there
+        that fits in it."""
+        sizes = (size * MiB for (on, _), steps in self._steps.items() if on == gpu for size in steps)
+        return max((size for size in sizes if size <= headroom), default=0)

@@ -148,3 +148,6 @@ def test_a_step_is_a_first_holding_or_a_rise_between_readings_and_never_the_serv
     # a new process: its first holding is a step; the trainer that stayed the same took none
     steps.observe(gpu(2000, {ENGINE: 72_000, TRAINER_1: 6048, TRAINER_2: 512}), {"GPU-a": ENGINE})
     assert steps.reserve("GPU-a", 1000 * MiB) == 512 * MiB
+    # a process that left the GPU takes nothing again: its steps go with it
+    steps.observe(gpu(8000, {ENGINE: 72_000, TRAINER_2: 512}), {"GPU-a": ENGINE})
+    assert steps.reserve("GPU-a", 8000 * MiB) == 512 * MiB
