@@ -14,8 +14,8 @@ is all or nothing, so a step larger than the headroom cannot happen there and ke
 once the trainers have taken all they fit, the engine gets the rest.
 
 A process's steps go with it: one that left the GPU takes nothing again (a new process is a new
-first holding). What it does not cover: a process that takes more at once than any step of its
-own seen before, processes NVML does not show (no process list, or no per-process bytes: the
+first holding). What it does not cover: a step larger than any the processes still on the GPU were
+seen to take, processes NVML does not show (no process list, or no per-process bytes: the
 margin is all there is), and two steps between two readings. The cost: while a process that once
 took a step of S stays, up to S of the headroom is kept from the engine whenever it could take
 S. Steps are remembered across engine lives (the other processes outlive vLLM's restarts),
