@@ -149,7 +149,7 @@ class KvgateMetrics:
         )
         self.budget_transient = Gauge(
             "kvgate_budget_transient_bytes",
-            "Transient bytes kvgate may reserve now (after the margin).",
+            "Transient bytes kvgate may reserve now (after the co-tenants' reserve and the margin).",
             registry=r,
         )
         self.tokenization = LoopHistogram(

@@ -90,6 +90,10 @@ class Budget:
     # (kvgate/telemetry/calibration.py region_held): part of the headroom (its server growth) that
     # a step's profiled charge comes back into, not a prediction. The margin is not applied to it.
     held_region_bytes: int = 0
+    # Kept back of the headroom for the other processes on the GPU: a repeat of the largest
+    # allocation step one was seen to take, while the headroom could take it
+    # (kvgate/telemetry/cotenants.py). Not of the never-fits ceiling: that is the idle server's.
+    cotenant_reserve_bytes: int = 0
     # The profile's forward pass (kvgate/memory/activation.py profile_forward_bytes): the most the
     # open prefills' profiled forward terms take in one step (0: bounded by profiled_cap_bytes only).
     profiled_forward_bytes: int = 0
@@ -167,8 +171,10 @@ class Budget:
         """The segment overhead the profiled terms are charged: the replay's or the GPU's, larger."""
         return max(self.segment_overhead, self.learned_segment_overhead)
 
-    def transient_limit(self, held: int | None = None) -> int | None:
-        """The transient bytes kvgate may charge: the headroom less the safety margin, times the
+    def transient_limit(self, held: int | None = None, beside_cotenants: bool = True) -> int | None:
+        """The transient bytes kvgate may charge: the headroom less the co-tenants' reserve
+        (`cotenant_reserve_bytes`; `beside_cotenants` false: not, for calibration, which judges
+        kvgate's own charges against the engine's memory) and the safety margin, times the
         conservative scale. The margin is for what kvgate predicts and the engine has not shown:
         of the headroom, the `held` bytes (default the whole held region, `held_region_bytes`)
         are the profile region's segments the engine already took and kept, which a step's
@@ -176,7 +182,8 @@ class Budget:
         own profiled part of them)."""
         if self.transient_headroom_bytes is None:
             return None
-        return math.floor(self._spendable(self.transient_headroom_bytes, held) * self.scale)
+        headroom = self.transient_headroom_bytes - (self.cotenant_reserve_bytes if beside_cotenants else 0)
+        return math.floor(self._spendable(max(0, headroom), held) * self.scale)
 
     def _spendable(self, headroom: int, held: int | None) -> float:
         """Of `headroom`, the held part whole and the rest less the margin."""

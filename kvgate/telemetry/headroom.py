@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvgate.telemetry.cotenants import CotenantSteps
 from kvgate.telemetry.gpu import DeviceMemory, GpuReading
 
 
@@ -52,13 +53,19 @@ class Headroom:
     server_growth: int  # max over devices of the server's growth since its start
     min_free: int
     profiled_cap: int  # max over devices of the profile region the engine emptied
+    # What the budget keeps back of `bytes` for the other processes' next step
+    # (kvgate/telemetry/cotenants.py): bytes - cotenant_reserve is the min over devices of
+    # free + growth - that device's reserve.
+    cotenant_reserve: int = 0
 
 
 @dataclass
 class HeadroomTracker:
-    """Remembers the server's footprint at the start of each engine life."""
+    """Remembers the server's footprint at the start of each engine life, and the other
+    processes' allocation steps across lives."""
 
     _start: dict[str, tuple[int, int]] = field(default_factory=dict)  # gpu -> (pid, used)
+    cotenants: CotenantSteps = field(default_factory=CotenantSteps)
 
     def reset(self) -> None:
         """A new engine life (restart): the next reading sets the baseline again."""
@@ -97,11 +104,15 @@ class HeadroomTracker:
         if not reading.devices:
             return None
         growth = {d.gpu: self._growth(d) for d in reading.devices}
+        self.cotenants.observe(reading, {gpu: pid for gpu, (pid, _) in self._start.items()})
+        room = {d.gpu: d.free + growth[d.gpu] for d in reading.devices}
+        headroom = min(room.values())
         return Headroom(
-            bytes=min(d.free + growth[d.gpu] for d in reading.devices),
+            bytes=headroom,
             server_growth=max(growth.values()),
             min_free=min(d.free for d in reading.devices),
             profiled_cap=max(
                 self._profiled_cap(d, utilization, profile_peak, profile_emptied) for d in reading.devices
             ),
+            cotenant_reserve=headroom - min(room[gpu] - self.cotenants.reserve(gpu, room[gpu]) for gpu in room),
         )

@@ -96,6 +96,7 @@ class LiveBudget:
         self.static_headroom = self.budget.transient_headroom_bytes
         self.headroom = HeadroomTracker()
         self.headroom_bytes: int | None = None
+        self.cotenant_reserve_bytes = 0  # of the headroom, kept for the other processes' next step
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
         self.held_region_bytes = 0  # the profile region's segments the engine took and kept this life
@@ -360,6 +361,15 @@ class LiveBudget:
                 headroom.server_growth // MiB,
             )
         self.headroom_bytes = headroom.bytes
+        if headroom.cotenant_reserve != self.cotenant_reserve_bytes:
+            log.info(
+                "co-tenants' reserve %d -> %d MiB of the %d MiB headroom (the largest step another process "
+                "on the GPU took that still fits)",
+                self.cotenant_reserve_bytes // MiB,
+                headroom.cotenant_reserve // MiB,
+                headroom.bytes // MiB,
+            )
+        self.cotenant_reserve_bytes = headroom.cotenant_reserve
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
         self.metrics.transient_headroom.set(headroom.bytes)
@@ -391,7 +401,9 @@ class LiveBudget:
             headroom.server_growth,
             headroom.bytes,
             headroom.min_free,
-            self.budget.transient_limit(0),  # the margin on the whole headroom, as before the held region counted
+            # the margin on the whole headroom, as before the held region counted; no co-tenants' reserve:
+            # requests it holds back say nothing about kvgate's charges
+            self.budget.transient_limit(0, beside_cotenants=False),
             self.gate.head_shortfall() == TRANSIENT_BUSY,
         )
         if relaxed:
@@ -406,6 +418,7 @@ class LiveBudget:
             "gpu_readings": self.probe.available and self.headroom_bytes is not None,
             "gpu_problem": self.probe.problem,
             "transient_headroom_bytes": self.headroom_bytes,
+            "cotenant_reserve_bytes": self.cotenant_reserve_bytes,
             "kv_overcommit": round(self.calibration.kv_overcommit, 3),
             "transient_margin": round(self.calibration.transient_margin, 3),
             "segment_overhead": round(self.budget.charged_segment_overhead, 3),
@@ -440,6 +453,7 @@ class LiveBudget:
         }
         if self.headroom_bytes is not None:
             wanted["transient_headroom_bytes"] = self.headroom_bytes
+            wanted["cotenant_reserve_bytes"] = self.cotenant_reserve_bytes
             wanted["profiled_cap_bytes"] = self.profiled_cap_bytes
             wanted["learned_segment_overhead"] = c.segment_overhead
             wanted["held_region_bytes"] = self.held_region_bytes
