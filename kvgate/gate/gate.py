@@ -310,6 +310,7 @@ class Gate(Generic[Basis]):
         now = self._clock()
         ticket = Ticket(self, self.ledger.reserve(demand), now - arrived_at, now - enqueued_at)
         ticket.reservation.admitted_at = now
+        self.budget.forget_idle_cache()  # its steps will grow the cache the last idle reading saw
         self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, now - arrived_at))
         return ticket
 

@@ -126,7 +126,9 @@ class LiveBudget:
             if not await self._engine_dead():
                 await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
         if self.probe.available and self.backend.up:
-            self._gpu(await self.probe.read(), self.clock())
+            idle_before = self._engine_idle()
+            reading = await self.probe.read()
+            self._gpu(reading, self.clock(), idle_before is not None and idle_before == self._engine_idle())
         self._apply(self.clock())
 
     async def _scrape_failed(self, exc: Exception) -> None:
@@ -332,7 +334,18 @@ class LiveBudget:
         reported = cache.gpu_memory_utilization if cache else None
         return reported or self.settings.gpu_memory_utilization
 
-    def _gpu(self, reading: GpuReading, now: float) -> None:
+    def _engine_idle(self) -> int | None:
+        """The count of admissions ever made, while the engine runs nothing (kvgate has nothing in
+        flight and vLLM's last scrape showed nothing running or waiting); else None. Equal before
+        and after a GPU reading: the reading shows the cache an idle engine holds."""
+        snapshot = self.snapshot
+        if self.gate.in_flight or (snapshot is not None and (snapshot.running or snapshot.waiting)):
+            return None
+        return self.gate.admissions
+
+    def _gpu(self, reading: GpuReading, now: float, idle: bool = False) -> None:
+        """`idle`: the engine ran nothing while the GPU was read (`_engine_idle`): the server's
+        growth since start-up is then its caching allocator's cache, every block of it free."""
         if reading.error is not None:
             self.metrics.gpu_probe_up.set(0)
             self.problem = self.problem or reading.error
@@ -351,6 +364,8 @@ class LiveBudget:
         if headroom is None:
             return
         self.last_gpu = now
+        if idle and self.budget.idle_cache_bytes != headroom.server_growth:
+            self.budget.update(idle_cache_bytes=headroom.server_growth)  # lone requests may now fit
         if self.headroom_bytes is None or abs(headroom.bytes - self.headroom_bytes) > self.headroom_bytes // 20:
             log.info(
                 "transient headroom %s -> %d MiB (min free %d MiB, server growth %d MiB)",

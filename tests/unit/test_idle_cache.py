@@ -1,0 +1,122 @@
+"""What the caching allocator holds while the engine is idle, as kvgate learns it (session 36).
+
+A request alone on the engine meets the cache the last steps left; a lone prompt whose steps run
+only from a small cache (held-out H8b, H1: kvgate/memory/activation.py `lone_request_fits`) is
+admitted when a GPU reading taken while the engine ran nothing shows that cache
+(kvgate/telemetry/live.py), and the reading stops counting once a request is admitted (its steps
+grow the cache).
+"""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from kvgate.cli import build_parser
+from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.gate import Gate
+from kvgate.gate.observer import Observers
+from kvgate.gate.view import GateView
+from kvgate.memory.demand import Demand
+from kvgate.settings import settings_from_args
+from kvgate.telemetry.gpu import DeviceMemory, GpuProcess, GpuReading
+from kvgate.telemetry.in_flight import InFlightRequests
+from kvgate.telemetry.live import LiveBudget
+from kvgate.telemetry.metrics import TelemetryMetrics
+from kvgate.units import GiB, MiB
+
+HEADROOM = 900 * MiB
+ENGINE_AT_START = 70 * GiB
+
+
+class FixedProbe:
+    """A GPU whose engine holds `used` bytes; nothing else runs on it."""
+
+    kind = "test"
+    available = True
+    problem = None
+
+    def __init__(self) -> None:
+        self.used = ENGINE_AT_START
+
+    def reading(self) -> GpuReading:
+        total = ENGINE_AT_START + HEADROOM
+        device = DeviceMemory("GPU-0", "H100", total, total - self.used, self.used, (GpuProcess(1, self.used),))
+        return GpuReading((device,))
+
+    async def read(self) -> GpuReading:
+        return self.reading()
+
+
+def lone_prompt() -> Demand:
+    return Demand(
+        prompt_tokens=7000,
+        max_new_tokens=16,
+        shared_block_hashes=(),
+        private_blocks=1,
+        transient_prefill_bytes=0,
+        profiled_prefill_bytes=700 * MiB,
+    )
+
+
+def runs_from(cache_seen: list[int]):  # type: ignore[no-untyped-def]
+    """A stand-in replay: the prompt runs only from an empty cache; records the caches asked about."""
+
+    def lone_request(prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool:
+        cache_seen.append(cached)
+        return cached == 0
+
+    return lone_request
+
+
+async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it() -> None:
+    asked: list[int] = []
+    budget = Budget(
+        transient_headroom_bytes=HEADROOM,
+        max_transient_headroom_bytes=HEADROOM,
+        transient_margin=0.0,
+        profiled_peak_bytes=800 * MiB,
+        profiled_cap_bytes=800 * MiB,
+        segment_overhead=0.4,
+        profiled_forward_bytes=800 * MiB,
+        forward_bytes_per_token=800 * MiB // 8192,
+        lone_forward=lambda tokens, capacity: False,  # some one-step history runs it out of memory
+        lone_request=runs_from(asked),
+    )
+    gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=60.0)
+    probe = FixedProbe()
+    settings = settings_from_args(build_parser().parse_args(["serve"]))
+
+    async def resync() -> None:
+        return None
+
+    live = LiveBudget(
+        settings,
+        httpx.AsyncClient(),
+        GateView(gate),
+        InFlightRequests(),
+        budget,
+        TelemetryMetrics(CollectorRegistry()),
+        probe,  # type: ignore[arg-type]
+        resync,
+        lambda: 16,
+    )
+    assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY  # nothing known of the cache
+    live._gpu(probe.reading(), 0.0, idle=True)  # the engine's start-up reading: nothing cached
+    assert budget.idle_cache_bytes == 0
+    ticket = await gate.acquire(lone_prompt(), 0, "first")
+    assert budget.idle_cache_bytes is None  # admitted: its steps will grow the cache
+    assert live._engine_idle() is None  # in flight
+    probe.used += 600 * MiB  # its steps' segments, cached
+    ticket.release("completed")
+    idle = live._engine_idle()
+    assert idle is not None
+    live._gpu(probe.reading(), 1.0, idle=idle == live._engine_idle())
+    assert budget.idle_cache_bytes == 600 * MiB
+    assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY
+    assert asked[-1] == 600 * MiB
+    live._gpu(probe.reading(), 2.0, idle=False)  # a reading while something ran says nothing
+    assert budget.idle_cache_bytes == 600 * MiB
+    probe.used -= 600 * MiB  # a failed cudaMalloc released the free segments
+    live._gpu(probe.reading(), 3.0, idle=True)
+    assert budget.shortfall(lone_prompt(), gate.ledger) is None
