@@ -99,6 +99,9 @@ class LiveBudget:
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
         self.held_region_bytes = 0  # the profile region's segments the engine took and kept this life
+        # Whether this life's GPU baseline was read before the engine computed any prompt token:
+        # only then is its growth since the baseline all of its allocator's cache (`_engine_idle`)
+        self.baseline_before_steps = False
         self.gpu_total: int | None = None  # bytes of one GPU, from the last reading
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
@@ -345,7 +348,9 @@ class LiveBudget:
 
     def _gpu(self, reading: GpuReading, now: float, idle: bool = False) -> None:
         """`idle`: the engine ran nothing while the GPU was read (`_engine_idle`): the server's
-        growth since start-up is then its caching allocator's cache, every block of it free."""
+        growth since start-up is then its caching allocator's cache, every block of it free, where
+        the baseline was read before the engine's first prompt token (kvgate started beside an
+        engine that had served requests takes their cache for start-up's, and learns nothing)."""
         if reading.error is not None:
             self.metrics.gpu_probe_up.set(0)
             self.problem = self.problem or reading.error
@@ -355,6 +360,9 @@ class LiveBudget:
             self.metrics.gpu_free.labels(device.gpu).set(device.free)
         if reading.devices:  # the smallest card of vLLM's: what `GET /advice` predicts the start-up on
             self.gpu_total = min(device.total for device in reading.devices)
+        if not self.headroom.started:  # this reading sets the life's baseline
+            prompts = self.snapshot.counter("prompt_tokens") if self.snapshot else None
+            self.baseline_before_steps = prompts == 0
         headroom = self.headroom.update(
             reading,
             self.utilization(),
@@ -364,7 +372,7 @@ class LiveBudget:
         if headroom is None:
             return
         self.last_gpu = now
-        if idle and self.budget.idle_cache_bytes != headroom.server_growth:
+        if idle and self.baseline_before_steps and self.budget.idle_cache_bytes != headroom.server_growth:
             self.budget.update(idle_cache_bytes=headroom.server_growth)  # lone requests may now fit
         if self.headroom_bytes is None or abs(headroom.bytes - self.headroom_bytes) > self.headroom_bytes // 20:
             log.info(

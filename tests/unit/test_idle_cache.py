@@ -23,6 +23,7 @@ from kvgate.telemetry.gpu import DeviceMemory, GpuProcess, GpuReading
 from kvgate.telemetry.in_flight import InFlightRequests
 from kvgate.telemetry.live import LiveBudget
 from kvgate.telemetry.metrics import TelemetryMetrics
+from kvgate.telemetry.vllm import parse_metrics
 from kvgate.units import GiB, MiB
 
 HEADROOM = 900 * MiB
@@ -48,6 +49,11 @@ class FixedProbe:
         return self.reading()
 
 
+def prompts_computed(count: int) -> str:
+    """vLLM's /metrics page with its prompt-token counter at `count`."""
+    return f'# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{{engine="0",model_name="m"}} {count}.0\n'
+
+
 def lone_prompt() -> Demand:
     return Demand(
         prompt_tokens=7000,
@@ -69,7 +75,9 @@ def runs_from(cache_seen: list[int]):  # type: ignore[no-untyped-def]
     return lone_request
 
 
-async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it() -> None:
+def kvgate_beside(prompts_before: int) -> tuple[Budget, Gate[None], LiveBudget, FixedProbe, list[int]]:
+    """kvgate's budget, gate and live loop beside an engine that had computed `prompts_before`
+    prompt tokens when kvgate first read it; the caches the stand-in replay was asked about."""
     asked: list[int] = []
     budget = Budget(
         transient_headroom_bytes=HEADROOM,
@@ -85,13 +93,12 @@ async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it(
     )
     gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=60.0)
     probe = FixedProbe()
-    settings = settings_from_args(build_parser().parse_args(["serve"]))
 
     async def resync() -> None:
         return None
 
     live = LiveBudget(
-        settings,
+        settings_from_args(build_parser().parse_args(["serve"])),
         httpx.AsyncClient(),
         GateView(gate),
         InFlightRequests(),
@@ -101,6 +108,12 @@ async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it(
         resync,
         lambda: 16,
     )
+    live.snapshot = parse_metrics(prompts_computed(prompts_before))
+    return budget, gate, live, probe, asked
+
+
+async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it() -> None:
+    budget, gate, live, probe, asked = kvgate_beside(0)
     assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY  # nothing known of the cache
     live._gpu(probe.reading(), 0.0, idle=True)  # the engine's start-up reading: nothing cached
     assert budget.idle_cache_bytes == 0
@@ -120,3 +133,12 @@ async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it(
     probe.used -= 600 * MiB  # a failed cudaMalloc released the free segments
     live._gpu(probe.reading(), 3.0, idle=True)
     assert budget.shortfall(lone_prompt(), gate.ledger) is None
+
+
+def test_beside_an_engine_that_already_served_the_growth_is_not_taken_for_its_cache() -> None:
+    """kvgate started after vLLM computed prompts: the first reading's memory may hold their
+    cached segments, so growth from it says nothing of the cache and a lone prompt keeps waiting."""
+    budget, gate, live, probe, _ = kvgate_beside(5000)
+    live._gpu(probe.reading(), 0.0, idle=True)
+    assert budget.idle_cache_bytes is None
+    assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY
