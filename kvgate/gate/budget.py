@@ -145,6 +145,9 @@ class Budget:
     # a full pool makes vLLM queue or preempt, never run out of memory. Overcommit is off then.
     scale: float = 1.0
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # Bumped by every change of the limits or the backend's status: what a request judged against
+    # an idle server (the gate's set-aside waiters) depends on nothing else.
+    moves: int = field(default=0, repr=False)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -155,6 +158,7 @@ class Budget:
             if name.startswith("_") or not hasattr(self, name):
                 raise AttributeError(name)
             setattr(self, name, value)
+        self.moves += 1
         for listener in self._listeners:
             listener()
 
@@ -162,6 +166,7 @@ class Budget:
         """The backend's status, seen again or changed; on a change (True) the gate re-checks its queue."""
         changed = self.backend.set(status, why)
         if changed:
+            self.moves += 1
             for listener in self._listeners:
                 listener()
         return changed

@@ -98,6 +98,7 @@ class Gate(Generic[Basis]):
         self.drain = DrainRate(clock=clock)
         self.pace = Pace()
         self._reservation: HeadReservation | None = None  # the waiting head's (backfill.py)
+        self._aside_weighed_at = -1  # the budget's moves when the set-aside waiters were last weighed
         self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
@@ -388,7 +389,9 @@ class Gate(Generic[Basis]):
         if not self.queue:  # nothing waits, set aside or not (every release comes here)
             self._reservation = None
             return
-        self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
+        if self._aside_weighed_at != self.budget.moves:  # only the budget's moves let them fit alone
+            self._aside_weighed_at = self.budget.moves
+            self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
             demand = self._refreshed(head)
             if self.budget.shortfall(demand, self.ledger) is None:
