@@ -55,14 +55,8 @@ def prompts_computed(count: int) -> str:
 
 
 def lone_prompt() -> Demand:
-    return Demand(
-        prompt_tokens=7000,
-        max_new_tokens=16,
-        shared_block_hashes=(),
-        private_blocks=1,
-        transient_prefill_bytes=0,
-        profiled_prefill_bytes=700 * MiB,
-    )
+    """A 7,000-token prompt (16 tokens out, one KV block) whose forward pass holds 700 MiB."""
+    return Demand(7000, 16, (), 1, transient_prefill_bytes=0, profiled_prefill_bytes=700 * MiB)
 
 
 def runs_from(cache_seen: list[int]):  # type: ignore[no-untyped-def]

@@ -121,24 +121,33 @@ def test_s13s_former_l4_engine_still_runs_its_lone_chunk_where_the_simulator_doe
     assert not lone_forward_fits(llama, engine, False, 4096, 544 * MiB)
 
 
+def live_budget(
+    geometry: ModelGeometry, flags: list[str], version: str, pool: int, headroom: int, **limits: object
+) -> tuple[Budget, Predictor]:
+    """kvgate's budget for a V2 deployment of these flags on an 80 GiB GPU with a fixed `pool`, as
+    its live readings set it: `headroom`, the profile region out of free memory (`limits` may say
+    how much), and the replays worked out at once, not on kvgate's worker threads."""
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    deployment = resolve(engine_flags(settings), geometry, None, None, reported_version=version)
+    assert deployment.runtime.runner == "v2"
+    predictor = build_predictor(deployment, geometry)
+    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=pool)))
+    budget.update(
+        transient_headroom_bytes=headroom,
+        max_transient_headroom_bytes=headroom,
+        profiled_cap_bytes=predictor.profiled_peak_bytes,
+        any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
+        lone_request=LoneRequest(geometry, predictor.engine, False, background=False),
+    )
+    budget.update(**limits)
+    return budget, predictor
+
+
 def h1_budget() -> tuple[Budget, Predictor]:
     """kvgate's budget for H1 as its live readings set it: 617 MiB of headroom, the whole profile
     region (500 MiB) out of free memory (V2, fixed pool)."""
     flags = ["--max-num-batched-tokens", "4096", "--max-num-seqs", "512"]
-    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
-    deployment = resolve(engine_flags(settings), QWEN, None, None, reported_version="0.32.0")
-    assert deployment.runtime.runner == "v2"
-    predictor = build_predictor(deployment, QWEN)
-    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=60 * GiB)))
-    headroom = 617 * MiB
-    budget.update(
-        transient_headroom_bytes=headroom,
-        max_transient_headroom_bytes=headroom,
-        profiled_cap_bytes=500 * MiB,
-        any_cache_forward=AnyCacheForward(QWEN, predictor.engine, False, background=False),
-        lone_request=LoneRequest(QWEN, predictor.engine, False, background=False),
-    )
-    return budget, predictor
+    return live_budget(QWEN, flags, "0.32.0", 60 * GiB, 617 * MiB, profiled_cap_bytes=500 * MiB)
 
 
 def rag_query(predictor: Predictor, prompt_tokens: int) -> Prediction:
@@ -193,17 +202,7 @@ def h8b_budget(headroom: int) -> tuple[Budget, Predictor]:
     """kvgate's budget for H8b as its live readings set it: `headroom`, the whole profile region
     out of free memory (V2)."""
     flags = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "1024", "--max-model-len", "16384"]
-    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
-    deployment = resolve(engine_flags(settings), LLAMA_31, None, None, reported_version="0.32.0")
-    predictor = build_predictor(deployment, LLAMA_31)
-    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=60 * GiB)))
-    budget.update(
-        transient_headroom_bytes=headroom,
-        max_transient_headroom_bytes=headroom,
-        profiled_cap_bytes=predictor.profiled_peak_bytes,
-        lone_request=LoneRequest(LLAMA_31, predictor.engine, False, background=False),
-    )
-    return budget, predictor
+    return live_budget(LLAMA_31, flags, "0.32.0", 60 * GiB, headroom)
 
 
 def sim_serves(gpu: tuple[Device, CachingAllocator, StepMemory], earlier: int, prompt_tokens: int) -> bool:
@@ -409,18 +408,8 @@ def h7_budget() -> tuple[Budget, Predictor]:
     since start-up: `held_region_bytes`, counted whole, no margin)."""
     geometry = ModelGeometry.from_config(model_config(H7_PRESET))
     flags = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--tensor-parallel-size", "4"]
-    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
-    deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.33.0")
-    assert deployment.runtime.runner == "v2"
-    predictor = build_predictor(deployment, geometry)
-    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=40 * GiB)))
-    budget.update(
-        transient_headroom_bytes=620 * MiB,
-        max_transient_headroom_bytes=620 * MiB,
-        profiled_cap_bytes=predictor.profiled_peak_bytes,
-        held_region_bytes=predictor.profiled_peak_bytes,
-        any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
-    )
+    budget, predictor = live_budget(geometry, flags, "0.33.0", 40 * GiB, 620 * MiB, lone_request=None)
+    budget.update(held_region_bytes=predictor.profiled_peak_bytes)
     return budget, predictor
 
 
