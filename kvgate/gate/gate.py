@@ -351,7 +351,13 @@ class Gate(Generic[Basis]):
         other events (`_changed_soon`); nothing has waited yet: nothing to wake."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._changed_soon)
+            loop.call_soon_threadsafe(self._budget_learned)
+
+    def _budget_learned(self) -> None:
+        """The budget answers something anew without a move of its limits (a replay worked out):
+        the set-aside waiters are weighed again too."""
+        self._aside_weighed_at = -1
+        self._changed_soon()
 
     def _changed_soon(self) -> None:
         """`changed`, once the event loop has handled the events already due: an engine step ends

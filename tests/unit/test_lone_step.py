@@ -10,9 +10,11 @@ charged a request alone its allocated bytes (500 MiB against a 556 MiB limit) an
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -22,7 +24,9 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
+from kvgate.gate.observer import Observers
 from kvgate.memory.activation import (
     AnyCacheForward,
     EngineShape,
@@ -469,3 +473,34 @@ def test_kvgate_keeps_h7s_big_step_out_where_two_earlier_steps_can_run_it_out_of
     assert h7_runs([(7396, 83), (6443, 95), (6000, 112)])
     budget.update(any_cache_forward=None)  # kvgate before session 35: the segment share only
     assert budget.shortfall(demand, ledger) is None
+
+
+class HeldReplay(LoneRequest):
+    """kvgate's lone-request replay whose worker thread waits for `release` before it works out."""
+
+    def __init__(self, engine: EngineShape) -> None:
+        super().__init__(LLAMA_31, engine, False)
+        self.release = threading.Event()
+
+    def _work_out(self, key: tuple[tuple[int, ...], int, int]) -> bool:
+        self.release.wait(60)
+        return super()._work_out(key)
+
+
+async def test_a_set_aside_lone_prompt_is_admitted_once_its_replay_is_worked_out(h8b_gpu) -> None:
+    """H8b's 7,000-token prompt alone with 64 MiB cached at the last idle reading: until the
+    worker thread has replayed that cache the answer is no and the prompt waits set aside; the
+    answer known, the gate weighs its set-aside waiters again at once, with no release, arrival
+    or move of the budget's limits."""
+    budget, predictor = h8b_budget(h8b_gpu[0].free())
+    replay = HeldReplay(predictor.engine)
+    budget.update(lone_request=replay, idle_cache_bytes=64 * MiB)
+    gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=120.0)
+    replay.when_known(gate.changed_from_thread)
+    waiting = asyncio.ensure_future(gate.acquire(completion(predictor, 7000).demand, 0, "t"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    assert gate.queue.peek() is None  # set aside: it holds nobody up
+    replay.release.set()
+    ticket = await asyncio.wait_for(waiting, 60)
+    assert ticket.queue_wait_s > 0
