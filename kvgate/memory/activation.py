@@ -1733,9 +1733,9 @@ def lone_request_fits(
     and vLLM never empties it while serving: PyTorch releases the free segments only when a
     cudaMalloc fails (``release_cached_blocks``), after best fit may have split some of them. So
     which requests a history of served steps lets run is the cache's, and `cached` 0 (no segment
-    beyond start-up's: vLLM empties the cache after its profile and graph capture, vllm 0.32.0
-    v1/worker/gpu_worker.py ``determine_available_memory`` and ``compile_or_warm_up_model``) runs
-    what an empty cache runs. Held-out H8b (Llama-3.1-8B on an H100, vLLM 0.32.0 V2, 8,192 tokens
+    beyond start-up's: vllm 0.32.0 empties the cache around its profile, utils/mem_utils.py
+    ``memory_profiling``, and Model Runner V2 after graph capture, v1/worker/gpu/model_runner.py
+    ``capture_model``) runs what an empty cache runs. Held-out H8b (Llama-3.1-8B on an H100, vLLM 0.32.0 V2, 8,192 tokens
     a step, 940 MiB of headroom): a lone 7,000-token prompt runs from an empty cache and OOMs the
     simulator after an 8,192-token step; the 8,192-token chunk of a 12,000-token one runs from an
     empty cache and OOMs after a 5,120- or 8,192-token step."""
@@ -1750,7 +1750,8 @@ def lone_request_ever_fits(
 ) -> bool:
     """Whether a request alone runs its prefill's forward passes (`chunks`) in `capacity` from an
     empty cache or from some cache of `lone_request_fits`'s grid (kvgate/memory/allocator.py
-    `fits_from_some_cache`): where none does, no history kvgate could know of lets it run. Held-out
+    `fits_from_some_cache`): where none does, waiting would not let it in (`lone_request_fits`
+    admits it only where every cache of a reading's size runs it, the empty one among them). Held-out
     H8b: a list of 16,000 tokens (two 8,192-token steps) runs the simulator out of memory from an
     empty cache (its second step meets the segments the first cut where its cudaMalloc calls
     failed), and runs from a cache of one free 160 MiB segment; the oracle serves such lists."""
@@ -1769,8 +1770,7 @@ class LoneRequest(DeploymentReplay[tuple[tuple[int, ...], int, int], bool]):
     thread_name = "kvgate-lone-request"
 
     def __call__(self, prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool:
-        """`now`: worked out in the caller's thread (the ceiling's question, from an empty cache:
-        one replay)."""
+        """`now`: worked out in the caller's thread (from an empty cache: one replay)."""
         chunks = lone_request_chunks(self.engine, prompt_tokens)
         key = (chunks, capacity // CAPACITY_STEP * CAPACITY_STEP, -(-cached // CAPACITY_STEP) * CAPACITY_STEP)
         return bool(self._lookup(key, now=now))
