@@ -19,6 +19,7 @@ from kvgate.memory.activation import (
     AnyCacheForward,
     EngineShape,
     LoneForward,
+    LoneRequest,
     SamplerPhaseOverhead,
     SharedForward,
     V1PenaltyStep,
@@ -108,6 +109,7 @@ class StaticLimits:
     lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
     shared_forward: SharedForward | None = None  # activation.py: a served MLA step after the others' steps
     any_cache_forward: AnyCacheForward | None = None  # activation.py: a served step from any cache
+    lone_request: LoneRequest | None = None  # activation.py: a request alone from the idle engine's cache
     penalty_step: V1PenaltyStep | None = None  # activation.py: a V1 penalty step in the held region
 
 
@@ -672,6 +674,7 @@ def static_limits(
         sampler_phase_overhead=SamplerPhaseOverhead(predictor.layout.geometry, predictor.engine, expandable_segments),
         lone_forward=LoneForward(predictor.layout.geometry, predictor.engine, expandable_segments),
         any_cache_forward=AnyCacheForward(predictor.layout.geometry, predictor.engine, expandable_segments),
+        lone_request=LoneRequest(predictor.layout.geometry, predictor.engine, expandable_segments),
         shared_forward=SharedForward(predictor.layout.geometry, predictor.engine, expandable_segments)
         if predictor.step_bound is not None
         else None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from kvgate.gate.backend_state import BackendState, Status
-from kvgate.memory.ceiling import Ceiling, StepHoldings, forward_phase_bytes, step_charge
+from kvgate.memory.ceiling import Ceiling, StepHoldings, demand_step, forward_phase_bytes, step_charge
 from kvgate.memory.demand import Demand
 
 KV_BUSY = "kv_cache_busy"
@@ -40,6 +40,18 @@ class StepLevel(Protocol):
     still being worked out."""
 
     def __call__(self, tokens: int, capacity: int) -> bool: ...
+
+
+class LoneRequestLevel(Protocol):
+    """Whether a request of `prompt_tokens` alone runs its prefill's forward passes in `capacity`
+    from every cache of `cached` bytes (kvgate/memory/activation.py LoneRequest); no while that is
+    still being worked out, unless `now`."""
+
+    def __call__(self, prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool: ...
+
+    def ever(self, prompt_tokens: int, capacity: int) -> bool:
+        """Whether it runs from some cache: else waiting never lets it in."""
+        ...
 
 
 class Holdings(Protocol):
@@ -119,6 +131,13 @@ class Budget:
     # of a few free segments (kvgate/memory/activation.py AnyCacheForward); None: not judged. Asked
     # of a step beside other requests, whose steps leave the cache (`any_cache_step_fits`).
     any_cache_forward: StepLevel | None = None
+    # (prompt tokens, capacity, cached bytes) -> whether a request alone runs its prefill's forward
+    # passes in that capacity from every cache of the cached bytes (kvgate/memory/activation.py
+    # LoneRequest); None: not judged.
+    lone_request: LoneRequestLevel | None = None
+    # What the caching allocator holds cached beyond start-up's, read from the GPU while the engine
+    # was idle and nothing was admitted since (kvgate/telemetry/live.py); None: not known.
+    idle_cache_bytes: int | None = None
     # (sampled rows, longest prompt) -> what a V1 step with a penalty row needs beyond the profile
     # region the engine keeps cached, or None while not known (kvgate/memory/activation.py
     # V1PenaltyStep); None: its prompt ids and bin counts come out of free memory whole.
@@ -131,6 +150,9 @@ class Budget:
     # a full pool makes vLLM queue or preempt, never run out of memory. Overcommit is off then.
     scale: float = 1.0
     _listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # Bumped by every change of the limits or the backend's status: what a request judged against
+    # an idle server (the gate's set-aside waiters) depends on nothing else.
+    moves: int = field(default=0, repr=False)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -141,6 +163,7 @@ class Budget:
             if name.startswith("_") or not hasattr(self, name):
                 raise AttributeError(name)
             setattr(self, name, value)
+        self.moves += 1
         for listener in self._listeners:
             listener()
 
@@ -148,6 +171,7 @@ class Budget:
         """The backend's status, seen again or changed; on a change (True) the gate re-checks its queue."""
         changed = self.backend.set(status, why)
         if changed:
+            self.moves += 1
             for listener in self._listeners:
                 listener()
         return changed
@@ -205,17 +229,58 @@ class Budget:
     def ceiling(self) -> Ceiling:
         """The most an idle server offers one request: whether it could ever fit is judged
         against this (kvgate/predict.py Predictor.check_fits_ever). Its profiled terms count at
-        their allocated bytes, as vLLM's profile sized them, unless its forward pass alone could
-        run out of the largest headroom seen after some earlier step (`lone_step_fits`): then
-        they count at their segments, as beside other requests."""
+        their allocated bytes, as vLLM's profile sized them, where its forward passes alone run in
+        the largest headroom seen after any earlier step (`lone_step_fits`) or from some cache
+        of free segments an idle engine may hold (`lone_request_ever_fits`: held-out H8b's and H1's
+        long prompts run from an empty one, a state the readings show and kvgate then admits
+        in); else they count at their segments, as beside other requests."""
         headroom = self.max_transient_headroom_bytes or self.transient_headroom_bytes
         return Ceiling(
             self.kv_blocks,
             self.max_transient_limit(),
             self.profiled_cap_bytes,
             self.charged_segment_overhead,
-            None if headroom is None else lambda step: self.lone_step_fits(step, headroom, unknown=True),
+            None
+            if headroom is None
+            else lambda demand: (
+                self.lone_step_fits(demand_step(demand), headroom, unknown=True)
+                or self.lone_request_ever_fits(demand, headroom)
+            ),
         )
+
+    def lone_request_ever_fits(self, demand: Demand, capacity: int) -> bool:
+        """Whether `demand` alone runs its prefill's forward passes in `capacity` from some cache
+        an idle engine may hold (kvgate/memory/activation.py `lone_request_ever_fits`); the
+        conditions of `lone_request_fits`."""
+        if self.lone_request is None or self.shared_forward is not None or not self.profiled_cap_bytes:
+            return False
+        return self.lone_request.ever(demand.prompt_tokens, capacity)
+
+    def forget_idle_cache(self) -> None:
+        """A request was admitted: its steps will grow the cache, so the last idle reading of it
+        no longer tells what the next request meets (until the engine is idle and read again).
+        Nothing becomes admissible by forgetting: the gate is not told."""
+        self.idle_cache_bytes = None
+
+    def lone_request_fits(self, demand: Demand, capacity: int | None = None, cached: int | None = None) -> bool:
+        """Whether `demand` alone on the idle engine may be charged its forward pass's allocated
+        bytes because its prefill's forward passes run in the headroom (default the live one)
+        from every cache of the bytes the GPU's readings show cached (default `idle_cache_bytes`;
+        kvgate/memory/activation.py `lone_request_fits`), where `lone_step_fits`'s histories of
+        one earlier step do not all run them. Where the profile region comes out of free memory
+        only (`profiled_cap_bytes` above 0), and not on MLA deployments (their served steps'
+        replay, `shared_step_fits`); unknown cache or replay: no (the request waits)."""
+        capacity = self.transient_headroom_bytes if capacity is None else capacity
+        cached = self.idle_cache_bytes if cached is None else cached
+        if (
+            self.lone_request is None
+            or self.shared_forward is not None
+            or not self.profiled_cap_bytes
+            or capacity is None
+            or cached is None
+        ):
+            return False
+        return self.lone_request(demand.prompt_tokens, capacity, cached, now=cached == 0)
 
     def lone_step_fits(self, step: StepHoldings, capacity: int | None = None, unknown: bool = False) -> bool:
         """Whether a request alone on the engine may be charged its forward pass's allocated bytes.
@@ -360,7 +425,7 @@ class Budget:
         step = holdings.step_with(demand)
         if self._grows_past_any_cache(step, holdings):
             return TRANSIENT_BUSY
-        beside_others = holdings.in_flight > 0 or not self.lone_step_fits(step)
+        beside_others = holdings.in_flight > 0 or not (self.lone_step_fits(step) or self.lone_request_fits(demand))
         charge = self._step_charge(step, beside_others, beside_others and self.shared_step_fits(step))
         # the held region counts whole only for the profiled bytes this step charges: the rest of
         # the charge is kvgate's prediction, and has the margin

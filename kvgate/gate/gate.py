@@ -98,6 +98,7 @@ class Gate(Generic[Basis]):
         self.drain = DrainRate(clock=clock)
         self.pace = Pace()
         self._reservation: HeadReservation | None = None  # the waiting head's (backfill.py)
+        self._aside_weighed_at = -1  # the budget's moves when the set-aside waiters were last weighed
         self.observers = observers
         self.max_queue_wait_s = max_queue_wait_s
         self._clock = clock
@@ -310,6 +311,7 @@ class Gate(Generic[Basis]):
         now = self._clock()
         ticket = Ticket(self, self.ledger.reserve(demand), now - arrived_at, now - enqueued_at)
         ticket.reservation.admitted_at = now
+        self.budget.forget_idle_cache()  # its steps will grow the cache the last idle reading saw
         self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, now - arrived_at))
         return ticket
 
@@ -349,7 +351,13 @@ class Gate(Generic[Basis]):
         other events (`_changed_soon`); nothing has waited yet: nothing to wake."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._changed_soon)
+            loop.call_soon_threadsafe(self._budget_learned)
+
+    def _budget_learned(self) -> None:
+        """The budget answers something anew without a move of its limits (a replay worked out):
+        the set-aside waiters are weighed again too."""
+        self._aside_weighed_at = -1
+        self._changed_soon()
 
     def _changed_soon(self) -> None:
         """`changed`, once the event loop has handled the events already due: an engine step ends
@@ -387,7 +395,9 @@ class Gate(Generic[Basis]):
         if not self.queue:  # nothing waits, set aside or not (every release comes here)
             self._reservation = None
             return
-        self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
+        if self._aside_weighed_at != self.budget.moves:  # only the budget's moves let them fit alone
+            self._aside_weighed_at = self.budget.moves
+            self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
         while (head := self.queue.peek()) is not None:
             demand = self._refreshed(head)
             if self.budget.shortfall(demand, self.ledger) is None:

@@ -87,6 +87,7 @@ class Ledger:
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
+        self.reserved_total = 0  # reservations ever made: whether any came between two looks
 
     @property
     def kv_blocks(self) -> int:
@@ -279,6 +280,7 @@ class Ledger:
         if demand.sampler:
             self._sampler.add(demand.sampler)
         self.plain.reserved(demand)
+        self.reserved_total += 1
         reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
         if demand.shared_step is not None:
             self._shared[reservation.id] = reservation

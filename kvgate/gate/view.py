@@ -39,6 +39,11 @@ class GateView:
         return self._gate.ledger.in_flight
 
     @property
+    def admissions(self) -> int:
+        """Requests ever admitted: whether one came between two looks."""
+        return self._gate.ledger.reserved_total
+
+    @property
     def peak_transient_bytes(self) -> int:
         """The highest transient reservation since the last reset_peak()."""
         return self._gate.ledger.peak_transient_bytes

@@ -29,6 +29,7 @@ from kvgate.memory.allocator import (
     alloc,
     fits_after_any,
     fits_from_any_cache,
+    fits_from_some_cache,
     fitting_prefix,
     footprint,
     free,
@@ -1702,6 +1703,90 @@ class AnyCacheForward(DeploymentReplay[int, int]):
 
     def _work_out(self, capacity: int) -> int:
         return any_cache_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
+
+
+def lone_request_chunks(engine: EngineShape, prompt_tokens: int) -> tuple[int, ...]:
+    """The forward passes of a request alone on the engine, in order: its prompts' tokens (a list's
+    prompts prefill together) in steps of max_num_batched_tokens, the last rounded up to a
+    sixteenth of it (the grid `LoneForward` rounds to; the decoding rows of prompts already
+    prefilled join the steps that follow, vllm 0.32.0 v1/core/sched/scheduler.py ``schedule``)."""
+    full = engine.max_num_batched_tokens
+    grain = max(1, full // HISTORY_STEP_SIZES)
+    rest = prompt_tokens % full
+    last = (min(full, -(-rest // grain) * grain),) if rest else ()
+    return (full,) * (prompt_tokens // full) + last
+
+
+def lone_request_fits(
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    expandable_segments: bool,
+    chunks: tuple[int, ...],
+    capacity: int,
+    cached: int,
+) -> bool:
+    """Whether a request alone on the engine runs its prefill's forward passes (`chunks`, one after
+    the other, each meeting the segments the ones before it left) in `capacity` bytes of
+    transient memory, from every cache of up to three free segments (`cached_segment_sizes`)
+    adding up to at most `cached`, the bytes the GPU's readings show the caching allocator holds
+    cached while the engine is idle (kvgate/memory/allocator.py `fits_from_any_cache`).
+
+    An idle engine's cache is whole free segments (every transient tensor is dead between steps),
+    and vLLM never empties it while serving: PyTorch releases the free segments only when a
+    cudaMalloc fails (``release_cached_blocks``), after best fit may have split some of them. So
+    which requests a history of served steps lets run is the cache's, and `cached` 0 (no segment
+    beyond start-up's: vllm 0.32.0 empties the cache around its profile, utils/mem_utils.py
+    ``memory_profiling``, and Model Runner V2 after graph capture, v1/worker/gpu/model_runner.py
+    ``capture_model``) runs what an empty cache runs. Held-out H8b (Llama-3.1-8B on an H100, vLLM 0.32.0 V2, 8,192 tokens
+    a step, 940 MiB of headroom): a lone 7,000-token prompt runs from an empty cache and OOMs the
+    simulator after an 8,192-token step; the 8,192-token chunk of a 12,000-token one runs from an
+    empty cache and OOMs after a 5,120- or 8,192-token step."""
+    tape = [op for tokens in chunks for op in profile_forward_tape(geometry, engine, tokens, served=True)]
+    sizes = cached_segment_sizes(geometry, engine)
+    return fits_from_any_cache(tape, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments, cached)
+
+
+@lru_cache(maxsize=1024)
+def lone_request_ever_fits(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, chunks: tuple[int, ...], capacity: int
+) -> bool:
+    """Whether a request alone runs its prefill's forward passes (`chunks`) in `capacity` from an
+    empty cache or from some cache of `lone_request_fits`'s grid (kvgate/memory/allocator.py
+    `fits_from_some_cache`): where none does, waiting would not let it in (`lone_request_fits`
+    admits it only where every cache of a reading's size runs it, the empty one among them). Held-out
+    H8b: a list of 16,000 tokens (two 8,192-token steps) runs the simulator out of memory from an
+    empty cache (its second step meets the segments the first cut where its cudaMalloc calls
+    failed), and runs from a cache of one free 160 MiB segment; the oracle serves such lists."""
+    tape = [op for tokens in chunks for op in profile_forward_tape(geometry, engine, tokens, served=True)]
+    sizes = cached_segment_sizes(geometry, engine)
+    return fits_from_some_cache(tape, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
+
+
+class LoneRequest(DeploymentReplay[tuple[tuple[int, ...], int, int], bool]):
+    """`lone_request_fits` of one deployment, for the budget: the capacity rounded down and the
+    cached bytes up to a multiple of 8 MiB (as `LoneForward`'s), so readings that drift by a few
+    MiB reuse one replay. From a cache of a few hundred MiB a replay plays thousands of caches
+    (about a second of CPU): worked out on a worker thread, the answer no until it is known (the
+    request waits); the gate is told when it is known."""
+
+    thread_name = "kvgate-lone-request"
+
+    def __call__(self, prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool:
+        """`now`: worked out in the caller's thread (from an empty cache: one replay)."""
+        chunks = lone_request_chunks(self.engine, prompt_tokens)
+        key = (chunks, capacity // CAPACITY_STEP * CAPACITY_STEP, -(-cached // CAPACITY_STEP) * CAPACITY_STEP)
+        return bool(self._lookup(key, now=now))
+
+    def ever(self, prompt_tokens: int, capacity: int) -> bool:
+        """`lone_request_ever_fits` (a few hundred replays at most, stopping at the first cache that
+        runs it; memoised): whether waiting could ever let the request in."""
+        chunks = lone_request_chunks(self.engine, prompt_tokens)
+        rounded = capacity // CAPACITY_STEP * CAPACITY_STEP
+        return lone_request_ever_fits(self.geometry, self.engine, self.expandable_segments, chunks, rounded)
+
+    def _work_out(self, key: tuple[tuple[int, ...], int, int]) -> bool:
+        chunks, capacity, cached = key
+        return lone_request_fits(self.geometry, self.engine, self.expandable_segments, chunks, capacity, cached)
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int, copies: bool = True) -> list[TapeOp]:

@@ -320,10 +320,16 @@ def _histories_played(
 
 
 def fits_from_any_cache(
-    step: Sequence[TapeOp], capacity: int, sizes: Sequence[int], most: int, expandable_segments: bool = False
+    step: Sequence[TapeOp],
+    capacity: int,
+    sizes: Sequence[int],
+    most: int,
+    expandable_segments: bool = False,
+    cached: int | None = None,
 ) -> bool:
     """Whether `step` runs in `capacity` bytes from an empty cache and from every cache of at most
-    `most` free large-pool segments whose sizes are among `sizes` and add up to at most `capacity`.
+    `most` free large-pool segments whose sizes are among `sizes` and add up to at most `capacity`,
+    and at most `cached` where given (what the GPU's readings show cached: 0, the empty cache only).
 
     Between steps every transient tensor is dead, so a free segment merges back into one block
     (`try_merge_blocks`) and the cache a step starts from is a set of whole free segments, each the
@@ -333,17 +339,36 @@ def fits_from_any_cache(
     step's first tensors in segments that are too large, pinned while later ones take new
     segments, and the cached rest is released only when a cudaMalloc fails. With expandable
     segments freed pages are mapped again where needed: only the step's own pages count."""
-    if expandable_segments:
-        caches: Iterable[tuple[int, ...]] = [()]
-    else:
-        caches = (c for k in range(most + 1) for c in combinations_with_replacement(sizes, k) if sum(c) <= capacity)
-    for cache in caches:
-        replay = _Replay(expandable_segments, capacity)
-        replay.segments = [_Segment("large", size, [_Block(size)]) for size in cache]
-        try:
-            replay.run(step)
-        except _OutOfMemory:
-            return False
+    caches = [()] if expandable_segments else _caches(sizes, most, capacity, cached)
+    return all(_runs_from(step, capacity, cache, expandable_segments) for cache in caches)
+
+
+def fits_from_some_cache(
+    step: Sequence[TapeOp], capacity: int, sizes: Sequence[int], most: int, expandable_segments: bool = False
+) -> bool:
+    """Whether `step` runs in `capacity` bytes from an empty cache or from some cache of at most
+    `most` free large-pool segments of `sizes` (`fits_from_any_cache`'s caches): False only where
+    none of them runs it."""
+    caches = [()] if expandable_segments else _caches(sizes, most, capacity, None)
+    return any(_runs_from(step, capacity, cache, expandable_segments) for cache in caches)
+
+
+def _caches(sizes: Sequence[int], most: int, capacity: int, cached: int | None) -> Iterator[tuple[int, ...]]:
+    """The empty cache, then every multiset of at most `most` of `sizes` adding up to at most
+    `capacity` (and `cached`, where given)."""
+    bound = capacity if cached is None else min(capacity, cached)
+    for k in range(most + 1):
+        yield from (c for c in combinations_with_replacement(sizes, k) if sum(c) <= bound)
+
+
+def _runs_from(step: Sequence[TapeOp], capacity: int, cache: tuple[int, ...], expandable_segments: bool) -> bool:
+    """Whether `step` runs in `capacity` from free large-pool segments of the sizes `cache` holds."""
+    replay = _Replay(expandable_segments, capacity)
+    replay.segments = [_Segment("large", size, [_Block(size)]) for size in cache]
+    try:
+        replay.run(step)
+    except _OutOfMemory:
+        return False
     return True
 
 

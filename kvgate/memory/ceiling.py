@@ -173,13 +173,14 @@ class Ceiling:
     transient_bytes: int | None
     profiled_cap_bytes: int | None = None
     segment_overhead: float = 0.0
-    # a request's worst step alone -> whether its forward pass is charged its allocated bytes
-    # (Budget.lone_step_fits); None: always, the segment overhead never counts.
-    lone_step_fits: Callable[[StepHoldings], bool] | None = None
+    # a request alone -> whether its forward pass is charged its allocated bytes (Budget.ceiling:
+    # its worst step after earlier ones, or its steps from an empty cache); None: always, the
+    # segment overhead never counts.
+    lone_fits: Callable[[Demand], bool] | None = None
 
     def _overhead(self, demand: Demand) -> float:
         """The segment overhead its profiled terms are charged alone (see Budget.ceiling)."""
-        if self.lone_step_fits is None or self.lone_step_fits(demand_step(demand)):
+        if self.lone_fits is None or self.lone_fits(demand):
             return 0.0
         return self.segment_overhead
 

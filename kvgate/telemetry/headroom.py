@@ -67,6 +67,11 @@ class HeadroomTracker:
     _start: dict[str, tuple[int, int]] = field(default_factory=dict)  # gpu -> (pid, used)
     cotenants: CotenantSteps = field(default_factory=CotenantSteps)
 
+    @property
+    def started(self) -> bool:
+        """Whether this engine life's baseline is set (its first reading with a process came)."""
+        return bool(self._start)
+
     def reset(self) -> None:
         """A new engine life (restart): the next reading sets the baseline again."""
         self._start.clear()

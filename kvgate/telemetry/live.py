@@ -100,6 +100,9 @@ class LiveBudget:
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
         self.held_region_bytes = 0  # the profile region's segments the engine took and kept this life
+        # Whether this life's GPU baseline was read before the engine computed any prompt token:
+        # only then is its growth since the baseline all of its allocator's cache (`_engine_idle`)
+        self.baseline_before_steps = False
         self.gpu_total: int | None = None  # bytes of one GPU, from the last reading
         self.last_scrape = self.last_gpu = clock()
         self.snapshot: BackendSnapshot | None = None
@@ -127,7 +130,9 @@ class LiveBudget:
             if not await self._engine_dead():
                 await self._scraped(snapshot, now, admitted == set(self.in_flight.requests))
         if self.probe.available and self.backend.up:
-            self._gpu(await self.probe.read(), self.clock())
+            idle_before = self._engine_idle()
+            reading = await self.probe.read()
+            self._gpu(reading, self.clock(), idle_before is not None and idle_before == self._engine_idle())
         self._apply(self.clock())
 
     async def _scrape_failed(self, exc: Exception) -> None:
@@ -333,7 +338,20 @@ class LiveBudget:
         reported = cache.gpu_memory_utilization if cache else None
         return reported or self.settings.gpu_memory_utilization
 
-    def _gpu(self, reading: GpuReading, now: float) -> None:
+    def _engine_idle(self) -> int | None:
+        """The count of admissions ever made, while the engine runs nothing (kvgate has nothing in
+        flight and vLLM's last scrape showed nothing running or waiting); else None. Equal before
+        and after a GPU reading: the reading shows the cache an idle engine holds."""
+        snapshot = self.snapshot
+        if self.gate.in_flight or (snapshot is not None and (snapshot.running or snapshot.waiting)):
+            return None
+        return self.gate.admissions
+
+    def _gpu(self, reading: GpuReading, now: float, idle: bool = False) -> None:
+        """`idle`: the engine ran nothing while the GPU was read (`_engine_idle`): the server's
+        growth since start-up is then its caching allocator's cache, every block of it free, where
+        the baseline was read before the engine's first prompt token (kvgate started beside an
+        engine that had served requests takes their cache for start-up's, and learns nothing)."""
         if reading.error is not None:
             self.metrics.gpu_probe_up.set(0)
             self.problem = self.problem or reading.error
@@ -343,6 +361,9 @@ class LiveBudget:
             self.metrics.gpu_free.labels(device.gpu).set(device.free)
         if reading.devices:  # the smallest card of vLLM's: what `GET /advice` predicts the start-up on
             self.gpu_total = min(device.total for device in reading.devices)
+        if not self.headroom.started:  # this reading sets the life's baseline
+            prompts = self.snapshot.counter("prompt_tokens") if self.snapshot else None
+            self.baseline_before_steps = prompts == 0
         headroom = self.headroom.update(
             reading,
             self.utilization(),
@@ -352,6 +373,8 @@ class LiveBudget:
         if headroom is None:
             return
         self.last_gpu = now
+        if idle and self.baseline_before_steps and self.budget.idle_cache_bytes != headroom.server_growth:
+            self.budget.update(idle_cache_bytes=headroom.server_growth)  # lone requests may now fit
         if self.headroom_bytes is None or abs(headroom.bytes - self.headroom_bytes) > self.headroom_bytes // 20:
             log.info(
                 "transient headroom %s -> %d MiB (min free %d MiB, server growth %d MiB)",

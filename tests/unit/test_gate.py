@@ -467,6 +467,34 @@ class TestGate:
         assert len(gate.queue) == 0
         assert gate.ledger.in_flight == 0
 
+    async def test_set_aside_requests_are_weighed_again_only_when_the_budget_moves(self) -> None:
+        """Releases and arrivals change only what is in flight, and a set-aside request is judged
+        against an idle server: it is not estimated again for them (held-out H1, session 36: a
+        dozen long RAG queries set aside while they waited for an empty cache, each estimated
+        again at every release, took kvgate's CPU from the requests it was serving)."""
+        estimated: list[str] = []
+
+        def reestimate(basis: str) -> Demand:
+            estimated.append(basis)
+            return demand(prefill=900) if basis == "big" else demand(prefill=50)
+
+        gate: Gate[str] = Gate(
+            Budget(kv_blocks=100, transient_headroom_bytes=100, transient_margin=0.0),
+            Observers(),
+            max_queue=8,
+            max_queue_wait_s=5.0,
+            reestimate=reestimate,
+        )
+        big = asyncio.create_task(gate.acquire(demand(prefill=900), 0, "a", basis="big"))
+        await asyncio.sleep(0)
+        for _ in range(5):
+            (await gate.acquire(demand(prefill=50), 0, "a", basis="small")).release()
+            await asyncio.sleep(0)  # the release's re-check of the queue runs
+        assert estimated.count("big") <= 1
+        gate.budget.update(transient_headroom_bytes=1000)  # the headroom came back
+        (await asyncio.wait_for(big, 1)).release()
+        assert estimated.count("big") >= 2
+
     async def test_a_set_aside_request_still_expires_and_leaves_the_queue(self) -> None:
         gate = make_gate(kv_blocks=100, transient=100, wait_s=0.05)
         with pytest.raises(QueueTimeout) as expired:

@@ -10,9 +10,11 @@ charged a request alone its allocated bytes (500 MiB against a 556 MiB limit) an
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
+import threading
 from dataclasses import asdict
 
 import pytest
@@ -22,8 +24,16 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.errors import TransientNeverFits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import AnyCacheForward, EngineShape, cached_segment_sizes, lone_forward_fits
+from kvgate.gate.observer import Observers
+from kvgate.memory.activation import (
+    AnyCacheForward,
+    EngineShape,
+    LoneRequest,
+    cached_segment_sizes,
+    lone_forward_fits,
+)
 from kvgate.memory.ceiling import demand_step
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
@@ -115,23 +125,33 @@ def test_s13s_former_l4_engine_still_runs_its_lone_chunk_where_the_simulator_doe
     assert not lone_forward_fits(llama, engine, False, 4096, 544 * MiB)
 
 
+def live_budget(
+    geometry: ModelGeometry, flags: list[str], version: str, pool: int, headroom: int, **limits: object
+) -> tuple[Budget, Predictor]:
+    """kvgate's budget for a V2 deployment of these flags on an 80 GiB GPU with a fixed `pool`, as
+    its live readings set it: `headroom`, the profile region out of free memory (`limits` may say
+    how much), and the replays worked out at once, not on kvgate's worker threads."""
+    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
+    deployment = resolve(engine_flags(settings), geometry, None, None, reported_version=version)
+    assert deployment.runtime.runner == "v2"
+    predictor = build_predictor(deployment, geometry)
+    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=pool)))
+    budget.update(
+        transient_headroom_bytes=headroom,
+        max_transient_headroom_bytes=headroom,
+        profiled_cap_bytes=predictor.profiled_peak_bytes,
+        any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
+        lone_request=LoneRequest(geometry, predictor.engine, False, background=False),
+    )
+    budget.update(**limits)
+    return budget, predictor
+
+
 def h1_budget() -> tuple[Budget, Predictor]:
     """kvgate's budget for H1 as its live readings set it: 617 MiB of headroom, the whole profile
     region (500 MiB) out of free memory (V2, fixed pool)."""
     flags = ["--max-num-batched-tokens", "4096", "--max-num-seqs", "512"]
-    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
-    deployment = resolve(engine_flags(settings), QWEN, None, None, reported_version="0.32.0")
-    assert deployment.runtime.runner == "v2"
-    predictor = build_predictor(deployment, QWEN)
-    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=60 * GiB)))
-    headroom = 617 * MiB
-    budget.update(
-        transient_headroom_bytes=headroom,
-        max_transient_headroom_bytes=headroom,
-        profiled_cap_bytes=500 * MiB,
-        any_cache_forward=AnyCacheForward(QWEN, predictor.engine, False, background=False),
-    )
-    return budget, predictor
+    return live_budget(QWEN, flags, "0.32.0", 60 * GiB, 617 * MiB, profiled_cap_bytes=500 * MiB)
 
 
 def rag_query(predictor: Predictor, prompt_tokens: int) -> Prediction:
@@ -140,23 +160,132 @@ def rag_query(predictor: Predictor, prompt_tokens: int) -> Prediction:
     return predictor.predict(spec, [[7] * prompt_tokens])
 
 
-def test_the_budget_charges_a_lone_full_chunk_its_segments_and_refuses_it_at_once() -> None:
-    """H1's 8,000-token RAG query alone: its 4,096-token chunk is charged 500 MiB + the segment
-    share (696 MiB) against the 555 MiB limit: it never fits, and the ceiling says so at once (a
-    queue would only time it out). A 3,000-token one runs in the headroom after any earlier step:
-    its allocated bytes, as before."""
+def test_a_lone_full_chunk_waits_for_an_empty_cache_instead_of_being_refused() -> None:
+    """H1's 8,000-token RAG query alone: its 4,096-token chunk runs from an empty cache (the
+    simulator above), so it is no longer refused as never fitting (session 35: charged 500 MiB +
+    the segment share, 696 MiB, against the 555 MiB limit). It waits while kvgate does not know
+    what the caching allocator holds, or knows it holds 64 MiB (some cache of that size runs the
+    chunk out of memory), and is charged its allocated bytes once an idle reading shows nothing
+    cached. A 3,000-token one runs after any earlier step: its allocated bytes, as before."""
     budget, predictor = h1_budget()
     long, short = rag_query(predictor, 8000), rag_query(predictor, 3000)
     assert long.demand.profiled_prefill_bytes == 500 * MiB
+    predictor.check_fits_ever(long, budget.ceiling())
+    assert budget.ceiling().transient_need(long.demand) == 500 * MiB
     assert budget.shortfall(long.demand, Ledger()) == TRANSIENT_BUSY
-    with pytest.raises(TransientNeverFits, match="forward pass"):
-        predictor.check_fits_ever(long, budget.ceiling())
-    assert budget.ceiling().transient_need(long.demand) == 696 * MiB
+    budget.update(idle_cache_bytes=64 * MiB)
+    assert budget.shortfall(long.demand, Ledger()) == TRANSIENT_BUSY
+    budget.update(idle_cache_bytes=0)
+    assert budget.shortfall(long.demand, Ledger()) is None
     assert budget.shortfall(short.demand, Ledger()) is None
     predictor.check_fits_ever(short, budget.ceiling())
     assert budget.ceiling().transient_need(short.demand) == short.demand.profiled_prefill_bytes
-    budget.update(lone_forward=None)  # kvgate before: a request alone was charged its allocated bytes
-    assert budget.shortfall(long.demand, Ledger()) is None
+    budget.update(lone_request=None)  # kvgate before session 36: refused at once
+    with pytest.raises(TransientNeverFits, match="forward pass"):
+        predictor.check_fits_ever(long, budget.ceiling())
+
+
+LLAMA_31 = ModelGeometry.from_config(model_config("llama-3.1-8b"))
+
+
+@pytest.fixture(scope="module")
+def h8b_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
+    """Held-out H8b's simulated engine just started (Llama-3.1-8B on an H100, vLLM 0.32.0 V2,
+    8,192 tokens a step, the pool vLLM's start-up advice sizes: 940 MiB free)."""
+    return started(
+        model="llama-3.1-8b",
+        gpu="h100-80gb",
+        vllm_version="0.32.0",
+        max_model_len=16384,
+        max_num_batched_tokens=8192,
+        max_num_seqs=1024,
+    )
+
+
+def h8b_budget(headroom: int) -> tuple[Budget, Predictor]:
+    """kvgate's budget for H8b as its live readings set it: `headroom`, the whole profile region
+    out of free memory (V2)."""
+    flags = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "1024", "--max-model-len", "16384"]
+    return live_budget(LLAMA_31, flags, "0.32.0", 60 * GiB, headroom)
+
+
+def sim_serves(gpu: tuple[Device, CachingAllocator, StepMemory], earlier: int, prompt_tokens: int) -> bool:
+    """Whether the simulated engine (a fresh copy) runs a lone prompt's prefill, its last chunk
+    sampling its first token, after a step of `earlier` tokens (0: none)."""
+    _, alloc, steps = copy.deepcopy(gpu)
+    chunks = [8192] * (prompt_tokens // 8192) + [prompt_tokens % 8192]
+    try:
+        if earlier:
+            run_tape(alloc, steps.plan(StepShape((ReqSlice(earlier, 0, samples=False),))))
+        done = 0
+        for chunk in (c for c in chunks if c):
+            last = done + chunk == prompt_tokens
+            for block in run_tape(alloc, steps.plan(StepShape((ReqSlice(chunk, done, samples=last),)))):
+                alloc.free(block)
+            done += chunk
+    except CudaOutOfMemory:
+        return False
+    return True
+
+
+def cache_after(gpu: tuple[Device, CachingAllocator, StepMemory], earlier: int) -> int:
+    """What an idle reading shows cached (the server's growth since start-up) after one step."""
+    device, alloc, steps = copy.deepcopy(gpu)
+    start = device.used()
+    run_tape(alloc, steps.plan(StepShape((ReqSlice(earlier, 0, samples=False),))))
+    return device.used() - start
+
+
+def completion(predictor: Predictor, prompt_tokens: int) -> Prediction:
+    body = {"prompt": "x", "max_tokens": 16, "temperature": 0.0}
+    spec = parse_request("completions", json.dumps(body).encode()).request
+    return predictor.predict(spec, [[7] * prompt_tokens])
+
+
+@pytest.mark.parametrize("prompt_tokens", [7000, 8000, 12000])
+def test_h8bs_lone_prompts_are_admitted_in_the_states_the_simulator_runs_them(h8b_gpu, prompt_tokens: int) -> None:
+    """Held-out H8b (session 35 refused these as never fitting: 933-1,092 MiB charged against
+    846): a lone prompt of 7,000, 8,000 or 12,000 tokens is admitted when an idle reading shows
+    nothing cached, and the simulator, just started, serves it; after an 8,192-token step the
+    reading shows that step's segments cached, kvgate keeps it waiting, and the simulator runs
+    it out of memory there."""
+    budget, predictor = h8b_budget(h8b_gpu[0].free())
+    prediction = completion(predictor, prompt_tokens)
+    predictor.check_fits_ever(prediction, budget.ceiling())
+    assert budget.shortfall(prediction.demand, Ledger()) == TRANSIENT_BUSY  # nothing known of the cache
+    budget.update(idle_cache_bytes=0)
+    assert budget.shortfall(prediction.demand, Ledger()) is None
+    assert sim_serves(h8b_gpu, 0, prompt_tokens)
+    budget.update(idle_cache_bytes=cache_after(h8b_gpu, 8192))
+    assert budget.shortfall(prediction.demand, Ledger()) == TRANSIENT_BUSY
+    assert not sim_serves(h8b_gpu, 8192, prompt_tokens)
+
+
+def test_a_list_some_cache_runs_waits_and_what_no_state_runs_is_refused(h8b_gpu) -> None:
+    """On H8b a 16,000-token prompt's second 8,192-token chunk meets the segments its first one
+    cut where its cudaMalloc calls failed: the simulator runs it out of memory from an empty
+    cache, and so does kvgate's replay; from a cache of one free 160 MiB segment it runs. So it
+    is not refused as never fitting, and waits (kvgate knows no state that runs it: it is never
+    admitted on a reading of the cache's size alone). With a co-tenant leaving 780 MiB, an
+    8,000-token prompt's forward pass (781 MiB allocated) runs in no state: refused at once."""
+    budget, predictor = h8b_budget(h8b_gpu[0].free())
+    assert not sim_serves(h8b_gpu, 0, 16000)
+    _, alloc, steps = copy.deepcopy(h8b_gpu)
+    alloc.free(alloc.malloc(160 * MiB))  # a free 160 MiB segment cached
+    for block in run_tape(alloc, steps.plan(StepShape((ReqSlice(8192, 0, samples=False),)))):
+        alloc.free(block)
+    run_tape(alloc, steps.plan(StepShape((ReqSlice(7808, 8192),))))
+    pair = completion(predictor, 16000)
+    predictor.check_fits_ever(pair, budget.ceiling())
+    budget.update(idle_cache_bytes=0)
+    assert budget.shortfall(pair.demand, Ledger()) == TRANSIENT_BUSY
+    crowded, predictor = h8b_budget(780 * MiB)
+    with pytest.raises(TransientNeverFits, match="forward pass"):
+        predictor.check_fits_ever(completion(predictor, 8000), crowded.ceiling())
+    device, alloc, steps = copy.deepcopy(h8b_gpu)
+    device.set_usage("cotenant", device.free() - 780 * MiB)
+    with pytest.raises(CudaOutOfMemory):
+        run_tape(alloc, steps.plan(StepShape((ReqSlice(8000, 0),))))
 
 
 def test_stale_readings_scale_the_limit_not_the_allocators_room() -> None:
@@ -283,18 +412,8 @@ def h7_budget() -> tuple[Budget, Predictor]:
     since start-up: `held_region_bytes`, counted whole, no margin)."""
     geometry = ModelGeometry.from_config(model_config(H7_PRESET))
     flags = ["--max-num-batched-tokens", "8192", "--max-num-seqs", "256", "--tensor-parallel-size", "4"]
-    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
-    deployment = resolve(engine_flags(settings), geometry, None, None, reported_version="0.33.0")
-    assert deployment.runtime.runner == "v2"
-    predictor = build_predictor(deployment, geometry)
-    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=40 * GiB)))
-    budget.update(
-        transient_headroom_bytes=620 * MiB,
-        max_transient_headroom_bytes=620 * MiB,
-        profiled_cap_bytes=predictor.profiled_peak_bytes,
-        held_region_bytes=predictor.profiled_peak_bytes,
-        any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
-    )
+    budget, predictor = live_budget(geometry, flags, "0.33.0", 40 * GiB, 620 * MiB, lone_request=None)
+    budget.update(held_region_bytes=predictor.profiled_peak_bytes)
     return budget, predictor
 
 
@@ -354,3 +473,34 @@ def test_kvgate_keeps_h7s_big_step_out_where_two_earlier_steps_can_run_it_out_of
     assert h7_runs([(7396, 83), (6443, 95), (6000, 112)])
     budget.update(any_cache_forward=None)  # kvgate before session 35: the segment share only
     assert budget.shortfall(demand, ledger) is None
+
+
+class HeldReplay(LoneRequest):
+    """kvgate's lone-request replay whose worker thread waits for `release` before it works out."""
+
+    def __init__(self, engine: EngineShape) -> None:
+        super().__init__(LLAMA_31, engine, False)
+        self.release = threading.Event()
+
+    def _work_out(self, key: tuple[tuple[int, ...], int, int]) -> bool:
+        self.release.wait(60)
+        return super()._work_out(key)
+
+
+async def test_a_set_aside_lone_prompt_is_admitted_once_its_replay_is_worked_out(h8b_gpu) -> None:
+    """H8b's 7,000-token prompt alone with 64 MiB cached at the last idle reading: until the
+    worker thread has replayed that cache the answer is no and the prompt waits set aside; the
+    answer known, the gate weighs its set-aside waiters again at once, with no release, arrival
+    or move of the budget's limits."""
+    budget, predictor = h8b_budget(h8b_gpu[0].free())
+    replay = HeldReplay(predictor.engine)
+    budget.update(lone_request=replay, idle_cache_bytes=64 * MiB)
+    gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=120.0)
+    replay.when_known(gate.changed_from_thread)
+    waiting = asyncio.ensure_future(gate.acquire(completion(predictor, 7000).demand, 0, "t"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    assert gate.queue.peek() is None  # set aside: it holds nobody up
+    replay.release.set()
+    ticket = await asyncio.wait_for(waiting, 60)
+    assert ticket.queue_wait_s > 0

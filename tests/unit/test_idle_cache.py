@@ -1,0 +1,138 @@
+"""What the caching allocator holds while the engine is idle, as kvgate learns it (session 36).
+
+A request alone on the engine meets the cache the last steps left; a lone prompt whose steps run
+only from a small cache (held-out H8b, H1: kvgate/memory/activation.py `lone_request_fits`) is
+admitted when a GPU reading taken while the engine ran nothing shows that cache
+(kvgate/telemetry/live.py), and the reading stops counting once a request is admitted (its steps
+grow the cache).
+"""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from kvgate.cli import build_parser
+from kvgate.gate.budget import TRANSIENT_BUSY, Budget
+from kvgate.gate.gate import Gate
+from kvgate.gate.observer import Observers
+from kvgate.gate.view import GateView
+from kvgate.memory.demand import Demand
+from kvgate.settings import settings_from_args
+from kvgate.telemetry.gpu import DeviceMemory, GpuProcess, GpuReading
+from kvgate.telemetry.in_flight import InFlightRequests
+from kvgate.telemetry.live import LiveBudget
+from kvgate.telemetry.metrics import TelemetryMetrics
+from kvgate.telemetry.vllm import parse_metrics
+from kvgate.units import GiB, MiB
+
+HEADROOM = 900 * MiB
+ENGINE_AT_START = 70 * GiB
+
+
+class FixedProbe:
+    """A GPU whose engine holds `used` bytes; nothing else runs on it."""
+
+    kind = "test"
+    available = True
+    problem = None
+
+    def __init__(self) -> None:
+        self.used = ENGINE_AT_START
+
+    def reading(self) -> GpuReading:
+        total = ENGINE_AT_START + HEADROOM
+        device = DeviceMemory("GPU-0", "H100", total, total - self.used, self.used, (GpuProcess(1, self.used),))
+        return GpuReading((device,))
+
+    async def read(self) -> GpuReading:
+        return self.reading()
+
+
+def prompts_computed(count: int) -> str:
+    """vLLM's /metrics page with its prompt-token counter at `count`."""
+    return f'# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{{engine="0",model_name="m"}} {count}.0\n'
+
+
+def lone_prompt() -> Demand:
+    """A 7,000-token prompt (16 tokens out, one KV block) whose forward pass holds 700 MiB."""
+    return Demand(7000, 16, (), 1, transient_prefill_bytes=0, profiled_prefill_bytes=700 * MiB)
+
+
+def runs_from(cache_seen: list[int]):  # type: ignore[no-untyped-def]
+    """A stand-in replay: the prompt runs only from an empty cache; records the caches asked about."""
+
+    def lone_request(prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool:
+        cache_seen.append(cached)
+        return cached == 0
+
+    return lone_request
+
+
+def kvgate_beside(prompts_before: int) -> tuple[Budget, Gate[None], LiveBudget, FixedProbe, list[int]]:
+    """kvgate's budget, gate and live loop beside an engine that had computed `prompts_before`
+    prompt tokens when kvgate first read it; the caches the stand-in replay was asked about."""
+    asked: list[int] = []
+    budget = Budget(
+        transient_headroom_bytes=HEADROOM,
+        max_transient_headroom_bytes=HEADROOM,
+        transient_margin=0.0,
+        profiled_peak_bytes=800 * MiB,
+        profiled_cap_bytes=800 * MiB,
+        segment_overhead=0.4,
+        profiled_forward_bytes=800 * MiB,
+        forward_bytes_per_token=800 * MiB // 8192,
+        lone_forward=lambda tokens, capacity: False,  # some one-step history runs it out of memory
+        lone_request=runs_from(asked),
+    )
+    gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=60.0)
+    probe = FixedProbe()
+
+    async def resync() -> None:
+        return None
+
+    live = LiveBudget(
+        settings_from_args(build_parser().parse_args(["serve"])),
+        httpx.AsyncClient(),
+        GateView(gate),
+        InFlightRequests(),
+        budget,
+        TelemetryMetrics(CollectorRegistry()),
+        probe,  # type: ignore[arg-type]
+        resync,
+        lambda: 16,
+    )
+    live.snapshot = parse_metrics(prompts_computed(prompts_before))
+    return budget, gate, live, probe, asked
+
+
+async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it() -> None:
+    budget, gate, live, probe, asked = kvgate_beside(0)
+    assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY  # nothing known of the cache
+    live._gpu(probe.reading(), 0.0, idle=True)  # the engine's start-up reading: nothing cached
+    assert budget.idle_cache_bytes == 0
+    ticket = await gate.acquire(lone_prompt(), 0, "first")
+    assert budget.idle_cache_bytes is None  # admitted: its steps will grow the cache
+    assert live._engine_idle() is None  # in flight
+    probe.used += 600 * MiB  # its steps' segments, cached
+    ticket.release("completed")
+    idle = live._engine_idle()
+    assert idle is not None
+    live._gpu(probe.reading(), 1.0, idle=idle == live._engine_idle())
+    assert budget.idle_cache_bytes == 600 * MiB
+    assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY
+    assert asked[-1] == 600 * MiB
+    live._gpu(probe.reading(), 2.0, idle=False)  # a reading while something ran says nothing
+    assert budget.idle_cache_bytes == 600 * MiB
+    probe.used -= 600 * MiB  # a failed cudaMalloc released the free segments
+    live._gpu(probe.reading(), 3.0, idle=True)
+    assert budget.shortfall(lone_prompt(), gate.ledger) is None
+
+
+def test_beside_an_engine_that_already_served_the_growth_is_not_taken_for_its_cache() -> None:
+    """kvgate started after vLLM computed prompts: the first reading's memory may hold their
+    cached segments, so growth from it says nothing of the cache and a lone prompt keeps waiting."""
+    budget, gate, live, probe, _ = kvgate_beside(5000)
+    live._gpu(probe.reading(), 0.0, idle=True)
+    assert budget.idle_cache_bytes is None
+    assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY
