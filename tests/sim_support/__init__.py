@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from kvgate.sim import startup
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.model import load_model
 from kvgate.sim.presets import gpu_total_bytes
 from kvgate.sim.request import Request, Sampling
-from kvgate.sim.step_memory import StepShape, run_tape
+from kvgate.sim.step_memory import StepMemory, StepShape, run_tape
 from kvgate.sim.tokens import StandInTokenizer, TextModel
 from kvgate.sim.vision import Item
 
@@ -47,6 +48,19 @@ def make_engine(cfg: SimConfig) -> Engine:
     )
     engine.boot()
     return engine
+
+
+def started(**config: object) -> tuple[Device, CachingAllocator, StepMemory]:
+    """A simulated engine just started with the pool vLLM's start-up advice sizes (vLLM's own
+    runner choice): its device, allocator and step tapes."""
+    from demo.replay import fully_utilized
+
+    cfg = fully_utilized(SimConfig(model_runner="auto", **config))
+    device = Device(gpu_total_bytes(cfg.gpu))
+    alloc = CachingAllocator(device, "vllm")
+    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
+    steps, _ = startup.step_memories(resolved)
+    return device, alloc, steps
 
 
 def sim_runs_after(
