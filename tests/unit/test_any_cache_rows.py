@@ -17,14 +17,10 @@ import copy
 import itertools
 import json
 import random
-from dataclasses import asdict
 
 import pytest
 from sim_support import started
 
-from kvgate.cli import build_parser
-from kvgate.composition import engine_flags
-from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import (
@@ -41,11 +37,11 @@ from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
-from kvgate.settings import settings_from_args
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.presets import model_config
 from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
 from kvgate.units import GiB, MiB
+from support.served_budget import v2_budget
 
 LLAMA_8B = ModelGeometry.from_config(model_config("llama-3.1-8b"))
 S13_ENGINE = EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=512, runner="v2")
@@ -139,11 +135,7 @@ def s13_budget() -> tuple[Budget, Predictor]:
     of headroom, the profile region out of free memory and its segments taken and kept by the
     engine (its growth since start-up: `held_region_bytes`, counted whole, no margin)."""
     flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "512"]
-    settings = settings_from_args(build_parser().parse_args(["serve", *flags, "--gpu-memory-bytes", str(80 * GiB)]))
-    deployment = resolve(engine_flags(settings), LLAMA_8B, None, None, reported_version="0.32.0")
-    assert deployment.runtime.runner == "v2"
-    predictor = build_predictor(deployment, LLAMA_8B)
-    budget = Budget(**asdict(static_limits(deployment, predictor, None, 80 * GiB, kv_cache_memory_bytes=60 * GiB)))
+    budget, predictor = v2_budget(LLAMA_8B, flags, "0.32.0", 60 * GiB)
     budget.update(
         transient_headroom_bytes=HEADROOM,
         max_transient_headroom_bytes=HEADROOM,
