@@ -1630,27 +1630,16 @@ class SharedForward(DeploymentReplay[int, int]):
 
 
 # The caches a step's forward pass is replayed from: up to three free segments, their sizes every
-# 1/32 of the largest tensor a step makes; the level on 1/64ths of max_num_batched_tokens, the most
-# rows sampled on 1/32nds of the most a step samples.
+# 1/32 of the largest tensor a step makes; the level on 1/64ths of max_num_batched_tokens.
 ANY_CACHE_SEGMENTS = 3
 ANY_CACHE_SIZE_STEPS = 32
 ANY_CACHE_TOKEN_STEPS = 64
-ANY_CACHE_ROW_STEPS = 32
 
 
 def most_sampled_rows(engine: EngineShape) -> int:
     """The most rows one step samples: vLLM schedules at most max_num_seqs sequences a step, each
     at least one token of max_num_batched_tokens."""
     return min(engine.max_num_seqs, engine.max_num_batched_tokens)
-
-
-def sampled_rows_key(engine: EngineShape, rows: int) -> int:
-    """`rows` rounded up to the grid the any-cache levels are worked out on (1/32nds of
-    `most_sampled_rows`), at most that: more rows only add cached sizes, so rounding up never
-    raises a level."""
-    most = most_sampled_rows(engine)
-    grain = max(1, -(-most // ANY_CACHE_ROW_STEPS))
-    return min(most, -(-max(rows, 0) // grain) * grain)
 
 
 def _largest_tensor(geometry: ModelGeometry, engine: EngineShape, rows: int) -> int:
@@ -1679,6 +1668,15 @@ def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape, rows: int
     return list(range(grain, largest + grain, grain))
 
 
+@lru_cache(maxsize=1024)
+def cached_sizes_count(geometry: ModelGeometry, engine: EngineShape, rows: int) -> int:
+    """How many of the deployment's `cached_segment_sizes` steps sampling at most `rows` rows can
+    leave: the rows that leave the same sizes share one level (every row count whose logits are
+    no larger than the forward pass's largest tensor, most of them). Memoised: asked on every
+    admission beside others."""
+    return len(cached_segment_sizes(geometry, engine, rows))
+
+
 def any_cache_forward_level(
     geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int, rows: int | None = None
 ) -> int:
@@ -1693,8 +1691,14 @@ def any_cache_forward_level(
     7,396- and a 6,443-token one, a step every one-step history runs; histories of three earlier
     steps lower the level again. Every cache of the grid: 6,272 tokens there. Found by bisection
     (tests/unit/test_any_cache.py checks that every smaller step on the grid runs too)."""
+    return _level_from(geometry, engine, expandable_segments, capacity, cached_segment_sizes(geometry, engine, rows))
+
+
+def _level_from(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int, sizes: list[int]
+) -> int:
+    """`any_cache_forward_level` from caches of these segment sizes."""
     full = engine.max_num_batched_tokens
-    sizes = cached_segment_sizes(geometry, engine, rows)
 
     def runs(k: int) -> bool:
         step = profile_forward_tape(geometry, engine, max(1, full * k // ANY_CACHE_TOKEN_STEPS), served=True)
@@ -1713,18 +1717,18 @@ class AnyCacheForward(DeploymentReplay[tuple[int, int], int]):
     """`any_cache_forward_level` of one deployment, for the budget: whether a step of `tokens`
     runs in `capacity` whatever the steps so far, none sampling more than `rows` rows, can have
     left cached. A level costs 0.1-1.5 s of CPU, so each one (the headroom rounded down to a
-    multiple of 8 MiB, as `LoneForward`'s; the rows rounded up, `sampled_rows_key`) is worked out
-    once on a worker thread, and only when a level known for less headroom and as many rows or
-    more does not already run the step (more memory never runs out a step that less memory runs,
-    fewer rows leave fewer caches: tests/unit/test_any_cache.py): the headroom drifts by a few
-    MiB between readings, and each new multiple of 8 MiB would otherwise cost a replay, and keep
-    the steps beside others waiting for it. Until it is known the answer is no (the cautious one:
-    the step waits); the gate is told when it is known."""
+    multiple of 8 MiB, as `LoneForward`'s; the rows as the sizes they leave, `cached_sizes_count`)
+    is worked out once on a worker thread, and only when a level known for less headroom and as
+    many sizes or more does not already run the step (more memory never runs out a step that
+    less memory runs, fewer sizes are fewer caches: tests/unit/test_any_cache.py): the headroom
+    drifts by a few MiB between readings, and each new multiple of 8 MiB would otherwise cost a
+    replay, and keep the steps beside others waiting for it. Until it is known the answer is no
+    (the cautious one: the step waits); the gate is told when it is known."""
 
     thread_name = "kvgate-any-cache-forward"
 
     def __call__(self, tokens: int, capacity: int, rows: int) -> bool:
-        key = (capacity // CAPACITY_STEP * CAPACITY_STEP, sampled_rows_key(self.engine, rows))
+        key = (capacity // CAPACITY_STEP * CAPACITY_STEP, cached_sizes_count(self.geometry, self.engine, rows))
         floor = max(
             (level for (below, more), level in list(self._known.items()) if below <= key[0] and more >= key[1]),
             default=None,
@@ -1735,8 +1739,9 @@ class AnyCacheForward(DeploymentReplay[tuple[int, int], int]):
         return level is not None and tokens <= level
 
     def _work_out(self, key: tuple[int, int]) -> int:
-        capacity, rows = key
-        return any_cache_forward_level(self.geometry, self.engine, self.expandable_segments, capacity, rows)
+        capacity, count = key
+        sizes = cached_segment_sizes(self.geometry, self.engine)[:count]
+        return _level_from(self.geometry, self.engine, self.expandable_segments, capacity, sizes)
 
 
 def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int) -> list[TapeOp]:

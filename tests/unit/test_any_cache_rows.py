@@ -29,8 +29,8 @@ from kvgate.memory.activation import (
     EngineShape,
     any_cache_forward_level,
     cached_segment_sizes,
+    cached_sizes_count,
     profile_forward_tape,
-    sampled_rows_key,
 )
 from kvgate.memory.allocator import fits_from_any_cache
 from kvgate.memory.demand import Demand
@@ -57,8 +57,15 @@ def test_fewer_sampled_rows_leave_a_prefix_of_the_sizes_and_never_lower_the_leve
         assert sizes == everything[: len(sizes)]
         levels.append(any_cache_forward_level(LLAMA_8B, S13_ENGINE, False, HEADROOM, rows))
     assert levels == sorted(levels, reverse=True)
-    assert sampled_rows_key(S13_ENGINE, 252) == 256
-    assert sampled_rows_key(S13_ENGINE, 9999) == 512
+    assert cached_sizes_count(LLAMA_8B, S13_ENGINE, 0) == cached_sizes_count(LLAMA_8B, S13_ENGINE, 224) == 14
+    assert cached_sizes_count(LLAMA_8B, S13_ENGINE, 257) == 16
+    assert cached_sizes_count(LLAMA_8B, S13_ENGINE, 9999) == len(everything) == 32
+    levels = AnyCacheForward(LLAMA_8B, S13_ENGINE, False, background=False)
+    assert levels(2048, HEADROOM, 200)  # worked out: 2,048 from the 14 sizes
+    assert list(levels._known) == [(HEADROOM, 14)]
+    assert levels(2048, HEADROOM + 5 * MiB, 0)  # answered by the level known for 14 sizes
+    assert not levels(2048, HEADROOM, 300)
+    assert list(levels._known) == [(HEADROOM, 14), (HEADROOM, 19)]
 
 
 def test_s13s_whole_step_runs_from_every_cache_until_a_sampler_phase_makes_a_larger_segment() -> None:
