@@ -41,6 +41,10 @@ class StepLevel(Protocol):
 
     def __call__(self, tokens: int, capacity: int, rows: int) -> bool: ...
 
+    def more_caches(self, rows: int, than: int) -> bool:
+        """Whether steps of `rows` sampled rows can leave larger segments than steps of `than`."""
+        ...
+
 
 class Holdings(Protocol):
     """What the ledger holds; the budget only reads it."""
@@ -292,13 +296,14 @@ class Budget:
 
     def _grows_past_any_cache(self, step: StepHoldings, holdings: Holdings) -> bool:
         """Whether admitting makes the worst step beside others larger than any cache runs, or
-        lets a step sample more rows than any step of this engine life (its sampler phase may
-        leave a larger segment cached for the next steps'). Not where it does neither (the step
+        lets a step sample more rows than any step of this engine life, enough to leave a larger
+        segment cached for the next steps' (`StepLevel.more_caches`). Not where it does neither (the step
         no larger because max_num_batched_tokens caps it, and vLLM runs the capped step whoever
         asks in), which holding it back would not make safer."""
         if holdings.in_flight == 0 or self.any_cache_step_fits(step, holdings.peak_sampled_rows):
             return False
-        more_rows = step.sampled_rows > holdings.peak_sampled_rows
+        levels, peak = self.any_cache_forward, holdings.peak_sampled_rows
+        more_rows = levels is not None and levels.more_caches(step.sampled_rows, peak)
         return more_rows or self._forward_tokens(step) > self._forward_tokens(holdings.step())
 
     def transient_charge(self, holdings: Holdings) -> int:

@@ -1738,6 +1738,12 @@ class AnyCacheForward(DeploymentReplay[tuple[int, int], int]):
         level = self._lookup(key)
         return level is not None and tokens <= level
 
+    def more_caches(self, rows: int, than: int) -> bool:
+        """Whether steps sampling `rows` rows can leave larger segments than steps of `than`."""
+        return cached_sizes_count(self.geometry, self.engine, rows) > cached_sizes_count(
+            self.geometry, self.engine, than
+        )
+
     def _work_out(self, key: tuple[int, int]) -> int:
         capacity, count = key
         sizes = cached_segment_sizes(self.geometry, self.engine)[:count]
