@@ -18,7 +18,8 @@ import json
 import random
 
 import pytest
-from sim_support import started
+from sim_support import prefill_beside as step
+from sim_support import started_s13
 
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
@@ -38,7 +39,7 @@ from kvgate.openai import parse_request
 from kvgate.predict import Predictor
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.presets import model_config
-from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
+from kvgate.sim.step_memory import StepMemory, StepShape, run_tape
 from kvgate.units import GiB, MiB
 from support.served_budget import v2_budget
 
@@ -84,23 +85,7 @@ def test_s13s_whole_step_runs_from_every_cache_until_a_sampler_phase_makes_a_lar
 @pytest.fixture(scope="module")
 def s13_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
     """S13's simulated engine just started, its free memory the headroom kvgate reads."""
-    device, alloc, steps = started(
-        model="llama-3.1-8b",
-        gpu="h100-80gb",
-        vllm_version="0.32.0",
-        max_model_len=32768,
-        max_num_batched_tokens=2048,
-        max_num_seqs=512,
-    )
-    device.set_usage("other", device.free() - HEADROOM)
-    return device, alloc, steps
-
-
-def step(prefill: int, rows: int, copied: bool) -> StepShape:
-    """A prefill chunk beside `rows` decoding rows; `copied`: one of them (a document at
-    temperature 0.7) has V2 copy the whole batch's logits to fp32."""
-    decoding = tuple(ReqSlice(1, 300, random=True, processes=copied and i == 0) for i in range(rows))
-    return StepShape(((ReqSlice(prefill, 0, samples=False),) if prefill else ()) + decoding)
+    return started_s13(HEADROOM)
 
 
 def played(alloc: CachingAllocator, steps: StepMemory, shape: StepShape) -> bool:
