@@ -36,10 +36,14 @@ class SharedLevel(Protocol):
 
 class StepLevel(Protocol):
     """Whether a served step's forward pass of `tokens` tokens runs in `capacity` whatever the
-    caching allocator holds cached (kvgate/memory/activation.py AnyCacheForward); no while that is
-    still being worked out."""
+    caching allocator holds cached after steps that sampled at most `rows` rows
+    (kvgate/memory/activation.py AnyCacheForward); no while that is still being worked out."""
 
-    def __call__(self, tokens: int, capacity: int) -> bool: ...
+    def __call__(self, tokens: int, capacity: int, rows: int) -> bool: ...
+
+    def more_caches(self, rows: int, than: int) -> bool:
+        """Whether steps of `rows` sampled rows can leave larger segments than steps of `than`."""
+        ...
 
 
 class LoneRequestLevel(Protocol):
@@ -71,6 +75,9 @@ class Holdings(Protocol):
 
     @property
     def in_flight(self) -> int: ...
+
+    @property
+    def peak_sampled_rows(self) -> int: ...
 
 
 @dataclass
@@ -329,15 +336,18 @@ class Budget:
         )
         return self.shared_forward(forward + step.unprofiled, capacity, unknown)
 
-    def any_cache_step_fits(self, step: StepHoldings) -> bool:
+    def any_cache_step_fits(self, step: StepHoldings, rows_seen: int = 0) -> bool:
         """Whether `step`'s forward pass (its open prefills' profiled terms and its decoding rows'
         tokens, at most max_num_batched_tokens) runs in the live headroom from any cache the other
-        requests' steps can leave (kvgate/memory/activation.py `any_cache_forward_level`). The
-        segment share `shortfall` charges is the profile step's after one earlier step, a
-        proportion: a step near the headroom it under-counts when earlier steps stranded more
-        (held-out H7). Where the profile region comes out of free memory only (`profiled_cap_bytes`
-        above 0), as `lone_step_fits`; an MLA deployment's served steps are judged by their own
-        replay (`shared_step_fits`). Not scaled in conservative mode, as `lone_step_fits`."""
+        requests' steps can leave (kvgate/memory/activation.py `any_cache_forward_level`): the
+        steps of this engine life, none of which sampled more rows than `rows_seen` or `step`
+        (a segment is the size of a tensor some step made, and the sampler phase's logits make
+        the largest). The segment share `shortfall` charges is the profile step's after one
+        earlier step, a proportion: a step near the headroom it under-counts when earlier steps
+        stranded more (held-out H7). Where the profile region comes out of free memory only
+        (`profiled_cap_bytes` above 0), as `lone_step_fits`; an MLA deployment's served steps
+        are judged by their own replay (`shared_step_fits`). Not scaled in conservative mode, as
+        `lone_step_fits`."""
         capacity = self.transient_headroom_bytes
         if (
             self.any_cache_forward is None
@@ -348,7 +358,7 @@ class Budget:
         ):
             return True
         tokens = self._forward_tokens(step)
-        return tokens <= 0 or self.any_cache_forward(tokens, capacity)
+        return tokens <= 0 or self.any_cache_forward(tokens, capacity, max(rows_seen, step.sampled_rows))
 
     def _forward_tokens(self, step: StepHoldings) -> int:
         """The tokens of `step`'s forward pass, at most max_num_batched_tokens (the profile's)."""
@@ -358,12 +368,16 @@ class Budget:
         return -(-forward // self.forward_bytes_per_token)
 
     def _grows_past_any_cache(self, step: StepHoldings, holdings: Holdings) -> bool:
-        """Whether admitting makes the worst step beside others larger than any cache runs: not
-        where the step is no larger than without the request (max_num_batched_tokens caps it, and
-        vLLM runs the capped step whoever asks in), which holding it back would not make safer."""
-        if holdings.in_flight == 0 or self.any_cache_step_fits(step):
+        """Whether admitting makes the worst step beside others larger than any cache runs, or
+        lets a step sample more rows than any step of this engine life, enough to leave a larger
+        segment cached for the next steps' (`StepLevel.more_caches`). Not where it does neither (the step
+        no larger because max_num_batched_tokens caps it, and vLLM runs the capped step whoever
+        asks in), which holding it back would not make safer."""
+        if holdings.in_flight == 0 or self.any_cache_step_fits(step, holdings.peak_sampled_rows):
             return False
-        return self._forward_tokens(step) > self._forward_tokens(holdings.step())
+        levels, peak = self.any_cache_forward, holdings.peak_sampled_rows
+        more_rows = levels is not None and levels.more_caches(step.sampled_rows, peak)
+        return more_rows or self._forward_tokens(step) > self._forward_tokens(holdings.step())
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their

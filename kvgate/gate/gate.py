@@ -479,7 +479,13 @@ class Gate(Generic[Basis]):
         for as long as it is the head."""
         if self._reservation is None or self._reservation.head is not head:
             self._reservation = HeadReservation.plan(
-                head, head.demand, self.ledger.reservations(), self.budget, self._ends_at, self._clock()
+                head,
+                head.demand,
+                self.ledger.reservations(),
+                self.budget,
+                self._ends_at,
+                self._clock(),
+                self.ledger.peak_sampled_rows,
             )
         return self._reservation
 

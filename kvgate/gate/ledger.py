@@ -57,9 +57,10 @@ class Reservation:
 class Ledger:
     """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
 
-    def __init__(self, pool: Callable[[], int | None] | None = None) -> None:
+    def __init__(self, pool: Callable[[], int | None] | None = None, peak_sampled_rows: int = 0) -> None:
         """`pool`: the KV blocks of vLLM's pool, None when unknown (kvgate/gate/budget.py
-        Budget.kv_blocks); it says whether vLLM may preempt (`_preemption_free`)."""
+        Budget.kv_blocks); it says whether vLLM may preempt (`_preemption_free`).
+        `peak_sampled_rows`: the high-water mark to start from (a plan's copy of the gate's)."""
         self._pool = pool
         self._growth_blocks = 0  # summed Demand.growth_blocks of the in-flight requests
         self._growth_unknown = 0  # how many of them said None
@@ -85,6 +86,9 @@ class Ledger:
         # Non-streaming requests' prefills, closed on vLLM's count of first tokens (plain_prefills.py)
         self.plain = PlainPrefills()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
+        # The most rows the in-flight requests' step sampled since the last reset_peak() (the
+        # engine's life): what bounds the segments its sampler phases left cached (Budget.any_cache_step_fits)
+        self.peak_sampled_rows = peak_sampled_rows
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
         self.reserved_total = 0  # reservations ever made: whether any came between two looks
@@ -291,6 +295,7 @@ class Ledger:
             other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
+        self.peak_sampled_rows = max(self.peak_sampled_rows, self._sampler.stage().rows)
         return reservation
 
     def _add_tokens(self, tokens: int | None, sign: int) -> None:
@@ -308,8 +313,9 @@ class Ledger:
             self._growth_blocks += sign * blocks
 
     def reset_peak(self) -> None:
-        """Start a new high-water mark (a new engine life) from what is reserved now."""
+        """Start new high-water marks (a new engine life) from what is reserved now."""
         self.peak_transient_bytes = self.transient_bytes
+        self.peak_sampled_rows = self._sampler.stage().rows
 
     def end_prefill(self, reservation: Reservation) -> bool:
         """The first token is out: the prefill-only transient terms are gone. True if it changed.

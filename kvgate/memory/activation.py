@@ -1639,25 +1639,54 @@ ANY_CACHE_SIZE_STEPS = 32
 ANY_CACHE_TOKEN_STEPS = 64
 
 
-def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape) -> list[int]:
+def most_sampled_rows(engine: EngineShape) -> int:
+    """The most rows one step samples: vLLM schedules at most max_num_seqs sequences a step, each
+    at least one token of max_num_batched_tokens."""
+    return min(engine.max_num_seqs, engine.max_num_batched_tokens)
+
+
+def _largest_tensor(geometry: ModelGeometry, engine: EngineShape, rows: int) -> int:
+    """The largest tensor a served step makes: its forward pass's at max_num_batched_tokens, or
+    its sampler phase's at `rows` rows (the logits' fp32 copy of a large vocabulary may be larger)."""
+    tapes = [profile_forward_tape(geometry, engine, served=True)]
+    if rows:
+        tapes.append(sampler_phase_tape(geometry, engine, rows))
+    return max(nbytes for tape in tapes for op, _, nbytes in tape if op == "alloc")
+
+
+def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape, rows: int | None = None) -> list[int]:
     """The sizes of free segments a step may find cached: every 1/32 (on the 2 MiB rounding of
-    large segments) up to the largest tensor a served step makes, its forward pass's at
-    max_num_batched_tokens or its sampler phase's at the most rows a step samples (the logits'
-    fp32 copy of a large vocabulary may be the larger); cudaMalloc made each segment that size."""
-    rows = min(engine.max_num_seqs, engine.max_num_batched_tokens)
-    tapes = (profile_forward_tape(geometry, engine, served=True), sampler_phase_tape(geometry, engine, rows))
-    largest = max(nbytes for tape in tapes for op, _, nbytes in tape if op == "alloc")
-    grain = max(ROUND_LARGE, -(-largest // ANY_CACHE_SIZE_STEPS // ROUND_LARGE) * ROUND_LARGE)
+    large segments) of the largest tensor any served step makes (`_largest_tensor` at
+    `most_sampled_rows`), up to the first at or above the largest a step sampling at most `rows`
+    rows makes (None: the most a step samples). cudaMalloc made each cached segment the size of a
+    tensor no cached block could hold (kvgate/memory/allocator.py module docstring), so a segment
+    larger than every tensor the steps so far made cannot be cached. The grain is the
+    deployment's whatever `rows`: fewer rows give a prefix of the same list, so their level is
+    never lower (tests/unit/test_any_cache.py)."""
+    most = most_sampled_rows(engine)
+    grain = max(
+        ROUND_LARGE, -(-_largest_tensor(geometry, engine, most) // ANY_CACHE_SIZE_STEPS // ROUND_LARGE) * ROUND_LARGE
+    )
+    largest = _largest_tensor(geometry, engine, most if rows is None else min(rows, most))
     return list(range(grain, largest + grain, grain))
 
 
+@lru_cache(maxsize=1024)
+def cached_sizes_count(geometry: ModelGeometry, engine: EngineShape, rows: int) -> int:
+    """How many of the deployment's `cached_segment_sizes` steps sampling at most `rows` rows can
+    leave: the rows that leave the same sizes share one level (every row count whose logits are
+    no larger than the forward pass's largest tensor, most of them). Memoised: asked on every
+    admission beside others."""
+    return len(cached_segment_sizes(geometry, engine, rows))
+
+
 def any_cache_forward_level(
-    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int, rows: int | None = None
 ) -> int:
     """The most tokens (on 1/64ths of max_num_batched_tokens) a served step's forward pass may
     hold and still run in `capacity` bytes of transient memory whatever the caching allocator
     holds cached when it starts (kvgate/memory/allocator.py `fits_from_any_cache`: up to three
-    free segments of `cached_segment_sizes`).
+    free segments of `cached_segment_sizes`, for steps that sampled at most `rows` rows).
 
     Beside other requests the cache is what their steps left, and histories of one earlier step
     (`lone_forward_fits`) or two do not bound it: held-out H7 (Llama-3.1-70B at TP 4, vLLM 0.33.0
@@ -1665,8 +1694,14 @@ def any_cache_forward_level(
     7,396- and a 6,443-token one, a step every one-step history runs; histories of three earlier
     steps lower the level again. Every cache of the grid: 6,272 tokens there. Found by bisection
     (tests/unit/test_any_cache.py checks that every smaller step on the grid runs too)."""
+    return _level_from(geometry, engine, expandable_segments, capacity, cached_segment_sizes(geometry, engine, rows))
+
+
+def _level_from(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, capacity: int, sizes: list[int]
+) -> int:
+    """`any_cache_forward_level` from caches of these segment sizes."""
     full = engine.max_num_batched_tokens
-    sizes = cached_segment_sizes(geometry, engine)
 
     def runs(k: int) -> bool:
         step = profile_forward_tape(geometry, engine, max(1, full * k // ANY_CACHE_TOKEN_STEPS), served=True)
@@ -1681,28 +1716,41 @@ def any_cache_forward_level(
     return full * low // ANY_CACHE_TOKEN_STEPS
 
 
-class AnyCacheForward(DeploymentReplay[int, int]):
+class AnyCacheForward(DeploymentReplay[tuple[int, int], int]):
     """`any_cache_forward_level` of one deployment, for the budget: whether a step of `tokens`
-    runs in `capacity` whatever is cached. A level costs 0.1-1.5 s of CPU, so each headroom's
-    (rounded down to a multiple of 8 MiB, as `LoneForward`'s) is worked out once on a worker
-    thread, and only when a smaller headroom's level, known, does not already run the step (more
-    memory never runs out a step that less memory runs: tests/unit/test_any_cache.py): the
-    headroom drifts by a few MiB between readings, and each new multiple of 8 MiB would otherwise
-    cost a replay, and keep the steps beside others waiting for it. Until it is known the answer
-    is no (the cautious one: the step waits); the gate is told when it is known."""
+    runs in `capacity` whatever the steps so far, none sampling more than `rows` rows, can have
+    left cached. A level costs 0.1-1.5 s of CPU, so each one (the headroom rounded down to a
+    multiple of 8 MiB, as `LoneForward`'s; the rows as the sizes they leave, `cached_sizes_count`)
+    is worked out once on a worker thread, and only when a level known for less headroom and as
+    many sizes or more does not already run the step (more memory never runs out a step that
+    less memory runs, fewer sizes are fewer caches: tests/unit/test_any_cache.py): the headroom
+    drifts by a few MiB between readings, and each new multiple of 8 MiB would otherwise cost a
+    replay, and keep the steps beside others waiting for it. Until it is known the answer is no
+    (the cautious one: the step waits); the gate is told when it is known."""
 
     thread_name = "kvgate-any-cache-forward"
 
-    def __call__(self, tokens: int, capacity: int) -> bool:
-        key = capacity // CAPACITY_STEP * CAPACITY_STEP
-        floor = max((level for below, level in list(self._known.items()) if below <= key), default=None)
+    def __call__(self, tokens: int, capacity: int, rows: int) -> bool:
+        key = (capacity // CAPACITY_STEP * CAPACITY_STEP, cached_sizes_count(self.geometry, self.engine, rows))
+        floor = max(
+            (level for (below, more), level in list(self._known.items()) if below <= key[0] and more >= key[1]),
+            default=None,
+        )
         if floor is not None and tokens <= floor:
             return True
         level = self._lookup(key)
         return level is not None and tokens <= level
 
-    def _work_out(self, capacity: int) -> int:
-        return any_cache_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
+    def more_caches(self, rows: int, than: int) -> bool:
+        """Whether steps sampling `rows` rows can leave larger segments than steps of `than`."""
+        return cached_sizes_count(self.geometry, self.engine, rows) > cached_sizes_count(
+            self.geometry, self.engine, than
+        )
+
+    def _work_out(self, key: tuple[int, int]) -> int:
+        capacity, count = key
+        sizes = cached_segment_sizes(self.geometry, self.engine)[:count]
+        return _level_from(self.geometry, self.engine, self.expandable_segments, capacity, sizes)
 
 
 def lone_request_chunks(engine: EngineShape, prompt_tokens: int) -> tuple[int, ...]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from kvgate.sim import startup
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import Engine
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.model import load_model
 from kvgate.sim.presets import gpu_total_bytes
 from kvgate.sim.request import Request, Sampling
-from kvgate.sim.step_memory import StepShape, run_tape
+from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
 from kvgate.sim.tokens import StandInTokenizer, TextModel
 from kvgate.sim.vision import Item
 
@@ -47,6 +48,42 @@ def make_engine(cfg: SimConfig) -> Engine:
     )
     engine.boot()
     return engine
+
+
+def started(**config: object) -> tuple[Device, CachingAllocator, StepMemory]:
+    """A simulated engine just started with the pool vLLM's start-up advice sizes (vLLM's own
+    runner choice): its device, allocator and step tapes."""
+    from demo.replay import fully_utilized
+
+    cfg = fully_utilized(SimConfig(model_runner="auto", **config))
+    device = Device(gpu_total_bytes(cfg.gpu))
+    alloc = CachingAllocator(device, "vllm")
+    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
+    steps, _ = startup.step_memories(resolved)
+    return device, alloc, steps
+
+
+def started_s13(free_bytes: int) -> tuple[Device, CachingAllocator, StepMemory]:
+    """Benchmark S13's simulated engine just started (Llama-3.1-8B on an H100, vLLM 0.32.0 Model
+    Runner V2, 2,048 tokens a step, 512 sequences), `free_bytes` left free on its GPU."""
+    device, alloc, steps = started(
+        model="llama-3.1-8b",
+        gpu="h100-80gb",
+        vllm_version="0.32.0",
+        max_model_len=32768,
+        max_num_batched_tokens=2048,
+        max_num_seqs=512,
+    )
+    device.set_usage("other", device.free() - free_bytes)
+    return device, alloc, steps
+
+
+def prefill_beside(prefill: int, rows: int, copied: bool) -> StepShape:
+    """A step of a `prefill`-token chunk (none if 0) beside `rows` decoding rows at a random
+    temperature; `copied`: one of them needs logits processing (a temperature other than 1.0),
+    so Model Runner V2 copies the whole batch's logits to fp32."""
+    decoding = tuple(ReqSlice(1, 300, random=True, processes=copied and i == 0) for i in range(rows))
+    return StepShape(((ReqSlice(prefill, 0, samples=False),) if prefill else ()) + decoding)
 
 
 def sim_runs_after(

@@ -73,17 +73,18 @@ def test_with_expandable_segments_only_the_steps_own_pages_count() -> None:
 
 
 def test_a_smaller_headrooms_level_known_answers_without_a_replay() -> None:
-    """The headroom drifts between readings: where a smaller headroom's level, known, runs the
-    step, the answer is yes at once; else the level is worked out (on the worker thread) and the
-    answer is no until it is known."""
+    """The headroom drifts between readings: where a level known for a smaller headroom and as
+    many cached sizes or more runs the step, the answer is yes at once; else the level is worked
+    out (on the worker thread) and the answer is no until it is known."""
     levels = AnyCacheForward(QWEN, QWEN_ENGINE, False, background=False)
-    assert levels(3000, 600 * MiB)  # worked out in the caller's thread (background off)
-    known = any_cache_forward_level(QWEN, QWEN_ENGINE, False, 600 * MiB)
+    assert levels(3000, 600 * MiB, 512)  # worked out in the caller's thread (background off)
+    known = any_cache_forward_level(QWEN, QWEN_ENGINE, False, 600 * MiB, 512)
     waiting = AnyCacheForward(QWEN, QWEN_ENGINE, False)
-    waiting._known[600 * MiB] = known
-    assert waiting(known, 805 * MiB)
+    every = len(cached_segment_sizes(QWEN, QWEN_ENGINE))
+    waiting._known[(600 * MiB, every)] = known
+    assert waiting(known, 805 * MiB, 100)
     assert not waiting._pending
-    waiting._pending.add(800 * MiB)  # being worked out: the worker is not asked again
-    assert not waiting(known + 1, 805 * MiB)
-    assert not waiting(1, 590 * MiB)
-    assert 584 * MiB in waiting._pending
+    waiting._pending.add((800 * MiB, every))  # being worked out: the worker is not asked again
+    assert not waiting(known + 1, 805 * MiB, 512)
+    assert not waiting(1, 590 * MiB, 512)
+    assert (584 * MiB, every) in waiting._pending

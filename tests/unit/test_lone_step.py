@@ -18,6 +18,7 @@ import threading
 from dataclasses import asdict
 
 import pytest
+from sim_support import started
 
 from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
@@ -40,7 +41,6 @@ from kvgate.memory.geometry import ModelGeometry
 from kvgate.openai import parse_request
 from kvgate.predict import Prediction, Predictor
 from kvgate.settings import settings_from_args
-from kvgate.sim import startup
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.presets import model_config
 from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
@@ -50,22 +50,6 @@ from support.geometry import model_geometry
 QWEN = model_geometry("qwen2.5-7b-instruct")  # the geometry the simulator's qwen2.5-7b plays
 H1_ENGINE = EngineShape(max_model_len=16384, max_num_batched_tokens=4096, max_num_seqs=512, runner="v2")
 HISTORY = [4096 * k // 16 for k in range(1, 16)]
-
-
-def started(**config: object) -> tuple[Device, CachingAllocator, StepMemory]:
-    """A simulated engine just started with the pool vLLM's start-up advice sizes (vLLM's own
-    runner choice): its device, allocator and step tapes."""
-    from demo.replay import fully_utilized
-    from kvgate.sim.config import SimConfig
-    from kvgate.sim.model import load_model
-    from kvgate.sim.presets import gpu_total_bytes
-
-    cfg = fully_utilized(SimConfig(model_runner="auto", **config))
-    device = Device(gpu_total_bytes(cfg.gpu))
-    alloc = CachingAllocator(device, "vllm")
-    resolved, _ = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
-    steps, _ = startup.step_memories(resolved)
-    return device, alloc, steps
 
 
 @pytest.fixture(scope="module")
