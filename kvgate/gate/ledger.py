@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ from kvgate.memory.activation import StepForwardBound
 from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.sampler import SamplerBatch, SamplerStage
+
+# `peak_sampled_rows` where this engine life ran steps kvgate did not see: any row count
+ANY_ROWS = sys.maxsize
 
 
 @dataclass
@@ -316,6 +320,11 @@ class Ledger:
         """Start new high-water marks (a new engine life) from what is reserved now."""
         self.peak_transient_bytes = self.transient_bytes
         self.peak_sampled_rows = self._sampler.stage().rows
+
+    def unseen_steps(self) -> None:
+        """The engine ran steps kvgate did not see (it had served requests when kvgate first read
+        it): any row count may have left its segments cached this life."""
+        self.peak_sampled_rows = ANY_ROWS
 
     def end_prefill(self, reservation: Reservation) -> bool:
         """The first token is out: the prefill-only transient terms are gone. True if it changed.

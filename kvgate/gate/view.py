@@ -49,9 +49,14 @@ class GateView:
         return self._gate.ledger.peak_transient_bytes
 
     def reset_peak(self) -> None:
-        """Start a new peak window (the backend started a new life). One of the view's two writes:
+        """Start a new peak window (the backend started a new life). One of the view's writes:
         the watermark exists only for telemetry."""
         self._gate.ledger.reset_peak()
+
+    def unseen_steps(self) -> None:
+        """The backend had served requests when kvgate first read this life's GPU baseline: the
+        segments its steps left cached may be any row count's (the view's third write)."""
+        self._gate.ledger.unseen_steps()
 
     def first_token_account(self) -> tuple[int, int, int]:
         """What kvgate's requests may have put in vLLM's count of first tokens

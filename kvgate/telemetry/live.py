@@ -364,6 +364,8 @@ class LiveBudget:
         if not self.headroom.started:  # this reading sets the life's baseline
             prompts = self.snapshot.counter("prompt_tokens") if self.snapshot else None
             self.baseline_before_steps = prompts == 0
+            if not self.baseline_before_steps:  # its cache holds steps kvgate never saw
+                self.gate.unseen_steps()
         headroom = self.headroom.update(
             reading,
             self.utilization(),

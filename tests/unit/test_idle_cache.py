@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from kvgate.cli import build_parser
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.gate import Gate
+from kvgate.gate.ledger import ANY_ROWS
 from kvgate.gate.observer import Observers
 from kvgate.gate.view import GateView
 from kvgate.memory.demand import Demand
@@ -136,3 +137,19 @@ def test_beside_an_engine_that_already_served_the_growth_is_not_taken_for_its_ca
     live._gpu(probe.reading(), 0.0, idle=True)
     assert budget.idle_cache_bytes is None
     assert budget.shortfall(lone_prompt(), gate.ledger) == TRANSIENT_BUSY
+
+
+def test_beside_an_engine_that_already_served_any_row_count_may_have_left_its_segments() -> None:
+    """The cached sizes a step beside others is judged from stop at the largest tensor the steps of
+    this engine life made, which kvgate knows by the most rows it let sample at once
+    (`Ledger.peak_sampled_rows`, kvgate/memory/activation.py `cached_segment_sizes`). Started after
+    vLLM computed prompts, kvgate did not see those steps: any row count's segments may be cached.
+    Started beside a fresh engine, the mark starts at nothing."""
+    _, fresh_gate, fresh, probe, _ = kvgate_beside(0)
+    fresh._gpu(probe.reading(), 0.0, idle=True)
+    assert fresh_gate.ledger.peak_sampled_rows == 0
+    _, gate, live, probe, _ = kvgate_beside(5000)
+    live._gpu(probe.reading(), 0.0, idle=True)
+    assert gate.ledger.peak_sampled_rows == ANY_ROWS
+    live._gpu(probe.reading(), 1.0, idle=True)  # a later reading of the same life changes nothing
+    assert gate.ledger.peak_sampled_rows == ANY_ROWS
