@@ -1639,12 +1639,6 @@ ANY_CACHE_SIZE_STEPS = 32
 ANY_CACHE_TOKEN_STEPS = 64
 
 
-def most_sampled_rows(engine: EngineShape) -> int:
-    """The most rows one step samples: vLLM schedules at most max_num_seqs sequences a step, each
-    at least one token of max_num_batched_tokens."""
-    return min(engine.max_num_seqs, engine.max_num_batched_tokens)
-
-
 def _largest_tensor(geometry: ModelGeometry, engine: EngineShape, rows: int) -> int:
     """The largest tensor a served step makes: its forward pass's at max_num_batched_tokens, or
     its sampler phase's at `rows` rows (the logits' fp32 copy of a large vocabulary may be larger)."""
@@ -1657,13 +1651,13 @@ def _largest_tensor(geometry: ModelGeometry, engine: EngineShape, rows: int) -> 
 def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape, rows: int | None = None) -> list[int]:
     """The sizes of free segments a step may find cached: every 1/32 (on the 2 MiB rounding of
     large segments) of the largest tensor any served step makes (`_largest_tensor` at
-    `most_sampled_rows`), up to the first at or above the largest a step sampling at most `rows`
+    `SamplerCost.profiled_rows`: a row per sequence a step schedules), up to the first at or above the largest a step sampling at most `rows`
     rows makes (None: the most a step samples). cudaMalloc made each cached segment the size of a
     tensor no cached block could hold (kvgate/memory/allocator.py module docstring), so a segment
     larger than every tensor the steps so far made cannot be cached. The grain is the
     deployment's whatever `rows`: fewer rows give a prefix of the same list, so their level is
     never lower (tests/unit/test_any_cache.py)."""
-    most = most_sampled_rows(engine)
+    most = sampler_cost(geometry, engine).profiled_rows
     grain = max(
         ROUND_LARGE, -(-_largest_tensor(geometry, engine, most) // ANY_CACHE_SIZE_STEPS // ROUND_LARGE) * ROUND_LARGE
     )
@@ -1765,6 +1759,11 @@ def lone_request_chunks(engine: EngineShape, prompt_tokens: int) -> tuple[int, .
     return (full,) * (prompt_tokens // full) + last
 
 
+def _chunks_tape(geometry: ModelGeometry, engine: EngineShape, chunks: tuple[int, ...]) -> list[TapeOp]:
+    """The forward passes of a lone request's prefill chunks, one after the other."""
+    return [op for tokens in chunks for op in profile_forward_tape(geometry, engine, tokens, served=True)]
+
+
 def lone_request_fits(
     geometry: ModelGeometry,
     engine: EngineShape,
@@ -1789,8 +1788,7 @@ def lone_request_fits(
     a step, 940 MiB of headroom): a lone 7,000-token prompt runs from an empty cache and OOMs the
     simulator after an 8,192-token step; the 8,192-token chunk of a 12,000-token one runs from an
     empty cache and OOMs after a 5,120- or 8,192-token step."""
-    tape = [op for tokens in chunks for op in profile_forward_tape(geometry, engine, tokens, served=True)]
-    sizes = cached_segment_sizes(geometry, engine)
+    tape, sizes = _chunks_tape(geometry, engine, chunks), cached_segment_sizes(geometry, engine)
     return fits_from_any_cache(tape, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments, cached)
 
 
@@ -1805,8 +1803,7 @@ def lone_request_ever_fits(
     H8b: a list of 16,000 tokens (two 8,192-token steps) runs the simulator out of memory from an
     empty cache (its second step meets the segments the first cut where its cudaMalloc calls
     failed), and runs from a cache of one free 160 MiB segment; the oracle serves such lists."""
-    tape = [op for tokens in chunks for op in profile_forward_tape(geometry, engine, tokens, served=True)]
-    sizes = cached_segment_sizes(geometry, engine)
+    tape, sizes = _chunks_tape(geometry, engine, chunks), cached_segment_sizes(geometry, engine)
     return fits_from_some_cache(tape, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
 
 
