@@ -60,7 +60,7 @@ class HeadReservation:
         budget: Budget,
         ends_at: Callable[[Reservation], float | None],
         now: float,
-        peak_sampled_rows: int = 0,
+        peak_segment_rows: int = 0,
     ) -> HeadReservation:
         """The earliest moment `head_demand` fits once in-flight requests end in their predicted
         order, and those still running then. With any end unknown: no start, no companions.
@@ -68,9 +68,9 @@ class HeadReservation:
         Built from the latest end back (fitting only gets harder as companions are added): the
         companions are taken while the pool could still hold the head's private blocks beside
         them, then given back, earliest end first, until the budget says the head fits; so it
-        costs about one budget check while the head waits for KV blocks. `peak_sampled_rows`:
+        costs about one budget check while the head waits for KV blocks. `peak_segment_rows`:
         the gate's ledger's, which the companions start from (the cache its steps left)."""
-        companions = Ledger(pool=lambda: budget.kv_blocks, peak_sampled_rows=peak_sampled_rows)
+        companions = Ledger(pool=lambda: budget.kv_blocks, peak_segment_rows=peak_segment_rows)
         ends = [ends_at(reservation) for reservation in in_flight]
         known = [(end, reservation) for end, reservation in zip(ends, in_flight, strict=True) if end is not None]
         if not known or len(known) < len(in_flight):

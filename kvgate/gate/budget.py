@@ -77,7 +77,7 @@ class Holdings(Protocol):
     def in_flight(self) -> int: ...
 
     @property
-    def peak_sampled_rows(self) -> int: ...
+    def peak_segment_rows(self) -> int: ...
 
 
 @dataclass
@@ -340,9 +340,9 @@ class Budget:
         """Whether `step`'s forward pass (its open prefills' profiled terms and its decoding rows'
         tokens, at most max_num_batched_tokens) runs in the live headroom from any cache the other
         requests' steps can leave (kvgate/memory/activation.py `any_cache_forward_level`): the
-        steps of this engine life, none of which sampled more rows than `rows_seen` or `step`
-        (a segment is the size of a tensor some step made, and the sampler phase's logits make
-        the largest). The segment share `shortfall` charges is the profile step's after one
+        steps of this engine life, none of which made a larger sampler tensor than a copying step
+        of `rows_seen` rows or `step` (`StepHoldings.segment_rows`: a segment is the size of a
+        tensor some step made, and the sampler phase's logits or their fp32 copy make the largest). The segment share `shortfall` charges is the profile step's after one
         earlier step, a proportion: a step near the headroom it under-counts when earlier steps
         stranded more (held-out H7). Where the profile region comes out of free memory only
         (`profiled_cap_bytes` above 0), as `lone_step_fits`; an MLA deployment's served steps
@@ -358,7 +358,7 @@ class Budget:
         ):
             return True
         tokens = self._forward_tokens(step)
-        return tokens <= 0 or self.any_cache_forward(tokens, capacity, max(rows_seen, step.sampled_rows))
+        return tokens <= 0 or self.any_cache_forward(tokens, capacity, max(rows_seen, step.segment_rows))
 
     def _forward_tokens(self, step: StepHoldings) -> int:
         """The tokens of `step`'s forward pass, at most max_num_batched_tokens (the profile's)."""
@@ -373,10 +373,10 @@ class Budget:
         segment cached for the next steps' (`StepLevel.more_caches`). Not where it does neither (the step
         no larger because max_num_batched_tokens caps it, and vLLM runs the capped step whoever
         asks in), which holding it back would not make safer."""
-        if holdings.in_flight == 0 or self.any_cache_step_fits(step, holdings.peak_sampled_rows):
+        if holdings.in_flight == 0 or self.any_cache_step_fits(step, holdings.peak_segment_rows):
             return False
-        levels, peak = self.any_cache_forward, holdings.peak_sampled_rows
-        more_rows = levels is not None and levels.more_caches(step.sampled_rows, peak)
+        levels, peak = self.any_cache_forward, holdings.peak_segment_rows
+        more_rows = levels is not None and levels.more_caches(step.segment_rows, peak)
         return more_rows or self._forward_tokens(step) > self._forward_tokens(holdings.step())
 
     def transient_charge(self, holdings: Holdings) -> int:

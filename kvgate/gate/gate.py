@@ -485,7 +485,7 @@ class Gate(Generic[Basis]):
                 self.budget,
                 self._ends_at,
                 self._clock(),
-                self.ledger.peak_sampled_rows,
+                self.ledger.peak_segment_rows,
             )
         return self._reservation
 

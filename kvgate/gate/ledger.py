@@ -37,7 +37,7 @@ from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.sampler import SamplerBatch, SamplerStage
 
-# `peak_sampled_rows` where this engine life ran steps kvgate did not see: any row count
+# `peak_segment_rows` where this engine life ran steps kvgate did not see: any row count
 ANY_ROWS = sys.maxsize
 
 
@@ -61,10 +61,10 @@ class Reservation:
 class Ledger:
     """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
 
-    def __init__(self, pool: Callable[[], int | None] | None = None, peak_sampled_rows: int = 0) -> None:
+    def __init__(self, pool: Callable[[], int | None] | None = None, peak_segment_rows: int = 0) -> None:
         """`pool`: the KV blocks of vLLM's pool, None when unknown (kvgate/gate/budget.py
         Budget.kv_blocks); it says whether vLLM may preempt (`_preemption_free`).
-        `peak_sampled_rows`: the high-water mark to start from (a plan's copy of the gate's)."""
+        `peak_segment_rows`: the high-water mark to start from (a plan's copy of the gate's)."""
         self._pool = pool
         self._growth_blocks = 0  # summed Demand.growth_blocks of the in-flight requests
         self._growth_unknown = 0  # how many of them said None
@@ -90,9 +90,10 @@ class Ledger:
         # Non-streaming requests' prefills, closed on vLLM's count of first tokens (plain_prefills.py)
         self.plain = PlainPrefills()
         self.peak_transient_bytes = 0  # high-water mark since the last reset_peak()
-        # The most rows the in-flight requests' step sampled since the last reset_peak() (the
-        # engine's life): what bounds the segments its sampler phases left cached (Budget.any_cache_step_fits)
-        self.peak_sampled_rows = peak_sampled_rows
+        # The largest sampler tensor the in-flight requests' step made since the last reset_peak()
+        # (the engine's life), in rows of a step copying its logits to fp32 (SamplerStage.segment_rows):
+        # what bounds the segments its sampler phases left cached (Budget.any_cache_step_fits)
+        self.peak_segment_rows = peak_segment_rows
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
         self.reserved_total = 0  # reservations ever made: whether any came between two looks
@@ -215,6 +216,7 @@ class Ledger:
             penalty_bytes=sampler.penalties + sampler.prompt_ids,
             penalty_prompt=sampler.penalty_prompt,
             copies_logits=sampler.copies_logits,
+            segment_rows=sampler.segment_rows,
         )
 
     def step_with(self, demand: Demand) -> StepHoldings:
@@ -238,6 +240,7 @@ class Ledger:
             penalty_bytes=sampler.penalties + sampler.prompt_ids,
             penalty_prompt=sampler.penalty_prompt,
             copies_logits=sampler.copies_logits,
+            segment_rows=sampler.segment_rows,
         )
 
     @staticmethod
@@ -299,7 +302,7 @@ class Ledger:
             other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
         self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
-        self.peak_sampled_rows = max(self.peak_sampled_rows, self._sampler.stage().rows)
+        self.peak_segment_rows = max(self.peak_segment_rows, self._sampler.stage().segment_rows)
         return reservation
 
     def _add_tokens(self, tokens: int | None, sign: int) -> None:
@@ -319,12 +322,12 @@ class Ledger:
     def reset_peak(self) -> None:
         """Start new high-water marks (a new engine life) from what is reserved now."""
         self.peak_transient_bytes = self.transient_bytes
-        self.peak_sampled_rows = self._sampler.stage().rows
+        self.peak_segment_rows = self._sampler.stage().segment_rows
 
     def unseen_steps(self) -> None:
         """The engine ran steps kvgate did not see (it had served requests when kvgate first read
         it): any row count may have left its segments cached this life."""
-        self.peak_sampled_rows = ANY_ROWS
+        self.peak_segment_rows = ANY_ROWS
 
     def end_prefill(self, reservation: Reservation) -> bool:
         """The first token is out: the prefill-only transient terms are gone. True if it changed.

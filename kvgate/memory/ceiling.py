@@ -70,6 +70,9 @@ class StepHoldings:
     # whether its sampler phase copies the logits to fp32 (V1 always; V2 when a row needs
     # processing: kvgate/memory/sampler.py `SamplerStage.copies_logits`)
     copies_logits: bool = True
+    # the largest segment its steps can leave cached, in rows of a copying step
+    # (kvgate/memory/sampler.py `SamplerCost.segment_rows`)
+    segment_rows: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -209,4 +212,5 @@ def demand_step(demand: Demand) -> StepHoldings:
         sampler_profiled=sampler.profiled if sampler else 0,
         sampled_rows=sampler.rows if sampler else 0,
         copies_logits=sampler.copies_logits if sampler else True,
+        segment_rows=sampler.segment_rows if sampler else 0,
     )

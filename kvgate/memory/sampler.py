@@ -376,6 +376,9 @@ class SamplerStage:
     # whether the step copies its logits to fp32 (sizes the sampler phase's segment overhead):
     # V1 always, V2 when a row needs processing
     copies_logits: bool = True
+    # the rows of a step copying its logits whose largest tensor is as large as this stage's
+    # (`SamplerCost.segment_rows`): the largest segment its step can leave cached
+    segment_rows: int = 0
 
     @property
     def unprofiled(self) -> int:
@@ -441,6 +444,20 @@ class SamplerCost:
         """Rows one step samples at most: 1 + num_speculative_tokens per request."""
         return min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.num_speculative_tokens))
 
+    def segment_rows(self, rows_sampled: int, copies: bool) -> int:
+        """The rows of a step copying its logits to fp32 whose largest tensor is at least as large
+        as that of a step sampling `rows_sampled` rows that `copies` or not: the mark of the
+        largest segment a step can leave cached (kvgate/memory/activation.py
+        `cached_segment_sizes`, which replays copying steps). A V2 step that copies nothing makes
+        no tensor larger than its model-dtype logits (vllm 0.32.0 v1/worker/gpu/sample/sampler.py
+        `Sampler.sample`: Gumbel sampling in one kernel), the size of the fp32 copy of
+        dtype/4 of its rows, unless the verification chunk caps that copy (then its own rows:
+        their logits are as large)."""
+        if copies:
+            return rows_sampled
+        rows = -(-rows_sampled * self.dtype_bytes // FP32)
+        return rows if self.runner == "v1" or rows <= self.verify_chunk_rows else rows_sampled
+
     def profiled_hidden_rows(self, rows_sampled: int) -> int:
         """Rows of V2's `sample_hidden` term inside the profile: the step's hidden states (the
         profile's covered every token a step can hold) and the gathered rows up to its own."""
@@ -502,6 +519,7 @@ class SamplerCost:
             profiled=profiled,
             rows=rows_sampled,
             copies_logits=fp32 > 0,
+            segment_rows=self.segment_rows(rows_sampled, fp32 > 0),
         )
 
     def warmup_pass(self) -> tuple[int, int, int]:
@@ -655,6 +673,7 @@ class SamplerCost:
             profiled=in_profile * (self.dtype_bytes + FP32) + profiled_top_k_top_p,
             rows=rows_sampled,
             penalty_prompt=longest_prompt if penalties else 0,
+            segment_rows=rows_sampled,
         )
 
 

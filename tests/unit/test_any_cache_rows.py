@@ -7,7 +7,7 @@ their fp32 copy, at 256 rows or more, make larger ones. From every cache of segm
 up to 256 sampled rows can leave, a whole 2,048-token step runs; from some caches with a segment
 the fp32 copy of about 300 rows leaves, it does not, and the simulator's own allocator
 (kvgate/sim/gpu.py) agrees on both. So kvgate weighs a step beside others against the caches the
-steps of this engine life can have left (`Ledger.peak_sampled_rows`), not against every size up to
+steps of this engine life can have left (`Ledger.peak_segment_rows`), not against every size up to
 the fp32 copy of max_num_seqs rows, which kept S13's long documents waiting.
 """
 
@@ -142,24 +142,63 @@ def demand(predictor: Predictor, prompt_tokens: int, temperature: float, max_tok
     return predictor.predict(spec, [[7] * prompt_tokens]).demand
 
 
-def test_a_document_beside_chats_waits_only_once_this_engine_life_sampled_more_rows() -> None:
+def test_a_document_beside_chats_waits_only_once_this_engine_life_copied_more_rows() -> None:
     """S13's head of line: a 12,000-token document (temperature 0.7) asks in beside 40 decoding
     chats. Its first chunk makes a whole 2,048-token step. While no step of this engine life has
-    sampled more than 256 rows it is admitted; once a burst put 300 rows in one step, their fp32
-    copy may be cached, and it waits, until a new engine life starts from an empty cache."""
+    copied more than 256 rows' logits to fp32 it is admitted; once a burst put 300 rows in one step
+    beside a row that needs processing, their fp32 copy may be cached, and it waits, until a new
+    engine life starts from an empty cache."""
     budget, predictor = s13_budget()
     ledger = Ledger()
-    chats = [ledger.reserve(demand(predictor, 200, 1.0, 256)) for _ in range(300)]
+    chats = [ledger.reserve(demand(predictor, 200, 0.7, 256)) for _ in range(300)]
     for reservation in chats:
         ledger.end_prefill(reservation)
-    assert ledger.peak_sampled_rows == 300
+    assert ledger.peak_segment_rows == 300
     for reservation in chats[40:]:
         ledger.release(reservation)
     document = demand(predictor, 12000, 0.7, 1024)
     assert budget.shortfall(document, ledger) == TRANSIENT_BUSY
     ledger.reset_peak()  # the engine restarted: its cache is empty, the 40 chats' rows count
-    assert ledger.peak_sampled_rows == 40
+    assert ledger.peak_segment_rows == 40
     assert budget.shortfall(document, ledger) is None
+
+
+def test_a_burst_that_copies_nothing_does_not_keep_the_document_waiting() -> None:
+    """S13's burst is 400 chats at temperature 1.0: Model Runner V2 copies none of their logits to
+    fp32, so the largest tensor of a 300-row step is its bf16 logits, the size of the fp32 copy of
+    150 rows (`SamplerCost.segment_rows`). The document beside the 40 chats left goes in, as it
+    does beside chats that never passed 256 rows (the simulator's histories below agree)."""
+    budget, predictor = s13_budget()
+    ledger = Ledger()
+    chats = [ledger.reserve(demand(predictor, 200, 1.0, 256)) for _ in range(300)]
+    for reservation in chats:
+        ledger.end_prefill(reservation)
+    assert ledger.step().sampled_rows == 300
+    assert not ledger.step().copies_logits
+    assert ledger.peak_segment_rows == 150
+    for reservation in chats[40:]:
+        ledger.release(reservation)
+    assert budget.shortfall(demand(predictor, 12000, 0.7, 1024), ledger) is None
+
+
+def test_the_simulator_runs_s13s_whole_step_after_any_burst_that_copies_nothing(s13_gpu) -> None:
+    """Random histories of S13's steps: up to max_num_seqs (512) decoding rows whose logits are not
+    copied (bf16 logits of at most 125 MiB), or up to 256 copied ones, beside prefills of any size.
+    After each, the whole 2,048-token step runs, as kvgate's mark of 256 copying rows at most says."""
+    rng = random.Random(37)
+    histories = 0
+    for _ in range(40):
+        _device, alloc, steps = copy.deepcopy(s13_gpu)
+        for _ in range(6):
+            copied = rng.random() < 0.3
+            rows = rng.choice([0, rng.randint(1, 256 if copied else 512), 256 if copied else 512])
+            shape = step(rng.randint(0 if rows else 1, max(1, 2048 - rows)), rows, copied=copied)
+            trial = copy.deepcopy(alloc)
+            if not played(trial, steps, shape):
+                continue
+            alloc, histories = trial, histories + 1
+            assert played(copy.deepcopy(alloc), steps, step(2047, 1, copied=False))
+    assert histories > 150
 
 
 class LevelByRows:
@@ -185,13 +224,13 @@ def test_beside_a_whole_step_a_chat_that_samples_more_rows_than_ever_waits() -> 
         any_cache_forward=LevelByRows(), transient_headroom_bytes=4 * GiB, max_transient_headroom_bytes=4 * GiB
     )
     ledger = Ledger()
-    earlier = [ledger.reserve(demand(predictor, 200, 1.0, 256)) for _ in range(300)]
+    earlier = [ledger.reserve(demand(predictor, 200, 0.7, 256)) for _ in range(300)]
     for reservation in earlier:
         ledger.end_prefill(reservation)
     for reservation in earlier[:45]:
         ledger.release(reservation)
     ledger.reserve(demand(predictor, 12000, 0.7, 1024))
-    assert ledger.peak_sampled_rows == 300
+    assert ledger.peak_segment_rows == 300
     assert ledger.step().sampled_rows == 256
     chat = demand(predictor, 200, 1.0, 256)
     assert budget.shortfall(chat, ledger) is None  # 257 rows: within the mark, the step no larger

@@ -142,14 +142,14 @@ def test_beside_an_engine_that_already_served_the_growth_is_not_taken_for_its_ca
 def test_beside_an_engine_that_already_served_any_row_count_may_have_left_its_segments() -> None:
     """The cached sizes a step beside others is judged from stop at the largest tensor the steps of
     this engine life made, which kvgate knows by the most rows it let sample at once
-    (`Ledger.peak_sampled_rows`, kvgate/memory/activation.py `cached_segment_sizes`). Started after
+    (`Ledger.peak_segment_rows`, kvgate/memory/activation.py `cached_segment_sizes`). Started after
     vLLM computed prompts, kvgate did not see those steps: any row count's segments may be cached.
     Started beside a fresh engine, the mark starts at nothing."""
     _, fresh_gate, fresh, probe, _ = kvgate_beside(0)
     fresh._gpu(probe.reading(), 0.0, idle=True)
-    assert fresh_gate.ledger.peak_sampled_rows == 0
+    assert fresh_gate.ledger.peak_segment_rows == 0
     _, gate, live, probe, _ = kvgate_beside(5000)
     live._gpu(probe.reading(), 0.0, idle=True)
-    assert gate.ledger.peak_sampled_rows == ANY_ROWS
+    assert gate.ledger.peak_segment_rows == ANY_ROWS
     live._gpu(probe.reading(), 1.0, idle=True)  # a later reading of the same life changes nothing
-    assert gate.ledger.peak_sampled_rows == ANY_ROWS
+    assert gate.ledger.peak_segment_rows == ANY_ROWS
