@@ -59,6 +59,7 @@ from bench.percentile import percentile
 from bench.scenarios import Scenario
 from bench.workloads import Call
 from demo.replay import decisions, kvgate
+from kvgate.errors import CacheOutgrown
 from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import QUEUE_OVERFLOW_MESSAGE, QUEUED_TOKENS_MESSAGE
 from kvgate.sim.presets import gpu_total_bytes, write_model_folder
@@ -71,6 +72,9 @@ VLLM_ADMISSION = {
     QUEUE_OVERFLOW_MESSAGE: "vllm_max_num_queued_reqs",
     QUEUED_TOKENS_MESSAGE: "vllm_max_num_queued_tokens",
 }
+# kvgate's own 503 refusals: a request this engine will not run before it restarts, refused for
+# memory (kvgate/errors.py), unlike a 503 for a backend that went down.
+KVGATE_503_REFUSALS = frozenset({CacheOutgrown.code})
 # --max-num-queued-tokens of the vllm-queue arm, in the engine's max-num-batched-tokens.
 QUEUED_TOKENS_PER_BATCH = 4
 DRAIN_S = 60.0  # simulated seconds after the last arrival before outstanding requests time out
@@ -302,7 +306,9 @@ async def stream_call(
                 code: Any = None
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     error = json.loads(raw)["error"]
-                    code = VLLM_ADMISSION.get(error["message"]) if r.status_code == 503 else error["code"]
+                    code = error["code"]
+                    if r.status_code == 503 and code not in KVGATE_503_REFUSALS:
+                        code = VLLM_ADMISSION.get(error["message"])
                 now = time.monotonic() - start
                 if isinstance(code, str) or r.status_code in (400, 413, 429):
                     reason = code if isinstance(code, str) else f"http_{r.status_code}"

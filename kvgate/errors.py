@@ -305,6 +305,25 @@ class TokenizerUnavailable(KvgateError):
         )
 
 
+class CacheOutgrown(KvgateError):
+    """A prompt that runs alone only from some of the caches the engine's caching allocator can hold
+    now, which keeps its free segments until the engine restarts: kvgate sees their total, not
+    how they are cut, so no wait on this engine lets it in (kvgate/gate/budget.py `Budget.outgrown`)."""
+
+    code = "allocator_cache_outgrown"
+
+    def __init__(self, prompt_tokens: int, headroom_bytes: int, cached_bytes: int) -> None:
+        super().__init__(
+            f"This request's prefill ({prompt_tokens:,} prompt tokens) can run out of CUDA memory in the "
+            f"engine's {headroom_bytes / MiB:,.0f} MiB of transient headroom, depending on how the "
+            f"{cached_bytes / MiB:,.0f} MiB of free segments vLLM's caching allocator has kept since the engine "
+            "started are cut, and the allocator keeps them until the engine restarts: kvgate will not admit it "
+            "on this engine. vLLM with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (and kvgate with "
+            "--expandable-segments), or a replica started since, can serve it."
+        )
+        self.prompt_tokens, self.headroom_bytes, self.cached_bytes = prompt_tokens, headroom_bytes, cached_bytes
+
+
 class NotReady(KvgateError):
     """kvgate has not learned the backend's configuration yet."""
 

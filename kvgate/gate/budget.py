@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from kvgate.errors import CacheOutgrown
 from kvgate.gate.backend_state import BackendState, Status
 from kvgate.memory.ceiling import Ceiling, StepHoldings, demand_step, forward_phase_bytes, step_charge
 from kvgate.memory.demand import Demand
@@ -52,6 +53,10 @@ class LoneRequestLevel(Protocol):
     still being worked out, unless `now`."""
 
     def __call__(self, prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool: ...
+
+    def known(self, prompt_tokens: int, capacity: int, cached: int) -> bool | None:
+        """As a call, but None while it is still being worked out."""
+        ...
 
     def ever(self, prompt_tokens: int, capacity: int) -> bool:
         """Whether it runs from some cache: else waiting never lets it in."""
@@ -145,6 +150,10 @@ class Budget:
     # What the caching allocator holds cached beyond start-up's, read from the GPU while the engine
     # was idle and nothing was admitted since (kvgate/telemetry/live.py); None: not known.
     idle_cache_bytes: int | None = None
+    # The server's growth since this engine life's baseline at the last GPU reading, where that
+    # baseline came before vLLM's first prompt token: the cache the engine will hold once idle,
+    # if no step grows it further (a life's cache only grows: kvgate/telemetry/live.py); None: not known.
+    grown_cache_bytes: int | None = None
     # (sampled rows, longest prompt) -> what a V1 step with a penalty row needs beyond the profile
     # region the engine keeps cached, or None while not known (kvgate/memory/activation.py
     # V1PenaltyStep); None: its prompt ids and bin counts come out of free memory whole.
@@ -288,6 +297,31 @@ class Budget:
         ):
             return False
         return self.lone_request(demand.prompt_tokens, capacity, cached, now=cached == 0)
+
+    def fits_once_drained(self, demand: Demand) -> bool:
+        """Whether `demand`, which runs only from the cache an idle engine's reading shows
+        (`lone_request_fits`), is predicted to run once the requests in flight have ended: from
+        the cache the engine has grown by now, where no idle reading was taken since the last
+        admission (after one, it said so itself: draining again would show a cache no smaller).
+        Such a request heads the line and the engine drains for it (kvgate/gate/gate.py
+        `_stranded`), as vLLM would have run it on an idle engine."""
+        if self.idle_cache_bytes is not None or self.grown_cache_bytes is None:
+            return False
+        return self.lone_request_fits(demand, cached=self.grown_cache_bytes)
+
+    def outgrown(self, demand: Demand) -> CacheOutgrown | None:
+        """Why `demand` will not run on this engine until it restarts, or None: it runs alone only
+        from some cache (`lone_request_ever_fits`), not from every cache of what the engine has
+        grown by (`grown_cache_bytes`) even at the largest headroom seen, and a caching allocator
+        keeps its free segments for the engine's life (so an idle reading would show no less).
+        None too while the replay is being worked out (the gate is told when it is known)."""
+        grown, capacity = self.grown_cache_bytes, self.max_transient_headroom_bytes or self.transient_headroom_bytes
+        if grown is None or capacity is None or not self.lone_request_ever_fits(demand, capacity):
+            return None
+        assert self.lone_request is not None  # lone_request_ever_fits says no without one
+        if self.lone_request.known(demand.prompt_tokens, capacity, grown) is not False:
+            return None
+        return CacheOutgrown(demand.prompt_tokens, capacity, grown)
 
     def lone_step_fits(self, step: StepHoldings, capacity: int | None = None, unknown: bool = False) -> bool:
         """Whether a request alone on the engine may be charged its forward pass's allocated bytes.

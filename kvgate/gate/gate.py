@@ -17,9 +17,9 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Generic
+from typing import Any, Generic, TypeVar
 
-from kvgate.errors import BackendDown, ClientGone, QueueFull, QueueTimeout, Refused
+from kvgate.errors import BackendDown, ClientGone, KvgateError, QueueFull, QueueTimeout, Refused
 from kvgate.gate.backfill import HeadReservation, Passing
 from kvgate.gate.budget import Budget
 from kvgate.gate.drain import DrainRate, Pace
@@ -43,6 +43,7 @@ ENDS_FIRST_SLACK = 2.0
 # waiting too long.
 HEAD_ALONE_AFTER = 0.5
 _IDLE = Ledger()  # never reserved from: the holdings of an idle server
+_Refusal = TypeVar("_Refusal", bound=KvgateError)
 
 
 class Ticket:
@@ -276,7 +277,7 @@ class Gate(Generic[Basis]):
             backend.retry_after_s(),
         )
 
-    def _refuse(self, waiter: Waiter[Basis], error: Refused) -> Refused:
+    def _refuse(self, waiter: Waiter[Basis], error: _Refusal) -> _Refusal:
         """Report the refusal to the observers and hand back the error to raise."""
         self.observers.decided(Decision("reject", error.code, waiter.request_id, waiter.demand, error=error))
         return error
@@ -397,7 +398,9 @@ class Gate(Generic[Basis]):
             return
         if self._aside_weighed_at != self.budget.moves:  # only the budget's moves let them fit alone
             self._aside_weighed_at = self.budget.moves
-            self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter)))
+            for waiter in self.queue.set_aside():
+                self._refuse_if_outgrown(waiter, self._refreshed(waiter))
+            self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter), waiter.deadline))
         while (head := self.queue.peek()) is not None:
             demand = self._refreshed(head)
             if self.budget.shortfall(demand, self.ledger) is None:
@@ -405,8 +408,9 @@ class Gate(Generic[Basis]):
                 head.future.set_result(
                     self._admit(demand, "dequeued", head.request_id, head.arrived_at, head.enqueued_at)
                 )
-            elif self._stranded(demand):
+            elif self._stranded(demand, head.deadline):
                 self.queue.set_aside_head()
+                self._refuse_if_outgrown(head, demand)
             else:
                 break
         self._backfill_queue()
@@ -495,9 +499,30 @@ class Gate(Generic[Basis]):
         duration = self.pace.duration_s(demand.reserved_tokens, demand.prompt_tokens)
         return None if duration is None else max(self._clock(), reservation.admitted_at + duration)
 
-    def _stranded(self, demand: Demand) -> bool:
-        """It would wait even with nothing in flight (and not because the backend is down)."""
-        return self.budget.hold is None and self.budget.shortfall(demand, _IDLE) is not None
+    def _stranded(self, demand: Demand, deadline: float) -> bool:
+        """It would wait even with nothing in flight (and not because the backend is down), and
+        draining the engine would not let it in by its deadline. A long prompt that runs only from
+        an idle engine's cache (held-out H8b's and H1's: `Budget.fits_once_drained`) is not
+        stranded while the requests in flight are predicted to end in time: it heads the line,
+        the requests behind it pass only where they end before those in flight
+        (kvgate/gate/backfill.py), and the idle reading that follows lets it in. Set aside, it
+        waited beside a line that never let the engine go idle, and timed out."""
+        if self.budget.hold is not None or self.budget.shortfall(demand, _IDLE) is None:
+            return False
+        return not (self.budget.fits_once_drained(demand) and self._drained_by(deadline))
+
+    def _refuse_if_outgrown(self, waiter: Waiter[Basis], demand: Demand) -> None:
+        """Refuse a set-aside waiter now where no wait on this engine lets it in (`Budget.outgrown`),
+        instead of at its deadline with a Retry-After no retry before a restart could honour."""
+        error = self.budget.outgrown(demand)
+        if error is not None and self.queue.remove(waiter):
+            waiter.future.set_exception(self._refuse(waiter, error))
+
+    def _drained_by(self, deadline: float) -> bool:
+        """Whether the requests in flight are predicted to have ended by `deadline` (unknown: yes)."""
+        ends = [self._ends_at(reservation) for reservation in self.ledger.reservations()]
+        known = [end for end in ends if end is not None]
+        return len(known) < len(ends) or max(known, default=self._clock()) <= deadline
 
     def _refreshed(self, waiter: Waiter[Basis]) -> Demand:
         """The waiter's demand as kvgate would estimate it now (see `reestimate`)."""

@@ -34,6 +34,7 @@ _STATUS: dict[type[errors.KvgateError], int] = {
     errors.ClientGone: 499,
     errors.BackendBroke: 502,
     errors.NotReady: 503,
+    errors.CacheOutgrown: 503,
     errors.BackendDown: 503,
     errors.BackendTimedOut: 504,
 }

@@ -1818,9 +1818,15 @@ class LoneRequest(DeploymentReplay[tuple[tuple[int, ...], int, int], bool]):
 
     def __call__(self, prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool:
         """`now`: worked out in the caller's thread (from an empty cache: one replay)."""
+        return bool(self._lookup(self._key(prompt_tokens, capacity, cached), now=now))
+
+    def known(self, prompt_tokens: int, capacity: int, cached: int) -> bool | None:
+        """As a call, but None while it is being worked out (on the worker thread, which it starts)."""
+        return self._lookup(self._key(prompt_tokens, capacity, cached))
+
+    def _key(self, prompt_tokens: int, capacity: int, cached: int) -> tuple[tuple[int, ...], int, int]:
         chunks = lone_request_chunks(self.engine, prompt_tokens)
-        key = (chunks, capacity // CAPACITY_STEP * CAPACITY_STEP, -(-cached // CAPACITY_STEP) * CAPACITY_STEP)
-        return bool(self._lookup(key, now=now))
+        return (chunks, capacity // CAPACITY_STEP * CAPACITY_STEP, -(-cached // CAPACITY_STEP) * CAPACITY_STEP)
 
     def ever(self, prompt_tokens: int, capacity: int) -> bool:
         """`lone_request_ever_fits` (a few hundred replays at most, stopping at the first cache that

@@ -375,8 +375,11 @@ class LiveBudget:
         if headroom is None:
             return
         self.last_gpu = now
-        if idle and self.baseline_before_steps and self.budget.idle_cache_bytes != headroom.server_growth:
-            self.budget.update(idle_cache_bytes=headroom.server_growth)  # lone requests may now fit
+        cache = headroom.server_growth if self.baseline_before_steps else None
+        if idle and cache is not None and self.budget.idle_cache_bytes != cache:
+            self.budget.update(idle_cache_bytes=cache, grown_cache_bytes=cache)  # lone requests may now fit
+        elif self.budget.grown_cache_bytes != cache:
+            self.budget.update(grown_cache_bytes=cache)  # what a drain would leave cached
         if self.headroom_bytes is None or abs(headroom.bytes - self.headroom_bytes) > self.headroom_bytes // 20:
             log.info(
                 "transient headroom %s -> %d MiB (min free %d MiB, server growth %d MiB)",

@@ -7,6 +7,7 @@ import json
 from kvgate import errors
 from kvgate.http.errors import _STATUS as STATUS
 from kvgate.http.errors import error_response, status_of
+from kvgate.units import MiB
 
 
 def all_subclasses(cls: type) -> set[type]:
@@ -106,6 +107,7 @@ def test_every_502_and_503_carries_retry_after() -> None:
         errors.BackendBroke("the backend closed the connection (EOF)"),
         errors.BackendDown("refused"),
         errors.NotReady("starting"),
+        errors.CacheOutgrown(7000, 900 * MiB, 600 * MiB),
     ]
     assert {type(e) for e in samples} == {cls for cls, status in STATUS.items() if status in (502, 503)}
     for error in samples:

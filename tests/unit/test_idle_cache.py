@@ -9,10 +9,14 @@ grow the cache).
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry
 
 from kvgate.cli import build_parser
+from kvgate.errors import CacheOutgrown
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.gate import Gate
 from kvgate.gate.ledger import ANY_ROWS
@@ -60,20 +64,29 @@ def lone_prompt() -> Demand:
     return Demand(7000, 16, (), 1, transient_prefill_bytes=0, profiled_prefill_bytes=700 * MiB)
 
 
-def runs_from(cache_seen: list[int]):  # type: ignore[no-untyped-def]
-    """A stand-in replay: the prompt runs only from an empty cache; records the caches asked about."""
+class RunsFrom:
+    """A stand-in replay (kvgate/memory/activation.py LoneRequest): the prompt runs only from a
+    cache of at most `most_cached` bytes; records the caches asked about."""
 
-    def lone_request(prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool:
-        cache_seen.append(cached)
-        return cached == 0
+    def __init__(self, most_cached: int = 0) -> None:
+        self.most_cached = most_cached
+        self.asked: list[int] = []
 
-    return lone_request
+    def __call__(self, prompt_tokens: int, capacity: int, cached: int, now: bool = False) -> bool:
+        self.asked.append(cached)
+        return cached <= self.most_cached
+
+    def known(self, prompt_tokens: int, capacity: int, cached: int) -> bool | None:
+        return self(prompt_tokens, capacity, cached)
+
+    def ever(self, prompt_tokens: int, capacity: int) -> bool:
+        return True
 
 
 def kvgate_beside(prompts_before: int) -> tuple[Budget, Gate[None], LiveBudget, FixedProbe, list[int]]:
     """kvgate's budget, gate and live loop beside an engine that had computed `prompts_before`
     prompt tokens when kvgate first read it; the caches the stand-in replay was asked about."""
-    asked: list[int] = []
+    replay = RunsFrom()
     budget = Budget(
         transient_headroom_bytes=HEADROOM,
         max_transient_headroom_bytes=HEADROOM,
@@ -84,7 +97,7 @@ def kvgate_beside(prompts_before: int) -> tuple[Budget, Gate[None], LiveBudget, 
         profiled_forward_bytes=800 * MiB,
         forward_bytes_per_token=800 * MiB // 8192,
         lone_forward=lambda tokens, capacity: False,  # some one-step history runs it out of memory
-        lone_request=runs_from(asked),
+        lone_request=replay,
     )
     gate: Gate[None] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=60.0)
     probe = FixedProbe()
@@ -104,7 +117,7 @@ def kvgate_beside(prompts_before: int) -> tuple[Budget, Gate[None], LiveBudget, 
         lambda: 16,
     )
     live.snapshot = parse_metrics(prompts_computed(prompts_before))
-    return budget, gate, live, probe, asked
+    return budget, gate, live, probe, replay.asked
 
 
 async def test_an_idle_reading_admits_a_lone_prompt_and_an_admission_forgets_it() -> None:
@@ -153,3 +166,68 @@ def test_beside_an_engine_that_already_served_any_row_count_may_have_left_its_se
     assert gate.ledger.peak_segment_rows == ANY_ROWS
     live._gpu(probe.reading(), 1.0, idle=True)  # a later reading of the same life changes nothing
     assert gate.ledger.peak_segment_rows == ANY_ROWS
+
+
+def chat() -> Demand:
+    """A short chat that fits beside anything here (no forward pass of its own beyond the profile)."""
+    return Demand(200, 64, (), 1, transient_prefill_bytes=0, profiled_prefill_bytes=0)
+
+
+def drainable_kvgate() -> tuple[Budget, Gate[None], LiveBudget, FixedProbe]:
+    """kvgate beside a fresh engine, where the lone prompt runs from an idle engine's cache of up
+    to 100 MiB (a stand-in for kvgate/memory/activation.py `lone_request_fits`), one chat in flight."""
+    budget, gate, live, probe, _ = kvgate_beside(0)
+    budget.lone_request = RunsFrom(100 * MiB)
+    live._gpu(probe.reading(), 0.0, idle=True)  # start-up: nothing cached
+    return budget, gate, live, probe
+
+
+async def test_a_lone_prompt_heads_the_line_while_the_engine_drains_for_it() -> None:
+    """A 7,000-token prompt that runs only on an idle engine (held-out H8b, H1) arrives beside a
+    chat in flight. Set aside, it waited beside a line that never let the engine go idle, and
+    timed out: now it heads the line, the chat that arrives after it waits its turn, and the
+    idle reading that follows the first chat's release lets the prompt in."""
+    budget, gate, live, probe = drainable_kvgate()
+    first = await gate.acquire(chat(), 0, "a")
+    assert budget.grown_cache_bytes == 0
+    assert budget.idle_cache_bytes is None
+    lone = asyncio.ensure_future(gate.acquire(lone_prompt(), 0, "b"))
+    later = asyncio.ensure_future(gate.acquire(chat(), 0, "c"))
+    await asyncio.sleep(0)
+    assert not lone.done()
+    assert not later.done()  # the chat would have fit: it waits behind the prompt
+    first.release("completed")
+    await asyncio.sleep(0)
+    assert not lone.done()  # the engine has not been read idle yet
+    idle = live._engine_idle()
+    live._gpu(probe.reading(), 1.0, idle=idle is not None and idle == live._engine_idle())
+    (await asyncio.wait_for(lone, 1.0)).release("completed")
+    (await asyncio.wait_for(later, 1.0)).release("completed")
+
+
+async def test_a_lone_prompt_that_a_drain_would_not_let_in_does_not_hold_the_line() -> None:
+    """Where the engine's cache has grown past what the prompt runs from, no wait on this engine
+    lets it in (a caching allocator keeps its segments until it restarts): it is refused at once,
+    503 with the cache's size and the remedy, instead of a queue timeout at its deadline. Where
+    only the requests in flight are predicted to run past its deadline, it waits aside and the
+    line moves on."""
+    budget, gate, live, probe = drainable_kvgate()
+    first = await gate.acquire(chat(), 0, "a")
+    probe.used += 600 * MiB  # the chat's steps grew the cache
+    live._gpu(probe.reading(), 1.0, idle=False)
+    assert budget.grown_cache_bytes == 600 * MiB
+    with pytest.raises(CacheOutgrown, match=r"7,000 prompt tokens.*the 600 MiB of free segments"):
+        await gate.acquire(lone_prompt(), 0, "b")  # at once, not at its deadline
+    later = await gate.acquire(chat(), 0, "c")
+    for ticket in (first, later):
+        ticket.release("completed")
+
+    budget, gate, live, probe = drainable_kvgate()
+    gate.pace.record(seconds=600.0, tokens_per_sequence=64)  # a chat runs for ten minutes
+    first = await gate.acquire(chat(), 0, "a")
+    lone = asyncio.ensure_future(gate.acquire(lone_prompt(), 0, "b"))  # 60 s of queue wait
+    later = await gate.acquire(chat(), 0, "c")
+    assert not lone.done()
+    lone.cancel()
+    for ticket in (first, later):
+        ticket.release("completed")

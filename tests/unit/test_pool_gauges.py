@@ -18,6 +18,7 @@ from kvgate.memory.demand import Demand
 from kvgate.metrics import MetricsPage, PoolGauges
 from kvgate.telemetry.poller import PollPace
 from kvgate.telemetry.vllm import BackendSnapshot, parse_metrics
+from kvgate.units import MiB
 from support.exposition import declared_types, python_samples
 from support.waiting import wait_for_async
 
@@ -184,6 +185,7 @@ async def test_the_pace_is_slow_while_idle_and_the_next_request_wakes_it() -> No
         (errors.QueueTimeout(30.0, "kv_cache_busy", 4), 429, "rejected-ttl-expired"),
         (errors.BackendDown("connection refused", 7), 503, "rejected-no-endpoints"),
         (errors.NotReady("not synchronised"), 503, "rejected-no-endpoints"),
+        (errors.CacheOutgrown(7000, 900 * MiB, 600 * MiB), 503, None),  # this engine cannot, another may
         (errors.BackendBroke("reset"), 502, None),  # sent to vLLM: not a drop
     ],
 )
