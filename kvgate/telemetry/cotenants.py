@@ -30,9 +30,12 @@ The processes of the server itself are not co-tenants: on each GPU the one `Head
 for the engine (the largest at the life's first reading), and that pid on every other GPU too (a
 tensor-parallel worker's thread that misses its `set_device` opens a context on device 0: vLLM
 0.32.0 guards it in v1/executor/multiproc_executor.py `WorkerProc.async_output_busy_loop`).
-vLLM's API server holds no GPU memory in 0.32.0 unless frontend GPU multimodal decoding is on
+vLLM 0.32.0's API server holds no GPU memory unless frontend GPU multimodal decoding is on
 (`--mm-ipc-gpu-memory-gb`, a GPU video backend: vllm/multimodal/gpu_ipc_memory.py): its decoded
-frames then come out of free memory like any co-tenant's step and are counted as one.
+frames then come out of free memory like any co-tenant's step and are counted as one. A
+separate EngineCore (tensor or pipeline parallel) opens a context on device 0 with the outlines
+or lm-format-enforcer structured-output backends (their pinned bitmask): counted as a step too,
+since NVML's names (`VLLM::EngineCore`) are any vLLM's and a second vLLM's steps must count.
 
 A process's steps go with it: one that left the GPU takes nothing again (a new process is a new
 first holding). What it does not cover: a step larger than any the processes still on the GPU
