@@ -32,6 +32,7 @@ import httpx
 
 from bench import safety
 from bench.cotenant_race import take
+from bench.repeat_arm import outcome
 from bench.scenarios import SCENARIOS, chat_with_long_prompts
 from demo.replay import kvgate
 from kvgate.sim.presets import gpu_total_bytes, write_model_folder
@@ -67,16 +68,7 @@ def run(workdir: Path, neighbour_bytes: int, wait_s: float, long_per_s: float) -
         "long_per_s": long_per_s,
         "reserve_mib_at_start": (seen.get("cotenant_reserve_bytes") or 0) // MiB,
         "headroom_mib_at_start": (seen.get("transient_headroom_bytes") or 0) // MiB,
-        "oom": r.oom_crashes,
-        "completed": r.completed,
-        "failed": r.failed,
-        "abandoned": r.abandoned,
-        "goodput_tok_s": r.goodput_tokens_per_s,
-        "ttft_p50_s": r.ttft_p50_s,
-        "ttft_p99_s": r.ttft_p99_s,
-        "rejected": r.rejected,
-        "ttft_p99_by_label": r.ttft_p99_by_label,
-        "oom_messages": r.oom_messages,
+        **outcome(r),
     }
 
 
