@@ -22,6 +22,7 @@ import random
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from bench import safety
 from bench.__main__ import scenarios_from
@@ -40,6 +41,24 @@ def arm_and_cap(text: str) -> tuple[str, int | None]:
     if name in CAPPED and n.isdigit() and int(n) > 0:
         return name, int(n)
     raise argparse.ArgumentTypeError(f"{text!r}: one of {', '.join(ARMS)}, cap-N or vllm-queue-N (N > 0)")
+
+
+def outcome(r: safety.ArmResult) -> dict[str, Any]:
+    """What one JSON line says of a run: OOMs, completions, goodput, TTFT, refusals, the
+    simulator's out-of-memory messages."""
+    return {
+        "oom": r.oom_crashes,
+        "completed": r.completed,
+        "failed": r.failed,
+        "abandoned": r.abandoned,
+        "goodput_tok_s": r.goodput_tokens_per_s,
+        "ttft_p50_s": r.ttft_p50_s,
+        "ttft_p99_s": r.ttft_p99_s,
+        "rejected": r.rejected,
+        "ttft_p99_by_label": r.ttft_p99_by_label,
+        "rejected_by_label": r.rejected_by_label,
+        "oom_messages": r.oom_messages,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,22 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = scn.traffic(random.Random(args.seed + scenarios.index(scn)), 1.0)
         with tempfile.TemporaryDirectory(prefix=f"kvgate-{scn.key}-") as tmp:
             r = safety.run_arm(scn, arm, calls, 1.0, Path(tmp), cap=cap)
-        line = {
-            "scenario": scn.key,
-            "arm": arm if cap is None else f"{arm}-{cap}",
-            "run": run + 1,
-            "oom": r.oom_crashes,
-            "completed": r.completed,
-            "failed": r.failed,
-            "abandoned": r.abandoned,
-            "goodput_tok_s": r.goodput_tokens_per_s,
-            "ttft_p50_s": r.ttft_p50_s,
-            "ttft_p99_s": r.ttft_p99_s,
-            "rejected": r.rejected,
-            "ttft_p99_by_label": r.ttft_p99_by_label,
-            "rejected_by_label": r.rejected_by_label,
-            "oom_messages": r.oom_messages,
-        }
+        line = {"scenario": scn.key, "arm": arm if cap is None else f"{arm}-{cap}", "run": run + 1, **outcome(r)}
         print(json.dumps(line), flush=True)
     return 0
 

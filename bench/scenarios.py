@@ -68,7 +68,7 @@ def _with_logprobs(rng: random.Random, calls: list[Call], share: float) -> None:
             c.body.update(logprobs=True, top_logprobs=5)
 
 
-def _chat_with_long_prompts(
+def chat_with_long_prompts(
     rng: random.Random, duration: float, chat_rate: float, long_rate: float, lengths: list[int]
 ) -> list[Call]:
     """Chat (a fifth asking for top-5 logprobs) with long prompts of `lengths` tokens mixed in."""
@@ -113,7 +113,7 @@ def s2_traffic(rng: random.Random, scale: float) -> list[Call]:
 def s3_traffic(rng: random.Random, scale: float) -> list[Call]:
     """Busy chat (3/s), a fifth asking for top-5 logprobs, with long prompts (2k-8k tokens)
     at 0.5/s."""
-    return _chat_with_long_prompts(rng, 30 * scale, 3.0, 0.5, [2000, 4000, 8000])
+    return chat_with_long_prompts(rng, 30 * scale, 3.0, 0.5, [2000, 4000, 8000])
 
 
 # ----- S4 ----------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def s5_traffic(rng: random.Random, scale: float) -> list[Call]:
 def s6_traffic(rng: random.Random, scale: float) -> list[Call]:
     """Chat at 2.5/s (a fifth with top-5 logprobs), long prompts (4k-8k) at 0.4/s, while a
     co-tenant grows."""
-    return _chat_with_long_prompts(rng, 30 * scale, 2.5, 0.4, [4000, 6000, 8000])
+    return chat_with_long_prompts(rng, 30 * scale, 2.5, 0.4, [4000, 6000, 8000])
 
 
 # ----- S7 ----------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from kvgate.telemetry.calibration import (
     region_held,
     region_segments,
 )
+from kvgate.telemetry.cotenants import CotenantSteps
 from kvgate.telemetry.first_tokens import FirstTokenAccount, FirstTokenCount
 from kvgate.telemetry.gpu import GpuProbe, GpuReading
 from kvgate.telemetry.headroom import HeadroomTracker
@@ -94,7 +95,7 @@ class LiveBudget:
         self.mode = "live"
         self.problem: str | None = None
         self.static_headroom = self.budget.transient_headroom_bytes
-        self.headroom = HeadroomTracker()
+        self.headroom = HeadroomTracker(cotenants=CotenantSteps(clock))
         self.headroom_bytes: int | None = None
         self.cotenant_reserve_bytes = 0  # of the headroom, kept for the other processes' next step
         self.profiled_cap_bytes = 0

@@ -17,8 +17,9 @@ from kvgate.gate.observer import Observers
 from kvgate.gate.view import GateView
 from kvgate.memory.demand import Demand
 from kvgate.settings import Settings
-from kvgate.telemetry.cotenants import CotenantSteps
+from kvgate.telemetry.cotenants import SETTLE_S, CotenantSteps
 from kvgate.telemetry.gpu import DeviceMemory, GpuProcess, GpuReading
+from kvgate.telemetry.headroom import HeadroomTracker
 from kvgate.telemetry.in_flight import InFlightRequests
 from kvgate.telemetry.live import LiveBudget
 from kvgate.telemetry.metrics import TelemetryMetrics
@@ -78,8 +79,10 @@ def prefill(mib: int) -> Demand:
     )
 
 
-async def budget_after(*readings: GpuReading) -> Budget:
-    """The budget the live loop sets after one tick per reading (vLLM's /metrics answering)."""
+async def budget_after(*readings: GpuReading, seconds_apart: float = 0.0) -> Budget:
+    """The budget the live loop sets after one tick per reading (vLLM's /metrics answering), the
+    readings `seconds_apart` on its clock."""
+    now = [0.0]
     budget = Budget(kv_blocks=100_000, transient_margin=0.1)
     gate: Gate[str] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=5.0)
     async with httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(vllm)) as client:
@@ -93,9 +96,10 @@ async def budget_after(*readings: GpuReading) -> Budget:
             ReplayedProbe(iter(readings)),
             no_resync,
             lambda: 16,
-            clock=lambda: 0.0,
+            clock=lambda: now[0],
         )
-        for _ in readings:
+        for tick in range(len(readings)):
+            now[0] = tick * seconds_apart
             await live.tick()
     return budget
 
@@ -135,7 +139,7 @@ async def test_an_engine_alone_on_its_gpu_keeps_nothing_back() -> None:
 
 
 def test_a_step_is_a_first_holding_or_a_rise_between_readings_and_never_the_servers() -> None:
-    steps = CotenantSteps()
+    steps = CotenantSteps(clock=lambda: 0.0)  # within SETTLE_S of the first reading throughout
     steps.observe(gpu(9000, {ENGINE: 70_000, TRAINER_1: 1024}), {"GPU-a": ENGINE})
     # the engine's own growth (a big step's cached segments) is no co-tenant's
     steps.observe(gpu(6000, {ENGINE: 72_000, TRAINER_1: 2048}), {"GPU-a": ENGINE})
@@ -151,3 +155,75 @@ def test_a_step_is_a_first_holding_or_a_rise_between_readings_and_never_the_serv
     # a process that left the GPU takes nothing again: its steps go with it
     steps.observe(gpu(8000, {ENGINE: 72_000, TRAINER_2: 512}), {"GPU-a": ENGINE})
     assert steps.reserve("GPU-a", 8000 * MiB) == 512 * MiB
+
+
+async def test_a_neighbour_that_was_there_before_kvgate_and_held_still_keeps_nothing_back() -> None:
+    """A second model of 3 GiB beside the engine since before kvgate started: its holding counts
+    as a step only for SETTLE_S after kvgate's first reading (it might be the first of a job's
+    processes); once it has held still that long the engine gets the whole headroom. Before this
+    change its 3 GiB were kept back for as long as it stayed."""
+    beside = gpu(6314, {ENGINE: 71_766, TRAINER_1: 3072})
+    budget = await budget_after(beside, beside, seconds_apart=SETTLE_S / 2)
+    assert budget.cotenant_reserve_bytes == 3072 * MiB  # not yet settled
+    assert budget.shortfall(prefill(3000), Ledger()) == TRANSIENT_BUSY
+    budget = await budget_after(beside, beside, seconds_apart=SETTLE_S)
+    assert budget.cotenant_reserve_bytes == 0
+    assert budget.transient_limit() == int(6314 * MiB * 0.9)
+    assert budget.shortfall(prefill(3000), Ledger()) is None
+
+
+async def test_a_process_that_arrives_between_readings_is_a_step_for_as_long_as_it_stays() -> None:
+    """Its holding came out of free memory between two readings: another like it could come."""
+    budget = await budget_after(
+        gpu(9386, {ENGINE: 71_766}),
+        gpu(6314, {ENGINE: 71_766, TRAINER_1: 3072}),
+        gpu(6314, {ENGINE: 71_766, TRAINER_1: 3072}),
+        seconds_apart=SETTLE_S,
+    )
+    assert budget.cotenant_reserve_bytes == 3072 * MiB
+    assert budget.shortfall(prefill(3000), Ledger()) == TRANSIENT_BUSY
+
+
+def test_a_settled_neighbours_moves_are_steps_and_vllms_own_processes_are_not() -> None:
+    now = [0.0]
+    steps = CotenantSteps(clock=lambda: now[0])
+    servers = {"GPU-a": ENGINE}
+    steps.observe(gpu(6314, {ENGINE: 71_766, TRAINER_1: 3072}), servers)
+    now[0] = SETTLE_S
+    steps.observe(gpu(6314, {ENGINE: 71_766, TRAINER_1: 3072}), servers)
+    assert steps.reserve("GPU-a", 6314 * MiB) == 0
+    # a rise of 1 GiB after that: a step of 1 GiB, not of its whole holding
+    steps.observe(gpu(5290, {ENGINE: 71_766, TRAINER_1: 4096}), servers)
+    assert steps.reserve("GPU-a", 5290 * MiB) == 1024 * MiB
+    # it gives 2 GiB back: it can take them again in one allocation
+    steps.observe(gpu(7338, {ENGINE: 71_766, TRAINER_1: 2048}), servers)
+    assert steps.reserve("GPU-a", 7338 * MiB) == 2048 * MiB
+
+
+def test_a_tensor_parallel_workers_context_on_another_rank_is_vllms_not_a_cotenant() -> None:
+    """Each GPU's server is its own rank's worker; a worker's pid seen on another rank (a thread
+    that missed its set_device opens a context on device 0) is the engine's, and keeps nothing
+    back there; any other process arriving alike does."""
+
+    def ranks(a: dict[int, int], b: dict[int, int]) -> GpuReading:
+        devices = (
+            DeviceMemory(
+                name,
+                "h100",
+                TOTAL,
+                8000 * MiB,
+                TOTAL - 8000 * MiB,
+                tuple(GpuProcess(p, m * MiB) for p, m in held.items()),
+            )
+            for name, held in (("GPU-a", a), ("GPU-b", b))
+        )
+        return GpuReading(tuple(devices))
+
+    tracker = HeadroomTracker(cotenants=CotenantSteps(clock=lambda: 0.0))
+    tracker.update(ranks({ENGINE: 72_000}, {2: 72_000}))
+    headroom = tracker.update(ranks({ENGINE: 72_000, 2: 500}, {2: 72_000}))
+    assert headroom is not None
+    assert headroom.cotenant_reserve == 0
+    headroom = tracker.update(ranks({ENGINE: 72_000, 2: 500, TRAINER_1: 400}, {2: 72_000}))
+    assert headroom is not None
+    assert headroom.cotenant_reserve == 400 * MiB
