@@ -1661,11 +1661,11 @@ def _deployment_segment_sizes(geometry: ModelGeometry, engine: EngineShape) -> t
     of a step sampling a row per sequence (`SamplerCost.profiled_rows`), then, where speculative
     decoding samples up to 1 + num_speculative_tokens rows per sequence
     (`SamplerCost.max_sampled_rows`), every 1/32 of the largest tensor of such a step, up to it.
-    vLLM 0.32.0's runners compute the logits of every sampled row, the bonus row and the drafts
-    of each sequence, as one tensor ``[rows, V]`` in the model dtype (V2
+    vLLM 0.32.0's and 0.33.0's runners compute the logits of every sampled row, each sequence's
+    bonus row and its drafts, as one tensor ``[rows, V]`` in the model dtype (V2
     v1/worker/gpu/model_runner.py ``sample``: ``hidden_states[input_batch.logits_indices]``,
-    1 + drafts per request from ``combine_sampled_and_draft_tokens``; V1 v1/worker/
-    gpu_model_runner.py ``_calc_spec_decode_metadata``' ``logits_indices``), and V2's
+    1 + drafts per request from ``combine_sampled_and_draft_tokens``; V1
+    v1/worker/gpu_model_runner.py: the ``logits_indices`` of ``_calc_spec_decode_metadata``), and V2's
     RejectionSampler copies them to fp32 in chunks of up to 1 GiB (spec_decode/
     rejection_sampler.py ``get_max_chunk_logits``): 1,536 rows of Llama-3.1-8B make 376 MiB of
     logits and a 752 MiB copy, where a row per sequence made 125 MiB. The first part is the
