@@ -31,11 +31,11 @@ from kvgate.memory.activation import (
 )
 from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
+from kvgate.openai import parse_request
+from kvgate.predict import Predictor
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.presets import model_config
 from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
-from kvgate.openai import parse_request
-from kvgate.predict import Predictor
 from kvgate.units import GiB, MiB
 from support.served_budget import v2_budget
 
@@ -81,7 +81,9 @@ def s9_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
 def step(prefill: int, sequences: int, drafts: int) -> StepShape:
     """A `prefill`-token chunk (none if 0) beside `sequences` decoding rows at temperature 1.0
     (no fp32 copy), each verifying `drafts` draft tokens."""
-    decoding = tuple(ReqSlice(1 + drafts, 300, random=True, draft_tokens=drafts, processes=False) for _ in range(sequences))
+    decoding = tuple(
+        ReqSlice(1 + drafts, 300, random=True, draft_tokens=drafts, processes=False) for _ in range(sequences)
+    )
     return StepShape(((ReqSlice(prefill, 0, samples=False),) if prefill else ()) + decoding)
 
 
