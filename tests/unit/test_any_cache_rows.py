@@ -18,8 +18,8 @@ import json
 import random
 
 import pytest
+from sim_support import played, started_s13
 from sim_support import prefill_beside as step
-from sim_support import started_s13
 
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
@@ -37,9 +37,9 @@ from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
-from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.presets import model_config
-from kvgate.sim.step_memory import StepMemory, StepShape, run_tape
+from kvgate.sim.step_memory import StepMemory
 from kvgate.units import GiB, MiB
 from support.served_budget import v2_budget
 
@@ -86,15 +86,6 @@ def test_s13s_whole_step_runs_from_every_cache_until_a_sampler_phase_makes_a_lar
 def s13_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
     """S13's simulated engine just started, its free memory the headroom kvgate reads."""
     return started_s13(HEADROOM)
-
-
-def played(alloc: CachingAllocator, steps: StepMemory, shape: StepShape) -> bool:
-    try:
-        for block in run_tape(alloc, steps.plan(shape)):
-            alloc.free(block)
-    except CudaOutOfMemory:
-        return False
-    return True
 
 
 def test_the_simulator_runs_s13s_whole_step_out_only_after_a_sampler_phase_of_more_rows(s13_gpu) -> None:

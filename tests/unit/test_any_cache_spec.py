@@ -18,7 +18,7 @@ import copy
 import json
 
 import pytest
-from sim_support import started
+from sim_support import S9_DRAFTS, played, prefill_beside, started_s9
 
 from kvgate.gate.budget import TRANSIENT_BUSY
 from kvgate.gate.ledger import Ledger
@@ -33,20 +33,21 @@ from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
-from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.presets import model_config
-from kvgate.sim.step_memory import ReqSlice, StepMemory, StepShape, run_tape
+from kvgate.sim.step_memory import StepMemory, StepShape
 from kvgate.units import GiB, MiB
 from support.served_budget import v2_budget
 
 LLAMA_8B = ModelGeometry.from_config(model_config("llama-3.1-8b"))
-NGRAM_5 = {"method": "ngram", "num_speculative_tokens": 5}
+NGRAM_5 = {"method": "ngram", "num_speculative_tokens": S9_DRAFTS}
 S9_ENGINE = EngineShape(
-    max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256, runner="v2", num_speculative_tokens=5
+    max_model_len=8192, max_num_batched_tokens=2048, max_num_seqs=256, runner="v2", num_speculative_tokens=S9_DRAFTS
 )
 HEADROOM = 304 * MiB
 # 56 sequences verifying 5 drafts each: 336 rows, their fp32 copy 164.4 MiB (a 166 MiB segment)
 VERIFYING = 56
+ROWS = (1 + S9_DRAFTS) * VERIFYING
 
 
 def test_the_sizes_reach_the_largest_tensor_of_a_step_verifying_every_sequences_drafts() -> None:
@@ -59,43 +60,20 @@ def test_the_sizes_reach_the_largest_tensor_of_a_step_verifying_every_sequences_
     assert everything[:32] == one_row_each
     assert everything[32:] == [(128 + 24 * k) * MiB for k in range(1, 27)]
     assert everything[-1] >= 1536 * LLAMA_8B.vocab_size * 4 > everything[-2]
-    assert max(cached_segment_sizes(LLAMA_8B, S9_ENGINE, 6 * VERIFYING)) == 176 * MiB
+    assert max(cached_segment_sizes(LLAMA_8B, S9_ENGINE, ROWS)) == 176 * MiB
 
 
 @pytest.fixture(scope="module")
 def s9_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
     """S9's simulated engine just started, `HEADROOM` left free on its GPU."""
-    device, alloc, steps = started(
-        model="llama-3.1-8b",
-        gpu="h100-80gb",
-        vllm_version="0.32.0",
-        max_model_len=8192,
-        max_num_batched_tokens=2048,
-        max_num_seqs=256,
-        speculative_config=NGRAM_5,
-    )
-    device.set_usage("other", device.free() - HEADROOM)
-    return device, alloc, steps
+    return started_s9(HEADROOM)
 
 
 def step(prefill: int, sequences: int, copied: bool) -> StepShape:
-    """A `prefill`-token chunk beside `sequences` decoding rows at a random temperature, each
-    verifying 5 draft tokens; `copied`: their logits need processing (a temperature other than
-    1.0), so the RejectionSampler copies them to fp32."""
-    drafts = NGRAM_5["num_speculative_tokens"]
-    decoding = tuple(
-        ReqSlice(1 + drafts, 300, random=True, draft_tokens=drafts, processes=copied) for _ in range(sequences)
-    )
-    return StepShape((ReqSlice(prefill, 0, samples=False), *decoding))
-
-
-def played(alloc: CachingAllocator, steps: StepMemory, shape: StepShape) -> bool:
-    try:
-        for block in run_tape(alloc, steps.plan(shape)):
-            alloc.free(block)
-    except CudaOutOfMemory:
-        return False
-    return True
+    """A `prefill`-token chunk beside `sequences` decoding requests verifying S9's 5 drafts each;
+    `copied`: at a temperature other than 1.0 (S9's chats), the RejectionSampler copies their
+    logits to fp32."""
+    return prefill_beside(prefill, sequences, copied, S9_DRAFTS)
 
 
 def test_after_a_step_verifying_drafts_the_simulator_runs_out_on_a_step_the_one_row_sizes_admit(s9_gpu) -> None:
@@ -105,15 +83,14 @@ def test_after_a_step_verifying_drafts_the_simulator_runs_out_on_a_step_the_one_
     level of those sizes), runs out of memory on SiluAndMul's 56 MiB output; the level of the
     sizes 336 rows leave, 1,824 tokens, runs after the same step."""
     one_row_level = any_cache_forward_level(LLAMA_8B, S9_ENGINE, False, HEADROOM, 256)
-    verified_level = any_cache_forward_level(LLAMA_8B, S9_ENGINE, False, HEADROOM, 6 * VERIFYING)
+    verified_level = any_cache_forward_level(LLAMA_8B, S9_ENGINE, False, HEADROOM, ROWS)
     assert (one_row_level, verified_level) == (2048, 1824)
     _, alloc, steps = copy.deepcopy(s9_gpu)
     assert played(alloc, steps, step(1024, VERIFYING, copied=True))
     assert sorted(s.size // MiB for s in alloc.segments if s.fully_free()) == [12, 12, 84, 166]
-    rows = 6 * VERIFYING
-    assert not played(copy.deepcopy(alloc), steps, step(one_row_level - rows, VERIFYING, copied=True))
+    assert not played(copy.deepcopy(alloc), steps, step(one_row_level - ROWS, VERIFYING, copied=True))
     assert not played(copy.deepcopy(alloc), steps, step(one_row_level - 1, 1, copied=False))
-    assert played(copy.deepcopy(alloc), steps, step(verified_level - rows, VERIFYING, copied=False))
+    assert played(copy.deepcopy(alloc), steps, step(verified_level - ROWS, VERIFYING, copied=False))
     assert played(copy.deepcopy(alloc), steps, step(verified_level - 1, 1, copied=False))
 
 
@@ -142,7 +119,7 @@ def test_a_prompt_beside_chats_waits_once_this_engine_life_verified_more_rows_th
     chats = [ledger.reserve(chat(predictor, 200, 256)) for _ in range(VERIFYING)]
     for reservation in chats:
         ledger.end_prefill(reservation)
-    assert ledger.peak_sampled_rows == 6 * VERIFYING
+    assert ledger.peak_sampled_rows == ROWS
     for reservation in chats[5:]:
         ledger.release(reservation)
     prompt = chat(predictor, 1850, 64)
