@@ -23,7 +23,6 @@ from sim_support import S9_DRAFTS, played, prefill_beside, started_s9
 from kvgate.gate.budget import TRANSIENT_BUSY
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import (
-    AnyCacheForward,
     EngineShape,
     any_cache_forward_level,
     cached_segment_sizes,
@@ -36,8 +35,8 @@ from kvgate.predict import Predictor
 from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.presets import model_config
 from kvgate.sim.step_memory import StepMemory, StepShape
-from kvgate.units import GiB, MiB
-from support.served_budget import v2_budget
+from kvgate.units import MiB
+from support.served_budget import served_v2_budget
 
 LLAMA_8B = ModelGeometry.from_config(model_config("llama-3.1-8b"))
 NGRAM_5 = {"method": "ngram", "num_speculative_tokens": S9_DRAFTS}
@@ -107,14 +106,7 @@ def test_a_prompt_beside_chats_waits_once_this_engine_life_verified_more_rows_th
     row per sequence run (2,048) and those of 336 rows do not (1,824), so it waits; in a new
     engine life in which only the five chats' 30 rows were sampled it goes in."""
     flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--speculative-config", json.dumps(NGRAM_5)]
-    budget, predictor = v2_budget(LLAMA_8B, flags, "0.32.0", 60 * GiB)
-    budget.update(
-        transient_headroom_bytes=HEADROOM,
-        max_transient_headroom_bytes=HEADROOM,
-        profiled_cap_bytes=predictor.profiled_peak_bytes,
-        held_region_bytes=predictor.profiled_peak_bytes,
-        any_cache_forward=AnyCacheForward(LLAMA_8B, predictor.engine, False, background=False),
-    )
+    budget, predictor = served_v2_budget(LLAMA_8B, flags, HEADROOM)
     ledger = Ledger()
     chats = [ledger.reserve(chat(predictor, 200, 256)) for _ in range(VERIFYING)]
     for reservation in chats:
