@@ -17,6 +17,7 @@ once and kept (``shared=True``: count them once per engine, not per request).
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import dataclass
@@ -1641,28 +1642,56 @@ ANY_CACHE_TOKEN_STEPS = 64
 
 def _largest_tensor(geometry: ModelGeometry, engine: EngineShape, rows: int) -> int:
     """The largest tensor a served step makes: its forward pass's at max_num_batched_tokens, or
-    its sampler phase's at `rows` rows (the logits' fp32 copy of a large vocabulary may be larger)."""
+    its sampler phase's at `rows` sampled rows (the logits, or their fp32 copy, of a large
+    vocabulary may be larger)."""
     tapes = [profile_forward_tape(geometry, engine, served=True)]
     if rows:
         tapes.append(sampler_phase_tape(geometry, engine, rows))
     return max(nbytes for tape in tapes for op, _, nbytes in tape if op == "alloc")
 
 
+def _size_grain(largest: int) -> int:
+    """1/32 of `largest`, rounded up to the 2 MiB rounding of large segments."""
+    return max(ROUND_LARGE, -(-largest // ANY_CACHE_SIZE_STEPS // ROUND_LARGE) * ROUND_LARGE)
+
+
+@lru_cache(maxsize=64)
+def _deployment_segment_sizes(geometry: ModelGeometry, engine: EngineShape) -> tuple[int, ...]:
+    """Every size `cached_segment_sizes` gives the deployment: every 1/32 of the largest tensor
+    of a step sampling a row per sequence (`SamplerCost.profiled_rows`), then, where speculative
+    decoding samples up to 1 + num_speculative_tokens rows per sequence
+    (`SamplerCost.max_sampled_rows`), every 1/32 of the largest tensor of such a step, up to it.
+    vLLM 0.32.0's and 0.33.0's runners compute the logits of every sampled row, each sequence's
+    bonus row and its drafts, as one tensor ``[rows, V]`` in the model dtype (V2
+    v1/worker/gpu/model_runner.py ``sample``: ``hidden_states[input_batch.logits_indices]``,
+    1 + drafts per request from ``combine_sampled_and_draft_tokens``; V1
+    v1/worker/gpu_model_runner.py: the ``logits_indices`` of ``_calc_spec_decode_metadata``), and V2's
+    RejectionSampler copies them to fp32 in chunks of up to 1 GiB (spec_decode/
+    rejection_sampler.py ``get_max_chunk_logits``): 1,536 rows of Llama-3.1-8B make 376 MiB of
+    logits and a 752 MiB copy, where a row per sequence made 125 MiB. The first part is the
+    list of a deployment without speculative decoding, so its grain stays as fine."""
+    cost = sampler_cost(geometry, engine)
+    profiled = _largest_tensor(geometry, engine, cost.profiled_rows)
+    speculative = _largest_tensor(geometry, engine, cost.max_sampled_rows)
+    fine, coarse = _size_grain(profiled), _size_grain(speculative)
+    sizes = list(range(fine, profiled + fine, fine))
+    sizes += range(sizes[-1] + coarse, speculative + coarse, coarse)
+    return tuple(sizes)
+
+
 def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape, rows: int | None = None) -> list[int]:
-    """The sizes of free segments a step may find cached: every 1/32 (on the 2 MiB rounding of
-    large segments) of the largest tensor any served step makes (`_largest_tensor` at
-    `SamplerCost.profiled_rows`: a row per sequence a step schedules), up to the first at or above the largest a step sampling at most `rows`
-    rows makes (None: the most a step samples). cudaMalloc made each cached segment the size of a
-    tensor no cached block could hold (kvgate/memory/allocator.py module docstring), so a segment
-    larger than every tensor the steps so far made cannot be cached. The grain is the
-    deployment's whatever `rows`: fewer rows give a prefix of the same list, so their level is
-    never lower (tests/unit/test_any_cache.py)."""
-    most = sampler_cost(geometry, engine).profiled_rows
-    grain = max(
-        ROUND_LARGE, -(-_largest_tensor(geometry, engine, most) // ANY_CACHE_SIZE_STEPS // ROUND_LARGE) * ROUND_LARGE
-    )
+    """The sizes of free segments a step may find cached: those of `_deployment_segment_sizes`
+    up to the first at or above the largest tensor a step sampling at most `rows` rows makes
+    (sampled rows: 1 + the drafts of each sequence under speculative decoding, as
+    `SamplerStage.rows` and `Ledger.peak_sampled_rows` count them; None: the most a step
+    samples). cudaMalloc made each cached segment the size of a tensor no cached block could
+    hold (kvgate/memory/allocator.py module docstring), so a segment larger than every tensor
+    the steps so far made cannot be cached. Fewer rows give a prefix of the same list, so their
+    level is never lower (tests/unit/test_any_cache.py)."""
+    sizes = _deployment_segment_sizes(geometry, engine)
+    most = sampler_cost(geometry, engine).max_sampled_rows
     largest = _largest_tensor(geometry, engine, most if rows is None else min(rows, most))
-    return list(range(grain, largest + grain, grain))
+    return list(sizes[: bisect.bisect_left(sizes, largest) + 1])
 
 
 @lru_cache(maxsize=1024)

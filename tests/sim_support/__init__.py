@@ -63,27 +63,72 @@ def started(**config: object) -> tuple[Device, CachingAllocator, StepMemory]:
     return device, alloc, steps
 
 
+S9_DRAFTS = 5  # benchmark S9's n-gram speculative decoding: draft tokens a step
+
+
 def started_s13(free_bytes: int) -> tuple[Device, CachingAllocator, StepMemory]:
     """Benchmark S13's simulated engine just started (Llama-3.1-8B on an H100, vLLM 0.32.0 Model
     Runner V2, 2,048 tokens a step, 512 sequences), `free_bytes` left free on its GPU."""
+    return _started_llama_8b(free_bytes, max_model_len=32768, max_num_seqs=512)
+
+
+def started_s9(free_bytes: int) -> tuple[Device, CachingAllocator, StepMemory]:
+    """Benchmark S9's simulated engine just started (S13's, with 256 sequences and n-gram
+    speculative decoding of 5 draft tokens), `free_bytes` left free on its GPU."""
+    return _started_llama_8b(
+        free_bytes,
+        max_model_len=8192,
+        max_num_seqs=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": S9_DRAFTS},
+    )
+
+
+def _started_llama_8b(free_bytes: int, **config: object) -> tuple[Device, CachingAllocator, StepMemory]:
+    """Llama-3.1-8B on an H100 under vLLM 0.32.0, 2,048 tokens a step, `free_bytes` left free."""
     device, alloc, steps = started(
-        model="llama-3.1-8b",
-        gpu="h100-80gb",
-        vllm_version="0.32.0",
-        max_model_len=32768,
-        max_num_batched_tokens=2048,
-        max_num_seqs=512,
+        model="llama-3.1-8b", gpu="h100-80gb", vllm_version="0.32.0", max_num_batched_tokens=2048, **config
     )
     device.set_usage("other", device.free() - free_bytes)
     return device, alloc, steps
 
 
-def prefill_beside(prefill: int, rows: int, copied: bool) -> StepShape:
-    """A step of a `prefill`-token chunk (none if 0) beside `rows` decoding rows at a random
-    temperature; `copied`: one of them needs logits processing (a temperature other than 1.0),
-    so Model Runner V2 copies the whole batch's logits to fp32."""
-    decoding = tuple(ReqSlice(1, 300, random=True, processes=copied and i == 0) for i in range(rows))
+def prefill_beside(prefill: int, rows: int, copied: bool, drafts: int = 0) -> StepShape:
+    """A step of a `prefill`-token chunk (none if 0) beside `rows` decoding requests at a random
+    temperature, each verifying `drafts` draft tokens (1 + `drafts` tokens and logits rows);
+    `copied`: one of them needs logits processing (a temperature other than 1.0), so Model
+    Runner V2 copies the whole batch's logits to fp32."""
+    decoding = tuple(
+        ReqSlice(1 + drafts, 300, random=True, draft_tokens=drafts, processes=copied and i == 0) for i in range(rows)
+    )
     return StepShape(((ReqSlice(prefill, 0, samples=False),) if prefill else ()) + decoding)
+
+
+def played(alloc: CachingAllocator, steps: StepMemory, shape: StepShape) -> bool:
+    """Whether `shape` runs on `alloc` (its retained outputs then freed, as the next step does)."""
+    try:
+        for block in run_tape(alloc, steps.plan(shape)):
+            alloc.free(block)
+    except CudaOutOfMemory:
+        return False
+    return True
+
+
+def runs_out_on(alloc: CachingAllocator, steps: StepMemory, shape: StepShape) -> str | None:
+    """The tensor the step runs out of memory on, or None if it runs (its blocks then freed)."""
+    live = {}
+    for op, name, nbytes in steps.plan(shape):
+        if op == "alloc":
+            try:
+                live[name] = alloc.malloc(nbytes)
+            except CudaOutOfMemory:
+                return name
+        elif op == "free" and name in live:
+            alloc.free(live.pop(name))
+        elif op == "rename" and name in live:
+            live["hidden"] = live.pop(name)
+    for block in live.values():
+        alloc.free(block)
+    return None
 
 
 def sim_runs_after(

@@ -18,8 +18,8 @@ import json
 import random
 
 import pytest
+from sim_support import played, started_s13
 from sim_support import prefill_beside as step
-from sim_support import started_s13
 
 from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
@@ -37,11 +37,11 @@ from kvgate.memory.demand import Demand
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.openai import parse_request
 from kvgate.predict import Predictor
-from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
+from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.presets import model_config
-from kvgate.sim.step_memory import StepMemory, StepShape, run_tape
+from kvgate.sim.step_memory import StepMemory
 from kvgate.units import GiB, MiB
-from support.served_budget import v2_budget
+from support.served_budget import served_v2_budget
 
 LLAMA_8B = ModelGeometry.from_config(model_config("llama-3.1-8b"))
 S13_ENGINE = EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=512, runner="v2")
@@ -88,15 +88,6 @@ def s13_gpu() -> tuple[Device, CachingAllocator, StepMemory]:
     return started_s13(HEADROOM)
 
 
-def played(alloc: CachingAllocator, steps: StepMemory, shape: StepShape) -> bool:
-    try:
-        for block in run_tape(alloc, steps.plan(shape)):
-            alloc.free(block)
-    except CudaOutOfMemory:
-        return False
-    return True
-
-
 def test_the_simulator_runs_s13s_whole_step_out_only_after_a_sampler_phase_of_more_rows(s13_gpu) -> None:
     """After a 1,472-token prefill beside 296 decoding rows whose logits are copied to fp32 (a
     146 MiB segment), the next step's 2,048 tokens beside the same rows run out of memory on
@@ -121,19 +112,8 @@ def test_the_simulator_runs_s13s_whole_step_out_only_after_a_sampler_phase_of_mo
 
 
 def s13_budget() -> tuple[Budget, Predictor]:
-    """kvgate's budget for S13 as its live readings set it once it has served large steps: 296 MiB
-    of headroom, the profile region out of free memory and its segments taken and kept by the
-    engine (its growth since start-up: `held_region_bytes`, counted whole, no margin)."""
-    flags = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "512"]
-    budget, predictor = v2_budget(LLAMA_8B, flags, "0.32.0", 60 * GiB)
-    budget.update(
-        transient_headroom_bytes=HEADROOM,
-        max_transient_headroom_bytes=HEADROOM,
-        profiled_cap_bytes=predictor.profiled_peak_bytes,
-        held_region_bytes=predictor.profiled_peak_bytes,
-        any_cache_forward=AnyCacheForward(LLAMA_8B, predictor.engine, False, background=False),
-    )
-    return budget, predictor
+    """kvgate's budget for S13 as its live readings set it once it has served large steps."""
+    return served_v2_budget(LLAMA_8B, ["--max-num-batched-tokens", "2048", "--max-num-seqs", "512"], HEADROOM)
 
 
 def demand(predictor: Predictor, prompt_tokens: int, temperature: float, max_tokens: int) -> Demand:

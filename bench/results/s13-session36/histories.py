@@ -14,29 +14,9 @@ import copy
 import random
 
 from sim_support import prefill_beside as step
-from sim_support import started_s13
+from sim_support import runs_out_on, started_s13
 
-from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory
-from kvgate.sim.step_memory import StepMemory, StepShape
 from kvgate.units import MiB
-
-
-def runs_out_on(alloc: CachingAllocator, steps: StepMemory, shape: StepShape) -> str | None:
-    """The tensor the step runs out of memory on, or None if it runs (its blocks then freed)."""
-    live = {}
-    for op, name, nbytes in steps.plan(shape):
-        if op == "alloc":
-            try:
-                live[name] = alloc.malloc(nbytes)
-            except CudaOutOfMemory:
-                return name
-        elif op == "free" and name in live:
-            alloc.free(live.pop(name))
-        elif op == "rename" and name in live:
-            live["hidden"] = live.pop(name)
-    for block in live.values():
-        alloc.free(block)
-    return None
 
 
 def two_step_histories() -> None:
