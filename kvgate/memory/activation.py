@@ -1683,7 +1683,7 @@ def cached_segment_sizes(geometry: ModelGeometry, engine: EngineShape, rows: int
     """The sizes of free segments a step may find cached: those of `_deployment_segment_sizes`
     up to the first at or above the largest tensor a step sampling at most `rows` rows makes
     (sampled rows: 1 + the drafts of each sequence under speculative decoding, as
-    `SamplerStage.rows` and `Ledger.peak_sampled_rows` count them; None: the most a step
+    `SamplerStage.rows` counts them, and `Ledger.peak_segment_rows` in rows of a copying step; None: the most a step
     samples). cudaMalloc made each cached segment the size of a tensor no cached block could
     hold (kvgate/memory/allocator.py module docstring), so a segment larger than every tensor
     the steps so far made cannot be cached. Fewer rows give a prefix of the same list, so their

@@ -101,7 +101,7 @@ def chat(predictor: Predictor, prompt_tokens: int, max_tokens: int) -> Demand:
 
 def test_a_prompt_beside_chats_waits_once_this_engine_life_verified_more_rows_than_sequences() -> None:
     """kvgate in front of S9's engine: 56 chats decoding verify 336 rows a step
-    (`Ledger.peak_sampled_rows` counts sampled rows, 1 + 5 per chat). Five remain when a
+    (`Ledger.peak_segment_rows` counts sampled rows, 1 + 5 per chat, their logits copied to fp32 at temperature 0.7). Five remain when a
     1,850-token prompt asks in: its step beside them holds 1,886 tokens, which the caches of a
     row per sequence run (2,048) and those of 336 rows do not (1,824), so it waits; in a new
     engine life in which only the five chats' 30 rows were sampled it goes in."""
@@ -111,11 +111,11 @@ def test_a_prompt_beside_chats_waits_once_this_engine_life_verified_more_rows_th
     chats = [ledger.reserve(chat(predictor, 200, 256)) for _ in range(VERIFYING)]
     for reservation in chats:
         ledger.end_prefill(reservation)
-    assert ledger.peak_sampled_rows == ROWS
+    assert ledger.peak_segment_rows == ROWS
     for reservation in chats[5:]:
         ledger.release(reservation)
     prompt = chat(predictor, 1850, 64)
     assert budget.shortfall(prompt, ledger) == TRANSIENT_BUSY
     ledger.reset_peak()
-    assert ledger.peak_sampled_rows == 30
+    assert ledger.peak_segment_rows == 30
     assert budget.shortfall(prompt, ledger) is None
