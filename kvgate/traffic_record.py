@@ -26,6 +26,7 @@ from typing import Any
 from kvgate.advise_traffic import Distribution, Traffic
 from kvgate.errors import KvNeverFits
 from kvgate.gate.gate import Gate
+from kvgate.gate.ledger import Reservation
 from kvgate.gate.observer import Decision, Release
 from kvgate.predict import Prediction
 
@@ -290,7 +291,7 @@ class TrafficRecord:
                     waits = self._waits[queued] = Histogram(SECOND_EDGES)
                 waits.observe(decision.queue_wait_s)
             if decision.reservation is not None:
-                self._admitted(decision.reservation.hashes)
+                self._admitted(decision.reservation)
 
     def _forget(self, request_id: str) -> str | None:
         """Drop a request from the queued ones; why it had queued (None: it had not)."""
@@ -300,14 +301,13 @@ class TrafficRecord:
         self._queued_blocks -= entry[1]
         return entry[0]
 
-    def _admitted(self, hashes: frozenset[int]) -> None:
+    def _admitted(self, reservation: Reservation) -> None:
+        """Read off what the gate's ledger counted as it reserved (the admission reports it at once)."""
         if self._gate is None:
             return
-        ledger = self._gate.ledger
-        self.prefix_blocks += len(hashes)
-        if hashes:
-            self.prefix_blocks_in_flight += ledger.shared_blocks(hashes)
-        transient = ledger.transient_bytes
+        self.prefix_blocks += len(reservation.hashes)
+        self.prefix_blocks_in_flight += reservation.shared_blocks_at_admission
+        transient = reservation.transient_bytes_at_admission
         if transient > self.peak_transient_bytes:
             self.peak_transient_bytes = transient
             self.transient_budget_at_peak = self._gate.budget.transient_limit()

@@ -55,6 +55,11 @@ class Reservation:
     # that others cut over several steps holds the earlier steps' results until its last.
     shared_extra: int = 0
     admitted_at: float = 0.0  # the gate's clock: when it ends is predicted from it (backfilling)
+    # Read by the traffic record when it is admitted (kvgate/traffic_record.py), counted by `reserve`
+    # as it goes so that the record does not walk the hashes and the worst step again: its prompt
+    # blocks another in-flight request held too, and the ledger's transient bytes with it reserved.
+    shared_blocks_at_admission: int = 0
+    transient_bytes_at_admission: int = 0
     first_token_at: float | None = None  # the gate's clock, when a stream's first token came (Pace)
 
 
@@ -266,17 +271,16 @@ class Ledger:
 
     def new_blocks(self, demand: Demand) -> int:
         """Blocks the pool would have to give this request beyond what in-flight ones already hold."""
-        unseen = sum(1 for h in set(demand.shared_block_hashes) if h not in self._refcounts)
-        return unseen + demand.private_blocks
-
-    def shared_blocks(self, hashes: frozenset[int]) -> int:
-        """Of an admitted request's prompt blocks, those another in-flight request holds too."""
-        return sum(1 for h in hashes if self._refcounts.get(h, 0) > 1)
+        # set.difference with a dict looks each hash up in it in C (the set's own hashes reused)
+        return len(set(demand.shared_block_hashes).difference(self._refcounts)) + demand.private_blocks
 
     def reserve(self, demand: Demand) -> Reservation:
         hashes = frozenset(demand.shared_block_hashes)
+        refcounts, shared = self._refcounts, 0
         for h in hashes:
-            self._refcounts[h] = self._refcounts.get(h, 0) + 1
+            held = refcounts.get(h, 0)
+            shared += held > 0  # another in-flight request holds it too
+            refcounts[h] = held + 1
         self._private_blocks += demand.private_blocks
         self._kv_variance += demand.kv_variance_blocks
         self._add_growth(demand.growth_blocks, 1)
@@ -292,7 +296,7 @@ class Ledger:
             self._sampler.add(demand.sampler)
         self.plain.reserved(demand)
         self.reserved_total += 1
-        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes)
+        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes, shared_blocks_at_admission=shared)
         if demand.shared_step is not None:
             self._shared[reservation.id] = reservation
         members = len(self._reservations) + 1
@@ -301,7 +305,8 @@ class Ledger:
             extra = self._extra_of(other.demand, members, self._step_tokens, self._unknown_tokens, mixed)
             other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.transient_bytes)
+        transient = reservation.transient_bytes_at_admission = self.transient_bytes
+        self.peak_transient_bytes = max(self.peak_transient_bytes, transient)
         self.peak_segment_rows = max(self.peak_segment_rows, self._sampler.stage().segment_rows)
         return reservation
 
