@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Callable
 
 import pytest
 from sim_support import played, started_s13
@@ -39,13 +40,14 @@ from kvgate.openai import parse_request
 from kvgate.predict import Predictor
 from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.presets import model_config
-from kvgate.sim.step_memory import StepMemory
+from kvgate.sim.step_memory import StepMemory, StepShape
 from kvgate.units import GiB, MiB
 from support.served_budget import served_v2_budget
 
 LLAMA_8B = ModelGeometry.from_config(model_config("llama-3.1-8b"))
 S13_ENGINE = EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=512, runner="v2")
 HEADROOM = 296 * MiB
+StepPicker = Callable[[random.Random], StepShape]  # one step of a random walk
 
 
 def test_fewer_sampled_rows_leave_a_prefix_of_the_sizes_and_never_lower_the_level() -> None:
@@ -96,19 +98,30 @@ def test_the_simulator_runs_s13s_whole_step_out_only_after_a_sampler_phase_of_mo
     _, alloc, steps = copy.deepcopy(s13_gpu)
     assert played(alloc, steps, step(1472, 296, copied=True))
     assert not played(alloc, steps, step(2048 - 296, 296, copied=False))
-    rng = random.Random(36)
+
+    def pick(rng: random.Random) -> StepShape:
+        rows = rng.choice([0, rng.randint(1, 64), rng.randint(1, 256)])
+        return step(rng.randint(0 if rows else 1, 2048 - rows), rows, copied=rng.random() < 0.8)
+
+    assert whole_step_runs_after_walks(s13_gpu, random.Random(36), 60, pick) > 300
+
+
+def whole_step_runs_after_walks(
+    s13_gpu: tuple[Device, CachingAllocator, StepMemory], rng: random.Random, walks: int, pick: StepPicker
+) -> int:
+    """Random walks of six steps each from S13's started engine, the steps `pick` draws (one that
+    runs out of memory is no history); from every state reached the whole 2,048-token step runs.
+    How many states were checked."""
     histories = 0
-    for _ in range(60):
+    for _ in range(walks):
         _device, alloc, steps = copy.deepcopy(s13_gpu)
         for _ in range(6):
-            rows = rng.choice([0, rng.randint(1, 64), rng.randint(1, 256)])
-            shape = step(rng.randint(0 if rows else 1, 2048 - rows), rows, copied=rng.random() < 0.8)
             trial = copy.deepcopy(alloc)
-            if not played(trial, steps, shape):
+            if not played(trial, steps, pick(rng)):
                 continue
             alloc, histories = trial, histories + 1
             assert played(copy.deepcopy(alloc), steps, step(2047, 1, copied=False))
-    assert histories > 300
+    return histories
 
 
 def s13_budget() -> tuple[Budget, Predictor]:
@@ -165,20 +178,13 @@ def test_the_simulator_runs_s13s_whole_step_after_any_burst_that_copies_nothing(
     """Random histories of S13's steps: up to max_num_seqs (512) decoding rows whose logits are not
     copied (bf16 logits of at most 125 MiB), or up to 256 copied ones, beside prefills of any size.
     After each, the whole 2,048-token step runs, as kvgate's mark of 256 copying rows at most says."""
-    rng = random.Random(37)
-    histories = 0
-    for _ in range(40):
-        _device, alloc, steps = copy.deepcopy(s13_gpu)
-        for _ in range(6):
-            copied = rng.random() < 0.3
-            rows = rng.choice([0, rng.randint(1, 256 if copied else 512), 256 if copied else 512])
-            shape = step(rng.randint(0 if rows else 1, max(1, 2048 - rows)), rows, copied=copied)
-            trial = copy.deepcopy(alloc)
-            if not played(trial, steps, shape):
-                continue
-            alloc, histories = trial, histories + 1
-            assert played(copy.deepcopy(alloc), steps, step(2047, 1, copied=False))
-    assert histories > 150
+
+    def pick(rng: random.Random) -> StepShape:
+        copied = rng.random() < 0.3
+        rows = rng.choice([0, rng.randint(1, 256 if copied else 512), 256 if copied else 512])
+        return step(rng.randint(0 if rows else 1, max(1, 2048 - rows)), rows, copied=copied)
+
+    assert whole_step_runs_after_walks(s13_gpu, random.Random(37), 40, pick) > 150
 
 
 class LevelByRows:

@@ -17,11 +17,10 @@ import sys
 sys.path.insert(0, "tests/unit")
 
 import test_speculative_v2_steps as s9
-from sim_support import make_engine
+from sim_support import make_engine, played
 
 from bench.scenarios import SCENARIOS
-from kvgate.sim.gpu import CudaOutOfMemory
-from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
+from kvgate.sim.step_memory import ReqSlice, StepShape
 
 ROWS = 1 + s9.K
 ENGINE = make_engine(next(s for s in SCENARIOS if s.key == "S9").sim)
@@ -36,18 +35,9 @@ def step_of(chats: int, prefill: int = 0) -> StepShape:
 def runs_after(history: list[StepShape], step: StepShape) -> bool | None:
     """Whether `step` runs after `history` on S9's allocator; None: the history itself cannot run."""
     alloc = copy.deepcopy(ENGINE.alloc)
-    for earlier in history:
-        try:
-            out = run_tape(alloc, ENGINE.steps.plan(earlier))
-        except CudaOutOfMemory:
-            return None
-        for block in out:
-            alloc.free(block)
-    try:
-        run_tape(alloc, ENGINE.steps.plan(step))
-    except CudaOutOfMemory:
-        return False
-    return True
+    if not all(played(alloc, ENGINE.steps, earlier) for earlier in history):
+        return None
+    return played(alloc, ENGINE.steps, step)
 
 
 def failing_histories(chats: int, prefill: int, rng: random.Random) -> int:
