@@ -264,13 +264,19 @@ class Budget:
             ),
         )
 
+    def _lone_replay(self) -> LoneRequestLevel | None:
+        """The replay of a request alone from the idle engine's cache, where it judges: the profile
+        region comes out of free memory only (`profiled_cap_bytes` above 0), and not on MLA
+        deployments (their served steps' replay, `shared_step_fits`)."""
+        if self.shared_forward is not None or not self.profiled_cap_bytes:
+            return None
+        return self.lone_request
+
     def lone_request_ever_fits(self, demand: Demand, capacity: int) -> bool:
         """Whether `demand` alone runs its prefill's forward passes in `capacity` from some cache
-        an idle engine may hold (kvgate/memory/activation.py `lone_request_ever_fits`); the
-        conditions of `lone_request_fits`."""
-        if self.lone_request is None or self.shared_forward is not None or not self.profiled_cap_bytes:
-            return False
-        return self.lone_request.ever(demand.prompt_tokens, capacity)
+        an idle engine may hold (kvgate/memory/activation.py `lone_request_ever_fits`)."""
+        replay = self._lone_replay()
+        return replay is not None and replay.ever(demand.prompt_tokens, capacity)
 
     def forget_idle_cache(self) -> None:
         """A request was admitted: its steps will grow the cache, so the last idle reading of it
@@ -283,20 +289,14 @@ class Budget:
         bytes because its prefill's forward passes run in the headroom (default the live one)
         from every cache of the bytes the GPU's readings show cached (default `idle_cache_bytes`;
         kvgate/memory/activation.py `lone_request_fits`), where `lone_step_fits`'s histories of
-        one earlier step do not all run them. Where the profile region comes out of free memory
-        only (`profiled_cap_bytes` above 0), and not on MLA deployments (their served steps'
-        replay, `shared_step_fits`); unknown cache or replay: no (the request waits)."""
+        one earlier step do not all run them (`_lone_replay`'s conditions); unknown cache or
+        replay: no (the request waits)."""
+        replay = self._lone_replay()
         capacity = self.transient_headroom_bytes if capacity is None else capacity
         cached = self.idle_cache_bytes if cached is None else cached
-        if (
-            self.lone_request is None
-            or self.shared_forward is not None
-            or not self.profiled_cap_bytes
-            or capacity is None
-            or cached is None
-        ):
+        if replay is None or capacity is None or cached is None:
             return False
-        return self.lone_request(demand.prompt_tokens, capacity, cached, now=cached == 0)
+        return replay(demand.prompt_tokens, capacity, cached, now=cached == 0)
 
     def fits_once_drained(self, demand: Demand) -> bool:
         """Whether `demand`, which runs only from the cache an idle engine's reading shows
@@ -315,11 +315,11 @@ class Budget:
         grown by (`grown_cache_bytes`) even at the largest headroom seen, and a caching allocator
         keeps its free segments for the engine's life (so an idle reading would show no less).
         None too while the replay is being worked out (the gate is told when it is known)."""
-        grown, capacity = self.grown_cache_bytes, self.max_transient_headroom_bytes or self.transient_headroom_bytes
-        if grown is None or capacity is None or not self.lone_request_ever_fits(demand, capacity):
+        replay, grown = self._lone_replay(), self.grown_cache_bytes
+        capacity = self.max_transient_headroom_bytes or self.transient_headroom_bytes
+        if replay is None or grown is None or capacity is None or not replay.ever(demand.prompt_tokens, capacity):
             return None
-        assert self.lone_request is not None  # lone_request_ever_fits says no without one
-        if self.lone_request.known(demand.prompt_tokens, capacity, grown) is not False:
+        if replay.known(demand.prompt_tokens, capacity, grown) is not False:
             return None
         return CacheOutgrown(demand.prompt_tokens, capacity, grown)
 

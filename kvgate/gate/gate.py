@@ -398,9 +398,7 @@ class Gate(Generic[Basis]):
             return
         if self._aside_weighed_at != self.budget.moves:  # only the budget's moves let them fit alone
             self._aside_weighed_at = self.budget.moves
-            for waiter in self.queue.set_aside():
-                self._refuse_if_outgrown(waiter, self._refreshed(waiter))
-            self.queue.restore(keep_aside=lambda waiter: self._stranded(self._refreshed(waiter), waiter.deadline))
+            self.queue.restore(keep_aside=self._kept_aside)
         while (head := self.queue.peek()) is not None:
             demand = self._refreshed(head)
             if self.budget.shortfall(demand, self.ledger) is None:
@@ -511,12 +509,21 @@ class Gate(Generic[Basis]):
             return False
         return not (self.budget.fits_once_drained(demand) and self._drained_by(deadline))
 
-    def _refuse_if_outgrown(self, waiter: Waiter[Basis], demand: Demand) -> None:
+    def _kept_aside(self, waiter: Waiter[Basis]) -> bool:
+        """Whether a set-aside waiter stays out of the line: still stranded, or refused now (it
+        then leaves the queue), its demand estimated once for both."""
+        demand = self._refreshed(waiter)
+        return self._refuse_if_outgrown(waiter, demand) or self._stranded(demand, waiter.deadline)
+
+    def _refuse_if_outgrown(self, waiter: Waiter[Basis], demand: Demand) -> bool:
         """Refuse a set-aside waiter now where no wait on this engine lets it in (`Budget.outgrown`),
-        instead of at its deadline with a Retry-After no retry before a restart could honour."""
+        instead of at its deadline with a Retry-After no retry before a restart could honour.
+        Whether it was refused."""
         error = self.budget.outgrown(demand)
-        if error is not None and self.queue.remove(waiter):
-            waiter.future.set_exception(self._refuse(waiter, error))
+        if error is None or not self.queue.remove(waiter):
+            return False
+        waiter.future.set_exception(self._refuse(waiter, error))
+        return True
 
     def _drained_by(self, deadline: float) -> bool:
         """Whether the requests in flight are predicted to have ended by `deadline` (unknown: yes)."""

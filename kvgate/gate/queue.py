@@ -109,12 +109,9 @@ class AdmissionQueue(Generic[Basis]):
         self._aside.append(self.pop_head())
         self._size += 1
 
-    def set_aside(self) -> list[Waiter[Basis]]:
-        """The set-aside waiters, oldest first (a copy: the caller may remove them)."""
-        return list(self._aside)
-
     def restore(self, keep_aside: Callable[[Waiter[Basis]], bool]) -> None:
-        """Put set-aside waiters back at the front of their tenant's line, oldest first."""
+        """Put set-aside waiters back at the front of their tenant's line, oldest first, but those
+        `keep_aside` keeps (which may also take one out of the queue: it walks a copy)."""
         for waiter in reversed(list(self._aside)):
             if keep_aside(waiter):
                 continue
