@@ -126,6 +126,11 @@ class PlainPrefills:
             self.others_open -= demand.engine_requests
             self.accounted += demand.engine_requests
 
+    def all_shown(self, reservation_id: int, demand: Demand, one_step: int) -> None:
+        """A stream of several engine requests showed a token of each (kvgate/http/choice_starts.py):
+        its first tokens are accounted for good, as a release's, and it is no candidate any more."""
+        self.released(reservation_id, demand, False, one_step)
+
     def set_finished(self, first_tokens: int) -> bool:
         """The engine's evidence: at least `first_tokens` of the candidates' engine requests have
         finished their prefill, so at least that many less the `S - 1` each unfinished candidate

@@ -7,6 +7,7 @@ finished, whatever the order of first tokens, streams, releases and scrapes."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from dataclasses import dataclass, replace
 
@@ -16,6 +17,7 @@ from kvgate.gate.ledger import Ledger, Reservation
 from kvgate.memory.activation import EngineShape, SamplingShape
 from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
+from kvgate.openai import parse_request
 from kvgate.predict import Predictor, TransientSplit
 from kvgate.telemetry.first_tokens import FirstTokenAccount, FirstTokenCount
 from support.geometry import layout
@@ -261,3 +263,63 @@ def test_the_count_is_read_from_a_base_where_it_matched_and_not_while_someone_by
     # idle and settled: the base moves, whatever the count did meanwhile
     assert count.finished(50, 0, 0, FirstTokenAccount(60, 0, 0), settled=True) == 0
     assert count.finished(51, 1, 0, FirstTokenAccount(60, 0, 1), settled=False) == 1
+
+
+def test_a_stream_whose_every_choice_showed_a_token_closes_its_prefill_at_once() -> None:
+    """An n = 4 stream (a plain candidate: its first token is one of four engine requests') whose
+    four choices have each shown a token (kvgate/http/choice_watch.py) has prefilled them all:
+    its prefill terms leave the step without waiting for vLLM's count, which still counts its
+    four first tokens as accounted (released ones' are), never as another candidate's."""
+    predictor = _predictor("v2")
+    ledger = Ledger()
+    several = ledger.reserve(_demand(predictor, 500, SamplingShape(n=4), sequences=4))
+    other = ledger.reserve(_demand(predictor, 1500, SamplingShape()))
+    ledger.mark_plain(several)
+    ledger.mark_plain(other)
+    before = ledger.step().forward_profiled
+    assert ledger.end_every_prefill(several)
+    assert not ledger.end_every_prefill(several)  # once
+    assert ledger.step().forward_profiled == before - several.demand.profiled_prefill_bytes
+    assert (len(ledger.plain), ledger.plain.accounted, ledger.plain.others_open) == (1, 4, 0)
+    # vLLM's count less the accounted four (FirstTokenCount) is `other`'s alone now: one first
+    # token finishes it, no longer hidden behind the n = 4 stream's three
+    assert ledger.plain.set_finished(1)
+    assert ledger.plain.finished == 1
+    ledger.release(several)
+    assert ledger.plain.accounted == 4  # not counted twice
+
+
+def test_a_beam_search_is_not_closed_by_its_choices() -> None:
+    """A beam search's engine requests prefill again for every output token."""
+    predictor = _predictor("v2")
+    ledger = Ledger()
+    beams = ledger.reserve(_demand(predictor, 500, SamplingShape(n=2), sequences=2, beam_iterations=16))
+    assert not ledger.end_every_prefill(beams)
+    assert beams.prefill_open
+
+
+def test_finished_sequences_leave_the_sampler_batch_one_row_kept_until_release() -> None:
+    """An n = 4 stream whose choices finish one by one (kvgate/http/choice_watch.py): vLLM freed
+    those engine requests, so the batch's sampled rows shrink with them, to one until the
+    request's release, which gives back what is left."""
+    predictor = _predictor("v2")
+    ledger = Ledger()
+    chat = ledger.reserve(_demand_sampled(predictor, 1))
+    several = ledger.reserve(_demand_sampled(predictor, 4))
+    assert ledger.step().sampled_rows == 5
+    assert ledger.end_sequences(several, 1)
+    assert ledger.step().sampled_rows == 4
+    assert not ledger.end_sequences(several, 1)  # no news
+    assert ledger.end_sequences(several, 4)
+    assert ledger.step().sampled_rows == 2  # one kept: the request is not over until its end
+    ledger.release(several)
+    assert ledger.step().sampled_rows == 1
+    assert not ledger.end_sequences(chat, 1)  # one sequence: its release ends it
+
+
+def _demand_sampled(predictor: Predictor, n: int) -> Demand:
+    """A 300-token request sampling `n` sequences at temperature 0.7, as the predictor sizes it."""
+    spec = parse_request(
+        "completions", json.dumps({"prompt": "x", "n": n, "temperature": 0.7, "max_tokens": 16}).encode()
+    ).request
+    return predictor.predict(spec, [[11] * 300]).demand
