@@ -67,11 +67,6 @@ class Ticket:
         if self._gate.ledger.end_every_prefill(self.reservation):
             self._gate.prefill_ended(self.reservation)
 
-    def sequences_finished(self, finished: int) -> None:
-        """`finished` of its sequences have ended (`Ledger.end_sequences`): admit what fits now."""
-        if self._gate.ledger.end_sequences(self.reservation, finished):
-            self._gate.prefill_relieved()
-
     def mark_plain(self) -> None:
         """No first token kvgate sees will end its prefill (it does not stream, or it is several
         engine requests: `Ledger.end_prefill`); vLLM's count of first tokens does
@@ -350,10 +345,8 @@ class Gate(Generic[Basis]):
         self._changed_soon()
 
     def prefill_relieved(self) -> None:
-        """The ledger holds less with nothing released: vLLM's count says more plain prefills have
-        ended (kvgate/gate/plain_prefills.py), or some of a request's sequences finished
-        (`Ledger.end_sequences`). Admit what fits now. The head's companions keep them all (the
-        safe side)."""
+        """vLLM's count says more plain prefills have ended (kvgate/gate/plain_prefills.py): admit
+        what fits now. Not who: the head's companions keep them all (the safe side)."""
         self._changed_soon()
 
     def changed_from_thread(self) -> None:

@@ -29,13 +29,13 @@ import bisect
 import itertools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvgate.gate.plain_prefills import PlainPrefills, Relief, largest_without
 from kvgate.memory.activation import StepForwardBound
 from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
-from kvgate.memory.sampler import SamplerBatch, SamplerStage, SamplerUse
+from kvgate.memory.sampler import SamplerBatch, SamplerStage
 
 # `peak_segment_rows` where this engine life ran steps kvgate did not see: any row count
 ANY_ROWS = sys.maxsize
@@ -61,9 +61,6 @@ class Reservation:
     shared_blocks_at_admission: int = 0
     transient_bytes_at_admission: int = 0
     first_token_at: float | None = None  # the gate's clock, when a stream's first token came (Pace)
-    # Its part of the sampler's batch now: the demand's, less the rows of its finished sequences
-    # (`Ledger.end_sequences`).
-    sampler: SamplerUse | None = None
 
 
 class Ledger:
@@ -299,9 +296,7 @@ class Ledger:
             self._sampler.add(demand.sampler)
         self.plain.reserved(demand)
         self.reserved_total += 1
-        reservation = Reservation(
-            id=next(self._ids), demand=demand, hashes=hashes, shared_blocks_at_admission=shared, sampler=demand.sampler
-        )
+        reservation = Reservation(id=next(self._ids), demand=demand, hashes=hashes, shared_blocks_at_admission=shared)
         if demand.shared_step is not None:
             self._shared[reservation.id] = reservation
         members = len(self._reservations) + 1
@@ -368,24 +363,6 @@ class Ledger:
         self._close_prefill(reservation)
         return True
 
-    def end_sequences(self, reservation: Reservation, finished: int) -> bool:
-        """`finished` of a request's sequences (choices of n > 1 or of several prompts) have ended
-        (kvgate/http/choice_watch.py): vLLM freed their engine requests, so later steps sample
-        their rows no more. Its sampler rows shrink to the rest, one kept until it is released. Only
-        where it samples one row a sequence (not a beam search's). True if it changed."""
-        use, demand = reservation.sampler, reservation.demand
-        if reservation.released or use is None or demand.sampler is None or demand.beam_iterations > 1:
-            return False
-        if demand.sampler.rows != demand.sequences:
-            return False
-        rows = max(1, demand.sequences - finished)
-        if rows >= use.rows:
-            return False
-        self._sampler.remove(use)
-        reservation.sampler = replace(use, rows=rows)
-        self._sampler.add(reservation.sampler)
-        return True
-
     def mark_plain(self, reservation: Reservation) -> None:
         """The admitted request shows no first token that closes its prefill (non-streaming, or
         several engine requests), so its prefill closes on vLLM's count of first tokens instead
@@ -421,8 +398,8 @@ class Ledger:
         self._private_blocks -= reservation.demand.private_blocks
         self._kv_variance -= reservation.demand.kv_variance_blocks
         self._add_growth(reservation.demand.growth_blocks, -1)
-        if reservation.sampler:
-            self._sampler.remove(reservation.sampler)
+        if reservation.demand.sampler:
+            self._sampler.remove(reservation.demand.sampler)
         self.plain.released(
             reservation.id,
             reservation.demand,

@@ -1,19 +1,22 @@
-"""Which choices of a stream of several engine requests have started and finished, read off its events.
+"""Whether every choice of a stream of several engine requests has started, read off its events.
 
 A request with n > 1 (or several prompts) is one engine request per choice (vllm 0.32.0
 v1/engine/parallel_sampling.py `ParentRequest`; entrypoints/openai/completion/serving.py
-`_create_completion`), each prefilled when the scheduler takes it and freed when it finishes.
-Its stream's first token is one of theirs, so the ledger keeps the request's prefill terms open
-on vLLM's count of first tokens (kvgate/gate/plain_prefills.py), a count that relieves a candidate
-only once every candidate's every child may have started; and it charges all its sampled rows
-until the last child ends. But each event names its choice (`index`), and a choice's text, delta
-or finish reason only comes from its own engine request's outputs (v1/engine/output_processor.py,
-one RequestState per child, whose outputs reach the stream after the engine step that made them):
+`_create_completion`), each prefilled when the scheduler takes it. Its stream's first token is
+one of theirs, so the ledger keeps the request's prefill terms open on vLLM's count of first
+tokens (kvgate/gate/plain_prefills.py), a count that relieves a candidate only once every
+candidate's every child may have started. But each event names its choice (`index`), and a
+choice's text, delta or finish reason only comes from its own engine request's outputs
+(v1/engine/output_processor.py, one RequestState per child, whose outputs reach the stream after
+the engine step that made them): once every index has shown one, every child has prefilled and
+the request's prefill terms are over.
 
-- once every index has shown one, every child has prefilled: the prefill terms are over;
-- a finish reason says that child is done: the scheduler frees a finished request in the step
-  that finished it (v1/core/sched/scheduler.py `update_from_output`), so no later step samples
-  its row.
+Its finished choices' sampled rows are not given back (session 38): the ledger keeps charging all
+its rows until the request ends. Giving them back closed S8's dip in running requests but ran
+S8's simulated engine out of memory in the first run (an fp32 logits copy of 306 rows, 177.5 MiB,
+against 174.2 MiB free and 195.1 MiB cached in fragments): row counts that fall and grow again
+between steps leave segments the sampler phase's replay does not play (it plays earlier steps of
+the same or fewer rows, kvgate/memory/activation.py `sampler_phase_overhead_bytes`).
 
 Not a chat stream's first event per choice: on the stream's first output vLLM sends every index
 a role delta with empty content (entrypoints/openai/chat_completion/serving.py
@@ -43,20 +46,19 @@ def _shows_token(choice: dict[str, Any]) -> bool:
 
 class ChoiceWatch:
     """Feed it a stream's chunks: `on_all_started()` once every one of `choices` indices showed a
-    token, `on_finished(count)` each time more of them showed a finish reason."""
+    token; after that feeding costs nothing."""
 
-    def __init__(self, choices: int, on_all_started: Callable[[], None], on_finished: Callable[[int], None]) -> None:
+    def __init__(self, choices: int, on_all_started: Callable[[], None]) -> None:
         self.choices = choices
         self._on_all_started: Callable[[], None] | None = on_all_started
-        self._on_finished = on_finished
         self._started: set[int] = set()
-        self._finished: set[int] = set()
         self._pending = b""  # an event not yet ended by its blank line
 
     def feed(self, chunk: bytes) -> None:
+        if self._on_all_started is None:
+            return
         events = (self._pending + chunk).split(_SEPARATOR)
         self._pending = events.pop()
-        finished = len(self._finished)
         for event in events:
             if not event.startswith(_DATA):
                 continue
@@ -68,10 +70,7 @@ class ChoiceWatch:
                 index = choice.get("index") if isinstance(choice, dict) else None
                 if isinstance(index, int) and 0 <= index < self.choices and _shows_token(choice):
                     self._started.add(index)
-                    if choice.get("finish_reason") is not None:
-                        self._finished.add(index)
-        if self._on_all_started is not None and len(self._started) == self.choices:
+        if len(self._started) == self.choices:
             self._on_all_started()
             self._on_all_started = None
-        if len(self._finished) > finished:
-            self._on_finished(len(self._finished))
+            self._pending = b""

@@ -285,11 +285,10 @@ class GatedRoutes:
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
         sequences = ticket.reservation.demand.sequences
-        # a stream of several engine requests ends its prefill once each choice showed a token, and
-        # its rows as its choices finish; not with `echo` anywhere in the body (a chat echo shows
-        # every choice at once)
+        # a stream of several engine requests ends its prefill once each choice showed a token; not
+        # with `echo` anywhere in the body (a chat echo shows every choice at once)
         choices = (
-            ChoiceWatch(sequences, ticket.end_every_prefill, ticket.sequences_finished)
+            ChoiceWatch(sequences, ticket.end_every_prefill)
             if admitted.stream and sequences > 1 and b'"echo"' not in admitted.body
             else None
         )

@@ -215,7 +215,7 @@ class Relay(Response):
         self.upstream = upstream
         self._on_first_chunk = on_first_chunk
         self._on_end = on_end
-        self._choices = choices  # a stream of several engine requests: its choices' starts and ends
+        self._choices = choices  # a stream of several engine requests: when all its choices started
         self._is_sse = (upstream.header(b"content-type") or "").startswith("text/event-stream")
         self._counter = OutputTokenCounter(self._is_sse) if count_output else None
         self._client_gone = False

@@ -7,7 +7,6 @@ finished, whatever the order of first tokens, streams, releases and scrapes."""
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from dataclasses import dataclass, replace
 
@@ -17,7 +16,6 @@ from kvgate.gate.ledger import Ledger, Reservation
 from kvgate.memory.activation import EngineShape, SamplingShape
 from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
-from kvgate.openai import parse_request
 from kvgate.predict import Predictor, TransientSplit
 from kvgate.telemetry.first_tokens import FirstTokenAccount, FirstTokenCount
 from support.geometry import layout
@@ -296,30 +294,3 @@ def test_a_beam_search_is_not_closed_by_its_choices() -> None:
     beams = ledger.reserve(_demand(predictor, 500, SamplingShape(n=2), sequences=2, beam_iterations=16))
     assert not ledger.end_every_prefill(beams)
     assert beams.prefill_open
-
-
-def test_finished_sequences_leave_the_sampler_batch_one_row_kept_until_release() -> None:
-    """An n = 4 stream whose choices finish one by one (kvgate/http/choice_watch.py): vLLM freed
-    those engine requests, so the batch's sampled rows shrink with them, to one until the
-    request's release, which gives back what is left."""
-    predictor = _predictor("v2")
-    ledger = Ledger()
-    chat = ledger.reserve(_demand_sampled(predictor, 1))
-    several = ledger.reserve(_demand_sampled(predictor, 4))
-    assert ledger.step().sampled_rows == 5
-    assert ledger.end_sequences(several, 1)
-    assert ledger.step().sampled_rows == 4
-    assert not ledger.end_sequences(several, 1)  # no news
-    assert ledger.end_sequences(several, 4)
-    assert ledger.step().sampled_rows == 2  # one kept: the request is not over until its end
-    ledger.release(several)
-    assert ledger.step().sampled_rows == 1
-    assert not ledger.end_sequences(chat, 1)  # one sequence: its release ends it
-
-
-def _demand_sampled(predictor: Predictor, n: int) -> Demand:
-    """A 300-token request sampling `n` sequences at temperature 0.7, as the predictor sizes it."""
-    spec = parse_request(
-        "completions", json.dumps({"prompt": "x", "n": n, "temperature": 0.7, "max_tokens": 16}).encode()
-    ).request
-    return predictor.predict(spec, [[11] * 300]).demand
