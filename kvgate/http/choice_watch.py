@@ -14,9 +14,10 @@ the request's prefill terms are over.
 Its finished choices' sampled rows are not given back (session 38): the ledger keeps charging all
 its rows until the request ends. Giving them back closed S8's dip in running requests but ran
 S8's simulated engine out of memory in the first run (an fp32 logits copy of 306 rows, 177.5 MiB,
-against 174.2 MiB free and 195.1 MiB cached in fragments): row counts that fall and grow again
-between steps leave segments the sampler phase's replay does not play (it plays earlier steps of
-the same or fewer rows, kvgate/memory/activation.py `sampler_phase_overhead_bytes`).
+against 174.2 MiB free and 195.1 MiB cached in fragments). Which history did it is not known:
+the one-step histories of up to 48 rows more tried since run at every count kvgate would then
+admit (bench/results/s8-session38/rows_fall.py); the sampler phase's replay plays earlier steps
+of the same or fewer rows only (kvgate/memory/activation.py `sampler_phase_overhead_bytes`).
 
 Not a chat stream's first event per choice: on the stream's first output vLLM sends every index
 a role delta with empty content (entrypoints/openai/chat_completion/serving.py
