@@ -62,6 +62,11 @@ class Ticket:
         if self._gate.ledger.end_prefill(self.reservation):
             self._gate.prefill_ended(self.reservation)
 
+    def end_every_prefill(self) -> None:
+        """A stream of several engine requests showed a token of each (`Ledger.end_every_prefill`)."""
+        if self._gate.ledger.end_every_prefill(self.reservation):
+            self._gate.prefill_ended(self.reservation)
+
     def mark_plain(self) -> None:
         """No first token kvgate sees will end its prefill (it does not stream, or it is several
         engine requests: `Ledger.end_prefill`); vLLM's count of first tokens does

@@ -340,7 +340,8 @@ class Ledger:
         Not for a request of several engine requests (prompts x n, kvgate/predict.py, or a beam
         search's one per beam per output token): the first token is one of theirs, and vLLM may
         still prefill the others later, as the pool allows; vLLM's count of first tokens closes
-        their prefill terms (`mark_plain`, plain_prefills.py), a beam search's only its end."""
+        their prefill terms (`mark_plain`, plain_prefills.py), or a stream's every choice showing a
+        token (`end_every_prefill`), a beam search's only its end."""
         if reservation.released or not reservation.prefill_open or reservation.demand.engine_requests > 1:
             return False
         if reservation.id in self.plain:  # a plain request's prefill is closed by the engine's count
@@ -348,6 +349,19 @@ class Ledger:
         reservation.prefill_open = False
         self._close_prefill(reservation)
         self.plain.first_token_shown(reservation.demand)
+        return True
+
+    def end_every_prefill(self, reservation: Reservation) -> bool:
+        """A stream of several engine requests showed a token of each of them (every choice of n > 1
+        or of several prompts: kvgate/http/choice_watch.py): all their prefills are over, so its
+        prefill-only terms are gone, whatever vLLM's count of first tokens says yet. Not a beam
+        search, whose engine requests prefill again for each output token. True if it changed."""
+        demand = reservation.demand
+        if reservation.released or not reservation.prefill_open or demand.beam_iterations > 1:
+            return False
+        self.plain.all_shown(reservation.id, demand, _one_step(demand))
+        reservation.prefill_open = False
+        self._close_prefill(reservation)
         return True
 
     def mark_plain(self, reservation: Reservation) -> None:

@@ -5,7 +5,8 @@ A stream shows its first token, and the ledger frees its prefill-only terms then
 SDK calls) shows nothing until its whole answer, so its prefill terms would stay reserved while it
 decodes: a burst of them on a headroom that holds about one step goes in at the pace of whole
 answers, not of first tokens (bench/results/nonstream-session32: held-out H1 0.37 x the oracle).
-A stream of several engine requests is the same: its first token is one of theirs.
+A stream of several engine requests is the same: its first token is one of theirs (until each of
+its choices has shown one: kvgate/http/choice_watch.py, `Ledger.end_every_prefill`).
 
 vLLM counts first tokens: `vllm:time_to_first_token_seconds` is observed once per engine request
 when its prefill ends (vllm 0.32.0 v1/metrics/stats.py `IterationStats.update_from_output`, the
@@ -125,6 +126,11 @@ class PlainPrefills:
         elif not shown:
             self.others_open -= demand.engine_requests
             self.accounted += demand.engine_requests
+
+    def all_shown(self, reservation_id: int, demand: Demand, one_step: int) -> None:
+        """A stream of several engine requests showed a token of each (kvgate/http/choice_watch.py):
+        its first tokens are accounted for good, as a release's, and it is no candidate any more."""
+        self.released(reservation_id, demand, False, one_step)
 
     def set_finished(self, first_tokens: int) -> bool:
         """The engine's evidence: at least `first_tokens` of the candidates' engine requests have

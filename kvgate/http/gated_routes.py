@@ -27,6 +27,7 @@ from kvgate.gate.gate import Ticket
 from kvgate.gate.observer import Decision
 from kvgate.gate.tenants import TenantTurns
 from kvgate.http.asgi import answer_refusal, disconnect_future, header, read_body, request_target
+from kvgate.http.choice_watch import ChoiceWatch
 from kvgate.http.errors import error_response
 from kvgate.http.proxy import Relay, forward_headers, open_while_client_waits
 from kvgate.pipeline import Evaluation
@@ -283,6 +284,14 @@ class GatedRoutes:
             ticket.release("upstream_error")
             raise
         on_first = ticket.end_prefill if admitted.stream else (lambda: None)
+        sequences = ticket.reservation.demand.sequences
+        # a stream of several engine requests ends its prefill once each choice showed a token; not
+        # with `echo` anywhere in the body (a chat echo shows every choice at once)
+        choices = (
+            ChoiceWatch(sequences, ticket.end_every_prefill)
+            if admitted.stream and sequences > 1 and b'"echo"' not in admitted.body
+            else None
+        )
 
         def on_end(outcome: str, output_tokens: int | None) -> None:
             ticket.release(outcome, output_tokens)
@@ -297,4 +306,5 @@ class GatedRoutes:
             on_end,
             count_output=admitted.count_output,
             stall_timeout_s=self.rt.settings.stream_stall_timeout,
+            choices=choices,
         )

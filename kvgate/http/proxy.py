@@ -20,6 +20,7 @@ from starlette.types import Message, Receive, Scope, Send
 from kvgate.backend import Backend
 from kvgate.errors import RouteNotForwarded
 from kvgate.gate.backend_state import UNKNOWN_OUTAGE_RETRY_S
+from kvgate.http.choice_watch import ChoiceWatch
 from kvgate.http.output_tokens import OutputTokenCounter
 from kvgate.logs import ending_response_unfinished
 from kvgate.upstream import UpstreamError, UpstreamResponse
@@ -203,6 +204,7 @@ class Relay(Response):
         on_end: Callable[[str, int | None], None],
         count_output: bool = False,
         stall_timeout_s: float | None = None,
+        choices: ChoiceWatch | None = None,
     ) -> None:
         # Response's own __init__ is not called: it renders a body and builds headers that the
         # upstream's replace (what the pass-through routes' FastAPI reads is set here).
@@ -213,6 +215,7 @@ class Relay(Response):
         self.upstream = upstream
         self._on_first_chunk = on_first_chunk
         self._on_end = on_end
+        self._choices = choices  # a stream of several engine requests: when all its choices started
         self._is_sse = (upstream.header(b"content-type") or "").startswith("text/event-stream")
         self._counter = OutputTokenCounter(self._is_sse) if count_output else None
         self._client_gone = False
@@ -283,6 +286,8 @@ class Relay(Response):
                     self._on_first_chunk()
                 if self._counter is not None:
                     self._counter.feed(chunk)
+                if self._choices is not None:
+                    self._choices.feed(chunk)
                 # read() handed over all that had arrived: if the response is complete this is
                 # its last chunk, and the end of the body goes out with it (one write, not two).
                 ended = self.upstream.complete

@@ -228,3 +228,29 @@ def test_a_client_that_stops_reading_is_cut_and_released(kvgate: KvgateServer, s
     log = kvgate.log()
     assert "read nothing for 3 s" in log
     assert "returned without completing response" not in log  # uvicorn's line, noise for a cut kvgate logs
+
+
+def test_a_stream_of_several_choices_ends_its_prefill_once_every_choice_showed_a_token(
+    slow_kvgate: KvgateServer,
+) -> None:
+    """An n = 4 stream is four engine requests; its first event is one of theirs. Once each of the
+    four choices has streamed text, all four have prefilled: kvgate holds its prefill terms no
+    more (`kvgate_plain_prefills{state="open"}` back to 0) while the answer is still streaming,
+    without waiting for vLLM's count of first tokens to say so (kvgate/http/choice_watch.py)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6000, "n": 4, "ignore_eos": True, "stream": True}
+    seen: set[int] = set()
+    with httpx.stream("POST", slow_kvgate.base_url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                seen |= {c["index"] for c in json.loads(line[6:])["choices"] if c.get("text")}
+            if len(seen) == 4:
+                break
+        assert slow_kvgate.metric("kvgate_in_flight_requests") == 1  # still streaming
+        wait_for(
+            lambda: slow_kvgate.metric("kvgate_plain_prefills", state="open") == 0,
+            timeout_s=5,
+            what="the stream's prefill terms to be let go",
+        )
+        assert slow_kvgate.metric("kvgate_in_flight_requests") == 1

@@ -119,15 +119,21 @@ def test_a_plain_request_is_closed_only_by_the_count_and_relief_shrinks_as_candi
     assert ledger.step().forward_profiled == 0
 
 
-def test_a_request_of_several_engine_requests_counts_finished_only_once_all_of_its_may_have() -> None:
-    """A list of prompts or `n` > 1 is a candidate too; each engine request adds one first token
-    to vLLM's count, and an unfinished one of S hides up to S - 1 of them."""
+def _n4_beside_one(prompt: int) -> tuple[Ledger, Reservation, Reservation]:
+    """A ledger holding an n = 4 request of 500 tokens and a `prompt`-token one, both plain candidates."""
     predictor = _predictor("v2")
     ledger = Ledger()
     several = ledger.reserve(_demand(predictor, 500, SamplingShape(n=4), sequences=4))
-    one = ledger.reserve(_demand(predictor, 2000, SamplingShape()))
+    one = ledger.reserve(_demand(predictor, prompt, SamplingShape()))
     ledger.mark_plain(several)
     ledger.mark_plain(one)
+    return ledger, several, one
+
+
+def test_a_request_of_several_engine_requests_counts_finished_only_once_all_of_its_may_have() -> None:
+    """A list of prompts or `n` > 1 is a candidate too; each engine request adds one first token
+    to vLLM's count, and an unfinished one of S hides up to S - 1 of them."""
+    ledger, several, one = _n4_beside_one(2000)
     assert (len(ledger.plain), ledger.plain.others_open) == (2, 0)
     before = ledger.step().forward_profiled
     assert not ledger.plain.set_finished(3)  # three of `several`'s four, or `one` and two of them
@@ -261,3 +267,31 @@ def test_the_count_is_read_from_a_base_where_it_matched_and_not_while_someone_by
     # idle and settled: the base moves, whatever the count did meanwhile
     assert count.finished(50, 0, 0, FirstTokenAccount(60, 0, 0), settled=True) == 0
     assert count.finished(51, 1, 0, FirstTokenAccount(60, 0, 1), settled=False) == 1
+
+
+def test_a_stream_whose_every_choice_showed_a_token_closes_its_prefill_at_once() -> None:
+    """An n = 4 stream (a plain candidate: its first token is one of four engine requests') whose
+    four choices have each shown a token (kvgate/http/choice_watch.py) has prefilled them all:
+    its prefill terms leave the step without waiting for vLLM's count, which still counts its
+    four first tokens as accounted (released ones' are), never as another candidate's."""
+    ledger, several, _ = _n4_beside_one(1500)
+    before = ledger.step().forward_profiled
+    assert ledger.end_every_prefill(several)
+    assert not ledger.end_every_prefill(several)  # once
+    assert ledger.step().forward_profiled == before - several.demand.profiled_prefill_bytes
+    assert (len(ledger.plain), ledger.plain.accounted, ledger.plain.others_open) == (1, 4, 0)
+    # vLLM's count less the accounted four (FirstTokenCount) is the other request's alone now: one first
+    # token finishes it, no longer hidden behind the n = 4 stream's three
+    assert ledger.plain.set_finished(1)
+    assert ledger.plain.finished == 1
+    ledger.release(several)
+    assert ledger.plain.accounted == 4  # not counted twice
+
+
+def test_a_beam_search_is_not_closed_by_its_choices() -> None:
+    """A beam search's engine requests prefill again for every output token."""
+    predictor = _predictor("v2")
+    ledger = Ledger()
+    beams = ledger.reserve(_demand(predictor, 500, SamplingShape(n=2), sequences=2, beam_iterations=16))
+    assert not ledger.end_every_prefill(beams)
+    assert beams.prefill_open
