@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from kvgate.frozen_values import direct_init
 from kvgate.memory.allocator import (
     ROUND_LARGE,
     PlayedStep,
@@ -131,6 +132,7 @@ class EngineShape:
             raise ValueError(f"attention_backend {self.attention_backend!r} not in {BACKENDS}")
 
 
+@direct_init
 @dataclass(frozen=True)
 class SamplingShape:
     """What one request asks of the sampler."""
@@ -167,6 +169,7 @@ class SamplingShape:
         return max(self.n, self.best_of or 0, 1)
 
 
+@direct_init
 @dataclass(frozen=True)
 class TransientTerm:
     name: str
