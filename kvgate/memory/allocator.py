@@ -37,7 +37,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations_with_replacement
 
-from kvgate.frozen_values import direct_init
 from kvgate.units import MiB
 
 MIN_BLOCK = 512  # kMinBlockSize
@@ -93,7 +92,6 @@ def _segment_size(size: int, pool: str) -> int:
     return -(-size // ROUND_LARGE) * ROUND_LARGE
 
 
-@direct_init
 @dataclass(frozen=True)
 class Footprint:
     """One replay: the allocated peak (what vLLM's profile records), the reserved peak (what

@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvgate.frozen_values import direct_init
 from kvgate.memory.demand import Demand
 from kvgate.units import MiB
 
@@ -143,6 +144,7 @@ class EvidenceScale:
         return moved
 
 
+@direct_init
 @dataclass(frozen=True)
 class InFlight:
     """One admitted request as the KV estimate sees it."""

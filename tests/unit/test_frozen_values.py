@@ -12,12 +12,15 @@ import pytest
 
 from kvgate.frozen_values import direct_init
 from kvgate.memory.activation import SamplingShape, TransientTerm
-from kvgate.memory.allocator import Footprint
 from kvgate.memory.ceiling import StepHoldings
 from kvgate.memory.demand import Demand
+from kvgate.memory.footprint import Footprint
+from kvgate.memory.kv import PrefixKeys
 from kvgate.memory.sampler import SamplerStage
+from kvgate.preparation import Prepared
 from kvgate.request import ChatInput, ParsedRequest, ValidRequest
 from kvgate.sampling_params import SamplingParams
+from kvgate.telemetry.calibration import InFlight
 from kvgate.vllm_routes import Translated
 
 DIRECT = [
@@ -32,6 +35,9 @@ DIRECT = [
     ChatInput,
     ParsedRequest,
     Translated,
+    PrefixKeys,
+    Prepared,
+    InFlight,
 ]
 
 
