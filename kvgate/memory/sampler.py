@@ -391,6 +391,11 @@ class SamplerStage:
         return total + extra - self.profiled
 
 
+# Distinct sampler stages SamplerCost keeps (rows x flags, and the longest prompt and output with
+# penalties); beyond, it starts again.
+STAGES_KEPT = 4096
+
+
 @dataclass(frozen=True)
 class SamplerCost:
     """The deployment's constants: vocabulary, dtype, and how many rows one step can sample.
@@ -618,7 +623,64 @@ class SamplerCost:
             return f"the larger of FlashInfer {rows} rows x {v} vocab x {per_logit} B ({call}) and a seeded batch's {native}"
         return native
 
+    @cached_property
+    def _stages(self) -> dict[tuple[int | bool | None, ...], SamplerStage]:
+        """The stages worked out, by `stage`'s arguments (a few hundred sampling shapes at most
+        in practice; emptied past STAGES_KEPT)."""
+        return {}
+
     def stage(
+        self,
+        rows: int,
+        logprobs: bool,
+        penalties: bool,
+        longest_prompt: int,
+        random: bool = True,
+        all_vocab_logprobs: bool = False,
+        structured: bool = False,
+        longest_output: int = 0,
+        processing: bool | None = None,
+        filtered: bool | None = None,
+        both_filters: bool = True,
+    ) -> SamplerStage:
+        """`stage_of`, worked out once per distinct batch: it is a function of its arguments and
+        the deployment's constants, and the gate asks it at every admission and release (2.5 % of
+        a chat request's CPU, py-spy, bench/results/cpu-session38). The longest prompt and output
+        count only with penalties, so without them they are no part of the key."""
+        key = (
+            rows,
+            logprobs,
+            penalties,
+            longest_prompt if penalties else 0,
+            random,
+            all_vocab_logprobs,
+            structured,
+            longest_output if penalties else 0,
+            processing,
+            filtered,
+            both_filters,
+        )
+        stages = self._stages
+        found = stages.get(key)
+        if found is None:
+            if len(stages) >= STAGES_KEPT:
+                stages.clear()
+            found = stages[key] = self.stage_of(
+                rows,
+                logprobs,
+                penalties,
+                longest_prompt,
+                random,
+                all_vocab_logprobs,
+                structured,
+                longest_output,
+                processing,
+                filtered,
+                both_filters,
+            )
+        return found
+
+    def stage_of(
         self,
         rows: int,
         logprobs: bool,
