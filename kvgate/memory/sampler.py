@@ -104,6 +104,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from kvgate.frozen_values import direct_init
 
@@ -643,15 +644,23 @@ class SamplerCost:
         filtered: bool | None = None,
         both_filters: bool = True,
     ) -> SamplerStage:
-        """`stage_of`, worked out once per distinct batch: it is a function of its arguments and
-        the deployment's constants, and the gate asks it at every admission and release (2.5 % of
-        a chat request's CPU, py-spy, bench/results/cpu-session38). The longest prompt and output
-        count only with penalties, so without them they are no part of the key."""
+        """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
+        (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`;
+        V2 only, None meaning `random`: processing, a row needs its logits processed (the fp32
+        copy); filtered, a row sets top-k or top-p; both_filters, rows set top-k and top-p).
+
+        V1 with penalties: ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
+        builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
+        batch's longest output: charged at the longest `max_tokens` in flight.
+
+        Worked out once per distinct batch (`_stages`): a function of these arguments and the
+        deployment's constants, asked at every admission and release (2.5 % of a chat request's
+        CPU, py-spy, bench/results/cpu-session38)."""
         key = (
             rows,
             logprobs,
             penalties,
-            longest_prompt if penalties else 0,
+            longest_prompt if penalties else 0,  # they size only the penalties' terms
             random,
             all_vocab_logprobs,
             structured,
@@ -665,43 +674,24 @@ class SamplerCost:
         if found is None:
             if len(stages) >= STAGES_KEPT:
                 stages.clear()
-            found = stages[key] = self.stage_of(
-                rows,
-                logprobs,
-                penalties,
-                longest_prompt,
-                random,
-                all_vocab_logprobs,
-                structured,
-                longest_output,
-                processing,
-                filtered,
-                both_filters,
-            )
+            found = stages[key] = self._stage_of(key)
         return found
 
-    def stage_of(
-        self,
-        rows: int,
-        logprobs: bool,
-        penalties: bool,
-        longest_prompt: int,
-        random: bool = True,
-        all_vocab_logprobs: bool = False,
-        structured: bool = False,
-        longest_output: int = 0,
-        processing: bool | None = None,
-        filtered: bool | None = None,
-        both_filters: bool = True,
-    ) -> SamplerStage:
-        """The sampler stage of a step whose batch holds `rows` requests' rows with these flags
-        (random: a row samples with temperature > 0; all_vocab_logprobs: one asks `logprobs: -1`;
-        V2 only, None meaning `random`: processing, a row needs its logits processed (the fp32
-        copy); filtered, a row sets top-k or top-p; both_filters, rows set top-k and top-p).
-
-        V1 with penalties: ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
-        builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
-        batch's longest output: charged at the longest `max_tokens` in flight."""
+    def _stage_of(self, arguments: tuple[Any, ...]) -> SamplerStage:
+        """`stage` worked out from its arguments, in its order."""
+        (
+            rows,
+            logprobs,
+            penalties,
+            longest_prompt,
+            random,
+            all_vocab_logprobs,
+            structured,
+            longest_output,
+            processing,
+            filtered,
+            both_filters,
+        ) = arguments
         rows_sampled = min(rows * (1 + self.num_speculative_tokens), self.max_sampled_rows)
         sampled = rows_sampled * self.vocab_size
         in_profile = min(rows_sampled, self.profiled_rows) * self.vocab_size

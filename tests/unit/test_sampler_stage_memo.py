@@ -1,6 +1,8 @@
 """SamplerCost.stage keeps the stages it worked out (kvgate/memory/sampler.py): every answer equals
-`stage_of` worked out afresh, over random sequences of batches that repeat (rows, flags) with other
-prompt and output lengths, on each runner and sampler path; the memo is bounded."""
+the stage worked out afresh from the same arguments (`_stage_of`, the longest prompt and output as
+given, not as the memo's key drops them without penalties), over random sequences of batches that
+repeat (rows, flags) with other prompt and output lengths, on each runner and sampler path; the
+memo is bounded."""
 
 from __future__ import annotations
 
@@ -45,12 +47,14 @@ def test_kept_stages_equal_fresh_ones(cost: SamplerCost, seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(2000):
         arguments = _arguments(rng)
-        assert cost.stage(*arguments) == cost.stage_of(*arguments)  # type: ignore[arg-type]
+        assert cost.stage(*arguments) == cost._stage_of(arguments)  # type: ignore[arg-type]
 
 
 def test_the_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampler, "STAGES_KEPT", 8)
     cost = SamplerCost(V, 2, 256, 8192, "v1")
     for rows in range(1, 30):
-        assert cost.stage(rows, False, False, 0) == cost.stage_of(rows, False, False, 0)
+        assert cost.stage(rows, False, False, 0) == cost._stage_of(
+            (rows, False, False, 0, True, False, False, 0, None, None, True)
+        )
         assert len(cost._stages) <= 8
