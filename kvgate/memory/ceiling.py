@@ -169,6 +169,7 @@ def step_charge(
     return step.unprofiled + max(forward, sampler)
 
 
+@direct_init
 @dataclass(frozen=True)
 class Ceiling:
     """vLLM's whole KV pool and the largest transient headroom kvgate has seen (less its safety

@@ -12,7 +12,7 @@ import pytest
 
 from kvgate.frozen_values import direct_init
 from kvgate.memory.activation import SamplingShape, TransientTerm
-from kvgate.memory.ceiling import StepHoldings
+from kvgate.memory.ceiling import Ceiling, StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.footprint import Footprint
 from kvgate.memory.kv import PrefixKeys
@@ -38,6 +38,7 @@ DIRECT = [
     PrefixKeys,
     Prepared,
     InFlight,
+    Ceiling,
 ]
 
 

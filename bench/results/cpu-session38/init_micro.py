@@ -8,7 +8,7 @@ import dataclasses
 import time
 
 from kvgate.memory.activation import SamplingShape, TransientTerm
-from kvgate.memory.ceiling import StepHoldings
+from kvgate.memory.ceiling import Ceiling, StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.footprint import Footprint
 from kvgate.memory.kv import PrefixKeys
@@ -21,7 +21,7 @@ from kvgate.vllm_routes import Translated
 
 CLASSES = [
     StepHoldings, SamplingParams, SamplingShape, TransientTerm, Demand, Footprint,
-    SamplerStage, ValidRequest, ChatInput, ParsedRequest, Translated, PrefixKeys, Prepared, InFlight,
+    SamplerStage, ValidRequest, ChatInput, ParsedRequest, Translated, PrefixKeys, Prepared, InFlight, Ceiling,
 ]  # fmt: skip
 LOOPS, PASSES = 20_000, 7
 
