@@ -8,6 +8,12 @@ signature that stores each field in the instance's `__dict__`, which is all `obj
 does for a field without a descriptor, so the instances are the same values: equal, hashed,
 printed and immutable as before. Only for the simple shape: no `__post_init__`, no default
 factory, no InitVar, no slots (anything else is refused at import, not silently mishandled).
+
+The price: touching `__dict__` gives the instance a dict of its own instead of CPython 3.11's
+inline values, so reading a field costs more (about 47 against 33 ns; a 12-field `==` 0.70 against
+0.24 us, `hash` 0.43 against 0.21). So it is for values built once and read a few times, not for
+one hashed and compared on every request (SamplingShape, an lru_cache key in kvgate/predict.py,
+keeps dataclasses' own `__init__`).
 """
 
 from __future__ import annotations

@@ -132,7 +132,6 @@ class EngineShape:
             raise ValueError(f"attention_backend {self.attention_backend!r} not in {BACKENDS}")
 
 
-@direct_init
 @dataclass(frozen=True)
 class SamplingShape:
     """What one request asks of the sampler."""

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvgate.frozen_values import direct_init
-from kvgate.memory.activation import SamplingShape, TransientTerm
+from kvgate.memory.activation import TransientTerm
 from kvgate.memory.ceiling import Ceiling, StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.footprint import Footprint
@@ -26,7 +26,6 @@ from kvgate.vllm_routes import Translated
 DIRECT = [
     StepHoldings,
     SamplingParams,
-    SamplingShape,
     TransientTerm,
     Demand,
     Footprint,

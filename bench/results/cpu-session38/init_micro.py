@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from kvgate.memory.activation import SamplingShape, TransientTerm
+from kvgate.memory.activation import TransientTerm
 from kvgate.memory.ceiling import Ceiling, StepHoldings
 from kvgate.memory.demand import Demand
 from kvgate.memory.footprint import Footprint
@@ -20,7 +20,7 @@ from kvgate.telemetry.calibration import InFlight
 from kvgate.vllm_routes import Translated
 
 CLASSES = [
-    StepHoldings, SamplingParams, SamplingShape, TransientTerm, Demand, Footprint,
+    StepHoldings, SamplingParams, TransientTerm, Demand, Footprint,
     SamplerStage, ValidRequest, ChatInput, ParsedRequest, Translated, PrefixKeys, Prepared, InFlight, Ceiling,
 ]  # fmt: skip
 LOOPS, PASSES = 20_000, 7
