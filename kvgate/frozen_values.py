@@ -11,9 +11,11 @@ factory, no InitVar, no slots (anything else is refused at import, not silently 
 
 The price: touching `__dict__` gives the instance a dict of its own instead of CPython 3.11's
 inline values, so reading a field costs more (about 47 against 33 ns; a 12-field `==` 0.70 against
-0.24 us, `hash` 0.43 against 0.21). So it is for values built once and read a few times, not for
-one hashed and compared on every request (SamplingShape, an lru_cache key in kvgate/predict.py,
-keeps dataclasses' own `__init__`).
+0.24 us, `hash` 0.43 against 0.21). So it is for values built once a request and read a few times: the parse's
+(Translated, SamplingParams, ChatInput, ValidRequest, ParsedRequest, Prepared), a footprint, its
+prefix keys, the never-fits ceiling. Not for one hashed and compared every request (SamplingShape,
+an lru_cache key in kvgate/predict.py) nor for those the gate reads over and over (Demand,
+StepHoldings: with direct_init the admission stage of bench.stage_cpu cost ~1 us more).
 """
 
 from __future__ import annotations

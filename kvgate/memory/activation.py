@@ -23,7 +23,6 @@ import threading
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from kvgate.frozen_values import direct_init
 from kvgate.memory.allocator import (
     ROUND_LARGE,
     PlayedStep,
@@ -168,7 +167,6 @@ class SamplingShape:
         return max(self.n, self.best_of or 0, 1)
 
 
-@direct_init
 @dataclass(frozen=True)
 class TransientTerm:
     name: str

@@ -34,7 +34,6 @@ def transient_need_of_profiled(profiled: int, profiled_cap: int | None, segment_
     return transient_charge(0, profiled, profiled_cap, segment_overhead)
 
 
-@direct_init
 @dataclass(frozen=True)
 class StepHoldings:
     """What the worst step of the in-flight requests holds, by the phase of the step it lives in.

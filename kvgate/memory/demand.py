@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from kvgate.frozen_values import direct_init
 from kvgate.memory.activation import SharedStepExtra, StepForwardBound
 from kvgate.memory.sampler import SamplerUse
 
 
-@direct_init
 @dataclass(frozen=True)
 class Demand:
     """What one request asks of the GPU if admitted."""

@@ -106,8 +106,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from kvgate.frozen_values import direct_init
-
 FP32 = 4
 INT64 = 8
 # Bytes per (row x vocab entry); see SamplerCost.
@@ -355,7 +353,6 @@ def v2_penalty_state_bytes(max_num_seqs: int, vocab_size: int) -> int:
     return max_num_seqs * (vocab_size + -(-vocab_size // 32)) * 4
 
 
-@direct_init
 @dataclass(frozen=True)
 class SamplerStage:
     """Bytes of one step's sampler stage, split as the budget charges them."""

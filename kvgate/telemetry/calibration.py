@@ -27,7 +27,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvgate.frozen_values import direct_init
 from kvgate.memory.demand import Demand
 from kvgate.units import MiB
 
@@ -144,7 +143,6 @@ class EvidenceScale:
         return moved
 
 
-@direct_init
 @dataclass(frozen=True)
 class InFlight:
     """One admitted request as the KV estimate sees it."""

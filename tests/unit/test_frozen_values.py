@@ -11,32 +11,23 @@ from typing import Any
 import pytest
 
 from kvgate.frozen_values import direct_init
-from kvgate.memory.activation import TransientTerm
-from kvgate.memory.ceiling import Ceiling, StepHoldings
-from kvgate.memory.demand import Demand
+from kvgate.memory.ceiling import Ceiling
 from kvgate.memory.footprint import Footprint
 from kvgate.memory.kv import PrefixKeys
-from kvgate.memory.sampler import SamplerStage
 from kvgate.preparation import Prepared
 from kvgate.request import ChatInput, ParsedRequest, ValidRequest
 from kvgate.sampling_params import SamplingParams
-from kvgate.telemetry.calibration import InFlight
 from kvgate.vllm_routes import Translated
 
 DIRECT = [
-    StepHoldings,
     SamplingParams,
-    TransientTerm,
-    Demand,
     Footprint,
-    SamplerStage,
     ValidRequest,
     ChatInput,
     ParsedRequest,
     Translated,
     PrefixKeys,
     Prepared,
-    InFlight,
     Ceiling,
 ]
 
