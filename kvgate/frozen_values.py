@@ -10,8 +10,8 @@ printed and immutable as before. Only for the simple shape: no `__post_init__`, 
 factory, no InitVar, no slots (anything else is refused at import, not silently mishandled).
 
 The price: touching `__dict__` gives the instance a dict of its own instead of CPython 3.11's
-inline values, so reading a field costs more (about 47 against 33 ns; a 12-field `==` 0.70 against
-0.24 us, `hash` 0.43 against 0.21). So it is for values built once a request and read a few times: the parse's
+inline values, so reading a field costs more (about 50 against 35 ns; a 12-field `==` 0.70 against
+0.25 us, `hash` 0.42 against 0.20: bench/results/cpu-session38/read_micro.py). So it is for values built once a request and read a few times: the parse's
 (Translated, SamplingParams, ChatInput, ValidRequest, ParsedRequest, Prepared), a footprint, its
 prefix keys, the never-fits ceiling. Not for one hashed and compared every request (SamplingShape,
 an lru_cache key in kvgate/predict.py) nor for those the gate reads over and over (Demand,
