@@ -7,6 +7,9 @@ machine costs it little), the least of several passes over the same inputs:
 - evaluate: RequestPipeline.evaluate (parse, render, tokenize, predict, the never-fits check) of
   `--chats` of them, each new to the segment cache when there are more than it keeps
   (the default, bench.overhead.DISTINCT_CHATS);
+- admission: the gate's side of a chat with IN_FLIGHT of the benchmark's chats in flight, as
+  `bench.request_cpu --concurrency 32` keeps them: Budget.shortfall of the next chat against the
+  ledger, Ledger.reserve, and the oldest in-flight chat's Ledger.release;
 - decision: one admission decided by the decision log (DecisionLog), its line written at info to
   a file through kvgate's own log handler, as `kvgate serve` writes its stderr;
 - metrics: the Prometheus updates of one admitted chat (GateMetrics' admission and release, and
@@ -26,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,9 @@ from typing import Any
 import uvloop
 
 from bench.overhead import DISTINCT_CHATS, chat_bodies, model_folder
+
+# Chats in flight while the admission stage admits one and releases the oldest (request_cpu's c=32).
+IN_FLIGHT = 32
 
 
 def least(passes: int, run: Callable[[], None]) -> float:
@@ -49,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chats", type=int, default=DISTINCT_CHATS, help="distinct chats evaluated")
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--admissions", type=int, default=20000, help="chats admitted and released in a pass")
     parser.add_argument("--decisions", type=int, default=5000)
     parser.add_argument("--updates", type=int, default=20000, help="chats' metric updates in a pass")
     parser.add_argument("--streams", type=int, default=200, help="streams relayed in a pass")
@@ -87,6 +95,25 @@ def main() -> None:
 
         evaluate_s = least(args.passes, lambda: asyncio.run(evaluate_all()))
         print(f"evaluate   {evaluate_s / len(bodies) * 1e6:8.1f} us a chat ({len(bodies)} chats)", flush=True)
+
+        async def demands() -> list[Demand]:
+            return [(await rt.pipeline.evaluate("chat", raw)).prediction.demand for raw in bodies[:256]]
+
+        admitted = asyncio.run(demands())
+        budget, ledger = rt.gate.budget, rt.gate.ledger
+        in_flight = deque(ledger.reserve(demand) for demand in admitted[:IN_FLIGHT])
+
+        def admit() -> None:
+            for i in range(args.admissions):
+                demand = admitted[i % len(admitted)]
+                budget.shortfall(demand, ledger)
+                in_flight.append(ledger.reserve(demand))
+                ledger.release(in_flight.popleft())
+
+        admission_s = least(args.passes + 4, admit)
+        print(
+            f"admission  {admission_s / args.admissions * 1e6:8.2f} us a chat weighed, reserved, released", flush=True
+        )
 
         out = (Path(tmp) / "decisions.log").open("w")
         saved = os.dup(2)

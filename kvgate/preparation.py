@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate.errors import PromptExceedsContext, TokenizationFailed
+from kvgate.frozen_values import direct_init
 from kvgate.openai import parse_request
 from kvgate.request import ChatInput, PromptInput, RequestInput, RequestLimits, ValidRequest, check_limits
 from kvgate.tokens import TOKEN_ARRAY, PromptTooLong, TokenizationError, Tokenizer
@@ -26,6 +27,7 @@ def token_array(ids: Sequence[int]) -> array:
     return ids if isinstance(ids, array) else array(TOKEN_ARRAY, ids)
 
 
+@direct_init
 @dataclass(frozen=True)
 class Prepared:
     """A request ready to predict: the validated request (without its input: the token arrays

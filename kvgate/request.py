@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.errors import ContextTooLong, VllmRefusal
+from kvgate.frozen_values import direct_init
 from kvgate.sampling_params import SamplingParams
 
 # A token-id prompt as the client sent it (ints, checked to be in vLLM's int64 range).
@@ -31,6 +32,7 @@ class Truncation:
     left: bool
 
 
+@direct_init
 @dataclass(frozen=True)
 class ValidRequest:
     """The fields of a checked request that decide its memory and its way through kvgate, each
@@ -72,6 +74,7 @@ class PromptInput:
     paired: bool = False
 
 
+@direct_init
 @dataclass(frozen=True)
 class ChatInput:
     """The fields of a chat request that decide its prompt tokens (rendered by
@@ -117,6 +120,7 @@ class ChatInput:
 RequestInput = PromptInput | ChatInput
 
 
+@direct_init
 @dataclass(frozen=True)
 class ParsedRequest:
     """What the parser makes of a body: the request and the input it tokenizes."""

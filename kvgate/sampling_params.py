@@ -33,12 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.errors import InvalidField
+from kvgate.frozen_values import direct_init
 from kvgate.vllm_routes import Sampling
 
 # vllm/entrypoints/openai/completion/protocol.py: CompletionRequest.max_tokens default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
+@direct_init
 @dataclass(frozen=True)
 class SamplingParams:
     """The memory-relevant part of the `SamplingParams` vLLM builds for one request."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvgate.errors import InvalidField
+from kvgate.frozen_values import direct_init
 
 # The body shapes kvgate parses (kvgate/openai.py).
 Shape = Literal["completions", "chat"]
@@ -66,6 +67,7 @@ ROUTE_PATHS: dict[str, Route] = {
 }
 
 
+@direct_init
 @dataclass(frozen=True)
 class Translated:
     """A route's body as the completions or chat body vLLM effectively runs."""

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvgate.frozen_values import direct_init
 from kvgate.memory.demand import Demand
 
 
@@ -167,6 +168,7 @@ def step_charge(
     return step.unprofiled + max(forward, sampler)
 
 
+@direct_init
 @dataclass(frozen=True)
 class Ceiling:
     """vLLM's whole KV pool and the largest transient headroom kvgate has seen (less its safety

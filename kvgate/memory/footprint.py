@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvgate.frozen_values import direct_init
 from kvgate.memory.activation import EngineShape, SamplingShape, TransientEstimate, estimate_transient
 from kvgate.memory.kv import NO_PREFIX_KEYS, KVLayout, PrefixKeys, block_hashes
 from kvgate.memory.outputs import OutputReservation
 
 
+@direct_init
 @dataclass(frozen=True)
 class Footprint:
     prompt_tokens: int

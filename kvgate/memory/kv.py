@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvgate.frozen_values import direct_init
 from kvgate.memory.draft import Drafter
 from kvgate.memory.geometry import (
     CHUNKED_ATTENTION,
@@ -240,6 +241,7 @@ class KVLayout:
 _ROOT_HASH = 0x6B7667617465  # parent of the first block; any constant works within a process
 
 
+@direct_init
 @dataclass(frozen=True)
 class PrefixKeys:
     """What vLLM mixes into a block's hash besides its tokens: the keys of vLLM 0.32.0

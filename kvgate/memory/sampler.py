@@ -104,6 +104,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 FP32 = 4
 INT64 = 8
@@ -388,6 +389,11 @@ class SamplerStage:
         return total + extra - self.profiled
 
 
+# Distinct sampler stages SamplerCost keeps (rows x flags, and the longest prompt and output with
+# penalties); beyond, it starts again.
+STAGES_KEPT = 4096
+
+
 @dataclass(frozen=True)
 class SamplerCost:
     """The deployment's constants: vocabulary, dtype, and how many rows one step can sample.
@@ -615,6 +621,12 @@ class SamplerCost:
             return f"the larger of FlashInfer {rows} rows x {v} vocab x {per_logit} B ({call}) and a seeded batch's {native}"
         return native
 
+    @cached_property
+    def _stages(self) -> dict[tuple[int | bool | None, ...], SamplerStage]:
+        """The stages worked out, by `stage`'s arguments (a few hundred sampling shapes at most
+        in practice; emptied past STAGES_KEPT)."""
+        return {}
+
     def stage(
         self,
         rows: int,
@@ -636,7 +648,47 @@ class SamplerCost:
 
         V1 with penalties: ``apply_all_penalties`` (v1/sample/ops/penalties.py, vLLM 0.32.0) also
         builds ``output_tokens_t`` ``[rows, longest output]`` int64 each step, padded to the
-        batch's longest output: charged at the longest `max_tokens` in flight."""
+        batch's longest output: charged at the longest `max_tokens` in flight.
+
+        Worked out once per distinct batch (`_stages`): a function of these arguments and the
+        deployment's constants, asked at every admission and release (2.5 % of a chat request's
+        CPU, py-spy, bench/results/cpu-session38)."""
+        key = (
+            rows,
+            logprobs,
+            penalties,
+            longest_prompt if penalties else 0,  # they size only the penalties' terms
+            random,
+            all_vocab_logprobs,
+            structured,
+            longest_output if penalties else 0,
+            processing,
+            filtered,
+            both_filters,
+        )
+        stages = self._stages
+        found = stages.get(key)
+        if found is None:
+            if len(stages) >= STAGES_KEPT:
+                stages.clear()
+            found = stages[key] = self._stage_of(key)
+        return found
+
+    def _stage_of(self, arguments: tuple[Any, ...]) -> SamplerStage:
+        """`stage` worked out from its arguments, in its order."""
+        (
+            rows,
+            logprobs,
+            penalties,
+            longest_prompt,
+            random,
+            all_vocab_logprobs,
+            structured,
+            longest_output,
+            processing,
+            filtered,
+            both_filters,
+        ) = arguments
         rows_sampled = min(rows * (1 + self.num_speculative_tokens), self.max_sampled_rows)
         sampled = rows_sampled * self.vocab_size
         in_profile = min(rows_sampled, self.profiled_rows) * self.vocab_size
