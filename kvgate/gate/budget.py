@@ -34,6 +34,10 @@ class SharedLevel(Protocol):
 
     def __call__(self, forward_bytes: int, capacity: int, unknown: bool = False) -> bool: ...
 
+    def prepare(self, capacity: int) -> None:
+        """Start working out the level of `capacity` if no level is known or under way."""
+        ...
+
 
 class StepLevel(Protocol):
     """Whether a served step's forward pass of `tokens` tokens runs in `capacity` whatever the
@@ -44,6 +48,11 @@ class StepLevel(Protocol):
 
     def more_caches(self, rows: int, than: int) -> bool:
         """Whether steps of `rows` sampled rows can leave larger segments than steps of `than`."""
+        ...
+
+    def prepare(self, capacity: int) -> None:
+        """Start working out the level a step beside a one-row request asks at `capacity`, if no
+        level is known or under way."""
         ...
 
 
@@ -179,9 +188,24 @@ class Budget:
             if name.startswith("_") or not hasattr(self, name):
                 raise AttributeError(name)
             setattr(self, name, value)
+        if "transient_headroom_bytes" in changes or "profiled_cap_bytes" in changes:
+            self._prepare_step_levels()
         self.moves += 1
         for listener in self._listeners:
             listener()
+
+    def _prepare_step_levels(self) -> None:
+        """Start the step level the first admission beside others will ask, off the loop, as soon
+        as the first headroom is read: until a level is known the answer is no, so every request
+        behind the first waited for the worker thread's replay (0.1-0.4 s wall in benchmark S10,
+        each of them in the TTFT tail)."""
+        capacity = self.transient_headroom_bytes
+        if capacity is None or not self.profiled_cap_bytes:
+            return
+        if self.shared_forward is not None:
+            self.shared_forward.prepare(capacity)
+        elif self.any_cache_forward is not None and self.forward_bytes_per_token:
+            self.any_cache_forward.prepare(capacity)
 
     def set_backend(self, status: Status, why: str | None = None) -> bool:
         """The backend's status, seen again or changed; on a change (True) the gate re-checks its queue."""

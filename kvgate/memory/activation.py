@@ -1629,6 +1629,12 @@ class SharedForward(DeploymentReplay[int, int]):
         level = self._lookup(level_capacity(capacity), now=unknown)
         return unknown if level is None else forward_bytes <= level
 
+    def prepare(self, capacity: int) -> None:
+        """Start working out the level of `capacity` (the budget's headroom, just read) where none
+        is known or under way yet (`OffLoopMemo.untouched`)."""
+        if self.untouched:
+            self._lookup(level_capacity(capacity))
+
     def _work_out(self, capacity: int) -> int:
         return shared_forward_level(self.geometry, self.engine, self.expandable_segments, capacity)
 
@@ -1754,15 +1760,29 @@ class AnyCacheForward(DeploymentReplay[tuple[int, int], int]):
     thread_name = "kvgate-any-cache-forward"
 
     def __call__(self, tokens: int, capacity: int, rows: int) -> bool:
-        key = (capacity // CAPACITY_STEP * CAPACITY_STEP, cached_sizes_count(self.geometry, self.engine, rows))
-        floor = max(
-            (level for (below, more), level in list(self._known.items()) if below <= key[0] and more >= key[1]),
-            default=None,
-        )
+        key = self._key(capacity, rows)
+        floor = self._floor(key)
         if floor is not None and tokens <= floor:
             return True
         level = self._lookup(key)
         return level is not None and tokens <= level
+
+    def prepare(self, capacity: int) -> None:
+        """Start working out the level a step beside a one-row request asks at `capacity` (the
+        budget's headroom, just read) where no level is known or under way yet
+        (`OffLoopMemo.untouched`)."""
+        if self.untouched:
+            self._lookup(self._key(capacity, 1))
+
+    def _key(self, capacity: int, rows: int) -> tuple[int, int]:
+        return capacity // CAPACITY_STEP * CAPACITY_STEP, cached_sizes_count(self.geometry, self.engine, rows)
+
+    def _floor(self, key: tuple[int, int]) -> int | None:
+        """The highest level known for no more headroom and no fewer sizes than `key`'s."""
+        return max(
+            (level for (below, more), level in list(self._known.items()) if below <= key[0] and more >= key[1]),
+            default=None,
+        )
 
     def more_caches(self, rows: int, than: int) -> bool:
         """Whether steps sampling `rows` rows can leave larger segments than steps of `than`."""

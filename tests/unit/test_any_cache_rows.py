@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -42,7 +43,7 @@ from kvgate.sim.gpu import CachingAllocator, Device
 from kvgate.sim.presets import model_config
 from kvgate.sim.step_memory import StepMemory, StepShape
 from kvgate.units import GiB, MiB
-from support.served_budget import served_v2_budget
+from support.served_budget import served_v2_budget, v2_budget
 
 LLAMA_8B = ModelGeometry.from_config(model_config("llama-3.1-8b"))
 S13_ENGINE = EngineShape(max_model_len=32768, max_num_batched_tokens=2048, max_num_seqs=512, runner="v2")
@@ -198,6 +199,9 @@ class LevelByRows:
     def more_caches(self, rows: int, than: int) -> bool:
         return rows > 256 >= than
 
+    def prepare(self, capacity: int) -> None:
+        """Known at once: nothing to start."""
+
 
 def test_beside_a_whole_step_a_chat_that_samples_more_rows_than_ever_waits() -> None:
     """The document's chunks make whole 2,048-token steps: a chat asking in leaves the step no
@@ -222,3 +226,30 @@ def test_beside_a_whole_step_a_chat_that_samples_more_rows_than_ever_waits() -> 
     assert budget.shortfall(chat, ledger) is None  # 257 rows: within the mark, the step no larger
     ledger.reset_peak()  # a new engine life: no step has sampled more than these 256 rows
     assert budget.shortfall(chat, ledger) == TRANSIENT_BUSY
+
+
+def test_a_headroom_read_starts_its_step_level_before_any_request_asks() -> None:
+    """Until a step level is known the answer beside others is no: at an engine life's first
+    reading every request behind the first waited for the worker thread's replay (benchmark S10's
+    TTFT tail). The level a one-row request asks is started as the headroom is read; a higher
+    headroom read later starts none, since the level already known answers it."""
+    budget, predictor = v2_budget(
+        LLAMA_8B, ["--max-num-batched-tokens", "2048", "--max-num-seqs", "512"], "0.32.0", 60 * GiB
+    )
+    levels = AnyCacheForward(LLAMA_8B, predictor.engine, False)
+    known = threading.Event()
+    levels.when_known(known.set)
+    budget.update(any_cache_forward=levels)
+    assert not levels._pending  # no headroom read yet
+    budget.update(
+        transient_headroom_bytes=HEADROOM,
+        max_transient_headroom_bytes=HEADROOM,
+        profiled_cap_bytes=predictor.profiled_peak_bytes,
+        held_region_bytes=predictor.profiled_peak_bytes,
+    )
+    assert known.wait(120)
+    one_row = levels._key(HEADROOM, 1)
+    assert levels._known[one_row] == any_cache_forward_level(LLAMA_8B, predictor.engine, False, one_row[0], 1)
+    budget.update(transient_headroom_bytes=HEADROOM - 64 * MiB)
+    assert list(levels._known) == [one_row]
+    assert levels._pending == {one_row}

@@ -300,6 +300,19 @@ def test_the_level_is_worked_out_off_the_event_loop_and_cautious_until_known() -
     assert level_capacity(MiB) == 0
 
 
+def test_a_headroom_read_starts_its_level_before_any_request_asks() -> None:
+    """The level of the headroom just read is worked out at once on the worker thread, so the
+    first requests of an engine life do not wait for it (kvgate/gate/budget.py
+    `_prepare_step_levels`)."""
+    budget, predictor = s1_budget(592 * MiB)
+    shared = SharedForward(DEEPSEEK, predictor.engine, False)
+    budget.update(shared_forward=shared)
+    assert not shared._known and shared._worker is not None
+    budget.update(transient_headroom_bytes=600 * MiB)
+    shared._worker.submit(lambda: None).result(timeout=60)  # the one worker has finished the level
+    assert list(shared._known) == [level_capacity(600 * MiB)]
+
+
 async def test_a_request_waiting_on_the_level_is_admitted_once_it_is_known() -> None:
     """S1's 16,000-token document beside four decoding chats waits while the level of its
     headroom is being worked out (the cautious answer); when the worker thread has it, the gate
