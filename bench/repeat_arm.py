@@ -5,7 +5,8 @@ and for before/after comparisons of one arm without the full table.
 Each run prints one JSON line: OOM crashes, completed requests, goodput, TTFT p50/p99, refusals
 by reason, TTFT p99 and refusals by the kind of request (who forms the tail) and the simulator's
 own out-of-memory messages (whose reserved-but-unallocated bytes
-tell fragmentation from over-admission). The traffic is what `python -m bench` plays for the
+tell fragmentation from over-admission) with, for each, the step, the tensor and the allocator's
+segments it failed with (`oom_details`). The traffic is what `python -m bench` plays for the
 scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here is one of the
 table's runs.
 
@@ -45,7 +46,7 @@ def arm_and_cap(text: str) -> tuple[str, int | None]:
 
 def outcome(r: safety.ArmResult) -> dict[str, Any]:
     """What one JSON line says of a run: OOMs, completions, goodput, TTFT, refusals, the
-    simulator's out-of-memory messages."""
+    simulator's out-of-memory messages and their records (kvgate/sim/oom_record.py)."""
     return {
         "oom": r.oom_crashes,
         "completed": r.completed,
@@ -58,6 +59,7 @@ def outcome(r: safety.ArmResult) -> dict[str, Any]:
         "ttft_p99_by_label": r.ttft_p99_by_label,
         "rejected_by_label": r.rejected_by_label,
         "oom_messages": r.oom_messages,
+        "oom_details": r.notes.get("oom_details", []),
     }
 
 

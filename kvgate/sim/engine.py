@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvgate.sim import startup
 from kvgate.sim.blocks import BlockPool, KVCacheManager
@@ -23,6 +24,7 @@ from kvgate.sim.config import SimConfig
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.metrics import SimMetrics, cache_config_labels
 from kvgate.sim.model import SimModel
+from kvgate.sim.oom_record import oom_record
 from kvgate.sim.request import Request, Status
 from kvgate.sim.scheduler import Scheduler, SchedulerOutput
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
@@ -59,6 +61,8 @@ class Engine:
         self.restart_at: float | None = None
         self.restarts = 0
         self.ooms: list[str] = []
+        # beside each message, what the step asked and where the allocator stood (kvgate/sim/oom_record.py)
+        self.oom_details: list[dict[str, Any]] = []
         self.log_lines: list[str] = []
         self.cotenant_override: dict[str, int] = {}
         self._wake = asyncio.Event()
@@ -214,15 +218,20 @@ class Engine:
         if not out.scheduled:
             await asyncio.sleep(0.001)
             return
+        shape = self.shape(out)
+        phase = "sampling_metadata"
         try:
             self.carry.start_step([s.request for s in out.scheduled])
+            phase = "encoder"
             self._encode(out)
-            shape = self.shape(out)
+            phase = "forward"
             self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(shape), self.carry.held))
+            phase = "draft"
             if self.draft_steps:  # its proposals go straight to the next step's input ids
                 for block in run_tape(self.alloc, self.draft_steps.plan(startup.draft_shape(shape))):
                     self.alloc.free(block)
         except CudaOutOfMemory as exc:
+            self.oom_details.append(oom_record(exc, phase, out, shape))
             self.die(exc)
             return
         context = sum(s.num_context for s in out.scheduled)

@@ -28,6 +28,7 @@ the model gives each tensor its own page-rounded mapping and returns it on free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgate.units import GiB, KiB, MiB
 
@@ -52,11 +53,19 @@ def format_size(n: int) -> str:
 
 
 class CudaOutOfMemory(RuntimeError):
-    """torch.OutOfMemoryError: the message is PyTorch's, the numbers the simulated device's."""
+    """torch.OutOfMemoryError: the message is PyTorch's, the numbers the simulated device's.
 
-    def __init__(self, message: str, requested: int) -> None:
+    Beside the message it carries what a rare crash needs to be diagnosed after the fact (the
+    message alone cannot tell fragmentation from an under-counted tensor): the allocator's
+    segments when the request failed (`CachingAllocator.snapshot`) and, once `run_tape` has
+    seen it, the tape's tensor that asked and the step's tensors alive beside it."""
+
+    def __init__(self, message: str, requested: int, allocator: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.requested = requested
+        self.allocator = allocator or {}
+        self.tensor = ""
+        self.live: dict[str, int] = {}
 
 
 class Device:
@@ -126,6 +135,21 @@ class CachingAllocator:
         self.non_torch = nbytes
         self._sync_device()
 
+    def snapshot(self) -> dict[str, Any]:
+        """The allocator's state in numbers, as `torch.cuda.memory_snapshot()` lists it: every
+        segment (pool, size, its blocks in address order as [size, allocated]), reserved and
+        allocated bytes, non-torch bytes and what the device has free."""
+        return {
+            "reserved": self.reserved(),
+            "allocated": self.allocated(),
+            "non_torch": self.non_torch,
+            "device_free": self.device.free(),
+            "segments": [
+                {"pool": s.pool, "size": s.size, "blocks": [[b.size, b.allocated] for b in s.blocks]}
+                for s in self.segments
+            ],
+        }
+
     def reset_peak(self) -> None:
         self.peak_allocated = self.allocated()
 
@@ -143,7 +167,7 @@ class CachingAllocator:
             if not self._cuda_malloc(seg_size):
                 self.empty_cache()
                 if not self._cuda_malloc(seg_size):
-                    raise CudaOutOfMemory(self._oom_message(nbytes), nbytes)
+                    raise CudaOutOfMemory(self._oom_message(nbytes), nbytes, self.snapshot())
             seg = Segment(seg_size, pool)
             block = Block(seg, 0, seg_size)
             seg.blocks.append(block)
