@@ -465,8 +465,8 @@ def run_arm(
         else:
             raise ValueError(arm)
         ooms = list(sim.engine.ooms)
-        if sim.engine.oom_details:  # the step, the tensor and the allocator of the first three
-            notes["oom_details"] = sim.engine.oom_details[:3]
+        if sim.engine.oom_details:  # the first crash's step, tensor and allocator
+            notes["oom_details"] = sim.engine.oom_details[:1]
         notes["engine_busy_sim_s"] = round(sim.engine.sim_clock, 1)
         notes["engine_restarts"] = sim.engine.restarts
         res = summarise(scn, "static-cap" if arm == "cap" else arm, outs, span, sp, ooms, counts["preemptions"])

@@ -14,9 +14,11 @@ tests/unit/test_any_cache*.py do.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from kvgate.sim.gpu import CudaOutOfMemory
+from kvgate.sim.request import Sampling
 from kvgate.sim.scheduler import SchedulerOutput
 from kvgate.sim.step_memory import StepShape
 
@@ -34,34 +36,57 @@ def oom_record(exc: CudaOutOfMemory, phase: str, out: SchedulerOutput, shape: St
     }
 
 
+# The sampling parameters that decide which of the sampler's copies a step makes
+# (kvgate/sim/step_memory.py `StepMemory._sampler`); a request's record names those it sets.
+SAMPLER_DECIDING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "logprobs",
+    "prompt_logprobs",
+    "penalties",
+    "structured",
+    "seed",
+    "logits_processor",
+)
+REQUEST_COLUMNS = (
+    "id",
+    "prompt_tokens",
+    "output_tokens",
+    "computed_tokens",
+    "new_tokens",
+    "draft_tokens",
+    "kind",
+    "samples",
+    "sampling",
+)
+
+
 def step_record(out: SchedulerOutput, shape: StepShape) -> dict[str, Any]:
     """The scheduled batch (`shape` is what the engine made of `out`): tokens, sampled rows and
-    each request's part."""
-    reqs = []
+    one row per request under `columns` (a batch of hundreds stays a few KiB in a benchmark's
+    notes); `sampling` holds only the sampler-deciding parameters the request sets."""
+    defaults = {f.name: f.default for f in fields(Sampling)}
+    rows = []
     for s, part in zip(out.scheduled, shape.reqs, strict=True):
         req, sp = s.request, s.request.sampling
-        reqs.append(
-            {
-                "id": req.request_id,
-                "prompt_tokens": req.num_prompt_tokens,
-                "output_tokens": len(req.output_token_ids),
-                "computed_tokens": s.num_context,
-                "new_tokens": s.num_new_tokens,
-                "draft_tokens": s.num_draft_tokens,
-                "kind": "decode" if s.num_context >= req.num_prompt_tokens else "prefill",
-                "samples": part.samples,
-                "sampling": {
-                    "temperature": sp.temperature,
-                    "top_p": sp.top_p,
-                    "top_k": sp.top_k,
-                    "min_p": sp.min_p,
-                    "logprobs": sp.logprobs,
-                    "prompt_logprobs": sp.prompt_logprobs,
-                    "penalties": sp.penalties,
-                    "structured": sp.structured,
-                    "seeded": sp.seed is not None,
-                    "logits_processor": sp.logits_processor,
-                },
-            }
+        rows.append(
+            [
+                req.request_id,
+                req.num_prompt_tokens,
+                len(req.output_token_ids),
+                s.num_context,
+                s.num_new_tokens,
+                s.num_draft_tokens,
+                "decode" if s.num_context >= req.num_prompt_tokens else "prefill",
+                part.samples,
+                {k: getattr(sp, k) for k in SAMPLER_DECIDING if getattr(sp, k) != defaults[k]},
+            ]
         )
-    return {"num_tokens": shape.num_tokens, "sampled_rows": shape.sampled_rows, "requests": reqs}
+    return {
+        "num_tokens": shape.num_tokens,
+        "sampled_rows": shape.sampled_rows,
+        "columns": list(REQUEST_COLUMNS),
+        "requests": rows,
+    }

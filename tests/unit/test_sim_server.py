@@ -198,8 +198,11 @@ def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
         assert (record["phase"], record["tensor"]) == ("forward", "pl_upcast0")
         assert record["requested_bytes"] == 8002 * 128256 * 4
         assert record["live_tensors"]["pl_logits0"] == 8002 * 128256 * 2
-        (req,) = [r for r in record["step"]["requests"] if r["sampling"]["prompt_logprobs"] == 1]
-        assert (req["kind"], req["prompt_tokens"], req["new_tokens"]) == ("prefill", 8002, 8002)
+        step = record["step"]
+        (req,) = [
+            dict(zip(step["columns"], r, strict=True)) for r in step["requests"] if r[-1] == {"prompt_logprobs": 1}
+        ]
+        assert (req["kind"], req["prompt_tokens"], req["new_tokens"], req["samples"]) == ("prefill", 8002, 8002, True)
         held = record["allocator"]
         assert held["reserved"] == sum(s["size"] for s in held["segments"])
         assert held["allocated"] == sum(b[0] for s in held["segments"] for b in s["blocks"] if b[1])
