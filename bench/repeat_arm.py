@@ -6,7 +6,8 @@ Each run prints one JSON line: OOM crashes, completed requests, goodput, TTFT p5
 by reason, TTFT p99 and refusals by the kind of request (who forms the tail) and the simulator's
 own out-of-memory messages (whose reserved-but-unallocated bytes
 tell fragmentation from over-admission) with, for each, the step, the tensor and the allocator's
-segments it failed with (`oom_details`). The traffic is what `python -m bench` plays for the
+segments it failed with (`oom_details`), and the run's closest call: the fewest MiB of device
+memory any step's new segment left free (`closest_call_mib`). The traffic is what `python -m bench` plays for the
 scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here is one of the
 table's runs.
 
@@ -46,7 +47,8 @@ def arm_and_cap(text: str) -> tuple[str, int | None]:
 
 def outcome(r: safety.ArmResult) -> dict[str, Any]:
     """What one JSON line says of a run: OOMs, completions, goodput, TTFT, refusals, the
-    simulator's out-of-memory messages and their records (kvgate/sim/oom_record.py)."""
+    simulator's out-of-memory messages and their records (kvgate/sim/oom_record.py), and the
+    fewest MiB of device memory a new segment of a step left free (how close it came to one)."""
     return {
         "oom": r.oom_crashes,
         "completed": r.completed,
@@ -60,6 +62,7 @@ def outcome(r: safety.ArmResult) -> dict[str, Any]:
         "rejected_by_label": r.rejected_by_label,
         "oom_messages": r.oom_messages,
         "oom_details": r.notes.get("oom_details", []),
+        "closest_call_mib": r.notes.get("closest_call_mib"),
     }
 
 

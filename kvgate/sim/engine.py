@@ -63,6 +63,7 @@ class Engine:
         self.ooms: list[str] = []
         # beside each message, what the step asked and where the allocator stood (kvgate/sim/oom_record.py)
         self.oom_details: list[dict[str, Any]] = []
+        self._closest_call_before: int | None = None  # over the lives before this one
         self.log_lines: list[str] = []
         self.cotenant_override: dict[str, int] = {}
         self._wake = asyncio.Event()
@@ -127,6 +128,7 @@ class Engine:
             ),
         )
         self.carry = CrossStepTensors(self.alloc)
+        self.alloc.watch_closest_call()
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
         self.boot_wall_time = time.time()
@@ -335,9 +337,17 @@ class Engine:
         m.waiting.set(len(s.waiting))
         m.kv_usage.set(self.kv.pool.usage())
 
+    def closest_call(self) -> int | None:
+        """The fewest device bytes any step's new segment left free, over every life of the engine
+        (None: no step needed one): the margin a run kept from an out-of-memory."""
+        seen = [self._closest_call_before, self.alloc.closest_call if self.ready else None]
+        known = [n for n in seen if n is not None]
+        return min(known) if known else None
+
     # ----- death ------------------------------------------------------------------------------
     def die(self, exc: CudaOutOfMemory) -> None:
         """CUDA OOM inside a step: fail everything, free the process's memory, plan a restart."""
+        self._closest_call_before = self.closest_call()
         msg = f"torch.OutOfMemoryError: {exc}"
         self.ooms.append(msg)
         self._log(logging.ERROR, "EngineCore encountered a fatal error.")

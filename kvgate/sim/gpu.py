@@ -118,6 +118,10 @@ class CachingAllocator:
         self.segments: list[Segment] = []
         self.non_torch = 0
         self.peak_allocated = 0
+        # The fewest device bytes a new segment has left free (None: none made since the last
+        # `watch_closest_call`): how close this process came to an out-of-memory. A request a
+        # cached block serves risks nothing; one that needs a segment fails when it cannot fit.
+        self.closest_call: int | None = None
         self._sync_device()
 
     # ----- accounting -------------------------------------------------------------------------
@@ -230,8 +234,15 @@ class CachingAllocator:
             return _LARGE_BUFFER
         return -(-size // _ROUND_LARGE) * _ROUND_LARGE
 
+    def watch_closest_call(self) -> None:
+        """Count the closest call from now on (the engine's steps, not its start-up profile)."""
+        self.closest_call = None
+
     def _cuda_malloc(self, nbytes: int) -> bool:
-        return nbytes <= self.device.free()
+        left = self.device.free() - nbytes
+        if left >= 0:
+            self.closest_call = left if self.closest_call is None else min(self.closest_call, left)
+        return left >= 0
 
     def _oom_message(self, nbytes: int) -> str:
         dev = self.device

@@ -40,3 +40,19 @@ def test_a_tape_that_runs_out_names_its_tensor_and_the_allocators_segments() -> 
     assert text.startswith("CUDA out of memory. Tried to allocate 30.00 MiB. GPU 0 has a total capacity of 64.00 MiB")
     unallocated = float(re.search(r"and ([0-9.]+) MiB is reserved by PyTorch but unallocated", text).group(1))
     assert unallocated == pytest.approx((state["reserved"] - state["allocated"]) / MiB, abs=0.01)
+
+
+def test_the_closest_call_is_the_fewest_bytes_a_new_segment_left_free() -> None:
+    alloc = CachingAllocator(Device(64 * MiB), "vllm")
+    first = alloc.malloc(30 * MiB)
+    assert alloc.closest_call == 34 * MiB
+    alloc.free(first)
+    alloc.malloc(30 * MiB)  # the cached segment serves it: no risk taken
+    assert alloc.closest_call == 34 * MiB
+    alloc.malloc(29 * MiB)  # a 30 MiB segment of the 34 MiB left
+    assert alloc.closest_call == 4 * MiB
+    with pytest.raises(CudaOutOfMemory):
+        alloc.malloc(30 * MiB)  # a failure is an out-of-memory, not a call
+    assert alloc.closest_call == 4 * MiB
+    alloc.watch_closest_call()
+    assert alloc.closest_call is None
