@@ -2,12 +2,13 @@
 benchmark's seeded traffic: for an intermittent failure (an out-of-memory seen once in many runs)
 and for before/after comparisons of one arm without the full table.
 
-Each run prints one JSON line: OOM crashes, completed requests, goodput, TTFT p50/p99, refusals
-by reason, TTFT p99 and refusals by the kind of request (who forms the tail) and the simulator's
-own out-of-memory messages (whose reserved-but-unallocated bytes
-tell fragmentation from over-admission) with, for each, the step, the tensor and the allocator's
-segments it failed with (`oom_details`), and the run's closest call: the fewest MiB of device
-memory any step's new segment left free (`closest_call_mib`). The traffic is what `python -m bench` plays for the
+Each run prints one JSON line: OOM crashes, completed and failed requests (failures by reason:
+an HTTP status, a timeout at a stage, a broken stream), goodput, TTFT p50/p99, refusals by
+reason, TTFT p99 and refusals by the kind of request (who forms the tail), the simulator's own
+out-of-memory messages (whose reserved-but-unallocated bytes tell fragmentation from
+over-admission) with, for each, the step, the tensor and the allocator's segments it failed with
+(`oom_details`), and the run's closest call: the fewest MiB of device memory any step's new
+segment left free (`closest_call_mib`). The traffic is what `python -m bench` plays for the
 scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here is one of the
 table's runs.
 
@@ -53,6 +54,7 @@ def outcome(r: safety.ArmResult) -> dict[str, Any]:
         "oom": r.oom_crashes,
         "completed": r.completed,
         "failed": r.failed,
+        "failed_by_reason": r.failed_by_reason,
         "abandoned": r.abandoned,
         "goodput_tok_s": r.goodput_tokens_per_s,
         "ttft_p50_s": r.ttft_p50_s,
