@@ -7,8 +7,8 @@ an HTTP status, a timeout at a stage, a broken stream), goodput, TTFT p50/p99, r
 reason, TTFT p99 and refusals by the kind of request (who forms the tail), the simulator's own
 out-of-memory messages (whose reserved-but-unallocated bytes tell fragmentation from
 over-admission) with, for each, the step, the tensor and the allocator's segments it failed with
-(`oom_details`), and the run's closest call: the fewest MiB of device memory any step's new
-segment left free (`closest_call_mib`). The traffic is what `python -m bench` plays for the
+(`oom_details`), and the run's closest call: the least margin of any step's allocation, the
+MiB it could have grown by and still found room (`closest_call_mib`). The traffic is what `python -m bench` plays for the
 scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here is one of the
 table's runs.
 
@@ -49,7 +49,7 @@ def arm_and_cap(text: str) -> tuple[str, int | None]:
 def outcome(r: safety.ArmResult) -> dict[str, Any]:
     """What one JSON line says of a run: OOMs, completions, goodput, TTFT, refusals, the
     simulator's out-of-memory messages and their records (kvgate/sim/oom_record.py), and the
-    fewest MiB of device memory a new segment of a step left free (how close it came to one)."""
+    least margin of a step's allocation in MiB (how close it came to one)."""
     return {
         "oom": r.oom_crashes,
         "completed": r.completed,

@@ -338,8 +338,9 @@ class Engine:
         m.kv_usage.set(self.kv.pool.usage())
 
     def closest_call(self) -> int | None:
-        """The fewest device bytes any step's new segment left free, over every life of the engine
-        (None: no step needed one): the margin a run kept from an out-of-memory."""
+        """The least margin any step's allocation had, over every life of the engine (None: no
+        step allocated): how many bytes more would have run the closest one out of memory
+        (kvgate/sim/gpu.py `CachingAllocator._margin`; negative when one did)."""
         seen = [self._closest_call_before, self.alloc.closest_call if self.ready else None]
         known = [n for n in seen if n is not None]
         return min(known) if known else None

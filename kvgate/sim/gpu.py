@@ -118,9 +118,8 @@ class CachingAllocator:
         self.segments: list[Segment] = []
         self.non_torch = 0
         self.peak_allocated = 0
-        # The fewest device bytes a new segment has left free (None: none made since the last
-        # `watch_closest_call`): how close this process came to an out-of-memory. A request a
-        # cached block serves risks nothing; one that needs a segment fails when it cannot fit.
+        # The least margin any allocation had since the last `watch_closest_call` (None: none
+        # made): how close this process came to an out-of-memory (`_margin`).
         self.closest_call: int | None = None
         self._sync_device()
 
@@ -165,6 +164,8 @@ class CachingAllocator:
         """Allocate a tensor of `nbytes`; raises CudaOutOfMemory as PyTorch would."""
         size = max(_MIN_BLOCK, -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK)
         pool = pool or ("small" if size <= _SMALL_SIZE else "large")
+        margin = self._margin(size, pool)
+        self.closest_call = margin if self.closest_call is None else min(self.closest_call, margin)
         block = self._best_fit(size, pool)
         if block is None:
             seg_size = self._segment_size(size, pool)
@@ -238,11 +239,19 @@ class CachingAllocator:
         """Count the closest call from now on (the engine's steps, not its start-up profile)."""
         self.closest_call = None
 
+    def _margin(self, size: int, pool: str) -> int:
+        """How many more bytes a request of `size` could have asked and still succeeded (negative:
+        it fails): the larger of what the pool's largest cached free block and a new segment
+        (what the device has free, with every fully free segment given back as the retry after
+        `release_cached_blocks` has it) leave over. Device free bytes alone say little: the cache
+        grows until it holds almost all of them, and a step served from it risks nothing."""
+        releasable = sum(s.size for s in self.segments if s.fully_free())
+        fresh = self.device.free() + releasable - self._segment_size(size, pool)
+        cached = (b.size - size for s in self.segments if s.pool == pool for b in s.blocks if not b.allocated)
+        return max([fresh, *cached])
+
     def _cuda_malloc(self, nbytes: int) -> bool:
-        left = self.device.free() - nbytes
-        if left >= 0:
-            self.closest_call = left if self.closest_call is None else min(self.closest_call, left)
-        return left >= 0
+        return nbytes <= self.device.free()
 
     def _oom_message(self, nbytes: int) -> str:
         dev = self.device

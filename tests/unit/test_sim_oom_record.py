@@ -42,17 +42,19 @@ def test_a_tape_that_runs_out_names_its_tensor_and_the_allocators_segments() -> 
     assert unallocated == pytest.approx((state["reserved"] - state["allocated"]) / MiB, abs=0.01)
 
 
-def test_the_closest_call_is_the_fewest_bytes_a_new_segment_left_free() -> None:
+def test_the_closest_call_is_the_least_room_an_allocation_left() -> None:
     alloc = CachingAllocator(Device(64 * MiB), "vllm")
-    first = alloc.malloc(30 * MiB)
+    first = alloc.malloc(30 * MiB)  # a new 30 MiB segment of 64 MiB free
     assert alloc.closest_call == 34 * MiB
+    alloc.malloc(20 * MiB)  # 34 MiB free: 14 MiB to spare
+    assert alloc.closest_call == 14 * MiB
     alloc.free(first)
-    alloc.malloc(30 * MiB)  # the cached segment serves it: no risk taken
-    assert alloc.closest_call == 34 * MiB
-    alloc.malloc(29 * MiB)  # a 30 MiB segment of the 34 MiB left
+    # 14 MiB free on the device, the 30 MiB segment cached and free: given back on a retry, it
+    # makes 44 MiB, so a 40 MiB tensor had 4 MiB to spare
+    alloc.malloc(40 * MiB)
     assert alloc.closest_call == 4 * MiB
     with pytest.raises(CudaOutOfMemory):
-        alloc.malloc(30 * MiB)  # a failure is an out-of-memory, not a call
-    assert alloc.closest_call == 4 * MiB
+        alloc.malloc(6 * MiB)  # a 20 MiB segment of the 4 MiB left
+    assert alloc.closest_call == 4 * MiB - 20 * MiB
     alloc.watch_closest_call()
     assert alloc.closest_call is None
