@@ -221,6 +221,7 @@ class Engine:
             await asyncio.sleep(0.001)
             return
         shape = self.shape(out)
+        cache_before = self.alloc.snapshot()  # the splits this step meets, for a replay of an OOM
         phase = "sampling_metadata"
         try:
             self.carry.start_step([s.request for s in out.scheduled])
@@ -233,7 +234,7 @@ class Engine:
                 for block in run_tape(self.alloc, self.draft_steps.plan(startup.draft_shape(shape))):
                     self.alloc.free(block)
         except CudaOutOfMemory as exc:
-            self.oom_details.append(oom_record(exc, phase, out, shape))
+            self.oom_details.append(oom_record(exc, phase, out, shape, cache_before))
             self.die(exc)
             return
         context = sum(s.num_context for s in out.scheduled)

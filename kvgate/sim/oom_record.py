@@ -8,8 +8,8 @@ what the step asked of the GPU (every scheduled request: prompt, computed and ne
 whether it samples, the sampling parameters that decide the sampler's copies), which part of the
 step failed (`phase`: the carried-over sampling metadata, the encoder, the forward pass or the
 drafter), the tensor and its size, the step's tensors alive then, and the allocator's segments
-(kvgate/sim/gpu.py `CachingAllocator.snapshot`), so the step can be replayed on the allocator as
-tests/unit/test_any_cache*.py do.
+(kvgate/sim/gpu.py `CachingAllocator.snapshot`) at the failure and as the step began, so the
+step can be replayed on the allocator as tests/unit/test_any_cache*.py do.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ from kvgate.sim.scheduler import SchedulerOutput
 from kvgate.sim.step_memory import StepShape
 
 
-def oom_record(exc: CudaOutOfMemory, phase: str, out: SchedulerOutput, shape: StepShape) -> dict[str, Any]:
-    """The structured record of one out-of-memory inside a step (JSON-ready)."""
+def oom_record(
+    exc: CudaOutOfMemory, phase: str, out: SchedulerOutput, shape: StepShape, cache_before: dict[str, Any]
+) -> dict[str, Any]:
+    """The structured record of one out-of-memory inside a step (JSON-ready). `cache_before` is
+    the allocator's snapshot as the step began: giving the live tensors back to the state at the
+    failure merges the blocks they split, so only it replays the step's best fits exactly."""
     return {
         "message": str(exc),
         "phase": phase,
@@ -33,6 +37,7 @@ def oom_record(exc: CudaOutOfMemory, phase: str, out: SchedulerOutput, shape: St
         "live_tensors": dict(exc.live),
         "step": step_record(out, shape),
         "allocator": exc.allocator,
+        "allocator_before_step": cache_before,
     }
 
 

@@ -203,6 +203,8 @@ def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
             dict(zip(step["columns"], r, strict=True)) for r in step["requests"] if r[-1] == {"prompt_logprobs": 1}
         ]
         assert (req["kind"], req["prompt_tokens"], req["new_tokens"], req["samples"]) == ("prefill", 8002, 8002, True)
+        before = record["allocator_before_step"]  # the prompt's logits and their copy came after
+        assert before["allocated"] < record["allocator"]["allocated"] - record["live_tensors"]["pl_logits0"]
         held = record["allocator"]
         assert held["reserved"] == sum(s["size"] for s in held["segments"])
         assert held["allocated"] == sum(b[0] for s in held["segments"] for b in s["blocks"] if b[1])
