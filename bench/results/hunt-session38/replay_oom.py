@@ -1,6 +1,8 @@
-"""Replay one OOM record's step on the simulator's allocator (raw/S9.jsonl, seed 1119 by
-default): the allocator as the record shows it with the step's live tensors given back (the
-cache before the step), then the step's tape as the simulator plays it for S9's engine.
+"""Replay one OOM record's step on the simulator's allocator (raw/S9*.jsonl, seed 1119 by
+default): the allocator as the step began (`allocator_before_step`; a record made before
+d0d2032 lacks it, and the one at the failure with the step's live tensors given back stands in,
+which merges the blocks they split), then the step's tape as the simulator plays it for S9's
+engine.
 
     python bench/results/hunt-session38/replay_oom.py [seed]
 """
@@ -20,11 +22,11 @@ from kvgate.sim.request import Sampling
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
 from kvgate.units import MiB
 
-RAW = Path(__file__).parent / "raw" / "S9.jsonl"
+RAW = Path(__file__).parent / "raw"
 
 
 def record_of(seed: int) -> dict:
-    for text in RAW.read_text().splitlines():
+    for text in (t for path in sorted(RAW.glob("S9*.jsonl")) for t in path.read_text().splitlines()):
         line = json.loads(text)
         if line.get("seed") == seed and line.get("oom_details"):
             return line["oom_details"][0]
@@ -32,8 +34,9 @@ def record_of(seed: int) -> dict:
 
 
 def cache_before(record: dict, total: int) -> CachingAllocator:
-    """The allocator of the record with the step's live tensors freed."""
-    state = record["allocator"]
+    """The allocator as the step began, or the one at the failure with the live tensors freed."""
+    exact = "allocator_before_step" in record
+    state = record["allocator_before_step" if exact else "allocator"]
     device = Device(total)
     alloc = CachingAllocator(device, "vllm")
     for seg in state["segments"]:
@@ -46,7 +49,7 @@ def cache_before(record: dict, total: int) -> CachingAllocator:
     alloc.set_non_torch(state["non_torch"])
     # the device's other bytes (none in S9): what the record saw free
     device.set_usage("others", device.free() - state["device_free"])
-    for name, nbytes in record["live_tensors"].items():
+    for name, nbytes in ({} if exact else record["live_tensors"]).items():
         fits = [
             b
             for s in alloc.segments

@@ -1,7 +1,7 @@
 """The hunt's counts from its JSON lines (raw/*.jsonl, one line a run of `bench.repeat_arm`):
 runs and OOMs per scenario and traffic seed, failures by reason, the closest calls (the least
 margin of a step's allocation, kvgate/sim/gpu.py `CachingAllocator._margin`; only the lines of
-the code that measures it, `"tree": "d36b914"`: before it the field held the device's free bytes
+the code that measures it, `"tree": "d36b914"` or later: before it the field held the device's free bytes
 after a new segment), and the 95 % upper bound on the OOM rate (3/N, the rule of three, when no
 run ran out).
 
@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 RAW = Path(__file__).parent / "raw"
-MARGIN_TREE = "d36b914"
+MARGIN_TREES = ("d36b914", "d0d2032")
 
 
 def runs() -> list[dict]:
@@ -44,7 +44,7 @@ def main() -> None:
         if unknown:
             failed["not recorded"] += unknown
         calls = sorted(
-            r["closest_call_mib"] for r in rows if r.get("tree") == MARGIN_TREE and r["closest_call_mib"] is not None
+            r["closest_call_mib"] for r in rows if r.get("tree") in MARGIN_TREES and r["closest_call_mib"] is not None
         )
         call = f"{calls[0]} / {calls[len(calls) // 2]} ({len(calls)})" if calls else "-"
         oom_runs = sum(r["oom"] > 0 for r in rows)
