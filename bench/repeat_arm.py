@@ -2,10 +2,13 @@
 benchmark's seeded traffic: for an intermittent failure (an out-of-memory seen once in many runs)
 and for before/after comparisons of one arm without the full table.
 
-Each run prints one JSON line: OOM crashes, completed requests, goodput, TTFT p50/p99, refusals
-by reason, TTFT p99 and refusals by the kind of request (who forms the tail) and the simulator's
-own out-of-memory messages (whose reserved-but-unallocated bytes
-tell fragmentation from over-admission). The traffic is what `python -m bench` plays for the
+Each run prints one JSON line: OOM crashes, completed and failed requests (failures by reason:
+an HTTP status, a timeout at a stage, a broken stream), goodput, TTFT p50/p99, refusals by
+reason, TTFT p99 and refusals by the kind of request (who forms the tail), the simulator's own
+out-of-memory messages (whose reserved-but-unallocated bytes tell fragmentation from
+over-admission) with, for each, the step, the tensor and the allocator's segments it failed with
+(`oom_details`), and the run's closest call: the least margin of any step's allocation, the
+MiB it could have grown by and still found room (`closest_call_mib`). The traffic is what `python -m bench` plays for the
 scenario (`random.Random(seed + its index in its list)`, scale 1), so a run here is one of the
 table's runs.
 
@@ -45,11 +48,13 @@ def arm_and_cap(text: str) -> tuple[str, int | None]:
 
 def outcome(r: safety.ArmResult) -> dict[str, Any]:
     """What one JSON line says of a run: OOMs, completions, goodput, TTFT, refusals, the
-    simulator's out-of-memory messages."""
+    simulator's out-of-memory messages and their records (kvgate/sim/oom_record.py), and the
+    least margin of a step's allocation in MiB (how close it came to one)."""
     return {
         "oom": r.oom_crashes,
         "completed": r.completed,
         "failed": r.failed,
+        "failed_by_reason": r.failed_by_reason,
         "abandoned": r.abandoned,
         "goodput_tok_s": r.goodput_tokens_per_s,
         "ttft_p50_s": r.ttft_p50_s,
@@ -58,6 +63,8 @@ def outcome(r: safety.ArmResult) -> dict[str, Any]:
         "ttft_p99_by_label": r.ttft_p99_by_label,
         "rejected_by_label": r.rejected_by_label,
         "oom_messages": r.oom_messages,
+        "oom_details": r.notes.get("oom_details", []),
+        "closest_call_mib": r.notes.get("closest_call_mib"),
     }
 
 

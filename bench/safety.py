@@ -64,6 +64,7 @@ from kvgate.sim.config import SimConfig
 from kvgate.sim.engine import QUEUE_OVERFLOW_MESSAGE, QUEUED_TOKENS_MESSAGE
 from kvgate.sim.presets import gpu_total_bytes, write_model_folder
 from kvgate.sim.runner import SimRunner
+from kvgate.units import MiB
 
 ARMS = ("none", "static-cap", "saturation", "vllm-queue", "kvgate", "oracle")
 # vLLM 0.32.0's admission messages (kvgate/sim/engine.py, from vllm/exceptions.py): a 503 with one
@@ -465,6 +466,10 @@ def run_arm(
         else:
             raise ValueError(arm)
         ooms = list(sim.engine.ooms)
+        if sim.engine.oom_details:  # the first crash's step, tensor and allocator
+            notes["oom_details"] = sim.engine.oom_details[:1]
+        if (closest := sim.engine.closest_call()) is not None:  # the run's margin from an OOM
+            notes["closest_call_mib"] = round(closest / MiB, 1)
         notes["engine_busy_sim_s"] = round(sim.engine.sim_clock, 1)
         notes["engine_restarts"] = sim.engine.restarts
         res = summarise(scn, "static-cap" if arm == "cap" else arm, outs, span, sp, ooms, counts["preemptions"])

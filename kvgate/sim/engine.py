@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvgate.sim import startup
 from kvgate.sim.blocks import BlockPool, KVCacheManager
@@ -23,6 +24,7 @@ from kvgate.sim.config import SimConfig
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device
 from kvgate.sim.metrics import SimMetrics, cache_config_labels
 from kvgate.sim.model import SimModel
+from kvgate.sim.oom_record import oom_record
 from kvgate.sim.request import Request, Status
 from kvgate.sim.scheduler import Scheduler, SchedulerOutput
 from kvgate.sim.step_memory import ReqSlice, StepShape, run_tape
@@ -59,6 +61,9 @@ class Engine:
         self.restart_at: float | None = None
         self.restarts = 0
         self.ooms: list[str] = []
+        # beside each message, what the step asked and where the allocator stood (kvgate/sim/oom_record.py)
+        self.oom_details: list[dict[str, Any]] = []
+        self._closest_call_before: int | None = None  # over the lives before this one
         self.log_lines: list[str] = []
         self.cotenant_override: dict[str, int] = {}
         self._wake = asyncio.Event()
@@ -123,6 +128,7 @@ class Engine:
             ),
         )
         self.carry = CrossStepTensors(self.alloc)
+        self.alloc.watch_closest_call()
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()
         self.boot_wall_time = time.time()
@@ -214,15 +220,21 @@ class Engine:
         if not out.scheduled:
             await asyncio.sleep(0.001)
             return
+        shape = self.shape(out)
+        cache_before = self.alloc.snapshot()  # the splits this step meets, for a replay of an OOM
+        phase = "sampling_metadata"
         try:
             self.carry.start_step([s.request for s in out.scheduled])
+            phase = "encoder"
             self._encode(out)
-            shape = self.shape(out)
+            phase = "forward"
             self.carry.keep_outputs(run_tape(self.alloc, self.steps.plan(shape), self.carry.held))
+            phase = "draft"
             if self.draft_steps:  # its proposals go straight to the next step's input ids
                 for block in run_tape(self.alloc, self.draft_steps.plan(startup.draft_shape(shape))):
                     self.alloc.free(block)
         except CudaOutOfMemory as exc:
+            self.oom_details.append(oom_record(exc, phase, out, shape, cache_before))
             self.die(exc)
             return
         context = sum(s.num_context for s in out.scheduled)
@@ -326,9 +338,18 @@ class Engine:
         m.waiting.set(len(s.waiting))
         m.kv_usage.set(self.kv.pool.usage())
 
+    def closest_call(self) -> int | None:
+        """The least margin any step's allocation had, over every life of the engine (None: no
+        step allocated): how many bytes more would have run the closest one out of memory
+        (kvgate/sim/gpu.py `CachingAllocator._margin`; negative when one did)."""
+        seen = [self._closest_call_before, self.alloc.closest_call if self.ready else None]
+        known = [n for n in seen if n is not None]
+        return min(known) if known else None
+
     # ----- death ------------------------------------------------------------------------------
     def die(self, exc: CudaOutOfMemory) -> None:
         """CUDA OOM inside a step: fail everything, free the process's memory, plan a restart."""
+        self._closest_call_before = self.closest_call()
         msg = f"torch.OutOfMemoryError: {exc}"
         self.ooms.append(msg)
         self._log(logging.ERROR, "EngineCore encountered a fatal error.")

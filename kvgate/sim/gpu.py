@@ -28,6 +28,7 @@ the model gives each tensor its own page-rounded mapping and returns it on free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgate.units import GiB, KiB, MiB
 
@@ -52,11 +53,19 @@ def format_size(n: int) -> str:
 
 
 class CudaOutOfMemory(RuntimeError):
-    """torch.OutOfMemoryError: the message is PyTorch's, the numbers the simulated device's."""
+    """torch.OutOfMemoryError: the message is PyTorch's, the numbers the simulated device's.
 
-    def __init__(self, message: str, requested: int) -> None:
+    Beside the message it carries what a rare crash needs to be diagnosed after the fact (the
+    message alone cannot tell fragmentation from an under-counted tensor): the allocator's
+    segments when the request failed (`CachingAllocator.snapshot`) and, once `run_tape` has
+    seen it, the tape's tensor that asked and the step's tensors alive beside it."""
+
+    def __init__(self, message: str, requested: int, allocator: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.requested = requested
+        self.allocator = allocator or {}
+        self.tensor = ""
+        self.live: dict[str, int] = {}
 
 
 class Device:
@@ -109,6 +118,9 @@ class CachingAllocator:
         self.segments: list[Segment] = []
         self.non_torch = 0
         self.peak_allocated = 0
+        # The least margin any allocation had since the last `watch_closest_call` (None: none
+        # made): how close this process came to an out-of-memory (`_margin`).
+        self.closest_call: int | None = None
         self._sync_device()
 
     # ----- accounting -------------------------------------------------------------------------
@@ -126,6 +138,21 @@ class CachingAllocator:
         self.non_torch = nbytes
         self._sync_device()
 
+    def snapshot(self) -> dict[str, Any]:
+        """The allocator's state in numbers, as `torch.cuda.memory_snapshot()` lists it: every
+        segment (pool, size, its blocks in address order as [size, allocated]), reserved and
+        allocated bytes, non-torch bytes and what the device has free."""
+        return {
+            "reserved": self.reserved(),
+            "allocated": self.allocated(),
+            "non_torch": self.non_torch,
+            "device_free": self.device.free(),
+            "segments": [
+                {"pool": s.pool, "size": s.size, "blocks": [[b.size, b.allocated] for b in s.blocks]}
+                for s in self.segments
+            ],
+        }
+
     def reset_peak(self) -> None:
         self.peak_allocated = self.allocated()
 
@@ -137,13 +164,15 @@ class CachingAllocator:
         """Allocate a tensor of `nbytes`; raises CudaOutOfMemory as PyTorch would."""
         size = max(_MIN_BLOCK, -(-nbytes // _MIN_BLOCK) * _MIN_BLOCK)
         pool = pool or ("small" if size <= _SMALL_SIZE else "large")
+        margin = self._margin(size, pool)
+        self.closest_call = margin if self.closest_call is None else min(self.closest_call, margin)
         block = self._best_fit(size, pool)
         if block is None:
             seg_size = self._segment_size(size, pool)
             if not self._cuda_malloc(seg_size):
                 self.empty_cache()
                 if not self._cuda_malloc(seg_size):
-                    raise CudaOutOfMemory(self._oom_message(nbytes), nbytes)
+                    raise CudaOutOfMemory(self._oom_message(nbytes), nbytes, self.snapshot())
             seg = Segment(seg_size, pool)
             block = Block(seg, 0, seg_size)
             seg.blocks.append(block)
@@ -205,6 +234,21 @@ class CachingAllocator:
         if size < _MIN_LARGE_ALLOC:
             return _LARGE_BUFFER
         return -(-size // _ROUND_LARGE) * _ROUND_LARGE
+
+    def watch_closest_call(self) -> None:
+        """Count the closest call from now on (the engine's steps, not its start-up profile)."""
+        self.closest_call = None
+
+    def _margin(self, size: int, pool: str) -> int:
+        """How many more bytes a request of `size` could have asked and still succeeded (negative:
+        it fails): the larger of what the pool's largest cached free block and a new segment
+        (what the device has free, with every fully free segment given back as the retry after
+        `release_cached_blocks` has it) leave over. Device free bytes alone say little: the cache
+        grows until it holds almost all of them, and a step served from it risks nothing."""
+        releasable = sum(s.size for s in self.segments if s.fully_free())
+        fresh = self.device.free() + releasable - self._segment_size(size, pool)
+        cached = (b.size - size for s in self.segments if s.pool == pool for b in s.blocks if not b.allocated)
+        return max([fresh, *cached])
 
     def _cuda_malloc(self, nbytes: int) -> bool:
         return nbytes <= self.device.free()

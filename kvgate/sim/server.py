@@ -183,6 +183,8 @@ def create_sim_app(config: SimConfig) -> FastAPI:
             "error": engine.error,
             "restarts": engine.restarts,
             "ooms": engine.ooms,
+            "oom_details": engine.oom_details,
+            "closest_call_bytes": engine.closest_call(),
             "log": engine.log_lines[-50:],
             "startup": None if rep is None else {k: v for k, v in vars(rep).items() if k != "log"},
         }

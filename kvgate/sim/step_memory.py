@@ -69,7 +69,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.sim.gpu import Block, CachingAllocator
+from kvgate.sim.gpu import Block, CachingAllocator, CudaOutOfMemory
 
 FUSED_MOE_CHUNK = 32768
 # The SM count the Triton top-k/top-p kernel sizes its buffer with: an H100 SXM's, the GPU the
@@ -176,6 +176,11 @@ class StepShape:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_new_tokens for r in self.reqs)
+
+    @property
+    def sampled_rows(self) -> int:
+        """The sampler's logits rows: one per sampling request, one more per draft it verifies."""
+        return sum(1 + r.draft_tokens for r in self.reqs if r.samples)
 
 
 Tape = list[tuple[str, str, int]]  # ("alloc" | "free", name, bytes)
@@ -416,7 +421,7 @@ class StepMemory:
     def _sampler(self, t: _Tape, shape: StepShape) -> None:
         d, dt = self.d, self.d.dtype_bytes
         rows = [r for r in shape.reqs if r.samples]
-        b, v = sum(1 + r.draft_tokens for r in rows), d.vocab
+        b, v = shape.sampled_rows, d.vocab
         if not b:
             return
         bv = b * v
@@ -631,30 +636,42 @@ def run_tape(alloc: CachingAllocator, tape: Tape, held: dict[str, list[Block]] |
     the blocks held under `<key>` with this step's into one new block of `nbytes` (V2's
     `LogprobsTensors.cat`) and then lets them all go.
     Raises CudaOutOfMemory from the allocator, leaving the live blocks allocated, as a dying
-    process does.
+    process does, with the tensor that asked (`tensor`) and the step's tensors alive then (`live`).
     """
     live: dict[str, Block] = {}
     held = {} if held is None else held
     for op, name, nbytes in tape:
-        if op == "alloc":
-            made = alloc.malloc(nbytes)
-            if name.startswith("held:"):
-                held.setdefault(name.rsplit(":", 1)[0], []).append(made)
-            else:
-                live[name] = made
-        elif op == "free":
-            block = live.pop(name, None)
-            if block is not None:
-                alloc.free(block)
-        elif op == "rename" and name in live:
-            live["hidden"] = live.pop(name)
-        elif op == "merge" and name in held:
-            merged = alloc.malloc(nbytes)
-            for kept in held.pop(name):
-                alloc.free(kept)
-            alloc.free(merged)  # handed to the output processor, copied to the host
+        try:
+            _play(alloc, op, name, nbytes, live, held)
+        except CudaOutOfMemory as exc:
+            exc.tensor = name
+            exc.live = {n: b.requested for n, b in live.items()}
+            raise
     retained = [b for n, b in live.items() if n.startswith("retained:")]
     for n, b in list(live.items()):
         if not n.startswith("retained:"):
             alloc.free(b)
     return retained
+
+
+def _play(
+    alloc: CachingAllocator, op: str, name: str, nbytes: int, live: dict[str, Block], held: dict[str, list[Block]]
+) -> None:
+    """One op of a tape (`run_tape`)."""
+    if op == "alloc":
+        made = alloc.malloc(nbytes)
+        if name.startswith("held:"):
+            held.setdefault(name.rsplit(":", 1)[0], []).append(made)
+        else:
+            live[name] = made
+    elif op == "free":
+        block = live.pop(name, None)
+        if block is not None:
+            alloc.free(block)
+    elif op == "rename" and name in live:
+        live["hidden"] = live.pop(name)
+    elif op == "merge" and name in held:
+        merged = alloc.malloc(nbytes)
+        for kept in held.pop(name):
+            alloc.free(kept)
+        alloc.free(merged)  # handed to the output processor, copied to the host

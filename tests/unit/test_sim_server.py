@@ -190,7 +190,24 @@ def test_oom_kills_every_request_then_the_engine_restarts_empty() -> None:
         assert r.status_code == 500
         assert "EngineCore encountered an issue" in r.json()["error"]["message"]
         assert c.get("/health").status_code == 503
-        assert "CUDA out of memory" in c.get("/sim/state").json()["ooms"][0]
+        state = c.get("/sim/state").json()
+        assert "CUDA out of memory" in state["ooms"][0]
+        # its record: the fp32 copy of the prompt's logits ran out, in the prefill of 8,002 tokens
+        record = state["oom_details"][0]
+        assert record["message"] == state["ooms"][0].removeprefix("torch.OutOfMemoryError: ")
+        assert (record["phase"], record["tensor"]) == ("forward", "pl_upcast0")
+        assert record["requested_bytes"] == 8002 * 128256 * 4
+        assert record["live_tensors"]["pl_logits0"] == 8002 * 128256 * 2
+        step = record["step"]
+        (req,) = [
+            dict(zip(step["columns"], r, strict=True)) for r in step["requests"] if r[-1] == {"prompt_logprobs": 1}
+        ]
+        assert (req["kind"], req["prompt_tokens"], req["new_tokens"], req["samples"]) == ("prefill", 8002, 8002, True)
+        before = record["allocator_before_step"]  # the prompt's logits and their copy came after
+        assert before["allocated"] < record["allocator"]["allocated"] - record["live_tensors"]["pl_logits0"]
+        held = record["allocator"]
+        assert held["reserved"] == sum(s["size"] for s in held["segments"])
+        assert held["allocated"] == sum(b[0] for s in held["segments"] for b in s["blocks"] if b[1])
         wait_for(lambda: c.get("/health").status_code == 200, timeout_s=5, what="the engine to restart")
         text = c.get("/metrics").text
         assert 'vllm:request_success_total{engine="0",finished_reason="length",' in text
