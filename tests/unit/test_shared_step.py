@@ -307,7 +307,8 @@ def test_a_headroom_read_starts_its_level_before_any_request_asks() -> None:
     budget, predictor = s1_budget(592 * MiB)
     shared = SharedForward(DEEPSEEK, predictor.engine, False)
     budget.update(shared_forward=shared)
-    assert not shared._known and shared._worker is not None
+    assert not shared._known
+    assert shared._worker is not None
     budget.update(transient_headroom_bytes=600 * MiB)
     shared._worker.submit(lambda: None).result(timeout=60)  # the one worker has finished the level
     assert list(shared._known) == [level_capacity(600 * MiB)]
