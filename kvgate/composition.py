@@ -420,6 +420,7 @@ class Runtime:
         for replay in (
             limits.shared_forward,
             limits.any_cache_forward,
+            limits.any_cache_sampler,
             limits.lone_request,
             limits.penalty_step,
         ):  # worked out off the loop: wakes the queue

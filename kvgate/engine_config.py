@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvgate.memory.activation import (
     AnyCacheForward,
+    AnyCacheSampler,
     EngineShape,
     LoneForward,
     LoneRequest,
@@ -109,6 +110,7 @@ class StaticLimits:
     lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
     shared_forward: SharedForward | None = None  # activation.py: a served MLA step after the others' steps
     any_cache_forward: AnyCacheForward | None = None  # activation.py: a served step from any cache
+    any_cache_sampler: AnyCacheSampler | None = None  # activation.py: its sampler phase too
     lone_request: LoneRequest | None = None  # activation.py: a request alone from the idle engine's cache
     penalty_step: V1PenaltyStep | None = None  # activation.py: a V1 penalty step in the held region
 
@@ -674,6 +676,7 @@ def static_limits(
         sampler_phase_overhead=SamplerPhaseOverhead(predictor.layout.geometry, predictor.engine, expandable_segments),
         lone_forward=LoneForward(predictor.layout.geometry, predictor.engine, expandable_segments),
         any_cache_forward=AnyCacheForward(predictor.layout.geometry, predictor.engine, expandable_segments),
+        any_cache_sampler=AnyCacheSampler(predictor.layout.geometry, predictor.engine, expandable_segments),
         lone_request=LoneRequest(predictor.layout.geometry, predictor.engine, expandable_segments),
         shared_forward=SharedForward(predictor.layout.geometry, predictor.engine, expandable_segments)
         if predictor.step_bound is not None

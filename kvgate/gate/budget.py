@@ -56,6 +56,20 @@ class StepLevel(Protocol):
         ...
 
 
+class SamplerLevel(Protocol):
+    """Whether a served step of `tokens` tokens sampling `rows` rows (its logits copied to fp32
+    where it `copies` them) runs, forward pass and sampler phase, in `capacity` whatever the
+    caching allocator holds cached after steps that sampled at most `seen` rows
+    (kvgate/memory/activation.py AnyCacheSampler); no while that is still being worked out."""
+
+    def __call__(self, tokens: int, rows: int, copies: bool, capacity: int, seen: int) -> bool: ...
+
+    def prepare(self, capacity: int) -> None:
+        """Start working out the level that answers for every step at `capacity`, if no level is
+        known or under way."""
+        ...
+
+
 class LoneRequestLevel(Protocol):
     """Whether a request of `prompt_tokens` alone runs its prefill's forward passes in `capacity`
     from every cache of `cached` bytes (kvgate/memory/activation.py LoneRequest); no while that is
@@ -152,6 +166,10 @@ class Budget:
     # of a few free segments (kvgate/memory/activation.py AnyCacheForward); None: not judged. Asked
     # of a step beside other requests, whose steps leave the cache (`any_cache_step_fits`).
     any_cache_forward: StepLevel | None = None
+    # (step tokens, sampled rows, copies, capacity, rows seen) -> whether the step with its sampler
+    # phase runs in that capacity from any such cache (kvgate/memory/activation.py
+    # AnyCacheSampler); None: not judged.
+    any_cache_sampler: SamplerLevel | None = None
     # (prompt tokens, capacity, cached bytes) -> whether a request alone runs its prefill's forward
     # passes in that capacity from every cache of the cached bytes (kvgate/memory/activation.py
     # LoneRequest); None: not judged.
@@ -204,8 +222,10 @@ class Budget:
             return
         if self.shared_forward is not None:
             self.shared_forward.prepare(capacity)
-        elif self.any_cache_forward is not None and self.forward_bytes_per_token:
-            self.any_cache_forward.prepare(capacity)
+        elif self.forward_bytes_per_token:
+            for level in (self.any_cache_forward, self.any_cache_sampler):
+                if level is not None:
+                    level.prepare(capacity)
 
     def set_backend(self, status: Status, why: str | None = None) -> bool:
         """The backend's status, seen again or changed; on a change (True) the gate re-checks its queue."""
@@ -405,7 +425,14 @@ class Budget:
         stranded more (held-out H7). Where the profile region comes out of free memory only
         (`profiled_cap_bytes` above 0), as `lone_step_fits`; an MLA deployment's served steps
         are judged by their own replay (`shared_step_fits`). Not scaled in conservative mode, as
-        `lone_step_fits`."""
+        `lone_step_fits`. Then the whole step, its sampler phase after its forward pass, from the
+        same caches (`any_cache_sampler`, kvgate/memory/activation.py `any_cache_sampled_rows`):
+        the charge's sampler overhead is a replay after one earlier step, and the fp32 copies of
+        several earlier steps left caches it under-counts (benchmark S9)."""
+        return all(self._any_cache_verdicts(step, rows_seen))
+
+    def _any_cache_verdicts(self, step: StepHoldings, rows_seen: int) -> tuple[bool, bool]:
+        """`any_cache_step_fits`' two verdicts: the forward pass's, and the whole step's."""
         capacity = self.transient_headroom_bytes
         if (
             self.any_cache_forward is None
@@ -414,9 +441,12 @@ class Budget:
             or not self.forward_bytes_per_token
             or capacity is None
         ):
-            return True
-        tokens = self._forward_tokens(step)
-        return tokens <= 0 or self.any_cache_forward(tokens, capacity, max(rows_seen, step.segment_rows))
+            return True, True
+        tokens, seen = self._forward_tokens(step), max(rows_seen, step.segment_rows)
+        forward = tokens <= 0 or self.any_cache_forward(tokens, capacity, seen)
+        sampler = self.any_cache_sampler
+        whole = sampler is None or sampler(tokens, step.sampled_rows, step.copies_logits, capacity, seen)
+        return forward, whole
 
     def _forward_tokens(self, step: StepHoldings) -> int:
         """The tokens of `step`'s forward pass, at most max_num_batched_tokens (the profile's)."""
@@ -430,12 +460,20 @@ class Budget:
         lets a step sample more rows than any step of this engine life, enough to leave a larger
         segment cached for the next steps' (`StepLevel.more_caches`). Not where it does neither (the step
         no larger because max_num_batched_tokens caps it, and vLLM runs the capped step whoever
-        asks in), which holding it back would not make safer."""
-        if holdings.in_flight == 0 or self.any_cache_step_fits(step, holdings.peak_segment_rows):
+        asks in), which holding it back would not make safer. A step whose sampler phase does not
+        run from every cache (`_any_cache_verdicts`' second) grows with its sampled rows too, and
+        with a first row whose logits are copied to fp32."""
+        if holdings.in_flight == 0:
             return False
-        levels, peak = self.any_cache_forward, holdings.peak_segment_rows
-        more_rows = levels is not None and levels.more_caches(step.segment_rows, peak)
-        return more_rows or self._forward_tokens(step) > self._forward_tokens(holdings.step())
+        forward, whole = self._any_cache_verdicts(step, holdings.peak_segment_rows)
+        if forward and whole:
+            return False
+        levels, peak, now = self.any_cache_forward, holdings.peak_segment_rows, holdings.step()
+        if levels is not None and levels.more_caches(step.segment_rows, peak):
+            return True
+        more_tokens = self._forward_tokens(step) > self._forward_tokens(now)
+        more_sampled = step.sampled_rows > now.sampled_rows or (step.copies_logits and not now.copies_logits)
+        return (not forward and more_tokens) or (not whole and (more_tokens or more_sampled))
 
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their

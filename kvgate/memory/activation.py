@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -1909,14 +1910,66 @@ def sampler_phase_tape(geometry: ModelGeometry, engine: EngineShape, rows: int, 
     return [*tape, *free("logits", "sample_hidden")]
 
 
+def sampled_step_tape(
+    geometry: ModelGeometry, engine: EngineShape, tokens: int, rows: int, copies: bool, served: bool = True
+) -> list[TapeOp]:
+    """A whole step: its forward pass of `tokens` tokens (`profile_forward_tape`), its final hidden
+    states kept through its sampler phase of `rows` rows (`sampler_phase_tape`), then dropped."""
+    forward = profile_forward_tape(geometry, engine, tokens, served=served)
+    return [*forward[:-1], *sampler_phase_tape(geometry, engine, rows, copies), forward[-1]]
+
+
 @lru_cache(maxsize=4096)
 def _earlier_sampled_step(
     geometry: ModelGeometry, engine: EngineShape, tokens: int, rows: int, copies: bool
 ) -> PlayedStep:
     """An earlier step's forward pass of `tokens` tokens and sampler phase of `rows` rows, played
     from an empty cache (`sampler_phase_overhead_bytes`' joined histories, shared by its grid points)."""
-    forward = profile_forward_tape(geometry, engine, tokens)
-    return PlayedStep([*forward[:-1], *sampler_phase_tape(geometry, engine, rows, copies), forward[-1]])
+    return PlayedStep(sampled_step_tape(geometry, engine, tokens, rows, copies, served=False))
+
+
+def any_cache_sampled_rows(
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    expandable_segments: bool,
+    capacity: int,
+    tokens: int,
+    copies: bool,
+    sizes: Sequence[int],
+) -> int:
+    """The most rows a step of `tokens` tokens may sample (its logits copied to fp32 where it
+    `copies` them) and still run, forward pass and sampler phase (`sampled_step_tape`), in
+    `capacity` bytes from every cache of up to three free segments of `sizes`
+    (kvgate/memory/allocator.py `fits_from_any_cache`); 0 where not even one row does, and -1
+    where the forward pass alone does not (`any_cache_forward_level` judges such a step).
+
+    `any_cache_forward_level` bounds the forward pass over every history; the sampler phase was
+    charged after one earlier step only (`sampler_phase_overhead_bytes`), and benchmark S9 (V2,
+    Llama-3.1-8B, 5 n-gram drafts, 304 MiB of headroom) ran the simulator out of memory in 6 of 410
+    runs on caches that several earlier steps' fp32 copies left: a ladder of copy segments
+    (growing batches each make one), into which the step's own small tensors and its bf16
+    logits go by best fit, pinning them, while its fp32 copy needs a new segment. Seed 1363: free
+    segments of 54, 118 and 130 MiB and 2 MiB free; 270 rows of 45 sequences; `hidden` and
+    `sample_hidden` split the 54, the logits (66 MiB) the 118, and the copy (132.1 MiB) came up
+    1.8 MiB short once the 130 was released (bench/results/hunt-session38,
+    tests/unit/test_any_cache_sampler.py). Three segments bound it: at the copy three of the
+    step's tensors are live (the final hidden states, the sampled rows' hidden states, the
+    logits), each pinning at most one segment, and a fourth free one is released before the
+    copy's cudaMalloc is retried (seed 1254's four free segments: the 46 MiB one was). Found by
+    bisection over the rows (a larger step is never safer: the test checks the grid)."""
+    most = sampler_cost(geometry, engine).max_sampled_rows
+
+    def runs(rows: int) -> bool:
+        step = sampled_step_tape(geometry, engine, tokens, rows, copies)
+        return fits_from_any_cache(step, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
+
+    if runs(most):
+        return most
+    low, high = -1, most - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if runs(middle) else (low, middle - 1)
+    return low
 
 
 @lru_cache(maxsize=4096)
@@ -1972,6 +2025,67 @@ def sampler_phase_overhead_bytes(
         need = max(need, worst_need_beyond_earlier(phase, joined))
     hidden = tokens * geometry.hidden_size * geometry.dtype_bytes
     return max(0, need - footprint(phase, expandable_segments).allocated_peak - hidden)
+
+
+class AnyCacheSampler(DeploymentReplay[tuple[int, int, int, bool], int]):
+    """`any_cache_sampled_rows` of one deployment, for the budget: whether a step of `tokens`
+    tokens sampling `rows` rows runs in `capacity` whatever the steps so far, none sampling more
+    than `seen` rows, can have left cached. Keyed as `AnyCacheForward` (the headroom rounded down
+    to 8 MiB, the rows seen as the sizes they leave), with the step's tokens rounded up to 64ths of
+    max_num_batched_tokens and whether it copies its logits. A level (about 11 replays, 0.5 s of
+    CPU at S9's 304 MiB) is worked out on a worker thread, and only where no level known already
+    answers yes: one for no more headroom, no fewer sizes, no fewer tokens, copying where this
+    step copies (a step that copies nothing plays a prefix of the tape of one that does). Until
+    it is known the answer is no; the gate is told when it is known."""
+
+    thread_name = "kvgate-any-cache-sampler"
+
+    def __call__(self, tokens: int, rows: int, copies: bool, capacity: int, seen: int) -> bool:
+        """Yes too where the forward pass alone does not run from every cache (level -1): the
+        forward level judges that step, and vLLM runs a step capped at max_num_batched_tokens
+        whoever joins it (`Budget.any_cache_step_fits`)."""
+        if rows <= 0:
+            return True
+        key = self._key(tokens, copies, capacity, seen)
+        floor = self._floor(key)
+        if floor is not None and rows <= floor:
+            return True
+        level = self._lookup(key)
+        return level is not None and (level < 0 or rows <= level)
+
+    def prepare(self, capacity: int) -> None:
+        """Start working out the level that answers for every step at `capacity` (the budget's
+        headroom, just read) while no step sampled more than one row each: a full step that
+        copies, where no level is known or under way yet (`OffLoopMemo.untouched`)."""
+        if self.untouched:
+            self._lookup(self._key(self.engine.max_num_batched_tokens, True, capacity, 1))
+
+    def _key(self, tokens: int, copies: bool, capacity: int, seen: int) -> tuple[int, int, int, bool]:
+        full = self.engine.max_num_batched_tokens
+        steps = min(ANY_CACHE_TOKEN_STEPS, -(-max(1, tokens) * ANY_CACHE_TOKEN_STEPS // full))
+        count = cached_sizes_count(self.geometry, self.engine, seen)
+        return capacity // CAPACITY_STEP * CAPACITY_STEP, count, steps, copies
+
+    def _floor(self, key: tuple[int, int, int, bool]) -> int | None:
+        """The most rows a level known for no more headroom, no fewer sizes and tokens, copying
+        where this step copies, lets run."""
+        capacity, count, steps, copies = key
+        return max(
+            (
+                level
+                for (below, more, larger, copied), level in list(self._known.items())
+                if below <= capacity and more >= count and larger >= steps and copied >= copies
+            ),
+            default=None,
+        )
+
+    def _work_out(self, key: tuple[int, int, int, bool]) -> int:
+        capacity, count, steps, copies = key
+        tokens = max(1, self.engine.max_num_batched_tokens * steps // ANY_CACHE_TOKEN_STEPS)
+        sizes = cached_segment_sizes(self.geometry, self.engine)[:count]
+        return any_cache_sampled_rows(
+            self.geometry, self.engine, self.expandable_segments, capacity, tokens, copies, sizes
+        )
 
 
 def _fewer_rows_copied(geometry: ModelGeometry, rows: int, row_step: int) -> list[int]:

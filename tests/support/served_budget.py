@@ -9,7 +9,7 @@ from kvgate.cli import build_parser
 from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.gate.budget import Budget
-from kvgate.memory.activation import AnyCacheForward
+from kvgate.memory.activation import AnyCacheForward, AnyCacheSampler
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.predict import Predictor
 from kvgate.settings import settings_from_args
@@ -41,5 +41,6 @@ def served_v2_budget(geometry: ModelGeometry, flags: list[str], headroom: int) -
         profiled_cap_bytes=predictor.profiled_peak_bytes,
         held_region_bytes=predictor.profiled_peak_bytes,
         any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
+        any_cache_sampler=AnyCacheSampler(geometry, predictor.engine, False, background=False),
     )
     return budget, predictor

@@ -30,6 +30,7 @@ from kvgate.gate.ledger import Ledger
 from kvgate.gate.observer import Observers
 from kvgate.memory.activation import (
     AnyCacheForward,
+    AnyCacheSampler,
     EngineShape,
     LoneRequest,
     cached_segment_sizes,
@@ -125,6 +126,7 @@ def live_budget(
         max_transient_headroom_bytes=headroom,
         profiled_cap_bytes=predictor.profiled_peak_bytes,
         any_cache_forward=AnyCacheForward(geometry, predictor.engine, False, background=False),
+        any_cache_sampler=AnyCacheSampler(geometry, predictor.engine, False, background=False),
         lone_request=LoneRequest(geometry, predictor.engine, False, background=False),
     )
     budget.update(**limits)
