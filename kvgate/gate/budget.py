@@ -64,6 +64,10 @@ class SamplerLevel(Protocol):
 
     def __call__(self, tokens: int, rows: int, copies: bool, capacity: int, seen: int) -> bool: ...
 
+    def runs(self, tokens: int, rows: int, copies: bool, capacity: int, seen: int) -> bool:
+        """As a call, but no where the forward pass alone does not run from every cache."""
+        ...
+
     def prepare(self, capacity: int) -> None:
         """Start working out the level that answers for every step at `capacity`, if no level is
         known or under way."""
@@ -431,16 +435,32 @@ class Budget:
         several earlier steps left caches it under-counts (benchmark S9)."""
         return all(self._any_cache_verdicts(step, rows_seen))
 
+    def whole_step_runs(self, step: StepHoldings, rows_seen: int) -> bool:
+        """Whether `step`, its sampler phase after its forward pass, is known to run in the live
+        headroom from every cache steps sampling at most `rows_seen` rows can leave
+        (kvgate/memory/activation.py `AnyCacheSampler.runs`): not where its forward pass alone
+        does not, nor while the level is being worked out."""
+        capacity = self.transient_headroom_bytes
+        sampler = self.any_cache_sampler
+        if sampler is None or not self._any_cache_judges() or capacity is None or step.sampled_rows <= 0:
+            return False
+        seen = max(rows_seen, step.segment_rows)
+        return sampler.runs(self._forward_tokens(step), step.sampled_rows, step.copies_logits, capacity, seen)
+
+    def _any_cache_judges(self) -> bool:
+        """Whether the any-cache levels judge this deployment's steps beside others: the profile
+        region out of free memory only, not on MLA deployments (their served steps' replay)."""
+        return (
+            self.any_cache_forward is not None
+            and self.shared_forward is None
+            and bool(self.profiled_cap_bytes)
+            and bool(self.forward_bytes_per_token)
+        )
+
     def _any_cache_verdicts(self, step: StepHoldings, rows_seen: int) -> tuple[bool, bool]:
         """`any_cache_step_fits`' two verdicts: the forward pass's, and the whole step's."""
         capacity = self.transient_headroom_bytes
-        if (
-            self.any_cache_forward is None
-            or self.shared_forward is not None
-            or not self.profiled_cap_bytes
-            or not self.forward_bytes_per_token
-            or capacity is None
-        ):
+        if self.any_cache_forward is None or not self._any_cache_judges() or capacity is None:
             return True, True
         tokens, seen = self._forward_tokens(step), max(rows_seen, step.segment_rows)
         forward = tokens <= 0 or self.any_cache_forward(tokens, capacity, seen)
@@ -479,12 +499,17 @@ class Budget:
         """What the in-flight requests hold of the transient limit: the larger phase of their
         worst step (kvgate/memory/ceiling.py step_charge), as `shortfall` charges it beside others."""
         step = holdings.step()
-        return self._step_charge(step, True, self.shared_step_fits(step))
+        return self._step_charge(
+            step, True, self.shared_step_fits(step), self.whole_step_runs(step, holdings.peak_segment_rows)
+        )
 
-    def _step_charge(self, step: StepHoldings, beside_others: bool, forward_fits: bool = False) -> int:
+    def _step_charge(
+        self, step: StepHoldings, beside_others: bool, forward_fits: bool = False, sampler_runs: bool = False
+    ) -> int:
         """Alone on an idle engine a request's steps run largest first (see `ceiling`): no
         segment overhead then. `forward_fits`: beside others, the forward pass is known to run
-        in the headroom at its allocated bytes (`shared_step_fits`).
+        in the headroom at its allocated bytes (`shared_step_fits`); `sampler_runs`: beside others,
+        the whole step runs from every cache (`whole_step_runs`).
 
         A V1 step with a penalty row (its bin counts and two prompt-id copies in
         `step.penalty_bytes`) where the engine holds the profile region (`profiled_cap_bytes` 0,
@@ -492,16 +517,16 @@ class Budget:
         region's cached blocks wherever the replay of the step after earlier ones
         (`penalty_step`) finds room there, so the step is charged the rest and what the replay
         needs beyond the region, when that is less."""
-        charge = self._phases_charge(step, beside_others, forward_fits)
+        charge = self._phases_charge(step, beside_others, forward_fits, sampler_runs)
         if self.penalty_step is None or not step.penalty_bytes or self.profiled_cap_bytes != 0:
             return charge
         excess = self.penalty_step(step.sampled_rows, step.penalty_prompt)
         if excess is None:
             return charge
         lean = replace(step, sampler_unprofiled=step.sampler_unprofiled - step.penalty_bytes, penalty_bytes=0)
-        return min(charge, self._phases_charge(lean, beside_others, forward_fits) + excess)
+        return min(charge, self._phases_charge(lean, beside_others, forward_fits, sampler_runs) + excess)
 
-    def _phases_charge(self, step: StepHoldings, beside_others: bool, forward_fits: bool) -> int:
+    def _phases_charge(self, step: StepHoldings, beside_others: bool, forward_fits: bool, sampler_runs: bool) -> int:
         """`step_charge` with the budget's limits."""
         return step_charge(
             step,
@@ -513,6 +538,7 @@ class Budget:
             self.sampler_phase_overhead,
             self.sampler_overhead_scale,
             0.0 if forward_fits else None,
+            sampler_runs,
         )
 
     def shortfall(self, demand: Demand, holdings: Holdings) -> str | None:
@@ -536,7 +562,12 @@ class Budget:
         if self._grows_past_any_cache(step, holdings):
             return TRANSIENT_BUSY
         beside_others = holdings.in_flight > 0 or not (self.lone_step_fits(step) or self.lone_request_fits(demand))
-        charge = self._step_charge(step, beside_others, beside_others and self.shared_step_fits(step))
+        charge = self._step_charge(
+            step,
+            beside_others,
+            beside_others and self.shared_step_fits(step),
+            beside_others and self.whole_step_runs(step, holdings.peak_segment_rows),
+        )
         # the held region counts whole only for the profiled bytes this step charges: the rest of
         # the charge is kvgate's prediction, and has the margin
         transient_limit = self.transient_limit(min(self.held_region_bytes, step.profiled_charge(charge)))

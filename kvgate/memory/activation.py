@@ -2046,12 +2046,22 @@ class AnyCacheSampler(DeploymentReplay[tuple[int, int, int, bool], int]):
         whoever joins it (`Budget.any_cache_step_fits`)."""
         if rows <= 0:
             return True
+        level = self._level(tokens, rows, copies, capacity, seen)
+        return level is not None and (level < 0 or rows <= level)
+
+    def runs(self, tokens: int, rows: int, copies: bool, capacity: int, seen: int) -> bool:
+        """Whether the step is known to run from every cache: as a call, but no where the forward
+        pass alone does not (level -1) or while the level is worked out."""
+        level = self._level(tokens, rows, copies, capacity, seen)
+        return level is not None and 0 <= rows <= level
+
+    def _level(self, tokens: int, rows: int, copies: bool, capacity: int, seen: int) -> int | None:
+        """A level known to let `rows` run (a floor), else the step's own, None while unknown."""
         key = self._key(tokens, copies, capacity, seen)
         floor = self._floor(key)
         if floor is not None and rows <= floor:
-            return True
-        level = self._lookup(key)
-        return level is not None and (level < 0 or rows <= level)
+            return floor
+        return self._lookup(key)
 
     def prepare(self, capacity: int) -> None:
         """Start working out the level that answers for every step at `capacity` (the budget's

@@ -111,6 +111,7 @@ def step_charge(
     sampler_overhead: Callable[[int, int, bool], int] | None = None,
     sampler_overhead_scale: float = 1.0,
     forward_overhead: float | None = None,
+    sampler_runs: bool = False,
 ) -> int:
     """What the worst step charges against the headroom: its unprofiled prefill terms and the
     larger of its two phases (`StepHoldings`). The forward phase is the open prefills' profiled
@@ -143,7 +144,10 @@ def step_charge(
 
     `forward_overhead`, where given, is the forward phase's share instead of `segment_overhead`
     (0 where the served steps' replay says the step runs in the headroom whatever ran before it:
-    kvgate/gate/budget.py `Budget.shared_step_fits`).
+    kvgate/gate/budget.py `Budget.shared_step_fits`). `sampler_runs`: the whole step, its sampler
+    phase after its forward pass, runs in the headroom from every cache the other requests' steps
+    can leave (kvgate/gate/budget.py `Budget.whole_step_runs`), which bounds every history where
+    the replay after one earlier step samples one: the sampler phase is charged no overhead.
 
     With `profiled_cap` None (a headroom from flags, beside the profile region) only the
     unprofiled bytes count, as `transient_charge` does."""
@@ -154,8 +158,8 @@ def step_charge(
     phase = residual + step.sampler_profiled
     sampler = min(profiled_cap, phase)
     forward += math.ceil(forward * (segment_overhead if forward_overhead is None else forward_overhead))
-    share = math.ceil(sampler * segment_overhead)
-    if sampler_overhead is not None and segment_overhead and forward_bytes_per_token and sampler:
+    share = 0 if sampler_runs else math.ceil(sampler * segment_overhead)
+    if sampler_overhead is not None and segment_overhead and forward_bytes_per_token and sampler and not sampler_runs:
         tokens = math.ceil(step.forward_profiled / forward_bytes_per_token) + step.sampled_rows
         replayed = sampler_overhead(step.sampled_rows, tokens, step.copies_logits)
         replayed = math.ceil(replayed * sampler_overhead_scale)

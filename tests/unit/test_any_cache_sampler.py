@@ -128,11 +128,11 @@ def test_kvgate_keeps_out_both_recorded_steps_and_runs_what_it_admits_from_their
 
 @pytest.mark.parametrize("tokens", [256, 1024, 1536])
 def test_every_row_count_up_to_the_level_runs_from_every_cache_and_the_next_does_not(tokens: int) -> None:
-    """The bisection's premise, on every 6th row (a sequence's 1 + 5 rows) around the level."""
+    """The bisection's premise, on every 24th row (four sequences of 1 + 5 rows) up to the level."""
     sizes = cached_segment_sizes(LLAMA_8B, S9_ENGINE)
     level = any_cache_sampled_rows(LLAMA_8B, S9_ENGINE, False, HEADROOM, tokens, True, sizes)
     assert 0 < level < 300
-    for rows in [*range(6, level + 1, 6), level, level + 1]:
+    for rows in [*range(24, level + 1, 24), level, level + 1]:
         step = sampled_step_tape(LLAMA_8B, S9_ENGINE, tokens, rows, True)
         assert fits_from_any_cache(step, HEADROOM, sizes, ANY_CACHE_SEGMENTS) == (rows <= level)
 

@@ -174,6 +174,8 @@ def test_prompt_classes_are_few_and_never_below_the_prompt() -> None:
 
 
 class _Held:
+    peak_segment_rows = 0
+
     def __init__(self, step: StepHoldings) -> None:
         self._step = step
 
