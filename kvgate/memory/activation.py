@@ -1610,6 +1610,32 @@ class DeploymentReplay(OffLoopMemo[Key, Value]):
         self.expandable_segments = expandable_segments
 
 
+class LevelReplay(DeploymentReplay[Key, int]):
+    """A `DeploymentReplay` of levels a level known for another key may answer for (a level
+    known for less headroom answers for more): `_covers` says which; `_floor` is the highest such
+    level, asked on every admission beside others, so it is kept per key until another level is
+    known (the memo's keys only grow)."""
+
+    def __init__(
+        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
+    ) -> None:
+        super().__init__(geometry, engine, expandable_segments, background)
+        self._floors: dict[Key, tuple[int, int | None]] = {}
+
+    def _floor(self, key: Key) -> int | None:
+        """The highest level known for a key that `_covers` `key`."""
+        known = len(self._known)
+        kept = self._floors.get(key)
+        if kept is not None and kept[0] == known:
+            return kept[1]
+        floor = max((level for other, level in list(self._known.items()) if self._covers(other, key)), default=None)
+        self._floors[key] = (known, floor)
+        return floor
+
+    def _covers(self, known: Key, key: Key) -> bool:
+        raise NotImplementedError
+
+
 class SharedForward(DeploymentReplay[int, int]):
     """`shared_forward_level` of one MLA deployment, for the budget: whether a step whose forward
     pass holds `forward_bytes` runs in `capacity` after the steps of the requests beside it.
@@ -1746,7 +1772,7 @@ def _level_from(
     return full * low // ANY_CACHE_TOKEN_STEPS
 
 
-class AnyCacheForward(DeploymentReplay[tuple[int, int], int]):
+class AnyCacheForward(LevelReplay[tuple[int, int]]):
     """`any_cache_forward_level` of one deployment, for the budget: whether a step of `tokens`
     runs in `capacity` whatever the steps so far, none sampling more than `rows` rows, can have
     left cached. A level costs 0.1-1.5 s of CPU, so each one (the headroom rounded down to a
@@ -1778,12 +1804,9 @@ class AnyCacheForward(DeploymentReplay[tuple[int, int], int]):
     def _key(self, capacity: int, rows: int) -> tuple[int, int]:
         return capacity // CAPACITY_STEP * CAPACITY_STEP, cached_sizes_count(self.geometry, self.engine, rows)
 
-    def _floor(self, key: tuple[int, int]) -> int | None:
-        """The highest level known for no more headroom and no fewer sizes than `key`'s."""
-        return max(
-            (level for (below, more), level in list(self._known.items()) if below <= key[0] and more >= key[1]),
-            default=None,
-        )
+    def _covers(self, known: tuple[int, int], key: tuple[int, int]) -> bool:
+        """A level known for no more headroom and no fewer sizes than `key`'s."""
+        return known[0] <= key[0] and known[1] >= key[1]
 
     def more_caches(self, rows: int, than: int) -> bool:
         """Whether steps sampling `rows` rows can leave larger segments than steps of `than`."""
@@ -2027,16 +2050,25 @@ def sampler_phase_overhead_bytes(
     return max(0, need - footprint(phase, expandable_segments).allocated_peak - hidden)
 
 
-class AnyCacheSampler(DeploymentReplay[tuple[int, int, int, bool], int]):
+# The whole step's levels are on 8ths of max_num_batched_tokens: its sampler phase's tensors are
+# sized by the rows, and each eighth costs a bisection (0.4 - 1.9 s of CPU).
+SAMPLER_LEVEL_TOKEN_STEPS = 8
+
+
+class AnyCacheSampler(LevelReplay[tuple[int, int, int, bool]]):
     """`any_cache_sampled_rows` of one deployment, for the budget: whether a step of `tokens`
     tokens sampling `rows` rows runs in `capacity` whatever the steps so far, none sampling more
     than `seen` rows, can have left cached. Keyed as `AnyCacheForward` (the headroom rounded down
-    to 8 MiB, the rows seen as the sizes they leave), with the step's tokens rounded up to 64ths of
-    max_num_batched_tokens and whether it copies its logits. A level (about 11 replays, 0.5 s of
-    CPU at S9's 304 MiB) is worked out on a worker thread, and only where no level known already
-    answers yes: one for no more headroom, no fewer sizes, no fewer tokens, copying where this
-    step copies (a step that copies nothing plays a prefix of the tape of one that does). Until
-    it is known the answer is no; the gate is told when it is known."""
+    to 8 MiB, the rows seen as the sizes they leave), with the step's tokens rounded up to 8ths of
+    max_num_batched_tokens and whether it copies its logits. The level of an eighth is the least of
+    the bisections of it and every smaller eighth (the bisection is not monotone in the tokens:
+    on held-out H1's engine 344 rows at 2,048 tokens, 377 at 3,072), so a level known for more
+    tokens answers for fewer; one level's work (0.4 - 1.9 s of CPU an eighth) fills the smaller
+    eighths' too, on a worker thread, and only where no level known already answers yes: one for
+    no more headroom, no fewer sizes, no fewer tokens, copying where this step copies (a step that
+    copies nothing plays a prefix of the tape of one that does). Until it is known the answer is
+    no; the gate is told when it is known. Each eighth asked in turn made held-out H8b's requests
+    wait ~20 s at its start (64ths, one at a time)."""
 
     thread_name = "kvgate-any-cache-sampler"
 
@@ -2064,38 +2096,44 @@ class AnyCacheSampler(DeploymentReplay[tuple[int, int, int, bool], int]):
         return self._lookup(key)
 
     def prepare(self, capacity: int) -> None:
-        """Start working out the level that answers for every step at `capacity` (the budget's
-        headroom, just read) while no step sampled more than one row each: a full step that
-        copies, where no level is known or under way yet (`OffLoopMemo.untouched`)."""
+        """Start working out the levels of every eighth at `capacity` (the budget's headroom, just
+        read) while no step sampled more than one row each, for steps that copy, where no level is
+        known or under way yet (`OffLoopMemo.untouched`)."""
         if self.untouched:
             self._lookup(self._key(self.engine.max_num_batched_tokens, True, capacity, 1))
 
     def _key(self, tokens: int, copies: bool, capacity: int, seen: int) -> tuple[int, int, int, bool]:
         full = self.engine.max_num_batched_tokens
-        steps = min(ANY_CACHE_TOKEN_STEPS, -(-max(1, tokens) * ANY_CACHE_TOKEN_STEPS // full))
+        steps = min(SAMPLER_LEVEL_TOKEN_STEPS, -(-max(1, tokens) * SAMPLER_LEVEL_TOKEN_STEPS // full))
         count = cached_sizes_count(self.geometry, self.engine, seen)
         return capacity // CAPACITY_STEP * CAPACITY_STEP, count, steps, copies
 
-    def _floor(self, key: tuple[int, int, int, bool]) -> int | None:
-        """The most rows a level known for no more headroom, no fewer sizes and tokens, copying
-        where this step copies, lets run."""
+    def _covers(self, known: tuple[int, int, int, bool], key: tuple[int, int, int, bool]) -> bool:
+        """A level known for no more headroom, no fewer sizes and tokens, copying where `key`'s
+        step copies."""
+        below, more, larger, copied = known
         capacity, count, steps, copies = key
-        return max(
-            (
-                level
-                for (below, more, larger, copied), level in list(self._known.items())
-                if below <= capacity and more >= count and larger >= steps and copied >= copies
-            ),
-            default=None,
-        )
+        return below <= capacity and more >= count and larger >= steps and copied >= copies
 
     def _work_out(self, key: tuple[int, int, int, bool]) -> int:
+        """The level of `key`'s eighth: -1 where its forward pass alone does not run (the forward
+        level judges), else the least bisection of it and the smaller eighths whose forward pass
+        runs; the smaller eighths' levels are stored on the way (one dict store each)."""
         capacity, count, steps, copies = key
-        tokens = max(1, self.engine.max_num_batched_tokens * steps // ANY_CACHE_TOKEN_STEPS)
         sizes = cached_segment_sizes(self.geometry, self.engine)[:count]
-        return any_cache_sampled_rows(
-            self.geometry, self.engine, self.expandable_segments, capacity, tokens, copies, sizes
-        )
+        least: int | None = None
+        level = -1
+        for eighth in range(1, steps + 1):
+            tokens = max(1, self.engine.max_num_batched_tokens * eighth // SAMPLER_LEVEL_TOKEN_STEPS)
+            rows = any_cache_sampled_rows(
+                self.geometry, self.engine, self.expandable_segments, capacity, tokens, copies, sizes
+            )
+            if rows >= 0:
+                least = rows if least is None else min(least, rows)
+            level = -1 if rows < 0 or least is None else least
+            if eighth < steps:
+                self._known.setdefault((capacity, count, eighth, copies), level)
+        return level
 
 
 def _fewer_rows_copied(geometry: ModelGeometry, rows: int, row_step: int) -> list[int]:

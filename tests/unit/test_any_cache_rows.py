@@ -28,6 +28,7 @@ from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import (
     ANY_CACHE_SEGMENTS,
     AnyCacheForward,
+    AnyCacheSampler,
     EngineShape,
     any_cache_forward_level,
     cached_segment_sizes,
@@ -248,6 +249,9 @@ def test_a_headroom_read_starts_its_step_level_before_any_request_asks() -> None
         held_region_bytes=predictor.profiled_peak_bytes,
     )
     assert known.wait(120)
+    sampler = budget.any_cache_sampler  # the whole step's level, for a full step that copies
+    assert isinstance(sampler, AnyCacheSampler)
+    assert {*sampler._known, *sampler._pending} == {sampler._key(2048, True, HEADROOM, 1)}
     one_row = levels._key(HEADROOM, 1)
     assert levels._known[one_row] == any_cache_forward_level(LLAMA_8B, predictor.engine, False, one_row[0], 1)
     budget.update(transient_headroom_bytes=HEADROOM - 64 * MiB)
