@@ -176,8 +176,6 @@ def test_a_level_is_the_least_of_its_eighth_and_the_smaller_ones_which_one_work_
     sizes = cached_segment_sizes(LLAMA_8B, S9_ENGINE)
     assert levels(2048, 100, True, HEADROOM, 1536)  # worked out in the caller's thread
     eighths = [levels._known[(HEADROOM, len(sizes), k, True)] for k in range(1, 9)]
-    bisected = [
-        any_cache_sampled_rows(LLAMA_8B, S9_ENGINE, False, HEADROOM, 256 * k, True, sizes) for k in range(1, 9)
-    ]
+    bisected = [any_cache_sampled_rows(LLAMA_8B, S9_ENGINE, False, HEADROOM, 256 * k, True, sizes) for k in range(1, 9)]
     assert eighths[-1] == bisected[-1] == -1
     assert eighths[:-1] == [min(bisected[:k]) for k in range(1, 8)]
