@@ -2050,25 +2050,20 @@ def sampler_phase_overhead_bytes(
     return max(0, need - footprint(phase, expandable_segments).allocated_peak - hidden)
 
 
-# The whole step's levels are on 8ths of max_num_batched_tokens: its sampler phase's tensors are
-# sized by the rows, and each eighth costs a bisection (0.4 - 1.9 s of CPU).
-SAMPLER_LEVEL_TOKEN_STEPS = 8
-
-
 class AnyCacheSampler(LevelReplay[tuple[int, int, int, bool]]):
     """`any_cache_sampled_rows` of one deployment, for the budget: whether a step of `tokens`
     tokens sampling `rows` rows runs in `capacity` whatever the steps so far, none sampling more
     than `seen` rows, can have left cached. Keyed as `AnyCacheForward` (the headroom rounded down
-    to 8 MiB, the rows seen as the sizes they leave), with the step's tokens rounded up to 8ths of
-    max_num_batched_tokens and whether it copies its logits. The level of an eighth is the least of
-    the bisections of it and every smaller eighth (the bisection is not monotone in the tokens:
-    on held-out H1's engine 344 rows at 2,048 tokens, 377 at 3,072), so a level known for more
-    tokens answers for fewer; one level's work (0.4 - 1.9 s of CPU an eighth) fills the smaller
-    eighths' too, on a worker thread, and only where no level known already answers yes: one for
-    no more headroom, no fewer sizes, no fewer tokens, copying where this step copies (a step that
-    copies nothing plays a prefix of the tape of one that does). Until it is known the answer is
-    no; the gate is told when it is known. Each eighth asked in turn made held-out H8b's requests
-    wait ~20 s at its start (64ths, one at a time)."""
+    to 8 MiB, the rows seen as the sizes they leave), with the step's tokens rounded up to 64ths of
+    max_num_batched_tokens and whether it copies its logits. A level (about 11 replays, 0.5 s of
+    CPU at S9's 304 MiB) is worked out on a worker thread, and only where no level known already
+    answers yes: one for no more headroom, no fewer sizes, no fewer tokens, copying where this
+    step copies (a step that copies nothing plays a prefix of the tape of one that does). Until
+    it is known the answer is no; the gate is told when it is known. The bisection is not
+    monotone in the tokens (held-out H1's engine at 617 MiB: 364, 355, 344 and 377 copied rows at
+    256, 1,024, 2,048 and 3,072 tokens), so a level known for more tokens may answer a few rows
+    above a smaller step's own; the least over the smaller 64ths, or 8ths, cost S9 12 % of its
+    goodput in 4 pairs (up to eight bisections a level on the worker thread, beside the loop)."""
 
     thread_name = "kvgate-any-cache-sampler"
 
@@ -2096,15 +2091,15 @@ class AnyCacheSampler(LevelReplay[tuple[int, int, int, bool]]):
         return self._lookup(key)
 
     def prepare(self, capacity: int) -> None:
-        """Start working out the levels of every eighth at `capacity` (the budget's headroom, just
-        read) while no step sampled more than one row each, for steps that copy, where no level is
-        known or under way yet (`OffLoopMemo.untouched`)."""
+        """Start working out the level that answers for every step at `capacity` (the budget's
+        headroom, just read) while no step sampled more than one row each: a full step that
+        copies, where no level is known or under way yet (`OffLoopMemo.untouched`)."""
         if self.untouched:
             self._lookup(self._key(self.engine.max_num_batched_tokens, True, capacity, 1))
 
     def _key(self, tokens: int, copies: bool, capacity: int, seen: int) -> tuple[int, int, int, bool]:
         full = self.engine.max_num_batched_tokens
-        steps = min(SAMPLER_LEVEL_TOKEN_STEPS, -(-max(1, tokens) * SAMPLER_LEVEL_TOKEN_STEPS // full))
+        steps = min(ANY_CACHE_TOKEN_STEPS, -(-max(1, tokens) * ANY_CACHE_TOKEN_STEPS // full))
         count = cached_sizes_count(self.geometry, self.engine, seen)
         return capacity // CAPACITY_STEP * CAPACITY_STEP, count, steps, copies
 
@@ -2116,24 +2111,26 @@ class AnyCacheSampler(LevelReplay[tuple[int, int, int, bool]]):
         return below <= capacity and more >= count and larger >= steps and copied >= copies
 
     def _work_out(self, key: tuple[int, int, int, bool]) -> int:
-        """The level of `key`'s eighth: -1 where its forward pass alone does not run (the forward
-        level judges), else the least bisection of it and the smaller eighths whose forward pass
-        runs; the smaller eighths' levels are stored on the way (one dict store each)."""
+        """The level of `key`; where it is -1 (the forward pass alone does not run), the level of
+        the largest 64th whose forward pass runs is stored too (one dict store), which answers for
+        the smaller ones: held-out H8b's requests waited ~20 s at its start for a level per 64th
+        after the first reading's full step said -1."""
         capacity, count, steps, copies = key
         sizes = cached_segment_sizes(self.geometry, self.engine)[:count]
-        least: int | None = None
-        level = -1
-        for eighth in range(1, steps + 1):
-            tokens = max(1, self.engine.max_num_batched_tokens * eighth // SAMPLER_LEVEL_TOKEN_STEPS)
-            rows = any_cache_sampled_rows(
-                self.geometry, self.engine, self.expandable_segments, capacity, tokens, copies, sizes
-            )
-            if rows >= 0:
-                least = rows if least is None else min(least, rows)
-            level = -1 if rows < 0 or least is None else least
-            if eighth < steps:
-                self._known.setdefault((capacity, count, eighth, copies), level)
+        level = self._rows(capacity, steps, copies, sizes)
+        if level < 0:
+            full = self.engine.max_num_batched_tokens
+            forward = _level_from(self.geometry, self.engine, self.expandable_segments, capacity, sizes)
+            runs = forward * ANY_CACHE_TOKEN_STEPS // full
+            if 0 < runs < steps:
+                self._known.setdefault((capacity, count, runs, copies), self._rows(capacity, runs, copies, sizes))
         return level
+
+    def _rows(self, capacity: int, steps: int, copies: bool, sizes: Sequence[int]) -> int:
+        tokens = max(1, self.engine.max_num_batched_tokens * steps // ANY_CACHE_TOKEN_STEPS)
+        return any_cache_sampled_rows(
+            self.geometry, self.engine, self.expandable_segments, capacity, tokens, copies, sizes
+        )
 
 
 def _fewer_rows_copied(geometry: ModelGeometry, rows: int, row_step: int) -> list[int]:

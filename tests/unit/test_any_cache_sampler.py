@@ -30,9 +30,10 @@ from kvgate.gate.budget import TRANSIENT_BUSY, Budget
 from kvgate.gate.ledger import Ledger
 from kvgate.memory.activation import (
     ANY_CACHE_SEGMENTS,
-    SAMPLER_LEVEL_TOKEN_STEPS,
+    ANY_CACHE_TOKEN_STEPS,
     AnyCacheSampler,
     EngineShape,
+    any_cache_forward_level,
     any_cache_sampled_rows,
     cached_segment_sizes,
     sampled_step_tape,
@@ -162,20 +163,24 @@ def test_a_level_known_for_a_larger_step_answers_without_a_replay() -> None:
     assert not levels._pending
     assert not levels(300, 151, True, HEADROOM, 96)
     own = levels._key(300, True, HEADROOM, 96)
-    assert own[2] == -(-300 * SAMPLER_LEVEL_TOKEN_STEPS // 2048) == 2
+    assert own[2] == -(-300 * ANY_CACHE_TOKEN_STEPS // 2048)
     assert own in levels._pending
     assert not levels(300, 151, True, HEADROOM - 8 * MiB, 1536)  # less headroom: no floor
     assert len(levels._pending) == 2
 
 
-def test_a_level_is_the_least_of_its_eighth_and_the_smaller_ones_which_one_work_fills() -> None:
-    """The bisection is not monotone in the tokens (on held-out H1's engine 344 rows at 2,048
-    tokens, 377 at 3,072): a level known for more tokens answers for fewer only if it is the least
-    of them. Where the forward pass alone does not run (S9's full step with every size) -1."""
+def test_where_the_full_step_says_minus_one_the_largest_step_whose_forward_pass_runs_answers_below_it() -> None:
+    """S9's full step with every size: -1 (the forward level judges it); the level of the largest
+    64th whose forward pass runs from every cache is worked out with it and answers the smaller
+    steps at once (held-out H8b: before, each smaller 64th waited for its own level)."""
     levels = AnyCacheSampler(LLAMA_8B, S9_ENGINE, False, background=False)
     sizes = cached_segment_sizes(LLAMA_8B, S9_ENGINE)
-    assert levels(2048, 100, True, HEADROOM, 1536)  # worked out in the caller's thread
-    eighths = [levels._known[(HEADROOM, len(sizes), k, True)] for k in range(1, 9)]
-    bisected = [any_cache_sampled_rows(LLAMA_8B, S9_ENGINE, False, HEADROOM, 256 * k, True, sizes) for k in range(1, 9)]
-    assert eighths[-1] == bisected[-1] == -1
-    assert eighths[:-1] == [min(bisected[:k]) for k in range(1, 8)]
+    assert levels(2048, 100, True, HEADROOM, 1536)
+    forward = any_cache_forward_level(LLAMA_8B, S9_ENGINE, False, HEADROOM)
+    below = levels._key(forward, True, HEADROOM, 1536)
+    assert below[2] == forward * ANY_CACHE_TOKEN_STEPS // 2048
+    rows = levels._known[below]
+    assert rows == any_cache_sampled_rows(LLAMA_8B, S9_ENGINE, False, HEADROOM, forward, True, sizes) > 100
+    levels._worker = object()  # type: ignore[assignment]  # nothing may be worked out now
+    assert levels(512, rows, True, HEADROOM, 1536)
+    assert not levels._pending
