@@ -1635,6 +1635,11 @@ class LevelReplay(DeploymentReplay[Key, int]):
     def _covers(self, known: Key, key: Key) -> bool:
         raise NotImplementedError
 
+    def _headroom_and_sizes(self, capacity: int, rows: int) -> tuple[int, int]:
+        """The key's first two parts: the headroom rounded down to `CAPACITY_STEP`, and how many
+        cached sizes steps sampling at most `rows` rows leave (`cached_sizes_count`)."""
+        return capacity // CAPACITY_STEP * CAPACITY_STEP, cached_sizes_count(self.geometry, self.engine, rows)
+
 
 class SharedForward(DeploymentReplay[int, int]):
     """`shared_forward_level` of one MLA deployment, for the budget: whether a step whose forward
@@ -1802,7 +1807,7 @@ class AnyCacheForward(LevelReplay[tuple[int, int]]):
             self._lookup(self._key(capacity, 1))
 
     def _key(self, capacity: int, rows: int) -> tuple[int, int]:
-        return capacity // CAPACITY_STEP * CAPACITY_STEP, cached_sizes_count(self.geometry, self.engine, rows)
+        return self._headroom_and_sizes(capacity, rows)
 
     def _covers(self, known: tuple[int, int], key: tuple[int, int]) -> bool:
         """A level known for no more headroom and no fewer sizes than `key`'s."""
@@ -2062,8 +2067,9 @@ class AnyCacheSampler(LevelReplay[tuple[int, int, int, bool]]):
     it is known the answer is no; the gate is told when it is known. The bisection is not
     monotone in the tokens (held-out H1's engine at 617 MiB: 364, 355, 344 and 377 copied rows at
     256, 1,024, 2,048 and 3,072 tokens), so a level known for more tokens may answer a few rows
-    above a smaller step's own; the least over the smaller 64ths, or 8ths, cost S9 12 % of its
-    goodput in 4 pairs (up to eight bisections a level on the worker thread, beside the loop)."""
+    above a smaller step's own; taking the least over the smaller steps (tried on 8ths) cost S9
+    12 % of its goodput in 4 pairs (up to eight bisections a level on the worker thread, beside
+    the loop)."""
 
     thread_name = "kvgate-any-cache-sampler"
 
@@ -2100,8 +2106,7 @@ class AnyCacheSampler(LevelReplay[tuple[int, int, int, bool]]):
     def _key(self, tokens: int, copies: bool, capacity: int, seen: int) -> tuple[int, int, int, bool]:
         full = self.engine.max_num_batched_tokens
         steps = min(ANY_CACHE_TOKEN_STEPS, -(-max(1, tokens) * ANY_CACHE_TOKEN_STEPS // full))
-        count = cached_sizes_count(self.geometry, self.engine, seen)
-        return capacity // CAPACITY_STEP * CAPACITY_STEP, count, steps, copies
+        return *self._headroom_and_sizes(capacity, seen), steps, copies
 
     def _covers(self, known: tuple[int, int, int, bool], key: tuple[int, int, int, bool]) -> bool:
         """A level known for no more headroom, no fewer sizes and tokens, copying where `key`'s
