@@ -205,7 +205,8 @@ http {{
 
 
 def nginx_binary() -> str | None:
-    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+    """nginx on PATH (Debian installs it in an sbin directory: add that to PATH), else None."""
+    return shutil.which("nginx")
 
 
 # ----- measurements -----------------------------------------------------------------------------------

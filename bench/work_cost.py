@@ -15,12 +15,14 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from demo.replay import WORDS
+from kvgate.preparation_workers import status_bytes
 from kvgate.units import MiB
 from kvgate.work_budget import body_values, preparation_cost
 
@@ -107,11 +109,18 @@ def hostile_bodies(model: str = "m") -> dict[str, tuple[str, bytes]]:
     }
 
 
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
+def vm_bytes(field: str) -> int:
+    """This process's `field` of its status (VmRSS, VmHWM), in bytes (Linux's procfs)."""
+    found = status_bytes(os.getpid(), field.encode() + b":")
+    if found is None:
+        raise RuntimeError(field)
+    return found
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's peak resident memory (VmHWM) to what is resident now (Linux >= 4.0;
+    procfs, not a disk: the write resets a counter in the kernel and never blocks)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def _measure(model_dir: str, route: str, raw: bytes, out: Any) -> None:
@@ -123,17 +132,16 @@ def _measure(model_dir: str, route: str, raw: bytes, out: Any) -> None:
     from kvgate.work_budget import charging
 
     tokenizer = local_tokenizer(model_dir)
-    # Each stage's peak must be its own: VmHWM reset to what is resident now (Linux >= 4.0).
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _vm("VmRSS")
+    # Each stage's peak must be its own: VmHWM reset to what is resident now.
+    reset_peak_rss()
+    base = vm_bytes("VmRSS")
     stages: dict[str, int] = {}
 
     async def charged(cost: int) -> None:
-        stages["parse_render_peak"] = _vm("VmHWM") - base
+        stages["parse_render_peak"] = vm_bytes("VmHWM") - base
         stages["tokenize_charge"] = cost
-        # procfs, not a disk: the write resets a counter in the kernel and never blocks
-        Path("/proc/self/clear_refs").write_text("5")  # noqa: ASYNC240
-        stages["tokenize_base"] = _vm("VmRSS")
+        reset_peak_rss()
+        stages["tokenize_base"] = vm_bytes("VmRSS")
 
     started = time.perf_counter()
     outcome = "prepared"
@@ -151,7 +159,7 @@ def _measure(model_dir: str, route: str, raw: bytes, out: Any) -> None:
         outcome += f" ({sum(len(p) for p in prepared.prompts):,} tokens)"
     except KvgateError as error:
         outcome = f"refused: {error.code}"
-    peak = _vm("VmHWM")
+    peak = vm_bytes("VmHWM")
     tokenize_peak = peak - stages["tokenize_base"] if "tokenize_base" in stages else 0
     if "parse_render_peak" not in stages:
         stages["parse_render_peak"] = peak - base

@@ -167,7 +167,7 @@ class _DataLimit:
 
 def _data_bytes() -> int:
     """This process's private writable memory (VmData), what RLIMIT_DATA counts."""
-    return _status_bytes(os.getpid(), b"VmData:") or 0
+    return status_bytes(os.getpid(), b"VmData:") or 0
 
 
 async def _ask_for_more(conn: Connection, limit: _DataLimit, cost: int) -> None:
@@ -190,7 +190,7 @@ def _rebuilt(cls: type[KvgateError], args: tuple[Any, ...], attributes: dict[str
     return error
 
 
-def _status_bytes(pid: int, field: bytes) -> int | None:
+def status_bytes(pid: int, field: bytes) -> int | None:
     """A size from /proc/<pid>/status (VmRSS:, VmData:), None once the process is gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as status:
@@ -203,7 +203,7 @@ def _status_bytes(pid: int, field: bytes) -> int | None:
 
 
 def _rss_bytes(pid: int) -> int | None:
-    return _status_bytes(pid, b"VmRSS:")
+    return status_bytes(pid, b"VmRSS:")
 
 
 class _Worker:

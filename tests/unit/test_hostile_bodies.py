@@ -19,6 +19,7 @@ import jinja2.sandbox
 import pytest
 from tokenizers import Tokenizer, normalizers
 
+from bench.work_cost import reset_peak_rss, vm_bytes
 from kvgate.chat_template import TokenizationError
 from kvgate.errors import KvgateError
 from kvgate.http.errors import status_of
@@ -272,14 +273,9 @@ async def test_a_trusted_request_template_renders_within_budget(
 
 
 def _peak_rss_reset() -> int:
-    """This process's resident memory, with its peak (VmHWM) reset to it (Linux >= 4.0)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int:
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
+    """This process's resident memory, with its peak (VmHWM) reset to it."""
+    reset_peak_rss()
+    return vm_bytes("VmRSS")
 
 
 @pytest.mark.parametrize("template", STRING_BUILDERS.values(), ids=STRING_BUILDERS)
@@ -293,7 +289,7 @@ async def test_a_trusted_template_cannot_build_a_string_past_its_budget(
     elapsed, _, result = await max_loop_gap(lambda: tokenizer.encode_chat(chat, max_tokens=1024))
     assert isinstance(result, TokenizationError), result
     assert "budget" in str(result), result
-    assert _status_bytes("VmHWM") - before < 64 * 2**20
+    assert vm_bytes("VmHWM") - before < 64 * 2**20
     assert elapsed < 3.0
 
 
