@@ -35,6 +35,7 @@ import httpx
 
 from bench.percentile import percentile
 from demo.processes import stop_process
+from kvgate.preparation_workers import status_bytes
 from kvgate.sim.runner import free_port
 from kvgate.token_segments import CACHE_ENTRIES
 
@@ -272,10 +273,7 @@ def wait_until_idle(
 
 
 def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return status_bytes(pid, b"VmRSS:") or 0
 
 
 def chat_body(prompt: str) -> bytes:
