@@ -35,6 +35,7 @@ from kvgate.memory.allocator import (
     fitting_prefix,
     footprint,
     free,
+    most_from_any_cache,
     worst_need,
     worst_need_beyond_earlier,
 )
@@ -1764,17 +1765,11 @@ def _level_from(
     """`any_cache_forward_level` from caches of these segment sizes."""
     full = engine.max_num_batched_tokens
 
-    def runs(k: int) -> bool:
-        step = profile_forward_tape(geometry, engine, max(1, full * k // ANY_CACHE_TOKEN_STEPS), served=True)
-        return fits_from_any_cache(step, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
+    def step(k: int) -> list[TapeOp]:
+        return profile_forward_tape(geometry, engine, max(1, full * k // ANY_CACHE_TOKEN_STEPS), served=True)
 
-    if runs(ANY_CACHE_TOKEN_STEPS):  # most headrooms run every step: one replay
-        return full
-    low, high = 0, ANY_CACHE_TOKEN_STEPS - 1
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if runs(middle) else (low, middle - 1)
-    return full * low // ANY_CACHE_TOKEN_STEPS
+    k = most_from_any_cache(step, 0, ANY_CACHE_TOKEN_STEPS, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
+    return full * k // ANY_CACHE_TOKEN_STEPS
 
 
 class AnyCacheForward(LevelReplay[tuple[int, int]]):
@@ -1987,17 +1982,10 @@ def any_cache_sampled_rows(
     bisection over the rows (a larger step is never safer: the test checks the grid)."""
     most = sampler_cost(geometry, engine).max_sampled_rows
 
-    def runs(rows: int) -> bool:
-        step = sampled_step_tape(geometry, engine, tokens, rows, copies)
-        return fits_from_any_cache(step, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
+    def step(rows: int) -> list[TapeOp]:
+        return sampled_step_tape(geometry, engine, tokens, rows, copies)
 
-    if runs(most):
-        return most
-    low, high = -1, most - 1
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if runs(middle) else (low, middle - 1)
-    return low
+    return most_from_any_cache(step, -1, most, capacity, sizes, ANY_CACHE_SEGMENTS, expandable_segments)
 
 
 @lru_cache(maxsize=4096)

@@ -33,7 +33,7 @@ never strand: the replay then charges each live tensor its page-rounded size.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations_with_replacement
 
@@ -341,6 +341,54 @@ def fits_from_any_cache(
     segments freed pages are mapped again where needed: only the step's own pages count."""
     caches = [()] if expandable_segments else _caches(sizes, most, capacity, cached)
     return all(_runs_from(step, capacity, cache, expandable_segments) for cache in caches)
+
+
+def most_from_any_cache(
+    step_of: Callable[[int], Sequence[TapeOp]],
+    low: int,
+    high: int,
+    capacity: int,
+    sizes: Sequence[int],
+    most: int,
+    expandable_segments: bool = False,
+) -> int:
+    """The largest `x` in `[low, high]` whose `step_of(x)` runs from every cache of
+    `fits_from_any_cache` (`low` where none above it does; `low` itself is not played), for
+    steps that grow with `x` (a larger step is never safer from one cache).
+
+    The level is the least over the caches of each cache's own, so each cache is played at the
+    level found so far and bisected below it only where it does not run there (a few dozen of
+    thousands); the caches that ran a level since lowered are played again at the new one, so
+    the answer runs from every cache, as a bisection's last passing probe does. A bisection over
+    all caches plays every cache at each of its passing probes (about half of ~11)."""
+    tapes: dict[int, Sequence[TapeOp]] = {}
+
+    def runs(x: int, cache: tuple[int, ...]) -> bool:
+        tape = tapes.get(x)
+        if tape is None:
+            tape = tapes[x] = step_of(x)
+        return _runs_from(tape, capacity, cache, expandable_segments)
+
+    pending = [()] if expandable_segments else list(_caches(sizes, most, capacity, None))
+    level = high
+    while pending:
+        ran: list[tuple[int, ...]] = []  # the caches run at `level` so far
+        stale: list[tuple[int, ...]] = []  # the caches run only at a level since lowered: again
+        for cache in pending:
+            if runs(level, cache):
+                ran.append(cache)
+                continue
+            below, above = low, level - 1
+            while below < above:
+                middle = (below + above + 1) // 2
+                below, above = (middle, above) if runs(middle, cache) else (below, middle - 1)
+            if below == low:
+                return low
+            level = below
+            stale += ran
+            ran = [cache]
+        pending = stale
+    return level
 
 
 def fits_from_some_cache(

@@ -7,18 +7,24 @@ memory never runs out a step that less memory runs."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from kvgate.memory import allocator
 from kvgate.memory.activation import (
     ANY_CACHE_SEGMENTS,
     ANY_CACHE_TOKEN_STEPS,
     AnyCacheForward,
     EngineShape,
     any_cache_forward_level,
+    any_cache_sampled_rows,
     cached_segment_sizes,
     profile_forward_tape,
+    sampled_step_tape,
+    sampler_cost,
 )
-from kvgate.memory.allocator import alloc, fits_from_any_cache, footprint, free
+from kvgate.memory.allocator import TapeOp, alloc, fits_from_any_cache, footprint, free, most_from_any_cache
 from kvgate.memory.geometry import ModelGeometry
 from kvgate.sim.presets import model_config
 from kvgate.units import MiB
@@ -88,3 +94,60 @@ def test_a_smaller_headrooms_level_known_answers_without_a_replay() -> None:
     assert not waiting(known + 1, 805 * MiB, 512)
     assert not waiting(1, 590 * MiB, 512)
     assert (584 * MiB, every) in waiting._pending
+
+
+def _bisected(step_of: Callable[[int], list[TapeOp]], low: int, high: int, capacity: int, sizes: list[int]) -> int:
+    """The search `most_from_any_cache` replaced: a bisection of x, every cache played at each probe."""
+
+    def runs(x: int) -> bool:
+        return fits_from_any_cache(step_of(x), capacity, sizes, ANY_CACHE_SEGMENTS)
+
+    if runs(high):
+        return high
+    high -= 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if runs(middle) else (low, middle - 1)
+    return low
+
+
+@pytest.mark.parametrize(("capacity", "tokens"), [(400, 512), (617, 512), (617, 4096), (800, 2048)])
+def test_the_per_cache_search_finds_the_bisections_level(capacity: int, tokens: int) -> None:
+    """`most_from_any_cache` plays each cache at the level found so far instead of every cache at
+    each probe: on held-out H1's engine its rows and tokens are the bisection's, and run from
+    every cache."""
+    sizes = cached_segment_sizes(QWEN, QWEN_ENGINE)
+    most = sampler_cost(QWEN, QWEN_ENGINE).max_sampled_rows
+
+    def rows_step(rows: int) -> list[TapeOp]:
+        return sampled_step_tape(QWEN, QWEN_ENGINE, tokens, rows, True)
+
+    rows = any_cache_sampled_rows(QWEN, QWEN_ENGINE, False, capacity * MiB, tokens, True, sizes)
+    assert rows == _bisected(rows_step, -1, most, capacity * MiB, sizes)
+    assert rows < 0 or fits_from_any_cache(rows_step(rows), capacity * MiB, sizes, ANY_CACHE_SEGMENTS)
+    full = QWEN_ENGINE.max_num_batched_tokens
+
+    def forward_step(k: int) -> list[TapeOp]:
+        return profile_forward_tape(QWEN, QWEN_ENGINE, max(1, full * k // ANY_CACHE_TOKEN_STEPS), served=True)
+
+    level = any_cache_forward_level(QWEN, QWEN_ENGINE, False, capacity * MiB)
+    assert level == full * _bisected(forward_step, 0, ANY_CACHE_TOKEN_STEPS, capacity * MiB, sizes) // (
+        ANY_CACHE_TOKEN_STEPS
+    )
+
+
+def test_a_cache_that_ran_above_a_lowered_level_is_played_again_at_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where one cache lowers the level, the caches that ran the higher one are played again at
+    the lower: a cache need not run every smaller step (the 10 MiB cache here fails 8-10, the
+    20 MiB one 4-7); the answer runs from every cache."""
+    failing = {(10 * MiB,): range(8, 11), (20 * MiB,): range(4, 8)}
+    played: list[tuple[tuple[int, ...], int]] = []
+
+    def runs_from(tape: list[TapeOp], capacity: int, cache: tuple[int, ...], expandable: bool) -> bool:
+        played.append((cache, tape[0][2]))
+        return tape[0][2] not in failing.get(cache, range(0))
+
+    monkeypatch.setattr(allocator, "_runs_from", runs_from)
+    level = most_from_any_cache(lambda x: [alloc("t", x)], 0, 10, 100 * MiB, [10 * MiB, 20 * MiB], 1)
+    assert level == 3
+    assert {((), 3), ((10 * MiB,), 3), ((20 * MiB,), 3)} <= set(played)
