@@ -26,6 +26,9 @@ from typing import Any
 from kvgate.units import GiB
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Further traffic seeds a surviving cap must also survive (`--confirm-caps`) are the scenario's
+# own seed plus multiples of this: far from every scenario's and run's own.
+CONFIRM_SEED_STRIDE = 100_000
 
 
 def machine() -> dict[str, Any]:
@@ -75,7 +78,7 @@ def _bar(total: int, desc: str) -> Any:
 
 def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     from bench import safety
-    from bench.safety import pick_cap, run_arm
+    from bench.safety import confirmed_cap, pick_cap, run_arm
     from bench.scenarios import SCENARIOS, Scenario
 
     safety.quiet()
@@ -85,7 +88,8 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
     def caps0(scn: Any) -> list[int]:
         return [8] if args.tiny else [16] if args.quick else scn.caps
 
-    bar = _bar(sum(len(caps0(s)) + (0 if args.quick else 1) + 5 for s in chosen), "safety")
+    confirm = 0 if args.quick or args.tiny else args.confirm_caps
+    bar = _bar(sum(len(caps0(s)) + (0 if args.quick else 1) + confirm + 5 for s in chosen), "safety")
     rows, sweeps, described = [], {}, []
     with safety.tmpdir() as tmp:
         for scn in chosen:
@@ -131,6 +135,20 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                     bar.update(1)
                 else:
                     sweep.append(arm("cap", nxt))
+
+            def oom_seed(c: int, scn: Scenario = scn) -> int | None:
+                """The first further traffic seed cap `c` runs out of memory on, or None."""
+                for j in range(1, confirm + 1):
+                    seed = args.seed * 1000 + pool.index(scn) + CONFIRM_SEED_STRIDE * j
+                    if arm("cap", c, calls=scn.traffic(random.Random(seed), args.scale)).oom_crashes:
+                        return seed
+                return None
+
+            dropped: dict[int, int] = {}
+            if none.oom_crashes and confirm:  # the cap is the yardstick
+                best, dropped = confirmed_cap(sweep, oom_seed)
+            else:
+                best = pick_cap(sweep)
             sweeps[scn.key] = [
                 {
                     "cap": r.cap,
@@ -138,13 +156,15 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                     "oom_crashes": r.oom_crashes,
                     "failed": r.failed,
                     "abandoned": r.abandoned,
+                    **({"oom_on_further_seed": dropped[r.cap]} if r.cap in dropped else {}),
                 }
                 for r in sorted(sweep, key=lambda r: r.cap)
             ]
-            best = pick_cap(sweep)
-            if best is None:  # every cap OOMed: report the smallest, honestly
+            if best is None:  # every cap OOMed, here or on further traffic: report the smallest, honestly
                 best = min(sweep, key=lambda r: r.cap)
                 best.notes["no_surviving_cap"] = True
+            elif none.oom_crashes and confirm:
+                best.notes["survived_further_seeds"] = confirm
             sat = arm("saturation")
             vq = arm("vllm-queue", best.cap)
             kvg = arm("kvgate")
@@ -288,7 +308,8 @@ def goodput_targets(
                 cap["goodput_tokens_per_s"],
                 1.0,
                 True,
-                f" (cap {cap['cap']})",
+                f" (cap {cap['cap']}"
+                + (f", survived {n} more traffic seeds)" if (n := cap["notes"].get("survived_further_seeds")) else ")"),
             )
         )
     rows.append(ratio("kvgate TTFT p99 <= 1.25 x oracle", k["ttft_p99_s"], o["ttft_p99_s"], 1.25, False))
@@ -316,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-overhead", action="store_true")
     p.add_argument("--no-profile", action="store_true", help="skip py-spy")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--confirm-caps",
+        type=int,
+        default=2,
+        help="where the unprotected engine runs out of memory, the best cap must also survive this many "
+        "further traffic seeds to be the yardstick (the next best is tried where it does not); 0: one run",
+    )
     p.add_argument("--tiny", action="store_true", help="smoke-test size: one cap value, the shortest overhead phases")
     p.add_argument("--out", type=Path, default=RESULTS)
     soak = p.add_argument_group("soak (bench/soak.py)")

@@ -36,6 +36,8 @@ def markdown(res: dict[str, Any]) -> str:
         ]
         for r in res["safety"]:
             arm = r["arm"] + (f" (cap {r['cap']})" if r.get("cap") else "")
+            if r.get("notes", {}).get("survived_further_seeds"):  # the cap also ran on more traffic
+                arm = arm[:-1] + f", survived {r['notes']['survived_further_seeds']} more traffic seeds)"
             if r.get("notes", {}).get("vllm_flags"):  # the vllm-queue arm's setting
                 arm += f" (`{r['notes']['vllm_flags']}`)"
             out.append(
@@ -56,7 +58,10 @@ def markdown(res: dict[str, Any]) -> str:
                 out.append(
                     f"- {k}: "
                     + ", ".join(
-                        f"cap {r['cap']}: {_f(r['goodput_tokens_per_s'])} ({r['oom_crashes']} OOM)" for r in rows
+                        f"cap {r['cap']}: {_f(r['goodput_tokens_per_s'])} ({r['oom_crashes']} OOM"
+                        + (f"; OOM on traffic seed {r['oom_on_further_seed']}" if "oom_on_further_seed" in r else "")
+                        + ")"
+                        for r in rows
                     )
                 )
             out.append("")

@@ -483,6 +483,23 @@ def pick_cap(results: list[ArmResult]) -> ArmResult | None:
     return max(ok, key=lambda r: (r.goodput_tokens_per_s, -r.cap)) if ok else None
 
 
+def confirmed_cap(
+    results: list[ArmResult], oom_seed: Callable[[int], int | None]
+) -> tuple[ArmResult | None, dict[int, int]]:
+    """The best cap of a sweep (as `pick_cap`) that also survives more traffic: `oom_seed(cap)`
+    runs it on further traffic seeds and gives the first one it ran out of memory on, or None.
+    An operator picks a cap after more than one day of traffic: one run that survives does not
+    make a cap safe (S13's cap 288 survived session 39's committed run and ran out of memory on
+    1 of 6 other seeds, bench/results/caps-session40). Also the caps dropped, with that seed."""
+    dropped: dict[int, int] = {}
+    for r in sorted((r for r in results if r.oom_crashes == 0), key=lambda r: (-r.goodput_tokens_per_s, r.cap)):
+        seed = oom_seed(r.cap)
+        if seed is None:
+            return r, dropped
+        dropped[r.cap] = seed
+    return None, dropped
+
+
 def quiet() -> None:
     logging.getLogger("kvgate.sim").setLevel(logging.CRITICAL)
     logging.getLogger("httpx").setLevel(logging.WARNING)

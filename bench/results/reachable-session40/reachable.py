@@ -33,12 +33,15 @@ ENGINES = {  # model, engine, sampled rows per request, most requests at once
     "S9": ("llama-3.1-8b", EngineShape(8192, 2048, 256, runner="v2", num_speculative_tokens=5), 6, 48),
     "S8": ("qwen2.5-7b", EngineShape(8192, 2048, 1024, runner="v2"), 16, 24),
     "H1": ("qwen2.5-7b", EngineShape(16384, 4096, 512, runner="v2"), 1, 520),
+    "S13": ("llama-3.1-8b", EngineShape(32768, 2048, 512, runner="v2"), 1, 512),
 }
 
 
 def main() -> None:
     key, capacity, count = sys.argv[1], int(sys.argv[2]) * MiB, int(sys.argv[3])
     model, engine, per, most_requests = ENGINES[key]
+    if len(sys.argv) > 4:  # at most this many requests at once (the rows an engine life has seen)
+        most_requests = int(sys.argv[4])
     g = ModelGeometry.from_config(model_config(model))
     full = engine.max_num_batched_tokens
     rng = random.Random(0)
@@ -62,13 +65,16 @@ def main() -> None:
             played += 1
             replay = trial
             caches.add(tuple(sorted(s.size for s in replay.segments if s.pool == "large")))
-    print(f"{key} at {capacity // MiB} MiB: {count} histories, {played} steps played, {dropped} dropped, "
-          f"{len(caches)} distinct caches, {time.process_time() - started:.1f} s")
+    print(
+        f"{key} at {capacity // MiB} MiB: {count} histories, {played} steps played, {dropped} dropped, "
+        f"{len(caches)} distinct caches, {time.process_time() - started:.1f} s"
+    )
     most = sampler_cost(g, engine).max_sampled_rows
-    sizes = cached_segment_sizes(g, engine)
+    sizes = cached_segment_sizes(g, engine, most_requests * per)
     observed = sorted(caches)
     for tokens in (full // 8, full // 4, full // 2, full):
-        def step(rows: int) -> list[A.TapeOp]:
+
+        def step(rows: int, tokens: int = tokens) -> list[A.TapeOp]:
             return sampled_step_tape(g, engine, tokens, rows, True)
 
         low, high = -1, most
@@ -77,7 +83,7 @@ def main() -> None:
             runs = all(A._runs_from(step(middle), capacity, c, False) for c in observed)
             low, high = (middle, high) if runs else (low, middle - 1)
         grid = A.most_from_any_cache(step, -1, most, capacity, sizes, ANY_CACHE_SEGMENTS)
-        print(f"  step of {tokens} tokens: observed caches' level {low} rows, the grid's {grid}")
+        print(f"  step of {tokens} tokens: observed caches' level {low} rows, the grid's {grid} ({len(sizes)} sizes)")
 
 
 if __name__ == "__main__":
