@@ -129,6 +129,7 @@ class Runtime:
             settings.max_queue,
             settings.max_queue_wait,
             reestimate=self._reestimate,
+            reestimate_inputs=self._reestimate_inputs,
         )
         gate_metrics.watch(self.gate)
         self.pool_gauges = PoolGauges(
@@ -453,6 +454,11 @@ class Runtime:
         """A waiting request's demand with the output lengths learned since it was predicted."""
         config = self.pipeline.config
         return prediction.demand if config is None else config.predictor.refreshed(prediction)
+
+    def _reestimate_inputs(self) -> tuple[object, int]:
+        """What `_reestimate` reads: the pipeline's configuration (its predictor) and the output
+        lengths learned (their generation)."""
+        return self.pipeline.config, self.outputs.generation
 
     @property
     def ready(self) -> bool:

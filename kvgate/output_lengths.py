@@ -60,6 +60,9 @@ class OutputLengths:
         self._samples: deque[tuple[int, int]] = deque(maxlen=window)
         # (max_new_tokens, min_new_tokens) -> reservation, until the next refresh
         self._cache: dict[tuple[int, int], OutputReservation] = {}
+        # Bumped whenever the reservations may change (the cache is refreshed): a waiting request
+        # estimated since is estimated the same again (kvgate/gate/gate.py Gate._refreshed).
+        self.generation = 0
         self._since_refresh = 0
 
     @property
@@ -84,6 +87,7 @@ class OutputLengths:
         self._since_refresh += 1
         if self._since_refresh >= self.refresh_every:
             self._cache.clear()
+            self.generation += 1
             self._since_refresh = 0
 
     def reserve(self, max_new_tokens: int, min_new_tokens: int = 0) -> OutputReservation:

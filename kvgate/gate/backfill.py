@@ -70,7 +70,7 @@ class HeadReservation:
         them, then given back, earliest end first, until the budget says the head fits; so it
         costs about one budget check while the head waits for KV blocks. `peak_segment_rows`:
         the gate's ledger's, which the companions start from (the cache its steps left)."""
-        companions = Ledger(pool=lambda: budget.kv_blocks, peak_segment_rows=peak_segment_rows)
+        companions = Ledger(pool=lambda: budget.kv_blocks, peak_segment_rows=peak_segment_rows, snapshots=False)
         ends = [ends_at(reservation) for reservation in in_flight]
         known = [(end, reservation) for end, reservation in zip(ends, in_flight, strict=True) if end is not None]
         if not known or len(known) < len(in_flight):

@@ -66,10 +66,18 @@ class Reservation:
 class Ledger:
     """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
 
-    def __init__(self, pool: Callable[[], int | None] | None = None, peak_segment_rows: int = 0) -> None:
+    def __init__(
+        self, pool: Callable[[], int | None] | None = None, peak_segment_rows: int = 0, snapshots: bool = True
+    ) -> None:
         """`pool`: the KV blocks of vLLM's pool, None when unknown (kvgate/gate/budget.py
         Budget.kv_blocks); it says whether vLLM may preempt (`_preemption_free`).
-        `peak_segment_rows`: the high-water mark to start from (a plan's copy of the gate's)."""
+        `peak_segment_rows`: the high-water mark to start from (a plan's copy of the gate's).
+        `snapshots`: whether each reservation records the worst step's transient bytes at its
+        admission and their high-water mark (the gate's ledger: the traffic record and the GPU
+        calibration read them); a head's plan, which only asks what fits beside its companions,
+        does not (one worst step worked out per companion was a quarter of what each companion's
+        reservation cost a plan in benchmark S13, under cProfile)."""
+        self._snapshots = snapshots
         self._pool = pool
         self._growth_blocks = 0  # summed Demand.growth_blocks of the in-flight requests
         self._growth_unknown = 0  # how many of them said None
@@ -305,8 +313,9 @@ class Ledger:
             extra = self._extra_of(other.demand, members, self._step_tokens, self._unknown_tokens, mixed)
             other.shared_extra = max(other.shared_extra, extra)
         self._reservations[reservation.id] = reservation
-        transient = reservation.transient_bytes_at_admission = self.transient_bytes
-        self.peak_transient_bytes = max(self.peak_transient_bytes, transient)
+        if self._snapshots:
+            transient = reservation.transient_bytes_at_admission = self.transient_bytes
+            self.peak_transient_bytes = max(self.peak_transient_bytes, transient)
         self.peak_segment_rows = max(self.peak_segment_rows, self._sampler.stage().segment_rows)
         return reservation
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +37,9 @@ class Waiter(Generic[Basis]):
     # What the demand was estimated from: the gate re-estimates it with what kvgate learned while
     # it waited (output lengths).
     basis: Basis | None = field(default=None, repr=False)
+    # What the re-estimation read when the demand was last estimated from the basis (Gate's
+    # `reestimate_inputs`); None: not estimated again yet.
+    estimated_with: Hashable | None = field(default=None, repr=False)
     request_id: str = ""  # labels the gate's decisions for observers (the decision log)
     deadline: float = float("inf")  # when it stops waiting (the gate's clock)
 

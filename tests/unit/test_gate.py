@@ -539,6 +539,42 @@ class TestGate:
         ticket.release()
         holder.release()
 
+    async def test_a_waiting_request_is_estimated_again_only_when_what_it_reads_changed(self) -> None:
+        """Each release re-checks the line; a waiter is estimated again only once the inputs of its
+        estimate (the composition root's: the predictor and the output lengths' generation) moved,
+        and is then admitted with the new demand."""
+        learned = {"generation": 0, "blocks": 5}
+        estimated: list[str] = []
+
+        def reestimate(basis: str) -> Demand:
+            estimated.append(basis)
+            return demand(blocks=learned["blocks"])
+
+        gate: Gate[str] = Gate(
+            Budget(kv_blocks=10, transient_margin=0.0),
+            Observers(),
+            max_queue=8,
+            max_queue_wait_s=5.0,
+            reestimate=reestimate,
+            reestimate_inputs=lambda: learned["generation"],
+        )
+        holder = await gate.acquire(demand(blocks=8), 0, "a")
+        waiting = asyncio.create_task(gate.acquire(demand(blocks=5), 0, "a", basis="chat"))
+        await asyncio.sleep(0)
+        for _ in range(4):
+            gate.changed()
+        assert estimated == ["chat"]
+        learned["blocks"] = 2  # learned, but not yet published as a new generation: not read
+        gate.changed()
+        assert not waiting.done()
+        learned["generation"] = 1
+        gate.changed()
+        ticket = await asyncio.wait_for(waiting, 1)
+        assert estimated == ["chat", "chat"]
+        assert ticket.reservation.demand.private_blocks == 2
+        ticket.release()
+        holder.release()
+
     async def test_a_preview_says_what_acquire_would_and_reserves_nothing(self) -> None:
         """`kvgate explain` asks the gate through its view: the same verdict as an arrival, the
         holdings it was weighed against, and the ledger and queue untouched."""

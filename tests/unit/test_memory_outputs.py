@@ -25,6 +25,27 @@ def test_full_max_tokens_until_enough_answers_are_seen() -> None:
     assert lengths.reserve(2048) == OutputReservation(100, 0.0)
 
 
+def test_reservations_change_only_with_a_new_generation() -> None:
+    """The gate estimates a waiting request again only when the generation moved (Gate's
+    `reestimate_inputs`): between two refreshes every reservation stays what it was."""
+    rng = random.Random(3)
+    lengths = OutputLengths(0.99, min_samples=8, refresh_every=4)
+    seen = (lengths.generation, lengths.reserve(1024), lengths.reserve(300, 50))
+    changes = 0
+    for i in range(64):
+        lengths.observe(rng.choice([300, 1024]), rng.randint(10, 400))
+        now = (lengths.generation, lengths.reserve(1024), lengths.reserve(300, 50))
+        if now[0] == seen[0]:
+            assert now == seen
+        else:
+            assert now[0] == seen[0] + 1
+            assert (i + 1) % 4 == 0
+            changes += now[1:] != seen[1:]
+        seen = now
+    assert lengths.generation == 16
+    assert changes >= 10  # the reservations did move, at refreshes only
+
+
 def test_chat_answers_shorter_than_their_max_tokens_are_learned() -> None:
     """Answers of 16-255 tokens whatever max_tokens (256 to 2048) the clients send: the mean
     (~135) and the variance of a uniform spread (240^2 / 12 = 4800)."""
