@@ -346,16 +346,21 @@ class Budget:
             return False
         return replay(demand.prompt_tokens, capacity, cached, now=cached == 0)
 
-    def fits_once_drained(self, demand: Demand) -> bool:
+    def fits_once_drained(self, demand: Demand, idle: Holdings) -> bool:
         """Whether `demand`, which runs only from the cache an idle engine's reading shows
         (`lone_request_fits`), is predicted to run once the requests in flight have ended: from
         the cache the engine has grown by now, where no idle reading was taken since the last
-        admission (after one, it said so itself: draining again would show a cache no smaller).
+        admission (after one, it said so itself: draining again would show a cache no smaller),
+        and within the limit alone (`idle`: the holdings of an idle server), at its allocated
+        bytes: where the co-tenants' reserve leaves less than that, no drain lets it in (S6).
         Such a request heads the line and the engine drains for it (kvgate/gate/gate.py
         `_stranded`), as vLLM would have run it on an idle engine."""
         if self.idle_cache_bytes is not None or self.grown_cache_bytes is None:
             return False
-        return self.lone_request_fits(demand, cached=self.grown_cache_bytes)
+        if not self.lone_request_fits(demand, cached=self.grown_cache_bytes):
+            return False
+        step = idle.step_with(demand)
+        return not self._over_transient_limit(step, self._step_charge(step, beside_others=False))
 
     def outgrown(self, demand: Demand) -> CacheOutgrown | None:
         """Why `demand` will not run on this engine until it restarts, or None: it runs alone only
@@ -568,9 +573,11 @@ class Budget:
             beside_others and self.shared_step_fits(step),
             beside_others and self.whole_step_runs(step, holdings.peak_segment_rows),
         )
-        # the held region counts whole only for the profiled bytes this step charges: the rest of
-        # the charge is kvgate's prediction, and has the margin
+        return TRANSIENT_BUSY if self._over_transient_limit(step, charge) else None
+
+    def _over_transient_limit(self, step: StepHoldings, charge: int) -> bool:
+        """Whether `step`'s `charge` exceeds the transient limit. The held region counts whole only
+        for the profiled bytes the step charges: the rest of the charge is kvgate's prediction,
+        and has the margin."""
         transient_limit = self.transient_limit(min(self.held_region_bytes, step.profiled_charge(charge)))
-        if transient_limit is not None and charge > transient_limit:
-            return TRANSIENT_BUSY
-        return None
+        return transient_limit is not None and charge > transient_limit

@@ -516,7 +516,7 @@ class Gate(Generic[Basis]):
         waited beside a line that never let the engine go idle, and timed out."""
         if self.budget.hold is not None or self.budget.shortfall(demand, _IDLE) is None:
             return False
-        return not (self.budget.fits_once_drained(demand) and self._drained_by(deadline))
+        return not (self.budget.fits_once_drained(demand, _IDLE) and self._drained_by(deadline))
 
     def _kept_aside(self, waiter: Waiter[Basis]) -> bool:
         """Whether a set-aside waiter stays out of the line: still stranded, or refused now (it

@@ -205,6 +205,29 @@ async def test_a_lone_prompt_heads_the_line_while_the_engine_drains_for_it() -> 
     (await asyncio.wait_for(later, 1.0)).release("completed")
 
 
+async def test_a_lone_prompt_over_the_limit_even_alone_does_not_hold_the_line_for_a_drain() -> None:
+    """Benchmark S6: a co-tenant's reserve leaves less of the headroom than the prompt's forward
+    pass takes even at its allocated bytes, alone. A drain would show the idle cache it runs
+    from, but the limit would still not hold it: only the headroom coming back lets it in. It
+    waits aside, and the chats that arrive after it are admitted at once (they had waited behind
+    it for a drain that could not help it, seconds each at the tail of S6's first-token times)."""
+    budget, gate, live, probe = drainable_kvgate()
+    budget.update(cotenant_reserve_bytes=400 * MiB)  # 500 MiB of the 900 left: the prompt takes 700
+    first = await gate.acquire(chat(), 0, "a")
+    lone = asyncio.ensure_future(gate.acquire(lone_prompt(), 0, "b"))
+    await asyncio.sleep(0)
+    later = await asyncio.wait_for(gate.acquire(chat(), 0, "c"), 1.0)
+    assert not lone.done()
+    first.release("completed")
+    later.release("completed")
+    idle = live._engine_idle()
+    live._gpu(probe.reading(), 1.0, idle=idle is not None and idle == live._engine_idle())
+    await asyncio.sleep(0)
+    assert not lone.done()  # idle, its cache shown, and still over the limit beside the reserve
+    budget.update(cotenant_reserve_bytes=0)  # the co-tenant left
+    (await asyncio.wait_for(lone, 1.0)).release("completed")
+
+
 async def test_a_lone_prompt_that_a_drain_would_not_let_in_does_not_hold_the_line() -> None:
     """Where the engine's cache has grown past what the prompt runs from, no wait on this engine
     lets it in (a caching allocator keeps its segments until it restarts): it is refused at once,
