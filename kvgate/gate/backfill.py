@@ -30,7 +30,7 @@ not companions alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Literal
 
 from kvgate.gate.budget import Budget
@@ -56,42 +56,43 @@ class HeadReservation:
         cls,
         head: object,
         head_demand: Demand,
-        in_flight: Sequence[Reservation],
+        ledger: Ledger,
         budget: Budget,
         ends_at: Callable[[Reservation], float | None],
         now: float,
-        peak_segment_rows: int = 0,
     ) -> HeadReservation:
-        """The earliest moment `head_demand` fits once in-flight requests end in their predicted
-        order, and those still running then. With any end unknown: no start, no companions.
+        """The earliest moment `head_demand` fits once the in-flight requests of `ledger` (the
+        gate's) end in their predicted order, and those still running then. With any end unknown:
+        no start, no companions.
 
-        Built from the latest end back (fitting only gets harder as companions are added): the
-        companions are taken while the pool could still hold the head's private blocks beside
-        them, then given back, earliest end first, until the budget says the head fits; so it
-        costs about one budget check while the head waits for KV blocks. `peak_segment_rows`:
-        the gate's ledger's, which the companions start from (the cache its steps left)."""
-        companions = Ledger(pool=lambda: budget.kv_blocks, peak_segment_rows=peak_segment_rows, snapshots=False)
+        The companions start as a copy of the ledger (`Ledger.copy`) and are given back, earliest
+        end first, while the pool could not hold the head's private blocks beside them, then
+        until the budget says the head fits (fitting only gets easier as companions leave): so it
+        costs about one budget check while the head waits for KV blocks."""
+        in_flight = ledger.reservations()
         ends = [ends_at(reservation) for reservation in in_flight]
         known = [(end, reservation) for end, reservation in zip(ends, in_flight, strict=True) if end is not None]
         if not known or len(known) < len(in_flight):
-            return cls(head, None, companions, {})
-        known.sort(key=lambda pair: pair[0], reverse=True)
+            empty = Ledger(pool=lambda: budget.kv_blocks, peak_segment_rows=ledger.peak_segment_rows, snapshots=False)
+            return cls(head, None, empty, {})
+        known.sort(key=lambda pair: pair[0])
+        companions = ledger.copy()
+        copies = {reservation.id: companions.reservation(reservation.id) for _, reservation in known}
         kv_limit = budget.kv_limit()
         head_private = 0 if kv_limit is None else min(head_demand.private_blocks, max(kv_limit, 0))
-        taken: list[tuple[float, Reservation, Reservation]] = []
-        for end, reservation in known:
-            copy = companions.reserve(reservation.demand)
-            if not reservation.prefill_open:
-                companions.end_prefill(copy)
-            taken.append((end, reservation, copy))
-            if kv_limit is not None and companions.kv_blocks + head_private > kv_limit:
-                break
-        start = now
-        while taken and budget.shortfall(head_demand, companions) is not None:
-            end, _, copy = taken.pop()  # the earliest end of those taken: the head waits for it
-            companions.release(copy)
-            start = max(start, end)
-        return cls(head, start, companions, {reservation.id: copy for _, reservation, copy in taken})
+        start, waited = now, 0
+
+        def give_back() -> None:  # the earliest end still among the companions: the head waits for it
+            nonlocal start, waited
+            end, reservation = known[waited]
+            companions.release(copies.pop(reservation.id))
+            start, waited = max(start, end), waited + 1
+
+        while waited < len(known) and kv_limit is not None and companions.kv_blocks + head_private > kv_limit:
+            give_back()
+        while waited < len(known) and budget.shortfall(head_demand, companions) is not None:
+            give_back()
+        return cls(head, start, companions, copies)
 
     def passing(self, demand: Demand, ends_at: float | None, head_demand: Demand, budget: Budget) -> Passing | None:
         """How a request that fits now may pass the head, or None if it would delay it."""

@@ -490,13 +490,7 @@ class Gate(Generic[Basis]):
         for as long as it is the head."""
         if self._reservation is None or self._reservation.head is not head:
             self._reservation = HeadReservation.plan(
-                head,
-                head.demand,
-                self.ledger.reservations(),
-                self.budget,
-                self._ends_at,
-                self._clock(),
-                self.ledger.peak_segment_rows,
+                head, head.demand, self.ledger, self.budget, self._ends_at, self._clock()
             )
         return self._reservation
 

@@ -46,6 +46,7 @@ relieving while vLLM runs or queues more requests than kvgate has in flight
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 from dataclasses import dataclass
 
@@ -84,6 +85,14 @@ class PlainPrefills:
         self.accounted = 0
         self.others_open = 0
         self._relief: Relief | None = NO_RELIEF
+
+    def copy(self) -> PlainPrefills:
+        """The same candidates and account, changed apart from these from now on (`Ledger.copy`)."""
+        twin = copy.copy(self)
+        twin._candidates = dict(self._candidates)
+        twin.one_steps = list(self.one_steps)
+        twin.pairs = list(self.pairs)
+        return twin
 
     @staticmethod
     def eligible(demand: Demand) -> bool:

@@ -102,6 +102,7 @@ of the two steps.
 from __future__ import annotations
 
 import bisect
+import copy
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -805,6 +806,14 @@ class SamplerBatch:
         self._prompts: list[int] = []  # sorted
         self._outputs: list[int] = []  # sorted
         self._changed()
+
+    def copy(self) -> SamplerBatch:
+        """The same batch, changed apart from this one from now on (a head's plan: kvgate/gate/ledger.py
+        `Ledger.copy`). Its memoised stages are values, shared until either batch changes."""
+        twin = copy.copy(self)
+        twin._prompts = list(self._prompts)
+        twin._outputs = list(self._outputs)
+        return twin
 
     def add(self, use: SamplerUse) -> None:
         self._cost = use.cost
