@@ -116,7 +116,7 @@ def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
 ) -> None:
     # Speed-up 10: the two long requests need ~10 wall seconds, so they are still running when the
     # engine is killed however slowly this machine gets there (at 50 they could finish first).
-    cfg = sim_config(restart_seconds=30, speedup=10)  # 3 s down
+    cfg = sim_config(restart_seconds=50, speedup=10)  # 5 s down
     with SimRunner(cfg) as sim, running_kvgate(sim.url, sim_model_dir, tmp_path, *ENGINE_FLAGS) as kvgate:
         margin = kvgate.metric("kvgate_transient_safety_margin")
         long_body = {"model": MODEL, "prompt": "a long story", "max_tokens": 8000, "ignore_eos": True}
@@ -139,7 +139,9 @@ def test_oom_restart_is_detected_and_queued_requests_complete_after_it(
                 pool.submit(httpx.post, kvgate.base_url + "/v1/completions", json=body, timeout=60) for _ in range(3)
             ]
             wait_for(lambda: kvgate.metric("kvgate_queue_depth") == 3, timeout_s=15, what="requests held in the queue")
-            assert sim.engine.state == "dead"
+            # not serving yet: the three were held while it was down (on a loaded machine the
+            # steps above can outlast the downtime and find the engine booting again)
+            assert sim.engine.state in ("dead", "starting")
             assert [f.result().status_code for f in queued] == [200, 200, 200]
         assert sim.engine.restarts == 1
         assert kvgate.metric("kvgate_backend_restarts_total") == 1
