@@ -42,15 +42,12 @@ def cpu_model() -> str:
 
 
 def machine() -> dict[str, Any]:
-    cpu = cpu_model()
-    try:
-        mem = next(
-            int(x.split()[1]) * 1024 for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")
-        )
-    except (OSError, StopIteration):
+    try:  # the kernel's total RAM (procfs MemTotal), from the C library
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
         mem = 0
     return {
-        "cpu_model": cpu,
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(),
         "memory_bytes": mem,
         "python": platform.python_version(),

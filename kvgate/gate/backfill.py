@@ -80,18 +80,13 @@ class HeadReservation:
         copies = {reservation.id: companions.reservation(reservation.id) for _, reservation in known}
         kv_limit = budget.kv_limit()
         head_private = 0 if kv_limit is None else min(head_demand.private_blocks, max(kv_limit, 0))
-        start, waited = now, 0
-
-        def give_back() -> None:  # the earliest end still among the companions: the head waits for it
-            nonlocal start, waited
-            end, reservation = known[waited]
-            companions.release(copies.pop(reservation.id))
-            start, waited = max(start, end), waited + 1
-
-        while waited < len(known) and kv_limit is not None and companions.kv_blocks + head_private > kv_limit:
-            give_back()
-        while waited < len(known) and budget.shortfall(head_demand, companions) is not None:
-            give_back()
+        start = now
+        for end, reservation in known:  # the earliest end still among the companions first
+            kv_short = kv_limit is not None and companions.kv_blocks + head_private > kv_limit
+            if not kv_short and budget.shortfall(head_demand, companions) is None:
+                break
+            companions.release(copies.pop(reservation.id))  # the head waits for it
+            start = max(start, end)
         return cls(head, start, companions, copies)
 
     def passing(self, demand: Demand, ends_at: float | None, head_demand: Demand, budget: Budget) -> Passing | None:

@@ -75,9 +75,8 @@ class Ledger:
         `peak_segment_rows`: the high-water mark to start from (a plan's copy of the gate's).
         `snapshots`: whether each reservation records the worst step's transient bytes at its
         admission and their high-water mark (the gate's ledger: the traffic record and the GPU
-        calibration read them); a head's plan, which only asks what fits beside its companions,
-        does not (one worst step worked out per companion was a quarter of what each companion's
-        reservation cost a plan in benchmark S13, under cProfile)."""
+        calibration read them); a head's companions (kvgate/gate/backfill.py), which only ask what
+        fits beside them, do not work out that worst step at each reservation."""
         self._snapshots = snapshots
         self._pool = pool
         self._growth_blocks = 0  # summed Demand.growth_blocks of the in-flight requests
