@@ -116,3 +116,22 @@ def test_h8s_and_h8b_play_h8s_very_calls() -> None:
         for c in split[index].traffic(random.Random(7), 0.2)
     ]
     assert played == expected
+
+
+def test_random_scenarios_are_a_function_of_their_index_and_each_engine_starts() -> None:
+    """bench/random_scenarios.py: the same index draws the same engine, flags and traffic on
+    every machine (a hunt's finding is replayed from its name), different indexes differ, and
+    every drawn engine starts on the simulator (a draw that would not is drawn again)."""
+    from bench import random_scenarios
+
+    def drawn(index: int) -> tuple[object, list[str], list[tuple[float, str, str]]]:
+        scenario = random_scenarios.scenario(index)
+        calls = scenario.traffic(random.Random(7), 0.2)
+        return scenario.sim, scenario.kvgate_flags, [(c.at, c.path, repr(sorted(c.body.items()))) for c in calls]
+
+    assert drawn(3) == drawn(3)
+    assert len({repr(drawn(i)[:2]) for i in range(8)}) == 8
+    for index in range(8):
+        scenario = random_scenarios.scenario(index)
+        make_engine(replace(scenario.sim, speedup=1e9))  # raises StartupError where vLLM would not start
+        assert {c.body["model"] for c in scenario.traffic(random.Random(1), 0.2)} == {scenario.sim.model}
