@@ -127,7 +127,7 @@ class Engine:
                 concurrency=rep.max_concurrency,
             ),
         )
-        self.carry = CrossStepTensors(self.alloc)
+        self.carry = CrossStepTensors(self.alloc, v1=not self.resolved.flavor.v2)
         self.alloc.watch_closest_call()
         self._prefix_seen = (0, 0)
         self.state, self.error, self.boot_time = "ready", None, now()

@@ -95,7 +95,7 @@ def test_format_size_units() -> None:
 
 
 def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
-    """vLLM's persistent batch keeps `[num_reqs, max_prompt_len]` int64 prompt ids on the GPU
+    """vLLM's V1 persistent batch keeps `[num_reqs, max_prompt_len]` int64 prompt ids on the GPU
     while any request has penalties, rebuilt only when the batch's requests change."""
     import asyncio
 
@@ -105,7 +105,14 @@ def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
     from kvgate.sim.request import Request, Sampling
 
     engine = make_engine(
-        SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192, max_num_seqs=64, speedup=1e9)
+        SimConfig(
+            model="llama-3.1-8b",
+            gpu="h100-80gb",
+            max_model_len=8192,
+            max_num_seqs=64,
+            speedup=1e9,
+            model_runner="v1",
+        )
     )
     sp = Sampling(max_tokens=4, penalties=True, ignore_eos=True)
     for i, n in enumerate((3000, 1000)):
@@ -128,3 +135,45 @@ def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
     engine.add(Request("r2", [7] * 500, Sampling(max_tokens=2), 0.0))
     asyncio.run(steps(1))
     assert engine.carry.penalty_prompt_ids is None  # new batch without penalties: freed (block may be reused)
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.32.0", "0.33.0"])
+def test_model_runner_v2_holds_no_penalty_prompt_ids(version: str) -> None:
+    """V2 counts a penalised prompt into `PenaltiesState`'s start-up tensors (v1/worker/gpu/sample/
+    penalties.py in vLLM 0.31.0 - 0.33.0): no `[num_reqs, max_prompt_len]` tensor is made when a
+    penalised request joins, and a step beside it allocates what the same step without the
+    penalty allocates. (The simulator made V1's tensor on V2 until session 42: a random scenario's
+    24,000-token prompt beside 381 penalised rows ran V2 out on a 73 MiB tensor vLLM never makes.)"""
+    import asyncio
+
+    from sim_support import make_engine
+
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.request import Request, Sampling
+
+    def reserved_after_two_steps(penalties: bool) -> int:
+        engine = make_engine(
+            SimConfig(
+                model="llama-3.1-8b",
+                gpu="h100-80gb",
+                max_model_len=8192,
+                max_num_seqs=64,
+                speedup=1e9,
+                vllm_version=version,
+            )
+        )
+        assert engine.resolved.flavor.v2
+        for i, n in enumerate((3000, 1000)):
+            engine.add(
+                Request(f"r{i}", [10 + i] * n, Sampling(max_tokens=4, penalties=penalties, ignore_eos=True), 0.0)
+            )
+
+        async def steps(k: int) -> None:
+            for _ in range(k):
+                await engine.step()
+
+        asyncio.run(steps(2))
+        assert engine.carry.penalty_prompt_ids is None
+        return engine.alloc.reserved()
+
+    assert reserved_after_two_steps(True) == reserved_after_two_steps(False)

@@ -94,7 +94,7 @@ def simulator_runs(engine: SimpleNamespace, batches: list[Batch], prefill: int =
     `prefill`-token chunk beside it), the penalty prompt ids carried across steps by the
     simulator's own kvgate/sim/carryover.py."""
     alloc = copy.deepcopy(engine.alloc)
-    carry = CrossStepTensors(alloc)
+    carry = CrossStepTensors(alloc, v1=True)
     try:
         for i, batch in enumerate(batches):
             requests = [
