@@ -11,10 +11,11 @@ scheduler limits, allocator settings and a mix of traffic), the same on every ma
     python -m bench.repeat_arm R7 --scenarios-from bench/random_scenarios.py --arm none
     python -m bench --scenarios-from bench/random_scenarios.py --skip-overhead --no-profile --out DIR
 
-`SCENARIOS` holds R0 - R{COUNT - 1}; `KVGATE_RANDOM_SCENARIOS=N` asks for another count. Each
-engine is started once while it is drawn (the simulator's start-up, no server): a draw whose
-model does not fit its GPU, or that vLLM would refuse to start, is drawn again from the next
-sub-seed, so every scenario serves. Nothing here says whether the unprotected engine runs out of
+`SCENARIOS` holds R0 - R{COUNT - 1}, then `R{i}a`: each of them whose pool was not already the
+one vLLM's start-up advises, at that pool (the least headroom), where the engine starts with it;
+`KVGATE_RANDOM_SCENARIOS=N` asks for another count. Each engine is started once while it is
+drawn (the simulator's start-up, no server): a draw whose model does not fit its GPU, or that
+vLLM would refuse to start, is drawn again from the next sub-seed, so every scenario serves. Nothing here says whether the unprotected engine runs out of
 memory: `--arm none` tells, and a scenario it survives still checks kvgate's half of the promise
 that costs throughput (never refusing what vLLM serves).
 """
@@ -266,4 +267,23 @@ def scenario(index: int) -> Scenario:
     raise RuntimeError(f"no engine of random scenario {index} starts in 50 draws")
 
 
-SCENARIOS: list[Scenario] = [scenario(i) for i in range(int(os.environ.get("KVGATE_RANDOM_SCENARIOS", COUNT)))]
+def at_advised_pool(scenario: Scenario) -> Scenario | None:
+    """`scenario` with the KV pool vLLM's start-up log advises ("--kv-cache-memory=... to fully
+    utilize gpu memory"): the least transient headroom an operator is told to run with, where a
+    charge kvgate under-counts shows first. None where the engine does not start with it (the
+    advice leaves 150 MiB; V1's graphs and sampler warm-up after the pool can need more)."""
+    try:
+        sim = fully_utilized(scenario.sim)
+        _start(sim)
+    except startup.StartupError:
+        return None
+    return replace(
+        scenario, key=f"{scenario.key}a", title=f"{scenario.title} (the pool vLLM's start-up advises)", sim=sim
+    )
+
+
+_DRAWN = [scenario(i) for i in range(int(os.environ.get("KVGATE_RANDOM_SCENARIOS", COUNT)))]
+# R0 - R{COUNT - 1}, then R{i}a for each whose pool was not already the advised one.
+SCENARIOS: list[Scenario] = _DRAWN + [
+    advised for s in _DRAWN if s.sim.kv_cache_memory_bytes is None and (advised := at_advised_pool(s)) is not None
+]
