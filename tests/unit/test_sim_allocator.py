@@ -3,9 +3,15 @@ fragmentation of docs/sources.md#fragmentation-buffer-pr (failure mode 5 of docs
 
 from __future__ import annotations
 
-import pytest
+import asyncio
 
+import pytest
+from sim_support import make_engine
+
+from kvgate.sim.config import SimConfig
+from kvgate.sim.engine import Engine
 from kvgate.sim.gpu import CachingAllocator, CudaOutOfMemory, Device, format_size
+from kvgate.sim.request import Request, Sampling
 from kvgate.units import MiB
 
 
@@ -94,46 +100,40 @@ def test_format_size_units() -> None:
     assert format_size(int(5.34 * (1 << 30))) == "5.34 GiB"
 
 
-def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
-    """vLLM's V1 persistent batch keeps `[num_reqs, max_prompt_len]` int64 prompt ids on the GPU
-    while any request has penalties, rebuilt only when the batch's requests change."""
-    import asyncio
-
-    from sim_support import make_engine
-
-    from kvgate.sim.config import SimConfig
-    from kvgate.sim.request import Request, Sampling
-
+def engine_with_two_prompts(penalties: bool, **config: object) -> Engine:
+    """A Llama-3.1-8B engine on an H100 holding two requests of 3,000 and 1,000 prompt tokens."""
     engine = make_engine(
-        SimConfig(
-            model="llama-3.1-8b",
-            gpu="h100-80gb",
-            max_model_len=8192,
-            max_num_seqs=64,
-            speedup=1e9,
-            model_runner="v1",
-        )
+        SimConfig(model="llama-3.1-8b", gpu="h100-80gb", max_model_len=8192, max_num_seqs=64, speedup=1e9, **config)
     )
-    sp = Sampling(max_tokens=4, penalties=True, ignore_eos=True)
     for i, n in enumerate((3000, 1000)):
-        engine.add(Request(f"r{i}", [10 + i] * n, sp, 0.0))
+        engine.add(Request(f"r{i}", [10 + i] * n, Sampling(max_tokens=4, penalties=penalties, ignore_eos=True), 0.0))
+    return engine
 
-    async def steps(k: int) -> None:
+
+def run_steps(engine: Engine, k: int) -> None:
+    async def steps() -> None:
         for _ in range(k):
             await engine.step()
 
-    asyncio.run(steps(1))
+    asyncio.run(steps())
+
+
+def test_penalty_prompt_ids_live_across_steps_until_the_batch_changes() -> None:
+    """vLLM's V1 persistent batch keeps `[num_reqs, max_prompt_len]` int64 prompt ids on the GPU
+    while any request has penalties, rebuilt only when the batch's requests change."""
+    engine = engine_with_two_prompts(True, model_runner="v1")
+    run_steps(engine, 1)
     held = engine.carry.penalty_prompt_ids
     assert held is not None
     assert held.requested == 2 * 3000 * 8
     assert held.allocated
-    asyncio.run(steps(1))
+    run_steps(engine, 1)
     assert engine.carry.penalty_prompt_ids is held  # same batch, same tensor
-    asyncio.run(steps(10))
+    run_steps(engine, 10)
     assert not engine.scheduler.has_work()
     assert held.allocated
     engine.add(Request("r2", [7] * 500, Sampling(max_tokens=2), 0.0))
-    asyncio.run(steps(1))
+    run_steps(engine, 1)
     assert engine.carry.penalty_prompt_ids is None  # new batch without penalties: freed (block may be reused)
 
 
@@ -144,35 +144,11 @@ def test_model_runner_v2_holds_no_penalty_prompt_ids(version: str) -> None:
     penalised request joins, and a step beside it allocates what the same step without the
     penalty allocates. (The simulator made V1's tensor on V2 until session 42: a random scenario's
     24,000-token prompt beside 381 penalised rows ran V2 out on a 73 MiB tensor vLLM never makes.)"""
-    import asyncio
-
-    from sim_support import make_engine
-
-    from kvgate.sim.config import SimConfig
-    from kvgate.sim.request import Request, Sampling
 
     def reserved_after_two_steps(penalties: bool) -> int:
-        engine = make_engine(
-            SimConfig(
-                model="llama-3.1-8b",
-                gpu="h100-80gb",
-                max_model_len=8192,
-                max_num_seqs=64,
-                speedup=1e9,
-                vllm_version=version,
-            )
-        )
+        engine = engine_with_two_prompts(penalties, vllm_version=version)
         assert engine.resolved.flavor.v2
-        for i, n in enumerate((3000, 1000)):
-            engine.add(
-                Request(f"r{i}", [10 + i] * n, Sampling(max_tokens=4, penalties=penalties, ignore_eos=True), 0.0)
-            )
-
-        async def steps(k: int) -> None:
-            for _ in range(k):
-                await engine.step()
-
-        asyncio.run(steps(2))
+        run_steps(engine, 2)
         assert engine.carry.penalty_prompt_ids is None
         return engine.alloc.reserved()
 
