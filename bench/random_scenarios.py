@@ -89,7 +89,7 @@ def _engine(rng: random.Random) -> tuple[SimConfig, list[str], ModelChoice]:
         vllm_version=version,
         model_runner=runner,
         max_model_len=max_len,
-        max_num_batched_tokens=max(mnbt, 2048),
+        max_num_batched_tokens=mnbt,
         max_num_seqs=seqs,
     )
     extra: dict[str, str] = {}
@@ -104,7 +104,7 @@ def _engine(rng: random.Random) -> tuple[SimConfig, list[str], ModelChoice]:
     if rng.random() < 0.15:
         fields["max_logprobs"] = -1
         extra["max_logprobs"] = "-1"
-    if version >= "0.32.0" and runner == "auto" and model.name.startswith("llama") and rng.random() < 0.15:
+    if version in ("0.32.0", "0.33.0") and runner == "auto" and model.name.startswith("llama") and rng.random() < 0.15:
         spec = {"method": "ngram", "num_speculative_tokens": rng.choice((3, 5))}
         fields["speculative_config"] = spec
         extra["speculative_config"] = json.dumps(spec)
