@@ -30,12 +30,9 @@ from typing import Any, NamedTuple
 
 from bench.scenarios import Scenario, _flags, _sim
 from bench.workloads import Call, chat_call, document_call, lognormal_int, poisson_times, streaming, words
-from demo.replay import fully_utilized
+from demo.replay import fully_utilized, start_on_empty_gpu
 from kvgate.sim import startup
 from kvgate.sim.config import SimConfig
-from kvgate.sim.gpu import CachingAllocator, Device
-from kvgate.sim.model import load_model
-from kvgate.sim.presets import gpu_total_bytes
 
 COUNT = 40
 DURATION_S = 30.0
@@ -117,15 +114,6 @@ def _engine(rng: random.Random) -> tuple[SimConfig, list[str], ModelChoice]:
     if expandable:
         flags.append("--expandable-segments")
     return cfg, flags, model
-
-
-def _start(cfg: SimConfig) -> None:
-    """Start the simulated vLLM with `cfg` on an empty GPU: StartupError with vLLM's message
-    where it would not start (the model does not fit, the pool holds no context)."""
-    device = Device(gpu_total_bytes(cfg.gpu))
-    startup.start(
-        cfg, load_model(cfg.model, cfg.dtype), device, CachingAllocator(device, "vllm", cfg.expandable_segments)
-    )
 
 
 def _chats(rng: random.Random, model: str, d: float, rate: float) -> list[Call]:
@@ -254,7 +242,7 @@ def scenario(index: int) -> Scenario:
         rng = random.Random(f"kvgate-random-scenario-{index}-{attempt}")
         try:
             cfg, flags, model = _engine(rng)
-            _start(cfg)
+            start_on_empty_gpu(cfg)
         except startup.StartupError:
             continue
         cfg = replace(cfg, restart_seconds=60.0, metrics_clock="sim")
@@ -274,7 +262,7 @@ def at_advised_pool(scenario: Scenario) -> Scenario | None:
     advice leaves 150 MiB; V1's graphs and sampler warm-up after the pool can need more)."""
     try:
         sim = fully_utilized(scenario.sim)
-        _start(sim)
+        start_on_empty_gpu(sim)
     except startup.StartupError:
         return None
     return replace(

@@ -191,14 +191,20 @@ def big_batch_workload(rng: random.Random, quick: bool) -> list[Call]:
     return [replace(greedy, label="n=8 x 4000-token answers"), *calls]
 
 
+def start_on_empty_gpu(cfg: SimConfig) -> startup.StartupReport:
+    """The simulated vLLM's start-up with `cfg` on an empty GPU, no server: StartupError with
+    vLLM's message where it would not start (the model does not fit, the pool holds no context)."""
+    device = Device(gpu_total_bytes(cfg.gpu))
+    alloc = CachingAllocator(device, "vllm", cfg.expandable_segments)
+    _, report = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
+    return report
+
+
 def fully_utilized(cfg: SimConfig) -> SimConfig:
     """`cfg` with the `--kv-cache-memory-bytes` vLLM logs at start-up as the value "to fully
     utilize gpu memory" (the profile's peak and a 150 MiB buffer left over), from the start-up
     numbers of the same engine on an empty GPU."""
-    device = Device(gpu_total_bytes(cfg.gpu))
-    alloc = CachingAllocator(device, "vllm", cfg.expandable_segments)
-    _, report = startup.start(cfg, load_model(cfg.model, cfg.dtype), device, alloc)
-    return replace(cfg, kv_cache_memory_bytes=report.kv_to_fully_utilize())
+    return replace(cfg, kv_cache_memory_bytes=start_on_empty_gpu(cfg).kv_to_fully_utilize())
 
 
 # Longer than the slowest machine takes to play any scenario: a queued request is refused only
