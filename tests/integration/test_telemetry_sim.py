@@ -224,5 +224,9 @@ def test_stale_metrics_switch_to_conservative_mode_and_back(
                 timeout_s=15,
                 what="live mode again",
             )
-            assert "budget mode live -> conservative" in kvgate.log()
-            assert "budget mode conservative -> live" in kvgate.log()
+            log = kvgate.log()
+            assert "budget mode live -> conservative" in log
+            # The way back is logged either as the mode's move or, when the loaded machine also let
+            # /health miss its 1 s while /metrics was frozen (kvgate then took the backend as hung),
+            # as the backend's return; the operator reads the return in both.
+            assert "budget mode conservative -> live" in log or "backend back (was hung)" in log
