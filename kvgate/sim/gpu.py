@@ -20,9 +20,12 @@ garbage-collection threshold, one stream):
 So a request can fail while "reserved but unallocated" exceeds it: the free bytes sit in
 segments that also hold a live tensor, and a segment is only ever given back whole
 (fragmentation). With `expandable_segments` the reserved memory behaves as growable mappings
-of 2 MiB pages whose free pages are unmapped and mapped again where needed
-(`ExpandableSegment`, `release_cached_blocks` -> `unmap_block`), so free bytes never strand:
-the model gives each tensor its own page-rounded mapping and returns it on free.
+of 2 MiB pages (`ExpandableSegment`): a freed tensor's pages stay mapped, cached like any freed
+block (NVML still counts them), and only `release_cached_blocks` (the retry after a failed
+mapping, or `empty_cache`) unmaps free pages (`release_expandable_segment` -> `unmap_block`,
+"only called by release_cached_blocks()"), which can then be mapped again anywhere, so free bytes
+never strand. The model gives each tensor a page-rounded mapping of its own: a new one, or
+the pages of a cached free mapping at least as large (the rest stays a cached mapping).
 """
 
 from __future__ import annotations
@@ -194,8 +197,6 @@ class CachingAllocator:
             prev = blocks[i - 1]
             prev.size += block.size
             blocks.pop(i)
-        if self.expandable and block.segment.fully_free():
-            self._release(block.segment)
         self._sync_device()
 
     def empty_cache(self) -> None:
@@ -218,13 +219,25 @@ class CachingAllocator:
         return best
 
     def _split(self, block: Block, size: int, pool: str) -> None:
+        if self.expandable:
+            self._lend_pages(block, self._segment_size(size, pool))
+            return
         remaining = block.size - size
         worth_it = remaining >= _MIN_BLOCK if pool == "small" else remaining > _SMALL_SIZE
-        if worth_it and not self.expandable:
+        if worth_it:
             blocks = block.segment.blocks
             rest = Block(block.segment, block.offset + size, remaining)
             blocks.insert(blocks.index(block) + 1, rest)
             block.size = size
+
+    def _lend_pages(self, block: Block, pages: int) -> None:
+        """Expandable segments: a cached free mapping larger than the tensor's `pages` keeps the
+        rest as a cached mapping of its own (pages are fungible, so where they sit is moot)."""
+        if block.size > pages:
+            rest = Segment(block.size - pages, block.segment.pool)
+            rest.blocks.append(Block(rest, 0, rest.size))
+            self.segments.append(rest)
+            block.segment.size = block.size = pages
 
     def _segment_size(self, size: int, pool: str) -> int:
         if self.expandable:

@@ -83,6 +83,21 @@ def test_expandable_segments_do_not_strand_free_bytes() -> None:
     assert a.malloc(384 * MiB).size >= 384 * MiB
 
 
+def test_expandable_segments_keep_freed_pages_mapped_until_the_cache_is_released() -> None:
+    # PyTorch unmaps an expandable segment's free pages only in release_cached_blocks (the retry
+    # after a failed mapping, empty_cache): NVML keeps counting a freed tensor's pages, and a
+    # smaller tensor takes them without the device giving more.
+    dev = Device(1024 * MiB)
+    a = CachingAllocator(dev, "vllm", expandable_segments=True)
+    a.free(a.malloc(400 * MiB))
+    assert dev.used() == 400 * MiB
+    a.malloc(100 * MiB)
+    assert dev.used() == 400 * MiB
+    assert a.allocated() == 100 * MiB
+    a.empty_cache()
+    assert dev.used() == 100 * MiB
+
+
 def test_oom_names_other_processes_and_private_pools() -> None:
     dev = Device(1024 * MiB)
     dev.set_usage("cotenant", 512 * MiB)
