@@ -46,10 +46,12 @@ frees (the sort's values and softmax, or the native path's softmax and noise, or
 masked logits and probabilities), and the fp32 logits copy, for ``R`` profiled rows. PyTorch's
 caching allocator serves a tensor from one cached block at least its size, not from a byte total.
 The penalties' two int64 ``[B, V+1]`` bin counts (alive together) fit in those fp32 blocks while
-``B <= R / 2``; beyond that the second one needs fresh memory, or fails among the fragments the
-prompt ids leave (the S4 benchmark reproduced that OOM when they were counted inside the profile
-at ~860 rows). So the penalties are free up to half the profiled rows and charged in full against
-the free headroom above it. The logprobs and the prompt ids were never profiled.
+``2 B (V + 1) <= R V``, just under half the rows (at exactly ``B = R / 2`` a count is ``8 B``
+bytes larger than a block: benchmark R53 ran out so, session 42); beyond that the second one
+needs fresh memory, or fails among the fragments the prompt ids leave (the S4 benchmark
+reproduced that OOM when they were counted inside the profile at ~860 rows). So the penalties
+are free up to just under half the profiled rows and charged in full against the free headroom
+above it. The logprobs and the prompt ids were never profiled.
 
 That is Model Runner V1 (vllm/v1/worker/gpu_model_runner.py). vLLM's CUDA default from 0.29.0,
 Model Runner V2 (vllm/v1/worker/gpu/, see kvgate/memory/vllm_runner.py), samples differently
@@ -716,7 +718,7 @@ class SamplerCost:
             logprobs=sampled * LOGPROBS_BYTES_PER_LOGIT + whole_vocab if logprobs else 0,
             logprobs_topk_sort=topk_sort,
             penalties=sampled * PENALTY_BYTES_PER_LOGIT
-            if penalties and 2 * sampled > self.profiled_rows * self.vocab_size
+            if penalties and 2 * rows_sampled * (self.vocab_size + 1) > self.profiled_rows * self.vocab_size
             else 0,
             prompt_ids=PROMPT_ID_COPIES * min(rows, self.max_num_seqs) * longest_prompt * INT64 if penalties else 0,
             output_ids=min(rows, self.max_num_seqs) * longest_output * INT64 if penalties else 0,

@@ -127,14 +127,15 @@ class TestLedger:
 
     def test_penalty_bin_counts_of_more_than_half_the_profiled_rows_need_free_memory(self) -> None:
         """Two int64 [B, V+1] bin counts fit in the sampler warm-up's cached fp32 [R, V] blocks
-        only while B <= R / 2 (R = 1000 rows here); above that all of them (22 B a row here) are
-        charged against the headroom."""
+        only while 2 B (V + 1) <= R V: B <= 333 here (R = 1000 rows, V = 2), not R / 2, where a
+        count outgrows a block by 8 B bytes. Above that all of them (22 B a logit, 44 a row here)
+        are charged against the headroom."""
         ledger = Ledger()
-        ledger.reserve(demand(rows=499, logprobs=False))
+        ledger.reserve(demand(rows=332, logprobs=False))
         penalised = demand(rows=1, logprobs=False, penalties=True)
         assert ledger.transient_bytes_with(penalised) == 0
         ledger.reserve(demand(rows=1, logprobs=False))
-        assert ledger.transient_bytes_with(penalised) == 501 * 44
+        assert ledger.transient_bytes_with(penalised) == 334 * 44
         assert ledger.transient_bytes_with(demand(rows=1, logprobs=False)) == 0  # no penalty, no bins
 
     def test_sampled_rows_stop_at_what_one_step_can_sample(self) -> None:
