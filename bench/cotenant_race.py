@@ -3,8 +3,8 @@
 S6 (bench/scenarios.py) lost its simulated engine behind kvgate in about 1 run in 18 when its third
 trainer took 2.5 GiB between kvgate's last GPU reading and an 8,000-token prefill's step (its MLP
 then found 112 MiB free). Here the timing is not left to chance: S6's engine and kvgate flags,
-without the scheduled trainers; two trainers of 3 GiB take their memory before kvgate starts, so
-its first reading shows them; once kvgate is ready the third takes 2.5 GiB (the simulator's
+without the scheduled trainers; two of its trainers take their memory before kvgate starts, so
+its first reading shows them; once kvgate is ready the third takes as much (the simulator's
 `POST /sim/cotenant`) and the 8,000-token prompt is sent through kvgate at once, before its
 next reading (`--scrape-interval` 0.25 s, 1 s idle). Prints one JSON line: what the client got
 (status, tokens streamed), the simulator's out-of-memory messages, and kvgate's decision.
@@ -27,14 +27,13 @@ from typing import Any
 import httpx
 
 from bench import safety
-from bench.scenarios import SCENARIOS
+from bench.scenarios import SCENARIOS, TRAINER_BYTES
 from bench.workloads import document_call
 from demo.replay import decisions, kvgate
 from kvgate.sim.presets import gpu_total_bytes, write_model_folder
-from kvgate.units import GiB
 
-TRAINERS_BEFORE = (("trainer-1", 3 * GiB), ("trainer-2", 3 * GiB))
-TRAINER_AFTER = ("trainer-3", int(2.5 * GiB))
+TRAINERS_BEFORE = (("trainer-1", TRAINER_BYTES), ("trainer-2", TRAINER_BYTES))
+TRAINER_AFTER = ("trainer-3", TRAINER_BYTES)
 PROMPT_TOKENS = 8000
 QUEUE_WAIT_S = 5.0
 

@@ -190,6 +190,8 @@ def s8_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 # ----- S9 ----------------------------------------------------------------------------------------
 NGRAM_5 = {"method": "ngram", "num_speculative_tokens": 5}
+# S6's three trainers (and bench/cotenant_race.py's): sized against S6's engine at start-up below.
+TRAINER_BYTES = int(2.6 * GiB)
 
 
 def s9_traffic(rng: random.Random, scale: float) -> list[Call]:
@@ -360,26 +362,28 @@ SCENARIOS: list[Scenario] = [
         30,
         4,
     ),
-    # This engine leaves 9.17 GiB of the GPU free after start-up (the profile's activation peak,
-    # emptied, and the 10 % outside the utilization envelope). The co-tenant grows to 8.5 GiB of
-    # it, leaving 0.67 GiB: less than an 8k-token prefill with chat beside it asks on top of what
-    # the caching allocator already reserved. Sized against the simulator's start-up as of the
-    # release-by-release sampler paths (3 + 4 + 4 GiB no longer fitted: the third step never
-    # started and nothing OOMed).
+    # This engine (vLLM 0.32.0, V2) leaves 8.17 GiB of the GPU free after start-up (its 0.79 GiB
+    # profile region, emptied after graph capture, and the 10 % outside the utilization envelope
+    # less the graphs). Three trainers take 7.8 GiB of it in the first simulated second, leaving
+    # 0.37 GiB: less than an 8k-token prefill's MLP. They come before the traffic because a
+    # co-tenant only takes free memory: once the engine's allocator has cached a full step
+    # (expandable segments keep freed pages mapped, as PyTorch does), a trainer can no longer
+    # take it. Until session 43 S6 ran V1, whose warm-up keeps its region cached (a co-tenant
+    # cannot take it), on a simulator that unmapped freed pages at once, which hid that.
     Scenario(
         "S6",
         "A co-tenant process growing on the same GPU",
-        _sim(
+        _sim_v2(
             max_model_len=16384,
             expandable_segments=True,
             cotenants=[
-                CoTenant("trainer-1", 3 * GiB, 4.0),
-                CoTenant("trainer-2", 3 * GiB, 9.0),
-                CoTenant("trainer-3", int(2.5 * GiB), 14.0),
+                CoTenant("trainer-1", TRAINER_BYTES, 0.0),
+                CoTenant("trainer-2", TRAINER_BYTES, 0.5),
+                CoTenant("trainer-3", TRAINER_BYTES, 1.0),
             ],
         ),
         # the operator who set PYTORCH_CUDA_ALLOC_CONF on vLLM tells kvgate so
-        [*_flags(8192, 1024), "--expandable-segments"],
+        [*_flags(8192, 1024, v1=False), "--expandable-segments"],
         s6_traffic,
         30,
         4,

@@ -99,9 +99,8 @@ class StaticLimits:
     profiled_peak_bytes: int
     # kvgate/memory/activation.py profile_segment_overhead_bytes, as a share of the profile peak in use
     segment_overhead: float
-    # With a fixed pool, the part of the profile peak the engine does not hold after start-up
-    # (`profile_emptied_bytes`); None: the live headroom's utilization formula says it.
-    profile_emptied_bytes: int | None = None
+    # The part of the profile peak the engine does not hold after start-up (`profile_emptied_bytes`)
+    profile_emptied_bytes: int = 0
     # the profile's forward pass (profile_forward_bytes): the most one step's forward terms take
     profiled_forward_bytes: int = 0
     forward_bytes_per_token: int = 0  # its share a token (max_num_batched_tokens of them)
@@ -592,19 +591,23 @@ def checked_against_backend(layout: KVLayout, deployment: Deployment) -> KVLayou
     return layout
 
 
-def profile_emptied_bytes(predictor: Predictor, fixed_pool: int | None, expandable_segments: bool) -> int | None:
-    """With --kv-cache-memory-bytes, the part of the profile peak the engine does not hold cached
-    after start-up, which its profiled tensors take back out of free memory (the live headroom
-    charges them up to it: kvgate/telemetry/headroom.py). The envelope formula reads a fixed pool
-    as nothing emptied (the engine holds more than utilization x total). Model Runner V2 empties its
+def profile_emptied_bytes(predictor: Predictor, expandable_segments: bool) -> int:
+    """The part of the profile peak the engine does not hold cached after start-up, which its
+    profiled tensors take back out of free memory (the live headroom charges them up to it, or up
+    to what its envelope formula reads, the larger: kvgate/telemetry/headroom.py). The formula
+    reads too little wherever the engine holds memory outside its envelope: a fixed pool
+    (--kv-cache-memory-bytes) reads as nothing emptied, and under --gpu-memory-utilization the
+    CUDA graphs, captured after the pool from free memory (vllm 0.32.0 v1/worker/gpu_worker.py
+    `determine_available_memory` subtracts their estimate only with
+    VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS), read as part of the region held: benchmark S6 on
+    V2 (session 43) lost its engine so, a co-tenant beside it, on an 8,000-token prefill charged
+    249 of its 563 MiB while the engine held no cache at all. Model Runner V2 empties its
     cache after capturing graphs and warms nothing up (vllm 0.32.0 v1/worker/gpu/model_runner.py
     `capture_model`): the whole peak. V1 (vllm 0.31.0 and 0.32.0 v1/worker/gpu_worker.py
     `compile_or_warm_up_model`) re-reserves what its `_dummy_run` and `_dummy_sampler_run` of
     max_num_seqs rows make after capture and keeps it: the peak less those segments
     (kvgate/memory/activation.py `v1_warmup_reserved_bytes`), nothing where the sampler set the
-    peak. None without a fixed pool."""
-    if fixed_pool is None:
-        return None
+    peak."""
     peak = predictor.profiled_peak_bytes
     if predictor.engine.runner == "v2":
         return peak
@@ -669,7 +672,7 @@ def static_limits(
         max_transient_headroom_bytes=headroom,
         profiled_peak_bytes=predictor.profiled_peak_bytes,
         segment_overhead=overhead / predictor.profiled_peak_bytes if predictor.profiled_peak_bytes else 0.0,
-        profile_emptied_bytes=profile_emptied_bytes(predictor, fixed_pool, expandable_segments),
+        profile_emptied_bytes=profile_emptied_bytes(predictor, expandable_segments),
         profiled_forward_bytes=forward,
         forward_bytes_per_token=-(-forward // max(1, predictor.engine.max_num_batched_tokens)),
         profiled_hidden_bytes=profile_hidden_bytes(predictor.layout.geometry, predictor.engine),

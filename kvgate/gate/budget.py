@@ -128,8 +128,8 @@ class Budget:
     # vLLM emptied after start-up, so profiled terms are charged against it too, up to this cap (the
     # part of the region the engine did not hold). None: a headroom from flags, beside the region.
     profiled_cap_bytes: int | None = None
-    # With a fixed pool, the part of the profile peak the engine did not keep cached after start-up
-    # (kvgate/engine_config.py profile_emptied_bytes); None: the utilization formula's.
+    # The part of the profile peak the engine did not keep cached after start-up (kvgate/engine_config.py
+    # profile_emptied_bytes); None: the utilization formula's alone.
     profile_emptied_bytes: int | None = None
     # The caching allocator's segments beyond the profile's allocated peak, as a share of the
     # profile peak, charged in proportion to the profiled bytes (kvgate/memory/activation.py

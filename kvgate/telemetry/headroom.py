@@ -16,8 +16,10 @@ where the server is the process holding the most memory at the first reading of 
 engine: its KV pool dominates). With `--kv-cache-memory-bytes` the pool is fixed and vLLM's
 utilization envelope bounds nothing (vllm/config/cache.py `kv_cache_memory_bytes`, vLLM 0.32.0),
 so the engine usually holds more than utilization x total and the formula gives 0, which would
-hide the region the engine emptied: `profiled_cap` is then at least what start-up left out of
-the cache (kvgate/engine_config.py `profile_emptied_bytes`). Model Runner V2 empties the
+hide the region the engine emptied; under utilization the CUDA graphs, captured after the pool
+out of free memory, read as region the engine holds. So `profiled_cap` is at least what
+start-up left out of the cache (kvgate/engine_config.py `profile_emptied_bytes`), with either
+flag. Model Runner V2 empties the
 allocator's cache after capturing its graphs and, unlike V1, warms no sampler up after it
 (v1/worker/gpu_worker.py `compile_or_warm_up_model`, v1/worker/gpu/model_runner.py
 `capture_model`), so every profiled tensor comes back out of free memory: the whole profile peak.
@@ -104,8 +106,8 @@ class HeadroomTracker:
         profile_emptied: int | None = None,
     ) -> Headroom | None:
         """Headroom from one reading; `utilization` is vLLM's gpu_memory_utilization, if known;
-        `profile_emptied`: with a fixed pool, the part of the profile peak the engine did not keep
-        after start-up (see the module docstring)."""
+        `profile_emptied`: the part of the profile peak the engine did not keep after start-up
+        (see the module docstring)."""
         if not reading.devices:
             return None
         growth = {d.gpu: self._growth(d) for d in reading.devices}
