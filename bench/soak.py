@@ -694,7 +694,9 @@ async def _drive(
         # The closed-loop clients are all stuck on requests forwarded before kvgate could tell, so
         # once /readyz says the backend is not answering, fresh probe requests arrive: they must
         # wait in kvgate's queue and be served once the backend is back. The hang lasts hang_s, and
-        # at least HANG_PROBE_HELD_S past the probes' arrival (never past HANG_GIVE_UP_S).
+        # at least HANG_PROBE_HELD_S past the probes' arrival and until kvgate's queue was seen
+        # holding them (never past HANG_GIVE_UP_S): on a loaded machine the probes' requests
+        # went out two seconds late and waited 0.3 s, between two of this loop's readings.
         probes: list[asyncio.Task[Answer]] = []
         async with httpx.AsyncClient(base_url=url, timeout=5) as c:
             while True:
@@ -706,7 +708,11 @@ async def _drive(
                         if (await c.get("/readyz")).status_code == 503:
                             faults.hang_declared = time.monotonic()
                             probes = [asyncio.create_task(_probe(url, i)) for i in range(HANG_PROBES)]
-                elif now - faults.stop >= hang_s and now - faults.hang_declared >= HANG_PROBE_HELD_S:
+                elif (
+                    now - faults.stop >= hang_s
+                    and now - faults.hang_declared >= HANG_PROBE_HELD_S
+                    and faults.hang_queue_depth_max > 0
+                ):
                     break
                 with contextlib.suppress(httpx.HTTPError):
                     page = (await c.get("/metrics")).text
