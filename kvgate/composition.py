@@ -79,8 +79,8 @@ CACHED_SEGMENTS_WARNING = (
     "vLLM's caching allocator, not after every history: after some sequences of large steps "
     "(prompt_logprobs passages) cached segments strand more than a step is charged, and on Model "
     "Runner V1 at a tight pool (the --kv-cache-memory vLLM's start-up advises) a step's failed "
-    "cudaMalloc releases the sampler warm-up's blocks kvgate counts on (docs/limitations.md). Run vLLM with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-    "and kvgate with --expandable-segments"
+    "cudaMalloc releases the sampler warm-up's blocks kvgate counts on (docs/limitations.md). "
+    "Run vLLM with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and kvgate with --expandable-segments"
 )
 
 

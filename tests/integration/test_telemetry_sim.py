@@ -81,7 +81,9 @@ def test_cotenant_makes_kvgate_hold_instead_of_oom(
         running_kvgate(sim.url, sim_model_dir, tmp_path, *ENGINE_FLAGS) as kvgate,
     ):
         free = httpx.get(sim.url + "/sim/gpu").json()["free"]
-        assert kvgate.readyz()["telemetry"]["gpu_probe"] == "sim"
+        # kvgate picks its GPU probe once the backend is synchronised, which /readyz can report
+        # a moment before it: on CI's loaded machine the first read said "none"
+        wait_for(lambda: kvgate.readyz()["telemetry"]["gpu_probe"] == "sim", timeout_s=15, what="the sim's GPU probe")
         set_cotenant(sim, free - LEFT)
         wait_for(lambda: kvgate.metric("kvgate_transient_headroom_bytes") == LEFT, timeout_s=15, what="headroom")
         assert kvgate.metric("kvgate_gpu_free_bytes", gpu="GPU-51510000-0000-0000-0000-000000000000") == LEFT
