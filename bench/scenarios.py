@@ -143,9 +143,13 @@ def s5_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 
 # ----- S6 ----------------------------------------------------------------------------------------
+# S6's three trainers (and bench/cotenant_race.py's): sized against S6's engine at start-up (SCENARIOS).
+TRAINER_BYTES = int(2.6 * GiB)
+
+
 def s6_traffic(rng: random.Random, scale: float) -> list[Call]:
-    """Chat at 2.5/s (a fifth with top-5 logprobs), long prompts (4k-8k) at 0.4/s, while a
-    co-tenant grows."""
+    """Chat at 2.5/s (a fifth with top-5 logprobs), long prompts (4k-8k) at 0.4/s, beside
+    co-tenants that took their memory in the first second."""
     return chat_with_long_prompts(rng, 30 * scale, 2.5, 0.4, [4000, 6000, 8000])
 
 
@@ -190,8 +194,6 @@ def s8_traffic(rng: random.Random, scale: float) -> list[Call]:
 
 # ----- S9 ----------------------------------------------------------------------------------------
 NGRAM_5 = {"method": "ngram", "num_speculative_tokens": 5}
-# S6's three trainers (and bench/cotenant_race.py's): sized against S6's engine at start-up below.
-TRAINER_BYTES = int(2.6 * GiB)
 
 
 def s9_traffic(rng: random.Random, scale: float) -> list[Call]:
