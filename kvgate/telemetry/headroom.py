@@ -59,6 +59,10 @@ class Headroom:
     # (kvgate/telemetry/cotenants.py): bytes - cotenant_reserve is the min over devices of
     # free + growth - that device's reserve.
     cotenant_reserve: int = 0
+    # The most the headroom can reach this life as the readings show it: min over devices of
+    # free + growth + what the other listed processes hold (they may leave; the driver's
+    # reserve and unlisted memory never come back). None where a process's use is not shown.
+    reachable: int | None = None
 
 
 @dataclass
@@ -89,6 +93,14 @@ class HeadroomTracker:
         now = next((p.used_bytes for p in known if p.pid == pid), None)
         return 0 if now is None else max(0, now - start)
 
+    def _reachable(self, device: DeviceMemory, room: int) -> int | None:
+        """`room` (free + growth) plus the memory of every listed process but the server's, or None
+        where the server or some process's use is unknown."""
+        start = self._start.get(device.gpu)
+        if start is None or any(p.used_bytes is None for p in device.processes):
+            return None
+        return room + sum(p.used_bytes or 0 for p in device.processes if p.pid != start[0])
+
     def _profiled_cap(
         self, device: DeviceMemory, utilization: float | None, profile_peak: int, emptied: int | None
     ) -> int:
@@ -114,6 +126,7 @@ class HeadroomTracker:
         self.cotenants.observe(reading, {gpu: pid for gpu, (pid, _) in self._start.items()})
         room = {d.gpu: d.free + growth[d.gpu] for d in reading.devices}
         headroom = min(room.values())
+        reach = [self._reachable(d, room[d.gpu]) for d in reading.devices]
         return Headroom(
             bytes=headroom,
             server_growth=max(growth.values()),
@@ -122,4 +135,5 @@ class HeadroomTracker:
                 self._profiled_cap(d, utilization, profile_peak, profile_emptied) for d in reading.devices
             ),
             cotenant_reserve=headroom - min(room[gpu] - self.cotenants.reserve(gpu, room[gpu]) for gpu in room),
+            reachable=None if any(r is None for r in reach) else min(r or 0 for r in reach),
         )

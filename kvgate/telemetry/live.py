@@ -100,6 +100,9 @@ class LiveBudget:
         self.cotenant_reserve_bytes = 0  # of the headroom, kept for the other processes' next step
         self.profiled_cap_bytes = 0
         self.headroom_max = 0
+        # The most the readings say the headroom can reach (`Headroom.reachable`), at its largest;
+        # None until a life's baseline came before its first step with every process's use shown
+        self.reachable_max: int | None = None
         self.held_region_bytes = 0  # the profile region's segments the engine took and kept this life
         # Whether this life's GPU baseline was read before the engine computed any prompt token:
         # only then is its growth since the baseline all of its allocator's cache (`_engine_idle`)
@@ -401,6 +404,8 @@ class LiveBudget:
         self.cotenant_reserve_bytes = headroom.cotenant_reserve
         self.profiled_cap_bytes = headroom.profiled_cap
         self.headroom_max = max(self.headroom_max, headroom.bytes)
+        if self.baseline_before_steps and headroom.reachable is not None:
+            self.reachable_max = max(self.reachable_max or 0, headroom.reachable)
         self.metrics.transient_headroom.set(headroom.bytes)
         if headroom.profiled_cap > 0:  # the region comes out of free memory: its segments show
             tightened = self.calibration.observe_region(
@@ -456,6 +461,17 @@ class LiveBudget:
         }
 
     # ----- the budget -------------------------------------------------------------------------
+    def _reachable_bound(self) -> int:
+        """The most headroom this engine can offer, which "never fits" is judged against (with the
+        largest seen): what the readings say it can reach once its co-tenants leave, where they
+        show every process's use from a baseline before any step. Else the static headroom from
+        the flags, which on a fixed pool leaves out the CUDA graphs (R91a at vLLM's advised pool:
+        1.64 GiB static against 501 MiB read, so prompts that can never run waited for their
+        deadline instead of a 400 at once)."""
+        if self.reachable_max is not None:
+            return self.reachable_max
+        return self.static_headroom or 0
+
     def age(self, now: float) -> float:
         """Age of the oldest source the budget relies on."""
         age = now - self.last_scrape
@@ -487,7 +503,7 @@ class LiveBudget:
             wanted["learned_segment_overhead"] = c.segment_overhead
             wanted["held_region_bytes"] = self.held_region_bytes
             wanted["sampler_overhead_scale"] = c.sampler_overhead.value
-            wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self.static_headroom or 0)
+            wanted["max_transient_headroom_bytes"] = max(self.headroom_max, self._reachable_bound())
         changes = {k: v for k, v in wanted.items() if getattr(self.budget, k) != v}
         if changes:
             self.budget.update(**changes)

