@@ -24,6 +24,7 @@ from kvgate.memory.activation import (
     SamplerPhaseOverhead,
     SharedForward,
     V1PenaltyStep,
+    V1WarmupForward,
     moe_workspace_bytes,
     profile_forward_bytes,
     profile_hidden_bytes,
@@ -107,6 +108,7 @@ class StaticLimits:
     profiled_hidden_bytes: int = 0  # its final hidden states (activation.py profile_hidden_bytes)
     sampler_phase_overhead: SamplerPhaseOverhead | None = None  # activation.py: the sampler phase's replay
     lone_forward: LoneForward | None = None  # activation.py: a lone request's forward pass after earlier steps
+    warmup_forward: V1WarmupForward | None = None  # activation.py: a V1 step from the warm-up's cache
     shared_forward: SharedForward | None = None  # activation.py: a served MLA step after the others' steps
     any_cache_forward: AnyCacheForward | None = None  # activation.py: a served step from any cache
     any_cache_sampler: AnyCacheSampler | None = None  # activation.py: its sampler phase too
@@ -686,6 +688,9 @@ def static_limits(
         else None,
         # the region replay places tensors in fixed segments; with expandable ones the old charge stands
         penalty_step=V1PenaltyStep(predictor.layout.geometry, predictor.engine, expandable_segments)
+        if predictor.engine.runner == "v1" and not expandable_segments
+        else None,
+        warmup_forward=V1WarmupForward(predictor.layout.geometry, predictor.engine, expandable_segments)
         if predictor.engine.runner == "v1" and not expandable_segments
         else None,
     )

@@ -161,6 +161,10 @@ class Budget:
     # (step tokens, capacity) -> whether a lone request's forward pass runs in that capacity after
     # any one earlier step, its own size among them (kvgate/memory/activation.py LoneForward); None: it does.
     lone_forward: Callable[[int, int], bool] | None = None
+    # (step tokens, headroom) -> whether a V1 step's forward pass runs from the cache V1's warm-up
+    # leaves, in the headroom beside it (kvgate/memory/activation.py V1WarmupForward); None: not
+    # judged (V2 empties its cache; expandable segments strand nothing).
+    warmup_forward: Callable[[int, int], bool] | None = None
     # (forward bytes, capacity) -> whether a served step's forward pass of that many bytes runs in
     # that capacity after any one earlier served step, whoever's (kvgate/memory/activation.py
     # SharedForward, MLA deployments); None: the profile's share is charged beside others. Where
@@ -500,6 +504,18 @@ class Budget:
         more_sampled = step.sampled_rows > now.sampled_rows or (step.copies_logits and not now.copies_logits)
         return (not forward and more_tokens) or (not whole and (more_tokens or more_sampled))
 
+    def _strands_warmup_cache(self, step: StepHoldings) -> bool:
+        """Whether `step`'s forward pass does not run from the cache V1's warm-up leaves in the live
+        headroom (`warmup_forward`): its profiled tensors are counted inside the region the engine
+        holds, which it holds in the warm-up's shapes (random engine R112's first large step ran
+        out so). Such a step waits, alone too: the cache changes only as steps run. Not scaled in
+        conservative mode, as `lone_step_fits`."""
+        headroom = self.transient_headroom_bytes
+        if self.warmup_forward is None or headroom is None or not self.forward_bytes_per_token:
+            return False
+        tokens = self._forward_tokens(step)
+        return tokens > 0 and not self.warmup_forward(tokens, headroom)
+
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their
         worst step (kvgate/memory/ceiling.py step_charge), as `shortfall` charges it beside others."""
@@ -564,7 +580,7 @@ class Budget:
             if holdings.kv_blocks + (min(need, kv_limit) if kv_limit > 0 else need) > kv_limit:
                 return KV_BUSY
         step = holdings.step_with(demand)
-        if self._grows_past_any_cache(step, holdings):
+        if self._grows_past_any_cache(step, holdings) or self._strands_warmup_cache(step):
             return TRANSIENT_BUSY
         beside_others = holdings.in_flight > 0 or not (self.lone_step_fits(step) or self.lone_request_fits(demand))
         charge = self._step_charge(

@@ -2255,6 +2255,53 @@ def v1_warmup_reserved_bytes(geometry: ModelGeometry, engine: EngineShape, expan
     return footprint(v1_warmup_tape(geometry, engine), expandable_segments).reserved_peak
 
 
+def v1_warmup_forward_fits(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, tokens: int, capacity: int
+) -> bool:
+    """Whether a V1 step's forward pass of `tokens` tokens runs from the cache V1's post-capture
+    warm-up leaves (`v1_warmup_tape`), in `capacity` bytes: the free headroom plus the warm-up's
+    segments (kvgate/memory/allocator.py `fits_after_any`, which also plays it from an empty cache
+    and after a release).
+
+    kvgate counts a V1 step's profiled tensors inside the region the warm-up holds, but the engine
+    holds it in the warm-up's shapes, not in bytes. Random engine R112 (Mistral-7B, vLLM 0.28.0 on
+    V1, 8,192 tokens a step, 1,024 sequences, 343 MiB free) ran out on its first large step: the
+    8,192-token chunk's residual and hidden states (64 MiB each) split two of the warm-up's 126 MiB
+    blocks, its 448 MiB gate_up fitted none, the failed cudaMalloc released the rest, and the
+    `SiluAndMul` output found 221.8 of its 224 MiB. That cache is known exactly until a step
+    releases it; what steps leave after that is the open case of docs/limitations.md."""
+    step = profile_forward_tape(geometry, engine, tokens, served=True)
+    return fits_after_any(step, [[v1_warmup_tape(geometry, engine)]], capacity, expandable_segments)
+
+
+class V1WarmupForward:
+    """`v1_warmup_forward_fits` of one deployment, for the budget, memoised on the step's tokens
+    rounded up to `LoneForward`'s grid and the capacity down to a multiple of 8 MiB (a replay is a
+    few milliseconds, on the event loop)."""
+
+    def __init__(self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> None:
+        self.geometry = geometry
+        self.engine = engine
+        self.expandable_segments = expandable_segments
+        self.warmup_bytes = v1_warmup_reserved_bytes(geometry, engine, expandable_segments)
+
+    def __call__(self, tokens: int, headroom: int) -> bool:
+        """Whether the forward pass of `tokens` tokens runs with `headroom` bytes free beside the
+        warm-up's cached segments."""
+        full = self.engine.max_num_batched_tokens
+        step = max(1, full // HISTORY_STEP_SIZES)
+        tokens = min(full, max(step, -(-tokens // step) * step))
+        capacity = (headroom + self.warmup_bytes) // CAPACITY_STEP * CAPACITY_STEP
+        return _v1_warmup_forward_fits_memo(self.geometry, self.engine, self.expandable_segments, tokens, capacity)
+
+
+@lru_cache(maxsize=4096)
+def _v1_warmup_forward_fits_memo(
+    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, tokens: int, capacity: int
+) -> bool:
+    return v1_warmup_forward_fits(geometry, engine, expandable_segments, tokens, capacity)
+
+
 def _v1_penalty_step(
     geometry: ModelGeometry, engine: EngineShape, rows: int, prompt: int, tokens: int, ids: str, old: str | None
 ) -> list[TapeOp]:

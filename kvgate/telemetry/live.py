@@ -464,13 +464,16 @@ class LiveBudget:
     def _reachable_bound(self) -> int:
         """The most headroom this engine can offer, which "never fits" is judged against (with the
         largest seen): what the readings say it can reach once its co-tenants leave, where they
-        show every process's use from a baseline before any step. Else the static headroom from
-        the flags, which on a fixed pool leaves out the CUDA graphs (R91a at vLLM's advised pool:
-        1.64 GiB static against 501 MiB read, so prompts that can never run waited for their
-        deadline instead of a 400 at once)."""
-        if self.reachable_max is not None:
-            return self.reachable_max
-        return self.static_headroom or 0
+        show every process's use from a baseline before any step, and the profile region the
+        engine held at that baseline (V1's warm-up blocks: its steps' tensors go there, as R93a's
+        steps did with the engine's growth at 0; without them its chats were refused as never
+        fitting). Else the static headroom from the flags, which on a fixed pool leaves out the
+        CUDA graphs (R91a at vLLM's advised pool: 1.64 GiB static against 501 MiB read, so prompts
+        that can never run waited for their deadline instead of a 400 at once)."""
+        if self.reachable_max is None:
+            return self.static_headroom or 0
+        peak, emptied = self.budget.profiled_peak_bytes, self.budget.profile_emptied_bytes
+        return self.reachable_max + max(0, peak - (emptied or 0))
 
     def age(self, now: float) -> float:
         """Age of the oldest source the budget relies on."""

@@ -86,7 +86,11 @@ def prefill(mib: int) -> Demand:
 
 
 async def budget_after(
-    *readings: GpuReading, seconds_apart: float = 0.0, static_mib: int | None = None, page: str = PAGE
+    *readings: GpuReading,
+    seconds_apart: float = 0.0,
+    static_mib: int | None = None,
+    page: str = PAGE,
+    **limits: int,
 ) -> Budget:
     """The budget the live loop sets after one tick per reading (vLLM's /metrics answering `page`),
     the readings `seconds_apart` on its clock; `static_mib`: the headroom the flags gave before them."""
@@ -96,6 +100,7 @@ async def budget_after(
         transient_margin=0.1,
         transient_headroom_bytes=None if static_mib is None else static_mib * MiB,
         max_transient_headroom_bytes=None if static_mib is None else static_mib * MiB,
+        **limits,
     )
     gate: Gate[str] = Gate(budget, Observers(), max_queue=8, max_queue_wait_s=5.0)
     async with httpx.AsyncClient(base_url="http://vllm", transport=httpx.MockTransport(vllm(page))) as client:
@@ -255,6 +260,11 @@ async def test_never_fits_is_judged_against_what_the_readings_say_the_engine_can
     beside = gpu(501, {ENGINE: 77_000, TRAINER_1: 3072})
     budget = await budget_after(beside, static_mib=1679, page=FRESH_PAGE)
     assert budget.max_transient_headroom_bytes == (501 + 3072) * MiB  # if the trainer leaves
+    # V1's warm-up holds 200 of its 300 MiB profile region at the baseline: a step's tensors go there
+    v1 = await budget_after(
+        alone, static_mib=1679, page=FRESH_PAGE, profiled_peak_bytes=300 * MiB, profile_emptied_bytes=100 * MiB
+    )
+    assert v1.max_transient_headroom_bytes == (501 + 200) * MiB
     # a baseline read after vLLM ran steps holds cache kvgate cannot tell from its footprint
     budget = await budget_after(alone, static_mib=1679)
     assert budget.max_transient_headroom_bytes == 1679 * MiB
