@@ -1535,12 +1535,22 @@ class LoneForward:
         self.expandable_segments = expandable_segments
 
     def __call__(self, tokens: int, capacity: int) -> bool:
-        full = self.engine.max_num_batched_tokens
-        step = max(1, full // HISTORY_STEP_SIZES)
-        tokens = min(full, max(step, -(-tokens // step) * step))
         return lone_forward_fits(
-            self.geometry, self.engine, self.expandable_segments, tokens, capacity // CAPACITY_STEP * CAPACITY_STEP
+            self.geometry,
+            self.engine,
+            self.expandable_segments,
+            history_grid_tokens(self.engine, tokens),
+            capacity // CAPACITY_STEP * CAPACITY_STEP,
         )
+
+
+def history_grid_tokens(engine: EngineShape, tokens: int) -> int:
+    """`tokens` rounded up to the grid of the earlier steps replayed (sixteenths of
+    max_num_batched_tokens), at most max_num_batched_tokens: one replay serves every step between
+    two grid points, on the cautious side."""
+    full = engine.max_num_batched_tokens
+    step = max(1, full // HISTORY_STEP_SIZES)
+    return min(full, max(step, -(-tokens // step) * step))
 
 
 # The grid of served MLA steps the shared step is replayed on: earlier steps of eighths of
@@ -2255,6 +2265,7 @@ def v1_warmup_reserved_bytes(geometry: ModelGeometry, engine: EngineShape, expan
     return footprint(v1_warmup_tape(geometry, engine), expandable_segments).reserved_peak
 
 
+@lru_cache(maxsize=4096)
 def v1_warmup_forward_fits(
     geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, tokens: int, capacity: int
 ) -> bool:
@@ -2275,9 +2286,9 @@ def v1_warmup_forward_fits(
 
 
 class V1WarmupForward:
-    """`v1_warmup_forward_fits` of one deployment, for the budget, memoised on the step's tokens
-    rounded up to `LoneForward`'s grid and the capacity down to a multiple of 8 MiB (a replay is a
-    few milliseconds, on the event loop)."""
+    """`v1_warmup_forward_fits` of one deployment, for the budget: the step's tokens rounded up to
+    `LoneForward`'s grid and the capacity down to a multiple of 8 MiB, so its memo serves readings
+    that differ by a few MiB (a replay is about a millisecond, on the event loop)."""
 
     def __init__(self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool) -> None:
         self.geometry = geometry
@@ -2288,18 +2299,10 @@ class V1WarmupForward:
     def __call__(self, tokens: int, headroom: int) -> bool:
         """Whether the forward pass of `tokens` tokens runs with `headroom` bytes free beside the
         warm-up's cached segments."""
-        full = self.engine.max_num_batched_tokens
-        step = max(1, full // HISTORY_STEP_SIZES)
-        tokens = min(full, max(step, -(-tokens // step) * step))
         capacity = (headroom + self.warmup_bytes) // CAPACITY_STEP * CAPACITY_STEP
-        return _v1_warmup_forward_fits_memo(self.geometry, self.engine, self.expandable_segments, tokens, capacity)
-
-
-@lru_cache(maxsize=4096)
-def _v1_warmup_forward_fits_memo(
-    geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, tokens: int, capacity: int
-) -> bool:
-    return v1_warmup_forward_fits(geometry, engine, expandable_segments, tokens, capacity)
+        return v1_warmup_forward_fits(
+            self.geometry, self.engine, self.expandable_segments, history_grid_tokens(self.engine, tokens), capacity
+        )
 
 
 def _v1_penalty_step(

@@ -126,7 +126,7 @@ class HeadroomTracker:
         self.cotenants.observe(reading, {gpu: pid for gpu, (pid, _) in self._start.items()})
         room = {d.gpu: d.free + growth[d.gpu] for d in reading.devices}
         headroom = min(room.values())
-        reach = [self._reachable(d, room[d.gpu]) for d in reading.devices]
+        reach = [r for d in reading.devices if (r := self._reachable(d, room[d.gpu])) is not None]
         return Headroom(
             bytes=headroom,
             server_growth=max(growth.values()),
@@ -135,5 +135,5 @@ class HeadroomTracker:
                 self._profiled_cap(d, utilization, profile_peak, profile_emptied) for d in reading.devices
             ),
             cotenant_reserve=headroom - min(room[gpu] - self.cotenants.reserve(gpu, room[gpu]) for gpu in room),
-            reachable=None if any(r is None for r in reach) else min(r or 0 for r in reach),
+            reachable=min(reach) if len(reach) == len(reading.devices) else None,
         )
