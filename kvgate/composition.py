@@ -425,6 +425,7 @@ class Runtime:
             limits.any_cache_sampler,
             limits.lone_request,
             limits.penalty_step,
+            limits.v1_any_cache,
         ):  # worked out off the loop: wakes the queue
             if replay is not None:
                 replay.when_known(self.gate.changed_from_thread)

@@ -23,6 +23,7 @@ from kvgate.memory.activation import (
     LoneRequest,
     SamplerPhaseOverhead,
     SharedForward,
+    V1AnyCacheStep,
     V1PenaltyStep,
     V1WarmupForward,
     moe_workspace_bytes,
@@ -114,6 +115,7 @@ class StaticLimits:
     any_cache_sampler: AnyCacheSampler | None = None  # activation.py: its sampler phase too
     lone_request: LoneRequest | None = None  # activation.py: a request alone from the idle engine's cache
     penalty_step: V1PenaltyStep | None = None  # activation.py: a V1 penalty step in the held region
+    v1_any_cache: V1AnyCacheStep | None = None  # activation.py: a whole V1 step from any cache
 
 
 @dataclass(frozen=True)
@@ -691,6 +693,9 @@ def static_limits(
         if predictor.engine.runner == "v1" and not expandable_segments
         else None,
         warmup_forward=V1WarmupForward(predictor.layout.geometry, predictor.engine, expandable_segments)
+        if predictor.engine.runner == "v1" and not expandable_segments
+        else None,
+        v1_any_cache=V1AnyCacheStep(predictor.layout.geometry, predictor.engine, expandable_segments)
         if predictor.engine.runner == "v1" and not expandable_segments
         else None,
     )

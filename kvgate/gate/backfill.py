@@ -73,7 +73,12 @@ class HeadReservation:
         ends = [ends_at(reservation) for reservation in in_flight]
         known = [(end, reservation) for end, reservation in zip(ends, in_flight, strict=True) if end is not None]
         if not known or len(known) < len(in_flight):
-            empty = Ledger(pool=lambda: budget.kv_blocks, peak_segment_rows=ledger.peak_segment_rows, snapshots=False)
+            empty = Ledger(
+                pool=lambda: budget.kv_blocks,
+                peak_segment_rows=ledger.peak_segment_rows,
+                snapshots=False,
+                warmup_released=ledger.warmup_released,
+            )
             return cls(head, None, empty, {})
         known.sort(key=lambda pair: pair[0])
         companions = ledger.copy()

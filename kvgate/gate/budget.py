@@ -74,6 +74,23 @@ class SamplerLevel(Protocol):
         ...
 
 
+class V1StepLevel(Protocol):
+    """Whether a V1 step of `tokens` tokens sampling `rows` rows (penalties on prompts of up to
+    `prompt` tokens, 0: none; the batch's log-softmax where `logprobs`) runs whole with `headroom`
+    bytes free beside the bytes V1's warm-up held, whatever the caching allocator holds cached
+    (kvgate/memory/activation.py V1AnyCacheStep); no while that is still being worked out."""
+
+    def __call__(self, tokens: int, rows: int, prompt: int, logprobs: bool, headroom: int) -> bool: ...
+
+    def releases(self, tokens: int, rows: int, prompt: int, logprobs: bool, headroom: int) -> bool:
+        """Whether the step, from the cache V1's warm-up leaves, releases it (a failed cudaMalloc)."""
+        ...
+
+    def prepare(self, headroom: int) -> None:
+        """Start working out the level of a full plain step at `headroom`, if none is known or under way."""
+        ...
+
+
 class LoneRequestLevel(Protocol):
     """Whether a request of `prompt_tokens` alone runs its prefill's forward passes in `capacity`
     from every cache of `cached` bytes (kvgate/memory/activation.py LoneRequest); no while that is
@@ -110,6 +127,9 @@ class Holdings(Protocol):
 
     @property
     def peak_segment_rows(self) -> int: ...
+
+    @property
+    def warmup_released(self) -> bool: ...
 
 
 @dataclass
@@ -165,6 +185,10 @@ class Budget:
     # leaves, in the headroom beside it (kvgate/memory/activation.py V1WarmupForward); None: not
     # judged (V2 empties its cache; expandable segments strand nothing).
     warmup_forward: Callable[[int, int], bool] | None = None
+    # (step tokens, sampled rows, longest penalty prompt, logprobs, headroom) -> whether a V1 step
+    # runs whole from any cache of a few free segments in the headroom and the warm-up's bytes
+    # (kvgate/memory/activation.py V1AnyCacheStep); None: not judged (V2; expandable segments).
+    v1_any_cache: V1StepLevel | None = None
     # (forward bytes, capacity) -> whether a served step's forward pass of that many bytes runs in
     # that capacity after any one earlier served step, whoever's (kvgate/memory/activation.py
     # SharedForward, MLA deployments); None: the profile's share is charged beside others. Where
@@ -226,6 +250,8 @@ class Budget:
         behind the first waited for the worker thread's replay (0.1-0.4 s wall in benchmark S10,
         each of them in the TTFT tail)."""
         capacity = self.transient_headroom_bytes
+        if capacity is not None and self.v1_any_cache is not None:
+            self.v1_any_cache.prepare(capacity)
         if capacity is None or not self.profiled_cap_bytes:
             return
         if self.shared_forward is not None:
@@ -516,6 +542,50 @@ class Budget:
         tokens = self._forward_tokens(step)
         return tokens > 0 and not self.warmup_forward(tokens, headroom)
 
+    def releases_warmup_cache(self, holdings: Holdings) -> bool:
+        """Whether the in-flight requests' worst step, just admitted, may release the cache V1's
+        warm-up left (`V1StepLevel.releases`) where no step this engine life has yet: the gate
+        then marks the life (`Ledger.warmup_released`)."""
+        return not holdings.warmup_released and self._releases_warmup(holdings.step())
+
+    def _releases_warmup(self, step: StepHoldings) -> bool:
+        headroom = self.transient_headroom_bytes
+        if self.v1_any_cache is None or headroom is None:
+            return False
+        return self.v1_any_cache.releases(
+            self._v1_tokens(step), step.sampled_rows, step.penalty_prompt, step.logprobs, headroom
+        )
+
+    def _v1_tokens(self, step: StepHoldings) -> int:
+        return self._forward_tokens(step) if self.forward_bytes_per_token else step.sampled_rows
+
+    def _grows_past_v1_any_cache(self, step: StepHoldings, holdings: Holdings) -> bool:
+        """Whether admitting makes a V1 step beside others one that does not run whole from every
+        cache in the live headroom and the warm-up's released bytes (`v1_any_cache`), and larger
+        than the step in flight: more tokens or rows, a longer penalty prompt, a first penalty or
+        logprobs row. Only once a step this engine life, or this one, may have released the
+        warm-up's blocks (`Holdings.warmup_released`, `_releases_warmup`): until then the region
+        is held in their shapes, which the profiled tensors the charge leaves out find. The steps
+        beside others leave the cache; a step no larger than the one in flight holding back
+        would not make safer (vLLM runs it whoever asks in). Not scaled in conservative mode, as
+        `lone_step_fits`."""
+        headroom = self.transient_headroom_bytes
+        if self.v1_any_cache is None or headroom is None or holdings.in_flight == 0:
+            return False
+        if not (holdings.warmup_released or self._releases_warmup(step)):
+            return False
+        tokens = self._v1_tokens(step)
+        if self.v1_any_cache(tokens, step.sampled_rows, step.penalty_prompt, step.logprobs, headroom):
+            return False
+        now = holdings.step()
+        larger = tokens > self._v1_tokens(now)
+        return (
+            larger
+            or step.sampled_rows > now.sampled_rows
+            or step.penalty_prompt > now.penalty_prompt
+            or (step.logprobs and not now.logprobs)
+        )
+
     def transient_charge(self, holdings: Holdings) -> int:
         """What the in-flight requests hold of the transient limit: the larger phase of their
         worst step (kvgate/memory/ceiling.py step_charge), as `shortfall` charges it beside others."""
@@ -581,6 +651,8 @@ class Budget:
                 return KV_BUSY
         step = holdings.step_with(demand)
         if self._grows_past_any_cache(step, holdings) or self._strands_warmup_cache(step):
+            return TRANSIENT_BUSY
+        if self._grows_past_v1_any_cache(step, holdings):
             return TRANSIENT_BUSY
         beside_others = holdings.in_flight > 0 or not (self.lone_step_fits(step) or self.lone_request_fits(demand))
         charge = self._step_charge(

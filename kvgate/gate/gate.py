@@ -322,6 +322,8 @@ class Gate(Generic[Basis]):
         ticket = Ticket(self, self.ledger.reserve(demand), now - arrived_at, now - enqueued_at)
         ticket.reservation.admitted_at = now
         self.budget.forget_idle_cache()  # its steps will grow the cache the last idle reading saw
+        if self.budget.releases_warmup_cache(self.ledger):  # from now on V1 steps meet any cache
+            self.ledger.warmup_released = True
         self.observers.decided(Decision("admit", reason, request_id, demand, ticket.reservation, now - arrived_at))
         return ticket
 

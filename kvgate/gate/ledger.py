@@ -68,11 +68,15 @@ class Ledger:
     """Reserved KV blocks (shared prefixes once) and reserved transient bytes."""
 
     def __init__(
-        self, pool: Callable[[], int | None] | None = None, peak_segment_rows: int = 0, snapshots: bool = True
+        self,
+        pool: Callable[[], int | None] | None = None,
+        peak_segment_rows: int = 0,
+        snapshots: bool = True,
+        warmup_released: bool = False,
     ) -> None:
         """`pool`: the KV blocks of vLLM's pool, None when unknown (kvgate/gate/budget.py
         Budget.kv_blocks); it says whether vLLM may preempt (`_preemption_free`).
-        `peak_segment_rows`: the high-water mark to start from (a plan's copy of the gate's).
+        `peak_segment_rows`, `warmup_released`: the life's marks to start from (a plan's copy of the gate's).
         `snapshots`: whether each reservation records the worst step's transient bytes at its
         admission and their high-water mark (the gate's ledger: the traffic record and the GPU
         calibration read them); a head's companions (kvgate/gate/backfill.py), which only ask what
@@ -107,6 +111,9 @@ class Ledger:
         # (the engine's life), in rows of a step copying its logits to fp32 (SamplerStage.segment_rows):
         # what bounds the segments its sampler phases left cached (Budget.any_cache_step_fits)
         self.peak_segment_rows = peak_segment_rows
+        # Whether a step admitted this engine life may have released V1's warm-up cache (set by
+        # the gate on Budget.releases_warmup_cache): then V1 steps are judged from any cache
+        self.warmup_released = warmup_released
         self._reservations: dict[int, Reservation] = {}
         self._ids = itertools.count(1)
         self.reserved_total = 0  # reservations ever made: whether any came between two looks
@@ -254,6 +261,7 @@ class Ledger:
             penalty_prompt=sampler.penalty_prompt,
             copies_logits=sampler.copies_logits,
             segment_rows=sampler.segment_rows,
+            logprobs=sampler.logprobs > 0,
         )
 
     def step_with(self, demand: Demand) -> StepHoldings:
@@ -278,6 +286,7 @@ class Ledger:
             penalty_prompt=sampler.penalty_prompt,
             copies_logits=sampler.copies_logits,
             segment_rows=sampler.segment_rows,
+            logprobs=sampler.logprobs > 0,
         )
 
     @staticmethod
@@ -361,11 +370,14 @@ class Ledger:
         """Start new high-water marks (a new engine life) from what is reserved now."""
         self.peak_transient_bytes = self.transient_bytes
         self.peak_segment_rows = self._sampler.stage().segment_rows
+        self.warmup_released = False
 
     def unseen_steps(self) -> None:
         """The engine ran steps kvgate did not see (it had served requests when kvgate first read
-        it): any row count may have left its segments cached this life."""
+        it): any row count may have left its segments cached this life, and released V1's
+        warm-up cache."""
         self.peak_segment_rows = ANY_ROWS
+        self.warmup_released = True
 
     def end_prefill(self, reservation: Reservation) -> bool:
         """The first token is out: the prefill-only transient terms are gone. True if it changed.

@@ -35,7 +35,9 @@ from kvgate.memory.allocator import (
     fitting_prefix,
     footprint,
     free,
+    kept_after,
     most_from_any_cache,
+    releases_cache_after,
     worst_need,
     worst_need_beyond_earlier,
 )
@@ -2208,13 +2210,20 @@ def _v1_top_k_top_p_tape(cost: SamplerCost, rows: int, first: bool) -> list[Tape
 
 
 def v1_sampler_tape(
-    geometry: ModelGeometry, engine: EngineShape, rows: int, prompt: int = 0, first: bool = False
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    rows: int,
+    prompt: int = 0,
+    first: bool = False,
+    logprobs: bool = False,
 ) -> list[TapeOp]:
     """V1's sampler phase of `rows` rows, after its forward pass, with the penalties of a batch
     whose longest prompt is `prompt` tokens (0: no penalty row). vllm 0.32.0
     v1/worker/gpu_model_runner.py ``execute_model``: ``sample_hidden_states`` ``[rows, H]`` and
     the lm_head's logits ``[rows, V]`` (model dtype), referenced until ``_sample`` returns;
-    v1/sample/sampler.py ``Sampler.forward``: their fp32 copy, then ``apply_logits_processors``
+    v1/sample/sampler.py ``Sampler.forward``: where a row asks for `logprobs`, ``compute_logprobs``
+    of the whole batch first (``log_softmax`` in fp32, ``[rows, V]``, kept until it returns, for
+    ``gather_logprobs``; the default ``--logprobs-mode raw_logprobs``), their fp32 copy, then ``apply_logits_processors``
     -> v1/sample/ops/penalties.py ``apply_all_penalties`` -> model_executor/layers/utils.py
     ``apply_penalties``: ``get_token_bin_counts_and_mask`` of the prompt ids (int64 bin counts
     ``[rows, V + 1]`` and ``torch.ones_like`` of the ``[rows, prompt]`` int64 ids for
@@ -2228,6 +2237,7 @@ def v1_sampler_tape(
     tape = [
         alloc("sample_hidden", rows * g.hidden_size * g.dtype_bytes),
         alloc("logits", logits * g.dtype_bytes),
+        *([alloc("raw_logprobs", logits * FP32)] if logprobs else []),
         alloc("logits_fp32", logits * FP32),
     ]
     if prompt:
@@ -2242,7 +2252,7 @@ def v1_sampler_tape(
         tape += [alloc("presence_term", logits * FP32), *free("presence_term")]
         tape += free("output_mask", "output_counts", "prompt_mask", "prompt_counts")
     tape += _v1_top_k_top_p_tape(sampler_cost(g, engine), rows, first)
-    return [*tape, *free("logits_fp32", "logits", "sample_hidden")]
+    return [*tape, *free("logits_fp32", *(["raw_logprobs"] if logprobs else []), "logits", "sample_hidden")]
 
 
 def v1_warmup_tape(geometry: ModelGeometry, engine: EngineShape) -> list[TapeOp]:
@@ -2305,17 +2315,26 @@ class V1WarmupForward:
         )
 
 
-def _v1_penalty_step(
-    geometry: ModelGeometry, engine: EngineShape, rows: int, prompt: int, tokens: int, ids: str, old: str | None
+def v1_step_tape(
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    rows: int,
+    prompt: int,
+    tokens: int,
+    ids: str = "prompt_ids",
+    old: str | None = None,
+    logprobs: bool = False,
 ) -> list[TapeOp]:
-    """One V1 step of a batch with a penalty row: ``refresh_metadata`` (vllm 0.32.0
-    v1/worker/gpu_input_batch.py ``_make_sampling_metadata``) copies the new ``[rows, prompt]``
-    int64 prompt ids to the GPU while the old metadata still holds the old ones, which go when
-    it is replaced; then the forward pass of `tokens` tokens (its final hidden states kept) and
-    the sampler phase with the penalties (`v1_sampler_tape`)."""
+    """One V1 step of `rows` sampled rows: where a row has penalties (`prompt`, the batch's longest
+    prompt; 0: none), ``refresh_metadata`` (vllm 0.32.0 v1/worker/gpu_input_batch.py
+    ``_make_sampling_metadata``) copies the new ``[rows, prompt]`` int64 prompt ids to the GPU
+    while the old metadata still holds the old ones (`old`), which go when it is replaced; then the
+    forward pass of `tokens` tokens (its final hidden states kept) and the sampler phase, with the
+    penalties and where a row asks for `logprobs` their log-softmax (`v1_sampler_tape`)."""
     forward = profile_forward_tape(geometry, engine, tokens, served=True)
-    made = [alloc(ids, rows * prompt * INT64_BYTES), *(free(old) if old else [])]
-    return [*made, *forward[:-1], *v1_sampler_tape(geometry, engine, rows, prompt), forward[-1]]
+    made = [alloc(ids, rows * prompt * INT64_BYTES), *(free(old) if old else [])] if prompt else []
+    sampler = v1_sampler_tape(geometry, engine, rows, prompt, logprobs=logprobs)
+    return [*made, *forward[:-1], *sampler, forward[-1]]
 
 
 # The earlier batches a V1 penalty step is replayed after: half and all of its rows, its longest
@@ -2344,16 +2363,170 @@ def v1_penalty_step_excess_bytes(
     earlier_rows = sorted({max(1, rows * k // PENALTY_ROW_STEPS) for k in range(1, PENALTY_ROW_STEPS + 1)})
     worst = 0
     for tokens in sorted({min(rows, full), full}):
-        step = _v1_penalty_step(g, e, rows, prompt, tokens, "prompt_ids", "last_prompt_ids")
-        last = _v1_penalty_step(g, e, rows, prompt, tokens, "last_prompt_ids", "earlier_prompt_ids")
+        step = v1_step_tape(g, e, rows, prompt, tokens, "prompt_ids", "last_prompt_ids")
+        last = v1_step_tape(g, e, rows, prompt, tokens, "last_prompt_ids", "earlier_prompt_ids")
         earlier = [
-            [v1_warmup_tape(g, e), _v1_penalty_step(g, e, r, p, t, "earlier_prompt_ids", None), last]
+            [v1_warmup_tape(g, e), v1_step_tape(g, e, r, p, t, "earlier_prompt_ids", None), last]
             for r in earlier_rows
             for p in sorted({max(1, prompt // 2), prompt})
             for t in sorted({*sizes, min(r, full)})
         ]
         worst = max(worst, worst_need(step, earlier, expandable_segments, from_empty=False))
     return max(0, worst - region)
+
+
+def any_cache_v1_rows(
+    geometry: ModelGeometry,
+    engine: EngineShape,
+    capacity: int,
+    tokens: int,
+    prompt: int,
+    logprobs: bool,
+    sizes: Sequence[int],
+) -> int:
+    """The most rows a V1 step of `tokens` tokens may sample and still run its sampler phase in
+    `capacity` bytes from every cache of up to three free segments of `sizes`
+    (kvgate/memory/allocator.py `fits_from_any_cache`); 0 where not even one row does, -1 where
+    the step's final hidden states alone do not fit.
+
+    The phase (`v1_sampler_tape`) meets the cache the forward pass leaves: its transient tensors
+    freed and merged back into the segments they took, its final hidden states ``[tokens, H]``
+    kept. It holds the penalties' prompt ids, the old copy while the new one is made (vllm
+    0.32.0 v1/worker/gpu_input_batch.py ``_make_sampling_metadata``), where a row has penalties
+    (`prompt`, the batch's longest prompt), and the batch's log-softmax where a row asks for
+    `logprobs`. The forward pass itself is not judged from every cache here (V2's
+    `any_cache_forward_level` is): a full step beside others did not run from every cache in
+    random engines R59a, R95a or R32a's headroom, where it ran on the simulator, and holding it
+    halved R95a's goodput (docs/limitations.md)."""
+    most = sampler_cost(geometry, engine).max_sampled_rows
+    hidden = [alloc("hidden", max(1, tokens) * geometry.hidden_size * geometry.dtype_bytes)]
+
+    def phase(rows: int) -> list[TapeOp]:
+        if rows == 0:
+            return hidden
+        ids = rows * prompt * INT64_BYTES
+        made = [alloc("last_prompt_ids", ids), alloc("prompt_ids", ids), *free("last_prompt_ids")] if prompt else []
+        return [*made, *hidden, *v1_sampler_tape(geometry, engine, rows, prompt, logprobs=logprobs)]
+
+    return most_from_any_cache(phase, -1, most, capacity, sizes, ANY_CACHE_SEGMENTS, False)
+
+
+@lru_cache(maxsize=4096)
+def v1_step_releases_warmup(
+    geometry: ModelGeometry, engine: EngineShape, tokens: int, rows: int, prompt: int, logprobs: bool, capacity: int
+) -> bool:
+    """Whether a V1 step (`v1_step_tape`; its forward pass alone where it samples no row), played
+    from the cache V1's post-capture warm-up leaves (`v1_warmup_tape`) in `capacity` bytes (the
+    free headroom plus the warm-up's segments), makes a cudaMalloc that does not fit, so that
+    PyTorch releases the cached free segments (kvgate/memory/allocator.py `releases_cache_after`).
+
+    kvgate counts a V1 step's profiled tensors inside the region the warm-up holds: while its
+    blocks stay cached, the sampler's ``[rows, V]`` tensors of up to the profiled rows find the
+    warm-up's own blocks. Once released, later steps cut those bytes into other shapes, and a
+    step is judged from every cache (`V1AnyCacheStep`). Benchmark S4 (Llama-3.1-8B, 8,192
+    tokens a step, 1,024 sequences) runs its full steps inside the warm-up's 501 MiB blocks;
+    random engine R13a's first 2,048-token prefill releases them (its 148 MiB gate_up fits none
+    of its 74 MiB blocks)."""
+    if rows:
+        step = v1_step_tape(geometry, engine, rows, prompt, tokens, logprobs=logprobs)
+    else:
+        step = profile_forward_tape(geometry, engine, tokens, served=True)
+    return releases_cache_after(step, v1_warmup_tape(geometry, engine), capacity)
+
+
+# The grid a V1 step's sampler-phase level is worked out on: quarters of max_num_batched_tokens
+# (the tokens size only the kept hidden states), the capacity on 32 MiB: a few keys a deployment,
+# each a worker thread's 0.1 - 1 s while its steps wait.
+V1_ANY_CACHE_TOKEN_STEPS = 4
+V1_CAPACITY_STEP = 32 * MiB
+
+
+class V1AnyCacheStep(LevelReplay[tuple[int, int, int, bool]]):
+    """`any_cache_v1_rows` of one V1 deployment without expandable segments, for the budget:
+    whether a step of `tokens` tokens sampling `rows` rows, with penalties on prompts of up to
+    `prompt` tokens and the batch's log-softmax where a row asks for `logprobs`, runs whole in
+    the headroom plus the bytes V1's warm-up cached and a release gives back (`v1_warmup_tape`
+    less what it keeps for good: the Triton top-k/top-p buffer) from every cache of up to three
+    free segments of the deployment's sizes.
+
+    kvgate counts a V1 step's profiled tensors inside the region the engine holds; once a step's
+    failed cudaMalloc has released the warm-up's blocks (PyTorch's ``release_cached_blocks``) the
+    engine holds those bytes in whatever segments later steps cut, and the sampler's ``[rows, V]``
+    tensors (fp32 copy and log-softmax, int64 bin counts, softmax and exponential noise) pin
+    them by best fit. Random engine R13a (Qwen2.5-7B, vLLM 0.31.0 V1, 2,048 tokens a step, 128
+    sequences, the advised pool) ran the simulator out of memory on a 64-row step with penalties
+    and logprobs: free segments of 38, 148, 74 and 84 MiB and 54 MiB free, its second bin counts
+    (74.25 MiB) 0.5 MiB short (tests/unit/test_v1_any_cache_step.py). The penalties' prompt ids
+    play both copies (`v1_step_tape`: the old one is held while the new one is made), from the
+    cache too. Keyed by the capacity rounded down to 8 MiB, the tokens rounded up to 16ths of
+    max_num_batched_tokens, the prompt to `penalty_prompt_class` and the logprobs flag; a level
+    known for less capacity and as many tokens or more answers for more capacity. Each level
+    (0.2 - 0.5 s of CPU) is worked out on a worker thread, the answer no until it is known; the
+    gate is told when it is known."""
+
+    thread_name = "kvgate-v1-any-cache-step"
+
+    def __init__(
+        self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
+    ) -> None:
+        super().__init__(geometry, engine, expandable_segments, background)
+        warmup = v1_warmup_tape(geometry, engine)
+        self.warmup_bytes = footprint(warmup).reserved_peak
+        self.released_bytes = self.warmup_bytes - kept_after(warmup)
+
+    def __call__(self, tokens: int, rows: int, prompt: int, logprobs: bool, headroom: int) -> bool:
+        """Whether the step is known to run from every cache with `headroom` bytes free beside
+        the warm-up's released bytes; no where its forward pass alone does not (level -1)."""
+        key = self._key(tokens, prompt, logprobs, headroom)
+        floor = self._floor(key)
+        if floor is not None and 0 <= rows <= floor:
+            return True
+        level = self._lookup(key)
+        return level is not None and 0 <= rows <= level
+
+    def releases(self, tokens: int, rows: int, prompt: int, logprobs: bool, headroom: int) -> bool:
+        """Whether the step, played from the cache V1's warm-up leaves with `headroom` bytes free
+        beside it, releases that cache (`v1_step_releases_warmup`; the rows rounded up to 32nds of
+        the most a step samples, the tokens to `history_grid_tokens`, the prompt as the level's
+        key, memoised: a replay of a few milliseconds)."""
+        most = sampler_cost(self.geometry, self.engine).max_sampled_rows
+        grain = max(1, most // SAMPLER_ROW_STEPS)
+        rows = min(most, -(-max(0, rows) // grain) * grain)
+        prompt_class = self._key(tokens, prompt, logprobs, headroom)[2]
+        capacity = (headroom + self.warmup_bytes) // CAPACITY_STEP * CAPACITY_STEP
+        tokens = history_grid_tokens(self.engine, tokens)
+        return v1_step_releases_warmup(self.geometry, self.engine, tokens, rows, prompt_class, logprobs, capacity)
+
+    def prepare(self, headroom: int) -> None:
+        """Start working out, at `headroom` (the budget's, just read) where no level is known or
+        under way yet, the levels of a full step with neither penalties nor logprobs and of one
+        with both at the longest prompt, which answer every step of their rows at once."""
+        if self.untouched:
+            full = self.engine.max_num_batched_tokens
+            self._lookup(self._key(full, 0, False, headroom))
+            self._lookup(self._key(full, self.engine.max_model_len, True, headroom))
+
+    def _key(self, tokens: int, prompt: int, logprobs: bool, headroom: int) -> tuple[int, int, int, bool]:
+        """The capacity rounded down to 8 MiB, the tokens up to 16ths of max_num_batched_tokens,
+        the longest penalty prompt up to a power of two (from 256 tokens; 0: no penalty row)."""
+        full = self.engine.max_num_batched_tokens
+        steps = min(V1_ANY_CACHE_TOKEN_STEPS, -(-max(1, tokens) * V1_ANY_CACHE_TOKEN_STEPS // full))
+        capacity = (headroom + self.released_bytes) // V1_CAPACITY_STEP * V1_CAPACITY_STEP
+        prompt_class = max(PENALTY_PROMPT_FLOOR, 1 << (prompt - 1).bit_length()) if prompt > 0 else 0
+        return capacity, steps, prompt_class, logprobs
+
+    def _covers(self, known: tuple[int, int, int, bool], key: tuple[int, int, int, bool]) -> bool:
+        """A level known for no more capacity, no fewer tokens, no shorter penalty prompt (or a
+        penalty row where `key`'s step has none) and logprobs where `key`'s step asks them: a
+        step with more of the same tensors, taken to run no more rows (a sample, as the tokens
+        of `AnyCacheSampler`'s keys)."""
+        return known[0] <= key[0] and known[1] >= key[1] and known[2] >= key[2] and known[3] >= key[3]
+
+    def _work_out(self, key: tuple[int, int, int, bool]) -> int:
+        capacity, steps, prompt, logprobs = key
+        tokens = max(1, self.engine.max_num_batched_tokens * steps // V1_ANY_CACHE_TOKEN_STEPS)
+        sizes = cached_segment_sizes(self.geometry, self.engine)
+        return any_cache_v1_rows(self.geometry, self.engine, capacity, tokens, prompt, logprobs, sizes)
 
 
 # The grid a V1 penalty step is replayed on: 32nds of the most rows one step samples, and the

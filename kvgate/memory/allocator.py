@@ -118,6 +118,7 @@ class _Replay:
         self.segments: list[_Segment] = []
         self.live: dict[str, tuple[_Segment, _Block]] = {}
         self.sizes: dict[str, int] = {}  # expandable segments: each live tensor's bytes
+        self.releases = 0  # how many times a cudaMalloc that did not fit released the cache
 
     def copy(self) -> _Replay:
         """The same pools, to play on apart (the histories `fitting_prefix` reuses)."""
@@ -132,6 +133,7 @@ class _Replay:
                 if live_seg is seg:
                     other.live[name] = (copied, blocks[id(block)])
         other.sizes = dict(self.sizes)
+        other.releases = self.releases
         return other
 
     def release_cached_blocks(self) -> None:
@@ -193,6 +195,7 @@ class _Replay:
         and one more try."""
         if self.capacity is None or sum(s.size for s in self.segments) + nbytes <= self.capacity:
             return
+        self.releases += 1
         self.release_cached_blocks()
         if sum(s.size for s in self.segments) + nbytes > self.capacity:
             raise _OutOfMemory(name)
@@ -215,6 +218,32 @@ class _Replay:
 def footprint(tape: Iterable[TapeOp], expandable_segments: bool = False) -> Footprint:
     """Replay `tape` on an empty caching allocator (the rules in the module docstring)."""
     return _Replay(expandable_segments).play(tape)
+
+
+def kept_after(tape: Iterable[TapeOp], expandable_segments: bool = False) -> int:
+    """What a process still reserves after `tape` played from an empty cache once a failed
+    cudaMalloc has released its cached free segments (`release_cached_blocks`): the segments that
+    hold the tensors it kept."""
+    replay = _Replay(expandable_segments)
+    replay.run(tape)
+    if expandable_segments:
+        return sum(_pages(n) for n in replay.sizes.values())
+    replay.release_cached_blocks()
+    return sum(s.size for s in replay.segments)
+
+
+def releases_cache_after(step: Sequence[TapeOp], history: Sequence[TapeOp], capacity: int) -> bool:
+    """Whether `step`, played after `history` from an empty cache in `capacity` bytes, makes a
+    cudaMalloc that does not fit beside the cache, so that PyTorch releases the cached free
+    segments (``release_cached_blocks``), or runs out: either way the cache `history` left is gone."""
+    replay = _Replay(False, capacity)
+    try:
+        replay.run(history)
+        before = replay.releases
+        replay.run(step)
+    except _OutOfMemory:
+        return True
+    return replay.releases > before
 
 
 def worst_need(

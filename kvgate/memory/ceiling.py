@@ -74,6 +74,8 @@ class StepHoldings:
     # the largest segment its steps can leave cached, in rows of a copying step
     # (kvgate/memory/sampler.py `SamplerCost.segment_rows`)
     segment_rows: int = 0
+    # whether a row asks for logprobs (V1: the batch's log-softmax, a [rows, V] fp32 tensor)
+    logprobs: bool = False
 
     @property
     def transient_bytes(self) -> int:
@@ -219,4 +221,5 @@ def demand_step(demand: Demand) -> StepHoldings:
         sampled_rows=sampler.rows if sampler else 0,
         copies_logits=sampler.copies_logits if sampler else True,
         segment_rows=sampler.segment_rows if sampler else 0,
+        logprobs=bool(sampler.logprobs) if sampler else False,
     )

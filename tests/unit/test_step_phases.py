@@ -12,7 +12,13 @@ from kvgate.composition import engine_flags
 from kvgate.engine_config import build_predictor, resolve, static_limits
 from kvgate.gate.budget import Budget
 from kvgate.gate.ledger import Ledger
-from kvgate.memory.activation import EngineShape, SamplerPhaseOverhead, profile_forward_bytes, profile_hidden_bytes
+from kvgate.memory.activation import (
+    EngineShape,
+    SamplerPhaseOverhead,
+    V1AnyCacheStep,
+    profile_forward_bytes,
+    profile_hidden_bytes,
+)
 from kvgate.memory.ceiling import StepHoldings, step_charge
 from kvgate.memory.demand import Demand
 from kvgate.openai import parse_request
@@ -165,6 +171,8 @@ def s4_budget_and_demands() -> tuple[Budget, list[Demand]]:
     assert budget.sampler_phase_overhead is not None
     assert budget.segment_overhead > 0
     budget.update(kv_blocks=None, transient_headroom_bytes=10 * MiB, profiled_cap_bytes=0)
+    # the whole step's level from any cache, worked out in the caller's thread
+    budget.update(v1_any_cache=V1AnyCacheStep(geometry, predictor.engine, False, background=False))
     demands = []
     for i in range(256):
         body = {"prompt": "x", "max_tokens": 128, "top_p": 0.9} | ({"presence_penalty": 0.5} if i % 3 == 0 else {})
