@@ -115,7 +115,7 @@ class StaticLimits:
     any_cache_sampler: AnyCacheSampler | None = None  # activation.py: its sampler phase too
     lone_request: LoneRequest | None = None  # activation.py: a request alone from the idle engine's cache
     penalty_step: V1PenaltyStep | None = None  # activation.py: a V1 penalty step in the held region
-    v1_any_cache: V1AnyCacheStep | None = None  # activation.py: a whole V1 step from any cache
+    v1_any_cache: V1AnyCacheStep | None = None  # activation.py: a V1 sampler phase from any cache
 
 
 @dataclass(frozen=True)

@@ -75,10 +75,11 @@ class SamplerLevel(Protocol):
 
 
 class V1StepLevel(Protocol):
-    """Whether a V1 step of `tokens` tokens sampling `rows` rows (penalties on prompts of up to
-    `prompt` tokens, 0: none; the batch's log-softmax where `logprobs`) runs whole with `headroom`
-    bytes free beside the bytes V1's warm-up held, whatever the caching allocator holds cached
-    (kvgate/memory/activation.py V1AnyCacheStep); no while that is still being worked out."""
+    """Whether the sampler phase of a V1 step of `tokens` tokens sampling `rows` rows (penalties
+    on prompts of up to `prompt` tokens, 0: none; the batch's log-softmax where `logprobs`) runs
+    with `headroom` bytes free beside the bytes V1's warm-up released, whatever the caching
+    allocator holds cached (kvgate/memory/activation.py V1AnyCacheStep); no while that is still
+    being worked out."""
 
     def __call__(self, tokens: int, rows: int, prompt: int, logprobs: bool, headroom: int) -> bool: ...
 
@@ -87,7 +88,7 @@ class V1StepLevel(Protocol):
         ...
 
     def prepare(self, headroom: int) -> None:
-        """Start working out the level of a full plain step at `headroom`, if none is known or under way."""
+        """Start working out the first levels at `headroom`, if none is known or under way."""
         ...
 
 
@@ -185,9 +186,9 @@ class Budget:
     # leaves, in the headroom beside it (kvgate/memory/activation.py V1WarmupForward); None: not
     # judged (V2 empties its cache; expandable segments strand nothing).
     warmup_forward: Callable[[int, int], bool] | None = None
-    # (step tokens, sampled rows, longest penalty prompt, logprobs, headroom) -> whether a V1 step
-    # runs whole from any cache of a few free segments in the headroom and the warm-up's bytes
-    # (kvgate/memory/activation.py V1AnyCacheStep); None: not judged (V2; expandable segments).
+    # (step tokens, sampled rows, longest penalty prompt, logprobs, headroom) -> whether a V1 step's
+    # sampler phase runs from any cache of a few free segments in the headroom and the warm-up's
+    # released bytes (kvgate/memory/activation.py V1AnyCacheStep); None: not judged (V2; expandable segments).
     v1_any_cache: V1StepLevel | None = None
     # (forward bytes, capacity) -> whether a served step's forward pass of that many bytes runs in
     # that capacity after any one earlier served step, whoever's (kvgate/memory/activation.py
@@ -560,8 +561,8 @@ class Budget:
         return self._forward_tokens(step) if self.forward_bytes_per_token else step.sampled_rows
 
     def _grows_past_v1_any_cache(self, step: StepHoldings, holdings: Holdings) -> bool:
-        """Whether admitting makes a V1 step beside others one that does not run whole from every
-        cache in the live headroom and the warm-up's released bytes (`v1_any_cache`), and larger
+        """Whether admitting makes a V1 step beside others one whose sampler phase does not run from
+        every cache in the live headroom and the warm-up's released bytes (`v1_any_cache`), and larger
         than the step in flight: more tokens or rows, a longer penalty prompt, a first penalty or
         logprobs row. Only once a step this engine life, or this one, may have released the
         warm-up's blocks (`Holdings.warmup_released`, `_releases_warmup`): until then the region

@@ -2443,11 +2443,12 @@ V1_CAPACITY_STEP = 32 * MiB
 
 class V1AnyCacheStep(LevelReplay[tuple[int, int, int, bool]]):
     """`any_cache_v1_rows` of one V1 deployment without expandable segments, for the budget:
-    whether a step of `tokens` tokens sampling `rows` rows, with penalties on prompts of up to
-    `prompt` tokens and the batch's log-softmax where a row asks for `logprobs`, runs whole in
-    the headroom plus the bytes V1's warm-up cached and a release gives back (`v1_warmup_tape`
-    less what it keeps for good: the Triton top-k/top-p buffer) from every cache of up to three
-    free segments of the deployment's sizes.
+    whether the sampler phase of a step of `tokens` tokens sampling `rows` rows, with penalties
+    on prompts of up to `prompt` tokens and the batch's log-softmax where a row asks for
+    `logprobs`, runs in the headroom plus the bytes V1's warm-up cached and a release gives back
+    (`v1_warmup_tape` less what it keeps for good: the Triton top-k/top-p buffer) from every cache
+    of up to three free segments of the deployment's sizes; and (`releases`) whether a step
+    releases the warm-up's cache, after which the budget asks.
 
     kvgate counts a V1 step's profiled tensors inside the region the engine holds; once a step's
     failed cudaMalloc has released the warm-up's blocks (PyTorch's ``release_cached_blocks``) the
@@ -2456,13 +2457,12 @@ class V1AnyCacheStep(LevelReplay[tuple[int, int, int, bool]]):
     them by best fit. Random engine R13a (Qwen2.5-7B, vLLM 0.31.0 V1, 2,048 tokens a step, 128
     sequences, the advised pool) ran the simulator out of memory on a 64-row step with penalties
     and logprobs: free segments of 38, 148, 74 and 84 MiB and 54 MiB free, its second bin counts
-    (74.25 MiB) 0.5 MiB short (tests/unit/test_v1_any_cache_step.py). The penalties' prompt ids
-    play both copies (`v1_step_tape`: the old one is held while the new one is made), from the
-    cache too. Keyed by the capacity rounded down to 8 MiB, the tokens rounded up to 16ths of
-    max_num_batched_tokens, the prompt to `penalty_prompt_class` and the logprobs flag; a level
-    known for less capacity and as many tokens or more answers for more capacity. Each level
-    (0.2 - 0.5 s of CPU) is worked out on a worker thread, the answer no until it is known; the
-    gate is told when it is known."""
+    (74.25 MiB) 0.5 MiB short (tests/unit/test_v1_any_cache_step.py). Keyed by the capacity
+    rounded down to 32 MiB, the tokens rounded up to quarters of max_num_batched_tokens, the
+    prompt up to a power of two and the logprobs flag (`_key`: a few keys a deployment); a level
+    known for a larger key answers a smaller one (`_covers`). Each level (0.1 - 1 s of CPU) is
+    worked out on a worker thread, the answer no until it is known; the gate is told when it is
+    known."""
 
     thread_name = "kvgate-v1-any-cache-step"
 
