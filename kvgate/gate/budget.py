@@ -546,8 +546,11 @@ class Budget:
     def releases_warmup_cache(self, holdings: Holdings) -> bool:
         """Whether the in-flight requests' worst step, just admitted, may release the cache V1's
         warm-up left (`V1StepLevel.releases`) where no step this engine life has yet: the gate
-        then marks the life (`Ledger.warmup_released`)."""
-        return not holdings.warmup_released and self._releases_warmup(holdings.step())
+        then marks the life (`Ledger.warmup_released`). Asked at every admission: the worst step
+        is worked out only where the question stands (V1 without expandable segments, not yet marked)."""
+        if self.v1_any_cache is None or holdings.warmup_released:
+            return False
+        return self._releases_warmup(holdings.step())
 
     def _releases_warmup(self, step: StepHoldings) -> bool:
         headroom = self.transient_headroom_bytes
