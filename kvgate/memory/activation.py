@@ -2470,13 +2470,12 @@ class V1AnyCacheStep(LevelReplay[tuple[int, int, int, bool]]):
         self, geometry: ModelGeometry, engine: EngineShape, expandable_segments: bool, background: bool = True
     ) -> None:
         super().__init__(geometry, engine, expandable_segments, background)
-        warmup = v1_warmup_tape(geometry, engine)
-        self.warmup_bytes = footprint(warmup).reserved_peak
-        self.released_bytes = self.warmup_bytes - kept_after(warmup)
+        self.warmup_bytes = v1_warmup_reserved_bytes(geometry, engine, expandable_segments)
+        self.released_bytes = self.warmup_bytes - kept_after(v1_warmup_tape(geometry, engine))
 
     def __call__(self, tokens: int, rows: int, prompt: int, logprobs: bool, headroom: int) -> bool:
-        """Whether the step is known to run from every cache with `headroom` bytes free beside
-        the warm-up's released bytes; no where its forward pass alone does not (level -1)."""
+        """Whether the step's sampler phase is known to run from every cache with `headroom` bytes
+        free beside the warm-up's released bytes; no where its hidden states alone do not (level -1)."""
         key = self._key(tokens, prompt, logprobs, headroom)
         floor = self._floor(key)
         if floor is not None and 0 <= rows <= floor:
@@ -2492,10 +2491,11 @@ class V1AnyCacheStep(LevelReplay[tuple[int, int, int, bool]]):
         most = sampler_cost(self.geometry, self.engine).max_sampled_rows
         grain = max(1, most // SAMPLER_ROW_STEPS)
         rows = min(most, -(-max(0, rows) // grain) * grain)
-        prompt_class = self._key(tokens, prompt, logprobs, headroom)[2]
         capacity = (headroom + self.warmup_bytes) // CAPACITY_STEP * CAPACITY_STEP
         tokens = history_grid_tokens(self.engine, tokens)
-        return v1_step_releases_warmup(self.geometry, self.engine, tokens, rows, prompt_class, logprobs, capacity)
+        return v1_step_releases_warmup(
+            self.geometry, self.engine, tokens, rows, _prompt_power(prompt), logprobs, capacity
+        )
 
     def prepare(self, headroom: int) -> None:
         """Start working out, at `headroom` (the budget's, just read) where no level is known or
@@ -2507,13 +2507,13 @@ class V1AnyCacheStep(LevelReplay[tuple[int, int, int, bool]]):
             self._lookup(self._key(full, self.engine.max_model_len, True, headroom))
 
     def _key(self, tokens: int, prompt: int, logprobs: bool, headroom: int) -> tuple[int, int, int, bool]:
-        """The capacity rounded down to 8 MiB, the tokens up to 16ths of max_num_batched_tokens,
-        the longest penalty prompt up to a power of two (from 256 tokens; 0: no penalty row)."""
+        """The capacity (the headroom and the warm-up's released bytes) rounded down to 32 MiB, the
+        tokens up to quarters of max_num_batched_tokens, the longest penalty prompt up to a power
+        of two (`_prompt_power`), the logprobs flag."""
         full = self.engine.max_num_batched_tokens
         steps = min(V1_ANY_CACHE_TOKEN_STEPS, -(-max(1, tokens) * V1_ANY_CACHE_TOKEN_STEPS // full))
         capacity = (headroom + self.released_bytes) // V1_CAPACITY_STEP * V1_CAPACITY_STEP
-        prompt_class = max(PENALTY_PROMPT_FLOOR, 1 << (prompt - 1).bit_length()) if prompt > 0 else 0
-        return capacity, steps, prompt_class, logprobs
+        return capacity, steps, _prompt_power(prompt), logprobs
 
     def _covers(self, known: tuple[int, int, int, bool], key: tuple[int, int, int, bool]) -> bool:
         """A level known for no more capacity, no fewer tokens, no shorter penalty prompt (or a
@@ -2527,6 +2527,11 @@ class V1AnyCacheStep(LevelReplay[tuple[int, int, int, bool]]):
         tokens = max(1, self.engine.max_num_batched_tokens * steps // V1_ANY_CACHE_TOKEN_STEPS)
         sizes = cached_segment_sizes(self.geometry, self.engine)
         return any_cache_v1_rows(self.geometry, self.engine, capacity, tokens, prompt, logprobs, sizes)
+
+
+def _prompt_power(prompt: int) -> int:
+    """A penalty step's longest prompt rounded up to a power of two, from 256 tokens (0: none)."""
+    return max(PENALTY_PROMPT_FLOOR, 1 << (prompt - 1).bit_length()) if prompt > 0 else 0
 
 
 # The grid a V1 penalty step is replayed on: 32nds of the most rows one step samples, and the
